@@ -1,0 +1,101 @@
+"""The contract between the tensor-parallel layer and a compute backend.
+
+A backend ("source") only ever sees one rank's vocab shard. It supplies two local primitives:
+
+``forward_stats``
+    For every token t of the shard-local logits ``z[t, v] = (hidden[t] @ weight[v] + bias[v]) * inv_temperature``
+    (fp32 accumulation, never materialized as a whole) return
+
+    * ``row_max[t]``      = max_v z[t, v]                       (``-inf`` for an empty shard)
+    * ``sum_exp[t]``      = sum_v exp(z[t, v] - row_max[t])
+    * ``target_logit[t]`` = z[t, local_target[t]]  read from the fp32 accumulator, 0 where ``local_target < 0``
+    * ``sum_exp_z[t]``    = sum_v exp(z[t, v] - row_max[t]) * (z[t, v] - row_max[t])   (only with ``with_entropy``)
+
+    all fp32 of shape ``[N]``.
+
+``backward``
+    Given the merged (global) ``lse[t]`` and, for entropy, the global mean logit ``mean_z[t] = E_p[z]``, and the
+    upstream gradients ``grad_logp[t]`` / ``grad_entropy[t]`` / ``grad_lse[t]`` (already zero on ignored rows;
+    ``grad_entropy`` and ``grad_lse`` may be None, meaning zero), compute
+
+        p        = exp(z - lse)
+        dz       = grad_logp * onehot(local_target)
+                   - p * (grad_logp - grad_lse + grad_entropy * (z - mean_z))
+        d_logits = dz * inv_temperature
+        d_hidden = d_logits @ weight          (partial over this shard, fp32, all-reduced by the TP layer)
+        d_weight = d_logits^T @ hidden        (fp32 accumulation, returned in weight.dtype)
+        d_bias   = sum_t d_logits             (fp32 accumulation, returned in bias.dtype)
+
+Everything that needs a collective (merging stats across ranks, the coverage check, the d_hidden all-reduce)
+lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the target id minus the shard's
+``vocab_start_index`` where the shard owns it, and ``-1`` elsewhere (ignored rows are ``-1`` too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Protocol
+
+import torch
+
+
+class ShardStats(NamedTuple):
+    """Per-token statistics of one vocab shard (all fp32 ``[N]``)."""
+
+    row_max: torch.Tensor
+    sum_exp: torch.Tensor
+    target_logit: torch.Tensor
+    sum_exp_z: Optional[torch.Tensor]
+
+
+class ShardGrads(NamedTuple):
+    """Gradients of one vocab shard. ``d_hidden`` is fp32 and partial (to be all-reduced)."""
+
+    d_hidden: Optional[torch.Tensor]
+    d_weight: Optional[torch.Tensor]
+    d_bias: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ShardCall:
+    """Non-tensor settings of one call, shared by forward and backward."""
+
+    inv_temperature: float = 1.0
+    with_entropy: bool = False
+    deterministic: bool = False
+    # Bytes the backend may use for its fp32 logits workspace; None lets the backend choose.
+    workspace_bytes: Optional[int] = None
+
+
+class ShardBackend(Protocol):
+    """What a source implements. ``name`` is the registry name (``native``, ``triton``, ``sm90``)."""
+
+    name: str
+
+    def unavailable_reason(self, device: Optional[torch.device] = None) -> Optional[str]:
+        """``None`` if this backend can run on ``device`` (default: the current CUDA device or CPU)."""
+        ...
+
+    def forward_stats(
+        self,
+        hidden: torch.Tensor,  # [N, D] contiguous
+        weight: torch.Tensor,  # [V_local, D] contiguous
+        bias: Optional[torch.Tensor],  # [V_local] or None
+        local_target: torch.Tensor,  # [N] int64, -1 where this shard does not own the target
+        call: ShardCall,
+    ) -> ShardStats: ...
+
+    def backward(
+        self,
+        hidden: torch.Tensor,  # [N, D]
+        weight: torch.Tensor,  # [V_local, D]
+        bias: Optional[torch.Tensor],  # [V_local] or None
+        local_target: torch.Tensor,  # [N] int64
+        lse: torch.Tensor,  # [N] fp32, global log-sum-exp of z
+        grad_logp: torch.Tensor,  # [N] fp32
+        grad_entropy: Optional[torch.Tensor],  # [N] fp32 or None
+        grad_lse: Optional[torch.Tensor],  # [N] fp32 or None (d loss / d lse, e.g. a z-loss)
+        mean_z: Optional[torch.Tensor],  # [N] fp32 E_p[z] (global) or None
+        call: ShardCall,
+        needs: tuple[bool, bool, bool],  # (d_hidden, d_weight, d_bias)
+    ) -> ShardGrads: ...
