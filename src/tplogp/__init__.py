@@ -1,0 +1,23 @@
+"""tplogp: fused, tensor-parallel per-token log-probabilities through an LM head.
+
+``linear_logp(hidden, weight, target_ids, bias=None, *, tp_group=None, vocab_start_index=0,
+global_vocab_size=None)`` returns ``log_softmax(hidden @ weight.T + bias)[target]`` over the whole (vocab-sharded)
+vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are chosen by
+:mod:`tplogp.kernel_registry`. Importing this package does no device work.
+"""
+
+from .api import linear_logp
+from .shards import ShardLayoutError
+from .tp import LogpOutputs
+from .validation import LinearLogpInputError
+from .kernel_registry import SourceUnavailableError, get_op
+
+__all__ = [
+    "linear_logp",
+    "get_op",
+    "LogpOutputs",
+    "LinearLogpInputError",
+    "ShardLayoutError",
+    "SourceUnavailableError",
+]
+__version__ = "0.1.0"

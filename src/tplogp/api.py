@@ -1,0 +1,111 @@
+"""The public operator ``linear_logp`` and the per-source callables the registry hands out."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Union
+
+import torch
+
+from .tp import LogpOptions, LogpOutputs, linear_logp_tp
+
+
+def _run(
+    source: Optional[str],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    return_lse: bool = False,
+    ignore_index: Optional[int] = None,
+    deterministic: bool = False,
+    workspace_bytes: Optional[int] = None,
+) -> Union[torch.Tensor, LogpOutputs]:
+    from .kernel_registry import backend_for_call
+
+    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    backend = backend_for_call(source, device)
+    options = LogpOptions(
+        temperature=temperature,
+        return_entropy=return_entropy,
+        return_lse=return_lse,
+        ignore_index=ignore_index,
+        deterministic=deterministic,
+        workspace_bytes=workspace_bytes,
+    )
+    return linear_logp_tp(
+        backend, hidden, weight, target_ids, bias,
+        tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+        options=options,
+    )
+
+
+def linear_logp(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    return_lse: bool = False,
+    ignore_index: Optional[int] = None,
+    deterministic: bool = False,
+    workspace_bytes: Optional[int] = None,
+) -> Union[torch.Tensor, LogpOutputs]:
+    """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
+
+    ``logp[t] = log_softmax((hidden @ weight.T + bias) / temperature)[t, target_ids[t]]`` over the whole vocabulary
+    of all ranks of ``tp_group``, without materializing the ``[tokens, vocab]`` logits. Differentiable in hidden,
+    weight and bias for any upstream gradient.
+
+    Args:
+        hidden: ``[N, D]`` or ``[B, S, D]``, float32 / bfloat16 / float16.
+        weight: ``[V_local, D]``, this rank's rows ``[vocab_start_index, vocab_start_index + V_local)``, hidden's dtype.
+        target_ids: integer global token ids with hidden's leading shape, the same on every rank.
+        bias: ``[V_local]`` or None.
+        tp_group: the process group the vocab is sharded over (None: the weight is the whole vocab).
+        vocab_start_index: first global id of this rank's shard (shards may be uneven).
+        global_vocab_size: total vocab; inferred from the shards when None.
+        temperature: logits are divided by it before the softmax (gradients follow).
+        return_entropy: also return the entropy of the full-vocab distribution per token (differentiable).
+        return_lse: also return the merged log-sum-exp per token (differentiable, for z-loss / KL terms).
+        ignore_index: positions with this target get logp 0 (entropy 0, lse 0) and no gradient.
+        deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
+            other rows of the batch (costs some speed: fixed token tiles).
+        workspace_bytes: tile workspace budget for chunked sources (default: ``TPLOGP_WORKSPACE_MB`` or per device).
+
+    Returns:
+        float32 logp with target_ids' shape, or :class:`~tplogp.tp.LogpOutputs` ``(logp, entropy, lse)`` when
+        ``return_entropy`` or ``return_lse`` is set (the unrequested field is None).
+    """
+    return _run(
+        None, hidden, weight, target_ids, bias,
+        tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+        temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
+        ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def make_linear_logp(source: Optional[str]) -> Callable[..., Union[torch.Tensor, LogpOutputs]]:
+    """``linear_logp`` bound to one source (None: automatic selection per call)."""
+    if source is None:
+        return linear_logp
+
+    @functools.wraps(linear_logp)
+    def op(hidden, weight, target_ids, bias=None, **kwargs):
+        return _run(source, hidden, weight, target_ids, bias, **kwargs)
+
+    op.__name__ = f"linear_logp_{source}"
+    op.source = source  # type: ignore[attr-defined]
+    return op

@@ -1,0 +1,245 @@
+"""The ``native`` source: chunked PyTorch, runs on any device.
+
+Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
+
+* The ``[N, V_local]`` logits are never held whole. Work is tiled into ``[tokens_chunk, vocab_chunk]`` fp32 tiles
+  whose size follows a byte budget (``ShardCall.workspace_bytes``, else ``TPLOGP_WORKSPACE_MB``, else a per-device
+  default). Each tile is one GEMM with fp32 output (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on
+  CPU), so the target logit is read from the fp32 accumulator, never from a rounded logit.
+* Forward keeps an online softmax per token across vocab tiles: running max ``m``, ``s = sum exp(z - m)`` and, for
+  entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to ``m'``, ``s <- s e^{m-m'}`` and
+  ``q <- e^{m-m'} (q + s (m - m'))``.
+* Backward recomputes each tile, forms ``dz`` in fp32, then accumulates ``d_hidden`` (fp32) and ``d_weight`` (an fp32
+  buffer, rounded once at the end for low-precision weights) with fp32-accumulating GEMMs. Saved state is O(N).
+* ``deterministic=True`` uses a token chunk that does not depend on N and pads the last chunk to it, so every GEMM
+  has the same shape whatever the batch: a row's results do not change when other rows are added or removed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .base import ShardCall, ShardGrads, ShardStats
+
+_MIB = 1 << 20
+# fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
+_TILE_COPIES = 4
+# Token chunk used by deterministic mode (independent of N by construction).
+DETERMINISTIC_TOKEN_CHUNK = 256
+
+
+def default_workspace_bytes(device: torch.device) -> int:
+    """The tile budget: ``TPLOGP_WORKSPACE_MB`` if set, else 1 GiB on CUDA and 64 MiB elsewhere."""
+    env = os.environ.get("TPLOGP_WORKSPACE_MB")
+    if env:
+        try:
+            mb = float(env)
+        except ValueError as exc:
+            raise ValueError(f"TPLOGP_WORKSPACE_MB must be a number of MiB, got {env!r}") from exc
+        if mb <= 0:
+            raise ValueError(f"TPLOGP_WORKSPACE_MB must be positive, got {env!r}")
+        return int(mb * _MIB)
+    return (1024 if device.type == "cuda" else 64) * _MIB
+
+
+def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deterministic: bool,
+                low_precision_cpu: bool) -> tuple[int, int]:
+    """(tokens_chunk, vocab_chunk) so that the fp32 tiles (and CPU upcast copies) fit ``workspace_bytes``."""
+    budget_elems = max(workspace_bytes // (4 * _TILE_COPIES), 1)
+    if deterministic:
+        tc = DETERMINISTIC_TOKEN_CHUNK
+        vc = max(1, min(vocab, budget_elems // tc))
+        return tc, vc
+    n = max(n_tokens, 1)
+    # Whole shard per tile when at least a modest token chunk fits: each token chunk then reads W once.
+    min_tokens = min(n, 128)
+    extra_per_vocab = dim if low_precision_cpu else 0  # CPU upcast of a weight slice to fp32
+    if vocab * (min_tokens + extra_per_vocab) <= budget_elems:
+        vc = vocab
+        tc = min(n, max(1, (budget_elems - vocab * extra_per_vocab) // vocab))
+    else:
+        tc = min_tokens
+        vc = max(1, min(vocab, budget_elems // (tc + extra_per_vocab)))
+    return tc, vc
+
+
+class _Matmul:
+    """fp32-accumulating, fp32-output GEMMs for any input dtype and device."""
+
+    _out_dtype_ok: dict[str, bool] = {}
+
+    @classmethod
+    def mm(cls, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` in fp32 (accumulation and output), without rounding to the input dtype."""
+        if a.dtype == torch.float32 and b.dtype == torch.float32:
+            return torch.mm(a, b)
+        if a.device.type == "cuda" and cls._supports_out_dtype(a.device.type, a, b):
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a.float(), b.float())
+
+    @classmethod
+    def _supports_out_dtype(cls, key: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+        ok = cls._out_dtype_ok.get(key)
+        if ok is None:
+            try:
+                torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
+                ok = True
+            except (TypeError, RuntimeError, NotImplementedError):
+                ok = False
+            cls._out_dtype_ok[key] = ok
+        return ok
+
+
+def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float) -> torch.Tensor:
+    z = _Matmul.mm(h, w.t())
+    if b is not None:
+        z += b.float()
+    if inv_t != 1.0:
+        z *= inv_t
+    return z
+
+
+def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    pad = x.new_full((rows - x.shape[0],) + tuple(x.shape[1:]), value)
+    return torch.cat([x, pad], 0)
+
+
+class NativeBackend:
+    """Chunked PyTorch implementation of the per-shard primitives."""
+
+    name = "native"
+
+    def unavailable_reason(self, device: Optional[torch.device] = None) -> Optional[str]:
+        return None
+
+    def _plan(self, hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> tuple[int, int]:
+        budget = call.workspace_bytes or default_workspace_bytes(hidden.device)
+        low_cpu = hidden.device.type != "cuda" and weight.dtype != torch.float32
+        return plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], budget, call.deterministic, low_cpu)
+
+    def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
+        n, v = hidden.shape[0], weight.shape[0]
+        dev = hidden.device
+        row_max = torch.full((n,), float("-inf"), device=dev, dtype=torch.float32)
+        sum_exp = torch.zeros(n, device=dev, dtype=torch.float32)
+        target_logit = torch.zeros(n, device=dev, dtype=torch.float32)
+        sum_exp_z = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_entropy else None
+        if n == 0 or v == 0:
+            return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
+        tc, vc = self._plan(hidden, weight, call)
+        for t0 in range(0, n, tc):
+            t1 = min(t0 + tc, n)
+            h = hidden[t0:t1]
+            if call.deterministic:
+                h = _pad_rows(h, tc)
+            lt = local_target[t0:t1]
+            m = torch.full((h.shape[0],), float("-inf"), device=dev, dtype=torch.float32)
+            s = torch.zeros_like(m)
+            q = torch.zeros_like(m) if call.with_entropy else None
+            tl = torch.zeros(t1 - t0, device=dev, dtype=torch.float32)
+            for v0 in range(0, v, vc):
+                v1 = min(v0 + vc, v)
+                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature)
+                rel = lt - v0
+                own = (rel >= 0) & (rel < v1 - v0)
+                picked = z[: t1 - t0].gather(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
+                tl = torch.where(own, picked, tl)
+                m_new = torch.maximum(m, z.amax(1))
+                alpha = torch.exp(m - m_new)  # 0 on the first tile (m = -inf)
+                z -= m_new.unsqueeze(1)  # z - m'
+                e = torch.exp(z)
+                if q is not None:
+                    shifted = torch.where(alpha > 0, alpha * (q + s * (m - m_new)), torch.zeros_like(q))
+                    q = shifted + (e * z).sum(1)
+                s = s * alpha + e.sum(1)
+                m = m_new
+                del z, e
+            row_max[t0:t1] = m[: t1 - t0]
+            sum_exp[t0:t1] = s[: t1 - t0]
+            target_logit[t0:t1] = tl
+            if sum_exp_z is not None:
+                sum_exp_z[t0:t1] = q[: t1 - t0]
+        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
+
+    def backward(self, hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
+                 call: ShardCall, needs: tuple[bool, bool, bool]) -> ShardGrads:
+        need_h, need_w, need_b = needs
+        n, d = hidden.shape
+        v = weight.shape[0]
+        dev = hidden.device
+        d_hidden = torch.zeros(n, d, device=dev, dtype=torch.float32) if need_h else None
+        d_weight32 = torch.zeros(v, d, device=dev, dtype=torch.float32) if need_w else None
+        d_bias32 = torch.zeros(v, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
+        if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
+            self._backward_tiles(hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
+                                 call, d_hidden, d_weight32, d_bias32)
+        d_weight = None
+        if d_weight32 is not None:
+            d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
+        d_bias = None
+        if d_bias32 is not None:
+            d_bias = d_bias32 if bias.dtype == torch.float32 else d_bias32.to(bias.dtype)
+        return ShardGrads(d_hidden, d_weight, d_bias)
+
+    def _backward_tiles(self, hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
+                        call, d_hidden, d_weight32, d_bias32) -> None:
+        n, v = hidden.shape[0], weight.shape[0]
+        # GEMM operand dtype for dz: the weight's dtype on CUDA (like an eager LM head, fp32 accumulation),
+        # fp32 on CPU where low-precision GEMMs have no fp32-output path.
+        gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
+        tc, vc = self._plan(hidden, weight, call)
+        for t0 in range(0, n, tc):
+            t1 = min(t0 + tc, n)
+            rows = t1 - t0
+            pad_to = tc if call.deterministic else rows
+            h = _pad_rows(hidden[t0:t1], pad_to)
+            lse_c = _pad_rows(lse[t0:t1], pad_to, float("inf"))  # padded rows: p = 0
+            g = _pad_rows(grad_logp[t0:t1], pad_to)
+            # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z)
+            c0 = g.clone()
+            if grad_lse is not None:
+                c0 -= _pad_rows(grad_lse[t0:t1], pad_to)
+            ge = mz = None
+            if grad_entropy is not None:
+                ge = _pad_rows(grad_entropy[t0:t1], pad_to)
+                mz = _pad_rows(mean_z[t0:t1], pad_to)
+                c0 -= ge * mz
+            lt = _pad_rows(local_target[t0:t1], pad_to, -1)
+            dh = None
+            if d_hidden is not None:
+                dh = torch.zeros(pad_to, hidden.shape[1], device=h.device, dtype=torch.float32)
+            h_gemm = h if h.dtype == gemm_dtype else h.to(gemm_dtype)
+            for v0 in range(0, v, vc):
+                v1 = min(v0 + vc, v)
+                w = weight[v0:v1]
+                z = _logits_tile(h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
+                p = torch.exp(z - lse_c.unsqueeze(1))
+                if ge is not None:
+                    coef = c0.unsqueeze(1) + ge.unsqueeze(1) * z
+                else:
+                    coef = c0.unsqueeze(1)
+                dz = p.mul_(coef).neg_()  # -p * coef
+                del z
+                rel = lt - v0
+                own = (rel >= 0) & (rel < v1 - v0)
+                # + grad_logp at the owned target column (scatter, no host sync)
+                dz.scatter_add_(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1),
+                                torch.where(own, g, torch.zeros_like(g)).unsqueeze(1))
+                if call.inv_temperature != 1.0:
+                    dz *= call.inv_temperature
+                if d_bias32 is not None:
+                    d_bias32[v0:v1] += dz.sum(0)
+                dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
+                del dz
+                if dh is not None:
+                    w_g = w if w.dtype == gemm_dtype else w.to(gemm_dtype)
+                    dh += _Matmul.mm(dz_g, w_g)
+                if d_weight32 is not None:
+                    d_weight32[v0:v1] += _Matmul.mm(dz_g.t(), h_gemm)
+            if dh is not None:
+                d_hidden[t0:t1] = dh[:rows]

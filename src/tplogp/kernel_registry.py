@@ -1,0 +1,138 @@
+"""Which source computes an op: a registry with a priority order and readable reasons.
+
+``get_op("linear_logp", source=None)`` returns a callable with the public signature. With ``source=None`` (the
+runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on Hopper, then ``triton`` on CUDA,
+then ``native``; the choice is logged once per device on the ``tplogp`` logger. An explicitly requested source that
+cannot run raises :class:`SourceUnavailableError` with the backend's own reason. Backends are imported lazily, so
+importing tplogp does no device work and does not need Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from .backends.base import ShardBackend
+
+log = logging.getLogger("tplogp")
+
+SOURCES: tuple[str, ...] = ("native", "triton", "sm90")
+# Automatic selection tries these in order.
+PRIORITY: tuple[str, ...] = ("sm90", "triton", "native")
+OPS: tuple[str, ...] = ("linear_logp",)
+
+_BACKEND_CLASSES: dict[str, tuple[str, str]] = {
+    "native": ("tplogp.backends.native", "NativeBackend"),
+    "triton": ("tplogp.backends.triton_backend", "TritonBackend"),
+    "sm90": ("tplogp.backends.sm90_backend", "SM90Backend"),
+}
+_KERNEL_NAMES = {"native": "linear_logp_native", "triton": "fused_linear_logp_triton", "sm90": "fused_linear_logp_sm90"}
+
+
+class SourceUnavailableError(RuntimeError):
+    """An explicitly requested source cannot run here."""
+
+
+class _MissingBackend:
+    """Stands in for a backend whose module is not part of this build."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self._reason = reason
+
+    def unavailable_reason(self, device: Optional[torch.device] = None) -> Optional[str]:
+        return self._reason
+
+
+def _check_op(name: str) -> None:
+    if name not in OPS:
+        raise KeyError(f"unknown op {name!r}; available ops: {', '.join(OPS)}")
+
+
+def _check_source(source: str) -> None:
+    if source not in SOURCES:
+        raise KeyError(f"unknown source {source!r} for linear_logp; available sources: {', '.join(SOURCES)} "
+                       f"(or None for automatic selection)")
+
+
+@functools.lru_cache(maxsize=None)
+def get_backend(source: str) -> ShardBackend:
+    """The backend object for ``source`` (imported on first use)."""
+    _check_source(source)
+    module_name, cls_name = _BACKEND_CLASSES[source]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name in (module_name, "triton") or (exc.name or "").startswith("triton."):
+            return _MissingBackend(source, f"{exc.name} is not installed")  # type: ignore[return-value]
+        raise
+    return getattr(module, cls_name)()
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def unavailable_reason(source: str, device: Optional[torch.device] = None) -> Optional[str]:
+    """None if ``source`` can run on ``device`` (default: current CUDA device, else CPU), else why not."""
+    return get_backend(source).unavailable_reason(device if device is not None else _default_device())
+
+
+def source_status(op: str = "linear_logp", device: Optional[torch.device] = None) -> dict[str, Optional[str]]:
+    """``{source: None or reason}`` for every source of ``op``."""
+    _check_op(op)
+    return {s: unavailable_reason(s, device) for s in SOURCES}
+
+
+_logged_choice: set = set()
+
+
+def select_source(device: torch.device) -> str:
+    """Automatic choice for ``device``: sm90 on Hopper, then triton on CUDA, then native."""
+    reasons = {}
+    for source in PRIORITY:
+        if source != "native" and device.type != "cuda":
+            reasons[source] = "automatic selection uses fused sources on CUDA devices only"
+            continue
+        why = unavailable_reason(source, device)
+        if why is None:
+            key = (str(device), source)
+            if key not in _logged_choice:
+                _logged_choice.add(key)
+                skipped = "; ".join(f"{s}: {r}" for s, r in reasons.items())
+                log.info("linear_logp on %s uses source %r%s", device, source, f" (skipped {skipped})" if skipped else "")
+            return source
+        reasons[source] = why
+    raise SourceUnavailableError(f"no linear_logp source can run on {device}: {reasons}")  # native always can
+
+
+def _require(source: str, device: Optional[torch.device]) -> ShardBackend:
+    why = unavailable_reason(source, device)
+    if why is not None:
+        raise SourceUnavailableError(f"{_KERNEL_NAMES[source]} is unavailable: {why}")
+    return get_backend(source)
+
+
+def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[..., torch.Tensor]:
+    """The op callable. ``source=None`` or ``"registry"`` selects per call; otherwise that source or an error."""
+    _check_op(name)
+    from .api import make_linear_logp  # late import: api imports this module
+
+    if source in (None, "registry", "auto"):
+        return make_linear_logp(None)
+    _check_source(source)
+    _require(source, None)
+    return make_linear_logp(source)
+
+
+def backend_for_call(source: Optional[str], device: torch.device) -> ShardBackend:
+    """Resolve the backend that runs one call on ``device``."""
+    if source is None:
+        return get_backend(select_source(device))
+    return _require(source, device)

@@ -1,0 +1,12 @@
+"""Triton kernels behind the ``triton`` and ``sm90`` sources.
+
+Importing this package imports Triton and defines the kernels; it does no CUDA work. Set ``TRITON_INTERPRET=1``
+before the first import to run them on the CPU through Triton's interpreter (small shapes only).
+
+* :mod:`.configs`          fixed tile configs per GPU architecture (a capability table), opt-in autotuning.
+* :mod:`.triton_forward`   fused GEMM + online-softmax statistics per vocab split, and the split merge.
+* :mod:`.triton_backward`  fused GEMM recompute + ``d_logits`` tiles into a bounded workspace, and a
+                           fixed-tiling ``d_hidden`` GEMM for deterministic mode.
+* :mod:`.sm90`             the Hopper variants (tensor-memory-accelerator descriptors, persistent scheduling).
+* :mod:`.launch`           the launchers shared by both sources: shape checks, workspace planning, cuBLAS steps.
+"""

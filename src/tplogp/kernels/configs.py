@@ -1,0 +1,106 @@
+"""Tile configurations: one fixed default per GPU architecture, autotuning only on request.
+
+A config fixes every tiling choice that can change a row's floating-point result (tile sizes, the vocab split
+length), so on one device the per-row outputs never depend on the number of tokens. Nothing here touches CUDA at
+import time; :func:`select` reads the device's capability when a launcher asks.
+
+``TPLOGP_TRITON_AUTOTUNE=1`` lets the launcher time the candidates of :data:`AUTOTUNE_CANDIDATES` once per
+(device, shape class) and keep the fastest; it is ignored in deterministic mode.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tiling of the fused ``[tokens, vocab]`` GEMM tiles (``BLOCK_D`` is the reduction step over the hidden dim)."""
+
+    block_n: int = 64
+    block_v: int = 64
+    block_d: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    group_n: int = 8  # token blocks that share a stretch of W in L2 (grouped launch order)
+    split_tiles: int = 8  # vocab tiles per forward split (a function of V only: see module docstring)
+    # backward d_logits kernel
+    bwd_block_n: int = 64
+    bwd_block_v: int = 64
+    bwd_block_d: int = 32
+    bwd_num_warps: int = 4
+    bwd_num_stages: int = 2
+    # deterministic d_hidden GEMM (acc[BN, BD] += dz[BN, BK] @ W[BK, BD])
+    dh_block_n: int = 64
+    dh_block_d: int = 64
+    dh_block_k: int = 32
+    dh_num_warps: int = 4
+    dh_num_stages: int = 2
+
+
+# Capability table: (major, minor) -> config. Measured choices are documented in docs/kernels.md.
+_BY_CAPABILITY: dict[tuple[int, int], TileConfig] = {
+    (9, 0): TileConfig(
+        block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, group_n=32, split_tiles=4,
+        bwd_block_n=128, bwd_block_v=256, bwd_block_d=64, bwd_num_warps=8, bwd_num_stages=3,
+        dh_block_n=128, dh_block_d=256, dh_block_k=64, dh_num_warps=8, dh_num_stages=3,
+    ),
+    (8, 0): TileConfig(
+        block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=4, group_n=16, split_tiles=8,
+        bwd_block_n=128, bwd_block_v=128, bwd_block_d=32, bwd_num_warps=8, bwd_num_stages=4,
+        dh_block_n=128, dh_block_d=128, dh_block_k=32, dh_num_warps=8, dh_num_stages=4,
+    ),
+}
+# Other architectures of the same major fall back to that major's entry, then to this.
+_GENERIC_CUDA = TileConfig(
+    block_n=64, block_v=128, block_d=32, num_warps=4, num_stages=3, group_n=16, split_tiles=8,
+    bwd_block_n=64, bwd_block_v=128, bwd_block_d=32, bwd_num_warps=4, bwd_num_stages=3,
+    dh_block_n=64, dh_block_d=128, dh_block_k=32, dh_num_warps=4, dh_num_stages=3,
+)
+# Triton's CPU interpreter: small tiles keep the numpy emulation fast and exercise the edge masks.
+INTERPRETER = TileConfig(
+    block_n=16, block_v=32, block_d=16, group_n=2, split_tiles=2,
+    bwd_block_n=16, bwd_block_v=32, bwd_block_d=16,
+    dh_block_n=16, dh_block_d=32, dh_block_k=16,
+)
+
+AUTOTUNE_CANDIDATES: tuple[TileConfig, ...] = (
+    _BY_CAPABILITY[(9, 0)],
+    replace(_BY_CAPABILITY[(9, 0)], block_v=128, num_warps=8, num_stages=4),
+    replace(_BY_CAPABILITY[(9, 0)], block_n=256, block_v=128, num_warps=8, num_stages=3),
+    replace(_BY_CAPABILITY[(9, 0)], group_n=16),
+    _BY_CAPABILITY[(8, 0)],
+)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def capability(device: torch.device) -> Optional[tuple[int, int]]:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def select(device: torch.device, override: Optional[TileConfig] = None) -> TileConfig:
+    """The fixed default config for ``device`` (or ``override``)."""
+    if override is not None:
+        return override
+    cap = capability(device)
+    if cap is None:
+        return INTERPRETER
+    if cap in _BY_CAPABILITY:
+        return _BY_CAPABILITY[cap]
+    for (major, _minor), cfg in sorted(_BY_CAPABILITY.items()):
+        if major == cap[0]:
+            return cfg
+    return _GENERIC_CUDA
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("TPLOGP_TRITON_AUTOTUNE", "0") not in ("", "0")

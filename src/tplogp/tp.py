@@ -1,0 +1,250 @@
+"""The shared tensor-parallel layer: one autograd path for every backend.
+
+Each rank holds the vocab shard ``[vocab_start_index, vocab_start_index + V_local)`` of the LM head and the same
+(replicated) global ``target_ids``. The backend computes per-shard, per-token statistics (see
+:mod:`tplogp.backends.base`); this module merges them.
+
+Forward, per call:
+  1. ``local_target = target - start`` where this shard owns the target, else ``-1``.
+  2. ``backend.forward_stats`` -> ``(m_r, s_r, y_r, q_r)`` per token: shard max, sum of ``exp(z - m_r)``, target
+     logit (0 when not owned) and, for entropy, ``sum exp(z - m_r)(z - m_r)``.
+  3. ONE ``all_gather`` of the packed ``[N, 4 or 5]`` fp32 stats (max, sumexp, target logit, owner flag, q). Then on
+     every rank: ``M = max_r m_r``, ``S = sum_r s_r e^{m_r - M}``, ``lse = M + log S``,
+     ``logp = sum_r y_r [owned_r] - lse``, ``E_p[z] = M + sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``,
+     ``entropy = lse - E_p[z]``; the owner count must be exactly 1 per (non-ignored) token.
+Backward: ``backend.backward`` with the global ``lse`` (and ``E_p[z]``) gives local ``d_weight``/``d_bias`` and a
+partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it.
+
+Without a group (or a group of one) the same code runs with no collectives. Rows whose target equals
+``ignore_index`` are compacted away before any GEMM and get logp = entropy = lse = 0 and no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .backends.base import ShardBackend, ShardCall
+from .validation import (
+    COVERAGE_MESSAGE,
+    GroupCheck,
+    LinearLogpInputError,
+    checks_mode,
+    layout_problem_single,
+    local_problem,
+    target_range_problem,
+    targets_checksum,
+)
+
+
+class LogpOutputs(NamedTuple):
+    """What ``linear_logp`` returns when entropy or lse is requested (each with the targets' shape, fp32)."""
+
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    lse: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LogpOptions:
+    """Keyword options of ``linear_logp`` beyond the bare contract (defaults keep the bare behaviour)."""
+
+    temperature: float = 1.0
+    return_entropy: bool = False
+    return_lse: bool = False
+    ignore_index: Optional[int] = None
+    deterministic: bool = False
+    workspace_bytes: Optional[int] = None
+
+
+@dataclass
+class _TPContext:
+    """Non-tensor state of one call, carried from forward to backward."""
+
+    backend: ShardBackend
+    call: ShardCall
+    group: Any
+    world_size: int
+    comm_device: torch.device
+    check_coverage: bool
+
+
+def _comm_device(group, tensor_device: torch.device) -> torch.device:
+    backend = dist.get_backend(group)
+    if str(backend).lower() == "nccl":
+        if tensor_device.type == "cuda":
+            return tensor_device
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+    """Merge packed per-rank stats ``[W, N, K]`` -> (lse, target_logit, owner_count, mean_z or None)."""
+    m = stats_all[..., 0]
+    s = stats_all[..., 1]
+    y = stats_all[..., 2]
+    owned = stats_all[..., 3]
+    big_m = m.amax(0)
+    # A token whose every shard is empty would give -inf; such a layout is rejected earlier.
+    scale = torch.exp(m - big_m.unsqueeze(0))
+    total = (s * scale).sum(0)
+    lse = big_m + torch.log(total)
+    target = (y * owned).sum(0)
+    count = owned.sum(0)
+    mean_z = None
+    if with_entropy:
+        q = stats_all[..., 4]
+        shift = torch.where(s > 0, s * (m - big_m.unsqueeze(0)), torch.zeros_like(s))
+        mean_z = big_m + (scale * (q + shift)).sum(0) / total
+    return lse, target, count, mean_z
+
+
+class _LinearLogpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
+        be, call = tpc.backend, tpc.call
+        st = be.forward_stats(hidden, weight, bias, local_target, call)
+        owned = (local_target >= 0).to(torch.float32)
+        cols = [st.row_max, st.sum_exp, st.target_logit, owned]
+        if call.with_entropy:
+            cols.append(st.sum_exp_z)
+        packed = torch.stack(cols, dim=1)  # [N, K]
+        if tpc.world_size > 1:
+            send = packed.to(tpc.comm_device)
+            recv = torch.empty((tpc.world_size,) + tuple(send.shape), dtype=send.dtype, device=send.device)
+            dist.all_gather_into_tensor(recv, send, group=tpc.group)
+            stats_all = recv.to(hidden.device)
+        else:
+            stats_all = packed.unsqueeze(0)
+        lse, target, count, mean_z = merge_stats(stats_all, call.with_entropy)
+        if tpc.check_coverage and hidden.shape[0] > 0:
+            bad = count != 1
+            if bool(bad.any()):  # identical on every rank: all saw the same gathered stats
+                idx = int(bad.nonzero()[0, 0])
+                raise LinearLogpInputError(
+                    f"{COVERAGE_MESSAGE}: {int(bad.sum())} token(s) have no or several owners "
+                    f"(first: token {idx}, owned by {int(count[idx])} shard(s))")
+        logp = torch.where(count == 1, target - lse, torch.full_like(lse, float("nan")))
+        entropy = (lse - mean_z) if mean_z is not None else None
+        ctx.save_for_backward(hidden, weight, bias, local_target, lse, mean_z)
+        ctx.tpc = tpc
+        ctx.set_materialize_grads(False)
+        if entropy is None:
+            entropy = torch.zeros_like(lse)
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy, lse
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy, g_lse):
+        hidden, weight, bias, local_target, lse, mean_z = ctx.saved_tensors
+        tpc: _TPContext = ctx.tpc
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        n = hidden.shape[0]
+        zeros = None
+        if g_logp is None:
+            zeros = torch.zeros(n, device=hidden.device, dtype=torch.float32)
+        g_logp = zeros if g_logp is None else g_logp.float().contiguous()
+        g_ent = None if (g_entropy is None or mean_z is None) else g_entropy.float().contiguous()
+        g_lse_ = None if g_lse is None else g_lse.float().contiguous()
+        grads = tpc.backend.backward(hidden, weight, bias, local_target, lse, g_logp, g_ent, g_lse_,
+                                     mean_z if g_ent is not None else None, tpc.call, needs)
+        d_hidden = grads.d_hidden
+        if d_hidden is not None:
+            if tpc.world_size > 1:
+                buf = d_hidden.to(tpc.comm_device)
+                dist.all_reduce(buf, group=tpc.group)
+                d_hidden = buf.to(hidden.device)
+            d_hidden = d_hidden.to(hidden.dtype)
+        return d_hidden, grads.d_weight, grads.d_bias if needs[2] else None, None, None
+
+
+def linear_logp_tp(
+    backend: ShardBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    options: LogpOptions = LogpOptions(),
+):
+    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
+
+    Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
+    """
+    mode = checks_mode()
+    world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                            options.ignore_index, options.temperature)
+    if world > 1:
+        comm_dev = _comm_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
+        ok = problem is None
+        total, _ = GroupCheck.run(
+            tp_group, comm_dev, problem,
+            n_tokens=int(target_ids.numel()) if ok else -1,
+            hidden_size=int(hidden.shape[-1]) if ok else -1,
+            vocab_start_index=int(vocab_start_index) if ok else -1,
+            v_local=int(weight.shape[0]) if ok else -1,
+            global_vocab_size=global_vocab_size if ok else None,
+            dtype=hidden.dtype if ok else torch.float32,
+            has_bias=bias is not None,
+            checksum=targets_checksum(target_ids) if (ok and mode == "full") else 0,
+            ignore_index=options.ignore_index,
+            mode=mode,
+        )
+    else:
+        comm_dev = torch.device("cpu")
+        if problem is not None:
+            raise LinearLogpInputError(problem)
+        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size)
+    if mode == "full":
+        msg = target_range_problem(target_ids, total, options.ignore_index)
+        if msg is not None:
+            raise LinearLogpInputError(msg)
+
+    out_shape = tuple(target_ids.shape)
+    d = hidden.shape[-1]
+    h2 = hidden.reshape(-1, d)
+    tgt = target_ids.reshape(-1).long()
+    h2 = h2 if h2.is_contiguous() else h2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
+
+    keep_idx = None
+    if options.ignore_index is not None:
+        keep = tgt != options.ignore_index
+        keep_idx = keep.nonzero().squeeze(1)  # identical on every rank (targets are replicated)
+        h2 = h2.index_select(0, keep_idx)
+        tgt = tgt.index_select(0, keep_idx)
+
+    v_local = w.shape[0]
+    rel = tgt - vocab_start_index
+    local_target = torch.where((rel >= 0) & (rel < v_local), rel, torch.full_like(rel, -1))
+
+    call = ShardCall(
+        inv_temperature=1.0 / float(options.temperature),
+        with_entropy=options.return_entropy,
+        deterministic=options.deterministic,
+        workspace_bytes=options.workspace_bytes,
+    )
+    tpc = _TPContext(backend, call, tp_group, world, comm_dev, check_coverage=(mode == "full"))
+    logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
+
+    if keep_idx is not None:
+        n_all = target_ids.numel()
+        logp = logp.new_zeros(n_all).index_copy(0, keep_idx, logp)
+        entropy = entropy.new_zeros(n_all).index_copy(0, keep_idx, entropy)
+        lse = lse.new_zeros(n_all).index_copy(0, keep_idx, lse)
+    logp = logp.view(out_shape)
+    if not (options.return_entropy or options.return_lse):
+        return logp
+    return LogpOutputs(
+        logp,
+        entropy.view(out_shape) if options.return_entropy else None,
+        lse.view(out_shape) if options.return_lse else None,
+    )

@@ -1,0 +1,217 @@
+"""Input checks for ``linear_logp``, decided identically on every rank of a tensor-parallel group.
+
+A check that fails on one rank only must not leave the other ranks waiting in a collective. So each rank first
+runs its *local* checks without raising, then all ranks exchange one small int64 record (the local verdict plus
+the layout and call metadata: tokens, hidden size, shard range, dtype, bias, a checksum of the targets) in a
+single ``all_gather``. Every rank then reaches the same verdict from the same gathered data and raises the same
+error. When some rank has a local problem, its message text is shared with ``all_gather_object`` (entered by all
+ranks, because all of them saw the flag).
+
+Modes (``TPLOGP_CHECKS``): ``full`` (default) exchanges the record on every call and checks target coverage after
+the forward merge (one host sync each). ``fast`` exchanges the record only for the first call of each
+(group, layout, dtype, hidden size) and skips the host-synchronizing target check: one collective per forward and
+no host syncs, as CUDA-graph capture needs; tokens whose target no shard owns then come out as NaN, and ranks that
+disagree on the token count are the caller's bug (they would block in the stats exchange).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .shards import ShardLayoutError, validate_ranges
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+COVERAGE_MESSAGE = "target_ids must be covered by exactly one TP vocab shard"
+CHECK_MODES = ("full", "fast")
+
+
+class LinearLogpInputError(ValueError):
+    """Bad arguments to ``linear_logp`` (raised identically on every rank of the group)."""
+
+
+def checks_mode() -> str:
+    mode = os.environ.get("TPLOGP_CHECKS", "full").strip().lower() or "full"
+    if mode not in CHECK_MODES:
+        raise LinearLogpInputError(f"TPLOGP_CHECKS must be one of {CHECK_MODES}, got {mode!r}")
+    return mode
+
+
+def local_problem(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    vocab_start_index: int,
+    global_vocab_size: Optional[int],
+    ignore_index: Optional[int],
+    temperature: float,
+) -> Optional[str]:
+    """Everything one rank can check alone. Returns a message, or None when the inputs are fine."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return f"bias must be a torch.Tensor or None, got {type(bias).__name__}"
+    if hidden.dim() not in (2, 3):
+        return f"hidden must be [N, D] or [B, S, D], got shape {tuple(hidden.shape)}"
+    if weight.dim() != 2:
+        return f"weight must be [V_local, D], got shape {tuple(weight.shape)}"
+    if hidden.shape[-1] != weight.shape[1]:
+        return (f"hidden size mismatch: hidden is {tuple(hidden.shape)} (D={hidden.shape[-1]}) but weight is "
+                f"{tuple(weight.shape)} (D={weight.shape[1]})")
+    if tuple(target_ids.shape) != tuple(hidden.shape[:-1]):
+        return (f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's shape without D), "
+                f"got {tuple(target_ids.shape)}")
+    if target_ids.dtype.is_floating_point or target_ids.dtype.is_complex or target_ids.dtype == torch.bool:
+        return f"target_ids must be an integer tensor, got {target_ids.dtype}"
+    if hidden.dtype not in SUPPORTED_DTYPES:
+        return f"hidden dtype must be one of float32, bfloat16, float16, got {hidden.dtype}"
+    if weight.dtype != hidden.dtype:
+        return f"weight dtype ({weight.dtype}) must match hidden dtype ({hidden.dtype})"
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            return f"bias must be [V_local] = [{weight.shape[0]}], got shape {tuple(bias.shape)}"
+        if bias.dtype not in (weight.dtype, torch.float32):
+            return f"bias dtype ({bias.dtype}) must be the weight dtype ({weight.dtype}) or float32"
+    devices = {hidden.device, weight.device, target_ids.device} | ({bias.device} if bias is not None else set())
+    if len(devices) > 1:
+        names = f"hidden={hidden.device}, weight={weight.device}, target_ids={target_ids.device}" + (
+            f", bias={bias.device}" if bias is not None else "")
+        return f"all tensors must be on one device, got {names}"
+    if not isinstance(vocab_start_index, int) or vocab_start_index < 0:
+        return f"vocab_start_index must be a non-negative int, got {vocab_start_index!r}"
+    if global_vocab_size is not None and (not isinstance(global_vocab_size, int) or global_vocab_size <= 0):
+        return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
+        return f"temperature must be a positive finite number, got {temperature!r}"
+    if ignore_index is not None and not isinstance(ignore_index, int):
+        return f"ignore_index must be an int or None, got {ignore_index!r}"
+    return None
+
+
+def target_range_problem(target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int]) -> Optional[str]:
+    """Targets outside ``[0, vocab_size)`` (ignored positions exempt). Host-synchronizing: full mode only."""
+    t = target_ids
+    if ignore_index is not None:
+        t = t[t != ignore_index]
+    if t.numel() == 0:
+        return None
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {vocab_size})"
+                + ("" if ignore_index is None else f" (ignore_index={ignore_index})"))
+    return None
+
+
+def targets_checksum(target_ids: torch.Tensor) -> int:
+    """A cheap fingerprint of the targets, to detect ranks that were given different (non-replicated) ids."""
+    t = target_ids.reshape(-1).long()
+    if t.numel() == 0:
+        return 0
+    w = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
+    return int(((t % 1_000_003) * w).sum() % (1 << 61))
+
+
+class GroupCheck:
+    """The collective verdict. ``run`` returns the global vocab size and the per-rank ranges."""
+
+    _FIELDS = 10
+    _verified_layouts: set = set()
+
+    @classmethod
+    def run(
+        cls,
+        group,
+        comm_device: torch.device,
+        problem: Optional[str],
+        n_tokens: int,
+        hidden_size: int,
+        vocab_start_index: int,
+        v_local: int,
+        global_vocab_size: Optional[int],
+        dtype: torch.dtype,
+        has_bias: bool,
+        checksum: int,
+        ignore_index: Optional[int],
+        mode: str,
+    ) -> tuple[int, list[tuple[int, int]]]:
+        world = dist.get_world_size(group)
+        key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index)
+        cached = mode == "fast" and problem is None and key in cls._verified_layouts
+        if cached:
+            ranges, total = cls._cached_ranges[key]
+            return total, ranges
+        record = torch.tensor(
+            [
+                0 if problem is None else 1,
+                n_tokens,
+                hidden_size,
+                vocab_start_index,
+                v_local,
+                -1 if global_vocab_size is None else global_vocab_size,
+                _DTYPE_CODE.get(dtype, 0),
+                int(has_bias),
+                checksum if mode == "full" else 0,
+                -(1 << 62) if ignore_index is None else ignore_index,
+            ],
+            dtype=torch.long,
+            device=comm_device,
+        )
+        gathered = torch.empty(world * cls._FIELDS, dtype=torch.long, device=comm_device)
+        dist.all_gather_into_tensor(gathered, record, group=group)
+        rows = gathered.view(world, cls._FIELDS).cpu().tolist()
+        if any(r[0] for r in rows):
+            messages: list = [None] * world
+            dist.all_gather_object(messages, problem, group=group)
+            bad = [(r, m) for r, m in enumerate(messages) if m]
+            detail = "; ".join(f"rank {r}: {m}" for r, m in bad)
+            raise LinearLogpInputError(f"linear_logp inputs rejected ({detail})")
+        cls._check_agreement(rows)
+        ranges = [(r[3], r[3] + r[4]) for r in rows]
+        declared = {r[5] for r in rows}
+        total = validate_ranges(ranges, None if declared == {-1} else max(declared))
+        if mode == "fast":
+            cls._verified_layouts.add(key)
+            cls._cached_ranges[key] = (ranges, total)
+        return total, ranges
+
+    _cached_ranges: dict = {}
+
+    @staticmethod
+    def _check_agreement(rows: Sequence[Sequence[int]]) -> None:
+        def differ(index: int, what: str, fmt=str) -> None:
+            values = [r[index] for r in rows]
+            if len(set(values)) > 1:
+                listing = ", ".join(f"rank {i}: {fmt(v)}" for i, v in enumerate(values))
+                raise LinearLogpInputError(f"{what} must be the same on every TP rank, got {listing}")
+
+        differ(1, "the number of tokens")
+        differ(2, "the hidden size D")
+        decl = [r[5] for r in rows]
+        if len(set(decl)) > 1:
+            listing = ", ".join(f"rank {i}: {'None' if v == -1 else v}" for i, v in enumerate(decl))
+            raise LinearLogpInputError(f"global_vocab_size must be the same on every TP rank, got {listing}")
+        names = {v: k for k, v in _DTYPE_CODE.items()}
+        differ(6, "the input dtype", lambda c: str(names.get(c, "?")))
+        differ(7, "bias presence (all ranks pass a bias or none does)", lambda b: "bias" if b else "no bias")
+        differ(9, "ignore_index", lambda v: "None" if v == -(1 << 62) else str(v))
+        differ(8, "target_ids (they must be replicated: the same global ids on every rank)", lambda c: f"#{c:x}")
+
+
+def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int]) -> int:
+    """Without a TP group the weight must be the whole vocabulary. Returns the vocab size."""
+    if vocab_start_index != 0:
+        raise ShardLayoutError(
+            f"vocab shards leave a gap: without a tp_group the single shard must start at 0, "
+            f"got vocab_start_index={vocab_start_index} (ids [0, {vocab_start_index}) owned by no rank)")
+    if global_vocab_size is not None and global_vocab_size != v_local:
+        raise ShardLayoutError(
+            f"without a tp_group the weight must hold the whole vocabulary: weight has {v_local} rows "
+            f"but global_vocab_size is {global_vocab_size}")
+    return v_local
