@@ -1,0 +1,103 @@
+"""The ``triton`` source: fused Triton kernels, portable across the CUDA GPUs Triton supports.
+
+Forward: one fused kernel computes each shard's softmax statistics in the epilogue of the logits GEMM (online
+softmax over vocab tiles, target logit read from the fp32 accumulator) and never writes logits; a second tiny
+kernel merges the vocab splits in a fixed order. Backward: a fused kernel recomputes logits tiles and writes
+``d_logits`` for one vocab chunk into a bounded workspace, then GEMMs with fp32 accumulation produce ``d_hidden``
+(fp32, partial) and ``d_weight``. See :mod:`tplogp.kernels` and docs/kernels.md. No collectives here.
+
+Runs on CPU through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before the kernels are first imported.
+Nothing is imported from Triton and no device is probed until a method is called.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import ShardCall, ShardGrads, ShardStats
+
+# Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
+MIN_CAPABILITY = (8, 0)
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def triton_unavailable_reason() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising at import
+        return f"triton is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend:
+    """Per-shard primitives backed by the fused Triton kernels (see module docstring)."""
+
+    name = "triton"
+
+    def __init__(self, config=None):
+        # config: an optional tplogp.kernels.configs.TileConfig overriding the per-architecture default.
+        self._config = config
+
+    # -- availability ------------------------------------------------------------------------------------
+    def unavailable_reason(self, device: Optional[torch.device] = None) -> Optional[str]:
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            return reason
+        device = torch.device(device) if device is not None else _default_device()
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return "no CUDA device is available (torch.cuda.is_available() is False)"
+            cap = torch.cuda.get_device_capability(device)
+            if cap < MIN_CAPABILITY:
+                return (f"compute capability {cap[0]}.{cap[1]} of {torch.cuda.get_device_name(device)} is below "
+                        f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the oldest the Triton kernels support")
+            return None
+        if interpreting():
+            return None
+        return (f"the triton source runs on CUDA devices (got {device.type}); set TRITON_INTERPRET=1 before "
+                f"importing the kernels to run them on the CPU through Triton's interpreter")
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _cfg(self, device: torch.device):
+        from ..kernels import configs
+
+        return configs.select(device, self._config)
+
+    def _dlogits_launch(self, device: torch.device):
+        return None  # the generic kernel
+
+    # -- primitives --------------------------------------------------------------------------------------
+    def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
+        from ..kernels import launch
+
+        row_max, sum_exp, target_logit, sum_exp_z = launch.forward_stats(
+            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device),
+            stats_launch=self._stats_launch(hidden.device))
+        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
+
+    def _stats_launch(self, device: torch.device):
+        return None  # the generic kernel
+
+    def backward(self, hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
+                 call: ShardCall, needs) -> ShardGrads:
+        from ..kernels import launch
+
+        d_hidden, d_weight, d_bias = launch.backward(
+            hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
+            inv_temperature=call.inv_temperature, deterministic=call.deterministic,
+            workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device),
+            dlogits_launch=self._dlogits_launch(hidden.device))
+        return ShardGrads(d_hidden, d_weight, d_bias)

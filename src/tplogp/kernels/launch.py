@@ -1,0 +1,251 @@
+"""Launchers: check shapes, allocate outputs and workspaces, launch the kernels, run the cuBLAS steps.
+
+Shared by the ``triton`` and ``sm90`` sources (they differ in the kernel variant and the config). No host syncs:
+every size used for planning is a Python int taken from tensor shapes; no ``.item()``, no ``nonzero()``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+import triton
+
+from . import configs
+from .configs import TileConfig
+from .triton_backward import _bwd_dlogits_kernel, _dh_accum_kernel
+from .triton_forward import _fwd_stats_kernel, _merge_splits_kernel
+
+_MIB = 1 << 20
+# Default d_logits workspace budget (bytes): large enough for full-efficiency GEMMs at N = 8192
+# ([8192, 8192] bf16 chunks), small against the 256 MiB extra-memory allowance.
+DEFAULT_WORKSPACE_BYTES = 128 * _MIB
+# Chunk widths are multiples of this (covers every BLOCK_V and BLOCK_K in the config table), so that the
+# deterministic d_hidden K order is the same whatever the chunking.
+CHUNK_ALIGN = 256
+_MERGE_BLOCK = 256
+
+
+class KernelInputError(ValueError):
+    """A launcher got tensors of the wrong shape, dtype, device or layout."""
+
+
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 local_target: torch.Tensor) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise KernelInputError(
+            f"expected hidden [N, D] and weight [V_local, D], got hidden {tuple(hidden.shape)} and weight "
+            f"{tuple(weight.shape)}; flatten leading dims of hidden first")
+    if hidden.shape[1] != weight.shape[1]:
+        raise KernelInputError(
+            f"hidden size mismatch: hidden has D={hidden.shape[1]} but weight has D={weight.shape[1]}")
+    if hidden.dtype != weight.dtype:
+        raise KernelInputError(f"hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one")
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise KernelInputError(f"unsupported dtype {hidden.dtype}; expected float32, bfloat16 or float16")
+    devices = {hidden.device, weight.device, local_target.device} | ({bias.device} if bias is not None else set())
+    if len(devices) != 1:
+        raise KernelInputError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if hidden.stride(1) != 1 or weight.stride(1) != 1:
+        raise KernelInputError(
+            "hidden and weight need unit stride along D (row-major); call .contiguous() on transposed inputs")
+    if local_target.shape != (hidden.shape[0],) or local_target.dtype != torch.int64:
+        raise KernelInputError(
+            f"local_target must be int64 of shape [{hidden.shape[0]}], got {local_target.dtype} "
+            f"{tuple(local_target.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise KernelInputError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full fp32 products (what torch does by default), not tf32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _even(d: int, block: int) -> bool:
+    return d % block == 0
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
+                  cfg: TileConfig, stats_launch: Optional[Callable] = None):
+    """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard."""
+    check_inputs(hidden, weight, bias, local_target)
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    out_max = torch.empty(n, **f32)
+    out_sum = torch.empty(n, **f32)
+    out_tl = torch.empty(n, **f32)
+    out_sez = torch.empty(n, **f32) if with_entropy else None
+    if n == 0 or v == 0:
+        out_max.fill_(float("-inf"))
+        out_sum.zero_()
+        out_tl.zero_()
+        if out_sez is not None:
+            out_sez.zero_()
+        return out_max, out_sum, out_tl, out_sez
+    local_target = local_target.contiguous()
+    split_v = cfg.split_tiles * cfg.block_v
+    num_splits = triton.cdiv(v, split_v)
+    part = torch.empty((4 if with_entropy else 3, num_splits, n), **f32)
+    p_sez = part[3] if with_entropy else part[0]
+    (stats_launch or _launch_stats)(hidden, weight, bias, local_target, part, num_splits, split_v,
+                                    float(inv_temperature), with_entropy, cfg)
+    _merge_splits_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+        part[0], part[1], part[2], p_sez, out_max, out_sum, out_tl,
+        out_sez if out_sez is not None else out_max, n, num_splits,
+        WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
+    )
+    return out_max, out_sum, out_tl, out_sez
+
+
+def _launch_stats(hidden, weight, bias, local_target, part, num_splits: int, split_v: int, inv_temperature: float,
+                  with_entropy: bool, cfg: TileConfig) -> None:
+    n, d = hidden.shape
+    grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
+    _fwd_stats_kernel[grid](
+        hidden, weight, bias if bias is not None else hidden, local_target,
+        part[0], part[1], part[2], part[3] if with_entropy else part[0],
+        n, weight.shape[0], d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits,
+        SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
+        DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: Optional[int]) -> int:
+    """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits the budget; a multiple of CHUNK_ALIGN."""
+    budget = workspace_bytes
+    if budget is None:
+        env = os.environ.get("TPLOGP_WORKSPACE_MB")
+        budget = int(float(env) * _MIB) if env else DEFAULT_WORKSPACE_BYTES
+    cols = budget // max(1, n * itemsize)
+    cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
+    return min(cols, triton.cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)
+
+
+def _mm_f32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` into an fp32 tensor, fp32 accumulation."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    elif a.is_cuda:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 accumulator, fp32 accumulation (one cuBLAS call on CUDA)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` (fp32 accumulation inside the GEMM, output rounded once to ``out.dtype``)."""
+    if a.is_cuda or a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a.float(), b.float()))
+
+
+def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             local_target: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
+             grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_z: Optional[torch.Tensor],
+             inv_temperature: float, deterministic: bool, workspace_bytes: Optional[int],
+             needs: tuple[bool, bool, bool], cfg: TileConfig,
+             dlogits_launch: Optional[Callable] = None):
+    """(d_hidden fp32 | None, d_weight weight.dtype | None, d_bias bias.dtype | None) for one vocab shard."""
+    check_inputs(hidden, weight, bias, local_target)
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    need_dh, need_dw, need_db = needs
+    need_db = need_db and bias is not None
+    if n == 0 or v == 0:
+        return (torch.zeros((n, d), device=dev, dtype=torch.float32) if need_dh else None,
+                torch.zeros_like(weight) if need_dw else None,
+                torch.zeros_like(bias) if need_db else None)
+    if not (need_dh or need_dw or need_db):
+        return None, None, None
+
+    f32 = torch.float32
+    local_target = local_target.contiguous()
+    lse = lse.to(f32).contiguous()
+    g = grad_logp.to(f32).contiguous()
+    gmg = g if grad_lse is None else (g - grad_lse.to(f32)).contiguous()
+    with_entropy = grad_entropy is not None
+    if with_entropy:
+        if mean_z is None:
+            raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z]")
+        ge = grad_entropy.to(f32).contiguous()
+        mz = mean_z.to(f32).contiguous()
+    else:
+        ge = mz = g
+
+    chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
+    ws = torch.empty(n * min(chunk, v), device=dev, dtype=weight.dtype)
+    num_nb = triton.cdiv(n, cfg.bwd_block_n)
+    dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
+    d_weight = torch.empty_like(weight) if need_dw else None
+    d_hidden = torch.empty((n, d), device=dev, dtype=f32) if need_dh else None
+    d_bias = None
+    precision = _dot_precision(hidden.dtype)
+    launch = dlogits_launch or _launch_dlogits
+    for i_chunk, v_lo in enumerate(range(0, v, chunk)):
+        v_hi = min(v_lo + chunk, v)
+        dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
+        launch(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+               float(inv_temperature), with_entropy, need_db, cfg, precision)
+        w_chunk = weight[v_lo:v_hi]
+        if need_dh:
+            if deterministic:
+                _launch_dh(dz, w_chunk, d_hidden, accumulate=i_chunk > 0, cfg=cfg, precision=precision)
+            elif i_chunk == 0:
+                _mm_f32_into(d_hidden, dz, w_chunk)
+            else:
+                _addmm_f32_(d_hidden, dz, w_chunk)
+        if need_dw:
+            _mm_into(d_weight[v_lo:v_hi], dz.t(), hidden)
+    if need_db:
+        d_bias = dbp.sum(0).to(bias.dtype)
+    return d_hidden, d_weight, d_bias
+
+
+def _launch_dlogits(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+                    inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: str) -> None:
+    n, d = hidden.shape
+    grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    _bwd_dlogits_kernel[grid](
+        hidden, weight, bias if bias is not None else hidden, local_target, lse, g, gmg, ge, mz, dz, dbp,
+        n, weight.shape[0], d, v_lo, v_hi,
+        hidden.stride(0), weight.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
+        inv_temperature,
+        HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.bwd_block_d),
+        BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
+        DOT_PRECISION=precision, num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+    )
+
+
+def _launch_dh(dz: torch.Tensor, w_chunk: torch.Tensor, d_hidden: torch.Tensor, accumulate: bool,
+               cfg: TileConfig, precision: str) -> None:
+    n, k = dz.shape
+    d = w_chunk.shape[1]
+    grid = (triton.cdiv(n, cfg.dh_block_n) * triton.cdiv(d, cfg.dh_block_d),)
+    _dh_accum_kernel[grid](
+        dz, w_chunk, d_hidden, n, k, d, dz.stride(0), w_chunk.stride(0), d_hidden.stride(0),
+        ACCUMULATE=accumulate, BLOCK_N=cfg.dh_block_n, BLOCK_D=cfg.dh_block_d, BLOCK_K=cfg.dh_block_k,
+        GROUP_N=cfg.group_n, DOT_PRECISION=precision, num_warps=cfg.dh_num_warps, num_stages=cfg.dh_num_stages,
+    )

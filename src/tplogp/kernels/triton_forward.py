@@ -1,0 +1,156 @@
+"""Fused forward: per-shard softmax statistics in the epilogue of the logits GEMM, never writing logits.
+
+Algorithm. The vocab shard ``[0, V)`` is cut into splits of ``split_tiles * BLOCK_V`` ids (a function of V and the
+config only, never of N). One program owns a ``BLOCK_N`` token block and one split; for each ``[BLOCK_N, BLOCK_V]``
+tile it runs the K loop over the hidden dim (fp32 accumulator), then folds the tile into running per-row
+statistics (online softmax)::
+
+    z      = (acc + b) * inv_temperature                 # masked columns -> -inf
+    m'     = max(m, max_v z)
+    s      = s * exp(m - m') + sum_v exp(z - m')
+    q      = exp(m - m') * (q + (m - m') * s_old) + sum_v exp(z - m') (z - m')      # entropy only
+    t     += z[target]    (exactly one tile of one split holds it; read from the fp32 accumulator)
+
+Each program writes its split's (m, s, t, q) to ``[S, N]`` buffers; :func:`_merge_splits_kernel` folds the S splits
+in a fixed order (log-add-exp), so the result is bitwise reproducible and a row's stats do not depend on the other
+rows. Launch order is grouped (``GROUP_N`` token blocks walk the vocab together) so a W tile read from HBM is
+reused from L2 by every token block of the group. No collectives here: :mod:`tplogp.tp` merges ranks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _grouped_ids(pid, num_a, num_b, GROUP_A: tl.constexpr):
+    """Map a 1-D program id onto (i_a, i_b) so that GROUP_A consecutive a-blocks sweep b together."""
+    num_in_group = GROUP_A * num_b
+    i_group = pid // num_in_group
+    first_a = i_group * GROUP_A
+    group_size = tl.minimum(num_a - first_a, GROUP_A)
+    i_a = first_a + (pid % num_in_group) % group_size
+    i_b = (pid % num_in_group) // group_size
+    return i_a, i_b
+
+
+@triton.jit
+def _logits_tile(
+    p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """acc[BLOCK_N, BLOCK_V] = hidden[o_n] @ weight[o_v]^T in fp32 (rows/cols outside the masks read as 0)."""
+    o_d = tl.arange(0, BLOCK_D)
+    p_a = p_h + o_n.to(tl.int64)[:, None] * stride_hn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+    p_b = p_w + o_v.to(tl.int64)[None, :] * stride_wv + o_d[:, None]  # [BLOCK_D, BLOCK_V]
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        if EVEN_D:
+            b_a = tl.load(p_a, mask=m_n[:, None], other=0.0)
+            b_b = tl.load(p_b, mask=m_v[None, :], other=0.0)
+        else:
+            m_d = (d0 + o_d) < D
+            b_a = tl.load(p_a, mask=m_n[:, None] & m_d[None, :], other=0.0)
+            b_b = tl.load(p_b, mask=m_d[:, None] & m_v[None, :], other=0.0)
+        acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
+        p_a += BLOCK_D
+        p_b += BLOCK_D
+    return acc
+
+
+@triton.jit
+def _fwd_stats_kernel(
+    p_h,  # [N, D] hidden, in
+    p_w,  # [V, D] weight shard, in
+    p_b,  # [V] bias, in (unused unless HAS_BIAS)
+    p_tgt,  # [N] int64 local target, in (-1: not owned)
+    p_max,  # [S, N] fp32 split row max, out
+    p_sum,  # [S, N] fp32 split sum exp(z - max), out
+    p_tl,  # [S, N] fp32 split target logit (0 if not in split), out
+    p_sez,  # [S, N] fp32 split sum exp(z - max) (z - max), out (only WITH_ENTROPY)
+    N, V, D,
+    stride_hn, stride_wv,
+    inv_temp,
+    num_splits,
+    SPLIT_V: tl.constexpr,  # vocab ids per split (multiple of BLOCK_V)
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < N
+    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)  # [BLOCK_N] int64
+    b_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_tl = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_sez = tl.zeros([BLOCK_N], dtype=tl.float32)
+    v_lo = i_s * SPLIT_V
+    for v0 in range(v_lo, tl.minimum(v_lo + SPLIT_V, V), BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        m_v = o_v < V
+        acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
+                           BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
+        if HAS_BIAS:
+            acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
+        b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))  # [BLOCK_N, BLOCK_V]
+        new_max = tl.maximum(b_max, tl.max(b_z, 1))
+        b_e = tl.exp(b_z - new_max[:, None])  # [BLOCK_N, BLOCK_V]; masked columns give 0
+        b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)  # <= 0
+        b_scale = tl.exp(b_shift)
+        if WITH_ENTROPY:
+            b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
+            b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
+        b_sum = b_sum * b_scale + tl.sum(b_e, 1)
+        b_max = new_max
+        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+    o_out = i_s.to(tl.int64) * N + o_n
+    tl.store(p_max + o_out, b_max, mask=m_n)
+    tl.store(p_sum + o_out, b_sum, mask=m_n)
+    tl.store(p_tl + o_out, b_tl, mask=m_n)
+    if WITH_ENTROPY:
+        tl.store(p_sez + o_out, b_sez, mask=m_n)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    p_max, p_sum, p_tl, p_sez,  # [S, N] fp32 per-split stats, in
+    o_max, o_sum, o_tl, o_sez,  # [N] fp32 merged stats, out
+    N, S,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Fold S splits into one in split order (fixed order: bitwise reproducible). Splits are never empty."""
+    o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_n = o_n < N
+    b_max = tl.load(p_max + o_n, mask=m_n, other=0.0)
+    b_sum = tl.load(p_sum + o_n, mask=m_n, other=0.0)
+    b_tl = tl.load(p_tl + o_n, mask=m_n, other=0.0)
+    b_sez = tl.zeros([BLOCK], dtype=tl.float32)
+    if WITH_ENTROPY:
+        b_sez = tl.load(p_sez + o_n, mask=m_n, other=0.0)
+    p_smax, p_ssum, p_stl, p_ssez = p_max + o_n, p_sum + o_n, p_tl + o_n, p_sez + o_n  # split 0
+    for _ in range(1, S):
+        p_smax += N  # pointer steps: 64-bit arithmetic even when S * N exceeds 2^31
+        p_ssum += N
+        p_stl += N
+        c_max = tl.load(p_smax, mask=m_n, other=0.0)
+        c_sum = tl.load(p_ssum, mask=m_n, other=0.0)
+        b_tl += tl.load(p_stl, mask=m_n, other=0.0)
+        new_max = tl.maximum(b_max, c_max)
+        d_a = b_max - new_max
+        d_c = c_max - new_max
+        w_a = tl.exp(d_a)
+        w_c = tl.exp(d_c)
+        if WITH_ENTROPY:
+            p_ssez += N
+            c_sez = tl.load(p_ssez, mask=m_n, other=0.0)
+            b_sez = w_a * (b_sez + d_a * b_sum) + w_c * (c_sez + d_c * c_sum)
+        b_sum = w_a * b_sum + w_c * c_sum
+        b_max = new_max
+    tl.store(o_max + o_n, b_max, mask=m_n)
+    tl.store(o_sum + o_n, b_sum, mask=m_n)
+    tl.store(o_tl + o_n, b_tl, mask=m_n)
+    if WITH_ENTROPY:
+        tl.store(o_sez + o_n, b_sez, mask=m_n)
