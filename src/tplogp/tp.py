@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .backends.base import ShardBackend, ShardCall
+from .comm import all_gather_flat
 from .validation import (
     COVERAGE_MESSAGE,
     GroupCheck,
@@ -113,10 +114,8 @@ class _LinearLogpFunction(torch.autograd.Function):
             cols.append(st.sum_exp_z)
         packed = torch.stack(cols, dim=1)  # [N, K]
         if tpc.world_size > 1:
-            send = packed.to(tpc.comm_device)
-            recv = torch.empty((tpc.world_size,) + tuple(send.shape), dtype=send.dtype, device=send.device)
-            dist.all_gather_into_tensor(recv, send, group=tpc.group)
-            stats_all = recv.to(hidden.device)
+            recv = all_gather_flat(packed.to(tpc.comm_device), tpc.group)
+            stats_all = recv.view(tpc.world_size, *packed.shape).to(hidden.device)
         else:
             stats_all = packed.unsqueeze(0)
         lse, target, count, mean_z = merge_stats(stats_all, call.with_entropy)

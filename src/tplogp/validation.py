@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .comm import all_gather_flat
 from .shards import ShardLayoutError, validate_ranges
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -163,8 +164,7 @@ class GroupCheck:
             dtype=torch.long,
             device=comm_device,
         )
-        gathered = torch.empty(world * cls._FIELDS, dtype=torch.long, device=comm_device)
-        dist.all_gather_into_tensor(gathered, record, group=group)
+        gathered = all_gather_flat(record, group)
         rows = gathered.view(world, cls._FIELDS).cpu().tolist()
         if any(r[0] for r in rows):
             messages: list = [None] * world

@@ -4,7 +4,10 @@ A config fixes every tiling choice that can change a row's floating-point result
 length), so on one device the per-row outputs never depend on the number of tokens. Nothing here touches CUDA at
 import time; :func:`select` reads the device's capability when a launcher asks.
 
-``TPLOGP_TRITON_AUTOTUNE=1`` lets the launcher time the candidates of :data:`AUTOTUNE_CANDIDATES` once per
+``TPLOGP_TRITON_AUTOTUNE=1`` lets the launcher time the candidates of :data:`# The sm90 source (TMA kernels): starts from the Hopper row; tuned separately (docs/kernels.md).
+SM90 = _BY_CAPABILITY[(9, 0)]
+
+AUTOTUNE_CANDIDATES` once per
 (device, shape class) and keep the fastest; it is ignored in deterministic mode.
 """
 
@@ -40,6 +43,8 @@ class TileConfig:
     dh_block_k: int = 32
     dh_num_warps: int = 4
     dh_num_stages: int = 2
+    # sm90 source only: warp-specialized K loop (producer warps issue TMA copies)
+    warp_specialize: bool = False
 
 
 # Capability table: (major, minor) -> config. Measured choices are documented in docs/kernels.md.
@@ -104,3 +109,8 @@ def select(device: torch.device, override: Optional[TileConfig] = None) -> TileC
 
 def autotune_enabled() -> bool:
     return os.environ.get("TPLOGP_TRITON_AUTOTUNE", "0") not in ("", "0")
+
+
+def select_sm90(override: Optional[TileConfig] = None) -> TileConfig:
+    """The sm90 source's config (the Hopper row of the table, or ``override``)."""
+    return override if override is not None else SM90

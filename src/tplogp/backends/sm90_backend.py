@@ -1,0 +1,61 @@
+"""The ``sm90`` source: the Triton kernels specialised for Hopper (compute capability 9.0).
+
+Same algorithm and launchers as :mod:`tplogp.backends.triton_backend`; operand tiles are loaded through tensor
+descriptors (TMA bulk copies) with the Hopper entry of the config table (see :mod:`tplogp.kernels.sm90`). No build
+step: the kernels are JIT-compiled by Triton on first use. Reports itself unavailable, with the reason, on anything
+but a compute-capability-9.0 CUDA device (the generic ``triton`` source covers the rest, and the CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .triton_backend import TritonBackend, _default_device, triton_unavailable_reason
+
+REQUIRED_CAPABILITY = (9, 0)
+
+
+class SM90Backend(TritonBackend):
+    """Per-shard primitives with Hopper TMA kernels (see module docstring)."""
+
+    name = "sm90"
+
+    def unavailable_reason(self, device: Optional[torch.device] = None) -> Optional[str]:
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            return reason
+        device = torch.device(device) if device is not None else _default_device()
+        if device.type != "cuda":
+            return (f"the sm90 source needs a CUDA device of compute capability 9.0 (Hopper); found a "
+                    f"{device.type} device (the triton source runs elsewhere, including Triton's CPU interpreter)")
+        if not torch.cuda.is_available():
+            return "the sm90 source needs a CUDA device of compute capability 9.0; torch.cuda.is_available() is False"
+        cap = torch.cuda.get_device_capability(device)
+        if cap != REQUIRED_CAPABILITY:
+            return (f"the sm90 source needs compute capability 9.0 (Hopper); {torch.cuda.get_device_name(device)} "
+                    f"has {cap[0]}.{cap[1]}")
+        try:
+            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+        except Exception as exc:
+            return f"this Triton has no host tensor descriptors (triton.tools.tensor_descriptor): {exc}"
+        return None
+
+    def _cfg(self, device: torch.device):
+        from ..kernels import configs
+
+        return configs.select_sm90(self._config)
+
+    def _stats_launch(self, device: torch.device):
+        from ..kernels import sm90
+
+        cfg = self._cfg(device)
+        return functools.partial(sm90.launch_stats_tma, warp_specialize=cfg.warp_specialize)
+
+    def _dlogits_launch(self, device: torch.device):
+        from ..kernels import sm90
+
+        cfg = self._cfg(device)
+        return functools.partial(sm90.launch_dlogits_tma, warp_specialize=cfg.warp_specialize)

@@ -1,0 +1,182 @@
+"""Hopper (sm_90) variants of the fused kernels: tensor-memory-accelerator (TMA) tile loads.
+
+Same algorithm as :mod:`.triton_forward` / :mod:`.triton_backward` (read those docstrings); the difference is how
+operand tiles reach shared memory. ``hidden`` and ``weight`` are read through host-built tensor descriptors, so
+each ``[BLOCK_N, BLOCK_D]`` / ``[BLOCK_V, BLOCK_D]`` tile is one bulk tensor copy (out-of-range rows and columns come
+back as zeros, no mask arithmetic), feeding wgmma from shared memory. Optionally the K loop is warp-specialized
+(producer warps issue the copies, consumer warpgroups run the MMAs and the softmax epilogue).
+
+Usable only when the descriptors are legal: 16-byte aligned base pointers and row strides (``D * itemsize % 16``).
+The launcher falls back to the generic kernels otherwise.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_forward import _grouped_ids
+
+
+@triton.jit
+def _logits_tile_tma(
+    d_h, d_w, off_n, off_v, D,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for d0 in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        b_a = d_h.load([off_n, d0])  # [BLOCK_N, BLOCK_D]
+        b_b = d_w.load([off_v, d0])  # [BLOCK_V, BLOCK_D]
+        acc = tl.dot(b_a, b_b.T, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _fwd_stats_tma_kernel(
+    d_h,  # descriptor over hidden [N, D], block [BLOCK_N, BLOCK_D]
+    d_w,  # descriptor over weight [V, D], block [BLOCK_V, BLOCK_D]
+    p_b,  # [V] bias (unused unless HAS_BIAS)
+    p_tgt,  # [N] int64 local target (-1: not owned)
+    p_max, p_sum, p_tl, p_sez,  # [S, N] fp32 split stats, out
+    N, V, D,
+    inv_temp,
+    num_splits,
+    SPLIT_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    m_n = o_n < N
+    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
+    b_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_tl = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_sez = tl.zeros([BLOCK_N], dtype=tl.float32)
+    v_lo = i_s * SPLIT_V
+    for v0 in range(v_lo, tl.minimum(v_lo + SPLIT_V, V), BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        m_v = o_v < V
+        acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
+                               DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
+        if HAS_BIAS:
+            acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
+        b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
+        new_max = tl.maximum(b_max, tl.max(b_z, 1))
+        b_e = tl.exp(b_z - new_max[:, None])
+        b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)
+        b_scale = tl.exp(b_shift)
+        if WITH_ENTROPY:
+            b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)
+            b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
+        b_sum = b_sum * b_scale + tl.sum(b_e, 1)
+        b_max = new_max
+        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+    o_out = i_s.to(tl.int64) * N + o_n
+    tl.store(p_max + o_out, b_max, mask=m_n)
+    tl.store(p_sum + o_out, b_sum, mask=m_n)
+    tl.store(p_tl + o_out, b_tl, mask=m_n)
+    if WITH_ENTROPY:
+        tl.store(p_sez + o_out, b_sez, mask=m_n)
+
+
+@triton.jit
+def _bwd_dlogits_tma_kernel(
+    d_h,  # descriptor over hidden [N, D], block [BLOCK_N, BLOCK_D]
+    d_w,  # descriptor over weight [V, D], block [BLOCK_V, BLOCK_D]
+    p_b, p_tgt, p_lse, p_g, p_gmg, p_ge, p_mz,  # see _bwd_dlogits_kernel
+    p_dz,  # [N, v_hi - v_lo] d_logits workspace, out
+    p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial d_bias, out (only NEED_DB)
+    N, V, D, v_lo, v_hi,
+    stride_dz, stride_dbp,
+    inv_temp,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    o_v = v_lo + o_c
+    m_n = o_n < N
+    m_v = o_v < v_hi
+    acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
+                           DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
+    if HAS_BIAS:
+        acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
+    b_z = acc * inv_temp
+    b_lse = tl.load(p_lse + o_n, mask=m_n, other=0.0)
+    b_g = tl.load(p_g + o_n, mask=m_n, other=0.0)
+    b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0)
+    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
+    b_p = tl.exp(b_z - b_lse[:, None])
+    if WITH_ENTROPY:
+        b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0)
+        b_mz = tl.load(p_mz + o_n, mask=m_n, other=0.0)
+        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_z - b_mz[:, None])
+    else:
+        b_coef = b_gmg[:, None]
+    b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
+    b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
+    p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
+    tl.store(p_out, b_dz.to(p_dz.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
+    if NEED_DB:
+        tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_v)
+
+
+def tma_ok(hidden, weight) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and row strides."""
+    item = hidden.element_size()
+    return (hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and (hidden.stride(0) * item) % 16 == 0 and (weight.stride(0) * item) % 16 == 0)
+
+
+def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(hidden, [block_n, block_d]),
+            TensorDescriptor.from_tensor(weight, [block_v, block_d]))
+
+
+def launch_stats_tma(hidden, weight, bias, local_target, part, num_splits: int, split_v: int,
+                     inv_temperature: float, with_entropy: bool, cfg, warp_specialize: bool = False) -> None:
+    from .launch import _dot_precision, _launch_stats
+
+    if not tma_ok(hidden, weight):
+        return _launch_stats(hidden, weight, bias, local_target, part, num_splits, split_v, inv_temperature,
+                             with_entropy, cfg)
+    n, d = hidden.shape
+    d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
+    grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
+    _fwd_stats_tma_kernel[grid](
+        d_h, d_w, bias if bias is not None else hidden, local_target,
+        part[0], part[1], part[2], part[3] if with_entropy else part[0],
+        n, weight.shape[0], d, inv_temperature, num_splits,
+        SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
+        DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def launch_dlogits_tma(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+                       inv_temperature, with_entropy, need_db, cfg, precision: str,
+                       warp_specialize: bool = False) -> None:
+    from .launch import _launch_dlogits
+
+    if not tma_ok(hidden, weight):
+        return _launch_dlogits(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+                               inv_temperature, with_entropy, need_db, cfg, precision)
+    n, d = hidden.shape
+    d_h, d_w = _descriptors(hidden, weight, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d)
+    grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    _bwd_dlogits_tma_kernel[grid](
+        d_h, d_w, bias if bias is not None else hidden, local_target, lse, g, gmg, ge, mz, dz, dbp,
+        n, weight.shape[0], d, v_lo, v_hi, dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
+        HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
+        BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
+        DOT_PRECISION=precision, WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.bwd_num_stages,
+        num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+    )
