@@ -58,9 +58,12 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise KernelInputError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: full fp32 products (what torch does by default), not tf32.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_precision(dtype: torch.dtype) -> Optional[str]:
+    # fp32 inputs: full fp32 products (what torch does by default), not tf32. 16-bit inputs: Triton's default
+    # (the precision argument does not apply to them, and the interpreter mishandles "tf32" on 16-bit operands).
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if configs.interpreting() else None
 
 
 def _even(d: int, block: int) -> bool:
@@ -225,7 +228,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 def _launch_dlogits(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
-                    inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: str) -> None:
+                    inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
     n, d = hidden.shape
     grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
     _bwd_dlogits_kernel[grid](
@@ -240,7 +243,7 @@ def _launch_dlogits(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz,
 
 
 def _launch_dh(dz: torch.Tensor, w_chunk: torch.Tensor, d_hidden: torch.Tensor, accumulate: bool,
-               cfg: TileConfig, precision: str) -> None:
+               cfg: TileConfig, precision: Optional[str]) -> None:
     n, k = dz.shape
     d = w_chunk.shape[1]
     grid = (triton.cdiv(n, cfg.dh_block_n) * triton.cdiv(d, cfg.dh_block_d),)

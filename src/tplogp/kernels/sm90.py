@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import _grouped_ids
+from .triton_forward import _grouped_ids, _mma
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _logits_tile_tma(
     for d0 in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
         b_a = d_h.load([off_n, d0])  # [BLOCK_N, BLOCK_D]
         b_b = d_w.load([off_v, d0])  # [BLOCK_V, BLOCK_D]
-        acc = tl.dot(b_a, b_b.T, acc, input_precision=DOT_PRECISION)
+        acc = _mma(b_a, b_b.T, acc, DOT_PRECISION)
     return acc
 
 

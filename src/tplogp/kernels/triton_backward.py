@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import _grouped_ids, _logits_tile
+from .triton_forward import _grouped_ids, _logits_tile, _mma
 
 
 @triton.jit
@@ -105,7 +105,7 @@ def _dh_accum_kernel(
         m_k = (k0 + o_k) < K
         b_a = tl.load(p_a, mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_b = tl.load(p_b, mask=m_k[:, None] & m_d[None, :], other=0.0)
-        acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
+        acc = _mma(b_a, b_b, acc, DOT_PRECISION)
         p_a += BLOCK_K
         p_b += BLOCK_K * stride_wv
     tl.store(p_out, acc, mask=m_n[:, None] & m_d[None, :])

@@ -36,6 +36,16 @@ def _grouped_ids(pid, num_a, num_b, GROUP_A: tl.constexpr):
 
 
 @triton.jit
+def _mma(b_a, b_b, acc, DOT_PRECISION: tl.constexpr):
+    """acc + b_a @ b_b. DOT_PRECISION "upcast" computes 16-bit operands in fp32 (exact products; used by Triton's
+    CPU interpreter, whose 16-bit dot is unreliable); otherwise it is tl.dot's input_precision."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _logits_tile(
     p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -54,7 +64,7 @@ def _logits_tile(
             m_d = (d0 + o_d) < D
             b_a = tl.load(p_a, mask=m_n[:, None] & m_d[None, :], other=0.0)
             b_b = tl.load(p_b, mask=m_d[:, None] & m_v[None, :], other=0.0)
-        acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
+        acc = _mma(b_a, b_b, acc, DOT_PRECISION)
         p_a += BLOCK_D
         p_b += BLOCK_D
     return acc

@@ -1,0 +1,250 @@
+"""How fast, how lean and how accurate is linear_logp per source, against one cuBLAS GEMM and torch eager?
+
+Per shape (T x D x V, bf16, one GPU, per-token random upstream gradient) and source, prints and saves:
+forward ms, forward+backward ms, both in GEMM-times (one cuBLAS ``[T,D] x [D,V]`` bf16 matmul timed in the same
+run), effective TFLOP/s, extra peak GiB, and relative errors of logp / d_hidden / d_W against float64.
+
+FLOP accounting (one GEMM = 2*T*D*V): forward = 1 GEMM, forward+backward = 4 GEMMs (forward, recompute, d_hidden,
+d_W: the floor for a per-token op with O(T) saved state). "Effective TFLOP/s" divides those counts by the time, so
+a materializing implementation (3 GEMMs) is credited with 4 too: compare times, not only rates.
+
+Usage (one GPU):  python benchmarks/bench_linear_logp.py [--shapes 8192x4096x128256,...] [--sources ...]
+                  [--entropy] [--ignore-frac 0.5] [--out results/bench.json] [--plot results/bench.png]
+Sources: torch_eager (materialized logits, fp32 log_softmax), native, triton, sm90 (tplogp), liger, cce
+(when installed). TPLOGP_CHECKS=fast is set so the timed path has no host syncs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+os.environ.setdefault("TPLOGP_CHECKS", "fast")
+
+import runner  # noqa: E402
+
+DEFAULT_SHAPES = ((8192, 4096, 128256), (4096, 2048, 131072), (4096, 2048, 8192))
+DEFAULT_SOURCES = ("torch_eager", "triton", "sm90", "liger", "cce")
+
+
+def torch_eager(h, w, y, *, return_entropy=False, ignore_index=None):
+    logits = (h @ w.T).float()
+    logprobs = logits.log_softmax(-1)
+    safe = y if ignore_index is None else torch.where(y == ignore_index, torch.zeros_like(y), y)
+    logp = logprobs.gather(1, safe[:, None]).squeeze(1)
+    if ignore_index is not None:
+        logp = torch.where(y == ignore_index, torch.zeros_like(logp), logp)
+    if return_entropy:
+        ent = -(logprobs.exp() * logprobs).sum(-1)
+        return logp, ent
+    return logp
+
+
+def make_source(name: str, backend=None) -> Optional[Callable]:
+    """A callable (h, w, y, return_entropy, ignore_index) -> logp or (logp, entropy); None if unavailable."""
+    if name == "torch_eager":
+        return torch_eager
+    if name in ("native", "triton", "sm90") or backend is not None:
+        from tplogp.kernel_registry import get_backend
+        from tplogp.tp import LogpOptions, linear_logp_tp
+
+        be = backend if backend is not None else get_backend(name)
+        why = be.unavailable_reason(torch.device("cuda"))
+        if why is not None:
+            print(f"# {name} unavailable: {why}")
+            return None
+
+        def run(h, w, y, *, return_entropy=False, ignore_index=None, deterministic=False):
+            opts = LogpOptions(return_entropy=return_entropy, ignore_index=ignore_index, deterministic=deterministic)
+            out = linear_logp_tp(be, h, w, y, options=opts)
+            return (out.logp, out.entropy) if return_entropy else out
+
+        return run
+    if name == "liger":
+        try:
+            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as L
+        except Exception as exc:
+            print(f"# liger unavailable: {exc!r}")
+            return None
+        return lambda h, w, y, return_entropy=False, ignore_index=None: -L.apply(
+            h, w, y, None, None, -100 if ignore_index is None else ignore_index, 0.0, 0.0, "none")[0]
+    if name == "cce":
+        try:
+            from cut_cross_entropy import linear_cross_entropy
+        except Exception as exc:
+            print(f"# cce unavailable: {exc!r}")
+            return None
+        return lambda h, w, y, return_entropy=False, ignore_index=None: -linear_cross_entropy(
+            h, w, y, reduction="none", filter_eps=None, **({} if ignore_index is None else
+                                                             {"ignore_index": ignore_index}))
+    raise KeyError(f"unknown source {name!r}")
+
+
+def inputs(T: int, D: int, V: int, dtype=torch.bfloat16, seed: int = 0, ignore_frac: float = 0.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(dtype)
+    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(dtype)
+    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    ignore_index = None
+    if ignore_frac > 0:
+        ignore_index = -100
+        drop = torch.rand(T, device="cuda", generator=g) < ignore_frac
+        y = torch.where(drop, torch.full_like(y, ignore_index), y)
+    gy = torch.randn(T, device="cuda", generator=g)
+    ge = torch.randn(T, device="cuda", generator=g) * 0.1
+    return h, w, y, gy, ge, ignore_index
+
+
+def float64_truth(h, w, y, gy, ge, return_entropy: bool, ignore_index):
+    """logp (and entropy), d_hidden, d_W in float64 through autograd on the materialized logits."""
+    hd = h.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    out = torch_eager(hd, wd, y, return_entropy=return_entropy, ignore_index=ignore_index)
+    if return_entropy:
+        logp, ent = out
+        torch.autograd.backward([logp, ent], [gy.double(), ge.double()])
+    else:
+        logp, ent = out, None
+        logp.backward(gy.double())
+    res = dict(logp=logp.detach(), entropy=None if ent is None else ent.detach(), dh=hd.grad, dw=wd.grad)
+    del hd, wd, out
+    return res
+
+
+def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps=10, check=True,
+                extra_sources: Optional[dict] = None) -> list[dict]:
+    h, w, y, gy, ge, ignore_index = inputs(T, D, V, ignore_frac=ignore_frac)
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    gemm_ms = runner.median_ms(lambda: h @ w.T, reps=reps)
+    truth = float64_truth(h, w, y, gy, ge, return_entropy, ignore_index) if check else None
+    torch.cuda.empty_cache()
+    rows = [dict(source="cublas_gemm", T=T, D=D, V=V, fwd_ms=round(gemm_ms, 3))]
+    print(f"# {T}x{D}x{V} entropy={return_entropy} ignore_frac={ignore_frac}: one cuBLAS GEMM {gemm_ms:.3f} ms",
+          flush=True)
+    table = [(name, make_source(name)) for name in sources]
+    table += list((extra_sources or {}).items())
+    one_gemm_flop = 2.0 * T * D * V
+    for name, fn in table:
+        if fn is None:
+            continue
+        kw = dict(return_entropy=return_entropy, ignore_index=ignore_index)
+        row = dict(source=name, T=T, D=D, V=V, entropy=return_entropy, ignore_frac=ignore_frac)
+        try:
+            def fwd():
+                return fn(h, w, y, **kw)
+
+            def fwd_bwd():
+                out = fn(hg, wg, y, **kw)
+                if return_entropy:
+                    torch.autograd.backward([out[0], out[1]], [gy, ge])
+                else:
+                    out.backward(gy)
+                hg.grad = wg.grad = None
+
+            if check:
+                out = fn(hg, wg, y, **kw)
+                if return_entropy:
+                    torch.autograd.backward([out[0], out[1]], [gy, ge])
+                    row["err_entropy"] = runner.rel_err(out[1].detach(), truth["entropy"])
+                    out = out[0]
+                else:
+                    out.backward(gy)
+                row["err_logp"] = runner.rel_err(out.detach(), truth["logp"])
+                row["err_d_hidden"] = runner.rel_err(hg.grad, truth["dh"])
+                row["err_d_weight"] = runner.rel_err(wg.grad, truth["dw"])
+                hg.grad = wg.grad = None
+                del out
+            with torch.no_grad():
+                f_ms = runner.median_ms(fwd, reps=reps)
+            fb_ms = runner.median_ms(fwd_bwd, reps=reps)
+            peak = runner.extra_peak_gib(fwd_bwd)
+            row.update(fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3), gemm_ms=round(gemm_ms, 3),
+                       fwd_gemms=round(f_ms / gemm_ms, 3), fwd_bwd_gemms=round(fb_ms / gemm_ms, 3),
+                       fwd_tflops=round(one_gemm_flop / f_ms / 1e9, 1),
+                       fwd_bwd_tflops=round(4 * one_gemm_flop / fb_ms / 1e9, 1),
+                       extra_peak_gib=round(peak, 3))
+        except Exception as exc:  # one broken source must not hide the others' numbers
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(fmt_row(row), flush=True)
+    # memory allowance of the issue: size of d_W + d_hidden + 256 MiB
+    allowance = (V * D + T * D) * h.element_size() / 2**30 + 0.25
+    for r in rows:
+        r["allowance_gib"] = round(allowance, 3)
+    return rows
+
+
+def fmt_row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['source']:>22} | ERROR {r['error']}"
+    if "fwd_bwd_ms" not in r:
+        return f"{r['source']:>22} | fwd {r['fwd_ms']:.3f} ms"
+    errs = " ".join(f"{k[4:]}={r[k]:.1e}" for k in ("err_logp", "err_d_hidden", "err_d_weight", "err_entropy")
+                    if k in r)
+    return (f"{r['source']:>22} | fwd {r['fwd_ms']:8.3f} ms ({r['fwd_gemms']:.2f} G) | fwd+bwd {r['fwd_bwd_ms']:8.3f} ms"
+            f" ({r['fwd_bwd_gemms']:.2f} G, {r['fwd_bwd_tflops']:.0f} TF/s) | extra {r['extra_peak_gib']:.3f} GiB | {errs}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        print(f"# no plot: {exc!r}")
+        return
+    shapes = sorted({(r["T"], r["D"], r["V"], r.get("entropy", False), r.get("ignore_frac", 0.0)) for r in rows
+                     if "fwd_bwd_ms" in r})
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 3.2 * max(1, len(shapes))), squeeze=False)
+    for i, key in enumerate(shapes):
+        sel = [r for r in rows if "fwd_bwd_ms" in r and (r["T"], r["D"], r["V"], r.get("entropy", False),
+                                                         r.get("ignore_frac", 0.0)) == key]
+        names = [r["source"] for r in sel]
+        axes[i][0].barh(names, [r["fwd_bwd_gemms"] for r in sel], label="fwd+bwd")
+        axes[i][0].barh(names, [r["fwd_gemms"] for r in sel], label="fwd")
+        axes[i][0].axvline(4.0, color="k", ls="--", lw=0.8)
+        axes[i][0].set_xlabel("time in cuBLAS GEMM-times (dashed: 4-GEMM floor)")
+        axes[i][0].set_title(f"{key[0]}x{key[1]}x{key[2]} ent={key[3]} ign={key[4]}")
+        axes[i][0].legend(fontsize=7)
+        axes[i][1].barh(names, [r["extra_peak_gib"] for r in sel])
+        axes[i][1].axvline(sel[0]["allowance_gib"], color="k", ls="--", lw=0.8)
+        axes[i][1].set_xlabel("extra peak GiB (dashed: d_W + d_hidden + 256 MiB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"# plot written to {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in DEFAULT_SHAPES))
+    ap.add_argument("--sources", default=",".join(DEFAULT_SOURCES))
+    ap.add_argument("--entropy", action="store_true", help="also return (and differentiate) the entropy")
+    ap.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of targets set to ignore_index")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-check", action="store_true", help="skip the float64 error columns")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "results"), "bench_linear_logp.json"))
+    ap.add_argument("--plot", default=None, help="PNG path (default: beside --out)")
+    args = ap.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
+    sources = [s for s in args.sources.split(",") if s]
+    info = runner.machine_info()
+    print("#", info, flush=True)
+    rows = []
+    for T, D, V in shapes:
+        rows += bench_shape(T, D, V, sources, return_entropy=args.entropy, ignore_frac=args.ignore_frac,
+                            reps=args.reps, check=not args.no_check)
+    runner.write_json(args.out, dict(machine=info, rows=rows))
+    plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
