@@ -231,14 +231,14 @@ def breakdown(label, be, T, D, V, gemm_ms, reps=10):
     gy = torch.randn(T, device="cuda", generator=g)
     call = ShardCall()
     st = be.forward_stats(h, w, None, y, call)
-    lse = st.row_max + st.sum_exp.log()
+    rmax, lsum = st.row_max, st.sum_exp.log()
     out = dict(label=label, shape=f"{T}x{D}x{V}", gemm_ms=round(gemm_ms, 3))
     pieces = {
         "forward_stats": lambda: be.forward_stats(h, w, None, y, call),
-        "bwd_all": lambda: be.backward(h, w, None, y, lse, gy, None, None, None, call, (True, True, False)),
-        "bwd_dh_only": lambda: be.backward(h, w, None, y, lse, gy, None, None, None, call, (True, False, False)),
-        "bwd_dw_only": lambda: be.backward(h, w, None, y, lse, gy, None, None, None, call, (False, True, False)),
-        "bwd_all_deterministic": lambda: be.backward(h, w, None, y, lse, gy, None, None, None,
+        "bwd_all": lambda: be.backward(h, w, None, y, rmax, lsum, gy, None, None, None, call, (True, True, False)),
+        "bwd_dh_only": lambda: be.backward(h, w, None, y, rmax, lsum, gy, None, None, None, call, (True, False, False)),
+        "bwd_dw_only": lambda: be.backward(h, w, None, y, rmax, lsum, gy, None, None, None, call, (False, True, False)),
+        "bwd_all_deterministic": lambda: be.backward(h, w, None, y, rmax, lsum, gy, None, None, None,
                                                      ShardCall(deterministic=True), (True, True, False)),
     }
     for k, fn in pieces.items():

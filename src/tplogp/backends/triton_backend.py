@@ -95,13 +95,8 @@ class TritonBackend:
                  mean_z, call: ShardCall, needs) -> ShardGrads:
         from ..kernels import launch
 
-        # BRIDGE (lead engineer, 12:30): the contract now passes (row_max, log_sum) and mean_z relative to row_max;
-        # the kernels still take a single lse. Replace by passing the split parts into the kernels (see base.py).
-        lse = row_max + log_sum
-        mean_z = None if mean_z is None else mean_z + row_max
-
         d_hidden, d_weight, d_bias = launch.backward(
-            hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
+            hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device),
             dlogits_launch=self._dlogits_launch(hidden.device))

@@ -165,7 +165,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-             local_target: torch.Tensor, lse: torch.Tensor, grad_logp: torch.Tensor,
+             local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, grad_logp: torch.Tensor,
              grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_z: Optional[torch.Tensor],
              inv_temperature: float, deterministic: bool, workspace_bytes: Optional[int],
              needs: tuple[bool, bool, bool], cfg: TileConfig,
@@ -186,13 +186,14 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
     f32 = torch.float32
     local_target = local_target.contiguous()
-    lse = lse.to(f32).contiguous()
+    row_max = row_max.to(f32).contiguous()
+    log_sum = log_sum.to(f32).contiguous()
     g = grad_logp.to(f32).contiguous()
     gmg = g if grad_lse is None else (g - grad_lse.to(f32)).contiguous()
     with_entropy = grad_entropy is not None
     if with_entropy:
         if mean_z is None:
-            raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z]")
+            raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z] - M")
         ge = grad_entropy.to(f32).contiguous()
         mz = mean_z.to(f32).contiguous()
     else:
@@ -210,7 +211,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     for i_chunk, v_lo in enumerate(range(0, v, chunk)):
         v_hi = min(v_lo + chunk, v)
         dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
-        launch(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+        launch(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                float(inv_temperature), with_entropy, need_db, cfg, precision)
         w_chunk = weight[v_lo:v_hi]
         if need_dh:
@@ -227,12 +228,12 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return d_hidden, d_weight, d_bias
 
 
-def _launch_dlogits(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+def _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                     inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
     n, d = hidden.shape
     grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
     _bwd_dlogits_kernel[grid](
-        hidden, weight, bias if bias is not None else hidden, local_target, lse, g, gmg, ge, mz, dz, dbp,
+        hidden, weight, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi,
         hidden.stride(0), weight.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
         inv_temperature,

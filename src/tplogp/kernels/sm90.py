@@ -86,7 +86,7 @@ def _fwd_stats_tma_kernel(
 def _bwd_dlogits_tma_kernel(
     d_h,  # descriptor over hidden [N, D], block [BLOCK_N, BLOCK_D]
     d_w,  # descriptor over weight [V, D], block [BLOCK_V, BLOCK_D]
-    p_b, p_tgt, p_lse, p_g, p_gmg, p_ge, p_mz,  # see _bwd_dlogits_kernel
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz,  # see _bwd_dlogits_kernel
     p_dz,  # [N, v_hi - v_lo] d_logits workspace, out
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial d_bias, out (only NEED_DB)
     N, V, D, v_lo, v_hi,
@@ -106,16 +106,17 @@ def _bwd_dlogits_tma_kernel(
                            DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
     if HAS_BIAS:
         acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-    b_z = acc * inv_temp
-    b_lse = tl.load(p_lse + o_n, mask=m_n, other=0.0)
+    b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
+    b_lsum = tl.load(p_lsum + o_n, mask=m_n, other=0.0)
+    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M: exact 0 at the max, so 1 - p does not cancel at a peak
     b_g = tl.load(p_g + o_n, mask=m_n, other=0.0)
     b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    b_p = tl.exp(b_z - b_lse[:, None])
+    b_p = tl.exp(b_zr - b_lsum[:, None])
     if WITH_ENTROPY:
         b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0)
         b_mz = tl.load(p_mz + o_n, mask=m_n, other=0.0)
-        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_z - b_mz[:, None])
+        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
     else:
         b_coef = b_gmg[:, None]
     b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
@@ -161,19 +162,19 @@ def launch_stats_tma(hidden, weight, bias, local_target, part, num_splits: int, 
     )
 
 
-def launch_dlogits_tma(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                        inv_temperature, with_entropy, need_db, cfg, precision: str,
                        warp_specialize: bool = False) -> None:
     from .launch import _launch_dlogits
 
     if not tma_ok(hidden, weight):
-        return _launch_dlogits(hidden, weight, bias, local_target, lse, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+        return _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                                inv_temperature, with_entropy, need_db, cfg, precision)
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d)
     grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
     _bwd_dlogits_tma_kernel[grid](
-        d_h, d_w, bias if bias is not None else hidden, local_target, lse, g, gmg, ge, mz, dz, dbp,
+        d_h, d_w, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi, dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
         HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,

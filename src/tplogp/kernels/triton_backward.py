@@ -6,8 +6,10 @@ workspace (weight dtype) fits the byte budget. Per chunk:
 1. :func:`_bwd_dlogits_kernel` recomputes each ``[BLOCK_N, BLOCK_V]`` logits tile in fp32 (same K loop as the
    forward) and forms, in fp32, ::
 
-       p  = exp(z - lse)
-       dz = g * onehot(target) - p * (g - g_lse + g_ent * (z - mean_z))
+       zr = z - M                  (M: global row max; exact 0 at the max)
+       p  = exp(zr - log_sum)      (log_sum = log sum exp(z - M): lse = M + log_sum, kept apart so that
+                                    1 - p at a peaked target does not cancel against an rounded lse)
+       dz = g * onehot(target) - p * (g - g_lse + g_ent * (zr - mean_zr))
        d_logits = dz * inv_temperature
 
    then rounds ``d_logits`` once to the weight dtype into the workspace; with a bias it also writes the fp32
@@ -32,11 +34,12 @@ def _bwd_dlogits_kernel(
     p_w,  # [V, D] weight shard, in
     p_b,  # [V] bias, in (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target, in
-    p_lse,  # [N] fp32 global lse, in
+    p_rmax,  # [N] fp32 global row max M, in
+    p_lsum,  # [N] fp32 log sum exp(z - M) over the global vocab, in
     p_g,  # [N] fp32 grad of logp, in
     p_gmg,  # [N] fp32 grad_logp - grad_lse, in
     p_ge,  # [N] fp32 grad of entropy, in (only WITH_ENTROPY)
-    p_mz,  # [N] fp32 mean logit E_p[z], in (only WITH_ENTROPY)
+    p_mz,  # [N] fp32 mean logit relative to the max, E_p[z] - M, in (only WITH_ENTROPY)
     p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
     N, V, D, v_lo, v_hi,
@@ -56,16 +59,17 @@ def _bwd_dlogits_kernel(
                        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
     if HAS_BIAS:
         acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-    b_z = acc * inv_temp
-    b_lse = tl.load(p_lse + o_n, mask=m_n, other=0.0)
+    b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
+    b_lsum = tl.load(p_lsum + o_n, mask=m_n, other=0.0)
+    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M: exact 0 at the max, so 1 - p does not cancel at a peak
     b_g = tl.load(p_g + o_n, mask=m_n, other=0.0)
     b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    b_p = tl.exp(b_z - b_lse[:, None])  # [BLOCK_N, BLOCK_V]
+    b_p = tl.exp(b_zr - b_lsum[:, None])  # [BLOCK_N, BLOCK_V]
     if WITH_ENTROPY:
         b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0)
         b_mz = tl.load(p_mz + o_n, mask=m_n, other=0.0)
-        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_z - b_mz[:, None])
+        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
     else:
         b_coef = b_gmg[:, None]
     b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
