@@ -10,9 +10,10 @@ Forward, per call:
      logit (0 when not owned) and, for entropy, ``sum exp(z - m_r)(z - m_r)``.
   3. ONE ``all_gather`` of the packed ``[N, 4 or 5]`` fp32 stats (max, sumexp, target logit, owner flag, q). Then on
      every rank: ``M = max_r m_r``, ``S = sum_r s_r e^{m_r - M}``, ``lse = M + log S``,
-     ``logp = sum_r y_r [owned_r] - lse``, ``E_p[z] = M + sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``,
-     ``entropy = lse - E_p[z]``; the owner count must be exactly 1 per (non-ignored) token.
-Backward: ``backend.backward`` with the global ``lse`` (and ``E_p[z]``) gives local ``d_weight``/``d_bias`` and a
+     ``logp = (sum_r y_r [owned_r] - M) - log S`` (relative to M: no cancellation at peaked targets),
+     ``E_p[z] - M = sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``, ``entropy = log S - (E_p[z] - M)``;
+     the owner count must be exactly 1 per (non-ignored) token.
+Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
 partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it.
 
 Without a group (or a group of one) the same code runs with no collectives. Rows whose target equals
@@ -83,7 +84,11 @@ def _comm_device(group, tensor_device: torch.device) -> torch.device:
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
-    """Merge packed per-rank stats ``[W, N, K]`` -> (lse, target_logit, owner_count, mean_z or None)."""
+    """Merge packed per-rank stats ``[W, N, K]`` -> (M, log S, target logit - M, owner count, E_p[z] - M or None).
+
+    Everything is kept relative to the global max ``M`` so that ``z - M`` is exact at the max: the logp of a
+    peaked target is ``(y - M) - log S`` with no cancellation between two large numbers.
+    """
     m = stats_all[..., 0]
     s = stats_all[..., 1]
     y = stats_all[..., 2]
@@ -92,15 +97,15 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tens
     # A token whose every shard is empty would give -inf; such a layout is rejected earlier.
     scale = torch.exp(m - big_m.unsqueeze(0))
     total = (s * scale).sum(0)
-    lse = big_m + torch.log(total)
-    target = (y * owned).sum(0)
+    log_sum = torch.log(total)
     count = owned.sum(0)
-    mean_z = None
+    target_rel = (torch.where(owned > 0, y - big_m.unsqueeze(0), torch.zeros_like(y))).sum(0)
+    mean_rel = None
     if with_entropy:
         q = stats_all[..., 4]
         shift = torch.where(s > 0, s * (m - big_m.unsqueeze(0)), torch.zeros_like(s))
-        mean_z = big_m + (scale * (q + shift)).sum(0) / total
-    return lse, target, count, mean_z
+        mean_rel = (scale * (q + shift)).sum(0) / total
+    return big_m, log_sum, target_rel, count, mean_rel
 
 
 class _LinearLogpFunction(torch.autograd.Function):
@@ -118,7 +123,7 @@ class _LinearLogpFunction(torch.autograd.Function):
             stats_all = recv.view(tpc.world_size, *packed.shape).to(hidden.device)
         else:
             stats_all = packed.unsqueeze(0)
-        lse, target, count, mean_z = merge_stats(stats_all, call.with_entropy)
+        row_max, log_sum, target_rel, count, mean_rel = merge_stats(stats_all, call.with_entropy)
         if tpc.check_coverage and hidden.shape[0] > 0:
             bad = count != 1
             if bool(bad.any()):  # identical on every rank: all saw the same gathered stats
@@ -126,9 +131,10 @@ class _LinearLogpFunction(torch.autograd.Function):
                 raise LinearLogpInputError(
                     f"{COVERAGE_MESSAGE}: {int(bad.sum())} token(s) have no or several owners "
                     f"(first: token {idx}, owned by {int(count[idx])} shard(s))")
-        logp = torch.where(count == 1, target - lse, torch.full_like(lse, float("nan")))
-        entropy = (lse - mean_z) if mean_z is not None else None
-        ctx.save_for_backward(hidden, weight, bias, local_target, lse, mean_z)
+        logp = torch.where(count == 1, target_rel - log_sum, torch.full_like(log_sum, float("nan")))
+        lse = row_max + log_sum
+        entropy = (log_sum - mean_rel) if mean_rel is not None else None
+        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel)
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
         if entropy is None:
@@ -138,7 +144,7 @@ class _LinearLogpFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy, g_lse):
-        hidden, weight, bias, local_target, lse, mean_z = ctx.saved_tensors
+        hidden, weight, bias, local_target, row_max, log_sum, mean_rel = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         n = hidden.shape[0]
@@ -146,10 +152,10 @@ class _LinearLogpFunction(torch.autograd.Function):
         if g_logp is None:
             zeros = torch.zeros(n, device=hidden.device, dtype=torch.float32)
         g_logp = zeros if g_logp is None else g_logp.float().contiguous()
-        g_ent = None if (g_entropy is None or mean_z is None) else g_entropy.float().contiguous()
+        g_ent = None if (g_entropy is None or mean_rel is None) else g_entropy.float().contiguous()
         g_lse_ = None if g_lse is None else g_lse.float().contiguous()
-        grads = tpc.backend.backward(hidden, weight, bias, local_target, lse, g_logp, g_ent, g_lse_,
-                                     mean_z if g_ent is not None else None, tpc.call, needs)
+        grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
+                                     mean_rel if g_ent is not None else None, tpc.call, needs)
         d_hidden = grads.d_hidden
         if d_hidden is not None:
             if tpc.world_size > 1:

@@ -14,13 +14,16 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     all fp32 of shape ``[N]``.
 
 ``backward``
-    Given the merged (global) ``lse[t]`` and, for entropy, the global mean logit ``mean_z[t] = E_p[z]``, and the
-    upstream gradients ``grad_logp[t]`` / ``grad_entropy[t]`` / ``grad_lse[t]`` (already zero on ignored rows;
-    ``grad_entropy`` and ``grad_lse`` may be None, meaning zero), compute
+    Given the merged (global) per-token softmax normalizer as two parts, ``row_max[t]`` (the global max ``M``) and
+    ``log_sum[t] = log sum_v exp(z - M)`` (so ``lse = M + log_sum``; kept apart so that ``z - M`` is exact at the
+    max and ``1 - p`` at a peaked target does not cancel), for entropy the global mean logit relative to the max
+    ``mean_z[t] = E_p[z] - M``, and the upstream gradients ``grad_logp[t]`` / ``grad_entropy[t]`` / ``grad_lse[t]``
+    (``grad_entropy`` and ``grad_lse`` may be None, meaning zero), compute
 
-        p        = exp(z - lse)
+        zr       = z - row_max
+        p        = exp(zr - log_sum)
         dz       = grad_logp * onehot(local_target)
-                   - p * (grad_logp - grad_lse + grad_entropy * (z - mean_z))
+                   - p * (grad_logp - grad_lse + grad_entropy * (zr - mean_z))
         d_logits = dz * inv_temperature
         d_hidden = d_logits @ weight          (partial over this shard, fp32, all-reduced by the TP layer)
         d_weight = d_logits^T @ hidden        (fp32 accumulation, returned in weight.dtype)
@@ -91,11 +94,12 @@ class ShardBackend(Protocol):
         weight: torch.Tensor,  # [V_local, D]
         bias: Optional[torch.Tensor],  # [V_local] or None
         local_target: torch.Tensor,  # [N] int64
-        lse: torch.Tensor,  # [N] fp32, global log-sum-exp of z
+        row_max: torch.Tensor,  # [N] fp32, global max of z
+        log_sum: torch.Tensor,  # [N] fp32, log sum exp(z - row_max) over the global vocab
         grad_logp: torch.Tensor,  # [N] fp32
         grad_entropy: Optional[torch.Tensor],  # [N] fp32 or None
         grad_lse: Optional[torch.Tensor],  # [N] fp32 or None (d loss / d lse, e.g. a z-loss)
-        mean_z: Optional[torch.Tensor],  # [N] fp32 E_p[z] (global) or None
+        mean_z: Optional[torch.Tensor],  # [N] fp32 E_p[z] - row_max (global) or None
         call: ShardCall,
         needs: tuple[bool, bool, bool],  # (d_hidden, d_weight, d_bias)
     ) -> ShardGrads: ...

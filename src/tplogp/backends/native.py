@@ -166,8 +166,8 @@ class NativeBackend:
                 sum_exp_z[t0:t1] = q[: t1 - t0]
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
 
-    def backward(self, hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
-                 call: ShardCall, needs: tuple[bool, bool, bool]) -> ShardGrads:
+    def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
+                 mean_z, call: ShardCall, needs: tuple[bool, bool, bool]) -> ShardGrads:
         need_h, need_w, need_b = needs
         n, d = hidden.shape
         v = weight.shape[0]
@@ -176,8 +176,8 @@ class NativeBackend:
         d_weight32 = torch.zeros(v, d, device=dev, dtype=torch.float32) if need_w else None
         d_bias32 = torch.zeros(v, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
-            self._backward_tiles(hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
-                                 call, d_hidden, d_weight32, d_bias32)
+            self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+                                 grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32)
         d_weight = None
         if d_weight32 is not None:
             d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
@@ -186,8 +186,8 @@ class NativeBackend:
             d_bias = d_bias32 if bias.dtype == torch.float32 else d_bias32.to(bias.dtype)
         return ShardGrads(d_hidden, d_weight, d_bias)
 
-    def _backward_tiles(self, hidden, weight, bias, local_target, lse, grad_logp, grad_entropy, grad_lse, mean_z,
-                        call, d_hidden, d_weight32, d_bias32) -> None:
+    def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+                        grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32) -> None:
         n, v = hidden.shape[0], weight.shape[0]
         # GEMM operand dtype for dz: the weight's dtype on CUDA (like an eager LM head, fp32 accumulation),
         # fp32 on CPU where low-precision GEMMs have no fp32-output path.
@@ -198,7 +198,8 @@ class NativeBackend:
             rows = t1 - t0
             pad_to = tc if call.deterministic else rows
             h = _pad_rows(hidden[t0:t1], pad_to)
-            lse_c = _pad_rows(lse[t0:t1], pad_to, float("inf"))  # padded rows: p = 0
+            m_c = _pad_rows(row_max[t0:t1], pad_to)
+            ls_c = _pad_rows(log_sum[t0:t1], pad_to, float("inf"))  # padded rows: p = 0
             g = _pad_rows(grad_logp[t0:t1], pad_to)
             # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z)
             c0 = g.clone()
@@ -218,7 +219,8 @@ class NativeBackend:
                 v1 = min(v0 + vc, v)
                 w = weight[v0:v1]
                 z = _logits_tile(h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
-                p = torch.exp(z - lse_c.unsqueeze(1))
+                z -= m_c.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peaked target
+                p = torch.exp(z - ls_c.unsqueeze(1))
                 if ge is not None:
                     coef = c0.unsqueeze(1) + ge.unsqueeze(1) * z
                 else:

@@ -1,0 +1,17 @@
+"""Project-level pytest setup.
+
+Without a CUDA device, Triton kernels run through Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before
+any kernel is defined, so it is set here, before test modules import tplogp's Triton sources. Set
+``TRITON_INTERPRET=0`` explicitly to keep the Triton sources reported as unavailable on CPU.
+"""
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Test helpers (tolerances, problems) are imported as top-level modules by the test files.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
