@@ -1,0 +1,97 @@
+"""External mode: pytest itself was launched by torchrun (``torchrun --nproc_per_node=2 -m pytest ...``).
+
+Every pytest process is one rank of an existing world (``WORLD_SIZE``/``RANK``/``MASTER_ADDR`` from torchrun, one
+node or several). Nothing is spawned: the process group is initialised from the environment (or reused when the
+test session already has one), all ranks check that they collected the same tests, TP test bodies run in-process,
+and each test's per-rank outcomes are exchanged over a gloo control group so that every rank reaches the same
+verdict (a failure on rank 3 fails the test on rank 0, which is the only rank that prints a report). A per-test
+deadline dumps all stacks (faulthandler) and exits the rank: torchrun then tears the job down, since a process
+group cannot be respawned from inside.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import random
+import sys
+from typing import Any, Callable, Optional
+
+from .options import Settings
+from .protocol import RankOutcome
+
+
+def detect(environ: Optional[dict[str, str]] = None) -> bool:
+    env = os.environ if environ is None else environ
+    return "WORLD_SIZE" in env and "RANK" in env and ("TORCHELASTIC_RUN_ID" in env or "MASTER_ADDR" in env)
+
+
+class ExternalMode:
+    def __init__(self, settings: Settings) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from .context import RankContext, set_current
+
+        self.dist = dist
+        self.torch = torch
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        backend = settings.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "gloo"
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        self.owns_group = not dist.is_initialized()
+        if self.owns_group:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+        else:
+            backend = dist.get_backend()
+        ctrl = dist.new_group(backend="gloo") if backend != "gloo" else None
+        self.ctx = RankContext(rank, world_size, backend, device, local_rank=local_rank, external=True,
+                               ctrl_group=ctrl)
+        set_current(self.ctx)
+
+    def check_collection(self, nodeids: list[str]) -> Optional[str]:
+        """None if every rank collected the same tests in the same order, else a description of the difference."""
+        everyone = self.ctx.all_gather_object(nodeids)
+        ref = everyone[0]
+        for r, ids in enumerate(everyone[1:], start=1):
+            if ids != ref:
+                extra = sorted(set(ids) - set(ref))[:5]
+                missing = sorted(set(ref) - set(ids))[:5]
+                return (f"tplogp (torchrun): rank {r} collected different tests than rank 0 ({len(ids)} vs "
+                        f"{len(ref)}; extra on rank {r}: {extra}; missing on rank {r}: {missing}; or a different "
+                        f"order). Every rank must run the same tests with the same options.")
+        return None
+
+    def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int, timeout_s: float) -> Any:
+        """Run the body here, exchange outcomes with every rank, return a PoolRun for ``report.merge``."""
+        import time
+
+        from .pool import PoolRun
+        from .rank import classify
+        from .values import bind
+
+        random.seed(seed)
+        self.torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.stderr)
+        try:
+            func(**{k: bind(v, self.ctx) for k, v in kwargs.items()})
+            mine = RankOutcome(self.ctx.rank, "passed")
+        except BaseException as exc:  # noqa: BLE001 - decided collectively below
+            mine = classify(exc, self.ctx.rank)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        mine.duration_s = time.perf_counter() - t0
+        outs = self.ctx.all_gather_object(mine)
+        return PoolRun(outcomes={o.rank: o for o in outs}, elapsed_s=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        if self.owns_group and self.dist.is_initialized():
+            try:
+                self.dist.destroy_process_group()
+            except Exception:
+                pass

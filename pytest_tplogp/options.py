@@ -1,0 +1,151 @@
+"""Settings of the plugin, resolved once per session with precedence CLI > environment > ini > default.
+
+Every setting has one row in :data:`SPECS`: its CLI flag, environment variable, ini key, default and parser. A value
+that does not parse raises ``pytest.UsageError`` naming where it came from (``--tp-timeout``, ``env
+TPLOGP_TP_TIMEOUT`` or ``ini tp_timeout``), what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import pytest
+
+from .values import BIASES, DTYPES, OP_SOURCES, SHARD_KINDS
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Settings:
+    world_size: int = 2
+    backend: str = "auto"
+    timeout_s: float = 120.0
+    run_stress: bool = False
+    op_sources: tuple[str, ...] = OP_SOURCES
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    biases: tuple[str, ...] = tuple(BIASES)
+    shards: tuple[str, ...] = SHARD_KINDS
+    threads: int = 0  # torch intra-op threads per CPU rank; 0 = cores // world size
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("must be >= 1")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true/false")
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return raw
+
+    return parse
+
+
+def _subset(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def parse(raw: str) -> tuple[str, ...]:
+        items = tuple(x.strip() for x in raw.split(",") if x.strip())
+        bad = [x for x in items if x not in choices]
+        if bad or not items:
+            raise ValueError(f"expected a comma-separated subset of {', '.join(choices)}"
+                             + (f"; unknown: {', '.join(bad)}" if bad else ""))
+        return items
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Spec:
+    field: str
+    flag: str
+    env: str
+    ini: str
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str = ""
+    is_flag: bool = False
+
+
+SPECS: tuple[Spec, ...] = (
+    Spec("world_size", "--tp", "TPLOGP_TP", "tp_world_size", _positive_int,
+         "default world size of @pytest.mark.tp tests without world_size= (default 2)", "N"),
+    Spec("backend", "--tp-backend", "TPLOGP_TP_BACKEND", "tp_backend", _choice(BACKENDS),
+         "auto (NCCL with one GPU per rank when this process has enough GPUs, else gloo on CPU), gloo or nccl",
+         "NAME"),
+    Spec("timeout_s", "--tp-timeout", "TPLOGP_TP_TIMEOUT", "tp_timeout", _positive_float,
+         "per-test deadline in seconds on the ranks (marker timeout= overrides; default 120)", "SECONDS"),
+    Spec("run_stress", "--run-stress", "TPLOGP_RUN_STRESS", "tp_run_stress", _bool,
+         "run @pytest.mark.stress tests (also selected by -m stress)", is_flag=True),
+    Spec("op_sources", "--op-source", "TPLOGP_OP_SOURCE", "tp_op_source", _subset(OP_SOURCES),
+         "op_source grid, comma-separated subset of registry,native,triton,sm90", "LIST"),
+    Spec("dtypes", "--tp-dtype", "TPLOGP_TP_DTYPE", "tp_dtype", _subset(tuple(DTYPES)),
+         "dtype grid, comma-separated subset of fp32,bf16,fp16", "LIST"),
+    Spec("biases", "--tp-bias", "TPLOGP_TP_BIAS", "tp_bias", _subset(tuple(BIASES)),
+         "bias grid, comma-separated subset of nobias,bias", "LIST"),
+    Spec("shards", "--tp-shards", "TPLOGP_TP_SHARDS", "tp_shards", _subset(SHARD_KINDS),
+         "vocab_shards grid, comma-separated subset of even,uneven", "LIST"),
+    Spec("threads", "--tp-threads", "TPLOGP_TP_THREADS", "tp_threads", _non_negative_int,
+         "torch intra-op threads per CPU rank (0 = cores // world size)", "N"),
+)
+
+
+def addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("tplogp", "tensor-parallel rank pool (pytest_tplogp)")
+    for spec in SPECS:
+        dest = f"tplogp_{spec.field}"
+        help_text = f"{spec.help} [env {spec.env}, ini {spec.ini}]"
+        if spec.is_flag:
+            group.addoption(spec.flag, action="store_true", default=None, dest=dest, help=help_text)
+        else:
+            group.addoption(spec.flag, action="store", default=None, dest=dest, metavar=spec.metavar, help=help_text)
+        parser.addini(spec.ini, help=spec.help, type="string", default="")
+
+
+def resolve(config: pytest.Config, environ: Optional[dict[str, str]] = None) -> Settings:
+    """Resolve every setting (CLI > env > ini > default); raise ``pytest.UsageError`` naming the source."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for spec in SPECS:
+        cli = config.getoption(f"tplogp_{spec.field}")
+        if cli is not None and cli is not False:
+            raw, source = ("true" if cli is True else str(cli)), spec.flag
+        elif env.get(spec.env, "") != "":
+            raw, source = env[spec.env], f"env {spec.env}"
+        else:
+            ini = config.getini(spec.ini)
+            if ini in ("", None):
+                continue
+            raw, source = str(ini), f"ini {spec.ini}"
+        try:
+            values[spec.field] = spec.parse(raw)
+        except ValueError as exc:
+            raise pytest.UsageError(f"pytest_tplogp: invalid value {raw!r} for {source}: {exc}") from None
+    return Settings(**values)

@@ -1,0 +1,381 @@
+"""The controller: persistent rank pools, bounded waits, stack dumps, kill and respawn.
+
+One :class:`RankPool` per (world size, backend, device set) lives in each pytest process (each xdist worker has its
+own), created lazily on first use through ``torch.multiprocessing`` (spawn: CUDA is never touched before a fork).
+Rendezvous is a ``FileStore`` in a per-pool-generation directory under a per-session temp directory, so nothing can
+race for a port. Each command is sent to every rank over its own pipe and awaited with
+``multiprocessing.connection.wait`` on the pipes *and* the process sentinels, until a deadline:
+
+- all ranks answer: their :class:`RankOutcome` s come back (the fresh-state verdict included);
+- a rank fails, skips alone or dies: the others get :data:`STRAGGLER_GRACE_S` to finish, else they are stuck;
+- the deadline passes: stuck ranks are stuck.
+
+Stuck ranks get SIGUSR1 (faulthandler dumps every thread's stack to the rank's stack file) and then the pool is
+killed (SIGKILL to every rank's process group, bounded joins) and respawned on next use. The same happens when a
+rank died or the fresh-state check failed. Nothing here waits without a timeout.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any, NamedTuple, Optional
+
+from .protocol import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    STRAGGLER_GRACE_S,
+    RankConfig,
+    RankOutcome,
+    Ready,
+    StartFailed,
+)
+
+#: At most this many pools stay alive per pytest process (least recently used stopped first).
+MAX_LIVE_POOLS = 3
+
+
+class PoolKey(NamedTuple):
+    world_size: int
+    backend: str
+    devices: tuple[str, ...]  # physical GPU ids (CUDA_VISIBLE_DEVICES entries), or ("cpu",)
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.devices == ("cpu",) else "cuda"
+
+    def describe(self) -> str:
+        devs = "cpu" if self.device_type == "cpu" else "cuda:" + ",".join(self.devices)
+        return f"world size {self.world_size}, {self.backend}, {devs}"
+
+
+class PoolStartError(RuntimeError):
+    """The pool could not start (rendezvous, import or device error); the message carries every rank's stderr."""
+
+
+@dataclass
+class StuckRank:
+    rank: int
+    pid: int
+    stack: str  # faulthandler dump (may be empty if the rank did not answer SIGUSR1)
+
+
+@dataclass
+class PoolRun:
+    """Everything the controller learned from one command on every rank."""
+
+    outcomes: dict[int, RankOutcome] = field(default_factory=dict)
+    deaths: dict[int, str] = field(default_factory=dict)  # rank -> "killed by signal 9 (SIGKILL)" etc.
+    death_stacks: dict[int, str] = field(default_factory=dict)  # fatal-signal dumps of dead ranks
+    stuck: dict[int, StuckRank] = field(default_factory=dict)
+    timed_out: bool = False  # the deadline (not just the straggler grace) passed
+    outputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (stdout, stderr) of this command
+    elapsed_s: float = 0.0
+    killed: Optional[str] = None  # why the pool was killed after this command (None: still alive)
+
+
+def describe_exit(exitcode: Optional[int]) -> str:
+    if exitcode is None:
+        return "exited (exit code unknown)"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "?"
+        return f"killed by signal {-exitcode} ({name})"
+    return f"exited with code {exitcode} (os._exit/sys.exit inside the test?)"
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_from(path: str, offset: int, limit: int = 256 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(limit + 1)
+    except OSError:
+        return ""
+    text = data[:limit].decode("utf-8", "replace")
+    return text + ("\n[... output truncated ...]" if len(data) > limit else "")
+
+
+class RankPool:
+    """A persistent pool of ``key.world_size`` rank processes (see the module docstring)."""
+
+    def __init__(self, key: PoolKey, session_dir: str, num_threads: Optional[int] = None) -> None:
+        self.key = key
+        self.session_dir = session_dir
+        self.num_threads = num_threads
+        self.generation = 0
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.pool_dir = ""
+        self.start_s = 0.0
+        self.starts = 0
+
+    # ------------------------------------------------------------ lifecycle
+    @property
+    def started(self) -> bool:
+        return bool(self.procs)
+
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def _cfg(self, rank: int) -> RankConfig:
+        return RankConfig(rank=rank, world_size=self.key.world_size, backend=self.key.backend,
+                          device_type=self.key.device_type, pool_dir=self.pool_dir,
+                          store_path=os.path.join(self.pool_dir, "store"), parent_pid=os.getpid(),
+                          num_threads=self.num_threads)
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> float:
+        """Spawn the ranks and wait (bounded) until every one has joined the process group. Returns seconds."""
+        import torch.multiprocessing as tmp
+
+        from .rank import rank_main
+
+        t0 = time.perf_counter()
+        self.generation += 1
+        tag = f"ws{self.key.world_size}-{self.key.backend}-{'-'.join(self.key.devices)}-g{self.generation}"
+        self.pool_dir = os.path.join(self.session_dir, tag)
+        os.makedirs(self.pool_dir, exist_ok=True)
+        ctx = tmp.get_context("spawn")
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(self.key.devices)} if self.key.device_type == "cuda" else {}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            for r in range(self.key.world_size):
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=rank_main, args=(self._cfg(r), child), name=f"tplogp-rank{r}", daemon=False)
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.starts += 1
+        pending = set(range(self.key.world_size))
+        deadline = time.monotonic() + timeout_s
+        problem: Optional[str] = None
+        while pending and problem is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                problem = f"ranks did not join within {timeout_s:.0f} s"
+                break
+            waitables = {self.conns[r]: r for r in pending}
+            waitables.update({self.procs[r].sentinel: r for r in pending})
+            for obj in wait(list(waitables), timeout=min(remaining, 1.0)):
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                msg: Any = None
+                if self.conns[r].poll(0):
+                    try:
+                        msg = pickle.loads(self.conns[r].recv_bytes())
+                    except (EOFError, OSError):
+                        msg = None
+                if isinstance(msg, Ready):
+                    pending.discard(r)
+                elif isinstance(msg, StartFailed):
+                    problem = f"rank {r} failed to start:\n{msg.error}"
+                    break
+                elif not self.procs[r].is_alive() or msg is None:
+                    self.procs[r].join(0.5)
+                    problem = f"rank {r} {describe_exit(self.procs[r].exitcode)} during start"
+                    break
+        if problem is not None:
+            errs = "\n".join(f"--- rank {r} stderr ---\n{_read_from(os.path.join(self.pool_dir, f'rank{r}.err'), 0)}"
+                             for r in range(self.key.world_size))
+            self.kill()
+            raise PoolStartError(f"tplogp pool ({self.key.describe()}) could not start: {problem}\n{errs}")
+        self.start_s = time.perf_counter() - t0
+        return self.start_s
+
+    def kill(self) -> None:
+        """SIGKILL every rank's process group, reap with bounded joins, close the pipes."""
+        for p in self.procs:
+            if p.pid is None:
+                continue
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+            try:
+                p.kill()
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(5.0)
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        self.procs, self.conns = [], []
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ask the ranks to leave (bounded), then kill whatever is left."""
+        if not self.procs:
+            return
+        for c in self.conns:
+            try:
+                c.send_bytes(pickle.dumps("stop"))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    # ------------------------------------------------------------ commands
+    def _paths(self, r: int) -> tuple[str, str, str]:
+        return tuple(os.path.join(self.pool_dir, f"rank{r}.{s}") for s in ("out", "err", "stack"))  # type: ignore[return-value]
+
+    def dump_stacks(self, ranks: list[int], wait_s: float = 3.0) -> dict[int, str]:
+        """SIGUSR1 to ``ranks`` (faulthandler) and collect the dumps, waiting (bounded) for them to settle."""
+        offsets = {r: _size(self._paths(r)[2]) for r in ranks}
+        for r in ranks:
+            try:
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+            except (ProcessLookupError, OSError):
+                pass
+        deadline = time.monotonic() + wait_s
+        last: dict[int, int] = {}
+        while time.monotonic() < deadline:
+            sizes = {r: _size(self._paths(r)[2]) for r in ranks}
+            if all(sizes[r] > offsets[r] for r in ranks) and sizes == last:
+                break
+            last = sizes
+            time.sleep(0.05)
+        return {r: _read_from(self._paths(r)[2], offsets[r]) for r in ranks}
+
+    def run(self, command: Any, timeout_s: float) -> PoolRun:
+        """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the module docstring)."""
+        t0 = time.perf_counter()
+        n = self.key.world_size
+        res = PoolRun()
+        offsets = {r: tuple(_size(p) for p in self._paths(r)) for r in range(n)}
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        pending = set(range(n))
+
+        def died(r: int) -> None:
+            self.procs[r].join(1.0)
+            res.deaths[r] = describe_exit(self.procs[r].exitcode)
+            pending.discard(r)
+
+        for r in range(n):
+            try:
+                self.conns[r].send_bytes(data)
+            except (OSError, ValueError):
+                died(r)
+        deadline = time.monotonic() + timeout_s
+        grace_end: Optional[float] = time.monotonic() + STRAGGLER_GRACE_S if res.deaths else None
+        while pending:
+            now = time.monotonic()
+            limit = deadline if grace_end is None else min(deadline, grace_end)
+            if now >= limit:
+                res.timed_out = now >= deadline
+                break
+            waitables = {self.conns[r]: r for r in pending}
+            waitables.update({self.procs[r].sentinel: r for r in pending})
+            for obj in wait(list(waitables), timeout=limit - now):
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                out: Optional[RankOutcome] = None
+                if self.conns[r].poll(0):
+                    try:
+                        out = pickle.loads(self.conns[r].recv_bytes())
+                    except (EOFError, OSError):
+                        out = None
+                if out is None:
+                    died(r)
+                else:
+                    res.outcomes[r] = out
+                    pending.discard(r)
+                    if out.outcome == "passed":
+                        continue
+                if grace_end is None:
+                    grace_end = time.monotonic() + STRAGGLER_GRACE_S
+        if pending:
+            alive = [r for r in sorted(pending) if self.procs[r].is_alive()]
+            stacks = self.dump_stacks(alive)
+            for r in sorted(pending):
+                res.stuck[r] = StuckRank(r, self.procs[r].pid, stacks.get(r, ""))
+        for r in res.deaths:
+            res.death_stacks[r] = _read_from(self._paths(r)[2], offsets[r][2])
+        for r in range(n):
+            out_p, err_p, _ = self._paths(r)
+            res.outputs[r] = (_read_from(out_p, offsets[r][0]), _read_from(err_p, offsets[r][1]))
+        problems = sorted({p for o in res.outcomes.values() for p in o.state_problems})
+        if res.stuck or res.deaths:
+            what = "timed out" if res.timed_out else ("died" if res.deaths else "stuck")
+            res.killed = f"ranks {what}"
+        elif problems:
+            res.killed = "fresh-state check failed: " + "; ".join(problems)
+        if res.killed:
+            self.kill()
+        res.elapsed_s = time.perf_counter() - t0
+        return res
+
+
+class PoolManager:
+    """The pools of one pytest process, keyed by :class:`PoolKey`; owns the per-session directory."""
+
+    def __init__(self, num_threads: Optional[int] = None) -> None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        self.session_dir = tempfile.mkdtemp(prefix=f"tplogp-{worker}-")
+        self.num_threads = num_threads
+        self.pools: "OrderedDict[PoolKey, RankPool]" = OrderedDict()
+        self.start_errors: dict[PoolKey, str] = {}
+        self.respawns = 0
+        atexit.register(self.shutdown)
+
+    def get(self, key: PoolKey) -> RankPool:
+        """The live pool for ``key``, (re)started if needed. Raises :class:`PoolStartError`."""
+        if key in self.start_errors:
+            raise PoolStartError(self.start_errors[key] + "\n(an earlier start of this pool failed; not retried)")
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = RankPool(key, self.session_dir, self.num_threads)
+            self.pools[key] = pool
+        self.pools.move_to_end(key)
+        while len([p for p in self.pools.values() if p.started]) > MAX_LIVE_POOLS:
+            oldest = next(p for p in self.pools.values() if p.started)
+            oldest.stop()
+        if not pool.alive():
+            if pool.started:
+                pool.kill()
+            if pool.starts:
+                self.respawns += 1
+            try:
+                pool.start()
+            except PoolStartError as exc:
+                self.start_errors[key] = str(exc)
+                raise
+        return pool
+
+    def shutdown(self) -> None:
+        for pool in self.pools.values():
+            try:
+                pool.stop()
+            except Exception:
+                pool.kill()
+        self.pools.clear()
+        shutil.rmtree(self.session_dir, ignore_errors=True)

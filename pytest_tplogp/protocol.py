@@ -1,0 +1,107 @@
+"""Messages between the controller (``pool.py``) and the ranks (``rank.py``).
+
+Every message is a small picklable dataclass sent as one ``send_bytes`` frame over a per-rank pipe; payloads that
+carry user objects (fixture values, ``tp_pool.run`` arguments and results) are pickled separately so a value that
+does not pickle is reported against the right fixture instead of breaking the channel. This module imports neither
+torch nor pytest.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+#: How long (seconds) the controller waits for the other ranks once one rank failed, died or skipped alone before it
+#: treats them as stuck in a collective (dump stacks, kill, respawn).
+STRAGGLER_GRACE_S = 3.0
+#: Bounded wait for a whole pool to start (spawn, import torch, rendezvous).
+START_TIMEOUT_S = 180.0
+#: Bounded wait for a graceful pool stop before SIGKILL.
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """Everything a rank needs to start; pickled into the spawned process."""
+
+    rank: int
+    world_size: int
+    backend: str  # "gloo" or "nccl"
+    device_type: str  # "cpu" or "cuda"
+    pool_dir: str  # per-pool-generation directory inside the per-session directory
+    store_path: str  # FileStore path: rendezvous without any port
+    parent_pid: int
+    num_threads: Optional[int] = None
+
+    def path(self, suffix: str) -> str:
+        return os.path.join(self.pool_dir, f"rank{self.rank}.{suffix}")
+
+
+@dataclass
+class RunTest:
+    """Run one test body, dispatched by node id: the rank imports the module and looks the function up."""
+
+    nodeid: str
+    module_name: str
+    module_file: str
+    qualname: str  # "test_fn" or "TestClass.test_method"
+    kwargs: bytes  # pickled {argname: value}; values with __tp_bind__ are bound on the rank
+    sys_path: list[str]
+    seed: int
+    code: Optional[bytes] = None  # marshal of the parent's (assertion-rewritten) code object, if any
+    extra_globals: dict[str, str] = field(default_factory=dict)  # global name -> module name the code needs
+
+
+@dataclass
+class CallFn:
+    """``tp_pool.run(fn, *args)``: call ``fn(tp, *args, **kwargs)`` on every rank."""
+
+    payload: bytes  # pickled (fn, args, kwargs)
+    modules: list[tuple[str, str]]  # (module name, file) to import before unpickling
+    sys_path: list[str]
+    seed: int
+
+
+@dataclass
+class RankOutcome:
+    """One rank's result for one command."""
+
+    rank: int
+    outcome: str  # "passed" | "failed" | "skipped" | "xfailed"
+    summary: str = ""  # one line: "AssertionError: assert 1 == 2" or the skip reason
+    longrepr: str = ""  # traceback text (test frames only)
+    duration_s: float = 0.0
+    value: Optional[bytes] = None  # pickled return value of a CallFn
+    state_problems: list[str] = field(default_factory=list)  # fresh-state check violations after the command
+
+
+@dataclass
+class Ready:
+    rank: int
+    pid: int
+    device: str
+    startup_s: float
+
+
+@dataclass
+class StartFailed:
+    rank: int
+    error: str
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``[1] -> 'rank 1'``, ``[0, 1, 2, 3] -> 'ranks 0-3'``, ``[0, 2, 3] -> 'ranks 0, 2-3'``."""
+    rs = sorted(set(ranks))
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    parts: list[str] = []
+    start = prev = rs[0]
+    for r in rs[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return "ranks " + ", ".join(parts)

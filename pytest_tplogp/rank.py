@@ -1,0 +1,339 @@
+"""Rank-side worker: one process of a pool. Imports nothing of the controller.
+
+Life of a rank (started by ``pool.py`` through ``torch.multiprocessing`` with the *spawn* method):
+
+1. Own process group (``setpgid``) so the controller can kill the rank's whole tree and a terminal Ctrl-C reaches
+   only pytest; ``PR_SET_PDEATHSIG`` = SIGKILL so the rank dies with pytest even if pytest is SIGKILLed.
+2. fd 1/2 go to per-rank files (the controller slices them per test: per-rank captured output, also after a hang);
+   ``faulthandler`` dumps every thread's stack to a per-rank file on SIGUSR1 (works while a collective holds the
+   GIL) and on fatal signals.
+3. Rendezvous through a ``FileStore`` in the per-session directory (no port at all), ``init_process_group``; under
+   NCCL a gloo control group for object exchange. Then ``Ready`` is sent.
+4. Serve commands until ``stop`` or EOF: ``RunTest`` (import the module by file, look the function up by its
+   qualified name, rebuild it from the parent's assertion-rewritten code object, bind fixture values, seed, call)
+   and ``CallFn`` (``tp_pool.run``). Every command answers one :class:`RankOutcome`, which carries the result of a
+   cheap fresh-state check (process groups, default group alive, CUDA memory back to baseline).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import importlib.util
+import marshal
+import os
+import pickle
+import random
+import signal
+import sys
+import time
+import traceback
+import types
+from typing import Any, Optional
+
+from .protocol import CallFn, RankConfig, RankOutcome, Ready, RunTest, StartFailed
+
+_KEEP: list[Any] = []  # files that must stay open for faulthandler
+
+
+def _isolate(cfg: RankConfig) -> None:
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:  # pragma: no cover - best effort
+            pass
+    if os.getppid() != cfg.parent_pid:  # parent died before prctl took effect
+        os._exit(1)
+
+
+def _redirect_output(cfg: RankConfig) -> None:
+    for fd, suffix in ((1, "out"), (2, "err")):
+        target = os.open(cfg.path(suffix), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+        except Exception:
+            pass
+    stack = open(cfg.path("stack"), "a", buffering=1)
+    _KEEP.append(stack)
+    faulthandler.enable(file=stack, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True, chain=False)
+
+
+def _group_count() -> Optional[int]:
+    """Number of live process groups, or None when this torch does not expose it (check skipped)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = getattr(c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    return None if pg_map is None else len(pg_map)
+
+
+def classify(exc: BaseException, rank: int, tb_skip: int = 1) -> RankOutcome:
+    """A rank's :class:`RankOutcome` for an exception from a test body (skip, xfail or failure with traceback)."""
+    pytest = sys.modules.get("pytest")
+    if pytest is not None and isinstance(exc, pytest.skip.Exception):
+        return RankOutcome(rank, "skipped", summary=str(getattr(exc, "msg", "") or ""))
+    if pytest is not None and isinstance(exc, pytest.xfail.Exception):
+        return RankOutcome(rank, "xfailed", summary=str(getattr(exc, "msg", "") or ""))
+    tb = exc.__traceback__
+    for _ in range(tb_skip):
+        if tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+    if pytest is not None and isinstance(exc, pytest.fail.Exception):
+        summary = f"Failed: {getattr(exc, 'msg', '')}"
+    else:
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    longrepr = "".join(traceback.format_exception(type(exc), exc, tb))
+    return RankOutcome(rank, "failed", summary=summary, longrepr=longrepr)
+
+
+class _Rank:
+    def __init__(self, cfg: RankConfig) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from .context import RankContext, set_current
+
+        self.cfg = cfg
+        self.torch = torch
+        self.dist = dist
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        kwargs: dict[str, Any] = {}
+        if cfg.device_type == "cuda":
+            torch.cuda.set_device(cfg.rank)
+            device = torch.device("cuda", cfg.rank)
+            kwargs["device_id"] = device
+        else:
+            device = torch.device("cpu")
+        store = dist.FileStore(cfg.store_path, cfg.world_size)
+        dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size, **kwargs)
+        ctrl = dist.new_group(backend="gloo") if cfg.backend != "gloo" else None
+        self.ctx = RankContext(cfg.rank, cfg.world_size, cfg.backend, device, ctrl_group=ctrl)
+        set_current(self.ctx)
+        self.base_groups = _group_count()
+        self.base_mem = self._cuda_mem()
+        self.default_dtype = torch.get_default_dtype()
+        self.cwd = os.getcwd()
+        self.functions: dict[tuple[str, str, bytes], Any] = {}
+
+    # ------------------------------------------------------------ state
+    def _cuda_mem(self) -> int:
+        if self.cfg.device_type != "cuda":
+            return 0
+        self.torch.cuda.synchronize()
+        return int(self.torch.cuda.memory_allocated())
+
+    def _restore_and_check(self) -> list[str]:
+        """Restore cheap global state; report what cannot be restored (the controller then recycles the pool)."""
+        torch = self.torch
+        torch.set_grad_enabled(True)
+        if torch.get_default_dtype() != self.default_dtype:
+            torch.set_default_dtype(self.default_dtype)
+        if os.getcwd() != self.cwd:
+            os.chdir(self.cwd)
+        problems: list[str] = []
+        if not self.dist.is_initialized():
+            problems.append("the default process group was destroyed")
+            return problems
+        n = _group_count()
+        if n is not None and self.base_groups is not None:
+            extra = n - self.base_groups - len(self.ctx._subgroups)
+            if extra > 0:
+                problems.append(f"{extra} process group(s) left behind (use tp.new_group, which the pool caches)")
+        if self.cfg.device_type == "cuda":
+            mem = self._cuda_mem()
+            if mem > self.base_mem + (1 << 20):
+                import gc
+
+                gc.collect()
+                mem = self._cuda_mem()
+                if mem > self.base_mem + (1 << 20):
+                    problems.append(f"CUDA memory {(mem - self.base_mem) / 2**20:.1f} MiB above the pool's baseline")
+        return problems
+
+    def _seed(self, seed: int) -> None:
+        random.seed(seed)
+        self.torch.manual_seed(seed)
+        np = sys.modules.get("numpy")
+        if np is not None:
+            np.random.seed(seed % 2**32)
+
+    # ------------------------------------------------------------ imports
+    @staticmethod
+    def _sync_path(sys_path: list[str]) -> None:
+        if sys.path != sys_path:
+            sys.path[:] = sys_path
+            importlib.invalidate_caches()
+
+    @staticmethod
+    def _load_module(name: str, file: str) -> types.ModuleType:
+        def same(mod: Optional[types.ModuleType]) -> bool:
+            f = getattr(mod, "__file__", None)
+            return f is not None and os.path.realpath(f) == os.path.realpath(file)
+
+        mod = sys.modules.get(name)
+        if same(mod):
+            return mod  # type: ignore[return-value]
+        if mod is None:
+            try:
+                mod = importlib.import_module(name)
+                if same(mod):
+                    return mod
+            except ImportError:
+                pass
+        spec = importlib.util.spec_from_file_location(name, file)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import test module {name!r} from {file}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        return mod
+
+    def _resolve(self, cmd: RunTest) -> Any:
+        mod = self._load_module(cmd.module_name, cmd.module_file)
+        for name, modname in cmd.extra_globals.items():
+            if name not in mod.__dict__:
+                mod.__dict__[name] = importlib.import_module(modname)
+        parts = cmd.qualname.split(".")
+        owner: Any = mod
+        for part in parts[:-1]:
+            owner = getattr(owner, part)
+        raw = getattr(owner, parts[-1])
+        key = (cmd.module_file, cmd.qualname, cmd.code or b"")
+        func = self.functions.get(key)
+        if func is None:
+            func = raw
+            plain = getattr(raw, "__func__", raw)
+            if cmd.code is not None and isinstance(plain, types.FunctionType) and plain.__closure__ is None:
+                func = types.FunctionType(marshal.loads(cmd.code), plain.__globals__, plain.__name__, plain.__defaults__)
+                func.__kwdefaults__ = plain.__kwdefaults__
+                func.__qualname__ = plain.__qualname__
+            self.functions[key] = func
+        if owner is not mod and isinstance(owner, type):  # test class: fresh instance per test, like pytest
+            return types.MethodType(func, owner())
+        return func
+
+    # ------------------------------------------------------------ commands
+    def _outcome(self, exc: BaseException, tb_skip: int = 1) -> RankOutcome:
+        return classify(exc, self.cfg.rank, tb_skip)
+
+    def run_test(self, cmd: RunTest) -> RankOutcome:
+        from .values import bind
+
+        t0 = time.perf_counter()
+        try:
+            self._sync_path(cmd.sys_path)
+            func = self._resolve(cmd)
+            kwargs = {k: bind(v, self.ctx) for k, v in pickle.loads(cmd.kwargs).items()}
+            self._seed(cmd.seed)
+        except BaseException as exc:  # noqa: BLE001 - reported as this rank's failure
+            out = self._outcome(exc, tb_skip=0)
+            out.summary = f"could not set up the test on the rank: {out.summary}"
+        else:
+            try:
+                func(**kwargs)
+                out = RankOutcome(self.cfg.rank, "passed")
+            except BaseException as exc:  # noqa: BLE001
+                out = self._outcome(exc)
+        out.duration_s = time.perf_counter() - t0
+        return out
+
+    def call(self, cmd: CallFn) -> RankOutcome:
+        from .values import bind
+
+        t0 = time.perf_counter()
+        try:
+            self._sync_path(cmd.sys_path)
+            for name, file in cmd.modules:
+                if file:
+                    self._load_module(name, file)
+            fn, args, kwargs = pickle.loads(cmd.payload)
+            args = tuple(bind(a, self.ctx) for a in args)
+            kwargs = {k: bind(v, self.ctx) for k, v in kwargs.items()}
+            self._seed(cmd.seed)
+        except BaseException as exc:  # noqa: BLE001
+            out = self._outcome(exc, tb_skip=0)
+            out.summary = f"could not unpickle the call on the rank: {out.summary}"
+            out.duration_s = time.perf_counter() - t0
+            return out
+        try:
+            value = fn(self.ctx, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001
+            out = self._outcome(exc)
+        else:
+            try:
+                out = RankOutcome(self.cfg.rank, "passed", value=pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception as exc:  # noqa: BLE001
+                out = RankOutcome(self.cfg.rank, "failed", summary=f"return value of {getattr(fn, '__name__', fn)!r} "
+                                  f"is not picklable: {type(exc).__name__}: {exc}")
+        out.duration_s = time.perf_counter() - t0
+        return out
+
+    def serve(self, conn: Any) -> None:
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            cmd = pickle.loads(data)
+            if cmd == "stop":
+                return
+            if isinstance(cmd, RunTest):
+                out = self.run_test(cmd)
+            elif isinstance(cmd, CallFn):
+                out = self.call(cmd)
+            else:
+                out = RankOutcome(self.cfg.rank, "failed", summary=f"unknown command {type(cmd).__name__}")
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            out.state_problems = self._restore_and_check()
+            try:
+                payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001
+                payload = pickle.dumps(RankOutcome(self.cfg.rank, "failed", summary=f"unpicklable outcome: {exc!r}"))
+            conn.send_bytes(payload)
+
+
+def rank_main(cfg: RankConfig, conn: Any) -> None:
+    """Entry point of a spawned rank process (see the module docstring)."""
+    t0 = time.perf_counter()
+    _isolate(cfg)
+    _redirect_output(cfg)
+    try:
+        rank = _Rank(cfg)
+    except BaseException:  # noqa: BLE001 - reported to the controller
+        err = traceback.format_exc()
+        sys.stderr.write(err)
+        try:
+            conn.send_bytes(pickle.dumps(StartFailed(cfg.rank, err)))
+        finally:
+            os._exit(1)
+    conn.send_bytes(pickle.dumps(Ready(cfg.rank, os.getpid(), str(rank.ctx.device), time.perf_counter() - t0)))
+    try:
+        rank.serve(conn)
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+        try:
+            rank.dist.destroy_process_group()
+        except Exception:
+            pass
+        os._exit(0)  # skip interpreter teardown: fast, and no atexit surprises from test code

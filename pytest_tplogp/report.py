@@ -1,0 +1,172 @@
+"""Turn every rank's outcome into one pytest outcome and a readable report.
+
+Rules (every rank counts):
+
+- all ranks passed -> passed;
+- all ranks skipped (pytest.skip) -> skipped with the reason (grouped by rank when reasons differ);
+- all ranks xfailed -> xfailed;
+- anything else -> failed, with one section per *distinct* failure ("ranks 0-3: AssertionError: ..." shows the
+  traceback once), dead ranks ("rank 2 killed by signal 9 (SIGKILL)"), disagreeing skips, and, for ranks that were
+  stuck (deadline, or straggling after a peer failed), where each one waited plus its faulthandler stack.
+
+The failure is raised in the parent as :class:`RankFailure`; ``plugin.py`` turns it into a :class:`TPLongRepr` so
+the terminal, ``-rf`` summary lines, junitxml and xdist all show the grouped text.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .pool import PoolRun
+from .protocol import STRAGGLER_GRACE_S, RankOutcome, format_ranks
+
+
+class RankFailure(Exception):
+    """A test failed on the ranks; ``text`` is the full grouped report, ``headline`` the one-line summary."""
+
+    def __init__(self, headline: str, text: str) -> None:
+        super().__init__(headline)
+        self.headline = headline
+        self.text = text
+
+
+@dataclass
+class Crash:
+    message: str
+    path: str
+    lineno: int
+
+    def toterminal(self, tw: Any) -> None:  # pragma: no cover - pytest calls it for some summaries
+        tw.line(f"{self.path}:{self.lineno}: {self.message}")
+
+
+class TPLongRepr:
+    """A report body made of plain text lines; duck-types what pytest's reports need (toterminal, reprcrash)."""
+
+    def __init__(self, text: str, headline: str, path: str, lineno: int) -> None:
+        self.text = text
+        self.reprcrash = Crash(headline, path, lineno)
+
+    def toterminal(self, tw: Any) -> None:
+        for line in self.text.splitlines():
+            if line.startswith("E "):
+                tw.line(line, red=True, bold=True)
+            else:
+                tw.line(line)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def where_waiting(stack: str, test_file: Optional[str]) -> str:
+    """One line from a faulthandler dump: the innermost frame of the thread running the test, and the test's line."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
+    best: Optional[list[tuple[str, int, str]]] = None
+    for block in blocks:
+        frames = [(m["path"], int(m["line"]), m["func"]) for m in map(_FRAME.match, block.splitlines()) if m]
+        if any(p.endswith("pytest_tplogp/rank.py") or (test_file and p == test_file) for p, _, _ in frames):
+            best = frames
+            break
+    if not best:
+        return "no Python stack (did not answer SIGUSR1)"
+    path, line, func = best[0]
+    where = f"{func} ({_short(path)}:{line})"
+    if test_file:
+        for p, ln, fn in best:
+            if p == test_file:
+                if (p, ln, fn) != best[0]:
+                    where += f" called from {fn} ({_short(p)}:{ln})"
+                break
+    return where
+
+
+def _short(path: str) -> str:
+    parts = path.replace("\\", "/").split("/")
+    for anchor in ("site-packages", "torch", "pytest_tplogp", "tplogp"):
+        if anchor in parts[:-1]:
+            return "/".join(parts[parts.index(anchor) + (1 if anchor == "site-packages" else 0):])
+    return "/".join(parts[-2:])
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line if line else line for line in text.rstrip().splitlines())
+
+
+@dataclass
+class Verdict:
+    outcome: str  # passed | failed | skipped | xfailed
+    headline: str = ""
+    text: str = ""
+
+
+def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: Optional[str], pool_desc: str) -> Verdict:
+    """Merge one :class:`PoolRun` into a :class:`Verdict` (see the module docstring)."""
+    outs = run.outcomes
+    kinds = {o.outcome for o in outs.values()}
+    complete = len(outs) == world_size and not run.deaths and not run.stuck
+    if complete and kinds == {"passed"}:
+        return Verdict("passed")
+    if complete and kinds == {"skipped"}:
+        return Verdict("skipped", headline=_grouped_reasons(outs))
+    if complete and kinds == {"xfailed"}:
+        return Verdict("xfailed", headline=_grouped_reasons(outs))
+
+    sections: list[str] = []
+    heads: list[str] = []
+    failed = {r: o for r, o in outs.items() if o.outcome == "failed"}
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r, o in sorted(failed.items()):
+        groups.setdefault((o.summary, o.longrepr), []).append(r)
+    for (summary, longrepr), ranks in groups.items():
+        heads.append(f"{format_ranks(ranks)}: {summary}")
+        body = _indent(longrepr) if longrepr else ""
+        sections.append(f"{format_ranks(ranks)} failed: {summary}\n{body}".rstrip())
+    for r, why in sorted(run.deaths.items()):
+        heads.insert(0, f"rank {r} {why}")
+        text = f"rank {r} {why} while running the test"
+        if run.death_stacks.get(r, "").strip():
+            text += f"\n  fatal-signal stack (faulthandler):\n{_indent(run.death_stacks[r])}"
+        sections.append(text)
+    skipped = {r: o for r, o in outs.items() if o.outcome in ("skipped", "xfailed")}
+    if skipped:
+        others = sorted(set(range(world_size)) - set(skipped))
+        heads.append(f"skip not agreed: {format_ranks(list(skipped))} skipped")
+        sections.append(
+            f"skip not agreed by all ranks: {format_ranks(list(skipped))} skipped ({_grouped_reasons(skipped)}) "
+            f"but {format_ranks(others)} did not.\n  A skip inside a TP test must be taken by every rank: decide it "
+            f"collectively with tp.skip_if(cond, reason) or inside `with tp.agree():`."
+            if others else "")
+    if run.stuck:
+        stuck = sorted(run.stuck)
+        finished = sorted(outs)
+        if run.timed_out:
+            head = f"deadline of {timeout_s:g} s exceeded: {format_ranks(stuck)} still running"
+        else:
+            head = (f"{format_ranks(stuck)} did not finish within {STRAGGLER_GRACE_S:g} s after "
+                    f"{'a peer failed or skipped' if not run.deaths else 'a peer died'} (stuck in a collective?)")
+        heads.insert(0, head) if run.timed_out else heads.append(head)
+        lines = [f"{head}; finished: {format_ranks(finished) if finished else 'none'}"]
+        for r in stuck:
+            lines.append(f"  rank {r} (pid {run.stuck[r].pid}) waiting in {where_waiting(run.stuck[r].stack, test_file)}")
+        for r in stuck:
+            lines.append(f"--- rank {r} stack (faulthandler, SIGUSR1) ---\n{run.stuck[r].stack.rstrip() or '(empty)'}")
+        sections.append("\n".join(lines))
+    if run.killed:
+        sections.append(f"pool ({pool_desc}) killed ({run.killed}); a fresh pool starts for the next test.")
+    headline = "; ".join(h for h in heads if h) or "failed on the ranks"
+    text = "\n\n".join(s for s in sections if s)
+    return Verdict("failed", headline=headline, text="E   " + headline + "\n\n" + text)
+
+
+def _grouped_reasons(outs: dict[int, RankOutcome]) -> str:
+    by: dict[str, list[int]] = {}
+    for r, o in sorted(outs.items()):
+        by.setdefault(o.summary, []).append(r)
+    if len(by) == 1:
+        return next(iter(by))
+    return "; ".join(f"{format_ranks(rs)}: {reason}" for reason, rs in by.items())
