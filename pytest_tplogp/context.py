@@ -28,6 +28,9 @@ class CollectiveAssertionError(AssertionError):
     """A collective check failed on at least one rank; raised identically on every rank."""
 
 
+CollectiveAssertionError.__module__ = "pytest_tplogp"  # short name in reports; resolvable via the package
+
+
 def current_context() -> "RankContext":
     """The rank context of this process (inside a rank of the pool or under torchrun)."""
     if _CURRENT is None:

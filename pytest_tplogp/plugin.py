@@ -76,6 +76,7 @@ class State:
 
 STATE = pytest.StashKey[State]()
 PLAN = pytest.StashKey[Plan]()
+SKIPPED_ON_RANKS = pytest.StashKey[str]()
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -433,6 +434,7 @@ def _apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
             item.warn(pytest.PytestWarning(f"tplogp: pool recycled after this test: {run.killed}"))
         return
     if verdict.outcome == "skipped":
+        item.stash[SKIPPED_ON_RANKS] = verdict.headline
         pytest.skip(verdict.headline)
     if verdict.outcome == "xfailed":
         pytest.xfail(verdict.headline)
@@ -474,6 +476,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         exc = call.excinfo.value
         path, lineno, _ = item.location
         rep.longrepr = TPLongRepr(exc.text, exc.headline, path, (lineno or 0) + 1)
+    elif rep.skipped and call.when == "call" and SKIPPED_ON_RANKS in item.stash and isinstance(rep.longrepr, tuple):
+        path, lineno, _ = item.reportinfo()  # report the test's location, not the plugin's
+        rep.longrepr = (str(path), (lineno or 0) + 1, rep.longrepr[2])
     return rep
 
 

@@ -93,6 +93,7 @@ def classify(exc: BaseException, rank: int, tb_skip: int = 1) -> RankOutcome:
         summary = f"Failed: {getattr(exc, 'msg', '')}"
     else:
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    summary = " ".join(line.strip() for line in summary.splitlines() if line.strip())  # one line for headlines
     longrepr = "".join(traceback.format_exception(type(exc), exc, tb))
     return RankOutcome(rank, "failed", summary=summary, longrepr=longrepr)
 
