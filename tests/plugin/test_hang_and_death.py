@@ -1,0 +1,79 @@
+"""Hangs, dead ranks and dirty state: reported with stacks, the pool respawned, the session goes on, no orphans."""
+
+from __future__ import annotations
+
+import pytest
+
+from plugin_helpers import leftover_processes
+
+pytest_plugins = ["pytester"]
+
+BODY = '''
+import os, signal
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.tp(timeout=2)
+def test_hang(tp):
+    if tp.rank == 0:
+        dist.barrier()          # rank 1 never joins
+
+@pytest.mark.tp
+def test_after_hang(tp):
+    dist.barrier()
+
+@pytest.mark.tp
+def test_exit(tp):
+    if tp.rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+@pytest.mark.tp
+def test_sigkill(tp):
+    if tp.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+@pytest.mark.tp
+def test_leaves_group(tp):
+    dist.new_group([0, 1])     # never destroyed: fresh-state check recycles the pool
+
+@pytest.mark.tp
+def test_cached_group_is_fine(tp):
+    g = tp.new_group([0, 1])
+    dist.barrier(group=g)
+
+@pytest.mark.tp
+def test_last(tp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+'''
+
+
+def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-vv", "-rA", "-W", "always")
+    result.assert_outcomes(passed=4, failed=3)
+    result.stdout.fnmatch_lines([
+        "*test_hang*FAILED*",
+        "*test_after_hang*PASSED*",
+        "*test_exit*FAILED*",
+        "*test_sigkill*FAILED*",
+        "*test_leaves_group*PASSED*",
+        "*test_cached_group_is_fine*PASSED*",
+        "*test_last*PASSED*",
+    ])
+    # hang: which rank waited where, every stuck rank's faulthandler stack, pool killed
+    result.stdout.fnmatch_lines([
+        "E   deadline of 2 s exceeded: rank 0 still running*",
+        "*rank 0 (pid *) waiting in barrier (torch/distributed/*) called from test_hang (*test_body.py:9)*",
+        "--- rank 0 stack (faulthandler, SIGUSR1) ---",
+        "*File*test_body.py*line 9 in test_hang*",
+        "pool (world size 2, gloo, cpu) killed (ranks timed out)*",
+    ])
+    result.stdout.fnmatch_lines(["*FAILED test_body.py::test_exit[[]tp2[]] - rank 1 exited with code 3*"])
+    result.stdout.fnmatch_lines(["*FAILED test_body.py::test_sigkill[[]tp2[]] - rank 0 killed by signal 9 (SIGKILL)*"])
+    result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: 1 process group(s) left*"])
+    assert leftover_processes(tag) == []
