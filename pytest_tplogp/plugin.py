@@ -210,13 +210,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") is None or item.get_closest_marker("tp") is not None:
         return
     if "tp" in getattr(item, "fixturenames", ()) or "tp_pool" in getattr(item, "fixturenames", ()):
         return
     if not devices.gpu_block():
-        pytest.skip(f"needs a CUDA device; this process has none ({devices.block_note()})")
+        # a marker (not pytest.skip here) so the report points at the test, and the skipping plugin applies it
+        item.add_marker(pytest.mark.skip(reason=f"needs a CUDA device; this process has none "
+                                                f"({devices.block_note()})"))
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures

@@ -1,0 +1,148 @@
+"""Collection-side behaviour: world-size ids and markers, stress selection, grids, header, settings, GPU skips.
+
+Most runs here use --collect-only or spawn nothing, so they are cheap.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+BODY = '''
+import pytest
+
+@pytest.mark.tp(world_size=[2, 4], timeout=60)
+def test_sizes(tp):
+    pass
+
+@pytest.mark.tp
+def test_default(tp):
+    pass
+
+def test_plain():
+    pass
+
+@pytest.mark.stress
+def test_stress_plain():
+    pass
+
+@pytest.mark.stress
+@pytest.mark.tp
+def test_stress_tp(tp):
+    pass
+
+@pytest.mark.tp
+def test_grid(tp, dtype, bias, vocab_shards):
+    pass
+'''
+
+
+def test_world_size_ids_and_tp_markers(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q")
+    result.stdout.fnmatch_lines([
+        "test_body.py::test_sizes[[]tp2[]]",
+        "test_body.py::test_sizes[[]tp4[]]",
+        "test_body.py::test_default[[]tp2[]]",
+        "test_body.py::test_plain",
+    ])
+    result.stdout.fnmatch_lines(["test_body.py::test_grid[[]fp32-nobias-even-tp2[]]"])
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-m", "tp4")
+    result.stdout.fnmatch_lines(["test_body.py::test_sizes[[]tp4[]]", "1/* tests collected (* deselected)*"])
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "--tp=3", "-m", "tp3")
+    result.stdout.fnmatch_lines(["test_body.py::test_default[[]tp3[]]"])
+
+
+def test_grid_restriction(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-k", "test_grid",
+                                           "--tp-dtype=bf16", "--tp-bias=bias", "--tp-shards=uneven")
+    result.stdout.fnmatch_lines(["test_body.py::test_grid[[]bf16-bias-uneven-tp2[]]", "1/* tests collected*"])
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-k", "test_grid")
+    result.stdout.fnmatch_lines(["12/* tests collected*"])
+
+
+def test_stress_selection(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-k", "stress_plain or plain", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*stress test: select with -m stress or --run-stress*"])
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-m", "stress", "-k", "plain")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--run-stress", "-k", "stress_plain")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-m", "stress")
+    result.stdout.fnmatch_lines(["test_body.py::test_stress_plain", "test_body.py::test_stress_tp[[]tp2[]]"])
+
+
+def test_header_and_single_registration(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_tplogp.plugin", "--tp=4")
+    result.assert_outcomes(passed=1)
+    header = [line for line in result.outlines if line.startswith("tplogp:")]
+    assert len(header) == 1, result.outlines  # -p next to the entry point does not register twice
+    assert header[0].startswith("tplogp: world size 4, backend gloo (auto), devices cpu, timeout 120 s")
+
+
+def test_settings_precedence_and_errors(pytester: pytest.Pytester, tag: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makeini("[pytest]\ntp_world_size = 3\ntp_timeout = 7\n")
+    pytester.makepyfile(test_body="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp")
+    result.stdout.fnmatch_lines(["tplogp: world size 3, *timeout 7 s*"])  # ini
+    monkeypatch.setenv("TPLOGP_TP", "5")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp")
+    result.stdout.fnmatch_lines(["tplogp: world size 5, *timeout 7 s*"])  # env beats ini
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp=6")
+    result.stdout.fnmatch_lines(["tplogp: world size 6, *"])  # CLI beats env
+    monkeypatch.setenv("TPLOGP_TP_TIMEOUT", "soon")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp")
+    result.stderr.fnmatch_lines(["*invalid value 'soon' for env TPLOGP_TP_TIMEOUT: could not convert*"])
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    monkeypatch.delenv("TPLOGP_TP_TIMEOUT")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-backend=mpi")
+    result.stderr.fnmatch_lines(["*invalid value 'mpi' for --tp-backend: expected one of auto, gloo, nccl*"])
+
+
+GPU_BODY = '''
+import pytest
+
+@pytest.mark.gpu
+@pytest.mark.tp
+def test_needs_gpus(tp):
+    raise AssertionError("never runs here")
+
+@pytest.mark.tp(backend="nccl", world_size=4)
+def test_nccl(tp):
+    raise AssertionError("never runs here")
+
+@pytest.mark.gpu
+def test_plain_gpu():
+    raise AssertionError("never runs here")
+
+@pytest.mark.tp
+def test_source(tp, op_source):
+    pass
+'''
+
+
+def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    pytester.makepyfile(test_body=GPU_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "gpu or nccl", "--durations=0",
+                                           "--durations-min=0")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:3: needs 2 GPU(s) for NCCL (one per rank); "
+                                 "this process has 0*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:8: needs 4 GPU(s) for NCCL*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:12: needs a CUDA device; this process has none*"])
+    # decided in the parent at setup: nothing spawned, each skip costs (far) less than a pool start
+    times = [float(line.split("s ", 1)[0]) for line in result.outlines if line.endswith(("]", "gpu"))
+             and line[:1].isdigit()]
+    assert times and max(times) < 0.5, result.outlines
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "test_source", "-vv",
+                                           "--op-source=sm90")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu: *"])
