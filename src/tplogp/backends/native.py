@@ -102,6 +102,20 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
     return z
 
 
+def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, rows_per_block: int) -> None:
+    """``acc += dz.T @ h`` into the fp32 accumulator without a full-size temporary.
+
+    fp32 operands: one in-place ``addmm_``. Low-precision operands (CUDA): fp32-output GEMMs over blocks of
+    ``rows_per_block`` vocab rows, so the temporary stays within the workspace budget.
+    """
+    if dz.dtype == torch.float32 and h.dtype == torch.float32:
+        acc.addmm_(dz.t(), h)
+        return
+    for r0 in range(0, acc.shape[0], rows_per_block):
+        r1 = min(r0 + rows_per_block, acc.shape[0])
+        acc[r0:r1] += _Matmul.mm(dz[:, r0:r1].t(), h)
+
+
 def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tensor:
     if x.shape[0] == rows:
         return x
@@ -193,6 +207,9 @@ class NativeBackend:
         # fp32 on CPU where low-precision GEMMs have no fp32-output path.
         gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
         tc, vc = self._plan(hidden, weight, call)
+        budget = call.workspace_bytes or default_workspace_bytes(hidden.device)
+        # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
+        rows_per_block = max(1, budget // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             rows = t1 - t0
@@ -242,6 +259,6 @@ class NativeBackend:
                     w_g = w if w.dtype == gemm_dtype else w.to(gemm_dtype)
                     dh += _Matmul.mm(dz_g, w_g)
                 if d_weight32 is not None:
-                    d_weight32[v0:v1] += _Matmul.mm(dz_g.t(), h_gemm)
+                    _accumulate_dw(d_weight32[v0:v1], dz_g, h_gemm, rows_per_block)
             if dh is not None:
                 d_hidden[t0:t1] = dh[:rows]
