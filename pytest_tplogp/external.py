@@ -90,6 +90,16 @@ class ExternalMode:
         return PoolRun(outcomes={o.rank: o for o in outs}, elapsed_s=time.perf_counter() - t0)
 
     def close(self) -> None:
+        """Leave together (bounded): torchrun kills every rank as soon as one exits non-zero, so no rank may exit
+        before rank 0 has printed its report."""
+        if self.dist.is_initialized():
+            from datetime import timedelta
+
+            try:
+                self.dist.monitored_barrier(group=self.ctx._ctrl_group, timeout=timedelta(seconds=120),
+                                            wait_all_ranks=True)
+            except Exception as exc:  # noqa: BLE001 - reported, the session is over anyway
+                sys.stderr.write(f"tplogp (torchrun): final barrier failed on rank {self.ctx.rank}: {exc}\n")
         if self.owns_group and self.dist.is_initialized():
             try:
                 self.dist.destroy_process_group()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import marshal
+import os
 import pickle
 import re
 import sys
@@ -90,6 +91,7 @@ def _register_marker(config: pytest.Config, name: str, text: str) -> None:
         config.addinivalue_line("markers", f"{name}: {text}")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     settings = options.resolve(config)
     _register_marker(config, "tp", "tp(world_size=2|[2, 4], timeout=seconds, backend='auto'|'gloo'|'nccl'): run "
@@ -103,15 +105,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if external.detect():
         state.external = external.ExternalMode(settings)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    state = session.config.stash[STATE]
-    if state.external is not None and state.external.ctx.rank != 0:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:  # report from rank 0 only
-            session.config.pluginmanager.unregister(reporter)
+        if state.external.ctx.rank != 0:
+            # Report from rank 0 only: this runs before the terminal reporter is created with sys.stdout, so the
+            # other ranks' reporters write to /dev/null (their verdicts reach rank 0 through the outcome exchange).
+            sys.stdout = open(os.devnull, "w")
+            config.add_cleanup(sys.stdout.close)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

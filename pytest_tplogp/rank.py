@@ -93,7 +93,10 @@ def classify(exc: BaseException, rank: int, tb_skip: int = 1) -> RankOutcome:
         summary = f"Failed: {getattr(exc, 'msg', '')}"
     else:
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    summary = " ".join(line.strip() for line in summary.splitlines() if line.strip())  # one line for headlines
+    lines = [line.strip() for line in summary.splitlines() if line.strip()]
+    summary = lines[0] if lines else type(exc).__name__  # one line for headlines; the traceback has the rest
+    if summary.endswith(":") and len(lines) > 1:
+        summary += " " + lines[1]
     longrepr = "".join(traceback.format_exception(type(exc), exc, tb))
     return RankOutcome(rank, "failed", summary=summary, longrepr=longrepr)
 

@@ -1,0 +1,102 @@
+"""tp_pool explicit dispatch, pytest-xdist (own pool per worker, no ports), and the operator fixtures end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from plugin_helpers import leftover_processes
+
+pytest_plugins = ["pytester"]
+
+POOL_BODY = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+def gather_rank(tp, scale):
+    t = torch.tensor([float(tp.rank)])
+    dist.all_reduce(t)
+    return (tp.rank, t.item() * scale)
+
+def boom(tp):
+    if tp.rank == 1:
+        raise RuntimeError("boom on one rank")
+    return tp.rank
+
+@pytest.mark.tp(world_size=[2, 3])
+def test_run_returns_every_rank(tp_pool):
+    results = tp_pool.run(gather_rank, 2.0)
+    n = tp_pool.world_size
+    assert results == [(r, 2.0 * sum(range(n))) for r in range(n)]
+
+def test_default_world_size(tp_pool):
+    assert tp_pool.run(gather_rank, 1.0) == [(0, 1.0), (1, 1.0)]
+
+def test_failure_is_raised(tp_pool):
+    tp_pool.run(boom)
+'''
+
+
+def test_tp_pool_run(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=POOL_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "-vv")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*test_run_returns_every_rank[[]tp3[]] PASSED*",
+                                 "*FAILED test_body.py::test_failure_is_raised[[]tp2[]] - rank 1: RuntimeError: boom on "
+                                 "one rank*"])
+    assert leftover_processes(tag) == []
+
+
+XDIST_BODY = '''
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.tp
+@pytest.mark.parametrize("i", range(6))
+def test_many(tp, i):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == tp.world_size
+    print(os.environ["PYTEST_XDIST_WORKER"])
+'''
+
+
+def test_under_xdist(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=XDIST_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-n", "2", "-p", "xdist")
+    result.assert_outcomes(passed=6)
+    assert leftover_processes(tag) == []
+
+
+OP_BODY = '''
+import pytest
+import torch
+import torch.nn.functional as F
+
+# One shape, chosen to exercise the uneven layouts of the default 1031-token vocabulary at world size 2.
+@pytest.mark.tp
+def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, reference):
+    tokens, hidden_dim = 8, 16
+    h = torch.randn(tokens, hidden_dim).to(dtype)      # seeded per test: identical on every rank
+    w = torch.randn(vocab_shards.vocab_size, hidden_dim).to(dtype)
+    b = torch.randn(vocab_shards.vocab_size).to(dtype) if bias else None
+    t = torch.randint(0, vocab_shards.vocab_size, (tokens,))
+    out = op_source(h, vocab_shards.shard(w), t, None if b is None else vocab_shards.shard(b),
+                    tp_group=tp.group, vocab_start_index=vocab_shards.start,
+                    global_vocab_size=vocab_shards.vocab_size)
+    expected = reference.fp32(h, w, t, b)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
+    tp.assert_close(out.float(), expected, atol=tol, rtol=tol)
+'''
+
+
+def test_operator_fixtures_end_to_end(pytester: pytest.Pytester, tag: str) -> None:
+    pytest.importorskip("tplogp.kernel_registry")
+    pytester.makepyfile(test_body=OP_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "--op-source=registry,native,sm90",
+                                           "--tp-dtype=fp32,bf16")
+    # 2 shard layouts x 2 dtypes x 2 bias settings for each runnable source; sm90 is skipped on CPU
+    result.assert_outcomes(passed=16, skipped=8)
+    result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu*"])

@@ -1,0 +1,91 @@
+"""In-process unit tests of the pure parts: rank ranges, GPU blocks under xdist, outcome merging, settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_tplogp import devices
+from pytest_tplogp.pool import PoolRun, StuckRank
+from pytest_tplogp.protocol import RankOutcome, format_ranks
+from pytest_tplogp.report import merge, where_waiting
+
+
+def test_format_ranks() -> None:
+    assert format_ranks([1]) == "rank 1"
+    assert format_ranks([3, 0, 1, 2]) == "ranks 0-3"
+    assert format_ranks([0, 2, 3, 5]) == "ranks 0, 2-3, 5"
+
+
+@pytest.fixture
+def gpus(monkeypatch: pytest.MonkeyPatch):
+    def set_env(visible: str, worker: str | None = None, count: int | None = None) -> None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        if worker is None:
+            monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+            monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+        else:
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+            monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(count))
+        devices.visible_gpus.cache_clear()
+        devices.gpu_block.cache_clear()
+
+    yield set_env
+    devices.visible_gpus.cache_clear()
+    devices.gpu_block.cache_clear()
+
+
+def test_xdist_workers_get_disjoint_gpu_blocks(gpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "nccl_available", lambda: True)
+    blocks = []
+    for w in range(3):
+        gpus("4,5,6,7,0,1,2", f"gw{w}", 3)  # honours the outer CUDA_VISIBLE_DEVICES, leftover GPU unused
+        blocks.append(devices.gpu_block())
+    assert blocks == [("4", "5"), ("6", "7"), ("0", "1")]
+    gpus("4,5,6,7,0,1,2", "gw1", 3)
+    assert devices.place(2, "auto") == devices.Placement("nccl", ("6", "7"))
+    too_big = devices.place(4, "nccl")
+    assert too_big.skip_reason is not None and "needs 4 GPU(s)" in too_big.skip_reason
+    assert "xdist worker gw1 of 3 owns 2 of 7" in too_big.skip_reason
+    assert devices.place(4, "auto") == devices.Placement("gloo", ("cpu",))  # auto never shares GPUs
+    gpus("0,1", "gw2", 4)
+    assert devices.gpu_block() == ()
+    gpus("")
+    assert devices.place(2, "auto") == devices.Placement("gloo", ("cpu",))
+
+
+def _out(rank: int, outcome: str, summary: str = "", longrepr: str = "") -> RankOutcome:
+    return RankOutcome(rank, outcome, summary=summary, longrepr=longrepr)
+
+
+def test_merge_groups_identical_failures() -> None:
+    run = PoolRun(outcomes={r: _out(r, "failed", "ValueError: x", "tb") for r in range(4)})
+    v = merge(run, 4, timeout_s=1, test_file=None, pool_desc="p")
+    assert v.outcome == "failed" and v.headline == "ranks 0-3: ValueError: x"
+    assert v.text.count("tb") == 1
+
+
+def test_merge_skips_and_deaths() -> None:
+    agreed = PoolRun(outcomes={r: _out(r, "skipped", "why") for r in range(2)})
+    assert merge(agreed, 2, timeout_s=1, test_file=None, pool_desc="p").outcome == "skipped"
+    partial = PoolRun(outcomes={0: _out(0, "skipped", "why"), 1: _out(1, "passed")})
+    assert "skip not agreed" in merge(partial, 2, timeout_s=1, test_file=None, pool_desc="p").headline
+    dead = PoolRun(outcomes={0: _out(0, "passed")}, deaths={1: "killed by signal 9 (SIGKILL)"}, killed="ranks died")
+    v = merge(dead, 2, timeout_s=1, test_file=None, pool_desc="p")
+    assert v.outcome == "failed" and v.headline.startswith("rank 1 killed by signal 9")
+    incomplete = PoolRun(outcomes={0: _out(0, "passed")})  # a missing rank never counts as a pass
+    assert merge(incomplete, 2, timeout_s=1, test_file=None, pool_desc="p").outcome == "failed"
+
+
+def test_where_waiting_reads_faulthandler_dump() -> None:
+    dump = (
+        'Thread 0x0001 (most recent call first):\n  File "/x/threading.py", line 1 in wait\n\n'
+        'Current thread 0x0002 (most recent call first):\n'
+        '  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 5 in barrier\n'
+        '  File "/t/test_a.py", line 9 in test_hang\n'
+        '  File "/w/pytest_tplogp/rank.py", line 3 in run_test\n'
+    )
+    stuck = PoolRun(stuck={0: StuckRank(0, 11, dump)}, timed_out=True)
+    assert where_waiting(dump, "/t/test_a.py") == ("barrier (torch/distributed/distributed_c10d.py:5) called from "
+                                                   "test_hang (t/test_a.py:9)")
+    v = merge(stuck, 1, timeout_s=3, test_file="/t/test_a.py", pool_desc="p")
+    assert v.headline.startswith("deadline of 3 s exceeded: rank 0 still running")
