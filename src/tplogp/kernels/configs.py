@@ -4,10 +4,7 @@ A config fixes every tiling choice that can change a row's floating-point result
 length), so on one device the per-row outputs never depend on the number of tokens. Nothing here touches CUDA at
 import time; :func:`select` reads the device's capability when a launcher asks.
 
-``TPLOGP_TRITON_AUTOTUNE=1`` lets the launcher time the candidates of :data:`# The sm90 source (TMA kernels): starts from the Hopper row; tuned separately (docs/kernels.md).
-SM90 = _BY_CAPABILITY[(9, 0)]
-
-AUTOTUNE_CANDIDATES` once per
+``TPLOGP_TRITON_AUTOTUNE=1`` lets the launcher time the candidates of :data:`AUTOTUNE_CANDIDATES` once per
 (device, shape class) and keep the fastest; it is ignored in deterministic mode.
 """
 
@@ -72,6 +69,9 @@ INTERPRETER = TileConfig(
     bwd_block_n=16, bwd_block_v=32, bwd_block_d=16,
     dh_block_n=16, dh_block_d=32, dh_block_k=16,
 )
+
+# The sm90 source (TMA kernels): starts from the Hopper row; tuned separately (docs/kernels.md).
+SM90 = _BY_CAPABILITY[(9, 0)]
 
 AUTOTUNE_CANDIDATES: tuple[TileConfig, ...] = (
     _BY_CAPABILITY[(9, 0)],

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import _grouped_ids, _logits_tile, _mma
+from .triton_forward import _grouped_ids, _logits_tile, _mma, _store_rounded
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def _bwd_dlogits_kernel(
     b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
     b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
     p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
-    tl.store(p_out, b_dz.to(p_dz.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
+    _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
     if NEED_DB:
         tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_v)
 

@@ -46,6 +46,17 @@ def _mma(b_a, b_b, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _store_rounded(p_out, x, mask, DOT_PRECISION: tl.constexpr):
+    """Store fp32 ``x`` in the pointer's dtype with round-to-nearest-even. Under Triton's CPU interpreter
+    (DOT_PRECISION "upcast") the fp32 -> bf16 cast truncates, so the rounding is done on the bits first."""
+    if DOT_PRECISION == "upcast" and p_out.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    tl.store(p_out, x.to(p_out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _logits_tile(
     p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
