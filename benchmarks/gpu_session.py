@@ -40,6 +40,7 @@ from tplogp.reference import reference_outputs  # noqa: E402
 from tplogp.tp import LogpOptions, linear_logp_tp  # noqa: E402
 
 RECORDS: list[dict] = []
+PHASES: set = {"breakdown"}
 
 
 def record(kind: str, **kw) -> dict:
@@ -251,21 +252,75 @@ def breakdown(label, be, T, D, V, gemm_ms, reps=10):
     record("breakdown", **out)
 
 
+def overhead(label, be, T, D, V, gemm_ms, reps=20):
+    """Host cost per call (enqueue only, no sync) and pure GPU time (CUDA-graph replay) of the primitives."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(torch.bfloat16)
+    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    gy = torch.randn(T, device="cuda", generator=g)
+    call = ShardCall()
+    st = be.forward_stats(h, w, None, y, call)
+    rmax, lsum = st.row_max, st.sum_exp.log()
+    out = dict(label=label, shape=f"{T}x{D}x{V}", gemm_ms=round(gemm_ms, 3))
+    pieces = {
+        "fwd_stats": lambda: be.forward_stats(h, w, None, y, call),
+        "bwd_all": lambda: be.backward(h, w, None, y, rmax, lsum, gy, None, None, None, call, (True, True, False)),
+        "tp_fwd": lambda: linear_logp_tp(be, h, w, y, options=LogpOptions()),
+    }
+    for k, fn in pieces.items():
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                host_ms = (time.perf_counter() - t0) * 1e3 / reps
+                torch.cuda.synchronize()
+                eager_ms = runner.median_ms(fn, reps=reps)
+                out[k + "_host_ms"] = round(host_ms, 3)
+                out[k + "_eager_ms"] = round(eager_ms, 3)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    fn()
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                graph_ms = runner.median_ms(graph.replay, reps=reps)
+                out[k + "_graph_ms"] = round(graph_ms, 3)
+                out[k + "_graph_gemms"] = round(graph_ms / gemm_ms, 3)
+                del graph
+        except Exception as exc:
+            out[k + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    record("overhead", **out)
+
+
 def variant_table():
     from tplogp.kernels import configs
 
     base = configs.select(torch.device("cuda"))
     sm = configs.SM90
+    r = dataclasses.replace
     return {
         "triton-default": TritonBackend(),
         "sm90-default": SM90Backend(),
-        "sm90-ws": SM90Backend(dataclasses.replace(sm, warp_specialize=True)),
-        "sm90-bv128-s4": SM90Backend(dataclasses.replace(sm, block_v=128, num_stages=4, bwd_block_v=128,
-                                                         bwd_num_stages=4)),
-        "sm90-g8": SM90Backend(dataclasses.replace(sm, group_n=8)),
-        "sm90-split16": SM90Backend(dataclasses.replace(sm, split_tiles=16)),
-        "triton-bv128-s4": TritonBackend(dataclasses.replace(base, block_v=128, num_stages=4, bwd_block_v=128,
-                                                             bwd_num_stages=4)),
+        "sm90-ws": SM90Backend(r(sm, warp_specialize=True)),
+        # 128x128 tiles, 3 stages: 96 KiB smem and 64 acc regs/thread -> two CTAs per SM overlap epilogues
+        "sm90-bv128-s3": SM90Backend(r(sm, block_v=128, num_stages=3, bwd_block_v=128, bwd_num_stages=3)),
+        "sm90-bv128-s3-ws": SM90Backend(r(sm, block_v=128, num_stages=3, bwd_block_v=128, bwd_num_stages=3,
+                                          warp_specialize=True)),
+        # 64x256x32 tiles, one warpgroup, 4 stages: 80 KiB smem -> two CTAs per SM
+        "sm90-bn64-w4": SM90Backend(r(sm, block_n=64, block_d=32, num_warps=4, num_stages=4, bwd_block_n=64,
+                                      bwd_block_d=32, bwd_num_warps=4, bwd_num_stages=4)),
+        "sm90-g8": SM90Backend(r(sm, group_n=8)),
+        "sm90-ws-g8": SM90Backend(r(sm, group_n=8, warp_specialize=True)),
+        "sm90-ws-g16": SM90Backend(r(sm, group_n=16, warp_specialize=True)),
+        "sm90-ws-s4": SM90Backend(r(sm, warp_specialize=True, num_stages=4, bwd_num_stages=4)),
+        "triton-bv128-s3": TritonBackend(r(base, block_v=128, num_stages=3, bwd_block_v=128, bwd_num_stages=3)),
     }
 
 
@@ -275,17 +330,25 @@ def variants(names, shapes, reps) -> None:
         h = torch.randn(T, D, device="cuda").to(torch.bfloat16)
         w = torch.randn(V, D, device="cuda").to(torch.bfloat16)
         gemm_ms = runner.median_ms(lambda: h @ w.T, reps=reps)
-        del h, w
         record("gemm", shape=f"{T}x{D}x{V}", gemm_ms=round(gemm_ms, 3))
         for label in names:
             time_variant(label, table[label], T, D, V, gemm_ms, reps=reps)
-        breakdown("sm90-default", table["sm90-default"], T, D, V, gemm_ms, reps=reps)
+        gemm_ms = runner.median_ms(lambda: h @ w.T, reps=reps)  # again: drift check
+        record("gemm", shape=f"{T}x{D}x{V}", gemm_ms_again=round(gemm_ms, 3))
+        del h, w
+        for label in names:
+            if "breakdown" in PHASES:
+                breakdown(label, table[label], T, D, V, gemm_ms, reps=reps)
+            if "overhead" in PHASES:
+                overhead(label, table[label], T, D, V, gemm_ms)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-variants", action="store_true")
+    ap.add_argument("--check-sources", default="triton,sm90")
+    ap.add_argument("--phases", default="breakdown", help="extra per-variant phases: breakdown,overhead")
     ap.add_argument("--variants", default="triton-default,sm90-default,sm90-ws,sm90-bv128-s4,sm90-g8")
     ap.add_argument("--shapes", default="8192x4096x128256,4096x2048x8192")
     ap.add_argument("--reps", type=int, default=10)
@@ -293,10 +356,13 @@ def main() -> int:
     args = ap.parse_args()
     info = runner.machine_info()
     record("machine", **info)
+    PHASES.clear()
+    PHASES.update(p for p in args.phases.split(",") if p)
     t0 = time.time()
     try:
         if not args.skip_checks:
-            checks([TritonBackend(), SM90Backend()])
+            srcs = {"triton": TritonBackend, "sm90": SM90Backend}
+            checks([srcs[x]() for x in args.check_sources.split(",") if x])
             record("timing", phase="checks", elapsed_s=round(time.time() - t0, 1))
         if not args.skip_variants:
             shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
@@ -309,6 +375,13 @@ def main() -> int:
         if r["kind"] in ("check", "determinism"):
             print(f"{r['kind']:>11} {r.get('source', ''):>6} {r.get('case', ''):>24} "
                   f"{'PASS' if r.get('pass') else 'FAIL'} {r.get('error', '')[:120]}")
+        elif r["kind"] == "breakdown":
+            print(f"  breakdown {r['label']:>18} {r['shape']:>18} " + " ".join(
+                f"{k[:-6]}={r[k]:.2f}G" for k in r if k.endswith("_gemms")))
+        elif r["kind"] == "overhead":
+            print(f"   overhead {r['label']:>18} {r['shape']:>18} " + " ".join(
+                f"{k}={r[k]}" for k in r if k.endswith("_ms") and k != "gemm_ms") + " "
+                + " ".join(str(r[k])[:80] for k in r if k.endswith("_error")))
         elif r["kind"] == "variant":
             print(f"    variant {r['label']:>18} {r['shape']:>18} "
                   + (f"fwd {r['fwd_gemms']:.2f} G  fwd+bwd {r['fwd_bwd_gemms']:.2f} G  ({r['fwd_ms']:.2f} / "

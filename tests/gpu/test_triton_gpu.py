@@ -1,0 +1,131 @@
+"""The triton / sm90 sources on a CUDA GPU at real sizes (skipped without CUDA; CI has none).
+
+Run on a GPU machine: ``python -m pytest tests/gpu -m "gpu"`` (add ``-m "gpu or stress"`` for the large-index
+cases). benchmarks/gpu_session.py runs the same checks, plus timings, in one process for a short device lease.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from tolerances import assert_no_worse, rel_error  # noqa: E402
+
+SOURCES = ["triton", "sm90"]
+
+
+def _backend(source):
+    from tplogp.kernel_registry import get_backend
+
+    be = get_backend(source)
+    why = be.unavailable_reason(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    return be
+
+
+def _problem(n, d, v, dtype, seed=0, bias=True, peaked=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).to(dtype)
+    w = (torch.randn(v, d, device="cuda", generator=g) / d**0.5).to(dtype)
+    b = (torch.randn(v, device="cuda", generator=g) * 0.1).to(dtype) if bias else None
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    if peaked:
+        rows = torch.arange(0, n, 3, device="cuda")
+        h[rows] = (w[y[rows]].float() * 40.0).to(dtype)
+    return h, w, b, y, torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+
+
+def _run(fn, h, w, b, y, g, ge, entropy):
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    b = None if b is None else b.clone().requires_grad_()
+    out = fn(h, w, y, b)
+    if entropy:
+        torch.autograd.backward([out.logp, out.entropy], [g.to(out.logp.dtype), ge.to(out.logp.dtype)])
+        vals = dict(logp=out.logp.detach(), entropy=out.entropy.detach())
+    else:
+        out.backward(g.to(out.dtype))
+        vals = dict(logp=out.detach())
+    vals.update(d_hidden=h.grad, d_weight=w.grad, d_bias=None if b is None else b.grad)
+    return vals
+
+
+# Shapes: the runbook's stress shard (bf16), an odd one with every option, and peaked rows (entropy near 0).
+CASES = {
+    "bf16-4096x2048x8192": (4096, 2048, 8192, torch.bfloat16, False, {}),
+    "bf16-odd-1000x1000x5003-temp-ent": (1000, 1000, 5003, torch.bfloat16, False,
+                                         dict(temperature=0.7, return_entropy=True)),
+    "bf16-peaked-2048x1024x32000-ent": (2048, 1024, 32000, torch.bfloat16, True, dict(return_entropy=True)),
+    "fp32-odd-515x333x4099": (515, 333, 4099, torch.float32, False, dict(temperature=1.3)),
+}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_three_way_at_real_sizes(source, case):
+    from tplogp.reference import reference_outputs
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    be = _backend(source)
+    n, d, v, dt, peaked, opts = CASES[case]
+    h, w, b, y, g, ge = _problem(n, d, v, dt, peaked=peaked)
+    ent, temp = opts.get("return_entropy", False), opts.get("temperature", 1.0)
+
+    def ours(h, w, y, b):
+        return linear_logp_tp(be, h, w, y, b, options=LogpOptions(**opts))
+
+    def ref(mode):
+        def fn(h, w, y, b):
+            hh, ww = (h.double(), w.double()) if mode == "float64" else (h, w)
+            bb = None if b is None else (b.double() if mode == "float64" else b)
+            o = reference_outputs(hh, ww, y, bb, mode=mode, temperature=temp)
+            return o if ent else o.logp
+        return fn
+
+    got = _run(ours, h, w, b, y, g, ge, ent)
+    truth = _run(ref("float64"), h, w, b, y, g, ge, ent)
+    same = _run(ref("matching" if dt != torch.float32 else "fp32"), h, w, b, y, g, ge, ent)
+    for k, t in truth.items():
+        if t is not None:
+            assert_no_worse(k, got[k], same[k], t, dt)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_deterministic_bitwise_and_batch_independent(source):
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    be = _backend(source)
+    h, w, b, y, g, ge = _problem(4096, 2048, 32000, torch.bfloat16, seed=3)
+    opts = LogpOptions(return_entropy=True, deterministic=True)
+
+    def fn(h, w, y, b):
+        return linear_logp_tp(be, h, w, y, b, options=opts)
+
+    r1, r2 = _run(fn, h, w, b, y, g, ge, True), _run(fn, h, w, b, y, g, ge, True)
+    for k in r1:
+        assert torch.equal(r1[k], r2[k]), k
+    k = 1000
+    r3 = _run(fn, h[:k], w, b, y[:k], g[:k], ge[:k], True)
+    for key in ("logp", "entropy", "d_hidden"):
+        assert torch.equal(r3[key], r1[key][:k]), key
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("n,d,v,ws", [(16384, 256, 140000, 8 << 30), (512, 16384, 140000, None)],
+                         ids=["TxV>2^31-one-chunk", "VxD>2^31"])
+def test_large_indices_match_native(source, n, d, v, ws):
+    from tplogp.backends.native import NativeBackend
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    be = _backend(source)
+    h, w, b, y, g, ge = _problem(n, d, v, torch.bfloat16, seed=7)
+    got = _run(lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=LogpOptions(workspace_bytes=ws)),
+               h, w, b, y, g, ge, False)
+    ref = _run(lambda h, w, y, b: linear_logp_tp(NativeBackend(), h, w, y, b), h, w, b, y, g, ge, False)
+    for k in got:
+        assert torch.isfinite(got[k]).all(), k
+        assert rel_error(got[k], ref[k]) < 2e-2, k
