@@ -77,3 +77,40 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
     result.stdout.fnmatch_lines(["*FAILED test_body.py::test_sigkill[[]tp2[]] - rank 0 killed by signal 9 (SIGKILL)*"])
     result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: 1 process group(s) left*"])
     assert leftover_processes(tag) == []
+
+
+SLEEPY = '''
+import time
+import pytest
+
+@pytest.mark.tp
+def test_sleeps(tp):
+    time.sleep(60)
+'''
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, sig: str) -> None:
+    """Ctrl-C (SIGINT to pytest) and a crash of pytest itself (SIGKILL) leave no rank behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from plugin_helpers import tagged_pids
+
+    pytester.makepyfile(test_body=SLEEPY)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-q", "test_body.py"],
+                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(tagged_pids(tag)) < 3 and time.monotonic() < deadline:  # pytest + resource tracker + ranks
+            time.sleep(0.2)
+        time.sleep(3.0)  # let the ranks get into the test body
+        proc.send_signal(getattr(signal, sig))
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert leftover_processes(tag, wait_s=10.0) == []
