@@ -221,9 +221,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
-def _plan_for(item: pytest.Item, world_size: int, state: Settings | State) -> Plan:
-    st = state if isinstance(state, State) else None
-    settings = st.settings if st else state  # type: ignore[union-attr]
+def _plan_for(item: pytest.Item, world_size: int, st: State) -> Plan:
+    settings = st.settings
     marker = item.get_closest_marker("tp")
     kwargs = _marker_args(marker, item.nodeid)
     backend = kwargs.get("backend", settings.backend)
@@ -239,7 +238,7 @@ def _plan_for(item: pytest.Item, world_size: int, state: Settings | State) -> Pl
         raise pytest.UsageError(f"{item.nodeid}: a test requests either tp (body on the ranks) or tp_pool (body in "
                                 f"the parent, explicit dispatch), not both")
     needs_gpu = item.get_closest_marker("gpu") is not None
-    if st is not None and st.external is not None:
+    if st.external is not None:
         ctx = st.external.ctx
         reason = None
         if world_size != ctx.world_size:

@@ -138,7 +138,13 @@ class RankPool:
         return RankConfig(rank=rank, world_size=self.key.world_size, backend=self.key.backend,
                           device_type=self.key.device_type, pool_dir=self.pool_dir,
                           store_path=os.path.join(self.pool_dir, "store"), parent_pid=os.getpid(),
-                          num_threads=self.num_threads)
+                          num_threads=self.num_threads or self._default_threads())
+
+    def _default_threads(self) -> Optional[int]:
+        """CPU ranks share the cores (cores // world size torch threads each); GPU ranks keep torch's default."""
+        if self.key.device_type != "cpu":
+            return None
+        return max(1, (os.cpu_count() or 1) // self.key.world_size)
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Spawn the ranks and wait (bounded) until every one has joined the process group. Returns seconds."""
