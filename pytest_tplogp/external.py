@@ -12,6 +12,7 @@ group cannot be respawned from inside.
 from __future__ import annotations
 
 import faulthandler
+from datetime import timedelta
 import os
 import random
 import sys
@@ -37,15 +38,21 @@ class ExternalMode:
         self.torch = torch
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
         backend = settings.backend
         if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > local_rank else "gloo"
+            # The same answer on every rank of a node (never NCCL on some ranks and gloo on others): NCCL only
+            # when this node has a GPU for each of its local ranks. Nodes of one job are assumed alike.
+            enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+            backend = "nccl" if enough else "gloo"
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size)
+            # bounded: a rendezvous or collective that never completes fails after the test deadline + 60 s
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=settings.timeout_s + 60))
         else:
             backend = dist.get_backend()
         ctrl = dist.new_group(backend="gloo") if backend != "gloo" else None
