@@ -113,34 +113,37 @@ class _LinearLogpFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
         be, call = tpc.backend, tpc.call
         st = be.forward_stats(hidden, weight, bias, local_target, call)
-        owned = (local_target >= 0).to(torch.float32)
-        cols = [st.row_max, st.sum_exp, st.target_logit, owned]
-        if call.with_entropy:
-            cols.append(st.sum_exp_z)
-        packed = torch.stack(cols, dim=1)  # [N, K]
+        owned = local_target >= 0
         if tpc.world_size > 1:
+            cols = [st.row_max, st.sum_exp, st.target_logit, owned.to(torch.float32)]
+            if call.with_entropy:
+                cols.append(st.sum_exp_z)
+            packed = torch.stack(cols, dim=1)  # [N, K]
             recv = all_gather_flat(packed.to(tpc.comm_device), tpc.group)
             stats_all = recv.view(tpc.world_size, *packed.shape).to(hidden.device)
-        else:
-            stats_all = packed.unsqueeze(0)
-        row_max, log_sum, target_rel, count, mean_rel = merge_stats(stats_all, call.with_entropy)
+            row_max, log_sum, target_rel, count, mean_rel = merge_stats(stats_all, call.with_entropy)
+            covered = count == 1
+        else:  # one shard: the merge is the identity; few ops keep the host cost low
+            row_max, log_sum = st.row_max, torch.log(st.sum_exp)
+            target_rel = st.target_logit - row_max
+            mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
+            count, covered = None, owned
         if tpc.check_coverage and hidden.shape[0] > 0:
-            bad = count != 1
+            bad = ~covered
             if bool(bad.any()):  # identical on every rank: all saw the same gathered stats
                 idx = int(bad.nonzero()[0, 0])
+                owners = 0 if count is None else int(count[idx])
                 raise LinearLogpInputError(
                     f"{COVERAGE_MESSAGE}: {int(bad.sum())} token(s) have no or several owners "
-                    f"(first: token {idx}, owned by {int(count[idx])} shard(s))")
-        logp = torch.where(count == 1, target_rel - log_sum, torch.full_like(log_sum, float("nan")))
+                    f"(first: token {idx}, owned by {owners} shard(s))")
+        logp = torch.where(covered, target_rel - log_sum, float("nan"))
         lse = row_max + log_sum
-        entropy = (log_sum - mean_rel) if mean_rel is not None else None
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel)
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
-        if entropy is None:
-            entropy = torch.zeros_like(lse)
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy, lse
+        if mean_rel is None:
+            return logp, None, lse
+        return logp, log_sum - mean_rel, lse
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy, g_lse):
@@ -228,8 +231,8 @@ def linear_logp_tp(
         tgt = tgt.index_select(0, keep_idx)
 
     v_local = w.shape[0]
-    rel = tgt - vocab_start_index
-    local_target = torch.where((rel >= 0) & (rel < v_local), rel, torch.full_like(rel, -1))
+    rel = tgt - vocab_start_index if vocab_start_index else tgt
+    local_target = torch.where((rel >= 0) & (rel < v_local), rel, -1)
 
     call = ShardCall(
         inv_temperature=1.0 / float(options.temperature),
@@ -243,7 +246,8 @@ def linear_logp_tp(
     if keep_idx is not None:
         n_all = target_ids.numel()
         logp = logp.new_zeros(n_all).index_copy(0, keep_idx, logp)
-        entropy = entropy.new_zeros(n_all).index_copy(0, keep_idx, entropy)
+        if entropy is not None:
+            entropy = entropy.new_zeros(n_all).index_copy(0, keep_idx, entropy)
         lse = lse.new_zeros(n_all).index_copy(0, keep_idx, lse)
     logp = logp.view(out_shape)
     if not (options.return_entropy or options.return_lse):

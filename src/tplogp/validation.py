@@ -102,7 +102,7 @@ def target_range_problem(target_ids: torch.Tensor, vocab_size: int, ignore_index
         t = t[t != ignore_index]
     if t.numel() == 0:
         return None
-    lo, hi = int(t.min()), int(t.max())
+    lo, hi = torch.stack(torch.aminmax(t)).tolist()  # one host sync
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {vocab_size})"
