@@ -1,6 +1,7 @@
 """Run one forward+backward of linear_logp in this process and print the resident-memory growth (MiB) as JSON.
 
-Used by tests/test_memory.py in a fresh subprocess, so that nothing else in the test session inflates the
+Usage: python tests/memory_probe.py N D V [native|eager|triton]. Used by tests/test_memory.py and
+benchmarks/bench_cpu_memory.py in a fresh subprocess, so that nothing else in the test session inflates the
 high-water mark. Resets the kernel's peak-RSS counter (/proc/self/clear_refs = 5) after the inputs exist.
 """
 
@@ -29,7 +30,13 @@ def main() -> None:
     w = (torch.randn(v, d) / d ** 0.5).requires_grad_()
     t = torch.randint(0, v, (n,))
     g = torch.randn(n)
-    op = get_op("linear_logp", source=source)
+    if source == "eager":  # the materializing baseline: full fp32 logits, log_softmax, gather
+        from tplogp.reference import reference_linear_logp
+
+        def op(h, w, t):
+            return reference_linear_logp(h, w, t, mode="fp32")
+    else:
+        op = get_op("linear_logp", source=source)
     op(h[:4], w, t[:4])  # warm up lazy imports and allocator pools outside the measurement
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
