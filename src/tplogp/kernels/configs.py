@@ -43,6 +43,12 @@ class TileConfig:
     dh_num_stages: int = 2
     # sm90 source only: warp-specialized K loop (producer warps issue TMA copies)
     warp_specialize: bool = False
+    # Lean softmax epilogue: no column mask when V (the chunk) is a multiple of BLOCK_V, and the target-logit /
+    # one-hot extraction only in tiles that hold some row's target. Bitwise the same results; fewer ALU ops.
+    lean_epilogue: bool = False
+    # Backward (default mode only, never with deterministic=True): two half-budget workspaces; the cuBLAS d_hidden
+    # and d_W GEMMs of chunk i run on a side CUDA stream while the fused d_logits kernel of chunk i+1 runs.
+    bwd_overlap: bool = False
 
 
 # Capability table: (major, minor) -> config. Measured choices are documented in docs/kernels.md.
@@ -69,7 +75,9 @@ INTERPRETER = TileConfig(
     block_n=16, block_v=32, block_d=16, group_n=2, split_tiles=2,
     bwd_block_n=16, bwd_block_v=32, bwd_block_d=16,
     dh_block_n=16, dh_block_d=32, dh_block_k=16,
+    lean_epilogue=True, bwd_overlap=True,  # the CPU tests cover the new paths; INTERPRETER_PLAIN the old ones
 )
+INTERPRETER_PLAIN = replace(INTERPRETER, lean_epilogue=False, bwd_overlap=False)
 
 # The sm90 source (TMA kernels): the Hopper row plus a warp-specialized K loop (measured on an H200, Triton 3.6:
 # 8192x4096x128256 fwd 1.06 vs 1.09 GEMM-times, fwd+bwd 4.21 vs 4.37 in one run, a tie in another; docs/kernels.md).

@@ -44,8 +44,9 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise KernelInputError(f"hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one")
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise KernelInputError(f"unsupported dtype {hidden.dtype}; expected float32, bfloat16 or float16")
-    devices = {hidden.device, weight.device, local_target.device} | ({bias.device} if bias is not None else set())
-    if len(devices) != 1:
+    dev = hidden.device
+    if weight.device != dev or local_target.device != dev or (bias is not None and bias.device != dev):
+        devices = {hidden.device, weight.device, local_target.device} | ({bias.device} if bias is not None else set())
         raise KernelInputError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
     if hidden.stride(1) != 1 or weight.stride(1) != 1:
         raise KernelInputError(
@@ -76,61 +77,76 @@ def _even(d: int, block: int) -> bool:
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
                   cfg: TileConfig, stats_launch: Optional[Callable] = None):
-    """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard."""
+    """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard.
+
+    Host cost matters at small shapes (the GPU work of 4096x2048x8192 takes ~0.2 ms): two allocations (the merged
+    stats are views of one ``[3 or 4, N]`` buffer, the per-split stats of one ``[3 or 4, S, N]`` buffer), two
+    launches, no other torch op.
+    """
     check_inputs(hidden, weight, bias, local_target)
     n, d = hidden.shape
     v = weight.shape[0]
-    dev = hidden.device
-    f32 = dict(device=dev, dtype=torch.float32)
-    out_max = torch.empty(n, **f32)
-    out_sum = torch.empty(n, **f32)
-    out_tl = torch.empty(n, **f32)
-    out_sez = torch.empty(n, **f32) if with_entropy else None
+    k = 4 if with_entropy else 3
+    out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
     if n == 0 or v == 0:
-        out_max.fill_(float("-inf"))
-        out_sum.zero_()
-        out_tl.zero_()
-        if out_sez is not None:
-            out_sez.zero_()
-        return out_max, out_sum, out_tl, out_sez
-    local_target = local_target.contiguous()
+        out[0].fill_(float("-inf"))
+        out[1:].zero_()
+        outs = out.unbind(0)
+        return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+    if not local_target.is_contiguous():
+        local_target = local_target.contiguous()
     split_v = cfg.split_tiles * cfg.block_v
     num_splits = triton.cdiv(v, split_v)
-    part = torch.empty((4 if with_entropy else 3, num_splits, n), **f32)
-    p_sez = part[3] if with_entropy else part[0]
-    (stats_launch or _launch_stats)(hidden, weight, bias, local_target, part, num_splits, split_v,
+    parts = torch.empty((k, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
+    outs = out.unbind(0)
+    (stats_launch or _launch_stats)(hidden, weight, bias, local_target, parts, num_splits, split_v,
                                     float(inv_temperature), with_entropy, cfg)
     _merge_splits_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
-        part[0], part[1], part[2], p_sez, out_max, out_sum, out_tl,
-        out_sez if out_sez is not None else out_max, n, num_splits,
+        parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], outs[0], outs[1], outs[2],
+        outs[3] if with_entropy else outs[0], n, num_splits,
         WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
     )
-    return out_max, out_sum, out_tl, out_sez
+    return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
 
 
-def _launch_stats(hidden, weight, bias, local_target, part, num_splits: int, split_v: int, inv_temperature: float,
+def _lean_flags(cfg: TileConfig, v: int) -> dict:
+    """Constexprs of the forward kernels for the lean epilogue (only passed when on: the plain kernels' cache keys
+    and signatures stay as they were)."""
+    if not cfg.lean_epilogue:
+        return {}
+    return dict(LEAN=True, EVEN_V=v % cfg.block_v == 0)
+
+
+def _launch_stats(hidden, weight, bias, local_target, parts, num_splits: int, split_v: int, inv_temperature: float,
                   with_entropy: bool, cfg: TileConfig) -> None:
     n, d = hidden.shape
+    v = weight.shape[0]
     grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
     _fwd_stats_kernel[grid](
         hidden, weight, bias if bias is not None else hidden, local_target,
-        part[0], part[1], part[2], part[3] if with_entropy else part[0],
-        n, weight.shape[0], d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits,
+        parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
+        n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits,
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_lean_flags(cfg, v),
     )
 
 
 # ---------------------------------------------------------------------------------------------- backward
 
 
+def workspace_budget(workspace_bytes: Optional[int]) -> int:
+    """The d_logits workspace budget in bytes: the call's, else ``TPLOGP_WORKSPACE_MB``, else the default."""
+    if workspace_bytes is not None:
+        return workspace_bytes
+    env = os.environ.get("TPLOGP_WORKSPACE_MB")
+    return int(float(env) * _MIB) if env else DEFAULT_WORKSPACE_BYTES
+
+
 def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: Optional[int]) -> int:
     """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits the budget; a multiple of CHUNK_ALIGN."""
-    budget = workspace_bytes
-    if budget is None:
-        env = os.environ.get("TPLOGP_WORKSPACE_MB")
-        budget = int(float(env) * _MIB) if env else DEFAULT_WORKSPACE_BYTES
+    budget = workspace_budget(workspace_bytes)
     cols = budget // max(1, n * itemsize)
     cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
     return min(cols, triton.cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)
@@ -185,47 +201,125 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return None, None, None
 
     f32 = torch.float32
-    local_target = local_target.contiguous()
-    row_max = row_max.to(f32).contiguous()
-    log_sum = log_sum.to(f32).contiguous()
-    g = grad_logp.to(f32).contiguous()
+    if not local_target.is_contiguous():
+        local_target = local_target.contiguous()
+    row_max = _f32c(row_max)
+    log_sum = _f32c(log_sum)
+    g = _f32c(grad_logp)
     gmg = g if grad_lse is None else (g - grad_lse.to(f32)).contiguous()
     with_entropy = grad_entropy is not None
     if with_entropy:
         if mean_z is None:
             raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z] - M")
-        ge = grad_entropy.to(f32).contiguous()
-        mz = mean_z.to(f32).contiguous()
+        ge = _f32c(grad_entropy)
+        mz = _f32c(mean_z)
     else:
         ge = mz = g
 
-    chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
-    ws = torch.empty(n * min(chunk, v), device=dev, dtype=weight.dtype)
+    itemsize = weight.element_size()
+    chunk = plan_chunk(n, v, itemsize, workspace_bytes)
+    overlap = cfg.bwd_overlap and not deterministic and (need_dh or need_dw)
+    if overlap:  # two workspaces of half the budget each, when that still gives two chunks or more
+        half = plan_chunk(n, v, itemsize, workspace_budget(workspace_bytes) // 2)
+        overlap = half < v
+        if overlap:
+            chunk = half
     num_nb = triton.cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     d_weight = torch.empty_like(weight) if need_dw else None
     d_hidden = torch.empty((n, d), device=dev, dtype=f32) if need_dh else None
-    d_bias = None
     precision = _dot_precision(hidden.dtype)
     launch = dlogits_launch or _launch_dlogits
+    args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
+    if overlap:
+        _backward_overlapped(args, d_hidden, d_weight, dbp, n, v, chunk, float(inv_temperature), with_entropy,
+                             need_db, cfg, precision, launch)
+    elif chunk >= v:  # one chunk (small shapes): no slicing
+        dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
+        launch(*args, dz, dbp, 0, v, float(inv_temperature), with_entropy, need_db, cfg, precision)
+        _chunk_gemms(dz, weight, hidden, d_hidden, d_weight, 0, deterministic, cfg, precision)
+    else:
+        ws = torch.empty(n * chunk, device=dev, dtype=weight.dtype)
+        for i_chunk, v_lo in enumerate(range(0, v, chunk)):
+            v_hi = min(v_lo + chunk, v)
+            dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
+            launch(*args, dz, dbp, v_lo, v_hi, float(inv_temperature), with_entropy, need_db, cfg, precision)
+            _chunk_gemms(dz, weight[v_lo:v_hi], hidden, d_hidden,
+                         None if d_weight is None else d_weight[v_lo:v_hi], i_chunk, deterministic, cfg, precision)
+    d_bias = dbp.sum(0).to(bias.dtype) if need_db else None
+    return d_hidden, d_weight, d_bias
+
+
+def _f32c(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _chunk_gemms(dz, w_chunk, hidden, d_hidden, d_weight_chunk, i_chunk: int, deterministic: bool, cfg: TileConfig,
+                 precision) -> None:
+    """``d_hidden (+)= dz @ W[chunk]`` (fp32) and ``d_W[chunk] = dz^T @ hidden`` for one chunk."""
+    if d_hidden is not None:
+        if deterministic:
+            _launch_dh(dz, w_chunk, d_hidden, accumulate=i_chunk > 0, cfg=cfg, precision=precision)
+        elif i_chunk == 0:
+            _mm_f32_into(d_hidden, dz, w_chunk)
+        else:
+            _addmm_f32_(d_hidden, dz, w_chunk)
+    if d_weight_chunk is not None:
+        _mm_into(d_weight_chunk, dz.t(), hidden)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    s = _SIDE_STREAMS.get(key)
+    if s is None:
+        s = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return s
+
+
+def _backward_overlapped(args, d_hidden, d_weight, dbp, n: int, v: int, chunk: int, inv_temperature: float,
+                         with_entropy: bool, need_db: bool, cfg: TileConfig, precision, launch) -> None:
+    """Double-buffered chunk loop: the d_logits kernel of chunk i+1 (current stream) overlaps the cuBLAS GEMMs of
+    chunk i (side stream). Each workspace is half the budget. Ordering, all by events (capture-safe fork/join):
+    chunk i's GEMMs wait for its d_logits; the d_logits of chunk i+2 waits for chunk i's GEMMs (same buffer); the
+    current stream waits for the side stream before returning, so every buffer (workspaces, d_hidden, d_W, inputs)
+    is only reused or freed after the side stream is done with it. The GEMMs run in chunk order on one stream, so
+    d_hidden accumulates in the same order every run. On CPU (Triton's interpreter) the same loop runs in order."""
+    hidden, weight = args[0], args[1]
+    dev = hidden.device
+    wss = [torch.empty(n * chunk, device=dev, dtype=weight.dtype) for _ in range(2)]
+    cuda = dev.type == "cuda"
+    if cuda:
+        main = torch.cuda.current_stream(dev)
+        side = _side_stream(dev)
+        side.wait_stream(main)  # inputs and the freshly allocated outputs
+    free = [None, None]
     for i_chunk, v_lo in enumerate(range(0, v, chunk)):
         v_hi = min(v_lo + chunk, v)
-        dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
-        launch(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
-               float(inv_temperature), with_entropy, need_db, cfg, precision)
-        w_chunk = weight[v_lo:v_hi]
-        if need_dh:
-            if deterministic:
-                _launch_dh(dz, w_chunk, d_hidden, accumulate=i_chunk > 0, cfg=cfg, precision=precision)
-            elif i_chunk == 0:
-                _mm_f32_into(d_hidden, dz, w_chunk)
-            else:
-                _addmm_f32_(d_hidden, dz, w_chunk)
-        if need_dw:
-            _mm_into(d_weight[v_lo:v_hi], dz.t(), hidden)
-    if need_db:
-        d_bias = dbp.sum(0).to(bias.dtype)
-    return d_hidden, d_weight, d_bias
+        b = i_chunk % 2
+        dz = wss[b][: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
+        if cuda and free[b] is not None:
+            main.wait_event(free[b])
+        launch(*args, dz, dbp, v_lo, v_hi, inv_temperature, with_entropy, need_db, cfg, precision)
+        if not cuda:
+            _chunk_gemms(dz, weight[v_lo:v_hi], hidden, d_hidden, None if d_weight is None else d_weight[v_lo:v_hi],
+                         i_chunk, False, cfg, precision)
+            continue
+        ready = torch.cuda.Event()
+        ready.record(main)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            _chunk_gemms(dz, weight[v_lo:v_hi], hidden, d_hidden, None if d_weight is None else d_weight[v_lo:v_hi],
+                         i_chunk, False, cfg, precision)
+            done = torch.cuda.Event()
+            done.record(side)
+        free[b] = done
+    if cuda:
+        main.wait_stream(side)
 
 
 def _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
@@ -240,7 +334,14 @@ def _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg
         HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.bwd_block_d),
         BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=precision, num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+        **_lean_bwd_flags(cfg, n, v_hi - v_lo),
     )
+
+
+def _lean_bwd_flags(cfg: TileConfig, n: int, width: int) -> dict:
+    if not cfg.lean_epilogue:
+        return {}
+    return dict(LEAN=True, EVEN_NV=n % cfg.bwd_block_n == 0 and width % cfg.bwd_block_v == 0)
 
 
 def _launch_dh(dz: torch.Tensor, w_chunk: torch.Tensor, d_hidden: torch.Tensor, accumulate: bool,

@@ -46,6 +46,8 @@ def _fwd_stats_tma_kernel(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+
+    LEAN: tl.constexpr = False, EVEN_V: tl.constexpr = False,
 ):
     i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -63,17 +65,27 @@ def _fwd_stats_tma_kernel(
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
         if HAS_BIAS:
             acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-        b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
+        if EVEN_V:  # LEAN only: every column of the tile is a real vocab id
+            b_z = acc * inv_temp
+        else:
+            b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
         new_max = tl.maximum(b_max, tl.max(b_z, 1))
         b_e = tl.exp(b_z - new_max[:, None])
         b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)
         b_scale = tl.exp(b_shift)
         if WITH_ENTROPY:
-            b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)
+            if EVEN_V:
+                b_ez = b_e * (b_z - new_max[:, None])
+            else:
+                b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
             b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
         b_sum = b_sum * b_scale + tl.sum(b_e, 1)
         b_max = new_max
-        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+        if LEAN:  # extract target logits only in tiles that hold some row's target (the sum adds 0.0 elsewhere)
+            if tl.max(((b_tgt >= v0) & (b_tgt < v0 + BLOCK_V)).to(tl.int32), 0) > 0:
+                b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+        else:
+            b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
     o_out = i_s.to(tl.int64) * N + o_n
     tl.store(p_max + o_out, b_max, mask=m_n)
     tl.store(p_sum + o_out, b_sum, mask=m_n)
@@ -95,6 +107,8 @@ def _bwd_dlogits_tma_kernel(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+
+    LEAN: tl.constexpr = False, EVEN_NV: tl.constexpr = False,
 ):
     i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,8 +133,17 @@ def _bwd_dlogits_tma_kernel(
         b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
     else:
         b_coef = b_gmg[:, None]
-    b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
-    b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
+    if LEAN:  # the one-hot term only in tiles that hold some row's target (0.0 - p * coef elsewhere, the same bits)
+        if tl.max(((b_tgt >= v_lo + i_v * BLOCK_V) & (b_tgt < v_lo + i_v * BLOCK_V + BLOCK_V)).to(tl.int32), 0) > 0:
+            b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
+        else:
+            b_dz = 0.0 - b_p * b_coef
+    else:
+        b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
+    if EVEN_NV:
+        b_dz = b_dz * inv_temp
+    else:
+        b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
     p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
     _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
     if NEED_DB:
@@ -141,31 +164,32 @@ def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
             TensorDescriptor.from_tensor(weight, [block_v, block_d]))
 
 
-def launch_stats_tma(hidden, weight, bias, local_target, part, num_splits: int, split_v: int,
+def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int, split_v: int,
                      inv_temperature: float, with_entropy: bool, cfg, warp_specialize: bool = False) -> None:
-    from .launch import _dot_precision, _launch_stats
+    from .launch import _dot_precision, _launch_stats, _lean_flags
 
     if not tma_ok(hidden, weight):
-        return _launch_stats(hidden, weight, bias, local_target, part, num_splits, split_v, inv_temperature,
+        return _launch_stats(hidden, weight, bias, local_target, parts, num_splits, split_v, inv_temperature,
                              with_entropy, cfg)
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
     grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
     _fwd_stats_tma_kernel[grid](
         d_h, d_w, bias if bias is not None else hidden, local_target,
-        part[0], part[1], part[2], part[3] if with_entropy else part[0],
+        parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
         n, weight.shape[0], d, inv_temperature, num_splits,
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_lean_flags(cfg, weight.shape[0]),
     )
 
 
 def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                        inv_temperature, with_entropy, need_db, cfg, precision: str,
                        warp_specialize: bool = False) -> None:
-    from .launch import _launch_dlogits
+    from .launch import _launch_dlogits, _lean_bwd_flags
 
     if not tma_ok(hidden, weight):
         return _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
@@ -180,4 +204,5 @@ def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, 
         BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=precision, WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.bwd_num_stages,
         num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+        **_lean_bwd_flags(cfg, n, v_hi - v_lo),
     )

@@ -48,6 +48,8 @@ def _bwd_dlogits_kernel(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LEAN: tl.constexpr = False,  # lean epilogue (configs.TileConfig.lean_epilogue)
+    EVEN_NV: tl.constexpr = False,  # LEAN, N % BLOCK_N == 0 and the chunk width % BLOCK_V == 0: no tile masks
 ):
     i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -72,8 +74,17 @@ def _bwd_dlogits_kernel(
         b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
     else:
         b_coef = b_gmg[:, None]
-    b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
-    b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
+    if LEAN:  # the one-hot term only in tiles that hold some row's target (0.0 - p * coef elsewhere, the same bits)
+        if tl.max(((b_tgt >= v_lo + i_v * BLOCK_V) & (b_tgt < v_lo + i_v * BLOCK_V + BLOCK_V)).to(tl.int32), 0) > 0:
+            b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
+        else:
+            b_dz = 0.0 - b_p * b_coef
+    else:
+        b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
+    if EVEN_NV:
+        b_dz = b_dz * inv_temp
+    else:
+        b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
     p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
     _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
     if NEED_DB:

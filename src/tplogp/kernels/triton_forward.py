@@ -99,6 +99,8 @@ def _fwd_stats_kernel(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LEAN: tl.constexpr = False,  # lean epilogue (configs.TileConfig.lean_epilogue)
+    EVEN_V: tl.constexpr = False,  # LEAN and V % BLOCK_V == 0: no column masks
 ):
     i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -116,17 +118,27 @@ def _fwd_stats_kernel(
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
         if HAS_BIAS:
             acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-        b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))  # [BLOCK_N, BLOCK_V]
+        if EVEN_V:  # LEAN only: every column of the tile is a real vocab id
+            b_z = acc * inv_temp
+        else:
+            b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
         new_max = tl.maximum(b_max, tl.max(b_z, 1))
         b_e = tl.exp(b_z - new_max[:, None])  # [BLOCK_N, BLOCK_V]; masked columns give 0
         b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)  # <= 0
         b_scale = tl.exp(b_shift)
         if WITH_ENTROPY:
-            b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
+            if EVEN_V:
+                b_ez = b_e * (b_z - new_max[:, None])
+            else:
+                b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
             b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
         b_sum = b_sum * b_scale + tl.sum(b_e, 1)
         b_max = new_max
-        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+        if LEAN:  # extract target logits only in tiles that hold some row's target (the sum adds 0.0 elsewhere)
+            if tl.max(((b_tgt >= v0) & (b_tgt < v0 + BLOCK_V)).to(tl.int32), 0) > 0:
+                b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+        else:
+            b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
     o_out = i_s.to(tl.int64) * N + o_n
     tl.store(p_max + o_out, b_max, mask=m_n)
     tl.store(p_sum + o_out, b_sum, mask=m_n)
