@@ -37,7 +37,16 @@ _LAZY = {
     "RankFailure": "pytest_tplogp.report",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "CollectiveAssertionError",
+    "OpSource",
+    "RankContext",
+    "RankFailure",
+    "RankValue",
+    "Reference",
+    "VocabShards",
+    "current_context",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .protocol import format_ranks
 
-_CURRENT: Optional["RankContext"] = None
+_CURRENT: RankContext | None = None
 
 
 class CollectiveAssertionError(AssertionError):
@@ -31,7 +32,7 @@ class CollectiveAssertionError(AssertionError):
 CollectiveAssertionError.__module__ = "pytest_tplogp"  # short name in reports; resolvable via the package
 
 
-def current_context() -> "RankContext":
+def current_context() -> RankContext:
     """The rank context of this process (inside a rank of the pool or under torchrun)."""
     if _CURRENT is None:
         raise RuntimeError(
@@ -63,7 +64,7 @@ class RankContext:
         backend: str,
         device: torch.device,
         *,
-        local_rank: Optional[int] = None,
+        local_rank: int | None = None,
         external: bool = False,
         ctrl_group: Any = None,
     ) -> None:
@@ -146,7 +147,7 @@ class RankContext:
         :class:`CollectiveAssertionError` naming them; if it skips (``pytest.skip``) on some ranks and fails on
         none, every rank skips with the first reason. Nobody is left in a later collective.
         """
-        err: Optional[BaseException] = None
+        err: BaseException | None = None
         try:
             yield
         except (KeyboardInterrupt, SystemExit):
@@ -183,6 +184,6 @@ class RankContext:
             pytest.skip(reason if len(hit) == self.world_size else f"{reason} (on {format_ranks(hit)})")
 
 
-def set_current(ctx: Optional[RankContext]) -> None:
+def set_current(ctx: RankContext | None) -> None:
     global _CURRENT
     _CURRENT = ctx

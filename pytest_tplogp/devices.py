@@ -14,10 +14,9 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def visible_gpus() -> tuple[str, ...]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
@@ -35,7 +34,7 @@ def visible_gpus() -> tuple[str, ...]:
         return ()
 
 
-def xdist_worker() -> Optional[tuple[int, int]]:
+def xdist_worker() -> tuple[int, int] | None:
     """``(index, count)`` of this pytest-xdist worker, or None outside xdist."""
     wid = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
@@ -47,7 +46,7 @@ def xdist_worker() -> Optional[tuple[int, int]]:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_block() -> tuple[str, ...]:
     """The GPUs this pytest process owns (all visible ones, or this xdist worker's disjoint block)."""
     gpus = visible_gpus()
@@ -72,7 +71,7 @@ def block_note() -> str:
 class Placement:
     backend: str
     devices: tuple[str, ...]  # GPU ids, or ("cpu",)
-    skip_reason: Optional[str] = None
+    skip_reason: str | None = None
 
     @property
     def device_type(self) -> str:

@@ -12,17 +12,18 @@ group cannot be respawned from inside.
 from __future__ import annotations
 
 import faulthandler
-from datetime import timedelta
 import os
 import random
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 from .options import Settings
 from .protocol import RankOutcome
 
 
-def detect(environ: Optional[dict[str, str]] = None) -> bool:
+def detect(environ: dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     return "WORLD_SIZE" in env and "RANK" in env and ("TORCHELASTIC_RUN_ID" in env or "MASTER_ADDR" in env)
 
@@ -60,7 +61,7 @@ class ExternalMode:
                                ctrl_group=ctrl)
         set_current(self.ctx)
 
-    def check_collection(self, nodeids: list[str]) -> Optional[str]:
+    def check_collection(self, nodeids: list[str]) -> str | None:
         """None if every rank collected the same tests in the same order, else a description of the difference."""
         everyone = self.ctx.all_gather_object(nodeids)
         ref = everyone[0]

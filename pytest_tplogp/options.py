@@ -8,8 +8,9 @@ TPLOGP_TP_TIMEOUT`` or ``ini tp_timeout``), what was expected and what came.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 
@@ -129,7 +130,7 @@ def addoption(parser: pytest.Parser) -> None:
         parser.addini(spec.ini, help=spec.help, type="string", default="")
 
 
-def resolve(config: pytest.Config, environ: Optional[dict[str, str]] = None) -> Settings:
+def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Settings:
     """Resolve every setting (CLI > env > ini > default); raise ``pytest.UsageError`` naming the source."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}

@@ -22,8 +22,9 @@ import re
 import sys
 import types
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,7 @@ class Plan:
     devices: tuple[str, ...]
     timeout_s: float
     in_parent: bool  # tp_pool tests: body in the parent
-    skip_reason: Optional[str] = None
+    skip_reason: str | None = None
 
     @property
     def device_type(self) -> str:
@@ -253,7 +254,7 @@ def _plan_for(item: pytest.Item, world_size: int, st: State) -> Plan:
 
 
 @pytest.fixture(autouse=True)
-def tp_world_size(request: pytest.FixtureRequest) -> Optional[int]:
+def tp_world_size(request: pytest.FixtureRequest) -> int | None:
     """World size of a TP test (its ``[tpN]`` parametrization); None for other tests.
 
     For TP tests this also fixes the placement (backend, devices, deadline) and skips, before any rank is
@@ -270,7 +271,7 @@ def tp_world_size(request: pytest.FixtureRequest) -> Optional[int]:
     return int(ws)
 
 
-def _plan(request: pytest.FixtureRequest) -> Optional[Plan]:
+def _plan(request: pytest.FixtureRequest) -> Plan | None:
     return request.node.stash.get(PLAN, None)
 
 
@@ -285,7 +286,7 @@ def tp(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture
-def tp_pool(request: pytest.FixtureRequest) -> "PoolHandle":
+def tp_pool(request: pytest.FixtureRequest) -> PoolHandle:
     """Explicit dispatch from a test body that stays in the parent: ``tp_pool.run(fn, *args)`` calls
     ``fn(tp, *args)`` on every rank and returns the list of results (index = rank)."""
     plan = _plan(request)
@@ -301,15 +302,15 @@ def reference() -> Reference:
 
 
 @pytest.fixture
-def vocab_shards_size() -> Optional[int]:
+def vocab_shards_size() -> int | None:
     """Override to change the default vocabulary of ``vocab_shards`` (None: :data:`values.DEFAULT_VOCAB_SIZE`)."""
     return None
 
 
-_SOURCE_CACHE: dict[tuple[str, str], Optional[str]] = {}
+_SOURCE_CACHE: dict[tuple[str, str], str | None] = {}
 
 
-def source_unavailable(name: str, device_type: str) -> Optional[str]:
+def source_unavailable(name: str, device_type: str) -> str | None:
     """The kernel registry's reason why op source ``name`` cannot run on ``device_type`` (None: it can)."""
     if name == "registry":
         return None
@@ -361,7 +362,7 @@ def _make_grid_fixtures(settings: Settings) -> Any:
             return BIASES[request.param]
 
         @pytest.fixture(params=list(settings.shards), ids=list(settings.shards))
-        def vocab_shards(self, request: pytest.FixtureRequest, vocab_shards_size: Optional[int]) -> VocabShards:
+        def vocab_shards(self, request: pytest.FixtureRequest, vocab_shards_size: int | None) -> VocabShards:
             """Even and uneven vocab layouts (ids even / uneven); on a rank, bound to that rank's range."""
             plan = _plan(request)
             ws = plan.world_size if plan is not None else request.config.stash[STATE].settings.world_size
@@ -427,7 +428,7 @@ def _apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
 
     _attach_outputs(item, run.outputs, label)
     pool_desc = plan.key.describe() if plan.devices != ("external",) else "torchrun"
-    verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=getattr(item, "module").__file__,
+    verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path),
                     pool_desc=pool_desc)
     if verdict.outcome == "passed":
         if run.killed:
@@ -452,7 +453,7 @@ def _pool_for(state: State, plan: Plan) -> Any:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Optional[bool]:
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     plan = pyfuncitem.stash.get(PLAN, None)
     if plan is None or plan.in_parent:
         return None
@@ -472,10 +473,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     rep = yield
     from .report import RankFailure, TPLongRepr
 
-    if call.excinfo is not None and call.excinfo.errisinstance(RankFailure) and rep.failed:
-        exc = call.excinfo.value
-        path, lineno, _ = item.location
-        rep.longrepr = TPLongRepr(exc.text, exc.headline, path, (lineno or 0) + 1)
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(exc, RankFailure) and rep.failed:
+        loc_path, lineno, _ = item.location
+        rep.longrepr = TPLongRepr(exc.text, exc.headline, loc_path, (lineno or 0) + 1)
     elif rep.skipped and call.when == "call" and SKIPPED_ON_RANKS in item.stash and isinstance(rep.longrepr, tuple):
         path, lineno, _ = item.reportinfo()  # report the test's location, not the plugin's
         rep.longrepr = (str(path), (lineno or 0) + 1, rep.longrepr[2])
@@ -503,7 +504,7 @@ class PoolHandle:
     def devices(self) -> tuple[str, ...]:
         return self._plan.devices
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: Optional[float] = None, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(tp, *args, **kwargs)`` on every rank; return the results in rank order.
 
         ``fn`` must be importable by the ranks (module-level, pickled by reference); arguments and results must
@@ -511,11 +512,12 @@ class PoolHandle:
         ``timeout`` (seconds) defaults to the test's deadline.
         """
         self._calls += 1
-        modules = []
-        for mod_name in {getattr(fn, "__module__", None), getattr(self._item, "module").__name__}:
+        modules: list[tuple[str, str]] = []
+        for mod_name in {getattr(fn, "__module__", None), self._item.module.__name__}:  # type: ignore[attr-defined]
             mod = sys.modules.get(mod_name or "")
-            if mod is not None and getattr(mod, "__file__", None):
-                modules.append((mod_name, mod.__file__))
+            file = getattr(mod, "__file__", None)
+            if mod_name and file:
+                modules.append((mod_name, file))
         try:
             payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001

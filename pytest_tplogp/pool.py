@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from .protocol import (
     START_TIMEOUT_S,
@@ -79,10 +79,10 @@ class PoolRun:
     timed_out: bool = False  # the deadline (not just the straggler grace) passed
     outputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (stdout, stderr) of this command
     elapsed_s: float = 0.0
-    killed: Optional[str] = None  # why the pool was killed after this command (None: still alive)
+    killed: str | None = None  # why the pool was killed after this command (None: still alive)
 
 
-def describe_exit(exitcode: Optional[int]) -> str:
+def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "exited (exit code unknown)"
     if exitcode < 0:
@@ -115,7 +115,7 @@ def _read_from(path: str, offset: int, limit: int = 256 * 1024) -> str:
 class RankPool:
     """A persistent pool of ``key.world_size`` rank processes (see the module docstring)."""
 
-    def __init__(self, key: PoolKey, session_dir: str, num_threads: Optional[int] = None) -> None:
+    def __init__(self, key: PoolKey, session_dir: str, num_threads: int | None = None) -> None:
         self.key = key
         self.session_dir = session_dir
         self.num_threads = num_threads
@@ -125,6 +125,7 @@ class RankPool:
         self.pool_dir = ""
         self.start_s = 0.0
         self.starts = 0
+        self.busy = False  # a command is in flight (e.g. interrupted by Ctrl-C): stop() kills at once
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -140,7 +141,7 @@ class RankPool:
                           store_path=os.path.join(self.pool_dir, "store"), parent_pid=os.getpid(),
                           num_threads=self.num_threads or self._default_threads())
 
-    def _default_threads(self) -> Optional[int]:
+    def _default_threads(self) -> int | None:
         """CPU ranks share the cores (cores // world size torch threads each); GPU ranks keep torch's default."""
         if self.key.device_type != "cpu":
             return None
@@ -178,7 +179,7 @@ class RankPool:
         self.starts += 1
         pending = set(range(self.key.world_size))
         deadline = time.monotonic() + timeout_s
-        problem: Optional[str] = None
+        problem: str | None = None
         while pending and problem is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -239,6 +240,9 @@ class RankPool:
         """Ask the ranks to leave (bounded), then kill whatever is left."""
         if not self.procs:
             return
+        if self.busy:
+            self.kill()
+            return
         for c in self.conns:
             try:
                 c.send_bytes(pickle.dumps("stop"))
@@ -273,6 +277,12 @@ class RankPool:
 
     def run(self, command: Any, timeout_s: float) -> PoolRun:
         """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the module docstring)."""
+        self.busy = True  # stays True if interrupted (Ctrl-C): the ranks are mid-command, stop() must kill
+        res = self._run(command, timeout_s)
+        self.busy = False
+        return res
+
+    def _run(self, command: Any, timeout_s: float) -> PoolRun:
         t0 = time.perf_counter()
         n = self.key.world_size
         res = PoolRun()
@@ -291,7 +301,7 @@ class RankPool:
             except (OSError, ValueError):
                 died(r)
         deadline = time.monotonic() + timeout_s
-        grace_end: Optional[float] = time.monotonic() + STRAGGLER_GRACE_S if res.deaths else None
+        grace_end: float | None = time.monotonic() + STRAGGLER_GRACE_S if res.deaths else None
         while pending:
             now = time.monotonic()
             limit = deadline if grace_end is None else min(deadline, grace_end)
@@ -304,7 +314,7 @@ class RankPool:
                 r = waitables[obj]
                 if r not in pending:
                     continue
-                out: Optional[RankOutcome] = None
+                out: RankOutcome | None = None
                 if self.conns[r].poll(0):
                     try:
                         out = pickle.loads(self.conns[r].recv_bytes())
@@ -344,11 +354,11 @@ class RankPool:
 class PoolManager:
     """The pools of one pytest process, keyed by :class:`PoolKey`; owns the per-session directory."""
 
-    def __init__(self, num_threads: Optional[int] = None) -> None:
+    def __init__(self, num_threads: int | None = None) -> None:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.session_dir = tempfile.mkdtemp(prefix=f"tplogp-{worker}-")
         self.num_threads = num_threads
-        self.pools: "OrderedDict[PoolKey, RankPool]" = OrderedDict()
+        self.pools: OrderedDict[PoolKey, RankPool] = OrderedDict()
         self.start_errors: dict[PoolKey, str] = {}
         self.respawns = 0
         atexit.register(self.shutdown)

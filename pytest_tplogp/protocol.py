@@ -9,8 +9,8 @@ torch nor pytest.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 #: How long (seconds) the controller waits for the other ranks once one rank failed, died or skipped alone before it
 #: treats them as stuck in a collective (dump stacks, kill, respawn).
@@ -32,7 +32,7 @@ class RankConfig:
     pool_dir: str  # per-pool-generation directory inside the per-session directory
     store_path: str  # FileStore path: rendezvous without any port
     parent_pid: int
-    num_threads: Optional[int] = None
+    num_threads: int | None = None
 
     def path(self, suffix: str) -> str:
         return os.path.join(self.pool_dir, f"rank{self.rank}.{suffix}")
@@ -49,7 +49,7 @@ class RunTest:
     kwargs: bytes  # pickled {argname: value}; values with __tp_bind__ are bound on the rank
     sys_path: list[str]
     seed: int
-    code: Optional[bytes] = None  # marshal of the parent's (assertion-rewritten) code object, if any
+    code: bytes | None = None  # marshal of the parent's (assertion-rewritten) code object, if any
     extra_globals: dict[str, str] = field(default_factory=dict)  # global name -> module name the code needs
 
 
@@ -72,7 +72,7 @@ class RankOutcome:
     summary: str = ""  # one line: "AssertionError: assert 1 == 2" or the skip reason
     longrepr: str = ""  # traceback text (test frames only)
     duration_s: float = 0.0
-    value: Optional[bytes] = None  # pickled return value of a CallFn
+    value: bytes | None = None  # pickled return value of a CallFn
     state_problems: list[str] = field(default_factory=list)  # fresh-state check violations after the command
 
 

@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 import types
-from typing import Any, Optional
+from typing import Any
 
 from .protocol import CallFn, RankConfig, RankOutcome, Ready, RunTest, StartFailed
 
@@ -60,7 +60,7 @@ def _redirect_output(cfg: RankConfig) -> None:
         os.close(target)
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         except Exception:
             pass
     stack = open(cfg.path("stack"), "a", buffering=1)
@@ -69,7 +69,7 @@ def _redirect_output(cfg: RankConfig) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True, chain=False)
 
 
-def _group_count() -> Optional[int]:
+def _group_count() -> int | None:
     """Number of live process groups, or None when this torch does not expose it (check skipped)."""
     from torch.distributed import distributed_c10d as c10d
 
@@ -182,7 +182,7 @@ class _Rank:
 
     @staticmethod
     def _load_module(name: str, file: str) -> types.ModuleType:
-        def same(mod: Optional[types.ModuleType]) -> bool:
+        def same(mod: types.ModuleType | None) -> bool:
             f = getattr(mod, "__file__", None)
             return f is not None and os.path.realpath(f) == os.path.realpath(file)
 

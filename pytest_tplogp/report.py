@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from .pool import PoolRun
 from .protocol import STRAGGLER_GRACE_S, RankOutcome, format_ranks
@@ -63,10 +63,10 @@ class TPLongRepr:
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 
-def where_waiting(stack: str, test_file: Optional[str]) -> str:
+def where_waiting(stack: str, test_file: str | None) -> str:
     """One line from a faulthandler dump: the innermost frame of the thread running the test, and the test's line."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
-    best: Optional[list[tuple[str, int, str]]] = None
+    best: list[tuple[str, int, str]] | None = None
     for block in blocks:
         frames = [(m["path"], int(m["line"]), m["func"]) for m in map(_FRAME.match, block.splitlines()) if m]
         if any(p.endswith("pytest_tplogp/rank.py") or (test_file and p == test_file) for p, _, _ in frames):
@@ -104,7 +104,7 @@ class Verdict:
     text: str = ""
 
 
-def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: Optional[str], pool_desc: str) -> Verdict:
+def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | None, pool_desc: str) -> Verdict:
     """Merge one :class:`PoolRun` into a :class:`Verdict` (see the module docstring)."""
     outs = run.outcomes
     kinds = {o.outcome for o in outs.values()}

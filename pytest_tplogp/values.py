@@ -8,8 +8,9 @@ neither torch nor pytest at import time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 #: Default vocabulary of ``vocab_shards``: odd on purpose so the "even" layout has a remainder at world size 2 and 4.
 DEFAULT_VOCAB_SIZE = 1031
@@ -58,23 +59,23 @@ class VocabShards:
 
     kind: str
     world_size: int
-    rank: Optional[int] = None
+    rank: int | None = None
     vocab_size: int = DEFAULT_VOCAB_SIZE
 
-    def __tp_bind__(self, tp: Any) -> "VocabShards":
+    def __tp_bind__(self, tp: Any) -> VocabShards:
         return VocabShards(self.kind, tp.world_size, tp.rank, self.vocab_size)
 
     @property
     def uneven(self) -> bool:
         return self.kind == "uneven"
 
-    def boundaries(self, vocab_size: Optional[int] = None) -> list[int]:
+    def boundaries(self, vocab_size: int | None = None) -> list[int]:
         """``[0, b_1, ..., V]`` for ``vocab_size`` (default: :attr:`vocab_size`)."""
         from tplogp.shards import shard_boundaries
 
         return shard_boundaries(self.vocab_size if vocab_size is None else vocab_size, self.world_size, uneven=self.uneven)
 
-    def range_for(self, rank: Optional[int] = None, vocab_size: Optional[int] = None) -> Any:
+    def range_for(self, rank: int | None = None, vocab_size: int | None = None) -> Any:
         """``ShardRange(start, end)`` of ``rank`` (default: this rank)."""
         from tplogp.shards import shard_range
 
@@ -95,7 +96,7 @@ class VocabShards:
     def end(self) -> int:
         return int(self.range.end)
 
-    def shard(self, full: Any, dim: int = 0, rank: Optional[int] = None) -> Any:
+    def shard(self, full: Any, dim: int = 0, rank: int | None = None) -> Any:
         """This rank's slice of a full ``[V, ...]`` tensor (rows ``[start, end)`` along ``dim``)."""
         rng = self.range_for(rank, vocab_size=int(full.shape[dim]))
         return full.narrow(dim, rng.start, rng.end - rng.start)
@@ -114,7 +115,7 @@ class Reference:
 
     default_mode: str = "fp32"
 
-    def __call__(self, hidden: Any, weight: Any, target_ids: Any, bias: Any = None, *, mode: Optional[str] = None,
+    def __call__(self, hidden: Any, weight: Any, target_ids: Any, bias: Any = None, *, mode: str | None = None,
                  **kwargs: Any) -> Any:
         from tplogp.reference import reference_linear_logp
 
@@ -129,7 +130,7 @@ class Reference:
     def float64(self, hidden: Any, weight: Any, target_ids: Any, bias: Any = None, **kwargs: Any) -> Any:
         return self(hidden, weight, target_ids, bias, mode="float64", **kwargs)
 
-    def outputs(self, hidden: Any, weight: Any, target_ids: Any, bias: Any = None, *, mode: Optional[str] = None,
+    def outputs(self, hidden: Any, weight: Any, target_ids: Any, bias: Any = None, *, mode: str | None = None,
                 **kwargs: Any) -> Any:
         from tplogp.reference import reference_outputs
 
@@ -148,7 +149,7 @@ class OpSource:
     op_name: str = "linear_logp"
 
     @property
-    def source(self) -> Optional[str]:
+    def source(self) -> str | None:
         """The ``source=`` argument for ``get_op`` (None for the registry's automatic choice)."""
         return None if self.name == "registry" else self.name
 

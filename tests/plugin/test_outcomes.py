@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
