@@ -44,18 +44,28 @@ class SM90Backend(TritonBackend):
         return None
 
     def _cfg(self, device: torch.device):
-        from ..kernels import configs
+        cfg = self.__dict__.get("_cfg_cached")
+        if cfg is None:
+            from ..kernels import configs
 
-        return configs.select_sm90(self._config)
+            cfg = self._cfg_cached = configs.select_sm90(self._config)
+        return cfg
 
+    # The launch callables are built once per backend object (host cost per call matters at small shapes).
     def _stats_launch(self, device: torch.device):
-        from ..kernels import sm90
+        fn = self.__dict__.get("_stats_fn")
+        if fn is None:
+            from ..kernels import sm90
 
-        cfg = self._cfg(device)
-        return functools.partial(sm90.launch_stats_tma, warp_specialize=cfg.warp_specialize)
+            fn = self._stats_fn = functools.partial(sm90.launch_stats_tma,
+                                                    warp_specialize=self._cfg(device).warp_specialize)
+        return fn
 
     def _dlogits_launch(self, device: torch.device):
-        from ..kernels import sm90
+        fn = self.__dict__.get("_dlogits_fn")
+        if fn is None:
+            from ..kernels import sm90
 
-        cfg = self._cfg(device)
-        return functools.partial(sm90.launch_dlogits_tma, warp_specialize=cfg.warp_specialize)
+            fn = self._dlogits_fn = functools.partial(sm90.launch_dlogits_tma,
+                                                      warp_specialize=self._cfg(device).warp_specialize)
+        return fn

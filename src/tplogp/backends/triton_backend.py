@@ -72,9 +72,14 @@ class TritonBackend:
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _cfg(self, device: torch.device):
-        from ..kernels import configs
+        # cached per device (the capability table lookup costs host time on every call otherwise)
+        cache = self.__dict__.setdefault("_cfg_by_device", {})
+        cfg = cache.get(device)
+        if cfg is None:
+            from ..kernels import configs
 
-        return configs.select(device, self._config)
+            cfg = cache[device] = configs.select(device, self._config)
+        return cfg
 
     def _dlogits_launch(self, device: torch.device):
         return None  # the generic kernel

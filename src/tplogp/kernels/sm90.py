@@ -81,11 +81,8 @@ def _fwd_stats_tma_kernel(
             b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
         b_sum = b_sum * b_scale + tl.sum(b_e, 1)
         b_max = new_max
-        if LEAN:  # extract target logits only in tiles that hold some row's target (the sum adds 0.0 elsewhere)
-            if tl.max(((b_tgt >= v0) & (b_tgt < v0 + BLOCK_V)).to(tl.int32), 0) > 0:
-                b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
-        else:
-            b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+        # (no data-dependent branch here, unlike the generic kernel: this loop encloses the warp-specialized K loop)
+        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
     o_out = i_s.to(tl.int64) * N + o_n
     tl.store(p_max + o_out, b_max, mask=m_n)
     tl.store(p_sum + o_out, b_sum, mask=m_n)
