@@ -11,10 +11,12 @@ group cannot be respawned from inside.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import random
 import sys
+import tempfile
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -47,6 +49,8 @@ class ExternalMode:
             enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
             backend = "nccl" if enough else "gloo"
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        # the real stderr, kept for the deadline's stack dump (pytest's and our own capture redirect fd 2 later)
+        self.dump_file = os.fdopen(os.dup(2), "w")
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             if device.type == "cuda":
@@ -74,8 +78,10 @@ class ExternalMode:
                         f"order). Every rank must run the same tests with the same options.")
         return None
 
-    def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int, timeout_s: float) -> Any:
-        """Run the body here, exchange outcomes with every rank, return a PoolRun for ``report.merge``."""
+    def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int, timeout_s: float,
+                 capture: bool = True) -> Any:
+        """Run the body here, exchange outcomes (and captured output) with every rank; return a PoolRun for
+        ``report.merge``, so rank 0's report shows every rank's verdict and output."""
         import time
 
         from .pool import PoolRun
@@ -85,17 +91,21 @@ class ExternalMode:
         random.seed(seed)
         self.torch.manual_seed(seed)
         t0 = time.perf_counter()
-        faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.stderr)
-        try:
-            func(**{k: bind(v, self.ctx) for k, v in kwargs.items()})
-            mine = RankOutcome(self.ctx.rank, "passed")
-        except BaseException as exc:  # noqa: BLE001 - decided collectively below
-            mine = classify(exc, self.ctx.rank)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        # the deadline's stack dump goes to the process's real stderr (pytest's capture would swallow it)
+        faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.dump_file)
+        with _capture_output(capture) as output:
+            try:
+                func(**{k: bind(v, self.ctx) for k, v in kwargs.items()})
+                mine = RankOutcome(self.ctx.rank, "passed")
+            except BaseException as exc:  # noqa: BLE001 - decided collectively below
+                mine = classify(exc, self.ctx.rank)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         mine.duration_s = time.perf_counter() - t0
-        outs = self.ctx.all_gather_object(mine)
-        return PoolRun(outcomes={o.rank: o for o in outs}, elapsed_s=time.perf_counter() - t0)
+        everyone = self.ctx.all_gather_object((mine, output.text()))
+        return PoolRun(outcomes={o.rank: o for o, _ in everyone},
+                       outputs={o.rank: out for o, out in everyone if out != ("", "")},
+                       elapsed_s=time.perf_counter() - t0)
 
     def close(self) -> None:
         """Leave together (bounded): torchrun kills every rank as soon as one exits non-zero, so no rank may exit
@@ -113,3 +123,49 @@ class ExternalMode:
                 self.dist.destroy_process_group()
             except Exception:
                 pass
+
+
+class _Captured:
+    def __init__(self) -> None:
+        self.files: Optional[tuple[Any, Any]] = None
+
+    def text(self) -> tuple[str, str]:
+        if self.files is None:
+            return ("", "")
+        out = []
+        for f in self.files:
+            f.seek(0)
+            out.append(f.read().decode("utf-8", "replace"))
+            f.close()
+        return (out[0], out[1])
+
+
+@contextlib.contextmanager
+def _capture_output(enabled: bool) -> Iterator[_Captured]:
+    """Capture this rank's stdout/stderr (Python and fd level) during a body, inside pytest's own capture, so the
+    text can travel to rank 0's report under this rank's name. Disabled under ``-s``."""
+    cap = _Captured()
+    if not enabled:
+        yield cap
+        return
+    files = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
+    saved_sys = (sys.stdout, sys.stderr)
+    for stream in saved_sys:
+        stream.flush()
+    saved_fds = (os.dup(1), os.dup(2))
+    os.dup2(files[0].fileno(), 1)
+    os.dup2(files[1].fileno(), 2)
+    sys.stdout = open(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    sys.stderr = open(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    try:
+        yield cap
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+            stream.close()
+        sys.stdout, sys.stderr = saved_sys
+        os.dup2(saved_fds[0], 1)
+        os.dup2(saved_fds[1], 2)
+        for fd in saved_fds:
+            os.close(fd)
+        cap.files = files

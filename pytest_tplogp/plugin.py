@@ -460,7 +460,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     state = pyfuncitem.config.stash[STATE]
     cmd = _run_test_command(pyfuncitem)
     if state.external is not None:
-        run = state.external.run_test(pyfuncitem.obj, pickle.loads(cmd.kwargs), cmd.seed, plan.timeout_s)
+        run = state.external.run_test(pyfuncitem.obj, pickle.loads(cmd.kwargs), cmd.seed, plan.timeout_s,
+                                      capture=pyfuncitem.config.getoption("capture", "fd") != "no")
     else:
         run = _pool_for(state, plan).run(cmd, plan.timeout_s)
     state.dispatched += 1

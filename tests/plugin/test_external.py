@@ -62,6 +62,8 @@ def test_torchrun_mode(pytester: pytest.Pytester, tag: str) -> None:
         "tplogp: external mode (torchrun): world size 2, backend gloo, device cpu; this report is rank 0's*",
         "*FAILED test_body.py::test_fails_on_rank_1[[]tp2[]] - rank 1: AssertionError: rank 1 disagrees*",
     ])
+    result.stdout.fnmatch_lines(["*Captured stdout rank 0 call*", "hello from rank 0",
+                                 "*Captured stdout rank 1 call*", "hello from rank 1"])
     result.stdout.fnmatch_lines(["*SKIPPED*needs world size 4; torchrun started 2 ranks*"])
     result.stdout.fnmatch_lines(["*1 failed, 3 passed, 1 skipped*"])
     assert result.ret != 0
