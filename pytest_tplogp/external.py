@@ -17,7 +17,7 @@ import os
 import random
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -127,7 +127,7 @@ class ExternalMode:
 
 class _Captured:
     def __init__(self) -> None:
-        self.files: Optional[tuple[Any, Any]] = None
+        self.files: tuple[Any, Any] | None = None
 
     def text(self) -> tuple[str, str]:
         if self.files is None:
