@@ -23,6 +23,12 @@ def test_after_hang(tp):
     dist.barrier()
 
 @pytest.mark.tp
+def test_fails_while_peer_waits(tp):
+    if tp.rank == 1:
+        raise RuntimeError("rank 1 gives up before the collective")
+    dist.barrier()              # rank 0 would wait for the whole deadline (120 s)
+
+@pytest.mark.tp
 def test_exit(tp):
     if tp.rank == 1:
         os._exit(3)
@@ -54,10 +60,11 @@ def test_last(tp):
 def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-vv", "-rA", "-W", "always")
-    result.assert_outcomes(passed=4, failed=3)
+    result.assert_outcomes(passed=4, failed=4)
     result.stdout.fnmatch_lines([
         "*test_hang*FAILED*",
         "*test_after_hang*PASSED*",
+        "*test_fails_while_peer_waits*FAILED*",
         "*test_exit*FAILED*",
         "*test_sigkill*FAILED*",
         "*test_leaves_group*PASSED*",
@@ -71,6 +78,12 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
         "--- rank 0 stack (faulthandler, SIGUSR1) ---",
         "*File*test_body.py*line 9 in test_hang*",
         "pool (world size 2, gloo, cpu) killed (ranks timed out)*",
+    ])
+    # a one-rank failure while the peer waits in a collective: the peer is declared stuck after the grace period
+    result.stdout.fnmatch_lines([
+        "E   rank 1: RuntimeError: rank 1 gives up before the collective; rank 0 did not finish within 3 s after a "
+        "peer failed or skipped (stuck in a collective?)",
+        "*rank 0 (pid *) waiting in barrier*called from test_fails_while_peer_waits*",
     ])
     result.stdout.fnmatch_lines(["*FAILED test_body.py::test_exit[[]tp2[]] - rank 1 exited with code 3*"])
     result.stdout.fnmatch_lines(["*FAILED test_body.py::test_sigkill[[]tp2[]] - rank 0 killed by signal 9 (SIGKILL)*"])
