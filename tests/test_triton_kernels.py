@@ -272,14 +272,19 @@ def test_launcher_rejects_bad_inputs():
 # ---- 4 gloo ranks, uneven shards --------------------------------------------------------------------------------
 
 
-def _tp_rank(rank, world, group, dtype_name, opts):
-    import torch
-
+@pytest.mark.tp(world_size=4, timeout=300)
+@pytest.mark.parametrize("dtype_name,opts", [
+    ("fp32", {}),
+    ("bf16", dict(temperature=0.8, entropy=True, lse=True, ignore_index=-100)),
+], ids=["fp32-plain", "bf16-temp-ent-lse-ignore"])
+def test_tp4_uneven_triton(tp, dtype_name, opts):
+    """Runs on a pool of 4 gloo ranks (pytest_tplogp)."""
     from problems import make_problem, run_op, run_reference
     from tolerances import assert_no_worse
     from tplogp import get_op
     from tplogp.shards import shard_boundaries, shard_range
 
+    rank, world, group = tp.rank, tp.world_size, tp.group
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     opts = dict(opts)
     ent, lse = opts.pop("entropy", False), opts.pop("lse", False)
@@ -304,15 +309,5 @@ def _tp_rank(rank, world, group, dtype_name, opts):
         checks.append(("entropy", ours.entropy, ref.entropy, truth.entropy))
     for name, o, r, t in checks:
         assert_no_worse(f"rank {rank} {name}", o, r, t, dt)
-    return end - start
-
-
-@pytest.mark.parametrize("dtype_name,opts", [
-    ("fp32", {}),
-    ("bf16", dict(temperature=0.8, entropy=True, lse=True, ignore_index=-100)),
-], ids=["fp32-plain", "bf16-temp-ent-lse-ignore"])
-def test_tp4_uneven_triton(dtype_name, opts):
-    from mp_harness import run_ranks
-
-    sizes = run_ranks(_tp_rank, 4, dtype_name, opts, timeout_s=300)
+    sizes = tp.all_gather_object(end - start)
     assert len(set(sizes)) > 1 and sum(sizes) == 389  # really uneven, and a partition
