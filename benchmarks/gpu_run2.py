@@ -219,13 +219,14 @@ def d2048():
 
 
 def host():
+    """Small shape, the default sm90 config: host / eager / graph per primitive and for the TP forward, and a
+    cProfile of 200 TP forwards (host_profile.py runs in its own process, see the run command)."""
     T, D, V = SHAPES[2]
     data = inputs(T, D, V)
     gm = gemm_time(data)
-    for k in ("base", "lean-ovl"):
-        gs.overhead(k, SM90Backend(CFG[k]), T, D, V, gm)
+    gs.overhead("base", SM90Backend(CFG["base"]), T, D, V, gm)
     h, w, y = data[0], data[1], data[2]
-    be = SM90Backend(CFG["lean-ovl"])
+    be = SM90Backend(CFG["base"])
     with torch.no_grad():
         for _ in range(5):
             linear_logp_tp(be, h, w, y, options=LogpOptions())
@@ -240,14 +241,6 @@ def host():
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
     with open(os.path.join(OUT, "host_cprofile.txt"), "w") as f:
         f.write(buf.getvalue())
-    # host_profile.py phases: real launches, then kernels stubbed (same process, last)
-    import subprocess
-
-    for extra in (["--real"], []):
-        r = subprocess.run([sys.executable, os.path.join(HERE, "host_profile.py"), "--source", "sm90",
-                            "--shape", f"{T}x{D}x{V}", "--reps", "300"] + extra, capture_output=True, text=True,
-                           timeout=120)
-        gs.record("host_profile", args=" ".join(extra) or "stub", out=r.stdout[-3000:], err=r.stderr[-800:])
 
 
 def main() -> int:

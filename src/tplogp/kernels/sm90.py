@@ -12,6 +12,8 @@ The launcher falls back to the generic kernels otherwise.
 
 from __future__ import annotations
 
+import threading
+
 import triton
 import triton.language as tl
 
@@ -154,8 +156,30 @@ def tma_ok(hidden, weight) -> bool:
             and (hidden.stride(0) * item) % 16 == 0 and (weight.stride(0) * item) % 16 == 0)
 
 
+_THREAD = threading.local()
+
+
+def _ensure_context(device) -> None:
+    """Make the device's primary CUDA context current on this thread (once per thread).
+
+    Triton fills the TMA descriptors through the CUDA driver API, which, unlike the runtime API, does not bind the
+    primary context to a thread that has none. Autograd runs the backward on its own device thread, and there the
+    first TMA launch failed with "Failed to create tensor map descriptor: invalid device context" (seen on the
+    H200, run 2, in a fresh process whose first backward was an sm90 one). One runtime-API call binds it. Skipped
+    while a CUDA graph is being captured (the capturing thread has a current context already)."""
+    if getattr(_THREAD, "bound", False) or device.type != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(device).query()
+        _THREAD.bound = True
+
+
 def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _ensure_context(hidden.device)
 
     return (TensorDescriptor.from_tensor(hidden, [block_n, block_d]),
             TensorDescriptor.from_tensor(weight, [block_v, block_d]))
