@@ -44,10 +44,13 @@ class TileConfig:
     # sm90 source only: warp-specialized K loop (producer warps issue TMA copies)
     warp_specialize: bool = False
     # Lean softmax epilogue: no column mask when V (the chunk) is a multiple of BLOCK_V, and the target-logit /
-    # one-hot extraction only in tiles that hold some row's target. Bitwise the same results; fewer ALU ops.
+    # one-hot extraction only in tiles that hold some row's target (generic kernels; the sm90 forward only drops the
+    # masks). The same results up to FMA contraction (bitwise under the interpreter). Measured SLOWER on the H200
+    # with the sm90 source (run 2, docs/kernels.md): off everywhere but in the interpreter tests.
     lean_epilogue: bool = False
     # Backward (default mode only, never with deterministic=True): two half-budget workspaces; the cuBLAS d_hidden
     # and d_W GEMMs of chunk i run on a side CUDA stream while the fused d_logits kernel of chunk i+1 runs.
+    # Measured on the H200 (run 2): no gain (ties or 2-3% slower), so off by default.
     bwd_overlap: bool = False
 
 
