@@ -17,6 +17,7 @@ import pytest
 from .values import BIASES, DTYPES, OP_SOURCES, SHARD_KINDS
 
 BACKENDS = ("auto", "gloo", "nccl")
+START_METHODS = ("forkserver", "spawn")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Settings:
     biases: tuple[str, ...] = tuple(BIASES)
     shards: tuple[str, ...] = SHARD_KINDS
     threads: int = 0  # torch intra-op threads per CPU rank; 0 = cores // world size
+    start_method: str = "forkserver"
 
 
 def _positive_int(raw: str) -> int:
@@ -113,6 +115,9 @@ SPECS: tuple[Spec, ...] = (
          "bias grid, comma-separated subset of nobias,bias", "LIST"),
     Spec("shards", "--tp-shards", "TPLOGP_TP_SHARDS", "tp_shards", _subset(SHARD_KINDS),
          "vocab_shards grid, comma-separated subset of even,uneven", "LIST"),
+    Spec("start_method", "--tp-start-method", "TPLOGP_TP_START_METHOD", "tp_start_method",
+         _choice(START_METHODS), "how ranks start: forkserver (one process imports torch once, ranks are forks of "
+         "it: fast starts and respawns) or spawn (a fresh interpreter per rank)", "NAME"),
     Spec("threads", "--tp-threads", "TPLOGP_TP_THREADS", "tp_threads", _non_negative_int,
          "torch intra-op threads per CPU rank (0 = cores // world size)", "N"),
 )

@@ -72,7 +72,7 @@ class State:
             from .pool import PoolManager
 
             threads = self.settings.threads or None
-            self._manager = PoolManager(num_threads=threads)
+            self._manager = PoolManager(num_threads=threads, start_method=self.settings.start_method)
         return self._manager
 
 

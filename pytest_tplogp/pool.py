@@ -41,6 +41,8 @@ from .protocol import (
 
 #: At most this many pools stay alive per pytest process (least recently used stopped first).
 MAX_LIVE_POOLS = 3
+#: Modules the fork server imports before forking ranks (start method "forkserver").
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pytest_tplogp.rank", "pytest_tplogp.context"]
 
 
 class PoolKey(NamedTuple):
@@ -115,8 +117,10 @@ def _read_from(path: str, offset: int, limit: int = 256 * 1024) -> str:
 class RankPool:
     """A persistent pool of ``key.world_size`` rank processes (see the module docstring)."""
 
-    def __init__(self, key: PoolKey, session_dir: str, num_threads: int | None = None) -> None:
+    def __init__(self, key: PoolKey, session_dir: str, num_threads: int | None = None,
+                 start_method: str = "forkserver") -> None:
         self.key = key
+        self.start_method = start_method
         self.session_dir = session_dir
         self.num_threads = num_threads
         self.generation = 0
@@ -139,7 +143,11 @@ class RankPool:
         return RankConfig(rank=rank, world_size=self.key.world_size, backend=self.key.backend,
                           device_type=self.key.device_type, pool_dir=self.pool_dir,
                           store_path=os.path.join(self.pool_dir, "store"), parent_pid=os.getpid(),
-                          num_threads=self.num_threads or self._default_threads())
+                          num_threads=self.num_threads or self._default_threads(),
+                          start_method=self.start_method, env=self._env())
+
+    def _env(self) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.key.devices)} if self.key.device_type == "cuda" else {}
 
     def _default_threads(self) -> int | None:
         """CPU ranks share the cores (cores // world size torch threads each); GPU ranks keep torch's default."""
@@ -158,8 +166,12 @@ class RankPool:
         tag = f"ws{self.key.world_size}-{self.key.backend}-{'-'.join(self.key.devices)}-g{self.generation}"
         self.pool_dir = os.path.join(self.session_dir, tag)
         os.makedirs(self.pool_dir, exist_ok=True)
-        ctx = tmp.get_context("spawn")
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(self.key.devices)} if self.key.device_type == "cuda" else {}
+        ctx = tmp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            # One fork server per pytest process imports torch once; every rank of every pool (and every respawn)
+            # is then a fork of it. It never touches CUDA (importing torch does not), so CUDA in the ranks is safe.
+            ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        env = self._env()
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -354,7 +366,8 @@ class RankPool:
 class PoolManager:
     """The pools of one pytest process, keyed by :class:`PoolKey`; owns the per-session directory."""
 
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, start_method: str = "forkserver") -> None:
+        self.start_method = start_method
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.session_dir = tempfile.mkdtemp(prefix=f"tplogp-{worker}-")
         self.num_threads = num_threads
@@ -369,7 +382,7 @@ class PoolManager:
             raise PoolStartError(self.start_errors[key] + "\n(an earlier start of this pool failed; not retried)")
         pool = self.pools.get(key)
         if pool is None:
-            pool = RankPool(key, self.session_dir, self.num_threads)
+            pool = RankPool(key, self.session_dir, self.num_threads, self.start_method)
             self.pools[key] = pool
         self.pools.move_to_end(key)
         while len([p for p in self.pools.values() if p.started]) > MAX_LIVE_POOLS:

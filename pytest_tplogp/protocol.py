@@ -31,8 +31,10 @@ class RankConfig:
     device_type: str  # "cpu" or "cuda"
     pool_dir: str  # per-pool-generation directory inside the per-session directory
     store_path: str  # FileStore path: rendezvous without any port
-    parent_pid: int
+    parent_pid: int  # the pytest process (with forkserver, the OS parent is the fork server)
     num_threads: int | None = None
+    start_method: str = "forkserver"
+    env: dict[str, str] = field(default_factory=dict)  # applied before torch touches a device (CUDA_VISIBLE_DEVICES)
 
     def path(self, suffix: str) -> str:
         return os.path.join(self.pool_dir, f"rank{self.rank}.{suffix}")

@@ -26,6 +26,7 @@ import pickle
 import random
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -49,8 +50,36 @@ def _isolate(cfg: RankConfig) -> None:
             libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
         except Exception:  # pragma: no cover - best effort
             pass
-    if os.getppid() != cfg.parent_pid:  # parent died before prctl took effect
+    if cfg.start_method == "spawn" and os.getppid() != cfg.parent_pid:  # pytest died before prctl took effect
         os._exit(1)
+    if cfg.start_method == "forkserver":
+        # Our OS parent is the fork server, which exits when pytest does, unless its children keep the
+        # "alive" pipe open: multiprocessing hands every child that pipe's write end. Close our copy so that the
+        # chain pytest dies -> fork server exits -> PDEATHSIG kills us works (kernel-level, GIL-independent).
+        server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+        fd = getattr(server, "_forkserver_alive_fd", None)
+        if isinstance(fd, int):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            server._forkserver_alive_fd = None  # type: ignore[union-attr]
+    # Belt and braces: a watchdog thread that takes the rank's process group down when pytest is gone.
+    threading.Thread(target=_watch_parent, args=(cfg.parent_pid,), name="tplogp-parent-watchdog", daemon=True).start()
+
+
+def _watch_parent(pid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.killpg(0, signal.SIGKILL)
+            finally:
+                os._exit(1)
+        except OSError:
+            pass
 
 
 def _redirect_output(cfg: RankConfig) -> None:
@@ -316,6 +345,7 @@ class _Rank:
 def rank_main(cfg: RankConfig, conn: Any) -> None:
     """Entry point of a spawned rank process (see the module docstring)."""
     t0 = time.perf_counter()
+    os.environ.update(cfg.env)
     _isolate(cfg)
     _redirect_output(cfg)
     try:

@@ -66,11 +66,16 @@ _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func
 def where_waiting(stack: str, test_file: str | None) -> str:
     """One line from a faulthandler dump: the innermost frame of the thread running the test, and the test's line."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
+    threads = [[(m["path"], int(m["line"]), m["func"]) for m in map(_FRAME.match, b.splitlines()) if m]
+               for b in blocks]
+
+    def runs_test(frames: list[tuple[str, int, str]]) -> bool:
+        return any(p.endswith("pytest_tplogp/rank.py") and f in ("run_test", "call", "serve") for p, _, f in frames)
+
     best: list[tuple[str, int, str]] | None = None
-    for block in blocks:
-        frames = [(m["path"], int(m["line"]), m["func"]) for m in map(_FRAME.match, block.splitlines()) if m]
-        if any(p.endswith("pytest_tplogp/rank.py") or (test_file and p == test_file) for p, _, _ in frames):
-            best = frames
+    for pick in ((lambda fr: bool(test_file) and any(p == test_file for p, _, _ in fr)), runs_test):
+        best = next((fr for fr in threads if fr and pick(fr)), None)
+        if best:
             break
     if not best:
         return "no Python stack (did not answer SIGUSR1)"

@@ -78,6 +78,7 @@ def test_merge_skips_and_deaths() -> None:
 
 def test_where_waiting_reads_faulthandler_dump() -> None:
     dump = (
+        'Thread 0x0003 (most recent call first):\n  File "/w/pytest_tplogp/rank.py", line 73 in _watch_parent\n\n'
         'Thread 0x0001 (most recent call first):\n  File "/x/threading.py", line 1 in wait\n\n'
         'Current thread 0x0002 (most recent call first):\n'
         '  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 5 in barrier\n'
