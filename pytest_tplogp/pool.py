@@ -177,7 +177,7 @@ class RankPool:
         try:
             for r in range(self.key.world_size):
                 parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=rank_main, args=(self._cfg(r), child), name=f"tplogp-rank{r}", daemon=False)
+                proc = ctx.Process(target=rank_main, args=(self._cfg(r), child), name=f"tplogp-rank{r}", daemon=False)  # type: ignore[attr-defined]
                 proc.start()
                 child.close()
                 self.procs.append(proc)

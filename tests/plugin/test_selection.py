@@ -146,3 +146,26 @@ def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
                                            "--op-source=sm90")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu: *"])
+
+
+SPAWN_BODY = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.tp
+def test_collective(tp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+'''
+
+
+def test_spawn_start_method(pytester: pytest.Pytester, tag: str) -> None:
+    """The spawn start method (a fresh interpreter per rank) works as well as the default forkserver."""
+    from plugin_helpers import leftover_processes
+
+    pytester.makepyfile(test_body=SPAWN_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-start-method=spawn")
+    result.assert_outcomes(passed=1)
+    assert leftover_processes(tag) == []
