@@ -42,7 +42,7 @@ from .protocol import (
 #: At most this many pools stay alive per pytest process (least recently used stopped first).
 MAX_LIVE_POOLS = 3
 #: Modules the fork server imports before forking ranks (start method "forkserver").
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pytest_tplogp.rank", "pytest_tplogp.context"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pytest", "pytest_tplogp.rank", "pytest_tplogp.context"]
 
 
 class PoolKey(NamedTuple):
