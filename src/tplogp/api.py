@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Optional, Union
 
@@ -10,39 +11,24 @@ import torch
 from .tp import LogpOptions, LogpOutputs, linear_logp_tp
 
 
-def _run(
-    source: Optional[str],
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    tp_group=None,
-    vocab_start_index: int = 0,
-    global_vocab_size: Optional[int] = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    return_lse: bool = False,
-    ignore_index: Optional[int] = None,
-    deterministic: bool = False,
-    workspace_bytes: Optional[int] = None,
-) -> Union[torch.Tensor, LogpOutputs]:
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
+
+
+def _run(source: Optional[str], hidden, weight, target_ids, bias=None, *, tp_group=None, vocab_start_index: int = 0,
+         global_vocab_size: Optional[int] = None, **options) -> Union[torch.Tensor, LogpOutputs]:
+    """Resolve the backend for this call's device, then run the shared TP path. ``options``: LogpOptions fields."""
     from .kernel_registry import backend_for_call
 
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise TypeError(f"linear_logp got unexpected keyword argument(s) {sorted(unknown)}; options are "
+                        f"tp_group, vocab_start_index, global_vocab_size, {', '.join(sorted(_OPTION_NAMES))}")
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     backend = backend_for_call(source, device)
-    options = LogpOptions(
-        temperature=temperature,
-        return_entropy=return_entropy,
-        return_lse=return_lse,
-        ignore_index=ignore_index,
-        deterministic=deterministic,
-        workspace_bytes=workspace_bytes,
-    )
     return linear_logp_tp(
         backend, hidden, weight, target_ids, bias,
         tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-        options=options,
+        options=LogpOptions(**options),
     )
 
 
