@@ -123,7 +123,9 @@ class GroupCheck:
     """The collective verdict. ``run`` returns the global vocab size and the per-rank ranges."""
 
     _FIELDS = 10
+    # fast mode: layouts already verified, keyed by (group, start, V_local, declared vocab, D, dtype, bias, ignore)
     _verified_layouts: set = set()
+    _cached_ranges: dict = {}
 
     @classmethod
     def run(
@@ -180,8 +182,6 @@ class GroupCheck:
             cls._verified_layouts.add(key)
             cls._cached_ranges[key] = (ranges, total)
         return total, ranges
-
-    _cached_ranges: dict = {}
 
     @staticmethod
     def _check_agreement(rows: Sequence[Sequence[int]]) -> None:
