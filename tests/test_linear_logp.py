@@ -111,3 +111,13 @@ def test_low_precision_weight_grad_accumulates_in_fp32():
     truth = run_reference(p, "float64")
     bf16_ulp_rel = 2.0 ** -8
     assert rel_error(ours.d_weight, truth.d_weight) < bf16_ulp_rel, "d_W error above one bf16 rounding"
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_fp16_native(bias):
+    """fp16 inputs (the fused sources' fp16 paths are checked on the GPU, tests/gpu)."""
+    p = make_problem((3, 17), 40, 257, torch.float16, bias, seed=31, peaked=True)
+    ours = run_op(get_op("linear_logp", source="native"), p, entropy=True)
+    truth = run_reference(p, "float64", entropy=True)
+    ref = run_reference(p, "matching", entropy=True)
+    check_three_way(ours, ref, truth, torch.float16, what=("logp", "entropy", "d_hidden", "d_weight", "d_bias"))
