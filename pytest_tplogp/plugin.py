@@ -424,7 +424,7 @@ def _attach_outputs(item: pytest.Item, outputs: dict[int, tuple[str, str]], labe
 
 def _apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
     """Report a PoolRun as this test's outcome (attach outputs; skip, xfail or raise RankFailure)."""
-    from .report import RankFailure, merge
+    from .report import failure_class, merge
 
     _attach_outputs(item, run.outputs, label)
     pool_desc = plan.key.describe() if plan.devices != ("external",) else "torchrun"
@@ -439,7 +439,14 @@ def _apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
         pytest.skip(verdict.headline)
     if verdict.outcome == "xfailed":
         pytest.xfail(verdict.headline)
-    raise RankFailure(verdict.headline, verdict.text)
+    cls = failure_class(verdict.exc_type)
+    try:
+        failure = cls(verdict.headline, verdict.text)
+    except Exception:  # noqa: BLE001 - an exception type whose constructor rejects our arguments
+        from .report import RankFailure
+
+        failure = RankFailure(verdict.headline, verdict.text)
+    raise failure
 
 
 def _pool_for(state: State, plan: Plan) -> Any:

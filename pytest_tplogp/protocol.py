@@ -73,6 +73,7 @@ class RankOutcome:
     outcome: str  # "passed" | "failed" | "skipped" | "xfailed"
     summary: str = ""  # one line: "AssertionError: assert 1 == 2" or the skip reason
     longrepr: str = ""  # traceback text (test frames only)
+    exc_type: str = ""  # "module:qualname" of the exception a failed body raised (for xfail(raises=...))
     duration_s: float = 0.0
     value: bytes | None = None  # pickled return value of a CallFn
     state_problems: list[str] = field(default_factory=list)  # fresh-state check violations after the command

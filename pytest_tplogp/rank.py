@@ -127,7 +127,8 @@ def classify(exc: BaseException, rank: int, tb_skip: int = 1) -> RankOutcome:
     if summary.endswith(":") and len(lines) > 1:
         summary += " " + lines[1]
     longrepr = "".join(traceback.format_exception(type(exc), exc, tb))
-    return RankOutcome(rank, "failed", summary=summary, longrepr=longrepr)
+    exc_type = f"{type(exc).__module__}:{type(exc).__qualname__}"
+    return RankOutcome(rank, "failed", summary=summary, longrepr=longrepr, exc_type=exc_type)
 
 
 class _Rank:

@@ -107,6 +107,7 @@ class Verdict:
     outcome: str  # passed | failed | skipped | xfailed
     headline: str = ""
     text: str = ""
+    exc_type: str = ""  # set when every rank failed with the same exception type ("module:qualname")
 
 
 def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | None, pool_desc: str) -> Verdict:
@@ -165,7 +166,30 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
         sections.append(f"pool ({pool_desc}) killed ({run.killed}); a fresh pool starts for the next test.")
     headline = "; ".join(h for h in heads if h) or "failed on the ranks"
     text = "\n\n".join(s for s in sections if s)
-    return Verdict("failed", headline=headline, text="E   " + headline + "\n\n" + text)
+    types = {o.exc_type for o in failed.values()}
+    common = types.pop() if (complete and len(failed) == world_size and len(types) == 1) else ""
+    return Verdict("failed", headline=headline, text="E   " + headline + "\n\n" + text, exc_type=common)
+
+
+def failure_class(exc_type: str) -> type:
+    """:class:`RankFailure`, or a subclass that is also the ranks' exception type when that type is importable.
+
+    So ``@pytest.mark.xfail(raises=ValueError)`` matches a TP test whose body raised ValueError on every rank.
+    """
+    if not exc_type:
+        return RankFailure
+    import importlib
+
+    module_name, _, qualname = exc_type.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        if not (isinstance(obj, type) and issubclass(obj, Exception)) or issubclass(obj, RankFailure):
+            return RankFailure
+        return type(f"RankFailure[{obj.__name__}]", (RankFailure, obj), {"__module__": __name__})
+    except Exception:  # noqa: BLE001 - not importable, or a layout that cannot be combined: plain RankFailure
+        return RankFailure
 
 
 def _grouped_reasons(outs: dict[int, RankOutcome]) -> str:

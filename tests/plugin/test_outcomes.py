@@ -73,6 +73,16 @@ def test_seeded_identically(tp):
 def test_xfail(tp):
     assert False
 
+@pytest.mark.tp
+@pytest.mark.xfail(raises=ValueError, strict=True)
+def test_xfail_raises_matches(tp):
+    raise ValueError("expected on every rank")
+
+@pytest.mark.tp
+@pytest.mark.xfail(raises=KeyError)
+def test_xfail_raises_mismatch(tp):
+    raise ValueError("not the expected type")
+
 class TestInClass:
     @pytest.mark.tp
     def test_method(self, tp, tmp_path):
@@ -83,7 +93,7 @@ class TestInClass:
 def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-timeout=60", "-rA", "-vv")
-    result.assert_outcomes(passed=3, failed=6, skipped=2, xfailed=1)
+    result.assert_outcomes(passed=3, failed=7, skipped=2, xfailed=2)
     result.stdout.fnmatch_lines([
         "*FAILED test_body.py::test_one_rank_fails[[]tp2[]] - rank 1: AssertionError: assert 11 == 10*",
         "*FAILED test_body.py::test_all_fail_same[[]tp2[]] - ranks 0-1: ValueError: same everywhere*",
@@ -91,7 +101,9 @@ def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
         "*FAILED test_body.py::test_collective_assert[[]tp2[]] - ranks 0-1: pytest_tplogp.CollectiveAssertionError*",
         "*FAILED test_body.py::test_assert_close[[]tp2[]] - ranks 0-1: pytest_tplogp.CollectiveAssertionError*",
         "*FAILED test_body.py::test_agree_block[[]tp2[]] - rank 0: pytest_tplogp.CollectiveAssertionError*rank 1: KeyError*",
+        "*FAILED test_body.py::test_xfail_raises_mismatch[[]tp2[]] - ranks 0-1: ValueError: not the expected type*",
     ], consecutive=False)
+    result.stdout.fnmatch_lines(["*XFAIL test_body.py::test_xfail_raises_matches[[]tp2[]]*"], consecutive=False)
     out = result.stdout.str()
     # the one-rank failure names its rank and shows the rank's traceback, captured output per rank
     result.stdout.fnmatch_lines(["*rank 1 failed: AssertionError: assert 11 == 10*", "*assert value == 10*"])
