@@ -119,6 +119,8 @@ def _bad_call(tp, case):
     elif case == "device-mismatch":
         if rank == 1:
             t = t.to("meta")
+    elif case == "grad-on-some-ranks":
+        h.requires_grad_(rank != 3)
     try:
         get_op("linear_logp", source="native")(h, w, t, b, **kw)
     except (LinearLogpInputError, ShardLayoutError) as exc:
@@ -137,6 +139,7 @@ BAD_CASES = {
     "targets-not-replicated": r"target_ids \(they must be replicated",
     "global-vocab-disagrees": r"global_vocab_size must be the same on every TP rank, got rank 0: 65",
     "device-mismatch": r"rank 1: all tensors must be on one device",
+    "grad-on-some-ranks": r"whether the call is differentiable .* must be the same on every TP rank, .*rank 3: no",
 }
 
 

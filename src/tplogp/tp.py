@@ -204,6 +204,7 @@ def linear_logp_tp(
             checksum=targets_checksum(target_ids) if (ok and mode == "full") else 0,
             ignore_index=options.ignore_index,
             mode=mode,
+            builds_graph=bool(ok and torch.is_grad_enabled() and hidden.requires_grad),
         )
     else:
         comm_dev = torch.device("cpu")

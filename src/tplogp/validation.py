@@ -122,7 +122,7 @@ def targets_checksum(target_ids: torch.Tensor) -> int:
 class GroupCheck:
     """The collective verdict. ``run`` returns the global vocab size and the per-rank ranges."""
 
-    _FIELDS = 10
+    _FIELDS = 11
     # fast mode: layouts already verified, keyed by (group, start, V_local, declared vocab, D, dtype, bias, ignore)
     _verified_layouts: set = set()
     _cached_ranges: dict = {}
@@ -143,9 +143,11 @@ class GroupCheck:
         checksum: int,
         ignore_index: Optional[int],
         mode: str,
+        builds_graph: bool = False,
     ) -> tuple[int, list[tuple[int, int]]]:
         world = dist.get_world_size(group)
-        key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index)
+        key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
+               builds_graph)
         cached = mode == "fast" and problem is None and key in cls._verified_layouts
         if cached:
             ranges, total = cls._cached_ranges[key]
@@ -162,6 +164,7 @@ class GroupCheck:
                 int(has_bias),
                 checksum if mode == "full" else 0,
                 -(1 << 62) if ignore_index is None else ignore_index,
+                int(builds_graph),
             ],
             dtype=torch.long,
             device=comm_device,
@@ -201,6 +204,9 @@ class GroupCheck:
         differ(6, "the input dtype", lambda c: str(names.get(c, "?")))
         differ(7, "bias presence (all ranks pass a bias or none does)", lambda b: "bias" if b else "no bias")
         differ(9, "ignore_index", lambda v: "None" if v == -(1 << 62) else str(v))
+        # a rank that records no autograd graph would skip the backward all-reduce the others enter
+        differ(10, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
+               lambda b: "yes" if b else "no")
         differ(8, "target_ids (they must be replicated: the same global ids on every rank)", lambda c: f"#{c:x}")
 
 
