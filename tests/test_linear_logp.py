@@ -121,3 +121,14 @@ def test_fp16_native(bias):
     truth = run_reference(p, "float64", entropy=True)
     ref = run_reference(p, "matching", entropy=True)
     check_three_way(ours, ref, truth, torch.float16, what=("logp", "entropy", "d_hidden", "d_weight", "d_bias"))
+
+
+@pytest.mark.parametrize("bad", [-1, 50, -100], ids=["negative", "past-the-end", "unignored-sentinel"])
+def test_target_outside_the_vocabulary_is_rejected(bad):
+    """One shard: a target no shard owns raises the runbook's coverage message (ignore_index only exempts itself)."""
+    from tplogp import LinearLogpInputError
+
+    h, w = torch.randn(4, 8), torch.randn(50, 8)
+    t = torch.tensor([1, bad, 3, -7])
+    with pytest.raises(LinearLogpInputError, match=rf"covered by exactly one TP vocab shard: target id {bad} "):
+        get_op("linear_logp", source="native")(h, w, t, ignore_index=-7)

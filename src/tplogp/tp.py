@@ -12,7 +12,8 @@ Forward, per call:
      every rank: ``M = max_r m_r``, ``S = sum_r s_r e^{m_r - M}``, ``lse = M + log S``,
      ``logp = (sum_r y_r [owned_r] - M) - log S`` (relative to M: no cancellation at peaked targets),
      ``E_p[z] - M = sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``, ``entropy = log S - (E_p[z] - M)``;
-     the owner count must be exactly 1 per (non-ignored) token.
+     a token whose owner count is not 1 (possible only when ``TPLOGP_CHECKS=fast`` skipped the target check)
+     gets NaN.
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
 partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it.
 
@@ -31,14 +32,13 @@ import torch.distributed as dist
 from .backends.base import ShardBackend, ShardCall
 from .comm import all_gather_flat
 from .validation import (
-    COVERAGE_MESSAGE,
     GroupCheck,
     LinearLogpInputError,
     checks_mode,
     layout_problem_single,
     local_problem,
+    summarize_targets,
     target_range_problem,
-    targets_checksum,
 )
 
 
@@ -71,7 +71,6 @@ class _TPContext:
     group: Any
     world_size: int
     comm_device: torch.device
-    check_coverage: bool
 
 
 def _comm_device(group, tensor_device: torch.device) -> torch.device:
@@ -122,20 +121,12 @@ class _LinearLogpFunction(torch.autograd.Function):
             recv = all_gather_flat(packed.to(tpc.comm_device), tpc.group)
             stats_all = recv.view(tpc.world_size, *packed.shape).to(hidden.device)
             row_max, log_sum, target_rel, count, mean_rel = merge_stats(stats_all, call.with_entropy)
-            covered = count == 1
+            covered = count == 1  # always true after full checks; fast mode turns uncovered tokens into NaN
         else:  # one shard: the merge is the identity; few ops keep the host cost low
             row_max, log_sum = st.row_max, torch.log(st.sum_exp)
             target_rel = st.target_logit - row_max
             mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
-            count, covered = None, owned
-        if tpc.check_coverage and hidden.shape[0] > 0:
-            bad = ~covered
-            if bool(bad.any()):  # identical on every rank: all saw the same gathered stats
-                idx = int(bad.nonzero()[0, 0])
-                owners = 0 if count is None else int(count[idx])
-                raise LinearLogpInputError(
-                    f"{COVERAGE_MESSAGE}: {int(bad.sum())} token(s) have no or several owners "
-                    f"(first: token {idx}, owned by {owners} shard(s))")
+            covered = owned
         logp = torch.where(covered, target_rel - log_sum, float("nan"))
         lse = row_max + log_sum
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel)
@@ -150,11 +141,9 @@ class _LinearLogpFunction(torch.autograd.Function):
         hidden, weight, bias, local_target, row_max, log_sum, mean_rel = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        n = hidden.shape[0]
-        zeros = None
-        if g_logp is None:
-            zeros = torch.zeros(n, device=hidden.device, dtype=torch.float32)
-        g_logp = zeros if g_logp is None else g_logp.float().contiguous()
+        if g_logp is None:  # only entropy or lse feeds the loss
+            g_logp = torch.zeros(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+        g_logp = g_logp.float().contiguous()
         g_ent = None if (g_entropy is None or mean_rel is None) else g_entropy.float().contiguous()
         g_lse_ = None if g_lse is None else g_lse.float().contiguous()
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
@@ -166,7 +155,7 @@ class _LinearLogpFunction(torch.autograd.Function):
                 dist.all_reduce(buf, group=tpc.group)
                 d_hidden = buf.to(hidden.device)
             d_hidden = d_hidden.to(hidden.dtype)
-        return d_hidden, grads.d_weight, grads.d_bias if needs[2] else None, None, None
+        return d_hidden, grads.d_weight, grads.d_bias, None, None
 
 
 def linear_logp_tp(
@@ -189,10 +178,11 @@ def linear_logp_tp(
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature)
+    targets = summarize_targets(target_ids, options.ignore_index) if (problem is None and mode == "full") else None
     if world > 1:
         comm_dev = _comm_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
         ok = problem is None
-        total, _ = GroupCheck.run(
+        total = GroupCheck.run(
             tp_group, comm_dev, problem,
             n_tokens=int(target_ids.numel()) if ok else -1,
             hidden_size=int(hidden.shape[-1]) if ok else -1,
@@ -201,7 +191,7 @@ def linear_logp_tp(
             global_vocab_size=global_vocab_size if ok else None,
             dtype=hidden.dtype if ok else torch.float32,
             has_bias=bias is not None,
-            checksum=targets_checksum(target_ids) if (ok and mode == "full") else 0,
+            checksum=targets.checksum if targets is not None else 0,
             ignore_index=options.ignore_index,
             mode=mode,
             builds_graph=bool(ok and torch.is_grad_enabled() and hidden.requires_grad),
@@ -211,8 +201,8 @@ def linear_logp_tp(
         if problem is not None:
             raise LinearLogpInputError(problem)
         total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size)
-    if mode == "full":
-        msg = target_range_problem(target_ids, total, options.ignore_index)
+    if targets is not None:  # identical on every rank: the checksum exchange proved the targets replicated
+        msg = target_range_problem(targets, total, options.ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg)
 
@@ -241,7 +231,7 @@ def linear_logp_tp(
         deterministic=options.deterministic,
         workspace_bytes=options.workspace_bytes,
     )
-    tpc = _TPContext(backend, call, tp_group, world, comm_dev, check_coverage=(mode == "full"))
+    tpc = _TPContext(backend, call, tp_group, world, comm_dev)
     logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
 
     if keep_idx is not None:

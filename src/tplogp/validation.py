@@ -7,8 +7,9 @@ single ``all_gather``. Every rank then reaches the same verdict from the same ga
 error. When some rank has a local problem, its message text is shared with ``all_gather_object`` (entered by all
 ranks, because all of them saw the flag).
 
-Modes (``TPLOGP_CHECKS``): ``full`` (default) exchanges the record on every call and checks target coverage after
-the forward merge (one host sync each). ``fast`` exchanges the record only for the first call of each
+Modes (``TPLOGP_CHECKS``): ``full`` (default) reads the targets' checksum and range in one host sync and exchanges
+the record on every call; a validated partition plus targets inside ``[0, vocab)`` means every target has exactly
+one owner, so the forward needs no further check. ``fast`` exchanges the record only for the first call of each
 (group, layout, dtype, hidden size) and skips the host-synchronizing target check: one collective per forward and
 no host syncs, as CUDA-graph capture needs; tokens whose target no shard owns then come out as NaN, and ranks that
 disagree on the token count are the caller's bug (they would block in the stats exchange).
@@ -17,7 +18,7 @@ disagree on the token count are the caller's bug (they would block in the stats 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -95,37 +96,47 @@ def local_problem(
     return None
 
 
-def target_range_problem(target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int]) -> Optional[str]:
-    """Targets outside ``[0, vocab_size)`` (ignored positions exempt). Host-synchronizing: full mode only."""
-    t = target_ids
-    if ignore_index is not None:
-        t = t[t != ignore_index]
+class TargetSummary(NamedTuple):
+    """What the checks need to know about the targets, read from the device in ONE host sync."""
+
+    checksum: int  # fingerprint, to detect ranks given different (non-replicated) ids
+    lo: int  # smallest non-ignored id
+    hi: int  # largest non-ignored id (lo > hi when every position is ignored)
+
+
+def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int]) -> TargetSummary:
+    """Checksum and range of the targets (ignored positions exempt from the range). Full mode only."""
+    t = target_ids.reshape(-1).long()
     if t.numel() == 0:
-        return None
-    lo, hi = torch.stack(torch.aminmax(t)).tolist()  # one host sync
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
+        return TargetSummary(0, 0, -1)  # empty: lo > hi
+    weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
+    checksum = ((t % 1_000_003) * weights).sum() % (1 << 61)
+    if ignore_index is None:
+        lo, hi = torch.aminmax(t)
+    else:  # ignored ids replaced by neutral values: no boolean indexing (which would sync on its own)
+        keep = t != ignore_index
+        lo = torch.where(keep, t, torch.iinfo(torch.long).max).amin()
+        hi = torch.where(keep, t, -1).amax()
+    return TargetSummary(*torch.stack([checksum, lo, hi]).tolist())  # the one host sync
+
+
+def target_range_problem(summary: TargetSummary, vocab_size: int, ignore_index: Optional[int]) -> Optional[str]:
+    """Targets outside ``[0, vocab_size)``: no shard owns them."""
+    if summary.hi < summary.lo:
+        return None  # no non-ignored target
+    if summary.lo < 0 or summary.hi >= vocab_size:
+        bad = summary.lo if summary.lo < 0 else summary.hi
         return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {vocab_size})"
                 + ("" if ignore_index is None else f" (ignore_index={ignore_index})"))
     return None
 
 
-def targets_checksum(target_ids: torch.Tensor) -> int:
-    """A cheap fingerprint of the targets, to detect ranks that were given different (non-replicated) ids."""
-    t = target_ids.reshape(-1).long()
-    if t.numel() == 0:
-        return 0
-    w = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
-    return int(((t % 1_000_003) * w).sum() % (1 << 61))
-
-
 class GroupCheck:
-    """The collective verdict. ``run`` returns the global vocab size and the per-rank ranges."""
+    """The collective verdict. ``run`` returns the global vocab size."""
 
     _FIELDS = 11
-    # fast mode: layouts already verified, keyed by (group, start, V_local, declared vocab, D, dtype, bias, ignore)
-    _verified_layouts: set = set()
-    _cached_ranges: dict = {}
+    # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
+    _verified: dict = {}
 
     @classmethod
     def run(
@@ -144,14 +155,12 @@ class GroupCheck:
         ignore_index: Optional[int],
         mode: str,
         builds_graph: bool = False,
-    ) -> tuple[int, list[tuple[int, int]]]:
+    ) -> int:
         world = dist.get_world_size(group)
         key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
                builds_graph)
-        cached = mode == "fast" and problem is None and key in cls._verified_layouts
-        if cached:
-            ranges, total = cls._cached_ranges[key]
-            return total, ranges
+        if mode == "fast" and problem is None and key in cls._verified:
+            return cls._verified[key]
         record = torch.tensor(
             [
                 0 if problem is None else 1,
@@ -182,9 +191,8 @@ class GroupCheck:
         declared = {r[5] for r in rows}
         total = validate_ranges(ranges, None if declared == {-1} else max(declared))
         if mode == "fast":
-            cls._verified_layouts.add(key)
-            cls._cached_ranges[key] = (ranges, total)
-        return total, ranges
+            cls._verified[key] = total
+        return total
 
     @staticmethod
     def _check_agreement(rows: Sequence[Sequence[int]]) -> None:
