@@ -26,7 +26,7 @@ def test_growth_is_far_below_the_logits():
     # logits would be 256 MiB; gradients are 34 MiB; with a 16 MiB tile budget the growth stays near the gradients.
     r = probe(2048, 256, 32768, workspace_mb=16)
     assert r["finite"]
-    assert r["growth_mib"] < r["grads_mib"] + 96, r  # 16 MiB tiles + allocator slack
+    assert r["growth_mib"] < r["grads_mib"] + 48, r  # 16 MiB of tiles + allocator slack (measured: +19)
     assert r["growth_mib"] < 0.5 * r["logits_mib"], r
 
 

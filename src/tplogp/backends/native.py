@@ -166,10 +166,12 @@ class NativeBackend:
                 m_new = torch.maximum(m, z.amax(1))
                 alpha = torch.exp(m - m_new)  # 0 on the first tile (m = -inf)
                 z -= m_new.unsqueeze(1)  # z - m'
-                e = torch.exp(z)
                 if q is not None:
+                    e = torch.exp(z)
                     shifted = torch.where(alpha > 0, alpha * (q + s * (m - m_new)), torch.zeros_like(q))
-                    q = shifted + (e * z).sum(1)
+                    q = shifted + z.mul_(e).sum(1)  # e (z - m'), in z's buffer
+                else:
+                    e = z.exp_()  # in place: the tile is not needed any more
                 s = s * alpha + e.sum(1)
                 m = m_new
                 del z, e
@@ -237,12 +239,12 @@ class NativeBackend:
                 w = weight[v0:v1]
                 z = _logits_tile(h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
                 z -= m_c.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peaked target
-                p = torch.exp(z - ls_c.unsqueeze(1))
-                if ge is not None:
-                    coef = c0.unsqueeze(1) + ge.unsqueeze(1) * z
-                else:
-                    coef = c0.unsqueeze(1)
-                dz = p.mul_(coef).neg_()  # -p * coef
+                if ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
+                    p = torch.exp(z - ls_c.unsqueeze(1))
+                    dz = z.mul_(ge.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
+                    del p
+                else:  # dz = -p * c0, all in place
+                    dz = z.sub_(ls_c.unsqueeze(1)).exp_().mul_(c0.unsqueeze(1)).neg_()
                 del z
                 rel = lt - v0
                 own = (rel >= 0) & (rel < v1 - v0)
