@@ -17,7 +17,8 @@ import threading
 import triton
 import triton.language as tl
 
-from .triton_forward import _grouped_ids, _mma, _store_rounded
+from .triton_backward import _dlogits_epilogue
+from .triton_forward import _grouped_ids, _mma, _online_softmax_update
 
 
 @triton.jit
@@ -65,24 +66,8 @@ def _fwd_stats_tma_kernel(
         m_v = o_v < V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-        if HAS_BIAS:
-            acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-        if EVEN_V:  # LEAN only: every column of the tile is a real vocab id
-            b_z = acc * inv_temp
-        else:
-            b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
-        new_max = tl.maximum(b_max, tl.max(b_z, 1))
-        b_e = tl.exp(b_z - new_max[:, None])
-        b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)
-        b_scale = tl.exp(b_shift)
-        if WITH_ENTROPY:
-            if EVEN_V:
-                b_ez = b_e * (b_z - new_max[:, None])
-            else:
-                b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
-            b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
-        b_sum = b_sum * b_scale + tl.sum(b_e, 1)
-        b_max = new_max
+        b_z, b_max, b_sum, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_max, b_sum, b_sez, inv_temp,
+                                                          HAS_BIAS, WITH_ENTROPY, EVEN_V)
         # (no data-dependent branch here, unlike the generic kernel: this loop encloses the warp-specialized K loop)
         b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
     o_out = i_s.to(tl.int64) * N + o_n
@@ -117,36 +102,9 @@ def _bwd_dlogits_tma_kernel(
     m_v = o_v < v_hi
     acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
                            DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-    if HAS_BIAS:
-        acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-    b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
-    b_lsum = tl.load(p_lsum + o_n, mask=m_n, other=0.0)
-    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M: exact 0 at the max, so 1 - p does not cancel at a peak
-    b_g = tl.load(p_g + o_n, mask=m_n, other=0.0)
-    b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0)
-    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    b_p = tl.exp(b_zr - b_lsum[:, None])
-    if WITH_ENTROPY:
-        b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0)
-        b_mz = tl.load(p_mz + o_n, mask=m_n, other=0.0)
-        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
-    else:
-        b_coef = b_gmg[:, None]
-    if LEAN:  # the one-hot term only in tiles that hold some row's target (0.0 - p * coef elsewhere, the same bits)
-        if tl.max(((b_tgt >= v_lo + i_v * BLOCK_V) & (b_tgt < v_lo + i_v * BLOCK_V + BLOCK_V)).to(tl.int32), 0) > 0:
-            b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
-        else:
-            b_dz = 0.0 - b_p * b_coef
-    else:
-        b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
-    if EVEN_NV:
-        b_dz = b_dz * inv_temp
-    else:
-        b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
-    p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
-    _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
-    if NEED_DB:
-        tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_v)
+    _dlogits_epilogue(acc, i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
+                      p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
+                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN, EVEN_NV)
 
 
 def tma_ok(hidden, weight) -> bool:

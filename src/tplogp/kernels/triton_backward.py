@@ -29,36 +29,19 @@ from .triton_forward import _grouped_ids, _logits_tile, _mma, _store_rounded
 
 
 @triton.jit
-def _bwd_dlogits_kernel(
-    p_h,  # [N, D] hidden, in
-    p_w,  # [V, D] weight shard, in
-    p_b,  # [V] bias, in (unused unless HAS_BIAS)
-    p_tgt,  # [N] int64 local target, in
-    p_rmax,  # [N] fp32 global row max M, in
-    p_lsum,  # [N] fp32 log sum exp(z - M) over the global vocab, in
-    p_g,  # [N] fp32 grad of logp, in
-    p_gmg,  # [N] fp32 grad_logp - grad_lse, in
-    p_ge,  # [N] fp32 grad of entropy, in (only WITH_ENTROPY)
-    p_mz,  # [N] fp32 mean logit relative to the max, E_p[z] - M, in (only WITH_ENTROPY)
-    p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
-    p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
-    N, V, D, v_lo, v_hi,
-    stride_hn, stride_wv, stride_dz, stride_dbp,
+def _dlogits_epilogue(
+    acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
+    i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see _bwd_dlogits_kernel
+    stride_dz, stride_dbp,
     inv_temp,
-    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    LEAN: tl.constexpr = False,  # lean epilogue (configs.TileConfig.lean_epilogue)
-    EVEN_NV: tl.constexpr = False,  # LEAN, N % BLOCK_N == 0 and the chunk width % BLOCK_V == 0: no tile masks
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, LEAN: tl.constexpr, EVEN_NV: tl.constexpr,
 ):
-    i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
-    o_v = v_lo + o_c  # [BLOCK_V] column inside the shard
-    m_n = o_n < N
-    m_v = o_v < v_hi
-    acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
-                       BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
+    """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32 column sums.
+
+    Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them.
+    """
     if HAS_BIAS:
         acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
@@ -89,6 +72,42 @@ def _bwd_dlogits_kernel(
     _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
     if NEED_DB:
         tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_v)
+
+
+@triton.jit
+def _bwd_dlogits_kernel(
+    p_h,  # [N, D] hidden, in
+    p_w,  # [V, D] weight shard, in
+    p_b,  # [V] bias, in (unused unless HAS_BIAS)
+    p_tgt,  # [N] int64 local target, in
+    p_rmax,  # [N] fp32 global row max M, in
+    p_lsum,  # [N] fp32 log sum exp(z - M) over the global vocab, in
+    p_g,  # [N] fp32 grad of logp, in
+    p_gmg,  # [N] fp32 grad_logp - grad_lse, in
+    p_ge,  # [N] fp32 grad of entropy, in (only WITH_ENTROPY)
+    p_mz,  # [N] fp32 mean logit relative to the max, E_p[z] - M, in (only WITH_ENTROPY)
+    p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
+    p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
+    N, V, D, v_lo, v_hi,
+    stride_hn, stride_wv, stride_dz, stride_dbp,
+    inv_temp,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LEAN: tl.constexpr = False,  # lean epilogue (configs.TileConfig.lean_epilogue)
+    EVEN_NV: tl.constexpr = False,  # LEAN, N % BLOCK_N == 0 and the chunk width % BLOCK_V == 0: no tile masks
+):
+    i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
+    o_v = v_lo + o_c  # [BLOCK_V] column inside the shard
+    m_n = o_n < N
+    m_v = o_v < v_hi
+    acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
+                       BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
+    _dlogits_epilogue(acc, i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
+                      p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
+                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN, EVEN_NV)
 
 
 @triton.jit

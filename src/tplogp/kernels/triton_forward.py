@@ -82,6 +82,39 @@ def _logits_tile(
 
 
 @triton.jit
+def _online_softmax_update(
+    acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
+    o_v, m_v, p_b,  # [BLOCK_V] vocab ids, their mask, the bias pointer (unused unless HAS_BIAS)
+    b_max, b_sum, b_sez,  # [BLOCK_N] running max, sum exp(z - max), sum exp(z - max)(z - max)
+    inv_temp,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_V: tl.constexpr,
+):
+    """Fold one tile into the running row statistics (see the module docstring); returns (z, max, sum, sez).
+
+    Shared by the generic and the TMA (sm90) forward kernels: only how ``acc`` is loaded differs between them.
+    """
+    if HAS_BIAS:
+        acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
+    if EVEN_V:  # LEAN only: every column of the tile is a real vocab id
+        b_z = acc * inv_temp
+    else:
+        b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
+    new_max = tl.maximum(b_max, tl.max(b_z, 1))
+    b_e = tl.exp(b_z - new_max[:, None])  # [BLOCK_N, BLOCK_V]; masked columns give 0
+    b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)  # <= 0
+    b_scale = tl.exp(b_shift)
+    if WITH_ENTROPY:
+        if EVEN_V:
+            b_ez = b_e * (b_z - new_max[:, None])
+        else:
+            b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
+        b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
+    b_sum = b_sum * b_scale + tl.sum(b_e, 1)
+    b_max = new_max
+    return b_z, b_max, b_sum, b_sez
+
+
+@triton.jit
 def _fwd_stats_kernel(
     p_h,  # [N, D] hidden, in
     p_w,  # [V, D] weight shard, in
@@ -116,24 +149,8 @@ def _fwd_stats_kernel(
         m_v = o_v < V
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-        if HAS_BIAS:
-            acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-        if EVEN_V:  # LEAN only: every column of the tile is a real vocab id
-            b_z = acc * inv_temp
-        else:
-            b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
-        new_max = tl.maximum(b_max, tl.max(b_z, 1))
-        b_e = tl.exp(b_z - new_max[:, None])  # [BLOCK_N, BLOCK_V]; masked columns give 0
-        b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)  # <= 0
-        b_scale = tl.exp(b_shift)
-        if WITH_ENTROPY:
-            if EVEN_V:
-                b_ez = b_e * (b_z - new_max[:, None])
-            else:
-                b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
-            b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
-        b_sum = b_sum * b_scale + tl.sum(b_e, 1)
-        b_max = new_max
+        b_z, b_max, b_sum, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_max, b_sum, b_sez, inv_temp,
+                                                          HAS_BIAS, WITH_ENTROPY, EVEN_V)
         if LEAN:  # extract target logits only in tiles that hold some row's target (the sum adds 0.0 elsewhere)
             if tl.max(((b_tgt >= v0) & (b_tgt < v0 + BLOCK_V)).to(tl.int32), 0) > 0:
                 b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
