@@ -20,16 +20,10 @@ import sys
 
 import torch
 
+import runner  # benchmarks/runner.py: shared commit / machine helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(ROOT, "tests", "memory_probe.py")
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def probe(shape: tuple[int, int, int], impl: str) -> dict:
@@ -59,7 +53,7 @@ def main() -> None:
             print(f"{rows[-1]['shape']:>18} {impl:>7} {r['elapsed_s']:10.2f} {r['growth_mib']:11.1f} "
                   f"{r['grads_mib']:10.1f} {r['logits_mib']:11.1f}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": runner.git_commit(),
             "machine": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "rows": rows}
     path = os.path.join(args.out, f"cpu_memory_{meta['commit']}.json")

@@ -23,23 +23,16 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+import runner  # benchmarks/runner.py: shared commit helper
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run(args) -> None:
@@ -97,7 +90,7 @@ def run(args) -> None:
         flop_per_rank = 4 * 2 * n * d * v / world
         row = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(), "torch": torch.__version__,
+            "commit": runner.git_commit(), "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "backend": backend, "tp": world, "shape": args.shape, "dtype": args.dtype, "source": args.source,
             "uneven": args.uneven, "checks": os.environ["TPLOGP_CHECKS"], "steps": args.steps,

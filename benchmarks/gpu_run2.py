@@ -114,44 +114,24 @@ def checks():
 
 
 def inputs(T, D, V, ignore_frac=0.0):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
-    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(torch.bfloat16)
-    y = torch.randint(0, V, (T,), device="cuda", generator=g)
-    ii = None
-    if ignore_frac:
-        ii = -100
-        y = torch.where(torch.rand(T, device="cuda", generator=g) < ignore_frac, torch.full_like(y, -100), y)
-    gy = torch.randn(T, device="cuda", generator=g)
-    ge = torch.randn(T, device="cuda", generator=g) * 0.1
-    return h, w, y, gy, ge, ii
+    return runner.bf16_problem(T, D, V, ignore_frac=ignore_frac, ge_scale=0.1)
 
 
 def tv(label, be, data, gemm_ms, shape, reps=10, entropy=False, deterministic=False, fwd_only=False, rnd=0):
     h, w, y, gy, ge, ii = data
-    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
     opts = LogpOptions(return_entropy=entropy, deterministic=deterministic, ignore_index=ii)
     rec = dict(label=label, shape=shape, round=rnd, entropy=entropy, deterministic=deterministic,
                ignore=ii is not None, gemm_ms=round(gemm_ms, 3))
     try:
-        with torch.no_grad():
-            f_ms = runner.median_ms(lambda: linear_logp_tp(be, h, w, y, options=opts), reps=reps)
+        fwd, fb = runner.tp_step_fns(be, h, w, y, opts, gy, ge)
+        f_ms = runner.median_ms(fwd, reps=reps)
         rec.update(fwd_ms=round(f_ms, 3), fwd_gemms=round(f_ms / gemm_ms, 3))
         if not fwd_only:
-            def fb():
-                out = linear_logp_tp(be, hg, wg, y, options=opts)
-                if entropy:
-                    torch.autograd.backward([out.logp, out.entropy], [gy, ge])
-                else:
-                    out.backward(gy)
-                hg.grad = wg.grad = None
-
             fb_ms = runner.median_ms(fb, reps=reps)
             rec.update(fwd_bwd_ms=round(fb_ms, 3), fwd_bwd_gemms=round(fb_ms / gemm_ms, 3),
                        extra_peak_gib=round(runner.extra_peak_gib(fb), 3))
     except Exception as exc:
         rec.update(error=f"{type(exc).__name__}: {exc}"[:400], tb=traceback.format_exc()[-1200:])
-    del hg, wg
     return gs.record("variant", **rec)
 
 

@@ -190,26 +190,11 @@ def checks(backends) -> None:
 
 
 def time_variant(label, be, T, D, V, gemm_ms, reps=10, entropy=False, deterministic=False):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
-    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(torch.bfloat16)
-    y = torch.randint(0, V, (T,), device="cuda", generator=g)
-    gy = torch.randn(T, device="cuda", generator=g)
-    ge = torch.randn(T, device="cuda", generator=g)
-    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    h, w, y, gy, ge, _ = runner.bf16_problem(T, D, V)
     opts = LogpOptions(return_entropy=entropy, deterministic=deterministic)
     try:
-        with torch.no_grad():
-            f_ms = runner.median_ms(lambda: linear_logp_tp(be, h, w, y, options=opts), reps=reps)
-
-        def fb():
-            out = linear_logp_tp(be, hg, wg, y, options=opts)
-            if entropy:
-                torch.autograd.backward([out.logp, out.entropy], [gy, ge])
-            else:
-                out.backward(gy)
-            hg.grad = wg.grad = None
-
+        fwd, fb = runner.tp_step_fns(be, h, w, y, opts, gy, ge)
+        f_ms = runner.median_ms(fwd, reps=reps)
         fb_ms = runner.median_ms(fb, reps=reps)
         peak = runner.extra_peak_gib(fb)
         rec = record("variant", label=label, shape=f"{T}x{D}x{V}", entropy=entropy, deterministic=deterministic,
@@ -225,11 +210,7 @@ def time_variant(label, be, T, D, V, gemm_ms, reps=10, entropy=False, determinis
 
 def breakdown(label, be, T, D, V, gemm_ms, reps=10):
     """Time the pieces of one call with the backend primitives directly (no TP layer)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
-    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(torch.bfloat16)
-    y = torch.randint(0, V, (T,), device="cuda", generator=g)
-    gy = torch.randn(T, device="cuda", generator=g)
+    h, w, y, gy, _, _ = runner.bf16_problem(T, D, V)
     call = ShardCall()
     st = be.forward_stats(h, w, None, y, call)
     rmax, lsum = st.row_max, st.sum_exp.log()
@@ -254,11 +235,7 @@ def breakdown(label, be, T, D, V, gemm_ms, reps=10):
 
 def overhead(label, be, T, D, V, gemm_ms, reps=20):
     """Host cost per call (enqueue only, no sync) and pure GPU time (CUDA-graph replay) of the primitives."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
-    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(torch.bfloat16)
-    y = torch.randint(0, V, (T,), device="cuda", generator=g)
-    gy = torch.randn(T, device="cuda", generator=g)
+    h, w, y, gy, _, _ = runner.bf16_problem(T, D, V)
     call = ShardCall()
     st = be.forward_stats(h, w, None, y, call)
     rmax, lsum = st.row_max, st.sum_exp.log()

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from tplogp.tolerances import rel_error as rel_err  # noqa: F401  (re-exported for the scripts)
+
 
 def median_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> float:
     for _ in range(warmup):
@@ -42,9 +44,40 @@ def extra_peak_gib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.double()
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+def bf16_problem(T: int, D: int, V: int, ignore_frac: float = 0.0, ge_scale: float = 1.0):
+    """Seeded bf16 inputs on the GPU: (hidden, weight, targets, grad_logp, grad_entropy, ignore_index or None)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(torch.bfloat16)
+    y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    ii = None
+    if ignore_frac:
+        ii = -100
+        y = torch.where(torch.rand(T, device="cuda", generator=g) < ignore_frac, torch.full_like(y, -100), y)
+    gy = torch.randn(T, device="cuda", generator=g)
+    ge = torch.randn(T, device="cuda", generator=g) * ge_scale
+    return h, w, y, gy, ge, ii
+
+
+def tp_step_fns(be, h, w, y, opts, gy, ge):
+    """(forward, forward+backward) closures through the public TP path, with per-token upstream gradients."""
+    from tplogp.tp import linear_logp_tp
+
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def fwd():
+        with torch.no_grad():
+            return linear_logp_tp(be, h, w, y, options=opts)
+
+    def fwd_bwd():
+        out = linear_logp_tp(be, hg, wg, y, options=opts)
+        if opts.return_entropy:
+            torch.autograd.backward([out.logp, out.entropy], [gy, ge])
+        else:
+            out.backward(gy)
+        hg.grad = wg.grad = None
+
+    return fwd, fwd_bwd
 
 
 def git_commit() -> str:

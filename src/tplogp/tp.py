@@ -178,7 +178,9 @@ def linear_logp_tp(
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature)
-    targets = summarize_targets(target_ids, options.ignore_index) if (problem is None and mode == "full") else None
+    targets = None
+    if problem is None and mode == "full":
+        targets = summarize_targets(target_ids, options.ignore_index, with_checksum=world > 1)
     if world > 1:
         comm_dev = _comm_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
         ok = problem is None

@@ -104,13 +104,15 @@ class TargetSummary(NamedTuple):
     hi: int  # largest non-ignored id (lo > hi when every position is ignored)
 
 
-def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int]) -> TargetSummary:
-    """Checksum and range of the targets (ignored positions exempt from the range). Full mode only."""
+def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int], with_checksum: bool) -> TargetSummary:
+    """Range of the targets (ignored positions exempt) and, for a group, their checksum. Full mode only."""
     t = target_ids.reshape(-1).long()
     if t.numel() == 0:
         return TargetSummary(0, 0, -1)  # empty: lo > hi
-    weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
-    checksum = ((t % 1_000_003) * weights).sum() % (1 << 61)
+    checksum = torch.zeros((), dtype=torch.long, device=t.device)
+    if with_checksum:
+        weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
+        checksum = ((t % 1_000_003) * weights).sum() % (1 << 61)
     if ignore_index is None:
         lo, hi = torch.aminmax(t)
     else:  # ignored ids replaced by neutral values: no boolean indexing (which would sync on its own)
