@@ -21,7 +21,7 @@ def test_pass_output_format_and_status():
                    "--stress-vocab-size", "512", "--stress-steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
-    assert "[correctness]\n  dtype=torch.float32, reference_mode=fp32, atol=0.001, rtol=0.001\n" in text
+    assert "[correctness]\n  dtype=torch.float32, reference_mode=fp32, atol=1e-05, rtol=1e-05\n" in text
     assert "  tokens=32, hidden=48, vocab=301\n" in text
     bounds = [int(x) for x in re.search(r"shard_boundaries=\[(.*)\]", text).group(1).split(",")]
     sizes = [end - start for start, end in zip(bounds, bounds[1:])]

@@ -26,17 +26,21 @@ class ErrorSlack(NamedTuple):
     eps: float
 
 
+# fp32: 10x, fp16: 30x the largest error measured in this project's runs (fp32 max_abs 9.5e-7 on CPU and on 2x H200
+# NCCL; fp16 6.1e-5 on CPU), so a real regression fails. bf16: the runbook's own default (0.08).
 RUNBOOK_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float32: Tolerance(atol=1e-3, rtol=1e-3),
+    torch.float32: Tolerance(atol=1e-5, rtol=1e-5),
     torch.bfloat16: Tolerance(atol=0.08, rtol=0.08),
-    torch.float16: Tolerance(atol=0.02, rtol=0.02),
+    torch.float16: Tolerance(atol=2e-3, rtol=2e-3),
 }
 
-# factor * reference error + eps, per dtype. fp32 eps covers reduction-order differences at the 1e-6 level.
+# factor * reference error + eps, per dtype. Measured over the CPU suite (693 three-way checks, every source): fp32
+# needs eps 3.2e-7 at factor 1.0 (reduction order); bf16 and fp16 need no eps at factor 1.1 (the issue's "within
+# 1.1x of torch eager"), and bf16 needs 5.1e-5 at factor 1.0. The eps below leave about 3x margin on fp32.
 ERROR_SLACK: dict[torch.dtype, ErrorSlack] = {
-    torch.float32: ErrorSlack(factor=2.0, eps=2e-6),
-    torch.bfloat16: ErrorSlack(factor=1.1, eps=2e-4),
-    torch.float16: ErrorSlack(factor=1.1, eps=5e-5),
+    torch.float32: ErrorSlack(factor=1.0, eps=1e-6),
+    torch.bfloat16: ErrorSlack(factor=1.1, eps=1e-5),
+    torch.float16: ErrorSlack(factor=1.1, eps=1e-5),
 }
 
 
