@@ -41,10 +41,11 @@ class _StubKernel:
 
 def stub_kernels() -> None:
     from tplogp.kernels import launch, sm90
+    from tplogp.kernels.fastlaunch import DirectKernel
 
     for mod in (launch, sm90):
         for name in dir(mod):
-            if name.startswith("_") and name.endswith("_kernel"):
+            if isinstance(getattr(mod, name), DirectKernel):
                 setattr(mod, name, _StubKernel())
 
 
@@ -87,18 +88,20 @@ def main() -> int:
 
     phases = {
         "fwd_stats": lambda: be.forward_stats(h, w, None, y, call),
+        "fwd_single": lambda: be.forward_single(h, w, None, y, call),
         "bwd_prim": lambda: be.backward(h, w, None, y, rmax, lsum, gy, None, None, None, call, (True, True, False)),
         "tp_fwd_nograd": lambda: linear_logp_tp(be, h, w, y, options=LogpOptions()),
         "tp_fwd_grad": tp_fwd_bwd_fwd,
         "tp_bwd": tp_fwd_bwd_bwd,
     }
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    print(f"# device={dev} stub={not args.real} shape={T}x{D}x{V} source={be.name}")
+    print(f"# device={dev} stub={not args.real} shape={T}x{D}x{V} source={be.name} "
+          f"TPLOGP_DIRECT_LAUNCH={os.environ.get('TPLOGP_DIRECT_LAUNCH', '1')}")
     for name, fn in phases.items():
         if name == "tp_bwd":
             continue
         pair = name == "tp_fwd_grad"
-        ctx = torch.no_grad() if name in ("fwd_stats", "bwd_prim", "tp_fwd_nograd") else torch.enable_grad()
+        ctx = torch.no_grad() if name in ("fwd_stats", "fwd_single", "bwd_prim", "tp_fwd_nograd") else torch.enable_grad()
         with ctx:
             for _ in range(5):
                 fn()

@@ -131,8 +131,25 @@ def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[
     return make_linear_logp(source)
 
 
+_resolved_on_cuda: dict = {}
+
+
 def backend_for_call(source: Optional[str], device: torch.device) -> ShardBackend:
-    """Resolve the backend that runs one call on ``device``."""
+    """Resolve the backend that runs one call on ``device``.
+
+    On CUDA devices the answer is remembered per (source, device index): what decides it (installed modules, the
+    device's compute capability) does not change within a process, and the probes cost host time on every call.
+    Failures are not remembered (they raise each time)."""
+    if device.type == "cuda":
+        key = (source, device.index if device.index is not None else torch.cuda.current_device())
+        backend = _resolved_on_cuda.get(key)
+        if backend is None:
+            backend = _resolved_on_cuda[key] = _resolve(source, device)
+        return backend
+    return _resolve(source, device)
+
+
+def _resolve(source: Optional[str], device: torch.device) -> ShardBackend:
     if source is None:
         return get_backend(select_source(device))
     return _require(source, device)

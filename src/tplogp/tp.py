@@ -71,6 +71,7 @@ class _TPContext:
     group: Any
     world_size: int
     comm_device: torch.device
+    single: bool  # one shard and a backend with forward_single: it finishes the outputs, targets passed as given
 
 
 def _comm_device(group, tensor_device: torch.device) -> torch.device:
@@ -111,6 +112,12 @@ class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
         be, call = tpc.backend, tpc.call
+        ctx.tpc = tpc
+        ctx.set_materialize_grads(False)
+        if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
+            out = be.forward_single(hidden, weight, bias, local_target, call)
+            ctx.save_for_backward(hidden, weight, bias, local_target, out.row_max, out.log_sum, out.mean_rel)
+            return out.logp, out.entropy, out.lse
         st = be.forward_stats(hidden, weight, bias, local_target, call)
         owned = local_target >= 0
         if tpc.world_size > 1:
@@ -130,8 +137,6 @@ class _LinearLogpFunction(torch.autograd.Function):
         logp = torch.where(covered, target_rel - log_sum, float("nan"))
         lse = row_max + log_sum
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel)
-        ctx.tpc = tpc
-        ctx.set_materialize_grads(False)
         if mean_rel is None:
             return logp, None, lse
         return logp, log_sum - mean_rel, lse
@@ -143,9 +148,9 @@ class _LinearLogpFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if g_logp is None:  # only entropy or lse feeds the loss
             g_logp = torch.zeros(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        g_logp = g_logp.float().contiguous()
-        g_ent = None if (g_entropy is None or mean_rel is None) else g_entropy.float().contiguous()
-        g_lse_ = None if g_lse is None else g_lse.float().contiguous()
+        g_logp = _f32_contiguous(g_logp)
+        g_ent = None if (g_entropy is None or mean_rel is None) else _f32_contiguous(g_entropy)
+        g_lse_ = None if g_lse is None else _f32_contiguous(g_lse)
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
                                      mean_rel if g_ent is not None else None, tpc.call, needs)
         d_hidden = grads.d_hidden
@@ -154,8 +159,15 @@ class _LinearLogpFunction(torch.autograd.Function):
                 buf = d_hidden.to(tpc.comm_device)
                 dist.all_reduce(buf, group=tpc.group)
                 d_hidden = buf.to(hidden.device)
-            d_hidden = d_hidden.to(hidden.dtype)
+            if d_hidden.dtype != hidden.dtype:
+                d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, grads.d_weight, grads.d_bias, None, None
+
+
+def _f32_contiguous(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x if x.is_contiguous() else x.contiguous()
 
 
 def linear_logp_tp(
@@ -210,8 +222,9 @@ def linear_logp_tp(
 
     out_shape = tuple(target_ids.shape)
     d = hidden.shape[-1]
-    h2 = hidden.reshape(-1, d)
-    tgt = target_ids.reshape(-1).long()
+    h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
+    tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
+    tgt = tgt if tgt.dtype == torch.int64 else tgt.long()
     h2 = h2 if h2.is_contiguous() else h2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
     b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
@@ -223,17 +236,22 @@ def linear_logp_tp(
         h2 = h2.index_select(0, keep_idx)
         tgt = tgt.index_select(0, keep_idx)
 
-    v_local = w.shape[0]
-    rel = tgt - vocab_start_index if vocab_start_index else tgt
-    local_target = torch.where((rel >= 0) & (rel < v_local), rel, -1)
+    single = world == 1 and hasattr(backend, "forward_single")
+    if single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
+        local_target = tgt
+    else:
+        v_local = w.shape[0]
+        rel = tgt - vocab_start_index if vocab_start_index else tgt
+        local_target = torch.where((rel >= 0) & (rel < v_local), rel, -1)
 
     call = ShardCall(
         inv_temperature=1.0 / float(options.temperature),
         with_entropy=options.return_entropy,
         deterministic=options.deterministic,
         workspace_bytes=options.workspace_bytes,
+        d_hidden_dtype=h2.dtype if world == 1 else None,
     )
-    tpc = _TPContext(backend, call, tp_group, world, comm_dev)
+    tpc = _TPContext(backend, call, tp_group, world, comm_dev, single)
     logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
 
     if keep_idx is not None:
@@ -242,11 +260,10 @@ def linear_logp_tp(
         if entropy is not None:
             entropy = entropy.new_zeros(n_all).index_copy(0, keep_idx, entropy)
         lse = lse.new_zeros(n_all).index_copy(0, keep_idx, lse)
-    logp = logp.view(out_shape)
+    if len(out_shape) != 1:
+        logp = logp.view(out_shape)
+        entropy = None if entropy is None else entropy.view(out_shape)
+        lse = lse.view(out_shape)
     if not (options.return_entropy or options.return_lse):
         return logp
-    return LogpOutputs(
-        logp,
-        entropy.view(out_shape) if options.return_entropy else None,
-        lse.view(out_shape) if options.return_lse else None,
-    )
+    return LogpOutputs(logp, entropy if options.return_entropy else None, lse if options.return_lse else None)

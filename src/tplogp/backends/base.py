@@ -29,6 +29,12 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
         d_weight = d_logits^T @ hidden        (fp32 accumulation, returned in weight.dtype)
         d_bias   = sum_t d_logits             (fp32 accumulation, returned in bias.dtype)
 
+``forward_single`` (optional)
+    When one shard holds the whole vocab (no group, or a group of one), a backend may finish the per-token outputs
+    itself and save the TP layer's merge ops (host time at small shapes): return :class:`SingleShardOutputs`. The
+    layer then passes ``target`` ids as given, to this method and to ``backward``: an id outside ``[0, V)`` is
+    owned by nobody (its logp is NaN; full checks reject such ids first).
+
 Everything that needs a collective (merging stats across ranks, the coverage check, the d_hidden all-reduce)
 lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the target id minus the shard's
 ``vocab_start_index`` where the shard owns it, and ``-1`` elsewhere (ignored rows are ``-1`` too).
@@ -51,6 +57,17 @@ class ShardStats(NamedTuple):
     sum_exp_z: Optional[torch.Tensor]
 
 
+class SingleShardOutputs(NamedTuple):
+    """What ``forward_single`` returns (all fp32 ``[N]``): the outputs, and what the backward needs."""
+
+    logp: torch.Tensor
+    lse: torch.Tensor
+    row_max: torch.Tensor  # M
+    log_sum: torch.Tensor  # log sum exp(z - M)
+    mean_rel: Optional[torch.Tensor]  # E_p[z] - M (entropy only)
+    entropy: Optional[torch.Tensor]  # log_sum - mean_rel (entropy only)
+
+
 class ShardGrads(NamedTuple):
     """Gradients of one vocab shard. ``d_hidden`` is fp32 and partial (to be all-reduced)."""
 
@@ -68,6 +85,9 @@ class ShardCall:
     deterministic: bool = False
     # Bytes the backend may use for its fp32 logits workspace; None lets the backend choose.
     workspace_bytes: Optional[int] = None
+    # Set when no all-reduce follows the backward (one shard): the backend may return d_hidden in this dtype
+    # instead of fp32 where that saves a conversion. None: fp32.
+    d_hidden_dtype: Optional[torch.dtype] = None
 
 
 class ShardBackend(Protocol):

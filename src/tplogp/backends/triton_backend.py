@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .base import ShardCall, ShardGrads, ShardStats
+from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
@@ -93,6 +93,13 @@ class TritonBackend:
             stats_launch=self._stats_launch(hidden.device))
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
 
+    def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
+        from ..kernels import launch
+
+        return SingleShardOutputs(*launch.forward_single(
+            hidden, weight, bias, target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device),
+            stats_launch=self._stats_launch(hidden.device)))
+
     def _stats_launch(self, device: torch.device):
         return None  # the generic kernel
 
@@ -104,5 +111,5 @@ class TritonBackend:
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device),
-            dlogits_launch=self._dlogits_launch(hidden.device))
+            dlogits_launch=self._dlogits_launch(hidden.device), d_hidden_dtype=call.d_hidden_dtype)
         return ShardGrads(d_hidden, d_weight, d_bias)

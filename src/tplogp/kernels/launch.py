@@ -12,10 +12,16 @@ from typing import Callable, Optional
 import torch
 import triton
 
-from . import configs
+from . import configs, triton_backward, triton_forward
 from .configs import TileConfig
-from .triton_backward import _bwd_dlogits_kernel, _dh_accum_kernel
-from .triton_forward import _fwd_stats_kernel, _merge_splits_kernel
+from .fastlaunch import DirectKernel
+
+# Launched through DirectKernel: after the first call per specialization, no trip through Triton's JIT front end.
+_fwd_stats_kernel = DirectKernel(triton_forward._fwd_stats_kernel)
+_merge_splits_kernel = DirectKernel(triton_forward._merge_splits_kernel)
+_finalize_single_kernel = DirectKernel(triton_forward._finalize_single_kernel)
+_bwd_dlogits_kernel = DirectKernel(triton_backward._bwd_dlogits_kernel)
+_dh_accum_kernel = DirectKernel(triton_backward._dh_accum_kernel)
 
 _MIB = 1 << 20
 # Default d_logits workspace budget (bytes): large enough for full-efficiency GEMMs at N = 8192
@@ -109,6 +115,40 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
 
 
+def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+                   inv_temperature: float, with_entropy: bool, cfg: TileConfig,
+                   stats_launch: Optional[Callable] = None):
+    """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``, fp32 [N].
+
+    ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp (the checks in
+    ``full`` mode reject such ids before this runs). Two launches (the stats kernel, then one kernel that folds the
+    splits and finishes the outputs) and two allocations: no other torch op.
+    """
+    check_inputs(hidden, weight, bias, target)
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    k = 6 if with_entropy else 4
+    out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
+    outs = out.unbind(0)
+    if n == 0 or v == 0:
+        if n:  # an empty vocab: no probability mass anywhere
+            out.fill_(float("nan"))
+            out[1:4].fill_(float("-inf"))
+        return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+    if not target.is_contiguous():
+        target = target.contiguous()
+    split_v = cfg.split_tiles * cfg.block_v
+    num_splits = triton.cdiv(v, split_v)
+    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
+    (stats_launch or _launch_stats)(hidden, weight, bias, target, parts, num_splits, split_v,
+                                    float(inv_temperature), with_entropy, cfg)
+    _finalize_single_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+        parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], target, out, n, v, num_splits,
+        WITH_ENTROPY=with_entropy, ACCURATE_LOG=not configs.interpreting(), BLOCK=_MERGE_BLOCK, num_warps=4,
+    )
+    return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+
+
 def _lean_flags(cfg: TileConfig, v: int) -> dict:
     """Constexprs of the forward kernels for the lean epilogue (only passed when on: the plain kernels' cache keys
     and signatures stay as they were)."""
@@ -185,8 +225,12 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_z: Optional[torch.Tensor],
              inv_temperature: float, deterministic: bool, workspace_bytes: Optional[int],
              needs: tuple[bool, bool, bool], cfg: TileConfig,
-             dlogits_launch: Optional[Callable] = None):
-    """(d_hidden fp32 | None, d_weight weight.dtype | None, d_bias bias.dtype | None) for one vocab shard."""
+             dlogits_launch: Optional[Callable] = None, d_hidden_dtype: Optional[torch.dtype] = None):
+    """(d_hidden | None, d_weight weight.dtype | None, d_bias bias.dtype | None) for one vocab shard.
+
+    ``d_hidden`` is fp32, except that with ``d_hidden_dtype`` (no all-reduce follows) a backward of one chunk and
+    the default (cuBLAS) mode writes it in that dtype straight from the GEMM's fp32 accumulator (one rounding, as
+    the fp32 result converted afterwards; one kernel and one host op fewer)."""
     check_inputs(hidden, weight, bias, local_target)
     n, d = hidden.shape
     v = weight.shape[0]
@@ -227,7 +271,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     num_nb = triton.cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     d_weight = torch.empty_like(weight) if need_dw else None
-    d_hidden = torch.empty((n, d), device=dev, dtype=f32) if need_dh else None
+    cast_dh = need_dh and chunk >= v and not deterministic and d_hidden_dtype not in (None, f32)
+    d_hidden = torch.empty((n, d), device=dev, dtype=d_hidden_dtype if cast_dh else f32) if need_dh else None
     precision = _dot_precision(hidden.dtype)
     launch = dlogits_launch or _launch_dlogits
     args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
@@ -237,7 +282,9 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     elif chunk >= v:  # one chunk (small shapes): no slicing
         dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
         launch(*args, dz, dbp, 0, v, float(inv_temperature), with_entropy, need_db, cfg, precision)
-        _chunk_gemms(dz, weight, hidden, d_hidden, d_weight, 0, deterministic, cfg, precision)
+        if cast_dh:
+            _mm_into(d_hidden, dz, weight)
+        _chunk_gemms(dz, weight, hidden, None if cast_dh else d_hidden, d_weight, 0, deterministic, cfg, precision)
     else:
         ws = torch.empty(n * chunk, device=dev, dtype=weight.dtype)
         for i_chunk, v_lo in enumerate(range(0, v, chunk)):

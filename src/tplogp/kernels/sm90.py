@@ -17,6 +17,7 @@ import threading
 import triton
 import triton.language as tl
 
+from .fastlaunch import DirectKernel
 from .triton_backward import _dlogits_epilogue
 from .triton_forward import _grouped_ids, _mma, _online_softmax_update
 
@@ -107,6 +108,11 @@ def _bwd_dlogits_tma_kernel(
                       inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN, EVEN_NV)
 
 
+# Launched through DirectKernel (no trip through Triton's JIT front end after the first call per specialization).
+_fwd_stats_tma = DirectKernel(_fwd_stats_tma_kernel)
+_bwd_dlogits_tma = DirectKernel(_bwd_dlogits_tma_kernel)
+
+
 def tma_ok(hidden, weight) -> bool:
     """Tensor descriptors need 16-byte aligned bases and row strides."""
     item = hidden.element_size()
@@ -153,7 +159,7 @@ def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int,
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
     grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
-    _fwd_stats_tma_kernel[grid](
+    _fwd_stats_tma[grid](
         d_h, d_w, bias if bias is not None else hidden, local_target,
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
         n, weight.shape[0], d, inv_temperature, num_splits,
@@ -176,7 +182,7 @@ def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, 
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d)
     grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
-    _bwd_dlogits_tma_kernel[grid](
+    _bwd_dlogits_tma[grid](
         d_h, d_w, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi, dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
         HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -165,19 +166,13 @@ def _fwd_stats_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
-    p_max, p_sum, p_tl, p_sez,  # [S, N] fp32 per-split stats, in
-    o_max, o_sum, o_tl, o_sez,  # [N] fp32 merged stats, out
-    N, S,
-    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Fold S splits into one in split order (fixed order: bitwise reproducible). Splits are never empty."""
-    o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    m_n = o_n < N
+def _fold_splits(p_max, p_sum, p_tl, p_sez, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
+    """Fold the S per-split stats ``[S, N]`` of the rows ``o_n`` in split order (fixed order: bitwise reproducible;
+    splits are never empty). Returns (max, sum exp(z - max), target logit, sum exp(z - max)(z - max) or 0)."""
     b_max = tl.load(p_max + o_n, mask=m_n, other=0.0)
     b_sum = tl.load(p_sum + o_n, mask=m_n, other=0.0)
     b_tl = tl.load(p_tl + o_n, mask=m_n, other=0.0)
-    b_sez = tl.zeros([BLOCK], dtype=tl.float32)
+    b_sez = tl.zeros(o_n.shape, dtype=tl.float32)
     if WITH_ENTROPY:
         b_sez = tl.load(p_sez + o_n, mask=m_n, other=0.0)
     p_smax, p_ssum, p_stl, p_ssez = p_max + o_n, p_sum + o_n, p_tl + o_n, p_sez + o_n  # split 0
@@ -199,8 +194,55 @@ def _merge_splits_kernel(
             b_sez = w_a * (b_sez + d_a * b_sum) + w_c * (c_sez + d_c * c_sum)
         b_sum = w_a * b_sum + w_c * c_sum
         b_max = new_max
+    return b_max, b_sum, b_tl, b_sez
+
+
+@triton.jit
+def _merge_splits_kernel(
+    p_max, p_sum, p_tl, p_sez,  # [S, N] fp32 per-split stats, in
+    o_max, o_sum, o_tl, o_sez,  # [N] fp32 merged stats, out
+    N, S,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Fold S splits into one shard's stats (for the TP layer's cross-rank merge)."""
+    o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_n = o_n < N
+    b_max, b_sum, b_tl, b_sez = _fold_splits(p_max, p_sum, p_tl, p_sez, o_n, m_n, N, S, WITH_ENTROPY)
     tl.store(o_max + o_n, b_max, mask=m_n)
     tl.store(o_sum + o_n, b_sum, mask=m_n)
     tl.store(o_tl + o_n, b_tl, mask=m_n)
     if WITH_ENTROPY:
         tl.store(o_sez + o_n, b_sez, mask=m_n)
+
+
+@triton.jit
+def _finalize_single_kernel(
+    p_max, p_sum, p_tl, p_sez,  # [S, N] fp32 per-split stats, in
+    p_tgt,  # [N] target ids, in (owned iff 0 <= id < V)
+    o_out,  # [4 or 6, N] fp32, out: logp, lse, row max M, log S, and with entropy E_p[z] - M, entropy
+    N, V, S,
+    WITH_ENTROPY: tl.constexpr, ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One shard is the whole vocab: fold the splits and finish the per-token outputs in the same pass.
+
+    ``logp = (t - M) - log S`` (NaN where no vocab id is the target), ``lse = M + log S``,
+    ``E_p[z] - M = q / S``, ``entropy = log S - (E_p[z] - M)``: the same fp32 formulas as the TP layer's merge.
+    """
+    o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_n = o_n < N
+    b_max, b_sum, b_tl, b_sez = _fold_splits(p_max, p_sum, p_tl, p_sez, o_n, m_n, N, S, WITH_ENTROPY)
+    if ACCURATE_LOG:
+        b_lsum = libdevice.log(b_sum)
+    else:
+        b_lsum = tl.log(b_sum)
+    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
+    owned = (b_tgt >= 0) & (b_tgt < V)
+    b_logp = tl.where(owned, (b_tl - b_max) - b_lsum, float("nan"))
+    tl.store(o_out + o_n, b_logp, mask=m_n)
+    tl.store(o_out + N + o_n, b_max + b_lsum, mask=m_n)
+    tl.store(o_out + 2 * N + o_n, b_max, mask=m_n)
+    tl.store(o_out + 3 * N + o_n, b_lsum, mask=m_n)
+    if WITH_ENTROPY:
+        b_mrel = b_sez / b_sum
+        tl.store(o_out + 4 * N + o_n, b_mrel, mask=m_n)
+        tl.store(o_out + 5 * N + o_n, b_lsum - b_mrel, mask=m_n)

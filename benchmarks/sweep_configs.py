@@ -1,0 +1,74 @@
+"""Time sm90 tile-config variants at one shape: forward and forward+backward in GEMM-times, in one process.
+
+Each variant is the sm90 default (``configs.SM90``) with some fields replaced; forward and backward tiles are
+reported separately so the best of each can be combined. Every variant's logp is compared with the default's
+(max abs difference) so a broken variant cannot win. Variants that fail to compile are reported and skipped.
+
+    python benchmarks/sweep_configs.py [--shape 4096x2048x131072] [--variants base,w4_128x128,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+os.environ.setdefault("TPLOGP_CHECKS", "fast")
+
+import runner  # noqa: E402
+from tplogp.kernels import configs  # noqa: E402
+
+_TILES_128x128_W4 = dict(block_n=128, block_v=128, block_d=64, num_warps=4, num_stages=3, split_tiles=8,
+                         bwd_block_n=128, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=4, bwd_num_stages=3)
+VARIANTS = {
+    "base": {},
+    # one consumer warpgroup per CTA, two CTAs per SM: one CTA's softmax epilogue overlaps the other's MMAs
+    "w4_128x128": _TILES_128x128_W4,
+    "w4_128x128_s4": dict(_TILES_128x128_W4, num_stages=4, bwd_num_stages=4),
+    "w4_128x128_nows": dict(_TILES_128x128_W4, warp_specialize=False),
+    "w4_64x256": dict(block_n=64, block_v=256, block_d=64, num_warps=4, num_stages=3, split_tiles=4,
+                      bwd_block_n=64, bwd_block_v=256, bwd_block_d=64, bwd_num_warps=4, bwd_num_stages=3),
+}
+
+
+def main() -> int:
+    from tplogp.backends.sm90_backend import SM90Backend
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="4096x2048x131072")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    T, D, V = (int(x) for x in args.shape.split("x"))
+    h, w, y, gy, ge, _ = runner.bf16_problem(T, D, V)
+    gemm_ms = runner.median_ms(lambda: h @ w.T)
+    print(f"# {args.shape} bf16, GEMM {gemm_ms:.3f} ms")
+    ref = None
+    for name in args.variants.split(","):
+        cfg = replace(configs.SM90, **VARIANTS[name])
+        be = SM90Backend(cfg)
+        try:
+            with torch.no_grad():
+                logp = linear_logp_tp(be, h, w, y, options=LogpOptions())
+            torch.cuda.synchronize()
+        except Exception as exc:  # a config that does not compile or does not fit
+            print(f"{name:>18}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        ref = logp if ref is None else ref
+        diff = (logp - ref).abs().max().item()
+        fwd, fwd_bwd = runner.tp_step_fns(be, h, w, y, LogpOptions(), gy, ge)
+        f_ms = runner.median_ms(fwd, reps=args.reps)
+        fb_ms = runner.median_ms(fwd_bwd, reps=args.reps)
+        print(f"{name:>18}: fwd {f_ms:7.3f} ms ({f_ms / gemm_ms:.3f})  fwd+bwd {fb_ms:7.3f} ms "
+              f"({fb_ms / gemm_ms:.3f})  bwd {fb_ms - f_ms:7.3f} ms  |logp - base| {diff:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
