@@ -2,9 +2,12 @@
 
 Each variant is the sm90 default (``configs.SM90``) with some fields replaced; forward and backward tiles are
 reported separately so the best of each can be combined. Every variant's logp is compared with the default's
-(max abs difference) so a broken variant cannot win. Variants that fail to compile are reported and skipped.
+(max abs difference) so a broken variant cannot win. Variants that fail to compile are reported and skipped; run
+one variant per process (``--variants NAME``) where a variant may fault the GPU (a CUDA fault ends the process's
+context, and every later variant would fail with it). ``--check`` compares logp with float64 instead of the
+first variant.
 
-    python benchmarks/sweep_configs.py [--shape 4096x2048x131072] [--variants base,w4_128x128,...]
+    python benchmarks/sweep_configs.py [--shape 4096x2048x131072] [--variants base,nows,...]
 """
 
 from __future__ import annotations
@@ -23,16 +26,20 @@ os.environ.setdefault("TPLOGP_CHECKS", "fast")
 import runner  # noqa: E402
 from tplogp.kernels import configs  # noqa: E402
 
-_TILES_128x128_W4 = dict(block_n=128, block_v=128, block_d=64, num_warps=4, num_stages=3, split_tiles=8,
-                         bwd_block_n=128, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=4, bwd_num_stages=3)
+_FWD_128x128_W4 = dict(block_n=128, block_v=128, block_d=64, num_warps=4, num_stages=3, split_tiles=8)
+_BWD_128x128_W4 = dict(bwd_block_n=128, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=4, bwd_num_stages=3)
 VARIANTS = {
     "base": {},
-    # one consumer warpgroup per CTA, two CTAs per SM: one CTA's softmax epilogue overlaps the other's MMAs
-    "w4_128x128": _TILES_128x128_W4,
-    "w4_128x128_s4": dict(_TILES_128x128_W4, num_stages=4, bwd_num_stages=4),
-    "w4_128x128_nows": dict(_TILES_128x128_W4, warp_specialize=False),
-    "w4_64x256": dict(block_n=64, block_v=256, block_d=64, num_warps=4, num_stages=3, split_tiles=4,
-                      bwd_block_n=64, bwd_block_v=256, bwd_block_d=64, bwd_num_warps=4, bwd_num_stages=3),
+    "nows": dict(warp_specialize=False),
+    # one consumer warpgroup per CTA, two CTAs per SM: one CTA's softmax epilogue can overlap the other's MMAs
+    "fwd_w4_128x128": _FWD_128x128_W4,
+    "fwd_w4_128x128_nows": dict(_FWD_128x128_W4, warp_specialize=False),
+    "bwd_w4_128x128": _BWD_128x128_W4,
+    "bwd_w4_128x128_nows": dict(_BWD_128x128_W4, warp_specialize=False),
+    "bwd_w8_128x128_s4": dict(bwd_block_n=128, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=8, bwd_num_stages=4),
+    "bwd_tma_store": dict(tma_store_dz=True),
+    "bwd_tma_store_nows": dict(tma_store_dz=True, warp_specialize=False),
+    "bwd_w8_256x128": dict(bwd_block_n=256, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=8, bwd_num_stages=3),
 }
 
 
@@ -44,12 +51,15 @@ def main() -> int:
     ap.add_argument("--shape", default="4096x2048x131072")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--check", action="store_true", help="error of logp against float64 (else vs the first variant)")
     args = ap.parse_args()
     T, D, V = (int(x) for x in args.shape.split("x"))
     h, w, y, gy, ge, _ = runner.bf16_problem(T, D, V)
     gemm_ms = runner.median_ms(lambda: h @ w.T)
     print(f"# {args.shape} bf16, GEMM {gemm_ms:.3f} ms")
     ref = None
+    if args.check:
+        ref = (h.double() @ w.double().T).log_softmax(-1).gather(1, y[:, None]).squeeze(1).float()
     for name in args.variants.split(","):
         cfg = replace(configs.SM90, **VARIANTS[name])
         be = SM90Backend(cfg)
@@ -66,7 +76,7 @@ def main() -> int:
         f_ms = runner.median_ms(fwd, reps=args.reps)
         fb_ms = runner.median_ms(fwd_bwd, reps=args.reps)
         print(f"{name:>18}: fwd {f_ms:7.3f} ms ({f_ms / gemm_ms:.3f})  fwd+bwd {fb_ms:7.3f} ms "
-              f"({fb_ms / gemm_ms:.3f})  bwd {fb_ms - f_ms:7.3f} ms  |logp - base| {diff:.1e}")
+              f"({fb_ms / gemm_ms:.3f})  bwd {fb_ms - f_ms:7.3f} ms  |logp - ref| {diff:.1e}")
     return 0
 
 

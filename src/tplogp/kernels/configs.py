@@ -52,6 +52,9 @@ class TileConfig:
     # and d_W GEMMs of chunk i run on a side CUDA stream while the fused d_logits kernel of chunk i+1 runs.
     # Measured on the H200 (run 2): no gain (ties or 2-3% slower), so off by default.
     bwd_overlap: bool = False
+    # sm90 source only: the backward writes each d_logits tile with one TMA bulk copy (descriptor store) instead of
+    # per-thread stores; used where the workspace rows are 16-byte aligned.
+    tma_store_dz: bool = False
 
 
 # Capability table: (major, minor) -> config. Measured choices are documented in docs/kernels.md.

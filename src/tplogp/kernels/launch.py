@@ -128,9 +128,9 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     n = hidden.shape[0]
     v = weight.shape[0]
     k = 6 if with_entropy else 4
-    out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
-    outs = out.unbind(0)
     if n == 0 or v == 0:
+        out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
+        outs = out.unbind(0)
         if n:  # an empty vocab: no probability mass anywhere
             out.fill_(float("nan"))
             out[1:4].fill_(float("-inf"))
@@ -142,6 +142,8 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
     (stats_launch or _launch_stats)(hidden, weight, bias, target, parts, num_splits, split_v,
                                     float(inv_temperature), with_entropy, cfg)
+    out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
+    outs = out.unbind(0)
     _finalize_single_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], target, out, n, v, num_splits,
         WITH_ENTROPY=with_entropy, ACCURATE_LOG=not configs.interpreting(), BLOCK=_MERGE_BLOCK, num_warps=4,

@@ -94,6 +94,8 @@ def _bwd_dlogits_tma_kernel(
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
 
     LEAN: tl.constexpr = False, EVEN_NV: tl.constexpr = False,
+    d_dz=None,  # descriptor over the workspace [N, v_hi - v_lo], block [BLOCK_N, BLOCK_V] (only DZ_DESC)
+    DZ_DESC: tl.constexpr = False,  # store the d_logits tile with one TMA bulk copy (TileConfig.tma_store_dz)
 ):
     i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,9 +105,16 @@ def _bwd_dlogits_tma_kernel(
     m_v = o_v < v_hi
     acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
                            DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-    _dlogits_epilogue(acc, i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
-                      p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
-                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN, EVEN_NV)
+    if DZ_DESC:  # one bulk copy per tile; rows >= N and columns past the chunk are clipped by the copy engine
+        b_dz = _dlogits_epilogue(acc, i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
+                                 p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz,
+                                 stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN,
+                                 EVEN_NV, STORE_DZ=False)
+        d_dz.store([i_n * BLOCK_N, i_v * BLOCK_V], b_dz.to(p_dz.dtype.element_ty))
+    else:
+        _dlogits_epilogue(acc, i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
+                          p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
+                          inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN, EVEN_NV)
 
 
 # Launched through DirectKernel (no trip through Triton's JIT front end after the first call per specialization).
@@ -182,6 +191,11 @@ def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, 
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d)
     grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    dz_desc = {}
+    if cfg.tma_store_dz and dz.data_ptr() % 16 == 0 and (dz.stride(0) * dz.element_size()) % 16 == 0:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        dz_desc = dict(d_dz=TensorDescriptor.from_tensor(dz, [cfg.bwd_block_n, cfg.bwd_block_v]), DZ_DESC=True)
     _bwd_dlogits_tma[grid](
         d_h, d_w, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi, dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
@@ -189,5 +203,5 @@ def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, 
         BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=precision, WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.bwd_num_stages,
         num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
-        **_lean_bwd_flags(cfg, n, v_hi - v_lo),
+        **_lean_bwd_flags(cfg, n, v_hi - v_lo), **dz_desc,
     )

@@ -1,0 +1,142 @@
+"""Small-shape forward latency, A/B in one process: where the host time before the first kernel goes, and what
+direct kernel launches (``TPLOGP_DIRECT_LAUNCH``) change.
+
+At 4096x2048x8192 a forward's GPU work (~0.23 ms) is about one GEMM, so a per-call timing (CUDA events around one
+call on an idle GPU, as bench_linear_logp.py does) is GPU time plus the host time until the first kernel is
+enqueued. This script measures, for the sm90 source through the public TP path:
+
+* host timeline per call (median of ``--calls``, microseconds from op entry): backend ``forward_single`` entered,
+  stats-kernel launch entered / returned, op returned;
+* CUDA-event time per call, direct launches on and off interleaved (ABAB rounds, medians), beside one cuBLAS GEMM
+  and torch eager measured in the same rounds, and the forward replayed from a CUDA graph (GPU time alone);
+* the same for forward+backward.
+
+    python benchmarks/latency_ab.py [--shape 4096x2048x8192] [--rounds 5] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+os.environ.setdefault("TPLOGP_CHECKS", "fast")
+
+import runner  # noqa: E402
+
+
+def timeline(be, h, w, y, calls: int) -> dict:
+    """Host microseconds from op entry to each mark, median over calls (the kernels really launch)."""
+    from tplogp.kernels import sm90
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    marks: dict = {}
+    orig_single = be.forward_single
+    orig_launch = sm90._fwd_stats_tma.launch
+
+    def single(*a, **k):
+        marks["forward_single entered"] = time.perf_counter()
+        return orig_single(*a, **k)
+
+    def launch(*a, **k):
+        marks["stats launch entered"] = time.perf_counter()
+        orig_launch(*a, **k)
+        marks["stats launch returned"] = time.perf_counter()
+
+    be.forward_single = single
+    sm90._fwd_stats_tma.launch = launch
+    rows: dict = {}
+    try:
+        with torch.no_grad():
+            for i in range(calls + 5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                linear_logp_tp(be, h, w, y, options=LogpOptions())
+                marks["op returned"] = time.perf_counter()
+                if i >= 5:
+                    for k, t in marks.items():
+                        rows.setdefault(k, []).append((t - t0) * 1e6)
+    finally:
+        del be.forward_single
+        sm90._fwd_stats_tma.launch = orig_launch
+    return {k: round(statistics.median(v), 1) for k, v in rows.items()}
+
+
+def graph_ms(fn, reps: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return runner.median_ms(g.replay, reps=reps)
+
+
+def main() -> int:
+    from tplogp.kernel_registry import get_backend
+    from tplogp.tp import LogpOptions
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="4096x2048x8192")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=200)
+    args = ap.parse_args()
+    T, D, V = (int(x) for x in args.shape.split("x"))
+    h, w, y, gy, ge, _ = runner.bf16_problem(T, D, V)
+    be = get_backend("sm90")
+    fwd, fwd_bwd = runner.tp_step_fns(be, h, w, y, LogpOptions(), gy, ge)
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def eager_fwd():
+        with torch.no_grad():
+            return (h @ w.T).float().log_softmax(-1).gather(1, y[:, None])
+
+    def eager_fwd_bwd():
+        out = (hg @ wg.T).float().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+        out.backward(gy)
+        hg.grad = wg.grad = None
+
+    print(f"# {args.shape} bf16 sm90, {runner.machine_info()}")
+    for direct in ("1", "0"):
+        os.environ["TPLOGP_DIRECT_LAUNCH"] = direct
+        fwd()
+        print(f"host timeline, TPLOGP_DIRECT_LAUNCH={direct} (us from op entry):", timeline(be, h, w, y, args.calls))
+    samples: dict = {}
+    cases = {
+        "gemm": lambda: h @ w.T,
+        "eager fwd": eager_fwd,
+        "sm90 fwd direct": ("1", fwd),
+        "sm90 fwd jit": ("0", fwd),
+        "eager fwd+bwd": eager_fwd_bwd,
+        "sm90 fwd+bwd direct": ("1", fwd_bwd),
+        "sm90 fwd+bwd jit": ("0", fwd_bwd),
+    }
+    for _ in range(args.rounds):
+        for name, case in cases.items():
+            if isinstance(case, tuple):
+                os.environ["TPLOGP_DIRECT_LAUNCH"], fn = case
+            else:
+                fn = case
+            samples.setdefault(name, []).append(runner.median_ms(fn, reps=args.reps))
+    os.environ["TPLOGP_DIRECT_LAUNCH"] = "1"
+    gemm = statistics.median(samples["gemm"])
+    for name, v in samples.items():
+        m = statistics.median(v)
+        print(f"{name:>22}: {m:.4f} ms  ({m / gemm:.2f} GEMM-times)  rounds {[round(x, 4) for x in v]}")
+    g_fwd = graph_ms(fwd, args.reps)
+    print(f"{'sm90 fwd graph replay':>22}: {g_fwd:.4f} ms  ({g_fwd / gemm:.2f} GEMM-times, GPU time alone)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
