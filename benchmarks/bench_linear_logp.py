@@ -2,7 +2,9 @@
 
 Per shape (T x D x V, bf16, one GPU, per-token random upstream gradient) and source, prints and saves:
 forward ms, forward+backward ms, both in GEMM-times (one cuBLAS ``[T,D] x [D,V]`` bf16 matmul timed in the same
-run), effective TFLOP/s, extra peak GiB, and relative errors of logp / d_hidden / d_W against float64.
+run: rounds of GEMM, forward, GEMM, forward+backward, each time divided by the GEMM just before it, median over
+rounds -- the H200's clocks drift by up to ~8% between processes, which a single GEMM sample would carry into
+every ratio), effective TFLOP/s, extra peak GiB, and relative errors of logp / d_hidden / d_W against float64.
 
 FLOP accounting (one GEMM = 2*T*D*V): forward = 1 GEMM, forward+backward = 4 GEMMs (forward, recompute, d_hidden,
 d_W: the floor for a per-token op with O(T) saved state). "Effective TFLOP/s" divides those counts by the time, so
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from typing import Callable, Optional
 
@@ -118,10 +121,14 @@ def float64_truth(h, w, y, gy, ge, return_entropy: bool, ignore_index):
 
 
 def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps=10, check=True,
-                extra_sources: Optional[dict] = None) -> list[dict]:
+                extra_sources: Optional[dict] = None, rounds: int = 3) -> list[dict]:
     h, w, y, gy, ge, ignore_index = inputs(T, D, V, ignore_frac=ignore_frac)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-    gemm_ms = runner.median_ms(lambda: h @ w.T, reps=reps)
+
+    def gemm():
+        return h @ w.T
+
+    gemm_ms = runner.median_ms(gemm, reps=reps)
     truth = float64_truth(h, w, y, gy, ge, return_entropy, ignore_index) if check else None
     torch.cuda.empty_cache()
     rows = [dict(source="cublas_gemm", T=T, D=D, V=V, fwd_ms=round(gemm_ms, 3))]
@@ -160,12 +167,23 @@ def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps
                 row["err_d_weight"] = runner.rel_err(wg.grad, truth["dw"])
                 hg.grad = wg.grad = None
                 del out
-            with torch.no_grad():
-                f_ms = runner.median_ms(fwd, reps=reps)
-            fb_ms = runner.median_ms(fwd_bwd, reps=reps)
+            # Rounds of (GEMM, forward, GEMM, forward+backward): each time is divided by the GEMM measured just
+            # before it, so GPU clock drift between (and within) runs cancels out of the GEMM-times.
+            f_s, fb_s, f_r, fb_r, g_s = [], [], [], [], []
+            for _ in range(rounds):
+                g1 = runner.median_ms(gemm, reps=reps)
+                with torch.no_grad():
+                    f_s.append(runner.median_ms(fwd, reps=reps))
+                g2 = runner.median_ms(gemm, reps=reps)
+                fb_s.append(runner.median_ms(fwd_bwd, reps=reps))
+                g_s += [g1, g2]
+                f_r.append(f_s[-1] / g1)
+                fb_r.append(fb_s[-1] / g2)
+            f_ms, fb_ms, g_ms = statistics.median(f_s), statistics.median(fb_s), statistics.median(g_s)
             peak = runner.extra_peak_gib(fwd_bwd)
-            row.update(fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3), gemm_ms=round(gemm_ms, 3),
-                       fwd_gemms=round(f_ms / gemm_ms, 3), fwd_bwd_gemms=round(fb_ms / gemm_ms, 3),
+            row.update(fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3), gemm_ms=round(g_ms, 3),
+                       gemm_samples_ms=[round(x, 4) for x in g_s],
+                       fwd_gemms=round(statistics.median(f_r), 3), fwd_bwd_gemms=round(statistics.median(fb_r), 3),
                        fwd_tflops=round(one_gemm_flop / f_ms / 1e9, 1),
                        fwd_bwd_tflops=round(4 * one_gemm_flop / fb_ms / 1e9, 1),
                        extra_peak_gib=round(peak, 3))
@@ -229,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--entropy", action="store_true", help="also return (and differentiate) the entropy")
     ap.add_argument("--ignore-frac", type=float, default=0.0, help="fraction of targets set to ignore_index")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of (GEMM, fwd, GEMM, fwd+bwd); GEMM-times are medians of per-round ratios")
     ap.add_argument("--no-check", action="store_true", help="skip the float64 error columns")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "results"), "bench_linear_logp.json"))
     ap.add_argument("--plot", default=None, help="PNG path (default: beside --out)")
@@ -240,7 +260,7 @@ def main(argv=None) -> int:
     rows = []
     for T, D, V in shapes:
         rows += bench_shape(T, D, V, sources, return_entropy=args.entropy, ignore_frac=args.ignore_frac,
-                            reps=args.reps, check=not args.no_check)
+                            reps=args.reps, check=not args.no_check, rounds=args.rounds)
     runner.write_json(args.out, dict(machine=info, rows=rows))
     plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
     return 0

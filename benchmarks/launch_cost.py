@@ -1,0 +1,118 @@
+"""Host cost of the pieces of one small-shape forward, each timed alone (median of many calls, microseconds).
+
+Complements latency_ab.py's timeline: which of the steps before and inside a Triton launch is slow on this host
+(torch allocations and views, input checks, tensor descriptors, Triton's launcher with and without descriptor
+arguments, a plain torch kernel launch for comparison, Triton's launch hooks).
+
+    python benchmarks/launch_cost.py [--shape 4096x2048x8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+os.environ.setdefault("TPLOGP_CHECKS", "fast")
+
+import runner  # noqa: E402
+
+
+def cost_us(fn, n: int = 300, sync_every: int = 20) -> float:
+    ts = []
+    for i in range(n):
+        if i % sync_every == 0:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return round(statistics.median(ts) * 1e6, 1)
+
+
+def main() -> int:
+    from triton import knobs
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tplogp.kernel_registry import get_backend
+    from tplogp.kernels import fastlaunch, launch, sm90
+    from tplogp.tp import LogpOptions, linear_logp_tp
+    from tplogp.validation import local_problem
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="4096x2048x8192")
+    args = ap.parse_args()
+    T, D, V = (int(x) for x in args.shape.split("x"))
+    h, w, y, gy, ge, _ = runner.bf16_problem(T, D, V)
+    be = get_backend("sm90")
+    opts = LogpOptions()
+    with torch.no_grad():
+        for _ in range(3):
+            linear_logp_tp(be, h, w, y, options=opts)
+    torch.cuda.synchronize()
+    print(f"# {args.shape} sm90; launch_enter_hook={knobs.runtime.launch_enter_hook!r} "
+          f"launch_exit_hook={knobs.runtime.launch_exit_hook!r}")
+    (stats_key, stats_bin), = list(sm90._fwd_stats_tma._binaries.items())[:1]
+    (fin_key, fin_bin), = list(launch._finalize_single_kernel._binaries.items())[:1]
+    runner_obj = getattr(stats_bin, "_run", None)
+    print(f"# stats binary: global_scratch={getattr(runner_obj, 'global_scratch_size', None)} "
+          f"profile_scratch={getattr(runner_obj, 'profile_scratch_size', None)} "
+          f"launch wrapper={getattr(getattr(runner_obj, 'launch', None), '__name__', None)}")
+    cfg = be._cfg(h.device)
+    parts = torch.empty((3, 8, T), device="cuda").unbind(0)
+    out = torch.empty((4, T), device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    d_h = TensorDescriptor.from_tensor(h, [cfg.block_n, cfg.block_d])
+    d_w = TensorDescriptor.from_tensor(w, [cfg.block_v, cfg.block_d])
+    stats_args = (d_h, d_w, h, y, parts[0], parts[1], parts[2], parts[0], T, V, D, 1.0, 8)
+    stats_kw = dict(SPLIT_V=cfg.split_tiles * cfg.block_v, HAS_BIAS=False, WITH_ENTROPY=False,
+                    BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
+                    DOT_PRECISION=None, WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = ((T // cfg.block_n) * 8,)
+    values = list(stats_args) + [stats_kw[p[0]] if p[0] in stats_kw else p[1]
+                                 for p in sm90._fwd_stats_tma._params[len(stats_args):]]
+    fin_values = [parts[0], parts[1], parts[2], parts[0], y, out, T, V, 8, False, True, 256]
+    small = torch.zeros(16, device="cuda")
+    rows = {
+        "torch.empty [3,S,N]": lambda: torch.empty((3, 8, T), device="cuda"),
+        "unbind(0) of [3,S,N]": lambda: out.unbind(0),
+        "torch small add_ (one torch kernel launch)": lambda: small.add_(1.0),
+        "local_problem": lambda: local_problem(h, w, y, None, 0, None, None, 1.0),
+        "launch.check_inputs": lambda: launch.check_inputs(h, w, None, y),
+        "TensorDescriptor.from_tensor x2": lambda: (TensorDescriptor.from_tensor(h, [128, 64]),
+                                                    TensorDescriptor.from_tensor(w, [256, 64])),
+        "DirectKernel key+lookup (stats)": lambda: sm90._fwd_stats_tma._binaries.get(stats_key),
+        "stats binary.run (descriptors encoded + launch)": lambda: stats_bin.run(
+            grid[0], 1, 1, stream, stats_bin.function, stats_bin.packed_metadata, None, None, None, *values),
+        "finalize binary.run (no descriptors)": lambda: fin_bin.run(
+            T // 256, 1, 1, stream, fin_bin.function, fin_bin.packed_metadata, None, None, None, *fin_values),
+        "DirectKernel stats launch (all)": lambda: sm90._fwd_stats_tma[grid](*stats_args, **stats_kw),
+        "jit stats launch (Triton front end)": lambda: sm90._fwd_stats_tma_kernel[grid](*stats_args, **stats_kw),
+        "backend.forward_single": lambda: be.forward_single(h, w, None, y, be_call),
+        "linear_logp_tp no_grad": lambda: linear_logp_tp(be, h, w, y, options=opts),
+    }
+    from tplogp.backends.base import ShardCall
+
+    be_call = ShardCall()
+    keyfn_cost = []
+    dk = sm90._fwd_stats_tma
+    for _ in range(300):
+        t0 = time.perf_counter()
+        [fastlaunch._arg_key(v, c) for v, (_, _, c) in zip(values, dk._params)]
+        keyfn_cost.append(time.perf_counter() - t0)
+    print(f"{'DirectKernel per-arg key build':>48}: {statistics.median(keyfn_cost) * 1e6:7.1f} us")
+    with torch.no_grad():
+        for name, fn in rows.items():
+            print(f"{name:>48}: {cost_us(fn):7.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
