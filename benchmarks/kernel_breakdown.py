@@ -23,7 +23,19 @@ os.environ.setdefault("TPLOGP_CHECKS", "fast")
 import runner  # noqa: E402
 
 
-def breakdown(source: str, T: int, D: int, V: int, reps: int) -> None:
+def trace(fwd_bwd, path: str, steps: int = 2) -> None:
+    """Chrome trace (CPU ops and CUDA kernels on one timeline) of ``steps`` fwd+bwd steps: where the GPU waits."""
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, with_stack=False) as prof:
+        for _ in range(steps):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    print(f"# trace written to {path}")
+
+
+def breakdown(source: str, T: int, D: int, V: int, reps: int, trace_path: str = "") -> None:
     from tplogp.kernel_registry import get_backend
     from tplogp.tp import LogpOptions
 
@@ -44,8 +56,13 @@ def breakdown(source: str, T: int, D: int, V: int, reps: int) -> None:
             rec[0] += 1
             rec[1] += ev.device_time_total / 1e3  # us -> ms
     total = sum(r[1] for r in per_kernel.values()) / reps
-    print(f"\n## {source} {T}x{D}x{V} bf16: GPU {total:.3f} ms per fwd+bwd = {total / gemm_ms:.2f} GEMM-times "
-          f"(GEMM {gemm_ms:.3f} ms)")
+    wall_ms = runner.median_ms(fwd_bwd, reps=10)
+    gemm_after = runner.median_ms(lambda: h @ w.T)
+    print(f"\n## {source} {T}x{D}x{V} bf16: kernels {total:.3f} ms per fwd+bwd = {total / gemm_ms:.2f} GEMM-times "
+          f"(GEMM {gemm_ms:.3f} ms before, {gemm_after:.3f} after); wall (CUDA events, same process) {wall_ms:.3f} ms "
+          f"= {wall_ms / gemm_after:.2f} GEMM-times: {wall_ms - total:.3f} ms outside kernels")
+    if trace_path:
+        trace(fwd_bwd, trace_path)
     print(f"{'calls':>6} {'ms/step':>9} {'share':>6} {'GEMMs':>6}  kernel")
     for name, (calls, ms) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1]):
         ms /= reps
@@ -57,11 +74,13 @@ def main() -> int:
     ap.add_argument("--shapes", default="4096x2048x131072")
     ap.add_argument("--sources", default="sm90")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--trace", default="", help="also write a Chrome trace of 2 steps of the first shape/source here")
     args = ap.parse_args()
     for shape in args.shapes.split(","):
         T, D, V = (int(x) for x in shape.split("x"))
         for source in args.sources.split(","):
-            breakdown(source, T, D, V, args.reps)
+            breakdown(source, T, D, V, args.reps, args.trace)
+            args.trace = ""
     return 0
 
 

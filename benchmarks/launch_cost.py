@@ -10,6 +10,7 @@ arguments, a plain torch kernel launch for comparison, Triton's launch hooks).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -41,7 +42,7 @@ def main() -> int:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from tplogp.kernel_registry import get_backend
-    from tplogp.kernels import fastlaunch, launch, sm90
+    from tplogp.kernels import launch, sm90
     from tplogp.tp import LogpOptions, linear_logp_tp
     from tplogp.validation import local_problem
 
@@ -58,12 +59,6 @@ def main() -> int:
     torch.cuda.synchronize()
     print(f"# {args.shape} sm90; launch_enter_hook={knobs.runtime.launch_enter_hook!r} "
           f"launch_exit_hook={knobs.runtime.launch_exit_hook!r}")
-    (stats_key, stats_bin), = list(sm90._fwd_stats_tma._binaries.items())[:1]
-    (fin_key, fin_bin), = list(launch._finalize_single_kernel._binaries.items())[:1]
-    runner_obj = getattr(stats_bin, "_run", None)
-    print(f"# stats binary: global_scratch={getattr(runner_obj, 'global_scratch_size', None)} "
-          f"profile_scratch={getattr(runner_obj, 'profile_scratch_size', None)} "
-          f"launch wrapper={getattr(getattr(runner_obj, 'launch', None), '__name__', None)}")
     cfg = be._cfg(h.device)
     parts = torch.empty((3, 8, T), device="cuda").unbind(0)
     out = torch.empty((4, T), device="cuda")
@@ -76,9 +71,16 @@ def main() -> int:
                     DOT_PRECISION=None, WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = ((T // cfg.block_n) * 8,)
-    values = list(stats_args) + [stats_kw[p[0]] if p[0] in stats_kw else p[1]
-                                 for p in sm90._fwd_stats_tma._params[len(stats_args):]]
+    stats_bin = sm90._fwd_stats_tma_kernel[grid](*stats_args, **stats_kw)  # the JIT returns the compiled kernel
+    params = list(inspect.signature(sm90._fwd_stats_tma_kernel.fn).parameters.values())
+    values = list(stats_args) + [stats_kw.get(p.name, p.default) for p in params[len(stats_args):]]
     fin_values = [parts[0], parts[1], parts[2], parts[0], y, out, T, V, 8, False, True, 256]
+    fin_bin = launch._finalize_single_kernel[(T // 256,)](*fin_values[:9], WITH_ENTROPY=False, ACCURATE_LOG=True,
+                                                           BLOCK=256, num_warps=4)
+    runner_obj = getattr(stats_bin, "_run", None)
+    print(f"# stats binary: global_scratch={getattr(runner_obj, 'global_scratch_size', None)} "
+          f"profile_scratch={getattr(runner_obj, 'profile_scratch_size', None)} "
+          f"launch wrapper={getattr(getattr(runner_obj, 'launch', None), '__name__', None)}")
     small = torch.zeros(16, device="cuda")
     rows = {
         "torch.empty [3,S,N]": lambda: torch.empty((3, 8, T), device="cuda"),
@@ -88,26 +90,17 @@ def main() -> int:
         "launch.check_inputs": lambda: launch.check_inputs(h, w, None, y),
         "TensorDescriptor.from_tensor x2": lambda: (TensorDescriptor.from_tensor(h, [128, 64]),
                                                     TensorDescriptor.from_tensor(w, [256, 64])),
-        "DirectKernel key+lookup (stats)": lambda: sm90._fwd_stats_tma._binaries.get(stats_key),
         "stats binary.run (descriptors encoded + launch)": lambda: stats_bin.run(
             grid[0], 1, 1, stream, stats_bin.function, stats_bin.packed_metadata, None, None, None, *values),
         "finalize binary.run (no descriptors)": lambda: fin_bin.run(
             T // 256, 1, 1, stream, fin_bin.function, fin_bin.packed_metadata, None, None, None, *fin_values),
-        "DirectKernel stats launch (all)": lambda: sm90._fwd_stats_tma[grid](*stats_args, **stats_kw),
-        "jit stats launch (Triton front end)": lambda: sm90._fwd_stats_tma_kernel[grid](*stats_args, **stats_kw),
+        "jit stats launch (Triton front end + launcher)": lambda: sm90._fwd_stats_tma_kernel[grid](*stats_args, **stats_kw),
         "backend.forward_single": lambda: be.forward_single(h, w, None, y, be_call),
         "linear_logp_tp no_grad": lambda: linear_logp_tp(be, h, w, y, options=opts),
     }
     from tplogp.backends.base import ShardCall
 
     be_call = ShardCall()
-    keyfn_cost = []
-    dk = sm90._fwd_stats_tma
-    for _ in range(300):
-        t0 = time.perf_counter()
-        [fastlaunch._arg_key(v, c) for v, (_, _, c) in zip(values, dk._params)]
-        keyfn_cost.append(time.perf_counter() - t0)
-    print(f"{'DirectKernel per-arg key build':>48}: {statistics.median(keyfn_cost) * 1e6:7.1f} us")
     with torch.no_grad():
         for name, fn in rows.items():
             print(f"{name:>48}: {cost_us(fn):7.1f} us")

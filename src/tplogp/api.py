@@ -14,21 +14,24 @@ from .tp import LogpOptions, LogpOutputs, linear_logp_tp
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
 
 
-def _run(source: Optional[str], hidden, weight, target_ids, bias=None, *, tp_group=None, vocab_start_index: int = 0,
-         global_vocab_size: Optional[int] = None, **options) -> Union[torch.Tensor, LogpOutputs]:
-    """Resolve the backend for this call's device, then run the shared TP path. ``options``: LogpOptions fields."""
-    from .kernel_registry import backend_for_call
-
-    unknown = set(options) - _OPTION_NAMES
+def _options(kwargs: dict) -> LogpOptions:
+    unknown = set(kwargs) - _OPTION_NAMES
     if unknown:
         raise TypeError(f"linear_logp got unexpected keyword argument(s) {sorted(unknown)}; options are "
                         f"tp_group, vocab_start_index, global_vocab_size, {', '.join(sorted(_OPTION_NAMES))}")
+    return LogpOptions(**kwargs)
+
+
+def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+         global_vocab_size: Optional[int], options: LogpOptions) -> Union[torch.Tensor, LogpOutputs]:
+    """Resolve the backend for this call's device, then run the shared TP path."""
+    from .kernel_registry import backend_for_call
+
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    backend = backend_for_call(source, device)
     return linear_logp_tp(
-        backend, hidden, weight, target_ids, bias,
+        backend_for_call(source, device), hidden, weight, target_ids, bias,
         tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-        options=LogpOptions(**options),
+        options=options,
     )
 
 
@@ -74,12 +77,9 @@ def linear_logp(
         float32 logp with target_ids' shape, or :class:`~tplogp.tp.LogpOutputs` ``(logp, entropy, lse)`` when
         ``return_entropy`` or ``return_lse`` is set (the unrequested field is None).
     """
-    return _run(
-        None, hidden, weight, target_ids, bias,
-        tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-        temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
-        ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-    )
+    return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
+                            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes))
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,8 +89,10 @@ def make_linear_logp(source: Optional[str]) -> Callable[..., Union[torch.Tensor,
         return linear_logp
 
     @functools.wraps(linear_logp)
-    def op(hidden, weight, target_ids, bias=None, **kwargs):
-        return _run(source, hidden, weight, target_ids, bias, **kwargs)
+    def op(hidden, weight, target_ids, bias=None, *, tp_group=None, vocab_start_index: int = 0,
+           global_vocab_size: Optional[int] = None, **options):
+        return _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                    _options(options))
 
     op.__name__ = f"linear_logp_{source}"
     op.source = source  # type: ignore[attr-defined]

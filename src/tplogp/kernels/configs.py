@@ -102,6 +102,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of Python ints (``triton.cdiv`` is a constexpr function: microseconds per host call)."""
+    return -(-a // b)
+
+
 def capability(device: torch.device) -> Optional[tuple[int, int]]:
     if device.type != "cuda":
         return None

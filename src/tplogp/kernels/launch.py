@@ -10,18 +10,11 @@ import os
 from typing import Callable, Optional
 
 import torch
-import triton
 
-from . import configs, triton_backward, triton_forward
-from .configs import TileConfig
-from .fastlaunch import DirectKernel
-
-# Launched through DirectKernel: after the first call per specialization, no trip through Triton's JIT front end.
-_fwd_stats_kernel = DirectKernel(triton_forward._fwd_stats_kernel)
-_merge_splits_kernel = DirectKernel(triton_forward._merge_splits_kernel)
-_finalize_single_kernel = DirectKernel(triton_forward._finalize_single_kernel)
-_bwd_dlogits_kernel = DirectKernel(triton_backward._bwd_dlogits_kernel)
-_dh_accum_kernel = DirectKernel(triton_backward._dh_accum_kernel)
+from . import configs
+from .configs import TileConfig, cdiv
+from .triton_backward import _bwd_dlogits_kernel, _dh_accum_kernel
+from .triton_forward import _finalize_single_kernel, _fwd_stats_kernel, _merge_splits_kernel
 
 _MIB = 1 << 20
 # Default d_logits workspace budget (bytes): large enough for full-efficiency GEMMs at N = 8192
@@ -65,12 +58,15 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise KernelInputError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
 
 
+_INTERPRETING = configs.interpreting()  # fixed when the kernels are defined (TRITON_INTERPRET is read at import)
+
+
 def _dot_precision(dtype: torch.dtype) -> Optional[str]:
     # fp32 inputs: full fp32 products (what torch does by default), not tf32. 16-bit inputs: Triton's default
     # (the precision argument does not apply to them, and the interpreter mishandles "tf32" on 16-bit operands).
     if dtype == torch.float32:
         return "ieee"
-    return "upcast" if configs.interpreting() else None
+    return "upcast" if _INTERPRETING else None
 
 
 def _even(d: int, block: int) -> bool:
@@ -102,12 +98,12 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     if not local_target.is_contiguous():
         local_target = local_target.contiguous()
     split_v = cfg.split_tiles * cfg.block_v
-    num_splits = triton.cdiv(v, split_v)
+    num_splits = cdiv(v, split_v)
     parts = torch.empty((k, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
     outs = out.unbind(0)
     (stats_launch or _launch_stats)(hidden, weight, bias, local_target, parts, num_splits, split_v,
                                     float(inv_temperature), with_entropy, cfg)
-    _merge_splits_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+    _merge_splits_kernel[(cdiv(n, _MERGE_BLOCK),)](
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], outs[0], outs[1], outs[2],
         outs[3] if with_entropy else outs[0], n, num_splits,
         WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
@@ -138,15 +134,15 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if not target.is_contiguous():
         target = target.contiguous()
     split_v = cfg.split_tiles * cfg.block_v
-    num_splits = triton.cdiv(v, split_v)
+    num_splits = cdiv(v, split_v)
     parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
     (stats_launch or _launch_stats)(hidden, weight, bias, target, parts, num_splits, split_v,
                                     float(inv_temperature), with_entropy, cfg)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
     outs = out.unbind(0)
-    _finalize_single_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+    _finalize_single_kernel[(cdiv(n, _MERGE_BLOCK),)](
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], target, out, n, v, num_splits,
-        WITH_ENTROPY=with_entropy, ACCURATE_LOG=not configs.interpreting(), BLOCK=_MERGE_BLOCK, num_warps=4,
+        WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK, num_warps=4,
     )
     return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
 
@@ -163,7 +159,7 @@ def _launch_stats(hidden, weight, bias, local_target, parts, num_splits: int, sp
                   with_entropy: bool, cfg: TileConfig) -> None:
     n, d = hidden.shape
     v = weight.shape[0]
-    grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
+    grid = (cdiv(n, cfg.block_n) * num_splits,)
     _fwd_stats_kernel[grid](
         hidden, weight, bias if bias is not None else hidden, local_target,
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
@@ -191,7 +187,7 @@ def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: Optional[int]) ->
     budget = workspace_budget(workspace_bytes)
     cols = budget // max(1, n * itemsize)
     cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
-    return min(cols, triton.cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)
+    return min(cols, cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)
 
 
 def _mm_f32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -270,7 +266,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         overlap = half < v
         if overlap:
             chunk = half
-    num_nb = triton.cdiv(n, cfg.bwd_block_n)
+    num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     d_weight = torch.empty_like(weight) if need_dw else None
     cast_dh = need_dh and chunk >= v and not deterministic and d_hidden_dtype not in (None, f32)
@@ -374,7 +370,7 @@ def _backward_overlapped(args, d_hidden, d_weight, dbp, n: int, v: int, chunk: i
 def _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                     inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
     n, d = hidden.shape
-    grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
     _bwd_dlogits_kernel[grid](
         hidden, weight, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi,
@@ -397,7 +393,7 @@ def _launch_dh(dz: torch.Tensor, w_chunk: torch.Tensor, d_hidden: torch.Tensor, 
                cfg: TileConfig, precision: Optional[str]) -> None:
     n, k = dz.shape
     d = w_chunk.shape[1]
-    grid = (triton.cdiv(n, cfg.dh_block_n) * triton.cdiv(d, cfg.dh_block_d),)
+    grid = (cdiv(n, cfg.dh_block_n) * cdiv(d, cfg.dh_block_d),)
     _dh_accum_kernel[grid](
         dz, w_chunk, d_hidden, n, k, d, dz.stride(0), w_chunk.stride(0), d_hidden.stride(0),
         ACCUMULATE=accumulate, BLOCK_N=cfg.dh_block_n, BLOCK_D=cfg.dh_block_d, BLOCK_K=cfg.dh_block_k,

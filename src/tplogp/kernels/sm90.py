@@ -17,9 +17,15 @@ import threading
 import triton
 import triton.language as tl
 
-from .fastlaunch import DirectKernel
+from .configs import cdiv
+from .launch import _dot_precision, _launch_dlogits, _launch_stats, _lean_bwd_flags, _lean_flags
 from .triton_backward import _dlogits_epilogue
 from .triton_forward import _grouped_ids, _mma, _online_softmax_update
+
+try:  # host-side tensor descriptors (Triton >= 3.3); the sm90 source reports itself unavailable without them
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - old Triton
+    TensorDescriptor = None
 
 
 @triton.jit
@@ -117,11 +123,6 @@ def _bwd_dlogits_tma_kernel(
                           inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN, EVEN_NV)
 
 
-# Launched through DirectKernel (no trip through Triton's JIT front end after the first call per specialization).
-_fwd_stats_tma = DirectKernel(_fwd_stats_tma_kernel)
-_bwd_dlogits_tma = DirectKernel(_bwd_dlogits_tma_kernel)
-
-
 def tma_ok(hidden, weight) -> bool:
     """Tensor descriptors need 16-byte aligned bases and row strides."""
     item = hidden.element_size()
@@ -150,8 +151,6 @@ def _ensure_context(device) -> None:
 
 
 def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     _ensure_context(hidden.device)
 
     return (TensorDescriptor.from_tensor(hidden, [block_n, block_d]),
@@ -160,15 +159,13 @@ def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
 
 def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int, split_v: int,
                      inv_temperature: float, with_entropy: bool, cfg, warp_specialize: bool = False) -> None:
-    from .launch import _dot_precision, _launch_stats, _lean_flags
-
     if not tma_ok(hidden, weight):
         return _launch_stats(hidden, weight, bias, local_target, parts, num_splits, split_v, inv_temperature,
                              with_entropy, cfg)
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
-    grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
-    _fwd_stats_tma[grid](
+    grid = (cdiv(n, cfg.block_n) * num_splits,)
+    _fwd_stats_tma_kernel[grid](
         d_h, d_w, bias if bias is not None else hidden, local_target,
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
         n, weight.shape[0], d, inv_temperature, num_splits,
@@ -183,20 +180,16 @@ def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int,
 def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                        inv_temperature, with_entropy, need_db, cfg, precision: str,
                        warp_specialize: bool = False) -> None:
-    from .launch import _launch_dlogits, _lean_bwd_flags
-
     if not tma_ok(hidden, weight):
         return _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                                inv_temperature, with_entropy, need_db, cfg, precision)
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d)
-    grid = (triton.cdiv(n, cfg.bwd_block_n) * triton.cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
     dz_desc = {}
     if cfg.tma_store_dz and dz.data_ptr() % 16 == 0 and (dz.stride(0) * dz.element_size()) % 16 == 0:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         dz_desc = dict(d_dz=TensorDescriptor.from_tensor(dz, [cfg.bwd_block_n, cfg.bwd_block_v]), DZ_DESC=True)
-    _bwd_dlogits_tma[grid](
+    _bwd_dlogits_tma_kernel[grid](
         d_h, d_w, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi, dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
         HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,

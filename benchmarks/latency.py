@@ -1,17 +1,16 @@
-"""Small-shape forward latency, A/B in one process: where the host time before the first kernel goes, and what
-direct kernel launches (``TPLOGP_DIRECT_LAUNCH``) change.
+"""Small-shape latency in one process: where the host time before the first kernel goes, and per-call times
+measured in interleaved rounds.
 
-At 4096x2048x8192 a forward's GPU work (~0.23 ms) is about one GEMM, so a per-call timing (CUDA events around one
+At 4096x2048x8192 a forward's GPU work (~0.21 ms) is about one GEMM, so a per-call timing (CUDA events around one
 call on an idle GPU, as bench_linear_logp.py does) is GPU time plus the host time until the first kernel is
 enqueued. This script measures, for the sm90 source through the public TP path:
 
 * host timeline per call (median of ``--calls``, microseconds from op entry): backend ``forward_single`` entered,
-  stats-kernel launch entered / returned, op returned;
-* CUDA-event time per call, direct launches on and off interleaved (ABAB rounds, medians), beside one cuBLAS GEMM
-  and torch eager measured in the same rounds, and the forward replayed from a CUDA graph (GPU time alone);
-* the same for forward+backward.
+  stats launcher entered (before its tensor descriptors) / returned, op returned;
+* CUDA-event time per call in ``--rounds`` interleaved rounds (medians) of one cuBLAS GEMM, torch eager and sm90,
+  forward and forward+backward, and the forward replayed from a CUDA graph (GPU time alone).
 
-    python benchmarks/latency_ab.py [--shape 4096x2048x8192] [--rounds 5] [--reps 20]
+    python benchmarks/latency.py [--shape 4096x2048x8192] [--rounds 15] [--reps 20]
 """
 
 from __future__ import annotations
@@ -33,24 +32,23 @@ import runner  # noqa: E402
 
 def timeline(be, h, w, y, calls: int) -> dict:
     """Host microseconds from op entry to each mark, median over calls (the kernels really launch)."""
-    from tplogp.kernels import sm90
     from tplogp.tp import LogpOptions, linear_logp_tp
 
     marks: dict = {}
     orig_single = be.forward_single
-    orig_launch = sm90._fwd_stats_tma.launch
+    orig_launch = be._stats_launch(h.device)
 
     def single(*a, **k):
         marks["forward_single entered"] = time.perf_counter()
         return orig_single(*a, **k)
 
     def launch(*a, **k):
-        marks["stats launch entered"] = time.perf_counter()
+        marks["stats launcher entered"] = time.perf_counter()
         orig_launch(*a, **k)
-        marks["stats launch returned"] = time.perf_counter()
+        marks["stats launcher returned"] = time.perf_counter()
 
     be.forward_single = single
-    sm90._fwd_stats_tma.launch = launch
+    be._stats_launch = lambda device: launch
     rows: dict = {}
     try:
         with torch.no_grad():
@@ -64,7 +62,7 @@ def timeline(be, h, w, y, calls: int) -> dict:
                         rows.setdefault(k, []).append((t - t0) * 1e6)
     finally:
         del be.forward_single
-        sm90._fwd_stats_tma.launch = orig_launch
+        del be._stats_launch
     return {k: round(statistics.median(v), 1) for k, v in rows.items()}
 
 
@@ -87,7 +85,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="4096x2048x8192")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
@@ -107,32 +105,23 @@ def main() -> int:
         hg.grad = wg.grad = None
 
     print(f"# {args.shape} bf16 sm90, {runner.machine_info()}")
-    for direct in ("1", "0"):
-        os.environ["TPLOGP_DIRECT_LAUNCH"] = direct
-        fwd()
-        print(f"host timeline, TPLOGP_DIRECT_LAUNCH={direct} (us from op entry):", timeline(be, h, w, y, args.calls))
+    fwd()
+    print("host timeline (us from op entry):", timeline(be, h, w, y, args.calls))
     samples: dict = {}
     cases = {
         "gemm": lambda: h @ w.T,
         "eager fwd": eager_fwd,
-        "sm90 fwd direct": ("1", fwd),
-        "sm90 fwd jit": ("0", fwd),
+        "sm90 fwd": fwd,
         "eager fwd+bwd": eager_fwd_bwd,
-        "sm90 fwd+bwd direct": ("1", fwd_bwd),
-        "sm90 fwd+bwd jit": ("0", fwd_bwd),
+        "sm90 fwd+bwd": fwd_bwd,
     }
     for _ in range(args.rounds):
-        for name, case in cases.items():
-            if isinstance(case, tuple):
-                os.environ["TPLOGP_DIRECT_LAUNCH"], fn = case
-            else:
-                fn = case
+        for name, fn in cases.items():
             samples.setdefault(name, []).append(runner.median_ms(fn, reps=args.reps))
-    os.environ["TPLOGP_DIRECT_LAUNCH"] = "1"
     gemm = statistics.median(samples["gemm"])
     for name, v in samples.items():
         m = statistics.median(v)
-        print(f"{name:>22}: {m:.4f} ms  ({m / gemm:.2f} GEMM-times)  rounds {[round(x, 4) for x in v]}")
+        print(f"{name:>22}: {m:.4f} ms  ({m / gemm:.2f} GEMM-times)  rounds min {min(v):.4f} max {max(v):.4f}")
     g_fwd = graph_ms(fwd, args.reps)
     print(f"{'sm90 fwd graph replay':>22}: {g_fwd:.4f} ms  ({g_fwd / gemm:.2f} GEMM-times, GPU time alone)")
     return 0
