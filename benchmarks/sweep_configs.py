@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from dataclasses import replace
 
@@ -37,8 +38,10 @@ VARIANTS = {
     "bwd_w4_128x128": _BWD_128x128_W4,
     "bwd_w4_128x128_nows": dict(_BWD_128x128_W4, warp_specialize=False),
     "bwd_w8_128x128_s4": dict(bwd_block_n=128, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=8, bwd_num_stages=4),
-    "bwd_tma_store": dict(tma_store_dz=True),
-    "bwd_tma_store_nows": dict(tma_store_dz=True, warp_specialize=False),
+    "fwd_flatten": dict(flatten_fwd=True),
+    "bwd_persistent": dict(persistent_bwd=True),
+    "bwd_persistent_nows": dict(persistent_bwd=True, warp_specialize=False),
+    "flatten_persistent": dict(flatten_fwd=True, persistent_bwd=True),
     "bwd_w8_256x128": dict(bwd_block_n=256, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=8, bwd_num_stages=3),
 }
 
@@ -51,6 +54,7 @@ def main() -> int:
     ap.add_argument("--shape", default="4096x2048x131072")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="error of logp against float64 (else vs the first variant)")
     args = ap.parse_args()
     T, D, V = (int(x) for x in args.shape.split("x"))
@@ -73,10 +77,17 @@ def main() -> int:
         ref = logp if ref is None else ref
         diff = (logp - ref).abs().max().item()
         fwd, fwd_bwd = runner.tp_step_fns(be, h, w, y, LogpOptions(), gy, ge)
-        f_ms = runner.median_ms(fwd, reps=args.reps)
-        fb_ms = runner.median_ms(fwd_bwd, reps=args.reps)
-        print(f"{name:>18}: fwd {f_ms:7.3f} ms ({f_ms / gemm_ms:.3f})  fwd+bwd {fb_ms:7.3f} ms "
-              f"({fb_ms / gemm_ms:.3f})  bwd {fb_ms - f_ms:7.3f} ms  |logp - ref| {diff:.1e}")
+        f_r, fb_r, f_s, fb_s = [], [], [], []
+        for _ in range(args.rounds):  # each time over the GEMM measured just before it (clock drift cancels)
+            g1 = runner.median_ms(lambda: h @ w.T, reps=args.reps)
+            f_s.append(runner.median_ms(fwd, reps=args.reps))
+            g2 = runner.median_ms(lambda: h @ w.T, reps=args.reps)
+            fb_s.append(runner.median_ms(fwd_bwd, reps=args.reps))
+            f_r.append(f_s[-1] / g1)
+            fb_r.append(fb_s[-1] / g2)
+        med = statistics.median
+        print(f"{name:>20}: fwd {med(f_s):7.3f} ms ({med(f_r):.3f} G)  fwd+bwd {med(fb_s):7.3f} ms "
+              f"({med(fb_r):.3f} G)  |logp - ref| {diff:.1e}")
     return 0
 
 

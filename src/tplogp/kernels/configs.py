@@ -52,9 +52,12 @@ class TileConfig:
     # and d_W GEMMs of chunk i run on a side CUDA stream while the fused d_logits kernel of chunk i+1 runs.
     # Measured on the H200 (run 2): no gain (ties or 2-3% slower), so off by default.
     bwd_overlap: bool = False
-    # sm90 source only: the backward writes each d_logits tile with one TMA bulk copy (descriptor store) instead of
-    # per-thread stores; used where the workspace rows are 16-byte aligned.
-    tma_store_dz: bool = False
+    # sm90 source only. Forward: the vocab-tile loop and its K loop flattened into one software-pipelined loop
+    # (the next tile's first loads issue under this tile's softmax epilogue); the K loop is then not
+    # warp-specialized. Backward: a persistent d_logits kernel (at most one program per SM walking the tiles in one
+    # flattened loop). Results are bitwise the same either way (same per-tile arithmetic).
+    flatten_fwd: bool = False
+    persistent_bwd: bool = False
 
 
 # Capability table: (major, minor) -> config. Measured choices are documented in docs/kernels.md.

@@ -36,12 +36,11 @@ def _dlogits_epilogue(
     stride_dz, stride_dbp,
     inv_temp,
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, LEAN: tl.constexpr, EVEN_NV: tl.constexpr, STORE_DZ: tl.constexpr = True,
+    DOT_PRECISION: tl.constexpr, LEAN: tl.constexpr, EVEN_NV: tl.constexpr,
 ):
     """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32 column sums.
 
-    Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them. Returns the
-    fp32 tile (zero outside the masks); with ``STORE_DZ=False`` the caller stores it (the sm90 kernel's TMA store).
+    Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them.
     """
     if HAS_BIAS:
         acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
@@ -69,12 +68,10 @@ def _dlogits_epilogue(
         b_dz = b_dz * inv_temp
     else:
         b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
-    if STORE_DZ:
-        p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
-        _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
+    p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
+    _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
     if NEED_DB:
         tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_v)
-    return b_dz
 
 
 @triton.jit
