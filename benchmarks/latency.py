@@ -66,6 +66,57 @@ def timeline(be, h, w, y, calls: int) -> dict:
     return {k: round(statistics.median(v), 1) for k, v in rows.items()}
 
 
+def backward_timeline(be, h, w, y, gy, calls: int) -> dict:
+    """Host microseconds from ``out.backward(gy)`` to each mark of the backward (autograd's device thread),
+    median over calls: Function.backward entered, backend.backward entered, d_logits launcher entered / returned,
+    backend.backward returned, ``backward()`` returned."""
+    from tplogp import tp
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    marks: dict = {}
+    fn_cls = tp._LinearLogpFunction
+    orig_fn_bwd = fn_cls.backward
+    orig_be_bwd = be.backward
+    orig_launch = be._dlogits_launch(h.device)
+
+    def fn_bwd(ctx, *grads):
+        marks["Function.backward entered"] = time.perf_counter()
+        return orig_fn_bwd(ctx, *grads)
+
+    def be_bwd(*a, **k):
+        marks["backend.backward entered"] = time.perf_counter()
+        out = orig_be_bwd(*a, **k)
+        marks["backend.backward returned"] = time.perf_counter()
+        return out
+
+    def launch(*a, **k):
+        marks["d_logits launcher entered"] = time.perf_counter()
+        orig_launch(*a, **k)
+        marks["d_logits launcher returned"] = time.perf_counter()
+
+    fn_cls.backward = staticmethod(fn_bwd)
+    be.backward = be_bwd
+    be._dlogits_launch = lambda device: launch
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    rows: dict = {}
+    try:
+        for i in range(calls + 5):
+            out = linear_logp_tp(be, hg, wg, y, options=LogpOptions())
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out.backward(gy)
+            marks["backward() returned"] = time.perf_counter()
+            hg.grad = wg.grad = None
+            if i >= 5:
+                for k, t in marks.items():
+                    rows.setdefault(k, []).append((t - t0) * 1e6)
+    finally:
+        fn_cls.backward = staticmethod(orig_fn_bwd)
+        del be.backward
+        del be._dlogits_launch
+    return {k: round(statistics.median(v), 1) for k, v in rows.items()}
+
+
 def graph_ms(fn, reps: int) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -107,6 +158,7 @@ def main() -> int:
     print(f"# {args.shape} bf16 sm90, {runner.machine_info()}")
     fwd()
     print("host timeline (us from op entry):", timeline(be, h, w, y, args.calls))
+    print("backward host timeline (us from out.backward()):", backward_timeline(be, h, w, y, gy, args.calls))
     samples: dict = {}
     cases = {
         "gemm": lambda: h @ w.T,
