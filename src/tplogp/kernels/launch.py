@@ -268,18 +268,26 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             chunk = half
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
-    d_weight = torch.empty_like(weight) if need_dw else None
     cast_dh = need_dh and chunk >= v and not deterministic and d_hidden_dtype not in (None, f32)
-    d_hidden = torch.empty((n, d), device=dev, dtype=d_hidden_dtype if cast_dh else f32) if need_dh else None
     precision = _dot_precision(hidden.dtype)
     launch = dlogits_launch or _launch_dlogits
     args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
+    inv_t = float(inv_temperature)
+
+    def outputs():
+        # Allocated after the first d_logits launch where possible: the GPU starts sooner (host latency at small
+        # shapes; the allocations themselves do no GPU work).
+        return (torch.empty((n, d), device=dev, dtype=d_hidden_dtype if cast_dh else f32) if need_dh else None,
+                torch.empty_like(weight) if need_dw else None)
+
     if overlap:
-        _backward_overlapped(args, d_hidden, d_weight, dbp, n, v, chunk, float(inv_temperature), with_entropy,
-                             need_db, cfg, precision, launch)
+        d_hidden, d_weight = outputs()
+        _backward_overlapped(args, d_hidden, d_weight, dbp, n, v, chunk, inv_t, with_entropy, need_db, cfg,
+                             precision, launch)
     elif chunk >= v:  # one chunk (small shapes): no slicing
         dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
-        launch(*args, dz, dbp, 0, v, float(inv_temperature), with_entropy, need_db, cfg, precision)
+        launch(*args, dz, dbp, 0, v, inv_t, with_entropy, need_db, cfg, precision)
+        d_hidden, d_weight = outputs()
         if cast_dh:
             _mm_into(d_hidden, dz, weight)
         _chunk_gemms(dz, weight, hidden, None if cast_dh else d_hidden, d_weight, 0, deterministic, cfg, precision)
@@ -288,7 +296,9 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         for i_chunk, v_lo in enumerate(range(0, v, chunk)):
             v_hi = min(v_lo + chunk, v)
             dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
-            launch(*args, dz, dbp, v_lo, v_hi, float(inv_temperature), with_entropy, need_db, cfg, precision)
+            launch(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
+            if i_chunk == 0:
+                d_hidden, d_weight = outputs()
             _chunk_gemms(dz, weight[v_lo:v_hi], hidden, d_hidden,
                          None if d_weight is None else d_weight[v_lo:v_hi], i_chunk, deterministic, cfg, precision)
     d_bias = dbp.sum(0).to(bias.dtype) if need_db else None
