@@ -1,6 +1,6 @@
 """Host cost of the pieces of one small-shape forward, each timed alone (median of many calls, microseconds).
 
-Complements latency_ab.py's timeline: which of the steps before and inside a Triton launch is slow on this host
+Complements latency.py's timeline: which of the steps before and inside a Triton launch is slow on this host
 (torch allocations and views, input checks, tensor descriptors, Triton's launcher with and without descriptor
 arguments, a plain torch kernel launch for comparison, Triton's launch hooks).
 
