@@ -196,6 +196,36 @@ def test_empty_shard_and_no_tokens():
     assert gr.d_hidden.shape == (0, 8) and (gr.d_weight == 0).all() and (gr.d_bias == 0).all()
 
 
+@pytest.mark.parametrize("kernels", ["triton", "sm90-kernels"])
+def test_single_shard_ids_outside_the_vocab_are_nan_in_fast_mode(kernels, monkeypatch):
+    """One shard: the kernels get the target ids as given. With TPLOGP_CHECKS=fast (no range check) an id outside
+    [0, V) -- past the end, negative, inside the last tile's padding -- gives NaN logp; every other row, and the
+    gradients of the finite rows' loss, match the same call on only those rows (to rounding: the interpreter's
+    per-row dot results depend on a row's position in its block)."""
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    monkeypatch.setenv("TPLOGP_CHECKS", "fast")
+    be = KERNELS[kernels]()
+    n, d, v = 9, 16, 45  # V not a multiple of the interpreter's 32-wide vocab tile: ids 45..63 are tile padding
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(n, d, generator=gen, requires_grad=True)
+    w = (torch.randn(v, d, generator=gen) / 4).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=gen)
+    bad = [1, 4, 7]
+    t[bad] = torch.tensor([v + 3, -5, v])
+    out = linear_logp_tp(be, h, w, t, options=LogpOptions(return_lse=True))
+    assert torch.isnan(out.logp[bad]).all() and torch.isfinite(out.lse).all()
+    good = [i for i in range(n) if i not in bad]
+    assert torch.isfinite(out.logp[good]).all()
+    out.logp[good].sum().backward()
+    h2, w2 = h.detach()[good].clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = linear_logp_tp(be, h2, w2, t[good], options=LogpOptions(return_lse=True))
+    assert rel_error(out.logp[good], ref.logp) < 1e-6 and rel_error(out.lse[good], ref.lse) < 1e-6
+    ref.logp.sum().backward()
+    assert torch.equal(h.grad[bad], torch.zeros_like(h.grad[bad]))
+    assert rel_error(h.grad[good], h2.grad) < 1e-6 and rel_error(w.grad, w2.grad) < 1e-6
+
+
 # ---- the op through the registry: three-way against float64 truth -----------------------------------------------
 
 OPTION_SETS = {
