@@ -17,7 +17,9 @@ Forward, per call:
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
 partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it.
 
-Without a group (or a group of one) the same code runs with no collectives. Rows whose target equals
+Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single``
+(triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
+and 3 cost no host ops (what matters at small shapes, where a call's host time is most of its latency). Rows whose target equals
 ``ignore_index`` are compacted away before any GEMM and get logp = entropy = lse = 0 and no gradient.
 """
 
