@@ -104,6 +104,38 @@ def main() -> int:
     with torch.no_grad():
         for name, fn in rows.items():
             print(f"{name:>48}: {cost_us(fn):7.1f} us")
+
+    # The same d_logits launcher on the main thread and inside a backward (autograd's device thread), where the
+    # latency timeline (latency.py) saw it take 139-156 us.
+    st = be.forward_stats(h, w, None, y, be_call)
+    rmax, lsum, g = st.row_max, st.sum_exp.log(), gy.float()
+    dz = torch.empty((T, V), device="cuda", dtype=w.dtype)
+    dlogits = be._dlogits_launch(h.device)
+
+    def launch_dlogits():
+        dlogits(h, w, None, y, rmax, lsum, g, g, g, g, dz, g, 0, V, 1.0, False, False, cfg,
+                launch._dot_precision(h.dtype))
+
+    small_add = rows["torch small add_ (one torch kernel launch)"]
+    probes = {"sm90 d_logits launcher (descriptors + JIT launch)": launch_dlogits,
+              "torch small add_": small_add,
+              "TensorDescriptor.from_tensor x2": rows["TensorDescriptor.from_tensor x2"]}
+    for name, fn in probes.items():
+        print(f"{'main thread: ' + name:>64}: {cost_us(fn):7.1f} us")
+
+    class _Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            for pname, pfn in probes.items():
+                print(f"{'autograd thread: ' + pname:>64}: {cost_us(pfn):7.1f} us")
+            return grad
+
+    x = torch.zeros(4, device="cuda", requires_grad=True)
+    _Probe.apply(x).sum().backward()
     return 0
 
 
