@@ -13,7 +13,8 @@ statistics (online softmax)::
 
 Each program writes its split's (m, s, t, q) to ``[S, N]`` buffers; :func:`_merge_splits_kernel` folds the S splits
 in a fixed order (log-add-exp), so the result is bitwise reproducible and a row's stats do not depend on the other
-rows. Launch order is grouped (``GROUP_N`` token blocks walk the vocab together) so a W tile read from HBM is
+rows. When one shard is the whole vocab, :func:`_finalize_single_kernel` does the same fold and also finishes the
+per-token outputs (logp, lse, entropy), so the TP layer runs no merge ops. Launch order is grouped (``GROUP_N`` token blocks walk the vocab together) so a W tile read from HBM is
 reused from L2 by every token block of the group. No collectives here: :mod:`tplogp.tp` merges ranks.
 """
 
