@@ -251,7 +251,6 @@ def linear_logp_tp(
         with_entropy=options.return_entropy,
         deterministic=options.deterministic,
         workspace_bytes=options.workspace_bytes,
-        d_hidden_dtype=h2.dtype if world == 1 else None,
     )
     tpc = _TPContext(backend, call, tp_group, world, comm_dev, single)
     logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)

@@ -85,9 +85,6 @@ class ShardCall:
     deterministic: bool = False
     # Bytes the backend may use for its fp32 logits workspace; None lets the backend choose.
     workspace_bytes: Optional[int] = None
-    # Set when no all-reduce follows the backward (one shard): the backend may return d_hidden in this dtype
-    # instead of fp32 where that saves a conversion. None: fp32.
-    d_hidden_dtype: Optional[torch.dtype] = None
 
 
 class ShardBackend(Protocol):

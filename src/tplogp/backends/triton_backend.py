@@ -111,5 +111,5 @@ class TritonBackend:
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device),
-            dlogits_launch=self._dlogits_launch(hidden.device), d_hidden_dtype=call.d_hidden_dtype)
+            dlogits_launch=self._dlogits_launch(hidden.device))
         return ShardGrads(d_hidden, d_weight, d_bias)
