@@ -36,23 +36,10 @@ DEFAULT_SHAPES = ((8192, 4096, 128256), (4096, 2048, 131072), (4096, 2048, 8192)
 DEFAULT_SOURCES = ("torch_eager", "triton", "sm90", "liger", "cce")
 
 
-def torch_eager(h, w, y, *, return_entropy=False, ignore_index=None):
-    logits = (h @ w.T).float()
-    logprobs = logits.log_softmax(-1)
-    safe = y if ignore_index is None else torch.where(y == ignore_index, torch.zeros_like(y), y)
-    logp = logprobs.gather(1, safe[:, None]).squeeze(1)
-    if ignore_index is not None:
-        logp = torch.where(y == ignore_index, torch.zeros_like(logp), logp)
-    if return_entropy:
-        ent = -(logprobs.exp() * logprobs).sum(-1)
-        return logp, ent
-    return logp
-
-
 def make_source(name: str, backend=None) -> Optional[Callable]:
     """A callable (h, w, y, return_entropy, ignore_index) -> logp or (logp, entropy); None if unavailable."""
     if name == "torch_eager":
-        return torch_eager
+        return runner.torch_eager
     if name in ("native", "triton", "sm90") or backend is not None:
         from tplogp.kernel_registry import get_backend
         from tplogp.tp import LogpOptions, linear_logp_tp
@@ -89,40 +76,26 @@ def make_source(name: str, backend=None) -> Optional[Callable]:
     raise KeyError(f"unknown source {name!r}")
 
 
-def inputs(T: int, D: int, V: int, dtype=torch.bfloat16, seed: int = 0, ignore_frac: float = 0.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(dtype)
-    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(dtype)
-    y = torch.randint(0, V, (T,), device="cuda", generator=g)
-    ignore_index = None
-    if ignore_frac > 0:
-        ignore_index = -100
-        drop = torch.rand(T, device="cuda", generator=g) < ignore_frac
-        y = torch.where(drop, torch.full_like(y, ignore_index), y)
-    gy = torch.randn(T, device="cuda", generator=g)
-    ge = torch.randn(T, device="cuda", generator=g) * 0.1
-    return h, w, y, gy, ge, ignore_index
-
-
 def float64_truth(h, w, y, gy, ge, return_entropy: bool, ignore_index):
-    """logp (and entropy), d_hidden, d_W in float64 through autograd on the materialized logits."""
+    """logp (and entropy), d_hidden, d_W in float64 (tplogp.reference, mode float64) through autograd."""
+    from tplogp.reference import reference_outputs
+
     hd = h.detach().double().requires_grad_()
     wd = w.detach().double().requires_grad_()
-    out = torch_eager(hd, wd, y, return_entropy=return_entropy, ignore_index=ignore_index)
+    out = reference_outputs(hd, wd, y, mode="float64", ignore_index=ignore_index)
     if return_entropy:
-        logp, ent = out
-        torch.autograd.backward([logp, ent], [gy.double(), ge.double()])
+        torch.autograd.backward([out.logp, out.entropy], [gy.double(), ge.double()])
     else:
-        logp, ent = out, None
-        logp.backward(gy.double())
-    res = dict(logp=logp.detach(), entropy=None if ent is None else ent.detach(), dh=hd.grad, dw=wd.grad)
+        out.logp.backward(gy.double())
+    res = dict(logp=out.logp.detach(), entropy=out.entropy.detach() if return_entropy else None, dh=hd.grad,
+               dw=wd.grad)
     del hd, wd, out
     return res
 
 
 def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps=10, check=True,
                 extra_sources: Optional[dict] = None, rounds: int = 3) -> list[dict]:
-    h, w, y, gy, ge, ignore_index = inputs(T, D, V, ignore_frac=ignore_frac)
+    h, w, y, gy, ge, ignore_index = runner.bf16_problem(T, D, V, ignore_frac=ignore_frac, ge_scale=0.1)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
 
     def gemm():

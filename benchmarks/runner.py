@@ -59,6 +59,21 @@ def bf16_problem(T: int, D: int, V: int, ignore_frac: float = 0.0, ge_scale: flo
     return h, w, y, gy, ge, ii
 
 
+def torch_eager(h, w, y, *, return_entropy=False, ignore_index=None):
+    """The materializing baseline: bf16 logits, fp32 log_softmax, gather (logp, and entropy when asked).
+    ``ignore_index`` positions get 0."""
+    logits = (h @ w.T).float()
+    logprobs = logits.log_softmax(-1)
+    safe = y if ignore_index is None else torch.where(y == ignore_index, torch.zeros_like(y), y)
+    logp = logprobs.gather(1, safe[:, None]).squeeze(1)
+    if ignore_index is not None:
+        logp = torch.where(y == ignore_index, torch.zeros_like(logp), logp)
+    if return_entropy:
+        ent = -(logprobs.exp() * logprobs).sum(-1)
+        return logp, ent
+    return logp
+
+
 def tp_step_fns(be, h, w, y, opts, gy, ge):
     """(forward, forward+backward) closures through the public TP path, with per-token upstream gradients."""
     from tplogp.tp import linear_logp_tp

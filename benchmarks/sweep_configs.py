@@ -38,10 +38,6 @@ VARIANTS = {
     "bwd_w4_128x128": _BWD_128x128_W4,
     "bwd_w4_128x128_nows": dict(_BWD_128x128_W4, warp_specialize=False),
     "bwd_w8_128x128_s4": dict(bwd_block_n=128, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=8, bwd_num_stages=4),
-    "fwd_flatten": dict(flatten_fwd=True),
-    "bwd_persistent": dict(persistent_bwd=True),
-    "bwd_persistent_nows": dict(persistent_bwd=True, warp_specialize=False),
-    "flatten_persistent": dict(flatten_fwd=True, persistent_bwd=True),
     "bwd_w8_256x128": dict(bwd_block_n=256, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=8, bwd_num_stages=3),
 }
 

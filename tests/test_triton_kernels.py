@@ -37,28 +37,7 @@ def _sm90_on_cpu():
     return be
 
 
-def _plain(make):
-    """The same kernels with the lean epilogue and the overlapped backward off (configs.INTERPRETER_PLAIN)."""
-    def build():
-        be = make()
-        be._cfg = lambda device: __import__("tplogp.kernels.configs", fromlist=["x"]).INTERPRETER_PLAIN
-        return be
-    return build
-
-
-def _sm90_flat_persistent():
-    """sm90 kernels with the flattened forward loop and the persistent backward (TileConfig flags)."""
-    from dataclasses import replace
-
-    from tplogp.kernels import configs
-
-    be = SM90Backend()
-    be._cfg = lambda device: replace(configs.INTERPRETER_PLAIN, flatten_fwd=True, persistent_bwd=True)
-    return be
-
-
-KERNELS = {"triton": TritonBackend, "sm90-kernels": _sm90_on_cpu, "triton-plain": _plain(TritonBackend),
-           "sm90-plain": _plain(SM90Backend), "sm90-flat-persistent": _sm90_flat_persistent}
+KERNELS = {"triton": TritonBackend, "sm90-kernels": _sm90_on_cpu}
 
 
 def _truth(h, w, b, tgt, inv_t, g, ge, gl):
@@ -136,54 +115,6 @@ def test_primitives_match_float64_formulas(kernels, dtype, bias, shape):
         assert rel_error(grads.d_bias, truth["d_bias"]) < (2e-6 if dt == torch.float32 else 4e-3)
     else:
         assert grads.d_bias is None
-
-
-@pytest.mark.parametrize("kernels", ["triton", "sm90-kernels"])
-def test_lean_epilogue_and_overlapped_backward_match_plain(kernels):
-    """Tile-aligned N and V (the lean epilogue drops every mask) and a workspace that gives the overlapped backward
-    four half-size chunks: forward stats and d_bias bit for bit as the plain kernels, GEMM outputs to rounding."""
-    n, d, v = 48, 32, 1024
-    gen = torch.Generator().manual_seed(5)
-    h = (torch.randn(n, d, generator=gen) * 0.5).to(torch.bfloat16)
-    w = (torch.randn(v, d, generator=gen) / d**0.5).to(torch.bfloat16)
-    b = (torch.randn(v, generator=gen) * 0.1).to(torch.bfloat16)
-    tgt = torch.randint(0, v, (n,), generator=gen)
-    tgt[::5] = -1
-    g, ge, gl = (torch.randn(n, generator=gen) for _ in range(3))
-    call = ShardCall(inv_temperature=1.3, with_entropy=True, workspace_bytes=n * 2 * 512)
-    lean, plain = KERNELS[kernels](), _plain(KERNELS[kernels])()
-    sa, sb = lean.forward_stats(h, w, b, tgt, call), plain.forward_stats(h, w, b, tgt, call)
-    for name in ("row_max", "sum_exp", "target_logit", "sum_exp_z"):
-        assert torch.equal(getattr(sa, name), getattr(sb, name)), name
-    lsum, mz = sb.sum_exp.log(), sb.sum_exp_z / sb.sum_exp
-    ga = lean.backward(h, w, b, tgt, sb.row_max, lsum, g, ge, gl, mz, call, (True, True, True))
-    gb = plain.backward(h, w, b, tgt, sb.row_max, lsum, g, ge, gl, mz, call, (True, True, True))
-    assert torch.equal(ga.d_bias, gb.d_bias)
-    assert rel_error(ga.d_hidden, gb.d_hidden) < 1e-6
-    assert rel_error(ga.d_weight.float(), gb.d_weight.float()) < 1e-2  # bf16 outputs: rare rounding flips
-    assert (ga.d_weight != gb.d_weight).float().mean() < 0.01
-
-
-def test_flattened_forward_and_persistent_backward_are_bitwise_the_same():
-    """The sm90 loop-structure flags change scheduling only: stats, d_logits-derived grads and d_bias bit for bit
-    equal to the plain sm90 kernels (odd N and V: edge tiles; a small workspace: several persistent chunks)."""
-    n, d, v = 37, 48, 517
-    gen = torch.Generator().manual_seed(11)
-    h = (torch.randn(n, d, generator=gen) * 0.5).to(torch.bfloat16)
-    w = (torch.randn(v, d, generator=gen) / d**0.5).to(torch.bfloat16)
-    b = (torch.randn(v, generator=gen) * 0.1).to(torch.bfloat16)
-    tgt = torch.randint(0, v, (n,), generator=gen)
-    g, ge, gl = (torch.randn(n, generator=gen) for _ in range(3))
-    call = ShardCall(inv_temperature=0.8, with_entropy=True, workspace_bytes=n * 2 * 256)
-    flat, plain = KERNELS["sm90-flat-persistent"](), KERNELS["sm90-plain"]()
-    sa, sb = flat.forward_stats(h, w, b, tgt, call), plain.forward_stats(h, w, b, tgt, call)
-    for name in ("row_max", "sum_exp", "target_logit", "sum_exp_z"):
-        assert torch.equal(getattr(sa, name), getattr(sb, name)), name
-    lsum, mz = sb.sum_exp.log(), sb.sum_exp_z / sb.sum_exp
-    ga = flat.backward(h, w, b, tgt, sb.row_max, lsum, g, ge, gl, mz, call, (True, True, True))
-    gb = plain.backward(h, w, b, tgt, sb.row_max, lsum, g, ge, gl, mz, call, (True, True, True))
-    for name in ("d_hidden", "d_weight", "d_bias"):
-        assert torch.equal(getattr(ga, name), getattr(gb, name)), name
 
 
 def test_empty_shard_and_no_tokens():

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .backends.base import ShardBackend, ShardCall
+from .backends.base import ShardBackend, ShardCall, f32_contiguous
 from .comm import all_gather_flat
 from .validation import (
     GroupCheck,
@@ -73,7 +73,11 @@ class _TPContext:
     group: Any
     world_size: int
     comm_device: torch.device
-    single: bool  # one shard and a backend with forward_single: it finishes the outputs, targets passed as given
+
+    @property
+    def single(self) -> bool:
+        """One shard and a backend with ``forward_single``: it finishes the outputs; targets are passed as given."""
+        return self.world_size == 1 and hasattr(self.backend, "forward_single")
 
 
 def _comm_device(group, tensor_device: torch.device) -> torch.device:
@@ -150,9 +154,9 @@ class _LinearLogpFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if g_logp is None:  # only entropy or lse feeds the loss
             g_logp = torch.zeros(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        g_logp = _f32_contiguous(g_logp)
-        g_ent = None if (g_entropy is None or mean_rel is None) else _f32_contiguous(g_entropy)
-        g_lse_ = None if g_lse is None else _f32_contiguous(g_lse)
+        g_logp = f32_contiguous(g_logp)
+        g_ent = None if (g_entropy is None or mean_rel is None) else f32_contiguous(g_entropy)
+        g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
                                      mean_rel if g_ent is not None else None, tpc.call, needs)
         d_hidden = grads.d_hidden
@@ -164,12 +168,6 @@ class _LinearLogpFunction(torch.autograd.Function):
             if d_hidden.dtype != hidden.dtype:
                 d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, grads.d_weight, grads.d_bias, None, None
-
-
-def _f32_contiguous(x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.float32:
-        x = x.float()
-    return x if x.is_contiguous() else x.contiguous()
 
 
 def linear_logp_tp(
@@ -238,21 +236,18 @@ def linear_logp_tp(
         h2 = h2.index_select(0, keep_idx)
         tgt = tgt.index_select(0, keep_idx)
 
-    single = world == 1 and hasattr(backend, "forward_single")
-    if single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
-        local_target = tgt
-    else:
-        v_local = w.shape[0]
-        rel = tgt - vocab_start_index if vocab_start_index else tgt
-        local_target = torch.where((rel >= 0) & (rel < v_local), rel, -1)
-
     call = ShardCall(
         inv_temperature=1.0 / float(options.temperature),
         with_entropy=options.return_entropy,
         deterministic=options.deterministic,
         workspace_bytes=options.workspace_bytes,
     )
-    tpc = _TPContext(backend, call, tp_group, world, comm_dev, single)
+    tpc = _TPContext(backend, call, tp_group, world, comm_dev)
+    if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
+        local_target = tgt
+    else:
+        rel = tgt - vocab_start_index if vocab_start_index else tgt
+        local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
     logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
 
     if keep_idx is not None:

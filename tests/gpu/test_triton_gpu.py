@@ -1,7 +1,7 @@
 """The triton / sm90 sources on a CUDA GPU at real sizes (skipped without CUDA; CI has none).
 
 Run on a GPU machine: ``python -m pytest tests/gpu -m "gpu"`` (add ``-m "gpu or stress"`` for the large-index
-cases). benchmarks/gpu_session.py runs the same checks, plus timings, in one process for a short device lease.
+cases). benchmarks/gpu_checkup.sh runs them together with the benchmarks in one call for a short device lease.
 """
 
 from __future__ import annotations
@@ -131,25 +131,3 @@ def test_large_indices_match_native(source, n, d, v, ws):
         assert rel_error(got[k], ref[k]) < 2e-2, k
 
 
-@pytest.mark.parametrize("source", SOURCES)
-def test_opt_in_lean_epilogue_and_overlapped_backward(source):
-    """The opt-in config flags (off by default; docs/kernels.md has the measurements): the lean epilogue gives the
-    same forward results (to rounding: without the masks the compiler may contract z * t - m into an FMA), the overlapped backward (many chunks: small workspace) matches the serial one to rounding,
-    bitwise run to run; a fresh autograd thread can create TMA descriptors (sm90)."""
-    import dataclasses
-
-    from tplogp.tp import LogpOptions, linear_logp_tp
-
-    be = _backend(source)
-    cfg = be._cfg(torch.device("cuda"))
-    opt_in = type(be)(dataclasses.replace(cfg, lean_epilogue=True, bwd_overlap=True))
-    h, w, b, y, g, ge = _problem(2048, 1024, 32000, torch.bfloat16, seed=11)
-    opts = LogpOptions(return_entropy=True, workspace_bytes=8 << 20)
-    base = _run(lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=opts), h, w, b, y, g, ge, True)
-    runs = [_run(lambda h, w, y, b: linear_logp_tp(opt_in, h, w, y, b, options=opts), h, w, b, y, g, ge, True)
-            for _ in range(2)]
-    for k in ("logp", "entropy", "d_bias"):
-        assert rel_error(runs[0][k], base[k]) < 1e-5, k
-    for k in ("d_hidden", "d_weight"):
-        assert torch.equal(runs[0][k], runs[1][k]), k
-        assert rel_error(runs[0][k], base[k]) < 1e-2, k

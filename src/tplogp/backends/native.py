@@ -17,12 +17,12 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
-from .base import ShardCall, ShardGrads, ShardStats
+from .. import fp32_gemm
+from .base import ShardCall, ShardGrads, ShardStats, workspace_bytes_from_env
 
 _MIB = 1 << 20
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
@@ -33,16 +33,8 @@ DETERMINISTIC_TOKEN_CHUNK = 256
 
 def default_workspace_bytes(device: torch.device) -> int:
     """The tile budget: ``TPLOGP_WORKSPACE_MB`` if set, else 1 GiB on CUDA and 64 MiB elsewhere."""
-    env = os.environ.get("TPLOGP_WORKSPACE_MB")
-    if env:
-        try:
-            mb = float(env)
-        except ValueError as exc:
-            raise ValueError(f"TPLOGP_WORKSPACE_MB must be a number of MiB, got {env!r}") from exc
-        if mb <= 0:
-            raise ValueError(f"TPLOGP_WORKSPACE_MB must be positive, got {env!r}")
-        return int(mb * _MIB)
-    return (1024 if device.type == "cuda" else 64) * _MIB
+    env = workspace_bytes_from_env()
+    return env if env is not None else (1024 if device.type == "cuda" else 64) * _MIB
 
 
 def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deterministic: bool,
@@ -66,35 +58,8 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
     return tc, vc
 
 
-class _Matmul:
-    """fp32-accumulating, fp32-output GEMMs for any input dtype and device."""
-
-    _out_dtype_ok: dict[str, bool] = {}
-
-    @classmethod
-    def mm(cls, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a @ b`` in fp32 (accumulation and output), without rounding to the input dtype."""
-        if a.dtype == torch.float32 and b.dtype == torch.float32:
-            return torch.mm(a, b)
-        if a.device.type == "cuda" and cls._supports_out_dtype(a.device.type, a, b):
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.mm(a.float(), b.float())
-
-    @classmethod
-    def _supports_out_dtype(cls, key: str, a: torch.Tensor, b: torch.Tensor) -> bool:
-        ok = cls._out_dtype_ok.get(key)
-        if ok is None:
-            try:
-                torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
-                ok = True
-            except (TypeError, RuntimeError, NotImplementedError):
-                ok = False
-            cls._out_dtype_ok[key] = ok
-        return ok
-
-
 def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float) -> torch.Tensor:
-    z = _Matmul.mm(h, w.t())
+    z = fp32_gemm.mm(h, w.t())
     if b is not None:
         z += b.float()
     if inv_t != 1.0:
@@ -113,7 +78,7 @@ def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, rows_pe
         return
     for r0 in range(0, acc.shape[0], rows_per_block):
         r1 = min(r0 + rows_per_block, acc.shape[0])
-        acc[r0:r1] += _Matmul.mm(dz[:, r0:r1].t(), h)
+        acc[r0:r1] += fp32_gemm.mm(dz[:, r0:r1].t(), h)
 
 
 def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tensor:
@@ -259,7 +224,7 @@ class NativeBackend:
                 del dz
                 if dh is not None:
                     w_g = w if w.dtype == gemm_dtype else w.to(gemm_dtype)
-                    dh += _Matmul.mm(dz_g, w_g)
+                    dh += fp32_gemm.mm(dz_g, w_g)
                 if d_weight32 is not None:
                     _accumulate_dw(d_weight32[v0:v1], dz_g, h_gemm, rows_per_block)
             if dh is not None:

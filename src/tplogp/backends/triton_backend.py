@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels import configs  # torch only: no Triton import, no device work
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
@@ -34,12 +35,6 @@ def triton_unavailable_reason() -> Optional[str]:
     except Exception as exc:  # ImportError, or a broken install raising at import
         return f"triton is not importable ({type(exc).__name__}: {exc})"
     return None
-
-
-def interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class TritonBackend:
@@ -65,7 +60,7 @@ class TritonBackend:
                 return (f"compute capability {cap[0]}.{cap[1]} of {torch.cuda.get_device_name(device)} is below "
                         f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the oldest the Triton kernels support")
             return None
-        if interpreting():
+        if configs.interpreting():
             return None
         return (f"the triton source runs on CUDA devices (got {device.type}); set TRITON_INTERPRET=1 before "
                 f"importing the kernels to run them on the CPU through Triton's interpreter")
@@ -76,8 +71,6 @@ class TritonBackend:
         cache = self.__dict__.setdefault("_cfg_by_device", {})
         cfg = cache.get(device)
         if cfg is None:
-            from ..kernels import configs
-
             cfg = cache[device] = configs.select(device, self._config)
         return cfg
 

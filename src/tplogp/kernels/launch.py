@@ -6,11 +6,12 @@ every size used for planning is a Python int taken from tensor shapes; no ``.ite
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
 import torch
 
+from .. import fp32_gemm
+from ..backends.base import f32_contiguous, workspace_bytes_from_env
 from . import configs
 from .configs import TileConfig, cdiv
 from .triton_backward import _bwd_dlogits_kernel, _dh_accum_kernel
@@ -95,14 +96,10 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         out[1:].zero_()
         outs = out.unbind(0)
         return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
-    if not local_target.is_contiguous():
-        local_target = local_target.contiguous()
-    split_v = cfg.split_tiles * cfg.block_v
-    num_splits = cdiv(v, split_v)
-    parts = torch.empty((k, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
+    local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
+    parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
+                                     stats_launch)
     outs = out.unbind(0)
-    (stats_launch or _launch_stats)(hidden, weight, bias, local_target, parts, num_splits, split_v,
-                                    float(inv_temperature), with_entropy, cfg)
     _merge_splits_kernel[(cdiv(n, _MERGE_BLOCK),)](
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], outs[0], outs[1], outs[2],
         outs[3] if with_entropy else outs[0], n, num_splits,
@@ -131,13 +128,8 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
             out.fill_(float("nan"))
             out[1:4].fill_(float("-inf"))
         return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
-    if not target.is_contiguous():
-        target = target.contiguous()
-    split_v = cfg.split_tiles * cfg.block_v
-    num_splits = cdiv(v, split_v)
-    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
-    (stats_launch or _launch_stats)(hidden, weight, bias, target, parts, num_splits, split_v,
-                                    float(inv_temperature), with_entropy, cfg)
+    target = target if target.is_contiguous() else target.contiguous()
+    parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
     outs = out.unbind(0)
     _finalize_single_kernel[(cdiv(n, _MERGE_BLOCK),)](
@@ -147,12 +139,17 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
 
 
-def _lean_flags(cfg: TileConfig, v: int) -> dict:
-    """Constexprs of the forward kernels for the lean epilogue (only passed when on: the plain kernels' cache keys
-    and signatures stay as they were)."""
-    if not cfg.lean_epilogue:
-        return {}
-    return dict(LEAN=True, EVEN_V=v % cfg.block_v == 0)
+def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
+                 stats_launch: Optional[Callable]):
+    """Launch the stats kernel into per-split buffers: ``(parts [3 or 4] x [S, N] views, S)``. ``target``:
+    contiguous."""
+    n, v = hidden.shape[0], weight.shape[0]
+    split_v = cfg.split_tiles * cfg.block_v
+    num_splits = cdiv(v, split_v)
+    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
+    (stats_launch or _launch_stats)(hidden, weight, bias, target, parts, num_splits, split_v, float(inv_temperature),
+                                    with_entropy, cfg)
+    return parts, num_splits
 
 
 def _launch_stats(hidden, weight, bias, local_target, parts, num_splits: int, split_v: int, inv_temperature: float,
@@ -167,7 +164,6 @@ def _launch_stats(hidden, weight, bias, local_target, parts, num_splits: int, sp
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_lean_flags(cfg, v),
     )
 
 
@@ -178,8 +174,8 @@ def workspace_budget(workspace_bytes: Optional[int]) -> int:
     """The d_logits workspace budget in bytes: the call's, else ``TPLOGP_WORKSPACE_MB``, else the default."""
     if workspace_bytes is not None:
         return workspace_bytes
-    env = os.environ.get("TPLOGP_WORKSPACE_MB")
-    return int(float(env) * _MIB) if env else DEFAULT_WORKSPACE_BYTES
+    env = workspace_bytes_from_env()
+    return env if env is not None else DEFAULT_WORKSPACE_BYTES
 
 
 def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: Optional[int]) -> int:
@@ -188,26 +184,6 @@ def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: Optional[int]) ->
     cols = budget // max(1, n * itemsize)
     cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
     return min(cols, cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)
-
-
-def _mm_f32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a @ b`` into an fp32 tensor, fp32 accumulation."""
-    if a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
-    elif a.is_cuda:
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:
-        torch.mm(a.float(), b.float(), out=out)
-
-
-def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` into an fp32 accumulator, fp32 accumulation (one cuBLAS call on CUDA)."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif a.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -241,27 +217,20 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     f32 = torch.float32
     if not local_target.is_contiguous():
         local_target = local_target.contiguous()
-    row_max = _f32c(row_max)
-    log_sum = _f32c(log_sum)
-    g = _f32c(grad_logp)
+    row_max = f32_contiguous(row_max)
+    log_sum = f32_contiguous(log_sum)
+    g = f32_contiguous(grad_logp)
     gmg = g if grad_lse is None else (g - grad_lse.to(f32)).contiguous()
     with_entropy = grad_entropy is not None
     if with_entropy:
         if mean_z is None:
             raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z] - M")
-        ge = _f32c(grad_entropy)
-        mz = _f32c(mean_z)
+        ge = f32_contiguous(grad_entropy)
+        mz = f32_contiguous(mean_z)
     else:
         ge = mz = g
 
-    itemsize = weight.element_size()
-    chunk = plan_chunk(n, v, itemsize, workspace_bytes)
-    overlap = cfg.bwd_overlap and not deterministic and (need_dh or need_dw)
-    if overlap:  # two workspaces of half the budget each, when that still gives two chunks or more
-        half = plan_chunk(n, v, itemsize, workspace_budget(workspace_bytes) // 2)
-        overlap = half < v
-        if overlap:
-            chunk = half
+    chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     precision = _dot_precision(hidden.dtype)
@@ -270,16 +239,12 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     inv_t = float(inv_temperature)
 
     def outputs():
-        # Allocated after the first d_logits launch where possible: the GPU starts sooner (host latency at small
-        # shapes; the allocations themselves do no GPU work).
+        # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
+        # allocations themselves do no GPU work).
         return (torch.empty((n, d), device=dev, dtype=f32) if need_dh else None,
                 torch.empty_like(weight) if need_dw else None)
 
-    if overlap:
-        d_hidden, d_weight = outputs()
-        _backward_overlapped(args, d_hidden, d_weight, dbp, n, v, chunk, inv_t, with_entropy, need_db, cfg,
-                             precision, launch)
-    elif chunk >= v:  # one chunk (small shapes): no slicing
+    if chunk >= v:  # one chunk (small shapes): no slicing
         dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
         launch(*args, dz, dbp, 0, v, inv_t, with_entropy, need_db, cfg, precision)
         d_hidden, d_weight = outputs()
@@ -298,12 +263,6 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return d_hidden, d_weight, d_bias
 
 
-def _f32c(x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.float32:
-        x = x.float()
-    return x if x.is_contiguous() else x.contiguous()
-
-
 def _chunk_gemms(dz, w_chunk, hidden, d_hidden, d_weight_chunk, i_chunk: int, deterministic: bool, cfg: TileConfig,
                  precision) -> None:
     """``d_hidden (+)= dz @ W[chunk]`` (fp32) and ``d_W[chunk] = dz^T @ hidden`` for one chunk."""
@@ -311,63 +270,11 @@ def _chunk_gemms(dz, w_chunk, hidden, d_hidden, d_weight_chunk, i_chunk: int, de
         if deterministic:
             _launch_dh(dz, w_chunk, d_hidden, accumulate=i_chunk > 0, cfg=cfg, precision=precision)
         elif i_chunk == 0:
-            _mm_f32_into(d_hidden, dz, w_chunk)
+            fp32_gemm.mm_into(d_hidden, dz, w_chunk)
         else:
-            _addmm_f32_(d_hidden, dz, w_chunk)
+            fp32_gemm.addmm_(d_hidden, dz, w_chunk)
     if d_weight_chunk is not None:
         _mm_into(d_weight_chunk, dz.t(), hidden)
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    s = _SIDE_STREAMS.get(key)
-    if s is None:
-        s = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
-    return s
-
-
-def _backward_overlapped(args, d_hidden, d_weight, dbp, n: int, v: int, chunk: int, inv_temperature: float,
-                         with_entropy: bool, need_db: bool, cfg: TileConfig, precision, launch) -> None:
-    """Double-buffered chunk loop: the d_logits kernel of chunk i+1 (current stream) overlaps the cuBLAS GEMMs of
-    chunk i (side stream). Each workspace is half the budget. Ordering, all by events (capture-safe fork/join):
-    chunk i's GEMMs wait for its d_logits; the d_logits of chunk i+2 waits for chunk i's GEMMs (same buffer); the
-    current stream waits for the side stream before returning, so every buffer (workspaces, d_hidden, d_W, inputs)
-    is only reused or freed after the side stream is done with it. The GEMMs run in chunk order on one stream, so
-    d_hidden accumulates in the same order every run. On CPU (Triton's interpreter) the same loop runs in order."""
-    hidden, weight = args[0], args[1]
-    dev = hidden.device
-    wss = [torch.empty(n * chunk, device=dev, dtype=weight.dtype) for _ in range(2)]
-    cuda = dev.type == "cuda"
-    if cuda:
-        main = torch.cuda.current_stream(dev)
-        side = _side_stream(dev)
-        side.wait_stream(main)  # inputs and the freshly allocated outputs
-    free = [None, None]
-    for i_chunk, v_lo in enumerate(range(0, v, chunk)):
-        v_hi = min(v_lo + chunk, v)
-        b = i_chunk % 2
-        dz = wss[b][: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
-        if cuda and free[b] is not None:
-            main.wait_event(free[b])
-        launch(*args, dz, dbp, v_lo, v_hi, inv_temperature, with_entropy, need_db, cfg, precision)
-        if not cuda:
-            _chunk_gemms(dz, weight[v_lo:v_hi], hidden, d_hidden, None if d_weight is None else d_weight[v_lo:v_hi],
-                         i_chunk, False, cfg, precision)
-            continue
-        ready = torch.cuda.Event()
-        ready.record(main)
-        side.wait_event(ready)
-        with torch.cuda.stream(side):
-            _chunk_gemms(dz, weight[v_lo:v_hi], hidden, d_hidden, None if d_weight is None else d_weight[v_lo:v_hi],
-                         i_chunk, False, cfg, precision)
-            done = torch.cuda.Event()
-            done.record(side)
-        free[b] = done
-    if cuda:
-        main.wait_stream(side)
 
 
 def _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
@@ -382,14 +289,7 @@ def _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg
         HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.bwd_block_d),
         BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=precision, num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
-        **_lean_bwd_flags(cfg, n, v_hi - v_lo),
     )
-
-
-def _lean_bwd_flags(cfg: TileConfig, n: int, width: int) -> dict:
-    if not cfg.lean_epilogue:
-        return {}
-    return dict(LEAN=True, EVEN_NV=n % cfg.bwd_block_n == 0 and width % cfg.bwd_block_v == 0)
 
 
 def _launch_dh(dz: torch.Tensor, w_chunk: torch.Tensor, d_hidden: torch.Tensor, accumulate: bool,

@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from .configs import cdiv
-from .launch import _dot_precision, _launch_dlogits, _launch_stats, _lean_bwd_flags, _lean_flags
+from .launch import _dot_precision, _launch_dlogits, _launch_stats
 from .triton_backward import _dlogits_epilogue
-from .triton_forward import _grouped_ids, _mma, _online_softmax_update
+from .triton_forward import _grouped_ids, _mma, _online_softmax_update, _store_stats
 
 try:  # host-side tensor descriptors (Triton >= 3.3); the sm90 source reports itself unavailable without them
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -33,39 +33,14 @@ def _logits_tile_tma(
     d_h, d_w, off_n, off_v, D,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PLAIN_K: tl.constexpr = False,
 ):
-    """fp32 ``[BLOCK_N, BLOCK_V]`` logits tile. ``PLAIN_K``: an unannotated K loop, for callers that flatten the
-    enclosing tile loop (the compiler then pipelines the loads of the next tile under this tile's epilogue)."""
+    """fp32 ``[BLOCK_N, BLOCK_V]`` logits tile from two tensor descriptors."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    if PLAIN_K:
-        for d0 in range(0, D, BLOCK_D):
-            acc = _mma(d_h.load([off_n, d0]), d_w.load([off_v, d0]).T, acc, DOT_PRECISION)
-    else:
-        for d0 in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
-            b_a = d_h.load([off_n, d0])  # [BLOCK_N, BLOCK_D]
-            b_b = d_w.load([off_v, d0])  # [BLOCK_V, BLOCK_D]
-            acc = _mma(b_a, b_b.T, acc, DOT_PRECISION)
+    for d0 in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        b_a = d_h.load([off_n, d0])  # [BLOCK_N, BLOCK_D]
+        b_b = d_w.load([off_v, d0])  # [BLOCK_V, BLOCK_D]
+        acc = _mma(b_a, b_b.T, acc, DOT_PRECISION)
     return acc
-
-
-@triton.jit
-def _stats_tile_tma(
-    d_h, d_w, p_b, b_tgt, off_n, v0, V, D, b_max, b_sum, b_tl, b_sez, inv_temp,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_V: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr, PLAIN_K: tl.constexpr,
-):
-    """Fold vocab tile ``[v0, v0 + BLOCK_V)`` into the running row stats (max, sum, target logit, sez)."""
-    o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    m_v = o_v < V
-    acc = _logits_tile_tma(d_h, d_w, off_n, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
-                           DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES, PLAIN_K)  # [BLOCK_N, BLOCK_V]
-    b_z, b_max, b_sum, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_max, b_sum, b_sez, inv_temp,
-                                                      HAS_BIAS, WITH_ENTROPY, EVEN_V)
-    # (no data-dependent branch here, unlike the generic kernel: the loop around this may be warp-specialized)
-    b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
-    return b_max, b_sum, b_tl, b_sez
 
 
 @triton.jit
@@ -82,9 +57,6 @@ def _fwd_stats_tma_kernel(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
-
-    LEAN: tl.constexpr = False, EVEN_V: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False,  # TileConfig.flatten_fwd: one flattened, software-pipelined (tile, K) loop
 ):
     i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -95,46 +67,16 @@ def _fwd_stats_tma_kernel(
     b_tl = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_sez = tl.zeros([BLOCK_N], dtype=tl.float32)
     v_lo = i_s * SPLIT_V
-    v_end = tl.minimum(v_lo + SPLIT_V, V)
-    if FLATTEN:
-        for v0 in tl.range(v_lo, v_end, BLOCK_V, flatten=True):
-            b_max, b_sum, b_tl, b_sez = _stats_tile_tma(
-                d_h, d_w, p_b, b_tgt, i_n * BLOCK_N, v0, V, D, b_max, b_sum, b_tl, b_sez, inv_temp,
-                HAS_BIAS, WITH_ENTROPY, EVEN_V, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, False, NUM_STAGES, True)
-    else:
-        for v0 in range(v_lo, v_end, BLOCK_V):
-            b_max, b_sum, b_tl, b_sez = _stats_tile_tma(
-                d_h, d_w, p_b, b_tgt, i_n * BLOCK_N, v0, V, D, b_max, b_sum, b_tl, b_sez, inv_temp,
-                HAS_BIAS, WITH_ENTROPY, EVEN_V, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, WARP_SPECIALIZE,
-                NUM_STAGES, False)
-    o_out = i_s.to(tl.int64) * N + o_n
-    tl.store(p_max + o_out, b_max, mask=m_n)
-    tl.store(p_sum + o_out, b_sum, mask=m_n)
-    tl.store(p_tl + o_out, b_tl, mask=m_n)
-    if WITH_ENTROPY:
-        tl.store(p_sez + o_out, b_sez, mask=m_n)
-
-
-@triton.jit
-def _dlogits_tile_tma(
-    d_h, d_w, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
-    i_n, i_v, N, D, v_lo, v_hi, stride_dz, stride_dbp, inv_temp,
-    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
-    LEAN: tl.constexpr, EVEN_NV: tl.constexpr, PLAIN_K: tl.constexpr,
-):
-    """d_logits of tile (i_n, i_v) of the chunk: recompute the logits tile, then the shared epilogue."""
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    o_v = v_lo + o_c
-    m_n = o_n < N
-    m_v = o_v < v_hi
-    acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
-                           DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES, PLAIN_K)  # [BLOCK_N, BLOCK_V]
-    _dlogits_epilogue(acc, i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
-                      p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
-                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN, EVEN_NV)
+    for v0 in range(v_lo, tl.minimum(v_lo + SPLIT_V, V), BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        m_v = o_v < V
+        acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
+                               DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
+        b_z, b_max, b_sum, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_max, b_sum, b_sez, inv_temp,
+                                                          HAS_BIAS, WITH_ENTROPY)
+        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+    _store_stats(p_max, p_sum, p_tl, p_sez, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
+                 WITH_ENTROPY)
 
 
 @triton.jit
@@ -150,25 +92,18 @@ def _bwd_dlogits_tma_kernel(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
-
-    LEAN: tl.constexpr = False, EVEN_NV: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,  # TileConfig.persistent_bwd: a grid of at most one program per SM
 ):
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
-    if PERSISTENT:  # each program walks tiles pid, pid + P, ... in one flattened, software-pipelined loop
-        for tile in tl.range(tl.program_id(0), num_n * num_v, tl.num_programs(0), flatten=True):
-            i_n, i_v = _grouped_ids(tile, num_n, num_v, GROUP_N)
-            _dlogits_tile_tma(d_h, d_w, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
-                              i_n, i_v, N, D, v_lo, v_hi, stride_dz, stride_dbp, inv_temp,
-                              HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, False,
-                              NUM_STAGES, LEAN, EVEN_NV, True)
-    else:
-        i_n, i_v = _grouped_ids(tl.program_id(0), num_n, num_v, GROUP_N)
-        _dlogits_tile_tma(d_h, d_w, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
-                          i_n, i_v, N, D, v_lo, v_hi, stride_dz, stride_dbp, inv_temp,
-                          HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, WARP_SPECIALIZE,
-                          NUM_STAGES, LEAN, EVEN_NV, False)
+    i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    o_v = v_lo + o_c
+    m_n = o_n < N
+    m_v = o_v < v_hi
+    acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
+                           DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
+    _dlogits_epilogue(acc, i_n, o_n, o_c, o_v, m_n, m_v,
+                      p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
+                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION)
 
 
 def tma_ok(hidden, weight) -> bool:
@@ -198,25 +133,6 @@ def _ensure_context(device) -> None:
         _THREAD.bound = True
 
 
-_SMS: dict = {}
-
-
-def _num_sms(device) -> int:
-    """Programs of a persistent kernel: the SM count (cached per device; 4 under the CPU interpreter, so that each
-    program walks several tiles there too)."""
-    key = (device.type, device.index)
-    sms = _SMS.get(key)
-    if sms is None:
-        if device.type == "cuda":
-            import torch
-
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            sms = 4
-        _SMS[key] = sms
-    return sms
-
-
 def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
     _ensure_context(hidden.device)
 
@@ -240,7 +156,6 @@ def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_lean_flags(cfg, weight.shape[0]), **(dict(FLATTEN=True) if cfg.flatten_fwd else {}),
     )
 
 
@@ -252,17 +167,12 @@ def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, 
                                inv_temperature, with_entropy, need_db, cfg, precision)
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d)
-    tiles = cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v)
-    persistent = {}
-    if cfg.persistent_bwd:
-        persistent = dict(PERSISTENT=True)
-        tiles = min(tiles, _num_sms(hidden.device))
-    _bwd_dlogits_tma_kernel[(tiles,)](
+    grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    _bwd_dlogits_tma_kernel[grid](
         d_h, d_w, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi, dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
         HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=precision, WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.bwd_num_stages,
         num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
-        **_lean_bwd_flags(cfg, n, v_hi - v_lo), **persistent,
     )

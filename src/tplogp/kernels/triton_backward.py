@@ -31,12 +31,11 @@ from .triton_forward import _grouped_ids, _logits_tile, _mma, _store_rounded
 @triton.jit
 def _dlogits_epilogue(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
-    i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
+    i_n, o_n, o_c, o_v, m_n, m_v,
     p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see _bwd_dlogits_kernel
     stride_dz, stride_dbp,
     inv_temp,
-    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, LEAN: tl.constexpr, EVEN_NV: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32 column sums.
 
@@ -57,17 +56,8 @@ def _dlogits_epilogue(
         b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
     else:
         b_coef = b_gmg[:, None]
-    if LEAN:  # the one-hot term only in tiles that hold some row's target (0.0 - p * coef elsewhere, the same bits)
-        if tl.max(((b_tgt >= v_lo + i_v * BLOCK_V) & (b_tgt < v_lo + i_v * BLOCK_V + BLOCK_V)).to(tl.int32), 0) > 0:
-            b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
-        else:
-            b_dz = 0.0 - b_p * b_coef
-    else:
-        b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
-    if EVEN_NV:
-        b_dz = b_dz * inv_temp
-    else:
-        b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
+    b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
+    b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
     p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
     _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
     if NEED_DB:
@@ -94,8 +84,6 @@ def _bwd_dlogits_kernel(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    LEAN: tl.constexpr = False,  # lean epilogue (configs.TileConfig.lean_epilogue)
-    EVEN_NV: tl.constexpr = False,  # LEAN, N % BLOCK_N == 0 and the chunk width % BLOCK_V == 0: no tile masks
 ):
     i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -105,9 +93,9 @@ def _bwd_dlogits_kernel(
     m_v = o_v < v_hi
     acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
                        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-    _dlogits_epilogue(acc, i_n, i_v, o_n, o_c, o_v, m_n, m_v, v_lo,
+    _dlogits_epilogue(acc, i_n, o_n, o_c, o_v, m_n, m_v,
                       p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
-                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, BLOCK_V, DOT_PRECISION, LEAN, EVEN_NV)
+                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION)
 
 
 @triton.jit

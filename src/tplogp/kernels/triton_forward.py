@@ -89,7 +89,7 @@ def _online_softmax_update(
     o_v, m_v, p_b,  # [BLOCK_V] vocab ids, their mask, the bias pointer (unused unless HAS_BIAS)
     b_max, b_sum, b_sez,  # [BLOCK_N] running max, sum exp(z - max), sum exp(z - max)(z - max)
     inv_temp,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):
     """Fold one tile into the running row statistics (see the module docstring); returns (z, max, sum, sez).
 
@@ -97,19 +97,13 @@ def _online_softmax_update(
     """
     if HAS_BIAS:
         acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-    if EVEN_V:  # LEAN only: every column of the tile is a real vocab id
-        b_z = acc * inv_temp
-    else:
-        b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
+    b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
     new_max = tl.maximum(b_max, tl.max(b_z, 1))
     b_e = tl.exp(b_z - new_max[:, None])  # [BLOCK_N, BLOCK_V]; masked columns give 0
     b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)  # <= 0
     b_scale = tl.exp(b_shift)
     if WITH_ENTROPY:
-        if EVEN_V:
-            b_ez = b_e * (b_z - new_max[:, None])
-        else:
-            b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
+        b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
         b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
     b_sum = b_sum * b_scale + tl.sum(b_e, 1)
     b_max = new_max
@@ -134,8 +128,6 @@ def _fwd_stats_kernel(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    LEAN: tl.constexpr = False,  # lean epilogue (configs.TileConfig.lean_epilogue)
-    EVEN_V: tl.constexpr = False,  # LEAN and V % BLOCK_V == 0: no column masks
 ):
     i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -152,18 +144,20 @@ def _fwd_stats_kernel(
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
         b_z, b_max, b_sum, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_max, b_sum, b_sez, inv_temp,
-                                                          HAS_BIAS, WITH_ENTROPY, EVEN_V)
-        if LEAN:  # extract target logits only in tiles that hold some row's target (the sum adds 0.0 elsewhere)
-            if tl.max(((b_tgt >= v0) & (b_tgt < v0 + BLOCK_V)).to(tl.int32), 0) > 0:
-                b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
-        else:
-            b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
-    o_out = i_s.to(tl.int64) * N + o_n
-    tl.store(p_max + o_out, b_max, mask=m_n)
-    tl.store(p_sum + o_out, b_sum, mask=m_n)
-    tl.store(p_tl + o_out, b_tl, mask=m_n)
+                                                          HAS_BIAS, WITH_ENTROPY)
+        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+    _store_stats(p_max, p_sum, p_tl, p_sez, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
+                 WITH_ENTROPY)
+
+
+@triton.jit
+def _store_stats(p_max, p_sum, p_tl, p_sez, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY: tl.constexpr):
+    """Store per-row (max, sum, target logit[, sez]) at ``offs`` of the four stat buffers."""
+    tl.store(p_max + offs, b_max, mask=mask)
+    tl.store(p_sum + offs, b_sum, mask=mask)
+    tl.store(p_tl + offs, b_tl, mask=mask)
     if WITH_ENTROPY:
-        tl.store(p_sez + o_out, b_sez, mask=m_n)
+        tl.store(p_sez + offs, b_sez, mask=mask)
 
 
 @triton.jit
@@ -209,11 +203,7 @@ def _merge_splits_kernel(
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m_n = o_n < N
     b_max, b_sum, b_tl, b_sez = _fold_splits(p_max, p_sum, p_tl, p_sez, o_n, m_n, N, S, WITH_ENTROPY)
-    tl.store(o_max + o_n, b_max, mask=m_n)
-    tl.store(o_sum + o_n, b_sum, mask=m_n)
-    tl.store(o_tl + o_n, b_tl, mask=m_n)
-    if WITH_ENTROPY:
-        tl.store(o_sez + o_n, b_sez, mask=m_n)
+    _store_stats(o_max, o_sum, o_tl, o_sez, o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 
 
 @triton.jit

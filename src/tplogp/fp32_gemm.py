@@ -1,0 +1,56 @@
+"""GEMMs that accumulate in fp32 and write fp32, for any input dtype, shared by the sources.
+
+On CUDA, low-precision operands go straight into one cuBLAS call with ``out_dtype=torch.float32`` (fp32
+accumulation, fp32 output, nothing rounded to the input dtype); torch versions without that argument (it is probed
+once per device type) and the CPU, where low-precision GEMMs have no fp32-output path, upcast the operands instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_OUT_DTYPE_OK: dict[str, bool] = {}
+
+
+def _native_f32_out(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a @ b`` can run on the inputs' dtype with an fp32 output (low-precision CUDA operands)."""
+    if a.device.type != "cuda":
+        return False
+    ok = _OUT_DTYPE_OK.get(a.device.type)
+    if ok is None:
+        try:
+            torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
+            ok = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _OUT_DTYPE_OK[a.device.type] = ok
+    return ok
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as a new fp32 tensor."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.mm(a, b)
+    if _native_f32_out(a, b):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` into an fp32 tensor."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    elif _native_f32_out(a, b):
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` into an fp32 accumulator (one GEMM call)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif _native_f32_out(a, b):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
