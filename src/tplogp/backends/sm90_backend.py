@@ -8,7 +8,6 @@ but a compute-capability-9.0 CUDA device (the generic ``triton`` source covers t
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -51,21 +50,12 @@ class SM90Backend(TritonBackend):
             cfg = self._cfg_cached = configs.select_sm90(self._config)
         return cfg
 
-    # The launch callables are built once per backend object (host cost per call matters at small shapes).
     def _stats_launch(self, device: torch.device):
-        fn = self.__dict__.get("_stats_fn")
-        if fn is None:
-            from ..kernels import sm90
+        from ..kernels import sm90
 
-            fn = self._stats_fn = functools.partial(sm90.launch_stats_tma,
-                                                    warp_specialize=self._cfg(device).warp_specialize)
-        return fn
+        return sm90.launch_stats_tma
 
     def _dlogits_launch(self, device: torch.device):
-        fn = self.__dict__.get("_dlogits_fn")
-        if fn is None:
-            from ..kernels import sm90
+        from ..kernels import sm90
 
-            fn = self._dlogits_fn = functools.partial(sm90.launch_dlogits_tma,
-                                                      warp_specialize=self._cfg(device).warp_specialize)
-        return fn
+        return sm90.launch_dlogits_tma

@@ -20,7 +20,7 @@ import triton.language as tl
 from .configs import cdiv
 from .launch import _dot_precision, _launch_dlogits, _launch_stats
 from .triton_backward import _dlogits_epilogue
-from .triton_forward import _grouped_ids, _mma, _online_softmax_update, _store_stats
+from .triton_forward import _grouped_ids, _mma, _online_softmax_update, _stats_program, _store_stats
 
 try:  # host-side tensor descriptors (Triton >= 3.3); the sm90 source reports itself unavailable without them
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -58,23 +58,16 @@ def _fwd_stats_tma_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    m_n = o_n < N
+    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = _stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    b_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_tl = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_sez = tl.zeros([BLOCK_N], dtype=tl.float32)
     v_lo = i_s * SPLIT_V
     for v0 in range(v_lo, tl.minimum(v_lo + SPLIT_V, V), BLOCK_V):
         o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         m_v = o_v < V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-        b_z, b_max, b_sum, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_max, b_sum, b_sez, inv_temp,
-                                                          HAS_BIAS, WITH_ENTROPY)
-        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_tgt, b_max, b_sum, b_tl, b_sez,
+                                                           inv_temp, HAS_BIAS, WITH_ENTROPY)
     _store_stats(p_max, p_sum, p_tl, p_sez, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
                  WITH_ENTROPY)
 
@@ -141,7 +134,7 @@ def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
 
 
 def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int, split_v: int,
-                     inv_temperature: float, with_entropy: bool, cfg, warp_specialize: bool = False) -> None:
+                     inv_temperature: float, with_entropy: bool, cfg) -> None:
     if not tma_ok(hidden, weight):
         return _launch_stats(hidden, weight, bias, local_target, parts, num_splits, split_v, inv_temperature,
                              with_entropy, cfg)
@@ -154,14 +147,13 @@ def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int,
         n, weight.shape[0], d, inv_temperature, num_splits,
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
-        DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
-                       inv_temperature, with_entropy, need_db, cfg, precision: str,
-                       warp_specialize: bool = False) -> None:
+                       inv_temperature, with_entropy, need_db, cfg, precision: str) -> None:
     if not tma_ok(hidden, weight):
         return _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                                inv_temperature, with_entropy, need_db, cfg, precision)
@@ -173,6 +165,6 @@ def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, 
         n, weight.shape[0], d, v_lo, v_hi, dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
         HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
-        DOT_PRECISION=precision, WARP_SPECIALIZE=warp_specialize, NUM_STAGES=cfg.bwd_num_stages,
+        DOT_PRECISION=precision, WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.bwd_num_stages,
         num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
     )

@@ -87,11 +87,12 @@ def _logits_tile(
 def _online_softmax_update(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     o_v, m_v, p_b,  # [BLOCK_V] vocab ids, their mask, the bias pointer (unused unless HAS_BIAS)
-    b_max, b_sum, b_sez,  # [BLOCK_N] running max, sum exp(z - max), sum exp(z - max)(z - max)
+    b_tgt,  # [BLOCK_N] the rows' target ids (local; nobody's when outside the shard)
+    b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running max, sum exp(z - max), target logit, sum exp(z - max)(z - max)
     inv_temp,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):
-    """Fold one tile into the running row statistics (see the module docstring); returns (z, max, sum, sez).
+    """Fold one tile into the running row statistics (see the module docstring); returns (max, sum, tl, sez).
 
     Shared by the generic and the TMA (sm90) forward kernels: only how ``acc`` is loaded differs between them.
     """
@@ -106,8 +107,21 @@ def _online_softmax_update(
         b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
         b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
     b_sum = b_sum * b_scale + tl.sum(b_e, 1)
-    b_max = new_max
-    return b_z, b_max, b_sum, b_sez
+    b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)  # from the fp32 accumulator
+    return new_max, b_sum, b_tl, b_sez
+
+
+@triton.jit
+def _stats_program(N, num_splits, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
+    """This program's token block and vocab split (grouped order), its rows and their mask, and zeroed running
+    stats (max -inf, sum, target logit, sez): the common prologue of the forward kernels."""
+    i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    b_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_tl = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_sez = tl.zeros([BLOCK_N], dtype=tl.float32)
+    return i_n, i_s, o_n, o_n < N, b_max, b_sum, b_tl, b_sez
 
 
 @triton.jit
@@ -129,23 +143,16 @@ def _fwd_stats_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    i_n, i_s = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    m_n = o_n < N
+    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = _stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)  # [BLOCK_N] int64
-    b_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_tl = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_sez = tl.zeros([BLOCK_N], dtype=tl.float32)
     v_lo = i_s * SPLIT_V
     for v0 in range(v_lo, tl.minimum(v_lo + SPLIT_V, V), BLOCK_V):
         o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
         m_v = o_v < V
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-        b_z, b_max, b_sum, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_max, b_sum, b_sez, inv_temp,
-                                                          HAS_BIAS, WITH_ENTROPY)
-        b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_tgt, b_max, b_sum, b_tl, b_sez,
+                                                           inv_temp, HAS_BIAS, WITH_ENTROPY)
     _store_stats(p_max, p_sum, p_tl, p_sez, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
                  WITH_ENTROPY)
 
