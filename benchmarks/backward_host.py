@@ -6,7 +6,7 @@ preparation, the d_logits launch) is GPU idle time. This script measures, in one
 
 1. the autograd engine's own cost around a trivial custom Function (hand-off to the device thread and back);
 2. the real backward's timeline with the GPU idle at ``backward()`` (synchronized first) and busy (the forward's
-   kernels still queued), with the d_logits launcher split into descriptors and the Triton launch;
+   kernels still queued), with Triton's JIT launches and with direct launches (tplogp.kernels.direct_launch);
 3. a cProfile of the real backward on autograd's thread (top functions by own time);
 4. the d_logits launcher alone on the main thread: back-to-back, after a synchronize, after a 2 ms sleep.
 
@@ -69,63 +69,17 @@ def engine_baseline(calls: int) -> dict:
     return _median(rows)
 
 
-class _DirectKernel:
-    """Stands in for a JIT kernel object: the first call compiles through the JIT, later calls launch the cached
-    binary directly (``CompiledKernel.run``, no front end). Diagnostic only: it assumes every call has the same
-    specialization (true inside this script)."""
-
-    def __init__(self, kernel):
-        import inspect
-
-        self.kernel = kernel
-        self.params = [p.name for p in inspect.signature(kernel.fn).parameters.values()]
-        self.defaults = {p.name: p.default for p in inspect.signature(kernel.fn).parameters.values()}
-        self.binary = None
-
-    def __getitem__(self, grid):
-        def run(*a, **k):
-            if self.binary is None:
-                self.binary = self.kernel[grid](*a, **k)
-                return self.binary
-            kw = {n: k.get(n, self.defaults[n]) for n in self.params[len(a):]}
-            values = list(a) + list(kw.values())
-            stream = torch.cuda.current_stream().cuda_stream
-            b = self.binary
-            b.run(grid[0], 1, 1, stream, b.function, b.packed_metadata, None, None, None, *values)
-            return b
-
-        return run
-
-
-class _TimedKernel:
-    """Stands in for a JIT kernel object: times ``kernel[grid](...)`` into ``marks``."""
-
-    def __init__(self, kernel, marks: dict, name: str):
-        self.kernel, self.marks, self.name = kernel, marks, name
-
-    def __getitem__(self, grid):
-        launcher = self.kernel[grid]
-
-        def run(*a, **k):
-            self.marks[self.name + " entered"] = time.perf_counter()
-            out = launcher(*a, **k)
-            self.marks[self.name + " returned"] = time.perf_counter()
-            return out
-
-        return run
-
-
 def real_backward(be, h, w, y, gy, calls: int, sync: bool, profile: cProfile.Profile | None = None,
-                  direct: bool = False) -> dict:
+                  direct: bool = True) -> dict:
     from tplogp import tp
-    from tplogp.kernels import sm90
+    from tplogp.kernels import direct_launch, sm90
     from tplogp.tp import LogpOptions, linear_logp_tp
 
     marks: dict = {}
     fn_cls = tp._LinearLogpFunction
     orig_fn_bwd = fn_cls.backward
     orig_desc = sm90._descriptors
-    orig_kernel = sm90._bwd_dlogits_tma_kernel
+    orig_launch = sm90.launch_dlogits_tma
 
     def fn_bwd(ctx, *grads):
         marks["Function.backward entered"] = time.perf_counter()
@@ -144,11 +98,15 @@ def real_backward(be, h, w, y, gy, calls: int, sync: bool, profile: cProfile.Pro
         marks["descriptors returned"] = time.perf_counter()
         return out
 
+    def dlogits(*a, **k):
+        marks["d_logits launcher entered"] = time.perf_counter()
+        orig_launch(*a, **k)
+        marks["d_logits launcher returned"] = time.perf_counter()
+
     fn_cls.backward = staticmethod(fn_bwd)
     sm90._descriptors = desc
-    inner = _DirectKernel(orig_kernel) if direct else orig_kernel
-    sm90._bwd_dlogits_tma_kernel = _TimedKernel(inner, marks, "dlogits direct launch" if direct else
-                                                "dlogits JIT launch")
+    sm90.launch_dlogits_tma = dlogits
+    direct_launch.set_direct_launch(None if direct else False)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
     rows: dict = {}
     try:
@@ -168,7 +126,8 @@ def real_backward(be, h, w, y, gy, calls: int, sync: bool, profile: cProfile.Pro
     finally:
         fn_cls.backward = staticmethod(orig_fn_bwd)
         sm90._descriptors = orig_desc
-        sm90._bwd_dlogits_tma_kernel = orig_kernel
+        sm90.launch_dlogits_tma = orig_launch
+        direct_launch.set_direct_launch(None)
     return _median(rows)
 
 
@@ -230,10 +189,11 @@ def main() -> int:
     print(f"# {args.shape} bf16 sm90, {runner.machine_info()}")
     print(f"# cpus usable {len(os.sched_getaffinity(0))}, torch threads {torch.get_num_threads()}")
     print("engine around a trivial Function (us from backward()):", engine_baseline(args.calls))
-    print("real backward, GPU idle at backward() (us):", real_backward(be, h, w, y, gy, args.calls, sync=True))
-    print("real backward, GPU busy at backward() (us):", real_backward(be, h, w, y, gy, args.calls, sync=False))
-    print("real backward, GPU idle, d_logits binary launched directly (us):",
-          real_backward(be, h, w, y, gy, args.calls, sync=True, direct=True))
+    for direct in (False, True):
+        how = "direct launches" if direct else "Triton JIT launches"
+        for sync in (True, False):
+            print(f"real backward, {how}, GPU {'idle' if sync else 'busy'} at backward() (us):",
+                  real_backward(be, h, w, y, gy, args.calls, sync=sync, direct=direct))
     prof = cProfile.Profile()
     real_backward(be, h, w, y, gy, args.calls, sync=True, profile=prof)
     s = io.StringIO()

@@ -14,6 +14,7 @@ from .. import fp32_gemm
 from ..backends.base import f32_contiguous, workspace_bytes_from_env
 from . import configs
 from .configs import TileConfig, cdiv
+from .direct_launch import launcher
 from .triton_backward import _bwd_dlogits_kernel, _dh_accum_kernel
 from .triton_forward import _finalize_single_kernel, _fwd_stats_kernel, _merge_splits_kernel
 
@@ -100,8 +101,8 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
                                      stats_launch)
     outs = out.unbind(0)
-    _merge_splits_kernel[(cdiv(n, _MERGE_BLOCK),)](
-        parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], outs[0], outs[1], outs[2],
+    launcher(_merge_splits_kernel)(
+        (cdiv(n, _MERGE_BLOCK),), parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], outs[0], outs[1], outs[2],
         outs[3] if with_entropy else outs[0], n, num_splits,
         WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
     )
@@ -132,8 +133,8 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
     outs = out.unbind(0)
-    _finalize_single_kernel[(cdiv(n, _MERGE_BLOCK),)](
-        parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], target, out, n, v, num_splits,
+    launcher(_finalize_single_kernel)(
+        (cdiv(n, _MERGE_BLOCK),), parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], target, out, n, v, num_splits,
         WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK, num_warps=4,
     )
     return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
@@ -157,8 +158,8 @@ def _launch_stats(hidden, weight, bias, local_target, parts, num_splits: int, sp
     n, d = hidden.shape
     v = weight.shape[0]
     grid = (cdiv(n, cfg.block_n) * num_splits,)
-    _fwd_stats_kernel[grid](
-        hidden, weight, bias if bias is not None else hidden, local_target,
+    launcher(_fwd_stats_kernel)(
+        grid, hidden, weight, bias if bias is not None else hidden, local_target,
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
         n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits,
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
@@ -281,8 +282,8 @@ def _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg
                     inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
     n, d = hidden.shape
     grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
-    _bwd_dlogits_kernel[grid](
-        hidden, weight, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
+    launcher(_bwd_dlogits_kernel)(
+        grid, hidden, weight, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi,
         hidden.stride(0), weight.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
         inv_temperature,
@@ -297,8 +298,8 @@ def _launch_dh(dz: torch.Tensor, w_chunk: torch.Tensor, d_hidden: torch.Tensor, 
     n, k = dz.shape
     d = w_chunk.shape[1]
     grid = (cdiv(n, cfg.dh_block_n) * cdiv(d, cfg.dh_block_d),)
-    _dh_accum_kernel[grid](
-        dz, w_chunk, d_hidden, n, k, d, dz.stride(0), w_chunk.stride(0), d_hidden.stride(0),
+    launcher(_dh_accum_kernel)(
+        grid, dz, w_chunk, d_hidden, n, k, d, dz.stride(0), w_chunk.stride(0), d_hidden.stride(0),
         ACCUMULATE=accumulate, BLOCK_N=cfg.dh_block_n, BLOCK_D=cfg.dh_block_d, BLOCK_K=cfg.dh_block_k,
         GROUP_N=cfg.group_n, DOT_PRECISION=precision, num_warps=cfg.dh_num_warps, num_stages=cfg.dh_num_stages,
     )

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .configs import cdiv
+from .direct_launch import launcher
 from .launch import _dot_precision, _launch_dlogits, _launch_stats
 from .triton_backward import _dlogits_epilogue
 from .triton_forward import _grouped_ids, _mma, _online_softmax_update, _stats_program, _store_stats
@@ -141,8 +142,8 @@ def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int,
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
-    _fwd_stats_tma_kernel[grid](
-        d_h, d_w, bias if bias is not None else hidden, local_target,
+    launcher(_fwd_stats_tma_kernel)(
+        grid, d_h, d_w, bias if bias is not None else hidden, local_target,
         parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
         n, weight.shape[0], d, inv_temperature, num_splits,
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
@@ -160,8 +161,8 @@ def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, 
     n, d = hidden.shape
     d_h, d_w = _descriptors(hidden, weight, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d)
     grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
-    _bwd_dlogits_tma_kernel[grid](
-        d_h, d_w, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
+    launcher(_bwd_dlogits_tma_kernel)(
+        grid, d_h, d_w, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi, dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
         HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,

@@ -1,0 +1,181 @@
+"""Launch compiled Triton kernels without Triton's JIT front end on every call.
+
+``kernel[grid](*args)`` binds the arguments, specializes each one (pointer dtype and 16-byte alignment; integers
+equal to 1, divisible by 16, 32- or 64-bit; descriptor dtype and block shape), hashes that specialization, finds the
+compiled kernel and only then launches it. On the H200 host this front end cost 25-50 us per launch, as much as a
+quarter of a small-shape forward's GPU time (benchmarks/launch_cost.py, backward_host.py); a small shape's latency is
+mostly host time before the first kernel, so it is worth removing.
+
+Algorithm: per JIT kernel, a dict maps a *launch key* to the ``CompiledKernel`` that the JIT returned the first time
+it launched arguments with that key. The key is at least as fine as Triton's specialization, so two calls with one
+key always have one compiled kernel:
+
+* tensors: dtype and ``data_ptr() % 16`` (Triton: dtype, and alignment to 16 bytes or not);
+* ints: ``== 1``, ``% 16`` and the 32-bit / 64-bit / unsigned-64-bit range (Triton: constant 1, divisible by 16,
+  i32 / i64 / u64);
+* floats: their type (Triton does not specialize on float values); ``None``: itself;
+* tensor descriptors: dtype, block shape, padding, rank, base alignment and every shape / stride ``% 16``;
+* constexpr values, ``num_warps``, ``num_stages`` and the current CUDA device (Triton keys on it too).
+
+Later calls with a known key call the compiled kernel's launcher (``CompiledKernel.run``, the call that ends
+Triton's own ``JITFunction.run``) with the arguments in signature order. Falls back to the plain JIT call, every
+time, under Triton's interpreter, when ``TPLOGP_DIRECT_LAUNCH=0``, when a launch hook is registered (a profiler:
+its hooks then see every launch), and when this Triton's ``CompiledKernel`` lacks the launcher attributes.
+Skipped by design: Triton's check that the kernel's global ``constexpr`` values have not changed since it was
+compiled (tplogp's kernels never reassign theirs).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from .configs import interpreting
+
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_OVERRIDE: Optional[bool] = None  # set_direct_launch(); None: TPLOGP_DIRECT_LAUNCH decides
+_U64_LOW = 1 << 63
+
+
+def arg_key(arg: Any) -> Any:
+    """The part of the launch key for one runtime argument (see the module docstring)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16)
+    if isinstance(arg, bool):
+        return ("bool", arg)
+    if isinstance(arg, int):
+        return (arg == 1, arg % 16, _INT32[0] <= arg <= _INT32[1], arg >= _U64_LOW)
+    if isinstance(arg, float):
+        return float
+    if arg is None:
+        return None
+    base = getattr(arg, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(arg, "block_shape"):  # a host TensorDescriptor
+        return ("desc", base.dtype, tuple(arg.block_shape), getattr(arg, "padding", None), base.data_ptr() % 16,
+                tuple(int(s) % 16 for s in arg.shape), tuple(int(s) % 16 for s in arg.strides))
+    raise TypeError(f"direct_launch: no launch key for an argument of type {type(arg).__name__}")
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    # what Triton's KernelParam.is_constexpr tests (the annotation may be a string under future annotations)
+    return "constexpr" in str(param.annotation)
+
+
+def _runtime_knobs() -> Any:
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - a Triton without knobs: direct launches stay off
+        return None
+    return knobs.runtime
+
+
+def _hooks_registered(runtime: Any) -> bool:
+    """A Triton launch hook (for example a profiler's) is set: launches must go through the JIT."""
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):  # an empty HookChain has calls == []
+            return True
+    return False
+
+
+def _raw_stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+class DirectLauncher:
+    """``launcher(grid, *runtime_args, num_warps=, num_stages=, **constexprs)`` for one ``@triton.jit`` kernel.
+
+    Runtime arguments are positional, in signature order; every constexpr parameter follows them in the kernel's
+    signature and is passed by keyword (defaults apply).
+    """
+
+    def __init__(self, jit_fn: Any):
+        self.jit_fn = jit_fn
+        params = list(inspect.signature(jit_fn.fn).parameters.values())
+        is_const = [_is_constexpr(p) for p in params]
+        n_runtime = is_const.index(True) if True in is_const else len(is_const)
+        if any(not c for c in is_const[n_runtime:]):
+            raise ValueError(f"{jit_fn.fn.__name__}: constexpr parameters must follow the runtime ones")
+        self.n_runtime = n_runtime
+        self.const_names = tuple(p.name for p in params[n_runtime:])
+        self.const_defaults = {p.name: p.default for p in params[n_runtime:]
+                               if p.default is not inspect.Parameter.empty}
+        self.binaries: dict = {}
+        self._enabled: Optional[bool] = None
+        self._knobs: Any = None
+        self.direct_launches = 0  # counters, for tests and benchmarks
+        self.jit_launches = 0
+
+    def enabled(self) -> bool:
+        if _OVERRIDE is False:
+            return False
+        if self._enabled is None:
+            self._knobs = _runtime_knobs()
+            self._enabled = (not interpreting() and os.environ.get("TPLOGP_DIRECT_LAUNCH", "1") != "0"
+                             and self._knobs is not None and torch.cuda.is_available())
+        return self._enabled
+
+    def __call__(self, grid: tuple, *args: Any, num_warps: int, num_stages: Optional[int] = None,
+                 **constexprs: Any) -> None:
+        if len(args) != self.n_runtime:
+            raise TypeError(f"{self.jit_fn.fn.__name__}: expected {self.n_runtime} runtime arguments, got "
+                            f"{len(args)}")
+        if not self.enabled() or _hooks_registered(self._knobs):
+            self._jit(grid, args, num_warps, num_stages, constexprs)
+            return
+        try:
+            consts = tuple(constexprs[n] if n in constexprs else self.const_defaults[n] for n in self.const_names)
+        except KeyError as exc:
+            raise TypeError(f"{self.jit_fn.fn.__name__}: missing constexpr argument {exc}") from None
+        device = torch.cuda.current_device()
+        key = (device, num_warps, num_stages, consts, tuple(map(arg_key, args)))
+        binary = self.binaries.get(key)
+        if binary is None:
+            binary = self._jit(grid, args, num_warps, num_stages, constexprs)
+            if (getattr(binary, "function", None) is not None and hasattr(binary, "packed_metadata")
+                    and callable(getattr(binary, "run", None))):
+                self.binaries[key] = binary
+            return
+        self.direct_launches += 1
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        binary.run(grid[0], g1, g2, _raw_stream(device), binary.function, binary.packed_metadata, None, None, None,
+                   *args, *consts)
+
+    def _jit(self, grid, args, num_warps, num_stages, constexprs):
+        self.jit_launches += 1
+        return _jit_launch(self.jit_fn, grid, args, num_warps, num_stages, constexprs)
+
+
+def _jit_launch(jit_fn, grid, args, num_warps, num_stages, constexprs):
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    return jit_fn[grid](*args, **options, **constexprs)
+
+
+_LAUNCHERS: dict = {}
+
+
+def set_direct_launch(enabled: Optional[bool]) -> None:
+    """Turn direct launches off (``False``) for every kernel, or back to the default (``None``: on where supported,
+    unless ``TPLOGP_DIRECT_LAUNCH=0``). For tests and benchmarks that compare the two paths."""
+    global _OVERRIDE
+    _OVERRIDE = None if enabled is None else bool(enabled)
+    if _OVERRIDE is False:
+        return
+    for found in _LAUNCHERS.values():
+        found._enabled = None  # re-read the environment on the next launch
+
+
+def launcher(jit_fn: Any) -> Callable[..., None]:
+    """The :class:`DirectLauncher` of a ``@triton.jit`` kernel (one per kernel object; looked up at each launch, so
+    a kernel attribute replaced by a test or a benchmark is honoured). Anything that is not a Triton kernel (a
+    stand-in with ``__getitem__``) is launched as ``obj[grid](...)``."""
+    found = _LAUNCHERS.get(id(jit_fn))
+    if found is None or found.jit_fn is not jit_fn:
+        if not callable(getattr(jit_fn, "fn", None)):
+            return lambda grid, *args, num_warps, num_stages=None, **constexprs: _jit_launch(
+                jit_fn, grid, args, num_warps, num_stages, constexprs)
+        found = _LAUNCHERS[id(jit_fn)] = DirectLauncher(jit_fn)
+    return found

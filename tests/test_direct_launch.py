@@ -1,0 +1,152 @@
+"""tplogp.kernels.direct_launch: which calls reuse a compiled kernel, and what reaches its launcher.
+
+A stand-in JIT kernel records what the JIT front end and the compiled kernel's launcher receive, so the caching
+logic is tested on the CPU. The real kernels run through it on the GPU (tests/gpu).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tplogp.kernels import direct_launch
+from tplogp.kernels.direct_launch import DirectLauncher, arg_key
+
+
+def _kernel_fn(p_x, p_y, N, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False):  # noqa: F821
+    pass
+
+
+class _FakeBinary:
+    def __init__(self, log):
+        self.function = object()
+        self.packed_metadata = ("meta",)
+        self.log = log
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class _FakeJit:
+    """What direct_launch needs of a ``@triton.jit`` object: ``fn`` and ``[grid](...)``."""
+
+    def __init__(self):
+        self.fn = _kernel_fn
+        self.log: list = []
+        self.compiled = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.compiled += 1
+            self.log.append(("jit", grid, args, kwargs))
+            return _FakeBinary(self.log)
+
+        return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    jit = _FakeJit()
+    launch = DirectLauncher(jit)
+    launch._enabled = True  # as on a CUDA device
+    launch._knobs = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(direct_launch, "_raw_stream", lambda device: 1234)
+    return jit, launch
+
+
+def test_first_call_compiles_then_launches_directly_in_signature_order(fake):
+    jit, launch = fake
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch((3,), x, y, 32, 0.5, BLOCK=64, num_warps=4)
+    assert jit.log[0] == ("jit", (3,), (x, y, 32, 0.5), {"num_warps": 4, "BLOCK": 64})
+    launch((5, 2), x, y, 48, 2.0, BLOCK=64, num_warps=4)  # ints 32 and 48: both divisible by 16, one key
+    kind, args = jit.log[1]
+    assert kind == "direct" and jit.compiled == 1
+    assert args[:4] == (5, 2, 1, 1234)  # grid x, y, z and the current stream
+    assert args[5] == ("meta",) and args[6:9] == (None, None, None)  # no launch metadata and no hooks
+    assert args[9:] == (x, y, 48, 2.0, 64, False)  # runtime args, then constexprs (the default filled in)
+    assert launch.direct_launches == 1 and launch.jit_launches == 1
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_one", "int_residue", "int64", "constexpr",
+                                    "num_warps", "num_stages"])
+def test_a_different_specialization_compiles_again(fake, change):
+    jit, launch = fake
+    buf = torch.zeros(128)
+    base = dict(args=(buf[:64], buf[64:], 32, 1.0), consts=dict(BLOCK=64), opts=dict(num_warps=4))
+    launch((1,), *base["args"], **base["consts"], **base["opts"])
+    args, consts, opts = list(base["args"]), dict(base["consts"]), dict(base["opts"])
+    if change == "misaligned":
+        args[0] = buf[1:65]  # 4 bytes past a 16-byte boundary
+    elif change == "dtype":
+        args[1] = torch.zeros(64, dtype=torch.float64)
+    elif change == "int_one":
+        args[2] = 1
+    elif change == "int_residue":
+        args[2] = 33
+    elif change == "int64":
+        args[2] = 1 << 32  # divisible by 16, like 32, but a 64-bit int for Triton
+    elif change == "constexpr":
+        consts["FLAG"] = True
+    elif change == "num_warps":
+        opts["num_warps"] = 8
+    else:
+        opts["num_stages"] = 3
+    launch((1,), *args, **consts, **opts)
+    assert jit.compiled == 2 and [e[0] for e in jit.log] == ["jit", "jit"]
+
+
+def test_launch_hooks_and_the_env_switch_keep_the_jit_path(fake, monkeypatch):
+    jit, launch = fake
+    x = torch.zeros(64)
+    launch._knobs = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print]),
+                                          launch_exit_hook=None)
+    for _ in range(2):
+        launch((1,), x, x, 16, 1.0, BLOCK=64, num_warps=4)
+    assert jit.compiled == 2  # a profiler's hook sees every launch
+    monkeypatch.setenv("TPLOGP_DIRECT_LAUNCH", "0")
+    off = DirectLauncher(jit)
+    assert not off.enabled()
+    launch._knobs = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    direct_launch.set_direct_launch(False)
+    try:
+        launch((1,), x, x, 16, 1.0, BLOCK=64, num_warps=4)
+    finally:
+        direct_launch.set_direct_launch(None)
+    assert jit.compiled == 3 and launch.direct_launches == 0
+
+
+def test_bad_calls_name_what_was_expected(fake):
+    _, launch = fake
+    x = torch.zeros(64)
+    with pytest.raises(TypeError, match="expected 4 runtime arguments, got 3"):
+        launch((1,), x, x, 16, BLOCK=64, num_warps=4)
+    with pytest.raises(TypeError, match="missing constexpr argument 'BLOCK'"):
+        launch((1,), x, x, 16, 1.0, num_warps=4)
+
+
+def test_arg_keys():
+    assert arg_key(16) == arg_key(32) != arg_key(1)
+    assert arg_key(17) != arg_key(1)  # 17 % 16 == 1 % 16, but 1 is Triton's constant
+    assert arg_key(2.0) == arg_key(0.25)
+    assert arg_key(True) != arg_key(1)
+    assert arg_key(None) is None
+    with pytest.raises(TypeError, match="no launch key"):
+        arg_key("text")
+
+
+def test_stand_ins_without_fn_are_launched_through_getitem():
+    jit = _FakeJit()
+    calls = []
+
+    class _Stub:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    direct_launch.launcher(_Stub())((2,), 1, 2, num_warps=4, BLOCK=8)
+    assert calls == [((2,), (1, 2), {"num_warps": 4, "BLOCK": 8})]
+    assert isinstance(direct_launch.launcher(jit), DirectLauncher)
+    assert direct_launch.launcher(jit) is direct_launch.launcher(jit)
