@@ -8,7 +8,8 @@ enqueued. This script measures, for the sm90 source through the public TP path:
 * host timeline per call (median of ``--calls``, microseconds from op entry): backend ``forward_single`` entered,
   stats launcher entered (before its tensor descriptors) / returned, op returned;
 * CUDA-event time per call in ``--rounds`` interleaved rounds (medians) of one cuBLAS GEMM, torch eager and sm90,
-  forward and forward+backward, and the forward replayed from a CUDA graph (GPU time alone).
+  forward and forward+backward (sm90 also with Triton's JIT launches instead of tplogp's direct launches), and the
+  forward replayed from a CUDA graph (GPU time alone).
 
     python benchmarks/latency.py [--shape 4096x2048x8192] [--rounds 15] [--reps 20]
 """
@@ -132,6 +133,7 @@ def graph_ms(fn, reps: int) -> float:
 
 def main() -> int:
     from tplogp.kernel_registry import get_backend
+    from tplogp.kernels import direct_launch
     from tplogp.tp import LogpOptions
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -159,16 +161,20 @@ def main() -> int:
     print("host timeline (us from op entry):", timeline(be, h, w, y, args.calls))
     print("backward host timeline (us from out.backward()):", backward_timeline(be, h, w, y, gy, args.calls))
     samples: dict = {}
-    cases = {
-        "gemm": lambda: h @ w.T,
-        "eager fwd": eager_fwd,
-        "sm90 fwd": fwd,
-        "eager fwd+bwd": eager_fwd_bwd,
-        "sm90 fwd+bwd": fwd_bwd,
+    cases = {  # name: (fn, direct launches on)
+        "gemm": (lambda: h @ w.T, True),
+        "eager fwd": (eager_fwd, True),
+        "sm90 fwd": (fwd, True),
+        "sm90 fwd, JIT launches": (fwd, False),
+        "eager fwd+bwd": (eager_fwd_bwd, True),
+        "sm90 fwd+bwd": (fwd_bwd, True),
+        "sm90 fwd+bwd, JIT launches": (fwd_bwd, False),
     }
     for _ in range(args.rounds):
-        for name, fn in cases.items():
+        for name, (fn, direct) in cases.items():
+            direct_launch.set_direct_launch(None if direct else False)
             samples.setdefault(name, []).append(runner.median_ms(fn, reps=args.reps))
+        direct_launch.set_direct_launch(None)
     gemm = statistics.median(samples["gemm"])
     for name, v in samples.items():
         m = statistics.median(v)

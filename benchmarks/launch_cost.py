@@ -42,7 +42,7 @@ def main() -> int:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from tplogp.kernel_registry import get_backend
-    from tplogp.kernels import launch, sm90
+    from tplogp.kernels import direct_launch, launch, sm90
     from tplogp.tp import LogpOptions, linear_logp_tp
     from tplogp.validation import local_problem
 
@@ -72,6 +72,7 @@ def main() -> int:
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = ((T // cfg.block_n) * 8,)
     stats_bin = sm90._fwd_stats_tma_kernel[grid](*stats_args, **stats_kw)  # the JIT returns the compiled kernel
+    direct_stats = direct_launch.launcher(sm90._fwd_stats_tma_kernel)
     params = list(inspect.signature(sm90._fwd_stats_tma_kernel.fn).parameters.values())
     values = list(stats_args) + [stats_kw.get(p.name, p.default) for p in params[len(stats_args):]]
     fin_values = [parts[0], parts[1], parts[2], parts[0], y, out, T, V, 8, False, True, 256]
@@ -95,6 +96,8 @@ def main() -> int:
         "finalize binary.run (no descriptors)": lambda: fin_bin.run(
             T // 256, 1, 1, stream, fin_bin.function, fin_bin.packed_metadata, None, None, None, *fin_values),
         "jit stats launch (Triton front end + launcher)": lambda: sm90._fwd_stats_tma_kernel[grid](*stats_args, **stats_kw),
+        "direct stats launch (tplogp direct_launch)": lambda: direct_stats(grid, *stats_args, **stats_kw),
+        "sm90._descriptors (two, unvalidated)": lambda: sm90._descriptors(h, w, 128, 256, 64),
         "backend.forward_single": lambda: be.forward_single(h, w, None, y, be_call),
         "linear_logp_tp no_grad": lambda: linear_logp_tp(be, h, w, y, options=opts),
     }

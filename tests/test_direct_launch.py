@@ -150,3 +150,13 @@ def test_stand_ins_without_fn_are_launched_through_getitem():
     assert calls == [((2,), (1, 2), {"num_warps": 4, "BLOCK": 8})]
     assert isinstance(direct_launch.launcher(jit), DirectLauncher)
     assert direct_launch.launcher(jit) is direct_launch.launcher(jit)
+
+
+def test_sm90_descriptors_equal_from_tensor():
+    pytest.importorskip("triton")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tplogp.kernels import sm90
+
+    t = torch.zeros(64, 40, dtype=torch.bfloat16)
+    assert sm90._descriptor(t, [16, 32]) == TensorDescriptor.from_tensor(t, [16, 32])

@@ -12,7 +12,9 @@ The launcher falls back to the generic kernels otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import Optional
 
 import triton
 import triton.language as tl
@@ -127,11 +129,36 @@ def _ensure_context(device) -> None:
         _THREAD.bound = True
 
 
+def _descriptor_defaults() -> Optional[dict]:
+    """Defaults of TensorDescriptor's optional fields, or None when it has required fields beyond the four that
+    ``_descriptor`` sets (a Triton this code does not know: use ``from_tensor``)."""
+    found = {}
+    for f in dataclasses.fields(TensorDescriptor):
+        if f.default is not dataclasses.MISSING:
+            found[f.name] = f.default
+        elif f.name not in ("base", "shape", "strides", "block_shape"):
+            return None
+    return found
+
+
+_DESC_DEFAULTS = _descriptor_defaults() if TensorDescriptor is not None else None
+
+
+def _descriptor(tensor, block_shape: list):
+    """``TensorDescriptor.from_tensor(tensor, block_shape)`` without its per-call validation (microseconds of host
+    time on a small-shape call): the launchers have checked what it asserts (``tma_ok``: 16-byte aligned base and
+    row stride; ``check_inputs``: unit stride along D, non-empty) and the block shapes come from the config table."""
+    if _DESC_DEFAULTS is None:
+        return TensorDescriptor.from_tensor(tensor, block_shape)
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_DESC_DEFAULTS)
+    desc.base, desc.shape, desc.strides, desc.block_shape = tensor, tensor.shape, tensor.stride(), block_shape
+    return desc
+
+
 def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
     _ensure_context(hidden.device)
-
-    return (TensorDescriptor.from_tensor(hidden, [block_n, block_d]),
-            TensorDescriptor.from_tensor(weight, [block_v, block_d]))
+    return _descriptor(hidden, [block_n, block_d]), _descriptor(weight, [block_v, block_d])
 
 
 def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int, split_v: int,
