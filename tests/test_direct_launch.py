@@ -52,7 +52,7 @@ def fake(monkeypatch):
     launch = DirectLauncher(jit)
     launch._enabled = True  # as on a CUDA device
     launch._knobs = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(direct_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(direct_launch, "_raw_stream", lambda device: 1234)
     return jit, launch
 
@@ -60,15 +60,24 @@ def fake(monkeypatch):
 def test_first_call_compiles_then_launches_directly_in_signature_order(fake):
     jit, launch = fake
     x, y = torch.zeros(64), torch.zeros(64)
-    launch((3,), x, y, 32, 0.5, BLOCK=64, num_warps=4)
-    assert jit.log[0] == ("jit", (3,), (x, y, 32, 0.5), {"num_warps": 4, "BLOCK": 64})
-    launch((5, 2), x, y, 48, 2.0, BLOCK=64, num_warps=4)  # ints 32 and 48: both divisible by 16, one key
+    launch((3,), x, y, 32, 0.5, BLOCK=64, FLAG=False, num_warps=4)
+    assert jit.log[0] == ("jit", (3,), (x, y, 32, 0.5), {"num_warps": 4, "BLOCK": 64, "FLAG": False})
+    launch((5, 2), x, y, 48, 2.0, BLOCK=64, FLAG=False, num_warps=4)  # 32 and 48: both divisible by 16, one key
     kind, args = jit.log[1]
     assert kind == "direct" and jit.compiled == 1
     assert args[:4] == (5, 2, 1, 1234)  # grid x, y, z and the current stream
     assert args[5] == ("meta",) and args[6:9] == (None, None, None)  # no launch metadata and no hooks
-    assert args[9:] == (x, y, 48, 2.0, 64, False)  # runtime args, then constexprs (the default filled in)
+    assert args[9:] == (x, y, 48, 2.0, 64, False)  # runtime args, then constexprs
     assert launch.direct_launches == 1 and launch.jit_launches == 1
+
+
+@pytest.mark.parametrize("consts", [dict(BLOCK=64), dict(FLAG=False, BLOCK=64)], ids=["default", "out-of-order"])
+def test_constexprs_not_all_given_in_order_keep_the_jit_path(fake, consts):
+    jit, launch = fake
+    x = torch.zeros(64)
+    for _ in range(3):
+        launch((1,), x, x, 16, 1.0, **consts, num_warps=4)
+    assert jit.compiled == 3 and launch.direct_launches == 0
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_one", "int_residue", "int64", "constexpr",
@@ -76,7 +85,7 @@ def test_first_call_compiles_then_launches_directly_in_signature_order(fake):
 def test_a_different_specialization_compiles_again(fake, change):
     jit, launch = fake
     buf = torch.zeros(128)
-    base = dict(args=(buf[:64], buf[64:], 32, 1.0), consts=dict(BLOCK=64), opts=dict(num_warps=4))
+    base = dict(args=(buf[:64], buf[64:], 32, 1.0), consts=dict(BLOCK=64, FLAG=False), opts=dict(num_warps=4))
     launch((1,), *base["args"], **base["consts"], **base["opts"])
     args, consts, opts = list(base["args"]), dict(base["consts"]), dict(base["opts"])
     if change == "misaligned":
@@ -105,7 +114,7 @@ def test_launch_hooks_and_the_env_switch_keep_the_jit_path(fake, monkeypatch):
     launch._knobs = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print]),
                                           launch_exit_hook=None)
     for _ in range(2):
-        launch((1,), x, x, 16, 1.0, BLOCK=64, num_warps=4)
+        launch((1,), x, x, 16, 1.0, BLOCK=64, FLAG=False, num_warps=4)
     assert jit.compiled == 2  # a profiler's hook sees every launch
     monkeypatch.setenv("TPLOGP_DIRECT_LAUNCH", "0")
     off = DirectLauncher(jit)
@@ -113,7 +122,7 @@ def test_launch_hooks_and_the_env_switch_keep_the_jit_path(fake, monkeypatch):
     launch._knobs = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
     direct_launch.set_direct_launch(False)
     try:
-        launch((1,), x, x, 16, 1.0, BLOCK=64, num_warps=4)
+        launch((1,), x, x, 16, 1.0, BLOCK=64, FLAG=False, num_warps=4)
     finally:
         direct_launch.set_direct_launch(None)
     assert jit.compiled == 3 and launch.direct_launches == 0
@@ -160,3 +169,27 @@ def test_sm90_descriptors_equal_from_tensor():
 
     t = torch.zeros(64, 40, dtype=torch.bfloat16)
     assert sm90._descriptor(t, [16, 32]) == TensorDescriptor.from_tensor(t, [16, 32])
+
+
+@pytest.mark.parametrize("module_name", ["launch", "sm90"])
+def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
+    """Every ``launcher(kernel)(grid, ...)`` call in the launchers passes all of the kernel's constexprs, in
+    signature order (else it would silently stay on the slower JIT path)."""
+    pytest.importorskip("triton")
+    import ast
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"tplogp.kernels.{module_name}")
+    tree = ast.parse(inspect.getsource(module))
+    sites = 0
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Call)
+                and getattr(node.func.func, "id", None) == "launcher"):
+            kernel = getattr(module, node.func.args[0].id)
+            names = tuple(k.arg for k in node.keywords if k.arg not in ("num_warps", "num_stages"))
+            expected = DirectLauncher(kernel).const_names
+            assert names == expected, f"{node.func.args[0].id}: constexprs {names}, signature order {expected}"
+            assert len(node.args) == 1 + DirectLauncher(kernel).n_runtime, node.func.args[0].id
+            sites += 1
+    assert sites >= 2

@@ -157,9 +157,16 @@ def test_direct_launches_match_the_jit_path(source):
         finally:
             direct_launch.set_direct_launch(None)
 
-    before = sum(l.direct_launches for l in direct_launch._LAUNCHERS.values())
+    def counts():
+        return {k: (l.jit_launches, l.direct_launches) for k, l in direct_launch._LAUNCHERS.items()}
+
+    before = counts()
     direct = run_all(None)
-    assert sum(l.direct_launches for l in direct_launch._LAUNCHERS.values()) > before
+    after = counts()
+    used = [k for k in after if after[k] != before.get(k, (0, 0))]
+    assert used
+    for k in used:  # every kernel this test launched was launched directly on the repeated calls
+        assert after[k][1] > before.get(k, (0, 0))[1], direct_launch._LAUNCHERS[k].jit_fn.fn.__name__
     jit = run_all(False)
     for case_d, case_j in zip(direct, jit):
         for r_d, r_j in zip(case_d, case_j):

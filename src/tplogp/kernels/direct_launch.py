@@ -84,11 +84,16 @@ def _raw_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()  # what torch.cuda.current_device() returns, without its Python wrapper
+
+
 class DirectLauncher:
     """``launcher(grid, *runtime_args, num_warps=, num_stages=, **constexprs)`` for one ``@triton.jit`` kernel.
 
     Runtime arguments are positional, in signature order; every constexpr parameter follows them in the kernel's
-    signature and is passed by keyword (defaults apply).
+    signature and is passed by keyword. Direct launches need every constexpr passed, in signature order (the hot
+    path then reads them without a lookup); other calls always go through the JIT.
     """
 
     def __init__(self, jit_fn: Any):
@@ -119,32 +124,41 @@ class DirectLauncher:
 
     def __call__(self, grid: tuple, *args: Any, num_warps: int, num_stages: Optional[int] = None,
                  **constexprs: Any) -> None:
+        if _OVERRIDE is None and self._enabled and not _hooks_registered(self._knobs):
+            # Hot path (a few microseconds on a slow host matter here). Keys are only stored by calls that passed
+            # every constexpr in signature order (see _first), so ``constexprs.values()`` is the signature order.
+            device = _current_device()
+            tensor = torch.Tensor
+            key = (device, num_warps, num_stages, tuple(constexprs.values()),
+                   tuple([(a.dtype, a.data_ptr() % 16) if type(a) is tensor else arg_key(a) for a in args]))
+            entry = self.binaries.get(key)
+            if entry is not None:
+                self.direct_launches += 1
+                run, function, metadata = entry
+                run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, _raw_stream(device),
+                    function, metadata, None, None, None, *args, *key[3])
+                return
+        self._first(grid, args, num_warps, num_stages, constexprs)
+
+    def _first(self, grid, args, num_warps, num_stages, constexprs) -> None:
+        """Check the call, launch through the JIT and, when direct launches are on, remember the compiled kernel."""
+        name = self.jit_fn.fn.__name__
         if len(args) != self.n_runtime:
-            raise TypeError(f"{self.jit_fn.fn.__name__}: expected {self.n_runtime} runtime arguments, got "
-                            f"{len(args)}")
+            raise TypeError(f"{name}: expected {self.n_runtime} runtime arguments, got {len(args)}")
+        missing = [n for n in self.const_names if n not in constexprs and n not in self.const_defaults]
+        if missing:
+            raise TypeError(f"{name}: missing constexpr argument {missing[0]!r}")
         if not self.enabled() or _hooks_registered(self._knobs):
             self._jit(grid, args, num_warps, num_stages, constexprs)
             return
-        try:
-            consts = tuple(constexprs[n] if n in constexprs else self.const_defaults[n] for n in self.const_names)
-        except KeyError as exc:
-            raise TypeError(f"{self.jit_fn.fn.__name__}: missing constexpr argument {exc}") from None
-        device = torch.cuda.current_device()
-        tensor = torch.Tensor
-        key = (device, num_warps, num_stages, consts,  # plain tensors inline: most arguments, and hot
-               tuple([(a.dtype, a.data_ptr() % 16) if type(a) is tensor else arg_key(a) for a in args]))
-        binary = self.binaries.get(key)
-        if binary is None:
-            binary = self._jit(grid, args, num_warps, num_stages, constexprs)
-            if (getattr(binary, "function", None) is not None and hasattr(binary, "packed_metadata")
-                    and callable(getattr(binary, "run", None))):
-                self.binaries[key] = binary
+        binary = self._jit(grid, args, num_warps, num_stages, constexprs)
+        if tuple(constexprs) != self.const_names:  # not every constexpr, or not in signature order: JIT only
             return
-        self.direct_launches += 1
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        binary.run(grid[0], g1, g2, _raw_stream(device), binary.function, binary.packed_metadata, None, None, None,
-                   *args, *consts)
+        if (getattr(binary, "function", None) is None or not hasattr(binary, "packed_metadata")
+                or not callable(getattr(binary, "run", None))):
+            return  # a Triton whose compiled kernels lack the launcher attributes: JIT only
+        key = (_current_device(), num_warps, num_stages, tuple(constexprs.values()), tuple(map(arg_key, args)))
+        self.binaries[key] = (binary.run, binary.function, binary.packed_metadata)
 
     def _jit(self, grid, args, num_warps, num_stages, constexprs):
         self.jit_launches += 1
@@ -163,7 +177,7 @@ def set_direct_launch(enabled: Optional[bool]) -> None:
     """Turn direct launches off (``False``) for every kernel, or back to the default (``None``: on where supported,
     unless ``TPLOGP_DIRECT_LAUNCH=0``). For tests and benchmarks that compare the two paths."""
     global _OVERRIDE
-    _OVERRIDE = None if enabled is None else bool(enabled)
+    _OVERRIDE = False if enabled is False else None
     if _OVERRIDE is False:
         return
     for found in _LAUNCHERS.values():
