@@ -60,12 +60,12 @@ def main() -> int:
     print(f"# {args.shape} sm90; launch_enter_hook={knobs.runtime.launch_enter_hook!r} "
           f"launch_exit_hook={knobs.runtime.launch_exit_hook!r}")
     cfg = be._cfg(h.device)
-    parts = torch.empty((3, 8, T), device="cuda").unbind(0)
+    parts = torch.empty((3, 8, T), device="cuda")
     out = torch.empty((4, T), device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     d_h = TensorDescriptor.from_tensor(h, [cfg.block_n, cfg.block_d])
     d_w = TensorDescriptor.from_tensor(w, [cfg.block_v, cfg.block_d])
-    stats_args = (d_h, d_w, h, y, parts[0], parts[1], parts[2], parts[0], T, V, D, 1.0, 8)
+    stats_args = (d_h, d_w, h, y, parts, T, V, D, 1.0, 8, 8 * T)
     stats_kw = dict(SPLIT_V=cfg.split_tiles * cfg.block_v, HAS_BIAS=False, WITH_ENTROPY=False,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
                     DOT_PRECISION=None, WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
@@ -75,8 +75,8 @@ def main() -> int:
     direct_stats = direct_launch.launcher(sm90._fwd_stats_tma_kernel)
     params = list(inspect.signature(sm90._fwd_stats_tma_kernel.fn).parameters.values())
     values = list(stats_args) + [stats_kw.get(p.name, p.default) for p in params[len(stats_args):]]
-    fin_values = [parts[0], parts[1], parts[2], parts[0], y, out, T, V, 8, False, True, 256]
-    fin_bin = launch._finalize_single_kernel[(T // 256,)](*fin_values[:9], WITH_ENTROPY=False, ACCURATE_LOG=True,
+    fin_values = [parts, y, out, T, V, 8, 8 * T, False, True, 256]
+    fin_bin = launch._finalize_single_kernel[(T // 256,)](*fin_values[:7], WITH_ENTROPY=False, ACCURATE_LOG=True,
                                                            BLOCK=256, num_warps=4)
     runner_obj = getattr(stats_bin, "_run", None)
     print(f"# stats binary: global_scratch={getattr(runner_obj, 'global_scratch_size', None)} "

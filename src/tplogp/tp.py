@@ -114,38 +114,42 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tens
     return big_m, log_sum, target_rel, count, mean_rel
 
 
+def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
+    """The forward of one call: ``((logp, entropy | None, lse), tensors the backward needs)``."""
+    be, call = tpc.backend, tpc.call
+    if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
+        out = be.forward_single(hidden, weight, bias, local_target, call)
+        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel)
+    st = be.forward_stats(hidden, weight, bias, local_target, call)
+    owned = local_target >= 0
+    if tpc.world_size > 1:
+        cols = [st.row_max, st.sum_exp, st.target_logit, owned.to(torch.float32)]
+        if call.with_entropy:
+            cols.append(st.sum_exp_z)
+        packed = torch.stack(cols, dim=1)  # [N, K]
+        recv = all_gather_flat(packed.to(tpc.comm_device), tpc.group)
+        stats_all = recv.view(tpc.world_size, *packed.shape).to(hidden.device)
+        row_max, log_sum, target_rel, count, mean_rel = merge_stats(stats_all, call.with_entropy)
+        covered = count == 1  # always true after full checks; fast mode turns uncovered tokens into NaN
+    else:  # one shard: the merge is the identity; few ops keep the host cost low
+        row_max, log_sum = st.row_max, torch.log(st.sum_exp)
+        target_rel = st.target_logit - row_max
+        mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
+        covered = owned
+    logp = torch.where(covered, target_rel - log_sum, float("nan"))
+    lse = row_max + log_sum
+    entropy = None if mean_rel is None else log_sum - mean_rel
+    return (logp, entropy, lse), (row_max, log_sum, mean_rel)
+
+
 class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
-        be, call = tpc.backend, tpc.call
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
-        if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
-            out = be.forward_single(hidden, weight, bias, local_target, call)
-            ctx.save_for_backward(hidden, weight, bias, local_target, out.row_max, out.log_sum, out.mean_rel)
-            return out.logp, out.entropy, out.lse
-        st = be.forward_stats(hidden, weight, bias, local_target, call)
-        owned = local_target >= 0
-        if tpc.world_size > 1:
-            cols = [st.row_max, st.sum_exp, st.target_logit, owned.to(torch.float32)]
-            if call.with_entropy:
-                cols.append(st.sum_exp_z)
-            packed = torch.stack(cols, dim=1)  # [N, K]
-            recv = all_gather_flat(packed.to(tpc.comm_device), tpc.group)
-            stats_all = recv.view(tpc.world_size, *packed.shape).to(hidden.device)
-            row_max, log_sum, target_rel, count, mean_rel = merge_stats(stats_all, call.with_entropy)
-            covered = count == 1  # always true after full checks; fast mode turns uncovered tokens into NaN
-        else:  # one shard: the merge is the identity; few ops keep the host cost low
-            row_max, log_sum = st.row_max, torch.log(st.sum_exp)
-            target_rel = st.target_logit - row_max
-            mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
-            covered = owned
-        logp = torch.where(covered, target_rel - log_sum, float("nan"))
-        lse = row_max + log_sum
+        outputs, (row_max, log_sum, mean_rel) = _shard_forward(hidden, weight, bias, local_target, tpc)
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel)
-        if mean_rel is None:
-            return logp, None, lse
-        return logp, log_sum - mean_rel, lse
+        return outputs
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy, g_lse):
@@ -248,7 +252,10 @@ def linear_logp_tp(
     else:
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
+    if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
+    else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
+        (logp, entropy, lse), _ = _shard_forward(h2, w, b, local_target, tpc)
 
     if keep_idx is not None:
         n_all = target_ids.numel()

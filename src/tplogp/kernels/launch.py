@@ -100,12 +100,11 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
                                      stats_launch)
-    outs = out.unbind(0)
     launcher(_merge_splits_kernel)(
-        (cdiv(n, _MERGE_BLOCK),), parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], outs[0], outs[1], outs[2],
-        outs[3] if with_entropy else outs[0], n, num_splits,
+        (cdiv(n, _MERGE_BLOCK),), parts, out, n, num_splits, num_splits * n,
         WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
     )
+    outs = out.unbind(0)
     return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
 
 
@@ -132,22 +131,22 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     target = target if target.is_contiguous() else target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
-    outs = out.unbind(0)
     launcher(_finalize_single_kernel)(
-        (cdiv(n, _MERGE_BLOCK),), parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0], target, out, n, v, num_splits,
+        (cdiv(n, _MERGE_BLOCK),), parts, target, out, n, v, num_splits, num_splits * n,
         WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK, num_warps=4,
     )
+    outs = out.unbind(0)
     return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
 
 
 def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
                  stats_launch: Optional[Callable]):
-    """Launch the stats kernel into per-split buffers: ``(parts [3 or 4] x [S, N] views, S)``. ``target``:
+    """Launch the stats kernel into one per-split buffer: ``(parts [3 or 4, S, N], S)``. ``target``:
     contiguous."""
     n, v = hidden.shape[0], weight.shape[0]
     split_v = cfg.split_tiles * cfg.block_v
     num_splits = cdiv(v, split_v)
-    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32).unbind(0)
+    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32)
     (stats_launch or _launch_stats)(hidden, weight, bias, target, parts, num_splits, split_v, float(inv_temperature),
                                     with_entropy, cfg)
     return parts, num_splits
@@ -160,8 +159,7 @@ def _launch_stats(hidden, weight, bias, local_target, parts, num_splits: int, sp
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     launcher(_fwd_stats_kernel)(
         grid, hidden, weight, bias if bias is not None else hidden, local_target,
-        parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
-        n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits,
+        parts, n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits, num_splits * n,
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,

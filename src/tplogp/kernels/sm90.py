@@ -52,10 +52,10 @@ def _fwd_stats_tma_kernel(
     d_w,  # descriptor over weight [V, D], block [BLOCK_V, BLOCK_D]
     p_b,  # [V] bias (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target (-1: not owned)
-    p_max, p_sum, p_tl, p_sez,  # [S, N] fp32 split stats, out
+    p_parts,  # [3 or 4, S, N] fp32 split stats, out (see _fwd_stats_kernel)
     N, V, D,
     inv_temp,
-    num_splits,
+    num_splits, plane,  # plane = S * N
     SPLIT_V: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
@@ -71,8 +71,7 @@ def _fwd_stats_tma_kernel(
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
         b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_tgt, b_max, b_sum, b_tl, b_sez,
                                                            inv_temp, HAS_BIAS, WITH_ENTROPY)
-    _store_stats(p_max, p_sum, p_tl, p_sez, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
-                 WITH_ENTROPY)
+    _store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 
 
 @triton.jit
@@ -171,8 +170,7 @@ def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int,
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     launcher(_fwd_stats_tma_kernel)(
         grid, d_h, d_w, bias if bias is not None else hidden, local_target,
-        parts[0], parts[1], parts[2], parts[3] if with_entropy else parts[0],
-        n, weight.shape[0], d, inv_temperature, num_splits,
+        parts, n, weight.shape[0], d, inv_temperature, num_splits, num_splits * n,
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,

@@ -130,14 +130,12 @@ def _fwd_stats_kernel(
     p_w,  # [V, D] weight shard, in
     p_b,  # [V] bias, in (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target, in (-1: not owned)
-    p_max,  # [S, N] fp32 split row max, out
-    p_sum,  # [S, N] fp32 split sum exp(z - max), out
-    p_tl,  # [S, N] fp32 split target logit (0 if not in split), out
-    p_sez,  # [S, N] fp32 split sum exp(z - max) (z - max), out (only WITH_ENTROPY)
+    p_parts,  # [3 or 4, S, N] fp32 per split: row max, sum exp(z - max), target logit (0 if not in the split)
+              # [, sum exp(z - max) (z - max) WITH_ENTROPY], out
     N, V, D,
     stride_hn, stride_wv,
     inv_temp,
-    num_splits,
+    num_splits, plane,  # plane = S * N
     SPLIT_V: tl.constexpr,  # vocab ids per split (multiple of BLOCK_V)
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
@@ -153,24 +151,32 @@ def _fwd_stats_kernel(
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
         b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_tgt, b_max, b_sum, b_tl, b_sez,
                                                            inv_temp, HAS_BIAS, WITH_ENTROPY)
-    _store_stats(p_max, p_sum, p_tl, p_sez, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
-                 WITH_ENTROPY)
+    _store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 
 
 @triton.jit
-def _store_stats(p_max, p_sum, p_tl, p_sez, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY: tl.constexpr):
-    """Store per-row (max, sum, target logit[, sez]) at ``offs`` of the four stat buffers."""
-    tl.store(p_max + offs, b_max, mask=mask)
-    tl.store(p_sum + offs, b_sum, mask=mask)
-    tl.store(p_tl + offs, b_tl, mask=mask)
+def _store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY: tl.constexpr):
+    """Store per-row (max, sum, target logit[, sez]) at ``offs`` of the planes of ``p_stats`` (``plane`` elements
+    apart: ``[3 or 4, ...]`` buffer). Pointers step plane by plane: 64-bit even when 3 * plane exceeds 2^31."""
+    tl.store(p_stats + offs, b_max, mask=mask)
+    p_stats += plane
+    tl.store(p_stats + offs, b_sum, mask=mask)
+    p_stats += plane
+    tl.store(p_stats + offs, b_tl, mask=mask)
     if WITH_ENTROPY:
-        tl.store(p_sez + offs, b_sez, mask=mask)
+        p_stats += plane
+        tl.store(p_stats + offs, b_sez, mask=mask)
 
 
 @triton.jit
-def _fold_splits(p_max, p_sum, p_tl, p_sez, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
-    """Fold the S per-split stats ``[S, N]`` of the rows ``o_n`` in split order (fixed order: bitwise reproducible;
-    splits are never empty). Returns (max, sum exp(z - max), target logit, sum exp(z - max)(z - max) or 0)."""
+def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
+    """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``) of the rows ``o_n`` in split order
+    (fixed order: bitwise reproducible; splits are never empty). Returns (max, sum exp(z - max), target logit,
+    sum exp(z - max)(z - max) or 0)."""
+    p_max = p_parts
+    p_sum = p_max + plane
+    p_tl = p_sum + plane
+    p_sez = p_tl + plane  # only read WITH_ENTROPY
     b_max = tl.load(p_max + o_n, mask=m_n, other=0.0)
     b_sum = tl.load(p_sum + o_n, mask=m_n, other=0.0)
     b_tl = tl.load(p_tl + o_n, mask=m_n, other=0.0)
@@ -201,24 +207,25 @@ def _fold_splits(p_max, p_sum, p_tl, p_sez, o_n, m_n, N, S, WITH_ENTROPY: tl.con
 
 @triton.jit
 def _merge_splits_kernel(
-    p_max, p_sum, p_tl, p_sez,  # [S, N] fp32 per-split stats, in
-    o_max, o_sum, o_tl, o_sez,  # [N] fp32 merged stats, out
-    N, S,
+    p_parts,  # [3 or 4, S, N] fp32 per-split stats (max, sum, target logit[, sez]), in
+    o_stats,  # [3 or 4, N] fp32 merged stats, out
+    N, S, plane,  # plane = S * N
+
     WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Fold S splits into one shard's stats (for the TP layer's cross-rank merge)."""
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m_n = o_n < N
-    b_max, b_sum, b_tl, b_sez = _fold_splits(p_max, p_sum, p_tl, p_sez, o_n, m_n, N, S, WITH_ENTROPY)
-    _store_stats(o_max, o_sum, o_tl, o_sez, o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
+    b_max, b_sum, b_tl, b_sez = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY)
+    _store_stats(o_stats, N, o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 
 
 @triton.jit
 def _finalize_single_kernel(
-    p_max, p_sum, p_tl, p_sez,  # [S, N] fp32 per-split stats, in
+    p_parts,  # [3 or 4, S, N] fp32 per-split stats, in
     p_tgt,  # [N] target ids, in (owned iff 0 <= id < V)
     o_out,  # [4 or 6, N] fp32, out: logp, lse, row max M, log S, and with entropy E_p[z] - M, entropy
-    N, V, S,
+    N, V, S, plane,  # plane = S * N
     WITH_ENTROPY: tl.constexpr, ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One shard is the whole vocab: fold the splits and finish the per-token outputs in the same pass.
@@ -228,7 +235,7 @@ def _finalize_single_kernel(
     """
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m_n = o_n < N
-    b_max, b_sum, b_tl, b_sez = _fold_splits(p_max, p_sum, p_tl, p_sez, o_n, m_n, N, S, WITH_ENTROPY)
+    b_max, b_sum, b_tl, b_sez = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY)
     if ACCURATE_LOG:
         b_lsum = libdevice.log(b_sum)
     else:
