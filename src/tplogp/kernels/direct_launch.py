@@ -42,6 +42,17 @@ _U64_LOW = 1 << 63
 
 def arg_key(arg: Any) -> Any:
     """The part of the launch key for one runtime argument (see the module docstring)."""
+    cls = type(arg)
+    if cls is int:
+        return (arg == 1, arg % 16, _INT32[0] <= arg <= _INT32[1], arg >= _U64_LOW)
+    if cls is float:
+        return float
+    if arg is None:
+        return None
+    base = getattr(arg, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(arg, "block_shape"):  # a host TensorDescriptor
+        return (cls, base.dtype, tuple(arg.block_shape), getattr(arg, "padding", None), base.data_ptr() % 16,
+                tuple([s % 16 for s in arg.shape]), tuple([s % 16 for s in arg.strides]))
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16)
     if isinstance(arg, bool):
@@ -52,11 +63,7 @@ def arg_key(arg: Any) -> Any:
         return float
     if arg is None:
         return None
-    base = getattr(arg, "base", None)
-    if isinstance(base, torch.Tensor) and hasattr(arg, "block_shape"):  # a host TensorDescriptor
-        return ("desc", base.dtype, tuple(arg.block_shape), getattr(arg, "padding", None), base.data_ptr() % 16,
-                tuple(int(s) % 16 for s in arg.shape), tuple(int(s) % 16 for s in arg.strides))
-    raise TypeError(f"direct_launch: no launch key for an argument of type {type(arg).__name__}")
+    raise TypeError(f"direct_launch: no launch key for an argument of type {cls.__name__}")
 
 
 def _is_constexpr(param: inspect.Parameter) -> bool:
