@@ -120,7 +120,7 @@ def main() -> int:
                 launch._dot_precision(h.dtype))
 
     small_add = rows["torch small add_ (one torch kernel launch)"]
-    probes = {"sm90 d_logits launcher (descriptors + JIT launch)": launch_dlogits,
+    probes = {"sm90 d_logits launcher (descriptors + launch)": launch_dlogits,
               "torch small add_": small_add,
               "TensorDescriptor.from_tensor x2": rows["TensorDescriptor.from_tensor x2"]}
     for name, fn in probes.items():
