@@ -22,7 +22,9 @@ Triton's own ``JITFunction.run``) with the arguments in signature order. Falls b
 time, under Triton's interpreter, when ``TPLOGP_DIRECT_LAUNCH=0``, when a launch hook is registered (a profiler:
 its hooks then see every launch), and when this Triton's ``CompiledKernel`` lacks the launcher attributes.
 Skipped by design: Triton's check that the kernel's global ``constexpr`` values have not changed since it was
-compiled (tplogp's kernels never reassign theirs).
+compiled (tplogp's kernels never reassign theirs), and Triton's debug / instrumentation knobs changed at run time
+after a kernel's first launch (the JIT would compile a new variant; set ``TPLOGP_DIRECT_LAUNCH=0`` when toggling
+them inside one process).
 """
 
 from __future__ import annotations
