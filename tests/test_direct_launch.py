@@ -193,3 +193,11 @@ def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
             assert len(node.args) == 1 + DirectLauncher(kernel).n_runtime, node.func.args[0].id
             sites += 1
     assert sites >= 2
+
+
+def test_triton_versions_outside_the_known_launcher_call_keep_the_jit_path():
+    assert direct_launch.triton_version_supported("3.6.0")
+    assert direct_launch.triton_version_supported("3.9.1+git1234")
+    assert not direct_launch.triton_version_supported("3.5.1")
+    assert not direct_launch.triton_version_supported("4.0.0")
+    assert not direct_launch.triton_version_supported("main")

@@ -20,7 +20,8 @@ key always have one compiled kernel:
 Later calls with a known key call the compiled kernel's launcher (``CompiledKernel.run``, the call that ends
 Triton's own ``JITFunction.run``) with the arguments in signature order. Falls back to the plain JIT call, every
 time, under Triton's interpreter, when ``TPLOGP_DIRECT_LAUNCH=0``, when a launch hook is registered (a profiler:
-its hooks then see every launch), and when this Triton's ``CompiledKernel`` lacks the launcher attributes.
+its hooks then see every launch), on a Triton release outside ``SUPPORTED_TRITON`` and when this Triton's
+``CompiledKernel`` lacks the launcher attributes.
 Skipped by design: Triton's check that the kernel's global ``constexpr`` values have not changed since it was
 compiled (tplogp's kernels never reassign theirs), and Triton's debug / instrumentation knobs changed at run time
 after a kernel's first launch (the JIT would compile a new variant; set ``TPLOGP_DIRECT_LAUNCH=0`` when toggling
@@ -73,12 +74,28 @@ def _is_constexpr(param: inspect.Parameter) -> bool:
     return "constexpr" in str(param.annotation)
 
 
-def _runtime_knobs() -> Any:
+# Triton releases whose ``CompiledKernel.run`` takes (grid x, y, z, stream, function, packed metadata, launch
+# metadata, enter hook, exit hook, *args), the call ``JITFunction.run`` ends with (read in 3.6.0 and 3.9.0; launched
+# on the H200 with 3.6.0). Other releases keep Triton's JIT path.
+SUPPORTED_TRITON = ((3, 6), (3, 9))
+
+
+def triton_version_supported(version: str) -> bool:
     try:
+        major_minor = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return False
+    return SUPPORTED_TRITON[0] <= major_minor <= SUPPORTED_TRITON[1]
+
+
+def _runtime_knobs() -> Any:
+    """``triton.knobs.runtime`` when this Triton's launcher call is one direct launches know, else None."""
+    try:
+        import triton
         from triton import knobs
     except ImportError:  # pragma: no cover - a Triton without knobs: direct launches stay off
         return None
-    return knobs.runtime
+    return knobs.runtime if triton_version_supported(triton.__version__) else None
 
 
 def _hooks_registered(runtime: Any) -> bool:
