@@ -17,10 +17,12 @@ enqueued. This script measures, for the sm90 source through the public TP path:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -48,30 +50,35 @@ def timeline(be, h, w, y, calls: int) -> dict:
         orig_launch(*a, **k)
         marks["stats launcher returned"] = time.perf_counter()
 
+    def one_call(call_marks: dict) -> float:
+        nonlocal marks
+        marks = call_marks
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        linear_logp_tp(be, h, w, y, options=LogpOptions())
+        marks["op returned"] = time.perf_counter()
+        return t0
+
     be.forward_single = single
     be._stats_launch = lambda device: launch
-    rows: dict = {}
     try:
         with torch.no_grad():
-            for i in range(calls + 5):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                linear_logp_tp(be, h, w, y, options=LogpOptions())
-                marks["op returned"] = time.perf_counter()
-                if i >= 5:
-                    for k, t in marks.items():
-                        rows.setdefault(k, []).append((t - t0) * 1e6)
+            return runner.median_marks(one_call, calls)
     finally:
         del be.forward_single
         del be._stats_launch
-    return {k: round(statistics.median(v), 1) for k, v in rows.items()}
 
 
-def backward_timeline(be, h, w, y, gy, calls: int) -> dict:
+def backward_timeline(be, h, w, y, gy, calls: int, sync: bool = True, direct: bool = True,
+                      profile: Optional[cProfile.Profile] = None) -> dict:
     """Host microseconds from ``out.backward(gy)`` to each mark of the backward (autograd's device thread),
     median over calls: Function.backward entered, backend.backward entered, d_logits launcher entered / returned,
-    backend.backward returned, ``backward()`` returned."""
+    backend.backward returned, Function.backward returning, ``backward()`` returned.
+
+    ``sync``: the GPU is idle at ``backward()`` (else the forward's kernels are still queued); ``direct``: tplogp's
+    direct launches (else Triton's JIT launches); ``profile``: a cProfile enabled inside Function.backward."""
     from tplogp import tp
+    from tplogp.kernels import direct_launch
     from tplogp.tp import LogpOptions, linear_logp_tp
 
     marks: dict = {}
@@ -82,7 +89,14 @@ def backward_timeline(be, h, w, y, gy, calls: int) -> dict:
 
     def fn_bwd(ctx, *grads):
         marks["Function.backward entered"] = time.perf_counter()
-        return orig_fn_bwd(ctx, *grads)
+        if profile is not None:
+            profile.enable()
+        try:
+            return orig_fn_bwd(ctx, *grads)
+        finally:
+            if profile is not None:
+                profile.disable()
+            marks["Function.backward returning"] = time.perf_counter()
 
     def be_bwd(*a, **k):
         marks["backend.backward entered"] = time.perf_counter()
@@ -95,27 +109,33 @@ def backward_timeline(be, h, w, y, gy, calls: int) -> dict:
         orig_launch(*a, **k)
         marks["d_logits launcher returned"] = time.perf_counter()
 
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def one_call(call_marks: dict) -> float:
+        nonlocal marks
+        marks = call_marks
+        out = linear_logp_tp(be, hg, wg, y, options=LogpOptions())
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out.backward(gy)
+        marks["backward() returned"] = time.perf_counter()
+        hg.grad = wg.grad = None
+        if not sync:
+            torch.cuda.synchronize()
+        return t0
+
     fn_cls.backward = staticmethod(fn_bwd)
     be.backward = be_bwd
     be._dlogits_launch = lambda device: launch
-    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-    rows: dict = {}
+    direct_launch.set_direct_launch(None if direct else False)
     try:
-        for i in range(calls + 5):
-            out = linear_logp_tp(be, hg, wg, y, options=LogpOptions())
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out.backward(gy)
-            marks["backward() returned"] = time.perf_counter()
-            hg.grad = wg.grad = None
-            if i >= 5:
-                for k, t in marks.items():
-                    rows.setdefault(k, []).append((t - t0) * 1e6)
+        return runner.median_marks(one_call, calls)
     finally:
         fn_cls.backward = staticmethod(orig_fn_bwd)
         del be.backward
         del be._dlogits_launch
-    return {k: round(statistics.median(v), 1) for k, v in rows.items()}
+        direct_launch.set_direct_launch(None)
 
 
 def graph_ms(fn, reps: int) -> float:

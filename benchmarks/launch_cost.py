@@ -25,16 +25,40 @@ os.environ.setdefault("TPLOGP_CHECKS", "fast")
 import runner  # noqa: E402
 
 
-def cost_us(fn, n: int = 300, sync_every: int = 20) -> float:
+def cost_us(fn, n: int = 300, sync_every: int = 20, sleep_s: float = 0.0) -> float:
+    """Median host microseconds of ``fn()`` over ``n`` calls; a synchronize every ``sync_every`` calls, each followed
+    by ``sleep_s`` seconds of sleep (a thread that slept, like autograd's device thread between backward calls)."""
     ts = []
     for i in range(n):
         if i % sync_every == 0:
             torch.cuda.synchronize()
+            if sleep_s:
+                time.sleep(sleep_s)
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return round(statistics.median(ts) * 1e6, 1)
+
+
+def dlogits_probe(be, h, w, y, gy):
+    """A zero-argument callable that runs the backend's d_logits launcher once on the whole vocab (one chunk),
+    with the statistics of a real forward: the launch the backward makes first."""
+    from tplogp.backends.base import ShardCall
+    from tplogp.kernels import launch
+
+    T, V = h.shape[0], w.shape[0]
+    cfg = be._cfg(h.device)
+    st = be.forward_stats(h, w, None, y, ShardCall())
+    rmax, lsum, g = st.row_max, st.sum_exp.log(), gy.float()
+    dz = torch.empty((T, V), device=h.device, dtype=w.dtype)
+    dlogits = be._dlogits_launch(h.device)
+    precision = launch._dot_precision(h.dtype)
+
+    def run() -> None:
+        dlogits(h, w, None, y, rmax, lsum, g, g, g, g, dz, g, 0, V, 1.0, False, False, cfg, precision)
+
+    return run
 
 
 def main() -> int:
@@ -110,15 +134,7 @@ def main() -> int:
 
     # The same d_logits launcher on the main thread and inside a backward (autograd's device thread), where the
     # latency timeline (latency.py) saw it take 139-156 us.
-    st = be.forward_stats(h, w, None, y, be_call)
-    rmax, lsum, g = st.row_max, st.sum_exp.log(), gy.float()
-    dz = torch.empty((T, V), device="cuda", dtype=w.dtype)
-    dlogits = be._dlogits_launch(h.device)
-
-    def launch_dlogits():
-        dlogits(h, w, None, y, rmax, lsum, g, g, g, g, dz, g, 0, V, 1.0, False, False, cfg,
-                launch._dot_precision(h.dtype))
-
+    launch_dlogits = dlogits_probe(be, h, w, y, gy)
     small_add = rows["torch small add_ (one torch kernel launch)"]
     probes = {"sm90 d_logits launcher (descriptors + launch)": launch_dlogits,
               "torch small add_": small_add,

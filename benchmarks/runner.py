@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 from typing import Callable
 
@@ -33,6 +34,20 @@ def median_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> floa
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def median_marks(one_call: Callable[[dict], float], calls: int, warmup: int = 5) -> dict:
+    """Host timelines: ``one_call(marks)`` does one call, stores ``time.perf_counter()`` stamps into ``marks`` and
+    returns the stamp the others count from. Returns, per mark, the median microseconds after that stamp over
+    ``calls`` calls (after ``warmup``), in time order."""
+    rows: dict = {}
+    for i in range(calls + warmup):
+        marks: dict = {}
+        t0 = one_call(marks)
+        if i >= warmup:
+            for k, t in sorted(marks.items(), key=lambda kv: kv[1]):
+                rows.setdefault(k, []).append((t - t0) * 1e6)
+    return {k: round(statistics.median(v), 1) for k, v in rows.items()}
 
 
 def extra_peak_gib(fn: Callable[[], object]) -> float:

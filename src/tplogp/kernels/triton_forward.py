@@ -170,7 +170,8 @@ def _store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENT
 
 @triton.jit
 def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
-    """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``) of the rows ``o_n`` in split order
+    """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``, computed on the host so that Triton
+    types it 64-bit when it needs to be; ``S`` or ``N`` may be the constant 1 here) of the rows ``o_n`` in split order
     (fixed order: bitwise reproducible; splits are never empty). Returns (max, sum exp(z - max), target logit,
     sum exp(z - max)(z - max) or 0)."""
     p_max = p_parts
@@ -210,7 +211,6 @@ def _merge_splits_kernel(
     p_parts,  # [3 or 4, S, N] fp32 per-split stats (max, sum, target logit[, sez]), in
     o_stats,  # [3 or 4, N] fp32 merged stats, out
     N, S, plane,  # plane = S * N
-
     WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Fold S splits into one shard's stats (for the TP layer's cross-rank merge)."""
