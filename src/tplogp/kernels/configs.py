@@ -80,6 +80,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def fast_exp2_available() -> bool:
+    """Whether the kernels may use PTX's ``ex2.approx.ftz.f32`` (inline assembly): CUDA builds of torch, not Triton's
+    CPU interpreter (which runs no PTX) and not ROCm. Read once, when the kernel modules are imported."""
+    return not interpreting() and torch.version.hip is None
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of Python ints (``triton.cdiv`` is a constexpr function: microseconds per host call)."""
     return -(-a // b)

@@ -22,8 +22,9 @@ import triton.language as tl
 from .configs import cdiv
 from .direct_launch import launcher
 from .launch import _dot_precision, _launch_dlogits, _launch_stats
-from .triton_backward import _dlogits_epilogue
-from .triton_forward import _grouped_ids, _mma, _online_softmax_update, _stats_program, _store_stats
+from .triton_backward import _dlogits_epilogue, _is_edge_tile
+from .triton_forward import (FAST_EXP2, LOG2E, _grouped_ids, _mma, _natural_units, _online_softmax_update,
+                             _split_bounds, _stats_program, _store_stats)
 
 try:  # host-side tensor descriptors (Triton >= 3.3); the sm90 source reports itself unavailable without them
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -63,14 +64,19 @@ def _fwd_stats_tma_kernel(
 ):
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = _stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    v_lo = i_s * SPLIT_V
-    for v0 in range(v_lo, tl.minimum(v_lo + SPLIT_V, V), BLOCK_V):
-        o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        m_v = o_v < V
+    c = inv_temp * LOG2E
+    v_lo, v_full, v_hi = _split_bounds(i_s, V, SPLIT_V, BLOCK_V)
+    for v0 in range(v_lo, v_full, BLOCK_V):  # full tiles
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_tgt, b_max, b_sum, b_tl, b_sez,
-                                                           inv_temp, HAS_BIAS, WITH_ENTROPY)
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+    if v_full < v_hi:  # the shard's last tile, cut by V
+        acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
+                               DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+    b_max, b_tl, b_sez = _natural_units(b_max, b_tl, b_sez, inv_temp)
     _store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 
 
@@ -91,14 +97,17 @@ def _bwd_dlogits_tma_kernel(
     i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    o_v = v_lo + o_c
-    m_n = o_n < N
-    m_v = o_v < v_hi
     acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
                            DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-    _dlogits_epilogue(acc, i_n, o_n, o_c, o_v, m_n, m_v,
-                      p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
-                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION)
+    v0 = v_lo + i_v * BLOCK_V
+    if _is_edge_tile(i_n, i_v, N, v_lo, v_hi, BLOCK_N, BLOCK_V):
+        _dlogits_epilogue(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
+                          p_dbp, stride_dz, stride_dbp, inv_temp, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                          BLOCK_V)
+    else:
+        _dlogits_epilogue(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
+                          p_dbp, stride_dz, stride_dbp, inv_temp, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                          BLOCK_V)
 
 
 def tma_ok(hidden, weight) -> bool:

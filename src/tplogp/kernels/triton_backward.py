@@ -25,43 +25,68 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_forward import _grouped_ids, _logits_tile, _mma, _store_rounded
+from .triton_forward import FAST_EXP2, LOG2E, _exp2, _grouped_ids, _logits_tile, _mma, _store_rounded, _target_column
 
 
 @triton.jit
 def _dlogits_epilogue(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
-    i_n, o_n, o_c, o_v, m_n, m_v,
+    i_n, o_n, o_c, v0, N, v_hi,  # token block, its rows, the tile's chunk columns, first shard column, bounds
     p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see _bwd_dlogits_kernel
     stride_dz, stride_dbp,
     inv_temp,
+    MASKED: tl.constexpr,  # the tile reaches past N or v_hi (edge tiles only)
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32 column sums.
 
-    Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them.
+    Per element: ``zr = z - M`` (one FMA; exact 0 at the max, so 1 - p does not cancel at a peaked row), ``p =
+    2^(zr log2(e) - log_sum log2(e))`` (one FMA and one ex2), the one-hot term (a compare and a select), and ``dz =
+    onehot * g/T - p * coef/T`` (one FMA; the temperature is folded into the per-row factors). Interior tiles carry
+    no masks. Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them.
     """
+    o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
+    o_v = v0 + o_t  # [BLOCK_V] column inside the shard
+    m_n = o_n < N
+    m_v = o_v < v_hi
     if HAS_BIAS:
-        acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
+        if MASKED:
+            acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc += tl.load(p_b + o_v).to(tl.float32)[None, :]
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
-    b_lsum = tl.load(p_lsum + o_n, mask=m_n, other=0.0)
-    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M: exact 0 at the max, so 1 - p does not cancel at a peak
-    b_g = tl.load(p_g + o_n, mask=m_n, other=0.0)
-    b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0)
+    b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
+    b_g = tl.load(p_g + o_n, mask=m_n, other=0.0) * inv_temp
+    b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0) * inv_temp
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    b_p = tl.exp(b_zr - b_lsum[:, None])  # [BLOCK_N, BLOCK_V]
+    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M
+    b_p = _exp2(b_zr * LOG2E - b_lsum2[:, None], FAST_EXP2)  # [BLOCK_N, BLOCK_V]
     if WITH_ENTROPY:
-        b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0)
+        b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0) * inv_temp
         b_mz = tl.load(p_mz + o_n, mask=m_n, other=0.0)
         b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
     else:
         b_coef = b_gmg[:, None]
-    b_dz = tl.where(o_v[None, :] == b_tgt[:, None], b_g[:, None], 0.0) - b_p * b_coef
-    b_dz = tl.where(m_n[:, None] & m_v[None, :], b_dz * inv_temp, 0.0)
+    t_col = _target_column(b_tgt, v0, BLOCK_V)
+    b_dz = tl.where(o_t[None, :] == t_col[:, None], b_g[:, None], 0.0) - b_p * b_coef
     p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
-    _store_rounded(p_out, b_dz, m_n[:, None] & m_v[None, :], DOT_PRECISION)
-    if NEED_DB:
-        tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_v)
+    if MASKED:
+        m_out = m_n[:, None] & m_v[None, :]
+        b_dz = tl.where(m_out, b_dz, 0.0)
+        _store_rounded(p_out, b_dz, m_out, DOT_PRECISION)
+        if NEED_DB:
+            tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_v)
+    else:
+        _store_rounded(p_out, b_dz, None, DOT_PRECISION)
+        if NEED_DB:
+            tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0))
+
+
+@triton.jit
+def _is_edge_tile(i_n, i_v, N, v_lo, v_hi, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Whether tile (i_n, i_v) of the chunk ``[v_lo, v_hi)`` reaches past N rows or past v_hi."""
+    return ((i_n + 1) * BLOCK_N > N) | (v_lo + (i_v + 1) * BLOCK_V > v_hi)
 
 
 @triton.jit
@@ -89,13 +114,17 @@ def _bwd_dlogits_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
     o_v = v_lo + o_c  # [BLOCK_V] column inside the shard
-    m_n = o_n < N
-    m_v = o_v < v_hi
-    acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
+    acc = _logits_tile(p_h, p_w, o_n, o_v, o_n < N, o_v < v_hi, D, stride_hn, stride_wv,
                        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-    _dlogits_epilogue(acc, i_n, o_n, o_c, o_v, m_n, m_v,
-                      p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp,
-                      inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION)
+    v0 = v_lo + i_v * BLOCK_V
+    if _is_edge_tile(i_n, i_v, N, v_lo, v_hi, BLOCK_N, BLOCK_V):
+        _dlogits_epilogue(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
+                          p_dbp, stride_dz, stride_dbp, inv_temp, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                          BLOCK_V)
+    else:
+        _dlogits_epilogue(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
+                          p_dbp, stride_dz, stride_dbp, inv_temp, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                          BLOCK_V)
 
 
 @triton.jit

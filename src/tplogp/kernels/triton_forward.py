@@ -24,6 +24,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .configs import fast_exp2_available
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+# PTX ex2.approx.ftz on CUDA builds (not under the CPU interpreter, not on ROCm): see _exp2.
+FAST_EXP2 = tl.constexpr(fast_exp2_available())
+import os as _os  # EXPERIMENT (A/B on the GPU), to be removed
+TARGET_BRANCH = tl.constexpr(_os.environ.get("TPLOGP_TARGET_BRANCH", "0") == "1")
+
 
 @triton.jit
 def _grouped_ids(pid, num_a, num_b, GROUP_A: tl.constexpr):
@@ -84,30 +93,69 @@ def _logits_tile(
 
 
 @triton.jit
+def _exp2(x, FAST: tl.constexpr):
+    """``2 ** x`` in fp32. FAST: PTX ``ex2.approx.ftz.f32``, one MUFU instruction (results below 2^-126 flush to
+    0: such a term is below 2^-126 of the row max's and changes no sum). Otherwise ``tl.exp2``, whose non-ftz form
+    ptxas wraps in a denormal-range fix-up (about five instructions per element on sm_90)."""
+    if FAST:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _target_column(b_tgt, v0, BLOCK_V: tl.constexpr):
+    """[BLOCK_N] int32: each row's target column inside the tile starting at vocab id ``v0``, or -1."""
+    hit = (b_tgt >= v0) & (b_tgt < v0 + BLOCK_V)
+    return tl.where(hit, b_tgt - v0, -1).to(tl.int32)
+
+
+@triton.jit
 def _online_softmax_update(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
-    o_v, m_v, p_b,  # [BLOCK_V] vocab ids, their mask, the bias pointer (unused unless HAS_BIAS)
+    v0, V, p_b,  # first vocab id of the tile, shard size, bias pointer (unused unless HAS_BIAS)
     b_tgt,  # [BLOCK_N] the rows' target ids (local; nobody's when outside the shard)
-    b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running max, sum exp(z - max), target logit, sum exp(z - max)(z - max)
-    inv_temp,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running stats in raw units (see below)
+    c,  # inv_temperature * log2(e)
+    MASKED: tl.constexpr,  # the tile reaches past V (only a split's last tile can)
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, FAST_EXP2: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Fold one tile into the running row statistics (see the module docstring); returns (max, sum, tl, sez).
+    """Fold one tile into the running row statistics; returns (max, sum, tl, sez).
 
-    Shared by the generic and the TMA (sm90) forward kernels: only how ``acc`` is loaded differs between them.
+    The running stats stay in the tile's raw units until :func:`_store_stats`: ``y = acc + b``, max ``m`` of y,
+    ``s = sum 2^((y - m) c)`` (= sum exp(z - M) with z = y / T, M = m / T), target ``y[target]``, and
+    ``q = sum 2^((y - m) c) (y - m) c`` (log2 units). Per element that is a max, a subtraction, a multiply, one
+    ex2 and a sum (plus, for the target, a compare and a select): the inverse temperature and log2(e) are one
+    per-call constant, ``y - m`` is exact next to the max (so 1 - p does not cancel at a peaked row), and full tiles
+    carry no column mask. Shared by the generic and the TMA (sm90) forward kernels.
     """
+    o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
+    if MASKED:
+        m_v = (v0 + o_t) < V
     if HAS_BIAS:
-        acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
-    b_z = tl.where(m_v[None, :], acc * inv_temp, float("-inf"))
-    new_max = tl.maximum(b_max, tl.max(b_z, 1))
-    b_e = tl.exp(b_z - new_max[:, None])  # [BLOCK_N, BLOCK_V]; masked columns give 0
-    b_shift = tl.where(b_max == float("-inf"), 0.0, b_max - new_max)  # <= 0
-    b_scale = tl.exp(b_shift)
+        if MASKED:
+            acc += tl.load(p_b + v0 + o_t, mask=m_v, other=float("-inf")).to(tl.float32)[None, :]
+        else:
+            acc += tl.load(p_b + v0 + o_t).to(tl.float32)[None, :]
+    elif MASKED:
+        acc = tl.where(m_v[None, :], acc, float("-inf"))
+    new_max = tl.maximum(b_max, tl.max(acc, 1))
+    b_arg = (acc - new_max[:, None]) * c  # log2 units; -inf on masked columns
+    b_e = _exp2(b_arg, FAST_EXP2)  # masked columns give 0
+    b_shift = tl.where(b_max == float("-inf"), 0.0, (b_max - new_max) * c)  # <= 0
+    b_scale = _exp2(b_shift, FAST_EXP2)
     if WITH_ENTROPY:
-        b_ez = b_e * tl.where(m_v[None, :], b_z - new_max[:, None], 0.0)  # no 0 * inf on masked columns
-        b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_ez, 1)
+        if MASKED:
+            b_arg = tl.where(m_v[None, :], b_arg, 0.0)  # no 0 * inf on masked columns
+        b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_e * b_arg, 1)
     b_sum = b_sum * b_scale + tl.sum(b_e, 1)
-    b_tl += tl.sum(tl.where(o_v[None, :] == b_tgt[:, None], b_z, 0.0), 1)  # from the fp32 accumulator
+    t_col = _target_column(b_tgt, v0, BLOCK_V)
+    if TARGET_BRANCH:
+        if tl.max(t_col, 0) >= 0:  # some row's target is in this tile
+            b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
+    else:
+        b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
     return new_max, b_sum, b_tl, b_sez
 
 
@@ -143,15 +191,38 @@ def _fwd_stats_kernel(
 ):
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = _stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)  # [BLOCK_N] int64
-    v_lo = i_s * SPLIT_V
-    for v0 in range(v_lo, tl.minimum(v_lo + SPLIT_V, V), BLOCK_V):
-        o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-        m_v = o_v < V
-        acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
+    c = inv_temp * LOG2E
+    v_lo, v_full, v_hi = _split_bounds(i_s, V, SPLIT_V, BLOCK_V)
+    for v0 in range(v_lo, v_full, BLOCK_V):  # full tiles
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_v, m_v, p_b, b_tgt, b_max, b_sum, b_tl, b_sez,
-                                                           inv_temp, HAS_BIAS, WITH_ENTROPY)
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+    if v_full < v_hi:  # the shard's last tile, cut by V
+        o_v = v_full + tl.arange(0, BLOCK_V)
+        acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
+                           BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+    b_max, b_tl, b_sez = _natural_units(b_max, b_tl, b_sez, inv_temp)
     _store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
+
+
+@triton.jit
+def _split_bounds(i_s, V, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Vocab range of split ``i_s``: ``(v_lo, v_full, v_hi)``; ``[v_lo, v_full)`` is whole tiles, ``[v_full, v_hi)``
+    the part of one more tile that lies below V (empty unless this is the last split and V % BLOCK_V != 0)."""
+    v_lo = i_s * SPLIT_V
+    v_hi = tl.minimum(v_lo + SPLIT_V, V)
+    return v_lo, v_hi - (v_hi - v_lo) % BLOCK_V, v_hi
+
+
+@triton.jit
+def _natural_units(b_max, b_tl, b_sez, inv_temp):
+    """Raw running stats (see _online_softmax_update) -> stored stats: max M = m / T, target logit z[target],
+    sez = sum exp(z - M) (z - M) (log2 units times ln 2). The sum needs no change."""
+    return b_max * inv_temp, b_tl * inv_temp, b_sez * LN2
 
 
 @triton.jit
