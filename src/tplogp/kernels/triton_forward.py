@@ -30,8 +30,6 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # PTX ex2.approx.ftz on CUDA builds (not under the CPU interpreter, not on ROCm): see _exp2.
 FAST_EXP2 = tl.constexpr(fast_exp2_available())
-import os as _os  # EXPERIMENT (A/B on the GPU), to be removed
-TARGET_BRANCH = tl.constexpr(_os.environ.get("TPLOGP_TARGET_BRANCH", "0") == "1")
 
 
 @triton.jit
@@ -128,7 +126,9 @@ def _online_softmax_update(
     ``q = sum 2^((y - m) c) (y - m) c`` (log2 units). Per element that is a max, a subtraction, a multiply, one
     ex2 and a sum (plus, for the target, a compare and a select): the inverse temperature and log2(e) are one
     per-call constant, ``y - m`` is exact next to the max (so 1 - p does not cancel at a peaked row), and full tiles
-    carry no column mask. Shared by the generic and the TMA (sm90) forward kernels.
+    carry no column mask. Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
+    of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
+    ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
     """
     o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     if MASKED:
@@ -151,11 +151,7 @@ def _online_softmax_update(
         b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_e * b_arg, 1)
     b_sum = b_sum * b_scale + tl.sum(b_e, 1)
     t_col = _target_column(b_tgt, v0, BLOCK_V)
-    if TARGET_BRANCH:
-        if tl.max(t_col, 0) >= 0:  # some row's target is in this tile
-            b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
-    else:
-        b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
+    b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
     return new_max, b_sum, b_tl, b_sez
 
 
