@@ -43,7 +43,7 @@ def _sass(cubin: bytes, nvdisasm: str) -> str:
         f.write(cubin)
         path = f.name
     try:
-        return subprocess.run([nvdisasm, "-c", "-hex", path] if False else [nvdisasm, "-c", path],
+        return subprocess.run([nvdisasm, "-c", path],
                               capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(path)
@@ -115,7 +115,7 @@ def main() -> int:
                             f.write(compiled.asm["ttgir"])
                     n_wgmma = len(re.findall(r"\bHGMMA\b|\bWGMMA\b", sass))
                     n_tma = len(re.findall(r"\bUTMALDG\b", sass))
-                    maxreg = sorted(set(re.findall(r"USETMAXREG\.[A-Z.]+\s+\S+", sass)))
+                    maxreg = sorted(set(re.findall(r"USETMAXREG\.[A-Z_.]+\s+(?:UP\d+,\s*)?0x[0-9a-f]+", sass)))
                     census = f" sass: HGMMA={n_wgmma} UTMALDG={n_tma} setmaxnreg={maxreg}"
                     if n_wgmma == 0 or n_tma == 0:
                         failures += 1

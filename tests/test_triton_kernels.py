@@ -305,3 +305,38 @@ def test_tp4_uneven_triton(tp, dtype_name, opts):
         assert_no_worse(f"rank {rank} {name}", o, r, t, dt)
     sizes = tp.all_gather_object(end - start)
     assert len(set(sizes)) > 1 and sum(sizes) == 389  # really uneven, and a partition
+
+
+def test_fold_skips_empty_half_splits():
+    """The sm90 ping-pong kernel writes (max -inf, sum 0, target 0, sez 0) for a consumer without a tile; folding
+    such a split must change nothing (no 0 * -inf in the entropy term), here through the single-shard finalize."""
+    from tplogp.kernels.direct_launch import launcher
+    from tplogp.kernels.triton_forward import _finalize_single_kernel
+
+    g = torch.Generator().manual_seed(3)
+    n, v = 37, 500
+    z = torch.randn(n, v, generator=g, dtype=torch.float64) * 3
+    tgt = torch.randint(0, v, (n,), generator=g)
+    cuts = [(0, 200), (200, 400), None, (400, 500), None]  # None: an empty half-split
+
+    def stats(lo, hi):
+        part = z[:, lo:hi]
+        m = part.max(1).values
+        e = (part - m[:, None]).exp()
+        t = torch.where((tgt >= lo) & (tgt < hi), z.gather(1, tgt[:, None])[:, 0], torch.zeros(n, dtype=z.dtype))
+        return torch.stack([m, e.sum(1), t, (e * (part - m[:, None])).sum(1)])
+
+    empty = torch.stack([torch.full((n,), float("-inf")), torch.zeros(n), torch.zeros(n), torch.zeros(n)]).double()
+    parts = torch.stack([empty if c is None else stats(*c) for c in cuts], dim=1).float().contiguous()  # [4, S, N]
+    out = torch.empty((6, n), dtype=torch.float32)
+    s_count = len(cuts)
+    launcher(_finalize_single_kernel)((1,), parts, tgt, out, n, v, s_count, s_count * n,
+                                      WITH_ENTROPY=True, ACCURATE_LOG=False, BLOCK=64, num_warps=4)
+    lse = torch.logsumexp(z, 1)
+    p = (z - lse[:, None]).exp()
+    entropy = -(p * (z - lse[:, None])).sum(1)
+    logp = z.gather(1, tgt[:, None])[:, 0] - lse
+    assert torch.isfinite(out).all()
+    assert rel_error(out[0], logp) < 1e-6
+    assert rel_error(out[1], lse) < 1e-6
+    assert rel_error(out[5], entropy) < 1e-5

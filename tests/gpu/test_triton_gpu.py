@@ -173,3 +173,39 @@ def test_direct_launches_match_the_jit_path(source):
             for k, val in r_d.items():
                 if val is not None:
                     assert torch.equal(val, r_j[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,d,v", [(300, 200, 1124), (389, 4096, 2176), (4096, 1024, 131172)],
+                         ids=["odd-empty-half-split", "d4096", "large-v"])
+def test_pingpong_forward_matches_float64(n, d, v, dtype):
+    """The sm90 forward's Gluon ping-pong kernel against float64 stats, no less accurate than the TMA kernel:
+    partial K blocks and tiles, a last split with one tile (one consumer without a tile: an empty half-split),
+    bias, temperature, entropy."""
+    from dataclasses import replace
+
+    from tplogp.kernels import configs, gluon_sm90, launch, sm90
+
+    _backend("sm90")
+    ok, why = gluon_sm90.available()
+    if not ok:
+        pytest.skip(why)
+    h, w, b, y, _, _ = _problem(n, d, v, dtype, seed=v)
+    inv_t = 1 / 0.7
+    for bias in (None, b):
+        z = h.double() @ w.double().T
+        if bias is not None:
+            z = z + bias.double()
+        z = z * inv_t
+        m = z.max(1).values
+        e = (z - m[:, None]).exp()
+        truth = (m, e.sum(1), z.gather(1, y[:, None])[:, 0], (e * (z - m[:, None])).sum(1))
+        for entropy in (False, True):
+            pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90, stats_launch=sm90.launch_stats_tma)
+            tma = launch.forward_stats(h, w, bias, y, inv_t, entropy, replace(configs.SM90, pingpong_forward=False),
+                                       stats_launch=sm90.launch_stats_tma)
+            for name, got, base, t in zip(("max", "sum", "target", "sez"), pp, tma, truth):
+                if got is None:
+                    continue
+                assert torch.isfinite(got).all(), name
+                assert_no_worse(f"{name} (ping-pong vs TMA kernel)", got, base, t, torch.float32)  # fp32 stats

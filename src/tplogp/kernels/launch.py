@@ -141,21 +141,26 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
                  stats_launch: Optional[Callable]):
-    """Launch the stats kernel into one per-split buffer: ``(parts [3 or 4, S, N], S)``. ``target``:
-    contiguous."""
-    n, v = hidden.shape[0], weight.shape[0]
-    split_v = cfg.split_tiles * cfg.block_v
-    num_splits = cdiv(v, split_v)
-    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32)
-    (stats_launch or _launch_stats)(hidden, weight, bias, target, parts, num_splits, split_v, float(inv_temperature),
-                                    with_entropy, cfg)
+    """Launch a stats kernel into one per-split buffer: ``(parts [3 or 4, S, N], S)``. ``target``: contiguous.
+    ``stats_launch`` (default: the generic kernel) allocates ``parts`` and chooses S (the sm90 ping-pong kernel
+    writes two half-splits per split)."""
+    return (stats_launch or _launch_stats)(hidden, weight, bias, target, float(inv_temperature), with_entropy, cfg)
+
+
+def split_parts(hidden: torch.Tensor, vocab: int, split_v: int, with_entropy: bool):
+    """``(parts, S)``: the uninitialised fp32 ``[3 or 4, S, N]`` per-split stats buffer for splits of ``split_v``."""
+    num_splits = cdiv(vocab, split_v)
+    parts = torch.empty((4 if with_entropy else 3, num_splits, hidden.shape[0]), device=hidden.device,
+                        dtype=torch.float32)
     return parts, num_splits
 
 
-def _launch_stats(hidden, weight, bias, local_target, parts, num_splits: int, split_v: int, inv_temperature: float,
-                  with_entropy: bool, cfg: TileConfig) -> None:
+def _launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
+                  cfg: TileConfig):
     n, d = hidden.shape
     v = weight.shape[0]
+    split_v = cfg.split_tiles * cfg.block_v
+    parts, num_splits = split_parts(hidden, v, split_v, with_entropy)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     launcher(_fwd_stats_kernel)(
         grid, hidden, weight, bias if bias is not None else hidden, local_target,
@@ -164,6 +169,7 @@ def _launch_stats(hidden, weight, bias, local_target, parts, num_splits: int, sp
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    return parts, num_splits
 
 
 # ---------------------------------------------------------------------------------------------- backward

@@ -16,12 +16,13 @@ import dataclasses
 import threading
 from typing import Optional
 
+import torch
 import triton
 import triton.language as tl
 
-from .configs import cdiv
+from .configs import PINGPONG, cdiv
 from .direct_launch import launcher
-from .launch import _dot_precision, _launch_dlogits, _launch_stats
+from .launch import _dot_precision, _launch_dlogits, _launch_stats, split_parts
 from .triton_backward import _dlogits_epilogue, _is_edge_tile
 from .triton_forward import (FAST_EXP2, LOG2E, _grouped_ids, _mma, _natural_units, _online_softmax_update,
                              _split_bounds, _stats_program, _store_stats)
@@ -169,22 +170,47 @@ def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
     return _descriptor(hidden, [block_n, block_d]), _descriptor(weight, [block_v, block_d])
 
 
-def launch_stats_tma(hidden, weight, bias, local_target, parts, num_splits: int, split_v: int,
-                     inv_temperature: float, with_entropy: bool, cfg) -> None:
+def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool, cfg):
+    """The forward statistics on sm_90: ``(parts, S)`` (see ``launch._split_stats``). The Gluon ping-pong kernel
+    (``gluon_sm90``) when the config asks for it and it can run here (Gluon in this Triton, 16-bit operands, legal
+    descriptors); else the TMA kernel; else (descriptors illegal) the generic kernel."""
     if not tma_ok(hidden, weight):
-        return _launch_stats(hidden, weight, bias, local_target, parts, num_splits, split_v, inv_temperature,
-                             with_entropy, cfg)
+        return _launch_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg)
+    if cfg.pingpong_forward and hidden.dtype in _PINGPONG_DTYPES and _pingpong_ready():
+        from . import gluon_sm90
+
+        _ensure_context(hidden.device)
+        return gluon_sm90.launch_stats_pingpong(hidden, weight, bias, local_target, inv_temperature, with_entropy,
+                                                PINGPONG)
     n, d = hidden.shape
+    v = weight.shape[0]
+    split_v = cfg.split_tiles * cfg.block_v
+    parts, num_splits = split_parts(hidden, v, split_v, with_entropy)
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     launcher(_fwd_stats_tma_kernel)(
         grid, d_h, d_w, bias if bias is not None else hidden, local_target,
-        parts, n, weight.shape[0], d, inv_temperature, num_splits, num_splits * n,
+        parts, n, v, d, inv_temperature, num_splits, num_splits * n,
         SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    return parts, num_splits
+
+
+_PINGPONG_READY: Optional[bool] = None
+_PINGPONG_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _pingpong_ready() -> bool:
+    """Whether this Triton can build the Gluon ping-pong kernel (checked once; the device is sm_90 already)."""
+    global _PINGPONG_READY
+    if _PINGPONG_READY is None:
+        from . import gluon_sm90
+
+        _PINGPONG_READY = gluon_sm90.available()[0]
+    return _PINGPONG_READY
 
 
 def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,

@@ -239,7 +239,8 @@ def _store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENT
 def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
     """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``, computed on the host so that Triton
     types it 64-bit when it needs to be; ``S`` or ``N`` may be the constant 1 here) of the rows ``o_n`` in split order
-    (fixed order: bitwise reproducible; splits are never empty). Returns (max, sum exp(z - max), target logit,
+    (fixed order: bitwise reproducible). Split 0 is never empty; a later one may be (the ping-pong kernel's half-split
+    of a consumer without a tile: max -inf, sum 0, target 0, sez 0) and then adds nothing. Returns (max, sum exp(z - max), target logit,
     sum exp(z - max)(z - max) or 0)."""
     p_max = p_parts
     p_sum = p_max + plane
@@ -267,6 +268,7 @@ def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
         if WITH_ENTROPY:
             p_ssez += N
             c_sez = tl.load(p_ssez, mask=m_n, other=0.0)
+            d_c = tl.where(c_sum > 0, d_c, 0.0)  # an empty half-split (max -inf, sum 0) adds 0, not 0 * -inf
             b_sez = w_a * (b_sez + d_a * b_sum) + w_c * (c_sez + d_c * c_sum)
         b_sum = w_a * b_sum + w_c * c_sum
         b_max = new_max

@@ -1,0 +1,398 @@
+"""Hopper (sm_90) forward statistics kernel in Triton's Gluon dialect: ping-pong consumer warpgroups.
+
+Same statistics as :func:`.triton_forward._fwd_stats_kernel` / :func:`.sm90._fwd_stats_tma_kernel` (per-row online
+softmax over ``logits = hidden @ weight.T`` tiles, logits never written), but the epilogue is hidden behind the
+tensor cores:
+
+* persistent grid (one program per SM); a program walks work items ``w = pid, pid + nprog, ...``, each a
+  ``(token block i_n, vocab split i_s)`` pair in grouped order (``GROUP_N`` token blocks sweep the splits together,
+  so a W tile read from HBM is reused from L2);
+* within split ``i_s`` the vocab tiles ``j = 0, 1, ...`` alternate between two consumer warpgroups: consumer ``c``
+  takes ``j % 2 == c`` and writes its running stats to split index ``2 * i_s + c`` of ``p_parts [K, 2S, N]``
+  (a consumer without a tile writes max -inf, sum 0, target 0, sez 0; the existing fold handles it);
+* each consumer has its own shared-memory ring of ``NUM_STAGES`` (A ``[BLOCK_N, BLOCK_D]``, B ``[BLOCK_V, BLOCK_D]``)
+  slots with ready/empty mbarriers, filled by its own 1-warp TMA loader partition (two loaders, so that each ring
+  is refilled as soon as its consumer frees a slot, independently of the other ring);
+* ping-pong order barrier (as CUTLASS's ``KernelTmaWarpSpecializedPingpong``): the MMA phases (K loops) of the
+  tiles run in the global tile order of the program. Before issuing the K loop of a tile, a consumer waits on the
+  other consumer's ``issued`` mbarrier when the previous tile (in program order) is the other consumer's; right
+  after issuing its last wgmma of the tile it arrives on its own ``issued`` barrier, then waits for its wgmmas and
+  runs the softmax epilogue while the other warpgroup's K loop keeps the tensor cores busy. Consumer 1 tiles are
+  always preceded by a consumer-0 tile (odd ``j``), consumer 0 tile ``j > 0`` by consumer 1 tile ``j - 1``, and
+  tile ``j = 0`` of a work item by the previous item's last tile (consumer 1's iff that item had an even tile
+  count). Consumer 0 only arrives when a consumer-1 tile follows in the same split, consumer 1 always arrives, so
+  every wait matches exactly one arrival and the parity phases alternate (no barrier can run two phases ahead).
+
+Per tile (``acc`` fp32 ``[BLOCK_N, BLOCK_V]`` over the full hidden dim), with ``y = acc (+ bias)`` (columns
+``>= V`` masked to -inf, only in a split's last tile, behind a runtime branch) and ``z = y * inv_temp``, the stats
+are kept in raw ``y`` units and log2 units (``c = inv_temp * log2(e)``, computed on the host)::
+
+    m'  = max(m, max_v y)                                        # raw units: max_v z = inv_temp * max_v y
+    u   = (y - m') * c                                           # = (z - M') / ln 2, exact 0 at the max
+    sh  = (m - m') * c     (0 while m is -inf)
+    s   = s * exp2(sh) + sum_v exp2(u)
+    q2  = exp2(sh) * (q2 + sh * s_old) + sum_v exp2(u) * u       # entropy only
+    ty += y[target]
+
+and the per-row corrections applied once at the store convert to the natural units of ``_online_softmax_update``:
+``max = m * inv_temp`` (exactly the max of the rounded ``z``, multiplication by a positive scalar being monotone),
+``sum = s``, ``target = ty * inv_temp`` (the same rounding as ``z[target]``), ``sez = q2 * ln 2``. (Not one FMA
+``y c - fl(m' c)``: that leaves the max's own term at ``2^-e``, ``e`` the rounding of ``m' c``, so at a peaked row the
+sum misses 1 by an ulp and the backward's ``1 - p`` at the target becomes that ulp instead of ~0.)
+
+Host side: :func:`launch_stats_pingpong`; :func:`available` says whether this Triton has what the kernel needs.
+Nothing here touches CUDA at import time, and the module imports cleanly without Gluon.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .configs import PingPongConfig, cdiv
+from .direct_launch import launcher
+
+try:
+    import triton
+
+    _TRITON_VERSION = triton.__version__
+except Exception:  # pragma: no cover - no Triton at all
+    triton = None
+    _TRITON_VERSION = "0"
+
+_IMPORT_ERROR: Optional[str] = None
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    if not hasattr(tma, "async_copy_global_to_shared"):  # renamed in later Triton versions
+        if hasattr(tma, "async_load"):
+            tma.async_copy_global_to_shared = tma.async_load
+        else:
+            raise ImportError("gluon hopper tma has no async_copy_global_to_shared / async_load")
+    _HAVE_GLUON = True
+except Exception as exc:  # pragma: no cover - depends on the installed Triton
+    _HAVE_GLUON = False
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 2:
+        parts.append(0)
+    return parts[0], parts[1]
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the installed Triton has the Gluon Hopper API this kernel uses (Triton 3.6 - 3.9);
+    otherwise (False, reason). No CUDA work: whether the device is an sm_90 GPU is the caller's check."""
+    if triton is None:
+        return False, "triton is not installed"
+    ver = _version_tuple(_TRITON_VERSION)
+    if not ((3, 6) <= ver <= (3, 9)):
+        return False, f"triton {_TRITON_VERSION} is outside the supported 3.6 - 3.9 range for the gluon kernel"
+    if not _HAVE_GLUON:
+        return False, f"triton.experimental.gluon (hopper) unavailable: {_IMPORT_ERROR}"
+    return True, ""
+
+
+if _HAVE_GLUON:
+
+    @gluon.jit
+    def _grouped_ids(pid, num_a, num_b, GROUP_A: gl.constexpr):
+        """Map a 1-D work id onto (i_a, i_b) so that GROUP_A consecutive a-blocks sweep b together
+        (same mapping as triton_forward._grouped_ids)."""
+        num_in_group = GROUP_A * num_b
+        i_group = pid // num_in_group
+        first_a = i_group * GROUP_A
+        group_size = gl.minimum(num_a - first_a, GROUP_A)
+        i_a = first_a + (pid % num_in_group) % group_size
+        i_b = (pid % num_in_group) // group_size
+        return i_a, i_b
+
+    @gluon.jit
+    def _ex2(x):
+        """2^x as PTX ex2.approx.ftz.f32 (one MUFU op; see triton_forward._exp2)."""
+        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _fold_tile(acc, cols, v0, V, p_b, tgt32, m_y, s, t_y, q2, c2,
+                   HAS_BIAS: gl.constexpr, WITH_ENTROPY: gl.constexpr, MASKED: gl.constexpr):
+        """Fold one fp32 tile into the running (raw max, sum, raw target, q2) row stats (see module docstring)."""
+        y = acc
+        if HAS_BIAS:
+            o_v = v0 + cols
+            if MASKED:
+                bias = gl.load(p_b + o_v, mask=o_v < V, other=0.0)
+            else:
+                bias = gl.load(p_b + o_v)
+            y = y + gl.expand_dims(bias.to(gl.float32), 0)
+        if MASKED:
+            valid = gl.expand_dims((v0 + cols) < V, 0)
+            y = gl.where(valid, y, float("-inf"))
+        new_m = gl.maximum(m_y, gl.max(y, axis=1))
+        u = (y - gl.expand_dims(new_m, 1)) * c2  # log2 units; exact 0 at the max (see the module docstring)
+        e = _ex2(u)  # masked columns: 2^-inf = 0
+        shift = gl.where(m_y == float("-inf"), 0.0, (m_y - new_m) * c2)  # <= 0, log2 units
+        scale = _ex2(shift)
+        if WITH_ENTROPY:
+            if MASKED:
+                eu = e * gl.where(valid, u, 0.0)  # no 0 * inf on masked columns
+            else:
+                eu = e * u
+            q2 = scale * (q2 + shift * s) + gl.sum(eu, axis=1)
+        s = s * scale + gl.sum(e, axis=1)
+        hit = gl.expand_dims(cols, 0) == gl.expand_dims(tgt32 - v0, 1)
+        t_y = t_y + gl.sum(gl.where(hit, y, 0.0), axis=1)
+        return new_m, s, t_y, q2
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, ready, empty, turn_bar, issued_bar,
+                  p_b, p_tgt, p_parts, N, V, D, inv_temp, c2, num_splits, plane,
+                  C: gl.constexpr, SPLIT_V: gl.constexpr, HAS_BIAS: gl.constexpr, WITH_ENTROPY: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_D: gl.constexpr, GROUP_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr):
+        """Consumer warpgroup C: wgmma K loops of its tiles (in ping-pong order), then the softmax epilogue."""
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_V, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        cols = gl.arange(0, BLOCK_V, layout=col_layout)
+        rows = gl.arange(0, BLOCK_N, layout=row_layout)
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_n = gl.cdiv(N, BLOCK_N)
+        num_work = num_n * num_splits
+        k_iters = gl.cdiv(D, BLOCK_D)
+        ln2: gl.constexpr = 0.6931471805599453
+
+        cnt = 0  # slots consumed from this consumer's ring
+        turn_phase = 0  # parity of the next wait on the other consumer's issued barrier
+        prev_even = 0  # the previous work item ended with a consumer-1 tile (consumer 0 only)
+        for w in range(pid, num_work, nprog):
+            i_n, i_s = _grouped_ids(w, num_n, num_splits, GROUP_N)
+            o_n = i_n * BLOCK_N + rows
+            m_n = o_n < N
+            tgt = gl.load(p_tgt + o_n, mask=m_n, other=-1)
+            tgt32 = gl.where((tgt >= 0) & (tgt < V), tgt, -1).to(gl.int32)
+            v_lo = i_s * SPLIT_V
+            n_tiles = gl.cdiv(gl.minimum(v_lo + SPLIT_V, V) - v_lo, BLOCK_V)
+            m_y = gl.full([BLOCK_N], float("-inf"), gl.float32, row_layout)
+            s = gl.zeros([BLOCK_N], gl.float32, row_layout)
+            t_y = gl.zeros([BLOCK_N], gl.float32, row_layout)
+            q2 = gl.zeros([BLOCK_N], gl.float32, row_layout)
+            for j in range(C, n_tiles, 2):
+                v0 = v_lo + j * BLOCK_V
+                # --- wait for our turn on the tensor cores
+                if C == 0:
+                    need = (j > 0) | (prev_even != 0)
+                    mbarrier.wait(turn_bar, turn_phase, pred=need)
+                    turn_phase = turn_phase ^ need.to(gl.int32)
+                else:
+                    mbarrier.wait(turn_bar, turn_phase)
+                    turn_phase = turn_phase ^ 1
+                # --- K loop: async wgmma, at most one group in flight; free the previous slot after each wait.
+                # The first step starts from a fresh zero accumulator (use_acc=False), so the previous tile's
+                # accumulator is dead once its epilogue has read it (no live 128-register copy across epilogues).
+                slot = cnt % NUM_STAGES
+                mbarrier.wait(ready.index(slot), (cnt // NUM_STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)),
+                                    gl.zeros([BLOCK_N, BLOCK_V], gl.float32, mma_layout),
+                                    use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # nothing older: does not block
+                cnt += 1
+                for k in range(1, k_iters):
+                    slot = cnt % NUM_STAGES
+                    mbarrier.wait(ready.index(slot), (cnt // NUM_STAGES) & 1)
+                    acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    mbarrier.arrive(empty.index((cnt + NUM_STAGES - 1) % NUM_STAGES))
+                    cnt += 1
+                # --- hand the tensor cores to the other consumer, then finish ours and run the epilogue
+                if C == 0:
+                    mbarrier.arrive(issued_bar, pred=j + 1 < n_tiles)
+                else:
+                    mbarrier.arrive(issued_bar)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((cnt + NUM_STAGES - 1) % NUM_STAGES))
+                if v0 + BLOCK_V <= V:
+                    m_y, s, t_y, q2 = _fold_tile(acc, cols, v0, V, p_b, tgt32, m_y, s, t_y, q2, c2,
+                                                 HAS_BIAS, WITH_ENTROPY, False)
+                else:
+                    m_y, s, t_y, q2 = _fold_tile(acc, cols, v0, V, p_b, tgt32, m_y, s, t_y, q2, c2,
+                                                 HAS_BIAS, WITH_ENTROPY, True)
+            if C == 0:
+                prev_even = (n_tiles % 2 == 0).to(gl.int32)
+            # --- per-row corrections to natural units, store split 2 * i_s + C
+            offs = (2 * i_s + C).to(gl.int64) * N + o_n
+            p_out = p_parts
+            gl.store(p_out + offs, m_y * inv_temp, mask=m_n)
+            p_out += plane
+            gl.store(p_out + offs, s, mask=m_n)
+            p_out += plane
+            gl.store(p_out + offs, t_y * inv_temp, mask=m_n)
+            if WITH_ENTROPY:
+                p_out += plane
+                gl.store(p_out + offs, q2 * ln2, mask=m_n)
+
+    @gluon.jit
+    def _loader(h_desc, w_desc, a_bufs, b_bufs, ready, empty, N, V, D, num_splits,
+                C: gl.constexpr, SPLIT_V: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_D: gl.constexpr, GROUP_N: gl.constexpr,
+                NUM_STAGES: gl.constexpr):
+        """1-warp TMA producer of consumer C's ring: the same walk as the consumer, one slot per K step."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_n = gl.cdiv(N, BLOCK_N)
+        num_work = num_n * num_splits
+        k_iters = gl.cdiv(D, BLOCK_D)
+        nbytes: gl.constexpr = h_desc.block_type.nbytes + w_desc.block_type.nbytes
+        cnt = 0
+        for w in range(pid, num_work, nprog):
+            i_n, i_s = _grouped_ids(w, num_n, num_splits, GROUP_N)
+            off_n = i_n * BLOCK_N
+            v_lo = i_s * SPLIT_V
+            n_tiles = gl.cdiv(gl.minimum(v_lo + SPLIT_V, V) - v_lo, BLOCK_V)
+            for j in range(C, n_tiles, 2):
+                v0 = v_lo + j * BLOCK_V
+                for k in range(k_iters):
+                    slot = cnt % NUM_STAGES
+                    # fresh barrier: a wait on parity 1 passes, so the first NUM_STAGES slots need no release
+                    mbarrier.wait(empty.index(slot), ((cnt // NUM_STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(slot), nbytes)
+                    tma.async_copy_global_to_shared(h_desc, [off_n, k * BLOCK_D], ready.index(slot),
+                                                    a_bufs.index(slot))
+                    tma.async_copy_global_to_shared(w_desc, [v0, k * BLOCK_D], ready.index(slot),
+                                                    b_bufs.index(slot))
+                    cnt += 1
+
+    @gluon.jit
+    def _fwd_stats_pingpong_kernel(
+        h_desc,  # gluon tensor descriptor over hidden [N, D], block [BLOCK_N, BLOCK_D]
+        w_desc,  # gluon tensor descriptor over weight [V, D], block [BLOCK_V, BLOCK_D]
+        p_b,  # [V] bias (unused unless HAS_BIAS)
+        p_tgt,  # [N] int64 local target (owned iff 0 <= id < V)
+        p_parts,  # [3 or 4, 2 * S, N] fp32 split stats (max, sum, target logit[, sez]), out
+        N, V, D,
+        inv_temp,  # 1 / temperature
+        log2e_inv_temp,  # inv_temp * log2(e), computed on the host
+        num_splits, plane,  # plane = 2 * S * N
+        SPLIT_V: gl.constexpr,  # vocab ids per split, a multiple of 2 * BLOCK_V
+        HAS_BIAS: gl.constexpr, WITH_ENTROPY: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_D: gl.constexpr, GROUP_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ):
+        gl.static_assert(SPLIT_V % (2 * BLOCK_V) == 0, "SPLIT_V must be a multiple of 2 * BLOCK_V")
+        dtype: gl.constexpr = h_desc.dtype
+        a0 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D], h_desc.layout)
+        b0 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_V, BLOCK_D], w_desc.layout)
+        a1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D], h_desc.layout)
+        b1 = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_V, BLOCK_D], w_desc.layout)
+        ready0 = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty0 = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        ready1 = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty1 = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        issued = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready0.index(i), count=1)
+            mbarrier.init(empty0.index(i), count=1)
+            mbarrier.init(ready1.index(i), count=1)
+            mbarrier.init(empty1.index(i), count=1)
+        mbarrier.init(issued.index(0), count=1)
+        mbarrier.init(issued.index(1), count=1)
+        fence_async_shared()
+
+        gl.warp_specialize(
+            [
+                (_consumer, (a0, b0, ready0, empty0, issued.index(1), issued.index(0),
+                             p_b, p_tgt, p_parts, N, V, D, inv_temp, log2e_inv_temp, num_splits, plane,
+                             0, SPLIT_V, HAS_BIAS, WITH_ENTROPY, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N, NUM_STAGES)),
+                (_consumer, (a1, b1, ready1, empty1, issued.index(0), issued.index(1),
+                             p_b, p_tgt, p_parts, N, V, D, inv_temp, log2e_inv_temp, num_splits, plane,
+                             1, SPLIT_V, HAS_BIAS, WITH_ENTROPY, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N, NUM_STAGES)),
+                (_loader, (h_desc, w_desc, a0, b0, ready0, empty0, N, V, D, num_splits,
+                           0, SPLIT_V, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N, NUM_STAGES)),
+                (_loader, (h_desc, w_desc, a1, b1, ready1, empty1, N, V, D, num_splits,
+                           1, SPLIT_V, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N, NUM_STAGES)),
+            ],
+            [4, 1, 1],
+            [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# host side
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    index = device.index if device.index is not None else 0
+    found = _SM_COUNT.get(index)
+    if found is None:
+        import torch
+
+        found = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return found
+
+
+def _gl_dtype(torch_dtype):
+    import torch
+
+    if torch_dtype == torch.bfloat16:
+        return gl.bfloat16
+    if torch_dtype == torch.float16:
+        return gl.float16
+    raise TypeError(f"gluon ping-pong kernel supports bf16/fp16 operands, got {torch_dtype}")
+
+
+def descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
+    """Gluon TMA descriptors over hidden [N, D] (block [block_n, block_d]) and weight [V, D] (block
+    [block_v, block_d]), NVMMA-swizzled smem layouts. Needs 16-byte aligned bases and row strides."""
+    dt = _gl_dtype(hidden.dtype)
+    lay_h = gl.NVMMASharedLayout.get_default_for([block_n, block_d], dt)
+    lay_w = gl.NVMMASharedLayout.get_default_for([block_v, block_d], dt)
+    return (GluonTensorDescriptor.from_tensor(hidden, [block_n, block_d], lay_h),
+            GluonTensorDescriptor.from_tensor(weight, [block_v, block_d], lay_w))
+
+
+def launch_stats_pingpong(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
+                          cfg: PingPongConfig):
+    """Launch the ping-pong kernel; returns ``(parts, S2)``: fp32 ``parts [4 or 3, S2, N]`` with ``S2 = 2 S``
+    half-split stats (``S = cdiv(V, cfg.split_v)``; index ``2 s + c`` holds consumer ``c``'s tiles of split ``s``;
+    a consumer without a tile writes max -inf, sum 0, target 0, sez 0), folded like ``S2`` ordinary splits
+    (``triton_forward._fold_splits``). The caller has checked: an sm_90 device, :func:`available`, bf16 / fp16
+    operands contiguous along D with 16-byte aligned bases and row strides (``sm90.tma_ok``)."""
+    import torch
+
+    n, d = hidden.shape
+    v = weight.shape[0]
+    num_splits = cdiv(v, cfg.split_v)
+    parts = torch.empty((4 if with_entropy else 3, 2 * num_splits, n), device=hidden.device, dtype=torch.float32)
+    d_h, d_w = descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
+    grid = (max(1, min(cdiv(n, cfg.block_n) * num_splits, _sm_count(hidden.device))),)
+    inv_t = float(inv_temperature)
+    launcher(_fwd_stats_pingpong_kernel)(
+        grid, d_h, d_w, bias if bias is not None else hidden, local_target, parts,
+        n, v, d, inv_t, inv_t * _LOG2E, num_splits, 2 * num_splits * n,
+        SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
+        NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,
+        num_warps=4,
+    )
+    return parts, 2 * num_splits
