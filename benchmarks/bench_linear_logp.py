@@ -46,7 +46,7 @@ def make_source(name: str, backend=None) -> Optional[Callable]:
         from tplogp.backends.sm90_backend import SM90Backend
         from tplogp.kernels import configs
 
-        return make_source("sm90", SM90Backend(config=replace(configs.SM90, pingpong_forward=False)))
+        return make_source("sm90", SM90Backend(config=replace(configs.SM90, pingpong=None)))
     if name in ("native", "triton", "sm90") or backend is not None:
         from tplogp.kernel_registry import get_backend
         from tplogp.tp import LogpOptions, linear_logp_tp

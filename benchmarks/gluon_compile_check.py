@@ -54,6 +54,9 @@ def main() -> int:
     ap.add_argument("--sass", default=None, help="directory to write SASS into")
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--block-v", type=int, default=None)
+    ap.add_argument("--block-n", type=int, default=None)
+    ap.add_argument("--block-d", type=int, default=None)
+    ap.add_argument("--split-tiles", type=int, default=None)
     args = ap.parse_args()
 
     import triton
@@ -68,10 +71,12 @@ def main() -> int:
     from triton.experimental.gluon._runtime import GluonASTSource
     gl = gk.gl
 
+    import dataclasses
+
     cfg = gk.PingPongConfig()
-    if args.stages is not None or args.block_v is not None:
-        import dataclasses
-        cfg = dataclasses.replace(cfg, num_stages=args.stages or cfg.num_stages, block_v=args.block_v or cfg.block_v)
+    cfg = dataclasses.replace(cfg, num_stages=args.stages or cfg.num_stages, block_v=args.block_v or cfg.block_v,
+                              block_n=args.block_n or cfg.block_n, block_d=args.block_d or cfg.block_d,
+                              split_tiles=args.split_tiles or cfg.split_tiles)
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
         nvdisasm = shutil.which("nvdisasm")

@@ -29,8 +29,18 @@ from tplogp.kernels import configs  # noqa: E402
 
 _FWD_128x128_W4 = dict(block_n=128, block_v=128, block_d=64, num_warps=4, num_stages=3, split_tiles=8)
 _BWD_128x128_W4 = dict(bwd_block_n=128, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=4, bwd_num_stages=3)
+_PP = configs.PingPongConfig()
 VARIANTS = {
     "base": {},
+    "tma_fwd": dict(pingpong=None),  # the TMA forward kernel instead of the Gluon ping-pong one
+    # Gluon ping-pong forward tilings (per consumer warpgroup: block_n x block_v, K step block_d, ring depth)
+    "pp_128x128_d64_s3": dict(pingpong=replace(_PP, block_d=64, num_stages=3)),
+    "pp_128x128_d32_s5": dict(pingpong=replace(_PP, num_stages=5)),
+    "pp_64x256_d32_s5": dict(pingpong=replace(_PP, block_n=64, block_v=256, num_stages=5, split_tiles=4)),
+    "pp_64x256_d64_s2": dict(pingpong=replace(_PP, block_n=64, block_v=256, block_d=64, num_stages=2,
+                                              split_tiles=4)),
+    "pp_128x128_d32_s6_g8": dict(pingpong=replace(_PP, group_n=8)),
+    "pp_128x128_d32_s6_st16": dict(pingpong=replace(_PP, split_tiles=16)),
     "nows": dict(warp_specialize=False),
     # one consumer warpgroup per CTA, two CTAs per SM: one CTA's softmax epilogue can overlap the other's MMAs
     "fwd_w4_128x128": _FWD_128x128_W4,
@@ -52,6 +62,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="error of logp against float64 (else vs the first variant)")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
     args = ap.parse_args()
     T, D, V = (int(x) for x in args.shape.split("x"))
     h, w, y, gy, ge, _ = runner.bf16_problem(T, D, V)
@@ -77,13 +88,15 @@ def main() -> int:
         for _ in range(args.rounds):  # each time over the GEMM measured just before it (clock drift cancels)
             g1 = runner.median_ms(lambda: h @ w.T, reps=args.reps)
             f_s.append(runner.median_ms(fwd, reps=args.reps))
+            f_r.append(f_s[-1] / g1)
+            if args.fwd_only:
+                continue
             g2 = runner.median_ms(lambda: h @ w.T, reps=args.reps)
             fb_s.append(runner.median_ms(fwd_bwd, reps=args.reps))
-            f_r.append(f_s[-1] / g1)
             fb_r.append(fb_s[-1] / g2)
         med = statistics.median
-        print(f"{name:>20}: fwd {med(f_s):7.3f} ms ({med(f_r):.3f} G)  fwd+bwd {med(fb_s):7.3f} ms "
-              f"({med(fb_r):.3f} G)  |logp - ref| {diff:.1e}")
+        both = f"  fwd+bwd {med(fb_s):7.3f} ms ({med(fb_r):.3f} G)" if fb_s else ""
+        print(f"{name:>22}: fwd {med(f_s):7.3f} ms ({med(f_r):.3f} G){both}  |logp - ref| {diff:.1e}", flush=True)
     return 0
 
 

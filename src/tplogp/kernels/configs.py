@@ -19,6 +19,29 @@ import torch
 
 
 @dataclass(frozen=True)
+class PingPongConfig:
+    """Tiling of the Gluon ping-pong forward (kernels/gluon_sm90.py): each of two consumer warpgroups owns a
+    ``[block_n, block_v]`` fp32 accumulator; ``num_stages`` is the depth of each consumer's shared-memory ring;
+    splits are ``split_tiles * block_v`` vocab ids (even ``split_tiles``: both consumers get the same number of tiles
+    in every full split). Measured on the H200 at 4096x2048x131072 (bf16, entropy on, one process): block_d 32 with 6
+    stages 1.08 GEMM-times; 64 / 3 1.14-1.17; 32 / 5 1.16; 32 / 4 1.30; 64 / 2 2.0 (the ring depth is what matters);
+    group_n and split_tiles 8 vs 16 made little difference."""
+
+    block_n: int = 128
+    block_v: int = 128
+    block_d: int = 32
+    group_n: int = 32
+    num_stages: int = 6
+    split_tiles: int = 8
+    consumer_regs: int = 232  # setmaxnreg of the second consumer warpgroup (a worker partition)
+    loader_regs: int = 24  # setmaxnreg of the two 1-warp TMA loader partitions
+
+    @property
+    def split_v(self) -> int:
+        return self.split_tiles * self.block_v
+
+
+@dataclass(frozen=True)
 class TileConfig:
     """Tiling of the fused ``[tokens, vocab]`` GEMM tiles (``BLOCK_D`` is the reduction step over the hidden dim)."""
 
@@ -44,32 +67,9 @@ class TileConfig:
     # sm90 source only: warp-specialized K loop (producer warps issue TMA copies; Triton 3.6 compiles the same code
     # with or without it on sm_90: docs/kernels.md)
     warp_specialize: bool = False
-    # sm90 source only: the forward statistics run the Gluon ping-pong kernel (kernels/gluon_sm90.py, tiles of
-    # PINGPONG) where it is available, instead of the TMA kernel with the tiles above
-    pingpong_forward: bool = False
-
-
-@dataclass(frozen=True)
-class PingPongConfig:
-    """Tiling of the Gluon ping-pong forward (kernels/gluon_sm90.py): each of two consumer warpgroups owns a
-    ``[block_n, block_v]`` fp32 accumulator; ``num_stages`` is the depth of each consumer's shared-memory ring;
-    splits are ``split_tiles * block_v`` vocab ids (even ``split_tiles``: both consumers get the same number of tiles
-    in every full split). Measured on the H200 at 4096x2048x131072 (bf16, entropy on, one process): block_d 32 with 6
-    stages 1.08 GEMM-times; 64 / 3 1.14-1.17; 32 / 5 1.16; 32 / 4 1.30; 64 / 2 2.0 (the ring depth is what matters);
-    group_n and split_tiles 8 vs 16 made little difference."""
-
-    block_n: int = 128
-    block_v: int = 128
-    block_d: int = 32
-    group_n: int = 32
-    num_stages: int = 6
-    split_tiles: int = 8
-    consumer_regs: int = 232  # setmaxnreg of the second consumer warpgroup (a worker partition)
-    loader_regs: int = 24  # setmaxnreg of the two 1-warp TMA loader partitions
-
-    @property
-    def split_v(self) -> int:
-        return self.split_tiles * self.block_v
+    # sm90 source only: the forward statistics run the Gluon ping-pong kernel (kernels/gluon_sm90.py) with these
+    # tiles where it is available, instead of the TMA kernel with the tiles above; None: the TMA kernel
+    pingpong: Optional[PingPongConfig] = None
 
 
 # Capability table: (major, minor) -> config. Measured choices are documented in docs/kernels.md.
@@ -100,8 +100,7 @@ INTERPRETER = TileConfig(
 
 # The sm90 source (TMA kernels): the Hopper row plus a warp-specialized K loop (measured on an H200, Triton 3.6:
 # 8192x4096x128256 fwd 1.06 vs 1.09 GEMM-times, fwd+bwd 4.21 vs 4.37 in one run, a tie in another; docs/kernels.md).
-SM90 = replace(_BY_CAPABILITY[(9, 0)], warp_specialize=True, pingpong_forward=True)
-PINGPONG = PingPongConfig()
+SM90 = replace(_BY_CAPABILITY[(9, 0)], warp_specialize=True, pingpong=PingPongConfig())
 
 
 def interpreting() -> bool:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import PINGPONG, cdiv
+from .configs import cdiv
 from .direct_launch import launcher
 from .launch import _dot_precision, _launch_dlogits, _launch_stats, split_parts
 from .triton_backward import _dlogits_epilogue, _is_edge_tile
@@ -176,12 +176,12 @@ def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float,
     descriptors); else the TMA kernel; else (descriptors illegal) the generic kernel."""
     if not tma_ok(hidden, weight):
         return _launch_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg)
-    if cfg.pingpong_forward and hidden.dtype in _PINGPONG_DTYPES and _pingpong_ready():
+    if cfg.pingpong is not None and hidden.dtype in _PINGPONG_DTYPES and _pingpong_ready():
         from . import gluon_sm90
 
         _ensure_context(hidden.device)
         return gluon_sm90.launch_stats_pingpong(hidden, weight, bias, local_target, inv_temperature, with_entropy,
-                                                PINGPONG)
+                                                cfg.pingpong)
     n, d = hidden.shape
     v = weight.shape[0]
     split_v = cfg.split_tiles * cfg.block_v
