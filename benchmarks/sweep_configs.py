@@ -40,6 +40,11 @@ VARIANTS = {
     "pp_64x256_d64_s2": dict(pingpong=replace(_PP, block_n=64, block_v=256, block_d=64, num_stages=2,
                                               split_tiles=4)),
     "pp_128x128_d32_s6_g8": dict(pingpong=replace(_PP, group_n=8)),
+    "pp_g4": dict(pingpong=replace(_PP, group_n=4)),
+    "pp_g16": dict(pingpong=replace(_PP, group_n=16)),
+    "pp_g8_st16": dict(pingpong=replace(_PP, group_n=8, split_tiles=16)),
+    "tma_fwd_g8": dict(pingpong=None, group_n=8),
+    "tma_fwd_g16": dict(pingpong=None, group_n=16),
     "pp_128x128_d32_s6_st16": dict(pingpong=replace(_PP, split_tiles=16)),
     "nows": dict(warp_specialize=False),
     # one consumer warpgroup per CTA, two CTAs per SM: one CTA's softmax epilogue can overlap the other's MMAs
