@@ -17,10 +17,28 @@ from tolerances import assert_no_worse, rel_error  # noqa: E402
 SOURCES = ["triton", "sm90"]
 
 
+def _pingpong_everywhere():
+    """The sm90 config with its Gluon ping-pong forward at every hidden and shard size."""
+    from dataclasses import replace
+
+    from tplogp.kernels import configs
+
+    return replace(configs.SM90, pingpong=replace(configs.SM90.pingpong, max_hidden=1 << 30, min_vocab=0))
+
+
 def _backend(source):
     from tplogp.kernel_registry import get_backend
 
-    be = get_backend(source)
+    if source == "sm90-pingpong":  # the sm90 source with the ping-pong forward at every shape
+        from tplogp.backends.sm90_backend import SM90Backend
+        from tplogp.kernels import gluon_sm90
+
+        ok, why = gluon_sm90.available()
+        if not ok:
+            pytest.skip(why)
+        be = SM90Backend(config=_pingpong_everywhere())
+    else:
+        be = get_backend(source)
     why = be.unavailable_reason(torch.device("cuda"))
     if why is not None:
         pytest.skip(why)
@@ -63,7 +81,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", SOURCES + ["sm90-pingpong"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_three_way_at_real_sizes(source, case):
     from tplogp.reference import reference_outputs
@@ -133,7 +151,7 @@ def test_large_indices_match_native(source, n, d, v, ws):
 
 
 
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", SOURCES + ["sm90-pingpong"])
 def test_direct_launches_match_the_jit_path(source):
     """Kernels launched without Triton's front end (tplogp.kernels.direct_launch) give the JIT path's bits, across
     calls whose arguments specialize differently: odd sizes, a hidden whose base is 2 bytes off alignment."""
@@ -201,7 +219,8 @@ def test_pingpong_forward_matches_float64(n, d, v, dtype):
         e = (z - m[:, None]).exp()
         truth = (m, e.sum(1), z.gather(1, y[:, None])[:, 0], (e * (z - m[:, None])).sum(1))
         for entropy in (False, True):
-            pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90, stats_launch=sm90.launch_stats_tma)
+            pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, _pingpong_everywhere(),
+                                      stats_launch=sm90.launch_stats_tma)
             tma = launch.forward_stats(h, w, bias, y, inv_t, entropy, replace(configs.SM90, pingpong=None),
                                        stats_launch=sm90.launch_stats_tma)
             for name, got, base, t in zip(("max", "sum", "target", "sez"), pp, tma, truth):

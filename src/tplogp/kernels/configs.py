@@ -23,16 +23,23 @@ class PingPongConfig:
     """Tiling of the Gluon ping-pong forward (kernels/gluon_sm90.py): each of two consumer warpgroups owns a
     ``[block_n, block_v]`` fp32 accumulator; ``num_stages`` is the depth of each consumer's shared-memory ring;
     splits are ``split_tiles * block_v`` vocab ids (even ``split_tiles``: both consumers get the same number of tiles
-    in every full split). Measured on the H200 at 4096x2048x131072 (bf16, entropy on, one process): block_d 32 with 6
-    stages 1.08 GEMM-times; 64 / 3 1.14-1.17; 32 / 5 1.16; 32 / 4 1.30; 64 / 2 2.0 (the ring depth is what matters);
-    group_n and split_tiles 8 vs 16 made little difference."""
+    in every full split). The sm90 source runs it only where it measured faster than the TMA kernel: hidden sizes up
+    to ``max_hidden`` (at D = 4096 the TMA kernel's 128x256 tiles win) and shards of at least ``min_vocab`` ids
+    (both properties of the model, never of the token count, so a row's bits do not depend on N).
+
+    Measured on the H200 (forward GEMM-times through the op, one process per shape, docs/kernels.md): at
+    4096x2048x131072 group_n 8 1.10-1.11 vs the TMA kernel 1.18-1.19 in the same process (group_n 4 1.14, 16 1.14,
+    32 1.20; split_tiles 16 1.13; block_d 64 with 3 stages 1.43; 64x256 tiles 1.30); at 8192x4096x128256 1.08-1.12
+    vs the TMA kernel 1.03-1.05."""
 
     block_n: int = 128
     block_v: int = 128
     block_d: int = 32
-    group_n: int = 32
+    group_n: int = 8
     num_stages: int = 6
     split_tiles: int = 8
+    max_hidden: int = 2048
+    min_vocab: int = 32768
     consumer_regs: int = 232  # setmaxnreg of the second consumer warpgroup (a worker partition)
     loader_regs: int = 24  # setmaxnreg of the two 1-warp TMA loader partitions
 
