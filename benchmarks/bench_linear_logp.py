@@ -40,13 +40,13 @@ def make_source(name: str, backend=None) -> Optional[Callable]:
     """A callable (h, w, y, return_entropy, ignore_index) -> logp or (logp, entropy); None if unavailable."""
     if name == "torch_eager":
         return runner.torch_eager
-    if name == "sm90_tma":  # the sm90 source with its TMA forward kernel instead of the Gluon ping-pong one
+    if name == "sm90_pingpong":  # the sm90 source with the opt-in Gluon ping-pong forward
         from dataclasses import replace
 
         from tplogp.backends.sm90_backend import SM90Backend
         from tplogp.kernels import configs
 
-        return make_source("sm90", SM90Backend(config=replace(configs.SM90, pingpong=None)))
+        return make_source("sm90", SM90Backend(config=replace(configs.SM90, pingpong=configs.PINGPONG)))
     if name in ("native", "triton", "sm90") or backend is not None:
         from tplogp.kernel_registry import get_backend
         from tplogp.tp import LogpOptions, linear_logp_tp

@@ -29,22 +29,23 @@ from tplogp.kernels import configs  # noqa: E402
 
 _FWD_128x128_W4 = dict(block_n=128, block_v=128, block_d=64, num_warps=4, num_stages=3, split_tiles=8)
 _BWD_128x128_W4 = dict(bwd_block_n=128, bwd_block_v=128, bwd_block_d=64, bwd_num_warps=4, bwd_num_stages=3)
-_PP = configs.PingPongConfig()
+_PP = configs.PINGPONG
 VARIANTS = {
     "base": {},
-    "tma_fwd": dict(pingpong=None),  # the TMA forward kernel instead of the Gluon ping-pong one
-    # Gluon ping-pong forward tilings (per consumer warpgroup: block_n x block_v, K step block_d, ring depth)
+    # the opt-in Gluon ping-pong forward and its tilings (per consumer warpgroup: block_n x block_v, K step
+    # block_d, ring depth, group, split)
+    "pingpong": dict(pingpong=_PP),
     "pp_128x128_d64_s3": dict(pingpong=replace(_PP, block_d=64, num_stages=3)),
     "pp_128x128_d32_s5": dict(pingpong=replace(_PP, num_stages=5)),
     "pp_64x256_d32_s5": dict(pingpong=replace(_PP, block_n=64, block_v=256, num_stages=5, split_tiles=4)),
     "pp_64x256_d64_s2": dict(pingpong=replace(_PP, block_n=64, block_v=256, block_d=64, num_stages=2,
                                               split_tiles=4)),
-    "pp_128x128_d32_s6_g8": dict(pingpong=replace(_PP, group_n=8)),
     "pp_g4": dict(pingpong=replace(_PP, group_n=4)),
     "pp_g16": dict(pingpong=replace(_PP, group_n=16)),
-    "pp_g8_st16": dict(pingpong=replace(_PP, group_n=8, split_tiles=16)),
-    "tma_fwd_g8": dict(pingpong=None, group_n=8),
-    "tma_fwd_g16": dict(pingpong=None, group_n=16),
+    "pp_g32": dict(pingpong=replace(_PP, group_n=32)),
+    "pp_st16": dict(pingpong=replace(_PP, split_tiles=16)),
+    "tma_g8": dict(group_n=8),
+    "tma_g16": dict(group_n=16),
     "pp_128x128_d32_s6_st16": dict(pingpong=replace(_PP, split_tiles=16)),
     "nows": dict(warp_specialize=False),
     # one consumer warpgroup per CTA, two CTAs per SM: one CTA's softmax epilogue can overlap the other's MMAs

@@ -18,18 +18,18 @@ SOURCES = ["triton", "sm90"]
 
 
 def _pingpong_everywhere():
-    """The sm90 config with its Gluon ping-pong forward at every hidden and shard size."""
+    """The sm90 config with its opt-in Gluon ping-pong forward."""
     from dataclasses import replace
 
     from tplogp.kernels import configs
 
-    return replace(configs.SM90, pingpong=replace(configs.SM90.pingpong, max_hidden=1 << 30, min_vocab=0))
+    return replace(configs.SM90, pingpong=configs.PINGPONG)
 
 
 def _backend(source):
     from tplogp.kernel_registry import get_backend
 
-    if source == "sm90-pingpong":  # the sm90 source with the ping-pong forward at every shape
+    if source == "sm90-pingpong":  # the sm90 source with the opt-in ping-pong forward
         from tplogp.backends.sm90_backend import SM90Backend
         from tplogp.kernels import gluon_sm90
 
@@ -200,8 +200,6 @@ def test_pingpong_forward_matches_float64(n, d, v, dtype):
     """The sm90 forward's Gluon ping-pong kernel against float64 stats, no less accurate than the TMA kernel:
     partial K blocks and tiles, a last split with one tile (one consumer without a tile: an empty half-split),
     bias, temperature, entropy."""
-    from dataclasses import replace
-
     from tplogp.kernels import configs, gluon_sm90, launch, sm90
 
     _backend("sm90")
@@ -221,8 +219,7 @@ def test_pingpong_forward_matches_float64(n, d, v, dtype):
         for entropy in (False, True):
             pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, _pingpong_everywhere(),
                                       stats_launch=sm90.launch_stats_tma)
-            tma = launch.forward_stats(h, w, bias, y, inv_t, entropy, replace(configs.SM90, pingpong=None),
-                                       stats_launch=sm90.launch_stats_tma)
+            tma = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90, stats_launch=sm90.launch_stats_tma)
             for name, got, base, t in zip(("max", "sum", "target", "sez"), pp, tma, truth):
                 if got is None:
                     continue

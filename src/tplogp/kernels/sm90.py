@@ -172,14 +172,13 @@ def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
 
 def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool, cfg):
     """The forward statistics on sm_90: ``(parts, S)`` (see ``launch._split_stats``). The Gluon ping-pong kernel
-    (``gluon_sm90``) when the config asks for it at this hidden size and shard size (``PingPongConfig.max_hidden``,
-    ``min_vocab``) and it can run here (Gluon in this Triton, 16-bit operands, legal descriptors); else the TMA
-    kernel; else (descriptors illegal) the generic kernel."""
+    (``gluon_sm90``) when the config asks for it (``TileConfig.pingpong``, opt-in) and it can run here (Gluon in this
+    Triton, 16-bit operands, legal descriptors); else the TMA kernel; else (descriptors illegal) the generic
+    kernel."""
     if not tma_ok(hidden, weight):
         return _launch_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg)
     pp = cfg.pingpong
-    if (pp is not None and hidden.shape[1] <= pp.max_hidden and weight.shape[0] >= pp.min_vocab
-            and hidden.dtype in _PINGPONG_DTYPES and _pingpong_ready()):
+    if pp is not None and hidden.dtype in _PINGPONG_DTYPES and _pingpong_ready():
         from . import gluon_sm90
 
         _ensure_context(hidden.device)
