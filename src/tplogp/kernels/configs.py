@@ -103,8 +103,8 @@ INTERPRETER = TileConfig(
     dh_block_n=16, dh_block_d=32, dh_block_k=16,
 )
 
-# The sm90 source (TMA kernels): the Hopper row plus a warp-specialized K loop (measured on an H200, Triton 3.6:
-# 8192x4096x128256 fwd 1.06 vs 1.09 GEMM-times, fwd+bwd 4.21 vs 4.37 in one run, a tie in another; docs/kernels.md).
+# The sm90 source (TMA kernels): the Hopper row plus warp_specialize on the K loop (Triton 3.6 emits the same sm_90
+# code with or without it for these tiles: docs/kernels.md; kept for releases that honour it on Hopper).
 SM90 = replace(_BY_CAPABILITY[(9, 0)], warp_specialize=True)
 # The opt-in Gluon ping-pong forward's tiling (TileConfig.pingpong).
 PINGPONG = PingPongConfig()
