@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -80,16 +81,21 @@ def sass_counts(cubin: bytes, out_path: str) -> collections.Counter:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "results"), "sass"))
+    ap.add_argument("--json", default=None, help="also write {kernel: {instruction class: count}} here")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     cfg = configs.SM90
     print(f"# Triton {triton.__version__}, sm_90, bf16, sm90 config {cfg.block_n}x{cfg.block_v}x{cfg.block_d}")
+    found = {}
     for name, fn, sig, const, warps, stages in _kernels(cfg):
         kernel = compile_sm90(fn, sig, const, warps, stages)
-        ops = sass_counts(kernel.asm["cubin"], os.path.join(args.out, name))
+        ops = found[name] = sass_counts(kernel.asm["cubin"], os.path.join(args.out, name))
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(14))
         ws = "warp-specialized" if ops.get("USETMAXREG") else "not warp-specialized"
         print(f"{name}: {sum(ops.values())} instructions, smem {kernel.metadata.shared} B, {ws}; {top}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(found, f, indent=1, sort_keys=True)
     return 0
 
 

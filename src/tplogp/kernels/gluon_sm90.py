@@ -73,11 +73,8 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
-    if not hasattr(tma, "async_copy_global_to_shared"):  # renamed in later Triton versions
-        if hasattr(tma, "async_load"):
-            tma.async_copy_global_to_shared = tma.async_load
-        else:
-            raise ImportError("gluon hopper tma has no async_copy_global_to_shared / async_load")
+    # The TMA load builtin: async_copy_global_to_shared in Triton 3.6, async_load since (the old name then raises).
+    _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared")
     _HAVE_GLUON = True
 except Exception as exc:  # pragma: no cover - depends on the installed Triton
     _HAVE_GLUON = False
@@ -275,9 +272,9 @@ if _HAVE_GLUON:
                     # fresh barrier: a wait on parity 1 passes, so the first NUM_STAGES slots need no release
                     mbarrier.wait(empty.index(slot), ((cnt // NUM_STAGES) & 1) ^ 1)
                     mbarrier.expect(ready.index(slot), nbytes)
-                    tma.async_copy_global_to_shared(h_desc, [off_n, k * BLOCK_D], ready.index(slot),
+                    _tma_load(h_desc, [off_n, k * BLOCK_D], ready.index(slot),
                                                     a_bufs.index(slot))
-                    tma.async_copy_global_to_shared(w_desc, [v0, k * BLOCK_D], ready.index(slot),
+                    _tma_load(w_desc, [v0, k * BLOCK_D], ready.index(slot),
                                                     b_bufs.index(slot))
                     cnt += 1
 

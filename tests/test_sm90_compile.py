@@ -1,0 +1,68 @@
+"""The sm90 kernels compiled for sm_90 on a machine without a GPU (Triton's bundled ptxas and cuobjdump).
+
+The CPU interpreter runs the kernels' arithmetic but never compiles them; these tests compile them for Hopper and
+check properties of the machine code that the epilogue work of docs/kernels.md ("Epilogue instruction counts")
+bought, so a change that brings back the slow forms fails here rather than only in a GPU benchmark:
+
+* the exponentials are single MUFU ops (``ex2.approx.ftz``): no per-element FSETP of the non-ftz denormal fix-up;
+* the d_logits workspace is written with 16-byte vector stores (not one 2-byte store per logit);
+* the K loops use wgmma and TMA loads.
+
+And the opt-in Gluon ping-pong forward compiles (one variant; ``benchmarks/gluon_compile_check.py`` does all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def _needs_nvidia_toolchain():
+    if not all(os.access(os.path.join(_BIN, tool), os.X_OK) for tool in ("ptxas", "cuobjdump")):
+        pytest.skip(f"no executable ptxas / cuobjdump in {_BIN}")
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # compile for real
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_sm90_kernels_machine_code(tmp_path):
+    _needs_nvidia_toolchain()
+    out = tmp_path / "counts.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sass_counts.py"), "--out", str(tmp_path),
+                          "--json", str(out)], capture_output=True, text=True, env=_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    counts = json.loads(out.read_text())
+    for name in ("fwd_stats", "bwd_dlogits"):
+        ops = counts[name]
+        assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0, (name, ops)
+        assert ops.get("MUFU", 0) >= 128, (name, ops)  # one ex2 per logit of a thread's 128
+        # tl.exp2's non-ftz form adds an FSETP (and two FMULs) around every ex2: 128+ per epilogue
+        assert ops.get("FSETP", 0) <= 8, (name, ops)
+    # two epilogue copies (interior, edge) x 16 vector stores; per-logit 2-byte stores would be 128 per copy
+    assert counts["bwd_dlogits"].get("STG", 0) <= 64, counts["bwd_dlogits"]
+
+
+def test_gluon_pingpong_forward_compiles():
+    _needs_nvidia_toolchain()
+    from tplogp.kernels import gluon_sm90
+
+    ok, why = gluon_sm90.available()
+    if not ok:
+        pytest.skip(why)
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_compile_check.py"), "--quick"],
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "[ok] bf16 bias=1 entropy=1" in run.stdout
