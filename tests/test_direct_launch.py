@@ -203,3 +203,5 @@ def test_triton_versions_outside_the_known_launcher_call_keep_the_jit_path():
     assert not direct_launch.triton_version_supported("3.5.1")
     assert not direct_launch.triton_version_supported("4.0.0")
     assert not direct_launch.triton_version_supported("main")
+    assert direct_launch.triton_version_supported("3.7.0", ((3, 6), (3, 9)))
+    assert not direct_launch.triton_version_supported("3.10.0", ((3, 6), (3, 9)))

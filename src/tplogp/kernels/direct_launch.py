@@ -81,12 +81,13 @@ def _is_constexpr(param: inspect.Parameter) -> bool:
 SUPPORTED_TRITON = ((3, 6), (3, 9))
 
 
-def triton_version_supported(version: str) -> bool:
+def triton_version_supported(version: str, supported: tuple = SUPPORTED_TRITON) -> bool:
+    """Whether a Triton version string's (major, minor) lies in the inclusive range ``supported``."""
     try:
         major_minor = tuple(int(x) for x in version.split(".")[:2])
     except ValueError:
         return False
-    return SUPPORTED_TRITON[0] <= major_minor <= SUPPORTED_TRITON[1]
+    return supported[0] <= major_minor <= supported[1]
 
 
 def _runtime_knobs() -> Any:

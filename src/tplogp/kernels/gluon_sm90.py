@@ -34,11 +34,11 @@ are kept in raw ``y`` units and log2 units (``c = inv_temp * log2(e)``, computed
     q2  = exp2(sh) * (q2 + sh * s_old) + sum_v exp2(u) * u       # entropy only
     ty += y[target]
 
-and the per-row corrections applied once at the store convert to the natural units of ``_online_softmax_update``:
+and the per-row conversions applied once at the store give the stored natural units (as
+``triton_forward._natural_units``):
 ``max = m * inv_temp`` (exactly the max of the rounded ``z``, multiplication by a positive scalar being monotone),
-``sum = s``, ``target = ty * inv_temp`` (the same rounding as ``z[target]``), ``sez = q2 * ln 2``. (Not one FMA
-``y c - fl(m' c)``: that leaves the max's own term at ``2^-e``, ``e`` the rounding of ``m' c``, so at a peaked row the
-sum misses 1 by an ulp and the backward's ``1 - p`` at the target becomes that ulp instead of ~0.)
+``sum = s``, ``target = ty * inv_temp`` (the same rounding as ``z[target]``), ``sez = q2 * ln 2``. (Why
+``y - m'`` before the multiply and not one FMA: see ``triton_forward._online_softmax_update``.)
 
 Host side: :func:`launch_stats_pingpong`; :func:`available` says whether this Triton has what the kernel needs.
 Nothing here touches CUDA at import time, and the module imports cleanly without Gluon.
@@ -50,7 +50,11 @@ import math
 from typing import Optional
 
 from .configs import PingPongConfig, cdiv
-from .direct_launch import launcher
+from .direct_launch import launcher, triton_version_supported
+
+# Triton releases whose Gluon Hopper API this kernel was compiled against (3.6.0 also run on the H200; the
+# experimental API changes between releases).
+GLUON_TRITON = ((3, 6), (3, 9))
 
 try:
     import triton
@@ -84,23 +88,12 @@ _LN2 = math.log(2.0)
 _LOG2E = 1.0 / _LN2
 
 
-def _version_tuple(text: str) -> tuple[int, int]:
-    parts = []
-    for piece in text.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    while len(parts) < 2:
-        parts.append(0)
-    return parts[0], parts[1]
-
-
 def available() -> tuple[bool, str]:
     """(True, "") when the installed Triton has the Gluon Hopper API this kernel uses (Triton 3.6 - 3.9);
     otherwise (False, reason). No CUDA work: whether the device is an sm_90 GPU is the caller's check."""
     if triton is None:
         return False, "triton is not installed"
-    ver = _version_tuple(_TRITON_VERSION)
-    if not ((3, 6) <= ver <= (3, 9)):
+    if not triton_version_supported(_TRITON_VERSION, GLUON_TRITON):
         return False, f"triton {_TRITON_VERSION} is outside the supported 3.6 - 3.9 range for the gluon kernel"
     if not _HAVE_GLUON:
         return False, f"triton.experimental.gluon (hopper) unavailable: {_IMPORT_ERROR}"
