@@ -3,8 +3,10 @@
 Per shape (T x D x V, bf16, one GPU, per-token random upstream gradient) and source, prints and saves:
 forward ms, forward+backward ms, both in GEMM-times (one cuBLAS ``[T,D] x [D,V]`` bf16 matmul timed in the same
 run: rounds of GEMM, forward, GEMM, forward+backward, each time divided by the GEMM just before it, median over
-rounds -- the H200's clocks drift by up to ~8% between processes, which a single GEMM sample would carry into
-every ratio), effective TFLOP/s, extra peak GiB, and relative errors of logp / d_hidden / d_W against float64.
+rounds, the sources interleaved within each round -- the H200's clocks drift by up to ~8% between processes and
+the GEMM itself moves 2.8-4.0 ms within one, which a single GEMM sample, or sources timed one after the other,
+would carry into the ratios), effective TFLOP/s, extra peak GiB, and relative errors of logp / d_hidden / d_W
+against float64.
 
 FLOP accounting (one GEMM = 2*T*D*V): forward = 1 GEMM, forward+backward = 4 GEMMs (forward, recompute, d_hidden,
 d_W: the floor for a per-token op with O(T) saved state). "Effective TFLOP/s" divides those counts by the time, so
@@ -117,23 +119,29 @@ def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps
     table = [(name, make_source(name)) for name in sources]
     table += list((extra_sources or {}).items())
     one_gemm_flop = 2.0 * T * D * V
+    kw = dict(return_entropy=return_entropy, ignore_index=ignore_index)
+    live = []  # (row, fwd, fwd_bwd, samples) of the sources that ran their checks
+
+    def step_fns(fn):
+        def fwd():
+            return fn(h, w, y, **kw)
+
+        def fwd_bwd():
+            out = fn(hg, wg, y, **kw)
+            if return_entropy:
+                torch.autograd.backward([out[0], out[1]], [gy, ge])
+            else:
+                out.backward(gy)
+            hg.grad = wg.grad = None
+
+        return fwd, fwd_bwd
+
     for name, fn in table:
         if fn is None:
             continue
-        kw = dict(return_entropy=return_entropy, ignore_index=ignore_index)
         row = dict(source=name, T=T, D=D, V=V, entropy=return_entropy, ignore_frac=ignore_frac)
+        rows.append(row)
         try:
-            def fwd():
-                return fn(h, w, y, **kw)
-
-            def fwd_bwd():
-                out = fn(hg, wg, y, **kw)
-                if return_entropy:
-                    torch.autograd.backward([out[0], out[1]], [gy, ge])
-                else:
-                    out.backward(gy)
-                hg.grad = wg.grad = None
-
             if check:
                 out = fn(hg, wg, y, **kw)
                 if return_entropy:
@@ -147,30 +155,46 @@ def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps
                 row["err_d_weight"] = runner.rel_err(wg.grad, truth["dw"])
                 hg.grad = wg.grad = None
                 del out
-            # Rounds of (GEMM, forward, GEMM, forward+backward): each time is divided by the GEMM measured just
-            # before it, so GPU clock drift between (and within) runs cancels out of the GEMM-times.
-            f_s, fb_s, f_r, fb_r, g_s = [], [], [], [], []
-            for _ in range(rounds):
-                g1 = runner.median_ms(gemm, reps=reps)
-                with torch.no_grad():
-                    f_s.append(runner.median_ms(fwd, reps=reps))
-                g2 = runner.median_ms(gemm, reps=reps)
-                fb_s.append(runner.median_ms(fwd_bwd, reps=reps))
-                g_s += [g1, g2]
-                f_r.append(f_s[-1] / g1)
-                fb_r.append(fb_s[-1] / g2)
-            f_ms, fb_ms, g_ms = statistics.median(f_s), statistics.median(fb_s), statistics.median(g_s)
-            peak = runner.extra_peak_gib(fwd_bwd)
-            row.update(fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3), gemm_ms=round(g_ms, 3),
-                       gemm_samples_ms=[round(x, 4) for x in g_s],
-                       fwd_gemms=round(statistics.median(f_r), 3), fwd_bwd_gemms=round(statistics.median(fb_r), 3),
-                       fwd_tflops=round(one_gemm_flop / f_ms / 1e9, 1),
-                       fwd_bwd_tflops=round(4 * one_gemm_flop / fb_ms / 1e9, 1),
-                       extra_peak_gib=round(peak, 3))
+            live.append((row, *step_fns(fn), dict(f_s=[], fb_s=[], f_r=[], fb_r=[], g_s=[])))
         except Exception as exc:  # one broken source must not hide the others' numbers
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(fmt_row(row), flush=True)
         torch.cuda.empty_cache()
-        rows.append(row)
+    # Rounds of (GEMM, forward, GEMM, forward+backward) per source, the sources interleaved inside each round in a
+    # rotating order: each time is divided by the GEMM measured just before it, and every source is sampled across
+    # the whole run, so the GPU's clock and power drift (the same GEMM moves 2.8-4.0 ms within one process) falls on
+    # all sources alike instead of on whichever ran last.
+    for i_round in range(rounds):
+        order = live[i_round % len(live):] + live[:i_round % len(live)] if live else []
+        for row, fwd, fwd_bwd, smp in order:
+            if "error" in row:
+                continue
+            try:
+                g1 = runner.median_ms(gemm, reps=reps)
+                with torch.no_grad():
+                    smp["f_s"].append(runner.median_ms(fwd, reps=reps))
+                g2 = runner.median_ms(gemm, reps=reps)
+                smp["fb_s"].append(runner.median_ms(fwd_bwd, reps=reps))
+                smp["g_s"] += [g1, g2]
+                smp["f_r"].append(smp["f_s"][-1] / g1)
+                smp["fb_r"].append(smp["fb_s"][-1] / g2)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    med = statistics.median
+    for row, fwd, fwd_bwd, smp in live:
+        if "error" not in row:
+            try:
+                peak = runner.extra_peak_gib(fwd_bwd)
+                f_ms, fb_ms = med(smp["f_s"]), med(smp["fb_s"])
+                row.update(fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3), gemm_ms=round(med(smp["g_s"]), 3),
+                           gemm_samples_ms=[round(x, 4) for x in smp["g_s"]],
+                           fwd_gemms=round(med(smp["f_r"]), 3), fwd_bwd_gemms=round(med(smp["fb_r"]), 3),
+                           fwd_tflops=round(one_gemm_flop / f_ms / 1e9, 1),
+                           fwd_bwd_tflops=round(4 * one_gemm_flop / fb_ms / 1e9, 1),
+                           extra_peak_gib=round(peak, 3))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            torch.cuda.empty_cache()
         print(fmt_row(row), flush=True)
     # memory allowance of the issue: size of d_W + d_hidden + 256 MiB
     allowance = (V * D + T * D) * h.element_size() / 2**30 + 0.25
