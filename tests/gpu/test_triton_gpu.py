@@ -218,8 +218,8 @@ def test_pingpong_forward_matches_float64(n, d, v, dtype):
         truth = (m, e.sum(1), z.gather(1, y[:, None])[:, 0], (e * (z - m[:, None])).sum(1))
         for entropy in (False, True):
             pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, _pingpong_everywhere(),
-                                      stats_launch=sm90.launch_stats_tma)
-            tma = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90, stats_launch=sm90.launch_stats_tma)
+                                      stats_launch=sm90.launch_stats_sm90)
+            tma = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90, stats_launch=sm90.launch_stats_sm90)
             for name, got, base, t in zip(("max", "sum", "target", "sez"), pp, tma, truth):
                 if got is None:
                     continue

@@ -53,7 +53,7 @@ class SM90Backend(TritonBackend):
     def _stats_launch(self, device: torch.device):
         from ..kernels import sm90
 
-        return sm90.launch_stats_tma
+        return sm90.launch_stats_sm90
 
     def _dlogits_launch(self, device: torch.device):
         from ..kernels import sm90

@@ -170,7 +170,7 @@ def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
     return _descriptor(hidden, [block_n, block_d]), _descriptor(weight, [block_v, block_d])
 
 
-def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool, cfg):
+def launch_stats_sm90(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool, cfg):
     """The forward statistics on sm_90: ``(parts, S)`` (see ``launch._split_stats``). The Gluon ping-pong kernel
     (``gluon_sm90``) when the config asks for it (``TileConfig.pingpong``, opt-in) and it can run here (Gluon in this
     Triton, 16-bit operands, legal descriptors); else the TMA kernel; else (descriptors illegal) the generic

@@ -239,9 +239,9 @@ def _store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENT
 def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
     """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``, computed on the host so that Triton
     types it 64-bit when it needs to be; ``S`` or ``N`` may be the constant 1 here) of the rows ``o_n`` in split order
-    (fixed order: bitwise reproducible). Split 0 is never empty; a later one may be (the ping-pong kernel's half-split
-    of a consumer without a tile: max -inf, sum 0, target 0, sez 0) and then adds nothing. Returns (max, sum exp(z - max), target logit,
-    sum exp(z - max)(z - max) or 0)."""
+    (fixed order: bitwise reproducible). Split 0 is never empty; a later one may be (the ping-pong kernel's
+    half-split of a consumer without a tile: max -inf, sum 0, target 0, sez 0) and then adds nothing. Returns (max,
+    sum exp(z - max), target logit, sum exp(z - max)(z - max) or 0)."""
     p_max = p_parts
     p_sum = p_max + plane
     p_tl = p_sum + plane
