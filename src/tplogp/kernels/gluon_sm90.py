@@ -332,11 +332,12 @@ _SM_COUNT: dict = {}
 
 
 def _sm_count(device) -> int:
-    index = device.index if device.index is not None else 0
+    """Streaming multiprocessors of ``device`` (the persistent grid's size); cached per device index."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
     found = _SM_COUNT.get(index)
     if found is None:
-        import torch
-
         found = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return found
 
