@@ -29,7 +29,7 @@ def _signature(kern, dtype_str, cfg, lay_h, lay_w, has_bias):
         "p_tgt": "*i64",
         "p_parts": "*fp32",
         "N": "i32", "V": "i32", "D": "i32",
-        "inv_temp": "fp32", "log2e_inv_temp": "fp32",
+        "inv_temp": "fp32",
         "num_splits": "i32", "plane": "i64",
     }
     names = list(kern.arg_names)

@@ -90,7 +90,7 @@ def main() -> int:
     d_h = TensorDescriptor.from_tensor(h, [cfg.block_n, cfg.block_d])
     d_w = TensorDescriptor.from_tensor(w, [cfg.block_v, cfg.block_d])
     stats_args = (d_h, d_w, h, y, parts, T, V, D, 1.0, 8, 8 * T)
-    stats_kw = dict(SPLIT_V=cfg.split_tiles * cfg.block_v, HAS_BIAS=False, WITH_ENTROPY=False,
+    stats_kw = dict(SPLIT_V=cfg.split_v, HAS_BIAS=False, WITH_ENTROPY=False,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
                     DOT_PRECISION=None, WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)

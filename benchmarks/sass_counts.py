@@ -36,7 +36,7 @@ def _kernels(cfg):
     desc_w = f"tensordesc<bf16[{cfg.block_v},{cfg.block_d}]>"
     fwd_sig = dict(d_h=desc_h, d_w=desc_w, p_b="*bf16", p_tgt="*i64", p_parts="*fp32", N="i32", V="i32", D="i32",
                    inv_temp="fp32", num_splits="i32", plane="i32")
-    fwd_const = dict(SPLIT_V=cfg.split_tiles * cfg.block_v, HAS_BIAS=False, WITH_ENTROPY=False,
+    fwd_const = dict(SPLIT_V=cfg.split_v, HAS_BIAS=False, WITH_ENTROPY=False,
                      BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
                      DOT_PRECISION=None, WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages)
     bdesc_h = f"tensordesc<bf16[{cfg.bwd_block_n},{cfg.bwd_block_d}]>"

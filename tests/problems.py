@@ -96,3 +96,19 @@ def run_op(op, p: Problem, *, entropy=False, lse=False, **kwargs) -> Result:
     loss.backward()
     return Result(logp.detach(), None if ent is None else ent.detach(), None if lse_out is None else lse_out.detach(),
                   h.grad, w.grad, None if b is None else b.grad)
+
+
+def float64_stats(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], target: torch.Tensor,
+                  inv_t: float) -> dict:
+    """The per-shard softmax statistics of the backend contract in float64: logits ``z = (h w^T + b) inv_t``, row max
+    ``row_max``, ``sum_exp = sum exp(z - max)``, ``target_logit = z[target]`` (0 where the target is not in
+    ``[0, V)``) and ``sum_exp_z = sum exp(z - max)(z - max)``."""
+    z = h.double() @ w.double().T
+    if b is not None:
+        z = z + b.double()
+    z = z * inv_t
+    m = z.max(1).values
+    e = (z - m[:, None]).exp()
+    own = (target >= 0) & (target < z.shape[1])
+    t = torch.where(own, z.gather(1, target.clamp(0, z.shape[1] - 1)[:, None])[:, 0], torch.zeros_like(m))
+    return dict(z=z, row_max=m, sum_exp=e.sum(1), target_logit=t, sum_exp_z=(e * (z - m[:, None])).sum(1))

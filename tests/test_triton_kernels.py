@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tolerances import assert_no_worse, rel_error
-from problems import make_problem, run_op, run_reference
+from problems import float64_stats, make_problem, run_op, run_reference
 
 _interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 pytestmark = pytest.mark.skipif(
@@ -42,16 +42,9 @@ KERNELS = {"triton": TritonBackend, "sm90-kernels": _sm90_on_cpu}
 
 def _truth(h, w, b, tgt, inv_t, g, ge, gl):
     """float64 stats and grads from the backend contract's formulas."""
-    z = h.double() @ w.double().T
-    if b is not None:
-        z = z + b.double()
-    z = z * inv_t
-    m = z.max(1).values
-    e = (z - m[:, None]).exp()
-    s = e.sum(1)
-    q = (e * (z - m[:, None])).sum(1)
+    st = float64_stats(h, w, b, tgt, inv_t)
+    z, m, s, q, tl = st["z"], st["row_max"], st["sum_exp"], st["sum_exp_z"], st["target_logit"]
     own = tgt >= 0
-    tl = torch.where(own, z.gather(1, tgt.clamp(min=0)[:, None])[:, 0], torch.zeros_like(m))
     lsum = s.log()
     p = (z - m[:, None] - lsum[:, None]).exp()
     mz = (p * (z - m[:, None])).sum(1)
@@ -273,7 +266,7 @@ def test_launcher_rejects_bad_inputs():
 ], ids=["fp32-plain", "bf16-temp-ent-lse-ignore"])
 def test_tp4_uneven_triton(tp, dtype_name, opts):
     """Runs on a pool of 4 gloo ranks (pytest_tplogp)."""
-    from problems import make_problem, run_op, run_reference
+    from problems import float64_stats, make_problem, run_op, run_reference
     from tolerances import assert_no_worse
     from tplogp import get_op
     from tplogp.shards import shard_boundaries, shard_range

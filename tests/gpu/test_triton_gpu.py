@@ -12,6 +12,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+from problems import float64_stats  # noqa: E402
 from tolerances import assert_no_worse, rel_error  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
@@ -209,13 +210,9 @@ def test_pingpong_forward_matches_float64(n, d, v, dtype):
     h, w, b, y, _, _ = _problem(n, d, v, dtype, seed=v)
     inv_t = 1 / 0.7
     for bias in (None, b):
-        z = h.double() @ w.double().T
-        if bias is not None:
-            z = z + bias.double()
-        z = z * inv_t
-        m = z.max(1).values
-        e = (z - m[:, None]).exp()
-        truth = (m, e.sum(1), z.gather(1, y[:, None])[:, 0], (e * (z - m[:, None])).sum(1))
+        st = float64_stats(h, w, bias, y, inv_t)
+        truth = (st["row_max"], st["sum_exp"], st["target_logit"], st["sum_exp_z"])
+        del st
         for entropy in (False, True):
             pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, _pingpong_everywhere(),
                                       stats_launch=sm90.launch_stats_sm90)

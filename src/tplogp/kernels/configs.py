@@ -76,6 +76,11 @@ class TileConfig:
     # tiles wherever it can run, instead of the TMA kernel with the tiles above; None (default): the TMA kernel
     pingpong: Optional[PingPongConfig] = None
 
+    @property
+    def split_v(self) -> int:
+        """Vocab ids per forward split."""
+        return self.split_tiles * self.block_v
+
 
 # Capability table: (major, minor) -> config. Measured choices are documented in docs/kernels.md.
 _BY_CAPABILITY: dict[tuple[int, int], TileConfig] = {

@@ -23,22 +23,10 @@ tensor cores:
   count). Consumer 0 only arrives when a consumer-1 tile follows in the same split, consumer 1 always arrives, so
   every wait matches exactly one arrival and the parity phases alternate (no barrier can run two phases ahead).
 
-Per tile (``acc`` fp32 ``[BLOCK_N, BLOCK_V]`` over the full hidden dim), with ``y = acc (+ bias)`` (columns
-``>= V`` masked to -inf, only in a split's last tile, behind a runtime branch) and ``z = y * inv_temp``, the stats
-are kept in raw ``y`` units and log2 units (``c = inv_temp * log2(e)``, computed on the host)::
-
-    m'  = max(m, max_v y)                                        # raw units: max_v z = inv_temp * max_v y
-    u   = (y - m') * c                                           # = (z - M') / ln 2, exact 0 at the max
-    sh  = (m - m') * c     (0 while m is -inf)
-    s   = s * exp2(sh) + sum_v exp2(u)
-    q2  = exp2(sh) * (q2 + sh * s_old) + sum_v exp2(u) * u       # entropy only
-    ty += y[target]
-
-and the per-row conversions applied once at the store give the stored natural units (as
-``triton_forward._natural_units``):
-``max = m * inv_temp`` (exactly the max of the rounded ``z``, multiplication by a positive scalar being monotone),
-``sum = s``, ``target = ty * inv_temp`` (the same rounding as ``z[target]``), ``sez = q2 * ln 2``. (Why
-``y - m'`` before the multiply and not one FMA: see ``triton_forward._online_softmax_update``.)
+Per tile (``acc`` fp32 ``[BLOCK_N, BLOCK_V]`` over the full hidden dim) each consumer folds the tile into its running
+row statistics with the TMA and generic kernels' own epilogue, ``triton_forward._online_softmax_update`` (raw units,
+one ex2 per logit, the column mask only in a split's last tile), and stores them through ``_natural_units`` and
+``_store_stats``: the same arithmetic, so the three forwards differ only in how the tiles are computed and grouped.
 
 Host side: :func:`launch_stats_pingpong`; :func:`available` says whether this Triton has what the kernel needs.
 Nothing here touches CUDA at import time, and the module imports cleanly without Gluon.
@@ -46,11 +34,14 @@ Nothing here touches CUDA at import time, and the module imports cleanly without
 
 from __future__ import annotations
 
-import math
 from typing import Optional
+
+import torch
 
 from .configs import PingPongConfig, cdiv
 from .direct_launch import launcher, triton_version_supported
+from .launch import split_parts
+from .triton_forward import LOG2E, _grouped_ids, _natural_units, _online_softmax_update, _store_stats
 
 # Triton releases whose Gluon Hopper API this kernel was compiled against (3.6.0 also run on the H200; the
 # experimental API changes between releases).
@@ -84,8 +75,6 @@ except Exception as exc:  # pragma: no cover - depends on the installed Triton
     _HAVE_GLUON = False
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-_LN2 = math.log(2.0)
-_LOG2E = 1.0 / _LN2
 
 
 def available() -> tuple[bool, str]:
@@ -103,57 +92,8 @@ def available() -> tuple[bool, str]:
 if _HAVE_GLUON:
 
     @gluon.jit
-    def _grouped_ids(pid, num_a, num_b, GROUP_A: gl.constexpr):
-        """Map a 1-D work id onto (i_a, i_b) so that GROUP_A consecutive a-blocks sweep b together
-        (same mapping as triton_forward._grouped_ids)."""
-        num_in_group = GROUP_A * num_b
-        i_group = pid // num_in_group
-        first_a = i_group * GROUP_A
-        group_size = gl.minimum(num_a - first_a, GROUP_A)
-        i_a = first_a + (pid % num_in_group) % group_size
-        i_b = (pid % num_in_group) // group_size
-        return i_a, i_b
-
-    @gluon.jit
-    def _ex2(x):
-        """2^x as PTX ex2.approx.ftz.f32 (one MUFU op; see triton_forward._exp2)."""
-        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _fold_tile(acc, cols, v0, V, p_b, tgt32, m_y, s, t_y, q2, c2,
-                   HAS_BIAS: gl.constexpr, WITH_ENTROPY: gl.constexpr, MASKED: gl.constexpr):
-        """Fold one fp32 tile into the running (raw max, sum, raw target, q2) row stats (see module docstring)."""
-        y = acc
-        if HAS_BIAS:
-            o_v = v0 + cols
-            if MASKED:
-                bias = gl.load(p_b + o_v, mask=o_v < V, other=0.0)
-            else:
-                bias = gl.load(p_b + o_v)
-            y = y + gl.expand_dims(bias.to(gl.float32), 0)
-        if MASKED:
-            valid = gl.expand_dims((v0 + cols) < V, 0)
-            y = gl.where(valid, y, float("-inf"))
-        new_m = gl.maximum(m_y, gl.max(y, axis=1))
-        u = (y - gl.expand_dims(new_m, 1)) * c2  # log2 units; exact 0 at the max (see the module docstring)
-        e = _ex2(u)  # masked columns: 2^-inf = 0
-        shift = gl.where(m_y == float("-inf"), 0.0, (m_y - new_m) * c2)  # <= 0, log2 units
-        scale = _ex2(shift)
-        if WITH_ENTROPY:
-            if MASKED:
-                eu = e * gl.where(valid, u, 0.0)  # no 0 * inf on masked columns
-            else:
-                eu = e * u
-            q2 = scale * (q2 + shift * s) + gl.sum(eu, axis=1)
-        s = s * scale + gl.sum(e, axis=1)
-        hit = gl.expand_dims(cols, 0) == gl.expand_dims(tgt32 - v0, 1)
-        t_y = t_y + gl.sum(gl.where(hit, y, 0.0), axis=1)
-        return new_m, s, t_y, q2
-
-    @gluon.jit
     def _consumer(a_bufs, b_bufs, ready, empty, turn_bar, issued_bar,
-                  p_b, p_tgt, p_parts, N, V, D, inv_temp, c2, num_splits, plane,
+                  p_b, p_tgt, p_parts, N, V, D, inv_temp, num_splits, plane,
                   C: gl.constexpr, SPLIT_V: gl.constexpr, HAS_BIAS: gl.constexpr, WITH_ENTROPY: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_V: gl.constexpr, BLOCK_D: gl.constexpr, GROUP_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr):
@@ -169,7 +109,7 @@ if _HAVE_GLUON:
         num_n = gl.cdiv(N, BLOCK_N)
         num_work = num_n * num_splits
         k_iters = gl.cdiv(D, BLOCK_D)
-        ln2: gl.constexpr = 0.6931471805599453
+        c = inv_temp * LOG2E
 
         cnt = 0  # slots consumed from this consumer's ring
         turn_phase = 0  # parity of the next wait on the other consumer's issued barrier
@@ -179,7 +119,6 @@ if _HAVE_GLUON:
             o_n = i_n * BLOCK_N + rows
             m_n = o_n < N
             tgt = gl.load(p_tgt + o_n, mask=m_n, other=-1)
-            tgt32 = gl.where((tgt >= 0) & (tgt < V), tgt, -1).to(gl.int32)
             v_lo = i_s * SPLIT_V
             n_tiles = gl.cdiv(gl.minimum(v_lo + SPLIT_V, V) - v_lo, BLOCK_V)
             m_y = gl.full([BLOCK_N], float("-inf"), gl.float32, row_layout)
@@ -221,24 +160,16 @@ if _HAVE_GLUON:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(empty.index((cnt + NUM_STAGES - 1) % NUM_STAGES))
                 if v0 + BLOCK_V <= V:
-                    m_y, s, t_y, q2 = _fold_tile(acc, cols, v0, V, p_b, tgt32, m_y, s, t_y, q2, c2,
-                                                 HAS_BIAS, WITH_ENTROPY, False)
+                    m_y, s, t_y, q2 = _online_softmax_update(acc, cols, v0, V, p_b, tgt, m_y, s, t_y, q2, c,
+                                                             False, HAS_BIAS, WITH_ENTROPY, True, BLOCK_V)
                 else:
-                    m_y, s, t_y, q2 = _fold_tile(acc, cols, v0, V, p_b, tgt32, m_y, s, t_y, q2, c2,
-                                                 HAS_BIAS, WITH_ENTROPY, True)
+                    m_y, s, t_y, q2 = _online_softmax_update(acc, cols, v0, V, p_b, tgt, m_y, s, t_y, q2, c,
+                                                             True, HAS_BIAS, WITH_ENTROPY, True, BLOCK_V)
             if C == 0:
                 prev_even = (n_tiles % 2 == 0).to(gl.int32)
-            # --- per-row corrections to natural units, store split 2 * i_s + C
-            offs = (2 * i_s + C).to(gl.int64) * N + o_n
-            p_out = p_parts
-            gl.store(p_out + offs, m_y * inv_temp, mask=m_n)
-            p_out += plane
-            gl.store(p_out + offs, s, mask=m_n)
-            p_out += plane
-            gl.store(p_out + offs, t_y * inv_temp, mask=m_n)
-            if WITH_ENTROPY:
-                p_out += plane
-                gl.store(p_out + offs, q2 * ln2, mask=m_n)
+            # --- natural units, stored as split 2 * i_s + C
+            m_y, t_y, q2 = _natural_units(m_y, t_y, q2, inv_temp)
+            _store_stats(p_parts, plane, (2 * i_s + C).to(gl.int64) * N + o_n, m_n, m_y, s, t_y, q2, WITH_ENTROPY)
 
     @gluon.jit
     def _loader(h_desc, w_desc, a_bufs, b_bufs, ready, empty, N, V, D, num_splits,
@@ -280,7 +211,6 @@ if _HAVE_GLUON:
         p_parts,  # [3 or 4, 2 * S, N] fp32 split stats (max, sum, target logit[, sez]), out
         N, V, D,
         inv_temp,  # 1 / temperature
-        log2e_inv_temp,  # inv_temp * log2(e), computed on the host
         num_splits, plane,  # plane = 2 * S * N
         SPLIT_V: gl.constexpr,  # vocab ids per split, a multiple of 2 * BLOCK_V
         HAS_BIAS: gl.constexpr, WITH_ENTROPY: gl.constexpr,
@@ -310,10 +240,10 @@ if _HAVE_GLUON:
         gl.warp_specialize(
             [
                 (_consumer, (a0, b0, ready0, empty0, issued.index(1), issued.index(0),
-                             p_b, p_tgt, p_parts, N, V, D, inv_temp, log2e_inv_temp, num_splits, plane,
+                             p_b, p_tgt, p_parts, N, V, D, inv_temp, num_splits, plane,
                              0, SPLIT_V, HAS_BIAS, WITH_ENTROPY, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N, NUM_STAGES)),
                 (_consumer, (a1, b1, ready1, empty1, issued.index(0), issued.index(1),
-                             p_b, p_tgt, p_parts, N, V, D, inv_temp, log2e_inv_temp, num_splits, plane,
+                             p_b, p_tgt, p_parts, N, V, D, inv_temp, num_splits, plane,
                              1, SPLIT_V, HAS_BIAS, WITH_ENTROPY, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N, NUM_STAGES)),
                 (_loader, (h_desc, w_desc, a0, b0, ready0, empty0, N, V, D, num_splits,
                            0, SPLIT_V, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N, NUM_STAGES)),
@@ -333,8 +263,6 @@ _SM_COUNT: dict = {}
 
 def _sm_count(device) -> int:
     """Streaming multiprocessors of ``device`` (the persistent grid's size); cached per device index."""
-    import torch
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     found = _SM_COUNT.get(index)
     if found is None:
@@ -343,8 +271,6 @@ def _sm_count(device) -> int:
 
 
 def _gl_dtype(torch_dtype):
-    import torch
-
     if torch_dtype == torch.bfloat16:
         return gl.bfloat16
     if torch_dtype == torch.float16:
@@ -369,18 +295,15 @@ def launch_stats_pingpong(hidden, weight, bias, local_target, inv_temperature: f
     a consumer without a tile writes max -inf, sum 0, target 0, sez 0), folded like ``S2`` ordinary splits
     (``triton_forward._fold_splits``). The caller has checked: an sm_90 device, :func:`available`, bf16 / fp16
     operands contiguous along D with 16-byte aligned bases and row strides (``sm90.tma_ok``)."""
-    import torch
-
     n, d = hidden.shape
     v = weight.shape[0]
     num_splits = cdiv(v, cfg.split_v)
-    parts = torch.empty((4 if with_entropy else 3, 2 * num_splits, n), device=hidden.device, dtype=torch.float32)
+    parts = split_parts(hidden, 2 * num_splits, with_entropy)
     d_h, d_w = descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
     grid = (max(1, min(cdiv(n, cfg.block_n) * num_splits, _sm_count(hidden.device))),)
-    inv_t = float(inv_temperature)
     launcher(_fwd_stats_pingpong_kernel)(
         grid, d_h, d_w, bias if bias is not None else hidden, local_target, parts,
-        n, v, d, inv_t, inv_t * _LOG2E, num_splits, 2 * num_splits * n,
+        n, v, d, inv_temperature, num_splits, 2 * num_splits * n,
         SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs, LOADER_REGS=cfg.loader_regs,

@@ -147,25 +147,23 @@ def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entr
     return (stats_launch or _launch_stats)(hidden, weight, bias, target, float(inv_temperature), with_entropy, cfg)
 
 
-def split_parts(hidden: torch.Tensor, vocab: int, split_v: int, with_entropy: bool):
-    """``(parts, S)``: the uninitialised fp32 ``[3 or 4, S, N]`` per-split stats buffer for splits of ``split_v``."""
-    num_splits = cdiv(vocab, split_v)
-    parts = torch.empty((4 if with_entropy else 3, num_splits, hidden.shape[0]), device=hidden.device,
-                        dtype=torch.float32)
-    return parts, num_splits
+def split_parts(hidden: torch.Tensor, num_splits: int, with_entropy: bool) -> torch.Tensor:
+    """The uninitialised fp32 ``[3 or 4, num_splits, N]`` per-split stats buffer."""
+    return torch.empty((4 if with_entropy else 3, num_splits, hidden.shape[0]), device=hidden.device,
+                       dtype=torch.float32)
 
 
 def _launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
                   cfg: TileConfig):
     n, d = hidden.shape
     v = weight.shape[0]
-    split_v = cfg.split_tiles * cfg.block_v
-    parts, num_splits = split_parts(hidden, v, split_v, with_entropy)
+    num_splits = cdiv(v, cfg.split_v)
+    parts = split_parts(hidden, num_splits, with_entropy)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     launcher(_fwd_stats_kernel)(
         grid, hidden, weight, bias if bias is not None else hidden, local_target,
         parts, n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits, num_splits * n,
-        SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
+        SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -23,7 +23,7 @@ import triton.language as tl
 from .configs import cdiv
 from .direct_launch import launcher
 from .launch import _dot_precision, _launch_dlogits, _launch_stats, split_parts
-from .triton_backward import _dlogits_epilogue, _is_edge_tile
+from .triton_backward import _dlogits_epilogue
 from .triton_forward import (FAST_EXP2, LOG2E, _grouped_ids, _mma, _natural_units, _online_softmax_update,
                              _split_bounds, _stats_program, _store_stats)
 
@@ -66,16 +66,17 @@ def _fwd_stats_tma_kernel(
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = _stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
     c = inv_temp * LOG2E
+    o_t = tl.arange(0, BLOCK_V)
     v_lo, v_full, v_hi = _split_bounds(i_s, V, SPLIT_V, BLOCK_V)
     for v0 in range(v_lo, v_full, BLOCK_V):  # full tiles
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
-        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     b_max, b_tl, b_sez = _natural_units(b_max, b_tl, b_sez, inv_temp)
     _store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
@@ -96,19 +97,10 @@ def _bwd_dlogits_tma_kernel(
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
                            DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-    v0 = v_lo + i_v * BLOCK_V
-    if _is_edge_tile(i_n, i_v, N, v_lo, v_hi, BLOCK_N, BLOCK_V):
-        _dlogits_epilogue(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
-                          p_dbp, stride_dz, stride_dbp, inv_temp, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
-                          BLOCK_V)
-    else:
-        _dlogits_epilogue(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
-                          p_dbp, stride_dz, stride_dbp, inv_temp, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
-                          BLOCK_V)
+    _dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+                      stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)
 
 
 def tma_ok(hidden, weight) -> bool:
@@ -177,42 +169,28 @@ def launch_stats_sm90(hidden, weight, bias, local_target, inv_temperature: float
     kernel."""
     if not tma_ok(hidden, weight):
         return _launch_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg)
-    pp = cfg.pingpong
-    if pp is not None and hidden.dtype in _PINGPONG_DTYPES and _pingpong_ready():
+    if cfg.pingpong is not None and hidden.dtype in (torch.bfloat16, torch.float16):
         from . import gluon_sm90
 
-        _ensure_context(hidden.device)
-        return gluon_sm90.launch_stats_pingpong(hidden, weight, bias, local_target, inv_temperature, with_entropy,
-                                                pp)
+        if gluon_sm90.available()[0]:
+            _ensure_context(hidden.device)
+            return gluon_sm90.launch_stats_pingpong(hidden, weight, bias, local_target, inv_temperature,
+                                                    with_entropy, cfg.pingpong)
     n, d = hidden.shape
     v = weight.shape[0]
-    split_v = cfg.split_tiles * cfg.block_v
-    parts, num_splits = split_parts(hidden, v, split_v, with_entropy)
+    num_splits = cdiv(v, cfg.split_v)
+    parts = split_parts(hidden, num_splits, with_entropy)
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     launcher(_fwd_stats_tma_kernel)(
         grid, d_h, d_w, bias if bias is not None else hidden, local_target,
         parts, n, v, d, inv_temperature, num_splits, num_splits * n,
-        SPLIT_V=split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
+        SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return parts, num_splits
-
-
-_PINGPONG_READY: Optional[bool] = None
-_PINGPONG_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _pingpong_ready() -> bool:
-    """Whether this Triton can build the Gluon ping-pong kernel (checked once; the device is sm_90 already)."""
-    global _PINGPONG_READY
-    if _PINGPONG_READY is None:
-        from . import gluon_sm90
-
-        _PINGPONG_READY = gluon_sm90.available()[0]
-    return _PINGPONG_READY
 
 
 def launch_dlogits_tma(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,

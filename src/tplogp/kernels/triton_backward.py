@@ -31,6 +31,31 @@ from .triton_forward import FAST_EXP2, LOG2E, _exp2, _grouped_ids, _logits_tile,
 @triton.jit
 def _dlogits_epilogue(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
+    i_n, i_v, N, v_lo, v_hi,  # the tile (token block, column block of the chunk), the rows, the chunk [v_lo, v_hi)
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see _bwd_dlogits_kernel
+    stride_dz, stride_dbp,
+    inv_temp,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Tile (i_n, i_v)'s epilogue: the unmasked form for interior tiles, the masked one for tiles past N or v_hi.
+    Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
+    v0 = v_lo + i_v * BLOCK_V
+    if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
+        _dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
+                      p_dbp, stride_dz, stride_dbp, inv_temp, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                      BLOCK_V)
+    else:
+        _dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
+                      p_dbp, stride_dz, stride_dbp, inv_temp, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                      BLOCK_V)
+
+
+@triton.jit
+def _dlogits_tile(
+    acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     i_n, o_n, o_c, v0, N, v_hi,  # token block, its rows, the tile's chunk columns, first shard column, bounds
     p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see _bwd_dlogits_kernel
     stride_dz, stride_dbp,
@@ -43,8 +68,8 @@ def _dlogits_epilogue(
 
     Per element: ``zr = z - M`` (one FMA; exact 0 at the max, so 1 - p does not cancel at a peaked row), ``p =
     2^(zr log2(e) - log_sum log2(e))`` (one FMA and one ex2), the one-hot term (a compare and a select), and ``dz =
-    onehot * g/T - p * coef/T`` (one FMA; the temperature is folded into the per-row factors). Interior tiles carry
-    no masks. Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them.
+    onehot * g/T - p * coef/T`` (one FMA; the temperature is folded into the per-row factors). ``MASKED``: the
+    tile's rows and columns are masked (edge tiles); interior tiles carry no masks.
     """
     o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     o_v = v0 + o_t  # [BLOCK_V] column inside the shard
@@ -71,22 +96,15 @@ def _dlogits_epilogue(
     t_col = _target_column(b_tgt, v0, BLOCK_V)
     b_dz = tl.where(o_t[None, :] == t_col[:, None], b_g[:, None], 0.0) - b_p * b_coef
     p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
+    m_out = None  # interior tiles: no masks
+    m_db = None
     if MASKED:
         m_out = m_n[:, None] & m_v[None, :]
+        m_db = m_v
         b_dz = tl.where(m_out, b_dz, 0.0)
-        _store_rounded(p_out, b_dz, m_out, DOT_PRECISION)
-        if NEED_DB:
-            tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_v)
-    else:
-        _store_rounded(p_out, b_dz, None, DOT_PRECISION)
-        if NEED_DB:
-            tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0))
-
-
-@triton.jit
-def _is_edge_tile(i_n, i_v, N, v_lo, v_hi, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Whether tile (i_n, i_v) of the chunk ``[v_lo, v_hi)`` reaches past N rows or past v_hi."""
-    return ((i_n + 1) * BLOCK_N > N) | (v_lo + (i_v + 1) * BLOCK_V > v_hi)
+    _store_rounded(p_out, b_dz, m_out, DOT_PRECISION)
+    if NEED_DB:
+        tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_db)
 
 
 @triton.jit
@@ -112,19 +130,11 @@ def _bwd_dlogits_kernel(
 ):
     i_n, i_v = _grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
-    o_v = v_lo + o_c  # [BLOCK_V] column inside the shard
+    o_v = v_lo + i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
     acc = _logits_tile(p_h, p_w, o_n, o_v, o_n < N, o_v < v_hi, D, stride_hn, stride_wv,
                        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-    v0 = v_lo + i_v * BLOCK_V
-    if _is_edge_tile(i_n, i_v, N, v_lo, v_hi, BLOCK_N, BLOCK_V):
-        _dlogits_epilogue(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
-                          p_dbp, stride_dz, stride_dbp, inv_temp, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
-                          BLOCK_V)
-    else:
-        _dlogits_epilogue(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
-                          p_dbp, stride_dz, stride_dbp, inv_temp, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
-                          BLOCK_V)
+    _dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+                      stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)
 
 
 @triton.jit

@@ -112,6 +112,7 @@ def _target_column(b_tgt, v0, BLOCK_V: tl.constexpr):
 @triton.jit
 def _online_softmax_update(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
+    o_t,  # [BLOCK_V] tl.arange(0, BLOCK_V): the column inside the tile (given, so Gluon callers can lay it out)
     v0, V, p_b,  # first vocab id of the tile, shard size, bias pointer (unused unless HAS_BIAS)
     b_tgt,  # [BLOCK_N] the rows' target ids (local; nobody's when outside the shard)
     b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running stats in raw units (see below)
@@ -130,7 +131,6 @@ def _online_softmax_update(
     of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
     ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
     """
-    o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     if MASKED:
         m_v = (v0 + o_t) < V
     if HAS_BIAS:
@@ -188,18 +188,19 @@ def _fwd_stats_kernel(
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = _stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)  # [BLOCK_N] int64
     c = inv_temp * LOG2E
+    o_t = tl.arange(0, BLOCK_V)
     v_lo, v_full, v_hi = _split_bounds(i_s, V, SPLIT_V, BLOCK_V)
     for v0 in range(v_lo, v_full, BLOCK_V):  # full tiles
-        o_v = v0 + tl.arange(0, BLOCK_V)
+        o_v = v0 + o_t
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
-        o_v = v_full + tl.arange(0, BLOCK_V)
+        o_v = v_full + o_t
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
-        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+        b_max, b_sum, b_tl, b_sez = _online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     b_max, b_tl, b_sez = _natural_units(b_max, b_tl, b_sez, inv_temp)
     _store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
