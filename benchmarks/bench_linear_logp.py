@@ -3,10 +3,17 @@
 Per shape (T x D x V, bf16, one GPU, per-token random upstream gradient) and source, prints and saves:
 forward ms, forward+backward ms, both in GEMM-times (one cuBLAS ``[T,D] x [D,V]`` bf16 matmul timed in the same
 run: rounds of GEMM, forward, GEMM, forward+backward, each time divided by the GEMM just before it, median over
-rounds, the sources interleaved within each round -- the H200's clocks drift by up to ~8% between processes and
-the GEMM itself moves 2.8-4.0 ms within one, which a single GEMM sample, or sources timed one after the other,
-would carry into the ratios), effective TFLOP/s, extra peak GiB, and relative errors of logp / d_hidden / d_W
-against float64.
+rounds, the sources interleaved within each round), effective TFLOP/s, extra peak GiB, and relative errors of
+logp / d_hidden / d_W against float64.
+
+Power state: an H200 under sustained tensor-core load runs at its 700 W cap, where the SM clock falls from 1980 MHz
+to ~1450-1620 MHz and the same GEMM goes from 2.79 to 3.31 ms (benchmarks/clock_probe.py). A GEMM timed after an
+idle stretch (host-side checks, another source's setup) runs at boost clock, so every timing here starts after
+``--warm-ms`` of back-to-back calls of the same function: GEMM and sources are compared in the same state.
+
+Two timing modes, both reported: synced (a host sync after every call, as ../shared/anchor_bench.py times the
+anchors: a sample includes the host's launch latency) and back-to-back (no sync between calls, the host runs ahead
+as in a training loop: a sample is GPU time unless the host is the slower side; triton.testing.do_bench's method).
 
 FLOP accounting (one GEMM = 2*T*D*V): forward = 1 GEMM, forward+backward = 4 GEMMs (forward, recompute, d_hidden,
 d_W: the floor for a per-token op with O(T) saved state). "Effective TFLOP/s" divides those counts by the time, so
@@ -103,14 +110,14 @@ def float64_truth(h, w, y, gy, ge, return_entropy: bool, ignore_index):
 
 
 def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps=10, check=True,
-                extra_sources: Optional[dict] = None, rounds: int = 3) -> list[dict]:
+                extra_sources: Optional[dict] = None, rounds: int = 3, warm_ms: float = 300.0) -> list[dict]:
     h, w, y, gy, ge, ignore_index = runner.bf16_problem(T, D, V, ignore_frac=ignore_frac, ge_scale=0.1)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
 
     def gemm():
         return h @ w.T
 
-    gemm_ms = runner.median_ms(gemm, reps=reps)
+    gemm_ms = runner.median_ms(gemm, reps=reps, warm_ms=warm_ms)
     truth = float64_truth(h, w, y, gy, ge, return_entropy, ignore_index) if check else None
     torch.cuda.empty_cache()
     rows = [dict(source="cublas_gemm", T=T, D=D, V=V, fwd_ms=round(gemm_ms, 3))]
@@ -155,29 +162,37 @@ def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps
                 row["err_d_weight"] = runner.rel_err(wg.grad, truth["dw"])
                 hg.grad = wg.grad = None
                 del out
-            live.append((row, *step_fns(fn), dict(f_s=[], fb_s=[], f_r=[], fb_r=[], g_s=[])))
+            live.append((row, *step_fns(fn), {k + b: [] for k in ("f_s", "fb_s", "f_r", "fb_r", "g_s")
+                                              for b in ("", "_b2b")}))
         except Exception as exc:  # one broken source must not hide the others' numbers
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(fmt_row(row), flush=True)
         torch.cuda.empty_cache()
-    # Rounds of (GEMM, forward, GEMM, forward+backward) per source, the sources interleaved inside each round in a
-    # rotating order: each time is divided by the GEMM measured just before it, and every source is sampled across
-    # the whole run, so the GPU's clock and power drift (the same GEMM moves 2.8-4.0 ms within one process) falls on
-    # all sources alike instead of on whichever ran last.
+    # Rounds of (GEMM, forward, GEMM, forward+backward) per source and timing mode, the sources interleaved inside
+    # each round in a rotating order: each time is divided by the GEMM measured just before it, and every source is
+    # sampled across the whole run, so the GPU's clock and power drift falls on all sources alike instead of on
+    # whichever ran last. Each timing starts after `warm_ms` of back-to-back calls of the same function, so the GEMM
+    # and the sources are timed in the same (power-capped) state.
     for i_round in range(rounds):
         order = live[i_round % len(live):] + live[:i_round % len(live)] if live else []
         for row, fwd, fwd_bwd, smp in order:
             if "error" in row:
                 continue
             try:
-                g1 = runner.median_ms(gemm, reps=reps)
-                with torch.no_grad():
-                    smp["f_s"].append(runner.median_ms(fwd, reps=reps))
-                g2 = runner.median_ms(gemm, reps=reps)
-                smp["fb_s"].append(runner.median_ms(fwd_bwd, reps=reps))
-                smp["g_s"] += [g1, g2]
-                smp["f_r"].append(smp["f_s"][-1] / g1)
-                smp["fb_r"].append(smp["fb_s"][-1] / g2)
+                for b2b, key in ((False, ""), (True, "_b2b")):
+                    def t(fn, b2b=b2b):
+                        return runner.median_ms(fn, reps=reps, warm_ms=warm_ms, back_to_back=b2b)
+
+                    g1 = t(gemm)
+                    with torch.no_grad():
+                        f_ms = t(fwd)
+                    g2 = t(gemm)
+                    fb_ms = t(fwd_bwd)
+                    smp["g_s" + key] += [g1, g2]
+                    smp["f_s" + key].append(f_ms)
+                    smp["fb_s" + key].append(fb_ms)
+                    smp["f_r" + key].append(f_ms / g1)
+                    smp["fb_r" + key].append(fb_ms / g2)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     med = statistics.median
@@ -189,9 +204,13 @@ def bench_shape(T, D, V, sources, *, return_entropy=False, ignore_frac=0.0, reps
                 row.update(fwd_ms=round(f_ms, 3), fwd_bwd_ms=round(fb_ms, 3), gemm_ms=round(med(smp["g_s"]), 3),
                            gemm_samples_ms=[round(x, 4) for x in smp["g_s"]],
                            fwd_gemms=round(med(smp["f_r"]), 3), fwd_bwd_gemms=round(med(smp["fb_r"]), 3),
+                           fwd_ms_b2b=round(med(smp["f_s_b2b"]), 3), fwd_bwd_ms_b2b=round(med(smp["fb_s_b2b"]), 3),
+                           gemm_ms_b2b=round(med(smp["g_s_b2b"]), 3),
+                           fwd_gemms_b2b=round(med(smp["f_r_b2b"]), 3),
+                           fwd_bwd_gemms_b2b=round(med(smp["fb_r_b2b"]), 3),
                            fwd_tflops=round(one_gemm_flop / f_ms / 1e9, 1),
                            fwd_bwd_tflops=round(4 * one_gemm_flop / fb_ms / 1e9, 1),
-                           extra_peak_gib=round(peak, 3))
+                           extra_peak_gib=round(peak, 3), warm_ms=warm_ms)
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             torch.cuda.empty_cache()
@@ -210,8 +229,11 @@ def fmt_row(r: dict) -> str:
         return f"{r['source']:>22} | fwd {r['fwd_ms']:.3f} ms"
     errs = " ".join(f"{k[4:]}={r[k]:.1e}" for k in ("err_logp", "err_d_hidden", "err_d_weight", "err_entropy")
                     if k in r)
+    b2b = (f" | back-to-back fwd {r['fwd_gemms_b2b']:.2f} G, fwd+bwd {r['fwd_bwd_gemms_b2b']:.2f} G"
+           if "fwd_gemms_b2b" in r else "")
     return (f"{r['source']:>22} | fwd {r['fwd_ms']:8.3f} ms ({r['fwd_gemms']:.2f} G) | fwd+bwd {r['fwd_bwd_ms']:8.3f} ms"
-            f" ({r['fwd_bwd_gemms']:.2f} G, {r['fwd_bwd_tflops']:.0f} TF/s) | extra {r['extra_peak_gib']:.3f} GiB | {errs}")
+            f" ({r['fwd_bwd_gemms']:.2f} G, {r['fwd_bwd_tflops']:.0f} TF/s) | extra {r['extra_peak_gib']:.3f} GiB | {errs}"
+            f"{b2b}")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -253,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of (GEMM, fwd, GEMM, fwd+bwd); GEMM-times are medians of per-round ratios")
+    ap.add_argument("--warm-ms", type=float, default=300.0,
+                    help="GPU milliseconds of back-to-back calls before each timing (power-capped steady state; 0: off)")
     ap.add_argument("--no-check", action="store_true", help="skip the float64 error columns")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "results"), "bench_linear_logp.json"))
     ap.add_argument("--plot", default=None, help="PNG path (default: beside --out)")
@@ -264,7 +288,7 @@ def main(argv=None) -> int:
     rows = []
     for T, D, V in shapes:
         rows += bench_shape(T, D, V, sources, return_entropy=args.entropy, ignore_frac=args.ignore_frac,
-                            reps=args.reps, check=not args.no_check, rounds=args.rounds)
+                            reps=args.reps, check=not args.no_check, rounds=args.rounds, warm_ms=args.warm_ms)
     runner.write_json(args.out, dict(machine=info, rows=rows))
     plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
     return 0

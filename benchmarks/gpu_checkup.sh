@@ -25,7 +25,7 @@ step() {
 }
 date -u
 git log --oneline -1 2>/dev/null || true
-step tests 200 python3 -m pytest tests/gpu -m "gpu or stress" -q -p no:cacheprovider
+step tests 300 python3 -m pytest tests/gpu -m "gpu or stress" -q -p no:cacheprovider
 tail -2 "$OUT_DIR/tests.log"
 step runbook 120 bash benchmarks/runbook_matrix.sh 1 auto
 grep -c "exit status 0" "$OUT_DIR/runbook.log"
