@@ -254,8 +254,10 @@ def plot(rows: list[dict], path: str) -> None:
         names = [r["source"] for r in sel]
         axes[i][0].barh(names, [r["fwd_bwd_gemms"] for r in sel], label="fwd+bwd")
         axes[i][0].barh(names, [r["fwd_gemms"] for r in sel], label="fwd")
+        if all("fwd_bwd_gemms_b2b" in r for r in sel):
+            axes[i][0].plot([r["fwd_bwd_gemms_b2b"] for r in sel], names, "k|", ms=14, label="fwd+bwd back-to-back")
         axes[i][0].axvline(4.0, color="k", ls="--", lw=0.8)
-        axes[i][0].set_xlabel("time in cuBLAS GEMM-times (dashed: 4-GEMM floor)")
+        axes[i][0].set_xlabel("time in cuBLAS GEMM-times, synced (bars) and back-to-back (ticks); dashed: 4-GEMM floor")
         axes[i][0].set_title(f"{key[0]}x{key[1]}x{key[2]} ent={key[3]} ign={key[4]}")
         axes[i][0].legend(fontsize=7)
         axes[i][1].barh(names, [r["extra_peak_gib"] for r in sel])

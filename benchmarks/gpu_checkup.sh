@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call that checks and measures the fused sources, for a short device lease (about 6 minutes on an H200):
+# One GPU call that checks and measures the fused sources, for a short device lease (about 8 minutes on an H200):
 #   bash benchmarks/gpu_checkup.sh [OUT_DIR]          (OUT_DIR defaults to $OUT, then results/checkup)
 # 1. pytest tests/gpu -m "gpu or stress"           -> tests.log
 # 2. the runbook matrix on this GPU (TP=1)          -> runbook.log

@@ -162,6 +162,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--warm-ms", type=float, default=300.0,
+                    help="GPU milliseconds of back-to-back calls before each timing (runner.sustain; 0: off)")
     args = ap.parse_args()
     T, D, V = (int(x) for x in args.shape.split("x"))
     h, w, y, gy, ge, _ = runner.bf16_problem(T, D, V)
@@ -194,7 +196,7 @@ def main() -> int:
     for _ in range(args.rounds):
         for name, (fn, direct) in cases.items():
             direct_launch.set_direct_launch(None if direct else False)
-            samples.setdefault(name, []).append(runner.median_ms(fn, reps=args.reps))
+            samples.setdefault(name, []).append(runner.median_ms(fn, reps=args.reps, warm_ms=args.warm_ms))
         direct_launch.set_direct_launch(None)
     gemm = statistics.median(samples["gemm"])
     for name, v in samples.items():

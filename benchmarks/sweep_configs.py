@@ -69,10 +69,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="error of logp against float64 (else vs the first variant)")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only")
+    ap.add_argument("--warm-ms", type=float, default=300.0,
+                    help="GPU milliseconds of back-to-back calls before each timing (runner.sustain; 0: off)")
     args = ap.parse_args()
     T, D, V = (int(x) for x in args.shape.split("x"))
     h, w, y, gy, ge, _ = runner.bf16_problem(T, D, V)
-    gemm_ms = runner.median_ms(lambda: h @ w.T)
+    gemm_ms = runner.median_ms(lambda: h @ w.T, warm_ms=args.warm_ms)
     print(f"# {args.shape} bf16, GEMM {gemm_ms:.3f} ms")
     ref = None
     if args.check:
@@ -92,13 +94,13 @@ def main() -> int:
         fwd, fwd_bwd = runner.tp_step_fns(be, h, w, y, LogpOptions(), gy, ge)
         f_r, fb_r, f_s, fb_s = [], [], [], []
         for _ in range(args.rounds):  # each time over the GEMM measured just before it (clock drift cancels)
-            g1 = runner.median_ms(lambda: h @ w.T, reps=args.reps)
-            f_s.append(runner.median_ms(fwd, reps=args.reps))
+            g1 = runner.median_ms(lambda: h @ w.T, reps=args.reps, warm_ms=args.warm_ms)
+            f_s.append(runner.median_ms(fwd, reps=args.reps, warm_ms=args.warm_ms))
             f_r.append(f_s[-1] / g1)
             if args.fwd_only:
                 continue
-            g2 = runner.median_ms(lambda: h @ w.T, reps=args.reps)
-            fb_s.append(runner.median_ms(fwd_bwd, reps=args.reps))
+            g2 = runner.median_ms(lambda: h @ w.T, reps=args.reps, warm_ms=args.warm_ms)
+            fb_s.append(runner.median_ms(fwd_bwd, reps=args.reps, warm_ms=args.warm_ms))
             fb_r.append(fb_s[-1] / g2)
         med = statistics.median
         both = f"  fwd+bwd {med(fb_s):7.3f} ms ({med(fb_r):.3f} G)" if fb_s else ""
