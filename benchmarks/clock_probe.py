@@ -33,16 +33,6 @@ import runner
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
-def per_rep_ms(fn, reps: int) -> list[float]:
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:  # back to back: the GPU never idles between reps
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events]
-
-
 def start_sampler(sample_ms: int):
     try:
         return subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
@@ -94,14 +84,14 @@ def main(argv=None) -> int:
         fwd, fwd_bwd = runner.tp_step_fns(backend, h, w, y, LogpOptions(), gy, ge)  # fwd runs without grad
         phases += [(f"{src} fwd", fwd), (f"{src} fwd+bwd", fwd_bwd)]
     for _, fn in phases:  # compile and warm up
-        per_rep_ms(fn, 3)
+        runner.samples_ms(fn, 3, back_to_back=True)
     proc = start_sampler(args.sample_ms)
     time.sleep(1.0)
     windows = []  # (name, t0, t1, per-rep ms)
     for _ in range(args.cycles):
         for name, fn in phases:
             t0 = time.time()
-            ms = per_rep_ms(fn, args.reps)
+            ms = runner.samples_ms(fn, args.reps, back_to_back=True)  # the GPU never idles
             windows.append((name, t0, time.time(), ms))
     samples = read_samples(proc)
     print(f"# {args.shape} bf16, {args.reps} back-to-back reps per phase, {args.cycles} cycles; "

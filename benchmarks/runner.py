@@ -49,6 +49,12 @@ def median_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3, warm_ms
         fn()
     if warm_ms > 0:
         sustain(fn, warm_ms)
+    times = sorted(samples_ms(fn, reps, back_to_back))
+    return times[len(times) // 2]
+
+
+def samples_ms(fn: Callable[[], object], reps: int, back_to_back: bool) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn`` in call order (CUDA events; see :func:`median_ms`)."""
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
@@ -58,8 +64,7 @@ def median_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3, warm_ms
         if not back_to_back:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    return times[len(times) // 2]
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def median_marks(one_call: Callable[[dict], float], calls: int, warmup: int = 5) -> dict:
