@@ -50,12 +50,10 @@ def make_source(name: str, backend=None) -> Optional[Callable]:
     if name == "torch_eager":
         return runner.torch_eager
     if name == "sm90_pingpong":  # the sm90 source with the opt-in Gluon ping-pong forward
-        from dataclasses import replace
-
         from tplogp.backends.sm90_backend import SM90Backend
         from tplogp.kernels import configs
 
-        return make_source("sm90", SM90Backend(config=replace(configs.SM90, pingpong=configs.PINGPONG)))
+        return make_source("sm90", SM90Backend(config=configs.SM90_PINGPONG))
     if name in ("native", "triton", "sm90") or backend is not None:
         from tplogp.kernel_registry import get_backend
         from tplogp.tp import LogpOptions, linear_logp_tp

@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
             from tplogp.backends.sm90_backend import SM90Backend
             from tplogp.kernels import configs
 
-            backend = SM90Backend(config=replace(configs.SM90, pingpong=configs.PINGPONG))
+            backend = SM90Backend(config=configs.SM90_PINGPONG)
         else:
             backend = get_backend(src)
         fwd, fwd_bwd = runner.tp_step_fns(backend, h, w, y, LogpOptions(), gy, ge)  # fwd runs without grad

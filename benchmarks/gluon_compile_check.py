@@ -12,10 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
@@ -39,17 +36,6 @@ def _signature(kern, dtype_str, cfg, lay_h, lay_w, has_bias):
     return {name: sig[name] for name in names}
 
 
-def _sass(cubin: bytes, nvdisasm: str) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        return subprocess.run([nvdisasm, "-c", path],
-                              capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", default=None, help="directory to write SASS into")
@@ -61,6 +47,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="only the bf16 variant with bias and entropy")
     args = ap.parse_args()
 
+    import sass_counts  # benchmarks/, beside this script
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -79,9 +66,6 @@ def main() -> int:
     cfg = dataclasses.replace(cfg, num_stages=args.stages or cfg.num_stages, block_v=args.block_v or cfg.block_v,
                               block_n=args.block_n or cfg.block_n, block_d=args.block_d or cfg.block_d,
                               split_tiles=args.split_tiles or cfg.split_tiles)
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    if not os.path.exists(nvdisasm):
-        nvdisasm = shutil.which("nvdisasm")
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
 
@@ -112,8 +96,8 @@ def main() -> int:
                 md = compiled.metadata
                 regs = getattr(compiled, "n_regs", None)
                 census = ""
-                if nvdisasm and "cubin" in compiled.asm:
-                    sass = _sass(compiled.asm["cubin"], nvdisasm)
+                if "cubin" in compiled.asm:
+                    sass = sass_counts.disassemble(compiled.asm["cubin"])
                     if args.sass:
                         tag = name.replace(" ", "_").replace("=", "")
                         with open(os.path.join(args.sass, f"{tag}.sass"), "w") as f:
@@ -122,8 +106,8 @@ def main() -> int:
                             f.write(compiled.asm["ptx"])
                         with open(os.path.join(args.sass, f"{tag}.ttgir"), "w") as f:
                             f.write(compiled.asm["ttgir"])
-                    n_wgmma = len(re.findall(r"\bHGMMA\b|\bWGMMA\b", sass))
-                    n_tma = len(re.findall(r"\bUTMALDG\b", sass))
+                    ops = sass_counts.count_ops(sass)
+                    n_wgmma, n_tma = ops["HGMMA"] + ops["WGMMA"], ops["UTMALDG"]
                     maxreg = sorted(set(re.findall(r"USETMAXREG\.[A-Z_.]+\s+(?:UP\d+,\s*)?0x[0-9a-f]+", sass)))
                     census = f" sass: HGMMA={n_wgmma} UTMALDG={n_tma} setmaxnreg={maxreg}"
                     if n_wgmma == 0 or n_tma == 0:

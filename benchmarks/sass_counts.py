@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
@@ -63,19 +64,35 @@ def compile_sm90(fn, sig: dict, const: dict, num_warps: int, num_stages: int):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def sass_counts(cubin: bytes, out_path: str) -> collections.Counter:
-    with open(out_path + ".cubin", "wb") as f:
-        f.write(cubin)
+def disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin (Triton's bundled cuobjdump)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    sass = subprocess.run([tool, "-sass", out_path + ".cubin"], capture_output=True, text=True, check=True).stdout
-    with open(out_path + ".sass", "w") as f:
-        f.write(sass)
-    ops = collections.Counter()
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def count_ops(sass: str) -> collections.Counter:
+    """Instructions per opcode (``HGMMA``, ``MUFU``, ...; modifiers dropped) in SASS text."""
+    ops: collections.Counter = collections.Counter()
     for line in sass.splitlines():
         m = _SASS_OP.match(line)
         if m:
             ops[m.group(1)] += 1
     return ops
+
+
+def sass_counts(cubin: bytes, out_path: str) -> collections.Counter:
+    """:func:`count_ops` of a cubin, which is written to ``out_path.cubin`` with its SASS in ``out_path.sass``."""
+    with open(out_path + ".cubin", "wb") as f:
+        f.write(cubin)
+    sass = disassemble(cubin)
+    with open(out_path + ".sass", "w") as f:
+        f.write(sass)
+    return count_ops(sass)
 
 
 def main(argv=None) -> int:

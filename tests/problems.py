@@ -100,13 +100,19 @@ def run_op(op, p: Problem, *, entropy=False, lse=False, **kwargs) -> Result:
 
 def float64_stats(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], target: torch.Tensor,
                   inv_t: float) -> dict:
-    """The per-shard softmax statistics of the backend contract in float64: logits ``z = (h w^T + b) inv_t``, row max
-    ``row_max``, ``sum_exp = sum exp(z - max)``, ``target_logit = z[target]`` (0 where the target is not in
-    ``[0, V)``) and ``sum_exp_z = sum exp(z - max)(z - max)``."""
+    """The per-shard softmax statistics of the backend contract in float64 for logits ``z = (h w^T + b) inv_t``:
+    see :func:`float64_logit_stats`."""
     z = h.double() @ w.double().T
     if b is not None:
         z = z + b.double()
-    z = z * inv_t
+    return float64_logit_stats(z * inv_t, target)
+
+
+def float64_logit_stats(z: torch.Tensor, target: torch.Tensor) -> dict:
+    """Statistics of logits ``z [N, V]`` in float64: ``z``, row max ``row_max``, ``sum_exp = sum exp(z - max)``,
+    ``target_logit = z[target]`` (0 where the target is not in ``[0, V)``) and ``sum_exp_z = sum exp(z - max)(z -
+    max)``."""
+    z = z.double()
     m = z.max(1).values
     e = (z - m[:, None]).exp()
     own = (target >= 0) & (target < z.shape[1])

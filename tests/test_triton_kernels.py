@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tolerances import assert_no_worse, rel_error
-from problems import float64_stats, make_problem, run_op, run_reference
+from problems import float64_logit_stats, float64_stats, make_problem, run_op, run_reference
 
 _interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 pytestmark = pytest.mark.skipif(
@@ -266,7 +266,7 @@ def test_launcher_rejects_bad_inputs():
 ], ids=["fp32-plain", "bf16-temp-ent-lse-ignore"])
 def test_tp4_uneven_triton(tp, dtype_name, opts):
     """Runs on a pool of 4 gloo ranks (pytest_tplogp)."""
-    from problems import float64_stats, make_problem, run_op, run_reference
+    from problems import make_problem, run_op, run_reference
     from tolerances import assert_no_worse
     from tplogp import get_op
     from tplogp.shards import shard_boundaries, shard_range
@@ -312,12 +312,9 @@ def test_fold_skips_empty_half_splits():
     tgt = torch.randint(0, v, (n,), generator=g)
     cuts = [(0, 200), (200, 400), None, (400, 500), None]  # None: an empty half-split
 
-    def stats(lo, hi):
-        part = z[:, lo:hi]
-        m = part.max(1).values
-        e = (part - m[:, None]).exp()
-        t = torch.where((tgt >= lo) & (tgt < hi), z.gather(1, tgt[:, None])[:, 0], torch.zeros(n, dtype=z.dtype))
-        return torch.stack([m, e.sum(1), t, (e * (part - m[:, None])).sum(1)])
+    def stats(lo, hi):  # a split's [4, N] stats: max, sum, target logit (0 outside the split), sez
+        st = float64_logit_stats(z[:, lo:hi], tgt - lo)
+        return torch.stack([st["row_max"], st["sum_exp"], st["target_logit"], st["sum_exp_z"]])
 
     empty = torch.stack([torch.full((n,), float("-inf")), torch.zeros(n), torch.zeros(n), torch.zeros(n)]).double()
     parts = torch.stack([empty if c is None else stats(*c) for c in cuts], dim=1).float().contiguous()  # [4, S, N]
@@ -325,6 +322,7 @@ def test_fold_skips_empty_half_splits():
     s_count = len(cuts)
     launcher(_finalize_single_kernel)((1,), parts, tgt, out, n, v, s_count, s_count * n,
                                       WITH_ENTROPY=True, ACCURATE_LOG=False, BLOCK=64, num_warps=4)
+
     def outputs(zz):  # logp, lse, entropy of logits zz
         lse = torch.logsumexp(zz, 1)
         p = (zz - lse[:, None]).exp()

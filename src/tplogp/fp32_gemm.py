@@ -27,30 +27,28 @@ def _native_f32_out(a: torch.Tensor, b: torch.Tensor) -> bool:
     return ok
 
 
+def _operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(a, b, extra torch.mm kwargs)`` for an fp32-accumulating, fp32-output GEMM of ``a`` and ``b``."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return a, b, {}
+    if _native_f32_out(a, b):
+        return a, b, {"out_dtype": torch.float32}
+    return a.float(), b.float(), {}
+
+
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` as a new fp32 tensor."""
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        return torch.mm(a, b)
-    if _native_f32_out(a, b):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+    a, b, kw = _operands(a, b)
+    return torch.mm(a, b, **kw)
 
 
 def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out = a @ b`` into an fp32 tensor."""
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        torch.mm(a, b, out=out)
-    elif _native_f32_out(a, b):
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:
-        torch.mm(a.float(), b.float(), out=out)
+    a, b, kw = _operands(a, b)
+    torch.mm(a, b, out=out, **kw)
 
 
 def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` into an fp32 accumulator (one GEMM call)."""
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif _native_f32_out(a, b):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
+    a, b, kw = _operands(a, b)
+    torch.addmm(acc, a, b, out=acc, **kw)

@@ -18,26 +18,17 @@ from tolerances import assert_no_worse, rel_error  # noqa: E402
 SOURCES = ["triton", "sm90"]
 
 
-def _pingpong_everywhere():
-    """The sm90 config with its opt-in Gluon ping-pong forward."""
-    from dataclasses import replace
-
-    from tplogp.kernels import configs
-
-    return replace(configs.SM90, pingpong=configs.PINGPONG)
-
-
 def _backend(source):
     from tplogp.kernel_registry import get_backend
 
     if source == "sm90-pingpong":  # the sm90 source with the opt-in ping-pong forward
         from tplogp.backends.sm90_backend import SM90Backend
-        from tplogp.kernels import gluon_sm90
+        from tplogp.kernels import configs, gluon_sm90
 
         ok, why = gluon_sm90.available()
         if not ok:
             pytest.skip(why)
-        be = SM90Backend(config=_pingpong_everywhere())
+        be = SM90Backend(config=configs.SM90_PINGPONG)
     else:
         be = get_backend(source)
     why = be.unavailable_reason(torch.device("cuda"))
@@ -214,7 +205,7 @@ def test_pingpong_forward_matches_float64(n, d, v, dtype):
         truth = (st["row_max"], st["sum_exp"], st["target_logit"], st["sum_exp_z"])
         del st
         for entropy in (False, True):
-            pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, _pingpong_everywhere(),
+            pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90_PINGPONG,
                                       stats_launch=sm90.launch_stats_sm90)
             tma = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90, stats_launch=sm90.launch_stats_sm90)
             for name, got, base, t in zip(("max", "sum", "target", "sez"), pp, tma, truth):

@@ -23,14 +23,15 @@ class PingPongConfig:
     """Tiling of the Gluon ping-pong forward (kernels/gluon_sm90.py): each of two consumer warpgroups owns a
     ``[block_n, block_v]`` fp32 accumulator; ``num_stages`` is the depth of each consumer's shared-memory ring;
     splits are ``split_tiles * block_v`` vocab ids (even ``split_tiles``: both consumers get the same number of tiles
-    in every full split). Opt-in (``SM90Backend(config=replace(configs.SM90, pingpong=configs.PINGPONG))``): after
-    the epilogue diet of the TMA kernel the two measured the same (docs/kernels.md, "Ping-pong forward").
+    in every full split). Opt-in (``SM90Backend(config=configs.SM90_PINGPONG)``): after the epilogue diet of the TMA
+    kernel it is no faster (docs/kernels.md, "Ping-pong forward").
 
-    Measured on the H200 (forward GEMM-times through the op, one process per shape): at 4096x2048x131072 group_n 8
-    1.10-1.11 vs the TMA kernel 1.18-1.19 in the same process (group_n 4 1.14, 16 1.14, 32 1.20; split_tiles 16
-    1.13; block_d 64 with 3 stages 1.43; 64x256 tiles 1.30), at 8192x4096x128256 1.08-1.12 vs 1.03-1.05; but in
-    milliseconds the two forwards differ by under 2% at 4096x2048x131072 in every run (3.64 vs 3.62 ms, 3.69 vs 3.67
-    ms), the ratio gap being the reference GEMM's own drift (2.8-4.0 ms within one process)."""
+    Measured on the H200 (forward GEMM-times through the op, one process per shape, before the benchmark timed in
+    the power-capped state): at 4096x2048x131072 group_n 8 1.10-1.11 vs the TMA kernel 1.18-1.19 in the same process
+    (group_n 4 1.14, 16 1.14, 32 1.20; split_tiles 16 1.13; block_d 64 with 3 stages 1.43; 64x256 tiles 1.30), at
+    8192x4096x128256 1.08-1.12 vs 1.03-1.05; in milliseconds the two forwards were within 2% at 4096x2048x131072
+    (3.64 vs 3.62 ms, 3.69 vs 3.67 ms), and back to back under the power cap the ping-pong forward took 3.65-3.78 ms
+    against the TMA forward's 3.41-3.45 ms (benchmarks/clock_probe.py, run 20)."""
 
     block_n: int = 128
     block_v: int = 128
@@ -111,8 +112,9 @@ INTERPRETER = TileConfig(
 # The sm90 source (TMA kernels): the Hopper row plus warp_specialize on the K loop (Triton 3.6 emits the same sm_90
 # code with or without it for these tiles: docs/kernels.md; kept for releases that honour it on Hopper).
 SM90 = replace(_BY_CAPABILITY[(9, 0)], warp_specialize=True)
-# The opt-in Gluon ping-pong forward's tiling (TileConfig.pingpong).
+# The opt-in Gluon ping-pong forward's tiling (TileConfig.pingpong), and the sm90 config that uses it.
 PINGPONG = PingPongConfig()
+SM90_PINGPONG = replace(SM90, pingpong=PINGPONG)
 
 
 def interpreting() -> bool:

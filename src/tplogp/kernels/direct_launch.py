@@ -44,11 +44,15 @@ _OVERRIDE: Optional[bool] = None  # set_direct_launch(); None: TPLOGP_DIRECT_LAU
 _U64_LOW = 1 << 63
 
 
+def _int_key(arg: int) -> tuple:
+    return (arg == 1, arg % 16, _INT32[0] <= arg <= _INT32[1], arg >= _U64_LOW)
+
+
 def arg_key(arg: Any) -> Any:
     """The part of the launch key for one runtime argument (see the module docstring)."""
     cls = type(arg)
-    if cls is int:
-        return (arg == 1, arg % 16, _INT32[0] <= arg <= _INT32[1], arg >= _U64_LOW)
+    if cls is int:  # the exact built-in types first: this runs on every launch
+        return _int_key(arg)
     if cls is float:
         return float
     if arg is None:
@@ -61,12 +65,10 @@ def arg_key(arg: Any) -> Any:
         return (arg.dtype, arg.data_ptr() % 16)
     if isinstance(arg, bool):
         return ("bool", arg)
-    if isinstance(arg, int):
-        return (arg == 1, arg % 16, _INT32[0] <= arg <= _INT32[1], arg >= _U64_LOW)
-    if isinstance(arg, float):
+    if isinstance(arg, int):  # int subclasses (bool is handled above)
+        return _int_key(arg)
+    if isinstance(arg, float):  # float subclasses (numpy.float64)
         return float
-    if arg is None:
-        return None
     raise TypeError(f"direct_launch: no launch key for an argument of type {cls.__name__}")
 
 

@@ -41,7 +41,14 @@ import torch
 from .configs import PingPongConfig, cdiv
 from .direct_launch import launcher, triton_version_supported
 from .launch import split_parts
-from .triton_forward import LOG2E, _grouped_ids, _natural_units, _online_softmax_update, _store_stats
+from .triton_forward import (
+    FAST_EXP2,
+    LOG2E,
+    _grouped_ids,
+    _natural_units,
+    _online_softmax_update,
+    _store_stats,
+)
 
 # Triton releases whose Gluon Hopper API this kernel was compiled against (3.6.0 also run on the H200; the
 # experimental API changes between releases).
@@ -74,7 +81,6 @@ try:
 except Exception as exc:  # pragma: no cover - depends on the installed Triton
     _HAVE_GLUON = False
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-
 
 
 def available() -> tuple[bool, str]:
@@ -161,10 +167,10 @@ if _HAVE_GLUON:
                 mbarrier.arrive(empty.index((cnt + NUM_STAGES - 1) % NUM_STAGES))
                 if v0 + BLOCK_V <= V:
                     m_y, s, t_y, q2 = _online_softmax_update(acc, cols, v0, V, p_b, tgt, m_y, s, t_y, q2, c,
-                                                             False, HAS_BIAS, WITH_ENTROPY, True, BLOCK_V)
+                                                             False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
                 else:
                     m_y, s, t_y, q2 = _online_softmax_update(acc, cols, v0, V, p_b, tgt, m_y, s, t_y, q2, c,
-                                                             True, HAS_BIAS, WITH_ENTROPY, True, BLOCK_V)
+                                                             True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
             if C == 0:
                 prev_even = (n_tiles % 2 == 0).to(gl.int32)
             # --- natural units, stored as split 2 * i_s + C
@@ -196,10 +202,8 @@ if _HAVE_GLUON:
                     # fresh barrier: a wait on parity 1 passes, so the first NUM_STAGES slots need no release
                     mbarrier.wait(empty.index(slot), ((cnt // NUM_STAGES) & 1) ^ 1)
                     mbarrier.expect(ready.index(slot), nbytes)
-                    _tma_load(h_desc, [off_n, k * BLOCK_D], ready.index(slot),
-                                                    a_bufs.index(slot))
-                    _tma_load(w_desc, [v0, k * BLOCK_D], ready.index(slot),
-                                                    b_bufs.index(slot))
+                    _tma_load(h_desc, [off_n, k * BLOCK_D], ready.index(slot), a_bufs.index(slot))
+                    _tma_load(w_desc, [v0, k * BLOCK_D], ready.index(slot), b_bufs.index(slot))
                     cnt += 1
 
     @gluon.jit

@@ -193,8 +193,8 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out = a @ b`` (fp32 accumulation inside the GEMM, output rounded once to ``out.dtype``)."""
     if a.is_cuda or a.dtype == torch.float32:
         torch.mm(a, b, out=out)
-    else:
-        out.copy_(torch.mm(a.float(), b.float()))
+    else:  # CPU low-precision GEMMs have no fp32-accumulating path into a low-precision output
+        out.copy_(fp32_gemm.mm(a, b))
 
 
 def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
