@@ -6,12 +6,8 @@ any kernel is defined, so it is set here, before test modules import tplogp's Tr
 """
 
 import os
-import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Test helpers (tolerances, problems) are imported as top-level modules by the test files.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))

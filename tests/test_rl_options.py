@@ -11,8 +11,8 @@ import torch
 
 from tplogp import LogpOutputs, get_op
 from tplogp.kernel_registry import unavailable_reason
-from tolerances import assert_no_worse
-from problems import make_problem, run_op, run_reference
+from tplogp.tolerances import assert_no_worse
+from tests.problems import make_problem, run_op, run_reference
 
 CPU = torch.device("cpu")
 SOURCES = [s for s in ("native", "triton", "sm90") if unavailable_reason(s, CPU) is None]

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from problems import make_problem, run_op, run_reference
-from tolerances import assert_no_worse
+from tests.problems import make_problem, run_op, run_reference
+from tplogp.tolerances import assert_no_worse
 from tplogp import LinearLogpInputError, ShardLayoutError
 
 # 58 tokens as [2, 29], odd D, prime V: no dimension is a multiple of a tile; V does not divide by the world size.

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from tolerances import assert_no_worse, rel_error
-from problems import float64_logit_stats, float64_stats, make_problem, run_op, run_reference
+from tplogp.tolerances import assert_no_worse, rel_error
+from tests.problems import float64_logit_stats, float64_stats, make_problem, run_op, run_reference
 
 _interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 pytestmark = pytest.mark.skipif(
@@ -266,8 +266,8 @@ def test_launcher_rejects_bad_inputs():
 ], ids=["fp32-plain", "bf16-temp-ent-lse-ignore"])
 def test_tp4_uneven_triton(tp, dtype_name, opts):
     """Runs on a pool of 4 gloo ranks (pytest_tplogp)."""
-    from problems import make_problem, run_op, run_reference
-    from tolerances import assert_no_worse
+    from tests.problems import make_problem, run_op, run_reference
+    from tplogp.tolerances import assert_no_worse
     from tplogp import get_op
     from tplogp.shards import shard_boundaries, shard_range
 

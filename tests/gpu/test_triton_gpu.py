@@ -12,8 +12,8 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from problems import float64_stats  # noqa: E402
-from tolerances import assert_no_worse, rel_error  # noqa: E402
+from tests.problems import float64_stats  # noqa: E402
+from tplogp.tolerances import assert_no_worse, rel_error  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
 

@@ -14,7 +14,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 @pytest.fixture
 def tag(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> str:
     """Make pytest_tplogp and tplogp importable in the subprocess, and tag its processes (zombie/orphan checks)."""
-    paths = [str(REPO), str(REPO / "src")]
+    paths = [str(REPO / "src")]
     old = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths + ([old] if old else [])))
     for var in ("TPLOGP_TP", "TPLOGP_TP_BACKEND", "TPLOGP_TP_TIMEOUT", "WORLD_SIZE", "RANK", "MASTER_ADDR",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from plugin_helpers import leftover_processes
+from tests.plugin.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 

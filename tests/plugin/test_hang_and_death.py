@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from plugin_helpers import leftover_processes
+from tests.plugin.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 
@@ -109,7 +109,7 @@ def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, s
     import sys
     import time
 
-    from plugin_helpers import tagged_pids
+    from tests.plugin.plugin_helpers import tagged_pids
 
     pytester.makepyfile(test_body=SLEEPY)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-q", "test_body.py"],
