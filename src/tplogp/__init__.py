@@ -8,14 +8,16 @@ vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are cho
 
 from .api import linear_logp
 from .shards import ShardLayoutError
-from .tp import LogpOutputs
+from .outputs import LogpEntropy, LogpEntropyLse, LogpLse
 from .validation import LinearLogpInputError
 from .kernel_registry import SourceUnavailableError, get_op
 
 __all__ = [
     "linear_logp",
     "get_op",
-    "LogpOutputs",
+    "LogpEntropy",
+    "LogpLse",
+    "LogpEntropyLse",
     "LinearLogpInputError",
     "ShardLayoutError",
     "SourceUnavailableError",

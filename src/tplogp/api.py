@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
-from .tp import LogpOptions, LogpOutputs, linear_logp_tp
+from .outputs import LinearLogpResult
+from .tp import LogpOptions, linear_logp_tp
 
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
@@ -23,7 +24,7 @@ def _options(kwargs: dict) -> LogpOptions:
 
 
 def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-         global_vocab_size: Optional[int], options: LogpOptions) -> Union[torch.Tensor, LogpOutputs]:
+         global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
     """Resolve the backend for this call's device, then run the shared TP path."""
     from .kernel_registry import backend_for_call
 
@@ -50,7 +51,7 @@ def linear_logp(
     ignore_index: Optional[int] = None,
     deterministic: bool = False,
     workspace_bytes: Optional[int] = None,
-) -> Union[torch.Tensor, LogpOutputs]:
+) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
 
     ``logp[t] = log_softmax((hidden @ weight.T + bias) / temperature)[t, target_ids[t]]`` over the whole vocabulary
@@ -74,8 +75,10 @@ def linear_logp(
         workspace_bytes: tile workspace budget for chunked sources (default: ``TPLOGP_WORKSPACE_MB`` or per device).
 
     Returns:
-        float32 logp with target_ids' shape, or :class:`~tplogp.tp.LogpOutputs` ``(logp, entropy, lse)`` when
-        ``return_entropy`` or ``return_lse`` is set (the unrequested field is None).
+        float32 logp with target_ids' shape; with ``return_entropy`` and/or ``return_lse`` a named tuple of exactly
+        the requested outputs, which unpacks: ``logp, entropy = ...`` (:class:`~tplogp.outputs.LogpEntropy`),
+        ``logp, lse = ...`` (:class:`~tplogp.outputs.LogpLse`), ``logp, entropy, lse = ...``
+        (:class:`~tplogp.outputs.LogpEntropyLse`).
     """
     return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                 LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
@@ -83,7 +86,7 @@ def linear_logp(
 
 
 @functools.lru_cache(maxsize=None)
-def make_linear_logp(source: Optional[str]) -> Callable[..., Union[torch.Tensor, LogpOutputs]]:
+def make_linear_logp(source: Optional[str]) -> Callable[..., LinearLogpResult]:
     """``linear_logp`` bound to one source (None: automatic selection per call)."""
     if source is None:
         return linear_logp

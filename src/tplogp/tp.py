@@ -26,13 +26,14 @@ and 3 cost no host ops (what matters at small shapes, where a call's host time i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from .backends.base import ShardBackend, ShardCall, f32_contiguous
 from .comm import all_gather_flat
+from .outputs import LinearLogpResult, pack_outputs
 from .validation import (
     GroupCheck,
     LinearLogpInputError,
@@ -42,14 +43,6 @@ from .validation import (
     summarize_targets,
     target_range_problem,
 )
-
-
-class LogpOutputs(NamedTuple):
-    """What ``linear_logp`` returns when entropy or lse is requested (each with the targets' shape, fp32)."""
-
-    logp: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    lse: Optional[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -185,10 +178,10 @@ def linear_logp_tp(
     vocab_start_index: int = 0,
     global_vocab_size: Optional[int] = None,
     options: LogpOptions = LogpOptions(),
-):
+) -> LinearLogpResult:
     """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
 
-    Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
+    Returns the logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the requested outputs.
     """
     mode = checks_mode()
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -267,6 +260,4 @@ def linear_logp_tp(
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
         lse = lse.view(out_shape)
-    if not (options.return_entropy or options.return_lse):
-        return logp
-    return LogpOutputs(logp, entropy if options.return_entropy else None, lse if options.return_lse else None)
+    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse)
