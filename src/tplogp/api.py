@@ -29,11 +29,29 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
     from .kernel_registry import backend_for_call
 
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    return linear_logp_tp(
-        backend_for_call(source, device), hidden, weight, target_ids, bias,
-        tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-        options=options,
-    )
+    hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
+    with torch.autocast(device.type, enabled=False):
+        return linear_logp_tp(
+            backend_for_call(source, device), hidden, weight, target_ids, bias,
+            tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+            options=options,
+        )
+
+
+def autocast_inputs(device_type: str, hidden, weight, bias):
+    """Under ``torch.autocast(device_type, dtype=X)``: hidden, weight and bias in X, as ``F.linear`` would use them.
+
+    The casts are ordinary differentiable ``.to`` calls, so gradients reach the original tensors in their own
+    dtypes (fp32 parameters get fp32 gradients). Outside autocast (or for non-tensors) the inputs come back as given.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+
+    return cast(hidden), cast(weight), cast(bias)
 
 
 def linear_logp(
