@@ -6,11 +6,11 @@ vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are cho
 :mod:`tplogp.kernel_registry`. Importing this package does no device work.
 """
 
-from .api import linear_logp
+from .api import get_op, linear_logp
 from .shards import ShardLayoutError
 from .outputs import LogpEntropy, LogpEntropyLse, LogpLse
 from .validation import LinearLogpInputError
-from .kernel_registry import SourceUnavailableError, get_op
+from .kernel_registry import SourceUnavailableError
 
 __all__ = [
     "linear_logp",

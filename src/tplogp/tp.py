@@ -25,6 +25,8 @@ and 3 cost no host ops (what matters at small shapes, where a call's host time i
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -135,6 +137,23 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     return (logp, entropy, lse), (row_max, log_sum, mean_rel)
 
 
+def _without_autocast(backward):
+    """Run ``backward`` with autocast off, so the sources see the dtypes of the forward also when the backward runs
+    inside an autocast region (CPU autograd runs the backward on the caller's thread, with its autocast state)."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if not on:
+            return backward(ctx, *grads)
+        with contextlib.ExitStack() as stack:
+            for device_type in on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            return backward(ctx, *grads)
+
+    return run
+
+
 class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
@@ -145,6 +164,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, g_logp, g_entropy, g_lse):
         hidden, weight, bias, local_target, row_max, log_sum, mean_rel = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
@@ -167,22 +187,10 @@ class _LinearLogpFunction(torch.autograd.Function):
         return d_hidden, grads.d_weight, grads.d_bias, None, None
 
 
-def linear_logp_tp(
-    backend: ShardBackend,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    tp_group=None,
-    vocab_start_index: int = 0,
-    global_vocab_size: Optional[int] = None,
-    options: LogpOptions = LogpOptions(),
-) -> LinearLogpResult:
-    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
-
-    Returns the logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the requested outputs.
-    """
+def validate_call(hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                  global_vocab_size: Optional[int], options: LogpOptions, builds_graph: bool) -> tuple[int, torch.device]:
+    """Every check of one call (``TPLOGP_CHECKS``), decided identically on every rank. Returns (world size, the
+    device the group's collectives use)."""
     mode = checks_mode()
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
@@ -205,7 +213,7 @@ def linear_logp_tp(
             checksum=targets.checksum if targets is not None else 0,
             ignore_index=options.ignore_index,
             mode=mode,
-            builds_graph=bool(ok and torch.is_grad_enabled() and hidden.requires_grad),
+            builds_graph=bool(ok and builds_graph),
         )
     else:
         comm_dev = torch.device("cpu")
@@ -216,8 +224,40 @@ def linear_logp_tp(
         msg = target_range_problem(targets, total, options.ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg)
+    return world, comm_dev
 
-    out_shape = tuple(target_ids.shape)
+
+@dataclass
+class PreparedCall:
+    """One call's tensors as the shard path runs them: 2-D and contiguous, ignored rows compacted away
+    (``keep_idx`` lists the kept rows), targets localized to this shard."""
+
+    tpc: _TPContext
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    local_target: torch.Tensor
+    keep_idx: Optional[torch.Tensor]
+    n_all: int
+
+    def restore_rows(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``x`` over the kept rows (along ``dim``) -> over all rows, zeros at the ignored ones."""
+        if self.keep_idx is None:
+            return x
+        shape = list(x.shape)
+        shape[dim] = self.n_all
+        return x.new_zeros(shape).index_copy(dim, self.keep_idx, x)
+
+    def keep_rows(self, x: Optional[torch.Tensor], dim: int = 0) -> Optional[torch.Tensor]:
+        """``x`` over all rows -> over the kept rows (None stays None)."""
+        if x is None or self.keep_idx is None:
+            return x
+        return x.index_select(dim, self.keep_idx)
+
+
+def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                 options: LogpOptions, world: int, comm_dev: torch.device) -> PreparedCall:
+    """Flatten, make contiguous, compact ignored rows and localize the targets of a validated call."""
     d = hidden.shape[-1]
     h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
     tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
@@ -245,19 +285,98 @@ def linear_logp_tp(
     else:
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-        logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
-    else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
-        (logp, entropy, lse), _ = _shard_forward(h2, w, b, local_target, tpc)
+    return PreparedCall(tpc, h2, w, b, local_target, keep_idx, int(target_ids.numel()))
 
-    if keep_idx is not None:
-        n_all = target_ids.numel()
-        logp = logp.new_zeros(n_all).index_copy(0, keep_idx, logp)
-        if entropy is not None:
-            entropy = entropy.new_zeros(n_all).index_copy(0, keep_idx, entropy)
-        lse = lse.new_zeros(n_all).index_copy(0, keep_idx, lse)
+
+def linear_logp_tp(
+    backend: ShardBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    options: LogpOptions = LogpOptions(),
+) -> LinearLogpResult:
+    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path with ``backend``.
+
+    The layer under :func:`tplogp.linear_logp` (which adds source selection, autocast, DTensor and the
+    ``torch.library`` op). Returns the logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the
+    requested outputs.
+    """
+    builds_graph = isinstance(hidden, torch.Tensor) and torch.is_grad_enabled() and hidden.requires_grad
+    world, comm_dev = validate_call(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                                    options, builds_graph)
+    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
+                        comm_dev)
+    h2, w, b, tpc = prep.hidden, prep.weight, prep.bias, prep.tpc
+    if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, prep.local_target, tpc)
+    else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
+        (logp, entropy, lse), _ = _shard_forward(h2, w, b, prep.local_target, tpc)
+
+    out_shape = tuple(target_ids.shape)
+    logp, lse = prep.restore_rows(logp), prep.restore_rows(lse)
+    entropy = None if entropy is None else prep.restore_rows(entropy)
     if len(out_shape) != 1:
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
         lse = lse.view(out_shape)
     return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse)
+
+
+# ---- the bodies that the torch.library op (tplogp.ops) runs --------------------------------------------------------
+
+# Rows of the packed fp32 [K, N] result of ``forward_packed``: the outputs, then what the backward needs.
+PACKED_LOGP, PACKED_LSE, PACKED_ROW_MAX, PACKED_LOG_SUM, PACKED_ENTROPY, PACKED_MEAN_REL = range(6)
+
+
+def packed_rows(with_entropy: bool) -> int:
+    """K of the packed result: 4 rows, 6 with entropy."""
+    return 6 if with_entropy else 4
+
+
+def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                   global_vocab_size: Optional[int], options: LogpOptions, builds_graph: bool) -> torch.Tensor:
+    """Checks and forward of one call as one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored
+    rows 0). One output, so that no two outputs of the op share memory."""
+    world, comm_dev = validate_call(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                                    options, builds_graph)
+    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
+                        comm_dev)
+    (logp, entropy, lse), (row_max, log_sum, mean_rel) = _shard_forward(prep.hidden, prep.weight, prep.bias,
+                                                                        prep.local_target, prep.tpc)
+    rows = [logp, lse, row_max, log_sum] + ([entropy, mean_rel] if options.return_entropy else [])
+    return prep.restore_rows(torch.stack(rows), dim=1)
+
+
+class _SavedCall:
+    """What ``_LinearLogpFunction.backward`` reads from its autograd context, for a call from the op's backward."""
+
+    def __init__(self, saved_tensors: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]) -> None:
+        self.saved_tensors = saved_tensors
+        self.tpc = tpc
+        self.needs_input_grad = (*needs, False, False)
+
+
+def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, packed: torch.Tensor,
+                    grad_packed: torch.Tensor, tp_group, vocab_start_index: int, options: LogpOptions,
+                    needs: tuple[bool, bool, bool]) -> tuple[Optional[torch.Tensor], ...]:
+    """The backward of ``forward_packed``: ``(d_hidden, d_weight, d_bias)`` (None where not needed) from the saved
+    packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get none)."""
+    world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    comm_dev = _comm_device(tp_group, hidden.device) if world > 1 else torch.device("cpu")
+    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
+                        comm_dev)
+    kept, g = prep.keep_rows(packed, dim=1), prep.keep_rows(grad_packed, dim=1)
+    mean_rel = kept[PACKED_MEAN_REL] if options.return_entropy else None
+    g_entropy = g[PACKED_ENTROPY] if options.return_entropy else None
+    saved = (prep.hidden, prep.weight, prep.bias, prep.local_target, kept[PACKED_ROW_MAX], kept[PACKED_LOG_SUM],
+             mean_rel)
+    d_hidden, d_weight, d_bias, _, _ = _LinearLogpFunction.backward(_SavedCall(saved, prep.tpc, needs),
+                                                                    g[PACKED_LOGP], g_entropy, g[PACKED_LSE])
+    if d_hidden is not None:
+        d_hidden = prep.restore_rows(d_hidden).view(hidden.shape)
+    return d_hidden, d_weight, d_bias
