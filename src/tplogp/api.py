@@ -27,6 +27,7 @@ import torch
 
 from . import ops
 from .comm import group_name
+from .dtensor import is_dtensor, unwrap_dtensors
 from .kernel_registry import backend_for_call, check_op, check_source, require_source
 from .outputs import LinearLogpResult, pack_outputs
 from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, LogpOptions, linear_logp_tp
@@ -75,6 +76,9 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
 
 def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
          global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
+    if is_dtensor(weight) or is_dtensor(hidden):
+        return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias, tp_group,
+                               vocab_start_index, global_vocab_size, options)
     if not _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options):
         device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
         return linear_logp_tp(backend_for_call(source, device), hidden, weight, target_ids, bias, tp_group=tp_group,
