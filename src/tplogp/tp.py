@@ -33,7 +33,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .backends.base import ShardBackend, ShardCall, f32_contiguous
+from .backends.base import ShardBackend, ShardCall
+from .fp32_gemm import f32_contiguous
 from .comm import all_gather_flat
 from .outputs import LinearLogpResult, pack_outputs
 from .validation import (

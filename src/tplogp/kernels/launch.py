@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import fp32_gemm, settings
-from ..backends.base import f32_contiguous
+from ..fp32_gemm import f32_contiguous
 from . import configs
 from .configs import TileConfig, cdiv
 from .direct_launch import launcher
