@@ -36,7 +36,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def run(args) -> None:
-    from tplogp.kernel_registry import get_op
+    from tplogp import get_op
     from tplogp.shards import shard_boundaries, shard_range
 
     os.environ.setdefault("TPLOGP_CHECKS", args.checks)

@@ -24,7 +24,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tplogp.kernel_registry import get_op
+from tplogp import get_op
 from tplogp.reference import reference_outputs
 from tplogp.shards import shard_boundaries, shard_range
 from tplogp.tolerances import RUNBOOK_TOLERANCES
