@@ -1,4 +1,4 @@
-"""The runbook script (tests/linear_logp_tp.py) under torchrun: its output format and its exit status."""
+"""The runbook script under torchrun (tests/linear_logp_tp.py, the entry of tplogp.runbook): output and exit status."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 SCRIPT = os.path.join(os.path.dirname(__file__), "linear_logp_tp.py")
 
 
-def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT, *args]
+def torchrun(*args: str, nproc: int = 2, entry: tuple = (SCRIPT,)) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -40,3 +40,11 @@ def test_fail_is_reported_and_exits_nonzero():
     assert re.search(r"  FAIL (output|weight_grad|hidden_grad): max_abs=", out.stdout), out.stdout
     assert "bias_grad" not in out.stdout
     assert out.stdout.rstrip().endswith("[result]\n  FAIL")
+
+
+def test_module_entry_runs_the_same_program():
+    out = torchrun("--dtype", "fp32", "--tokens", "16", "--hidden-size", "16", "--vocab-size", "64",
+                   entry=("-m", "tplogp.runbook"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "  shard_boundaries=[0, 32, 64]\n" in out.stdout
+    assert out.stdout.rstrip().endswith("[result]\n  PASS")
