@@ -1,37 +1,109 @@
-"""``main``: parse the flags, set up the process group, run the phases, print ``[result]``."""
+"""``main``: check the flags, set up the process group, run the phases, agree on the verdict, print ``[result]``.
+
+Errors a user can cause (a bad flag, a source this machine cannot run, inputs the op rejects) are reported by rank
+0 as one line each, without a Python traceback; an unexpected exception also prints the failing rank's traceback.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import sys
 import traceback
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from ..kernel_registry import get_op
+from ..kernel_registry import SourceUnavailableError, get_op
+from ..shards import ShardLayoutError
+from ..validation import LinearLogpInputError
 from .correctness import correctness
-from .flags import parse_args
-from .launch import log0, setup_distributed
+from .flags import UsageError, parse_args
+from .launch import env_rank, gather_errors, init_group, launch_env, leave_last, log0, pick_device
 from .stress import stress
+
+USER_ERRORS = (SourceUnavailableError, LinearLogpInputError, ShardLayoutError)
+EPILOG = """\
+what a failure looks like under torchrun:
+  rank 0 prints one line per problem (a bad flag: "<prog>: error: argument --tokens: ..."; a source or input
+  that cannot run: "  ERROR <kind>: ...", then "[result] FAIL"; a FAIL verdict: the failing metric lines, then
+  "[result] FAIL") and exits non-zero (2 for a bad flag, 1 otherwise); the other ranks exit 0. torchrun itself
+  then reports the one failed rank: an error line, its own Python traceback and a short ChildFailedError summary
+  (about 35 lines, torchrun's, not this program's; its exit status is 1).
+"""
+
+
+def _prog() -> str:
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "linear_logp_tp.py"
+    return "python -m tplogp.runbook" if argv0 == "__main__.py" else argv0
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _parse(argv: Optional[Sequence[str]], rank: int):
+    """The checked flags, or an exit status: 0 after --help, 2 after a bad flag (printed by rank 0 only)."""
+    quiet = contextlib.redirect_stdout(io.StringIO()) if rank != 0 else contextlib.nullcontext()
+    try:
+        with quiet:
+            args = parse_args(argv, description=sys.modules[__package__].__doc__, epilog=EPILOG, prog=_prog())
+        env = launch_env()
+        device, backend = pick_device(args.backend, env)
+        return args, env, device, backend
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UsageError as exc:
+        if rank == 0:
+            print(f"{_prog()}: error: {exc}", file=sys.stderr, flush=True)
+            leave_last()
+            return 2
+        return 0
+
+
+def _run_phases(args, env, device, backend) -> tuple[bool, Optional[str], Optional[str]]:
+    """(verdict, error line, traceback text) of this rank."""
+    try:
+        op = get_op("linear_logp", source=None if args.op_source == "registry" else args.op_source)
+        ok = correctness(args, env.rank, env.world, device, backend, op)
+        if args.run_stress:
+            ok &= stress(args, env.rank, env.world, device, backend, op)
+        return ok, None, None
+    except USER_ERRORS as exc:
+        return False, _describe(exc), None
+    except Exception as exc:  # a bug: keep its traceback for rank 0 to print
+        return False, _describe(exc), traceback.format_exc()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv, description=sys.modules["tplogp.runbook"].__doc__)
-    rank, world, device, backend = setup_distributed(args)
-    ok = True
-    try:
-        op = get_op("linear_logp", source=None if args.op_source == "registry" else args.op_source)
-        ok &= correctness(args, rank, world, device, backend, op)
-        if args.run_stress:
-            ok &= stress(args, rank, world, device, backend, op)
-    except Exception as exc:  # same error on every rank by design; report it and fail
-        ok = False
-        if rank == 0:
-            traceback.print_exc()
-        log0(rank, f"  ERROR {type(exc).__name__}: {exc}", "")
-    log0(rank, "[result]", f"  {'PASS' if ok else 'FAIL'}")
-    try:
+    rank = env_rank()
+    parsed = _parse(argv, rank)
+    if isinstance(parsed, int):
+        return parsed
+    args, env, device, backend = parsed
+    init_group(device, backend, args.timeout_s)
+    ok, error, trace = _run_phases(args, env, device, backend)
+    try:  # the verdict: every rank's own result, including errors other ranks did not see
+        records = gather_errors(None if ok else (error, trace), env.world)
+    except Exception as exc:  # the exchange itself failed (a rank died): this rank reports and fails on its own
+        print(f"[rank {rank}] verdict exchange failed: {_describe(exc)}", file=sys.stderr, flush=True)
+        return 1
+    failed = [(r, rec) for r, rec in enumerate(records) if rec is not None]
+    errors = [(r, line, tb) for r, (line, tb) in failed if line]
+    if rank == 0 and errors:
+        first_tb = next((tb for _, _, tb in errors if tb), None)
+        if first_tb:
+            print(first_tb, file=sys.stderr, end="", flush=True)
+        if len({line for _, line, _ in errors}) == 1 and len(errors) == env.world:
+            log0(rank, f"  ERROR {errors[0][1]}")
+        else:
+            log0(rank, *(f"  ERROR rank {r}: {line}" for r, line, _ in errors))
+        log0(rank, "")
+    log0(rank, "[result]", f"  {'FAIL' if failed else 'PASS'}")
+    with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    except Exception:
-        pass
-    return 0 if ok else 1
+    if rank == 0 and failed:
+        leave_last()
+        return 1
+    return 0
