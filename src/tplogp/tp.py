@@ -218,7 +218,8 @@ def linear_logp_tp(
         comm_dev = torch.device("cpu")
         if problem is not None:
             raise LinearLogpInputError(problem)
-        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size)
+        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size,
+                                      group_given=tp_group is not None)
     if targets is not None:  # identical on every rank: the checksum exchange proved the targets replicated
         msg = target_range_problem(targets, total, options.ignore_index)
         if msg is not None:

@@ -220,14 +220,16 @@ class GroupCheck:
         differ(8, "target_ids (they must be replicated: the same global ids on every rank)", lambda c: f"#{c:x}")
 
 
-def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int]) -> int:
-    """Without a TP group the weight must be the whole vocabulary. Returns the vocab size."""
+def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
+                          group_given: bool = False) -> int:
+    """Without a TP group, or with a group of one rank, the weight must be the whole vocabulary. Returns its size."""
+    where = "with a tp_group of size 1" if group_given else "without a tp_group"
     if vocab_start_index != 0:
         raise ShardLayoutError(
-            f"vocab shards leave a gap: without a tp_group the single shard must start at 0, "
+            f"vocab shards leave a gap: {where} the single shard must start at 0, "
             f"got vocab_start_index={vocab_start_index} (ids [0, {vocab_start_index}) owned by no rank)")
     if global_vocab_size is not None and global_vocab_size != v_local:
         raise ShardLayoutError(
-            f"without a tp_group the weight must hold the whole vocabulary: weight has {v_local} rows "
+            f"{where} the weight must hold the whole vocabulary: weight has {v_local} rows "
             f"but global_vocab_size is {global_vocab_size}")
     return v_local
