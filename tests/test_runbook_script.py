@@ -1,8 +1,8 @@
-"""The runbook script under torchrun (tests/linear_logp_tp.py, the entry of tplogp.runbook): output and exit status.
+"""The runbook script (tests/linear_logp_tp.py, the entry of tplogp.runbook) under torchrun: output, status.
 
 Each launch is a few seconds on gloo with small shapes. Under torchrun, rank 0 alone reports and carries the
-verdict in its exit status, so torchrun's failure report lists one rank and no Python traceback comes from this
-program for a user error (torchrun's own ChildFailedError traceback is the only one).
+verdict in its exit status, so torchrun's failure report lists one rank and no Python traceback comes from
+this program for a user error (torchrun's own ChildFailedError traceback is the only one).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ OUR_FRAME = re.compile(r'File ".*(tplogp|linear_logp_tp)')
 
 
 def torchrun(*args: str, nproc: int = 2, entry: tuple = (SCRIPT,)) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry,
+           *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def assert_one_failed_rank_quietly(out: subprocess.CompletedProcess) -> None:
-    """Non-zero status, torchrun's report names rank 0 only (no SIGTERM'd peers), no traceback from our frames."""
+    """Non-zero status; torchrun's report names rank 0 only (no signalled peers); no traceback from our code."""
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
     assert not OUR_FRAME.search(text), text
@@ -54,7 +55,8 @@ def test_pass_output_format_progress_and_status():
     assert [s[0] for s in steps] == ["0 (warm-up)", "1/2", "2/2"], text
     assert [bool(s[1]) for s in steps] == [True, True, False], text
     assert "[stress]" in text and "  finite=PASS\n" in text
-    assert re.search(r"  max_rank_elapsed_ms=[\d.]+ ", text) and re.search(r"  max_rank_peak_memory_gb=[\d.]+ ", text)
+    assert re.search(r"  max_rank_elapsed_ms=[\d.]+ ", text)
+    assert re.search(r"  max_rank_peak_memory_gb=[\d.]+ ", text)
     assert text.rstrip().endswith("[result]\n  PASS")
 
 
@@ -66,8 +68,8 @@ def test_module_entry_runs_the_same_program():
 
 
 def test_fail_is_reported_once_and_exits_nonzero():
-    out = torchrun("--dtype", "bf16", "--tokens", "32", "--hidden-size", "48", "--vocab-size", "301", "--no-bias",
-                   "--atol", "0", "--rtol", "0")
+    out = torchrun("--dtype", "bf16", "--tokens", "32", "--hidden-size", "48", "--vocab-size", "301",
+                   "--no-bias", "--atol", "0", "--rtol", "0")
     assert re.search(r"  FAIL (output|weight_grad|hidden_grad): max_abs=", out.stdout), out.stdout
     assert "bias_grad" not in out.stdout
     assert out.stdout.count("[result]") == 1 and out.stdout.rstrip().endswith("[result]\n  FAIL")
@@ -89,12 +91,12 @@ def test_unparsable_value_prints_no_usage_per_rank():
     assert_one_failed_rank_quietly(out)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the sm90 source is unavailable only without a Hopper GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sm90 is unavailable only without a Hopper GPU")
 def test_unavailable_source_is_one_error_line():
     out = torchrun(*SMALL, "--op-source", "sm90")
     errors = [line for line in out.stdout.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and errors[0].startswith("  ERROR SourceUnavailableError: fused_linear_logp_sm90 is "
-                                                     "unavailable"), out.stdout
+    expected = "  ERROR SourceUnavailableError: fused_linear_logp_sm90 is unavailable"
+    assert len(errors) == 1 and errors[0].startswith(expected), out.stdout
     assert out.stdout.rstrip().endswith("[result]\n  FAIL")
     assert_one_failed_rank_quietly(out)
 
@@ -121,7 +123,7 @@ def test_every_size_and_tolerance_flag_is_checked(flags, message):
 
 def test_vocab_needs_one_id_per_rank(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(UsageError, match=r"^argument --vocab-size: must be at least the world size 4 .*got 3$"):
+    with pytest.raises(UsageError, match=r"^argument --vocab-size: must be at least the world size 4 .* 3$"):
         parse_args(["--vocab-size", "3"])
     parse_args(["--stress-vocab-size", "3"])  # not checked without --run-stress
     with pytest.raises(UsageError, match=r"^argument --stress-vocab-size: must be at least the world size 4"):

@@ -1,7 +1,8 @@
-"""``main``: check the flags, set up the process group, run the phases, agree on the verdict, print ``[result]``.
+"""``main``: check the flags, set up the process group, run the phases, agree on the verdict, report it.
 
-Errors a user can cause (a bad flag, a source this machine cannot run, inputs the op rejects) are reported by rank
-0 as one line each, without a Python traceback; an unexpected exception also prints the failing rank's traceback.
+Errors a user can cause (a bad flag, a source this machine cannot run, inputs the op rejects) are reported by
+rank 0 as one line each, without a Python traceback; an unexpected exception also prints the failing rank's
+traceback.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok, error, trace = _run_phases(args, env, device, backend)
     try:  # the verdict: every rank's own result, including errors other ranks did not see
         records = gather_errors(None if ok else (error, trace), env.world)
-    except Exception as exc:  # the exchange itself failed (a rank died): this rank reports and fails on its own
+    except Exception as exc:  # the exchange itself failed (a rank died): this rank reports and fails alone
         print(f"[rank {rank}] verdict exchange failed: {_describe(exc)}", file=sys.stderr, flush=True)
         return 1
     failed = [(r, rec) for r, rec in enumerate(records) if rec is not None]

@@ -1,8 +1,8 @@
-"""The runbook's command line: flags, their defaults, and the checks every value passes before any rank starts.
+"""The runbook's command line: flags, their defaults, and the checks every value passes before any work.
 
-Every size must be a positive int, every tolerance a non-negative finite number; a vocabulary must have at least
-one id per rank. A bad value raises :class:`UsageError` with one line naming the flag, the rule and the value;
-parsing never exits the process itself, so the caller decides which rank prints it.
+Every size must be a positive int, every tolerance a non-negative finite number; a vocabulary must have at
+least one id per rank. A bad value raises :class:`UsageError` with one line naming the flag, the rule and the
+value; parsing never exits the process itself, so the caller decides which rank prints it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text if action.default is None else text + " (default: %(default)s)"
 
 
-def build_parser(description: str = "", epilog: str = "", prog: Optional[str] = None) -> argparse.ArgumentParser:
+def build_parser(description: str = "", epilog: str = "",
+                 prog: Optional[str] = None) -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description=description, epilog=epilog, formatter_class=_Formatter)
     add = p.add_argument
     add("--op-source", choices=["registry", "native", "triton", "sm90"], default="registry",
@@ -78,7 +79,8 @@ def build_parser(description: str = "", epilog: str = "", prog: Optional[str] = 
     add("--hidden-size", type=positive_int, default=512, help="correctness phase: hidden size D")
     add("--vocab-size", type=positive_int, default=8192,
         help="correctness phase: vocabulary (at least one id per rank)")
-    add("--uneven-shards", action="store_true", help="unequal vocab shards (tests vocab_start_index handling)")
+    add("--uneven-shards", action="store_true",
+        help="unequal vocab shards (tests vocab_start_index handling)")
     add("--no-bias", action="store_true", help="no bias")
     add("--atol", type=tolerance, default=None,
         help="absolute bound of the correctness check (default: per dtype from tplogp.tolerances: "
@@ -92,10 +94,12 @@ def build_parser(description: str = "", epilog: str = "", prog: Optional[str] = 
     add("--stress-hidden-size", type=positive_int, default=2048, help="stress phase: hidden size D")
     add("--stress-vocab-size", type=positive_int, default=32768,
         help="stress phase: vocabulary (at least one id per rank)")
-    add("--stress-steps", type=positive_int, default=10, help="stress phase: timed steps after the warm-up step")
+    add("--stress-steps", type=positive_int, default=10,
+        help="stress phase: timed steps after the warm-up step")
     add("--seed", type=seed_int, default=1234, help="data seed")
     add("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-        help="auto: NCCL with one GPU per rank when there are enough GPUs, else gloo (gloo lets ranks share a GPU)")
+        help="auto: NCCL with one GPU per rank when there are enough GPUs, else gloo "
+             "(gloo lets ranks share a GPU)")
     add("--temperature", type=positive_finite, default=1.0, help="logits are divided by it")
     add("--entropy", action="store_true", help="also check the per-token entropy and its gradient")
     add("--ignore-fraction", type=fraction, default=0.0,
@@ -112,7 +116,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", epil
     for flag, vocab in (("--vocab-size", args.vocab_size),) + (
             (("--stress-vocab-size", args.stress_vocab_size),) if args.run_stress else ()):
         if vocab < world:
-            raise UsageError(f"argument {flag}: must be at least the world size {world} (one id per rank), got {vocab}")
+            raise UsageError(f"argument {flag}: must be at least the world size {world} (one id per rank), "
+                             f"got {vocab}")
     tol = RUNBOOK_TOLERANCES[DTYPES[args.dtype]]
     args.atol = tol.atol if args.atol is None else args.atol
     args.rtol = tol.rtol if args.rtol is None else args.rtol

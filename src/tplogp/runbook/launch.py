@@ -1,13 +1,15 @@
 """Process-group set-up, rank-0 output, and the exit policy of the runbook under torchrun.
 
-Everything that can be decided from the command line and the launcher's environment (rank, world size, GPUs per
-node) is decided before the process group starts, so a bad value ends every rank at once without a collective.
+Everything that can be decided from the command line and the launcher's environment (rank, world size, GPUs
+per node) is decided before the process group starts, so a bad value ends every rank at once without a
+collective.
 
-Exit policy: rank 0 prints every verdict and carries it in its exit status; the other ranks exit 0 once the verdict
-is agreed (or when a flag is bad, which every rank knows alike). torchrun's agent prints its ``ChildFailedError``
-report for each rank that exits non-zero, so this keeps that report to one entry; and rank 0, when it exits non-zero,
-first waits (a few seconds at most) for its sibling ranks to exit, so that the agent does not signal them and list
-them as failed too. A rank that cannot take part in the verdict exchange exits 1 itself.
+Exit policy: rank 0 prints every verdict and carries it in its exit status; the other ranks exit 0 once the
+verdict is agreed (or when a flag is bad, which every rank knows alike). torchrun's agent prints its
+``ChildFailedError`` report for each rank that exits non-zero, so this keeps that report to one entry; and
+rank 0, when it exits non-zero, first waits (a few seconds at most) for its sibling ranks to exit, so that the
+agent does not signal them and list them as failed too. A rank that cannot take part in the verdict exchange
+exits 1 itself.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class LaunchEnv(NamedTuple):
 
 
 def launch_env() -> LaunchEnv:
-    """This process's place in the job, from the variables torchrun sets. Raises :class:`UsageError` without them."""
+    """This process's place in the job, from torchrun's variables. Raises :class:`UsageError` without them."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UsageError(LAUNCH_HINT)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -57,8 +59,8 @@ def pick_device(backend: str, env: LaunchEnv) -> tuple[torch.device, str]:
         backend = "nccl" if n_gpus >= env.local_world and n_gpus > 0 else "gloo"
     if backend == "nccl":
         if n_gpus < env.local_world:
-            raise UsageError(f"argument --backend: nccl needs one GPU per rank: {env.local_world} local ranks, "
-                             f"{n_gpus} GPUs (use --backend gloo to share GPUs)")
+            raise UsageError(f"argument --backend: nccl needs one GPU per rank: {env.local_world} local "
+                             f"ranks, {n_gpus} GPUs (use --backend gloo to share GPUs)")
         return torch.device("cuda", env.local_rank), backend
     return (torch.device("cuda", env.local_rank % n_gpus) if n_gpus > 0 else torch.device("cpu")), backend
 
@@ -91,7 +93,7 @@ def gather_errors(error: Optional[tuple], world: int) -> list[Optional[tuple]]:
 
 
 def _running_siblings() -> list[int]:
-    """Other live (not yet exited) children of this process's parent: under torchrun, the node's other ranks."""
+    """Other live (not exited) children of this process's parent: under torchrun, the node's other ranks."""
     parent, me = os.getppid(), os.getpid()
     live = []
     try:

@@ -8,7 +8,8 @@ from .launch import log0, max_over_ranks
 
 
 def compare(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, float]:
-    """(max_abs, max_rel, passed): max_rel = max |d| / max(|ref|, 1e-6); pass iff |d| <= atol + rtol |ref| everywhere."""
+    """(max_abs, max_rel, passed): max_rel = max |d| / max(|ref|, 1e-6); passed iff |d| <= atol + rtol |ref|
+    everywhere and ``ours`` is finite."""
     d = (ours.double() - ref.double()).abs()
     r = ref.double().abs()
     max_abs = float(d.max()) if d.numel() else 0.0
@@ -17,7 +18,8 @@ def compare(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> 
     return max_abs, max_rel, 1.0 if ok else 0.0
 
 
-def report_checks(checks: list, atol: float, rtol: float, rank: int, device: torch.device, backend: str) -> bool:
+def report_checks(checks: list, atol: float, rtol: float, rank: int, device: torch.device,
+                  backend: str) -> bool:
     """Compare every (name, ours, ref), take the max error and the min verdict over ranks; rank 0 prints."""
     flat = []
     for _, ours, ref in checks:

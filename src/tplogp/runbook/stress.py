@@ -1,10 +1,11 @@
-"""Phase ``stress``: a larger TP-only shape, each rank holding only its shard; finiteness, step time, peak memory.
+"""Phase ``stress``: a larger TP-only shape, each rank holding only its shard: finiteness, step time, memory.
 
 Rank 0 prints a progress line as each step ends (the step's time, max over ranks, and an estimate of the time
 left), so a long CPU run is not silent.
 
-Memory on CPU is the growth of the resident set (``VmHWM`` after resetting it through ``/proc/self/clear_refs``
-where the kernel allows, else ``VmRSS``); on a GPU it is the caching allocator's peak.
+Memory on CPU is the growth of the resident set (``VmHWM`` after resetting it through
+``/proc/self/clear_refs`` where the kernel allows, else ``VmRSS``); on a GPU it is the caching allocator's
+peak.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _duration(seconds: float) -> str:
 
 
 def progress_line(step: int, timed_steps: int, step_ms: float, own_ms: list[float]) -> str:
-    """One line per step as it ends: its time (max over ranks) and the time left, estimated from this rank's steps.
+    """One line per step as it ends: its time (max over ranks) and the time left, estimated from this rank.
 
     The estimate multiplies the steps left by the median warmed step so far (after the warm-up step: by the
     warm-up step's time, which includes one-time compilation, so the first estimate is high).
@@ -55,7 +56,8 @@ def progress_line(step: int, timed_steps: int, step_ms: float, own_ms: list[floa
     left = timed_steps - step
     per_step_ms = statistics.median(own_ms[1:]) if len(own_ms) > 1 else own_ms[0]
     label = "step 0 (warm-up)" if step == 0 else f"step {step}/{timed_steps}"
-    return f"  {label}: {step_ms:.1f} ms" + (f", about {_duration(left * per_step_ms / 1e3)} left" if left else "")
+    eta = f", about {_duration(left * per_step_ms / 1e3)} left" if left else ""
+    return f"  {label}: {step_ms:.1f} ms{eta}"
 
 
 def stress(args: argparse.Namespace, rank: int, world: int, device: torch.device, backend: str,
@@ -105,8 +107,8 @@ def stress(args: argparse.Namespace, rank: int, world: int, device: torch.device
         elapsed_ms.append((time.perf_counter() - t0) * 1e3)
         log0(rank, progress_line(step, args.stress_steps, max_over_ranks(elapsed_ms[-1:], device, backend)[0],
                                  elapsed_ms))
-        finite &= bool(torch.isfinite(logp).all() and torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
-                       and (b is None or torch.isfinite(b.grad).all()))
+        finite &= bool(torch.isfinite(logp).all() and torch.isfinite(h.grad).all()
+                       and torch.isfinite(w.grad).all() and (b is None or torch.isfinite(b.grad).all()))
     if device.type == "cuda":
         peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
         extra_gb = (torch.cuda.max_memory_allocated(device) - base_alloc) / 1e9
