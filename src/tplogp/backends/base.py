@@ -42,7 +42,6 @@ lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the targ
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Protocol
 
@@ -86,20 +85,6 @@ class ShardCall:
     deterministic: bool = False
     # Bytes the backend may use for its fp32 logits workspace; None lets the backend choose.
     workspace_bytes: Optional[int] = None
-
-
-def workspace_bytes_from_env() -> Optional[int]:
-    """``TPLOGP_WORKSPACE_MB`` in bytes (the sources' workspace budget when the call gives none), or None if unset."""
-    env = os.environ.get("TPLOGP_WORKSPACE_MB")
-    if not env:
-        return None
-    try:
-        mb = float(env)
-    except ValueError as exc:
-        raise ValueError(f"TPLOGP_WORKSPACE_MB must be a number of MiB, got {env!r}") from exc
-    if mb <= 0:
-        raise ValueError(f"TPLOGP_WORKSPACE_MB must be positive, got {env!r}")
-    return int(mb * (1 << 20))
 
 
 def f32_contiguous(x: torch.Tensor) -> torch.Tensor:

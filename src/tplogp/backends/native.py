@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from .. import fp32_gemm
-from .base import ShardCall, ShardGrads, ShardStats, workspace_bytes_from_env
+from .. import fp32_gemm, settings
+from .base import ShardCall, ShardGrads, ShardStats
 
 _MIB = 1 << 20
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
@@ -33,7 +33,7 @@ DETERMINISTIC_TOKEN_CHUNK = 256
 
 def default_workspace_bytes(device: torch.device) -> int:
     """The tile budget: ``TPLOGP_WORKSPACE_MB`` if set, else 1 GiB on CUDA and 64 MiB elsewhere."""
-    env = workspace_bytes_from_env()
+    env = settings.workspace_bytes()
     return env if env is not None else (1024 if device.type == "cuda" else 64) * _MIB
 
 
