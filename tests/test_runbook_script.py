@@ -122,6 +122,7 @@ def test_every_size_and_tolerance_flag_is_checked(flags, message):
 
 
 def test_vocab_needs_one_id_per_rank(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(UsageError, match=r"^argument --vocab-size: must be at least the world size 4 .* 3$"):
         parse_args(["--vocab-size", "3"])

@@ -71,9 +71,9 @@ def _run_phases(args, env, device, backend) -> tuple[bool, Optional[str], Option
     """(verdict, error line, traceback text) of this rank."""
     try:
         op = get_op("linear_logp", source=None if args.op_source == "registry" else args.op_source)
-        ok = correctness(args, env.rank, env.world, device, backend, op)
+        ok = correctness(args, env.rank, env.world_size, device, backend, op)
         if args.run_stress:
-            ok &= stress(args, env.rank, env.world, device, backend, op)
+            ok &= stress(args, env.rank, env.world_size, device, backend, op)
         return ok, None, None
     except USER_ERRORS as exc:
         return False, _describe(exc), None
@@ -90,7 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     init_group(device, backend, args.timeout_s)
     ok, error, trace = _run_phases(args, env, device, backend)
     try:  # the verdict: every rank's own result, including errors other ranks did not see
-        records = gather_errors(None if ok else (error, trace), env.world)
+        records = gather_errors(None if ok else (error, trace), env.world_size)
     except Exception as exc:  # the exchange itself failed (a rank died): this rank reports and fails alone
         print(f"[rank {rank}] verdict exchange failed: {_describe(exc)}", file=sys.stderr, flush=True)
         return 1
@@ -100,7 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         first_tb = next((tb for _, _, tb in errors if tb), None)
         if first_tb:
             print(first_tb, file=sys.stderr, end="", flush=True)
-        if len({line for _, line, _ in errors}) == 1 and len(errors) == env.world:
+        if len({line for _, line, _ in errors}) == 1 and len(errors) == env.world_size:
             log0(rank, f"  ERROR {errors[0][1]}")
         else:
             log0(rank, *(f"  ERROR rank {r}: {line}" for r, line, _ in errors))

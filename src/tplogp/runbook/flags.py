@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..settings import SettingsError, launcher_env
 from ..tolerances import RUNBOOK_TOLERANCES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -112,7 +112,11 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", epil
                prog: Optional[str] = None) -> argparse.Namespace:
     """Parse and check the flags; fill the per-dtype tolerances. Raises :class:`UsageError`."""
     args = build_parser(description, epilog, prog).parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        env = launcher_env()
+    except SettingsError as exc:
+        raise UsageError(str(exc)) from None
+    world = 1 if env is None else env.world_size
     for flag, vocab in (("--vocab-size", args.vocab_size),) + (
             (("--stress-vocab-size", args.stress_vocab_size),) if args.run_stress else ()):
         if vocab < world:

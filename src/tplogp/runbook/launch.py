@@ -18,49 +18,51 @@ import argparse
 import datetime
 import os
 import time
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from ..settings import LauncherEnv, SettingsError, launcher_env
 from .flags import UsageError
 
 LAUNCH_HINT = "launch with torchrun, e.g. torchrun --standalone --nproc_per_node=4 tests/linear_logp_tp.py"
 
 
-class LaunchEnv(NamedTuple):
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
-
-
-def launch_env() -> LaunchEnv:
+def launch_env() -> LauncherEnv:
     """This process's place in the job, from torchrun's variables. Raises :class:`UsageError` without them."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    env = _launcher_env()
+    if env is None:
         raise UsageError(LAUNCH_HINT)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return LaunchEnv(rank, world, int(os.environ.get("LOCAL_RANK", rank)),
-                     int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return env
 
 
 def env_rank() -> int:
-    """The global rank if launched by torchrun, else 0 (plain ``python``: this process prints)."""
+    """The global rank if launched by torchrun, else 0 (plain ``python``, or unusable variables: this process
+    prints)."""
     try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
+        env = launcher_env()
+    except SettingsError:
         return 0
+    return 0 if env is None else env.rank
 
 
-def pick_device(backend: str, env: LaunchEnv) -> tuple[torch.device, str]:
+def _launcher_env() -> Optional[LauncherEnv]:  # malformed variables are a usage error
+    try:
+        return launcher_env()
+    except SettingsError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def pick_device(backend: str, env: LauncherEnv) -> tuple[torch.device, str]:
     """(device, process-group backend). The GPU count is the node's, the same on every rank of a node."""
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
-        backend = "nccl" if n_gpus >= env.local_world and n_gpus > 0 else "gloo"
+        backend = "nccl" if n_gpus >= env.local_world_size and n_gpus > 0 else "gloo"
     if backend == "nccl":
-        if n_gpus < env.local_world:
-            raise UsageError(f"argument --backend: nccl needs one GPU per rank: {env.local_world} local "
-                             f"ranks, {n_gpus} GPUs (use --backend gloo to share GPUs)")
+        if n_gpus < env.local_world_size:
+            raise UsageError(f"argument --backend: nccl needs one GPU per rank: {env.local_world_size} "
+                             f"local ranks, {n_gpus} GPUs (use --backend gloo to share GPUs)")
         return torch.device("cuda", env.local_rank), backend
     return (torch.device("cuda", env.local_rank % n_gpus) if n_gpus > 0 else torch.device("cpu")), backend
 
@@ -115,7 +117,11 @@ def _running_siblings() -> list[int]:
 
 def leave_last(timeout_s: float = 5.0) -> None:
     """Before a non-zero exit under torchrun: wait until the node's other ranks have exited (bounded)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+    try:
+        env = launcher_env()
+    except SettingsError:
+        return
+    if env is None or not env.under_torchrun or env.local_world_size <= 1:
         return
     deadline = time.monotonic() + timeout_s
     while _running_siblings() and time.monotonic() < deadline:
