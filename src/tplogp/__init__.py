@@ -7,6 +7,7 @@ vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are cho
 """
 
 from .api import linear_logp
+from .deferred_checks import check_errors
 from .shards import ShardLayoutError
 from .tp import LogpOutputs
 from .validation import LinearLogpInputError
@@ -14,6 +15,7 @@ from .kernel_registry import SourceUnavailableError, get_op
 
 __all__ = [
     "linear_logp",
+    "check_errors",
     "get_op",
     "LogpOutputs",
     "LinearLogpInputError",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .backends.base import ShardBackend, ShardCall, f32_contiguous
 from .comm import all_gather_flat
+from .deferred_checks import defer_target_range_check, raise_pending_errors
 from .validation import (
     GroupCheck,
     LinearLogpInputError,
@@ -41,6 +42,7 @@ from .validation import (
     local_problem,
     summarize_targets,
     target_range_problem,
+    target_summary_tensor,
 )
 
 
@@ -192,15 +194,14 @@ def linear_logp_tp(
     """
     mode = checks_mode()
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if world == 1 and mode != "fast":
+        raise_pending_errors()  # the deferred verdict of the previous call without a group
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature)
-    targets = None
-    if problem is None and mode == "full":
-        targets = summarize_targets(target_ids, options.ignore_index, with_checksum=world > 1)
     if world > 1:
         comm_dev = _comm_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
         ok = problem is None
-        total = GroupCheck.run(
+        total, targets = GroupCheck.run(
             tp_group, comm_dev, problem,
             n_tokens=int(target_ids.numel()) if ok else -1,
             hidden_size=int(hidden.shape[-1]) if ok else -1,
@@ -209,7 +210,8 @@ def linear_logp_tp(
             global_vocab_size=global_vocab_size if ok else None,
             dtype=hidden.dtype if ok else torch.float32,
             has_bias=bias is not None,
-            checksum=targets.checksum if targets is not None else 0,
+            targets=(target_summary_tensor(target_ids, options.ignore_index, with_checksum=True)
+                     if ok and mode != "fast" else None),
             ignore_index=options.ignore_index,
             mode=mode,
             builds_graph=bool(ok and torch.is_grad_enabled() and hidden.requires_grad),
@@ -219,6 +221,9 @@ def linear_logp_tp(
         if problem is not None:
             raise LinearLogpInputError(problem)
         total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size)
+        targets = summarize_targets(target_ids, options.ignore_index, with_checksum=False) if mode == "sync" else None
+        if mode == "full":  # read at the next call (no host sync now); uncovered tokens get NaN meanwhile
+            defer_target_range_check(target_ids, total, options.ignore_index)
     if targets is not None:  # identical on every rank: the checksum exchange proved the targets replicated
         msg = target_range_problem(targets, total, options.ignore_index)
         if msg is not None:
