@@ -15,7 +15,9 @@ Forward, per call:
      a token whose owner count is not 1 (possible only when ``TPLOGP_CHECKS=fast`` skipped the target check)
      gets NaN.
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
-partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it.
+partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
+before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async
+there and runs while ``d_W`` is computed.
 
 Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single``
 (triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .backends.base import ShardBackend, ShardCall, f32_contiguous
-from .comm import all_gather_flat
+from .comm import OverlappedAllReduce, all_gather_flat
 from .deferred_checks import defer_target_range_check, raise_pending_errors
 from .validation import (
     GroupCheck,
@@ -163,14 +165,13 @@ class _LinearLogpFunction(torch.autograd.Function):
         g_logp = f32_contiguous(g_logp)
         g_ent = None if (g_entropy is None or mean_rel is None) else f32_contiguous(g_entropy)
         g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
+        # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
+        reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
-                                     mean_rel if g_ent is not None else None, tpc.call, needs)
-        d_hidden = grads.d_hidden
+                                     mean_rel if g_ent is not None else None, tpc.call, needs,
+                                     d_hidden_ready=None if reduce is None else reduce.start)
+        d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
         if d_hidden is not None:
-            if tpc.world_size > 1:
-                buf = d_hidden.to(tpc.comm_device)
-                dist.all_reduce(buf, group=tpc.group)
-                d_hidden = buf.to(hidden.device)
             if d_hidden.dtype != hidden.dtype:
                 d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, grads.d_weight, grads.d_bias, None, None

@@ -29,6 +29,10 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
         d_weight = d_logits^T @ hidden        (fp32 accumulation, returned in weight.dtype)
         d_bias   = sum_t d_logits             (fp32 accumulation, returned in bias.dtype)
 
+    computing ``d_hidden`` before the ``d_weight`` work. ``d_hidden_ready`` (optional) is called with the finished
+    ``d_hidden`` as soon as it is complete, before the remaining ``d_weight`` work; the caller may start an async
+    collective on it, so the backend must not touch that tensor afterwards (it returns it as ``ShardGrads.d_hidden``).
+
 ``forward_single`` (optional)
     When one shard holds the whole vocab (no group, or a group of one), a backend may finish the per-token outputs
     itself and save the TP layer's merge ops (host time at small shapes): return :class:`SingleShardOutputs`. The
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -141,4 +145,5 @@ class ShardBackend(Protocol):
         mean_z: Optional[torch.Tensor],  # [N] fp32 E_p[z] - row_max (global) or None
         call: ShardCall,
         needs: tuple[bool, bool, bool],  # (d_hidden, d_weight, d_bias)
+        d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
     ) -> ShardGrads: ...

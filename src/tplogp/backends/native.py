@@ -148,7 +148,7 @@ class NativeBackend:
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs: tuple[bool, bool, bool]) -> ShardGrads:
+                 mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None) -> ShardGrads:
         need_h, need_w, need_b = needs
         n, d = hidden.shape
         v = weight.shape[0]
@@ -158,7 +158,9 @@ class NativeBackend:
         d_bias32 = torch.zeros(v, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
             self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                 grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32)
+                                 grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32, d_hidden_ready)
+        elif d_hidden is not None and d_hidden_ready is not None:
+            d_hidden_ready(d_hidden)
         d_weight = None
         if d_weight32 is not None:
             d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
@@ -168,7 +170,7 @@ class NativeBackend:
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                        grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32) -> None:
+                        grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32, d_hidden_ready=None) -> None:
         n, v = hidden.shape[0], weight.shape[0]
         # GEMM operand dtype for dz: the weight's dtype on CUDA (like an eager LM head, fp32 accumulation),
         # fp32 on CPU where low-precision GEMMs have no fp32-output path.
@@ -225,6 +227,11 @@ class NativeBackend:
                 if dh is not None:
                     w_g = w if w.dtype == gemm_dtype else w.to(gemm_dtype)
                     dh += fp32_gemm.mm(dz_g, w_g)
+                    if t1 == n and v1 == v:  # d_hidden complete: hand it over before this tile's d_W update
+                        d_hidden[t0:t1] = dh[:rows]
+                        dh = None
+                        if d_hidden_ready is not None:
+                            d_hidden_ready(d_hidden)
                 if d_weight32 is not None:
                     _accumulate_dw(d_weight32[v0:v1], dz_g, h_gemm, rows_per_block)
             if dh is not None:
