@@ -71,7 +71,9 @@ def linear_logp(
         ignore_index: positions with this target get logp 0 (entropy 0, lse 0) and no gradient.
         deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
             other rows of the batch (costs some speed: fixed token tiles).
-        workspace_bytes: tile workspace budget for chunked sources (default: ``TPLOGP_WORKSPACE_MB`` or per device).
+        workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (transient tiles plus
+            logits kept from forward to backward, which spare the backward their recompute GEMM); default:
+            ``TPLOGP_WORKSPACE_MB``, else the source's default tile memory with nothing kept (docs/operator.md).
 
     Returns:
         float32 logp with target_ids' shape, or :class:`~tplogp.tp.LogpOutputs` ``(logp, entropy, lse)`` when

@@ -27,6 +27,7 @@ and 3 cost no host ops (what matters at small shapes, where a call's host time i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -123,7 +124,7 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     be, call = tpc.backend, tpc.call
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         out = be.forward_single(hidden, weight, bias, local_target, call)
-        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel)
+        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, None)
     st = be.forward_stats(hidden, weight, bias, local_target, call)
     owned = local_target >= 0
     if tpc.world_size > 1:
@@ -143,7 +144,7 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     logp = torch.where(covered, target_rel - log_sum, float("nan"))
     lse = row_max + log_sum
     entropy = None if mean_rel is None else log_sum - mean_rel
-    return (logp, entropy, lse), (row_max, log_sum, mean_rel)
+    return (logp, entropy, lse), (row_max, log_sum, mean_rel, st.kept)
 
 
 class _LinearLogpFunction(torch.autograd.Function):
@@ -151,13 +152,13 @@ class _LinearLogpFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
-        outputs, (row_max, log_sum, mean_rel) = _shard_forward(hidden, weight, bias, local_target, tpc)
-        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel)
+        outputs, (row_max, log_sum, mean_rel, kept) = _shard_forward(hidden, weight, bias, local_target, tpc)
+        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
         return outputs
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy, g_lse):
-        hidden, weight, bias, local_target, row_max, log_sum, mean_rel = ctx.saved_tensors
+        hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if g_logp is None:  # only entropy or lse feeds the loss
@@ -169,7 +170,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
                                      mean_rel if g_ent is not None else None, tpc.call, needs,
-                                     d_hidden_ready=None if reduce is None else reduce.start)
+                                     d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
         d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
         if d_hidden is not None:
             if d_hidden.dtype != hidden.dtype:
@@ -259,6 +260,7 @@ def linear_logp_tp(
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        tpc.call = dataclasses.replace(call, for_backward=True)  # the forward may keep logits for the backward
         logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
     else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
         (logp, entropy, lse), _ = _shard_forward(h2, w, b, local_target, tpc)

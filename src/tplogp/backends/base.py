@@ -60,6 +60,8 @@ class ShardStats(NamedTuple):
     sum_exp: torch.Tensor
     target_logit: torch.Tensor
     sum_exp_z: Optional[torch.Tensor]
+    # what the forward kept for the backward within the workspace budget (backend-specific layout), or None
+    kept: Optional[torch.Tensor] = None
 
 
 class SingleShardOutputs(NamedTuple):
@@ -88,12 +90,20 @@ class ShardCall:
     inv_temperature: float = 1.0
     with_entropy: bool = False
     deterministic: bool = False
-    # Bytes the backend may use for its fp32 logits workspace; None lets the backend choose.
+    # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
+    # keeps for the backward (see ``workspace_bytes_from_env``). None: the source's default (nothing kept).
     workspace_bytes: Optional[int] = None
+    # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
+    for_backward: bool = False
 
 
 def workspace_bytes_from_env() -> Optional[int]:
-    """``TPLOGP_WORKSPACE_MB`` in bytes (the sources' workspace budget when the call gives none), or None if unset."""
+    """``TPLOGP_WORKSPACE_MB`` in bytes (the sources' workspace budget when the call gives none), or None if unset.
+
+    The budget is one memory-for-speed dial with the same meaning in every source: the most memory the op may hold
+    beyond its inputs, outputs and gradients, transient tiles and what the forward keeps for the backward together.
+    A source uses up to its default transient size for tiles and keeps, with the rest, the logits of as many tiles
+    as fit, so that its backward skips the recompute GEMM for those."""
     env = os.environ.get("TPLOGP_WORKSPACE_MB")
     if not env:
         return None
@@ -146,4 +156,5 @@ class ShardBackend(Protocol):
         call: ShardCall,
         needs: tuple[bool, bool, bool],  # (d_hidden, d_weight, d_bias)
         d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+        kept: Optional[torch.Tensor] = None,  # ShardStats.kept of the forward
     ) -> ShardGrads: ...

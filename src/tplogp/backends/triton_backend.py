@@ -97,7 +97,7 @@ class TritonBackend:
         return None  # the generic kernel
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs, d_hidden_ready=None) -> ShardGrads:
+                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None) -> ShardGrads:
         from ..kernels import launch
 
         d_hidden, d_weight, d_bias = launch.backward(
