@@ -178,22 +178,20 @@ class _LinearLogpFunction(torch.autograd.Function):
         return d_hidden, grads.d_weight, grads.d_bias, None, None
 
 
-def linear_logp_tp(
-    backend: ShardBackend,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    tp_group=None,
-    vocab_start_index: int = 0,
-    global_vocab_size: Optional[int] = None,
-    options: LogpOptions = LogpOptions(),
-):
-    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
+class PreparedCall(NamedTuple):
+    """A validated call: 2-D contiguous inputs (ignored rows compacted away), shard-local targets, the context."""
 
-    Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
-    """
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    local_target: torch.Tensor
+    keep_idx: Optional[torch.Tensor]  # rows kept by ignore_index compaction, or None
+    tpc: _TPContext
+
+
+def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                 global_vocab_size: Optional[int], options: LogpOptions) -> PreparedCall:
+    """Checks (the same verdict on every rank), flattening, ignore_index compaction and target localisation."""
     mode = checks_mode()
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     if world == 1 and mode != "fast":
@@ -231,7 +229,6 @@ def linear_logp_tp(
         if msg is not None:
             raise LinearLogpInputError(msg)
 
-    out_shape = tuple(target_ids.shape)
     d = hidden.shape[-1]
     h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
     tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
@@ -259,6 +256,29 @@ def linear_logp_tp(
     else:
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
+    return PreparedCall(h2, w, b, local_target, keep_idx, tpc)
+
+
+def linear_logp_tp(
+    backend: ShardBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    options: LogpOptions = LogpOptions(),
+):
+    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
+
+    Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
+    """
+    out_shape = tuple(target_ids.shape)
+    h2, w, b, local_target, keep_idx, tpc = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
+                                                         vocab_start_index, global_vocab_size, options)
+    call = tpc.call
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         tpc.call = dataclasses.replace(call, for_backward=True)  # the forward may keep logits for the backward
         logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
