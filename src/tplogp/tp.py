@@ -187,6 +187,7 @@ class PreparedCall(NamedTuple):
     local_target: torch.Tensor
     keep_idx: Optional[torch.Tensor]  # rows kept by ignore_index compaction, or None
     tpc: _TPContext
+    vocab_size: int  # of all shards together (the same on every rank)
 
 
 def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -256,7 +257,7 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
     else:
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    return PreparedCall(h2, w, b, local_target, keep_idx, tpc)
+    return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total)
 
 
 def linear_logp_tp(
@@ -276,8 +277,8 @@ def linear_logp_tp(
     Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
     """
     out_shape = tuple(target_ids.shape)
-    h2, w, b, local_target, keep_idx, tpc = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
-                                                         vocab_start_index, global_vocab_size, options)
+    h2, w, b, local_target, keep_idx, tpc, _ = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
+                                                            vocab_start_index, global_vocab_size, options)
     call = tpc.call
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         tpc.call = dataclasses.replace(call, for_backward=True)  # the forward may keep logits for the backward
