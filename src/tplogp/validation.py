@@ -25,19 +25,19 @@ Modes (``TPLOGP_CHECKS``):
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import settings
 from .comm import all_gather_flat
 from .shards import ShardLayoutError, validate_ranges
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 COVERAGE_MESSAGE = "target_ids must be covered by exactly one TP vocab shard"
-CHECK_MODES = ("full", "sync", "fast")
+CHECK_MODES = settings.CHECK_MODES
 
 
 class LinearLogpInputError(ValueError):
@@ -45,10 +45,11 @@ class LinearLogpInputError(ValueError):
 
 
 def checks_mode() -> str:
-    mode = os.environ.get("TPLOGP_CHECKS", "full").strip().lower() or "full"
-    if mode not in CHECK_MODES:
-        raise LinearLogpInputError(f"TPLOGP_CHECKS must be one of {CHECK_MODES}, got {mode!r}")
-    return mode
+    """``TPLOGP_CHECKS`` (:func:`tplogp.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
+    try:
+        return settings.checks_mode()
+    except settings.SettingsError as exc:
+        raise LinearLogpInputError(str(exc)) from exc
 
 
 def local_problem(

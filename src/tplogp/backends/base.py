@@ -46,7 +46,6 @@ lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the targ
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Protocol
 
@@ -91,29 +90,10 @@ class ShardCall:
     with_entropy: bool = False
     deterministic: bool = False
     # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
-    # keeps for the backward (see ``workspace_bytes_from_env``). None: the source's default (nothing kept).
+    # keeps for the backward (docs/operator.md, "Memory budget"). None: the source's default (nothing kept).
     workspace_bytes: Optional[int] = None
     # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
     for_backward: bool = False
-
-
-def workspace_bytes_from_env() -> Optional[int]:
-    """``TPLOGP_WORKSPACE_MB`` in bytes (the sources' workspace budget when the call gives none), or None if unset.
-
-    The budget is one memory-for-speed dial with the same meaning in every source: the most memory the op may hold
-    beyond its inputs, outputs and gradients, transient tiles and what the forward keeps for the backward together.
-    A source uses up to its default transient size for tiles and keeps, with the rest, the logits of as many tiles
-    as fit, so that its backward skips the recompute GEMM for those."""
-    env = os.environ.get("TPLOGP_WORKSPACE_MB")
-    if not env:
-        return None
-    try:
-        mb = float(env)
-    except ValueError as exc:
-        raise ValueError(f"TPLOGP_WORKSPACE_MB must be a number of MiB, got {env!r}") from exc
-    if mb <= 0:
-        raise ValueError(f"TPLOGP_WORKSPACE_MB must be positive, got {env!r}")
-    return int(mb * (1 << 20))
 
 
 def f32_contiguous(x: torch.Tensor) -> torch.Tensor:

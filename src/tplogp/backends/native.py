@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from .. import fp32_gemm
-from .base import ShardCall, ShardGrads, ShardStats, workspace_bytes_from_env
+from .. import fp32_gemm, settings
+from .base import ShardCall, ShardGrads, ShardStats
 
 _MIB = 1 << 20
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
@@ -44,7 +44,7 @@ def split_workspace(workspace_bytes: Optional[int], device: torch.device) -> tup
 
     Tiles get up to the default tile budget; the rest holds fp32 logits tiles kept from forward to backward.
     """
-    budget = workspace_bytes if workspace_bytes is not None else workspace_bytes_from_env()
+    budget = workspace_bytes if workspace_bytes is not None else settings.workspace_bytes()
     tiles = default_tile_bytes(device)
     if budget is None:
         return tiles, 0
