@@ -7,11 +7,14 @@ variable, what was expected and what was found.
 ==========================  =========================  =================================================================
 variable                    values (default)           effect
 ==========================  =========================  =================================================================
-``TPLOGP_WORKSPACE_MB``     positive number of MiB     workspace budget of the chunked sources when the call gives none
-                            (unset: per source)        (``triton`` / ``sm90``: the d_logits chunk, 128 MiB by default;
-                                                       ``native``: its fp32 tiles, 1 GiB on CUDA, 64 MiB elsewhere)
-``TPLOGP_CHECKS``           ``full`` | ``fast``        input checks of ``linear_logp`` (:mod:`tplogp.validation`):
-                            (``full``)                 ``fast`` skips the host-synchronizing target checks
+``TPLOGP_WORKSPACE_MB``     positive number of MiB     the call's ``workspace_bytes`` when it gives none: the most memory
+                            (unset: per source)        the op may hold beyond inputs, outputs and gradients (tiles plus
+                                                       logits kept for the backward; docs/operator.md). Unset: the
+                                                       source's default tiles (``triton`` / ``sm90``: the d_logits
+                                                       chunk, 128 MiB; ``native``: 1 GiB on CUDA, 64 MiB elsewhere)
+``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.validation`):
+                            ``fast`` (``full``)        ``sync`` reads the target check at the call without a group;
+                                                       ``fast`` skips the target checks
 ``TPLOGP_DIRECT_LAUNCH``    ``1`` | ``0`` (``1``)      ``0`` launches every Triton kernel through Triton's JIT front end
                                                        instead of the cached launcher (:mod:`tplogp.kernels.direct_launch`;
                                                        read at each kernel's first launch)
@@ -38,7 +41,7 @@ DIRECT_LAUNCH = "TPLOGP_DIRECT_LAUNCH"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
-CHECK_MODES = ("full", "fast")
+CHECK_MODES = ("full", "sync", "fast")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _MIB = 1 << 20
@@ -84,7 +87,7 @@ def workspace_bytes() -> Optional[int]:
 
 
 def checks_mode() -> str:
-    """``TPLOGP_CHECKS``: ``"full"`` (default) or ``"fast"``."""
+    """``TPLOGP_CHECKS``: ``"full"`` (default), ``"sync"`` or ``"fast"``."""
     value = _raw(CHECKS)
     if value is None:
         return "full"
