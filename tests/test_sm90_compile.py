@@ -66,3 +66,19 @@ def test_gluon_pingpong_forward_compiles():
                          capture_output=True, text=True, env=_env(), timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     assert "[ok] bf16 bias=1 entropy=1" in run.stdout
+
+
+def test_shared_memory_model_covers_compiled_kernels():
+    """The shared-memory model behind the config fitting (tplogp.kernels.configs.gemm_shared_bytes) is never below
+    what Triton allots the compiled kernels (sm_90 and sm_80; 16-bit, tf32 and ieee fp32 dots) and is exact for the
+    TMA kernels, whose fp32 forward the H200 refused at 262160 bytes."""
+    _needs_nvidia_toolchain()
+    run = subprocess.run([sys.executable, "-m", "tests.shared_memory_compiled"], capture_output=True, text=True,
+                         env=_env(), timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) >= 8, run.stdout
+    for row in rows:
+        assert row["model"] >= row["compiled"], row
+        if row["tma"]:
+            assert row["model"] == row["compiled"], row

@@ -33,7 +33,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _sm90_on_cpu():
     """An SM90Backend whose kernels run in the interpreter (bypassing its capability check)."""
     be = SM90Backend()
-    be._cfg = lambda device: __import__("tplogp.kernels.configs", fromlist=["x"]).INTERPRETER
+    be._cfg = lambda device, dtype: __import__("tplogp.kernels.configs", fromlist=["x"]).INTERPRETER
     return be
 
 

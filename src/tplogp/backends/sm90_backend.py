@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels import configs
 from .triton_backend import TritonBackend, _default_device, triton_unavailable_reason
 
 REQUIRED_CAPABILITY = (9, 0)
@@ -42,13 +43,8 @@ class SM90Backend(TritonBackend):
             return f"this Triton has no host tensor descriptors (triton.tools.tensor_descriptor): {exc}"
         return None
 
-    def _cfg(self, device: torch.device):
-        cfg = self.__dict__.get("_cfg_cached")
-        if cfg is None:
-            from ..kernels import configs
-
-            cfg = self._cfg_cached = configs.select_sm90(self._config)
-        return cfg
+    def _select(self, device: torch.device, dtype: torch.dtype):
+        return configs.select_sm90(device, dtype, self._config)
 
     def _stats_launch(self, device: torch.device):
         from ..kernels import sm90

@@ -21,6 +21,7 @@ from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _default_device() -> torch.device:
@@ -65,14 +66,32 @@ class TritonBackend:
         return (f"the triton source runs on CUDA devices (got {device.type}); set TRITON_INTERPRET=1 before "
                 f"importing the kernels to run them on the CPU through Triton's interpreter")
 
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        """None if operands of ``dtype`` can run on ``device`` (an available one), else why not: the tile configs
+        need more shared memory than the device has (see :func:`tplogp.kernels.configs.select`)."""
+        from ..kernels.configs import TilesDoNotFitError
+
+        if dtype not in KERNEL_DTYPES:
+            return None  # not a case of this source: the operator's input checks name the dtype
+        try:
+            self._cfg(torch.device(device), dtype)
+        except TilesDoNotFitError as exc:
+            return f"no tile configuration of the {self.name} source fits this device for {dtype}: {exc}"
+        return None
+
     # -- helpers -----------------------------------------------------------------------------------------
-    def _cfg(self, device: torch.device):
-        # cached per device (the capability table lookup costs host time on every call otherwise)
-        cache = self.__dict__.setdefault("_cfg_by_device", {})
-        cfg = cache.get(device)
+    def _cfg(self, device: torch.device, dtype: torch.dtype):
+        """The tile config for ``dtype`` on ``device``, cached per (device, dtype, dot precision): the table lookup
+        and the shared-memory fit cost host time on every call otherwise. Raises ``TilesDoNotFitError``."""
+        cache = self.__dict__.setdefault("_cfg_cache", {})
+        key = (device, dtype, configs.dot_precision(dtype))
+        cfg = cache.get(key)
         if cfg is None:
-            cfg = cache[device] = configs.select(device, self._config)
+            cfg = cache[key] = self._select(device, dtype)
         return cfg
+
+    def _select(self, device: torch.device, dtype: torch.dtype):
+        return configs.select(device, dtype, self._config)
 
     def _dlogits_launch(self, device: torch.device):
         return None  # the generic kernel
@@ -82,7 +101,7 @@ class TritonBackend:
         from ..kernels import launch
 
         row_max, sum_exp, target_logit, sum_exp_z = launch.forward_stats(
-            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device),
+            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device, hidden.dtype),
             stats_launch=self._stats_launch(hidden.device))
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
 
@@ -90,7 +109,7 @@ class TritonBackend:
         from ..kernels import launch
 
         return SingleShardOutputs(*launch.forward_single(
-            hidden, weight, bias, target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device),
+            hidden, weight, bias, target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device, hidden.dtype),
             stats_launch=self._stats_launch(hidden.device)))
 
     def _stats_launch(self, device: torch.device):
@@ -103,6 +122,6 @@ class TritonBackend:
         d_hidden, d_weight, d_bias = launch.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
-            workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device),
+            workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device, hidden.dtype),
             dlogits_launch=self._dlogits_launch(hidden.device))
         return ShardGrads(d_hidden, d_weight, d_bias)

@@ -63,14 +63,6 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 _INTERPRETING = configs.interpreting()  # fixed when the kernels are defined (TRITON_INTERPRET is read at import)
 
 
-def _dot_precision(dtype: torch.dtype) -> Optional[str]:
-    # fp32 inputs: full fp32 products (what torch does by default), not tf32. 16-bit inputs: Triton's default
-    # (the precision argument does not apply to them, and the interpreter mishandles "tf32" on 16-bit operands).
-    if dtype == torch.float32:
-        return "ieee"
-    return "upcast" if _INTERPRETING else None
-
-
 def _even(d: int, block: int) -> bool:
     return d % block == 0
 
@@ -165,7 +157,7 @@ def _launch_stats(hidden, weight, bias, local_target, inv_temperature: float, wi
         parts, n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits, num_splits * n,
         SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
-        DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=configs.dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return parts, num_splits
 
@@ -236,7 +228,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
-    precision = _dot_precision(hidden.dtype)
+    precision = configs.dot_precision(hidden.dtype)
     launch = dlogits_launch or _launch_dlogits
     args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
     inv_t = float(inv_temperature)

@@ -22,7 +22,8 @@ import triton.language as tl
 
 from .configs import cdiv
 from .direct_launch import launcher
-from .launch import _dot_precision, _launch_dlogits, _launch_stats, split_parts
+from . import configs
+from .launch import _launch_dlogits, _launch_stats, split_parts
 from .triton_backward import _dlogits_epilogue
 from .triton_forward import (FAST_EXP2, LOG2E, _grouped_ids, _mma, _natural_units, _online_softmax_update,
                              _split_bounds, _stats_program, _store_stats)
@@ -187,7 +188,7 @@ def launch_stats_sm90(hidden, weight, bias, local_target, inv_temperature: float
         parts, n, v, d, inv_temperature, num_splits, num_splits * n,
         SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
-        DOT_PRECISION=_dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
+        DOT_PRECISION=configs.dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return parts, num_splits
