@@ -28,6 +28,7 @@ def fake_cuda(monkeypatch):
     """``fake_cuda(capability, smem_limit or None)``: torch.cuda answers as that device (None: no optin field)."""
 
     def install(cap, limit):
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # config selection as on the GPU (read at call time)
         props = types.SimpleNamespace(major=cap[0], minor=cap[1], name="fake")
         if limit is not None:
             props.shared_memory_per_block_optin = limit
@@ -75,14 +76,21 @@ def test_chosen_configs_fit(fake_cuda, monkeypatch, dtype, device_name, precisio
         from tplogp.kernels.launch import CHUNK_ALIGN
 
         assert CHUNK_ALIGN % cfg.bwd_block_v == 0 and CHUNK_ALIGN % cfg.dh_block_k == 0
-        if max(configs.shared_bytes(base, dtype.itemsize, precision_used).values()) <= limit:
+        if (precision_used != "ieee" or dtype != torch.float32) and \
+                max(configs.shared_bytes(base, dtype.itemsize, precision_used).values()) <= limit:
             assert cfg == base  # nothing shrinks where the table's entry fits
     if dtype != torch.float32 and cap == (9, 0):
         assert chosen["sm90"] == configs.SM90  # the measured bf16/fp16 config is kept on the H200
 
 
-def test_fp32_on_h200_keeps_the_tiles_and_drops_a_stage(fake_cuda):
+def test_fp32_on_h200(fake_cuda, monkeypatch):
+    """fp32 with ieee dots (torch's default) gets CUDA-core sized tiles; with tf32 dots the table's tiles with one
+    stage less."""
     fake_cuda(*DEVICES["sm_90"])
+    cfg = SM90Backend()._cfg(CUDA0, torch.float32)
+    assert (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages) == (128, 128, 32, 3)
+    assert (cfg.bwd_block_v, cfg.dh_block_d, cfg.dh_block_k) == (128, 128, 32)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     cfg = SM90Backend()._cfg(CUDA0, torch.float32)
     assert (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages) == (128, 256, 64, 2)
     assert (cfg.bwd_num_stages, cfg.dh_num_stages) == (2, 2)

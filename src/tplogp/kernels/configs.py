@@ -208,6 +208,10 @@ _GEMMS = (
     ("deterministic d_hidden", "dh_block_n", "dh_block_d", "dh_block_k", "dh_num_stages"),
 )
 _MIN_BLOCK = 16  # tl.dot's smallest M, N and K
+# fp32 "ieee" dots run on the CUDA cores, unrolled per K step into M*N*K / threads FMAs per thread: 128x256x64 tiles
+# (8192 per thread) took 23 s to compile for sm_90, 128x128x32 tiles 3.5 s (Triton 3.9); larger tiles add no
+# tensor-core reuse there. So fp32 "ieee" configs are capped to these (M, N, K) tiles.
+FMA_TILE_CAP = (128, 128, 32)
 
 
 def shared_bytes(cfg: TileConfig, itemsize: int, precision: Optional[str]) -> dict[str, int]:
@@ -253,6 +257,9 @@ def fit_shared_memory(cfg: TileConfig, itemsize: int, precision: Optional[str], 
     changes: dict[str, int] = {}
     for name, fm, fn, fk, fs in _GEMMS:
         tiles = (getattr(cfg, fm), getattr(cfg, fn), getattr(cfg, fk), getattr(cfg, fs))
+        if not tensor_cores:  # CUDA-core FMA dots: at most 128x128x32 tiles (see FMA_TILE_CAP)
+            tiles = (min(tiles[0], FMA_TILE_CAP[0]), min(tiles[1], FMA_TILE_CAP[1]), min(tiles[2], FMA_TILE_CAP[2]),
+                     tiles[3])
         while gemm_shared_bytes(*tiles, itemsize, tensor_cores) > limit:
             smaller = _shrink_step(*tiles)
             if smaller is None:
