@@ -15,7 +15,7 @@ import torch
 from tplogp import kernel_registry
 from tplogp.backends.sm90_backend import SM90Backend
 from tplogp.backends.triton_backend import TritonBackend
-from tplogp.kernels import configs
+from tplogp.kernels import tiles
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (capability, shared memory per block opt-in) as the devices report them
@@ -45,9 +45,9 @@ def fake_cuda(monkeypatch):
 def test_model_matches_the_failing_h200_config():
     """The H200 refused the sm90 forward for fp32 (128x256x64 tiles, 3 stages, ieee dots) with "Required: 262160";
     the model reproduces it, and the 16-bit form (tensor cores) of the same tiles."""
-    assert configs.gemm_shared_bytes(128, 256, 64, 3, 4, tensor_cores=False) == 262160
-    assert configs.gemm_shared_bytes(128, 256, 64, 3, 2, tensor_cores=True) == 147480
-    needs = configs.shared_bytes(configs.SM90, 4, "ieee")
+    assert tiles.gemm_shared_bytes(128, 256, 64, 3, 4, tensor_cores=False) == 262160
+    assert tiles.gemm_shared_bytes(128, 256, 64, 3, 2, tensor_cores=True) == 147480
+    needs = tiles.shared_bytes(tiles.SM90, 4, "ieee")
     assert max(needs.values()) == 262160 > DEVICES["sm_90"][1]
 
 
@@ -64,23 +64,21 @@ def test_chosen_configs_fit(fake_cuda, monkeypatch, dtype, device_name, precisio
     if cap == (9, 0):
         chosen["sm90"] = SM90Backend()._cfg(CUDA0, dtype)
     for source, cfg in chosen.items():
-        base = configs.SM90 if source == "sm90" else configs.base_config(CUDA0)
+        base = tiles.SM90 if source == "sm90" else tiles.base_config(CUDA0)
         assert cfg.split_v == base.split_v  # the split layout stays a function of V
-        precision_used = configs.dot_precision(dtype)
-        for kernel, need in configs.shared_bytes(cfg, dtype.itemsize, precision_used).items():
+        precision_used = tiles.dot_precision(dtype)
+        for kernel, need in tiles.shared_bytes(cfg, dtype.itemsize, precision_used).items():
             assert need <= limit, (source, kernel, need, limit, cfg)
         for name in ("block_n", "block_v", "block_d", "bwd_block_n", "bwd_block_v", "bwd_block_d", "dh_block_n",
                      "dh_block_d", "dh_block_k"):
             value = getattr(cfg, name)
             assert value >= 16 and value & (value - 1) == 0, (name, value)  # tl.dot: powers of two >= 16
-        from tplogp.kernels.launch import CHUNK_ALIGN
-
-        assert CHUNK_ALIGN % cfg.bwd_block_v == 0 and CHUNK_ALIGN % cfg.dh_block_k == 0
+        assert tiles.CHUNK_ALIGN % cfg.bwd_block_v == 0 and tiles.CHUNK_ALIGN % cfg.dh_block_k == 0
         if (precision_used != "ieee" or dtype != torch.float32) and \
-                max(configs.shared_bytes(base, dtype.itemsize, precision_used).values()) <= limit:
+                max(tiles.shared_bytes(base, dtype.itemsize, precision_used).values()) <= limit:
             assert cfg == base  # nothing shrinks where the table's entry fits
     if dtype != torch.float32 and cap == (9, 0):
-        assert chosen["sm90"] == configs.SM90  # the measured bf16/fp16 config is kept on the H200
+        assert chosen["sm90"] == tiles.SM90  # the measured bf16/fp16 config is kept on the H200
 
 
 def test_fp32_on_h200(fake_cuda, monkeypatch):
@@ -98,30 +96,30 @@ def test_fp32_on_h200(fake_cuda, monkeypatch):
 
 def test_limit_falls_back_to_the_capability_table(fake_cuda):
     fake_cuda((8, 6), None)  # properties without shared_memory_per_block_optin
-    assert configs.shared_memory_limit(CUDA0) == 101376
+    assert tiles.shared_memory_limit(CUDA0) == 101376
     fake_cuda((9, 0), None)
-    assert configs.shared_memory_limit(CUDA0) == 232448
+    assert tiles.shared_memory_limit(CUDA0) == 232448
     fake_cuda((12, 7), None)  # unknown: the smallest table entry
-    assert configs.shared_memory_limit(CUDA0) == min(configs.SMEM_LIMIT_BY_CAPABILITY.values())
+    assert tiles.shared_memory_limit(CUDA0) == min(tiles.SMEM_LIMIT_BY_CAPABILITY.values())
 
 
 def test_fit_shrinks_in_order_and_refuses_when_nothing_fits():
-    cfg = configs.SM90
-    fitted = configs.fit_shared_memory(cfg, 4, "ieee", 60000)
-    for need in configs.shared_bytes(fitted, 4, "ieee").values():
+    cfg = tiles.SM90
+    fitted = tiles.fit_shared_memory(cfg, 4, "ieee", 60000)
+    for need in tiles.shared_bytes(fitted, 4, "ieee").values():
         assert need <= 60000
     assert fitted.split_v == cfg.split_v and fitted.split_tiles * fitted.block_v == cfg.split_v
-    with pytest.raises(configs.TilesDoNotFitError, match=r"forward statistics kernel needs \d+ bytes .* allows 1000"):
-        configs.fit_shared_memory(cfg, 4, "ieee", 1000)
-    with pytest.raises(configs.TilesDoNotFitError, match="given tile config's forward statistics kernel"):
-        configs.check_shared_memory(cfg, 4, "ieee", 232447)
+    with pytest.raises(tiles.TilesDoNotFitError, match=r"forward statistics kernel needs \d+ bytes .* allows 1000"):
+        tiles.fit_shared_memory(cfg, 4, "ieee", 1000)
+    with pytest.raises(tiles.TilesDoNotFitError, match="given tile config's forward statistics kernel"):
+        tiles.check_shared_memory(cfg, 4, "ieee", 232447)
 
 
 def test_registry_refuses_a_case_that_does_not_fit(fake_cuda, monkeypatch):
     """A device whose shared memory fits no fp32 config: the fused sources refuse fp32 with the reason, automatic
     selection falls back to native, an explicit request raises SourceUnavailableError; bf16 still runs fused."""
     fake_cuda((9, 0), 232448)
-    monkeypatch.setattr(configs, "shared_memory_limit", lambda device: 3000)  # fits 16-bit 16x16 tiles, not fp32
+    monkeypatch.setattr(tiles, "shared_memory_limit", lambda device: 3000)  # fits 16-bit 16x16 tiles, not fp32
     status = kernel_registry.source_status(device=CUDA0, dtype=torch.float32)
     assert status["native"] is None
     for source in ("triton", "sm90"):
@@ -136,7 +134,7 @@ def test_registry_refuses_a_case_that_does_not_fit(fake_cuda, monkeypatch):
 
 def test_explicit_config_that_does_not_fit_is_refused(fake_cuda):
     fake_cuda(*DEVICES["sm_86"])
-    backend = TritonBackend(config=configs.SM90)
+    backend = TritonBackend(config=tiles.SM90)
     reason = backend.unsupported_reason(CUDA0, torch.bfloat16)
     assert reason is not None and "given tile config" in reason and "allows 101376" in reason
     assert TritonBackend().unsupported_reason(CUDA0, torch.float32) is None  # the table entry is fitted instead

@@ -31,8 +31,9 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .backends.base import ShardBackend, ShardCall, f32_contiguous
+from .backends.base import ShardBackend, ShardCall
 from .comm import all_gather_flat
+from .tensors import f32_contiguous
 from .validation import (
     GroupCheck,
     LinearLogpInputError,

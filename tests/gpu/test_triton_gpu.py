@@ -12,7 +12,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from tests.problems import float64_stats, make_problem, run_op, run_reference  # noqa: E402
+from tests.problems import make_problem, run_op, run_reference  # noqa: E402
 from tplogp.tolerances import assert_no_worse, rel_error  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
@@ -21,16 +21,7 @@ SOURCES = ["triton", "sm90"]
 def _backend(source):
     from tplogp.kernel_registry import get_backend
 
-    if source == "sm90-pingpong":  # the sm90 source with the opt-in ping-pong forward
-        from tplogp.backends.sm90_backend import SM90Backend
-        from tplogp.kernels import configs, gluon_sm90
-
-        ok, why = gluon_sm90.available()
-        if not ok:
-            pytest.skip(why)
-        be = SM90Backend(config=configs.SM90_PINGPONG)
-    else:
-        be = get_backend(source)
+    be = get_backend(source)
     why = be.unavailable_reason(torch.device("cuda"))
     if why is not None:
         pytest.skip(why)
@@ -73,7 +64,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("source", SOURCES + ["sm90-pingpong"])
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_three_way_at_real_sizes(source, case):
     from tplogp.reference import reference_outputs
@@ -143,7 +134,7 @@ def test_large_indices_match_native(source, n, d, v, ws):
 
 
 
-@pytest.mark.parametrize("source", SOURCES + ["sm90-pingpong"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_direct_launches_match_the_jit_path(source):
     """Kernels launched without Triton's front end (tplogp.kernels.direct_launch) give the JIT path's bits, across
     calls whose arguments specialize differently: odd sizes, a hidden whose base is 2 bytes off alignment."""
@@ -183,36 +174,6 @@ def test_direct_launches_match_the_jit_path(source):
             for k, val in r_d.items():
                 if val is not None:
                     assert torch.equal(val, r_j[k]), k
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("n,d,v", [(300, 200, 1124), (389, 4096, 2176), (4096, 1024, 131172)],
-                         ids=["odd-empty-half-split", "d4096", "large-v"])
-def test_pingpong_forward_matches_float64(n, d, v, dtype):
-    """The sm90 forward's Gluon ping-pong kernel against float64 stats, no less accurate than the TMA kernel:
-    partial K blocks and tiles, a last split with one tile (one consumer without a tile: an empty half-split),
-    bias, temperature, entropy."""
-    from tplogp.kernels import configs, gluon_sm90, launch, sm90
-
-    _backend("sm90")
-    ok, why = gluon_sm90.available()
-    if not ok:
-        pytest.skip(why)
-    h, w, b, y, _, _ = _problem(n, d, v, dtype, seed=v)
-    inv_t = 1 / 0.7
-    for bias in (None, b):
-        st = float64_stats(h, w, bias, y, inv_t)
-        truth = (st["row_max"], st["sum_exp"], st["target_logit"], st["sum_exp_z"])
-        del st
-        for entropy in (False, True):
-            pp = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90_PINGPONG,
-                                      stats_launch=sm90.launch_stats_sm90)
-            tma = launch.forward_stats(h, w, bias, y, inv_t, entropy, configs.SM90, stats_launch=sm90.launch_stats_sm90)
-            for name, got, base, t in zip(("max", "sum", "target", "sez"), pp, tma, truth):
-                if got is None:
-                    continue
-                assert torch.isfinite(got).all(), name
-                assert_no_worse(f"{name} (ping-pong vs TMA kernel)", got, base, t, torch.float32)  # fp32 stats
 
 
 # ------------------------------------------------------------------------------------------ dtype x shape grid

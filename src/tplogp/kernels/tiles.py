@@ -1,8 +1,12 @@
-"""Tile configurations: one fixed default per GPU architecture, no autotuning.
+"""Tile and workspace planning: which tiles each kernel runs with, and how the backward's vocab is chunked.
+
+One fixed default per GPU architecture (a capability table), no autotuning, fitted to the device's shared memory
+for the operands' element size (:func:`select`); the d_logits workspace's vocab chunk (:func:`plan_chunk`).
 
 A config fixes every tiling choice that can change a row's floating-point result (tile sizes, the vocab split
-length), so on one device the per-row outputs never depend on the number of tokens. Nothing here touches CUDA at
-import time; :func:`select` reads the device's capability when a launcher asks.
+length), so on one device and for one dtype the per-row outputs never depend on the number of tokens. Nothing here
+imports Triton or touches CUDA at import time; :func:`select` reads the device's capability and shared memory when
+a backend asks.
 
 Other tilings are explicit: pass a :class:`TileConfig` to ``TritonBackend(config=...)`` / ``SM90Backend(config=...)``;
 ``benchmarks/sweep_configs.py`` times variants (docs/kernels.md records which won). Nothing is timed implicitly at
@@ -17,35 +21,6 @@ from typing import Optional
 import torch
 
 from .. import settings
-
-
-@dataclass(frozen=True)
-class PingPongConfig:
-    """Tiling of the Gluon ping-pong forward (kernels/gluon_sm90.py): each of two consumer warpgroups owns a
-    ``[block_n, block_v]`` fp32 accumulator; ``num_stages`` is the depth of each consumer's shared-memory ring;
-    splits are ``split_tiles * block_v`` vocab ids (even ``split_tiles``: both consumers get the same number of tiles
-    in every full split). Opt-in (``SM90Backend(config=configs.SM90_PINGPONG)``): after the epilogue diet of the TMA
-    kernel it is no faster (docs/kernels.md, "Ping-pong forward").
-
-    Measured on the H200 (forward GEMM-times through the op, one process per shape, before the benchmark timed in
-    the power-capped state): at 4096x2048x131072 group_n 8 1.10-1.11 vs the TMA kernel 1.18-1.19 in the same process
-    (group_n 4 1.14, 16 1.14, 32 1.20; split_tiles 16 1.13; block_d 64 with 3 stages 1.43; 64x256 tiles 1.30), at
-    8192x4096x128256 1.08-1.12 vs 1.03-1.05; in milliseconds the two forwards were within 2% at 4096x2048x131072
-    (3.64 vs 3.62 ms, 3.69 vs 3.67 ms), and back to back under the power cap the ping-pong forward took 3.65-3.78 ms
-    against the TMA forward's 3.41-3.45 ms (benchmarks/clock_probe.py, run 20)."""
-
-    block_n: int = 128
-    block_v: int = 128
-    block_d: int = 32
-    group_n: int = 8
-    num_stages: int = 6
-    split_tiles: int = 8
-    consumer_regs: int = 232  # setmaxnreg of the second consumer warpgroup (a worker partition)
-    loader_regs: int = 24  # setmaxnreg of the two 1-warp TMA loader partitions
-
-    @property
-    def split_v(self) -> int:
-        return self.split_tiles * self.block_v
 
 
 @dataclass(frozen=True)
@@ -74,9 +49,6 @@ class TileConfig:
     # sm90 source only: warp-specialized K loop (producer warps issue TMA copies; Triton 3.6 compiles the same code
     # with or without it on sm_90: docs/kernels.md)
     warp_specialize: bool = False
-    # sm90 source only: the forward statistics run the Gluon ping-pong kernel (kernels/gluon_sm90.py) with these
-    # tiles wherever it can run, instead of the TMA kernel with the tiles above; None (default): the TMA kernel
-    pingpong: Optional[PingPongConfig] = None
 
     @property
     def split_v(self) -> int:
@@ -113,20 +85,11 @@ INTERPRETER = TileConfig(
 # The sm90 source (TMA kernels): the Hopper row plus warp_specialize on the K loop (Triton 3.6 emits the same sm_90
 # code with or without it for these tiles: docs/kernels.md; kept for releases that honour it on Hopper).
 SM90 = replace(_BY_CAPABILITY[(9, 0)], warp_specialize=True)
-# The opt-in Gluon ping-pong forward's tiling (TileConfig.pingpong), and the sm90 config that uses it.
-PINGPONG = PingPongConfig()
-SM90_PINGPONG = replace(SM90, pingpong=PINGPONG)
 
 
 def interpreting() -> bool:
     """Whether Triton's CPU interpreter runs the kernels (:func:`tplogp.settings.triton_interpret`)."""
     return settings.triton_interpret()
-
-
-def fast_exp2_available() -> bool:
-    """Whether the kernels may use PTX's ``ex2.approx.ftz.f32`` (inline assembly): CUDA builds of torch, not Triton's
-    CPU interpreter (which runs no PTX) and not ROCm. Read once, when the kernel modules are imported."""
-    return not interpreting() and torch.version.hip is None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -321,3 +284,30 @@ def select_sm90(device: torch.device, dtype: torch.dtype, override: Optional[Til
     """The sm90 source's config (the Hopper row of the table with warp specialization, or ``override``), fitted or
     checked like :func:`select`."""
     return select(device, dtype, override, base=SM90)
+
+
+# ------------------------------------------------------------------------------------ backward workspace
+
+_MIB = 1 << 20
+# Default d_logits workspace budget (bytes): large enough for full-efficiency GEMMs at N = 8192
+# ([8192, 8192] bf16 chunks), small against the 256 MiB extra-memory allowance.
+DEFAULT_WORKSPACE_BYTES = 128 * _MIB
+# Chunk widths are multiples of this (covers every BLOCK_V and BLOCK_K in the config table), so that the
+# deterministic d_hidden K order is the same whatever the chunking.
+CHUNK_ALIGN = 256
+
+
+def workspace_budget(workspace_bytes: Optional[int]) -> int:
+    """The d_logits workspace budget in bytes: the call's, else ``TPLOGP_WORKSPACE_MB``, else the default."""
+    if workspace_bytes is not None:
+        return workspace_bytes
+    env = settings.workspace_bytes()
+    return env if env is not None else DEFAULT_WORKSPACE_BYTES
+
+
+def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: Optional[int]) -> int:
+    """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits the budget; a multiple of CHUNK_ALIGN."""
+    budget = workspace_budget(workspace_bytes)
+    cols = budget // max(1, n * itemsize)
+    cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
+    return min(cols, cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)
