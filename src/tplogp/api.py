@@ -29,7 +29,7 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
 
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     return linear_logp_tp(
-        backend_for_call(source, device), hidden, weight, target_ids, bias,
+        backend_for_call(source, device, getattr(hidden, "dtype", None)), hidden, weight, target_ids, bias,
         tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
         options=options,
     )

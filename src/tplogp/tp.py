@@ -34,9 +34,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from .backends.base import ShardBackend, ShardCall, f32_contiguous
+from .backends.base import ShardBackend, ShardCall
 from .comm import OverlappedAllReduce, all_gather_flat
 from .deferred_checks import defer_target_range_check, raise_pending_errors
+from .tensors import f32_contiguous
 from .validation import (
     GroupCheck,
     LinearLogpInputError,

@@ -96,13 +96,6 @@ class ShardCall:
     for_backward: bool = False
 
 
-def f32_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous fp32 tensor (itself when it already is one): the per-token inputs of the primitives."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    return x if x.is_contiguous() else x.contiguous()
-
-
 class ShardBackend(Protocol):
     """What a source implements. ``name`` is the registry name (``native``, ``triton``, ``sm90``)."""
 
