@@ -23,9 +23,9 @@ PACKAGES = ("tplogp", "pytest_tplogp")
 LAYERS: list[tuple[str, ...]] = [
     # leaves: settings, plain data and math, no package imports but each other
     ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
-     "tplogp.fp32_gemm"),
+     "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses"),
     # collectives and the input checks
-    ("tplogp.comm", "tplogp.validation"),
+    ("tplogp.comm", "tplogp.validation", "tplogp.deferred_checks"),
     # Triton kernels, their launchers and tile planning
     ("tplogp.kernels.*",),
     # the per-shard sources (native, triton, sm90) behind one contract
@@ -34,10 +34,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.tp", "tplogp.dtensor"),
     # which source runs a call
     ("tplogp.kernel_registry",),
-    # the torch.library ops (torch.compile)
-    ("tplogp.ops",),
+    # what runs the shared path's bodies: the torch.library ops (torch.compile), the fused loss
+    ("tplogp.ops", "tplogp.fused_loss"),
     # the public operator
     ("tplogp.api",),
+    # the runbook script's logic (python -m tplogp.runbook)
+    ("tplogp.runbook.*",),
     # the package's public surface
     ("tplogp",),
     # the pytest plugin, which may use the operator

@@ -6,7 +6,9 @@ vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are cho
 :mod:`tplogp.kernel_registry`. Importing this package does no device work.
 """
 
-from .api import get_op, linear_logp
+from . import losses
+from .api import get_op, linear_logp, linear_logp_loss
+from .deferred_checks import check_errors
 from .shards import ShardLayoutError
 from .outputs import LogpEntropy, LogpEntropyLse, LogpLse
 from .validation import LinearLogpInputError
@@ -14,6 +16,9 @@ from .kernel_registry import SourceUnavailableError
 
 __all__ = [
     "linear_logp",
+    "linear_logp_loss",
+    "losses",
+    "check_errors",
     "get_op",
     "LogpEntropy",
     "LogpLse",

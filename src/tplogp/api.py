@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -81,7 +81,8 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
                                vocab_start_index, global_vocab_size, options)
     if not _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options):
         device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-        return linear_logp_tp(backend_for_call(source, device), hidden, weight, target_ids, bias, tp_group=tp_group,
+        backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
+        return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
                               vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
                               options=options)  # raises the checks' error (on every rank)
     device_type = hidden.device.type
@@ -90,8 +91,8 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
         with contextlib.ExitStack() as stack:
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
-            return linear_logp_tp(backend_for_call(source, hidden.device), hidden, weight, target_ids, bias,
-                                  tp_group=tp_group, vocab_start_index=vocab_start_index,
+            return linear_logp_tp(backend_for_call(source, hidden.device, hidden.dtype), hidden, weight, target_ids,
+                                  bias, tp_group=tp_group, vocab_start_index=vocab_start_index,
                                   global_vocab_size=global_vocab_size, options=options)
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
     packed = ops.linear_logp_fwd(
@@ -185,3 +186,40 @@ def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[
     require_source(source, None)
     return make_linear_logp(source)
 
+
+def linear_logp_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    loss: Callable[..., torch.Tensor],
+    per_token: Sequence[torch.Tensor] = (),
+    reduction: str = "sum",
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    ignore_index: Optional[int] = None,
+    deterministic: bool = False,
+    workspace_bytes: Optional[int] = None,
+    source: Optional[str] = None,
+) -> torch.Tensor:
+    """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
+    the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
+
+    ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has PPO/GRPO
+    clipping, policy gradient, KL to a reference and an entropy bonus); ``per_token`` tensors have target_ids'
+    shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
+    positions add nothing. The other arguments are those of :func:`linear_logp`. Returns a 0-d fp32 tensor whose
+    backward scales the precomputed gradients of hidden, weight and bias.
+    """
+    from .fused_loss import fused_loss
+
+    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
+    return fused_loss(backend, hidden, weight, target_ids, bias, loss=loss,
+                      per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
+                      vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+                      temperature=temperature, ignore_index=ignore_index, deterministic=deterministic,
+                      workspace_bytes=workspace_bytes)

@@ -1,5 +1,4 @@
-"""GEMMs that accumulate in fp32 and write fp32, for any input dtype, shared by the sources (and ``f32_contiguous``,
-the fp32 view of per-token operands).
+"""GEMMs that accumulate in fp32 and write fp32, for any input dtype, shared by the sources.
 
 On CUDA, low-precision operands go straight into one cuBLAS call with ``out_dtype=torch.float32`` (fp32
 accumulation, fp32 output, nothing rounded to the input dtype); torch versions without that argument (it is probed
@@ -53,10 +52,3 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` into an fp32 accumulator (one GEMM call)."""
     a, b, kw = _operands(a, b)
     torch.addmm(acc, a, b, out=acc, **kw)
-
-
-def f32_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous fp32 tensor (itself when it already is one): the per-token inputs of the primitives."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    return x if x.is_contiguous() else x.contiguous()

@@ -41,8 +41,8 @@ def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
     """Packed fp32 ``[K, N]`` forward of one call (see the module docstring). ``source`` "" selects per device."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
-        return forward_packed(backend_for_call(_source(source), hidden.device), hidden, weight, target_ids, bias,
-                              group, vocab_start_index, global_vocab_size,
+        backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
+        return forward_packed(backend, hidden, weight, target_ids, bias, group, vocab_start_index, global_vocab_size,
                               _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes),
                               builds_graph)
 
@@ -63,8 +63,8 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
     """``(d_hidden, d_weight, d_bias)``; a gradient that is not needed comes back as an empty tensor."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
-        grads = backward_packed(backend_for_call(_source(source), hidden.device), hidden, weight, target_ids, bias,
-                                packed, grad_packed, group, vocab_start_index,
+        backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
+        grads = backward_packed(backend, hidden, weight, target_ids, bias, packed, grad_packed, group, vocab_start_index,
                                 _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes),
                                 (needs_hidden, needs_weight, needs_bias and bias is not None))
     like = (hidden, weight, bias if bias is not None else hidden)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import settings
-from .configs import interpreting
+from .tiles import interpreting
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
 _OVERRIDE: Optional[bool] = None  # set_direct_launch(); None: TPLOGP_DIRECT_LAUNCH decides

@@ -1,7 +1,9 @@
 """Launchers: check shapes, allocate outputs and workspaces, launch the kernels, run the cuBLAS steps.
 
-Shared by the ``triton`` and ``sm90`` sources (they differ in the kernel variant and the config). No host syncs:
-every size used for planning is a Python int taken from tensor shapes; no ``.item()``, no ``nonzero()``.
+The ``triton`` source runs these with the generic kernels (:mod:`.generic_kernels`); the ``sm90`` source runs the
+same functions with the Hopper GEMM kernels plugged in through the ``stats_launch`` / ``dlogits_launch`` hooks
+(:mod:`.hopper_launch`). No host syncs: every size used for planning is a Python int taken from tensor shapes; no
+``.item()``, no ``nonzero()``.
 """
 
 from __future__ import annotations
@@ -10,21 +12,13 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import fp32_gemm, settings
-from ..fp32_gemm import f32_contiguous
-from . import configs
-from .configs import TileConfig, cdiv
+from .. import fp32_gemm
+from ..tensors import f32_contiguous
 from .direct_launch import launcher
-from .triton_backward import _bwd_dlogits_kernel, _dh_accum_kernel
-from .triton_forward import _finalize_single_kernel, _fwd_stats_kernel, _merge_splits_kernel
+from .generic_kernels import (bwd_dlogits_kernel, dh_accum_kernel, finalize_single_kernel, fwd_stats_kernel,
+                              merge_splits_kernel)
+from .tiles import TileConfig, cdiv, dot_precision, interpreting, plan_chunk
 
-_MIB = 1 << 20
-# Default d_logits workspace budget (bytes): large enough for full-efficiency GEMMs at N = 8192
-# ([8192, 8192] bf16 chunks), small against the 256 MiB extra-memory allowance.
-DEFAULT_WORKSPACE_BYTES = 128 * _MIB
-# Chunk widths are multiples of this (covers every BLOCK_V and BLOCK_K in the config table), so that the
-# deterministic d_hidden K order is the same whatever the chunking.
-CHUNK_ALIGN = 256
 _MERGE_BLOCK = 256
 
 
@@ -60,15 +54,7 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         raise KernelInputError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
 
 
-_INTERPRETING = configs.interpreting()  # fixed when the kernels are defined (TRITON_INTERPRET is read at import)
-
-
-def _dot_precision(dtype: torch.dtype) -> Optional[str]:
-    # fp32 inputs: full fp32 products (what torch does by default), not tf32. 16-bit inputs: Triton's default
-    # (the precision argument does not apply to them, and the interpreter mishandles "tf32" on 16-bit operands).
-    if dtype == torch.float32:
-        return "ieee"
-    return "upcast" if _INTERPRETING else None
+_INTERPRETING = interpreting()  # fixed when the kernels are defined (TRITON_INTERPRET is read at import)
 
 
 def _even(d: int, block: int) -> bool:
@@ -100,7 +86,7 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
                                      stats_launch)
-    launcher(_merge_splits_kernel)(
+    launcher(merge_splits_kernel)(
         (cdiv(n, _MERGE_BLOCK),), parts, out, n, num_splits, num_splits * n,
         WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
     )
@@ -131,7 +117,7 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     target = target if target.is_contiguous() else target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
-    launcher(_finalize_single_kernel)(
+    launcher(finalize_single_kernel)(
         (cdiv(n, _MERGE_BLOCK),), parts, target, out, n, v, num_splits, num_splits * n,
         WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK, num_warps=4,
     )
@@ -142,9 +128,9 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
                  stats_launch: Optional[Callable]):
     """Launch a stats kernel into one per-split buffer: ``(parts [3 or 4, S, N], S)``. ``target``: contiguous.
-    ``stats_launch`` (default: the generic kernel) allocates ``parts`` and chooses S (the sm90 ping-pong kernel
-    writes two half-splits per split)."""
-    return (stats_launch or _launch_stats)(hidden, weight, bias, target, float(inv_temperature), with_entropy, cfg)
+    ``stats_launch`` (default: the generic kernel; the sm90 source passes the TMA kernel's) allocates ``parts``
+    and chooses S."""
+    return (stats_launch or launch_stats)(hidden, weight, bias, target, float(inv_temperature), with_entropy, cfg)
 
 
 def split_parts(hidden: torch.Tensor, num_splits: int, with_entropy: bool) -> torch.Tensor:
@@ -153,40 +139,24 @@ def split_parts(hidden: torch.Tensor, num_splits: int, with_entropy: bool) -> to
                        dtype=torch.float32)
 
 
-def _launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
+def launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
                   cfg: TileConfig):
     n, d = hidden.shape
     v = weight.shape[0]
     num_splits = cdiv(v, cfg.split_v)
     parts = split_parts(hidden, num_splits, with_entropy)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
-    launcher(_fwd_stats_kernel)(
+    launcher(fwd_stats_kernel)(
         grid, hidden, weight, bias if bias is not None else hidden, local_target,
         parts, n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits, num_splits * n,
         SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
-        DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return parts, num_splits
 
 
 # ---------------------------------------------------------------------------------------------- backward
-
-
-def workspace_budget(workspace_bytes: Optional[int]) -> int:
-    """The d_logits workspace budget in bytes: the call's, else ``TPLOGP_WORKSPACE_MB``, else the default."""
-    if workspace_bytes is not None:
-        return workspace_bytes
-    env = settings.workspace_bytes()
-    return env if env is not None else DEFAULT_WORKSPACE_BYTES
-
-
-def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: Optional[int]) -> int:
-    """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits the budget; a multiple of CHUNK_ALIGN."""
-    budget = workspace_budget(workspace_bytes)
-    cols = budget // max(1, n * itemsize)
-    cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
-    return min(cols, cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -236,8 +206,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
-    precision = _dot_precision(hidden.dtype)
-    launch = dlogits_launch or _launch_dlogits
+    precision = dot_precision(hidden.dtype)
+    launch = dlogits_launch or launch_dlogits
     args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
     inv_t = float(inv_temperature)
 
@@ -280,11 +250,11 @@ def _chunk_gemms(dz, w_chunk, hidden, d_hidden, d_weight_chunk, i_chunk: int, de
         _mm_into(d_weight_chunk, dz.t(), hidden)
 
 
-def _launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                     inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
     n, d = hidden.shape
     grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
-    launcher(_bwd_dlogits_kernel)(
+    launcher(bwd_dlogits_kernel)(
         grid, hidden, weight, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, weight.shape[0], d, v_lo, v_hi,
         hidden.stride(0), weight.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
@@ -300,7 +270,7 @@ def _launch_dh(dz: torch.Tensor, w_chunk: torch.Tensor, d_hidden: torch.Tensor, 
     n, k = dz.shape
     d = w_chunk.shape[1]
     grid = (cdiv(n, cfg.dh_block_n) * cdiv(d, cfg.dh_block_d),)
-    launcher(_dh_accum_kernel)(
+    launcher(dh_accum_kernel)(
         grid, dz, w_chunk, d_hidden, n, k, d, dz.stride(0), w_chunk.stride(0), d_hidden.stride(0),
         ACCUMULATE=accumulate, BLOCK_N=cfg.dh_block_n, BLOCK_D=cfg.dh_block_d, BLOCK_K=cfg.dh_block_k,
         GROUP_N=cfg.group_n, DOT_PRECISION=precision, num_warps=cfg.dh_num_warps, num_stages=cfg.dh_num_stages,
