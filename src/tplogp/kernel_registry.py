@@ -1,8 +1,8 @@
 """Which source computes an op: a registry with a priority order and readable reasons.
 
 ``backend_for_call(source, device, dtype)`` resolves the backend of one call (``tplogp.get_op`` binds ``source``).
-With ``source=None`` (the runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on Hopper, then ``triton`` on CUDA,
-then ``native``; the choice is logged once per device on the ``tplogp`` logger. An explicitly requested source that
+With ``source=None`` (the runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on
+Hopper, then ``triton`` on CUDA, then ``native``; the choice is logged once per device on the ``tplogp`` logger. An explicitly requested source that
 cannot run raises :class:`SourceUnavailableError` with the backend's own reason. A source may also refuse one
 case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for example no tile configuration
 of the fused kernels fits the device's shared memory for that element size); automatic selection then takes the

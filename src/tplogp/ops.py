@@ -64,9 +64,9 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
         backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
-        grads = backward_packed(backend, hidden, weight, target_ids, bias, packed, grad_packed, group, vocab_start_index,
-                                _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes),
-                                (needs_hidden, needs_weight, needs_bias and bias is not None))
+        options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
+        grads = backward_packed(backend, hidden, weight, target_ids, bias, packed, grad_packed, group,
+                                vocab_start_index, options, (needs_hidden, needs_weight, needs_bias and bias is not None))
     like = (hidden, weight, bias if bias is not None else hidden)
     return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, like))  # type: ignore[return-value]
 
