@@ -66,7 +66,8 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
         backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
         options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
         grads = backward_packed(backend, hidden, weight, target_ids, bias, packed, grad_packed, group,
-                                vocab_start_index, options, (needs_hidden, needs_weight, needs_bias and bias is not None))
+                                vocab_start_index, options,
+                                (needs_hidden, needs_weight, needs_bias and bias is not None))
     like = (hidden, weight, bias if bias is not None else hidden)
     return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, like))  # type: ignore[return-value]
 
