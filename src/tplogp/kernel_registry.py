@@ -3,11 +3,11 @@
 ``backend_for_call(source, device, dtype)`` resolves the backend of one call (``tplogp.get_op`` binds ``source``).
 With ``source=None`` (the runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on
 Hopper, then ``triton`` on CUDA, then ``native``; the choice is logged once per device on the ``tplogp`` logger. An
-explicitly requested source that cannot run raises :class:`SourceUnavailableError` with the backend's own reason. A source may also refuse one
-case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for example no tile configuration
-of the fused kernels fits the device's shared memory for that element size); automatic selection then takes the
-next source, an explicit request raises with that reason. Backends are imported lazily, so importing tplogp does no
-device work and does not need Triton.
+explicitly requested source that cannot run raises :class:`SourceUnavailableError` with the backend's own reason. A
+source may also refuse one case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for
+example no tile configuration of the fused kernels fits the device's shared memory for that element size); automatic
+selection then takes the next source, an explicit request raises with that reason. Backends are imported lazily, so
+importing tplogp does no device work and does not need Triton.
 """
 
 from __future__ import annotations
