@@ -63,3 +63,23 @@ def test_only_settings_reads_the_environment():
     assert set(readers) == {"settings.py"}, readers
     for name in (settings.WORKSPACE_MB, settings.CHECKS, settings.DIRECT_LAUNCH, settings.TRITON_INTERPRET):
         assert f"``{name}``" in settings.__doc__
+
+
+def test_launcher_env(monkeypatch):
+    for name in settings.LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert settings.launcher_env() is None
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert settings.launcher_env() == settings.LauncherEnv(3, 4, 3, 4, False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert settings.launcher_env() == settings.LauncherEnv(3, 4, 1, 2, True)
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(settings.SettingsError, match="LOCAL_RANK must be an int, got 'one'"):
+        settings.launcher_env()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(settings.SettingsError, match=r"RANK must be in \[0, WORLD_SIZE\)"):
+        settings.launcher_env()
