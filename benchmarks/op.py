@@ -72,7 +72,7 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[Op
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
     size = h.element_size()
     common = dict(suite="op", shape=runner.shape_label(shape), T=T, D=D, V=V, dtype=dtype,
-                  grads_gib=round((V * D + T * D) * size / 2**30, 6), logits_gib=round(T * V * size / 2**30, 6),
+                  grads_gib=(V * D + T * D) * size / 2**30, logits_gib=T * V * size / 2**30,
                   reps=reps, rounds=rounds, warm_ms=warm_ms)
 
     def gemm():
