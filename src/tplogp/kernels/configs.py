@@ -5,7 +5,7 @@ length), so on one device the per-row outputs never depend on the number of toke
 import time; :func:`select` reads the device's capability when a launcher asks.
 
 Other tilings are explicit: pass a :class:`TileConfig` to ``TritonBackend(config=...)`` / ``SM90Backend(config=...)``;
-``benchmarks/sweep_configs.py`` times variants (docs/kernels.md records which won). Nothing is timed implicitly at
+docs/kernels.md records the variants measured and which won. Nothing is timed implicitly at
 run time, so results never depend on a race.
 """
 
@@ -31,7 +31,7 @@ class PingPongConfig:
     (group_n 4 1.14, 16 1.14, 32 1.20; split_tiles 16 1.13; block_d 64 with 3 stages 1.43; 64x256 tiles 1.30), at
     8192x4096x128256 1.08-1.12 vs 1.03-1.05; in milliseconds the two forwards were within 2% at 4096x2048x131072
     (3.64 vs 3.62 ms, 3.69 vs 3.67 ms), and back to back under the power cap the ping-pong forward took 3.65-3.78 ms
-    against the TMA forward's 3.41-3.45 ms (benchmarks/clock_probe.py, run 20)."""
+    against the TMA forward's 3.41-3.45 ms."""
 
     block_n: int = 128
     block_v: int = 128
