@@ -18,6 +18,10 @@ Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / s
 Floors for the plots (one GEMM is 2TDV FLOP): a per-token op keeping O(T) state needs 4 GEMMs forward+backward
 (forward, recompute, d_hidden, d_W); 3 when the ``[T, V]`` logits (``logits_gib``) are kept from the forward or
 the loss is a scalar known in the forward. ``grads_gib`` (d_W + d_hidden) is the memory no implementation avoids.
+
+Peers are optional imports pinned in benchmarks/requirements-peers.txt. nvidia-cutlass-dsl (Liger's CuTe kernel,
+QuACK) is a ``.pth``-based package: installed with ``pip install --target DIR``, its ``.pth`` file is not read,
+so put both ``DIR`` and ``DIR/nvidia_cutlass_dsl/dsl_packages`` on ``PYTHONPATH``.
 """
 
 from __future__ import annotations

@@ -59,6 +59,11 @@ python -m benchmarks report                                 # rewrites this page
 python -m benchmarks op --shapes 4096x2048x8192 --impls tplogp-sm90 --base main   # A/B against another commit
 ```
 
+`--base REV` checks REV out into a temporary git worktree and runs the same command on both trees as child
+processes, alternating (this, base; base, this; ...) on the same machine state, each importing its own tree's
+tplogp through this tree's harness; it prints this / base ratios per row (separate processes, since two copies of
+tplogp in one process would share or clash over kernel caches and registered ops).
+
 `--impls` picks rows (names in benchmarks/impls.py), `--budgets` the `workspace_bytes` values (`default,1GiB,4GiB`),
 `--smoke` runs everything on tiny problems in seconds. An implementation that cannot be imported or run here is a
 row with the reason. nvidia-cutlass-dsl (Liger's CuTe kernel, QuACK) is a `.pth`-based package: installed with
