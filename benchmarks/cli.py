@@ -116,8 +116,9 @@ def _memory(args) -> int:
     from . import memory
 
     shapes = runner.parse_shapes(args.shapes or (memory.SMOKE_SHAPES if args.smoke else memory.DEFAULT_SHAPES))
+    info = runner.run_info(_device_cpu())
     rows = memory.bench(shapes, [i.strip() for i in args.impls.split(",") if i.strip()])
-    _finish(args.out, rows, runner.run_info(_device_cpu()), args.smoke, memory.format_row)
+    _finish(args.out, rows, info, args.smoke, memory.format_row)
     return 0
 
 
@@ -130,8 +131,9 @@ def _device_cpu():
 def _plugin(args) -> int:
     from . import plugin
 
+    info = runner.run_info(_device_cpu())
     rows = plugin.bench(args.smoke)
-    _finish(args.out, rows, runner.run_info(_device_cpu()), args.smoke, plugin.format_row)
+    _finish(args.out, rows, info, args.smoke, plugin.format_row)
     return 0
 
 
@@ -147,8 +149,9 @@ def _tp(args) -> int:
                                                                if 2**i <= gpus)
     degrees = [int(d) for d in (args.degrees or default_degrees).split(",")]
     dtype = args.dtype or ("fp32" if smoke else "bf16")
+    info = runner.run_info(_device())
     rows = tp.bench(shape, degrees, args.impls, dtype, args.steps or (2 if smoke else 10), 1 if smoke else 3)
-    _finish(args.out, rows, runner.run_info(_device()), smoke, tp.format_row)
+    _finish(args.out, rows, info, smoke, tp.format_row)
     return 0
 
 

@@ -51,20 +51,23 @@ def pareto(rows: list[dict], path: str) -> bool:
     ax.axvline(grads, color="0.6", lw=0.8, label="d_W + d_hidden")
     cmap = plt.get_cmap("tab10")
     names = sorted({r["impl"] for r in pts})
+    labels: dict[tuple, list[str]] = {}  # points that coincide on the plot share one label
     for r in pts:
         color = cmap(names.index(r["impl"]) % 10)
-        label = r["impl"] if r["budget"] == "default" else f"{r['impl']} @ {r['budget']}"
         ax.plot(r["extra_peak_gib"], r["fwd_bwd_gemms"], "o", color=color)
         if r.get("fwd_bwd_gemms_b2b") is not None:
             ax.plot(r["extra_peak_gib"], r["fwd_bwd_gemms_b2b"], "o", mfc="none", color=color)
-        ax.annotate(label, (r["extra_peak_gib"], r["fwd_bwd_gemms"]), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")
+        spot = (r["impl"], round(r["extra_peak_gib"], 2), round(r["fwd_bwd_gemms"], 1))
+        labels.setdefault(spot, []).append(r["budget"])
+    for (impl, x, y), budgets in labels.items():
+        text = impl if budgets == ["default"] else f"{impl} @ {', '.join(budgets)}"
+        ax.annotate(text, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlim(xmin, xmax)
     ymax = max(max(r["fwd_bwd_gemms"] for r in pts), 4.5)
     ax.set_ylim(0, min(ymax * 1.1, 20))
     ax.set_xlabel("extra peak memory during forward+backward, GiB (inputs excluded, gradients included)")
-    ax.set_ylabel("forward+backward, GEMM-times (filled: synced, hollow: back to back)")
+    ax.set_ylabel("fwd+bwd, GEMM-times (filled: synced, hollow: b2b)")
     ax.set_title(f"{first['shape']} (T x D x V), {first['dtype']}, {first.get('device', '')}", fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(alpha=0.3)
