@@ -6,7 +6,9 @@ vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are cho
 :mod:`tplogp.kernel_registry`. Importing this package does no device work.
 """
 
-from .api import linear_logp
+from . import losses
+from .api import linear_logp, linear_logp_loss
+from .deferred_checks import check_errors
 from .shards import ShardLayoutError
 from .tp import LogpOutputs
 from .validation import LinearLogpInputError
@@ -14,6 +16,9 @@ from .kernel_registry import SourceUnavailableError, get_op
 
 __all__ = [
     "linear_logp",
+    "linear_logp_loss",
+    "losses",
+    "check_errors",
     "get_op",
     "LogpOutputs",
     "LinearLogpInputError",

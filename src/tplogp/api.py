@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -71,7 +71,9 @@ def linear_logp(
         ignore_index: positions with this target get logp 0 (entropy 0, lse 0) and no gradient.
         deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
             other rows of the batch (costs some speed: fixed token tiles).
-        workspace_bytes: tile workspace budget for chunked sources (default: ``TPLOGP_WORKSPACE_MB`` or per device).
+        workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (transient tiles plus
+            logits kept from forward to backward, which spare the backward their recompute GEMM); default:
+            ``TPLOGP_WORKSPACE_MB``, else the source's default tile memory with nothing kept (docs/operator.md).
 
     Returns:
         float32 logp with target_ids' shape, or :class:`~tplogp.tp.LogpOutputs` ``(logp, entropy, lse)`` when
@@ -97,3 +99,41 @@ def make_linear_logp(source: Optional[str]) -> Callable[..., Union[torch.Tensor,
     op.__name__ = f"linear_logp_{source}"
     op.source = source  # type: ignore[attr-defined]
     return op
+
+
+def linear_logp_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    loss: Callable[..., torch.Tensor],
+    per_token: Sequence[torch.Tensor] = (),
+    reduction: str = "sum",
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    ignore_index: Optional[int] = None,
+    deterministic: bool = False,
+    workspace_bytes: Optional[int] = None,
+    source: Optional[str] = None,
+) -> torch.Tensor:
+    """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
+    the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
+
+    ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has PPO/GRPO
+    clipping, policy gradient, KL to a reference and an entropy bonus); ``per_token`` tensors have target_ids'
+    shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
+    positions add nothing. The other arguments are those of :func:`linear_logp`. Returns a 0-d fp32 tensor whose
+    backward scales the precomputed gradients of hidden, weight and bias.
+    """
+    from .fused_loss import fused_loss
+    from .kernel_registry import backend_for_call
+
+    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    return fused_loss(backend_for_call(source, device), hidden, weight, target_ids, bias, loss=loss,
+                      per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
+                      vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+                      temperature=temperature, ignore_index=ignore_index, deterministic=deterministic,
+                      workspace_bytes=workspace_bytes)

@@ -15,7 +15,9 @@ Forward, per call:
      a token whose owner count is not 1 (possible only when ``TPLOGP_CHECKS=fast`` skipped the target check)
      gets NaN.
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
-partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it.
+partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
+before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async
+there and runs while ``d_W`` is computed.
 
 Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single``
 (triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
@@ -25,6 +27,7 @@ and 3 cost no host ops (what matters at small shapes, where a call's host time i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -32,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from .backends.base import ShardBackend, ShardCall, f32_contiguous
-from .comm import all_gather_flat
+from .comm import OverlappedAllReduce, all_gather_flat
+from .deferred_checks import defer_target_range_check, raise_pending_errors
 from .validation import (
     GroupCheck,
     LinearLogpInputError,
@@ -41,6 +45,7 @@ from .validation import (
     local_problem,
     summarize_targets,
     target_range_problem,
+    target_summary_tensor,
 )
 
 
@@ -119,7 +124,7 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     be, call = tpc.backend, tpc.call
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         out = be.forward_single(hidden, weight, bias, local_target, call)
-        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel)
+        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, None)
     st = be.forward_stats(hidden, weight, bias, local_target, call)
     owned = local_target >= 0
     if tpc.world_size > 1:
@@ -139,7 +144,7 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     logp = torch.where(covered, target_rel - log_sum, float("nan"))
     lse = row_max + log_sum
     entropy = None if mean_rel is None else log_sum - mean_rel
-    return (logp, entropy, lse), (row_max, log_sum, mean_rel)
+    return (logp, entropy, lse), (row_max, log_sum, mean_rel, st.kept)
 
 
 class _LinearLogpFunction(torch.autograd.Function):
@@ -147,13 +152,13 @@ class _LinearLogpFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
-        outputs, (row_max, log_sum, mean_rel) = _shard_forward(hidden, weight, bias, local_target, tpc)
-        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel)
+        outputs, (row_max, log_sum, mean_rel, kept) = _shard_forward(hidden, weight, bias, local_target, tpc)
+        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
         return outputs
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy, g_lse):
-        hidden, weight, bias, local_target, row_max, log_sum, mean_rel = ctx.saved_tensors
+        hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if g_logp is None:  # only entropy or lse feeds the loss
@@ -161,46 +166,43 @@ class _LinearLogpFunction(torch.autograd.Function):
         g_logp = f32_contiguous(g_logp)
         g_ent = None if (g_entropy is None or mean_rel is None) else f32_contiguous(g_entropy)
         g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
+        # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
+        reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
-                                     mean_rel if g_ent is not None else None, tpc.call, needs)
-        d_hidden = grads.d_hidden
+                                     mean_rel if g_ent is not None else None, tpc.call, needs,
+                                     d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
+        d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
         if d_hidden is not None:
-            if tpc.world_size > 1:
-                buf = d_hidden.to(tpc.comm_device)
-                dist.all_reduce(buf, group=tpc.group)
-                d_hidden = buf.to(hidden.device)
             if d_hidden.dtype != hidden.dtype:
                 d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, grads.d_weight, grads.d_bias, None, None
 
 
-def linear_logp_tp(
-    backend: ShardBackend,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    tp_group=None,
-    vocab_start_index: int = 0,
-    global_vocab_size: Optional[int] = None,
-    options: LogpOptions = LogpOptions(),
-):
-    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
+class PreparedCall(NamedTuple):
+    """A validated call: 2-D contiguous inputs (ignored rows compacted away), shard-local targets, the context."""
 
-    Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
-    """
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    local_target: torch.Tensor
+    keep_idx: Optional[torch.Tensor]  # rows kept by ignore_index compaction, or None
+    tpc: _TPContext
+    vocab_size: int  # of all shards together (the same on every rank)
+
+
+def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                 global_vocab_size: Optional[int], options: LogpOptions) -> PreparedCall:
+    """Checks (the same verdict on every rank), flattening, ignore_index compaction and target localisation."""
     mode = checks_mode()
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if world == 1 and mode != "fast":
+        raise_pending_errors()  # the deferred verdict of the previous call without a group
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature)
-    targets = None
-    if problem is None and mode == "full":
-        targets = summarize_targets(target_ids, options.ignore_index, with_checksum=world > 1)
     if world > 1:
         comm_dev = _comm_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
         ok = problem is None
-        total = GroupCheck.run(
+        total, targets = GroupCheck.run(
             tp_group, comm_dev, problem,
             n_tokens=int(target_ids.numel()) if ok else -1,
             hidden_size=int(hidden.shape[-1]) if ok else -1,
@@ -209,7 +211,8 @@ def linear_logp_tp(
             global_vocab_size=global_vocab_size if ok else None,
             dtype=hidden.dtype if ok else torch.float32,
             has_bias=bias is not None,
-            checksum=targets.checksum if targets is not None else 0,
+            targets=(target_summary_tensor(target_ids, options.ignore_index, with_checksum=True)
+                     if ok and mode != "fast" else None),
             ignore_index=options.ignore_index,
             mode=mode,
             builds_graph=bool(ok and torch.is_grad_enabled() and hidden.requires_grad),
@@ -218,13 +221,16 @@ def linear_logp_tp(
         comm_dev = torch.device("cpu")
         if problem is not None:
             raise LinearLogpInputError(problem)
-        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size)
+        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size,
+                                      group_given=tp_group is not None)
+        targets = summarize_targets(target_ids, options.ignore_index, with_checksum=False) if mode == "sync" else None
+        if mode == "full":  # read at the next call (no host sync now); uncovered tokens get NaN meanwhile
+            defer_target_range_check(target_ids, total, options.ignore_index)
     if targets is not None:  # identical on every rank: the checksum exchange proved the targets replicated
         msg = target_range_problem(targets, total, options.ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg)
 
-    out_shape = tuple(target_ids.shape)
     d = hidden.shape[-1]
     h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
     tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
@@ -252,7 +258,31 @@ def linear_logp_tp(
     else:
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
+    return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total)
+
+
+def linear_logp_tp(
+    backend: ShardBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    options: LogpOptions = LogpOptions(),
+):
+    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
+
+    Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
+    """
+    out_shape = tuple(target_ids.shape)
+    h2, w, b, local_target, keep_idx, tpc, _ = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
+                                                            vocab_start_index, global_vocab_size, options)
+    call = tpc.call
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        tpc.call = dataclasses.replace(call, for_backward=True)  # the forward may keep logits for the backward
         logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
     else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
         (logp, entropy, lse), _ = _shard_forward(h2, w, b, local_target, tpc)

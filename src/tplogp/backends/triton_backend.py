@@ -97,7 +97,7 @@ class TritonBackend:
         return None  # the generic kernel
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs) -> ShardGrads:
+                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None) -> ShardGrads:
         from ..kernels import launch
 
         d_hidden, d_weight, d_bias = launch.backward(
@@ -105,4 +105,6 @@ class TritonBackend:
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device),
             dlogits_launch=self._dlogits_launch(hidden.device))
+        if d_hidden_ready is not None and d_hidden is not None:
+            d_hidden_ready(d_hidden)
         return ShardGrads(d_hidden, d_weight, d_bias)

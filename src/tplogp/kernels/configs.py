@@ -11,11 +11,12 @@ run time, so results never depend on a race.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+
+from .. import settings
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ SM90_PINGPONG = replace(SM90, pingpong=PINGPONG)
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton's CPU interpreter runs the kernels (:func:`tplogp.settings.triton_interpret`)."""
+    return settings.triton_interpret()
 
 
 def fast_exp2_available() -> bool:

@@ -32,11 +32,11 @@ them inside one process).
 from __future__ import annotations
 
 import inspect
-import os
 from typing import Any, Callable, Optional
 
 import torch
 
+from .. import settings
 from .configs import interpreting
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
@@ -148,7 +148,7 @@ class DirectLauncher:
             return False
         if self._enabled is None:
             self._knobs = _runtime_knobs()
-            self._enabled = (not interpreting() and os.environ.get("TPLOGP_DIRECT_LAUNCH", "1") != "0"
+            self._enabled = (not interpreting() and settings.direct_launch()
                              and self._knobs is not None and torch.cuda.is_available())
         return self._enabled
 

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..backends.base import f32_contiguous, workspace_bytes_from_env
+from .. import fp32_gemm, settings
+from ..backends.base import f32_contiguous
 from . import configs
 from .configs import TileConfig, cdiv
 from .direct_launch import launcher
@@ -177,7 +177,7 @@ def workspace_budget(workspace_bytes: Optional[int]) -> int:
     """The d_logits workspace budget in bytes: the call's, else ``TPLOGP_WORKSPACE_MB``, else the default."""
     if workspace_bytes is not None:
         return workspace_bytes
-    env = workspace_bytes_from_env()
+    env = settings.workspace_bytes()
     return env if env is not None else DEFAULT_WORKSPACE_BYTES
 
 
