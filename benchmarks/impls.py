@@ -71,6 +71,25 @@ def _tplogp(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
     return build
 
 
+def _negative_logp(logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-token cross-entropy: the loss term that makes ``linear_logp_loss`` comparable to the peers' mean CE."""
+    return -logp
+
+
+def _tplogp_loss(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
+    def build(device: torch.device, budget: Optional[int]) -> ImplFn:
+        from tplogp.kernel_registry import unavailable_reason
+
+        why = unavailable_reason(source, device)
+        if why is not None:
+            raise ImplUnavailable(why)
+        fused = _import("tplogp", "linear_logp_loss")
+        options = {} if budget is None else {"workspace_bytes": budget}
+        return lambda h, w, y: fused(h, w, y, loss=_negative_logp, reduction="mean", source=source, **options)
+
+    return build
+
+
 def _torch_eager(device: torch.device, budget: Optional[int]) -> ImplFn:
     def logp(h, w, y):
         logits = (h @ w.T).float()
@@ -113,6 +132,12 @@ IMPLS: tuple[Impl, ...] = (
     Impl("tplogp-sm90", PER_TOKEN, True, _tplogp("sm90"), "tplogp, Hopper source (the registry's choice on sm_90)"),
     Impl("tplogp-triton", PER_TOKEN, True, _tplogp("triton"), "tplogp, portable Triton source"),
     Impl("tplogp-native", PER_TOKEN, True, _tplogp("native"), "tplogp, chunked PyTorch source"),
+    Impl("tplogp-loss-sm90", SCALAR_LOSS, True, _tplogp_loss("sm90"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), Hopper source"),
+    Impl("tplogp-loss-triton", SCALAR_LOSS, True, _tplogp_loss("triton"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), Triton source"),
+    Impl("tplogp-loss-native", SCALAR_LOSS, True, _tplogp_loss("native"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), PyTorch source"),
     Impl("torch-eager", PER_TOKEN, False, _torch_eager, "bf16 logits, fp32 log_softmax, gather"),
     Impl("liger-flce", PER_TOKEN, False, _liger_flce, "Liger fused linear CE (Triton), reduction none"),
     Impl("liger-cute-sm90", SCALAR_LOSS, False, _liger_cute_sm90, "Liger CuTe DSL SM90 kernel, mean loss"),

@@ -34,11 +34,13 @@ def _rows(out) -> list[dict]:
 
 
 def test_op_smoke_rows(tmp_path):
-    # the native source at two budgets, the eager baseline, and two peers that cannot run on CPU
-    _bench("op", "--smoke", "--impls", "tplogp-native,torch-eager,liger-flce,quack-chunked", "--out", str(tmp_path))
+    # the native source and its fused loss at two budgets, the eager baseline, two peers that cannot run on CPU
+    _bench("op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native,torch-eager,liger-flce,quack-chunked",
+           "--out", str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
-    assert set(rows) == {("tplogp-native", "default"), ("tplogp-native", "16KiB"), ("torch-eager", "default"),
-                         ("liger-flce", "default"), ("quack-chunked", "default")}
+    assert set(rows) == {("tplogp-native", "default"), ("tplogp-native", "16KiB"), ("tplogp-loss-native", "default"),
+                         ("tplogp-loss-native", "16KiB"), ("torch-eager", "default"), ("liger-flce", "default"),
+                         ("quack-chunked", "default")}
     eager = rows["torch-eager", "default"]
     for key in (("tplogp-native", "default"), ("tplogp-native", "16KiB")):
         r = rows[key]
@@ -47,6 +49,11 @@ def test_op_smoke_rows(tmp_path):
             assert r[field] > 0, (field, r)
         # three-way: tplogp's fp32 log-softmax is no worse than the bf16-logits eager baseline against float64
         assert r["err_logp"] <= eager["err_logp"], (r, eager)
+        assert r["err_d_hidden"] <= 2 * eager["err_d_hidden"] and r["err_d_weight"] <= 2 * eager["err_d_weight"]
+    for budget in ("default", "16KiB"):  # the scalar-loss contract: mean CE and its gradients vs float64
+        r = rows["tplogp-loss-native", budget]
+        assert r["contract"] == impls.SCALAR_LOSS and "error" not in r and "err_logp" not in r, r
+        assert r["err_loss"] <= eager["err_logp"] and r["fwd_bwd_ms"] > 0, r
         assert r["err_d_hidden"] <= 2 * eager["err_d_hidden"] and r["err_d_weight"] <= 2 * eager["err_d_weight"]
     assert rows["tplogp-native", "16KiB"]["budget_bytes"] == 16 * 2**10
     assert rows["quack-chunked", "default"]["contract"] == impls.SCALAR_LOSS
