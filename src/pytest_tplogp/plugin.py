@@ -81,11 +81,12 @@ PLAN = pytest.StashKey[Plan]()
 SKIPPED_ON_RANKS = pytest.StashKey[str]()
 
 
+# The options live in the package's opt-in shim (``pytest_tplogp/__init__.py``): registering this module directly
+# (``-p pytest_tplogp.plugin``) brings the shim along.
+pytest_plugins = ["pytest_tplogp"]
+
+
 # ---------------------------------------------------------------------------------------------------- config
-def pytest_addoption(parser: pytest.Parser) -> None:
-    options.addoption(parser)
-
-
 def _register_marker(config: pytest.Config, name: str, text: str) -> None:
     existing = {line.split(":", 1)[0].split("(", 1)[0].strip() for line in config.getini("markers")}
     if name not in existing:
@@ -97,7 +98,7 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = options.resolve(config)
     _register_marker(config, "tp", "tp(world_size=2|[2, 4], timeout=seconds, backend='auto'|'gloo'|'nccl'): run "
                      "the test body on every rank of a torch.distributed pool (pytest_tplogp)")
-    _register_marker(config, "stress", "large shapes; skipped unless selected with -m stress or --run-stress")
+    _register_marker(config, "stress", "large shapes; skipped unless selected with -m stress or --tp-run-stress")
     _register_marker(config, "gpu", "needs a CUDA device (skipped before any spawn when there is none)")
     state = State(settings)
     config.stash[STATE] = state
@@ -111,6 +112,8 @@ def pytest_configure(config: pytest.Config) -> None:
             # other ranks' reporters write to /dev/null (their verdicts reach rank 0 through the outcome exchange).
             sys.stdout = open(os.devnull, "w")
             config.add_cleanup(sys.stdout.close)
+            # rank 0 writes the one JUnit file, with every rank's verdict and output
+            config.option.xmlpath = None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -130,10 +133,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         ctx = state.external.ctx
         return [f"tplogp: external mode (torchrun): world size {ctx.world_size}, backend {ctx.backend}, "
                 f"device {ctx.device}; this report is rank {ctx.rank}'s; timeout {s.timeout_s:g} s"]
+    from . import why_active
+
     p = devices.place(s.world_size, s.backend)
     devs = "cpu" if p.device_type == "cpu" else "cuda:" + ",".join(p.devices)
     return [f"tplogp: world size {s.world_size}, backend {p.backend} ({s.backend}), devices {devs}, "
-            f"timeout {s.timeout_s:g} s, rendezvous FileStore per session; {devices.block_note()}"]
+            f"timeout {s.timeout_s:g} s, rendezvous FileStore per session; {devices.block_note()}; "
+            f"on by {why_active(config) or '-p pytest_tplogp.plugin'}"]
 
 
 # ---------------------------------------------------------------------------------------------------- collection
@@ -195,7 +201,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     state = config.stash[STATE]
     if state.settings.run_stress or _stress_selected(config):
         return
-    skip = pytest.mark.skip(reason="stress test: select with -m stress or --run-stress")
+    skip = pytest.mark.skip(reason="stress test: select with -m stress or --tp-run-stress")
     for item in items:
         if item.get_closest_marker("stress") is not None:
             item.add_marker(skip)
@@ -333,7 +339,7 @@ def source_unavailable(name: str, device_type: str) -> str | None:
 
 
 def _make_grid_fixtures(settings: Settings) -> Any:
-    """The parametrizing fixtures, with grids restricted by the settings (--op-source, --tp-dtype, ...)."""
+    """The parametrizing fixtures, with grids restricted by the settings (--tp-op-source, --tp-dtype, ...)."""
 
     class GridFixtures:
         @pytest.fixture(params=list(settings.op_sources), ids=list(settings.op_sources))
@@ -488,7 +494,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     elif rep.skipped and call.when == "call" and SKIPPED_ON_RANKS in item.stash and isinstance(rep.longrepr, tuple):
         path, lineno, _ = item.reportinfo()  # report the test's location, not the plugin's
         rep.longrepr = (str(path), (lineno or 0) + 1, rep.longrepr[2])
+    if call.when == "teardown" and PLAN in item.stash:
+        rep.sections = [(title, _label_lines(title, text)) for title, text in rep.sections]
     return rep
+
+
+_RANK_SECTION = re.compile(r"^Captured (?:stdout|stderr) rank (\d+)")
+
+
+def _label_lines(title: str, text: str) -> str:
+    """Prefix every line of a rank's captured output with ``[rank N]``, in the teardown report only.
+
+    JUnit XML (``-o junit_logging=...``) writes the teardown report's captured output as one ``system-out`` /
+    ``system-err`` text, joining the sections without their titles; the prefix keeps each line's rank. The
+    terminal shows the call report's sections, whose titles already name the rank.
+    """
+    m = _RANK_SECTION.match(title)
+    if m is None:
+        return text
+    return "".join(f"[rank {m.group(1)}] {line}" for line in text.splitlines(keepends=True))
 
 
 class PoolHandle:
