@@ -47,7 +47,7 @@ def pytest_runtest_protocol(item, nextitem):
         _TIMES.append((item.nodeid, time.perf_counter() - t0))
 
 def pytest_sessionfinish(session):
-    from pytest_tplogp.plugin import STATE
+    from pytest_tplogp.session import STATE
     state = session.config.stash[STATE]
     manager = state._manager
     pools = [] if manager is None else [dict(key=list(k), start_s=p.start_s, starts=p.starts)

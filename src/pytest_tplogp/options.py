@@ -128,8 +128,10 @@ ENABLE_INI = "tplogp"
 
 
 def addoption(parser: pytest.Parser) -> None:
-    """Add every option (CLI flag and ini key). Adding them changes nothing until the plugin is active."""
+    """Add every option (CLI flag and ini key) once. Adding them changes nothing until the plugin is active."""
     group = parser.getgroup("tplogp", "tensor-parallel rank pool (pytest_tplogp; any --tp... option turns it on)")
+    if group.options:
+        return
     parser.addini(ENABLE_INI, help="turn pytest_tplogp on for this project (like -p pytest_tplogp)", type="bool",
                   default=False)
     for spec in SPECS:

@@ -9,7 +9,7 @@ Rules (every rank counts):
   traceback once), dead ranks ("rank 2 killed by signal 9 (SIGKILL)"), disagreeing skips, and, for ranks that were
   stuck (deadline, or straggling after a peer failed), where each one waited plus its faulthandler stack.
 
-The failure is raised in the parent as :class:`RankFailure`; ``plugin.py`` turns it into a :class:`TPLongRepr` so
+The failure is raised in the parent as :class:`RankFailure`; ``hooks.py`` turns it into a :class:`TPLongRepr` so
 the terminal, ``-rf`` summary lines, junitxml and xdist all show the grouped text.
 """
 

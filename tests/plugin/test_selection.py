@@ -78,7 +78,7 @@ def test_stress_selection(pytester: pytest.Pytester, tag: str) -> None:
 
 def test_header_and_single_registration(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body="def test_x():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_tplogp.plugin", "--tp=4")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_tplogp.hooks", "--tp=4")
     result.assert_outcomes(passed=1)
     header = [line for line in result.outlines if line.startswith("tplogp:")]
     assert len(header) == 1, result.outlines  # -p next to the entry point does not register twice
