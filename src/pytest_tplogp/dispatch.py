@@ -23,13 +23,50 @@ import pytest
 from .placement import Plan
 from .protocol import CallFn, RunTest
 from .session import SKIPPED_ON_RANKS, State
+from .values import PerRankMonkeyPatch
 
 
 def seed_for(nodeid: str) -> int:
     return zlib.crc32(nodeid.encode()) & 0x7FFFFFFF
 
 
+#: Standard fixtures that act on the parent process and mean nothing on the ranks: a TP test body that takes one is
+#: refused at setup with the reason and what to do instead.
+PARENT_ONLY_FIXTURES: dict[str, str] = {
+    **{name: "captures the output of the pytest process, but the body runs on the ranks. Each rank's stdout and "
+             "stderr are captured per test and reported as 'Captured stdout rank N' sections (printed live with "
+             "-s); to assert on printed text, capture it inside the body (contextlib.redirect_stdout)"
+       for name in ("capsys", "capsysbinary", "capfd", "capfdbinary", "capteesys")},
+    "caplog": "records the log of the pytest process, but the body logs on the ranks; use "
+              "logging.Handler / assertLogs inside the body",
+    "recwarn": "records the warnings of the pytest process, but the body warns on the ranks; use "
+               "`with pytest.warns(...)` or warnings.catch_warnings inside the body",
+    **{name: "lives in the pytest process and cannot reach the ranks; read what the body needs in a fixture of "
+             "your own and return a picklable value"
+       for name in ("request", "pytestconfig", "tmp_path_factory", "tmpdir_factory", "record_property",
+                    "record_xml_attribute", "record_testsuite_property", "doctest_namespace")},
+}
+
+
+def refuse_parent_only_fixtures(item: pytest.Item) -> None:
+    """Fail the setup of a TP test whose body takes a fixture of :data:`PARENT_ONLY_FIXTURES` (one message)."""
+    names = [n for n in body_argnames(item) if n in PARENT_ONLY_FIXTURES]  # type: ignore[arg-type]
+    if names:
+        name = names[0]
+        pytest.fail(f"{item.nodeid}: a TP test body cannot take the {name!r} fixture: {name} "
+                    f"{PARENT_ONLY_FIXTURES[name]}. (tp_pool tests, whose body stays in the pytest process, can.)",
+                    pytrace=False)
+
+
+def _rank_side(value: Any) -> Any:
+    """The value sent to the ranks for a fixture value: a ``monkeypatch`` becomes one per rank."""
+    if isinstance(value, pytest.MonkeyPatch):
+        return PerRankMonkeyPatch()
+    return value
+
+
 def _pickled_kwargs(item: pytest.Item, kwargs: dict[str, Any]) -> bytes:
+    kwargs = {name: _rank_side(value) for name, value in kwargs.items()}
     for name, value in kwargs.items():
         try:
             pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -43,7 +80,7 @@ def _pickled_kwargs(item: pytest.Item, kwargs: dict[str, Any]) -> bytes:
 
 def body_argnames(item: pytest.Function) -> list[str]:
     """The names a test body takes (its fixtures and parameters), in order."""
-    return list(inspect.signature(item.obj).parameters)
+    return [n for n in inspect.signature(item.obj).parameters if n != "self"]
 
 
 def run_test_command(item: pytest.Function) -> RunTest:
@@ -67,14 +104,23 @@ def run_test_command(item: pytest.Function) -> RunTest:
 
 
 def _attach_outputs(item: pytest.Item, outputs: dict[int, tuple[str, str]], label: str = "") -> None:
-    live = item.config.getoption("capture", "fd") == "no"
     for r, (out, err) in sorted(outputs.items()):
         for stream, text in (("stdout", out), ("stderr", err)):
-            if not text:
-                continue
-            item.add_report_section("call", f"{stream} rank {r}{label}", text)
-            if live:
-                sys.stdout.write("".join(f"[rank {r}] {line}\n" for line in text.splitlines()))
+            if text:
+                item.add_report_section("call", f"{stream} rank {r}{label}", text)
+
+
+def _live_output(item: pytest.Item) -> Callable[[int, str, str], None] | None:
+    """Under ``-s``, a sink that prints each rank's lines as they come, prefixed ``[rank N]``."""
+    if item.config.getoption("capture", "fd") != "no":
+        return None
+
+    def sink(rank: int, stream: str, line: str) -> None:
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        out.write(f"[rank {rank}] {line}\n")
+        out.flush()
+
+    return sink
 
 
 def apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
@@ -84,6 +130,10 @@ def apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
     _attach_outputs(item, run.outputs, label)
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path),
                     pool_desc=plan.describe())
+    restored = sorted({what for o in run.outcomes.values() for what in o.state_restored})
+    if restored:
+        item.warn(pytest.PytestWarning(f"tplogp: the test changed process state on the ranks, restored before the "
+                                       f"next test: {'; '.join(restored)} (use the monkeypatch fixture)"))
     if verdict.outcome == "passed":
         if run.killed:
             item.warn(pytest.PytestWarning(f"tplogp: pool recycled after this test: {run.killed}"))
@@ -95,9 +145,9 @@ def apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
         pytest.xfail(verdict.headline)
     cls = failure_class(verdict.exc_type)
     try:
-        failure = cls(verdict.headline, verdict.text)
+        failure = cls(verdict.headline, verdict.text, verdict.crash)
     except Exception:  # noqa: BLE001 - an exception type whose constructor rejects our arguments
-        failure = RankFailure(verdict.headline, verdict.text)
+        failure = RankFailure(verdict.headline, verdict.text, verdict.crash)
     raise failure
 
 
@@ -119,7 +169,7 @@ def run_body(item: pytest.Function, state: State, plan: Plan) -> None:
         run = state.external.run_test(item.obj, pickle.loads(cmd.kwargs), cmd.seed, plan.timeout_s,
                                       capture=item.config.getoption("capture", "fd") != "no")
     else:
-        run = pool_for(state, plan).run(cmd, plan.timeout_s)
+        run = pool_for(state, plan).run(cmd, plan.timeout_s, live=_live_output(item))
     state.dispatched += 1
     apply(item, run, plan)
 
@@ -166,7 +216,8 @@ class PoolHandle:
                             f"({type(exc).__name__}: {exc}); use a module-level function and picklable arguments") from None
         cmd = CallFn(payload=payload, modules=modules, sys_path=list(sys.path),
                      seed=seed_for(f"{self._item.nodeid}#{self._calls}"))
-        run = pool_for(self._state, self._plan).run(cmd, self._plan.timeout_s if timeout is None else timeout)
+        run = pool_for(self._state, self._plan).run(cmd, self._plan.timeout_s if timeout is None else timeout,
+                                                    live=_live_output(self._item))
         self._state.dispatched += 1
         apply(self._item, run, self._plan, label=f" (tp_pool.run #{self._calls})")
         return [pickle.loads(run.outcomes[r].value) for r in range(self.world_size)]

@@ -86,7 +86,7 @@ class ExternalMode:
 
         from .pool import PoolRun
         from .rank import classify
-        from .values import bind
+        from .values import bind, undo_per_rank
 
         random.seed(seed)
         self.torch.manual_seed(seed)
@@ -94,13 +94,15 @@ class ExternalMode:
         # the deadline's stack dump goes to the process's real stderr (pytest's capture would swallow it)
         faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.dump_file)
         with _capture_output(capture) as output:
+            bound = {k: bind(v, self.ctx) for k, v in kwargs.items()}
             try:
-                func(**{k: bind(v, self.ctx) for k, v in kwargs.items()})
+                func(**bound)
                 mine = RankOutcome(self.ctx.rank, "passed")
             except BaseException as exc:  # noqa: BLE001 - decided collectively below
-                mine = classify(exc, self.ctx.rank)
+                mine = classify(exc, self.ctx.rank, test_file=getattr(func, "__code__", None) and func.__code__.co_filename)
             finally:
                 faulthandler.cancel_dump_traceback_later()
+                undo_per_rank(bound)
         mine.duration_s = time.perf_counter() - t0
         everyone = self.ctx.all_gather_object((mine, output.text()))
         return PoolRun(outcomes={o.rank: o for o, _ in everyone},

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from .dispatch import PoolHandle
+from .dispatch import PoolHandle, pool_for, refuse_parent_only_fixtures
 from .placement import Plan, plan_for
 from .session import PLAN, STATE
 from .values import TPPlaceholder
@@ -32,6 +32,10 @@ def tp_world_size(request: pytest.FixtureRequest) -> int | None:
     request.node.stash[PLAN] = plan
     if plan.skip_reason:
         pytest.skip(plan.skip_reason)
+    if not plan.in_parent:
+        refuse_parent_only_fixtures(request.node)
+    if not plan.external:
+        pool_for(state, plan)  # start (or respawn) the pool here: its start-up is setup time, not the test's
     return int(ws)
 
 

@@ -153,8 +153,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
     exc = call.excinfo.value if call.excinfo is not None else None
     if isinstance(exc, RankFailure) and rep.failed:
-        loc_path, lineno, _ = item.location
-        rep.longrepr = TPLongRepr(exc.text, exc.headline, loc_path, (lineno or 0) + 1)
+        if exc.crash is not None:
+            path, lineno = exc.crash
+        else:
+            path, line0, _ = item.reportinfo()
+            path, lineno = str(path), (line0 or 0) + 1
+        rep.longrepr = TPLongRepr(exc.text, exc.headline, str(path), lineno,
+                                  style=item.config.getoption("tbstyle", "auto"))
     elif rep.skipped and call.when == "call" and SKIPPED_ON_RANKS in item.stash and isinstance(rep.longrepr, tuple):
         path, lineno, _ = item.reportinfo()  # report the test's location, not the plugin's
         rep.longrepr = (str(path), (lineno or 0) + 1, rep.longrepr[2])
@@ -177,3 +182,28 @@ def _label_lines(title: str, text: str) -> str:
     if m is None:
         return text
     return "".join(f"[rank {m.group(1)}] {line}" for line in text.splitlines(keepends=True))
+
+
+_XDIST_KEY = "tplogp_longrepr"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(config: pytest.Config, report: Any) -> Any:
+    """Under pytest-xdist, send a TP failure's report as data, so the controller's summary line and JUnit get the
+    same headline and grouped text as a run without xdist (not the text flattened into one string)."""
+    from .report import TPLongRepr
+
+    data = yield
+    if isinstance(data, dict) and isinstance(getattr(report, "longrepr", None), TPLongRepr):
+        data[_XDIST_KEY] = report.longrepr.to_dict()
+    return data
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_from_serializable(config: pytest.Config, data: Any) -> Any:
+    from .report import TPLongRepr
+
+    report = yield
+    if report is not None and isinstance(data, dict) and isinstance(data.get(_XDIST_KEY), dict):
+        report.longrepr = TPLongRepr.from_dict(data[_XDIST_KEY])
+    return report
