@@ -167,7 +167,8 @@ def run_body(item: pytest.Function, state: State, plan: Plan) -> None:
     cmd = run_test_command(item)
     if state.external is not None:
         run = state.external.run_test(item.obj, pickle.loads(cmd.kwargs), cmd.seed, plan.timeout_s,
-                                      capture=item.config.getoption("capture", "fd") != "no")
+                                      capture=item.config.getoption("capture", "fd") != "no",
+                                      on_deadline=lambda stuck_run: end_session_after_deadline(item, plan, stuck_run))
     else:
         run = pool_for(state, plan).run(cmd, plan.timeout_s, live=_live_output(item))
     state.dispatched += 1
@@ -221,3 +222,38 @@ class PoolHandle:
         self._state.dispatched += 1
         apply(self._item, run, self._plan, label=f" (tp_pool.run #{self._calls})")
         return [pickle.loads(run.outcomes[r].value) for r in range(self.world_size)]
+
+
+def end_session_after_deadline(item: pytest.Item, plan: Plan, run: Any) -> None:
+    """Under torchrun, rank 0 at a test's deadline: report the test as failed (which ranks hung and where) and end
+    the session's reporting (summary of the outcomes so far, JUnit file) before the job is torn down.
+
+    Runs on the deadline thread while the test's body is stuck in a collective on the main thread; the process
+    exits right after, so no pytest state is left to repair.
+    """
+    from .report import merge, TPLongRepr
+
+    verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path), pool_desc="torchrun")
+    path, line0, _ = item.reportinfo()
+    sections = [(f"Captured {stream} rank {r} call", text) for r, pair in sorted(run.outputs.items())
+                for stream, text in zip(("stdout", "stderr"), pair) if text]
+    common = dict(nodeid=item.nodeid, location=item.location, keywords={k: 1 for k in item.keywords})
+    longrepr = TPLongRepr(verdict.text, verdict.headline, str(path), (line0 or 0) + 1,
+                          style=item.config.getoption("tbstyle", "auto"))
+    ihook = item.ihook
+    ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="failed", longrepr=longrepr,
+                                                            when="call", sections=sections,
+                                                            duration=plan.timeout_s))
+    labelled = [(title, "".join(f"[rank {title.split()[3]}] {line}" for line in text.splitlines(keepends=True)))
+                for title, text in sections]
+    ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="passed", longrepr=None,
+                                                            when="teardown", sections=labelled))
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    session = item.session
+    left = len(session.items) - session.items.index(item) - 1 if item in session.items else 0
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(f"tplogp (torchrun): {item.nodeid} passed its deadline of {plan.timeout_s:g} s; a process "
+                            f"group cannot be respawned, so the job ends here ({left} test(s) not run).", red=True)
+    item.config.hook.pytest_sessionfinish(session=session, exitstatus=pytest.ExitCode.TESTS_FAILED)
