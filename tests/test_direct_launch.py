@@ -165,13 +165,13 @@ def test_sm90_descriptors_equal_from_tensor():
     pytest.importorskip("triton")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from tplogp.kernels import sm90
+    from tplogp.kernels import hopper_launch
 
     t = torch.zeros(64, 40, dtype=torch.bfloat16)
-    assert sm90._descriptor(t, [16, 32]) == TensorDescriptor.from_tensor(t, [16, 32])
+    assert hopper_launch._descriptor(t, [16, 32]) == TensorDescriptor.from_tensor(t, [16, 32])
 
 
-@pytest.mark.parametrize("module_name", ["launch", "sm90", "gluon_sm90"])
+@pytest.mark.parametrize("module_name", ["generic_launch", "hopper_launch"])
 def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
     """Every ``launcher(kernel)(grid, ...)`` call in the launchers passes all of the kernel's constexprs, in
     signature order (else it would silently stay on the slower JIT path)."""
@@ -181,8 +181,6 @@ def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
     import inspect
 
     module = importlib.import_module(f"tplogp.kernels.{module_name}")
-    if module_name == "gluon_sm90" and not module.available()[0]:
-        pytest.skip(f"no Gluon kernel here: {module.available()[1]}")
     tree = ast.parse(inspect.getsource(module))
     sites = 0
     for node in ast.walk(tree):
@@ -194,7 +192,7 @@ def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
             assert names == expected, f"{node.func.args[0].id}: constexprs {names}, signature order {expected}"
             assert len(node.args) == 1 + DirectLauncher(kernel).n_runtime, node.func.args[0].id
             sites += 1
-    assert sites >= (1 if module_name == "gluon_sm90" else 2)
+    assert sites >= 2
 
 
 def test_triton_versions_outside_the_known_launcher_call_keep_the_jit_path():

@@ -124,11 +124,24 @@ def test_fp16_native(bias):
 
 
 @pytest.mark.parametrize("bad", [-1, 50, -100], ids=["negative", "past-the-end", "unignored-sentinel"])
-def test_target_outside_the_vocabulary_is_rejected(bad):
-    """One shard: a target no shard owns raises the runbook's coverage message (ignore_index only exempts itself)."""
+@pytest.mark.parametrize("mode", ["full", "sync"])
+def test_target_outside_the_vocabulary_is_rejected(bad, mode, monkeypatch):
+    """One shard: a target no shard owns raises the runbook's coverage message (ignore_index only exempts itself):
+    at the call with TPLOGP_CHECKS=sync; with the default (full) the call gives NaN for that token and the next
+    call raises, once."""
     from tplogp import LinearLogpInputError
 
+    monkeypatch.setenv("TPLOGP_CHECKS", mode)
+    op = get_op("linear_logp", source="native")
     h, w = torch.randn(4, 8), torch.randn(50, 8)
     t = torch.tensor([1, bad, 3, -7])
-    with pytest.raises(LinearLogpInputError, match=rf"covered by exactly one TP vocab shard: target id {bad} "):
-        get_op("linear_logp", source="native")(h, w, t, ignore_index=-7)
+    message = rf"covered by exactly one TP vocab shard: target id {bad} "
+    if mode == "sync":
+        with pytest.raises(LinearLogpInputError, match=message):
+            op(h, w, t, ignore_index=-7)
+        return
+    out = op(h, w, t, ignore_index=-7)
+    assert torch.isnan(out).tolist() == [False, True, False, False]
+    with pytest.raises(LinearLogpInputError, match=message + r".*earlier linear_logp call"):
+        op(h, w, torch.tensor([1, 2, 3, 4]))
+    assert torch.isfinite(op(h, w, torch.tensor([1, 2, 3, 4]))).all()  # raised once; good calls run

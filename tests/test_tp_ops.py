@@ -170,3 +170,25 @@ def test_fast_checks_mark_uncovered_tokens_nan(tp):
         else:
             os.environ["TPLOGP_CHECKS"] = old
     assert torch.isnan(out).tolist() == [False, False, False, False, True]
+
+
+@pytest.mark.tp(world_size=2, timeout=60)
+@pytest.mark.parametrize("with_group", [True, False])
+def test_single_shard_layout_error_names_the_group_it_was_given(tp, with_group):
+    """A group of one rank, or none, holds the whole vocabulary in one shard; the message says which was passed."""
+    from tplogp import get_op
+
+    own = [tp.new_group([r]) for r in range(tp.world_size)][tp.rank]  # every rank creates every group
+    kw = {"tp_group": own} if with_group else {}
+    calls = {"start": dict(vocab_start_index=4), "size": dict(global_vocab_size=12)}
+    where = "with a tp_group of size 1" if with_group else "without a tp_group"
+    expected = {
+        "start": f"vocab shards leave a gap: {where} the single shard must start at 0, got vocab_start_index=4 "
+                 f"(ids [0, 4) owned by no rank)",
+        "size": f"{where} the weight must hold the whole vocabulary: weight has 8 rows but global_vocab_size is 12",
+    }
+    for name, layout in calls.items():
+        with pytest.raises(ShardLayoutError) as info:
+            get_op("linear_logp", source="native")(torch.randn(3, 4), torch.randn(8, 4), torch.tensor([0, 1, 2]),
+                                                   **kw, **layout)
+        assert str(info.value) == expected[name]

@@ -6,16 +6,23 @@ vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are cho
 :mod:`tplogp.kernel_registry`. Importing this package does no device work.
 """
 
-from .api import linear_logp
+from . import losses
+from .api import get_op, linear_logp, linear_logp_loss
+from .deferred_checks import check_errors
 from .shards import ShardLayoutError
-from .tp import LogpOutputs
+from .outputs import LogpEntropy, LogpEntropyLse, LogpLse
 from .validation import LinearLogpInputError
-from .kernel_registry import SourceUnavailableError, get_op
+from .kernel_registry import SourceUnavailableError
 
 __all__ = [
     "linear_logp",
+    "linear_logp_loss",
+    "losses",
+    "check_errors",
     "get_op",
-    "LogpOutputs",
+    "LogpEntropy",
+    "LogpLse",
+    "LogpEntropyLse",
     "LinearLogpInputError",
     "ShardLayoutError",
     "SourceUnavailableError",

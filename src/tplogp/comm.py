@@ -13,3 +13,50 @@ def all_gather_flat(inp: torch.Tensor, group) -> torch.Tensor:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp.contiguous(), group=group)
     return out
+
+
+def group_name(group) -> str:
+    """The name that identifies ``group`` to :func:`group_from_name` ("" for None: no group)."""
+    return "" if group is None else group.group_name
+
+
+def group_from_name(name: str):
+    """The process group registered under ``name`` (None for "")."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+class OverlappedAllReduce:
+    """Sum a tensor over ``group`` with an async collective started as soon as the tensor is complete.
+
+    ``start(t)`` issues ``all_reduce(async_op=True)`` on ``t`` (moved to ``comm_device`` first when the group cannot
+    reduce tensors where they are): the caller keeps computing (e.g. ``d_W``) while it runs, and must not modify
+    ``t`` afterwards. ``finish(t)`` starts it if nobody did, waits, and returns the sum on ``t``'s device.
+    Identical sums to a blocking ``all_reduce``: the same collective on the same data.
+    """
+
+    def __init__(self, group, comm_device: torch.device):
+        self.group = group
+        self.comm_device = comm_device
+        self._work = None
+        self._buf: torch.Tensor | None = None
+        self._source: torch.Tensor | None = None
+
+    def start(self, t: torch.Tensor) -> None:
+        if self._buf is not None:
+            raise RuntimeError("OverlappedAllReduce.start called twice")
+        self._source = t
+        self._buf = t.to(self.comm_device)
+        self._work = dist.all_reduce(self._buf, group=self.group, async_op=True)
+
+    def finish(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if self._buf is None:
+            self.start(t)
+        elif self._source is not t:
+            raise RuntimeError("OverlappedAllReduce.finish got another tensor than the one started")
+        self._work.wait()
+        return self._buf.to(t.device)

@@ -1,9 +1,12 @@
 """Which source computes an op: a registry with a priority order and readable reasons.
 
-``get_op("linear_logp", source=None)`` returns a callable with the public signature. With ``source=None`` (the
-runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on Hopper, then ``triton`` on CUDA,
-then ``native``; the choice is logged once per device on the ``tplogp`` logger. An explicitly requested source that
-cannot run raises :class:`SourceUnavailableError` with the backend's own reason. Backends are imported lazily, so
+``backend_for_call(source, device, dtype)`` resolves the backend of one call (``tplogp.get_op`` binds ``source``).
+With ``source=None`` (the runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on
+Hopper, then ``triton`` on CUDA, then ``native``; the choice is logged once per device on the ``tplogp`` logger. An
+explicitly requested source that cannot run raises :class:`SourceUnavailableError` with the backend's own reason. A
+source may also refuse one case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for
+example no tile configuration of the fused kernels fits the device's shared memory for that element size); automatic
+selection then takes the next source, an explicit request raises with that reason. Backends are imported lazily, so
 importing tplogp does no device work and does not need Triton.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -48,12 +51,12 @@ class _MissingBackend:
         return self._reason
 
 
-def _check_op(name: str) -> None:
+def check_op(name: str) -> None:
     if name not in OPS:
         raise KeyError(f"unknown op {name!r}; available ops: {', '.join(OPS)}")
 
 
-def _check_source(source: str) -> None:
+def check_source(source: str) -> None:
     if source not in SOURCES:
         raise KeyError(f"unknown source {source!r} for linear_logp; available sources: {', '.join(SOURCES)} "
                        f"(or None for automatic selection)")
@@ -62,7 +65,7 @@ def _check_source(source: str) -> None:
 @functools.lru_cache(maxsize=None)
 def get_backend(source: str) -> ShardBackend:
     """The backend object for ``source`` (imported on first use)."""
-    _check_source(source)
+    check_source(source)
     module_name, cls_name = _BACKEND_CLASSES[source]
     try:
         module = importlib.import_module(module_name)
@@ -79,77 +82,77 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def unavailable_reason(source: str, device: Optional[torch.device] = None) -> Optional[str]:
-    """None if ``source`` can run on ``device`` (default: current CUDA device, else CPU), else why not."""
-    return get_backend(source).unavailable_reason(device if device is not None else _default_device())
+def unavailable_reason(source: str, device: Optional[torch.device] = None,
+                       dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None if ``source`` can run on ``device`` (default: current CUDA device, else CPU) and, when ``dtype`` is
+    given, with inputs of that dtype; else why not."""
+    backend = get_backend(source)
+    device = device if device is not None else _default_device()
+    why = backend.unavailable_reason(device)
+    if why is None and dtype is not None:
+        refuse = getattr(backend, "unsupported_reason", None)  # optional: sources that refuse no case lack it
+        why = refuse(device, dtype) if refuse is not None else None
+    return why
 
 
-def source_status(op: str = "linear_logp", device: Optional[torch.device] = None) -> dict[str, Optional[str]]:
-    """``{source: None or reason}`` for every source of ``op``."""
-    _check_op(op)
-    return {s: unavailable_reason(s, device) for s in SOURCES}
+def source_status(op: str = "linear_logp", device: Optional[torch.device] = None,
+                  dtype: Optional[torch.dtype] = None) -> dict[str, Optional[str]]:
+    """``{source: None or reason}`` for every source of ``op`` (on ``device``, for inputs of ``dtype`` if given)."""
+    check_op(op)
+    return {s: unavailable_reason(s, device, dtype) for s in SOURCES}
 
 
 _logged_choice: set = set()
 
 
-def select_source(device: torch.device) -> str:
-    """Automatic choice for ``device``: sm90 on Hopper, then triton on CUDA, then native."""
+def select_source(device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
+    """Automatic choice for ``device`` (and inputs of ``dtype``): sm90 on Hopper, then triton on CUDA, then
+    native."""
     reasons = {}
     for source in PRIORITY:
         if source != "native" and device.type != "cuda":
             reasons[source] = "automatic selection uses fused sources on CUDA devices only"
             continue
-        why = unavailable_reason(source, device)
+        why = unavailable_reason(source, device, dtype)
         if why is None:
-            key = (str(device), source)
+            key = (str(device), source, dtype)
             if key not in _logged_choice:
                 _logged_choice.add(key)
                 skipped = "; ".join(f"{s}: {r}" for s, r in reasons.items())
-                log.info("linear_logp on %s uses source %r%s", device, source, f" (skipped {skipped})" if skipped else "")
+                log.info("linear_logp on %s%s uses source %r%s", device, "" if dtype is None else f" for {dtype}",
+                         source, f" (skipped {skipped})" if skipped else "")
             return source
         reasons[source] = why
     raise SourceUnavailableError(f"no linear_logp source can run on {device}: {reasons}")  # native always can
 
 
-def _require(source: str, device: Optional[torch.device]) -> ShardBackend:
-    why = unavailable_reason(source, device)
+def require_source(source: str, device: Optional[torch.device], dtype: Optional[torch.dtype] = None) -> ShardBackend:
+    why = unavailable_reason(source, device, dtype)
     if why is not None:
         raise SourceUnavailableError(f"{_KERNEL_NAMES[source]} is unavailable: {why}")
     return get_backend(source)
 
 
-def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[..., torch.Tensor]:
-    """The op callable. ``source=None`` or ``"registry"`` selects per call; otherwise that source or an error."""
-    _check_op(name)
-    from .api import make_linear_logp  # late import: api imports this module
-
-    if source in (None, "registry", "auto"):
-        return make_linear_logp(None)
-    _check_source(source)
-    _require(source, None)
-    return make_linear_logp(source)
-
-
 _resolved_on_cuda: dict = {}
 
 
-def backend_for_call(source: Optional[str], device: torch.device) -> ShardBackend:
-    """Resolve the backend that runs one call on ``device``.
+def backend_for_call(source: Optional[str], device: torch.device,
+                     dtype: Optional[torch.dtype] = None) -> ShardBackend:
+    """Resolve the backend that runs one call on ``device`` with inputs of ``dtype``.
 
-    On CUDA devices the answer is remembered per (source, device index): what decides it (installed modules, the
-    device's compute capability) does not change within a process, and the probes cost host time on every call.
-    Failures are not remembered (they raise each time)."""
+    On CUDA devices the answer is remembered per (source, device index, dtype): what decides it (installed modules,
+    the device's compute capability and shared memory) does not change within a process, and the probes cost host
+    time on every call. Failures are not remembered (they raise each time)."""
     if device.type == "cuda":
-        key = (source, device.index if device.index is not None else torch.cuda.current_device())
+        key = (source, device.index if device.index is not None else torch.cuda.current_device(), dtype)
         backend = _resolved_on_cuda.get(key)
         if backend is None:
-            backend = _resolved_on_cuda[key] = _resolve(source, device)
+            backend = _resolved_on_cuda[key] = _resolve(source, device, dtype)
         return backend
-    return _resolve(source, device)
+    return _resolve(source, device, dtype)
 
 
-def _resolve(source: Optional[str], device: torch.device) -> ShardBackend:
+def _resolve(source: Optional[str], device: torch.device, dtype: Optional[torch.dtype]) -> ShardBackend:
     if source is None:
-        return get_backend(select_source(device))
-    return _require(source, device)
+        return get_backend(select_source(device, dtype))
+    return require_source(source, device, dtype)

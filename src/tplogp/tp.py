@@ -15,7 +15,9 @@ Forward, per call:
      a token whose owner count is not 1 (possible only when ``TPLOGP_CHECKS=fast`` skipped the target check)
      gets NaN.
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
-partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it.
+partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
+before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async
+there and runs while ``d_W`` is computed.
 
 Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single``
 (triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
@@ -25,14 +27,20 @@ and 3 cost no host ops (what matters at small shapes, where a call's host time i
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from .backends.base import ShardBackend, ShardCall, f32_contiguous
-from .comm import all_gather_flat
+from .backends.base import ShardBackend, ShardCall
+from .comm import OverlappedAllReduce, all_gather_flat
+from .deferred_checks import defer_target_range_check, raise_pending_errors
+from .outputs import LinearLogpResult, pack_outputs
+from .tensors import f32_contiguous
 from .validation import (
     GroupCheck,
     LinearLogpInputError,
@@ -41,15 +49,8 @@ from .validation import (
     local_problem,
     summarize_targets,
     target_range_problem,
+    target_summary_tensor,
 )
-
-
-class LogpOutputs(NamedTuple):
-    """What ``linear_logp`` returns when entropy or lse is requested (each with the targets' shape, fp32)."""
-
-    logp: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    lse: Optional[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     be, call = tpc.backend, tpc.call
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         out = be.forward_single(hidden, weight, bias, local_target, call)
-        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel)
+        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, None)
     st = be.forward_stats(hidden, weight, bias, local_target, call)
     owned = local_target >= 0
     if tpc.world_size > 1:
@@ -139,7 +140,24 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     logp = torch.where(covered, target_rel - log_sum, float("nan"))
     lse = row_max + log_sum
     entropy = None if mean_rel is None else log_sum - mean_rel
-    return (logp, entropy, lse), (row_max, log_sum, mean_rel)
+    return (logp, entropy, lse), (row_max, log_sum, mean_rel, st.kept)
+
+
+def _without_autocast(backward):
+    """Run ``backward`` with autocast off, so the sources see the dtypes of the forward also when the backward runs
+    inside an autocast region (CPU autograd runs the backward on the caller's thread, with its autocast state)."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if not on:
+            return backward(ctx, *grads)
+        with contextlib.ExitStack() as stack:
+            for device_type in on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            return backward(ctx, *grads)
+
+    return run
 
 
 class _LinearLogpFunction(torch.autograd.Function):
@@ -147,13 +165,14 @@ class _LinearLogpFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
-        outputs, (row_max, log_sum, mean_rel) = _shard_forward(hidden, weight, bias, local_target, tpc)
-        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel)
+        outputs, (row_max, log_sum, mean_rel, kept) = _shard_forward(hidden, weight, bias, local_target, tpc)
+        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
         return outputs
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, g_logp, g_entropy, g_lse):
-        hidden, weight, bias, local_target, row_max, log_sum, mean_rel = ctx.saved_tensors
+        hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if g_logp is None:  # only entropy or lse feeds the loss
@@ -161,46 +180,46 @@ class _LinearLogpFunction(torch.autograd.Function):
         g_logp = f32_contiguous(g_logp)
         g_ent = None if (g_entropy is None or mean_rel is None) else f32_contiguous(g_entropy)
         g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
+        # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
+        reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
-                                     mean_rel if g_ent is not None else None, tpc.call, needs)
-        d_hidden = grads.d_hidden
+                                     mean_rel if g_ent is not None else None, tpc.call, needs,
+                                     d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
+        d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
         if d_hidden is not None:
-            if tpc.world_size > 1:
-                buf = d_hidden.to(tpc.comm_device)
-                dist.all_reduce(buf, group=tpc.group)
-                d_hidden = buf.to(hidden.device)
             if d_hidden.dtype != hidden.dtype:
                 d_hidden = d_hidden.to(hidden.dtype)
         return d_hidden, grads.d_weight, grads.d_bias, None, None
 
 
-def linear_logp_tp(
-    backend: ShardBackend,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    tp_group=None,
-    vocab_start_index: int = 0,
-    global_vocab_size: Optional[int] = None,
-    options: LogpOptions = LogpOptions(),
-):
-    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
+class PreparedCall(NamedTuple):
+    """A validated call: 2-D contiguous inputs (ignored rows compacted away), shard-local targets, the context."""
 
-    Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
-    """
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    local_target: torch.Tensor
+    keep_idx: Optional[torch.Tensor]  # rows kept by ignore_index compaction, or None
+    tpc: _TPContext
+    vocab_size: int  # of all shards together (the same on every rank)
+
+
+def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                 global_vocab_size: Optional[int], options: LogpOptions,
+                 builds_graph: Optional[bool] = None) -> PreparedCall:
+    """Checks (the same verdict on every rank), flattening, ignore_index compaction and target localisation.
+
+    ``builds_graph``: whether the call records an autograd graph (None: grad mode and ``hidden.requires_grad``)."""
     mode = checks_mode()
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    if world == 1 and mode != "fast":
+        raise_pending_errors()  # the deferred verdict of the previous call without a group
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature)
-    targets = None
-    if problem is None and mode == "full":
-        targets = summarize_targets(target_ids, options.ignore_index, with_checksum=world > 1)
     if world > 1:
         comm_dev = _comm_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
         ok = problem is None
-        total = GroupCheck.run(
+        total, targets = GroupCheck.run(
             tp_group, comm_dev, problem,
             n_tokens=int(target_ids.numel()) if ok else -1,
             hidden_size=int(hidden.shape[-1]) if ok else -1,
@@ -209,22 +228,33 @@ def linear_logp_tp(
             global_vocab_size=global_vocab_size if ok else None,
             dtype=hidden.dtype if ok else torch.float32,
             has_bias=bias is not None,
-            checksum=targets.checksum if targets is not None else 0,
+            targets=(target_summary_tensor(target_ids, options.ignore_index, with_checksum=True)
+                     if ok and mode != "fast" else None),
             ignore_index=options.ignore_index,
             mode=mode,
-            builds_graph=bool(ok and torch.is_grad_enabled() and hidden.requires_grad),
+            builds_graph=bool(ok and (torch.is_grad_enabled() and hidden.requires_grad if builds_graph is None
+                                      else builds_graph)),
         )
     else:
         comm_dev = torch.device("cpu")
         if problem is not None:
             raise LinearLogpInputError(problem)
-        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size)
+        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size,
+                                      group_given=tp_group is not None)
+        targets = summarize_targets(target_ids, options.ignore_index, with_checksum=False) if mode == "sync" else None
+        if mode == "full":  # read at the next call (no host sync now); uncovered tokens get NaN meanwhile
+            defer_target_range_check(target_ids, total, options.ignore_index)
     if targets is not None:  # identical on every rank: the checksum exchange proved the targets replicated
         msg = target_range_problem(targets, total, options.ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg)
+    return localize_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
+                         comm_dev, total)
 
-    out_shape = tuple(target_ids.shape)
+
+def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                  options: LogpOptions, world: int, comm_dev: torch.device, total: int) -> PreparedCall:
+    """Flattening, ignore_index compaction and target localisation of a call whose checks have passed."""
     d = hidden.shape[-1]
     h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
     tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
@@ -252,7 +282,33 @@ def linear_logp_tp(
     else:
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
+    return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total)
+
+
+def linear_logp_tp(
+    backend: ShardBackend,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    tp_group=None,
+    vocab_start_index: int = 0,
+    global_vocab_size: Optional[int] = None,
+    options: LogpOptions = LogpOptions(),
+) -> LinearLogpResult:
+    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path with ``backend``.
+
+    The layer under :func:`tplogp.linear_logp` (which adds source selection, autocast, DTensor and the
+    ``torch.library`` op). Returns the logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the
+    requested outputs.
+    """
+    out_shape = tuple(target_ids.shape)
+    h2, w, b, local_target, keep_idx, tpc, _ = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
+                                                            vocab_start_index, global_vocab_size, options)
+    call = tpc.call
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        tpc.call = dataclasses.replace(call, for_backward=True)  # the forward may keep logits for the backward
         logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
     else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
         (logp, entropy, lse), _ = _shard_forward(h2, w, b, local_target, tpc)
@@ -267,6 +323,70 @@ def linear_logp_tp(
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
         lse = lse.view(out_shape)
-    if not (options.return_entropy or options.return_lse):
-        return logp
-    return LogpOutputs(logp, entropy if options.return_entropy else None, lse if options.return_lse else None)
+    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse)
+
+
+# ---- the bodies that the torch.library ops (tplogp.ops) run ----------------------------------------------------------
+
+# Rows of the packed fp32 [K, N] result of ``forward_packed``: the outputs, then what the backward needs.
+PACKED_LOGP, PACKED_LSE, PACKED_ROW_MAX, PACKED_LOG_SUM, PACKED_ENTROPY, PACKED_MEAN_REL = range(6)
+
+
+def packed_rows(with_entropy: bool) -> int:
+    """K of the packed result: 4 rows, 6 with entropy."""
+    return 6 if with_entropy else 4
+
+
+def _all_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int) -> torch.Tensor:
+    """``[K, n_kept]`` -> ``[K, n_all]``, zeros at the ignored rows."""
+    if keep_idx is None:
+        return x
+    return x.new_zeros((x.shape[0], n_all)).index_copy(1, keep_idx, x)
+
+
+def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                   global_vocab_size: Optional[int], options: LogpOptions, builds_graph: bool) -> torch.Tensor:
+    """Checks and forward of one call as one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored
+    rows 0). One output, so that no two outputs of the op share memory. Nothing is kept for the backward beyond
+    the packed rows: the backward recomputes the logits."""
+    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                        options, builds_graph=builds_graph)
+    (logp, entropy, lse), (row_max, log_sum, mean_rel, _) = _shard_forward(prep.hidden, prep.weight, prep.bias,
+                                                                           prep.local_target, prep.tpc)
+    rows = [logp, lse, row_max, log_sum] + ([entropy, mean_rel] if options.return_entropy else [])
+    return _all_rows(torch.stack(rows), prep.keep_idx, target_ids.numel())
+
+
+class _SavedCall:
+    """What ``_LinearLogpFunction.backward`` reads from its autograd context, for a call from the op's backward."""
+
+    def __init__(self, saved_tensors: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]) -> None:
+        self.saved_tensors = saved_tensors
+        self.tpc = tpc
+        self.needs_input_grad = (*needs, False, False)
+
+
+def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, packed: torch.Tensor,
+                    grad_packed: torch.Tensor, tp_group, vocab_start_index: int, options: LogpOptions,
+                    needs: tuple[bool, bool, bool]) -> tuple[Optional[torch.Tensor], ...]:
+    """The backward of ``forward_packed``: ``(d_hidden, d_weight, d_bias)`` (None where not needed) from the saved
+    packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get
+    none). The forward checked the call, so no checks run here."""
+    world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    comm_dev = _comm_device(tp_group, hidden.device) if world > 1 else torch.device("cpu")
+    prep = localize_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
+                         comm_dev, 0)
+    if prep.keep_idx is not None:
+        packed, grad_packed = packed.index_select(1, prep.keep_idx), grad_packed.index_select(1, prep.keep_idx)
+    mean_rel = packed[PACKED_MEAN_REL] if options.return_entropy else None
+    g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
+    saved = (prep.hidden, prep.weight, prep.bias, prep.local_target, packed[PACKED_ROW_MAX], packed[PACKED_LOG_SUM],
+             mean_rel, None)
+    d_hidden, d_weight, d_bias, _, _ = _LinearLogpFunction.backward(
+        _SavedCall(saved, prep.tpc, needs), grad_packed[PACKED_LOGP], g_entropy, grad_packed[PACKED_LSE])
+    if d_hidden is not None:
+        if prep.keep_idx is not None:
+            d_hidden = d_hidden.new_zeros((target_ids.numel(), d_hidden.shape[1])).index_copy(0, prep.keep_idx,
+                                                                                               d_hidden)
+        d_hidden = d_hidden.view(hidden.shape)
+    return d_hidden, d_weight, d_bias

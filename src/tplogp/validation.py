@@ -7,29 +7,37 @@ single ``all_gather``. Every rank then reaches the same verdict from the same ga
 error. When some rank has a local problem, its message text is shared with ``all_gather_object`` (entered by all
 ranks, because all of them saw the flag).
 
-Modes (``TPLOGP_CHECKS``): ``full`` (default) reads the targets' checksum and range in one host sync and exchanges
-the record on every call; a validated partition plus targets inside ``[0, vocab)`` means every target has exactly
-one owner, so the forward needs no further check. ``fast`` exchanges the record only for the first call of each
-(group, layout, dtype, hidden size) and skips the host-synchronizing target check: one collective per forward and
-no host syncs, as CUDA-graph capture needs; tokens whose target no shard owns then come out as NaN, and ranks that
-disagree on the token count are the caller's bug (they would block in the stats exchange).
+Modes (``TPLOGP_CHECKS``):
+
+* ``full`` (default): with a group, the targets' checksum and range are computed on the device and travel in the
+  record, which is exchanged and read on every call (one host read, which also proves the token counts agree
+  before the stats exchange); errors surface at the call. Without a group nothing is read on the host: the range
+  verdict is copied to the host asynchronously and raised at the next call without a group, or by
+  :func:`tplogp.check_errors` (see :mod:`tplogp.deferred_checks`). A validated partition plus targets inside
+  ``[0, vocab)`` means every target has exactly one owner, so the forward needs no further check.
+* ``sync``: as ``full``, but without a group the range is read at the call (one host sync), so the error surfaces
+  at the call that caused it.
+* ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size) and skips the
+  target check: one collective per forward and no host syncs, as CUDA-graph capture needs; tokens whose target no
+  shard owns then come out as NaN, and ranks that disagree on the token count are the caller's bug (they would
+  block in the stats exchange).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import settings
 from .comm import all_gather_flat
 from .shards import ShardLayoutError, validate_ranges
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 COVERAGE_MESSAGE = "target_ids must be covered by exactly one TP vocab shard"
-CHECK_MODES = ("full", "fast")
+CHECK_MODES = settings.CHECK_MODES
 
 
 class LinearLogpInputError(ValueError):
@@ -37,10 +45,11 @@ class LinearLogpInputError(ValueError):
 
 
 def checks_mode() -> str:
-    mode = os.environ.get("TPLOGP_CHECKS", "full").strip().lower() or "full"
-    if mode not in CHECK_MODES:
-        raise LinearLogpInputError(f"TPLOGP_CHECKS must be one of {CHECK_MODES}, got {mode!r}")
-    return mode
+    """``TPLOGP_CHECKS`` (:func:`tplogp.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
+    try:
+        return settings.checks_mode()
+    except settings.SettingsError as exc:
+        raise LinearLogpInputError(str(exc)) from exc
 
 
 def local_problem(
@@ -104,11 +113,15 @@ class TargetSummary(NamedTuple):
     hi: int  # largest non-ignored id (lo > hi when every position is ignored)
 
 
-def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int], with_checksum: bool) -> TargetSummary:
-    """Range of the targets (ignored positions exempt) and, for a group, their checksum. Full mode only."""
+def target_summary_tensor(target_ids: torch.Tensor, ignore_index: Optional[int], with_checksum: bool) -> torch.Tensor:
+    """``[checksum, lo, hi]`` (int64, on the targets' device) without reading anything on the host.
+
+    ``lo``/``hi`` are the smallest/largest non-ignored ids (``lo > hi`` when every position is ignored); the
+    checksum (0 without ``with_checksum``) fingerprints the ids to detect ranks given different targets.
+    """
     t = target_ids.reshape(-1).long()
     if t.numel() == 0:
-        return TargetSummary(0, 0, -1)  # empty: lo > hi
+        return torch.tensor([0, 0, -1], dtype=torch.long, device=t.device)
     checksum = torch.zeros((), dtype=torch.long, device=t.device)
     if with_checksum:
         weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
@@ -119,7 +132,12 @@ def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int], wit
         keep = t != ignore_index
         lo = torch.where(keep, t, torch.iinfo(torch.long).max).amin()
         hi = torch.where(keep, t, -1).amax()
-    return TargetSummary(*torch.stack([checksum, lo, hi]).tolist())  # the one host sync
+    return torch.stack([checksum, lo, hi])
+
+
+def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int], with_checksum: bool) -> TargetSummary:
+    """:func:`target_summary_tensor` read on the host (one host sync)."""
+    return TargetSummary(*target_summary_tensor(target_ids, ignore_index, with_checksum).tolist())
 
 
 def target_range_problem(summary: TargetSummary, vocab_size: int, ignore_index: Optional[int]) -> Optional[str]:
@@ -134,9 +152,9 @@ def target_range_problem(summary: TargetSummary, vocab_size: int, ignore_index: 
 
 
 class GroupCheck:
-    """The collective verdict. ``run`` returns the global vocab size."""
+    """The collective verdict. ``run`` returns the global vocab size and, when given targets, their summary."""
 
-    _FIELDS = 11
+    _FIELDS = 13  # verdict, 7 metadata fields, checksum, ignore_index, differentiability, lo, hi
     # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
     _verified: dict = {}
 
@@ -153,17 +171,19 @@ class GroupCheck:
         global_vocab_size: Optional[int],
         dtype: torch.dtype,
         has_bias: bool,
-        checksum: int,
+        targets: Optional[torch.Tensor],
         ignore_index: Optional[int],
         mode: str,
         builds_graph: bool = False,
-    ) -> int:
+    ) -> tuple[int, Optional[TargetSummary]]:
+        """``targets``: this rank's :func:`target_summary_tensor` (device ``[3]``, or None): it travels in the
+        record, so the record exchange is the call's only host read."""
         world = dist.get_world_size(group)
         key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
                builds_graph)
         if mode == "fast" and problem is None and key in cls._verified:
-            return cls._verified[key]
-        record = torch.tensor(
+            return cls._verified[key], None
+        head = torch.tensor(
             [
                 0 if problem is None else 1,
                 n_tokens,
@@ -173,13 +193,15 @@ class GroupCheck:
                 -1 if global_vocab_size is None else global_vocab_size,
                 _DTYPE_CODE.get(dtype, 0),
                 int(has_bias),
-                checksum if mode == "full" else 0,
                 -(1 << 62) if ignore_index is None else ignore_index,
                 int(builds_graph),
             ],
             dtype=torch.long,
             device=comm_device,
         )
+        tail = (torch.tensor([0, 0, -1], dtype=torch.long, device=comm_device) if targets is None
+                else targets.to(comm_device))
+        record = torch.cat([head[:8], tail[:1], head[8:], tail[1:]])
         gathered = all_gather_flat(record, group)
         rows = gathered.view(world, cls._FIELDS).cpu().tolist()
         if any(r[0] for r in rows):
@@ -194,7 +216,9 @@ class GroupCheck:
         total = validate_ranges(ranges, None if declared == {-1} else max(declared))
         if mode == "fast":
             cls._verified[key] = total
-        return total
+        # identical on every rank: the checksum agreement proved the targets replicated
+        summary = None if targets is None else TargetSummary(rows[0][8], rows[0][11], rows[0][12])
+        return total, summary
 
     @staticmethod
     def _check_agreement(rows: Sequence[Sequence[int]]) -> None:
@@ -220,14 +244,16 @@ class GroupCheck:
         differ(8, "target_ids (they must be replicated: the same global ids on every rank)", lambda c: f"#{c:x}")
 
 
-def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int]) -> int:
-    """Without a TP group the weight must be the whole vocabulary. Returns the vocab size."""
+def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
+                          group_given: bool = False) -> int:
+    """Without a TP group, or with a group of one rank, the weight must be the whole vocabulary. Returns its size."""
+    where = "with a tp_group of size 1" if group_given else "without a tp_group"
     if vocab_start_index != 0:
         raise ShardLayoutError(
-            f"vocab shards leave a gap: without a tp_group the single shard must start at 0, "
+            f"vocab shards leave a gap: {where} the single shard must start at 0, "
             f"got vocab_start_index={vocab_start_index} (ids [0, {vocab_start_index}) owned by no rank)")
     if global_vocab_size is not None and global_vocab_size != v_local:
         raise ShardLayoutError(
-            f"without a tp_group the weight must hold the whole vocabulary: weight has {v_local} rows "
+            f"{where} the weight must hold the whole vocabulary: weight has {v_local} rows "
             f"but global_vocab_size is {global_vocab_size}")
     return v_local

@@ -29,6 +29,10 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
         d_weight = d_logits^T @ hidden        (fp32 accumulation, returned in weight.dtype)
         d_bias   = sum_t d_logits             (fp32 accumulation, returned in bias.dtype)
 
+    computing ``d_hidden`` before the ``d_weight`` work. ``d_hidden_ready`` (optional) is called with the finished
+    ``d_hidden`` as soon as it is complete, before the remaining ``d_weight`` work; the caller may start an async
+    collective on it, so the backend must not touch that tensor afterwards (it returns it as ``ShardGrads.d_hidden``).
+
 ``forward_single`` (optional)
     When one shard holds the whole vocab (no group, or a group of one), a backend may finish the per-token outputs
     itself and save the TP layer's merge ops (host time at small shapes): return :class:`SingleShardOutputs`. The
@@ -42,9 +46,8 @@ lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the targ
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -56,6 +59,8 @@ class ShardStats(NamedTuple):
     sum_exp: torch.Tensor
     target_logit: torch.Tensor
     sum_exp_z: Optional[torch.Tensor]
+    # what the forward kept for the backward within the workspace budget (backend-specific layout), or None
+    kept: Optional[torch.Tensor] = None
 
 
 class SingleShardOutputs(NamedTuple):
@@ -84,29 +89,11 @@ class ShardCall:
     inv_temperature: float = 1.0
     with_entropy: bool = False
     deterministic: bool = False
-    # Bytes the backend may use for its fp32 logits workspace; None lets the backend choose.
+    # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
+    # keeps for the backward (docs/operator.md, "Memory budget"). None: the source's default (nothing kept).
     workspace_bytes: Optional[int] = None
-
-
-def workspace_bytes_from_env() -> Optional[int]:
-    """``TPLOGP_WORKSPACE_MB`` in bytes (the sources' workspace budget when the call gives none), or None if unset."""
-    env = os.environ.get("TPLOGP_WORKSPACE_MB")
-    if not env:
-        return None
-    try:
-        mb = float(env)
-    except ValueError as exc:
-        raise ValueError(f"TPLOGP_WORKSPACE_MB must be a number of MiB, got {env!r}") from exc
-    if mb <= 0:
-        raise ValueError(f"TPLOGP_WORKSPACE_MB must be positive, got {env!r}")
-    return int(mb * (1 << 20))
-
-
-def f32_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous fp32 tensor (itself when it already is one): the per-token inputs of the primitives."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    return x if x.is_contiguous() else x.contiguous()
+    # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
+    for_backward: bool = False
 
 
 class ShardBackend(Protocol):
@@ -141,4 +128,6 @@ class ShardBackend(Protocol):
         mean_z: Optional[torch.Tensor],  # [N] fp32 E_p[z] - row_max (global) or None
         call: ShardCall,
         needs: tuple[bool, bool, bool],  # (d_hidden, d_weight, d_bias)
+        d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+        kept: Optional[torch.Tensor] = None,  # ShardStats.kept of the forward
     ) -> ShardGrads: ...

@@ -2,9 +2,12 @@
 
 Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 
-* The ``[N, V_local]`` logits are never held whole. Work is tiled into ``[tokens_chunk, vocab_chunk]`` fp32 tiles
-  whose size follows a byte budget (``ShardCall.workspace_bytes``, else ``TPLOGP_WORKSPACE_MB``, else a per-device
-  default). Each tile is one GEMM with fp32 output (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on
+* The ``[N, V_local]`` logits are not held whole unless the budget allows it. Work is tiled into
+  ``[tokens_chunk, vocab_chunk]`` fp32 tiles. The byte budget (``ShardCall.workspace_bytes``, else
+  ``TPLOGP_WORKSPACE_MB``, else the per-device default tile budget) goes to the tiles up to that default; the rest
+  keeps the fp32 logits of the first tiles (in the forward's order) from forward to backward, whose backward then
+  skips the recompute GEMM. Kept tiles are the very values a recompute gives, so every budget gives the same bits
+  for the same tiling. Each tile is one GEMM with fp32 output (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on
   CPU), so the target logit is read from the fp32 accumulator, never from a rounded logit.
 * Forward keeps an online softmax per token across vocab tiles: running max ``m``, ``s = sum exp(z - m)`` and, for
   entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to ``m'``, ``s <- s e^{m-m'}`` and
@@ -21,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from .. import fp32_gemm
-from .base import ShardCall, ShardGrads, ShardStats, workspace_bytes_from_env
+from .. import fp32_gemm, settings
+from .base import ShardCall, ShardGrads, ShardStats
 
 _MIB = 1 << 20
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
@@ -31,10 +34,36 @@ _TILE_COPIES = 4
 DETERMINISTIC_TOKEN_CHUNK = 256
 
 
-def default_workspace_bytes(device: torch.device) -> int:
-    """The tile budget: ``TPLOGP_WORKSPACE_MB`` if set, else 1 GiB on CUDA and 64 MiB elsewhere."""
-    env = workspace_bytes_from_env()
-    return env if env is not None else (1024 if device.type == "cuda" else 64) * _MIB
+def default_tile_bytes(device: torch.device) -> int:
+    """The default budget, all of it for transient tiles: 1 GiB on CUDA and 64 MiB elsewhere."""
+    return (1024 if device.type == "cuda" else 64) * _MIB
+
+
+def split_workspace(workspace_bytes: Optional[int], device: torch.device) -> tuple[int, int]:
+    """``(tile bytes, keep bytes)`` of a budget (the call's, else ``TPLOGP_WORKSPACE_MB``, else the default).
+
+    Tiles get up to the default tile budget; the rest holds fp32 logits tiles kept from forward to backward.
+    """
+    budget = workspace_bytes if workspace_bytes is not None else settings.workspace_bytes()
+    tiles = default_tile_bytes(device)
+    if budget is None:
+        return tiles, 0
+    return min(budget, tiles), max(0, budget - tiles)
+
+
+def kept_tiles(n_tokens: int, vocab: int, tc: int, vc: int, keep_bytes: int, deterministic: bool) -> tuple[int, int]:
+    """``(tiles, fp32 elements)``: the first tiles, in the forward's order (token chunks, then vocab tiles), whose
+    fp32 logits fit ``keep_bytes`` together."""
+    count, used = 0, 0
+    for t0 in range(0, n_tokens, tc):
+        rows = tc if deterministic else min(tc, n_tokens - t0)
+        for v0 in range(0, vocab, vc):
+            size = rows * (min(v0 + vc, vocab) - v0)
+            if (used + size) * 4 > keep_bytes:
+                return count, used
+            used += size
+            count += 1
+    return count, used
 
 
 def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deterministic: bool,
@@ -58,8 +87,13 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
     return tc, vc
 
 
-def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float) -> torch.Tensor:
-    z = fp32_gemm.mm(h, w.t())
+def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if out is None:
+        z = fp32_gemm.mm(h, w.t())
+    else:
+        z = out
+        fp32_gemm.mm_into(z, h, w.t())
     if b is not None:
         z += b.float()
     if inv_t != 1.0:
@@ -96,10 +130,31 @@ class NativeBackend:
     def unavailable_reason(self, device: Optional[torch.device] = None) -> Optional[str]:
         return None
 
-    def _plan(self, hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> tuple[int, int]:
-        budget = call.workspace_bytes or default_workspace_bytes(hidden.device)
+    def _plan(self, hidden: torch.Tensor, weight: torch.Tensor,
+              call: ShardCall) -> tuple[int, int, tuple[int, int]]:
+        """``(tokens_chunk, vocab_chunk, (kept tiles, their fp32 elements))``."""
+        tile_bytes, keep_bytes = split_workspace(call.workspace_bytes, hidden.device)
         low_cpu = hidden.device.type != "cuda" and weight.dtype != torch.float32
-        return plan_chunks(hidden.shape[0], weight.shape[0], hidden.shape[1], budget, call.deterministic, low_cpu)
+        n, v = hidden.shape[0], weight.shape[0]
+        tc, vc = plan_chunks(n, v, hidden.shape[1], tile_bytes, call.deterministic, low_cpu)
+        return tc, vc, kept_tiles(n, v, tc, vc, keep_bytes, call.deterministic)
+
+    @staticmethod
+    def _kept_views(kept: Optional[torch.Tensor], n: int, v: int, tc: int, vc: int, count: int,
+                    deterministic: bool) -> dict:
+        """``{(t0, v0): [rows, cols] view}`` of the kept tiles in ``kept`` (laid out in the forward's order)."""
+        views, offset = {}, 0
+        if kept is None or count == 0:
+            return views
+        for t0 in range(0, n, tc):
+            rows = tc if deterministic else min(tc, n - t0)
+            for v0 in range(0, v, vc):
+                if len(views) == count:
+                    return views
+                cols = min(v0 + vc, v) - v0
+                views[(t0, v0)] = kept[offset: offset + rows * cols].view(rows, cols)
+                offset += rows * cols
+        return views
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         n, v = hidden.shape[0], weight.shape[0]
@@ -110,7 +165,11 @@ class NativeBackend:
         sum_exp_z = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_entropy else None
         if n == 0 or v == 0:
             return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
-        tc, vc = self._plan(hidden, weight, call)
+        tc, vc, (n_kept, kept_elems) = self._plan(hidden, weight, call)
+        kept = None
+        if call.for_backward and n_kept:
+            kept = torch.empty(kept_elems, device=dev, dtype=torch.float32)
+        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic)
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             h = hidden[t0:t1]
@@ -123,14 +182,19 @@ class NativeBackend:
             tl = torch.zeros(t1 - t0, device=dev, dtype=torch.float32)
             for v0 in range(0, v, vc):
                 v1 = min(v0 + vc, v)
-                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature)
+                keep = kept_views.get((t0, v0))  # the tile is computed into the kept buffer
+                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature,
+                                 out=keep)
                 rel = lt - v0
                 own = (rel >= 0) & (rel < v1 - v0)
                 picked = z[: t1 - t0].gather(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
                 tl = torch.where(own, picked, tl)
                 m_new = torch.maximum(m, z.amax(1))
                 alpha = torch.exp(m - m_new)  # 0 on the first tile (m = -inf)
-                z -= m_new.unsqueeze(1)  # z - m'
+                if keep is None:
+                    z -= m_new.unsqueeze(1)  # z - m'
+                else:  # the kept logits stay as they are
+                    z = z - m_new.unsqueeze(1)
                 if q is not None:
                     e = torch.exp(z)
                     shifted = torch.where(alpha > 0, alpha * (q + s * (m - m_new)), torch.zeros_like(q))
@@ -145,10 +209,11 @@ class NativeBackend:
             target_logit[t0:t1] = tl
             if sum_exp_z is not None:
                 sum_exp_z[t0:t1] = q[: t1 - t0]
-        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
+        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs: tuple[bool, bool, bool]) -> ShardGrads:
+                 mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
+                 kept=None) -> ShardGrads:
         need_h, need_w, need_b = needs
         n, d = hidden.shape
         v = weight.shape[0]
@@ -158,7 +223,9 @@ class NativeBackend:
         d_bias32 = torch.zeros(v, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
             self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                 grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32)
+                                 grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32, d_hidden_ready, kept)
+        elif d_hidden is not None and d_hidden_ready is not None:
+            d_hidden_ready(d_hidden)
         d_weight = None
         if d_weight32 is not None:
             d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
@@ -168,15 +235,17 @@ class NativeBackend:
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                        grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32) -> None:
+                        grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32, d_hidden_ready=None,
+                        kept=None) -> None:
         n, v = hidden.shape[0], weight.shape[0]
         # GEMM operand dtype for dz: the weight's dtype on CUDA (like an eager LM head, fp32 accumulation),
         # fp32 on CPU where low-precision GEMMs have no fp32-output path.
         gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
-        tc, vc = self._plan(hidden, weight, call)
-        budget = call.workspace_bytes or default_workspace_bytes(hidden.device)
+        tc, vc, (n_kept, _) = self._plan(hidden, weight, call)
+        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic)
+        tile_bytes, _ = split_workspace(call.workspace_bytes, hidden.device)
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
-        rows_per_block = max(1, budget // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
+        rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             rows = t1 - t0
@@ -202,8 +271,12 @@ class NativeBackend:
             for v0 in range(0, v, vc):
                 v1 = min(v0 + vc, v)
                 w = weight[v0:v1]
-                z = _logits_tile(h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
-                z -= m_c.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peaked target
+                keep = kept_views.get((t0, v0))
+                if keep is None:  # recompute the tile
+                    z = _logits_tile(h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
+                    z -= m_c.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peaked target
+                else:  # the forward kept it: no GEMM (out of place: a repeated backward reads it again)
+                    z = keep - m_c.unsqueeze(1)
                 if ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
                     p = torch.exp(z - ls_c.unsqueeze(1))
                     dz = z.mul_(ge.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
@@ -225,6 +298,11 @@ class NativeBackend:
                 if dh is not None:
                     w_g = w if w.dtype == gemm_dtype else w.to(gemm_dtype)
                     dh += fp32_gemm.mm(dz_g, w_g)
+                    if t1 == n and v1 == v:  # d_hidden complete: hand it over before this tile's d_W update
+                        d_hidden[t0:t1] = dh[:rows]
+                        dh = None
+                        if d_hidden_ready is not None:
+                            d_hidden_ready(d_hidden)
                 if d_weight32 is not None:
                     _accumulate_dw(d_weight32[v0:v1], dz_g, h_gemm, rows_per_block)
             if dh is not None:

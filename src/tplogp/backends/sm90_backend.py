@@ -1,7 +1,7 @@
 """The ``sm90`` source: the Triton kernels specialised for Hopper (compute capability 9.0).
 
 Same algorithm and launchers as :mod:`tplogp.backends.triton_backend`; operand tiles are loaded through tensor
-descriptors (TMA bulk copies) with the Hopper entry of the config table (see :mod:`tplogp.kernels.sm90`). No build
+descriptors (TMA bulk copies) with the Hopper entry of the config table (see :mod:`tplogp.kernels.hopper_kernels`). No build
 step: the kernels are JIT-compiled by Triton on first use. Reports itself unavailable, with the reason, on anything
 but a compute-capability-9.0 CUDA device (the generic ``triton`` source covers the rest, and the CPU interpreter).
 """
@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels import tiles
 from .triton_backend import TritonBackend, _default_device, triton_unavailable_reason
 
 REQUIRED_CAPABILITY = (9, 0)
@@ -42,20 +43,15 @@ class SM90Backend(TritonBackend):
             return f"this Triton has no host tensor descriptors (triton.tools.tensor_descriptor): {exc}"
         return None
 
-    def _cfg(self, device: torch.device):
-        cfg = self.__dict__.get("_cfg_cached")
-        if cfg is None:
-            from ..kernels import configs
-
-            cfg = self._cfg_cached = configs.select_sm90(self._config)
-        return cfg
+    def _select(self, device: torch.device, dtype: torch.dtype):
+        return tiles.select_sm90(device, dtype, self._config)
 
     def _stats_launch(self, device: torch.device):
-        from ..kernels import sm90
+        from ..kernels import hopper_launch
 
-        return sm90.launch_stats_sm90
+        return hopper_launch.launch_stats_tma
 
     def _dlogits_launch(self, device: torch.device):
-        from ..kernels import sm90
+        from ..kernels import hopper_launch
 
-        return sm90.launch_dlogits_tma
+        return hopper_launch.launch_dlogits_tma

@@ -16,11 +16,12 @@ from typing import Optional
 
 import torch
 
-from ..kernels import configs  # torch only: no Triton import, no device work
+from ..kernels import tiles  # torch only: no Triton import, no device work
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _default_device() -> torch.device:
@@ -43,7 +44,7 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, config=None):
-        # config: an optional tplogp.kernels.configs.TileConfig overriding the per-architecture default.
+        # config: an optional tplogp.kernels.tiles.TileConfig overriding the per-architecture default.
         self._config = config
 
     # -- availability ------------------------------------------------------------------------------------
@@ -60,49 +61,69 @@ class TritonBackend:
                 return (f"compute capability {cap[0]}.{cap[1]} of {torch.cuda.get_device_name(device)} is below "
                         f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the oldest the Triton kernels support")
             return None
-        if configs.interpreting():
+        if tiles.interpreting():
             return None
         return (f"the triton source runs on CUDA devices (got {device.type}); set TRITON_INTERPRET=1 before "
                 f"importing the kernels to run them on the CPU through Triton's interpreter")
 
+    def unsupported_reason(self, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+        """None if operands of ``dtype`` can run on ``device`` (an available one), else why not: the tile configs
+        need more shared memory than the device has (see :func:`tplogp.kernels.tiles.select`)."""
+        from ..kernels.tiles import TilesDoNotFitError
+
+        if dtype not in KERNEL_DTYPES:
+            return None  # not a case of this source: the operator's input checks name the dtype
+        try:
+            self._cfg(torch.device(device), dtype)
+        except TilesDoNotFitError as exc:
+            return f"no tile configuration of the {self.name} source fits this device for {dtype}: {exc}"
+        return None
+
     # -- helpers -----------------------------------------------------------------------------------------
-    def _cfg(self, device: torch.device):
-        # cached per device (the capability table lookup costs host time on every call otherwise)
-        cache = self.__dict__.setdefault("_cfg_by_device", {})
-        cfg = cache.get(device)
+    def _cfg(self, device: torch.device, dtype: torch.dtype):
+        """The tile config for ``dtype`` on ``device``, cached per (device, dtype, dot precision): the table lookup
+        and the shared-memory fit cost host time on every call otherwise. Raises ``TilesDoNotFitError``."""
+        cache = self.__dict__.setdefault("_cfg_cache", {})
+        key = (device, dtype, tiles.dot_precision(dtype))
+        cfg = cache.get(key)
         if cfg is None:
-            cfg = cache[device] = configs.select(device, self._config)
+            cfg = cache[key] = self._select(device, dtype)
         return cfg
+
+    def _select(self, device: torch.device, dtype: torch.dtype):
+        return tiles.select(device, dtype, self._config)
 
     def _dlogits_launch(self, device: torch.device):
         return None  # the generic kernel
 
     # -- primitives --------------------------------------------------------------------------------------
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
-        from ..kernels import launch
+        from ..kernels import generic_launch
 
-        row_max, sum_exp, target_logit, sum_exp_z = launch.forward_stats(
-            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device),
+        row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
+            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device, hidden.dtype),
             stats_launch=self._stats_launch(hidden.device))
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
-        from ..kernels import launch
+        from ..kernels import generic_launch
 
-        return SingleShardOutputs(*launch.forward_single(
-            hidden, weight, bias, target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device),
+        return SingleShardOutputs(*generic_launch.forward_single(
+            hidden, weight, bias, target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device, hidden.dtype),
             stats_launch=self._stats_launch(hidden.device)))
 
     def _stats_launch(self, device: torch.device):
         return None  # the generic kernel
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs) -> ShardGrads:
-        from ..kernels import launch
+                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None) -> ShardGrads:
+        from ..kernels import generic_launch
 
-        d_hidden, d_weight, d_bias = launch.backward(
+        d_hidden, d_weight, d_bias = generic_launch.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
-            workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device),
+            workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device, hidden.dtype),
             dlogits_launch=self._dlogits_launch(hidden.device))
+        if d_hidden_ready is not None and d_hidden is not None:
+            d_hidden_ready(d_hidden)
         return ShardGrads(d_hidden, d_weight, d_bias)

@@ -1,13 +1,17 @@
 """Triton kernels behind the ``triton`` and ``sm90`` sources.
 
-Importing this package imports Triton and defines the kernels; it does no CUDA work. Set ``TRITON_INTERPRET=1``
-before the first import to run them on the CPU through Triton's interpreter (small shapes only).
+Importing this package does nothing; importing a kernel module imports Triton and defines its kernels (no CUDA
+work). Set ``TRITON_INTERPRET=1`` before the first import to run them on the CPU through Triton's interpreter (small
+shapes only). Modules, lowest layer first (each imports only the ones above it in this list):
 
-* :mod:`.configs`          fixed tile configs per GPU architecture (a capability table), no autotuning.
-* :mod:`.triton_forward`   fused GEMM + online-softmax statistics per vocab split, the split merge, and the
-                           one-shard finalize (merge + logp / lse / entropy in one pass).
-* :mod:`.triton_backward`  fused GEMM recompute + ``d_logits`` tiles into a bounded workspace, and a
-                           fixed-tiling ``d_hidden`` GEMM for deterministic mode.
-* :mod:`.sm90`             the Hopper variants (tensor-memory-accelerator descriptors, warp specialization).
-* :mod:`.launch`           the launchers shared by both sources: shape checks, workspace planning, cuBLAS steps.
+* :mod:`.tiles`            tile configs per GPU architecture, fitted to the device's shared memory per element
+                           size; the dot precision; the backward's workspace chunking. No Triton import.
+* :mod:`.direct_launch`    launching compiled kernels without Triton's per-call front end.
+* :mod:`.common`           the ``@triton.jit`` helpers both paths share: launch order, dot, exp2, the forward's
+                           online-softmax epilogue, the backward's d_logits epilogue.
+* :mod:`.generic_kernels`  pointer-based kernels: forward statistics per vocab split, the split merge, the one-shard
+                           finalize, the d_logits recompute, the deterministic ``d_hidden`` GEMM.
+* :mod:`.hopper_kernels`   the forward-statistics and d_logits kernels with TMA tensor-descriptor loads (sm_90).
+* :mod:`.generic_launch`   input checks, buffers, launches and the cuBLAS steps (both sources).
+* :mod:`.hopper_launch`    tensor descriptors and the TMA kernels' launches (the sm90 source's hooks).
 """

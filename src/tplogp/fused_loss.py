@@ -1,0 +1,138 @@
+"""``linear_logp_loss``: a per-token loss of (logp, entropy) reduced to a scalar, with its gradients computed in the
+forward, token chunk by token chunk.
+
+Per chunk of tokens (the same number of chunks on every rank): the shard forward (``tp._shard_forward``: the stats,
+one small all_gather with a group, the merge) gives fp32 logp and entropy; the loss callable runs on them under
+autograd, which gives the per-token upstream gradients ``g_logp`` / ``g_entropy``; the source's backward then gives
+the chunk's partial ``d_hidden`` rows, ``d_W`` and ``d_b``. Within the memory budget the chunk's logits kept by its
+forward (``workspace_bytes``, native source) spare the backward its recompute GEMM: 3 GEMMs instead of 4. After the
+last chunk, ONE all_reduce completes ``d_hidden``. The gradients are handed to autograd: the backward only scales
+them by the upstream scalar. The per-token tensors are constants (no gradient flows to them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .losses import PerTokenLoss
+from .tp import LogpOptions, _shard_forward, prepare_call
+
+REDUCTIONS = ("sum", "mean")
+
+
+class _PrecomputedGrads(torch.autograd.Function):
+    """``loss`` as a function of (hidden, weight, bias) whose gradients were computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, loss, grads, hidden, weight, bias):
+        ctx.grads = grads
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        d_h, d_w, d_b = ctx.grads
+        scale = lambda t: None if t is None else t * g.to(t.dtype)  # noqa: E731
+        return None, None, scale(d_h), scale(d_w), scale(d_b)
+
+
+def _chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], device: torch.device) -> int:
+    """Tokens per chunk: as many as the kept part of the budget holds as fp32 logits (one chunk when none)."""
+    if backend.name != "native":
+        return max(n, 1)
+    from .backends.native import split_workspace
+
+    _, keep = split_workspace(workspace_bytes, device)
+    if keep <= 0:
+        return max(n, 1)
+    return max(1, min(n, keep // max(1, vocab * 4)))
+
+
+def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
+    """See :func:`tplogp.linear_logp_loss`. The chunk loop runs without autograd (only the loss callable runs
+    under it); the result carries the gradients through ``_PrecomputedGrads``."""
+    build = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                         or (bias is not None and bias.requires_grad))
+    with torch.no_grad():
+        total, grads = _loss_and_grads(backend, hidden, weight, target_ids, bias, **kw)
+    if not build:
+        return total
+    return _PrecomputedGrads.apply(total, grads, hidden, weight, bias)
+
+
+def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerTokenLoss, per_token: Sequence[torch.Tensor],
+               reduction: str, tp_group, vocab_start_index: int, global_vocab_size: Optional[int],
+               temperature: float, ignore_index: Optional[int], deterministic: bool,
+               workspace_bytes: Optional[int]):
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    options = LogpOptions(temperature=temperature, return_entropy=True, ignore_index=ignore_index,
+                          deterministic=deterministic, workspace_bytes=workspace_bytes)
+    h2, w, b, local_target, keep_idx, tpc, vocab = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
+                                                                vocab_start_index, global_vocab_size, options)
+    n_all = target_ids.numel()
+    extra = []
+    for i, t in enumerate(per_token):
+        if not isinstance(t, torch.Tensor) or t.numel() != n_all:
+            raise ValueError(f"per_token[{i}] must be a tensor with target_ids' {n_all} elements, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        t = t.detach().reshape(-1).to(device=h2.device, dtype=torch.float32)
+        extra.append(t if keep_idx is None else t.index_select(0, keep_idx))
+    n, d = h2.shape
+    needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    chunk = _chunk_tokens(backend, n, vocab, workspace_bytes, h2.device)
+    call = dataclasses.replace(tpc.call, for_backward=True)
+    tpc_c = dataclasses.replace(tpc, call=call)
+    count = torch.tensor(float(max(n, 1)), device=h2.device) if reduction == "mean" else None
+
+    total = torch.zeros((), device=h2.device, dtype=torch.float32)
+    d_hidden = torch.zeros(n, d, device=h2.device, dtype=torch.float32) if needs[0] else None
+    d_w32 = d_b32 = None
+    d_w = d_b = None
+    n_chunks = -(-n // chunk) if n else 0
+    for t0 in range(0, n, chunk):
+        t1 = min(t0 + chunk, n)
+        h_c, lt_c = h2[t0:t1], local_target[t0:t1]
+        (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(h_c, w, b, lt_c, tpc_c)
+        logp = logp.detach().requires_grad_()
+        entropy = entropy.detach().requires_grad_()
+        with torch.enable_grad():
+            per_tok = loss(logp, entropy, *(t[t0:t1] for t in extra))
+            chunk_loss = per_tok.sum() if count is None else per_tok.sum() / count
+            g_logp, g_ent = torch.autograd.grad(chunk_loss, [logp, entropy], allow_unused=True)
+        total = total + chunk_loss.detach()
+        if g_logp is None:
+            g_logp = torch.zeros_like(logp)
+        grads = backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.detach().contiguous(),
+                                 None if g_ent is None else g_ent.detach().contiguous(), None,
+                                 mean_rel if g_ent is not None else None, call, needs, kept=kept)
+        if d_hidden is not None:
+            d_hidden[t0:t1] = grads.d_hidden
+        if n_chunks == 1:
+            d_w, d_b = grads.d_weight, grads.d_bias
+        else:  # sum the chunks' d_W / d_b in fp32
+            if grads.d_weight is not None:
+                d_w32 = grads.d_weight.float() if d_w32 is None else d_w32.add_(grads.d_weight)
+            if grads.d_bias is not None:
+                d_b32 = grads.d_bias.float() if d_b32 is None else d_b32.add_(grads.d_bias)
+    if d_w32 is not None:
+        d_w = d_w32.to(weight.dtype)
+    if d_b32 is not None:
+        d_b = d_b32.to(bias.dtype)
+    if n == 0:
+        d_w = torch.zeros_like(weight) if needs[1] else None
+        d_b = torch.zeros_like(bias) if needs[2] else None
+    if d_hidden is not None:
+        if tpc.world_size > 1:  # the one all_reduce of d_hidden
+            buf = d_hidden.to(tpc.comm_device)
+            dist.all_reduce(buf, group=tpc.group)
+            d_hidden = buf.to(h2.device)
+        if keep_idx is not None:
+            d_hidden = d_hidden.new_zeros(n_all, d).index_copy(0, keep_idx, d_hidden)
+        d_hidden = d_hidden.to(hidden.dtype).view(hidden.shape)
+    if d_w is not None and d_w.shape != weight.shape:
+        d_w = d_w.view(weight.shape)
+    return total, (d_hidden, d_w, d_b)

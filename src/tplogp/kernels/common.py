@@ -1,0 +1,259 @@
+"""``@triton.jit`` helpers shared by the generic kernels (:mod:`.generic_kernels`) and the Hopper kernels
+(:mod:`.hopper_kernels`): launch order, the dot, the exponential, the forward's online-softmax epilogue and the
+backward's d_logits epilogue. Only how an operand tile reaches the dot differs between the two paths; the arithmetic
+on a logits tile lives here, once.
+
+Forward epilogue (:func:`online_softmax_update`): running per-row statistics in raw units (``y = acc + b``,
+``c = log2(e) / T``)::
+
+    m' = max(m, max_v y);  a = (y - m') * c                  (log2 units; exact 0 at the max)
+    s  = s * 2^((m - m') c) + sum 2^a
+    q  = 2^((m - m') c) * (q + (m - m') c s) + sum 2^a a      (entropy only)
+    t += y[target]                                           (read from the fp32 accumulator)
+
+stored in natural units by :func:`natural_units` / :func:`store_stats`. Backward epilogue (:func:`dlogits_tile`):
+``zr = z - M``, ``p = exp(zr - log_sum)``, ``dz = g onehot - p (g - g_lse + g_ent (zr - mean_zr))``, times 1/T,
+rounded once to the weight dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tiles import interpreting
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def fast_exp2_available() -> bool:
+    """Whether the kernels may use PTX's ``ex2.approx.ftz.f32`` (inline assembly): CUDA builds of torch, not Triton's
+    CPU interpreter (which runs no PTX) and not ROCm. Read once, when this module is imported."""
+    import torch
+
+    return not interpreting() and torch.version.hip is None
+
+
+# PTX ex2.approx.ftz on CUDA builds (not under the CPU interpreter, not on ROCm): see exp2.
+FAST_EXP2 = tl.constexpr(fast_exp2_available())
+
+
+@triton.jit
+def grouped_ids(pid, num_a, num_b, GROUP_A: tl.constexpr):
+    """Map a 1-D program id onto (i_a, i_b) so that GROUP_A consecutive a-blocks sweep b together."""
+    num_in_group = GROUP_A * num_b
+    i_group = pid // num_in_group
+    first_a = i_group * GROUP_A
+    group_size = tl.minimum(num_a - first_a, GROUP_A)
+    i_a = first_a + (pid % num_in_group) % group_size
+    i_b = (pid % num_in_group) // group_size
+    return i_a, i_b
+
+
+@triton.jit
+def mma(b_a, b_b, acc, DOT_PRECISION: tl.constexpr):
+    """acc + b_a @ b_b. DOT_PRECISION "upcast" computes 16-bit operands in fp32 (exact products; used by Triton's
+    CPU interpreter, whose 16-bit dot is unreliable); otherwise it is tl.dot's input_precision."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(b_a.to(tl.float32), b_b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def store_rounded(p_out, x, mask, DOT_PRECISION: tl.constexpr):
+    """Store fp32 ``x`` in the pointer's dtype with round-to-nearest-even. Under Triton's CPU interpreter
+    (DOT_PRECISION "upcast") the fp32 -> bf16 cast truncates, so the rounding is done on the bits first."""
+    if DOT_PRECISION == "upcast" and p_out.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    tl.store(p_out, x.to(p_out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def exp2(x, FAST: tl.constexpr):
+    """``2 ** x`` in fp32. FAST: PTX ``ex2.approx.ftz.f32``, one MUFU instruction (results below 2^-126 flush to
+    0: such a term is below 2^-126 of the row max's and changes no sum). Otherwise ``tl.exp2``, whose non-ftz form
+    ptxas wraps in a denormal-range fix-up (about five instructions per element on sm_90)."""
+    if FAST:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def target_column(b_tgt, v0, BLOCK_V: tl.constexpr):
+    """[BLOCK_N] int32: each row's target column inside the tile starting at vocab id ``v0``, or -1."""
+    hit = (b_tgt >= v0) & (b_tgt < v0 + BLOCK_V)
+    return tl.where(hit, b_tgt - v0, -1).to(tl.int32)
+
+
+@triton.jit
+def online_softmax_update(
+    acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
+    o_t,  # [BLOCK_V] tl.arange(0, BLOCK_V): the column inside the tile (given, so Gluon callers can lay it out)
+    v0, V, p_b,  # first vocab id of the tile, shard size, bias pointer (unused unless HAS_BIAS)
+    b_tgt,  # [BLOCK_N] the rows' target ids (local; nobody's when outside the shard)
+    b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running stats in raw units (see below)
+    c,  # inv_temperature * log2(e)
+    MASKED: tl.constexpr,  # the tile reaches past V (only a split's last tile can)
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, FAST_EXP2: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Fold one tile into the running row statistics; returns (max, sum, tl, sez).
+
+    The running stats stay in the tile's raw units until :func:`store_stats`: ``y = acc + b``, max ``m`` of y,
+    ``s = sum 2^((y - m) c)`` (= sum exp(z - M) with z = y / T, M = m / T), target ``y[target]``, and
+    ``q = sum 2^((y - m) c) (y - m) c`` (log2 units). Per element that is a max, a subtraction, a multiply, one
+    ex2 and a sum (plus, for the target, a compare and a select): the inverse temperature and log2(e) are one
+    per-call constant, ``y - m`` is exact next to the max (so 1 - p does not cancel at a peaked row), and full tiles
+    carry no column mask. Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
+    of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
+    ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
+    """
+    if MASKED:
+        m_v = (v0 + o_t) < V
+    if HAS_BIAS:
+        if MASKED:
+            acc += tl.load(p_b + v0 + o_t, mask=m_v, other=float("-inf")).to(tl.float32)[None, :]
+        else:
+            acc += tl.load(p_b + v0 + o_t).to(tl.float32)[None, :]
+    elif MASKED:
+        acc = tl.where(m_v[None, :], acc, float("-inf"))
+    new_max = tl.maximum(b_max, tl.max(acc, 1))
+    b_arg = (acc - new_max[:, None]) * c  # log2 units; -inf on masked columns
+    b_e = exp2(b_arg, FAST_EXP2)  # masked columns give 0
+    b_shift = tl.where(b_max == float("-inf"), 0.0, (b_max - new_max) * c)  # <= 0
+    b_scale = exp2(b_shift, FAST_EXP2)
+    if WITH_ENTROPY:
+        if MASKED:
+            b_arg = tl.where(m_v[None, :], b_arg, 0.0)  # no 0 * inf on masked columns
+        b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_e * b_arg, 1)
+    b_sum = b_sum * b_scale + tl.sum(b_e, 1)
+    t_col = target_column(b_tgt, v0, BLOCK_V)
+    b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
+    return new_max, b_sum, b_tl, b_sez
+
+
+@triton.jit
+def stats_program(N, num_splits, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
+    """This program's token block and vocab split (grouped order), its rows and their mask, and zeroed running
+    stats (max -inf, sum, target logit, sez): the common prologue of the forward kernels."""
+    i_n, i_s = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    b_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_tl = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_sez = tl.zeros([BLOCK_N], dtype=tl.float32)
+    return i_n, i_s, o_n, o_n < N, b_max, b_sum, b_tl, b_sez
+
+
+@triton.jit
+def split_bounds(i_s, V, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Vocab range of split ``i_s``: ``(v_lo, v_full, v_hi)``; ``[v_lo, v_full)`` is whole tiles, ``[v_full, v_hi)``
+    the part of one more tile that lies below V (empty unless this is the last split and V % BLOCK_V != 0)."""
+    v_lo = i_s * SPLIT_V
+    v_hi = tl.minimum(v_lo + SPLIT_V, V)
+    return v_lo, v_hi - (v_hi - v_lo) % BLOCK_V, v_hi
+
+
+@triton.jit
+def natural_units(b_max, b_tl, b_sez, inv_temp):
+    """Raw running stats (see online_softmax_update) -> stored stats: max M = m / T, target logit z[target],
+    sez = sum exp(z - M) (z - M) (log2 units times ln 2). The sum needs no change."""
+    return b_max * inv_temp, b_tl * inv_temp, b_sez * LN2
+
+
+@triton.jit
+def store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY: tl.constexpr):
+    """Store per-row (max, sum, target logit[, sez]) at ``offs`` of the planes of ``p_stats`` (``plane`` elements
+    apart: ``[3 or 4, ...]`` buffer). Pointers step plane by plane: 64-bit even when 3 * plane exceeds 2^31."""
+    tl.store(p_stats + offs, b_max, mask=mask)
+    p_stats += plane
+    tl.store(p_stats + offs, b_sum, mask=mask)
+    p_stats += plane
+    tl.store(p_stats + offs, b_tl, mask=mask)
+    if WITH_ENTROPY:
+        p_stats += plane
+        tl.store(p_stats + offs, b_sez, mask=mask)
+
+
+@triton.jit
+def dlogits_epilogue(
+    acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
+    i_n, i_v, N, v_lo, v_hi,  # the tile (token block, column block of the chunk), the rows, the chunk [v_lo, v_hi)
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see bwd_dlogits_kernel
+    stride_dz, stride_dbp,
+    inv_temp,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Tile (i_n, i_v)'s epilogue: the unmasked form for interior tiles, the masked one for tiles past N or v_hi.
+    Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
+    v0 = v_lo + i_v * BLOCK_V
+    if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
+        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
+                      p_dbp, stride_dz, stride_dbp, inv_temp, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                      BLOCK_V)
+    else:
+        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
+                      p_dbp, stride_dz, stride_dbp, inv_temp, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                      BLOCK_V)
+
+
+@triton.jit
+def dlogits_tile(
+    acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
+    i_n, o_n, o_c, v0, N, v_hi,  # token block, its rows, the tile's chunk columns, first shard column, bounds
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see bwd_dlogits_kernel
+    stride_dz, stride_dbp,
+    inv_temp,
+    MASKED: tl.constexpr,  # the tile reaches past N or v_hi (edge tiles only)
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32 column sums.
+
+    Per element: ``zr = z - M`` (one FMA; exact 0 at the max, so 1 - p does not cancel at a peaked row), ``p =
+    2^(zr log2(e) - log_sum log2(e))`` (one FMA and one ex2), the one-hot term (a compare and a select), and ``dz =
+    onehot * g/T - p * coef/T`` (one FMA; the temperature is folded into the per-row factors). ``MASKED``: the
+    tile's rows and columns are masked (edge tiles); interior tiles carry no masks.
+    """
+    o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
+    o_v = v0 + o_t  # [BLOCK_V] column inside the shard
+    m_n = o_n < N
+    m_v = o_v < v_hi
+    if HAS_BIAS:
+        if MASKED:
+            acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
+        else:
+            acc += tl.load(p_b + o_v).to(tl.float32)[None, :]
+    b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
+    b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
+    b_g = tl.load(p_g + o_n, mask=m_n, other=0.0) * inv_temp
+    b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0) * inv_temp
+    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
+    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M
+    b_p = exp2(b_zr * LOG2E - b_lsum2[:, None], FAST_EXP2)  # [BLOCK_N, BLOCK_V]
+    if WITH_ENTROPY:
+        b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0) * inv_temp
+        b_mz = tl.load(p_mz + o_n, mask=m_n, other=0.0)
+        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
+    else:
+        b_coef = b_gmg[:, None]
+    t_col = target_column(b_tgt, v0, BLOCK_V)
+    b_dz = tl.where(o_t[None, :] == t_col[:, None], b_g[:, None], 0.0) - b_p * b_coef
+    p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
+    m_out = None  # interior tiles: no masks
+    m_db = None
+    if MASKED:
+        m_out = m_n[:, None] & m_v[None, :]
+        m_db = m_v
+        b_dz = tl.where(m_out, b_dz, 0.0)
+    store_rounded(p_out, b_dz, m_out, DOT_PRECISION)
+    if NEED_DB:
+        tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_db)

@@ -1,0 +1,272 @@
+"""The generic kernels (any CUDA GPU Triton supports, and Triton's CPU interpreter): operand tiles are loaded
+through pointer arithmetic with masks. The Hopper variants of the two GEMM kernels are in :mod:`.hopper_kernels`;
+the split merge, the one-shard finalize and the deterministic ``d_hidden`` kernel serve both paths.
+
+Forward
+=======
+
+Fused forward: per-shard softmax statistics in the epilogue of the logits GEMM, never writing logits.
+
+Algorithm. The vocab shard ``[0, V)`` is cut into splits of ``split_tiles * BLOCK_V`` ids (a function of V and the
+config only, never of N). One program owns a ``BLOCK_N`` token block and one split; for each ``[BLOCK_N, BLOCK_V]``
+tile it runs the K loop over the hidden dim (fp32 accumulator), then folds the tile into running per-row
+statistics (online softmax)::
+
+    z      = (acc + b) * inv_temperature                 # masked columns -> -inf
+    m'     = max(m, max_v z)
+    s      = s * exp(m - m') + sum_v exp(z - m')
+    q      = exp(m - m') * (q + (m - m') * s_old) + sum_v exp(z - m') (z - m')      # entropy only
+    t     += z[target]    (exactly one tile of one split holds it; read from the fp32 accumulator)
+
+Each program writes its split's (m, s, t, q) to ``[S, N]`` buffers; :func:`merge_splits_kernel` folds the S splits
+in a fixed order (log-add-exp), so the result is bitwise reproducible and a row's stats do not depend on the other
+rows. When one shard is the whole vocab, :func:`finalize_single_kernel` does the same fold and also finishes the
+per-token outputs (logp, lse, entropy), so the TP layer runs no merge ops. Launch order is grouped (``GROUP_N`` token blocks walk the vocab together) so a W tile read from HBM is
+reused from L2 by every token block of the group. No collectives here: :mod:`tplogp.tp` merges ranks.
+
+Backward
+========
+
+Fused backward pieces: recompute logits tiles and write ``d_logits`` into a bounded workspace.
+
+Algorithm (hybrid backward). The vocab shard is walked in chunks ``[v_lo, v_hi)`` sized so that the ``[N, chunk]``
+workspace (weight dtype) fits the byte budget. Per chunk:
+
+1. :func:`bwd_dlogits_kernel` recomputes each ``[BLOCK_N, BLOCK_V]`` logits tile in fp32 (same K loop as the
+   forward) and forms, in fp32, ::
+
+       zr = z - M                  (M: global row max; exact 0 at the max)
+       p  = exp(zr - log_sum)      (log_sum = log sum exp(z - M): lse = M + log_sum, kept apart so that
+                                    1 - p at a peaked target does not cancel against an rounded lse)
+       dz = g * onehot(target) - p * (g - g_lse + g_ent * (zr - mean_zr))
+       d_logits = dz * inv_temperature
+
+   then rounds ``d_logits`` once to the weight dtype into the workspace; with a bias it also writes the fp32
+   column sums of the tile (per token block) so ``d_bias`` is summed in fp32 without atomics.
+2. GEMMs with fp32 accumulation consume the workspace: ``d_hidden += d_logits @ W[chunk]`` (fp32 accumulator) and
+   ``d_W[chunk] = d_logits^T @ hidden`` (one GEMM over all N, so d_W needs no cross-chunk accumulator). By default
+   cuBLAS does both; in deterministic mode :func:`dh_accum_kernel` does ``d_hidden`` with a fixed tiling that
+   continues the fp32 accumulator chunk after chunk, so a row's ``d_hidden`` does not depend on N or on chunking.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .common import (FAST_EXP2, LOG2E, dlogits_epilogue, grouped_ids, mma, natural_units, online_softmax_update,
+                     split_bounds, stats_program, store_stats)
+
+
+@triton.jit
+def _logits_tile(
+    p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """acc[BLOCK_N, BLOCK_V] = hidden[o_n] @ weight[o_v]^T in fp32 (rows/cols outside the masks read as 0)."""
+    o_d = tl.arange(0, BLOCK_D)
+    p_a = p_h + o_n.to(tl.int64)[:, None] * stride_hn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+    p_b = p_w + o_v.to(tl.int64)[None, :] * stride_wv + o_d[:, None]  # [BLOCK_D, BLOCK_V]
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        if EVEN_D:
+            b_a = tl.load(p_a, mask=m_n[:, None], other=0.0)
+            b_b = tl.load(p_b, mask=m_v[None, :], other=0.0)
+        else:
+            m_d = (d0 + o_d) < D
+            b_a = tl.load(p_a, mask=m_n[:, None] & m_d[None, :], other=0.0)
+            b_b = tl.load(p_b, mask=m_d[:, None] & m_v[None, :], other=0.0)
+        acc = mma(b_a, b_b, acc, DOT_PRECISION)
+        p_a += BLOCK_D
+        p_b += BLOCK_D
+    return acc
+
+
+@triton.jit
+def fwd_stats_kernel(
+    p_h,  # [N, D] hidden, in
+    p_w,  # [V, D] weight shard, in
+    p_b,  # [V] bias, in (unused unless HAS_BIAS)
+    p_tgt,  # [N] int64 local target, in (-1: not owned)
+    p_parts,  # [3 or 4, S, N] fp32 per split: row max, sum exp(z - max), target logit (0 if not in the split)
+              # [, sum exp(z - max) (z - max) WITH_ENTROPY], out
+    N, V, D,
+    stride_hn, stride_wv,
+    inv_temp,
+    num_splits, plane,  # plane = S * N
+    SPLIT_V: tl.constexpr,  # vocab ids per split (multiple of BLOCK_V)
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = stats_program(N, num_splits, BLOCK_N, GROUP_N)
+    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)  # [BLOCK_N] int64
+    c = inv_temp * LOG2E
+    o_t = tl.arange(0, BLOCK_V)
+    v_lo, v_full, v_hi = split_bounds(i_s, V, SPLIT_V, BLOCK_V)
+    for v0 in range(v_lo, v_full, BLOCK_V):  # full tiles
+        o_v = v0 + o_t
+        acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
+                           BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
+        b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+    if v_full < v_hi:  # the shard's last tile, cut by V
+        o_v = v_full + o_t
+        acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
+                           BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
+        b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+    b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
+    store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
+
+
+@triton.jit
+def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
+    """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``, computed on the host so that Triton
+    types it 64-bit when it needs to be; ``S`` or ``N`` may be the constant 1 here) of the rows ``o_n`` in split order
+    (fixed order: bitwise reproducible). No split is empty (each holds at least one vocab id). Returns (max,
+    sum exp(z - max), target logit, sum exp(z - max)(z - max) or 0)."""
+    p_max = p_parts
+    p_sum = p_max + plane
+    p_tl = p_sum + plane
+    p_sez = p_tl + plane  # only read WITH_ENTROPY
+    b_max = tl.load(p_max + o_n, mask=m_n, other=0.0)
+    b_sum = tl.load(p_sum + o_n, mask=m_n, other=0.0)
+    b_tl = tl.load(p_tl + o_n, mask=m_n, other=0.0)
+    b_sez = tl.zeros(o_n.shape, dtype=tl.float32)
+    if WITH_ENTROPY:
+        b_sez = tl.load(p_sez + o_n, mask=m_n, other=0.0)
+    p_smax, p_ssum, p_stl, p_ssez = p_max + o_n, p_sum + o_n, p_tl + o_n, p_sez + o_n  # split 0
+    for _ in range(1, S):
+        p_smax += N  # pointer steps: 64-bit arithmetic even when S * N exceeds 2^31
+        p_ssum += N
+        p_stl += N
+        c_max = tl.load(p_smax, mask=m_n, other=0.0)
+        c_sum = tl.load(p_ssum, mask=m_n, other=0.0)
+        b_tl += tl.load(p_stl, mask=m_n, other=0.0)
+        new_max = tl.maximum(b_max, c_max)
+        d_a = b_max - new_max
+        d_c = c_max - new_max
+        w_a = tl.exp(d_a)
+        w_c = tl.exp(d_c)
+        if WITH_ENTROPY:
+            p_ssez += N
+            c_sez = tl.load(p_ssez, mask=m_n, other=0.0)
+            b_sez = w_a * (b_sez + d_a * b_sum) + w_c * (c_sez + d_c * c_sum)
+        b_sum = w_a * b_sum + w_c * c_sum
+        b_max = new_max
+    return b_max, b_sum, b_tl, b_sez
+
+
+@triton.jit
+def merge_splits_kernel(
+    p_parts,  # [3 or 4, S, N] fp32 per-split stats (max, sum, target logit[, sez]), in
+    o_stats,  # [3 or 4, N] fp32 merged stats, out
+    N, S, plane,  # plane = S * N
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Fold S splits into one shard's stats (for the TP layer's cross-rank merge)."""
+    o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_n = o_n < N
+    b_max, b_sum, b_tl, b_sez = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY)
+    store_stats(o_stats, N, o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
+
+
+@triton.jit
+def finalize_single_kernel(
+    p_parts,  # [3 or 4, S, N] fp32 per-split stats, in
+    p_tgt,  # [N] target ids, in (owned iff 0 <= id < V)
+    o_out,  # [4 or 6, N] fp32, out: logp, lse, row max M, log S, and with entropy E_p[z] - M, entropy
+    N, V, S, plane,  # plane = S * N
+    WITH_ENTROPY: tl.constexpr, ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One shard is the whole vocab: fold the splits and finish the per-token outputs in the same pass.
+
+    ``logp = (t - M) - log S`` (NaN where no vocab id is the target), ``lse = M + log S``,
+    ``E_p[z] - M = q / S``, ``entropy = log S - (E_p[z] - M)``: the same fp32 formulas as the TP layer's merge.
+    """
+    o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    m_n = o_n < N
+    b_max, b_sum, b_tl, b_sez = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY)
+    if ACCURATE_LOG:
+        b_lsum = libdevice.log(b_sum)
+    else:
+        b_lsum = tl.log(b_sum)
+    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
+    owned = (b_tgt >= 0) & (b_tgt < V)
+    b_logp = tl.where(owned, (b_tl - b_max) - b_lsum, float("nan"))
+    tl.store(o_out + o_n, b_logp, mask=m_n)
+    tl.store(o_out + N + o_n, b_max + b_lsum, mask=m_n)
+    tl.store(o_out + 2 * N + o_n, b_max, mask=m_n)
+    tl.store(o_out + 3 * N + o_n, b_lsum, mask=m_n)
+    if WITH_ENTROPY:
+        b_mrel = b_sez / b_sum
+        tl.store(o_out + 4 * N + o_n, b_mrel, mask=m_n)
+        tl.store(o_out + 5 * N + o_n, b_lsum - b_mrel, mask=m_n)
+
+
+@triton.jit
+def bwd_dlogits_kernel(
+    p_h,  # [N, D] hidden, in
+    p_w,  # [V, D] weight shard, in
+    p_b,  # [V] bias, in (unused unless HAS_BIAS)
+    p_tgt,  # [N] int64 local target, in
+    p_rmax,  # [N] fp32 global row max M, in
+    p_lsum,  # [N] fp32 log sum exp(z - M) over the global vocab, in
+    p_g,  # [N] fp32 grad of logp, in
+    p_gmg,  # [N] fp32 grad_logp - grad_lse, in
+    p_ge,  # [N] fp32 grad of entropy, in (only WITH_ENTROPY)
+    p_mz,  # [N] fp32 mean logit relative to the max, E_p[z] - M, in (only WITH_ENTROPY)
+    p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
+    p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
+    N, V, D, v_lo, v_hi,
+    stride_hn, stride_wv, stride_dz, stride_dbp,
+    inv_temp,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    o_v = v_lo + i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
+    acc = _logits_tile(p_h, p_w, o_n, o_v, o_n < N, o_v < v_hi, D, stride_hn, stride_wv,
+                       BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
+    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+                      stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)
+
+
+@triton.jit
+def dh_accum_kernel(
+    p_dz,  # [N, K] d_logits chunk (weight dtype), in
+    p_w,  # [K, D] weight rows of the chunk, in
+    p_dh,  # [N, D] fp32 d_hidden accumulator, in/out
+    N, K, D,
+    stride_dz, stride_wv, stride_dh,
+    ACCUMULATE: tl.constexpr,  # False on the first chunk (the accumulator is not read)
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dh[n, d] (+)= sum_k dz[n, k] w[k, d] with a fixed K order: a row's result depends on nothing else."""
+    i_n, i_d = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(D, BLOCK_D), GROUP_N)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    m_n = o_n < N
+    m_d = o_d < D
+    p_out = p_dh + o_n.to(tl.int64)[:, None] * stride_dh + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+    if ACCUMULATE:
+        acc = tl.load(p_out, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    p_a = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_k[None, :]  # [BLOCK_N, BLOCK_K]
+    p_b = p_w + o_k.to(tl.int64)[:, None] * stride_wv + o_d[None, :]  # [BLOCK_K, BLOCK_D]
+    for k0 in range(0, K, BLOCK_K):
+        m_k = (k0 + o_k) < K
+        b_a = tl.load(p_a, mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_b = tl.load(p_b, mask=m_k[:, None] & m_d[None, :], other=0.0)
+        acc = mma(b_a, b_b, acc, DOT_PRECISION)
+        p_a += BLOCK_K
+        p_b += BLOCK_K * stride_wv
+    tl.store(p_out, acc, mask=m_n[:, None] & m_d[None, :])

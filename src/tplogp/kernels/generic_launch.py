@@ -1,0 +1,277 @@
+"""Launchers: check shapes, allocate outputs and workspaces, launch the kernels, run the cuBLAS steps.
+
+The ``triton`` source runs these with the generic kernels (:mod:`.generic_kernels`); the ``sm90`` source runs the
+same functions with the Hopper GEMM kernels plugged in through the ``stats_launch`` / ``dlogits_launch`` hooks
+(:mod:`.hopper_launch`). No host syncs: every size used for planning is a Python int taken from tensor shapes; no
+``.item()``, no ``nonzero()``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import fp32_gemm
+from ..tensors import f32_contiguous
+from .direct_launch import launcher
+from .generic_kernels import (bwd_dlogits_kernel, dh_accum_kernel, finalize_single_kernel, fwd_stats_kernel,
+                              merge_splits_kernel)
+from .tiles import TileConfig, cdiv, dot_precision, interpreting, plan_chunk
+
+_MERGE_BLOCK = 256
+
+
+class KernelInputError(ValueError):
+    """A launcher got tensors of the wrong shape, dtype, device or layout."""
+
+
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 local_target: torch.Tensor) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise KernelInputError(
+            f"expected hidden [N, D] and weight [V_local, D], got hidden {tuple(hidden.shape)} and weight "
+            f"{tuple(weight.shape)}; flatten leading dims of hidden first")
+    if hidden.shape[1] != weight.shape[1]:
+        raise KernelInputError(
+            f"hidden size mismatch: hidden has D={hidden.shape[1]} but weight has D={weight.shape[1]}")
+    if hidden.dtype != weight.dtype:
+        raise KernelInputError(f"hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one")
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise KernelInputError(f"unsupported dtype {hidden.dtype}; expected float32, bfloat16 or float16")
+    dev = hidden.device
+    if weight.device != dev or local_target.device != dev or (bias is not None and bias.device != dev):
+        devices = {hidden.device, weight.device, local_target.device} | ({bias.device} if bias is not None else set())
+        raise KernelInputError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if hidden.stride(1) != 1 or weight.stride(1) != 1:
+        raise KernelInputError(
+            "hidden and weight need unit stride along D (row-major); call .contiguous() on transposed inputs")
+    if local_target.shape != (hidden.shape[0],) or local_target.dtype != torch.int64:
+        raise KernelInputError(
+            f"local_target must be int64 of shape [{hidden.shape[0]}], got {local_target.dtype} "
+            f"{tuple(local_target.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise KernelInputError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+_INTERPRETING = interpreting()  # fixed when the kernels are defined (TRITON_INTERPRET is read at import)
+
+
+def _even(d: int, block: int) -> bool:
+    return d % block == 0
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
+                  cfg: TileConfig, stats_launch: Optional[Callable] = None):
+    """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard.
+
+    Host cost matters at small shapes (the GPU work of 4096x2048x8192 takes ~0.2 ms): two allocations (the merged
+    stats are views of one ``[3 or 4, N]`` buffer, the per-split stats of one ``[3 or 4, S, N]`` buffer), two
+    launches, no other torch op.
+    """
+    check_inputs(hidden, weight, bias, local_target)
+    n, d = hidden.shape
+    v = weight.shape[0]
+    k = 4 if with_entropy else 3
+    out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
+    if n == 0 or v == 0:
+        out[0].fill_(float("-inf"))
+        out[1:].zero_()
+        outs = out.unbind(0)
+        return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+    local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
+    parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
+                                     stats_launch)
+    launcher(merge_splits_kernel)(
+        (cdiv(n, _MERGE_BLOCK),), parts, out, n, num_splits, num_splits * n,
+        WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
+    )
+    outs = out.unbind(0)
+    return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+
+
+def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+                   inv_temperature: float, with_entropy: bool, cfg: TileConfig,
+                   stats_launch: Optional[Callable] = None):
+    """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``, fp32 [N].
+
+    ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp (the checks in
+    ``full`` mode reject such ids before this runs). Two launches (the stats kernel, then one kernel that folds the
+    splits and finishes the outputs) and two allocations: no other torch op.
+    """
+    check_inputs(hidden, weight, bias, target)
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    k = 6 if with_entropy else 4
+    if n == 0 or v == 0:
+        out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
+        outs = out.unbind(0)
+        if n:  # an empty vocab: no probability mass anywhere
+            out.fill_(float("nan"))
+            out[1:4].fill_(float("-inf"))
+        return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+    target = target if target.is_contiguous() else target.contiguous()
+    parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch)
+    out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
+    launcher(finalize_single_kernel)(
+        (cdiv(n, _MERGE_BLOCK),), parts, target, out, n, v, num_splits, num_splits * n,
+        WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK, num_warps=4,
+    )
+    outs = out.unbind(0)
+    return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+
+
+def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
+                 stats_launch: Optional[Callable]):
+    """Launch a stats kernel into one per-split buffer: ``(parts [3 or 4, S, N], S)``. ``target``: contiguous.
+    ``stats_launch`` (default: the generic kernel; the sm90 source passes the TMA kernel's) allocates ``parts``
+    and chooses S."""
+    return (stats_launch or launch_stats)(hidden, weight, bias, target, float(inv_temperature), with_entropy, cfg)
+
+
+def split_parts(hidden: torch.Tensor, num_splits: int, with_entropy: bool) -> torch.Tensor:
+    """The uninitialised fp32 ``[3 or 4, num_splits, N]`` per-split stats buffer."""
+    return torch.empty((4 if with_entropy else 3, num_splits, hidden.shape[0]), device=hidden.device,
+                       dtype=torch.float32)
+
+
+def launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
+                  cfg: TileConfig):
+    n, d = hidden.shape
+    v = weight.shape[0]
+    num_splits = cdiv(v, cfg.split_v)
+    parts = split_parts(hidden, num_splits, with_entropy)
+    grid = (cdiv(n, cfg.block_n) * num_splits,)
+    launcher(fwd_stats_kernel)(
+        grid, hidden, weight, bias if bias is not None else hidden, local_target,
+        parts, n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits, num_splits * n,
+        SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
+        DOT_PRECISION=dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return parts, num_splits
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` (fp32 accumulation inside the GEMM, output rounded once to ``out.dtype``)."""
+    if a.is_cuda or a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    else:  # CPU low-precision GEMMs have no fp32-accumulating path into a low-precision output
+        out.copy_(fp32_gemm.mm(a, b))
+
+
+def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, grad_logp: torch.Tensor,
+             grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_z: Optional[torch.Tensor],
+             inv_temperature: float, deterministic: bool, workspace_bytes: Optional[int],
+             needs: tuple[bool, bool, bool], cfg: TileConfig,
+             dlogits_launch: Optional[Callable] = None):
+    """(d_hidden fp32 | None, d_weight weight.dtype | None, d_bias bias.dtype | None) for one vocab shard."""
+    check_inputs(hidden, weight, bias, local_target)
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    need_dh, need_dw, need_db = needs
+    need_db = need_db and bias is not None
+    if n == 0 or v == 0:
+        return (torch.zeros((n, d), device=dev, dtype=torch.float32) if need_dh else None,
+                torch.zeros_like(weight) if need_dw else None,
+                torch.zeros_like(bias) if need_db else None)
+    if not (need_dh or need_dw or need_db):
+        return None, None, None
+
+    f32 = torch.float32
+    if not local_target.is_contiguous():
+        local_target = local_target.contiguous()
+    row_max = f32_contiguous(row_max)
+    log_sum = f32_contiguous(log_sum)
+    g = f32_contiguous(grad_logp)
+    gmg = g if grad_lse is None else (g - grad_lse.to(f32)).contiguous()
+    with_entropy = grad_entropy is not None
+    if with_entropy:
+        if mean_z is None:
+            raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z] - M")
+        ge = f32_contiguous(grad_entropy)
+        mz = f32_contiguous(mean_z)
+    else:
+        ge = mz = g
+
+    chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
+    num_nb = cdiv(n, cfg.bwd_block_n)
+    dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
+    precision = dot_precision(hidden.dtype)
+    launch = dlogits_launch or launch_dlogits
+    args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
+    inv_t = float(inv_temperature)
+
+    def outputs():
+        # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
+        # allocations themselves do no GPU work).
+        return (torch.empty((n, d), device=dev, dtype=f32) if need_dh else None,
+                torch.empty_like(weight) if need_dw else None)
+
+    if chunk >= v:  # one chunk (small shapes): no slicing
+        dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
+        launch(*args, dz, dbp, 0, v, inv_t, with_entropy, need_db, cfg, precision)
+        d_hidden, d_weight = outputs()
+        _chunk_gemms(dz, weight, hidden, d_hidden, d_weight, 0, deterministic, cfg, precision)
+    else:
+        ws = torch.empty(n * chunk, device=dev, dtype=weight.dtype)
+        for i_chunk, v_lo in enumerate(range(0, v, chunk)):
+            v_hi = min(v_lo + chunk, v)
+            dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
+            launch(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
+            if i_chunk == 0:
+                d_hidden, d_weight = outputs()
+            _chunk_gemms(dz, weight[v_lo:v_hi], hidden, d_hidden,
+                         None if d_weight is None else d_weight[v_lo:v_hi], i_chunk, deterministic, cfg, precision)
+    d_bias = dbp.sum(0).to(bias.dtype) if need_db else None
+    return d_hidden, d_weight, d_bias
+
+
+def _chunk_gemms(dz, w_chunk, hidden, d_hidden, d_weight_chunk, i_chunk: int, deterministic: bool, cfg: TileConfig,
+                 precision) -> None:
+    """``d_hidden (+)= dz @ W[chunk]`` (fp32) and ``d_W[chunk] = dz^T @ hidden`` for one chunk."""
+    if d_hidden is not None:
+        if deterministic:
+            _launch_dh(dz, w_chunk, d_hidden, accumulate=i_chunk > 0, cfg=cfg, precision=precision)
+        elif i_chunk == 0:
+            fp32_gemm.mm_into(d_hidden, dz, w_chunk)
+        else:
+            fp32_gemm.addmm_(d_hidden, dz, w_chunk)
+    if d_weight_chunk is not None:
+        _mm_into(d_weight_chunk, dz.t(), hidden)
+
+
+def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+                    inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
+    n, d = hidden.shape
+    grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    launcher(bwd_dlogits_kernel)(
+        grid, hidden, weight, bias if bias is not None else hidden, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
+        n, weight.shape[0], d, v_lo, v_hi,
+        hidden.stride(0), weight.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
+        inv_temperature,
+        HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.bwd_block_d),
+        BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d, GROUP_N=cfg.group_n,
+        DOT_PRECISION=precision, num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages,
+    )
+
+
+def _launch_dh(dz: torch.Tensor, w_chunk: torch.Tensor, d_hidden: torch.Tensor, accumulate: bool,
+               cfg: TileConfig, precision: Optional[str]) -> None:
+    n, k = dz.shape
+    d = w_chunk.shape[1]
+    grid = (cdiv(n, cfg.dh_block_n) * cdiv(d, cfg.dh_block_d),)
+    launcher(dh_accum_kernel)(
+        grid, dz, w_chunk, d_hidden, n, k, d, dz.stride(0), w_chunk.stride(0), d_hidden.stride(0),
+        ACCUMULATE=accumulate, BLOCK_N=cfg.dh_block_n, BLOCK_D=cfg.dh_block_d, BLOCK_K=cfg.dh_block_k,
+        GROUP_N=cfg.group_n, DOT_PRECISION=precision, num_warps=cfg.dh_num_warps, num_stages=cfg.dh_num_stages,
+    )

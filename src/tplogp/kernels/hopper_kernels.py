@@ -1,0 +1,89 @@
+"""Hopper (sm_90) variants of the fused kernels: tensor-memory-accelerator (TMA) tile loads.
+
+Same algorithm and the same epilogues (:mod:`.common`) as :mod:`.generic_kernels` (read its docstring); the difference is how
+operand tiles reach shared memory. ``hidden`` and ``weight`` are read through host-built tensor descriptors, so
+each ``[BLOCK_N, BLOCK_D]`` / ``[BLOCK_V, BLOCK_D]`` tile is one bulk tensor copy (out-of-range rows and columns come
+back as zeros, no mask arithmetic), feeding wgmma from shared memory. Optionally the K loop is warp-specialized
+(producer warps issue the copies, consumer warpgroups run the MMAs and the softmax epilogue).
+
+Usable only when the descriptors are legal: 16-byte aligned base pointers and row strides (``D * itemsize % 16``).
+The launcher (:mod:`.hopper_launch`) falls back to the generic kernels otherwise.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import (FAST_EXP2, LOG2E, dlogits_epilogue, grouped_ids, mma, natural_units, online_softmax_update,
+                     split_bounds, stats_program, store_stats)
+
+
+@triton.jit
+def _logits_tile_tma(
+    d_h, d_w, off_n, off_v, D,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """fp32 ``[BLOCK_N, BLOCK_V]`` logits tile from two tensor descriptors."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for d0 in tl.range(0, D, BLOCK_D, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        b_a = d_h.load([off_n, d0])  # [BLOCK_N, BLOCK_D]
+        b_b = d_w.load([off_v, d0])  # [BLOCK_V, BLOCK_D]
+        acc = mma(b_a, b_b.T, acc, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def fwd_stats_tma_kernel(
+    d_h,  # descriptor over hidden [N, D], block [BLOCK_N, BLOCK_D]
+    d_w,  # descriptor over weight [V, D], block [BLOCK_V, BLOCK_D]
+    p_b,  # [V] bias (unused unless HAS_BIAS)
+    p_tgt,  # [N] int64 local target (-1: not owned)
+    p_parts,  # [3 or 4, S, N] fp32 split stats, out (see fwd_stats_kernel)
+    N, V, D,
+    inv_temp,
+    num_splits, plane,  # plane = S * N
+    SPLIT_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = stats_program(N, num_splits, BLOCK_N, GROUP_N)
+    b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
+    c = inv_temp * LOG2E
+    o_t = tl.arange(0, BLOCK_V)
+    v_lo, v_full, v_hi = split_bounds(i_s, V, SPLIT_V, BLOCK_V)
+    for v0 in range(v_lo, v_full, BLOCK_V):  # full tiles
+        acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
+                               DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
+        b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+    if v_full < v_hi:  # the shard's last tile, cut by V
+        acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
+                               DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
+        b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+    b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
+    store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
+
+
+@triton.jit
+def bwd_dlogits_tma_kernel(
+    d_h,  # descriptor over hidden [N, D], block [BLOCK_N, BLOCK_D]
+    d_w,  # descriptor over weight [V, D], block [BLOCK_V, BLOCK_D]
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz,  # see bwd_dlogits_kernel
+    p_dz,  # [N, v_hi - v_lo] d_logits workspace, out
+    p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial d_bias, out (only NEED_DB)
+    N, V, D, v_lo, v_hi,
+    stride_dz, stride_dbp,
+    inv_temp,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
+    acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
+                           DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
+    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+                      stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)

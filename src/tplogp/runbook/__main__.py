@@ -1,0 +1,8 @@
+"""``python -m tplogp.runbook`` (under torchrun: ``torchrun ... -m tplogp.runbook``)."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

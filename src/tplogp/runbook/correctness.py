@@ -1,0 +1,64 @@
+"""Phase ``correctness``: the TP op on this rank's shard against a materialized full-vocabulary reference."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+
+from ..reference import reference_outputs
+from ..shards import shard_boundaries, shard_range
+from .flags import DTYPES, IGNORE_INDEX
+from .inputs import make_targets, op_kwargs
+from .launch import log0
+from .report import report_checks
+
+
+def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.device, backend: str,
+                op: Callable) -> bool:
+    dtype = DTYPES[args.dtype]
+    T, D, V = args.tokens, args.hidden_size, args.vocab_size
+    bounds = shard_boundaries(V, world, uneven=args.uneven_shards)
+    start, end = shard_range(bounds, rank)
+    gen = torch.Generator().manual_seed(args.seed)
+    hidden_full = (torch.randn(T, D, generator=gen) * 0.5).to(dtype)
+    weight_full = (torch.randn(V, D, generator=gen) / D ** 0.5).to(dtype)
+    bias_full = None if args.no_bias else (torch.randn(V, generator=gen) * 0.1).to(dtype)
+    target = make_targets(gen, T, V, args.ignore_fraction, device)
+    g_logp = torch.randn(T, generator=gen).to(device)
+    g_ent = torch.randn(T, generator=gen).to(device)
+
+    log0(rank, "[correctness]",
+         f"  dtype={dtype}, reference_mode={args.reference_mode}, atol={args.atol:g}, rtol={args.rtol:g}",
+         f"  tokens={T}, hidden={D}, vocab={V}",
+         f"  shard_boundaries={bounds}",
+         f"  source={args.op_source}, backend={backend}, device={device.type}, world_size={world}",
+         *([f"  temperature={args.temperature:g}"] if args.temperature != 1.0 else []),
+         *([f"  ignore_fraction={args.ignore_fraction:g}"] if args.ignore_fraction > 0 else []))
+
+    # ours: this rank's shard only
+    h = hidden_full.to(device).clone().requires_grad_()
+    w = weight_full[start:end].to(device).clone().requires_grad_()
+    b = None if bias_full is None else bias_full[start:end].to(device).clone().requires_grad_()
+    out = op(h, w, target, b, **op_kwargs(args, start, V))
+    logp, ent = (out.logp, out.entropy) if args.entropy else (out, None)
+    loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if ent is not None else 0.0)
+    loss.backward()
+
+    # reference: the full vocabulary, materialized
+    hr = hidden_full.to(device).clone().requires_grad_()
+    wr = weight_full.to(device).clone().requires_grad_()
+    br = None if bias_full is None else bias_full.to(device).clone().requires_grad_()
+    ref = reference_outputs(hr, wr, target, br, mode=args.reference_mode, temperature=args.temperature,
+                            ignore_index=IGNORE_INDEX if args.ignore_fraction > 0 else None)
+    ref_loss = (ref.logp * g_logp).sum() + ((ref.entropy * g_ent).sum() if ent is not None else 0.0)
+    ref_loss.backward()
+
+    checks = [("output", logp.detach(), ref.logp.detach())]
+    if ent is not None:
+        checks.append(("entropy", ent.detach(), ref.entropy.detach()))
+    checks += [("hidden_grad", h.grad, hr.grad), ("weight_grad", w.grad, wr.grad[start:end])]
+    if b is not None:
+        checks.append(("bias_grad", b.grad, br.grad[start:end]))
+    return report_checks(checks, args.atol, args.rtol, rank, device, backend)

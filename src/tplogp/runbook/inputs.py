@@ -1,0 +1,30 @@
+"""Random problem data shared by both phases, and the op's keyword arguments for one rank's shard."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from .flags import IGNORE_INDEX
+
+
+def make_targets(gen: torch.Generator, tokens: int, vocab: int, ignore_fraction: float,
+                 device: torch.device) -> torch.Tensor:
+    tgt = torch.randint(0, vocab, (tokens,), generator=gen)
+    if ignore_fraction > 0:
+        drop = torch.rand(tokens, generator=gen) < ignore_fraction
+        tgt = torch.where(drop, torch.full_like(tgt, IGNORE_INDEX), tgt)
+    return tgt.to(device)
+
+
+def op_kwargs(args: argparse.Namespace, start: int, vocab: int) -> dict:
+    kw = dict(tp_group=dist.group.WORLD, vocab_start_index=start, global_vocab_size=vocab)
+    if args.temperature != 1.0:
+        kw["temperature"] = args.temperature
+    if args.entropy:
+        kw["return_entropy"] = True
+    if args.ignore_fraction > 0:
+        kw["ignore_index"] = IGNORE_INDEX
+    return kw

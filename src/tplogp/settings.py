@@ -1,0 +1,142 @@
+"""Every environment variable that the ``tplogp`` package reads, in one place.
+
+Each accessor reads the environment when it is called (never at import), so a test or a launcher that changes a
+variable is honoured by the next call that consults it. A malformed value raises :class:`SettingsError` naming the
+variable, what was expected and what was found.
+
+==========================  =========================  =================================================================
+variable                    values (default)           effect
+==========================  =========================  =================================================================
+``TPLOGP_WORKSPACE_MB``     positive number of MiB     the call's ``workspace_bytes`` when it gives none: the most memory
+                            (unset: per source)        the op may hold beyond inputs, outputs and gradients (tiles plus
+                                                       logits kept for the backward; docs/operator.md). Unset: the
+                                                       source's default tiles (``triton`` / ``sm90``: the d_logits
+                                                       chunk, 128 MiB; ``native``: 1 GiB on CUDA, 64 MiB elsewhere)
+``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.validation`):
+                            ``fast`` (``full``)        ``sync`` reads the target check at the call without a group;
+                                                       ``fast`` skips the target checks
+``TPLOGP_DIRECT_LAUNCH``    ``1`` | ``0`` (``1``)      ``0`` launches every Triton kernel through Triton's JIT front end
+                                                       instead of the cached launcher (:mod:`tplogp.kernels.direct_launch`;
+                                                       read at each kernel's first launch)
+``TRITON_INTERPRET``        ``0`` | ``1`` (``0``)      Triton's own switch for its CPU interpreter; tplogp reads it to
+                                                       choose interpreter tile configs and code paths
+``RANK``, ``WORLD_SIZE``,   set by torchrun            this process's place in the job, read by the runbook program
+``LOCAL_RANK``,             (unset: not launched by    (:mod:`tplogp.runbook`) only, never by the operator
+``LOCAL_WORLD_SIZE``,       torchrun)
+``TORCHELASTIC_RUN_ID``
+==========================  =========================  =================================================================
+
+Boolean variables accept ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case); an empty value means the default.
+The pytest plugin's ``TPLOGP_TP*`` options belong to :mod:`pytest_tplogp` and are read there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+WORKSPACE_MB = "TPLOGP_WORKSPACE_MB"
+CHECKS = "TPLOGP_CHECKS"
+DIRECT_LAUNCH = "TPLOGP_DIRECT_LAUNCH"
+TRITON_INTERPRET = "TRITON_INTERPRET"
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+
+CHECK_MODES = ("full", "sync", "fast")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_MIB = 1 << 20
+
+
+class SettingsError(ValueError):
+    """An environment variable read by tplogp holds a value it cannot use."""
+
+
+def _raw(name: str) -> Optional[str]:
+    """The variable's value stripped of surrounding blanks, or None when unset or empty."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = _raw(name)
+    if value is None:
+        return default
+    low = value.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise SettingsError(f"{name} must be one of {_TRUE + _FALSE}, got {value!r}")
+
+
+def workspace_bytes() -> Optional[int]:
+    """``TPLOGP_WORKSPACE_MB`` in bytes, or None when unset (each source then uses its own default)."""
+    value = _raw(WORKSPACE_MB)
+    if value is None:
+        return None
+    try:
+        mb = float(value)
+    except ValueError as exc:
+        raise SettingsError(f"{WORKSPACE_MB} must be a number of MiB, got {value!r}") from exc
+    if not mb > 0 or mb == float("inf"):
+        raise SettingsError(f"{WORKSPACE_MB} must be a positive finite number of MiB, got {value!r}")
+    return max(int(mb * _MIB), 1)
+
+
+def checks_mode() -> str:
+    """``TPLOGP_CHECKS``: ``"full"`` (default), ``"sync"`` or ``"fast"``."""
+    value = _raw(CHECKS)
+    if value is None:
+        return "full"
+    mode = value.lower()
+    if mode not in CHECK_MODES:
+        raise SettingsError(f"{CHECKS} must be one of {CHECK_MODES}, got {value!r}")
+    return mode
+
+
+def direct_launch() -> bool:
+    """``TPLOGP_DIRECT_LAUNCH``: whether cached direct kernel launches are allowed (default True)."""
+    return _flag(DIRECT_LAUNCH, True)
+
+
+def triton_interpret() -> bool:
+    """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET`` set to anything but empty or ``0``, as Triton
+    reads it)."""
+    value = _raw(TRITON_INTERPRET)
+    return value is not None and value != "0"
+
+
+class LauncherEnv(NamedTuple):
+    """This process's place in a job started by torchrun."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    under_torchrun: bool  # TORCHELASTIC_RUN_ID is set: torchrun's agent is this process's parent
+
+
+def launcher_env() -> Optional[LauncherEnv]:
+    """torchrun's variables, or None when ``RANK`` or ``WORLD_SIZE`` is unset (not a launched rank).
+
+    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` default to the global values (one node).
+    """
+    rank, world = _raw("RANK"), _raw("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    values = {}
+    for name, value, default in (("RANK", rank, None), ("WORLD_SIZE", world, None),
+                                 ("LOCAL_RANK", _raw("LOCAL_RANK"), rank),
+                                 ("LOCAL_WORLD_SIZE", _raw("LOCAL_WORLD_SIZE"), world)):
+        text = default if value is None else value
+        try:
+            values[name] = int(text)
+        except ValueError as exc:
+            raise SettingsError(f"{name} must be an int, got {text!r}") from exc
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
+        raise SettingsError(f"RANK must be in [0, WORLD_SIZE), got RANK={rank!r}, WORLD_SIZE={world!r}")
+    return LauncherEnv(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"],
+                       _raw("TORCHELASTIC_RUN_ID") is not None)

@@ -1,0 +1,105 @@
+"""``workspace_bytes`` as a memory-for-speed dial (native source): tiles up to the default tile budget, the rest
+keeps fp32 logits tiles for the backward. Every budget above the tile budget gives the default's bits (kept tiles
+are the values a recompute gives); the backward runs one recompute GEMM per tile not kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.problems import make_problem, run_op
+from tplogp import get_op
+from tplogp.backends import native
+
+TILE_BYTES = 8 << 10  # a small default tile budget, so that small problems have many tiles
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(native, "default_tile_bytes", lambda device: TILE_BYTES)
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+
+
+def _count_gemms(monkeypatch):
+    calls = {"logits": 0}
+    real = native._logits_tile
+
+    def logits_tile(*args, **kw):
+        calls["logits"] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(native, "_logits_tile", logits_tile)
+    return calls
+
+
+def _plan(p, budget, deterministic=False):
+    n, v = p.target.numel(), p.weight.shape[0]
+    low_cpu = p.hidden.dtype != torch.float32
+    tc, vc = native.plan_chunks(n, v, p.hidden.shape[-1], TILE_BYTES, deterministic, low_cpu)
+    tiles = -(-n // tc) * -(-v // vc)
+    return tiles, native.kept_tiles(n, v, tc, vc, max(0, budget - TILE_BYTES), deterministic)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_every_budget_gives_the_default_bits(small_tiles, monkeypatch, dtype, deterministic):
+    p = make_problem((5, 13), 24, 211, dtype, True, seed=8, peaked=True)
+    op = get_op("linear_logp", source="native")
+    kw = dict(entropy=True, lse=True, temperature=0.8, deterministic=deterministic)
+    default = run_op(op, p, **kw)
+    n, v = p.target.numel(), p.weight.shape[0]
+    full_logits = (-(-n // native.DETERMINISTIC_TOKEN_CHUNK) * native.DETERMINISTIC_TOKEN_CHUNK
+                   if deterministic else n) * v * 4
+    tiles = None
+    for extra in (0, 4 * v * 4, full_logits // 2, full_logits, 4 * full_logits):
+        budget = TILE_BYTES + extra
+        tiles, (kept, kept_elems) = _plan(p, budget, deterministic)
+        assert kept_elems * 4 <= extra
+        calls = _count_gemms(monkeypatch)
+        ours = run_op(op, p, workspace_bytes=budget, **kw)
+        monkeypatch.undo()  # restores _logits_tile and the tile budget
+        monkeypatch.setattr(native, "default_tile_bytes", lambda device: TILE_BYTES)
+        # forward: one GEMM per tile; backward: one per tile not kept
+        assert calls["logits"] == 2 * tiles - kept, (extra, tiles, kept, calls)
+        for name in ("logp", "entropy", "lse", "d_hidden", "d_weight", "d_bias"):
+            assert torch.equal(getattr(ours, name), getattr(default, name)), (name, extra)
+    assert tiles > 1 and _plan(p, TILE_BYTES + full_logits, deterministic)[1][0] == tiles  # all kept at the top
+
+
+def test_kept_logits_survive_a_repeated_backward(small_tiles):
+    p = make_problem((40,), 16, 97, torch.float32, False, seed=2)
+    op = get_op("linear_logp", source="native")
+    h = p.hidden.clone().requires_grad_()
+    out = op(h, p.weight, p.target, workspace_bytes=1 << 20)
+    (out * p.g_logp).sum().backward(retain_graph=True)
+    first = h.grad.clone()
+    (out * p.g_logp).sum().backward()
+    torch.testing.assert_close(h.grad, 2 * first, rtol=0, atol=0)
+
+
+def test_nothing_is_kept_without_a_backward(small_tiles):
+    p = make_problem((40,), 16, 97, torch.float32, False, seed=2)
+    be = native.NativeBackend()
+    from tplogp.backends.base import ShardCall
+
+    t = p.target
+    scoring = be.forward_stats(p.hidden, p.weight, None, t, ShardCall(workspace_bytes=1 << 20))
+    training = be.forward_stats(p.hidden, p.weight, None, t, ShardCall(workspace_bytes=1 << 20, for_backward=True))
+    assert scoring.kept is None and training.kept is not None
+    assert training.kept.numel() * 4 <= (1 << 20) - TILE_BYTES
+
+
+@pytest.mark.tp(world_size=4, timeout=300)
+def test_budgets_on_uneven_ranks(tp):
+    """4 uneven gloo ranks: a budget that keeps every tile gives the default's bits on every rank."""
+    from pytest_tplogp import VocabShards
+
+    vs = VocabShards("uneven", tp.world_size, vocab_size=301).__tp_bind__(tp)
+    p = make_problem((3, 17), 20, 301, torch.float32, True, seed=6)
+    p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
+    op = get_op("linear_logp", source="native")
+    kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=301, entropy=True)
+    default = run_op(op, p, **kw)
+    kept = run_op(op, p, workspace_bytes=(64 << 20) + 51 * 301 * 4, **kw)  # CPU tile default + the shard's logits
+    for name in ("logp", "entropy", "d_hidden", "d_weight", "d_bias"):
+        tp.assert_all(torch.equal(getattr(kept, name), getattr(default, name)), name)
