@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 
 from . import devices, dispatch, fixtures, options, tplogp_fixtures
-from .optin import why_active
 from .placement import is_tp, marker_args, world_sizes
-from .session import PLAN, SKIPPED_ON_RANKS, STATE, State, register_marker
+from .session import ACTIVATED_BY, PLAN, SKIPPED_ON_RANKS, STATE, State, register_marker
 
 # ---------------------------------------------------------------------------------------------------- config
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -75,7 +74,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     devs = "cpu" if p.device_type == "cpu" else "cuda:" + ",".join(p.devices)
     return [f"tplogp: world size {s.world_size}, backend {p.backend} ({s.backend}), devices {devs}, "
             f"timeout {s.timeout_s:g} s, rendezvous FileStore per session; {devices.block_note()}; "
-            f"on by {why_active(config) or '-p pytest_tplogp.hooks'}"]
+            f"on by {config.stash.get(ACTIVATED_BY, '-p pytest_tplogp.hooks')}"]
 
 
 # ---------------------------------------------------------------------------------------------------- collection

@@ -3,7 +3,7 @@
 The entry point loads only the package's shim (``pytest_tplogp/__init__.py``: the options and one configure
 hook). A run asks for the plugin by naming it (``-p pytest_tplogp``, ``PYTEST_PLUGINS``, ``pytest_plugins`` in a
 conftest.py or plugin), by giving any ``--tp...`` option on the command line, or with ini ``tplogp = true``.
-Environment variables (``TPLOGP_TP`` ...) only configure. This module imports pytest only through ``options``.
+Environment variables (``TPLOGP_TP`` ...) only configure.
 """
 
 from __future__ import annotations
@@ -48,9 +48,14 @@ def why_active(config: Any) -> str | None:
 
 
 def activate_if_asked(config: Any) -> None:
-    manager = config.pluginmanager
-    if manager.has_plugin(FULL_PLUGIN) or manager.is_blocked(FULL_PLUGIN):
+    """Register the full plugin if the run asked for it; record how it asked (for the header)."""
+    from .session import ACTIVATED_BY
+
+    reason = why_active(config)
+    if reason is None:
         return
-    if why_active(config) is not None:
+    config.stash[ACTIVATED_BY] = reason
+    manager = config.pluginmanager
+    if not manager.has_plugin(FULL_PLUGIN) and not manager.is_blocked(FULL_PLUGIN):
         # register (not import_plugin): no assertion-rewrite marking of a module that may be imported already
         manager.register(importlib.import_module(FULL_PLUGIN), FULL_PLUGIN)

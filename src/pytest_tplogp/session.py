@@ -33,6 +33,8 @@ class State:
 
 
 STATE = pytest.StashKey[State]()
+#: How the run asked for the plugin ("-p pytest_tplogp", "--tp", ...), for the header.
+ACTIVATED_BY = pytest.StashKey[str]()
 #: On a TP test item: its placement (``placement.Plan``), decided at setup.
 PLAN = pytest.StashKey[Any]()
 #: On a TP test item whose ranks all skipped: the merged reason (the report points at the test, not the plugin).
