@@ -132,7 +132,8 @@ def linear_logp_loss(
     from .kernel_registry import backend_for_call
 
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    return fused_loss(backend_for_call(source, device), hidden, weight, target_ids, bias, loss=loss,
+    backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
+    return fused_loss(backend, hidden, weight, target_ids, bias, loss=loss,
                       per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
                       vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
                       temperature=temperature, ignore_index=ignore_index, deterministic=deterministic,

@@ -13,7 +13,9 @@ Forward epilogue (:func:`online_softmax_update`): running per-row statistics in 
 
 stored in natural units by :func:`natural_units` / :func:`store_stats`. Backward epilogue (:func:`dlogits_tile`):
 ``zr = z - M``, ``p = exp(zr - log_sum)``, ``dz = g onehot - p (g - g_lse + g_ent (zr - mean_zr))``, times 1/T,
-rounded once to the weight dtype.
+rounded once to the weight dtype. Kept logits (:func:`keep_tile`, :func:`kept_tile`): the forward stores the
+raw fp32 accumulator of the tiles below a column bound, the backward loads it instead of recomputing the GEMM; the
+epilogues then run on the very values a recompute gives.
 """
 
 from __future__ import annotations
@@ -257,3 +259,25 @@ def dlogits_tile(
     store_rounded(p_out, b_dz, m_out, DOT_PRECISION)
     if NEED_DB:
         tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_db)
+
+
+@triton.jit
+def keep_tile(p_kept, stride_kept, o_n, m_n, v0, v_keep, acc, BLOCK_V: tl.constexpr):
+    """Store the raw fp32 accumulator of the tile at shard column ``v0`` into the kept-logits buffer ``[N, v_keep]``
+    (row stride ``stride_kept``) when the tile lies below ``v_keep``; rows outside ``m_n`` and columns at or past
+    ``v_keep`` are not written. One coalesced fp32 store per element of the kept tiles, nothing for the others."""
+    if v0 < v_keep:
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        p_out = p_kept + o_n.to(tl.int64)[:, None] * stride_kept + o_v[None, :]
+        tl.store(p_out, acc, mask=m_n[:, None] & (o_v < v_keep)[None, :])
+
+
+@triton.jit
+def kept_tile(p_kept, stride_kept, o_n, o_v, N, v_hi, MASKED: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_V]`` fp32 accumulator tile kept by the forward (rows ``o_n``, shard columns ``o_v``);
+    ``MASKED``: rows at or past N and columns at or past ``v_hi`` read as 0 (edge tiles only)."""
+    p_in = p_kept + o_n.to(tl.int64)[:, None] * stride_kept + o_v[None, :]
+    if MASKED:
+        return tl.load(p_in, mask=(o_n < N)[:, None] & (o_v < v_hi)[None, :], other=0.0)
+    else:
+        return tl.load(p_in)
