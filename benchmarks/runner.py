@@ -1,32 +1,51 @@
-"""Shared benchmark runner: timing, memory, machine info, JSON output.
+"""The one runner of the suite: timing, memory, machine and version info, the results file.
 
-Timing: CUDA events around each call, after warm-up (optionally a sustained one, see :func:`sustain`), median of
-``reps``, either synced after every call or back to back (:func:`median_ms`). Memory: peak allocated during one call
-minus what was allocated before it (inputs excluded, outputs and gradients included).
+Timing (:func:`median_ms`): on CUDA, CUDA events around each call after ``warmup`` calls and, when ``warm_ms`` > 0,
+a sustained warm-up (:func:`sustain`); the median of ``reps`` samples, either *synced* (a host sync after every
+call, so a sample includes the host's launch latency) or *back-to-back* (no sync between calls: the host runs
+ahead as in a training loop, and a sample is GPU time unless the host is the slower side). On CPU, wall-clock
+``time.perf_counter`` per call (the smoke mode's only use of it).
+
+Memory (:func:`extra_peak_gib`): the CUDA allocator's peak during one call minus what was allocated before it
+(inputs excluded; outputs, gradients and anything kept from forward to backward included). None on CPU.
+
+Results: every run appends one JSON object per row to ``<out>/results.jsonl`` (:func:`append_rows`); each row
+carries the run's :func:`run_info` (date, device, driver, commit of the measured tplogp, versions).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
-from typing import Callable
+import time
+from typing import Callable, Iterable, Optional
 
 import torch
 
-from tplogp.tolerances import rel_error as rel_err  # noqa: F401  (re-exported for the scripts)
+RESULTS_FILE = "results.jsonl"
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PEER_DISTRIBUTIONS = ("liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl")
+
+
+# ---------------------------------------------------------------------------------------------------------- timing
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def sustain(fn: Callable[[], object], warm_ms: float, max_calls: int = 5000) -> None:
     """Keep the GPU busy with back-to-back calls of ``fn`` for about ``warm_ms`` of GPU time (no host syncs).
 
-    An H200 under a sustained tensor-core load sits at its 700 W power cap, where its SM clock drops from 1980 MHz
-    to about 1450-1620 MHz (benchmarks/clock_probe.py): a kernel timed right after an idle or lighter stretch runs at
-    boost clock and looks up to ~18% faster than it does in training. Timing every function after this warm-up puts
-    the GEMM and the sources in the same power state."""
+    An H200 under sustained tensor-core load sits at its 700 W power cap, where its SM clock drops from 1980 MHz
+    to about 1450-1620 MHz: a kernel timed right after an idle or lighter stretch runs at boost clock and looks up
+    to ~18% faster than it does in training. Timing every function (the reference GEMM too) after this warm-up
+    puts them all in the same power state."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -38,23 +57,15 @@ def sustain(fn: Callable[[], object], warm_ms: float, max_calls: int = 5000) -> 
         fn()
 
 
-def median_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 3, warm_ms: float = 0.0,
-              back_to_back: bool = False) -> float:
-    """Median milliseconds per call of ``fn`` (CUDA events around each call), after ``warmup`` calls and, when
-    ``warm_ms`` > 0, :func:`sustain`. Synced (default, the anchor benchmark's method): a host sync after every call,
-    so each sample includes the host's launch latency. ``back_to_back``: no sync between calls, so the host runs ahead
-    as in a training loop and a sample is GPU time unless the host is the slower side (triton.testing.do_bench's
-    method)."""
-    for _ in range(warmup):
-        fn()
-    if warm_ms > 0:
-        sustain(fn, warm_ms)
-    times = sorted(samples_ms(fn, reps, back_to_back))
-    return times[len(times) // 2]
-
-
-def samples_ms(fn: Callable[[], object], reps: int, back_to_back: bool) -> list[float]:
-    """Milliseconds of each of ``reps`` calls of ``fn`` in call order (CUDA events; see :func:`median_ms`)."""
+def samples_ms(fn: Callable[[], object], reps: int, back_to_back: bool, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn`` in call order (see the module docstring)."""
+    if device.type != "cuda":
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
@@ -67,114 +78,147 @@ def samples_ms(fn: Callable[[], object], reps: int, back_to_back: bool) -> list[
     return [start.elapsed_time(end) for start, end in events]
 
 
-def median_marks(one_call: Callable[[dict], float], calls: int, warmup: int = 5) -> dict:
-    """Host timelines: ``one_call(marks)`` does one call, stores ``time.perf_counter()`` stamps into ``marks`` and
-    returns the stamp the others count from. Returns, per mark, the median microseconds after that stamp over
-    ``calls`` calls (after ``warmup``), in time order."""
-    rows: dict = {}
-    for i in range(calls + warmup):
-        marks: dict = {}
-        t0 = one_call(marks)
-        if i >= warmup:
-            for k, t in sorted(marks.items(), key=lambda kv: kv[1]):
-                rows.setdefault(k, []).append((t - t0) * 1e6)
-    return {k: round(statistics.median(v), 1) for k, v in rows.items()}
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10, warmup: int = 3,
+              warm_ms: float = 0.0, back_to_back: bool = False) -> float:
+    """Median milliseconds per call of ``fn`` after ``warmup`` calls and (CUDA, ``warm_ms`` > 0) :func:`sustain`."""
+    for _ in range(warmup):
+        fn()
+    if warm_ms > 0 and device.type == "cuda":
+        sustain(fn, warm_ms)
+    return statistics.median(samples_ms(fn, reps, back_to_back, device))
 
 
-def extra_peak_gib(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+def extra_peak_gib(fn: Callable[[], object], device: torch.device) -> Optional[float]:
+    """Peak allocated GiB during one call of ``fn`` above what was allocated before it; None off CUDA."""
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
     fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
-def bf16_problem(T: int, D: int, V: int, ignore_frac: float = 0.0, ge_scale: float = 1.0):
-    """Seeded bf16 inputs on the GPU: (hidden, weight, targets, grad_logp, grad_entropy, ignore_index or None)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(T, D, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
-    w = (torch.randn(V, D, device="cuda", generator=g) / D**0.5).to(torch.bfloat16)
-    y = torch.randint(0, V, (T,), device="cuda", generator=g)
-    ii = None
-    if ignore_frac:
-        ii = -100
-        y = torch.where(torch.rand(T, device="cuda", generator=g) < ignore_frac, torch.full_like(y, -100), y)
-    gy = torch.randn(T, device="cuda", generator=g)
-    ge = torch.randn(T, device="cuda", generator=g) * ge_scale
-    return h, w, y, gy, ge, ii
+# ---------------------------------------------------------------------------------------------------------- parsing
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"8192x4096x128256,64x32x320"`` -> [(T, D, V), ...]."""
+    shapes = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"a shape is TxDxV with three positive integers (e.g. 8192x4096x128256), got {item!r}")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
 
 
-def torch_eager(h, w, y, *, return_entropy=False, ignore_index=None):
-    """The materializing baseline: bf16 logits, fp32 log_softmax, gather (logp, and entropy when asked).
-    ``ignore_index`` positions get 0."""
-    logits = (h @ w.T).float()
-    logprobs = logits.log_softmax(-1)
-    safe = y if ignore_index is None else torch.where(y == ignore_index, torch.zeros_like(y), y)
-    logp = logprobs.gather(1, safe[:, None]).squeeze(1)
-    if ignore_index is not None:
-        logp = torch.where(y == ignore_index, torch.zeros_like(logp), logp)
-    if return_entropy:
-        ent = -(logprobs.exp() * logprobs).sum(-1)
-        return logp, ent
-    return logp
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def tp_step_fns(be, h, w, y, opts, gy, ge):
-    """(forward, forward+backward) closures through the public TP path, with per-token upstream gradients."""
-    from tplogp.tp import linear_logp_tp
-
-    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def fwd():
-        with torch.no_grad():
-            return linear_logp_tp(be, h, w, y, options=opts)
-
-    def fwd_bwd():
-        out = linear_logp_tp(be, hg, wg, y, options=opts)
-        if opts.return_entropy:
-            torch.autograd.backward([out.logp, out.entropy], [gy, ge])
-        else:
-            out.backward(gy)
-        hg.grad = wg.grad = None
-
-    return fwd, fwd_bwd
+def parse_budget(text: str) -> Optional[int]:
+    """``"default"`` -> None (the source's own default); ``"512MiB"``, ``"4GiB"``, ``"1048576"`` -> bytes."""
+    text = text.strip()
+    if text.lower() == "default":
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?i?b?)", text.lower())
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"a budget is 'default' or bytes with an optional KiB / MiB / GiB unit, got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if value <= 0:
+        raise ValueError(f"a budget must be positive, got {text!r}")
+    return value
 
 
-def git_commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
+def budget_label(nbytes: Optional[int]) -> str:
+    if nbytes is None:
+        return "default"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return str(nbytes)
+
+
+def shape_label(shape: tuple[int, int, int]) -> str:
+    return "x".join(map(str, shape))
+
+
+# ---------------------------------------------------------------------------------------------------------- run info
+def _git(args: list[str], cwd: str) -> str:
+    out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def source_commit(path: str) -> str:
+    """Short commit of the git checkout holding ``path`` (``+dirty`` when tracked files differ), else 'unknown'."""
+    where = path if os.path.isdir(path) else os.path.dirname(path)
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10)
-        commit = out.stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = _git(["rev-parse", "--short", "HEAD"], where)
+        if not commit:
+            return "unknown"
+        dirty = _git(["status", "--porcelain", "--untracked-files=no"], where)
         return commit + ("+dirty" if dirty else "")
-    except Exception:
-        return os.environ.get("TPLOGP_COMMIT", "unknown")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
-def machine_info() -> dict:
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver() -> Optional[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_info(device: torch.device) -> dict:
+    """Fields every row of this run carries: when, where, which code and which versions."""
+    import tplogp
+
     info = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": os.environ.get("TPLOGP_COMMIT") or source_commit(os.path.dirname(tplogp.__file__)),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "commit": os.environ.get("TPLOGP_COMMIT") or git_commit(),
+        "triton": _version("triton"),
+        "peers": {d: _version(d) for d in PEER_DISTRIBUTIONS},
+        "checks": os.environ.get("TPLOGP_CHECKS", "full"),
     }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except Exception:
-        info["triton"] = None
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        info.update(device=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
-                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(device=props.name, driver=_driver(), cuda=torch.version.cuda,
+                    capability=f"{props.major}.{props.minor}")
+    else:
+        info.update(device=f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+                    driver=None, cuda=None, capability=None)
     return info
 
 
-def write_json(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
+# ---------------------------------------------------------------------------------------------------------- results
+def results_path(out_dir: str) -> str:
+    return os.path.join(out_dir, RESULTS_FILE)
+
+
+def append_rows(out_dir: str, rows: Iterable[dict]) -> str:
+    """Append ``rows`` (one JSON object per line) to ``<out_dir>/results.jsonl``; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = results_path(out_dir)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    return path
+
+
+def read_rows(out_dir: str) -> list[dict]:
+    path = results_path(out_dir)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

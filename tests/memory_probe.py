@@ -1,7 +1,7 @@
 """Run one forward+backward of linear_logp in this process and print the resident-memory growth (MiB) as JSON.
 
 Usage: python tests/memory_probe.py N D V [native|eager|triton]. Used by tests/test_memory.py and
-benchmarks/bench_cpu_memory.py in a fresh subprocess, so that nothing else in the test session inflates the
+``python -m benchmarks memory`` in a fresh subprocess, so that nothing else in the test session inflates the
 high-water mark. Resets the kernel's peak-RSS counter (/proc/self/clear_refs = 5) after the inputs exist.
 """
 

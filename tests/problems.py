@@ -84,8 +84,12 @@ def run_op(op, p: Problem, *, entropy=False, lse=False, **kwargs) -> Result:
     w = p.weight.clone().requires_grad_()
     b = None if p.bias is None else p.bias.clone().requires_grad_()
     out = op(h, w, p.target, b, return_entropy=entropy, return_lse=lse, **kwargs)
-    if entropy or lse:
+    if entropy and lse:
         logp, ent, lse_out = out
+    elif entropy:
+        (logp, ent), lse_out = out, None
+    elif lse:
+        (logp, lse_out), ent = out, None
     else:
         logp, ent, lse_out = out, None, None
     loss = (logp * p.g_logp).sum()

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tplogp import LogpOutputs, get_op
+from tplogp import LogpEntropy, LogpEntropyLse, LogpLse, get_op
 from tplogp.kernel_registry import unavailable_reason
 from tplogp.tolerances import assert_no_worse
 from tests.problems import make_problem, run_op, run_reference
@@ -44,10 +44,28 @@ def test_entropy_limits_peaked_and_flat(source):
     # hidden along the target's row, |h| = 200: the target's logit leads the rest by tens of nats
     h[:3] = w[t[:3]] * (200.0 / w[t[:3]].norm(dim=1, keepdim=True))
     out = get_op("linear_logp", source=source)(h, w, t, return_entropy=True)
-    assert isinstance(out, LogpOutputs) and out.lse is None
+    assert isinstance(out, LogpEntropy)
     assert (out.entropy[:3] >= 0).all() and (out.entropy[:3] < 1e-3).all(), out.entropy
     torch.testing.assert_close(out.entropy[3:], torch.full((3,), math.log(v)), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(out.logp[3:], torch.full((3,), -math.log(v)), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [(True, False), (False, True), (True, True)], ids=["entropy", "lse", "both"])
+def test_outputs_unpack_and_keep_names(flags):
+    """``logp, entropy = ...``, ``logp, lse = ...``, ``logp, entropy, lse = ...``; the same tensors by name."""
+    ent, lse = flags
+    p = make_problem((2, 5), 16, 97, torch.float32, True, seed=3)
+    out = get_op("linear_logp", source="native")(p.hidden, p.weight, p.target, p.bias, return_entropy=ent,
+                                                 return_lse=lse)
+    kind = {(True, False): LogpEntropy, (False, True): LogpLse, (True, True): LogpEntropyLse}[flags]
+    assert type(out) is kind and len(out) == 1 + ent + lse
+    truth = run_reference(p, "float64", entropy=True, lse=True)
+    names = ["logp"] + (["entropy"] if ent else []) + (["lse"] if lse else [])
+    unpacked = dict(zip(names, out))  # plain tuple unpacking
+    for name in names:
+        assert unpacked[name] is getattr(out, name)
+        assert unpacked[name].shape == p.target.shape and unpacked[name].dtype == torch.float32
+        torch.testing.assert_close(unpacked[name].double(), getattr(truth, name), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("source", SOURCES)

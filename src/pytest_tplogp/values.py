@@ -155,7 +155,7 @@ class OpSource:
 
     @property
     def op(self) -> Callable[..., Any]:
-        from tplogp.kernel_registry import get_op
+        from tplogp import get_op
 
         return get_op(self.op_name, source=self.source)
 

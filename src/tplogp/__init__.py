@@ -7,12 +7,12 @@ vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are cho
 """
 
 from . import losses
-from .api import linear_logp, linear_logp_loss
+from .api import get_op, linear_logp, linear_logp_loss
 from .deferred_checks import check_errors
 from .shards import ShardLayoutError
-from .tp import LogpOutputs
+from .outputs import LogpEntropy, LogpEntropyLse, LogpLse
 from .validation import LinearLogpInputError
-from .kernel_registry import SourceUnavailableError, get_op
+from .kernel_registry import SourceUnavailableError
 
 __all__ = [
     "linear_logp",
@@ -20,7 +20,9 @@ __all__ = [
     "losses",
     "check_errors",
     "get_op",
-    "LogpOutputs",
+    "LogpEntropy",
+    "LogpLse",
+    "LogpEntropyLse",
     "LinearLogpInputError",
     "ShardLayoutError",
     "SourceUnavailableError",

@@ -1,15 +1,36 @@
-"""The public operator ``linear_logp`` and the per-source callables the registry hands out."""
+"""The public operator ``linear_logp`` and ``get_op``, the per-source callables.
+
+A call resolves what the caller's training stack wraps around plain tensors, then runs the shared path of
+:mod:`tplogp.tp`: eagerly through its autograd Function, and under ``torch.compile`` through the ``torch.library``
+ops of :mod:`tplogp.ops` (one opaque node each for forward and backward; the same bodies run inside). Eager calls
+skip the op's dispatch because it costs host time that matters at small shapes.
+
+1. DTensor weights (vocab-sharded ``Shard(0)``) become their local shard plus the group, vocab start and global
+   vocab of the mesh dimension they are sharded over (:mod:`tplogp.dtensor`).
+2. Under ``torch.autocast(device_type, dtype=X)`` hidden, weight and bias are cast to X, as ``F.linear`` would
+   use them; the casts are differentiable, so gradients reach the original tensors in their own dtypes.
+3. Under ``torch.compile`` the op returns one packed fp32 result; logp (and entropy, lse) are views of it with the
+   targets' shape.
+
+Arguments of the wrong Python type cannot cross the op's schema; such calls run the same checks eagerly
+(:func:`tplogp.tp.linear_logp_tp`), so the error is the same clear one, on every rank.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from .tp import LogpOptions, LogpOutputs, linear_logp_tp
-
+from . import ops
+from .comm import group_name
+from .dtensor import is_dtensor, unwrap_dtensors
+from .kernel_registry import backend_for_call, check_op, check_source, require_source
+from .outputs import LinearLogpResult, pack_outputs
+from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, LogpOptions, linear_logp_tp
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
 
@@ -22,17 +43,67 @@ def _options(kwargs: dict) -> LogpOptions:
     return LogpOptions(**kwargs)
 
 
-def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-         global_vocab_size: Optional[int], options: LogpOptions) -> Union[torch.Tensor, LogpOutputs]:
-    """Resolve the backend for this call's device, then run the shared TP path."""
-    from .kernel_registry import backend_for_call
+def autocast_inputs(device_type: str, hidden, weight, bias):
+    """Under ``torch.autocast(device_type, dtype=X)``: hidden, weight and bias in X, as ``F.linear`` would use them.
 
-    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    return linear_logp_tp(
-        backend_for_call(source, device, getattr(hidden, "dtype", None)), hidden, weight, target_ids, bias,
-        tp_group=tp_group, vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-        options=options,
-    )
+    The casts are ordinary differentiable ``.to`` calls, so gradients reach the original tensors in their own
+    dtypes (fp32 parameters get fp32 gradients). Outside autocast the inputs come back as given.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                    options: LogpOptions) -> bool:
+    return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
+            and (bias is None or isinstance(bias, torch.Tensor))
+            and _is_int(vocab_start_index)
+            and (global_vocab_size is None or _is_int(global_vocab_size))
+            and isinstance(options.temperature, (int, float)) and not isinstance(options.temperature, bool)
+            and (options.ignore_index is None or _is_int(options.ignore_index))
+            and (options.workspace_bytes is None or _is_int(options.workspace_bytes)))
+
+
+def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+         global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
+    if is_dtensor(weight) or is_dtensor(hidden):
+        return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias, tp_group,
+                               vocab_start_index, global_vocab_size, options)
+    if not _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options):
+        device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+        backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
+        return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
+                              vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+                              options=options)  # raises the checks' error (on every rank)
+    device_type = hidden.device.type
+    hidden, weight, bias = autocast_inputs(device_type, hidden, weight, bias)
+    if not torch.compiler.is_compiling():  # eager: the same bodies without the op's dispatch (host time)
+        with contextlib.ExitStack() as stack:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            return linear_logp_tp(backend_for_call(source, hidden.device, hidden.dtype), hidden, weight, target_ids,
+                                  bias, tp_group=tp_group, vocab_start_index=vocab_start_index,
+                                  global_vocab_size=global_vocab_size, options=options)
+    builds_graph = torch.is_grad_enabled() and hidden.requires_grad
+    packed = ops.linear_logp_fwd(
+        hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
+        float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
+        options.workspace_bytes, source or "", builds_graph)
+    shape = target_ids.shape
+    logp = packed[PACKED_LOGP].view(shape)
+    lse = packed[PACKED_LSE].view(shape)
+    entropy = packed[PACKED_ENTROPY].view(shape) if options.return_entropy else None
+    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse)
 
 
 def linear_logp(
@@ -50,18 +121,22 @@ def linear_logp(
     ignore_index: Optional[int] = None,
     deterministic: bool = False,
     workspace_bytes: Optional[int] = None,
-) -> Union[torch.Tensor, LogpOutputs]:
+) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
 
     ``logp[t] = log_softmax((hidden @ weight.T + bias) / temperature)[t, target_ids[t]]`` over the whole vocabulary
     of all ranks of ``tp_group``, without materializing the ``[tokens, vocab]`` logits. Differentiable in hidden,
-    weight and bias for any upstream gradient.
+    weight and bias for any upstream gradient. Traced by ``torch.compile`` as one op (no graph breaks); under
+    ``torch.autocast`` hidden, weight and bias are used in the autocast dtype (outputs stay fp32).
 
     Args:
-        hidden: ``[N, D]`` or ``[B, S, D]``, float32 / bfloat16 / float16.
-        weight: ``[V_local, D]``, this rank's rows ``[vocab_start_index, vocab_start_index + V_local)``, hidden's dtype.
+        hidden: ``[N, D]`` or ``[B, S, D]``, float32 / bfloat16 / float16 (plain, or a DTensor replicated over the
+            weight's vocab mesh dimension).
+        weight: ``[V_local, D]``, this rank's rows ``[vocab_start_index, vocab_start_index + V_local)``, hidden's dtype;
+            or a DTensor ``[V, D]`` placed ``Shard(0)`` on one mesh dimension (then group, vocab start and global
+            vocab come from it and must not be passed).
         target_ids: integer global token ids with hidden's leading shape, the same on every rank.
-        bias: ``[V_local]`` or None.
+        bias: ``[V_local]`` or None (a DTensor when weight is one, with the same placements).
         tp_group: the process group the vocab is sharded over (None: the weight is the whole vocab).
         vocab_start_index: first global id of this rank's shard (shards may be uneven).
         global_vocab_size: total vocab; inferred from the shards when None.
@@ -71,13 +146,14 @@ def linear_logp(
         ignore_index: positions with this target get logp 0 (entropy 0, lse 0) and no gradient.
         deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
             other rows of the batch (costs some speed: fixed token tiles).
-        workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (transient tiles plus
-            logits kept from forward to backward, which spare the backward their recompute GEMM); default:
-            ``TPLOGP_WORKSPACE_MB``, else the source's default tile memory with nothing kept (docs/operator.md).
+        workspace_bytes: tile workspace budget for chunked sources (default: ``TPLOGP_WORKSPACE_MB`` or per device).
 
     Returns:
-        float32 logp with target_ids' shape, or :class:`~tplogp.tp.LogpOutputs` ``(logp, entropy, lse)`` when
-        ``return_entropy`` or ``return_lse`` is set (the unrequested field is None).
+        float32 logp with target_ids' shape; with ``return_entropy`` and/or ``return_lse`` a named tuple of exactly
+        the requested outputs, which unpacks: ``logp, entropy = ...`` (:class:`~tplogp.outputs.LogpEntropy`),
+        ``logp, lse = ...`` (:class:`~tplogp.outputs.LogpLse`), ``logp, entropy, lse = ...``
+        (:class:`~tplogp.outputs.LogpEntropyLse`). With a DTensor hidden, each is a DTensor with hidden's
+        placements (replicated over the vocab dimension).
     """
     return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                 LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
@@ -85,7 +161,7 @@ def linear_logp(
 
 
 @functools.lru_cache(maxsize=None)
-def make_linear_logp(source: Optional[str]) -> Callable[..., Union[torch.Tensor, LogpOutputs]]:
+def make_linear_logp(source: Optional[str]) -> Callable[..., LinearLogpResult]:
     """``linear_logp`` bound to one source (None: automatic selection per call)."""
     if source is None:
         return linear_logp
@@ -99,6 +175,16 @@ def make_linear_logp(source: Optional[str]) -> Callable[..., Union[torch.Tensor,
     op.__name__ = f"linear_logp_{source}"
     op.source = source  # type: ignore[attr-defined]
     return op
+
+
+def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[..., LinearLogpResult]:
+    """The op callable. ``source=None`` or ``"registry"`` selects per call; otherwise that source or an error."""
+    check_op(name)
+    if source in (None, "registry", "auto"):
+        return make_linear_logp(None)
+    check_source(source)
+    require_source(source, None)
+    return make_linear_logp(source)
 
 
 def linear_logp_loss(
@@ -129,7 +215,6 @@ def linear_logp_loss(
     backward scales the precomputed gradients of hidden, weight and bias.
     """
     from .fused_loss import fused_loss
-    from .kernel_registry import backend_for_call
 
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     backend = backend_for_call(source, device, getattr(hidden, "dtype", None))

@@ -15,6 +15,19 @@ def all_gather_flat(inp: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def group_name(group) -> str:
+    """The name that identifies ``group`` to :func:`group_from_name` ("" for None: no group)."""
+    return "" if group is None else group.group_name
+
+
+def group_from_name(name: str):
+    """The process group registered under ``name`` (None for "")."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
 class OverlappedAllReduce:
     """Sum a tensor over ``group`` with an async collective started as soon as the tensor is complete.
 

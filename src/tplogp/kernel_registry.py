@@ -1,13 +1,13 @@
 """Which source computes an op: a registry with a priority order and readable reasons.
 
-``get_op("linear_logp", source=None)`` returns a callable with the public signature. With ``source=None`` (the
-runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on Hopper, then ``triton`` on CUDA,
-then ``native``; the choice is logged once per device on the ``tplogp`` logger. An explicitly requested source that
-cannot run raises :class:`SourceUnavailableError` with the backend's own reason. A source may also refuse one
-case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for example no tile configuration
-of the fused kernels fits the device's shared memory for that element size); automatic selection then takes the
-next source, an explicit request raises with that reason. Backends are imported lazily, so importing tplogp does no
-device work and does not need Triton.
+``backend_for_call(source, device, dtype)`` resolves the backend of one call (``tplogp.get_op`` binds ``source``).
+With ``source=None`` (the runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on
+Hopper, then ``triton`` on CUDA, then ``native``; the choice is logged once per device on the ``tplogp`` logger. An
+explicitly requested source that cannot run raises :class:`SourceUnavailableError` with the backend's own reason. A
+source may also refuse one case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for
+example no tile configuration of the fused kernels fits the device's shared memory for that element size); automatic
+selection then takes the next source, an explicit request raises with that reason. Backends are imported lazily, so
+importing tplogp does no device work and does not need Triton.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -51,12 +51,12 @@ class _MissingBackend:
         return self._reason
 
 
-def _check_op(name: str) -> None:
+def check_op(name: str) -> None:
     if name not in OPS:
         raise KeyError(f"unknown op {name!r}; available ops: {', '.join(OPS)}")
 
 
-def _check_source(source: str) -> None:
+def check_source(source: str) -> None:
     if source not in SOURCES:
         raise KeyError(f"unknown source {source!r} for linear_logp; available sources: {', '.join(SOURCES)} "
                        f"(or None for automatic selection)")
@@ -65,7 +65,7 @@ def _check_source(source: str) -> None:
 @functools.lru_cache(maxsize=None)
 def get_backend(source: str) -> ShardBackend:
     """The backend object for ``source`` (imported on first use)."""
-    _check_source(source)
+    check_source(source)
     module_name, cls_name = _BACKEND_CLASSES[source]
     try:
         module = importlib.import_module(module_name)
@@ -98,7 +98,7 @@ def unavailable_reason(source: str, device: Optional[torch.device] = None,
 def source_status(op: str = "linear_logp", device: Optional[torch.device] = None,
                   dtype: Optional[torch.dtype] = None) -> dict[str, Optional[str]]:
     """``{source: None or reason}`` for every source of ``op`` (on ``device``, for inputs of ``dtype`` if given)."""
-    _check_op(op)
+    check_op(op)
     return {s: unavailable_reason(s, device, dtype) for s in SOURCES}
 
 
@@ -126,23 +126,11 @@ def select_source(device: torch.device, dtype: Optional[torch.dtype] = None) -> 
     raise SourceUnavailableError(f"no linear_logp source can run on {device}: {reasons}")  # native always can
 
 
-def _require(source: str, device: Optional[torch.device], dtype: Optional[torch.dtype] = None) -> ShardBackend:
+def require_source(source: str, device: Optional[torch.device], dtype: Optional[torch.dtype] = None) -> ShardBackend:
     why = unavailable_reason(source, device, dtype)
     if why is not None:
         raise SourceUnavailableError(f"{_KERNEL_NAMES[source]} is unavailable: {why}")
     return get_backend(source)
-
-
-def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[..., torch.Tensor]:
-    """The op callable. ``source=None`` or ``"registry"`` selects per call; otherwise that source or an error."""
-    _check_op(name)
-    from .api import make_linear_logp  # late import: api imports this module
-
-    if source in (None, "registry", "auto"):
-        return make_linear_logp(None)
-    _check_source(source)
-    _require(source, None)
-    return make_linear_logp(source)
 
 
 _resolved_on_cuda: dict = {}
@@ -167,4 +155,4 @@ def backend_for_call(source: Optional[str], device: torch.device,
 def _resolve(source: Optional[str], device: torch.device, dtype: Optional[torch.dtype]) -> ShardBackend:
     if source is None:
         return get_backend(select_source(device, dtype))
-    return _require(source, device, dtype)
+    return require_source(source, device, dtype)

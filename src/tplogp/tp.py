@@ -27,7 +27,9 @@ and 3 cost no host ops (what matters at small shapes, where a call's host time i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from .backends.base import ShardBackend, ShardCall
 from .comm import OverlappedAllReduce, all_gather_flat
 from .deferred_checks import defer_target_range_check, raise_pending_errors
+from .outputs import LinearLogpResult, pack_outputs
 from .tensors import f32_contiguous
 from .validation import (
     GroupCheck,
@@ -48,14 +51,6 @@ from .validation import (
     target_range_problem,
     target_summary_tensor,
 )
-
-
-class LogpOutputs(NamedTuple):
-    """What ``linear_logp`` returns when entropy or lse is requested (each with the targets' shape, fp32)."""
-
-    logp: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    lse: Optional[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -148,6 +143,23 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     return (logp, entropy, lse), (row_max, log_sum, mean_rel, st.kept)
 
 
+def _without_autocast(backward):
+    """Run ``backward`` with autocast off, so the sources see the dtypes of the forward also when the backward runs
+    inside an autocast region (CPU autograd runs the backward on the caller's thread, with its autocast state)."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if not on:
+            return backward(ctx, *grads)
+        with contextlib.ExitStack() as stack:
+            for device_type in on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            return backward(ctx, *grads)
+
+    return run
+
+
 class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
@@ -158,6 +170,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, g_logp, g_entropy, g_lse):
         hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
@@ -192,8 +205,11 @@ class PreparedCall(NamedTuple):
 
 
 def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                 global_vocab_size: Optional[int], options: LogpOptions) -> PreparedCall:
-    """Checks (the same verdict on every rank), flattening, ignore_index compaction and target localisation."""
+                 global_vocab_size: Optional[int], options: LogpOptions,
+                 builds_graph: Optional[bool] = None) -> PreparedCall:
+    """Checks (the same verdict on every rank), flattening, ignore_index compaction and target localisation.
+
+    ``builds_graph``: whether the call records an autograd graph (None: grad mode and ``hidden.requires_grad``)."""
     mode = checks_mode()
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     if world == 1 and mode != "fast":
@@ -216,7 +232,8 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
                      if ok and mode != "fast" else None),
             ignore_index=options.ignore_index,
             mode=mode,
-            builds_graph=bool(ok and torch.is_grad_enabled() and hidden.requires_grad),
+            builds_graph=bool(ok and (torch.is_grad_enabled() and hidden.requires_grad if builds_graph is None
+                                      else builds_graph)),
         )
     else:
         comm_dev = torch.device("cpu")
@@ -231,7 +248,13 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
         msg = target_range_problem(targets, total, options.ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg)
+    return localize_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
+                         comm_dev, total)
 
+
+def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                  options: LogpOptions, world: int, comm_dev: torch.device, total: int) -> PreparedCall:
+    """Flattening, ignore_index compaction and target localisation of a call whose checks have passed."""
     d = hidden.shape[-1]
     h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
     tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
@@ -273,10 +296,12 @@ def linear_logp_tp(
     vocab_start_index: int = 0,
     global_vocab_size: Optional[int] = None,
     options: LogpOptions = LogpOptions(),
-):
-    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path.
+) -> LinearLogpResult:
+    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path with ``backend``.
 
-    Returns the logp tensor, or :class:`LogpOutputs` when entropy or lse is requested.
+    The layer under :func:`tplogp.linear_logp` (which adds source selection, autocast, DTensor and the
+    ``torch.library`` op). Returns the logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the
+    requested outputs.
     """
     out_shape = tuple(target_ids.shape)
     h2, w, b, local_target, keep_idx, tpc, _ = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
@@ -298,6 +323,70 @@ def linear_logp_tp(
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
         lse = lse.view(out_shape)
-    if not (options.return_entropy or options.return_lse):
-        return logp
-    return LogpOutputs(logp, entropy if options.return_entropy else None, lse if options.return_lse else None)
+    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse)
+
+
+# ---- the bodies that the torch.library ops (tplogp.ops) run ----------------------------------------------------------
+
+# Rows of the packed fp32 [K, N] result of ``forward_packed``: the outputs, then what the backward needs.
+PACKED_LOGP, PACKED_LSE, PACKED_ROW_MAX, PACKED_LOG_SUM, PACKED_ENTROPY, PACKED_MEAN_REL = range(6)
+
+
+def packed_rows(with_entropy: bool) -> int:
+    """K of the packed result: 4 rows, 6 with entropy."""
+    return 6 if with_entropy else 4
+
+
+def _all_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int) -> torch.Tensor:
+    """``[K, n_kept]`` -> ``[K, n_all]``, zeros at the ignored rows."""
+    if keep_idx is None:
+        return x
+    return x.new_zeros((x.shape[0], n_all)).index_copy(1, keep_idx, x)
+
+
+def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                   global_vocab_size: Optional[int], options: LogpOptions, builds_graph: bool) -> torch.Tensor:
+    """Checks and forward of one call as one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored
+    rows 0). One output, so that no two outputs of the op share memory. Nothing is kept for the backward beyond
+    the packed rows: the backward recomputes the logits."""
+    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                        options, builds_graph=builds_graph)
+    (logp, entropy, lse), (row_max, log_sum, mean_rel, _) = _shard_forward(prep.hidden, prep.weight, prep.bias,
+                                                                           prep.local_target, prep.tpc)
+    rows = [logp, lse, row_max, log_sum] + ([entropy, mean_rel] if options.return_entropy else [])
+    return _all_rows(torch.stack(rows), prep.keep_idx, target_ids.numel())
+
+
+class _SavedCall:
+    """What ``_LinearLogpFunction.backward`` reads from its autograd context, for a call from the op's backward."""
+
+    def __init__(self, saved_tensors: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]) -> None:
+        self.saved_tensors = saved_tensors
+        self.tpc = tpc
+        self.needs_input_grad = (*needs, False, False)
+
+
+def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, packed: torch.Tensor,
+                    grad_packed: torch.Tensor, tp_group, vocab_start_index: int, options: LogpOptions,
+                    needs: tuple[bool, bool, bool]) -> tuple[Optional[torch.Tensor], ...]:
+    """The backward of ``forward_packed``: ``(d_hidden, d_weight, d_bias)`` (None where not needed) from the saved
+    packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get
+    none). The forward checked the call, so no checks run here."""
+    world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    comm_dev = _comm_device(tp_group, hidden.device) if world > 1 else torch.device("cpu")
+    prep = localize_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
+                         comm_dev, 0)
+    if prep.keep_idx is not None:
+        packed, grad_packed = packed.index_select(1, prep.keep_idx), grad_packed.index_select(1, prep.keep_idx)
+    mean_rel = packed[PACKED_MEAN_REL] if options.return_entropy else None
+    g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
+    saved = (prep.hidden, prep.weight, prep.bias, prep.local_target, packed[PACKED_ROW_MAX], packed[PACKED_LOG_SUM],
+             mean_rel, None)
+    d_hidden, d_weight, d_bias, _, _ = _LinearLogpFunction.backward(
+        _SavedCall(saved, prep.tpc, needs), grad_packed[PACKED_LOGP], g_entropy, grad_packed[PACKED_LSE])
+    if d_hidden is not None:
+        if prep.keep_idx is not None:
+            d_hidden = d_hidden.new_zeros((target_ids.numel(), d_hidden.shape[1])).index_copy(0, prep.keep_idx,
+                                                                                               d_hidden)
+        d_hidden = d_hidden.view(hidden.shape)
+    return d_hidden, d_weight, d_bias

@@ -1,7 +1,7 @@
 """The triton / sm90 sources on a CUDA GPU at real sizes (skipped without CUDA; CI has none).
 
 Run on a GPU machine: ``python -m pytest tests/gpu -m "gpu"`` (add ``-m "gpu or stress"`` for the large-index
-cases). benchmarks/gpu_checkup.sh runs them together with the benchmarks in one call for a short device lease.
+cases); ``python -m benchmarks op`` measures the same sources.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from ..kernel_registry import SourceUnavailableError, get_op
+from ..api import get_op
+from ..kernel_registry import SourceUnavailableError
 from ..shards import ShardLayoutError
 from ..validation import LinearLogpInputError
 from .correctness import correctness

@@ -1,0 +1,193 @@
+"""``python -m benchmarks op|tp|memory|plugin|report [options]``: the suite's one entry point.
+
+Every measuring subcommand prints its rows and appends them to ``<out>/results.jsonl`` (default
+``benchmarks/results``); ``op`` also redraws the Pareto plots there. ``--smoke`` runs the same code on tiny
+problems in seconds (what the test suite runs on CPU). ``--base REV`` runs the same measurement on this tree and
+on ``REV`` (a temporary git worktree), interleaved, and prints per-row ratios (:mod:`benchmarks.ab`).
+``report`` regenerates docs/performance.md from the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional
+
+from . import runner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OP_SHAPES = "8192x4096x128256,4096x4096x128256,8192x4096x32768,4096x2048x8192"
+OP_SMOKE_SHAPES = "64x32x320"
+OP_BUDGETS = "default,1GiB,4GiB"
+OP_SMOKE_BUDGETS = "default,16KiB"
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", default=runner.DEFAULT_OUT,
+                        help="folder of results.jsonl and the plots (default: %(default)s)")
+    common.add_argument("--smoke", action="store_true", help="tiny problems, few repetitions: seconds, on CPU too")
+    common.add_argument("--base", metavar="REV", help="also run on git revision REV and print this / base ratios")
+    common.add_argument("--ab-rounds", type=int, default=None,
+                        help="with --base: rounds per side, alternating order (default 3; 1 with --smoke)")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    op = sub.add_parser("op", parents=[common], help="speed, memory and accuracy per implementation and budget")
+    op.add_argument("--shapes", help=f"TxDxV,... (default {OP_SHAPES}; smoke {OP_SMOKE_SHAPES})")
+    op.add_argument("--impls", help="comma-separated names from benchmarks/impls.py (default: all)")
+    op.add_argument("--budgets", help=f"workspace_bytes values for tplogp (default {OP_BUDGETS}; "
+                                      f"smoke {OP_SMOKE_BUDGETS})")
+    op.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    op.add_argument("--reps", type=int, help="timed calls per timing (default 10; smoke 2)")
+    op.add_argument("--rounds", type=int, help="interleaved rounds (default 3; smoke 1)")
+    op.add_argument("--warm-ms", type=float, help="sustained warm-up before each timing, GPU ms (default 300)")
+    op.add_argument("--no-check", action="store_true", help="skip the float64 error columns")
+    op.add_argument("--no-plot", action="store_true", help="do not redraw the plots")
+
+    mem = sub.add_parser("memory", parents=[common], help="CPU: native source vs eager, resident growth")
+    mem.add_argument("--shapes", help="NxDxV,... (default 2048x512x32768,8192x1024x65536; smoke 256x64x2048)")
+    mem.add_argument("--impls", default="native,eager")
+
+    sub.add_parser("plugin", parents=[common], help="pytest_tplogp rank pool: dispatch, start, skip, recovery")
+
+    tp = sub.add_parser("tp", parents=[common], help="TP scaling over torchrun launches")
+    tp.add_argument("--shapes", help="NxDxV (default 8192x4096x128256; smoke 64x32x320)")
+    tp.add_argument("--impls", default="registry", help="the tplogp source: registry, native, triton or sm90")
+    tp.add_argument("--degrees", help="TP degrees (default 1,2,4,... up to the GPUs; smoke 1,2)")
+    tp.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16; smoke fp32")
+    tp.add_argument("--steps", type=int, default=None)
+
+    rep = sub.add_parser("report", help="regenerate docs/performance.md and the plots from the results file")
+    rep.add_argument("--out", default=runner.DEFAULT_OUT, help="folder of results.jsonl (default: %(default)s)")
+    rep.add_argument("--doc", default=os.path.join(REPO, "docs", "performance.md"))
+
+    return ap
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _finish(out: str, rows: list[dict], info: dict, smoke: bool, fmt) -> None:
+    for r in rows:
+        r.update(info)
+        if smoke:
+            r["smoke"] = True
+        print(fmt(r), flush=True)
+    print(f"# {len(rows)} rows appended to {runner.append_rows(out, rows)}")
+
+
+def _op(args) -> int:
+    from . import impls as impl_table
+    from . import op, plots
+
+    device = _device()
+    smoke = args.smoke
+    shapes = runner.parse_shapes(args.shapes or (OP_SMOKE_SHAPES if smoke else OP_SHAPES))
+    budgets = [runner.parse_budget(b) for b in (args.budgets or (OP_SMOKE_BUDGETS if smoke else OP_BUDGETS))
+               .split(",") if b.strip()]
+    chosen = impl_table.select(args.impls)
+    reps = args.reps or (2 if smoke else 10)
+    rounds = args.rounds or (1 if smoke else 3)
+    warm_ms = args.warm_ms if args.warm_ms is not None else (0.0 if smoke else 300.0)
+    info = runner.run_info(device)
+    print(f"# {info['device']} | torch {info['torch']} | triton {info['triton']} | tplogp {info['commit']} | "
+          f"peers {info['peers']} | checks {info['checks']}", flush=True)
+    for shape in shapes:
+        rows = op.bench_shape(shape, chosen, budgets, args.dtype, device, reps=reps, rounds=rounds,
+                              warm_ms=warm_ms, check=not args.no_check)
+        _finish(args.out, rows, info, smoke, op.format_row)
+    if not args.no_plot and not smoke:
+        for path in plots.write_all(runner.read_rows(args.out), args.out):
+            print(f"# plot {path}")
+    return 0
+
+
+def _memory(args) -> int:
+    from . import memory
+
+    shapes = runner.parse_shapes(args.shapes or (memory.SMOKE_SHAPES if args.smoke else memory.DEFAULT_SHAPES))
+    info = runner.run_info(_device_cpu())
+    rows = memory.bench(shapes, [i.strip() for i in args.impls.split(",") if i.strip()])
+    _finish(args.out, rows, info, args.smoke, memory.format_row)
+    return 0
+
+
+def _device_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def _plugin(args) -> int:
+    from . import plugin
+
+    info = runner.run_info(_device_cpu())
+    rows = plugin.bench(args.smoke)
+    _finish(args.out, rows, info, args.smoke, plugin.format_row)
+    return 0
+
+
+def _tp(args) -> int:
+    import torch
+
+    from . import tp
+
+    smoke = args.smoke
+    (shape,) = runner.parse_shapes(args.shapes or ("64x32x320" if smoke else "8192x4096x128256"))[:1]
+    gpus = torch.cuda.device_count()
+    default_degrees = "1,2" if smoke or not gpus else ",".join(str(2**i) for i in range(gpus.bit_length())
+                                                               if 2**i <= gpus)
+    degrees = [int(d) for d in (args.degrees or default_degrees).split(",")]
+    dtype = args.dtype or ("fp32" if smoke else "bf16")
+    info = runner.run_info(_device())
+    rows = tp.bench(shape, degrees, args.impls, dtype, args.steps or (2 if smoke else 10), 1 if smoke else 3)
+    _finish(args.out, rows, info, smoke, tp.format_row)
+    return 0
+
+
+def _report(args) -> int:
+    from . import report
+
+    path = report.write(args.out, args.doc)
+    print(f"# wrote {path}")
+    return 0
+
+
+COMMANDS = {"op": _op, "memory": _memory, "plugin": _plugin, "tp": _tp, "report": _report}
+
+
+def _without_base(argv: list[str]) -> list[str]:
+    """argv less --base / --ab-rounds / --out (the A/B runner sets --out per child)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--base", "--ab-rounds", "--out"):
+            skip = True
+            continue
+        if a.startswith(("--base=", "--ab-rounds=", "--out=")):
+            continue
+        out.append(a)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if getattr(args, "base", None):
+        from . import ab
+
+        rounds = args.ab_rounds or (1 if args.smoke else 3)
+        later = ("--no-check", "--no-plot") if args.command == "op" else ()
+        first = ("--no-plot",) if args.command == "op" else ()
+        ab.run(_without_base(argv) + list(first), args.base, rounds, args.out,
+               later_rounds=tuple(x for x in later if x not in first))
+        return 0
+    return COMMANDS[args.command](args)

@@ -1,0 +1,160 @@
+"""The implementations the op benchmark compares: one table entry each.
+
+An entry names the implementation, the contract it meets and how to build its callable for a device and a
+``workspace_bytes`` budget:
+
+* ``per-token gradient``: ``fn(hidden, weight, targets) -> logp [T]`` (fp32), differentiable for any upstream
+  gradient ``[T]`` (the contract of ``tplogp.linear_logp``; the benchmark backpropagates a random one).
+* ``scalar loss``: ``fn(hidden, weight, targets) -> mean cross-entropy`` (a 0-d tensor); its gradients may be
+  computed in the forward, since the loss is known there (the benchmark backpropagates 1).
+
+``budgeted`` entries are measured once per ``--budgets`` value (passed as ``workspace_bytes``); the others once.
+A builder raises :class:`ImplUnavailable` with the reason when the implementation cannot run here (package not
+installed, wrong device); any other exception is recorded too: every requested implementation becomes a row,
+with numbers or with the reason it has none. A new path (for example a fused loss of tplogp) is one more entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+PER_TOKEN = "per-token gradient"
+SCALAR_LOSS = "scalar loss"
+
+ImplFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ImplUnavailable(RuntimeError):
+    """The implementation cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    contract: str
+    budgeted: bool
+    build: Callable[[torch.device, Optional[int]], ImplFn]
+    what: str
+
+
+def _import(module: str, attr: str):
+    """``module.attr``, or :class:`ImplUnavailable` naming the missing package / the import error."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as exc:
+        raise ImplUnavailable(f"{exc.name} is not installed (benchmarks/requirements-peers.txt)") from exc
+    except Exception as exc:  # a broken install is a result too (e.g. a DSL version mismatch)
+        raise ImplUnavailable(f"import {module} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _needs_cuda(device: torch.device, name: str) -> None:
+    if device.type != "cuda":
+        raise ImplUnavailable(f"{name} runs on CUDA devices only (got {device.type})")
+
+
+def _tplogp(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
+    def build(device: torch.device, budget: Optional[int]) -> ImplFn:
+        from tplogp.kernel_registry import get_op, unavailable_reason
+
+        why = unavailable_reason(source, device)
+        if why is not None:
+            raise ImplUnavailable(why)
+        op = get_op("linear_logp", source=source)
+        options = {} if budget is None else {"workspace_bytes": budget}
+        return lambda h, w, y: op(h, w, y, **options)
+
+    return build
+
+
+def _negative_logp(logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
+    """Per-token cross-entropy: the loss term that makes ``linear_logp_loss`` comparable to the peers' mean CE."""
+    return -logp
+
+
+def _tplogp_loss(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
+    def build(device: torch.device, budget: Optional[int]) -> ImplFn:
+        from tplogp.kernel_registry import unavailable_reason
+
+        why = unavailable_reason(source, device)
+        if why is not None:
+            raise ImplUnavailable(why)
+        fused = _import("tplogp", "linear_logp_loss")
+        options = {} if budget is None else {"workspace_bytes": budget}
+        return lambda h, w, y: fused(h, w, y, loss=_negative_logp, reduction="mean", source=source, **options)
+
+    return build
+
+
+def _torch_eager(device: torch.device, budget: Optional[int]) -> ImplFn:
+    def logp(h, w, y):
+        logits = (h @ w.T).float()
+        return logits.log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+
+    return logp
+
+
+def _liger_flce(device: torch.device, budget: Optional[int]) -> ImplFn:
+    _needs_cuda(device, "Liger")
+    fn = _import("liger_kernel.ops.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction")
+    # apply(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction)
+    return lambda h, w, y: -fn.apply(h, w, y, None, None, -100, 0.0, 0.0, "none")[0]
+
+
+def _liger_cute_sm90(device: torch.device, budget: Optional[int]) -> ImplFn:
+    _needs_cuda(device, "Liger's CuTe SM90 kernel")
+    fn = _import("liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90",
+                 "liger_fused_linear_cross_entropy_sm90")
+    return lambda h, w, y: fn(h, w, y, -100, "mean")
+
+
+def _cce(impl: Optional[str]) -> Callable[[torch.device, Optional[int]], ImplFn]:
+    def build(device: torch.device, budget: Optional[int]) -> ImplFn:
+        _needs_cuda(device, "Cut Cross-Entropy")
+        fn = _import("cut_cross_entropy", "linear_cross_entropy")
+        options = {"filter_eps": None} if impl is None else {"impl": impl}
+        return lambda h, w, y: -fn(h, w, y, reduction="none", **options)
+
+    return build
+
+
+def _quack_chunked(device: torch.device, budget: Optional[int]) -> ImplFn:
+    _needs_cuda(device, "QuACK")
+    fn = _import("quack.linear_cross_entropy", "chunked_linear_cross_entropy")
+    return lambda h, w, y: fn(h, w, y, chunk_size=4096, reduction="mean")
+
+
+IMPLS: tuple[Impl, ...] = (
+    Impl("tplogp-sm90", PER_TOKEN, True, _tplogp("sm90"), "tplogp, Hopper source (the registry's choice on sm_90)"),
+    Impl("tplogp-triton", PER_TOKEN, True, _tplogp("triton"), "tplogp, portable Triton source"),
+    Impl("tplogp-native", PER_TOKEN, True, _tplogp("native"), "tplogp, chunked PyTorch source"),
+    Impl("tplogp-loss-sm90", SCALAR_LOSS, True, _tplogp_loss("sm90"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), Hopper source"),
+    Impl("tplogp-loss-triton", SCALAR_LOSS, True, _tplogp_loss("triton"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), Triton source"),
+    Impl("tplogp-loss-native", SCALAR_LOSS, True, _tplogp_loss("native"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), PyTorch source"),
+    Impl("torch-eager", PER_TOKEN, False, _torch_eager, "bf16 logits, fp32 log_softmax, gather"),
+    Impl("liger-flce", PER_TOKEN, False, _liger_flce, "Liger fused linear CE (Triton), reduction none"),
+    Impl("liger-cute-sm90", SCALAR_LOSS, False, _liger_cute_sm90, "Liger CuTe DSL SM90 kernel, mean loss"),
+    Impl("cce-exact", PER_TOKEN, False, _cce(None), "Cut Cross-Entropy, gradient filter off"),
+    Impl("cce-compile", PER_TOKEN, False, _cce("torch_compile"), "Cut Cross-Entropy torch_compile impl"),
+    Impl("quack-chunked", SCALAR_LOSS, False, _quack_chunked, "QuACK chunked_linear_cross_entropy, 4096-token chunks"),
+)
+BY_NAME = {impl.name: impl for impl in IMPLS}
+
+
+def select(names: Optional[str]) -> list[Impl]:
+    """The entries named in a comma-separated list (all when None / empty), in the list's order."""
+    if not names:
+        return list(IMPLS)
+    chosen = []
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        if name not in BY_NAME:
+            raise ValueError(f"unknown implementation {name!r}; known: {', '.join(BY_NAME)}")
+        chosen.append(BY_NAME[name])
+    return chosen

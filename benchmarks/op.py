@@ -1,0 +1,184 @@
+"""Op benchmark: every implementation a user could pick, per shape, in one run, beside one cuBLAS GEMM.
+
+Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / sqrt(D)``) and per implementation
+(:mod:`benchmarks.impls`; tplogp's sources once per ``workspace_bytes`` budget) one row with:
+
+* ``fwd_ms``, ``fwd_bwd_ms``: median milliseconds, synced, and ``*_b2b`` back to back (:mod:`benchmarks.runner`);
+* ``fwd_gemms``, ``fwd_bwd_gemms`` (and ``*_b2b``): the same in *GEMM-times*, one GEMM = the ``[T, D] x [D, V]``
+  matmul in the input dtype (2 T D V FLOP). Each round times GEMM, forward, GEMM, forward+backward, every
+  timing after a sustained warm-up of the function itself (``--warm-ms``), and divides each time by the GEMM
+  timed just before it; a GEMM-time is the median over rounds, and the implementations are interleaved within a
+  round in a rotating order, so clock and power drift fall on all of them alike;
+* ``extra_peak_gib``: allocator peak during one forward+backward above the inputs (gradients included);
+* ``err_logp`` (per-token contract) or ``err_loss`` (scalar loss), ``err_d_hidden``, ``err_d_weight``:
+  ``||x - x_fp64|| / ||x_fp64||`` against a float64 autograd reference, with the same upstream gradient (a random
+  ``[T]`` vector, or 1 for the mean loss);
+* ``contract``; ``error`` instead of numbers when the implementation could not be built or run.
+
+Floors for the plots (one GEMM is 2TDV FLOP): a per-token op keeping O(T) state needs 4 GEMMs forward+backward
+(forward, recompute, d_hidden, d_W); 3 when the ``[T, V]`` logits (``logits_gib``) are kept from the forward or
+the loss is a scalar known in the forward. ``grads_gib`` (d_W + d_hidden) is the memory no implementation avoids.
+
+Peers are optional imports pinned in benchmarks/requirements-peers.txt. nvidia-cutlass-dsl (Liger's CuTe kernel,
+QuACK) is a ``.pth``-based package: installed with ``pip install --target DIR``, its ``.pth`` file is not read,
+so put both ``DIR`` and ``DIR/nvidia_cutlass_dsl/dsl_packages`` on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+import torch
+
+from . import runner
+from .impls import PER_TOKEN, Impl, ImplUnavailable
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = (("", False), ("_b2b", True))
+
+
+def make_problem(T: int, D: int, V: int, dtype: torch.dtype, device: torch.device):
+    """Seeded (hidden, weight, targets, upstream gradient) on ``device``."""
+    g = torch.Generator(device=device).manual_seed(0)
+    h = (torch.randn(T, D, device=device, generator=g) * 0.5).to(dtype)
+    w = (torch.randn(V, D, device=device, generator=g) / D**0.5).to(dtype)
+    y = torch.randint(0, V, (T,), device=device, generator=g)
+    gy = torch.randn(T, device=device, generator=g)
+    return h, w, y, gy
+
+
+def float64_truth(h, w, y, gy, scalar: bool) -> dict:
+    """Float64 logp, and d_hidden / d_W for the per-token upstream ``gy`` and (``scalar``) for the mean loss."""
+    from tplogp.reference import reference_outputs
+
+    hd = h.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    logp = reference_outputs(hd, wd, y, mode="float64").logp
+    truth = {"logp": logp.detach(), "loss": -logp.detach().mean()}
+    dh, dw = torch.autograd.grad(logp, (hd, wd), gy.double(), retain_graph=scalar)
+    truth.update(dh=dh, dw=dw)
+    if scalar:
+        truth["dh_loss"], truth["dw_loss"] = torch.autograd.grad(-logp.mean(), (hd, wd))
+    return truth
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    from tplogp.tolerances import rel_error
+
+    return float(rel_error(x.detach(), ref))
+
+
+def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[Optional[int]], dtype: str,
+                device: torch.device, *, reps: int, rounds: int, warm_ms: float, check: bool) -> list[dict]:
+    T, D, V = shape
+    h, w, y, gy = make_problem(T, D, V, DTYPES[dtype], device)
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    size = h.element_size()
+    common = dict(suite="op", shape=runner.shape_label(shape), T=T, D=D, V=V, dtype=dtype,
+                  grads_gib=(V * D + T * D) * size / 2**30, logits_gib=T * V * size / 2**30,
+                  reps=reps, rounds=rounds, warm_ms=warm_ms)
+
+    def gemm():
+        return h @ w.T
+
+    def timed(fn, b2b):
+        return runner.median_ms(fn, device, reps=reps, warmup=3 if reps >= 3 else 1, warm_ms=warm_ms, back_to_back=b2b)
+
+    truth = float64_truth(h, w, y, gy, any(i.contract != PER_TOKEN for i in impls)) if check else None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rows, live = [], []
+    for impl in impls:
+        for budget in (budgets if impl.budgeted else [None]):
+            row = dict(common, impl=impl.name, contract=impl.contract, budget=runner.budget_label(budget),
+                       budget_bytes=budget)
+            rows.append(row)
+            try:
+                fn = impl.build(device, budget)
+            except ImplUnavailable as exc:
+                row["error"] = f"unavailable: {exc}"
+                continue
+            except Exception as exc:  # a peer that breaks while building is a result, not a crash of the run
+                row["error"] = f"build: {type(exc).__name__}: {str(exc)[:300]}"
+                continue
+            per_token = impl.contract == PER_TOKEN
+
+            def fwd(fn=fn):
+                with torch.no_grad():
+                    return fn(h, w, y)
+
+            def fwd_bwd(fn=fn, per_token=per_token):
+                out = fn(hg, wg, y)
+                out.backward(gy if per_token else None)
+                hg.grad = wg.grad = None
+
+            try:
+                if truth is not None:
+                    out = fn(hg, wg, y)
+                    out.backward(gy if per_token else None)
+                    if per_token:
+                        row["err_logp"] = _rel(out.float(), truth["logp"])
+                    else:
+                        row["err_loss"] = _rel(out.float().reshape(()), truth["loss"])
+                    row["err_d_hidden"] = _rel(hg.grad, truth["dh" if per_token else "dh_loss"])
+                    row["err_d_weight"] = _rel(wg.grad, truth["dw" if per_token else "dw_loss"])
+                    hg.grad = wg.grad = None
+                    del out
+                live.append((row, fwd, fwd_bwd, {}))
+            except Exception as exc:
+                hg.grad = wg.grad = None
+                row["error"] = f"run: {type(exc).__name__}: {str(exc)[:300]}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    del truth
+    for i_round in range(rounds):
+        k = i_round % len(live) if live else 0
+        for row, fwd, fwd_bwd, samples in live[k:] + live[:k]:
+            if "error" in row:
+                continue
+            try:
+                for key, b2b in MODES:
+                    g1 = timed(gemm, b2b)
+                    f_ms = timed(fwd, b2b)
+                    g2 = timed(gemm, b2b)
+                    fb_ms = timed(fwd_bwd, b2b)
+                    for name, value in (("gemm", g1), ("gemm", g2), ("fwd", f_ms), ("fwd_bwd", fb_ms),
+                                        ("fwd_r", f_ms / g1), ("fwd_bwd_r", fb_ms / g2)):
+                        samples.setdefault(name + key, []).append(value)
+            except Exception as exc:
+                hg.grad = wg.grad = None
+                row["error"] = f"timing: {type(exc).__name__}: {str(exc)[:300]}"
+    med = statistics.median
+    for row, fwd, fwd_bwd, samples in live:
+        if "error" in row or not samples:
+            continue
+        try:
+            peak = runner.extra_peak_gib(fwd_bwd, device)
+        except Exception as exc:
+            row["error"] = f"memory: {type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        for key, _ in MODES:
+            row.update({f"gemm_ms{key}": round(med(samples["gemm" + key]), 4),
+                        f"fwd_ms{key}": round(med(samples["fwd" + key]), 4),
+                        f"fwd_bwd_ms{key}": round(med(samples["fwd_bwd" + key]), 4),
+                        f"fwd_gemms{key}": round(med(samples["fwd_r" + key]), 3),
+                        f"fwd_bwd_gemms{key}": round(med(samples["fwd_bwd_r" + key]), 3)})
+        row["gemm_samples_ms"] = [round(x, 4) for x in samples["gemm"]]
+        row["extra_peak_gib"] = None if peak is None else round(peak, 4)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def format_row(r: dict) -> str:
+    label = f"{r['impl']}@{r['budget']}" if r.get("budget_bytes") is not None or r["impl"].startswith("tplogp") \
+        else r["impl"]
+    if "error" in r:
+        return f"{r['shape']:>18} {label:>26} | {r['error']}"
+    if "fwd_ms" not in r:
+        return f"{r['shape']:>18} {label:>26} | not timed"
+    errs = " ".join(f"{k[4:]}={r[k]:.1e}" for k in ("err_logp", "err_loss", "err_d_hidden", "err_d_weight") if k in r)
+    mem = "" if r.get("extra_peak_gib") is None else f" | {r['extra_peak_gib']:.3f} GiB"
+    return (f"{r['shape']:>18} {label:>26} | fwd {r['fwd_ms']:9.3f} ms {r['fwd_gemms']:5.2f} G | fwd+bwd "
+            f"{r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b {r['fwd_bwd_gemms_b2b']:5.2f} G){mem} | {errs}")

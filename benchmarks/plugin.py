@@ -1,0 +1,233 @@
+"""Costs of the pytest_tplogp rank pool (one question per section; one results row per section).
+
+1. dispatch  per-test wall time of trivial TP tests at world size 4 (gloo, CPU), measured around pytest's whole
+             runtest protocol (setup + call + teardown + reporting), median over tests 2..n (test 1 pays the pool
+             start); minus the same median for as many plain (non-TP) tests in the same session = dispatch overhead.
+2. start     pool start in a fresh process (start 4 ranks, import torch, FileStore rendezvous, init_process_group,
+             ready) and the respawn after it, for the forkserver (default) and spawn start methods, vs a bare
+             ``torch.multiprocessing.spawn`` of 4 processes that import torch; medians of alternating repeats.
+3. skip      per-test wall time of ``@pytest.mark.gpu @pytest.mark.tp`` tests with no GPU visible, and whether
+             any pool was created (it must not be).
+4. recovery  a warm pool, a test that hangs past its 2 s deadline, then the next test: the hang test's wall time
+             (deadline + stack dump + kill) and the next test's (respawn + run), against deadline + one pool start.
+
+The smoke mode runs sections 1 and 3 with 6 tests at world size 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+RECORDER = '''
+import json, os, time
+import pytest
+
+_TIMES = []
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    t0 = time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        _TIMES.append((item.nodeid, time.perf_counter() - t0))
+
+def pytest_sessionfinish(session):
+    pools, manager = [], None
+    try:  # the pool manager's bookkeeping (pytest_tplogp internals: absent fields leave these empty)
+        from pytest_tplogp.plugin import STATE
+        manager = session.config.stash[STATE]._manager
+        pools = [] if manager is None else [dict(key=list(k), start_s=p.start_s, starts=p.starts)
+                                            for k, p in manager.pools.items()]
+    except Exception:
+        pass
+    with open(os.environ["BENCH_OUT"], "w") as f:
+        json.dump({"tests": _TIMES, "spawned": manager is not None, "pools": pools,
+                   "respawns": getattr(manager, "respawns", 0)}, f)
+'''
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment with the measured packages' import root first on PYTHONPATH."""
+    import pytest_tplogp
+
+    env = dict(os.environ)
+    root = str(Path(pytest_tplogp.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def _run_pytest(files: dict[str, str], args: list[str], **env: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-tplogp-") as tmp:
+        for name, body in {**files, "conftest.py": RECORDER}.items():
+            Path(tmp, name).write_text(textwrap.dedent(body))
+        out = Path(tmp, "bench.json")
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-q", "-p", "no:cacheprovider",
+                               *args], cwd=tmp, env=_env(BENCH_OUT=str(out), **env), capture_output=True, text=True,
+                              timeout=600)
+        wall = time.perf_counter() - t0
+        if not out.exists():
+            raise RuntimeError(f"pytest run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        data = json.loads(out.read_text())
+        data["wall_s"] = wall
+        data["summary"] = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+        return data
+
+
+def bench_dispatch(n_tests: int, world_size: int = 4) -> dict[str, Any]:
+    tp_body = "import pytest\n" + "".join(
+        f"\n@pytest.mark.tp(world_size={world_size})\ndef test_tp_{i}(tp):\n    pass\n" for i in range(n_tests))
+    plain_body = "".join(f"\ndef test_plain_{i}():\n    pass\n" for i in range(n_tests))
+    data = _run_pytest({"test_a_tp.py": tp_body, "test_b_plain.py": plain_body}, ["--tp-backend=gloo"])
+    tp_times = [t for nid, t in data["tests"] if "test_tp_" in nid]
+    plain = [t for nid, t in data["tests"] if "test_plain_" in nid]
+    warm = tp_times[1:]
+    med_tp = statistics.median(warm)
+    med_plain = statistics.median(plain)
+    return {
+        "n_tests": n_tests, "world_size": world_size, "backend": "gloo",
+        "first_test_s": tp_times[0], "median_tp_test_ms": med_tp * 1e3, "median_plain_test_ms": med_plain * 1e3,
+        "dispatch_overhead_ms": (med_tp - med_plain) * 1e3, "p90_tp_test_ms": sorted(warm)[int(0.9 * len(warm))] * 1e3,
+        "target_ms": 20.0, "summary": data["summary"], "samples_ms": [t * 1e3 for t in tp_times],
+    }
+
+
+def _bare_child(rank: int) -> None:
+    import torch  # noqa: F401 - the cost being measured
+
+
+_COLD_START = """
+import json, sys, tempfile, time
+import torch.multiprocessing  # the parent of a pytest session has torch imported already
+from pytest_tplogp.pool import PoolKey, RankPool
+with tempfile.TemporaryDirectory() as d:
+    pool = RankPool(PoolKey(4, "gloo", ("cpu",)), d, start_method=sys.argv[1])
+    t0 = time.perf_counter()
+    pool.start()
+    cold = time.perf_counter() - t0
+    pool.stop()
+    t0 = time.perf_counter()
+    pool.start()  # a respawn: with forkserver the server is already up
+    warm = time.perf_counter() - t0
+    pool.stop()
+print(json.dumps({"cold": cold, "warm": warm}))
+"""
+
+
+def _pool_start(method: str) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, "-c", _COLD_START, method], env=_env(), capture_output=True, text=True,
+                          timeout=600, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_start(repeats: int) -> dict[str, Any]:
+    """Pool start in a fresh process (cold: with forkserver this includes starting the fork server, which imports
+    torch once) and the respawn right after it (warm), for both start methods, vs a bare mp.spawn."""
+    import torch.multiprocessing as tmp
+
+    bare_s: list[float] = []
+    runs: dict[str, list[dict[str, float]]] = {"forkserver": [], "spawn": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tmp.spawn(_bare_child, nprocs=4, join=True, start_method="spawn")
+        bare_s.append(time.perf_counter() - t0)
+        for method in runs:
+            runs[method].append(_pool_start(method))
+    med = statistics.median
+    bare = med(bare_s)
+    out: dict[str, Any] = {"repeats": repeats, "bare_spawn_s": bare_s, "median_bare_spawn_s": bare,
+                           "target_ratio": 1.3}
+    for method, rs in runs.items():
+        cold, warm = med(r["cold"] for r in rs), med(r["warm"] for r in rs)
+        out[method] = {"samples": rs, "median_cold_start_s": cold, "median_respawn_s": warm,
+                       "ratio_cold_vs_bare": cold / bare}
+    out["ratio"] = out["forkserver"]["ratio_cold_vs_bare"]
+    return out
+
+
+def bench_skip(n_tests: int) -> dict[str, Any]:
+    body = "import pytest\n" + "".join(
+        f"\n@pytest.mark.gpu\n@pytest.mark.tp(world_size=4)\ndef test_gpu_{i}(tp):\n    pass\n" for i in range(n_tests))
+    data = _run_pytest({"test_gpu.py": body}, ["-rs"], CUDA_VISIBLE_DEVICES="")
+    times = [t for _, t in data["tests"]]
+    return {"n_tests": n_tests, "median_skip_ms": statistics.median(times) * 1e3, "max_skip_ms": max(times) * 1e3,
+            "spawned_anything": data["spawned"], "target_ms": 50.0, "summary": data["summary"]}
+
+
+def bench_recovery(deadline_s: float) -> dict[str, Any]:
+    body = f'''
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.tp(world_size=4)
+def test_1_warm(tp):
+    pass
+
+@pytest.mark.tp(world_size=4, timeout={deadline_s})
+def test_2_hang(tp):
+    if tp.rank == 0:
+        dist.barrier()
+
+@pytest.mark.tp(world_size=4)
+def test_3_next(tp):
+    dist.barrier()
+'''
+    data = _run_pytest({"test_hang.py": body}, [])
+    t = {nid.split("::")[1].split("[")[0]: s for nid, s in data["tests"]}
+    pool_start = data["pools"][0]["start_s"] if data["pools"] else float("nan")
+    # The next test's ranks are ready (its body starts) after the hang test's wall time plus the respawn.
+    next_start = t["test_2_hang"] + pool_start
+    return {"deadline_s": deadline_s, "warm_start_test_s": t["test_1_warm"], "hang_test_s": t["test_2_hang"],
+            "dump_and_kill_s": t["test_2_hang"] - deadline_s, "next_test_s": t["test_3_next"],
+            "respawn_pool_start_s": pool_start, "respawns": data["respawns"],
+            "next_body_starts_after_s": next_start, "bound_s": deadline_s + pool_start + 1.0,
+            "within_bound": next_start <= deadline_s + pool_start + 1.0, "summary": data["summary"]}
+
+
+def bench(smoke: bool) -> list[dict]:
+    """One row per section (see the module docstring)."""
+    rows = []
+    if smoke:
+        sections = [("dispatch", lambda: bench_dispatch(6, world_size=2)), ("skip", lambda: bench_skip(6))]
+    else:
+        sections = [("dispatch", lambda: bench_dispatch(50)), ("start", lambda: bench_start(3)),
+                    ("skip", lambda: bench_skip(50)), ("recovery", lambda: bench_recovery(2.0))]
+    for name, run in sections:
+        row: dict[str, Any] = {"suite": "plugin", "section": name, "impl": "pytest_tplogp"}
+        try:
+            row.update(run())
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        rows.append(row)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    if "error" in r:
+        return f"[{r['section']}] {r['error']}"
+    if r["section"] == "dispatch":
+        return (f"[dispatch] {r['n_tests']} trivial TP tests, world size {r['world_size']} gloo: median "
+                f"{r['median_tp_test_ms']:.1f} ms/test (plain test {r['median_plain_test_ms']:.1f} ms) -> overhead "
+                f"{r['dispatch_overhead_ms']:.1f} ms (target <= 20 ms); first test incl. pool start "
+                f"{r['first_test_s']:.2f} s")
+    if r["section"] == "start":
+        return "; ".join(f"[start] {m}: pool start {r[m]['median_cold_start_s']:.2f} s (respawn "
+                         f"{r[m]['median_respawn_s']:.2f} s) vs bare mp.spawn {r['median_bare_spawn_s']:.2f} s -> "
+                         f"{r[m]['ratio_cold_vs_bare']:.2f}x" for m in ("forkserver", "spawn"))
+    if r["section"] == "skip":
+        return (f"[skip] missing-GPU TP test: median {r['median_skip_ms']:.2f} ms, max {r['max_skip_ms']:.2f} ms "
+                f"(target <= 50 ms); spawned anything: {r['spawned_anything']}")
+    return (f"[recovery] deadline {r['deadline_s']:g} s: hang test {r['hang_test_s']:.2f} s, respawn "
+            f"{r['respawn_pool_start_s']:.2f} s -> next body starts {r['next_body_starts_after_s']:.2f} s after the "
+            f"hang began")

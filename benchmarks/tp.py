@@ -1,0 +1,132 @@
+"""Tensor-parallel scaling: forward+backward of one shape at TP = 1, 2, 4, ... (strong scaling).
+
+For each degree P the runner starts ``torchrun --standalone --nproc_per_node=P -m benchmarks.tp`` (this module's
+worker). Each rank holds the shard ``[start, end)`` of a ``V``-row LM head (even shards) and the replicated
+``[N, D]`` hidden states; a step is the op's forward and backward with a per-token upstream gradient through
+``tplogp.get_op`` (the registry's source unless ``--impls`` names one). Reported per degree: the median step time
+of the slowest rank, effective TFLOP/s per GPU (4 GEMMs of ``2 N D V / P`` FLOP per rank), the allocator peak
+per rank, and the efficiency ``T(1) / (P * T(P))`` against the TP=1 row of the same run. NCCL with one GPU per
+rank when there are enough GPUs, gloo on CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: str, steps: int,
+          warmup: int) -> list[dict]:
+    rows = []
+    for p in degrees:
+        with tempfile.TemporaryDirectory(prefix="tplogp-tp-") as tmp:
+            row_file = os.path.join(tmp, "row.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p}",
+                   "-m", "benchmarks.tp", "--shape", "x".join(map(str, shape)), "--source", source,
+                   "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-file", row_file]
+            out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+            row = {"suite": "tp", "shape": "x".join(map(str, shape)), "impl": f"tplogp-{source}", "dtype": dtype,
+                   "tp": p}
+            if out.returncode != 0 or not os.path.exists(row_file):
+                lines = (out.stderr or out.stdout).strip().splitlines()
+                row["error"] = lines[-1] if lines else f"exit status {out.returncode}"
+            else:
+                with open(row_file) as f:
+                    row.update(json.load(f))
+            rows.append(row)
+    base = next((r["step_ms"] for r in rows if r["tp"] == 1 and "step_ms" in r), None)
+    for r in rows:
+        if base and "step_ms" in r:
+            r["efficiency"] = round(base / (r["tp"] * r["step_ms"]), 3)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    if "error" in r:
+        return f"{r['shape']:>18} TP={r['tp']} | {r['error']}"
+    peak = "" if r.get("peak_gib_per_rank") is None else f" | peak {r['peak_gib_per_rank']:.3f} GiB/rank"
+    eff = f" | efficiency {r['efficiency']:.1%}" if "efficiency" in r else ""
+    return (f"{r['shape']:>18} TP={r['tp']} {r['backend']} | step {r['step_ms']:.3f} ms (slowest rank) | "
+            f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU{peak}{eff}")
+
+
+def _worker(argv: list[str]) -> None:
+    """One rank of a torchrun launch; rank 0 writes the row."""
+    import torch.distributed as dist
+
+    from tplogp import get_op
+    from tplogp.shards import shard_boundaries, shard_range
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", required=True)
+    ap.add_argument("--source", default="registry")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--row-file", required=True)
+    args = ap.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = "nccl" if gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", world)) > 0 and gpus > 0 else "gloo"
+    device = torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+    n, d, v = (int(x) for x in args.shape.split("x"))
+    dt = DTYPES[args.dtype]
+    start, end = shard_range(shard_boundaries(v, world), rank)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hidden = (torch.randn(n, d, generator=g) * 0.5).to(dt).to(device).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g).to(device)
+    upstream = torch.randn(n, generator=g).to(device)
+    wg = torch.Generator(device="cpu").manual_seed(100 + rank)
+    weight = (torch.randn(end - start, d, generator=wg) / d**0.5).to(dt).to(device).requires_grad_()
+    op = get_op("linear_logp", source=None if args.source == "registry" else args.source)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step() -> float:
+        hidden.grad = weight.grad = None
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        out = op(hidden, weight, target, tp_group=dist.group.WORLD, vocab_start_index=start, global_vocab_size=v)
+        out.backward(upstream)
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    for _ in range(args.warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    med = statistics.median(step() for _ in range(args.steps))
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else -1.0
+    comm = torch.device("cpu") if backend == "gloo" else device
+    stats = torch.tensor([med, peak], dtype=torch.float64, device=comm)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        slowest_ms, peak_gib = stats.tolist()
+        with open(args.row_file, "w") as f:
+            json.dump({"backend": backend, "steps": args.steps, "step_ms": round(slowest_ms, 3),
+                       "tflops_per_gpu": round(4 * 2 * n * d * v / world / (slowest_ms * 1e-3) / 1e12, 2),
+                       "peak_gib_per_rank": None if peak_gib < 0 else round(peak_gib, 3)}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

@@ -1,0 +1,108 @@
+"""``linear_logp`` as ``torch.library`` custom ops, so that ``torch.compile`` traces a call as one opaque node.
+
+``tplogp::linear_logp_fwd`` runs the checks (``TPLOGP_CHECKS``), the source selection of
+:mod:`tplogp.kernel_registry` and the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
+tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, and with entropy the
+entropy and ``E_p[z] - M``). ``tplogp::linear_logp_bwd`` runs the backward body. Both have fake (meta)
+implementations that give the output shapes without touching data, and the pair is joined by
+``register_autograd``. Everything that dynamo must not trace (the importlib-based source lookup, the host syncs of
+full checks, collectives, Triton launches) happens inside the ops; the process group crosses the op boundary as
+its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the sources always
+see the dtypes they were given, also when a backward runs inside an autocast region.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .comm import group_from_name
+from .kernel_registry import backend_for_call
+from .tp import LogpOptions, backward_packed, forward_packed, packed_rows
+
+
+def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
+             workspace_bytes: Optional[int]) -> LogpOptions:
+    return LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=True,
+                       ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes)
+
+
+def _source(source: str) -> Optional[str]:
+    return source or None
+
+
+@torch.library.custom_op("tplogp::linear_logp_fwd", mutates_args=())
+def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], group_name: str,
+                    vocab_start_index: int, global_vocab_size: Optional[int], temperature: float, return_entropy: bool,
+                    ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
+                    builds_graph: bool) -> Tensor:
+    """Packed fp32 ``[K, N]`` forward of one call (see the module docstring). ``source`` "" selects per device."""
+    group = group_from_name(group_name)
+    with torch.autocast(hidden.device.type, enabled=False):
+        backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
+        return forward_packed(backend, hidden, weight, target_ids, bias, group, vocab_start_index, global_vocab_size,
+                              _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes),
+                              builds_graph)
+
+
+@linear_logp_fwd.register_fake
+def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size,
+                          temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
+                          builds_graph):
+    return hidden.new_empty((packed_rows(return_entropy), target_ids.numel()), dtype=torch.float32)
+
+
+@torch.library.custom_op("tplogp::linear_logp_bwd", mutates_args=())
+def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], packed: Tensor,
+                    grad_packed: Tensor, group_name: str, vocab_start_index: int, temperature: float,
+                    return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
+                    workspace_bytes: Optional[int], source: str, needs_hidden: bool, needs_weight: bool,
+                    needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(d_hidden, d_weight, d_bias)``; a gradient that is not needed comes back as an empty tensor."""
+    group = group_from_name(group_name)
+    with torch.autocast(hidden.device.type, enabled=False):
+        backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
+        options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
+        grads = backward_packed(backend, hidden, weight, target_ids, bias, packed, grad_packed, group,
+                                vocab_start_index, options,
+                                (needs_hidden, needs_weight, needs_bias and bias is not None))
+    like = (hidden, weight, bias if bias is not None else hidden)
+    return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, like))  # type: ignore[return-value]
+
+
+@linear_logp_bwd.register_fake
+def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, grad_packed, group_name, vocab_start_index,
+                          temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
+                          needs_hidden, needs_weight, needs_bias):
+    has_bias = needs_bias and bias is not None
+    return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
+            weight.new_empty(weight.shape if needs_weight else (0,)),
+            (bias if has_bias else hidden).new_empty(bias.shape if has_bias else (0,)))
+
+
+_FORWARD_ARGS = ("hidden", "weight", "target_ids", "bias", "group_name", "vocab_start_index", "global_vocab_size",
+                 "temperature", "return_entropy", "ignore_index", "deterministic", "workspace_bytes", "source",
+                 "builds_graph")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    args = dict(zip(_FORWARD_ARGS, inputs))
+    ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], output)
+    ctx.call_args = (args["group_name"], args["vocab_start_index"], args["temperature"], args["return_entropy"],
+                     args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"])
+
+
+def _backward(ctx, grad_packed):
+    hidden, weight, target_ids, bias, packed = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if grad_packed is None or not (needs[0] or needs[1] or (bias is not None and needs[3])):
+        return (None,) * len(_FORWARD_ARGS)
+    d_hidden, d_weight, d_bias = linear_logp_bwd(hidden, weight, target_ids, bias, packed, grad_packed,
+                                                 *ctx.call_args, needs[0], needs[1], bias is not None and needs[3])
+    return (d_hidden if needs[0] else None, d_weight if needs[1] else None, None,
+            d_bias if (bias is not None and needs[3]) else None) + (None,) * (len(_FORWARD_ARGS) - 4)
+
+
+linear_logp_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,87 @@
+"""Autocast: ``linear_logp`` under ``torch.autocast(device_type, dtype=X)`` behaves like ``F.linear`` followed by an
+fp32 ``log_softmax``: hidden, weight and bias are used in X, the outputs are fp32, and the gradients reach the
+original tensors in their own dtypes. Checked on CPU against float64 truth of the X-rounded inputs and against the
+autocast PyTorch reference (the three-way rule of ``tplogp.tolerances``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tplogp import linear_logp
+from tplogp.reference import reference_outputs
+from tplogp.tolerances import assert_no_worse
+from tests.problems import make_problem
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _leaves(p):
+    h = p.hidden.clone().requires_grad_()
+    w = p.weight.clone().requires_grad_()
+    b = p.bias.clone().requires_grad_()
+    return h, w, b
+
+
+def _backward(outs, p, h, w, b):
+    logp, entropy, lse = outs
+    ((logp * p.g_logp).sum() + (entropy * p.g_entropy).sum() + (lse * p.g_lse).sum()).backward()
+    return dict(logp=logp.detach(), entropy=entropy.detach(), lse=lse.detach(), d_hidden=h.grad, d_weight=w.grad,
+                d_bias=b.grad)
+
+
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward-after", "backward-inside"])
+@pytest.mark.parametrize("dtype", list(AUTOCAST_DTYPES))
+def test_autocast_matches_linear_then_fp32_log_softmax(dtype, backward_inside):
+    """fp32 parameters and activations under CPU autocast: X-precision inputs, fp32 outputs, fp32 gradients."""
+    dt = AUTOCAST_DTYPES[dtype]
+    p = make_problem((3, 17), 40, 263, torch.float32, True, seed=11, peaked=True)
+    temperature = 0.8
+
+    h, w, b = _leaves(p)
+    with torch.autocast("cpu", dtype=dt):
+        outs = linear_logp(h, w, p.target, b, temperature=temperature, return_entropy=True, return_lse=True)
+        if backward_inside:
+            ours = _backward(outs, p, h, w, b)
+    if not backward_inside:
+        ours = _backward(outs, p, h, w, b)
+    for name in ("logp", "entropy", "lse", "d_hidden", "d_weight", "d_bias"):
+        assert ours[name].dtype == torch.float32, (name, ours[name].dtype)
+
+    # the PyTorch way: F.linear under the same autocast, then an fp32 log_softmax
+    hr, wr, br = _leaves(p)
+    with torch.autocast("cpu", dtype=dt):
+        ref_out = reference_outputs(hr, wr, p.target, br, mode="matching", temperature=temperature)
+    ref = _backward(ref_out, p, hr, wr, br)
+    # float64 truth of the inputs as autocast rounds them
+    ht, wt, bt = (x.to(dt).double().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    truth = _backward(reference_outputs(ht, wt, p.target, bt, mode="float64", temperature=temperature), p, ht, wt, bt)
+
+    for name in ("logp", "entropy", "lse", "d_hidden", "d_weight", "d_bias"):
+        assert_no_worse(name, ours[name], ref[name], truth[name], dt)
+
+
+def test_autocast_low_precision_leaves_keep_their_dtype():
+    """bf16 activations with fp32 parameters (the usual mixed set-up): every gradient in its leaf's dtype."""
+    p = make_problem((12,), 24, 131, torch.float32, True, seed=2)
+    h = p.hidden.to(torch.bfloat16).requires_grad_()
+    w, b = p.weight.clone().requires_grad_(), p.bias.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = linear_logp(h, w, p.target, b)
+    (logp * p.g_logp).sum().backward()
+    assert logp.dtype == torch.float32
+    assert (h.grad.dtype, w.grad.dtype, b.grad.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    ht, wt, bt = (x.to(torch.bfloat16).double().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    truth = reference_outputs(ht, wt, p.target, bt, mode="float64").logp
+    torch.testing.assert_close(logp.double(), truth, rtol=0, atol=1e-4)
+
+
+def test_outside_autocast_nothing_changes():
+    """fp32 inputs outside autocast (and with autocast disabled) compute in fp32: bitwise the same results."""
+    p = make_problem((9,), 32, 101, torch.float32, True, seed=4)
+    plain = linear_logp(p.hidden, p.weight, p.target, p.bias, return_lse=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        disabled = linear_logp(p.hidden, p.weight, p.target, p.bias, return_lse=True)
+    assert torch.equal(plain.logp, disabled.logp) and torch.equal(plain.lse, disabled.lse)
+    truth = reference_outputs(p.hidden.double(), p.weight.double(), p.target, p.bias.double(), mode="float64")
+    torch.testing.assert_close(plain.logp.double(), truth.logp, rtol=0, atol=1e-5)

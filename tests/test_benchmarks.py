@@ -1,0 +1,143 @@
+"""The benchmark suite's CPU parts in smoke mode: each subcommand runs end to end and writes the rows it promises.
+
+These run ``python -m benchmarks ... --smoke`` in a subprocess (as a user would) on tiny problems, then read the
+results file back. They check what the rows say (the float64 errors, the gradients' size, the pool's behaviour),
+never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import impls, report, runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def _rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / runner.RESULTS_FILE).read_text().splitlines() if line.strip()]
+
+
+def test_op_smoke_rows(tmp_path):
+    # the native source and its fused loss at two budgets, the eager baseline, two peers that cannot run on CPU
+    _bench("op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native,torch-eager,liger-flce,quack-chunked",
+           "--out", str(tmp_path))
+    rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
+    assert set(rows) == {("tplogp-native", "default"), ("tplogp-native", "16KiB"), ("tplogp-loss-native", "default"),
+                         ("tplogp-loss-native", "16KiB"), ("torch-eager", "default"), ("liger-flce", "default"),
+                         ("quack-chunked", "default")}
+    eager = rows["torch-eager", "default"]
+    for key in (("tplogp-native", "default"), ("tplogp-native", "16KiB")):
+        r = rows[key]
+        assert r["contract"] == impls.PER_TOKEN and r["smoke"] and r["suite"] == "op" and "error" not in r, r
+        for field in ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_bwd_gemms_b2b", "gemm_ms"):
+            assert r[field] > 0, (field, r)
+        # three-way: tplogp's fp32 log-softmax is no worse than the bf16-logits eager baseline against float64
+        assert r["err_logp"] <= eager["err_logp"], (r, eager)
+        assert r["err_d_hidden"] <= 2 * eager["err_d_hidden"] and r["err_d_weight"] <= 2 * eager["err_d_weight"]
+    for budget in ("default", "16KiB"):  # the scalar-loss contract: mean CE and its gradients vs float64
+        r = rows["tplogp-loss-native", budget]
+        assert r["contract"] == impls.SCALAR_LOSS and "error" not in r and "err_logp" not in r, r
+        assert r["err_loss"] <= eager["err_logp"] and r["fwd_bwd_ms"] > 0, r
+        assert r["err_d_hidden"] <= 2 * eager["err_d_hidden"] and r["err_d_weight"] <= 2 * eager["err_d_weight"]
+    assert rows["tplogp-native", "16KiB"]["budget_bytes"] == 16 * 2**10
+    assert rows["quack-chunked", "default"]["contract"] == impls.SCALAR_LOSS
+    for key in (("liger-flce", "default"), ("quack-chunked", "default")):
+        assert rows[key]["error"].startswith("unavailable: "), rows[key]
+    first = rows["tplogp-native", "default"]
+    for field in ("date", "device", "driver", "commit", "torch", "triton", "peers", "shape", "dtype"):
+        assert field in first, field
+    assert first["shape"] == "64x32x320" and first["dtype"] == "bf16"
+    assert first["grads_gib"] == pytest.approx((320 * 32 + 64 * 32) * 2 / 2**30, rel=1e-3)
+
+
+def test_memory_smoke_rows(tmp_path):
+    _bench("memory", "--smoke", "--out", str(tmp_path))
+    rows = {r["impl"]: r for r in _rows(tmp_path)}
+    assert set(rows) == {"native", "eager"}
+    for r in rows.values():
+        assert "error" not in r and r["finite"] and r["growth_mib"] >= 0 and r["elapsed_s"] > 0, r
+        assert r["grads_mib"] == pytest.approx((256 * 64 + 2048 * 64) * 4 / 2**20, abs=0.1)
+        assert r["logits_mib"] == pytest.approx(256 * 2048 * 4 / 2**20, abs=0.1)
+
+
+def test_plugin_smoke_rows(tmp_path):
+    _bench("plugin", "--smoke", "--out", str(tmp_path))
+    rows = {r["section"]: r for r in _rows(tmp_path)}
+    assert set(rows) == {"dispatch", "skip"}
+    assert "error" not in rows["dispatch"] and rows["dispatch"]["n_tests"] == 6, rows["dispatch"]
+    assert len(rows["dispatch"]["samples_ms"]) == 6
+    assert rows["skip"]["spawned_anything"] is False, rows["skip"]
+
+
+def test_base_runs_both_sides_and_prints_ratios(tmp_path):
+    if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("--base needs a git checkout")
+    proc = _bench("op", "--smoke", "--impls", "tplogp-native", "--budgets", "default", "--no-check", "--base",
+                  "HEAD", "--out", str(tmp_path))
+    rows = _rows(tmp_path)
+    assert sorted(r["ab"]["side"] for r in rows) == ["base", "this"]
+    assert all(r["impl"] == "tplogp-native" and r["fwd_bwd_ms"] > 0 for r in rows), rows
+    assert "fwd_bwd_ms" in proc.stdout and "= " in proc.stdout.split("# A/B:")[-1]
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "tplogp-base-" not in worktrees  # the temporary worktree is gone
+
+
+def _op_row(impl, budget="default", **extra):
+    row = dict(suite="op", shape="64x32x320", dtype="bf16", impl=impl, budget=budget, contract=impls.PER_TOKEN,
+               date="2026-01-02T00:00:00+00:00", device="GPU X", driver="1.0", torch="2", triton="3", commit="abc",
+               checks="full", peers={"liger-kernel": "0.8.5"}, grads_gib=0.5, logits_gib=1.0)
+    row.update(extra)
+    return row
+
+
+def test_report_takes_the_latest_row_per_impl_and_budget(tmp_path):
+    timed = dict(fwd_ms=1.0, fwd_bwd_ms=4.0, fwd_gemms=1.1, fwd_bwd_gemms=4.2, fwd_bwd_gemms_b2b=4.1, gemm_ms=1.0,
+                 extra_peak_gib=0.7, err_logp=1e-7, err_d_hidden=2e-3, err_d_weight=2e-3)
+    rows = [_op_row("tplogp-sm90", **dict(timed, fwd_bwd_ms=9.0, date="2026-01-01T00:00:00+00:00")),
+            _op_row("tplogp-sm90", **timed),
+            _op_row("tplogp-sm90", "1GiB", **dict(timed, fwd_bwd_gemms=3.1, extra_peak_gib=1.9)),
+            _op_row("tplogp-sm90", **dict(timed, fwd_bwd_ms=7.0, smoke=True, date="2026-02-01T00:00:00+00:00")),
+            _op_row("quack-chunked", contract=impls.SCALAR_LOSS, error="unavailable: quack is not installed"),
+            dict(suite="memory", shape="256x64x2048", impl="native", date="2026-01-02T00:00:00+00:00",
+                 elapsed_s=0.5, growth_mib=3.0, grads_mib=0.6, logits_mib=2.0, finite=True)]
+    runner.append_rows(str(tmp_path), rows)
+    doc = tmp_path / "docs" / "performance.md"
+    report.write(str(tmp_path), str(doc))
+    text = doc.read_text()
+    table = [line for line in text.splitlines() if line.startswith("| tplogp-sm90 |")]
+    assert len(table) == 2 and any("| 4.000 |" in line for line in table), table  # the latest full run's
+    assert not any("| 9.000 |" in line or "| 7.000 |" in line for line in table)
+    assert "`quack-chunked`: unavailable: quack is not installed" in text
+    assert "| 256x64x2048 | native | 0.50 | 3 |" in text
+    if (tmp_path / "pareto_64x32x320_bf16.png").exists():
+        assert "](../pareto_64x32x320_bf16.png)" in text
+
+
+def test_budget_and_shape_parsing():
+    assert runner.parse_budget("default") is None
+    assert runner.parse_budget("4GiB") == 4 * 2**30 and runner.parse_budget("512MiB") == 512 * 2**20
+    assert runner.budget_label(runner.parse_budget("1GiB")) == "1GiB"
+    assert runner.parse_shapes("8192x4096x128256,64x32x320") == [(8192, 4096, 128256), (64, 32, 320)]
+    with pytest.raises(ValueError, match="TxDxV"):
+        runner.parse_shapes("8192x4096")
+    with pytest.raises(ValueError, match="budget"):
+        runner.parse_budget("lots")
+    with pytest.raises(ValueError, match="unknown implementation 'nope'"):
+        impls.select("tplogp-sm90,nope")

@@ -1,0 +1,171 @@
+"""torch.compile: a loss that calls ``linear_logp`` compiles as one graph (no graph breaks, ``fullgraph=True``)
+with every option, in both check modes, with and without a TP group, and matches eager in value and gradients.
+The op pair itself passes ``torch.library.opcheck`` (schema, fake implementations, autograd registration)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo
+
+from tplogp import get_op, linear_logp, ops
+from tplogp.tolerances import assert_no_worse
+from tests.problems import make_problem, run_reference
+
+OPTIONS = {
+    "plain": {},
+    "temperature": dict(temperature=0.7),
+    "entropy": dict(return_entropy=True),
+    "lse": dict(return_lse=True),
+    "ignore_index": dict(ignore_index=-100),
+    "deterministic": dict(deterministic=True),
+    "workspace_bytes": dict(workspace_bytes=4096),
+    "all": dict(temperature=1.3, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=True,
+                workspace_bytes=8192),
+}
+CHECK_MODES = ("full", "fast")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # every test compiles its own graphs (no recompile limit across parametrizations)
+    yield
+    torch._dynamo.reset()
+
+
+def make_loss(op, opts: dict, grads: tuple, **call_kw):
+    """``sum(output * upstream gradient)`` over the outputs the options request."""
+
+    def loss_fn(h, w, t, b):
+        out = op(h, w, t, b, **opts, **call_kw)
+        parts = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        loss = (parts[0] * grads[0]).sum()
+        for part, g in zip(parts[1:], grads[1:]):
+            loss = loss + (part * g).sum()
+        return loss
+
+    return loss_fn
+
+
+def loss_and_grads(fn, p):
+    h, w = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
+    b = None if p.bias is None else p.bias.clone().requires_grad_()
+    loss = fn(h, w, p.target, b)
+    loss.backward()
+    return [loss.detach(), h.grad, w.grad] + ([] if b is None else [b.grad])
+
+
+def graph_breaks(fn, p) -> int:
+    h, w = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
+    b = None if p.bias is None else p.bias.clone().requires_grad_()
+    explained = torch._dynamo.explain(fn)(h, w, p.target, b)
+    assert any("tplogp.linear_logp_fwd" in g.code for g in explained.graphs), "the op is not in the graph"
+    return explained.graph_break_count
+
+
+def _problem(opts, seed=0, lead=(3, 11), d=24, v=97):
+    ignore = opts.get("ignore_index")
+    return make_problem(lead, d, v, torch.float32, True, seed=seed, ignore_index=ignore,
+                        ignore_fraction=0.3 if ignore is not None else 0.0)
+
+
+@pytest.mark.parametrize("mode", CHECK_MODES)
+@pytest.mark.parametrize("opts", list(OPTIONS))
+def test_compile_fullgraph_matches_eager(opts, mode, monkeypatch):
+    monkeypatch.setenv("TPLOGP_CHECKS", mode)
+    o = OPTIONS[opts]
+    p = _problem(o, seed=len(opts))
+    loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse) if o.get("return_entropy")
+                        else (p.g_logp, p.g_lse))
+    assert graph_breaks(loss_fn, p) == 0
+    eager = loss_and_grads(loss_fn, p)
+    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_against_float64_truth():
+    """The op path alone (compiled) against float64: every output and gradient, the three-way rule."""
+    o = OPTIONS["all"]
+    p = _problem(o, seed=9)
+    ent_lse = (p.g_logp, p.g_entropy, p.g_lse)
+
+    def outputs(h, w, t, b):
+        return linear_logp(h, w, t, b, **o)
+
+    compiled = torch.compile(outputs, fullgraph=True, backend="aot_eager")
+    h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    logp, entropy, lse = compiled(h, w, p.target, b)
+    sum((x * g).sum() for x, g in zip((logp, entropy, lse), ent_lse)).backward()
+    kw = dict(temperature=o["temperature"], ignore_index=o["ignore_index"], entropy=True, lse=True)
+    truth, ref = run_reference(p, "float64", **kw), run_reference(p, "fp32", **kw)
+    ours = dict(logp=logp, entropy=entropy, lse=lse, d_hidden=h.grad, d_weight=w.grad, d_bias=b.grad)
+    for name, value in ours.items():
+        assert_no_worse(name, value.detach(), getattr(ref, name), getattr(truth, name), torch.float32)
+
+
+def test_compile_inductor_fullgraph():
+    """The default backend (inductor) around the op: one graph, eager's values."""
+    o = dict(return_entropy=True, return_lse=True, temperature=0.9)
+    p = _problem(o, seed=3)
+    loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse))
+    eager = loss_and_grads(loss_fn, p)
+    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True), p)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+def test_compile_with_triton_source_and_bare_weight():
+    """A bound source (``get_op``) and no bias compile the same way."""
+    p = make_problem((13,), 16, 45, torch.float32, False, seed=6)
+    loss_fn = make_loss(get_op("linear_logp", source="triton"), dict(return_lse=True), (p.g_logp, p.g_lse))
+    assert graph_breaks(loss_fn, p) == 0
+    eager = loss_and_grads(loss_fn, p)
+    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp-lse", "entropy"])
+def test_opcheck(entropy):
+    """Schema, fake (meta) implementation and autograd registration of the op pair (torch.library.opcheck)."""
+    p = make_problem((6,), 8, 23, torch.float32, True, seed=1)
+    h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, None, "native", True)
+    torch.library.opcheck(ops.linear_logp_fwd, args)
+
+
+# ---- with a TP group: gloo ranks of the plugin --------------------------------------------------------------------
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+@pytest.mark.parametrize("mode", CHECK_MODES)
+@pytest.mark.parametrize("opts", ["plain", "all"])
+def test_compile_with_tp_group(tp, opts, mode):
+    """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal eager's."""
+    from pytest_tplogp import VocabShards
+
+    old = os.environ.get("TPLOGP_CHECKS")
+    os.environ["TPLOGP_CHECKS"] = mode
+    try:
+        torch._dynamo.reset()
+        o = OPTIONS[opts]
+        v = 101
+        vs = VocabShards("uneven", tp.world_size, vocab_size=v).__tp_bind__(tp)
+        p = _problem(o, seed=4, v=v)
+        p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
+        loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse) if o.get("return_entropy")
+                            else (p.g_logp, p.g_lse), tp_group=tp.group, vocab_start_index=vs.start,
+                            global_vocab_size=v)
+        breaks = graph_breaks(loss_fn, p)
+        eager = loss_and_grads(loss_fn, p)
+        compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
+    finally:
+        if old is None:
+            os.environ.pop("TPLOGP_CHECKS")
+        else:
+            os.environ["TPLOGP_CHECKS"] = old
+    tp.assert_all(breaks == 0, f"{breaks} graph breaks")
+    same = all(torch.allclose(c, e, rtol=1e-6, atol=1e-6) for e, c in zip(eager, compiled))
+    tp.assert_all(same, "compiled loss or gradients differ from eager")
