@@ -27,18 +27,25 @@ REDUCTIONS = ("sum", "mean")
 
 
 class _PrecomputedGrads(torch.autograd.Function):
-    """``loss`` as a function of (hidden, weight, bias) whose gradients were computed in the forward."""
+    """``loss`` as a function of (hidden, weight, bias) whose gradients were computed in the forward. Gradients
+    saved in fp32 (d_hidden; d_W and d_b summed over several chunks) are scaled by the upstream scalar in fp32 and
+    rounded once to the input's dtype; one already in the input's dtype (one chunk's d_W, d_b) is scaled in its
+    dtype (exact when the scalar is a power of two, as ``loss.backward()``'s 1)."""
 
     @staticmethod
     def forward(ctx, loss, grads, hidden, weight, bias):
         ctx.grads = grads
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        d_h, d_w, d_b = ctx.grads
-        scale = lambda t: None if t is None else t * g.to(t.dtype)  # noqa: E731
-        return None, None, scale(d_h), scale(d_w), scale(d_b)
+        def scale(t, dtype):
+            if t is None:
+                return None
+            return (t * g.to(t.dtype)).to(dtype)
+
+        return (None, None) + tuple(scale(t, dt) for t, dt in zip(ctx.grads, ctx.dtypes))
 
 
 def _chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], device: torch.device) -> int:
@@ -118,9 +125,6 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerToken
         if d_hidden is not None:
             d_hidden[t0:t1] = grads.d_hidden
         d_w, d_b = grads.d_weight, grads.d_bias
-    if accumulate is not None:
-        d_w = None if d_w is None else d_w.to(weight.dtype)
-        d_b = None if d_b is None else d_b.to(bias.dtype)
     if n == 0:
         d_w = torch.zeros_like(weight) if needs[1] else None
         d_b = torch.zeros_like(bias) if needs[2] else None
@@ -131,7 +135,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerToken
             d_hidden = buf.to(h2.device)
         if keep_idx is not None:
             d_hidden = d_hidden.new_zeros(n_all, d).index_copy(0, keep_idx, d_hidden)
-        d_hidden = d_hidden.to(hidden.dtype).view(hidden.shape)
+        d_hidden = d_hidden.view(hidden.shape)  # fp32: rounded once, after the upstream scale
     if d_w is not None and d_w.shape != weight.shape:
         d_w = d_w.view(weight.shape)
     return total, (d_hidden, d_w, d_b)
