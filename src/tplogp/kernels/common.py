@@ -262,22 +262,33 @@ def dlogits_tile(
 
 
 @triton.jit
-def keep_tile(p_kept, stride_kept, o_n, m_n, v0, v_keep, acc, BLOCK_V: tl.constexpr):
-    """Store the raw fp32 accumulator of the tile at shard column ``v0`` into the kept-logits buffer ``[N, v_keep]``
-    (row stride ``stride_kept``) when the tile lies below ``v_keep``; rows outside ``m_n`` and columns at or past
-    ``v_keep`` are not written. One coalesced fp32 store per element of the kept tiles, nothing for the others."""
-    if v0 < v_keep:
-        o_v = v0 + tl.arange(0, BLOCK_V)
-        p_out = p_kept + o_n.to(tl.int64)[:, None] * stride_kept + o_v[None, :]
-        tl.store(p_out, acc, mask=m_n[:, None] & (o_v < v_keep)[None, :])
+def _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pointers to the ``[BLOCK_N, BLOCK_V]`` block at row ``n0``, column ``v0`` of the kept buffer: one 64-bit
+    base, 32-bit offsets inside the block (fewer registers than 64-bit offsets per element)."""
+    base = p_kept + n0.to(tl.int64) * stride_kept + v0
+    return base + (tl.arange(0, BLOCK_N) * stride_kept)[:, None] + tl.arange(0, BLOCK_V)[None, :]
 
 
 @triton.jit
-def kept_tile(p_kept, stride_kept, o_n, o_v, N, v_hi, MASKED: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_V]`` fp32 accumulator tile kept by the forward (rows ``o_n``, shard columns ``o_v``);
+def keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Store the raw fp32 accumulator of the tile at row ``n0``, shard column ``v0`` into the kept-logits buffer
+    ``[N, v_keep]`` (row stride ``stride_kept``) when the tile lies below ``v_keep``; rows at or past N and columns
+    at or past ``v_keep`` are not written. One fp32 store per element of the kept tiles, nothing for the others."""
+    if v0 < v_keep:
+        m_r = (n0 + tl.arange(0, BLOCK_N)) < N
+        m_c = (v0 + tl.arange(0, BLOCK_V)) < v_keep
+        tl.store(_kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V), acc, mask=m_r[:, None] & m_c[None, :])
+
+
+@triton.jit
+def kept_tile(p_kept, stride_kept, n0, N, v0, v_hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_V: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_V]`` fp32 accumulator tile kept by the forward at row ``n0``, shard column ``v0``;
     ``MASKED``: rows at or past N and columns at or past ``v_hi`` read as 0 (edge tiles only)."""
-    p_in = p_kept + o_n.to(tl.int64)[:, None] * stride_kept + o_v[None, :]
+    p_in = _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V)
     if MASKED:
-        return tl.load(p_in, mask=(o_n < N)[:, None] & (o_v < v_hi)[None, :], other=0.0)
+        m_r = (n0 + tl.arange(0, BLOCK_N)) < N
+        m_c = (v0 + tl.arange(0, BLOCK_V)) < v_hi
+        return tl.load(p_in, mask=m_r[:, None] & m_c[None, :], other=0.0)
     else:
         return tl.load(p_in)

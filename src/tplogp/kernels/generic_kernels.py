@@ -112,7 +112,7 @@ def fwd_stats_kernel(
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
         if KEEP:
-            keep_tile(p_kept, stride_kept, o_n, m_n, v0, v_keep, acc, BLOCK_V)
+            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_keep, acc, BLOCK_N, BLOCK_V)
         b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
@@ -120,7 +120,8 @@ def fwd_stats_kernel(
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
         if KEEP:
-            keep_tile(p_kept, stride_kept, o_n, m_n, v_full, v_keep, acc, BLOCK_V)
+            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v_full, v_keep, acc, BLOCK_N,
+                      BLOCK_V)
         b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
@@ -260,12 +261,11 @@ def bwd_dlogits_kept_kernel(
     num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
     i_n = tl.program_id(0) // num_v
     i_v = tl.program_id(0) % num_v
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    o_v = v_lo + i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard (and the kept buffer)
-    if ((i_n + 1) * BLOCK_N > N) | (v_lo + (i_v + 1) * BLOCK_V > v_hi):
-        acc = kept_tile(p_kept, stride_kept, o_n, o_v, N, v_hi, True)
+    v0 = v_lo + i_v * BLOCK_V  # first column of the tile inside the shard (and the kept buffer)
+    if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
+        acc = kept_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_hi, True, BLOCK_N, BLOCK_V)
     else:
-        acc = kept_tile(p_kept, stride_kept, o_n, o_v, N, v_hi, False)
+        acc = kept_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_hi, False, BLOCK_N, BLOCK_V)
     dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
                       stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)
 

@@ -60,14 +60,15 @@ def fwd_stats_tma_kernel(
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
         if KEEP:  # plain stores: a TMA store would stage the fp32 tile in shared memory the K loop's ring uses
-            keep_tile(p_kept, stride_kept, o_n, m_n, v0, v_keep, acc, BLOCK_V)
+            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_keep, acc, BLOCK_N, BLOCK_V)
         b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
         if KEEP:
-            keep_tile(p_kept, stride_kept, o_n, m_n, v_full, v_keep, acc, BLOCK_V)
+            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v_full, v_keep, acc, BLOCK_N,
+                      BLOCK_V)
         b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
