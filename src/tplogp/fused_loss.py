@@ -4,12 +4,13 @@ forward, token chunk by token chunk.
 Per chunk of tokens (the same number of chunks on every rank): the shard forward (``tp._shard_forward``: the stats,
 one small all_gather with a group, the merge) gives fp32 logp and entropy; the loss callable runs on them under
 autograd, which gives the per-token upstream gradients ``g_logp`` / ``g_entropy``; the source's backward then gives
-the chunk's partial ``d_hidden`` rows, and adds its ``d_W`` and ``d_b`` to fp32 accumulators (rounded once to the
-weight / bias dtype at the end; one chunk writes them directly). The chunk is as many tokens as the kept part of the
+the chunk's partial fp32 ``d_hidden`` rows, and adds its ``d_W`` and ``d_b`` to fp32 accumulators (several chunks;
+one chunk's are written directly in the weight / bias dtype). The chunk is as many tokens as the kept part of the
 memory budget (``workspace_bytes``) holds as fp32 logits of the whole vocab: its forward keeps them and its backward
 reads them instead of recomputing (3 GEMMs instead of 4), every source alike; only one chunk's logits are alive at a
-time. After the last chunk, ONE all_reduce completes ``d_hidden``. The gradients are handed to autograd: the backward only scales
-them by the upstream scalar. The per-token tensors are constants (no gradient flows to them).
+time. After the last chunk, ONE all_reduce completes ``d_hidden``. The gradients are handed to autograd: the
+backward only scales them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are
+constants (no gradient flows to them).
 """
 
 from __future__ import annotations
