@@ -1,5 +1,7 @@
 """Project-level pytest setup.
 
+The project's own suite uses the pytest_tplogp plugin, which is opt-in: it is asked for here.
+
 Without a CUDA device, Triton kernels run through Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before
 any kernel is defined, so it is set here, before test modules import tplogp's Triton sources. Set
 ``TRITON_INTERPRET=0`` explicitly to keep the Triton sources reported as unavailable on CPU.
@@ -8,6 +10,8 @@ any kernel is defined, so it is set here, before test modules import tplogp's Tr
 import os
 
 import torch
+
+pytest_plugins = ["pytest_tplogp"]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -59,7 +59,8 @@ def _needs_cuda(device: torch.device, name: str) -> None:
 
 def _tplogp(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
     def build(device: torch.device, budget: Optional[int]) -> ImplFn:
-        from tplogp.kernel_registry import get_op, unavailable_reason
+        from tplogp import get_op
+        from tplogp.kernel_registry import unavailable_reason
 
         why = unavailable_reason(source, device)
         if why is not None:

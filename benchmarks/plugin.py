@@ -44,7 +44,7 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_sessionfinish(session):
     pools, manager = [], None
     try:  # the pool manager's bookkeeping (pytest_tplogp internals: absent fields leave these empty)
-        from pytest_tplogp.plugin import STATE
+        from pytest_tplogp.session import STATE
         manager = session.config.stash[STATE]._manager
         pools = [] if manager is None else [dict(key=list(k), start_s=p.start_s, starts=p.starts)
                                             for k, p in manager.pools.items()]

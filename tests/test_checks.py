@@ -37,7 +37,7 @@ def test_host_reads_per_call(mode, ignore, monkeypatch):
     expected = {"full": ["Tensor.tolist in raise_pending_errors"], "fast": [],
                 "sync": ["Tensor.tolist in summarize_targets"]}[mode]
     if ignore is not None:
-        expected = expected + ["aten.nonzero.default in prepare_call"]
+        expected = expected + ["aten.nonzero.default in localize_call"]
     assert sorted(reads) == sorted(2 * expected), reads
     check_errors()
 

@@ -1,20 +1,33 @@
 """pytest_tplogp: run pytest test bodies on a persistent pool of torch.distributed ranks.
 
-Layout (split by role, like pytest-xdist):
+Opt-in. The ``pytest11`` entry point loads only this module, which adds the plugin's options (all spelled
+``--tp...``, ini keys ``tp_...``) and nothing else: no fixture, marker, skip or per-test hook. The full plugin
+(``pytest_tplogp.hooks`` and the fixture modules) is registered at configure time when the run asks for it:
 
-- ``plugin.py``   pytest hooks and fixtures (parent side); registered through ``pytest_plugins`` below so that the
-  pytest11 entry point ``pytest_tplogp = "pytest_tplogp"`` and ``-p pytest_tplogp`` load it exactly once.
-- ``pool.py``     the controller: one persistent rank pool per (world size, backend, device set), bounded waits,
-  stack dumps on a deadline, kill + respawn.
-- ``rank.py``     the rank-side worker loop; imports nothing of the controller (only ``protocol``, ``context``).
-- ``context.py``  the ``tp`` rank context and the collective assertion helpers (usable under torchrun too).
-- ``values.py``   picklable fixture values (vocab shards, references, op sources) shared by both sides.
-- ``options.py``  settings, CLI > env > ini > default.  ``devices.py`` backend and GPU-block choice.
-- ``report.py``   merging per-rank outcomes (grouped failures, agreed skips) into one pytest outcome.
-- ``external.py`` pytest itself launched by torchrun: use the existing process group.
+- ``-p pytest_tplogp`` (command line, ``PYTEST_ADDOPTS`` or ini ``addopts``), ``PYTEST_PLUGINS=pytest_tplogp``, or
+  ``pytest_plugins = ["pytest_tplogp"]`` in a conftest.py / plugin module;
+- any ``--tp...`` option on the command line (``--tp=4``, ``--tp-timeout=60``, ...);
+- ini ``tplogp = true``.
 
-Importing this package imports neither torch nor pytest: rank processes import ``pytest_tplogp.rank`` cheaply, and
-public names below are loaded on first access.
+Layout (one role per module; each imports only the modules listed below it):
+
+- ``hooks.py``           pytest hooks of the active plugin: configure, header, collection, setup, call, reports.
+- ``optin.py``           whether a run asked for the plugin; registers ``hooks`` (by name) when it did.
+- ``tplogp_fixtures.py`` the tplogp-specific fixtures: vocab_shards, reference, op_source, dtype, bias.
+- ``fixtures.py``        the fixtures of every TP test: tp_world_size (placement at setup), tp, tp_pool.
+- ``dispatch.py``        sending a body to the ranks and merging what comes back into one pytest outcome.
+- ``placement.py``       the ``tp`` marker's arguments and where a test runs (backend, devices, deadline).
+- ``session.py``         per-session state in ``config.stash``.
+- ``external.py``        pytest itself launched by torchrun: use the existing process group.
+- ``report.py``          merging per-rank outcomes (grouped failures, agreed skips) into one report.
+- ``pool.py``            the controller: persistent rank pools, bounded waits, stack dumps, kill + respawn.
+- ``rank.py``            the rank-side worker loop (imports only ``protocol``, ``context``, ``values``).
+- ``context.py``         the ``tp`` rank context and the collective assertion helpers (usable under torchrun too).
+- ``devices.py``         backend and GPU-block choice.  ``options.py`` settings, CLI > env > ini > default.
+- ``values.py``          picklable fixture values shared by both sides.  ``protocol.py`` controller <-> rank messages.
+
+Importing this package imports neither torch nor pytest (only pluggy): rank processes import
+``pytest_tplogp.rank`` cheaply, and the public names below are loaded on first access.
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-pytest_plugins = ["pytest_tplogp.plugin"]
+from pluggy import HookimplMarker  # what pytest.hookimpl is, without importing pytest
 
 __version__ = "0.1.0"
 
@@ -54,3 +67,18 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'pytest_tplogp' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+# ------------------------------------------------------------------------------------------ the opt-in shim hooks
+def pytest_addoption(parser: Any) -> None:
+    from . import options
+
+    options.addoption(parser)
+
+
+@HookimplMarker("pytest")(tryfirst=True)  # before junitxml & co. read their options
+def pytest_configure(config: Any) -> None:
+    """Register the full plugin when the run asked for it (see the module docstring)."""
+    from . import optin
+
+    optin.activate_if_asked(config)

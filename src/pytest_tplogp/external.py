@@ -4,9 +4,10 @@ Every pytest process is one rank of an existing world (``WORLD_SIZE``/``RANK``/`
 node or several). Nothing is spawned: the process group is initialised from the environment (or reused when the
 test session already has one), all ranks check that they collected the same tests, TP test bodies run in-process,
 and each test's per-rank outcomes are exchanged over a gloo control group so that every rank reaches the same
-verdict (a failure on rank 3 fails the test on rank 0, which is the only rank that prints a report). A per-test
-deadline dumps all stacks (faulthandler) and exits the rank: torchrun then tears the job down, since a process
-group cannot be respawned from inside.
+verdict (a failure on rank 3 fails the test on rank 0, which is the only rank that prints a report). At a per-test
+deadline every rank posts its stack to the job's store and rank 0 reports what it knows (the outcomes so far,
+which ranks hung and where) and writes the JUnit file before every rank exits: torchrun then ends the job, since
+a process group cannot be respawned from inside.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import pickle
 import random
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -49,8 +52,10 @@ class ExternalMode:
             enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
             backend = "nccl" if enough else "gloo"
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        # the real stderr, kept for the deadline's stack dump (pytest's and our own capture redirect fd 2 later)
-        self.dump_file = os.fdopen(os.dup(2), "w")
+        # the real stdout/stderr (pytest's capture and our own redirect fds 1 and 2 during a test): a deadline
+        # puts them back so that rank 0's report reaches the terminal
+        self.real_fds = (os.dup(1), os.dup(2))
+        self.test_index = 0
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             if device.type == "cuda":
@@ -79,33 +84,54 @@ class ExternalMode:
         return None
 
     def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int, timeout_s: float,
-                 capture: bool = True) -> Any:
+                 capture: bool = True, on_deadline: Callable[[Any], None] | None = None) -> Any:
         """Run the body here, exchange outcomes (and captured output) with every rank; return a PoolRun for
-        ``report.merge``, so rank 0's report shows every rank's verdict and output."""
+        ``report.merge``, so rank 0's report shows every rank's verdict and output.
+
+        If the body and the exchange are not done within ``timeout_s``, :class:`_Deadline` takes over: every rank
+        posts its stack to the job's store, rank 0 calls ``on_deadline(run)`` with what it knows (the outcomes of
+        the ranks that finished, the stacks of those that did not) and every rank exits.
+        """
         import time
 
         from .pool import PoolRun
         from .rank import classify
-        from .values import bind
+        from .values import bind, undo_per_rank
 
         random.seed(seed)
         self.torch.manual_seed(seed)
         t0 = time.perf_counter()
-        # the deadline's stack dump goes to the process's real stderr (pytest's capture would swallow it)
-        faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.dump_file)
+        self.test_index += 1
+        deadline = _Deadline(self, self.test_index, timeout_s, on_deadline)
         with _capture_output(capture) as output:
+            bound = {k: bind(v, self.ctx) for k, v in kwargs.items()}
             try:
-                func(**{k: bind(v, self.ctx) for k, v in kwargs.items()})
+                func(**bound)
                 mine = RankOutcome(self.ctx.rank, "passed")
             except BaseException as exc:  # noqa: BLE001 - decided collectively below
-                mine = classify(exc, self.ctx.rank)
+                mine = classify(exc, self.ctx.rank, test_file=getattr(func, "__code__", None) and func.__code__.co_filename)
             finally:
-                faulthandler.cancel_dump_traceback_later()
+                undo_per_rank(bound)
         mine.duration_s = time.perf_counter() - t0
-        everyone = self.ctx.all_gather_object((mine, output.text()))
+        text = output.text()
+        deadline.body_done(mine, text)
+        everyone = self.ctx.all_gather_object((mine, text))
+        deadline.cancel()
         return PoolRun(outcomes={o.rank: o for o, _ in everyone},
                        outputs={o.rank: out for o, out in everyone if out != ("", "")},
                        elapsed_s=time.perf_counter() - t0)
+
+    def restore_real_output(self) -> None:
+        """Point fds 1 and 2 back at the terminal (used by a deadline, while a body is stuck)."""
+        os.dup2(self.real_fds[0], 1)
+        os.dup2(self.real_fds[1], 2)
+
+    def store(self) -> Any:
+        """The job's key-value store (torchrun's rendezvous store), or None when torch does not expose it."""
+        try:
+            return self.dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - private torch API: without it, rank 0 reports only itself
+            return None
 
     def close(self) -> None:
         """Leave together (bounded): torchrun kills every rank as soon as one exits non-zero, so no rank may exit
@@ -123,6 +149,102 @@ class ExternalMode:
                 self.dist.destroy_process_group()
             except Exception:
                 pass
+
+
+#: After a deadline: how long rank 0 waits for the stacks of the ranks that did not finish, and how long the other
+#: ranks wait for rank 0's report before they exit (torchrun kills the job when the first rank exits).
+STACK_WAIT_S = 5.0
+REPORT_WAIT_S = 60.0
+
+
+class _Deadline:
+    """The per-test deadline under torchrun: a timer thread that, when the body and the outcome exchange are not
+    done in time, posts this rank's stack to the job's store; rank 0 then collects every unfinished rank's stack
+    and the finished ranks' outcomes, hands them to ``on_deadline`` (which reports and writes the JUnit file),
+    and every rank exits with status 1 (a process group cannot be respawned from inside)."""
+
+    def __init__(self, mode: ExternalMode, index: int, timeout_s: float,
+                 on_deadline: Callable[[Any], None] | None) -> None:
+        self.mode = mode
+        self.prefix = f"tplogp/test{index}/"
+        self.timeout_s = timeout_s
+        self.on_deadline = on_deadline
+        self.store = mode.store()
+        self.done = threading.Event()
+        self.body_finished = False
+        self.thread = threading.Thread(target=self._watch, name="tplogp-deadline", daemon=True)
+        self.thread.start()
+
+    def body_done(self, outcome: RankOutcome, output: tuple[str, str]) -> None:
+        self.body_finished = True
+        if self.store is not None:
+            self.store.set(f"{self.prefix}done{self.mode.ctx.rank}", pickle.dumps((outcome, output)))
+
+    def cancel(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        if self.done.wait(self.timeout_s):
+            return
+        try:
+            self._expire()
+        finally:
+            os._exit(1)
+
+    def _expire(self) -> None:
+        import time
+
+        from .pool import PoolRun, StuckRank
+
+        ctx, store = self.mode.ctx, self.store
+        stack = _own_stack()
+        if store is not None and not self.body_finished:
+            store.set(f"{self.prefix}stack{ctx.rank}", pickle.dumps((os.getpid(), stack)))
+        if ctx.rank != 0:
+            end = time.monotonic() + REPORT_WAIT_S
+            while store is not None and time.monotonic() < end and not store.check([f"{self.prefix}reported"]):
+                time.sleep(0.2)
+            return
+        run = PoolRun(timed_out=True)
+        end = time.monotonic() + STACK_WAIT_S
+        for r in range(ctx.world_size):
+            if r == 0 and not self.body_finished:
+                run.stuck[0] = StuckRank(0, os.getpid(), stack)
+                continue
+            done, posted = f"{self.prefix}done{r}", f"{self.prefix}stack{r}"
+            while store is not None and time.monotonic() < end and not store.check([done]) \
+                    and not store.check([posted]):
+                time.sleep(0.05)
+            if store is not None and store.check([done]):
+                outcome, output = pickle.loads(store.get(done))
+                run.outcomes[r] = outcome
+                if output != ("", ""):
+                    run.outputs[r] = output
+            elif store is not None and store.check([posted]):
+                pid, their_stack = pickle.loads(store.get(posted))
+                run.stuck[r] = StuckRank(r, pid, their_stack)
+            else:
+                run.stuck[r] = StuckRank(r, 0, "")
+        self.mode.restore_real_output()
+        try:
+            if self.on_deadline is not None:
+                self.on_deadline(run)
+        finally:
+            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+            if store is not None:
+                store.set(f"{self.prefix}reported", b"1")
+
+
+def _own_stack() -> str:
+    """Every thread's stack of this process, in faulthandler's format (what ``report.where_waiting`` reads)."""
+    with tempfile.TemporaryFile() as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read().decode("utf-8", "replace")
 
 
 class _Captured:

@@ -105,9 +105,9 @@ SPECS: tuple[Spec, ...] = (
          "NAME"),
     Spec("timeout_s", "--tp-timeout", "TPLOGP_TP_TIMEOUT", "tp_timeout", _positive_float,
          "per-test deadline in seconds on the ranks (marker timeout= overrides; default 120)", "SECONDS"),
-    Spec("run_stress", "--run-stress", "TPLOGP_RUN_STRESS", "tp_run_stress", _bool,
+    Spec("run_stress", "--tp-run-stress", "TPLOGP_RUN_STRESS", "tp_run_stress", _bool,
          "run @pytest.mark.stress tests (also selected by -m stress)", is_flag=True),
-    Spec("op_sources", "--op-source", "TPLOGP_OP_SOURCE", "tp_op_source", _subset(OP_SOURCES),
+    Spec("op_sources", "--tp-op-source", "TPLOGP_OP_SOURCE", "tp_op_source", _subset(OP_SOURCES),
          "op_source grid, comma-separated subset of registry,native,triton,sm90", "LIST"),
     Spec("dtypes", "--tp-dtype", "TPLOGP_TP_DTYPE", "tp_dtype", _subset(tuple(DTYPES)),
          "dtype grid, comma-separated subset of fp32,bf16,fp16", "LIST"),
@@ -123,8 +123,17 @@ SPECS: tuple[Spec, ...] = (
 )
 
 
+#: The ini switch that turns the plugin on for a project (besides -p, pytest_plugins and any --tp... option).
+ENABLE_INI = "tplogp"
+
+
 def addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("tplogp", "tensor-parallel rank pool (pytest_tplogp)")
+    """Add every option (CLI flag and ini key) once. Adding them changes nothing until the plugin is active."""
+    group = parser.getgroup("tplogp", "tensor-parallel rank pool (pytest_tplogp; any --tp... option turns it on)")
+    if group.options:
+        return
+    parser.addini(ENABLE_INI, help="turn pytest_tplogp on for this project (like -p pytest_tplogp)", type="bool",
+                  default=False)
     for spec in SPECS:
         dest = f"tplogp_{spec.field}"
         help_text = f"{spec.help} [env {spec.env}, ini {spec.ini}]"
@@ -133,6 +142,19 @@ def addoption(parser: pytest.Parser) -> None:
         else:
             group.addoption(spec.flag, action="store", default=None, dest=dest, metavar=spec.metavar, help=help_text)
         parser.addini(spec.ini, help=spec.help, type="string", default="")
+
+
+def given_on_command_line(config: pytest.Config) -> str | None:
+    """The first plugin flag given on the command line (e.g. ``--tp``), or None."""
+    for spec in SPECS:
+        value = config.getoption(f"tplogp_{spec.field}", None)
+        if value is not None and value is not False:
+            return spec.flag
+    return None
+
+
+def enabled_in_ini(config: pytest.Config) -> bool:
+    return bool(config.getini(ENABLE_INI))
 
 
 def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Settings:

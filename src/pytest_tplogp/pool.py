@@ -2,7 +2,8 @@
 
 One :class:`RankPool` per (world size, backend, device set) lives in each pytest process (each xdist worker has its
 own), created lazily on first use through ``torch.multiprocessing`` (spawn: CUDA is never touched before a fork).
-Rendezvous is a ``FileStore`` in a per-pool-generation directory under a per-session temp directory, so nothing can
+Rendezvous is a ``FileStore`` in a per-pool-generation directory under a per-session temp directory
+(``tplogp-<worker>-<pid>-*``, removed at the end; a killed session's is removed by the next one), so nothing can
 race for a port. Each command is sent to every rank over its own pipe and awaited with
 ``multiprocessing.connection.wait`` on the pipes *and* the process sentinels, until a deadline:
 
@@ -25,6 +26,7 @@ import signal
 import tempfile
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, NamedTuple
@@ -112,6 +114,39 @@ def _read_from(path: str, offset: int, limit: int = 256 * 1024) -> str:
         return ""
     text = data[:limit].decode("utf-8", "replace")
     return text + ("\n[... output truncated ...]" if len(data) > limit else "")
+
+
+#: Called with (rank, "stdout" | "stderr", one line) for live output (pytest ``-s``).
+LiveOutput = Callable[[int, str, str], None]
+#: How often (seconds) the controller looks for new rank output while a command runs with live output.
+LIVE_POLL_S = 0.05
+
+
+class _Tail:
+    """Follows the ranks' output files from given offsets and hands on complete lines (all that is left at the end)."""
+
+    def __init__(self, sink: LiveOutput, files: dict[tuple[int, str], tuple[str, int]]) -> None:
+        self.sink = sink
+        self.files = files
+        self.partial: dict[tuple[int, str], str] = {}
+
+    def pump(self, final: bool = False) -> None:
+        for key, (path, offset) in self.files.items():
+            size = _size(path)
+            if size > offset:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(size - offset)
+                self.files[key] = (path, offset + len(data))
+                self.partial[key] = self.partial.get(key, "") + data.decode("utf-8", "replace")
+            text = self.partial.pop(key, "")
+            *lines, rest = text.split("\n")
+            if final and rest:
+                lines, rest = lines + [rest], ""
+            for line in lines:
+                self.sink(key[0], key[1], line)
+            if rest:
+                self.partial[key] = rest
 
 
 class RankPool:
@@ -287,18 +322,23 @@ class RankPool:
             time.sleep(0.05)
         return {r: _read_from(self._paths(r)[2], offsets[r]) for r in ranks}
 
-    def run(self, command: Any, timeout_s: float) -> PoolRun:
-        """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the module docstring)."""
+    def run(self, command: Any, timeout_s: float, live: LiveOutput | None = None) -> PoolRun:
+        """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the module docstring).
+
+        With ``live`` (pytest ``-s``), every complete line a rank writes is passed on while the command runs.
+        """
         self.busy = True  # stays True if interrupted (Ctrl-C): the ranks are mid-command, stop() must kill
-        res = self._run(command, timeout_s)
+        res = self._run(command, timeout_s, live)
         self.busy = False
         return res
 
-    def _run(self, command: Any, timeout_s: float) -> PoolRun:
+    def _run(self, command: Any, timeout_s: float, live: LiveOutput | None = None) -> PoolRun:
         t0 = time.perf_counter()
         n = self.key.world_size
         res = PoolRun()
         offsets = {r: tuple(_size(p) for p in self._paths(r)) for r in range(n)}
+        tail = _Tail(live, {(r, s): (self._paths(r)[i], offsets[r][i]) for r in range(n)
+                            for i, s in enumerate(("stdout", "stderr"))}) if live is not None else None
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         pending = set(range(n))
 
@@ -322,7 +362,10 @@ class RankPool:
                 break
             waitables = {self.conns[r]: r for r in pending}
             waitables.update({self.procs[r].sentinel: r for r in pending})
-            for obj in wait(list(waitables), timeout=limit - now):
+            ready = wait(list(waitables), timeout=min(limit - now, LIVE_POLL_S) if tail else limit - now)
+            if tail:
+                tail.pump()
+            for obj in ready:
                 r = waitables[obj]
                 if r not in pending:
                     continue
@@ -341,6 +384,8 @@ class RankPool:
                         continue
                 if grace_end is None:
                     grace_end = time.monotonic() + STRAGGLER_GRACE_S
+        if tail:
+            tail.pump(final=True)
         if pending:
             alive = [r for r in sorted(pending) if self.procs[r].is_alive()]
             stacks = self.dump_stacks(alive)
@@ -363,13 +408,43 @@ class RankPool:
         return res
 
 
+def remove_stale_session_dirs(root: str | None = None) -> list[str]:
+    """Remove the session directories (``tplogp-<worker>-<pid>-*``) of pytest processes that are gone.
+
+    A session removes its own directory when it ends; one that was killed (SIGKILL, a crashed xdist worker) could
+    not, so the next session on the machine does. Returns the removed paths.
+    """
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 4 or parts[0] != "tplogp" or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue  # its pytest process is still running
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # another user's process: not ours to judge
+        path = os.path.join(root, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 class PoolManager:
     """The pools of one pytest process, keyed by :class:`PoolKey`; owns the per-session directory."""
 
     def __init__(self, num_threads: int | None = None, start_method: str = "forkserver") -> None:
         self.start_method = start_method
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        self.session_dir = tempfile.mkdtemp(prefix=f"tplogp-{worker}-")
+        remove_stale_session_dirs()
+        self.session_dir = tempfile.mkdtemp(prefix=f"tplogp-{worker}-{os.getpid()}-")
         self.num_threads = num_threads
         self.pools: OrderedDict[PoolKey, RankPool] = OrderedDict()
         self.start_errors: dict[PoolKey, str] = {}

@@ -74,9 +74,11 @@ class RankOutcome:
     summary: str = ""  # one line: "AssertionError: assert 1 == 2" or the skip reason
     longrepr: str = ""  # traceback text (test frames only)
     exc_type: str = ""  # "module:qualname" of the exception a failed body raised (for xfail(raises=...))
+    crash: tuple[str, int] | None = None  # (file, line) of the failure: the innermost frame in the test's file
     duration_s: float = 0.0
     value: bytes | None = None  # pickled return value of a CallFn
-    state_problems: list[str] = field(default_factory=list)  # fresh-state check violations after the command
+    state_problems: list[str] = field(default_factory=list)  # fresh-state check: what makes the pool recycle
+    state_restored: list[str] = field(default_factory=list)  # fresh-state check: what the rank changed and put back
 
 
 @dataclass

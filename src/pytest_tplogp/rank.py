@@ -107,7 +107,7 @@ def _group_count() -> int | None:
     return None if pg_map is None else len(pg_map)
 
 
-def classify(exc: BaseException, rank: int, tb_skip: int = 1) -> RankOutcome:
+def classify(exc: BaseException, rank: int, tb_skip: int = 1, test_file: str | None = None) -> RankOutcome:
     """A rank's :class:`RankOutcome` for an exception from a test body (skip, xfail or failure with traceback)."""
     pytest = sys.modules.get("pytest")
     if pytest is not None and isinstance(exc, pytest.skip.Exception):
@@ -128,7 +128,67 @@ def classify(exc: BaseException, rank: int, tb_skip: int = 1) -> RankOutcome:
         summary += " " + lines[1]
     longrepr = "".join(traceback.format_exception(type(exc), exc, tb))
     exc_type = f"{type(exc).__module__}:{type(exc).__qualname__}"
-    return RankOutcome(rank, "failed", summary=summary, longrepr=longrepr, exc_type=exc_type)
+    return RankOutcome(rank, "failed", summary=summary, longrepr=longrepr, exc_type=exc_type,
+                       crash=_crash_location(tb, test_file))
+
+
+def _crash_location(tb: Any, test_file: str | None) -> tuple[str, int] | None:
+    """Where a failure happened, for one-line reports: the innermost frame in the test's file, else the innermost."""
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    if not frames:
+        return None
+    in_test = [f for f in frames if test_file and os.path.realpath(f.filename) == os.path.realpath(test_file)]
+    frame = (in_test or frames)[-1]
+    return (frame.filename, frame.lineno or 0)
+
+
+class _ProcessState:
+    """What a test body can change in a rank process and the pool can put back (see ``_restore_and_check``)."""
+
+    def __init__(self, environ: dict[str, str], cwd: str, dtype: Any, grad: bool, threads: int,
+                 deterministic: bool) -> None:
+        self.environ, self.cwd, self.dtype, self.grad = environ, cwd, dtype, grad
+        self.threads, self.deterministic = threads, deterministic
+
+    #: Set by libraries on first use (torch on CUDA initialisation), not by tests: neither reported nor undone.
+    LIBRARY_ENV = ("CUDA_MODULE_LOADING",)
+
+    @classmethod
+    def capture(cls, torch: Any) -> _ProcessState:
+        return cls(dict(os.environ), os.getcwd(), torch.get_default_dtype(), torch.is_grad_enabled(),
+                   torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+
+    def restore(self, torch: Any) -> list[str]:
+        changed: list[str] = []
+        env = os.environ
+        for name in self.LIBRARY_ENV:
+            if name in env:
+                self.environ[name] = env[name]
+        added = sorted(set(env) - set(self.environ))
+        removed = sorted(set(self.environ) - set(env))
+        modified = sorted(k for k in set(env) & set(self.environ) if env[k] != self.environ[k])
+        for what, names in (("set", added), ("removed", removed), ("changed", modified)):
+            if names:
+                changed.append(f"environment variable(s) {', '.join(names)} {what}")
+        if added or removed or modified:
+            env.clear()
+            env.update(self.environ)
+        if os.getcwd() != self.cwd:
+            changed.append(f"working directory changed to {os.getcwd()}")
+            os.chdir(self.cwd)
+        if torch.get_default_dtype() != self.dtype:
+            changed.append(f"default dtype set to {torch.get_default_dtype()}")
+            torch.set_default_dtype(self.dtype)
+        if torch.is_grad_enabled() != self.grad:
+            changed.append(f"grad mode left {'on' if torch.is_grad_enabled() else 'off'}")
+            torch.set_grad_enabled(self.grad)
+        if torch.get_num_threads() != self.threads:
+            changed.append(f"torch threads set to {torch.get_num_threads()}")
+            torch.set_num_threads(self.threads)
+        if torch.are_deterministic_algorithms_enabled() != self.deterministic:
+            changed.append("deterministic algorithms switched " + ("on" if not self.deterministic else "off"))
+            torch.use_deterministic_algorithms(self.deterministic)
+        return changed
 
 
 class _Rank:
@@ -157,8 +217,7 @@ class _Rank:
         set_current(self.ctx)
         self.base_groups = _group_count()
         self.base_mem = self._cuda_mem()
-        self.default_dtype = torch.get_default_dtype()
-        self.cwd = os.getcwd()
+        self.baseline = _ProcessState.capture(torch)
         self.functions: dict[tuple[str, str, bytes], Any] = {}
 
     # ------------------------------------------------------------ state
@@ -168,18 +227,19 @@ class _Rank:
         self.torch.cuda.synchronize()
         return int(self.torch.cuda.memory_allocated())
 
-    def _restore_and_check(self) -> list[str]:
-        """Restore cheap global state; report what cannot be restored (the controller then recycles the pool)."""
-        torch = self.torch
-        torch.set_grad_enabled(True)
-        if torch.get_default_dtype() != self.default_dtype:
-            torch.set_default_dtype(self.default_dtype)
-        if os.getcwd() != self.cwd:
-            os.chdir(self.cwd)
+    def _restore_and_check(self) -> tuple[list[str], list[str]]:
+        """Restore what a test may change in the process and name it; report what cannot be restored.
+
+        Returns ``(restored, problems)``: ``restored`` names the changes undone here (environment variables,
+        working directory, default dtype, grad mode, torch threads, deterministic algorithms; the parent warns),
+        ``problems`` what makes the controller recycle the pool (process groups, CUDA memory). RNGs need no check:
+        every test starts by seeding ``random``, torch and numpy from its node id.
+        """
+        restored = self.baseline.restore(self.torch)
         problems: list[str] = []
         if not self.dist.is_initialized():
             problems.append("the default process group was destroyed")
-            return problems
+            return restored, problems
         n = _group_count()
         if n is not None and self.base_groups is not None:
             extra = n - self.base_groups - len(self.ctx._subgroups)
@@ -194,7 +254,7 @@ class _Rank:
                 mem = self._cuda_mem()
                 if mem > self.base_mem + (1 << 20):
                     problems.append(f"CUDA memory {(mem - self.base_mem) / 2**20:.1f} MiB above the pool's baseline")
-        return problems
+        return restored, problems
 
     def _seed(self, seed: int) -> None:
         random.seed(seed)
@@ -263,11 +323,11 @@ class _Rank:
         return func
 
     # ------------------------------------------------------------ commands
-    def _outcome(self, exc: BaseException, tb_skip: int = 1) -> RankOutcome:
-        return classify(exc, self.cfg.rank, tb_skip)
+    def _outcome(self, exc: BaseException, tb_skip: int = 1, test_file: str | None = None) -> RankOutcome:
+        return classify(exc, self.cfg.rank, tb_skip, test_file)
 
     def run_test(self, cmd: RunTest) -> RankOutcome:
-        from .values import bind
+        from .values import bind, undo_per_rank
 
         t0 = time.perf_counter()
         try:
@@ -283,7 +343,9 @@ class _Rank:
                 func(**kwargs)
                 out = RankOutcome(self.cfg.rank, "passed")
             except BaseException as exc:  # noqa: BLE001
-                out = self._outcome(exc)
+                out = self._outcome(exc, test_file=cmd.module_file)
+            finally:
+                undo_per_rank(kwargs)
         out.duration_s = time.perf_counter() - t0
         return out
 
@@ -335,7 +397,7 @@ class _Rank:
                 out = RankOutcome(self.cfg.rank, "failed", summary=f"unknown command {type(cmd).__name__}")
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
-            out.state_problems = self._restore_and_check()
+            out.state_restored, out.state_problems = self._restore_and_check()
             try:
                 payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001

@@ -9,7 +9,7 @@ Rules (every rank counts):
   traceback once), dead ranks ("rank 2 killed by signal 9 (SIGKILL)"), disagreeing skips, and, for ranks that were
   stuck (deadline, or straggling after a peer failed), where each one waited plus its faulthandler stack.
 
-The failure is raised in the parent as :class:`RankFailure`; ``plugin.py`` turns it into a :class:`TPLongRepr` so
+The failure is raised in the parent as :class:`RankFailure`; ``hooks.py`` turns it into a :class:`TPLongRepr` so
 the terminal, ``-rf`` summary lines, junitxml and xdist all show the grouped text.
 """
 
@@ -24,12 +24,14 @@ from .protocol import STRAGGLER_GRACE_S, RankOutcome, format_ranks
 
 
 class RankFailure(Exception):
-    """A test failed on the ranks; ``text`` is the full grouped report, ``headline`` the one-line summary."""
+    """A test failed on the ranks; ``text`` is the full grouped report, ``headline`` the one-line summary,
+    ``crash`` the (file, line) of the first failing rank's failure when known."""
 
-    def __init__(self, headline: str, text: str) -> None:
+    def __init__(self, headline: str, text: str, crash: tuple[str, int] | None = None) -> None:
         super().__init__(headline)
         self.headline = headline
         self.text = text
+        self.crash = crash
 
 
 @dataclass
@@ -39,17 +41,23 @@ class Crash:
     lineno: int
 
     def toterminal(self, tw: Any) -> None:  # pragma: no cover - pytest calls it for some summaries
-        tw.line(f"{self.path}:{self.lineno}: {self.message}")
+        tw.line(str(self))
+
+    def __str__(self) -> str:  # what --tb=line prints
+        return f"{self.path}:{self.lineno}: {self.message}"
 
 
 class TPLongRepr:
     """A report body made of plain text lines; duck-types what pytest's reports need (toterminal, reprcrash)."""
 
-    def __init__(self, text: str, headline: str, path: str, lineno: int) -> None:
+    def __init__(self, text: str, headline: str, path: str, lineno: int, style: str = "auto") -> None:
         self.text = text
         self.reprcrash = Crash(headline, path, lineno)
+        self.style = style  # pytest's --tb; "line" prints only the crash line, which pytest writes itself
 
     def toterminal(self, tw: Any) -> None:
+        if self.style == "line":
+            return
         for line in self.text.splitlines():
             if line.startswith("E "):
                 tw.line(line, red=True, bold=True)
@@ -58,6 +66,15 @@ class TPLongRepr:
 
     def __str__(self) -> str:
         return self.text
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for pytest-xdist's report transport (``from_dict`` rebuilds it on the controller)."""
+        c = self.reprcrash
+        return {"text": self.text, "headline": c.message, "path": c.path, "lineno": c.lineno}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TPLongRepr:
+        return cls(data["text"], data["headline"], data["path"], int(data["lineno"]))
 
 
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -108,6 +125,7 @@ class Verdict:
     headline: str = ""
     text: str = ""
     exc_type: str = ""  # set when every rank failed with the same exception type ("module:qualname")
+    crash: tuple[str, int] | None = None  # (file, line) of the first failing rank's failure
 
 
 def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | None, pool_desc: str) -> Verdict:
@@ -168,7 +186,8 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
     text = "\n\n".join(s for s in sections if s)
     types = {o.exc_type for o in failed.values()}
     common = types.pop() if (complete and len(failed) == world_size and len(types) == 1) else ""
-    return Verdict("failed", headline=headline, text="E   " + headline + "\n\n" + text, exc_type=common)
+    crash = next((o.crash for _, o in sorted(failed.items()) if o.crash), None)
+    return Verdict("failed", headline=headline, text="E   " + headline + "\n\n" + text, exc_type=common, crash=crash)
 
 
 def failure_class(exc_type: str) -> type:

@@ -39,6 +39,29 @@ class RankValue:
 
 
 @dataclass(frozen=True)
+class PerRankMonkeyPatch:
+    """What a TP test's ``monkeypatch`` is on the ranks: a fresh ``pytest.MonkeyPatch`` per rank, undone after the
+    body (:func:`undo_per_rank`), before the pool's fresh-state check."""
+
+    def __tp_bind__(self, tp: Any) -> Any:
+        import pytest
+
+        return pytest.MonkeyPatch()
+
+
+def undo_per_rank(kwargs: dict[str, Any]) -> None:
+    """Undo every per-rank ``monkeypatch`` among a body's bound fixture values (rank side, after the body)."""
+    import sys
+
+    pytest = sys.modules.get("pytest")
+    if pytest is None:
+        return
+    for value in kwargs.values():
+        if isinstance(value, pytest.MonkeyPatch):
+            value.undo()
+
+
+@dataclass(frozen=True)
 class TPPlaceholder:
     """What the ``tp`` fixture is in the parent; bound to the rank's :class:`~pytest_tplogp.context.RankContext`."""
 

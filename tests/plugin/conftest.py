@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
+import tempfile
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -12,14 +15,18 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def tag(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Make pytest_tplogp and tplogp importable in the subprocess, and tag its processes (zombie/orphan checks)."""
+def tag(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Make pytest_tplogp and tplogp importable in the subprocess, tag its processes (zombie/orphan checks) and
+    give it a temp dir of its own (a session these tests kill cannot leave anything in the system's)."""
     paths = [str(REPO / "src")]
     old = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths + ([old] if old else [])))
     for var in ("TPLOGP_TP", "TPLOGP_TP_BACKEND", "TPLOGP_TP_TIMEOUT", "WORLD_SIZE", "RANK", "MASTER_ADDR",
                 "TORCHELASTIC_RUN_ID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
         monkeypatch.delenv(var, raising=False)
+    own_tmp = tempfile.mkdtemp(prefix="tpt-")  # short: the fork server's AF_UNIX socket lives there
+    monkeypatch.setenv("TMPDIR", own_tmp)
     value = uuid.uuid4().hex
     monkeypatch.setenv("TPLOGP_TEST_TAG", value)
-    return value
+    yield value
+    shutil.rmtree(own_tmp, ignore_errors=True)

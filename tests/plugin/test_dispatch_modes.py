@@ -59,13 +59,20 @@ def test_many(tp, i):
     dist.all_reduce(t)
     assert t.item() == tp.world_size
     print(os.environ["PYTEST_XDIST_WORKER"])
+
+@pytest.mark.tp
+def test_fails_on_rank_1(tp):
+    assert tp.rank == 0
 '''
 
 
 def test_under_xdist(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=XDIST_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-n", "2", "-p", "xdist")
-    result.assert_outcomes(passed=6)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-n", "2", "-p", "xdist", "-rf", "-vv")
+    result.assert_outcomes(passed=6, failed=1)
+    # the controller's summary line carries the headline, as without xdist (no "E   " of the report body)
+    result.stdout.fnmatch_lines(["FAILED test_body.py::test_fails_on_rank_1[[]tp2[]] - rank 1: AssertionError: "
+                                 "assert 1 == 0"])
     assert leftover_processes(tag) == []
 
 
@@ -94,7 +101,7 @@ def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, refere
 def test_operator_fixtures_end_to_end(pytester: pytest.Pytester, tag: str) -> None:
     pytest.importorskip("tplogp.kernel_registry")
     pytester.makepyfile(test_body=OP_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "--op-source=registry,native,sm90",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "--tp-op-source=registry,native,sm90",
                                            "--tp-dtype=fp32,bf16")
     # 2 shard layouts x 2 dtypes x 2 bias settings for each runnable source; sm90 is skipped on CPU
     result.assert_outcomes(passed=16, skipped=8)

@@ -74,3 +74,45 @@ def test_torchrun_collection_mismatch(pytester: pytest.Pytester, tag: str) -> No
     result = _torchrun(pytester, "test_body.py")
     result.stdout.fnmatch_lines(["*rank 1 collected different tests than rank 0*test_only_on_rank_1*"])
     assert result.ret != 0
+
+
+HANG = '''
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.tp
+def test_fails_first(tp):
+    assert tp.rank == 0, "rank 1 disagrees"
+
+@pytest.mark.tp(timeout=3)
+def test_hangs(tp):
+    print(f"rank {tp.rank} before the barrier")
+    if tp.rank == 1:
+        dist.barrier()              # rank 0 never joins
+
+@pytest.mark.tp
+def test_never_runs(tp):
+    pass
+'''
+
+
+def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str) -> None:
+    """A hang under torchrun: rank 0 reports the outcomes so far, which rank hung where, and writes JUnit."""
+    import xml.etree.ElementTree as ET
+
+    pytester.makepyfile(test_body=HANG)
+    result = _torchrun(pytester, "test_body.py", "-rA", "--junitxml=junit.xml", "-o", "junit_logging=all")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines([
+        "*test_hangs[[]tp2[]] passed its deadline of 3 s*(1 test(s) not run)*",
+        "*FAILED test_body.py::test_fails_first[[]tp2[]] - rank 1: AssertionError*",
+        "*FAILED test_body.py::test_hangs[[]tp2[]] - deadline of 3 s exceeded*",
+    ], consecutive=False)
+    result.stdout.fnmatch_lines(["*rank 1 (pid *) waiting in barrier (torch/distributed/*) called from test_hangs "
+                                 "(*test_body.py:*)*"])
+    result.stdout.fnmatch_lines(["*2 failed*"])
+    cases = {c.get("name"): c for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
+    hang = cases["test_hangs[tp2]"]
+    assert hang.find("failure").get("message").startswith("deadline of 3 s exceeded: rank 1 still running")
+    assert "[rank 0] rank 0 before the barrier" in hang.find("system-out").text
+    assert cases["test_fails_first[tp2]"].find("failure") is not None

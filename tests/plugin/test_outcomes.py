@@ -92,7 +92,8 @@ class TestInClass:
 
 def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-timeout=60", "-rA", "-vv")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-timeout=60", "-rA", "-vv",
+                                           "--junitxml=junit.xml", "-o", "junit_logging=all")
     result.assert_outcomes(passed=3, failed=7, skipped=2, xfailed=2)
     result.stdout.fnmatch_lines([
         "*FAILED test_body.py::test_one_rank_fails[[]tp2[]] - rank 1: AssertionError: assert 11 == 10*",
@@ -117,3 +118,20 @@ def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
     assert "collective check failed on rank 1 of 2" in out
     # no rank survives the session
     assert leftover_processes(tag) == []
+    # JUnit XML: every rank's failure in the failure text, each rank's output labelled with its rank
+    case = _junit_case(pytester, "test_one_rank_fails[tp2]")
+    failure = case.find("failure")
+    assert failure is not None and failure.get("message") == "rank 1: AssertionError: assert 11 == 10"
+    assert "rank 1 failed: AssertionError: assert 11 == 10" in failure.text and "assert value == 10" in failure.text
+    out, err = case.find("system-out").text, case.find("system-err").text
+    assert "[rank 0] out-of-rank-0" in out and "[rank 1] out-of-rank-1" in out
+    assert "[rank 1] err-of-rank-1" in err
+    both = _junit_case(pytester, "test_all_fail_same[tp2]").find("failure")
+    assert both.get("message") == "ranks 0-1: ValueError: same everywhere"
+
+
+def _junit_case(pytester: pytest.Pytester, name: str):
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(pytester.path / "junit.xml").getroot()
+    return next(c for c in root.iter("testcase") if c.get("name") == name)

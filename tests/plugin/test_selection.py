@@ -67,10 +67,10 @@ def test_stress_selection(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-k", "stress_plain or plain", "-rs")
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*stress test: select with -m stress or --run-stress*"])
+    result.stdout.fnmatch_lines(["*stress test: select with -m stress or --tp-run-stress*"])
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-m", "stress", "-k", "plain")
     result.assert_outcomes(passed=1)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--run-stress", "-k", "stress_plain")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-run-stress", "-k", "stress_plain")
     result.assert_outcomes(passed=1)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-m", "stress")
     result.stdout.fnmatch_lines(["test_body.py::test_stress_plain", "test_body.py::test_stress_tp[[]tp2[]]"])
@@ -78,7 +78,7 @@ def test_stress_selection(pytester: pytest.Pytester, tag: str) -> None:
 
 def test_header_and_single_registration(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body="def test_x():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_tplogp.plugin", "--tp=4")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_tplogp.hooks", "--tp=4")
     result.assert_outcomes(passed=1)
     header = [line for line in result.outlines if line.startswith("tplogp:")]
     assert len(header) == 1, result.outlines  # -p next to the entry point does not register twice
@@ -143,7 +143,7 @@ def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
              and line[:1].isdigit()]
     assert times and max(times) < 0.5, result.outlines
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "test_source", "-vv",
-                                           "--op-source=sm90")
+                                           "--tp-op-source=sm90")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu: *"])
 

@@ -1,0 +1,208 @@
+"""The pytest hooks of the active plugin (parent side): configure, header, collection, setup, call and reports.
+
+Registered by the opt-in shim (``pytest_tplogp/__init__.py``, through ``optin.py``) when a run asks for the plugin;
+it registers the fixture modules (``fixtures.py``, ``tplogp_fixtures.py``) at configure time. At collection a TP test gets its world-size parametrization (``tp_world_size``, ids
+``[tp2]``, ``[tp4]``, markers ``tp2``/``tp4``); stress tests are skipped unless selected; plain ``gpu`` tests are
+skipped without a GPU. At call time ``pytest_pyfunc_call`` hands a TP body to ``dispatch.run_body``. Public pytest
+API only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+import pytest
+
+from . import devices, dispatch, fixtures, options, tplogp_fixtures
+from .placement import is_tp, marker_args, world_sizes
+from .session import ACTIVATED_BY, PLAN, SKIPPED_ON_RANKS, STATE, State, register_marker
+
+# ---------------------------------------------------------------------------------------------------- config
+def pytest_addoption(parser: pytest.Parser) -> None:
+    options.addoption(parser)  # a no-op after the shim's: only for ``-p pytest_tplogp.hooks`` without the shim
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    # the fixture modules are part of what a run opts into (registered, not imported by name: they are imported
+    # already, so pytest's assertion rewriting must not be asked for them)
+    for module in (fixtures, tplogp_fixtures):
+        if not config.pluginmanager.has_plugin(module.__name__):
+            config.pluginmanager.register(module, module.__name__)
+    settings = options.resolve(config)
+    register_marker(config, "tp", "tp(world_size=2|[2, 4], timeout=seconds, backend='auto'|'gloo'|'nccl'): run "
+                    "the test body on every rank of a torch.distributed pool (pytest_tplogp)")
+    register_marker(config, "stress", "large shapes; skipped unless selected with -m stress or --tp-run-stress")
+    register_marker(config, "gpu", "needs a CUDA device (skipped before any spawn when there is none)")
+    state = State(settings)
+    config.stash[STATE] = state
+    tplogp_fixtures.register(config, settings)
+    from . import external
+
+    if external.detect():
+        state.external = external.ExternalMode(settings)
+        if state.external.ctx.rank != 0:
+            # Report from rank 0 only: this runs before the terminal reporter is created with sys.stdout, so the
+            # other ranks' reporters write to /dev/null (their verdicts reach rank 0 through the outcome exchange).
+            sys.stdout = open(os.devnull, "w")
+            config.add_cleanup(sys.stdout.close)
+            # rank 0 writes the one JUnit file, with every rank's verdict and output
+            config.option.xmlpath = None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    if state is None:
+        return
+    if state._manager is not None:
+        state._manager.shutdown()
+    if state.external is not None:
+        state.external.close()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    state = config.stash[STATE]
+    s = state.settings
+    if state.external is not None:
+        ctx = state.external.ctx
+        return [f"tplogp: external mode (torchrun): world size {ctx.world_size}, backend {ctx.backend}, "
+                f"device {ctx.device}; this report is rank {ctx.rank}'s; timeout {s.timeout_s:g} s"]
+    p = devices.place(s.world_size, s.backend)
+    devs = "cpu" if p.device_type == "cpu" else "cuda:" + ",".join(p.devices)
+    return [f"tplogp: world size {s.world_size}, backend {p.backend} ({s.backend}), devices {devs}, "
+            f"timeout {s.timeout_s:g} s, rendezvous FileStore per session; {devices.block_note()}; "
+            f"on by {config.stash.get(ACTIVATED_BY, '-p pytest_tplogp.hooks')}"]
+
+
+# ---------------------------------------------------------------------------------------------------- collection
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("tp")
+    if not is_tp(marker, metafunc.fixturenames):
+        return
+    for m in metafunc.definition.iter_markers("parametrize"):
+        names = m.args[0] if m.args else m.kwargs.get("argnames", "")
+        if "tp_world_size" in (names.split(",") if isinstance(names, str) else names):
+            return  # the author parametrized it directly
+    config = metafunc.config
+    state = config.stash[STATE]
+    where = metafunc.definition.nodeid
+    sizes = world_sizes(marker_args(marker, where), state.settings.world_size, where)
+    params = []
+    for n in sizes:
+        if n not in state.registered_sizes:
+            register_marker(config, f"tp{n}", f"TP test at world size {n} (pytest_tplogp; select with -m tp{n})")
+            state.registered_sizes.add(n)
+        params.append(pytest.param(n, id=f"tp{n}", marks=getattr(pytest.mark, f"tp{n}")))
+    metafunc.parametrize("tp_world_size", params, indirect=True)
+
+
+def _stress_selected(config: pytest.Config) -> bool:
+    expr = config.getoption("markexpr", "") or ""
+    return bool(re.search(r"(?<![\w-])stress(?![\w-])", expr))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    state = config.stash[STATE]
+    if state.settings.run_stress or _stress_selected(config):
+        return
+    skip = pytest.mark.skip(reason="stress test: select with -m stress or --tp-run-stress")
+    for item in items:
+        if item.get_closest_marker("stress") is not None:
+            item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    state = session.config.stash[STATE]
+    if state.external is not None:
+        problem = state.external.check_collection([item.nodeid for item in session.items])
+        if problem:
+            pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None or item.get_closest_marker("tp") is not None:
+        return
+    if "tp" in getattr(item, "fixturenames", ()) or "tp_pool" in getattr(item, "fixturenames", ()):
+        return
+    if not devices.gpu_block():
+        # a marker (not pytest.skip here) so the report points at the test, and the skipping plugin applies it
+        item.add_marker(pytest.mark.skip(reason=f"needs a CUDA device; this process has none "
+                                                f"({devices.block_note()})"))
+
+
+# ---------------------------------------------------------------------------------------------------- call
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    plan = pyfuncitem.stash.get(PLAN, None)
+    if plan is None or plan.in_parent:
+        return None
+    dispatch.run_body(pyfuncitem, pyfuncitem.config.stash[STATE], plan)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    rep = yield
+    from .report import RankFailure, TPLongRepr
+
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(exc, RankFailure) and rep.failed:
+        if exc.crash is not None:
+            path, lineno = exc.crash
+        else:
+            path, line0, _ = item.reportinfo()
+            path, lineno = str(path), (line0 or 0) + 1
+        rep.longrepr = TPLongRepr(exc.text, exc.headline, str(path), lineno,
+                                  style=item.config.getoption("tbstyle", "auto"))
+    elif rep.skipped and call.when == "call" and SKIPPED_ON_RANKS in item.stash and isinstance(rep.longrepr, tuple):
+        path, lineno, _ = item.reportinfo()  # report the test's location, not the plugin's
+        rep.longrepr = (str(path), (lineno or 0) + 1, rep.longrepr[2])
+    if call.when == "teardown" and PLAN in item.stash:
+        rep.sections = [(title, _label_lines(title, text)) for title, text in rep.sections]
+    return rep
+
+
+_RANK_SECTION = re.compile(r"^Captured (?:stdout|stderr) rank (\d+)")
+
+
+def _label_lines(title: str, text: str) -> str:
+    """Prefix every line of a rank's captured output with ``[rank N]``, in the teardown report only.
+
+    JUnit XML (``-o junit_logging=...``) writes the teardown report's captured output as one ``system-out`` /
+    ``system-err`` text, joining the sections without their titles; the prefix keeps each line's rank. The
+    terminal shows the call report's sections, whose titles already name the rank.
+    """
+    m = _RANK_SECTION.match(title)
+    if m is None:
+        return text
+    return "".join(f"[rank {m.group(1)}] {line}" for line in text.splitlines(keepends=True))
+
+
+_XDIST_KEY = "tplogp_longrepr"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(config: pytest.Config, report: Any) -> Any:
+    """Under pytest-xdist, send a TP failure's report as data, so the controller's summary line and JUnit get the
+    same headline and grouped text as a run without xdist (not the text flattened into one string)."""
+    from .report import TPLongRepr
+
+    data = yield
+    if isinstance(data, dict) and isinstance(getattr(report, "longrepr", None), TPLongRepr):
+        data[_XDIST_KEY] = report.longrepr.to_dict()
+    return data
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_from_serializable(config: pytest.Config, data: Any) -> Any:
+    from .report import TPLongRepr
+
+    report = yield
+    if report is not None and isinstance(data, dict) and isinstance(data.get(_XDIST_KEY), dict):
+        report.longrepr = TPLongRepr.from_dict(data[_XDIST_KEY])
+    return report

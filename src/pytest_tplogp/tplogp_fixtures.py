@@ -1,0 +1,103 @@
+"""The tplogp-specific fixtures: ``vocab_shards``, ``reference``, ``op_source``, ``dtype``, ``bias``.
+
+They come with the plugin when a run asks for it. The parametrizing ones (``op_source``, ``dtype``, ``bias``,
+``vocab_shards``) are built at configure time by :func:`make_grid_fixtures`, so their grids follow the settings
+(``--tp-op-source``, ``--tp-dtype``, ``--tp-bias``, ``--tp-shards``). An op source that cannot run here is skipped
+with the kernel registry's reason, in the parent, before any rank is involved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from . import devices
+from .fixtures import plan_of
+from .options import Settings
+from .session import STATE
+from .values import BIASES, DTYPES, OpSource, Reference, VocabShards
+
+
+@pytest.fixture
+def reference() -> Reference:
+    """Full-vocab references from ``tplogp.reference``: ``reference(h, w, t, b, mode="fp32"|"matching"|"float64")``,
+    or ``reference.fp32(...)`` / ``.matching(...)`` / ``.float64(...)`` / ``.outputs(...)``."""
+    return Reference()
+
+
+@pytest.fixture
+def vocab_shards_size() -> int | None:
+    """Override to change the default vocabulary of ``vocab_shards`` (None: :data:`values.DEFAULT_VOCAB_SIZE`)."""
+    return None
+
+
+_SOURCE_CACHE: dict[tuple[str, str], str | None] = {}
+
+
+def source_unavailable(name: str, device_type: str) -> str | None:
+    """The kernel registry's reason why op source ``name`` cannot run on ``device_type`` (None: it can)."""
+    if name == "registry":
+        return None
+    key = (name, device_type)
+    if key not in _SOURCE_CACHE:
+        try:
+            from tplogp import kernel_registry
+        except ImportError as exc:
+            return f"tplogp.kernel_registry is not importable: {exc}"
+        import torch
+
+        if device_type == "cuda":
+            block = devices.gpu_block()
+            index = devices.visible_gpus().index(block[0]) if block else 0
+            dev = torch.device("cuda", index)
+        else:
+            dev = torch.device("cpu")
+        _SOURCE_CACHE[key] = kernel_registry.source_status("linear_logp", device=dev).get(name, "unknown source")
+    return _SOURCE_CACHE[key]
+
+
+def make_grid_fixtures(settings: Settings) -> Any:
+    """The parametrizing fixtures, with grids restricted by the settings (--tp-op-source, --tp-dtype, ...)."""
+
+    class GridFixtures:
+        @pytest.fixture(params=list(settings.op_sources), ids=list(settings.op_sources))
+        def op_source(self, request: pytest.FixtureRequest) -> OpSource:
+            """Op source (registry, native, triton, sm90); unavailable ones skip with the registry's reason."""
+            plan = plan_of(request)
+            device_type = plan.device_type if plan is not None and not plan.external else "cpu"
+            if plan is not None and plan.external:
+                state = request.config.stash[STATE]
+                device_type = state.external.ctx.device.type
+            why = source_unavailable(request.param, device_type)
+            if why is not None:
+                pytest.skip(f"op source {request.param} unavailable on {device_type}: {why}")
+            return OpSource(request.param)
+
+        @pytest.fixture(params=list(settings.dtypes), ids=list(settings.dtypes))
+        def dtype(self, request: pytest.FixtureRequest) -> Any:
+            """torch dtype: fp32, bf16, fp16."""
+            import torch
+
+            return getattr(torch, DTYPES[request.param])
+
+        @pytest.fixture(params=list(settings.biases), ids=list(settings.biases))
+        def bias(self, request: pytest.FixtureRequest) -> bool:
+            """Whether the LM head has a bias (ids nobias / bias)."""
+            return BIASES[request.param]
+
+        @pytest.fixture(params=list(settings.shards), ids=list(settings.shards))
+        def vocab_shards(self, request: pytest.FixtureRequest, vocab_shards_size: int | None) -> VocabShards:
+            """Even and uneven vocab layouts (ids even / uneven); on a rank, bound to that rank's range."""
+            plan = plan_of(request)
+            ws = plan.world_size if plan is not None else request.config.stash[STATE].settings.world_size
+            if vocab_shards_size is None:
+                return VocabShards(request.param, ws)
+            return VocabShards(request.param, ws, vocab_size=int(vocab_shards_size))
+
+    return GridFixtures()
+
+
+def register(config: pytest.Config, settings: Settings) -> None:
+    """Register the grid fixtures for this session's settings."""
+    config.pluginmanager.register(make_grid_fixtures(settings), "tplogp-grid-fixtures")

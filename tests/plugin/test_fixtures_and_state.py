@@ -1,0 +1,152 @@
+"""Standard fixtures in a TP test, the pool's fresh-state check, one-line and JUnit reports, temp-dir hygiene.
+
+One pytester run (one pool) covers the fixtures and the state check; the report checks reuse its output.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+BODY = '''
+import os
+import pytest
+import torch
+
+@pytest.mark.tp
+def test_a_monkeypatch(tp, monkeypatch):
+    monkeypatch.setenv("MY_FLAG", "on")
+    monkeypatch.setattr(os, "sep", "!")
+    assert os.environ["MY_FLAG"] == "on"
+
+@pytest.mark.tp
+def test_b_monkeypatch_was_undone(tp):
+    assert "MY_FLAG" not in os.environ and os.sep == "/"
+
+@pytest.mark.tp
+def test_c_leaks_by_hand(tp):
+    os.environ["RAW_FLAG"] = "1"
+    os.chdir("/")
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(123)
+
+@pytest.mark.tp
+def test_d_leaks_were_restored(tp):
+    assert "RAW_FLAG" not in os.environ and os.getcwd() != "/"
+    assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    assert torch.initial_seed() != 123       # every test is seeded from its node id
+
+@pytest.mark.tp
+def test_e_capsys(tp, capsys):
+    pass
+
+@pytest.mark.tp
+def test_f_tmp_path_is_shared(tp, tmp_path):
+    (tmp_path / f"rank{tp.rank}").write_text("x")
+    tp.barrier()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}" for r in range(tp.world_size)]
+
+@pytest.mark.tp
+@pytest.mark.parametrize("k", [1])
+def test_g_fails_below_the_decorators(tp, k):
+    print(f"about to fail on rank {tp.rank}")
+    value = 10 + tp.rank * k
+    assert value == 10
+'''
+
+CALL_RECORDER = '''
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    from pytest_tplogp.session import STATE
+
+    manager = item.config.stash[STATE]._manager
+    alive = manager is not None and any(pool.alive() for pool in manager.pools.values())
+    with open("calls.txt", "a") as f:
+        f.write(f"{item.name} pool alive: {alive}\\n")
+'''
+
+
+def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=BODY)
+    pytester.makeconftest(CALL_RECORDER)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "-W", "always", "--tb=line",
+                                           "--junitxml=junit.xml", "-o", "junit_logging=all")
+    result.assert_outcomes(passed=5, failed=1, errors=1)
+    out = result.stdout.str()
+    # monkeypatch works per rank and is undone; changes made by hand are restored and named in a warning
+    result.stdout.fnmatch_lines(["*test_c_leaks_by_hand*", "*PytestWarning: tplogp: the test changed process state "
+                                 "on the ranks, restored before the next test: default dtype set to torch.float64; "
+                                 "environment variable(s) RAW_FLAG set; grad mode left off; working directory "
+                                 "changed to /*"])
+    warnings = out.split("warnings summary")[-1].split("-- Docs")[0]
+    assert "test_c_leaks_by_hand" in warnings and "test_a_monkeypatch" not in warnings
+    # capsys: refused at setup with one message naming it, no pickling error about another fixture
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_e_capsys[[]tp2[]]*",
+                                 "test_body.py::test_e_capsys[[]tp2[]]: a TP test body cannot take the 'capsys' "
+                                 "fixture: capsys captures the output of the pytest process, but the body runs on "
+                                 "the ranks.*"])
+    assert "pickle" not in out.lower()
+    # --tb=line: one proper line that points at the failing line, not at the decorator nor a Crash(...) object
+    lines = [line for line in result.outlines if line.endswith("rank 1: AssertionError: assert 11 == 10")]
+    assert len(lines) == 1 and lines[0].startswith(str(pytester.path / "test_body.py") + ":"), out
+    lineno = int(lines[0].rsplit(".py:", 1)[1].split(":", 1)[0])
+    assert (pytester.path / "test_body.py").read_text().splitlines()[lineno - 1].strip() == "assert value == 10"
+    assert "Crash(" not in out
+    # the pool starts during the first TP test's setup, not its call (so --durations charges it to the setup)
+    assert (pytester.path / "calls.txt").read_text().splitlines()[0] == "test_a_monkeypatch[tp2] pool alive: True"
+    # JUnit: the failure and each rank's output, labelled per rank
+    root = ET.parse(pytester.path / "junit.xml").getroot()
+    case = next(c for c in root.iter("testcase") if c.get("name") == "test_g_fails_below_the_decorators[tp2-1]")
+    assert case.find("failure").get("message") == "rank 1: AssertionError: assert 11 == 10"
+    system_out = case.find("system-out").text
+    assert "[rank 0] about to fail on rank 0" in system_out and "[rank 1] about to fail on rank 1" in system_out
+    # hygiene: nothing of the session is left in the system temp dir (TMPDIR, see the tag fixture)
+    import os
+
+    assert [p for p in os.listdir(os.environ["TMPDIR"]) if p.startswith("tplogp-")] == []
+
+
+def test_stale_session_dirs_are_removed(tmp_path) -> None:
+    """The directory of a session that was killed is removed by the next session; live ones are kept."""
+    import os
+    import subprocess
+    import sys
+
+    from pytest_tplogp.pool import remove_stale_session_dirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"tplogp-main-{int(gone.stdout)}-abc"
+    live = tmp_path / f"tplogp-gw0-{os.getpid()}-def"
+    other = tmp_path / "tplogp-main-xyz"
+    for d in (dead, live, other):
+        (d / "ws2-gloo-cpu-g1").mkdir(parents=True)
+    assert remove_stale_session_dirs(str(tmp_path)) == [str(dead)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+
+def test_project_silences_only_the_interpreters_masked_lane_warnings(pytester: pytest.Pytester) -> None:
+    """The project's filterwarnings drop numpy's log(0) and 0/0 warnings from Triton's interpreter (masked lanes),
+    and only those: the same messages from anywhere else still show."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    filters = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["filterwarnings"]
+    pytester.makeini("[pytest]\nfilterwarnings =\n" + "".join(f"    {f}\n" for f in filters))
+    pytester.makepyfile(test_warn='''
+import warnings
+
+def test_warns():
+    for module in ("triton.runtime.interpreter", "someone.else"):
+        for message in ("divide by zero encountered in log", "invalid value encountered in divide"):
+            warnings.warn_explicit(message, RuntimeWarning, "x.py", 1, module=module)
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, warnings=2)
