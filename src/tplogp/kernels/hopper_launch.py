@@ -38,9 +38,9 @@ def _ensure_context(device) -> None:
 
     Triton fills the TMA descriptors through the CUDA driver API, which, unlike the runtime API, does not bind the
     primary context to a thread that has none. Autograd runs the backward on its own device thread, and there the
-    first TMA launch failed with "Failed to create tensor map descriptor: invalid device context" (seen on the
-    H200, run 2, in a fresh process whose first backward was an sm90 one). One runtime-API call binds it. Skipped
-    while a CUDA graph is being captured (the capturing thread has a current context already)."""
+    first TMA launch fails with "Failed to create tensor map descriptor: invalid device context" (on the H200,
+    in a fresh process whose first backward is an sm90 one). One runtime-API call binds it. Skipped while a
+    CUDA graph is being captured (the capturing thread has a current context already)."""
     if getattr(_THREAD, "bound", False) or device.type != "cuda":
         return
     if not torch.cuda.is_current_stream_capturing():

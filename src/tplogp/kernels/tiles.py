@@ -9,8 +9,8 @@ imports Triton or touches CUDA at import time; :func:`select` reads the device's
 a backend asks.
 
 Other tilings are explicit: pass a :class:`TileConfig` to ``TritonBackend(config=...)`` / ``SM90Backend(config=...)``;
-``benchmarks/sweep_configs.py`` times variants (docs/kernels.md records which won). Nothing is timed implicitly at
-run time, so results never depend on a race.
+``python -m benchmarks op --base REV`` times a variant against another commit (docs/kernels.md records the
+measured choices). Nothing is timed implicitly at run time, so results never depend on a race.
 """
 
 from __future__ import annotations
