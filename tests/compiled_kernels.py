@@ -40,25 +40,28 @@ _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = True, num_warps: int = 8,
-             group_n: int = 8, split_tiles: int = 4):
+             group_n: int = 8, split_tiles: int = 4, keep: bool = False):
     """Compile one kernel for ``sm_{arch}`` (every pointer and i32 argument marked 16-divisible, as Triton
-    specializes aligned tensors and sizes); ``features``: bias, entropy and d_bias on."""
+    specializes aligned tensors and sizes); ``features``: bias, entropy and d_bias on; ``keep``: the forward's
+    kept-logits variant (``KEEP``). Kinds: fwd_tma, fwd, bwd_tma, bwd, bwd_kept (d_logits from kept logits), dh."""
     m, n, k, stages = blocks
     flags = dict(HAS_BIAS=features, WITH_ENTROPY=features)
     block_args = dict(BLOCK_N=m, BLOCK_V=n, BLOCK_D=k, GROUP_N=group_n, DOT_PRECISION=precision)
-    stats = dict(p_tgt="*i64", p_parts="*fp32", N="i32", V="i32", D="i32")
+    stats = dict(p_tgt="*i64", p_parts="*fp32", p_kept="*fp32", N="i32", V="i32", D="i32", stride_kept="i32",
+                 v_keep="i32")
     grads = dict(p_tgt="*i64", p_rmax="*fp32", p_lsum="*fp32", p_g="*fp32", p_gmg="*fp32", p_ge="*fp32",
                  p_mz="*fp32", p_dz=f"*{dt}", p_dbp="*fp32", N="i32", V="i32", D="i32", v_lo="i32", v_hi="i32")
     tma = dict(d_h=f"tensordesc<{dt}[{m},{k}]>", d_w=f"tensordesc<{dt}[{n},{k}]>", p_b=f"*{dt}")
     ptrs = dict(p_h=f"*{dt}", p_w=f"*{dt}", p_b=f"*{dt}")
     if kind == "fwd_tma":
         fn, sig = hopper_kernels.fwd_stats_tma_kernel, {**tma, **stats, "inv_temp": "fp32", "num_splits": "i32", "plane": "i32"}
-        const = dict(SPLIT_V=split_tiles * n, **flags, **block_args, WARP_SPECIALIZE=True, NUM_STAGES=stages)
+        const = dict(SPLIT_V=split_tiles * n, **flags, **block_args, WARP_SPECIALIZE=True, NUM_STAGES=stages,
+                     KEEP=keep)
     elif kind == "fwd":
         fn = generic_kernels.fwd_stats_kernel
         sig = {**ptrs, **stats, "stride_hn": "i32", "stride_wv": "i32", "inv_temp": "fp32", "num_splits": "i32",
                "plane": "i32"}
-        const = dict(SPLIT_V=split_tiles * n, **flags, EVEN_D=False, **block_args)
+        const = dict(SPLIT_V=split_tiles * n, **flags, EVEN_D=False, **block_args, KEEP=keep)
     elif kind == "bwd_tma":
         fn = hopper_kernels.bwd_dlogits_tma_kernel
         sig = {**tma, **grads, "stride_dz": "i32", "stride_dbp": "i32", "inv_temp": "fp32"}
@@ -68,6 +71,11 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
         sig = {**ptrs, **grads, "stride_hn": "i32", "stride_wv": "i32", "stride_dz": "i32", "stride_dbp": "i32",
                "inv_temp": "fp32"}
         const = dict(**flags, NEED_DB=features, EVEN_D=False, **block_args)
+    elif kind == "bwd_kept":
+        fn = generic_kernels.bwd_dlogits_kept_kernel
+        sig = {"p_kept": "*fp32", "p_b": f"*{dt}", **grads, "stride_kept": "i32", "stride_dz": "i32",
+               "stride_dbp": "i32", "inv_temp": "fp32"}
+        const = dict(**flags, NEED_DB=features, BLOCK_N=m, BLOCK_V=n, DOT_PRECISION=precision)
     else:  # dh: acc[M, N] += dz[M, K] @ w[K, N]
         fn = generic_kernels.dh_accum_kernel
         sig = dict(p_dz=f"*{dt}", p_w=f"*{dt}", p_dh="*fp32", N="i32", K="i32", D="i32", stride_dz="i32",
@@ -111,12 +119,15 @@ def shared_memory() -> None:
 def machine_code() -> None:
     cfg = tiles.SM90
     found = {}
-    for name, kind, blocks, warps in (
-            ("fwd_stats", "fwd_tma", (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages), cfg.num_warps),
-            ("bwd_dlogits", "bwd_tma", (cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
-             cfg.bwd_num_warps)):
+    fwd = (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages)
+    bwd = (cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d, cfg.bwd_num_stages)
+    for name, kind, blocks, warps, keep in (
+            ("fwd_stats", "fwd_tma", fwd, cfg.num_warps, False),
+            ("fwd_stats_keep", "fwd_tma", fwd, cfg.num_warps, True),
+            ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False),
+            ("bwd_dlogits_kept", "bwd_kept", bwd, cfg.bwd_num_warps, False)):
         kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
-                          split_tiles=cfg.split_tiles)
+                          split_tiles=cfg.split_tiles, keep=keep)
         found[name] = dict(sass_counts(kernel.asm["cubin"]))
     print(json.dumps(found, sort_keys=True))
 

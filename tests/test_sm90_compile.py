@@ -38,12 +38,18 @@ def _env():
     return env
 
 
-def test_sm90_kernels_machine_code():
+@pytest.fixture(scope="module")
+def sass():
+    """SASS instruction counts per opcode of the sm90 kernels (one compilation for the tests of this module)."""
     _needs_nvidia_toolchain()
     run = subprocess.run([sys.executable, "-m", "tests.compiled_kernels", "sass-counts"], capture_output=True,
                          text=True, env=_env(), timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    counts = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_sm90_kernels_machine_code(sass):
+    counts = sass
     for name in ("fwd_stats", "bwd_dlogits"):
         ops = counts[name]
         assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0, (name, ops)
@@ -52,6 +58,22 @@ def test_sm90_kernels_machine_code():
         assert ops.get("FSETP", 0) <= 8, (name, ops)
     # two epilogue copies (interior, edge) x 16 vector stores; per-logit 2-byte stores would be 128 per copy
     assert counts["bwd_dlogits"].get("STG", 0) <= 64, counts["bwd_dlogits"]
+    # the default forward stores no logits (the KEEP variant is a separate compilation)
+    assert counts["fwd_stats"].get("STG", 0) <= 8, counts["fwd_stats"]
+
+
+def test_kept_logits_variants_machine_code(sass):
+    """The forward that keeps logits (``KEEP``) still runs wgmma/TMA with single-MUFU exponentials and stores the
+    fp32 tile with 16-byte vectors (two copies x 32 per thread; per-element stores would be 256); the d_logits kernel
+    on kept logits runs no GEMM, keeps the same epilogue (MUFU, vector stores) and spills nothing."""
+    counts = sass
+    keep = counts["fwd_stats_keep"]
+    assert keep.get("HGMMA", 0) > 0 and keep.get("UTMALDG", 0) > 0, keep
+    assert keep.get("MUFU", 0) >= 128 and keep.get("FSETP", 0) <= 8, keep
+    assert 32 <= keep.get("STG", 0) <= 80, keep
+    kept = counts["bwd_dlogits_kept"]
+    assert kept.get("HGMMA", 0) == 0 and kept.get("MUFU", 0) >= 128 and kept.get("FSETP", 0) <= 8, kept
+    assert kept.get("STG", 0) <= 64 and kept.get("STL", 0) == 0, kept
 
 
 def test_shared_memory_model_covers_compiled_kernels():

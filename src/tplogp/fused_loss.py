@@ -4,10 +4,13 @@ forward, token chunk by token chunk.
 Per chunk of tokens (the same number of chunks on every rank): the shard forward (``tp._shard_forward``: the stats,
 one small all_gather with a group, the merge) gives fp32 logp and entropy; the loss callable runs on them under
 autograd, which gives the per-token upstream gradients ``g_logp`` / ``g_entropy``; the source's backward then gives
-the chunk's partial ``d_hidden`` rows, ``d_W`` and ``d_b``. Within the memory budget the chunk's logits kept by its
-forward (``workspace_bytes``, native source) spare the backward its recompute GEMM: 3 GEMMs instead of 4. After the
-last chunk, ONE all_reduce completes ``d_hidden``. The gradients are handed to autograd: the backward only scales
-them by the upstream scalar. The per-token tensors are constants (no gradient flows to them).
+the chunk's partial fp32 ``d_hidden`` rows, and adds its ``d_W`` and ``d_b`` to fp32 accumulators (several chunks;
+one chunk's are written directly in the weight / bias dtype). The chunk is as many tokens as the kept part of the
+memory budget (``workspace_bytes``) holds as fp32 logits of the whole vocab: its forward keeps them and its backward
+reads them instead of recomputing (3 GEMMs instead of 4), every source alike; only one chunk's logits are alive at a
+time. After the last chunk, ONE all_reduce completes ``d_hidden``. The gradients are handed to autograd: the
+backward only scales them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are
+constants (no gradient flows to them).
 """
 
 from __future__ import annotations
@@ -25,27 +28,33 @@ REDUCTIONS = ("sum", "mean")
 
 
 class _PrecomputedGrads(torch.autograd.Function):
-    """``loss`` as a function of (hidden, weight, bias) whose gradients were computed in the forward."""
+    """``loss`` as a function of (hidden, weight, bias) whose gradients were computed in the forward. Gradients
+    saved in fp32 (d_hidden; d_W and d_b summed over several chunks) are scaled by the upstream scalar in fp32 and
+    rounded once to the input's dtype; one already in the input's dtype (one chunk's d_W, d_b) is scaled in its
+    dtype (exact when the scalar is a power of two, as ``loss.backward()``'s 1)."""
 
     @staticmethod
     def forward(ctx, loss, grads, hidden, weight, bias):
         ctx.grads = grads
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        d_h, d_w, d_b = ctx.grads
-        scale = lambda t: None if t is None else t * g.to(t.dtype)  # noqa: E731
-        return None, None, scale(d_h), scale(d_w), scale(d_b)
+        def scale(t, dtype):
+            if t is None:
+                return None
+            return (t * g.to(t.dtype)).to(dtype)
+
+        return (None, None) + tuple(scale(t, dt) for t, dt in zip(ctx.grads, ctx.dtypes))
 
 
 def _chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], device: torch.device) -> int:
-    """Tokens per chunk: as many as the kept part of the budget holds as fp32 logits (one chunk when none)."""
-    if backend.name != "native":
-        return max(n, 1)
-    from .backends.native import split_workspace
-
-    _, keep = split_workspace(workspace_bytes, device)
+    """Tokens per chunk: as many as the kept part of the budget holds as fp32 logits of the whole (global) vocab,
+    so every shard keeps its chunk's logits whole and every rank cuts the same chunks; one chunk when the budget
+    keeps nothing."""
+    keep_bytes = getattr(backend, "keep_bytes", None)
+    keep = keep_bytes(workspace_bytes, device) if keep_bytes is not None else 0
     if keep <= 0:
         return max(n, 1)
     return max(1, min(n, keep // max(1, vocab * 4)))
@@ -90,9 +99,12 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerToken
 
     total = torch.zeros((), device=h2.device, dtype=torch.float32)
     d_hidden = torch.zeros(n, d, device=h2.device, dtype=torch.float32) if needs[0] else None
-    d_w32 = d_b32 = None
-    d_w = d_b = None
     n_chunks = -(-n // chunk) if n else 0
+    accumulate = None  # several chunks: d_W and d_b summed unrounded in fp32, rounded once at the end
+    if n_chunks > 1 and (needs[1] or needs[2]):
+        accumulate = (torch.zeros(w.shape, device=w.device, dtype=torch.float32) if needs[1] else None,
+                      torch.zeros(b.shape, device=b.device, dtype=torch.float32) if needs[2] else None)
+    d_w = d_b = None
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
         h_c, lt_c = h2[t0:t1], local_target[t0:t1]
@@ -108,20 +120,12 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerToken
             g_logp = torch.zeros_like(logp)
         grads = backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.detach().contiguous(),
                                  None if g_ent is None else g_ent.detach().contiguous(), None,
-                                 mean_rel if g_ent is not None else None, call, needs, kept=kept)
+                                 mean_rel if g_ent is not None else None, call, needs, kept=kept,
+                                 accumulate=accumulate)
+        del kept  # one chunk's kept logits at a time
         if d_hidden is not None:
             d_hidden[t0:t1] = grads.d_hidden
-        if n_chunks == 1:
-            d_w, d_b = grads.d_weight, grads.d_bias
-        else:  # sum the chunks' d_W / d_b in fp32
-            if grads.d_weight is not None:
-                d_w32 = grads.d_weight.float() if d_w32 is None else d_w32.add_(grads.d_weight)
-            if grads.d_bias is not None:
-                d_b32 = grads.d_bias.float() if d_b32 is None else d_b32.add_(grads.d_bias)
-    if d_w32 is not None:
-        d_w = d_w32.to(weight.dtype)
-    if d_b32 is not None:
-        d_b = d_b32.to(bias.dtype)
+        d_w, d_b = grads.d_weight, grads.d_bias
     if n == 0:
         d_w = torch.zeros_like(weight) if needs[1] else None
         d_b = torch.zeros_like(bias) if needs[2] else None
@@ -132,7 +136,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerToken
             d_hidden = buf.to(h2.device)
         if keep_idx is not None:
             d_hidden = d_hidden.new_zeros(n_all, d).index_copy(0, keep_idx, d_hidden)
-        d_hidden = d_hidden.to(hidden.dtype).view(hidden.shape)
+        d_hidden = d_hidden.view(hidden.shape)  # fp32: rounded once, after the upstream scale
     if d_w is not None and d_w.shape != weight.shape:
         d_w = d_w.view(weight.shape)
     return total, (d_hidden, d_w, d_b)

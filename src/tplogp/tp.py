@@ -120,7 +120,7 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     be, call = tpc.backend, tpc.call
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         out = be.forward_single(hidden, weight, bias, local_target, call)
-        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, None)
+        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, out.kept)
     st = be.forward_stats(hidden, weight, bias, local_target, call)
     owned = local_target >= 0
     if tpc.world_size > 1:

@@ -32,6 +32,10 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     computing ``d_hidden`` before the ``d_weight`` work. ``d_hidden_ready`` (optional) is called with the finished
     ``d_hidden`` as soon as it is complete, before the remaining ``d_weight`` work; the caller may start an async
     collective on it, so the backend must not touch that tensor afterwards (it returns it as ``ShardGrads.d_hidden``).
+    ``kept`` is what this backend's forward kept (``ShardStats.kept``), read, never modified (a repeated backward
+    reads it again). ``accumulate`` (optional): fp32 ``(d_weight [V_local, D] | None, d_bias [V_local] | None)``
+    buffers to which ``d_weight`` / ``d_bias`` are added without rounding (a loss summed over several token chunks);
+    the returned ``ShardGrads`` then holds these buffers.
 
 ``forward_single`` (optional)
     When one shard holds the whole vocab (no group, or a group of one), a backend may finish the per-token outputs
@@ -72,6 +76,8 @@ class SingleShardOutputs(NamedTuple):
     log_sum: torch.Tensor  # log sum exp(z - M)
     mean_rel: Optional[torch.Tensor]  # E_p[z] - M (entropy only)
     entropy: Optional[torch.Tensor]  # log_sum - mean_rel (entropy only)
+    # what the forward kept for the backward within the workspace budget (backend-specific layout), or None
+    kept: Optional[torch.Tensor] = None
 
 
 class ShardGrads(NamedTuple):
@@ -130,4 +136,5 @@ class ShardBackend(Protocol):
         needs: tuple[bool, bool, bool],  # (d_hidden, d_weight, d_bias)
         d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
         kept: Optional[torch.Tensor] = None,  # ShardStats.kept of the forward
+        accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
     ) -> ShardGrads: ...

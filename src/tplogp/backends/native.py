@@ -211,27 +211,38 @@ class NativeBackend:
                 sum_exp_z[t0:t1] = q[: t1 - t0]
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
+    @staticmethod
+    def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
+        """The part of the budget that holds logits kept from forward to backward (4 bytes per logit)."""
+        return split_workspace(workspace_bytes, device)[1]
+
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
-                 kept=None) -> ShardGrads:
+                 kept=None, accumulate=None) -> ShardGrads:
         need_h, need_w, need_b = needs
         n, d = hidden.shape
         v = weight.shape[0]
         dev = hidden.device
+        dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
         d_hidden = torch.zeros(n, d, device=dev, dtype=torch.float32) if need_h else None
-        d_weight32 = torch.zeros(v, d, device=dev, dtype=torch.float32) if need_w else None
-        d_bias32 = torch.zeros(v, device=dev, dtype=torch.float32) if (need_b and bias is not None) else None
+        d_weight32 = None
+        if need_w:
+            d_weight32 = dw_acc if dw_acc is not None else torch.zeros(v, d, device=dev, dtype=torch.float32)
+        d_bias32 = None
+        if need_b and bias is not None:
+            d_bias32 = db_acc if db_acc is not None else torch.zeros(v, device=dev, dtype=torch.float32)
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
             self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
                                  grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32, d_hidden_ready, kept)
         elif d_hidden is not None and d_hidden_ready is not None:
             d_hidden_ready(d_hidden)
-        d_weight = None
+        d_weight = None  # rounded once to the weight dtype, unless the caller accumulates
         if d_weight32 is not None:
-            d_weight = d_weight32 if weight.dtype == torch.float32 else d_weight32.to(weight.dtype)
+            keep32 = weight.dtype == torch.float32 or dw_acc is not None
+            d_weight = d_weight32 if keep32 else d_weight32.to(weight.dtype)
         d_bias = None
         if d_bias32 is not None:
-            d_bias = d_bias32 if bias.dtype == torch.float32 else d_bias32.to(bias.dtype)
+            d_bias = d_bias32 if (bias.dtype == torch.float32 or db_acc is not None) else d_bias32.to(bias.dtype)
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,

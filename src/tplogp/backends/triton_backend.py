@@ -97,33 +97,51 @@ class TritonBackend:
         return None  # the generic kernel
 
     # -- primitives --------------------------------------------------------------------------------------
+    @staticmethod
+    def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
+        """The part of the budget that holds logits kept from forward to backward (4 bytes per logit)."""
+        return tiles.split_budget(workspace_bytes)[1]
+
+    def _kept_buffer(self, hidden, weight, call: ShardCall) -> Optional[torch.Tensor]:
+        """The fp32 ``[N, v_keep]`` buffer for the logits the forward keeps (the first ``v_keep`` columns of the
+        shard, :func:`tplogp.kernels.tiles.plan_keep`), or None: nothing kept without a backward or a budget."""
+        if not call.for_backward:
+            return None
+        keep = tiles.split_budget(call.workspace_bytes)[1]
+        cols = tiles.plan_keep(hidden.shape[0], weight.shape[0], keep)
+        if cols == 0:
+            return None
+        return torch.empty((hidden.shape[0], cols), device=hidden.device, dtype=torch.float32)
+
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         from ..kernels import generic_launch
 
+        kept = self._kept_buffer(hidden, weight, call)
         row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
-            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device, hidden.dtype),
-            stats_launch=self._stats_launch(hidden.device))
-        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
+            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
+            self._cfg(hidden.device, hidden.dtype), stats_launch=self._stats_launch(hidden.device), kept=kept)
+        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
         from ..kernels import generic_launch
 
+        kept = self._kept_buffer(hidden, weight, call)
         return SingleShardOutputs(*generic_launch.forward_single(
-            hidden, weight, bias, target, call.inv_temperature, call.with_entropy, self._cfg(hidden.device, hidden.dtype),
-            stats_launch=self._stats_launch(hidden.device)))
+            hidden, weight, bias, target, call.inv_temperature, call.with_entropy,
+            self._cfg(hidden.device, hidden.dtype), stats_launch=self._stats_launch(hidden.device), kept=kept),
+            kept=kept)
 
     def _stats_launch(self, device: torch.device):
         return None  # the generic kernel
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None) -> ShardGrads:
+                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None) -> ShardGrads:
         from ..kernels import generic_launch
 
         d_hidden, d_weight, d_bias = generic_launch.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
-            workspace_bytes=call.workspace_bytes, needs=tuple(needs), cfg=self._cfg(hidden.device, hidden.dtype),
-            dlogits_launch=self._dlogits_launch(hidden.device))
-        if d_hidden_ready is not None and d_hidden is not None:
-            d_hidden_ready(d_hidden)
+            workspace_bytes=tiles.split_budget(call.workspace_bytes)[0], needs=tuple(needs),
+            cfg=self._cfg(hidden.device, hidden.dtype), dlogits_launch=self._dlogits_launch(hidden.device),
+            kept=kept, d_hidden_ready=d_hidden_ready, accumulate=accumulate)
         return ShardGrads(d_hidden, d_weight, d_bias)

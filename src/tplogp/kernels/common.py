@@ -13,7 +13,9 @@ Forward epilogue (:func:`online_softmax_update`): running per-row statistics in 
 
 stored in natural units by :func:`natural_units` / :func:`store_stats`. Backward epilogue (:func:`dlogits_tile`):
 ``zr = z - M``, ``p = exp(zr - log_sum)``, ``dz = g onehot - p (g - g_lse + g_ent (zr - mean_zr))``, times 1/T,
-rounded once to the weight dtype.
+rounded once to the weight dtype. Kept logits (:func:`keep_tile`, :func:`kept_tile`): the forward stores the
+raw fp32 accumulator of the tiles below a column bound, the backward loads it instead of recomputing the GEMM; the
+epilogues then run on the very values a recompute gives.
 """
 
 from __future__ import annotations
@@ -257,3 +259,36 @@ def dlogits_tile(
     store_rounded(p_out, b_dz, m_out, DOT_PRECISION)
     if NEED_DB:
         tl.store(p_dbp + i_n.to(tl.int64) * stride_dbp + o_v, tl.sum(b_dz, 0), mask=m_db)
+
+
+@triton.jit
+def _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Pointers to the ``[BLOCK_N, BLOCK_V]`` block at row ``n0``, column ``v0`` of the kept buffer: one 64-bit
+    base, 32-bit offsets inside the block (fewer registers than 64-bit offsets per element)."""
+    base = p_kept + n0.to(tl.int64) * stride_kept + v0
+    return base + (tl.arange(0, BLOCK_N) * stride_kept)[:, None] + tl.arange(0, BLOCK_V)[None, :]
+
+
+@triton.jit
+def keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Store the raw fp32 accumulator of the tile at row ``n0``, shard column ``v0`` into the kept-logits buffer
+    ``[N, v_keep]`` (row stride ``stride_kept``) when the tile lies below ``v_keep``; rows at or past N and columns
+    at or past ``v_keep`` are not written. One fp32 store per element of the kept tiles, nothing for the others."""
+    if v0 < v_keep:
+        m_r = (n0 + tl.arange(0, BLOCK_N)) < N
+        m_c = (v0 + tl.arange(0, BLOCK_V)) < v_keep
+        tl.store(_kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V), acc, mask=m_r[:, None] & m_c[None, :])
+
+
+@triton.jit
+def kept_tile(p_kept, stride_kept, n0, N, v0, v_hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_V: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_V]`` fp32 accumulator tile kept by the forward at row ``n0``, shard column ``v0``;
+    ``MASKED``: rows at or past N and columns at or past ``v_hi`` read as 0 (edge tiles only)."""
+    p_in = _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V)
+    if MASKED:
+        m_r = (n0 + tl.arange(0, BLOCK_N)) < N
+        m_c = (v0 + tl.arange(0, BLOCK_V)) < v_hi
+        return tl.load(p_in, mask=m_r[:, None] & m_c[None, :], other=0.0)
+    else:
+        return tl.load(p_in)

@@ -55,8 +55,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import (FAST_EXP2, LOG2E, dlogits_epilogue, grouped_ids, mma, natural_units, online_softmax_update,
-                     split_bounds, stats_program, store_stats)
+from .common import (FAST_EXP2, LOG2E, dlogits_epilogue, grouped_ids, keep_tile, kept_tile, mma, natural_units,
+                     online_softmax_update, split_bounds, stats_program, store_stats)
 
 
 @triton.jit
@@ -92,12 +92,13 @@ def fwd_stats_kernel(
     p_tgt,  # [N] int64 local target, in (-1: not owned)
     p_parts,  # [3 or 4, S, N] fp32 per split: row max, sum exp(z - max), target logit (0 if not in the split)
               # [, sum exp(z - max) (z - max) WITH_ENTROPY], out
+    p_kept,  # [N, v_keep] fp32 raw logits of the columns below v_keep, out (only KEEP)
     N, V, D,
-    stride_hn, stride_wv,
+    stride_hn, stride_wv, stride_kept, v_keep,
     inv_temp,
     num_splits, plane,  # plane = S * N
     SPLIT_V: tl.constexpr,  # vocab ids per split (multiple of BLOCK_V)
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr, KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -110,12 +111,17 @@ def fwd_stats_kernel(
         o_v = v0 + o_t
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
+        if KEEP:
+            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_keep, acc, BLOCK_N, BLOCK_V)
         b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
         o_v = v_full + o_t
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
+        if KEEP:
+            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v_full, v_keep, acc, BLOCK_N,
+                      BLOCK_V)
         b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
@@ -233,6 +239,33 @@ def bwd_dlogits_kernel(
     o_v = v_lo + i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
     acc = _logits_tile(p_h, p_w, o_n, o_v, o_n < N, o_v < v_hi, D, stride_hn, stride_wv,
                        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
+    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+                      stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)
+
+
+@triton.jit
+def bwd_dlogits_kept_kernel(
+    p_kept,  # [N, >= v_hi] fp32 raw logits kept by the forward (KEEP), in
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz,  # see bwd_dlogits_kernel
+    p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
+    p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
+    N, v_lo, v_hi,
+    stride_kept, stride_dz, stride_dbp,
+    inv_temp,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """:func:`bwd_dlogits_kernel` for columns whose logits the forward kept: the tile is loaded, not recomputed (no
+    GEMM), then the same epilogue runs on the same fp32 values, so the result is bitwise the recompute's when the
+    forward and backward K loops sum in the same order."""
+    num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
+    i_n = tl.program_id(0) // num_v
+    i_v = tl.program_id(0) % num_v
+    v0 = v_lo + i_v * BLOCK_V  # first column of the tile inside the shard (and the kept buffer)
+    if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
+        acc = kept_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_hi, True, BLOCK_N, BLOCK_V)
+    else:
+        acc = kept_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_hi, False, BLOCK_N, BLOCK_V)
     dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
                       stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)
 

@@ -15,8 +15,8 @@ import torch
 from .. import fp32_gemm
 from ..tensors import f32_contiguous
 from .direct_launch import launcher
-from .generic_kernels import (bwd_dlogits_kernel, dh_accum_kernel, finalize_single_kernel, fwd_stats_kernel,
-                              merge_splits_kernel)
+from .generic_kernels import (bwd_dlogits_kept_kernel, bwd_dlogits_kernel, dh_accum_kernel, finalize_single_kernel,
+                              fwd_stats_kernel, merge_splits_kernel)
 from .tiles import TileConfig, cdiv, dot_precision, interpreting, plan_chunk
 
 _MERGE_BLOCK = 256
@@ -64,10 +64,20 @@ def _even(d: int, block: int) -> bool:
 # ----------------------------------------------------------------------------------------------- forward
 
 
+def check_kept(kept: Optional[torch.Tensor], n: int, v: int) -> None:
+    if kept is not None and (kept.dtype != torch.float32 or kept.dim() != 2 or kept.shape[0] != n
+                             or not 0 < kept.shape[1] <= v or kept.stride(1) != 1):
+        raise KernelInputError(f"kept logits must be fp32 [{n}, <= {v}] with unit column stride, got {kept.dtype} "
+                               f"{tuple(kept.shape)}")
+
+
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
-                  cfg: TileConfig, stats_launch: Optional[Callable] = None):
+                  cfg: TileConfig, stats_launch: Optional[Callable] = None, kept: Optional[torch.Tensor] = None):
     """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard.
+
+    ``kept`` (optional, fp32 ``[N, v_keep]``): the stats kernel also stores the raw fp32 logits (before bias and
+    temperature) of the shard columns ``[0, v_keep)`` there, for :func:`backward`.
 
     Host cost matters at small shapes (the GPU work of 4096x2048x8192 takes ~0.2 ms): two allocations (the merged
     stats are views of one ``[3 or 4, N]`` buffer, the per-split stats of one ``[3 or 4, S, N]`` buffer), two
@@ -76,6 +86,7 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     check_inputs(hidden, weight, bias, local_target)
     n, d = hidden.shape
     v = weight.shape[0]
+    check_kept(kept, n, v)
     k = 4 if with_entropy else 3
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
     if n == 0 or v == 0:
@@ -85,7 +96,7 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
-                                     stats_launch)
+                                     stats_launch, kept)
     launcher(merge_splits_kernel)(
         (cdiv(n, _MERGE_BLOCK),), parts, out, n, num_splits, num_splits * n,
         WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
@@ -96,8 +107,9 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                    inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                   stats_launch: Optional[Callable] = None):
+                   stats_launch: Optional[Callable] = None, kept: Optional[torch.Tensor] = None):
     """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``, fp32 [N].
+    ``kept``: as in :func:`forward_stats`.
 
     ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp (the checks in
     ``full`` mode reject such ids before this runs). Two launches (the stats kernel, then one kernel that folds the
@@ -106,6 +118,7 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     check_inputs(hidden, weight, bias, target)
     n = hidden.shape[0]
     v = weight.shape[0]
+    check_kept(kept, n, v)
     k = 6 if with_entropy else 4
     if n == 0 or v == 0:
         out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
@@ -115,7 +128,8 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
             out[1:4].fill_(float("-inf"))
         return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
     target = target if target.is_contiguous() else target.contiguous()
-    parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch)
+    parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch,
+                                     kept)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
     launcher(finalize_single_kernel)(
         (cdiv(n, _MERGE_BLOCK),), parts, target, out, n, v, num_splits, num_splits * n,
@@ -126,11 +140,12 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 
 def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                 stats_launch: Optional[Callable]):
+                 stats_launch: Optional[Callable], kept: Optional[torch.Tensor]):
     """Launch a stats kernel into one per-split buffer: ``(parts [3 or 4, S, N], S)``. ``target``: contiguous.
     ``stats_launch`` (default: the generic kernel; the sm90 source passes the TMA kernel's) allocates ``parts``
-    and chooses S."""
-    return (stats_launch or launch_stats)(hidden, weight, bias, target, float(inv_temperature), with_entropy, cfg)
+    and chooses S; it stores the kept logits into ``kept`` when given."""
+    return (stats_launch or launch_stats)(hidden, weight, bias, target, float(inv_temperature), with_entropy, cfg,
+                                          kept)
 
 
 def split_parts(hidden: torch.Tensor, num_splits: int, with_entropy: bool) -> torch.Tensor:
@@ -139,17 +154,28 @@ def split_parts(hidden: torch.Tensor, num_splits: int, with_entropy: bool) -> to
                        dtype=torch.float32)
 
 
+def kept_args(kept: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
+    """``(pointer, row stride, v_keep)`` of the kept-logits buffer for a stats kernel (a placeholder pointer and
+    zeros without one: the ``KEEP=False`` variant never reads them)."""
+    if kept is None:
+        return placeholder, 0, 0
+    return kept, kept.stride(0), kept.shape[1]
+
+
 def launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
-                  cfg: TileConfig):
+                  cfg: TileConfig, kept: Optional[torch.Tensor] = None):
     n, d = hidden.shape
     v = weight.shape[0]
     num_splits = cdiv(v, cfg.split_v)
     parts = split_parts(hidden, num_splits, with_entropy)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
+    p_kept, stride_kept, v_keep = kept_args(kept, parts)
     launcher(fwd_stats_kernel)(
         grid, hidden, weight, bias if bias is not None else hidden, local_target,
-        parts, n, v, d, hidden.stride(0), weight.stride(0), inv_temperature, num_splits, num_splits * n,
+        parts, p_kept, n, v, d, hidden.stride(0), weight.stride(0), stride_kept, v_keep, inv_temperature, num_splits,
+        num_splits * n,
         SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
+        KEEP=kept is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -170,22 +196,36 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
              local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, grad_logp: torch.Tensor,
              grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_z: Optional[torch.Tensor],
-             inv_temperature: float, deterministic: bool, workspace_bytes: Optional[int],
+             inv_temperature: float, deterministic: bool, workspace_bytes: int,
              needs: tuple[bool, bool, bool], cfg: TileConfig,
-             dlogits_launch: Optional[Callable] = None):
-    """(d_hidden fp32 | None, d_weight weight.dtype | None, d_bias bias.dtype | None) for one vocab shard."""
+             dlogits_launch: Optional[Callable] = None, kept: Optional[torch.Tensor] = None,
+             d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+             accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None):
+    """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard.
+
+    The vocab is walked in chunks whose ``[N, chunk]`` d_logits workspace fits ``workspace_bytes`` (the transient
+    part of the budget): first the columns ``[0, v_keep)`` whose logits the forward kept in ``kept`` (their d_logits
+    kernel loads the tile: no recompute GEMM), then the rest (recomputed). ``d_hidden_ready(d_hidden)`` is called
+    after the last chunk's d_hidden GEMM, before its d_W GEMM. ``accumulate``: fp32 ``(d_weight [V, D] | None,
+    d_bias [V] | None)`` buffers that this shard's d_W / d_b are added to, unrounded (several token chunks of one
+    loss), returned in their place; otherwise d_weight / d_bias are in the weight / bias dtype.
+    """
     check_inputs(hidden, weight, bias, local_target)
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     need_dh, need_dw, need_db = needs
     need_db = need_db and bias is not None
-    if n == 0 or v == 0:
-        return (torch.zeros((n, d), device=dev, dtype=torch.float32) if need_dh else None,
-                torch.zeros_like(weight) if need_dw else None,
-                torch.zeros_like(bias) if need_db else None)
-    if not (need_dh or need_dw or need_db):
+    dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
+    if n == 0 or v == 0 or not (need_dh or need_dw or need_db):
+        d_hidden = torch.zeros((n, d), device=dev, dtype=torch.float32) if need_dh else None
+        if d_hidden is not None and d_hidden_ready is not None:
+            d_hidden_ready(d_hidden)
+        if n == 0 or v == 0:
+            return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
+                    db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
         return None, None, None
+    check_kept(kept, n, v)
 
     f32 = torch.float32
     if not local_target.is_contiguous():
@@ -204,50 +244,72 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         ge = mz = g
 
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
+    v_keep = 0 if kept is None else kept.shape[1]
+    bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
+    bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
     launch = dlogits_launch or launch_dlogits
     args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
     inv_t = float(inv_temperature)
-
-    def outputs():
-        # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
-        # allocations themselves do no GPU work).
-        return (torch.empty((n, d), device=dev, dtype=f32) if need_dh else None,
-                torch.empty_like(weight) if need_dw else None)
-
-    if chunk >= v:  # one chunk (small shapes): no slicing
-        dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
-        launch(*args, dz, dbp, 0, v, inv_t, with_entropy, need_db, cfg, precision)
-        d_hidden, d_weight = outputs()
-        _chunk_gemms(dz, weight, hidden, d_hidden, d_weight, 0, deterministic, cfg, precision)
-    else:
-        ws = torch.empty(n * chunk, device=dev, dtype=weight.dtype)
-        for i_chunk, v_lo in enumerate(range(0, v, chunk)):
-            v_hi = min(v_lo + chunk, v)
-            dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
+    # one chunk (small shapes): no slicing; otherwise one workspace reused chunk after chunk
+    ws = None if len(bounds) == 1 else torch.empty(n * chunk, device=dev, dtype=weight.dtype)
+    d_hidden = d_weight = None
+    for i_chunk, (v_lo, v_hi, from_kept) in enumerate(bounds):
+        dz = (torch.empty((n, v), device=dev, dtype=weight.dtype) if ws is None
+              else ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo))
+        if from_kept:
+            launch_dlogits_kept(kept, *args[2:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
+        else:
             launch(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
-            if i_chunk == 0:
-                d_hidden, d_weight = outputs()
-            _chunk_gemms(dz, weight[v_lo:v_hi], hidden, d_hidden,
-                         None if d_weight is None else d_weight[v_lo:v_hi], i_chunk, deterministic, cfg, precision)
-    d_bias = dbp.sum(0).to(bias.dtype) if need_db else None
+        if i_chunk == 0:
+            # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
+            # allocations themselves do no GPU work).
+            d_hidden = torch.empty((n, d), device=dev, dtype=f32) if need_dh else None
+            d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
+        whole = ws is None
+        w_chunk = weight if whole else weight[v_lo:v_hi]
+        if d_hidden is not None:
+            _dh_gemm(dz, w_chunk, d_hidden, i_chunk, deterministic, cfg, precision)
+            if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
+                d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
+        if d_weight is not None:
+            dw_chunk = d_weight if whole else d_weight[v_lo:v_hi]
+            if dw_acc is not None:
+                fp32_gemm.addmm_(dw_chunk, dz.t(), hidden)
+            else:
+                _mm_into(dw_chunk, dz.t(), hidden)
+    d_bias = None
+    if need_db:
+        if db_acc is not None:
+            d_bias = db_acc.add_(dbp.sum(0))
+        else:
+            d_bias = dbp.sum(0).to(bias.dtype)
     return d_hidden, d_weight, d_bias
 
 
-def _chunk_gemms(dz, w_chunk, hidden, d_hidden, d_weight_chunk, i_chunk: int, deterministic: bool, cfg: TileConfig,
-                 precision) -> None:
-    """``d_hidden (+)= dz @ W[chunk]`` (fp32) and ``d_W[chunk] = dz^T @ hidden`` for one chunk."""
-    if d_hidden is not None:
-        if deterministic:
-            _launch_dh(dz, w_chunk, d_hidden, accumulate=i_chunk > 0, cfg=cfg, precision=precision)
-        elif i_chunk == 0:
-            fp32_gemm.mm_into(d_hidden, dz, w_chunk)
-        else:
-            fp32_gemm.addmm_(d_hidden, dz, w_chunk)
-    if d_weight_chunk is not None:
-        _mm_into(d_weight_chunk, dz.t(), hidden)
+def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileConfig, precision) -> None:
+    """``d_hidden (+)= dz @ W[chunk]`` (fp32) for one chunk."""
+    if deterministic:
+        _launch_dh(dz, w_chunk, d_hidden, accumulate=i_chunk > 0, cfg=cfg, precision=precision)
+    elif i_chunk == 0:
+        fp32_gemm.mm_into(d_hidden, dz, w_chunk)
+    else:
+        fp32_gemm.addmm_(d_hidden, dz, w_chunk)
+
+
+def launch_dlogits_kept(kept, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+                        inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
+    """One chunk's d_logits from the logits the forward kept (an elementwise kernel: no GEMM); both sources."""
+    n = kept.shape[0]
+    grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    launcher(bwd_dlogits_kept_kernel)(
+        grid, kept, bias if bias is not None else kept, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
+        n, v_lo, v_hi, kept.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
+        HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
+        BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, DOT_PRECISION=precision, num_warps=cfg.bwd_num_warps,
+    )
 
 
 def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,

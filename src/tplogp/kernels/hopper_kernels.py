@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (FAST_EXP2, LOG2E, dlogits_epilogue, grouped_ids, mma, natural_units, online_softmax_update,
-                     split_bounds, stats_program, store_stats)
+from .common import (FAST_EXP2, LOG2E, dlogits_epilogue, grouped_ids, keep_tile, mma, natural_units,
+                     online_softmax_update, split_bounds, stats_program, store_stats)
 
 
 @triton.jit
@@ -41,11 +41,13 @@ def fwd_stats_tma_kernel(
     p_b,  # [V] bias (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target (-1: not owned)
     p_parts,  # [3 or 4, S, N] fp32 split stats, out (see fwd_stats_kernel)
+    p_kept,  # [N, v_keep] fp32 raw logits of the columns below v_keep, out (only KEEP; see fwd_stats_kernel)
     N, V, D,
+    stride_kept, v_keep,
     inv_temp,
     num_splits, plane,  # plane = S * N
     SPLIT_V: tl.constexpr,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -57,11 +59,16 @@ def fwd_stats_tma_kernel(
     for v0 in range(v_lo, v_full, BLOCK_V):  # full tiles
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
+        if KEEP:  # plain stores: a TMA store would stage the fp32 tile in shared memory the K loop's ring uses
+            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_keep, acc, BLOCK_N, BLOCK_V)
         b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
+        if KEEP:
+            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v_full, v_keep, acc, BLOCK_N,
+                      BLOCK_V)
         b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                            True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .direct_launch import launcher
-from .generic_launch import launch_dlogits, launch_stats, split_parts
+from .generic_launch import kept_args, launch_dlogits, launch_stats, split_parts
 from .hopper_kernels import bwd_dlogits_tma_kernel, fwd_stats_tma_kernel
 from .tiles import cdiv, dot_precision
 
@@ -80,21 +80,24 @@ def _descriptors(hidden, weight, block_n: int, block_v: int, block_d: int):
     return _descriptor(hidden, [block_n, block_d]), _descriptor(weight, [block_v, block_d])
 
 
-def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool, cfg):
+def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool, cfg,
+                     kept=None):
     """The forward statistics on sm_90: ``(parts, S)`` (the ``stats_launch`` hook of
-    :func:`.generic_launch.forward_stats`): the TMA kernel, or the generic one where descriptors are illegal."""
+    :func:`.generic_launch.forward_stats`): the TMA kernel, or the generic one where descriptors are illegal. With
+    ``kept`` the kernel also stores the raw logits of the kept columns (plain stores from the accumulator)."""
     if not tma_ok(hidden, weight):
-        return launch_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg)
+        return launch_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg, kept)
     n, d = hidden.shape
     v = weight.shape[0]
     num_splits = cdiv(v, cfg.split_v)
     parts = split_parts(hidden, num_splits, with_entropy)
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
+    p_kept, stride_kept, v_keep = kept_args(kept, parts)
     launcher(fwd_stats_tma_kernel)(
         grid, d_h, d_w, bias if bias is not None else hidden, local_target,
-        parts, n, v, d, inv_temperature, num_splits, num_splits * n,
-        SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
+        parts, p_kept, n, v, d, stride_kept, v_keep, inv_temperature, num_splits, num_splits * n,
+        SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, KEEP=kept is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

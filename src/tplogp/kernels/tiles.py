@@ -297,17 +297,41 @@ DEFAULT_WORKSPACE_BYTES = 128 * _MIB
 CHUNK_ALIGN = 256
 
 
-def workspace_budget(workspace_bytes: Optional[int]) -> int:
-    """The d_logits workspace budget in bytes: the call's, else ``TPLOGP_WORKSPACE_MB``, else the default."""
+def workspace_budget(workspace_bytes: Optional[int]) -> Optional[int]:
+    """The call's budget in bytes, else ``TPLOGP_WORKSPACE_MB``, else None (the default: nothing kept)."""
     if workspace_bytes is not None:
         return workspace_bytes
-    env = settings.workspace_bytes()
-    return env if env is not None else DEFAULT_WORKSPACE_BYTES
+    return settings.workspace_bytes()
 
 
-def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: Optional[int]) -> int:
-    """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits the budget; a multiple of CHUNK_ALIGN."""
+def split_budget(workspace_bytes: Optional[int]) -> tuple[int, int]:
+    """``(d_logits workspace bytes, kept-logits bytes)`` of a budget (the call's, else ``TPLOGP_WORKSPACE_MB``).
+
+    The transient d_logits workspace gets up to ``DEFAULT_WORKSPACE_BYTES``; the rest holds fp32 logits kept from
+    forward to backward. Unset: the default workspace, nothing kept (the memory of the source before the dial)."""
     budget = workspace_budget(workspace_bytes)
-    cols = budget // max(1, n * itemsize)
+    if budget is None:
+        return DEFAULT_WORKSPACE_BYTES, 0
+    return min(budget, DEFAULT_WORKSPACE_BYTES), max(0, budget - DEFAULT_WORKSPACE_BYTES)
+
+
+KEPT_ITEMSIZE = 4  # kept logits are the fp32 accumulator (docs/operator.md: why not the input dtype)
+
+
+def plan_keep(n: int, v: int, keep_bytes: int) -> int:
+    """Vocab columns ``[0, cols)`` of the shard whose fp32 logits (all N tokens) fit ``keep_bytes``: V when the whole
+    shard fits, else a multiple of CHUNK_ALIGN (possibly 0), so the backward's chunks stay aligned."""
+    if n == 0 or v == 0 or keep_bytes <= 0:
+        return 0
+    cols = keep_bytes // (n * KEPT_ITEMSIZE)
+    if cols >= v:
+        return v
+    return (cols // CHUNK_ALIGN) * CHUNK_ALIGN
+
+
+def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: int) -> int:
+    """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits ``workspace_bytes`` (the d_logits part of
+    the budget, :func:`split_budget`); a multiple of CHUNK_ALIGN."""
+    cols = workspace_bytes // max(1, n * itemsize)
     cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
     return min(cols, cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)

@@ -1,0 +1,125 @@
+"""Kept-logits budgets and the fused loss on the triton / sm90 sources at real sizes (skipped without CUDA).
+
+Every budget three-way against float64 truth and the same-dtype eager reference (tolerance table), the extra memory
+within the budget, and the fused loss (``linear_logp_loss``) against float64 and eager with 16-bit inputs and peaked
+rows over one and several token chunks. Run: ``python -m pytest tests/gpu/test_workspace_gpu.py -m gpu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from tplogp.tolerances import assert_no_worse  # noqa: E402
+
+SOURCES = ["triton", "sm90"]
+_MIB = 1 << 20
+DEFAULT = 128 * _MIB  # the triton / sm90 sources' default d_logits workspace
+
+
+def _backend(source):
+    from tplogp.kernel_registry import get_backend
+
+    be = get_backend(source)
+    why = be.unavailable_reason(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+    return be
+
+
+def _problem(n, d, v, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).to(dtype)
+    w = (torch.randn(v, d, device="cuda", generator=g) / d**0.5).to(dtype)
+    b = (torch.randn(v, device="cuda", generator=g) * 0.1).to(dtype)
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    rows = torch.arange(0, n, 3, device="cuda")
+    h[rows] = (w[y[rows]].float() * (40.0 / w[y[rows]].float().norm(dim=1, keepdim=True))).to(dtype)  # peaked
+    return h, w, b, y, torch.randn(n, device="cuda", generator=g), torch.randn(n, device="cuda", generator=g)
+
+
+def _grads(fn, h, w, b, y, g, ge):
+    h, w, b = (t.clone().requires_grad_() for t in (h, w, b))
+    out = fn(h, w, y, b)
+    torch.autograd.backward([out.logp, out.entropy], [g.to(out.logp.dtype), ge.to(out.logp.dtype)])
+    return dict(logp=out.logp.detach(), entropy=out.entropy.detach(), d_hidden=h.grad, d_weight=w.grad,
+                d_bias=b.grad)
+
+
+N, D, V = 2048, 1024, 32000
+BUDGETS = {"default": None, "half": DEFAULT + N * V * 2, "all": DEFAULT + N * V * 4}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kept_logits_budgets_three_way(source, dtype):
+    from tplogp.reference import reference_outputs
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    be = _backend(source)
+    h, w, b, y, g, ge = _problem(N, D, V, dtype)
+    truth = _grads(lambda h, w, y, b: reference_outputs(h, w, y, b, mode="float64"),
+                   h.double(), w.double(), b.double(), y, g, ge)  # float64 leaves: unrounded gradients
+    ref_mode = "matching" if dtype != torch.float32 else "fp32"
+    ref = _grads(lambda h, w, y, b: reference_outputs(h, w, y, b, mode=ref_mode), h, w, b, y, g, ge)
+    results = {}
+    for label, budget in BUDGETS.items():
+        fn = lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=LogpOptions(  # noqa: E731
+            return_entropy=True, workspace_bytes=budget))
+        _grads(fn, h, w, b, y, g, ge)  # warm-up: compile the KEEP variants outside the memory window
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        results[label] = found = _grads(fn, h, w, b, y, g, ge)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        inputs = (N * D + V * D + V) * dtype.itemsize  # the clones that require grad
+        grads = N * D * (4 + dtype.itemsize) + V * D * dtype.itemsize + V * 4  # d_hidden fp32 + its cast, d_W, d_b
+        limit = (budget or DEFAULT) + inputs + grads + 16 * _MIB  # outputs, stats, per-split buffers: a few MiB
+        assert extra <= limit, f"{label}: extra memory {extra / _MIB:.0f} MiB over {limit / _MIB:.0f} MiB"
+        for name in found:
+            assert_no_worse(f"{source} {label} {name}", found[name], ref[name], truth[name], dtype)
+    for label in ("half", "all"):  # the forward is the same kernel work: logp and entropy are the default's bits
+        for name in ("logp", "entropy"):
+            assert torch.equal(results[label][name], results["default"][name]), (label, name)
+
+
+def _loss(logp, entropy, adv, old):
+    ratio = torch.exp(logp - old)
+    return -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv) - 0.01 * entropy
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_fused_loss_three_way(source, chunks):
+    """``linear_logp_loss`` with bf16 inputs and peaked rows: loss and gradients three-way against float64 and the
+    eager reference (``linear_logp`` semantics materialized in bf16, fp32 loss); ``chunks`` token chunks of kept
+    logits (1: the whole batch's logits kept, 3 GEMMs)."""
+    import tplogp
+    from tplogp.reference import reference_outputs
+
+    _backend(source)
+    n, d, v = 4096, 1024, 32000
+    h, w, b, y, adv, _ = _problem(n, d, v, torch.bfloat16, seed=1)
+    old = -3 + 0.3 * torch.randn(n, device="cuda")
+
+    def eager(mode):
+        dt = torch.float64 if mode == "float64" else None
+        hh, ww, bb = ((t.to(dt) if dt else t).clone().requires_grad_() for t in (h, w, b))
+        out = reference_outputs(hh, ww, y, bb, mode=mode)
+        value = _loss(out.logp, out.entropy, adv.to(out.logp.dtype), old.to(out.logp.dtype)).mean()
+        value.backward()
+        return value.detach(), hh.grad, ww.grad, bb.grad
+
+    truth, ref = eager("float64"), eager("matching")
+    hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
+    budget = DEFAULT + (n // chunks) * v * 4
+    value = tplogp.linear_logp_loss(hh, ww, y, bb, loss=_loss, per_token=(adv, old), reduction="mean",
+                                    workspace_bytes=budget, source=source)
+    value.backward()
+    for name, ours, r, t in zip(("loss", "d_hidden", "d_weight", "d_bias"), (value.detach(), hh.grad, ww.grad,
+                                                                          bb.grad), ref, truth):
+        assert_no_worse(f"{source} {chunks} chunks {name}", ours, r, t, torch.bfloat16)

@@ -1,0 +1,178 @@
+"""``workspace_bytes`` on the triton source and the sm90 kernels (CPU interpreter): up to the default d_logits
+workspace goes to the backward's chunks, the rest keeps the fp32 logits of the shard's first columns from forward
+to backward, whose d_logits are then read, not recomputed. Every budget gives the default's results: bitwise in
+deterministic mode and whenever the backward's chunking is the default's; within the fp32 tolerance otherwise (the
+d_hidden GEMM sums the chunks in another order). Also: the overlapped all-reduce's issue order on the triton source.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.problems import make_problem, run_op
+from tplogp.kernels import tiles
+from tplogp.tolerances import ERROR_SLACK, rel_error
+
+_interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not _interp,
+                                reason="CPU interpreter tests (the GPU versions live in tests/gpu)")
+triton = pytest.importorskip("triton")
+
+from tplogp.backends.sm90_backend import SM90Backend  # noqa: E402
+from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
+from tplogp.kernels import generic_launch, hopper_launch  # noqa: E402
+from tplogp.tp import LogpOptions, linear_logp_tp  # noqa: E402
+
+DEFAULT = tiles.DEFAULT_WORKSPACE_BYTES
+N, D, V = 37, 48, 600  # odd N; D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk alignments
+OUTPUTS = ("logp", "entropy", "lse", "d_hidden", "d_weight", "d_bias")
+
+
+def _sm90_on_cpu():
+    be = SM90Backend()
+    be._cfg = lambda device, dtype: tiles.INTERPRETER
+    return be
+
+
+BACKENDS = {"triton": TritonBackend, "sm90-kernels": _sm90_on_cpu}
+RECOMPUTE = {"triton": (generic_launch, "launch_dlogits"), "sm90-kernels": (hopper_launch, "launch_dlogits_tma")}
+
+
+def _op(be):
+    def op(h, w, y, b=None, tp_group=None, vocab_start_index=0, global_vocab_size=None, **kw):
+        return linear_logp_tp(be, h, w, y, b, tp_group=tp_group, vocab_start_index=vocab_start_index,
+                              global_vocab_size=global_vocab_size, options=LogpOptions(**kw))
+    return op
+
+
+def _count_columns(monkeypatch, kernels):
+    """Record the vocab columns whose d_logits were read from kept logits and those recomputed."""
+    seen = {"kept": 0, "recomputed": 0}
+    module, name = RECOMPUTE[kernels]
+    real_kept, real_recompute = generic_launch.launch_dlogits_kept, getattr(module, name)
+
+    def kept(*args):
+        seen["kept"] += args[12] - args[11]  # v_hi - v_lo
+        return real_kept(*args)
+
+    def recompute(*args):
+        seen["recomputed"] += args[13] - args[12]  # v_hi - v_lo
+        return real_recompute(*args)
+
+    monkeypatch.setattr(generic_launch, "launch_dlogits_kept", kept)
+    monkeypatch.setattr(module, name, recompute)
+    return seen
+
+
+@pytest.mark.parametrize("kernels", list(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_every_budget_gives_the_default_results(monkeypatch, kernels, dtype, deterministic):
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = make_problem((N,), D, V, dtype, True, seed=8, peaked=True)
+    op = _op(BACKENDS[kernels]())
+    kw = dict(entropy=True, lse=True, temperature=0.8, deterministic=deterministic)
+    default = run_op(op, p, **kw)
+    # (budget, kept columns, whether the backward chunks as the default does)
+    budgets = [(1, 0, False), (DEFAULT + N * 520 * 4, 512, False), (4 * DEFAULT, V, True)]
+    for budget, cols, same_chunks in budgets:
+        assert tiles.plan_keep(N, V, tiles.split_budget(budget)[1]) == cols
+        with monkeypatch.context() as m:
+            seen = _count_columns(m, kernels)
+            ours = run_op(op, p, workspace_bytes=budget, **kw)
+        assert seen == {"kept": cols, "recomputed": V - cols}, (budget, seen)
+        for name in OUTPUTS:
+            a, b = getattr(ours, name), getattr(default, name)
+            if deterministic or same_chunks or name in ("logp", "entropy", "lse"):
+                assert torch.equal(a, b), (name, budget)
+            else:
+                assert rel_error(a, b) <= ERROR_SLACK[torch.float32].eps, (name, budget, rel_error(a, b))
+
+
+def test_kept_logits_only_with_a_backward_and_within_the_budget(monkeypatch):
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    from tplogp.backends.base import ShardCall
+
+    p = make_problem((N,), D, V, torch.bfloat16, False, seed=2)
+    be = TritonBackend()
+    budget = DEFAULT + N * 300 * 4
+    scoring = be.forward_single(p.hidden, p.weight, None, p.target, ShardCall(workspace_bytes=budget))
+    training = be.forward_single(p.hidden, p.weight, None, p.target,
+                                 ShardCall(workspace_bytes=budget, for_backward=True))
+    default = be.forward_stats(p.hidden, p.weight, None, p.target, ShardCall(for_backward=True))
+    assert scoring.kept is None and default.kept is None
+    assert training.kept.dtype == torch.float32 and training.kept.shape == (N, 256)
+    assert training.kept.numel() * 4 <= budget - DEFAULT
+    raw = p.hidden.float() @ p.weight.float().T  # what the stats kernel keeps: the raw fp32 accumulator
+    assert rel_error(training.kept, raw[:, :256]) < 1e-6
+
+
+def test_environment_budget_and_repeated_backward(monkeypatch):
+    """TPLOGP_WORKSPACE_MB has the call's meaning; kept logits are read, never overwritten (a second backward
+    through a retained graph gives the same gradients)."""
+    p = make_problem((N,), D, V, torch.float32, True, seed=3)
+    op = _op(TritonBackend())
+    default = run_op(op, p)
+    monkeypatch.setenv("TPLOGP_WORKSPACE_MB", str((DEFAULT >> 20) + 1))
+    with monkeypatch.context() as m:
+        seen = _count_columns(m, "triton")
+        env = run_op(op, p)
+    assert seen["kept"] == V and torch.equal(env.d_weight, default.d_weight)
+    h = p.hidden.clone().requires_grad_()
+    out = op(h, p.weight, p.target)
+    (out * p.g_logp).sum().backward(retain_graph=True)
+    first = h.grad.clone()
+    (out * p.g_logp).sum().backward()
+    assert torch.equal(h.grad, 2 * first)
+
+
+@pytest.mark.tp(world_size=4, timeout=300)
+def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
+    """Triton source, 4 uneven gloo ranks, two vocab chunks per rank: the async all-reduce of d_hidden is issued
+    after the last chunk's d_hidden GEMM and before its d_W GEMM; a budget that keeps every logit gives the
+    default's bits (deterministic mode) on every rank."""
+    from pytest_tplogp import VocabShards
+
+    v = 1201
+    vs = VocabShards("uneven", tp.world_size, vocab_size=v).__tp_bind__(tp)
+    p = make_problem((2, 9), 16, v, torch.float32, True, seed=4)
+    p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
+    op = _op(TritonBackend())
+    n, v_local = p.target.numel(), vs.end - vs.start
+    kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, deterministic=True)
+    events = []
+    real_all_reduce, real_dw, real_dh = dist.all_reduce, generic_launch._mm_into, generic_launch._dh_gemm
+
+    def all_reduce(t, *args, **kwargs):
+        events.append("all_reduce" if kwargs.get("async_op") else "blocking all_reduce")
+        return real_all_reduce(t, *args, **kwargs)
+
+    def dw(*args):
+        events.append("d_W")
+        return real_dw(*args)
+
+    def dh(*args):
+        events.append("d_hidden")
+        return real_dh(*args)
+
+    dist.all_reduce, generic_launch._mm_into, generic_launch._dh_gemm = all_reduce, dw, dh
+    try:
+        ours = run_op(op, p, workspace_bytes=1, **kw)  # 256-column chunks
+    finally:
+        dist.all_reduce, generic_launch._mm_into, generic_launch._dh_gemm = real_all_reduce, real_dw, real_dh
+    chunks = -(-v_local // tiles.CHUNK_ALIGN)
+    expected = ["d_hidden", "d_W"] * (chunks - 1) + ["d_hidden", "all_reduce", "d_W"]
+    tp.assert_all(events == expected, f"issue order {events}, expected {expected}")
+    most = torch.tensor(chunks)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=tp.group)
+    assert most.item() >= 2  # the larger shards run several chunks
+    default = run_op(op, p, **kw)
+    kept = run_op(op, p, workspace_bytes=DEFAULT + n * v_local * 4, **kw)
+    for name in ("logp", "d_hidden", "d_weight", "d_bias"):
+        tp.assert_all(torch.equal(getattr(kept, name), getattr(default, name)), f"{name} differs with kept logits")
+        tp.assert_all(rel_error(getattr(ours, name), getattr(default, name)) <= ERROR_SLACK[torch.float32].eps,
+                      f"{name}: chunked backward vs default")
