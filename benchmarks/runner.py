@@ -43,7 +43,7 @@ def sustain(fn: Callable[[], object], warm_ms: float, max_calls: int = 5000) -> 
     """Keep the GPU busy with back-to-back calls of ``fn`` for about ``warm_ms`` of GPU time (no host syncs).
 
     An H200 under sustained tensor-core load sits at its 700 W power cap, where its SM clock drops from 1980 MHz
-    to about 1450-1620 MHz: a kernel timed right after an idle or lighter stretch runs at boost clock and looks up
+    to 1230-1620 MHz (docs/performance.md, "Method"): a kernel timed right after an idle or lighter stretch runs at boost clock and looks up
     to ~18% faster than it does in training. Timing every function (the reference GEMM too) after this warm-up
     puts them all in the same power state."""
     torch.cuda.synchronize()

@@ -27,9 +27,10 @@ from .stress import stress
 
 USER_ERRORS = (SourceUnavailableError, LinearLogpInputError, ShardLayoutError)
 EPILOG = """\
-cost on CPU: the default stress shape (4096 x 2048 x 32768, bf16) at 4 ranks on 2 CPU cores (gloo) takes about
-  36 s for the warm-up step and 27 s per timed step, so --run-stress with the defaults adds about 5.5 minutes
-  (more on a loaded machine); --stress-steps 1 makes it about 1 minute. Each step prints a progress line.
+cost on CPU: the default stress shape (4096 x 2048 x 32768, bf16) at 4 ranks on 2 CPU cores (gloo, torch 2.13;
+  docs/runbook.md) takes about 36 s for the warm-up step and 27 s per timed step, so --run-stress with the
+  defaults adds about 5.5 minutes (more on a loaded machine); --stress-steps 1 makes it about 1 minute. Each step
+  prints a progress line.
 
 what a failure looks like under torchrun:
   rank 0 prints one line per problem (a bad flag: "<prog>: error: argument --tokens: ..."; a source or input
