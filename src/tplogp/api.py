@@ -145,8 +145,10 @@ def linear_logp(
         return_lse: also return the merged log-sum-exp per token (differentiable, for z-loss / KL terms).
         ignore_index: positions with this target get logp 0 (entropy 0, lse 0) and no gradient.
         deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
-            other rows of the batch (costs some speed: fixed token tiles).
-        workspace_bytes: tile workspace budget for chunked sources (default: ``TPLOGP_WORKSPACE_MB`` or per device).
+            other rows of the batch (costs some speed: fixed tiling, no cuBLAS ``d_hidden`` on triton / sm90).
+        workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (tiles, plus fp32
+            logits kept for the backward when above the source's default tiles; docs/operator.md, "Memory
+            budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles, nothing kept.
 
     Returns:
         float32 logp with target_ids' shape; with ``return_entropy`` and/or ``return_lse`` a named tuple of exactly
