@@ -1,8 +1,10 @@
 """tplogp: fused, tensor-parallel per-token log-probabilities through an LM head.
 
 ``linear_logp(hidden, weight, target_ids, bias=None, *, tp_group=None, vocab_start_index=0,
-global_vocab_size=None)`` returns ``log_softmax(hidden @ weight.T + bias)[target]`` over the whole (vocab-sharded)
-vocabulary without materializing the ``[tokens, vocab]`` logits. Sources are chosen by
+global_vocab_size=None, temperature=1.0, return_entropy=False, return_lse=False, ignore_index=None,
+deterministic=False, workspace_bytes=None)`` returns ``log_softmax((hidden @ weight.T + bias) / temperature)[target]``
+over the whole (vocab-sharded) vocabulary without materializing the ``[tokens, vocab]`` logits;
+``linear_logp_loss`` is the fused RL loss over the same path (:mod:`tplogp.fused_loss`). Sources are chosen by
 :mod:`tplogp.kernel_registry`. Importing this package does no device work.
 """
 

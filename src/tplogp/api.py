@@ -213,7 +213,8 @@ def linear_logp_loss(
     ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has PPO/GRPO
     clipping, policy gradient, KL to a reference and an entropy bonus); ``per_token`` tensors have target_ids'
     shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
-    positions add nothing. The other arguments are those of :func:`linear_logp`. Returns a 0-d fp32 tensor whose
+    positions add nothing. ``source``: None (the registry's choice for the device) or ``"native"`` / ``"triton"`` /
+    ``"sm90"``. The other arguments are those of :func:`linear_logp`. Returns a 0-d fp32 tensor whose
     backward scales the precomputed gradients of hidden, weight and bias.
     """
     from .fused_loss import fused_loss

@@ -12,8 +12,8 @@ Forward, per call:
      every rank: ``M = max_r m_r``, ``S = sum_r s_r e^{m_r - M}``, ``lse = M + log S``,
      ``logp = (sum_r y_r [owned_r] - M) - log S`` (relative to M: no cancellation at peaked targets),
      ``E_p[z] - M = sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``, ``entropy = log S - (E_p[z] - M)``;
-     a token whose owner count is not 1 (possible only when ``TPLOGP_CHECKS=fast`` skipped the target check)
-     gets NaN.
+     a token whose owner count is not 1 gets NaN (possible only when the target check is skipped,
+     ``TPLOGP_CHECKS=fast``, or deferred to the next call, ``full`` without a group: :mod:`tplogp.deferred_checks`).
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
 partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
 before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async

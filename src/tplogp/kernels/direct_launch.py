@@ -2,8 +2,8 @@
 
 ``kernel[grid](*args)`` binds the arguments, specializes each one (pointer dtype and 16-byte alignment; integers
 equal to 1, divisible by 16, 32- or 64-bit; descriptor dtype and block shape), hashes that specialization, finds the
-compiled kernel and only then launches it. On the H200 host this front end cost 25-50 us per launch, as much as
-a quarter of a small-shape forward's GPU time (docs/kernels.md, "Host path and direct launches"); a small
+compiled kernel and only then launches it. On the H200 hosts measured this front end cost 25-52 us per launch
+(Triton 3.6, commits ``1769fc5`` and ``914737c``: docs/kernels.md, "Host path and direct launches"); a small
 shape's latency is mostly host time before the first kernel, so it is worth removing.
 
 Algorithm: per JIT kernel, a dict maps a *launch key* to the ``CompiledKernel`` that the JIT returned the first time

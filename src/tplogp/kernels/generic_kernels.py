@@ -10,7 +10,8 @@ Fused forward: per-shard softmax statistics in the epilogue of the logits GEMM, 
 Algorithm. The vocab shard ``[0, V)`` is cut into splits of ``split_tiles * BLOCK_V`` ids (a function of V and the
 config only, never of N). One program owns a ``BLOCK_N`` token block and one split; for each ``[BLOCK_N, BLOCK_V]``
 tile it runs the K loop over the hidden dim (fp32 accumulator), then folds the tile into running per-row
-statistics (online softmax)::
+statistics (online softmax; in natural units here, computed in raw log2 units by
+:func:`.common.online_softmax_update`)::
 
     z      = (acc + b) * inv_temperature                 # masked columns -> -inf
     m'     = max(m, max_v z)
@@ -18,7 +19,7 @@ statistics (online softmax)::
     q      = exp(m - m') * (q + (m - m') * s_old) + sum_v exp(z - m') (z - m')      # entropy only
     t     += z[target]    (exactly one tile of one split holds it; read from the fp32 accumulator)
 
-Each program writes its split's (m, s, t, q) to ``[S, N]`` buffers; :func:`merge_splits_kernel` folds the S splits
+Each program writes its split's (m, s, t, q) into one ``[3 or 4, S, N]`` buffer; :func:`merge_splits_kernel` folds the S splits
 in a fixed order (log-add-exp), so the result is bitwise reproducible and a row's stats do not depend on the other
 rows. When one shard is the whole vocab, :func:`finalize_single_kernel` does the same fold and also finishes the
 per-token outputs (logp, lse, entropy), so the TP layer runs no merge ops. Launch order is grouped (``GROUP_N`` token blocks walk the vocab together) so a W tile read from HBM is
@@ -37,12 +38,14 @@ workspace (weight dtype) fits the byte budget. Per chunk:
 
        zr = z - M                  (M: global row max; exact 0 at the max)
        p  = exp(zr - log_sum)      (log_sum = log sum exp(z - M): lse = M + log_sum, kept apart so that
-                                    1 - p at a peaked target does not cancel against an rounded lse)
+                                    1 - p at a peaked target does not cancel against a rounded lse)
        dz = g * onehot(target) - p * (g - g_lse + g_ent * (zr - mean_zr))
        d_logits = dz * inv_temperature
 
    then rounds ``d_logits`` once to the weight dtype into the workspace; with a bias it also writes the fp32
-   column sums of the tile (per token block) so ``d_bias`` is summed in fp32 without atomics.
+   column sums of the tile (per token block) so ``d_bias`` is summed in fp32 without atomics. Over the columns
+   whose fp32 logits the forward kept (a ``workspace_bytes`` above the default), :func:`bwd_dlogits_kept_kernel`
+   loads each tile instead of recomputing it and runs the same epilogue.
 2. GEMMs with fp32 accumulation consume the workspace: ``d_hidden += d_logits @ W[chunk]`` (fp32 accumulator) and
    ``d_W[chunk] = d_logits^T @ hidden`` (one GEMM over all N, so d_W needs no cross-chunk accumulator). By default
    cuBLAS does both; in deterministic mode :func:`dh_accum_kernel` does ``d_hidden`` with a fixed tiling that
