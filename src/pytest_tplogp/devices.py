@@ -2,7 +2,8 @@
 
 - Visible GPUs are the entries of ``CUDA_VISIBLE_DEVICES`` when it is set (empty or ``-1`` = none), else
   ``0..torch.cuda.device_count()-1``. torch is imported only when the answer is not already in the environment;
-  CUDA is never initialised here (``device_count`` only queries; ranks are spawned, never forked).
+  CUDA is never initialised here (``device_count`` only queries; ranks start from a fork server or are spawned,
+  never forked from this process).
 - Under pytest-xdist (``PYTEST_XDIST_WORKER`` = ``gwI``, ``PYTEST_XDIST_WORKER_COUNT`` = ``K``) worker ``I`` owns
   the disjoint block ``visible[I*B:(I+1)*B]`` with ``B = len(visible) // K``: workers never share a GPU. A worker
   whose block is too small for a test gets a skip that says so (or, under ``--tp-backend=nccl``, a clear reason).
