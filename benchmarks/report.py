@@ -18,6 +18,7 @@ not this file. -->
 
 Which implementation to pick for a shape and a memory budget: the tables and the Pareto plots below, one row and
 one point per implementation and `workspace_bytes` budget, all measured in the same run beside one cuBLAS GEMM.
+A budget means what `workspace_bytes` did at the commit on the table's "Measured" line.
 """
 
 METHOD = """## Method
