@@ -14,7 +14,8 @@ variable                    values (default)           effect
                                                        chunk, 128 MiB; ``native``: 1 GiB on CUDA, 64 MiB elsewhere)
 ``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.validation`):
                             ``fast`` (``full``)        ``sync`` reads the target check at the call without a group;
-                                                       ``fast`` skips the target checks
+                                                       ``fast`` checks each layout once, then skips the
+                                                       checks (docs/operator.md, "Checks")
 ``TPLOGP_DIRECT_LAUNCH``    ``1`` | ``0`` (``1``)      ``0`` launches every Triton kernel through Triton's JIT front end
                                                        instead of the cached launcher (:mod:`tplogp.kernels.direct_launch`;
                                                        read at each kernel's first launch)
