@@ -17,8 +17,8 @@ Modes (``TPLOGP_CHECKS``):
   ``[0, vocab)`` means every target has exactly one owner, so the forward needs no further check.
 * ``sync``: as ``full``, but without a group the range is read at the call (one host sync), so the error surfaces
   at the call that caused it.
-* ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size) and skips the
-  target check: one collective per forward and no host syncs, as CUDA-graph capture needs; tokens whose target no
+* ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size, bias,
+  ignore_index, whether the call records an autograd graph) and skips the target check: one collective per forward and no host syncs, as CUDA-graph capture needs; tokens whose target no
   shard owns then come out as NaN, and ranks that disagree on the token count are the caller's bug (they would
   block in the stats exchange).
 """
