@@ -1,6 +1,6 @@
 """Runbook validation of the tensor-parallel linear_logp path, launched with torchrun.
 
-    torchrun --standalone --nproc_per_node=4 -m tplogp.runbook --dtype fp32 --tokens 128 \
+    torchrun --standalone --nproc_per_node=4 -m tplogp.runbook --dtype fp32 --tokens 128 \\
         --hidden-size 256 --vocab-size 4096 --uneven-shards
 
 (``tests/linear_logp_tp.py`` is the same program, the entry the runbook's command lines use.)
