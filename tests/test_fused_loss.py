@@ -175,3 +175,16 @@ def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     except AssertionError as exc:
         problems.append(str(exc))
     tp.assert_all(not problems, "; ".join(problems))
+
+
+@pytest.mark.parametrize("source", [None, "registry", "auto"])
+def test_automatic_source_names_pick_the_registry_choice(source):
+    """The names ``get_op`` accepts for the registry's choice select it here too, with the same loss as native."""
+    torch.manual_seed(0)
+    h = torch.randn(6, 8, dtype=torch.float32)
+    w = torch.randn(30, 8, dtype=torch.float32)
+    t = torch.randint(0, 30, (6,))
+    adv = torch.randn(6, dtype=torch.float32)
+    got = tplogp.linear_logp_loss(h, w, t, loss=tplogp.losses.policy_gradient(), per_token=(adv,), source=source)
+    want = tplogp.linear_logp_loss(h, w, t, loss=tplogp.losses.policy_gradient(), per_token=(adv,), source="native")
+    torch.testing.assert_close(got, want)

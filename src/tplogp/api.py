@@ -213,14 +213,15 @@ def linear_logp_loss(
     ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has PPO/GRPO
     clipping, policy gradient, KL to a reference and an entropy bonus); ``per_token`` tensors have target_ids'
     shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
-    positions add nothing. ``source``: None (the registry's choice for the device) or ``"native"`` / ``"triton"`` /
-    ``"sm90"``. The other arguments are those of :func:`linear_logp`. Returns a 0-d fp32 tensor whose
+    positions add nothing. ``source``: None, ``"registry"`` or ``"auto"`` (the registry's choice for the device) or
+    ``"native"`` / ``"triton"`` / ``"sm90"``. The other arguments are those of :func:`linear_logp`. Returns a 0-d fp32 tensor whose
     backward scales the precomputed gradients of hidden, weight and bias.
     """
     from .fused_loss import fused_loss
 
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
+    automatic = source in (None, "registry", "auto")  # the names get_op accepts for the registry's choice
+    backend = backend_for_call(None if automatic else source, device, getattr(hidden, "dtype", None))
     return fused_loss(backend, hidden, weight, target_ids, bias, loss=loss,
                       per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
                       vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
