@@ -141,3 +141,13 @@ def test_budget_and_shape_parsing():
         runner.parse_budget("lots")
     with pytest.raises(ValueError, match="unknown implementation 'nope'"):
         impls.select("tplogp-sm90,nope")
+
+
+def test_tp_smoke_rows(tmp_path):
+    """``tp --smoke``: one torchrun launch per degree (1 and 2 gloo ranks), one row each with the slowest rank's step."""
+    _bench("tp", "--smoke", "--out", str(tmp_path))
+    rows = _rows(tmp_path)
+    assert sorted(r["tp"] for r in rows) == [1, 2], rows
+    for r in rows:
+        assert r["suite"] == "tp" and r["smoke"] and r["backend"] == "gloo" and "error" not in r, r
+        assert r["step_ms"] > 0 and r["shape"] == "64x32x320" and r["steps"] == 2, r
