@@ -188,3 +188,48 @@ def test_automatic_source_names_pick_the_registry_choice(source):
     got = tplogp.linear_logp_loss(h, w, t, loss=tplogp.losses.policy_gradient(), per_token=(adv,), source=source)
     want = tplogp.linear_logp_loss(h, w, t, loss=tplogp.losses.policy_gradient(), per_token=(adv,), source="native")
     torch.testing.assert_close(got, want)
+
+
+def test_value_alone_runs_no_backward(monkeypatch):
+    """Without gradients (no_grad, or no input that requires one) the loss is the same value and no source
+    backward runs."""
+    from tplogp.backends.native import NativeBackend
+
+    p = make_problem((4, 9), 12, 70, torch.float32, True, seed=5, ignore_index=IGNORE, ignore_fraction=0.2)
+    extra = _per_token(p, 6)
+    h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    kw = dict(loss=_loss_fn, per_token=extra, reduction="mean", ignore_index=IGNORE, source="native")
+    want = tplogp.linear_logp_loss(h, w, p.target, b, **kw)
+
+    def no_backward(*args, **kwargs):
+        raise AssertionError("a source backward ran for a loss whose gradients nobody can use")
+
+    monkeypatch.setattr(NativeBackend, "backward", no_backward)
+    with torch.no_grad():
+        got = tplogp.linear_logp_loss(h, w, p.target, b, **kw)
+    assert got.grad_fn is None
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+    got = tplogp.linear_logp_loss(p.hidden, p.weight, p.target, p.bias, **kw)
+    assert got.grad_fn is None
+    torch.testing.assert_close(got, want.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.tp(world_size=2, timeout=60)
+def test_grad_on_some_ranks_raises_on_every_rank(tp):
+    """A rank whose hidden needs no gradient would skip the d_hidden all-reduce the others enter: every rank raises
+    the group check's error instead of hanging."""
+    from tplogp.shards import shard_boundaries, shard_range
+
+    start, end = shard_range(shard_boundaries(40, tp.world_size), tp.rank)
+    h = torch.randn(6, 8).requires_grad_(tp.rank == 0)
+    w = torch.randn(end - start, 8, requires_grad=True)
+    t = torch.arange(6) * 7 % 40
+    try:
+        tplogp.linear_logp_loss(h, w, t, loss=losses.policy_gradient(), per_token=(torch.ones(6),),
+                                tp_group=tp.group, vocab_start_index=start, source="native")
+        message = "no error"
+    except tplogp.LinearLogpInputError as exc:
+        message = str(exc)
+    messages = tp.all_gather_object(message)
+    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
+    assert "whether the call is differentiable" in messages[0], messages[0]

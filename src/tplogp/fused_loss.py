@@ -63,25 +63,28 @@ def _chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], d
 def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
     """See :func:`tplogp.linear_logp_loss`. The chunk loop runs without autograd (only the loss callable runs
     under it); the result carries the gradients through ``_PrecomputedGrads``."""
-    build = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
-                                         or (bias is not None and bias.requires_grad))
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     with torch.no_grad():
-        total, grads = _loss_and_grads(backend, hidden, weight, target_ids, bias, **kw)
-    if not build:
+        total, grads = _loss_and_grads(backend, hidden, weight, target_ids, bias, needs, **kw)
+    if not any(needs):
         return total
     return _PrecomputedGrads.apply(total, grads, hidden, weight, bias)
 
 
-def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerTokenLoss, per_token: Sequence[torch.Tensor],
-               reduction: str, tp_group, vocab_start_index: int, global_vocab_size: Optional[int],
-               temperature: float, ignore_index: Optional[int], deterministic: bool,
-               workspace_bytes: Optional[int]):
+def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool, bool, bool], *,
+                    loss: PerTokenLoss, per_token: Sequence[torch.Tensor], reduction: str, tp_group,
+                    vocab_start_index: int, global_vocab_size: Optional[int], temperature: float,
+                    ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int]):
+    """``needs``: the gradients to compute (d_hidden, d_W, d_b); none of them: the loss value alone."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     options = LogpOptions(temperature=temperature, return_entropy=True, ignore_index=ignore_index,
                           deterministic=deterministic, workspace_bytes=workspace_bytes)
+    # the d_hidden all-reduce runs iff needs[0]: the group check makes every rank agree on it (no hang)
     h2, w, b, local_target, keep_idx, tpc, vocab = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
-                                                                vocab_start_index, global_vocab_size, options)
+                                                                vocab_start_index, global_vocab_size, options,
+                                                                builds_graph=needs[0])
     n_all = target_ids.numel()
     extra = []
     for i, t in enumerate(per_token):
@@ -91,9 +94,9 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerToken
         t = t.detach().reshape(-1).to(device=h2.device, dtype=torch.float32)
         extra.append(t if keep_idx is None else t.index_select(0, keep_idx))
     n, d = h2.shape
-    needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    chunk = _chunk_tokens(backend, n, vocab, workspace_bytes, h2.device)
-    call = dataclasses.replace(tpc.call, for_backward=True)
+    differentiate = any(needs)
+    chunk = _chunk_tokens(backend, n, vocab, workspace_bytes, h2.device)  # also without gradients: the same value
+    call = dataclasses.replace(tpc.call, for_backward=differentiate)
     tpc_c = dataclasses.replace(tpc, call=call)
     count = torch.tensor(float(max(n, 1)), device=h2.device) if reduction == "mean" else None
 
@@ -109,6 +112,10 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerToken
         t1 = min(t0 + chunk, n)
         h_c, lt_c = h2[t0:t1], local_target[t0:t1]
         (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(h_c, w, b, lt_c, tpc_c)
+        if not differentiate:
+            per_tok = loss(logp, entropy, *(t[t0:t1] for t in extra))
+            total = total + (per_tok.sum() if count is None else per_tok.sum() / count)
+            continue
         logp = logp.detach().requires_grad_()
         entropy = entropy.detach().requires_grad_()
         with torch.enable_grad():
@@ -137,6 +144,4 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, *, loss: PerToken
         if keep_idx is not None:
             d_hidden = d_hidden.new_zeros(n_all, d).index_copy(0, keep_idx, d_hidden)
         d_hidden = d_hidden.view(hidden.shape)  # fp32: rounded once, after the upstream scale
-    if d_w is not None and d_w.shape != weight.shape:
-        d_w = d_w.view(weight.shape)
     return total, (d_hidden, d_w, d_b)
