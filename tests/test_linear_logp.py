@@ -145,3 +145,17 @@ def test_target_outside_the_vocabulary_is_rejected(bad, mode, monkeypatch):
     with pytest.raises(LinearLogpInputError, match=message + r".*earlier linear_logp call"):
         op(h, w, torch.tensor([1, 2, 3, 4]))
     assert torch.isfinite(op(h, w, torch.tensor([1, 2, 3, 4]))).all()  # raised once; good calls run
+
+
+@pytest.mark.parametrize("name, value", [
+    ("vocab_start_index", True), ("global_vocab_size", True), ("ignore_index", False), ("temperature", True),
+    ("workspace_bytes", 1.5), ("workspace_bytes", "64"), ("workspace_bytes", -1),
+])
+def test_option_of_the_wrong_type_is_rejected(name, value):
+    """An option the op's schema does not take (a bool for an int, a float budget), or a negative budget, raises the
+    checks' error naming it; it never runs on a path that skips the op's handling (autocast, torch.compile)."""
+    from tplogp import LinearLogpInputError
+
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(LinearLogpInputError, match=rf"{name} must be"):
+        get_op("linear_logp", source="native")(h, w, t, **{name: value})

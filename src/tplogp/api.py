@@ -31,6 +31,7 @@ from .dtensor import is_dtensor, unwrap_dtensors
 from .kernel_registry import backend_for_call, check_op, check_source, require_source
 from .outputs import LinearLogpResult, pack_outputs
 from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, LogpOptions, linear_logp_tp
+from .validation import is_int
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
 
@@ -59,19 +60,17 @@ def autocast_inputs(device_type: str, hidden, weight, bias):
     return cast(hidden), cast(weight), cast(bias)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                     options: LogpOptions) -> bool:
+    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.validation.local_problem`
+    names the argument (checked in tests/test_linear_logp.py)."""
     return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
             and (bias is None or isinstance(bias, torch.Tensor))
-            and _is_int(vocab_start_index)
-            and (global_vocab_size is None or _is_int(global_vocab_size))
+            and is_int(vocab_start_index)
+            and (global_vocab_size is None or is_int(global_vocab_size))
             and isinstance(options.temperature, (int, float)) and not isinstance(options.temperature, bool)
-            and (options.ignore_index is None or _is_int(options.ignore_index))
-            and (options.workspace_bytes is None or _is_int(options.workspace_bytes)))
+            and (options.ignore_index is None or is_int(options.ignore_index))
+            and (options.workspace_bytes is None or is_int(options.workspace_bytes)))
 
 
 def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,

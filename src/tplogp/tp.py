@@ -215,7 +215,7 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
     if world == 1 and mode != "fast":
         raise_pending_errors()  # the deferred verdict of the previous call without a group
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                            options.ignore_index, options.temperature)
+                            options.ignore_index, options.temperature, options.workspace_bytes)
     if world > 1:
         comm_dev = _comm_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
         ok = problem is None

@@ -37,7 +37,6 @@ from .shards import ShardLayoutError, validate_ranges
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 COVERAGE_MESSAGE = "target_ids must be covered by exactly one TP vocab shard"
-CHECK_MODES = settings.CHECK_MODES
 
 
 class LinearLogpInputError(ValueError):
@@ -52,6 +51,11 @@ def checks_mode() -> str:
         raise LinearLogpInputError(str(exc)) from exc
 
 
+def is_int(x) -> bool:
+    """A Python int that is not a bool (what the op's ``int`` schema arguments accept)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def local_problem(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -61,8 +65,12 @@ def local_problem(
     global_vocab_size: Optional[int],
     ignore_index: Optional[int],
     temperature: float,
+    workspace_bytes: Optional[int] = None,
 ) -> Optional[str]:
-    """Everything one rank can check alone. Returns a message, or None when the inputs are fine."""
+    """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
+
+    An argument of a type that the op's schema (:mod:`tplogp.ops`) does not take is always a problem here: such
+    calls run these checks eagerly to raise their error (:mod:`tplogp.api`)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -94,14 +102,17 @@ def local_problem(
         names = f"hidden={hidden.device}, weight={weight.device}, target_ids={target_ids.device}" + (
             f", bias={bias.device}" if bias is not None else "")
         return f"all tensors must be on one device, got {names}"
-    if not isinstance(vocab_start_index, int) or vocab_start_index < 0:
+    if not is_int(vocab_start_index) or vocab_start_index < 0:
         return f"vocab_start_index must be a non-negative int, got {vocab_start_index!r}"
-    if global_vocab_size is not None and (not isinstance(global_vocab_size, int) or global_vocab_size <= 0):
+    if global_vocab_size is not None and (not is_int(global_vocab_size) or global_vocab_size <= 0):
         return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and temperature != float("inf")):
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
+            and temperature != float("inf")):
         return f"temperature must be a positive finite number, got {temperature!r}"
-    if ignore_index is not None and not isinstance(ignore_index, int):
+    if ignore_index is not None and not is_int(ignore_index):
         return f"ignore_index must be an int or None, got {ignore_index!r}"
+    if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
+        return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
     return None
 
 
