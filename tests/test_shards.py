@@ -4,6 +4,7 @@ import pytest
 
 from tplogp.shards import (
     ShardLayoutError,
+    chunk_boundaries,
     even_boundaries,
     shard_boundaries,
     shard_range,
@@ -33,6 +34,19 @@ def test_boundaries_partition_the_vocab(vocab, world, uneven):
 def test_runbook_layouts():
     assert even_boundaries(8192, 4) == [0, 2048, 4096, 6144, 8192]
     assert uneven_boundaries(4096, 4) == [0, 409, 1228, 2457, 4096]
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 7, 10, 101])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_chunk_boundaries_are_torch_chunk(vocab, world):
+    """The split of a DTensor placed Shard(0): torch.chunk's, trailing ranks empty when the chunks run out."""
+    import torch
+
+    sizes = [len(c) for c in torch.arange(vocab).chunk(world)]
+    sizes += [0] * (world - len(sizes))
+    b = chunk_boundaries(vocab, world)
+    assert [e - s for s, e in zip(b, b[1:])] == sizes
+    assert validate_boundaries(b, vocab) == vocab
 
 
 def test_shard_range():

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .shards import chunk_boundaries, shard_range
 from .validation import LinearLogpInputError
 
 
@@ -28,12 +29,6 @@ def is_dtensor(x) -> bool:
     """Whether ``x`` is a DTensor (without importing the DTensor package when nothing has made one)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(x, module.DTensor)
-
-
-def chunk_start(vocab_size: int, world: int, coordinate: int) -> int:
-    """First row of chunk ``coordinate`` when ``torch.chunk`` splits ``vocab_size`` rows into ``world`` parts."""
-    size = -(-vocab_size // world)
-    return min(coordinate * size, vocab_size)
 
 
 def _vocab_mesh_dim(weight) -> int:
@@ -76,18 +71,17 @@ def unwrap_dtensors(run: Callable, hidden, weight, target_ids, bias, tp_group, v
                 f"got {tuple(hidden.placements)}")
         tp_group = mesh.get_group(dim)
         global_vocab_size = int(weight.shape[0])
-        vocab_start_index = chunk_start(global_vocab_size, mesh.size(dim), mesh.get_local_rank(dim))
+        vocab_start_index, vocab_end = shard_range(chunk_boundaries(global_vocab_size, mesh.size(dim)),
+                                                   mesh.get_local_rank(dim))
         # data-parallel dimensions of a DTensor hidden: each rank's gradient is its tokens' part of the sum
         grad_placements = [Partial() if hidden_mesh is not None and hidden.placements[i].is_shard() else p
                            for i, p in enumerate(weight.placements)]
         weight = weight.to_local(grad_placements=grad_placements)
         bias = None if bias is None else bias.to_local(grad_placements=grad_placements)
-        expected = min(vocab_start_index + -(-global_vocab_size // mesh.size(dim)), global_vocab_size) \
-            - vocab_start_index
-        if weight.shape[0] != expected:
+        if weight.shape[0] != vocab_end - vocab_start_index:
             raise LinearLogpInputError(
                 f"the DTensor weight's local shard has {weight.shape[0]} rows where torch.chunk's split gives "
-                f"{expected} (rows [{vocab_start_index}, {vocab_start_index + expected}))")
+                f"{vocab_end - vocab_start_index} (rows [{vocab_start_index}, {vocab_end}))")
     if hidden_mesh is None:
         return run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, options)
 

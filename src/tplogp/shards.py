@@ -57,6 +57,13 @@ def uneven_boundaries(vocab_size: int, world_size: int) -> list[int]:
     return bounds
 
 
+def chunk_boundaries(vocab_size: int, world_size: int) -> list[int]:
+    """``torch.chunk``'s split, the one a DTensor placed ``Shard(0)`` uses: chunks of ``ceil(V / W)`` ids, the last
+    ones smaller or empty."""
+    size = -(-vocab_size // world_size)
+    return [min(r * size, vocab_size) for r in range(world_size + 1)]
+
+
 def shard_boundaries(vocab_size: int, world_size: int, uneven: bool = False) -> list[int]:
     """The runbook's layouts: near-even by default, :func:`uneven_boundaries` with ``uneven=True``."""
     return uneven_boundaries(vocab_size, world_size) if uneven else even_boundaries(vocab_size, world_size)
