@@ -19,10 +19,10 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from .comm import OverlappedAllReduce
 from .losses import PerTokenLoss
-from .tp import LogpOptions, _shard_forward, prepare_call
+from .tp import LogpOptions, _shard_forward, expand_kept_rows, prepare_call
 
 REDUCTIONS = ("sum", "mean")
 
@@ -138,10 +138,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         d_b = torch.zeros_like(bias) if needs[2] else None
     if d_hidden is not None:
         if tpc.world_size > 1:  # the one all_reduce of d_hidden
-            buf = d_hidden.to(tpc.comm_device)
-            dist.all_reduce(buf, group=tpc.group)
-            d_hidden = buf.to(h2.device)
-        if keep_idx is not None:
-            d_hidden = d_hidden.new_zeros(n_all, d).index_copy(0, keep_idx, d_hidden)
-        d_hidden = d_hidden.view(hidden.shape)  # fp32: rounded once, after the upstream scale
+            d_hidden = OverlappedAllReduce(tpc.group, tpc.comm_device).finish(d_hidden)
+        # fp32: rounded once, after the upstream scale
+        d_hidden = expand_kept_rows(d_hidden, keep_idx, n_all).view(hidden.shape)
     return total, (d_hidden, d_w, d_b)

@@ -204,6 +204,16 @@ class PreparedCall(NamedTuple):
     vocab_size: int  # of all shards together (the same on every rank)
 
 
+def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0) -> torch.Tensor:
+    """Undo the ignore_index compaction along ``dim``: ``n_all`` rows, zeros at the ignored ones (``x`` itself when
+    nothing was compacted)."""
+    if keep_idx is None:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n_all
+    return x.new_zeros(shape).index_copy(dim, keep_idx, x)
+
+
 def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                  global_vocab_size: Optional[int], options: LogpOptions,
                  builds_graph: Optional[bool] = None) -> PreparedCall:
@@ -315,10 +325,8 @@ def linear_logp_tp(
 
     if keep_idx is not None:
         n_all = target_ids.numel()
-        logp = logp.new_zeros(n_all).index_copy(0, keep_idx, logp)
-        if entropy is not None:
-            entropy = entropy.new_zeros(n_all).index_copy(0, keep_idx, entropy)
-        lse = lse.new_zeros(n_all).index_copy(0, keep_idx, lse)
+        logp, lse = expand_kept_rows(logp, keep_idx, n_all), expand_kept_rows(lse, keep_idx, n_all)
+        entropy = None if entropy is None else expand_kept_rows(entropy, keep_idx, n_all)
     if len(out_shape) != 1:
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
@@ -337,13 +345,6 @@ def packed_rows(with_entropy: bool) -> int:
     return 6 if with_entropy else 4
 
 
-def _all_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int) -> torch.Tensor:
-    """``[K, n_kept]`` -> ``[K, n_all]``, zeros at the ignored rows."""
-    if keep_idx is None:
-        return x
-    return x.new_zeros((x.shape[0], n_all)).index_copy(1, keep_idx, x)
-
-
 def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                    global_vocab_size: Optional[int], options: LogpOptions, builds_graph: bool) -> torch.Tensor:
     """Checks and forward of one call as one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored
@@ -354,7 +355,7 @@ def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_g
     (logp, entropy, lse), (row_max, log_sum, mean_rel, _) = _shard_forward(prep.hidden, prep.weight, prep.bias,
                                                                            prep.local_target, prep.tpc)
     rows = [logp, lse, row_max, log_sum] + ([entropy, mean_rel] if options.return_entropy else [])
-    return _all_rows(torch.stack(rows), prep.keep_idx, target_ids.numel())
+    return expand_kept_rows(torch.stack(rows), prep.keep_idx, target_ids.numel(), dim=1)
 
 
 class _SavedCall:
@@ -385,8 +386,5 @@ def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, pac
     d_hidden, d_weight, d_bias, _, _ = _LinearLogpFunction.backward(
         _SavedCall(saved, prep.tpc, needs), grad_packed[PACKED_LOGP], g_entropy, grad_packed[PACKED_LSE])
     if d_hidden is not None:
-        if prep.keep_idx is not None:
-            d_hidden = d_hidden.new_zeros((target_ids.numel(), d_hidden.shape[1])).index_copy(0, prep.keep_idx,
-                                                                                               d_hidden)
-        d_hidden = d_hidden.view(hidden.shape)
+        d_hidden = expand_kept_rows(d_hidden, prep.keep_idx, target_ids.numel()).view(hidden.shape)
     return d_hidden, d_weight, d_bias
