@@ -18,9 +18,10 @@ Modes (``TPLOGP_CHECKS``):
 * ``sync``: as ``full``, but without a group the range is read at the call (one host sync), so the error surfaces
   at the call that caused it.
 * ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size, bias,
-  ignore_index, whether the call records an autograd graph) and skips the target check: one collective per forward and no host syncs, as CUDA-graph capture needs; tokens whose target no
-  shard owns then come out as NaN, and ranks that disagree on the token count are the caller's bug (they would
-  block in the stats exchange).
+  ignore_index, whether the call records an autograd graph) and skips the target check: one collective per forward
+  and no host syncs (but the ignore_index compaction's ``nonzero``), as CUDA-graph capture needs; tokens whose
+  target no shard owns then come out as NaN, and ranks that disagree on the token count are the caller's bug (they
+  would block in the stats exchange).
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def target_range_problem(summary: TargetSummary, vocab_size: int, ignore_index: 
 class GroupCheck:
     """The collective verdict. ``run`` returns the global vocab size and, when given targets, their summary."""
 
-    _FIELDS = 13  # verdict, 7 metadata fields, checksum, ignore_index, differentiability, lo, hi
+    _FIELDS = 13  # verdict, 7 metadata fields, ignore_index, differentiability, then the targets' checksum, lo, hi
     # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
     _verified: dict = {}
 
@@ -212,7 +213,7 @@ class GroupCheck:
         )
         tail = (torch.tensor([0, 0, -1], dtype=torch.long, device=comm_device) if targets is None
                 else targets.to(comm_device))
-        record = torch.cat([head[:8], tail[:1], head[8:], tail[1:]])
+        record = torch.cat([head, tail])
         gathered = all_gather_flat(record, group)
         rows = gathered.view(world, cls._FIELDS).cpu().tolist()
         if any(r[0] for r in rows):
@@ -228,7 +229,7 @@ class GroupCheck:
         if mode == "fast":
             cls._verified[key] = total
         # identical on every rank: the checksum agreement proved the targets replicated
-        summary = None if targets is None else TargetSummary(rows[0][8], rows[0][11], rows[0][12])
+        summary = None if targets is None else TargetSummary(*rows[0][10:13])
         return total, summary
 
     @staticmethod
@@ -248,11 +249,11 @@ class GroupCheck:
         names = {v: k for k, v in _DTYPE_CODE.items()}
         differ(6, "the input dtype", lambda c: str(names.get(c, "?")))
         differ(7, "bias presence (all ranks pass a bias or none does)", lambda b: "bias" if b else "no bias")
-        differ(9, "ignore_index", lambda v: "None" if v == -(1 << 62) else str(v))
+        differ(8, "ignore_index", lambda v: "None" if v == -(1 << 62) else str(v))
         # a rank that records no autograd graph would skip the backward all-reduce the others enter
-        differ(10, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
+        differ(9, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
                lambda b: "yes" if b else "no")
-        differ(8, "target_ids (they must be replicated: the same global ids on every rank)", lambda c: f"#{c:x}")
+        differ(10, "target_ids (they must be replicated: the same global ids on every rank)", lambda c: f"#{c:x}")
 
 
 def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
