@@ -111,7 +111,7 @@ def sass_counts(cubin: bytes) -> collections.Counter:
 def shared_memory() -> None:
     for kind, arch, dt, blocks, precision in CASES:
         compiled = _compile(kind, arch, dt, blocks, precision).metadata.shared
-        model = tiles.gemm_shared_bytes(*blocks, _ITEMSIZE[dt], tensor_cores=not (dt == "fp32" and precision == "ieee"))
+        model = tiles.gemm_shared_bytes(*blocks, _ITEMSIZE[dt], tiles.uses_tensor_cores(_ITEMSIZE[dt], precision))
         print(json.dumps(dict(case=f"{kind} sm_{arch} {dt} {blocks} {precision}", tma=kind.endswith("tma") and arch == 90,
                               compiled=compiled, model=model)), flush=True)
 
