@@ -5,8 +5,8 @@ Run with ``TRITON_INTERPRET`` unset (``tests/test_sm90_compile.py`` starts it in
 * ``python -m tests.compiled_kernels shared-memory``: one JSON line per case, ``{"case", "tma", "compiled": bytes
   Triton allots, "model": tplogp.kernels.tiles.gemm_shared_bytes}``;
 * ``python -m tests.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
-  forward-statistics and d_logits kernels (the sm90 config, bf16, no bias / entropy), and whether their K loop is
-  warp-specialized (``USETMAXREG``).
+  forward-statistics kernel (default and ``KEEP``) and d_logits kernels (TMA, and from kept logits), with the sm90
+  config, bf16, no bias / entropy.
 """
 
 from __future__ import annotations
