@@ -26,7 +26,11 @@ METHOD = """## Method
 * **GEMM-times.** One GEMM is the `[T, D] x [D, V]` matmul in the input dtype (cuBLAS, 2TDV FLOP), timed in the
   same process. Each round times GEMM, forward, GEMM, forward+backward and divides each time by the GEMM timed just
   before it; a GEMM-time is the median over rounds (3 by default), and the implementations are interleaved within
-  each round in a rotating order, so clock and power drift fall on all of them alike.
+  each round in a rotating order, so clock and power drift fall on all of them alike. The GEMM is timed back to
+  back (its GPU time) for both columns, so synced and b2b GEMM-times share one unit. A table whose "One GEMM" gives
+  a synced and a b2b time comes from an earlier harness that divided each column by the GEMM timed in that
+  column's mode: the synced GEMM includes one launch latency (0.24-0.28 against 0.20-0.21 ms at 4096x2048x8192), so
+  at small shapes the synced column reads lower than b2b where the op's milliseconds are about the same.
 * **Power-capped clocks, sustained warm-up.** Under sustained tensor-core load an H200 sits at its 700 W power cap
   and its SM clock falls from 1980 MHz to 1230-1620 MHz, so a kernel timed after an idle stretch runs at boost clock
   and looks faster than in training (H200, bf16, 2026-11-29, commit `192094b`: the 4096x2048x131072 GEMM took
@@ -115,6 +119,17 @@ def _shape_key(shape: str) -> tuple:
     return (-(t * d * v), shape)
 
 
+def _gemm_line(sel: list[dict]) -> str:
+    """The unit of the GEMM-time columns; rows with ``gemm_ms_b2b`` divided each mode by its own mode's GEMM."""
+    r = next((r for r in sel if r.get("gemm_ms")), None)
+    if r is None:
+        return ""
+    if r.get("gemm_ms_b2b"):
+        return (f" One GEMM: {r['gemm_ms']:.3f} ms synced, {r['gemm_ms_b2b']:.3f} ms b2b (each GEMM-time column "
+                f"in its own mode's GEMM).")
+    return f" One GEMM: {r['gemm_ms']:.3f} ms (back to back, the unit of both GEMM-time columns)."
+
+
 def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
     out = ["## Operator on the GPU", ""]
     groups = plots.latest_op_rows(rows)
@@ -122,9 +137,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
         return out + ["No op rows in the results file yet (`python -m benchmarks op`).", ""]
     for (shape, dtype), sel in sorted(groups.items(), key=lambda kv: (_shape_key(kv[0][0]), kv[0][1])):
         sel = sorted(sel, key=lambda r: (r.get("error") is not None, r.get("fwd_bwd_gemms") or 1e9))
-        gemm = next((r["gemm_ms"] for r in sel if r.get("gemm_ms")), None)
-        out += [f"### {shape} (T x D x V), {dtype}", "", _run_line(sel) + (
-            f" One GEMM: {gemm:.3f} ms." if gemm else ""), ""]
+        out += [f"### {shape} (T x D x V), {dtype}", "", _run_line(sel) + _gemm_line(sel), ""]
         out += ["| impl | budget | contract | fwd ms | fwd+bwd ms | fwd GEMMs | fwd+bwd GEMMs synced / b2b | "
                 "extra GiB | err logp (loss) | err d_hidden | err d_W |",
                 "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -124,6 +124,7 @@ def test_report_takes_the_latest_row_per_impl_and_budget(tmp_path):
     table = [line for line in text.splitlines() if line.startswith("| tplogp-sm90 |")]
     assert len(table) == 2 and any("| 4.000 |" in line for line in table), table  # the latest full run's
     assert not any("| 9.000 |" in line or "| 7.000 |" in line for line in table)
+    assert "One GEMM: 1.000 ms (back to back, the unit of both GEMM-time columns)." in text
     assert "`quack-chunked`: unavailable: quack is not installed" in text
     assert "| 256x64x2048 | native | 0.50 | 3 |" in text
     if (tmp_path / "pareto_64x32x320_bf16.png").exists():
