@@ -7,7 +7,7 @@ leaving out smoke runs and A/B rows. The method and reproduction text lives here
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional
+from typing import Optional
 
 from . import plots, runner
 
@@ -76,17 +76,6 @@ tplogp in one process would share or clash over kernel caches and registered ops
 row with the reason. nvidia-cutlass-dsl (Liger's CuTe kernel, QuACK) is a `.pth`-based package: installed with
 `pip install --target DIR`, add `DIR` and `DIR/nvidia_cutlass_dsl/dsl_packages` to `PYTHONPATH`.
 """
-
-
-def _latest(rows: Iterable[dict], suite: str, key_fields: tuple[str, ...]) -> list[dict]:
-    latest: dict[tuple, dict] = {}
-    for r in rows:
-        if r.get("suite") != suite or r.get("smoke") or r.get("ab"):
-            continue
-        key = tuple(r.get(k) for k in key_fields)
-        if key not in latest or r["date"] >= latest[key]["date"]:
-            latest[key] = r
-    return list(latest.values())
 
 
 def _num(x: Optional[float], fmt: str) -> str:
@@ -163,7 +152,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
 
 
 def memory_section(rows: list[dict]) -> list[str]:
-    sel = sorted(_latest(rows, "memory", ("shape", "impl")), key=lambda r: (-_shape_key(r["shape"])[0], r["impl"]))
+    sel = sorted(runner.latest_rows(rows, "memory", ("shape", "impl")), key=lambda r: (-_shape_key(r["shape"])[0], r["impl"]))
     out = ["## Operator on the CPU (native source)", "",
            "`python -m benchmarks memory`: one fp32 forward+backward (per-token upstream gradient) per implementation "
            "in a fresh process; resident growth is the peak RSS above the inputs. `eager` materializes the full fp32 "
@@ -182,7 +171,7 @@ def memory_section(rows: list[dict]) -> list[str]:
 
 
 def plugin_section(rows: list[dict]) -> list[str]:
-    sel = {r["section"]: r for r in _latest(rows, "plugin", ("section",))}
+    sel = {r["section"]: r for r in runner.latest_rows(rows, "plugin", ("section",))}
     out = ["## Plugin (pytest_tplogp rank pool, CPU)", "", "`python -m benchmarks plugin` (gloo, world size 4).", ""]
     if not sel:
         return out + ["No plugin rows in the results file yet.", ""]
@@ -212,7 +201,7 @@ def plugin_section(rows: list[dict]) -> list[str]:
 
 
 def tp_section(rows: list[dict]) -> list[str]:
-    sel = sorted(_latest(rows, "tp", ("shape", "dtype", "impl", "tp")), key=lambda r: (r["shape"], r["tp"]))
+    sel = sorted(runner.latest_rows(rows, "tp", ("shape", "dtype", "impl", "tp")), key=lambda r: (r["shape"], r["tp"]))
     if not sel:
         return []
     out = ["## Tensor-parallel scaling", "", "`python -m benchmarks tp`: median step (forward+backward) of the "
