@@ -157,8 +157,10 @@ def _torch_settings(torch: Any) -> tuple[tuple[Callable[[], Any], Callable[[Any]
 class _ProcessState:
     """What a test body can change in a rank process and the pool can put back (see ``_restore_and_check``)."""
 
-    #: Set by libraries on first use (torch on CUDA initialisation), not by tests: neither reported nor undone.
-    LIBRARY_ENV = ("CUDA_MODULE_LOADING",)
+    #: Set by libraries on first use, not by tests: neither reported nor undone. torch sets CUDA_MODULE_LOADING on
+    #: CUDA initialisation, inductor TORCHINDUCTOR_CACHE_DIR on first use of its cache (torch.compile, or
+    #: torch.use_deterministic_algorithms).
+    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR")
 
     def __init__(self, torch: Any) -> None:
         self.settings = _torch_settings(torch)
