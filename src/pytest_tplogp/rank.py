@@ -143,6 +143,17 @@ def _crash_location(tb: Any, test_file: str | None) -> tuple[str, int] | None:
     return (frame.filename, frame.lineno or 0)
 
 
+def seed_test(seed: int) -> None:
+    """Seed ``random``, torch and (when imported) numpy with a test's seed: every rank draws the same numbers."""
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
 def _torch_settings(torch: Any) -> tuple[tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], str]], ...]:
     """The torch process settings a body can change by hand: (get, set, how a changed value is named)."""
     return (
@@ -259,13 +270,6 @@ class _Rank:
                     problems.append(f"CUDA memory {(mem - self.base_mem) / 2**20:.1f} MiB above the pool's baseline")
         return restored, problems
 
-    def _seed(self, seed: int) -> None:
-        random.seed(seed)
-        self.torch.manual_seed(seed)
-        np = sys.modules.get("numpy")
-        if np is not None:
-            np.random.seed(seed % 2**32)
-
     # ------------------------------------------------------------ imports
     @staticmethod
     def _sync_path(sys_path: list[str]) -> None:
@@ -337,7 +341,7 @@ class _Rank:
             self._sync_path(cmd.sys_path)
             func = self._resolve(cmd)
             kwargs = {k: bind(v, self.ctx) for k, v in pickle.loads(cmd.kwargs).items()}
-            self._seed(cmd.seed)
+            seed_test(cmd.seed)
         except BaseException as exc:  # noqa: BLE001 - reported as this rank's failure
             out = self._outcome(exc, tb_skip=0)
             out.summary = f"could not set up the test on the rank: {out.summary}"
@@ -364,7 +368,7 @@ class _Rank:
             fn, args, kwargs = pickle.loads(cmd.payload)
             args = tuple(bind(a, self.ctx) for a in args)
             kwargs = {k: bind(v, self.ctx) for k, v in kwargs.items()}
-            self._seed(cmd.seed)
+            seed_test(cmd.seed)
         except BaseException as exc:  # noqa: BLE001
             out = self._outcome(exc, tb_skip=0)
             out.summary = f"could not unpickle the call on the rank: {out.summary}"

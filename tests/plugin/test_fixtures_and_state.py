@@ -13,6 +13,8 @@ pytest_plugins = ["pytester"]
 
 BODY = '''
 import os
+import random
+import numpy as np
 import pytest
 import torch
 
@@ -42,6 +44,9 @@ def test_d_leaks_were_restored(tp):
     assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
     assert torch.get_num_threads() == 1 and not torch.are_deterministic_algorithms_enabled()
     assert torch.initial_seed() != 123       # every test is seeded from its node id
+    seed = torch.initial_seed()              # random and numpy too, with the same seed
+    assert random.random() == random.Random(seed).random()
+    assert np.random.rand() == np.random.RandomState(seed).rand()
 
 @pytest.mark.tp
 def test_e_capsys(tp, capsys):
