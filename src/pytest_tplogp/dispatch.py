@@ -66,7 +66,12 @@ def _rank_side(value: Any) -> Any:
 
 
 def _pickled_kwargs(item: pytest.Item, kwargs: dict[str, Any]) -> bytes:
+    """The body's fixture values, pickled once; when that fails, the first value that does not pickle is named."""
     kwargs = {name: _rank_side(value) for name, value in kwargs.items()}
+    try:
+        return pickle.dumps(kwargs, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - find the fixture to name below
+        pass
     for name, value in kwargs.items():
         try:
             pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
