@@ -213,8 +213,9 @@ def linear_logp_loss(
     clipping, policy gradient, KL to a reference and an entropy bonus); ``per_token`` tensors have target_ids'
     shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
     positions add nothing. ``source``: None, ``"registry"`` or ``"auto"`` (the registry's choice for the device) or
-    ``"native"`` / ``"triton"`` / ``"sm90"``. The other arguments are those of :func:`linear_logp`. Returns a 0-d fp32 tensor whose
-    backward scales the precomputed gradients of hidden, weight and bias.
+    ``"native"`` / ``"triton"`` / ``"sm90"``. The other arguments are those of :func:`linear_logp`, on plain
+    tensors: DTensor weights and autocast casting are not handled here (call ``to_local()`` and cast before). Returns
+    a 0-d fp32 tensor whose backward scales the precomputed gradients of hidden, weight and bias.
     """
     from .fused_loss import fused_loss
 
