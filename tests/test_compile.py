@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from tplogp import get_op, linear_logp, ops
+from tplogp import get_op, linear_logp, linear_logp_loss, losses, ops
 from tplogp.tolerances import assert_no_worse
 from tests.problems import make_problem, run_reference
 
@@ -131,6 +131,19 @@ def test_compile_with_triton_source_and_bare_weight():
     eager = loss_and_grads(loss_fn, p)
     compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
     assert_same_bits(compiled, eager)
+
+
+def test_fused_loss_breaks_the_graph_and_runs_eagerly():
+    """``linear_logp_loss`` is not an op (docs/training.md): a compiled function that calls it breaks its graph
+    there, and gives eager's loss and gradients."""
+    p = make_problem((12,), 16, 50, torch.float32, True, seed=5)
+
+    def loss_fn(h, w, t, b):
+        return 2 * linear_logp_loss(h, w, t, b, loss=losses.policy_gradient(), per_token=(p.g_logp,))
+
+    assert torch._dynamo.explain(loss_fn)(p.hidden, p.weight, p.target, p.bias).graph_break_count > 0
+    eager = loss_and_grads(loss_fn, p)
+    assert_same_bits(loss_and_grads(torch.compile(loss_fn, backend="aot_eager"), p), eager)
 
 
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp-lse", "entropy"])
