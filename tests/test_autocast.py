@@ -38,15 +38,21 @@ def test_autocast_matches_linear_then_fp32_log_softmax(dtype, backward_inside):
     p = make_problem((3, 17), 40, 263, torch.float32, True, seed=11, peaked=True)
     temperature = 0.8
 
-    h, w, b = _leaves(p)
-    with torch.autocast("cpu", dtype=dt):
-        outs = linear_logp(h, w, p.target, b, temperature=temperature, return_entropy=True, return_lse=True)
-        if backward_inside:
-            ours = _backward(outs, p, h, w, b)
-    if not backward_inside:
-        ours = _backward(outs, p, h, w, b)
+    def run(inside):
+        h, w, b = _leaves(p)
+        with torch.autocast("cpu", dtype=dt):
+            outs = linear_logp(h, w, p.target, b, temperature=temperature, return_entropy=True, return_lse=True)
+            if inside:
+                return _backward(outs, p, h, w, b)
+        return _backward(outs, p, h, w, b)
+
+    ours = run(backward_inside)
     for name in ("logp", "entropy", "lse", "d_hidden", "d_weight", "d_bias"):
         assert ours[name].dtype == torch.float32, (name, ours[name].dtype)
+    if backward_inside:  # the same gradients as a backward after the region (docs/training.md)
+        after = run(False)
+        for name in ours:
+            assert torch.equal(ours[name], after[name]), name
 
     # the PyTorch way: F.linear under the same autocast, then an fp32 log_softmax
     hr, wr, br = _leaves(p)
