@@ -15,7 +15,10 @@ import sys
 
 import pytest
 
+import torch
+
 from benchmarks import impls, report, runner
+from tplogp.tolerances import ERROR_SLACK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +30,12 @@ def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
+
+
+def _no_worse(err: float, reference_err: float) -> bool:
+    """The three-way rule of ``tplogp.tolerances`` on two rows' float64 errors (the smoke runs are bf16)."""
+    slack = ERROR_SLACK[torch.bfloat16]
+    return err <= slack.factor * reference_err + slack.eps
 
 
 def _rows(out) -> list[dict]:
@@ -49,12 +58,14 @@ def test_op_smoke_rows(tmp_path):
             assert r[field] > 0, (field, r)
         # three-way: tplogp's fp32 log-softmax is no worse than the bf16-logits eager baseline against float64
         assert r["err_logp"] <= eager["err_logp"], (r, eager)
-        assert r["err_d_hidden"] <= 2 * eager["err_d_hidden"] and r["err_d_weight"] <= 2 * eager["err_d_weight"]
+        assert _no_worse(r["err_d_hidden"], eager["err_d_hidden"]) and _no_worse(r["err_d_weight"],
+                                                                                 eager["err_d_weight"]), (r, eager)
     for budget in ("default", "16KiB"):  # the scalar-loss contract: mean CE and its gradients vs float64
         r = rows["tplogp-loss-native", budget]
         assert r["contract"] == impls.SCALAR_LOSS and "error" not in r and "err_logp" not in r, r
         assert r["err_loss"] <= eager["err_logp"] and r["fwd_bwd_ms"] > 0, r
-        assert r["err_d_hidden"] <= 2 * eager["err_d_hidden"] and r["err_d_weight"] <= 2 * eager["err_d_weight"]
+        assert _no_worse(r["err_d_hidden"], eager["err_d_hidden"]) and _no_worse(r["err_d_weight"],
+                                                                                 eager["err_d_weight"]), (r, eager)
     assert rows["tplogp-native", "16KiB"]["budget_bytes"] == 16 * 2**10
     assert rows["quack-chunked", "default"]["contract"] == impls.SCALAR_LOSS
     for key in (("liger-flce", "default"), ("quack-chunked", "default")):
