@@ -82,7 +82,7 @@ def format_ratio(entry: dict) -> str:
     return f"{label}: " + ("; ".join(parts) if parts else "no common numbers")
 
 
-def run(argv: list[str], base_rev: str, rounds: int, out_dir: str, first_round_only: tuple[str, ...] = (),
+def run(argv: list[str], base_rev: str, rounds: int, out_dir: str,
         later_rounds: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
     """Run ``python -m benchmarks <argv>`` on this tree and on ``base_rev``, ``rounds`` times each, interleaved.
 

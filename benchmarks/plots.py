@@ -11,19 +11,14 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+from . import runner
+
 
 def latest_op_rows(rows: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
     """``{(shape, dtype): [latest row per (impl, budget)]}`` over op rows of full (non-smoke, non-A/B) runs."""
-    latest: dict[tuple, dict] = {}
-    for r in rows:
-        if r.get("suite") != "op" or r.get("smoke") or r.get("ab"):
-            continue
-        key = (r["shape"], r["dtype"], r["impl"], r["budget"])
-        if key not in latest or r["date"] >= latest[key]["date"]:
-            latest[key] = r
     out: dict[tuple[str, str], list[dict]] = {}
-    for (shape, dtype, _, _), r in latest.items():
-        out.setdefault((shape, dtype), []).append(r)
+    for r in runner.latest_rows(rows, "op", ("shape", "dtype", "impl", "budget")):
+        out.setdefault((r["shape"], r["dtype"]), []).append(r)
     return out
 
 

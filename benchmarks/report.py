@@ -7,7 +7,7 @@ leaving out smoke runs and A/B rows. The method and reproduction text lives here
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional
+from typing import Optional
 
 from . import plots, runner
 
@@ -26,7 +26,11 @@ METHOD = """## Method
 * **GEMM-times.** One GEMM is the `[T, D] x [D, V]` matmul in the input dtype (cuBLAS, 2TDV FLOP), timed in the
   same process. Each round times GEMM, forward, GEMM, forward+backward and divides each time by the GEMM timed just
   before it; a GEMM-time is the median over rounds (3 by default), and the implementations are interleaved within
-  each round in a rotating order, so clock and power drift fall on all of them alike.
+  each round in a rotating order, so clock and power drift fall on all of them alike. The GEMM is timed back to
+  back (its GPU time) for both columns, so synced and b2b GEMM-times share one unit. A table whose "One GEMM" gives
+  a synced and a b2b time comes from an earlier harness that divided each column by the GEMM timed in that
+  column's mode: the synced GEMM includes one launch latency (0.24-0.28 against 0.20-0.21 ms at 4096x2048x8192), so
+  at small shapes the synced column reads lower than b2b where the op's milliseconds are about the same.
 * **Power-capped clocks, sustained warm-up.** Under sustained tensor-core load an H200 sits at its 700 W power cap
   and its SM clock falls from 1980 MHz to 1230-1620 MHz, so a kernel timed after an idle stretch runs at boost clock
   and looks faster than in training (H200, bf16, 2026-11-29, commit `192094b`: the 4096x2048x131072 GEMM took
@@ -74,17 +78,6 @@ row with the reason. nvidia-cutlass-dsl (Liger's CuTe kernel, QuACK) is a `.pth`
 """
 
 
-def _latest(rows: Iterable[dict], suite: str, key_fields: tuple[str, ...]) -> list[dict]:
-    latest: dict[tuple, dict] = {}
-    for r in rows:
-        if r.get("suite") != suite or r.get("smoke") or r.get("ab"):
-            continue
-        key = tuple(r.get(k) for k in key_fields)
-        if key not in latest or r["date"] >= latest[key]["date"]:
-            latest[key] = r
-    return list(latest.values())
-
-
 def _num(x: Optional[float], fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
@@ -115,6 +108,17 @@ def _shape_key(shape: str) -> tuple:
     return (-(t * d * v), shape)
 
 
+def _gemm_line(sel: list[dict]) -> str:
+    """The unit of the GEMM-time columns; rows with ``gemm_ms_b2b`` divided each mode by its own mode's GEMM."""
+    r = next((r for r in sel if r.get("gemm_ms")), None)
+    if r is None:
+        return ""
+    if r.get("gemm_ms_b2b"):
+        return (f" One GEMM: {r['gemm_ms']:.3f} ms synced, {r['gemm_ms_b2b']:.3f} ms b2b (each GEMM-time column "
+                f"in its own mode's GEMM).")
+    return f" One GEMM: {r['gemm_ms']:.3f} ms (back to back, the unit of both GEMM-time columns)."
+
+
 def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
     out = ["## Operator on the GPU", ""]
     groups = plots.latest_op_rows(rows)
@@ -122,9 +126,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
         return out + ["No op rows in the results file yet (`python -m benchmarks op`).", ""]
     for (shape, dtype), sel in sorted(groups.items(), key=lambda kv: (_shape_key(kv[0][0]), kv[0][1])):
         sel = sorted(sel, key=lambda r: (r.get("error") is not None, r.get("fwd_bwd_gemms") or 1e9))
-        gemm = next((r["gemm_ms"] for r in sel if r.get("gemm_ms")), None)
-        out += [f"### {shape} (T x D x V), {dtype}", "", _run_line(sel) + (
-            f" One GEMM: {gemm:.3f} ms." if gemm else ""), ""]
+        out += [f"### {shape} (T x D x V), {dtype}", "", _run_line(sel) + _gemm_line(sel), ""]
         out += ["| impl | budget | contract | fwd ms | fwd+bwd ms | fwd GEMMs | fwd+bwd GEMMs synced / b2b | "
                 "extra GiB | err logp (loss) | err d_hidden | err d_W |",
                 "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -150,7 +152,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
 
 
 def memory_section(rows: list[dict]) -> list[str]:
-    sel = sorted(_latest(rows, "memory", ("shape", "impl")), key=lambda r: (-_shape_key(r["shape"])[0], r["impl"]))
+    sel = sorted(runner.latest_rows(rows, "memory", ("shape", "impl")), key=lambda r: (-_shape_key(r["shape"])[0], r["impl"]))
     out = ["## Operator on the CPU (native source)", "",
            "`python -m benchmarks memory`: one fp32 forward+backward (per-token upstream gradient) per implementation "
            "in a fresh process; resident growth is the peak RSS above the inputs. `eager` materializes the full fp32 "
@@ -169,7 +171,7 @@ def memory_section(rows: list[dict]) -> list[str]:
 
 
 def plugin_section(rows: list[dict]) -> list[str]:
-    sel = {r["section"]: r for r in _latest(rows, "plugin", ("section",))}
+    sel = {r["section"]: r for r in runner.latest_rows(rows, "plugin", ("section",))}
     out = ["## Plugin (pytest_tplogp rank pool, CPU)", "", "`python -m benchmarks plugin` (gloo, world size 4).", ""]
     if not sel:
         return out + ["No plugin rows in the results file yet.", ""]
@@ -199,7 +201,7 @@ def plugin_section(rows: list[dict]) -> list[str]:
 
 
 def tp_section(rows: list[dict]) -> list[str]:
-    sel = sorted(_latest(rows, "tp", ("shape", "dtype", "impl", "tp")), key=lambda r: (r["shape"], r["tp"]))
+    sel = sorted(runner.latest_rows(rows, "tp", ("shape", "dtype", "impl", "tp")), key=lambda r: (r["shape"], r["tp"]))
     if not sel:
         return []
     out = ["## Tensor-parallel scaling", "", "`python -m benchmarks tp`: median step (forward+backward) of the "

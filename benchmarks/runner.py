@@ -24,7 +24,7 @@ import re
 import statistics
 import subprocess
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -222,3 +222,16 @@ def read_rows(out_dir: str) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def latest_rows(rows: Iterable[dict], suite: str, key_fields: Sequence[str]) -> list[dict]:
+    """The latest row (by date) per ``key_fields`` value among ``suite``'s rows of full runs (smoke and A/B rows
+    left out): the rows the report and the plots show."""
+    latest: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("suite") != suite or r.get("smoke") or r.get("ab"):
+            continue
+        key = tuple(r.get(k) for k in key_fields)
+        if key not in latest or r["date"] >= latest[key]["date"]:
+            latest[key] = r
+    return list(latest.values())

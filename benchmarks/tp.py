@@ -12,7 +12,6 @@ rank when there are enough GPUs, gloo on CPU otherwise.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -67,6 +66,7 @@ def _worker(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from tplogp import get_op
+    from tplogp.runbook.launch import init_group, launch_env, max_over_ranks, pick_device
     from tplogp.shards import shard_boundaries, shard_range
 
     ap = argparse.ArgumentParser()
@@ -77,14 +77,10 @@ def _worker(argv: list[str]) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--row-file", required=True)
     args = ap.parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = "nccl" if gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", world)) > 0 and gpus > 0 else "gloo"
-    device = torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+    env = launch_env()
+    rank, world = env.rank, env.world_size
+    device, backend = pick_device("auto", env)  # the runbook's rule: NCCL with one GPU per rank, else gloo
+    init_group(device, backend, timeout_s=600)
     n, d, v = (int(x) for x in args.shape.split("x"))
     dt = DTYPES[args.dtype]
     start, end = shard_range(shard_boundaries(v, world), rank)
@@ -116,11 +112,8 @@ def _worker(argv: list[str]) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     med = statistics.median(step() for _ in range(args.steps))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else -1.0
-    comm = torch.device("cpu") if backend == "gloo" else device
-    stats = torch.tensor([med, peak], dtype=torch.float64, device=comm)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    slowest_ms, peak_gib = max_over_ranks([med, peak], device, backend)
     if rank == 0:
-        slowest_ms, peak_gib = stats.tolist()
         with open(args.row_file, "w") as f:
             json.dump({"backend": backend, "steps": args.steps, "step_ms": round(slowest_ms, 3),
                        "tflops_per_gpu": round(4 * 2 * n * d * v / world / (slowest_ms * 1e-3) / 1e12, 2),

@@ -5,8 +5,8 @@ Run with ``TRITON_INTERPRET`` unset (``tests/test_sm90_compile.py`` starts it in
 * ``python -m tests.compiled_kernels shared-memory``: one JSON line per case, ``{"case", "tma", "compiled": bytes
   Triton allots, "model": tplogp.kernels.tiles.gemm_shared_bytes}``;
 * ``python -m tests.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
-  forward-statistics and d_logits kernels (the sm90 config, bf16, no bias / entropy), and whether their K loop is
-  warp-specialized (``USETMAXREG``).
+  forward-statistics kernel (default and ``KEEP``) and d_logits kernels (TMA, and from kept logits), with the sm90
+  config, bf16, no bias / entropy.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def sass_counts(cubin: bytes) -> collections.Counter:
 def shared_memory() -> None:
     for kind, arch, dt, blocks, precision in CASES:
         compiled = _compile(kind, arch, dt, blocks, precision).metadata.shared
-        model = tiles.gemm_shared_bytes(*blocks, _ITEMSIZE[dt], tensor_cores=not (dt == "fp32" and precision == "ieee"))
+        model = tiles.gemm_shared_bytes(*blocks, _ITEMSIZE[dt], tiles.uses_tensor_cores(_ITEMSIZE[dt], precision))
         print(json.dumps(dict(case=f"{kind} sm_{arch} {dt} {blocks} {precision}", tma=kind.endswith("tma") and arch == 90,
                               compiled=compiled, model=model)), flush=True)
 

@@ -95,7 +95,7 @@ def test_kept_logits_only_with_a_backward_and_within_the_budget(monkeypatch):
     assert training.kept.dtype == torch.float32 and training.kept.shape == (N, 256)
     assert training.kept.numel() * 4 <= budget - DEFAULT
     raw = p.hidden.float() @ p.weight.float().T  # what the stats kernel keeps: the raw fp32 accumulator
-    assert rel_error(training.kept, raw[:, :256]) < 1e-6
+    assert rel_error(training.kept, raw[:, :256]) <= ERROR_SLACK[torch.float32].eps  # summation order only
 
 
 def test_environment_budget_and_repeated_backward(monkeypatch):

@@ -66,7 +66,12 @@ def _rank_side(value: Any) -> Any:
 
 
 def _pickled_kwargs(item: pytest.Item, kwargs: dict[str, Any]) -> bytes:
+    """The body's fixture values, pickled once; when that fails, the first value that does not pickle is named."""
     kwargs = {name: _rank_side(value) for name, value in kwargs.items()}
+    try:
+        return pickle.dumps(kwargs, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - find the fixture to name below
+        pass
     for name, value in kwargs.items():
         try:
             pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -231,21 +236,18 @@ def end_session_after_deadline(item: pytest.Item, plan: Plan, run: Any) -> None:
     Runs on the deadline thread while the test's body is stuck in a collective on the main thread; the process
     exits right after, so no pytest state is left to repair.
     """
-    from .report import merge, TPLongRepr
+    from .report import label_rank_lines, longrepr_for, merge
 
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path), pool_desc="torchrun")
-    path, line0, _ = item.reportinfo()
     sections = [(f"Captured {stream} rank {r} call", text) for r, pair in sorted(run.outputs.items())
                 for stream, text in zip(("stdout", "stderr"), pair) if text]
     common = dict(nodeid=item.nodeid, location=item.location, keywords={k: 1 for k in item.keywords})
-    longrepr = TPLongRepr(verdict.text, verdict.headline, str(path), (line0 or 0) + 1,
-                          style=item.config.getoption("tbstyle", "auto"))
+    longrepr = longrepr_for(item, verdict.text, verdict.headline, verdict.crash)
     ihook = item.ihook
     ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="failed", longrepr=longrepr,
                                                             when="call", sections=sections,
                                                             duration=plan.timeout_s))
-    labelled = [(title, "".join(f"[rank {title.split()[3]}] {line}" for line in text.splitlines(keepends=True)))
-                for title, text in sections]
+    labelled = [(title, label_rank_lines(title, text)) for title, text in sections]
     ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="passed", longrepr=None,
                                                             when="teardown", sections=labelled))
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)

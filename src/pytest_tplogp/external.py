@@ -16,7 +16,6 @@ import contextlib
 import faulthandler
 import os
 import pickle
-import random
 import sys
 import tempfile
 import threading
@@ -95,11 +94,10 @@ class ExternalMode:
         import time
 
         from .pool import PoolRun
-        from .rank import classify
+        from .rank import classify, seed_test
         from .values import bind, undo_per_rank
 
-        random.seed(seed)
-        self.torch.manual_seed(seed)
+        seed_test(seed)
         t0 = time.perf_counter()
         self.test_index += 1
         deadline = _Deadline(self, self.test_index, timeout_s, on_deadline)

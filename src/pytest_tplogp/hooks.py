@@ -148,39 +148,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     rep = yield
-    from .report import RankFailure, TPLongRepr
+    from .report import RankFailure, label_rank_lines, longrepr_for
 
     exc = call.excinfo.value if call.excinfo is not None else None
     if isinstance(exc, RankFailure) and rep.failed:
-        if exc.crash is not None:
-            path, lineno = exc.crash
-        else:
-            path, line0, _ = item.reportinfo()
-            path, lineno = str(path), (line0 or 0) + 1
-        rep.longrepr = TPLongRepr(exc.text, exc.headline, str(path), lineno,
-                                  style=item.config.getoption("tbstyle", "auto"))
+        rep.longrepr = longrepr_for(item, exc.text, exc.headline, exc.crash)
     elif rep.skipped and call.when == "call" and SKIPPED_ON_RANKS in item.stash and isinstance(rep.longrepr, tuple):
         path, lineno, _ = item.reportinfo()  # report the test's location, not the plugin's
         rep.longrepr = (str(path), (lineno or 0) + 1, rep.longrepr[2])
     if call.when == "teardown" and PLAN in item.stash:
-        rep.sections = [(title, _label_lines(title, text)) for title, text in rep.sections]
+        rep.sections = [(title, label_rank_lines(title, text)) for title, text in rep.sections]
     return rep
-
-
-_RANK_SECTION = re.compile(r"^Captured (?:stdout|stderr) rank (\d+)")
-
-
-def _label_lines(title: str, text: str) -> str:
-    """Prefix every line of a rank's captured output with ``[rank N]``, in the teardown report only.
-
-    JUnit XML (``-o junit_logging=...``) writes the teardown report's captured output as one ``system-out`` /
-    ``system-err`` text, joining the sections without their titles; the prefix keeps each line's rank. The
-    terminal shows the call report's sections, whose titles already name the rank.
-    """
-    m = _RANK_SECTION.match(title)
-    if m is None:
-        return text
-    return "".join(f"[rank {m.group(1)}] {line}" for line in text.splitlines(keepends=True))
 
 
 _XDIST_KEY = "tplogp_longrepr"

@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Callable
 from typing import Any
 
 from .protocol import CallFn, RankConfig, RankOutcome, Ready, RunTest, StartFailed
@@ -142,23 +143,43 @@ def _crash_location(tb: Any, test_file: str | None) -> tuple[str, int] | None:
     return (frame.filename, frame.lineno or 0)
 
 
+def seed_test(seed: int) -> None:
+    """Seed ``random``, torch and (when imported) numpy with a test's seed: every rank draws the same numbers."""
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+def _torch_settings(torch: Any) -> tuple[tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], str]], ...]:
+    """The torch process settings a body can change by hand: (get, set, how a changed value is named)."""
+    return (
+        (torch.get_default_dtype, torch.set_default_dtype, lambda v: f"default dtype set to {v}"),
+        (torch.is_grad_enabled, torch.set_grad_enabled, lambda v: f"grad mode left {'on' if v else 'off'}"),
+        (torch.get_num_threads, torch.set_num_threads, lambda v: f"torch threads set to {v}"),
+        (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms,
+         lambda v: f"deterministic algorithms switched {'on' if v else 'off'}"),
+    )
+
+
 class _ProcessState:
     """What a test body can change in a rank process and the pool can put back (see ``_restore_and_check``)."""
 
-    def __init__(self, environ: dict[str, str], cwd: str, dtype: Any, grad: bool, threads: int,
-                 deterministic: bool) -> None:
-        self.environ, self.cwd, self.dtype, self.grad = environ, cwd, dtype, grad
-        self.threads, self.deterministic = threads, deterministic
+    #: Set by libraries on first use, not by tests: neither reported nor undone. torch sets CUDA_MODULE_LOADING on
+    #: CUDA initialisation, inductor TORCHINDUCTOR_CACHE_DIR on first use of its cache (torch.compile, or
+    #: torch.use_deterministic_algorithms).
+    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR")
 
-    #: Set by libraries on first use (torch on CUDA initialisation), not by tests: neither reported nor undone.
-    LIBRARY_ENV = ("CUDA_MODULE_LOADING",)
+    def __init__(self, torch: Any) -> None:
+        self.settings = _torch_settings(torch)
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.values = [get() for get, _, _ in self.settings]
 
-    @classmethod
-    def capture(cls, torch: Any) -> _ProcessState:
-        return cls(dict(os.environ), os.getcwd(), torch.get_default_dtype(), torch.is_grad_enabled(),
-                   torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
-
-    def restore(self, torch: Any) -> list[str]:
+    def restore(self) -> list[str]:
         changed: list[str] = []
         env = os.environ
         for name in self.LIBRARY_ENV:
@@ -176,18 +197,11 @@ class _ProcessState:
         if os.getcwd() != self.cwd:
             changed.append(f"working directory changed to {os.getcwd()}")
             os.chdir(self.cwd)
-        if torch.get_default_dtype() != self.dtype:
-            changed.append(f"default dtype set to {torch.get_default_dtype()}")
-            torch.set_default_dtype(self.dtype)
-        if torch.is_grad_enabled() != self.grad:
-            changed.append(f"grad mode left {'on' if torch.is_grad_enabled() else 'off'}")
-            torch.set_grad_enabled(self.grad)
-        if torch.get_num_threads() != self.threads:
-            changed.append(f"torch threads set to {torch.get_num_threads()}")
-            torch.set_num_threads(self.threads)
-        if torch.are_deterministic_algorithms_enabled() != self.deterministic:
-            changed.append("deterministic algorithms switched " + ("on" if not self.deterministic else "off"))
-            torch.use_deterministic_algorithms(self.deterministic)
+        for (get, put, named), baseline in zip(self.settings, self.values):
+            now = get()
+            if now != baseline:
+                changed.append(named(now))
+                put(baseline)
         return changed
 
 
@@ -217,7 +231,7 @@ class _Rank:
         set_current(self.ctx)
         self.base_groups = _group_count()
         self.base_mem = self._cuda_mem()
-        self.baseline = _ProcessState.capture(torch)
+        self.baseline = _ProcessState(torch)
         self.functions: dict[tuple[str, str, bytes], Any] = {}
 
     # ------------------------------------------------------------ state
@@ -235,7 +249,7 @@ class _Rank:
         ``problems`` what makes the controller recycle the pool (process groups, CUDA memory). RNGs need no check:
         every test starts by seeding ``random``, torch and numpy from its node id.
         """
-        restored = self.baseline.restore(self.torch)
+        restored = self.baseline.restore()
         problems: list[str] = []
         if not self.dist.is_initialized():
             problems.append("the default process group was destroyed")
@@ -255,13 +269,6 @@ class _Rank:
                 if mem > self.base_mem + (1 << 20):
                     problems.append(f"CUDA memory {(mem - self.base_mem) / 2**20:.1f} MiB above the pool's baseline")
         return restored, problems
-
-    def _seed(self, seed: int) -> None:
-        random.seed(seed)
-        self.torch.manual_seed(seed)
-        np = sys.modules.get("numpy")
-        if np is not None:
-            np.random.seed(seed % 2**32)
 
     # ------------------------------------------------------------ imports
     @staticmethod
@@ -334,7 +341,7 @@ class _Rank:
             self._sync_path(cmd.sys_path)
             func = self._resolve(cmd)
             kwargs = {k: bind(v, self.ctx) for k, v in pickle.loads(cmd.kwargs).items()}
-            self._seed(cmd.seed)
+            seed_test(cmd.seed)
         except BaseException as exc:  # noqa: BLE001 - reported as this rank's failure
             out = self._outcome(exc, tb_skip=0)
             out.summary = f"could not set up the test on the rank: {out.summary}"
@@ -361,7 +368,7 @@ class _Rank:
             fn, args, kwargs = pickle.loads(cmd.payload)
             args = tuple(bind(a, self.ctx) for a in args)
             kwargs = {k: bind(v, self.ctx) for k, v in kwargs.items()}
-            self._seed(cmd.seed)
+            seed_test(cmd.seed)
         except BaseException as exc:  # noqa: BLE001
             out = self._outcome(exc, tb_skip=0)
             out.summary = f"could not unpickle the call on the rank: {out.summary}"

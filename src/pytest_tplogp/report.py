@@ -77,6 +77,32 @@ class TPLongRepr:
         return cls(data["text"], data["headline"], data["path"], int(data["lineno"]))
 
 
+def longrepr_for(item: Any, text: str, headline: str, crash: tuple[str, int] | None) -> TPLongRepr:
+    """The report body of a TP failure of ``item``, located at ``crash`` (the failing line) or else at the test."""
+    if crash is not None:
+        path, lineno = crash
+    else:
+        where, line0, _ = item.reportinfo()
+        path, lineno = str(where), (line0 or 0) + 1
+    return TPLongRepr(text, headline, str(path), lineno, style=item.config.getoption("tbstyle", "auto"))
+
+
+_RANK_SECTION = re.compile(r"^Captured (?:stdout|stderr) rank (\d+)")
+
+
+def label_rank_lines(title: str, text: str) -> str:
+    """Prefix every line of a rank's captured output with ``[rank N]``, in the teardown report only.
+
+    JUnit XML (``-o junit_logging=...``) writes the teardown report's captured output as one ``system-out`` /
+    ``system-err`` text, joining the sections without their titles; the prefix keeps each line's rank. The
+    terminal shows the call report's sections, whose titles already name the rank.
+    """
+    m = _RANK_SECTION.match(title)
+    if m is None:
+        return text
+    return "".join(f"[rank {m.group(1)}] {line}" for line in text.splitlines(keepends=True))
+
+
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 
 

@@ -80,6 +80,7 @@ OP_BODY = '''
 import pytest
 import torch
 import torch.nn.functional as F
+from tplogp.tolerances import assert_no_worse
 
 # One shape, chosen to exercise the uneven layouts of the default 1031-token vocabulary at world size 2.
 @pytest.mark.tp
@@ -95,6 +96,9 @@ def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, refere
     expected = reference.fp32(h, w, t, b)
     tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
     tp.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    # the project's rule: error vs float64 no worse than the same-dtype reference's (tplogp.tolerances)
+    with tp.agree():
+        assert_no_worse("logp", out, reference.matching(h, w, t, b), reference.float64(h, w, t, b), dtype)
 '''
 
 

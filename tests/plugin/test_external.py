@@ -11,6 +11,8 @@ pytest_plugins = ["pytester"]
 
 BODY = '''
 import os
+import random
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +22,10 @@ def test_collective(tp):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == tp.world_size == 2 and tp.external
+    # random, torch and numpy seeded with the test's seed, as in the pool
+    seed = torch.initial_seed()
+    assert random.random() == random.Random(seed).random()
+    assert np.random.rand() == np.random.RandomState(seed).rand()
 
 @pytest.mark.tp
 def test_fails_on_rank_1(tp):

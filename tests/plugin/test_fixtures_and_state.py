@@ -13,6 +13,8 @@ pytest_plugins = ["pytester"]
 
 BODY = '''
 import os
+import random
+import numpy as np
 import pytest
 import torch
 
@@ -32,13 +34,19 @@ def test_c_leaks_by_hand(tp):
     os.chdir("/")
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
+    torch.set_num_threads(3)                 # the pool runs with --tp-threads=1
+    torch.use_deterministic_algorithms(True)
     torch.manual_seed(123)
 
 @pytest.mark.tp
 def test_d_leaks_were_restored(tp):
     assert "RAW_FLAG" not in os.environ and os.getcwd() != "/"
     assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    assert torch.get_num_threads() == 1 and not torch.are_deterministic_algorithms_enabled()
     assert torch.initial_seed() != 123       # every test is seeded from its node id
+    seed = torch.initial_seed()              # random and numpy too, with the same seed
+    assert random.random() == random.Random(seed).random()
+    assert np.random.rand() == np.random.RandomState(seed).rand()
 
 @pytest.mark.tp
 def test_e_capsys(tp, capsys):
@@ -75,15 +83,15 @@ def pytest_runtest_call(item):
 def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     pytester.makeconftest(CALL_RECORDER)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "-W", "always", "--tb=line",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-threads=1", "-rA", "-W", "always", "--tb=line",
                                            "--junitxml=junit.xml", "-o", "junit_logging=all")
     result.assert_outcomes(passed=5, failed=1, errors=1)
     out = result.stdout.str()
     # monkeypatch works per rank and is undone; changes made by hand are restored and named in a warning
     result.stdout.fnmatch_lines(["*test_c_leaks_by_hand*", "*PytestWarning: tplogp: the test changed process state "
                                  "on the ranks, restored before the next test: default dtype set to torch.float64; "
-                                 "environment variable(s) RAW_FLAG set; grad mode left off; working directory "
-                                 "changed to /*"])
+                                 "deterministic algorithms switched on; environment variable(s) RAW_FLAG set; "
+                                 "grad mode left off; torch threads set to 3; working directory changed to /*"])
     warnings = out.split("warnings summary")[-1].split("-- Docs")[0]
     assert "test_c_leaks_by_hand" in warnings and "test_a_monkeypatch" not in warnings
     # capsys: refused at setup with one message naming it, no pickling error about another fixture

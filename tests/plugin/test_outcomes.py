@@ -87,6 +87,15 @@ class TestInClass:
     @pytest.mark.tp
     def test_method(self, tp, tmp_path):
         assert tmp_path.exists() and isinstance(self, TestInClass)
+
+@pytest.fixture
+def lock():
+    import threading
+    return threading.Lock()
+
+@pytest.mark.tp
+def test_unpicklable_fixture(tp, tmp_path, lock):
+    pass
 '''
 
 
@@ -94,7 +103,7 @@ def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-timeout=60", "-rA", "-vv",
                                            "--junitxml=junit.xml", "-o", "junit_logging=all")
-    result.assert_outcomes(passed=3, failed=7, skipped=2, xfailed=2)
+    result.assert_outcomes(passed=3, failed=8, skipped=2, xfailed=2)
     result.stdout.fnmatch_lines([
         "*FAILED test_body.py::test_one_rank_fails[[]tp2[]] - rank 1: AssertionError: assert 11 == 10*",
         "*FAILED test_body.py::test_all_fail_same[[]tp2[]] - ranks 0-1: ValueError: same everywhere*",
@@ -103,6 +112,8 @@ def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
         "*FAILED test_body.py::test_assert_close[[]tp2[]] - ranks 0-1: pytest_tplogp.CollectiveAssertionError*",
         "*FAILED test_body.py::test_agree_block[[]tp2[]] - rank 0: pytest_tplogp.CollectiveAssertionError*rank 1: KeyError*",
         "*FAILED test_body.py::test_xfail_raises_mismatch[[]tp2[]] - ranks 0-1: ValueError: not the expected type*",
+        "*FAILED test_body.py::test_unpicklable_fixture[[]tp2[]] - *fixture 'lock' (a lock) cannot be sent to the "
+        "ranks: TypeError: *pickle*",
     ], consecutive=False)
     result.stdout.fnmatch_lines(["*XFAIL test_body.py::test_xfail_raises_matches[[]tp2[]]*"], consecutive=False)
     out = result.stdout.str()

@@ -3,8 +3,8 @@
 backward's d_logits epilogue. Only how an operand tile reaches the dot differs between the two paths; the arithmetic
 on a logits tile lives here, once.
 
-Forward epilogue (:func:`online_softmax_update`): running per-row statistics in raw units (``y = acc + b``,
-``c = log2(e) / T``)::
+Forward epilogue (:func:`stats_tile`: :func:`keep_tile`, then :func:`online_softmax_update`): running per-row
+statistics in raw units (``y = acc + b``, ``c = log2(e) / T``)::
 
     m' = max(m, max_v y);  a = (y - m') * c                  (log2 units; exact 0 at the max)
     s  = s * 2^((m - m') c) + sum 2^a
@@ -96,13 +96,12 @@ def target_column(b_tgt, v0, BLOCK_V: tl.constexpr):
 @triton.jit
 def online_softmax_update(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
-    o_t,  # [BLOCK_V] tl.arange(0, BLOCK_V): the column inside the tile (given, so Gluon callers can lay it out)
     v0, V, p_b,  # first vocab id of the tile, shard size, bias pointer (unused unless HAS_BIAS)
     b_tgt,  # [BLOCK_N] the rows' target ids (local; nobody's when outside the shard)
     b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running stats in raw units (see below)
     c,  # inv_temperature * log2(e)
     MASKED: tl.constexpr,  # the tile reaches past V (only a split's last tile can)
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, FAST_EXP2: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Fold one tile into the running row statistics; returns (max, sum, tl, sez).
 
@@ -115,6 +114,7 @@ def online_softmax_update(
     of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
     ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
     """
+    o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     if MASKED:
         m_v = (v0 + o_t) < V
     if HAS_BIAS:
@@ -137,6 +137,24 @@ def online_softmax_update(
     t_col = target_column(b_tgt, v0, BLOCK_V)
     b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
     return new_max, b_sum, b_tl, b_sez
+
+
+@triton.jit
+def stats_tile(
+    acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
+    n0, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,  # first row, rows; as in online_softmax_update
+    p_kept, stride_kept, v_keep,  # the kept-logits buffer (only KEEP; see keep_tile)
+    MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, KEEP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats kernels: with
+    ``KEEP``, store the raw accumulator when the tile lies below ``v_keep`` (:func:`keep_tile`; plain stores, also on
+    sm_90: a TMA store would stage the fp32 tile in the shared memory the K loop's ring uses), then fold the tile
+    into the running row stats (:func:`online_softmax_update`); returns (max, sum, tl, sez)."""
+    if KEEP:
+        keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, BLOCK_N, BLOCK_V)
+    return online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c, MASKED, HAS_BIAS,
+                                 WITH_ENTROPY, BLOCK_V)
 
 
 @triton.jit

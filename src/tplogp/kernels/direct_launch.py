@@ -14,8 +14,7 @@ key always have one compiled kernel:
 * ints: ``== 1``, ``% 16`` and the 32-bit / 64-bit / unsigned-64-bit range (Triton: constant 1, divisible by 16,
   i32 / i64 / u64);
 * floats: their type (Triton does not specialize on float values); ``None``: itself;
-* tensor descriptors: dtype, block shape, padding, shared-memory layout (Gluon's), base alignment and every
-  shape / stride ``% 16``;
+* tensor descriptors: dtype, block shape, padding, base alignment and every shape / stride ``% 16``;
 * constexpr values, ``num_warps``, ``num_stages`` and the current CUDA device (Triton keys on it too).
 
 Later calls with a known key call the compiled kernel's launcher (``CompiledKernel.run``, the call that ends
@@ -59,8 +58,8 @@ def arg_key(arg: Any) -> Any:
         return None
     base = getattr(arg, "base", None)
     if isinstance(base, torch.Tensor) and hasattr(arg, "block_shape"):  # a host TensorDescriptor
-        return (cls, base.dtype, tuple(arg.block_shape), getattr(arg, "padding", None), getattr(arg, "layout", None),
-                base.data_ptr() % 16, tuple([s % 16 for s in arg.shape]), tuple([s % 16 for s in arg.strides]))
+        return (cls, base.dtype, tuple(arg.block_shape), getattr(arg, "padding", None), base.data_ptr() % 16,
+                tuple([s % 16 for s in arg.shape]), tuple([s % 16 for s in arg.strides]))
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16)
     if isinstance(arg, bool):

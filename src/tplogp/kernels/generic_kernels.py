@@ -58,8 +58,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import (FAST_EXP2, LOG2E, dlogits_epilogue, grouped_ids, keep_tile, kept_tile, mma, natural_units,
-                     online_softmax_update, split_bounds, stats_program, store_stats)
+from .common import (LOG2E, dlogits_epilogue, grouped_ids, kept_tile, mma, natural_units, split_bounds,
+                     stats_program, stats_tile, store_stats)
 
 
 @triton.jit
@@ -114,19 +114,16 @@ def fwd_stats_kernel(
         o_v = v0 + o_t
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-        if KEEP:
-            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_keep, acc, BLOCK_N, BLOCK_V)
-        b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
-                                                           False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+        b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                               p_kept, stride_kept, v_keep,
+                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, BLOCK_N, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
         o_v = v_full + o_t
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
-        if KEEP:
-            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v_full, v_keep, acc, BLOCK_N,
-                      BLOCK_V)
-        b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
-                                                           True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+        b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl,
+                                               b_sez, c, p_kept, stride_kept, v_keep,
+                                               True, HAS_BIAS, WITH_ENTROPY, KEEP, BLOCK_N, BLOCK_V)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
     store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 

@@ -148,28 +148,26 @@ def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entr
                                           kept)
 
 
-def split_parts(hidden: torch.Tensor, num_splits: int, with_entropy: bool) -> torch.Tensor:
-    """The uninitialised fp32 ``[3 or 4, num_splits, N]`` per-split stats buffer."""
-    return torch.empty((4 if with_entropy else 3, num_splits, hidden.shape[0]), device=hidden.device,
-                       dtype=torch.float32)
-
-
-def kept_args(kept: Optional[torch.Tensor], placeholder: torch.Tensor) -> tuple:
-    """``(pointer, row stride, v_keep)`` of the kept-logits buffer for a stats kernel (a placeholder pointer and
-    zeros without one: the ``KEEP=False`` variant never reads them)."""
+def stats_plan(hidden: torch.Tensor, weight: torch.Tensor, with_entropy: bool, cfg: TileConfig,
+               kept: Optional[torch.Tensor]) -> tuple:
+    """What a stats kernel (generic or TMA) is launched with: ``(parts, S, grid, p_kept, stride_kept, v_keep)``.
+    ``parts``: the uninitialised fp32 ``[3 or 4, S, N]`` per-split stats buffer, S = cdiv(V, split_v) splits, one
+    program per (token block, split); the kept-logits buffer's pointer, row stride and column count (without one a
+    placeholder pointer and zeros: the ``KEEP=False`` variant never reads them)."""
+    n = hidden.shape[0]
+    num_splits = cdiv(weight.shape[0], cfg.split_v)
+    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32)
+    grid = (cdiv(n, cfg.block_n) * num_splits,)
     if kept is None:
-        return placeholder, 0, 0
-    return kept, kept.stride(0), kept.shape[1]
+        return parts, num_splits, grid, parts, 0, 0
+    return parts, num_splits, grid, kept, kept.stride(0), kept.shape[1]
 
 
 def launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
                   cfg: TileConfig, kept: Optional[torch.Tensor] = None):
     n, d = hidden.shape
     v = weight.shape[0]
-    num_splits = cdiv(v, cfg.split_v)
-    parts = split_parts(hidden, num_splits, with_entropy)
-    grid = (cdiv(n, cfg.block_n) * num_splits,)
-    p_kept, stride_kept, v_keep = kept_args(kept, parts)
+    parts, num_splits, grid, p_kept, stride_kept, v_keep = stats_plan(hidden, weight, with_entropy, cfg, kept)
     launcher(fwd_stats_kernel)(
         grid, hidden, weight, bias if bias is not None else hidden, local_target,
         parts, p_kept, n, v, d, hidden.stride(0), weight.stride(0), stride_kept, v_keep, inv_temperature, num_splits,

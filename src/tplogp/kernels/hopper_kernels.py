@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (FAST_EXP2, LOG2E, dlogits_epilogue, grouped_ids, keep_tile, mma, natural_units,
-                     online_softmax_update, split_bounds, stats_program, store_stats)
+from .common import (LOG2E, dlogits_epilogue, grouped_ids, mma, natural_units, split_bounds, stats_program,
+                     stats_tile, store_stats)
 
 
 @triton.jit
@@ -54,23 +54,19 @@ def fwd_stats_tma_kernel(
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
     c = inv_temp * LOG2E
-    o_t = tl.arange(0, BLOCK_V)
     v_lo, v_full, v_hi = split_bounds(i_s, V, SPLIT_V, BLOCK_V)
     for v0 in range(v_lo, v_full, BLOCK_V):  # full tiles
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-        if KEEP:  # plain stores: a TMA store would stage the fp32 tile in shared memory the K loop's ring uses
-            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_keep, acc, BLOCK_N, BLOCK_V)
-        b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
-                                                           False, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+        b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                               p_kept, stride_kept, v_keep,
+                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, BLOCK_N, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
-        if KEEP:
-            keep_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v_full, v_keep, acc, BLOCK_N,
-                      BLOCK_V)
-        b_max, b_sum, b_tl, b_sez = online_softmax_update(acc, o_t, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
-                                                           True, HAS_BIAS, WITH_ENTROPY, FAST_EXP2, BLOCK_V)
+        b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl,
+                                               b_sez, c, p_kept, stride_kept, v_keep,
+                                               True, HAS_BIAS, WITH_ENTROPY, KEEP, BLOCK_N, BLOCK_V)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
     store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 

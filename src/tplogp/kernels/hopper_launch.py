@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .direct_launch import launcher
-from .generic_launch import kept_args, launch_dlogits, launch_stats, split_parts
+from .generic_launch import launch_dlogits, launch_stats, stats_plan
 from .hopper_kernels import bwd_dlogits_tma_kernel, fwd_stats_tma_kernel
 from .tiles import cdiv, dot_precision
 
@@ -89,11 +89,8 @@ def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float,
         return launch_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg, kept)
     n, d = hidden.shape
     v = weight.shape[0]
-    num_splits = cdiv(v, cfg.split_v)
-    parts = split_parts(hidden, num_splits, with_entropy)
+    parts, num_splits, grid, p_kept, stride_kept, v_keep = stats_plan(hidden, weight, with_entropy, cfg, kept)
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
-    grid = (cdiv(n, cfg.block_n) * num_splits,)
-    p_kept, stride_kept, v_keep = kept_args(kept, parts)
     launcher(fwd_stats_tma_kernel)(
         grid, d_h, d_w, bias if bias is not None else hidden, local_target,
         parts, p_kept, n, v, d, stride_kept, v_keep, inv_temperature, num_splits, num_splits * n,

@@ -177,9 +177,15 @@ _MIN_BLOCK = 16  # tl.dot's smallest M, N and K
 FMA_TILE_CAP = (128, 128, 32)
 
 
+def uses_tensor_cores(itemsize: int, precision: Optional[str]) -> bool:
+    """Whether ``tl.dot`` runs on the tensor cores for operands of ``itemsize`` bytes at ``precision``
+    (:func:`dot_precision`): everything but fp32 ``"ieee"`` dots, which run as CUDA-core FMAs."""
+    return not (itemsize == 4 and precision == "ieee")
+
+
 def shared_bytes(cfg: TileConfig, itemsize: int, precision: Optional[str]) -> dict[str, int]:
     """Shared memory (bytes) that each kernel of ``cfg`` needs for operands of ``itemsize`` bytes."""
-    tensor_cores = not (itemsize == 4 and precision == "ieee")
+    tensor_cores = uses_tensor_cores(itemsize, precision)
     return {name: gemm_shared_bytes(getattr(cfg, m), getattr(cfg, n), getattr(cfg, k), getattr(cfg, s), itemsize,
                                     tensor_cores)
             for name, m, n, k, s in _GEMMS}
@@ -216,7 +222,7 @@ def fit_shared_memory(cfg: TileConfig, itemsize: int, precision: Optional[str], 
     memory; ``cfg`` itself when it fits. The forward keeps its split length (``split_tiles`` grows as ``block_v``
     shrinks), so the split layout stays a function of V. Raises :class:`TilesDoNotFitError` when even the smallest
     tiling does not fit."""
-    tensor_cores = not (itemsize == 4 and precision == "ieee")
+    tensor_cores = uses_tensor_cores(itemsize, precision)
     changes: dict[str, int] = {}
     for name, fm, fn, fk, fs in _GEMMS:
         tiles = (getattr(cfg, fm), getattr(cfg, fn), getattr(cfg, fk), getattr(cfg, fs))
