@@ -15,7 +15,7 @@ def examples() -> dict[str, str]:
     return dict(_EXAMPLE.findall(TRAINING_DOC.read_text()))
 
 
-def run_example(name: str, **namespace) -> dict:
+def run_example(name: str, **namespace) -> None:
     """Execute example ``name`` with ``namespace`` predefined (e.g. ``tp_group``); the environment is restored."""
     code = examples()[name]
     saved = dict(os.environ)
@@ -24,4 +24,3 @@ def run_example(name: str, **namespace) -> dict:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return namespace

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
@@ -47,6 +47,12 @@ def make_problem(lead_shape, d: int, v: int, dtype: torch.dtype, bias: bool, *, 
         hidden.to(dtype).reshape(*lead_shape, d), weight.to(dtype), None if b is None else b.to(dtype),
         target.reshape(lead_shape), gl.reshape(lead_shape), ge.reshape(lead_shape), gz.reshape(lead_shape),
     )
+
+
+def problem_on(p: Problem, device) -> Problem:
+    """``p`` with every tensor moved to ``device``."""
+    return replace(p, **{f.name: None if getattr(p, f.name) is None else getattr(p, f.name).to(device)
+                         for f in fields(p)})
 
 
 @dataclass

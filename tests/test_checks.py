@@ -14,10 +14,6 @@ from tests.problems import make_problem, run_op
 from tplogp import LinearLogpInputError, check_errors, get_op
 
 
-def _call(op, p, **kw):
-    return run_op(op, p, **kw)
-
-
 @pytest.mark.parametrize("ignore", [None, -100], ids=["plain", "ignore-index"])
 @pytest.mark.parametrize("mode", ["full", "fast", "sync"])
 def test_host_reads_per_call(mode, ignore, monkeypatch):
@@ -30,10 +26,10 @@ def test_host_reads_per_call(mode, ignore, monkeypatch):
     p = make_problem((3, 11), 16, 97, torch.float32, True, seed=3, ignore_index=ignore,
                      ignore_fraction=0.3 if ignore is not None else 0.0)
     kw = {} if ignore is None else {"ignore_index": ignore}
-    _call(op, p, entropy=True, **kw)  # warm: lazy probes, and a first pending verdict
+    run_op(op, p, entropy=True, **kw)  # warm: lazy probes, and a first pending verdict
     with count_host_reads() as reads:
-        _call(op, p, entropy=True, **kw)
-        _call(op, p, entropy=True, **kw)
+        run_op(op, p, entropy=True, **kw)
+        run_op(op, p, entropy=True, **kw)
     expected = {"full": ["Tensor.tolist in raise_pending_errors"], "fast": [],
                 "sync": ["Tensor.tolist in summarize_targets"]}[mode]
     if ignore is not None:

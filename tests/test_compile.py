@@ -1,5 +1,6 @@
 """torch.compile: a loss that calls ``linear_logp`` compiles as one graph (no graph breaks, ``fullgraph=True``)
-with every option, in both check modes, with and without a TP group, and matches eager in value and gradients.
+with every option, in both check modes, with and without a TP group, and gives eager's value and gradients (bitwise
+with ``aot_eager``, which runs eager's kernels).
 The op pair itself passes ``torch.library.opcheck`` (schema, fake implementations, autograd registration)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from tplogp import get_op, linear_logp, ops
+from tplogp import get_op, linear_logp, linear_logp_loss, losses, ops
 from tplogp.tolerances import assert_no_worse
 from tests.problems import make_problem, run_reference
 
@@ -57,6 +58,12 @@ def loss_and_grads(fn, p):
     return [loss.detach(), h.grad, w.grad] + ([] if b is None else [b.grad])
 
 
+def assert_same_bits(compiled, eager):
+    """aot_eager runs the traced graph with eager's kernels: the loss and every gradient are eager's bits."""
+    for name, c, e in zip(("loss", "d_hidden", "d_weight", "d_bias"), compiled, eager):
+        assert torch.equal(c, e), f"{name}: compiled differs from eager by {float((c - e).abs().max()):.2e}"
+
+
 def graph_breaks(fn, p) -> int:
     h, w = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
     b = None if p.bias is None else p.bias.clone().requires_grad_()
@@ -82,8 +89,7 @@ def test_compile_fullgraph_matches_eager(opts, mode, monkeypatch):
     assert graph_breaks(loss_fn, p) == 0
     eager = loss_and_grads(loss_fn, p)
     compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
-    for e, c in zip(eager, compiled):
-        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+    assert_same_bits(compiled, eager)
 
 
 def test_compiled_against_float64_truth():
@@ -124,8 +130,20 @@ def test_compile_with_triton_source_and_bare_weight():
     assert graph_breaks(loss_fn, p) == 0
     eager = loss_and_grads(loss_fn, p)
     compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
-    for e, c in zip(eager, compiled):
-        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+    assert_same_bits(compiled, eager)
+
+
+def test_fused_loss_breaks_the_graph_and_runs_eagerly():
+    """``linear_logp_loss`` is not an op (docs/training.md): a compiled function that calls it breaks its graph
+    there, and gives eager's loss and gradients."""
+    p = make_problem((12,), 16, 50, torch.float32, True, seed=5)
+
+    def loss_fn(h, w, t, b):
+        return 2 * linear_logp_loss(h, w, t, b, loss=losses.policy_gradient(), per_token=(p.g_logp,))
+
+    assert torch._dynamo.explain(loss_fn)(p.hidden, p.weight, p.target, p.bias).graph_break_count > 0
+    eager = loss_and_grads(loss_fn, p)
+    assert_same_bits(loss_and_grads(torch.compile(loss_fn, backend="aot_eager"), p), eager)
 
 
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp-lse", "entropy"])
@@ -167,5 +185,5 @@ def test_compile_with_tp_group(tp, opts, mode):
         else:
             os.environ["TPLOGP_CHECKS"] = old
     tp.assert_all(breaks == 0, f"{breaks} graph breaks")
-    same = all(torch.allclose(c, e, rtol=1e-6, atol=1e-6) for e, c in zip(eager, compiled))
-    tp.assert_all(same, "compiled loss or gradients differ from eager")
+    same = all(torch.equal(c, e) for e, c in zip(eager, compiled))
+    tp.assert_all(same, "compiled loss or gradients differ from eager's bits")

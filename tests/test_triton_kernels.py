@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton")
 from tplogp.backends.base import ShardCall  # noqa: E402
 from tplogp.backends.sm90_backend import SM90Backend  # noqa: E402
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
+from tplogp.kernels import tiles  # noqa: E402
 
 CPU = torch.device("cpu")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -33,7 +34,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _sm90_on_cpu():
     """An SM90Backend whose kernels run in the interpreter (bypassing its capability check)."""
     be = SM90Backend()
-    be._cfg = lambda device, dtype: __import__("tplogp.kernels.tiles", fromlist=["x"]).INTERPRETER
+    be._cfg = lambda device, dtype: tiles.INTERPRETER
     return be
 
 

@@ -7,8 +7,6 @@ d_hidden GEMM sums the chunks in another order). Also: the overlapped all-reduce
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,12 +15,8 @@ from tests.problems import make_problem, run_op
 from tplogp.kernels import tiles
 from tplogp.tolerances import ERROR_SLACK, rel_error
 
-_interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not _interp,
-                                reason="CPU interpreter tests (the GPU versions live in tests/gpu)")
-triton = pytest.importorskip("triton")
-
-from tplogp.backends.sm90_backend import SM90Backend  # noqa: E402
+# the interpreter tests' skip condition and kernel sets: triton, and the sm90 kernels bypassing their Hopper check
+from tests.test_triton_kernels import KERNELS as BACKENDS, pytestmark  # noqa: E402,F401
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
 from tplogp.kernels import generic_launch, hopper_launch  # noqa: E402
 from tplogp.tp import LogpOptions, linear_logp_tp  # noqa: E402
@@ -32,13 +26,6 @@ N, D, V = 37, 48, 600  # odd N; D a multiple of 8 (the sm90 kernels' descriptor 
 OUTPUTS = ("logp", "entropy", "lse", "d_hidden", "d_weight", "d_bias")
 
 
-def _sm90_on_cpu():
-    be = SM90Backend()
-    be._cfg = lambda device, dtype: tiles.INTERPRETER
-    return be
-
-
-BACKENDS = {"triton": TritonBackend, "sm90-kernels": _sm90_on_cpu}
 RECOMPUTE = {"triton": (generic_launch, "launch_dlogits"), "sm90-kernels": (hopper_launch, "launch_dlogits_tma")}
 
 

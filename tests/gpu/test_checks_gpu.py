@@ -10,15 +10,12 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+from tests.gpu import cuda_backend  # noqa: E402
 from tplogp import LinearLogpInputError, check_errors, get_op  # noqa: E402
 
 
 def _op(source):
-    from tplogp.kernel_registry import get_backend
-
-    why = get_backend(source).unavailable_reason(torch.device("cuda"))
-    if why is not None:
-        pytest.skip(why)
+    cuda_backend(source)
     return get_op("linear_logp", source=source)
 
 

@@ -13,6 +13,8 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+from tests.gpu import cuda_backend  # noqa: E402
+
 
 @pytest.fixture
 def one_rank_nccl(tmp_path):
@@ -45,12 +47,8 @@ def _gemm_and_reduce_order(events):
 def test_all_reduce_issued_before_the_d_w_gemm(source, one_rank_nccl):
     from tplogp.comm import OverlappedAllReduce
     from tplogp.backends.base import ShardCall
-    from tplogp.kernel_registry import get_backend
 
-    be = get_backend(source)
-    why = be.unavailable_reason(torch.device("cuda"))
-    if why is not None:
-        pytest.skip(why)
+    be = cuda_backend(source)
     n, d, v = 2048, 1024, 8192
     gen = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen)

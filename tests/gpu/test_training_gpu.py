@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 from tests.doc_examples import run_example  # noqa: E402
-from tests.problems import make_problem  # noqa: E402
+from tests.gpu import cuda_backend  # noqa: E402
+from tests.problems import make_problem, problem_on  # noqa: E402
 from tplogp import get_op  # noqa: E402
-from tplogp.kernel_registry import unavailable_reason  # noqa: E402
 from tplogp.reference import reference_outputs  # noqa: E402
 from tplogp.tolerances import assert_no_worse  # noqa: E402
 
@@ -24,18 +24,12 @@ SOURCES = ["triton", "sm90"]
 
 
 def _op(source):
-    why = unavailable_reason(source, torch.device("cuda"))
-    if why is not None:
-        pytest.skip(why)
+    cuda_backend(source)
     return get_op("linear_logp", source=source)
 
 
-def _cuda_problem(n, d, v, dtype, seed=0, bias=True):
-    p = make_problem((n,), d, v, dtype, bias, seed=seed)
-    for name in ("hidden", "weight", "bias", "target", "g_logp", "g_entropy", "g_lse"):
-        t = getattr(p, name)
-        setattr(p, name, None if t is None else t.cuda())
-    return p
+def _cuda_problem(n, d, v, dtype, seed=0):
+    return problem_on(make_problem((n,), d, v, dtype, True, seed=seed), "cuda")
 
 
 def test_cuda_graph_example():

@@ -12,20 +12,11 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from tests.problems import make_problem, run_op, run_reference  # noqa: E402
+from tests.gpu import cuda_backend  # noqa: E402
+from tests.problems import make_problem, problem_on, run_op, run_reference  # noqa: E402
 from tplogp.tolerances import assert_no_worse, rel_error  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
-
-
-def _backend(source):
-    from tplogp.kernel_registry import get_backend
-
-    be = get_backend(source)
-    why = be.unavailable_reason(torch.device("cuda"))
-    if why is not None:
-        pytest.skip(why)
-    return be
 
 
 def _problem(n, d, v, dtype, seed=0, bias=True, peaked=False):
@@ -70,7 +61,7 @@ def test_three_way_at_real_sizes(source, case):
     from tplogp.reference import reference_outputs
     from tplogp.tp import LogpOptions, linear_logp_tp
 
-    be = _backend(source)
+    be = cuda_backend(source)
     n, d, v, dt, peaked, opts = CASES[case]
     h, w, b, y, g, ge = _problem(n, d, v, dt, peaked=peaked)
     ent, temp = opts.get("return_entropy", False), opts.get("temperature", 1.0)
@@ -98,7 +89,7 @@ def test_three_way_at_real_sizes(source, case):
 def test_deterministic_bitwise_and_batch_independent(source):
     from tplogp.tp import LogpOptions, linear_logp_tp
 
-    be = _backend(source)
+    be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(4096, 2048, 32000, torch.bfloat16, seed=3)
     opts = LogpOptions(return_entropy=True, deterministic=True)
 
@@ -122,7 +113,7 @@ def test_large_indices_match_native(source, n, d, v, ws):
     from tplogp.backends.native import NativeBackend
     from tplogp.tp import LogpOptions, linear_logp_tp
 
-    be = _backend(source)
+    be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(n, d, v, torch.bfloat16, seed=7)
     got = _run(lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=LogpOptions(workspace_bytes=ws)),
                h, w, b, y, g, ge, False)
@@ -141,7 +132,7 @@ def test_direct_launches_match_the_jit_path(source):
     from tplogp.kernels import direct_launch
     from tplogp.tp import LogpOptions, linear_logp_tp
 
-    be = _backend(source)
+    be = cuda_backend(source)
 
     def run_all(enabled):
         direct_launch.set_direct_launch(enabled)
@@ -202,17 +193,12 @@ def _grid_case(dtype_name, shape, bias, shapes):
     tolerances table's three-way rule), forward and backward. With a bias the case also returns entropy and lse
     (their gradients flow too). A source that refuses the case fails it: on the GPUs the kernels support every
     dtype must run."""
-    from dataclasses import replace
-
     from tplogp import get_op
     from tplogp.kernel_registry import unavailable_reason
 
     dt = GRID_DTYPES[dtype_name]
     n, d, v, opts = shapes[shape]
-    cpu = make_problem((n,), d, v, dt, bias, seed=n + d + v)
-    p = replace(cpu, **{f: getattr(cpu, f).cuda() for f in ("hidden", "weight", "target", "g_logp", "g_entropy",
-                                                                "g_lse")},
-                bias=None if cpu.bias is None else cpu.bias.cuda())
+    p = problem_on(make_problem((n,), d, v, dt, bias, seed=n + d + v), "cuda")
     extra = dict(entropy=bias, lse=bias)
     truth = run_reference(p, "float64", **extra, **opts)
     same = run_reference(p, "matching", **extra, **opts)

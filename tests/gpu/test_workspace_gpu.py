@@ -13,21 +13,12 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+from tests.gpu import cuda_backend  # noqa: E402
 from tplogp.tolerances import assert_no_worse  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
 _MIB = 1 << 20
 DEFAULT = 128 * _MIB  # the triton / sm90 sources' default d_logits workspace
-
-
-def _backend(source):
-    from tplogp.kernel_registry import get_backend
-
-    be = get_backend(source)
-    why = be.unavailable_reason(torch.device("cuda"))
-    if why is not None:
-        pytest.skip(why)
-    return be
 
 
 def _problem(n, d, v, dtype, seed=0):
@@ -59,7 +50,7 @@ def test_kept_logits_budgets_three_way(source, dtype):
     from tplogp.reference import reference_outputs
     from tplogp.tp import LogpOptions, linear_logp_tp
 
-    be = _backend(source)
+    be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(N, D, V, dtype)
     truth = _grads(lambda h, w, y, b: reference_outputs(h, w, y, b, mode="float64"),
                    h.double(), w.double(), b.double(), y, g, ge)  # float64 leaves: unrounded gradients
@@ -101,7 +92,7 @@ def test_fused_loss_three_way(source, chunks):
     import tplogp
     from tplogp.reference import reference_outputs
 
-    _backend(source)
+    cuda_backend(source)
     n, d, v = 4096, 1024, 32000
     h, w, b, y, adv, _ = _problem(n, d, v, torch.bfloat16, seed=1)
     old = -3 + 0.3 * torch.randn(n, device="cuda")
