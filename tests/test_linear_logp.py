@@ -3,6 +3,8 @@ reference, and the op. The op's error must be no worse than the reference's (tol
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ SHAPES = {"37x19x101": ((37,), 19, 101), "odd-61x67x1009": ((61,), 67, 1009), "3
 def test_matches_float64_truth(source, dtype, bias, shape):
     lead, d, v = SHAPES[shape]
     dt = DTYPES[dtype]
-    p = make_problem(lead, d, v, dt, bias, seed=hash(shape) % 1000)
+    p = make_problem(lead, d, v, dt, bias, seed=zlib.crc32(shape.encode()) % 1000)  # stable across processes
     ours = run_op(get_op("linear_logp", source=source), p)
     truth = run_reference(p, "float64")
     ref = run_reference(p, "matching")

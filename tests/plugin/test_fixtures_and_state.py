@@ -101,7 +101,8 @@ def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None
                                  "the ranks.*"])
     assert "pickle" not in out.lower()
     # --tb=line: one proper line that points at the failing line, not at the decorator nor a Crash(...) object
-    lines = [line for line in result.outlines if line.endswith("rank 1: AssertionError: assert 11 == 10")]
+    lines = [line for line in result.outlines  # the -rA summary line ends the same way where the terminal is wide
+             if line.endswith("rank 1: AssertionError: assert 11 == 10") and not line.startswith("FAILED ")]
     assert len(lines) == 1 and lines[0].startswith(str(pytester.path / "test_body.py") + ":"), out
     lineno = int(lines[0].rsplit(".py:", 1)[1].split(":", 1)[0])
     assert (pytester.path / "test_body.py").read_text().splitlines()[lineno - 1].strip() == "assert value == 10"
