@@ -101,7 +101,8 @@ def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
     p = make_problem((4, 13), 24, 211, torch.float32, True, seed=12, ignore_index=IGNORE,
                      ignore_fraction=0.2)
     extra = _per_token(p, 1)
-    ws = {None: None, "chunks": TILES[source] + 9 * 211 * 4, "all": TILES[source] + 52 * 211 * 4}[budget]
+    # chunks of 9 tokens: 9 tokens' logits plus the fp32 d_W / d_b accumulators (D + 1 = 25 tokens' worth)
+    ws = {None: None, "chunks": TILES[source] + (9 + 25) * 211 * 4, "all": TILES[source] + 52 * 211 * 4}[budget]
     kw = dict(temperature=0.9, ignore_index=IGNORE, workspace_bytes=ws)
     eager = _run(False, p, extra, reduction, source, **kw)
     seen = _count_recompute(monkeypatch)
@@ -138,7 +139,7 @@ def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dt
     p = make_problem((45,), 32, 157, dtype, True, seed=21, peaked=True)
     extra = _per_token(p, 5)
     truth, ref = _truth_and_reference(p, extra, "mean", 1.0)
-    for ws in (None, TILES[source] + 8 * 157 * 4):  # one chunk; 6 chunks of 8 tokens
+    for ws in (None, TILES[source] + (8 + 33) * 157 * 4):  # one chunk; 6 chunks of 8 tokens (+ accumulators)
         ours = _run(True, p, extra, "mean", source, scale=1.0, workspace_bytes=ws)
         for name, a, r, t in zip(("loss", "d_hidden", "d_weight", "d_bias"), ours, ref, truth):
             assert a.dtype == (torch.float32 if name == "loss" else dtype), name
@@ -165,7 +166,7 @@ def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     p = make_problem((3, 11), 20, v, torch.float32, True, seed=9, ignore_index=IGNORE, ignore_fraction=0.25)
     p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
     extra = _per_token(p, 4)
-    ws = None if budget is None else TILES[source] + 7 * v * 4
+    ws = None if budget is None else TILES[source] + (7 + 21) * v * 4  # chunks of 7 tokens (+ accumulators)
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, temperature=1.3,
               ignore_index=IGNORE, workspace_bytes=ws)
     ours, eager = _run(True, p, extra, "mean", source, **kw), _run(False, p, extra, "mean", source, **kw)
@@ -175,6 +176,57 @@ def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     except AssertionError as exc:
         problems.append(str(exc))
     tp.assert_all(not problems, "; ".join(problems))
+
+
+def test_chunk_plan_counts_the_accumulators_in_the_budget():
+    """Several chunks hold an fp32 d_W / d_b accumulator (D + 1 tokens' worth of logits) beside the chunk's kept
+    logits, both within the kept part of the budget, on every rank of any sharding; one chunk needs no accumulator."""
+    from tplogp.backends.native import NativeBackend, default_tile_bytes
+    from tplogp.fused_loss import GPU_MIN_CHUNK_TOKENS, plan_chunk_tokens
+
+    be, cpu = NativeBackend(), torch.device("cpu")
+    n, d, vocab = 1000, 64, 5000
+    row = vocab * 4
+
+    def plan(extra_bytes, device=cpu, accumulates=True):
+        return plan_chunk_tokens(be, n, d, vocab, default_tile_bytes(device) + extra_bytes, device, accumulates)
+
+    assert plan_chunk_tokens(be, n, d, vocab, None, cpu, True) == n  # nothing kept: one chunk
+    assert plan(n * row) == n  # every logit fits: one chunk, no accumulator
+    assert plan((n - 1) * row) == n - 1 - (d + 1)
+    assert plan((n - 1) * row, accumulates=False) == n - 1
+    assert plan((d + 1) * row) == n  # room for the accumulators only: one chunk, partly kept
+    assert plan((d + 2) * row) == 1
+    for extra in (3 * row + 5, (d + 10) * row + 17, 700 * row):
+        keep, chunk = extra, plan(extra)
+        if chunk < n:
+            for v_local in (vocab, vocab // 3 + 1, 1):  # every rank's kept logits + accumulators fit its budget
+                assert v_local * 4 * (chunk + d + 1) <= keep
+    # a GPU runs no chunk thinner than its token tiles: one chunk instead
+    cuda = torch.device("cuda")
+    assert plan((d + 1 + GPU_MIN_CHUNK_TOKENS - 1) * row, cuda) == n
+    assert plan((d + 1 + GPU_MIN_CHUNK_TOKENS) * row, cuda) == GPU_MIN_CHUNK_TOKENS
+
+
+def test_chunks_run_as_planned(monkeypatch):
+    """The loss runs one source backward per planned chunk, with an accumulator only over several chunks."""
+    from tplogp.backends.native import NativeBackend
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = make_problem((40,), 16, 90, torch.float32, True, seed=8)
+    extra = _per_token(p, 3)
+    seen = []
+    real = NativeBackend.backward
+
+    def counting(self, *args, accumulate=None, **kwargs):
+        seen.append(accumulate is not None)
+        return real(self, *args, accumulate=accumulate, **kwargs)
+
+    monkeypatch.setattr(NativeBackend, "backward", counting)
+    for tokens, calls in ((40, [False]), (17 + 10, [True] * 4), (17, [False])):
+        seen.clear()
+        _run(True, p, extra, "sum", workspace_bytes=TILES["native"] + tokens * 90 * 4)
+        assert seen == calls, (tokens, seen)
 
 
 @pytest.mark.parametrize("source", [None, "registry", "auto"])

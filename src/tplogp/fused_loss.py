@@ -6,9 +6,9 @@ one small all_gather with a group, the merge) gives fp32 logp and entropy; the l
 autograd, which gives the per-token upstream gradients ``g_logp`` / ``g_entropy``; the source's backward then gives
 the chunk's partial fp32 ``d_hidden`` rows, and adds its ``d_W`` and ``d_b`` to fp32 accumulators (several chunks;
 one chunk's are written directly in the weight / bias dtype). The chunk is as many tokens as the kept part of the
-memory budget (``workspace_bytes``) holds as fp32 logits of the whole vocab: its forward keeps them and its backward
-reads them instead of recomputing (3 GEMMs instead of 4), every source alike; only one chunk's logits are alive at a
-time. After the last chunk, ONE all_reduce completes ``d_hidden``. The gradients are handed to autograd: the
+memory budget (``workspace_bytes``) holds as fp32 logits of the whole vocab, the accumulators counted in it
+(:func:`plan_chunk_tokens`): its forward keeps them and its backward reads them instead of recomputing (3 GEMMs
+instead of 4), every source alike; only one chunk's logits are alive at a time. After the last chunk, ONE all_reduce completes ``d_hidden``. The gradients are handed to autograd: the
 backward only scales them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are
 constants (no gradient flows to them).
 """
@@ -41,23 +41,54 @@ class _PrecomputedGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        def scale(t, dtype):
-            if t is None:
-                return None
-            return (t * g.to(t.dtype)).to(dtype)
-
-        return (None, None) + tuple(scale(t, dt) for t, dt in zip(ctx.grads, ctx.dtypes))
+        return (None, None) + tuple(_scaled(t, g, dt) for t, dt in zip(ctx.grads, ctx.dtypes))
 
 
-def _chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], device: torch.device) -> int:
-    """Tokens per chunk: as many as the kept part of the budget holds as fp32 logits of the whole (global) vocab,
-    so every shard keeps its chunk's logits whole and every rank cuts the same chunks; one chunk when the budget
-    keeps nothing."""
+# Elements per block when an fp32 gradient is scaled and rounded to a 16-bit dtype: the fp32 product is a transient
+# of this size, not of the gradient's (an fp32 [V_local, D] d_W would double its memory for a moment).
+_SCALE_BLOCK_ELEMENTS = 1 << 24
+
+
+def _scaled(t: Optional[torch.Tensor], g: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``(t * g)`` in ``t``'s dtype, rounded once to ``dtype``; in row blocks when that rounding changes the dtype."""
+    if t is None:
+        return None
+    g = g.to(t.dtype)
+    if t.dtype == dtype or t.dim() == 0 or t.numel() <= _SCALE_BLOCK_ELEMENTS:
+        return (t * g).to(dtype)
+    out = torch.empty(t.shape, device=t.device, dtype=dtype)
+    rows = max(1, _SCALE_BLOCK_ELEMENTS // max(1, t[0].numel()))
+    for r0 in range(0, t.shape[0], rows):
+        out[r0:r0 + rows] = t[r0:r0 + rows] * g
+    return out
+
+
+# On a GPU, chunks under this many tokens under-fill the kernels' token tiles (128-256 rows): one chunk that keeps
+# the budget's share of its logits and recomputes the rest is then the faster choice.
+GPU_MIN_CHUNK_TOKENS = 256
+
+
+def plan_chunk_tokens(backend, n: int, dim: int, vocab: int, workspace_bytes: Optional[int], device: torch.device,
+                      accumulates: bool) -> int:
+    """Tokens per chunk, from sizes that every rank shares (``n``, ``dim``, the global ``vocab``): the same chunks
+    on every rank.
+
+    The kept part of the budget holds ``R = keep // (4 * vocab)`` tokens' fp32 logits of the whole vocabulary (a
+    rank keeps a chunk's logits of its own shard: at most that). ``R >= n``: one chunk, every logit kept, ``d_W``
+    written once. Otherwise several chunks sum ``d_W`` (and ``d_b``) in fp32 accumulators (``accumulates``), which
+    count against the same kept part: ``V_local * D * 4`` bytes are ``D`` tokens' worth (``d_b`` one more), so a
+    chunk is ``R - D - 1`` tokens, and ``V_local * 4 * (chunk + D + 1) <= keep`` on every rank. Below the minimum
+    chunk (one token; ``GPU_MIN_CHUNK_TOKENS`` on a GPU) or when nothing is kept: one chunk, of which the source
+    keeps what the budget holds (its first vocab columns or tiles) and recomputes the rest."""
     keep_bytes = getattr(backend, "keep_bytes", None)
     keep = keep_bytes(workspace_bytes, device) if keep_bytes is not None else 0
-    if keep <= 0:
+    rows = keep // max(1, vocab * 4)
+    if rows >= n or rows <= 0:
         return max(n, 1)
-    return max(1, min(n, keep // max(1, vocab * 4)))
+    chunk = rows - (dim + 1 if accumulates else 0)
+    if chunk < (GPU_MIN_CHUNK_TOKENS if device.type == "cuda" else 1):
+        return max(n, 1)
+    return chunk
 
 
 def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
@@ -95,7 +126,9 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         extra.append(t if keep_idx is None else t.index_select(0, keep_idx))
     n, d = h2.shape
     differentiate = any(needs)
-    chunk = _chunk_tokens(backend, n, vocab, workspace_bytes, h2.device)  # also without gradients: the same value
+    # from what requires a gradient, not from grad mode: a call without gradients sums the same chunks
+    accumulates = bool(weight.requires_grad or (bias is not None and bias.requires_grad))
+    chunk = plan_chunk_tokens(backend, n, d, vocab, workspace_bytes, h2.device, accumulates)
     call = dataclasses.replace(tpc.call, for_backward=differentiate)
     tpc_c = dataclasses.replace(tpc, call=call)
     count = torch.tensor(float(max(n, 1)), device=h2.device) if reduction == "mean" else None

@@ -107,7 +107,8 @@ def test_fused_loss_three_way(source, chunks):
 
     truth, ref = eager("float64"), eager("matching")
     hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
-    budget = DEFAULT + (n // chunks) * v * 4
+    # several chunks also hold the fp32 d_W / d_b accumulators: D + 1 tokens' worth of logits
+    budget = DEFAULT + (n // chunks + (d + 1 if chunks > 1 else 0)) * v * 4
     value = tplogp.linear_logp_loss(hh, ww, y, bb, loss=_loss, per_token=(adv, old), reduction="mean",
                                     workspace_bytes=budget, source=source)
     value.backward()
