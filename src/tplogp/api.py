@@ -188,6 +188,7 @@ def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[
     return make_linear_logp(source)
 
 
+@torch.compiler.disable  # the chunk loop and its autograd.Function run eagerly inside compiled code
 def linear_logp_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
