@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     # which source runs a call
     ("tplogp.kernel_registry",),
     # what runs the shared path's bodies: the torch.library ops (torch.compile), the fused loss
-    ("tplogp.ops", "tplogp.fused_loss"),
+    ("tplogp.ops", "tplogp.fused_loss", "tplogp.budgets"),
     # the public operator
     ("tplogp.api",),
     # the runbook script's logic (python -m tplogp.runbook)

@@ -10,6 +10,7 @@ over the whole (vocab-sharded) vocabulary without materializing the ``[tokens, v
 
 from . import losses
 from .api import get_op, linear_logp, linear_logp_loss
+from .budgets import keep_logits_budget, loss_chunk_budget
 from .deferred_checks import check_errors
 from .shards import ShardLayoutError
 from .outputs import LogpEntropy, LogpEntropyLse, LogpLse
@@ -20,6 +21,8 @@ __all__ = [
     "linear_logp",
     "linear_logp_loss",
     "losses",
+    "keep_logits_budget",
+    "loss_chunk_budget",
     "check_errors",
     "get_op",
     "LogpEntropy",

@@ -212,6 +212,11 @@ class NativeBackend:
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
     @staticmethod
+    def transient_bytes(device: torch.device) -> int:
+        """The budget's part that goes to transient tiles before anything is kept (the default budget)."""
+        return default_tile_bytes(device)
+
+    @staticmethod
     def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
         """The part of the budget that holds logits kept from forward to backward (4 bytes per logit)."""
         return split_workspace(workspace_bytes, device)[1]

@@ -98,6 +98,11 @@ class TritonBackend:
 
     # -- primitives --------------------------------------------------------------------------------------
     @staticmethod
+    def transient_bytes(device: torch.device) -> int:
+        """The budget's part that goes to the backward's d_logits workspace before anything is kept (the default)."""
+        return tiles.DEFAULT_WORKSPACE_BYTES
+
+    @staticmethod
     def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
         """The part of the budget that holds logits kept from forward to backward (4 bytes per logit)."""
         return tiles.split_budget(workspace_bytes)[1]

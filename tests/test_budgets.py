@@ -1,0 +1,102 @@
+"""``tplogp.keep_logits_budget`` / ``loss_chunk_budget``: the budgets they return make each source keep what they
+promise (read back from the sources' own planners, and from the chunks the fused loss runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tplogp
+from tplogp.backends.base import ShardCall
+from tplogp.backends.native import NativeBackend
+from tplogp.fused_loss import GPU_MIN_CHUNK_TOKENS, plan_chunk_tokens
+from tplogp.kernels import tiles
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+class _OnDevice:
+    """A shape-only stand-in for a tensor on ``device`` (the native planner reads shape, dtype and device)."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, device
+
+
+def _native_kept_elements(n, v, d, budget, device=CPU):
+    """fp32 logits the native forward keeps for an ``[n, d] x [v, d]`` call under ``budget``."""
+    call = ShardCall(workspace_bytes=budget, for_backward=True)
+    _, _, (_, kept) = NativeBackend()._plan(_OnDevice((n, d), torch.bfloat16, device),
+                                            _OnDevice((v, d), torch.bfloat16, device), call)
+    return kept
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("n, v", [(1000, 5000), (37, 101), (8192, 32064)])
+def test_keep_all_and_half_per_source(device, n, v):
+    # native: tiles in the forward's order; the whole call's logits at fraction 1, at most half at 0.5
+    full = tplogp.keep_logits_budget(n, v, source="native", device=device)
+    assert full == NativeBackend.transient_bytes(device) + n * v * 4
+    assert _native_kept_elements(n, v, 64, full, device) == n * v
+    assert _native_kept_elements(n, v, 64, tplogp.keep_logits_budget(n, v, fraction=0.5, source="native",
+                                                                      device=device), device) <= n * v // 2
+    assert _native_kept_elements(n, v, 64, None, device) == 0
+    # triton / sm90: vocab columns, the whole shard at fraction 1, 256-column units below
+    for source in ("triton", "sm90"):
+        pytest.importorskip("triton")
+        full = tplogp.keep_logits_budget(n, v, source=source, device=device)
+        assert tiles.plan_keep(n, v, tiles.split_budget(full)[1]) == v
+        half = tplogp.keep_logits_budget(n, v, fraction=0.5, source=source, device=device)
+        cols = tiles.plan_keep(n, v, tiles.split_budget(half)[1])
+        assert cols <= v // 2 and cols % tiles.CHUNK_ALIGN == 0 and v // 2 - cols < tiles.CHUNK_ALIGN
+        assert tiles.plan_keep(n, v, tiles.split_budget(tplogp.keep_logits_budget(
+            n, v, fraction=0.0, source=source, device=device))[1]) == 0
+
+
+@pytest.mark.parametrize("source", ["native", "triton"])
+@pytest.mark.parametrize("device", [CPU, CUDA], ids=["cpu", "cuda"])
+def test_loss_chunk_budget_runs_chunks_of_that_size(source, device):
+    if source == "triton":
+        pytest.importorskip("triton")
+    from tplogp.kernel_registry import get_backend
+
+    be = get_backend(source)
+    for chunk, d, vocab in ((GPU_MIN_CHUNK_TOKENS, 64, 5000), (4096, 4096, 128256), (1000, 19, 7)):
+        budget = tplogp.loss_chunk_budget(chunk, d, vocab, source=source, device=device)
+        assert plan_chunk_tokens(be, 10 * chunk, d, vocab, budget, device, True) == chunk
+        assert plan_chunk_tokens(be, chunk, d, vocab, budget, device, True) == chunk  # one chunk, all kept
+    # the 8192 x 4096 x 128256 case of docs/operator.md: chunks of 4096 cost 4096 + D + 1 tokens of logits
+    assert tplogp.loss_chunk_budget(4096, 4096, 128256, source=source, device=device) == (
+        be.transient_bytes(device) + 8193 * 128256 * 4)
+
+
+def test_loss_chunk_budget_end_to_end(monkeypatch):
+    """The fused loss runs one source backward per chunk of the size asked for (native, CPU)."""
+    from tests.problems import make_problem
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = make_problem((50,), 12, 40, torch.float32, True, seed=2)
+    calls = []
+    real = NativeBackend.backward
+
+    def counting(self, hidden, *args, **kwargs):
+        calls.append(hidden.shape[0])
+        return real(self, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(NativeBackend, "backward", counting)
+    h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    budget = tplogp.loss_chunk_budget(16, 12, 40, source="native", device="cpu")
+    loss = tplogp.linear_logp_loss(h, w, p.target, b, loss=tplogp.losses.policy_gradient(),
+                                   per_token=(torch.ones(50),), source="native", workspace_bytes=budget)
+    loss.backward()
+    assert calls == [16, 16, 16, 2]
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="fraction must be in"):
+        tplogp.keep_logits_budget(10, 10, fraction=1.5, source="native")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        tplogp.keep_logits_budget(-1, 10, source="native")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        tplogp.loss_chunk_budget(0, 10, 10, source="native")
+    with pytest.raises(KeyError, match="unknown source 'bogus'"):
+        tplogp.loss_chunk_budget(1, 10, 10, source="bogus")
