@@ -19,8 +19,8 @@ from . import runner
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OP_SHAPES = "8192x4096x128256,4096x4096x128256,8192x4096x32768,4096x2048x8192"
 OP_SMOKE_SHAPES = "64x32x320"
-OP_BUDGETS = "default,1GiB,4GiB"
-OP_SMOKE_BUDGETS = "default,16KiB"
+OP_BUDGETS = "default,keep:0.5,keep:1,chunk:4096"
+OP_SMOKE_BUDGETS = "default,16KiB,keep:1,chunk:16"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     op = sub.add_parser("op", parents=[common], help="speed, memory and accuracy per implementation and budget")
     op.add_argument("--shapes", help=f"TxDxV,... (default {OP_SHAPES}; smoke {OP_SMOKE_SHAPES})")
     op.add_argument("--impls", help="comma-separated names from benchmarks/impls.py (default: all)")
-    op.add_argument("--budgets", help=f"workspace_bytes values for tplogp (default {OP_BUDGETS}; "
-                                      f"smoke {OP_SMOKE_BUDGETS})")
+    op.add_argument("--budgets", help=f"workspace_bytes values for tplogp: default, bytes (4GiB), keep:F (keep the "
+                                      f"share F of the logits), chunk:C (loss chunks of C tokens) (default "
+                                      f"{OP_BUDGETS}; smoke {OP_SMOKE_BUDGETS})")
     op.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     op.add_argument("--reps", type=int, help="timed calls per timing (default 10; smoke 2)")
     op.add_argument("--rounds", type=int, help="interleaved rounds (default 3; smoke 1)")
@@ -89,7 +90,7 @@ def _op(args) -> int:
     device = _device()
     smoke = args.smoke
     shapes = runner.parse_shapes(args.shapes or (OP_SMOKE_SHAPES if smoke else OP_SHAPES))
-    budgets = [runner.parse_budget(b) for b in (args.budgets or (OP_SMOKE_BUDGETS if smoke else OP_BUDGETS))
+    budgets = [runner.parse_budget_spec(b) for b in (args.budgets or (OP_SMOKE_BUDGETS if smoke else OP_BUDGETS))
                .split(",") if b.strip()]
     chosen = impl_table.select(args.impls)
     reps = args.reps or (2 if smoke else 10)

@@ -8,7 +8,8 @@ An entry names the implementation, the contract it meets and how to build its ca
 * ``scalar loss``: ``fn(hidden, weight, targets) -> mean cross-entropy`` (a 0-d tensor); its gradients may be
   computed in the forward, since the loss is known there (the benchmark backpropagates 1).
 
-``budgeted`` entries are measured once per ``--budgets`` value (passed as ``workspace_bytes``); the others once.
+``budgeted`` entries are measured once per ``--budgets`` value (resolved for the entry's ``source`` and passed as
+``workspace_bytes``, :class:`benchmarks.runner.BudgetSpec`); the others once.
 A builder raises :class:`ImplUnavailable` with the reason when the implementation cannot run here (package not
 installed, wrong device); any other exception is recorded too: every requested implementation becomes a row,
 with numbers or with the reason it has none. A new path (for example a fused loss of tplogp) is one more entry.
@@ -38,6 +39,7 @@ class Impl:
     budgeted: bool
     build: Callable[[torch.device, Optional[int]], ImplFn]
     what: str
+    source: Optional[str] = None  # the tplogp source of a budgeted entry (its budgets are resolved for it)
 
 
 def _import(module: str, attr: str):
@@ -130,15 +132,16 @@ def _quack_chunked(device: torch.device, budget: Optional[int]) -> ImplFn:
 
 
 IMPLS: tuple[Impl, ...] = (
-    Impl("tplogp-sm90", PER_TOKEN, True, _tplogp("sm90"), "tplogp, Hopper source (the registry's choice on sm_90)"),
-    Impl("tplogp-triton", PER_TOKEN, True, _tplogp("triton"), "tplogp, portable Triton source"),
-    Impl("tplogp-native", PER_TOKEN, True, _tplogp("native"), "tplogp, chunked PyTorch source"),
+    Impl("tplogp-sm90", PER_TOKEN, True, _tplogp("sm90"),
+         "tplogp, Hopper source (the registry's choice on sm_90)", source="sm90"),
+    Impl("tplogp-triton", PER_TOKEN, True, _tplogp("triton"), "tplogp, portable Triton source", source="triton"),
+    Impl("tplogp-native", PER_TOKEN, True, _tplogp("native"), "tplogp, chunked PyTorch source", source="native"),
     Impl("tplogp-loss-sm90", SCALAR_LOSS, True, _tplogp_loss("sm90"),
-         "tplogp linear_logp_loss (mean CE, gradients in the forward), Hopper source"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), Hopper source", source="sm90"),
     Impl("tplogp-loss-triton", SCALAR_LOSS, True, _tplogp_loss("triton"),
-         "tplogp linear_logp_loss (mean CE, gradients in the forward), Triton source"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), Triton source", source="triton"),
     Impl("tplogp-loss-native", SCALAR_LOSS, True, _tplogp_loss("native"),
-         "tplogp linear_logp_loss (mean CE, gradients in the forward), PyTorch source"),
+         "tplogp linear_logp_loss (mean CE, gradients in the forward), PyTorch source", source="native"),
     Impl("torch-eager", PER_TOKEN, False, _torch_eager, "bf16 logits, fp32 log_softmax, gather"),
     Impl("liger-flce", PER_TOKEN, False, _liger_flce, "Liger fused linear CE (Triton), reduction none"),
     Impl("liger-cute-sm90", SCALAR_LOSS, False, _liger_cute_sm90, "Liger CuTe DSL SM90 kernel, mean loss"),

@@ -72,7 +72,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float(rel_error(x.detach(), ref))
 
 
-def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[Optional[int]], dtype: str,
+def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[runner.BudgetSpec], dtype: str,
                 device: torch.device, *, reps: int, rounds: int, warm_ms: float, check: bool) -> list[dict]:
     T, D, V = shape
     h, w, y, gy = make_problem(T, D, V, DTYPES[dtype], device)
@@ -93,11 +93,11 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[Op
         torch.cuda.empty_cache()
     rows, live = [], []
     for impl in impls:
-        for budget in (budgets if impl.budgeted else [None]):
-            row = dict(common, impl=impl.name, contract=impl.contract, budget=runner.budget_label(budget),
-                       budget_bytes=budget)
+        for spec in (budgets if impl.budgeted else [runner.BudgetSpec("default")]):
+            row = dict(common, impl=impl.name, contract=impl.contract, budget=spec.label, budget_bytes=spec.nbytes)
             rows.append(row)
             try:
+                budget = row["budget_bytes"] = spec.resolve(impl.source, shape, device)
                 fn = impl.build(device, budget)
             except ImplUnavailable as exc:
                 row["error"] = f"unavailable: {exc}"

@@ -24,6 +24,7 @@ import re
 import statistics
 import subprocess
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -128,6 +129,55 @@ def parse_budget(text: str) -> Optional[int]:
     if value <= 0:
         raise ValueError(f"a budget must be positive, got {text!r}")
     return value
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """One ``--budgets`` entry. ``default``; bytes (``4GiB``); ``keep:F``: the budget with which ``linear_logp``
+    keeps the share F of the call's ``[T, V]`` logits; ``chunk:C``: the budget with which ``linear_logp_loss`` runs
+    chunks of C tokens with every chunk's logits kept. The last two are resolved per shape and source by
+    ``tplogp.keep_logits_budget`` / ``tplogp.loss_chunk_budget`` (each source's own transient default added), and
+    give every tplogp row of a shape, per-token or loss, the same bytes per source."""
+
+    label: str
+    nbytes: Optional[int] = None
+    keep: Optional[float] = None
+    chunk: Optional[int] = None
+
+    def resolve(self, source: Optional[str], shape: tuple[int, int, int], device: torch.device) -> Optional[int]:
+        """``workspace_bytes`` for ``source`` at ``shape`` (T, D, V) on ``device``."""
+        T, D, V = shape
+        if self.keep is not None:
+            from tplogp import keep_logits_budget
+
+            return keep_logits_budget(T, V, fraction=self.keep, source=source, device=device)
+        if self.chunk is not None:
+            from tplogp import loss_chunk_budget
+
+            return loss_chunk_budget(self.chunk, D, V, source=source, device=device)
+        return self.nbytes
+
+
+def parse_budget_spec(text: str) -> BudgetSpec:
+    """``default``, bytes (:func:`parse_budget`), ``keep:F`` (0 <= F <= 1) or ``chunk:C`` (C >= 1 tokens)."""
+    text = text.strip()
+    kind, _, value = text.lower().partition(":")
+    try:
+        if kind == "keep" and value:
+            share = float(value)
+            if 0.0 <= share <= 1.0:
+                return BudgetSpec(f"keep {share:.0%}", keep=share)
+        elif kind == "chunk" and value:
+            tokens = int(value)
+            if tokens >= 1:
+                return BudgetSpec(f"chunk {tokens}", chunk=tokens)
+        else:
+            nbytes = parse_budget(text)
+            return BudgetSpec(budget_label(nbytes), nbytes=nbytes)
+    except ValueError:
+        pass
+    raise ValueError(f"a budget is 'default', bytes with an optional KiB / MiB / GiB unit, 'keep:F' (a share of the "
+                     f"logits, 0 to 1) or 'chunk:C' (loss chunks of C tokens), got {text!r}")
 
 
 def budget_label(nbytes: Optional[int]) -> str:

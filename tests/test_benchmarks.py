@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+import tplogp
+
 from benchmarks import impls, report, runner
 from tplogp.tolerances import ERROR_SLACK
 
@@ -48,11 +50,11 @@ def test_op_smoke_rows(tmp_path):
     _bench("op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native,torch-eager,liger-flce,quack-chunked",
            "--out", str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
-    assert set(rows) == {("tplogp-native", "default"), ("tplogp-native", "16KiB"), ("tplogp-loss-native", "default"),
-                         ("tplogp-loss-native", "16KiB"), ("torch-eager", "default"), ("liger-flce", "default"),
-                         ("quack-chunked", "default")}
+    budgets = ("default", "16KiB", "keep 100%", "chunk 16")
+    assert set(rows) == {(impl, b) for impl in ("tplogp-native", "tplogp-loss-native") for b in budgets} | {
+        ("torch-eager", "default"), ("liger-flce", "default"), ("quack-chunked", "default")}
     eager = rows["torch-eager", "default"]
-    for key in (("tplogp-native", "default"), ("tplogp-native", "16KiB")):
+    for key in (("tplogp-native", b) for b in budgets):
         r = rows[key]
         assert r["contract"] == impls.PER_TOKEN and r["smoke"] and r["suite"] == "op" and "error" not in r, r
         for field in ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_bwd_gemms_b2b", "gemm_ms"):
@@ -60,12 +62,18 @@ def test_op_smoke_rows(tmp_path):
         # three-way: tplogp's fp32 log-softmax is no worse than the bf16-logits eager baseline against float64
         assert r["err_logp"] <= eager["err_logp"], (r, eager)
         _no_worse_grads(r, eager)
-    for budget in ("default", "16KiB"):  # the scalar-loss contract: mean CE and its gradients vs float64
+    for budget in budgets:  # the scalar-loss contract: mean CE and its gradients vs float64
         r = rows["tplogp-loss-native", budget]
         assert r["contract"] == impls.SCALAR_LOSS and "error" not in r and "err_logp" not in r, r
         assert r["err_loss"] <= eager["err_logp"] and r["fwd_bwd_ms"] > 0, r
         _no_worse_grads(r, eager)
     assert rows["tplogp-native", "16KiB"]["budget_bytes"] == 16 * 2**10
+    # keep:F and chunk:C resolve per source and shape (64 x 32 x 320) through tplogp's budget helpers
+    assert rows["tplogp-native", "keep 100%"]["budget_bytes"] == tplogp.keep_logits_budget(64, 320, source="native",
+                                                                                          device="cpu")
+    for impl in ("tplogp-native", "tplogp-loss-native"):
+        assert rows[impl, "chunk 16"]["budget_bytes"] == tplogp.loss_chunk_budget(16, 32, 320, source="native",
+                                                                                 device="cpu")
     assert rows["quack-chunked", "default"]["contract"] == impls.SCALAR_LOSS
     for key in (("liger-flce", "default"), ("quack-chunked", "default")):
         assert rows[key]["error"].startswith("unavailable: "), rows[key]
@@ -150,6 +158,15 @@ def test_budget_and_shape_parsing():
         runner.parse_shapes("8192x4096")
     with pytest.raises(ValueError, match="budget"):
         runner.parse_budget("lots")
+    assert runner.parse_budget_spec("keep:0.5") == runner.BudgetSpec("keep 50%", keep=0.5)
+    assert runner.parse_budget_spec("chunk:4096") == runner.BudgetSpec("chunk 4096", chunk=4096)
+    assert runner.parse_budget_spec("2GiB") == runner.BudgetSpec("2GiB", nbytes=2 * 2**30)
+    assert runner.parse_budget_spec("default") == runner.BudgetSpec("default")
+    for bad in ("keep:2", "keep:", "chunk:0", "chunk:x", "lots"):
+        with pytest.raises(ValueError, match="'keep:F'"):
+            runner.parse_budget_spec(bad)
+    spec = runner.parse_budget_spec("keep:1")
+    assert spec.resolve("triton", (8192, 4096, 128256), torch.device("cuda")) == 128 * 2**20 + 8192 * 128256 * 4
     with pytest.raises(ValueError, match="unknown implementation 'nope'"):
         impls.select("tplogp-sm90,nope")
 
