@@ -75,8 +75,9 @@ tplogp in one process would share or clash over kernel caches and registered ops
 (`4GiB`), `keep:F` (the budget that keeps the share F of the shape's logits, `tplogp.keep_logits_budget`) or
 `chunk:C` (the budget of fused-loss chunks of C tokens, `tplogp.loss_chunk_budget`), each resolved per source
 (default `default,keep:0.5,keep:1,chunk:4096`). `--smoke` runs everything on tiny problems in seconds. An
-implementation that cannot be imported or run here is a row with the reason. nvidia-cutlass-dsl (Liger's CuTe kernel, QuACK) is a `.pth`-based package: installed with
-`pip install --target DIR`, add `DIR` and `DIR/nvidia_cutlass_dsl/dsl_packages` to `PYTHONPATH`.
+implementation that cannot be imported or run here is a row with the reason. nvidia-cutlass-dsl (Liger's CuTe
+kernel, QuACK) is a `.pth`-based package: installed with `pip install --target DIR`, add `DIR` and
+`DIR/nvidia_cutlass_dsl/dsl_packages` to `PYTHONPATH`.
 """
 
 
