@@ -105,7 +105,11 @@ def _group_count() -> int | None:
 
     world = getattr(c10d, "_world", None)
     pg_map = getattr(world, "pg_map", None)
-    return None if pg_map is None else len(pg_map)
+    if pg_map is None:
+        return None
+    # tplogp keeps a CPU companion per device-backend TP group for its checks (tplogp.comm.host_group): not a leak
+    comm = sys.modules.get("tplogp.comm")
+    return len(pg_map) - (comm.host_group_count() if comm is not None else 0)
 
 
 def classify(exc: BaseException, rank: int, tb_skip: int = 1, test_file: str | None = None) -> RankOutcome:

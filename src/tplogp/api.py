@@ -188,7 +188,22 @@ def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[
     return make_linear_logp(source)
 
 
-@torch.compiler.disable  # the chunk loop and its autograd.Function run eagerly inside compiled code
+def _eager_under_compile(fn):
+    """``fn`` behind ``torch.compiler.disable``, applied at the first call (importing ``torch._dynamo`` with tplogp
+    would cost about a second): compiled code that calls it runs ``fn`` eagerly, untraced."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return wrapper
+
+
+@_eager_under_compile  # the chunk loop and its autograd.Function run eagerly inside compiled code
 def linear_logp_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,

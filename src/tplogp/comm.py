@@ -15,6 +15,16 @@ def all_gather_flat(inp: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def collective_device(group, tensor_device: torch.device) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the CUDA device for NCCL, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "nccl":
+        if tensor_device.type == "cuda":
+            return tensor_device
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_name(group) -> str:
     """The name that identifies ``group`` to :func:`group_from_name` ("" for None: no group)."""
     return "" if group is None else group.group_name
@@ -27,6 +37,38 @@ def group_from_name(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
+
+# ranks of a device-backend group -> its gloo companion (None: none could be made on some rank of the group)
+_host_groups: dict[tuple[int, ...], object] = {}
+
+
+def host_group(group, comm_device: torch.device):
+    """A group over ``group``'s ranks whose collectives take CPU tensors and never wait for a device.
+
+    ``group`` itself when its backend runs CPU collectives (gloo, alone or beside NCCL). Otherwise a gloo companion,
+    created on first use by the group's ranks alone (``new_group(..., use_local_synchronization=True)``: no other
+    rank takes part, and the global group counter that names ordinary groups is left alone) and kept for the
+    process. Like a collective, that first use must be entered by every rank of the group. Whether every rank made
+    one is agreed once over ``group`` itself (one small collective and host read, at the first use only); when some
+    rank could not (gloo missing, a name taken), every rank gets None and the caller keeps to ``group``."""
+    if "gloo" in str(dist.get_backend(group)).lower():
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _host_groups:
+        try:
+            made = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        except Exception:  # agreed below: every rank then falls back alike
+            made = None
+        everyone = torch.tensor([0 if made is None else 1], dtype=torch.int32, device=comm_device)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+        _host_groups[ranks] = made if int(everyone.item()) == 1 else None
+    return _host_groups[ranks]
+
+
+def host_group_count() -> int:
+    """How many companion groups :func:`host_group` holds (the test plugin does not count them as leaked)."""
+    return sum(g is not None for g in _host_groups.values())
+
 
 class OverlappedAllReduce:
     """Sum a tensor over ``group`` with an async collective started as soon as the tensor is complete.

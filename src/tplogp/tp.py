@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from .backends.base import ShardBackend, ShardCall
-from .comm import OverlappedAllReduce, all_gather_flat
-from .deferred_checks import defer_target_range_check, raise_pending_errors
+from .comm import OverlappedAllReduce, all_gather_flat, collective_device, host_group
+from .deferred_checks import (GROUP_NOTE, defer_group_target_check, defer_target_range_check,
+                              raise_pending_errors, take_group_pending)
 from .outputs import LinearLogpResult, pack_outputs
 from .tensors import f32_contiguous
 from .validation import (
@@ -79,15 +80,6 @@ class _TPContext:
     def single(self) -> bool:
         """One shard and a backend with ``forward_single``: it finishes the outputs; targets are passed as given."""
         return self.world_size == 1 and hasattr(self.backend, "forward_single")
-
-
-def _comm_device(group, tensor_device: torch.device) -> torch.device:
-    backend = dist.get_backend(group)
-    if str(backend).lower() == "nccl":
-        if tensor_device.type == "cuda":
-            return tensor_device
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
@@ -227,10 +219,19 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature, options.workspace_bytes)
     if world > 1:
-        comm_dev = _comm_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
+        comm_dev = collective_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
         ok = problem is None
+        # full checks exchange the record over a CPU group: nothing waits for the device; the targets' summary
+        # travels one call later (deferred_checks). sync (or no CPU group to be had): the device record, read here.
+        host = host_group(tp_group, comm_dev) if mode == "full" else None
+        if host is not None:  # the previous call's pending target check, judged by this one
+            earlier = take_group_pending(tp_group)
+            record_targets = None if earlier is None else earlier.read_summary()
+        else:
+            record_targets = (target_summary_tensor(target_ids, options.ignore_index, with_checksum=True)
+                              if ok and mode != "fast" else None)
         total, targets = GroupCheck.run(
-            tp_group, comm_dev, problem,
+            host if host is not None else tp_group, torch.device("cpu") if host is not None else comm_dev, problem,
             n_tokens=int(target_ids.numel()) if ok else -1,
             hidden_size=int(hidden.shape[-1]) if ok else -1,
             vocab_start_index=int(vocab_start_index) if ok else -1,
@@ -238,13 +239,20 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
             global_vocab_size=global_vocab_size if ok else None,
             dtype=hidden.dtype if ok else torch.float32,
             has_bias=bias is not None,
-            targets=(target_summary_tensor(target_ids, options.ignore_index, with_checksum=True)
-                     if ok and mode != "fast" else None),
+            targets=record_targets,
             ignore_index=options.ignore_index,
             mode=mode,
             builds_graph=bool(ok and (torch.is_grad_enabled() and hidden.requires_grad if builds_graph is None
                                       else builds_graph)),
+            targets_note=GROUP_NOTE if host is not None else "",
         )
+        if host is not None:
+            if targets is not None:  # the previous call's targets, replicated: now their range
+                msg = earlier.range_problem(targets)
+                if msg is not None:
+                    raise LinearLogpInputError(msg + GROUP_NOTE)
+                targets = None
+            defer_group_target_check(tp_group, target_ids, total, options.ignore_index)
     else:
         comm_dev = torch.device("cpu")
         if problem is not None:
@@ -374,7 +382,7 @@ def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, pac
     packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get
     none). The forward checked the call, so no checks run here."""
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
-    comm_dev = _comm_device(tp_group, hidden.device) if world > 1 else torch.device("cpu")
+    comm_dev = collective_device(tp_group, hidden.device) if world > 1 else torch.device("cpu")
     prep = localize_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
                          comm_dev, 0)
     if prep.keep_idx is not None:

@@ -9,14 +9,16 @@ ranks, because all of them saw the flag).
 
 Modes (``TPLOGP_CHECKS``):
 
-* ``full`` (default): with a group, the targets' checksum and range are computed on the device and travel in the
-  record, which is exchanged and read on every call (one host read, which also proves the token counts agree
-  before the stats exchange); errors surface at the call. Without a group nothing is read on the host: the range
-  verdict is copied to the host asynchronously and raised at the next call without a group, or by
-  :func:`tplogp.check_errors` (see :mod:`tplogp.deferred_checks`). A validated partition plus targets inside
-  ``[0, vocab)`` means every target has exactly one owner, so the forward needs no further check.
-* ``sync``: as ``full``, but without a group the range is read at the call (one host sync), so the error surfaces
-  at the call that caused it.
+* ``full`` (default): nothing is read from the device. With a group, the record holds host values only and is
+  exchanged over a CPU group (the group itself when it is gloo, else a gloo companion, :func:`tplogp.comm.
+  host_group`) on every call, which proves the token counts agree before the stats exchange; metadata errors
+  surface at the call. The targets' checksum and range are computed on the device, copied to the host
+  asynchronously and travel in the next call's record, whose exchange raises their error on every rank. Without a
+  group the range verdict is raised at the next call without a group. :func:`tplogp.check_errors` raises either at
+  once (see :mod:`tplogp.deferred_checks`). A validated partition plus targets inside ``[0, vocab)`` means every
+  target has exactly one owner, so the forward needs no further check.
+* ``sync``: the targets' summary is read at the call (one host sync): with a group it travels in the call's own
+  record, exchanged over the group and read on the host; errors surface at the call that caused them.
 * ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size, bias,
   ignore_index, whether the call records an autograd graph) and skips the target check: one collective per forward
   and no host syncs (but the ignore_index compaction's ``nonzero``), as CUDA-graph capture needs; tokens whose
@@ -166,7 +168,9 @@ def target_range_problem(summary: TargetSummary, vocab_size: int, ignore_index: 
 class GroupCheck:
     """The collective verdict. ``run`` returns the global vocab size and, when given targets, their summary."""
 
-    _FIELDS = 13  # verdict, 7 metadata fields, ignore_index, differentiability, then the targets' checksum, lo, hi
+    # verdict, 7 metadata fields, ignore_index, differentiability, then whether a target summary travels, and its
+    # checksum, lo, hi
+    _FIELDS = 14
     # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
     _verified: dict = {}
 
@@ -183,13 +187,17 @@ class GroupCheck:
         global_vocab_size: Optional[int],
         dtype: torch.dtype,
         has_bias: bool,
-        targets: Optional[torch.Tensor],
+        targets: Optional[torch.Tensor | TargetSummary],
         ignore_index: Optional[int],
         mode: str,
         builds_graph: bool = False,
+        targets_note: str = "",
     ) -> tuple[int, Optional[TargetSummary]]:
-        """``targets``: this rank's :func:`target_summary_tensor` (device ``[3]``, or None): it travels in the
-        record, so the record exchange is the call's only host read."""
+        """``targets``: this rank's :func:`target_summary_tensor` (device ``[3]``: it travels in the record, so the
+        record exchange is the call's only host read), a :class:`TargetSummary` already on the host (an earlier
+        call's, :mod:`tplogp.deferred_checks`: with ``group`` a CPU group, nothing here waits for a device), or
+        None. ``targets_note`` ends the error of targets that differ between ranks. The summary is returned when
+        every rank sent one and they agree (a range check is the caller's)."""
         world = dist.get_world_size(group)
         key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
                builds_graph)
@@ -207,15 +215,12 @@ class GroupCheck:
                 int(has_bias),
                 -(1 << 62) if ignore_index is None else ignore_index,
                 int(builds_graph),
-            ],
+            ] + ([0, 0, 0, -1] if targets is None else [1, *targets] if isinstance(targets, TargetSummary) else [1]),
             dtype=torch.long,
             device=comm_device,
         )
-        tail = (torch.tensor([0, 0, -1], dtype=torch.long, device=comm_device) if targets is None
-                else targets.to(comm_device))
-        record = torch.cat([head, tail])
-        gathered = all_gather_flat(record, group)
-        rows = gathered.view(world, cls._FIELDS).cpu().tolist()
+        record = head if not isinstance(targets, torch.Tensor) else torch.cat([head, targets.to(comm_device)])
+        rows = cls._exchange(record, group, world)
         if any(r[0] for r in rows):
             messages: list = [None] * world
             dist.all_gather_object(messages, problem, group=group)
@@ -228,9 +233,22 @@ class GroupCheck:
         total = validate_ranges(ranges, None if declared == {-1} else max(declared))
         if mode == "fast":
             cls._verified[key] = total
+        if not all(r[10] for r in rows):
+            return total, None
+        checksums = [r[11] for r in rows]
+        if len(set(checksums)) > 1:
+            listing = ", ".join(f"rank {i}: #{c:x}" for i, c in enumerate(checksums))
+            raise LinearLogpInputError("target_ids (they must be replicated: the same global ids on every rank) must "
+                                       f"be the same on every TP rank, got {listing}{targets_note}")
         # identical on every rank: the checksum agreement proved the targets replicated
-        summary = None if targets is None else TargetSummary(*rows[0][10:13])
-        return total, summary
+        return total, TargetSummary(*rows[0][11:14])
+
+    @classmethod
+    def _exchange(cls, record: torch.Tensor, group, world: int) -> list[list[int]]:
+        """Every rank's record, rank-major: one all_gather and one read of its result (a host read when the record
+        lives on a device; nothing waits for a device when it is a CPU tensor of a CPU group)."""
+        gathered = all_gather_flat(record, group)
+        return gathered.view(world, cls._FIELDS).cpu().tolist()
 
     @staticmethod
     def _check_agreement(rows: Sequence[Sequence[int]]) -> None:
@@ -253,7 +271,6 @@ class GroupCheck:
         # a rank that records no autograd graph would skip the backward all-reduce the others enter
         differ(9, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
                lambda b: "yes" if b else "no")
-        differ(10, "target_ids (they must be replicated: the same global ids on every rank)", lambda c: f"#{c:x}")
 
 
 def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
