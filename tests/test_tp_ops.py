@@ -11,7 +11,7 @@ import torch
 
 from tests.problems import make_problem, run_op, run_reference
 from tplogp.tolerances import assert_no_worse
-from tplogp import LinearLogpInputError, ShardLayoutError
+from tplogp import LinearLogpInputError, ShardLayoutError, check_errors
 
 # 58 tokens as [2, 29], odd D, prime V: no dimension is a multiple of a tile; V does not divide by the world size.
 LEAD, D, V = (2, 29), 37, 401
@@ -123,6 +123,7 @@ def _bad_call(tp, case):
         h.requires_grad_(rank != 3)
     try:
         get_op("linear_logp", source="native")(h, w, t, b, **kw)
+        check_errors(tp.group)  # the targets' verdict of the default checks (deferred with a group)
     except (LinearLogpInputError, ShardLayoutError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
