@@ -23,6 +23,7 @@ OPTIONS = {
     "ignore_index": dict(ignore_index=-100),
     "deterministic": dict(deterministic=True),
     "workspace_bytes": dict(workspace_bytes=4096),
+    "keep": dict(workspace_bytes=1 << 30),  # above every source's transient default: the call's logits are kept
     "all": dict(temperature=1.3, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=True,
                 workspace_bytes=8192),
 }
@@ -159,20 +160,97 @@ def test_fused_loss_runs_eagerly_inside_compiled_code():
     assert_same_bits(loss_and_grads(torch.compile(loss_fn, backend="aot_eager"), p), eager)
 
 
+def _triton_here() -> bool:
+    from tplogp.kernel_registry import unavailable_reason
+
+    return unavailable_reason("triton", torch.device("cpu")) is None
+
+
+# the default transient memory of each source on CPU: a budget above it keeps logits (docs/operator.md)
+KEEP_SOURCES = ["native", pytest.param("triton", marks=pytest.mark.skipif(not _triton_here(),
+                                                                          reason="needs triton (interpreter)"))]
+
+
+@pytest.mark.parametrize("source", KEEP_SOURCES)
+@pytest.mark.parametrize("budget", ["default", "keep"])
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp-lse", "entropy"])
-def test_opcheck(entropy):
-    """Schema, fake (meta) implementation and autograd registration of the op pair (torch.library.opcheck)."""
+def test_opcheck(entropy, budget, source):
+    """Schema, fake (meta) implementation and autograd registration of the op pair (torch.library.opcheck), also
+    with a budget that keeps logits (the fake kept buffer has the real one's shape)."""
+    from tplogp import keep_logits_budget
+
     p = make_problem((6,), 8, 23, torch.float32, True, seed=1)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
-    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, None, "native", True)
+    ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
+    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True)
+    packed, kept = ops.linear_logp_fwd(*args)
+    assert (kept.numel() > 0) == (budget == "keep"), kept.shape
     torch.library.opcheck(ops.linear_logp_fwd, args)
+
+
+def _count_recomputes(monkeypatch, source):
+    """Count the backward's recompute GEMMs (native: logits tiles computed in the backward; triton: recompute
+    launches, beside the launches that read kept logits)."""
+    seen = {"recompute": 0}
+    if source == "triton":
+        from tplogp.kernels import generic_launch
+
+        real = generic_launch.launch_dlogits
+
+        def recompute(*args):
+            seen["recompute"] += 1
+            return real(*args)
+
+        monkeypatch.setattr(generic_launch, "launch_dlogits", recompute)
+    else:
+        from tplogp.backends import native
+
+        real_tile = native._logits_tile
+        real_backward = native.NativeBackend._backward_tiles
+        inside = {"backward": False}
+
+        def tile(*args, **kwargs):
+            seen["recompute"] += inside["backward"]
+            return real_tile(*args, **kwargs)
+
+        def backward_tiles(*args, **kwargs):
+            inside["backward"] = True
+            try:
+                return real_backward(*args, **kwargs)
+            finally:
+                inside["backward"] = False
+
+        monkeypatch.setattr(native, "_logits_tile", tile)
+        monkeypatch.setattr(native.NativeBackend, "_backward_tiles", backward_tiles)
+    return seen
+
+
+@pytest.mark.parametrize("source", KEEP_SOURCES)
+@pytest.mark.parametrize("opts", ["plain", "entropy", "ignore_index"])
+def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts):
+    """Under torch.compile a budget that holds the logits makes the op's forward keep them and its backward read
+    them (no recompute GEMM), with eager's bits; with ignore_index (data-dependent row count) nothing is kept and
+    the backward recomputes, with eager's bits too."""
+    from tplogp import keep_logits_budget
+
+    o = OPTIONS[opts]
+    p = _problem(o, seed=7)
+    n = p.target.numel()
+    budget = keep_logits_budget(n, p.weight.shape[0], source=source, device="cpu")
+    loss_fn = make_loss(get_op("linear_logp", source=source), o,
+                        (p.g_logp, p.g_entropy) if o.get("return_entropy") else (p.g_logp,), workspace_bytes=budget)
+    eager = loss_and_grads(loss_fn, p)
+    seen = _count_recomputes(monkeypatch, source)
+    compiled = loss_and_grads(torch.compile(loss_fn, backend="aot_eager", fullgraph=True), p)
+    assert_same_bits(compiled, eager)
+    assert (seen["recompute"] == 0) == ("ignore_index" not in o), seen
 
 
 # ---- with a TP group: gloo ranks of the plugin --------------------------------------------------------------------
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
 @pytest.mark.parametrize("mode", CHECK_MODES)
-@pytest.mark.parametrize("opts", ["plain", "all"])
+@pytest.mark.parametrize("opts", ["plain", "keep", "all"])
 def test_compile_with_tp_group(tp, opts, mode):
     """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal eager's."""
     from pytest_tplogp import VocabShards

@@ -94,7 +94,7 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
                                   bias, tp_group=tp_group, vocab_start_index=vocab_start_index,
                                   global_vocab_size=global_vocab_size, options=options)
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
-    packed = ops.linear_logp_fwd(
+    packed, _ = ops.linear_logp_fwd(
         hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
         float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
         options.workspace_bytes, source or "", builds_graph)

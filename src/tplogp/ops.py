@@ -3,7 +3,10 @@
 ``tplogp::linear_logp_fwd`` runs the checks (``TPLOGP_CHECKS``), the source selection of
 :mod:`tplogp.kernel_registry` and the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
 tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, and with entropy the
-entropy and ``E_p[z] - M``). ``tplogp::linear_logp_bwd`` runs the backward body. Both have fake (meta)
+entropy and ``E_p[z] - M``) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
+(``tp.op_keeps``; an empty tensor when none: no budget, no graph, or ``ignore_index``, whose compaction would make
+the size depend on the data). ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
+recomputing them. Both have fake (meta)
 implementations that give the output shapes without touching data, and the pair is joined by
 ``register_autograd``. Everything that dynamo must not trace (the importlib-based source lookup, the host syncs of
 full checks, collectives, Triton launches) happens inside the ops; the process group crosses the op boundary as
@@ -20,7 +23,7 @@ from torch import Tensor
 
 from .comm import group_from_name
 from .kernel_registry import backend_for_call
-from .tp import LogpOptions, backward_packed, forward_packed, packed_rows
+from .tp import LogpOptions, backward_packed, forward_packed, op_call, packed_rows
 
 
 def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
@@ -37,8 +40,9 @@ def _source(source: str) -> Optional[str]:
 def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], group_name: str,
                     vocab_start_index: int, global_vocab_size: Optional[int], temperature: float, return_entropy: bool,
                     ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
-                    builds_graph: bool) -> Tensor:
-    """Packed fp32 ``[K, N]`` forward of one call (see the module docstring). ``source`` "" selects per device."""
+                    builds_graph: bool) -> tuple[Tensor, Tensor]:
+    """Packed fp32 ``[K, N]`` forward of one call and the logits it keeps for the backward (see the module
+    docstring). ``source`` "" selects per device."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
         backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
@@ -51,12 +55,17 @@ def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
 def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
                           builds_graph):
-    return hidden.new_empty((packed_rows(return_entropy), target_ids.numel()), dtype=torch.float32)
+    packed = hidden.new_empty((packed_rows(return_entropy), target_ids.numel()), dtype=torch.float32)
+    options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
+    backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
+    kept = backend.kept_shape(target_ids.numel(), hidden.shape[-1], weight.shape[0], hidden.dtype, hidden.device,
+                              op_call(options, builds_graph))
+    return packed, hidden.new_empty(kept, dtype=torch.float32)
 
 
 @torch.library.custom_op("tplogp::linear_logp_bwd", mutates_args=())
 def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], packed: Tensor,
-                    grad_packed: Tensor, group_name: str, vocab_start_index: int, temperature: float,
+                    kept: Tensor, grad_packed: Tensor, group_name: str, vocab_start_index: int, temperature: float,
                     return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
                     workspace_bytes: Optional[int], source: str, needs_hidden: bool, needs_weight: bool,
                     needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,13 +76,13 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
         options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
         grads = backward_packed(backend, hidden, weight, target_ids, bias, packed, grad_packed, group,
                                 vocab_start_index, options,
-                                (needs_hidden, needs_weight, needs_bias and bias is not None))
+                                (needs_hidden, needs_weight, needs_bias and bias is not None), kept=kept)
     like = (hidden, weight, bias if bias is not None else hidden)
     return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, like))  # type: ignore[return-value]
 
 
 @linear_logp_bwd.register_fake
-def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, grad_packed, group_name, vocab_start_index,
+def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, grad_packed, group_name, vocab_start_index,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
                           needs_hidden, needs_weight, needs_bias):
     has_bias = needs_bias and bias is not None
@@ -89,17 +98,19 @@ _FORWARD_ARGS = ("hidden", "weight", "target_ids", "bias", "group_name", "vocab_
 
 def _setup_context(ctx, inputs, output) -> None:
     args = dict(zip(_FORWARD_ARGS, inputs))
-    ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], output)
+    packed, kept = output
+    ctx.mark_non_differentiable(kept)
+    ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], packed, kept)
     ctx.call_args = (args["group_name"], args["vocab_start_index"], args["temperature"], args["return_entropy"],
                      args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"])
 
 
-def _backward(ctx, grad_packed):
-    hidden, weight, target_ids, bias, packed = ctx.saved_tensors
+def _backward(ctx, grad_packed, grad_kept):
+    hidden, weight, target_ids, bias, packed, kept = ctx.saved_tensors
     needs = ctx.needs_input_grad
     if grad_packed is None or not (needs[0] or needs[1] or (bias is not None and needs[3])):
         return (None,) * len(_FORWARD_ARGS)
-    d_hidden, d_weight, d_bias = linear_logp_bwd(hidden, weight, target_ids, bias, packed, grad_packed,
+    d_hidden, d_weight, d_bias = linear_logp_bwd(hidden, weight, target_ids, bias, packed, kept, grad_packed,
                                                  *ctx.call_args, needs[0], needs[1], bias is not None and needs[3])
     return (d_hidden if needs[0] else None, d_weight if needs[1] else None, None,
             d_bias if (bias is not None and needs[3]) else None) + (None,) * (len(_FORWARD_ARGS) - 4)

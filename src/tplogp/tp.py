@@ -270,6 +270,13 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
                          comm_dev, total)
 
 
+def shard_call(options: LogpOptions, for_backward: bool = False) -> ShardCall:
+    """What the sources get to know about a call's options."""
+    return ShardCall(inv_temperature=1.0 / float(options.temperature), with_entropy=options.return_entropy,
+                     deterministic=options.deterministic, workspace_bytes=options.workspace_bytes,
+                     for_backward=for_backward)
+
+
 def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                   options: LogpOptions, world: int, comm_dev: torch.device, total: int) -> PreparedCall:
     """Flattening, ignore_index compaction and target localisation of a call whose checks have passed."""
@@ -288,13 +295,7 @@ def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gr
         h2 = h2.index_select(0, keep_idx)
         tgt = tgt.index_select(0, keep_idx)
 
-    call = ShardCall(
-        inv_temperature=1.0 / float(options.temperature),
-        with_entropy=options.return_entropy,
-        deterministic=options.deterministic,
-        workspace_bytes=options.workspace_bytes,
-    )
-    tpc = _TPContext(backend, call, tp_group, world, comm_dev)
+    tpc = _TPContext(backend, shard_call(options), tp_group, world, comm_dev)
     if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
         local_target = tgt
     else:
@@ -353,17 +354,34 @@ def packed_rows(with_entropy: bool) -> int:
     return 6 if with_entropy else 4
 
 
+def op_keeps(options: LogpOptions, builds_graph: bool) -> bool:
+    """Whether the op's forward keeps logits for its backward: only for a call that records a graph and has no
+    ``ignore_index`` (whose row compaction would make the kept buffer's size depend on the data, which the op's fake
+    implementation cannot know); the budget then decides how much (``ShardBackend.kept_shape``)."""
+    return builds_graph and options.ignore_index is None
+
+
+def op_call(options: LogpOptions, builds_graph: bool) -> ShardCall:
+    """The :class:`ShardCall` of an op's forward (``for_backward``: :func:`op_keeps`)."""
+    return shard_call(options, for_backward=op_keeps(options, builds_graph))
+
+
 def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                   global_vocab_size: Optional[int], options: LogpOptions, builds_graph: bool) -> torch.Tensor:
-    """Checks and forward of one call as one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored
-    rows 0). One output, so that no two outputs of the op share memory. Nothing is kept for the backward beyond
-    the packed rows: the backward recomputes the logits."""
+                   global_vocab_size: Optional[int], options: LogpOptions,
+                   builds_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks and forward of one call: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows
+    0), and the fp32 logits kept for the backward within the budget (shape ``backend.kept_shape`` of
+    :func:`op_call`; ``(0,)`` when nothing is kept, and the backward recomputes)."""
     prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, builds_graph=builds_graph)
-    (logp, entropy, lse), (row_max, log_sum, mean_rel, _) = _shard_forward(prep.hidden, prep.weight, prep.bias,
-                                                                           prep.local_target, prep.tpc)
+    tpc = prep.tpc
+    if op_keeps(options, builds_graph):
+        tpc = dataclasses.replace(tpc, call=dataclasses.replace(tpc.call, for_backward=True))
+    (logp, entropy, lse), (row_max, log_sum, mean_rel, kept) = _shard_forward(prep.hidden, prep.weight, prep.bias,
+                                                                              prep.local_target, tpc)
     rows = [logp, lse, row_max, log_sum] + ([entropy, mean_rel] if options.return_entropy else [])
-    return expand_kept_rows(torch.stack(rows), prep.keep_idx, target_ids.numel(), dim=1)
+    packed = expand_kept_rows(torch.stack(rows), prep.keep_idx, target_ids.numel(), dim=1)
+    return packed, (kept if kept is not None else packed.new_empty(0))
 
 
 class _SavedCall:
@@ -377,10 +395,12 @@ class _SavedCall:
 
 def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, packed: torch.Tensor,
                     grad_packed: torch.Tensor, tp_group, vocab_start_index: int, options: LogpOptions,
-                    needs: tuple[bool, bool, bool]) -> tuple[Optional[torch.Tensor], ...]:
+                    needs: tuple[bool, bool, bool],
+                    kept: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
     """The backward of ``forward_packed``: ``(d_hidden, d_weight, d_bias)`` (None where not needed) from the saved
     packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get
-    none). The forward checked the call, so no checks run here."""
+    none), reading the forward's ``kept`` logits where it kept some. The forward checked the call, so no checks
+    run here."""
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     comm_dev = collective_device(tp_group, hidden.device) if world > 1 else torch.device("cpu")
     prep = localize_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
@@ -390,7 +410,7 @@ def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, pac
     mean_rel = packed[PACKED_MEAN_REL] if options.return_entropy else None
     g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
     saved = (prep.hidden, prep.weight, prep.bias, prep.local_target, packed[PACKED_ROW_MAX], packed[PACKED_LOG_SUM],
-             mean_rel, None)
+             mean_rel, kept if kept is not None and kept.numel() else None)
     d_hidden, d_weight, d_bias, _, _ = _LinearLogpFunction.backward(
         _SavedCall(saved, prep.tpc, needs), grad_packed[PACKED_LOGP], g_entropy, grad_packed[PACKED_LSE])
     if d_hidden is not None:

@@ -138,3 +138,9 @@ class ShardBackend(Protocol):
         kept: Optional[torch.Tensor] = None,  # ShardStats.kept of the forward
         accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
     ) -> ShardGrads: ...
+
+    def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+                   call: ShardCall) -> tuple[int, ...]:
+        """Shape of the fp32 ``ShardStats.kept`` buffer that ``forward_stats`` / ``forward_single`` allocate for an
+        ``[n, d] x [v, d]`` call (``(0,)``: none); known before the call, for the op's fake implementation."""
+        ...

@@ -122,6 +122,15 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tenso
     return torch.cat([x, pad], 0)
 
 
+def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+                call: ShardCall) -> tuple[int, int, tuple[int, int]]:
+    """``(tokens_chunk, vocab_chunk, (kept tiles, their fp32 elements))`` of an ``[n, d] x [v, d]`` call."""
+    tile_bytes, keep_bytes = split_workspace(call.workspace_bytes, device)
+    low_cpu = device.type != "cuda" and dtype != torch.float32
+    tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu)
+    return tc, vc, kept_tiles(n, v, tc, vc, keep_bytes, call.deterministic)
+
+
 class NativeBackend:
     """Chunked PyTorch implementation of the per-shard primitives."""
 
@@ -133,11 +142,16 @@ class NativeBackend:
     def _plan(self, hidden: torch.Tensor, weight: torch.Tensor,
               call: ShardCall) -> tuple[int, int, tuple[int, int]]:
         """``(tokens_chunk, vocab_chunk, (kept tiles, their fp32 elements))``."""
-        tile_bytes, keep_bytes = split_workspace(call.workspace_bytes, hidden.device)
-        low_cpu = hidden.device.type != "cuda" and weight.dtype != torch.float32
-        n, v = hidden.shape[0], weight.shape[0]
-        tc, vc = plan_chunks(n, v, hidden.shape[1], tile_bytes, call.deterministic, low_cpu)
-        return tc, vc, kept_tiles(n, v, tc, vc, keep_bytes, call.deterministic)
+        return _plan_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], weight.dtype, hidden.device, call)
+
+    @staticmethod
+    def kept_shape(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+                   call: ShardCall) -> tuple[int, ...]:
+        """Shape of the flat fp32 buffer of the tiles the forward keeps for the backward; ``(0,)``: none."""
+        if not call.for_backward:
+            return (0,)
+        _, _, (count, elements) = _plan_sizes(n, d, v, dtype, device, call)
+        return (elements,) if count else (0,)
 
     @staticmethod
     def _kept_views(kept: Optional[torch.Tensor], n: int, v: int, tc: int, vc: int, count: int,

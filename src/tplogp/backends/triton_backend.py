@@ -107,16 +107,23 @@ class TritonBackend:
         """The part of the budget that holds logits kept from forward to backward (4 bytes per logit)."""
         return tiles.split_budget(workspace_bytes)[1]
 
-    def _kept_buffer(self, hidden, weight, call: ShardCall) -> Optional[torch.Tensor]:
-        """The fp32 ``[N, v_keep]`` buffer for the logits the forward keeps (the first ``v_keep`` columns of the
-        shard, :func:`tplogp.kernels.tiles.plan_keep`), or None: nothing kept without a backward or a budget."""
+    @staticmethod
+    def kept_shape(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+                   call: ShardCall) -> tuple[int, ...]:
+        """Shape of the fp32 buffer the forward keeps for the backward: ``[N, v_keep]``, the first ``v_keep``
+        columns of the shard (:func:`tplogp.kernels.tiles.plan_keep`); ``(0,)``: nothing kept (no backward or no
+        budget)."""
         if not call.for_backward:
+            return (0,)
+        cols = tiles.plan_keep(n, v, tiles.split_budget(call.workspace_bytes)[1])
+        return (n, cols) if cols else (0,)
+
+    def _kept_buffer(self, hidden, weight, call: ShardCall) -> Optional[torch.Tensor]:
+        """The buffer of :meth:`kept_shape`, or None when nothing is kept."""
+        shape = self.kept_shape(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, hidden.device, call)
+        if shape == (0,):
             return None
-        keep = tiles.split_budget(call.workspace_bytes)[1]
-        cols = tiles.plan_keep(hidden.shape[0], weight.shape[0], keep)
-        if cols == 0:
-            return None
-        return torch.empty((hidden.shape[0], cols), device=hidden.device, dtype=torch.float32)
+        return torch.empty(shape, device=hidden.device, dtype=torch.float32)
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         from ..kernels import generic_launch
