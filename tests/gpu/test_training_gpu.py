@@ -67,15 +67,22 @@ def test_bf16_autocast_with_fp32_params(source, shape):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("mode", ["full", "fast"])
+@pytest.mark.parametrize("mode", ["full", "fast", "keep"])
 def test_compile_fullgraph_on_gpu(source, mode, monkeypatch):
-    """Inductor around the op, every option: one graph, eager's values and gradients."""
-    monkeypatch.setenv("TPLOGP_CHECKS", mode)
+    """Inductor around the op, every option: one graph, eager's values and gradients; ``keep``: no ignore_index and
+    a budget that keeps every logit (the compiled op keeps them for its backward)."""
+    import tplogp
+
+    monkeypatch.setenv("TPLOGP_CHECKS", "fast" if mode == "fast" else "full")
     torch._dynamo.reset()
     op = _op(source)
     p = _cuda_problem(512, 1024, 32000, torch.bfloat16, seed=2)
-    p.target[::7] = -100
-    opts = dict(temperature=0.8, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=True)
+    opts = dict(temperature=0.8, return_entropy=True, return_lse=True, deterministic=True)
+    if mode == "keep":
+        opts["workspace_bytes"] = tplogp.keep_logits_budget(512, 32000, source=source, device="cuda")
+    else:
+        p.target[::7] = -100
+        opts["ignore_index"] = -100
 
     def loss_fn(h, w, t, b):
         logp, entropy, lse = op(h, w, t, b, **opts)
