@@ -35,7 +35,7 @@ def _count_gemms(monkeypatch):
 def _plan(p, budget, deterministic=False):
     n, v = p.target.numel(), p.weight.shape[0]
     low_cpu = p.hidden.dtype != torch.float32
-    tc, vc = native.plan_chunks(n, v, p.hidden.shape[-1], TILE_BYTES, deterministic, low_cpu)
+    tc, vc = native.plan_chunks(n, v, p.hidden.shape[-1], TILE_BYTES, deterministic, low_cpu, dw_tile=low_cpu)
     tiles = -(-n // tc) * -(-v // vc)
     return tiles, native.kept_tiles(n, v, tc, vc, max(0, budget - TILE_BYTES), deterministic)
 
@@ -103,3 +103,35 @@ def test_budgets_on_uneven_ranks(tp):
     kept = run_op(op, p, workspace_bytes=(64 << 20) + 51 * 301 * 4, **kw)  # CPU tile default + the shard's logits
     for name in ("logp", "entropy", "d_hidden", "d_weight", "d_bias"):
         tp.assert_all(torch.equal(getattr(kept, name), getattr(default, name)), name)
+
+
+def test_low_precision_d_weight_needs_no_full_size_fp32_buffer(small_tiles):
+    """A 16-bit d_W is summed per vocab tile in an fp32 tile buffer (within the tile budget) and rounded once: no
+    fp32 tensor of d_W's size is made, however many token chunks; the result is no worse than the eager
+    reference (tolerance table)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.problems import run_reference
+    from tplogp.tolerances import assert_no_worse
+
+    p = make_problem((150,), 24, 211, torch.bfloat16, True, seed=4)  # d_hidden (fp32) smaller than d_W
+    v, d = p.weight.shape
+    big = []
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= v * d:
+                    big.append((str(func), tuple(t.shape)))
+            return out
+
+    n, low_cpu = p.target.numel(), True
+    tc, vc = native.plan_chunks(n, v, d, TILE_BYTES, False, low_cpu, dw_tile=True)
+    assert -(-n // tc) > 1 and -(-v // vc) > 1  # several token chunks and vocab tiles
+    with Sizes():
+        ours = run_op(get_op("linear_logp", source="native"), p)
+    assert not big, big
+    ref, truth = run_reference(p, "matching"), run_reference(p, "float64")
+    assert ours.d_weight.dtype == torch.bfloat16
+    assert_no_worse("d_weight", ours.d_weight, ref.d_weight, truth.d_weight, torch.bfloat16)

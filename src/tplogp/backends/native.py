@@ -12,15 +12,16 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 * Forward keeps an online softmax per token across vocab tiles: running max ``m``, ``s = sum exp(z - m)`` and, for
   entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to ``m'``, ``s <- s e^{m-m'}`` and
   ``q <- e^{m-m'} (q + s (m - m'))``.
-* Backward recomputes each tile, forms ``dz`` in fp32, then accumulates ``d_hidden`` (fp32) and ``d_weight`` (an fp32
-  buffer, rounded once at the end for low-precision weights) with fp32-accumulating GEMMs. Saved state is O(N).
+* Backward (vocab tiles outer, token chunks inner) recomputes each tile (or reads a kept one), forms ``dz`` in fp32,
+  then accumulates ``d_hidden`` (fp32) and ``d_weight`` with fp32-accumulating GEMMs; a low-precision ``d_weight``
+  is summed per vocab tile in an fp32 tile buffer within the tile budget and rounded once. Saved state is O(N).
 * ``deterministic=True`` uses a token chunk that does not depend on N and pads the last chunk to it, so every GEMM
   has the same shape whatever the batch: a row's results do not change when other rows are added or removed.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -67,17 +68,20 @@ def kept_tiles(n_tokens: int, vocab: int, tc: int, vc: int, keep_bytes: int, det
 
 
 def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deterministic: bool,
-                low_precision_cpu: bool) -> tuple[int, int]:
-    """(tokens_chunk, vocab_chunk) so that the fp32 tiles (and CPU upcast copies) fit ``workspace_bytes``."""
+                low_precision_cpu: bool, dw_tile: bool = False) -> tuple[int, int]:
+    """(tokens_chunk, vocab_chunk) so that the fp32 tiles (and CPU upcast copies, and with ``dw_tile`` the
+    backward's fp32 ``[vocab_chunk, D]`` d_W tile of low-precision weights) fit ``workspace_bytes``."""
     budget_elems = max(workspace_bytes // (4 * _TILE_COPIES), 1)
+    # per vocab row, in units of the _TILE_COPIES tile copies: the CPU upcast of a weight slice to fp32, and the
+    # one fp32 d_W tile row
+    extra_per_vocab = (dim if low_precision_cpu else 0) + (-(-dim // _TILE_COPIES) if dw_tile else 0)
     if deterministic:
         tc = DETERMINISTIC_TOKEN_CHUNK
-        vc = max(1, min(vocab, budget_elems // tc))
+        vc = max(1, min(vocab, budget_elems // (tc + extra_per_vocab)))
         return tc, vc
     n = max(n_tokens, 1)
     # Whole shard per tile when at least a modest token chunk fits: each token chunk then reads W once.
     min_tokens = min(n, 128)
-    extra_per_vocab = dim if low_precision_cpu else 0  # CPU upcast of a weight slice to fp32
     if vocab * (min_tokens + extra_per_vocab) <= budget_elems:
         vc = vocab
         tc = min(n, max(1, (budget_elems - vocab * extra_per_vocab) // vocab))
@@ -127,8 +131,20 @@ def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device
     """``(tokens_chunk, vocab_chunk, (kept tiles, their fp32 elements))`` of an ``[n, d] x [v, d]`` call."""
     tile_bytes, keep_bytes = split_workspace(call.workspace_bytes, device)
     low_cpu = device.type != "cuda" and dtype != torch.float32
-    tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu)
+    tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
     return tc, vc, kept_tiles(n, v, tc, vc, keep_bytes, call.deterministic)
+
+
+class _TokenChunk(NamedTuple):
+    t0: int
+    t1: int
+    h: torch.Tensor  # [rows, D] hidden rows (padded in deterministic mode)
+    m: torch.Tensor  # global row max M
+    ls: torch.Tensor  # log S (inf on padded rows: p = 0)
+    g: torch.Tensor  # grad_logp
+    c0: torch.Tensor  # grad_logp - grad_lse - grad_entropy * mean_z
+    ge: Optional[torch.Tensor]  # grad_entropy
+    lt: torch.Tensor  # local target (-1: not owned, and on padded rows)
 
 
 class NativeBackend:
@@ -244,29 +260,37 @@ class NativeBackend:
         dev = hidden.device
         dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
         d_hidden = torch.zeros(n, d, device=dev, dtype=torch.float32) if need_h else None
-        d_weight32 = None
+        # d_W: the caller's fp32 accumulator, else the output itself for fp32 weights, else the output in the
+        # weight dtype, each vocab tile's rows summed in an fp32 tile buffer and rounded once (no [V, D] fp32 buffer)
+        d_weight = None
         if need_w:
-            d_weight32 = dw_acc if dw_acc is not None else torch.zeros(v, d, device=dev, dtype=torch.float32)
+            d_weight = dw_acc if dw_acc is not None else (
+                torch.zeros(v, d, device=dev, dtype=torch.float32) if weight.dtype == torch.float32
+                else torch.empty(v, d, device=dev, dtype=weight.dtype))
         d_bias32 = None
         if need_b and bias is not None:
             d_bias32 = db_acc if db_acc is not None else torch.zeros(v, device=dev, dtype=torch.float32)
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
             self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                 grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32, d_hidden_ready, kept)
-        elif d_hidden is not None and d_hidden_ready is not None:
-            d_hidden_ready(d_hidden)
-        d_weight = None  # rounded once to the weight dtype, unless the caller accumulates
-        if d_weight32 is not None:
-            keep32 = weight.dtype == torch.float32 or dw_acc is not None
-            d_weight = d_weight32 if keep32 else d_weight32.to(weight.dtype)
+                                 grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept)
+        else:
+            if d_weight is not None and d_weight.dtype != torch.float32:
+                d_weight.zero_()
+            if d_hidden is not None and d_hidden_ready is not None:
+                d_hidden_ready(d_hidden)
         d_bias = None
         if d_bias32 is not None:
             d_bias = d_bias32 if (bias.dtype == torch.float32 or db_acc is not None) else d_bias32.to(bias.dtype)
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                        grad_lse, mean_z, call, d_hidden, d_weight32, d_bias32, d_hidden_ready=None,
+                        grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready=None,
                         kept=None) -> None:
+        """Vocab tiles outer, token chunks inner: each vocab tile's ``d_W`` rows are complete after its token
+        chunks, so a low-precision ``d_W`` is summed in an fp32 ``[vocab_chunk, D]`` tile buffer (counted in the
+        tile budget by :func:`plan_chunks`) and rounded once into the output. ``d_hidden`` sums the vocab tiles
+        in order into its fp32 rows, and ``d_W`` each tile's token chunks in order: the sums of the token-outer
+        order, bit for bit."""
         n, v = hidden.shape[0], weight.shape[0]
         # GEMM operand dtype for dz: the weight's dtype on CUDA (like an eager LM head, fp32 accumulation),
         # fp32 on CPU where low-precision GEMMs have no fp32-output path.
@@ -276,64 +300,70 @@ class NativeBackend:
         tile_bytes, _ = split_workspace(call.workspace_bytes, hidden.device)
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
-        for t0 in range(0, n, tc):
-            t1 = min(t0 + tc, n)
-            rows = t1 - t0
-            pad_to = tc if call.deterministic else rows
-            h = _pad_rows(hidden[t0:t1], pad_to)
-            m_c = _pad_rows(row_max[t0:t1], pad_to)
-            ls_c = _pad_rows(log_sum[t0:t1], pad_to, float("inf"))  # padded rows: p = 0
-            g = _pad_rows(grad_logp[t0:t1], pad_to)
-            # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z)
-            c0 = g.clone()
-            if grad_lse is not None:
-                c0 -= _pad_rows(grad_lse[t0:t1], pad_to)
-            ge = mz = None
-            if grad_entropy is not None:
-                ge = _pad_rows(grad_entropy[t0:t1], pad_to)
-                mz = _pad_rows(mean_z[t0:t1], pad_to)
-                c0 -= ge * mz
-            lt = _pad_rows(local_target[t0:t1], pad_to, -1)
-            dh = None
-            if d_hidden is not None:
-                dh = torch.zeros(pad_to, hidden.shape[1], device=h.device, dtype=torch.float32)
-            h_gemm = h if h.dtype == gemm_dtype else h.to(gemm_dtype)
-            for v0 in range(0, v, vc):
-                v1 = min(v0 + vc, v)
-                w = weight[v0:v1]
+        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+                                    local_target, t0, min(t0 + tc, n), tc if call.deterministic else None)
+                  for t0 in range(0, n, tc)]
+        dw_tile = None
+        if d_weight is not None and d_weight.dtype != torch.float32:
+            dw_tile = torch.empty(min(vc, v), hidden.shape[1], device=hidden.device, dtype=torch.float32)
+        for v0 in range(0, v, vc):
+            v1 = min(v0 + vc, v)
+            w = weight[v0:v1]
+            w_g = w if w.dtype == gemm_dtype else w.to(gemm_dtype)
+            acc = None
+            if d_weight is not None:
+                acc = d_weight[v0:v1] if dw_tile is None else dw_tile[: v1 - v0].zero_()
+            for ch in chunks:
+                t0, t1 = ch.t0, ch.t1
                 keep = kept_views.get((t0, v0))
                 if keep is None:  # recompute the tile
-                    z = _logits_tile(h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
-                    z -= m_c.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peaked target
+                    z = _logits_tile(ch.h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
+                    z -= ch.m.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peak
                 else:  # the forward kept it: no GEMM (out of place: a repeated backward reads it again)
-                    z = keep - m_c.unsqueeze(1)
-                if ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
-                    p = torch.exp(z - ls_c.unsqueeze(1))
-                    dz = z.mul_(ge.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
+                    z = keep - ch.m.unsqueeze(1)
+                if ch.ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
+                    p = torch.exp(z - ch.ls.unsqueeze(1))
+                    dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
                     del p
                 else:  # dz = -p * c0, all in place
-                    dz = z.sub_(ls_c.unsqueeze(1)).exp_().mul_(c0.unsqueeze(1)).neg_()
+                    dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
                 del z
-                rel = lt - v0
+                rel = ch.lt - v0
                 own = (rel >= 0) & (rel < v1 - v0)
                 # + grad_logp at the owned target column (scatter, no host sync)
                 dz.scatter_add_(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1),
-                                torch.where(own, g, torch.zeros_like(g)).unsqueeze(1))
+                                torch.where(own, ch.g, torch.zeros_like(ch.g)).unsqueeze(1))
                 if call.inv_temperature != 1.0:
                     dz *= call.inv_temperature
                 if d_bias32 is not None:
                     d_bias32[v0:v1] += dz.sum(0)
                 dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
                 del dz
-                if dh is not None:
-                    w_g = w if w.dtype == gemm_dtype else w.to(gemm_dtype)
-                    dh += fp32_gemm.mm(dz_g, w_g)
-                    if t1 == n and v1 == v:  # d_hidden complete: hand it over before this tile's d_W update
-                        d_hidden[t0:t1] = dh[:rows]
-                        dh = None
-                        if d_hidden_ready is not None:
-                            d_hidden_ready(d_hidden)
-                if d_weight32 is not None:
-                    _accumulate_dw(d_weight32[v0:v1], dz_g, h_gemm, rows_per_block)
-            if dh is not None:
-                d_hidden[t0:t1] = dh[:rows]
+                if d_hidden is not None:
+                    d_hidden[t0:t1] += fp32_gemm.mm(dz_g, w_g)[: t1 - t0]
+                    if t1 == n and v1 == v and d_hidden_ready is not None:
+                        d_hidden_ready(d_hidden)  # complete: hand it over before this tile's d_W update
+                if acc is not None:
+                    h_gemm = ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype)
+                    _accumulate_dw(acc, dz_g, h_gemm, rows_per_block)
+            if dw_tile is not None:
+                d_weight[v0:v1] = acc  # rounded once to the weight dtype
+
+    @staticmethod
+    def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z, local_target, t0: int,
+                     t1: int, pad_to: Optional[int]) -> _TokenChunk:
+        """The per-token vectors of rows ``[t0, t1)`` that every vocab tile of the backward reads (padded to
+        ``pad_to`` rows in deterministic mode: padded rows get p = 0 and no target)."""
+        rows = pad_to if pad_to is not None else t1 - t0
+        h = _pad_rows(hidden[t0:t1], rows)
+        g = _pad_rows(grad_logp[t0:t1], rows)
+        # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z)
+        c0 = g.clone()
+        if grad_lse is not None:
+            c0 -= _pad_rows(grad_lse[t0:t1], rows)
+        ge = None
+        if grad_entropy is not None:
+            ge = _pad_rows(grad_entropy[t0:t1], rows)
+            c0 -= ge * _pad_rows(mean_z[t0:t1], rows)
+        return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
+                           g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1))
