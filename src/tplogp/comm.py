@@ -86,6 +86,10 @@ class OverlappedAllReduce:
         self._buf: torch.Tensor | None = None
         self._source: torch.Tensor | None = None
 
+    @property
+    def started(self) -> bool:
+        return self._buf is not None
+
     def start(self, t: torch.Tensor) -> None:
         if self._buf is not None:
             raise RuntimeError("OverlappedAllReduce.start called twice")

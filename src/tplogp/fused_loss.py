@@ -8,7 +8,8 @@ the chunk's partial fp32 ``d_hidden`` rows, and adds its ``d_W`` and ``d_b`` to 
 one chunk's are written directly in the weight / bias dtype). The chunk is as many tokens as the kept part of the
 memory budget (``workspace_bytes``) holds as fp32 logits of the whole vocab, the accumulators counted in it
 (:func:`plan_chunk_tokens`): its forward keeps them and its backward reads them instead of recomputing (3 GEMMs
-instead of 4), every source alike; only one chunk's logits are alive at a time. After the last chunk, ONE all_reduce completes ``d_hidden``. The gradients are handed to autograd: the
+instead of 4), every source alike; only one chunk's logits are alive at a time. ONE all_reduce completes ``d_hidden``: issued by the last chunk's backward as soon as its ``d_hidden`` rows
+are done (``d_hidden_ready``), so that it runs under that chunk's ``d_W`` work. The gradients are handed to autograd: the
 backward only scales them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are
 constants (no gradient flows to them).
 """
@@ -141,6 +142,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         accumulate = (torch.zeros(w.shape, device=w.device, dtype=torch.float32) if needs[1] else None,
                       torch.zeros(b.shape, device=b.device, dtype=torch.float32) if needs[2] else None)
     d_w = d_b = None
+    reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 and needs[0] else None
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
         h_c, lt_c = h2[t0:t1], local_target[t0:t1]
@@ -158,20 +160,27 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         total = total + chunk_loss.detach()
         if g_logp is None:
             g_logp = torch.zeros_like(logp)
+        ready = None
+        if reduce is not None and t1 == n:  # the last chunk completes d_hidden: reduce it under that chunk's d_W
+
+            def ready(rows, t0=t0, t1=t1):
+                d_hidden[t0:t1] = rows
+                reduce.start(d_hidden)
+
         grads = backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.detach().contiguous(),
                                  None if g_ent is None else g_ent.detach().contiguous(), None,
-                                 mean_rel if g_ent is not None else None, call, needs, kept=kept,
-                                 accumulate=accumulate)
+                                 mean_rel if g_ent is not None else None, call, needs, d_hidden_ready=ready,
+                                 kept=kept, accumulate=accumulate)
         del kept  # one chunk's kept logits at a time
-        if d_hidden is not None:
+        if d_hidden is not None and not (ready is not None and reduce.started):
             d_hidden[t0:t1] = grads.d_hidden
         d_w, d_b = grads.d_weight, grads.d_bias
     if n == 0:
         d_w = torch.zeros_like(weight) if needs[1] else None
         d_b = torch.zeros_like(bias) if needs[2] else None
     if d_hidden is not None:
-        if tpc.world_size > 1:  # the one all_reduce of d_hidden
-            d_hidden = OverlappedAllReduce(tpc.group, tpc.comm_device).finish(d_hidden)
+        if reduce is not None:  # the one all_reduce of d_hidden (started by the last chunk's backward)
+            d_hidden = reduce.finish(d_hidden)
         # fp32: rounded once, after the upstream scale
         d_hidden = expand_kept_rows(d_hidden, keep_idx, n_all).view(hidden.shape)
     return total, (d_hidden, d_w, d_b)
