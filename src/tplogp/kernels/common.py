@@ -152,7 +152,7 @@ def stats_tile(
     sm_90: a TMA store would stage the fp32 tile in the shared memory the K loop's ring uses), then fold the tile
     into the running row stats (:func:`online_softmax_update`); returns (max, sum, tl, sez)."""
     if KEEP:
-        keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, BLOCK_N, BLOCK_V)
+        keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, MASKED, BLOCK_N, BLOCK_V)
     return online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c, MASKED, HAS_BIAS,
                                  WITH_ENTROPY, BLOCK_V)
 
@@ -288,14 +288,24 @@ def _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N: tl.constexpr, BLOCK_V: 
 
 
 @triton.jit
-def keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+def keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_V: tl.constexpr):
     """Store the raw fp32 accumulator of the tile at row ``n0``, shard column ``v0`` into the kept-logits buffer
     ``[N, v_keep]`` (row stride ``stride_kept``) when the tile lies below ``v_keep``; rows at or past N and columns
-    at or past ``v_keep`` are not written. One fp32 store per element of the kept tiles, nothing for the others."""
+    at or past ``v_keep`` are not written. One fp32 store per element of the kept tiles, nothing for the others.
+
+    A full tile (not ``MASKED``) below ``v_keep`` lies wholly below it: ``v_keep`` is the shard's V or a multiple of
+    ``tiles.CHUNK_ALIGN`` (256), which every ``BLOCK_V`` (a power of two up to 256) divides, as it divides the
+    tile's start. So it needs the row mask alone (fewer predicate registers in the store)."""
+    tl.static_assert(256 % BLOCK_V == 0)
     if v0 < v_keep:
         m_r = (n0 + tl.arange(0, BLOCK_N)) < N
-        m_c = (v0 + tl.arange(0, BLOCK_V)) < v_keep
-        tl.store(_kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V), acc, mask=m_r[:, None] & m_c[None, :])
+        if MASKED:
+            m_c = (v0 + tl.arange(0, BLOCK_V)) < v_keep
+            mask = m_r[:, None] & m_c[None, :]
+        else:
+            mask = m_r[:, None]
+        tl.store(_kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V), acc, mask=mask)
 
 
 @triton.jit
