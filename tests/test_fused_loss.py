@@ -331,3 +331,62 @@ def test_d_hidden_all_reduce_runs_under_the_last_chunks_d_w(tp):
     except AssertionError as exc:
         problems.append(str(exc))
     tp.assert_all(not problems, "; ".join(problems))
+
+
+def test_autocast_casts_like_f_linear():
+    """Under autocast the fused loss uses hidden, weight and bias in the autocast dtype (the loss in fp32) and the
+    fp32 leaves get fp32 gradients: the same as casting by hand, then the casts' backward."""
+    p = make_problem((20,), 16, 60, torch.float32, True, seed=6)
+    extra = _per_token(p, 1)
+    kw = dict(loss=_loss_fn, per_token=extra, reduction="mean", source="native")
+    leaves = [x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        value = tplogp.linear_logp_loss(leaves[0], leaves[1], p.target, leaves[2], **kw)
+    value.backward()
+    by_hand = [x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias)]
+    want = tplogp.linear_logp_loss(*(x.to(torch.bfloat16) for x in by_hand[:2]), p.target,
+                                   by_hand[2].to(torch.bfloat16), **kw)
+    want.backward()
+    assert value.dtype == torch.float32 and torch.equal(value, want)
+    for got, exp in zip(leaves, by_hand):
+        assert got.grad.dtype == torch.float32 and torch.equal(got.grad, exp.grad)
+
+
+@pytest.mark.tp(world_size=4, timeout=300)
+def test_dtensor_weight(tp):
+    """A DTensor weight and bias placed Shard(0) over an uneven vocabulary (101 ids: 26, 26, 26, 23 rows): the loss
+    and d_hidden equal those of the plain local shards, and weight.grad / bias.grad come back as DTensors with the
+    weight's placement holding the plain call's local gradients; a DTensor hidden is refused on every rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from tplogp.shards import chunk_boundaries, shard_range
+
+    v = 101
+    mesh = DeviceMesh.from_group(tp.group, "cpu", mesh_dim_names=("tp",))
+    p = make_problem((3, 7), 24, v, torch.float32, True, seed=8)
+    extra = _per_token(p, 3)
+    kw = dict(loss=_loss_fn, per_token=extra, reduction="mean", source="native")
+    w = distribute_tensor(p.weight, mesh, [Shard(0)]).requires_grad_()
+    b = distribute_tensor(p.bias, mesh, [Shard(0)]).requires_grad_()
+    h = p.hidden.clone().requires_grad_()
+    value = tplogp.linear_logp_loss(h, w, p.target, b, **kw)
+    value.backward()
+
+    start, end = shard_range(chunk_boundaries(v, tp.world_size), tp.rank)
+    hp, wp, bp = (x.clone().requires_grad_() for x in (p.hidden, p.weight[start:end], p.bias[start:end]))
+    plain = tplogp.linear_logp_loss(hp, wp, p.target, bp, tp_group=tp.group, vocab_start_index=start,
+                                    global_vocab_size=v, **kw)
+    plain.backward()
+    problems = [name for name, a, e in (("loss", value, plain), ("d_hidden", h.grad, hp.grad)) if not torch.equal(a, e)]
+    for name, param, local in (("d_weight", w, wp.grad), ("d_bias", b, bp.grad)):
+        if not (isinstance(param.grad, DTensor) and tuple(param.grad.placements) == (Shard(0),)
+                and torch.equal(param.grad.to_local(), local)):
+            problems.append(name)
+    try:
+        tplogp.linear_logp_loss(DTensor.from_local(p.hidden, mesh, [Replicate()]), w, p.target, b, **kw)
+        problems.append("a DTensor hidden was accepted")
+    except tplogp.LinearLogpInputError as exc:
+        if "pass hidden.to_local()" not in str(exc):
+            problems.append(str(exc))
+    tp.assert_all(not problems, f"rank {tp.rank}: {problems}")

@@ -31,7 +31,7 @@ from .dtensor import is_dtensor, unwrap_dtensors
 from .kernel_registry import backend_for_call, check_op, check_source, require_source
 from .outputs import LinearLogpResult, pack_outputs
 from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, LogpOptions, linear_logp_tp
-from .validation import is_int
+from .validation import LinearLogpInputError, is_int
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
 
@@ -229,17 +229,34 @@ def linear_logp_loss(
     clipping, policy gradient, KL to a reference and an entropy bonus); ``per_token`` tensors have target_ids'
     shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
     positions add nothing. ``source``: None, ``"registry"`` or ``"auto"`` (the registry's choice for the device) or
-    ``"native"`` / ``"triton"`` / ``"sm90"``. The other arguments are those of :func:`linear_logp`, on plain
-    tensors: DTensor weights and autocast casting are not handled here (call ``to_local()`` and cast before). Returns
-    a 0-d fp32 tensor whose backward scales the precomputed gradients of hidden, weight and bias.
+    ``"native"`` / ``"triton"`` / ``"sm90"``. The other arguments are those of :func:`linear_logp`, with the same
+    handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the leaves in their dtypes)
+    and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
+    plain tensor (the loss is a scalar of this rank's tokens). Returns a 0-d fp32 tensor whose backward scales the
+    precomputed gradients of hidden, weight and bias.
     """
     from .fused_loss import fused_loss
 
-    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    automatic = source in (None, "registry", "auto")  # the names get_op accepts for the registry's choice
-    backend = backend_for_call(None if automatic else source, device, getattr(hidden, "dtype", None))
-    return fused_loss(backend, hidden, weight, target_ids, bias, loss=loss,
-                      per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
-                      vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-                      temperature=temperature, ignore_index=ignore_index, deterministic=deterministic,
-                      workspace_bytes=workspace_bytes)
+    def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
+        device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+        if all(isinstance(t, torch.Tensor) for t in (hidden, weight)) and (bias is None or isinstance(bias,
+                                                                                                   torch.Tensor)):
+            hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
+        automatic = source in (None, "registry", "auto")  # the names get_op accepts for the registry's choice
+        backend = backend_for_call(None if automatic else source, device, getattr(hidden, "dtype", None))
+        with contextlib.ExitStack() as stack:  # the loss callable and the sources see fp32 / the inputs' dtypes
+            if torch.is_autocast_enabled(device.type):
+                stack.enter_context(torch.autocast(device.type, enabled=False))
+            return fused_loss(backend, hidden, weight, target_ids, bias, loss=loss,
+                              per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
+                              vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+                              temperature=temperature, ignore_index=ignore_index, deterministic=deterministic,
+                              workspace_bytes=workspace_bytes)
+
+    if is_dtensor(hidden):
+        raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "
+                                   "is their scalar): pass hidden.to_local()")
+    if is_dtensor(weight):
+        return unwrap_dtensors(run, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                               None)
+    return run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, None)
