@@ -8,9 +8,9 @@ entropy and ``E_p[z] - M``) and the fp32 logits that the ``workspace_bytes`` bud
 the size depend on the data). ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
 recomputing them. Both have fake (meta) implementations that give the output shapes without touching data, and
 the pair is joined by ``register_autograd``. Everything that dynamo must not trace (the importlib-based source
-lookup, the checks' host steps, collectives, Triton launches) happens inside the ops; the process group crosses the op boundary as
-its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the sources always
-see the dtypes they were given, also when a backward runs inside an autocast region.
+lookup, the checks' host steps, collectives, Triton launches) happens inside the ops; the process group crosses
+the op boundary as its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the
+sources always see the dtypes they were given, also when a backward runs inside an autocast region.
 """
 
 from __future__ import annotations
