@@ -30,7 +30,6 @@ so put both ``DIR`` and ``DIR/nvidia_cutlass_dsl/dsl_packages`` on ``PYTHONPATH`
 from __future__ import annotations
 
 import statistics
-from typing import Optional
 
 import torch
 

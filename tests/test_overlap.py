@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from tests.backward_schedule import overlap_problem, record_schedule
 from tests.problems import make_problem, run_op
 
 LEAD, D, V = (3, 23), 19, 301
@@ -30,35 +30,17 @@ def _blocking_reference(tp, op, p, vs, workspace_bytes):
 def test_overlapped_all_reduce_is_issued_before_the_last_d_w_update(tp, dtype):
     from pytest_tplogp import VocabShards
     from tplogp import get_op
-    from tplogp.backends import native
 
     vs = VocabShards("uneven", tp.world_size, vocab_size=V).__tp_bind__(tp)
     p = make_problem(LEAD, D, V, dtype, True, seed=4)
     p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
     op = get_op("linear_logp", source="native")
-    events = []
     ws = 16 * 4 * 4 * (vs.end - vs.start)  # 16-token chunks: d_hidden is complete only in the last one
-    real_all_reduce, real_dw = dist.all_reduce, native._accumulate_dw
-
-    def all_reduce(t, *args, **kw):
-        events.append(("all_reduce", kw.get("async_op", False)))
-        return real_all_reduce(t, *args, **kw)
-
-    def accumulate_dw(*args, **kw):
-        events.append(("d_W", None))
-        return real_dw(*args, **kw)
-
-    dist.all_reduce, native._accumulate_dw = all_reduce, accumulate_dw
-    try:
+    with record_schedule() as events:
         ours = run_op(op, p, tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=V,
                       workspace_bytes=ws)
-    finally:
-        dist.all_reduce, native._accumulate_dw = real_all_reduce, real_dw
-    names = [e[0] for e in events]
-    tp.assert_all(names.count("all_reduce") == 1 and events[names.index("all_reduce")][1] is True,
-                  f"expected one async all_reduce, got {events}")
-    tp.assert_all(names.count("d_W") > 1 and names.index("all_reduce") < len(names) - 1 and names[-1] == "d_W",
-                  f"the all_reduce must be issued before the last d_W update: {names}")
+    problem = overlap_problem(events)
+    tp.assert_all(problem is None, problem)
     ref = _blocking_reference(tp, op, p, vs, ws)
     for name in ("logp", "d_hidden", "d_weight", "d_bias"):
         tp.assert_all(torch.equal(getattr(ours, name), getattr(ref, name)), f"{name} differs from the blocking run")
