@@ -23,7 +23,7 @@ import torch
 
 from .comm import OverlappedAllReduce
 from .losses import PerTokenLoss
-from .tp import LogpOptions, _shard_forward, expand_kept_rows, prepare_call
+from .tp import LogpOptions, _shard_forward, prepare_call
 
 REDUCTIONS = ("sum", "mean")
 
@@ -92,6 +92,11 @@ def plan_chunk_tokens(backend, n: int, dim: int, vocab: int, workspace_bytes: Op
     return chunk
 
 
+def _zero_at(rows: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``x`` with 0 at ``rows`` (a bool mask; None: ``x`` as it is)."""
+    return x if rows is None else torch.where(rows, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
 def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
     """See :func:`tplogp.linear_logp_loss`. The chunk loop runs without autograd (only the loss callable runs
     under it); the result carries the gradients through ``_PrecomputedGrads``."""
@@ -114,9 +119,10 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     options = LogpOptions(temperature=temperature, return_entropy=True, ignore_index=ignore_index,
                           deterministic=deterministic, workspace_bytes=workspace_bytes)
     # the d_hidden all-reduce runs iff needs[0]: the group check makes every rank agree on it (no hang)
-    h2, w, b, local_target, keep_idx, tpc, vocab = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
-                                                                vocab_start_index, global_vocab_size, options,
-                                                                builds_graph=needs[0])
+    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                        options, builds_graph=needs[0])
+    h2, w, b, local_target, keep_idx, tpc, vocab = prep[:7]
+    ignored = prep.ignored  # ignored rows kept in place (CUDA-graph capture): masked out of the loss
     n_all = target_ids.numel()
     extra = []
     for i, t in enumerate(per_token):
@@ -132,7 +138,10 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     chunk = plan_chunk_tokens(backend, n, d, vocab, workspace_bytes, h2.device, accumulates)
     call = dataclasses.replace(tpc.call, for_backward=differentiate)
     tpc_c = dataclasses.replace(tpc, call=call)
-    count = torch.tensor(float(max(n, 1)), device=h2.device) if reduction == "mean" else None
+    count = None
+    if reduction == "mean":
+        count = (torch.tensor(float(max(n, 1)), device=h2.device) if ignored is None
+                 else (~ignored).sum().clamp_min(1).to(torch.float32))
 
     total = torch.zeros((), device=h2.device, dtype=torch.float32)
     d_hidden = torch.zeros(n, d, device=h2.device, dtype=torch.float32) if needs[0] else None
@@ -147,14 +156,17 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         t1 = min(t0 + chunk, n)
         h_c, lt_c = h2[t0:t1], local_target[t0:t1]
         (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(h_c, w, b, lt_c, tpc_c)
+        skip = None if ignored is None else ignored[t0:t1]
+        if skip is not None:  # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
+            logp, entropy = _zero_at(skip, logp), _zero_at(skip, entropy)
         if not differentiate:
-            per_tok = loss(logp, entropy, *(t[t0:t1] for t in extra))
+            per_tok = _zero_at(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
             total = total + (per_tok.sum() if count is None else per_tok.sum() / count)
             continue
         logp = logp.detach().requires_grad_()
         entropy = entropy.detach().requires_grad_()
         with torch.enable_grad():
-            per_tok = loss(logp, entropy, *(t[t0:t1] for t in extra))
+            per_tok = _zero_at(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
             chunk_loss = per_tok.sum() if count is None else per_tok.sum() / count
             g_logp, g_ent = torch.autograd.grad(chunk_loss, [logp, entropy], allow_unused=True)
         total = total + chunk_loss.detach()
@@ -182,5 +194,5 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         if reduce is not None:  # the one all_reduce of d_hidden (started by the last chunk's backward)
             d_hidden = reduce.finish(d_hidden)
         # fp32: rounded once, after the upstream scale
-        d_hidden = expand_kept_rows(d_hidden, keep_idx, n_all).view(hidden.shape)
+        d_hidden = prep.finish_rows(d_hidden, n_all).view(hidden.shape)
     return total, (d_hidden, d_w, d_b)

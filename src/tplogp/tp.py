@@ -194,6 +194,21 @@ class PreparedCall(NamedTuple):
     keep_idx: Optional[torch.Tensor]  # rows kept by ignore_index compaction, or None
     tpc: _TPContext
     vocab_size: int  # of all shards together (the same on every rank)
+    ignored: Optional[torch.Tensor] = None  # [N] bool: ignored rows kept in place (no compaction), or None
+
+    def finish_rows(self, x: torch.Tensor, n_all: int, dim: int = 0) -> torch.Tensor:
+        """An output of the call's rows as ``n_all`` rows, 0 at the ignored ones."""
+        if self.ignored is not None:
+            mask = self.ignored.view(*([1] * dim), -1, *([1] * (x.dim() - dim - 1)))
+            return torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
+        return expand_kept_rows(x, self.keep_idx, n_all, dim)
+
+
+def compacts_rows(device: torch.device) -> bool:
+    """Whether ignored rows are compacted away (their GEMM work saved, at the price of a host read of the kept-row
+    count), or kept in place as rows that no shard owns, whose outputs are zeroed and whose upstream gradients are
+    dropped (no host read): the latter while a CUDA graph is being captured, where a host read cannot happen."""
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0) -> torch.Tensor:
@@ -288,12 +303,16 @@ def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gr
     w = weight if weight.is_contiguous() else weight.contiguous()
     b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
 
-    keep_idx = None
+    keep_idx = ignored = None
     if options.ignore_index is not None:
         keep = tgt != options.ignore_index
-        keep_idx = keep.nonzero().squeeze(1)  # identical on every rank (targets are replicated)
-        h2 = h2.index_select(0, keep_idx)
-        tgt = tgt.index_select(0, keep_idx)
+        if compacts_rows(h2.device):
+            keep_idx = keep.nonzero().squeeze(1)  # identical on every rank (targets are replicated)
+            h2 = h2.index_select(0, keep_idx)
+            tgt = tgt.index_select(0, keep_idx)
+        else:  # in place: the rows' target becomes nobody's (-1 is outside every shard)
+            ignored = ~keep
+            tgt = torch.where(keep, tgt, -1)
 
     tpc = _TPContext(backend, shard_call(options), tp_group, world, comm_dev)
     if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
@@ -301,7 +320,7 @@ def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gr
     else:
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total)
+    return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total, ignored)
 
 
 def linear_logp_tp(
@@ -323,8 +342,9 @@ def linear_logp_tp(
     requested outputs.
     """
     out_shape = tuple(target_ids.shape)
-    h2, w, b, local_target, keep_idx, tpc, _ = prepare_call(backend, hidden, weight, target_ids, bias, tp_group,
-                                                            vocab_start_index, global_vocab_size, options)
+    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                        options)
+    h2, w, b, local_target, tpc = prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc
     call = tpc.call
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         tpc.call = dataclasses.replace(call, for_backward=True)  # the forward may keep logits for the backward
@@ -332,10 +352,10 @@ def linear_logp_tp(
     else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
         (logp, entropy, lse), _ = _shard_forward(h2, w, b, local_target, tpc)
 
-    if keep_idx is not None:
+    if prep.keep_idx is not None or prep.ignored is not None:
         n_all = target_ids.numel()
-        logp, lse = expand_kept_rows(logp, keep_idx, n_all), expand_kept_rows(lse, keep_idx, n_all)
-        entropy = None if entropy is None else expand_kept_rows(entropy, keep_idx, n_all)
+        logp, lse = prep.finish_rows(logp, n_all), prep.finish_rows(lse, n_all)
+        entropy = None if entropy is None else prep.finish_rows(entropy, n_all)
     if len(out_shape) != 1:
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
@@ -379,9 +399,26 @@ def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_g
         tpc = dataclasses.replace(tpc, call=dataclasses.replace(tpc.call, for_backward=True))
     (logp, entropy, lse), (row_max, log_sum, mean_rel, kept) = _shard_forward(prep.hidden, prep.weight, prep.bias,
                                                                               prep.local_target, tpc)
-    rows = [logp, lse, row_max, log_sum] + ([entropy, mean_rel] if options.return_entropy else [])
-    packed = expand_kept_rows(torch.stack(rows), prep.keep_idx, target_ids.numel(), dim=1)
+    n_all = target_ids.numel()
+    outputs = [prep.finish_rows(x, n_all) for x in (logp, lse)]
+    # the normalizer rows of ignored rows: real when they stayed in place; else log S = inf (p = 0), so that a
+    # backward that keeps the rows in place (a CUDA-graph capture) gives them no gradient either
+    stats = ([row_max, log_sum] if prep.ignored is not None else
+             [expand_kept_rows(row_max, prep.keep_idx, n_all),
+              _expand_with(log_sum, prep.keep_idx, n_all, float("inf"))])
+    rows = outputs + stats
+    if options.return_entropy:
+        rows += [prep.finish_rows(entropy, n_all),
+                 mean_rel if prep.ignored is not None else expand_kept_rows(mean_rel, prep.keep_idx, n_all)]
+    packed = torch.stack(rows)
     return packed, (kept if kept is not None else packed.new_empty(0))
+
+
+def _expand_with(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, fill: float) -> torch.Tensor:
+    """:func:`expand_kept_rows` with ``fill`` at the ignored rows."""
+    if keep_idx is None:
+        return x
+    return x.new_full((n_all,), fill).index_copy(0, keep_idx, x)
 
 
 class _SavedCall:
@@ -407,6 +444,9 @@ def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, pac
                          comm_dev, 0)
     if prep.keep_idx is not None:
         packed, grad_packed = packed.index_select(1, prep.keep_idx), grad_packed.index_select(1, prep.keep_idx)
+    elif prep.ignored is not None:  # rows in place: the ignored ones get no upstream gradient
+        grad_packed = torch.where(prep.ignored.view(1, -1), torch.zeros((), dtype=grad_packed.dtype,
+                                                                        device=grad_packed.device), grad_packed)
     mean_rel = packed[PACKED_MEAN_REL] if options.return_entropy else None
     g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
     saved = (prep.hidden, prep.weight, prep.bias, prep.local_target, packed[PACKED_ROW_MAX], packed[PACKED_LOG_SUM],
@@ -414,5 +454,5 @@ def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, pac
     d_hidden, d_weight, d_bias, _, _ = _LinearLogpFunction.backward(
         _SavedCall(saved, prep.tpc, needs), grad_packed[PACKED_LOGP], g_entropy, grad_packed[PACKED_LSE])
     if d_hidden is not None:
-        d_hidden = expand_kept_rows(d_hidden, prep.keep_idx, target_ids.numel()).view(hidden.shape)
+        d_hidden = prep.finish_rows(d_hidden, target_ids.numel()).view(hidden.shape)
     return d_hidden, d_weight, d_bias
