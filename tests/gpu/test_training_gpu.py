@@ -103,15 +103,22 @@ def test_compile_fullgraph_on_gpu(source, mode, monkeypatch):
 
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_cuda_graph_capture_forward_and_backward(source, dtype, monkeypatch):
-    """TPLOGP_CHECKS=fast: forward and backward captured in one CUDA graph, replayed on new inputs."""
+@pytest.mark.parametrize("ignore", [False, True], ids=["all-rows", "ignore-index"])
+def test_cuda_graph_capture_forward_and_backward(source, dtype, ignore, monkeypatch):
+    """TPLOGP_CHECKS=fast: forward and backward captured in one CUDA graph, replayed on new inputs; with
+    ignore_index the captured call keeps the ignored rows in place (no compaction), and the replay equals an eager
+    call's compaction."""
     monkeypatch.setenv("TPLOGP_CHECKS", "fast")
     op = _op(source)
     p = _cuda_problem(1024, 1024, 32000, dtype, seed=3)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    kw = {}
+    if ignore:
+        p.target[::5] = -100
+        kw["ignore_index"] = -100
 
     def step():
-        logp, entropy = op(h, w, p.target, b, return_entropy=True)
+        logp, entropy = op(h, w, p.target, b, return_entropy=True, **kw)
         ((logp * p.g_logp).sum() + (entropy * p.g_entropy).sum()).backward()
         return logp, entropy
 
@@ -133,7 +140,7 @@ def test_cuda_graph_capture_forward_and_backward(source, dtype, monkeypatch):
     got = [logp.clone(), entropy.clone(), h.grad.clone(), w.grad.clone(), b.grad.clone()]
 
     h2, w2, b2 = (x.detach().clone().requires_grad_() for x in (h, w, b))
-    logp2, entropy2 = op(h2, w2, p.target, b2, return_entropy=True)
+    logp2, entropy2 = op(h2, w2, p.target, b2, return_entropy=True, **kw)
     ((logp2 * p.g_logp).sum() + (entropy2 * p.g_entropy).sum()).backward()
     for g, e in zip(got, [logp2, entropy2, h2.grad, w2.grad, b2.grad]):
         torch.testing.assert_close(g, e.detach(), rtol=1e-4, atol=1e-4)
