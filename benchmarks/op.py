@@ -96,7 +96,7 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
             row = dict(common, impl=impl.name, contract=impl.contract, budget=spec.label, budget_bytes=spec.nbytes)
             rows.append(row)
             try:
-                budget = row["budget_bytes"] = spec.resolve(impl.source, shape, device)
+                budget = row["budget_bytes"] = spec.resolve(impl.source, shape, DTYPES[dtype], device)
                 fn = impl.build(device, budget)
             except ImplUnavailable as exc:
                 row["error"] = f"unavailable: {exc}"

@@ -144,8 +144,9 @@ class BudgetSpec:
     keep: Optional[float] = None
     chunk: Optional[int] = None
 
-    def resolve(self, source: Optional[str], shape: tuple[int, int, int], device: torch.device) -> Optional[int]:
-        """``workspace_bytes`` for ``source`` at ``shape`` (T, D, V) on ``device``."""
+    def resolve(self, source: Optional[str], shape: tuple[int, int, int], dtype: torch.dtype,
+                device: torch.device) -> Optional[int]:
+        """``workspace_bytes`` for ``source`` at ``shape`` (T, D, V) in ``dtype`` (no bias) on ``device``."""
         T, D, V = shape
         if self.keep is not None:
             from tplogp import keep_logits_budget
@@ -154,7 +155,7 @@ class BudgetSpec:
         if self.chunk is not None:
             from tplogp import loss_chunk_budget
 
-            return loss_chunk_budget(self.chunk, D, V, source=source, device=device)
+            return loss_chunk_budget(self.chunk, D, V, dtype=dtype, source=source, device=device)
         return self.nbytes
 
 

@@ -72,8 +72,8 @@ def test_op_smoke_rows(tmp_path):
     assert rows["tplogp-native", "keep 100%"]["budget_bytes"] == tplogp.keep_logits_budget(64, 320, source="native",
                                                                                           device="cpu")
     for impl in ("tplogp-native", "tplogp-loss-native"):
-        assert rows[impl, "chunk 16"]["budget_bytes"] == tplogp.loss_chunk_budget(16, 32, 320, source="native",
-                                                                                 device="cpu")
+        assert rows[impl, "chunk 16"]["budget_bytes"] == tplogp.loss_chunk_budget(
+            16, 32, 320, dtype=torch.bfloat16, source="native", device="cpu")  # the smoke run's dtype, no bias
     assert rows["quack-chunked", "default"]["contract"] == impls.SCALAR_LOSS
     for key in (("liger-flce", "default"), ("quack-chunked", "default")):
         assert rows[key]["error"].startswith("unavailable: "), rows[key]
@@ -166,7 +166,8 @@ def test_budget_and_shape_parsing():
         with pytest.raises(ValueError, match="'keep:F'"):
             runner.parse_budget_spec(bad)
     spec = runner.parse_budget_spec("keep:1")
-    assert spec.resolve("triton", (8192, 4096, 128256), torch.device("cuda")) == 128 * 2**20 + 8192 * 128256 * 4
+    assert spec.resolve("triton", (8192, 4096, 128256), torch.bfloat16, torch.device("cuda")) == (
+        128 * 2**20 + 8192 * 128256 * 4)
     with pytest.raises(ValueError, match="unknown implementation 'nope'"):
         impls.select("tplogp-sm90,nope")
 

@@ -57,16 +57,21 @@ def test_keep_all_and_half_per_source(device, n, v):
 def test_loss_chunk_budget_runs_chunks_of_that_size(source, device):
     if source == "triton":
         pytest.importorskip("triton")
+    from tplogp.fused_loss import accumulator_tokens
     from tplogp.kernel_registry import get_backend
 
     be = get_backend(source)
-    for chunk, d, vocab in ((GPU_MIN_CHUNK_TOKENS, 64, 5000), (4096, 4096, 128256), (1000, 19, 7)):
-        budget = tplogp.loss_chunk_budget(chunk, d, vocab, source=source, device=device)
-        assert plan_chunk_tokens(be, 10 * chunk, d, vocab, budget, device, True) == chunk
-        assert plan_chunk_tokens(be, chunk, d, vocab, budget, device, True) == chunk  # one chunk, all kept
-    # the 8192 x 4096 x 128256 case of docs/operator.md: chunks of 4096 cost 4096 + D + 1 tokens of logits
+    for chunk, d, vocab, dtype, bias_dtype in ((GPU_MIN_CHUNK_TOKENS, 64, 5000, torch.bfloat16, torch.bfloat16),
+                                               (4096, 4096, 128256, torch.bfloat16, None),
+                                               (1000, 19, 7, torch.float32, torch.float32)):
+        budget = tplogp.loss_chunk_budget(chunk, d, vocab, dtype=dtype, bias_dtype=bias_dtype, source=source,
+                                          device=device)
+        acc = accumulator_tokens(d, dtype, bias_dtype)
+        assert plan_chunk_tokens(be, 10 * chunk, vocab, budget, device, acc) == chunk
+        assert plan_chunk_tokens(be, chunk, vocab, budget, device, acc) == chunk  # one chunk, all kept
+    # the 8192 x 4096 x 128256 bf16 case of docs/operator.md: chunks of 4096 cost 4096 + D tokens of logits
     assert tplogp.loss_chunk_budget(4096, 4096, 128256, source=source, device=device) == (
-        be.transient_bytes(device) + 8193 * 128256 * 4)
+        be.transient_bytes(device) + 8192 * 128256 * 4)
 
 
 def test_loss_chunk_budget_end_to_end(monkeypatch):
@@ -84,7 +89,8 @@ def test_loss_chunk_budget_end_to_end(monkeypatch):
 
     monkeypatch.setattr(NativeBackend, "backward", counting)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
-    budget = tplogp.loss_chunk_budget(16, 12, 40, source="native", device="cpu")
+    budget = tplogp.loss_chunk_budget(16, 12, 40, dtype=torch.float32, bias_dtype=torch.float32, source="native",
+                                      device="cpu")
     loss = tplogp.linear_logp_loss(h, w, p.target, b, loss=tplogp.losses.policy_gradient(),
                                    per_token=(torch.ones(50),), source="native", workspace_bytes=budget)
     loss.backward()

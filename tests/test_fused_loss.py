@@ -73,6 +73,16 @@ def _compare(ours, eager, what=""):
         assert err <= ERROR_SLACK[torch.float32].eps, f"{what} {name}: relative error {err:.2e} vs eager"
 
 
+def _compare_on_every_rank(tp, ours, eager, what: str, problems=()):
+    """:func:`_compare` on every rank, failing all ranks together (with ``problems`` found before)."""
+    problems = list(problems)
+    try:
+        _compare(ours, eager, what)
+    except AssertionError as exc:
+        problems.append(str(exc))
+    tp.assert_all(not problems, "; ".join(problems))
+
+
 def _count_recompute(monkeypatch):
     """Count the triton backward's recompute launches (its kept-logits launches do no GEMM)."""
     from tplogp.kernels import generic_launch
@@ -101,8 +111,8 @@ def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
     p = make_problem((4, 13), 24, 211, torch.float32, True, seed=12, ignore_index=IGNORE,
                      ignore_fraction=0.2)
     extra = _per_token(p, 1)
-    # chunks of 9 tokens: 9 tokens' logits plus the fp32 d_W / d_b accumulators (D + 1 = 25 tokens' worth)
-    ws = {None: None, "chunks": TILES[source] + (9 + 25) * 211 * 4, "all": TILES[source] + 52 * 211 * 4}[budget]
+    # chunks of 9 tokens (fp32 weights: their d_W accumulator is the gradient, no extra memory)
+    ws = {None: None, "chunks": TILES[source] + 9 * 211 * 4, "all": TILES[source] + 52 * 211 * 4}[budget]
     kw = dict(temperature=0.9, ignore_index=IGNORE, workspace_bytes=ws)
     eager = _run(False, p, extra, reduction, source, **kw)
     seen = _count_recompute(monkeypatch)
@@ -166,54 +176,55 @@ def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     p = make_problem((3, 11), 20, v, torch.float32, True, seed=9, ignore_index=IGNORE, ignore_fraction=0.25)
     p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
     extra = _per_token(p, 4)
-    ws = None if budget is None else TILES[source] + (7 + 21) * v * 4  # chunks of 7 tokens (+ accumulators)
+    ws = None if budget is None else TILES[source] + 7 * v * 4  # chunks of 7 tokens
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, temperature=1.3,
               ignore_index=IGNORE, workspace_bytes=ws)
     ours, eager = _run(True, p, extra, "mean", source, **kw), _run(False, p, extra, "mean", source, **kw)
-    problems = []
-    try:
-        _compare(ours, eager, f"{source} rank {tp.rank}")
-    except AssertionError as exc:
-        problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    _compare_on_every_rank(tp, ours, eager, f"{source} rank {tp.rank}")
 
 
 def test_chunk_plan_counts_the_accumulators_in_the_budget():
-    """Several chunks hold an fp32 d_W / d_b accumulator (D + 1 tokens' worth of logits) beside the chunk's kept
-    logits, both within the kept part of the budget, on every rank of any sharding; one chunk needs no accumulator."""
+    """Several chunks hold fp32 d_W / d_b accumulators (D + 1 tokens' worth of logits for 16-bit weight and bias,
+    nothing beyond the gradients for fp32 ones) beside the chunk's kept logits, both within the kept part of the
+    budget, on every rank of any sharding; one chunk needs no accumulator."""
     from tplogp.backends.native import NativeBackend, default_tile_bytes
-    from tplogp.fused_loss import GPU_MIN_CHUNK_TOKENS, plan_chunk_tokens
+    from tplogp.fused_loss import GPU_MIN_CHUNK_TOKENS, accumulator_tokens, plan_chunk_tokens
 
     be, cpu = NativeBackend(), torch.device("cpu")
     n, d, vocab = 1000, 64, 5000
     row = vocab * 4
+    acc = accumulator_tokens(d, torch.bfloat16, torch.bfloat16)
+    assert acc == d + 1 and accumulator_tokens(d, torch.bfloat16, None) == d
+    assert accumulator_tokens(d, torch.float32, torch.float32) == 0 and accumulator_tokens(d, None, None) == 0
 
-    def plan(extra_bytes, device=cpu, accumulates=True):
-        return plan_chunk_tokens(be, n, d, vocab, default_tile_bytes(device) + extra_bytes, device, accumulates)
+    def plan(extra_bytes, device=cpu, accumulators=acc):
+        return plan_chunk_tokens(be, n, vocab, default_tile_bytes(device) + extra_bytes, device, accumulators)
 
-    assert plan_chunk_tokens(be, n, d, vocab, None, cpu, True) == n  # nothing kept: one chunk
+    assert plan_chunk_tokens(be, n, vocab, None, cpu, acc) == n  # nothing kept: one chunk
     assert plan(n * row) == n  # every logit fits: one chunk, no accumulator
-    assert plan((n - 1) * row) == n - 1 - (d + 1)
-    assert plan((n - 1) * row, accumulates=False) == n - 1
-    assert plan((d + 1) * row) == n  # room for the accumulators only: one chunk, partly kept
-    assert plan((d + 2) * row) == 1
+    assert plan((n - 1) * row) == n - 1 - acc
+    assert plan((n - 1) * row, accumulators=0) == n - 1
+    assert plan(acc * row) == n  # room for the accumulators only: one chunk, partly kept
+    assert plan((acc + 1) * row) == 1
     for extra in (3 * row + 5, (d + 10) * row + 17, 700 * row):
         keep, chunk = extra, plan(extra)
         if chunk < n:
             for v_local in (vocab, vocab // 3 + 1, 1):  # every rank's kept logits + accumulators fit its budget
-                assert v_local * 4 * (chunk + d + 1) <= keep
+                assert v_local * 4 * (chunk + acc) <= keep
     # a GPU runs no chunk thinner than its token tiles: one chunk instead
     cuda = torch.device("cuda")
-    assert plan((d + 1 + GPU_MIN_CHUNK_TOKENS - 1) * row, cuda) == n
-    assert plan((d + 1 + GPU_MIN_CHUNK_TOKENS) * row, cuda) == GPU_MIN_CHUNK_TOKENS
+    assert plan((acc + GPU_MIN_CHUNK_TOKENS - 1) * row, cuda) == n
+    assert plan((acc + GPU_MIN_CHUNK_TOKENS) * row, cuda) == GPU_MIN_CHUNK_TOKENS
 
 
-def test_chunks_run_as_planned(monkeypatch):
-    """The loss runs one source backward per planned chunk, with an accumulator only over several chunks."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_chunks_run_as_planned(monkeypatch, dtype):
+    """The loss runs one source backward per planned chunk, with an accumulator only over several chunks; a 16-bit
+    weight and bias's accumulators (D + 1 = 17 tokens' worth here) come out of the budget, fp32 ones do not."""
     from tplogp.backends.native import NativeBackend
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
-    p = make_problem((40,), 16, 90, torch.float32, True, seed=8)
+    p = make_problem((40,), 16, 90, dtype, True, seed=8)
     extra = _per_token(p, 3)
     seen = []
     real = NativeBackend.backward
@@ -223,7 +234,10 @@ def test_chunks_run_as_planned(monkeypatch):
         return real(self, *args, accumulate=accumulate, **kwargs)
 
     monkeypatch.setattr(NativeBackend, "backward", counting)
-    for tokens, calls in ((40, [False]), (17 + 10, [True] * 4), (17, [False])):
+    # budgets in tokens' worth of logits -> the backward calls (several chunks: with an accumulator)
+    cases = {torch.bfloat16: ((40, [False]), (17 + 10, [True] * 4), (17, [False])),
+             torch.float32: ((40, [False]), (10, [True] * 4))}[dtype]
+    for tokens, calls in cases:
         seen.clear()
         _run(True, p, extra, "sum", workspace_bytes=TILES["native"] + tokens * 90 * 4)
         assert seen == calls, (tokens, seen)
@@ -300,17 +314,12 @@ def test_d_hidden_all_reduce_runs_under_the_last_chunks_d_w(tp):
     p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
     extra = _per_token(p, 2)
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v,
-              workspace_bytes=TILES["native"] + (8 + 17) * v * 4)  # chunks of 8 tokens
+              workspace_bytes=TILES["native"] + 8 * v * 4)  # chunks of 8 tokens
     with record_schedule() as events:
         ours = _run(True, p, extra, "mean", **kw)
     eager = _run(False, p, extra, "mean", **kw)
     problem = overlap_problem(events)
-    problems = [] if problem is None else [problem]
-    try:
-        _compare(ours, eager, f"rank {tp.rank}")
-    except AssertionError as exc:
-        problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    _compare_on_every_rank(tp, ours, eager, f"rank {tp.rank}", [] if problem is None else [problem])
 
 
 def test_autocast_casts_like_f_linear():

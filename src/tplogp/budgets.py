@@ -8,8 +8,8 @@ each source's default:
 * :func:`keep_logits_budget`: ``linear_logp`` keeps ``fraction`` of a call's ``[N, V_local]`` logits (the backward
   skips the recompute GEMM for that share; 1.0: 3 GEMMs instead of 4).
 * :func:`loss_chunk_budget`: ``linear_logp_loss`` runs token chunks of ``chunk_tokens`` with every chunk's logits
-  kept, its fp32 ``d_W`` / ``d_b`` accumulators (``D + 1`` tokens' worth of logits, :func:`tplogp.fused_loss.
-  plan_chunk_tokens`) counted in.
+  kept, its fp32 ``d_W`` / ``d_b`` accumulators (``D`` tokens' worth of logits for a 16-bit weight,
+  :func:`tplogp.fused_loss.accumulator_tokens`) counted in.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from .fused_loss import accumulator_tokens
 from .kernel_registry import SourceUnavailableError, backend_for_call, get_backend
 
 
@@ -50,13 +51,17 @@ def keep_logits_budget(n_tokens: int, v_local: int, *, fraction: float = 1.0, so
     return _transient_bytes(source, device) + int(fraction * n_tokens * v_local) * 4
 
 
-def loss_chunk_budget(chunk_tokens: int, hidden_size: int, vocab_size: int, *, source: Optional[str] = None,
+def loss_chunk_budget(chunk_tokens: int, hidden_size: int, vocab_size: int, *, dtype: torch.dtype = torch.bfloat16,
+                      bias_dtype: Optional[torch.dtype] = None, source: Optional[str] = None,
                       device: Optional[torch.device | str] = None) -> int:
     """The ``workspace_bytes`` with which ``linear_logp_loss`` runs chunks of ``chunk_tokens`` tokens, each chunk's
-    logits kept (3 GEMMs), the fp32 ``d_W`` / ``d_b`` accumulators of several chunks counted in. ``vocab_size``: the
-    global vocabulary (the same budget on every rank). A batch of at most ``chunk_tokens`` tokens runs as one chunk
-    within it. On a GPU chunks under 256 tokens are not run (one partly kept chunk instead)."""
+    logits kept (3 GEMMs), the fp32 ``d_W`` / ``d_b`` accumulators of several chunks counted in
+    (:func:`tplogp.fused_loss.accumulator_tokens`: ``hidden_size`` tokens' worth for a weight of ``dtype`` below
+    fp32, one more for such a bias, ``bias_dtype``; None: no bias). ``vocab_size``: the global vocabulary (the same
+    budget on every rank). A batch of at most ``chunk_tokens`` tokens runs as one chunk within it. On a GPU chunks
+    under ``fused_loss.GPU_MIN_CHUNK_TOKENS`` tokens are not run (one partly kept chunk instead)."""
     if chunk_tokens < 1 or hidden_size < 1 or vocab_size < 1:
         raise ValueError(f"chunk_tokens, hidden_size and vocab_size must be >= 1, got {chunk_tokens}, "
                          f"{hidden_size} and {vocab_size}")
-    return _transient_bytes(source, device) + (chunk_tokens + hidden_size + 1) * vocab_size * 4
+    tokens = chunk_tokens + accumulator_tokens(hidden_size, dtype, bias_dtype)
+    return _transient_bytes(source, device) + tokens * vocab_size * 4

@@ -38,6 +38,7 @@ def group_from_name(name: str):
 
     return _resolve_process_group(name)
 
+
 # ranks of a device-backend group -> its gloo companion (None: none could be made on some rank of the group)
 _host_groups: dict[tuple[int, ...], object] = {}
 

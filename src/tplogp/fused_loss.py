@@ -8,10 +8,11 @@ the chunk's partial fp32 ``d_hidden`` rows, and adds its ``d_W`` and ``d_b`` to 
 one chunk's are written directly in the weight / bias dtype). The chunk is as many tokens as the kept part of the
 memory budget (``workspace_bytes``) holds as fp32 logits of the whole vocab, the accumulators counted in it
 (:func:`plan_chunk_tokens`): its forward keeps them and its backward reads them instead of recomputing (3 GEMMs
-instead of 4), every source alike; only one chunk's logits are alive at a time. ONE all_reduce completes ``d_hidden``: issued by the last chunk's backward as soon as its ``d_hidden`` rows
-are done (``d_hidden_ready``), so that it runs under that chunk's ``d_W`` work. The gradients are handed to autograd: the
-backward only scales them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are
-constants (no gradient flows to them).
+instead of 4), every source alike; only one chunk's logits are alive at a time. ONE all_reduce completes
+``d_hidden``: issued by the last chunk's backward as soon as its ``d_hidden`` rows are done (``d_hidden_ready``),
+so that it runs under that chunk's ``d_W`` work. The gradients are handed to autograd: the backward only scales
+them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are constants (no
+gradient flows to them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from .comm import OverlappedAllReduce
 from .losses import PerTokenLoss
+from .tensors import zero_rows
 from .tp import LogpOptions, _shard_forward, prepare_call
 
 REDUCTIONS = ("sum", "mean")
@@ -69,32 +71,35 @@ def _scaled(t: Optional[torch.Tensor], g: torch.Tensor, dtype: torch.dtype) -> O
 GPU_MIN_CHUNK_TOKENS = 256
 
 
-def plan_chunk_tokens(backend, n: int, dim: int, vocab: int, workspace_bytes: Optional[int], device: torch.device,
-                      accumulates: bool) -> int:
-    """Tokens per chunk, from sizes that every rank shares (``n``, ``dim``, the global ``vocab``): the same chunks
-    on every rank.
+def accumulator_tokens(dim: int, weight_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype]) -> int:
+    """What the fp32 ``d_W`` / ``d_b`` accumulators of several chunks take beyond the gradients themselves, in
+    tokens' worth of fp32 logits of the shard (``4 * V_local`` bytes each): ``D`` for a low-precision weight, 1 for a
+    low-precision bias; 0 for an fp32 one (its accumulator is its gradient) or one without a gradient (``None``)."""
+    low = [t is not None and t != torch.float32 for t in (weight_dtype, bias_dtype)]
+    return dim * low[0] + low[1]
+
+
+def plan_chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], device: torch.device,
+                      accumulators: int) -> int:
+    """Tokens per chunk, from sizes that every rank shares (``n``, the global ``vocab``, ``accumulators`` from
+    :func:`accumulator_tokens`): the same chunks on every rank.
 
     The kept part of the budget holds ``R = keep // (4 * vocab)`` tokens' fp32 logits of the whole vocabulary (a
     rank keeps a chunk's logits of its own shard: at most that). ``R >= n``: one chunk, every logit kept, ``d_W``
-    written once. Otherwise several chunks sum ``d_W`` (and ``d_b``) in fp32 accumulators (``accumulates``), which
-    count against the same kept part: ``V_local * D * 4`` bytes are ``D`` tokens' worth (``d_b`` one more), so a
-    chunk is ``R - D - 1`` tokens, and ``V_local * 4 * (chunk + D + 1) <= keep`` on every rank. Below the minimum
-    chunk (one token; ``GPU_MIN_CHUNK_TOKENS`` on a GPU) or when nothing is kept: one chunk, of which the source
-    keeps what the budget holds (its first vocab columns or tiles) and recomputes the rest."""
+    written once. Otherwise several chunks sum ``d_W`` (and ``d_b``) in fp32 accumulators, which count against the
+    same kept part: a chunk is ``R - accumulators`` tokens, and ``V_local * 4 * (chunk + accumulators) <= keep`` on
+    every rank. Below the minimum chunk (one token; ``GPU_MIN_CHUNK_TOKENS`` on a GPU) or when nothing is kept: one
+    chunk, of which the source keeps what the budget holds (its first vocab columns or tiles) and recomputes the
+    rest."""
     keep_bytes = getattr(backend, "keep_bytes", None)
     keep = keep_bytes(workspace_bytes, device) if keep_bytes is not None else 0
     rows = keep // max(1, vocab * 4)
     if rows >= n or rows <= 0:
         return max(n, 1)
-    chunk = rows - (dim + 1 if accumulates else 0)
+    chunk = rows - accumulators
     if chunk < (GPU_MIN_CHUNK_TOKENS if device.type == "cuda" else 1):
         return max(n, 1)
     return chunk
-
-
-def _zero_at(rows: Optional[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``x`` with 0 at ``rows`` (a bool mask; None: ``x`` as it is)."""
-    return x if rows is None else torch.where(rows, torch.zeros((), dtype=x.dtype, device=x.device), x)
 
 
 def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
@@ -134,8 +139,9 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     n, d = h2.shape
     differentiate = any(needs)
     # from what requires a gradient, not from grad mode: a call without gradients sums the same chunks
-    accumulates = bool(weight.requires_grad or (bias is not None and bias.requires_grad))
-    chunk = plan_chunk_tokens(backend, n, d, vocab, workspace_bytes, h2.device, accumulates)
+    accumulators = accumulator_tokens(d, weight.dtype if weight.requires_grad else None,
+                                      bias.dtype if bias is not None and bias.requires_grad else None)
+    chunk = plan_chunk_tokens(backend, n, vocab, workspace_bytes, h2.device, accumulators)
     call = dataclasses.replace(tpc.call, for_backward=differentiate)
     tpc_c = dataclasses.replace(tpc, call=call)
     count = None
@@ -158,15 +164,15 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(h_c, w, b, lt_c, tpc_c)
         skip = None if ignored is None else ignored[t0:t1]
         if skip is not None:  # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
-            logp, entropy = _zero_at(skip, logp), _zero_at(skip, entropy)
+            logp, entropy = zero_rows(skip, logp), zero_rows(skip, entropy)
         if not differentiate:
-            per_tok = _zero_at(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
+            per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
             total = total + (per_tok.sum() if count is None else per_tok.sum() / count)
             continue
         logp = logp.detach().requires_grad_()
         entropy = entropy.detach().requires_grad_()
         with torch.enable_grad():
-            per_tok = _zero_at(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
+            per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
             chunk_loss = per_tok.sum() if count is None else per_tok.sum() / count
             g_logp, g_ent = torch.autograd.grad(chunk_loss, [logp, entropy], allow_unused=True)
         total = total + chunk_loss.detach()

@@ -10,3 +10,11 @@ def f32_contiguous(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32:
         x = x.float()
     return x if x.is_contiguous() else x.contiguous()
+
+
+def zero_rows(rows, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``x`` with 0 at the positions ``rows`` (a bool mask along ``dim``) marks; ``x`` itself when ``rows`` is None."""
+    if rows is None:
+        return x
+    mask = rows.view(*([1] * dim), -1, *([1] * (x.dim() - dim - 1)))
+    return torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)

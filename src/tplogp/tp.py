@@ -41,7 +41,7 @@ from .comm import OverlappedAllReduce, all_gather_flat, collective_device, host_
 from .deferred_checks import (GROUP_NOTE, defer_group_target_check, defer_target_range_check,
                               raise_pending_errors, take_group_pending)
 from .outputs import LinearLogpResult, pack_outputs
-from .tensors import f32_contiguous
+from .tensors import f32_contiguous, zero_rows
 from .validation import (
     GroupCheck,
     LinearLogpInputError,
@@ -196,12 +196,12 @@ class PreparedCall(NamedTuple):
     vocab_size: int  # of all shards together (the same on every rank)
     ignored: Optional[torch.Tensor] = None  # [N] bool: ignored rows kept in place (no compaction), or None
 
-    def finish_rows(self, x: torch.Tensor, n_all: int, dim: int = 0) -> torch.Tensor:
-        """An output of the call's rows as ``n_all`` rows, 0 at the ignored ones."""
+    def finish_rows(self, x: torch.Tensor, n_all: int, dim: int = 0, fill: float = 0.0) -> torch.Tensor:
+        """An output of the call's rows as ``n_all`` rows, 0 at the ignored ones (``fill`` where they were
+        compacted away)."""
         if self.ignored is not None:
-            mask = self.ignored.view(*([1] * dim), -1, *([1] * (x.dim() - dim - 1)))
-            return torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
-        return expand_kept_rows(x, self.keep_idx, n_all, dim)
+            return zero_rows(self.ignored, x, dim)
+        return expand_kept_rows(x, self.keep_idx, n_all, dim, fill)
 
 
 def compacts_rows(device: torch.device) -> bool:
@@ -211,14 +211,15 @@ def compacts_rows(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0) -> torch.Tensor:
-    """Undo the ignore_index compaction along ``dim``: ``n_all`` rows, zeros at the ignored ones (``x`` itself when
-    nothing was compacted)."""
+def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0,
+                     fill: float = 0.0) -> torch.Tensor:
+    """Undo the ignore_index compaction along ``dim``: ``n_all`` rows, ``fill`` at the ignored ones (``x`` itself
+    when nothing was compacted)."""
     if keep_idx is None:
         return x
     shape = list(x.shape)
     shape[dim] = n_all
-    return x.new_zeros(shape).index_copy(dim, keep_idx, x)
+    return x.new_full(shape, fill).index_copy(dim, keep_idx, x)
 
 
 def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -245,7 +246,7 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
         else:
             record_targets = (target_summary_tensor(target_ids, options.ignore_index, with_checksum=True)
                               if ok and mode != "fast" else None)
-        total, targets = GroupCheck.run(
+        total, summary = GroupCheck.run(
             host if host is not None else tp_group, torch.device("cpu") if host is not None else comm_dev, problem,
             n_tokens=int(target_ids.numel()) if ok else -1,
             hidden_size=int(hidden.shape[-1]) if ok else -1,
@@ -261,12 +262,12 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
                                       else builds_graph)),
             targets_note=GROUP_NOTE if host is not None else "",
         )
-        if host is not None:
-            if targets is not None:  # the previous call's targets, replicated: now their range
-                msg = earlier.range_problem(targets)
-                if msg is not None:
-                    raise LinearLogpInputError(msg + GROUP_NOTE)
-                targets = None
+        targets = summary  # this call's own targets (sync), judged below
+        if host is not None:  # the summary is the previous call's (replicated, per the checksums): its range now
+            targets = None  # this call's are judged by the next call with the group
+            msg = None if summary is None else earlier.range_problem(summary)
+            if msg is not None:
+                raise LinearLogpInputError(msg + GROUP_NOTE)
             defer_group_target_check(tp_group, target_ids, total, options.ignore_index)
     else:
         comm_dev = torch.device("cpu")
@@ -400,25 +401,15 @@ def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_g
     (logp, entropy, lse), (row_max, log_sum, mean_rel, kept) = _shard_forward(prep.hidden, prep.weight, prep.bias,
                                                                               prep.local_target, tpc)
     n_all = target_ids.numel()
-    outputs = [prep.finish_rows(x, n_all) for x in (logp, lse)]
-    # the normalizer rows of ignored rows: real when they stayed in place; else log S = inf (p = 0), so that a
-    # backward that keeps the rows in place (a CUDA-graph capture) gives them no gradient either
-    stats = ([row_max, log_sum] if prep.ignored is not None else
-             [expand_kept_rows(row_max, prep.keep_idx, n_all),
-              _expand_with(log_sum, prep.keep_idx, n_all, float("inf"))])
-    rows = outputs + stats
+    # the normalizer rows keep the real values of ignored rows kept in place; compacted-away rows get log S = inf
+    # (p = 0), so that a backward that keeps the rows in place (a CUDA-graph capture) gives them no gradient either
+    rows = [prep.finish_rows(logp, n_all), prep.finish_rows(lse, n_all),
+            expand_kept_rows(row_max, prep.keep_idx, n_all), expand_kept_rows(log_sum, prep.keep_idx, n_all,
+                                                                              fill=float("inf"))]
     if options.return_entropy:
-        rows += [prep.finish_rows(entropy, n_all),
-                 mean_rel if prep.ignored is not None else expand_kept_rows(mean_rel, prep.keep_idx, n_all)]
+        rows += [prep.finish_rows(entropy, n_all), expand_kept_rows(mean_rel, prep.keep_idx, n_all)]
     packed = torch.stack(rows)
     return packed, (kept if kept is not None else packed.new_empty(0))
-
-
-def _expand_with(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, fill: float) -> torch.Tensor:
-    """:func:`expand_kept_rows` with ``fill`` at the ignored rows."""
-    if keep_idx is None:
-        return x
-    return x.new_full((n_all,), fill).index_copy(0, keep_idx, x)
 
 
 class _SavedCall:
@@ -444,9 +435,8 @@ def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, pac
                          comm_dev, 0)
     if prep.keep_idx is not None:
         packed, grad_packed = packed.index_select(1, prep.keep_idx), grad_packed.index_select(1, prep.keep_idx)
-    elif prep.ignored is not None:  # rows in place: the ignored ones get no upstream gradient
-        grad_packed = torch.where(prep.ignored.view(1, -1), torch.zeros((), dtype=grad_packed.dtype,
-                                                                        device=grad_packed.device), grad_packed)
+    else:  # rows in place (or none ignored): the ignored ones get no upstream gradient
+        grad_packed = zero_rows(prep.ignored, grad_packed, dim=1)
     mean_rel = packed[PACKED_MEAN_REL] if options.return_entropy else None
     g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
     saved = (prep.hidden, prep.weight, prep.bias, prep.local_target, packed[PACKED_ROW_MAX], packed[PACKED_LOG_SUM],

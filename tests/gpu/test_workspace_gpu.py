@@ -107,8 +107,8 @@ def test_fused_loss_three_way(source, chunks):
 
     truth, ref = eager("float64"), eager("matching")
     hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
-    # several chunks also hold the fp32 d_W / d_b accumulators: D + 1 tokens' worth of logits
-    budget = DEFAULT + (n // chunks + (d + 1 if chunks > 1 else 0)) * v * 4
+    budget = tplogp.loss_chunk_budget(n // chunks, d, v, dtype=w.dtype, bias_dtype=b.dtype, source=source,
+                                      device="cuda")
     value = tplogp.linear_logp_loss(hh, ww, y, bb, loss=_loss, per_token=(adv, old), reduction="mean",
                                     workspace_bytes=budget, source=source)
     value.backward()
