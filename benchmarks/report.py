@@ -7,7 +7,7 @@ leaving out smoke runs and A/B rows. The method and reproduction text lives here
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from . import plots, runner
 
@@ -106,6 +106,19 @@ def _run_line(rows: list[dict]) -> str:
     return "Measured: " + "; ".join(parts) + "."
 
 
+def _table(columns: list[tuple[str, str]], rows: list[dict], leading: Callable[[dict], list],
+           values: Callable[[dict], list]) -> list[str]:
+    """A markdown table: ``columns`` as (title, "l" or "r" alignment); per row its ``leading`` (identifying) cells,
+    then its ``values``, or the row's error in their place."""
+    out = ["| " + " | ".join(title for title, _ in columns) + " |",
+           "|" + "|".join("---:" if align == "r" else "---" for _, align in columns) + "|"]
+    for r in rows:
+        lead = leading(r)
+        rest = ([f"error: {r['error']}"] + [""] * (len(columns) - len(lead) - 1)) if "error" in r else values(r)
+        out.append("| " + " | ".join(str(c) for c in lead + rest) + " |")
+    return out
+
+
 def _shape_key(shape: str) -> tuple:
     t, d, v = (int(x) for x in shape.split("x"))
     return (-(t * d * v), shape)
@@ -162,14 +175,11 @@ def memory_section(rows: list[dict]) -> list[str]:
            "logits. Gradients are unavoidable memory.", ""]
     if not sel:
         return out + ["No memory rows in the results file yet.", ""]
-    out += [_run_line(sel), "", "| shape N x D x V | impl | elapsed s | RSS growth MiB | gradients MiB | full logits MiB |",
-            "|---|---|---:|---:|---:|---:|"]
-    for r in sel:
-        if "error" in r:
-            out.append(f"| {r['shape']} | {r['impl']} | error: {r['error']} | | | |")
-        else:
-            out.append(f"| {r['shape']} | {r['impl']} | {r['elapsed_s']:.2f} | {r['growth_mib']:.0f} | "
-                       f"{r['grads_mib']:.0f} | {r['logits_mib']:.0f} |")
+    out += [_run_line(sel), ""] + _table(
+        [("shape N x D x V", "l"), ("impl", "l"), ("elapsed s", "r"), ("RSS growth MiB", "r"), ("gradients MiB", "r"),
+         ("full logits MiB", "r")], sel, lambda r: [r["shape"], r["impl"]],
+        lambda r: [f"{r['elapsed_s']:.2f}", f"{r['growth_mib']:.0f}", f"{r['grads_mib']:.0f}",
+                   f"{r['logits_mib']:.0f}"])
     return out + [""]
 
 
@@ -208,16 +218,13 @@ def tp_section(rows: list[dict]) -> list[str]:
     if not sel:
         return []
     out = ["## Tensor-parallel scaling", "", "`python -m benchmarks tp`: median step (forward+backward) of the "
-           "slowest rank; efficiency T(1) / (P T(P)).", "", _run_line(sel), "",
-           "| shape | dtype | impl | TP | backend | step ms | TFLOP/s per GPU | peak GiB per rank | efficiency |",
-           "|---|---|---|---:|---|---:|---:|---:|---:|"]
-    for r in sel:
-        if "error" in r:
-            out.append(f"| {r['shape']} | {r['dtype']} | {r['impl']} | {r['tp']} | error: {r['error']} | | | | |")
-        else:
-            out.append(f"| {r['shape']} | {r['dtype']} | {r['impl']} | {r['tp']} | {r['backend']} | "
-                       f"{r['step_ms']:.3f} | {r['tflops_per_gpu']:.1f} | {_num(r.get('peak_gib_per_rank'), '.3f')} | "
-                       f"{_num(r.get('efficiency'), '.1%')} |")
+           "slowest rank; efficiency T(1) / (P T(P)).", "", _run_line(sel), ""]
+    out += _table(
+        [("shape", "l"), ("dtype", "l"), ("impl", "l"), ("TP", "r"), ("backend", "l"), ("step ms", "r"),
+         ("TFLOP/s per GPU", "r"), ("peak GiB per rank", "r"), ("efficiency", "r")], sel,
+        lambda r: [r["shape"], r["dtype"], r["impl"], r["tp"]],
+        lambda r: [r["backend"], f"{r['step_ms']:.3f}", f"{r['tflops_per_gpu']:.1f}",
+                   _num(r.get("peak_gib_per_rank"), ".3f"), _num(r.get("efficiency"), ".1%")])
     return out + [""]
 
 
