@@ -176,7 +176,6 @@ def run_body(item: pytest.Function, state: State, plan: Plan) -> None:
                                       on_deadline=lambda stuck_run: end_session_after_deadline(item, plan, stuck_run))
     else:
         run = pool_for(state, plan).run(cmd, plan.timeout_s, live=_live_output(item))
-    state.dispatched += 1
     apply(item, run, plan)
 
 
@@ -224,7 +223,6 @@ class PoolHandle:
                      seed=seed_for(f"{self._item.nodeid}#{self._calls}"))
         run = pool_for(self._state, self._plan).run(cmd, self._plan.timeout_s if timeout is None else timeout,
                                                     live=_live_output(self._item))
-        self._state.dispatched += 1
         apply(self._item, run, self._plan, label=f" (tp_pool.run #{self._calls})")
         return [pickle.loads(run.outcomes[r].value) for r in range(self.world_size)]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from .dispatch import PoolHandle, pool_for, refuse_parent_only_fixtures
+from .dispatch import PoolHandle, refuse_parent_only_fixtures
 from .placement import Plan, plan_for
 from .session import PLAN, STATE
 from .values import TPPlaceholder
@@ -34,9 +34,7 @@ def tp_world_size(request: pytest.FixtureRequest) -> int | None:
         pytest.skip(plan.skip_reason)
     if not plan.in_parent:
         refuse_parent_only_fixtures(request.node)
-    if not plan.external:
-        pool_for(state, plan)  # start (or respawn) the pool here: its start-up is setup time, not the test's
-    return int(ws)
+    return int(ws)  # the pool starts at the end of the test's setup (hooks.pytest_runtest_setup)
 
 
 def plan_of(request: pytest.FixtureRequest) -> Plan | None:

@@ -122,16 +122,22 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("gpu") is None or item.get_closest_marker("tp") is not None:
-        return
-    if "tp" in getattr(item, "fixturenames", ()) or "tp_pool" in getattr(item, "fixturenames", ()):
-        return
-    if not devices.gpu_block():
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    """Before the setup: a plain ``gpu`` test is skipped without a GPU. After it (every fixture set up, so no
+    fixture of the test skips or fails it any more): the pool of a TP test starts, or respawns; its start-up is
+    setup time, not the test's."""
+    gpu = item.get_closest_marker("gpu")
+    if gpu is not None and not is_tp(item.get_closest_marker("tp"), getattr(item, "fixturenames", ())) \
+            and not devices.gpu_block():
         # a marker (not pytest.skip here) so the report points at the test, and the skipping plugin applies it
         item.add_marker(pytest.mark.skip(reason=f"needs a CUDA device; this process has none "
                                                 f"({devices.block_note()})"))
+    result = yield
+    plan = item.stash.get(PLAN, None)
+    if plan is not None and not plan.external:
+        dispatch.pool_for(item.config.stash[STATE], plan)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------- call

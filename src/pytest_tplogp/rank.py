@@ -12,7 +12,9 @@ Life of a rank (started by ``pool.py`` through ``torch.multiprocessing``, forkse
 4. Serve commands until ``stop`` or EOF: ``RunTest`` (import the module by file, look the function up by its
    qualified name, rebuild it from the parent's assertion-rewritten code object, bind fixture values, seed, call)
    and ``CallFn`` (``tp_pool.run``). Every command answers one :class:`RankOutcome`, which carries the result of a
-   cheap fresh-state check (process groups, default group alive, CUDA memory back to baseline).
+   cheap fresh-state check: what the test changed in the process (environment, working directory, default dtype,
+   grad mode, torch threads, deterministic algorithms) is restored and named; process groups left behind, a dead
+   default group or CUDA memory above the baseline recycle the pool.
 """
 
 from __future__ import annotations

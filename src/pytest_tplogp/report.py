@@ -70,11 +70,11 @@ class TPLongRepr:
     def to_dict(self) -> dict[str, Any]:
         """Plain data for pytest-xdist's report transport (``from_dict`` rebuilds it on the controller)."""
         c = self.reprcrash
-        return {"text": self.text, "headline": c.message, "path": c.path, "lineno": c.lineno}
+        return {"text": self.text, "headline": c.message, "path": c.path, "lineno": c.lineno, "style": self.style}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TPLongRepr:
-        return cls(data["text"], data["headline"], data["path"], int(data["lineno"]))
+        return cls(data["text"], data["headline"], data["path"], int(data["lineno"]), data.get("style", "auto"))
 
 
 def longrepr_for(item: Any, text: str, headline: str, crash: tuple[str, int] | None) -> TPLongRepr:

@@ -1,7 +1,7 @@
 """Per-session state of the active plugin, kept in ``config.stash``, and the stash keys shared by the modules.
 
-The pool manager is created lazily on the first dispatch (``pool.py``), so a run that only collects, or whose TP
-tests all skip in the parent, spawns nothing.
+The pool manager is created lazily when the first TP test's setup completes (``hooks.pytest_runtest_setup``), so a
+run that only collects, or whose TP tests all skip at setup (in the plugin or in a fixture), spawns nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ class State:
     settings: Settings
     external: Any = None  # external.ExternalMode under torchrun
     _manager: Any = None
-    dispatched: int = 0
     registered_sizes: set = field(default_factory=set)
 
     @property

@@ -127,6 +127,15 @@ def test_source(tp, op_source):
 '''
 
 
+POOL_REPORTER = '''
+def pytest_sessionfinish(session):
+    from pytest_tplogp.session import STATE
+
+    state = session.config.stash.get(STATE, None)
+    print("\\npool manager made:", state is not None and state._manager is not None)
+'''
+
+
 def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -142,10 +151,13 @@ def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
     times = [float(line.split("s ", 1)[0]) for line in result.outlines if line.endswith(("]", "gpu"))
              and line[:1].isdigit()]
     assert times and max(times) < 0.5, result.outlines
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "test_source", "-vv",
+    # a fixture's skip (op_source) comes before the pool start too: no pool manager was ever made
+    pytester.makeconftest(POOL_REPORTER)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "test_source", "-vv", "-s",
                                            "--tp-op-source=sm90")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu: *"])
+    result.stdout.fnmatch_lines(["pool manager made: False"])
 
 
 SPAWN_BODY = '''
