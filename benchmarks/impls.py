@@ -101,6 +101,13 @@ def _torch_eager(device: torch.device, budget: Optional[int]) -> ImplFn:
     return logp
 
 
+def _torch_eager_loss(device: torch.device, budget: Optional[int]) -> ImplFn:
+    def loss(h, w, y):
+        return torch.nn.functional.cross_entropy((h @ w.T).float(), y)
+
+    return loss
+
+
 def _liger_flce(device: torch.device, budget: Optional[int]) -> ImplFn:
     _needs_cuda(device, "Liger")
     fn = _import("liger_kernel.ops.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction")
@@ -143,6 +150,7 @@ IMPLS: tuple[Impl, ...] = (
     Impl("tplogp-loss-native", SCALAR_LOSS, True, _tplogp_loss("native"),
          "tplogp linear_logp_loss (mean CE, gradients in the forward), PyTorch source", source="native"),
     Impl("torch-eager", PER_TOKEN, False, _torch_eager, "bf16 logits, fp32 log_softmax, gather"),
+    Impl("torch-eager-loss", SCALAR_LOSS, False, _torch_eager_loss, "bf16 logits, fp32 mean cross-entropy"),
     Impl("liger-flce", PER_TOKEN, False, _liger_flce, "Liger fused linear CE (Triton), reduction none"),
     Impl("liger-cute-sm90", SCALAR_LOSS, False, _liger_cute_sm90, "Liger CuTe DSL SM90 kernel, mean loss"),
     Impl("cce-exact", PER_TOKEN, False, _cce(None), "Cut Cross-Entropy, gradient filter off"),

@@ -11,13 +11,14 @@ import torch
 import tplogp
 from tests.problems import make_problem
 from tplogp import losses
+from tplogp.kernel_registry import get_backend
 from tplogp.reference import reference_outputs
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error
 
 IGNORE = -100
+SOURCES = ["native", "triton"]
 # the default transient memory of each source on CPU: a budget above it keeps logits
-TILES = {"native": 64 << 20, "triton": 128 << 20}
-SOURCES = list(TILES)
+TILES = {s: get_backend(s).transient_bytes(torch.device("cpu")) for s in SOURCES}
 
 
 def _triton_ok():
@@ -156,13 +157,29 @@ def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dt
             assert_no_worse(f"{source} {ws} {name}", a, r, t, dtype)
 
 
-def test_deterministic_single_chunk():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_the_source(monkeypatch, deterministic):
+    """``deterministic`` reaches the source's backward: the native source then pads every token chunk to its fixed
+    height (rows' results independent of the batch), and a row's d_hidden is the same bits in a sub-batch."""
+    from tplogp.backends import native
+
     p = make_problem((33,), 16, 97, torch.bfloat16, False, seed=3)
     extra = _per_token(p, 2)
-    a = _run(True, p, extra, "mean", deterministic=True)
-    b = _run(True, p, extra, "mean", deterministic=True)
-    for x, y in zip(a, b):
-        assert (x is None and y is None) or torch.equal(x, y)
+    pads = []
+    real = native.NativeBackend._token_chunk
+
+    def token_chunk(*args):
+        pads.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(native.NativeBackend, "_token_chunk", staticmethod(token_chunk))
+    full = _run(True, p, extra, "sum", deterministic=deterministic)
+    assert pads and set(pads) == ({native.DETERMINISTIC_TOKEN_CHUNK} if deterministic else {None}), pads
+    rows = slice(5, 29)
+    sub = make_problem((33,), 16, 97, torch.bfloat16, False, seed=3)
+    sub.hidden, sub.target = sub.hidden[rows], sub.target[rows]
+    part = _run(True, sub, tuple(t[rows] for t in extra), "sum", deterministic=deterministic)
+    assert torch.equal(part[1], full[1][rows])
 
 
 @pytest.mark.tp(world_size=4, timeout=300)

@@ -50,12 +50,18 @@ def rel_error(x: torch.Tensor, truth: torch.Tensor) -> float:
     return float((x64 - t64).norm() / t64.norm().clamp_min(1e-30))
 
 
+def slack_bound(reference_error: float, dtype: torch.dtype) -> float:
+    """The largest error vs float64 that the three-way rule allows beside a same-dtype reference's error."""
+    slack = ERROR_SLACK[dtype]
+    return slack.factor * reference_error + slack.eps
+
+
 def assert_no_worse(name: str, ours: torch.Tensor, reference: torch.Tensor, truth: torch.Tensor,
                     dtype: torch.dtype) -> tuple[float, float]:
     """Three-way check: our error vs float64 truth is within the slack of the same-dtype reference's error."""
     slack = ERROR_SLACK[dtype]
     e_ours, e_ref = rel_error(ours, truth), rel_error(reference, truth)
-    bound = slack.factor * e_ref + slack.eps
+    bound = slack_bound(e_ref, dtype)
     if not (e_ours <= bound):
         raise AssertionError(
             f"{name}: error vs float64 {e_ours:.3e} exceeds {slack.factor} x reference error {e_ref:.3e} "

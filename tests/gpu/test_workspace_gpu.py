@@ -13,12 +13,11 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+import tplogp  # noqa: E402
 from tests.gpu import cuda_backend  # noqa: E402
 from tplogp.tolerances import assert_no_worse  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
-_MIB = 1 << 20
-DEFAULT = 128 * _MIB  # the triton / sm90 sources' default d_logits workspace
 
 
 def _problem(n, d, v, dtype, seed=0):
@@ -41,7 +40,7 @@ def _grads(fn, h, w, b, y, g, ge):
 
 
 N, D, V = 2048, 1024, 32000
-BUDGETS = {"default": None, "half": DEFAULT + N * V * 2, "all": DEFAULT + N * V * 4}
+BUDGETS = {"default": None, "half": 0.5, "all": 1.0}  # the share of the call's logits kept (keep_logits_budget)
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -57,7 +56,9 @@ def test_kept_logits_budgets_three_way(source, dtype):
     ref_mode = "matching" if dtype != torch.float32 else "fp32"
     ref = _grads(lambda h, w, y, b: reference_outputs(h, w, y, b, mode=ref_mode), h, w, b, y, g, ge)
     results = {}
-    for label, budget in BUDGETS.items():
+    for label, share in BUDGETS.items():
+        budget = None if share is None else tplogp.keep_logits_budget(N, V, fraction=share, source=source,
+                                                                      device="cuda")
         fn = lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=LogpOptions(  # noqa: E731
             return_entropy=True, workspace_bytes=budget))
         _grads(fn, h, w, b, y, g, ge)  # warm-up: compile the KEEP variants outside the memory window
@@ -69,8 +70,8 @@ def test_kept_logits_budgets_three_way(source, dtype):
         extra = torch.cuda.max_memory_allocated() - base
         inputs = (N * D + V * D + V) * dtype.itemsize  # the clones that require grad
         grads = N * D * (4 + dtype.itemsize) + V * D * dtype.itemsize + V * 4  # d_hidden fp32 + its cast, d_W, d_b
-        limit = (budget or DEFAULT) + inputs + grads + 16 * _MIB  # outputs, stats, per-split buffers: a few MiB
-        assert extra <= limit, f"{label}: extra memory {extra / _MIB:.0f} MiB over {limit / _MIB:.0f} MiB"
+        limit = (budget or be.transient_bytes(h.device)) + inputs + grads + (16 << 20)  # + outputs, stats: a few MiB
+        assert extra <= limit, f"{label}: extra memory {extra / 2**20:.0f} MiB over {limit / 2**20:.0f} MiB"
         for name in found:
             assert_no_worse(f"{source} {label} {name}", found[name], ref[name], truth[name], dtype)
     for label in ("half", "all"):  # the forward is the same kernel work: logp and entropy are the default's bits
@@ -89,7 +90,6 @@ def test_fused_loss_three_way(source, chunks):
     """``linear_logp_loss`` with bf16 inputs and peaked rows: loss and gradients three-way against float64 and the
     eager reference (``linear_logp`` semantics materialized in bf16, fp32 loss); ``chunks`` token chunks of kept
     logits (1: the whole batch's logits kept, 3 GEMMs)."""
-    import tplogp
     from tplogp.reference import reference_outputs
 
     cuda_backend(source)
