@@ -128,3 +128,14 @@ def float64_logit_stats(z: torch.Tensor, target: torch.Tensor) -> dict:
     own = (target >= 0) & (target < z.shape[1])
     t = torch.where(own, z.gather(1, target.clamp(0, z.shape[1] - 1)[:, None])[:, 0], torch.zeros_like(m))
     return dict(z=z, row_max=m, sum_exp=e.sum(1), target_logit=t, sum_exp_z=(e * (z - m[:, None])).sum(1))
+
+
+def cpu_sources() -> list:
+    """``native`` and ``triton`` as pytest parameters for tests of CPU behaviour: triton skipped unless it runs
+    here (Triton's interpreter, ``TRITON_INTERPRET=1`` as the project's conftest sets it without a GPU)."""
+    import pytest
+
+    from tplogp.kernel_registry import unavailable_reason
+
+    here = unavailable_reason("triton", torch.device("cpu")) is None
+    return ["native", pytest.param("triton", marks=pytest.mark.skipif(not here, reason="needs triton (interpreter)"))]

@@ -63,24 +63,6 @@ def test_fast_mode_drops_nothing_pending(monkeypatch):
         check_errors()
 
 
-def _with_checks(mode: str):
-    """Set TPLOGP_CHECKS in a TP body (restored by the caller's finally)."""
-    import os
-
-    old = os.environ.get("TPLOGP_CHECKS")
-    os.environ["TPLOGP_CHECKS"] = mode
-    return old
-
-
-def _restore_checks(old):
-    import os
-
-    if old is None:
-        os.environ.pop("TPLOGP_CHECKS", None)
-    else:
-        os.environ["TPLOGP_CHECKS"] = old
-
-
 def _calls(tp, targets_per_call, finish=None):
     """Run ``linear_logp`` once per target tensor on uneven shards of a 64-id vocab; per call the outcome ("ok" or
     the error) and the host reads it made. ``finish``: called last (check_errors), its outcome appended too."""
@@ -114,14 +96,11 @@ GOOD = torch.tensor([0, 5, 63, 7, 2, 1])
 
 
 @pytest.mark.tp(world_size=4, timeout=120)
-def test_tp_sync_checks_raise_at_the_call_on_every_rank(tp):
+def test_tp_sync_checks_raise_at_the_call_on_every_rank(tp, monkeypatch):
     """``sync`` with a group: the targets' summary travels in the call's record exchange (its one host read), so
     every rank raises the same error at the call, and nothing is left pending."""
-    old = _with_checks("sync")
-    try:
-        outcome = _calls(tp, [BAD, GOOD], finish=lambda: check_errors(tp.group))
-    finally:
-        _restore_checks(old)
+    monkeypatch.setenv("TPLOGP_CHECKS", "sync")  # per rank, undone after the test
+    outcome = _calls(tp, [BAD, GOOD], finish=lambda: check_errors(tp.group))
     everyone = tp.all_gather_object(outcome)
     assert all(o == everyone[0] for o in everyone), everyone
     assert re.search(r"target id 64 is outside the vocabulary \[0, 64\)", everyone[0][0]), everyone[0]
@@ -130,18 +109,15 @@ def test_tp_sync_checks_raise_at_the_call_on_every_rank(tp):
 
 
 @pytest.mark.tp(world_size=4, timeout=120)
-def test_tp_full_checks_raise_at_the_next_call_on_every_rank(tp):
+def test_tp_full_checks_raise_at_the_next_call_on_every_rank(tp, monkeypatch):
     """The default checks with a group read nothing from the device: the record goes over a CPU group, and the
     targets' summary of a call travels in the next call's record. So a bad call gives NaN for its uncovered token,
     and the next call with the group raises the same error on every rank before any collective of its own, once;
     ``check_errors(group)`` raises it at once instead."""
-    old = _with_checks("full")
-    try:
-        nxt = _calls(tp, [GOOD, BAD, GOOD, GOOD])
-        now = _calls(tp, [BAD], finish=lambda: check_errors(tp.group))
-        clean = _calls(tp, [GOOD], finish=lambda: check_errors(tp.group))
-    finally:
-        _restore_checks(old)
+    monkeypatch.setenv("TPLOGP_CHECKS", "full")
+    nxt = _calls(tp, [GOOD, BAD, GOOD, GOOD])
+    now = _calls(tp, [BAD], finish=lambda: check_errors(tp.group))
+    clean = _calls(tp, [GOOD], finish=lambda: check_errors(tp.group))
     everyone = tp.all_gather_object((nxt, now, clean))
     assert all(o == everyone[0] for o in everyone), everyone
     nxt, now, clean = everyone[0]
@@ -157,14 +133,11 @@ def test_tp_full_checks_raise_at_the_next_call_on_every_rank(tp):
 
 @pytest.mark.tp(world_size=2, timeout=120)
 @pytest.mark.parametrize("mode", ["full", "sync"])
-def test_tp_targets_that_differ_between_ranks(tp, mode):
+def test_tp_targets_that_differ_between_ranks(tp, mode, monkeypatch):
     """Targets that are not replicated: every rank raises the same error naming each rank's checksum (at the call
     with ``sync``, at the next call with the default checks)."""
-    old = _with_checks(mode)
-    try:
-        outcome = _calls(tp, [lambda rank: GOOD + rank, GOOD])
-    finally:
-        _restore_checks(old)
+    monkeypatch.setenv("TPLOGP_CHECKS", mode)
+    outcome = _calls(tp, [lambda rank: GOOD + rank, GOOD])
     everyone = tp.all_gather_object(outcome)
     assert all(o == everyone[0] for o in everyone), everyone
     raised = everyone[0][0 if mode == "sync" else 2]

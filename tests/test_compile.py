@@ -5,7 +5,6 @@ The op pair itself passes ``torch.library.opcheck`` (schema, fake implementation
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch._dynamo
 
 from tplogp import get_op, linear_logp, linear_logp_loss, losses, ops
 from tplogp.tolerances import assert_no_worse
-from tests.problems import make_problem, run_reference
+from tests.problems import cpu_sources, make_problem, run_reference
 
 OPTIONS = {
     "plain": {},
@@ -160,15 +159,7 @@ def test_fused_loss_runs_eagerly_inside_compiled_code():
     assert_same_bits(loss_and_grads(torch.compile(loss_fn, backend="aot_eager"), p), eager)
 
 
-def _triton_here() -> bool:
-    from tplogp.kernel_registry import unavailable_reason
-
-    return unavailable_reason("triton", torch.device("cpu")) is None
-
-
-# the default transient memory of each source on CPU: a budget above it keeps logits (docs/operator.md)
-KEEP_SOURCES = ["native", pytest.param("triton", marks=pytest.mark.skipif(not _triton_here(),
-                                                                          reason="needs triton (interpreter)"))]
+KEEP_SOURCES = cpu_sources()
 
 
 @pytest.mark.parametrize("source", KEEP_SOURCES)
@@ -251,30 +242,23 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
 @pytest.mark.parametrize("mode", CHECK_MODES)
 @pytest.mark.parametrize("opts", ["plain", "keep", "all"])
-def test_compile_with_tp_group(tp, opts, mode):
+def test_compile_with_tp_group(tp, opts, mode, monkeypatch):
     """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal eager's."""
     from pytest_tplogp import VocabShards
 
-    old = os.environ.get("TPLOGP_CHECKS")
-    os.environ["TPLOGP_CHECKS"] = mode
-    try:
-        torch._dynamo.reset()
-        o = OPTIONS[opts]
-        v = 101
-        vs = VocabShards("uneven", tp.world_size, vocab_size=v).__tp_bind__(tp)
-        p = _problem(o, seed=4, v=v)
-        p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
-        loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse) if o.get("return_entropy")
-                            else (p.g_logp, p.g_lse), tp_group=tp.group, vocab_start_index=vs.start,
-                            global_vocab_size=v)
-        breaks = graph_breaks(loss_fn, p)
-        eager = loss_and_grads(loss_fn, p)
-        compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
-    finally:
-        if old is None:
-            os.environ.pop("TPLOGP_CHECKS")
-        else:
-            os.environ["TPLOGP_CHECKS"] = old
+    monkeypatch.setenv("TPLOGP_CHECKS", mode)  # per rank, undone after the test
+    torch._dynamo.reset()
+    o = OPTIONS[opts]
+    v = 101
+    vs = VocabShards("uneven", tp.world_size, vocab_size=v).__tp_bind__(tp)
+    p = _problem(o, seed=4, v=v)
+    p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
+    loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse) if o.get("return_entropy")
+                        else (p.g_logp, p.g_lse), tp_group=tp.group, vocab_start_index=vs.start,
+                        global_vocab_size=v)
+    breaks = graph_breaks(loss_fn, p)
+    eager = loss_and_grads(loss_fn, p)
+    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
     tp.assert_all(breaks == 0, f"{breaks} graph breaks")
     same = all(torch.equal(c, e) for e, c in zip(eager, compiled))
     tp.assert_all(same, "compiled loss or gradients differ from eager's bits")

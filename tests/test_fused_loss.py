@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tplogp
-from tests.problems import make_problem
+from tests.problems import cpu_sources, make_problem
 from tplogp import losses
 from tplogp.kernel_registry import get_backend
 from tplogp.reference import reference_outputs
@@ -19,20 +19,6 @@ IGNORE = -100
 SOURCES = ["native", "triton"]
 # the default transient memory of each source on CPU: a budget above it keeps logits
 TILES = {s: get_backend(s).transient_bytes(torch.device("cpu")) for s in SOURCES}
-
-
-def _triton_ok():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return not torch.cuda.is_available()
-
-
-def _sources():
-    return [s if s == "native" else pytest.param(s, marks=pytest.mark.skipif(not _triton_ok(),
-                                                                              reason="needs triton (interpreter)"))
-            for s in SOURCES]
 
 
 def _per_token(p, seed):
@@ -74,16 +60,6 @@ def _compare(ours, eager, what=""):
         assert err <= ERROR_SLACK[torch.float32].eps, f"{what} {name}: relative error {err:.2e} vs eager"
 
 
-def _compare_on_every_rank(tp, ours, eager, what: str, problems=()):
-    """:func:`_compare` on every rank, failing all ranks together (with ``problems`` found before)."""
-    problems = list(problems)
-    try:
-        _compare(ours, eager, what)
-    except AssertionError as exc:
-        problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
-
-
 def _count_recompute(monkeypatch):
     """Count the triton backward's recompute launches (its kept-logits launches do no GEMM)."""
     from tplogp.kernels import generic_launch
@@ -104,7 +80,7 @@ def _count_recompute(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("source", _sources())
+@pytest.mark.parametrize("source", cpu_sources())
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("budget", [None, "chunks", "all"])
 def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
@@ -140,7 +116,7 @@ def _truth_and_reference(p, extra, reduction, temperature):
     return found["float64"], found["matching"]
 
 
-@pytest.mark.parametrize("source", _sources())
+@pytest.mark.parametrize("source", cpu_sources())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dtype):
     """d_W and d_b of several chunks are summed in fp32 and rounded once, d_hidden is rounded once after the
@@ -183,7 +159,7 @@ def test_deterministic_reaches_the_source(monkeypatch, deterministic):
 
 
 @pytest.mark.tp(world_size=4, timeout=300)
-@pytest.mark.parametrize("source", _sources())
+@pytest.mark.parametrize("source", cpu_sources())
 @pytest.mark.parametrize("budget", [None, "chunks"])
 def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     from pytest_tplogp import VocabShards
@@ -197,7 +173,8 @@ def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, temperature=1.3,
               ignore_index=IGNORE, workspace_bytes=ws)
     ours, eager = _run(True, p, extra, "mean", source, **kw), _run(False, p, extra, "mean", source, **kw)
-    _compare_on_every_rank(tp, ours, eager, f"{source} rank {tp.rank}")
+    with tp.agree():
+        _compare(ours, eager, f"{source} rank {tp.rank}")
 
 
 def test_chunk_plan_counts_the_accumulators_in_the_budget():
@@ -335,8 +312,9 @@ def test_d_hidden_all_reduce_runs_under_the_last_chunks_d_w(tp):
     with record_schedule() as events:
         ours = _run(True, p, extra, "mean", **kw)
     eager = _run(False, p, extra, "mean", **kw)
-    problem = overlap_problem(events)
-    _compare_on_every_rank(tp, ours, eager, f"rank {tp.rank}", [] if problem is None else [problem])
+    with tp.agree():
+        assert overlap_problem(events) is None, overlap_problem(events)
+        _compare(ours, eager, f"rank {tp.rank}")
 
 
 def test_autocast_casts_like_f_linear():

@@ -11,7 +11,7 @@ import torch
 
 import tplogp
 from tests.host_reads import count_host_reads
-from tests.problems import make_problem
+from tests.problems import cpu_sources, make_problem
 from tplogp import get_op, losses, tp as tp_module
 from tplogp.tolerances import ERROR_SLACK, rel_error
 
@@ -19,14 +19,7 @@ IGNORE = -100
 EPS = ERROR_SLACK[torch.float32].eps
 
 
-def _triton_here() -> bool:
-    from tplogp.kernel_registry import unavailable_reason
-
-    return unavailable_reason("triton", torch.device("cpu")) is None
-
-
-SOURCES = ["native", pytest.param("triton", marks=pytest.mark.skipif(not _triton_here(),
-                                                                     reason="needs triton (interpreter)"))]
+SOURCES = cpu_sources()
 
 
 def _problem(seed=5):
@@ -143,9 +136,5 @@ def test_two_ranks_in_place(tp):
         ours = _call(op, p, **kw)
     finally:
         tp_module.compacts_rows = real
-    try:
+    with tp.agree():
         _same(ours, compacted, f"rank {tp.rank}")
-        problem = ""
-    except AssertionError as exc:
-        problem = str(exc)
-    tp.assert_all(not problem, problem)

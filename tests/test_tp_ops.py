@@ -3,7 +3,6 @@ even shards, the RL options, and bad inputs that must raise the same clear error
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -154,22 +153,15 @@ def test_bad_input_raises_same_error_on_every_rank(tp, case):
 
 
 @pytest.mark.tp(world_size=4, timeout=60)
-def test_fast_checks_mark_uncovered_tokens_nan(tp):
+def test_fast_checks_mark_uncovered_tokens_nan(tp, monkeypatch):
     """TPLOGP_CHECKS=fast skips the host-synchronizing target check: an unowned target gives NaN, not garbage."""
     from tplogp import get_op
 
-    old = os.environ.get("TPLOGP_CHECKS")
-    os.environ["TPLOGP_CHECKS"] = "fast"
-    try:
-        v_local = 8
-        t = torch.tensor([0, 9, 17, 31, 40])  # 40 is past the 32-id vocabulary: owned by no rank
-        out = get_op("linear_logp", source="native")(torch.randn(5, 4), torch.randn(v_local, 4), t,
-                                                      tp_group=tp.group, vocab_start_index=tp.rank * v_local)
-    finally:
-        if old is None:
-            os.environ.pop("TPLOGP_CHECKS")
-        else:
-            os.environ["TPLOGP_CHECKS"] = old
+    monkeypatch.setenv("TPLOGP_CHECKS", "fast")  # per rank, undone after the test
+    v_local = 8
+    t = torch.tensor([0, 9, 17, 31, 40])  # 40 is past the 32-id vocabulary: owned by no rank
+    out = get_op("linear_logp", source="native")(torch.randn(5, 4), torch.randn(v_local, 4), t,
+                                                  tp_group=tp.group, vocab_start_index=tp.rank * v_local)
     assert torch.isnan(out).tolist() == [False, False, False, False, True]
 
 
