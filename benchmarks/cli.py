@@ -186,9 +186,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from . import ab
 
         rounds = args.ab_rounds or (1 if args.smoke else 3)
-        later = ("--no-check", "--no-plot") if args.command == "op" else ()
-        first = ("--no-plot",) if args.command == "op" else ()
-        ab.run(_without_base(argv) + list(first), args.base, rounds, args.out,
-               later_rounds=tuple(x for x in later if x not in first))
+        op = args.command == "op"  # no plots during the A/B; the float64 checks in the first round only
+        ab.run(_without_base(argv) + (["--no-plot"] if op else []), args.base, rounds, args.out,
+               later_rounds=("--no-check",) if op else ())
         return 0
     return COMMANDS[args.command](args)

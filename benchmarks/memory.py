@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+from . import runner
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SHAPES = "2048x512x32768,8192x1024x65536"
 SMOKE_SHAPES = "256x64x2048"
@@ -36,7 +38,7 @@ def bench(shapes: list[tuple[int, int, int]], impls: list[str]) -> list[dict]:
             if impl not in IMPLS:
                 raise ValueError(f"the memory benchmark compares {', '.join(IMPLS)}; got {impl!r}")
             r = probe(shape, impl)
-            row = {"suite": "memory", "shape": "x".join(map(str, shape)), "impl": impl, "dtype": "fp32"}
+            row = {"suite": "memory", "shape": runner.shape_label(shape), "impl": impl, "dtype": "fp32"}
             if "error" in r:
                 row["error"] = r["error"]
             else:

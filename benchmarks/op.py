@@ -36,7 +36,7 @@ import torch
 from . import runner
 from .impls import PER_TOKEN, Impl, ImplUnavailable
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = runner.DTYPES
 MODES = (("", False), ("_b2b", True))
 
 
@@ -66,9 +66,9 @@ def float64_truth(h, w, y, gy, scalar: bool) -> dict:
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    from tplogp.tolerances import rel_error
+    from tplogp.tolerances import rel_error  # the measured tree's tplogp (imported at run time, --base)
 
-    return float(rel_error(x.detach(), ref))
+    return rel_error(x, ref)
 
 
 def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[runner.BudgetSpec], dtype: str,

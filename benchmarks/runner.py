@@ -102,6 +102,9 @@ def extra_peak_gib(fn: Callable[[], object], device: torch.device) -> Optional[f
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 # ---------------------------------------------------------------------------------------------------------- parsing
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     """``"8192x4096x128256,64x32x320"`` -> [(T, D, V), ...]."""

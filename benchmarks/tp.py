@@ -22,7 +22,8 @@ import time
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from . import runner
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,10 +34,10 @@ def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: s
         with tempfile.TemporaryDirectory(prefix="tplogp-tp-") as tmp:
             row_file = os.path.join(tmp, "row.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p}",
-                   "-m", "benchmarks.tp", "--shape", "x".join(map(str, shape)), "--source", source,
+                   "-m", "benchmarks.tp", "--shape", runner.shape_label(shape), "--source", source,
                    "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-file", row_file]
             out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
-            row = {"suite": "tp", "shape": "x".join(map(str, shape)), "impl": f"tplogp-{source}", "dtype": dtype,
+            row = {"suite": "tp", "shape": runner.shape_label(shape), "impl": f"tplogp-{source}", "dtype": dtype,
                    "tp": p}
             if out.returncode != 0 or not os.path.exists(row_file):
                 lines = (out.stderr or out.stdout).strip().splitlines()
@@ -82,7 +83,7 @@ def _worker(argv: list[str]) -> None:
     device, backend = pick_device("auto", env)  # the runbook's rule: NCCL with one GPU per rank, else gloo
     init_group(device, backend, timeout_s=600)
     n, d, v = (int(x) for x in args.shape.split("x"))
-    dt = DTYPES[args.dtype]
+    dt = runner.DTYPES[args.dtype]
     start, end = shard_range(shard_boundaries(v, world), rank)
     g = torch.Generator(device="cpu").manual_seed(0)
     hidden = (torch.randn(n, d, generator=g) * 0.5).to(dt).to(device).requires_grad_()
@@ -92,18 +93,14 @@ def _worker(argv: list[str]) -> None:
     weight = (torch.randn(end - start, d, generator=wg) / d**0.5).to(dt).to(device).requires_grad_()
     op = get_op("linear_logp", source=None if args.source == "registry" else args.source)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def step() -> float:
         hidden.grad = weight.grad = None
         dist.barrier()
-        sync()
+        runner.synchronize(device)
         t0 = time.perf_counter()
         out = op(hidden, weight, target, tp_group=dist.group.WORLD, vocab_start_index=start, global_vocab_size=v)
         out.backward(upstream)
-        sync()
+        runner.synchronize(device)
         return (time.perf_counter() - t0) * 1e3
 
     for _ in range(args.warmup):

@@ -22,6 +22,7 @@ def small_tiles(monkeypatch):
 
 
 def _count_gemms(monkeypatch):
+    """Count the native source's logits GEMMs (``monkeypatch``: a fixture or a ``monkeypatch.context()``)."""
     calls = {"logits": 0}
     real = native._logits_tile
 
@@ -56,10 +57,9 @@ def test_every_budget_gives_the_default_bits(small_tiles, monkeypatch, dtype, de
         budget = TILE_BYTES + extra
         tiles, (kept, kept_elems) = _plan(p, budget, deterministic)
         assert kept_elems * 4 <= extra
-        calls = _count_gemms(monkeypatch)
-        ours = run_op(op, p, workspace_bytes=budget, **kw)
-        monkeypatch.undo()  # restores _logits_tile and the tile budget
-        monkeypatch.setattr(native, "default_tile_bytes", lambda device: TILE_BYTES)
+        with monkeypatch.context() as m:  # the count for this budget only
+            calls = _count_gemms(m)
+            ours = run_op(op, p, workspace_bytes=budget, **kw)
         # forward: one GEMM per tile; backward: one per tile not kept
         assert calls["logits"] == 2 * tiles - kept, (extra, tiles, kept, calls)
         for name in ("logp", "entropy", "lse", "d_hidden", "d_weight", "d_bias"):
