@@ -81,6 +81,9 @@ def _run_pytest(files: dict[str, str], args: list[str], **env: str) -> dict[str,
             raise RuntimeError(f"pytest run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         data = json.loads(out.read_text())
         data["wall_s"] = wall
+        # times stamped by the test bodies (files named by the body, holding time.time())
+        data["stamps"] = {name: float(Path(tmp, name).read_text()) for name in ("hang_began", "next_began")
+                          if Path(tmp, name).exists()}
         data["summary"] = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
         return data
 
@@ -167,8 +170,15 @@ def bench_skip(n_tests: int) -> dict[str, Any]:
 
 def bench_recovery(deadline_s: float) -> dict[str, Any]:
     body = f'''
+import os
+import time
+
 import pytest
 import torch.distributed as dist
+
+def _stamp(name):
+    with open(os.path.join(os.path.dirname(__file__), name), "w") as f:
+        f.write(repr(time.time()))
 
 @pytest.mark.tp(world_size=4)
 def test_1_warm(tp):
@@ -177,17 +187,20 @@ def test_1_warm(tp):
 @pytest.mark.tp(world_size=4, timeout={deadline_s})
 def test_2_hang(tp):
     if tp.rank == 0:
+        _stamp("hang_began")
         dist.barrier()
 
 @pytest.mark.tp(world_size=4)
 def test_3_next(tp):
+    if tp.rank == 0:
+        _stamp("next_began")
     dist.barrier()
 '''
     data = _run_pytest({"test_hang.py": body}, [])
     t = {nid.split("::")[1].split("[")[0]: s for nid, s in data["tests"]}
     pool_start = data["pools"][0]["start_s"] if data["pools"] else float("nan")
-    # The next test's ranks are ready (its body starts) after the hang test's wall time plus the respawn.
-    next_start = t["test_2_hang"] + pool_start
+    # measured: from the hanging body's start to the next test body's start (wall clock, one machine)
+    next_start = data["stamps"]["next_began"] - data["stamps"]["hang_began"]
     return {"deadline_s": deadline_s, "warm_start_test_s": t["test_1_warm"], "hang_test_s": t["test_2_hang"],
             "dump_and_kill_s": t["test_2_hang"] - deadline_s, "next_test_s": t["test_3_next"],
             "respawn_pool_start_s": pool_start, "respawns": data["respawns"],
