@@ -101,17 +101,19 @@ def _redirect_output(cfg: RankConfig) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True, chain=False)
 
 
-def _group_count() -> int | None:
-    """Number of live process groups, or None when this torch does not expose it (check skipped)."""
+def _live_groups() -> set[int] | None:
+    """Identities of the live process groups, or None when this torch does not expose them (check skipped)."""
     from torch.distributed import distributed_c10d as c10d
 
-    world = getattr(c10d, "_world", None)
-    pg_map = getattr(world, "pg_map", None)
-    if pg_map is None:
-        return None
-    # tplogp keeps a CPU companion per device-backend TP group for its checks (tplogp.comm.host_group): not a leak
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    return None if pg_map is None else {id(pg) for pg in pg_map}
+
+
+def _groups_kept_for_the_process() -> set[int]:
+    """Groups a library keeps on purpose for the whole process, not leaks: tplogp's CPU companion of each
+    device-backend TP group (``tplogp.comm.host_group``), when tplogp is loaded."""
     comm = sys.modules.get("tplogp.comm")
-    return len(pg_map) - (comm.host_group_count() if comm is not None else 0)
+    return set() if comm is None else {id(g) for g in comm.host_groups()}
 
 
 def classify(exc: BaseException, rank: int, tb_skip: int = 1, test_file: str | None = None) -> RankOutcome:
@@ -235,7 +237,7 @@ class _Rank:
         ctrl = dist.new_group(backend="gloo") if cfg.backend != "gloo" else None
         self.ctx = RankContext(cfg.rank, cfg.world_size, cfg.backend, device, ctrl_group=ctrl)
         set_current(self.ctx)
-        self.base_groups = _group_count()
+        self.base_groups = _live_groups()
         self.base_mem = self._cuda_mem()
         self.baseline = _ProcessState(torch)
         self.functions: dict[tuple[str, str, bytes], Any] = {}
@@ -260,11 +262,13 @@ class _Rank:
         if not self.dist.is_initialized():
             problems.append("the default process group was destroyed")
             return restored, problems
-        n = _group_count()
-        if n is not None and self.base_groups is not None:
-            extra = n - self.base_groups - len(self.ctx._subgroups)
-            if extra > 0:
-                problems.append(f"{extra} process group(s) left behind (use tp.new_group, which the pool caches)")
+        live = _live_groups()
+        if live is not None and self.base_groups is not None:
+            owned = {id(g) for g in self.ctx._subgroups.values()}  # (a rank outside a sub-group holds a sentinel)
+            extra = live - self.base_groups - owned - _groups_kept_for_the_process()
+            if extra:
+                problems.append(f"{len(extra)} process group(s) left behind (use tp.new_group, which the pool "
+                                f"caches)")
         if self.cfg.device_type == "cuda":
             mem = self._cuda_mem()
             if mem > self.base_mem + (1 << 20):

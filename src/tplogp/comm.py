@@ -66,9 +66,10 @@ def host_group(group, comm_device: torch.device):
     return _host_groups[ranks]
 
 
-def host_group_count() -> int:
-    """How many companion groups :func:`host_group` holds (the test plugin does not count them as leaked)."""
-    return sum(g is not None for g in _host_groups.values())
+def host_groups() -> list:
+    """The companion groups :func:`host_group` holds for the process (the test plugin does not count them as
+    leaked)."""
+    return [g for g in _host_groups.values() if g is not None]
 
 
 class OverlappedAllReduce:
