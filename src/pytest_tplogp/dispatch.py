@@ -109,10 +109,10 @@ def run_test_command(item: pytest.Function) -> RunTest:
 
 
 def _attach_outputs(item: pytest.Item, outputs: dict[int, tuple[str, str]], label: str = "") -> None:
-    for r, (out, err) in sorted(outputs.items()):
-        for stream, text in (("stdout", out), ("stderr", err)):
-            if text:
-                item.add_report_section("call", f"{stream} rank {r}{label}", text)
+    from .report import rank_sections
+
+    for key, text in rank_sections(outputs, label):
+        item.add_report_section("call", key, text)
 
 
 def _live_output(item: pytest.Item) -> Callable[[int, str, str], None] | None:
@@ -234,11 +234,11 @@ def end_session_after_deadline(item: pytest.Item, plan: Plan, run: Any) -> None:
     Runs on the deadline thread while the test's body is stuck in a collective on the main thread; the process
     exits right after, so no pytest state is left to repair.
     """
-    from .report import label_rank_lines, longrepr_for, merge
+    from .report import label_rank_lines, longrepr_for, merge, rank_sections
 
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path), pool_desc="torchrun")
-    sections = [(f"Captured {stream} rank {r} call", text) for r, pair in sorted(run.outputs.items())
-                for stream, text in zip(("stdout", "stderr"), pair) if text]
+    # the titles pytest gives add_report_section's keys (this report is built by hand: the job ends after it)
+    sections = [(f"Captured {key} call", text) for key, text in rank_sections(run.outputs)]
     common = dict(nodeid=item.nodeid, location=item.location, keywords={k: 1 for k in item.keywords})
     longrepr = longrepr_for(item, verdict.text, verdict.headline, verdict.crash)
     ihook = item.ihook

@@ -90,6 +90,14 @@ def longrepr_for(item: Any, text: str, headline: str, crash: tuple[str, int] | N
 _RANK_SECTION = re.compile(r"^Captured (?:stdout|stderr) rank (\d+)")
 
 
+def rank_sections(outputs: dict[int, tuple[str, str]], label: str = "") -> list[tuple[str, str]]:
+    """``(key, text)`` per rank and stream with output, keys ``"stdout rank N<label>"`` as
+    ``item.add_report_section("call", key, text)`` takes them: pytest titles them ``Captured <key> call``, which
+    :data:`_RANK_SECTION` reads back."""
+    return [(f"{stream} rank {r}{label}", text) for r, pair in sorted(outputs.items())
+            for stream, text in zip(("stdout", "stderr"), pair) if text]
+
+
 def label_rank_lines(title: str, text: str) -> str:
     """Prefix every line of a rank's captured output with ``[rank N]``, in the teardown report only.
 

@@ -135,7 +135,10 @@ def test_asking_turns_everything_on(pytester: pytest.Pytester, tag: str, monkeyp
     result = pytester.runpytest_subprocess(*args)
     # the tp parametrization, the plugin's grid fixtures (3 dtypes x 2 biases), stress tests skipped unless selected
     result.assert_outcomes(passed=6, skipped=2)
-    result.stdout.fnmatch_lines(["tplogp: world size 2, *; on by *"])
+    # the header says how the run asked for the plugin
+    reason = {"-p": "-p pytest_tplogp", "conftest": "pytest_plugins in conftest.py", "--tp": "--tp*",
+              "ini": "ini tplogp = true", "PYTEST_PLUGINS without autoload": "PYTEST_PLUGINS"}[how]
+    result.stdout.fnmatch_lines([f"tplogp: world size 2, *; on by {reason}"])
     result.stdout.fnmatch_lines(["*test_body.py::test_tp[[]tp2[]] SKIPPED*", "*test_body.py::test_stress SKIPPED*",
                                  "*test_body.py::test_grid[[]fp32-nobias[]] PASSED*"])
     result.stdout.fnmatch_lines(["*stress test: select with -m stress*"])
