@@ -86,7 +86,7 @@ def _num(x: Optional[float], fmt: str) -> str:
 
 
 def _err(r: dict, key: str) -> str:
-    return "" if r.get(key) is None else f"{r[key]:.1e}"
+    return _num(r.get(key), ".1e")
 
 
 def _run_line(rows: list[dict]) -> str:
@@ -119,9 +119,14 @@ def _table(columns: list[tuple[str, str]], rows: list[dict], leading: Callable[[
     return out
 
 
-def _shape_key(shape: str) -> tuple:
+def _volume(shape: str) -> int:
     t, d, v = (int(x) for x in shape.split("x"))
-    return (-(t * d * v), shape)
+    return t * d * v
+
+
+def _shape_key(shape: str) -> tuple:
+    """Largest shape first."""
+    return (-_volume(shape), shape)
 
 
 def _gemm_line(sel: list[dict]) -> str:
@@ -168,7 +173,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
 
 
 def memory_section(rows: list[dict]) -> list[str]:
-    sel = sorted(runner.latest_rows(rows, "memory", ("shape", "impl")), key=lambda r: (-_shape_key(r["shape"])[0], r["impl"]))
+    sel = sorted(runner.latest_rows(rows, "memory", ("shape", "impl")), key=lambda r: (_volume(r["shape"]), r["impl"]))
     out = ["## Operator on the CPU (native source)", "",
            "`python -m benchmarks memory`: one fp32 forward+backward (per-token upstream gradient) per implementation "
            "in a fresh process; resident growth is the peak RSS above the inputs. `eager` materializes the full fp32 "
