@@ -1,4 +1,4 @@
-"""The examples of docs/training.md: each ```python block preceded by ``<!-- example: NAME -->``."""
+"""The examples of docs/training.md and docs/plugin.md: each ```python block preceded by ``<!-- example: NAME -->``."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import re
 from pathlib import Path
 
 TRAINING_DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
+PLUGIN_DOC = Path(__file__).resolve().parents[1] / "docs" / "plugin.md"
 _EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```", re.S)
 
 
-def examples() -> dict[str, str]:
-    """``{name: code}`` of every marked example."""
-    return dict(_EXAMPLE.findall(TRAINING_DOC.read_text()))
+def examples(doc: Path = TRAINING_DOC) -> dict[str, str]:
+    """``{name: code}`` of every marked example of ``doc``."""
+    return dict(_EXAMPLE.findall(doc.read_text()))
 
 
 def run_example(name: str, **namespace) -> None:
@@ -24,3 +25,9 @@ def run_example(name: str, **namespace) -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def define_example(name: str, namespace: dict, doc: Path = PLUGIN_DOC) -> None:
+    """Execute example ``name`` of ``doc`` into ``namespace`` (a test module's globals: an example that is a test
+    file defines its tests there, where pytest collects them and the ranks of pytest_tplogp find them by name)."""
+    exec(compile(examples(doc)[name], str(doc), "exec"), namespace)

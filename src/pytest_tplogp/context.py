@@ -13,6 +13,7 @@ rank pool and when pytest itself was launched by torchrun (external mode).
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -43,8 +44,6 @@ def current_context() -> RankContext:
 
 
 def _is_skip(exc: BaseException) -> bool:
-    import sys
-
     pytest = sys.modules.get("pytest")
     return pytest is not None and isinstance(exc, pytest.skip.Exception)
 
@@ -76,6 +75,7 @@ class RankContext:
         self.external = external
         self._ctrl_group = ctrl_group
         self._subgroups: dict[tuple[int, ...], Any] = {}
+        self._meshes: dict[Any, Any] = {}  # MeshShape -> DeviceMesh, for the life of the pool
 
     def __repr__(self) -> str:
         return f"RankContext(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, device={self.device})"
@@ -95,6 +95,38 @@ class RankContext:
         if key not in self._subgroups:
             self._subgroups[key] = dist.new_group(list(key), backend=self.backend)
         return self._subgroups[key]
+
+    def device_mesh(self, shape: Any = None) -> Any:
+        """The ``DeviceMesh`` of ``shape`` (a :class:`~pytest_tplogp.mesh.MeshShape` or a dict such as
+        ``{"dp": 2, "tp": 2}``; None: ``{"tp": world_size}``), row-major over the ranks like ``init_device_mesh``.
+
+        Collective the first time a shape is asked for (its groups are created); cached for the life of the pool.
+        """
+        from .mesh import MeshShape, build_mesh
+
+        key = MeshShape.default(self.world_size) if shape is None else MeshShape.parse(shape, "tp.device_mesh")
+        mesh = self._meshes.get(key)
+        if mesh is None:
+            mesh = self._meshes[key] = build_mesh(self, key)
+        return mesh
+
+    def owned_group_ids(self) -> set[int]:
+        """Identities of the process groups the pool keeps (cached sub-groups, cached meshes' groups); the
+        fresh-state check does not count them as left behind."""
+        from .mesh import mesh_group_ids
+
+        ids = {id(g) for g in self._subgroups.values()}  # (a rank outside a sub-group holds a sentinel)
+        for mesh in self._meshes.values():
+            ids |= mesh_group_ids(mesh)
+        return ids
+
+    def reset_after_test(self) -> list[str]:
+        """Put back what a body can leave in torch's global mesh state; names what was put back."""
+        if not self._meshes and "torch.distributed.device_mesh" not in sys.modules:
+            return []
+        from .mesh import reset_mesh_state
+
+        return reset_mesh_state()
 
     @property
     def owned_groups(self) -> int:
@@ -121,13 +153,54 @@ class RankContext:
         self._raise_if_failed(verdicts, what="check")
 
     def assert_close(self, actual: Any, expected: Any, **kwargs: Any) -> None:
-        """Collective ``torch.testing.assert_close``: a mismatch on any rank fails every rank with its details."""
+        """Collective ``torch.testing.assert_close``: a mismatch on any rank fails every rank with its details.
+
+        Either side may be a DTensor (every rank must then call this, like any collective): the full tensors are
+        compared, and on a mismatch the error also names the mesh coordinates whose local shard differs.
+        """
+        from .mesh import is_dtensor
+
+        dtensors = [x for x in (actual, expected) if is_dtensor(x)]
+        if dtensors:
+            self._assert_close_dtensor(actual, expected, dtensors[0].device_mesh, **kwargs)
+            return
         try:
             torch.testing.assert_close(actual, expected, **kwargs)
             verdict: tuple[bool, str] = (True, "")
         except AssertionError as exc:
             verdict = (False, str(exc))
         self._raise_if_failed(self.all_gather_object(verdict), what="assert_close")
+
+    def _assert_close_dtensor(self, actual: Any, expected: Any, mesh: Any, **kwargs: Any) -> None:
+        from .mesh import coordinate_label, full, local_shard_problem
+
+        try:
+            torch.testing.assert_close(full(actual), full(expected), **kwargs)
+            problem = ""
+        except AssertionError as exc:
+            problem = str(exc)
+        verdicts = self.all_gather_object((not problem, problem))
+        if all(ok for ok, _ in verdicts):
+            return
+        shards = self.all_gather_object((coordinate_label(mesh), local_shard_problem(actual, expected, **kwargs)))
+        differing = [(r, label, why) for r, (label, why) in enumerate(shards) if why]
+        if differing:
+            where = "local shards differ at " + "; ".join(f"({label}) on rank {r}" for r, label, _ in differing)
+        else:
+            where = "no local shard differs on its own (a shape or placement mismatch)"
+        details = "".join(f"\n  ({label}) on rank {r}: {why}" for r, label, why in differing)
+        first_bad = next(msg for ok, msg in verdicts if not ok)
+        raise CollectiveAssertionError(f"collective assert_close failed (DTensor, full tensors compared): "
+                                       f"{where}{details}\n  full tensors: {first_bad}")
+
+    def distribute_randn(self, shape: Sequence[int], mesh: Any, placements: Sequence[Any], *, seed: int = 0,
+                         dtype: Any = None, requires_grad: bool = False) -> Any:
+        """A DTensor holding the same seeded global ``randn`` tensor on every rank, placed with ``placements``
+        (``Shard``, ``Replicate``; uneven shards as ``torch.chunk``); ``.full_tensor()`` gives it back. The test's
+        RNG is untouched (a generator of its own, seeded with ``seed``)."""
+        from .mesh import distribute_randn
+
+        return distribute_randn(shape, mesh, placements, seed=seed, dtype=dtype, requires_grad=requires_grad)
 
     def _raise_if_failed(self, verdicts: list[tuple[bool, str]], what: str) -> None:
         bad = [r for r, (ok, _) in enumerate(verdicts) if not ok]

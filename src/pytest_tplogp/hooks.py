@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from . import devices, dispatch, fixtures, options, tplogp_fixtures
+from .mesh import MeshShapeError, parse_marker_meshes
 from .placement import is_tp, marker_args, world_sizes
 from .session import ACTIVATED_BY, PLAN, SKIPPED_ON_RANKS, STATE, State, register_marker
 
@@ -33,8 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if not config.pluginmanager.has_plugin(module.__name__):
             config.pluginmanager.register(module, module.__name__)
     settings = options.resolve(config)
-    register_marker(config, "tp", "tp(world_size=2|[2, 4], timeout=seconds, backend='auto'|'gloo'|'nccl'): run "
-                    "the test body on every rank of a torch.distributed pool (pytest_tplogp)")
+    register_marker(config, "tp", "tp(world_size=2|[2, 4], timeout=seconds, backend='auto'|'gloo'|'nccl', "
+                    "mesh={'dp': 2, 'tp': 2}|[...]): run the test body on every rank of a torch.distributed pool (pytest_tplogp)")
     register_marker(config, "stress", "large shapes; skipped unless selected with -m stress or --tp-run-stress")
     register_marker(config, "gpu", "needs a CUDA device (skipped before any spawn when there is none)")
     state = State(settings)
@@ -89,13 +90,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     config = metafunc.config
     state = config.stash[STATE]
     where = metafunc.definition.nodeid
-    sizes = world_sizes(marker_args(marker, where), state.settings.world_size, where)
+    kwargs = marker_args(marker, where)
+    sizes = world_sizes(kwargs, state.settings.world_size, where)
+    values: list[Any] = list(sizes)
+    if "mesh" in kwargs:  # one parameter per mesh, at the world size its sizes multiply to
+        try:
+            values = parse_marker_meshes(kwargs["mesh"], sizes if "world_size" in kwargs else None, where)
+        except MeshShapeError as exc:
+            raise pytest.UsageError(str(exc)) from None
     params = []
-    for n in sizes:
+    for value in values:
+        n = value if isinstance(value, int) else value.world_size
         if n not in state.registered_sizes:
             register_marker(config, f"tp{n}", f"TP test at world size {n} (pytest_tplogp; select with -m tp{n})")
             state.registered_sizes.add(n)
-        params.append(pytest.param(n, id=f"tp{n}", marks=getattr(pytest.mark, f"tp{n}")))
+        ident = f"tp{n}" if isinstance(value, int) else f"tp{n}-{value.id}"
+        params.append(pytest.param(value, id=ident, marks=getattr(pytest.mark, f"tp{n}")))
     metafunc.parametrize("tp_world_size", params, indirect=True)
 
 

@@ -16,7 +16,7 @@ import pytest
 from . import devices, options
 from .options import Settings
 
-MARKER_KWARGS = ("world_size", "timeout", "backend")
+MARKER_KWARGS = ("world_size", "timeout", "backend", "mesh")
 
 
 @dataclass

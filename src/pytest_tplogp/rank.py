@@ -257,18 +257,17 @@ class _Rank:
         ``problems`` what makes the controller recycle the pool (process groups, CUDA memory). RNGs need no check:
         every test starts by seeding ``random``, torch and numpy from its node id.
         """
-        restored = self.baseline.restore()
+        restored = self.baseline.restore() + self.ctx.reset_after_test()
         problems: list[str] = []
         if not self.dist.is_initialized():
             problems.append("the default process group was destroyed")
             return restored, problems
         live = _live_groups()
         if live is not None and self.base_groups is not None:
-            owned = {id(g) for g in self.ctx._subgroups.values()}  # (a rank outside a sub-group holds a sentinel)
-            extra = live - self.base_groups - owned - _groups_kept_for_the_process()
+            extra = live - self.base_groups - self.ctx.owned_group_ids() - _groups_kept_for_the_process()
             if extra:
-                problems.append(f"{len(extra)} process group(s) left behind (use tp.new_group, which the pool "
-                                f"caches)")
+                problems.append(f"{len(extra)} process group(s) left behind (use tp.new_group or the mesh "
+                                f"fixture, which the pool caches)")
         if self.cfg.device_type == "cuda":
             mem = self._cuda_mem()
             if mem > self.base_mem + (1 << 20):

@@ -1,5 +1,8 @@
 """The tplogp-specific fixtures: ``vocab_shards``, ``reference``, ``op_source``, ``dtype``, ``bias``.
 
+In a test with ``mesh=``, ``vocab_shards`` shards over the mesh dim ``vocab_shards_mesh_dim`` ("tp") and
+``reference`` takes DTensors (used as their full tensors).
+
 They come with the plugin when a run asks for it. The parametrizing ones (``op_source``, ``dtype``, ``bias``,
 ``vocab_shards``) are built at configure time by :func:`make_grid_fixtures`, so their grids follow the settings
 (``--tp-op-source``, ``--tp-dtype``, ``--tp-bias``, ``--tp-shards``). An op source that cannot run here is skipped
@@ -13,10 +16,10 @@ from typing import Any
 import pytest
 
 from . import devices
-from .fixtures import plan_of
+from .fixtures import MESH_SHAPE, plan_of
 from .options import Settings
 from .session import STATE
-from .values import BIASES, DTYPES, OpSource, Reference, VocabShards
+from .values import BIASES, DEFAULT_VOCAB_SIZE, DTYPES, OpSource, Reference, VocabShards
 
 
 @pytest.fixture
@@ -30,6 +33,12 @@ def reference() -> Reference:
 def vocab_shards_size() -> int | None:
     """Override to change the default vocabulary of ``vocab_shards`` (None: :data:`values.DEFAULT_VOCAB_SIZE`)."""
     return None
+
+
+@pytest.fixture
+def vocab_shards_mesh_dim() -> str:
+    """Override to shard ``vocab_shards`` over another dim of the test's ``mesh=`` (default "tp")."""
+    return "tp"
 
 
 _SOURCE_CACHE: dict[tuple[str, str], str | None] = {}
@@ -87,13 +96,22 @@ def make_grid_fixtures(settings: Settings) -> Any:
             return BIASES[request.param]
 
         @pytest.fixture(params=list(settings.shards), ids=list(settings.shards))
-        def vocab_shards(self, request: pytest.FixtureRequest, vocab_shards_size: int | None) -> VocabShards:
-            """Even and uneven vocab layouts (ids even / uneven); on a rank, bound to that rank's range."""
+        def vocab_shards(self, request: pytest.FixtureRequest, vocab_shards_size: int | None,
+                         vocab_shards_mesh_dim: str) -> VocabShards:
+            """Even and uneven vocab layouts (ids even / uneven); on a rank, bound to that rank's range. In a test
+            with ``mesh=``, the vocabulary is sharded over the mesh dim ``vocab_shards_mesh_dim`` ("tp")."""
             plan = plan_of(request)
             ws = plan.world_size if plan is not None else request.config.stash[STATE].settings.world_size
-            if vocab_shards_size is None:
-                return VocabShards(request.param, ws)
-            return VocabShards(request.param, ws, vocab_size=int(vocab_shards_size))
+            vocab = DEFAULT_VOCAB_SIZE if vocab_shards_size is None else int(vocab_shards_size)
+            shape = request.node.stash.get(MESH_SHAPE, None) if plan is not None else None
+            if shape is None:
+                return VocabShards(request.param, ws, vocab_size=vocab)
+            if vocab_shards_mesh_dim not in shape.names:
+                raise pytest.UsageError(f"{request.node.nodeid}: vocab_shards shards the vocabulary over mesh dim "
+                                        f"{vocab_shards_mesh_dim!r}, which {shape.describe()} does not have; name one "
+                                        f"of {', '.join(shape.names)} by overriding the vocab_shards_mesh_dim fixture")
+            size = shape.sizes[shape.names.index(vocab_shards_mesh_dim)]
+            return VocabShards(request.param, size, vocab_size=vocab, mesh=shape, mesh_dim=vocab_shards_mesh_dim)
 
     return GridFixtures()
 

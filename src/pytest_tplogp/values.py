@@ -9,7 +9,7 @@ neither torch nor pytest at import time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: Default vocabulary of ``vocab_shards``: odd on purpose so the "even" layout has a remainder at world size 2 and 4.
@@ -78,15 +78,26 @@ class VocabShards:
     In the parent ``rank`` is None; on a rank it is bound, so ``start``/``end``/``range`` are that rank's shard of
     the default vocabulary. Use :meth:`boundaries` / :meth:`range_for` for a vocabulary of your own. Boundaries come
     from :func:`tplogp.shards.shard_boundaries` (never ``rank * V_local``).
+
+    With a mesh (``mesh``: the test's :class:`~pytest_tplogp.mesh.MeshShape`), the vocabulary is sharded over the
+    mesh dim ``mesh_dim``: ``world_size`` is that dim's size, ``rank`` this rank's coordinate on it, and
+    :attr:`group` the dim's process group (the world without a mesh).
     """
 
     kind: str
     world_size: int
     rank: int | None = None
     vocab_size: int = DEFAULT_VOCAB_SIZE
+    mesh: Any = None
+    mesh_dim: str = "tp"
+    group: Any = field(default=None, compare=False, repr=False)
 
     def __tp_bind__(self, tp: Any) -> VocabShards:
-        return VocabShards(self.kind, tp.world_size, tp.rank, self.vocab_size)
+        if self.mesh is None:
+            return VocabShards(self.kind, tp.world_size, tp.rank, self.vocab_size, group=tp.group)
+        sub = tp.device_mesh(self.mesh)[self.mesh_dim]
+        return VocabShards(self.kind, sub.size(), sub.get_local_rank(), self.vocab_size, self.mesh, self.mesh_dim,
+                           group=sub.get_group())
 
     @property
     def uneven(self) -> bool:
@@ -128,9 +139,21 @@ class VocabShards:
         return self.kind
 
 
+def _full_tensors(*tensors: Any) -> tuple[Any, ...]:
+    """DTensors as their full tensors (collective: every rank calls the reference), anything else as it is."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return tensors
+    return tuple(t.full_tensor() if isinstance(t, module.DTensor) else t for t in tensors)
+
+
 @dataclass(frozen=True)
 class Reference:
     """Materialized full-vocab references from :mod:`tplogp.reference` (fp32, matching and float64 modes).
+
+    Arguments may be DTensors (a vocab-sharded weight on ``mesh["tp"]``, say): they are used as their full tensors.
 
     ``reference(hidden, weight_full, target_ids, bias=None, mode="fp32", ...)`` calls ``reference_linear_logp``;
     :meth:`fp32`, :meth:`matching`, :meth:`float64` fix the mode; :meth:`outputs` returns logp, entropy and lse.
@@ -142,6 +165,7 @@ class Reference:
                  **kwargs: Any) -> Any:
         from tplogp.reference import reference_linear_logp
 
+        hidden, weight, target_ids, bias = _full_tensors(hidden, weight, target_ids, bias)
         return reference_linear_logp(hidden, weight, target_ids, bias, mode=mode or self.default_mode, **kwargs)
 
     def fp32(self, hidden: Any, weight: Any, target_ids: Any, bias: Any = None, **kwargs: Any) -> Any:
@@ -157,6 +181,7 @@ class Reference:
                 **kwargs: Any) -> Any:
         from tplogp.reference import reference_outputs
 
+        hidden, weight, target_ids, bias = _full_tensors(hidden, weight, target_ids, bias)
         return reference_outputs(hidden, weight, target_ids, bias, mode=mode or self.default_mode, **kwargs)
 
 
