@@ -96,8 +96,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "mesh" in kwargs:  # one parameter per mesh, at the world size its sizes multiply to
         try:
             values = parse_marker_meshes(kwargs["mesh"], sizes if "world_size" in kwargs else None, where)
-        except MeshShapeError as exc:
-            raise pytest.UsageError(str(exc)) from None
+        except MeshShapeError as exc:  # reported as this module's collection error: the message, no traceback
+            raise pytest.Collector.CollectError(str(exc)) from None
     params = []
     for value in values:
         n = value if isinstance(value, int) else value.world_size

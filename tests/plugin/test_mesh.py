@@ -1,0 +1,140 @@
+"""The mesh fixture and the DTensor helpers, as TP tests on gloo (world sizes 2 and 4, the suite's pools).
+
+Meshes: names, order and row-major layout, sub-mesh groups, the default 1-D mesh, parametrized meshes, the cache.
+DTensors: tp.assert_close with a DTensor on either side and its failure message naming mesh coordinates;
+tp.distribute_randn with Shard, Replicate and uneven shards; vocab_shards / reference over mesh["tp"].
+The collection error, the ids and the fresh-state check across tests are pytester runs (test_mesh_session.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pytest_tplogp import CollectiveAssertionError
+
+
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2})
+def test_2d_mesh_names_layout_and_sub_mesh_groups(tp, mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert isinstance(mesh, DeviceMesh) and mesh.device_type == "cpu"
+    assert mesh.mesh_dim_names == ("dp", "tp")
+    assert mesh.mesh.tolist() == [[0, 1], [2, 3]]  # row-major, as init_device_mesh lays it out
+    row, col = divmod(tp.rank, 2)
+    assert list(mesh.get_coordinate()) == [row, col]
+    assert mesh.get_local_rank("dp") == row and mesh.get_local_rank("tp") == col
+    assert _ranks(mesh["tp"].get_group()) == [2 * row, 2 * row + 1]
+    assert _ranks(mesh.get_group("dp")) == [col, col + 2]
+    # the sub-mesh groups communicate: a sum over tp is the sum of this row's ranks
+    x = torch.tensor([float(tp.rank)])
+    dist.all_reduce(x, group=mesh["tp"].get_group())
+    assert x.item() == 4 * row + 1
+    # the same shape again is the same object, and costs no new group
+    from torch.distributed import distributed_c10d as c10d
+
+    before = len(c10d._world.pg_map)
+    assert tp.device_mesh({"dp": 2, "tp": 2}) is mesh
+    assert len(c10d._world.pg_map) == before
+
+
+@pytest.mark.tp(world_size=[2, 4])
+def test_default_mesh_is_1d_tp_over_the_world(tp, mesh):
+    assert mesh.mesh_dim_names == ("tp",)
+    assert mesh.mesh.tolist() == list(range(tp.world_size))
+    assert mesh.get_group() is tp.group  # the default group, as init_device_mesh uses for a full dim
+
+
+# Three shapes: dims in a non-alphabetical order, a 1-D mesh with a name of its own, and world size 2.
+@pytest.mark.tp(mesh=[{"tp": 2, "dp": 2}, {"cp": 4}, {"dp": 1, "tp": 2}])
+def test_parametrized_meshes_keep_their_names_and_order(tp, mesh):
+    expected = {("tp", "dp"): [[0, 1], [2, 3]], ("cp",): [0, 1, 2, 3], ("dp", "tp"): [[0, 1]]}
+    assert mesh.mesh.tolist() == expected[mesh.mesh_dim_names]
+    assert mesh.size() == tp.world_size
+    if mesh.mesh_dim_names == ("tp", "dp"):  # the first dim is "tp": its groups are the rows
+        assert _ranks(mesh["tp"].get_group()) == [tp.rank % 2, tp.rank % 2 + 2]
+
+
+def test_mesh_shape_ids_and_errors() -> None:
+    from pytest_tplogp.mesh import MeshShape, MeshShapeError, parse_marker_meshes
+
+    shapes = parse_marker_meshes([{"dp": 2, "tp": 2}, {"tp": 4}], None, "t")
+    assert [s.id for s in shapes] == ["dp2xtp2", "tp4"] and [s.world_size for s in shapes] == [4, 4]
+    with pytest.raises(MeshShapeError, match=r"mesh \{'dp': 2, 'tp': 3\} \(2 x 3 = 6 ranks\) does not match the "
+                                             r"world size"):
+        parse_marker_meshes({"dp": 2, "tp": 3}, [4], "t")
+    with pytest.raises(MeshShapeError, match="no mesh has 2 ranks"):
+        parse_marker_meshes({"tp": 4}, [2, 4], "t")
+    for bad in ({}, {"tp": 0}, {"tp": True}, [{"tp": 2}, {"tp": 2}], "tp=2"):
+        with pytest.raises(MeshShapeError):
+            parse_marker_meshes(bad, None, "t")
+    assert MeshShape.default(4) == MeshShape(("tp",), (4,))
+
+
+# Shape (5, 3): 5 rows split unevenly as torch.chunk does (3 + 2 over tp=2; 2 + 2 + 1 + 0 over 4 ranks).
+@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2})
+def test_distribute_randn_is_one_global_tensor_with_its_placements(tp, mesh):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    state = torch.get_rng_state()
+    truth = torch.randn(5, 3, generator=torch.Generator().manual_seed(7))
+    col = mesh.get_local_rank("tp")
+    cases = {  # placements -> this rank's local rows/cols of the global tensor
+        (Replicate(), Shard(0)): truth[[slice(0, 3), slice(3, 5)][col]],
+        (Replicate(), Replicate()): truth,
+        (Shard(1), Replicate()): truth[:, [slice(0, 2), slice(2, 3)][mesh.get_local_rank("dp")]],
+    }
+    for placements, local in cases.items():
+        x = tp.distribute_randn((5, 3), mesh, placements, seed=7)
+        assert isinstance(x, DTensor) and tuple(x.placements) == placements
+        assert torch.equal(x.to_local(), local), placements
+        assert torch.equal(x.full_tensor(), truth)
+    assert torch.equal(torch.get_rng_state(), state)  # the test's random stream is untouched
+    flat = tp.distribute_randn((5,), tp.device_mesh(), [Shard(0)], seed=7, requires_grad=True)
+    assert flat.requires_grad and flat.to_local().shape[0] == [2, 2, 1, 0][tp.rank]
+
+
+@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2})
+def test_assert_close_with_dtensors_names_the_differing_shards(tp, mesh):
+    from torch.distributed.tensor import Replicate, Shard
+
+    x = tp.distribute_randn((6, 4), mesh, [Replicate(), Shard(0)], seed=3)
+    truth = x.full_tensor()
+    tp.assert_close(x, truth)  # DTensor left
+    tp.assert_close(truth, x)  # DTensor right
+    tp.assert_close(x, tp.distribute_randn((6, 4), mesh, [Shard(1), Replicate()], seed=3))  # both, other placements
+    wrong = truth.clone()
+    wrong[4, 1] += 1.0  # row 4: the shard of tp=1 (rows 3-5), held by ranks 1 and 3
+    with pytest.raises(CollectiveAssertionError) as info:
+        tp.assert_close(x, wrong)
+    message = str(info.value)
+    assert message.startswith("collective assert_close failed (DTensor, full tensors compared): local shards differ "
+                              "at (dp=0, tp=1) on rank 1; (dp=1, tp=1) on rank 3\n"), message
+    assert "Mismatched elements: 1 / 12" in message and "full tensors: " in message
+    with pytest.raises(CollectiveAssertionError, match="local shards differ at .* on rank 1"):
+        tp.assert_close(wrong, x)  # the same with the DTensor on the right
+
+
+@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2})
+@pytest.mark.parametrize("op_source", ["native"], indirect=True)
+def test_vocab_shards_and_reference_over_the_tp_dim(tp, mesh, vocab_shards, reference, op_source):
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tplogp.tolerances import RUNBOOK_TOLERANCES
+
+    sub = mesh["tp"]
+    assert (vocab_shards.world_size, vocab_shards.rank) == (2, sub.get_local_rank())
+    assert _ranks(vocab_shards.group) == _ranks(sub.get_group())
+    h, t = torch.randn(6, 8), torch.randint(0, vocab_shards.vocab_size, (6,))
+    w = torch.randn(vocab_shards.vocab_size, 8)
+    logp = op_source(h, vocab_shards.shard(w), t, tp_group=vocab_shards.group,
+                     vocab_start_index=vocab_shards.start, global_vocab_size=vocab_shards.vocab_size)
+    tol = RUNBOOK_TOLERANCES[torch.float32]._asdict()
+    tp.assert_close(logp, reference.fp32(h, w, t), **tol)
+    w_dt = tp.distribute_randn((vocab_shards.vocab_size, 8), mesh, [Replicate(), Shard(0)], seed=5)
+    tp.assert_close(reference.fp32(h, w_dt, t), reference.fp32(h, w_dt.full_tensor(), t))  # DTensor weight
