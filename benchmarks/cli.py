@@ -52,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--shapes", help="NxDxV,... (default 2048x512x32768,8192x1024x65536; smoke 256x64x2048)")
     mem.add_argument("--impls", default="native,eager")
 
-    sub.add_parser("plugin", parents=[common], help="pytest_tplogp rank pool: dispatch, start, skip, recovery")
+    plug = sub.add_parser("plugin", parents=[common], help="pytest_tplogp rank pool: dispatch, start, skip, "
+                                                           "recovery, mesh")
+    plug.add_argument("--sections", help="comma-separated subset of dispatch,start,skip,recovery,mesh (default: all)")
 
     tp = sub.add_parser("tp", parents=[common], help="TP scaling over torchrun launches")
     tp.add_argument("--shapes", help="NxDxV (default 8192x4096x128256; smoke 64x32x320)")
@@ -129,7 +131,8 @@ def _plugin(args) -> int:
     from . import plugin
 
     info = runner.run_info(_device_cpu())
-    rows = plugin.bench(args.smoke)
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()] if args.sections else None
+    rows = plugin.bench(args.smoke, sections)
     _finish(args.out, rows, info, args.smoke, plugin.format_row)
     return 0
 

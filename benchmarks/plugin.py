@@ -10,8 +10,13 @@
              any pool was created (it must not be).
 4. recovery  a warm pool, a test that hangs past its 2 s deadline, then the next test: the hang test's wall time
              (deadline + stack dump + kill) and the next test's (respawn + run), against deadline + one pool start.
+5. mesh      what the ``mesh`` fixture adds to a test: trivial TP tests at world size 4 (gloo, CPU), in pairs run
+             back to back, one without ``mesh`` and one with ``mesh={"dp": 2, "tp": 2}``; the median of the per-pair
+             differences of pytest's whole runtest protocol (pairs 2..n: the first mesh test creates the mesh's
+             groups, reported apart as ``first_mesh_test_extra_ms``).
 
-The smoke mode runs sections 1 and 3 with 6 tests at world size 2.
+The smoke mode runs sections 1 and 3 with 6 tests at world size 2 (section 5, with 6 pairs, when named).
+``python -m benchmarks plugin --sections mesh`` runs one section.
 """
 
 from __future__ import annotations
@@ -208,15 +213,48 @@ def test_3_next(tp):
             "within_bound": next_start <= deadline_s + pool_start + 1.0, "summary": data["summary"]}
 
 
-def bench(smoke: bool) -> list[dict]:
-    """One row per section (see the module docstring)."""
+def bench_mesh(n_pairs: int, world_size: int = 4) -> dict[str, Any]:
+    """Pairs of trivial TP tests, without and with the ``mesh`` fixture, interleaved in one session."""
+    shape = {"dp": 2, "tp": world_size // 2}
+    body = "import pytest\n" + "".join(
+        f"\n@pytest.mark.tp(world_size={world_size})\ndef test_{i:04d}_a_plain(tp):\n    pass\n"
+        f"\n@pytest.mark.tp(world_size={world_size}, mesh={shape!r})\ndef test_{i:04d}_b_mesh(tp, mesh):\n"
+        f"    assert mesh.ndim == 2\n" for i in range(n_pairs))
+    data = _run_pytest({"test_mesh.py": body}, ["--tp-backend=gloo"])
+    plain = [t for nid, t in data["tests"] if "_a_plain" in nid]
+    with_mesh = [t for nid, t in data["tests"] if "_b_mesh" in nid]
+    if len(plain) != n_pairs or len(with_mesh) != n_pairs or "failed" in data["summary"]:
+        raise RuntimeError(f"mesh benchmark session did not pass: {data['summary']}")
+    extra = [(m - p) * 1e3 for p, m in zip(plain[1:], with_mesh[1:])]
+    med = statistics.median
+    return {
+        "n_pairs": n_pairs, "world_size": world_size, "backend": "gloo", "mesh": shape,
+        "median_plain_tp_test_ms": med(plain[1:]) * 1e3, "median_mesh_tp_test_ms": med(with_mesh[1:]) * 1e3,
+        "mesh_extra_ms": med(extra), "p90_mesh_extra_ms": sorted(extra)[int(0.9 * len(extra))],
+        "first_mesh_test_extra_ms": (with_mesh[0] - plain[1]) * 1e3, "target_ms": 5.0,
+        "summary": data["summary"], "extra_samples_ms": extra,
+    }
+
+
+SECTIONS = ("dispatch", "start", "skip", "recovery", "mesh")
+
+
+def bench(smoke: bool, sections: list[str] | None = None) -> list[dict]:
+    """One row per section (see the module docstring); ``sections``: a subset of :data:`SECTIONS`."""
     rows = []
     if smoke:
-        sections = [("dispatch", lambda: bench_dispatch(6, world_size=2)), ("skip", lambda: bench_skip(6))]
+        runs = {"dispatch": lambda: bench_dispatch(6, world_size=2), "skip": lambda: bench_skip(6),
+                "mesh": lambda: bench_mesh(6)}
+        sections = sections or ["dispatch", "skip"]
     else:
-        sections = [("dispatch", lambda: bench_dispatch(50)), ("start", lambda: bench_start(3)),
-                    ("skip", lambda: bench_skip(50)), ("recovery", lambda: bench_recovery(2.0))]
-    for name, run in sections:
+        runs = {"dispatch": lambda: bench_dispatch(50), "start": lambda: bench_start(3),
+                "skip": lambda: bench_skip(50), "recovery": lambda: bench_recovery(2.0),
+                "mesh": lambda: bench_mesh(60)}
+    unknown = sorted(set(sections or ()) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown plugin benchmark section(s) {', '.join(unknown)}; expected {', '.join(SECTIONS)}")
+    selected = [(name, run) for name, run in runs.items() if not sections or name in sections]
+    for name, run in selected:
         row: dict[str, Any] = {"suite": "plugin", "section": name, "impl": "pytest_tplogp"}
         try:
             row.update(run())
@@ -238,6 +276,12 @@ def format_row(r: dict) -> str:
         return "; ".join(f"[start] {m}: pool start {r[m]['median_cold_start_s']:.2f} s (respawn "
                          f"{r[m]['median_respawn_s']:.2f} s) vs bare mp.spawn {r['median_bare_spawn_s']:.2f} s -> "
                          f"{r[m]['ratio_cold_vs_bare']:.2f}x" for m in ("forkserver", "spawn"))
+    if r["section"] == "mesh":
+        return (f"[mesh] {r['n_pairs']} pairs of trivial TP tests, world size {r['world_size']} gloo, mesh "
+                f"{r['mesh']}: median {r['median_mesh_tp_test_ms']:.1f} ms/test with mesh vs "
+                f"{r['median_plain_tp_test_ms']:.1f} ms without -> the mesh adds {r['mesh_extra_ms']:.2f} ms "
+                f"(median of pair differences; target <= 5 ms); first mesh test (creates the groups) "
+                f"+{r['first_mesh_test_extra_ms']:.1f} ms")
     if r["section"] == "skip":
         return (f"[skip] missing-GPU TP test: median {r['median_skip_ms']:.2f} ms, max {r['max_skip_ms']:.2f} ms "
                 f"(target <= 50 ms); spawned anything: {r['spawned_anything']}")

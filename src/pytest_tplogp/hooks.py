@@ -35,7 +35,8 @@ def pytest_configure(config: pytest.Config) -> None:
             config.pluginmanager.register(module, module.__name__)
     settings = options.resolve(config)
     register_marker(config, "tp", "tp(world_size=2|[2, 4], timeout=seconds, backend='auto'|'gloo'|'nccl', "
-                    "mesh={'dp': 2, 'tp': 2}|[...]): run the test body on every rank of a torch.distributed pool (pytest_tplogp)")
+                    "mesh={'dp': 2, 'tp': 2}|[...]): run the test body on every rank of a torch.distributed pool "
+                    "(pytest_tplogp)")
     register_marker(config, "stress", "large shapes; skipped unless selected with -m stress or --tp-run-stress")
     register_marker(config, "gpu", "needs a CUDA device (skipped before any spawn when there is none)")
     state = State(settings)
