@@ -14,7 +14,7 @@ Layout (one role per module; each imports only the modules listed below it):
 - ``hooks.py``           pytest hooks of the active plugin: configure, header, collection, setup, call, reports.
 - ``optin.py``           whether a run asked for the plugin; registers ``hooks`` (by name) when it did.
 - ``tplogp_fixtures.py`` the tplogp-specific fixtures: vocab_shards, reference, op_source, dtype, bias.
-- ``fixtures.py``        the fixtures of every TP test: tp_world_size (placement at setup), tp, tp_pool.
+- ``fixtures.py``        the fixtures of every TP test: tp_world_size (placement at setup), tp, tp_pool, mesh.
 - ``dispatch.py``        sending a body to the ranks and merging what comes back into one pytest outcome.
 - ``placement.py``       the ``tp`` marker's arguments and where a test runs (backend, devices, deadline).
 - ``session.py``         per-session state in ``config.stash``.
@@ -23,6 +23,7 @@ Layout (one role per module; each imports only the modules listed below it):
 - ``pool.py``            the controller: persistent rank pools, bounded waits, stack dumps, kill + respawn.
 - ``rank.py``            the rank-side worker loop (imports only ``protocol``, ``context``, ``values``).
 - ``context.py``         the ``tp`` rank context and the collective assertion helpers (usable under torchrun too).
+- ``mesh.py``            mesh shapes (the marker's ``mesh=``), meshes built from cached groups, DTensor helpers.
 - ``devices.py``         backend and GPU-block choice.  ``options.py`` settings, CLI > env > ini > default.
 - ``values.py``          picklable fixture values shared by both sides.  ``protocol.py`` controller <-> rank messages.
 
@@ -48,10 +49,12 @@ _LAZY = {
     "OpSource": "pytest_tplogp.values",
     "RankValue": "pytest_tplogp.values",
     "RankFailure": "pytest_tplogp.report",
+    "MeshShape": "pytest_tplogp.mesh",
 }
 
 __all__ = [
     "CollectiveAssertionError",
+    "MeshShape",
     "OpSource",
     "RankContext",
     "RankFailure",

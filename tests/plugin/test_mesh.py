@@ -19,11 +19,11 @@ def _ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
-@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2})
+@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2}, backend="gloo")
 def test_2d_mesh_names_layout_and_sub_mesh_groups(tp, mesh):
     from torch.distributed.device_mesh import DeviceMesh
 
-    assert isinstance(mesh, DeviceMesh) and mesh.device_type == "cpu"
+    assert isinstance(mesh, DeviceMesh) and mesh.device_type == tp.device.type == "cpu"
     assert mesh.mesh_dim_names == ("dp", "tp")
     assert mesh.mesh.tolist() == [[0, 1], [2, 3]]  # row-major, as init_device_mesh lays it out
     row, col = divmod(tp.rank, 2)
@@ -138,3 +138,32 @@ def test_vocab_shards_and_reference_over_the_tp_dim(tp, mesh, vocab_shards, refe
     tp.assert_close(logp, reference.fp32(h, w, t), **tol)
     w_dt = tp.distribute_randn((vocab_shards.vocab_size, 8), mesh, [Replicate(), Shard(0)], seed=5)
     tp.assert_close(reference.fp32(h, w_dt, t), reference.fp32(h, w_dt.full_tensor(), t))  # DTensor weight
+
+
+def _coordinate(tp, mesh):
+    return list(mesh.get_coordinate())
+
+
+@pytest.mark.tp(mesh={"dp": 2, "tp": 2})
+def test_tp_pool_passes_the_shape_and_the_ranks_get_the_mesh(tp_pool, mesh):
+    from pytest_tplogp.mesh import MeshShape
+
+    assert mesh == MeshShape(("dp", "tp"), (2, 2))  # in the parent: the shape
+    assert tp_pool.run(_coordinate, mesh) == [[0, 0], [0, 1], [1, 0], [1, 1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.tp(mesh={"dp": 1, "tp": 2}, backend="nccl")
+def test_nccl_mesh_lives_on_the_pools_gpus(tp, mesh):
+    from torch.distributed.tensor import Replicate, Shard
+
+    assert mesh.device_type == "cuda" and tp.backend == "nccl"
+    ones = torch.ones(1, device=tp.device)
+    dist.all_reduce(ones, group=mesh["tp"].get_group())
+    assert ones.item() == 2
+    x = tp.distribute_randn((5, 3), mesh, [Replicate(), Shard(0)], seed=1)
+    assert x.to_local().device == tp.device and x.to_local().shape[0] == [3, 2][tp.rank]
+    truth = torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).to(tp.device)
+    tp.assert_close(x, truth)
+    with pytest.raises(CollectiveAssertionError, match=r"local shards differ at \(dp=0, tp=1\) on rank 1"):
+        tp.assert_close(x, truth + torch.arange(5, device=tp.device)[:, None].ge(3))
