@@ -1,4 +1,5 @@
-"""The mesh fixture and the DTensor helpers, as TP tests on gloo (world sizes 2 and 4, the suite's pools).
+"""The mesh fixture and the DTensor helpers, as TP tests on gloo (world sizes 2 and 4, the suite's pools; one NCCL
+test on GPUs).
 
 Meshes: names, order and row-major layout, sub-mesh groups, the default 1-D mesh, parametrized meshes, the cache.
 DTensors: tp.assert_close with a DTensor on either side and its failure message naming mesh coordinates;
@@ -43,7 +44,7 @@ def test_2d_mesh_names_layout_and_sub_mesh_groups(tp, mesh):
     assert len(c10d._world.pg_map) == before
 
 
-@pytest.mark.tp(world_size=[2, 4])
+@pytest.mark.tp(world_size=[2, 4], backend="gloo")
 def test_default_mesh_is_1d_tp_over_the_world(tp, mesh):
     assert mesh.mesh_dim_names == ("tp",)
     assert mesh.mesh.tolist() == list(range(tp.world_size))
@@ -51,7 +52,7 @@ def test_default_mesh_is_1d_tp_over_the_world(tp, mesh):
 
 
 # Three shapes: dims in a non-alphabetical order, a 1-D mesh with a name of its own, and world size 2.
-@pytest.mark.tp(mesh=[{"tp": 2, "dp": 2}, {"cp": 4}, {"dp": 1, "tp": 2}])
+@pytest.mark.tp(mesh=[{"tp": 2, "dp": 2}, {"cp": 4}, {"dp": 1, "tp": 2}], backend="gloo")
 def test_parametrized_meshes_keep_their_names_and_order(tp, mesh):
     expected = {("tp", "dp"): [[0, 1], [2, 3]], ("cp",): [0, 1, 2, 3], ("dp", "tp"): [[0, 1]]}
     assert mesh.mesh.tolist() == expected[mesh.mesh_dim_names]
@@ -77,7 +78,7 @@ def test_mesh_shape_ids_and_errors() -> None:
 
 
 # Shape (5, 3): 5 rows split unevenly as torch.chunk does (3 + 2 over tp=2; 2 + 2 + 1 + 0 over 4 ranks).
-@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2})
+@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2}, backend="gloo")
 def test_distribute_randn_is_one_global_tensor_with_its_placements(tp, mesh):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -99,7 +100,7 @@ def test_distribute_randn_is_one_global_tensor_with_its_placements(tp, mesh):
     assert flat.requires_grad and flat.to_local().shape[0] == [2, 2, 1, 0][tp.rank]
 
 
-@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2})
+@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2}, backend="gloo")
 def test_assert_close_with_dtensors_names_the_differing_shards(tp, mesh):
     from torch.distributed.tensor import Replicate, Shard
 
@@ -120,7 +121,7 @@ def test_assert_close_with_dtensors_names_the_differing_shards(tp, mesh):
         tp.assert_close(wrong, x)  # the same with the DTensor on the right
 
 
-@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2})
+@pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2}, backend="gloo")
 @pytest.mark.parametrize("op_source", ["native"], indirect=True)
 def test_vocab_shards_and_reference_over_the_tp_dim(tp, mesh, vocab_shards, reference, op_source):
     from torch.distributed.tensor import Replicate, Shard
@@ -144,7 +145,7 @@ def _coordinate(tp, mesh):
     return list(mesh.get_coordinate())
 
 
-@pytest.mark.tp(mesh={"dp": 2, "tp": 2})
+@pytest.mark.tp(mesh={"dp": 2, "tp": 2}, backend="gloo")
 def test_tp_pool_passes_the_shape_and_the_ranks_get_the_mesh(tp_pool, mesh):
     from pytest_tplogp.mesh import MeshShape
 
