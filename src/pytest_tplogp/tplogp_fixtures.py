@@ -107,9 +107,9 @@ def make_grid_fixtures(settings: Settings) -> Any:
             if shape is None:
                 return VocabShards(request.param, ws, vocab_size=vocab)
             if vocab_shards_mesh_dim not in shape.names:
-                raise pytest.UsageError(f"{request.node.nodeid}: vocab_shards shards the vocabulary over mesh dim "
-                                        f"{vocab_shards_mesh_dim!r}, which {shape.describe()} does not have; name one "
-                                        f"of {', '.join(shape.names)} by overriding the vocab_shards_mesh_dim fixture")
+                pytest.fail(f"{request.node.nodeid}: vocab_shards shards the vocabulary over mesh dim "
+                            f"{vocab_shards_mesh_dim!r}, which {shape.describe()} does not have; name one of "
+                            f"{', '.join(shape.names)} by overriding the vocab_shards_mesh_dim fixture", pytrace=False)
             size = shape.sizes[shape.names.index(vocab_shards_mesh_dim)]
             return VocabShards(request.param, size, vocab_size=vocab, mesh=shape, mesh_dim=vocab_shards_mesh_dim)
 

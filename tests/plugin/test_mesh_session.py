@@ -1,5 +1,6 @@
-"""The mesh fixture across a session (pytester): parametrization ids, the collection error, the cache per pool and
-shape, and the fresh-state check (mesh groups are the pool's; a test's own groups and an entered mesh are not)."""
+"""The mesh fixture across a session (pytester): parametrization ids, the collection error, vocab_shards over a
+mesh without its dim, the cache per pool and shape, and the fresh-state check (mesh groups are the pool's; a test's
+own groups and an entered mesh are not)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def test_bad(tp, mesh):
     pass
 '''
 
+VOCAB = '''
+import pytest
+
+@pytest.mark.tp(mesh={"dp": 2, "cp": 2})
+def test_vocab(tp, mesh, vocab_shards):
+    pass
+'''
+
 
 def test_mesh_ids_and_the_collection_error(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_ids=IDS)
@@ -46,6 +55,13 @@ def test_mesh_ids_and_the_collection_error(pytester: pytest.Pytester, tag: str) 
                                  "{'dp': 2, 'tp': 3} (2 x 3 = 6 ranks) does not match the world size; the mesh "
                                  "sizes must multiply to it", "*1 error*"])
     assert "Traceback" not in result.stdout.str() and "pluggy" not in result.stdout.str()
+    # vocab_shards over a mesh without its dim: an error at setup naming the dims
+    pytester.makepyfile(test_vocab=VOCAB)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-q", "test_vocab.py", "--tp-shards=uneven")
+    result.assert_outcomes(passed=0, errors=1)
+    result.stdout.fnmatch_lines(["*test_vocab.py::test_vocab[[]uneven-tp4-dp2xcp2[]]: vocab_shards shards the "
+                                 "vocabulary over mesh dim 'tp', which mesh {'dp': 2, 'cp': 2} (2 x 2 = 4 ranks) "
+                                 "does not have; name one of dp, cp by overriding the vocab_shards_mesh_dim fixture"])
 
 
 SESSION = '''
