@@ -15,13 +15,18 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .protocol import format_ranks
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .mesh import MeshShape
 
 _CURRENT: RankContext | None = None
 
@@ -75,7 +80,7 @@ class RankContext:
         self.external = external
         self._ctrl_group = ctrl_group
         self._subgroups: dict[tuple[int, ...], Any] = {}
-        self._meshes: dict[Any, Any] = {}  # MeshShape -> DeviceMesh, for the life of the pool
+        self._meshes: dict[MeshShape, DeviceMesh] = {}  # for the life of the pool
 
     def __repr__(self) -> str:
         return f"RankContext(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, device={self.device})"
@@ -96,7 +101,7 @@ class RankContext:
             self._subgroups[key] = dist.new_group(list(key), backend=self.backend)
         return self._subgroups[key]
 
-    def device_mesh(self, shape: Any = None) -> Any:
+    def device_mesh(self, shape: MeshShape | Mapping[str, int] | None = None) -> DeviceMesh:
         """The ``DeviceMesh`` of ``shape`` (a :class:`~pytest_tplogp.mesh.MeshShape` or a dict such as
         ``{"dp": 2, "tp": 2}``; None: ``{"tp": world_size}``), row-major over the ranks like ``init_device_mesh``.
 
@@ -193,8 +198,8 @@ class RankContext:
         raise CollectiveAssertionError(f"collective assert_close failed (DTensor, full tensors compared): "
                                        f"{where}{details}\n  full tensors: {first_bad}")
 
-    def distribute_randn(self, shape: Sequence[int], mesh: Any, placements: Sequence[Any], *, seed: int = 0,
-                         dtype: Any = None, requires_grad: bool = False) -> Any:
+    def distribute_randn(self, shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Any], *, seed: int = 0,
+                         dtype: torch.dtype | None = None, requires_grad: bool = False) -> Any:
         """A DTensor holding the same seeded global ``randn`` tensor on every rank, placed with ``placements``
         (``Shard``, ``Replicate``; uneven shards as ``torch.chunk``); ``.full_tensor()`` gives it back. The test's
         RNG is untouched (a generator of its own, seeded with ``seed``)."""

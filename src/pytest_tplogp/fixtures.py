@@ -54,7 +54,8 @@ def plan_of(request: pytest.FixtureRequest) -> Plan | None:
 @pytest.fixture
 def tp(request: pytest.FixtureRequest) -> Any:
     """This rank's context in a TP test body: ``rank``, ``world_size``, ``backend``, ``device``, ``group`` and the
-    collective helpers ``assert_all``, ``assert_close``, ``agree()``, ``skip_if``, ``new_group``, ``barrier``."""
+    collective helpers ``assert_all``, ``assert_close`` (DTensors too), ``agree()``, ``skip_if``, ``new_group``,
+    ``barrier``, ``device_mesh``, ``distribute_randn``."""
     plan = plan_of(request)
     if plan is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the tp fixture only works in TP tests")
