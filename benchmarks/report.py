@@ -214,7 +214,8 @@ def plugin_section(rows: list[dict]) -> list[str]:
                    f"the next test body starts **{c['next_body_starts_after_s']:.1f} s** after the hang began.")
     m = sel.get("mesh")
     if m and "error" not in m:
-        out.append(f"* The `mesh` fixture ({m['mesh']}): **{m['mesh_extra_ms']:.2f} ms** more per test (median of "
+        shape = ", ".join(f'"{name}": {size}' for name, size in m["mesh"].items())
+        out.append(f"* The `mesh` fixture (`mesh={{{shape}}}`): **{m['mesh_extra_ms']:.2f} ms** more per test (median of "
                    f"{m['n_pairs'] - 1} back-to-back pairs with and without it; target <= 5 ms); the first test of a "
                    f"shape creates its groups (+{m['first_mesh_test_extra_ms']:.0f} ms).")
     for r in sel.values():
