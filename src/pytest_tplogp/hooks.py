@@ -2,7 +2,8 @@
 
 Registered by the opt-in shim (``pytest_tplogp/__init__.py``, through ``optin.py``) when a run asks for the plugin;
 it registers the fixture modules (``fixtures.py``, ``tplogp_fixtures.py``) at configure time. At collection a TP test gets its world-size parametrization (``tp_world_size``, ids
-``[tp2]``, ``[tp4]``, markers ``tp2``/``tp4``); stress tests are skipped unless selected; plain ``gpu`` tests are
+``[tp2]``, ``[tp4]``, markers ``tp2``/``tp4``;
+with ``mesh=`` one parameter per mesh, ids ``[tp4-dp2xtp2]``); stress tests are skipped unless selected; plain ``gpu`` tests are
 skipped without a GPU. At call time ``pytest_pyfunc_call`` hands a TP body to ``dispatch.run_body``. Public pytest
 API only.
 """
