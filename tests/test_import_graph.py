@@ -42,6 +42,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.runbook.*",),
     # the package's public surface
     ("tplogp",),
+    # optional entry points for training stacks (Hugging Face, verl), on top of the public operator
+    ("tplogp.integrations.*",),
     # the pytest plugin, which may use the operator
     ("pytest_tplogp.*",),
 ]

@@ -1,0 +1,347 @@
+"""Hugging Face causal LMs: token log-probs and a fused RL loss without the ``[batch, sequence, vocab]`` logits.
+
+TRL's logits path, for ``input_ids [B, S]`` and ``k = logits_to_keep``::
+
+    logits = model(input_ids, attention_mask, logits_to_keep=k + 1).logits[:, :-1] / T   # k = 0: every position
+    logp = log_softmax(logits)[targets]                    # targets = input_ids[:, 1:] (k = 0) or input_ids[:, -k:]
+
+holds ``[B, S-1, V]`` logits (and copies of them). Here the model runs its own forward, so every wrapper, hook,
+adapter, checkpointing and sharding of the model applies as usual (PEFT, DDP, FSDP2's unsharding, a
+tensor-parallel plan's input and output hooks), except that its LM head -- the ``torch.nn.Linear`` that
+``get_output_embeddings()`` returns -- computes, for the duration of the call, tplogp's result from its input (the
+final hidden states, shifted as above) with its own weight and bias: ``linear_logp`` (logp, and entropy) or
+``linear_logp_loss`` (a scalar). The model returns that result where it returns its logits.
+
+What is checked, so that a number that differs from the logits path is never returned:
+
+* before the forward: the head is a ``torch.nn.Linear`` that does not override ``forward`` (not a LoRA layer,
+  not a quantized linear); the config asks for no final-logit softcapping (Gemma 2/3 style); no prompt-learning
+  adapter changes the sequence;
+* after it: the head ran exactly once, on hidden states of the input's length, and the model returned the head's
+  output as its logits, unmodified (the same tensor, its version counter unchanged). A model whose forward scales
+  the logits by a constant from its config (``logit_scale``: Cohere; ``logits_scaling``: Granite) gets that
+  constant folded into the temperature, and its returned logits must equal exactly that scaling of the head's
+  output. Any other transform of the logits in the model's forward raises :class:`UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..api import linear_logp, linear_logp_loss
+from ..dtensor import is_dtensor
+from ..outputs import LogpEntropy
+from . import require
+
+require("transformers", "tplogp.integrations.hf", "hf")
+
+# Targets of masked positions (loss_mask == 0) in causal_lm_loss: token ids are never negative.
+_MASKED = -100
+_FORBIDDEN_MODEL_KWARGS = ("labels", "logits_to_keep", "num_logits_to_keep")
+
+
+class UnsupportedModelError(ValueError):
+    """The model computes its logits in a way this integration does not reproduce exactly; the message names the
+    feature."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogitScale:
+    """The model's forward returns ``head_output * value`` (``multiply``) or ``head_output / value``."""
+
+    name: str
+    value: float
+    multiply: bool
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        return t * self.value if self.multiply else t / self.value
+
+    def temperature(self, temperature: float) -> float:
+        """The temperature that gives ``log_softmax(scaled logits / temperature)`` from the unscaled ones."""
+        return temperature / self.value if self.multiply else temperature * self.value
+
+
+def _configs(model) -> list:
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [config] if text is config else [config, text]
+
+
+def _check_config(model) -> Optional[_LogitScale]:
+    """Refuse what the op cannot compute; the scaling the model's forward applies to its logits, if any."""
+    scale = None
+    for config in _configs(model):
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap is not None:
+            raise UnsupportedModelError(
+                f"final-logit softcapping (config.final_logit_softcapping={cap}): the model returns "
+                f"cap * tanh(logits / cap), which tplogp's linear_logp does not compute; set "
+                f"final_logit_softcapping=None only if the model was trained without it")
+        for name, multiply in (("logit_scale", True), ("logits_scaling", False)):
+            value = getattr(config, name, None)
+            if value is not None and scale is None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                    raise UnsupportedModelError(f"config.{name}={value!r}: expected a positive number")
+                scale = _LogitScale(name, float(value), multiply)
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        raise UnsupportedModelError(
+            f"a prompt-learning adapter ({type(peft_config).__name__}) changes the sequence the model sees; "
+            f"only adapters of the layers' weights (LoRA and the like) are supported")
+    return scale
+
+
+def _output_head(model) -> torch.nn.Linear:
+    """The model's LM head (``get_output_embeddings()``, through wrappers that hold the model as ``.module``)."""
+    target = model
+    for _ in range(4):
+        get = getattr(target, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        if head is not None:
+            break
+        target = getattr(target, "module", None)
+        if target is None:
+            break
+    else:
+        head = None
+    if head is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no output embeddings (get_output_embeddings() gave None): expected a "
+            f"Hugging Face causal LM (a *ForCausalLM model, possibly wrapped by PEFT, DDP or FSDP)")
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        raise UnsupportedModelError(
+            f"the LM head is a {type(head).__module__}.{type(head).__qualname__}, expected a plain torch.nn.Linear: "
+            f"tplogp reads its weight and bias. An adapter on the LM head (LoRA: W x + B A x) or a quantized or "
+            f"custom head is not supported; leave lm_head out of the adapter's target_modules")
+    return head
+
+
+@contextlib.contextmanager
+def _head_computes(head: torch.nn.Module, compute: Callable[[torch.Tensor], torch.Tensor]):
+    """While active, calling ``head`` returns ``compute(hidden)`` instead of its logits (its hooks still run); yields
+    the list of the head's outputs, after its hooks, with their version counters."""
+    outputs: list = []
+
+    def forward(hidden, *args, **kwargs):
+        if args or kwargs:
+            raise UnsupportedModelError(f"the LM head was called with extra arguments {len(args)} / {sorted(kwargs)}; "
+                                        f"expected head(hidden_states)")
+        return compute(hidden)
+
+    def record(module, args, output):
+        outputs.append((output, output._version if isinstance(output, torch.Tensor) else None))
+
+    # accelerate's hooks (device_map) wrap forward and call _old_forward after moving tensors: replace that one
+    name = "_old_forward" if "_old_forward" in head.__dict__ else "forward"
+    previous = head.__dict__.get(name)
+    setattr(head, name, forward)
+    handle = head.register_forward_hook(record)
+    try:
+        yield outputs
+    finally:
+        handle.remove()
+        if previous is None:
+            delattr(head, name)
+        else:
+            setattr(head, name, previous)
+
+
+def _model_logits(out):
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)) and out:
+        logits = out[0]
+    return logits
+
+
+def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, make: Callable,
+         model_kwargs: dict, expected_shape: tuple) -> torch.Tensor:
+    """Run ``model``'s forward with its head computing ``make(head, shifted_hidden, temperature_scale)``; the result
+    as the model returned it, after the exactness checks."""
+    bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
+    if bad:
+        raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets the positions "
+                        f"(logits_to_keep) and computes no HF loss (labels)")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0 \
+            or logits_to_keep > input_ids.shape[1] - 1:
+        raise ValueError(f"logits_to_keep must be an int in [0, sequence length - 1 = {input_ids.shape[1] - 1}], "
+                         f"got {logits_to_keep!r}")
+    scale = _check_config(model)
+    head = _output_head(model)
+    seq = input_ids.shape[1]
+
+    def compute(hidden):
+        if hidden.dim() != 3 or hidden.shape[1] != seq:
+            raise UnsupportedModelError(
+                f"the LM head got hidden states of shape {tuple(hidden.shape)} for input_ids of shape "
+                f"{tuple(input_ids.shape)}: expected [batch, {seq}, hidden] (the model changes the sequence "
+                f"before its head)")
+        shifted = hidden[:, :-1] if logits_to_keep == 0 else hidden[:, seq - logits_to_keep - 1:seq - 1]
+        return make(head, shifted, scale)
+
+    model_kwargs.setdefault("use_cache", False)
+    with _head_computes(head, compute) as outputs:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+    if len(outputs) != 1:
+        raise UnsupportedModelError(f"the LM head ran {len(outputs)} times in the model's forward, expected once "
+                                    f"(a model that computes its logits without calling get_output_embeddings(), "
+                                    f"or more than once, is not supported)")
+    result, version = outputs[0]
+    logits = _model_logits(out)
+    if scale is None:
+        same = logits is result and result._version == version
+    else:
+        same = (isinstance(logits, torch.Tensor) and logits is not result and result._version == version
+                and torch.equal(logits, scale.apply(result)))
+    if not same:
+        what = (f"exactly the head's output scaled by config.{scale.name}" if scale is not None else
+                "the head's output, unmodified")
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s forward transforms the LM head's output before returning it as logits "
+            f"(expected {what}): tplogp cannot reproduce that transform")
+    if is_dtensor(result):
+        if not all(p.is_replicate() for p in result.placements):
+            raise UnsupportedModelError(f"the LM head's output came back as a DTensor placed {result.placements}; "
+                                        f"expected Replicate() (a tensor-parallel plan with output_layouts="
+                                        f"Replicate())")
+        result = result.to_local()
+    if tuple(result.shape) != expected_shape:
+        raise UnsupportedModelError(
+            f"the LM head's output came back with shape {tuple(result.shape)}, expected {expected_shape}: the "
+            f"head's output hooks redistribute it (for a tensor-parallel plan, use "
+            f"ColwiseParallel(output_layouts=Replicate()) on the head)")
+    return result
+
+
+def _targets(input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    return input_ids[:, 1:] if logits_to_keep == 0 else input_ids[:, input_ids.shape[1] - logits_to_keep:]
+
+
+def _positions(input_ids: torch.Tensor, logits_to_keep: int) -> int:
+    return input_ids.shape[1] - 1 if logits_to_keep == 0 else logits_to_keep
+
+
+def causal_lm_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    logits_to_keep: int = 0,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    workspace_bytes: Optional[int] = None,
+    **model_kwargs,
+):
+    """Per-token log-probs of ``input_ids[:, 1:]`` under a Hugging Face causal LM, without its logits.
+
+    The values of TRL's logits path: ``log_softmax(model(...).logits[:, :-1] / temperature)`` at the next tokens,
+    computed by ``linear_logp`` from the final hidden states and the LM head's weight and bias (tied or not).
+    Differentiable into every parameter of the model.
+
+    Args:
+        model: a ``*ForCausalLM`` model (plain, PEFT-wrapped, DDP/FSDP2-wrapped, tensor-parallel with a
+            ``ColwiseParallel(output_layouts=Replicate())`` head or a DTensor head).
+        input_ids: ``[B, S]`` token ids; the log-prob of token ``s`` is read at position ``s - 1``.
+        attention_mask: ``[B, S]`` as the model takes it (left or right padding). Padded positions get the values
+            the logits path gives them (mask them out downstream, as with the logits).
+        logits_to_keep: 0: every next token, ``[B, S-1]``; ``k > 0``: the last ``k`` tokens, ``[B, k]``.
+        temperature: the logits are divided by it (a model's own logit scale is applied first).
+        return_entropy: also return the entropy of each position's distribution.
+        workspace_bytes: :func:`tplogp.linear_logp`'s memory budget.
+        model_kwargs: passed to the model's forward (``position_ids``, ...); ``use_cache`` defaults to False.
+
+    Returns:
+        float32 ``logp``, or ``(logp, entropy)`` (:class:`~tplogp.outputs.LogpEntropy`) with ``return_entropy``.
+
+    Raises:
+        UnsupportedModelError: the model's logits are not what the LM head computes (final-logit softcapping, a
+            LoRA or quantized head, a transform of the logits in the forward; see :mod:`tplogp.integrations.hf`).
+    """
+    targets = _targets(input_ids, logits_to_keep)
+
+    def make(head, hidden, scale):
+        out = linear_logp(hidden, head.weight, targets.to(hidden.device), head.bias,
+                          temperature=temperature if scale is None else scale.temperature(temperature),
+                          return_entropy=return_entropy, workspace_bytes=workspace_bytes)
+        return torch.stack(tuple(out), dim=-1) if return_entropy else out
+
+    shape = (input_ids.shape[0], _positions(input_ids, logits_to_keep)) + ((2,) if return_entropy else ())
+    result = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, shape)
+    if return_entropy:
+        return LogpEntropy(result[..., 0], result[..., 1])
+    return result
+
+
+def causal_lm_loss(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    loss: Callable[..., torch.Tensor],
+    per_token: Sequence[torch.Tensor] = (),
+    loss_mask: Optional[torch.Tensor] = None,
+    reduction: str = "sum",
+    logits_to_keep: int = 0,
+    temperature: float = 1.0,
+    workspace_bytes: Optional[int] = None,
+    **model_kwargs,
+) -> torch.Tensor:
+    """A per-token RL loss of a Hugging Face causal LM's token log-probs, reduced to a scalar, without its logits.
+
+    The positions and values of :func:`causal_lm_logprobs`, fed chunk by chunk to
+    :func:`tplogp.linear_logp_loss`: ``loss(logp, entropy, *per_token_chunk)`` gives the per-token loss
+    (``tplogp.losses`` has PPO/GRPO clipping, KL to a reference, an entropy bonus), ``reduction`` sums it or
+    averages it over the positions that count. The gradients of the LM head and of the hidden states are computed
+    in the forward; ``loss.backward()`` carries them into every parameter.
+
+    Args:
+        loss, per_token: as in :func:`tplogp.linear_logp_loss`; each ``per_token`` tensor is ``[B, S-1]`` (or
+            ``[B, logits_to_keep]``), aligned with the log-probs.
+        loss_mask: ``[B, S-1]`` (or ``[B, logits_to_keep]``), nonzero where a position counts (the completion
+            tokens); the others add nothing, count nothing in ``"mean"`` and cost no GEMM work. None: all count.
+        reduction: ``"sum"`` or ``"mean"`` (over the positions that count).
+        model, input_ids, attention_mask, logits_to_keep, temperature, workspace_bytes, model_kwargs: as in
+            :func:`causal_lm_logprobs`.
+
+    Returns:
+        a 0-d float32 tensor.
+    """
+    targets = _targets(input_ids, logits_to_keep)
+    if loss_mask is not None:
+        if not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape) != tuple(targets.shape):
+            raise ValueError(f"loss_mask must be a tensor of shape {tuple(targets.shape)} (the log-probs' shape), "
+                             f"got {tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else loss_mask}")
+        targets = torch.where(loss_mask.to(targets.device).bool(), targets, _MASKED)
+
+    def make(head, hidden, scale):
+        ignore = None if loss_mask is None else _MASKED
+        t_eff = temperature if scale is None else scale.temperature(temperature)
+        if not is_dtensor(hidden):
+            return linear_logp_loss(hidden, head.weight, targets.to(hidden.device), head.bias, loss=loss,
+                                    per_token=per_token, reduction=reduction, temperature=t_eff,
+                                    ignore_index=ignore, workspace_bytes=workspace_bytes)
+        # a tensor-parallel plan's input hook made hidden a DTensor replicated over the head's mesh: the loss is
+        # computed from the local copy and handed back as a replicated DTensor (what the output hook expects)
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if not all(p.is_replicate() for p in hidden.placements):
+            raise UnsupportedModelError(f"the LM head's input is a DTensor placed {hidden.placements}; expected "
+                                        f"Replicate() (ColwiseParallel's default input layout)")
+        value = linear_logp_loss(hidden.to_local(), head.weight, targets.to(hidden.device), head.bias, loss=loss,
+                                 per_token=per_token, reduction=reduction, temperature=t_eff, ignore_index=ignore,
+                                 workspace_bytes=workspace_bytes)
+        return DTensor.from_local(value, hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim,
+                                  run_check=False)
+
+    return _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, ())
+
+
+__all__ = ["causal_lm_logprobs", "causal_lm_loss", "UnsupportedModelError"]

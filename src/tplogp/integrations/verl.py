@@ -1,0 +1,102 @@
+"""verl's fused-kernel call, ``linear_cross_entropy(hidden, weight, labels, temperature, reduction,
+dist_process_group) -> (logprobs, entropy)``, computed by :func:`tplogp.linear_logp`.
+
+A verl user switches by changing one import (``verl.utils.kernel.linear_cross_entropy`` ->
+``tplogp.integrations.verl``). The meaning is verl's (0.9.1):
+
+* ``hidden`` ``[..., D]`` is flattened to ``[N, D]`` and ``labels`` to ``[N]`` (the same count); both outputs are
+  flat ``[N]`` float32 tensors: ``logprobs[n] = log_softmax(hidden[n] @ W.T / temperature)[labels[n]]`` over the
+  whole vocabulary and ``entropy[n]`` of that distribution; there is no bias and no ignore label (every label is
+  a token id of the vocabulary);
+* with ``dist_process_group`` each rank holds the even vocab shard ``weight = W[rank * V_local:(rank + 1) * V_local]``
+  of the ``world * V_local`` vocabulary and the same hidden and labels (global ids);
+* ``reduction``: ``"none"`` (per token), ``"sum"`` or ``"mean"`` (over the N tokens) of ``logprobs``; ``entropy``
+  stays per token under every reduction (case-insensitive, as verl);
+* both outputs are differentiable; ``weight.grad`` is this rank's shard's gradient. With a group, verl's backward
+  leaves ``hidden.grad`` partial on each rank and its callers sum it over the group (Megatron's sequence-parallel
+  gather does, in its backward). tplogp's op completes ``hidden.grad`` with one all-reduce; this entry point
+  hands each rank ``1 / world`` of it, so that the caller's sum gives the same full gradient as with verl.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..api import linear_logp
+from ..validation import LinearLogpInputError
+
+REDUCTIONS = ("none", "sum", "mean")
+
+
+class _ShareOfGradient(torch.autograd.Function):
+    """Identity whose backward hands on ``grad / world``: each rank's share of a gradient that is complete on
+    every rank, so that summing the shares over the group gives it once."""
+
+    @staticmethod
+    def forward(ctx, hidden, world: int):
+        ctx.world = world
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.world, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group: Optional[dist.ProcessGroup] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, entropy)`` of ``labels`` through ``weight`` with verl's meaning (see the module docstring).
+
+    Args:
+        hidden: ``[N, D]`` or ``[B, S, D]`` (any leading shape), the weight's dtype.
+        weight: ``[V, D]``, or this rank's even shard ``[V / world, D]`` with a group.
+        labels: integer global token ids, ``N`` of them (any shape).
+        temperature: the logits are divided by it.
+        reduction: ``"none"``, ``"sum"`` or ``"mean"`` (of logprobs; entropy is always per token).
+        dist_process_group: the group the vocabulary is sharded over, or None.
+
+    Returns:
+        float32 ``logprobs`` (``[N]``, or 0-d with ``"sum"`` / ``"mean"``) and ``entropy`` ``[N]``.
+    """
+    if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    reduction = reduction.lower()
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise LinearLogpInputError(f"temperature must be a number, got {type(temperature).__name__}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise LinearLogpInputError(f"{name} must be a tensor, got {type(t).__name__}")
+    if hidden.dim() < 2 or weight.dim() != 2:
+        raise LinearLogpInputError(f"expected hidden [..., D] and weight [V, D], got hidden {tuple(hidden.shape)} "
+                                   f"and weight {tuple(weight.shape)}")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    if flat_labels.numel() != flat_hidden.shape[0]:
+        raise LinearLogpInputError(f"labels must hold one id per token of hidden: {flat_hidden.shape[0]} tokens "
+                                   f"(hidden {tuple(hidden.shape)}), got labels {tuple(labels.shape)}")
+    world = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
+    if world > 1:
+        local = weight.shape[0]
+        logprobs, entropy = linear_logp(
+            _ShareOfGradient.apply(flat_hidden, world), weight, flat_labels, tp_group=dist_process_group,
+            vocab_start_index=dist.get_rank(dist_process_group) * local, global_vocab_size=world * local,
+            temperature=float(temperature), return_entropy=True)
+    else:
+        logprobs, entropy = linear_logp(flat_hidden, weight, flat_labels, temperature=float(temperature),
+                                        return_entropy=True)
+    if reduction == "sum":
+        logprobs = logprobs.sum()
+    elif reduction == "mean":
+        logprobs = logprobs.sum() / flat_labels.numel()
+    return logprobs, entropy
+
+
+__all__ = ["linear_cross_entropy", "REDUCTIONS"]

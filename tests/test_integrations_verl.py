@@ -1,0 +1,116 @@
+"""``tplogp.integrations.verl.linear_cross_entropy`` with verl's meaning, against float64: flat outputs, the
+reductions, temperature, gradients of both outputs; on one process and on 2 and 4 gloo ranks with even vocab
+shards (each rank's ``hidden.grad`` summed over the group, as verl's callers do). Each result is checked with the
+three-way rule of ``tplogp.tolerances`` (no worse than the same-dtype PyTorch reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tplogp import LinearLogpInputError
+from tplogp.integrations.verl import linear_cross_entropy
+from tplogp.tolerances import assert_no_worse
+
+# 1032 ids: even shards at world 2 and 4 (516, 258 rows); D = 48 is not a multiple of verl's 128 (not required here)
+V, D, T = 1032, 48, 0.8
+
+
+def _reference(hidden, weight, labels, temperature, reduction):
+    """verl's meaning written out with the logits: flat [N] logprobs (or their sum / mean) and entropy."""
+    z = (hidden.reshape(-1, hidden.shape[-1]) @ weight.T) / temperature
+    logsm = torch.log_softmax(z, -1)
+    logp = logsm.gather(1, labels.reshape(-1, 1))[:, 0]
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    if reduction == "sum":
+        logp = logp.sum()
+    elif reduction == "mean":
+        logp = logp.mean()
+    return logp, entropy
+
+
+def _inputs(seed, lead=(3, 5), dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*lead, D, generator=g).to(dtype)
+    weight = (torch.randn(V, D, generator=g) / D**0.5).to(dtype)
+    labels = torch.randint(0, V, lead, generator=g)
+    n = labels.numel()
+    return hidden, weight, labels, torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+def _run(fn, hidden, weight, labels, g_logp, g_ent, reduction, dtype=None):
+    """Outputs and (d_hidden, d_weight) for the upstream gradients g_logp (scalar-summed when reduced), g_ent."""
+    h = hidden.detach().to(dtype or hidden.dtype).requires_grad_()
+    w = weight.detach().to(dtype or weight.dtype).requires_grad_()
+    logp, entropy = fn(h, w, labels, T, reduction)
+    upstream = g_logp if reduction == "none" else g_logp[0]
+    ((logp * upstream).sum() + (entropy * g_ent).sum()).backward()
+    return logp.detach(), entropy.detach(), h.grad, w.grad
+
+
+# Each reduction once in fp32, "none" in bf16 (the dtype verl runs in); [B, S, D] hidden except one [N, D] case.
+@pytest.mark.parametrize("reduction,dtype,lead", [
+    ("none", torch.float32, (3, 5)), ("sum", torch.float32, (15,)), ("mean", torch.float32, (3, 5)),
+    ("none", torch.bfloat16, (3, 5))], ids=["none-fp32-BSD", "sum-fp32-ND", "mean-fp32-BSD", "none-bf16-BSD"])
+def test_one_process_against_float64(reduction, dtype, lead):
+    hidden, weight, labels, g_logp, g_ent = _inputs(0, lead, dtype)
+    ours = _run(linear_cross_entropy, hidden, weight, labels, g_logp, g_ent, reduction)
+    ref = _run(_reference, hidden, weight, labels, g_logp, g_ent, reduction)
+    truth = _run(_reference, hidden, weight, labels, g_logp.double(), g_ent.double(), reduction, torch.float64)
+    assert ours[0].dtype == ours[1].dtype == torch.float32
+    assert ours[0].shape == (() if reduction != "none" else (labels.numel(),)) and ours[1].shape == (labels.numel(),)
+    assert ours[2].shape == hidden.shape and ours[2].dtype == dtype and ours[3].dtype == dtype
+    for name, o, r, t in zip(("logprobs", "entropy", "d_hidden", "d_weight"), ours, ref, truth):
+        assert_no_worse(name, o, r, t, dtype)
+
+
+def test_reduction_names_and_errors():
+    hidden, weight, labels, _, _ = _inputs(1)
+    a, _ = linear_cross_entropy(hidden, weight, labels, T, "MEAN")  # verl lower-cases the name
+    b, _ = linear_cross_entropy(hidden, weight, labels, T, "none")
+    torch.testing.assert_close(a, b.mean())
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        linear_cross_entropy(hidden, weight, labels, T, "batchmean")
+    with pytest.raises(LinearLogpInputError, match="one id per token"):
+        linear_cross_entropy(hidden, weight, labels[:, :-1], T)
+    with pytest.raises(LinearLogpInputError, match="temperature must be a number"):
+        linear_cross_entropy(hidden, weight, labels, "1.0")
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=120)
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_even_shards_against_float64(tp, reduction):
+    """Each rank passes its even shard and the group; the caller sums hidden.grad over the group (as with verl)."""
+    hidden, weight, labels, g_logp, g_ent = _inputs(2)  # the same full tensors on every rank
+    rows = V // tp.world_size
+    shard = slice(tp.rank * rows, (tp.rank + 1) * rows)
+
+    def tplogp_call(h, w, lab, t, red):
+        return linear_cross_entropy(h, w[shard], lab, t, red, tp.group)
+
+    logp, entropy, d_hidden, d_weight = _run(tplogp_call, hidden, weight, labels, g_logp, g_ent, reduction)
+    tp.assert_all(d_weight[:shard.start].abs().sum() == 0 and d_weight[shard.stop:].abs().sum() == 0,
+                  "only this rank's shard gets a weight gradient")
+    dist.all_reduce(d_hidden, group=tp.group)
+    ref = _run(_reference, hidden, weight, labels, g_logp, g_ent, reduction)
+    truth = _run(_reference, hidden, weight, labels, g_logp.double(), g_ent.double(), reduction, torch.float64)
+    problems = []
+    for name, o, r, t in (("logprobs", logp, ref[0], truth[0]), ("entropy", entropy, ref[1], truth[1]),
+                          ("d_hidden", d_hidden, ref[2], truth[2]),
+                          ("d_weight", d_weight[shard], ref[3][shard], truth[3][shard])):
+        try:
+            assert_no_worse(name, o, r, t, torch.float32)
+        except AssertionError as exc:
+            problems.append(str(exc))
+    tp.assert_all(not problems, "; ".join(problems))
+
+
+@pytest.mark.tp(world_size=2, timeout=120)
+def test_uneven_shards_are_refused_on_every_rank(tp):
+    """verl's layout is even shards: a rank with a different shard size is a layout error, raised on every rank."""
+    hidden, weight, labels, _, _ = _inputs(3)
+    local = weight[:500] if tp.rank == 0 else weight[500:]  # 500 and 532 rows
+    with pytest.raises(Exception) as info:
+        linear_cross_entropy(hidden, local, labels, T, "none", tp.group)
+    tp.assert_all(isinstance(info.value, (LinearLogpInputError, ValueError)), repr(info.value))
