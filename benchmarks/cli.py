@@ -1,4 +1,4 @@
-"""``python -m benchmarks op|tp|memory|plugin|report [options]``: the suite's one entry point.
+"""``python -m benchmarks op|tp|memory|plugin|integrations|report [options]``: the suite's one entry point.
 
 Every measuring subcommand prints its rows and appends them to ``<out>/results.jsonl`` (default
 ``benchmarks/results``); ``op`` also redraws the Pareto plots there. ``--smoke`` runs the same code on tiny
@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--degrees", help="TP degrees (default 1,2,4,... up to the GPUs; smoke 1,2)")
     tp.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16; smoke fp32")
     tp.add_argument("--steps", type=int, default=None)
+
+    hf = sub.add_parser("integrations", parents=[common],
+                        help="HF causal LM: TRL's logits path vs tplogp.integrations.hf (log-probs, GRPO step)")
+    hf.add_argument("--reps", type=int, help="timed calls per implementation (default 5; smoke 1)")
+    hf.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16; smoke fp32")
 
     rep = sub.add_parser("report", help="regenerate docs/performance.md and the plots from the results file")
     rep.add_argument("--out", default=runner.DEFAULT_OUT, help="folder of results.jsonl (default: %(default)s)")
@@ -163,7 +168,22 @@ def _report(args) -> int:
     return 0
 
 
-COMMANDS = {"op": _op, "memory": _memory, "plugin": _plugin, "tp": _tp, "report": _report}
+def _integrations(args) -> int:
+    from . import integrations
+
+    device = _device()
+    info = runner.run_info(device)
+    info["transformers"] = runner._version("transformers")
+    rows = integrations.bench(args.smoke, args.reps or (1 if args.smoke else 5),
+                              args.dtype or ("fp32" if args.smoke else "bf16"))
+    print(f"# {info['device']} | torch {info['torch']} | transformers {info['transformers']} | "
+          f"tplogp {info['commit']}\n{integrations.TABLE_HEADER}", flush=True)
+    _finish(args.out, rows, info, args.smoke, integrations.format_row)
+    return 0
+
+
+COMMANDS = {"op": _op, "memory": _memory, "plugin": _plugin, "tp": _tp, "integrations": _integrations,
+            "report": _report}
 
 
 def _without_base(argv: list[str]) -> list[str]:

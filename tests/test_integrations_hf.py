@@ -260,3 +260,85 @@ def test_missing_package_is_named(monkeypatch):
 
     with pytest.raises(MissingDependencyError, match="'transformers'"):
         importlib.import_module("tplogp.integrations.hf")
+
+
+@pytest.mark.tp(world_size=2, timeout=300)
+def test_tensor_parallel_heads_on_gloo_ranks(tp):
+    """The LM head sharded over the vocabulary on 2 ranks, two ways: its weight a DTensor placed Shard(0) (how
+    FSDP2 + TP hold it), and a tensor-parallel plan ColwiseParallel(output_layouts=Replicate()) on the head (its
+    hooks make the head's input a replicated DTensor). Values and gradients against the logits path of the same
+    model unsharded, fp32 and float64; the loss through the plan too."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.placement_types import Replicate
+
+    mesh = DeviceMesh.from_group(tp.group, "cpu")
+    ids, mask = _batch("left")
+    problems = []
+
+    def check(name, fn, model):
+        plain = _model("llama")
+        reference, truth = copy.deepcopy(plain), copy.deepcopy(plain).double()
+        outs = []
+        for f, m in ((fn, model), (logits_path, reference), (logits_path, truth)):
+            out = f(m, ids, mask, temperature=T)
+            (out * torch.linspace(-1, 1, out.numel()).view(out.shape).to(out.dtype)).sum().backward()
+            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                     for n, p in m.named_parameters()}
+            outs.append((out.detach(), grads))
+        try:
+            assert_no_worse(f"{name} logp", outs[0][0], outs[1][0], outs[2][0], torch.float32)
+            for n in outs[2][1]:
+                assert_no_worse(f"{name} grad {n}", outs[0][1][n], outs[1][1][n], outs[2][1][n], torch.float32)
+        except AssertionError as exc:
+            problems.append(str(exc))
+
+    dtensor_head = _model("llama")
+    dtensor_head.lm_head.weight = torch.nn.Parameter(distribute_tensor(dtensor_head.lm_head.weight.detach(), mesh,
+                                                                       [Shard(0)]))
+    check("DTensor head", causal_lm_logprobs, dtensor_head)
+
+    planned = parallelize_module(_model("llama"), mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    assert isinstance(planned.lm_head.weight, DTensor)
+    check("TP plan", causal_lm_logprobs, planned)
+
+    weights = mask[:, 1:].float()
+
+    def loss(m, *args, **kwargs):
+        return causal_lm_loss(m, *args, loss=losses.policy_gradient(), per_token=(weights,), **kwargs)
+
+    def loss_reference(m, *args, **kwargs):
+        return -(logits_path(m, *args, **kwargs) * weights.to(torch.float64 if m.dtype == torch.float64
+                                                                else torch.float32)).sum()
+
+    planned = parallelize_module(_model("llama"), mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    plain = _model("llama")
+    ours = loss(planned, ids, mask, temperature=T)
+    expected = loss_reference(plain, ids, mask, temperature=T)
+    ours.backward()
+    expected.backward()
+    try:
+        torch.testing.assert_close(ours.detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(planned.lm_head.weight.grad.full_tensor(), plain.lm_head.weight.grad,
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(planned.model.norm.weight.grad, plain.model.norm.weight.grad, rtol=1e-5,
+                                   atol=1e-6)
+    except AssertionError as exc:
+        problems.append(f"TP plan loss: {exc}")
+    tp.assert_all(not problems, "; ".join(problems))
+
+
+def test_benchmark_smoke_rows():
+    """``python -m benchmarks integrations --smoke``'s measuring function on tiny shapes: every step and
+    implementation gives a row, and the log-prob step's values agree with the fp32 reference."""
+    from benchmarks import integrations
+
+    rows = integrations.bench(smoke=True, reps=1, dtype_name="fp32")
+    assert [(r["step"], r["impl"]) for r in rows] == [
+        ("logprobs", "trl_logits"), ("logprobs", "tplogp"), ("grpo_loss", "trl_logits"),
+        ("grpo_loss", "tplogp_logprobs"), ("grpo_loss", "tplogp_fused")]
+    assert all(r["median_ms"] > 0 and r["suite"] == "integrations" for r in rows)
+    errors = {r["impl"]: r["err_logp"] for r in rows if r["step"] == "logprobs"}
+    assert errors["tplogp"] < 1e-4 and errors["trl_logits"] < 1e-4  # fp32 on both sides
+    assert integrations.format_row(rows[0]).count("|") == integrations.TABLE_HEADER.splitlines()[0].count("|")

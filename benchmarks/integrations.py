@@ -1,0 +1,169 @@
+"""Hugging Face causal LM, RL steps: TRL's logits path vs ``tplogp.integrations.hf`` (time and peak memory).
+
+``python -m benchmarks integrations`` (one H200: about a minute after the model is built). The model is a
+Qwen2.5-1.5B-sized Qwen2 config with random weights (vocab 151936, hidden 1536, 28 layers, tied head), bf16, on
+8 x 2048 tokens (prompt 512 + completion 1536, ``logits_to_keep`` = the completion, as TRL's GRPO trainer calls it).
+Two steps, each implementation on the same model and batch:
+
+* ``logprobs``: the old/reference log-probs of a GRPO batch, under ``torch.no_grad()``:
+  ``trl_logits`` = ``model(ids, mask, logits_to_keep=k + 1).logits[:, :-1] / T`` then a selective log-softmax
+  written as TRL's (gather and log-softmax row by row for bf16 logits); ``tplogp`` = ``causal_lm_logprobs``.
+* ``grpo_loss``: forward + backward of the clipped GRPO loss (``ppo_clip(0.2, 0.28)``, token mean over the
+  completion mask): ``trl_logits`` as above then the loss in PyTorch; ``tplogp_logprobs`` = ``causal_lm_logprobs``
+  then the same PyTorch loss; ``tplogp_fused`` = ``causal_lm_loss`` (the loss and the head's gradients chunk by
+  chunk in the forward).
+
+Time: median of ``--reps`` calls (CUDA events, synced per call) after warm-up calls. Memory: peak allocated GiB
+during one call above what was allocated before it (model and batch excluded; gradients of the parameters and
+the activations included). ``err_logp``: max |logp - reference| of the logprobs step, the reference being the
+fp32 log-softmax of fp32 logits of the same final hidden states and head. Prints a markdown table and appends
+JSON rows (suite ``integrations``) to the results file.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import torch
+
+from . import runner
+
+FULL = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+            num_attention_heads=12, num_key_value_heads=2, batch=8, seq=2048, completion=1536)
+SMOKE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, batch=2, seq=24, completion=16)
+TEMPERATURE = 0.9
+
+
+def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
+        max_position_embeddings=max(shape["seq"], 64), tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.to(device=device, dtype=dtype).train()
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The selective log-softmax of TRL's trainers: fp32/fp64 logits gather minus a per-row logsumexp; lower
+    precision logits a log_softmax row by row (bounding the temporary to one row's logits)."""
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, index[..., None])[..., 0]
+        return picked - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+    return torch.stack([torch.log_softmax(row, dim=-1).gather(-1, ids[:, None])[:, 0]
+                        for row, ids in zip(logits, index)])
+
+
+def trl_logprobs(model, ids, mask, keep: int, temperature: float) -> torch.Tensor:
+    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep + 1, use_cache=False).logits
+    logits = logits[:, :-1] / temperature
+    return selective_log_softmax(logits, ids[:, -keep:])
+
+
+def grpo_token_loss(logp, old_logp, advantages, completion_mask) -> torch.Tensor:
+    from tplogp import losses
+
+    per_token = losses.ppo_clip(0.2, 0.28)(logp, None, advantages, old_logp)
+    return (per_token * completion_mask).sum() / completion_mask.sum().clamp_min(1)
+
+
+def reference_logprobs(model, ids, mask, keep: int, temperature: float) -> torch.Tensor:
+    """fp32 log-softmax of fp32 logits of the same final hidden states and head (one sequence at a time)."""
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    out = []
+    for b in range(ids.shape[0]):
+        z = hidden[b, -keep - 1:-1].float() @ head.weight.float().T
+        if head.bias is not None:
+            z = z + head.bias.float()
+        out.append(torch.log_softmax(z / temperature, -1).gather(-1, ids[b, -keep:, None])[:, 0])
+    return torch.stack(out)
+
+
+def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
+    from tplogp import losses
+    from tplogp.integrations.hf import causal_lm_logprobs, causal_lm_loss
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    shape = SMOKE if smoke else FULL
+    dtype = runner.DTYPES[dtype_name]
+    model = build_model(shape, dtype, device)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    b, s, keep = shape["batch"], shape["seq"], shape["completion"]
+    ids = torch.randint(0, shape["vocab_size"], (b, s), generator=g).to(device)
+    mask = torch.ones(b, s, dtype=torch.long)
+    for row in range(0, b, 2):  # every other sequence left-padded by an eighth of the prompt
+        mask[row, : (s - keep) // 8] = 0
+    mask = mask.to(device)
+    completion_mask = torch.ones(b, keep)
+    for row in range(b):  # completions of different lengths
+        completion_mask[row, keep - row * keep // (2 * b):] = 0
+    completion_mask = completion_mask.to(device)
+    advantages = torch.randn(b, 1, generator=g).expand(b, keep).contiguous().to(device)
+    T = TEMPERATURE
+
+    with torch.no_grad():
+        reference = reference_logprobs(model, ids, mask, keep, T)
+        trl_values = trl_logprobs(model, ids, mask, keep, T)
+        ours_values = causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T)
+    old_logp = (reference + 0.05 * torch.randn(reference.shape, generator=g).to(device)).detach()
+    errors = {"trl_logits": float((trl_values.float() - reference).abs().max()),
+              "tplogp": float((ours_values - reference).abs().max())}
+    del reference, trl_values, ours_values
+
+    def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
+    def with_backward(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], object]:
+        def run():
+            model.zero_grad(set_to_none=True)
+            loss_fn().backward()
+        return run
+
+    cases = [
+        ("logprobs", "trl_logits", no_grad(lambda: trl_logprobs(model, ids, mask, keep, T))),
+        ("logprobs", "tplogp", no_grad(lambda: causal_lm_logprobs(model, ids, mask, logits_to_keep=keep,
+                                                                  temperature=T))),
+        ("grpo_loss", "trl_logits", with_backward(lambda: grpo_token_loss(
+            trl_logprobs(model, ids, mask, keep, T), old_logp, advantages, completion_mask))),
+        ("grpo_loss", "tplogp_logprobs", with_backward(lambda: grpo_token_loss(
+            causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T), old_logp, advantages,
+            completion_mask))),
+        ("grpo_loss", "tplogp_fused", with_backward(lambda: causal_lm_loss(
+            model, ids, mask, loss=losses.ppo_clip(0.2, 0.28), per_token=(advantages, old_logp),
+            loss_mask=completion_mask, reduction="mean", logits_to_keep=keep, temperature=T))),
+    ]
+    rows = []
+    for step, impl, fn in cases:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        peak = runner.extra_peak_gib(fn, device)
+        ms = runner.median_ms(fn, device, reps=reps, warmup=1 if smoke else 2)
+        rows.append(dict(suite="integrations", step=step, impl=impl, model="qwen2", dtype=dtype_name,
+                         vocab=shape["vocab_size"], hidden=shape["hidden_size"],
+                         layers=shape["num_hidden_layers"], batch=b, seq=s, logits_to_keep=keep, temperature=T,
+                         median_ms=round(ms, 3), peak_gib=None if peak is None else round(peak, 3),
+                         err_logp=errors.get(impl) if step == "logprobs" else None))
+    model.zero_grad(set_to_none=True)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+    err = "" if r.get("err_logp") is None else f"{r['err_logp']:.2e}"
+    return f"| {r['step']} | {r['impl']} | {r['median_ms']:.1f} | {peak} | {err} |"
+
+
+TABLE_HEADER = ("| step | implementation | median ms | extra peak GiB | max abs logp error vs fp32 |\n"
+                "|---|---|---:|---:|---:|")
