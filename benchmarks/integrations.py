@@ -149,7 +149,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         peak = runner.extra_peak_gib(fn, device)
-        ms = runner.median_ms(fn, device, reps=reps, warmup=1 if smoke else 2)
+        ms = runner.median_ms(fn, device, reps=reps, warmup=0 if smoke else 2)
         rows.append(dict(suite="integrations", step=step, impl=impl, model="qwen2", dtype=dtype_name,
                          vocab=shape["vocab_size"], hidden=shape["hidden_size"],
                          layers=shape["num_hidden_layers"], batch=b, seq=s, logits_to_keep=keep, temperature=T,

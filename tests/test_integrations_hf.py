@@ -263,11 +263,12 @@ def test_missing_package_is_named(monkeypatch):
 
 
 @pytest.mark.tp(world_size=2, timeout=300)
-def test_tensor_parallel_heads_on_gloo_ranks(tp):
+def test_sharded_and_wrapped_models_on_gloo_ranks(tp):
     """The LM head sharded over the vocabulary on 2 ranks, two ways: its weight a DTensor placed Shard(0) (how
     FSDP2 + TP hold it), and a tensor-parallel plan ColwiseParallel(output_layouts=Replicate()) on the head (its
-    hooks make the head's input a replicated DTensor). Values and gradients against the logits path of the same
-    model unsharded, fp32 and float64; the loss through the plan too."""
+    hooks make the head's input a replicated DTensor); and the model under FSDP2 (per layer and root) and under
+    DDP. Values and gradients against the logits path of the same model unsharded, fp32 and float64; the loss
+    through the plan too."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -284,7 +285,7 @@ def test_tensor_parallel_heads_on_gloo_ranks(tp):
         for f, m in ((fn, model), (logits_path, reference), (logits_path, truth)):
             out = f(m, ids, mask, temperature=T)
             (out * torch.linspace(-1, 1, out.numel()).view(out.shape).to(out.dtype)).sum().backward()
-            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+            grads = {n.removeprefix("module."): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
                      for n, p in m.named_parameters()}
             outs.append((out.detach(), grads))
         try:
@@ -302,6 +303,18 @@ def test_tensor_parallel_heads_on_gloo_ranks(tp):
     planned = parallelize_module(_model("llama"), mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     assert isinstance(planned.lm_head.weight, DTensor)
     check("TP plan", causal_lm_logprobs, planned)
+
+    # FSDP2 and DDP over the same 2 ranks, the same batch on both: their averaged gradients are the full ones
+    from torch.distributed.fsdp import fully_shard
+
+    fsdp = _model("llama")
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    check("FSDP2", causal_lm_logprobs, fsdp)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(_model("llama"), process_group=tp.group)
+    check("DDP", lambda m, *a, **k: causal_lm_logprobs(m, *a, **k), ddp)
 
     weights = mask[:, 1:].float()
 

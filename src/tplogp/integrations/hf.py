@@ -199,8 +199,9 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
     if scale is None:
         same = logits is result and result._version == version
     else:
-        same = (isinstance(logits, torch.Tensor) and logits is not result and result._version == version
-                and torch.equal(logits, scale.apply(result)))
+        with torch.no_grad():
+            same = (isinstance(logits, torch.Tensor) and logits is not result and result._version == version
+                    and torch.equal(logits, scale.apply(result)))
     if not same:
         what = (f"exactly the head's output scaled by config.{scale.name}" if scale is not None else
                 "the head's output, unmodified")
@@ -271,7 +272,8 @@ def causal_lm_logprobs(
         out = linear_logp(hidden, head.weight, targets.to(hidden.device), head.bias,
                           temperature=temperature if scale is None else scale.temperature(temperature),
                           return_entropy=return_entropy, workspace_bytes=workspace_bytes)
-        return torch.stack(tuple(out), dim=-1) if return_entropy else out
+        # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a view)
+        return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
 
     shape = (input_ids.shape[0], _positions(input_ids, logits_to_keep)) + ((2,) if return_entropy else ())
     result = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, shape)
