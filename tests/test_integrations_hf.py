@@ -17,10 +17,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tplogp import losses  # noqa: E402
-from tplogp.integrations import MissingDependencyError, require  # noqa: E402
-from tplogp.integrations.hf import UnsupportedModelError, causal_lm_logprobs, causal_lm_loss  # noqa: E402
-from tplogp.tolerances import assert_no_worse  # noqa: E402
+from tplogp import losses
+from tplogp.integrations import MissingDependencyError, require
+from tplogp.integrations.hf import UnsupportedModelError, causal_lm_logprobs, causal_lm_loss
+from tplogp.tolerances import assert_no_worse
 
 V, B, S, T = 211, 3, 9, 0.7
 _DECODER = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -170,8 +170,22 @@ def test_lora_wrapped_model():
     assert any("lora_A" in n for n, p in model.named_parameters() if p.grad is not None)
 
 
-def _causal_lm_class(model):
-    return type(model)
+def test_a_head_behind_accelerate_hooks():
+    """device_map / offloading wrap the head's forward (accelerate hooks): the hook still runs around the head."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    calls = []
+
+    class Counting(hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(module)
+            return args, kwargs
+
+    model = _model("qwen2")
+    hooks.add_hook_to_module(model.lm_head, Counting())
+    ids, mask = _batch("left")
+    _three_way(causal_lm_logprobs, model, ids, mask, temperature=T)
+    assert any(m is model.lm_head for m in calls)  # ours ran through the hook (the copies have theirs)
+    assert "_old_forward" in model.lm_head.__dict__ and callable(model.lm_head._old_forward)
 
 
 def test_refusals_name_the_feature():
