@@ -170,6 +170,15 @@ def test_lora_wrapped_model():
     assert any("lora_A" in n for n, p in model.named_parameters() if p.grad is not None)
 
 
+def test_lora_with_a_trainable_copy_of_the_head():
+    """PEFT's modules_to_save=["lm_head"]: the wrapper calls the head's trainable copy, which gets the gradient."""
+    model = _lora(_model("llama"), target_modules=["q_proj"], modules_to_save=["lm_head"])
+    ids, mask = _batch("right")
+    _three_way(causal_lm_logprobs, model, ids, mask, temperature=T)
+    trained = [n for n, p in model.named_parameters() if p.grad is not None and "lm_head" in n]
+    assert trained and all("modules_to_save" in n for n in trained)
+
+
 def test_a_head_behind_accelerate_hooks():
     """device_map / offloading wrap the head's forward (accelerate hooks): the hook still runs around the head."""
     hooks = pytest.importorskip("accelerate.hooks")

@@ -15,7 +15,7 @@ final hidden states, shifted as above) with its own weight and bias: ``linear_lo
 What is checked, so that a number that differs from the logits path is never returned:
 
 * before the forward: the head is a ``torch.nn.Linear`` that does not override ``forward`` (not a LoRA layer,
-  not a quantized linear); the config asks for no final-logit softcapping (Gemma 2/3 style); no prompt-learning
+  not a quantized linear; PEFT's ``modules_to_save`` wrapper of plain ones is fine); the config asks for no final-logit softcapping (Gemma 2/3 style); no prompt-learning
   adapter changes the sequence;
 * after it: the head ran exactly once, on hidden states of the input's length, and the model returned the head's
   output as its logits, unmodified (the same tensor, its version counter unchanged). A model whose forward scales
@@ -97,59 +97,74 @@ def _check_config(model) -> Optional[_LogitScale]:
     return scale
 
 
-def _output_head(model) -> torch.nn.Linear:
-    """The model's LM head (``get_output_embeddings()``, through wrappers that hold the model as ``.module``)."""
+def _plain_linear(module) -> bool:
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+
+
+def _output_heads(model) -> list[torch.nn.Linear]:
+    """The linear layers that may compute the model's logits: the LM head (``get_output_embeddings()``, through
+    wrappers that hold the model as ``.module``), or, for PEFT's ``modules_to_save`` wrapper of the head, its
+    original layer and its trainable copies (the wrapper calls one of them and returns its output as is)."""
     target = model
+    head = None
     for _ in range(4):
         get = getattr(target, "get_output_embeddings", None)
         head = get() if callable(get) else None
-        if head is not None:
-            break
         target = getattr(target, "module", None)
-        if target is None:
+        if head is not None or target is None:
             break
-    else:
-        head = None
     if head is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no output embeddings (get_output_embeddings() gave None): expected a "
             f"Hugging Face causal LM (a *ForCausalLM model, possibly wrapped by PEFT, DDP or FSDP)")
-    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+    copies = getattr(head, "modules_to_save", None)
+    original = getattr(head, "original_module", None)
+    if isinstance(copies, torch.nn.ModuleDict) and original is not None:
+        heads = [original, *copies.values()]
+    else:
+        heads = [head]
+    if not all(_plain_linear(h) for h in heads):
+        odd = next(h for h in heads if not _plain_linear(h))
         raise UnsupportedModelError(
-            f"the LM head is a {type(head).__module__}.{type(head).__qualname__}, expected a plain torch.nn.Linear: "
+            f"the LM head is a {type(odd).__module__}.{type(odd).__qualname__}, expected a plain torch.nn.Linear: "
             f"tplogp reads its weight and bias. An adapter on the LM head (LoRA: W x + B A x) or a quantized or "
-            f"custom head is not supported; leave lm_head out of the adapter's target_modules")
-    return head
+            f"custom head is not supported; leave lm_head out of the adapter's target_modules (PEFT's "
+            f"modules_to_save=[\"lm_head\"], a trainable copy of the head, is supported)")
+    return heads
 
 
 @contextlib.contextmanager
-def _head_computes(head: torch.nn.Module, compute: Callable[[torch.Tensor], torch.Tensor]):
-    """While active, calling ``head`` returns ``compute(hidden)`` instead of its logits (its hooks still run); yields
-    the list of the head's outputs, after its hooks, with their version counters."""
+def _heads_compute(heads: list, compute: Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]):
+    """While active, calling any of ``heads`` returns ``compute(that_head, hidden)`` instead of its logits (its
+    hooks still run); yields the list of the heads' outputs, after their hooks, with their version counters."""
     outputs: list = []
-
-    def forward(hidden, *args, **kwargs):
-        if args or kwargs:
-            raise UnsupportedModelError(f"the LM head was called with extra arguments {len(args)} / {sorted(kwargs)}; "
-                                        f"expected head(hidden_states)")
-        return compute(hidden)
 
     def record(module, args, output):
         outputs.append((output, output._version if isinstance(output, torch.Tensor) else None))
 
-    # accelerate's hooks (device_map) wrap forward and call _old_forward after moving tensors: replace that one
-    name = "_old_forward" if "_old_forward" in head.__dict__ else "forward"
-    previous = head.__dict__.get(name)
-    setattr(head, name, forward)
-    handle = head.register_forward_hook(record)
+    def patched(head):
+        def forward(hidden, *args, **kwargs):
+            if args or kwargs:
+                raise UnsupportedModelError(f"the LM head was called with extra arguments {len(args)} / "
+                                            f"{sorted(kwargs)}; expected head(hidden_states)")
+            return compute(head, hidden)
+        return forward
+
+    restore = []
     try:
+        for head in heads:
+            # accelerate's hooks (device_map) wrap forward and call _old_forward after moving tensors: replace that
+            name = "_old_forward" if "_old_forward" in head.__dict__ else "forward"
+            restore.append((head, name, head.__dict__.get(name), head.register_forward_hook(record)))
+            setattr(head, name, patched(head))
         yield outputs
     finally:
-        handle.remove()
-        if previous is None:
-            delattr(head, name)
-        else:
-            setattr(head, name, previous)
+        for head, name, previous, handle in reversed(restore):
+            handle.remove()
+            if previous is None:
+                delattr(head, name)
+            else:
+                setattr(head, name, previous)
 
 
 def _model_logits(out):
@@ -175,10 +190,10 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
         raise ValueError(f"logits_to_keep must be an int in [0, sequence length - 1 = {input_ids.shape[1] - 1}], "
                          f"got {logits_to_keep!r}")
     scale = _check_config(model)
-    head = _output_head(model)
+    heads = _output_heads(model)
     seq = input_ids.shape[1]
 
-    def compute(hidden):
+    def compute(head, hidden):
         if hidden.dim() != 3 or hidden.shape[1] != seq:
             raise UnsupportedModelError(
                 f"the LM head got hidden states of shape {tuple(hidden.shape)} for input_ids of shape "
@@ -188,7 +203,7 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
         return make(head, shifted, scale)
 
     model_kwargs.setdefault("use_cache", False)
-    with _head_computes(head, compute) as outputs:
+    with _heads_compute(heads, compute) as outputs:
         out = model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     if len(outputs) != 1:
         raise UnsupportedModelError(f"the LM head ran {len(outputs)} times in the model's forward, expected once "
