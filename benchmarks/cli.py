@@ -176,8 +176,11 @@ def _integrations(args) -> int:
     info["transformers"] = runner._version("transformers")
     rows = integrations.bench(args.smoke, args.reps or (1 if args.smoke else 5),
                               args.dtype or ("fp32" if args.smoke else "bf16"))
+    r = rows[0]
     print(f"# {info['device']} | torch {info['torch']} | transformers {info['transformers']} | "
-          f"tplogp {info['commit']}\n{integrations.TABLE_HEADER}", flush=True)
+          f"tplogp {info['commit']}\n# {r['model']} vocab {r['vocab']}, hidden {r['hidden']}, {r['layers']} layers, "
+          f"{r['batch']} x {r['seq']} tokens, logits_to_keep {r['logits_to_keep']}, {r['dtype']}\n"
+          f"{integrations.TABLE_HEADER}", flush=True)
     _finish(args.out, rows, info, args.smoke, integrations.format_row)
     return 0
 
