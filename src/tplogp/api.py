@@ -31,7 +31,7 @@ from .dtensor import is_dtensor, unwrap_dtensors
 from .kernel_registry import backend_for_call, check_op, check_source, require_source
 from .outputs import LinearLogpResult, pack_outputs
 from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, LogpOptions, linear_logp_tp
-from .validation import LinearLogpInputError, is_int
+from .checks import LinearLogpInputError, is_int
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
 
@@ -78,21 +78,27 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
     if is_dtensor(weight) or is_dtensor(hidden):
         return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias, tp_group,
                                vocab_start_index, global_vocab_size, options)
+    if not torch.compiler.is_compiling():  # eager: the same bodies without the op's dispatch (host time)
+        device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+        backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
+        if not torch.is_autocast_enabled(device.type) or not _fits_op_schema(
+                hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options):
+            # (arguments of other types: the checks raise their error, on every rank)
+            return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
+                                  vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+                                  options=options)
+        hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
+        with torch.autocast(device.type, enabled=False):
+            return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
+                                  vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+                                  options=options)
     if not _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options):
         device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
         backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
         return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
                               vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
                               options=options)  # raises the checks' error (on every rank)
-    device_type = hidden.device.type
-    hidden, weight, bias = autocast_inputs(device_type, hidden, weight, bias)
-    if not torch.compiler.is_compiling():  # eager: the same bodies without the op's dispatch (host time)
-        with contextlib.ExitStack() as stack:
-            if torch.is_autocast_enabled(device_type):
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-            return linear_logp_tp(backend_for_call(source, hidden.device, hidden.dtype), hidden, weight, target_ids,
-                                  bias, tp_group=tp_group, vocab_start_index=vocab_start_index,
-                                  global_vocab_size=global_vocab_size, options=options)
+    hidden, weight, bias = autocast_inputs(hidden.device.type, hidden, weight, bias)
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
     packed, _ = ops.linear_logp_fwd(
         hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,

@@ -66,6 +66,14 @@ def host_group(group, comm_device: torch.device):
     return _host_groups[ranks]
 
 
+def known_host_group(group, comm_device: torch.device):
+    """:func:`host_group` when it needs no collective now (``group`` is gloo, or its companion was made by an earlier
+    call), else None: what a CUDA-graph capture, which cannot run the first use's device collective, may call."""
+    if "gloo" in str(dist.get_backend(group)).lower():
+        return group
+    return _host_groups.get(tuple(dist.get_process_group_ranks(group)))
+
+
 def host_groups() -> list:
     """The companion groups :func:`host_group` holds for the process (the test plugin does not count them as
     leaked)."""

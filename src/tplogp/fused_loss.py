@@ -37,14 +37,19 @@ class _PrecomputedGrads(torch.autograd.Function):
     dtype (exact when the scalar is a power of two, as ``loss.backward()``'s 1)."""
 
     @staticmethod
-    def forward(ctx, loss, grads, hidden, weight, bias):
+    def forward(ctx, loss, grads, verdict, hidden, weight, bias):
         ctx.grads = grads
+        ctx.verdict = verdict  # checks.BackwardVerdict of the call, settled before any gradient is handed over
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, g):
-        return (None, None) + tuple(_scaled(t, g, dt) for t, dt in zip(ctx.grads, ctx.dtypes))
+        verdict = ctx.verdict
+        if verdict is None:
+            return (None, None, None) + tuple(_scaled(t, g, dt) for t, dt in zip(ctx.grads, ctx.dtypes))
+        verdict.settle()  # a bad target raises here (every rank alike); under a capture its flag zeroes them
+        return (None, None, None) + tuple(verdict.mask(_scaled(t, g, dt)) for t, dt in zip(ctx.grads, ctx.dtypes))
 
 
 # Elements per block when an fp32 gradient is scaled and rounded to a 16-bit dtype: the fp32 product is a transient
@@ -108,10 +113,10 @@ def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     with torch.no_grad():
-        total, grads = _loss_and_grads(backend, hidden, weight, target_ids, bias, needs, **kw)
+        total, grads, verdict = _loss_and_grads(backend, hidden, weight, target_ids, bias, needs, **kw)
     if not any(needs):
         return total
-    return _PrecomputedGrads.apply(total, grads, hidden, weight, bias)
+    return _PrecomputedGrads.apply(total, grads, verdict, hidden, weight, bias)
 
 
 def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool, bool, bool], *,
@@ -201,4 +206,4 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
             d_hidden = reduce.finish(d_hidden)
         # fp32: rounded once, after the upstream scale
         d_hidden = prep.finish_rows(d_hidden, n_all).view(hidden.shape)
-    return total, (d_hidden, d_w, d_b)
+    return total, (d_hidden, d_w, d_b), prep.verdict

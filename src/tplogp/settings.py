@@ -98,6 +98,13 @@ def checks_mode() -> str:
     return mode
 
 
+def layout_settings() -> tuple[Optional[str], Optional[str]]:
+    """The raw values of the variables that shape a call's plan (``TPLOGP_CHECKS``, ``TPLOGP_WORKSPACE_MB``), unparsed
+    and cheap: part of the key under which :mod:`tplogp.plan` remembers a layout (parsed when it plans one)."""
+    env = os.environ
+    return env.get(CHECKS), env.get(WORKSPACE_MB)
+
+
 def direct_launch() -> bool:
     """``TPLOGP_DIRECT_LAUNCH``: whether cached direct kernel launches are allowed (default True)."""
     return _flag(DIRECT_LAUNCH, True)

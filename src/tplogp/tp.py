@@ -34,36 +34,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
 
 from .backends.base import ShardBackend, ShardCall
-from .comm import OverlappedAllReduce, all_gather_flat, collective_device, host_group
-from .deferred_checks import (GROUP_NOTE, defer_group_target_check, defer_target_range_check,
-                              raise_pending_errors, take_group_pending)
+from .checks import BackwardVerdict, check_call, is_capturing, latest_verdict
+from .comm import OverlappedAllReduce, all_gather_flat
 from .outputs import LinearLogpResult, pack_outputs
+from .plan import CallPlan, LogpOptions, plan_call, remember, shard_call
 from .tensors import f32_contiguous, zero_rows
-from .validation import (
-    GroupCheck,
-    LinearLogpInputError,
-    checks_mode,
-    layout_problem_single,
-    local_problem,
-    summarize_targets,
-    target_range_problem,
-    target_summary_tensor,
-)
-
-
-@dataclass(frozen=True)
-class LogpOptions:
-    """Keyword options of ``linear_logp`` beyond the bare contract (defaults keep the bare behaviour)."""
-
-    temperature: float = 1.0
-    return_entropy: bool = False
-    return_lse: bool = False
-    ignore_index: Optional[int] = None
-    deterministic: bool = False
-    workspace_bytes: Optional[int] = None
 
 
 @dataclass
@@ -75,11 +52,10 @@ class _TPContext:
     group: Any
     world_size: int
     comm_device: torch.device
-
-    @property
-    def single(self) -> bool:
-        """One shard and a backend with ``forward_single``: it finishes the outputs; targets are passed as given."""
-        return self.world_size == 1 and hasattr(self.backend, "forward_single")
+    # one shard and a backend with ``forward_single``: it finishes the outputs; targets are passed as given
+    single: bool = False
+    # what the backward settles before it writes a gradient (checks.BackwardVerdict), or None
+    verdict: Optional[BackwardVerdict] = None
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
@@ -166,6 +142,9 @@ class _LinearLogpFunction(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy, g_lse):
         hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
+        verdict = tpc.verdict
+        if verdict is not None:  # a bad target raises here, before any gradient (every rank alike)
+            verdict.settle()
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if g_logp is None:  # only entropy or lse feeds the loss
             g_logp = torch.zeros(hidden.shape[0], device=hidden.device, dtype=torch.float32)
@@ -181,7 +160,10 @@ class _LinearLogpFunction(torch.autograd.Function):
         if d_hidden is not None:
             if d_hidden.dtype != hidden.dtype:
                 d_hidden = d_hidden.to(hidden.dtype)
-        return d_hidden, grads.d_weight, grads.d_bias, None, None
+        d_weight, d_bias = grads.d_weight, grads.d_bias
+        if verdict is not None and verdict.captured is not None:  # a captured call: zero when its flag is set
+            d_hidden, d_weight, d_bias = verdict.mask(d_hidden), verdict.mask(d_weight), verdict.mask(d_bias)
+        return d_hidden, d_weight, d_bias, None, None
 
 
 class PreparedCall(NamedTuple):
@@ -195,6 +177,12 @@ class PreparedCall(NamedTuple):
     tpc: _TPContext
     vocab_size: int  # of all shards together (the same on every rank)
     ignored: Optional[torch.Tensor] = None  # [N] bool: ignored rows kept in place (no compaction), or None
+    plan: Optional[CallPlan] = None  # the layout's plan
+
+    @property
+    def verdict(self) -> Optional[BackwardVerdict]:
+        """What the call's backward settles before it writes a gradient."""
+        return self.tpc.verdict
 
     def finish_rows(self, x: torch.Tensor, n_all: int, dim: int = 0, fill: float = 0.0) -> torch.Tensor:
         """An output of the call's rows as ``n_all`` rows, 0 at the ignored ones (``fill`` where they were
@@ -208,7 +196,7 @@ def compacts_rows(device: torch.device) -> bool:
     """Whether ignored rows are compacted away (their GEMM work saved, at the price of a host read of the kept-row
     count), or kept in place as rows that no shard owns, whose outputs are zeroed and whose upstream gradients are
     dropped (no host read): the latter while a CUDA graph is being captured, where a host read cannot happen."""
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return not is_capturing(device)
 
 
 def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0,
@@ -225,76 +213,25 @@ def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: i
 def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                  global_vocab_size: Optional[int], options: LogpOptions,
                  builds_graph: Optional[bool] = None) -> PreparedCall:
-    """Checks (the same verdict on every rank), flattening, ignore_index compaction and target localisation.
+    """The layout's plan (:mod:`tplogp.plan`), the checks (:func:`tplogp.checks.check_call`: the same verdict on
+    every rank), flattening, ignore_index compaction and target localisation.
 
     ``builds_graph``: whether the call records an autograd graph (None: grad mode and ``hidden.requires_grad``)."""
-    mode = checks_mode()
-    world = dist.get_world_size(tp_group) if tp_group is not None else 1
-    if world == 1 and mode != "fast":
-        raise_pending_errors()  # the deferred verdict of the previous call without a group
-    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                            options.ignore_index, options.temperature, options.workspace_bytes)
-    if world > 1:
-        comm_dev = collective_device(tp_group, hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu"))
-        ok = problem is None
-        # full checks exchange the record over a CPU group: nothing waits for the device; the targets' summary
-        # travels one call later (deferred_checks). sync (or no CPU group to be had): the device record, read here.
-        host = host_group(tp_group, comm_dev) if mode == "full" else None
-        if host is not None:  # the previous call's pending target check, judged by this one
-            earlier = take_group_pending(tp_group)
-            record_targets = None if earlier is None else earlier.read_summary()
-        else:
-            record_targets = (target_summary_tensor(target_ids, options.ignore_index, with_checksum=True)
-                              if ok and mode != "fast" else None)
-        total, summary = GroupCheck.run(
-            host if host is not None else tp_group, torch.device("cpu") if host is not None else comm_dev, problem,
-            n_tokens=int(target_ids.numel()) if ok else -1,
-            hidden_size=int(hidden.shape[-1]) if ok else -1,
-            vocab_start_index=int(vocab_start_index) if ok else -1,
-            v_local=int(weight.shape[0]) if ok else -1,
-            global_vocab_size=global_vocab_size if ok else None,
-            dtype=hidden.dtype if ok else torch.float32,
-            has_bias=bias is not None,
-            targets=record_targets,
-            ignore_index=options.ignore_index,
-            mode=mode,
-            builds_graph=bool(ok and (torch.is_grad_enabled() and hidden.requires_grad if builds_graph is None
-                                      else builds_graph)),
-            targets_note=GROUP_NOTE if host is not None else "",
-        )
-        targets = summary  # this call's own targets (sync), judged below
-        if host is not None:  # the summary is the previous call's (replicated, per the checksums): its range now
-            targets = None  # this call's are judged by the next call with the group
-            msg = None if summary is None else earlier.range_problem(summary)
-            if msg is not None:
-                raise LinearLogpInputError(msg + GROUP_NOTE)
-            defer_group_target_check(tp_group, target_ids, total, options.ignore_index)
-    else:
-        comm_dev = torch.device("cpu")
-        if problem is not None:
-            raise LinearLogpInputError(problem)
-        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size,
-                                      group_given=tp_group is not None)
-        targets = summarize_targets(target_ids, options.ignore_index, with_checksum=False) if mode == "sync" else None
-        if mode == "full":  # read at the next call (no host sync now); uncovered tokens get NaN meanwhile
-            defer_target_range_check(target_ids, total, options.ignore_index)
-    if targets is not None:  # identical on every rank: the checksum exchange proved the targets replicated
-        msg = target_range_problem(targets, total, options.ignore_index)
-        if msg is not None:
-            raise LinearLogpInputError(msg)
-    return localize_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
-                         comm_dev, total)
+    if builds_graph is None:
+        builds_graph = (torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad)
+    plan, problem = plan_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                              global_vocab_size, options, builds_graph)
+    total, verdict = check_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                                global_vocab_size, options.ignore_index, bool(builds_graph) and problem is None)
+    if plan.vocab_size is None:
+        remember(plan, total)
+    return localize_call(plan, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options.ignore_index,
+                         total, verdict)
 
 
-def shard_call(options: LogpOptions, for_backward: bool = False) -> ShardCall:
-    """What the sources get to know about a call's options."""
-    return ShardCall(inv_temperature=1.0 / float(options.temperature), with_entropy=options.return_entropy,
-                     deterministic=options.deterministic, workspace_bytes=options.workspace_bytes,
-                     for_backward=for_backward)
-
-
-def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                  options: LogpOptions, world: int, comm_dev: torch.device, total: int) -> PreparedCall:
+def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                  ignore_index: Optional[int], total: int,
+                  verdict: Optional[BackwardVerdict] = None) -> PreparedCall:
     """Flattening, ignore_index compaction and target localisation of a call whose checks have passed."""
     d = hidden.shape[-1]
     h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
@@ -305,8 +242,8 @@ def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gr
     b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
 
     keep_idx = ignored = None
-    if options.ignore_index is not None:
-        keep = tgt != options.ignore_index
+    if ignore_index is not None:
+        keep = tgt != ignore_index
         if compacts_rows(h2.device):
             keep_idx = keep.nonzero().squeeze(1)  # identical on every rank (targets are replicated)
             h2 = h2.index_select(0, keep_idx)
@@ -315,13 +252,13 @@ def localize_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gr
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
-    tpc = _TPContext(backend, shard_call(options), tp_group, world, comm_dev)
+    tpc = _TPContext(plan.backend, plan.call, tp_group, plan.world_size, plan.comm_device, plan.single, verdict)
     if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
         local_target = tgt
     else:
         rel = tgt - vocab_start_index if vocab_start_index else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total, ignored)
+    return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total, ignored, plan)
 
 
 def linear_logp_tp(
@@ -346,9 +283,8 @@ def linear_logp_tp(
     prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options)
     h2, w, b, local_target, tpc = prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc
-    call = tpc.call
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-        tpc.call = dataclasses.replace(call, for_backward=True)  # the forward may keep logits for the backward
+        tpc.call = prep.plan.call_for_backward  # the forward may keep logits for the backward
         logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
     else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
         (logp, entropy, lse), _ = _shard_forward(h2, w, b, local_target, tpc)
@@ -397,7 +333,7 @@ def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_g
                         options, builds_graph=builds_graph)
     tpc = prep.tpc
     if op_keeps(options, builds_graph):
-        tpc = dataclasses.replace(tpc, call=dataclasses.replace(tpc.call, for_backward=True))
+        tpc = dataclasses.replace(tpc, call=prep.plan.call_for_backward)
     (logp, entropy, lse), (row_max, log_sum, mean_rel, kept) = _shard_forward(prep.hidden, prep.weight, prep.bias,
                                                                               prep.local_target, tpc)
     n_all = target_ids.numel()
@@ -427,12 +363,11 @@ def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, pac
                     kept: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
     """The backward of ``forward_packed``: ``(d_hidden, d_weight, d_bias)`` (None where not needed) from the saved
     packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get
-    none), reading the forward's ``kept`` logits where it kept some. The forward checked the call, so no checks
-    run here."""
-    world = dist.get_world_size(tp_group) if tp_group is not None else 1
-    comm_dev = collective_device(tp_group, hidden.device) if world > 1 else torch.device("cpu")
-    prep = localize_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options, world,
-                         comm_dev, 0)
+    none), reading the forward's ``kept`` logits where it kept some. The forward checked the call; its target
+    verdict (the latest call's, :func:`tplogp.checks.latest_verdict`) is settled before any gradient."""
+    plan, _ = plan_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, None, options, True)
+    prep = localize_call(plan, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options.ignore_index, 0,
+                         latest_verdict(tp_group if plan.world_size > 1 else None, hidden.device))
     if prep.keep_idx is not None:
         packed, grad_packed = packed.index_select(1, prep.keep_idx), grad_packed.index_select(1, prep.keep_idx)
     else:  # rows in place (or none ignored): the ignored ones get no upstream gradient

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import fp32_gemm, settings
-from .base import ShardCall, ShardGrads, ShardStats
+from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 _MIB = 1 << 20
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
@@ -241,6 +241,19 @@ class NativeBackend:
                 sum_exp_z[t0:t1] = q[: t1 - t0]
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
+    def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
+        """One shard holds the whole vocab: the outputs finished here (``target`` outside ``[0, V)``: nobody's, NaN
+        logp). A call whose logits fit one tile and keep nothing takes :func:`_forward_one_tile` (fewest ops)."""
+        if _one_tile(hidden, weight, call):
+            return _forward_one_tile(hidden, weight, bias, target, call)
+        st = self.forward_stats(hidden, weight, bias, target, call)
+        log_sum = torch.log(st.sum_exp)
+        owned = (target >= 0) & (target < weight.shape[0])
+        logp = torch.where(owned, (st.target_logit - st.row_max) - log_sum, float("nan"))
+        mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
+        return SingleShardOutputs(logp, st.row_max + log_sum, st.row_max, log_sum, mean_rel,
+                                  None if mean_rel is None else log_sum - mean_rel, st.kept)
+
     @staticmethod
     def transient_bytes(device: torch.device) -> int:
         """The budget's part that goes to transient tiles before anything is kept (the default budget)."""
@@ -254,6 +267,9 @@ class NativeBackend:
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
                  kept=None, accumulate=None) -> ShardGrads:
+        if accumulate is None and kept is None and _one_tile(hidden, weight, call):
+            return _backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+                                      grad_lse, mean_z, call, needs, d_hidden_ready)
         need_h, need_w, need_b = needs
         n, d = hidden.shape
         v = weight.shape[0]
@@ -367,3 +383,82 @@ class NativeBackend:
             c0 -= ge * _pad_rows(mean_z[t0:t1], rows)
         return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
                            g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1))
+
+
+# ---- one tile: a call whose logits fit one [N, V] tile in the tile budget and keep nothing (small shapes) --------
+# The same arithmetic, in the same order, as the tiled loops above with a single tile, in fewer ops: what costs
+# host time at small shapes. (The tiled loops' token-chunk vectors and zero-initialised accumulators fall away.)
+
+_one_tile_cache: dict = {}
+
+
+def _one_tile(hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> bool:
+    """Whether the call's plan is one ``[N, V]`` tile that keeps nothing for the backward (and not deterministic:
+    that pads token chunks), remembered per (sizes, dtype, device, call, ``TPLOGP_WORKSPACE_MB``)."""
+    if call.deterministic:
+        return False
+    key = (hidden.shape, weight.shape, weight.dtype, hidden.device, call, settings.workspace_bytes())
+    one = _one_tile_cache.get(key)
+    if one is None:
+        n, v = hidden.shape[0], weight.shape[0]
+        tc, vc, (n_kept, _) = _plan_sizes(n, hidden.shape[1], v, weight.dtype, hidden.device, call)
+        one = _one_tile_cache[key] = n > 0 and v > 0 and tc >= n and vc >= v and not (call.for_backward and n_kept)
+        if len(_one_tile_cache) > 1024:
+            _one_tile_cache.clear()
+    return one
+
+
+def _forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
+    v = weight.shape[0]
+    z = _logits_tile(hidden, weight, bias, call.inv_temperature)
+    m = z.amax(1)
+    z -= m.unsqueeze(1)  # z - M
+    owned = (target >= 0) & (target < v)
+    target_rel = z.gather(1, target.clamp(0, v - 1).unsqueeze(1)).squeeze(1)
+    if call.with_entropy:
+        e = torch.exp(z)
+        sum_exp, q = e.sum(1), z.mul_(e).sum(1)
+    else:
+        sum_exp, q = z.exp_().sum(1), None
+    log_sum = torch.log(sum_exp)
+    logp = torch.where(owned, target_rel - log_sum, float("nan"))
+    mean_rel = None if q is None else q / sum_exp
+    return SingleShardOutputs(logp, m + log_sum, m, log_sum, mean_rel, None if q is None else log_sum - mean_rel)
+
+
+def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+                       call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None) -> ShardGrads:
+    need_h, need_w, need_b = needs
+    v = weight.shape[0]
+    gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
+    c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z) (never modified)
+    if grad_lse is not None:
+        c0 = c0 - grad_lse
+    z = _logits_tile(hidden, weight, bias, call.inv_temperature)
+    z -= row_max.unsqueeze(1)
+    if grad_entropy is not None:
+        c0 = c0 - grad_entropy * mean_z
+        p = torch.exp(z - log_sum.unsqueeze(1))
+        dz = z.mul_(grad_entropy.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
+    else:
+        dz = z.sub_(log_sum.unsqueeze(1)).exp_().mul_(c0.unsqueeze(1)).neg_()
+    owned = (target >= 0) & (target < v)
+    dz.scatter_add_(1, target.clamp(0, v - 1).unsqueeze(1),
+                    torch.where(owned, grad_logp, torch.zeros_like(grad_logp)).unsqueeze(1))
+    if call.inv_temperature != 1.0:
+        dz *= call.inv_temperature
+    d_bias = None
+    if need_b and bias is not None:
+        d_bias = dz.sum(0)
+        d_bias = d_bias if bias.dtype == torch.float32 else d_bias.to(bias.dtype)
+    dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
+    d_hidden = None
+    if need_h:
+        d_hidden = fp32_gemm.mm(dz_g, weight if weight.dtype == gemm_dtype else weight.to(gemm_dtype))
+        if d_hidden_ready is not None:
+            d_hidden_ready(d_hidden)
+    d_weight = None
+    if need_w:
+        d_weight = fp32_gemm.mm(dz_g.t(), hidden if hidden.dtype == gemm_dtype else hidden.to(gemm_dtype))
+        d_weight = d_weight if weight.dtype == torch.float32 else d_weight.to(weight.dtype)
+    return ShardGrads(d_hidden, d_weight, d_bias)

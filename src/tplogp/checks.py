@@ -1,0 +1,657 @@
+"""Every input check of ``linear_logp`` and ``linear_logp_loss``, with one entry point: :func:`check_call`.
+
+A call is checked in two parts. The *layout* part (argument types, shapes, dtypes, devices, options, the shard
+layout) depends on no tensor data: :func:`local_problem` and :func:`layout_problem_single` run at the first call of a
+layout, whose :class:`tplogp.plan.CallPlan` then remembers that it passed. The *data* part (the target ids inside the
+vocabulary and, with a group, the same on every rank) runs on every call, without waiting for the device.
+
+Decided identically on every rank. A check that fails on one rank only must not leave the other ranks waiting in a
+collective. So each rank first runs its local checks without raising, then all ranks exchange one small int64
+record (the local verdict plus the layout and call metadata: tokens, hidden size, shard range, dtype, bias, a
+checksum of the targets) in a single ``all_gather`` (:class:`GroupCheck`). Every rank then reaches the same verdict
+from the same gathered data and raises the same error. When some rank has a local problem, its message text is
+shared with ``all_gather_object`` (entered by all ranks, because all of them saw the flag).
+
+Modes (``TPLOGP_CHECKS``):
+
+* ``full`` (default): nothing is read from the device at the call. The targets' ``[checksum, lo, hi]`` summary is
+  computed on the device and copied to pinned host memory behind an event (:class:`PendingTargetCheck`). Its
+  verdict reaches the user at the first of: the **backward of the same call** (which waits on that event, normally
+  long passed, and raises before any gradient is written; with a group after one exchange over the group's CPU
+  companion, so every rank raises the same error), the next call (without a group: before its own work; with a
+  group: in its record exchange), or :func:`check_errors`. With a group the record holds host values only and is
+  exchanged over a CPU group (:func:`tplogp.comm.host_group`) on every call, which proves the token counts agree
+  before the stats exchange; metadata errors surface at the call. A validated partition plus targets inside
+  ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN at those tokens.
+* ``sync``: the targets' summary is read at the call (one host sync); errors surface at the call that caused them.
+* ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size, bias,
+  ignore_index, whether the call records an autograd graph) and skips the target check: one collective per forward
+  and no host syncs (but the ignore_index compaction's ``nonzero``); tokens whose target no shard owns come out as
+  NaN with finite gradients, and ranks that disagree on the token count are the caller's bug.
+
+Under a CUDA-graph capture (:func:`is_capturing`; also ``torch.compile(mode="reduce-overhead")``), ``full`` reads
+nothing on the host: the target check writes a device flag (:class:`CapturedTargetCheck`), recomputed by every
+replay. The captured backward zeroes the call's ``d_hidden``, ``d_weight`` and ``d_bias`` when the flag is set, and
+the flag is read after a replay by :func:`check_errors` or by the next call outside a capture (which raise). What
+a capture cannot hold raises :class:`LinearLogpInputError` before anything of the call is captured: ``sync``, and a
+first call with a group that has no CPU companion yet (both name ``TPLOGP_CHECKS=fast`` and the warm-up call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import settings
+from .comm import all_gather_flat, collective_device, group_name, host_group, known_host_group
+from .shards import ShardLayoutError, validate_ranges
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+COVERAGE_MESSAGE = "target_ids must be covered by exactly one TP vocab shard"
+
+
+class LinearLogpInputError(ValueError):
+    """Bad arguments to ``linear_logp`` (raised identically on every rank of the group)."""
+
+
+def checks_mode() -> str:
+    """``TPLOGP_CHECKS`` (:func:`tplogp.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
+    try:
+        return settings.checks_mode()
+    except settings.SettingsError as exc:
+        raise LinearLogpInputError(str(exc)) from exc
+
+
+def is_int(x) -> bool:
+    """A Python int that is not a bool (what the op's ``int`` schema arguments accept)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def local_problem(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    vocab_start_index: int,
+    global_vocab_size: Optional[int],
+    ignore_index: Optional[int],
+    temperature: float,
+    workspace_bytes: Optional[int] = None,
+) -> Optional[str]:
+    """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
+
+    An argument of a type that the op's schema (:mod:`tplogp.ops`) does not take is always a problem here: such
+    calls run these checks eagerly to raise their error (:mod:`tplogp.api`)."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return f"bias must be a torch.Tensor or None, got {type(bias).__name__}"
+    if hidden.dim() not in (2, 3):
+        return f"hidden must be [N, D] or [B, S, D], got shape {tuple(hidden.shape)}"
+    if weight.dim() != 2:
+        return f"weight must be [V_local, D], got shape {tuple(weight.shape)}"
+    if hidden.shape[-1] != weight.shape[1]:
+        return (f"hidden size mismatch: hidden is {tuple(hidden.shape)} (D={hidden.shape[-1]}) but weight is "
+                f"{tuple(weight.shape)} (D={weight.shape[1]})")
+    if tuple(target_ids.shape) != tuple(hidden.shape[:-1]):
+        return (f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's shape without D), "
+                f"got {tuple(target_ids.shape)}")
+    if target_ids.dtype.is_floating_point or target_ids.dtype.is_complex or target_ids.dtype == torch.bool:
+        return f"target_ids must be an integer tensor, got {target_ids.dtype}"
+    if hidden.dtype not in SUPPORTED_DTYPES:
+        return f"hidden dtype must be one of float32, bfloat16, float16, got {hidden.dtype}"
+    if weight.dtype != hidden.dtype:
+        return f"weight dtype ({weight.dtype}) must match hidden dtype ({hidden.dtype})"
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            return f"bias must be [V_local] = [{weight.shape[0]}], got shape {tuple(bias.shape)}"
+        if bias.dtype not in (weight.dtype, torch.float32):
+            return f"bias dtype ({bias.dtype}) must be the weight dtype ({weight.dtype}) or float32"
+    devices = {hidden.device, weight.device, target_ids.device} | ({bias.device} if bias is not None else set())
+    if len(devices) > 1:
+        names = f"hidden={hidden.device}, weight={weight.device}, target_ids={target_ids.device}" + (
+            f", bias={bias.device}" if bias is not None else "")
+        return f"all tensors must be on one device, got {names}"
+    if not is_int(vocab_start_index) or vocab_start_index < 0:
+        return f"vocab_start_index must be a non-negative int, got {vocab_start_index!r}"
+    if global_vocab_size is not None and (not is_int(global_vocab_size) or global_vocab_size <= 0):
+        return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
+            and temperature != float("inf")):
+        return f"temperature must be a positive finite number, got {temperature!r}"
+    if ignore_index is not None and not is_int(ignore_index):
+        return f"ignore_index must be an int or None, got {ignore_index!r}"
+    if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
+        return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
+    return None
+
+
+class TargetSummary(NamedTuple):
+    """What the checks need to know about the targets, read from the device in ONE host sync."""
+
+    checksum: int  # fingerprint, to detect ranks given different (non-replicated) ids
+    lo: int  # smallest non-ignored id
+    hi: int  # largest non-ignored id (lo > hi when every position is ignored)
+
+
+def target_summary_tensor(target_ids: torch.Tensor, ignore_index: Optional[int], with_checksum: bool) -> torch.Tensor:
+    """``[checksum, lo, hi]`` (int64, on the targets' device) without reading anything on the host.
+
+    ``lo``/``hi`` are the smallest/largest non-ignored ids (``lo > hi`` when every position is ignored); the
+    checksum (0 without ``with_checksum``) fingerprints the ids to detect ranks given different targets.
+    """
+    t = target_ids.reshape(-1).long()
+    if t.numel() == 0:
+        return torch.tensor([0, 0, -1], dtype=torch.long, device=t.device)
+    checksum = torch.zeros((), dtype=torch.long, device=t.device)
+    if with_checksum:
+        weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
+        checksum = ((t % 1_000_003) * weights).sum() % (1 << 61)
+    if ignore_index is None:
+        lo, hi = torch.aminmax(t)
+    else:  # ignored ids replaced by neutral values: no boolean indexing (which would sync on its own)
+        keep = t != ignore_index
+        lo = torch.where(keep, t, torch.iinfo(torch.long).max).amin()
+        hi = torch.where(keep, t, -1).amax()
+    return torch.stack([checksum, lo, hi])
+
+
+def target_range_tensor(target_ids: torch.Tensor, ignore_index: Optional[int]) -> torch.Tensor:
+    """``[lo, hi]`` (int64, on the targets' device) of the non-ignored ids of a non-empty ``target_ids``: the range
+    check's part of :func:`target_summary_tensor` in the fewest ops (it runs at every call without a group)."""
+    t = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
+    t = t if t.dtype == torch.long else t.long()
+    if ignore_index is None:
+        return torch.stack(torch.aminmax(t))
+    keep = t != ignore_index
+    return torch.stack((torch.where(keep, t, torch.iinfo(torch.long).max).amin(), torch.where(keep, t, -1).amax()))
+
+
+def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int], with_checksum: bool) -> TargetSummary:
+    """:func:`target_summary_tensor` read on the host (one host sync)."""
+    return TargetSummary(*target_summary_tensor(target_ids, ignore_index, with_checksum).tolist())
+
+
+def target_range_problem(summary: TargetSummary, vocab_size: int, ignore_index: Optional[int]) -> Optional[str]:
+    """Targets outside ``[0, vocab_size)``: no shard owns them."""
+    if summary.hi < summary.lo:
+        return None  # no non-ignored target
+    if summary.lo < 0 or summary.hi >= vocab_size:
+        bad = summary.lo if summary.lo < 0 else summary.hi
+        return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {vocab_size})"
+                + ("" if ignore_index is None else f" (ignore_index={ignore_index})"))
+    return None
+
+
+class GroupCheck:
+    """The collective verdict. ``run`` returns the global vocab size and, when given targets, their summary."""
+
+    # verdict, 7 metadata fields, ignore_index, differentiability, then whether a target summary travels, and its
+    # checksum, lo, hi
+    _FIELDS = 14
+    # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
+    _verified: dict = {}
+
+    @classmethod
+    def run(
+        cls,
+        group,
+        comm_device: torch.device,
+        problem: Optional[str],
+        n_tokens: int,
+        hidden_size: int,
+        vocab_start_index: int,
+        v_local: int,
+        global_vocab_size: Optional[int],
+        dtype: torch.dtype,
+        has_bias: bool,
+        targets: Optional[torch.Tensor | TargetSummary],
+        ignore_index: Optional[int],
+        mode: str,
+        builds_graph: bool = False,
+        targets_note: str = "",
+    ) -> tuple[int, Optional[TargetSummary]]:
+        """``targets``: this rank's :func:`target_summary_tensor` (device ``[3]``: it travels in the record, so the
+        record exchange is the call's only host read), a :class:`TargetSummary` already on the host (an earlier
+        call's, :mod:`tplogp.deferred_checks`: with ``group`` a CPU group, nothing here waits for a device), or
+        None. ``targets_note`` ends the error of targets that differ between ranks. The summary is returned when
+        every rank sent one and they agree (a range check is the caller's)."""
+        world = dist.get_world_size(group)
+        key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
+               builds_graph)
+        if mode == "fast" and problem is None and key in cls._verified:
+            return cls._verified[key], None
+        head = torch.tensor(
+            [
+                0 if problem is None else 1,
+                n_tokens,
+                hidden_size,
+                vocab_start_index,
+                v_local,
+                -1 if global_vocab_size is None else global_vocab_size,
+                _DTYPE_CODE.get(dtype, 0),
+                int(has_bias),
+                -(1 << 62) if ignore_index is None else ignore_index,
+                int(builds_graph),
+            ] + ([0, 0, 0, -1] if targets is None else [1, *targets] if isinstance(targets, TargetSummary) else [1]),
+            dtype=torch.long,
+            device=comm_device,
+        )
+        record = head if not isinstance(targets, torch.Tensor) else torch.cat([head, targets.to(comm_device)])
+        rows = cls._exchange(record, group, world)
+        if any(r[0] for r in rows):
+            messages: list = [None] * world
+            dist.all_gather_object(messages, problem, group=group)
+            bad = [(r, m) for r, m in enumerate(messages) if m]
+            detail = "; ".join(f"rank {r}: {m}" for r, m in bad)
+            raise LinearLogpInputError(f"linear_logp inputs rejected ({detail})")
+        cls._check_agreement(rows)
+        ranges = [(r[3], r[3] + r[4]) for r in rows]
+        declared = {r[5] for r in rows}
+        total = validate_ranges(ranges, None if declared == {-1} else max(declared))
+        if mode == "fast":
+            cls._verified[key] = total
+        if not all(r[10] for r in rows):
+            return total, None
+        checksums = [r[11] for r in rows]
+        if len(set(checksums)) > 1:
+            listing = ", ".join(f"rank {i}: #{c:x}" for i, c in enumerate(checksums))
+            raise LinearLogpInputError("target_ids (they must be replicated: the same global ids on every rank) must "
+                                       f"be the same on every TP rank, got {listing}{targets_note}")
+        # identical on every rank: the checksum agreement proved the targets replicated
+        return total, TargetSummary(*rows[0][11:14])
+
+    @classmethod
+    def is_verified(cls, group, vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
+                    hidden_size: int, dtype: torch.dtype, has_bias: bool, ignore_index: Optional[int],
+                    builds_graph: bool) -> bool:
+        """Whether ``fast`` mode has verified this layout with ``group`` (its later calls exchange nothing)."""
+        return (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
+                builds_graph) in cls._verified
+
+    @classmethod
+    def _exchange(cls, record: torch.Tensor, group, world: int) -> list[list[int]]:
+        """Every rank's record, rank-major: one all_gather and one read of its result (a host read when the record
+        lives on a device; nothing waits for a device when it is a CPU tensor of a CPU group)."""
+        gathered = all_gather_flat(record, group)
+        return gathered.view(world, cls._FIELDS).cpu().tolist()
+
+    @staticmethod
+    def _check_agreement(rows: Sequence[Sequence[int]]) -> None:
+        def differ(index: int, what: str, fmt=str) -> None:
+            values = [r[index] for r in rows]
+            if len(set(values)) > 1:
+                listing = ", ".join(f"rank {i}: {fmt(v)}" for i, v in enumerate(values))
+                raise LinearLogpInputError(f"{what} must be the same on every TP rank, got {listing}")
+
+        differ(1, "the number of tokens")
+        differ(2, "the hidden size D")
+        decl = [r[5] for r in rows]
+        if len(set(decl)) > 1:
+            listing = ", ".join(f"rank {i}: {'None' if v == -1 else v}" for i, v in enumerate(decl))
+            raise LinearLogpInputError(f"global_vocab_size must be the same on every TP rank, got {listing}")
+        names = {v: k for k, v in _DTYPE_CODE.items()}
+        differ(6, "the input dtype", lambda c: str(names.get(c, "?")))
+        differ(7, "bias presence (all ranks pass a bias or none does)", lambda b: "bias" if b else "no bias")
+        differ(8, "ignore_index", lambda v: "None" if v == -(1 << 62) else str(v))
+        # a rank that records no autograd graph would skip the backward all-reduce the others enter
+        differ(9, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
+               lambda b: "yes" if b else "no")
+
+
+def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
+                          group_given: bool = False) -> int:
+    """Without a TP group, or with a group of one rank, the weight must be the whole vocabulary. Returns its size."""
+    where = "with a tp_group of size 1" if group_given else "without a tp_group"
+    if vocab_start_index != 0:
+        raise ShardLayoutError(
+            f"vocab shards leave a gap: {where} the single shard must start at 0, "
+            f"got vocab_start_index={vocab_start_index} (ids [0, {vocab_start_index}) owned by no rank)")
+    if global_vocab_size is not None and global_vocab_size != v_local:
+        raise ShardLayoutError(
+            f"{where} the weight must hold the whole vocabulary: weight has {v_local} rows "
+            f"but global_vocab_size is {global_vocab_size}")
+    return v_local
+
+
+# ---- verdicts read later: the default checks without a host sync -------------------------------------------------
+
+NO_GROUP_NOTE = (" [found by the check of an earlier linear_logp call without a TP group, whose logp is NaN for these "
+                 "tokens; TPLOGP_CHECKS=sync raises at the call itself]")
+GROUP_NOTE = (" [found by the check of the previous linear_logp call with this TP group, whose logp is NaN for the "
+              "tokens without exactly one owner; TPLOGP_CHECKS=sync raises at the call itself]")
+BACKWARD_NOTE = (" [found by the backward of the linear_logp call that had it, before writing any gradient; its logp "
+                 "is NaN for these tokens; TPLOGP_CHECKS=sync raises at the call itself]")
+CAPTURED_NOTE = (" [found by the target check of a linear_logp call captured in a CUDA graph, at its last replay; "
+                 "that replay's logp is NaN for these tokens and its gradients of hidden, weight and bias are zero]")
+CAPTURE_FIX = ("run one call of this layout outside the capture first (a warm-up), or set TPLOGP_CHECKS=fast "
+               "(no target check)")
+
+
+def is_capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph now (host reads are then impossible)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass
+class PendingTargetCheck:
+    """The targets' summary of one call on its way to the host (module docstring, ``full``)."""
+
+    summary: torch.Tensor  # [3] int64 [checksum, lo, hi] or [2] [lo, hi] on the CPU (pinned when copied from a GPU)
+    ready: Optional[torch.cuda.Event]  # recorded after the copy; None when the summary was computed on the CPU
+    vocab_size: int
+    ignore_index: Optional[int]
+
+    def read_summary(self) -> TargetSummary:
+        """The integers (waits only if the device has not reached the copy yet, normally long done)."""
+        if self.ready is not None and not self.ready.query():
+            self.ready.synchronize()
+        values = self.summary.tolist()
+        return TargetSummary(*values) if len(values) == 3 else TargetSummary(0, *values)
+
+    def range_problem(self, summary: TargetSummary) -> Optional[str]:
+        return target_range_problem(summary, self.vocab_size, self.ignore_index)
+
+
+@dataclass
+class CapturedTargetCheck:
+    """The target check of a call captured in a CUDA graph: a device flag that every replay recomputes."""
+
+    bad: torch.Tensor  # 0-d bool on the targets' device: some non-ignored target is outside [0, vocab_size)
+    vocab_size: int
+    ignore_index: Optional[int]
+
+    def message(self) -> str:
+        where = "" if self.ignore_index is None else f" (ignore_index={self.ignore_index})"
+        return f"{COVERAGE_MESSAGE}: a target id is outside the vocabulary [0, {self.vocab_size}){where}"
+
+
+_pending: Optional[PendingTargetCheck] = None  # the last call without a group
+_pending_by_group: dict[str, PendingTargetCheck] = {}  # the last call with each group (by group name)
+# captured checks by scope ("" without a group, else the group name); the latest few, read after replays
+_captured: dict[str, list[CapturedTargetCheck]] = {}
+_CAPTURED_KEPT = 64
+
+
+def _start(target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int],
+           with_checksum: bool) -> PendingTargetCheck:
+    summary = (target_summary_tensor(target_ids, ignore_index, with_checksum=True) if with_checksum
+               else target_range_tensor(target_ids, ignore_index))
+    ready = None
+    if summary.device.type == "cuda":
+        summary = summary.to("cpu", non_blocking=True)  # pinned (caching host allocator), ordered on the stream
+        ready = torch.cuda.Event()
+        ready.record()
+    return PendingTargetCheck(summary, ready, vocab_size, ignore_index)
+
+
+def _capture_check(scope: str, target_ids: torch.Tensor, vocab_size: int,
+                   ignore_index: Optional[int]) -> CapturedTargetCheck:
+    """The device flag of a captured call (no host read, no allocation outside the graph's pool)."""
+    t = target_ids.reshape(-1)
+    outside = (t < 0) | (t >= vocab_size)
+    if ignore_index is not None:
+        outside &= t != ignore_index
+    check = CapturedTargetCheck(outside.any(), vocab_size, ignore_index)
+    kept = _captured.setdefault(scope, [])
+    kept.append(check)
+    del kept[:-_CAPTURED_KEPT]
+    return check
+
+
+def _captured_problem(scope: str) -> Optional[str]:
+    """Read the flags of the captured calls of ``scope`` (one host read; they are forgotten once read)."""
+    checks = _captured.pop(scope, None)
+    if not checks:
+        return None
+    bad = torch.stack([c.bad.to(checks[0].bad.device) for c in checks]).tolist()
+    for c, b in zip(checks, bad):
+        if b:
+            return c.message() + CAPTURED_NOTE
+    return None
+
+
+def defer_target_range_check(target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int]) -> None:
+    """Start the range check of ``target_ids`` against ``[0, vocab_size)`` (a call without a group)."""
+    global _pending
+    if target_ids.numel() == 0:
+        return
+    _pending = _start(target_ids, vocab_size, ignore_index, with_checksum=False)
+
+
+def defer_group_target_check(group, target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int]) -> None:
+    """Start the checks of a call with ``group``: its targets' checksum and range, read by the next call."""
+    _pending_by_group[group_name(group)] = _start(target_ids, vocab_size, ignore_index, with_checksum=True)
+
+
+def take_group_pending(group) -> Optional[PendingTargetCheck]:
+    """The pending check of the previous call with ``group`` (removed: it is judged once), or None."""
+    return _pending_by_group.pop(group_name(group), None)
+
+
+def raise_pending_errors() -> None:
+    """Raise the verdict of the last deferred check without a group, or of captured calls, if it failed."""
+    global _pending
+    pending, _pending = _pending, None
+    problem = _captured_problem("") if _captured else None
+    if problem is not None:
+        raise LinearLogpInputError(problem)
+    if pending is None:
+        return
+    problem = pending.range_problem(pending.read_summary())
+    if problem is not None:
+        raise LinearLogpInputError(problem + NO_GROUP_NOTE)
+
+
+def _judge_group_summary(group, pending: Optional[PendingTargetCheck], note: str) -> None:
+    """Every rank's ``pending`` summary in one exchange over the group's CPU companion; the same error on every
+    rank. Rows: sent, checksum, lo, hi, vocab size, ignore_index sent, ignore_index."""
+    comm_dev = collective_device(group, torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    host = host_group(group, comm_dev)
+    summary = pending.read_summary() if pending is not None else None
+    record = [0, 0, 0, -1, 0] if summary is None else [1, *summary, pending.vocab_size]
+    world = dist.get_world_size(group)
+    on = torch.device("cpu") if host is not None else comm_dev
+    rows = all_gather_flat(torch.tensor(record, dtype=torch.long, device=on), host if host is not None else group)
+    rows = rows.view(world, 5).cpu().tolist()
+    if not all(r[0] for r in rows):
+        return
+    checksums = [r[1] for r in rows]
+    if len(set(checksums)) > 1:
+        listing = ", ".join(f"rank {i}: #{c:x}" for i, c in enumerate(checksums))
+        raise LinearLogpInputError("target_ids (they must be replicated: the same global ids on every rank) must be "
+                                   f"the same on every TP rank, got {listing}{note}")
+    problem = target_range_problem(TargetSummary(*rows[0][1:4]), rows[0][4], pending.ignore_index)
+    if problem is not None:
+        raise LinearLogpInputError(problem + note)
+
+
+def _raise_pending_group_errors(group) -> None:
+    """:func:`check_errors` with a group: every rank's pending summary in one exchange over the CPU group."""
+    problem = _captured_problem(group_name(group)) if _captured else None
+    _judge_group_summary(group, take_group_pending(group), GROUP_NOTE)
+    if problem is not None:  # targets are replicated: every rank read the same flags
+        raise LinearLogpInputError(problem)
+
+
+def check_errors(tp_group=None) -> None:
+    """Raise now any error found by a deferred check (``TPLOGP_CHECKS=full``).
+
+    Without ``tp_group``: the last call without a group, and the flags of calls captured in CUDA graphs (read after
+    their last replay). Call it where a step ends to surface a bad batch before the next one; it waits only until
+    the device has reached that check (the start of the call's forward), not for later queued work. With
+    ``tp_group``: the last call with that group, the same error on every rank; a collective (every rank of the group
+    calls it), over the group's CPU companion."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        raise_pending_errors()
+    else:
+        _raise_pending_group_errors(tp_group)
+
+
+# ---- the backward of a call: its own verdict before any gradient -------------------------------------------------
+
+class BackwardVerdict:
+    """What the backward of one call (``full`` checks) settles before it writes a gradient.
+
+    Outside a capture: the call's :class:`PendingTargetCheck`, read (its event has normally passed long before; with
+    a group, exchanged over the CPU companion so that every rank raises the same error, before the ``d_hidden``
+    all-reduce). Under a capture: the call's :class:`CapturedTargetCheck`; the gradients are zeroed where its flag
+    is set (:meth:`mask`)."""
+
+    __slots__ = ("pending", "captured", "group")
+
+    def __init__(self, pending: Optional[PendingTargetCheck] = None, captured: Optional[CapturedTargetCheck] = None,
+                 group=None) -> None:
+        self.pending, self.captured, self.group = pending, captured, group
+
+    def settle(self) -> None:
+        """Raise the call's error (the verdict is then dropped from what later calls judge)."""
+        global _pending
+        pending = self.pending
+        if pending is None:
+            return
+        if self.group is None:
+            if _pending is pending:
+                _pending = None  # judged here, once
+            problem = pending.range_problem(pending.read_summary())
+            if problem is not None:
+                raise LinearLogpInputError(problem + BACKWARD_NOTE)
+            return
+        name = group_name(self.group)
+        if _pending_by_group.get(name) is pending:
+            del _pending_by_group[name]
+        _judge_group_summary(self.group, pending, BACKWARD_NOTE)
+
+    def mask(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``grad``, zero where a captured call's flag is set (itself outside a capture)."""
+        if grad is None or self.captured is None:
+            return grad
+        return grad.masked_fill(self.captured.bad.to(grad.device), 0)
+
+
+def latest_verdict(group, device: torch.device) -> Optional[BackwardVerdict]:
+    """For a backward that cannot hold its forward's verdict (the ``torch.library`` op of :mod:`tplogp.ops`): the
+    last call's with ``group`` (None: without a group), read now under ``full`` checks."""
+    if checks_mode() != "full":
+        return None
+    scope = group_name(group)
+    if is_capturing(device):
+        kept = _captured.get(scope)
+        return BackwardVerdict(captured=kept[-1]) if kept else None
+    if group is None or dist.get_world_size(group) == 1:
+        return BackwardVerdict(pending=_pending)
+    return BackwardVerdict(pending=_pending_by_group.get(scope), group=group)
+
+
+# ---- the one entry point ------------------------------------------------------------------------------------------
+
+def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+               global_vocab_size: Optional[int], ignore_index: Optional[int],
+               builds_graph: bool) -> tuple[int, Optional[BackwardVerdict]]:
+    """Every check of one call: ``(global vocab size, what its backward settles)``, or the error on every rank.
+
+    ``plan``: the call's :class:`tplogp.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``; ``vocab_size``
+    when an earlier call of the layout has passed); ``problem``: :func:`local_problem` at the layout's first call
+    (None on later ones: the plan remembers that it passed)."""
+    mode, world = plan.mode, plan.world_size
+    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    capturing = is_capturing(device)
+    if capturing and mode == "sync":
+        raise LinearLogpInputError("TPLOGP_CHECKS=sync reads the targets on the host at the call, which a CUDA-graph "
+                                   "capture cannot do: capture with the default checks (TPLOGP_CHECKS unset or full), "
+                                   "which keep the verdict on the device, or with TPLOGP_CHECKS=fast")
+    if world > 1:
+        return _check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                                 global_vocab_size, ignore_index, builds_graph, capturing)
+    if mode != "fast" and not capturing:
+        raise_pending_errors()  # the deferred verdict of the previous call without a group
+    if problem is not None:
+        raise LinearLogpInputError(problem)
+    total = plan.vocab_size
+    if total is None:
+        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size,
+                                      group_given=tp_group is not None)
+    verdict = None
+    if mode == "sync":
+        msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False), total,
+                                   ignore_index)
+        if msg is not None:
+            raise LinearLogpInputError(msg)
+    elif mode == "full" and target_ids.numel():
+        if capturing:
+            verdict = BackwardVerdict(captured=_capture_check("", target_ids, total, ignore_index))
+        else:  # read by this call's backward, else the next call (no host sync now); NaN logp meanwhile
+            defer_target_range_check(target_ids, total, ignore_index)
+            verdict = BackwardVerdict(pending=_pending) if builds_graph else None
+    return total, verdict
+
+
+def _check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                      global_vocab_size, ignore_index, builds_graph, capturing) -> tuple[int, Optional[BackwardVerdict]]:
+    """:func:`check_call` with a group of several ranks (module docstring)."""
+    mode, comm_dev = plan.mode, plan.comm_device
+    ok = problem is None
+    # full checks exchange the record over a CPU group: nothing waits for the device; the targets' summary
+    # travels one call later. sync (or no CPU group to be had): the device record, read here.
+    host = None
+    if mode == "full":
+        host = host_group(tp_group, comm_dev) if not capturing else known_host_group(tp_group, comm_dev)
+        if capturing and host is None:
+            raise LinearLogpInputError("the default checks of a linear_logp call with a TP group exchange their record "
+                                       "over a CPU companion group, made by the group's first call, which cannot "
+                                       f"run in a CUDA-graph capture: {CAPTURE_FIX}")
+    elif mode == "fast" and capturing and not GroupCheck.is_verified(tp_group, vocab_start_index, weight.shape[0],
+                                                                        global_vocab_size, hidden.shape[-1],
+                                                                        hidden.dtype, bias is not None, ignore_index,
+                                                                        builds_graph):
+        raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
+                                   "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
+                                   "call of this layout outside the capture first (a warm-up)")
+    earlier = None
+    if host is not None and not capturing:
+        captured = _captured_problem(group_name(tp_group)) if _captured else None
+        if captured is not None and ok:  # a local problem: shared with the others by the record exchange
+            problem, ok = captured, False
+        earlier = take_group_pending(tp_group)  # the previous call's pending target check, judged by this one
+        record_targets = None if earlier is None else earlier.read_summary()
+    elif host is not None:
+        record_targets = None  # a capture reads nothing: earlier verdicts wait for a call outside it
+    else:
+        record_targets = (target_summary_tensor(target_ids, ignore_index, with_checksum=True)
+                          if ok and mode != "fast" else None)
+    total, summary = GroupCheck.run(
+        host if host is not None else tp_group, torch.device("cpu") if host is not None else comm_dev, problem,
+        n_tokens=int(target_ids.numel()) if ok else -1,
+        hidden_size=int(hidden.shape[-1]) if ok else -1,
+        vocab_start_index=int(vocab_start_index) if ok else -1,
+        v_local=int(weight.shape[0]) if ok else -1,
+        global_vocab_size=global_vocab_size if ok else None,
+        dtype=hidden.dtype if ok else torch.float32,
+        has_bias=bias is not None,
+        targets=record_targets,
+        ignore_index=ignore_index,
+        mode=mode,
+        builds_graph=bool(ok and builds_graph),
+        targets_note=GROUP_NOTE if host is not None else "",
+    )
+    verdict = None
+    if host is not None:  # the summary is the previous call's (replicated, per the checksums): its range now
+        msg = None if summary is None else earlier.range_problem(summary)
+        if msg is not None:
+            raise LinearLogpInputError(msg + GROUP_NOTE)
+        if capturing:
+            verdict = BackwardVerdict(captured=_capture_check(group_name(tp_group), target_ids, total, ignore_index))
+        else:  # this call's targets: judged by its backward, else by the next call with the group
+            defer_group_target_check(tp_group, target_ids, total, ignore_index)
+            if builds_graph:
+                verdict = BackwardVerdict(pending=_pending_by_group[group_name(tp_group)], group=tp_group)
+    elif summary is not None:  # sync: this call's own targets, identical on every rank (the checksums agree)
+        msg = target_range_problem(summary, total, ignore_index)
+        if msg is not None:
+            raise LinearLogpInputError(msg)
+    return total, verdict
