@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     op.add_argument("--reps", type=int, help="timed calls per timing (default 10; smoke 2)")
     op.add_argument("--rounds", type=int, help="interleaved rounds (default 3; smoke 1)")
     op.add_argument("--warm-ms", type=float, help="sustained warm-up before each timing, GPU ms (default 300)")
+    op.add_argument("--checks", default=None,
+                    help="TPLOGP_CHECKS modes of tplogp's rows, comma-separated: full, sync, fast (default: "
+                         "TPLOGP_CHECKS, else full)")
     op.add_argument("--no-check", action="store_true", help="skip the float64 error columns")
     op.add_argument("--no-plot", action="store_true", help="do not redraw the plots")
 
@@ -83,7 +86,7 @@ def _device():
 
 def _finish(out: str, rows: list[dict], info: dict, smoke: bool, fmt) -> None:
     for r in rows:
-        r.update(info)
+        r.update({k: v for k, v in info.items() if k not in r})  # a row's own fields (its checks mode) stay
         if smoke:
             r["smoke"] = True
         print(fmt(r), flush=True)
@@ -104,11 +107,12 @@ def _op(args) -> int:
     rounds = args.rounds or (1 if smoke else 3)
     warm_ms = args.warm_ms if args.warm_ms is not None else (0.0 if smoke else 300.0)
     info = runner.run_info(device)
+    checks = tuple(m.strip() for m in (args.checks or info["checks"]).split(",") if m.strip())
     print(f"# {info['device']} | torch {info['torch']} | triton {info['triton']} | tplogp {info['commit']} | "
-          f"peers {info['peers']} | checks {info['checks']}", flush=True)
+          f"peers {info['peers']} | checks {','.join(checks)}", flush=True)
     for shape in shapes:
         rows = op.bench_shape(shape, chosen, budgets, args.dtype, device, reps=reps, rounds=rounds,
-                              warm_ms=warm_ms, check=not args.no_check)
+                              warm_ms=warm_ms, check=not args.no_check, checks=checks)
         _finish(args.out, rows, info, smoke, op.format_row)
     if not args.no_plot and not smoke:
         for path in plots.write_all(runner.read_rows(args.out), args.out):

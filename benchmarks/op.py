@@ -12,6 +12,11 @@ Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / s
   back (its GPU time), so both columns share one unit and differ only by the op's own host overhead: a synced
   GEMM would add one launch latency to the unit (0.24-0.28 against 0.20-0.21 ms at 4096x2048x8192 on an H200) and so
   shrink the synced column at small shapes;
+* ``host_fwd_us``, ``host_fwd_bwd_us``: host CPU microseconds per call (:func:`benchmarks.runner.host_us`: the
+  calling thread's CPU time, synced before and after each call), on CPU and GPU alike: what a call costs the host
+  (Python, dispatch, launches), which bounds the op at small shapes where the GPU work is shorter;
+* ``checks``: the ``TPLOGP_CHECKS`` mode of the row; tplogp's rows are repeated per mode of ``--checks`` (the
+  label of a mode other than ``full`` ends with ``checks <mode>``);
 * ``extra_peak_gib``: allocator peak during one forward+backward above the inputs (gradients included);
 * ``err_logp`` (per-token contract) or ``err_loss`` (scalar loss), ``err_d_hidden``, ``err_d_weight``:
   ``||x - x_fp64|| / ||x_fp64||`` against a float64 autograd reference, with the same upstream gradient (a random
@@ -29,6 +34,8 @@ so put both ``DIR`` and ``DIR/nvidia_cutlass_dsl/dsl_packages`` on ``PYTHONPATH`
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 
 import torch
@@ -71,8 +78,24 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return rel_error(x, ref)
 
 
+@contextlib.contextmanager
+def checks_mode(mode: str):
+    """``TPLOGP_CHECKS=mode`` while the block runs (tplogp reads it at each call), then as it was."""
+    before = os.environ.get("TPLOGP_CHECKS")
+    os.environ["TPLOGP_CHECKS"] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TPLOGP_CHECKS", None)
+        else:
+            os.environ["TPLOGP_CHECKS"] = before
+
+
 def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[runner.BudgetSpec], dtype: str,
-                device: torch.device, *, reps: int, rounds: int, warm_ms: float, check: bool) -> list[dict]:
+                device: torch.device, *, reps: int, rounds: int, warm_ms: float, check: bool,
+                checks: tuple[str, ...] = ("full",)) -> list[dict]:
+    """The rows of one shape (module docstring). ``checks``: the ``TPLOGP_CHECKS`` modes of tplogp's rows."""
     T, D, V = shape
     h, w, y, gy = make_problem(T, D, V, DTYPES[dtype], device)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -92,8 +115,12 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         torch.cuda.empty_cache()
     rows, live = [], []
     for impl in impls:
-        for spec in (budgets if impl.budgeted else [runner.BudgetSpec("default")]):
-            row = dict(common, impl=impl.name, contract=impl.contract, budget=spec.label, budget_bytes=spec.nbytes)
+        variants = [(spec, mode) for spec in (budgets if impl.budgeted else [runner.BudgetSpec("default")])
+                    for mode in (checks if impl.budgeted else checks[:1])]
+        for spec, mode in variants:
+            label = spec.label if mode == "full" else f"{spec.label}, checks {mode}"
+            row = dict(common, impl=impl.name, contract=impl.contract, budget=label, budget_bytes=spec.nbytes,
+                       checks=mode)
             rows.append(row)
             try:
                 budget = row["budget_bytes"] = spec.resolve(impl.source, shape, DTYPES[dtype], device)
@@ -116,17 +143,18 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
                 hg.grad = wg.grad = None
 
             try:
-                if truth is not None:
-                    out = fn(hg, wg, y)
-                    out.backward(gy if per_token else None)
-                    if per_token:
-                        row["err_logp"] = _rel(out.float(), truth["logp"])
-                    else:
-                        row["err_loss"] = _rel(out.float().reshape(()), truth["loss"])
-                    row["err_d_hidden"] = _rel(hg.grad, truth["dh" if per_token else "dh_loss"])
-                    row["err_d_weight"] = _rel(wg.grad, truth["dw" if per_token else "dw_loss"])
-                    hg.grad = wg.grad = None
-                    del out
+                with checks_mode(mode):
+                    if truth is not None:
+                        out = fn(hg, wg, y)
+                        out.backward(gy if per_token else None)
+                        if per_token:
+                            row["err_logp"] = _rel(out.float(), truth["logp"])
+                        else:
+                            row["err_loss"] = _rel(out.float().reshape(()), truth["loss"])
+                        row["err_d_hidden"] = _rel(hg.grad, truth["dh" if per_token else "dh_loss"])
+                        row["err_d_weight"] = _rel(wg.grad, truth["dw" if per_token else "dw_loss"])
+                        hg.grad = wg.grad = None
+                        del out
                 live.append((row, fwd, fwd_bwd, {}))
             except Exception as exc:
                 hg.grad = wg.grad = None
@@ -140,15 +168,18 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
             if "error" in row:
                 continue
             try:
-                for key, b2b in MODES:
-                    g1 = timed(gemm, True)  # the unit: the GEMM's GPU time in both modes (module docstring)
-                    f_ms = timed(fwd, b2b)
-                    g2 = timed(gemm, True)
-                    fb_ms = timed(fwd_bwd, b2b)
-                    samples.setdefault("gemm", []).extend((g1, g2))
-                    for name, value in (("fwd", f_ms), ("fwd_bwd", fb_ms), ("fwd_r", f_ms / g1),
-                                        ("fwd_bwd_r", fb_ms / g2)):
-                        samples.setdefault(name + key, []).append(value)
+                with checks_mode(row["checks"]):
+                    for key, b2b in MODES:
+                        g1 = timed(gemm, True)  # the unit: the GEMM's GPU time in both modes (module docstring)
+                        f_ms = timed(fwd, b2b)
+                        g2 = timed(gemm, True)
+                        fb_ms = timed(fwd_bwd, b2b)
+                        samples.setdefault("gemm", []).extend((g1, g2))
+                        for name, value in (("fwd", f_ms), ("fwd_bwd", fb_ms), ("fwd_r", f_ms / g1),
+                                            ("fwd_bwd_r", fb_ms / g2)):
+                            samples.setdefault(name + key, []).append(value)
+                    samples.setdefault("host_fwd", []).append(runner.host_us(fwd, device, reps))
+                    samples.setdefault("host_fwd_bwd", []).append(runner.host_us(fwd_bwd, device, reps))
             except Exception as exc:
                 hg.grad = wg.grad = None
                 row["error"] = f"timing: {type(exc).__name__}: {str(exc)[:300]}"
@@ -157,7 +188,8 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         if "error" in row or not samples:
             continue
         try:
-            peak = runner.extra_peak_gib(fwd_bwd, device)
+            with checks_mode(row["checks"]):
+                peak = runner.extra_peak_gib(fwd_bwd, device)
         except Exception as exc:
             row["error"] = f"memory: {type(exc).__name__}: {str(exc)[:300]}"
             continue
@@ -167,6 +199,8 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
                         f"fwd_bwd_ms{key}": round(med(samples["fwd_bwd" + key]), 4),
                         f"fwd_gemms{key}": round(med(samples["fwd_r" + key]), 3),
                         f"fwd_bwd_gemms{key}": round(med(samples["fwd_bwd_r" + key]), 3)})
+        row["host_fwd_us"] = round(min(samples["host_fwd"]), 1)  # the least loaded round's median
+        row["host_fwd_bwd_us"] = round(min(samples["host_fwd_bwd"]), 1)
         row["gemm_samples_ms"] = [round(x, 4) for x in samples["gemm"]]
         row["extra_peak_gib"] = None if peak is None else round(peak, 4)
         if device.type == "cuda":
@@ -183,5 +217,7 @@ def format_row(r: dict) -> str:
         return f"{r['shape']:>18} {label:>26} | not timed"
     errs = " ".join(f"{k[4:]}={r[k]:.1e}" for k in ("err_logp", "err_loss", "err_d_hidden", "err_d_weight") if k in r)
     mem = "" if r.get("extra_peak_gib") is None else f" | {r['extra_peak_gib']:.3f} GiB"
+    host = "" if r.get("host_fwd_bwd_us") is None else f" | host {r['host_fwd_bwd_us']:7.1f} us"
     return (f"{r['shape']:>18} {label:>26} | fwd {r['fwd_ms']:9.3f} ms {r['fwd_gemms']:5.2f} G | fwd+bwd "
-            f"{r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b {r['fwd_bwd_gemms_b2b']:5.2f} G){mem} | {errs}")
+            f"{r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b {r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem} | "
+            f"{errs}")

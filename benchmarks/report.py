@@ -40,6 +40,9 @@ METHOD = """## Method
 * **Synced and back to back.** *Synced*: a host sync after every call, so a sample includes the host's launch
   latency (what one isolated call costs). *Back to back* (b2b): no sync between calls, the host runs ahead as in a
   training loop, and a sample is GPU time unless the host is the slower side. Medians of 10 calls each.
+* **Host µs.** The host CPU time of one forward+backward (the calling thread's CPU time, the device synced before
+  and after the call and not counted): Python, dispatch and launches. Where it exceeds the GPU time of a call, the
+  op is host-bound (small shapes, tensor-parallel shards).
 * **Extra peak GiB**: the allocator's peak during one forward+backward above what was allocated before it
   (inputs excluded; d_W, d_hidden and anything kept from forward to backward included).
 * **Errors**: `||x - x_fp64|| / ||x_fp64||` against a float64 autograd reference with the same upstream gradient.
@@ -149,8 +152,8 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
         sel = sorted(sel, key=lambda r: (r.get("error") is not None, r.get("fwd_bwd_gemms") or 1e9))
         out += [f"### {shape} (T x D x V), {dtype}", "", _run_line(sel) + _gemm_line(sel), ""]
         out += ["| impl | budget | contract | fwd ms | fwd+bwd ms | fwd GEMMs | fwd+bwd GEMMs synced / b2b | "
-                "extra GiB | err logp (loss) | err d_hidden | err d_W |",
-                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "host µs fwd+bwd | extra GiB | err logp (loss) | err d_hidden | err d_W |",
+                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         missing = []
         for r in sel:
             if "error" in r or r.get("fwd_ms") is None:
@@ -161,7 +164,8 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
             out.append(
                 f"| {r['impl']} | {r['budget']} | {r['contract']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
                 f"{r['fwd_gemms']:.2f} | {r['fwd_bwd_gemms']:.2f} / {_num(r.get('fwd_bwd_gemms_b2b'), '.2f')} | "
-                f"{_num(r.get('extra_peak_gib'), '.3f')} | {err_out} | {_err(r, 'err_d_hidden')} | "
+                f"{_num(r.get('host_fwd_bwd_us'), '.0f')} | {_num(r.get('extra_peak_gib'), '.3f')} | {err_out} | "
+                f"{_err(r, 'err_d_hidden')} | "
                 f"{_err(r, 'err_d_weight')} |")
         out.append("")
         if missing:

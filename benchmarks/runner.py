@@ -89,6 +89,22 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10, wa
     return statistics.median(samples_ms(fn, reps, back_to_back, device))
 
 
+def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
+    """Median host CPU microseconds per call of ``fn``: the calling thread's CPU time (``time.thread_time``) around
+    each call, with the device synchronized before and after it (not counted), so a sample is the host work of one
+    call (Python, dispatch, launches) and not the device's time nor a wait for it. CPU time, not wall-clock: a loaded
+    machine's preemption does not count."""
+    out = []
+    for _ in range(max(reps, 1)):
+        synchronize(device)
+        t0 = time.thread_time()
+        fn()
+        t1 = time.thread_time()
+        synchronize(device)
+        out.append((t1 - t0) * 1e6)
+    return statistics.median(out)
+
+
 def extra_peak_gib(fn: Callable[[], object], device: torch.device) -> Optional[float]:
     """Peak allocated GiB during one call of ``fn`` above what was allocated before it; None off CUDA."""
     if device.type != "cuda":

@@ -57,8 +57,10 @@ def test_op_smoke_rows(tmp_path):
     for key in (("tplogp-native", b) for b in budgets):
         r = rows[key]
         assert r["contract"] == impls.PER_TOKEN and r["smoke"] and r["suite"] == "op" and "error" not in r, r
-        for field in ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_bwd_gemms_b2b", "gemm_ms"):
+        for field in ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_bwd_gemms_b2b", "gemm_ms",
+                      "host_fwd_us", "host_fwd_bwd_us"):
             assert r[field] > 0, (field, r)
+        assert r["checks"] == "full", r
         # three-way: tplogp's fp32 log-softmax is no worse than the bf16-logits eager baseline against float64
         _no_worse(r, eager, ("err_logp", "err_d_hidden", "err_d_weight"))
     for budget in budgets:  # the scalar-loss contract: mean CE and its gradients vs float64, beside eager's
@@ -81,6 +83,21 @@ def test_op_smoke_rows(tmp_path):
         assert field in first, field
     assert first["shape"] == "64x32x320" and first["dtype"] == "bf16"
     assert first["grads_gib"] == pytest.approx((320 * 32 + 64 * 32) * 2 / 2**30, rel=1e-3)
+
+
+def test_op_host_cost_column_per_checks_mode(tmp_path):
+    """``--checks full,fast``: tplogp's rows once per mode (the label names a mode other than full), each with its
+    host CPU microseconds per call; the eager baseline once. The host column reads what the call costs the host: the
+    fwd+bwd costs more than the fwd alone, for every row."""
+    proc = _bench("op", "--smoke", "--impls", "tplogp-native,torch-eager", "--budgets", "default", "--checks",
+                  "full,fast", "--no-check", "--out", str(tmp_path))
+    rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
+    assert set(rows) == {("tplogp-native", "default"), ("tplogp-native", "default, checks fast"),
+                         ("torch-eager", "default")}, rows
+    assert [rows["tplogp-native", b]["checks"] for b in ("default", "default, checks fast")] == ["full", "fast"]
+    for r in rows.values():
+        assert "error" not in r and r["host_fwd_bwd_us"] > r["host_fwd_us"] > 0, r
+    assert " host " in proc.stdout
 
 
 def test_memory_smoke_rows(tmp_path):

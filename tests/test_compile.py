@@ -204,15 +204,20 @@ def _count_recomputes(monkeypatch, source):
             seen["recompute"] += inside["backward"]
             return real_tile(*args, **kwargs)
 
-        def backward_tiles(*args, **kwargs):
-            inside["backward"] = True
-            try:
-                return real_backward(*args, **kwargs)
-            finally:
-                inside["backward"] = False
+        def in_backward(real):
+            def run(*args, **kwargs):
+                inside["backward"] = True
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    inside["backward"] = False
+
+            return run
 
         monkeypatch.setattr(native, "_logits_tile", tile)
-        monkeypatch.setattr(native.NativeBackend, "_backward_tiles", backward_tiles)
+        monkeypatch.setattr(native.NativeBackend, "_backward_tiles", in_backward(real_backward))
+        # a call whose logits fit one tile and keep nothing: the one-tile backward recomputes it
+        monkeypatch.setattr(native, "_backward_one_tile", in_backward(native._backward_one_tile))
     return seen
 
 

@@ -150,7 +150,8 @@ def test_deterministic_reaches_the_source(monkeypatch, deterministic):
 
     monkeypatch.setattr(native.NativeBackend, "_token_chunk", staticmethod(token_chunk))
     full = _run(True, p, extra, "sum", deterministic=deterministic)
-    assert pads and set(pads) == ({native.DETERMINISTIC_TOKEN_CHUNK} if deterministic else {None}), pads
+    # not deterministic: token chunks of the batch's own height, or none (one tile: the one-tile backward)
+    assert (pads and set(pads) == {native.DETERMINISTIC_TOKEN_CHUNK}) if deterministic else set(pads) <= {None}, pads
     rows = slice(5, 29)
     sub = make_problem((33,), 16, 97, torch.bfloat16, False, seed=3)
     sub.hidden, sub.target = sub.hidden[rows], sub.target[rows]

@@ -373,8 +373,10 @@ class CapturedTargetCheck:
 
 _pending: Optional[PendingTargetCheck] = None  # the last call without a group
 _pending_by_group: dict[str, PendingTargetCheck] = {}  # the last call with each group (by group name)
-# captured checks by scope ("" without a group, else the group name); the latest few, read after replays
+# captured checks by scope ("" without a group, else the group name): the latest few, read after replays by
+# check_errors, and by the first call outside a capture after a capture (scopes in _captured_unread)
 _captured: dict[str, list[CapturedTargetCheck]] = {}
+_captured_unread: set[str] = set()
 _CAPTURED_KEPT = 64
 
 
@@ -401,17 +403,23 @@ def _capture_check(scope: str, target_ids: torch.Tensor, vocab_size: int,
     kept = _captured.setdefault(scope, [])
     kept.append(check)
     del kept[:-_CAPTURED_KEPT]
+    _captured_unread.add(scope)
     return check
 
 
-def _captured_problem(scope: str) -> Optional[str]:
-    """Read the flags of the captured calls of ``scope`` (one host read; they are forgotten once read)."""
-    checks = _captured.pop(scope, None)
-    if not checks:
+def _captured_problem(scope: str, first_read_only: bool = False) -> Optional[str]:
+    """Read the flags of the captured calls of ``scope`` (one host read; a set flag is cleared once raised, until
+    the graph's next replay sets it again). ``first_read_only``: only if not read since the last capture."""
+    if first_read_only and scope not in _captured_unread:
         return None
-    bad = torch.stack([c.bad.to(checks[0].bad.device) for c in checks]).tolist()
-    for c, b in zip(checks, bad):
+    _captured_unread.discard(scope)
+    kept = _captured.get(scope)
+    if not kept:
+        return None
+    bad = torch.stack([c.bad.to(kept[0].bad.device) for c in kept]).tolist()
+    for c, b in zip(kept, bad):
         if b:
+            c.bad.zero_()
             return c.message() + CAPTURED_NOTE
     return None
 
@@ -434,11 +442,12 @@ def take_group_pending(group) -> Optional[PendingTargetCheck]:
     return _pending_by_group.pop(group_name(group), None)
 
 
-def raise_pending_errors() -> None:
-    """Raise the verdict of the last deferred check without a group, or of captured calls, if it failed."""
+def raise_pending_errors(everything: bool = True) -> None:
+    """Raise the verdict of the last deferred check without a group, or of captured calls, if it failed.
+    ``everything=False`` (a call's own start): the captured flags only at the first call after a capture."""
     global _pending
     pending, _pending = _pending, None
-    problem = _captured_problem("") if _captured else None
+    problem = _captured_problem("", first_read_only=not everything) if _captured else None
     if problem is not None:
         raise LinearLogpInputError(problem)
     if pending is None:
@@ -569,7 +578,7 @@ def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, t
         return _check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                                  global_vocab_size, ignore_index, builds_graph, capturing)
     if mode != "fast" and not capturing:
-        raise_pending_errors()  # the deferred verdict of the previous call without a group
+        raise_pending_errors(everything=False)  # the deferred verdict of the previous call without a group
     if problem is not None:
         raise LinearLogpInputError(problem)
     total = plan.vocab_size
@@ -614,7 +623,7 @@ def _check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group,
                                    "call of this layout outside the capture first (a warm-up)")
     earlier = None
     if host is not None and not capturing:
-        captured = _captured_problem(group_name(tp_group)) if _captured else None
+        captured = _captured_problem(group_name(tp_group), first_read_only=True) if _captured else None
         if captured is not None and ok:  # a local problem: shared with the others by the record exchange
             problem, ok = captured, False
         earlier = take_group_pending(tp_group)  # the previous call's pending target check, judged by this one

@@ -151,18 +151,20 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     tpc_c = dataclasses.replace(tpc, call=call)
     count = None
     if reduction == "mean":
-        count = (torch.tensor(float(max(n, 1)), device=h2.device) if ignored is None
+        count = (float(max(n, 1)) if ignored is None  # (a Python number: no host-to-device copy)
                  else (~ignored).sum().clamp_min(1).to(torch.float32))
 
-    total = torch.zeros((), device=h2.device, dtype=torch.float32)
-    d_hidden = torch.zeros(n, d, device=h2.device, dtype=torch.float32) if needs[0] else None
+    total = None
     n_chunks = -(-n // chunk) if n else 0
+    reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 and needs[0] else None
+    # one chunk without a group: its d_hidden is the source's (no [N, D] buffer to fill)
+    d_hidden = (torch.zeros(n, d, device=h2.device, dtype=torch.float32)
+                if needs[0] and (n_chunks > 1 or reduce is not None) else None)
     accumulate = None  # several chunks: d_W and d_b summed unrounded in fp32, rounded once at the end
     if n_chunks > 1 and (needs[1] or needs[2]):
         accumulate = (torch.zeros(w.shape, device=w.device, dtype=torch.float32) if needs[1] else None,
                       torch.zeros(b.shape, device=b.device, dtype=torch.float32) if needs[2] else None)
     d_w = d_b = None
-    reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 and needs[0] else None
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
         h_c, lt_c = h2[t0:t1], local_target[t0:t1]
@@ -172,7 +174,8 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
             logp, entropy = zero_rows(skip, logp), zero_rows(skip, entropy)
         if not differentiate:
             per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
-            total = total + (per_tok.sum() if count is None else per_tok.sum() / count)
+            part = per_tok.sum() if count is None else per_tok.sum() / count
+            total = part if total is None else total + part
             continue
         logp = logp.detach().requires_grad_()
         entropy = entropy.detach().requires_grad_()
@@ -180,7 +183,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
             per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
             chunk_loss = per_tok.sum() if count is None else per_tok.sum() / count
             g_logp, g_ent = torch.autograd.grad(chunk_loss, [logp, entropy], allow_unused=True)
-        total = total + chunk_loss.detach()
+        total = chunk_loss.detach() if total is None else total + chunk_loss.detach()
         if g_logp is None:
             g_logp = torch.zeros_like(logp)
         ready = None
@@ -197,8 +200,14 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         del kept  # one chunk's kept logits at a time
         if d_hidden is not None and not (ready is not None and reduce.started):
             d_hidden[t0:t1] = grads.d_hidden
+        elif needs[0] and d_hidden is None:  # the one chunk
+            d_hidden = grads.d_hidden
         d_w, d_b = grads.d_weight, grads.d_bias
+    if total is None:
+        total = torch.zeros((), device=h2.device, dtype=torch.float32)
     if n == 0:
+        if needs[0]:
+            d_hidden = torch.zeros(n, d, device=h2.device, dtype=torch.float32)
         d_w = torch.zeros_like(weight) if needs[1] else None
         d_b = torch.zeros_like(bias) if needs[2] else None
     if d_hidden is not None:

@@ -13,14 +13,17 @@ Forward, per call:
      ``logp = (sum_r y_r [owned_r] - M) - log S`` (relative to M: no cancellation at peaked targets),
      ``E_p[z] - M = sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``, ``entropy = log S - (E_p[z] - M)``;
      a token whose owner count is not 1 gets NaN (possible only when the target check is skipped,
-     ``TPLOGP_CHECKS=fast``, or deferred to the next call, ``full`` without a group: :mod:`tplogp.deferred_checks`).
+     ``TPLOGP_CHECKS=fast``, or deferred, ``full``: :mod:`tplogp.checks`).
+Before any of this, :func:`prepare_call` takes the layout's plan (:mod:`tplogp.plan`: computed at the layout's first
+call) and runs the call's checks (:func:`tplogp.checks.check_call`); the backward settles the call's target verdict
+(``_TPContext.verdict``) before it writes any gradient.
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
 partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
 before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async
 there and runs while ``d_W`` is computed.
 
 Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single``
-(triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
+(native, triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
 and 3 cost no host ops (what matters at small shapes, where a call's host time is most of its latency). Rows whose target equals
 ``ignore_index`` are compacted away before any GEMM and get logp = entropy = lse = 0 and no gradient.
 """
@@ -36,7 +39,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .backends.base import ShardBackend, ShardCall
-from .checks import BackwardVerdict, check_call, is_capturing, latest_verdict
+from . import checks
+from .checks import BackwardVerdict, check_call, latest_verdict
 from .comm import OverlappedAllReduce, all_gather_flat
 from .outputs import LinearLogpResult, pack_outputs
 from .plan import CallPlan, LogpOptions, plan_call, remember, shard_call
@@ -196,7 +200,7 @@ def compacts_rows(device: torch.device) -> bool:
     """Whether ignored rows are compacted away (their GEMM work saved, at the price of a host read of the kept-row
     count), or kept in place as rows that no shard owns, whose outputs are zeroed and whose upstream gradients are
     dropped (no host read): the latter while a CUDA graph is being captured, where a host read cannot happen."""
-    return not is_capturing(device)
+    return not checks.is_capturing(device)  # (looked up at the call: a test may simulate a capture)
 
 
 def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0,
