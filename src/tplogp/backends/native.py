@@ -413,15 +413,16 @@ def _forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSh
     z = _logits_tile(hidden, weight, bias, call.inv_temperature)
     m = z.amax(1)
     z -= m.unsqueeze(1)  # z - M
-    owned = (target >= 0) & (target < v)
-    target_rel = z.gather(1, target.clamp(0, v - 1).unsqueeze(1)).squeeze(1)
+    column = target.clamp(0, v - 1)
+    nobodys = column != target  # ids outside [0, V): owned by nobody (NaN logp)
+    target_rel = z.gather(1, column.unsqueeze(1)).squeeze(1)
     if call.with_entropy:
         e = torch.exp(z)
         sum_exp, q = e.sum(1), z.mul_(e).sum(1)
     else:
         sum_exp, q = z.exp_().sum(1), None
     log_sum = torch.log(sum_exp)
-    logp = torch.where(owned, target_rel - log_sum, float("nan"))
+    logp = (target_rel - log_sum).masked_fill_(nobodys, float("nan"))
     mean_rel = None if q is None else q / sum_exp
     return SingleShardOutputs(logp, m + log_sum, m, log_sum, mean_rel, None if q is None else log_sum - mean_rel)
 
@@ -442,9 +443,9 @@ def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp
         dz = z.mul_(grad_entropy.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
     else:
         dz = z.sub_(log_sum.unsqueeze(1)).exp_().mul_(c0.unsqueeze(1)).neg_()
-    owned = (target >= 0) & (target < v)
-    dz.scatter_add_(1, target.clamp(0, v - 1).unsqueeze(1),
-                    torch.where(owned, grad_logp, torch.zeros_like(grad_logp)).unsqueeze(1))
+    column = target.clamp(0, v - 1)
+    # + grad_logp at the target column; nothing for ids outside [0, V) (nobody's)
+    dz.scatter_add_(1, column.unsqueeze(1), grad_logp.masked_fill(column != target, 0).unsqueeze(1))
     if call.inv_temperature != 1.0:
         dz *= call.inv_temperature
     d_bias = None
