@@ -166,8 +166,10 @@ def target_range_tensor(target_ids: torch.Tensor, ignore_index: Optional[int]) -
     check's part of :func:`target_summary_tensor` in the fewest ops (it runs at every call without a group)."""
     t = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
     t = t if t.dtype == torch.long else t.long()
-    if ignore_index is None:  # one kernel, written into one tensor (what the host copy takes)
-        lo_hi = torch.empty(2, dtype=torch.long, device=t.device)
+    if ignore_index is None:
+        if t.device.type == "cpu":
+            return torch.stack(torch.aminmax(t))
+        lo_hi = torch.empty(2, dtype=torch.long, device=t.device)  # one kernel writes what the host copy takes
         torch.aminmax(t, out=(lo_hi[0], lo_hi[1]))
         return lo_hi
     keep = t != ignore_index
