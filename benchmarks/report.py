@@ -151,9 +151,10 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
     for (shape, dtype), sel in sorted(groups.items(), key=lambda kv: (_shape_key(kv[0][0]), kv[0][1])):
         sel = sorted(sel, key=lambda r: (r.get("error") is not None, r.get("fwd_bwd_gemms") or 1e9))
         out += [f"### {shape} (T x D x V), {dtype}", "", _run_line(sel) + _gemm_line(sel), ""]
+        host = any(r.get("host_fwd_bwd_us") is not None for r in sel)  # (rows of older runs have no host column)
         out += ["| impl | budget | contract | fwd ms | fwd+bwd ms | fwd GEMMs | fwd+bwd GEMMs synced / b2b | "
-                "host µs fwd+bwd | extra GiB | err logp (loss) | err d_hidden | err d_W |",
-                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                + ("host µs fwd+bwd | " if host else "") + "extra GiB | err logp (loss) | err d_hidden | err d_W |",
+                "|---|---|---|---:|---:|---:|---:|" + ("---:|" if host else "") + "---:|---:|---:|---:|"]
         missing = []
         for r in sel:
             if "error" in r or r.get("fwd_ms") is None:
@@ -164,7 +165,8 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
             out.append(
                 f"| {r['impl']} | {r['budget']} | {r['contract']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
                 f"{r['fwd_gemms']:.2f} | {r['fwd_bwd_gemms']:.2f} / {_num(r.get('fwd_bwd_gemms_b2b'), '.2f')} | "
-                f"{_num(r.get('host_fwd_bwd_us'), '.0f')} | {_num(r.get('extra_peak_gib'), '.3f')} | {err_out} | "
+                + (f"{_num(r.get('host_fwd_bwd_us'), '.0f')} | " if host else "")
+                + f"{_num(r.get('extra_peak_gib'), '.3f')} | {err_out} | "
                 f"{_err(r, 'err_d_hidden')} | "
                 f"{_err(r, 'err_d_weight')} |")
         out.append("")
