@@ -196,3 +196,18 @@ def test_tp_a_bad_target_raises_in_the_backward_on_every_rank(tp, bad, monkeypat
                 else r"target_ids \(they must be replicated")
     assert re.search(expected, first) and "found by the backward" in first and "[grad]" not in first, first
     assert second == "ok", second
+
+
+def test_compiled_backward_raises_a_bad_target_before_any_gradient(monkeypatch):
+    """Under torch.compile the op's backward (a separate ``torch.library`` op) settles the latest call's verdict."""
+    monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
+    op = get_op("linear_logp", source="native")
+    head, hidden = _model()
+    fn = torch.compile(lambda h, w, t, b: -op(h, w, t, b).sum(), backend="aot_eager", fullgraph=True)
+    loss = fn(hidden.clone().requires_grad_(), head.weight, BAD, head.bias)
+    with pytest.raises(LinearLogpInputError, match="found by the backward"):
+        loss.backward()
+    assert all(p.grad is None for p in head.parameters())
+    check_errors()
+    fn(hidden.clone().requires_grad_(), head.weight, GOOD, head.bias).backward()
+    assert torch.isfinite(head.weight.grad).all()
