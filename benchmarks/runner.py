@@ -219,17 +219,36 @@ def _git(args: list[str], cwd: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-def source_commit(path: str) -> str:
-    """Short commit of the git checkout holding ``path`` (``+dirty`` when tracked files differ), else 'unknown'."""
+def source_commit(path: str, version: Optional[str] = None) -> str:
+    """Which tplogp ``path`` (the package's folder) is: the short commit of the enclosing git repository when that
+    repository tracks the package's files (``+dirty`` when any of those tracked files differs from the commit; changes
+    elsewhere in the repository do not count), else ``v`` + ``version`` (default: the ``__version__`` written in the
+    package's ``__init__.py``, else the installed distribution's), else 'unknown'.
+
+    A copy of the package unpacked, untracked, inside another repository (vendored into a monorepo, say) is not
+    that repository's commit: it is named by its version."""
     where = path if os.path.isdir(path) else os.path.dirname(path)
     try:
-        commit = _git(["rev-parse", "--short", "HEAD"], where)
-        if not commit:
-            return "unknown"
-        dirty = _git(["status", "--porcelain", "--untracked-files=no"], where)
-        return commit + ("+dirty" if dirty else "")
+        tracked = _git(["ls-files", "--", "."], where)
+        commit = _git(["rev-parse", "--short", "HEAD"], where) if tracked else ""
+        if commit:
+            dirty = _git(["status", "--porcelain", "--untracked-files=no", "--", "."], where)
+            return commit + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        pass
+    if version is None:
+        version = _package_version(where) or _version("tplogp")
+    return f"v{version}" if version else "unknown"
+
+
+def _package_version(where: str) -> Optional[str]:
+    """``__version__`` as written in the package's ``__init__.py`` (a copy that is not an installed distribution)."""
+    try:
+        with open(os.path.join(where, "__init__.py")) as f:
+            m = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+    except OSError:
+        return None
+    return m.group(1) if m else None
 
 
 def _version(dist: str) -> Optional[str]:
