@@ -138,6 +138,94 @@ def _quack_chunked(device: torch.device, budget: Optional[int]) -> ImplFn:
     return lambda h, w, y: fn(h, w, y, chunk_size=4096, reduction="mean")
 
 
+VERL_KERNEL_MODULES = ("kernels", "linear_cross_entropy")
+
+
+def _verl_device_stub(torch_module=torch):
+    """What ``verl/utils/kernel/kernels.py`` imports from ``verl.utils.device`` (verl 0.9.1), for CUDA: whether
+    CUDA is available, the device's capability, the device type's name and torch's device module."""
+    import types
+
+    stub = types.ModuleType("verl.utils.device")
+    cuda = torch_module.cuda.is_available()
+    stub.is_cuda_available = cuda
+    stub.get_device_capability = (lambda device_id=0: torch_module.cuda.get_device_capability(device_id)
+                                  if cuda else (None, None))
+    stub.get_device_name = lambda: "cuda" if cuda else "cpu"
+    stub.get_torch_device = lambda: torch_module.cuda
+    return stub
+
+
+def load_verl_kernel():
+    """verl's fused linear cross-entropy (``verl.utils.kernel.linear_cross_entropy``: per-token logp and entropy
+    from NVIDIA's Triton kernels), loaded from the installed verl's files without importing the verl package.
+
+    Why: ``import verl`` runs the package's ``__init__``, which imports the whole framework (ray, transformers,
+    tensordict, its protocol and workers) and fails without those dependencies; ``pip install verl --no-deps``
+    installs none of them. The two kernel modules need only torch, triton and four helpers of
+    ``verl.utils.device``, so this executes their files as submodules of a private package, with a stub for
+    ``verl.utils.device`` present in ``sys.modules`` only while ``kernels.py`` runs (the helpers it imports are
+    bound into its namespace then). Returns the ``linear_cross_entropy`` module."""
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    package = "_benchmarks_verl_kernel"
+    if package in sys.modules:
+        return sys.modules[package].linear_cross_entropy
+    try:
+        spec = importlib.util.find_spec("verl")  # a top-level package: located, not imported
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ImplUnavailable("verl is not installed (benchmarks/requirements-peers.txt: "
+                              "pip install verl==0.9.1 --no-deps)")
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "utils", "kernel")
+    pkg = types.ModuleType(package)
+    pkg.__path__ = [folder]
+    pkg.__package__ = package
+    loaded = {}
+    device_module = sys.modules.get("verl.utils.device")  # a real verl imported elsewhere stays as it was
+    sys.modules["verl.utils.device"] = _verl_device_stub()
+    sys.modules[package] = pkg
+    try:
+        for name in VERL_KERNEL_MODULES:
+            path = os.path.join(folder, name + ".py")
+            mod_spec = importlib.util.spec_from_file_location(f"{package}.{name}", path)
+            if mod_spec is None or not os.path.exists(path):
+                raise ImplUnavailable(f"verl's kernel file {path} is missing (verl 0.9.1 has it)")
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[mod_spec.name] = module
+            mod_spec.loader.exec_module(module)
+            setattr(pkg, name, module)
+            loaded[name] = module
+    except ImplUnavailable:
+        _forget(package, sys)
+        raise
+    except Exception as exc:  # a different verl layout or a broken kernel file is a result too
+        _forget(package, sys)
+        raise ImplUnavailable(f"loading verl's kernel modules failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        if device_module is None:
+            sys.modules.pop("verl.utils.device", None)
+        else:
+            sys.modules["verl.utils.device"] = device_module
+    return loaded["linear_cross_entropy"]
+
+
+def _forget(package: str, sys_module) -> None:
+    for name in [n for n in sys_module.modules if n == package or n.startswith(package + ".")]:
+        del sys_module.modules[name]
+
+
+def _verl(device: torch.device, budget: Optional[int]) -> ImplFn:
+    _needs_cuda(device, "verl's fused kernel")
+    fn = load_verl_kernel().linear_cross_entropy
+    # (hidden, weight, labels, temperature, reduction, process group) -> (logp [T], entropy [T]), fp32
+    return lambda h, w, y: fn(h, w, y, 1.0, "none", None)[0]
+
+
 IMPLS: tuple[Impl, ...] = (
     Impl("tplogp-sm90", PER_TOKEN, True, _tplogp("sm90"),
          "tplogp, Hopper source (the registry's choice on sm_90)", source="sm90"),
@@ -156,6 +244,8 @@ IMPLS: tuple[Impl, ...] = (
     Impl("cce-exact", PER_TOKEN, False, _cce(None), "Cut Cross-Entropy, gradient filter off"),
     Impl("cce-compile", PER_TOKEN, False, _cce("torch_compile"), "Cut Cross-Entropy torch_compile impl"),
     Impl("quack-chunked", SCALAR_LOSS, False, _quack_chunked, "QuACK chunked_linear_cross_entropy, 4096-token chunks"),
+    Impl("verl", PER_TOKEN, False, _verl,
+         "verl linear_cross_entropy (NVIDIA Triton kernels): per-token logp and entropy, temperature 1"),
 )
 BY_NAME = {impl.name: impl for impl in IMPLS}
 

@@ -61,7 +61,7 @@ REPRODUCE = """## How to reproduce
 
 ```bash
 pip install -e ".[bench]"                                   # matplotlib; peers are optional imports
-pip install -r benchmarks/requirements-peers.txt            # the peers at the versions measured (CUDA machine)
+pip install --no-deps -r benchmarks/requirements-peers.txt  # the peers at the versions measured (CUDA machine)
 python -m benchmarks op --shapes 8192x4096x128256 --dtype bf16          # appends to benchmarks/results/results.jsonl
 python -m benchmarks memory                                 # CPU: native source vs eager
 python -m benchmarks plugin                                 # CPU: pytest_tplogp rank pool

@@ -31,7 +31,7 @@ import torch
 
 RESULTS_FILE = "results.jsonl"
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-PEER_DISTRIBUTIONS = ("liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl")
+PEER_DISTRIBUTIONS = ("liger-kernel", "cut-cross-entropy", "quack-kernels", "nvidia-cutlass-dsl", "verl")
 
 
 # ---------------------------------------------------------------------------------------------------------- timing
