@@ -170,7 +170,7 @@ class BudgetSpec:
         if self.keep is not None:
             from tplogp import keep_logits_budget
 
-            return keep_logits_budget(T, V, fraction=self.keep, source=source, device=device)
+            return keep_logits_budget(T, V, fraction=self.keep, source=source, device=device, dtype=dtype)
         if self.chunk is not None:
             from tplogp import loss_chunk_budget
 

@@ -47,8 +47,8 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
     m, n, k, stages = blocks
     flags = dict(HAS_BIAS=features, WITH_ENTROPY=features)
     block_args = dict(BLOCK_N=m, BLOCK_V=n, BLOCK_D=k, GROUP_N=group_n, DOT_PRECISION=precision)
-    stats = dict(p_tgt="*i64", p_parts="*fp32", p_kept="*fp32", N="i32", V="i32", D="i32", stride_kept="i32",
-                 v_keep="i32")
+    stats = dict(p_tgt="*i64", p_parts="*fp32", p_kept=f"*{dt}", p_scale="*fp32", N="i32", V="i32", D="i32",
+                 stride_kept="i32", stride_scale="i32", v_keep="i32")
     grads = dict(p_tgt="*i64", p_rmax="*fp32", p_lsum="*fp32", p_g="*fp32", p_gmg="*fp32", p_ge="*fp32",
                  p_mz="*fp32", p_dz=f"*{dt}", p_dbp="*fp32", N="i32", V="i32", D="i32", v_lo="i32", v_hi="i32")
     tma = dict(d_h=f"tensordesc<{dt}[{m},{k}]>", d_w=f"tensordesc<{dt}[{n},{k}]>", p_b=f"*{dt}")
@@ -73,9 +73,9 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
         const = dict(**flags, NEED_DB=features, EVEN_D=False, **block_args)
     elif kind == "bwd_kept":
         fn = generic_kernels.bwd_dlogits_kept_kernel
-        sig = {"p_kept": "*fp32", "p_b": f"*{dt}", **grads, "stride_kept": "i32", "stride_dz": "i32",
-               "stride_dbp": "i32", "inv_temp": "fp32"}
-        const = dict(**flags, NEED_DB=features, BLOCK_N=m, BLOCK_V=n, DOT_PRECISION=precision)
+        sig = {"p_kept": f"*{dt}", "p_scale": "*fp32", **grads, "stride_kept": "i32", "stride_scale": "i32",
+               "stride_dz": "i32", "stride_dbp": "i32", "inv_temp": "fp32"}
+        const = dict(WITH_ENTROPY=features, NEED_DB=features, BLOCK_N=m, BLOCK_V=n, DOT_PRECISION=precision)
     else:  # dh: acc[M, N] += dz[M, K] @ w[K, N]
         fn = generic_kernels.dh_accum_kernel
         sig = dict(p_dz=f"*{dt}", p_w=f"*{dt}", p_dh="*fp32", N="i32", K="i32", D="i32", stride_dz="i32",
@@ -125,7 +125,8 @@ def machine_code() -> None:
             ("fwd_stats", "fwd_tma", fwd, cfg.num_warps, False),
             ("fwd_stats_keep", "fwd_tma", fwd, cfg.num_warps, True),
             ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False),
-            ("bwd_dlogits_kept", "bwd_kept", bwd, cfg.bwd_num_warps, False)):
+            ("bwd_dlogits_kept", "bwd_kept", (cfg.bwd_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
+             cfg.bwd_num_warps, False)):
         kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
                           split_tiles=cfg.split_tiles, keep=keep)
         found[name] = dict(sass_counts(kernel.asm["cubin"]))

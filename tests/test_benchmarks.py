@@ -70,8 +70,8 @@ def test_op_smoke_rows(tmp_path):
         _no_worse(r, eager_loss, ("err_loss", "err_d_hidden", "err_d_weight"))
     assert rows["tplogp-native", "16KiB"]["budget_bytes"] == 16 * 2**10
     # keep:F and chunk:C resolve per source and shape (64 x 32 x 320) through tplogp's budget helpers
-    assert rows["tplogp-native", "keep 100%"]["budget_bytes"] == tplogp.keep_logits_budget(64, 320, source="native",
-                                                                                          device="cpu")
+    assert rows["tplogp-native", "keep 100%"]["budget_bytes"] == tplogp.keep_logits_budget(
+        64, 320, source="native", device="cpu", dtype=torch.bfloat16)  # the smoke run's dtype
     for impl in ("tplogp-native", "tplogp-loss-native"):
         assert rows[impl, "chunk 16"]["budget_bytes"] == tplogp.loss_chunk_budget(
             16, 32, 320, dtype=torch.bfloat16, source="native", device="cpu")  # the smoke run's dtype, no bias
@@ -182,8 +182,9 @@ def test_budget_and_shape_parsing():
         with pytest.raises(ValueError, match="'keep:F'"):
             runner.parse_budget_spec(bad)
     spec = runner.parse_budget_spec("keep:1")
+    # bf16 terms (2 bytes per logit) and fp32 scales (counted for 64-wide tiles when planning without the GPU)
     assert spec.resolve("triton", (8192, 4096, 128256), torch.bfloat16, torch.device("cuda")) == (
-        128 * 2**20 + 8192 * 128256 * 4)
+        128 * 2**20 + 8192 * 128256 * 2 + 8192 * -(-128256 // 64) * 4)
     with pytest.raises(ValueError, match="unknown implementation 'nope'"):
         impls.select("tplogp-sm90,nope")
 

@@ -224,9 +224,10 @@ def _count_recomputes(monkeypatch, source):
 @pytest.mark.parametrize("source", KEEP_SOURCES)
 @pytest.mark.parametrize("opts", ["plain", "entropy", "ignore_index"])
 def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts):
-    """Under torch.compile a budget that holds the logits makes the op's forward keep them and its backward read
-    them (no recompute GEMM), with eager's bits; with ignore_index (data-dependent row count) nothing is kept and
-    the backward recomputes, with eager's bits too."""
+    """Under torch.compile a budget that holds the logits makes the op's forward keep their terms and its backward
+    read them (no recompute GEMM), with eager's bits; with ignore_index (data-dependent row count) nothing is kept
+    and the backward recomputes: eager's loss bits, and gradients within the fp32 eps of eager's (which read kept
+    terms: the probabilities are formed in another order)."""
     from tplogp import keep_logits_budget
 
     o = OPTIONS[opts]
@@ -238,7 +239,14 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
     eager = loss_and_grads(loss_fn, p)
     seen = _count_recomputes(monkeypatch, source)
     compiled = loss_and_grads(torch.compile(loss_fn, backend="aot_eager", fullgraph=True), p)
-    assert_same_bits(compiled, eager)
+    if "ignore_index" in o:
+        from tplogp.tolerances import ERROR_SLACK, rel_error
+
+        assert torch.equal(compiled[0], eager[0])
+        for name, c, e in zip(("d_hidden", "d_weight", "d_bias"), compiled[1:], eager[1:]):
+            assert rel_error(c, e) <= ERROR_SLACK[torch.float32].eps, (name, rel_error(c, e))
+    else:
+        assert_same_bits(compiled, eager)
     assert (seen["recompute"] == 0) == ("ignore_index" not in o), seen
 
 

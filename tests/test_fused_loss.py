@@ -19,6 +19,7 @@ IGNORE = -100
 SOURCES = ["native", "triton"]
 # the default transient memory of each source on CPU: a budget above it keeps logits
 TILES = {s: get_backend(s).transient_bytes(torch.device("cpu")) for s in SOURCES}
+CPU = torch.device("cpu")
 
 
 def _per_token(p, seed):
@@ -89,7 +90,9 @@ def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
                      ignore_fraction=0.2)
     extra = _per_token(p, 1)
     # chunks of 9 tokens (fp32 weights: their d_W accumulator is the gradient, no extra memory)
-    ws = {None: None, "chunks": TILES[source] + 9 * 211 * 4, "all": TILES[source] + 52 * 211 * 4}[budget]
+    ws = {None: None, "chunks": tplogp.loss_chunk_budget(9, 24, 211, dtype=torch.float32, bias_dtype=torch.float32,
+                                                         source=source, device=CPU),
+          "all": tplogp.keep_logits_budget(52, 211, source=source, device=CPU, dtype=torch.float32)}[budget]
     kw = dict(temperature=0.9, ignore_index=IGNORE, workspace_bytes=ws)
     eager = _run(False, p, extra, reduction, source, **kw)
     seen = _count_recompute(monkeypatch)
@@ -126,7 +129,8 @@ def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dt
     p = make_problem((45,), 32, 157, dtype, True, seed=21, peaked=True)
     extra = _per_token(p, 5)
     truth, ref = _truth_and_reference(p, extra, "mean", 1.0)
-    for ws in (None, TILES[source] + (8 + 33) * 157 * 4):  # one chunk; 6 chunks of 8 tokens (+ accumulators)
+    chunks_of_8 = tplogp.loss_chunk_budget(8, 32, 157, dtype=dtype, bias_dtype=dtype, source=source, device=CPU)
+    for ws in (None, chunks_of_8):  # one chunk; 6 chunks of 8 tokens (+ accumulators)
         ours = _run(True, p, extra, "mean", source, scale=1.0, workspace_bytes=ws)
         for name, a, r, t in zip(("loss", "d_hidden", "d_weight", "d_bias"), ours, ref, truth):
             assert a.dtype == (torch.float32 if name == "loss" else dtype), name
@@ -179,47 +183,55 @@ def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
 
 
 def test_chunk_plan_counts_the_accumulators_in_the_budget():
-    """Several chunks hold fp32 d_W / d_b accumulators (D + 1 tokens' worth of logits for 16-bit weight and bias,
-    nothing beyond the gradients for fp32 ones) beside the chunk's kept logits, both within the kept part of the
-    budget, on every rank of any sharding; one chunk needs no accumulator."""
+    """Several chunks hold fp32 d_W / d_b accumulators (D + 1 units of ``4 * vocab`` bytes for 16-bit weight and
+    bias, nothing beyond the gradients for fp32 ones) beside the chunk's kept terms (2 bytes per logit plus scales
+    for 16-bit inputs), both within the kept part of the budget, on every rank of any sharding; one chunk needs no
+    accumulator."""
     from tplogp.backends.native import NativeBackend, default_tile_bytes
     from tplogp.fused_loss import GPU_MIN_CHUNK_TOKENS, accumulator_tokens, plan_chunk_tokens
 
-    be, cpu = NativeBackend(), torch.device("cpu")
+    be, cpu, bf16 = NativeBackend(), torch.device("cpu"), torch.bfloat16
     n, d, vocab = 1000, 64, 5000
-    row = vocab * 4
-    acc = accumulator_tokens(d, torch.bfloat16, torch.bfloat16)
-    assert acc == d + 1 and accumulator_tokens(d, torch.bfloat16, None) == d
+    acc = accumulator_tokens(d, bf16, bf16)
+    assert acc == d + 1 and accumulator_tokens(d, bf16, None) == d
     assert accumulator_tokens(d, torch.float32, torch.float32) == 0 and accumulator_tokens(d, None, None) == 0
+    acc_bytes = acc * vocab * 4
+
+    def kept(tokens, v=vocab):
+        return be.kept_bytes(tokens, v, bf16, cpu)
+
+    assert kept(n) < n * vocab * 4 * 0.55  # about half of fp32 logits
 
     def plan(extra_bytes, device=cpu, accumulators=acc):
-        return plan_chunk_tokens(be, n, vocab, default_tile_bytes(device) + extra_bytes, device, accumulators)
+        return plan_chunk_tokens(be, n, vocab, default_tile_bytes(device) + extra_bytes, device, accumulators, bf16)
 
-    assert plan_chunk_tokens(be, n, vocab, None, cpu, acc) == n  # nothing kept: one chunk
-    assert plan(n * row) == n  # every logit fits: one chunk, no accumulator
-    assert plan((n - 1) * row) == n - 1 - acc
-    assert plan((n - 1) * row, accumulators=0) == n - 1
-    assert plan(acc * row) == n  # room for the accumulators only: one chunk, partly kept
-    assert plan((acc + 1) * row) == 1
-    for extra in (3 * row + 5, (d + 10) * row + 17, 700 * row):
+    assert plan_chunk_tokens(be, n, vocab, None, cpu, acc, bf16) == n  # nothing kept: one chunk
+    assert plan(kept(n)) == n  # every term fits: one chunk, no accumulator
+    chunk = plan(kept(n - 1))
+    assert kept(chunk) + acc_bytes <= kept(n - 1) < kept(chunk + 1) + acc_bytes  # the most that fits beside them
+    assert plan(kept(n - 1), accumulators=0) == n - 1
+    assert plan(acc_bytes) == n  # room for the accumulators only: one chunk, partly kept
+    assert plan(acc_bytes + kept(1)) == 1
+    for extra in (kept(3) + 5, acc_bytes + kept(10) + 17, kept(700)):
         keep, chunk = extra, plan(extra)
         if chunk < n:
-            for v_local in (vocab, vocab // 3 + 1, 1):  # every rank's kept logits + accumulators fit its budget
-                assert v_local * 4 * (chunk + acc) <= keep
+            for v_local in (vocab, vocab // 3 + 1, 1):  # every rank's kept terms + accumulators fit its budget
+                assert kept(chunk, v_local) + v_local * 4 * acc <= keep
     # a GPU runs no chunk thinner than its token tiles: one chunk instead
     cuda = torch.device("cuda")
-    assert plan((acc + GPU_MIN_CHUNK_TOKENS - 1) * row, cuda) == n
-    assert plan((acc + GPU_MIN_CHUNK_TOKENS) * row, cuda) == GPU_MIN_CHUNK_TOKENS
+    assert plan(acc_bytes + kept(GPU_MIN_CHUNK_TOKENS - 1), cuda) == n
+    assert plan(acc_bytes + kept(GPU_MIN_CHUNK_TOKENS), cuda) == GPU_MIN_CHUNK_TOKENS
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_chunks_run_as_planned(monkeypatch, dtype):
     """The loss runs one source backward per planned chunk, with an accumulator only over several chunks; a 16-bit
-    weight and bias's accumulators (D + 1 = 17 tokens' worth here) come out of the budget, fp32 ones do not."""
+    weight and bias's accumulators (D + 1 = 17 units of ``4 * vocab`` bytes here) come out of the budget, fp32 ones
+    do not."""
     from tplogp.backends.native import NativeBackend
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
-    p = make_problem((40,), 16, 90, dtype, True, seed=8)
+    p = make_problem((80,), 16, 90, dtype, True, seed=8)
     extra = _per_token(p, 3)
     seen = []
     real = NativeBackend.backward
@@ -229,12 +241,13 @@ def test_chunks_run_as_planned(monkeypatch, dtype):
         return real(self, *args, accumulate=accumulate, **kwargs)
 
     monkeypatch.setattr(NativeBackend, "backward", counting)
-    # budgets in tokens' worth of logits -> the backward calls (several chunks: with an accumulator)
-    cases = {torch.bfloat16: ((40, [False]), (17 + 10, [True] * 4), (17, [False])),
-             torch.float32: ((40, [False]), (10, [True] * 4))}[dtype]
-    for tokens, calls in cases:
+    # budgets: (tokens whose terms are kept, accumulator units) -> the backward calls (several chunks: accumulated)
+    cases = {torch.bfloat16: ((80, 0, [False]), (10, 17, [True] * 8), (0, 17, [False])),
+             torch.float32: ((80, 0, [False]), (10, 0, [True] * 8))}[dtype]
+    for tokens, units, calls in cases:
         seen.clear()
-        _run(True, p, extra, "sum", workspace_bytes=TILES["native"] + tokens * 90 * 4)
+        budget = TILES["native"] + NativeBackend.kept_bytes(tokens, 90, dtype, CPU) + units * 90 * 4
+        _run(True, p, extra, "sum", workspace_bytes=budget)
         assert seen == calls, (tokens, seen)
 
 
@@ -309,7 +322,7 @@ def test_d_hidden_all_reduce_runs_under_the_last_chunks_d_w(tp):
     p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
     extra = _per_token(p, 2)
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v,
-              workspace_bytes=TILES["native"] + 8 * v * 4)  # chunks of 8 tokens
+              workspace_bytes=tplogp.loss_chunk_budget(8, 16, v, dtype=torch.float32, source="native", device=CPU))
     with record_schedule() as events:
         ours = _run(True, p, extra, "mean", **kw)
     eager = _run(False, p, extra, "mean", **kw)

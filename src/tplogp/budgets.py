@@ -1,14 +1,15 @@
 """``workspace_bytes`` values from what they should keep, for a source on a device.
 
 A budget is the source's transient memory (its default: ``native`` tiles, the ``triton`` / ``sm90`` d_logits
-workspace) plus what the forward keeps for the backward, fp32 logits at 4 bytes each (docs/operator.md,
-"workspace_bytes"). These helpers add the second part to the first, so a caller states tokens and vocab rather than
+workspace) plus what the forward keeps for the backward: per kept logit its softmax term ``exp(z - m)`` in 2 bytes
+for 16-bit inputs (4 for fp32), plus one fp32 scale per row and tile (the source's ``kept_bytes``; docs/operator.md,
+"Memory budget"). These helpers add the second part to the first, so a caller states tokens and vocab rather than
 each source's default:
 
-* :func:`keep_logits_budget`: ``linear_logp`` keeps ``fraction`` of a call's ``[N, V_local]`` logits (the backward
-  skips the recompute GEMM for that share; 1.0: 3 GEMMs instead of 4).
+* :func:`keep_logits_budget`: ``linear_logp`` keeps ``fraction`` of a call's ``[N, V_local]`` logits' terms (the
+  backward skips the recompute GEMM for that share; 1.0: 3 GEMMs instead of 4).
 * :func:`loss_chunk_budget`: ``linear_logp_loss`` runs token chunks of ``chunk_tokens`` with every chunk's logits
-  kept, its fp32 ``d_W`` / ``d_b`` accumulators (``D`` tokens' worth of logits for a 16-bit weight,
+  kept, its fp32 ``d_W`` / ``d_b`` accumulators (``D`` units of ``4 * V`` bytes for a 16-bit weight,
   :func:`tplogp.fused_loss.accumulator_tokens`) counted in.
 """
 
@@ -22,46 +23,51 @@ from .fused_loss import accumulator_tokens
 from .kernel_registry import SourceUnavailableError, backend_for_call, get_backend
 
 
-def _transient_bytes(source: Optional[str], device: Optional[torch.device | str]) -> int:
-    """The source's default budget (all transient). An explicit source need not run here: sizes are planned ahead
-    (for the GPU of a later job, say); only an uninstalled one raises. None: the registry's choice on ``device``."""
+def _backend(source: Optional[str], device: Optional[torch.device | str]):
+    """``(backend, device)``. An explicit source need not run here: sizes are planned ahead (for the GPU of a later
+    job, say); only an uninstalled one raises. None: the registry's choice on ``device``."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if source in (None, "registry", "auto"):
         backend = backend_for_call(None, dev, torch.bfloat16)
     else:
         backend = get_backend(source)
-    transient = getattr(backend, "transient_bytes", None)
-    if transient is None:
+    if getattr(backend, "transient_bytes", None) is None or getattr(backend, "kept_bytes", None) is None:
         raise SourceUnavailableError(f"source {source!r} is not available: {backend.unavailable_reason(dev)}")
-    return int(transient(dev))
+    return backend, dev
 
 
 def keep_logits_budget(n_tokens: int, v_local: int, *, fraction: float = 1.0, source: Optional[str] = None,
-                       device: Optional[torch.device | str] = None) -> int:
-    """The ``workspace_bytes`` with which ``linear_logp`` keeps ``fraction`` of a call's logits from forward to
-    backward: ``n_tokens`` after ``ignore_index`` compaction, ``v_local`` the shard's vocab (each rank computes its
-    own). ``source`` / ``device``: those of the call (default: the registry's choice on the current device). The
+                       device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> int:
+    """The ``workspace_bytes`` with which ``linear_logp`` keeps ``fraction`` of a call's logits (their softmax
+    terms) from forward to backward: ``n_tokens`` after ``ignore_index`` compaction, ``v_local`` the shard's vocab
+    (each rank computes its own), ``dtype`` the inputs' (16-bit: 2 bytes per kept logit; fp32: 4), plus the
+    scales; None: fp32's size, enough for any inputs (the sources allocate what they keep, not the budget; pass the
+    inputs' dtype for the exact size, and for a fraction below 1 of 16-bit inputs). ``source`` / ``device``: those of the call (default: the registry's choice on the current device). The
     sources keep whole units of their own (``triton`` / ``sm90``: 256 vocab columns unless the whole shard fits;
     ``native``: tiles), so a fraction below 1 keeps at most that share."""
     if n_tokens < 0 or v_local < 0:
         raise ValueError(f"n_tokens and v_local must be >= 0, got {n_tokens} and {v_local}")
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-    return _transient_bytes(source, device) + int(fraction * n_tokens * v_local) * 4
+    backend, dev = _backend(source, device)
+    kept = backend.kept_bytes(n_tokens, int(fraction * v_local), dtype or torch.float32, dev)
+    return int(backend.transient_bytes(dev)) + int(kept)
 
 
 def loss_chunk_budget(chunk_tokens: int, hidden_size: int, vocab_size: int, *, dtype: torch.dtype = torch.bfloat16,
                       bias_dtype: Optional[torch.dtype] = None, source: Optional[str] = None,
                       device: Optional[torch.device | str] = None) -> int:
     """The ``workspace_bytes`` with which ``linear_logp_loss`` runs chunks of ``chunk_tokens`` tokens, each chunk's
-    logits kept (3 GEMMs), the fp32 ``d_W`` / ``d_b`` accumulators of several chunks counted in
-    (:func:`tplogp.fused_loss.accumulator_tokens`: ``hidden_size`` tokens' worth for a weight of ``dtype`` below
-    fp32, one more for such a bias, ``bias_dtype``; None: no bias). ``vocab_size``: the global vocabulary (the same
+    logits kept (their softmax terms: 3 GEMMs), the fp32 ``d_W`` / ``d_b`` accumulators of several chunks counted in
+    (:func:`tplogp.fused_loss.accumulator_tokens`: ``4 * vocab_size`` bytes per unit, ``hidden_size`` units for a
+    weight of ``dtype`` below fp32, one more for such a bias, ``bias_dtype``; None: no bias). ``vocab_size``: the global vocabulary (the same
     budget on every rank). A batch of at most ``chunk_tokens`` tokens runs as one chunk within it. On a GPU chunks
     under ``fused_loss.GPU_MIN_CHUNK_TOKENS`` tokens are not run (one partly kept chunk instead)."""
     if chunk_tokens < 1 or hidden_size < 1 or vocab_size < 1:
         raise ValueError(f"chunk_tokens, hidden_size and vocab_size must be >= 1, got {chunk_tokens}, "
                          f"{hidden_size} and {vocab_size}")
-    tokens = chunk_tokens + accumulator_tokens(hidden_size, dtype, bias_dtype)
-    return _transient_bytes(source, device) + tokens * vocab_size * 4
+    backend, dev = _backend(source, device)
+    accumulators = accumulator_tokens(hidden_size, dtype, bias_dtype) * vocab_size * 4
+    return (int(backend.transient_bytes(dev)) + int(backend.kept_bytes(chunk_tokens, vocab_size, dtype, dev))
+            + accumulators)

@@ -6,9 +6,10 @@ one small all_gather with a group, the merge) gives fp32 logp and entropy; the l
 autograd, which gives the per-token upstream gradients ``g_logp`` / ``g_entropy``; the source's backward then gives
 the chunk's partial fp32 ``d_hidden`` rows, and adds its ``d_W`` and ``d_b`` to fp32 accumulators (several chunks;
 one chunk's are written directly in the weight / bias dtype). The chunk is as many tokens as the kept part of the
-memory budget (``workspace_bytes``) holds as fp32 logits of the whole vocab, the accumulators counted in it
-(:func:`plan_chunk_tokens`): its forward keeps them and its backward reads them instead of recomputing (3 GEMMs
-instead of 4), every source alike; only one chunk's logits are alive at a time. ONE all_reduce completes
+memory budget (``workspace_bytes``) holds softmax terms of over the whole vocab (2 bytes per logit for 16-bit
+inputs, plus scales), the accumulators counted in it (:func:`plan_chunk_tokens`): its forward keeps them and its
+backward forms the probabilities from them instead of recomputing (3 GEMMs instead of 4), every source alike; only
+one chunk's terms are alive at a time. ONE all_reduce completes
 ``d_hidden``: issued by the last chunk's backward as soon as its ``d_hidden`` rows are done (``d_hidden_ready``),
 so that it runs under that chunk's ``d_W`` work. The gradients are handed to autograd: the backward only scales
 them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are constants (no
@@ -77,31 +78,41 @@ GPU_MIN_CHUNK_TOKENS = 256
 
 
 def accumulator_tokens(dim: int, weight_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype]) -> int:
-    """What the fp32 ``d_W`` / ``d_b`` accumulators of several chunks take beyond the gradients themselves, in
-    tokens' worth of fp32 logits of the shard (``4 * V_local`` bytes each): ``D`` for a low-precision weight, 1 for a
+    """What the fp32 ``d_W`` / ``d_b`` accumulators of several chunks take beyond the gradients themselves, in units
+    of ``4 * V_local`` bytes (one fp32 row of the shard's vocabulary): ``D`` for a low-precision weight, 1 for a
     low-precision bias; 0 for an fp32 one (its accumulator is its gradient) or one without a gradient (``None``)."""
     low = [t is not None and t != torch.float32 for t in (weight_dtype, bias_dtype)]
     return dim * low[0] + low[1]
 
 
-def plan_chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], device: torch.device,
-                      accumulators: int) -> int:
-    """Tokens per chunk, from sizes that every rank shares (``n``, the global ``vocab``, ``accumulators`` from
-    :func:`accumulator_tokens`): the same chunks on every rank.
+def _kept_bytes(backend, n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes the source keeps for ``n`` tokens' terms of ``vocab`` columns (4 per logit for a source that does not
+    say)."""
+    kept_bytes = getattr(backend, "kept_bytes", None)
+    return kept_bytes(n, vocab, dtype, device) if kept_bytes is not None else 4 * n * vocab
 
-    The kept part of the budget holds ``R = keep // (4 * vocab)`` tokens' fp32 logits of the whole vocabulary (a
-    rank keeps a chunk's logits of its own shard: at most that). ``R >= n``: one chunk, every logit kept, ``d_W``
-    written once. Otherwise several chunks sum ``d_W`` (and ``d_b``) in fp32 accumulators, which count against the
-    same kept part: a chunk is ``R - accumulators`` tokens, and ``V_local * 4 * (chunk + accumulators) <= keep`` on
-    every rank. Below the minimum chunk (one token; ``GPU_MIN_CHUNK_TOKENS`` on a GPU) or when nothing is kept: one
-    chunk, of which the source keeps what the budget holds (its first vocab columns or tiles) and recomputes the
-    rest."""
+
+def plan_chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], device: torch.device,
+                      accumulators: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Tokens per chunk, from sizes that every rank shares (``n``, the global ``vocab``, ``accumulators`` from
+    :func:`accumulator_tokens`, the inputs' ``dtype``): the same chunks on every rank.
+
+    The kept part of the budget holds the softmax terms of ``R`` tokens over the whole vocabulary (the source's
+    ``kept_bytes``: 2 bytes per logit for 16-bit inputs plus the scales; a rank keeps a chunk's terms of its own
+    shard: at most that). ``R >= n``: one chunk, every term kept, ``d_W`` written once. Otherwise several chunks
+    sum ``d_W`` (and ``d_b``) in fp32 accumulators (``accumulators * 4 * vocab`` bytes), which count against the
+    same kept part: a chunk is the most tokens whose terms fit beside them. Below the minimum chunk (one token;
+    ``GPU_MIN_CHUNK_TOKENS`` on a GPU) or when nothing is kept: one chunk, of which the source keeps what the budget
+    holds (its first vocab columns or tiles) and recomputes the rest."""
     keep_bytes = getattr(backend, "keep_bytes", None)
     keep = keep_bytes(workspace_bytes, device) if keep_bytes is not None else 0
-    rows = keep // max(1, vocab * 4)
-    if rows >= n or rows <= 0:
+    if keep <= 0 or _kept_bytes(backend, max(n, 1), vocab, dtype, device) <= keep:
         return max(n, 1)
-    chunk = rows - accumulators
+    room = keep - accumulators * vocab * 4
+    chunk, above = 0, n  # the most tokens whose terms fit ``room`` (kept bytes grow with the tokens): bisection
+    while above - chunk > 1:
+        mid = (chunk + above) // 2
+        chunk, above = (mid, above) if _kept_bytes(backend, mid, vocab, dtype, device) <= room else (chunk, mid)
     if chunk < (GPU_MIN_CHUNK_TOKENS if device.type == "cuda" else 1):
         return max(n, 1)
     return chunk
@@ -146,7 +157,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     # from what requires a gradient, not from grad mode: a call without gradients sums the same chunks
     accumulators = accumulator_tokens(d, weight.dtype if weight.requires_grad else None,
                                       bias.dtype if bias is not None and bias.requires_grad else None)
-    chunk = plan_chunk_tokens(backend, n, vocab, workspace_bytes, h2.device, accumulators)
+    chunk = plan_chunk_tokens(backend, n, vocab, workspace_bytes, h2.device, accumulators, h2.dtype)
     call = dataclasses.replace(tpc.call, for_backward=differentiate)
     tpc_c = dataclasses.replace(tpc, call=call)
     count = None

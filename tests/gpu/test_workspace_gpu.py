@@ -58,7 +58,7 @@ def test_kept_logits_budgets_three_way(source, dtype):
     results = {}
     for label, share in BUDGETS.items():
         budget = None if share is None else tplogp.keep_logits_budget(N, V, fraction=share, source=source,
-                                                                      device="cuda")
+                                                                      device="cuda", dtype=dtype)
         fn = lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=LogpOptions(  # noqa: E731
             return_entropy=True, workspace_bytes=budget))
         _grads(fn, h, w, b, y, g, ge)  # warm-up: compile the KEEP variants outside the memory window

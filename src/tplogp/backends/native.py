@@ -5,9 +5,10 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 * The ``[N, V_local]`` logits are not held whole unless the budget allows it. Work is tiled into
   ``[tokens_chunk, vocab_chunk]`` fp32 tiles. The byte budget (``ShardCall.workspace_bytes``, else
   ``TPLOGP_WORKSPACE_MB``, else the per-device default tile budget) goes to the tiles up to that default; the rest
-  keeps the fp32 logits of the first tiles (in the forward's order) from forward to backward, whose backward then
-  skips the recompute GEMM. Kept tiles are the very values a recompute gives, so every budget gives the same bits
-  for the same tiling. Each tile is one GEMM with fp32 output (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on
+  keeps, for the first tiles (in the forward's order), the softmax terms ``e = exp(z - m)`` (bf16 for 16-bit
+  inputs, fp32 for fp32 ones) with the running max ``m`` per row, whose backward then forms
+  ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding alone, whatever
+  the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on
   CPU), so the target logit is read from the fp32 accumulator, never from a rounded logit.
 * Forward keeps an online softmax per token across vocab tiles: running max ``m``, ``s = sum exp(z - m)`` and, for
   entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to ``m'``, ``s <- s e^{m-m'}`` and
@@ -52,14 +53,25 @@ def split_workspace(workspace_bytes: Optional[int], device: torch.device) -> tup
     return min(budget, tiles), max(0, budget - tiles)
 
 
-def kept_tiles(n_tokens: int, vocab: int, tc: int, vc: int, keep_bytes: int, deterministic: bool) -> tuple[int, int]:
-    """``(tiles, fp32 elements)``: the first tiles, in the forward's order (token chunks, then vocab tiles), whose
-    fp32 logits fit ``keep_bytes`` together."""
+def kept_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the kept softmax terms for inputs of ``dtype``: bf16 for 16-bit inputs, fp32 for fp32 ones."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def kept_tile_words(rows: int, cols: int, itemsize: int) -> tuple[int, int]:
+    """4-byte words of one kept tile: ``(its terms, padded to 16 bytes; its rows' scales)``."""
+    return -(-(rows * cols * itemsize) // 16) * 4, rows
+
+
+def kept_tiles(n_tokens: int, vocab: int, tc: int, vc: int, keep_bytes: int, deterministic: bool,
+               itemsize: int = 4) -> tuple[int, int]:
+    """``(tiles, 4-byte words)``: the first tiles, in the forward's order (token chunks, then vocab tiles), whose
+    kept softmax terms (``itemsize`` bytes each) and per-row scales fit ``keep_bytes`` together."""
     count, used = 0, 0
     for t0 in range(0, n_tokens, tc):
         rows = tc if deterministic else min(tc, n_tokens - t0)
         for v0 in range(0, vocab, vc):
-            size = rows * (min(v0 + vc, vocab) - v0)
+            size = sum(kept_tile_words(rows, min(v0 + vc, vocab) - v0, itemsize))
             if (used + size) * 4 > keep_bytes:
                 return count, used
             used += size
@@ -105,6 +117,22 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
     return z
 
 
+_TINY = torch.finfo(torch.float32).tiny  # 2^-126: a flushed kept term's log stays finite (its p is 0)
+
+
+def _dz_from_kept(terms: torch.Tensor, scales: torch.Tensor, ch: "_TokenChunk") -> torch.Tensor:
+    """``dz`` (without the one-hot term) of a kept tile: ``p = e * exp(m - M - log S)`` from the kept terms ``e =
+    exp(z - m)`` and their row scale ``m`` (out of place: a repeated backward reads them again), and with entropy
+    ``zr = z - M = log(e) + (m - M)``. At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel
+    at a peaked target."""
+    shift = scales - ch.m  # m - M <= 0
+    p = terms.to(torch.float32, copy=True).mul_((shift - ch.ls).exp_().unsqueeze(1))
+    if ch.ge is None:
+        return p.mul_(ch.c0.unsqueeze(1)).neg_()
+    zr = terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_().add_(shift.unsqueeze(1))
+    return zr.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
+
+
 def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, rows_per_block: int) -> None:
     """``acc += dz.T @ h`` into the fp32 accumulator without a full-size temporary.
 
@@ -128,11 +156,11 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tenso
 
 def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                 call: ShardCall) -> tuple[int, int, tuple[int, int]]:
-    """``(tokens_chunk, vocab_chunk, (kept tiles, their fp32 elements))`` of an ``[n, d] x [v, d]`` call."""
+    """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))`` of an ``[n, d] x [v, d]`` call."""
     tile_bytes, keep_bytes = split_workspace(call.workspace_bytes, device)
     low_cpu = device.type != "cuda" and dtype != torch.float32
     tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
-    return tc, vc, kept_tiles(n, v, tc, vc, keep_bytes, call.deterministic)
+    return tc, vc, kept_tiles(n, v, tc, vc, keep_bytes, call.deterministic, kept_dtype(dtype).itemsize)
 
 
 class _TokenChunk(NamedTuple):
@@ -157,7 +185,7 @@ class NativeBackend:
 
     def _plan(self, hidden: torch.Tensor, weight: torch.Tensor,
               call: ShardCall) -> tuple[int, int, tuple[int, int]]:
-        """``(tokens_chunk, vocab_chunk, (kept tiles, their fp32 elements))``."""
+        """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))``."""
         return _plan_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], weight.dtype, hidden.device, call)
 
     @staticmethod
@@ -166,13 +194,14 @@ class NativeBackend:
         """Shape of the flat fp32 buffer of the tiles the forward keeps for the backward; ``(0,)``: none."""
         if not call.for_backward:
             return (0,)
-        _, _, (count, elements) = _plan_sizes(n, d, v, dtype, device, call)
-        return (elements,) if count else (0,)
+        _, _, (count, words) = _plan_sizes(n, d, v, dtype, device, call)
+        return (words,) if count else (0,)
 
     @staticmethod
     def _kept_views(kept: Optional[torch.Tensor], n: int, v: int, tc: int, vc: int, count: int,
-                    deterministic: bool) -> dict:
-        """``{(t0, v0): [rows, cols] view}`` of the kept tiles in ``kept`` (laid out in the forward's order)."""
+                    deterministic: bool, dtype: torch.dtype) -> dict:
+        """``{(t0, v0): (terms [rows, cols] of dtype, scales [rows] fp32)}``: views of the kept tiles in ``kept``
+        (laid out in the forward's order, each tile's terms then its scales)."""
         views, offset = {}, 0
         if kept is None or count == 0:
             return views
@@ -182,8 +211,10 @@ class NativeBackend:
                 if len(views) == count:
                     return views
                 cols = min(v0 + vc, v) - v0
-                views[(t0, v0)] = kept[offset: offset + rows * cols].view(rows, cols)
-                offset += rows * cols
+                words, scale_words = kept_tile_words(rows, cols, dtype.itemsize)
+                terms = kept[offset: offset + words].view(dtype)[: rows * cols].view(rows, cols)
+                views[(t0, v0)] = (terms, kept[offset + words: offset + words + scale_words])
+                offset += words + scale_words
         return views
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
@@ -195,11 +226,11 @@ class NativeBackend:
         sum_exp_z = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_entropy else None
         if n == 0 or v == 0:
             return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
-        tc, vc, (n_kept, kept_elems) = self._plan(hidden, weight, call)
+        tc, vc, (n_kept, kept_words) = self._plan(hidden, weight, call)
         kept = None
-        if call.for_backward and n_kept:
-            kept = torch.empty(kept_elems, device=dev, dtype=torch.float32)
-        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic)
+        if call.for_backward and n_kept:  # zeroed: the tiles' padding bytes are defined too
+            kept = torch.zeros(kept_words, device=dev, dtype=torch.float32)
+        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, kept_dtype(weight.dtype))
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             h = hidden[t0:t1]
@@ -212,25 +243,24 @@ class NativeBackend:
             tl = torch.zeros(t1 - t0, device=dev, dtype=torch.float32)
             for v0 in range(0, v, vc):
                 v1 = min(v0 + vc, v)
-                keep = kept_views.get((t0, v0))  # the tile is computed into the kept buffer
-                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature,
-                                 out=keep)
+                keep = kept_views.get((t0, v0))  # its terms exp(z - m') and scales m' are kept
+                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature)
                 rel = lt - v0
                 own = (rel >= 0) & (rel < v1 - v0)
                 picked = z[: t1 - t0].gather(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
                 tl = torch.where(own, picked, tl)
                 m_new = torch.maximum(m, z.amax(1))
                 alpha = torch.exp(m - m_new)  # 0 on the first tile (m = -inf)
-                if keep is None:
-                    z -= m_new.unsqueeze(1)  # z - m'
-                else:  # the kept logits stay as they are
-                    z = z - m_new.unsqueeze(1)
+                z -= m_new.unsqueeze(1)  # z - m'
                 if q is not None:
                     e = torch.exp(z)
                     shifted = torch.where(alpha > 0, alpha * (q + s * (m - m_new)), torch.zeros_like(q))
                     q = shifted + z.mul_(e).sum(1)  # e (z - m'), in z's buffer
                 else:
                     e = z.exp_()  # in place: the tile is not needed any more
+                if keep is not None:  # the terms, rounded once to the kept dtype, and the running max they follow
+                    keep[0].copy_(e)
+                    keep[1].copy_(m_new)
                 s = s * alpha + e.sum(1)
                 m = m_new
                 del z, e
@@ -261,8 +291,19 @@ class NativeBackend:
 
     @staticmethod
     def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
-        """The part of the budget that holds logits kept from forward to backward (4 bytes per logit)."""
+        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`)."""
         return split_workspace(workspace_bytes, device)[1]
+
+    @staticmethod
+    def kept_bytes(n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes that keep the terms of ``v`` columns of ``n`` tokens (:func:`kept_tiles`): 2 per term for 16-bit
+        inputs (4 for fp32), and per tile one fp32 scale per row and up to 16 bytes of padding, counted for vocab
+        tiles of at least 256 columns and token chunks of at least 128 rows (the default tile budgets' tiles are
+        thousands of columns wide: an upper bound there)."""
+        if n == 0 or v == 0:
+            return 0
+        vocab_tiles, token_chunks = -(-v // 256), -(-n // 128)
+        return n * v * kept_dtype(dtype).itemsize + 4 * n * vocab_tiles + 16 * token_chunks * vocab_tiles
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
@@ -312,7 +353,7 @@ class NativeBackend:
         # fp32 on CPU where low-precision GEMMs have no fp32-output path.
         gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
         tc, vc, (n_kept, _) = self._plan(hidden, weight, call)
-        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic)
+        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, kept_dtype(weight.dtype))
         tile_bytes, _ = split_workspace(call.workspace_bytes, hidden.device)
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
@@ -332,18 +373,18 @@ class NativeBackend:
             for ch in chunks:
                 t0, t1 = ch.t0, ch.t1
                 keep = kept_views.get((t0, v0))
-                if keep is None:  # recompute the tile
+                if keep is not None:  # the forward kept the tile's terms: no GEMM
+                    dz = _dz_from_kept(keep[0], keep[1], ch)
+                else:  # recompute the tile
                     z = _logits_tile(ch.h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
                     z -= ch.m.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peak
-                else:  # the forward kept it: no GEMM (out of place: a repeated backward reads it again)
-                    z = keep - ch.m.unsqueeze(1)
-                if ch.ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
-                    p = torch.exp(z - ch.ls.unsqueeze(1))
-                    dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
-                    del p
-                else:  # dz = -p * c0, all in place
-                    dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
-                del z
+                    if ch.ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
+                        p = torch.exp(z - ch.ls.unsqueeze(1))
+                        dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
+                        del p
+                    else:  # dz = -p * c0, all in place
+                        dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
+                    del z
                 rel = ch.lt - v0
                 own = (rel >= 0) & (rel < v1 - v0)
                 # + grad_logp at the owned target column (scatter, no host sync)

@@ -12,6 +12,7 @@ Nothing is imported from Triton and no device is probed until a method is called
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -104,26 +105,69 @@ class TritonBackend:
 
     @staticmethod
     def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
-        """The part of the budget that holds logits kept from forward to backward (4 bytes per logit)."""
+        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`)."""
         return tiles.split_budget(workspace_bytes)[1]
 
-    @staticmethod
-    def kept_shape(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
-                   call: ShardCall) -> tuple[int, ...]:
-        """Shape of the fp32 buffer the forward keeps for the backward: ``[N, v_keep]``, the first ``v_keep``
-        columns of the shard (:func:`tplogp.kernels.tiles.plan_keep`); ``(0,)``: nothing kept (no backward or no
-        budget)."""
+    def _keep_block_v(self, device: torch.device, dtype: torch.dtype) -> int:
+        """The forward's tile width (one kept scale per row and tile): the config's where it can be known here (the
+        interpreter; a CUDA device that is present), else the narrowest a fitted GPU config runs (planning ahead
+        counts the most scales)."""
+        device = torch.device(device)
+        if device.type != "cuda" or torch.cuda.is_available():
+            try:
+                return self._cfg(device, dtype).block_v
+            except Exception:  # no such device here, or nothing fits: plan with the narrowest tile
+                pass
+        return tiles._PLANNING_BLOCK_V
+
+    def kept_bytes(self, n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes the forward keeps for the backward to skip the recompute of ``v`` columns of ``n`` tokens: the
+        softmax terms (2 bytes each for 16-bit inputs, 4 for fp32: :func:`tplogp.kernels.tiles.kept_dtype`) and one
+        fp32 scale per row and forward tile (:func:`tplogp.kernels.tiles.kept_bytes`)."""
+        return tiles.kept_bytes(n, v, tiles.kept_dtype(dtype).itemsize, self._keep_block_v(device, dtype))
+
+    def _keep_columns(self, n: int, v: int, dtype: torch.dtype, device: torch.device, call: ShardCall) -> int:
+        """``v_keep``: the shard's first columns whose terms the forward keeps (0: none)."""
         if not call.for_backward:
+            return 0
+        return tiles.plan_keep(n, v, tiles.split_budget(call.workspace_bytes)[1],
+                               tiles.kept_dtype(dtype).itemsize, self._keep_block_v(device, dtype))
+
+    def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+                   call: ShardCall) -> tuple[int, ...]:
+        """Shape of the flat fp32 buffer the forward keeps for the backward: the softmax terms of the first
+        ``v_keep`` columns of the shard and their scales (:func:`tplogp.kernels.tiles.plan_keep`,
+        :func:`tplogp.kernels.tiles.kept_views`); ``(0,)``: nothing kept (no backward or no budget)."""
+        cols = self._keep_columns(n, v, dtype, device, call)
+        if not cols:
             return (0,)
-        cols = tiles.plan_keep(n, v, tiles.split_budget(call.workspace_bytes)[1])
-        return (n, cols) if cols else (0,)
+        return (sum(tiles.kept_words(n, cols, tiles.kept_dtype(dtype).itemsize, self._keep_block_v(device, dtype))),)
 
     def _kept_buffer(self, hidden, weight, call: ShardCall) -> Optional[torch.Tensor]:
-        """The buffer of :meth:`kept_shape`, or None when nothing is kept."""
-        shape = self.kept_shape(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, hidden.device, call)
-        if shape == (0,):
+        """The buffer of :meth:`kept_shape`, or None when nothing is kept. The kernel writes every term and scale;
+        the few padding bytes after the terms are zeroed here, so the buffer's every byte is defined."""
+        n, v, dtype = hidden.shape[0], weight.shape[0], hidden.dtype
+        cols = self._keep_columns(n, v, dtype, hidden.device, call)
+        if not cols:
             return None
-        return torch.empty(shape, device=hidden.device, dtype=torch.float32)
+        itemsize = tiles.kept_dtype(dtype).itemsize
+        values, scales = tiles.kept_words(n, cols, itemsize, self._keep_block_v(hidden.device, dtype))
+        kept = torch.empty(values + scales, device=hidden.device, dtype=torch.float32)
+        written = n * cols * itemsize // 4  # whole words of terms
+        if written < values:
+            kept[written:values].zero_()
+        return kept
+
+    def _kept_terms(self, kept: Optional[torch.Tensor], hidden, weight, call: ShardCall):
+        """The :class:`~tplogp.kernels.generic_launch.KeptTerms` views of a kept buffer (None: nothing kept)."""
+        if kept is None or kept.numel() == 0:
+            return None
+        from ..kernels.generic_launch import KeptTerms
+
+        n, v, dtype = hidden.shape[0], weight.shape[0], hidden.dtype
+        cols = self._keep_columns(n, v, dtype, hidden.device, dataclasses.replace(call, for_backward=True))
+        return KeptTerms(*tiles.kept_views(kept, n, cols, tiles.kept_dtype(dtype),
+                                           self._keep_block_v(hidden.device, dtype)))
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         from ..kernels import generic_launch
@@ -131,7 +175,8 @@ class TritonBackend:
         kept = self._kept_buffer(hidden, weight, call)
         row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
             hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
-            self._cfg(hidden.device, hidden.dtype), stats_launch=self._stats_launch(hidden.device), kept=kept)
+            self._cfg(hidden.device, hidden.dtype), stats_launch=self._stats_launch(hidden.device),
+            kept=self._kept_terms(kept, hidden, weight, call))
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
@@ -140,8 +185,8 @@ class TritonBackend:
         kept = self._kept_buffer(hidden, weight, call)
         return SingleShardOutputs(*generic_launch.forward_single(
             hidden, weight, bias, target, call.inv_temperature, call.with_entropy,
-            self._cfg(hidden.device, hidden.dtype), stats_launch=self._stats_launch(hidden.device), kept=kept),
-            kept=kept)
+            self._cfg(hidden.device, hidden.dtype), stats_launch=self._stats_launch(hidden.device),
+            kept=self._kept_terms(kept, hidden, weight, call)), kept=kept)
 
     def _stats_launch(self, device: torch.device):
         return None  # the generic kernel
@@ -155,5 +200,5 @@ class TritonBackend:
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=tiles.split_budget(call.workspace_bytes)[0], needs=tuple(needs),
             cfg=self._cfg(hidden.device, hidden.dtype), dlogits_launch=self._dlogits_launch(hidden.device),
-            kept=kept, d_hidden_ready=d_hidden_ready, accumulate=accumulate)
+            kept=self._kept_terms(kept, hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate)
         return ShardGrads(d_hidden, d_weight, d_bias)

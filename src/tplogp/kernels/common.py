@@ -13,9 +13,10 @@ statistics in raw units (``y = acc + b``, ``c = log2(e) / T``)::
 
 stored in natural units by :func:`natural_units` / :func:`store_stats`. Backward epilogue (:func:`dlogits_tile`):
 ``zr = z - M``, ``p = exp(zr - log_sum)``, ``dz = g onehot - p (g - g_lse + g_ent (zr - mean_zr))``, times 1/T,
-rounded once to the weight dtype. Kept logits (:func:`keep_tile`, :func:`kept_tile`): the forward stores the
-raw fp32 accumulator of the tiles below a column bound, the backward loads it instead of recomputing the GEMM; the
-epilogues then run on the very values a recompute gives.
+rounded once to the weight dtype. Kept terms (:func:`keep_tile`, :func:`kept_probabilities`): the forward stores
+each tile's softmax terms ``exp(z - m)`` below a column bound (16 bits for 16-bit inputs) with the running max ``m``
+per row and tile, the backward forms ``p`` from them instead of recomputing the GEMM (:func:`dlogits_finish` is
+shared).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def online_softmax_update(
     ``q = sum 2^((y - m) c) (y - m) c`` (log2 units). Per element that is a max, a subtraction, a multiply, one
     ex2 and a sum (plus, for the target, a compare and a select): the inverse temperature and log2(e) are one
     per-call constant, ``y - m`` is exact next to the max (so 1 - p does not cancel at a peaked row), and full tiles
-    carry no column mask. Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
+    carry no column mask. Also returns the tile's terms ``2^((y - m') c) = exp(z - M')`` (what :func:`keep_tile`
+    stores). Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
     of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
     ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
     """
@@ -136,25 +138,28 @@ def online_softmax_update(
     b_sum = b_sum * b_scale + tl.sum(b_e, 1)
     t_col = target_column(b_tgt, v0, BLOCK_V)
     b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
-    return new_max, b_sum, b_tl, b_sez
+    return new_max, b_sum, b_tl, b_sez, b_e
 
 
 @triton.jit
 def stats_tile(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     n0, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,  # first row, rows; as in online_softmax_update
-    p_kept, stride_kept, v_keep,  # the kept-logits buffer (only KEEP; see keep_tile)
+    p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp,  # the kept terms and scales (only KEEP)
     MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, KEEP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats kernels: with
-    ``KEEP``, store the raw accumulator when the tile lies below ``v_keep`` (:func:`keep_tile`; plain stores, also on
-    sm_90: a TMA store would stage the fp32 tile in the shared memory the K loop's ring uses), then fold the tile
-    into the running row stats (:func:`online_softmax_update`); returns (max, sum, tl, sez)."""
+    """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats kernels: fold the
+    tile into the running row stats (:func:`online_softmax_update`), then, with ``KEEP`` and the tile below
+    ``v_keep``, store its softmax terms and the running max they are relative to (:func:`keep_tile`; plain stores,
+    also on sm_90: a TMA store would stage the tile in the shared memory the K loop's ring uses); returns (max, sum,
+    tl, sez)."""
+    b_max, b_sum, b_tl, b_sez, b_e = online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
+                                                           MASKED, HAS_BIAS, WITH_ENTROPY, BLOCK_V)
     if KEEP:
-        keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, MASKED, BLOCK_N, BLOCK_V)
-    return online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c, MASKED, HAS_BIAS,
-                                 WITH_ENTROPY, BLOCK_V)
+        keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e, b_max * inv_temp, MASKED,
+                  DOT_PRECISION, BLOCK_N, BLOCK_V)
+    return b_max, b_sum, b_tl, b_sez
 
 
 @triton.jit
@@ -239,26 +244,40 @@ def dlogits_tile(
     """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32 column sums.
 
     Per element: ``zr = z - M`` (one FMA; exact 0 at the max, so 1 - p does not cancel at a peaked row), ``p =
-    2^(zr log2(e) - log_sum log2(e))`` (one FMA and one ex2), the one-hot term (a compare and a select), and ``dz =
-    onehot * g/T - p * coef/T`` (one FMA; the temperature is folded into the per-row factors). ``MASKED``: the
-    tile's rows and columns are masked (edge tiles); interior tiles carry no masks.
+    2^(zr log2(e) - log_sum log2(e))`` (one FMA and one ex2), then :func:`dlogits_finish`. ``MASKED``: the tile's
+    rows and columns are masked (edge tiles); interior tiles carry no masks.
     """
-    o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
-    o_v = v0 + o_t  # [BLOCK_V] column inside the shard
+    o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
     m_n = o_n < N
-    m_v = o_v < v_hi
     if HAS_BIAS:
         if MASKED:
-            acc += tl.load(p_b + o_v, mask=m_v, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(p_b + o_v, mask=o_v < v_hi, other=0.0).to(tl.float32)[None, :]
         else:
             acc += tl.load(p_b + o_v).to(tl.float32)[None, :]
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
+    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M
+    b_p = exp2(b_zr * LOG2E - b_lsum2[:, None], FAST_EXP2)  # [BLOCK_N, BLOCK_V]
+    dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz,
+                   stride_dbp, inv_temp, MASKED, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V)
+
+
+@triton.jit
+def dlogits_finish(
+    b_p, b_zr,  # [BLOCK_N, BLOCK_V] fp32 probabilities and z - M (b_zr only read WITH_ENTROPY)
+    i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp,
+    MASKED: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """``dz = onehot * g/T - p * coef/T`` (one FMA; the temperature folded into the per-row factors; a compare and
+    a select for the one-hot term), rounded once into the workspace; with a bias its fp32 column sums per token
+    block. Shared by the recompute and the kept d_logits kernels."""
+    o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
+    o_v = v0 + o_t
+    m_n = o_n < N
     b_g = tl.load(p_g + o_n, mask=m_n, other=0.0) * inv_temp
     b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0) * inv_temp
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M
-    b_p = exp2(b_zr * LOG2E - b_lsum2[:, None], FAST_EXP2)  # [BLOCK_N, BLOCK_V]
     if WITH_ENTROPY:
         b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0) * inv_temp
         b_mz = tl.load(p_mz + o_n, mask=m_n, other=0.0)
@@ -271,6 +290,7 @@ def dlogits_tile(
     m_out = None  # interior tiles: no masks
     m_db = None
     if MASKED:
+        m_v = o_v < v_hi
         m_out = m_n[:, None] & m_v[None, :]
         m_db = m_v
         b_dz = tl.where(m_out, b_dz, 0.0)
@@ -288,35 +308,53 @@ def _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N: tl.constexpr, BLOCK_V: 
 
 
 @triton.jit
-def keep_tile(p_kept, stride_kept, n0, N, v0, v_keep, acc, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_V: tl.constexpr):
-    """Store the raw fp32 accumulator of the tile at row ``n0``, shard column ``v0`` into the kept-logits buffer
-    ``[N, v_keep]`` (row stride ``stride_kept``) when the tile lies below ``v_keep``; rows at or past N and columns
-    at or past ``v_keep`` are not written. One fp32 store per element of the kept tiles, nothing for the others.
+def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e, b_scale, MASKED: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Store the tile's softmax terms ``b_e = exp(z - m)`` (rounded once to the kept buffer's dtype: bf16 for 16-bit
+    inputs) into ``[N, v_keep]`` and the rows' running max ``b_scale = m`` (natural units, fp32) into the scales
+    ``[N, cdiv(v_keep, BLOCK_V)]``, column ``v0 // BLOCK_V``, when the tile lies below ``v_keep``; rows at or past N
+    and columns at or past ``v_keep`` are not written. One 2-byte store per kept element and one fp32 per row and
+    tile, nothing for the other tiles.
 
     A full tile (not ``MASKED``) below ``v_keep`` lies wholly below it: ``v_keep`` is the shard's V or a multiple of
     ``tiles.CHUNK_ALIGN`` (256), which every ``BLOCK_V`` (a power of two up to 256) divides, as it divides the
     tile's start. So it needs the row mask alone (fewer predicate registers in the store)."""
     tl.static_assert(256 % BLOCK_V == 0)
     if v0 < v_keep:
-        m_r = (n0 + tl.arange(0, BLOCK_N)) < N
+        o_r = n0 + tl.arange(0, BLOCK_N)
+        m_r = o_r < N
         if MASKED:
             m_c = (v0 + tl.arange(0, BLOCK_V)) < v_keep
             mask = m_r[:, None] & m_c[None, :]
         else:
             mask = m_r[:, None]
-        tl.store(_kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V), acc, mask=mask)
+        store_rounded(_kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V), b_e, mask, DOT_PRECISION)
+        tl.store(p_scale + o_r.to(tl.int64) * stride_scale + v0 // BLOCK_V, b_scale, mask=m_r)
 
 
 @triton.jit
-def kept_tile(p_kept, stride_kept, n0, N, v0, v_hi, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_V: tl.constexpr):
-    """The ``[BLOCK_N, BLOCK_V]`` fp32 accumulator tile kept by the forward at row ``n0``, shard column ``v0``;
-    ``MASKED``: rows at or past N and columns at or past ``v_hi`` read as 0 (edge tiles only)."""
+def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_hi, b_rmax, b_lsum2,
+                       WITH_ENTROPY: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_V: tl.constexpr):
+    """``(p, zr)`` of the ``[BLOCK_N, BLOCK_V]`` tile at row ``n0``, shard column ``v0`` from the kept terms ``e``
+    and their row scale ``m`` (natural units): ``p = e * 2^((m - M) log2(e) - log_sum log2(e))`` (one multiply per
+    element, one ex2 per row), and with entropy ``zr = z - M = ln(e) + (m - M)`` (one lg2 per element; ``e`` is
+    clamped to 2^-126 first, so a flushed term gives a finite zr and p = 0). At the row max ``e = 1`` and ``m = M``
+    exactly, so ``1 - p`` does not cancel at a peaked target. ``MASKED``: rows at or past N and columns at or past
+    ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the forward's tile width (one scale per row)."""
     p_in = _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V)
+    o_r = n0 + tl.arange(0, BLOCK_N)
+    m_r = o_r < N
     if MASKED:
-        m_r = (n0 + tl.arange(0, BLOCK_N)) < N
         m_c = (v0 + tl.arange(0, BLOCK_V)) < v_hi
-        return tl.load(p_in, mask=m_r[:, None] & m_c[None, :], other=0.0)
+        b_e = tl.load(p_in, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
     else:
-        return tl.load(p_in)
+        b_e = tl.load(p_in).to(tl.float32)
+    b_m = tl.load(p_scale + o_r.to(tl.int64) * stride_scale + v0 // BLOCK_V, mask=m_r, other=0.0)
+    b_shift = b_m - b_rmax  # m - M <= 0; exact 0 in the tile holding the row max
+    b_f = exp2(b_shift * LOG2E - b_lsum2, FAST_EXP2)  # [BLOCK_N]
+    b_p = b_e * b_f[:, None]
+    b_zr = b_p  # not read without entropy
+    if WITH_ENTROPY:
+        b_zr = tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * LN2 + b_shift[:, None]
+    return b_p, b_zr

@@ -44,8 +44,9 @@ workspace (weight dtype) fits the byte budget. Per chunk:
 
    then rounds ``d_logits`` once to the weight dtype into the workspace; with a bias it also writes the fp32
    column sums of the tile (per token block) so ``d_bias`` is summed in fp32 without atomics. Over the columns
-   whose fp32 logits the forward kept (a ``workspace_bytes`` above the default), :func:`bwd_dlogits_kept_kernel`
-   loads each tile instead of recomputing it and runs the same epilogue.
+   whose softmax terms the forward kept (a ``workspace_bytes`` above the default: ``exp(z - m)`` in 16 bits with an
+   fp32 running max ``m`` per row and forward tile), :func:`bwd_dlogits_kept_kernel` forms ``p`` from them instead of
+   recomputing the tile, and runs the same finish.
 2. GEMMs with fp32 accumulation consume the workspace: ``d_hidden += d_logits @ W[chunk]`` (fp32 accumulator) and
    ``d_W[chunk] = d_logits^T @ hidden`` (one GEMM over all N, so d_W needs no cross-chunk accumulator). By default
    cuBLAS does both; in deterministic mode :func:`dh_accum_kernel` does ``d_hidden`` with a fixed tiling that
@@ -58,8 +59,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .common import (LOG2E, dlogits_epilogue, grouped_ids, kept_tile, mma, natural_units, split_bounds,
-                     stats_program, stats_tile, store_stats)
+from .common import (LOG2E, dlogits_epilogue, dlogits_finish, grouped_ids, kept_probabilities, mma, natural_units,
+                     split_bounds, stats_program, stats_tile, store_stats)
 
 
 @triton.jit
@@ -95,9 +96,10 @@ def fwd_stats_kernel(
     p_tgt,  # [N] int64 local target, in (-1: not owned)
     p_parts,  # [3 or 4, S, N] fp32 per split: row max, sum exp(z - max), target logit (0 if not in the split)
               # [, sum exp(z - max) (z - max) WITH_ENTROPY], out
-    p_kept,  # [N, v_keep] fp32 raw logits of the columns below v_keep, out (only KEEP)
+    p_kept,  # [N, v_keep] softmax terms exp(z - m) of the columns below v_keep (bf16 or fp32), out (only KEEP)
+    p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 running max m per row and tile, out (only KEEP)
     N, V, D,
-    stride_hn, stride_wv, stride_kept, v_keep,
+    stride_hn, stride_wv, stride_kept, stride_scale, v_keep,
     inv_temp,
     num_splits, plane,  # plane = S * N
     SPLIT_V: tl.constexpr,  # vocab ids per split (multiple of BLOCK_V)
@@ -115,15 +117,16 @@ def fwd_stats_kernel(
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
         b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
-                                               p_kept, stride_kept, v_keep,
-                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, BLOCK_N, BLOCK_V)
+                                               p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp,
+                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
         o_v = v_full + o_t
         acc = _logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
         b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl,
-                                               b_sez, c, p_kept, stride_kept, v_keep,
-                                               True, HAS_BIAS, WITH_ENTROPY, KEEP, BLOCK_N, BLOCK_V)
+                                               b_sez, c, p_kept, p_scale, stride_kept, stride_scale, v_keep,
+                                               inv_temp, True, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N,
+                                               BLOCK_V)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
     store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 
@@ -245,29 +248,40 @@ def bwd_dlogits_kernel(
 
 @triton.jit
 def bwd_dlogits_kept_kernel(
-    p_kept,  # [N, >= v_hi] fp32 raw logits kept by the forward (KEEP), in
-    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz,  # see bwd_dlogits_kernel
+    p_kept,  # [N, >= v_hi] softmax terms exp(z - m) kept by the forward (KEEP), in
+    p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 their running max m per row and forward tile, in
+    p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz,  # see bwd_dlogits_kernel
     p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
-    p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
+    p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only NEED_DB)
     N, v_lo, v_hi,
-    stride_kept, stride_dz, stride_dbp,
+    stride_kept, stride_scale, stride_dz, stride_dbp,
     inv_temp,
-    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """:func:`bwd_dlogits_kernel` for columns whose logits the forward kept: the tile is loaded, not recomputed (no
-    GEMM), then the same epilogue runs on the same fp32 values, so the result is bitwise the recompute's when the
-    forward and backward K loops sum in the same order."""
+    """:func:`bwd_dlogits_kernel` for columns whose softmax terms the forward kept: ``p`` (and with entropy
+    ``z - M``) from the kept terms and their row scale (:func:`.common.kept_probabilities`; no GEMM; bias and
+    temperature are in the terms already), then the same finish. ``BLOCK_V`` is the forward's tile width (one scale
+    per row and tile); ``BLOCK_N`` the backward's (the d_bias partial rows)."""
     num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
     i_n = tl.program_id(0) // num_v
     i_v = tl.program_id(0) % num_v
     v0 = v_lo + i_v * BLOCK_V  # first column of the tile inside the shard (and the kept buffer)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_n = o_n < N
+    b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
+    b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
     if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
-        acc = kept_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_hi, True, BLOCK_N, BLOCK_V)
+        b_p, b_zr = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0, v_hi,
+                                       b_rmax, b_lsum2, WITH_ENTROPY, True, BLOCK_N, BLOCK_V)
+        dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+                       stride_dz, stride_dbp, inv_temp, True, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V)
     else:
-        acc = kept_tile(p_kept, stride_kept, i_n * BLOCK_N, N, v0, v_hi, False, BLOCK_N, BLOCK_V)
-    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
-                      stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)
+        b_p, b_zr = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0, v_hi,
+                                       b_rmax, b_lsum2, WITH_ENTROPY, False, BLOCK_N, BLOCK_V)
+        dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+                       stride_dz, stride_dbp, inv_temp, False, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V)
 
 
 @triton.jit

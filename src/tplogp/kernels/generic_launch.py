@@ -8,7 +8,7 @@ same functions with the Hopper GEMM kernels plugged in through the ``stats_launc
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -64,20 +64,37 @@ def _even(d: int, block: int) -> bool:
 # ----------------------------------------------------------------------------------------------- forward
 
 
-def check_kept(kept: Optional[torch.Tensor], n: int, v: int) -> None:
-    if kept is not None and (kept.dtype != torch.float32 or kept.dim() != 2 or kept.shape[0] != n
-                             or not 0 < kept.shape[1] <= v or kept.stride(1) != 1):
-        raise KernelInputError(f"kept logits must be fp32 [{n}, <= {v}] with unit column stride, got {kept.dtype} "
-                               f"{tuple(kept.shape)}")
+class KeptTerms(NamedTuple):
+    """What the forward keeps for the backward (views into the backend's flat buffer, :func:`.tiles.kept_views`):
+    ``values [N, v_keep]`` the softmax terms ``exp(z - m)`` (bf16 for 16-bit inputs, fp32 for fp32 ones) and
+    ``scales [N, cdiv(v_keep, block_v)]`` fp32, the running max ``m`` (natural units) per row and forward tile."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def check_kept(kept: Optional[KeptTerms], n: int, v: int, block_v: int) -> None:
+    if kept is None:
+        return
+    values, scales = kept
+    if (values.dtype not in (torch.float32, torch.bfloat16) or values.dim() != 2 or values.shape[0] != n
+            or not 0 < values.shape[1] <= v or values.stride(1) != 1):
+        raise KernelInputError(f"kept terms must be fp32 or bf16 [{n}, <= {v}] with unit column stride, got "
+                               f"{values.dtype} {tuple(values.shape)}")
+    tiles_kept = cdiv(values.shape[1], block_v)
+    if (scales.dtype != torch.float32 or scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] < tiles_kept
+            or scales.stride(1) != 1):
+        raise KernelInputError(f"kept scales must be fp32 [{n}, >= {tiles_kept}] with unit column stride, got "
+                               f"{scales.dtype} {tuple(scales.shape)}")
 
 
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
-                  cfg: TileConfig, stats_launch: Optional[Callable] = None, kept: Optional[torch.Tensor] = None):
+                  cfg: TileConfig, stats_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None):
     """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard.
 
-    ``kept`` (optional, fp32 ``[N, v_keep]``): the stats kernel also stores the raw fp32 logits (before bias and
-    temperature) of the shard columns ``[0, v_keep)`` there, for :func:`backward`.
+    ``kept`` (optional): the stats kernel also stores the softmax terms of the shard columns ``[0, v_keep)`` and
+    their row scales there (:class:`KeptTerms`), for :func:`backward`.
 
     Host cost matters at small shapes (the GPU work of 4096x2048x8192 takes ~0.2 ms): two allocations (the merged
     stats are views of one ``[3 or 4, N]`` buffer, the per-split stats of one ``[3 or 4, S, N]`` buffer), two
@@ -86,7 +103,7 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     check_inputs(hidden, weight, bias, local_target)
     n, d = hidden.shape
     v = weight.shape[0]
-    check_kept(kept, n, v)
+    check_kept(kept, n, v, cfg.block_v)
     k = 4 if with_entropy else 3
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
     if n == 0 or v == 0:
@@ -107,7 +124,7 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                    inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                   stats_launch: Optional[Callable] = None, kept: Optional[torch.Tensor] = None):
+                   stats_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None):
     """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``, fp32 [N].
     ``kept``: as in :func:`forward_stats`.
 
@@ -118,7 +135,7 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     check_inputs(hidden, weight, bias, target)
     n = hidden.shape[0]
     v = weight.shape[0]
-    check_kept(kept, n, v)
+    check_kept(kept, n, v, cfg.block_v)
     k = 6 if with_entropy else 4
     if n == 0 or v == 0:
         out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
@@ -149,29 +166,31 @@ def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entr
 
 
 def stats_plan(hidden: torch.Tensor, weight: torch.Tensor, with_entropy: bool, cfg: TileConfig,
-               kept: Optional[torch.Tensor]) -> tuple:
-    """What a stats kernel (generic or TMA) is launched with: ``(parts, S, grid, p_kept, stride_kept, v_keep)``.
-    ``parts``: the uninitialised fp32 ``[3 or 4, S, N]`` per-split stats buffer, S = cdiv(V, split_v) splits, one
-    program per (token block, split); the kept-logits buffer's pointer, row stride and column count (without one a
-    placeholder pointer and zeros: the ``KEEP=False`` variant never reads them)."""
+               kept: Optional[KeptTerms]) -> tuple:
+    """What a stats kernel (generic or TMA) is launched with: ``(parts, S, grid, (p_kept, p_scale, stride_kept,
+    stride_scale, v_keep))``. ``parts``: the uninitialised fp32 ``[3 or 4, S, N]`` per-split stats buffer, S =
+    cdiv(V, split_v) splits, one program per (token block, split); the kept terms' and scales' pointers, row strides
+    and column count (without them placeholder pointers and zeros: the ``KEEP=False`` variant never reads them)."""
     n = hidden.shape[0]
     num_splits = cdiv(weight.shape[0], cfg.split_v)
     parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     if kept is None:
-        return parts, num_splits, grid, parts, 0, 0
-    return parts, num_splits, grid, kept, kept.stride(0), kept.shape[1]
+        return parts, num_splits, grid, (parts, parts, 0, 0, 0)
+    values, scales = kept
+    return parts, num_splits, grid, (values, scales, values.stride(0), scales.stride(0), values.shape[1])
 
 
 def launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
-                  cfg: TileConfig, kept: Optional[torch.Tensor] = None):
+                  cfg: TileConfig, kept: Optional[KeptTerms] = None):
     n, d = hidden.shape
     v = weight.shape[0]
-    parts, num_splits, grid, p_kept, stride_kept, v_keep = stats_plan(hidden, weight, with_entropy, cfg, kept)
+    parts, num_splits, grid, (p_kept, p_scale, stride_kept, stride_scale, v_keep) = stats_plan(
+        hidden, weight, with_entropy, cfg, kept)
     launcher(fwd_stats_kernel)(
         grid, hidden, weight, bias if bias is not None else hidden, local_target,
-        parts, p_kept, n, v, d, hidden.stride(0), weight.stride(0), stride_kept, v_keep, inv_temperature, num_splits,
-        num_splits * n,
+        parts, p_kept, p_scale, n, v, d, hidden.stride(0), weight.stride(0), stride_kept, stride_scale, v_keep,
+        inv_temperature, num_splits, num_splits * n,
         SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
         KEEP=kept is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
@@ -196,14 +215,14 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_z: Optional[torch.Tensor],
              inv_temperature: float, deterministic: bool, workspace_bytes: int,
              needs: tuple[bool, bool, bool], cfg: TileConfig,
-             dlogits_launch: Optional[Callable] = None, kept: Optional[torch.Tensor] = None,
+             dlogits_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None,
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
              accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None):
     """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard.
 
     The vocab is walked in chunks whose ``[N, chunk]`` d_logits workspace fits ``workspace_bytes`` (the transient
-    part of the budget): first the columns ``[0, v_keep)`` whose logits the forward kept in ``kept`` (their d_logits
-    kernel loads the tile: no recompute GEMM), then the rest (recomputed). ``d_hidden_ready(d_hidden)`` is called
+    part of the budget): first the columns ``[0, v_keep)`` whose softmax terms the forward kept in ``kept`` (their
+    d_logits kernel forms p from them: no recompute GEMM), then the rest (recomputed). ``d_hidden_ready(d_hidden)`` is called
     after the last chunk's d_hidden GEMM, before its d_W GEMM. ``accumulate``: fp32 ``(d_weight [V, D] | None,
     d_bias [V] | None)`` buffers that this shard's d_W / d_b are added to, unrounded (several token chunks of one
     loss), returned in their place; otherwise d_weight / d_bias are in the weight / bias dtype.
@@ -223,7 +242,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
                     db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
         return None, None, None
-    check_kept(kept, n, v)
+    check_kept(kept, n, v, cfg.block_v)
 
     f32 = torch.float32
     if not local_target.is_contiguous():
@@ -242,7 +261,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         ge = mz = g
 
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
-    v_keep = 0 if kept is None else kept.shape[1]
+    v_keep = 0 if kept is None else kept.values.shape[1]
     bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
     bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
     num_nb = cdiv(n, cfg.bwd_block_n)
@@ -258,7 +277,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         dz = (torch.empty((n, v), device=dev, dtype=weight.dtype) if ws is None
               else ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo))
         if from_kept:
-            launch_dlogits_kept(kept, *args[2:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
+            launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
         else:
             launch(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
         if i_chunk == 0:
@@ -297,16 +316,18 @@ def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: Tile
         fp32_gemm.addmm_(d_hidden, dz, w_chunk)
 
 
-def launch_dlogits_kept(kept, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                         inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
-    """One chunk's d_logits from the logits the forward kept (an elementwise kernel: no GEMM); both sources."""
-    n = kept.shape[0]
-    grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
+    """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM; the forward's
+    tile width, one scale per row and tile); both sources."""
+    values, scales = kept
+    n = values.shape[0]
+    grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.block_v),)
     launcher(bwd_dlogits_kept_kernel)(
-        grid, kept, bias if bias is not None else kept, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
-        n, v_lo, v_hi, kept.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature,
-        HAS_BIAS=bias is not None, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
-        BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, DOT_PRECISION=precision, num_warps=cfg.bwd_num_warps,
+        grid, values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
+        n, v_lo, v_hi, values.stride(0), scales.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
+        inv_temperature, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
+        BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.block_v, DOT_PRECISION=precision, num_warps=cfg.bwd_num_warps,
     )
 
 

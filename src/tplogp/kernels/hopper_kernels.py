@@ -41,9 +41,10 @@ def fwd_stats_tma_kernel(
     p_b,  # [V] bias (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target (-1: not owned)
     p_parts,  # [3 or 4, S, N] fp32 split stats, out (see fwd_stats_kernel)
-    p_kept,  # [N, v_keep] fp32 raw logits of the columns below v_keep, out (only KEEP; see fwd_stats_kernel)
+    p_kept,  # [N, v_keep] kept softmax terms, out (only KEEP; see fwd_stats_kernel)
+    p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 their running max per row and tile, out (only KEEP)
     N, V, D,
-    stride_kept, v_keep,
+    stride_kept, stride_scale, v_keep,
     inv_temp,
     num_splits, plane,  # plane = S * N
     SPLIT_V: tl.constexpr,
@@ -59,14 +60,15 @@ def fwd_stats_tma_kernel(
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
         b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
-                                               p_kept, stride_kept, v_keep,
-                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, BLOCK_N, BLOCK_V)
+                                               p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp,
+                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V)
     if v_full < v_hi:  # the shard's last tile, cut by V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
         b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl,
-                                               b_sez, c, p_kept, stride_kept, v_keep,
-                                               True, HAS_BIAS, WITH_ENTROPY, KEEP, BLOCK_N, BLOCK_V)
+                                               b_sez, c, p_kept, p_scale, stride_kept, stride_scale, v_keep,
+                                               inv_temp, True, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N,
+                                               BLOCK_V)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
     store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 

@@ -84,16 +84,18 @@ def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float,
                      kept=None):
     """The forward statistics on sm_90: ``(parts, S)`` (the ``stats_launch`` hook of
     :func:`.generic_launch.forward_stats`): the TMA kernel, or the generic one where descriptors are illegal. With
-    ``kept`` the kernel also stores the raw logits of the kept columns (plain stores from the accumulator)."""
+    ``kept`` the kernel also stores the softmax terms of the kept columns and their row scales (plain stores)."""
     if not tma_ok(hidden, weight):
         return launch_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg, kept)
     n, d = hidden.shape
     v = weight.shape[0]
-    parts, num_splits, grid, p_kept, stride_kept, v_keep = stats_plan(hidden, weight, with_entropy, cfg, kept)
+    parts, num_splits, grid, (p_kept, p_scale, stride_kept, stride_scale, v_keep) = stats_plan(
+        hidden, weight, with_entropy, cfg, kept)
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
     launcher(fwd_stats_tma_kernel)(
         grid, d_h, d_w, bias if bias is not None else hidden, local_target,
-        parts, p_kept, n, v, d, stride_kept, v_keep, inv_temperature, num_splits, num_splits * n,
+        parts, p_kept, p_scale, n, v, d, stride_kept, stride_scale, v_keep, inv_temperature, num_splits,
+        num_splits * n,
         SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, KEEP=kept is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,

@@ -321,18 +321,59 @@ def split_budget(workspace_bytes: Optional[int]) -> tuple[int, int]:
     return min(budget, DEFAULT_WORKSPACE_BYTES), max(0, budget - DEFAULT_WORKSPACE_BYTES)
 
 
-KEPT_ITEMSIZE = 4  # kept logits are the fp32 accumulator (docs/operator.md: why not the input dtype)
+# ------------------------------------------------------------------------------------ kept softmax terms
+#
+# What the forward keeps for the backward (a budget above the default workspace): per kept element the softmax term
+# ``e = exp(z - m)`` in 16 bits (bf16: fp32's exponent range, so no term underflows that fp32 would keep) for 16-bit
+# inputs, fp32 for fp32 inputs, with ``m`` the row's running max (natural units) when the forward folded that
+# element's tile, one fp32 scale per (row, forward tile). The backward's ``p = e * exp(m - M - log S)`` then carries
+# e's rounding alone (2^-9 relative in bf16, what the d_logits rounding adds anyway), whatever the logits' size;
+# rounding the logits themselves would give p an error of ``|z| 2^-9``. Layout: one flat fp32 buffer (what the op's
+# fake implementation allocates), holding the values ``[N, cols]`` (viewed in their dtype), padded to 16 bytes, then
+# the scales ``[N, cdiv(cols, block_v)]``.
+
+_PLANNING_BLOCK_V = 64  # the narrowest forward tile a fitted GPU config runs: scales counted for it when planning
+# without the device (at most 4/64 bytes per element more than the device's config needs)
 
 
-def plan_keep(n: int, v: int, keep_bytes: int) -> int:
-    """Vocab columns ``[0, cols)`` of the shard whose fp32 logits (all N tokens) fit ``keep_bytes``: V when the whole
-    shard fits, else a multiple of CHUNK_ALIGN (possibly 0), so the backward's chunks stay aligned."""
+def kept_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the kept softmax terms for inputs of ``dtype``: bf16 for 16-bit inputs, fp32 for fp32 ones."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
+
+def kept_words(n: int, cols: int, itemsize: int, block_v: int) -> tuple[int, int]:
+    """``(words of the values incl. padding, words of the scales)`` (4-byte words) of ``cols`` kept columns."""
+    values = cdiv(cdiv(n * cols * itemsize, 4), 4) * 4
+    return values, n * cdiv(cols, block_v)
+
+
+def kept_bytes(n: int, cols: int, itemsize: int, block_v: int) -> int:
+    """Bytes of the kept buffer for ``cols`` columns of ``n`` rows (``itemsize``: of :func:`kept_dtype`)."""
+    if n == 0 or cols == 0:
+        return 0
+    return 4 * sum(kept_words(n, cols, itemsize, block_v))
+
+
+def plan_keep(n: int, v: int, keep_bytes: int, itemsize: int = 2, block_v: int = _PLANNING_BLOCK_V) -> int:
+    """Vocab columns ``[0, cols)`` of the shard whose kept terms and scales (all N tokens, :func:`kept_bytes`) fit
+    ``keep_bytes``: V when the whole shard fits, else a multiple of CHUNK_ALIGN (possibly 0), so the backward's
+    chunks stay aligned."""
     if n == 0 or v == 0 or keep_bytes <= 0:
         return 0
-    cols = keep_bytes // (n * KEPT_ITEMSIZE)
-    if cols >= v:
+    if kept_bytes(n, v, itemsize, block_v) <= keep_bytes:
         return v
-    return (cols // CHUNK_ALIGN) * CHUNK_ALIGN
+    cols = (keep_bytes * block_v // (n * (itemsize * block_v + 4)) // CHUNK_ALIGN) * CHUNK_ALIGN
+    while cols > 0 and kept_bytes(n, cols, itemsize, block_v) > keep_bytes:
+        cols -= CHUNK_ALIGN
+    return min(max(cols, 0), v)
+
+
+def kept_views(kept: torch.Tensor, n: int, cols: int, dtype: torch.dtype,
+               block_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values [n, cols] of dtype, scales [n, cdiv(cols, block_v)] fp32)``: views into the flat fp32 buffer."""
+    values, scales = kept_words(n, cols, dtype.itemsize, block_v)
+    vals = kept[:values].view(dtype)[: n * cols].view(n, cols)
+    return vals, kept[values: values + scales].view(n, scales // max(n, 1))
 
 
 def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: int) -> int:
