@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tplogp
 from tests.problems import Problem, cpu_sources, run_op, run_reference
@@ -146,3 +147,59 @@ def test_fused_loss_keeping_terms_three_way(monkeypatch, source):
         for name, a, base, r, t in zip(("d_hidden", "d_weight", "d_bias"), ours, default, ref, truth):
             assert_no_worse(f"{source} {budget} {name}", a, r, t, dtype)
             assert rel_error(a, base) <= slack_bound(rel_error(r, t), dtype), (name, rel_error(a, base))
+
+
+@pytest.mark.parametrize("source", [s for s in cpu_sources() if getattr(s, "values", [s])[0] == "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_consumed_kept_terms_become_d_logits_in_place(monkeypatch, source, dtype):
+    """``ShardCall.consume_kept`` (the fused loss: one backward per forward) with every column kept: the d_logits
+    kernel writes into the kept terms' memory (no workspace), then one d_hidden and one d_W GEMM over the whole
+    shard; the gradients are those of the read-only schedule, bit for bit (one chunk either way here). Without it
+    the kept buffer is left as the forward wrote it."""
+    from tplogp.backends.base import ShardCall
+    from tplogp.backends.triton_backend import TritonBackend
+    from tplogp.kernels import generic_launch
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = trained_spread_problem(dtype, seed=5)
+    be = TritonBackend()
+    budget = _keep_all("triton", dtype)
+    stores = []
+    real = generic_launch.launch_dlogits_kept
+
+    def kept_launch(kept, *args):
+        stores.append(args[7].data_ptr() == kept.values.data_ptr())  # dz written over the terms
+        return real(kept, *args)
+
+    monkeypatch.setattr(generic_launch, "launch_dlogits_kept", kept_launch)
+
+    class Workspaces(TorchDispatchMode):
+        """Tensors of the d_logits workspace's dtype and at least [N, 256] made during the backward."""
+
+        def __init__(self):
+            super().__init__()
+            self.found = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == dtype and out.numel() >= N * 256 and (
+                    func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)):
+                self.found.append(tuple(out.shape))
+            return out
+
+    results, workspaces = {}, {}
+    for consume in (False, True):
+        call = ShardCall(workspace_bytes=budget, for_backward=True, with_entropy=True, consume_kept=consume)
+        out = be.forward_single(p.hidden, p.weight, p.bias, p.target, call)
+        before = out.kept.clone()
+        with Workspaces() as seen:
+            grads = be.backward(p.hidden, p.weight, p.bias, p.target, out.row_max, out.log_sum, p.g_logp,
+                                p.g_entropy, None, out.mean_rel, call, (True, True, True), kept=out.kept)
+        results[consume], workspaces[consume] = grads, seen.found
+        assert torch.equal(out.kept, before) != consume  # overwritten only when consumed
+    assert stores == [False, True]
+    # the read-only schedule allocates its d_logits workspace ([N, V] here: one chunk); the consuming one none
+    # (d_W itself is [V, D] of the weight dtype: counted in neither, D < 256 rows here would hide it anyway)
+    assert (N, V) in workspaces[False] and not any(s == (N, V) for s in workspaces[True]), workspaces
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)

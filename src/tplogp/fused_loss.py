@@ -158,7 +158,8 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     accumulators = accumulator_tokens(d, weight.dtype if weight.requires_grad else None,
                                       bias.dtype if bias is not None and bias.requires_grad else None)
     chunk = plan_chunk_tokens(backend, n, vocab, workspace_bytes, h2.device, accumulators, h2.dtype)
-    call = dataclasses.replace(tpc.call, for_backward=differentiate)
+    # one backward per chunk's forward: the source may write d_logits in place of the chunk's kept terms
+    call = dataclasses.replace(tpc.call, for_backward=differentiate, consume_kept=differentiate)
     tpc_c = dataclasses.replace(tpc, call=call)
     count = None
     if reduction == "mean":

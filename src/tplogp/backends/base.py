@@ -33,7 +33,7 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     ``d_hidden`` as soon as it is complete, before the remaining ``d_weight`` work; the caller may start an async
     collective on it, so the backend must not touch that tensor afterwards (it returns it as ``ShardGrads.d_hidden``).
     ``kept`` is what this backend's forward kept (``ShardStats.kept``), read, never modified (a repeated backward
-    reads it again). ``accumulate`` (optional): fp32 ``(d_weight [V_local, D] | None, d_bias [V_local] | None)``
+    reads it again), unless ``ShardCall.consume_kept`` says the caller runs no second backward. ``accumulate`` (optional): fp32 ``(d_weight [V_local, D] | None, d_bias [V_local] | None)``
     buffers to which ``d_weight`` / ``d_bias`` are added without rounding (a loss summed over several token chunks);
     the returned ``ShardGrads`` then holds these buffers.
 
@@ -100,6 +100,9 @@ class ShardCall:
     workspace_bytes: Optional[int] = None
     # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
     for_backward: bool = False
+    # the caller runs exactly one backward per forward (the fused loss): the backend may overwrite what the forward
+    # kept (the triton / sm90 sources write d_logits in place of the kept terms and run full-size GEMMs)
+    consume_kept: bool = False
 
 
 class ShardBackend(Protocol):

@@ -200,5 +200,6 @@ class TritonBackend:
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=tiles.split_budget(call.workspace_bytes)[0], needs=tuple(needs),
             cfg=self._cfg(hidden.device, hidden.dtype), dlogits_launch=self._dlogits_launch(hidden.device),
-            kept=self._kept_terms(kept, hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate)
+            kept=self._kept_terms(kept, hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
+            overwrite_kept=call.consume_kept)
         return ShardGrads(d_hidden, d_weight, d_bias)

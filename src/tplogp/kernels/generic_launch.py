@@ -217,7 +217,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              needs: tuple[bool, bool, bool], cfg: TileConfig,
              dlogits_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None,
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
-             accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None):
+             accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+             overwrite_kept: bool = False):
     """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard.
 
     The vocab is walked in chunks whose ``[N, chunk]`` d_logits workspace fits ``workspace_bytes`` (the transient
@@ -226,6 +227,11 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     after the last chunk's d_hidden GEMM, before its d_W GEMM. ``accumulate``: fp32 ``(d_weight [V, D] | None,
     d_bias [V] | None)`` buffers that this shard's d_W / d_b are added to, unrounded (several token chunks of one
     loss), returned in their place; otherwise d_weight / d_bias are in the weight / bias dtype.
+
+    ``overwrite_kept`` (the caller runs one backward per forward) with every column kept and terms of the weight's
+    element size: one d_logits launch writes d_logits in place of the terms (each element is read, then written, by
+    the same program), then one full-size GEMM each gives ``d_hidden`` (fp32) and ``d_W`` (one GEMM over all tokens
+    and the whole shard: fp32 accumulation inside it, no workspace and no cross-chunk sum).
     """
     check_inputs(hidden, weight, bias, local_target)
     n, d = hidden.shape
@@ -262,6 +268,10 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     v_keep = 0 if kept is None else kept.values.shape[1]
+    in_place = (overwrite_kept and v_keep == v and kept.values.element_size() == weight.element_size()
+                and kept.values.is_contiguous())
+    if in_place:
+        chunk = v  # one chunk: d_logits over the whole shard, in the kept terms' memory
     bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
     bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
     num_nb = cdiv(n, cfg.bwd_block_n)
@@ -274,8 +284,12 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     ws = None if len(bounds) == 1 else torch.empty(n * chunk, device=dev, dtype=weight.dtype)
     d_hidden = d_weight = None
     for i_chunk, (v_lo, v_hi, from_kept) in enumerate(bounds):
-        dz = (torch.empty((n, v), device=dev, dtype=weight.dtype) if ws is None
-              else ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo))
+        if in_place:
+            dz = kept.values.view(weight.dtype)
+        elif ws is None:
+            dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
+        else:
+            dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
         if from_kept:
             launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
         else:
