@@ -75,12 +75,14 @@ tplogp through this tree's harness; it prints this / base ratios per row (separa
 tplogp in one process would share or clash over kernel caches and registered ops).
 
 `--impls` picks rows (names in benchmarks/impls.py), `--budgets` the `workspace_bytes` values: `default`, bytes
-(`4GiB`), `keep:F` (the budget that keeps the share F of the shape's logits, `tplogp.keep_logits_budget`) or
-`chunk:C` (the budget of fused-loss chunks of C tokens, `tplogp.loss_chunk_budget`), each resolved per source
-(default `default,keep:0.5,keep:1,chunk:4096`). `--smoke` runs everything on tiny problems in seconds. An
-implementation that cannot be imported or run here is a row with the reason. nvidia-cutlass-dsl (Liger's CuTe
-kernel, QuACK) is a `.pth`-based package: installed with `pip install --target DIR`, add `DIR` and
-`DIR/nvidia_cutlass_dsl/dsl_packages` to `PYTHONPATH`.
+(`4GiB`), `keep:F` (the budget that keeps the share F of the shape's logits as 16-bit softmax terms plus their
+scales, for the run's dtype, `tplogp.keep_logits_budget`) or `chunk:C` (the budget of fused-loss chunks of C
+tokens, `tplogp.loss_chunk_budget`), each resolved per source (default `default,keep:0.5,keep:1,chunk:4096`); for
+the fused loss `keep:1` is one chunk of the whole batch, whose d_logits are written in place of the kept terms
+(no fp32 `d_W` accumulator), and `chunk:4096` two chunks at 8192 tokens (with one). `--smoke` runs everything on
+tiny problems in seconds. An implementation that cannot be imported or run here is a row with the reason.
+nvidia-cutlass-dsl (Liger's CuTe kernel, QuACK) is a `.pth`-based package: installed with
+`pip install --target DIR`, add `DIR` and `DIR/nvidia_cutlass_dsl/dsl_packages` to `PYTHONPATH`.
 """
 
 
