@@ -43,7 +43,8 @@ def keep_logits_budget(n_tokens: int, v_local: int, *, fraction: float = 1.0, so
     terms) from forward to backward: ``n_tokens`` after ``ignore_index`` compaction, ``v_local`` the shard's vocab
     (each rank computes its own), ``dtype`` the inputs' (16-bit: 2 bytes per kept logit; fp32: 4), plus the
     scales; None: fp32's size, enough for any inputs (the sources allocate what they keep, not the budget; pass the
-    inputs' dtype for the exact size, and for a fraction below 1 of 16-bit inputs). ``source`` / ``device``: those of the call (default: the registry's choice on the current device). The
+    inputs' dtype for the exact size, and for a fraction below 1 of 16-bit inputs). ``source`` / ``device``: those of
+    the call (default: the registry's choice on the current device). The
     sources keep whole units of their own (``triton`` / ``sm90``: 256 vocab columns unless the whole shard fits;
     ``native``: tiles), so a fraction below 1 keeps at most that share."""
     if n_tokens < 0 or v_local < 0:
@@ -61,7 +62,8 @@ def loss_chunk_budget(chunk_tokens: int, hidden_size: int, vocab_size: int, *, d
     """The ``workspace_bytes`` with which ``linear_logp_loss`` runs chunks of ``chunk_tokens`` tokens, each chunk's
     logits kept (their softmax terms: 3 GEMMs), the fp32 ``d_W`` / ``d_b`` accumulators of several chunks counted in
     (:func:`tplogp.fused_loss.accumulator_tokens`: ``4 * vocab_size`` bytes per unit, ``hidden_size`` units for a
-    weight of ``dtype`` below fp32, one more for such a bias, ``bias_dtype``; None: no bias). ``vocab_size``: the global vocabulary (the same
+    weight of ``dtype`` below fp32, one more for such a bias, ``bias_dtype``; None: no bias). ``vocab_size``: the
+    global vocabulary (the same
     budget on every rank). A batch of at most ``chunk_tokens`` tokens runs as one chunk within it. On a GPU chunks
     under ``fused_loss.GPU_MIN_CHUNK_TOKENS`` tokens are not run (one partly kept chunk instead)."""
     if chunk_tokens < 1 or hidden_size < 1 or vocab_size < 1:

@@ -33,7 +33,8 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     ``d_hidden`` as soon as it is complete, before the remaining ``d_weight`` work; the caller may start an async
     collective on it, so the backend must not touch that tensor afterwards (it returns it as ``ShardGrads.d_hidden``).
     ``kept`` is what this backend's forward kept (``ShardStats.kept``), read, never modified (a repeated backward
-    reads it again), unless ``ShardCall.consume_kept`` says the caller runs no second backward. ``accumulate`` (optional): fp32 ``(d_weight [V_local, D] | None, d_bias [V_local] | None)``
+    reads it again), unless ``ShardCall.consume_kept`` says the caller runs no second backward. ``accumulate``
+    (optional): fp32 ``(d_weight [V_local, D] | None, d_bias [V_local] | None)``
     buffers to which ``d_weight`` / ``d_bias`` are added without rounding (a loss summed over several token chunks);
     the returned ``ShardGrads`` then holds these buffers.
 

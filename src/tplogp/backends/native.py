@@ -8,7 +8,8 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
   keeps, for the first tiles (in the forward's order), the softmax terms ``e = exp(z - m)`` (bf16 for 16-bit
   inputs, fp32 for fp32 ones) with the running max ``m`` per row, whose backward then forms
   ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding alone, whatever
-  the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on
+  the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output (``torch.mm(...,
+  out_dtype=float32)`` on CUDA, fp32 operands on
   CPU), so the target logit is read from the fp32 accumulator, never from a rounded logit.
 * Forward keeps an online softmax per token across vocab tiles: running max ``m``, ``s = sum exp(z - m)`` and, for
   entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to ``m'``, ``s <- s e^{m-m'}`` and

@@ -223,7 +223,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
     The vocab is walked in chunks whose ``[N, chunk]`` d_logits workspace fits ``workspace_bytes`` (the transient
     part of the budget): first the columns ``[0, v_keep)`` whose softmax terms the forward kept in ``kept`` (their
-    d_logits kernel forms p from them: no recompute GEMM), then the rest (recomputed). ``d_hidden_ready(d_hidden)`` is called
+    d_logits kernel forms p from them: no recompute GEMM), then the rest (recomputed). ``d_hidden_ready(d_hidden)`` is
+    called
     after the last chunk's d_hidden GEMM, before its d_W GEMM. ``accumulate``: fp32 ``(d_weight [V, D] | None,
     d_bias [V] | None)`` buffers that this shard's d_W / d_b are added to, unrounded (several token chunks of one
     loss), returned in their place; otherwise d_weight / d_bias are in the weight / bias dtype.
