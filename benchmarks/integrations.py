@@ -12,6 +12,8 @@ Two steps, each implementation on the same model and batch:
   completion mask): ``trl_logits`` as above then the loss in PyTorch; ``tplogp_logprobs`` = ``causal_lm_logprobs``
   then the same PyTorch loss; ``tplogp_fused`` = ``causal_lm_loss`` (the loss and the head's gradients chunk by
   chunk in the forward).
+* ``grpo_loss_ckpt``: the same three with gradient checkpointing on (``use_reentrant=False``), as RL trainers run
+  models of this size: the decoder's activations no longer dominate the peak, the logits path's do.
 
 Time: median of ``--reps`` calls (CUDA events, synced per call) after warm-up calls. Memory: peak allocated GiB
 during one call above what was allocated before it (model and batch excluded; gradients of the parameters and
@@ -129,21 +131,31 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
             loss_fn().backward()
         return run
 
+    def grpo_cases(step: str) -> list:
+        return [
+            (step, "trl_logits", with_backward(lambda: grpo_token_loss(
+                trl_logprobs(model, ids, mask, keep, T), old_logp, advantages, completion_mask))),
+            (step, "tplogp_logprobs", with_backward(lambda: grpo_token_loss(
+                causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T), old_logp, advantages,
+                completion_mask))),
+            (step, "tplogp_fused", with_backward(lambda: causal_lm_loss(
+                model, ids, mask, loss=losses.ppo_clip(0.2, 0.28), per_token=(advantages, old_logp),
+                loss_mask=completion_mask, reduction="mean", logits_to_keep=keep, temperature=T))),
+        ]
+
     cases = [
         ("logprobs", "trl_logits", no_grad(lambda: trl_logprobs(model, ids, mask, keep, T))),
         ("logprobs", "tplogp", no_grad(lambda: causal_lm_logprobs(model, ids, mask, logits_to_keep=keep,
                                                                   temperature=T))),
-        ("grpo_loss", "trl_logits", with_backward(lambda: grpo_token_loss(
-            trl_logprobs(model, ids, mask, keep, T), old_logp, advantages, completion_mask))),
-        ("grpo_loss", "tplogp_logprobs", with_backward(lambda: grpo_token_loss(
-            causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T), old_logp, advantages,
-            completion_mask))),
-        ("grpo_loss", "tplogp_fused", with_backward(lambda: causal_lm_loss(
-            model, ids, mask, loss=losses.ppo_clip(0.2, 0.28), per_token=(advantages, old_logp),
-            loss_mask=completion_mask, reduction="mean", logits_to_keep=keep, temperature=T))),
+        *grpo_cases("grpo_loss"),
+        *grpo_cases("grpo_loss_ckpt"),
     ]
     rows = []
     for step, impl, fn in cases:
+        if step.endswith("_ckpt"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
         model.zero_grad(set_to_none=True)
         gc.collect()
         if device.type == "cuda":
@@ -155,6 +167,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
                          layers=shape["num_hidden_layers"], batch=b, seq=s, logits_to_keep=keep, temperature=T,
                          median_ms=round(ms, 3), peak_gib=None if peak is None else round(peak, 3),
                          err_logp=errors.get(impl) if step == "logprobs" else None))
+    model.gradient_checkpointing_disable()
     model.zero_grad(set_to_none=True)
     return rows
 

@@ -373,7 +373,8 @@ def test_benchmark_smoke_rows():
     rows = integrations.bench(smoke=True, reps=1, dtype_name="fp32")
     assert [(r["step"], r["impl"]) for r in rows] == [
         ("logprobs", "trl_logits"), ("logprobs", "tplogp"), ("grpo_loss", "trl_logits"),
-        ("grpo_loss", "tplogp_logprobs"), ("grpo_loss", "tplogp_fused")]
+        ("grpo_loss", "tplogp_logprobs"), ("grpo_loss", "tplogp_fused"), ("grpo_loss_ckpt", "trl_logits"),
+        ("grpo_loss_ckpt", "tplogp_logprobs"), ("grpo_loss_ckpt", "tplogp_fused")]
     assert all(r["median_ms"] > 0 and r["suite"] == "integrations" for r in rows)
     errors = {r["impl"]: r["err_logp"] for r in rows if r["step"] == "logprobs"}
     assert errors["tplogp"] < 1e-4 and errors["trl_logits"] < 1e-4  # fp32 on both sides
