@@ -52,6 +52,20 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
     return model.to(device=device, dtype=dtype).train()
 
 
+def set_checkpointing(model, on: bool) -> None:
+    """Non-reentrant activation checkpointing on or off (transformers >= 5.2x names the methods
+    ``activation_checkpointing_*``, earlier versions ``gradient_checkpointing_*``)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The selective log-softmax of TRL's trainers: fp32/fp64 logits gather minus a per-row logsumexp; lower
     precision logits a log_softmax row by row (bounding the temporary to one row's logits)."""
@@ -152,10 +166,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
     ]
     rows = []
     for step, impl, fn in cases:
-        if step.endswith("_ckpt"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_disable()
+        set_checkpointing(model, step.endswith("_ckpt"))
         model.zero_grad(set_to_none=True)
         gc.collect()
         if device.type == "cuda":
@@ -167,7 +178,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
                          layers=shape["num_hidden_layers"], batch=b, seq=s, logits_to_keep=keep, temperature=T,
                          median_ms=round(ms, 3), peak_gib=None if peak is None else round(peak, 3),
                          err_logp=errors.get(impl) if step == "logprobs" else None))
-    model.gradient_checkpointing_disable()
+    set_checkpointing(model, False)
     model.zero_grad(set_to_none=True)
     return rows
 
