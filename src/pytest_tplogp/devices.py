@@ -4,10 +4,16 @@
   ``0..torch.cuda.device_count()-1``. torch is imported only when the answer is not already in the environment;
   CUDA is never initialised here (``device_count`` only queries; ranks start from a fork server or are spawned,
   never forked from this process).
-- Under pytest-xdist (``PYTEST_XDIST_WORKER`` = ``gwI``, ``PYTEST_XDIST_WORKER_COUNT`` = ``K``) worker ``I`` owns
-  the disjoint block ``visible[I*B:(I+1)*B]`` with ``B = len(visible) // K``: workers never share a GPU. A worker
-  whose block is too small for a test gets a skip that says so (or, under ``--tp-backend=nccl``, a clear reason).
-- Backend ``auto``: NCCL with one GPU per rank when the block has ``world_size`` GPUs, gloo on CPU otherwise.
+- Under pytest-xdist (``PYTEST_XDIST_WORKER`` = ``gwI``, ``PYTEST_XDIST_WORKER_COUNT`` = ``K``, ``n`` visible GPUs)
+  worker ``I`` owns the disjoint block ``visible[I*B:(I+1)*B]`` with ``B = n // K`` (empty when ``K > n``).
+  Outside xdist the block is every visible GPU.
+- A test that needs one device (a plain ``gpu`` test, a pool of world size 1) gets the first GPU of the block, or,
+  when there are more workers than GPUs, GPU ``visible[I mod n]``, shared with other workers.
+- A pool of world size ``w > 1`` on NCCL needs ``w`` distinct GPUs (one per rank): ``block[:w]`` when ``B >= w``.
+  Otherwise a ``gpu`` or ``nccl`` test is skipped with a reason that names the fix (``-n <= n // w``, or
+  ``--tp-backend=gloo`` for a test that does not need a GPU). When ``n >= w``, so that fewer workers would run it,
+  the reason starts with :data:`PLACEMENT_SKIP_PREFIX`, and the terminal summary counts those skips.
+- Backend ``auto``: NCCL on those GPUs when they exist, gloo on CPU otherwise.
 """
 
 from __future__ import annotations
@@ -59,13 +65,38 @@ def gpu_block() -> tuple[str, ...]:
     return gpus[index * per:(index + 1) * per]
 
 
+def one_gpu() -> str | None:
+    """The GPU for a test that needs one device: the block's first, else ``visible[I mod n]`` (None: no GPU)."""
+    block = gpu_block()
+    if block:
+        return block[0]
+    gpus = visible_gpus()
+    if not gpus:
+        return None
+    worker = xdist_worker()
+    return gpus[(worker[0] if worker else 0) % len(gpus)]
+
+
+def one_gpu_index() -> int | None:
+    """The CUDA device index of :func:`one_gpu` in this process (its position among the visible GPUs)."""
+    gpu = one_gpu()
+    return None if gpu is None else visible_gpus().index(gpu)
+
+
 def block_note() -> str:
     worker = xdist_worker()
     gpus = visible_gpus()
     if worker is None:
         return f"{len(gpus)} visible GPU(s)"
     index, count = worker
-    return f"xdist worker gw{index} of {count} owns {len(gpu_block())} of {len(gpus)} visible GPU(s)"
+    note = f"xdist worker gw{index} of {count} owns {len(gpu_block())} of {len(gpus)} visible GPU(s)"
+    if gpus and not gpu_block():
+        note += f", shares GPU {one_gpu()} for one-device tests"
+    return note
+
+
+#: How the reason of a test skipped because its xdist worker's GPU block is too small begins (counted in the summary).
+PLACEMENT_SKIP_PREFIX = "GPU placement: "
 
 
 @dataclass(frozen=True)
@@ -88,20 +119,41 @@ def nccl_available() -> bool:
         return False
 
 
+def gpus_for(world_size: int) -> tuple[str, ...] | None:
+    """``world_size`` distinct GPUs for a pool on them (see the module docstring), or None when there are none."""
+    if world_size == 1:
+        gpu = one_gpu()
+        return None if gpu is None else (gpu,)
+    block = gpu_block()
+    return block[:world_size] if len(block) >= world_size else None
+
+
+def no_gpus_reason(world_size: int, needs_gpu: bool) -> str:
+    """Why a pool of ``world_size`` NCCL ranks cannot be placed here, and what would place it."""
+    n = len(visible_gpus())
+    need = f"needs {world_size} distinct GPU(s) for NCCL (one per rank)"
+    if n == 0:
+        return f"{need}; this process has none (0 visible GPU(s))"
+    if n < world_size:
+        return f"{need}; {n} visible GPU(s)" + ("" if needs_gpu else ": run it with --tp-backend=gloo (ranks on CPU)")
+    gloo = "" if needs_gpu else ", or --tp-backend=gloo (ranks on CPU)"
+    return (f"{PLACEMENT_SKIP_PREFIX}{need}; {block_note()}: run with -n {n // world_size} or fewer "
+            f"(-n <= GPUs // world size){gloo}")
+
+
 def place(world_size: int, backend: str, *, needs_gpu: bool = False) -> Placement:
     """Backend and devices for a pool of ``world_size`` ranks (``backend`` is auto, gloo or nccl)."""
-    block = gpu_block() if (backend != "gloo" or needs_gpu) else ()
-    enough = len(block) >= world_size
     if backend == "gloo":
         if needs_gpu:
             return Placement("gloo", ("cpu",), "test needs a GPU but --tp-backend=gloo runs the ranks on CPU")
         return Placement("gloo", ("cpu",))
+    gpus = gpus_for(world_size)
     if backend == "nccl" or needs_gpu:
-        if not enough or not nccl_available():
-            why = (f"needs {world_size} GPU(s) for NCCL (one per rank); this process has {len(block)} "
-                   f"({block_note()})" if not enough else "torch was built without NCCL")
-            return Placement("nccl", ("cpu",), why)
-        return Placement("nccl", block[:world_size])
-    if enough and nccl_available():
-        return Placement("nccl", block[:world_size])
+        if gpus is None:
+            return Placement("nccl", ("cpu",), no_gpus_reason(world_size, needs_gpu))
+        if not nccl_available():
+            return Placement("nccl", ("cpu",), "torch was built without NCCL")
+        return Placement("nccl", gpus)
+    if gpus is not None and nccl_available():
+        return Placement("nccl", gpus)
     return Placement("gloo", ("cpu",))

@@ -136,20 +136,34 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
-    """Before the setup: a plain ``gpu`` test is skipped without a GPU. After it (every fixture set up, so no
-    fixture of the test skips or fails it any more): the pool of a TP test starts, or respawns; its start-up is
+    """Before the setup: a plain ``gpu`` test is skipped without a GPU, else its process's current CUDA device is
+    the GPU that ``devices.one_gpu`` gives it (under xdist: its worker's). After the setup (every fixture set up, so
+    no fixture of the test skips or fails it any more): the pool of a TP test starts, or respawns; its start-up is
     setup time, not the test's."""
     gpu = item.get_closest_marker("gpu")
-    if gpu is not None and not is_tp(item.get_closest_marker("tp"), getattr(item, "fixturenames", ())) \
-            and not devices.gpu_block():
-        # a marker (not pytest.skip here) so the report points at the test, and the skipping plugin applies it
-        item.add_marker(pytest.mark.skip(reason=f"needs a CUDA device; this process has none "
-                                                f"({devices.block_note()})"))
+    if gpu is not None and not is_tp(item.get_closest_marker("tp"), getattr(item, "fixturenames", ())):
+        index = devices.one_gpu_index()
+        if index is None:
+            # a marker (not pytest.skip here) so the report points at the test, and the skipping plugin applies it
+            item.add_marker(pytest.mark.skip(reason=f"needs a CUDA device; this process has none "
+                                                    f"({devices.block_note()})"))
+        else:
+            _use_cuda_device(index)
     result = yield
     plan = item.stash.get(PLAN, None)
     if plan is not None and not plan.external:
         dispatch.pool_for(item.config.stash[STATE], plan)
     return result
+
+
+def _use_cuda_device(index: int) -> None:
+    """Make ``cuda`` mean device ``index`` in this process (a plain ``gpu`` test's tensors, graphs and kernels)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available() and index < torch.cuda.device_count():
+        torch.cuda.set_device(index)
 
 
 # ---------------------------------------------------------------------------------------------------- call
@@ -177,6 +191,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "teardown" and PLAN in item.stash:
         rep.sections = [(title, label_rank_lines(title, text)) for title, text in rep.sections]
     return rep
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line counting the GPU tests skipped because their xdist worker owns too few GPUs (the controller sees
+    every worker's reports)."""
+    prefix = "Skipped: " + devices.PLACEMENT_SKIP_PREFIX
+    count = sum(1 for rep in terminalreporter.stats.get("skipped", [])
+                if isinstance(rep.longrepr, tuple) and str(rep.longrepr[2]).startswith(prefix))
+    if count:
+        terminalreporter.write_line(
+            f"tplogp: {count} GPU test(s) skipped for placement: their xdist worker owns fewer GPUs than they need "
+            f"(run with -n <= GPUs // world size, or --tp-backend=gloo where a test does not need a GPU; -rs lists "
+            f"them)", yellow=True)
 
 
 _XDIST_KEY = "tplogp_longrepr"

@@ -44,8 +44,10 @@ from .protocol import (
 
 #: At most this many pools stay alive per pytest process (least recently used stopped first).
 MAX_LIVE_POOLS = 3
-#: Modules the fork server imports before forking ranks (start method "forkserver").
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pytest", "pytest_tplogp.rank", "pytest_tplogp.context"]
+#: Modules the fork server imports before forking ranks (start method "forkserver"); the guard first, so that the
+#: fork server dies with pytest even while it still imports torch.
+FORKSERVER_PRELOAD = ["pytest_tplogp.forkserver_guard", "torch", "torch.distributed", "pytest", "pytest_tplogp.rank",
+                      "pytest_tplogp.context"]
 
 
 class PoolKey(NamedTuple):
@@ -165,7 +167,7 @@ class RankPool:
         self.pool_dir = ""
         self.start_s = 0.0
         self.starts = 0
-        self.busy = False  # a command is in flight (e.g. interrupted by Ctrl-C): stop() kills at once
+        self.busy = False  # starting, or a command in flight (e.g. interrupted by Ctrl-C): stop() kills at once
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -195,9 +197,11 @@ class RankPool:
         """Spawn the ranks and wait (bounded) until every one has joined the process group. Returns seconds."""
         import torch.multiprocessing as tmp
 
+        from .forkserver_guard import PARENT_PID_ENV
         from .rank import rank_main
 
         t0 = time.perf_counter()
+        self.busy = True  # until every rank is ready: an interrupted start is killed, not asked to stop
         self.generation += 1
         tag = f"ws{self.key.world_size}-{self.key.backend}-{'-'.join(self.key.devices)}-g{self.generation}"
         self.pool_dir = os.path.join(self.session_dir, tag)
@@ -207,7 +211,7 @@ class RankPool:
             # One fork server per pytest process imports torch once; every rank of every pool (and every respawn)
             # is then a fork of it. It never touches CUDA (importing torch does not), so CUDA in the ranks is safe.
             ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        env = self._env()
+        env = {**self._env(), PARENT_PID_ENV: str(os.getpid())}  # the latter for a fork server started now
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -259,6 +263,7 @@ class RankPool:
                              for r in range(self.key.world_size))
             self.kill()
             raise PoolStartError(f"tplogp pool ({self.key.describe()}) could not start: {problem}\n{errs}")
+        self.busy = False
         self.start_s = time.perf_counter() - t0
         return self.start_s
 
@@ -283,6 +288,7 @@ class RankPool:
             except OSError:
                 pass
         self.procs, self.conns = [], []
+        self.busy = False
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask the ranks to leave (bounded), then kill whatever is left."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import pathlib
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def tagged_pids(tag: str) -> list[int]:
@@ -31,3 +35,45 @@ def leftover_processes(tag: str, wait_s: float = 5.0) -> list[int]:
         if not pids or time.monotonic() > deadline:
             return pids
         time.sleep(0.1)
+
+
+def wait_for(probe: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Poll ``probe`` until it returns something truthy (returned), or fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from ``/proc/*/stat``)."""
+    kids = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if int(fields[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def forkserver_importing_torch(pytest_pid: int) -> int | None:
+    """The pid of ``pytest_pid``'s multiprocessing fork server once it has loaded torch's library (so it runs its
+    preload, past tplogp's guard module, and is importing torch), else None."""
+    for pid in children_of(pytest_pid):
+        try:
+            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+            maps = pathlib.Path(f"/proc/{pid}/maps").read_text() if b"forkserver" in cmdline else ""
+        except OSError:
+            continue
+        if "libtorch" in maps:
+            return pid
+    return None

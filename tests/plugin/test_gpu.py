@@ -1,4 +1,4 @@
-"""GPU behaviour (NCCL pool, memory fresh-state check, disjoint GPU blocks under xdist); skipped without 2 GPUs."""
+"""GPU behaviour (NCCL pool, memory fresh-state check, GPU placement under xdist); skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -60,11 +60,50 @@ def test_nccl_pool_and_memory_check(pytester: pytest.Pytester, tag: str) -> None
     result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: CUDA memory *MiB above*"])
 
 
+def _first_gpus(n: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` naming the first ``n`` of this process's visible GPUs."""
+    from pytest_tplogp import devices
+
+    return ",".join(devices.visible_gpus()[:n])
+
+
 @pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 CUDA GPUs")
-def test_xdist_gpu_blocks_are_disjoint(pytester: pytest.Pytester, tag: str) -> None:
+def test_xdist_gpu_blocks_are_disjoint(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _first_gpus(2))
     pytester.makepyfile(test_body=BODY)
-    # two workers on (at least) two GPUs: one GPU each, so world size 2 on NCCL does not fit and is skipped
+    # two workers on two GPUs: one GPU each, so world size 2 on NCCL does not fit and is skipped for placement
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "-rA", "-k",
                                            "nccl or one_gpu", "--tp-backend=nccl")
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*needs 2 GPU(s) for NCCL*xdist worker gw* of 2 owns * GPU(s)*"])
+    result.stdout.fnmatch_lines(["*GPU placement: needs 2 distinct GPU(s) for NCCL*xdist worker gw? of 2 owns 1 of 2 "
+                                 "visible GPU(s): run with -n 1 or fewer*"])
+    result.stdout.fnmatch_lines(["tplogp: 1 GPU test(s) skipped for placement*"])
+
+
+SHARED_BODY = '''
+import os
+import pytest
+import torch
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(4))
+def test_plain_gpu_test(i):
+    x = torch.ones(8, device="cuda")
+    assert x.device.index == torch.cuda.current_device() == 0 and x.sum().item() == 8
+
+@pytest.mark.gpu
+@pytest.mark.tp(world_size=1)
+@pytest.mark.parametrize("i", range(2))
+def test_one_rank_nccl(tp, i):
+    assert tp.backend == "nccl" and tp.device.type == "cuda"
+'''
+
+
+def test_more_workers_than_gpus_share_one(pytester: pytest.Pytester, tag: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU and two workers: every test that needs one device runs (worker I on GPU I mod 1), none is skipped."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _first_gpus(1))
+    pytester.makepyfile(test_body=SHARED_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "-rA")
+    result.assert_outcomes(passed=6)
+    result.stdout.no_fnmatch_line("*skipped for placement*")

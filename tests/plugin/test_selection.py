@@ -143,9 +143,9 @@ def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "gpu or nccl", "--durations=0",
                                            "--durations-min=0")
     result.assert_outcomes(skipped=3)
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:3: needs 2 GPU(s) for NCCL (one per rank); "
-                                 "this process has 0*"])
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:8: needs 4 GPU(s) for NCCL*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:3: needs 2 distinct GPU(s) for NCCL (one per rank); "
+                                 "this process has none*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:8: needs 4 distinct GPU(s) for NCCL*"])
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:12: needs a CUDA device; this process has none*"])
     # decided in the parent at setup: nothing spawned, each skip costs (far) less than a pool start
     times = [float(line.split("s ", 1)[0]) for line in result.outlines if line.endswith(("]", "gpu"))

@@ -43,14 +43,53 @@ def test_xdist_workers_get_disjoint_gpu_blocks(gpus, monkeypatch: pytest.MonkeyP
     assert blocks == [("4", "5"), ("6", "7"), ("0", "1")]
     gpus("4,5,6,7,0,1,2", "gw1", 3)
     assert devices.place(2, "auto") == devices.Placement("nccl", ("6", "7"))
+    assert devices.place(1, "nccl") == devices.Placement("nccl", ("6",))  # one device: the block's first
+    assert devices.one_gpu_index() == 2  # "6" is cuda:2 of this process
     too_big = devices.place(4, "nccl")
-    assert too_big.skip_reason is not None and "needs 4 GPU(s)" in too_big.skip_reason
-    assert "xdist worker gw1 of 3 owns 2 of 7" in too_big.skip_reason
-    assert devices.place(4, "auto") == devices.Placement("gloo", ("cpu",))  # auto never shares GPUs
-    gpus("0,1", "gw2", 4)
-    assert devices.gpu_block() == ()
+    assert too_big.skip_reason == (
+        "GPU placement: needs 4 distinct GPU(s) for NCCL (one per rank); xdist worker gw1 of 3 owns 2 of 7 visible "
+        "GPU(s): run with -n 1 or fewer (-n <= GPUs // world size), or --tp-backend=gloo (ranks on CPU)")
+    gpu_test = devices.place(4, "auto", needs_gpu=True)  # a gpu test cannot fall back to gloo: the fix is -n
+    assert gpu_test.skip_reason is not None and gpu_test.skip_reason.endswith("(-n <= GPUs // world size)")
+    assert devices.place(4, "auto") == devices.Placement("gloo", ("cpu",))  # auto: gloo on CPU, no skip
     gpus("")
     assert devices.place(2, "auto") == devices.Placement("gloo", ("cpu",))
+    assert devices.one_gpu() is None
+
+
+@pytest.mark.parametrize("visible, workers, one_device", [
+    ("0", 4, ["0", "0", "0", "0"]),              # one GPU, -n 4: every worker shares it
+    ("0,1", 3, ["0", "1", "0"]),                 # more workers than GPUs: worker I uses GPU I mod n
+    ("0,1,2,3,4,5,6,7", 3, ["0", "2", "4"]),     # a block each: its first GPU
+], ids=["1gpu-n4", "2gpu-n3", "8gpu-n3"])
+def test_one_device_tests_run_on_every_worker(gpus, monkeypatch: pytest.MonkeyPatch, visible: str, workers: int,
+                                               one_device: list[str]) -> None:
+    monkeypatch.setattr(devices, "nccl_available", lambda: True)
+    got = []
+    for w in range(workers):
+        gpus(visible, f"gw{w}", workers)
+        got.append(devices.one_gpu())
+        assert devices.place(1, "auto", needs_gpu=True) == devices.Placement("nccl", (got[-1],))
+    assert got == one_device
+
+
+def test_multi_gpu_pools_skip_with_the_fix_or_fall_back(gpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devices, "nccl_available", lambda: True)
+    gpus("0,1", "gw2", 4)  # 2 GPUs, 4 workers: no worker owns 2
+    assert devices.gpu_block() == ()
+    assert devices.block_note() == "xdist worker gw2 of 4 owns 0 of 2 visible GPU(s), shares GPU 0 for one-device tests"
+    skip = devices.place(2, "nccl").skip_reason
+    assert skip is not None and skip.startswith(devices.PLACEMENT_SKIP_PREFIX) and "run with -n 1 or fewer" in skip
+    assert devices.place(2, "auto") == devices.Placement("gloo", ("cpu",))
+    gpus("0,1", "gw1", 2)  # 2 workers: one GPU each, still not 2 distinct ones
+    assert devices.place(2, "nccl").skip_reason.startswith(devices.PLACEMENT_SKIP_PREFIX)
+    gpus("0,1", "gw0", 1)  # one worker owns both
+    assert devices.place(2, "nccl") == devices.Placement("nccl", ("0", "1"))
+    gpus("0")  # fewer GPUs than ranks: not a placement skip (no -n helps); the gloo fix where it applies
+    assert devices.place(2, "nccl").skip_reason == ("needs 2 distinct GPU(s) for NCCL (one per rank); 1 visible "
+                                                    "GPU(s): run it with --tp-backend=gloo (ranks on CPU)")
+    assert devices.place(2, "auto", needs_gpu=True).skip_reason == (
+        "needs 2 distinct GPU(s) for NCCL (one per rank); 1 visible GPU(s)")
 
 
 def _out(rank: int, outcome: str, summary: str = "", longrepr: str = "") -> RankOutcome:
