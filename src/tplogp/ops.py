@@ -6,8 +6,10 @@ tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward n
 entropy and ``E_p[z] - M``) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
 (``tp.op_keeps``; an empty tensor when none: no budget, no graph, or ``ignore_index``, whose compaction would make
 the size depend on the data). ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
-recomputing them. Both have fake (meta) implementations that give the output shapes without touching data, and
-the pair is joined by ``register_autograd``. Everything that dynamo must not trace (the importlib-based source
+recomputing them; it never writes them (its schema declares no mutation, so the compiled backward runs the
+read-only schedule: eager's in-place one, ``tp.consumes_kept``, is not used here). Both have fake (meta)
+implementations that give the output shapes without touching data, and the pair is joined by
+``register_autograd``. Everything that dynamo must not trace (the importlib-based source
 lookup, the checks' host steps, collectives, Triton launches) happens inside the ops; the process group crosses
 the op boundary as its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the
 sources always see the dtypes they were given, also when a backward runs inside an autocast region.

@@ -20,7 +20,8 @@ call) and runs the call's checks (:func:`tplogp.checks.check_call`); the backwar
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
 partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
 before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async
-there and runs while ``d_W`` is computed.
+there and runs while ``d_W`` is computed. When no later backward can read what the forward kept
+(:func:`consumes_kept`: the graph is not retained), the backend may overwrite it (``ShardCall.consume_kept``).
 
 Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single``
 (native, triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
@@ -132,6 +133,43 @@ def _without_autocast(backward):
     return run
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are installed: a pack hook may hold the very tensors
+    that are saved (True also when this torch cannot say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(True) is not None
+    except TypeError:  # a torch whose query takes no argument
+        try:
+            return top() is not None
+        except Exception:
+            return True
+    except Exception:
+        return True
+
+
+def _graph_retained() -> bool:
+    """Whether the running backward keeps the graph for another one (``retain_graph`` / ``create_graph``; True
+    outside a backward, under a compiler's tracing and when this torch cannot say)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if query is None or torch.compiler.is_compiling():
+        return True
+    try:
+        return bool(query())
+    except Exception:
+        return True
+
+
+def consumes_kept(kept: Optional[torch.Tensor], private: bool) -> bool:
+    """Whether a backward may overwrite what its forward kept (``ShardCall.consume_kept``: the triton / sm90 sources
+    then write d_logits in place of the kept terms and run full-size GEMMs): only when no later backward can read
+    them (the graph is not retained) and nothing else holds them (``private``: saved with no saved-tensor hooks, so
+    the autograd node holds the only reference, which it drops after this backward)."""
+    return kept is not None and private and not _graph_retained()
+
+
 class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
@@ -139,6 +177,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         outputs, (row_max, log_sum, mean_rel, kept) = _shard_forward(hidden, weight, bias, local_target, tpc)
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
+        ctx.kept_private = kept is not None and not _saved_tensor_hooks_active()
         return outputs
 
     @staticmethod
@@ -157,8 +196,11 @@ class _LinearLogpFunction(torch.autograd.Function):
         g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
         # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
         reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
+        call = tpc.call
+        if consumes_kept(kept, ctx.kept_private):
+            call = dataclasses.replace(call, consume_kept=True)
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
-                                     mean_rel if g_ent is not None else None, tpc.call, needs,
+                                     mean_rel if g_ent is not None else None, call, needs,
                                      d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
         d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
         if d_hidden is not None:
@@ -354,6 +396,9 @@ def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_g
 
 class _SavedCall:
     """What ``_LinearLogpFunction.backward`` reads from its autograd context, for a call from the op's backward."""
+
+    # the op's kept buffer is read, never overwritten: ``tplogp::linear_logp_bwd`` declares no mutation (tplogp.ops)
+    kept_private = False
 
     def __init__(self, saved_tensors: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]) -> None:
         self.saved_tensors = saved_tensors
