@@ -3,7 +3,8 @@ kept terms (the graph is not retained, no saved-tensor hooks hold them, not unde
 d_logits in place of them and runs one full-size d_hidden and one d_W GEMM, with no d_logits workspace; otherwise
 (``retain_graph=True``, saved-tensor hooks, the compiled op) it reads them and leaves them as the forward wrote
 them. Either way the gradients are the same bits here (one chunk, the same GEMMs), a repeated backward through a
-retained graph gives them again, and a fullgraph compile has no graph break and eager's gradients.
+retained graph gives them again, and a fullgraph compile has no graph break and eager's gradients. The native
+source reads its kept tiles even when told it may consume them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tplogp
 from tests.problems import make_problem, run_reference
-from tests.test_triton_kernels import pytestmark  # noqa: F401  (the interpreter tests' skip condition)
+from tests.test_triton_kernels import pytestmark as triton_interpreter  # the interpreter tests' skip condition
 from tplogp.kernels import generic_launch, tiles
 from tplogp.tolerances import assert_no_worse
 
@@ -66,6 +67,7 @@ def _loss(leaves, p, dtype):
     return (logp * p.g_logp).sum() + (entropy * p.g_entropy).sum()
 
 
+@triton_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_keep_all_backward_consumes_the_kept_terms_only_when_no_backward_follows(in_place, dtype):
     p = make_problem((N,), D, V, dtype, True, seed=11, peaked=True)
@@ -110,6 +112,7 @@ def test_keep_all_backward_consumes_the_kept_terms_only_when_no_backward_follows
         assert torch.equal(a, g) and torch.equal(x.grad, g)
 
 
+@triton_interpreter
 def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
     """The budget's accounting: ``keep_logits_budget`` = the default d_logits workspace (what a read-only backward
     through a retained graph uses) + the kept buffer (terms and scales); the consuming backward allocates nothing of
@@ -140,6 +143,7 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
     assert max(held) == budget - tiles.DEFAULT_WORKSPACE_BYTES
 
 
+@triton_interpreter
 def test_compiled_keep_all_reads_the_kept_terms_with_eager_gradients(in_place):
     """``tplogp::linear_logp_bwd`` declares no mutation: the compiled backward runs the read-only schedule; fullgraph
     with no graph break, and the compiled gradients are eager's (consuming) bits."""
@@ -167,3 +171,25 @@ def test_compiled_keep_all_reads_the_kept_terms_with_eager_gradients(in_place):
     assert in_place == [True, False]
     for c, e in zip(compiled, eager):
         assert torch.equal(c, e)
+
+
+def test_native_reads_its_kept_tiles_even_when_it_may_consume_them(monkeypatch):
+    from tplogp.backends.base import ShardCall
+    from tplogp.backends.native import NativeBackend
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    dtype = torch.bfloat16
+    p = make_problem((N,), D, V, dtype, True, seed=14)
+    be = NativeBackend()
+    budget = tplogp.keep_logits_budget(N, V, source="native", device="cpu", dtype=dtype)
+    grads = {}
+    for consume in (False, True):
+        call = ShardCall(workspace_bytes=budget, for_backward=True, consume_kept=consume)
+        out = be.forward_single(p.hidden, p.weight, p.bias, p.target, call)
+        assert out.kept is not None
+        before = out.kept.clone()
+        grads[consume] = be.backward(p.hidden, p.weight, p.bias, p.target, out.row_max, out.log_sum, p.g_logp,
+                                     None, None, None, call, (True, True, True), kept=out.kept)
+        assert torch.equal(out.kept, before)
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)

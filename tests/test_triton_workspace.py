@@ -121,8 +121,8 @@ def test_kept_logits_only_with_a_backward_and_within_the_budget(monkeypatch):
 
 
 def test_environment_budget_and_repeated_backward(monkeypatch):
-    """TPLOGP_WORKSPACE_MB has the call's meaning; kept logits are read, never overwritten (a second backward
-    through a retained graph gives the same gradients)."""
+    """TPLOGP_WORKSPACE_MB has the call's meaning; kept terms are read, not overwritten, by a backward that retains
+    the graph (a second backward through it gives the same gradients)."""
     p = make_problem((N,), D, V, torch.float32, True, seed=3)
     op = _op(TritonBackend())
     default = run_op(op, p)

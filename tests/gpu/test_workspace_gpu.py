@@ -79,6 +79,55 @@ def test_kept_logits_budgets_three_way(source, dtype):
             assert torch.equal(results[label][name], results["default"][name]), (label, name)
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_keep_all_backward_in_place_and_through_a_retained_graph(source):
+    """Every logit's term kept, bf16, two 128 MiB chunks' worth of terms: a backward that frees the graph writes
+    d_logits over the kept terms (one d_hidden and one d_W GEMM), its peak above what the forward left is the
+    gradients alone (no d_logits workspace); through a retained graph the first backward reads the terms (the
+    chunked schedule and its workspace) and a second one reads them again, with the same gradients. Both schedules
+    within the tolerance table against float64 and the eager reference (their GEMM splits differ: not the same
+    bits)."""
+    from tplogp.reference import reference_outputs
+    from tplogp.tp import LogpOptions, linear_logp_tp
+
+    be = cuda_backend(source)
+    n, d, v, dtype = 4096, 1024, 32000, torch.bfloat16
+    h, w, b, y, g, ge = _problem(n, d, v, dtype, seed=3)
+    truth = _grads(lambda h, w, y, b: reference_outputs(h, w, y, b, mode="float64"),
+                   h.double(), w.double(), b.double(), y, g, ge)
+    ref = _grads(lambda h, w, y, b: reference_outputs(h, w, y, b, mode="matching"), h, w, b, y, g, ge)
+    opts = LogpOptions(return_entropy=True,
+                       workspace_bytes=tplogp.keep_logits_budget(n, v, source=source, device="cuda", dtype=dtype))
+
+    def backward_peak(retain: bool):
+        leaves = [t.clone().requires_grad_() for t in (h, w, b)]
+        out = linear_logp_tp(be, *leaves[:2], y, leaves[2], options=opts)
+        upstream = [out.logp, out.entropy], [g.to(out.logp.dtype), ge.to(out.logp.dtype)]
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.autograd.backward(*upstream, retain_graph=retain)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        first = [x.grad.clone() for x in leaves]
+        if retain:  # read-only again (a third backward could read the terms): the first one's bits
+            torch.autograd.backward(*upstream, retain_graph=True)
+            for x, f in zip(leaves, first):
+                assert torch.equal(x.grad, 2 * f)
+        return peak, dict(d_hidden=first[0], d_weight=first[1], d_bias=first[2])
+
+    backward_peak(False)  # warm-up: compile the kernels outside the memory window
+    consumed_peak, consumed = backward_peak(False)
+    retained_peak, retained = backward_peak(True)
+    grads = n * d * (4 + 2) + v * d * 2 + v * 2  # d_hidden fp32 + its cast, d_W, d_b
+    workspace = be.transient_bytes(h.device)
+    assert consumed_peak <= grads + (16 << 20), f"{consumed_peak / 2**20:.0f} MiB"  # + d_b partials, per-token
+    assert retained_peak >= consumed_peak + workspace - (16 << 20), (retained_peak, consumed_peak)
+    for name in consumed:
+        for label, found in (("consumed", consumed), ("retained", retained)):
+            assert_no_worse(f"{source} {label} {name}", found[name], ref[name], truth[name], dtype)
+
+
 def _loss(logp, entropy, adv, old):
     ratio = torch.exp(logp - old)
     return -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv) - 0.01 * entropy

@@ -33,7 +33,7 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     ``d_hidden`` as soon as it is complete, before the remaining ``d_weight`` work; the caller may start an async
     collective on it, so the backend must not touch that tensor afterwards (it returns it as ``ShardGrads.d_hidden``).
     ``kept`` is what this backend's forward kept (``ShardStats.kept``), read, never modified (a repeated backward
-    reads it again), unless ``ShardCall.consume_kept`` says the caller runs no second backward. ``accumulate``
+    reads it again), unless ``ShardCall.consume_kept`` says no later backward reads it. ``accumulate``
     (optional): fp32 ``(d_weight [V_local, D] | None, d_bias [V_local] | None)``
     buffers to which ``d_weight`` / ``d_bias`` are added without rounding (a loss summed over several token chunks);
     the returned ``ShardGrads`` then holds these buffers.
@@ -101,8 +101,9 @@ class ShardCall:
     workspace_bytes: Optional[int] = None
     # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
     for_backward: bool = False
-    # the caller runs exactly one backward per forward (the fused loss): the backend may overwrite what the forward
-    # kept (the triton / sm90 sources write d_logits in place of the kept terms and run full-size GEMMs)
+    # no later backward reads what the forward kept (the fused loss; linear_logp when the graph is not retained,
+    # tp.consumes_kept): the backend may overwrite it (the triton / sm90 sources write d_logits in place of the kept
+    # terms and run full-size GEMMs; native reads it either way)
     consume_kept: bool = False
 
 
