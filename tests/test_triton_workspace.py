@@ -188,3 +188,23 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
                       f"{name}: kept terms vs default")
         tp.assert_all(rel_error(getattr(ours, name), getattr(default, name)) <= ERROR_SLACK[torch.float32].eps,
                       f"{name}: chunked backward vs default")
+
+
+def test_shard_layout_is_planned_once_per_layout(monkeypatch):
+    """The source's per-layout plan (tile config, kept columns, workspace split) is reused for the same layout and
+    planned afresh when the shard size, the budget or ``TPLOGP_WORKSPACE_MB`` changes (no kernel runs)."""
+    be = TritonBackend()
+    calls = []
+    plan = be._plan_layout
+    monkeypatch.setattr(be, "_plan_layout", lambda *a: calls.append(a) or plan(*a))
+    budget = DEFAULT + tiles.kept_bytes(N, V, 4, be._keep_block_v(CPU, torch.float32))
+    first = be._layout(N, V, torch.float32, CPU, budget)
+    assert be._layout(N, V, torch.float32, CPU, budget) is first and len(calls) == 1
+    assert first.keep_cols == V and first.transient_bytes == DEFAULT
+    assert be.kept_shape(N, D, V, torch.float32, CPU, ShardCall(workspace_bytes=budget, for_backward=True)) == (
+        first.kept_values + first.kept_scales,)
+    assert be._layout(N, V, torch.float32, CPU, None).keep_cols == 0 and len(calls) == 2
+    assert be._layout(N + 1, V, torch.float32, CPU, budget) is not first and len(calls) == 3
+    monkeypatch.setenv("TPLOGP_WORKSPACE_MB", str((DEFAULT >> 20) + 1))
+    env = be._layout(N, V, torch.float32, CPU, None)
+    assert len(calls) == 4 and env.keep_cols > 0

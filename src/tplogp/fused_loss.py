@@ -18,11 +18,11 @@ gradient flows to them).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Sequence
 
 import torch
 
+from .backends.base import ShardCall
 from .comm import OverlappedAllReduce
 from .losses import PerTokenLoss
 from .tensors import zero_rows
@@ -63,8 +63,10 @@ def _scaled(t: Optional[torch.Tensor], g: torch.Tensor, dtype: torch.dtype) -> O
     if t is None:
         return None
     g = g.to(t.dtype)
-    if t.dtype == dtype or t.dim() == 0 or t.numel() <= _SCALE_BLOCK_ELEMENTS:
+    if t.dtype == dtype or t.dim() == 0:
         return (t * g).to(dtype)
+    if t.numel() <= _SCALE_BLOCK_ELEMENTS:  # one kernel: the product in t's dtype, rounded once as it is stored
+        return torch.mul(t, g, out=torch.empty(t.shape, device=t.device, dtype=dtype))
     out = torch.empty(t.shape, device=t.device, dtype=dtype)
     rows = max(1, _SCALE_BLOCK_ELEMENTS // max(1, t[0].numel()))
     for r0 in range(0, t.shape[0], rows):
@@ -159,8 +161,10 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
                                       bias.dtype if bias is not None and bias.requires_grad else None)
     chunk = plan_chunk_tokens(backend, n, vocab, workspace_bytes, h2.device, accumulators, h2.dtype)
     # one backward per chunk's forward: the source may write d_logits in place of the chunk's kept terms
-    call = dataclasses.replace(tpc.call, for_backward=differentiate, consume_kept=differentiate)
-    tpc_c = dataclasses.replace(tpc, call=call)
+    c = tpc.call
+    call = ShardCall(c.inv_temperature, c.with_entropy, c.deterministic, c.workspace_bytes,
+                     for_backward=differentiate, consume_kept=differentiate)
+    tpc.call = call  # (the call's own context: prepare_call makes one per call)
     count = None
     if reduction == "mean":
         count = (float(max(n, 1)) if ignored is None  # (a Python number: no host-to-device copy)
@@ -180,7 +184,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
         h_c, lt_c = h2[t0:t1], local_target[t0:t1]
-        (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(h_c, w, b, lt_c, tpc_c)
+        (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(h_c, w, b, lt_c, tpc)
         skip = None if ignored is None else ignored[t0:t1]
         if skip is not None:  # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
             logp, entropy = zero_rows(skip, logp), zero_rows(skip, entropy)

@@ -12,17 +12,32 @@ Nothing is imported from Triton and no device is probed until a method is called
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
+import os
+from typing import NamedTuple, Optional
 
 import torch
 
+from .. import settings
 from ..kernels import tiles  # torch only: no Triton import, no device work
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_LAYOUTS = 256  # shard layouts remembered per backend (the cache is emptied when full)
+
+
+class ShardLayout(NamedTuple):
+    """What the source's host code needs for one shard layout, computed once (:meth:`TritonBackend._layout`)."""
+
+    cfg: Optional["tiles.TileConfig"]  # the tile config of the dtype on the device (None: none could be had when
+    # planned, e.g. a device absent here; the launching methods then ask ``_cfg``, which raises the reason)
+    keep_block_v: int  # the forward's tile width that the kept scales are counted for
+    keep_cols: int  # v_keep: the shard's first columns whose terms a forward for a backward keeps (0: none)
+    kept_values: int  # fp32 words of the kept terms (padded to 16 bytes); 0 when nothing is kept
+    kept_scales: int  # fp32 words of the kept scales
+    kept_dtype: torch.dtype  # the kept terms' dtype
+    transient_bytes: int  # the d_logits workspace part of the budget (tiles.split_budget)
 
 
 def _default_device() -> torch.device:
@@ -94,6 +109,47 @@ class TritonBackend:
     def _select(self, device: torch.device, dtype: torch.dtype):
         return tiles.select(device, dtype, self._config)
 
+    def _layout(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
+                workspace_bytes: Optional[int]) -> ShardLayout:
+        """The :class:`ShardLayout` of an ``[n, d] x [v, d]`` call, cached per layout.
+
+        Tile config, kept-terms plan and workspace split depend only on the shard's size, dtype and device, the
+        call's budget, ``TPLOGP_WORKSPACE_MB`` and the kernels' dot precision (which follows
+        ``torch.get_float32_matmul_precision()`` and ``TRITON_INTERPRET``): those form the key, read at each call
+        (a change of any of them plans afresh). Planned per call, they cost several environment reads and table
+        lookups per forward and backward (host time that matters at small shapes)."""
+        cache = self.__dict__.setdefault("_layout_cache", {})
+        key = (n, v, dtype, device, workspace_bytes, os.environ.get(settings.WORKSPACE_MB),
+               tiles.dot_precision(dtype))
+        found = cache.get(key)
+        if found is None:
+            if len(cache) >= MAX_LAYOUTS:
+                cache.clear()
+            found = cache[key] = self._plan_layout(n, v, dtype, device, workspace_bytes)
+        return found
+
+    def _plan_layout(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
+                     workspace_bytes: Optional[int]) -> ShardLayout:
+        transient, keep = tiles.split_budget(workspace_bytes)
+        kept_dtype = tiles.kept_dtype(dtype)
+        block_v = self._keep_block_v(device, dtype)
+        cols = tiles.plan_keep(n, v, keep, kept_dtype.itemsize, block_v)
+        values, scales = tiles.kept_words(n, cols, kept_dtype.itemsize, block_v) if cols else (0, 0)
+        cfg = None
+        if torch.device(device).type != "cuda" or torch.cuda.is_available():  # (as _keep_block_v: no probe else)
+            try:
+                cfg = self._cfg(device, dtype)
+            except Exception:  # planned without the device (kept_shape ahead of a call), or nothing fits
+                pass
+        return ShardLayout(cfg, block_v, cols, values, scales, kept_dtype, transient)
+
+    def _launch_layout(self, hidden, weight, workspace_bytes: Optional[int]) -> ShardLayout:
+        """:meth:`_layout` of a call about to launch kernels: with its tile config (or ``_cfg``'s error)."""
+        lay = self._layout(hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, workspace_bytes)
+        if lay.cfg is None:
+            lay = lay._replace(cfg=self._cfg(hidden.device, hidden.dtype))
+        return lay
+
     def _dlogits_launch(self, device: torch.device):
         return None  # the generic kernel
 
@@ -130,63 +186,60 @@ class TritonBackend:
         """``v_keep``: the shard's first columns whose terms the forward keeps (0: none)."""
         if not call.for_backward:
             return 0
-        return tiles.plan_keep(n, v, tiles.split_budget(call.workspace_bytes)[1],
-                               tiles.kept_dtype(dtype).itemsize, self._keep_block_v(device, dtype))
+        return self._layout(n, v, dtype, device, call.workspace_bytes).keep_cols
 
     def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                    call: ShardCall) -> tuple[int, ...]:
         """Shape of the flat fp32 buffer the forward keeps for the backward: the softmax terms of the first
         ``v_keep`` columns of the shard and their scales (:func:`tplogp.kernels.tiles.plan_keep`,
         :func:`tplogp.kernels.tiles.kept_views`); ``(0,)``: nothing kept (no backward or no budget)."""
-        cols = self._keep_columns(n, v, dtype, device, call)
-        if not cols:
+        if not call.for_backward:
             return (0,)
-        return (sum(tiles.kept_words(n, cols, tiles.kept_dtype(dtype).itemsize, self._keep_block_v(device, dtype))),)
+        lay = self._layout(n, v, dtype, device, call.workspace_bytes)
+        return (lay.kept_values + lay.kept_scales,) if lay.keep_cols else (0,)
 
-    def _kept_buffer(self, hidden, weight, call: ShardCall) -> Optional[torch.Tensor]:
+    @staticmethod
+    def _kept_buffer(hidden, lay: ShardLayout, call: ShardCall) -> Optional[torch.Tensor]:
         """The buffer of :meth:`kept_shape`, or None when nothing is kept. The kernel writes every term and scale;
         the few padding bytes after the terms are zeroed here, so the buffer's every byte is defined."""
-        n, v, dtype = hidden.shape[0], weight.shape[0], hidden.dtype
-        cols = self._keep_columns(n, v, dtype, hidden.device, call)
-        if not cols:
+        if not (call.for_backward and lay.keep_cols):
             return None
-        itemsize = tiles.kept_dtype(dtype).itemsize
-        values, scales = tiles.kept_words(n, cols, itemsize, self._keep_block_v(hidden.device, dtype))
-        kept = torch.empty(values + scales, device=hidden.device, dtype=torch.float32)
-        written = n * cols * itemsize // 4  # whole words of terms
+        values = lay.kept_values
+        kept = torch.empty(values + lay.kept_scales, device=hidden.device, dtype=torch.float32)
+        written = hidden.shape[0] * lay.keep_cols * lay.kept_dtype.itemsize // 4  # whole words of terms
         if written < values:
             kept[written:values].zero_()
         return kept
 
-    def _kept_terms(self, kept: Optional[torch.Tensor], hidden, weight, call: ShardCall):
+    @staticmethod
+    def _kept_terms(kept: Optional[torch.Tensor], n: int, lay: ShardLayout):
         """The :class:`~tplogp.kernels.generic_launch.KeptTerms` views of a kept buffer (None: nothing kept)."""
         if kept is None or kept.numel() == 0:
             return None
         from ..kernels.generic_launch import KeptTerms
 
-        n, v, dtype = hidden.shape[0], weight.shape[0], hidden.dtype
-        cols = self._keep_columns(n, v, dtype, hidden.device, dataclasses.replace(call, for_backward=True))
-        return KeptTerms(*tiles.kept_views(kept, n, cols, tiles.kept_dtype(dtype),
-                                           self._keep_block_v(hidden.device, dtype)))
+        return KeptTerms(*tiles.kept_views(kept, n, lay.keep_cols, lay.kept_dtype, lay.keep_block_v))
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         from ..kernels import generic_launch
 
-        kept = self._kept_buffer(hidden, weight, call)
+        lay = self._launch_layout(hidden, weight, call.workspace_bytes)
+        kept = self._kept_buffer(hidden, lay, call)
         row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
             hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
-            self._cfg(hidden.device, hidden.dtype), stats_launch=self._stats_launch(hidden.device),
-            kept=self._kept_terms(kept, hidden, weight, call))
+            lay.cfg, stats_launch=self._stats_launch(hidden.device),
+            kept=self._kept_terms(kept, hidden.shape[0], lay))
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
         from ..kernels import generic_launch
 
-        kept = self._kept_buffer(hidden, weight, call)
+        lay = self._launch_layout(hidden, weight, call.workspace_bytes)
+        kept = self._kept_buffer(hidden, lay, call)
         return SingleShardOutputs(*generic_launch.forward_single(
             hidden, weight, bias, target, call.inv_temperature, call.with_entropy,
-            self._cfg(hidden.device, hidden.dtype), stats_launch=self._stats_launch(hidden.device),
-            kept=self._kept_terms(kept, hidden, weight, call)), kept=kept)
+            lay.cfg, stats_launch=self._stats_launch(hidden.device),
+            kept=self._kept_terms(kept, hidden.shape[0], lay)), kept=kept)
 
     def _stats_launch(self, device: torch.device):
         return None  # the generic kernel
@@ -195,11 +248,12 @@ class TritonBackend:
                  mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None) -> ShardGrads:
         from ..kernels import generic_launch
 
+        lay = self._launch_layout(hidden, weight, call.workspace_bytes)
         d_hidden, d_weight, d_bias = generic_launch.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
-            workspace_bytes=tiles.split_budget(call.workspace_bytes)[0], needs=tuple(needs),
-            cfg=self._cfg(hidden.device, hidden.dtype), dlogits_launch=self._dlogits_launch(hidden.device),
-            kept=self._kept_terms(kept, hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
+            workspace_bytes=lay.transient_bytes, needs=tuple(needs),
+            cfg=lay.cfg, dlogits_launch=self._dlogits_launch(hidden.device),
+            kept=self._kept_terms(kept, hidden.shape[0], lay), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
             overwrite_kept=call.consume_kept)
         return ShardGrads(d_hidden, d_weight, d_bias)

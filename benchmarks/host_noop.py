@@ -1,0 +1,134 @@
+"""Host CPU time of the triton / sm90 call path on CPU, with every Triton kernel launch replaced by a no-op.
+
+``python -m benchmarks.host_noop [--shape 16x32x256] [--dtype fp32] [--reps 300] [--rounds 7] [--profile NAME]``
+
+What it measures: the Python and torch host work of one ``linear_logp`` forward+backward (no group) and of one
+``linear_logp_loss`` forward+backward, as on a GPU host but without a GPU: the kernels are not run, so the numbers
+are the host path alone (planning, checks, allocations, small torch ops, autograd, launch bookkeeping), plus the
+CPU GEMMs of the backward (tiny at the default shape). Launches keep their host work: every launch goes through
+:class:`tplogp.kernels.direct_launch.DirectLauncher`'s hot path (the launch key built from the arguments, the
+cached compiled kernel looked up), whose compiled kernel is a no-op; the first launch of a key stores it without
+compiling. Rows: ``torch-eager`` (log_softmax + gather, for scale), ``triton`` (``get_op(source="triton")``),
+``sm90`` (the sm90 source's host path: TMA descriptors and its launchers, through :func:`tplogp.tp.linear_logp_tp`
+since the registry offers sm90 on Hopper only) and ``loss-triton`` (``linear_logp_loss``, mean of ``-logp``).
+
+Each number is the minimum over ``--rounds`` of the mean ``time.thread_time`` per call over ``--reps`` calls (CPU
+time of this thread: a loaded machine's preemption does not count; the minimum drops rounds slowed by cache
+pollution from other processes). ``TPLOGP_CHECKS`` applies as usual (run once with ``fast`` to compare).
+``--profile NAME`` prints a cProfile table of that row instead (its absolute times are inflated by the profiler).
+Runs with ``TRITON_INTERPRET=1`` (set here before tplogp imports the kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import time
+from typing import Callable
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def install_noop_launches() -> None:
+    """Make every direct launcher take its hot path with a no-op compiled kernel (see the module docstring)."""
+    from tplogp.kernels import direct_launch
+
+    class _NoHooks:
+        launch_enter_hook = launch_exit_hook = None
+
+    def noop(*args) -> None:
+        return None
+
+    def first(self, grid, args, num_warps, num_stages, constexprs) -> None:
+        key = (0, num_warps, num_stages, tuple(constexprs.values()), tuple(map(direct_launch.arg_key, args)))
+        self.binaries[key] = (noop, None, None)
+
+    init = direct_launch.DirectLauncher.__init__
+
+    def init_enabled(self, jit_fn) -> None:
+        init(self, jit_fn)
+        self._enabled, self._knobs = True, _NoHooks
+
+    direct_launch._current_device = lambda: 0
+    direct_launch._raw_stream = lambda device: 0
+    direct_launch.DirectLauncher._first = first
+    direct_launch.DirectLauncher.__init__ = init_enabled
+    direct_launch._LAUNCHERS.clear()
+
+
+def calls(shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable[[], None]]:
+    """One forward+backward per row (module docstring)."""
+    import tplogp
+    from tplogp.backends.sm90_backend import SM90Backend
+    from tplogp.tp import linear_logp_tp
+
+    n, d, v = shape
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, d, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=gen) / d ** 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=gen)
+    op = tplogp.get_op("linear_logp", source="triton")
+    sm90 = SM90Backend()
+
+    def neg_logp(logp, entropy):
+        return -logp
+
+    return {
+        "torch-eager": lambda: torch.log_softmax((hidden @ weight.t()).float(), -1).gather(
+            1, targets[:, None]).sum().backward(),
+        "triton": lambda: op(hidden, weight, targets).sum().backward(),
+        "sm90": lambda: linear_logp_tp(sm90, hidden, weight, targets).sum().backward(),
+        "loss-triton": lambda: tplogp.linear_logp_loss(hidden, weight, targets, loss=neg_logp, reduction="mean",
+                                                       source="triton").backward(),
+    }
+
+
+def per_call_us(fn: Callable[[], None], reps: int, rounds: int) -> float:
+    """Minimum over rounds of the mean thread CPU microseconds per call (after 50 warm-up calls)."""
+    for _ in range(50):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.thread_time()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.thread_time() - t0) / reps * 1e6)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_noop", description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="16x32x256", help="NxDxV (default %(default)s)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
+    parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rows", default="torch-eager,triton,sm90,loss-triton")
+    parser.add_argument("--profile", metavar="ROW", help="print a cProfile table of ROW instead of timing")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    install_noop_launches()
+    shape = tuple(int(x) for x in args.shape.split("x"))
+    rows = calls(shape, _DTYPES[args.dtype])  # type: ignore[arg-type]
+    if args.profile:
+        fn = rows[args.profile]
+        for _ in range(50):
+            fn()
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [fn() for _ in range(args.reps)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+        return 0
+    checks = os.environ.get("TPLOGP_CHECKS", "full (default)")
+    for name in args.rows.split(","):
+        us = per_call_us(rows[name], args.reps, args.rounds)
+        print(f"{name:12s} {args.shape} {args.dtype} TPLOGP_CHECKS={checks}: {us:7.1f} us per fwd+bwd (host CPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
