@@ -117,7 +117,10 @@ class TritonBackend:
         call's budget, ``TPLOGP_WORKSPACE_MB`` and the kernels' dot precision (which follows
         ``torch.get_float32_matmul_precision()`` and ``TRITON_INTERPRET``): those form the key, read at each call
         (a change of any of them plans afresh). Planned per call, they cost several environment reads and table
-        lookups per forward and backward (host time that matters at small shapes)."""
+        lookups per forward and backward (host time that matters at small shapes). Symbolic sizes (``kept_shape``
+        under ``torch.compile``'s dynamic shapes) are planned each time, uncached."""
+        if type(n) is not int or type(v) is not int:  # symbolic sizes (a fake implementation's): never cached
+            return self._plan_layout(n, v, dtype, device, workspace_bytes)
         cache = self.__dict__.setdefault("_layout_cache", {})
         key = (n, v, dtype, device, workspace_bytes, os.environ.get(settings.WORKSPACE_MB),
                tiles.dot_precision(dtype))
