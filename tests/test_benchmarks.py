@@ -8,6 +8,7 @@ never how fast anything was.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -87,8 +88,8 @@ def test_op_smoke_rows(tmp_path):
 
 def test_op_host_cost_column_per_checks_mode(tmp_path):
     """``--checks full,fast``: tplogp's rows once per mode (the label names a mode other than full), each with its
-    host CPU microseconds per call; the eager baseline once. The host column reads what the call costs the host: the
-    fwd+bwd costs more than the fwd alone, for every row."""
+    host CPU microseconds per call; the eager baseline once. Every row has both host columns, positive and finite
+    (their sizes are measurements, compared in benchmarks, never in tests)."""
     proc = _bench("op", "--smoke", "--impls", "tplogp-native,torch-eager", "--budgets", "default", "--checks",
                   "full,fast", "--no-check", "--out", str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
@@ -96,7 +97,8 @@ def test_op_host_cost_column_per_checks_mode(tmp_path):
                          ("torch-eager", "default")}, rows
     assert [rows["tplogp-native", b]["checks"] for b in ("default", "default, checks fast")] == ["full", "fast"]
     for r in rows.values():
-        assert "error" not in r and r["host_fwd_bwd_us"] > r["host_fwd_us"] > 0, r
+        assert "error" not in r, r
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("host_fwd_us", "host_fwd_bwd_us")), r
     assert " host " in proc.stdout
 
 
