@@ -15,6 +15,9 @@ Life of a rank (started by ``pool.py`` through ``torch.multiprocessing``, forkse
    cheap fresh-state check: what the test changed in the process (environment, working directory, default dtype,
    grad mode, torch threads, deterministic algorithms) is restored and named; process groups left behind, a dead
    default group or CUDA memory above the baseline recycle the pool.
+5. Leave: destroy the process group, run multiprocessing's exit finalizers (named semaphores made on the rank are
+   released, not reported leaked by the resource tracker at the end of the session), then ``os._exit`` (no
+   interpreter teardown).
 """
 
 from __future__ import annotations
@@ -421,6 +424,28 @@ class _Rank:
             conn.send_bytes(payload)
 
 
+def _release_multiprocessing_resources() -> None:
+    """Run multiprocessing's exit finalizers of priority >= 0, as a multiprocessing process that returns does.
+
+    ``os._exit`` skips them, yet they release what outlives the process otherwise: each named semaphore made on the
+    rank (a multiprocessing lock of a non-fork context, e.g. tqdm's class lock, which torch.fx makes when
+    torch.compile runs) is unlinked and unregistered from the pytest process's resource tracker, which would
+    otherwise report it leaked when the session ends. Queues are closed and pools or managers a test left are shut
+    down too. Not run: the joins of child processes and queue feeder threads that multiprocessing does after them
+    (they can wait without bound). ``_run_finalizers`` is multiprocessing's own (private) entry point for this;
+    where it is missing, nothing is run. The controller's bounded stop still kills a rank stuck here.
+    """
+    from multiprocessing import util
+
+    run_finalizers = getattr(util, "_run_finalizers", None)
+    if run_finalizers is None:
+        return
+    try:
+        run_finalizers(0)
+    except Exception:  # noqa: BLE001 - best effort; the resource tracker still cleans up at the end
+        pass
+
+
 def rank_main(cfg: RankConfig, conn: Any) -> None:
     """Entry point of a spawned rank process (see the module docstring)."""
     t0 = time.perf_counter()
@@ -449,4 +474,5 @@ def rank_main(cfg: RankConfig, conn: Any) -> None:
             rank.dist.destroy_process_group()
         except Exception:
             pass
+        _release_multiprocessing_resources()
         os._exit(0)  # skip interpreter teardown: fast, and no atexit surprises from test code
