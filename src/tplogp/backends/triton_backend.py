@@ -12,7 +12,6 @@ Nothing is imported from Triton and no device is probed until a method is called
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -122,7 +121,7 @@ class TritonBackend:
         if type(n) is not int or type(v) is not int:  # symbolic sizes (a fake implementation's): never cached
             return self._plan_layout(n, v, dtype, device, workspace_bytes)
         cache = self.__dict__.setdefault("_layout_cache", {})
-        key = (n, v, dtype, device, workspace_bytes, os.environ.get(settings.WORKSPACE_MB),
+        key = (n, v, dtype, device, workspace_bytes, settings.layout_settings()[1],
                tiles.dot_precision(dtype))
         found = cache.get(key)
         if found is None:
