@@ -39,7 +39,9 @@ TEMPERATURE = 0.9
 
 
 def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
-    import transformers
+    from tplogp.integrations import require
+
+    transformers = require("transformers", "python -m benchmarks integrations", "hf")
 
     config = transformers.Qwen2Config(
         vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],

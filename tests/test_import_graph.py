@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
      "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses"),
     # collectives and the input checks
-    ("tplogp.comm", "tplogp.checks", "tplogp.validation", "tplogp.deferred_checks"),
+    ("tplogp.comm", "tplogp.checks"),
     # Triton kernels, their launchers and tile planning
     ("tplogp.kernels.*",),
     # the per-shard sources (native, triton, sm90) behind one contract

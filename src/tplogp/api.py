@@ -62,7 +62,7 @@ def autocast_inputs(device_type: str, hidden, weight, bias):
 
 def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                     options: LogpOptions) -> bool:
-    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.validation.local_problem`
+    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.checks.local_problem`
     names the argument (checked in tests/test_linear_logp.py)."""
     return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
             and (bias is None or isinstance(bias, torch.Tensor))

@@ -222,7 +222,7 @@ class GroupCheck:
     ) -> tuple[int, Optional[TargetSummary]]:
         """``targets``: this rank's :func:`target_summary_tensor` (device ``[3]``: it travels in the record, so the
         record exchange is the call's only host read), a :class:`TargetSummary` already on the host (an earlier
-        call's, :mod:`tplogp.deferred_checks`: with ``group`` a CPU group, nothing here waits for a device), or
+        call's deferred summary: with ``group`` a CPU group, nothing here waits for a device), or
         None. ``targets_note`` ends the error of targets that differ between ranks. The summary is returned when
         every rank sent one and they agree (a range check is the caller's)."""
         world = dist.get_world_size(group)

@@ -162,8 +162,8 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     chunk = plan_chunk_tokens(backend, n, vocab, workspace_bytes, h2.device, accumulators, h2.dtype)
     # one backward per chunk's forward: the source may write d_logits in place of the chunk's kept terms
     c = tpc.call
-    call = ShardCall(c.inv_temperature, c.with_entropy, c.deterministic, c.workspace_bytes,
-                     for_backward=differentiate, consume_kept=differentiate)
+    call = ShardCall(inv_temperature=c.inv_temperature, with_entropy=c.with_entropy, deterministic=c.deterministic,
+                     workspace_bytes=c.workspace_bytes, for_backward=differentiate, consume_kept=differentiate)
     tpc.call = call  # (the call's own context: prepare_call makes one per call)
     count = None
     if reduction == "mean":

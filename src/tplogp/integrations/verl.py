@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import linear_logp
-from ..validation import LinearLogpInputError
+from ..checks import LinearLogpInputError
 
 REDUCTIONS = ("none", "sum", "mean")
 
