@@ -5,7 +5,7 @@ Run with ``TRITON_INTERPRET`` unset (``tests/test_sm90_compile.py`` starts it in
 * ``python -m tests.compiled_kernels shared-memory``: one JSON line per case, ``{"case", "tma", "compiled": bytes
   Triton allots, "model": tplogp.kernels.tiles.gemm_shared_bytes}``;
 * ``python -m tests.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
-  forward-statistics kernel (default and ``KEEP``) and d_logits kernels (TMA, and from kept logits), with the sm90
+  forward-statistics kernel (default and ``KEEP`` with its TMA stores) and d_logits kernels (TMA, and from kept logits), with the sm90
   config, bf16, no bias / entropy.
 """
 
@@ -40,7 +40,7 @@ _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = True, num_warps: int = 8,
-             group_n: int = 8, split_tiles: int = 4, keep: bool = False):
+             group_n: int = 8, split_tiles: int = 4, keep: bool = False, keep_tma: bool = False):
     """Compile one kernel for ``sm_{arch}`` (every pointer and i32 argument marked 16-divisible, as Triton
     specializes aligned tensors and sizes); ``features``: bias, entropy and d_bias on; ``keep``: the forward's
     kept-logits variant (``KEEP``). Kinds: fwd_tma, fwd, bwd_tma, bwd, bwd_kept (d_logits from kept logits), dh."""
@@ -56,7 +56,9 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
     if kind == "fwd_tma":
         fn, sig = hopper_kernels.fwd_stats_tma_kernel, {**tma, **stats, "inv_temp": "fp32", "num_splits": "i32", "plane": "i32"}
         const = dict(SPLIT_V=split_tiles * n, **flags, **block_args, WARP_SPECIALIZE=True, NUM_STAGES=stages,
-                     KEEP=keep)
+                     KEEP=keep, KEEP_TMA=keep and keep_tma)
+        if keep and keep_tma:  # the kept terms through a tensor descriptor (hopper_launch.kept_tma_ok)
+            sig = {**sig, "p_kept": f"tensordesc<{dt}[{m},{n}]>"}
     elif kind == "fwd":
         fn = generic_kernels.fwd_stats_kernel
         sig = {**ptrs, **stats, "stride_hn": "i32", "stride_wv": "i32", "inv_temp": "fp32", "num_splits": "i32",
@@ -125,10 +127,10 @@ def machine_code() -> None:
             ("fwd_stats", "fwd_tma", fwd, cfg.num_warps, False),
             ("fwd_stats_keep", "fwd_tma", fwd, cfg.num_warps, True),
             ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False),
-            ("bwd_dlogits_kept", "bwd_kept", (cfg.bwd_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
-             cfg.bwd_num_warps, False)):
+            ("bwd_dlogits_kept", "bwd_kept", (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
+             cfg.kept_num_warps, False)):
         kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
-                          split_tiles=cfg.split_tiles, keep=keep)
+                          split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep)
         found[name] = dict(sass_counts(kernel.asm["cubin"]))
     print(json.dumps(found, sort_keys=True))
 

@@ -111,6 +111,8 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     comm_device = collective_device(tp_group, device) if world > 1 else torch.device("cpu")
     call = shard_call(options) if problem is None else ShardCall()
+    # one shard: d_hidden is the whole gradient, which a source may round to the input dtype in its GEMM
+    call = ShardCall(**{**call.__dict__, "d_hidden_in_input_dtype": world == 1})
     _stats["built"] += 1
     plan = CallPlan(key if problem is None else None, backend, mode, world, comm_device, call,
                     ShardCall(**{**call.__dict__, "for_backward": True}),

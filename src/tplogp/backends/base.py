@@ -105,6 +105,9 @@ class ShardCall:
     # tp.consumes_kept): the backend may overwrite it (the triton / sm90 sources write d_logits in place of the kept
     # terms and run full-size GEMMs; native reads it either way)
     consume_kept: bool = False
+    # d_hidden is the call's whole gradient (one shard: no all-reduce; no later scaling): a source may return it in
+    # the input dtype, rounded once as its GEMM stores it, instead of fp32 (no fp32 buffer, no cast)
+    d_hidden_in_input_dtype: bool = False
 
 
 class ShardBackend(Protocol):

@@ -257,5 +257,5 @@ class TritonBackend:
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
             cfg=lay.cfg, dlogits_launch=self._dlogits_launch(hidden.device),
             kept=self._kept_terms(kept, hidden.shape[0], lay), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
-            overwrite_kept=call.consume_kept)
+            overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype)
         return ShardGrads(d_hidden, d_weight, d_bias)

@@ -218,8 +218,12 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              dlogits_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None,
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
              accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
-             overwrite_kept: bool = False):
+             overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False):
     """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard.
+
+    ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden is one GEMM (one
+    chunk, not ``deterministic``, on CUDA), it is returned in the input dtype, rounded once as the GEMM stores it
+    (fp32 accumulation inside), with no fp32 buffer and no cast; otherwise fp32 as usual.
 
     The vocab is walked in chunks whose ``[N, chunk]`` d_logits workspace fits ``workspace_bytes`` (the transient
     part of the budget): first the columns ``[0, v_keep)`` whose softmax terms the forward kept in ``kept`` (their
@@ -298,7 +302,9 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         if i_chunk == 0:
             # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
             # allocations themselves do no GPU work).
-            d_hidden = torch.empty((n, d), device=dev, dtype=f32) if need_dh else None
+            dh_dtype = (hidden.dtype if d_hidden_in_input_dtype and len(bounds) == 1 and not deterministic
+                        and hidden.is_cuda else f32)  # (a CPU GEMM would round through an fp32 temporary)
+            d_hidden = torch.empty((n, d), device=dev, dtype=dh_dtype) if need_dh else None
             d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
         whole = ws is None
         w_chunk = weight if whole else weight[v_lo:v_hi]
@@ -325,6 +331,8 @@ def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: Tile
     """``d_hidden (+)= dz @ W[chunk]`` (fp32) for one chunk."""
     if deterministic:
         _launch_dh(dz, w_chunk, d_hidden, accumulate=i_chunk > 0, cfg=cfg, precision=precision)
+    elif d_hidden.dtype != torch.float32:  # the one chunk, rounded once to the input dtype (d_hidden_in_input_dtype)
+        _mm_into(d_hidden, dz, w_chunk)
     elif i_chunk == 0:
         fp32_gemm.mm_into(d_hidden, dz, w_chunk)
     else:
@@ -337,12 +345,15 @@ def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg,
     tile width, one scale per row and tile); both sources."""
     values, scales = kept
     n = values.shape[0]
-    grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.block_v),)
+    # rows per program: the config's own for this pass, but the backward's when d_bias partial rows are written
+    block_n = cfg.bwd_block_n if need_db or cfg.kept_block_n is None else cfg.kept_block_n
+    num_warps = cfg.bwd_num_warps if need_db or cfg.kept_num_warps is None else cfg.kept_num_warps
+    grid = (cdiv(n, block_n) * cdiv(v_hi - v_lo, cfg.block_v),)
     launcher(bwd_dlogits_kept_kernel)(
         grid, values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
         n, v_lo, v_hi, values.stride(0), scales.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
         inv_temperature, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
-        BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.block_v, DOT_PRECISION=precision, num_warps=cfg.bwd_num_warps,
+        BLOCK_N=block_n, BLOCK_V=cfg.block_v, DOT_PRECISION=precision, num_warps=num_warps,
     )
 
 

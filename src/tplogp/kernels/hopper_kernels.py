@@ -41,7 +41,8 @@ def fwd_stats_tma_kernel(
     p_b,  # [V] bias (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target (-1: not owned)
     p_parts,  # [3 or 4, S, N] fp32 split stats, out (see fwd_stats_kernel)
-    p_kept,  # [N, v_keep] kept softmax terms, out (only KEEP; see fwd_stats_kernel)
+    p_kept,  # [N, v_keep] kept softmax terms, out (only KEEP; see fwd_stats_kernel); with KEEP_TMA a descriptor
+    # over them, block [BLOCK_N, BLOCK_V]
     p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 their running max per row and tile, out (only KEEP)
     N, V, D,
     stride_kept, stride_scale, v_keep,
@@ -51,6 +52,7 @@ def fwd_stats_tma_kernel(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    KEEP_TMA: tl.constexpr,  # the kept terms leave through TMA stores (common.keep_tile)
 ):
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
@@ -61,14 +63,15 @@ def fwd_stats_tma_kernel(
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
         b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
                                                p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp,
-                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V)
+                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V,
+                                               KEEP_TMA)
     if v_full < v_hi:  # the shard's last tile, cut by V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
         b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl,
                                                b_sez, c, p_kept, p_scale, stride_kept, stride_scale, v_keep,
                                                inv_temp, True, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N,
-                                               BLOCK_V)
+                                               BLOCK_V, KEEP_TMA)
     b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
     store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
 

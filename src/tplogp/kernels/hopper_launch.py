@@ -30,6 +30,13 @@ def tma_ok(hidden, weight) -> bool:
             and (hidden.stride(0) * item) % 16 == 0 and (weight.stride(0) * item) % 16 == 0)
 
 
+def kept_tma_ok(values) -> bool:
+    """The kept terms ``[N, v_keep]`` can take the forward's TMA stores: 16-byte aligned base and row stride, unit
+    column stride (``v_keep`` a multiple of 8 for bf16 terms: every keep but a whole shard of odd width)."""
+    item = values.element_size()
+    return values.data_ptr() % 16 == 0 and (values.stride(0) * item) % 16 == 0 and values.stride(1) == 1
+
+
 _THREAD = threading.local()
 
 
@@ -92,6 +99,9 @@ def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float,
     parts, num_splits, grid, (p_kept, p_scale, stride_kept, stride_scale, v_keep) = stats_plan(
         hidden, weight, with_entropy, cfg, kept)
     d_h, d_w = _descriptors(hidden, weight, cfg.block_n, cfg.block_v, cfg.block_d)
+    keep_tma = kept is not None and kept_tma_ok(kept.values)
+    if keep_tma:
+        p_kept = _descriptor(kept.values, [cfg.block_n, cfg.block_v])
     launcher(fwd_stats_tma_kernel)(
         grid, d_h, d_w, bias if bias is not None else hidden, local_target,
         parts, p_kept, p_scale, n, v, d, stride_kept, stride_scale, v_keep, inv_temperature, num_splits,
@@ -99,7 +109,7 @@ def launch_stats_tma(hidden, weight, bias, local_target, inv_temperature: float,
         SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, KEEP=kept is not None,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
         DOT_PRECISION=dot_precision(hidden.dtype), WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KEEP_TMA=keep_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return parts, num_splits
 
