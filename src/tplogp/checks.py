@@ -361,6 +361,14 @@ class PendingTargetCheck:
     def range_problem(self, summary: TargetSummary) -> Optional[str]:
         return target_range_problem(summary, self.vocab_size, self.ignore_index)
 
+    def done(self) -> bool:
+        """Whether the verdict can be read without waiting for the device."""
+        return self.ready is None or self.ready.query()
+
+    def problem(self) -> Optional[str]:
+        """The verdict (waits only if the device has not reached the copy yet)."""
+        return self.range_problem(self.read_summary())
+
 
 @dataclass
 class CapturedTargetCheck:
@@ -375,7 +383,95 @@ class CapturedTargetCheck:
         return f"{COVERAGE_MESSAGE}: a target id is outside the vocabulary [0, {self.vocab_size}){where}"
 
 
-_pending: Optional[PendingTargetCheck] = None  # the last call without a group
+class KernelTargetCheck:
+    """The target check of a call without a group whose source's finishing kernel does it (``forward_single`` with
+    ``target_flag``, the triton / sm90 sources): no launch and no copy of its own. The kernel writes an id outside
+    ``[0, vocab)``, if there is one, straight into a pinned host slot (:class:`_FlagSlots`); an event recorded after
+    the kernel says when the slot holds the verdict."""
+
+    __slots__ = ("flag", "index", "slots", "ready", "vocab_size", "ignore_index")
+
+    def __init__(self, slots: "_FlagSlots", vocab_size: int, ignore_index: Optional[int]) -> None:
+        self.slots, self.vocab_size, self.ignore_index = slots, vocab_size, ignore_index
+        self.ready: Optional[torch.cuda.Event] = None
+        self.index, self.flag = slots.take(self)
+
+    def launched(self) -> None:
+        """The kernel that writes the flag has been launched (on a GPU: mark the point the host waits for)."""
+        if self.slots.pinned:
+            if self.ready is None:
+                self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def done(self) -> bool:
+        """Whether the verdict can be read without waiting for the device."""
+        return self.ready is None or self.ready.query()
+
+    def problem(self) -> Optional[str]:
+        """The verdict (waits only if the device has not finished the kernel yet)."""
+        if self.ready is not None and not self.ready.query():
+            self.ready.synchronize()
+        bad = int(self.slots.values[self.index])
+        if bad == 0:
+            return None
+        return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                + ("" if self.ignore_index is None else f" (ignore_index={self.ignore_index})"))
+
+
+class _FlagSlots:
+    """Host int64 slots for the verdicts of :class:`KernelTargetCheck` (pinned where the device is a GPU, whose
+    kernels then write them directly), taken round-robin; a slot is reused only once its last check's kernel is
+    done (a wait only when ``SIZE`` checks are in flight)."""
+
+    SIZE = 64
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.slots = torch.zeros(self.SIZE, dtype=torch.int64, pin_memory=pinned)
+        self.values = self.slots.numpy()  # host reads and writes without a torch op
+        self.owners: list = [None] * self.SIZE
+        self.next = 0
+
+    def take(self, check: KernelTargetCheck) -> tuple:
+        i = self.next
+        self.next = (i + 1) % self.SIZE
+        previous = self.owners[i]
+        if previous is not None and previous.ready is not None and not previous.ready.query():
+            previous.ready.synchronize()
+        self.owners[i] = check
+        self.values[i] = 0
+        return i, self.slots[i:i + 1]
+
+
+_flag_slots: dict = {}
+
+
+def start_kernel_target_check(device: torch.device, vocab_size: int,
+                              ignore_index: Optional[int]) -> KernelTargetCheck:
+    """A :class:`KernelTargetCheck` for a call on ``device`` without a group (the call's deferred verdict)."""
+    slots = _flag_slots.get(device.type)
+    if slots is None:
+        slots = _flag_slots[device.type] = _FlagSlots(pinned=device.type == "cuda")
+    check = KernelTargetCheck(slots, vocab_size, ignore_index)
+    _defer(check)
+    return check
+
+
+# The unjudged checks of calls without a group, oldest first. A call's start judges those whose verdict the device
+# has delivered (it never waits, unless _MAX_UNJUDGED are in flight); their backward or check_errors the others.
+_unjudged: list = []
+_MAX_UNJUDGED = 32
+
+
+def _defer(check) -> None:
+    _unjudged.append(check)
+    if len(_unjudged) > _MAX_UNJUDGED:
+        problem = _unjudged.pop(0).problem()
+        if problem is not None:
+            del _unjudged[:]  # one error per bad batch
+            raise LinearLogpInputError(problem + NO_GROUP_NOTE)
+
+
 _pending_by_group: dict[str, PendingTargetCheck] = {}  # the last call with each group (by group name)
 # captured checks by scope ("" without a group, else the group name): the latest few, read after replays by
 # check_errors, and by the first call outside a capture after a capture (scopes in _captured_unread)
@@ -428,12 +524,14 @@ def _captured_problem(scope: str, first_read_only: bool = False) -> Optional[str
     return None
 
 
-def defer_target_range_check(target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int]) -> None:
+def defer_target_range_check(target_ids: torch.Tensor, vocab_size: int,
+                             ignore_index: Optional[int]) -> Optional[PendingTargetCheck]:
     """Start the range check of ``target_ids`` against ``[0, vocab_size)`` (a call without a group)."""
-    global _pending
     if target_ids.numel() == 0:
-        return
-    _pending = _start(target_ids, vocab_size, ignore_index, with_checksum=False)
+        return None
+    check = _start(target_ids, vocab_size, ignore_index, with_checksum=False)
+    _defer(check)
+    return check
 
 
 def defer_group_target_check(group, target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int]) -> None:
@@ -447,18 +545,18 @@ def take_group_pending(group) -> Optional[PendingTargetCheck]:
 
 
 def raise_pending_errors(everything: bool = True) -> None:
-    """Raise the verdict of the last deferred check without a group, or of captured calls, if it failed.
-    ``everything=False`` (a call's own start): the captured flags only at the first call after a capture."""
-    global _pending
-    pending, _pending = _pending, None
+    """Raise the verdict of deferred checks without a group, or of captured calls, if one failed.
+    ``everything=False`` (a call's own start): only the deferred verdicts that the device has delivered (oldest
+    first; no wait), and the captured flags only at the first call after a capture. ``everything=True``: all of
+    them (waiting for the device where needed)."""
     problem = _captured_problem("", first_read_only=not everything) if _captured else None
     if problem is not None:
         raise LinearLogpInputError(problem)
-    if pending is None:
-        return
-    problem = pending.range_problem(pending.read_summary())
-    if problem is not None:
-        raise LinearLogpInputError(problem + NO_GROUP_NOTE)
+    while _unjudged and (everything or _unjudged[0].done()):
+        problem = _unjudged.pop(0).problem()
+        if problem is not None:
+            del _unjudged[:]  # one error per bad batch: the later calls' verdicts go with it
+            raise LinearLogpInputError(problem + NO_GROUP_NOTE)
 
 
 def _judge_group_summary(group, pending: Optional[PendingTargetCheck], note: str) -> None:
@@ -524,14 +622,15 @@ class BackwardVerdict:
 
     def settle(self) -> None:
         """Raise the call's error (the verdict is then dropped from what later calls judge)."""
-        global _pending
         pending = self.pending
         if pending is None:
             return
         if self.group is None:
-            if _pending is pending:
-                _pending = None  # judged here, once
-            problem = pending.range_problem(pending.read_summary())
+            for i, unjudged in enumerate(_unjudged):
+                if unjudged is pending:
+                    del _unjudged[i]  # judged here, once
+                    break
+            problem = pending.problem()
             if problem is not None:
                 raise LinearLogpInputError(problem + BACKWARD_NOTE)
             return
@@ -557,7 +656,7 @@ def latest_verdict(group, device: torch.device) -> Optional[BackwardVerdict]:
         kept = _captured.get(scope)
         return BackwardVerdict(captured=kept[-1]) if kept else None
     if group is None or dist.get_world_size(group) == 1:
-        return BackwardVerdict(pending=_pending)
+        return BackwardVerdict(pending=_unjudged[-1] if _unjudged else None)
     return BackwardVerdict(pending=_pending_by_group.get(scope), group=group)
 
 
@@ -565,12 +664,15 @@ def latest_verdict(group, device: torch.device) -> Optional[BackwardVerdict]:
 
 def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                global_vocab_size: Optional[int], ignore_index: Optional[int],
-               builds_graph: bool) -> tuple[int, Optional[BackwardVerdict]]:
-    """Every check of one call: ``(global vocab size, what its backward settles)``, or the error on every rank.
+               builds_graph: bool) -> tuple[int, Optional[BackwardVerdict], Optional[KernelTargetCheck]]:
+    """Every check of one call: ``(global vocab size, what its backward settles, the target check that the
+    source's kernel runs or None)``, or the error on every rank.
 
-    ``plan``: the call's :class:`tplogp.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``; ``vocab_size``
-    when an earlier call of the layout has passed); ``problem``: :func:`local_problem` at the layout's first call
-    (None on later ones: the plan remembers that it passed)."""
+    ``plan``: the call's :class:`tplogp.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``,
+    ``kernel_target_check``; ``vocab_size`` when an earlier call of the layout has passed); ``problem``:
+    :func:`local_problem` at the layout's first call (None on later ones: the plan remembers that it passed). A
+    returned :class:`KernelTargetCheck` must reach the source (``forward_single(target_flag=)``), and its
+    ``launched`` be called after the launch."""
     mode, world = plan.mode, plan.world_size
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     capturing = is_capturing(device)
@@ -579,8 +681,8 @@ def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, t
                                    "capture cannot do: capture with the default checks (TPLOGP_CHECKS unset or full), "
                                    "which keep the verdict on the device, or with TPLOGP_CHECKS=fast")
     if world > 1:
-        return _check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                                 global_vocab_size, ignore_index, builds_graph, capturing)
+        return (*_check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                                   global_vocab_size, ignore_index, builds_graph, capturing), None)
     if mode != "fast" and not capturing:
         raise_pending_errors(everything=False)  # the deferred verdict of the previous call without a group
     if problem is not None:
@@ -589,7 +691,7 @@ def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, t
     if total is None:
         total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size,
                                       group_given=tp_group is not None)
-    verdict = None
+    verdict = in_kernel = None
     if mode == "sync":
         msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False), total,
                                    ignore_index)
@@ -598,10 +700,13 @@ def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, t
     elif mode == "full" and target_ids.numel():
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check("", target_ids, total, ignore_index))
-        else:  # read by this call's backward, else the next call (no host sync now); NaN logp meanwhile
-            defer_target_range_check(target_ids, total, ignore_index)
-            verdict = BackwardVerdict(pending=_pending) if builds_graph else None
-    return total, verdict
+        else:  # read by this call's backward, else a later call (no host sync now); NaN logp meanwhile
+            if plan.kernel_target_check:  # (ignored rows are compacted away outside a capture: all are checked)
+                pending = in_kernel = start_kernel_target_check(device, total, ignore_index)
+            else:
+                pending = defer_target_range_check(target_ids, total, ignore_index)
+            verdict = BackwardVerdict(pending=pending) if builds_graph else None
+    return total, verdict, in_kernel
 
 
 def _check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,

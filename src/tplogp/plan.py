@@ -64,6 +64,8 @@ class CallPlan:
     call: ShardCall  # for a forward whose results are not differentiated
     call_for_backward: ShardCall  # for a forward that may keep logits for its backward
     single: bool  # one shard and a backend with forward_single: it finishes logp / lse / entropy itself
+    # single, and the backend's finishing kernel checks the targets (tplogp.checks.KernelTargetCheck)
+    kernel_target_check: bool = False
     vocab_size: Optional[int] = None  # the global vocab, once a call of the layout has passed its checks
 
 
@@ -117,6 +119,7 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     plan = CallPlan(key if problem is None else None, backend, mode, world, comm_device, call,
                     ShardCall(**{**call.__dict__, "for_backward": True}),
                     world == 1 and hasattr(backend, "forward_single"))
+    plan.kernel_target_check = plan.single and getattr(backend, "checks_targets_in_kernel", False)
     return plan, problem
 
 

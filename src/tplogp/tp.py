@@ -61,6 +61,8 @@ class _TPContext:
     single: bool = False
     # what the backward settles before it writes a gradient (checks.BackwardVerdict), or None
     verdict: Optional[BackwardVerdict] = None
+    # the call's target check, run by the source's finishing kernel (single only), or None
+    target_check: Optional[checks.KernelTargetCheck] = None
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
@@ -92,7 +94,12 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     """The forward of one call: ``((logp, entropy | None, lse), tensors the backward needs)``."""
     be, call = tpc.backend, tpc.call
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
-        out = be.forward_single(hidden, weight, bias, local_target, call)
+        check = tpc.target_check
+        if check is None:
+            out = be.forward_single(hidden, weight, bias, local_target, call)
+        else:  # and check the targets: no launch or copy of the checks' own
+            out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=check.flag)
+            check.launched()
         return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, out.kept)
     st = be.forward_stats(hidden, weight, bias, local_target, call)
     owned = local_target >= 0
@@ -267,17 +274,18 @@ def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_gro
         builds_graph = (torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad)
     plan, problem = plan_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                               global_vocab_size, options, builds_graph)
-    total, verdict = check_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                                global_vocab_size, options.ignore_index, bool(builds_graph) and problem is None)
+    total, verdict, target_check = check_call(plan, problem, hidden, weight, target_ids, bias, tp_group,
+                                              vocab_start_index, global_vocab_size, options.ignore_index,
+                                              bool(builds_graph) and problem is None)
     if plan.vocab_size is None:
         remember(plan, total)
     return localize_call(plan, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options.ignore_index,
-                         total, verdict)
+                         total, verdict, target_check)
 
 
 def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                  ignore_index: Optional[int], total: int,
-                  verdict: Optional[BackwardVerdict] = None) -> PreparedCall:
+                  ignore_index: Optional[int], total: int, verdict: Optional[BackwardVerdict] = None,
+                  target_check: Optional[checks.KernelTargetCheck] = None) -> PreparedCall:
     """Flattening, ignore_index compaction and target localisation of a call whose checks have passed."""
     d = hidden.shape[-1]
     h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
@@ -298,7 +306,8 @@ def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vo
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
-    tpc = _TPContext(plan.backend, plan.call, tp_group, plan.world_size, plan.comm_device, plan.single, verdict)
+    tpc = _TPContext(plan.backend, plan.call, tp_group, plan.world_size, plan.comm_device, plan.single, verdict,
+                     target_check)
     if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
         local_target = tgt
     else:

@@ -42,7 +42,10 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     When one shard holds the whole vocab (no group, or a group of one), a backend may finish the per-token outputs
     itself and save the TP layer's merge ops (host time at small shapes): return :class:`SingleShardOutputs`. The
     layer then passes ``target`` ids as given, to this method and to ``backward``: an id outside ``[0, V)`` is
-    owned by nobody (its logp is NaN; full checks reject such ids first).
+    owned by nobody (its logp is NaN; full checks reject such ids first). A backend whose
+    ``checks_targets_in_kernel`` is True also takes ``target_flag=``: a zeroed int64 ``[1]`` tensor (pinned host
+    memory on a GPU) that its kernels set to an id outside ``[0, V)`` when a target is one: the call's default
+    target check then costs no launch and no copy (:class:`tplogp.checks.KernelTargetCheck`).
 
 Everything that needs a collective (merging stats across ranks, the coverage check, the d_hidden all-reduce)
 lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the target id minus the shard's

@@ -233,7 +233,11 @@ class TritonBackend:
             kept=self._kept_terms(kept, hidden.shape[0], lay))
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
-    def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
+    # forward_single takes ``target_flag``: its finishing kernel checks the targets (tplogp.checks.KernelTargetCheck)
+    checks_targets_in_kernel = True
+
+    def forward_single(self, hidden, weight, bias, target, call: ShardCall,
+                       target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
         from ..kernels import generic_launch
 
         lay = self._launch_layout(hidden, weight, call.workspace_bytes)
@@ -241,7 +245,7 @@ class TritonBackend:
         return SingleShardOutputs(*generic_launch.forward_single(
             hidden, weight, bias, target, call.inv_temperature, call.with_entropy,
             lay.cfg, stats_launch=self._stats_launch(hidden.device),
-            kept=self._kept_terms(kept, hidden.shape[0], lay)), kept=kept)
+            kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag), kept=kept)
 
     def _stats_launch(self, device: torch.device):
         return None  # the generic kernel

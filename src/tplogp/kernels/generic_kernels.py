@@ -188,13 +188,18 @@ def finalize_single_kernel(
     p_parts,  # [3 or 4, S, N] fp32 per-split stats, in
     p_tgt,  # [N] target ids, in (owned iff 0 <= id < V)
     o_out,  # [4 or 6, N] fp32, out: logp, lse, row max M, log S, and with entropy E_p[z] - M, entropy
+    p_flag,  # [1] int64 target verdict, out (only CHECK_TARGETS; 0 on entry): a target id outside [0, V), if any
     N, V, S, plane,  # plane = S * N
     WITH_ENTROPY: tl.constexpr, ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr,
+    CHECK_TARGETS: tl.constexpr,
 ):
     """One shard is the whole vocab: fold the splits and finish the per-token outputs in the same pass.
 
     ``logp = (t - M) - log S`` (NaN where no vocab id is the target), ``lse = M + log S``,
     ``E_p[z] - M = q / S``, ``entropy = log S - (E_p[z] - M)``: the same fp32 formulas as the TP layer's merge.
+    ``CHECK_TARGETS`` (the call's default target check, :class:`tplogp.checks.KernelTargetCheck`): a program that
+    finds ids outside ``[0, V)`` stores one of them (never 0, which is inside) to ``p_flag``; several such programs
+    store such ids alike, and the host reads the flag once the kernel is done.
     """
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m_n = o_n < N
@@ -206,6 +211,11 @@ def finalize_single_kernel(
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
     owned = (b_tgt >= 0) & (b_tgt < V)
     b_logp = tl.where(owned, (b_tl - b_max) - b_lsum, float("nan"))
+    if CHECK_TARGETS:
+        b_bad = tl.where(m_n & (owned == 0), b_tgt, 0)
+        b_lo = tl.min(b_bad, 0)
+        b_pick = tl.where(b_lo < 0, b_lo, tl.max(b_bad, 0))
+        tl.store(p_flag, b_pick, mask=b_pick != 0)
     tl.store(o_out + o_n, b_logp, mask=m_n)
     tl.store(o_out + N + o_n, b_max + b_lsum, mask=m_n)
     tl.store(o_out + 2 * N + o_n, b_max, mask=m_n)

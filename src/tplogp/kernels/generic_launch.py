@@ -124,9 +124,12 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 
 def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                    inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                   stats_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None):
+                   stats_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None,
+                   target_flag: Optional[torch.Tensor] = None):
     """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``, fp32 [N].
-    ``kept``: as in :func:`forward_stats`.
+    ``kept``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the finishing kernel sets to
+    an id outside ``[0, V)`` if some target is one (the call's default check; pinned host memory on a GPU, which
+    the kernel writes directly).
 
     ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp (the checks in
     ``full`` mode reject such ids before this runs). Two launches (the stats kernel, then one kernel that folds the
@@ -149,8 +152,10 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
                                      kept)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
     launcher(finalize_single_kernel)(
-        (cdiv(n, _MERGE_BLOCK),), parts, target, out, n, v, num_splits, num_splits * n,
-        WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK, num_warps=4,
+        (cdiv(n, _MERGE_BLOCK),), parts, target, out, out if target_flag is None else target_flag, n, v,
+        num_splits, num_splits * n,
+        WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK,
+        CHECK_TARGETS=target_flag is not None, num_warps=4,
     )
     outs = out.unbind(0)
     return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
