@@ -12,8 +12,9 @@ backward forms the probabilities from them instead of recomputing (3 GEMMs inste
 one chunk's terms are alive at a time. ONE all_reduce completes
 ``d_hidden``: issued by the last chunk's backward as soon as its ``d_hidden`` rows are done (``d_hidden_ready``),
 so that it runs under that chunk's ``d_W`` work. The gradients are handed to autograd: the backward only scales
-them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are constants (no
-gradient flows to them).
+them by the upstream scalar, the fp32 product rounded once (one Triton pass on a GPU, in place when the graph is not
+retained and the dtype allows: :func:`_scaled`). The per-token tensors are constants (no gradient flows to them).
+``with_entropy=False``: the sources compute no entropy statistics and the loss callable gets ``entropy=None``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from .backends.base import ShardCall
 from .comm import OverlappedAllReduce
+from .kernels.tiles import interpreting
 from .losses import PerTokenLoss
 from .tensors import zero_rows
 from .tp import LogpOptions, _graph_retained, _shard_forward, prepare_call
@@ -104,8 +106,6 @@ def _scaled(t: Optional[torch.Tensor], g: torch.Tensor, dtype: torch.dtype, in_p
 def _scale_kernel_runs(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`_scaled` runs the Triton kernel: a CUDA tensor, or a CPU one under Triton's interpreter, of
     the dtypes the kernel takes, with Triton installed."""
-    from .kernels.tiles import interpreting
-
     on = t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
     return on and t.dtype in _KERNEL_DTYPES and dtype in _KERNEL_DTYPES and _triton_installed()
 
