@@ -227,8 +227,12 @@ def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, temperature=1.3,
               ignore_index=IGNORE, workspace_bytes=ws)
     ours, eager = _run(True, p, extra, "mean", source, **kw), _run(False, p, extra, "mean", source, **kw)
+    # without the entropy statistics (4 floats per token gathered instead of 5): bitwise the default's
+    plain = _run(True, p, extra, "mean", source, loss_fn=_loss_fn_without_entropy, **kw)
+    lean = _run(True, p, extra, "mean", source, loss_fn=_ppo_and_kl, with_entropy=False, **kw)
     with tp.agree():
         _compare(ours, eager, f"{source} rank {tp.rank}")
+        assert all(torch.equal(a, e) for a, e in zip(lean, plain)), f"{source} rank {tp.rank}: without entropy"
 
 
 def test_chunk_plan_counts_the_accumulators_in_the_budget():
