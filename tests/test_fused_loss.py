@@ -127,11 +127,17 @@ def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dt
     upstream scale: no worse than the eager reference (``loss.backward()``; a one-chunk 16-bit d_W is scaled in its
     dtype, exact for powers of two)."""
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
-    p = make_problem((45,), 32, 157, dtype, True, seed=21, peaked=True)
+    from tplogp import fused_loss
+
+    # D = 8: the accumulators (D + 1 units of 4 * 157 bytes) leave room for chunks of 8 of the 45 tokens
+    p = make_problem((45,), 8, 157, dtype, True, seed=21, peaked=True)
     extra = _per_token(p, 5)
     truth, ref = _truth_and_reference(p, extra, "mean", 1.0)
-    chunks_of_8 = tplogp.loss_chunk_budget(8, 32, 157, dtype=dtype, bias_dtype=dtype, source=source, device=CPU)
-    for ws in (None, chunks_of_8):  # one chunk; 6 chunks of 8 tokens (+ accumulators)
+    chunks_of_8 = tplogp.loss_chunk_budget(8, 8, 157, dtype=dtype, bias_dtype=dtype, source=source, device=CPU)
+    accumulators = fused_loss.accumulator_tokens(8, dtype, dtype)
+    for ws, chunks in ((None, 1), (chunks_of_8, 6)):  # one chunk; 6 chunks of 8 tokens (+ accumulators)
+        planned = fused_loss.plan_chunk_tokens(get_backend(source), 45, 157, ws, CPU, accumulators, dtype)
+        assert -(-45 // planned) == chunks, planned
         ours = _run(True, p, extra, "mean", source, scale=1.0, workspace_bytes=ws)
         for name, a, r, t in zip(("loss", "d_hidden", "d_weight", "d_bias"), ours, ref, truth):
             assert a.dtype == (torch.float32 if name == "loss" else dtype), name
