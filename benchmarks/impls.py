@@ -75,7 +75,8 @@ def _tplogp(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
 
 
 def _negative_logp(logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
-    """Per-token cross-entropy: the loss term that makes ``linear_logp_loss`` comparable to the peers' mean CE."""
+    """Per-token cross-entropy: the loss term that makes ``linear_logp_loss`` comparable to the peers' mean CE (it
+    reads no entropy: run with ``with_entropy=False``, ``entropy`` is None)."""
     return -logp
 
 
@@ -88,7 +89,9 @@ def _tplogp_loss(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]
             raise ImplUnavailable(why)
         fused = _import("tplogp", "linear_logp_loss")
         options = {} if budget is None else {"workspace_bytes": budget}
-        return lambda h, w, y: fused(h, w, y, loss=_negative_logp, reduction="mean", source=source, **options)
+        # cross-entropy reads no entropy: the sources skip its statistics
+        return lambda h, w, y: fused(h, w, y, loss=_negative_logp, reduction="mean", source=source,
+                                     with_entropy=False, **options)
 
     return build
 

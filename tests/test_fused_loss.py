@@ -1,7 +1,8 @@
 """``linear_logp_loss`` against ``linear_logp`` followed by the same loss in eager PyTorch: the same value and
 gradients (equal within the fp32 tolerance: the loss path sums per chunk), one rank and 4 uneven gloo ranks, on the
 native and triton sources (the latter through Triton's CPU interpreter); with 16-bit inputs and peaked rows over
-several chunks, three-way against float64 (no worse than the same-dtype eager reference, tolerance table)."""
+several chunks, three-way against float64 (no worse than the same-dtype eager reference, tolerance table); without
+the entropy statistics (``with_entropy=False``), bitwise the default's for a loss that reads no entropy."""
 
 from __future__ import annotations
 
@@ -34,13 +35,13 @@ def _loss_fn(logp, entropy, adv, old, ref):
             + losses.entropy_bonus(0.01)(logp, entropy))
 
 
-def _run(fused: bool, p, extra, reduction, source="native", scale=3.0, **kw):
+def _run(fused: bool, p, extra, reduction, source="native", scale=3.0, loss_fn=None, **kw):
     h = p.hidden.clone().requires_grad_()
     w = p.weight.clone().requires_grad_()
     b = None if p.bias is None else p.bias.clone().requires_grad_()
     if fused:
-        value = tplogp.linear_logp_loss(h, w, p.target, b, loss=_loss_fn, per_token=extra, reduction=reduction,
-                                        source=source, **kw)
+        value = tplogp.linear_logp_loss(h, w, p.target, b, loss=loss_fn or _loss_fn, per_token=extra,
+                                        reduction=reduction, source=source, **kw)
     else:
         out = tplogp.get_op("linear_logp", source=source)(h, w, p.target, b, return_entropy=True, **kw)
         per_tok = _loss_fn(out.logp, out.entropy, *extra)
@@ -126,15 +127,69 @@ def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dt
     upstream scale: no worse than the eager reference (``loss.backward()``; a one-chunk 16-bit d_W is scaled in its
     dtype, exact for powers of two)."""
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
-    p = make_problem((45,), 32, 157, dtype, True, seed=21, peaked=True)
+    from tplogp import fused_loss
+
+    # D = 8: the accumulators (D + 1 units of 4 * 157 bytes) leave room for chunks of 8 of the 45 tokens
+    p = make_problem((45,), 8, 157, dtype, True, seed=21, peaked=True)
     extra = _per_token(p, 5)
     truth, ref = _truth_and_reference(p, extra, "mean", 1.0)
-    chunks_of_8 = tplogp.loss_chunk_budget(8, 32, 157, dtype=dtype, bias_dtype=dtype, source=source, device=CPU)
-    for ws in (None, chunks_of_8):  # one chunk; 6 chunks of 8 tokens (+ accumulators)
+    chunks_of_8 = tplogp.loss_chunk_budget(8, 8, 157, dtype=dtype, bias_dtype=dtype, source=source, device=CPU)
+    accumulators = fused_loss.accumulator_tokens(8, dtype, dtype)
+    for ws, chunks in ((None, 1), (chunks_of_8, 6)):  # one chunk; 6 chunks of 8 tokens (+ accumulators)
+        planned = fused_loss.plan_chunk_tokens(get_backend(source), 45, 157, ws, CPU, accumulators, dtype)
+        assert -(-45 // planned) == chunks, planned
         ours = _run(True, p, extra, "mean", source, scale=1.0, workspace_bytes=ws)
         for name, a, r, t in zip(("loss", "d_hidden", "d_weight", "d_bias"), ours, ref, truth):
             assert a.dtype == (torch.float32 if name == "loss" else dtype), name
             assert_no_worse(f"{source} {ws} {name}", a, r, t, dtype)
+
+
+def _ppo_and_kl(logp, entropy, adv, old, ref):
+    """A loss that reads no entropy (asserts it got none: run with ``with_entropy=False``)."""
+    assert entropy is None, "with_entropy=False must hand the loss callable entropy=None"
+    return losses.ppo_clip(0.2, 0.28)(logp, entropy, adv, old) + losses.kl_to_reference(0.05)(logp, entropy, ref)
+
+
+@pytest.mark.parametrize("source", cpu_sources())
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_without_entropy_gives_the_same_loss_and_gradients(monkeypatch, source, bias):
+    """``with_entropy=False`` with a loss that reads no entropy: no entropy statistics reach the loss path (the
+    source's call and its outputs carry none) and the loss and gradients are bitwise those of the default, which
+    computes and ignores them (the logp statistics do not depend on the entropy's running sum), over one chunk and
+    six chunks of 8 tokens (bf16: fp32 accumulators rounded once)."""
+    from tplogp import fused_loss
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = make_problem((45,), 8, 157, torch.bfloat16, bias, seed=21, peaked=True)  # D = 8: room for chunks
+    extra = _per_token(p, 5)
+    seen = []
+    real = fused_loss._shard_forward
+
+    def spying(h, w, b, lt, tpc):
+        out = real(h, w, b, lt, tpc)
+        seen.append((tpc.call.with_entropy, out[0][1] is not None, out[1][2] is not None))
+        return out
+
+    monkeypatch.setattr(fused_loss, "_shard_forward", spying)
+    chunks_of_8 = tplogp.loss_chunk_budget(8, 8, 157, dtype=torch.bfloat16,
+                                           bias_dtype=torch.bfloat16 if bias else None, source=source, device=CPU)
+    for ws, chunks in ((None, 1), (chunks_of_8, 6)):
+        found = {}
+        for with_entropy in (True, False):
+            seen.clear()
+            loss_fn = _loss_fn_without_entropy if with_entropy else _ppo_and_kl
+            found[with_entropy] = _run(True, p, extra, "mean", source, workspace_bytes=ws, loss_fn=loss_fn,
+                                       with_entropy=with_entropy)
+            # (the call asks for entropy, the source returns it, and its statistics) on each chunk, or none of them
+            assert seen == [(with_entropy,) * 3] * chunks, (ws, with_entropy, seen)
+        for name, a, e in zip(("loss", "d_hidden", "d_weight", "d_bias"), found[False], found[True]):
+            assert (a is None) == (e is None) == (name == "d_bias" and not bias), name
+            assert a is None or torch.equal(a, e), f"{source} {ws} {name}: differs without entropy"
+
+
+def _loss_fn_without_entropy(logp, entropy, adv, old, ref):
+    """``_ppo_and_kl`` for a call that computes the entropy (and ignores it)."""
+    return _ppo_and_kl(logp, None, adv, old, ref)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -178,8 +233,12 @@ def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, temperature=1.3,
               ignore_index=IGNORE, workspace_bytes=ws)
     ours, eager = _run(True, p, extra, "mean", source, **kw), _run(False, p, extra, "mean", source, **kw)
+    # without the entropy statistics (4 floats per token gathered instead of 5): bitwise the default's
+    plain = _run(True, p, extra, "mean", source, loss_fn=_loss_fn_without_entropy, **kw)
+    lean = _run(True, p, extra, "mean", source, loss_fn=_ppo_and_kl, with_entropy=False, **kw)
     with tp.agree():
         _compare(ours, eager, f"{source} rank {tp.rank}")
+        assert all(torch.equal(a, e) for a, e in zip(lean, plain)), f"{source} rank {tp.rank}: without entropy"
 
 
 def test_chunk_plan_counts_the_accumulators_in_the_budget():

@@ -227,6 +227,7 @@ def linear_logp_loss(
     deterministic: bool = False,
     workspace_bytes: Optional[int] = None,
     source: Optional[str] = None,
+    with_entropy: bool = True,
 ) -> torch.Tensor:
     """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
     the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
@@ -235,7 +236,11 @@ def linear_logp_loss(
     clipping, policy gradient, KL to a reference and an entropy bonus); ``per_token`` tensors have target_ids'
     shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
     positions add nothing. ``source``: None, ``"registry"`` or ``"auto"`` (the registry's choice for the device) or
-    ``"native"`` / ``"triton"`` / ``"sm90"``. The other arguments are those of :func:`linear_logp`, with the same
+    ``"native"`` / ``"triton"`` / ``"sm90"``. ``with_entropy``: whether the sources compute the entropy
+    statistics (``True``); ``False`` suits a loss that never reads ``entropy`` (cross-entropy, ``policy_gradient``,
+    ``ppo_clip``, ``kl_to_reference``; of ``tplogp.losses`` only ``entropy_bonus`` reads it): the forward's stats
+    kernel then skips the entropy's running sum, and the callable gets ``entropy=None`` (one that uses it fails
+    there with Python's error on None). The other arguments are those of :func:`linear_logp`, with the same
     handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the leaves in their dtypes)
     and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
     plain tensor (the loss is a scalar of this rank's tokens). Returns a 0-d fp32 tensor whose backward scales the
@@ -257,7 +262,7 @@ def linear_logp_loss(
                               per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
                               vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
                               temperature=temperature, ignore_index=ignore_index, deterministic=deterministic,
-                              workspace_bytes=workspace_bytes)
+                              workspace_bytes=workspace_bytes, with_entropy=with_entropy)
 
     if is_dtensor(hidden):
         raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "

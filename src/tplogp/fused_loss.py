@@ -12,30 +12,35 @@ backward forms the probabilities from them instead of recomputing (3 GEMMs inste
 one chunk's terms are alive at a time. ONE all_reduce completes
 ``d_hidden``: issued by the last chunk's backward as soon as its ``d_hidden`` rows are done (``d_hidden_ready``),
 so that it runs under that chunk's ``d_W`` work. The gradients are handed to autograd: the backward only scales
-them by the upstream scalar (fp32 ones before their one rounding). The per-token tensors are constants (no
-gradient flows to them).
+them by the upstream scalar, the fp32 product rounded once (one Triton pass on a GPU, in place when the graph is not
+retained and the dtype allows: :func:`_scaled`). The per-token tensors are constants (no gradient flows to them).
+``with_entropy=False``: the sources compute no entropy statistics and the loss callable gets ``entropy=None``.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Optional, Sequence
 
 import torch
 
 from .backends.base import ShardCall
 from .comm import OverlappedAllReduce
+from .kernels.tiles import interpreting
 from .losses import PerTokenLoss
 from .tensors import zero_rows
-from .tp import LogpOptions, _shard_forward, prepare_call
+from .tp import LogpOptions, _graph_retained, _shard_forward, prepare_call
 
 REDUCTIONS = ("sum", "mean")
 
 
 class _PrecomputedGrads(torch.autograd.Function):
-    """``loss`` as a function of (hidden, weight, bias) whose gradients were computed in the forward. Gradients
-    saved in fp32 (d_hidden; d_W and d_b summed over several chunks) are scaled by the upstream scalar in fp32 and
-    rounded once to the input's dtype; one already in the input's dtype (one chunk's d_W, d_b) is scaled in its
-    dtype (exact when the scalar is a power of two, as ``loss.backward()``'s 1)."""
+    """``loss`` as a function of (hidden, weight, bias) whose gradients were computed in the forward. The backward
+    scales each by the upstream scalar ``g``: the fp32 product, rounded once to the input's dtype
+    (:func:`_scaled`). When the graph is not retained the gradients leave with this backward: one already in the
+    input's dtype (one chunk's d_W and d_b, any fp32 one) is scaled in place and handed to autograd without a copy;
+    a retained graph's later backward finds them unscaled."""
 
     @staticmethod
     def forward(ctx, loss, grads, verdict, hidden, weight, bias):
@@ -46,32 +51,71 @@ class _PrecomputedGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError("linear_logp_loss: a second backward through a loss whose first backward did not "
+                               "retain the graph (its gradients were handed over then); pass retain_graph=True to "
+                               "the first backward to run another")
         verdict = ctx.verdict
-        if verdict is None:
-            return (None, None, None) + tuple(_scaled(t, g, dt) for t, dt in zip(ctx.grads, ctx.dtypes))
-        verdict.settle()  # a bad target raises here (every rank alike); under a capture its flag zeroes them
-        return (None, None, None) + tuple(verdict.mask(_scaled(t, g, dt)) for t, dt in zip(ctx.grads, ctx.dtypes))
+        if verdict is not None:
+            verdict.settle()  # a bad target raises here (every rank alike); under a capture its flag zeroes them
+        in_place = not _graph_retained()
+        if in_place:
+            ctx.grads = None  # no reference left here: AccumulateGrad adopts the scaled tensors instead of copying
+        scaled = tuple(_scaled(t, g, dt, in_place) for t, dt in zip(grads, ctx.dtypes))
+        del grads
+        if verdict is not None:
+            scaled = tuple(verdict.mask(t) for t in scaled)
+        return (None, None, None) + scaled
 
 
-# Elements per block when an fp32 gradient is scaled and rounded to a 16-bit dtype: the fp32 product is a transient
-# of this size, not of the gradient's (an fp32 [V_local, D] d_W would double its memory for a moment).
+# Elements per block when the CPU (or a dtype the kernel does not take) scales a gradient with torch ops: the fp32
+# product is a transient of this size, not of the gradient's (an fp32 [V_local, D] d_W would double its memory).
 _SCALE_BLOCK_ELEMENTS = 1 << 24
 
 
-def _scaled(t: Optional[torch.Tensor], g: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``(t * g)`` in ``t``'s dtype, rounded once to ``dtype``; in row blocks when that rounding changes the dtype."""
+def _scaled(t: Optional[torch.Tensor], g: torch.Tensor, dtype: torch.dtype, in_place: bool) -> Optional[torch.Tensor]:
+    """``round(t * g)``: the fp32 product of ``t`` and the upstream scalar ``g``, rounded once to ``dtype`` (with
+    ``g == 1``: ``t`` rounded once; bitwise ``t`` when it is in ``dtype``). ``in_place``: written over ``t`` when
+    ``t`` is a contiguous ``dtype`` tensor, else into a new tensor of ``dtype``.
+
+    On a GPU (and on the CPU under Triton's interpreter) one pass of :mod:`tplogp.kernels.scale_kernels` reads
+    ``g`` from its device pointer; elsewhere torch ops in flat blocks of ``_SCALE_BLOCK_ELEMENTS``. A ``g`` that
+    requires a gradient (``create_graph=True``) gets differentiable torch ops."""
     if t is None:
         return None
-    g = g.to(t.dtype)
-    if t.dtype == dtype or t.dim() == 0:
-        return (t * g).to(dtype)
-    if t.numel() <= _SCALE_BLOCK_ELEMENTS:  # one kernel: the product in t's dtype, rounded once as it is stored
-        return torch.mul(t, g, out=torch.empty(t.shape, device=t.device, dtype=dtype))
-    out = torch.empty(t.shape, device=t.device, dtype=dtype)
-    rows = max(1, _SCALE_BLOCK_ELEMENTS // max(1, t[0].numel()))
-    for r0 in range(0, t.shape[0], rows):
-        out[r0:r0 + rows] = t[r0:r0 + rows] * g
+    if g.requires_grad and torch.is_grad_enabled():
+        return (t.to(torch.float32) * g.to(torch.float32)).to(dtype)
+    g = g.detach().to(device=t.device, dtype=torch.float32)
+    out = t if in_place and t.dtype == dtype and t.is_contiguous() else torch.empty(t.shape, device=t.device,
+                                                                                      dtype=dtype)
+    if t.numel() == 0:
+        return out
+    if _scale_kernel_runs(t, dtype):
+        from .kernels.scale_launch import scale_round
+
+        return scale_round(t.contiguous(), g, out)
+    if t.dtype == torch.float32 and dtype == torch.float32:  # the product in fp32 is the result: one op, no blocks
+        return t.mul_(g) if out is t else torch.mul(t, g, out=out)
+    src, dst = t.reshape(-1), out.view(-1)
+    for i0 in range(0, src.numel(), _SCALE_BLOCK_ELEMENTS):
+        dst[i0:i0 + _SCALE_BLOCK_ELEMENTS] = src[i0:i0 + _SCALE_BLOCK_ELEMENTS].to(torch.float32) * g
     return out
+
+
+def _scale_kernel_runs(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`_scaled` runs the Triton kernel: a CUDA tensor, or a CPU one under Triton's interpreter, of
+    the dtypes the kernel takes, with Triton installed."""
+    on = t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+    return on and t.dtype in _KERNEL_DTYPES and dtype in _KERNEL_DTYPES and _triton_installed()
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 # On a GPU, chunks under this many tokens under-fill the kernels' token tiles (128-256 rows): one chunk that keeps
@@ -135,11 +179,13 @@ def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
 def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool, bool, bool], *,
                     loss: PerTokenLoss, per_token: Sequence[torch.Tensor], reduction: str, tp_group,
                     vocab_start_index: int, global_vocab_size: Optional[int], temperature: float,
-                    ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int]):
-    """``needs``: the gradients to compute (d_hidden, d_W, d_b); none of them: the loss value alone."""
+                    ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int],
+                    with_entropy: bool = True):
+    """``needs``: the gradients to compute (d_hidden, d_W, d_b); none of them: the loss value alone.
+    ``with_entropy=False``: no source computes the entropy statistics; the loss callable gets ``entropy=None``."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    options = LogpOptions(temperature=temperature, return_entropy=True, ignore_index=ignore_index,
+    options = LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                           deterministic=deterministic, workspace_bytes=workspace_bytes)
     # the d_hidden all-reduce runs iff needs[0]: the group check makes every rank agree on it (no hang)
     prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
@@ -187,18 +233,21 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(h_c, w, b, lt_c, tpc)
         skip = None if ignored is None else ignored[t0:t1]
         if skip is not None:  # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
-            logp, entropy = zero_rows(skip, logp), zero_rows(skip, entropy)
+            logp = zero_rows(skip, logp)
+            entropy = None if entropy is None else zero_rows(skip, entropy)
         if not differentiate:
             per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
             part = per_tok.sum() if count is None else per_tok.sum() / count
             total = part if total is None else total + part
             continue
         logp = logp.detach().requires_grad_()
-        entropy = entropy.detach().requires_grad_()
+        entropy = None if entropy is None else entropy.detach().requires_grad_()
         with torch.enable_grad():
             per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
             chunk_loss = per_tok.sum() if count is None else per_tok.sum() / count
-            g_logp, g_ent = torch.autograd.grad(chunk_loss, [logp, entropy], allow_unused=True)
+            inputs = [logp] if entropy is None else [logp, entropy]
+            g_logp, *g_rest = torch.autograd.grad(chunk_loss, inputs, allow_unused=True)
+        g_ent = g_rest[0] if g_rest else None
         total = chunk_loss.detach() if total is None else total + chunk_loss.detach()
         if g_logp is None:
             g_logp = torch.zeros_like(logp)

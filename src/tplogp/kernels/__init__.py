@@ -12,6 +12,8 @@ shapes only). Modules, lowest layer first (each imports only the ones above it i
 * :mod:`.generic_kernels`  pointer-based kernels: forward statistics per vocab split, the split merge, the one-shard
                            finalize, the d_logits recompute, the deterministic ``d_hidden`` GEMM.
 * :mod:`.hopper_kernels`   the forward-statistics and d_logits kernels with TMA tensor-descriptor loads (sm_90).
+* :mod:`.scale_kernels`    the fused loss's backward: a gradient times the upstream scalar, rounded once.
 * :mod:`.generic_launch`   input checks, buffers, launches and the cuBLAS steps (both sources).
 * :mod:`.hopper_launch`    tensor descriptors and the TMA kernels' launches (the sm90 source's hooks).
+* :mod:`.scale_launch`     the scaling kernel's checks and launch.
 """
