@@ -701,7 +701,7 @@ def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, t
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check("", target_ids, total, ignore_index))
         else:  # read by this call's backward, else a later call (no host sync now); NaN logp meanwhile
-            if plan.kernel_target_check:  # (ignored rows are compacted away outside a capture: all are checked)
+            if plan.kernel_target_check and ignore_index is None:  # (the kernel cannot tell ignored rows apart)
                 pending = in_kernel = start_kernel_target_check(device, total, ignore_index)
             else:
                 pending = defer_target_range_check(target_ids, total, ignore_index)

@@ -57,14 +57,15 @@ class _PrecomputedGrads(torch.autograd.Function):
                                "retain the graph (its gradients were handed over then); pass retain_graph=True to "
                                "the first backward to run another")
         verdict = ctx.verdict
-        if verdict is not None:
-            verdict.settle()  # a bad target raises here (every rank alike); under a capture its flag zeroes them
         in_place = not _graph_retained()
         if in_place:
             ctx.grads = None  # no reference left here: AccumulateGrad adopts the scaled tensors instead of copying
         scaled = tuple(_scaled(t, g, dt, in_place) for t, dt in zip(grads, ctx.dtypes))
         del grads
         if verdict is not None:
+            # a bad target raises here, before any gradient is handed over (every rank alike), after the scaling's
+            # launches: a wait for the verdict leaves them queued; under a capture its flag zeroes the gradients
+            verdict.settle()
             scaled = tuple(verdict.mask(t) for t in scaled)
         return (None, None, None) + scaled
 

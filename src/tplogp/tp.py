@@ -193,7 +193,8 @@ class _LinearLogpFunction(torch.autograd.Function):
         hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = ctx.saved_tensors
         tpc: _TPContext = ctx.tpc
         verdict = tpc.verdict
-        if verdict is not None:  # a bad target raises here, before any gradient (every rank alike)
+        settle_first = verdict is not None and tpc.world_size > 1
+        if settle_first:  # a bad target raises here, before the d_hidden all-reduce (every rank alike)
             verdict.settle()
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if g_logp is None:  # only entropy or lse feeds the loss
@@ -209,6 +210,10 @@ class _LinearLogpFunction(torch.autograd.Function):
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
                                      mean_rel if g_ent is not None else None, call, needs,
                                      d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
+        if verdict is not None and not settle_first:
+            # one shard: after the launches (a wait for the forward's verdict leaves the backward's kernels queued),
+            # before any gradient is handed to autograd; the gradients computed are dropped when it raises
+            verdict.settle()
         d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
         if d_hidden is not None:
             if d_hidden.dtype != hidden.dtype:

@@ -1,6 +1,7 @@
 """On a CUDA GPU: with the default checks a call without a TP group (forward + backward) makes no synchronizing
-CUDA call (``torch.cuda.set_sync_debug_mode("error")`` turns any into an error), and a bad target still raises at
-the next call. Skipped without CUDA."""
+CUDA call (``torch.cuda.set_sync_debug_mode("error")`` turns any into an error), and a bad target still raises: in
+the same call's backward, at ``check_errors``, or at a later call once the device has delivered the verdict.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -46,7 +47,42 @@ def test_default_checks_make_no_synchronizing_call(source, monkeypatch):
     bad = t.clone()
     bad[7] = v
     out = op(h.detach(), w.detach(), bad)
+    torch.cuda.synchronize()  # the verdict delivered: the next call's start judges it (it never waits for it)
     with pytest.raises(LinearLogpInputError, match=rf"target id {v} is outside the vocabulary"):
         op(h.detach(), w.detach(), t)
     assert torch.isnan(out[7]) and torch.isfinite(out[:7]).all()
     check_errors()
+
+
+@pytest.mark.parametrize("source", ["native", "triton", "sm90"])
+@pytest.mark.parametrize("bad_id", [-3, 1000, 1 << 40])
+def test_bad_target_raises_in_the_same_calls_backward_and_leaves_the_model_unchanged(source, bad_id, monkeypatch):
+    """The default checks (the triton / sm90 finishing kernel writes the verdict to pinned host memory; native's
+    summary is copied behind an event): the backward of the call with the bad target raises before any gradient
+    reaches the parameters, naming the id; a no-grad call's verdict reaches ``check_errors``."""
+    monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
+    op = _op(source)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    n, d, v = 300, 64, 1000
+    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    w = (torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=gen) / 8).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    op(h, w, t).sum().backward()  # a good step first: compiled, planned
+    check_errors()
+    h.grad = w.grad = None
+    before = w.detach().clone()
+    bad = t.clone()
+    bad[n - 1] = bad_id
+    opt = torch.optim.SGD([w], lr=1.0)
+    loss = op(h, w, bad).sum()
+    with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary"):
+        loss.backward()
+    assert w.grad is None and h.grad is None
+    opt.step()
+    assert torch.equal(w.detach(), before)
+    check_errors()  # judged once, by the backward
+    with torch.no_grad():
+        op(h, w, bad)
+    with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary"):
+        check_errors()
+    op(h, w, t).sum().backward()  # the next good call runs
