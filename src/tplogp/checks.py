@@ -15,11 +15,14 @@ shared with ``all_gather_object`` (entered by all ranks, because all of them saw
 Modes (``TPLOGP_CHECKS``):
 
 * ``full`` (default): nothing is read from the device at the call. The targets' ``[checksum, lo, hi]`` summary is
-  computed on the device and copied to pinned host memory behind an event (:class:`PendingTargetCheck`). Its
-  verdict reaches the user at the first of: the **backward of the same call** (which waits on that event, normally
-  long passed, and raises before any gradient is written; with a group after one exchange over the group's CPU
-  companion, so every rank raises the same error), the next call (without a group: before its own work; with a
-  group: in its record exchange), or :func:`check_errors`. With a group the record holds host values only and is
+  computed on the device and copied to pinned host memory behind an event (:class:`PendingTargetCheck`); without a
+  group, on the triton / sm90 sources and without ``ignore_index``, the forward's finishing kernel writes a bad id
+  straight into a pinned host slot instead (:class:`KernelTargetCheck`: no launch or copy of its own). The verdict
+  reaches the user at the first of: the **backward of the same call** (which raises before any gradient is handed
+  to autograd: without a group after launching its kernels, so that a wait for the event leaves them queued; with
+  a group first, after one exchange over the group's CPU companion, so every rank raises the same error), a later
+  call (without a group: the first whose start finds the verdict delivered, never waiting for it; with a group:
+  the next call, in its record exchange), or :func:`check_errors`. With a group the record holds host values only and is
   exchanged over a CPU group (:func:`tplogp.comm.host_group`) on every call, which proves the token counts agree
   before the stats exchange; metadata errors surface at the call. A validated partition plus targets inside
   ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN at those tokens.
