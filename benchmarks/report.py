@@ -153,10 +153,14 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
     for (shape, dtype), sel in sorted(groups.items(), key=lambda kv: (_shape_key(kv[0][0]), kv[0][1])):
         sel = sorted(sel, key=lambda r: (r.get("error") is not None, r.get("fwd_bwd_gemms") or 1e9))
         out += [f"### {shape} (T x D x V), {dtype}", "", _run_line(sel) + _gemm_line(sel), ""]
+        if len({r.get("commit") for r in sel}) > 1:
+            out += ["Rows come from several runs (`run`: the tplogp commit of the row's run, each row the latest of "
+                    "its implementation and budget); GEMM-times compare across runs, each run's rows were measured "
+                    "beside their own GEMM.", ""]
         host = any(r.get("host_fwd_bwd_us") is not None for r in sel)  # (rows of older runs have no host column)
         out += ["| impl | budget | contract | fwd ms | fwd+bwd ms | fwd GEMMs | fwd+bwd GEMMs synced / b2b | "
-                + ("host µs fwd+bwd | " if host else "") + "extra GiB | err logp (loss) | err d_hidden | err d_W |",
-                "|---|---|---|---:|---:|---:|---:|" + ("---:|" if host else "") + "---:|---:|---:|---:|"]
+                + ("host µs fwd+bwd | " if host else "") + "extra GiB | err logp (loss) | err d_hidden | err d_W | run |",
+                "|---|---|---|---:|---:|---:|---:|" + ("---:|" if host else "") + "---:|---:|---:|---:|---|"]
         missing = []
         for r in sel:
             if "error" in r or r.get("fwd_ms") is None:
@@ -170,7 +174,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
                 + (f"{_num(r.get('host_fwd_bwd_us'), '.0f')} | " if host else "")
                 + f"{_num(r.get('extra_peak_gib'), '.3f')} | {err_out} | "
                 f"{_err(r, 'err_d_hidden')} | "
-                f"{_err(r, 'err_d_weight')} |")
+                f"{_err(r, 'err_d_weight')} | `{r.get('commit')}` |")
         out.append("")
         if missing:
             out += ["Not measured here:", ""] + missing + [""]
