@@ -251,8 +251,9 @@ def _grpo_inputs(ids, mask, prompt_len, logits_to_keep, seed=7):
     return advantages, completion
 
 
-@pytest.mark.parametrize("family,logits_to_keep", [("llama", 0), ("phi", 5)])
-def test_grpo_loss_matches_the_logits_path(family, logits_to_keep):
+@pytest.mark.parametrize("family,logits_to_keep,with_entropy", [("llama", 0, True), ("phi", 5, False)])
+def test_grpo_loss_matches_the_logits_path(family, logits_to_keep, with_entropy):
+    """PPO clipping reads no entropy: with ``with_entropy=False`` the forward skips its statistics, same values."""
     model = _model(family)
     ids, mask = _batch("right")
     advantages, completion = _grpo_inputs(ids, mask, prompt_len=3, logits_to_keep=logits_to_keep)
@@ -263,7 +264,7 @@ def test_grpo_loss_matches_the_logits_path(family, logits_to_keep):
 
     def ours(m, *args, **kwargs):
         return causal_lm_loss(m, *args, loss=clip, per_token=(advantages, old_logp), loss_mask=completion,
-                              reduction="mean", **kwargs)
+                              reduction="mean", with_entropy=with_entropy, **kwargs)
 
     def reference(m, *args, **kwargs):
         logp = logits_path(m, *args, **kwargs)

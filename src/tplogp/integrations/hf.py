@@ -309,6 +309,7 @@ def causal_lm_loss(
     logits_to_keep: int = 0,
     temperature: float = 1.0,
     workspace_bytes: Optional[int] = None,
+    with_entropy: bool = True,
     **model_kwargs,
 ) -> torch.Tensor:
     """A per-token RL loss of a Hugging Face causal LM's token log-probs, reduced to a scalar, without its logits.
@@ -325,6 +326,9 @@ def causal_lm_loss(
         loss_mask: ``[B, S-1]`` (or ``[B, logits_to_keep]``), nonzero where a position counts (the completion
             tokens); the others add nothing, count nothing in ``"mean"`` and cost no GEMM work. None: all count.
         reduction: ``"sum"`` or ``"mean"`` (over the positions that count).
+        with_entropy: as in :func:`tplogp.linear_logp_loss`: False when ``loss`` does not read the entropy (policy
+            gradient, PPO / GRPO clipping, KL): it then gets ``entropy=None`` and the forward skips the entropy
+            statistics.
         model, input_ids, attention_mask, logits_to_keep, temperature, workspace_bytes, model_kwargs: as in
             :func:`causal_lm_logprobs`.
 
@@ -344,7 +348,7 @@ def causal_lm_loss(
         if not is_dtensor(hidden):
             return linear_logp_loss(hidden, head.weight, targets.to(hidden.device), head.bias, loss=loss,
                                     per_token=per_token, reduction=reduction, temperature=t_eff,
-                                    ignore_index=ignore, workspace_bytes=workspace_bytes)
+                                    ignore_index=ignore, workspace_bytes=workspace_bytes, with_entropy=with_entropy)
         # a tensor-parallel plan's input hook made hidden a DTensor replicated over the head's mesh: the loss is
         # computed from the local copy and handed back as a replicated DTensor (what the output hook expects)
         from torch.distributed.tensor import DTensor, Replicate
@@ -354,7 +358,7 @@ def causal_lm_loss(
                                         f"Replicate() (ColwiseParallel's default input layout)")
         value = linear_logp_loss(hidden.to_local(), head.weight, targets.to(hidden.device), head.bias, loss=loss,
                                  per_token=per_token, reduction=reduction, temperature=t_eff, ignore_index=ignore,
-                                 workspace_bytes=workspace_bytes)
+                                 workspace_bytes=workspace_bytes, with_entropy=with_entropy)
         return DTensor.from_local(value, hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim,
                                   run_check=False)
 
