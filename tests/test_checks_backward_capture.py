@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 
+from tests.test_triton_kernels import pytestmark as triton_interpreter  # the interpreter tests' skip condition
 from tplogp import LinearLogpInputError, check_errors, checks, get_op, linear_logp_loss
 
 V, D = 20, 8
@@ -211,3 +212,52 @@ def test_compiled_backward_raises_a_bad_target_before_any_gradient(monkeypatch):
     check_errors()
     fn(hidden.clone().requires_grad_(), head.weight, GOOD, head.bias).backward()
     assert torch.isfinite(head.weight.grad).all()
+
+
+@triton_interpreter
+def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypatch):
+    """The triton source's finishing kernel writes the target verdict into a host slot (tplogp.checks
+    KernelTargetCheck); slots are reused round-robin. A call whose backward runs after its slot was reused (many
+    forwards accumulated before one backward) still gets its own verdict; the bad call that reused the slot is
+    raised by check_errors, once."""
+    monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
+    check_errors()
+    head, hidden = _model(3)
+    op = get_op("linear_logp", source="triton")
+    h = hidden.clone().requires_grad_()
+    first = op(h, head.weight, GOOD, head.bias)  # good; its backward runs last
+    with torch.no_grad():
+        for _ in range(checks._FlagSlots.SIZE - 1):
+            op(hidden, head.weight, GOOD, head.bias)
+        bad = op(hidden, head.weight, BAD, head.bias)  # takes the first call's slot, writes 25 into it
+    assert torch.isnan(bad[2]) and torch.isfinite(bad[[0, 1, 3, 4, 5]]).all()
+    (-first.sum()).backward()  # the first call's own verdict: good
+    assert h.grad is not None and torch.isfinite(h.grad).all()
+    with pytest.raises(LinearLogpInputError, match=r"target id 25 is outside the vocabulary \[0, 20\)"):
+        check_errors()
+    check_errors()
+
+
+@triton_interpreter
+@pytest.mark.parametrize("bad_id", [-4, 25])
+def test_kernel_target_check_raises_in_the_backward_and_in_a_later_forward(bad_id, monkeypatch):
+    """With the verdict in the triton source's kernel: a bad target raises in the same call's backward with nothing
+    handed to the parameters; a no-grad call's bad target raises at a later call's start (here: the next, the CPU
+    kernel being done at once)."""
+    monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
+    check_errors()
+    head, hidden = _model(4)
+    op = get_op("linear_logp", source="triton")
+    targets = BAD.clone()
+    targets[2] = bad_id
+    h = hidden.clone().requires_grad_()
+    logp = op(h, head.weight, targets, head.bias)
+    with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary \[0, 20\) "
+                                                   r"\[found by the backward"):
+        (-logp.sum()).backward()
+    assert h.grad is None and all(p.grad is None for p in head.parameters())
+    with torch.no_grad():
+        op(hidden, head.weight, targets, head.bias)
+        with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary"):
+            op(hidden, head.weight, GOOD, head.bias)
+    check_errors()

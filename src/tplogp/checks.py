@@ -392,11 +392,12 @@ class KernelTargetCheck:
     ``[0, vocab)``, if there is one, straight into a pinned host slot (:class:`_FlagSlots`); an event recorded after
     the kernel says when the slot holds the verdict."""
 
-    __slots__ = ("flag", "index", "slots", "ready", "vocab_size", "ignore_index")
+    __slots__ = ("flag", "index", "slots", "ready", "vocab_size", "ignore_index", "bad")
 
     def __init__(self, slots: "_FlagSlots", vocab_size: int, ignore_index: Optional[int]) -> None:
         self.slots, self.vocab_size, self.ignore_index = slots, vocab_size, ignore_index
         self.ready: Optional[torch.cuda.Event] = None
+        self.bad: Optional[int] = None  # the slot's value, once read (a slot is reused only after that)
         self.index, self.flag = slots.take(self)
 
     def launched(self) -> None:
@@ -410,11 +411,17 @@ class KernelTargetCheck:
         """Whether the verdict can be read without waiting for the device."""
         return self.ready is None or self.ready.query()
 
+    def read(self) -> int:
+        """The slot's value (waits only if the device has not finished the kernel yet), kept once read."""
+        if self.bad is None:
+            if self.ready is not None and not self.ready.query():
+                self.ready.synchronize()
+            self.bad = int(self.slots.values[self.index])
+        return self.bad
+
     def problem(self) -> Optional[str]:
         """The verdict (waits only if the device has not finished the kernel yet)."""
-        if self.ready is not None and not self.ready.query():
-            self.ready.synchronize()
-        bad = int(self.slots.values[self.index])
+        bad = self.read()
         if bad == 0:
             return None
         return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {self.vocab_size})"
@@ -423,8 +430,9 @@ class KernelTargetCheck:
 
 class _FlagSlots:
     """Host int64 slots for the verdicts of :class:`KernelTargetCheck` (pinned where the device is a GPU, whose
-    kernels then write them directly), taken round-robin; a slot is reused only once its last check's kernel is
-    done (a wait only when ``SIZE`` checks are in flight)."""
+    kernels then write them directly), taken round-robin; a slot is reused only once its last check has read it
+    (waiting for that check's kernel only when ``SIZE`` checks are in flight), so a verdict read later, e.g. by the
+    backward of one of many accumulated forwards, is still that call's."""
 
     SIZE = 64
 
@@ -439,8 +447,8 @@ class _FlagSlots:
         i = self.next
         self.next = (i + 1) % self.SIZE
         previous = self.owners[i]
-        if previous is not None and previous.ready is not None and not previous.ready.query():
-            previous.ready.synchronize()
+        if previous is not None:
+            previous.read()  # its verdict kept with it (a wait only when SIZE checks are in flight)
         self.owners[i] = check
         self.values[i] = 0
         return i, self.slots[i:i + 1]
