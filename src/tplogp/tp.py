@@ -15,8 +15,10 @@ Forward, per call:
      a token whose owner count is not 1 gets NaN (possible only when the target check is skipped,
      ``TPLOGP_CHECKS=fast``, or deferred, ``full``: :mod:`tplogp.checks`).
 Before any of this, :func:`prepare_call` takes the layout's plan (:mod:`tplogp.plan`: computed at the layout's first
-call) and runs the call's checks (:func:`tplogp.checks.check_call`); the backward settles the call's target verdict
-(``_TPContext.verdict``) before it writes any gradient.
+call) and runs the call's checks (:func:`tplogp.checks.check_call`; one shard on the triton / sm90 sources: the
+finishing kernel checks the targets, ``_TPContext.target_check``); the backward settles the call's target verdict
+(``_TPContext.verdict``) before it hands any gradient to autograd: with a group first, before the ``d_hidden``
+all-reduce; with one shard after launching its kernels, so that a wait for the verdict leaves them queued.
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
 partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
 before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async
