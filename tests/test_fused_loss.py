@@ -171,6 +171,7 @@ def test_without_entropy_gives_the_same_loss_and_gradients(monkeypatch, source, 
         return out
 
     monkeypatch.setattr(fused_loss, "_shard_forward", spying)
+    monkeypatch.setattr(fused_loss, "one_pass", lambda *args: False)  # the chunk loop also for the one chunk
     chunks_of_8 = tplogp.loss_chunk_budget(8, 8, 157, dtype=torch.bfloat16,
                                            bias_dtype=torch.bfloat16 if bias else None, source=source, device=CPU)
     for ws, chunks in ((None, 1), (chunks_of_8, 6)):
@@ -447,3 +448,49 @@ def test_dtensor_weight(tp):
         if "pass hidden.to_local()" not in str(exc):
             problems.append(str(exc))
     tp.assert_all(not problems, f"rank {tp.rank}: {problems}")
+
+
+@pytest.mark.parametrize("source", cpu_sources())
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("ignore", [None, "some", "all"])
+def test_one_pass_matches_the_chunk_loop(monkeypatch, source, reduction, ignore):
+    """A call that keeps nothing on one shard runs as one autograd pass (``linear_logp``'s Function under the loss
+    callable): the loss and every gradient equal the chunk loop's (which computes them in the forward) within the
+    table's fp32 eps, with per-token tensors, entropy, ignored rows (some, or all: a zero loss and zero gradients)
+    and both reductions; and it takes that path (no ``_PrecomputedGrads`` node)."""
+    from tplogp import fused_loss
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = make_problem((37,), 8, 53, torch.float32, True, seed=31)
+    extra = _per_token(p, 3)
+    targets = p.target.clone()
+    if ignore == "some":
+        targets[::4] = IGNORE
+    elif ignore == "all":
+        targets[:] = IGNORE
+
+    def run():
+        h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+        value = tplogp.linear_logp_loss(h, w, targets, b, loss=_loss_fn, per_token=extra, reduction=reduction,
+                                        ignore_index=IGNORE, temperature=0.9, source=source)
+        node = type(value.grad_fn).__name__
+        value.backward()
+        return node, (value.detach(), h.grad, w.grad, b.grad)
+
+    node, ours = run()
+    assert node != "_PrecomputedGradsBackward", node
+    monkeypatch.setattr(fused_loss, "one_pass", lambda *args: False)
+    node, chunked = run()
+    assert node == "_PrecomputedGradsBackward", node
+    _compare(ours, chunked, f"{source} {reduction} {ignore}")
+    if ignore == "all":
+        assert all(torch.count_nonzero(t) == 0 for t in ours)
+
+
+def test_one_pass_is_taken_only_where_it_keeps_nothing_on_one_shard():
+    from tplogp import fused_loss
+    from tplogp.backends.native import NativeBackend
+
+    be, h = NativeBackend(), torch.zeros(4, 8)
+    assert fused_loss.one_pass(be, h, None, None)
+    assert not fused_loss.one_pass(be, h, None, tplogp.keep_logits_budget(4, 16, source="native", device=CPU))

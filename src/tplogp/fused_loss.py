@@ -30,7 +30,8 @@ from .comm import OverlappedAllReduce
 from .kernels.tiles import interpreting
 from .losses import PerTokenLoss
 from .tensors import zero_rows
-from .tp import LogpOptions, _graph_retained, _shard_forward, prepare_call
+from . import checks
+from .tp import LogpOptions, _graph_retained, _LinearLogpFunction, _shard_forward, prepare_call
 
 REDUCTIONS = ("sum", "mean")
 
@@ -167,14 +168,71 @@ def plan_chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int
 
 def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
     """See :func:`tplogp.linear_logp_loss`. The chunk loop runs without autograd (only the loss callable runs
-    under it); the result carries the gradients through ``_PrecomputedGrads``."""
+    under it); the result carries the gradients through ``_PrecomputedGrads``. A call that keeps nothing on one
+    shard runs as one autograd pass instead (:func:`one_pass`)."""
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
+    if any(needs) and one_pass(backend, hidden, kw["tp_group"], kw["workspace_bytes"]):
+        return _one_pass_loss(backend, hidden, weight, target_ids, bias, **kw)
     with torch.no_grad():
         total, grads, verdict = _loss_and_grads(backend, hidden, weight, target_ids, bias, needs, **kw)
     if not any(needs):
         return total
     return _PrecomputedGrads.apply(total, grads, verdict, hidden, weight, bias)
+
+
+def one_pass(backend, hidden, tp_group, workspace_bytes: Optional[int]) -> bool:
+    """Whether a differentiated call runs as one autograd pass (:func:`_one_pass_loss`): one shard (no group, or a
+    group of one), a budget that keeps nothing (so one chunk, whose backward recomputes the logits either way), not
+    under a CUDA-graph capture (whose ignored rows stay in place). Computing the gradients in the forward buys
+    nothing then, and costs a second autograd engine run (the loss callable's) and the gradients held from forward
+    to backward: on an H200 at 4096x2048x8192 the call is host-bound, about 1.5 ms of host time against ~0.7."""
+    if not isinstance(hidden, torch.Tensor) or checks.is_capturing(hidden.device):
+        return False
+    if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+        return False
+    keep_bytes = getattr(backend, "keep_bytes", None)
+    return keep_bytes is None or keep_bytes(workspace_bytes, hidden.device) <= 0
+
+
+def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenLoss,
+                   per_token: Sequence[torch.Tensor], reduction: str, tp_group, vocab_start_index: int,
+                   global_vocab_size: Optional[int], temperature: float, ignore_index: Optional[int],
+                   deterministic: bool, workspace_bytes: Optional[int], with_entropy: bool = True) -> torch.Tensor:
+    """The loss as ``linear_logp``'s autograd Function under the loss callable: the same checks, row compaction
+    and per-token tensors as the chunked path, one chunk; the backward is ``linear_logp``'s (which settles the
+    call's target verdict before handing over any gradient)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    options = LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
+                          deterministic=deterministic, workspace_bytes=workspace_bytes)
+    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                        options, builds_graph=True)
+    extra = _per_token_rows(per_token, target_ids.numel(), prep.hidden.device, prep.keep_idx)
+    tpc = prep.tpc
+    tpc.call = prep.plan.call_for_backward
+    logp, entropy, _ = _LinearLogpFunction.apply(prep.hidden, prep.weight, prep.bias, prep.local_target, tpc)
+    ignored = prep.ignored  # rows kept in place (the compaction off): out of the loss, as in the chunked path
+    if ignored is not None:
+        logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
+    total = zero_rows(ignored, loss(logp, entropy, *extra)).sum()
+    if reduction == "sum":
+        return total
+    return total / (float(max(prep.hidden.shape[0], 1)) if ignored is None
+                    else (~ignored).sum().clamp_min(1).to(torch.float32))
+
+
+def _per_token_rows(per_token: Sequence[torch.Tensor], n_all: int, device: torch.device,
+                    keep_idx: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """The per-token tensors as fp32 constants of the call's rows (those ``keep_idx`` kept, when compacted)."""
+    extra = []
+    for i, t in enumerate(per_token):
+        if not isinstance(t, torch.Tensor) or t.numel() != n_all:
+            raise ValueError(f"per_token[{i}] must be a tensor with target_ids' {n_all} elements, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        t = t.detach().reshape(-1).to(device=device, dtype=torch.float32)
+        extra.append(t if keep_idx is None else t.index_select(0, keep_idx))
+    return extra
 
 
 def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool, bool, bool], *,
@@ -194,13 +252,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     h2, w, b, local_target, keep_idx, tpc, vocab = prep[:7]
     ignored = prep.ignored  # ignored rows kept in place (CUDA-graph capture): masked out of the loss
     n_all = target_ids.numel()
-    extra = []
-    for i, t in enumerate(per_token):
-        if not isinstance(t, torch.Tensor) or t.numel() != n_all:
-            raise ValueError(f"per_token[{i}] must be a tensor with target_ids' {n_all} elements, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        t = t.detach().reshape(-1).to(device=h2.device, dtype=torch.float32)
-        extra.append(t if keep_idx is None else t.index_select(0, keep_idx))
+    extra = _per_token_rows(per_token, n_all, h2.device, keep_idx)
     n, d = h2.shape
     differentiate = any(needs)
     # from what requires a gradient, not from grad mode: a call without gradients sums the same chunks
