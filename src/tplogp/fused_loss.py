@@ -15,6 +15,9 @@ so that it runs under that chunk's ``d_W`` work. The gradients are handed to aut
 them by the upstream scalar, the fp32 product rounded once (one Triton pass on a GPU, in place when the graph is not
 retained and the dtype allows: :func:`_scaled`). The per-token tensors are constants (no gradient flows to them).
 ``with_entropy=False``: the sources compute no entropy statistics and the loss callable gets ``entropy=None``.
+
+On one shard with a budget that keeps nothing, the chunk loop buys nothing (one chunk, recomputed either way): such
+a call runs as one autograd pass instead, ``linear_logp``'s Function under the loss callable (:func:`one_pass`).
 """
 
 from __future__ import annotations
