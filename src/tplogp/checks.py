@@ -392,10 +392,10 @@ class KernelTargetCheck:
     ``[0, vocab)``, if there is one, straight into a pinned host slot (:class:`_FlagSlots`); an event recorded after
     the kernel says when the slot holds the verdict."""
 
-    __slots__ = ("flag", "index", "slots", "ready", "vocab_size", "ignore_index", "bad")
+    __slots__ = ("flag", "index", "slots", "ready", "vocab_size", "bad")
 
-    def __init__(self, slots: "_FlagSlots", vocab_size: int, ignore_index: Optional[int]) -> None:
-        self.slots, self.vocab_size, self.ignore_index = slots, vocab_size, ignore_index
+    def __init__(self, slots: "_FlagSlots", vocab_size: int) -> None:
+        self.slots, self.vocab_size = slots, vocab_size
         self.ready: Optional[torch.cuda.Event] = None
         self.bad: Optional[int] = None  # the slot's value, once read (a slot is reused only after that)
         self.index, self.flag = slots.take(self)
@@ -420,12 +420,10 @@ class KernelTargetCheck:
         return self.bad
 
     def problem(self) -> Optional[str]:
-        """The verdict (waits only if the device has not finished the kernel yet)."""
+        """The verdict (waits only if the device has not finished the kernel yet): the slot's id as a one-id
+        summary (0, the slot's "none", lies inside every vocabulary)."""
         bad = self.read()
-        if bad == 0:
-            return None
-        return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {self.vocab_size})"
-                + ("" if self.ignore_index is None else f" (ignore_index={self.ignore_index})"))
+        return target_range_problem(TargetSummary(0, bad, bad), self.vocab_size, None)
 
 
 class _FlagSlots:
@@ -457,13 +455,13 @@ class _FlagSlots:
 _flag_slots: dict = {}
 
 
-def start_kernel_target_check(device: torch.device, vocab_size: int,
-                              ignore_index: Optional[int]) -> KernelTargetCheck:
-    """A :class:`KernelTargetCheck` for a call on ``device`` without a group (the call's deferred verdict)."""
+def start_kernel_target_check(device: torch.device, vocab_size: int) -> KernelTargetCheck:
+    """A :class:`KernelTargetCheck` for a call on ``device`` without a group and without ``ignore_index`` (the
+    call's deferred verdict)."""
     slots = _flag_slots.get(device.type)
     if slots is None:
         slots = _flag_slots[device.type] = _FlagSlots(pinned=device.type == "cuda")
-    check = KernelTargetCheck(slots, vocab_size, ignore_index)
+    check = KernelTargetCheck(slots, vocab_size)
     _defer(check)
     return check
 
@@ -477,10 +475,16 @@ _MAX_UNJUDGED = 32
 def _defer(check) -> None:
     _unjudged.append(check)
     if len(_unjudged) > _MAX_UNJUDGED:
-        problem = _unjudged.pop(0).problem()
-        if problem is not None:
-            del _unjudged[:]  # one error per bad batch
-            raise LinearLogpInputError(problem + NO_GROUP_NOTE)
+        _judge_oldest()
+
+
+def _judge_oldest() -> None:
+    """Judge the oldest unjudged check (waiting for the device if needed); on an error the later calls' verdicts
+    go with it (one error per bad batch)."""
+    problem = _unjudged.pop(0).problem()
+    if problem is not None:
+        del _unjudged[:]
+        raise LinearLogpInputError(problem + NO_GROUP_NOTE)
 
 
 _pending_by_group: dict[str, PendingTargetCheck] = {}  # the last call with each group (by group name)
@@ -564,10 +568,7 @@ def raise_pending_errors(everything: bool = True) -> None:
     if problem is not None:
         raise LinearLogpInputError(problem)
     while _unjudged and (everything or _unjudged[0].done()):
-        problem = _unjudged.pop(0).problem()
-        if problem is not None:
-            del _unjudged[:]  # one error per bad batch: the later calls' verdicts go with it
-            raise LinearLogpInputError(problem + NO_GROUP_NOTE)
+        _judge_oldest()
 
 
 def _judge_group_summary(group, pending: Optional[PendingTargetCheck], note: str) -> None:
@@ -712,8 +713,8 @@ def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, t
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check("", target_ids, total, ignore_index))
         else:  # read by this call's backward, else a later call (no host sync now); NaN logp meanwhile
-            if plan.kernel_target_check and ignore_index is None:  # (the kernel cannot tell ignored rows apart)
-                pending = in_kernel = start_kernel_target_check(device, total, ignore_index)
+            if plan.kernel_target_check:
+                pending = in_kernel = start_kernel_target_check(device, total)
             else:
                 pending = defer_target_range_check(target_ids, total, ignore_index)
             verdict = BackwardVerdict(pending=pending) if builds_graph else None

@@ -33,7 +33,7 @@ from .comm import OverlappedAllReduce
 from .kernels.tiles import interpreting
 from .losses import PerTokenLoss
 from .tensors import zero_rows
-from .tp import LogpOptions, _graph_retained, _LinearLogpFunction, _shard_forward, prepare_call
+from .tp import LogpOptions, _graph_retained, _shard_forward, prepare_call, prepared_outputs
 
 REDUCTIONS = ("sum", "mean")
 
@@ -205,16 +205,11 @@ def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenL
     """The loss as ``linear_logp``'s autograd Function under the loss callable: the same checks, row compaction
     and per-token tensors as the chunked path, one chunk; the backward is ``linear_logp``'s (which settles the
     call's target verdict before handing over any gradient)."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    options = LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
-                          deterministic=deterministic, workspace_bytes=workspace_bytes)
+    options = _options(reduction, temperature, with_entropy, ignore_index, deterministic, workspace_bytes)
     prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, builds_graph=True)
     extra = _per_token_rows(per_token, target_ids.numel(), prep.hidden.device, prep.keep_idx)
-    tpc = prep.tpc
-    tpc.call = prep.plan.call_for_backward
-    logp, entropy, _ = _LinearLogpFunction.apply(prep.hidden, prep.weight, prep.bias, prep.local_target, tpc)
+    logp, entropy, _ = prepared_outputs(prep)
     ignored = prep.ignored  # rows kept in place (the compaction off): out of the loss, as in the chunked path
     if ignored is not None:
         logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
@@ -223,6 +218,15 @@ def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenL
         return total
     return total / (float(max(prep.hidden.shape[0], 1)) if ignored is None
                     else (~ignored).sum().clamp_min(1).to(torch.float32))
+
+
+def _options(reduction: str, temperature: float, with_entropy: bool, ignore_index: Optional[int],
+             deterministic: bool, workspace_bytes: Optional[int]) -> LogpOptions:
+    """The call's :class:`LogpOptions` (``return_entropy`` is ``with_entropy``), once ``reduction`` is checked."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
+                       deterministic=deterministic, workspace_bytes=workspace_bytes)
 
 
 def _per_token_rows(per_token: Sequence[torch.Tensor], n_all: int, device: torch.device,
@@ -245,10 +249,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
                     with_entropy: bool = True):
     """``needs``: the gradients to compute (d_hidden, d_W, d_b); none of them: the loss value alone.
     ``with_entropy=False``: no source computes the entropy statistics; the loss callable gets ``entropy=None``."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    options = LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
-                          deterministic=deterministic, workspace_bytes=workspace_bytes)
+    options = _options(reduction, temperature, with_entropy, ignore_index, deterministic, workspace_bytes)
     # the d_hidden all-reduce runs iff needs[0]: the group check makes every rank agree on it (no hang)
     prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, builds_graph=needs[0])

@@ -44,11 +44,12 @@ class LogpOptions:
     workspace_bytes: Optional[int] = None
 
 
-def shard_call(options: LogpOptions, for_backward: bool = False) -> ShardCall:
-    """What the sources get to know about a call's options."""
+def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False) -> ShardCall:
+    """What the sources get to know about a call's options. ``one_shard``: d_hidden is the call's whole gradient,
+    which a source may round to the input dtype in its GEMM (``ShardCall.d_hidden_in_input_dtype``)."""
     return ShardCall(inv_temperature=1.0 / float(options.temperature), with_entropy=options.return_entropy,
                      deterministic=options.deterministic, workspace_bytes=options.workspace_bytes,
-                     for_backward=for_backward)
+                     for_backward=for_backward, d_hidden_in_input_dtype=one_shard)
 
 
 @dataclass
@@ -64,17 +65,14 @@ class CallPlan:
     call: ShardCall  # for a forward whose results are not differentiated
     call_for_backward: ShardCall  # for a forward that may keep logits for its backward
     single: bool  # one shard and a backend with forward_single: it finishes logp / lse / entropy itself
-    # single, and the backend's finishing kernel checks the targets (tplogp.checks.KernelTargetCheck)
-    kernel_target_check: bool = False
+    # single, no ignore_index (the kernel cannot tell ignored rows apart), and the backend's finishing kernel checks
+    # the targets (tplogp.checks.KernelTargetCheck)
+    kernel_target_check: bool
     vocab_size: Optional[int] = None  # the global vocab, once a call of the layout has passed its checks
 
 
 _plans: dict[tuple, CallPlan] = {}
 _stats = {"built": 0}
-
-
-def _tensor_layout(t) -> tuple:
-    return (t.shape, t.dtype, t.device)
 
 
 def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
@@ -112,14 +110,14 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     comm_device = collective_device(tp_group, device) if world > 1 else torch.device("cpu")
-    call = shard_call(options) if problem is None else ShardCall()
-    # one shard: d_hidden is the whole gradient, which a source may round to the input dtype in its GEMM
-    call = ShardCall(**{**call.__dict__, "d_hidden_in_input_dtype": world == 1})
+    ok = problem is None
+    single = world == 1 and hasattr(backend, "forward_single")
     _stats["built"] += 1
-    plan = CallPlan(key if problem is None else None, backend, mode, world, comm_device, call,
-                    ShardCall(**{**call.__dict__, "for_backward": True}),
-                    world == 1 and hasattr(backend, "forward_single"))
-    plan.kernel_target_check = plan.single and getattr(backend, "checks_targets_in_kernel", False)
+    plan = CallPlan(key if ok else None, backend, mode, world, comm_device,
+                    shard_call(options, one_shard=world == 1) if ok else ShardCall(),
+                    shard_call(options, for_backward=True, one_shard=world == 1) if ok else ShardCall(),
+                    single, single and options.ignore_index is None and getattr(backend, "checks_targets_in_kernel",
+                                                                                 False))
     return plan, problem
 
 
@@ -144,4 +142,4 @@ def clear_plans() -> None:
 
 
 __all__ = ["CallPlan", "LogpOptions", "plan_call", "remember", "shard_call", "planned_layouts", "clear_plans",
-           "layout_key", "MAX_PLANS", "Any"]
+           "layout_key", "MAX_PLANS"]

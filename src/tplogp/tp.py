@@ -323,6 +323,17 @@ def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vo
     return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total, ignored, plan)
 
 
+def prepared_outputs(prep: PreparedCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(logp, entropy | None, lse)`` of a prepared call's rows (compacted ones absent): through the autograd
+    Function when something requires a gradient (the forward may then keep logits for the backward), else the bare
+    forward (scoring, rollouts: no autograd.Function machinery, host time)."""
+    h2, w, b, local_target, tpc = prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc
+    if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        tpc.call = prep.plan.call_for_backward
+        return _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
+    return _shard_forward(h2, w, b, local_target, tpc)[0]
+
+
 def linear_logp_tp(
     backend: ShardBackend,
     hidden: torch.Tensor,
@@ -344,13 +355,7 @@ def linear_logp_tp(
     out_shape = tuple(target_ids.shape)
     prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options)
-    h2, w, b, local_target, tpc = prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc
-    if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-        tpc.call = prep.plan.call_for_backward  # the forward may keep logits for the backward
-        logp, entropy, lse = _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
-    else:  # nothing to differentiate (scoring, rollouts): no autograd.Function machinery (host time)
-        (logp, entropy, lse), _ = _shard_forward(h2, w, b, local_target, tpc)
-
+    logp, entropy, lse = prepared_outputs(prep)
     if prep.keep_idx is not None or prep.ignored is not None:
         n_all = target_ids.numel()
         logp, lse = prep.finish_rows(logp, n_all), prep.finish_rows(lse, n_all)

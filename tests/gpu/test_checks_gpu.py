@@ -12,6 +12,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 from tests.gpu import cuda_backend  # noqa: E402
+from tests.problems import make_problem, problem_on  # noqa: E402
 from tplogp import LinearLogpInputError, check_errors, get_op  # noqa: E402
 
 
@@ -62,11 +63,9 @@ def test_bad_target_raises_in_the_same_calls_backward_and_leaves_the_model_uncha
     reaches the parameters, naming the id; a no-grad call's verdict reaches ``check_errors``."""
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
     op = _op(source)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    n, d, v = 300, 64, 1000
-    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    w = (torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=gen) / 8).requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    n, v = 300, 1000
+    p = problem_on(make_problem((n,), 64, v, torch.bfloat16, False, seed=1), "cuda")
+    h, w, t = p.hidden.requires_grad_(), p.weight.requires_grad_(), p.target
     op(h, w, t).sum().backward()  # a good step first: compiled, planned
     check_errors()
     h.grad = w.grad = None

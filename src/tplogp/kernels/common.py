@@ -324,8 +324,8 @@ def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e
     ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over ``[N, v_keep]`` with a ``[BLOCK_N, BLOCK_V]`` block;
     the tile is rounded (round-to-nearest-even, as :func:`store_rounded` on a GPU) and leaves through one TMA store,
     which clips rows past N and columns past ``v_keep`` itself. The per-element pointers and masks of the plain
-    stores take registers that the 128x256 accumulator tile does not leave: that variant spills (80 words per
-    thread on sm_90 under Triton 3.6) and its forward runs ~5-15% slower than without keeping."""
+    stores take registers that the 128x256 accumulator tile does not leave: that variant spills more than twice as
+    much (docs/kernels.md)."""
     tl.static_assert(256 % BLOCK_V == 0)
     if KEEP_TMA:
         if v0 < v_keep:

@@ -23,18 +23,20 @@ except ImportError:  # pragma: no cover - old Triton
     TensorDescriptor = None
 
 
+def _descriptor_legal(t) -> bool:
+    """A tensor descriptor over the 2-D ``t`` needs a 16-byte aligned base and row stride, and unit column stride."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 and t.stride(1) == 1
+
+
 def tma_ok(hidden, weight) -> bool:
-    """Tensor descriptors need 16-byte aligned bases and row strides."""
-    item = hidden.element_size()
-    return (hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-            and (hidden.stride(0) * item) % 16 == 0 and (weight.stride(0) * item) % 16 == 0)
+    """The TMA loads of hidden and weight are legal (:func:`_descriptor_legal`)."""
+    return _descriptor_legal(hidden) and _descriptor_legal(weight)
 
 
 def kept_tma_ok(values) -> bool:
-    """The kept terms ``[N, v_keep]`` can take the forward's TMA stores: 16-byte aligned base and row stride, unit
-    column stride (``v_keep`` a multiple of 8 for bf16 terms: every keep but a whole shard of odd width)."""
-    item = values.element_size()
-    return values.data_ptr() % 16 == 0 and (values.stride(0) * item) % 16 == 0 and values.stride(1) == 1
+    """The kept terms ``[N, v_keep]`` can take the forward's TMA stores (:func:`_descriptor_legal`: ``v_keep`` a
+    multiple of 8 for bf16 terms, i.e. every keep but a whole shard of odd width)."""
+    return _descriptor_legal(values)
 
 
 _THREAD = threading.local()
