@@ -17,8 +17,9 @@ HEADER = """# Performance
 not this file. -->
 
 Which implementation to pick for a shape and a memory budget: the tables and the Pareto plots below, one row and
-one point per implementation and `workspace_bytes` budget, all measured in the same run beside one cuBLAS GEMM.
-A budget means what `workspace_bytes` did at the commit on the table's "Measured" line.
+one point per implementation and `workspace_bytes` budget, each measured beside one cuBLAS GEMM of its own run.
+A table shows the latest row of each implementation and budget, so its rows may come from several runs (the `run`
+column); a budget means what `workspace_bytes` did at that row's commit.
 """
 
 METHOD = """## Method

@@ -187,9 +187,8 @@ def one_pass(backend, hidden, tp_group, workspace_bytes: Optional[int]) -> bool:
     """Whether a differentiated call runs as one autograd pass (:func:`_one_pass_loss`): one shard (no group, or a
     group of one) and a budget that keeps nothing (so one chunk, whose backward recomputes the logits either way).
     Computing the gradients in the forward buys nothing then, and costs a second autograd engine run (the loss
-    callable's), the gradients' scaling and the gradients held from forward to backward: what a host-bound call
-    pays most (on an H200 at 4096x2048x8192 the chunk loop took 1.3-1.6 ms of host time per call, ``linear_logp``
-    0.4-0.6). The same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
+    callable's), the gradients' scaling and the gradients held from forward to backward (host time: on an H200 at
+    4096x2048x8192 the chunk loop took 1.3-1.6 ms of host time per call, ``linear_logp`` 0.4-0.6). The same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
     if not isinstance(hidden, torch.Tensor):
         return False
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
