@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import fp32_gemm, settings
+from ..kernels.tiles import kept_dtype  # (torch only: no Triton import)
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 _MIB = 1 << 20
@@ -52,11 +53,6 @@ def split_workspace(workspace_bytes: Optional[int], device: torch.device) -> tup
     if budget is None:
         return tiles, 0
     return min(budget, tiles), max(0, budget - tiles)
-
-
-def kept_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the kept softmax terms for inputs of ``dtype``: bf16 for 16-bit inputs, fp32 for fp32 ones."""
-    return torch.float32 if dtype == torch.float32 else torch.bfloat16
 
 
 def kept_tile_words(rows: int, cols: int, itemsize: int) -> tuple[int, int]:

@@ -134,15 +134,10 @@ class TritonBackend:
                      workspace_bytes: Optional[int]) -> ShardLayout:
         transient, keep = tiles.split_budget(workspace_bytes)
         kept_dtype = tiles.kept_dtype(dtype)
-        block_v = self._keep_block_v(device, dtype)
+        cfg = self._known_cfg(device, dtype)
+        block_v = tiles._PLANNING_BLOCK_V if cfg is None else cfg.block_v
         cols = tiles.plan_keep(n, v, keep, kept_dtype.itemsize, block_v)
         values, scales = tiles.kept_words(n, cols, kept_dtype.itemsize, block_v) if cols else (0, 0)
-        cfg = None
-        if torch.device(device).type != "cuda" or torch.cuda.is_available():  # (as _keep_block_v: no probe else)
-            try:
-                cfg = self._cfg(device, dtype)
-            except Exception:  # planned without the device (kept_shape ahead of a call), or nothing fits
-                pass
         return ShardLayout(cfg, block_v, cols, values, scales, kept_dtype, transient)
 
     def _launch_layout(self, hidden, weight, workspace_bytes: Optional[int]) -> ShardLayout:
@@ -166,17 +161,21 @@ class TritonBackend:
         """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`)."""
         return tiles.split_budget(workspace_bytes)[1]
 
-    def _keep_block_v(self, device: torch.device, dtype: torch.dtype) -> int:
-        """The forward's tile width (one kept scale per row and tile): the config's where it can be known here (the
-        interpreter; a CUDA device that is present), else the narrowest a fitted GPU config runs (planning ahead
-        counts the most scales)."""
-        device = torch.device(device)
-        if device.type != "cuda" or torch.cuda.is_available():
+    def _known_cfg(self, device: torch.device, dtype: torch.dtype):
+        """The tile config where it can be known here (the interpreter; a CUDA device that is present), else None
+        (planned without the device, e.g. ``kept_shape`` ahead of a call, or nothing fits): no device probe then."""
+        if torch.device(device).type != "cuda" or torch.cuda.is_available():
             try:
-                return self._cfg(device, dtype).block_v
-            except Exception:  # no such device here, or nothing fits: plan with the narrowest tile
+                return self._cfg(torch.device(device), dtype)
+            except Exception:
                 pass
-        return tiles._PLANNING_BLOCK_V
+        return None
+
+    def _keep_block_v(self, device: torch.device, dtype: torch.dtype) -> int:
+        """The forward's tile width (one kept scale per row and tile): the config's where it is known
+        (:meth:`_known_cfg`), else the narrowest a fitted GPU config runs (planning ahead counts the most scales)."""
+        cfg = self._known_cfg(device, dtype)
+        return tiles._PLANNING_BLOCK_V if cfg is None else cfg.block_v
 
     def kept_bytes(self, n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
         """Bytes the forward keeps for the backward to skip the recompute of ``v`` columns of ``n`` tokens: the
