@@ -81,14 +81,13 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
     if not torch.compiler.is_compiling():  # eager: the same bodies without the op's dispatch (host time)
         device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
         backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
-        if not torch.is_autocast_enabled(device.type) or not _fits_op_schema(
-                hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options):
-            # (arguments of other types: the checks raise their error, on every rank)
-            return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
-                                  vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-                                  options=options)
-        hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
-        with torch.autocast(device.type, enabled=False):
+        # under autocast: cast like F.linear, run with autocast off (arguments of other types are not cast: the
+        # checks raise their error, on every rank)
+        cast = torch.is_autocast_enabled(device.type) and _fits_op_schema(
+            hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options)
+        if cast:
+            hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
+        with torch.autocast(device.type, enabled=False) if cast else contextlib.nullcontext():
             return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
                                   vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
                                   options=options)
