@@ -80,7 +80,7 @@ def test_reduction_names_and_errors():
         linear_cross_entropy(hidden, weight, labels, T, "batchmean")
     with pytest.raises(LinearLogpInputError, match="one id per token"):
         linear_cross_entropy(hidden, weight, labels[:, :-1], T)
-    with pytest.raises(LinearLogpInputError, match="temperature must be a number"):
+    with pytest.raises(LinearLogpInputError, match="temperature must be a positive finite number"):
         linear_cross_entropy(hidden, weight, labels, "1.0")
 
 
