@@ -32,7 +32,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from .runner import DTYPES  # noqa: E402
 
 
 def install_noop_launches() -> None:
@@ -105,7 +105,7 @@ def per_call_us(fn: Callable[[], None], reps: int, rounds: int) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.host_noop", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="16x32x256", help="NxDxV (default %(default)s)")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", default="torch-eager,triton,sm90,loss-triton")
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     install_noop_launches()
     shape = tuple(int(x) for x in args.shape.split("x"))
-    rows = calls(shape, _DTYPES[args.dtype])  # type: ignore[arg-type]
+    rows = calls(shape, DTYPES[args.dtype])  # type: ignore[arg-type]
     if args.profile:
         fn = rows[args.profile]
         for _ in range(50):

@@ -10,15 +10,17 @@ Two steps, each implementation on the same model and batch:
   written as TRL's (gather and log-softmax row by row for bf16 logits); ``tplogp`` = ``causal_lm_logprobs``.
 * ``grpo_loss``: forward + backward of the clipped GRPO loss (``ppo_clip(0.2, 0.28)``, token mean over the
   completion mask): ``trl_logits`` as above then the loss in PyTorch; ``tplogp_logprobs`` = ``causal_lm_logprobs``
-  then the same PyTorch loss; ``tplogp_fused`` = ``causal_lm_loss`` (the loss and the head's gradients chunk by
-  chunk in the forward).
+  then the same PyTorch loss; ``tplogp_fused`` = ``causal_lm_loss`` with
+  ``with_entropy=False`` (the clipped loss reads no entropy; the loss and the head's gradients chunk by chunk in the
+  forward).
 * ``grpo_loss_ckpt``: the same three with gradient checkpointing on (``use_reentrant=False``), as RL trainers run
   models of this size: the decoder's activations no longer dominate the peak, the logits path's do.
 
 Time: median of ``--reps`` calls (CUDA events, synced per call) after warm-up calls. Memory: peak allocated GiB
 during one call above what was allocated before it (model and batch excluded; gradients of the parameters and
-the activations included). ``err_logp``: max |logp - reference| of the logprobs step, the reference being the
-fp32 log-softmax of fp32 logits of the same final hidden states and head. Prints a markdown table and appends
+the activations included). ``err_logp``: ``tplogp.tolerances.rel_error`` (``||logp - reference|| / ||reference||``)
+of the logprobs step, the reference being ``tplogp.reference.reference_linear_logp(mode="fp32")`` (fp32 log-softmax
+of fp32 logits) of the same final hidden states and head. Prints a markdown table and appends
 JSON rows (suite ``integrations``) to the results file.
 """
 
@@ -92,21 +94,20 @@ def grpo_token_loss(logp, old_logp, advantages, completion_mask) -> torch.Tensor
 
 
 def reference_logprobs(model, ids, mask, keep: int, temperature: float) -> torch.Tensor:
-    """fp32 log-softmax of fp32 logits of the same final hidden states and head (one sequence at a time)."""
+    """``reference_linear_logp(mode="fp32")`` of the same final hidden states and head (one sequence at a time)."""
+    from tplogp.reference import reference_linear_logp
+
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
-    out = []
-    for b in range(ids.shape[0]):
-        z = hidden[b, -keep - 1:-1].float() @ head.weight.float().T
-        if head.bias is not None:
-            z = z + head.bias.float()
-        out.append(torch.log_softmax(z / temperature, -1).gather(-1, ids[b, -keep:, None])[:, 0])
-    return torch.stack(out)
+    return torch.stack([reference_linear_logp(hidden[b, -keep - 1:-1], head.weight, ids[b, -keep:], head.bias,
+                                              mode="fp32", temperature=temperature)
+                        for b in range(ids.shape[0])])
 
 
 def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
     from tplogp import losses
     from tplogp.integrations.hf import causal_lm_logprobs, causal_lm_loss
+    from tplogp.tolerances import rel_error
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     shape = SMOKE if smoke else FULL
@@ -131,8 +132,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
         trl_values = trl_logprobs(model, ids, mask, keep, T)
         ours_values = causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T)
     old_logp = (reference + 0.05 * torch.randn(reference.shape, generator=g).to(device)).detach()
-    errors = {"trl_logits": float((trl_values.float() - reference).abs().max()),
-              "tplogp": float((ours_values - reference).abs().max())}
+    errors = {"trl_logits": rel_error(trl_values, reference), "tplogp": rel_error(ours_values, reference)}
     del reference, trl_values, ours_values
 
     def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
@@ -156,7 +156,8 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
                 completion_mask))),
             (step, "tplogp_fused", with_backward(lambda: causal_lm_loss(
                 model, ids, mask, loss=losses.ppo_clip(0.2, 0.28), per_token=(advantages, old_logp),
-                loss_mask=completion_mask, reduction="mean", logits_to_keep=keep, temperature=T))),
+                loss_mask=completion_mask, reduction="mean", logits_to_keep=keep, temperature=T,
+                with_entropy=False))),
         ]
 
     cases = [
@@ -191,5 +192,5 @@ def format_row(r: dict) -> str:
     return f"| {r['step']} | {r['impl']} | {r['median_ms']:.1f} | {peak} | {err} |"
 
 
-TABLE_HEADER = ("| step | implementation | median ms | extra peak GiB | max abs logp error vs fp32 |\n"
+TABLE_HEADER = ("| step | implementation | median ms | extra peak GiB | logp rel error vs fp32 |\n"
                 "|---|---|---:|---:|---:|")

@@ -16,7 +16,8 @@ Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / s
   calling thread's CPU time, synced before and after each call), on CPU and GPU alike: what a call costs the host
   (Python, dispatch, launches), which bounds the op at small shapes where the GPU work is shorter;
 * ``checks``: the ``TPLOGP_CHECKS`` mode of the row; tplogp's rows are repeated per mode of ``--checks`` (the
-  label of a mode other than ``full`` ends with ``checks <mode>``);
+  label of a mode other than ``full`` ends with ``checks <mode>``); the other implementations do not read the
+  mode: one row each, labelled with the default (``full``);
 * ``extra_peak_gib``: allocator peak during one forward+backward above the inputs (gradients included);
 * ``err_logp`` (per-token contract) or ``err_loss`` (scalar loss), ``err_d_hidden``, ``err_d_weight``:
   ``||x - x_fp64|| / ||x_fp64||`` against a float64 autograd reference, with the same upstream gradient (a random
@@ -95,7 +96,8 @@ def checks_mode(mode: str):
 def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[runner.BudgetSpec], dtype: str,
                 device: torch.device, *, reps: int, rounds: int, warm_ms: float, check: bool,
                 checks: tuple[str, ...] = ("full",)) -> list[dict]:
-    """The rows of one shape (module docstring). ``checks``: the ``TPLOGP_CHECKS`` modes of tplogp's rows."""
+    """The rows of one shape (module docstring). ``checks``: the ``TPLOGP_CHECKS`` modes of tplogp's (budgeted)
+    rows; every other implementation runs once, under ``full``."""
     T, D, V = shape
     h, w, y, gy = make_problem(T, D, V, DTYPES[dtype], device)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -116,7 +118,7 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
     rows, live = [], []
     for impl in impls:
         variants = [(spec, mode) for spec in (budgets if impl.budgeted else [runner.BudgetSpec("default")])
-                    for mode in (checks if impl.budgeted else checks[:1])]
+                    for mode in (checks if impl.budgeted else ("full",))]
         for spec, mode in variants:
             label = spec.label if mode == "full" else f"{spec.label}, checks {mode}"
             row = dict(common, impl=impl.name, contract=impl.contract, budget=label, budget_bytes=spec.nbytes,

@@ -42,7 +42,8 @@ METHOD = """## Method
   latency (what one isolated call costs). *Back to back* (b2b): no sync between calls, the host runs ahead as in a
   training loop, and a sample is GPU time unless the host is the slower side. Medians of 10 calls each.
 * **Host µs.** The host CPU time of one forward+backward (the calling thread's CPU time, the device synced before
-  and after the call and not counted): Python, dispatch and launches. Where it exceeds the GPU time of a call, the
+  and after the call and those syncs not counted): Python, dispatch and launches, and any sync inside the call
+  (CUDA spin-waits the calling thread, so a wait for the device within the call is counted). Where it exceeds the GPU time of a call, the
   op is host-bound (small shapes, tensor-parallel shards).
 * **Extra peak GiB**: the allocator's peak during one forward+backward above what was allocated before it
   (inputs excluded; d_W, d_hidden and anything kept from forward to backward included).

@@ -91,9 +91,11 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10, wa
 
 def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
     """Median host CPU microseconds per call of ``fn``: the calling thread's CPU time (``time.thread_time``) around
-    each call, with the device synchronized before and after it (not counted), so a sample is the host work of one
-    call (Python, dispatch, launches) and not the device's time nor a wait for it. CPU time, not wall-clock: a loaded
-    machine's preemption does not count."""
+    each call, with the device synchronized before and after it (those two syncs not counted), so a sample is the
+    host work of one call (Python, dispatch, launches). A sync *inside* the call (a ``.item()``, a blocking copy,
+    an explicit synchronize) is counted: CUDA's default scheduling spins the calling thread while it waits, and that
+    spin is CPU time, so such a call's sample includes the device time it waited for. CPU time, not wall-clock: a
+    loaded machine's preemption does not count."""
     out = []
     for _ in range(max(reps, 1)):
         synchronize(device)

@@ -88,18 +88,44 @@ def test_op_smoke_rows(tmp_path):
 
 def test_op_host_cost_column_per_checks_mode(tmp_path):
     """``--checks full,fast``: tplogp's rows once per mode (the label names a mode other than full), each with its
-    host CPU microseconds per call; the eager baseline once. Every row has both host columns, positive and finite
-    (their sizes are measurements, compared in benchmarks, never in tests)."""
+    host CPU microseconds per call; the eager baseline once, labelled ``full``. Every row has both host columns,
+    positive and finite (their sizes are measurements, compared in benchmarks, never in tests). In process, each
+    row's calls really run under its mode: a stub implementation records ``tplogp.checks.checks_mode()``."""
     proc = _bench("op", "--smoke", "--impls", "tplogp-native,torch-eager", "--budgets", "default", "--checks",
                   "full,fast", "--no-check", "--out", str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
     assert set(rows) == {("tplogp-native", "default"), ("tplogp-native", "default, checks fast"),
                          ("torch-eager", "default")}, rows
     assert [rows["tplogp-native", b]["checks"] for b in ("default", "default, checks fast")] == ["full", "fast"]
+    assert rows["torch-eager", "default"]["checks"] == "full"
     for r in rows.values():
         assert "error" not in r, r
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("host_fwd_us", "host_fwd_bwd_us")), r
     assert " host " in proc.stdout
+
+    # In process: each row's implementation sees its row's mode in every call (check, timing, host cost, memory)
+    from benchmarks import op
+    from tplogp.checks import checks_mode
+
+    seen: list[list[str]] = []  # the modes seen by each built function, in build order (= row order)
+
+    def build(device, budget):
+        modes: list[str] = []
+        seen.append(modes)
+
+        def logp(h, w, y):
+            modes.append(checks_mode())
+            return (h @ w.T).float().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+        return logp
+
+    stubs = [impls.Impl("budgeted", impls.PER_TOKEN, True, build, "reads the mode"),
+             impls.Impl("peer", impls.PER_TOKEN, False, build, "ignores the mode")]
+    op_rows = op.bench_shape((4, 8, 16), stubs, [runner.BudgetSpec("default")], "fp32", torch.device("cpu"),
+                             reps=1, rounds=1, warm_ms=0.0, check=True, checks=("full", "fast"))
+    assert [(r["impl"], r["budget"], r["checks"]) for r in op_rows] == [
+        ("budgeted", "default", "full"), ("budgeted", "default, checks fast", "fast"), ("peer", "default", "full")]
+    assert all("error" not in r for r in op_rows), op_rows
+    assert len(seen) == 3 and all(modes and set(modes) == {r["checks"]} for modes, r in zip(seen, op_rows)), seen
 
 
 def test_memory_smoke_rows(tmp_path):

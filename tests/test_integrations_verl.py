@@ -11,23 +11,29 @@ import torch.distributed as dist
 
 from tplogp import LinearLogpInputError
 from tplogp.integrations.verl import linear_cross_entropy
+from tplogp.reference import reference_outputs
 from tplogp.tolerances import assert_no_worse
 
 # 1032 ids: even shards at world 2 and 4 (516, 258 rows); D = 48 is not a multiple of verl's 128 (not required here)
 V, D, T = 1032, 48, 0.8
 
 
-def _reference(hidden, weight, labels, temperature, reduction):
-    """verl's meaning written out with the logits: flat [N] logprobs (or their sum / mean) and entropy."""
-    z = (hidden.reshape(-1, hidden.shape[-1]) @ weight.T) / temperature
-    logsm = torch.log_softmax(z, -1)
-    logp = logsm.gather(1, labels.reshape(-1, 1))[:, 0]
-    entropy = -(logsm.exp() * logsm).sum(-1)
-    if reduction == "sum":
-        logp = logp.sum()
-    elif reduction == "mean":
-        logp = logp.mean()
-    return logp, entropy
+def _reference(mode):
+    """verl's meaning from ``tplogp.reference`` in ``mode``: flat [N] logprobs (or their sum / mean) and entropy."""
+    def call(hidden, weight, labels, temperature, reduction):
+        out = reference_outputs(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                mode=mode, temperature=temperature)
+        logp = out.logp
+        if reduction == "sum":
+            logp = logp.sum()
+        elif reduction == "mean":
+            logp = logp.mean()
+        return logp, out.entropy
+    return call
+
+
+# The same-dtype PyTorch reference (matmul in the input dtype, fp32 log-softmax) and the float64 truth.
+_matching, _float64 = _reference("matching"), _reference("float64")
 
 
 def _inputs(seed, lead=(3, 5), dtype=torch.float32):
@@ -56,8 +62,8 @@ def _run(fn, hidden, weight, labels, g_logp, g_ent, reduction, dtype=None):
 def test_one_process_against_float64(reduction, dtype, lead):
     hidden, weight, labels, g_logp, g_ent = _inputs(0, lead, dtype)
     ours = _run(linear_cross_entropy, hidden, weight, labels, g_logp, g_ent, reduction)
-    ref = _run(_reference, hidden, weight, labels, g_logp, g_ent, reduction)
-    truth = _run(_reference, hidden, weight, labels, g_logp.double(), g_ent.double(), reduction, torch.float64)
+    ref = _run(_matching, hidden, weight, labels, g_logp, g_ent, reduction)
+    truth = _run(_float64, hidden, weight, labels, g_logp.double(), g_ent.double(), reduction, torch.float64)
     assert ours[0].dtype == ours[1].dtype == torch.float32
     assert ours[0].shape == (() if reduction != "none" else (labels.numel(),)) and ours[1].shape == (labels.numel(),)
     assert ours[2].shape == hidden.shape and ours[2].dtype == dtype and ours[3].dtype == dtype
@@ -74,7 +80,7 @@ def test_reduction_names_and_errors():
         linear_cross_entropy(hidden, weight, labels, T, "batchmean")
     with pytest.raises(LinearLogpInputError, match="one id per token"):
         linear_cross_entropy(hidden, weight, labels[:, :-1], T)
-    with pytest.raises(LinearLogpInputError, match="temperature must be a number"):
+    with pytest.raises(LinearLogpInputError, match="temperature must be a positive finite number"):
         linear_cross_entropy(hidden, weight, labels, "1.0")
 
 
@@ -93,8 +99,8 @@ def test_even_shards_against_float64(tp, reduction):
     tp.assert_all(d_weight[:shard.start].abs().sum() == 0 and d_weight[shard.stop:].abs().sum() == 0,
                   "only this rank's shard gets a weight gradient")
     dist.all_reduce(d_hidden, group=tp.group)
-    ref = _run(_reference, hidden, weight, labels, g_logp, g_ent, reduction)
-    truth = _run(_reference, hidden, weight, labels, g_logp.double(), g_ent.double(), reduction, torch.float64)
+    ref = _run(_matching, hidden, weight, labels, g_logp, g_ent, reduction)
+    truth = _run(_float64, hidden, weight, labels, g_logp.double(), g_ent.double(), reduction, torch.float64)
     problems = []
     for name, o, r, t in (("logprobs", logp, ref[0], truth[0]), ("entropy", entropy, ref[1], truth[1]),
                           ("d_hidden", d_hidden, ref[2], truth[2]),

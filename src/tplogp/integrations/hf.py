@@ -346,22 +346,22 @@ def causal_lm_loss(
     def make(head, hidden, scale):
         ignore = None if loss_mask is None else _MASKED
         t_eff = temperature if scale is None else scale.temperature(temperature)
-        if not is_dtensor(hidden):
-            return linear_logp_loss(hidden, head.weight, targets.to(hidden.device), head.bias, loss=loss,
-                                    per_token=per_token, reduction=reduction, temperature=t_eff,
-                                    ignore_index=ignore, workspace_bytes=workspace_bytes, with_entropy=with_entropy)
-        # a tensor-parallel plan's input hook made hidden a DTensor replicated over the head's mesh: the loss is
-        # computed from the local copy and handed back as a replicated DTensor (what the output hook expects)
-        from torch.distributed.tensor import DTensor, Replicate
-
-        if not all(p.is_replicate() for p in hidden.placements):
-            raise UnsupportedModelError(f"the LM head's input is a DTensor placed {hidden.placements}; expected "
-                                        f"Replicate() (ColwiseParallel's default input layout)")
-        value = linear_logp_loss(hidden.to_local(), head.weight, targets.to(hidden.device), head.bias, loss=loss,
+        mesh, local = None, hidden
+        if is_dtensor(hidden):
+            # a tensor-parallel plan's input hook made hidden a DTensor replicated over the head's mesh: the loss is
+            # computed from the local copy and handed back as a replicated DTensor (what the output hook expects)
+            if not all(p.is_replicate() for p in hidden.placements):
+                raise UnsupportedModelError(f"the LM head's input is a DTensor placed {hidden.placements}; expected "
+                                            f"Replicate() (ColwiseParallel's default input layout)")
+            mesh, local = hidden.device_mesh, hidden.to_local()
+        value = linear_logp_loss(local, head.weight, targets.to(local.device), head.bias, loss=loss,
                                  per_token=per_token, reduction=reduction, temperature=t_eff, ignore_index=ignore,
                                  workspace_bytes=workspace_bytes, with_entropy=with_entropy)
-        return DTensor.from_local(value, hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim,
-                                  run_check=False)
+        if mesh is None:
+            return value
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     return _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, ())
 

@@ -20,7 +20,7 @@ A verl user switches by changing one import (``verl.utils.kernel.linear_cross_en
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,8 +69,6 @@ def linear_cross_entropy(
     if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     reduction = reduction.lower()
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise LinearLogpInputError(f"temperature must be a number, got {type(temperature).__name__}")
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
             raise LinearLogpInputError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -83,15 +81,15 @@ def linear_cross_entropy(
         raise LinearLogpInputError(f"labels must hold one id per token of hidden: {flat_hidden.shape[0]} tokens "
                                    f"(hidden {tuple(hidden.shape)}), got labels {tuple(labels.shape)}")
     world = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
+    group_kwargs: dict[str, Any] = {}
     if world > 1:
         local = weight.shape[0]
-        logprobs, entropy = linear_logp(
-            _ShareOfGradient.apply(flat_hidden, world), weight, flat_labels, tp_group=dist_process_group,
-            vocab_start_index=dist.get_rank(dist_process_group) * local, global_vocab_size=world * local,
-            temperature=float(temperature), return_entropy=True)
-    else:
-        logprobs, entropy = linear_logp(flat_hidden, weight, flat_labels, temperature=float(temperature),
-                                        return_entropy=True)
+        flat_hidden = _ShareOfGradient.apply(flat_hidden, world)
+        group_kwargs = dict(tp_group=dist_process_group, vocab_start_index=dist.get_rank(dist_process_group) * local,
+                            global_vocab_size=world * local)
+    # (a temperature that is not a positive finite number: linear_logp's checks raise LinearLogpInputError)
+    logprobs, entropy = linear_logp(flat_hidden, weight, flat_labels, temperature=temperature, return_entropy=True,
+                                    **group_kwargs)
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":
