@@ -21,11 +21,14 @@ Layout (one role per module; each imports only the modules listed below it):
 - ``external.py``        pytest itself launched by torchrun: use the existing process group.
 - ``report.py``          merging per-rank outcomes (grouped failures, agreed skips) into one report.
 - ``pool.py``            the controller: persistent rank pools, bounded waits, stack dumps, kill + respawn.
-- ``rank.py``            the rank-side worker loop (imports only ``protocol``, ``context``, ``values``).
+- ``rank.py``            the rank-side worker loop (imports only ``forkserver_guard``, ``protocol``, ``context``,
+                         ``values``).
 - ``context.py``         the ``tp`` rank context and the collective assertion helpers (usable under torchrun too).
 - ``mesh.py``            mesh shapes (the marker's ``mesh=``), meshes built from cached groups, DTensor helpers.
 - ``devices.py``         backend and GPU-block choice.  ``options.py`` settings, CLI > env > ini > default.
-- ``values.py``          picklable fixture values shared by both sides.  ``protocol.py`` controller <-> rank messages.
+- ``values.py``          picklable fixture values shared by both sides, and the DTensor test (``is_dtensor``, ``full``).
+- ``protocol.py``        controller <-> rank messages.
+- ``forkserver_guard.py`` the fork server's first preload module (it dies with pytest); ``set_pdeathsig`` for the ranks.
 
 Importing this package imports neither torch nor pytest (only pluggy): rank processes import
 ``pytest_tplogp.rank`` cheaply, and the public names below are loaded on first access.

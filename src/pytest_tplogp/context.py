@@ -127,16 +127,9 @@ class RankContext:
 
     def reset_after_test(self) -> list[str]:
         """Put back what a body can leave in torch's global mesh state; names what was put back."""
-        if not self._meshes and "torch.distributed.device_mesh" not in sys.modules:
-            return []
         from .mesh import reset_mesh_state
 
         return reset_mesh_state()
-
-    @property
-    def owned_groups(self) -> int:
-        """Process groups the context owns (control group + cached sub-groups); excluded from the leftover check."""
-        return len(self._subgroups) + (0 if self._ctrl_group is None else 1)
 
     def barrier(self) -> None:
         dist.barrier(group=self._ctrl_group)
@@ -163,7 +156,7 @@ class RankContext:
         Either side may be a DTensor (every rank must then call this, like any collective): the full tensors are
         compared, and on a mismatch the error also names the mesh coordinates whose local shard differs.
         """
-        from .mesh import is_dtensor
+        from .values import is_dtensor
 
         dtensors = [x for x in (actual, expected) if is_dtensor(x)]
         if dtensors:
@@ -177,7 +170,8 @@ class RankContext:
         self._raise_if_failed(self.all_gather_object(verdict), what="assert_close")
 
     def _assert_close_dtensor(self, actual: Any, expected: Any, mesh: Any, **kwargs: Any) -> None:
-        from .mesh import coordinate_label, full, local_shard_problem
+        from .mesh import coordinate_label, local_shard_problem
+        from .values import full
 
         try:
             torch.testing.assert_close(full(actual), full(expected), **kwargs)

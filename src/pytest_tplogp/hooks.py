@@ -157,10 +157,18 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
 
 
 def _use_cuda_device(index: int) -> None:
-    """Make ``cuda`` mean device ``index`` in this process (a plain ``gpu`` test's tensors, graphs and kernels)."""
+    """Make ``cuda`` mean device ``index`` in this process (a plain ``gpu`` test's tensors, graphs and kernels).
+
+    Device 0 is CUDA's current device until something selects another, and ``torch.cuda.set_device`` initializes
+    CUDA: so for device 0 in a process whose CUDA is not initialized yet there is nothing to do, and nothing is done
+    (a test that a later setup hook skips does not initialize CUDA in this process). Once CUDA is initialized, the
+    device is set every time (a previous test may have selected another one).
+    """
     try:
         import torch
     except ImportError:
+        return
+    if index == 0 and not torch.cuda.is_initialized():
         return
     if torch.cuda.is_available() and index < torch.cuda.device_count():
         torch.cuda.set_device(index)

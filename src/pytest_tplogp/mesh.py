@@ -30,9 +30,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .values import is_dtensor
+
 
 class MeshShapeError(ValueError):
     """A ``mesh=`` value that is not a mesh shape, or whose sizes do not multiply to the world size."""
+
+
+class MeshSupportError(RuntimeError):
+    """The installed torch lacks a DeviceMesh / DTensor API that the mesh fixture or the DTensor helpers use."""
 
 
 @dataclass(frozen=True)
@@ -144,13 +150,19 @@ def build_mesh(tp: Any, shape: MeshShape) -> Any:
     if len(shape.sizes) == 1:
         return DeviceMesh.from_group(mine[0], device_type, mesh_dim_names=shape.names)
     layout = torch.arange(shape.world_size).view(shape.sizes)
-    return DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=shape.names)
+    try:
+        return DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=shape.names)
+    except Exception as exc:
+        raise MeshSupportError(
+            f"DeviceMesh.from_group could not assemble {shape.describe()} from one process group per dim "
+            f"(torch {torch.__version__}): {type(exc).__name__}: {exc}. The mesh fixture needs from_group to take a "
+            f"list of groups with mesh= and mesh_dim_names=, as torch 2.13 does") from exc
 
 
 def mesh_group_ids(mesh: Any) -> set[int]:
     """Identities of the process groups a cached mesh holds: its dims' and those of meshes flattened from it."""
     ids = {id(g) for g in mesh.get_all_groups()}
-    registry = getattr(mesh, "_pg_registry", None)  # torch >= 2.10 keeps flattened dims' groups here
+    registry = getattr(mesh, "_pg_registry", None)  # where torch 2.13 keeps flattened dims' groups (private)
     if isinstance(registry, dict):
         ids |= {id(g) for g in registry.values()}
     return ids
@@ -168,18 +180,6 @@ def reset_mesh_state() -> list[str]:
     n = len(stack)
     stack.clear()
     return [f"{n} device mesh(es) left entered (with mesh:)"]
-
-
-def is_dtensor(x: Any) -> bool:
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(x, module.DTensor)
-
-
-def full(x: Any) -> Any:
-    """The full tensor of a DTensor (collective), anything else as it is."""
-    return x.full_tensor() if is_dtensor(x) else x
 
 
 def coordinate_label(mesh: Any) -> str:
@@ -231,9 +231,15 @@ def distribute_randn(shape: Sequence[int], mesh: Any, placements: Sequence[Any],
     """A DTensor of ``shape`` with ``placements`` on ``mesh``, holding a global tensor that is the same on every
     rank: ``torch.randn(shape, generator=torch.Generator().manual_seed(seed))`` (CPU generator, then moved to the
     mesh's device). ``full_tensor()`` gives it back; uneven shards follow ``torch.chunk``, as DTensor does."""
+    import inspect
+
     import torch
     from torch.distributed.tensor import distribute_tensor
 
+    if "src_data_rank" not in inspect.signature(distribute_tensor).parameters:
+        raise MeshSupportError(f"tp.distribute_randn needs torch.distributed.tensor.distribute_tensor(..., "
+                               f"src_data_rank=None) (each rank keeps its shard of the same global tensor, no "
+                               f"broadcast), as in torch 2.13; torch {torch.__version__} has no src_data_rank")
     generator = torch.Generator().manual_seed(int(seed))
     global_tensor = torch.randn(tuple(shape), generator=generator, dtype=dtype or torch.float32)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"

@@ -211,7 +211,9 @@ class RankPool:
             # One fork server per pytest process imports torch once; every rank of every pool (and every respawn)
             # is then a fork of it. It never touches CUDA (importing torch does not), so CUDA in the ranks is safe.
             ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        env = {**self._env(), PARENT_PID_ENV: str(os.getpid())}  # the latter for a fork server started now
+        env = self._env()
+        if self.start_method == "forkserver":  # for a fork server started now (a spawned rank must not see it)
+            env[PARENT_PID_ENV] = str(os.getpid())
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:

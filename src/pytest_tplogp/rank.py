@@ -38,6 +38,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from .forkserver_guard import set_pdeathsig
 from .protocol import CallFn, RankConfig, RankOutcome, Ready, RunTest, StartFailed
 
 _KEEP: list[Any] = []  # files that must stay open for faulthandler
@@ -48,14 +49,7 @@ def _isolate(cfg: RankConfig) -> None:
         os.setpgid(0, 0)
     except OSError:
         pass
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except Exception:  # pragma: no cover - best effort
-            pass
+    set_pdeathsig()
     if cfg.start_method == "spawn" and os.getppid() != cfg.parent_pid:  # pytest died before prctl took effect
         os._exit(1)
     if cfg.start_method == "forkserver":

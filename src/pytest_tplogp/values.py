@@ -139,14 +139,17 @@ class VocabShards:
         return self.kind
 
 
-def _full_tensors(*tensors: Any) -> tuple[Any, ...]:
-    """DTensors as their full tensors (collective: every rank calls the reference), anything else as it is."""
+def is_dtensor(x: Any) -> bool:
+    """Whether ``x`` is a DTensor (False without importing torch when ``torch.distributed.tensor`` is not loaded)."""
     import sys
 
     module = sys.modules.get("torch.distributed.tensor")
-    if module is None:
-        return tensors
-    return tuple(t.full_tensor() if isinstance(t, module.DTensor) else t for t in tensors)
+    return module is not None and isinstance(x, module.DTensor)
+
+
+def full(x: Any) -> Any:
+    """The full tensor of a DTensor (collective: every rank of its mesh must call this), anything else as it is."""
+    return x.full_tensor() if is_dtensor(x) else x
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ class Reference:
                  **kwargs: Any) -> Any:
         from tplogp.reference import reference_linear_logp
 
-        hidden, weight, target_ids, bias = _full_tensors(hidden, weight, target_ids, bias)
+        hidden, weight, target_ids, bias = (full(x) for x in (hidden, weight, target_ids, bias))
         return reference_linear_logp(hidden, weight, target_ids, bias, mode=mode or self.default_mode, **kwargs)
 
     def fp32(self, hidden: Any, weight: Any, target_ids: Any, bias: Any = None, **kwargs: Any) -> Any:
@@ -181,7 +184,7 @@ class Reference:
                 **kwargs: Any) -> Any:
         from tplogp.reference import reference_outputs
 
-        hidden, weight, target_ids, bias = _full_tensors(hidden, weight, target_ids, bias)
+        hidden, weight, target_ids, bias = (full(x) for x in (hidden, weight, target_ids, bias))
         return reference_outputs(hidden, weight, target_ids, bias, mode=mode or self.default_mode, **kwargs)
 
 

@@ -77,6 +77,37 @@ def test_mesh_shape_ids_and_errors() -> None:
     assert MeshShape.default(4) == MeshShape(("tp",), (4,))
 
 
+def test_a_torch_without_the_mesh_apis_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Old-torch behaviour, simulated in-process: from_group refusing a list of groups, distribute_tensor without
+    src_data_rank. A 1 x 1 mesh over world size 1 uses the default group on both dims (no process group needed)."""
+    from types import SimpleNamespace
+
+    import torch.distributed.tensor as dtensor_module
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pytest_tplogp.mesh import MeshShape, MeshSupportError, build_mesh, distribute_randn
+
+    def from_group_without_lists(group, device_type, mesh=None, *, mesh_dim_names=None):
+        if isinstance(group, list):
+            raise TypeError("expected a ProcessGroup")
+        raise AssertionError("the 2-D mesh must be assembled from a list of groups")
+
+    monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(from_group_without_lists))
+    tp = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+    with pytest.raises(MeshSupportError, match=r"from_group could not assemble mesh \{'dp': 1, 'tp': 1\} .* "
+                                               r"\(torch .*\): TypeError: expected a ProcessGroup\. The mesh fixture "
+                                               r"needs from_group to take a list of groups"):
+        build_mesh(tp, MeshShape(("dp", "tp"), (1, 1)))
+
+    def distribute_tensor_without_src_data_rank(tensor, device_mesh=None, placements=None):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(dtensor_module, "distribute_tensor", distribute_tensor_without_src_data_rank)
+    with pytest.raises(MeshSupportError, match=r"needs .*distribute_tensor\(\.\.\., src_data_rank=None\).* "
+                                               r"has no src_data_rank"):
+        distribute_randn((2,), None, [], seed=0)
+
+
 # Shape (5, 3): 5 rows split unevenly as torch.chunk does (3 + 2 over tp=2; 2 + 2 + 1 + 0 over 4 ranks).
 @pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2}, backend="gloo")
 def test_distribute_randn_is_one_global_tensor_with_its_placements(tp, mesh):
@@ -137,8 +168,14 @@ def test_vocab_shards_and_reference_over_the_tp_dim(tp, mesh, vocab_shards, refe
                      vocab_start_index=vocab_shards.start, global_vocab_size=vocab_shards.vocab_size)
     tol = RUNBOOK_TOLERANCES[torch.float32]._asdict()
     tp.assert_close(logp, reference.fp32(h, w, t), **tol)
+    # A DTensor weight: the reference uses its full tensor, the weight distribute_randn documents (drawn here anew)
     w_dt = tp.distribute_randn((vocab_shards.vocab_size, 8), mesh, [Replicate(), Shard(0)], seed=5)
-    tp.assert_close(reference.fp32(h, w_dt, t), reference.fp32(h, w_dt.full_tensor(), t))  # DTensor weight
+    w_full = torch.randn(vocab_shards.vocab_size, 8, generator=torch.Generator().manual_seed(5))
+    from_dtensor = reference.fp32(h, w_dt, t)
+    tp.assert_close(from_dtensor, reference.fp32(h, w_full, t), rtol=0, atol=0)
+    logp_full = op_source(h, vocab_shards.shard(w_full), t, tp_group=vocab_shards.group,
+                          vocab_start_index=vocab_shards.start, global_vocab_size=vocab_shards.vocab_size)
+    tp.assert_close(logp_full, from_dtensor, **tol)
 
 
 def _coordinate(tp, mesh):
