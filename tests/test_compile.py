@@ -175,7 +175,8 @@ def test_opcheck(entropy, budget, source):
     ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
     args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True)
     packed, kept = ops.linear_logp_fwd(*args)
-    assert (kept.numel() > 0) == (budget == "keep"), kept.shape
+    # the triton sources keep a call this small under the default budget too (tplogp.kernels.tiles.default_keep)
+    assert (kept.numel() > 0) == (budget == "keep" or source != "native"), kept.shape
     torch.library.opcheck(ops.linear_logp_fwd, args)
 
 

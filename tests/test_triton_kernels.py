@@ -163,8 +163,12 @@ OPTION_SETS = {
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("opts", list(OPTION_SETS))
 @pytest.mark.parametrize("rows", ["peaked", "flat"])
-def test_op_three_way(dtype, opts, rows):
+@pytest.mark.parametrize("schedule", ["kept", "recomputed"])
+def test_op_three_way(dtype, opts, rows, schedule):
+    """Both backward schedules of the default budget: a call this small keeps its softmax terms
+    (tplogp.kernels.tiles.default_keep); a budget of the default workspace alone recomputes the logits."""
     from tplogp import get_op
+    from tplogp.kernels import tiles
 
     dt = DTYPES[dtype]
     o = dict(OPTION_SETS[opts])
@@ -172,6 +176,8 @@ def test_op_three_way(dtype, opts, rows):
     p = make_problem((2, 21), 48, 311, dt, True, seed=5, peaked=rows == "peaked", flat=rows == "flat",
                      ignore_index=ignore, ignore_fraction=0.3 if ignore is not None else 0.0)
     ent, lse, temp = o.pop("entropy", False), o.pop("lse", False), o.get("temperature", 1.0)
+    if schedule == "recomputed":
+        o["workspace_bytes"] = tiles.DEFAULT_WORKSPACE_BYTES
     ours = run_op(get_op("linear_logp", source="triton"), p, entropy=ent, lse=lse, **o)
     truth = run_reference(p, "float64", temperature=temp, ignore_index=ignore, entropy=ent, lse=lse)
     ref = run_reference(p, "matching" if dt != torch.float32 else "fp32", temperature=temp, ignore_index=ignore,
@@ -300,3 +306,22 @@ def test_tp4_uneven_triton(tp, dtype_name, opts):
         assert_no_worse(f"rank {rank} {name}", o, r, t, dt)
     sizes = tp.all_gather_object(end - start)
     assert len(set(sizes)) > 1 and sum(sizes) == 389  # really uneven, and a partition
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_fp16_inputs_keep_fp16_terms(bias):
+    """fp16 inputs keep fp16 softmax terms (tiles.kept_dtype): bf16 terms carry 2^-9 where fp16's d_logits carry
+    2^-12, and doubled the gradients' error against the fp16 reference at this shape (a call small enough to keep
+    by default)."""
+    from tplogp import get_op
+    from tplogp.kernels import tiles
+
+    assert tiles.kept_dtype(torch.float16) == torch.float16
+    p = make_problem((37,), 1000, 7, torch.float16, bias, seed=1044)
+    extra = dict(entropy=bias, lse=bias)
+    ours = run_op(get_op("linear_logp", source="triton"), p, temperature=0.7, **extra)
+    truth = run_reference(p, "float64", temperature=0.7, **extra)
+    ref = run_reference(p, "matching", temperature=0.7, **extra)
+    for name in ("logp", "d_hidden", "d_weight", "d_bias"):
+        if getattr(truth, name) is not None:
+            assert_no_worse(name, getattr(ours, name), getattr(ref, name), getattr(truth, name), torch.float16)

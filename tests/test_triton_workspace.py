@@ -105,8 +105,9 @@ def test_kept_logits_only_with_a_backward_and_within_the_budget(monkeypatch):
     scoring = be.forward_single(p.hidden, p.weight, p.bias, p.target, ShardCall(workspace_bytes=budget))
     call = ShardCall(workspace_bytes=budget, for_backward=True, inv_temperature=1.25)
     training = be.forward_single(p.hidden, p.weight, p.bias, p.target, call)
-    default = be.forward_stats(p.hidden, p.weight, p.bias, p.target, ShardCall(for_backward=True))
-    assert scoring.kept is None and default.kept is None
+    no_keep = be.forward_stats(p.hidden, p.weight, p.bias, p.target, ShardCall(workspace_bytes=DEFAULT,
+                                                                              for_backward=True))
+    assert scoring.kept is None and no_keep.kept is None
     assert training.kept.dtype == torch.float32 and training.kept.numel() * 4 <= budget - DEFAULT
     block_v = tiles.INTERPRETER.block_v
     assert training.kept.numel() * 4 == tiles.kept_bytes(N, 512, 2, block_v)  # 2 bytes per term + the scales
@@ -203,8 +204,55 @@ def test_shard_layout_is_planned_once_per_layout(monkeypatch):
     assert first.keep_cols == V and first.transient_bytes == DEFAULT
     assert be.kept_shape(N, D, V, torch.float32, CPU, ShardCall(workspace_bytes=budget, for_backward=True)) == (
         first.kept_values + first.kept_scales,)
-    assert be._layout(N, V, torch.float32, CPU, None).keep_cols == 0 and len(calls) == 2
+    assert be._layout(N, V, torch.float32, CPU, DEFAULT).keep_cols == 0 and len(calls) == 2
     assert be._layout(N + 1, V, torch.float32, CPU, budget) is not first and len(calls) == 3
     monkeypatch.setenv("TPLOGP_WORKSPACE_MB", str((DEFAULT >> 20) + 1))
     env = be._layout(N, V, torch.float32, CPU, None)
     assert len(calls) == 4 and env.keep_cols > 0
+
+
+def test_default_budget_keeps_small_calls_whole(monkeypatch):
+    """Without a budget a call whose kept terms and scales fit the default d_logits workspace keeps the whole shard
+    (its backward writes d_logits in their place: 3 GEMMs, the default's peak plus the scales); a larger call, a
+    deterministic one and an explicit budget of the default workspace keep nothing; ``TPLOGP_WORKSPACE_MB`` is a
+    budget like the call's (no kernel runs)."""
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    be = TritonBackend()
+    block_v = be._keep_block_v(CPU, torch.bfloat16)
+
+    def cols(n, v, budget=None, deterministic=False):
+        return be._keep_columns(n, v, torch.bfloat16, CPU, ShardCall(workspace_bytes=budget, for_backward=True,
+                                                                     deterministic=deterministic))
+
+    assert cols(N, V) == V
+    assert be._keep_columns(N, V, torch.bfloat16, CPU, ShardCall()) == 0  # no backward: nothing kept
+    # the largest token count that fits, and one more
+    fits = DEFAULT // (2 * 8192)
+    while tiles.kept_bytes(fits, 8192, 2, block_v) > DEFAULT:
+        fits -= 1
+    assert cols(fits, 8192) == 8192 and cols(fits + 1, 8192) == 0
+    assert tiles.kept_bytes(fits + 1, 8192, 2, block_v) > DEFAULT
+    assert cols(N, V, deterministic=True) == 0
+    assert cols(N, V, budget=DEFAULT) == 0
+    monkeypatch.setenv("TPLOGP_WORKSPACE_MB", str(DEFAULT >> 20))
+    assert cols(N, V) == 0  # the variable is a budget: the default workspace alone keeps nothing
+
+
+def test_default_budget_runs_the_kept_schedule(monkeypatch):
+    """A default call small enough to keep forms every d_logits column from the kept terms (no recompute) and gives
+    the same logp bits as a call that keeps nothing, and gradients within the eager reference's error."""
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = make_problem((N,), D, V, torch.bfloat16, True, seed=5)
+    op = _op(TritonBackend())
+    with monkeypatch.context() as m:
+        seen = _count_columns(m, "triton")
+        default = run_op(op, p, entropy=True)
+    assert seen == {"kept": V, "recomputed": 0}
+    no_keep = run_op(op, p, entropy=True, workspace_bytes=DEFAULT)
+    truth = run_reference(p, "float64", entropy=True)
+    ref = run_reference(p, "matching", entropy=True)
+    for name in ("logp", "entropy"):
+        assert torch.equal(getattr(default, name), getattr(no_keep, name)), name
+    for name in ("d_hidden", "d_weight", "d_bias"):
+        assert_no_worse(f"default keep {name}", getattr(default, name), getattr(ref, name), getattr(truth, name),
+                        torch.bfloat16)

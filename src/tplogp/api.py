@@ -152,7 +152,8 @@ def linear_logp(
             other rows of the batch (costs some speed: fixed tiling, no cuBLAS ``d_hidden`` on triton / sm90).
         workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (tiles, plus fp32
             logits kept for the backward when above the source's default tiles; docs/operator.md, "Memory
-            budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles, nothing kept.
+            budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles; on triton / sm90 a call
+            whose kept terms fit those (128 MiB) keeps them (3 GEMMs), unless ``deterministic``.
 
     Returns:
         float32 logp with target_ids' shape; with ``return_entropy`` and/or ``return_lse`` a named tuple of exactly

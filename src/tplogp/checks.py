@@ -400,16 +400,16 @@ class KernelTargetCheck:
         self.bad: Optional[int] = None  # the slot's value, once read (a slot is reused only after that)
         self.index, self.flag = slots.take(self)
 
-    def launched(self) -> None:
-        """The kernel that writes the flag has been launched (on a GPU: mark the point the host waits for)."""
+    def launched(self, device: torch.device) -> None:
+        """The kernel that writes the flag has been launched on ``device``'s current stream (on a GPU: mark the
+        point the host waits for, with the slot's event: its previous check has been read, see ``take``)."""
         if self.slots.pinned:
-            if self.ready is None:
-                self.ready = torch.cuda.Event()
-            self.ready.record()
+            self.ready = self.slots.event(self.index)
+            self.ready.record(torch.cuda.current_stream(device))
 
     def done(self) -> bool:
         """Whether the verdict can be read without waiting for the device."""
-        return self.ready is None or self.ready.query()
+        return self.bad is not None or self.ready is None or self.ready.query()
 
     def read(self) -> int:
         """The slot's value (waits only if the device has not finished the kernel yet), kept once read."""
@@ -438,6 +438,8 @@ class _FlagSlots:
         self.pinned = pinned
         self.slots = torch.zeros(self.SIZE, dtype=torch.int64, pin_memory=pinned)
         self.values = self.slots.numpy()  # host reads and writes without a torch op
+        self.flags = [self.slots[i:i + 1] for i in range(self.SIZE)]  # the kernels' views, made once
+        self.events: list = [None] * self.SIZE  # one reusable CUDA event per slot, made at its first use
         self.owners: list = [None] * self.SIZE
         self.next = 0
 
@@ -449,7 +451,14 @@ class _FlagSlots:
             previous.read()  # its verdict kept with it (a wait only when SIZE checks are in flight)
         self.owners[i] = check
         self.values[i] = 0
-        return i, self.slots[i:i + 1]
+        return i, self.flags[i]
+
+    def event(self, i: int) -> "torch.cuda.Event":
+        """Slot ``i``'s event (re-recorded by each check that takes the slot, after the previous one was read)."""
+        found = self.events[i]
+        if found is None:
+            found = self.events[i] = torch.cuda.Event()
+        return found
 
 
 _flag_slots: dict = {}

@@ -52,9 +52,28 @@ class SettingsError(ValueError):
     """An environment variable read by tplogp holds a value it cannot use."""
 
 
+# CPython's ``os.environ`` keeps its items in ``_data`` under encoded keys; ``os.environ.get`` encodes the key and
+# decodes the value on every read (microseconds: a call reads several variables). Reading ``_data`` with keys encoded
+# once sees exactly what ``os.environ`` holds (its writes update ``_data``); elsewhere the plain read is used.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+_DECODE = getattr(os.environ, "decodevalue", None)
+_ENCODED: dict = {}
+
+
+def _environ_get(name: str) -> Optional[str]:
+    if _ENV_DATA is None or _ENCODE is None or _DECODE is None:
+        return os.environ.get(name)
+    key = _ENCODED.get(name)
+    if key is None:
+        key = _ENCODED[name] = _ENCODE(name)
+    raw = _ENV_DATA.get(key)
+    return None if raw is None else _DECODE(raw)
+
+
 def _raw(name: str) -> Optional[str]:
     """The variable's value stripped of surrounding blanks, or None when unset or empty."""
-    value = os.environ.get(name)
+    value = _environ_get(name)
     if value is None:
         return None
     value = value.strip()
@@ -101,8 +120,12 @@ def checks_mode() -> str:
 def layout_settings() -> tuple[Optional[str], Optional[str]]:
     """The raw values of the variables that shape a call's plan (``TPLOGP_CHECKS``, ``TPLOGP_WORKSPACE_MB``), unparsed
     and cheap: part of the key under which :mod:`tplogp.plan` remembers a layout (parsed when it plans one)."""
-    env = os.environ
-    return env.get(CHECKS), env.get(WORKSPACE_MB)
+    return _environ_get(CHECKS), _environ_get(WORKSPACE_MB)
+
+
+def workspace_setting() -> Optional[str]:
+    """The raw value of ``TPLOGP_WORKSPACE_MB`` (unparsed, cheap: part of a source's layout key)."""
+    return _environ_get(WORKSPACE_MB)
 
 
 def direct_launch() -> bool:

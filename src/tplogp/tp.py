@@ -65,6 +65,7 @@ class _TPContext:
     verdict: Optional[BackwardVerdict] = None
     # the call's target check, run by the source's finishing kernel (single only), or None
     target_check: Optional[checks.KernelTargetCheck] = None
+    plan: Optional[CallPlan] = None  # the layout's plan (its ShardCall variants, made once)
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
@@ -101,7 +102,7 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
             out = be.forward_single(hidden, weight, bias, local_target, call)
         else:  # and check the targets: no launch or copy of the checks' own
             out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=check.flag)
-            check.launched()
+            check.launched(hidden.device)
         return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, out.kept)
     st = be.forward_stats(hidden, weight, bias, local_target, call)
     owned = local_target >= 0
@@ -208,7 +209,9 @@ class _LinearLogpFunction(torch.autograd.Function):
         reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
         call = tpc.call
         if consumes_kept(kept, ctx.kept_private):
-            call = dataclasses.replace(call, consume_kept=True)
+            plan = tpc.plan
+            call = (plan.call_consuming if plan is not None and call is plan.call_for_backward
+                    else dataclasses.replace(call, consume_kept=True))
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
                                      mean_rel if g_ent is not None else None, call, needs,
                                      d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
@@ -314,7 +317,7 @@ def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vo
             tgt = torch.where(keep, tgt, -1)
 
     tpc = _TPContext(plan.backend, plan.call, tp_group, plan.world_size, plan.comm_device, plan.single, verdict,
-                     target_check)
+                     target_check, plan)
     if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
         local_target = tgt
     else:

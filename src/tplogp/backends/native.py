@@ -5,8 +5,8 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 * The ``[N, V_local]`` logits are not held whole unless the budget allows it. Work is tiled into
   ``[tokens_chunk, vocab_chunk]`` fp32 tiles. The byte budget (``ShardCall.workspace_bytes``, else
   ``TPLOGP_WORKSPACE_MB``, else the per-device default tile budget) goes to the tiles up to that default; the rest
-  keeps, for the first tiles (in the forward's order), the softmax terms ``e = exp(z - m)`` (bf16 for 16-bit
-  inputs, fp32 for fp32 ones) with the running max ``m`` per row, whose backward then forms
+  keeps, for the first tiles (in the forward's order), the softmax terms ``e = exp(z - m)`` (in the inputs'
+  dtype: bf16, fp16 or fp32) with the running max ``m`` per row, whose backward then forms
   ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding alone, whatever
   the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output (``torch.mm(...,
   out_dtype=float32)`` on CUDA, fp32 operands on

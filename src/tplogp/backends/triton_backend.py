@@ -109,7 +109,7 @@ class TritonBackend:
         return tiles.select(device, dtype, self._config)
 
     def _layout(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
-                workspace_bytes: Optional[int]) -> ShardLayout:
+                workspace_bytes: Optional[int], deterministic: bool = False) -> ShardLayout:
         """The :class:`ShardLayout` of an ``[n, d] x [v, d]`` call, cached per layout.
 
         Tile config, kept-terms plan and workspace split depend only on the shard's size, dtype and device, the
@@ -119,30 +119,36 @@ class TritonBackend:
         lookups per forward and backward (host time that matters at small shapes). Symbolic sizes (``kept_shape``
         under ``torch.compile``'s dynamic shapes) are planned each time, uncached."""
         if type(n) is not int or type(v) is not int:  # symbolic sizes (a fake implementation's): never cached
-            return self._plan_layout(n, v, dtype, device, workspace_bytes)
+            return self._plan_layout(n, v, dtype, device, workspace_bytes, deterministic)
         cache = self.__dict__.setdefault("_layout_cache", {})
-        key = (n, v, dtype, device, workspace_bytes, settings.layout_settings()[1],
+        key = (n, v, dtype, device, workspace_bytes, deterministic, settings.workspace_setting(),
                tiles.dot_precision(dtype))
         found = cache.get(key)
         if found is None:
             if len(cache) >= MAX_LAYOUTS:
                 cache.clear()
-            found = cache[key] = self._plan_layout(n, v, dtype, device, workspace_bytes)
+            found = cache[key] = self._plan_layout(n, v, dtype, device, workspace_bytes, deterministic)
         return found
 
     def _plan_layout(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
-                     workspace_bytes: Optional[int]) -> ShardLayout:
+                     workspace_bytes: Optional[int], deterministic: bool = False) -> ShardLayout:
         transient, keep = tiles.split_budget(workspace_bytes)
         kept_dtype = tiles.kept_dtype(dtype)
         cfg = self._known_cfg(device, dtype)
         block_v = tiles._PLANNING_BLOCK_V if cfg is None else cfg.block_v
-        cols = tiles.plan_keep(n, v, keep, kept_dtype.itemsize, block_v)
+        if tiles.workspace_budget(workspace_bytes) is None:  # the default budget: small calls keep everything,
+            # except deterministic ones (whether a call keeps depends on its token count, and kept terms give other
+            # d_logits bits than a recompute: a row's gradient would then depend on the batch it came in)
+            cols = 0 if deterministic else tiles.default_keep(n, v, kept_dtype.itemsize, block_v)
+        else:
+            cols = tiles.plan_keep(n, v, keep, kept_dtype.itemsize, block_v)
         values, scales = tiles.kept_words(n, cols, kept_dtype.itemsize, block_v) if cols else (0, 0)
         return ShardLayout(cfg, block_v, cols, values, scales, kept_dtype, transient)
 
-    def _launch_layout(self, hidden, weight, workspace_bytes: Optional[int]) -> ShardLayout:
+    def _launch_layout(self, hidden, weight, call: ShardCall) -> ShardLayout:
         """:meth:`_layout` of a call about to launch kernels: with its tile config (or ``_cfg``'s error)."""
-        lay = self._layout(hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, workspace_bytes)
+        lay = self._layout(hidden.shape[0], weight.shape[0], hidden.dtype, hidden.device, call.workspace_bytes,
+                           call.deterministic)
         if lay.cfg is None:
             lay = lay._replace(cfg=self._cfg(hidden.device, hidden.dtype))
         return lay
@@ -187,7 +193,7 @@ class TritonBackend:
         """``v_keep``: the shard's first columns whose terms the forward keeps (0: none)."""
         if not call.for_backward:
             return 0
-        return self._layout(n, v, dtype, device, call.workspace_bytes).keep_cols
+        return self._layout(n, v, dtype, device, call.workspace_bytes, call.deterministic).keep_cols
 
     def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                    call: ShardCall) -> tuple[int, ...]:
@@ -196,7 +202,7 @@ class TritonBackend:
         :func:`tplogp.kernels.tiles.kept_views`); ``(0,)``: nothing kept (no backward or no budget)."""
         if not call.for_backward:
             return (0,)
-        lay = self._layout(n, v, dtype, device, call.workspace_bytes)
+        lay = self._layout(n, v, dtype, device, call.workspace_bytes, call.deterministic)
         return (lay.kept_values + lay.kept_scales,) if lay.keep_cols else (0,)
 
     @staticmethod
@@ -224,7 +230,7 @@ class TritonBackend:
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         from ..kernels import generic_launch
 
-        lay = self._launch_layout(hidden, weight, call.workspace_bytes)
+        lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
         row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
             hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
@@ -239,7 +245,7 @@ class TritonBackend:
                        target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
         from ..kernels import generic_launch
 
-        lay = self._launch_layout(hidden, weight, call.workspace_bytes)
+        lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
         return SingleShardOutputs(*generic_launch.forward_single(
             hidden, weight, bias, target, call.inv_temperature, call.with_entropy,
@@ -253,7 +259,7 @@ class TritonBackend:
                  mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None) -> ShardGrads:
         from ..kernels import generic_launch
 
-        lay = self._launch_layout(hidden, weight, call.workspace_bytes)
+        lay = self._launch_layout(hidden, weight, call)
         d_hidden, d_weight, d_bias = generic_launch.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,

@@ -311,8 +311,8 @@ def _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N: tl.constexpr, BLOCK_V: 
 def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e, b_scale, MASKED: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
               KEEP_TMA: tl.constexpr = False):
-    """Store the tile's softmax terms ``b_e = exp(z - m)`` (rounded once to the kept buffer's dtype: bf16 for 16-bit
-    inputs) into ``[N, v_keep]`` and the rows' running max ``b_scale = m`` (natural units, fp32) into the scales
+    """Store the tile's softmax terms ``b_e = exp(z - m)`` (rounded once to the kept buffer's dtype: the inputs'
+    16-bit dtype) into ``[N, v_keep]`` and the rows' running max ``b_scale = m`` (natural units, fp32) into the scales
     ``[N, cdiv(v_keep, BLOCK_V)]``, column ``v0 // BLOCK_V``, when the tile lies below ``v_keep``; rows at or past N
     and columns at or past ``v_keep`` are not written. One 2-byte store per kept element and one fp32 per row and
     tile, nothing for the other tiles.

@@ -66,7 +66,7 @@ def _even(d: int, block: int) -> bool:
 
 class KeptTerms(NamedTuple):
     """What the forward keeps for the backward (views into the backend's flat buffer, :func:`.tiles.kept_views`):
-    ``values [N, v_keep]`` the softmax terms ``exp(z - m)`` (bf16 for 16-bit inputs, fp32 for fp32 ones) and
+    ``values [N, v_keep]`` the softmax terms ``exp(z - m)`` (in the inputs' dtype, :func:`.tiles.kept_dtype`) and
     ``scales [N, cdiv(v_keep, block_v)]`` fp32, the running max ``m`` (natural units) per row and forward tile."""
 
     values: torch.Tensor
@@ -77,9 +77,9 @@ def check_kept(kept: Optional[KeptTerms], n: int, v: int, block_v: int) -> None:
     if kept is None:
         return
     values, scales = kept
-    if (values.dtype not in (torch.float32, torch.bfloat16) or values.dim() != 2 or values.shape[0] != n
-            or not 0 < values.shape[1] <= v or values.stride(1) != 1):
-        raise KernelInputError(f"kept terms must be fp32 or bf16 [{n}, <= {v}] with unit column stride, got "
+    if (values.dtype not in (torch.float32, torch.bfloat16, torch.float16) or values.dim() != 2
+            or values.shape[0] != n or not 0 < values.shape[1] <= v or values.stride(1) != 1):
+        raise KernelInputError(f"kept terms must be fp32, bf16 or fp16 [{n}, <= {v}] with unit column stride, got "
                                f"{values.dtype} {tuple(values.shape)}")
     tiles_kept = cdiv(values.shape[1], block_v)
     if (scales.dtype != torch.float32 or scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] < tiles_kept

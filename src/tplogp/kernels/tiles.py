@@ -310,7 +310,7 @@ CHUNK_ALIGN = 256
 
 
 def workspace_budget(workspace_bytes: Optional[int]) -> Optional[int]:
-    """The call's budget in bytes, else ``TPLOGP_WORKSPACE_MB``, else None (the default: nothing kept)."""
+    """The call's budget in bytes, else ``TPLOGP_WORKSPACE_MB``, else None (the default, :func:`default_keep`)."""
     if workspace_bytes is not None:
         return workspace_bytes
     return settings.workspace_bytes()
@@ -320,7 +320,8 @@ def split_budget(workspace_bytes: Optional[int]) -> tuple[int, int]:
     """``(d_logits workspace bytes, kept-logits bytes)`` of a budget (the call's, else ``TPLOGP_WORKSPACE_MB``).
 
     The transient d_logits workspace gets up to ``DEFAULT_WORKSPACE_BYTES``; the rest holds fp32 logits kept from
-    forward to backward. Unset: the default workspace, nothing kept (the memory of the source before the dial)."""
+    forward to backward. Unset: the default workspace and no keep bytes (a GPU source then keeps what
+    :func:`default_keep` allows)."""
     budget = workspace_budget(workspace_bytes)
     if budget is None:
         return DEFAULT_WORKSPACE_BYTES, 0
@@ -329,11 +330,11 @@ def split_budget(workspace_bytes: Optional[int]) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------ kept softmax terms
 #
-# What the forward keeps for the backward (a budget above the default workspace): per kept element the softmax term
-# ``e = exp(z - m)`` in 16 bits (bf16: fp32's exponent range, so no term underflows that fp32 would keep) for 16-bit
-# inputs, fp32 for fp32 inputs, with ``m`` the row's running max (natural units) when the forward folded that
+# What the forward keeps for the backward (a budget above the default workspace, or a small call under the default:
+# :func:`default_keep`): per kept element the softmax term ``e = exp(z - m)`` in the inputs' dtype (:func:`kept_dtype`:
+# bf16 has fp32's exponent range; fp16 terms are <= 1 and underflow only where fp16 d_logits would), with ``m`` the row's running max (natural units) when the forward folded that
 # element's tile, one fp32 scale per (row, forward tile). The backward's ``p = e * exp(m - M - log S)`` then carries
-# e's rounding alone (2^-9 relative in bf16, what the d_logits rounding adds anyway), whatever the logits' size;
+# e's rounding alone (2^-9 relative in bf16, 2^-12 in fp16: what the d_logits rounding adds anyway), whatever the logits' size;
 # rounding the logits themselves would give p an error of ``|z| 2^-9``. Layout: one flat fp32 buffer (what the op's
 # fake implementation allocates), holding the values ``[N, cols]`` (viewed in their dtype), padded to 16 bytes, then
 # the scales ``[N, cdiv(cols, block_v)]``.
@@ -343,8 +344,12 @@ _PLANNING_BLOCK_V = 64  # the narrowest forward tile a fitted GPU config runs: s
 
 
 def kept_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the kept softmax terms for inputs of ``dtype``: bf16 for 16-bit inputs, fp32 for fp32 ones."""
-    return torch.float32 if dtype == torch.float32 else torch.bfloat16
+    """Dtype of the kept softmax terms for inputs of ``dtype``: the inputs' own (bf16, fp16 or fp32).
+
+    A term carries the rounding that ``d_logits`` gets in that dtype anyway (bf16 terms for fp16 inputs doubled
+    the gradients' error against the fp16 reference). ``e = exp(z - m) <= 1``, so fp16 never overflows; a term that
+    underflows fp16 (``e < 6e-8``) has ``p <= e`` and an fp16 ``d_logits`` of that size underflows as well."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
 def kept_words(n: int, cols: int, itemsize: int, block_v: int) -> tuple[int, int]:
@@ -358,6 +363,21 @@ def kept_bytes(n: int, cols: int, itemsize: int, block_v: int) -> int:
     if n == 0 or cols == 0:
         return 0
     return 4 * sum(kept_words(n, cols, itemsize, block_v))
+
+
+def default_keep(n: int, v: int, itemsize: int = 2, block_v: int = _PLANNING_BLOCK_V) -> int:
+    """Vocab columns kept under the default budget (no call budget, no ``TPLOGP_WORKSPACE_MB``): the whole shard when
+    its kept terms and scales fit ``DEFAULT_WORKSPACE_BYTES``, else none.
+
+    Such a call's backward runs one chunk either way: without keeping it allocates an ``[N, V]`` d_logits workspace
+    of the weight's dtype, with keeping it writes d_logits in place of the kept terms (``ShardCall.consume_kept``).
+    So the backward's peak grows only by the scales (``4 / block_v`` bytes per logit), and the call skips the
+    recompute GEMM: at small shapes, where that GEMM is a quarter of the GPU time, the default runs 3 GEMMs. The
+    terms are held from forward to backward (at most ``DEFAULT_WORKSPACE_BYTES`` per call); an explicit budget of
+    ``DEFAULT_WORKSPACE_BYTES`` keeps nothing."""
+    if n == 0 or v == 0 or kept_bytes(n, v, itemsize, block_v) > DEFAULT_WORKSPACE_BYTES:
+        return 0
+    return v
 
 
 def plan_keep(n: int, v: int, keep_bytes: int, itemsize: int = 2, block_v: int = _PLANNING_BLOCK_V) -> int:
@@ -378,8 +398,11 @@ def kept_views(kept: torch.Tensor, n: int, cols: int, dtype: torch.dtype,
                block_v: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values [n, cols] of dtype, scales [n, cdiv(cols, block_v)] fp32)``: views into the flat fp32 buffer."""
     values, scales = kept_words(n, cols, dtype.itemsize, block_v)
-    vals = kept[:values].view(dtype)[: n * cols].view(n, cols)
-    return vals, kept[values: values + scales].view(n, scales // max(n, 1))
+    per_row = scales // max(n, 1)
+    # two strided views of the buffer (a call's host time: each view op costs microseconds)
+    vals = kept.view(dtype).as_strided((n, cols), (cols, 1)) if dtype != kept.dtype else kept.as_strided(
+        (n, cols), (cols, 1))
+    return vals, kept.as_strided((n, per_row), (per_row, 1), kept.storage_offset() + values)
 
 
 def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: int) -> int:
