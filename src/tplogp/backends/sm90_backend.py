@@ -47,11 +47,21 @@ class SM90Backend(TritonBackend):
         return tiles.select_sm90(device, dtype, self._config)
 
     def _stats_launch(self, device: torch.device):
-        from ..kernels import hopper_launch
-
-        return hopper_launch.launch_stats_tma
+        return _hopper_launch().launch_stats_tma
 
     def _dlogits_launch(self, device: torch.device):
+        return _hopper_launch().launch_dlogits_tma
+
+
+_HOPPER_LAUNCH = None
+
+
+def _hopper_launch():
+    """:mod:`tplogp.kernels.hopper_launch`, imported at the first launch (it imports Triton); held in a global, as
+    :func:`tplogp.backends.triton_backend._generic_launch` is."""
+    global _HOPPER_LAUNCH
+    if _HOPPER_LAUNCH is None:
         from ..kernels import hopper_launch
 
-        return hopper_launch.launch_dlogits_tma
+        _HOPPER_LAUNCH = hopper_launch
+    return _HOPPER_LAUNCH

@@ -39,6 +39,21 @@ class ShardLayout(NamedTuple):
     transient_bytes: int  # the d_logits workspace part of the budget (tiles.split_budget)
 
 
+_GENERIC_LAUNCH = None
+
+
+def _generic_launch():
+    """:mod:`tplogp.kernels.generic_launch`, imported at the first launch (it imports Triton). Held in a global: a
+    ``from ..kernels import generic_launch`` statement in every method costs microseconds per call (the import
+    system's from-list handling runs in Python)."""
+    global _GENERIC_LAUNCH
+    if _GENERIC_LAUNCH is None:
+        from ..kernels import generic_launch
+
+        _GENERIC_LAUNCH = generic_launch
+    return _GENERIC_LAUNCH
+
+
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -223,13 +238,16 @@ class TritonBackend:
         """The :class:`~tplogp.kernels.generic_launch.KeptTerms` views of a kept buffer (None: nothing kept)."""
         if kept is None or kept.numel() == 0:
             return None
-        from ..kernels.generic_launch import KeptTerms
-
-        return KeptTerms(*tiles.kept_views(kept, n, lay.keep_cols, lay.kept_dtype, lay.keep_block_v))
+        terms = getattr(kept, "_tplogp_kept_terms", None)  # the views the forward made (attribute of the buffer)
+        if terms is not None and terms.values.shape == (n, lay.keep_cols) and terms.values.dtype == lay.kept_dtype:
+            return terms
+        terms = _generic_launch().KeptTerms(*tiles.kept_views(kept, n, lay.keep_cols, lay.kept_dtype,
+                                                               lay.keep_block_v))
+        kept._tplogp_kept_terms = terms  # the backward reads them again (no view ops on its host path)
+        return terms
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
-        from ..kernels import generic_launch
-
+        generic_launch = _generic_launch()
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
         row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
@@ -243,8 +261,7 @@ class TritonBackend:
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
                        target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
-        from ..kernels import generic_launch
-
+        generic_launch = _generic_launch()
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
         return SingleShardOutputs(*generic_launch.forward_single(
@@ -257,8 +274,7 @@ class TritonBackend:
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None) -> ShardGrads:
-        from ..kernels import generic_launch
-
+        generic_launch = _generic_launch()
         lay = self._launch_layout(hidden, weight, call)
         d_hidden, d_weight, d_bias = generic_launch.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,

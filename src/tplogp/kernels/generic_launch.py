@@ -276,14 +276,15 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     else:
         ge = mz = g
 
-    chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     v_keep = 0 if kept is None else kept.values.shape[1]
     in_place = (overwrite_kept and v_keep == v and kept.values.element_size() == weight.element_size()
                 and kept.values.is_contiguous())
-    if in_place:
-        chunk = v  # one chunk: d_logits over the whole shard, in the kept terms' memory
-    bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
-    bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
+    if in_place:  # one chunk: d_logits over the whole shard, in the kept terms' memory
+        bounds = [(0, v, True)]
+    else:
+        chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
+        bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
+        bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
