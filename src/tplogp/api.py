@@ -257,9 +257,9 @@ def linear_logp_loss(
             hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
         automatic = source in (None, "registry", "auto")  # the names get_op accepts for the registry's choice
         backend = backend_for_call(None if automatic else source, device, getattr(hidden, "dtype", None))
-        with contextlib.ExitStack() as stack:  # the loss callable and the sources see fp32 / the inputs' dtypes
-            if torch.is_autocast_enabled(device.type):
-                stack.enter_context(torch.autocast(device.type, enabled=False))
+        # the loss callable and the sources see fp32 / the inputs' dtypes
+        with (torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type)
+              else contextlib.nullcontext()):
             return fused_loss(backend, hidden, weight, target_ids, bias, loss=loss,
                               per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
                               vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,

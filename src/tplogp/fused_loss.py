@@ -212,11 +212,13 @@ def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenL
     ignored = prep.ignored  # rows kept in place (the compaction off): out of the loss, as in the chunked path
     if ignored is not None:
         logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
-    total = zero_rows(ignored, loss(logp, entropy, *extra)).sum()
+    per_token_loss = zero_rows(ignored, loss(logp, entropy, *extra))
+    if reduction == "mean" and ignored is None and prep.hidden.shape[0] > 0:
+        return per_token_loss.mean()  # (one op and one autograd node: host time at small shapes)
+    total = per_token_loss.sum()
     if reduction == "sum":
         return total
-    return total / (float(max(prep.hidden.shape[0], 1)) if ignored is None
-                    else (~ignored).sum().clamp_min(1).to(torch.float32))
+    return total / (1.0 if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32))
 
 
 def _options(reduction: str, temperature: float, with_entropy: bool, ignore_index: Optional[int],
