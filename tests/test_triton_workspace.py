@@ -256,3 +256,32 @@ def test_default_budget_runs_the_kept_schedule(monkeypatch):
     for name in ("d_hidden", "d_weight", "d_bias"):
         assert_no_worse(f"default keep {name}", getattr(default, name), getattr(ref, name), getattr(truth, name),
                         torch.bfloat16)
+
+
+def test_kept_buffer_is_freed_after_the_backward(monkeypatch):
+    """The kept buffer lives from the forward to the end of its backward, no longer: nothing the call path keeps
+    refers to it afterwards (a reference from the buffer to a view of itself would keep it alive for good)."""
+    import gc
+    import weakref
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    be = TritonBackend()
+    made = []
+    real = be._kept_buffer
+
+    def kept_buffer(*args):
+        kept = real(*args)
+        made.append(weakref.ref(kept))
+        return kept
+
+    monkeypatch.setattr(be, "_kept_buffer", kept_buffer)
+    p = make_problem((N,), D, V, torch.bfloat16, True, seed=4)
+    op = _op(be)
+    for retain in (False, True):  # the in-place backward, and one that reads the terms (retained graph)
+        h, w = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
+        out = op(h, w, p.target, p.bias)
+        out.sum().backward(retain_graph=retain)
+        assert len(made) == (2 if retain else 1)  # the call kept its terms (the default, at this size)
+        del out
+        gc.collect()
+        assert made[-1]() is None, f"kept buffer alive after the backward (retain_graph={retain})"

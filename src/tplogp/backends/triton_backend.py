@@ -238,13 +238,9 @@ class TritonBackend:
         """The :class:`~tplogp.kernels.generic_launch.KeptTerms` views of a kept buffer (None: nothing kept)."""
         if kept is None or kept.numel() == 0:
             return None
-        terms = getattr(kept, "_tplogp_kept_terms", None)  # the views the forward made (attribute of the buffer)
-        if terms is not None and terms.values.shape == (n, lay.keep_cols) and terms.values.dtype == lay.kept_dtype:
-            return terms
-        terms = _generic_launch().KeptTerms(*tiles.kept_views(kept, n, lay.keep_cols, lay.kept_dtype,
-                                                               lay.keep_block_v))
-        kept._tplogp_kept_terms = terms  # the backward reads them again (no view ops on its host path)
-        return terms
+        # (made per call: views held on the buffer itself, an attribute, would keep it alive through their base)
+        return _generic_launch().KeptTerms(*tiles.kept_views(kept, n, lay.keep_cols, lay.kept_dtype,
+                                                              lay.keep_block_v))
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         generic_launch = _generic_launch()
