@@ -16,8 +16,9 @@ them by the upstream scalar, the fp32 product rounded once (one Triton pass on a
 retained and the dtype allows: :func:`_scaled`). The per-token tensors are constants (no gradient flows to them).
 ``with_entropy=False``: the sources compute no entropy statistics and the loss callable gets ``entropy=None``.
 
-On one shard with a budget that keeps nothing, the chunk loop buys nothing (one chunk, recomputed either way): such
-a call runs as one autograd pass instead, ``linear_logp``'s Function under the loss callable (:func:`one_pass`).
+On one shard with a budget that keeps nothing beyond the default transient memory, the chunk loop buys nothing (one
+chunk, whose logits ``linear_logp`` keeps or recomputes alike): such a call runs as one autograd pass instead,
+``linear_logp``'s Function under the loss callable (:func:`one_pass`).
 """
 
 from __future__ import annotations
@@ -185,10 +186,13 @@ def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
 
 def one_pass(backend, hidden, tp_group, workspace_bytes: Optional[int]) -> bool:
     """Whether a differentiated call runs as one autograd pass (:func:`_one_pass_loss`): one shard (no group, or a
-    group of one) and a budget that keeps nothing (so one chunk, whose backward recomputes the logits either way).
+    group of one) and a budget that keeps nothing beyond the default transient memory (so one chunk, whose logits
+    ``linear_logp`` keeps under the default when they are small, :func:`tplogp.kernels.tiles.default_keep`, or
+    recomputes, as the chunk loop would).
     Computing the gradients in the forward buys nothing then, and costs a second autograd engine run (the loss
     callable's), the gradients' scaling and the gradients held from forward to backward (host time: on an H200 at
-    4096x2048x8192 the chunk loop took 1.3-1.6 ms of host time per call, ``linear_logp`` 0.4-0.6). The same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
+    4096x2048x8192 the chunk loop took 1.56 ms of host time per call, the one pass 0.60: docs/operator.md). The
+    same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
     if not isinstance(hidden, torch.Tensor):
         return False
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
