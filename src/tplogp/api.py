@@ -244,7 +244,7 @@ def linear_logp_loss(
     handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the leaves in their dtypes)
     and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
     plain tensor (the loss is a scalar of this rank's tokens). Returns a 0-d fp32 tensor whose backward scales the
-    precomputed gradients of hidden, weight and bias; on one shard with a budget that keeps nothing (the default),
+    precomputed gradients of hidden, weight and bias; on one shard with no keep bytes in the budget (the default),
     the call runs as one autograd pass instead, ``linear_logp``'s, whose backward computes them
     (:func:`tplogp.fused_loss.one_pass`).
     """

@@ -100,7 +100,8 @@ class ShardCall:
     with_entropy: bool = False
     deterministic: bool = False
     # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
-    # keeps for the backward (docs/operator.md, "Memory budget"). None: the source's default (nothing kept).
+    # keeps for the backward (docs/operator.md, "Memory budget"). None: the source's default (triton / sm90: a call
+    # whose kept terms fit the default d_logits workspace keeps them, tplogp.kernels.tiles.default_keep).
     workspace_bytes: Optional[int] = None
     # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
     for_backward: bool = False

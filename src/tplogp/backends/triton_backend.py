@@ -214,7 +214,8 @@ class TritonBackend:
                    call: ShardCall) -> tuple[int, ...]:
         """Shape of the flat fp32 buffer the forward keeps for the backward: the softmax terms of the first
         ``v_keep`` columns of the shard and their scales (:func:`tplogp.kernels.tiles.plan_keep`,
-        :func:`tplogp.kernels.tiles.kept_views`); ``(0,)``: nothing kept (no backward or no budget)."""
+        :func:`tplogp.kernels.tiles.kept_views`); ``(0,)``: nothing kept (no backward, or a budget or
+        default that keeps nothing)."""
         if not call.for_backward:
             return (0,)
         lay = self._layout(n, v, dtype, device, call.workspace_bytes, call.deterministic)
