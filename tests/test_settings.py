@@ -83,3 +83,22 @@ def test_launcher_env(monkeypatch):
     monkeypatch.setenv("RANK", "4")
     with pytest.raises(settings.SettingsError, match=r"RANK must be in \[0, WORLD_SIZE\)"):
         settings.launcher_env()
+
+
+def test_environment_reads_see_what_os_environ_holds(monkeypatch):
+    """The settings' environment read (``os.environ``'s own mapping, keys encoded once) returns what
+    ``os.environ.get`` does after every kind of write, and the plain read where that mapping is absent."""
+    import os
+
+    name = "TPLOGP_TEST_SETTING"
+    monkeypatch.delenv(name, raising=False)
+    assert settings._environ_get(name) is None
+    monkeypatch.setenv(name, "1.5")
+    assert settings._environ_get(name) == "1.5"
+    os.environ[name] = "ünïcode value"
+    assert settings._environ_get(name) == os.environ.get(name) == "ünïcode value"
+    del os.environ[name]
+    assert settings._environ_get(name) is None
+    monkeypatch.setattr(settings, "_ENV_DATA", None)  # a Python whose os.environ has no such mapping
+    monkeypatch.setenv(name, "2")
+    assert settings._environ_get(name) == "2"
