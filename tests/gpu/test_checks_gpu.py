@@ -85,3 +85,31 @@ def test_bad_target_raises_in_the_same_calls_backward_and_leaves_the_model_uncha
     with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary"):
         check_errors()
     op(h, w, t).sum().backward()  # the next good call runs
+
+
+@pytest.mark.parametrize("source", ["triton", "sm90"])
+def test_verdict_on_a_side_stream(source, monkeypatch):
+    """Calls on a stream other than the default one: the check's event is recorded on the stream the finishing
+    kernel ran on (the cached current stream follows the switch), so a verdict is never read before that kernel
+    wrote it; a bad target raises in its backward and the good calls around it on either stream run."""
+    monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
+    op = _op(source)
+    n, v = 300, 1000
+    p = problem_on(make_problem((n,), 64, v, torch.bfloat16, False, seed=2), "cuda")
+    h, w, t = p.hidden.requires_grad_(), p.weight.requires_grad_(), p.target
+    op(h, w, t).sum().backward()  # on the default stream: compiled, planned
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    bad = t.clone()
+    bad[5] = v + 7
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the side stream is busy: the finishing kernel writes the flag late
+        loss = op(h, w, bad).sum()
+        with pytest.raises(LinearLogpInputError, match=rf"target id {v + 7} is outside the vocabulary"):
+            loss.backward()
+        h.grad = w.grad = None
+        op(h, w, t).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    h.grad = w.grad = None
+    op(h, w, t).sum().backward()
+    check_errors()
