@@ -14,7 +14,8 @@ Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / s
   shrink the synced column at small shapes;
 * ``host_fwd_us``, ``host_fwd_bwd_us``: host CPU microseconds per call (:func:`benchmarks.runner.host_us`: the
   calling thread's CPU time, synced before and after each call), on CPU and GPU alike: what a call costs the host
-  (Python, dispatch, launches), which bounds the op at small shapes where the GPU work is shorter;
+  (Python, dispatch, launches), which bounds the op at small shapes where the GPU work is shorter; on a GPU the
+  backward's functions run on autograd's device thread and are not counted (a lower bound there);
 * ``checks``: the ``TPLOGP_CHECKS`` mode of the row; tplogp's rows are repeated per mode of ``--checks`` (the
   label of a mode other than ``full`` ends with ``checks <mode>``); the other implementations do not read the
   mode: one row each, labelled with the default (``full``);

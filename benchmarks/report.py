@@ -41,10 +41,12 @@ METHOD = """## Method
 * **Synced and back to back.** *Synced*: a host sync after every call, so a sample includes the host's launch
   latency (what one isolated call costs). *Back to back* (b2b): no sync between calls, the host runs ahead as in a
   training loop, and a sample is GPU time unless the host is the slower side. Medians of 10 calls each.
-* **Host µs.** The host CPU time of one forward+backward (the calling thread's CPU time, the device synced before
-  and after the call and those syncs not counted): Python, dispatch and launches, and any sync inside the call
-  (CUDA spin-waits the calling thread, so a wait for the device within the call is counted). Where it exceeds the GPU time of a call, the
-  op is host-bound (small shapes, tensor-parallel shards).
+* **Host µs.** The calling thread's CPU time during one forward+backward (the device synced before and after the
+  call, those syncs not counted): Python, dispatch and launches, and any sync inside the call (CUDA spin-waits the
+  calling thread, so a wait for the device within the call is counted). On a GPU autograd runs the backward
+  functions on its own device thread, whose work is not counted: there the column is the forward's host time and
+  the backward call's own, a lower bound of the call's host time (on the CPU the whole call is counted). Where the
+  host time exceeds the GPU time of a call, the op is host-bound (small shapes, tensor-parallel shards).
 * **Extra peak GiB**: the allocator's peak during one forward+backward above what was allocated before it
   (inputs excluded; d_W, d_hidden and anything kept from forward to backward included).
 * **Errors**: `||x - x_fp64|| / ||x_fp64||` against a float64 autograd reference with the same upstream gradient.

@@ -95,7 +95,9 @@ def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10) -> f
     host work of one call (Python, dispatch, launches). A sync *inside* the call (a ``.item()``, a blocking copy,
     an explicit synchronize) is counted: CUDA's default scheduling spins the calling thread while it waits, and that
     spin is CPU time, so such a call's sample includes the device time it waited for. CPU time, not wall-clock: a
-    loaded machine's preemption does not count."""
+    loaded machine's preemption does not count. Only the calling thread's: on a GPU, autograd runs the backward
+    functions of CUDA tensors on its own device thread, so their host work is not in the sample (a lower bound of a
+    forward+backward's host time there; on the CPU the backward runs on the calling thread and is counted)."""
     out = []
     for _ in range(max(reps, 1)):
         synchronize(device)

@@ -23,13 +23,13 @@ chunk, whose logits ``linear_logp`` keeps or recomputes alike): such a call runs
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 from typing import Optional, Sequence
 
 import torch
 
-from .backends.base import ShardCall
 from .comm import OverlappedAllReduce
 from .kernels.tiles import interpreting
 from .losses import PerTokenLoss
@@ -191,8 +191,8 @@ def one_pass(backend, hidden, tp_group, workspace_bytes: Optional[int]) -> bool:
     recomputes, as the chunk loop would).
     Computing the gradients in the forward buys nothing then, and costs a second autograd engine run (the loss
     callable's), the gradients' scaling and the gradients held from forward to backward (host time: on an H200 at
-    4096x2048x8192 the chunk loop took 1.56 ms of host time per call, the one pass 0.60: docs/operator.md). The
-    same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
+    4096x2048x8192 a synced call took 10.20 GEMM-times through the chunk loop, 6.02 in one pass: docs/operator.md).
+    The same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
     if not isinstance(hidden, torch.Tensor):
         return False
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
@@ -217,12 +217,11 @@ def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenL
     if ignored is not None:
         logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
     per_token_loss = zero_rows(ignored, loss(logp, entropy, *extra))
-    if reduction == "mean" and ignored is None and prep.hidden.shape[0] > 0:
+    if reduction == "sum" or prep.hidden.shape[0] == 0:  # (no row: the sum of nothing, 0)
+        return per_token_loss.sum()
+    if ignored is None:
         return per_token_loss.mean()  # (one op and one autograd node: host time at small shapes)
-    total = per_token_loss.sum()
-    if reduction == "sum":
-        return total
-    return total / (1.0 if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32))
+    return per_token_loss.sum() / (~ignored).sum().clamp_min(1).to(torch.float32)
 
 
 def _options(reduction: str, temperature: float, with_entropy: bool, ignore_index: Optional[int],
@@ -268,11 +267,10 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     accumulators = accumulator_tokens(d, weight.dtype if weight.requires_grad else None,
                                       bias.dtype if bias is not None and bias.requires_grad else None)
     chunk = plan_chunk_tokens(backend, n, vocab, workspace_bytes, h2.device, accumulators, h2.dtype)
-    # one backward per chunk's forward: the source may write d_logits in place of the chunk's kept terms
-    c = tpc.call
-    call = ShardCall(inv_temperature=c.inv_temperature, with_entropy=c.with_entropy, deterministic=c.deterministic,
-                     workspace_bytes=c.workspace_bytes, for_backward=differentiate, consume_kept=differentiate)
-    tpc.call = call  # (the call's own context: prepare_call makes one per call)
+    # one backward per chunk's forward: the source may write d_logits in place of the chunk's kept terms; d_hidden
+    # stays fp32 (the chunks' rows are scaled by the upstream scalar later, rounded once then)
+    tpc.call = dataclasses.replace(tpc.call, for_backward=differentiate, consume_kept=differentiate,
+                                   d_hidden_in_input_dtype=False)  # (the call's own context: one per call)
     count = None
     if reduction == "mean":
         count = (float(max(n, 1)) if ignored is None  # (a Python number: no host-to-device copy)
@@ -322,7 +320,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
 
         grads = backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.detach().contiguous(),
                                  None if g_ent is None else g_ent.detach().contiguous(), None,
-                                 mean_rel if g_ent is not None else None, call, needs, d_hidden_ready=ready,
+                                 mean_rel if g_ent is not None else None, tpc.call, needs, d_hidden_ready=ready,
                                  kept=kept, accumulate=accumulate)
         del kept  # one chunk's kept logits at a time
         if d_hidden is not None and not (ready is not None and reduce.started):

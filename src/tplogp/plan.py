@@ -18,7 +18,7 @@ afresh and get the checks' error. The cache holds at most ``MAX_PLANS`` layouts 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -64,7 +64,6 @@ class CallPlan:
     comm_device: torch.device  # where the group's collectives take tensors (CPU without a group)
     call: ShardCall  # for a forward whose results are not differentiated
     call_for_backward: ShardCall  # for a forward that may keep logits for its backward
-    call_consuming: ShardCall  # call_for_backward for a backward that may overwrite them (``consume_kept``)
     single: bool  # one shard and a backend with forward_single: it finishes logp / lse / entropy itself
     # single, no ignore_index (the kernel cannot tell ignored rows apart), and the backend's finishing kernel checks
     # the targets (tplogp.checks.KernelTargetCheck)
@@ -114,10 +113,9 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     ok = problem is None
     single = world == 1 and hasattr(backend, "forward_single")
     _stats["built"] += 1
-    for_backward = shard_call(options, for_backward=True, one_shard=world == 1) if ok else ShardCall()
     plan = CallPlan(key if ok else None, backend, mode, world, comm_device,
                     shard_call(options, one_shard=world == 1) if ok else ShardCall(),
-                    for_backward, replace(for_backward, consume_kept=True),
+                    shard_call(options, for_backward=True, one_shard=world == 1) if ok else ShardCall(),
                     single, single and options.ignore_index is None and getattr(backend, "checks_targets_in_kernel",
                                                                                  False))
     return plan, problem

@@ -65,7 +65,6 @@ class _TPContext:
     verdict: Optional[BackwardVerdict] = None
     # the call's target check, run by the source's finishing kernel (single only), or None
     target_check: Optional[checks.KernelTargetCheck] = None
-    plan: Optional[CallPlan] = None  # the layout's plan (its ShardCall variants, made once)
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
@@ -207,11 +206,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
         # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
         reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
-        call = tpc.call
-        if consumes_kept(kept, ctx.kept_private):
-            plan = tpc.plan
-            call = (plan.call_consuming if plan is not None and call is plan.call_for_backward
-                    else dataclasses.replace(call, consume_kept=True))
+        call = tpc.call.consuming if consumes_kept(kept, ctx.kept_private) else tpc.call
         grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
                                      mean_rel if g_ent is not None else None, call, needs,
                                      d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
@@ -317,7 +312,7 @@ def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vo
             tgt = torch.where(keep, tgt, -1)
 
     tpc = _TPContext(plan.backend, plan.call, tp_group, plan.world_size, plan.comm_device, plan.single, verdict,
-                     target_check, plan)
+                     target_check)
     if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
         local_target = tgt
     else:

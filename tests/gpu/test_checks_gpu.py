@@ -21,6 +21,18 @@ def _op(source):
     return get_op("linear_logp", source=source)
 
 
+def _planned(source, seed, monkeypatch):
+    """``(op, hidden, weight, targets, vocab)`` of a 300 x 64 x 1000 bf16 problem under the default checks, after one
+    good forward+backward (kernels compiled, layout planned)."""
+    monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
+    op = _op(source)
+    v = 1000
+    p = problem_on(make_problem((300,), 64, v, torch.bfloat16, False, seed=seed), "cuda")
+    h, w, t = p.hidden.requires_grad_(), p.weight.requires_grad_(), p.target
+    op(h, w, t).sum().backward()
+    return op, h, w, t, v
+
+
 def _step(op, h, w, t, g):
     out = op(h, w, t, return_entropy=True)
     ((out.logp * g).sum() + out.entropy.sum()).backward()
@@ -61,17 +73,12 @@ def test_bad_target_raises_in_the_same_calls_backward_and_leaves_the_model_uncha
     """The default checks (the triton / sm90 finishing kernel writes the verdict to pinned host memory; native's
     summary is copied behind an event): the backward of the call with the bad target raises before any gradient
     reaches the parameters, naming the id; a no-grad call's verdict reaches ``check_errors``."""
-    monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
-    op = _op(source)
-    n, v = 300, 1000
-    p = problem_on(make_problem((n,), 64, v, torch.bfloat16, False, seed=1), "cuda")
-    h, w, t = p.hidden.requires_grad_(), p.weight.requires_grad_(), p.target
-    op(h, w, t).sum().backward()  # a good step first: compiled, planned
+    op, h, w, t, v = _planned(source, 1, monkeypatch)
     check_errors()
     h.grad = w.grad = None
     before = w.detach().clone()
     bad = t.clone()
-    bad[n - 1] = bad_id
+    bad[-1] = bad_id
     opt = torch.optim.SGD([w], lr=1.0)
     loss = op(h, w, bad).sum()
     with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary"):
@@ -92,12 +99,7 @@ def test_verdict_on_a_side_stream(source, monkeypatch):
     """Calls on a stream other than the default one: the check's event is recorded on the stream the finishing
     kernel ran on (the cached current stream follows the switch), so a verdict is never read before that kernel
     wrote it; a bad target raises in its backward and the good calls around it on either stream run."""
-    monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
-    op = _op(source)
-    n, v = 300, 1000
-    p = problem_on(make_problem((n,), 64, v, torch.bfloat16, False, seed=2), "cuda")
-    h, w, t = p.hidden.requires_grad_(), p.weight.requires_grad_(), p.target
-    op(h, w, t).sum().backward()  # on the default stream: compiled, planned
+    op, h, w, t, v = _planned(source, 2, monkeypatch)  # on the default stream
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     bad = t.clone()

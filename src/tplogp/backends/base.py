@@ -54,7 +54,8 @@ lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the targ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
@@ -112,6 +113,11 @@ class ShardCall:
     # d_hidden is the call's whole gradient (one shard: no all-reduce; no later scaling): a source may return it in
     # the input dtype, rounded once as its GEMM stores it, instead of fp32 (no fp32 buffer, no cast)
     d_hidden_in_input_dtype: bool = False
+
+    @functools.cached_property
+    def consuming(self) -> "ShardCall":
+        """This call with ``consume_kept`` (made once per ShardCall: the calls of a layout share one)."""
+        return self if self.consume_kept else replace(self, consume_kept=True)
 
 
 class ShardBackend(Protocol):

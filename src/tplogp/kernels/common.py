@@ -314,7 +314,7 @@ def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e
     """Store the tile's softmax terms ``b_e = exp(z - m)`` (rounded once to the kept buffer's dtype: the inputs'
     16-bit dtype) into ``[N, v_keep]`` and the rows' running max ``b_scale = m`` (natural units, fp32) into the scales
     ``[N, cdiv(v_keep, BLOCK_V)]``, column ``v0 // BLOCK_V``, when the tile lies below ``v_keep``; rows at or past N
-    and columns at or past ``v_keep`` are not written. One 2-byte store per kept element and one fp32 per row and
+    and columns at or past ``v_keep`` are not written. One store per kept element and one fp32 per row and
     tile, nothing for the other tiles.
 
     A full tile (not ``MASKED``) below ``v_keep`` lies wholly below it: ``v_keep`` is the shard's V or a multiple of

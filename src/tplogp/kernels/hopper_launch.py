@@ -35,7 +35,7 @@ def tma_ok(hidden, weight) -> bool:
 
 def kept_tma_ok(values) -> bool:
     """The kept terms ``[N, v_keep]`` can take the forward's TMA stores (:func:`_descriptor_legal`: ``v_keep`` a
-    multiple of 8 for bf16 terms, i.e. every keep but a whole shard of odd width)."""
+    multiple of 8 for 16-bit terms, 4 for fp32 ones: every keep but a whole shard of another width)."""
     return _descriptor_legal(values)
 
 

@@ -331,10 +331,10 @@ def split_budget(workspace_bytes: Optional[int]) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------ kept softmax terms
 #
 # What the forward keeps for the backward (a budget above the default workspace, or a small call under the default:
-# :func:`default_keep`): per kept element the softmax term ``e = exp(z - m)`` in the inputs' dtype (:func:`kept_dtype`:
-# bf16 has fp32's exponent range; fp16 terms are <= 1 and underflow only where fp16 d_logits would), with ``m`` the row's running max (natural units) when the forward folded that
-# element's tile, one fp32 scale per (row, forward tile). The backward's ``p = e * exp(m - M - log S)`` then carries
-# e's rounding alone (2^-9 relative in bf16, 2^-12 in fp16: what the d_logits rounding adds anyway), whatever the logits' size;
+# :func:`default_keep`): per kept element the softmax term ``e = exp(z - m)`` in the inputs' dtype
+# (:func:`kept_dtype`), with ``m`` the row's running max (natural units) when the forward folded that element's tile,
+# one fp32 scale per (row, forward tile). The backward's ``p = e * exp(m - M - log S)`` then carries e's rounding
+# alone (2^-9 relative in bf16, 2^-12 in fp16: what the d_logits rounding adds anyway), whatever the logits' size;
 # rounding the logits themselves would give p an error of ``|z| 2^-9``. Layout: one flat fp32 buffer (what the op's
 # fake implementation allocates), holding the values ``[N, cols]`` (viewed in their dtype), padded to 16 bytes, then
 # the scales ``[N, cdiv(cols, block_v)]``.
@@ -347,8 +347,9 @@ def kept_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of the kept softmax terms for inputs of ``dtype``: the inputs' own (bf16, fp16 or fp32).
 
     A term carries the rounding that ``d_logits`` gets in that dtype anyway (bf16 terms for fp16 inputs doubled
-    the gradients' error against the fp16 reference). ``e = exp(z - m) <= 1``, so fp16 never overflows; a term that
-    underflows fp16 (``e < 6e-8``) has ``p <= e`` and an fp16 ``d_logits`` of that size underflows as well."""
+    the gradients' error against the fp16 reference: tests/test_triton_kernels.py). bf16 has fp32's exponent range.
+    ``e = exp(z - m) <= 1``, so fp16 never overflows; a term below fp16's smallest subnormal (2^-24) is stored as 0,
+    and as ``p <= e`` that moves its ``d_logits = g (onehot - p)`` by at most ``|g| 2^-24``."""
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
@@ -399,9 +400,8 @@ def kept_views(kept: torch.Tensor, n: int, cols: int, dtype: torch.dtype,
     """``(values [n, cols] of dtype, scales [n, cdiv(cols, block_v)] fp32)``: views into the flat fp32 buffer."""
     values, scales = kept_words(n, cols, dtype.itemsize, block_v)
     per_row = scales // max(n, 1)
-    # two strided views of the buffer (a call's host time: each view op costs microseconds)
-    vals = kept.view(dtype).as_strided((n, cols), (cols, 1)) if dtype != kept.dtype else kept.as_strided(
-        (n, cols), (cols, 1))
+    # strided views of the buffer, as few view ops as can be (host time: each costs microseconds)
+    vals = (kept if dtype == kept.dtype else kept.view(dtype)).as_strided((n, cols), (cols, 1))
     return vals, kept.as_strided((n, per_row), (per_row, 1), kept.storage_offset() + values)
 
 
