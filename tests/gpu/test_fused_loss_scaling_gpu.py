@@ -74,8 +74,12 @@ def test_without_entropy_is_bitwise_the_default(source, chunks):
     for name, a, e in zip(("loss", "d_hidden", "d_weight", "d_bias"), *found):
         assert torch.equal(a, e), f"{source} {chunks} chunks {name}: differs without entropy"
     ppo = losses.ppo_clip(0.2, 0.2)
-    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
     adv, old = torch.randn(n, device="cuda"), torch.full((n,), -10.0, device="cuda")
-    # a built-in that reads no entropy runs without it
-    tplogp.linear_logp_loss(hh, ww, y, loss=ppo, per_token=(adv, old), source=source, with_entropy=False).backward()
-    assert torch.isfinite(hh.grad.float()).all() and torch.isfinite(ww.grad.float()).all()
+    found = []
+    for with_entropy in (True, False):  # a built-in that reads no entropy runs without it, to the same bits
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        tplogp.linear_logp_loss(hh, ww, y, loss=ppo, per_token=(adv, old), source=source, with_entropy=with_entropy,
+                                deterministic=True).backward()
+        found.append((hh.grad, ww.grad))
+    for name, a, e in zip(("d_hidden", "d_weight"), *found):
+        assert torch.equal(a, e), f"{source} ppo_clip {name}: differs without entropy"
