@@ -10,6 +10,13 @@ import torch
 from tplogp import LinearLogpInputError, ShardLayoutError, check_errors, get_op, plan
 
 
+@pytest.fixture(autouse=True)
+def _no_remembered_plans():
+    """Each test starts from an empty plan cache: another test in the same process may have planned its layouts."""
+    plan.clear_plans()
+    yield
+
+
 def _inputs(n=6, d=8, v=20, dtype=torch.float32, bias=False, grad=False):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(n, d, generator=g).to(dtype).requires_grad_(grad)
