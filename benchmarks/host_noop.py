@@ -9,8 +9,9 @@ CPU GEMMs of the backward (tiny at the default shape). Launches keep their host 
 :class:`tplogp.kernels.direct_launch.DirectLauncher`'s hot path (the launch key built from the arguments, the
 cached compiled kernel looked up), whose compiled kernel is a no-op; the first launch of a key stores it without
 compiling. Rows: ``torch-eager`` (log_softmax + gather, for scale), ``triton`` (``get_op(source="triton")``),
-``sm90`` (the sm90 source's host path: TMA descriptors and its launchers, through :func:`tplogp.tp.linear_logp_tp`
-since the registry offers sm90 on Hopper only) and ``loss-triton`` (``linear_logp_loss``, mean of ``-logp``).
+``sm90-tma`` (the sm90 source's TMA host path: descriptors and their launchers, through
+:func:`tplogp.tp.linear_logp_tp` since the registry offers sm90 on Hopper only; every size takes it here, where the
+source itself launches the pointer kernels below ``TMA_MIN_MACS``) and ``loss-triton`` (``linear_logp_loss``, mean of ``-logp``).
 
 Each number is the minimum over ``--rounds`` of the mean ``time.thread_time`` per call over ``--reps`` calls (CPU
 time of this thread: a loaded machine's preemption does not count; the minimum drops rounds slowed by cache
@@ -74,7 +75,7 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable
     weight = (torch.randn(v, d, generator=gen) / d ** 0.5).to(dtype).requires_grad_()
     targets = torch.randint(0, v, (n,), generator=gen)
     op = tplogp.get_op("linear_logp", source="triton")
-    sm90 = SM90Backend()
+    sm90 = SM90Backend(tma_min_macs=0)
 
     def neg_logp(logp, entropy):
         return -logp
@@ -83,7 +84,7 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable
         "torch-eager": lambda: torch.log_softmax((hidden @ weight.t()).float(), -1).gather(
             1, targets[:, None]).sum().backward(),
         "triton": lambda: op(hidden, weight, targets).sum().backward(),
-        "sm90": lambda: linear_logp_tp(sm90, hidden, weight, targets).sum().backward(),
+        "sm90-tma": lambda: linear_logp_tp(sm90, hidden, weight, targets).sum().backward(),
         "loss-triton": lambda: tplogp.linear_logp_loss(hidden, weight, targets, loss=neg_logp, reduction="mean",
                                                        source="triton").backward(),
     }

@@ -138,3 +138,36 @@ def test_explicit_config_that_does_not_fit_is_refused(fake_cuda):
     reason = backend.unsupported_reason(CUDA0, torch.bfloat16)
     assert reason is not None and "given tile config" in reason and "allows 101376" in reason
     assert TritonBackend().unsupported_reason(CUDA0, torch.float32) is None  # the table entry is fitted instead
+
+
+# ------------------------------------------------------------------------------------ TMA or pointer kernels by size
+
+
+def _launch_hooks(backend, n, d, v, deterministic=False):
+    """``(stats hook, d_logits hook)`` the backend picks for an ``[n, d] x [v, d]`` call (meta tensors: only the
+    shapes are read; None is the generic pointer kernel)."""
+    from tplogp.backends.base import ShardCall
+
+    hidden, weight = torch.empty(n, d, device="meta"), torch.empty(v, d, device="meta")
+    call = ShardCall(deterministic=deterministic)
+    return backend._stats_launch(hidden, weight, call), backend._dlogits_launch(hidden, weight, call)
+
+
+def test_sm90_launches_pointer_kernels_at_or_below_the_size_and_tma_above():
+    pytest.importorskip("triton")
+    from tplogp.backends import sm90_backend
+    from tplogp.kernels import hopper_launch
+
+    be = SM90Backend()
+    tma = (hopper_launch.launch_stats_tma, hopper_launch.launch_dlogits_tma)
+    at = sm90_backend.TMA_MIN_MACS
+    assert _launch_hooks(be, 4096, 2048, 8192) == (None, None)  # 2^36: the limit itself
+    assert 4096 * 2048 * 8192 == at
+    assert _launch_hooks(be, 4097, 2048, 8192) == tma
+    assert _launch_hooks(be, 8192, 4096, 128256) == tma
+    # deterministic calls launch the TMA kernels at every size (a row's bits do not depend on its batch)
+    assert _launch_hooks(be, 16, 32, 64, deterministic=True) == tma
+    # the size is the backend's: 0 sends every call to the TMA kernels (the interpreter tests of those kernels)
+    assert _launch_hooks(SM90Backend(tma_min_macs=0), 16, 32, 64) == tma
+    # the portable source never takes them
+    assert _launch_hooks(TritonBackend(), 8192, 4096, 128256) == (None, None)

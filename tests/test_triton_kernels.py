@@ -32,8 +32,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _sm90_on_cpu():
-    """An SM90Backend whose kernels run in the interpreter (bypassing its capability check)."""
-    be = SM90Backend()
+    """An SM90Backend whose TMA kernels run in the interpreter (bypassing its capability check; every size takes
+    the TMA kernels)."""
+    be = SM90Backend(tma_min_macs=0)
     be._cfg = lambda device, dtype: tiles.INTERPRETER
     return be
 

@@ -1,8 +1,10 @@
 """The ``sm90`` source: the Triton kernels specialised for Hopper (compute capability 9.0).
 
 Same algorithm and launchers as :mod:`tplogp.backends.triton_backend`; operand tiles are loaded through tensor
-descriptors (TMA bulk copies) with the Hopper entry of the config table (see :mod:`tplogp.kernels.hopper_kernels`). No build
-step: the kernels are JIT-compiled by Triton on first use. Reports itself unavailable, with the reason, on anything
+descriptors (TMA bulk copies) with the Hopper entry of the config table (see :mod:`tplogp.kernels.hopper_kernels`).
+Small calls (:func:`uses_tma`) run the pointer kernels with the same tiles instead: there a launch's host work,
+which the three tensor descriptors lengthen, is the critical path, not the GEMM. No build step: the kernels are
+JIT-compiled by Triton on first use. Reports itself unavailable, with the reason, on anything
 but a compute-capability-9.0 CUDA device (the generic ``triton`` source covers the rest, and the CPU interpreter).
 """
 
@@ -17,11 +19,30 @@ from .triton_backend import TritonBackend, _default_device, triton_unavailable_r
 
 REQUIRED_CAPABILITY = (9, 0)
 
+# Calls whose forward GEMM is at most this many multiply-accumulates (N * D * V_local) launch the pointer kernels.
+# There the GPU work (a few hundred microseconds) is shorter than the host's, and a TMA launch's host work (three
+# tensor descriptors built, keyed and encoded per launch) delays every later kernel; above it the TMA loads'
+# speed wins. Measured on an H200 (docs/kernels.md, "TMA or pointer loads by size"): at 4096x2048x8192 (2^36) the
+# pointer kernels were faster synced and back to back, at 2048x4096x16384 (2^37) the TMA ones back to back.
+TMA_MIN_MACS = 1 << 36
+
+
+def uses_tma(n: int, d: int, v: int, deterministic: bool, min_macs: int = TMA_MIN_MACS) -> bool:
+    """Whether an ``[n, d] x [v, d]`` call launches the TMA kernels (else the pointer kernels, same tiles): above
+    ``min_macs``. Deterministic calls always do: a row's bits must not depend on the batch it came in, and the two
+    kernels are not promised to round alike."""
+    return deterministic or n * d * v > min_macs
+
 
 class SM90Backend(TritonBackend):
     """Per-shard primitives with Hopper TMA kernels (see module docstring)."""
 
     name = "sm90"
+
+    def __init__(self, config=None, tma_min_macs: int = TMA_MIN_MACS):
+        # config: as TritonBackend's; tma_min_macs: the size above which calls launch the TMA kernels (uses_tma)
+        super().__init__(config)
+        self.tma_min_macs = tma_min_macs
 
     def unavailable_reason(self, device: Optional[torch.device] = None) -> Optional[str]:
         reason = triton_unavailable_reason()
@@ -46,10 +67,14 @@ class SM90Backend(TritonBackend):
     def _select(self, device: torch.device, dtype: torch.dtype):
         return tiles.select_sm90(device, dtype, self._config)
 
-    def _stats_launch(self, device: torch.device):
+    def _stats_launch(self, hidden, weight, call):
+        if not uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic, self.tma_min_macs):
+            return None  # the generic kernel
         return _hopper_launch().launch_stats_tma
 
-    def _dlogits_launch(self, device: torch.device):
+    def _dlogits_launch(self, hidden, weight, call):
+        if not uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic, self.tma_min_macs):
+            return None
         return _hopper_launch().launch_dlogits_tma
 
 

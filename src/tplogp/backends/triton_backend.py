@@ -168,7 +168,7 @@ class TritonBackend:
             lay = lay._replace(cfg=self._cfg(hidden.device, hidden.dtype))
         return lay
 
-    def _dlogits_launch(self, device: torch.device):
+    def _dlogits_launch(self, hidden, weight, call: ShardCall):
         return None  # the generic kernel
 
     # -- primitives --------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ class TritonBackend:
         kept = self._kept_buffer(hidden, lay, call)
         row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
             hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
-            lay.cfg, stats_launch=self._stats_launch(hidden.device),
+            lay.cfg, stats_launch=self._stats_launch(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay))
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
@@ -263,10 +263,10 @@ class TritonBackend:
         kept = self._kept_buffer(hidden, lay, call)
         return SingleShardOutputs(*generic_launch.forward_single(
             hidden, weight, bias, target, call.inv_temperature, call.with_entropy,
-            lay.cfg, stats_launch=self._stats_launch(hidden.device),
+            lay.cfg, stats_launch=self._stats_launch(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag), kept=kept)
 
-    def _stats_launch(self, device: torch.device):
+    def _stats_launch(self, hidden, weight, call: ShardCall):
         return None  # the generic kernel
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
@@ -277,7 +277,7 @@ class TritonBackend:
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
-            cfg=lay.cfg, dlogits_launch=self._dlogits_launch(hidden.device),
+            cfg=lay.cfg, dlogits_launch=self._dlogits_launch(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
             overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype)
         return ShardGrads(d_hidden, d_weight, d_bias)
