@@ -46,10 +46,11 @@ class LogpOptions:
 
 def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False) -> ShardCall:
     """What the sources get to know about a call's options. ``one_shard``: d_hidden is the call's whole gradient,
-    which a source may round to the input dtype in its GEMM (``ShardCall.d_hidden_in_input_dtype``)."""
+    which a source may round to the input dtype in its GEMM (``ShardCall.d_hidden_in_input_dtype``). Such calls run
+    only after the op's checks (``ShardCall.inputs_checked``)."""
     return ShardCall(inv_temperature=1.0 / float(options.temperature), with_entropy=options.return_entropy,
                      deterministic=options.deterministic, workspace_bytes=options.workspace_bytes,
-                     for_backward=for_backward, d_hidden_in_input_dtype=one_shard)
+                     for_backward=for_backward, d_hidden_in_input_dtype=one_shard, inputs_checked=True)
 
 
 @dataclass

@@ -113,6 +113,9 @@ class ShardCall:
     # d_hidden is the call's whole gradient (one shard: no all-reduce; no later scaling): a source may return it in
     # the input dtype, rounded once as its GEMM stores it, instead of fp32 (no fp32 buffer, no cast)
     d_hidden_in_input_dtype: bool = False
+    # the op's checks passed and the call path made the tensors what the sources take (tplogp.checks,
+    # tp.localize_call: 2-D, contiguous, one device, int64 targets): a source may skip its per-launch checks
+    inputs_checked: bool = False
 
     @functools.cached_property
     def consuming(self) -> "ShardCall":

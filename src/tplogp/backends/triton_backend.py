@@ -250,7 +250,7 @@ class TritonBackend:
         row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
             hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
             lay.cfg, stats_launch=self._stats_launch(hidden, weight, call),
-            kept=self._kept_terms(kept, hidden.shape[0], lay))
+            kept=self._kept_terms(kept, hidden.shape[0], lay), checked=call.inputs_checked)
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
     # forward_single takes ``target_flag``: its finishing kernel checks the targets (tplogp.checks.KernelTargetCheck)
@@ -264,7 +264,8 @@ class TritonBackend:
         return SingleShardOutputs(*generic_launch.forward_single(
             hidden, weight, bias, target, call.inv_temperature, call.with_entropy,
             lay.cfg, stats_launch=self._stats_launch(hidden, weight, call),
-            kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag), kept=kept)
+            kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag, checked=call.inputs_checked),
+            kept=kept)
 
     def _stats_launch(self, hidden, weight, call: ShardCall):
         return None  # the generic kernel
@@ -279,5 +280,6 @@ class TritonBackend:
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
             cfg=lay.cfg, dlogits_launch=self._dlogits_launch(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
-            overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype)
+            overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype,
+            checked=call.inputs_checked)
         return ShardGrads(d_hidden, d_weight, d_bias)

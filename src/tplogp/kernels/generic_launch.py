@@ -3,7 +3,9 @@
 The ``triton`` source runs these with the generic kernels (:mod:`.generic_kernels`); the ``sm90`` source runs the
 same functions with the Hopper GEMM kernels plugged in through the ``stats_launch`` / ``dlogits_launch`` hooks
 (:mod:`.hopper_launch`). No host syncs: every size used for planning is a Python int taken from tensor shapes; no
-``.item()``, no ``nonzero()``.
+``.item()``, no ``nonzero()``. Each entry point checks its tensors (:func:`check_inputs`, :func:`check_kept`)
+unless its caller passes ``checked=True``: the op's own call path, whose inputs passed :mod:`tplogp.checks` and were
+made 2-D, contiguous and int64 there (``ShardCall.inputs_checked``), skips these per-launch repeats.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def check_kept(kept: Optional[KeptTerms], n: int, v: int, block_v: int) -> None:
 
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
-                  cfg: TileConfig, stats_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None):
+                  cfg: TileConfig, stats_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None,
+                  checked: bool = False):
     """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard.
 
     ``kept`` (optional): the stats kernel also stores the softmax terms of the shard columns ``[0, v_keep)`` and
@@ -100,10 +103,11 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     stats are views of one ``[3 or 4, N]`` buffer, the per-split stats of one ``[3 or 4, S, N]`` buffer), two
     launches, no other torch op.
     """
-    check_inputs(hidden, weight, bias, local_target)
     n, d = hidden.shape
     v = weight.shape[0]
-    check_kept(kept, n, v, cfg.block_v)
+    if not checked:
+        check_inputs(hidden, weight, bias, local_target)
+        check_kept(kept, n, v, cfg.block_v)
     k = 4 if with_entropy else 3
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
     if n == 0 or v == 0:
@@ -125,7 +129,7 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                    inv_temperature: float, with_entropy: bool, cfg: TileConfig,
                    stats_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None,
-                   target_flag: Optional[torch.Tensor] = None):
+                   target_flag: Optional[torch.Tensor] = None, checked: bool = False):
     """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``, fp32 [N].
     ``kept``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the finishing kernel sets to
     an id outside ``[0, V)`` if some target is one (the call's default check; pinned host memory on a GPU, which
@@ -135,10 +139,11 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     ``full`` mode reject such ids before this runs). Two launches (the stats kernel, then one kernel that folds the
     splits and finishes the outputs) and two allocations: no other torch op.
     """
-    check_inputs(hidden, weight, bias, target)
     n = hidden.shape[0]
     v = weight.shape[0]
-    check_kept(kept, n, v, cfg.block_v)
+    if not checked:
+        check_inputs(hidden, weight, bias, target)
+        check_kept(kept, n, v, cfg.block_v)
     k = 6 if with_entropy else 4
     if n == 0 or v == 0:
         out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
@@ -223,7 +228,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              dlogits_launch: Optional[Callable] = None, kept: Optional[KeptTerms] = None,
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
              accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
-             overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False):
+             overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False, checked: bool = False):
     """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard.
 
     ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden is one GEMM (one
@@ -243,7 +248,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     the same program), then one full-size GEMM each gives ``d_hidden`` (fp32) and ``d_W`` (one GEMM over all tokens
     and the whole shard: fp32 accumulation inside it, no workspace and no cross-chunk sum).
     """
-    check_inputs(hidden, weight, bias, local_target)
+    if not checked:
+        check_inputs(hidden, weight, bias, local_target)
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -258,7 +264,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
                     db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
         return None, None, None
-    check_kept(kept, n, v, cfg.block_v)
+    if not checked:
+        check_kept(kept, n, v, cfg.block_v)
 
     f32 = torch.float32
     if not local_target.is_contiguous():
