@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--rows", default="torch-eager,triton,sm90,loss-triton")
+    parser.add_argument("--rows", default="torch-eager,triton,sm90-tma,loss-triton")
     parser.add_argument("--profile", metavar="ROW", help="print a cProfile table of ROW instead of timing")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -195,13 +195,17 @@ def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[
 
 
 def _eager_under_compile(fn):
-    """``fn`` behind ``torch.compiler.disable``, applied at the first call (importing ``torch._dynamo`` with tplogp
-    would cost about a second): compiled code that calls it runs ``fn`` eagerly, untraced."""
+    """``fn`` behind ``torch.compiler.disable`` while Dynamo traces the caller (compiled code that calls it runs
+    ``fn`` eagerly, untraced); a plain call otherwise (the disabled wrapper's frame switch costs host time on every
+    eager call). The wrapper is made at the first traced call: importing ``torch._dynamo`` with tplogp would cost
+    about a second."""
     disabled = None
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal disabled
+        if not torch.compiler.is_compiling():  # (a constant True while Dynamo traces this frame)
+            return fn(*args, **kwargs)
         if disabled is None:
             disabled = torch.compiler.disable(fn)
         return disabled(*args, **kwargs)
