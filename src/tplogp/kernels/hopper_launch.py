@@ -74,8 +74,9 @@ _DESC_DEFAULTS = _descriptor_defaults() if TensorDescriptor is not None else Non
 
 def _descriptor(tensor, block_shape: list):
     """``TensorDescriptor.from_tensor(tensor, block_shape)`` without its per-call validation (microseconds of host
-    time on a small-shape call): the launchers have checked what it asserts (``tma_ok``: 16-byte aligned base and
-    row stride; ``check_inputs``: unit stride along D, non-empty) and the block shapes come from the config table."""
+    time on a small-shape call): what it asserts holds (``tma_ok``: 16-byte aligned base and row stride;
+    ``check_inputs``, or the op's own checks for its calls: unit stride along D; empty calls return before any
+    launch) and the block shapes come from the config table."""
     if _DESC_DEFAULTS is None:
         return TensorDescriptor.from_tensor(tensor, block_shape)
     desc = object.__new__(TensorDescriptor)
