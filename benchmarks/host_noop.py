@@ -11,7 +11,8 @@ cached compiled kernel looked up), whose compiled kernel is a no-op; the first l
 compiling. Rows: ``torch-eager`` (log_softmax + gather, for scale), ``triton`` (``get_op(source="triton")``),
 ``sm90-tma`` (the sm90 source's TMA host path: descriptors and their launchers, through
 :func:`tplogp.tp.linear_logp_tp` since the registry offers sm90 on Hopper only; every size takes it here, where the
-source itself launches the pointer kernels below ``TMA_MIN_MACS``) and ``loss-triton`` (``linear_logp_loss``, mean of ``-logp``).
+source itself launches the pointer kernels up to ``TMA_MIN_MACS``) and ``loss-triton`` (``linear_logp_loss``, mean
+of ``-logp``).
 
 Each number is the minimum over ``--rounds`` of the mean ``time.thread_time`` per call over ``--reps`` calls (CPU
 time of this thread: a loaded machine's preemption does not count; the minimum drops rounds slowed by cache

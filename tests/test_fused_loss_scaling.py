@@ -14,7 +14,7 @@ from tplogp import fused_loss, losses
 from tplogp.kernels.tiles import interpreting
 
 CPU = torch.device("cpu")
-KERNEL_HERE = interpreting() and fused_loss._triton_installed()
+KERNEL_HERE = interpreting() and fused_loss._triton_usable()
 # the two ways the CPU scales: Triton's interpreter (the GPU's kernel) and torch ops in flat blocks
 PATHS = [pytest.param("kernel", marks=pytest.mark.skipif(not KERNEL_HERE, reason="needs triton (interpreter)")),
          "torch"]

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tplogp.tolerances import RUNBOOK_TOLERANCES, assert_no_worse, rel_error
+from tplogp.tolerances import assert_no_worse, rel_error
 from tests.problems import float64_stats, make_problem, run_op, run_reference
 
 _interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -275,22 +275,13 @@ def test_op_calls_skip_the_launchers_repeat_checks_and_direct_calls_keep_them(mo
     seen = []
     real = generic_launch.check_inputs
     monkeypatch.setattr(generic_launch, "check_inputs", lambda *a: (seen.append(1), real(*a))[1])
-    gen = torch.Generator().manual_seed(5)
-    h = torch.randn(3, 5, 16, generator=gen).requires_grad_()
-    w = (torch.randn(40, 16, generator=gen) / 4).requires_grad_()
-    y = torch.randint(0, 40, (3, 5), generator=gen)
-    op = tplogp.get_op("linear_logp", source="triton")
-    logp = op(h, w, y)
-    logp.sum().backward()
+    p = make_problem((3, 5), 16, 40, torch.float32, True, seed=5)  # 3-D hidden: the op flattens it
+    ours = run_op(tplogp.get_op("linear_logp", source="triton"), p)
     assert seen == []
-    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    truth = torch.log_softmax(h64 @ w64.T, -1).gather(-1, y[..., None])[..., 0]
-    truth.sum().backward()
-    tol = RUNBOOK_TOLERANCES[torch.float32]._asdict()
-    torch.testing.assert_close(logp.detach().double(), truth.detach(), **tol)
-    torch.testing.assert_close(h.grad.double(), h64.grad, **tol)
-    torch.testing.assert_close(w.grad.double(), w64.grad, **tol)
-    TritonBackend().forward_stats(h.detach()[0], w.detach(), None, y[0], ShardCall())
+    truth, ref = run_reference(p, "float64"), run_reference(p, "fp32")
+    for name in ("logp", "d_hidden", "d_weight", "d_bias"):
+        assert_no_worse(name, getattr(ours, name), getattr(ref, name), getattr(truth, name), torch.float32)
+    TritonBackend().forward_stats(p.hidden.reshape(15, 16), p.weight, p.bias, p.target.reshape(15), ShardCall())
     assert seen == [1]
     assert ShardCall().inputs_checked is False
 

@@ -430,8 +430,8 @@ class KernelTargetCheck:
     def read(self) -> int:
         """The slot's value (waits only if the device has not finished the kernel yet), kept once read."""
         if self.bad is None:
-            if self.ready is not None and not self.ready.query():
-                self.ready.synchronize()
+            if self.ready is not None:
+                self.ready.synchronize()  # (returns at once when the kernel is done)
             self.bad = int(self.slots.values[self.index])
         return self.bad
 

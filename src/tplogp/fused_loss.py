@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from typing import Optional, Sequence
 
 import torch
 
+from .backends.triton_backend import triton_unavailable_reason
 from .comm import OverlappedAllReduce
-from .kernels.tiles import interpreting
+from .kernels.tiles import KERNEL_DTYPES, interpreting
 from .losses import PerTokenLoss
 from .tensors import zero_rows
 from .tp import LogpOptions, _graph_retained, _shard_forward, prepare_call, prepared_outputs
@@ -112,15 +112,13 @@ def _scale_kernel_runs(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`_scaled` runs the Triton kernel: a CUDA tensor, or a CPU one under Triton's interpreter, of
     the dtypes the kernel takes, with Triton installed."""
     on = t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
-    return on and t.dtype in _KERNEL_DTYPES and dtype in _KERNEL_DTYPES and _triton_installed()
-
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+    return on and t.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES and _triton_usable()
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _triton_usable() -> bool:
+    """Triton imports (:func:`tplogp.backends.triton_backend.triton_unavailable_reason`; asked once)."""
+    return triton_unavailable_reason() is None
 
 
 # On a GPU, chunks under this many tokens under-fill the kernels' token tiles (128-256 rows): one chunk that keeps
@@ -191,7 +189,7 @@ def one_pass(backend, hidden, tp_group, workspace_bytes: Optional[int]) -> bool:
     recomputes, as the chunk loop would).
     Computing the gradients in the forward buys nothing then, and costs a second autograd engine run (the loss
     callable's), the gradients' scaling and the gradients held from forward to backward (host time: on an H200 at
-    4096x2048x8192 a synced call took 10.20 GEMM-times through the chunk loop, 6.02 in one pass: docs/operator.md).
+    4096x2048x8192 a synced call took 10.20 GEMM-times through the chunk loop, 5.44 in one pass: docs/operator.md).
     The same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
     if not isinstance(hidden, torch.Tensor):
         return False

@@ -67,15 +67,14 @@ class SM90Backend(TritonBackend):
     def _select(self, device: torch.device, dtype: torch.dtype):
         return tiles.select_sm90(device, dtype, self._config)
 
+    def _uses_tma(self, hidden, weight, call) -> bool:
+        return uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic, self.tma_min_macs)
+
     def _stats_launch(self, hidden, weight, call):
-        if not uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic, self.tma_min_macs):
-            return None  # the generic kernel
-        return _hopper_launch().launch_stats_tma
+        return _hopper_launch().launch_stats_tma if self._uses_tma(hidden, weight, call) else None  # None: generic
 
     def _dlogits_launch(self, hidden, weight, call):
-        if not uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic, self.tma_min_macs):
-            return None
-        return _hopper_launch().launch_dlogits_tma
+        return _hopper_launch().launch_dlogits_tma if self._uses_tma(hidden, weight, call) else None
 
 
 _HOPPER_LAUNCH = None

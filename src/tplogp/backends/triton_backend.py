@@ -22,7 +22,6 @@ from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_LAYOUTS = 256  # shard layouts remembered per backend (the cache is emptied when full)
 
 
@@ -101,7 +100,7 @@ class TritonBackend:
         need more shared memory than the device has (see :func:`tplogp.kernels.tiles.select`)."""
         from ..kernels.tiles import TilesDoNotFitError
 
-        if dtype not in KERNEL_DTYPES:
+        if dtype not in tiles.KERNEL_DTYPES:
             return None  # not a case of this source: the operator's input checks name the dtype
         try:
             self._cfg(torch.device(device), dtype)

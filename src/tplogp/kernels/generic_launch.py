@@ -19,7 +19,7 @@ from ..tensors import f32_contiguous
 from .direct_launch import launcher
 from .generic_kernels import (bwd_dlogits_kept_kernel, bwd_dlogits_kernel, dh_accum_kernel, finalize_single_kernel,
                               fwd_stats_kernel, merge_splits_kernel)
-from .tiles import TileConfig, cdiv, dot_precision, interpreting, plan_chunk
+from .tiles import KERNEL_DTYPES, TileConfig, cdiv, dot_precision, interpreting, plan_chunk
 
 _MERGE_BLOCK = 256
 
@@ -39,7 +39,7 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
             f"hidden size mismatch: hidden has D={hidden.shape[1]} but weight has D={weight.shape[1]}")
     if hidden.dtype != weight.dtype:
         raise KernelInputError(f"hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one")
-    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if hidden.dtype not in KERNEL_DTYPES:
         raise KernelInputError(f"unsupported dtype {hidden.dtype}; expected float32, bfloat16 or float16")
     dev = hidden.device
     if weight.device != dev or local_target.device != dev or (bias is not None and bias.device != dev):
@@ -79,7 +79,7 @@ def check_kept(kept: Optional[KeptTerms], n: int, v: int, block_v: int) -> None:
     if kept is None:
         return
     values, scales = kept
-    if (values.dtype not in (torch.float32, torch.bfloat16, torch.float16) or values.dim() != 2
+    if (values.dtype not in KERNEL_DTYPES or values.dim() != 2
             or values.shape[0] != n or not 0 < values.shape[1] <= v or values.stride(1) != 1):
         raise KernelInputError(f"kept terms must be fp32, bf16 or fp16 [{n}, <= {v}] with unit column stride, got "
                                f"{values.dtype} {tuple(values.shape)}")

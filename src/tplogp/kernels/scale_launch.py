@@ -8,9 +8,8 @@ import torch
 from .direct_launch import launcher
 from .generic_launch import KernelInputError
 from .scale_kernels import scale_round_kernel
-from .tiles import cdiv, dot_precision
+from .tiles import KERNEL_DTYPES, cdiv, dot_precision
 
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements per program: 32 per thread at 8 warps, read and written in 16-byte vectors (one H200 pass over a bf16
 # [128256, 4096] gradient in place is bandwidth-bound at these sizes).
 SCALE_BLOCK = 8192
@@ -19,7 +18,7 @@ SCALE_WARPS = 8
 
 def scale_round(t: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[:] = (t.float() * g).to(out.dtype)`` elementwise, one rounding; returns ``out``."""
-    if t.dtype not in SCALE_DTYPES or out.dtype not in SCALE_DTYPES:
+    if t.dtype not in KERNEL_DTYPES or out.dtype not in KERNEL_DTYPES:
         raise KernelInputError(f"scale_round takes fp32, bf16 or fp16 tensors, got {t.dtype} -> {out.dtype}")
     if out.shape != t.shape or not t.is_contiguous() or not out.is_contiguous():
         raise KernelInputError(f"scale_round needs contiguous t and out of one shape, got {tuple(t.shape)} "

@@ -23,6 +23,11 @@ import torch
 from .. import settings
 
 
+# Operand dtypes every Triton kernel of tplogp takes (the launchers' checks, the sources' dtype test, the fused
+# loss's scaling pass).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """Tiling of the fused ``[tokens, vocab]`` GEMM tiles (``BLOCK_D`` is the reduction step over the hidden dim)."""
