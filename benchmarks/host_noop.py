@@ -11,8 +11,9 @@ cached compiled kernel looked up), whose compiled kernel is a no-op; the first l
 compiling. Rows: ``torch-eager`` (log_softmax + gather, for scale), ``triton`` (``get_op(source="triton")``),
 ``sm90-tma`` (the sm90 source's TMA host path: descriptors and their launchers, through
 :func:`tplogp.tp.linear_logp_tp` since the registry offers sm90 on Hopper only; every size takes it here, where the
-source itself launches the pointer kernels up to ``TMA_MIN_MACS``) and ``loss-triton`` (``linear_logp_loss``, mean
-of ``-logp``).
+source itself launches the pointer kernels up to ``TMA_MIN_MACS``), ``torch-eager-loss`` (mean ``cross_entropy`` of
+the logits), ``loss-triton`` (``linear_logp_loss`` with the built-in ``losses.cross_entropy()``, mean) and
+``loss-triton-callable`` (the same loss as a plain callable, differentiated by autograd).
 
 Each number is the minimum over ``--rounds`` of the mean ``time.thread_time`` per call over ``--reps`` calls (CPU
 time of this thread: a loaded machine's preemption does not count; the minimum drops rounds slowed by cache
@@ -78,16 +79,24 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable
     op = tplogp.get_op("linear_logp", source="triton")
     sm90 = SM90Backend(tma_min_macs=0)
 
-    def neg_logp(logp, entropy):
+    cross_entropy = tplogp.losses.cross_entropy()
+
+    def neg_logp(logp, entropy):  # the same loss as a plain callable: differentiated by autograd
         return -logp
+
+    def loss(per_token_loss):
+        return lambda: tplogp.linear_logp_loss(hidden, weight, targets, loss=per_token_loss, reduction="mean",
+                                               source="triton", with_entropy=False).backward()
 
     return {
         "torch-eager": lambda: torch.log_softmax((hidden @ weight.t()).float(), -1).gather(
             1, targets[:, None]).sum().backward(),
+        "torch-eager-loss": lambda: torch.nn.functional.cross_entropy((hidden @ weight.t()).float(),
+                                                                      targets).backward(),
         "triton": lambda: op(hidden, weight, targets).sum().backward(),
         "sm90-tma": lambda: linear_logp_tp(sm90, hidden, weight, targets).sum().backward(),
-        "loss-triton": lambda: tplogp.linear_logp_loss(hidden, weight, targets, loss=neg_logp, reduction="mean",
-                                                       source="triton").backward(),
+        "loss-triton": loss(cross_entropy),
+        "loss-triton-callable": loss(neg_logp),
     }
 
 
@@ -110,7 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--reps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--rows", default="torch-eager,triton,sm90-tma,loss-triton")
+    parser.add_argument("--rows", default="torch-eager,triton,sm90-tma,torch-eager-loss,loss-triton,"
+                                             "loss-triton-callable")
     parser.add_argument("--profile", metavar="ROW", help="print a cProfile table of ROW instead of timing")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -74,12 +74,6 @@ def _tplogp(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
     return build
 
 
-def _negative_logp(logp: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
-    """Per-token cross-entropy: the loss term that makes ``linear_logp_loss`` comparable to the peers' mean CE (it
-    reads no entropy: run with ``with_entropy=False``, ``entropy`` is None)."""
-    return -logp
-
-
 def _tplogp_loss(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
     def build(device: torch.device, budget: Optional[int]) -> ImplFn:
         from tplogp.kernel_registry import unavailable_reason
@@ -87,10 +81,12 @@ def _tplogp_loss(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]
         why = unavailable_reason(source, device)
         if why is not None:
             raise ImplUnavailable(why)
-        fused = _import("tplogp", "linear_logp_loss")
+        fused, losses = _import("tplogp", "linear_logp_loss"), _import("tplogp", "losses")
         options = {} if budget is None else {"workspace_bytes": budget}
-        # cross-entropy reads no entropy: the sources skip its statistics
-        return lambda h, w, y: fused(h, w, y, loss=_negative_logp, reduction="mean", source=source,
+        # the built-in cross-entropy (-logp, closed-form derivative), comparable to the peers' mean CE; it reads no
+        # entropy: the sources skip its statistics
+        cross_entropy = losses.cross_entropy()
+        return lambda h, w, y: fused(h, w, y, loss=cross_entropy, reduction="mean", source=source,
                                      with_entropy=False, **options)
 
     return build

@@ -495,3 +495,84 @@ def test_one_pass_is_taken_only_where_it_keeps_nothing_on_one_shard():
     be, h = NativeBackend(), torch.zeros(4, 8)
     assert fused_loss.one_pass(be, h, None, None)
     assert not fused_loss.one_pass(be, h, None, tplogp.keep_logits_budget(4, 16, source="native", device=CPU))
+
+
+GRPO = losses.ppo_clip(0.2, 0.28) + losses.kl_to_reference(0.05) + losses.entropy_bonus(0.01)
+
+
+@pytest.mark.parametrize("source", cpu_sources())
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("ignore", [None, "some", "in place", "all"])
+@pytest.mark.parametrize("path", ["one pass", "chunks"])
+def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction, ignore, path):
+    """A built-in loss (a ``TokenLoss``) runs on its closed-form derivatives: in one pass as ONE autograd node
+    (``_OnePassTokenLoss``), in the chunk loop with no autograd engine run per chunk. The loss and every gradient
+    equal those of the same loss as a plain callable (differentiated by autograd) within the table's fp32 eps, with
+    ignored rows compacted away, kept in place (a CUDA-graph capture's layout) or all ignored."""
+    from tplogp import fused_loss
+    from tplogp import tp as tp_module
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = make_problem((41,), 8, 53, torch.float32, True, seed=32)
+    extra = _per_token(p, 4)
+    targets = p.target.clone()
+    if ignore in ("some", "in place"):
+        targets[::4] = IGNORE
+    elif ignore == "all":
+        targets[:] = IGNORE
+    if ignore == "in place":
+        monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
+    budget = None
+    if path == "chunks":
+        monkeypatch.setattr(fused_loss, "one_pass", lambda *args: False)
+        budget = tplogp.loss_chunk_budget(9, 8, 53, dtype=torch.float32, bias_dtype=torch.float32, source=source,
+                                          device=CPU)
+    engine_runs = {"n": 0}
+    real_grad = torch.autograd.grad
+
+    def counted_grad(*args, **kwargs):
+        engine_runs["n"] += 1
+        return real_grad(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", counted_grad)
+
+    def run(loss):
+        h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+        engine_runs["n"] = 0
+        value = tplogp.linear_logp_loss(h, w, targets, b, loss=loss, per_token=extra, reduction=reduction,
+                                        ignore_index=IGNORE, temperature=0.9, source=source,
+                                        workspace_bytes=budget)
+        node, runs = type(value.grad_fn).__name__, engine_runs["n"]
+        (3.0 * value).backward()
+        return node, runs, (value.detach(), h.grad, w.grad, b.grad)
+
+    node, runs, ours = run(GRPO)
+    plain_node, plain_runs, plain = run(lambda *args: GRPO(*args))
+    if path == "one pass":
+        assert node == "_OnePassTokenLossBackward" and plain_node != node, (node, plain_node)
+    else:
+        assert node == plain_node == "_PrecomputedGradsBackward", (node, plain_node)
+        assert runs == 0 and (plain_runs > 1 or ignore == "all"), (runs, plain_runs)
+    _compare(ours, plain, f"{source} {reduction} {ignore} {path}")
+    if ignore == "all":
+        assert all(torch.count_nonzero(t) == 0 for t in ours)
+
+
+@pytest.mark.tp(4)
+@pytest.mark.parametrize("source", cpu_sources())
+def test_token_loss_on_uneven_ranks(tp, source):
+    """With a group the loss runs the chunk loop; a built-in loss's closed-form derivatives give the loss and
+    gradients of the same loss differentiated by autograd (as a plain callable), within the table's fp32 eps."""
+    from pytest_tplogp import VocabShards
+
+    v = 233
+    vs = VocabShards("uneven", tp.world_size, vocab_size=v).__tp_bind__(tp)
+    p = make_problem((6, 7), 16, v, torch.float32, True, seed=5, ignore_index=IGNORE, ignore_fraction=0.25)
+    p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
+    extra = _per_token(p, 2)
+    kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, temperature=1.3,
+              ignore_index=IGNORE)
+    ours = _run(True, p, extra, "mean", source, loss_fn=GRPO, **kw)
+    plain = _run(True, p, extra, "mean", source, loss_fn=lambda *args: GRPO(*args), **kw)
+    with tp.agree():
+        _compare(ours, plain, f"{source} rank {tp.rank}")

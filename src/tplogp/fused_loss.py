@@ -32,9 +32,10 @@ import torch
 from .backends.triton_backend import triton_unavailable_reason
 from .comm import OverlappedAllReduce
 from .kernels.tiles import KERNEL_DTYPES, interpreting
-from .losses import PerTokenLoss
-from .tensors import zero_rows
-from .tp import LogpOptions, _graph_retained, _shard_forward, prepare_call, prepared_outputs
+from .losses import Derivative, PerTokenLoss, TokenLoss
+from .tensors import f32_contiguous, zero_rows
+from .tp import (LogpOptions, _graph_retained, _saved_tensor_hooks_active, _shard_forward, _TPContext, prepare_call,
+                 prepared_outputs, shard_backward)
 
 REDUCTIONS = ("sum", "mean")
 
@@ -171,6 +172,7 @@ def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
     """See :func:`tplogp.linear_logp_loss`. The chunk loop runs without autograd (only the loss callable runs
     under it); the result carries the gradients through ``_PrecomputedGrads``. A call that keeps nothing on one
     shard runs as one autograd pass instead (:func:`one_pass`)."""
+    _check_token_loss(kw["loss"], kw["per_token"], kw.get("with_entropy", True))
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     if any(needs) and one_pass(backend, hidden, kw["tp_group"], kw["workspace_bytes"]):
@@ -180,6 +182,79 @@ def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
     if not any(needs):
         return total
     return _PrecomputedGrads.apply(total, grads, verdict, hidden, weight, bias)
+
+
+def _check_token_loss(loss, per_token: Sequence, with_entropy: bool) -> None:
+    """A :class:`~tplogp.losses.TokenLoss` gets the per-token tensors it names, and the entropy when it reads it:
+    a clear error before any work otherwise (the same on every rank: the arguments are)."""
+    if not isinstance(loss, TokenLoss):
+        return
+    loss.check_arity(len(per_token))
+    if loss.reads_entropy and not with_entropy:
+        raise ValueError(f"the loss {loss.name} reads the entropy: call with with_entropy=True")
+
+
+def _token_grads(d: Derivative, n: int, device: torch.device, skip: Optional[torch.Tensor],
+                 upstream: Optional[torch.Tensor] = None, count=None) -> Optional[torch.Tensor]:
+    """The upstream gradient of one per-token input of a loss, ``d * upstream / count`` (``upstream``: the 0-d
+    gradient of the reduced loss, None for 1; ``count``: the mean's divisor, a number or a 0-d tensor, None for a
+    sum), as a contiguous fp32 ``[n]`` tensor, 0 at the ``skip`` rows; None when the loss does not depend on that
+    input. ``d``: a :data:`~tplogp.losses.Derivative`. One op in the common cases (host time at small shapes)."""
+    if d is None:
+        return None
+    if isinstance(count, torch.Tensor):  # ignored rows kept in place: the count is on the device
+        upstream, count = (1.0 if upstream is None else upstream) / count, None
+    factor = 1.0 if count is None else 1.0 / count
+    if upstream is None:
+        g = (d * factor if isinstance(d, torch.Tensor)
+             else torch.full((n,), d * factor, device=device, dtype=torch.float32))
+    elif isinstance(d, torch.Tensor):
+        g = d * upstream if factor == 1.0 else torch.mul(d, upstream).mul_(factor)
+    else:  # a constant derivative: the upstream scalar broadcast, one op
+        g = torch.mul(upstream.expand(n), d * factor)
+    return f32_contiguous(zero_rows(skip, g))
+
+
+class _OnePassTokenLoss(torch.autograd.Function):
+    """The reduced loss of a :class:`~tplogp.losses.TokenLoss` as ONE autograd node (the loss callable's own ops
+    and the reduction would add one node each, and host time per node in the backward). Forward: ``linear_logp``'s
+    shard forward, then the loss's value and closed-form per-token derivatives, summed (over ``count`` for
+    ``"mean"``). Backward: the derivatives times the upstream scalar (over ``count``) are the per-token upstream
+    gradients of ``linear_logp``'s backward (:func:`tplogp.tp.shard_backward`), which it runs as is."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext, loss: TokenLoss, extra, ignored,
+                count):
+        ctx.set_materialize_grads(False)
+        (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(hidden, weight, bias, local_target,
+                                                                              tpc)
+        if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its derivatives)
+            logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
+        value, d_logp, d_entropy = loss.value_and_derivatives(logp, entropy, *extra)
+        value = zero_rows(ignored, value)
+        if count is None or hidden.shape[0] == 0:  # (no row: the sum of nothing, 0)
+            total = value.sum()
+        else:  # (the mean when every row counts: one op)
+            total = value.mean() if isinstance(count, float) else value.sum() / count
+        tensors = [t if isinstance(t, torch.Tensor) else None for t in (d_logp, d_entropy)]
+        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept, *tensors)
+        ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in (d_logp, d_entropy))
+        ctx.tpc, ctx.ignored, ctx.count = tpc, ignored, count
+        ctx.kept_private = kept is not None and not _saved_tensor_hooks_active()
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        saved = ctx.saved_tensors
+        hidden, bias = saved[0], saved[2]
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        if g is None:
+            return (None,) * 9
+        n, g = hidden.shape[0], g.to(torch.float32)
+        g_logp, g_entropy = (_token_grads(t if t is not None else c, n, hidden.device, ctx.ignored, g, ctx.count)
+                             for t, c in zip(saved[8:], ctx.constants))
+        grads = shard_backward(saved[:8], ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def one_pass(backend, hidden, tp_group, workspace_bytes: Optional[int]) -> bool:
@@ -210,6 +285,12 @@ def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenL
     prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, builds_graph=True)
     extra = _per_token_rows(per_token, target_ids.numel(), prep.hidden.device, prep.keep_idx)
+    if isinstance(loss, TokenLoss):  # one autograd node for the whole loss
+        n, ignored = prep.hidden.shape[0], prep.ignored
+        count = _mean_count(reduction, n, ignored)
+        prep.tpc.call = prep.plan.call_for_backward
+        return _OnePassTokenLoss.apply(prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc, loss,
+                                       extra, ignored, count)
     logp, entropy, _ = prepared_outputs(prep)
     ignored = prep.ignored  # rows kept in place (the compaction off): out of the loss, as in the chunked path
     if ignored is not None:
@@ -229,6 +310,14 @@ def _options(reduction: str, temperature: float, with_entropy: bool, ignore_inde
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                        deterministic=deterministic, workspace_bytes=workspace_bytes)
+
+
+def _mean_count(reduction: str, n: int, ignored: Optional[torch.Tensor]):
+    """What ``"mean"`` divides the sum of the per-token losses by: the rows that count, at least 1 (a Python number
+    when no ignored row is kept in place: no host-to-device copy); None for ``"sum"``."""
+    if reduction != "mean":
+        return None
+    return float(max(n, 1)) if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32)
 
 
 def _per_token_rows(per_token: Sequence[torch.Tensor], n_all: int, device: torch.device,
@@ -269,10 +358,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     # stays fp32 (the chunks' rows are scaled by the upstream scalar later, rounded once then)
     tpc.call = dataclasses.replace(tpc.call, for_backward=differentiate, consume_kept=differentiate,
                                    d_hidden_in_input_dtype=False)  # (the call's own context: one per call)
-    count = None
-    if reduction == "mean":
-        count = (float(max(n, 1)) if ignored is None  # (a Python number: no host-to-device copy)
-                 else (~ignored).sum().clamp_min(1).to(torch.float32))
+    count = _mean_count(reduction, n, ignored)
 
     total = None
     n_chunks = -(-n // chunk) if n else 0
@@ -298,14 +384,21 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
             part = per_tok.sum() if count is None else per_tok.sum() / count
             total = part if total is None else total + part
             continue
-        logp = logp.detach().requires_grad_()
-        entropy = None if entropy is None else entropy.detach().requires_grad_()
-        with torch.enable_grad():
-            per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
-            chunk_loss = per_tok.sum() if count is None else per_tok.sum() / count
-            inputs = [logp] if entropy is None else [logp, entropy]
-            g_logp, *g_rest = torch.autograd.grad(chunk_loss, inputs, allow_unused=True)
-        g_ent = g_rest[0] if g_rest else None
+        if isinstance(loss, TokenLoss):  # closed-form derivatives: no autograd engine run per chunk
+            value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *(t[t0:t1] for t in extra))
+            chunk_loss = zero_rows(skip, value).sum()
+            chunk_loss = chunk_loss if count is None else chunk_loss / count
+            g_logp = _token_grads(d_logp, t1 - t0, h2.device, skip, count=count)
+            g_ent = None if entropy is None else _token_grads(d_ent, t1 - t0, h2.device, skip, count=count)
+        else:
+            logp = logp.detach().requires_grad_()
+            entropy = None if entropy is None else entropy.detach().requires_grad_()
+            with torch.enable_grad():
+                per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
+                chunk_loss = per_tok.sum() if count is None else per_tok.sum() / count
+                inputs = [logp] if entropy is None else [logp, entropy]
+                g_logp, *g_rest = torch.autograd.grad(chunk_loss, inputs, allow_unused=True)
+            g_ent = g_rest[0] if g_rest else None
         total = chunk_loss.detach() if total is None else total + chunk_loss.detach()
         if g_logp is None:
             g_logp = torch.zeros_like(logp)

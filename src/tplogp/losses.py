@@ -4,44 +4,123 @@ Each sees one chunk of tokens (fp32 ``logp`` and ``entropy`` of the chunk, and t
 tensors, in the order given to ``per_token=``) and returns the per-token loss; ``linear_logp_loss`` reduces it.
 Only :func:`entropy_bonus` reads ``entropy``: a loss built of the others runs with ``with_entropy=False`` (no entropy
 statistics computed; ``entropy`` is then None).
+
+The built-ins are :class:`TokenLoss` objects: besides the value they give its derivatives with respect to ``logp``
+and ``entropy`` in closed form (:meth:`TokenLoss.value_and_derivatives`), so that ``linear_logp_loss`` needs no
+autograd graph of the loss: one autograd node for the whole loss, and no engine run per chunk. ``+`` combines
+them (the per-token tensors of the left term first). Any other callable works too, differentiated by autograd.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional, Union
 
 import torch
 
 PerTokenLoss = Callable[..., torch.Tensor]
+# d(loss_token)/d(logp_token) (or entropy): a tensor of the tokens, a number when the same for every token, or None
+# when the loss does not depend on it
+Derivative = Optional[Union[torch.Tensor, float]]
+_Parts = tuple[torch.Tensor, Derivative, Derivative]
 
 
-def policy_gradient() -> PerTokenLoss:
-    """``-A * logp``; per_token = ``(advantages,)``. Reads no entropy."""
-    return lambda logp, entropy, adv: -adv * logp
+def _add(a: Derivative, b: Derivative) -> Derivative:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
 
 
-def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> PerTokenLoss:
-    """``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with ``r = exp(logp - old_logp)`` (PPO / GRPO);
-    per_token = ``(advantages, old_logp)``. Reads no entropy."""
+class TokenLoss:
+    """A per-token loss with its derivatives: ``loss(logp, entropy, *per_token)`` gives the per-token value (torch
+    ops, differentiable by autograd like any callable), ``loss.value_and_derivatives(...)`` the value and
+    ``d value / d logp`` and ``d value / d entropy`` per token, without autograd (equal to autograd's within fp32
+    rounding: tests/test_losses.py). ``per_token`` names the per-token tensors it takes, in order;
+    ``reads_entropy`` whether it needs the entropy (``with_entropy=True``). ``a + b`` is the sum of two terms,
+    taking ``a``'s per-token tensors then ``b``'s."""
 
-    def term(logp, entropy, adv, old_logp):
-        ratio = torch.exp(logp - old_logp)
-        return -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    def __init__(self, name: str, per_token: tuple[str, ...], parts: Callable[..., _Parts],
+                 reads_entropy: bool = False) -> None:
+        self.name = name
+        self.per_token = per_token
+        self.reads_entropy = reads_entropy
+        self._parts = parts
 
-    return term
+    def check_arity(self, count: int) -> None:
+        """A clear error when ``count`` per-token tensors are not the ones this loss takes."""
+        if count != len(self.per_token):
+            names = ", ".join(self.per_token)
+            raise ValueError(f"the loss {self.name} takes per_token=({names}{',' if len(self.per_token) == 1 else ''})"
+                             f": {len(self.per_token)} tensor(s), got {count}")
+
+    def value_and_derivatives(self, logp: torch.Tensor, entropy: Optional[torch.Tensor],
+                              *per_token: torch.Tensor) -> _Parts:
+        """``(value [n], d value / d logp, d value / d entropy)``; a derivative is a tensor of the tokens, a number
+        when constant, or None when the value does not depend on it."""
+        self.check_arity(len(per_token))
+        return self._parts(logp, entropy, *per_token)
+
+    def __call__(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], *per_token: torch.Tensor) -> torch.Tensor:
+        return self.value_and_derivatives(logp, entropy, *per_token)[0]
+
+    def __add__(self, other: "TokenLoss") -> "TokenLoss":
+        if not isinstance(other, TokenLoss):
+            return NotImplemented
+        split = len(self.per_token)
+
+        def parts(logp, entropy, *per_token):
+            v1, dl1, de1 = self._parts(logp, entropy, *per_token[:split])
+            v2, dl2, de2 = other._parts(logp, entropy, *per_token[split:])
+            return v1 + v2, _add(dl1, dl2), _add(de1, de2)
+
+        return TokenLoss(f"{self.name} + {other.name}", self.per_token + other.per_token, parts,
+                         self.reads_entropy or other.reads_entropy)
+
+    def __repr__(self) -> str:
+        return f"TokenLoss({self.name}; per_token=({', '.join(self.per_token)}))"
 
 
-def kl_to_reference(coef: float) -> PerTokenLoss:
-    """``coef * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 estimator); per_token = ``(ref_logp,)``. Reads no
+def cross_entropy() -> TokenLoss:
+    """``-logp``: the target token's cross-entropy (supervised fine-tuning); no per-token tensors. Reads no
     entropy."""
+    return TokenLoss("cross_entropy()", (), lambda logp, entropy: (-logp, -1.0, None))
 
-    def term(logp, entropy, ref_logp):
+
+def policy_gradient() -> TokenLoss:
+    """``-A * logp``; per_token = ``(advantages,)``. Reads no entropy."""
+    return TokenLoss("policy_gradient()", ("advantages",), lambda logp, entropy, adv: (-adv * logp, -adv, None))
+
+
+def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> TokenLoss:
+    """``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with ``r = exp(logp - old_logp)`` (PPO / GRPO);
+    per_token = ``(advantages, old_logp)``. Reads no entropy.
+
+    Derivative: ``-A r`` where the unclipped term is the smaller one (or the two are equal, ``r`` inside the range
+    or ``A = 0``), else 0 (the clipped term is constant in ``logp`` outside the range)."""
+    lo, hi = 1 - eps_low, 1 + eps_high
+
+    def parts(logp, entropy, adv, old_logp):
+        ratio = torch.exp(logp - old_logp)
+        plain, clipped = ratio * adv, ratio.clamp(lo, hi) * adv
+        return -torch.minimum(plain, clipped), torch.where(plain <= clipped, -plain, 0.0), None
+
+    return TokenLoss(f"ppo_clip({eps_low}, {eps_high})", ("advantages", "old_logp"), parts)
+
+
+def kl_to_reference(coef: float) -> TokenLoss:
+    """``coef * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 estimator); per_token = ``(ref_logp,)``. Reads no
+    entropy. Derivative: ``coef * (1 - exp(ref - logp))``."""
+
+    def parts(logp, entropy, ref_logp):
         d = ref_logp - logp
-        return coef * (torch.exp(d) - d - 1)
+        e = torch.exp(d)
+        return coef * (e - d - 1), coef * (1 - e), None
 
-    return term
+    return TokenLoss(f"kl_to_reference({coef})", ("ref_logp",), parts)
 
 
-def entropy_bonus(coef: float) -> PerTokenLoss:
+def entropy_bonus(coef: float) -> TokenLoss:
     """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the default)."""
-    return lambda logp, entropy: -coef * entropy
+    return TokenLoss(f"entropy_bonus({coef})", (), lambda logp, entropy: (-coef * entropy, None, -coef),
+                     reads_entropy=True)

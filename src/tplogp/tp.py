@@ -130,14 +130,14 @@ def _without_autocast(backward):
     inside an autocast region (CPU autograd runs the backward on the caller's thread, with its autocast state)."""
 
     @functools.wraps(backward)
-    def run(ctx, *grads):
+    def run(*args):
         on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         if not on:
-            return backward(ctx, *grads)
+            return backward(*args)
         with contextlib.ExitStack() as stack:
             for device_type in on:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
-            return backward(ctx, *grads)
+            return backward(*args)
 
     return run
 
@@ -190,38 +190,50 @@ class _LinearLogpFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @_without_autocast
     def backward(ctx, g_logp, g_entropy, g_lse):
-        hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = ctx.saved_tensors
-        tpc: _TPContext = ctx.tpc
-        verdict = tpc.verdict
-        settle_first = verdict is not None and tpc.world_size > 1
-        if settle_first:  # a bad target raises here, before the d_hidden all-reduce (every rank alike)
-            verdict.settle()
+        hidden, weight, bias = ctx.saved_tensors[:3]
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        if g_logp is None:  # only entropy or lse feeds the loss
-            g_logp = torch.zeros(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        g_logp = f32_contiguous(g_logp)
-        g_ent = None if (g_entropy is None or mean_rel is None) else f32_contiguous(g_entropy)
-        g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
-        # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
-        reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
-        call = tpc.call.consuming if consumes_kept(kept, ctx.kept_private) else tpc.call
-        grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
-                                     mean_rel if g_ent is not None else None, call, needs,
-                                     d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
-        if verdict is not None and not settle_first:
-            # one shard: after the launches (a wait for the forward's verdict leaves the backward's kernels queued),
-            # before any gradient is handed to autograd; the gradients computed are dropped when it raises
-            verdict.settle()
-        d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
-        if d_hidden is not None:
-            if d_hidden.dtype != hidden.dtype:
-                d_hidden = d_hidden.to(hidden.dtype)
-        d_weight, d_bias = grads.d_weight, grads.d_bias
-        if verdict is not None and verdict.captured is not None:  # a captured call: zero when its flag is set
-            d_hidden, d_weight, d_bias = verdict.mask(d_hidden), verdict.mask(d_weight), verdict.mask(d_bias)
-        return d_hidden, d_weight, d_bias, None, None
+        return (*shard_backward(ctx.saved_tensors, ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, g_lse),
+                None, None)
+
+
+@_without_autocast
+def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool], kept_private: bool,
+                   g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+                   g_lse: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """``(d_hidden, d_weight, d_bias)`` of one call from what its forward saved (``hidden, weight, bias,
+    local_target, row_max, log_sum, mean_rel, kept``) and the per-token upstream gradients (None: none flows
+    there): the source's backward, the d_hidden all-reduce with a group, and the call's target verdict settled
+    before any gradient is handed over. ``kept_private``: nothing but the caller's autograd node holds ``kept``
+    (:func:`consumes_kept`)."""
+    hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = saved
+    verdict = tpc.verdict
+    settle_first = verdict is not None and tpc.world_size > 1
+    if settle_first:  # a bad target raises here, before the d_hidden all-reduce (every rank alike)
+        verdict.settle()
+    if g_logp is None:  # only entropy or lse feeds the loss
+        g_logp = torch.zeros(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+    g_logp = f32_contiguous(g_logp)
+    g_ent = None if (g_entropy is None or mean_rel is None) else f32_contiguous(g_entropy)
+    g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
+    # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
+    reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
+    call = tpc.call.consuming if consumes_kept(kept, kept_private) else tpc.call
+    grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
+                                 mean_rel if g_ent is not None else None, call, needs,
+                                 d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
+    if verdict is not None and not settle_first:
+        # one shard: after the launches (a wait for the forward's verdict leaves the backward's kernels queued),
+        # before any gradient is handed to autograd; the gradients computed are dropped when it raises
+        verdict.settle()
+    d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
+    if d_hidden is not None:
+        if d_hidden.dtype != hidden.dtype:
+            d_hidden = d_hidden.to(hidden.dtype)
+    d_weight, d_bias = grads.d_weight, grads.d_bias
+    if verdict is not None and verdict.captured is not None:  # a captured call: zero when its flag is set
+        d_hidden, d_weight, d_bias = verdict.mask(d_hidden), verdict.mask(d_weight), verdict.mask(d_bias)
+    return d_hidden, d_weight, d_bias
 
 
 class PreparedCall(NamedTuple):
@@ -413,18 +425,6 @@ def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_g
     return packed, (kept if kept is not None else packed.new_empty(0))
 
 
-class _SavedCall:
-    """What ``_LinearLogpFunction.backward`` reads from its autograd context, for a call from the op's backward."""
-
-    # the op's kept buffer is read, never overwritten: ``tplogp::linear_logp_bwd`` declares no mutation (tplogp.ops)
-    kept_private = False
-
-    def __init__(self, saved_tensors: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]) -> None:
-        self.saved_tensors = saved_tensors
-        self.tpc = tpc
-        self.needs_input_grad = (*needs, False, False)
-
-
 def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, packed: torch.Tensor,
                     grad_packed: torch.Tensor, tp_group, vocab_start_index: int, options: LogpOptions,
                     needs: tuple[bool, bool, bool],
@@ -444,8 +444,9 @@ def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, pac
     g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
     saved = (prep.hidden, prep.weight, prep.bias, prep.local_target, packed[PACKED_ROW_MAX], packed[PACKED_LOG_SUM],
              mean_rel, kept if kept is not None and kept.numel() else None)
-    d_hidden, d_weight, d_bias, _, _ = _LinearLogpFunction.backward(
-        _SavedCall(saved, prep.tpc, needs), grad_packed[PACKED_LOGP], g_entropy, grad_packed[PACKED_LSE])
+    # the op's kept buffer is read, never overwritten: ``tplogp::linear_logp_bwd`` declares no mutation (tplogp.ops)
+    d_hidden, d_weight, d_bias = shard_backward(saved, prep.tpc, needs, False, grad_packed[PACKED_LOGP], g_entropy,
+                                                grad_packed[PACKED_LSE])
     if d_hidden is not None:
         d_hidden = prep.finish_rows(d_hidden, target_ids.numel()).view(hidden.shape)
     return d_hidden, d_weight, d_bias

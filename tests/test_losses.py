@@ -1,0 +1,117 @@
+"""The built-in per-token losses (``tplogp.losses``): their closed-form derivatives equal autograd's derivatives of
+their own values within fp32 rounding (float64 inputs give the exact comparison), at the points where the formulas
+switch branches (PPO's clip boundaries, ties, a zero advantage) as well as at random ones; sums of terms; and the
+clear errors for a wrong number of per-token tensors or a missing entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tplogp
+from tplogp import losses
+from tplogp.tolerances import ERROR_SLACK, rel_error
+
+
+def _points(n: int = 257, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """logp, entropy, advantages, old_logp, ref_logp in float64, with ratios exactly at PPO's clip edges (0.8,
+    1.28, 1), zero advantages, and logits of a trained model's spread (logp down to about -30)."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(n, generator=g, dtype=torch.float64) * 30
+    entropy = torch.rand(n, generator=g, dtype=torch.float64) * 5
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    adv[::7] = 0.0
+    old = logp + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)
+    edge = torch.tensor([0.8, 1.28, 1.0], dtype=torch.float64)
+    old[:30] = logp[:30] - torch.log(edge.repeat(10))  # ratio = exp(logp - old) on the edges (up to rounding)
+    ref = logp + torch.randn(n, generator=g, dtype=torch.float64)
+    return logp, entropy, adv, old, ref
+
+
+def _autograd_derivatives(loss, logp, entropy, *extra):
+    lp, ent = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
+    value = loss(lp, ent, *extra)
+    d_logp, d_ent = torch.autograd.grad(value.sum(), (lp, ent), allow_unused=True)
+    return value.detach(), d_logp, d_ent
+
+
+def _as_tensor(d, like):
+    if d is None:
+        return torch.zeros_like(like)
+    return d if isinstance(d, torch.Tensor) else torch.full_like(like, d)
+
+
+CASES = {
+    "cross_entropy": (losses.cross_entropy(), ()),
+    "policy_gradient": (losses.policy_gradient(), ("adv",)),
+    "ppo_clip": (losses.ppo_clip(0.2, 0.28), ("adv", "old")),
+    "kl_to_reference": (losses.kl_to_reference(0.04), ("ref",)),
+    "entropy_bonus": (losses.entropy_bonus(0.01), ()),
+    "grpo sum": (losses.ppo_clip(0.2, 0.28) + losses.kl_to_reference(0.04) + losses.entropy_bonus(0.01),
+                 ("adv", "old", "ref")),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_closed_form_derivatives_equal_autograds(name, dtype):
+    loss, names = CASES[name]
+    logp, entropy, adv, old, ref = (t.to(dtype) for t in _points())
+    extra = [{"adv": adv, "old": old, "ref": ref}[k] for k in names]
+    value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *extra)
+    want_value, want_logp, want_ent = _autograd_derivatives(loss, logp, entropy, *extra)
+    eps = ERROR_SLACK[torch.float32].eps if dtype == torch.float32 else 1e-14
+    assert torch.equal(value, want_value), name  # the same ops: the same value
+    kink = torch.zeros_like(logp, dtype=torch.bool)
+    if "adv" in names and "old" in names:
+        # PPO's kink: a ratio just outside the range whose two terms round to the same value. Both one-sided
+        # derivatives (0 and -A r) are subgradients there; autograd's tie rule gives their mean, the closed form
+        # the unclipped one
+        ratio = torch.exp(logp - old)
+        kink = (ratio * adv == ratio.clamp(0.8, 1.28) * adv) & ((ratio < 0.8) | (ratio > 1.28))
+        if name == "ppo_clip":  # (a sum's other terms are compared off the kinks)
+            on_kink = _as_tensor(d_logp, logp)[kink] - _ppo_part(d_logp, want_logp, kink)
+            assert torch.all(on_kink.abs() <= 1e-6 * (ratio * adv)[kink].abs()), name
+    for what, got, want in (("d_logp", d_logp, want_logp), ("d_entropy", d_ent, want_ent)):
+        got_t, want_t = _as_tensor(got, logp)[~kink], _as_tensor(want, logp)[~kink]
+        assert rel_error(got_t, want_t) <= eps, f"{name} {what}: {rel_error(got_t, want_t):.2e}"
+        assert (got is None) == (want is None or not torch.count_nonzero(want)), f"{name} {what} dependence"
+
+
+def _ppo_part(d_logp, want_logp, kink):
+    """At PPO's kinks: the closed form's value should be one of the one-sided derivatives, 0 or twice autograd's
+    mean of the two (-A r); returns that one-sided value for each kink."""
+    got, mean = _as_tensor(d_logp, want_logp)[kink], want_logp[kink]
+    return torch.where(got == 0, 0.0, 2 * mean)
+
+
+def test_ppo_clip_derivative_branches():
+    """Inside the clip range the unclipped term's slope; outside it, on the clipped side, none; a zero advantage,
+    none."""
+    loss = losses.ppo_clip(0.2, 0.2)
+    logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.5, 0.5, 1.1], dtype=torch.float64))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, 0.0], dtype=torch.float64)
+    _, d_logp, _ = loss.value_and_derivatives(logp, None, adv, torch.zeros_like(logp))
+    # r=1, A>0: -1; r=1.5 clipped at 1.2 (A>0: min is the clip): 0; r=0.5, A<0: min is the clip: 0;
+    # r=1.5, A<0: min is r*A: -A r = 1.5; r=0.5, A>0: min is r*A: -0.5; A=0: 0
+    assert torch.allclose(d_logp, torch.tensor([-1.0, 0.0, 0.0, 1.5, -0.5, 0.0], dtype=torch.float64))
+
+
+def test_sums_take_the_terms_per_token_tensors_in_order():
+    clip, kl = losses.ppo_clip(0.2, 0.28), losses.kl_to_reference(0.04)
+    both = clip + kl
+    assert both.per_token == ("advantages", "old_logp", "ref_logp") and not both.reads_entropy
+    assert (both + losses.entropy_bonus(0.1)).reads_entropy
+    logp, entropy, adv, old, ref = _points()
+    assert torch.equal(both(logp, entropy, adv, old, ref), clip(logp, entropy, adv, old) + kl(logp, entropy, ref))
+
+
+def test_a_wrong_number_of_per_token_tensors_names_what_the_loss_takes():
+    logp = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"ppo_clip\(0.2, 0.2\) takes per_token=\(advantages, old_logp\): 2"):
+        losses.ppo_clip()(logp, None, logp)
+    h, w, t = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match=r"takes per_token=\(advantages,\): 1 tensor\(s\), got 0"):
+        tplogp.linear_logp_loss(h, w, t, loss=losses.policy_gradient(), source="native")
+    with pytest.raises(ValueError, match="reads the entropy: call with with_entropy=True"):
+        tplogp.linear_logp_loss(h, w, t, loss=losses.entropy_bonus(0.1), with_entropy=False, source="native")
