@@ -83,3 +83,42 @@ def test_without_entropy_is_bitwise_the_default(source, chunks):
         found.append((hh.grad, ww.grad))
     for name, a, e in zip(("d_hidden", "d_weight"), *found):
         assert torch.equal(a, e), f"{source} ppo_clip {name}: differs without entropy"
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("size", ["host-bound", "larger"])
+def test_a_built_in_loss_precomputes_host_bound_calls(monkeypatch, source, size):
+    """A ``TokenLoss`` on one shard without a keep budget: up to ``PRECOMPUTE_MAX_MACS`` its gradients are computed
+    in the forward (``_PrecomputedGrads``), above it in one pass (``_OnePassTokenLoss``); either way the loss and
+    gradients are no worse against the float64 truth than the same loss as a plain callable (one autograd pass
+    through ``linear_logp``), within the tolerance table's bf16 slack."""
+    from tplogp.reference import reference_outputs
+    from tplogp.tolerances import assert_no_worse
+
+    cuda_backend(source)
+    n, d, v = 1024, 512, 4096
+    if size == "larger":
+        monkeypatch.setattr(fused_loss, "PRECOMPUTE_MAX_MACS", n * d * v - 1)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16()
+    w = (torch.randn(v, d, device="cuda", generator=g) / d**0.5).bfloat16()
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    adv, old = torch.randn(n, device="cuda", generator=g), -8 + torch.randn(n, device="cuda", generator=g)
+    grpo = losses.ppo_clip(0.2, 0.28) + losses.kl_to_reference(0.05)
+    found = {}
+    for name, loss in (("built-in", grpo), ("callable", lambda *args: grpo(*args))):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        value = tplogp.linear_logp_loss(hh, ww, y, loss=loss, per_token=(adv, old, old), reduction="mean",
+                                        source=source, with_entropy=False)
+        node = type(value.grad_fn).__name__
+        (0.7 * value).backward()
+        found[name] = node, (value.detach(), hh.grad, ww.grad)
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    logp = reference_outputs(h64, w64, y, None, mode="float64").logp
+    truth = grpo(logp, None, adv.double(), old.double(), old.double()).mean()
+    (0.7 * truth).backward()
+    want_node = "_PrecomputedGradsBackward" if size == "host-bound" else "_OnePassTokenLossBackward"
+    assert found["built-in"][0] == want_node and found["callable"][0] not in (want_node, "_PrecomputedGradsBackward")
+    for what, ours, ref, true in zip(("loss", "d_hidden", "d_weight"), found["built-in"][1], found["callable"][1],
+                                     (truth.detach(), h64.grad, w64.grad)):
+        assert_no_worse(f"{source} {size} {what}", ours, ref, true, torch.bfloat16)
