@@ -23,7 +23,6 @@ chunk, whose logits ``linear_logp`` keeps or recomputes alike): such a call runs
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional, Sequence
 
@@ -379,8 +378,8 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     chunk = plan_chunk_tokens(backend, n, vocab, workspace_bytes, h2.device, accumulators, h2.dtype)
     # one backward per chunk's forward: the source may write d_logits in place of the chunk's kept terms; d_hidden
     # stays fp32 (the chunks' rows are scaled by the upstream scalar later, rounded once then)
-    tpc.call = dataclasses.replace(tpc.call, for_backward=differentiate, consume_kept=differentiate,
-                                   d_hidden_in_input_dtype=False)  # (the call's own context: one per call)
+    if differentiate:  # (the call's own context: one per call)
+        tpc.call = tpc.call.precomputing
     count = _mean_count(reduction, n, ignored)
 
     total = None

@@ -122,6 +122,13 @@ class ShardCall:
         """This call with ``consume_kept`` (made once per ShardCall: the calls of a layout share one)."""
         return self if self.consume_kept else replace(self, consume_kept=True)
 
+    @functools.cached_property
+    def precomputing(self) -> "ShardCall":
+        """This call as the fused loss's chunk loop runs it (made once per ShardCall): each chunk's backward runs
+        right after its forward (``for_backward``, ``consume_kept``), and ``d_hidden`` stays fp32 (scaled by the
+        upstream scalar later, rounded once then)."""
+        return replace(self, for_backward=True, consume_kept=True, d_hidden_in_input_dtype=False)
+
 
 class ShardBackend(Protocol):
     """What a source implements. ``name`` is the registry name (``native``, ``triton``, ``sm90``)."""
