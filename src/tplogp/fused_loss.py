@@ -18,7 +18,10 @@ retained and the dtype allows: :func:`_scaled`). The per-token tensors are const
 
 On one shard with a budget that keeps nothing beyond the default transient memory, the chunk loop buys nothing (one
 chunk, whose logits ``linear_logp`` keeps or recomputes alike): such a call runs as one autograd pass instead,
-``linear_logp``'s Function under the loss callable (:func:`one_pass`).
+``linear_logp``'s Function under the loss callable (:func:`one_pass`), or for a built-in loss
+(:class:`~tplogp.losses.TokenLoss`, closed-form derivatives) one node, :class:`_OnePassTokenLoss`. Except where the
+host is the critical path: a built-in loss on a GPU, in a call of at most :data:`PRECOMPUTE_MAX_MACS`, keeps the
+chunk loop (:func:`precomputes`), whose forward queues the backward's kernels right behind its own.
 """
 
 from __future__ import annotations
@@ -284,9 +287,10 @@ def one_pass(backend, hidden, tp_group, workspace_bytes: Optional[int]) -> bool:
     group of one) and a budget that keeps nothing beyond the default transient memory (so one chunk, whose logits
     ``linear_logp`` keeps under the default when they are small, :func:`tplogp.kernels.tiles.default_keep`, or
     recomputes, as the chunk loop would).
-    Computing the gradients in the forward buys nothing then, and costs a second autograd engine run (the loss
-    callable's), the gradients' scaling and the gradients held from forward to backward (host time: on an H200 at
-    4096x2048x8192 a synced call took 10.20 GEMM-times through the chunk loop, 5.44 in one pass: docs/operator.md).
+    Computing the gradients in the forward buys no GEMM then, and costs the loss callable's autograd engine run, the
+    gradients' scaling and the gradients held from forward to backward (on an H200 at 4096x2048x8192 a synced call
+    took 10.20 GEMM-times through the chunk loop, 5.44 in one pass: docs/operator.md); a built-in loss needs no
+    engine run, and at host-bound sizes on a GPU precomputes all the same (:func:`precomputes`).
     The same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
     if not isinstance(hidden, torch.Tensor):
         return False
