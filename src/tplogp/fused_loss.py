@@ -198,11 +198,11 @@ def precomputes(loss, hidden, weight) -> bool:
     """Whether a call that :func:`one_pass` would run as one autograd pass computes its gradients in the forward
     instead (the chunk loop, one chunk): a :class:`~tplogp.losses.TokenLoss`, whose derivatives need no autograd
     engine run, on a GPU, in a call of at most :data:`PRECOMPUTE_MAX_MACS`. At such sizes the host's time is the
-    critical path: in one pass the GPU waits, between the forward's last kernel and the backward's first, for the rest of
-    the forward's host work, autograd's engine and the backward's preparation; precomputing queues the backward's
-    kernels right behind the forward's, and the backward only scales the gradients (one pass over each). Larger
-    calls keep the one pass, which needs no scaling pass and no fp32 ``d_hidden``; so does the CPU, where the host
-    is the device (nothing to overlap) and the scaling runs as torch ops."""
+    critical path: in one pass the GPU waits, between the forward's last kernel and the backward's first, for the
+    rest of the forward's host work, autograd's engine and the backward's preparation; precomputing queues the
+    backward's kernels right behind the forward's, and the backward only scales the gradients (one pass over
+    each). Larger calls keep the one pass, which needs no scaling pass and no fp32 ``d_hidden``; so does the CPU,
+    where the host is the device (nothing to overlap) and the scaling runs as torch ops."""
     if not (isinstance(loss, TokenLoss) and isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
             and hidden.device.type == "cuda"):
         return False
