@@ -35,6 +35,10 @@ def _loss_fn(logp, entropy, adv, old, ref):
             + losses.entropy_bonus(0.01)(logp, entropy))
 
 
+# the same loss as a built-in sum (a TokenLoss: closed-form derivatives)
+GRPO = losses.ppo_clip(0.2, 0.28) + losses.kl_to_reference(0.05) + losses.entropy_bonus(0.01)
+
+
 def _run(fused: bool, p, extra, reduction, source="native", scale=3.0, loss_fn=None, **kw):
     h = p.hidden.clone().requires_grad_()
     w = p.weight.clone().requires_grad_()
@@ -488,16 +492,51 @@ def test_one_pass_matches_the_chunk_loop(monkeypatch, source, reduction, ignore)
         assert all(torch.count_nonzero(t) == 0 for t in ours)
 
 
-def test_one_pass_is_taken_only_where_it_keeps_nothing_on_one_shard():
+@pytest.mark.parametrize("source", cpu_sources())
+def test_one_pass_is_taken_where_the_chunk_loop_would_be_one_chunk_on_one_shard(source):
+    """One pass where the chunk loop would run one chunk that ``linear_logp`` runs alike: a budget that keeps
+    nothing beyond the default, or one that keeps every term of the call; not for a budget that keeps part of it
+    (the chunk loop keeps all of each chunk), nor for an explicit budget that keeps nothing (no keep bytes)."""
     from tplogp import fused_loss
-    from tplogp.backends.native import NativeBackend
 
-    be, h = NativeBackend(), torch.zeros(4, 8)
-    assert fused_loss.one_pass(be, h, None, None)
-    assert not fused_loss.one_pass(be, h, None, tplogp.keep_logits_budget(4, 16, source="native", device=CPU))
+    be = get_backend(source)
+    for dtype in (torch.float32, torch.bfloat16):
+        h, w = torch.zeros(4, 8, dtype=dtype), torch.zeros(16, 8, dtype=dtype)
+        assert fused_loss.one_pass(be, h, w, None, None)
+        assert fused_loss.one_pass(be, h, w, None, TILES[source])  # the default's transient bytes: keeps nothing
+        every = tplogp.keep_logits_budget(4, 16, source=source, device=CPU, dtype=dtype)
+        assert fused_loss.one_pass(be, h, w, None, every)
+        assert fused_loss.one_pass(be, h.view(2, 2, 8), w, None, every)  # tokens counted over the leading dims
+        assert not fused_loss.one_pass(be, torch.zeros(40, 8, dtype=dtype), w, None, every)  # part of the call
+        chunks = tplogp.loss_chunk_budget(2, 8, 16, dtype=dtype, source=source, device=CPU)
+        assert not fused_loss.one_pass(be, torch.zeros(4000, 8, dtype=dtype), w, None, chunks)  # chunks of 2
 
 
-GRPO = losses.ppo_clip(0.2, 0.28) + losses.kl_to_reference(0.05) + losses.entropy_bonus(0.01)
+@pytest.mark.parametrize("source", cpu_sources())
+def test_a_budget_that_keeps_the_whole_call_runs_one_pass_with_every_term_kept(monkeypatch, source):
+    """On one shard a keep budget that holds every term of the call runs one pass (``linear_logp``'s Function, no
+    precomputed gradients), keeps every term (no recompute launch on the triton source) and gives the chunk loop's
+    loss and gradients within the table's fp32 eps, for a plain callable and a built-in loss."""
+    from tplogp import fused_loss
+
+    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
+    p = make_problem((29,), 12, 67, torch.float32, True, seed=41)
+    extra = _per_token(p, 5)
+    every = tplogp.keep_logits_budget(29, 67, source=source, device=CPU, dtype=torch.float32)
+    for loss in (_loss_fn, GRPO):
+        seen = _count_recompute(monkeypatch)
+        ours = _run(True, p, extra, "mean", source, loss_fn=loss, workspace_bytes=every)
+        if source == "triton":
+            assert seen["recompute"] == 0 and seen["kept"] > 0, seen
+        with monkeypatch.context() as m:
+            m.setattr(fused_loss, "one_pass", lambda *args: False)
+            chunked = _run(True, p, extra, "mean", source, loss_fn=loss, workspace_bytes=every)
+        _compare(ours, chunked, f"{source} {getattr(loss, 'name', 'callable')}")
+        h = p.hidden.clone().requires_grad_()
+        value = tplogp.linear_logp_loss(h, p.weight, p.target, p.bias, loss=loss, per_token=extra,
+                                        source=source, workspace_bytes=every)
+        assert type(value.grad_fn).__name__ != "_PrecomputedGradsBackward"
+
 
 
 @pytest.mark.parametrize("source", cpu_sources())

@@ -177,7 +177,7 @@ def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
     _check_token_loss(kw["loss"], kw["per_token"], kw.get("with_entropy", True))
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
-    if (any(needs) and one_pass(backend, hidden, kw["tp_group"], kw["workspace_bytes"])
+    if (any(needs) and one_pass(backend, hidden, weight, kw["tp_group"], kw["workspace_bytes"])
             and not precomputes(kw["loss"], hidden, weight)):
         return _one_pass_loss(backend, hidden, weight, target_ids, bias, **kw)
     with torch.no_grad():
@@ -282,22 +282,31 @@ class _OnePassTokenLoss(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def one_pass(backend, hidden, tp_group, workspace_bytes: Optional[int]) -> bool:
+def one_pass(backend, hidden, weight, tp_group, workspace_bytes: Optional[int]) -> bool:
     """Whether a differentiated call runs as one autograd pass (:func:`_one_pass_loss`): one shard (no group, or a
-    group of one) and a budget that keeps nothing beyond the default transient memory (so one chunk, whose logits
-    ``linear_logp`` keeps under the default when they are small, :func:`tplogp.kernels.tiles.default_keep`, or
-    recomputes, as the chunk loop would).
-    Computing the gradients in the forward buys no GEMM then, and costs the loss callable's autograd engine run, the
-    gradients' scaling and the gradients held from forward to backward (on an H200 at 4096x2048x8192 a synced call
-    took 10.20 GEMM-times through the chunk loop, 5.44 in one pass: docs/operator.md); a built-in loss needs no
-    engine run, and at host-bound sizes on a GPU precomputes all the same (:func:`precomputes`).
-    The same inside and outside a CUDA-graph capture, so that a warm-up runs what the capture records."""
-    if not isinstance(hidden, torch.Tensor):
+    group of one) whose chunk loop would be one chunk that ``linear_logp`` runs alike. That is a budget that keeps
+    nothing beyond the default transient memory (``linear_logp`` keeps a small call's terms under the default,
+    :func:`tplogp.kernels.tiles.default_keep`, or recomputes, as the chunk loop would), or one whose kept part holds
+    every term of the call (``linear_logp`` keeps them all too: 3 GEMMs either way).
+    Computing the gradients in the forward buys no GEMM then, and costs the loss callable's autograd engine run, an
+    fp32 ``d_hidden``, the gradients' scaling passes and the gradients held from forward to backward (on an H200 at
+    4096x2048x8192 a synced call took 10.20 GEMM-times through the chunk loop, 5.44 in one pass: docs/operator.md);
+    a built-in loss needs no engine run, and at host-bound sizes on a GPU precomputes all the same
+    (:func:`precomputes`). The same inside and outside a CUDA-graph capture, so that a warm-up runs what the
+    capture records."""
+    if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and hidden.dim() >= 1
+            and weight.dim() >= 1):
         return False
     if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
         return False
     keep_bytes = getattr(backend, "keep_bytes", None)
-    return keep_bytes is None or keep_bytes(workspace_bytes, hidden.device) <= 0
+    if keep_bytes is None:
+        return True
+    keep = keep_bytes(workspace_bytes, hidden.device)
+    if keep <= 0:
+        return True
+    tokens = hidden.numel() // max(hidden.shape[-1], 1)
+    return _kept_bytes(backend, max(tokens, 1), weight.shape[0], hidden.dtype, hidden.device) <= keep
 
 
 def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenLoss,
