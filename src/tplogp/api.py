@@ -236,9 +236,10 @@ def linear_logp_loss(
     """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
     the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
 
-    ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has PPO/GRPO
-    clipping, policy gradient, KL to a reference and an entropy bonus); ``per_token`` tensors have target_ids'
-    shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
+    ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has
+    cross-entropy, PPO/GRPO clipping, policy gradient, KL to a reference and an entropy bonus: ``TokenLoss``
+    objects whose closed-form derivatives spare the loss an autograd graph, combined with ``+``; any callable works,
+    differentiated by autograd); ``per_token`` tensors have target_ids' shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
     positions add nothing. ``source``: None, ``"registry"`` or ``"auto"`` (the registry's choice for the device) or
     ``"native"`` / ``"triton"`` / ``"sm90"``. ``with_entropy``: whether the sources compute the entropy
     statistics (``True``); ``False`` suits a loss that never reads ``entropy`` (cross-entropy, ``policy_gradient``,
@@ -249,8 +250,9 @@ def linear_logp_loss(
     and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
     plain tensor (the loss is a scalar of this rank's tokens). Returns a 0-d fp32 tensor whose backward scales the
     precomputed gradients of hidden, weight and bias; on one shard with no keep bytes in the budget (the default),
-    the call runs as one autograd pass instead, ``linear_logp``'s, whose backward computes them
-    (:func:`tplogp.fused_loss.one_pass`).
+    or with a budget that keeps every term of the call, the call runs as one autograd pass instead, whose backward
+    (``linear_logp``'s) computes them (:func:`tplogp.fused_loss.one_pass`; a built-in loss at host-bound sizes on a
+    GPU precomputes all the same, :func:`tplogp.fused_loss.precomputes`).
     """
     from .fused_loss import fused_loss
 
