@@ -239,7 +239,8 @@ def linear_logp_loss(
     ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has
     cross-entropy, PPO/GRPO clipping, policy gradient, KL to a reference and an entropy bonus: ``TokenLoss``
     objects whose closed-form derivatives spare the loss an autograd graph, combined with ``+``; any callable works,
-    differentiated by autograd); ``per_token`` tensors have target_ids' shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
+    differentiated by autograd); ``per_token`` tensors have target_ids' shape and are constants.
+    ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
     positions add nothing. ``source``: None, ``"registry"`` or ``"auto"`` (the registry's choice for the device) or
     ``"native"`` / ``"triton"`` / ``"sm90"``. ``with_entropy``: whether the sources compute the entropy
     statistics (``True``); ``False`` suits a loss that never reads ``entropy`` (cross-entropy, ``policy_gradient``,
