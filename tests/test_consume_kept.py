@@ -115,8 +115,8 @@ def test_keep_all_backward_consumes_the_kept_terms_only_when_no_backward_follows
 @triton_interpreter
 def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
     """The budget's accounting: ``keep_logits_budget`` = the default d_logits workspace (what a read-only backward
-    through a retained graph uses) + the kept buffer (terms and scales); the consuming backward allocates nothing of
-    the d_logits size beyond it."""
+    through a retained graph uses) + what is kept (the terms' buffer and the scales, in two allocations on the eager
+    path); the consuming backward allocates nothing of the d_logits size beyond it."""
     dtype = torch.bfloat16
     p = make_problem((N,), D, V, dtype, True, seed=12)
     from tplogp.backends.triton_backend import TritonBackend
@@ -137,10 +137,13 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
         loss.backward()
     assert in_place == [True]
     assert forward_allocations == [] and seen.found == [], seen.found  # no [N, V] logits, no d_logits workspace
-    # the kept buffer is exactly the budget's kept part
+    # the kept terms' buffer (saved) and the scales (kept apart, so that the backward can free them early) are
+    # exactly the budget's kept part
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _loss(_leaves(p), p, dtype)
-    assert max(held) == budget - tiles.DEFAULT_WORKSPACE_BYTES
+    value_words, scale_words = tiles.kept_words(N, V, 2, be._keep_block_v(torch.device("cpu"), dtype))
+    assert max(held) == 4 * value_words
+    assert 4 * (value_words + scale_words) == budget - tiles.DEFAULT_WORKSPACE_BYTES
 
 
 @triton_interpreter
@@ -193,3 +196,73 @@ def test_native_reads_its_kept_tiles_even_when_it_may_consume_them(monkeypatch):
         assert torch.equal(out.kept, before)
     for a, b in zip(grads[True], grads[False]):
         assert torch.equal(a, b)
+
+
+class _ScalesAtAllocation(TorchDispatchMode):
+    """For each allocation of a gradient-shaped tensor (``shapes``), whether the latest kept scales were alive."""
+
+    def __init__(self, shapes, scales_refs):
+        super().__init__()
+        self.shapes, self.refs, self.alive = shapes, scales_refs, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                     torch.ops.aten.empty_like.default)
+                and isinstance(out, torch.Tensor) and tuple(out.shape) in self.shapes and self.refs):
+            self.alive.append(self.refs[-1]() is not None)
+        return out
+
+
+@triton_interpreter
+@pytest.mark.parametrize("path", ["linear_logp", "linear_logp_loss"])
+def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradients(monkeypatch, in_place, path):
+    """The eager paths keep the scales apart from the terms (``ShardCall.scales_apart``). A consuming backward
+    drops them once its d_logits pass has read them: they are freed before the d_hidden and d_W outputs are
+    allocated (on a GPU the backward's peak is lower by the scales). Through a retained graph they stay for the next
+    backward, which gives the same gradients."""
+    import weakref
+
+    from tplogp.backends.triton_backend import TritonBackend
+
+    dtype = torch.bfloat16
+    p = make_problem((N,), D, V, dtype, True, seed=13)
+    refs = []
+    real = TritonBackend._kept_buffer
+
+    def recording(hidden, lay, call):
+        kept = real(hidden, lay, call)
+        if kept is not None:
+            refs.append(weakref.ref(kept.scales))
+        return kept
+
+    monkeypatch.setattr(TritonBackend, "_kept_buffer", staticmethod(recording))
+
+    def loss(leaves):
+        h, w, b = leaves
+        if path == "linear_logp":
+            return _loss(leaves, p, dtype)
+        return tplogp.linear_logp_loss(h, w, p.target, b, loss=tplogp.losses.cross_entropy(), source="triton",
+                                       with_entropy=False, workspace_bytes=_budget(dtype))
+
+    grads = []
+    for retain in (True, False):
+        leaves = _leaves(p)
+        value = loss(leaves)
+        assert len(refs) == 1 and refs[-1]() is not None  # held from forward to backward
+        watch = _ScalesAtAllocation({(N, D), (V, D)}, refs)
+        with watch:
+            value.backward(retain_graph=retain)
+        if retain:  # read-only: the scales stay for a later backward, which reads them again
+            assert watch.alive and all(watch.alive) and refs[-1]() is not None
+            first = [x.grad.clone() for x in leaves]
+            for x in leaves:
+                x.grad = None
+            value.backward()
+            assert all(torch.equal(x.grad, g) for x, g in zip(leaves, first))
+        else:
+            assert watch.alive and not any(watch.alive), watch.alive  # freed before either gradient's allocation
+        grads.append([x.grad for x in leaves])
+        refs.clear()
+    assert in_place == [False, True, True]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -36,8 +36,8 @@ from .comm import OverlappedAllReduce
 from .kernels.tiles import KERNEL_DTYPES, interpreting
 from .losses import Derivative, PerTokenLoss, TokenLoss
 from .tensors import f32_contiguous, zero_rows
-from .tp import (LogpOptions, _graph_retained, _saved_tensor_hooks_active, _shard_forward, _TPContext, prepare_call,
-                 prepared_outputs, shard_backward)
+from .tp import (LogpOptions, _graph_retained, _saved_tensor_hooks_active, _shard_forward, _TPContext,
+                 park_kept_scales, prepare_call, prepared_outputs, shard_backward)
 
 REDUCTIONS = ("sum", "mean")
 
@@ -262,6 +262,7 @@ class _OnePassTokenLoss(torch.autograd.Function):
         else:  # (the mean when every row counts: one op)
             total = value.mean() if isinstance(count, float) else value.sum() / count
         tensors = [t if isinstance(t, torch.Tensor) else None for t in (d_logp, d_entropy)]
+        kept = park_kept_scales(kept, tpc)
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept, *tensors)
         ctx.constants = tuple(None if isinstance(t, torch.Tensor) else t for t in (d_logp, d_entropy))
         ctx.tpc, ctx.ignored, ctx.count = tpc, ignored, count

@@ -44,13 +44,16 @@ class LogpOptions:
     workspace_bytes: Optional[int] = None
 
 
-def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False) -> ShardCall:
+def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False,
+               scales_apart: bool = False) -> ShardCall:
     """What the sources get to know about a call's options. ``one_shard``: d_hidden is the call's whole gradient,
     which a source may round to the input dtype in its GEMM (``ShardCall.d_hidden_in_input_dtype``). Such calls run
-    only after the op's checks (``ShardCall.inputs_checked``)."""
+    only after the op's checks (``ShardCall.inputs_checked``). ``scales_apart``: what the forward keeps comes in two
+    allocations (``ShardCall.scales_apart``: the eager paths)."""
     return ShardCall(inv_temperature=1.0 / float(options.temperature), with_entropy=options.return_entropy,
                      deterministic=options.deterministic, workspace_bytes=options.workspace_bytes,
-                     for_backward=for_backward, d_hidden_in_input_dtype=one_shard, inputs_checked=True)
+                     for_backward=for_backward, d_hidden_in_input_dtype=one_shard, inputs_checked=True,
+                     scales_apart=scales_apart)
 
 
 @dataclass
@@ -64,7 +67,7 @@ class CallPlan:
     world_size: int
     comm_device: torch.device  # where the group's collectives take tensors (CPU without a group)
     call: ShardCall  # for a forward whose results are not differentiated
-    call_for_backward: ShardCall  # for a forward that may keep logits for its backward
+    call_for_backward: ShardCall  # for an eager forward that may keep logits for its backward (scales apart)
     single: bool  # one shard and a backend with forward_single: it finishes logp / lse / entropy itself
     # single, no ignore_index (the kernel cannot tell ignored rows apart), and the backend's finishing kernel checks
     # the targets (tplogp.checks.KernelTargetCheck)
@@ -116,7 +119,8 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     _stats["built"] += 1
     plan = CallPlan(key if ok else None, backend, mode, world, comm_device,
                     shard_call(options, one_shard=world == 1) if ok else ShardCall(),
-                    shard_call(options, for_backward=True, one_shard=world == 1) if ok else ShardCall(),
+                    shard_call(options, for_backward=True, one_shard=world == 1, scales_apart=True) if ok
+                    else ShardCall(),
                     single, single and options.ignore_index is None and getattr(backend, "checks_targets_in_kernel",
                                                                                  False))
     return plan, problem

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .backends.base import ShardBackend, ShardCall
+from .backends.base import KeptBuffers, ShardBackend, ShardCall
 from . import checks
 from .checks import BackwardVerdict, check_call, latest_verdict
 from .comm import OverlappedAllReduce, all_gather_flat
@@ -65,6 +65,9 @@ class _TPContext:
     verdict: Optional[BackwardVerdict] = None
     # the call's target check, run by the source's finishing kernel (single only), or None
     target_check: Optional[checks.KernelTargetCheck] = None
+    # the kept scales of a forward that keeps them apart (KeptBuffers), held here from forward to backward and
+    # dropped by a consuming backward (:func:`park_kept_scales`, :func:`shard_backward`)
+    kept_scales: Optional[torch.Tensor] = None
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
@@ -179,12 +182,23 @@ def consumes_kept(kept: Optional[torch.Tensor], private: bool) -> bool:
     return kept is not None and private and not _graph_retained()
 
 
+def park_kept_scales(kept, tpc: _TPContext) -> Optional[torch.Tensor]:
+    """What an autograd context saves of what the forward kept: the terms buffer. Scales kept apart
+    (:class:`~tplogp.backends.base.KeptBuffers`) go to ``tpc.kept_scales`` instead, which the backward can empty
+    (saved tensors live until the backward returns)."""
+    if isinstance(kept, KeptBuffers):
+        tpc.kept_scales = kept.scales
+        return kept.values
+    return kept
+
+
 class _LinearLogpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
         outputs, (row_max, log_sum, mean_rel, kept) = _shard_forward(hidden, weight, bias, local_target, tpc)
+        kept = park_kept_scales(kept, tpc)
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
         ctx.kept_private = kept is not None and not _saved_tensor_hooks_active()
         return outputs
@@ -218,7 +232,12 @@ def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]
     g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
     # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
     reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
-    call = tpc.call.consuming if consumes_kept(kept, kept_private) else tpc.call
+    consuming = consumes_kept(kept, kept_private)
+    call = tpc.call.consuming if consuming else tpc.call
+    if tpc.kept_scales is not None:  # scales kept apart: handed over in a holder the source empties
+        kept = KeptBuffers(kept, tpc.kept_scales)
+        if consuming:  # no later backward reads them: the source's d_logits launcher frees them once read
+            tpc.kept_scales = None
     grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
                                  mean_rel if g_ent is not None else None, call, needs,
                                  d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
@@ -410,7 +429,7 @@ def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_g
                         options, builds_graph=builds_graph)
     tpc = prep.tpc
     if op_keeps(options, builds_graph):
-        tpc = dataclasses.replace(tpc, call=prep.plan.call_for_backward)
+        tpc = dataclasses.replace(tpc, call=prep.plan.call_for_backward.flat_kept)  # (one buffer: the op's output)
     (logp, entropy, lse), (row_max, log_sum, mean_rel, kept) = _shard_forward(prep.hidden, prep.weight, prep.bias,
                                                                               prep.local_target, tpc)
     n_all = target_ids.numel()

@@ -56,9 +56,29 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, Optional, Protocol
+from typing import Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
+
+
+class KeptBuffers:
+    """What a source's forward kept for its backward in two allocations (``ShardCall.scales_apart``): ``values``,
+    the flat terms buffer (what the autograd context saves, and what a consuming backward overwrites with d_logits),
+    and ``scales``, the per-row, per-tile fp32 scales. The call path holds the scales where it can drop them
+    (``tplogp.tp._TPContext.kept_scales``) and hands both to the backward in one of these; the source's backward
+    takes the scales out (:meth:`take_scales`), and its d_logits launcher drops them once read, so that a consuming
+    backward frees them before its d_hidden / d_W GEMMs allocate their outputs (a peak lower by the scales)."""
+
+    __slots__ = ("values", "scales")
+
+    def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor]) -> None:
+        self.values = values
+        self.scales = scales
+
+    def take_scales(self) -> Optional[torch.Tensor]:
+        """The scales, which this holder no longer references."""
+        scales, self.scales = self.scales, None
+        return scales
 
 
 class ShardStats(NamedTuple):
@@ -68,8 +88,9 @@ class ShardStats(NamedTuple):
     sum_exp: torch.Tensor
     target_logit: torch.Tensor
     sum_exp_z: Optional[torch.Tensor]
-    # what the forward kept for the backward within the workspace budget (backend-specific layout), or None
-    kept: Optional[torch.Tensor] = None
+    # what the forward kept for the backward within the workspace budget (backend-specific layout; KeptBuffers when
+    # ShardCall.scales_apart), or None
+    kept: Optional[Union[torch.Tensor, KeptBuffers]] = None
 
 
 class SingleShardOutputs(NamedTuple):
@@ -81,8 +102,9 @@ class SingleShardOutputs(NamedTuple):
     log_sum: torch.Tensor  # log sum exp(z - M)
     mean_rel: Optional[torch.Tensor]  # E_p[z] - M (entropy only)
     entropy: Optional[torch.Tensor]  # log_sum - mean_rel (entropy only)
-    # what the forward kept for the backward within the workspace budget (backend-specific layout), or None
-    kept: Optional[torch.Tensor] = None
+    # what the forward kept for the backward within the workspace budget (backend-specific layout; KeptBuffers when
+    # ShardCall.scales_apart), or None
+    kept: Optional[Union[torch.Tensor, KeptBuffers]] = None
 
 
 class ShardGrads(NamedTuple):
@@ -116,6 +138,9 @@ class ShardCall:
     # the op's checks passed and the call path made the tensors what the sources take (tplogp.checks,
     # tp.localize_call: 2-D, contiguous, one device, int64 targets): a source may skip its per-launch checks
     inputs_checked: bool = False
+    # the forward keeps its scales apart from its terms (KeptBuffers), so that a consuming backward can free them
+    # early: the eager paths; the op's forward (torch.compile) returns one flat buffer
+    scales_apart: bool = False
 
     @functools.cached_property
     def consuming(self) -> "ShardCall":
@@ -127,7 +152,12 @@ class ShardCall:
         """This call as the fused loss's chunk loop runs it (made once per ShardCall): each chunk's backward runs
         right after its forward (``for_backward``, ``consume_kept``), and ``d_hidden`` stays fp32 (scaled by the
         upstream scalar later, rounded once then)."""
-        return replace(self, for_backward=True, consume_kept=True, d_hidden_in_input_dtype=False)
+        return replace(self, for_backward=True, consume_kept=True, d_hidden_in_input_dtype=False, scales_apart=True)
+
+    @functools.cached_property
+    def flat_kept(self) -> "ShardCall":
+        """This call keeping one flat buffer (``scales_apart`` off; made once per ShardCall): the op's forward."""
+        return replace(self, scales_apart=False) if self.scales_apart else self
 
 
 class ShardBackend(Protocol):

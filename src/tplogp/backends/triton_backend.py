@@ -18,7 +18,7 @@ import torch
 
 from .. import settings
 from ..kernels import tiles  # torch only: no Triton import, no device work
-from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .base import KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
@@ -221,22 +221,36 @@ class TritonBackend:
         return (lay.kept_values + lay.kept_scales,) if lay.keep_cols else (0,)
 
     @staticmethod
-    def _kept_buffer(hidden, lay: ShardLayout, call: ShardCall) -> Optional[torch.Tensor]:
-        """The buffer of :meth:`kept_shape`, or None when nothing is kept. The kernel writes every term and scale;
-        the few padding bytes after the terms are zeroed here, so the buffer's every byte is defined."""
+    def _kept_buffer(hidden, lay: ShardLayout, call: ShardCall):
+        """What the forward keeps, or None when nothing is kept: the buffer of :meth:`kept_shape`, or with
+        ``call.scales_apart`` its two parts in their own allocations (:class:`~tplogp.backends.base.KeptBuffers`).
+        The kernel writes every term and scale; the few padding bytes after the terms are zeroed here, so the
+        buffer's every byte is defined."""
         if not (call.for_backward and lay.keep_cols):
             return None
         values = lay.kept_values
-        kept = torch.empty(values + lay.kept_scales, device=hidden.device, dtype=torch.float32)
-        written = hidden.shape[0] * lay.keep_cols * lay.kept_dtype.itemsize // 4  # whole words of terms
+        n = hidden.shape[0]
+        apart = call.scales_apart
+        kept = torch.empty(values + (0 if apart else lay.kept_scales), device=hidden.device, dtype=torch.float32)
+        written = n * lay.keep_cols * lay.kept_dtype.itemsize // 4  # whole words of terms
         if written < values:
             kept[written:values].zero_()
-        return kept
+        if not apart:
+            return kept
+        per_row = lay.kept_scales // max(n, 1)
+        return KeptBuffers(kept, torch.empty((n, per_row), device=hidden.device, dtype=torch.float32))
 
     @staticmethod
-    def _kept_terms(kept: Optional[torch.Tensor], n: int, lay: ShardLayout):
-        """The :class:`~tplogp.kernels.generic_launch.KeptTerms` views of a kept buffer (None: nothing kept)."""
-        if kept is None or kept.numel() == 0:
+    def _kept_terms(kept, n: int, lay: ShardLayout, take_scales: bool = False):
+        """The :class:`~tplogp.kernels.generic_launch.KeptTerms` views of what the forward kept (None: nothing
+        kept). ``take_scales`` (the backward): the scales leave the :class:`~tplogp.backends.base.KeptBuffers`
+        holder for the KeptTerms, whose d_logits launcher drops them once read."""
+        if kept is None:
+            return None
+        if isinstance(kept, KeptBuffers):
+            values = kept.values.view(lay.kept_dtype).as_strided((n, lay.keep_cols), (lay.keep_cols, 1))
+            return _generic_launch().KeptTerms(values, kept.take_scales() if take_scales else kept.scales)
+        if kept.numel() == 0:
             return None
         # (made per call: views held on the buffer itself, an attribute, would keep it alive through their base)
         return _generic_launch().KeptTerms(*tiles.kept_views(kept, n, lay.keep_cols, lay.kept_dtype,
@@ -278,7 +292,8 @@ class TritonBackend:
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
             cfg=lay.cfg, dlogits_launch=self._dlogits_launch(hidden, weight, call),
-            kept=self._kept_terms(kept, hidden.shape[0], lay), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
+            kept=self._kept_terms(kept, hidden.shape[0], lay, take_scales=True), d_hidden_ready=d_hidden_ready,
+            accumulate=accumulate,
             overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype,
             checked=call.inputs_checked)
         return ShardGrads(d_hidden, d_weight, d_bias)

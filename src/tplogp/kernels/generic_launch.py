@@ -10,7 +10,7 @@ made 2-D, contiguous and int64 there (``ShardCall.inputs_checked``), skips these
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -66,13 +66,25 @@ def _even(d: int, block: int) -> bool:
 # ----------------------------------------------------------------------------------------------- forward
 
 
-class KeptTerms(NamedTuple):
-    """What the forward keeps for the backward (views into the backend's flat buffer, :func:`.tiles.kept_views`):
-    ``values [N, v_keep]`` the softmax terms ``exp(z - m)`` (in the inputs' dtype, :func:`.tiles.kept_dtype`) and
-    ``scales [N, cdiv(v_keep, block_v)]`` fp32, the running max ``m`` (natural units) per row and forward tile."""
+class KeptTerms:
+    """What the forward keeps for the backward (views into the backend's flat buffer, :func:`.tiles.kept_views`, or
+    into its two buffers): ``values [N, v_keep]`` the softmax terms ``exp(z - m)`` (in the inputs' dtype,
+    :func:`.tiles.kept_dtype`) and ``scales [N, cdiv(v_keep, block_v)]`` fp32, the running max ``m`` (natural
+    units) per row and forward tile. Unpacks as ``values, scales``. :func:`backward` drops the scales
+    (:meth:`release_scales`) once its last d_logits pass that reads them is launched: when nothing else holds them
+    (their own allocation, a consuming backward) they are freed before the d_hidden / d_W outputs are allocated."""
 
-    values: torch.Tensor
-    scales: torch.Tensor
+    __slots__ = ("values", "scales")
+
+    def __init__(self, values: torch.Tensor, scales: Optional[torch.Tensor]) -> None:
+        self.values = values
+        self.scales = scales
+
+    def __iter__(self):
+        return iter((self.values, self.scales))
+
+    def release_scales(self) -> None:
+        self.scales = None
 
 
 def check_kept(kept: Optional[KeptTerms], n: int, v: int, block_v: int) -> None:
@@ -310,6 +322,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
         if from_kept:
             launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
+            if v_hi == v_keep:  # the last pass that reads the scales: nothing here holds them any longer
+                kept.release_scales()
         else:
             launch(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
         if i_chunk == 0:
