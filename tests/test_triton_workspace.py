@@ -259,8 +259,9 @@ def test_default_budget_runs_the_kept_schedule(monkeypatch):
 
 
 def test_kept_buffer_is_freed_after_the_backward(monkeypatch):
-    """The kept buffer lives from the forward to the end of its backward, no longer: nothing the call path keeps
-    refers to it afterwards (a reference from the buffer to a view of itself would keep it alive for good)."""
+    """What is kept (the terms' buffer and, eagerly, the scales in their own allocation) lives from the forward to
+    the end of its backward, no longer: nothing the call path keeps refers to it afterwards (a reference from the
+    buffer to a view of itself would keep it alive for good)."""
     import gc
     import weakref
 
@@ -270,8 +271,8 @@ def test_kept_buffer_is_freed_after_the_backward(monkeypatch):
     real = be._kept_buffer
 
     def kept_buffer(*args):
-        kept = real(*args)
-        made.append(weakref.ref(kept))
+        kept = real(*args)  # eagerly the terms' buffer and the scales, in two allocations (KeptBuffers)
+        made.append((weakref.ref(kept.values), weakref.ref(kept.scales)))
         return kept
 
     monkeypatch.setattr(be, "_kept_buffer", kept_buffer)
@@ -284,4 +285,5 @@ def test_kept_buffer_is_freed_after_the_backward(monkeypatch):
         assert len(made) == (2 if retain else 1)  # the call kept its terms (the default, at this size)
         del out
         gc.collect()
-        assert made[-1]() is None, f"kept buffer alive after the backward (retain_graph={retain})"
+        alive = [ref() is not None for ref in made[-1]]
+        assert alive == [False, False], f"kept terms / scales alive after the backward (retain_graph={retain})"
