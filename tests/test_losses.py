@@ -115,3 +115,28 @@ def test_a_wrong_number_of_per_token_tensors_names_what_the_loss_takes():
         tplogp.linear_logp_loss(h, w, t, loss=losses.policy_gradient(), source="native")
     with pytest.raises(ValueError, match="reads the entropy: call with with_entropy=True"):
         tplogp.linear_logp_loss(h, w, t, loss=losses.entropy_bonus(0.1), with_entropy=False, source="native")
+
+
+def test_a_plain_call_runs_none_of_the_derivatives_ops():
+    """Called as a plain per-token loss (the autograd path, the value-only chunks), a built-in computes its value
+    alone: fewer ops than with its derivatives, and the same value."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    loss, names = CASES["grpo sum"]
+    logp, entropy, adv, old, ref = _points()
+    extra = [{"adv": adv, "old": old, "ref": ref}[k] for k in names]
+    with Ops() as plain:
+        value = loss(logp, entropy, *extra)
+    with Ops() as full:
+        parts = loss.value_and_derivatives(logp, entropy, *extra)
+    assert plain.count < full.count, (plain.count, full.count)
+    assert torch.equal(value, parts[0])

@@ -188,9 +188,9 @@ def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
 
 
 # Calls of at most this many multiply-accumulates (N * D * V_local) are host-bound on a GPU: a TokenLoss then
-# computes its gradients in the forward (:func:`precomputes`). On an H200 at 4096x2048x8192 (2^36; bf16, tplogp
-# ``1ed05ac``, a synced forward+backward of the mean cross-entropy) that took 5.56 GEMM-times against 5.79 in one
-# pass, eager cross-entropy 5.51 in the same run.
+# computes its gradients in the forward (:func:`precomputes`). Measured at 4096x2048x8192 (2^36) on an H200 only: a
+# synced forward+backward of the mean cross-entropy was faster precomputed than in one pass in every process where
+# both were timed (docs/operator.md, "Fused loss path").
 PRECOMPUTE_MAX_MACS = 1 << 36
 
 
@@ -204,9 +204,9 @@ def precomputes(loss, hidden, weight) -> bool:
     each). Larger calls keep the one pass, which needs no scaling pass and no fp32 ``d_hidden``; so does the CPU,
     where the host is the device (nothing to overlap) and the scaling runs as torch ops."""
     if not (isinstance(loss, TokenLoss) and isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and hidden.device.type == "cuda"):
+            and hidden.device.type == "cuda" and weight.dim() >= 1):
         return False
-    return hidden.numel() * (weight.shape[0] if weight.dim() else 1) <= PRECOMPUTE_MAX_MACS
+    return hidden.numel() * weight.shape[0] <= PRECOMPUTE_MAX_MACS
 
 
 def _check_token_loss(loss, per_token: Sequence, with_entropy: bool) -> None:
@@ -256,11 +256,7 @@ class _OnePassTokenLoss(torch.autograd.Function):
         if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its derivatives)
             logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
         value, d_logp, d_entropy = loss.value_and_derivatives(logp, entropy, *extra)
-        value = zero_rows(ignored, value)
-        if count is None or hidden.shape[0] == 0:  # (no row: the sum of nothing, 0)
-            total = value.sum()
-        else:  # (the mean when every row counts: one op)
-            total = value.mean() if isinstance(count, float) else value.sum() / count
+        total = _reduced(zero_rows(ignored, value), count)
         tensors = [t if isinstance(t, torch.Tensor) else None for t in (d_logp, d_entropy)]
         kept = park_kept_scales(kept, tpc)
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept, *tensors)
@@ -332,11 +328,7 @@ def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenL
     if ignored is not None:
         logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
     per_token_loss = zero_rows(ignored, loss(logp, entropy, *extra))
-    if reduction == "sum" or prep.hidden.shape[0] == 0:  # (no row: the sum of nothing, 0)
-        return per_token_loss.sum()
-    if ignored is None:
-        return per_token_loss.mean()  # (one op and one autograd node: host time at small shapes)
-    return per_token_loss.sum() / (~ignored).sum().clamp_min(1).to(torch.float32)
+    return _reduced(per_token_loss, _mean_count(reduction, prep.hidden.shape[0], ignored))
 
 
 def _options(reduction: str, temperature: float, with_entropy: bool, ignore_index: Optional[int],
@@ -354,6 +346,20 @@ def _mean_count(reduction: str, n: int, ignored: Optional[torch.Tensor]):
     if reduction != "mean":
         return None
     return float(max(n, 1)) if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32)
+
+
+def _reduced(per_token_loss: torch.Tensor, count) -> torch.Tensor:
+    """The call's loss from all its rows' per-token losses: their sum (``count`` None, or no row: 0), or the sum over
+    :func:`_mean_count`'s ``count`` (the mean, one op and one autograd node, when every row counts)."""
+    if count is None or per_token_loss.numel() == 0:
+        return per_token_loss.sum()
+    return per_token_loss.mean() if isinstance(count, float) else per_token_loss.sum() / count
+
+
+def _chunk_part(per_token_loss: torch.Tensor, count) -> torch.Tensor:
+    """One chunk's share of the call's loss: the sum of its per-token losses, over the call's ``count`` for
+    ``"mean"``."""
+    return per_token_loss.sum() if count is None else per_token_loss.sum() / count
 
 
 def _per_token_rows(per_token: Sequence[torch.Tensor], n_all: int, device: torch.device,
@@ -416,22 +422,19 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
             logp = zero_rows(skip, logp)
             entropy = None if entropy is None else zero_rows(skip, entropy)
         if not differentiate:
-            per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
-            part = per_tok.sum() if count is None else per_tok.sum() / count
+            part = _chunk_part(zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra))), count)
             total = part if total is None else total + part
             continue
         if isinstance(loss, TokenLoss):  # closed-form derivatives: no autograd engine run per chunk
             value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *(t[t0:t1] for t in extra))
-            chunk_loss = zero_rows(skip, value).sum()
-            chunk_loss = chunk_loss if count is None else chunk_loss / count
+            chunk_loss = _chunk_part(zero_rows(skip, value), count)
             g_logp = _token_grads(d_logp, t1 - t0, h2.device, skip, count=count)
             g_ent = None if entropy is None else _token_grads(d_ent, t1 - t0, h2.device, skip, count=count)
         else:
             logp = logp.detach().requires_grad_()
             entropy = None if entropy is None else entropy.detach().requires_grad_()
             with torch.enable_grad():
-                per_tok = zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra)))
-                chunk_loss = per_tok.sum() if count is None else per_tok.sum() / count
+                chunk_loss = _chunk_part(zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra))), count)
                 inputs = [logp] if entropy is None else [logp, entropy]
                 g_logp, *g_rest = torch.autograd.grad(chunk_loss, inputs, allow_unused=True)
             g_ent = g_rest[0] if g_rest else None

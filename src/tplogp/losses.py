@@ -38,7 +38,9 @@ class TokenLoss:
     ``d value / d logp`` and ``d value / d entropy`` per token, without autograd (equal to autograd's within fp32
     rounding: tests/test_losses.py). ``per_token`` names the per-token tensors it takes, in order;
     ``reads_entropy`` whether it needs the entropy (``with_entropy=True``). ``a + b`` is the sum of two terms,
-    taking ``a``'s per-token tensors then ``b``'s."""
+    taking ``a``'s per-token tensors then ``b``'s. ``parts(logp, entropy, *per_token, derivatives=...)`` computes
+    the value and, with ``derivatives``, the two derivatives (without: None, so a plain call runs none of their
+    ops)."""
 
     def __init__(self, name: str, per_token: tuple[str, ...], parts: Callable[..., _Parts],
                  reads_entropy: bool = False) -> None:
@@ -59,19 +61,20 @@ class TokenLoss:
         """``(value [n], d value / d logp, d value / d entropy)``; a derivative is a tensor of the tokens, a number
         when constant, or None when the value does not depend on it."""
         self.check_arity(len(per_token))
-        return self._parts(logp, entropy, *per_token)
+        return self._parts(logp, entropy, *per_token, derivatives=True)
 
     def __call__(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], *per_token: torch.Tensor) -> torch.Tensor:
-        return self.value_and_derivatives(logp, entropy, *per_token)[0]
+        self.check_arity(len(per_token))
+        return self._parts(logp, entropy, *per_token, derivatives=False)[0]
 
     def __add__(self, other: "TokenLoss") -> "TokenLoss":
         if not isinstance(other, TokenLoss):
             return NotImplemented
         split = len(self.per_token)
 
-        def parts(logp, entropy, *per_token):
-            v1, dl1, de1 = self._parts(logp, entropy, *per_token[:split])
-            v2, dl2, de2 = other._parts(logp, entropy, *per_token[split:])
+        def parts(logp, entropy, *per_token, derivatives):
+            v1, dl1, de1 = self._parts(logp, entropy, *per_token[:split], derivatives=derivatives)
+            v2, dl2, de2 = other._parts(logp, entropy, *per_token[split:], derivatives=derivatives)
             return v1 + v2, _add(dl1, dl2), _add(de1, de2)
 
         return TokenLoss(f"{self.name} + {other.name}", self.per_token + other.per_token, parts,
@@ -84,12 +87,14 @@ class TokenLoss:
 def cross_entropy() -> TokenLoss:
     """``-logp``: the target token's cross-entropy (supervised fine-tuning); no per-token tensors. Reads no
     entropy."""
-    return TokenLoss("cross_entropy()", (), lambda logp, entropy: (-logp, -1.0, None))
+    return TokenLoss("cross_entropy()", (),
+                     lambda logp, entropy, *, derivatives: (-logp, -1.0 if derivatives else None, None))
 
 
 def policy_gradient() -> TokenLoss:
     """``-A * logp``; per_token = ``(advantages,)``. Reads no entropy."""
-    return TokenLoss("policy_gradient()", ("advantages",), lambda logp, entropy, adv: (-adv * logp, -adv, None))
+    return TokenLoss("policy_gradient()", ("advantages",),
+                     lambda logp, entropy, adv, *, derivatives: (-adv * logp, -adv if derivatives else None, None))
 
 
 def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> TokenLoss:
@@ -100,10 +105,11 @@ def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> TokenLoss:
     or ``A = 0``), else 0 (the clipped term is constant in ``logp`` outside the range)."""
     lo, hi = 1 - eps_low, 1 + eps_high
 
-    def parts(logp, entropy, adv, old_logp):
+    def parts(logp, entropy, adv, old_logp, *, derivatives):
         ratio = torch.exp(logp - old_logp)
         plain, clipped = ratio * adv, ratio.clamp(lo, hi) * adv
-        return -torch.minimum(plain, clipped), torch.where(plain <= clipped, -plain, 0.0), None
+        d_logp = torch.where(plain <= clipped, -plain, 0.0) if derivatives else None
+        return -torch.minimum(plain, clipped), d_logp, None
 
     return TokenLoss(f"ppo_clip({eps_low}, {eps_high})", ("advantages", "old_logp"), parts)
 
@@ -112,15 +118,16 @@ def kl_to_reference(coef: float) -> TokenLoss:
     """``coef * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 estimator); per_token = ``(ref_logp,)``. Reads no
     entropy. Derivative: ``coef * (1 - exp(ref - logp))``."""
 
-    def parts(logp, entropy, ref_logp):
+    def parts(logp, entropy, ref_logp, *, derivatives):
         d = ref_logp - logp
         e = torch.exp(d)
-        return coef * (e - d - 1), coef * (1 - e), None
+        return coef * (e - d - 1), coef * (1 - e) if derivatives else None, None
 
     return TokenLoss(f"kl_to_reference({coef})", ("ref_logp",), parts)
 
 
 def entropy_bonus(coef: float) -> TokenLoss:
     """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the default)."""
-    return TokenLoss(f"entropy_bonus({coef})", (), lambda logp, entropy: (-coef * entropy, None, -coef),
+    return TokenLoss(f"entropy_bonus({coef})", (),
+                     lambda logp, entropy, *, derivatives: (-coef * entropy, None, -coef if derivatives else None),
                      reads_entropy=True)

@@ -237,8 +237,8 @@ class TritonBackend:
             kept[written:values].zero_()
         if not apart:
             return kept
-        per_row = lay.kept_scales // max(n, 1)
-        return KeptBuffers(kept, torch.empty((n, per_row), device=hidden.device, dtype=torch.float32))
+        scales = torch.empty(tiles.kept_scales_shape(n, lay.kept_scales), device=hidden.device, dtype=torch.float32)
+        return KeptBuffers(kept, scales)
 
     @staticmethod
     def _kept_terms(kept, n: int, lay: ShardLayout, take_scales: bool = False):
@@ -248,7 +248,7 @@ class TritonBackend:
         if kept is None:
             return None
         if isinstance(kept, KeptBuffers):
-            values = kept.values.view(lay.kept_dtype).as_strided((n, lay.keep_cols), (lay.keep_cols, 1))
+            values = tiles.kept_values_view(kept.values, n, lay.keep_cols, lay.kept_dtype)
             return _generic_launch().KeptTerms(values, kept.take_scales() if take_scales else kept.scales)
         if kept.numel() == 0:
             return None
