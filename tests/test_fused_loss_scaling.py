@@ -44,7 +44,7 @@ def test_scaled_is_the_fp32_product_rounded_once(path, dtypes, g, in_place):
     kept = t.clone()
     scalar = torch.tensor(g)
     want = (t.to(torch.float32) * scalar).to(dtype)
-    got = fused_loss._scaled(t, scalar, dtype, in_place)
+    got, = fused_loss._scaled_all([t], scalar, [dtype], in_place)
     assert got.dtype == dtype and got.shape == t.shape
     assert torch.equal(got, want), f"{path}: {(got != want).sum()} elements differ from the fp32 product rounded once"
     assert (got is t) == (in_place and saved_dtype == dtype)  # in place exactly when the dtype allows it
@@ -53,6 +53,36 @@ def test_scaled_is_the_fp32_product_rounded_once(path, dtypes, g, in_place):
     if g == 1.0:  # loss.backward(): the saved gradient rounded once
         assert torch.equal(got, kept.to(dtype))
     assert fused_loss._scale_kernel_runs(t, dtype) == (path == "kernel")
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "new"])
+def test_a_backward_scales_every_gradient_in_one_launch(path, in_place, monkeypatch):
+    """d_hidden (fp32 to bf16), d_W (bf16, in place when allowed), no gradient (None) and d_b (fp32 to fp16): each
+    the fp32 product rounded once, the kernel path in ONE launch whatever the tensors' sizes and dtypes."""
+    from tplogp.kernels import scale_launch
+
+    launches = []
+    real = scale_launch.launcher
+
+    def counting(jit_fn):
+        launch = real(jit_fn)
+        return lambda *args, **kwargs: (launches.append(jit_fn), launch(*args, **kwargs))[1]
+
+    monkeypatch.setattr(scale_launch, "launcher", counting)
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(5, 3001, generator=gen) * 3, (torch.randn(9000, generator=gen)).to(torch.bfloat16), None,
+             torch.randn(8193, generator=gen) * 1e-3]
+    dtypes = [torch.bfloat16, torch.bfloat16, None, torch.float16]
+    kept = [None if t is None else t.clone() for t in grads]
+    scalar = torch.tensor(0.3)
+    got = fused_loss._scaled_all(grads, scalar, dtypes, in_place)
+    assert got[2] is None
+    for i in (0, 1, 3):
+        want = (kept[i].to(torch.float32) * scalar).to(dtypes[i])
+        assert got[i].dtype == dtypes[i] and torch.equal(got[i], want), f"gradient {i} is not rounded once"
+        assert (got[i] is grads[i]) == (in_place and i == 1)
+    assert len(launches) == (1 if path == "kernel" else 0)
 
 
 def _problem_and_saved(monkeypatch, chunks: int):

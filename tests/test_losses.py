@@ -140,3 +140,36 @@ def test_a_plain_call_runs_none_of_the_derivatives_ops():
         parts = loss.value_and_derivatives(logp, entropy, *extra)
     assert plain.count < full.count, (plain.count, full.count)
     assert torch.equal(value, parts[0])
+
+
+LINEAR = {"cross_entropy": True, "policy_gradient": True, "ppo_clip": False, "kl_to_reference": False,
+          "entropy_bonus": True, "grpo sum": False}
+
+
+@pytest.mark.parametrize("name", list(CASES) + ["pg + entropy"])
+def test_linear_losses_are_their_coefficients_dot_logp_and_entropy(name):
+    """A loss marked linear is ``c_logp * logp + c_entropy * entropy`` with its closed-form derivatives as the
+    coefficients, and these do not depend on logp or entropy (the fused loss reduces it as a dot product); a sum is
+    linear only when both terms are; the others refuse ``coefficients`` with an error naming the loss."""
+    if name == "pg + entropy":
+        loss, names, linear = losses.policy_gradient() + losses.entropy_bonus(0.01), ("adv",), True
+    else:
+        (loss, names), linear = CASES[name], LINEAR[name]
+    logp, entropy, adv, old, ref = _points()
+    extra = [{"adv": adv, "old": old, "ref": ref}[k] for k in names]
+    assert loss.linear == linear
+    if not linear:
+        with pytest.raises(TypeError, match="not linear"):
+            loss.coefficients(*extra)
+        return
+    c_logp, c_ent = loss.coefficients(*extra)
+    value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *extra)
+    for c, d, x in ((c_logp, d_logp, logp), (c_ent, d_ent, entropy)):
+        assert (c is None) == (d is None)
+        assert torch.equal(_as_tensor(c, x), _as_tensor(d, x))
+    rebuilt = _as_tensor(c_logp, logp) * logp + _as_tensor(c_ent, entropy) * entropy
+    assert torch.allclose(rebuilt, value, rtol=1e-15, atol=0)
+    # other points, the same coefficients
+    logp2, entropy2 = logp * 0.5 - 1, entropy + 2
+    assert torch.allclose(loss(logp2, entropy2, *extra),
+                          _as_tensor(c_logp, logp) * logp2 + _as_tensor(c_ent, entropy) * entropy2, rtol=1e-15, atol=0)

@@ -13,7 +13,7 @@ one chunk's terms are alive at a time. ONE all_reduce completes
 ``d_hidden``: issued by the last chunk's backward as soon as its ``d_hidden`` rows are done (``d_hidden_ready``),
 so that it runs under that chunk's ``d_W`` work. The gradients are handed to autograd: the backward only scales
 them by the upstream scalar, the fp32 product rounded once (one Triton pass on a GPU, in place when the graph is not
-retained and the dtype allows: :func:`_scaled`). The per-token tensors are constants (no gradient flows to them).
+retained and the dtype allows: :func:`_scaled_all`). The per-token tensors are constants (no gradient flows to them).
 ``with_entropy=False``: the sources compute no entropy statistics and the loss callable gets ``entropy=None``.
 
 On one shard with a budget that keeps nothing beyond the default transient memory, the chunk loop buys nothing (one
@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import checks
 from .backends.triton_backend import triton_unavailable_reason
 from .comm import OverlappedAllReduce
 from .kernels.tiles import KERNEL_DTYPES, interpreting
@@ -45,7 +46,7 @@ REDUCTIONS = ("sum", "mean")
 class _PrecomputedGrads(torch.autograd.Function):
     """``loss`` as a function of (hidden, weight, bias) whose gradients were computed in the forward. The backward
     scales each by the upstream scalar ``g``: the fp32 product, rounded once to the input's dtype
-    (:func:`_scaled`). When the graph is not retained the gradients leave with this backward: one already in the
+    (:func:`_scaled_all`). When the graph is not retained the gradients leave with this backward: one already in the
     input's dtype (one chunk's d_W and d_b, any fp32 one) is scaled in place and handed to autograd without a copy;
     a retained graph's later backward finds them unscaled."""
 
@@ -67,7 +68,7 @@ class _PrecomputedGrads(torch.autograd.Function):
         in_place = not _graph_retained()
         if in_place:
             ctx.grads = None  # no reference left here: AccumulateGrad adopts the scaled tensors instead of copying
-        scaled = tuple(_scaled(t, g, dt, in_place) for t, dt in zip(grads, ctx.dtypes))
+        scaled = _scaled_all(grads, g, ctx.dtypes, in_place)
         del grads
         if verdict is not None:
             # a bad target raises here, before any gradient is handed over (every rank alike), after the scaling's
@@ -82,37 +83,59 @@ class _PrecomputedGrads(torch.autograd.Function):
 _SCALE_BLOCK_ELEMENTS = 1 << 24
 
 
-def _scaled(t: Optional[torch.Tensor], g: torch.Tensor, dtype: torch.dtype, in_place: bool) -> Optional[torch.Tensor]:
-    """``round(t * g)``: the fp32 product of ``t`` and the upstream scalar ``g``, rounded once to ``dtype`` (with
-    ``g == 1``: ``t`` rounded once; bitwise ``t`` when it is in ``dtype``). ``in_place``: written over ``t`` when
-    ``t`` is a contiguous ``dtype`` tensor, else into a new tensor of ``dtype``.
+def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes: Sequence[Optional[torch.dtype]],
+                in_place: bool) -> tuple[Optional[torch.Tensor], ...]:
+    """``round(t * g)`` for every gradient ``t`` of ``grads`` (None stays None): the fp32 product of ``t`` and the
+    upstream scalar ``g``, rounded once to its ``dtypes`` entry (with ``g == 1``: ``t`` rounded once; bitwise ``t``
+    when it is in that dtype). ``in_place``: written over ``t`` when ``t`` is a contiguous tensor of that dtype,
+    else into a new tensor of it.
 
-    On a GPU (and on the CPU under Triton's interpreter) one pass of :mod:`tplogp.kernels.scale_kernels` reads
-    ``g`` from its device pointer; elsewhere torch ops in flat blocks of ``_SCALE_BLOCK_ELEMENTS``. A ``g`` that
-    requires a gradient (``create_graph=True``) gets differentiable torch ops."""
-    if t is None:
-        return None
+    On a GPU (and on the CPU under Triton's interpreter) ONE launch of :mod:`tplogp.kernels.scale_kernels` scales
+    them all, reading ``g`` from its device pointer; elsewhere torch ops in flat blocks of
+    ``_SCALE_BLOCK_ELEMENTS``. A ``g`` that requires a gradient (``create_graph=True``) gets differentiable torch
+    ops."""
     if g.requires_grad and torch.is_grad_enabled():
-        return (t.to(torch.float32) * g.to(torch.float32)).to(dtype)
-    g = g.detach().to(device=t.device, dtype=torch.float32)
-    out = t if in_place and t.dtype == dtype and t.is_contiguous() else torch.empty(t.shape, device=t.device,
-                                                                                      dtype=dtype)
-    if t.numel() == 0:
-        return out
-    if _scale_kernel_runs(t, dtype):
+        return tuple(None if t is None else (t.to(torch.float32) * g.to(torch.float32)).to(dt)
+                     for t, dt in zip(grads, dtypes))
+    g32 = None
+    outs, on_kernel = [], []
+    for t, dtype in zip(grads, dtypes):
+        if t is None:
+            outs.append(None)
+            continue
+        if g32 is None:
+            g32 = (g.detach() if g.requires_grad else g).to(device=t.device, dtype=torch.float32)
+        out = (t if in_place and t.dtype == dtype and t.is_contiguous()
+               else torch.empty(t.shape, device=t.device, dtype=dtype))
+        outs.append(out)
+        if t.numel() == 0:
+            continue
+        if _scale_kernel_runs(t, dtype):
+            on_kernel.append((t.contiguous(), out))
+        else:
+            _scaled_by_torch(t, g32, out)
+    if on_kernel:
         from .kernels.scale_launch import scale_round
 
-        return scale_round(t.contiguous(), g, out)
-    if t.dtype == torch.float32 and dtype == torch.float32:  # the product in fp32 is the result: one op, no blocks
-        return t.mul_(g) if out is t else torch.mul(t, g, out=out)
+        scale_round(on_kernel, g32)
+    return tuple(outs)
+
+
+def _scaled_by_torch(t: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = round(t * g)`` with torch ops (fp32 product in flat blocks: no gradient-sized fp32 transient)."""
+    if t.dtype == torch.float32 and out.dtype == torch.float32:  # the product in fp32 is the result: one op
+        if out is t:
+            t.mul_(g)
+        else:
+            torch.mul(t, g, out=out)
+        return
     src, dst = t.reshape(-1), out.view(-1)
     for i0 in range(0, src.numel(), _SCALE_BLOCK_ELEMENTS):
         dst[i0:i0 + _SCALE_BLOCK_ELEMENTS] = src[i0:i0 + _SCALE_BLOCK_ELEMENTS].to(torch.float32) * g
-    return out
 
 
 def _scale_kernel_runs(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`_scaled` runs the Triton kernel: a CUDA tensor, or a CPU one under Triton's interpreter, of
+    """Whether :func:`_scaled_all` runs the Triton kernel: a CUDA tensor, or a CPU one under Triton's interpreter, of
     the dtypes the kernel takes, with Triton installed."""
     on = t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
     return on and t.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES and _triton_usable()
@@ -231,13 +254,45 @@ def _token_grads(d: Derivative, n: int, device: torch.device, skip: Optional[tor
         upstream, count = (1.0 if upstream is None else upstream) / count, None
     factor = 1.0 if count is None else 1.0 / count
     if upstream is None:
-        g = (d * factor if isinstance(d, torch.Tensor)
-             else torch.full((n,), d * factor, device=device, dtype=torch.float32))
+        g = d * factor if isinstance(d, torch.Tensor) else _constant_vector(n, d * factor, device)
     elif isinstance(d, torch.Tensor):
         g = d * upstream if factor == 1.0 else torch.mul(d, upstream).mul_(factor)
     else:  # a constant derivative: the upstream scalar broadcast, one op
         g = torch.mul(upstream.expand(n), d * factor)
     return f32_contiguous(zero_rows(skip, g))
+
+
+# Read-only fp32 vectors of one value (a constant derivative over the mean's count), by (n, value, device): made once,
+# then no op per call (host time at small shapes). Never written: every consumer reads them or makes a new tensor.
+# At most _MAX_CONSTANTS (the oldest dropped first).
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+_MAX_CONSTANTS = 32
+
+
+def _constant_vector(n: int, value: float, device: torch.device) -> torch.Tensor:
+    """A read-only fp32 ``[n]`` tensor of ``value`` on ``device``, cached outside CUDA-graph captures. A capture gets
+    a new one (in the graph's memory pool): a cached one could be dropped while a graph still reads it."""
+    if checks.is_capturing(device):
+        return torch.full((n,), value, device=device, dtype=torch.float32)
+    key = (n, value, device)
+    vec = _CONSTANTS.get(key)
+    if vec is None:
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            del _CONSTANTS[next(iter(_CONSTANTS))]
+        vec = _CONSTANTS[key] = torch.full((n,), value, device=device, dtype=torch.float32)
+    return vec
+
+
+def _linear_total(g_logp: Optional[torch.Tensor], logp: torch.Tensor, g_entropy: Optional[torch.Tensor],
+                  entropy: Optional[torch.Tensor]) -> torch.Tensor:
+    """The reduced value of a :attr:`~tplogp.losses.TokenLoss.linear` loss from its upstream gradients (the
+    coefficients over the mean's count, 0 at skipped rows): ``g_logp . logp + g_entropy . entropy``, one op per
+    term (the rows' losses need not be formed)."""
+    total = None if g_logp is None else torch.dot(g_logp, logp)
+    if g_entropy is not None:
+        part = torch.dot(g_entropy, entropy)
+        total = part if total is None else total + part
+    return total if total is not None else logp.new_zeros(())
 
 
 class _OnePassTokenLoss(torch.autograd.Function):
@@ -255,8 +310,14 @@ class _OnePassTokenLoss(torch.autograd.Function):
                                                                               tpc)
         if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its derivatives)
             logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
-        value, d_logp, d_entropy = loss.value_and_derivatives(logp, entropy, *extra)
-        total = _reduced(zero_rows(ignored, value), count)
+        if loss.linear:  # the reduced value as a dot product of the coefficients over the count (one op each)
+            d_logp, d_entropy = loss.coefficients(*extra)
+            n = logp.shape[0]
+            total = _linear_total(_token_grads(d_logp, n, logp.device, ignored, count=count), logp,
+                                  _token_grads(d_entropy, n, logp.device, ignored, count=count), entropy)
+        else:
+            value, d_logp, d_entropy = loss.value_and_derivatives(logp, entropy, *extra)
+            total = _reduced(zero_rows(ignored, value), count)
         tensors = [t if isinstance(t, torch.Tensor) else None for t in (d_logp, d_entropy)]
         kept = park_kept_scales(kept, tpc)
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept, *tensors)
@@ -415,30 +476,37 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
     d_w = d_b = None
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
-        h_c, lt_c = h2[t0:t1], local_target[t0:t1]
+        whole = t1 - t0 == n  # one chunk: the call's tensors themselves (no slicing ops: host time)
+        h_c, lt_c = (h2, local_target) if whole else (h2[t0:t1], local_target[t0:t1])
+        pt = extra if whole else [t[t0:t1] for t in extra]
         (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(h_c, w, b, lt_c, tpc)
-        skip = None if ignored is None else ignored[t0:t1]
+        skip = None if ignored is None else ignored if whole else ignored[t0:t1]
         if skip is not None:  # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
             logp = zero_rows(skip, logp)
             entropy = None if entropy is None else zero_rows(skip, entropy)
         if not differentiate:
-            part = _chunk_part(zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra))), count)
+            part = _chunk_part(zero_rows(skip, loss(logp, entropy, *pt)), count)
             total = part if total is None else total + part
             continue
+        chunk_loss = None  # a linear loss's: from its upstream gradients, once the backward is launched
         if isinstance(loss, TokenLoss):  # closed-form derivatives: no autograd engine run per chunk
-            value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *(t[t0:t1] for t in extra))
-            chunk_loss = _chunk_part(zero_rows(skip, value), count)
+            if loss.linear:
+                d_logp, d_ent = loss.coefficients(*pt)
+            else:
+                value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *pt)
+                chunk_loss = _chunk_part(zero_rows(skip, value), count)
             g_logp = _token_grads(d_logp, t1 - t0, h2.device, skip, count=count)
             g_ent = None if entropy is None else _token_grads(d_ent, t1 - t0, h2.device, skip, count=count)
         else:
             logp = logp.detach().requires_grad_()
             entropy = None if entropy is None else entropy.detach().requires_grad_()
             with torch.enable_grad():
-                chunk_loss = _chunk_part(zero_rows(skip, loss(logp, entropy, *(t[t0:t1] for t in extra))), count)
+                chunk_loss = _chunk_part(zero_rows(skip, loss(logp, entropy, *pt)), count)
                 inputs = [logp] if entropy is None else [logp, entropy]
                 g_logp, *g_rest = torch.autograd.grad(chunk_loss, inputs, allow_unused=True)
             g_ent = g_rest[0] if g_rest else None
-        total = chunk_loss.detach() if total is None else total + chunk_loss.detach()
+            chunk_loss = chunk_loss.detach()
+        linear_parts = (g_logp, logp, g_ent, entropy) if chunk_loss is None else None
         if g_logp is None:
             g_logp = torch.zeros_like(logp)
         ready = None
@@ -448,11 +516,14 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
                 d_hidden[t0:t1] = rows
                 reduce.start(d_hidden)
 
-        grads = backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.detach().contiguous(),
-                                 None if g_ent is None else g_ent.detach().contiguous(), None,
+        grads = backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.contiguous(),
+                                 None if g_ent is None else g_ent.contiguous(), None,
                                  mean_rel if g_ent is not None else None, tpc.call, needs, d_hidden_ready=ready,
                                  kept=kept, accumulate=accumulate)
         del kept  # one chunk's kept logits at a time
+        if linear_parts is not None:  # queued behind the backward's kernels
+            chunk_loss = _linear_total(*linear_parts)
+        total = chunk_loss if total is None else total + chunk_loss
         if d_hidden is not None and not (ready is not None and reduce.started):
             d_hidden[t0:t1] = grads.d_hidden
         elif needs[0] and d_hidden is None:  # the one chunk
@@ -469,5 +540,7 @@ def _loss_and_grads(backend, hidden, weight, target_ids, bias, needs: tuple[bool
         if reduce is not None:  # the one all_reduce of d_hidden (started by the last chunk's backward)
             d_hidden = reduce.finish(d_hidden)
         # fp32: rounded once, after the upstream scale
-        d_hidden = prep.finish_rows(d_hidden, n_all).view(hidden.shape)
+        d_hidden = prep.finish_rows(d_hidden, n_all)
+        if d_hidden.shape != hidden.shape:
+            d_hidden = d_hidden.view(hidden.shape)
     return total, (d_hidden, d_w, d_b), prep.verdict

@@ -43,11 +43,30 @@ class TokenLoss:
     ops)."""
 
     def __init__(self, name: str, per_token: tuple[str, ...], parts: Callable[..., _Parts],
-                 reads_entropy: bool = False) -> None:
+                 reads_entropy: bool = False,
+                 coefficients: Optional[Callable[..., tuple[Derivative, Derivative]]] = None) -> None:
         self.name = name
         self.per_token = per_token
         self.reads_entropy = reads_entropy
         self._parts = parts
+        # a loss linear in (logp, entropy), value = c_logp * logp + c_entropy * entropy: the coefficients (its
+        # derivatives) from the per-token tensors alone; None for any other loss
+        self._coefficients = coefficients
+
+    @property
+    def linear(self) -> bool:
+        """Whether the per-token value is ``c_logp * logp + c_entropy * entropy`` exactly, with coefficients that
+        do not depend on ``logp`` or ``entropy`` (:meth:`coefficients`): then a reduced loss is a dot product of
+        its upstream gradients with ``logp`` and ``entropy``, and needs no per-token value."""
+        return self._coefficients is not None
+
+    def coefficients(self, *per_token: torch.Tensor) -> tuple[Derivative, Derivative]:
+        """A :attr:`linear` loss's ``(c_logp, c_entropy)``: its derivatives, each a tensor of the tokens, a number,
+        or None (not a term of the loss)."""
+        if self._coefficients is None:
+            raise TypeError(f"the loss {self.name} is not linear in logp and entropy")
+        self.check_arity(len(per_token))
+        return self._coefficients(*per_token)
 
     def check_arity(self, count: int) -> None:
         """A clear error when ``count`` per-token tensors are not the ones this loss takes."""
@@ -77,8 +96,16 @@ class TokenLoss:
             v2, dl2, de2 = other._parts(logp, entropy, *per_token[split:], derivatives=derivatives)
             return v1 + v2, _add(dl1, dl2), _add(de1, de2)
 
+        coefficients = None
+        if self.linear and other.linear:
+
+            def coefficients(*per_token):
+                cl1, ce1 = self._coefficients(*per_token[:split])
+                cl2, ce2 = other._coefficients(*per_token[split:])
+                return _add(cl1, cl2), _add(ce1, ce2)
+
         return TokenLoss(f"{self.name} + {other.name}", self.per_token + other.per_token, parts,
-                         self.reads_entropy or other.reads_entropy)
+                         self.reads_entropy or other.reads_entropy, coefficients)
 
     def __repr__(self) -> str:
         return f"TokenLoss({self.name}; per_token=({', '.join(self.per_token)}))"
@@ -88,13 +115,15 @@ def cross_entropy() -> TokenLoss:
     """``-logp``: the target token's cross-entropy (supervised fine-tuning); no per-token tensors. Reads no
     entropy."""
     return TokenLoss("cross_entropy()", (),
-                     lambda logp, entropy, *, derivatives: (-logp, -1.0 if derivatives else None, None))
+                     lambda logp, entropy, *, derivatives: (-logp, -1.0 if derivatives else None, None),
+                     coefficients=lambda: (-1.0, None))
 
 
 def policy_gradient() -> TokenLoss:
     """``-A * logp``; per_token = ``(advantages,)``. Reads no entropy."""
     return TokenLoss("policy_gradient()", ("advantages",),
-                     lambda logp, entropy, adv, *, derivatives: (-adv * logp, -adv if derivatives else None, None))
+                     lambda logp, entropy, adv, *, derivatives: (-adv * logp, -adv if derivatives else None, None),
+                     coefficients=lambda adv: (-adv, None))
 
 
 def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> TokenLoss:
@@ -130,4 +159,4 @@ def entropy_bonus(coef: float) -> TokenLoss:
     """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the default)."""
     return TokenLoss(f"entropy_bonus({coef})", (),
                      lambda logp, entropy, *, derivatives: (-coef * entropy, None, -coef if derivatives else None),
-                     reads_entropy=True)
+                     reads_entropy=True, coefficients=lambda: (None, -coef))

@@ -39,7 +39,7 @@ def test_scale_kernel_is_the_fp32_product_rounded_once(shape, dtypes, in_place):
         scalar = torch.tensor(value, device="cuda")
         want = (kept.float() * scalar).to(dtype)
         src = kept.clone() if in_place else t
-        got = fused_loss._scaled(src, scalar, dtype, in_place)
+        got, = fused_loss._scaled_all([src], scalar, [dtype], in_place)
         assert fused_loss._scale_kernel_runs(src, dtype)
         assert (got is src) == (in_place and saved_dtype == dtype)
         assert torch.equal(got, want), f"g={value}: {(got != want).sum().item()} elements differ"

@@ -222,23 +222,25 @@ class TritonBackend:
 
     @staticmethod
     def _kept_buffer(hidden, lay: ShardLayout, call: ShardCall):
-        """What the forward keeps, or None when nothing is kept: the buffer of :meth:`kept_shape`, or with
-        ``call.scales_apart`` its two parts in their own allocations (:class:`~tplogp.backends.base.KeptBuffers`).
-        The kernel writes every term and scale; the few padding bytes after the terms are zeroed here, so the
-        buffer's every byte is defined."""
+        """What the forward keeps, or None when nothing is kept: the flat fp32 buffer of :meth:`kept_shape`, or
+        with ``call.scales_apart`` its two parts in their own allocations
+        (:class:`~tplogp.backends.base.KeptBuffers`: the terms ``[N, keep_cols]`` in the kept dtype, the scales
+        ``[N, tiles]`` fp32). The kernel writes every term and scale; the few padding bytes after the terms of the
+        flat buffer are zeroed here, so its every byte is defined."""
         if not (call.for_backward and lay.keep_cols):
             return None
-        values = lay.kept_values
         n = hidden.shape[0]
-        apart = call.scales_apart
-        kept = torch.empty(values + (0 if apart else lay.kept_scales), device=hidden.device, dtype=torch.float32)
+        if call.scales_apart:  # each part in its final shape and dtype: no views to make per call (host time)
+            values = torch.empty((n, lay.keep_cols), device=hidden.device, dtype=lay.kept_dtype)
+            scales = torch.empty(tiles.kept_scales_shape(n, lay.kept_scales), device=hidden.device,
+                                 dtype=torch.float32)
+            return KeptBuffers(values, scales)
+        words = lay.kept_values
+        kept = torch.empty(words + lay.kept_scales, device=hidden.device, dtype=torch.float32)
         written = n * lay.keep_cols * lay.kept_dtype.itemsize // 4  # whole words of terms
-        if written < values:
-            kept[written:values].zero_()
-        if not apart:
-            return kept
-        scales = torch.empty(tiles.kept_scales_shape(n, lay.kept_scales), device=hidden.device, dtype=torch.float32)
-        return KeptBuffers(kept, scales)
+        if written < words:
+            kept[written:words].zero_()
+        return kept
 
     @staticmethod
     def _kept_terms(kept, n: int, lay: ShardLayout, take_scales: bool = False):
@@ -248,8 +250,7 @@ class TritonBackend:
         if kept is None:
             return None
         if isinstance(kept, KeptBuffers):
-            values = tiles.kept_values_view(kept.values, n, lay.keep_cols, lay.kept_dtype)
-            return _generic_launch().KeptTerms(values, kept.take_scales() if take_scales else kept.scales)
+            return _generic_launch().KeptTerms(kept.values, kept.take_scales() if take_scales else kept.scales)
         if kept.numel() == 0:
             return None
         # (made per call: views held on the buffer itself, an attribute, would keep it alive through their base)

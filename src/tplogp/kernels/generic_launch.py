@@ -315,7 +315,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     d_hidden = d_weight = None
     for i_chunk, (v_lo, v_hi, from_kept) in enumerate(bounds):
         if in_place:
-            dz = kept.values.view(weight.dtype)
+            dz = kept.values if kept.values.dtype == weight.dtype else kept.values.view(weight.dtype)
         elif ws is None:
             dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
         else:

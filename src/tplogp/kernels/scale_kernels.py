@@ -18,17 +18,34 @@ from .common import store_rounded
 
 
 @triton.jit
-def scale_round_kernel(
-    t_ptr,  # [n] gradient to scale (fp32, bf16 or fp16), read
-    out_ptr,  # [n] scaled gradient (fp32, bf16 or fp16), written; may be t_ptr
-    g_ptr,  # [] upstream scalar (fp32), read
-    n,  # elements
-    BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # the output dtype's (tiles.dot_precision): "upcast" under the CPU interpreter
-):
-    i_b = tl.program_id(0)
+def _scale_block(t_ptr, out_ptr, n, i_b, b_g, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Block ``i_b`` of one flat tensor: ``out = round(t * g)``."""
     o_e = i_b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]; int64: a [V, D] gradient passes 2**31 bytes
     m_e = o_e < n
-    b_g = tl.load(g_ptr).to(tl.float32)
     b_t = tl.load(t_ptr + o_e, mask=m_e).to(tl.float32)  # [BLOCK]
     store_rounded(out_ptr + o_e, b_t * b_g, m_e, DOT_PRECISION)  # round to nearest even, also interpreted
+
+
+@triton.jit
+def scale_round_kernel(
+    g_ptr,  # [] upstream scalar (fp32), read
+    t0_ptr, out0_ptr, n0,  # the first tensor: [n0] to scale (fp32, bf16 or fp16), read; [n0] written (may be t0)
+    t1_ptr, out1_ptr, n1,  # the second (n1 = 0: none)
+    t2_ptr, out2_ptr, n2,  # the third (n2 = 0: none)
+    BLOCK: tl.constexpr,
+    P0: tl.constexpr,  # each output dtype's tiles.dot_precision: "upcast" under the CPU interpreter
+    P1: tl.constexpr,
+    P2: tl.constexpr,
+):
+    """Up to three tensors in one launch (host time: one launch per backward): programs ``[0, cdiv(n0, BLOCK))``
+    scale the first, the next ``cdiv(n1, BLOCK)`` the second, the rest the third."""
+    i_b = tl.program_id(0)
+    b_g = tl.load(g_ptr).to(tl.float32)
+    nb0 = tl.cdiv(n0, BLOCK)
+    nb1 = tl.cdiv(n1, BLOCK)
+    if i_b < nb0:
+        _scale_block(t0_ptr, out0_ptr, n0, i_b, b_g, BLOCK, P0)
+    elif i_b < nb0 + nb1:
+        _scale_block(t1_ptr, out1_ptr, n1, i_b - nb0, b_g, BLOCK, P1)
+    else:
+        _scale_block(t2_ptr, out2_ptr, n2, i_b - nb0 - nb1, b_g, BLOCK, P2)

@@ -1,7 +1,10 @@
-"""Launcher of :func:`.scale_kernels.scale_round_kernel`: ``out = round(t * g)`` with ``g`` a 0-d fp32 tensor on
-``t``'s device, ``out`` either ``t`` (in place) or a contiguous tensor of ``t``'s shape in the dtype to round to."""
+"""Launcher of :func:`.scale_kernels.scale_round_kernel`: ``out = round(t * g)`` for up to three tensors in one
+launch, with ``g`` a 0-d fp32 tensor on their device and each ``out`` either its ``t`` (in place) or a contiguous
+tensor of ``t``'s shape in the dtype to round to."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -14,10 +17,10 @@ from .tiles import KERNEL_DTYPES, cdiv, dot_precision
 # [128256, 4096] gradient in place is bandwidth-bound at these sizes).
 SCALE_BLOCK = 8192
 SCALE_WARPS = 8
+MAX_TENSORS = 3  # per launch: a loss's d_hidden, d_W and d_b
 
 
-def scale_round(t: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out[:] = (t.float() * g).to(out.dtype)`` elementwise, one rounding; returns ``out``."""
+def _check(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> None:
     if t.dtype not in KERNEL_DTYPES or out.dtype not in KERNEL_DTYPES:
         raise KernelInputError(f"scale_round takes fp32, bf16 or fp16 tensors, got {t.dtype} -> {out.dtype}")
     if out.shape != t.shape or not t.is_contiguous() or not out.is_contiguous():
@@ -27,9 +30,22 @@ def scale_round(t: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.Te
     if g.dim() != 0 or g.dtype != torch.float32 or g.device != t.device or out.device != t.device:
         raise KernelInputError(f"scale_round needs a 0-d fp32 scalar on {t.device} and out there too, got "
                                f"{g.dtype} {tuple(g.shape)} on {g.device}, out on {out.device}")
-    n = t.numel()
-    if n == 0:
-        return out
-    launcher(scale_round_kernel)((cdiv(n, SCALE_BLOCK),), t, out, g, n, BLOCK=SCALE_BLOCK,
-                                 DOT_PRECISION=dot_precision(out.dtype), num_warps=SCALE_WARPS)
-    return out
+
+
+def scale_round(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], g: torch.Tensor) -> None:
+    """``out[:] = (t.float() * g).to(out.dtype)`` elementwise, one rounding, for every ``(t, out)`` of ``pairs``
+    (at most :data:`MAX_TENSORS`), in one launch."""
+    if not 0 < len(pairs) <= MAX_TENSORS:
+        raise KernelInputError(f"scale_round takes 1 to {MAX_TENSORS} tensors per launch, got {len(pairs)}")
+    for t, out in pairs:
+        _check(t, out, g)
+    pairs = [(t, out) for t, out in pairs if t.numel()]
+    if not pairs:
+        return
+    blocks = sum(cdiv(t.numel(), SCALE_BLOCK) for t, _ in pairs)
+    t0, out0 = pairs[0]
+    segments = [(t, out, t.numel()) for t, out in pairs]
+    segments += [(t0, out0, 0)] * (MAX_TENSORS - len(segments))  # unused: no elements, no programs
+    precisions = [dot_precision(out.dtype) for _, out, _ in segments]
+    launcher(scale_round_kernel)((blocks,), g, *(x for seg in segments for x in seg), BLOCK=SCALE_BLOCK,
+                                 P0=precisions[0], P1=precisions[1], P2=precisions[2], num_warps=SCALE_WARPS)
