@@ -54,7 +54,9 @@ class _PrecomputedGrads(torch.autograd.Function):
     def forward(ctx, loss, grads, verdict, hidden, weight, bias):
         ctx.grads = grads
         ctx.verdict = verdict  # checks.BackwardVerdict of the call, settled before any gradient is handed over
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.dtypes = dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        # which gradients the kernel scales, decided here, where the host is ahead of the device (host-bound calls)
+        ctx.on_kernel = tuple(t is not None and _scale_kernel_runs(t, dt) for t, dt in zip(grads, dtypes))
         return loss
 
     @staticmethod
@@ -68,7 +70,7 @@ class _PrecomputedGrads(torch.autograd.Function):
         in_place = not _graph_retained()
         if in_place:
             ctx.grads = None  # no reference left here: AccumulateGrad adopts the scaled tensors instead of copying
-        scaled = _scaled_all(grads, g, ctx.dtypes, in_place)
+        scaled = _scaled_all(grads, g, ctx.dtypes, in_place, ctx.on_kernel)
         del grads
         if verdict is not None:
             # a bad target raises here, before any gradient is handed over (every rank alike), after the scaling's
@@ -84,7 +86,7 @@ _SCALE_BLOCK_ELEMENTS = 1 << 24
 
 
 def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes: Sequence[Optional[torch.dtype]],
-                in_place: bool) -> tuple[Optional[torch.Tensor], ...]:
+                in_place: bool, on_kernel: Optional[Sequence[bool]] = None) -> tuple[Optional[torch.Tensor], ...]:
     """``round(t * g)`` for every gradient ``t`` of ``grads`` (None stays None): the fp32 product of ``t`` and the
     upstream scalar ``g``, rounded once to its ``dtypes`` entry (with ``g == 1``: ``t`` rounded once; bitwise ``t``
     when it is in that dtype). ``in_place``: written over ``t`` when ``t`` is a contiguous tensor of that dtype,
@@ -93,13 +95,13 @@ def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes
     On a GPU (and on the CPU under Triton's interpreter) ONE launch of :mod:`tplogp.kernels.scale_kernels` scales
     them all, reading ``g`` from its device pointer; elsewhere torch ops in flat blocks of
     ``_SCALE_BLOCK_ELEMENTS``. A ``g`` that requires a gradient (``create_graph=True``) gets differentiable torch
-    ops."""
+    ops. ``on_kernel``: :func:`_scale_kernel_runs` of each gradient, when known."""
     if g.requires_grad and torch.is_grad_enabled():
         return tuple(None if t is None else (t.to(torch.float32) * g.to(torch.float32)).to(dt)
                      for t, dt in zip(grads, dtypes))
     g32 = None
-    outs, on_kernel = [], []
-    for t, dtype in zip(grads, dtypes):
+    outs, pairs = [], []
+    for i, (t, dtype) in enumerate(zip(grads, dtypes)):
         if t is None:
             outs.append(None)
             continue
@@ -110,15 +112,21 @@ def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes
         outs.append(out)
         if t.numel() == 0:
             continue
-        if _scale_kernel_runs(t, dtype):
-            on_kernel.append((t.contiguous(), out))
+        if on_kernel[i] if on_kernel is not None else _scale_kernel_runs(t, dtype):
+            pairs.append((t.contiguous(), out))
         else:
             _scaled_by_torch(t, g32, out)
-    if on_kernel:
-        from .kernels.scale_launch import scale_round
-
-        scale_round(on_kernel, g32)
+    if pairs:
+        _scale_launch().scale_round(pairs, g32)
     return tuple(outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_launch():
+    """:mod:`tplogp.kernels.scale_launch`, imported at the first scaling (it imports Triton)."""
+    from .kernels import scale_launch
+
+    return scale_launch
 
 
 def _scaled_by_torch(t: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> None:
