@@ -49,7 +49,7 @@ def install_noop_launches() -> None:
         return None
 
     def first(self, grid, args, num_warps, num_stages, constexprs) -> None:
-        key = (0, num_warps, num_stages, tuple(constexprs.values()), tuple(map(direct_launch.arg_key, args)))
+        key = (0, num_warps, num_stages, tuple(constexprs.values()), direct_launch.args_key(args))
         self.binaries[key] = (noop, None, None)
 
     init = direct_launch.DirectLauncher.__init__

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tplogp.kernels import direct_launch
-from tplogp.kernels.direct_launch import DirectLauncher, arg_key
+from tplogp.kernels.direct_launch import DirectLauncher, arg_key, args_key
 
 
 def _kernel_fn(p_x, p_y, N, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False):  # noqa: F821
@@ -143,6 +143,10 @@ def test_arg_keys():
     assert arg_key(2.0) == arg_key(0.25)
     assert arg_key(True) != arg_key(1)
     assert arg_key(None) is None
+    # the inline key of a whole argument list is arg_key's, argument by argument
+    t = torch.zeros(8)
+    mixed = (t, t[1:], 1, 16, 17, -5, 1 << 40, (1 << 63) + 3, 2.5, None, True, torch.nn.Parameter(t))
+    assert args_key(mixed) == tuple(map(arg_key, mixed))
     with pytest.raises(TypeError, match="no launch key"):
         arg_key("text")
 

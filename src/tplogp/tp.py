@@ -205,10 +205,10 @@ class _LinearLogpFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy, g_lse):
-        hidden, weight, bias = ctx.saved_tensors[:3]
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        return (*shard_backward(ctx.saved_tensors, ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, g_lse),
-                None, None)
+        saved = ctx.saved_tensors  # (unpacked once: each access unpacks every saved tensor again)
+        needs = ctx.needs_input_grad
+        needs = (needs[0], needs[1], saved[2] is not None and needs[2])
+        return (*shard_backward(saved, ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, g_lse), None, None)
 
 
 @_without_autocast

@@ -230,13 +230,13 @@ class TritonBackend:
         if not (call.for_backward and lay.keep_cols):
             return None
         n = hidden.shape[0]
+        device = hidden.device
         if call.scales_apart:  # each part in its final shape and dtype: no views to make per call (host time)
-            values = torch.empty((n, lay.keep_cols), device=hidden.device, dtype=lay.kept_dtype)
-            scales = torch.empty(tiles.kept_scales_shape(n, lay.kept_scales), device=hidden.device,
-                                 dtype=torch.float32)
-            return KeptBuffers(values, scales)
+            return KeptBuffers(torch.empty((n, lay.keep_cols), device=device, dtype=lay.kept_dtype),
+                               torch.empty(tiles.kept_scales_shape(n, lay.kept_scales), device=device,
+                                           dtype=torch.float32))
         words = lay.kept_values
-        kept = torch.empty(words + lay.kept_scales, device=hidden.device, dtype=torch.float32)
+        kept = torch.empty(words + lay.kept_scales, device=device, dtype=torch.float32)
         written = n * lay.keep_cols * lay.kept_dtype.itemsize // 4  # whole words of terms
         if written < words:
             kept[written:words].zero_()

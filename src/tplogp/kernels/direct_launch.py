@@ -117,6 +117,23 @@ def _current_device() -> int:
     return torch._C._cuda_getDevice()  # what torch.cuda.current_device() returns, without its Python wrapper
 
 
+def args_key(args: tuple) -> tuple:
+    """:func:`arg_key` of every runtime argument, with the two common types (tensors, ints) inline: this runs on
+    every launch, and a function call per argument costs microseconds on a slow host."""
+    tensor, lo, hi, u64 = torch.Tensor, _INT32[0], _INT32[1], _U64_LOW
+    out = []
+    append = out.append
+    for a in args:
+        cls = type(a)
+        if cls is tensor:
+            append((a.dtype, a.data_ptr() % 16))
+        elif cls is int:
+            append((a == 1, a % 16, lo <= a <= hi, a >= u64))
+        else:
+            append(arg_key(a))
+    return tuple(out)
+
+
 class DirectLauncher:
     """``launcher(grid, *runtime_args, num_warps=, num_stages=, **constexprs)`` for one ``@triton.jit`` kernel.
 
@@ -157,9 +174,7 @@ class DirectLauncher:
             # Hot path (a few microseconds on a slow host matter here). Keys are only stored by calls that passed
             # every constexpr in signature order (see _first), so ``constexprs.values()`` is the signature order.
             device = _current_device()
-            tensor = torch.Tensor
-            key = (device, num_warps, num_stages, tuple(constexprs.values()),
-                   tuple([(a.dtype, a.data_ptr() % 16) if type(a) is tensor else arg_key(a) for a in args]))
+            key = (device, num_warps, num_stages, tuple(constexprs.values()), args_key(args))
             entry = self.binaries.get(key)
             if entry is not None:
                 self.direct_launches += 1
@@ -186,7 +201,7 @@ class DirectLauncher:
         if (getattr(binary, "function", None) is None or not hasattr(binary, "packed_metadata")
                 or not callable(getattr(binary, "run", None))):
             return  # a Triton whose compiled kernels lack the launcher attributes: JIT only
-        key = (_current_device(), num_warps, num_stages, tuple(constexprs.values()), tuple(map(arg_key, args)))
+        key = (_current_device(), num_warps, num_stages, tuple(constexprs.values()), args_key(args))
         self.binaries[key] = (binary.run, binary.function, binary.packed_metadata)
 
     def _jit(self, grid, args, num_warps, num_stages, constexprs):
