@@ -11,7 +11,7 @@ import torch
 
 import tplogp
 from tests.problems import cpu_sources, make_problem
-from tplogp import losses
+from tplogp import fused_loss, losses
 from tplogp.kernel_registry import get_backend
 from tplogp.reference import reference_outputs
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error
@@ -132,7 +132,6 @@ def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dt
     upstream scale: no worse than the eager reference (``loss.backward()``; a one-chunk 16-bit d_W is scaled in its
     dtype, exact for powers of two)."""
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
-    from tplogp import fused_loss
 
     # D = 8: the accumulators (D + 1 units of 4 * 157 bytes) leave room for chunks of 8 of the 45 tokens
     p = make_problem((45,), 8, 157, dtype, True, seed=21, peaked=True)
@@ -162,7 +161,6 @@ def test_without_entropy_gives_the_same_loss_and_gradients(monkeypatch, source, 
     source's call and its outputs carry none) and the loss and gradients are bitwise those of the default, which
     computes and ignores them (the logp statistics do not depend on the entropy's running sum), over one chunk and
     six chunks of 8 tokens (bf16: fp32 accumulators rounded once)."""
-    from tplogp import fused_loss
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = make_problem((45,), 8, 157, torch.bfloat16, bias, seed=21, peaked=True)  # D = 8: room for chunks
@@ -463,7 +461,6 @@ def test_one_pass_matches_the_chunk_loop(monkeypatch, source, reduction, ignore)
     callable): the loss and every gradient equal the chunk loop's (which computes them in the forward) within the
     table's fp32 eps, with per-token tensors, entropy, ignored rows (some, or all: a zero loss and zero gradients)
     and both reductions; and it takes that path (no ``_PrecomputedGrads`` node)."""
-    from tplogp import fused_loss
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = make_problem((37,), 8, 53, torch.float32, True, seed=31)
@@ -497,7 +494,6 @@ def test_one_pass_is_taken_where_the_chunk_loop_would_be_one_chunk_on_one_shard(
     """One pass where the chunk loop would run one chunk that ``linear_logp`` runs alike: a budget that keeps
     nothing beyond the default, or one that keeps every term of the call; not for a budget that keeps part of it
     (the chunk loop keeps all of each chunk), nor for an explicit budget that keeps nothing (no keep bytes)."""
-    from tplogp import fused_loss
 
     be = get_backend(source)
     for dtype in (torch.float32, torch.bfloat16):
@@ -517,7 +513,6 @@ def test_a_budget_that_keeps_the_whole_call_runs_one_pass_with_every_term_kept(m
     """On one shard a keep budget that holds every term of the call runs one pass (``linear_logp``'s Function, no
     precomputed gradients), keeps every term (no recompute launch on the triton source) and gives the chunk loop's
     loss and gradients within the table's fp32 eps, for a plain callable and a built-in loss."""
-    from tplogp import fused_loss
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = make_problem((29,), 12, 67, torch.float32, True, seed=41)
@@ -548,7 +543,6 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
     (``_OnePassTokenLoss``), in the chunk loop with no autograd engine run per chunk. The loss and every gradient
     equal those of the same loss as a plain callable (differentiated by autograd) within the table's fp32 eps, with
     ignored rows compacted away, kept in place (a CUDA-graph capture's layout) or all ignored."""
-    from tplogp import fused_loss
     from tplogp import tp as tp_module
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
@@ -615,3 +609,22 @@ def test_token_loss_on_uneven_ranks(tp, source):
     plain = _run(True, p, extra, "mean", source, loss_fn=lambda *args: GRPO(*args), **kw)
     with tp.agree():
         _compare(ours, plain, f"{source} rank {tp.rank}")
+
+
+def test_constant_derivative_vectors_are_cached_outside_a_capture_only(monkeypatch):
+    """A constant derivative over the count is one cached read-only vector per (n, value, device), the oldest
+    dropped beyond the cap; inside a capture a fresh one, and the cache untouched."""
+    monkeypatch.setattr(fused_loss, "_CONSTANTS", {})
+    monkeypatch.setattr(fused_loss, "_MAX_CONSTANTS", 3)
+    a = fused_loss._constant_vector(5, -0.25, torch.device("cpu"))
+    assert torch.equal(a, torch.full((5,), -0.25)) and a.dtype == torch.float32
+    assert fused_loss._constant_vector(5, -0.25, torch.device("cpu")) is a
+    for n in (6, 7, 8):
+        fused_loss._constant_vector(n, 1.0, torch.device("cpu"))
+    assert list(fused_loss._CONSTANTS) == [(6, 1.0, torch.device("cpu")), (7, 1.0, torch.device("cpu")),
+                                           (8, 1.0, torch.device("cpu"))]
+    monkeypatch.setattr(fused_loss.checks, "is_capturing", lambda device: True)
+    inside = fused_loss._constant_vector(7, 1.0, torch.device("cpu"))
+    assert torch.equal(inside, torch.ones(7)) and inside is not fused_loss._CONSTANTS[(7, 1.0, torch.device("cpu"))]
+    fused_loss._constant_vector(9, 2.0, torch.device("cpu"))
+    assert len(fused_loss._CONSTANTS) == 3 and (9, 2.0, torch.device("cpu")) not in fused_loss._CONSTANTS
