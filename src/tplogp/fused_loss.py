@@ -312,10 +312,9 @@ class _OnePassTokenLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext, loss: TokenLoss, extra, ignored,
-                count):
+                count, shard_outputs):
         ctx.set_materialize_grads(False)
-        (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = _shard_forward(hidden, weight, bias, local_target,
-                                                                              tpc)
+        (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = shard_outputs  # (run before apply: kernels first)
         if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its derivatives)
             logp, entropy = zero_rows(ignored, logp), None if entropy is None else zero_rows(ignored, entropy)
         if loss.linear:  # the reduced value as a dot product of the coefficients over the count (one op each)
@@ -340,12 +339,12 @@ class _OnePassTokenLoss(torch.autograd.Function):
         hidden, bias = saved[0], saved[2]
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         if g is None:
-            return (None,) * 9
+            return (None,) * 10
         n, g = hidden.shape[0], g.to(torch.float32)
         g_logp, g_entropy = (_token_grads(t if t is not None else c, n, hidden.device, ctx.ignored, g, ctx.count)
                              for t, c in zip(saved[8:], ctx.constants))
         grads = shard_backward(saved[:8], ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, None)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def one_pass(backend, hidden, weight, tp_group, workspace_bytes: Optional[int]) -> bool:
@@ -390,8 +389,10 @@ def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenL
         n, ignored = prep.hidden.shape[0], prep.ignored
         count = _mean_count(reduction, n, ignored)
         prep.tpc.call = prep.plan.call_for_backward
+        with torch.no_grad():  # the kernels launched before autograd's machinery runs (host time at small shapes)
+            shard_outputs = _shard_forward(prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc)
         return _OnePassTokenLoss.apply(prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc, loss,
-                                       extra, ignored, count)
+                                       extra, ignored, count, shard_outputs)
     logp, entropy, _ = prepared_outputs(prep)
     ignored = prep.ignored  # rows kept in place (the compaction off): out of the loss, as in the chunked path
     if ignored is not None:

@@ -193,11 +193,15 @@ def park_kept_scales(kept, tpc: _TPContext) -> Optional[torch.Tensor]:
 
 
 class _LinearLogpFunction(torch.autograd.Function):
+    """``linear_logp``'s autograd node. ``forward`` takes what :func:`_shard_forward` returned for these inputs,
+    run just before ``apply`` (:func:`prepared_outputs`): the kernels are launched before autograd's machinery
+    runs, which at small shapes is host time the GPU would wait for."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext):
+    def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext, shard_outputs):
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
-        outputs, (row_max, log_sum, mean_rel, kept) = _shard_forward(hidden, weight, bias, local_target, tpc)
+        outputs, (row_max, log_sum, mean_rel, kept) = shard_outputs
         kept = park_kept_scales(kept, tpc)
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
         ctx.kept_private = kept is not None and not _saved_tensor_hooks_active()
@@ -208,7 +212,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         saved = ctx.saved_tensors  # (unpacked once: each access unpacks every saved tensor again)
         needs = ctx.needs_input_grad
         needs = (needs[0], needs[1], saved[2] is not None and needs[2])
-        return (*shard_backward(saved, ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, g_lse), None, None)
+        return (*shard_backward(saved, ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, g_lse), None, None, None)
 
 
 @_without_autocast
@@ -359,7 +363,9 @@ def prepared_outputs(prep: PreparedCall) -> tuple[torch.Tensor, Optional[torch.T
     h2, w, b, local_target, tpc = prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         tpc.call = prep.plan.call_for_backward
-        return _LinearLogpFunction.apply(h2, w, b, local_target, tpc)
+        with torch.no_grad():  # (what a Function's forward runs under: the native source's torch ops record nothing)
+            shard_outputs = _shard_forward(h2, w, b, local_target, tpc)
+        return _LinearLogpFunction.apply(h2, w, b, local_target, tpc, shard_outputs)
     return _shard_forward(h2, w, b, local_target, tpc)[0]
 
 
