@@ -12,7 +12,7 @@ backward forms the probabilities from them instead of recomputing (3 GEMMs inste
 one chunk's terms are alive at a time. ONE all_reduce completes
 ``d_hidden``: issued by the last chunk's backward as soon as its ``d_hidden`` rows are done (``d_hidden_ready``),
 so that it runs under that chunk's ``d_W`` work. The gradients are handed to autograd: the backward only scales
-them by the upstream scalar, the fp32 product rounded once (one Triton pass on a GPU, in place when the graph is not
+them by the upstream scalar, the fp32 product rounded once (one Triton launch on a GPU, in place when the graph is not
 retained and the dtype allows: :func:`_scaled_all`). The per-token tensors are constants (no gradient flows to them).
 ``with_entropy=False``: the sources compute no entropy statistics and the loss callable gets ``entropy=None``.
 
@@ -22,6 +22,10 @@ chunk, whose logits ``linear_logp`` keeps or recomputes alike): such a call runs
 (:class:`~tplogp.losses.TokenLoss`, closed-form derivatives) one node, :class:`_OnePassTokenLoss`. Except where the
 host is the critical path: a built-in loss on a GPU, in a call of at most :data:`PRECOMPUTE_MAX_MACS`, keeps the
 chunk loop (:func:`precomputes`), whose forward queues the backward's kernels right behind its own.
+
+A built-in loss's derivatives replace the autograd run of the callable in both paths; a linear one
+(:attr:`~tplogp.losses.TokenLoss.linear`) is reduced as the dot product of its upstream gradients with ``logp`` and
+``entropy`` (:func:`_linear_total`), with no per-token loss formed.
 """
 
 from __future__ import annotations
