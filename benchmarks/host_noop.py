@@ -25,11 +25,12 @@ Runs with ``TRITON_INTERPRET=1`` (set here before tplogp imports the kernels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -63,6 +64,23 @@ def install_noop_launches() -> None:
     direct_launch.DirectLauncher._first = first
     direct_launch.DirectLauncher.__init__ = init_enabled
     direct_launch._LAUNCHERS.clear()
+
+
+@contextlib.contextmanager
+def noop_launches() -> Iterator[None]:
+    """:func:`install_noop_launches` for the duration of the block, the real launchers back after it (for callers
+    that share the process with real launches, such as tests)."""
+    from tplogp.kernels import direct_launch
+
+    saved = (direct_launch._current_device, direct_launch._raw_stream, direct_launch.DirectLauncher._first,
+             direct_launch.DirectLauncher.__init__)
+    install_noop_launches()
+    try:
+        yield
+    finally:
+        (direct_launch._current_device, direct_launch._raw_stream, direct_launch.DirectLauncher._first,
+         direct_launch.DirectLauncher.__init__) = saved
+        direct_launch._LAUNCHERS.clear()  # the launchers made meanwhile hold no-op kernels
 
 
 def calls(shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable[[], None]]:

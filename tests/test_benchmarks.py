@@ -225,3 +225,24 @@ def test_tp_smoke_rows(tmp_path):
     for r in rows:
         assert r["suite"] == "tp" and r["smoke"] and r["backend"] == "gloo" and "error" not in r, r
         assert r["step_ms"] > 0 and r["shape"] == "64x32x320" and r["steps"] == 2, r
+
+
+def test_host_stages_smoke(capsys):
+    """The stage stamps on CPU (no-op launches): every row's table lists the stats launch, the backward node and the
+    markers in call order; the stamped functions and the real launchers are back afterwards."""
+    from benchmarks import host_stages
+    from tplogp import tp
+    from tplogp.kernels import direct_launch
+
+    before = (tp.prepare_call, direct_launch.DirectLauncher._first, direct_launch.DirectLauncher.__call__)
+    assert host_stages.main(["--shape", "16x32x256", "--dtype", "fp32", "--calls", "5", "--warmup", "2"]) == 0
+    out = capsys.readouterr().out
+    tables = out.split("== ")[1:]
+    assert [t.split(":")[0] for t in tables] == ["default", "loss"]
+    for table, node in zip(tables, ("linear_logp backward", "one-pass loss backward")):
+        stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
+        for needed in ("launch: stats", f"autograd node: {node}", "launch: d_logits (kept)"):
+            assert needed in stages, (needed, stages)
+        order = [stages.index(m) for m in ("(forward returned)", "(backward returned)", "(synced)")]
+        assert order == sorted(order) and stages.index("launch: stats") < order[0]
+    assert (tp.prepare_call, direct_launch.DirectLauncher._first, direct_launch.DirectLauncher.__call__) == before

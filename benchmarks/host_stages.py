@@ -1,0 +1,199 @@
+"""Where the host time of one forward+backward goes: stage stamps of ``linear_logp`` and ``linear_logp_loss``.
+
+``python -m benchmarks.host_stages [--shape 4096x2048x8192] [--dtype bf16] [--rows default,loss] [--source sm90]
+[--calls 200] [--warmup 60]``
+
+At small shapes a call waits on its host work: the GPU idles until the first kernel is enqueued, and between two
+kernels whenever the host takes longer to enqueue the second than the GPU takes to run the first. This tool says
+which part of the call path the host time goes to, without a profiler (whose own overhead distorts exactly these
+microseconds).
+
+Algorithm: for the run, each function of :data:`STAGES` is replaced by a wrapper that appends ``(stage, start, end)``
+(``time.perf_counter``) to one list, on whichever thread runs it (on a GPU autograd runs the backward on its own
+device thread). After ``--warmup`` calls, each of ``--calls`` calls starts from a synced device; its stamps, and the
+markers ``forward returned``, ``backward returned`` and ``synced``, are taken relative to the call's start. Per stage
+the table gives the median over calls of its first start and of its summed duration (a stage run twice in one call,
+two launches say, sums), ordered by start. A wrapper costs about a microsecond per stage call, so the totals read a
+little high. The wrappers are removed afterwards.
+
+``default``: ``get_op("linear_logp", source=...)(h, w, y)`` then ``backward`` of a random per-token gradient;
+``loss``: ``linear_logp_loss`` with ``losses.cross_entropy()``, mean, ``with_entropy=False``, then ``backward()``.
+Without CUDA every Triton launch is a no-op that still takes the direct launcher's hot path
+(:func:`benchmarks.host_noop.noop_launches`, under Triton's interpreter), so the CPU numbers are the host path alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import statistics
+import time
+from typing import Callable, Iterator
+
+from .host_noop import noop_launches  # (first: it sets TRITON_INTERPRET before tplogp imports the kernels on CPU)
+
+import torch  # noqa: E402
+
+from .runner import DTYPES  # noqa: E402
+
+# (module, attribute path, stage label): functions looked up through that module attribute at call time, so a
+# function imported by name into two modules is listed in both
+STAGES = (
+    ("tplogp.api", "linear_logp_tp", "api: linear_logp_tp"),
+    ("tplogp.tp", "prepare_call", "tp.prepare_call"),
+    ("tplogp.tp", "plan_call", "  plan_call"),
+    ("tplogp.tp", "check_call", "  check_call"),
+    ("tplogp.tp", "localize_call", "  localize_call"),
+    ("tplogp.tp", "_shard_forward", "tp._shard_forward"),
+    ("tplogp.tp", "_LinearLogpFunction.backward", "autograd node: linear_logp backward"),
+    ("tplogp.tp", "shard_backward", "tp.shard_backward"),
+    ("tplogp.fused_loss", "prepare_call", "fused_loss: prepare_call"),
+    ("tplogp.fused_loss", "_shard_forward", "fused_loss: _shard_forward"),
+    ("tplogp.fused_loss", "_loss_and_grads", "fused_loss._loss_and_grads"),
+    ("tplogp.fused_loss", "_PrecomputedGrads.backward", "autograd node: precomputed loss backward"),
+    ("tplogp.fused_loss", "_OnePassTokenLoss.backward", "autograd node: one-pass loss backward"),
+    ("tplogp.fused_loss", "shard_backward", "fused_loss: shard_backward"),
+    ("tplogp.fused_loss", "_scaled_all", "fused_loss._scaled_all"),
+    ("tplogp.backends.triton_backend", "TritonBackend.forward_single", "source: forward_single"),
+    ("tplogp.backends.triton_backend", "TritonBackend.backward", "source: backward"),
+    ("tplogp.backends.triton_backend", "TritonBackend._launch_layout", "  _launch_layout"),
+    ("tplogp.backends.triton_backend", "TritonBackend._kept_buffer", "  _kept_buffer"),
+    ("tplogp.kernels.generic_launch", "launch_stats", "launch: stats"),
+    ("tplogp.kernels.generic_launch", "launch_dlogits_kept", "launch: d_logits (kept)"),
+    ("tplogp.kernels.generic_launch", "launch_dlogits", "launch: d_logits (recompute)"),
+    ("tplogp.kernels.generic_launch", "_mm_into", "GEMM into the input dtype"),
+    ("tplogp.fp32_gemm", "mm_into", "GEMM into fp32"),
+    ("tplogp.kernels.direct_launch", "DirectLauncher.__call__", "  DirectLauncher (key + launch)"),
+)
+
+
+def _owner_and_name(module: str, path: str):
+    owner = importlib.import_module(module)
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+@contextlib.contextmanager
+def stamped(stages=STAGES, record: list = None) -> Iterator[list]:
+    """Every stage wrapped so that each run appends ``(label, start, end)`` to the yielded list; restored after."""
+    record = [] if record is None else record
+    clock = time.perf_counter
+    restore = []
+    for module, path, label in stages:
+        owner, name = _owner_and_name(module, path)
+        raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+        def wrapper(*args, _fn=fn, _label=label, **kwargs):
+            t0 = clock()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                record.append((_label, t0, clock()))
+
+        setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+        restore.append((owner, name, raw))
+    try:
+        yield record
+    finally:
+        for owner, name, raw in reversed(restore):
+            setattr(owner, name, raw)
+
+
+def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
+          source: str) -> dict[str, Callable[[], tuple]]:
+    """Per row, one call returning ``(output, upstream gradient or None)`` (module docstring)."""
+    import tplogp
+
+    n, d, v = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = (torch.randn(n, d, device=device, generator=gen) * 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, device=device, generator=gen) / d ** 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), device=device, generator=gen)
+    upstream = torch.randn(n, device=device, generator=gen)
+    op = tplogp.get_op("linear_logp", source=source)
+    cross_entropy = tplogp.losses.cross_entropy()
+
+    def loss():
+        return tplogp.linear_logp_loss(hidden, weight, targets, loss=cross_entropy, reduction="mean",
+                                       source=source, with_entropy=False), None
+
+    return {"default": lambda: (op(hidden, weight, targets), upstream), "loss": loss,
+            "_leaves": lambda: (hidden, weight)}
+
+
+def stage_table(fn: Callable[[], tuple], leaves: tuple, device: torch.device, n_calls: int,
+                warmup: int) -> list[tuple[str, float, float, int]]:
+    """``[(stage, median first start µs, median summed duration µs, runs per call)]`` ordered by start, the
+    markers included (module docstring)."""
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def one(record: list) -> dict:
+        for leaf in leaves:
+            leaf.grad = None
+        sync()
+        record.clear()
+        t0 = time.perf_counter()
+        out, upstream = fn()
+        t1 = time.perf_counter()
+        out.backward(upstream)
+        t2 = time.perf_counter()
+        sync()
+        t3 = time.perf_counter()
+        seen: dict = {}
+        for label, start, end in list(record):
+            first, total, count = seen.get(label, (start, 0.0, 0))
+            seen[label] = (min(first, start), total + end - start, count + 1)
+        seen = {k: ((a - t0) * 1e6, b * 1e6, c) for k, (a, b, c) in seen.items()}
+        for label, at in (("(forward returned)", t1), ("(backward returned)", t2), ("(synced)", t3)):
+            seen[label] = ((at - t0) * 1e6, 0.0, 1)
+        return seen
+
+    with stamped() as record:
+        for _ in range(warmup):
+            one(record)
+        samples = [one(record) for _ in range(n_calls)]
+    labels = {k for s in samples for k in s}
+    rows = []
+    for label in labels:
+        got = [s[label] for s in samples if label in s]
+        rows.append((label, statistics.median(g[0] for g in got), statistics.median(g[1] for g in got),
+                     round(statistics.median(g[2] for g in got))))
+    return sorted(rows, key=lambda r: r[1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_stages", description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="4096x2048x8192", help="NxDxV (default %(default)s)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--rows", default="default,loss")
+    parser.add_argument("--source", default=None, help="default: sm90 on Hopper, else triton")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=60)
+    args = parser.parse_args(argv)
+    shape = tuple(int(x) for x in args.shape.split("x"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    source = args.source or ("sm90" if cuda and torch.cuda.get_device_capability() == (9, 0) else "triton")
+    with contextlib.nullcontext() if cuda else noop_launches():
+        rows = calls(shape, DTYPES[args.dtype], device, source)  # type: ignore[arg-type]
+        leaves = rows.pop("_leaves")()
+        for name in args.rows.split(","):
+            table = stage_table(rows[name], leaves, device, args.calls, args.warmup)
+            where = "" if cuda else ", kernel launches are no-ops"
+            print(f"== {name}: {args.shape} {args.dtype} source={source} on {device}{where}; median of "
+                  f"{args.calls} calls, µs from the call's start")
+            print(f"  {'start':>8} {'duration':>9} {'runs':>4}  stage")
+            for label, start, dur, runs in table:
+                print(f"  {start:8.1f} {dur:9.1f} {runs:4d}  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
