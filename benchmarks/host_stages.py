@@ -17,7 +17,9 @@ two launches say, sums), ordered by start. A wrapper costs about a microsecond p
 little high. The wrappers are removed afterwards.
 
 ``default``: ``get_op("linear_logp", source=...)(h, w, y)`` then ``backward`` of a random per-token gradient;
-``loss``: ``linear_logp_loss`` with ``losses.cross_entropy()``, mean, ``with_entropy=False``, then ``backward()``.
+``loss``: ``linear_logp_loss`` with ``losses.cross_entropy()``, mean, ``with_entropy=False``, then ``backward()``;
+``eager`` and ``eager-loss``: PyTorch's log_softmax + gather and cross-entropy of the fp32 logits, for scale (their
+table holds the markers alone).
 Without CUDA every Triton launch is a no-op that still takes the direct launcher's hot path
 (:func:`benchmarks.host_noop.noop_launches`, under Triton's interpreter), so the CPU numbers are the host path alone.
 """
@@ -121,8 +123,15 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
         return tplogp.linear_logp_loss(hidden, weight, targets, loss=cross_entropy, reduction="mean",
                                        source=source, with_entropy=False), None
 
-    return {"default": lambda: (op(hidden, weight, targets), upstream), "loss": loss,
-            "_leaves": lambda: (hidden, weight)}
+    def eager():
+        logits = (hidden @ weight.t()).float()
+        return torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1), upstream
+
+    def eager_loss():
+        return torch.nn.functional.cross_entropy((hidden @ weight.t()).float(), targets), None
+
+    return {"default": lambda: (op(hidden, weight, targets), upstream), "loss": loss, "eager": eager,
+            "eager-loss": eager_loss, "_leaves": lambda: (hidden, weight)}
 
 
 def stage_table(fn: Callable[[], tuple], leaves: tuple, device: torch.device, n_calls: int,
@@ -172,7 +181,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.host_stages", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="4096x2048x8192", help="NxDxV (default %(default)s)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--rows", default="default,loss")
+    parser.add_argument("--rows", default="default,loss,eager,eager-loss")
     parser.add_argument("--source", default=None, help="default: sm90 on Hopper, else triton")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=60)

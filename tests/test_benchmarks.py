@@ -238,7 +238,10 @@ def test_host_stages_smoke(capsys):
     assert host_stages.main(["--shape", "16x32x256", "--dtype", "fp32", "--calls", "5", "--warmup", "2"]) == 0
     out = capsys.readouterr().out
     tables = out.split("== ")[1:]
-    assert [t.split(":")[0] for t in tables] == ["default", "loss"]
+    assert [t.split(":")[0] for t in tables] == ["default", "loss", "eager", "eager-loss"]
+    for table in tables[2:]:  # the eager baselines: the markers alone
+        assert [line.split(None, 3)[3] for line in table.splitlines()[2:]] == [
+            "(forward returned)", "(backward returned)", "(synced)"]
     for table, node in zip(tables, ("linear_logp backward", "one-pass loss backward")):
         stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
         for needed in ("launch: stats", f"autograd node: {node}", "launch: d_logits (kept)"):
