@@ -37,6 +37,8 @@ def _loss_fn(logp, entropy, adv, old, ref):
 
 # the same loss as a built-in sum (a TokenLoss: closed-form derivatives)
 GRPO = losses.ppo_clip(0.2, 0.28) + losses.kl_to_reference(0.05) + losses.entropy_bonus(0.01)
+# a linear built-in sum (reduced as a dot product of its upstream gradients with logp and entropy); per_token (adv,)
+LINEAR = losses.policy_gradient() + losses.entropy_bonus(0.01)
 
 
 def _run(fused: bool, p, extra, reduction, source="native", scale=3.0, loss_fn=None, **kw):
@@ -538,16 +540,22 @@ def test_a_budget_that_keeps_the_whole_call_runs_one_pass_with_every_term_kept(m
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("ignore", [None, "some", "in place", "all"])
 @pytest.mark.parametrize("path", ["one pass", "chunks"])
-def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction, ignore, path):
+@pytest.mark.parametrize("loss", ["grpo", "linear"])
+def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction, ignore, path, loss):
     """A built-in loss (a ``TokenLoss``) runs on its closed-form derivatives: in one pass as ONE autograd node
-    (``_OnePassTokenLoss``), in the chunk loop with no autograd engine run per chunk. The loss and every gradient
-    equal those of the same loss as a plain callable (differentiated by autograd) within the table's fp32 eps, with
-    ignored rows compacted away, kept in place (a CUDA-graph capture's layout) or all ignored."""
+    (``_OnePassTokenLoss``), in the chunk loop with no autograd engine run per chunk; a linear one (policy gradient
+    plus an entropy bonus) is reduced as a dot product. The loss and every gradient equal those of the same loss as
+    a plain callable (differentiated by autograd) within the table's fp32 eps, with ignored rows compacted away,
+    kept in place (a CUDA-graph capture's layout) or all ignored."""
     from tplogp import tp as tp_module
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = make_problem((41,), 8, 53, torch.float32, True, seed=32)
     extra = _per_token(p, 4)
+    built_in = GRPO if loss == "grpo" else LINEAR
+    if loss == "linear":
+        extra = extra[:1]
+        assert built_in.linear
     targets = p.target.clone()
     if ignore in ("some", "in place"):
         targets[::4] = IGNORE
@@ -568,6 +576,9 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
         return real_grad(*args, **kwargs)
 
     monkeypatch.setattr(torch.autograd, "grad", counted_grad)
+    dotted = []  # calls reduced as a dot product (_linear_total)
+    real_total = fused_loss._linear_total
+    monkeypatch.setattr(fused_loss, "_linear_total", lambda *args: dotted.append(1) or real_total(*args))
 
     def run(loss):
         h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
@@ -579,14 +590,16 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
         (3.0 * value).backward()
         return node, runs, (value.detach(), h.grad, w.grad, b.grad)
 
-    node, runs, ours = run(GRPO)
-    plain_node, plain_runs, plain = run(lambda *args: GRPO(*args))
+    node, runs, ours = run(built_in)
+    # (the chunk loop has no chunk when every row is compacted away)
+    assert bool(dotted) == (loss == "linear" and not (path == "chunks" and ignore == "all")), dotted
+    plain_node, plain_runs, plain = run(lambda *args: built_in(*args))
     if path == "one pass":
         assert node == "_OnePassTokenLossBackward" and plain_node != node, (node, plain_node)
     else:
         assert node == plain_node == "_PrecomputedGradsBackward", (node, plain_node)
         assert runs == 0 and (plain_runs > 1 or ignore == "all"), (runs, plain_runs)
-    _compare(ours, plain, f"{source} {reduction} {ignore} {path}")
+    _compare(ours, plain, f"{source} {loss} {reduction} {ignore} {path}")
     if ignore == "all":
         assert all(torch.count_nonzero(t) == 0 for t in ours)
 

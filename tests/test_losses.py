@@ -144,13 +144,19 @@ def test_a_plain_call_runs_none_of_the_derivatives_ops():
 
 LINEAR = {"cross_entropy": True, "policy_gradient": True, "ppo_clip": False, "kl_to_reference": False,
           "entropy_bonus": True, "grpo sum": False}
+# the documented per-token values of the linear losses, written out here (not through the loss objects)
+FORMULAS = {"cross_entropy": lambda logp, entropy, adv: -logp,
+            "policy_gradient": lambda logp, entropy, adv: -adv * logp,
+            "entropy_bonus": lambda logp, entropy, adv: -0.01 * entropy,
+            "pg + entropy": lambda logp, entropy, adv: -adv * logp - 0.01 * entropy}
 
 
 @pytest.mark.parametrize("name", list(CASES) + ["pg + entropy"])
 def test_linear_losses_are_their_coefficients_dot_logp_and_entropy(name):
     """A loss marked linear is ``c_logp * logp + c_entropy * entropy`` with its closed-form derivatives as the
-    coefficients, and these do not depend on logp or entropy (the fused loss reduces it as a dot product); a sum is
-    linear only when both terms are; the others refuse ``coefficients`` with an error naming the loss."""
+    coefficients, and these do not depend on logp or entropy (the fused loss reduces it as a dot product): its value
+    is the documented formula at two sets of points, from the coefficients alone; a sum is linear only when both
+    terms are; the others refuse ``coefficients`` with an error naming the loss."""
     if name == "pg + entropy":
         loss, names, linear = losses.policy_gradient() + losses.entropy_bonus(0.01), ("adv",), True
     else:
@@ -167,9 +173,8 @@ def test_linear_losses_are_their_coefficients_dot_logp_and_entropy(name):
     for c, d, x in ((c_logp, d_logp, logp), (c_ent, d_ent, entropy)):
         assert (c is None) == (d is None)
         assert torch.equal(_as_tensor(c, x), _as_tensor(d, x))
-    rebuilt = _as_tensor(c_logp, logp) * logp + _as_tensor(c_ent, entropy) * entropy
-    assert torch.allclose(rebuilt, value, rtol=1e-15, atol=0)
-    # other points, the same coefficients
-    logp2, entropy2 = logp * 0.5 - 1, entropy + 2
-    assert torch.allclose(loss(logp2, entropy2, *extra),
-                          _as_tensor(c_logp, logp) * logp2 + _as_tensor(c_ent, entropy) * entropy2, rtol=1e-15, atol=0)
+    for lp, ent in ((logp, entropy), (logp * 0.5 - 1, entropy + 2)):
+        want = FORMULAS[name](lp, ent, adv)
+        assert torch.allclose(loss(lp, ent, *extra), want, rtol=1e-15, atol=0)
+        dotted = _as_tensor(c_logp, lp) * lp + _as_tensor(c_ent, ent) * ent  # the coefficients found at the first
+        assert torch.allclose(dotted, want, rtol=1e-15, atol=0)

@@ -58,9 +58,7 @@ class _PrecomputedGrads(torch.autograd.Function):
     def forward(ctx, loss, grads, verdict, hidden, weight, bias):
         ctx.grads = grads
         ctx.verdict = verdict  # checks.BackwardVerdict of the call, settled before any gradient is handed over
-        ctx.dtypes = dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        # which gradients the kernel scales, decided here, where the host is ahead of the device (host-bound calls)
-        ctx.on_kernel = tuple(t is not None and _scale_kernel_runs(t, dt) for t, dt in zip(grads, dtypes))
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
 
     @staticmethod
@@ -74,7 +72,7 @@ class _PrecomputedGrads(torch.autograd.Function):
         in_place = not _graph_retained()
         if in_place:
             ctx.grads = None  # no reference left here: AccumulateGrad adopts the scaled tensors instead of copying
-        scaled = _scaled_all(grads, g, ctx.dtypes, in_place, ctx.on_kernel)
+        scaled = _scaled_all(grads, g, ctx.dtypes, in_place)
         del grads
         if verdict is not None:
             # a bad target raises here, before any gradient is handed over (every rank alike), after the scaling's
@@ -90,7 +88,7 @@ _SCALE_BLOCK_ELEMENTS = 1 << 24
 
 
 def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes: Sequence[Optional[torch.dtype]],
-                in_place: bool, on_kernel: Optional[Sequence[bool]] = None) -> tuple[Optional[torch.Tensor], ...]:
+                in_place: bool) -> tuple[Optional[torch.Tensor], ...]:
     """``round(t * g)`` for every gradient ``t`` of ``grads`` (None stays None): the fp32 product of ``t`` and the
     upstream scalar ``g``, rounded once to its ``dtypes`` entry (with ``g == 1``: ``t`` rounded once; bitwise ``t``
     when it is in that dtype). ``in_place``: written over ``t`` when ``t`` is a contiguous tensor of that dtype,
@@ -99,13 +97,13 @@ def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes
     On a GPU (and on the CPU under Triton's interpreter) ONE launch of :mod:`tplogp.kernels.scale_kernels` scales
     them all, reading ``g`` from its device pointer; elsewhere torch ops in flat blocks of
     ``_SCALE_BLOCK_ELEMENTS``. A ``g`` that requires a gradient (``create_graph=True``) gets differentiable torch
-    ops. ``on_kernel``: :func:`_scale_kernel_runs` of each gradient, when known."""
+    ops."""
     if g.requires_grad and torch.is_grad_enabled():
         return tuple(None if t is None else (t.to(torch.float32) * g.to(torch.float32)).to(dt)
                      for t, dt in zip(grads, dtypes))
     g32 = None
     outs, pairs = [], []
-    for i, (t, dtype) in enumerate(zip(grads, dtypes)):
+    for t, dtype in zip(grads, dtypes):
         if t is None:
             outs.append(None)
             continue
@@ -116,7 +114,7 @@ def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes
         outs.append(out)
         if t.numel() == 0:
             continue
-        if on_kernel[i] if on_kernel is not None else _scale_kernel_runs(t, dtype):
+        if _scale_kernel_runs(t, dtype):
             pairs.append((t.contiguous(), out))
         else:
             _scaled_by_torch(t, g32, out)

@@ -111,19 +111,29 @@ class TokenLoss:
         return f"TokenLoss({self.name}; per_token=({', '.join(self.per_token)}))"
 
 
+def _linear_loss(name: str, per_token: tuple[str, ...], coefficients: Callable[..., tuple[Derivative, Derivative]],
+                 reads_entropy: bool = False) -> TokenLoss:
+    """The :attr:`~TokenLoss.linear` loss ``c_logp * logp + c_entropy * entropy`` of ``coefficients(*per_token)``
+    (a None coefficient: no such term): its value and derivatives both come from the coefficients."""
+
+    def parts(logp, entropy, *per_token, derivatives):
+        c_logp, c_entropy = coefficients(*per_token)
+        terms = [c * x for c, x in ((c_logp, logp), (c_entropy, entropy)) if c is not None]
+        value = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        return value, c_logp if derivatives else None, c_entropy if derivatives else None
+
+    return TokenLoss(name, per_token, parts, reads_entropy, coefficients)
+
+
 def cross_entropy() -> TokenLoss:
     """``-logp``: the target token's cross-entropy (supervised fine-tuning); no per-token tensors. Reads no
     entropy."""
-    return TokenLoss("cross_entropy()", (),
-                     lambda logp, entropy, *, derivatives: (-logp, -1.0 if derivatives else None, None),
-                     coefficients=lambda: (-1.0, None))
+    return _linear_loss("cross_entropy()", (), lambda: (-1.0, None))
 
 
 def policy_gradient() -> TokenLoss:
     """``-A * logp``; per_token = ``(advantages,)``. Reads no entropy."""
-    return TokenLoss("policy_gradient()", ("advantages",),
-                     lambda logp, entropy, adv, *, derivatives: (-adv * logp, -adv if derivatives else None, None),
-                     coefficients=lambda adv: (-adv, None))
+    return _linear_loss("policy_gradient()", ("advantages",), lambda adv: (-adv, None))
 
 
 def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> TokenLoss:
@@ -157,6 +167,4 @@ def kl_to_reference(coef: float) -> TokenLoss:
 
 def entropy_bonus(coef: float) -> TokenLoss:
     """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the default)."""
-    return TokenLoss(f"entropy_bonus({coef})", (),
-                     lambda logp, entropy, *, derivatives: (-coef * entropy, None, -coef if derivatives else None),
-                     reads_entropy=True, coefficients=lambda: (None, -coef))
+    return _linear_loss(f"entropy_bonus({coef})", (), lambda: (None, -coef), reads_entropy=True)

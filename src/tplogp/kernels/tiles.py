@@ -340,10 +340,11 @@ def split_budget(workspace_bytes: Optional[int]) -> tuple[int, int]:
 # (:func:`kept_dtype`), with ``m`` the row's running max (natural units) when the forward folded that element's tile,
 # one fp32 scale per (row, forward tile). The backward's ``p = e * exp(m - M - log S)`` then carries e's rounding
 # alone (2^-9 relative in bf16, 2^-12 in fp16: what the d_logits rounding adds anyway), whatever the logits' size;
-# rounding the logits themselves would give p an error of ``|z| 2^-9``. Layout: the values ``[N, cols]`` (viewed in
-# their dtype) in a flat fp32 buffer, padded to 16 bytes, and the scales ``[N, cdiv(cols, block_v)]``: after the
-# values in the same buffer for the op (what its fake implementation allocates, :func:`kept_views`), in their own
-# allocation on the eager paths (``ShardCall.scales_apart``: a consuming backward frees them early).
+# rounding the logits themselves would give p an error of ``|z| 2^-9``. Layout: the values ``[N, cols]`` in their
+# dtype and the scales ``[N, cdiv(cols, block_v)]`` fp32. For the op, one flat fp32 buffer (what its fake
+# implementation allocates, :func:`kept_views`): the values padded to 16 bytes, the scales after them. On the eager
+# paths two allocations of those shapes (``ShardCall.scales_apart``: a consuming backward frees the scales early).
+# :func:`kept_words` counts the flat buffer's words, an upper bound of the two allocations.
 
 _PLANNING_BLOCK_V = 64  # the narrowest forward tile a fitted GPU config runs: scales counted for it when planning
 # without the device (at most 4/64 bytes per element more than the device's config needs)
@@ -402,12 +403,6 @@ def plan_keep(n: int, v: int, keep_bytes: int, itemsize: int = 2, block_v: int =
     return min(max(cols, 0), v)
 
 
-def kept_values_view(buffer: torch.Tensor, n: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """The kept terms ``[n, cols]`` of ``dtype``: a strided view of the start of the fp32 ``buffer`` (one view op
-    when the dtypes differ: host time, each costs microseconds)."""
-    return (buffer if dtype == buffer.dtype else buffer.view(dtype)).as_strided((n, cols), (cols, 1))
-
-
 def kept_scales_shape(n: int, scale_words: int) -> tuple[int, int]:
     """``[n, scales per row]`` of :func:`kept_words`' ``scale_words``."""
     return n, scale_words // max(n, 1)
@@ -418,7 +413,8 @@ def kept_views(kept: torch.Tensor, n: int, cols: int, dtype: torch.dtype,
     """``(values [n, cols] of dtype, scales [n, cdiv(cols, block_v)] fp32)``: views into the flat fp32 buffer."""
     values, scales = kept_words(n, cols, dtype.itemsize, block_v)
     shape = kept_scales_shape(n, scales)
-    return (kept_values_view(kept, n, cols, dtype),
+    # strided views of the buffer, as few view ops as can be (host time: each costs microseconds)
+    return ((kept if dtype == kept.dtype else kept.view(dtype)).as_strided((n, cols), (cols, 1)),
             kept.as_strided(shape, (shape[1], 1), kept.storage_offset() + values))
 
 
