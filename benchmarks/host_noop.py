@@ -19,7 +19,8 @@ Each number is the minimum over ``--rounds`` of the mean ``time.thread_time`` pe
 time of this thread: a loaded machine's preemption does not count; the minimum drops rounds slowed by cache
 pollution from other processes). ``TPLOGP_CHECKS`` applies as usual (run once with ``fast`` to compare).
 ``--profile NAME`` prints a cProfile table of that row instead (its absolute times are inflated by the profiler).
-Runs with ``TRITON_INTERPRET=1`` (set here before tplogp imports the kernels).
+Without CUDA it sets ``TRITON_INTERPRET=1`` at import, before tplogp imports the kernels (importing it on a GPU
+host, as :mod:`benchmarks.host_stages` does, leaves the compiled kernels on).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ import pstats
 import time
 from typing import Callable, Iterator
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # (no CUDA context is made here) a GPU host keeps its compiled kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .runner import DTYPES  # noqa: E402
 

@@ -33,7 +33,7 @@ import statistics
 import time
 from typing import Callable, Iterator
 
-from .host_noop import noop_launches  # (first: it sets TRITON_INTERPRET before tplogp imports the kernels on CPU)
+from .host_noop import noop_launches  # (first: without CUDA it sets TRITON_INTERPRET before tplogp imports the kernels)
 
 import torch  # noqa: E402
 
@@ -61,12 +61,14 @@ STAGES = (
     ("tplogp.backends.triton_backend", "TritonBackend.backward", "source: backward"),
     ("tplogp.backends.triton_backend", "TritonBackend._launch_layout", "  _launch_layout"),
     ("tplogp.backends.triton_backend", "TritonBackend._kept_buffer", "  _kept_buffer"),
+    ("tplogp.kernels.generic_launch", "SingleForward.__call__", "program: single-shard forward"),
     ("tplogp.kernels.generic_launch", "launch_stats", "launch: stats"),
     ("tplogp.kernels.generic_launch", "launch_dlogits_kept", "launch: d_logits (kept)"),
     ("tplogp.kernels.generic_launch", "launch_dlogits", "launch: d_logits (recompute)"),
     ("tplogp.kernels.generic_launch", "_mm_into", "GEMM into the input dtype"),
     ("tplogp.fp32_gemm", "mm_into", "GEMM into fp32"),
     ("tplogp.kernels.direct_launch", "DirectLauncher.__call__", "  DirectLauncher (key + launch)"),
+    ("tplogp.kernels.bound_launch", "BoundLaunch.__call__", "  BoundLaunch (alignment + launch)"),
 )
 
 

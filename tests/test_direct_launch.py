@@ -190,6 +190,8 @@ def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Call)
                 and getattr(node.func.func, "id", None) == "launcher"):
+            if node.func.args[0].id == "jit_fn":
+                continue  # LaunchSpec.launch: the specs are checked in test_launch_specs_qualify_for_direct_launches
             kernel = getattr(module, node.func.args[0].id)
             names = tuple(k.arg for k in node.keywords if k.arg not in ("num_warps", "num_stages"))
             expected = DirectLauncher(kernel).const_names
@@ -197,6 +199,25 @@ def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
             assert len(node.args) == 1 + DirectLauncher(kernel).n_runtime, node.func.args[0].id
             sites += 1
     assert sites >= 2
+
+
+def test_launch_specs_qualify_for_direct_launches():
+    """The launches described by a :class:`~tplogp.kernels.generic_launch.LaunchSpec` (run per call, or bound once
+    per layout) pass all of their kernel's constexprs in signature order, and as many runtime arguments as it
+    takes."""
+    pytest.importorskip("triton")
+    from tplogp.kernels import generic_launch, tiles
+
+    cfg = tiles.INTERPRETER
+    specs = [(generic_launch.stats_spec(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg, torch.bfloat16, kept)[0],
+              generic_launch.fwd_stats_kernel, 7)
+             for bias in (False, True) for entropy in (False, True) for kept in (None, (256, 8, 256))]
+    specs += [(generic_launch.finalize_spec(64, 256, 2, entropy, check), generic_launch.finalize_single_kernel, 4)
+              for entropy in (False, True) for check in (False, True)]
+    for spec, kernel, tensors in specs:
+        found = DirectLauncher(kernel)
+        assert tuple(spec.constexprs) == found.const_names
+        assert len(spec.scalars) + tensors == found.n_runtime
 
 
 def test_triton_versions_outside_the_known_launcher_call_keep_the_jit_path():
@@ -207,3 +228,40 @@ def test_triton_versions_outside_the_known_launcher_call_keep_the_jit_path():
     assert not direct_launch.triton_version_supported("main")
     assert direct_launch.triton_version_supported("3.7.0", ((3, 6), (3, 9)))
     assert not direct_launch.triton_version_supported("3.10.0", ((3, 6), (3, 9)))
+
+
+@pytest.fixture
+def bound_fake(fake, monkeypatch):
+    jit, launch = fake
+    monkeypatch.setitem(direct_launch._LAUNCHERS, id(jit), launch)
+    from tplogp.kernels.bound_launch import BoundLaunch
+
+    return jit, launch, BoundLaunch(jit, (3,), (32, 0.5), 4, None, dict(BLOCK=64, FLAG=False))
+
+
+def test_a_bound_launch_runs_the_compiled_kernel_with_its_fixed_arguments(bound_fake):
+    jit, launch, bound = bound_fake
+    buf = torch.zeros(256)
+    x, y = buf[:64], buf[64:128]
+    bound(x, y)  # the launcher's first launch: through the JIT
+    assert jit.log[0] == ("jit", (3,), (x, y, 32, 0.5), {"num_warps": 4, "BLOCK": 64, "FLAG": False})
+    bound(x, y)  # the launcher's own key, then stored: a direct launch
+    bound(buf[128:192], y)  # another 16-byte-aligned tensor: the same compiled kernel, no key built
+    assert jit.compiled == 1 and [e[0] for e in jit.log] == ["jit", "direct", "direct"]
+    kind, args = jit.log[-1]
+    assert args[:4] == (3, 1, 1, 1234) and args[5] == ("meta",) and args[6:9] == (None, None, None)
+    assert args[9] is not x and torch.equal(args[9], buf[128:192]) and args[10:] == (y, 32, 0.5, 64, False)
+
+
+def test_a_bound_launch_follows_the_alignment_and_the_launchers_switches(bound_fake):
+    jit, launch, bound = bound_fake
+    buf = torch.zeros(256)
+    bound(buf[:64], buf[64:128])
+    bound(buf[1:65], buf[64:128])  # 4 bytes past a 16-byte boundary: another specialization, compiled
+    assert jit.compiled == 2
+    bound(buf[1:65], buf[64:128])
+    assert jit.log[-1][0] == "direct" and jit.compiled == 2
+    launch._knobs = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print]),
+                                          launch_exit_hook=None)
+    bound(buf[:64], buf[64:128])  # a launch hook (a profiler): every launch through the JIT
+    assert jit.log[-1][0] == "jit" and jit.compiled == 3

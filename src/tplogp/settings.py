@@ -135,9 +135,9 @@ def direct_launch() -> bool:
 
 def triton_interpret() -> bool:
     """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET`` set to anything but empty or ``0``, as Triton
-    reads it)."""
-    value = _raw(TRITON_INTERPRET)
-    return value is not None and value != "0"
+    reads it). Read by several launches of every call: one lookup, no helper calls."""
+    value = _environ_get(TRITON_INTERPRET)
+    return value is not None and value.strip() not in ("", "0")
 
 
 class LauncherEnv(NamedTuple):

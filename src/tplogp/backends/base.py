@@ -55,7 +55,7 @@ lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the targ
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
@@ -141,6 +141,9 @@ class ShardCall:
     # the forward keeps its scales apart from its terms (KeptBuffers), so that a consuming backward can free them
     # early: the eager paths; the op's forward (torch.compile) returns one flat buffer
     scales_apart: bool = False
+    # a source's launch programs for the layouts run with this call (the calls of a layout share one ShardCall,
+    # tplogp.plan): everything of a launch but its tensors, made at a layout's first call (not compared, not hashed)
+    programs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @functools.cached_property
     def consuming(self) -> "ShardCall":

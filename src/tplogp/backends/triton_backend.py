@@ -18,11 +18,13 @@ import torch
 
 from .. import settings
 from ..kernels import tiles  # torch only: no Triton import, no device work
+from ..tensors import f32_contiguous
 from .base import KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
 MAX_LAYOUTS = 256  # shard layouts remembered per backend (the cache is emptied when full)
+MAX_PROGRAMS = 8  # launch programs remembered per ShardCall (the dict is emptied when full)
 
 
 class ShardLayout(NamedTuple):
@@ -272,6 +274,17 @@ class TritonBackend:
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
                        target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
+        if call.inputs_checked:  # the op's own calls: the layout's program, made at its first call
+            found = call.programs.get((hidden.shape[0], target_flag is None))
+            if found is None or (found and not found[0].matches(hidden, weight, bias)):
+                found = self._single_program(hidden, weight, bias, call, target_flag is not None)
+            if found:
+                program, lay = found
+                kept = self._kept_buffer(hidden, lay, call)
+                if kept is None:
+                    return SingleShardOutputs(*program(hidden, weight, bias, target, target_flag))
+                return SingleShardOutputs(*program(hidden, weight, bias, target, target_flag, kept.values, kept.scales),
+                                          kept=kept)
         generic_launch = _generic_launch()
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
@@ -281,12 +294,40 @@ class TritonBackend:
             kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag, checked=call.inputs_checked),
             kept=kept)
 
+    def _single_program(self, hidden, weight, bias, call: ShardCall, check_targets: bool):
+        """``(the SingleForward of this call's layout, its ShardLayout)`` (:mod:`tplogp.kernels.generic_launch`),
+        remembered in ``call.programs`` (at most ``MAX_PROGRAMS``; a layout whose row count varies, ignore_index
+        compaction, makes one per count), or ``False`` where the layout's forward is not one of its pointer launches
+        with kept terms in two allocations (:meth:`_kept_buffer`) or none (the TMA kernels, the op's flat kept
+        buffer, empty shards): those plan each call, and ``False`` is remembered for them."""
+        n = hidden.shape[0]
+        found = False
+        if (n and weight.shape[0] and self._stats_launch(hidden, weight, call) is None
+                and not (call.for_backward and not call.scales_apart)):
+            lay = self._launch_layout(hidden, weight, call)
+            keep = None
+            if call.for_backward and lay.keep_cols:
+                keep = (lay.keep_cols, tiles.kept_scales_shape(n, lay.kept_scales)[1])
+            found = (_generic_launch().SingleForward(hidden, weight, bias, call.inv_temperature, call.with_entropy,
+                                                     lay.cfg, keep, check_targets), lay)
+        programs = call.programs
+        if len(programs) >= MAX_PROGRAMS:
+            programs.clear()
+        programs[(n, not check_targets)] = found
+        return found
+
     def _stats_launch(self, hidden, weight, call: ShardCall):
         return None  # the generic kernel
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None) -> ShardGrads:
         generic_launch = _generic_launch()
+        if call.inputs_checked and isinstance(kept, KeptBuffers) and call.consume_kept:
+            grads = self._kept_program_backward(generic_launch, hidden, weight, bias, local_target, row_max, log_sum,
+                                                grad_logp, grad_entropy, grad_lse, mean_z, call, needs,
+                                                d_hidden_ready, kept, accumulate)
+            if grads is not None:
+                return grads
         lay = self._launch_layout(hidden, weight, call)
         d_hidden, d_weight, d_bias = generic_launch.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
@@ -298,3 +339,26 @@ class TritonBackend:
             overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype,
             checked=call.inputs_checked)
         return ShardGrads(d_hidden, d_weight, d_bias)
+
+    def _kept_program_backward(self, generic_launch, hidden, weight, bias, local_target, row_max, log_sum,
+                               grad_logp, grad_entropy, grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready,
+                               kept: KeptBuffers, accumulate) -> Optional[ShardGrads]:
+        """The backward through the layout's :class:`~tplogp.kernels.generic_launch.KeptBackward` (made at its first
+        call, remembered in ``call.programs``), or None where one does not run it (its ``covers``)."""
+        if not generic_launch.KeptBackward.covers(kept, weight, True, call.deterministic, accumulate):
+            return None
+        with_entropy = grad_entropy is not None
+        key = ("backward", hidden.shape[0], tuple(needs), with_entropy)
+        program = call.programs.get(key)
+        terms = generic_launch.KeptTerms(kept.values, kept.take_scales())
+        if program is None or not program.matches(hidden, weight, bias, terms, needs, with_entropy):
+            lay = self._launch_layout(hidden, weight, call)
+            program = generic_launch.KeptBackward(hidden, weight, bias, needs, with_entropy, call.inv_temperature,
+                                                  lay.cfg, terms, call.d_hidden_in_input_dtype)
+            programs = call.programs
+            if len(programs) >= MAX_PROGRAMS:
+                programs.clear()
+            programs[key] = program
+        g, gmg, ge, mz = generic_launch.per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
+        return ShardGrads(*program(hidden, weight, bias, local_target, f32_contiguous(row_max),
+                                   f32_contiguous(log_sum), g, gmg, ge, mz, terms, d_hidden_ready))

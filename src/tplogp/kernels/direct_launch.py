@@ -168,6 +168,18 @@ class DirectLauncher:
                              and self._knobs is not None and torch.cuda.is_available())
         return self._enabled
 
+    def hot(self) -> bool:
+        """Whether a launch with a known key runs its compiled kernel directly (:meth:`__call__`'s hot path): on,
+        known to be enabled (after a first launch), and no launch hook registered."""
+        return _OVERRIDE is None and bool(self._enabled) and not _hooks_registered(self._knobs)
+
+    def entry(self, args: tuple, num_warps: int, num_stages: Optional[int], constexprs: dict) -> Optional[tuple]:
+        """The ``(run, function, metadata)`` that a launch of these arguments runs directly, or None when none is
+        stored (such launches go through Triton's JIT). For :class:`~tplogp.kernels.bound_launch.BoundLaunch`,
+        which keeps it for the launches of one layout."""
+        key = (_current_device(), num_warps, num_stages, tuple(constexprs.values()), args_key(args))
+        return self.binaries.get(key)
+
     def __call__(self, grid: tuple, *args: Any, num_warps: int, num_stages: Optional[int] = None,
                  **constexprs: Any) -> None:
         if _OVERRIDE is None and self._enabled and not _hooks_registered(self._knobs):

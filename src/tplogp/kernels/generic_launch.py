@@ -10,12 +10,13 @@ made 2-D, contiguous and int64 there (``ShardCall.inputs_checked``), skips these
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from .. import fp32_gemm
 from ..tensors import f32_contiguous
+from .bound_launch import BoundLaunch
 from .direct_launch import launcher
 from .generic_kernels import (bwd_dlogits_kept_kernel, bwd_dlogits_kernel, dh_accum_kernel, finalize_single_kernel,
                               fwd_stats_kernel, merge_splits_kernel)
@@ -61,6 +62,25 @@ _INTERPRETING = interpreting()  # fixed when the kernels are defined (TRITON_INT
 
 def _even(d: int, block: int) -> bool:
     return d % block == 0
+
+
+class LaunchSpec(NamedTuple):
+    """The fixed part of one kernel launch: the grid, the scalar arguments that follow the pointers in the kernel's
+    signature, ``num_warps`` / ``num_stages`` and every constexpr (in signature order). Computed from sizes alone,
+    so that a launch per call (:meth:`launch`) and a launch bound once per layout (:meth:`bind`) share it."""
+
+    grid: tuple
+    scalars: tuple
+    num_warps: int
+    num_stages: Optional[int]
+    constexprs: dict
+
+    def launch(self, jit_fn, *tensors: torch.Tensor) -> None:
+        launcher(jit_fn)(self.grid, *tensors, *self.scalars, num_warps=self.num_warps, num_stages=self.num_stages,
+                         **self.constexprs)
+
+    def bind(self, jit_fn) -> BoundLaunch:
+        return BoundLaunch(jit_fn, self.grid, self.scalars, self.num_warps, self.num_stages, self.constexprs)
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -168,14 +188,68 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch,
                                      kept)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
-    launcher(finalize_single_kernel)(
-        (cdiv(n, _MERGE_BLOCK),), parts, target, out, out if target_flag is None else target_flag, n, v,
-        num_splits, num_splits * n,
-        WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK,
-        CHECK_TARGETS=target_flag is not None, num_warps=4,
-    )
+    finalize_spec(n, v, num_splits, with_entropy, target_flag is not None).launch(
+        finalize_single_kernel, parts, target, out, out if target_flag is None else target_flag)
     outs = out.unbind(0)
     return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+
+
+def finalize_spec(n: int, v: int, num_splits: int, with_entropy: bool, check_targets: bool) -> LaunchSpec:
+    """:func:`~.generic_kernels.finalize_single_kernel`'s launch: one program per ``_MERGE_BLOCK`` tokens."""
+    return LaunchSpec((cdiv(n, _MERGE_BLOCK),), (n, v, num_splits, num_splits * n), 4, None,
+                      dict(WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK,
+                           CHECK_TARGETS=check_targets))
+
+
+class SingleForward:
+    """:func:`forward_single` of one layout with the pointer kernels, everything but the tensors computed once: the
+    split count, buffer shapes, grids, scalar arguments and constexprs, and both launches bound
+    (:class:`~.bound_launch.BoundLaunch`). A call allocates the kept terms and scales (when the layout keeps
+    them), the per-split stats and the outputs, and makes two launches: the same kernels, arguments and buffers
+    as :func:`forward_single`, with no per-call planning.
+
+    ``keep``: ``(columns, scales per row)`` of what the forward keeps for the backward (the calls pass the terms
+    ``[N, columns]`` and scales ``[N, scales per row]``, contiguous, which the caller allocates), or None.
+    ``check_targets``: the calls pass ``target_flag`` (the finishing kernel checks the targets). Callers check
+    :meth:`matches` first."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 inv_temperature: float, with_entropy: bool, cfg: TileConfig,
+                 keep: Optional[tuple[int, int]], check_targets: bool) -> None:
+        n, d = hidden.shape
+        v = weight.shape[0]
+        self.hidden_shape, self.weight_shape, self.dtype = hidden.shape, weight.shape, hidden.dtype
+        self.bias_dtype = None if bias is None else bias.dtype
+        self.device = hidden.device
+        self.with_entropy = with_entropy
+        kept_dims = None if keep is None else (keep[0], keep[1], keep[0])
+        spec, num_splits = stats_spec(n, v, d, d, d, bias is not None, with_entropy, inv_temperature, cfg,
+                                      hidden.dtype, kept_dims)
+        self.parts_shape = (4 if with_entropy else 3, num_splits, n)
+        self.out_shape = (6 if with_entropy else 4, n)
+        self.stats = spec.bind(fwd_stats_kernel)
+        self.finalize = finalize_spec(n, v, num_splits, with_entropy, check_targets).bind(finalize_single_kernel)
+
+    def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+        """Whether a call's (checked: 2-D, contiguous, one device) tensors are of this layout."""
+        return (hidden.shape == self.hidden_shape and weight.shape == self.weight_shape
+                and hidden.dtype == self.dtype and (bias is None if self.bias_dtype is None
+                                                    else bias is not None and bias.dtype == self.bias_dtype))
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 target: torch.Tensor, target_flag: Optional[torch.Tensor] = None,
+                 values: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None):
+        """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``; the kept terms and scales are written
+        into ``values`` and ``scales`` (the layout's ``keep``)."""
+        device = self.device
+        parts = torch.empty(self.parts_shape, device=device, dtype=torch.float32)
+        self.stats(hidden, weight, hidden if bias is None else bias, target, parts,
+                   parts if values is None else values, parts if scales is None else scales)
+        out = torch.empty(self.out_shape, device=device, dtype=torch.float32)  # after the launch: the GPU starts sooner
+        self.finalize(parts, target, out, out if target_flag is None else target_flag)
+        outs = out.unbind(0)
+        entropy = self.with_entropy
+        return outs[0], outs[1], outs[2], outs[3], outs[4] if entropy else None, outs[5] if entropy else None
 
 
 def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
@@ -203,21 +277,34 @@ def stats_plan(hidden: torch.Tensor, weight: torch.Tensor, with_entropy: bool, c
     return parts, num_splits, grid, (values, scales, values.stride(0), scales.stride(0), values.shape[1])
 
 
+def stats_spec(n: int, v: int, d: int, stride_h: int, stride_w: int, has_bias: bool, with_entropy: bool,
+               inv_temperature: float, cfg: TileConfig, dtype: torch.dtype,
+               kept_dims: Optional[tuple[int, int, int]]) -> tuple[LaunchSpec, int]:
+    """``(the generic stats kernel's launch, S)``: S = cdiv(V, split_v) splits, one program per (token block,
+    split). ``kept_dims``: the kept terms' and scales' row strides and the kept column count, or None (nothing
+    kept: zeros, which the ``KEEP=False`` variant never reads)."""
+    num_splits = cdiv(v, cfg.split_v)
+    stride_kept, stride_scale, v_keep = kept_dims if kept_dims is not None else (0, 0, 0)
+    return LaunchSpec(
+        (cdiv(n, cfg.block_n) * num_splits,),
+        (n, v, d, stride_h, stride_w, stride_kept, stride_scale, v_keep, inv_temperature, num_splits,
+         num_splits * n),
+        cfg.num_warps, cfg.num_stages,
+        dict(SPLIT_V=cfg.split_v, HAS_BIAS=has_bias, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
+             KEEP=kept_dims is not None, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
+             GROUP_N=cfg.group_n, DOT_PRECISION=dot_precision(dtype))), num_splits
+
+
 def launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
                   cfg: TileConfig, kept: Optional[KeptTerms] = None):
     n, d = hidden.shape
     v = weight.shape[0]
-    parts, num_splits, grid, (p_kept, p_scale, stride_kept, stride_scale, v_keep) = stats_plan(
-        hidden, weight, with_entropy, cfg, kept)
-    launcher(fwd_stats_kernel)(
-        grid, hidden, weight, bias if bias is not None else hidden, local_target,
-        parts, p_kept, p_scale, n, v, d, hidden.stride(0), weight.stride(0), stride_kept, stride_scale, v_keep,
-        inv_temperature, num_splits, num_splits * n,
-        SPLIT_V=cfg.split_v, HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, EVEN_D=_even(d, cfg.block_d),
-        KEEP=kept is not None,
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d, GROUP_N=cfg.group_n,
-        DOT_PRECISION=dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    kept_dims = None if kept is None else (kept.values.stride(0), kept.scales.stride(0), kept.values.shape[1])
+    spec, num_splits = stats_spec(n, v, d, hidden.stride(0), weight.stride(0), bias is not None, with_entropy,
+                                  inv_temperature, cfg, hidden.dtype, kept_dims)
+    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32)
+    spec.launch(fwd_stats_kernel, hidden, weight, bias if bias is not None else hidden, local_target, parts,
+                parts if kept is None else kept.values, parts if kept is None else kept.scales)
     return parts, num_splits
 
 
@@ -284,16 +371,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         local_target = local_target.contiguous()
     row_max = f32_contiguous(row_max)
     log_sum = f32_contiguous(log_sum)
-    g = f32_contiguous(grad_logp)
-    gmg = g if grad_lse is None else (g - grad_lse.to(f32)).contiguous()
     with_entropy = grad_entropy is not None
-    if with_entropy:
-        if mean_z is None:
-            raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z] - M")
-        ge = f32_contiguous(grad_entropy)
-        mz = f32_contiguous(mean_z)
-    else:
-        ge = mz = g
+    g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
 
     v_keep = 0 if kept is None else kept.values.shape[1]
     in_place = (overwrite_kept and v_keep == v and kept.values.element_size() == weight.element_size()
@@ -354,6 +433,19 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return d_hidden, d_weight, d_bias
 
 
+def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                    mean_z: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The d_logits kernels' per-token inputs ``(g, g - g_lse, g_entropy, mean_z)``, contiguous fp32 (``g`` in place
+    of the terms a call does not have: the kernels do not read them then)."""
+    g = f32_contiguous(grad_logp)
+    gmg = g if grad_lse is None else (g - grad_lse.to(torch.float32)).contiguous()
+    if grad_entropy is None:
+        return g, gmg, g, g
+    if mean_z is None:
+        raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z] - M")
+    return g, gmg, f32_contiguous(grad_entropy), f32_contiguous(mean_z)
+
+
 def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileConfig, precision) -> None:
     """``d_hidden (+)= dz @ W[chunk]`` (fp32) for one chunk."""
     if deterministic:
@@ -366,22 +458,97 @@ def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: Tile
         fp32_gemm.addmm_(d_hidden, dz, w_chunk)
 
 
-def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
-                        inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str]) -> None:
-    """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM; the forward's
-    tile width, one scale per row and tile); both sources."""
-    values, scales = kept
-    n = values.shape[0]
-    # rows per program: the config's own for this pass, but the backward's when d_bias partial rows are written
+def dlogits_kept_spec(n: int, v_lo: int, v_hi: int, stride_kept: int, stride_scale: int, stride_dz: int,
+                      stride_dbp: int, inv_temperature: float, with_entropy: bool, need_db: bool, cfg: TileConfig,
+                      precision: Optional[str]) -> LaunchSpec:
+    """:func:`~.generic_kernels.bwd_dlogits_kept_kernel`'s launch over the columns ``[v_lo, v_hi)``: rows per
+    program are the config's own for this pass, but the backward's when d_bias partial rows are written."""
     block_n = cfg.bwd_block_n if need_db or cfg.kept_block_n is None else cfg.kept_block_n
     num_warps = cfg.bwd_num_warps if need_db or cfg.kept_num_warps is None else cfg.kept_num_warps
-    grid = (cdiv(n, block_n) * cdiv(v_hi - v_lo, cfg.block_v),)
-    launcher(bwd_dlogits_kept_kernel)(
-        grid, values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp,
-        n, v_lo, v_hi, values.stride(0), scales.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
-        inv_temperature, NEED_DB=need_db, WITH_ENTROPY=with_entropy,
-        BLOCK_N=block_n, BLOCK_V=cfg.block_v, DOT_PRECISION=precision, num_warps=num_warps,
-    )
+    return LaunchSpec((cdiv(n, block_n) * cdiv(v_hi - v_lo, cfg.block_v),),
+                      (n, v_lo, v_hi, stride_kept, stride_scale, stride_dz, stride_dbp, inv_temperature), num_warps,
+                      None, dict(NEED_DB=need_db, WITH_ENTROPY=with_entropy, BLOCK_N=block_n, BLOCK_V=cfg.block_v,
+                                 DOT_PRECISION=precision))
+
+
+def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+                        inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
+                        bound: Optional[BoundLaunch] = None) -> None:
+    """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM; the forward's
+    tile width, one scale per row and tile); both sources. ``bound``: this launch bound for the layout
+    (:class:`KeptBackward`), else its :func:`dlogits_kept_spec` is made here."""
+    values, scales = kept
+    tensors = (values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp)
+    if bound is not None:
+        bound(*tensors)
+        return
+    dlogits_kept_spec(values.shape[0], v_lo, v_hi, values.stride(0), scales.stride(0), dz.stride(0),
+                      dbp.stride(0) if need_db else 0, inv_temperature, with_entropy, need_db, cfg,
+                      precision).launch(bwd_dlogits_kept_kernel, *tensors)
+
+
+class KeptBackward:
+    """:func:`backward` of one layout whose forward kept every column's terms in the weight's dtype, run by a
+    backward that consumes them (``overwrite_kept``), not ``deterministic`` and with no ``accumulate`` buffers:
+    one d_logits launch (bound once, :class:`~.bound_launch.BoundLaunch`) writes d_logits over the terms, then
+    one GEMM each gives ``d_hidden`` and ``d_W``, as in :func:`backward`, with every size and launch argument
+    computed once. Callers check :meth:`matches` first."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 needs: tuple[bool, bool, bool], with_entropy: bool, inv_temperature: float, cfg: TileConfig,
+                 kept: KeptTerms, d_hidden_in_input_dtype: bool) -> None:
+        n, d = hidden.shape
+        v = weight.shape[0]
+        self.hidden_shape, self.weight_shape, self.dtype = hidden.shape, weight.shape, hidden.dtype
+        self.bias_dtype = None if bias is None else bias.dtype
+        self.kept_shape, self.scales_shape = kept.values.shape, kept.scales.shape
+        self.needs = (needs[0], needs[1], needs[2] and bias is not None)
+        self.with_entropy = with_entropy
+        self.device = hidden.device
+        self.dbp_shape = (cdiv(n, cfg.bwd_block_n), v) if self.needs[2] else None
+        self.dh_dtype = hidden.dtype if d_hidden_in_input_dtype and hidden.is_cuda else torch.float32
+        self.cfg, self.precision = cfg, dot_precision(hidden.dtype)
+        self.inv_temperature = float(inv_temperature)
+        self.dlogits = dlogits_kept_spec(n, 0, v, v, kept.scales.stride(0), v, v if self.needs[2] else 0,
+                                         self.inv_temperature, with_entropy, self.needs[2], cfg,
+                                         self.precision).bind(bwd_dlogits_kept_kernel)
+
+    @staticmethod
+    def covers(kept: Optional[KeptTerms], weight: torch.Tensor, overwrite_kept: bool, deterministic: bool,
+               accumulate) -> bool:
+        """Whether a backward of these arguments is one a program runs (class docstring)."""
+        return (kept is not None and overwrite_kept and not deterministic and accumulate is None
+                and kept.scales is not None and kept.values.shape[0] > 0 and kept.values.shape[1] == weight.shape[0]
+                and kept.values.dtype == weight.dtype and kept.values.is_contiguous())
+
+    def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kept: KeptTerms,
+                needs: tuple[bool, bool, bool], with_entropy: bool) -> bool:
+        return (hidden.shape == self.hidden_shape and weight.shape == self.weight_shape
+                and hidden.dtype == self.dtype and kept.values.shape == self.kept_shape
+                and kept.scales.shape == self.scales_shape and with_entropy == self.with_entropy
+                and (needs[0], needs[1], needs[2] and bias is not None) == self.needs
+                and (bias is None if self.bias_dtype is None else bias is not None and bias.dtype == self.bias_dtype))
+
+    def __call__(self, hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, kept: KeptTerms,
+                 d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None):
+        """``(d_hidden | None, d_weight | None, d_bias | None)``; the fp32 per-token tensors as :func:`backward`
+        prepares them (contiguous; ``gmg``, ``ge``, ``mz``: ``g`` where unused)."""
+        need_dh, need_dw, need_db = self.needs
+        device = self.device
+        dbp = torch.empty(self.dbp_shape, device=device, dtype=torch.float32) if need_db else g
+        dz = kept.values
+        launch_dlogits_kept(kept, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, 0, dz.shape[1],
+                            self.inv_temperature, self.with_entropy, need_db, self.cfg, self.precision, self.dlogits)
+        kept.release_scales()
+        d_hidden = torch.empty(self.hidden_shape, device=device, dtype=self.dh_dtype) if need_dh else None
+        d_weight = torch.empty_like(weight) if need_dw else None
+        if d_hidden is not None:
+            _dh_gemm(dz, weight, d_hidden, 0, False, self.cfg, self.precision)
+            if d_hidden_ready is not None:
+                d_hidden_ready(d_hidden)
+        if d_weight is not None:
+            _mm_into(d_weight, dz.t(), hidden)
+        return d_hidden, d_weight, (dbp.sum(0).to(bias.dtype) if need_db else None)
 
 
 def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,

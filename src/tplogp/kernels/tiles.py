@@ -98,9 +98,9 @@ INTERPRETER = TileConfig(
 SM90 = replace(_BY_CAPABILITY[(9, 0)], warp_specialize=True)
 
 
-def interpreting() -> bool:
-    """Whether Triton's CPU interpreter runs the kernels (:func:`tplogp.settings.triton_interpret`)."""
-    return settings.triton_interpret()
+# Whether Triton's CPU interpreter runs the kernels: :func:`tplogp.settings.triton_interpret` itself (read at each
+# call; no wrapper frame, several launches of every call ask).
+interpreting = settings.triton_interpret
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,0 +1,133 @@
+"""The triton source's per-layout launch programs (``tplogp.kernels.generic_launch.SingleForward``): the op's calls
+(``ShardCall.inputs_checked``) of a layout reuse one program, made at the layout's first call, whose launches are
+bound once (``tplogp.kernels.bound_launch``). A program runs the same kernels with the same arguments as the
+per-call path, so its outputs and kept terms are bitwise the per-call path's. Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tplogp.backends.base import KeptBuffers, ShardCall
+from tplogp.kernels.tiles import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+
+N, D, V = 24, 32, 200
+
+
+def _inputs(n: int = N, bias: bool = False, bad_target: bool = False):
+    g = torch.Generator().manual_seed(n)
+    hidden = torch.randn(n, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * 0.3
+    target = torch.randint(0, V, (n,), generator=g)
+    if bad_target:
+        target[3] = V + 5
+    return hidden, weight, (torch.randn(V, generator=g) if bias else None), target
+
+
+def _backend():
+    from tplogp.backends.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _tensors(out) -> list:
+    flat = list(out[:6])
+    if isinstance(out.kept, KeptBuffers):
+        flat += [out.kept.values, out.kept.scales]
+    return flat
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
+def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
+    backend = _backend()
+    hidden, weight, b, target = _inputs(bias=bias, bad_target=True)
+    settings = dict(inv_temperature=1.0 / 0.7, with_entropy=entropy, for_backward=keep, scales_apart=True)
+    planned, per_call = ShardCall(inputs_checked=True, **settings), ShardCall(**settings)
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(3)]
+    for flag in flags[:2]:  # the first call makes the program, the second runs it
+        got = backend.forward_single(hidden, weight, b, target, planned, target_flag=flag)
+    want = backend.forward_single(hidden, weight, b, target, per_call, target_flag=flags[2])
+    assert list(planned.programs) == [(N, False)] and planned.programs[(N, False)][0]
+    assert not per_call.programs
+    assert (got.kept is not None) == keep == (want.kept is not None)
+    for x, y in zip(_tensors(got), _tensors(want)):
+        if x is None:
+            assert y is None
+        else:
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y))
+    assert int(flags[1]) == int(flags[2]) == V + 5  # the target check ran in the finishing kernel
+
+
+def test_calls_of_a_layout_share_one_program_and_another_row_count_makes_another():
+    backend = _backend()
+    call = ShardCall(inputs_checked=True, for_backward=True, scales_apart=True)
+    hidden, weight, _, target = _inputs()
+    backend.forward_single(hidden, weight, None, target, call)
+    first = call.programs[(N, True)][0]
+    backend.forward_single(hidden, weight, None, target, call)
+    assert call.programs[(N, True)][0] is first
+    short = _inputs(n=N - 5)
+    out = backend.forward_single(short[0], weight, None, short[3], call)
+    assert set(call.programs) == {(N, True), (N - 5, True)} and out.logp.shape == (N - 5,)
+    other_weight = torch.randn(V + 8, D)  # the same row count, another layout: the program is made again
+    out = backend.forward_single(hidden, other_weight, None, target, call)
+    assert call.programs[(N, True)][0] is not first and out.logp.shape == (N,)
+
+
+def test_layouts_a_program_does_not_cover_plan_each_call():
+    """The op's flat kept buffer (``scales_apart`` off, torch.compile's path) and empty shards take the per-call
+    path; ``False`` marks them."""
+    backend = _backend()
+    hidden, weight, _, target = _inputs()
+    flat = ShardCall(inputs_checked=True, for_backward=True)
+    out = backend.forward_single(hidden, weight, None, target, flat)
+    assert flat.programs == {(N, True): False} and isinstance(out.kept, torch.Tensor)
+    empty = ShardCall(inputs_checked=True)
+    out = backend.forward_single(hidden[:0], weight, None, target[:0], empty)
+    assert empty.programs == {(0, True): False} and out.logp.shape == (0,)
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("lse", [False, True], ids=["no-lse", "lse"])
+def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy, bias, lse):
+    """Every term kept, a backward that consumes them: the layout's ``KeptBackward`` (made by the first backward,
+    run by the second) against the per-call path, bitwise, on kept terms of the same forward."""
+    backend = _backend()
+    hidden, weight, b, target = _inputs(bias=bias)
+    hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    b = None if b is None else b.to(torch.bfloat16)
+    budget = 1 << 30  # keeps every term
+    settings = dict(inv_temperature=1.0 / 0.7, with_entropy=entropy, for_backward=True, scales_apart=True,
+                    workspace_bytes=budget, d_hidden_in_input_dtype=True)
+    planned, per_call = ShardCall(inputs_checked=True, **settings), ShardCall(**settings)
+    g = torch.Generator().manual_seed(3)
+    grads = (torch.randn(N, generator=g), torch.randn(N, generator=g) if entropy else None,
+             torch.randn(N, generator=g) if lse else None)
+    needs = (True, True, bias)
+
+    def backward(call):
+        out = backend.forward_single(hidden, weight, b, target, call)
+        assert out.kept.values.shape == (N, V)
+        return backend.backward(hidden, weight, b, target, out.row_max, out.log_sum, grads[0], grads[1], grads[2],
+                                out.mean_rel if entropy else None, call.consuming, needs,
+                                kept=KeptBuffers(out.kept.values, out.kept.scales))
+
+    for _ in range(2):
+        got = backward(planned)
+    want = backward(per_call)
+    key = ("backward", N, needs, entropy)
+    assert key in planned.consuming.programs and not per_call.consuming.programs
+    for x, y in zip(got, want):
+        assert (x is None) == (y is None) == (x is got.d_bias and not bias)
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y))
