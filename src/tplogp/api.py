@@ -85,9 +85,12 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
         # checks raise their error, on every rank)
         cast = torch.is_autocast_enabled(device.type) and _fits_op_schema(
             hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options)
-        if cast:
-            hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
-        with torch.autocast(device.type, enabled=False) if cast else contextlib.nullcontext():
+        if not cast:
+            return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
+                                  vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
+                                  options=options)
+        hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
+        with torch.autocast(device.type, enabled=False):
             return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
                                   vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
                                   options=options)

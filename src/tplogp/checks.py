@@ -439,6 +439,8 @@ class KernelTargetCheck:
         """The verdict (waits only if the device has not finished the kernel yet): the slot's id as a one-id
         summary (0, the slot's "none", lies inside every vocabulary)."""
         bad = self.read()
+        if bad == 0:  # (the common case: no id outside the vocabulary was written)
+            return None
         return target_range_problem(TargetSummary(0, bad, bad), self.vocab_size, None)
 
 

@@ -118,8 +118,8 @@ def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes
             pairs.append((t.contiguous(), out))
         else:
             _scaled_by_torch(t, g32, out)
-    if pairs:
-        _scale_launch().scale_round(pairs, g32)
+    if pairs:  # (contiguous, of the kernel's dtypes and one shape each; g32 0-d fp32 on their device)
+        _scale_launch().scale_round(pairs, g32, checked=True)
     return tuple(outs)
 
 
@@ -210,8 +210,8 @@ def fused_loss(backend, hidden, weight, target_ids, bias, **kw) -> torch.Tensor:
     _check_token_loss(kw["loss"], kw["per_token"], kw.get("with_entropy", True))
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
-    if (any(needs) and one_pass(backend, hidden, weight, kw["tp_group"], kw["workspace_bytes"])
-            and not precomputes(kw["loss"], hidden, weight)):
+    if (any(needs) and not precomputes(kw["loss"], hidden, weight)
+            and one_pass(backend, hidden, weight, kw["tp_group"], kw["workspace_bytes"])):
         return _one_pass_loss(backend, hidden, weight, target_ids, bias, **kw)
     with torch.no_grad():
         total, grads, verdict = _loss_and_grads(backend, hidden, weight, target_ids, bias, needs, **kw)

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from . import settings
 from .backends.base import ShardBackend
 
 log = logging.getLogger("tplogp")
@@ -134,22 +135,28 @@ def require_source(source: str, device: Optional[torch.device], dtype: Optional[
 
 
 _resolved_on_cuda: dict = {}
+_resolved_elsewhere: dict = {}
 
 
 def backend_for_call(source: Optional[str], device: torch.device,
                      dtype: Optional[torch.dtype] = None) -> ShardBackend:
     """Resolve the backend that runs one call on ``device`` with inputs of ``dtype``.
 
-    On CUDA devices the answer is remembered per (source, device index, dtype): what decides it (installed modules,
-    the device's compute capability and shared memory) does not change within a process, and the probes cost host
-    time on every call. Failures are not remembered (they raise each time)."""
+    The answer is remembered: on CUDA devices per (source, device index, dtype), since what decides it (installed
+    modules, the device's compute capability and shared memory) does not change within a process; on other devices
+    per (source, device type, dtype, ``TRITON_INTERPRET``), the one setting that decides there whether the Triton
+    sources run (through the interpreter). The probes would cost host time on every call. Failures are not
+    remembered (they raise each time)."""
     if device.type == "cuda":
         key = (source, device.index if device.index is not None else torch.cuda.current_device(), dtype)
-        backend = _resolved_on_cuda.get(key)
-        if backend is None:
-            backend = _resolved_on_cuda[key] = _resolve(source, device, dtype)
-        return backend
-    return _resolve(source, device, dtype)
+        found = _resolved_on_cuda
+    else:
+        key = (source, device.type, dtype, settings.triton_interpret())
+        found = _resolved_elsewhere
+    backend = found.get(key)
+    if backend is None:
+        backend = found[key] = _resolve(source, device, dtype)
+    return backend
 
 
 def _resolve(source: Optional[str], device: torch.device, dtype: Optional[torch.dtype]) -> ShardBackend:

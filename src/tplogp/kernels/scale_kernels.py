@@ -29,9 +29,10 @@ def _scale_block(t_ptr, out_ptr, n, i_b, b_g, BLOCK: tl.constexpr, DOT_PRECISION
 @triton.jit
 def scale_round_kernel(
     g_ptr,  # [] upstream scalar (fp32), read
-    t0_ptr, out0_ptr, n0,  # the first tensor: [n0] to scale (fp32, bf16 or fp16), read; [n0] written (may be t0)
-    t1_ptr, out1_ptr, n1,  # the second (n1 = 0: none)
-    t2_ptr, out2_ptr, n2,  # the third (n2 = 0: none)
+    t0_ptr, out0_ptr,  # the first tensor: [n0] to scale (fp32, bf16 or fp16), read; [n0] written (may be t0)
+    t1_ptr, out1_ptr,  # the second
+    t2_ptr, out2_ptr,  # the third
+    n0, n1, n2,  # their element counts (0: no such tensor)
     BLOCK: tl.constexpr,
     P0: tl.constexpr,  # each output dtype's tiles.dot_precision: "upcast" under the CPU interpreter
     P1: tl.constexpr,

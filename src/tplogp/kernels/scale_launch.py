@@ -8,8 +8,7 @@ from typing import Sequence
 
 import torch
 
-from .direct_launch import launcher
-from .generic_launch import KernelInputError
+from .generic_launch import KernelInputError, LaunchSpec
 from .scale_kernels import scale_round_kernel
 from .tiles import KERNEL_DTYPES, cdiv, dot_precision
 
@@ -18,6 +17,8 @@ from .tiles import KERNEL_DTYPES, cdiv, dot_precision
 SCALE_BLOCK = 8192
 SCALE_WARPS = 8
 MAX_TENSORS = 3  # per launch: a loss's d_hidden, d_W and d_b
+_MAX_BOUND = 64  # bound launches remembered, by sizes and dtypes (emptied when full)
+_bound: dict = {}
 
 
 def _check(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> None:
@@ -32,20 +33,36 @@ def _check(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> None:
                                f"{g.dtype} {tuple(g.shape)} on {g.device}, out on {out.device}")
 
 
-def scale_round(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], g: torch.Tensor) -> None:
+def scale_spec(numels: Sequence[int], out_dtypes: Sequence[torch.dtype]) -> LaunchSpec:
+    """The launch over tensors of ``numels`` elements (at most :data:`MAX_TENSORS`, the missing ones 0) rounded to
+    ``out_dtypes``: one program per ``SCALE_BLOCK`` elements of each."""
+    numels = tuple(numels) + (0,) * (MAX_TENSORS - len(numels))
+    precisions = [dot_precision(dt) for dt in out_dtypes] + [None] * (MAX_TENSORS - len(out_dtypes))
+    return LaunchSpec((sum(cdiv(n, SCALE_BLOCK) for n in numels),), numels, SCALE_WARPS, None,
+                      dict(BLOCK=SCALE_BLOCK, P0=precisions[0], P1=precisions[1], P2=precisions[2]))
+
+
+def scale_round(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], g: torch.Tensor, checked: bool = False) -> None:
     """``out[:] = (t.float() * g).to(out.dtype)`` elementwise, one rounding, for every ``(t, out)`` of ``pairs``
-    (at most :data:`MAX_TENSORS`), in one launch."""
+    (at most :data:`MAX_TENSORS`), in one launch, bound once per sizes and dtypes. ``checked``: the caller
+    guarantees contiguous tensors of the kernel's dtypes, ``out`` of ``t``'s shape, and ``g`` a 0-d fp32 tensor on
+    their device (the fused loss's backward); otherwise that is checked here."""
     if not 0 < len(pairs) <= MAX_TENSORS:
         raise KernelInputError(f"scale_round takes 1 to {MAX_TENSORS} tensors per launch, got {len(pairs)}")
-    for t, out in pairs:
-        _check(t, out, g)
+    if not checked:
+        for t, out in pairs:
+            _check(t, out, g)
     pairs = [(t, out) for t, out in pairs if t.numel()]
     if not pairs:
         return
-    blocks = sum(cdiv(t.numel(), SCALE_BLOCK) for t, _ in pairs)
-    t0, out0 = pairs[0]
-    segments = [(t, out, t.numel()) for t, out in pairs]
-    segments += [(t0, out0, 0)] * (MAX_TENSORS - len(segments))  # unused: no elements, no programs
-    precisions = [dot_precision(out.dtype) for _, out, _ in segments]
-    launcher(scale_round_kernel)((blocks,), g, *(x for seg in segments for x in seg), BLOCK=SCALE_BLOCK,
-                                 P0=precisions[0], P1=precisions[1], P2=precisions[2], num_warps=SCALE_WARPS)
+    key = tuple((t.numel(), t.dtype, out.dtype) for t, out in pairs)
+    bound = _bound.get(key)
+    if bound is None:
+        if len(_bound) >= _MAX_BOUND:
+            _bound.clear()
+        bound = _bound[key] = scale_spec([k[0] for k in key], [k[2] for k in key]).bind(scale_round_kernel)
+    tensors = [g]
+    for t, out in pairs:
+        tensors += (t, out)
+    tensors += tensors[1:3] * (MAX_TENSORS - len(pairs))  # unused segments: no elements, no programs
+    bound(*tensors)
