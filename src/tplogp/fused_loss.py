@@ -108,7 +108,9 @@ def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes
             outs.append(None)
             continue
         if g32 is None:
-            g32 = (g.detach() if g.requires_grad else g).to(device=t.device, dtype=torch.float32)
+            g32 = g.detach() if g.requires_grad else g
+            if g32.dtype != torch.float32 or g32.device != t.device:  # (a no-op .to still parses its arguments)
+                g32 = g32.to(device=t.device, dtype=torch.float32)
         out = (t if in_place and t.dtype == dtype and t.is_contiguous()
                else torch.empty(t.shape, device=t.device, dtype=dtype))
         outs.append(out)
