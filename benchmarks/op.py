@@ -16,6 +16,8 @@ Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / s
   calling thread's CPU time, synced before and after each call), on CPU and GPU alike: what a call costs the host
   (Python, dispatch, launches), which bounds the op at small shapes where the GPU work is shorter; on a GPU the
   backward's functions run on autograd's device thread and are not counted (a lower bound there);
+  ``host_fwd_bwd_all_us``: the process's CPU time per forward+backward instead, every thread (autograd's device
+  thread included): the whole host cost of a call on a GPU;
 * ``checks``: the ``TPLOGP_CHECKS`` mode of the row; tplogp's rows are repeated per mode of ``--checks`` (the
   label of a mode other than ``full`` ends with ``checks <mode>``); the other implementations do not read the
   mode: one row each, labelled with the default (``full``);
@@ -183,6 +185,8 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
                             samples.setdefault(name + key, []).append(value)
                     samples.setdefault("host_fwd", []).append(runner.host_us(fwd, device, reps))
                     samples.setdefault("host_fwd_bwd", []).append(runner.host_us(fwd_bwd, device, reps))
+                    samples.setdefault("host_fwd_bwd_all", []).append(
+                        runner.host_us(fwd_bwd, device, reps, all_threads=True))
             except Exception as exc:
                 hg.grad = wg.grad = None
                 row["error"] = f"timing: {type(exc).__name__}: {str(exc)[:300]}"
@@ -204,6 +208,7 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
                         f"fwd_bwd_gemms{key}": round(med(samples["fwd_bwd_r" + key]), 3)})
         row["host_fwd_us"] = round(min(samples["host_fwd"]), 1)  # the least loaded round's median
         row["host_fwd_bwd_us"] = round(min(samples["host_fwd_bwd"]), 1)
+        row["host_fwd_bwd_all_us"] = round(min(samples["host_fwd_bwd_all"]), 1)
         row["gemm_samples_ms"] = [round(x, 4) for x in samples["gemm"]]
         row["extra_peak_gib"] = None if peak is None else round(peak, 4)
         if device.type == "cuda":
@@ -221,6 +226,8 @@ def format_row(r: dict) -> str:
     errs = " ".join(f"{k[4:]}={r[k]:.1e}" for k in ("err_logp", "err_loss", "err_d_hidden", "err_d_weight") if k in r)
     mem = "" if r.get("extra_peak_gib") is None else f" | {r['extra_peak_gib']:.3f} GiB"
     host = "" if r.get("host_fwd_bwd_us") is None else f" | host {r['host_fwd_bwd_us']:7.1f} us"
+    if r.get("host_fwd_bwd_all_us") is not None:
+        host += f" (all threads {r['host_fwd_bwd_all_us']:.1f})"
     return (f"{r['shape']:>18} {label:>26} | fwd {r['fwd_ms']:9.3f} ms {r['fwd_gemms']:5.2f} G | fwd+bwd "
             f"{r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b {r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem} | "
             f"{errs}")

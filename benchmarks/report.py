@@ -46,7 +46,9 @@ METHOD = """## Method
   calling thread, so a wait for the device within the call is counted). On a GPU autograd runs the backward
   functions on its own device thread, whose work is not counted: there the column is the forward's host time and
   the backward call's own, a lower bound of the call's host time (on the CPU the whole call is counted). Where the
-  host time exceeds the GPU time of a call, the op is host-bound (small shapes, tensor-parallel shards).
+  host time exceeds the GPU time of a call, the op is host-bound (small shapes, tensor-parallel shards). After the
+  slash (rows since the column was added): the process's CPU time over all its threads, autograd's device thread
+  included: the whole host cost of a forward+backward.
 * **Extra peak GiB**: the allocator's peak during one forward+backward above what was allocated before it
   (inputs excluded; d_W, d_hidden and anything kept from forward to backward included).
 * **Errors**: `||x - x_fp64|| / ||x_fp64||` against a float64 autograd reference with the same upstream gradient.
@@ -88,6 +90,12 @@ tiny problems in seconds. An implementation that cannot be imported or run here 
 nvidia-cutlass-dsl (Liger's CuTe kernel, QuACK) is a `.pth`-based package: installed with
 `pip install --target DIR`, add `DIR` and `DIR/nvidia_cutlass_dsl/dsl_packages` to `PYTHONPATH`.
 """
+
+
+def _host_cell(r: dict) -> str:
+    """The calling thread's host µs, and after a slash the process's (all threads) where the row has it."""
+    cell = _num(r.get("host_fwd_bwd_us"), ".0f")
+    return cell if r.get("host_fwd_bwd_all_us") is None else f"{cell} / {r['host_fwd_bwd_all_us']:.0f}"
 
 
 def _num(x: Optional[float], fmt: str) -> str:
@@ -163,7 +171,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
                     "beside their own GEMM.", ""]
         host = any(r.get("host_fwd_bwd_us") is not None for r in sel)  # (rows of older runs have no host column)
         out += ["| impl | budget | contract | fwd ms | fwd+bwd ms | fwd GEMMs | fwd+bwd GEMMs synced / b2b | "
-                + ("host µs fwd+bwd | " if host else "") + "extra GiB | err logp (loss) | err d_hidden | err d_W | run |",
+                + ("host µs fwd+bwd (thread / all) | " if host else "") + "extra GiB | err logp (loss) | err d_hidden | err d_W | run |",
                 "|---|---|---|---:|---:|---:|---:|" + ("---:|" if host else "") + "---:|---:|---:|---:|---|"]
         missing = []
         for r in sel:
@@ -175,7 +183,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
             out.append(
                 f"| {r['impl']} | {r['budget']} | {r['contract']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
                 f"{r['fwd_gemms']:.2f} | {r['fwd_bwd_gemms']:.2f} / {_num(r.get('fwd_bwd_gemms_b2b'), '.2f')} | "
-                + (f"{_num(r.get('host_fwd_bwd_us'), '.0f')} | " if host else "")
+                + (f"{_host_cell(r)} | " if host else "")
                 + f"{_num(r.get('extra_peak_gib'), '.3f')} | {err_out} | "
                 f"{_err(r, 'err_d_hidden')} | "
                 f"{_err(r, 'err_d_weight')} | `{r.get('commit')}` |")

@@ -89,7 +89,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10, wa
     return statistics.median(samples_ms(fn, reps, back_to_back, device))
 
 
-def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
+def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10, all_threads: bool = False) -> float:
     """Median host CPU microseconds per call of ``fn``: the calling thread's CPU time (``time.thread_time``) around
     each call, with the device synchronized before and after it (those two syncs not counted), so a sample is the
     host work of one call (Python, dispatch, launches). A sync *inside* the call (a ``.item()``, a blocking copy,
@@ -97,13 +97,16 @@ def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10) -> f
     spin is CPU time, so such a call's sample includes the device time it waited for. CPU time, not wall-clock: a
     loaded machine's preemption does not count. Only the calling thread's: on a GPU, autograd runs the backward
     functions of CUDA tensors on its own device thread, so their host work is not in the sample (a lower bound of a
-    forward+backward's host time there; on the CPU the backward runs on the calling thread and is counted)."""
+    forward+backward's host time there; on the CPU the backward runs on the calling thread and is counted).
+    ``all_threads``: the process's CPU time instead (``time.process_time``), autograd's device thread included:
+    the whole host cost of a forward+backward on a GPU (and whatever else the process runs meanwhile)."""
+    clock = time.process_time if all_threads else time.thread_time
     out = []
     for _ in range(max(reps, 1)):
         synchronize(device)
-        t0 = time.thread_time()
+        t0 = clock()
         fn()
-        t1 = time.thread_time()
+        t1 = clock()
         synchronize(device)
         out.append((t1 - t0) * 1e6)
     return statistics.median(out)
