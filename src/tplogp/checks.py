@@ -402,6 +402,13 @@ class CapturedTargetCheck:
         return f"{COVERAGE_MESSAGE}: a target id is outside the vocabulary [0, {self.vocab_size}){where}"
 
 
+# _BLOCKING_WAIT: the events that say when a verdict is on the host are blocking-sync events, so that a host that
+# waits for one sleeps instead of spinning a CPU core. A backward settles its forward's verdict after launching its
+# kernels; at large shapes it then waits for the forward's kernels (tens of milliseconds), which would otherwise
+# keep autograd's device thread spinning all that time. Where the verdict has arrived (small shapes, the usual
+# case by the backward) nothing waits.
+
+
 class KernelTargetCheck:
     """The target check of a call without a group whose source's finishing kernel does it (``forward_single`` with
     ``target_flag``, the triton / sm90 sources): no launch and no copy of its own. The kernel writes an id outside
@@ -475,7 +482,7 @@ class _FlagSlots:
         """Slot ``i``'s event (re-recorded by each check that takes the slot, after the previous one was read)."""
         found = self.events[i]
         if found is None:
-            found = self.events[i] = torch.cuda.Event()
+            found = self.events[i] = torch.cuda.Event(blocking=True)  # (_BLOCKING_WAIT)
         return found
 
 
@@ -529,7 +536,7 @@ def _start(target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int
     ready = None
     if summary.device.type == "cuda":
         summary = summary.to("cpu", non_blocking=True)  # pinned (caching host allocator), ordered on the stream
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(blocking=True)  # (_BLOCKING_WAIT)
         ready.record()
     return PendingTargetCheck(summary, ready, vocab_size, ignore_index)
 
