@@ -61,7 +61,7 @@ STAGES = (
     ("tplogp.backends.triton_backend", "TritonBackend.backward", "source: backward"),
     ("tplogp.backends.triton_backend", "TritonBackend._launch_layout", "  _launch_layout"),
     ("tplogp.backends.triton_backend", "TritonBackend._kept_buffer", "  _kept_buffer"),
-    ("tplogp.kernels.generic_launch", "SingleForward.__call__", "program: single-shard forward"),
+    ("tplogp.kernels.generic_launch", "ForwardProgram.__call__", "program: forward"),
     ("tplogp.kernels.generic_launch", "launch_stats", "launch: stats"),
     ("tplogp.kernels.generic_launch", "launch_dlogits_kept", "launch: d_logits (kept)"),
     ("tplogp.kernels.generic_launch", "launch_dlogits", "launch: d_logits (recompute)"),

@@ -171,7 +171,8 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
                     "beside their own GEMM.", ""]
         host = any(r.get("host_fwd_bwd_us") is not None for r in sel)  # (rows of older runs have no host column)
         out += ["| impl | budget | contract | fwd ms | fwd+bwd ms | fwd GEMMs | fwd+bwd GEMMs synced / b2b | "
-                + ("host µs fwd+bwd (thread / all) | " if host else "") + "extra GiB | err logp (loss) | err d_hidden | err d_W | run |",
+                + ("host µs fwd+bwd (thread / all) | " if host else "")
+                + "extra GiB | err logp (loss) | err d_hidden | err d_W | run |",
                 "|---|---|---|---:|---:|---:|---:|" + ("---:|" if host else "") + "---:|---:|---:|---:|---|"]
         missing = []
         for r in sel:

@@ -247,9 +247,9 @@ def test_host_stages_smoke(capsys):
             "(forward returned)", "(backward returned)", "(synced)"]
     for table, node in zip(tables, ("linear_logp backward", "one-pass loss backward")):
         stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
-        for needed in ("program: single-shard forward", "BoundLaunch (alignment + launch)",
+        for needed in ("program: forward", "BoundLaunch (alignment + launch)",
                        f"autograd node: {node}", "launch: d_logits (kept)"):
             assert needed in stages, (needed, stages)
         order = [stages.index(m) for m in ("(forward returned)", "(backward returned)", "(synced)")]
-        assert order == sorted(order) and stages.index("program: single-shard forward") < order[0]
+        assert order == sorted(order) and stages.index("program: forward") < order[0]
     assert (tp.prepare_call, direct_launch.DirectLauncher._first, direct_launch.DirectLauncher.__call__) == before

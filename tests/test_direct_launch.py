@@ -214,6 +214,8 @@ def test_launch_specs_qualify_for_direct_launches():
              for bias in (False, True) for entropy in (False, True) for kept in (None, (256, 8, 256))]
     specs += [(generic_launch.finalize_spec(64, 256, 2, entropy, check), generic_launch.finalize_single_kernel, 4)
               for entropy in (False, True) for check in (False, True)]
+    specs += [(generic_launch.merge_spec(64, 3, entropy), generic_launch.merge_splits_kernel, 2)
+              for entropy in (False, True)]
     from tplogp.kernels import scale_launch
 
     specs += [(scale_launch.scale_spec(numels, dtypes), scale_launch.scale_round_kernel, 7)

@@ -1,7 +1,8 @@
-"""The triton source's per-layout launch programs (``tplogp.kernels.generic_launch.SingleForward``): the op's calls
-(``ShardCall.inputs_checked``) of a layout reuse one program, made at the layout's first call, whose launches are
-bound once (``tplogp.kernels.bound_launch``). A program runs the same kernels with the same arguments as the
-per-call path, so its outputs and kept terms are bitwise the per-call path's. Triton's CPU interpreter.
+"""The triton source's per-layout launch programs (``tplogp.kernels.generic_launch.ForwardProgram`` and
+``KeptBackward``): the op's calls (``ShardCall.inputs_checked``) of a layout reuse one program, made at the layout's
+first call, whose launches are bound once (``tplogp.kernels.bound_launch``). A program runs the same kernels with
+the same arguments as the per-call path, so its outputs, kept terms and gradients are bitwise the per-call path's.
+Triton's CPU interpreter.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
     for flag in flags[:2]:  # the first call makes the program, the second runs it
         got = backend.forward_single(hidden, weight, b, target, planned, target_flag=flag)
     want = backend.forward_single(hidden, weight, b, target, per_call, target_flag=flags[2])
-    assert list(planned.programs) == [(N, False)] and planned.programs[(N, False)][0]
+    assert list(planned.programs) == [("single", N, True)] and planned.programs[("single", N, True)][0]
     assert not per_call.programs
     assert (got.kept is not None) == keep == (want.kept is not None)
     for x, y in zip(_tensors(got), _tensors(want)):
@@ -67,20 +68,43 @@ def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
     assert int(flags[1]) == int(flags[2]) == V + 5  # the target check ran in the finishing kernel
 
 
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+@pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
+def test_a_tp_shards_stats_program_gives_the_per_call_paths_bits(entropy, keep):
+    """``forward_stats`` (a shard of a group: shard-local targets, -1 where another rank owns the target)."""
+    backend = _backend()
+    hidden, weight, b, target = _inputs(bias=True)
+    local = torch.where(target < V // 2, target, -1)
+    settings = dict(inv_temperature=1.3, with_entropy=entropy, for_backward=keep, scales_apart=True)
+    planned, per_call = ShardCall(inputs_checked=True, **settings), ShardCall(**settings)
+    for _ in range(2):
+        got = backend.forward_stats(hidden, weight, b, local, planned)
+    want = backend.forward_stats(hidden, weight, b, local, per_call)
+    assert list(planned.programs) == [("stats", N)] and planned.programs[("stats", N)][0]
+    def flat(out) -> list:
+        return list(out[:4]) + ([out.kept.values, out.kept.scales] if out.kept is not None else [])
+
+    assert (got.kept is None) == (want.kept is None) == (not keep)
+    for x, y in zip(flat(got), flat(want)):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y))
+
+
 def test_calls_of_a_layout_share_one_program_and_another_row_count_makes_another():
     backend = _backend()
     call = ShardCall(inputs_checked=True, for_backward=True, scales_apart=True)
     hidden, weight, _, target = _inputs()
     backend.forward_single(hidden, weight, None, target, call)
-    first = call.programs[(N, True)][0]
+    first = call.programs[("single", N, False)][0]
     backend.forward_single(hidden, weight, None, target, call)
-    assert call.programs[(N, True)][0] is first
+    assert call.programs[("single", N, False)][0] is first
     short = _inputs(n=N - 5)
     out = backend.forward_single(short[0], weight, None, short[3], call)
-    assert set(call.programs) == {(N, True), (N - 5, True)} and out.logp.shape == (N - 5,)
+    assert set(call.programs) == {("single", N, False), ("single", N - 5, False)} and out.logp.shape == (N - 5,)
     other_weight = torch.randn(V + 8, D)  # the same row count, another layout: the program is made again
     out = backend.forward_single(hidden, other_weight, None, target, call)
-    assert call.programs[(N, True)][0] is not first and out.logp.shape == (N,)
+    assert call.programs[("single", N, False)][0] is not first and out.logp.shape == (N,)
 
 
 def test_layouts_a_program_does_not_cover_plan_each_call():
@@ -90,10 +114,10 @@ def test_layouts_a_program_does_not_cover_plan_each_call():
     hidden, weight, _, target = _inputs()
     flat = ShardCall(inputs_checked=True, for_backward=True)
     out = backend.forward_single(hidden, weight, None, target, flat)
-    assert flat.programs == {(N, True): False} and isinstance(out.kept, torch.Tensor)
+    assert flat.programs == {("single", N, False): False} and isinstance(out.kept, torch.Tensor)
     empty = ShardCall(inputs_checked=True)
     out = backend.forward_single(hidden[:0], weight, None, target[:0], empty)
-    assert empty.programs == {(0, True): False} and out.logp.shape == (0,)
+    assert empty.programs == {("single", 0, False): False} and out.logp.shape == (0,)
 
 
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])

@@ -260,6 +260,15 @@ class TritonBackend:
                                                               lay.keep_block_v))
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
+        if call.inputs_checked:  # the op's own calls: the layout's program, made at its first call
+            found = self._program(hidden, weight, bias, call, ("stats", hidden.shape[0]))
+            if found:
+                program, lay = found
+                kept = self._kept_buffer(hidden, lay, call)
+                if kept is None:
+                    return ShardStats(*program(hidden, weight, bias, local_target))
+                return ShardStats(*program(hidden, weight, bias, local_target, None, kept.values, kept.scales),
+                                  kept=kept)
         generic_launch = _generic_launch()
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
@@ -275,9 +284,7 @@ class TritonBackend:
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
                        target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
         if call.inputs_checked:  # the op's own calls: the layout's program, made at its first call
-            found = call.programs.get((hidden.shape[0], target_flag is None))
-            if found is None or (found and not found[0].matches(hidden, weight, bias)):
-                found = self._single_program(hidden, weight, bias, call, target_flag is not None)
+            found = self._program(hidden, weight, bias, call, ("single", hidden.shape[0], target_flag is not None))
             if found:
                 program, lay = found
                 kept = self._kept_buffer(hidden, lay, call)
@@ -294,12 +301,17 @@ class TritonBackend:
             kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag, checked=call.inputs_checked),
             kept=kept)
 
-    def _single_program(self, hidden, weight, bias, call: ShardCall, check_targets: bool):
-        """``(the SingleForward of this call's layout, its ShardLayout)`` (:mod:`tplogp.kernels.generic_launch`),
-        remembered in ``call.programs`` (at most ``MAX_PROGRAMS``; a layout whose row count varies, ignore_index
-        compaction, makes one per count), or ``False`` where the layout's forward is not one of its pointer launches
-        with kept terms in two allocations (:meth:`_kept_buffer`) or none (the TMA kernels, the op's flat kept
-        buffer, empty shards): those plan each call, and ``False`` is remembered for them."""
+    def _program(self, hidden, weight, bias, call: ShardCall, key: tuple):
+        """``(the layout's ForwardProgram, its ShardLayout)`` (:mod:`tplogp.kernels.generic_launch`) for a forward of
+        ``key`` (``("stats", N)``, or ``("single", N, whether the targets are checked)``), remembered in
+        ``call.programs`` (at most ``MAX_PROGRAMS``; a layout whose row count varies, ignore_index compaction, makes
+        one per count); ``False`` where the layout's forward is not one of its pointer launches with kept terms in
+        two allocations (:meth:`_kept_buffer`) or none (the TMA kernels, the op's flat kept buffer, empty shards):
+        those plan each call."""
+        programs = call.programs
+        found = programs.get(key)
+        if found is not None and (not found or found[0].matches(hidden, weight, bias)):
+            return found
         n = hidden.shape[0]
         found = False
         if (n and weight.shape[0] and self._stats_launch(hidden, weight, call) is None
@@ -308,12 +320,12 @@ class TritonBackend:
             keep = None
             if call.for_backward and lay.keep_cols:
                 keep = (lay.keep_cols, tiles.kept_scales_shape(n, lay.kept_scales)[1])
-            found = (_generic_launch().SingleForward(hidden, weight, bias, call.inv_temperature, call.with_entropy,
-                                                     lay.cfg, keep, check_targets), lay)
-        programs = call.programs
+            single = key[0] == "single"
+            found = (_generic_launch().ForwardProgram(hidden, weight, bias, call.inv_temperature, call.with_entropy,
+                                                      lay.cfg, keep, single, single and key[2]), lay)
         if len(programs) >= MAX_PROGRAMS:
             programs.clear()
-        programs[(n, not check_targets)] = found
+        programs[key] = found
         return found
 
     def _stats_launch(self, hidden, weight, call: ShardCall):

@@ -150,12 +150,15 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
                                      stats_launch, kept)
-    launcher(merge_splits_kernel)(
-        (cdiv(n, _MERGE_BLOCK),), parts, out, n, num_splits, num_splits * n,
-        WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK, num_warps=4,
-    )
+    merge_spec(n, num_splits, with_entropy).launch(merge_splits_kernel, parts, out)
     outs = out.unbind(0)
     return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+
+
+def merge_spec(n: int, num_splits: int, with_entropy: bool) -> LaunchSpec:
+    """:func:`~.generic_kernels.merge_splits_kernel`'s launch: one program per ``_MERGE_BLOCK`` tokens."""
+    return LaunchSpec((cdiv(n, _MERGE_BLOCK),), (n, num_splits, num_splits * n), 4, None,
+                      dict(WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK))
 
 
 def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
@@ -201,34 +204,39 @@ def finalize_spec(n: int, v: int, num_splits: int, with_entropy: bool, check_tar
                            CHECK_TARGETS=check_targets))
 
 
-class SingleForward:
-    """:func:`forward_single` of one layout with the pointer kernels, everything but the tensors computed once: the
-    split count, buffer shapes, grids, scalar arguments and constexprs, and both launches bound
-    (:class:`~.bound_launch.BoundLaunch`). A call allocates the kept terms and scales (when the layout keeps
-    them), the per-split stats and the outputs, and makes two launches: the same kernels, arguments and buffers
-    as :func:`forward_single`, with no per-call planning.
+class ForwardProgram:
+    """:func:`forward_single` (``single``) or :func:`forward_stats` of one layout with the pointer kernels,
+    everything but the tensors computed once: the split count, buffer shapes, grids, scalar arguments and
+    constexprs, and both launches bound (:class:`~.bound_launch.BoundLaunch`). A call allocates the per-split stats
+    and the outputs and makes two launches (the stats kernel, then the one-shard finalize or the split merge): the
+    same kernels, arguments and buffers as the per-call functions, with no per-call planning.
 
     ``keep``: ``(columns, scales per row)`` of what the forward keeps for the backward (the calls pass the terms
     ``[N, columns]`` and scales ``[N, scales per row]``, contiguous, which the caller allocates), or None.
-    ``check_targets``: the calls pass ``target_flag`` (the finishing kernel checks the targets). Callers check
-    :meth:`matches` first."""
+    ``check_targets`` (``single`` only): the calls pass ``target_flag`` (the finishing kernel checks the targets).
+    Callers check :meth:`matches` first."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                 keep: Optional[tuple[int, int]], check_targets: bool) -> None:
+                 keep: Optional[tuple[int, int]], single: bool, check_targets: bool = False) -> None:
         n, d = hidden.shape
         v = weight.shape[0]
         self.hidden_shape, self.weight_shape, self.dtype = hidden.shape, weight.shape, hidden.dtype
         self.bias_dtype = None if bias is None else bias.dtype
         self.device = hidden.device
         self.with_entropy = with_entropy
+        self.single = single
         kept_dims = None if keep is None else (keep[0], keep[1], keep[0])
         spec, num_splits = stats_spec(n, v, d, d, d, bias is not None, with_entropy, inv_temperature, cfg,
                                       hidden.dtype, kept_dims)
         self.parts_shape = (4 if with_entropy else 3, num_splits, n)
-        self.out_shape = (6 if with_entropy else 4, n)
         self.stats = spec.bind(fwd_stats_kernel)
-        self.finalize = finalize_spec(n, v, num_splits, with_entropy, check_targets).bind(finalize_single_kernel)
+        if single:
+            self.out_shape = (6 if with_entropy else 4, n)
+            self.finish = finalize_spec(n, v, num_splits, with_entropy, check_targets).bind(finalize_single_kernel)
+        else:
+            self.out_shape = (4 if with_entropy else 3, n)
+            self.finish = merge_spec(n, num_splits, with_entropy).bind(merge_splits_kernel)
 
     def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         """Whether a call's (checked: 2-D, contiguous, one device) tensors are of this layout."""
@@ -238,17 +246,22 @@ class SingleForward:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: torch.Tensor, target_flag: Optional[torch.Tensor] = None,
-                 values: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None):
-        """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``; the kept terms and scales are written
-        into ``values`` and ``scales`` (the layout's ``keep``)."""
+                 values: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None) -> tuple:
+        """``single``: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``; else ``(row_max,
+        sum_exp, target_logit, sum_exp_z | None)`` (``target``: shard-local). The kept terms and scales are
+        written into ``values`` and ``scales`` (the layout's ``keep``)."""
         device = self.device
         parts = torch.empty(self.parts_shape, device=device, dtype=torch.float32)
         self.stats(hidden, weight, hidden if bias is None else bias, target, parts,
                    parts if values is None else values, parts if scales is None else scales)
         out = torch.empty(self.out_shape, device=device, dtype=torch.float32)  # after the launch: the GPU starts sooner
-        self.finalize(parts, target, out, out if target_flag is None else target_flag)
-        outs = out.unbind(0)
         entropy = self.with_entropy
+        if not self.single:
+            self.finish(parts, out)
+            outs = out.unbind(0)
+            return outs[0], outs[1], outs[2], outs[3] if entropy else None
+        self.finish(parts, target, out, out if target_flag is None else target_flag)
+        outs = out.unbind(0)
         return outs[0], outs[1], outs[2], outs[3], outs[4] if entropy else None, outs[5] if entropy else None
 
 
