@@ -95,16 +95,49 @@ def test_calls_of_a_layout_share_one_program_and_another_row_count_makes_another
     backend = _backend()
     call = ShardCall(inputs_checked=True, for_backward=True, scales_apart=True)
     hidden, weight, _, target = _inputs()
+    key = ("single", N, False)
     backend.forward_single(hidden, weight, None, target, call)
-    first = call.programs[("single", N, False)][0]
+    first = call.programs[key][0]
     backend.forward_single(hidden, weight, None, target, call)
-    assert call.programs[("single", N, False)][0] is first
+    assert call.programs[key][0] is first
     short = _inputs(n=N - 5)
     out = backend.forward_single(short[0], weight, None, short[3], call)
-    assert set(call.programs) == {("single", N, False), ("single", N - 5, False)} and out.logp.shape == (N - 5,)
+    assert set(call.programs) == {key, ("single", N - 5, False)} and out.logp.shape == (N - 5,)
     other_weight = torch.randn(V + 8, D)  # the same row count, another layout: the program is made again
     out = backend.forward_single(hidden, other_weight, None, target, call)
-    assert call.programs[("single", N, False)][0] is not first and out.logp.shape == (N,)
+    assert call.programs[key][0] is not first and out.logp.shape == (N,)
+
+
+def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
+    """The op's plan gives its ShardCall the layout's token count (``ShardCall.rows``): rows compacted away by
+    ``ignore_index``, whose count changes from call to call, run no program (nor make one); the same layout without
+    ignored targets does."""
+    import tplogp
+    from tplogp.plan import plan_call
+
+    op = tplogp.get_op("linear_logp", source="triton")
+    hidden, weight, _, target = _inputs()
+    hidden.requires_grad_()
+    for ignored in (3, 5, 8):
+        t = target.clone()
+        t[:ignored] = -100
+        op(hidden, weight, t, ignore_index=-100).sum().backward()
+    plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
+                        tplogp.plan.LogpOptions(ignore_index=-100), True)
+    assert plan.call_for_backward.rows == N and not plan.call_for_backward.programs
+    assert not plan.call_for_backward.consuming.programs
+    for _ in range(2):
+        op(hidden, weight, target).sum().backward()
+    plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
+                        tplogp.plan.LogpOptions(), True)
+    assert ("single", N, True) in plan.call_for_backward.programs
+    assert any(k[0] == "backward" for k in plan.call_for_backward.consuming.programs)
+
+
+def _backend_of(op, hidden):
+    from tplogp.kernel_registry import backend_for_call
+
+    return backend_for_call(op.source, hidden.device, hidden.dtype)
 
 
 def test_layouts_a_program_does_not_cover_plan_each_call():

@@ -45,15 +45,16 @@ class LogpOptions:
 
 
 def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False,
-               scales_apart: bool = False) -> ShardCall:
+               scales_apart: bool = False, rows: Optional[int] = None) -> ShardCall:
     """What the sources get to know about a call's options. ``one_shard``: d_hidden is the call's whole gradient,
     which a source may round to the input dtype in its GEMM (``ShardCall.d_hidden_in_input_dtype``). Such calls run
     only after the op's checks (``ShardCall.inputs_checked``). ``scales_apart``: what the forward keeps comes in two
-    allocations (``ShardCall.scales_apart``: the eager paths)."""
+    allocations (``ShardCall.scales_apart``: the eager paths). ``rows``: the layout's token count
+    (``ShardCall.rows``)."""
     return ShardCall(inv_temperature=1.0 / float(options.temperature), with_entropy=options.return_entropy,
                      deterministic=options.deterministic, workspace_bytes=options.workspace_bytes,
                      for_backward=for_backward, d_hidden_in_input_dtype=one_shard, inputs_checked=True,
-                     scales_apart=scales_apart)
+                     scales_apart=scales_apart, rows=rows)
 
 
 @dataclass
@@ -117,9 +118,10 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     ok = problem is None
     single = world == 1 and hasattr(backend, "forward_single")
     _stats["built"] += 1
+    rows = target_ids.numel() if ok else None
     plan = CallPlan(key if ok else None, backend, mode, world, comm_device,
-                    shard_call(options, one_shard=world == 1) if ok else ShardCall(),
-                    shard_call(options, for_backward=True, one_shard=world == 1, scales_apart=True) if ok
+                    shard_call(options, one_shard=world == 1, rows=rows) if ok else ShardCall(),
+                    shard_call(options, for_backward=True, one_shard=world == 1, scales_apart=True, rows=rows) if ok
                     else ShardCall(),
                     single, single and options.ignore_index is None and getattr(backend, "checks_targets_in_kernel",
                                                                                  False))

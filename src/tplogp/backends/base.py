@@ -141,6 +141,9 @@ class ShardCall:
     # the forward keeps its scales apart from its terms (KeptBuffers), so that a consuming backward can free them
     # early: the eager paths; the op's forward (torch.compile) returns one flat buffer
     scales_apart: bool = False
+    # the layout's token count (tplogp.plan), or None (any): a call of another count (rows that ignore_index
+    # compacted away, a fused loss's chunk) runs no launch program, since such counts vary from call to call
+    rows: Optional[int] = None
     # a source's launch programs for the layouts run with this call (the calls of a layout share one ShardCall,
     # tplogp.plan): everything of a launch but its tensors, made at a layout's first call (not compared, not hashed)
     programs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)

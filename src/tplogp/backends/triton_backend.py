@@ -304,15 +304,17 @@ class TritonBackend:
     def _program(self, hidden, weight, bias, call: ShardCall, key: tuple):
         """``(the layout's ForwardProgram, its ShardLayout)`` (:mod:`tplogp.kernels.generic_launch`) for a forward of
         ``key`` (``("stats", N)``, or ``("single", N, whether the targets are checked)``), remembered in
-        ``call.programs`` (at most ``MAX_PROGRAMS``; a layout whose row count varies, ignore_index compaction, makes
-        one per count); ``False`` where the layout's forward is not one of its pointer launches with kept terms in
-        two allocations (:meth:`_kept_buffer`) or none (the TMA kernels, the op's flat kept buffer, empty shards):
-        those plan each call."""
+        ``call.programs`` (:func:`_remember`); ``False`` where the call's row count is not its layout's
+        (``ShardCall.rows``) or its forward is not one of the pointer launches with kept terms in two allocations
+        (:meth:`_kept_buffer`) or none (the TMA kernels, the op's flat kept buffer, empty shards): those plan each
+        call."""
+        n = hidden.shape[0]
+        if call.rows is not None and n != call.rows:
+            return False
         programs = call.programs
         found = programs.get(key)
         if found is not None and (not found or found[0].matches(hidden, weight, bias)):
             return found
-        n = hidden.shape[0]
         found = False
         if (n and weight.shape[0] and self._stats_launch(hidden, weight, call) is None
                 and not (call.for_backward and not call.scales_apart)):
@@ -323,9 +325,7 @@ class TritonBackend:
             single = key[0] == "single"
             found = (_generic_launch().ForwardProgram(hidden, weight, bias, call.inv_temperature, call.with_entropy,
                                                       lay.cfg, keep, single, single and key[2]), lay)
-        if len(programs) >= MAX_PROGRAMS:
-            programs.clear()
-        programs[key] = found
+        _remember(call.programs, key, found)
         return found
 
     def _stats_launch(self, hidden, weight, call: ShardCall):
@@ -359,18 +359,26 @@ class TritonBackend:
         call, remembered in ``call.programs``), or None where one does not run it (its ``covers``)."""
         if not generic_launch.KeptBackward.covers(kept, weight, True, call.deterministic, accumulate):
             return None
+        n = hidden.shape[0]
+        if call.rows is not None and n != call.rows:  # (as the forward's, :meth:`_program`)
+            return None
         with_entropy = grad_entropy is not None
-        key = ("backward", hidden.shape[0], tuple(needs), with_entropy)
+        key = ("backward", n, tuple(needs), with_entropy)
         program = call.programs.get(key)
         terms = generic_launch.KeptTerms(kept.values, kept.take_scales())
         if program is None or not program.matches(hidden, weight, bias, terms, needs, with_entropy):
             lay = self._launch_layout(hidden, weight, call)
             program = generic_launch.KeptBackward(hidden, weight, bias, needs, with_entropy, call.inv_temperature,
                                                   lay.cfg, terms, call.d_hidden_in_input_dtype)
-            programs = call.programs
-            if len(programs) >= MAX_PROGRAMS:
-                programs.clear()
-            programs[key] = program
+            _remember(call.programs, key, program)
         g, gmg, ge, mz = generic_launch.per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
         return ShardGrads(*program(hidden, weight, bias, local_target, f32_contiguous(row_max),
                                    f32_contiguous(log_sum), g, gmg, ge, mz, terms, d_hidden_ready))
+
+
+def _remember(programs: dict, key: tuple, value) -> None:
+    """``programs[key] = value`` (a program, or ``False`` for a layout no program runs), the dict emptied first when
+    it holds ``MAX_PROGRAMS``."""
+    if key not in programs and len(programs) >= MAX_PROGRAMS:
+        programs.clear()
+    programs[key] = value
