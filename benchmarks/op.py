@@ -16,8 +16,8 @@ Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / s
   calling thread's CPU time, synced before and after each call), on CPU and GPU alike: what a call costs the host
   (Python, dispatch, launches), which bounds the op at small shapes where the GPU work is shorter; on a GPU the
   backward's functions run on autograd's device thread and are not counted (a lower bound there);
-  ``host_fwd_bwd_all_us``: the process's CPU time per forward+backward instead, every thread (autograd's device
-  thread included): the whole host cost of a call on a GPU;
+  ``host_fwd_bwd_all_us``: over the same calls, the process's CPU time per forward+backward, every thread
+  (autograd's device thread included): the whole host cost of a call on a GPU;
 * ``checks``: the ``TPLOGP_CHECKS`` mode of the row; tplogp's rows are repeated per mode of ``--checks`` (the
   label of a mode other than ``full`` ends with ``checks <mode>``); the other implementations do not read the
   mode: one row each, labelled with the default (``full``);
@@ -184,9 +184,9 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
                                             ("fwd_bwd_r", fb_ms / g2)):
                             samples.setdefault(name + key, []).append(value)
                     samples.setdefault("host_fwd", []).append(runner.host_us(fwd, device, reps))
-                    samples.setdefault("host_fwd_bwd", []).append(runner.host_us(fwd_bwd, device, reps))
-                    samples.setdefault("host_fwd_bwd_all", []).append(
-                        runner.host_us(fwd_bwd, device, reps, all_threads=True))
+                    thread_us, all_us = runner.host_us_threads(fwd_bwd, device, reps)
+                    samples.setdefault("host_fwd_bwd", []).append(thread_us)
+                    samples.setdefault("host_fwd_bwd_all", []).append(all_us)
             except Exception as exc:
                 hg.grad = wg.grad = None
                 row["error"] = f"timing: {type(exc).__name__}: {str(exc)[:300]}"
@@ -207,8 +207,9 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
                         f"fwd_gemms{key}": round(med(samples["fwd_r" + key]), 3),
                         f"fwd_bwd_gemms{key}": round(med(samples["fwd_bwd_r" + key]), 3)})
         row["host_fwd_us"] = round(min(samples["host_fwd"]), 1)  # the least loaded round's median
-        row["host_fwd_bwd_us"] = round(min(samples["host_fwd_bwd"]), 1)
-        row["host_fwd_bwd_all_us"] = round(min(samples["host_fwd_bwd_all"]), 1)
+        least = min(range(len(samples["host_fwd_bwd"])), key=samples["host_fwd_bwd"].__getitem__)
+        row["host_fwd_bwd_us"] = round(samples["host_fwd_bwd"][least], 1)
+        row["host_fwd_bwd_all_us"] = round(samples["host_fwd_bwd_all"][least], 1)  # (the same round's)
         row["gemm_samples_ms"] = [round(x, 4) for x in samples["gemm"]]
         row["extra_peak_gib"] = None if peak is None else round(peak, 4)
         if device.type == "cuda":

@@ -89,7 +89,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10, wa
     return statistics.median(samples_ms(fn, reps, back_to_back, device))
 
 
-def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10, all_threads: bool = False) -> float:
+def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
     """Median host CPU microseconds per call of ``fn``: the calling thread's CPU time (``time.thread_time``) around
     each call, with the device synchronized before and after it (those two syncs not counted), so a sample is the
     host work of one call (Python, dispatch, launches). A sync *inside* the call (a ``.item()``, a blocking copy,
@@ -97,19 +97,25 @@ def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10, all_
     spin is CPU time, so such a call's sample includes the device time it waited for. CPU time, not wall-clock: a
     loaded machine's preemption does not count. Only the calling thread's: on a GPU, autograd runs the backward
     functions of CUDA tensors on its own device thread, so their host work is not in the sample (a lower bound of a
-    forward+backward's host time there; on the CPU the backward runs on the calling thread and is counted).
-    ``all_threads``: the process's CPU time instead (``time.process_time``), autograd's device thread included:
-    the whole host cost of a forward+backward on a GPU (and whatever else the process runs meanwhile)."""
-    clock = time.process_time if all_threads else time.thread_time
-    out = []
+    forward+backward's host time there; on the CPU the backward runs on the calling thread and is counted)."""
+    return host_us_threads(fn, device, reps)[0]
+
+
+def host_us_threads(fn: Callable[[], object], device: torch.device, reps: int = 10) -> tuple[float, float]:
+    """``(calling thread, all threads)``: :func:`host_us`, and from the same calls the process's CPU time
+    (``time.process_time``: every thread, autograd's device thread included, the whole host cost of a
+    forward+backward on a GPU, and whatever else the process runs meanwhile). Medians over ``reps`` calls; each
+    call's process time includes its thread time, so the second is never below the first."""
+    thread, process = [], []
     for _ in range(max(reps, 1)):
         synchronize(device)
-        t0 = clock()
+        p0, t0 = time.process_time(), time.thread_time()
         fn()
-        t1 = clock()
+        t1, p1 = time.thread_time(), time.process_time()
         synchronize(device)
-        out.append((t1 - t0) * 1e6)
-    return statistics.median(out)
+        thread.append((t1 - t0) * 1e6)
+        process.append((p1 - p0) * 1e6)
+    return statistics.median(thread), statistics.median(process)
 
 
 def extra_peak_gib(fn: Callable[[], object], device: torch.device) -> Optional[float]:

@@ -61,8 +61,8 @@ def test_op_smoke_rows(tmp_path):
         for field in ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_bwd_gemms_b2b", "gemm_ms",
                       "host_fwd_us", "host_fwd_bwd_us", "host_fwd_bwd_all_us"):
             assert r[field] > 0, (field, r)
-        # the process's CPU time counts the calling thread's and more (the CPU runs the backward on this thread)
-        assert r["host_fwd_bwd_all_us"] >= 0.5 * r["host_fwd_bwd_us"], r
+        # the process's CPU time over the same calls counts the calling thread's (and any other thread's)
+        assert r["host_fwd_bwd_all_us"] >= 0.95 * r["host_fwd_bwd_us"], r
         assert r["checks"] == "full", r
         # three-way: tplogp's fp32 log-softmax is no worse than the bf16-logits eager baseline against float64
         _no_worse(r, eager, ("err_logp", "err_d_hidden", "err_d_weight"))
