@@ -68,7 +68,7 @@ STAGES = (
     ("tplogp.kernels.generic_launch", "_mm_into", "GEMM into the input dtype"),
     ("tplogp.fp32_gemm", "mm_into", "GEMM into fp32"),
     ("tplogp.kernels.direct_launch", "DirectLauncher.__call__", "  DirectLauncher (key + launch)"),
-    ("tplogp.kernels.bound_launch", "BoundLaunch.__call__", "  BoundLaunch (alignment + launch)"),
+    ("tplogp.kernels.bound_launch", "BoundLaunch.launch", "  BoundLaunch (alignment + launch)"),
 )
 
 

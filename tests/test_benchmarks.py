@@ -231,8 +231,9 @@ def test_tp_smoke_rows(tmp_path):
 
 
 def test_host_stages_smoke(capsys):
-    """The stage stamps on CPU (no-op launches): every row's table lists the stats launch, the backward node and the
-    markers in call order; the stamped functions and the real launchers are back afterwards."""
+    """The stage stamps on CPU (no-op launches): every row's table lists the forward's launch program and its bound
+    launches, the backward node, the kept d_logits launch and the markers in call order; the stamped functions and
+    the real launchers are back afterwards."""
     from benchmarks import host_stages
     from tplogp import tp
     from tplogp.kernels import direct_launch

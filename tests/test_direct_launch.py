@@ -178,7 +178,8 @@ def test_sm90_descriptors_equal_from_tensor():
 @pytest.mark.parametrize("module_name", ["generic_launch", "hopper_launch"])
 def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
     """Every ``launcher(kernel)(grid, ...)`` call in the launchers passes all of the kernel's constexprs, in
-    signature order (else it would silently stay on the slower JIT path)."""
+    signature order (else it would silently stay on the slower JIT path); the launches described by a
+    ``LaunchSpec`` are checked below."""
     pytest.importorskip("triton")
     import ast
     import importlib
@@ -190,8 +191,6 @@ def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Call)
                 and getattr(node.func.func, "id", None) == "launcher"):
-            if node.func.args[0].id == "jit_fn":
-                continue  # LaunchSpec.launch: the specs are checked in test_launch_specs_qualify_for_direct_launches
             kernel = getattr(module, node.func.args[0].id)
             names = tuple(k.arg for k in node.keywords if k.arg not in ("num_warps", "num_stages"))
             expected = DirectLauncher(kernel).const_names
@@ -202,7 +201,7 @@ def test_tplogp_launch_sites_qualify_for_direct_launches(module_name):
 
 
 def test_launch_specs_qualify_for_direct_launches():
-    """The launches described by a :class:`~tplogp.kernels.generic_launch.LaunchSpec` (run per call, or bound once
+    """The launches described by a :class:`~tplogp.kernels.bound_launch.LaunchSpec` (run per call, or bound once
     per layout) pass all of their kernel's constexprs in signature order, and as many runtime arguments as it
     takes."""
     pytest.importorskip("triton")
@@ -216,12 +215,15 @@ def test_launch_specs_qualify_for_direct_launches():
               for entropy in (False, True) for check in (False, True)]
     specs += [(generic_launch.merge_spec(64, 3, entropy), generic_launch.merge_splits_kernel, 2)
               for entropy in (False, True)]
+    specs += [(generic_launch.dlogits_kept_spec(64, 0, 256, 256, 8, 256, db * 256, 1.0, entropy, db, cfg, None),
+               generic_launch.bwd_dlogits_kept_kernel, 11) for entropy in (False, True) for db in (False, True)]
     from tplogp.kernels import scale_launch
 
     specs += [(scale_launch.scale_spec(numels, dtypes), scale_launch.scale_round_kernel, 7)
               for numels, dtypes in (((100,), (torch.bfloat16,)),
                                      ((100, 30000, 7), (torch.float32, torch.bfloat16, torch.float16)))]
     for spec, kernel, tensors in specs:
+        assert spec.jit_fn is kernel
         found = DirectLauncher(kernel)
         assert tuple(spec.constexprs) == found.const_names
         assert len(spec.scalars) + tensors == found.n_runtime
@@ -241,19 +243,19 @@ def test_triton_versions_outside_the_known_launcher_call_keep_the_jit_path():
 def bound_fake(fake, monkeypatch):
     jit, launch = fake
     monkeypatch.setitem(direct_launch._LAUNCHERS, id(jit), launch)
-    from tplogp.kernels.bound_launch import BoundLaunch
+    from tplogp.kernels.bound_launch import LaunchSpec
 
-    return jit, launch, BoundLaunch(jit, (3,), (32, 0.5), 4, None, dict(BLOCK=64, FLAG=False))
+    return jit, launch, LaunchSpec(jit, (3,), (32, 0.5), 4, None, dict(BLOCK=64, FLAG=False)).bind()
 
 
 def test_a_bound_launch_runs_the_compiled_kernel_with_its_fixed_arguments(bound_fake):
     jit, launch, bound = bound_fake
     buf = torch.zeros(256)
     x, y = buf[:64], buf[64:128]
-    bound(x, y)  # the launcher's first launch: through the JIT
+    bound.launch(x, y)  # the launcher's first launch: through the JIT
     assert jit.log[0] == ("jit", (3,), (x, y, 32, 0.5), {"num_warps": 4, "BLOCK": 64, "FLAG": False})
-    bound(x, y)  # the launcher's own key, then stored: a direct launch
-    bound(buf[128:192], y)  # another 16-byte-aligned tensor: the same compiled kernel, no key built
+    bound.launch(x, y)  # the launcher's own key, then stored: a direct launch
+    bound.launch(buf[128:192], y)  # another 16-byte-aligned tensor: the same compiled kernel, no key built
     assert jit.compiled == 1 and [e[0] for e in jit.log] == ["jit", "direct", "direct"]
     kind, args = jit.log[-1]
     assert args[:4] == (3, 1, 1, 1234) and args[5] == ("meta",) and args[6:9] == (None, None, None)
@@ -263,12 +265,12 @@ def test_a_bound_launch_runs_the_compiled_kernel_with_its_fixed_arguments(bound_
 def test_a_bound_launch_follows_the_alignment_and_the_launchers_switches(bound_fake):
     jit, launch, bound = bound_fake
     buf = torch.zeros(256)
-    bound(buf[:64], buf[64:128])
-    bound(buf[1:65], buf[64:128])  # 4 bytes past a 16-byte boundary: another specialization, compiled
+    bound.launch(buf[:64], buf[64:128])
+    bound.launch(buf[1:65], buf[64:128])  # 4 bytes past a 16-byte boundary: another specialization, compiled
     assert jit.compiled == 2
-    bound(buf[1:65], buf[64:128])
+    bound.launch(buf[1:65], buf[64:128])
     assert jit.log[-1][0] == "direct" and jit.compiled == 2
     launch._knobs = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[print]),
                                           launch_exit_hook=None)
-    bound(buf[:64], buf[64:128])  # a launch hook (a profiler): every launch through the JIT
+    bound.launch(buf[:64], buf[64:128])  # a launch hook (a profiler): every launch through the JIT
     assert jit.log[-1][0] == "jit" and jit.compiled == 3

@@ -42,7 +42,7 @@ from .kernels.tiles import KERNEL_DTYPES, interpreting
 from .losses import Derivative, PerTokenLoss, TokenLoss
 from .tensors import f32_contiguous, zero_rows
 from .tp import (LogpOptions, _graph_retained, _saved_tensor_hooks_active, _shard_forward, _TPContext,
-                 park_kept_scales, prepare_call, prepared_outputs, shard_backward)
+                 forward_for_backward, park_kept_scales, prepare_call, prepared_outputs, shard_backward)
 
 REDUCTIONS = ("sum", "mean")
 
@@ -392,11 +392,8 @@ def _one_pass_loss(backend, hidden, weight, target_ids, bias, *, loss: PerTokenL
     if isinstance(loss, TokenLoss):  # one autograd node for the whole loss
         n, ignored = prep.hidden.shape[0], prep.ignored
         count = _mean_count(reduction, n, ignored)
-        prep.tpc.call = prep.plan.call_for_backward
-        with torch.no_grad():  # the kernels launched before autograd's machinery runs (host time at small shapes)
-            shard_outputs = _shard_forward(prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc)
         return _OnePassTokenLoss.apply(prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc, loss,
-                                       extra, ignored, count, shard_outputs)
+                                       extra, ignored, count, forward_for_backward(prep))
     logp, entropy, _ = prepared_outputs(prep)
     ignored = prep.ignored  # rows kept in place (the compaction off): out of the loss, as in the chunked path
     if ignored is not None:

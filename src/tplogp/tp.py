@@ -362,11 +362,18 @@ def prepared_outputs(prep: PreparedCall) -> tuple[torch.Tensor, Optional[torch.T
     forward (scoring, rollouts: no autograd.Function machinery, host time)."""
     h2, w, b, local_target, tpc = prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-        tpc.call = prep.plan.call_for_backward
-        with torch.no_grad():  # (what a Function's forward runs under: the native source's torch ops record nothing)
-            shard_outputs = _shard_forward(h2, w, b, local_target, tpc)
-        return _LinearLogpFunction.apply(h2, w, b, local_target, tpc, shard_outputs)
+        return _LinearLogpFunction.apply(h2, w, b, local_target, tpc, forward_for_backward(prep))
     return _shard_forward(h2, w, b, local_target, tpc)[0]
+
+
+def forward_for_backward(prep: PreparedCall) -> tuple:
+    """:func:`_shard_forward` of a prepared call whose results will be differentiated (its layout's
+    ``call_for_backward``: the source may keep terms for the backward), run before the call's autograd
+    ``Function.apply``, which takes the results: the kernels are launched before autograd's machinery runs (host time
+    at small shapes)."""
+    prep.tpc.call = prep.plan.call_for_backward
+    with torch.no_grad():  # (what a Function's forward runs under: the native source's torch ops record nothing)
+        return _shard_forward(prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc)
 
 
 def linear_logp_tp(

@@ -64,10 +64,11 @@ import torch
 class KeptBuffers:
     """What a source's forward kept for its backward in two allocations (``ShardCall.scales_apart``): ``values``,
     the terms ``[N, keep_cols]`` in the kept dtype (what the autograd context saves, and what a consuming backward
-    overwrites with d_logits), and ``scales``, the per-row, per-tile fp32 scales. The call path holds the scales where it can drop them
-    (``tplogp.tp._TPContext.kept_scales``) and hands both to the backward in one of these; the source's backward
-    takes the scales out (:meth:`take_scales`), and its d_logits launcher drops them once read, so that a consuming
-    backward frees them before its d_hidden / d_W GEMMs allocate their outputs (a peak lower by the scales)."""
+    overwrites with d_logits), and ``scales``, the per-row, per-tile fp32 scales. The call path holds the scales
+    where it can drop them (``tplogp.tp._TPContext.kept_scales``) and hands both to the backward in one of these;
+    the source's backward takes the scales out (:meth:`take_scales`), and its d_logits launcher drops them once
+    read, so that a consuming backward frees them before its d_hidden / d_W GEMMs allocate their outputs (a peak
+    lower by the scales)."""
 
     __slots__ = ("values", "scales")
 

@@ -260,15 +260,9 @@ class TritonBackend:
                                                               lay.keep_block_v))
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
-        if call.inputs_checked:  # the op's own calls: the layout's program, made at its first call
-            found = self._program(hidden, weight, bias, call, ("stats", hidden.shape[0]))
-            if found:
-                program, lay = found
-                kept = self._kept_buffer(hidden, lay, call)
-                if kept is None:
-                    return ShardStats(*program(hidden, weight, bias, local_target))
-                return ShardStats(*program(hidden, weight, bias, local_target, None, kept.values, kept.scales),
-                                  kept=kept)
+        ran = self._run_program(hidden, weight, bias, local_target, call, ("stats", hidden.shape[0]))
+        if ran is not None:
+            return ShardStats(*ran[0], kept=ran[1])
         generic_launch = _generic_launch()
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
@@ -283,15 +277,10 @@ class TritonBackend:
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
                        target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
-        if call.inputs_checked:  # the op's own calls: the layout's program, made at its first call
-            found = self._program(hidden, weight, bias, call, ("single", hidden.shape[0], target_flag is not None))
-            if found:
-                program, lay = found
-                kept = self._kept_buffer(hidden, lay, call)
-                if kept is None:
-                    return SingleShardOutputs(*program(hidden, weight, bias, target, target_flag))
-                return SingleShardOutputs(*program(hidden, weight, bias, target, target_flag, kept.values, kept.scales),
-                                          kept=kept)
+        ran = self._run_program(hidden, weight, bias, target, call,
+                                ("single", hidden.shape[0], target_flag is not None), target_flag)
+        if ran is not None:
+            return SingleShardOutputs(*ran[0], kept=ran[1])
         generic_launch = _generic_launch()
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
@@ -300,6 +289,18 @@ class TritonBackend:
             lay.cfg, stats_launch=self._stats_launch(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag, checked=call.inputs_checked),
             kept=kept)
+
+    def _run_program(self, hidden, weight, bias, target, call: ShardCall, key: tuple, target_flag=None):
+        """``(the forward's outputs, what it kept)`` through the layout's program (:meth:`_program`), for the op's
+        own calls (``call.inputs_checked``), or None where none runs it."""
+        found = self._program(hidden, weight, bias, call, key) if call.inputs_checked else False
+        if not found:
+            return None
+        program, lay = found
+        kept = self._kept_buffer(hidden, lay, call)
+        if kept is None:
+            return program(hidden, weight, bias, target, target_flag), None
+        return program(hidden, weight, bias, target, target_flag, kept.values, kept.scales), kept
 
     def _program(self, hidden, weight, bias, call: ShardCall, key: tuple):
         """``(the layout's ForwardProgram, its ShardLayout)`` (:mod:`tplogp.kernels.generic_launch`) for a forward of
@@ -334,7 +335,7 @@ class TritonBackend:
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None) -> ShardGrads:
         generic_launch = _generic_launch()
-        if call.inputs_checked and isinstance(kept, KeptBuffers) and call.consume_kept:
+        if call.inputs_checked and isinstance(kept, KeptBuffers):
             grads = self._kept_program_backward(generic_launch, hidden, weight, bias, local_target, row_max, log_sum,
                                                 grad_logp, grad_entropy, grad_lse, mean_z, call, needs,
                                                 d_hidden_ready, kept, accumulate)
@@ -357,7 +358,7 @@ class TritonBackend:
                                kept: KeptBuffers, accumulate) -> Optional[ShardGrads]:
         """The backward through the layout's :class:`~tplogp.kernels.generic_launch.KeptBackward` (made at its first
         call, remembered in ``call.programs``), or None where one does not run it (its ``covers``)."""
-        if not generic_launch.KeptBackward.covers(kept, weight, True, call.deterministic, accumulate):
+        if not generic_launch.KeptBackward.covers(kept, weight, call.consume_kept):
             return None
         n = hidden.shape[0]
         if call.rows is not None and n != call.rows:  # (as the forward's, :meth:`_program`)
@@ -369,11 +370,12 @@ class TritonBackend:
         if program is None or not program.matches(hidden, weight, bias, terms, needs, with_entropy):
             lay = self._launch_layout(hidden, weight, call)
             program = generic_launch.KeptBackward(hidden, weight, bias, needs, with_entropy, call.inv_temperature,
-                                                  lay.cfg, terms, call.d_hidden_in_input_dtype)
+                                                  lay.cfg, terms, call.deterministic, call.d_hidden_in_input_dtype,
+                                                  bind=True)
             _remember(call.programs, key, program)
         g, gmg, ge, mz = generic_launch.per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
         return ShardGrads(*program(hidden, weight, bias, local_target, f32_contiguous(row_max),
-                                   f32_contiguous(log_sum), g, gmg, ge, mz, terms, d_hidden_ready))
+                                   f32_contiguous(log_sum), g, gmg, ge, mz, terms, d_hidden_ready, accumulate))
 
 
 def _remember(programs: dict, key: tuple, value) -> None:

@@ -7,7 +7,8 @@ shapes only). Modules, lowest layer first (each imports only the ones above it i
 * :mod:`.tiles`            tile configs per GPU architecture, fitted to the device's shared memory per element
                            size; the dot precision; the backward's workspace chunking. No Triton import.
 * :mod:`.direct_launch`    launching compiled kernels without Triton's per-call front end.
-* :mod:`.bound_launch`     a launch bound to one call layout: the tensors alone change from call to call.
+* :mod:`.bound_launch`     a launch described once from sizes, and bound to its compiled kernel for one call
+                           layout: the tensors alone change from call to call.
 * :mod:`.common`           the ``@triton.jit`` helpers both paths share: launch order, dot, exp2, the forward's
                            online-softmax epilogue, the backward's d_logits epilogue.
 * :mod:`.generic_kernels`  pointer-based kernels: forward statistics per vocab split, the split merge, the one-shard

@@ -10,13 +10,13 @@ made 2-D, contiguous and int64 there (``ShardCall.inputs_checked``), skips these
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from .. import fp32_gemm
 from ..tensors import f32_contiguous
-from .bound_launch import BoundLaunch
+from .bound_launch import BoundLaunch, LaunchSpec
 from .direct_launch import launcher
 from .generic_kernels import (bwd_dlogits_kept_kernel, bwd_dlogits_kernel, dh_accum_kernel, finalize_single_kernel,
                               fwd_stats_kernel, merge_splits_kernel)
@@ -64,23 +64,10 @@ def _even(d: int, block: int) -> bool:
     return d % block == 0
 
 
-class LaunchSpec(NamedTuple):
-    """The fixed part of one kernel launch: the grid, the scalar arguments that follow the pointers in the kernel's
-    signature, ``num_warps`` / ``num_stages`` and every constexpr (in signature order). Computed from sizes alone,
-    so that a launch per call (:meth:`launch`) and a launch bound once per layout (:meth:`bind`) share it."""
-
-    grid: tuple
-    scalars: tuple
-    num_warps: int
-    num_stages: Optional[int]
-    constexprs: dict
-
-    def launch(self, jit_fn, *tensors: torch.Tensor) -> None:
-        launcher(jit_fn)(self.grid, *tensors, *self.scalars, num_warps=self.num_warps, num_stages=self.num_stages,
-                         **self.constexprs)
-
-    def bind(self, jit_fn) -> BoundLaunch:
-        return BoundLaunch(jit_fn, self.grid, self.scalars, self.num_warps, self.num_stages, self.constexprs)
+def layout_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
+    """What a launch program is made for (:class:`ForwardProgram`, :class:`KeptBackward`): the shapes and dtype of
+    a call's (checked: 2-D, contiguous, one device) tensors and its bias's dtype."""
+    return hidden.shape, weight.shape, hidden.dtype, None if bias is None else bias.dtype
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -150,14 +137,14 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
                                      stats_launch, kept)
-    merge_spec(n, num_splits, with_entropy).launch(merge_splits_kernel, parts, out)
+    merge_spec(n, num_splits, with_entropy).launch(parts, out)
     outs = out.unbind(0)
     return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
 
 
 def merge_spec(n: int, num_splits: int, with_entropy: bool) -> LaunchSpec:
     """:func:`~.generic_kernels.merge_splits_kernel`'s launch: one program per ``_MERGE_BLOCK`` tokens."""
-    return LaunchSpec((cdiv(n, _MERGE_BLOCK),), (n, num_splits, num_splits * n), 4, None,
+    return LaunchSpec(merge_splits_kernel, (cdiv(n, _MERGE_BLOCK),), (n, num_splits, num_splits * n), 4, None,
                       dict(WITH_ENTROPY=with_entropy, BLOCK=_MERGE_BLOCK))
 
 
@@ -192,14 +179,14 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
                                      kept)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
     finalize_spec(n, v, num_splits, with_entropy, target_flag is not None).launch(
-        finalize_single_kernel, parts, target, out, out if target_flag is None else target_flag)
+        parts, target, out, out if target_flag is None else target_flag)
     outs = out.unbind(0)
     return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
 
 
 def finalize_spec(n: int, v: int, num_splits: int, with_entropy: bool, check_targets: bool) -> LaunchSpec:
     """:func:`~.generic_kernels.finalize_single_kernel`'s launch: one program per ``_MERGE_BLOCK`` tokens."""
-    return LaunchSpec((cdiv(n, _MERGE_BLOCK),), (n, v, num_splits, num_splits * n), 4, None,
+    return LaunchSpec(finalize_single_kernel, (cdiv(n, _MERGE_BLOCK),), (n, v, num_splits, num_splits * n), 4, None,
                       dict(WITH_ENTROPY=with_entropy, ACCURATE_LOG=not _INTERPRETING, BLOCK=_MERGE_BLOCK,
                            CHECK_TARGETS=check_targets))
 
@@ -221,8 +208,7 @@ class ForwardProgram:
                  keep: Optional[tuple[int, int]], single: bool, check_targets: bool = False) -> None:
         n, d = hidden.shape
         v = weight.shape[0]
-        self.hidden_shape, self.weight_shape, self.dtype = hidden.shape, weight.shape, hidden.dtype
-        self.bias_dtype = None if bias is None else bias.dtype
+        self.layout = layout_of(hidden, weight, bias)
         self.device = hidden.device
         self.with_entropy = with_entropy
         self.single = single
@@ -230,19 +216,17 @@ class ForwardProgram:
         spec, num_splits = stats_spec(n, v, d, d, d, bias is not None, with_entropy, inv_temperature, cfg,
                                       hidden.dtype, kept_dims)
         self.parts_shape = (4 if with_entropy else 3, num_splits, n)
-        self.stats = spec.bind(fwd_stats_kernel)
+        self.stats = spec.bind()
         if single:
             self.out_shape = (6 if with_entropy else 4, n)
-            self.finish = finalize_spec(n, v, num_splits, with_entropy, check_targets).bind(finalize_single_kernel)
+            self.finish = finalize_spec(n, v, num_splits, with_entropy, check_targets).bind()
         else:
             self.out_shape = (4 if with_entropy else 3, n)
-            self.finish = merge_spec(n, num_splits, with_entropy).bind(merge_splits_kernel)
+            self.finish = merge_spec(n, num_splits, with_entropy).bind()
 
     def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         """Whether a call's (checked: 2-D, contiguous, one device) tensors are of this layout."""
-        return (hidden.shape == self.hidden_shape and weight.shape == self.weight_shape
-                and hidden.dtype == self.dtype and (bias is None if self.bias_dtype is None
-                                                    else bias is not None and bias.dtype == self.bias_dtype))
+        return layout_of(hidden, weight, bias) == self.layout
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: torch.Tensor, target_flag: Optional[torch.Tensor] = None,
@@ -252,15 +236,15 @@ class ForwardProgram:
         written into ``values`` and ``scales`` (the layout's ``keep``)."""
         device = self.device
         parts = torch.empty(self.parts_shape, device=device, dtype=torch.float32)
-        self.stats(hidden, weight, hidden if bias is None else bias, target, parts,
-                   parts if values is None else values, parts if scales is None else scales)
+        self.stats.launch(hidden, weight, hidden if bias is None else bias, target, parts,
+                          parts if values is None else values, parts if scales is None else scales)
         out = torch.empty(self.out_shape, device=device, dtype=torch.float32)  # after the launch: the GPU starts sooner
         entropy = self.with_entropy
         if not self.single:
-            self.finish(parts, out)
+            self.finish.launch(parts, out)
             outs = out.unbind(0)
             return outs[0], outs[1], outs[2], outs[3] if entropy else None
-        self.finish(parts, target, out, out if target_flag is None else target_flag)
+        self.finish.launch(parts, target, out, out if target_flag is None else target_flag)
         outs = out.unbind(0)
         return outs[0], outs[1], outs[2], outs[3], outs[4] if entropy else None, outs[5] if entropy else None
 
@@ -299,7 +283,7 @@ def stats_spec(n: int, v: int, d: int, stride_h: int, stride_w: int, has_bias: b
     num_splits = cdiv(v, cfg.split_v)
     stride_kept, stride_scale, v_keep = kept_dims if kept_dims is not None else (0, 0, 0)
     return LaunchSpec(
-        (cdiv(n, cfg.block_n) * num_splits,),
+        fwd_stats_kernel, (cdiv(n, cfg.block_n) * num_splits,),
         (n, v, d, stride_h, stride_w, stride_kept, stride_scale, v_keep, inv_temperature, num_splits,
          num_splits * n),
         cfg.num_warps, cfg.num_stages,
@@ -316,7 +300,7 @@ def launch_stats(hidden, weight, bias, local_target, inv_temperature: float, wit
     spec, num_splits = stats_spec(n, v, d, hidden.stride(0), weight.stride(0), bias is not None, with_entropy,
                                   inv_temperature, cfg, hidden.dtype, kept_dims)
     parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32)
-    spec.launch(fwd_stats_kernel, hidden, weight, bias if bias is not None else hidden, local_target, parts,
+    spec.launch(hidden, weight, bias if bias is not None else hidden, local_target, parts,
                 parts if kept is None else kept.values, parts if kept is None else kept.scales)
     return parts, num_splits
 
@@ -356,9 +340,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     loss), returned in their place; otherwise d_weight / d_bias are in the weight / bias dtype.
 
     ``overwrite_kept`` (the caller runs one backward per forward) with every column kept and terms of the weight's
-    element size: one d_logits launch writes d_logits in place of the terms (each element is read, then written, by
-    the same program), then one full-size GEMM each gives ``d_hidden`` (fp32) and ``d_W`` (one GEMM over all tokens
-    and the whole shard: fp32 accumulation inside it, no workspace and no cross-chunk sum).
+    element size: :class:`KeptBackward` (one d_logits launch in place of the terms, then one full-size GEMM each).
     """
     if not checked:
         check_inputs(hidden, weight, bias, local_target)
@@ -387,15 +369,14 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     with_entropy = grad_entropy is not None
     g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
 
+    if KeptBackward.covers(kept, weight, overwrite_kept):  # one pass over the kept terms, in their memory
+        return KeptBackward(hidden, weight, bias, needs, with_entropy, inv_temperature, cfg, kept, deterministic,
+                            d_hidden_in_input_dtype)(hidden, weight, bias, local_target, row_max, log_sum, g, gmg,
+                                                     ge, mz, kept, d_hidden_ready, accumulate)
     v_keep = 0 if kept is None else kept.values.shape[1]
-    in_place = (overwrite_kept and v_keep == v and kept.values.element_size() == weight.element_size()
-                and kept.values.is_contiguous())
-    if in_place:  # one chunk: d_logits over the whole shard, in the kept terms' memory
-        bounds = [(0, v, True)]
-    else:
-        chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
-        bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
-        bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
+    chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
+    bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
+    bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
@@ -406,9 +387,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     ws = None if len(bounds) == 1 else torch.empty(n * chunk, device=dev, dtype=weight.dtype)
     d_hidden = d_weight = None
     for i_chunk, (v_lo, v_hi, from_kept) in enumerate(bounds):
-        if in_place:
-            dz = kept.values if kept.values.dtype == weight.dtype else kept.values.view(weight.dtype)
-        elif ws is None:
+        if ws is None:
             dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
         else:
             dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
@@ -432,18 +411,21 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
                 d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
         if d_weight is not None:
-            dw_chunk = d_weight if whole else d_weight[v_lo:v_hi]
-            if dw_acc is not None:
-                fp32_gemm.addmm_(dw_chunk, dz.t(), hidden)
-            else:
-                _mm_into(dw_chunk, dz.t(), hidden)
-    d_bias = None
-    if need_db:
-        if db_acc is not None:
-            d_bias = db_acc.add_(dbp.sum(0))
-        else:
-            d_bias = dbp.sum(0).to(bias.dtype)
-    return d_hidden, d_weight, d_bias
+            _dw_gemm(d_weight if whole else d_weight[v_lo:v_hi], dz, hidden, dw_acc is not None)
+    return d_hidden, d_weight, _bias_grad(dbp, bias, db_acc) if need_db else None
+
+
+def _dw_gemm(dw_chunk: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, accumulate: bool) -> None:
+    """``d_W[chunk] (+)= dz^T @ hidden``: added unrounded to an fp32 accumulator, else written in its dtype."""
+    if accumulate:
+        fp32_gemm.addmm_(dw_chunk, dz.t(), hidden)
+    else:
+        _mm_into(dw_chunk, dz.t(), hidden)
+
+
+def _bias_grad(dbp: torch.Tensor, bias: torch.Tensor, db_acc: Optional[torch.Tensor]) -> torch.Tensor:
+    """``d_b`` from the fp32 per-token-block partial column sums: added to ``db_acc``, else in the bias dtype."""
+    return db_acc.add_(dbp.sum(0)) if db_acc is not None else dbp.sum(0).to(bias.dtype)
 
 
 def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
@@ -478,7 +460,7 @@ def dlogits_kept_spec(n: int, v_lo: int, v_hi: int, stride_kept: int, stride_sca
     program are the config's own for this pass, but the backward's when d_bias partial rows are written."""
     block_n = cfg.bwd_block_n if need_db or cfg.kept_block_n is None else cfg.kept_block_n
     num_warps = cfg.bwd_num_warps if need_db or cfg.kept_num_warps is None else cfg.kept_num_warps
-    return LaunchSpec((cdiv(n, block_n) * cdiv(v_hi - v_lo, cfg.block_v),),
+    return LaunchSpec(bwd_dlogits_kept_kernel, (cdiv(n, block_n) * cdiv(v_hi - v_lo, cfg.block_v),),
                       (n, v_lo, v_hi, stride_kept, stride_scale, stride_dz, stride_dbp, inv_temperature), num_warps,
                       None, dict(NEED_DB=need_db, WITH_ENTROPY=with_entropy, BLOCK_N=block_n, BLOCK_V=cfg.block_v,
                                  DOT_PRECISION=precision))
@@ -486,82 +468,83 @@ def dlogits_kept_spec(n: int, v_lo: int, v_hi: int, stride_kept: int, stride_sca
 
 def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                         inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
-                        bound: Optional[BoundLaunch] = None) -> None:
+                        launch: Optional[Union[LaunchSpec, BoundLaunch]] = None) -> None:
     """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM; the forward's
-    tile width, one scale per row and tile); both sources. ``bound``: this launch bound for the layout
+    tile width, one scale per row and tile); both sources. ``launch``: this launch as the caller made it
     (:class:`KeptBackward`), else its :func:`dlogits_kept_spec` is made here."""
     values, scales = kept
-    tensors = (values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp)
-    if bound is not None:
-        bound(*tensors)
-        return
-    dlogits_kept_spec(values.shape[0], v_lo, v_hi, values.stride(0), scales.stride(0), dz.stride(0),
-                      dbp.stride(0) if need_db else 0, inv_temperature, with_entropy, need_db, cfg,
-                      precision).launch(bwd_dlogits_kept_kernel, *tensors)
+    if launch is None:
+        launch = dlogits_kept_spec(values.shape[0], v_lo, v_hi, values.stride(0), scales.stride(0), dz.stride(0),
+                                   dbp.stride(0) if need_db else 0, inv_temperature, with_entropy, need_db, cfg,
+                                   precision)
+    launch.launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp)
 
 
 class KeptBackward:
-    """:func:`backward` of one layout whose forward kept every column's terms in the weight's dtype, run by a
-    backward that consumes them (``overwrite_kept``), not ``deterministic`` and with no ``accumulate`` buffers:
-    one d_logits launch (bound once, :class:`~.bound_launch.BoundLaunch`) writes d_logits over the terms, then
-    one GEMM each gives ``d_hidden`` and ``d_W``, as in :func:`backward`, with every size and launch argument
-    computed once. Callers check :meth:`matches` first."""
+    """:func:`backward` when the forward kept every column's terms at the weight's element size and the backward
+    consumes them (``overwrite_kept``): one d_logits launch writes d_logits in place of the terms (each element is
+    read, then written, by the same program), the scales are dropped, then one full-size GEMM each gives
+    ``d_hidden`` (in the input dtype when it is the call's whole gradient, one GEMM and not ``deterministic``, on
+    CUDA; else fp32) and ``d_W`` (all tokens, the whole shard: fp32 accumulation inside it; added to an
+    ``accumulate`` buffer when given), with every size and launch argument computed once. :func:`backward` runs a
+    new one per call; the sources keep one per layout with its launch bound (``bind``,
+    :class:`~.bound_launch.BoundLaunch`), after :meth:`matches`."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  needs: tuple[bool, bool, bool], with_entropy: bool, inv_temperature: float, cfg: TileConfig,
-                 kept: KeptTerms, d_hidden_in_input_dtype: bool) -> None:
-        n, d = hidden.shape
+                 kept: KeptTerms, deterministic: bool, d_hidden_in_input_dtype: bool, bind: bool = False) -> None:
+        n = hidden.shape[0]
         v = weight.shape[0]
-        self.hidden_shape, self.weight_shape, self.dtype = hidden.shape, weight.shape, hidden.dtype
-        self.bias_dtype = None if bias is None else bias.dtype
-        self.kept_shape, self.scales_shape = kept.values.shape, kept.scales.shape
+        self.layout = layout_of(hidden, weight, bias)
+        self.kept_shapes = (kept.values.shape, kept.scales.shape)
         self.needs = (needs[0], needs[1], needs[2] and bias is not None)
         self.with_entropy = with_entropy
-        self.device = hidden.device
+        self.deterministic = deterministic
         self.dbp_shape = (cdiv(n, cfg.bwd_block_n), v) if self.needs[2] else None
-        self.dh_dtype = hidden.dtype if d_hidden_in_input_dtype and hidden.is_cuda else torch.float32
+        self.dh_dtype = (hidden.dtype if d_hidden_in_input_dtype and not deterministic and hidden.is_cuda
+                         else torch.float32)  # (a CPU GEMM would round through an fp32 temporary)
         self.cfg, self.precision = cfg, dot_precision(hidden.dtype)
         self.inv_temperature = float(inv_temperature)
-        self.dlogits = dlogits_kept_spec(n, 0, v, v, kept.scales.stride(0), v, v if self.needs[2] else 0,
-                                         self.inv_temperature, with_entropy, self.needs[2], cfg,
-                                         self.precision).bind(bwd_dlogits_kept_kernel)
+        spec = dlogits_kept_spec(n, 0, v, v, kept.scales.stride(0), v, v if self.needs[2] else 0,
+                                 self.inv_temperature, with_entropy, self.needs[2], cfg, self.precision)
+        self.dlogits = spec.bind() if bind else spec
 
     @staticmethod
-    def covers(kept: Optional[KeptTerms], weight: torch.Tensor, overwrite_kept: bool, deterministic: bool,
-               accumulate) -> bool:
-        """Whether a backward of these arguments is one a program runs (class docstring)."""
-        return (kept is not None and overwrite_kept and not deterministic and accumulate is None
-                and kept.scales is not None and kept.values.shape[0] > 0 and kept.values.shape[1] == weight.shape[0]
-                and kept.values.dtype == weight.dtype and kept.values.is_contiguous())
+    def covers(kept: Optional[KeptTerms], weight: torch.Tensor, overwrite_kept: bool) -> bool:
+        """Whether a backward of these arguments is one this class runs (class docstring)."""
+        return (overwrite_kept and kept is not None and kept.scales is not None and kept.values.shape[0] > 0
+                and kept.values.shape[1] == weight.shape[0] and kept.values.element_size() == weight.element_size()
+                and kept.values.is_contiguous())
 
     def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kept: KeptTerms,
                 needs: tuple[bool, bool, bool], with_entropy: bool) -> bool:
-        return (hidden.shape == self.hidden_shape and weight.shape == self.weight_shape
-                and hidden.dtype == self.dtype and kept.values.shape == self.kept_shape
-                and kept.scales.shape == self.scales_shape and with_entropy == self.with_entropy
-                and (needs[0], needs[1], needs[2] and bias is not None) == self.needs
-                and (bias is None if self.bias_dtype is None else bias is not None and bias.dtype == self.bias_dtype))
+        return (layout_of(hidden, weight, bias) == self.layout
+                and (kept.values.shape, kept.scales.shape) == self.kept_shapes and with_entropy == self.with_entropy
+                and (needs[0], needs[1], needs[2] and bias is not None) == self.needs)
 
     def __call__(self, hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, kept: KeptTerms,
-                 d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None):
-        """``(d_hidden | None, d_weight | None, d_bias | None)``; the fp32 per-token tensors as :func:`backward`
-        prepares them (contiguous; ``gmg``, ``ge``, ``mz``: ``g`` where unused)."""
+                 d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+                 accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None):
+        """``(d_hidden | None, d_weight | None, d_bias | None)``; the per-token tensors as :func:`backward` prepares
+        them (contiguous fp32; :func:`per_token_grads`)."""
         need_dh, need_dw, need_db = self.needs
-        device = self.device
+        dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
+        device = hidden.device
         dbp = torch.empty(self.dbp_shape, device=device, dtype=torch.float32) if need_db else g
-        dz = kept.values
+        dz = kept.values if kept.values.dtype == weight.dtype else kept.values.view(weight.dtype)
         launch_dlogits_kept(kept, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, 0, dz.shape[1],
                             self.inv_temperature, self.with_entropy, need_db, self.cfg, self.precision, self.dlogits)
-        kept.release_scales()
-        d_hidden = torch.empty(self.hidden_shape, device=device, dtype=self.dh_dtype) if need_dh else None
-        d_weight = torch.empty_like(weight) if need_dw else None
+        kept.release_scales()  # (the last pass that reads them)
+        # allocated after the d_logits launch: the GPU starts sooner (the allocations do no GPU work)
+        d_hidden = torch.empty(hidden.shape, device=device, dtype=self.dh_dtype) if need_dh else None
+        d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
         if d_hidden is not None:
-            _dh_gemm(dz, weight, d_hidden, 0, False, self.cfg, self.precision)
+            _dh_gemm(dz, weight, d_hidden, 0, self.deterministic, self.cfg, self.precision)
             if d_hidden_ready is not None:
-                d_hidden_ready(d_hidden)
+                d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
         if d_weight is not None:
-            _mm_into(d_weight, dz.t(), hidden)
-        return d_hidden, d_weight, (dbp.sum(0).to(bias.dtype) if need_db else None)
+            _dw_gemm(d_weight, dz, hidden, dw_acc is not None)
+        return d_hidden, d_weight, _bias_grad(dbp, bias, db_acc) if need_db else None
 
 
 def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,

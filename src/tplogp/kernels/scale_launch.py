@@ -8,7 +8,8 @@ from typing import Sequence
 
 import torch
 
-from .generic_launch import KernelInputError, LaunchSpec
+from .bound_launch import LaunchSpec
+from .generic_launch import KernelInputError
 from .scale_kernels import scale_round_kernel
 from .tiles import KERNEL_DTYPES, cdiv, dot_precision
 
@@ -38,7 +39,7 @@ def scale_spec(numels: Sequence[int], out_dtypes: Sequence[torch.dtype]) -> Laun
     ``out_dtypes``: one program per ``SCALE_BLOCK`` elements of each."""
     numels = tuple(numels) + (0,) * (MAX_TENSORS - len(numels))
     precisions = [dot_precision(dt) for dt in out_dtypes] + [None] * (MAX_TENSORS - len(out_dtypes))
-    return LaunchSpec((sum(cdiv(n, SCALE_BLOCK) for n in numels),), numels, SCALE_WARPS, None,
+    return LaunchSpec(scale_round_kernel, (sum(cdiv(n, SCALE_BLOCK) for n in numels),), numels, SCALE_WARPS, None,
                       dict(BLOCK=SCALE_BLOCK, P0=precisions[0], P1=precisions[1], P2=precisions[2]))
 
 
@@ -60,9 +61,9 @@ def scale_round(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], g: torch.Ten
     if bound is None:
         if len(_bound) >= _MAX_BOUND:
             _bound.clear()
-        bound = _bound[key] = scale_spec([k[0] for k in key], [k[2] for k in key]).bind(scale_round_kernel)
+        bound = _bound[key] = scale_spec([k[0] for k in key], [k[2] for k in key]).bind()
     tensors = [g]
     for t, out in pairs:
         tensors += (t, out)
     tensors += tensors[1:3] * (MAX_TENSORS - len(pairs))  # unused segments: no elements, no programs
-    bound(*tensors)
+    bound.launch(*tensors)
