@@ -34,6 +34,7 @@ from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, LogpOptions, linear_log
 from .checks import LinearLogpInputError, is_int
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
+_NO_CONTEXT = contextlib.nullcontext()  # (reusable: one object, not one per call)
 
 
 def _options(kwargs: dict) -> LogpOptions:
@@ -85,12 +86,9 @@ def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, voca
         # checks raise their error, on every rank)
         cast = torch.is_autocast_enabled(device.type) and _fits_op_schema(
             hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options)
-        if not cast:
-            return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
-                                  vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-                                  options=options)
-        hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
-        with torch.autocast(device.type, enabled=False):
+        if cast:
+            hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
+        with torch.autocast(device.type, enabled=False) if cast else _NO_CONTEXT:
             return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
                                   vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
                                   options=options)
