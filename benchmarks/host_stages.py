@@ -1,7 +1,7 @@
 """Where the host time of one forward+backward goes: stage stamps of ``linear_logp`` and ``linear_logp_loss``.
 
 ``python -m benchmarks.host_stages [--shape 4096x2048x8192] [--dtype bf16] [--rows default,loss] [--source sm90]
-[--calls 200] [--warmup 60]``
+[--budget keep:1] [--calls 200] [--warmup 60]``
 
 At small shapes a call waits on its host work: the GPU idles until the first kernel is enqueued, and between two
 kernels whenever the host takes longer to enqueue the second than the GPU takes to run the first. This tool says
@@ -31,13 +31,13 @@ import contextlib
 import importlib
 import statistics
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from .host_noop import noop_launches  # (first: without CUDA it sets TRITON_INTERPRET before tplogp imports the kernels)
 
 import torch  # noqa: E402
 
-from .runner import DTYPES  # noqa: E402
+from .runner import DTYPES, parse_budget_spec  # noqa: E402
 
 # (module, attribute path, stage label): functions looked up through that module attribute at call time, so a
 # function imported by name into two modules is listed in both
@@ -63,6 +63,8 @@ STAGES = (
     ("tplogp.backends.triton_backend", "TritonBackend._kept_buffer", "  _kept_buffer"),
     ("tplogp.kernels.generic_launch", "ForwardProgram.__call__", "program: forward"),
     ("tplogp.kernels.generic_launch", "launch_stats", "launch: stats"),
+    ("tplogp.kernels.hopper_launch", "launch_stats_tma", "launch: stats (TMA)"),
+    ("tplogp.kernels.hopper_launch", "launch_dlogits_tma", "launch: d_logits (TMA, recompute)"),
     ("tplogp.kernels.generic_launch", "launch_dlogits_kept", "launch: d_logits (kept)"),
     ("tplogp.kernels.generic_launch", "launch_dlogits", "launch: d_logits (recompute)"),
     ("tplogp.kernels.generic_launch", "_mm_into", "GEMM into the input dtype"),
@@ -107,9 +109,10 @@ def stamped(stages=STAGES, record: list = None) -> Iterator[list]:
             setattr(owner, name, raw)
 
 
-def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-          source: str) -> dict[str, Callable[[], tuple]]:
-    """Per row, one call returning ``(output, upstream gradient or None)`` (module docstring)."""
+def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, source: str,
+          workspace_bytes: Optional[int] = None) -> dict[str, Callable[[], tuple]]:
+    """Per row, one call returning ``(output, upstream gradient or None)`` (module docstring); ``workspace_bytes``
+    goes to both tplogp rows."""
     import tplogp
 
     n, d, v = shape
@@ -123,7 +126,7 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
 
     def loss():
         return tplogp.linear_logp_loss(hidden, weight, targets, loss=cross_entropy, reduction="mean",
-                                       source=source, with_entropy=False), None
+                                       source=source, with_entropy=False, workspace_bytes=workspace_bytes), None
 
     def eager():
         logits = (hidden @ weight.t()).float()
@@ -132,7 +135,10 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
     def eager_loss():
         return torch.nn.functional.cross_entropy((hidden @ weight.t()).float(), targets), None
 
-    return {"default": lambda: (op(hidden, weight, targets), upstream), "loss": loss, "eager": eager,
+    def default():
+        return op(hidden, weight, targets, workspace_bytes=workspace_bytes), upstream
+
+    return {"default": default, "loss": loss, "eager": eager,
             "eager-loss": eager_loss, "_leaves": lambda: (hidden, weight)}
 
 
@@ -185,6 +191,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--rows", default="default,loss,eager,eager-loss")
     parser.add_argument("--source", default=None, help="default: sm90 on Hopper, else triton")
+    parser.add_argument("--budget", default="default",
+                        help="workspace_bytes of the tplogp rows, as the suite's --budgets entries: default, bytes, "
+                             "keep:F (the share F of the logits kept), chunk:C")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=60)
     args = parser.parse_args(argv)
@@ -193,13 +202,15 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     source = args.source or ("sm90" if cuda and torch.cuda.get_device_capability() == (9, 0) else "triton")
     with contextlib.nullcontext() if cuda else noop_launches():
-        rows = calls(shape, DTYPES[args.dtype], device, source)  # type: ignore[arg-type]
+        budget = parse_budget_spec(args.budget)
+        workspace_bytes = budget.resolve(source, shape, DTYPES[args.dtype], device)  # type: ignore[arg-type]
+        rows = calls(shape, DTYPES[args.dtype], device, source, workspace_bytes)  # type: ignore[arg-type]
         leaves = rows.pop("_leaves")()
         for name in args.rows.split(","):
             table = stage_table(rows[name], leaves, device, args.calls, args.warmup)
             where = "" if cuda else ", kernel launches are no-ops"
-            print(f"== {name}: {args.shape} {args.dtype} source={source} on {device}{where}; median of "
-                  f"{args.calls} calls, µs from the call's start")
+            print(f"== {name}: {args.shape} {args.dtype} source={source} budget {budget.label} on {device}{where}; "
+                  f"median of {args.calls} calls, µs from the call's start")
             print(f"  {'start':>8} {'duration':>9} {'runs':>4}  stage")
             for label, start, dur, runs in table:
                 print(f"  {start:8.1f} {dur:9.1f} {runs:4d}  {label}")
