@@ -254,13 +254,15 @@ def tp_section(rows: list[dict]) -> list[str]:
     if not sel:
         return []
     out = ["## Tensor-parallel scaling", "", "`python -m benchmarks tp`: median step (forward+backward) of the "
-           "slowest rank; efficiency T(1) / (P T(P)).", "", _run_line(sel), ""]
+           "slowest rank; efficiency T(1) / (P T(P)); host CPU µs of a step, the highest rank's (its calling thread / "
+           "all its threads; TP 1 runs without a group).", "", _run_line(sel), ""]
     out += _table(
         [("shape", "l"), ("dtype", "l"), ("impl", "l"), ("TP", "r"), ("backend", "l"), ("step ms", "r"),
-         ("TFLOP/s per GPU", "r"), ("peak GiB per rank", "r"), ("efficiency", "r")], sel,
-        lambda r: [r["shape"], r["dtype"], r["impl"], r["tp"]],
+         ("TFLOP/s per GPU", "r"), ("peak GiB per rank", "r"), ("efficiency", "r"), ("host µs (thread / all)", "r")],
+        sel, lambda r: [r["shape"], r["dtype"], r["impl"], r["tp"]],
         lambda r: [r["backend"], f"{r['step_ms']:.3f}", f"{r['tflops_per_gpu']:.1f}",
-                   _num(r.get("peak_gib_per_rank"), ".3f"), _num(r.get("efficiency"), ".1%")])
+                   _num(r.get("peak_gib_per_rank"), ".3f"), _num(r.get("efficiency"), ".1%"),
+                   "" if "host_step_us" not in r else f"{r['host_step_us']:.0f} / {r['host_step_all_us']:.0f}"])
     return out + [""]
 
 

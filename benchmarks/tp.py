@@ -5,8 +5,11 @@ worker). Each rank holds the shard ``[start, end)`` of a ``V``-row LM head (even
 ``[N, D]`` hidden states; a step is the op's forward and backward with a per-token upstream gradient through
 ``tplogp.get_op`` (the registry's source unless ``--impls`` names one). Reported per degree: the median step time
 of the slowest rank, effective TFLOP/s per GPU (4 GEMMs of ``2 N D V / P`` FLOP per rank), the allocator peak
-per rank, and the efficiency ``T(1) / (P * T(P))`` against the TP=1 row of the same run. NCCL with one GPU per
-rank when there are enough GPUs, gloo on CPU otherwise.
+per rank, the efficiency ``T(1) / (P * T(P))`` against the TP=1 row of the same run, and the host CPU time of a
+step (the highest rank's median; :func:`benchmarks.runner.host_us_threads`: the calling thread's, and the
+process's with autograd's device thread and the collectives' threads; TP=1 runs the op without a group, so the
+rows compare the host cost of the group path with the plain one). On a CPU run the host time includes the
+kernels' own CPU work. NCCL with one GPU per rank when there are enough GPUs, gloo on CPU otherwise.
 """
 
 from __future__ import annotations
@@ -58,8 +61,10 @@ def format_row(r: dict) -> str:
         return f"{r['shape']:>18} TP={r['tp']} | {r['error']}"
     peak = "" if r.get("peak_gib_per_rank") is None else f" | peak {r['peak_gib_per_rank']:.3f} GiB/rank"
     eff = f" | efficiency {r['efficiency']:.1%}" if "efficiency" in r else ""
+    host = (f" | host {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} us (thread / all)"
+            if "host_step_us" in r else "")
     return (f"{r['shape']:>18} TP={r['tp']} {r['backend']} | step {r['step_ms']:.3f} ms (slowest rank) | "
-            f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU{peak}{eff}")
+            f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU{peak}{eff}{host}")
 
 
 def _worker(argv: list[str]) -> None:
@@ -92,16 +97,24 @@ def _worker(argv: list[str]) -> None:
     wg = torch.Generator(device="cpu").manual_seed(100 + rank)
     weight = (torch.randn(end - start, d, generator=wg) / d**0.5).to(dt).to(device).requires_grad_()
     op = get_op("linear_logp", source=None if args.source == "registry" else args.source)
+    group = dist.group.WORLD if world > 1 else None  # TP=1: the op without a group (its plain path)
+
+    def fwd_bwd() -> None:
+        hidden.grad = weight.grad = None
+        out = op(hidden, weight, target, tp_group=group, vocab_start_index=start, global_vocab_size=v)
+        out.backward(upstream)
 
     def step() -> float:
-        hidden.grad = weight.grad = None
         dist.barrier()
         runner.synchronize(device)
         t0 = time.perf_counter()
-        out = op(hidden, weight, target, tp_group=dist.group.WORLD, vocab_start_index=start, global_vocab_size=v)
-        out.backward(upstream)
+        fwd_bwd()
         runner.synchronize(device)
         return (time.perf_counter() - t0) * 1e3
+
+    def host_sample() -> tuple[float, float]:
+        dist.barrier()  # every rank starts the call together, as in a step
+        return runner.host_us_threads(fwd_bwd, device, reps=1)
 
     for _ in range(args.warmup):
         step()
@@ -109,12 +122,16 @@ def _worker(argv: list[str]) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     med = statistics.median(step() for _ in range(args.steps))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else -1.0
-    slowest_ms, peak_gib = max_over_ranks([med, peak], device, backend)
+    hosts = [host_sample() for _ in range(max(args.steps, 3))]
+    host_thread = statistics.median(h[0] for h in hosts)
+    host_all = statistics.median(h[1] for h in hosts)
+    slowest_ms, peak_gib, host_thread, host_all = max_over_ranks([med, peak, host_thread, host_all], device, backend)
     if rank == 0:
         with open(args.row_file, "w") as f:
             json.dump({"backend": backend, "steps": args.steps, "step_ms": round(slowest_ms, 3),
                        "tflops_per_gpu": round(4 * 2 * n * d * v / world / (slowest_ms * 1e-3) / 1e12, 2),
-                       "peak_gib_per_rank": None if peak_gib < 0 else round(peak_gib, 3)}, f)
+                       "peak_gib_per_rank": None if peak_gib < 0 else round(peak_gib, 3),
+                       "host_step_us": round(host_thread, 1), "host_step_all_us": round(host_all, 1)}, f)
     dist.destroy_process_group()
 
 

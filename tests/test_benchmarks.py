@@ -221,13 +221,22 @@ def test_budget_and_shape_parsing():
 
 
 def test_tp_smoke_rows(tmp_path):
-    """``tp --smoke``: one torchrun launch per degree (1 and 2 gloo ranks), one row each with the slowest rank's step."""
-    _bench("tp", "--smoke", "--out", str(tmp_path))
+    """``tp --smoke``: one torchrun launch per degree (1 and 2 gloo ranks), one row each with the slowest rank's step
+    and its host CPU time (the calling thread's, within the process's: same calls)."""
+    proc = _bench("tp", "--smoke", "--out", str(tmp_path))
     rows = _rows(tmp_path)
     assert sorted(r["tp"] for r in rows) == [1, 2], rows
     for r in rows:
         assert r["suite"] == "tp" and r["smoke"] and r["backend"] == "gloo" and "error" not in r, r
         assert r["step_ms"] > 0 and r["shape"] == "64x32x320" and r["steps"] == 2, r
+        assert 0 < r["host_step_us"] <= r["host_step_all_us"], r
+    assert proc.stdout.count("(thread / all)") == 2, proc.stdout
+    from benchmarks import report  # the report's TP table carries the host column (as a full run's rows)
+
+    table = "\n".join(report.tp_section([dict(r, smoke=False) for r in rows]))
+    assert "host µs (thread / all)" in table, table
+    for r in rows:
+        assert f"| {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} |" in table, table
 
 
 def test_host_stages_smoke(capsys):
@@ -254,3 +263,19 @@ def test_host_stages_smoke(capsys):
         order = [stages.index(m) for m in ("(forward returned)", "(backward returned)", "(synced)")]
         assert order == sorted(order) and stages.index("program: forward") < order[0]
     assert (tp.prepare_call, direct_launch.DirectLauncher._first, direct_launch.DirectLauncher.__call__) == before
+
+
+def test_host_stages_budget(capsys):
+    """``--budget`` reaches both tplogp rows: ``keep:0`` keeps nothing (the backward recomputes its logits), a
+    keep-all one keeps every column (the backward reads what was kept)."""
+    from benchmarks import host_stages
+
+    for budget, launch, absent in (("keep:0", "launch: d_logits (recompute)", "launch: d_logits (kept)"),
+                                   ("keep:1", "launch: d_logits (kept)", "launch: d_logits (recompute)")):
+        assert host_stages.main(["--shape", "16x32x256", "--dtype", "fp32", "--rows", "default,loss", "--budget",
+                                 budget, "--calls", "3", "--warmup", "1"]) == 0
+        tables = capsys.readouterr().out.split("== ")[1:]
+        assert len(tables) == 2, tables
+        for table in tables:
+            stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
+            assert launch in stages and absent not in stages, (budget, stages)
