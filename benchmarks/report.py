@@ -92,10 +92,10 @@ nvidia-cutlass-dsl (Liger's CuTe kernel, QuACK) is a `.pth`-based package: insta
 """
 
 
-def _host_cell(r: dict) -> str:
+def _host_cell(r: dict, thread_key: str = "host_fwd_bwd_us", all_key: str = "host_fwd_bwd_all_us") -> str:
     """The calling thread's host µs, and after a slash the process's (all threads) where the row has it."""
-    cell = _num(r.get("host_fwd_bwd_us"), ".0f")
-    return cell if r.get("host_fwd_bwd_all_us") is None else f"{cell} / {r['host_fwd_bwd_all_us']:.0f}"
+    cell = _num(r.get(thread_key), ".0f")
+    return cell if r.get(all_key) is None else f"{cell} / {r[all_key]:.0f}"
 
 
 def _num(x: Optional[float], fmt: str) -> str:
@@ -262,7 +262,7 @@ def tp_section(rows: list[dict]) -> list[str]:
         sel, lambda r: [r["shape"], r["dtype"], r["impl"], r["tp"]],
         lambda r: [r["backend"], f"{r['step_ms']:.3f}", f"{r['tflops_per_gpu']:.1f}",
                    _num(r.get("peak_gib_per_rank"), ".3f"), _num(r.get("efficiency"), ".1%"),
-                   "" if "host_step_us" not in r else f"{r['host_step_us']:.0f} / {r['host_step_all_us']:.0f}"])
+                   _host_cell(r, "host_step_us", "host_step_all_us")])
     return out + [""]
 
 

@@ -101,14 +101,18 @@ def host_us(fn: Callable[[], object], device: torch.device, reps: int = 10) -> f
     return host_us_threads(fn, device, reps)[0]
 
 
-def host_us_threads(fn: Callable[[], object], device: torch.device, reps: int = 10) -> tuple[float, float]:
+def host_us_threads(fn: Callable[[], object], device: torch.device, reps: int = 10,
+                    before: Optional[Callable[[], object]] = None) -> tuple[float, float]:
     """``(calling thread, all threads)``: :func:`host_us`, and from the same calls the process's CPU time
     (``time.process_time``: every thread, autograd's device thread included, the whole host cost of a
     forward+backward on a GPU, and whatever else the process runs meanwhile). Medians over ``reps`` calls; each
-    call's process time includes its thread time, so the second is never below the first."""
+    call's process time includes its thread time, so the second is never below the first. ``before``: run before
+    each call, after the sync, outside the timed region (a barrier that starts every rank's call together)."""
     thread, process = [], []
     for _ in range(max(reps, 1)):
         synchronize(device)
+        if before is not None:
+            before()
         p0, t0 = time.process_time(), time.thread_time()
         fn()
         t1, p1 = time.thread_time(), time.process_time()

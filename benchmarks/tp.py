@@ -112,19 +112,14 @@ def _worker(argv: list[str]) -> None:
         runner.synchronize(device)
         return (time.perf_counter() - t0) * 1e3
 
-    def host_sample() -> tuple[float, float]:
-        dist.barrier()  # every rank starts the call together, as in a step
-        return runner.host_us_threads(fwd_bwd, device, reps=1)
-
     for _ in range(args.warmup):
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     med = statistics.median(step() for _ in range(args.steps))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else -1.0
-    hosts = [host_sample() for _ in range(max(args.steps, 3))]
-    host_thread = statistics.median(h[0] for h in hosts)
-    host_all = statistics.median(h[1] for h in hosts)
+    # every rank starts each timed call together, as in a step
+    host_thread, host_all = runner.host_us_threads(fwd_bwd, device, max(args.steps, 3), before=dist.barrier)
     slowest_ms, peak_gib, host_thread, host_all = max_over_ranks([med, peak, host_thread, host_all], device, backend)
     if rank == 0:
         with open(args.row_file, "w") as f:

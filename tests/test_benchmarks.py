@@ -62,7 +62,7 @@ def test_op_smoke_rows(tmp_path):
                       "host_fwd_us", "host_fwd_bwd_us", "host_fwd_bwd_all_us"):
             assert r[field] > 0, (field, r)
         # the process's CPU time over the same calls counts the calling thread's (and any other thread's)
-        assert r["host_fwd_bwd_all_us"] >= 0.95 * r["host_fwd_bwd_us"], r
+        assert r["host_fwd_bwd_all_us"] >= r["host_fwd_bwd_us"], r
         assert r["checks"] == "full", r
         # three-way: tplogp's fp32 log-softmax is no worse than the bf16-logits eager baseline against float64
         _no_worse(r, eager, ("err_logp", "err_d_hidden", "err_d_weight"))

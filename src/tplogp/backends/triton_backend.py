@@ -310,7 +310,7 @@ class TritonBackend:
         (:meth:`_kept_buffer`) or none (the TMA kernels, the op's flat kept buffer, empty shards): those plan each
         call."""
         n = hidden.shape[0]
-        if call.rows is not None and n != call.rows:
+        if not _layout_rows(call, n):
             return False
         programs = call.programs
         found = programs.get(key)
@@ -361,7 +361,7 @@ class TritonBackend:
         if not generic_launch.KeptBackward.covers(kept, weight, call.consume_kept):
             return None
         n = hidden.shape[0]
-        if call.rows is not None and n != call.rows:  # (as the forward's, :meth:`_program`)
+        if not _layout_rows(call, n):
             return None
         with_entropy = grad_entropy is not None
         key = ("backward", n, tuple(needs), with_entropy)
@@ -376,6 +376,13 @@ class TritonBackend:
         g, gmg, ge, mz = generic_launch.per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
         return ShardGrads(*program(hidden, weight, bias, local_target, f32_contiguous(row_max),
                                    f32_contiguous(log_sum), g, gmg, ge, mz, terms, d_hidden_ready, accumulate))
+
+
+def _layout_rows(call: ShardCall, n: int) -> bool:
+    """Whether a call of ``n`` rows may run its layout's programs: the layout's own token count
+    (``ShardCall.rows``; None: any). Counts that vary from call to call (rows compacted away by ignore_index, a
+    loss chunk) would make a program per count."""
+    return call.rows is None or n == call.rows
 
 
 def _remember(programs: dict, key: tuple, value) -> None:

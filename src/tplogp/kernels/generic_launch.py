@@ -70,6 +70,30 @@ def layout_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return hidden.shape, weight.shape, hidden.dtype, None if bias is None else bias.dtype
 
 
+# The forwards' fp32 buffers: the per-split stats ``[rows, S, N]`` (row max, sum of exp, target logit and, with
+# entropy, the sum of exp * z), the merged stats of a shard ``[rows, N]`` (the same rows), the one-shard outputs
+# ``[6 or 4, N]`` (logp, lse, row max, log-sum and, with entropy, mean_rel and entropy).
+
+def _stats_rows(with_entropy: bool) -> int:
+    return 4 if with_entropy else 3
+
+
+def _single_rows(with_entropy: bool) -> int:
+    return 6 if with_entropy else 4
+
+
+def _stats_outputs(out: torch.Tensor, with_entropy: bool) -> tuple:
+    """``(row_max, sum_exp, target_logit, sum_exp_z | None)``: views of the merged stats ``out``."""
+    outs = out.unbind(0)
+    return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+
+
+def _single_outputs(out: torch.Tensor, with_entropy: bool) -> tuple:
+    """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``: views of the one-shard outputs ``out``."""
+    outs = out.unbind(0)
+    return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+
+
 # ----------------------------------------------------------------------------------------------- forward
 
 
@@ -127,19 +151,16 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     if not checked:
         check_inputs(hidden, weight, bias, local_target)
         check_kept(kept, n, v, cfg.block_v)
-    k = 4 if with_entropy else 3
-    out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
+    out = torch.empty((_stats_rows(with_entropy), n), device=hidden.device, dtype=torch.float32)
     if n == 0 or v == 0:
         out[0].fill_(float("-inf"))
         out[1:].zero_()
-        outs = out.unbind(0)
-        return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+        return _stats_outputs(out, with_entropy)
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, local_target, inv_temperature, with_entropy, cfg,
                                      stats_launch, kept)
     merge_spec(n, num_splits, with_entropy).launch(parts, out)
-    outs = out.unbind(0)
-    return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+    return _stats_outputs(out, with_entropy)
 
 
 def merge_spec(n: int, num_splits: int, with_entropy: bool) -> LaunchSpec:
@@ -166,22 +187,20 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if not checked:
         check_inputs(hidden, weight, bias, target)
         check_kept(kept, n, v, cfg.block_v)
-    k = 6 if with_entropy else 4
+    k = _single_rows(with_entropy)
     if n == 0 or v == 0:
         out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)
-        outs = out.unbind(0)
         if n:  # an empty vocab: no probability mass anywhere
             out.fill_(float("nan"))
             out[1:4].fill_(float("-inf"))
-        return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+        return _single_outputs(out, with_entropy)
     target = target if target.is_contiguous() else target.contiguous()
     parts, num_splits = _split_stats(hidden, weight, bias, target, inv_temperature, with_entropy, cfg, stats_launch,
                                      kept)
     out = torch.empty((k, n), device=hidden.device, dtype=torch.float32)  # after the launch: the GPU starts sooner
     finalize_spec(n, v, num_splits, with_entropy, target_flag is not None).launch(
         parts, target, out, out if target_flag is None else target_flag)
-    outs = out.unbind(0)
-    return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+    return _single_outputs(out, with_entropy)
 
 
 def finalize_spec(n: int, v: int, num_splits: int, with_entropy: bool, check_targets: bool) -> LaunchSpec:
@@ -215,13 +234,13 @@ class ForwardProgram:
         kept_dims = None if keep is None else (keep[0], keep[1], keep[0])
         spec, num_splits = stats_spec(n, v, d, d, d, bias is not None, with_entropy, inv_temperature, cfg,
                                       hidden.dtype, kept_dims)
-        self.parts_shape = (4 if with_entropy else 3, num_splits, n)
+        self.parts_shape = (_stats_rows(with_entropy), num_splits, n)
         self.stats = spec.bind()
         if single:
-            self.out_shape = (6 if with_entropy else 4, n)
+            self.out_shape = (_single_rows(with_entropy), n)
             self.finish = finalize_spec(n, v, num_splits, with_entropy, check_targets).bind()
         else:
-            self.out_shape = (4 if with_entropy else 3, n)
+            self.out_shape = (_stats_rows(with_entropy), n)
             self.finish = merge_spec(n, num_splits, with_entropy).bind()
 
     def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
@@ -239,14 +258,11 @@ class ForwardProgram:
         self.stats.launch(hidden, weight, hidden if bias is None else bias, target, parts,
                           parts if values is None else values, parts if scales is None else scales)
         out = torch.empty(self.out_shape, device=device, dtype=torch.float32)  # after the launch: the GPU starts sooner
-        entropy = self.with_entropy
         if not self.single:
             self.finish.launch(parts, out)
-            outs = out.unbind(0)
-            return outs[0], outs[1], outs[2], outs[3] if entropy else None
+            return _stats_outputs(out, self.with_entropy)
         self.finish.launch(parts, target, out, out if target_flag is None else target_flag)
-        outs = out.unbind(0)
-        return outs[0], outs[1], outs[2], outs[3], outs[4] if entropy else None, outs[5] if entropy else None
+        return _single_outputs(out, self.with_entropy)
 
 
 def _split_stats(hidden, weight, bias, target, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
@@ -266,7 +282,7 @@ def stats_plan(hidden: torch.Tensor, weight: torch.Tensor, with_entropy: bool, c
     and column count (without them placeholder pointers and zeros: the ``KEEP=False`` variant never reads them)."""
     n = hidden.shape[0]
     num_splits = cdiv(weight.shape[0], cfg.split_v)
-    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32)
+    parts = torch.empty((_stats_rows(with_entropy), num_splits, n), device=hidden.device, dtype=torch.float32)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     if kept is None:
         return parts, num_splits, grid, (parts, parts, 0, 0, 0)
@@ -295,13 +311,10 @@ def stats_spec(n: int, v: int, d: int, stride_h: int, stride_w: int, has_bias: b
 def launch_stats(hidden, weight, bias, local_target, inv_temperature: float, with_entropy: bool,
                   cfg: TileConfig, kept: Optional[KeptTerms] = None):
     n, d = hidden.shape
-    v = weight.shape[0]
-    kept_dims = None if kept is None else (kept.values.stride(0), kept.scales.stride(0), kept.values.shape[1])
-    spec, num_splits = stats_spec(n, v, d, hidden.stride(0), weight.stride(0), bias is not None, with_entropy,
-                                  inv_temperature, cfg, hidden.dtype, kept_dims)
-    parts = torch.empty((4 if with_entropy else 3, num_splits, n), device=hidden.device, dtype=torch.float32)
-    spec.launch(hidden, weight, bias if bias is not None else hidden, local_target, parts,
-                parts if kept is None else kept.values, parts if kept is None else kept.scales)
+    parts, num_splits, _, (p_kept, p_scale, *kept_dims) = stats_plan(hidden, weight, with_entropy, cfg, kept)
+    spec, _ = stats_spec(n, weight.shape[0], d, hidden.stride(0), weight.stride(0), bias is not None, with_entropy,
+                         inv_temperature, cfg, hidden.dtype, None if kept is None else tuple(kept_dims))
+    spec.launch(hidden, weight, bias if bias is not None else hidden, local_target, parts, p_kept, p_scale)
     return parts, num_splits
 
 
