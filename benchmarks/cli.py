@@ -1,4 +1,4 @@
-"""``python -m benchmarks op|tp|memory|plugin|integrations|report [options]``: the suite's one entry point.
+"""``python -m benchmarks op|tp|floors|memory|plugin|integrations|report [options]``: the suite's one entry point.
 
 Every measuring subcommand prints its rows and appends them to ``<out>/results.jsonl`` (default
 ``benchmarks/results``); ``op`` also redraws the Pareto plots there. ``--smoke`` runs the same code on tiny
@@ -21,6 +21,7 @@ OP_SHAPES = "8192x4096x128256,4096x4096x128256,8192x4096x32768,4096x2048x8192"
 OP_SMOKE_SHAPES = "64x32x320"
 OP_BUDGETS = "default,keep:0.5,keep:1,chunk:4096"
 OP_SMOKE_BUDGETS = "default,16KiB,keep:1,chunk:16"
+FLOOR_SHAPES = "8192x4096x128256,4096x4096x128256,8192x4096x32768"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,6 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--degrees", help="TP degrees (default 1,2,4,... up to the GPUs; smoke 1,2)")
     tp.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16; smoke fp32")
     tp.add_argument("--steps", type=int, default=None)
+
+    fl = sub.add_parser("floors", parents=[common], help="the 3-GEMM floor of a keep-all call and the host floor of "
+                                                         "a forward+backward, beside the op")
+    fl.add_argument("--shapes", help=f"TxDxV,... of the GEMM floor (default {FLOOR_SHAPES}; smoke 64x32x320)")
+    fl.add_argument("--host-shape", help="TxDxV of the host floor (default 4096x2048x8192 on a GPU, 16x32x256 on "
+                                         "the CPU)")
+    fl.add_argument("--what", default="gemm,host", help="gemm, host or both (default: %(default)s)")
+    fl.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                    help="default bf16 on a GPU, fp32 on the CPU")
+    fl.add_argument("--reps", type=int, help="calls per timing (default 10 GEMM floor, 100 host floor; smoke 2)")
+    fl.add_argument("--rounds", type=int, help="interleaved rounds (default 3; smoke 1)")
+    fl.add_argument("--warm-ms", type=float, help="sustained warm-up before each GPU timing, ms (default 300)")
 
     hf = sub.add_parser("integrations", parents=[common],
                         help="HF causal LM: TRL's logits path vs tplogp.integrations.hf (log-probs, GRPO step)")
@@ -164,6 +177,30 @@ def _tp(args) -> int:
     return 0
 
 
+def _floors(args) -> int:
+    from . import floors
+
+    device, smoke = _device(), args.smoke
+    gpu = device.type == "cuda"
+    dtype = runner.DTYPES[args.dtype or ("bf16" if gpu and not smoke else "fp32")]
+    what = {w.strip() for w in args.what.split(",") if w.strip()}
+    if not what or what - {"gemm", "host"}:
+        raise SystemExit(f"--what takes gemm, host or both, got {args.what!r}")
+    rounds = args.rounds or (1 if smoke else 3)
+    warm_ms = args.warm_ms if args.warm_ms is not None else (0.0 if smoke else 300.0)
+    info = runner.run_info(device)
+    print(f"# {info['device']} | torch {info['torch']} | triton {info['triton']} | tplogp {info['commit']}", flush=True)
+    rows = []
+    if "gemm" in what:
+        for shape in runner.parse_shapes(args.shapes or ("64x32x320" if smoke else FLOOR_SHAPES)):
+            rows.append(floors.gemm_floor(shape, dtype, device, args.reps or (2 if smoke else 10), rounds, warm_ms))
+    if "host" in what:
+        (shape,) = runner.parse_shapes(args.host_shape or ("4096x2048x8192" if gpu and not smoke else "16x32x256"))[:1]
+        rows += floors.host_floor(shape, dtype, device, args.reps or (2 if smoke else 100), rounds)
+    _finish(args.out, rows, info, smoke, floors.format_row)
+    return 0
+
+
 def _report(args) -> int:
     from . import report
 
@@ -189,8 +226,8 @@ def _integrations(args) -> int:
     return 0
 
 
-COMMANDS = {"op": _op, "memory": _memory, "plugin": _plugin, "tp": _tp, "integrations": _integrations,
-            "report": _report}
+COMMANDS = {"op": _op, "memory": _memory, "plugin": _plugin, "tp": _tp, "floors": _floors,
+            "integrations": _integrations, "report": _report}
 
 
 def _without_base(argv: list[str]) -> list[str]:

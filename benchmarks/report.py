@@ -71,6 +71,7 @@ pip install --no-deps -r benchmarks/requirements-peers.txt  # the peers at the v
 python -m benchmarks op --shapes 8192x4096x128256 --dtype bf16          # appends to benchmarks/results/results.jsonl
 python -m benchmarks memory                                 # CPU: native source vs eager
 python -m benchmarks plugin                                 # CPU: pytest_tplogp rank pool
+python -m benchmarks floors                                 # the 3-GEMM and host floors, beside the op
 python -m benchmarks report                                 # rewrites this page and the plots
 python -m benchmarks op --shapes 4096x2048x8192 --impls tplogp-sm90 --base main   # A/B against another commit
 ```
@@ -266,9 +267,46 @@ def tp_section(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def floors_section(rows: list[dict]) -> list[str]:
+    gemm = sorted(runner.latest_rows(rows, "floors", ("kind", "shape", "dtype")), key=lambda r: _shape_key(r["shape"]))
+    gemm = [r for r in gemm if r["kind"] == "gemm"]
+    host = [r for r in runner.latest_rows(rows, "floors", ("kind", "shape", "dtype", "impl", "autograd_threads"))
+            if r["kind"] == "host"]
+    if not gemm and not host:
+        return []
+    out = ["## Floors", "", "`python -m benchmarks floors`: what a forward+backward cannot go below on the machine, "
+           "measured beside the op in one process (benchmarks/floors.py).", ""]
+    if gemm:
+        out += ["**Three GEMMs.** A call that keeps every term still runs the forward's GEMM, `d_hidden` and `d_W`: "
+                "each timed back to back with cuBLAS after the warm-up, in GEMM-times of the first; their sum is the "
+                "time of a keep-all call that does nothing but GEMMs at cuBLAS speed. Beside it, everything kept "
+                "(`keep_logits_budget`), synced / b2b.", "", _run_line(gemm), ""]
+        out += _table(
+            [("shape", "l"), ("dtype", "l"), ("GEMM ms", "r"), ("d_hidden GEMM", "r"), ("d_W GEMM", "r"),
+             ("3-GEMM floor", "r"), ("linear_logp keep-all", "r"), ("fused loss keep-all", "r")],
+            gemm, lambda r: [r["shape"], r["dtype"]],
+            lambda r: [f"{r['unit_ms']:.3f}", f"{r['d_hidden_gemms']:.3f}", f"{r['d_weight_gemms']:.3f}",
+                       f"{r['floor_gemms']:.3f}", f"{r['keep_all_gemms']:.2f} / {r['keep_all_gemms_b2b']:.2f}",
+                       f"{r['loss_keep_all_gemms']:.2f} / {r['loss_keep_all_gemms_b2b']:.2f}"])
+        out.append("")
+    if host:
+        order = {"autograd-floor": 0, "torch-eager": 1, "tplogp": 2, "tplogp-loss": 3}
+        host.sort(key=lambda r: (r["shape"], not r["autograd_threads"], order.get(r["impl"], 9), r["impl"]))
+        out += ["**Host.** CPU µs of one forward+backward, the calling thread's / the process's (all threads): an "
+                "autograd Function that launches nothing (autograd's own cost), eager log_softmax + gather, and the "
+                "op; on a GPU also with autograd's multithreading off (the backward on the calling thread instead "
+                "of autograd's device thread).", "", _run_line(host), ""]
+        out += _table([("shape", "l"), ("dtype", "l"), ("impl", "l"), ("autograd device thread", "l"),
+                       ("host µs (thread / all)", "r")], host,
+                      lambda r: [r["shape"], r["dtype"], r["impl"], "on" if r["autograd_threads"] else "off"],
+                      lambda r: [_host_cell(r, "host_us", "host_all_us")])
+        out.append("")
+    return out
+
+
 def render(rows: list[dict], plot_dir: str, doc_dir: str) -> str:
     lines = [HEADER] + op_section(rows, plot_dir, doc_dir) + [METHOD] + memory_section(rows) + \
-        plugin_section(rows) + tp_section(rows) + [REPRODUCE]
+        plugin_section(rows) + tp_section(rows) + floors_section(rows) + [REPRODUCE]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -239,6 +239,31 @@ def test_tp_smoke_rows(tmp_path):
         assert f"| {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} |" in table, table
 
 
+def test_floors_smoke_rows(tmp_path):
+    """``floors --smoke``: one GEMM-floor row (the floor is the unit plus the two backward GEMMs, every keep-all
+    timing positive) and, on the CPU, one host row per implementation with autograd's threads on; the report's
+    section shows both tables with the rows' numbers."""
+    proc = _bench("floors", "--smoke", "--out", str(tmp_path))
+    rows = _rows(tmp_path)
+    gemm = [r for r in rows if r["kind"] == "gemm"]
+    host = [r for r in rows if r["kind"] == "host"]
+    assert len(gemm) == 1 and gemm[0]["shape"] == "64x32x320", rows
+    (g,) = gemm
+    assert g["suite"] == "floors" and g["smoke"] and g["unit_ms"] > 0, g
+    assert math.isclose(g["floor_gemms"], 1 + g["d_hidden_gemms"] + g["d_weight_gemms"], abs_tol=2e-4), g
+    for key in ("keep_all_gemms", "keep_all_gemms_b2b", "loss_keep_all_gemms", "loss_keep_all_gemms_b2b"):
+        assert g[key] > 0, (key, g)
+    assert sorted(r["impl"] for r in host) == ["autograd-floor", "torch-eager", "tplogp", "tplogp-loss"], host
+    for r in host:
+        assert r["autograd_threads"] is True and r["shape"] == "16x32x256" and r["dtype"] == "fp32", r
+        assert 0 < r["host_us"] <= r["host_all_us"], r
+    assert proc.stdout.count("3-GEMM floor") == 1 and proc.stdout.count("(thread / all)") == 4, proc.stdout
+    section = "\n".join(report.floors_section([dict(r, smoke=False) for r in rows]))
+    assert "## Floors" in section and f"| {g['floor_gemms']:.3f} |" in section, section
+    for r in host:
+        assert f"| {r['impl']} | on | {r['host_us']:.0f} / {r['host_all_us']:.0f} |" in section, section
+
+
 def test_host_stages_smoke(capsys):
     """The stage stamps on CPU (no-op launches): every row's table lists the forward's launch program and its bound
     launches, the backward node, the kept d_logits launch and the markers in call order; the stamped functions and
