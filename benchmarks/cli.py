@@ -182,7 +182,7 @@ def _floors(args) -> int:
 
     device, smoke = _device(), args.smoke
     gpu = device.type == "cuda"
-    dtype = runner.DTYPES[args.dtype or ("bf16" if gpu and not smoke else "fp32")]
+    dtype = args.dtype or ("bf16" if gpu and not smoke else "fp32")
     what = {w.strip() for w in args.what.split(",") if w.strip()}
     if not what or what - {"gemm", "host"}:
         raise SystemExit(f"--what takes gemm, host or both, got {args.what!r}")

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from . import runner
+from .op import make_problem
 
 
 class _NothingFunction(torch.autograd.Function):
@@ -47,14 +48,10 @@ class _NothingFunction(torch.autograd.Function):
         return torch.empty_like(hidden), torch.empty_like(weight)
 
 
-def _problem(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device):
-    t, d, v = shape
-    gen = torch.Generator(device=device).manual_seed(0)
-    hidden = (torch.randn(t, d, device=device, generator=gen) * 0.5).to(dtype).requires_grad_()
-    weight = (torch.randn(v, d, device=device, generator=gen) / d ** 0.5).to(dtype).requires_grad_()
-    target = torch.randint(0, v, (t,), device=device, generator=gen)
-    upstream = torch.randn(t, device=device, generator=gen)
-    return hidden, weight, target, upstream
+def _problem(shape: tuple[int, int, int], dtype: str, device: torch.device):
+    """The op suite's seeded problem (:func:`benchmarks.op.make_problem`), hidden and weight requiring grad."""
+    hidden, weight, target, upstream = make_problem(*shape, runner.DTYPES[dtype], device)
+    return hidden.requires_grad_(), weight.requires_grad_(), target, upstream
 
 
 def _steps(hidden, weight, target, upstream, workspace_bytes=None) -> dict[str, Callable[[], None]]:
@@ -87,7 +84,7 @@ def _steps(hidden, weight, target, upstream, workspace_bytes=None) -> dict[str, 
     return {"autograd-floor": nothing, "torch-eager": eager, "tplogp": op, "tplogp-loss": loss}
 
 
-def gemm_floor(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, reps: int, rounds: int,
+def gemm_floor(shape: tuple[int, int, int], dtype: str, device: torch.device, reps: int, rounds: int,
                warm_ms: float) -> dict:
     """The ``kind: gemm`` row of one shape (module docstring)."""
     from tplogp.budgets import keep_logits_budget
@@ -95,8 +92,8 @@ def gemm_floor(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.de
     t, d, v = shape
     hidden, weight, target, upstream = _problem(shape, dtype, device)
     h, w = hidden.detach(), weight.detach()
-    dz = torch.randn(t, v, device=device, generator=torch.Generator(device=device).manual_seed(1)).to(dtype)
-    steps = _steps(hidden, weight, target, upstream, keep_logits_budget(t, v, device=device, dtype=dtype))
+    dz = torch.randn(t, v, device=device, dtype=h.dtype, generator=torch.Generator(device=device).manual_seed(1))
+    steps = _steps(hidden, weight, target, upstream, keep_logits_budget(t, v, device=device, dtype=h.dtype))
     timed = {
         "d_hidden_gemms": (lambda: dz @ w, True),
         "d_weight_gemms": (lambda: dz.t() @ h, True),
@@ -111,14 +108,14 @@ def gemm_floor(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.de
         units.append(unit)
         for key, (fn, b2b) in timed.items():
             ratios[key].append(runner.median_ms(fn, device, reps, warm_ms=warm_ms, back_to_back=b2b) / unit)
-    row = {"suite": "floors", "kind": "gemm", "shape": runner.shape_label(shape), "dtype": _name(dtype),
+    row = {"suite": "floors", "kind": "gemm", "shape": runner.shape_label(shape), "dtype": dtype,
            "unit_ms": round(statistics.median(units), 4), "rounds": rounds}
     row.update({k: round(statistics.median(v), 4) for k, v in ratios.items()})
     row["floor_gemms"] = round(1.0 + row["d_hidden_gemms"] + row["d_weight_gemms"], 4)
     return row
 
 
-def host_floor(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, reps: int,
+def host_floor(shape: tuple[int, int, int], dtype: str, device: torch.device, reps: int,
                rounds: int) -> list[dict]:
     """The ``kind: host`` rows at one shape (module docstring)."""
     steps = _steps(*_problem(shape, dtype, device))
@@ -134,15 +131,11 @@ def host_floor(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.de
                     samples.setdefault((name, threads), []).append(runner.host_us_threads(fn, device, reps))
     rows = []
     for (name, threads), got in samples.items():
-        rows.append({"suite": "floors", "kind": "host", "shape": runner.shape_label(shape), "dtype": _name(dtype),
+        rows.append({"suite": "floors", "kind": "host", "shape": runner.shape_label(shape), "dtype": dtype,
                      "impl": name, "autograd_threads": threads, "rounds": rounds,
                      "host_us": round(statistics.median(x[0] for x in got), 1),
                      "host_all_us": round(statistics.median(x[1] for x in got), 1)})
     return rows
-
-
-def _name(dtype: torch.dtype) -> str:
-    return next(k for k, v in runner.DTYPES.items() if v == dtype)
 
 
 def format_row(r: dict) -> str:

@@ -37,6 +37,7 @@ from .host_noop import noop_launches  # (first: without CUDA it sets TRITON_INTE
 
 import torch  # noqa: E402
 
+from .op import make_problem  # noqa: E402
 from .runner import DTYPES, parse_budget_spec  # noqa: E402
 
 # (module, attribute path, stage label): functions looked up through that module attribute at call time, so a
@@ -115,12 +116,9 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
     goes to both tplogp rows."""
     import tplogp
 
-    n, d, v = shape
-    gen = torch.Generator(device=device).manual_seed(0)
-    hidden = (torch.randn(n, d, device=device, generator=gen) * 0.5).to(dtype).requires_grad_()
-    weight = (torch.randn(v, d, device=device, generator=gen) / d ** 0.5).to(dtype).requires_grad_()
-    targets = torch.randint(0, v, (n,), device=device, generator=gen)
-    upstream = torch.randn(n, device=device, generator=gen)
+    hidden, weight, targets, upstream = make_problem(*shape, dtype, device)  # the op suite's seeded problem
+    hidden.requires_grad_()
+    weight.requires_grad_()
     op = tplogp.get_op("linear_logp", source=source)
     cross_entropy = tplogp.losses.cross_entropy()
 

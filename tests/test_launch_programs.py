@@ -190,3 +190,21 @@ def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy
         assert (x is None) == (y is None) == (x is got.d_bias and not bias)
         if x is not None:
             assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y))
+
+
+def test_the_layout_and_program_caches_stay_bounded():
+    """``ShardCall.programs`` and the layout cache are emptied when a new key would pass their limit; a key they
+    already hold is replaced without emptying them."""
+    from tplogp.backends import triton_backend
+
+    programs: dict = {}
+    for i in range(triton_backend.MAX_PROGRAMS):
+        triton_backend._remember(programs, ("single", i), i)
+    triton_backend._remember(programs, ("single", 0), "again")  # held already: nothing dropped
+    assert len(programs) == triton_backend.MAX_PROGRAMS and programs[("single", 0)] == "again"
+    assert triton_backend._remember(programs, ("single", -1), "new") == "new"
+    assert programs == {("single", -1): "new"}
+    backend = _backend()
+    for n in range(1, triton_backend.MAX_LAYOUTS + 2):
+        backend._launch_layout(torch.empty(n, D), torch.empty(V, D), ShardCall())
+    assert len(backend._layout_cache) == 1  # the 257th layout found the cache full

@@ -141,9 +141,8 @@ class TritonBackend:
                tiles.dot_precision(dtype))
         found = cache.get(key)
         if found is None:
-            if len(cache) >= MAX_LAYOUTS:
-                cache.clear()
-            found = cache[key] = self._plan_layout(n, v, dtype, device, workspace_bytes, deterministic)
+            found = _remember(cache, key, self._plan_layout(n, v, dtype, device, workspace_bytes, deterministic),
+                              MAX_LAYOUTS)
         return found
 
     def _plan_layout(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
@@ -385,9 +384,11 @@ def _layout_rows(call: ShardCall, n: int) -> bool:
     return call.rows is None or n == call.rows
 
 
-def _remember(programs: dict, key: tuple, value) -> None:
-    """``programs[key] = value`` (a program, or ``False`` for a layout no program runs), the dict emptied first when
-    it holds ``MAX_PROGRAMS``."""
-    if key not in programs and len(programs) >= MAX_PROGRAMS:
-        programs.clear()
-    programs[key] = value
+def _remember(cache: dict, key: tuple, value, limit: int = MAX_PROGRAMS):
+    """``cache[key] = value``, the dict emptied first when it already holds ``limit`` other keys; returns
+    ``value``. The layout cache (``MAX_LAYOUTS``) and ``ShardCall.programs`` (a program, or ``False`` for a layout
+    no program runs; ``MAX_PROGRAMS``)."""
+    if key not in cache and len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
