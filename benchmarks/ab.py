@@ -1,6 +1,6 @@
 """A/B against another commit: the same measurement on this tree and on ``REV``, interleaved, with per-row ratios.
 
-``REV`` is checked out into a temporary git worktree (removed afterwards). The measurement runs as one child
+``REV`` is checked out into a temporary git worktree (removed afterwards), or is a folder that holds a source tree. The measurement runs as one child
 process per side and round, ``python -m benchmarks <same arguments>`` from this tree (so both sides use this
 tree's harness), with ``PYTHONPATH`` putting that side's ``src/`` first so that the child imports that side's
 tplogp. Rounds alternate the order (this, base; base, this; ...) on the same machine state, so clock, power and
@@ -86,18 +86,26 @@ def run(argv: list[str], base_rev: str, rounds: int, out_dir: str,
         later_rounds: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
     """Run ``python -m benchmarks <argv>`` on this tree and on ``base_rev``, ``rounds`` times each, interleaved.
 
+    ``base_rev``: a git revision (checked out into a temporary worktree) or a folder holding a source tree (an
+    exported revision, for machines where the checkout has no git history).
+
     ``later_rounds`` are extra arguments for rounds after the first (e.g. ``--no-check``). Returns (rows, ratios);
     the rows are appended to ``<out_dir>/results.jsonl``."""
-    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True)
-    if top.returncode != 0:
-        raise RuntimeError(f"--base needs a git checkout; {REPO} is not one: {top.stderr.strip()}")
     tmp = tempfile.mkdtemp(prefix="tplogp-base-")
-    tree = os.path.join(tmp, "tree")
-    add = subprocess.run(["git", "worktree", "add", "--detach", tree, base_rev], cwd=REPO, capture_output=True,
-                         text=True)
-    if add.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"git worktree add {base_rev} failed: {add.stderr.strip()}")
+    if os.path.isdir(base_rev):  # a source tree given as a folder (an exported revision: no git history needed)
+        tree, worktree = os.path.abspath(base_rev), False
+    else:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True)
+        if top.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"--base REV needs a git checkout ({REPO} is not one: {top.stderr.strip()}); "
+                               f"pass the base as a folder holding its source tree instead")
+        tree, worktree = os.path.join(tmp, "tree"), True
+        add = subprocess.run(["git", "worktree", "add", "--detach", tree, base_rev], cwd=REPO, capture_output=True,
+                             text=True)
+        if add.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"git worktree add {base_rev} failed: {add.stderr.strip()}")
     sides = {"this": _src_root(REPO), "base": _src_root(tree)}
     commits = {"this": runner.source_commit(REPO), "base": runner.source_commit(tree)}
     rows: list[dict] = []
@@ -113,7 +121,8 @@ def run(argv: list[str], base_rev: str, rounds: int, out_dir: str,
                     r["ab"] = {"side": side, "round": i, "this": commits["this"], "base": commits["base"]}
                     rows.append(r)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
+        if worktree:
+            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     runner.append_rows(out_dir, rows)
     result = ratios(rows)

@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--out", default=runner.DEFAULT_OUT,
                         help="folder of results.jsonl and the plots (default: %(default)s)")
     common.add_argument("--smoke", action="store_true", help="tiny problems, few repetitions: seconds, on CPU too")
-    common.add_argument("--base", metavar="REV", help="also run on git revision REV and print this / base ratios")
+    common.add_argument("--base", metavar="REV", help="also run on REV (a git revision, or a folder holding a source tree) and print "
+                             "this / base ratios")
     common.add_argument("--ab-rounds", type=int, default=None,
                         help="with --base: rounds per side, alternating order (default 3; 1 with --smoke)")
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0],

@@ -164,6 +164,19 @@ def test_base_runs_both_sides_and_prints_ratios(tmp_path):
     assert "tplogp-base-" not in worktrees  # the temporary worktree is gone
 
 
+def test_base_takes_a_source_folder(tmp_path):
+    """A machine whose copy of the repository has no git history compares against an exported tree."""
+    base = tmp_path / "base"
+    shutil.copytree(os.path.join(ROOT, "src"), base / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "out"
+    proc = _bench("op", "--smoke", "--impls", "tplogp-native", "--budgets", "default", "--no-check", "--base",
+                  str(base), "--out", str(out))
+    rows = _rows(out)
+    assert sorted(r["ab"]["side"] for r in rows) == ["base", "this"]
+    assert "fwd_bwd_ms" in proc.stdout.split("# A/B:")[-1]
+    assert base.joinpath("src", "tplogp", "__init__.py").is_file()  # the given folder is left alone
+
+
 def _op_row(impl, budget="default", **extra):
     row = dict(suite="op", shape="64x32x320", dtype="bf16", impl=impl, budget=budget, contract=impls.PER_TOKEN,
                date="2026-01-02T00:00:00+00:00", device="GPU X", driver="1.0", torch="2", triton="3", commit="abc",
