@@ -1,7 +1,8 @@
 """Regenerate docs/performance.md (and the plots) from the results file: current numbers only.
 
 Per section the latest row of each (shape, dtype, implementation, budget) / (shape, implementation) / section,
-leaving out smoke runs and A/B rows. The method and reproduction text lives here, beside the code it describes.
+leaving out smoke runs and A/B rows, shown as one table per run under one provenance line (date, machine, versions,
+commit), at most 8 columns. The method and reproduction text lives here, beside the code it describes.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ not this file. -->
 
 Which implementation to pick for a shape and a memory budget: the tables and the Pareto plots below, one row and
 one point per implementation and `workspace_bytes` budget, each measured beside one cuBLAS GEMM of its own run.
-A table shows the latest row of each implementation and budget, so its rows may come from several runs (the `run`
-column); a budget means what `workspace_bytes` did at that row's commit.
+A shape shows the latest row of each implementation and budget, one table per run (newest first) under the run's
+provenance line: date, machine, versions, the tplogp commit measured. A budget means what `workspace_bytes` did at
+that commit; GEMM-times compare across runs, each run's rows being measured beside their own GEMM.
 """
 
 METHOD = """## Method
@@ -28,14 +30,13 @@ METHOD = """## Method
   same process. Each round times GEMM, forward, GEMM, forward+backward and divides each time by the GEMM timed just
   before it; a GEMM-time is the median over rounds (3 by default), and the implementations are interleaved within
   each round in a rotating order, so clock and power drift fall on all of them alike. The GEMM is timed back to
-  back (its GPU time) for both columns, so synced and b2b GEMM-times share one unit. A table whose "One GEMM" gives
-  a synced and a b2b time comes from an earlier harness that divided each column by the GEMM timed in that
-  column's mode: the synced GEMM includes one launch latency (0.24-0.28 against 0.20-0.21 ms at 4096x2048x8192), so
+  back (its GPU time) for both columns, so synced and b2b GEMM-times share one unit. A run whose "One GEMM" gives
+  a synced and a back-to-back time was measured by an earlier harness that divided each column by the GEMM timed in
+  that column's mode: the synced GEMM includes one launch latency (0.24-0.28 against 0.20-0.21 ms at 4096x2048x8192), so
   at small shapes the synced column reads lower than b2b where the op's milliseconds are about the same.
 * **Power-capped clocks, sustained warm-up.** Under sustained tensor-core load an H200 sits at its 700 W power cap
   and its SM clock falls from 1980 MHz to 1230-1620 MHz, so a kernel timed after an idle stretch runs at boost clock
-  and looks faster than in training (H200, bf16, 2026-11-29, commit `192094b`: the 4096x2048x131072 GEMM took
-  2.79 ms from a cool start at 1980 MHz, 3.31 ms under the cap at 1470 MHz, 18% more). Every timing (the GEMM's
+  and looks faster than in training (H200, bf16: the 4096x2048x131072 GEMM took 2.79 ms from a cool start at 1980 MHz, 3.31 ms under the cap at 1470 MHz, 18% more). Every timing (the GEMM's
   too) starts after 300 ms (`--warm-ms`) of back-to-back calls of the same function, so all are compared in the
   power state a training loop runs in.
 * **Synced and back to back.** *Synced*: a host sync after every call, so a sample includes the host's launch
@@ -107,21 +108,30 @@ def _err(r: dict, key: str) -> str:
     return _num(r.get(key), ".1e")
 
 
-def _run_line(rows: list[dict]) -> str:
-    """The distinct runs a table's rows come from: date, device, driver, versions, commit, checks mode."""
-    runs = sorted({(r["date"][:10], r.get("device"), r.get("driver"), r.get("torch"), r.get("triton"),
-                    r.get("commit"), r.get("checks"),
-                    ", ".join(f"{k} {v}" for k, v in sorted((r.get("peers") or {}).items()) if v))
-                   for r in rows})
-    parts = []
-    for date, device, driver, torch_v, triton_v, commit, checks, peers in runs:
-        text = f"{date}, {device}" + (f" (driver {driver})" if driver else "")
-        text += f", torch {torch_v}, Triton {triton_v}, tplogp `{commit}`"
-        if checks and checks != "full":
-            text += f", `TPLOGP_CHECKS={checks}`"
-        text += f"; peers: {peers}" if peers else "; no peer packages installed"
-        parts.append(text)
-    return "Measured: " + "; ".join(parts) + "."
+def _run_key(r: dict) -> tuple:
+    """What makes a run: its day, machine, versions, tplogp commit and peer packages (the checks mode is in the
+    budget label of the rows it applies to)."""
+    peers = ", ".join(f"{k} {v}" for k, v in sorted((r.get("peers") or {}).items()) if v)
+    return (r["date"][:10], r.get("device"), r.get("driver"), r.get("torch"), r.get("triton"), r.get("commit"), peers)
+
+
+def _provenance(rows: list[dict]) -> str:
+    """The one provenance line of a table whose ``rows`` come from one run: date, machine, versions, commit."""
+    keys = {_run_key(r) for r in rows}
+    assert len(keys) == 1, f"a table's rows come from one run, got {sorted(keys)}"
+    date, device, driver, torch_v, triton_v, commit, peers = keys.pop()
+    text = f"Measured {date}" + (f" on {device}" if device else "") + (f" (driver {driver})" if driver else "")
+    text += (f", torch {torch_v}" if torch_v else "") + (f", Triton {triton_v}" if triton_v else "")
+    text += f", tplogp `{commit}`" if commit else ""
+    return text + (f"; peers: {peers}." if peers else "; no peer packages installed.")
+
+
+def _by_run(rows: list[dict]) -> list[list[dict]]:
+    """``rows`` split by run, newest run first, each run's rows in their given order."""
+    runs: dict[tuple, list[dict]] = {}
+    for r in rows:
+        runs.setdefault(_run_key(r), []).append(r)
+    return sorted(runs.values(), key=lambda sel: max(r["date"] for r in sel), reverse=True)
 
 
 def _table(columns: list[tuple[str, str]], rows: list[dict], leading: Callable[[dict], list],
@@ -148,14 +158,29 @@ def _shape_key(shape: str) -> tuple:
 
 
 def _gemm_line(sel: list[dict]) -> str:
-    """The unit of the GEMM-time columns; rows with ``gemm_ms_b2b`` divided each mode by its own mode's GEMM."""
-    r = next((r for r in sel if r.get("gemm_ms")), None)
-    if r is None:
+    """The unit of a run's GEMM-time columns: the median of its rows' GEMM (an earlier harness divided each mode by
+    its own mode's GEMM: ``gemm_ms_b2b``)."""
+    timed = sorted(sel, key=lambda r: r.get("gemm_ms") or 0.0)
+    timed = [r for r in timed if r.get("gemm_ms")]
+    if not timed:
         return ""
+    r = timed[len(timed) // 2]
     if r.get("gemm_ms_b2b"):
-        return (f" One GEMM: {r['gemm_ms']:.3f} ms synced, {r['gemm_ms_b2b']:.3f} ms b2b (each GEMM-time column "
-                f"in its own mode's GEMM).")
-    return f" One GEMM: {r['gemm_ms']:.3f} ms (back to back, the unit of both GEMM-time columns)."
+        return f" One GEMM: {r['gemm_ms']:.3f} ms synced, {r['gemm_ms_b2b']:.3f} ms back to back."
+    return f" One GEMM: {r['gemm_ms']:.3f} ms."
+
+
+OP_COLUMNS = [("impl", "l"), ("budget", "l"), ("contract", "l"), ("ms fwd / fwd+bwd", "r"),
+              ("fwd+bwd GEMM-times synced / b2b", "r"), ("host µs fwd+bwd (thread / all)", "r"), ("extra GiB", "r"),
+              ("error logp (loss) / d_hidden / d_W", "r")]
+
+
+def _op_values(r: dict) -> list[str]:
+    err_out = _err(r, "err_logp") or (f"({_err(r, 'err_loss')})" if r.get("err_loss") is not None else "")
+    errors = " / ".join(e for e in (err_out, _err(r, "err_d_hidden"), _err(r, "err_d_weight")) if e)
+    return [f"{r['fwd_ms']:.3f} / {r['fwd_bwd_ms']:.3f}",
+            f"{r['fwd_bwd_gemms']:.2f} / {_num(r.get('fwd_bwd_gemms_b2b'), '.2f')}", _host_cell(r),
+            _num(r.get("extra_peak_gib"), ".3f"), errors]
 
 
 def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
@@ -164,37 +189,29 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
     if not groups:
         return out + ["No op rows in the results file yet (`python -m benchmarks op`).", ""]
     for (shape, dtype), sel in sorted(groups.items(), key=lambda kv: (_shape_key(kv[0][0]), kv[0][1])):
-        sel = sorted(sel, key=lambda r: (r.get("error") is not None, r.get("fwd_bwd_gemms") or 1e9))
-        out += [f"### {shape} (T x D x V), {dtype}", "", _run_line(sel) + _gemm_line(sel), ""]
-        if len({r.get("commit") for r in sel}) > 1:
-            out += ["Rows come from several runs (`run`: the tplogp commit of the row's run, each row the latest of "
-                    "its implementation and budget); GEMM-times compare across runs, each run's rows were measured "
-                    "beside their own GEMM.", ""]
-        host = any(r.get("host_fwd_bwd_us") is not None for r in sel)  # (rows of older runs have no host column)
-        out += ["| impl | budget | contract | fwd ms | fwd+bwd ms | fwd GEMMs | fwd+bwd GEMMs synced / b2b | "
-                + ("host µs fwd+bwd (thread / all) | " if host else "")
-                + "extra GiB | err logp (loss) | err d_hidden | err d_W | run |",
-                "|---|---|---|---:|---:|---:|---:|" + ("---:|" if host else "") + "---:|---:|---:|---:|---|"]
-        missing = []
-        for r in sel:
-            if "error" in r or r.get("fwd_ms") is None:
-                missing.append(f"* `{r['impl']}`" + (f" @ {r['budget']}" if r["budget"] != "default" else "")
-                               + f": {r.get('error', 'not timed')}")
-                continue
-            err_out = _err(r, "err_logp") or (f"({_err(r, 'err_loss')})" if r.get("err_loss") is not None else "")
-            out.append(
-                f"| {r['impl']} | {r['budget']} | {r['contract']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | "
-                f"{r['fwd_gemms']:.2f} | {r['fwd_bwd_gemms']:.2f} / {_num(r.get('fwd_bwd_gemms_b2b'), '.2f')} | "
-                + (f"{_host_cell(r)} | " if host else "")
-                + f"{_num(r.get('extra_peak_gib'), '.3f')} | {err_out} | "
-                f"{_err(r, 'err_d_hidden')} | "
-                f"{_err(r, 'err_d_weight')} | `{r.get('commit')}` |")
-        out.append("")
+        timed = sorted((r for r in sel if "error" not in r and r.get("fwd_ms") is not None),
+                       key=lambda r: r["fwd_bwd_gemms"])
+        out += [f"### {shape} (T x D x V), {dtype}", ""]
+        for run in _by_run(timed):
+            out += [_provenance(run) + _gemm_line(run), ""]
+            out += _table(OP_COLUMNS, run, lambda r: [r["impl"], r["budget"], r["contract"]], _op_values) + [""]
+        missing = [r for r in sel if r not in timed]
         if missing:
-            out += ["Not measured here:", ""] + missing + [""]
+            out += ["Not measured here:", ""] + [
+                f"* `{r['impl']}`" + (f" @ {r['budget']}" if r["budget"] != "default" else "")
+                + f": {r.get('error', 'not timed')}" for r in missing] + [""]
         png = plots.plot_path(plot_dir, shape, dtype)
         if os.path.exists(png):
             out += [f"![{shape} {dtype}: time vs extra memory]({os.path.relpath(png, doc_dir)})", ""]
+    return out
+
+
+def _run_tables(rows: list[dict], columns: list[tuple[str, str]], leading: Callable[[dict], list],
+                values: Callable[[dict], list]) -> list[str]:
+    """One table per run of ``rows`` (newest first), each under its provenance line."""
+    out: list[str] = []
+    for run in _by_run(rows):
+        out += [_provenance(run), ""] + _table(columns, run, leading, values) + [""]
     return out
 
 
@@ -206,48 +223,52 @@ def memory_section(rows: list[dict]) -> list[str]:
            "logits. Gradients are unavoidable memory.", ""]
     if not sel:
         return out + ["No memory rows in the results file yet.", ""]
-    out += [_run_line(sel), ""] + _table(
-        [("shape N x D x V", "l"), ("impl", "l"), ("elapsed s", "r"), ("RSS growth MiB", "r"), ("gradients MiB", "r"),
-         ("full logits MiB", "r")], sel, lambda r: [r["shape"], r["impl"]],
+    return out + _run_tables(
+        sel, [("shape N x D x V", "l"), ("impl", "l"), ("elapsed s", "r"), ("RSS growth MiB", "r"),
+              ("gradients MiB", "r"), ("full logits MiB", "r")], lambda r: [r["shape"], r["impl"]],
         lambda r: [f"{r['elapsed_s']:.2f}", f"{r['growth_mib']:.0f}", f"{r['grads_mib']:.0f}",
                    f"{r['logits_mib']:.0f}"])
-    return out + [""]
+
+
+def _plugin_cells(r: dict) -> list[str]:
+    """A plugin row as (measurement, result, for comparison)."""
+    section = r["section"]
+    if "error" in r:
+        return [section, "", ""]
+    if section == "dispatch":
+        return ["dispatch overhead per test", f"{r['dispatch_overhead_ms']:.1f} ms",
+                f"a trivial TP test {r['median_tp_test_ms']:.1f} ms (median of {r['n_tests'] - 1}), a plain test "
+                f"{r['median_plain_test_ms']:.1f} ms"]
+    if section == "start":
+        f, sp = r["forkserver"], r["spawn"]
+        return ["pool start in a fresh process (forkserver)", f"{f['median_cold_start_s']:.1f} s",
+                f"bare `mp.spawn` of 4 processes importing torch {r['median_bare_spawn_s']:.1f} s "
+                f"({f['ratio_cold_vs_bare']:.2f}x); respawn {f['median_respawn_s']:.2f} s; spawn "
+                f"{sp['median_cold_start_s']:.1f} s"]
+    if section == "skip":
+        return ["a TP test marked `gpu`, no GPU: skipped in", f"{r['median_skip_ms']:.1f} ms",
+                f"pool spawned: {r['spawned_anything']}"]
+    if section == "recovery":
+        return [f"recovery after a {r['deadline_s']:g} s hang: next test body starts after",
+                f"{r['next_body_starts_after_s']:.1f} s",
+                f"stack dump and kill {r['dump_and_kill_s']:.2f} s past the deadline, respawn "
+                f"{r['respawn_pool_start_s']:.2f} s"]
+    if section == "mesh":
+        shape = ", ".join(f'"{name}": {size}' for name, size in r["mesh"].items())
+        return [f"the `mesh` fixture (`mesh={{{shape}}}`) per test", f"+{r['mesh_extra_ms']:.2f} ms",
+                f"median of {r['n_pairs'] - 1} pairs with and without it; the first test of a shape "
+                f"+{r['first_mesh_test_extra_ms']:.0f} ms"]
+    return [section, "", ""]
 
 
 def plugin_section(rows: list[dict]) -> list[str]:
-    sel = {r["section"]: r for r in runner.latest_rows(rows, "plugin", ("section",))}
+    order = {"dispatch": 0, "start": 1, "skip": 2, "recovery": 3, "mesh": 4}
+    sel = sorted(runner.latest_rows(rows, "plugin", ("section",)), key=lambda r: order.get(r["section"], 9))
     out = ["## Plugin (pytest_tplogp rank pool, CPU)", "", "`python -m benchmarks plugin` (gloo, world size 4).", ""]
     if not sel:
         return out + ["No plugin rows in the results file yet.", ""]
-    out += [_run_line(list(sel.values())), ""]
-    d, s, k, c = (sel.get(x) for x in ("dispatch", "start", "skip", "recovery"))
-    if d and "error" not in d:
-        out.append(f"* Dispatch overhead: **{d['dispatch_overhead_ms']:.1f} ms** per test (a trivial TP test takes "
-                   f"{d['median_tp_test_ms']:.1f} ms, median of {d['n_tests'] - 1}, against "
-                   f"{d['median_plain_test_ms']:.1f} ms for a plain test).")
-    if s and "error" not in s:
-        f, sp = s["forkserver"], s["spawn"]
-        out.append(f"* Pool start in a fresh process (forkserver, the default): **{f['median_cold_start_s']:.1f} s** "
-                   f"against {s['median_bare_spawn_s']:.1f} s for a bare `mp.spawn` of 4 processes importing torch "
-                   f"({f['ratio_cold_vs_bare']:.2f}x); a respawn {f['median_respawn_s']:.2f} s; with spawn "
-                   f"{sp['median_cold_start_s']:.1f} s.")
-    if k and "error" not in k:
-        out.append(f"* A TP test marked `gpu` with no GPU: skipped in **{k['median_skip_ms']:.1f} ms** (median), "
-                   f"pool spawned: {k['spawned_anything']}.")
-    if c and "error" not in c:
-        out.append(f"* Recovery after a {c['deadline_s']:g} s hang: stack dump and kill "
-                   f"{c['dump_and_kill_s']:.2f} s past the deadline, respawn {c['respawn_pool_start_s']:.2f} s; "
-                   f"the next test body starts **{c['next_body_starts_after_s']:.1f} s** after the hang began.")
-    m = sel.get("mesh")
-    if m and "error" not in m:
-        shape = ", ".join(f'"{name}": {size}' for name, size in m["mesh"].items())
-        out.append(f"* The `mesh` fixture (`mesh={{{shape}}}`): **{m['mesh_extra_ms']:.2f} ms** more per test (median of "
-                   f"{m['n_pairs'] - 1} back-to-back pairs with and without it; target <= 5 ms); the first test of a "
-                   f"shape creates its groups (+{m['first_mesh_test_extra_ms']:.0f} ms).")
-    for r in sel.values():
-        if "error" in r:
-            out.append(f"* {r['section']}: error: {r['error']}")
-    return out + [""]
+    return out + _run_tables(sel, [("measurement", "l"), ("result", "r"), ("for comparison", "l")],
+                             lambda r: _plugin_cells(r)[:1], lambda r: _plugin_cells(r)[1:])
 
 
 def tp_section(rows: list[dict]) -> list[str]:
@@ -256,15 +277,13 @@ def tp_section(rows: list[dict]) -> list[str]:
         return []
     out = ["## Tensor-parallel scaling", "", "`python -m benchmarks tp`: median step (forward+backward) of the "
            "slowest rank; efficiency T(1) / (P T(P)); host CPU µs of a step, the highest rank's (its calling thread / "
-           "all its threads; TP 1 runs without a group).", "", _run_line(sel), ""]
-    out += _table(
-        [("shape", "l"), ("dtype", "l"), ("impl", "l"), ("TP", "r"), ("backend", "l"), ("step ms", "r"),
-         ("TFLOP/s per GPU", "r"), ("peak GiB per rank", "r"), ("efficiency", "r"), ("host µs (thread / all)", "r")],
-        sel, lambda r: [r["shape"], r["dtype"], r["impl"], r["tp"]],
-        lambda r: [r["backend"], f"{r['step_ms']:.3f}", f"{r['tflops_per_gpu']:.1f}",
-                   _num(r.get("peak_gib_per_rank"), ".3f"), _num(r.get("efficiency"), ".1%"),
-                   _host_cell(r, "host_step_us", "host_step_all_us")])
-    return out + [""]
+           "all its threads; TP 1 runs without a group).", ""]
+    return out + _run_tables(
+        sel, [("shape, dtype", "l"), ("impl", "l"), ("TP (backend)", "r"), ("step ms", "r"), ("TFLOP/s per GPU", "r"),
+              ("peak GiB per rank", "r"), ("efficiency", "r"), ("host µs (thread / all)", "r")],
+        lambda r: [f"{r['shape']} {r['dtype']}", r["impl"], f"{r['tp']} ({r['backend']})"],
+        lambda r: [f"{r['step_ms']:.3f}", f"{r['tflops_per_gpu']:.1f}", _num(r.get("peak_gib_per_rank"), ".3f"),
+                   _num(r.get("efficiency"), ".1%"), _host_cell(r, "host_step_us", "host_step_all_us")])
 
 
 def floors_section(rows: list[dict]) -> list[str]:
@@ -280,27 +299,25 @@ def floors_section(rows: list[dict]) -> list[str]:
         out += ["**Three GEMMs.** A call that keeps every term still runs the forward's GEMM, `d_hidden` and `d_W`: "
                 "each timed back to back with cuBLAS after the warm-up, in GEMM-times of the first; their sum is the "
                 "time of a keep-all call that does nothing but GEMMs at cuBLAS speed. Beside it, everything kept "
-                "(`keep_logits_budget`), synced / b2b.", "", _run_line(gemm), ""]
-        out += _table(
-            [("shape", "l"), ("dtype", "l"), ("GEMM ms", "r"), ("d_hidden GEMM", "r"), ("d_W GEMM", "r"),
-             ("3-GEMM floor", "r"), ("linear_logp keep-all", "r"), ("fused loss keep-all", "r")],
-            gemm, lambda r: [r["shape"], r["dtype"]],
+                "(`keep_logits_budget`), synced / b2b.", ""]
+        out += _run_tables(
+            gemm, [("shape, dtype", "l"), ("GEMM ms", "r"), ("d_hidden GEMM", "r"), ("d_W GEMM", "r"),
+                   ("3-GEMM floor", "r"), ("linear_logp keep-all", "r"), ("fused loss keep-all", "r")],
+            lambda r: [f"{r['shape']} {r['dtype']}"],
             lambda r: [f"{r['unit_ms']:.3f}", f"{r['d_hidden_gemms']:.3f}", f"{r['d_weight_gemms']:.3f}",
                        f"{r['floor_gemms']:.3f}", f"{r['keep_all_gemms']:.2f} / {r['keep_all_gemms_b2b']:.2f}",
                        f"{r['loss_keep_all_gemms']:.2f} / {r['loss_keep_all_gemms_b2b']:.2f}"])
-        out.append("")
     if host:
         order = {"autograd-floor": 0, "torch-eager": 1, "tplogp": 2, "tplogp-loss": 3}
         host.sort(key=lambda r: (r["shape"], not r["autograd_threads"], order.get(r["impl"], 9), r["impl"]))
         out += ["**Host.** CPU µs of one forward+backward, the calling thread's / the process's (all threads): an "
                 "autograd Function that launches nothing (autograd's own cost), eager log_softmax + gather, and the "
                 "op; on a GPU also with autograd's multithreading off (the backward on the calling thread instead "
-                "of autograd's device thread).", "", _run_line(host), ""]
-        out += _table([("shape", "l"), ("dtype", "l"), ("impl", "l"), ("autograd device thread", "l"),
-                       ("host µs (thread / all)", "r")], host,
-                      lambda r: [r["shape"], r["dtype"], r["impl"], "on" if r["autograd_threads"] else "off"],
-                      lambda r: [_host_cell(r, "host_us", "host_all_us")])
-        out.append("")
+                "of autograd's device thread).", ""]
+        out += _run_tables(host, [("shape", "l"), ("dtype", "l"), ("impl", "l"), ("autograd device thread", "l"),
+                                  ("host µs (thread / all)", "r")],
+                           lambda r: [r["shape"], r["dtype"], r["impl"], "on" if r["autograd_threads"] else "off"],
+                           lambda r: [_host_cell(r, "host_us", "host_all_us")])
     return out
 
 

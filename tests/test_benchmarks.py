@@ -193,16 +193,30 @@ def test_report_takes_the_latest_row_per_impl_and_budget(tmp_path):
             _op_row("tplogp-sm90", "1GiB", **dict(timed, fwd_bwd_gemms=3.1, extra_peak_gib=1.9)),
             _op_row("tplogp-sm90", **dict(timed, fwd_bwd_ms=7.0, smoke=True, date="2026-02-01T00:00:00+00:00")),
             _op_row("quack-chunked", contract=impls.SCALAR_LOSS, error="unavailable: quack is not installed"),
+            _op_row("torch-eager", **dict(timed, gemm_ms=2.0, fwd_bwd_ms=5.0, commit="def", peers={},
+                                          date="2025-12-01T00:00:00+00:00")),
             dict(suite="memory", shape="256x64x2048", impl="native", date="2026-01-02T00:00:00+00:00",
                  elapsed_s=0.5, growth_mib=3.0, grads_mib=0.6, logits_mib=2.0, finite=True)]
     runner.append_rows(str(tmp_path), rows)
     doc = tmp_path / "docs" / "performance.md"
     report.write(str(tmp_path), str(doc))
     text = doc.read_text()
-    table = [line for line in text.splitlines() if line.startswith("| tplogp-sm90 |")]
-    assert len(table) == 2 and any("| 4.000 |" in line for line in table), table  # the latest full run's
-    assert not any("| 9.000 |" in line or "| 7.000 |" in line for line in table)
-    assert "One GEMM: 1.000 ms (back to back, the unit of both GEMM-time columns)." in text
+    lines = text.splitlines()
+    table = [line for line in lines if line.startswith("| tplogp-sm90 |")]
+    assert len(table) == 2 and any("| 1.000 / 4.000 |" in line for line in table), table  # the latest full run's
+    assert not any("/ 9.000 |" in line or "/ 7.000 |" in line for line in table)
+    # one table per run, newest first, each under its one provenance line; at most 8 columns
+    runs = [i for i, line in enumerate(lines) if line.startswith("Measured ")]
+    assert [lines[i] for i in runs[:2]] == [
+        "Measured 2026-01-02 on GPU X (driver 1.0), torch 2, Triton 3, tplogp `abc`; peers: liger-kernel 0.8.5. "
+        "One GEMM: 1.000 ms.",
+        "Measured 2025-12-01 on GPU X (driver 1.0), torch 2, Triton 3, tplogp `def`; no peer packages installed. "
+        "One GEMM: 2.000 ms."], runs
+    headers = [i for i, line in enumerate(lines) if line.startswith("| impl |")]
+    assert [i - 2 for i in headers] == runs[:2], (headers, runs)
+    assert lines[headers[1] + 2].startswith("| torch-eager | default |") and "| 1.000 / 5.000 |" in lines[
+        headers[1] + 2], lines[headers[1] + 2]
+    assert all(line.count("|") <= 9 for line in lines if line.startswith("|")), text
     assert "`quack-chunked`: unavailable: quack is not installed" in text
     assert "| 256x64x2048 | native | 0.50 | 3 |" in text
     if (tmp_path / "pareto_64x32x320_bf16.png").exists():
