@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from .shards import chunk_boundaries, shard_range
-from .checks import LinearLogpInputError
+from .validation import LinearLogpInputError
 
 
 def is_dtensor(x) -> bool:
