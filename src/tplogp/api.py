@@ -29,7 +29,7 @@ import torch
 
 from . import ops, plan, tp
 from .comm import group_name
-from .dtensor import is_dtensor, unwrap_dtensors
+from .dtensor import any_dtensor, unwrap_dtensors
 from .kernel_registry import check_op, check_source, require_source
 from .outputs import LinearLogpResult, pack_outputs
 from .plan import LogpOptions
@@ -116,7 +116,7 @@ def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_in
 
 def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
          global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
-    if is_dtensor(weight) or is_dtensor(hidden):
+    if any_dtensor(weight, hidden):
         return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias, tp_group,
                                vocab_start_index, global_vocab_size, options)
     body = _eager
@@ -279,7 +279,7 @@ def linear_logp_loss(
     """
     from .fused_loss import fused_loss
 
-    if is_dtensor(hidden):
+    if any_dtensor(hidden):
         raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "
                                    "is their scalar): pass hidden.to_local()")
     body = functools.partial(fused_loss, None if source in AUTOMATIC else source, loss=loss,
@@ -290,7 +290,7 @@ def linear_logp_loss(
     def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
         return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)
 
-    if is_dtensor(weight):
+    if any_dtensor(weight):
         return unwrap_dtensors(run, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                                None)
     return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)

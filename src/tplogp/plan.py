@@ -29,7 +29,7 @@ from .backends.base import ShardBackend, ShardCall
 from .comm import collective_device
 from .kernel_registry import backend_for_call
 from .tp import op_keeps
-from .validation import checks_mode, local_problem, single_shard_vocab
+from .validation import check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
 MAX_PLANS = 256
@@ -115,20 +115,16 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
         plan = _plans.get(key)
         if plan is not None:
             return plan, None
-    mode = checks_mode()  # a bad TPLOGP_CHECKS raises here, at every call (never cached)
-    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                            options.ignore_index, options.temperature, options.workspace_bytes)
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    # a bad TPLOGP_CHECKS raises here, at every call (never cached)
+    mode, problem, vocab_size = check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                                             options, world, tp_group is not None)
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     comm_device = collective_device(tp_group, device) if world > 1 else torch.device("cpu")
     ok = problem is None
     single = world == 1 and hasattr(backend, "forward_single")
     _stats["built"] += 1
     rows = target_ids.numel() if ok else None
-    vocab_size = None
-    if ok and world == 1:
-        vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size,
-                                        group_given=tp_group is not None)
     plan = CallPlan(key if ok else None, backend, mode, world, comm_device,
                     shard_call(options, one_shard=world == 1, rows=rows) if ok else ShardCall(),
                     shard_call(options, for_backward=True, one_shard=world == 1, scales_apart=True, rows=rows) if ok

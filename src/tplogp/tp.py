@@ -234,7 +234,8 @@ def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]
     (:func:`consumes_kept`)."""
     hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = saved
     verdict = tpc.verdict
-    settle_first = verdict is not None and verdict.before_reduce
+    # a group's pending check settles before the d_hidden all-reduce (every rank raises before entering it)
+    settle_first = verdict is not None and verdict.group is not None and verdict.pending is not None
     if settle_first:  # a bad target raises here, before the d_hidden all-reduce (every rank alike)
         verdict.settle()
     if g_logp is None:  # only entropy or lse feeds the loss

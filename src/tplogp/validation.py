@@ -111,3 +111,17 @@ def single_shard_vocab(vocab_start_index: int, v_local: int, global_vocab_size: 
     return v_local
 
 
+
+
+def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options,
+                 world_size: int, group_given: bool) -> tuple[str, Optional[str], Optional[int]]:
+    """The layout checks of a call's first call: ``(TPLOGP_CHECKS mode, local problem or None, the vocab size of
+    one shard or None)``. A bad ``TPLOGP_CHECKS`` and a one-shard layout whose weight is not the whole vocabulary
+    raise here; a local problem is returned (with a group, every rank raises it together)."""
+    mode = checks_mode()
+    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                            options.ignore_index, options.temperature, options.workspace_bytes)
+    vocab_size = None
+    if problem is None and world_size == 1:
+        vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)
+    return mode, problem, vocab_size

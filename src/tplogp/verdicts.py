@@ -428,13 +428,6 @@ class BackwardVerdict:
                  group=None) -> None:
         self.pending, self.captured, self.group = pending, captured, group
 
-    @property
-    def before_reduce(self) -> bool:
-        """Whether the backward settles this verdict before the ``d_hidden`` all-reduce (a group's pending check:
-        every rank raises before entering it), rather than after launching its kernels (so that a wait for the
-        verdict leaves them queued)."""
-        return self.group is not None and self.pending is not None
-
     def settle(self, grads: tuple = ()) -> tuple:
         """Raise the call's error (the verdict is then dropped from what later calls judge); else ``grads`` with the
         gradients zeroed where a captured call's flag is set (themselves outside a capture)."""
