@@ -551,7 +551,7 @@ def test_constant_derivative_vectors_are_cached_outside_a_capture_only(monkeypat
         fused_loss._constant_vector(n, 1.0, torch.device("cpu"))
     assert list(fused_loss._CONSTANTS) == [(6, 1.0, torch.device("cpu")), (7, 1.0, torch.device("cpu")),
                                            (8, 1.0, torch.device("cpu"))]
-    monkeypatch.setattr(fused_loss.checks, "is_capturing", lambda device: True)
+    monkeypatch.setattr(fused_loss.tensors, "is_capturing", lambda device: True)
     inside = fused_loss._constant_vector(7, 1.0, torch.device("cpu"))
     assert torch.equal(inside, torch.ones(7)) and inside is not fused_loss._CONSTANTS[(7, 1.0, torch.device("cpu"))]
     fused_loss._constant_vector(9, 2.0, torch.device("cpu"))
