@@ -9,7 +9,7 @@ import torch
 import tplogp
 from tplogp.backends.base import ShardCall
 from tplogp.backends.native import NativeBackend
-from tplogp.fused_loss import GPU_MIN_CHUNK_TOKENS, plan_chunk_tokens
+from tplogp.budgets import GPU_MIN_CHUNK_TOKENS, plan_chunk_tokens
 from tplogp.kernels import tiles
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -79,7 +79,7 @@ def test_keep_all_and_half_per_source(device, n, v):
 def test_loss_chunk_budget_runs_chunks_of_that_size(source, device):
     if source == "triton":
         pytest.importorskip("triton")
-    from tplogp.fused_loss import accumulator_tokens
+    from tplogp.budgets import accumulator_tokens
     from tplogp.kernel_registry import get_backend
 
     be = get_backend(source)

@@ -33,7 +33,7 @@ def test_host_reads_per_call(mode, ignore, monkeypatch):
     expected = {"full": ["Tensor.tolist in read_summary"], "fast": [],
                 "sync": ["Tensor.tolist in summarize_targets"]}[mode]
     if ignore is not None:
-        expected = expected + ["aten.nonzero.default in localize_call"]
+        expected = expected + ["aten.nonzero.default in localize"]
     assert sorted(reads) == sorted(2 * expected), reads
     check_errors()
 

@@ -3,7 +3,7 @@
 Default checks (``full``): the backward of the call that had a target outside the vocabulary raises before it writes
 any gradient (the parameters keep no ``.grad``, so ``optimizer.step()`` is never reached), on one process and on
 every rank of a gloo group alike. Under a capture (simulated on the CPU by answering "capturing" from
-``tplogp.checks.is_capturing``, which the call path consults) nothing is read on the host: the verdict is a device
+``tplogp.tensors.is_capturing``, which the call path consults) nothing is read on the host: the verdict is a device
 flag, the captured backward zeroes the call's gradients when it is set, and ``check_errors`` (or the next call
 outside the capture) raises after the "replay"."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.test_triton_kernels import pytestmark as triton_interpreter  # the interpreter tests' skip condition
-from tplogp import LinearLogpInputError, check_errors, checks, get_op, linear_logp_loss
+from tplogp import LinearLogpInputError, check_errors, get_op, linear_logp_loss, tensors, verdicts
 
 V, D = 20, 8
 GOOD = torch.tensor([0, 3, 19, 7, 2, 1])
@@ -80,9 +80,9 @@ def test_fast_checks_give_finite_gradients_for_a_bad_target(monkeypatch):
 def capturing(monkeypatch):
     """Calls in its ``with`` block run as if a CUDA graph were being captured."""
     state = {"on": False}
-    real = checks.is_capturing
-    monkeypatch.setattr(checks, "is_capturing", lambda device: state["on"] or real(device))
-    monkeypatch.setattr(checks, "_captured", {})  # this test's captured calls only
+    real = tensors.is_capturing
+    monkeypatch.setattr(tensors, "is_capturing", lambda device: state["on"] or real(device))
+    monkeypatch.setattr(verdicts, "_captured", {})  # this test's captured calls only
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
 
     class Capture:
@@ -125,7 +125,7 @@ def test_captured_checks_read_nothing_and_the_flag_surfaces_after_replay(capturi
                                                   r"a CUDA graph"):
         check_errors()
     check_errors()  # raised once per replay
-    checks._captured[""][-1].bad.fill_(True)  # what a second replay with the bad target does to the flag
+    verdicts._captured[""][-1].bad.fill_(True)  # what a second replay with the bad target does to the flag
     with pytest.raises(LinearLogpInputError, match="captured in a CUDA graph"):
         check_errors()
 
@@ -229,7 +229,7 @@ def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypa
     h = hidden.clone().requires_grad_()
     first = op(h, head.weight, GOOD, head.bias)  # good; its backward runs last
     with torch.no_grad():
-        for _ in range(checks._FlagSlots.SIZE - 1):
+        for _ in range(verdicts._FlagSlots.SIZE - 1):
             op(hidden, head.weight, GOOD, head.bias)
         bad = op(hidden, head.weight, BAD, head.bias)  # takes the first call's slot, writes 25 into it
     assert torch.isnan(bad[2]) and torch.isfinite(bad[[0, 1, 3, 4, 5]]).all()

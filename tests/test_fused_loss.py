@@ -11,7 +11,7 @@ import torch
 
 import tplogp
 from tests.problems import cpu_sources, make_problem
-from tplogp import fused_loss, losses
+from tplogp import budgets, fused_loss, losses
 from tplogp.kernel_registry import get_backend
 from tplogp.reference import reference_outputs
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error
@@ -140,9 +140,9 @@ def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dt
     extra = _per_token(p, 5)
     truth, ref = _truth_and_reference(p, extra, "mean", 1.0)
     chunks_of_8 = tplogp.loss_chunk_budget(8, 8, 157, dtype=dtype, bias_dtype=dtype, source=source, device=CPU)
-    accumulators = fused_loss.accumulator_tokens(8, dtype, dtype)
+    accumulators = budgets.accumulator_tokens(8, dtype, dtype)
     for ws, chunks in ((None, 1), (chunks_of_8, 6)):  # one chunk; 6 chunks of 8 tokens (+ accumulators)
-        planned = fused_loss.plan_chunk_tokens(get_backend(source), 45, 157, ws, CPU, accumulators, dtype)
+        planned = budgets.plan_chunk_tokens(get_backend(source), 45, 157, ws, CPU, accumulators, dtype)
         assert -(-45 // planned) == chunks, planned
         ours = _run(True, p, extra, "mean", source, scale=1.0, workspace_bytes=ws)
         for name, a, r, t in zip(("loss", "d_hidden", "d_weight", "d_bias"), ours, ref, truth):
@@ -168,15 +168,14 @@ def test_without_entropy_gives_the_same_loss_and_gradients(monkeypatch, source, 
     p = make_problem((45,), 8, 157, torch.bfloat16, bias, seed=21, peaked=True)  # D = 8: room for chunks
     extra = _per_token(p, 5)
     seen = []
-    real = fused_loss._shard_forward
+    real = fused_loss.tp.shard_forward
 
     def spying(h, w, b, lt, tpc):
         out = real(h, w, b, lt, tpc)
         seen.append((tpc.call.with_entropy, out[0][1] is not None, out[1][2] is not None))
         return out
 
-    monkeypatch.setattr(fused_loss, "_shard_forward", spying)
-    monkeypatch.setattr(fused_loss, "one_pass", lambda *args: False)  # the chunk loop also for the one chunk
+    monkeypatch.setattr(fused_loss.tp, "shard_forward", spying)
     chunks_of_8 = tplogp.loss_chunk_budget(8, 8, 157, dtype=torch.bfloat16,
                                            bias_dtype=torch.bfloat16 if bias else None, source=source, device=CPU)
     for ws, chunks in ((None, 1), (chunks_of_8, 6)):
@@ -253,7 +252,7 @@ def test_chunk_plan_counts_the_accumulators_in_the_budget():
     for 16-bit inputs), both within the kept part of the budget, on every rank of any sharding; one chunk needs no
     accumulator."""
     from tplogp.backends.native import NativeBackend, default_tile_bytes
-    from tplogp.fused_loss import GPU_MIN_CHUNK_TOKENS, accumulator_tokens, plan_chunk_tokens
+    from tplogp.budgets import GPU_MIN_CHUNK_TOKENS, accumulator_tokens, plan_chunk_tokens
 
     be, cpu, bf16 = NativeBackend(), torch.device("cpu"), torch.bfloat16
     n, d, vocab = 1000, 64, 5000
@@ -455,95 +454,15 @@ def test_dtensor_weight(tp):
     tp.assert_all(not problems, f"rank {tp.rank}: {problems}")
 
 
-@pytest.mark.parametrize("source", cpu_sources())
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("ignore", [None, "some", "all"])
-def test_one_pass_matches_the_chunk_loop(monkeypatch, source, reduction, ignore):
-    """A call that keeps nothing on one shard runs as one autograd pass (``linear_logp``'s Function under the loss
-    callable): the loss and every gradient equal the chunk loop's (which computes them in the forward) within the
-    table's fp32 eps, with per-token tensors, entropy, ignored rows (some, or all: a zero loss and zero gradients)
-    and both reductions; and it takes that path (no ``_PrecomputedGrads`` node)."""
-
-    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
-    p = make_problem((37,), 8, 53, torch.float32, True, seed=31)
-    extra = _per_token(p, 3)
-    targets = p.target.clone()
-    if ignore == "some":
-        targets[::4] = IGNORE
-    elif ignore == "all":
-        targets[:] = IGNORE
-
-    def run():
-        h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
-        value = tplogp.linear_logp_loss(h, w, targets, b, loss=_loss_fn, per_token=extra, reduction=reduction,
-                                        ignore_index=IGNORE, temperature=0.9, source=source)
-        node = type(value.grad_fn).__name__
-        value.backward()
-        return node, (value.detach(), h.grad, w.grad, b.grad)
-
-    node, ours = run()
-    assert node != "_PrecomputedGradsBackward", node
-    monkeypatch.setattr(fused_loss, "one_pass", lambda *args: False)
-    node, chunked = run()
-    assert node == "_PrecomputedGradsBackward", node
-    _compare(ours, chunked, f"{source} {reduction} {ignore}")
-    if ignore == "all":
-        assert all(torch.count_nonzero(t) == 0 for t in ours)
-
-
-@pytest.mark.parametrize("source", cpu_sources())
-def test_one_pass_is_taken_where_the_chunk_loop_would_be_one_chunk_on_one_shard(source):
-    """One pass where the chunk loop would run one chunk that ``linear_logp`` runs alike: a budget that keeps
-    nothing beyond the default, or one that keeps every term of the call; not for a budget that keeps part of it
-    (the chunk loop keeps all of each chunk), nor for an explicit budget that keeps nothing (no keep bytes)."""
-
-    be = get_backend(source)
-    for dtype in (torch.float32, torch.bfloat16):
-        h, w = torch.zeros(4, 8, dtype=dtype), torch.zeros(16, 8, dtype=dtype)
-        assert fused_loss.one_pass(be, h, w, None, None)
-        assert fused_loss.one_pass(be, h, w, None, TILES[source])  # the default's transient bytes: keeps nothing
-        every = tplogp.keep_logits_budget(4, 16, source=source, device=CPU, dtype=dtype)
-        assert fused_loss.one_pass(be, h, w, None, every)
-        assert fused_loss.one_pass(be, h.view(2, 2, 8), w, None, every)  # tokens counted over the leading dims
-        assert not fused_loss.one_pass(be, torch.zeros(40, 8, dtype=dtype), w, None, every)  # part of the call
-        chunks = tplogp.loss_chunk_budget(2, 8, 16, dtype=dtype, source=source, device=CPU)
-        assert not fused_loss.one_pass(be, torch.zeros(4000, 8, dtype=dtype), w, None, chunks)  # chunks of 2
-
-
-@pytest.mark.parametrize("source", cpu_sources())
-def test_a_budget_that_keeps_the_whole_call_runs_one_pass_with_every_term_kept(monkeypatch, source):
-    """On one shard a keep budget that holds every term of the call runs one pass (``linear_logp``'s Function, no
-    precomputed gradients), keeps every term (no recompute launch on the triton source) and gives the chunk loop's
-    loss and gradients within the table's fp32 eps, for a plain callable and a built-in loss."""
-
-    monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
-    p = make_problem((29,), 12, 67, torch.float32, True, seed=41)
-    extra = _per_token(p, 5)
-    every = tplogp.keep_logits_budget(29, 67, source=source, device=CPU, dtype=torch.float32)
-    for loss in (_loss_fn, GRPO):
-        seen = _count_recompute(monkeypatch)
-        ours = _run(True, p, extra, "mean", source, loss_fn=loss, workspace_bytes=every)
-        if source == "triton":
-            assert seen["recompute"] == 0 and seen["kept"] > 0, seen
-        with monkeypatch.context() as m:
-            m.setattr(fused_loss, "one_pass", lambda *args: False)
-            chunked = _run(True, p, extra, "mean", source, loss_fn=loss, workspace_bytes=every)
-        _compare(ours, chunked, f"{source} {getattr(loss, 'name', 'callable')}")
-        h = p.hidden.clone().requires_grad_()
-        value = tplogp.linear_logp_loss(h, p.weight, p.target, p.bias, loss=loss, per_token=extra,
-                                        source=source, workspace_bytes=every)
-        assert type(value.grad_fn).__name__ != "_PrecomputedGradsBackward"
-
-
 
 @pytest.mark.parametrize("source", cpu_sources())
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("ignore", [None, "some", "in place", "all"])
-@pytest.mark.parametrize("path", ["one pass", "chunks"])
+@pytest.mark.parametrize("path", ["one chunk", "chunks"])
 @pytest.mark.parametrize("loss", ["grpo", "linear"])
 def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction, ignore, path, loss):
-    """A built-in loss (a ``TokenLoss``) runs on its closed-form derivatives: in one pass as ONE autograd node
-    (``_OnePassTokenLoss``), in the chunk loop with no autograd engine run per chunk; a linear one (policy gradient
+    """A built-in loss (a ``TokenLoss``) runs on its closed-form derivatives, with no autograd engine run per chunk
+    (one chunk, or chunks of 9 tokens); a linear one (policy gradient
     plus an entropy bonus) is reduced as a dot product. The loss and every gradient equal those of the same loss as
     a plain callable (differentiated by autograd) within the table's fp32 eps, with ignored rows compacted away,
     kept in place (a CUDA-graph capture's layout) or all ignored."""
@@ -565,7 +484,6 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
         monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
     budget = None
     if path == "chunks":
-        monkeypatch.setattr(fused_loss, "one_pass", lambda *args: False)
         budget = tplogp.loss_chunk_budget(9, 8, 53, dtype=torch.float32, bias_dtype=torch.float32, source=source,
                                           device=CPU)
     engine_runs = {"n": 0}
@@ -591,14 +509,11 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
         return node, runs, (value.detach(), h.grad, w.grad, b.grad)
 
     node, runs, ours = run(built_in)
-    # (the chunk loop has no chunk when every row is compacted away)
-    assert bool(dotted) == (loss == "linear" and not (path == "chunks" and ignore == "all")), dotted
+    # (no chunk runs when every row is compacted away)
+    assert bool(dotted) == (loss == "linear" and ignore != "all"), dotted
     plain_node, plain_runs, plain = run(lambda *args: built_in(*args))
-    if path == "one pass":
-        assert node == "_OnePassTokenLossBackward" and plain_node != node, (node, plain_node)
-    else:
-        assert node == plain_node == "_PrecomputedGradsBackward", (node, plain_node)
-        assert runs == 0 and (plain_runs > 1 or ignore == "all"), (runs, plain_runs)
+    assert node == plain_node == "_PrecomputedGradsBackward", (node, plain_node)
+    assert runs == 0 and (plain_runs > (1 if path == "chunks" else 0) or ignore == "all"), (runs, plain_runs)
     _compare(ours, plain, f"{source} {loss} {reduction} {ignore} {path}")
     if ignore == "all":
         assert all(torch.count_nonzero(t) == 0 for t in ours)
@@ -636,7 +551,7 @@ def test_constant_derivative_vectors_are_cached_outside_a_capture_only(monkeypat
         fused_loss._constant_vector(n, 1.0, torch.device("cpu"))
     assert list(fused_loss._CONSTANTS) == [(6, 1.0, torch.device("cpu")), (7, 1.0, torch.device("cpu")),
                                            (8, 1.0, torch.device("cpu"))]
-    monkeypatch.setattr(fused_loss.checks, "is_capturing", lambda device: True)
+    monkeypatch.setattr(fused_loss.tensors, "is_capturing", lambda device: True)
     inside = fused_loss._constant_vector(7, 1.0, torch.device("cpu"))
     assert torch.equal(inside, torch.ones(7)) and inside is not fused_loss._CONSTANTS[(7, 1.0, torch.device("cpu"))]
     fused_loss._constant_vector(9, 2.0, torch.device("cpu"))

@@ -24,20 +24,25 @@ LAYERS: list[tuple[str, ...]] = [
     # leaves: settings, plain data and math, no package imports but each other
     ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
      "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses"),
-    # collectives and the input checks
-    ("tplogp.comm", "tplogp.checks"),
+    # collectives; argument and layout validation
+    ("tplogp.comm", "tplogp.validation"),
+    # the group record exchange, then the deferred target verdicts that use it
+    ("tplogp.group_record",),
+    ("tplogp.verdicts",),
     # Triton kernels, their launchers and tile planning
     ("tplogp.kernels.*",),
     # the per-shard sources (native, triton, sm90) behind one contract
     ("tplogp.backends.*",),
-    # the per-layout call plan
-    ("tplogp.plan",),
     # the shared tensor-parallel path; DTensor unwrapping
     ("tplogp.tp", "tplogp.dtensor"),
     # which source runs a call
     ("tplogp.kernel_registry",),
-    # what runs the shared path's bodies: the torch.library ops (torch.compile), the fused loss
-    ("tplogp.ops", "tplogp.fused_loss", "tplogp.budgets"),
+    # the call plan: every check, the per-layout state
+    ("tplogp.plan",),
+    # budgets and the fused loss's chunks
+    ("tplogp.budgets",),
+    # what runs the plan and the shared path: the torch.library ops (torch.compile), the fused loss
+    ("tplogp.ops", "tplogp.fused_loss"),
     # the public operator
     ("tplogp.api",),
     # the runbook script's logic (python -m tplogp.runbook)

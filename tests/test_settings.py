@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import tplogp
-from tplogp import checks, settings
+from tplogp import settings, validation
 
 
 def test_workspace_mb(monkeypatch):
@@ -31,8 +31,8 @@ def test_checks_mode(monkeypatch):
     with pytest.raises(settings.SettingsError, match="TPLOGP_CHECKS must be one of .*'full'.*got 'quick'"):
         settings.checks_mode()
     # the operator reports it as an input error
-    with pytest.raises(checks.LinearLogpInputError, match="TPLOGP_CHECKS"):
-        checks.checks_mode()
+    with pytest.raises(validation.LinearLogpInputError, match="TPLOGP_CHECKS"):
+        validation.checks_mode()
 
 
 def test_direct_launch_flag(monkeypatch):

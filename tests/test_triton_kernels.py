@@ -128,7 +128,8 @@ def test_single_shard_ids_outside_the_vocab_are_nan_in_fast_mode(kernels, monkey
     [0, V) -- past the end, negative, inside the last tile's padding -- gives NaN logp; every other row, and the
     gradients of the finite rows' loss, match the same call on only those rows (to rounding: the interpreter's
     per-row dot results depend on a row's position in its block)."""
-    from tplogp.tp import LogpOptions, linear_logp_tp
+    from tplogp.api import linear_logp_on
+    from tplogp.plan import LogpOptions
 
     monkeypatch.setenv("TPLOGP_CHECKS", "fast")
     be = KERNELS[kernels]()
@@ -139,13 +140,13 @@ def test_single_shard_ids_outside_the_vocab_are_nan_in_fast_mode(kernels, monkey
     t = torch.randint(0, v, (n,), generator=gen)
     bad = [1, 4, 7]
     t[bad] = torch.tensor([v + 3, -5, v])
-    out = linear_logp_tp(be, h, w, t, options=LogpOptions(return_lse=True))
+    out = linear_logp_on(be, h, w, t, options=LogpOptions(return_lse=True))
     assert torch.isnan(out.logp[bad]).all() and torch.isfinite(out.lse).all()
     good = [i for i in range(n) if i not in bad]
     assert torch.isfinite(out.logp[good]).all()
     out.logp[good].sum().backward()
     h2, w2 = h.detach()[good].clone().requires_grad_(), w.detach().clone().requires_grad_()
-    ref = linear_logp_tp(be, h2, w2, t[good], options=LogpOptions(return_lse=True))
+    ref = linear_logp_on(be, h2, w2, t[good], options=LogpOptions(return_lse=True))
     assert rel_error(out.logp[good], ref.logp) < 1e-6 and rel_error(out.lse[good], ref.lse) < 1e-6
     ref.logp.sum().backward()
     assert torch.equal(h.grad[bad], torch.zeros_like(h.grad[bad]))

@@ -20,7 +20,8 @@ from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bou
 from tests.test_triton_kernels import KERNELS as BACKENDS, pytestmark  # noqa: E402,F401
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
 from tplogp.kernels import generic_launch, hopper_launch  # noqa: E402
-from tplogp.tp import LogpOptions, linear_logp_tp  # noqa: E402
+from tplogp.api import linear_logp_on  # noqa: E402
+from tplogp.plan import LogpOptions  # noqa: E402
 
 from tplogp.backends.base import ShardCall  # noqa: E402
 
@@ -34,7 +35,7 @@ RECOMPUTE = {"triton": (generic_launch, "launch_dlogits"), "sm90-kernels": (hopp
 
 def _op(be):
     def op(h, w, y, b=None, tp_group=None, vocab_start_index=0, global_vocab_size=None, **kw):
-        return linear_logp_tp(be, h, w, y, b, tp_group=tp_group, vocab_start_index=vocab_start_index,
+        return linear_logp_on(be, h, w, y, b, tp_group=tp_group, vocab_start_index=vocab_start_index,
                               global_vocab_size=global_vocab_size, options=LogpOptions(**kw))
     return op
 

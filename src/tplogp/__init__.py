@@ -11,10 +11,10 @@ over the whole (vocab-sharded) vocabulary without materializing the ``[tokens, v
 from . import losses
 from .api import get_op, linear_logp, linear_logp_loss
 from .budgets import keep_logits_budget, loss_chunk_budget
-from .checks import check_errors
+from .verdicts import check_errors
 from .shards import ShardLayoutError
 from .outputs import LogpEntropy, LogpEntropyLse, LogpLse
-from .checks import LinearLogpInputError
+from .validation import LinearLogpInputError
 from .kernel_registry import SourceUnavailableError
 
 __all__ = [

@@ -1,40 +1,43 @@
-"""The public operator ``linear_logp`` and ``get_op``, the per-source callables.
+"""The public operator ``linear_logp``, ``linear_logp_loss`` and ``get_op``, the per-source callables.
 
-A call resolves what the caller's training stack wraps around plain tensors, then runs the shared path of
-:mod:`tplogp.tp`: eagerly through its autograd Function, and under ``torch.compile`` through the ``torch.library``
-ops of :mod:`tplogp.ops` (one opaque node each for forward and backward; the same bodies run inside). Eager calls
-skip the op's dispatch because it costs host time that matters at small shapes.
+One front serves both ops, then the call goes down once: :func:`tplogp.plan.prepare` (source, every check, the
+layout's plan, the call's verdict) and :mod:`tplogp.tp` (the autograd Function, the collectives, the source). Under
+``torch.compile`` the same two steps run inside the ``torch.library`` ops of :mod:`tplogp.ops` (one opaque node each
+for forward and backward); eager calls skip the op's dispatch, whose host time matters at small shapes.
+
+The front:
 
 1. DTensor weights (vocab-sharded ``Shard(0)``) become their local shard plus the group, vocab start and global
    vocab of the mesh dimension they are sharded over (:mod:`tplogp.dtensor`).
 2. Under ``torch.autocast(device_type, dtype=X)`` hidden, weight and bias are cast to X, as ``F.linear`` would
-   use them; the casts are differentiable, so gradients reach the original tensors in their own dtypes.
+   use them, and the call runs with autocast off; the casts are differentiable, so gradients reach the original
+   tensors in their own dtypes.
 3. Under ``torch.compile`` the op returns one packed fp32 result; logp (and entropy, lse) are views of it with the
    targets' shape.
 
-Arguments of the wrong Python type cannot cross the op's schema; such calls run the same checks eagerly
-(:func:`tplogp.tp.linear_logp_tp`), so the error is the same clear one, on every rank.
+Arguments of the wrong Python type cannot cross the op's schema; such calls run the eager path, whose checks raise
+the same clear error on every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import ops
+from . import ops, plan, tp
 from .comm import group_name
-from .dtensor import is_dtensor, unwrap_dtensors
-from .kernel_registry import backend_for_call, check_op, check_source, require_source
+from .dtensor import any_dtensor, unwrap_dtensors
+from .kernel_registry import check_op, check_source, require_source
 from .outputs import LinearLogpResult, pack_outputs
-from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, LogpOptions, linear_logp_tp
-from .checks import LinearLogpInputError, is_int
+from .plan import LogpOptions
+from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE
+from .validation import LinearLogpInputError, is_int
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
-_NO_CONTEXT = contextlib.nullcontext()  # (reusable: one object, not one per call)
+AUTOMATIC = (None, "registry", "auto")  # the source names that leave the choice to the registry
 
 
 def _options(kwargs: dict) -> LogpOptions:
@@ -61,9 +64,22 @@ def autocast_inputs(device_type: str, hidden, weight, bias):
     return cast(hidden), cast(weight), cast(bias)
 
 
+def _front(body: Callable, hidden, weight, target_ids, bias, *rest):
+    """``body(hidden, weight, target_ids, bias, *rest)`` after the autocast step of the module docstring (DTensors
+    are unwrapped before): inputs cast like ``F.linear``, autocast off inside. Arguments of other types are not cast
+    (the checks raise their error, on every rank)."""
+    device = hidden.device if isinstance(hidden, torch.Tensor) else None
+    if (device is None or not torch.is_autocast_enabled(device.type) or not isinstance(weight, torch.Tensor)
+            or not (bias is None or isinstance(bias, torch.Tensor))):
+        return body(hidden, weight, target_ids, bias, *rest)
+    hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
+    with torch.autocast(device.type, enabled=False):
+        return body(hidden, weight, target_ids, bias, *rest)
+
+
 def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                     options: LogpOptions) -> bool:
-    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.checks.local_problem`
+    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.validation.local_problem`
     names the argument (checked in tests/test_linear_logp.py)."""
     return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
             and (bias is None or isinstance(bias, torch.Tensor))
@@ -74,41 +90,49 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and (options.workspace_bytes is None or is_int(options.workspace_bytes)))
 
 
-def _run(source: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-         global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
-    if is_dtensor(weight) or is_dtensor(hidden):
-        return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias, tp_group,
-                               vocab_start_index, global_vocab_size, options)
-    if not torch.compiler.is_compiling():  # eager: the same bodies without the op's dispatch (host time)
-        device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-        backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
-        # under autocast: cast like F.linear, run with autocast off (arguments of other types are not cast: the
-        # checks raise their error, on every rank)
-        cast = torch.is_autocast_enabled(device.type) and _fits_op_schema(
-            hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options)
-        if cast:
-            hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
-        with torch.autocast(device.type, enabled=False) if cast else _NO_CONTEXT:
-            return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
-                                  vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-                                  options=options)
-    if not _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options):
-        device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-        backend = backend_for_call(source, device, getattr(hidden, "dtype", None))
-        return linear_logp_tp(backend, hidden, weight, target_ids, bias, tp_group=tp_group,
-                              vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-                              options=options)  # raises the checks' error (on every rank)
-    hidden, weight, bias = autocast_inputs(hidden.device.type, hidden, weight, bias)
+def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+           global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
+    """The eager call: the plan, then the tensor-parallel layer."""
+    builds_graph = torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad
+    return tp.linear_logp(plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                                       global_vocab_size, options, builds_graph))
+
+
+def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+              global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
+    """The call as the op pair of :mod:`tplogp.ops` (traced by ``torch.compile``)."""
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
+    name = source if source is None or isinstance(source, str) else source.name
     packed, _ = ops.linear_logp_fwd(
         hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
         float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
-        options.workspace_bytes, source or "", builds_graph)
+        options.workspace_bytes, name or "", builds_graph)
     shape = target_ids.shape
     logp = packed[PACKED_LOGP].view(shape)
     lse = packed[PACKED_LSE].view(shape)
     entropy = packed[PACKED_ENTROPY].view(shape) if options.return_entropy else None
     return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse)
+
+
+def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+         global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
+    if any_dtensor(weight, hidden):
+        return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias, tp_group,
+                               vocab_start_index, global_vocab_size, options)
+    body = _eager
+    if torch.compiler.is_compiling() and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
+                                                         global_vocab_size, options):
+        body = _compiled  # (other calls run eagerly: their checks raise the error, on every rank)
+    return _front(functools.partial(body, source), hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                  global_vocab_size, options)
+
+
+def linear_logp_on(source, hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None, *, tp_group=None, vocab_start_index: int = 0,
+                   global_vocab_size: Optional[int] = None, options: LogpOptions = LogpOptions()) -> LinearLogpResult:
+    """:func:`linear_logp` on ``source``: a source name, None (the registry's choice), or a backend object (a source
+    configured by hand, as tests and benchmarks use)."""
+    return _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, options)
 
 
 def linear_logp(
@@ -188,7 +212,7 @@ def make_linear_logp(source: Optional[str]) -> Callable[..., LinearLogpResult]:
 def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[..., LinearLogpResult]:
     """The op callable. ``source=None`` or ``"registry"`` selects per call; otherwise that source or an error."""
     check_op(name)
-    if source in (None, "registry", "auto"):
+    if source in AUTOMATIC:
         return make_linear_logp(None)
     check_source(source)
     require_source(source, None)
@@ -251,33 +275,22 @@ def linear_logp_loss(
     handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the leaves in their dtypes)
     and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
     plain tensor (the loss is a scalar of this rank's tokens). Returns a 0-d fp32 tensor whose backward scales the
-    precomputed gradients of hidden, weight and bias; on one shard with no keep bytes in the budget (the default),
-    or with a budget that keeps every term of the call, the call runs as one autograd pass instead, whose backward
-    (``linear_logp``'s) computes them (:func:`tplogp.fused_loss.one_pass`; a built-in loss at host-bound sizes on a
-    GPU precomputes all the same, :func:`tplogp.fused_loss.precomputes`).
+    gradients computed in the forward.
     """
     from .fused_loss import fused_loss
 
-    def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
-        device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-        if all(isinstance(t, torch.Tensor) for t in (hidden, weight)) and (bias is None or isinstance(bias,
-                                                                                                   torch.Tensor)):
-            hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
-        automatic = source in (None, "registry", "auto")  # the names get_op accepts for the registry's choice
-        backend = backend_for_call(None if automatic else source, device, getattr(hidden, "dtype", None))
-        # the loss callable and the sources see fp32 / the inputs' dtypes
-        with (torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type)
-              else contextlib.nullcontext()):
-            return fused_loss(backend, hidden, weight, target_ids, bias, loss=loss,
-                              per_token=tuple(per_token), reduction=reduction, tp_group=tp_group,
-                              vocab_start_index=vocab_start_index, global_vocab_size=global_vocab_size,
-                              temperature=temperature, ignore_index=ignore_index, deterministic=deterministic,
-                              workspace_bytes=workspace_bytes, with_entropy=with_entropy)
-
-    if is_dtensor(hidden):
+    if any_dtensor(hidden):
         raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "
                                    "is their scalar): pass hidden.to_local()")
-    if is_dtensor(weight):
+    body = functools.partial(fused_loss, None if source in AUTOMATIC else source, loss=loss,
+                             per_token=tuple(per_token), reduction=reduction, temperature=temperature,
+                             ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+                             with_entropy=with_entropy)
+
+    def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
+        return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)
+
+    if any_dtensor(weight):
         return unwrap_dtensors(run, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                                None)
-    return run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, None)
+    return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)

@@ -10,7 +10,9 @@ each source's default:
   backward skips the recompute GEMM for that share; 1.0: 3 GEMMs instead of 4).
 * :func:`loss_chunk_budget`: ``linear_logp_loss`` runs token chunks of ``chunk_tokens`` with every chunk's logits
   kept, its fp32 ``d_W`` / ``d_b`` accumulators (``D`` units of ``4 * V`` bytes for a 16-bit weight,
-  :func:`tplogp.fused_loss.accumulator_tokens`) counted in.
+  :func:`accumulator_tokens`) counted in.
+
+:func:`plan_chunk_tokens` is the other direction, the fused loss's chunk from a budget.
 """
 
 from __future__ import annotations
@@ -19,8 +21,53 @@ from typing import Optional
 
 import torch
 
-from .fused_loss import accumulator_tokens
 from .kernel_registry import SourceUnavailableError, backend_for_call, get_backend
+
+
+# On a GPU, chunks under this many tokens under-fill the kernels' token tiles (128-256 rows): one chunk that keeps
+# the budget's share of its logits and recomputes the rest is then the faster choice.
+GPU_MIN_CHUNK_TOKENS = 256
+
+
+def accumulator_tokens(dim: int, weight_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype]) -> int:
+    """What the fp32 ``d_W`` / ``d_b`` accumulators of several chunks take beyond the gradients themselves, in units
+    of ``4 * V_local`` bytes (one fp32 row of the shard's vocabulary): ``D`` for a low-precision weight, 1 for a
+    low-precision bias; 0 for an fp32 one (its accumulator is its gradient) or one without a gradient (``None``)."""
+    low = [t is not None and t != torch.float32 for t in (weight_dtype, bias_dtype)]
+    return dim * low[0] + low[1]
+
+
+def _kept_bytes(backend, n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes the source keeps for ``n`` tokens' terms of ``vocab`` columns (4 per logit for a source that does not
+    say)."""
+    kept_bytes = getattr(backend, "kept_bytes", None)
+    return kept_bytes(n, vocab, dtype, device) if kept_bytes is not None else 4 * n * vocab
+
+
+def plan_chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int], device: torch.device,
+                      accumulators: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Tokens per chunk, from sizes that every rank shares (``n``, the global ``vocab``, ``accumulators`` from
+    :func:`accumulator_tokens`, the inputs' ``dtype``): the same chunks on every rank.
+
+    The kept part of the budget holds the softmax terms of ``R`` tokens over the whole vocabulary (the source's
+    ``kept_bytes``: 2 bytes per logit for 16-bit inputs plus the scales; a rank keeps a chunk's terms of its own
+    shard: at most that). ``R >= n``: one chunk, every term kept, ``d_W`` written once. Otherwise several chunks
+    sum ``d_W`` (and ``d_b``) in fp32 accumulators (``accumulators * 4 * vocab`` bytes), which count against the
+    same kept part: a chunk is the most tokens whose terms fit beside them. Below the minimum chunk (one token;
+    ``GPU_MIN_CHUNK_TOKENS`` on a GPU) or when nothing is kept: one chunk, of which the source keeps what the budget
+    holds (its first vocab columns or tiles) and recomputes the rest."""
+    keep_bytes = getattr(backend, "keep_bytes", None)
+    keep = keep_bytes(workspace_bytes, device) if keep_bytes is not None else 0
+    if keep <= 0 or _kept_bytes(backend, max(n, 1), vocab, dtype, device) <= keep:
+        return max(n, 1)
+    room = keep - accumulators * vocab * 4
+    chunk, above = 0, n  # the most tokens whose terms fit ``room`` (kept bytes grow with the tokens): bisection
+    while above - chunk > 1:
+        mid = (chunk + above) // 2
+        chunk, above = (mid, above) if _kept_bytes(backend, mid, vocab, dtype, device) <= room else (chunk, mid)
+    if chunk < (GPU_MIN_CHUNK_TOKENS if device.type == "cuda" else 1):
+        return max(n, 1)
+    return chunk
 
 
 def _backend(source: Optional[str], device: Optional[torch.device | str]):
@@ -61,11 +108,11 @@ def loss_chunk_budget(chunk_tokens: int, hidden_size: int, vocab_size: int, *, d
                       device: Optional[torch.device | str] = None) -> int:
     """The ``workspace_bytes`` with which ``linear_logp_loss`` runs chunks of ``chunk_tokens`` tokens, each chunk's
     logits kept (their softmax terms: 3 GEMMs), the fp32 ``d_W`` / ``d_b`` accumulators of several chunks counted in
-    (:func:`tplogp.fused_loss.accumulator_tokens`: ``4 * vocab_size`` bytes per unit, ``hidden_size`` units for a
+    (:func:`accumulator_tokens`: ``4 * vocab_size`` bytes per unit, ``hidden_size`` units for a
     weight of ``dtype`` below fp32, one more for such a bias, ``bias_dtype``; None: no bias). ``vocab_size``: the
     global vocabulary (the same
     budget on every rank). A batch of at most ``chunk_tokens`` tokens runs as one chunk within it. On a GPU chunks
-    under ``fused_loss.GPU_MIN_CHUNK_TOKENS`` tokens are not run (one partly kept chunk instead)."""
+    under :data:`GPU_MIN_CHUNK_TOKENS` tokens are not run (one partly kept chunk instead)."""
     if chunk_tokens < 1 or hidden_size < 1 or vocab_size < 1:
         raise ValueError(f"chunk_tokens, hidden_size and vocab_size must be >= 1, got {chunk_tokens}, "
                          f"{hidden_size} and {vocab_size}")

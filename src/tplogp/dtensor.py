@@ -22,13 +22,19 @@ from typing import Callable, Optional
 import torch
 
 from .shards import chunk_boundaries, shard_range
-from .checks import LinearLogpInputError
+from .validation import LinearLogpInputError
 
 
 def is_dtensor(x) -> bool:
     """Whether ``x`` is a DTensor (without importing the DTensor package when nothing has made one)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(x, module.DTensor)
+
+
+def any_dtensor(*xs) -> bool:
+    """Whether one of ``xs`` is a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(x, module.DTensor) for x in xs)
 
 
 def _vocab_mesh_dim(weight) -> int:

@@ -1,7 +1,7 @@
 """``linear_logp`` as ``torch.library`` custom ops, so that ``torch.compile`` traces a call as one opaque node.
 
-``tplogp::linear_logp_fwd`` runs the checks (``TPLOGP_CHECKS``), the source selection of
-:mod:`tplogp.kernel_registry` and the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
+``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.plan.prepare` (source, checks,
+verdict), then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
 tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, and with entropy the
 entropy and ``E_p[z] - M``) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
 (``tp.op_keeps``; an empty tensor when none: no budget, no graph, or ``ignore_index``, whose compaction would make
@@ -24,7 +24,8 @@ from torch import Tensor
 
 from .comm import group_from_name
 from .kernel_registry import backend_for_call
-from .tp import LogpOptions, backward_packed, forward_packed, op_call, packed_rows
+from .plan import LogpOptions, op_call, prepare, prepare_backward
+from .tp import backward_packed, forward_packed, packed_rows
 
 
 def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
@@ -46,10 +47,10 @@ def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
     docstring). ``source`` "" selects per device."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
-        backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
-        return forward_packed(backend, hidden, weight, target_ids, bias, group, vocab_start_index, global_vocab_size,
-                              _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes),
-                              builds_graph)
+        return forward_packed(prepare(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index,
+                                      global_vocab_size,
+                                      _options(temperature, return_entropy, ignore_index, deterministic,
+                                               workspace_bytes), builds_graph))
 
 
 @linear_logp_fwd.register_fake
@@ -73,11 +74,10 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
     """``(d_hidden, d_weight, d_bias)``; a gradient that is not needed comes back as an empty tensor."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
-        backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
         options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
-        grads = backward_packed(backend, hidden, weight, target_ids, bias, packed, grad_packed, group,
-                                vocab_start_index, options,
-                                (needs_hidden, needs_weight, needs_bias and bias is not None), kept=kept)
+        call = prepare_backward(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index, options)
+        grads = backward_packed(call, packed, grad_packed, (needs_hidden, needs_weight, needs_bias and bias is not None),
+                                kept=kept)
     like = (hidden, weight, bias if bias is not None else hidden)
     return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, like))  # type: ignore[return-value]
 

@@ -1,33 +1,36 @@
-"""The per-layout call plan: what a call needs that depends only on its layout, computed once per layout.
+"""The plan of a call: every validation, the layout key and the per-layout state in one cache.
 
 A call's *layout* is everything its work depends on apart from tensor data: the shapes, dtypes and devices of
 hidden, weight, target_ids and bias; ``vocab_start_index`` and ``global_vocab_size``; the options
 (:class:`LogpOptions`); the TP group; the source; whether the call records an autograd graph; and the settings read
 from the environment (``TPLOGP_CHECKS``, ``TPLOGP_WORKSPACE_MB``). :func:`plan_call` turns those into a tuple key and
-looks the :class:`CallPlan` up in a small dict. At the first call of a layout it runs the layout checks
-(:func:`tplogp.checks.local_problem`), resolves the group's world size and collective device and the
-:class:`~tplogp.backends.base.ShardCall` the sources get; :func:`remember` keeps the plan once the call's checks
-have passed (so a bad layout is re-checked, and raises, at every call). A later call of the same layout costs one
-key and one lookup instead: the host time that matters at small shapes, where a call's latency is mostly host work.
+looks the :class:`CallPlan` up in a small dict, so a later call of a layout costs one key and one lookup (the host
+time that matters at small shapes). At the first call of a layout it validates the arguments and the shard layout
+(:mod:`tplogp.validation`) and builds the :class:`~tplogp.backends.base.ShardCall` the sources get;
+:func:`remember` keeps the plan once the call's checks have passed (so a bad layout raises at every call).
 
-What still runs per call is what depends on data: the target check (:func:`tplogp.checks.check_call`), the
-``ignore_index`` compaction and the target localisation (:func:`tplogp.tp.localize_call`). Calls whose arguments are
-not of the plain types the op takes (a bool for an int, a list for a tensor) are never planned: they are checked
-afresh and get the checks' error. The cache holds at most ``MAX_PLANS`` layouts (it is emptied when full).
+:func:`prepare` is the one step of a call above the tensor-parallel layer: the source (:mod:`tplogp.kernel_registry`),
+the plan, and the call's target verdict (:func:`tplogp.verdicts.open_call`, with a group the record exchange that
+makes every rank raise the same error). It returns a :class:`Call` that :mod:`tplogp.tp` runs. Calls whose
+arguments are not of the plain types the op takes are never cached: they are checked afresh and get the
+validation's error. The cache holds at most ``MAX_PLANS`` layouts (it is emptied when full).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import settings
 from .backends.base import ShardBackend, ShardCall
-from .checks import checks_mode, local_problem
 from .comm import collective_device
+from .kernel_registry import backend_for_call
+from .tp import op_keeps
+from .validation import check_layout
+from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
 MAX_PLANS = 256
 
@@ -71,9 +74,11 @@ class CallPlan:
     call_for_backward: ShardCall  # for an eager forward that may keep logits for its backward (scales apart)
     single: bool  # one shard and a backend with forward_single: it finishes logp / lse / entropy itself
     # single, no ignore_index (the kernel cannot tell ignored rows apart), and the backend's finishing kernel checks
-    # the targets (tplogp.checks.KernelTargetCheck)
+    # the targets (tplogp.verdicts.KernelTargetCheck)
     kernel_target_check: bool
-    vocab_size: Optional[int] = None  # the global vocab, once a call of the layout has passed its checks
+    # the global vocab: of one shard from the start, of a group once a call of the layout has passed its checks
+    vocab_size: Optional[int] = None
+    cached: bool = False  # kept for the later calls of its layout (:func:`remember`)
 
 
 _plans: dict[tuple, CallPlan] = {}
@@ -102,17 +107,18 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
               global_vocab_size, options: LogpOptions, builds_graph: bool) -> tuple[CallPlan, Optional[str]]:
     """``(the layout's plan, its local problem)``: the cached plan and None when an earlier call of the layout passed
     its checks; else a new plan (cache it with :func:`remember` once the call's checks pass) and
-    :func:`tplogp.checks.local_problem` (None when the arguments are fine)."""
+    :func:`tplogp.validation.local_problem` (None when the arguments are fine). A one-shard layout whose weight is
+    not the whole vocabulary raises :class:`~tplogp.shards.ShardLayoutError` here."""
     key = layout_key(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                      options, builds_graph)
     if key is not None:
         plan = _plans.get(key)
         if plan is not None:
             return plan, None
-    mode = checks_mode()  # a bad TPLOGP_CHECKS raises here, at every call (never cached)
-    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                            options.ignore_index, options.temperature, options.workspace_bytes)
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    # a bad TPLOGP_CHECKS raises here, at every call (never cached)
+    mode, problem, vocab_size = check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                                             options, world, tp_group is not None)
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     comm_device = collective_device(tp_group, device) if world > 1 else torch.device("cpu")
     ok = problem is None
@@ -124,17 +130,20 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
                     shard_call(options, for_backward=True, one_shard=world == 1, scales_apart=True, rows=rows) if ok
                     else ShardCall(),
                     single, single and options.ignore_index is None and getattr(backend, "checks_targets_in_kernel",
-                                                                                 False))
+                                                                                 False), vocab_size)
     return plan, problem
 
 
 def remember(plan: CallPlan, vocab_size: int) -> None:
     """Keep ``plan`` for the later calls of its layout, now that a call of it has passed its checks."""
+    plan.vocab_size = vocab_size
     if plan.key is None or plan.key in _plans:
         return
     if len(_plans) >= MAX_PLANS:
+        for dropped in _plans.values():
+            dropped.cached = False
         _plans.clear()
-    plan.vocab_size = vocab_size
+    plan.cached = True
     _plans[plan.key] = plan
 
 
@@ -145,8 +154,83 @@ def planned_layouts() -> int:
 
 def clear_plans() -> None:
     """Forget every plan (the next call of each layout is checked and planned afresh)."""
+    for dropped in _plans.values():
+        dropped.cached = False
     _plans.clear()
 
 
-__all__ = ["CallPlan", "LogpOptions", "plan_call", "remember", "shard_call", "planned_layouts", "clear_plans",
-           "layout_key", "MAX_PLANS"]
+class CallArgs(NamedTuple):
+    """The arguments of one call, as the checks take them (a plain tensor per tensor argument, after the DTensor
+    and autocast front of :mod:`tplogp.api`)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    target_ids: torch.Tensor
+    bias: Optional[torch.Tensor]
+    group: object  # the TP process group, or None
+    vocab_start_index: int
+    global_vocab_size: Optional[int]
+    options: LogpOptions
+    builds_graph: bool  # whether the call records an autograd graph (its ranks must agree: the backward reduces)
+
+
+class Call(NamedTuple):
+    """A call that passed its checks, what :mod:`tplogp.tp` runs."""
+
+    plan: CallPlan
+    args: CallArgs
+    vocab_size: int  # of all shards together (the same on every rank)
+    verdict: Optional[BackwardVerdict]  # what the backward settles before it writes a gradient
+    target_check: Optional[KernelTargetCheck]  # the target check the source's finishing kernel runs
+
+
+Source = Union[None, str, ShardBackend]
+
+
+def _backend(source: Source, hidden) -> ShardBackend:
+    """The backend of ``source``: a name, None (the registry's choice for the device), or a backend object."""
+    if source is not None and not isinstance(source, str):
+        return source
+    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
+    return backend_for_call(source, device, getattr(hidden, "dtype", None))
+
+
+def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+            options: LogpOptions, builds_graph: bool) -> Call:
+    """Resolve, validate and plan one call, and open its target verdict (the same error on every rank).
+
+    Args:
+        source: a source name, None for the registry's choice, or a backend object.
+        builds_graph: whether the call records an autograd graph.
+    Returns:
+        The :class:`Call` to run (:func:`tplogp.tp.linear_logp`, :func:`tplogp.tp.forward_packed`, the fused loss).
+    """
+    backend = _backend(source, hidden)
+    plan, problem = plan_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                              global_vocab_size, options, builds_graph)
+    args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, options,
+                    builds_graph)
+    total, verdict, target_check = open_call(plan, args, problem)
+    if not plan.cached:
+        remember(plan, total)
+    return Call(plan, args, total, verdict, target_check)
+
+
+def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                     options: LogpOptions) -> Call:
+    """The :class:`Call` of an op's backward (:mod:`tplogp.ops`), whose forward passed its checks: the layout's
+    plan and the latest call's verdict (:func:`tplogp.verdicts.latest_verdict`: the op cannot carry its own)."""
+    plan, _ = plan_call(_backend(source, hidden), hidden, weight, target_ids, bias, tp_group, vocab_start_index, None,
+                        options, True)
+    args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index, None, options, True)
+    group = tp_group if plan.world_size > 1 else None
+    return Call(plan, args, 0, latest_verdict(plan.mode, group, hidden.device), None)
+
+
+def op_call(options: LogpOptions, builds_graph: bool) -> ShardCall:
+    """The :class:`ShardCall` of an op's forward (``for_backward``: :func:`op_keeps`)."""
+    return shard_call(options, for_backward=op_keeps(options, builds_graph))
+
+
+__all__ = ["Call", "CallArgs", "CallPlan", "LogpOptions", "plan_call", "prepare", "prepare_backward", "remember",
+           "shard_call", "planned_layouts", "clear_plans", "layout_key", "op_call", "op_keeps", "MAX_PLANS"]

@@ -1,4 +1,5 @@
-"""Small tensor helpers shared by the tensor-parallel layer and the kernels' launchers (torch only)."""
+"""Small tensor and device helpers shared by the call path and the kernels' launchers (torch only): fp32 views,
+row masks, and the CUDA stream state (capture, current stream)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,24 @@ def zero_rows(rows, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return x
     mask = rows.view(*([1] * dim), -1, *([1] * (x.dim() - dim - 1)))
     return torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
+def is_capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph now (host reads are then impossible)."""
+    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+
+
+_current_streams: dict = {}
+
+
+def current_stream(device: torch.device) -> "torch.cuda.Stream":
+    """``torch.cuda.current_stream(device)`` without its Python wrapper's device-index resolution and ``Stream``
+    construction (host time on every call): the ``Stream`` object of a device is reused while the device's current
+    stream is the same one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(index)
+    found = _current_streams.get(index)
+    if found is None or found.stream_id != stream_id:
+        found = _current_streams[index] = torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
+                                                            device_type=device_type)
+    return found

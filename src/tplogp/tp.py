@@ -13,12 +13,12 @@ Forward, per call:
      ``logp = (sum_r y_r [owned_r] - M) - log S`` (relative to M: no cancellation at peaked targets),
      ``E_p[z] - M = sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``, ``entropy = log S - (E_p[z] - M)``;
      a token whose owner count is not 1 gets NaN (possible only when the target check is skipped,
-     ``TPLOGP_CHECKS=fast``, or deferred, ``full``: :mod:`tplogp.checks`).
-Before any of this, :func:`prepare_call` takes the layout's plan (:mod:`tplogp.plan`: computed at the layout's first
-call) and runs the call's checks (:func:`tplogp.checks.check_call`; one shard on the triton / sm90 sources: the
-finishing kernel checks the targets, ``_TPContext.target_check``); the backward settles the call's target verdict
-(``_TPContext.verdict``) before it hands any gradient to autograd: with a group first, before the ``d_hidden``
-all-reduce; with one shard after launching its kernels, so that a wait for the verdict leaves them queued.
+     ``TPLOGP_CHECKS=fast``, or deferred, ``full``: :mod:`tplogp.verdicts`).
+The call arrives checked (:func:`tplogp.plan.prepare`: the plan and the call's verdict; one shard on the triton /
+sm90 sources the finishing kernel checks the targets, ``Call.target_check``); the backward settles the call's target
+verdict (:meth:`tplogp.verdicts.BackwardVerdict.settle`) before it hands any gradient to autograd: with a group
+first, before the ``d_hidden`` all-reduce; with one shard after launching its kernels, so that a wait for the
+verdict leaves them queued.
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
 partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
 before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async
@@ -41,13 +41,12 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from . import tensors
 from .backends.base import KeptBuffers, ShardBackend, ShardCall
-from . import checks
-from .checks import BackwardVerdict, check_call, latest_verdict
 from .comm import OverlappedAllReduce, all_gather_flat
 from .outputs import LinearLogpResult, pack_outputs
-from .plan import CallPlan, LogpOptions, plan_call, remember, shard_call
-from .tensors import f32_contiguous, zero_rows
+from .tensors import current_stream, f32_contiguous, zero_rows
+from .verdicts import BackwardVerdict, KernelTargetCheck
 
 
 @dataclass
@@ -61,10 +60,10 @@ class _TPContext:
     comm_device: torch.device
     # one shard and a backend with ``forward_single``: it finishes the outputs; targets are passed as given
     single: bool = False
-    # what the backward settles before it writes a gradient (checks.BackwardVerdict), or None
+    # what the backward settles before it writes a gradient, or None
     verdict: Optional[BackwardVerdict] = None
     # the call's target check, run by the source's finishing kernel (single only), or None
-    target_check: Optional[checks.KernelTargetCheck] = None
+    target_check: Optional[KernelTargetCheck] = None
     # the kept scales of a forward that keeps them apart (KeptBuffers), held here from forward to backward and
     # dropped by a consuming backward (:func:`park_kept_scales`, :func:`shard_backward`)
     kept_scales: Optional[torch.Tensor] = None
@@ -95,8 +94,16 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tens
     return big_m, log_sum, target_rel, count, mean_rel
 
 
-def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
-    """The forward of one call: ``((logp, entropy | None, lse), tensors the backward needs)``."""
+def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
+    """The forward of one call's rows (all of them, or a chunk of the fused loss).
+
+    Args:
+        hidden, weight, bias, local_target: a :class:`LocalCall`'s tensors (rows of them).
+        tpc: the call's context (``LocalCall.tpc``).
+    Returns:
+        ``((logp, entropy | None, lse), (row_max, log_sum, mean_rel | None, kept))``: the outputs and what
+        :func:`shard_backward` takes (``mean_rel`` is ``E_p[z] - M``).
+    """
     be, call = tpc.backend, tpc.call
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         check = tpc.target_check
@@ -104,7 +111,8 @@ def _shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
             out = be.forward_single(hidden, weight, bias, local_target, call)
         else:  # and check the targets: no launch or copy of the checks' own
             out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=check.flag)
-            check.launched(hidden.device)
+            if check.ready is not None:  # the point the host waits for before reading the flag's slot
+                check.ready.record(current_stream(hidden.device))
         return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, out.kept)
     st = be.forward_stats(hidden, weight, bias, local_target, call)
     owned = local_target >= 0
@@ -145,7 +153,7 @@ def _without_autocast(backward):
     return run
 
 
-def _saved_tensor_hooks_active() -> bool:
+def saved_tensor_hooks_active() -> bool:
     """Whether ``torch.autograd.graph.saved_tensors_hooks`` are installed: a pack hook may hold the very tensors
     that are saved (True also when this torch cannot say)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -162,7 +170,7 @@ def _saved_tensor_hooks_active() -> bool:
         return True
 
 
-def _graph_retained() -> bool:
+def graph_retained() -> bool:
     """Whether the running backward keeps the graph for another one (``retain_graph`` / ``create_graph``; True
     outside a backward, under a compiler's tracing and when this torch cannot say)."""
     query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
@@ -179,7 +187,7 @@ def consumes_kept(kept: Optional[torch.Tensor], private: bool) -> bool:
     then write d_logits in place of the kept terms and run full-size GEMMs): only when no later backward can read
     them (the graph is not retained) and nothing else holds them (``private``: saved with no saved-tensor hooks, so
     the autograd node holds the only reference, which it drops after this backward)."""
-    return kept is not None and private and not _graph_retained()
+    return kept is not None and private and not graph_retained()
 
 
 def park_kept_scales(kept, tpc: _TPContext) -> Optional[torch.Tensor]:
@@ -204,7 +212,7 @@ class _LinearLogpFunction(torch.autograd.Function):
         outputs, (row_max, log_sum, mean_rel, kept) = shard_outputs
         kept = park_kept_scales(kept, tpc)
         ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
-        ctx.kept_private = kept is not None and not _saved_tensor_hooks_active()
+        ctx.kept_private = kept is not None and not saved_tensor_hooks_active()
         return outputs
 
     @staticmethod
@@ -226,7 +234,8 @@ def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]
     (:func:`consumes_kept`)."""
     hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = saved
     verdict = tpc.verdict
-    settle_first = verdict is not None and tpc.world_size > 1
+    # a group's pending check settles before the d_hidden all-reduce (every rank raises before entering it)
+    settle_first = verdict is not None and verdict.group is not None and verdict.pending is not None
     if settle_first:  # a bad target raises here, before the d_hidden all-reduce (every rank alike)
         verdict.settle()
     if g_logp is None:  # only entropy or lse feeds the loss
@@ -245,22 +254,19 @@ def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]
     grads = tpc.backend.backward(hidden, weight, bias, local_target, row_max, log_sum, g_logp, g_ent, g_lse_,
                                  mean_rel if g_ent is not None else None, call, needs,
                                  d_hidden_ready=None if reduce is None else reduce.start, kept=kept)
-    if verdict is not None and not settle_first:
-        # one shard: after the launches (a wait for the forward's verdict leaves the backward's kernels queued),
-        # before any gradient is handed to autograd; the gradients computed are dropped when it raises
-        verdict.settle()
     d_hidden = grads.d_hidden if reduce is None else reduce.finish(grads.d_hidden)
-    if d_hidden is not None:
-        if d_hidden.dtype != hidden.dtype:
-            d_hidden = d_hidden.to(hidden.dtype)
-    d_weight, d_bias = grads.d_weight, grads.d_bias
-    if verdict is not None and verdict.captured is not None:  # a captured call: zero when its flag is set
-        d_hidden, d_weight, d_bias = verdict.mask(d_hidden), verdict.mask(d_weight), verdict.mask(d_bias)
-    return d_hidden, d_weight, d_bias
+    if d_hidden is not None and d_hidden.dtype != hidden.dtype:
+        d_hidden = d_hidden.to(hidden.dtype)
+    if verdict is not None and not settle_first:
+        # after the launches (a wait for the forward's verdict leaves the backward's kernels queued), before any
+        # gradient is handed to autograd: raises (the gradients computed are dropped), or zeroes a captured call's
+        return verdict.settle((d_hidden, grads.d_weight, grads.d_bias))
+    return d_hidden, grads.d_weight, grads.d_bias
 
 
-class PreparedCall(NamedTuple):
-    """A validated call: 2-D contiguous inputs (ignored rows compacted away), shard-local targets, the context."""
+class LocalCall(NamedTuple):
+    """A checked call on this shard: 2-D contiguous inputs (ignored rows compacted away), shard-local targets and the
+    context carried from forward to backward."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -270,7 +276,7 @@ class PreparedCall(NamedTuple):
     tpc: _TPContext
     vocab_size: int  # of all shards together (the same on every rank)
     ignored: Optional[torch.Tensor] = None  # [N] bool: ignored rows kept in place (no compaction), or None
-    plan: Optional[CallPlan] = None  # the layout's plan
+    call_for_backward: Optional[ShardCall] = None  # the layout's ShardCall for a forward that is differentiated
 
     @property
     def verdict(self) -> Optional[BackwardVerdict]:
@@ -289,7 +295,7 @@ def compacts_rows(device: torch.device) -> bool:
     """Whether ignored rows are compacted away (their GEMM work saved, at the price of a host read of the kept-row
     count), or kept in place as rows that no shard owns, whose outputs are zeroed and whose upstream gradients are
     dropped (no host read): the latter while a CUDA graph is being captured, where a host read cannot happen."""
-    return not checks.is_capturing(device)  # (looked up at the call: a test may simulate a capture)
+    return not tensors.is_capturing(device)  # (looked up at the call: a test may simulate a capture)
 
 
 def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0,
@@ -303,30 +309,16 @@ def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: i
     return x.new_full(shape, fill).index_copy(dim, keep_idx, x)
 
 
-def prepare_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                 global_vocab_size: Optional[int], options: LogpOptions,
-                 builds_graph: Optional[bool] = None) -> PreparedCall:
-    """The layout's plan (:mod:`tplogp.plan`), the checks (:func:`tplogp.checks.check_call`: the same verdict on
-    every rank), flattening, ignore_index compaction and target localisation.
+def localize(call) -> LocalCall:
+    """Flattening, ignore_index compaction and target localisation of a checked call.
 
-    ``builds_graph``: whether the call records an autograd graph (None: grad mode and ``hidden.requires_grad``)."""
-    if builds_graph is None:
-        builds_graph = (torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad)
-    plan, problem = plan_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                              global_vocab_size, options, builds_graph)
-    total, verdict, target_check = check_call(plan, problem, hidden, weight, target_ids, bias, tp_group,
-                                              vocab_start_index, global_vocab_size, options.ignore_index,
-                                              bool(builds_graph) and problem is None)
-    if plan.vocab_size is None:
-        remember(plan, total)
-    return localize_call(plan, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options.ignore_index,
-                         total, verdict, target_check)
-
-
-def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                  ignore_index: Optional[int], total: int, verdict: Optional[BackwardVerdict] = None,
-                  target_check: Optional[checks.KernelTargetCheck] = None) -> PreparedCall:
-    """Flattening, ignore_index compaction and target localisation of a call whose checks have passed."""
+    Args:
+        call: a :class:`tplogp.plan.Call`.
+    Returns:
+        The :class:`LocalCall` that :func:`shard_forward` and :func:`shard_backward` run.
+    """
+    plan, args = call.plan, call.args
+    hidden, target_ids, weight, bias = args.hidden, args.target_ids, args.weight, args.bias
     d = hidden.shape[-1]
     h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
     tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
@@ -336,6 +328,7 @@ def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vo
     b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
 
     keep_idx = ignored = None
+    ignore_index = args.options.ignore_index
     if ignore_index is not None:
         keep = tgt != ignore_index
         if compacts_rows(h2.device):
@@ -346,62 +339,52 @@ def localize_call(plan: CallPlan, hidden, weight, target_ids, bias, tp_group, vo
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
-    tpc = _TPContext(plan.backend, plan.call, tp_group, plan.world_size, plan.comm_device, plan.single, verdict,
-                     target_check)
+    tpc = _TPContext(plan.backend, plan.call, args.group, plan.world_size, plan.comm_device, plan.single,
+                     call.verdict, call.target_check)
     if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
         local_target = tgt
     else:
-        rel = tgt - vocab_start_index if vocab_start_index else tgt
+        start = args.vocab_start_index
+        rel = tgt - start if start else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    return PreparedCall(h2, w, b, local_target, keep_idx, tpc, total, ignored, plan)
+    return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, plan.call_for_backward)
 
 
-def prepared_outputs(prep: PreparedCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """``(logp, entropy | None, lse)`` of a prepared call's rows (compacted ones absent): through the autograd
+def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(logp, entropy | None, lse)`` of a local call's rows (compacted ones absent): through the autograd
     Function when something requires a gradient (the forward may then keep logits for the backward), else the bare
     forward (scoring, rollouts: no autograd.Function machinery, host time)."""
-    h2, w, b, local_target, tpc = prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc
+    h2, w, b, local_target, tpc = local.hidden, local.weight, local.bias, local.local_target, local.tpc
     if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-        return _LinearLogpFunction.apply(h2, w, b, local_target, tpc, forward_for_backward(prep))
-    return _shard_forward(h2, w, b, local_target, tpc)[0]
+        return _LinearLogpFunction.apply(h2, w, b, local_target, tpc, forward_for_backward(local))
+    return shard_forward(h2, w, b, local_target, tpc)[0]
 
 
-def forward_for_backward(prep: PreparedCall) -> tuple:
-    """:func:`_shard_forward` of a prepared call whose results will be differentiated (its layout's
+def forward_for_backward(local: LocalCall) -> tuple:
+    """:func:`shard_forward` of a local call whose results will be differentiated (its layout's
     ``call_for_backward``: the source may keep terms for the backward), run before the call's autograd
     ``Function.apply``, which takes the results: the kernels are launched before autograd's machinery runs (host time
     at small shapes)."""
-    prep.tpc.call = prep.plan.call_for_backward
+    local.tpc.call = local.call_for_backward
     with torch.no_grad():  # (what a Function's forward runs under: the native source's torch ops record nothing)
-        return _shard_forward(prep.hidden, prep.weight, prep.bias, prep.local_target, prep.tpc)
+        return shard_forward(local.hidden, local.weight, local.bias, local.local_target, local.tpc)
 
 
-def linear_logp_tp(
-    backend: ShardBackend,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    tp_group=None,
-    vocab_start_index: int = 0,
-    global_vocab_size: Optional[int] = None,
-    options: LogpOptions = LogpOptions(),
-) -> LinearLogpResult:
-    """Validate, shard-localize targets, compact ignored rows, and run the shared autograd path with ``backend``.
+def linear_logp(call) -> LinearLogpResult:
+    """Run a checked call (:class:`tplogp.plan.Call`) eagerly: localize, the shared forward (through the autograd
+    Function when differentiated), and the outputs in the targets' shape.
 
-    The layer under :func:`tplogp.linear_logp` (which adds source selection, autocast, DTensor and the
-    ``torch.library`` op). Returns the logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the
-    requested outputs.
+    Returns:
+        The logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the requested outputs.
     """
-    out_shape = tuple(target_ids.shape)
-    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-                        options)
-    logp, entropy, lse = prepared_outputs(prep)
-    if prep.keep_idx is not None or prep.ignored is not None:
+    target_ids, options = call.args.target_ids, call.args.options
+    out_shape = target_ids.shape
+    local = localize(call)
+    logp, entropy, lse = local_outputs(local)
+    if local.keep_idx is not None or local.ignored is not None:
         n_all = target_ids.numel()
-        logp, lse = prep.finish_rows(logp, n_all), prep.finish_rows(lse, n_all)
-        entropy = None if entropy is None else prep.finish_rows(entropy, n_all)
+        logp, lse = local.finish_rows(logp, n_all), local.finish_rows(lse, n_all)
+        entropy = None if entropy is None else local.finish_rows(entropy, n_all)
     if len(out_shape) != 1:
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
@@ -420,65 +403,57 @@ def packed_rows(with_entropy: bool) -> int:
     return 6 if with_entropy else 4
 
 
-def op_keeps(options: LogpOptions, builds_graph: bool) -> bool:
+def op_keeps(options, builds_graph: bool) -> bool:
     """Whether the op's forward keeps logits for its backward: only for a call that records a graph and has no
     ``ignore_index`` (whose row compaction would make the kept buffer's size depend on the data, which the op's fake
     implementation cannot know); the budget then decides how much (``ShardBackend.kept_shape``)."""
     return builds_graph and options.ignore_index is None
 
 
-def op_call(options: LogpOptions, builds_graph: bool) -> ShardCall:
-    """The :class:`ShardCall` of an op's forward (``for_backward``: :func:`op_keeps`)."""
-    return shard_call(options, for_backward=op_keeps(options, builds_graph))
-
-
-def forward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                   global_vocab_size: Optional[int], options: LogpOptions,
-                   builds_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks and forward of one call: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows
-    0), and the fp32 logits kept for the backward within the budget (shape ``backend.kept_shape`` of
-    :func:`op_call`; ``(0,)`` when nothing is kept, and the backward recomputes)."""
-    prep = prepare_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-                        options, builds_graph=builds_graph)
-    tpc = prep.tpc
-    if op_keeps(options, builds_graph):
-        tpc = dataclasses.replace(tpc, call=prep.plan.call_for_backward.flat_kept)  # (one buffer: the op's output)
-    (logp, entropy, lse), (row_max, log_sum, mean_rel, kept) = _shard_forward(prep.hidden, prep.weight, prep.bias,
-                                                                              prep.local_target, tpc)
-    n_all = target_ids.numel()
+def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's forward of a checked call (:class:`tplogp.plan.Call`): one fp32 ``[K, target_ids.numel()]`` tensor
+    (rows ``PACKED_*``; ignored rows 0), and the fp32 logits kept for the backward within the budget (shape
+    ``backend.kept_shape`` of :func:`tplogp.plan.op_call`; ``(0,)`` when nothing is kept, and the backward
+    recomputes)."""
+    local = localize(call)
+    options = call.args.options
+    tpc = local.tpc
+    if op_keeps(options, call.args.builds_graph):
+        tpc = dataclasses.replace(tpc, call=local.call_for_backward.flat_kept)  # (one buffer: the op's output)
+    (logp, entropy, lse), (row_max, log_sum, mean_rel, kept) = shard_forward(local.hidden, local.weight, local.bias,
+                                                                             local.local_target, tpc)
+    n_all = call.args.target_ids.numel()
     # the normalizer rows keep the real values of ignored rows kept in place; compacted-away rows get log S = inf
     # (p = 0), so that a backward that keeps the rows in place (a CUDA-graph capture) gives them no gradient either
-    rows = [prep.finish_rows(logp, n_all), prep.finish_rows(lse, n_all),
-            expand_kept_rows(row_max, prep.keep_idx, n_all), expand_kept_rows(log_sum, prep.keep_idx, n_all,
-                                                                              fill=float("inf"))]
+    rows = [local.finish_rows(logp, n_all), local.finish_rows(lse, n_all),
+            expand_kept_rows(row_max, local.keep_idx, n_all), expand_kept_rows(log_sum, local.keep_idx, n_all,
+                                                                               fill=float("inf"))]
     if options.return_entropy:
-        rows += [prep.finish_rows(entropy, n_all), expand_kept_rows(mean_rel, prep.keep_idx, n_all)]
+        rows += [local.finish_rows(entropy, n_all), expand_kept_rows(mean_rel, local.keep_idx, n_all)]
     packed = torch.stack(rows)
     return packed, (kept if kept is not None else packed.new_empty(0))
 
 
-def backward_packed(backend: ShardBackend, hidden, weight, target_ids, bias, packed: torch.Tensor,
-                    grad_packed: torch.Tensor, tp_group, vocab_start_index: int, options: LogpOptions,
-                    needs: tuple[bool, bool, bool],
+def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs: tuple[bool, bool, bool],
                     kept: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
-    """The backward of ``forward_packed``: ``(d_hidden, d_weight, d_bias)`` (None where not needed) from the saved
-    packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get
-    none), reading the forward's ``kept`` logits where it kept some. The forward checked the call; its target
-    verdict (the latest call's, :func:`tplogp.checks.latest_verdict`) is settled before any gradient."""
-    plan, _ = plan_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, None, options, True)
-    prep = localize_call(plan, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options.ignore_index, 0,
-                         latest_verdict(tp_group if plan.world_size > 1 else None, hidden.device))
-    if prep.keep_idx is not None:
-        packed, grad_packed = packed.index_select(1, prep.keep_idx), grad_packed.index_select(1, prep.keep_idx)
+    """The backward of :func:`forward_packed`: ``(d_hidden, d_weight, d_bias)`` (None where not needed) from the
+    saved packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get
+    none), reading the forward's ``kept`` logits where it kept some. ``call``: :func:`tplogp.plan.prepare_backward`'s
+    (its verdict, the latest call's, is settled before any gradient)."""
+    local = localize(call)
+    options = call.args.options
+    if local.keep_idx is not None:
+        packed, grad_packed = packed.index_select(1, local.keep_idx), grad_packed.index_select(1, local.keep_idx)
     else:  # rows in place (or none ignored): the ignored ones get no upstream gradient
-        grad_packed = zero_rows(prep.ignored, grad_packed, dim=1)
+        grad_packed = zero_rows(local.ignored, grad_packed, dim=1)
     mean_rel = packed[PACKED_MEAN_REL] if options.return_entropy else None
     g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
-    saved = (prep.hidden, prep.weight, prep.bias, prep.local_target, packed[PACKED_ROW_MAX], packed[PACKED_LOG_SUM],
-             mean_rel, kept if kept is not None and kept.numel() else None)
+    saved = (local.hidden, local.weight, local.bias, local.local_target, packed[PACKED_ROW_MAX],
+             packed[PACKED_LOG_SUM], mean_rel, kept if kept is not None and kept.numel() else None)
     # the op's kept buffer is read, never overwritten: ``tplogp::linear_logp_bwd`` declares no mutation (tplogp.ops)
-    d_hidden, d_weight, d_bias = shard_backward(saved, prep.tpc, needs, False, grad_packed[PACKED_LOGP], g_entropy,
+    d_hidden, d_weight, d_bias = shard_backward(saved, local.tpc, needs, False, grad_packed[PACKED_LOGP], g_entropy,
                                                 grad_packed[PACKED_LSE])
     if d_hidden is not None:
-        d_hidden = prep.finish_rows(d_hidden, target_ids.numel()).view(hidden.shape)
+        hidden = call.args.hidden
+        d_hidden = local.finish_rows(d_hidden, call.args.target_ids.numel()).view(hidden.shape)
     return d_hidden, d_weight, d_bias

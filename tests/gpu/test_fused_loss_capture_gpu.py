@@ -30,13 +30,10 @@ LOSSES = {
 
 @pytest.mark.parametrize("source", ["triton", "sm90"])
 @pytest.mark.parametrize("name", list(LOSSES))
-@pytest.mark.parametrize("path", ["precomputed", "one-pass"])
 @pytest.mark.parametrize("checks", ["full", "fast"])
-def test_a_captured_fused_loss_replays_an_eager_calls_bits(source, name, path, checks, monkeypatch):
+def test_a_captured_fused_loss_replays_an_eager_calls_bits(source, name, checks, monkeypatch):
     cuda_backend(source)
     monkeypatch.setenv("TPLOGP_CHECKS", checks)
-    if path == "one-pass":
-        monkeypatch.setattr(fused_loss, "PRECOMPUTE_MAX_MACS", 0)
     loss_fn, n_extra, with_entropy = LOSSES[name]
     gen = torch.Generator(device="cuda").manual_seed(7)
     hidden = (torch.randn(N, D, device="cuda", generator=gen) * 0.5).bfloat16().requires_grad_()

@@ -59,7 +59,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_three_way_at_real_sizes(source, case):
     from tplogp.reference import reference_outputs
-    from tplogp.tp import LogpOptions, linear_logp_tp
+    from tplogp.api import linear_logp_on
+    from tplogp.plan import LogpOptions
 
     be = cuda_backend(source)
     n, d, v, dt, peaked, opts = CASES[case]
@@ -67,7 +68,7 @@ def test_three_way_at_real_sizes(source, case):
     ent, temp = opts.get("return_entropy", False), opts.get("temperature", 1.0)
 
     def ours(h, w, y, b):
-        return linear_logp_tp(be, h, w, y, b, options=LogpOptions(**opts))
+        return linear_logp_on(be, h, w, y, b, options=LogpOptions(**opts))
 
     def ref(mode):
         def fn(h, w, y, b):
@@ -88,14 +89,15 @@ def test_three_way_at_real_sizes(source, case):
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_deterministic_bitwise_and_batch_independent(source):
-    from tplogp.tp import LogpOptions, linear_logp_tp
+    from tplogp.api import linear_logp_on
+    from tplogp.plan import LogpOptions
 
     be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(4096, 2048, 32000, torch.bfloat16, seed=3)
     opts = LogpOptions(return_entropy=True, deterministic=True)
 
     def fn(h, w, y, b):
-        return linear_logp_tp(be, h, w, y, b, options=opts)
+        return linear_logp_on(be, h, w, y, b, options=opts)
 
     r1, r2 = _run(fn, h, w, b, y, g, ge, True), _run(fn, h, w, b, y, g, ge, True)
     for k in r1:
@@ -112,13 +114,14 @@ def test_deterministic_bitwise_and_batch_independent(source):
                          ids=["TxV>2^31-one-chunk", "VxD>2^31"])
 def test_large_indices_match_native(source, n, d, v, ws):
     from tplogp.backends.native import NativeBackend
-    from tplogp.tp import LogpOptions, linear_logp_tp
+    from tplogp.api import linear_logp_on
+    from tplogp.plan import LogpOptions
 
     be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(n, d, v, torch.bfloat16, seed=7)
-    got = _run(lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=LogpOptions(workspace_bytes=ws)),
+    got = _run(lambda h, w, y, b: linear_logp_on(be, h, w, y, b, options=LogpOptions(workspace_bytes=ws)),
                h, w, b, y, g, ge, False)
-    ref = _run(lambda h, w, y, b: linear_logp_tp(NativeBackend(), h, w, y, b), h, w, b, y, g, ge, False)
+    ref = _run(lambda h, w, y, b: linear_logp_on(NativeBackend(), h, w, y, b), h, w, b, y, g, ge, False)
     for k in got:
         assert torch.isfinite(got[k]).all(), k
         assert rel_error(got[k], ref[k]) < 2e-2, k
@@ -131,7 +134,8 @@ def test_direct_launches_match_the_jit_path(source):
     """Kernels launched without Triton's front end (tplogp.kernels.direct_launch) give the JIT path's bits, across
     calls whose arguments specialize differently: odd sizes, a hidden whose base is 2 bytes off alignment."""
     from tplogp.kernels import direct_launch
-    from tplogp.tp import LogpOptions, linear_logp_tp
+    from tplogp.api import linear_logp_on
+    from tplogp.plan import LogpOptions
 
     be = cuda_backend(source)
 
@@ -144,7 +148,7 @@ def test_direct_launches_match_the_jit_path(source):
                 if shift:  # same values, base pointer 2 bytes past a 16-byte boundary
                     buf = torch.empty(n * d + 8, device="cuda", dtype=h.dtype)
                     h = buf[shift:shift + n * d].view(n, d).copy_(h)
-                fn = lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=LogpOptions(return_entropy=True))
+                fn = lambda h, w, y, b: linear_logp_on(be, h, w, y, b, options=LogpOptions(return_entropy=True))
                 results.append([_run(fn, h, w, b, y, g, ge, True) for _ in range(2)])
             return results
         finally:

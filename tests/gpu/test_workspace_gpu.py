@@ -47,7 +47,8 @@ BUDGETS = {"default": None, "half": 0.5, "all": 1.0}  # the share of the call's 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_kept_logits_budgets_three_way(source, dtype):
     from tplogp.reference import reference_outputs
-    from tplogp.tp import LogpOptions, linear_logp_tp
+    from tplogp.api import linear_logp_on
+    from tplogp.plan import LogpOptions
 
     be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(N, D, V, dtype)
@@ -59,7 +60,7 @@ def test_kept_logits_budgets_three_way(source, dtype):
     for label, share in BUDGETS.items():
         budget = None if share is None else tplogp.keep_logits_budget(N, V, fraction=share, source=source,
                                                                       device="cuda", dtype=dtype)
-        fn = lambda h, w, y, b: linear_logp_tp(be, h, w, y, b, options=LogpOptions(  # noqa: E731
+        fn = lambda h, w, y, b: linear_logp_on(be, h, w, y, b, options=LogpOptions(  # noqa: E731
             return_entropy=True, workspace_bytes=budget))
         _grads(fn, h, w, b, y, g, ge)  # warm-up: compile the KEEP variants outside the memory window
         torch.cuda.synchronize()
@@ -88,7 +89,8 @@ def test_keep_all_backward_in_place_and_through_a_retained_graph(source):
     within the tolerance table against float64 and the eager reference (their GEMM splits differ: not the same
     bits)."""
     from tplogp.reference import reference_outputs
-    from tplogp.tp import LogpOptions, linear_logp_tp
+    from tplogp.api import linear_logp_on
+    from tplogp.plan import LogpOptions
 
     be = cuda_backend(source)
     n, d, v, dtype = 4096, 1024, 32000, torch.bfloat16
@@ -101,7 +103,7 @@ def test_keep_all_backward_in_place_and_through_a_retained_graph(source):
 
     def backward_peak(retain: bool):
         leaves = [t.clone().requires_grad_() for t in (h, w, b)]
-        out = linear_logp_tp(be, *leaves[:2], y, leaves[2], options=opts)
+        out = linear_logp_on(be, *leaves[:2], y, leaves[2], options=opts)
         upstream = [out.logp, out.entropy], [g.to(out.logp.dtype), ge.to(out.logp.dtype)]
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import linear_logp
-from ..checks import LinearLogpInputError
+from ..validation import LinearLogpInputError
 
 REDUCTIONS = ("none", "sum", "mean")
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..api import get_op
 from ..kernel_registry import SourceUnavailableError
 from ..shards import ShardLayoutError
-from ..checks import LinearLogpInputError
+from ..validation import LinearLogpInputError
 from .correctness import correctness
 from .flags import UsageError, parse_args
 from .launch import env_rank, gather_errors, init_group, launch_env, leave_last, log0, pick_device

@@ -1,16 +1,12 @@
-"""Every input check of ``linear_logp`` and ``linear_logp_loss``, with one entry point: :func:`check_call`.
+"""The target verdict of a call: whether every target id lies inside the vocabulary (and, with a group, is the same
+on every rank), decided without stalling the host.
 
-A call is checked in two parts. The *layout* part (argument types, shapes, dtypes, devices, options, the shard
-layout) depends on no tensor data: :func:`local_problem` and :func:`layout_problem_single` run at the first call of a
-layout, whose :class:`tplogp.plan.CallPlan` then remembers that it passed. The *data* part (the target ids inside the
-vocabulary and, with a group, the same on every rank) runs on every call, without waiting for the device.
+One entry in the forward, :func:`open_call` (called by the plan for every call), and one in the backward,
+:meth:`BackwardVerdict.settle` (called by :func:`tplogp.tp.shard_backward`). Verdicts not yet read wait in this
+module's queues; :func:`check_errors` reads them on demand.
 
-Decided identically on every rank. A check that fails on one rank only must not leave the other ranks waiting in a
-collective. So each rank first runs its local checks without raising, then all ranks exchange one small int64
-record (the local verdict plus the layout and call metadata: tokens, hidden size, shard range, dtype, bias, a
-checksum of the targets) in a single ``all_gather`` (:class:`GroupCheck`). Every rank then reaches the same verdict
-from the same gathered data and raises the same error. When some rank has a local problem, its message text is
-shared with ``all_gather_object`` (entered by all ranks, because all of them saw the flag).
+With a TP group the data part travels in the group record (:mod:`tplogp.group_record`), exchanged by the same
+entry, so every rank raises the same error.
 
 Modes (``TPLOGP_CHECKS``):
 
@@ -32,8 +28,8 @@ Modes (``TPLOGP_CHECKS``):
   and no host syncs (but the ignore_index compaction's ``nonzero``); tokens whose target no shard owns come out as
   NaN with finite gradients, and ranks that disagree on the token count are the caller's bug.
 
-Under a CUDA-graph capture (:func:`is_capturing`; also ``torch.compile(mode="reduce-overhead")``), ``full`` reads
-nothing on the host: the target check writes a device flag (:class:`CapturedTargetCheck`), recomputed by every
+Under a CUDA-graph capture (:func:`tplogp.tensors.is_capturing`; also ``torch.compile(mode="reduce-overhead")``),
+``full`` reads nothing on the host: the target check writes a device flag (:class:`CapturedTargetCheck`), recomputed by every
 replay. The captured backward zeroes the call's ``d_hidden``, ``d_weight`` and ``d_bias`` when the flag is set, and
 the flag is read after a replay by :func:`check_errors` or by the next call outside a capture (which raise). What
 a capture cannot hold raises :class:`LinearLogpInputError` before anything of the call is captured: ``sync``, and a
@@ -43,95 +39,17 @@ first call with a group that has no CPU companion yet (both name ``TPLOGP_CHECKS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import settings
+from . import tensors
 from .comm import all_gather_flat, collective_device, group_name, host_group, known_host_group
-from .shards import ShardLayoutError, validate_ranges
+from .group_record import GroupRecord
+from .validation import LinearLogpInputError
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 COVERAGE_MESSAGE = "target_ids must be covered by exactly one TP vocab shard"
-
-
-class LinearLogpInputError(ValueError):
-    """Bad arguments to ``linear_logp`` (raised identically on every rank of the group)."""
-
-
-def checks_mode() -> str:
-    """``TPLOGP_CHECKS`` (:func:`tplogp.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
-    try:
-        return settings.checks_mode()
-    except settings.SettingsError as exc:
-        raise LinearLogpInputError(str(exc)) from exc
-
-
-def is_int(x) -> bool:
-    """A Python int that is not a bool (what the op's ``int`` schema arguments accept)."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def local_problem(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    vocab_start_index: int,
-    global_vocab_size: Optional[int],
-    ignore_index: Optional[int],
-    temperature: float,
-    workspace_bytes: Optional[int] = None,
-) -> Optional[str]:
-    """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
-
-    An argument of a type that the op's schema (:mod:`tplogp.ops`) does not take is always a problem here: such
-    calls run these checks eagerly to raise their error (:mod:`tplogp.api`)."""
-    for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
-        if not isinstance(t, torch.Tensor):
-            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        return f"bias must be a torch.Tensor or None, got {type(bias).__name__}"
-    if hidden.dim() not in (2, 3):
-        return f"hidden must be [N, D] or [B, S, D], got shape {tuple(hidden.shape)}"
-    if weight.dim() != 2:
-        return f"weight must be [V_local, D], got shape {tuple(weight.shape)}"
-    if hidden.shape[-1] != weight.shape[1]:
-        return (f"hidden size mismatch: hidden is {tuple(hidden.shape)} (D={hidden.shape[-1]}) but weight is "
-                f"{tuple(weight.shape)} (D={weight.shape[1]})")
-    if tuple(target_ids.shape) != tuple(hidden.shape[:-1]):
-        return (f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's shape without D), "
-                f"got {tuple(target_ids.shape)}")
-    if target_ids.dtype.is_floating_point or target_ids.dtype.is_complex or target_ids.dtype == torch.bool:
-        return f"target_ids must be an integer tensor, got {target_ids.dtype}"
-    if hidden.dtype not in SUPPORTED_DTYPES:
-        return f"hidden dtype must be one of float32, bfloat16, float16, got {hidden.dtype}"
-    if weight.dtype != hidden.dtype:
-        return f"weight dtype ({weight.dtype}) must match hidden dtype ({hidden.dtype})"
-    if bias is not None:
-        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
-            return f"bias must be [V_local] = [{weight.shape[0]}], got shape {tuple(bias.shape)}"
-        if bias.dtype not in (weight.dtype, torch.float32):
-            return f"bias dtype ({bias.dtype}) must be the weight dtype ({weight.dtype}) or float32"
-    devices = {hidden.device, weight.device, target_ids.device} | ({bias.device} if bias is not None else set())
-    if len(devices) > 1:
-        names = f"hidden={hidden.device}, weight={weight.device}, target_ids={target_ids.device}" + (
-            f", bias={bias.device}" if bias is not None else "")
-        return f"all tensors must be on one device, got {names}"
-    if not is_int(vocab_start_index) or vocab_start_index < 0:
-        return f"vocab_start_index must be a non-negative int, got {vocab_start_index!r}"
-    if global_vocab_size is not None and (not is_int(global_vocab_size) or global_vocab_size <= 0):
-        return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
-            and temperature != float("inf")):
-        return f"temperature must be a positive finite number, got {temperature!r}"
-    if ignore_index is not None and not is_int(ignore_index):
-        return f"ignore_index must be an int or None, got {ignore_index!r}"
-    if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
-        return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
-    return None
 
 
 class TargetSummary(NamedTuple):
@@ -195,136 +113,6 @@ def target_range_problem(summary: TargetSummary, vocab_size: int, ignore_index: 
     return None
 
 
-class GroupCheck:
-    """The collective verdict. ``run`` returns the global vocab size and, when given targets, their summary."""
-
-    # verdict, 7 metadata fields, ignore_index, differentiability, then whether a target summary travels, and its
-    # checksum, lo, hi
-    _FIELDS = 14
-    # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
-    _verified: dict = {}
-
-    @classmethod
-    def run(
-        cls,
-        group,
-        comm_device: torch.device,
-        problem: Optional[str],
-        n_tokens: int,
-        hidden_size: int,
-        vocab_start_index: int,
-        v_local: int,
-        global_vocab_size: Optional[int],
-        dtype: torch.dtype,
-        has_bias: bool,
-        targets: Optional[torch.Tensor | TargetSummary],
-        ignore_index: Optional[int],
-        mode: str,
-        builds_graph: bool = False,
-        targets_note: str = "",
-    ) -> tuple[int, Optional[TargetSummary]]:
-        """``targets``: this rank's :func:`target_summary_tensor` (device ``[3]``: it travels in the record, so the
-        record exchange is the call's only host read), a :class:`TargetSummary` already on the host (an earlier
-        call's deferred summary: with ``group`` a CPU group, nothing here waits for a device), or
-        None. ``targets_note`` ends the error of targets that differ between ranks. The summary is returned when
-        every rank sent one and they agree (a range check is the caller's)."""
-        world = dist.get_world_size(group)
-        key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
-               builds_graph)
-        if mode == "fast" and problem is None and key in cls._verified:
-            return cls._verified[key], None
-        head = torch.tensor(
-            [
-                0 if problem is None else 1,
-                n_tokens,
-                hidden_size,
-                vocab_start_index,
-                v_local,
-                -1 if global_vocab_size is None else global_vocab_size,
-                _DTYPE_CODE.get(dtype, 0),
-                int(has_bias),
-                -(1 << 62) if ignore_index is None else ignore_index,
-                int(builds_graph),
-            ] + ([0, 0, 0, -1] if targets is None else [1, *targets] if isinstance(targets, TargetSummary) else [1]),
-            dtype=torch.long,
-            device=comm_device,
-        )
-        record = head if not isinstance(targets, torch.Tensor) else torch.cat([head, targets.to(comm_device)])
-        rows = cls._exchange(record, group, world)
-        if any(r[0] for r in rows):
-            messages: list = [None] * world
-            dist.all_gather_object(messages, problem, group=group)
-            bad = [(r, m) for r, m in enumerate(messages) if m]
-            detail = "; ".join(f"rank {r}: {m}" for r, m in bad)
-            raise LinearLogpInputError(f"linear_logp inputs rejected ({detail})")
-        cls._check_agreement(rows)
-        ranges = [(r[3], r[3] + r[4]) for r in rows]
-        declared = {r[5] for r in rows}
-        total = validate_ranges(ranges, None if declared == {-1} else max(declared))
-        if mode == "fast":
-            cls._verified[key] = total
-        if not all(r[10] for r in rows):
-            return total, None
-        checksums = [r[11] for r in rows]
-        if len(set(checksums)) > 1:
-            listing = ", ".join(f"rank {i}: #{c:x}" for i, c in enumerate(checksums))
-            raise LinearLogpInputError("target_ids (they must be replicated: the same global ids on every rank) must "
-                                       f"be the same on every TP rank, got {listing}{targets_note}")
-        # identical on every rank: the checksum agreement proved the targets replicated
-        return total, TargetSummary(*rows[0][11:14])
-
-    @classmethod
-    def is_verified(cls, group, vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
-                    hidden_size: int, dtype: torch.dtype, has_bias: bool, ignore_index: Optional[int],
-                    builds_graph: bool) -> bool:
-        """Whether ``fast`` mode has verified this layout with ``group`` (its later calls exchange nothing)."""
-        return (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
-                builds_graph) in cls._verified
-
-    @classmethod
-    def _exchange(cls, record: torch.Tensor, group, world: int) -> list[list[int]]:
-        """Every rank's record, rank-major: one all_gather and one read of its result (a host read when the record
-        lives on a device; nothing waits for a device when it is a CPU tensor of a CPU group)."""
-        gathered = all_gather_flat(record, group)
-        return gathered.view(world, cls._FIELDS).cpu().tolist()
-
-    @staticmethod
-    def _check_agreement(rows: Sequence[Sequence[int]]) -> None:
-        def differ(index: int, what: str, fmt=str) -> None:
-            values = [r[index] for r in rows]
-            if len(set(values)) > 1:
-                listing = ", ".join(f"rank {i}: {fmt(v)}" for i, v in enumerate(values))
-                raise LinearLogpInputError(f"{what} must be the same on every TP rank, got {listing}")
-
-        differ(1, "the number of tokens")
-        differ(2, "the hidden size D")
-        decl = [r[5] for r in rows]
-        if len(set(decl)) > 1:
-            listing = ", ".join(f"rank {i}: {'None' if v == -1 else v}" for i, v in enumerate(decl))
-            raise LinearLogpInputError(f"global_vocab_size must be the same on every TP rank, got {listing}")
-        names = {v: k for k, v in _DTYPE_CODE.items()}
-        differ(6, "the input dtype", lambda c: str(names.get(c, "?")))
-        differ(7, "bias presence (all ranks pass a bias or none does)", lambda b: "bias" if b else "no bias")
-        differ(8, "ignore_index", lambda v: "None" if v == -(1 << 62) else str(v))
-        # a rank that records no autograd graph would skip the backward all-reduce the others enter
-        differ(9, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
-               lambda b: "yes" if b else "no")
-
-
-def layout_problem_single(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
-                          group_given: bool = False) -> int:
-    """Without a TP group, or with a group of one rank, the weight must be the whole vocabulary. Returns its size."""
-    where = "with a tp_group of size 1" if group_given else "without a tp_group"
-    if vocab_start_index != 0:
-        raise ShardLayoutError(
-            f"vocab shards leave a gap: {where} the single shard must start at 0, "
-            f"got vocab_start_index={vocab_start_index} (ids [0, {vocab_start_index}) owned by no rank)")
-    if global_vocab_size is not None and global_vocab_size != v_local:
-        raise ShardLayoutError(
-            f"{where} the weight must hold the whole vocabulary: weight has {v_local} rows "
-            f"but global_vocab_size is {global_vocab_size}")
-    return v_local
-
 
 # ---- verdicts read later: the default checks without a host sync -------------------------------------------------
 
@@ -339,26 +127,6 @@ CAPTURED_NOTE = (" [found by the target check of a linear_logp call captured in 
 CAPTURE_FIX = ("run one call of this layout outside the capture first (a warm-up), or set TPLOGP_CHECKS=fast "
                "(no target check)")
 
-
-def is_capturing(device: torch.device) -> bool:
-    """Whether work on ``device`` is being captured into a CUDA graph now (host reads are then impossible)."""
-    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
-
-
-_current_streams: dict = {}
-
-
-def current_stream(device: torch.device) -> "torch.cuda.Stream":
-    """``torch.cuda.current_stream(device)`` without its Python wrapper's device-index resolution and ``Stream``
-    construction (about 10 us per call on an H200 host): the ``Stream`` object of a device is reused while the
-    device's current stream is the same one."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream_id, device_index, device_type = torch._C._cuda_getCurrentStream(index)
-    found = _current_streams.get(index)
-    if found is None or found.stream_id != stream_id:
-        found = _current_streams[index] = torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
-                                                            device_type=device_type)
-    return found
 
 
 @dataclass
@@ -412,23 +180,17 @@ class CapturedTargetCheck:
 class KernelTargetCheck:
     """The target check of a call without a group whose source's finishing kernel does it (``forward_single`` with
     ``target_flag``, the triton / sm90 sources): no launch and no copy of its own. The kernel writes an id outside
-    ``[0, vocab)``, if there is one, straight into a pinned host slot (:class:`_FlagSlots`); an event recorded after
-    the kernel says when the slot holds the verdict."""
+    ``[0, vocab)``, if there is one, straight into a pinned host slot (:class:`_FlagSlots`); ``ready``, the slot's
+    event (None on the CPU), recorded by the launching code right after the kernel on the current stream, says when
+    the slot holds the verdict."""
 
     __slots__ = ("flag", "index", "slots", "ready", "vocab_size", "bad")
 
     def __init__(self, slots: "_FlagSlots", vocab_size: int) -> None:
         self.slots, self.vocab_size = slots, vocab_size
-        self.ready: Optional[torch.cuda.Event] = None
         self.bad: Optional[int] = None  # the slot's value, once read (a slot is reused only after that)
-        self.index, self.flag = slots.take(self)
-
-    def launched(self, device: torch.device) -> None:
-        """The kernel that writes the flag has been launched on ``device``'s current stream (on a GPU: mark the
-        point the host waits for, with the slot's event: its previous check has been read, see ``take``)."""
-        if self.slots.pinned:
-            self.ready = self.slots.event(self.index)
-            self.ready.record(current_stream(device))
+        self.index, self.flag = slots.take(self)  # (the slot's previous check has been read: its event is free)
+        self.ready: Optional[torch.cuda.Event] = slots.event(self.index) if slots.pinned else None
 
     def done(self) -> bool:
         """Whether the verdict can be read without waiting for the device."""
@@ -658,7 +420,7 @@ class BackwardVerdict:
     Outside a capture: the call's :class:`PendingTargetCheck`, read (its event has normally passed long before; with
     a group, exchanged over the CPU companion so that every rank raises the same error, before the ``d_hidden``
     all-reduce). Under a capture: the call's :class:`CapturedTargetCheck`; the gradients are zeroed where its flag
-    is set (:meth:`mask`)."""
+    is set (:meth:`settle`)."""
 
     __slots__ = ("pending", "captured", "group")
 
@@ -666,39 +428,37 @@ class BackwardVerdict:
                  group=None) -> None:
         self.pending, self.captured, self.group = pending, captured, group
 
-    def settle(self) -> None:
-        """Raise the call's error (the verdict is then dropped from what later calls judge)."""
+    def settle(self, grads: tuple = ()) -> tuple:
+        """Raise the call's error (the verdict is then dropped from what later calls judge); else ``grads`` with the
+        gradients zeroed where a captured call's flag is set (themselves outside a capture)."""
         pending = self.pending
-        if pending is None:
-            return
-        if self.group is None:
-            for i, unjudged in enumerate(_unjudged):
-                if unjudged is pending:
-                    del _unjudged[i]  # judged here, once
-                    break
-            problem = pending.problem()
-            if problem is not None:
-                raise LinearLogpInputError(problem + BACKWARD_NOTE)
-            return
-        name = group_name(self.group)
-        if _pending_by_group.get(name) is pending:
-            del _pending_by_group[name]
-        _judge_group_summary(self.group, pending, BACKWARD_NOTE)
-
-    def mask(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """``grad``, zero where a captured call's flag is set (itself outside a capture)."""
-        if grad is None or self.captured is None:
-            return grad
-        return grad.masked_fill(self.captured.bad.to(grad.device), 0)
+        if pending is not None:
+            if self.group is None:
+                for i, unjudged in enumerate(_unjudged):
+                    if unjudged is pending:
+                        del _unjudged[i]  # judged here, once
+                        break
+                problem = pending.problem()
+                if problem is not None:
+                    raise LinearLogpInputError(problem + BACKWARD_NOTE)
+            else:
+                name = group_name(self.group)
+                if _pending_by_group.get(name) is pending:
+                    del _pending_by_group[name]
+                _judge_group_summary(self.group, pending, BACKWARD_NOTE)
+        if self.captured is None:
+            return grads
+        bad = self.captured.bad
+        return tuple(None if g is None else g.masked_fill(bad.to(g.device), 0) for g in grads)
 
 
-def latest_verdict(group, device: torch.device) -> Optional[BackwardVerdict]:
+def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardVerdict]:
     """For a backward that cannot hold its forward's verdict (the ``torch.library`` op of :mod:`tplogp.ops`): the
-    last call's with ``group`` (None: without a group), read now under ``full`` checks."""
-    if checks_mode() != "full":
+    last call's with ``group`` (None: without a group), read now under ``full`` checks (``mode``)."""
+    if mode != "full":
         return None
     scope = group_name(group)
-    if is_capturing(device):
+    if tensors.is_capturing(device):
         kept = _captured.get(scope)
         return BackwardVerdict(captured=kept[-1]) if kept else None
     if group is None or dist.get_world_size(group) == 1:
@@ -706,37 +466,39 @@ def latest_verdict(group, device: torch.device) -> Optional[BackwardVerdict]:
     return BackwardVerdict(pending=_pending_by_group.get(scope), group=group)
 
 
-# ---- the one entry point ------------------------------------------------------------------------------------------
 
-def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-               global_vocab_size: Optional[int], ignore_index: Optional[int],
-               builds_graph: bool) -> tuple[int, Optional[BackwardVerdict], Optional[KernelTargetCheck]]:
-    """Every check of one call: ``(global vocab size, what its backward settles, the target check that the
-    source's kernel runs or None)``, or the error on every rank.
 
-    ``plan``: the call's :class:`tplogp.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``,
-    ``kernel_target_check``; ``vocab_size`` when an earlier call of the layout has passed); ``problem``:
-    :func:`local_problem` at the layout's first call (None on later ones: the plan remembers that it passed). A
-    returned :class:`KernelTargetCheck` must reach the source (``forward_single(target_flag=)``), and its
-    ``launched`` be called after the launch."""
-    mode, world = plan.mode, plan.world_size
-    device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    capturing = is_capturing(device)
+# ---- the forward's entry -----------------------------------------------------------------------------------------
+
+def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[BackwardVerdict],
+                                                           Optional[KernelTargetCheck]]:
+    """Open one call's verdict: judge what earlier calls left (those delivered), raise ``problem`` (the call's
+    :func:`tplogp.validation.local_problem`, None when fine or when the layout passed before) and start this call's
+    target check.
+
+    Args:
+        plan: the layout's :class:`tplogp.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``,
+            ``kernel_target_check``, ``vocab_size``: set for one shard, None for a group's first call).
+        args: the call's :class:`tplogp.plan.CallArgs`.
+    Returns:
+        ``(global vocab size, what the backward settles or None, the target check that the source's finishing
+        kernel runs or None)``. A returned :class:`KernelTargetCheck` reaches the source (``forward_single``'s
+        ``target_flag``) and its ``ready`` event is recorded right after that launch.
+    """
+    mode = plan.mode
+    device = args.hidden.device if isinstance(args.hidden, torch.Tensor) else torch.device("cpu")
+    capturing = tensors.is_capturing(device)
     if capturing and mode == "sync":
         raise LinearLogpInputError("TPLOGP_CHECKS=sync reads the targets on the host at the call, which a CUDA-graph "
                                    "capture cannot do: capture with the default checks (TPLOGP_CHECKS unset or full), "
                                    "which keep the verdict on the device, or with TPLOGP_CHECKS=fast")
-    if world > 1:
-        return (*_check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                                   global_vocab_size, ignore_index, builds_graph, capturing), None)
+    if plan.world_size > 1:
+        return (*_open_group_call(plan, args, problem, capturing), None)
     if mode != "fast" and not capturing:
         raise_pending_errors(everything=False)  # the deferred verdict of the previous call without a group
     if problem is not None:
         raise LinearLogpInputError(problem)
-    total = plan.vocab_size
-    if total is None:
-        total = layout_problem_single(vocab_start_index, weight.shape[0], global_vocab_size,
-                                      group_given=tp_group is not None)
+    total, target_ids, ignore_index = plan.vocab_size, args.target_ids, args.options.ignore_index
     verdict = in_kernel = None
     if mode == "sync":
         msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False), total,
@@ -751,69 +513,71 @@ def check_call(plan, problem: Optional[str], hidden, weight, target_ids, bias, t
                 pending = in_kernel = start_kernel_target_check(device, total)
             else:
                 pending = defer_target_range_check(target_ids, total, ignore_index)
-            verdict = BackwardVerdict(pending=pending) if builds_graph else None
+            verdict = BackwardVerdict(pending=pending) if args.builds_graph else None
     return total, verdict, in_kernel
 
 
-def _check_group_call(plan, problem, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                      global_vocab_size, ignore_index, builds_graph, capturing) -> tuple[int, Optional[BackwardVerdict]]:
-    """:func:`check_call` with a group of several ranks (module docstring)."""
-    mode, comm_dev = plan.mode, plan.comm_device
+def _open_group_call(plan, args, problem: Optional[str], capturing: bool) -> tuple[int, Optional[BackwardVerdict]]:
+    """:func:`open_call` with a group of several ranks (module docstring)."""
+    mode, comm_dev, group = plan.mode, plan.comm_device, args.group
+    hidden, weight, target_ids, bias = args.hidden, args.weight, args.target_ids, args.bias
+    ignore_index = args.options.ignore_index
     ok = problem is None
+    builds_graph = bool(ok and args.builds_graph)
     # full checks exchange the record over a CPU group: nothing waits for the device; the targets' summary
     # travels one call later. sync (or no CPU group to be had): the device record, read here.
     host = None
     if mode == "full":
-        host = host_group(tp_group, comm_dev) if not capturing else known_host_group(tp_group, comm_dev)
+        host = host_group(group, comm_dev) if not capturing else known_host_group(group, comm_dev)
         if capturing and host is None:
             raise LinearLogpInputError("the default checks of a linear_logp call with a TP group exchange their record "
                                        "over a CPU companion group, made by the group's first call, which cannot "
                                        f"run in a CUDA-graph capture: {CAPTURE_FIX}")
-    elif mode == "fast" and capturing and not GroupCheck.is_verified(tp_group, vocab_start_index, weight.shape[0],
-                                                                        global_vocab_size, hidden.shape[-1],
-                                                                        hidden.dtype, bias is not None, ignore_index,
-                                                                        builds_graph):
+    elif mode == "fast" and capturing and not GroupRecord.is_verified(
+            group, args.vocab_start_index, weight.shape[0], args.global_vocab_size, hidden.shape[-1], hidden.dtype,
+            bias is not None, ignore_index, builds_graph):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
     earlier = None
     if host is not None and not capturing:
-        captured = _captured_problem(group_name(tp_group), first_read_only=True) if _captured else None
+        captured = _captured_problem(group_name(group), first_read_only=True) if _captured else None
         if captured is not None and ok:  # a local problem: shared with the others by the record exchange
             problem, ok = captured, False
-        earlier = take_group_pending(tp_group)  # the previous call's pending target check, judged by this one
-        record_targets = None if earlier is None else earlier.read_summary()
+        earlier = take_group_pending(group)  # the previous call's pending target check, judged by this one
+        record_targets = None if earlier is None else tuple(earlier.read_summary())
     elif host is not None:
         record_targets = None  # a capture reads nothing: earlier verdicts wait for a call outside it
     else:
         record_targets = (target_summary_tensor(target_ids, ignore_index, with_checksum=True)
                           if ok and mode != "fast" else None)
-    total, summary = GroupCheck.run(
-        host if host is not None else tp_group, torch.device("cpu") if host is not None else comm_dev, problem,
+    total, summary = GroupRecord.exchange(
+        host if host is not None else group, torch.device("cpu") if host is not None else comm_dev, problem,
         n_tokens=int(target_ids.numel()) if ok else -1,
         hidden_size=int(hidden.shape[-1]) if ok else -1,
-        vocab_start_index=int(vocab_start_index) if ok else -1,
+        vocab_start_index=int(args.vocab_start_index) if ok else -1,
         v_local=int(weight.shape[0]) if ok else -1,
-        global_vocab_size=global_vocab_size if ok else None,
+        global_vocab_size=args.global_vocab_size if ok else None,
         dtype=hidden.dtype if ok else torch.float32,
         has_bias=bias is not None,
         targets=record_targets,
         ignore_index=ignore_index,
         mode=mode,
-        builds_graph=bool(ok and builds_graph),
+        builds_graph=builds_graph,
         targets_note=GROUP_NOTE if host is not None else "",
     )
+    summary = None if summary is None else TargetSummary(*summary)
     verdict = None
     if host is not None:  # the summary is the previous call's (replicated, per the checksums): its range now
         msg = None if summary is None else earlier.range_problem(summary)
         if msg is not None:
             raise LinearLogpInputError(msg + GROUP_NOTE)
         if capturing:
-            verdict = BackwardVerdict(captured=_capture_check(group_name(tp_group), target_ids, total, ignore_index))
+            verdict = BackwardVerdict(captured=_capture_check(group_name(group), target_ids, total, ignore_index))
         else:  # this call's targets: judged by its backward, else by the next call with the group
-            defer_group_target_check(tp_group, target_ids, total, ignore_index)
+            defer_group_target_check(group, target_ids, total, ignore_index)
             if builds_graph:
-                verdict = BackwardVerdict(pending=_pending_by_group[group_name(tp_group)], group=tp_group)
+                verdict = BackwardVerdict(pending=_pending_by_group[group_name(group)], group=group)
     elif summary is not None:  # sync: this call's own targets, identical on every rank (the checksums agree)
         msg = target_range_problem(summary, total, ignore_index)
         if msg is not None:

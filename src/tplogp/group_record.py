@@ -1,0 +1,137 @@
+"""The group record: one small int64 record per rank, exchanged in a single ``all_gather``, so that every rank of a
+TP group reaches the same verdict on a call and raises the same error (none is left waiting in a collective).
+
+The record holds the rank's local verdict, the call's layout (tokens, hidden size, shard range, declared vocab,
+dtype, bias, ignore_index, whether it records an autograd graph) and optionally a summary ``[checksum, lo, hi]`` of
+the targets. From the gathered rows every rank checks the ranks' agreement and the shard partition
+(:func:`tplogp.shards.validate_ranges`), giving the global vocabulary size. When some rank has a local problem, the
+message texts follow in one ``all_gather_object`` (entered by all ranks, since all of them saw the flag).
+Used by the per-call verdict (:mod:`tplogp.verdicts`), whose deferred target summary travels in the record.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_flat
+from .shards import validate_ranges
+from .validation import DTYPE_CODE, LinearLogpInputError
+
+class GroupRecord:
+    """The collective verdict of a call with a group. :meth:`exchange` returns the global vocab size and, when every
+    rank sent one, the targets' summary."""
+
+    # verdict, 7 metadata fields, ignore_index, differentiability, then whether a target summary travels, and its
+    # checksum, lo, hi
+    _FIELDS = 14
+    # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
+    _verified: dict = {}
+
+    @classmethod
+    def exchange(
+        cls,
+        group,
+        comm_device: torch.device,
+        problem: Optional[str],
+        n_tokens: int,
+        hidden_size: int,
+        vocab_start_index: int,
+        v_local: int,
+        global_vocab_size: Optional[int],
+        dtype: torch.dtype,
+        has_bias: bool,
+        targets: Optional[torch.Tensor | tuple[int, int, int]],
+        ignore_index: Optional[int],
+        mode: str,
+        builds_graph: bool = False,
+        targets_note: str = "",
+    ) -> tuple[int, Optional[tuple[int, int, int]]]:
+        """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the record, so the
+        record exchange is the call's only host read), ``(checksum, lo, hi)`` already on the host (an earlier call's
+        deferred summary: with ``group`` a CPU group, nothing here waits for a device), or None. ``targets_note`` ends the error of targets that differ between ranks. The summary is returned when
+        every rank sent one and they agree (a range check is the caller's)."""
+        world = dist.get_world_size(group)
+        key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
+               builds_graph)
+        if mode == "fast" and problem is None and key in cls._verified:
+            return cls._verified[key], None
+        head = torch.tensor(
+            [
+                0 if problem is None else 1,
+                n_tokens,
+                hidden_size,
+                vocab_start_index,
+                v_local,
+                -1 if global_vocab_size is None else global_vocab_size,
+                DTYPE_CODE.get(dtype, 0),
+                int(has_bias),
+                -(1 << 62) if ignore_index is None else ignore_index,
+                int(builds_graph),
+            ] + ([0, 0, 0, -1] if targets is None else [1, *targets] if isinstance(targets, tuple) else [1]),
+            dtype=torch.long,
+            device=comm_device,
+        )
+        record = head if not isinstance(targets, torch.Tensor) else torch.cat([head, targets.to(comm_device)])
+        rows = cls._exchange(record, group, world)
+        if any(r[0] for r in rows):
+            messages: list = [None] * world
+            dist.all_gather_object(messages, problem, group=group)
+            bad = [(r, m) for r, m in enumerate(messages) if m]
+            detail = "; ".join(f"rank {r}: {m}" for r, m in bad)
+            raise LinearLogpInputError(f"linear_logp inputs rejected ({detail})")
+        cls._check_agreement(rows)
+        ranges = [(r[3], r[3] + r[4]) for r in rows]
+        declared = {r[5] for r in rows}
+        total = validate_ranges(ranges, None if declared == {-1} else max(declared))
+        if mode == "fast":
+            cls._verified[key] = total
+        if not all(r[10] for r in rows):
+            return total, None
+        checksums = [r[11] for r in rows]
+        if len(set(checksums)) > 1:
+            listing = ", ".join(f"rank {i}: #{c:x}" for i, c in enumerate(checksums))
+            raise LinearLogpInputError("target_ids (they must be replicated: the same global ids on every rank) must "
+                                       f"be the same on every TP rank, got {listing}{targets_note}")
+        # identical on every rank: the checksum agreement proved the targets replicated
+        return total, tuple(rows[0][11:14])
+
+    @classmethod
+    def is_verified(cls, group, vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
+                    hidden_size: int, dtype: torch.dtype, has_bias: bool, ignore_index: Optional[int],
+                    builds_graph: bool) -> bool:
+        """Whether ``fast`` mode has verified this layout with ``group`` (its later calls exchange nothing)."""
+        return (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
+                builds_graph) in cls._verified
+
+    @classmethod
+    def _exchange(cls, record: torch.Tensor, group, world: int) -> list[list[int]]:
+        """Every rank's record, rank-major: one all_gather and one read of its result (a host read when the record
+        lives on a device; nothing waits for a device when it is a CPU tensor of a CPU group)."""
+        gathered = all_gather_flat(record, group)
+        return gathered.view(world, cls._FIELDS).cpu().tolist()
+
+    @staticmethod
+    def _check_agreement(rows: Sequence[Sequence[int]]) -> None:
+        def differ(index: int, what: str, fmt=str) -> None:
+            values = [r[index] for r in rows]
+            if len(set(values)) > 1:
+                listing = ", ".join(f"rank {i}: {fmt(v)}" for i, v in enumerate(values))
+                raise LinearLogpInputError(f"{what} must be the same on every TP rank, got {listing}")
+
+        differ(1, "the number of tokens")
+        differ(2, "the hidden size D")
+        decl = [r[5] for r in rows]
+        if len(set(decl)) > 1:
+            listing = ", ".join(f"rank {i}: {'None' if v == -1 else v}" for i, v in enumerate(decl))
+            raise LinearLogpInputError(f"global_vocab_size must be the same on every TP rank, got {listing}")
+        names = {v: k for k, v in DTYPE_CODE.items()}
+        differ(6, "the input dtype", lambda c: str(names.get(c, "?")))
+        differ(7, "bias presence (all ranks pass a bias or none does)", lambda b: "bias" if b else "no bias")
+        differ(8, "ignore_index", lambda v: "None" if v == -(1 << 62) else str(v))
+        # a rank that records no autograd graph would skip the backward all-reduce the others enter
+        differ(9, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
+               lambda b: "yes" if b else "no")
+

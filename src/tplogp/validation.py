@@ -1,0 +1,127 @@
+"""Argument and layout validation of ``linear_logp`` and ``linear_logp_loss``: what one rank can check alone, with no
+tensor data read.
+
+:func:`local_problem` returns a message instead of raising, so that with a TP group every rank first finishes its
+own checks and the group then raises the same error everywhere (:mod:`tplogp.group_record`); without a group the
+plan raises it. :func:`layout_problem_single` is the shard layout of a call on one shard. The plan
+(:mod:`tplogp.plan`) runs these at the first call of a layout only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import settings
+from .shards import ShardLayoutError
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the dtype as it travels in a group record
+
+class LinearLogpInputError(ValueError):
+    """Bad arguments to ``linear_logp`` (raised identically on every rank of the group)."""
+
+
+def checks_mode() -> str:
+    """``TPLOGP_CHECKS`` (:func:`tplogp.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
+    try:
+        return settings.checks_mode()
+    except settings.SettingsError as exc:
+        raise LinearLogpInputError(str(exc)) from exc
+
+
+def is_int(x) -> bool:
+    """A Python int that is not a bool (what the op's ``int`` schema arguments accept)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def local_problem(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    vocab_start_index: int,
+    global_vocab_size: Optional[int],
+    ignore_index: Optional[int],
+    temperature: float,
+    workspace_bytes: Optional[int] = None,
+) -> Optional[str]:
+    """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
+
+    An argument of a type that the op's schema (:mod:`tplogp.ops`) does not take is always a problem here: such
+    calls run these checks eagerly to raise their error (:mod:`tplogp.api`)."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return f"bias must be a torch.Tensor or None, got {type(bias).__name__}"
+    if hidden.dim() not in (2, 3):
+        return f"hidden must be [N, D] or [B, S, D], got shape {tuple(hidden.shape)}"
+    if weight.dim() != 2:
+        return f"weight must be [V_local, D], got shape {tuple(weight.shape)}"
+    if hidden.shape[-1] != weight.shape[1]:
+        return (f"hidden size mismatch: hidden is {tuple(hidden.shape)} (D={hidden.shape[-1]}) but weight is "
+                f"{tuple(weight.shape)} (D={weight.shape[1]})")
+    if tuple(target_ids.shape) != tuple(hidden.shape[:-1]):
+        return (f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's shape without D), "
+                f"got {tuple(target_ids.shape)}")
+    if target_ids.dtype.is_floating_point or target_ids.dtype.is_complex or target_ids.dtype == torch.bool:
+        return f"target_ids must be an integer tensor, got {target_ids.dtype}"
+    if hidden.dtype not in SUPPORTED_DTYPES:
+        return f"hidden dtype must be one of float32, bfloat16, float16, got {hidden.dtype}"
+    if weight.dtype != hidden.dtype:
+        return f"weight dtype ({weight.dtype}) must match hidden dtype ({hidden.dtype})"
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+            return f"bias must be [V_local] = [{weight.shape[0]}], got shape {tuple(bias.shape)}"
+        if bias.dtype not in (weight.dtype, torch.float32):
+            return f"bias dtype ({bias.dtype}) must be the weight dtype ({weight.dtype}) or float32"
+    devices = {hidden.device, weight.device, target_ids.device} | ({bias.device} if bias is not None else set())
+    if len(devices) > 1:
+        names = f"hidden={hidden.device}, weight={weight.device}, target_ids={target_ids.device}" + (
+            f", bias={bias.device}" if bias is not None else "")
+        return f"all tensors must be on one device, got {names}"
+    if not is_int(vocab_start_index) or vocab_start_index < 0:
+        return f"vocab_start_index must be a non-negative int, got {vocab_start_index!r}"
+    if global_vocab_size is not None and (not is_int(global_vocab_size) or global_vocab_size <= 0):
+        return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
+            and temperature != float("inf")):
+        return f"temperature must be a positive finite number, got {temperature!r}"
+    if ignore_index is not None and not is_int(ignore_index):
+        return f"ignore_index must be an int or None, got {ignore_index!r}"
+    if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
+        return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
+    return None
+
+
+def single_shard_vocab(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
+                          group_given: bool = False) -> int:
+    """Without a TP group, or with a group of one rank, the weight must be the whole vocabulary. Returns its size."""
+    where = "with a tp_group of size 1" if group_given else "without a tp_group"
+    if vocab_start_index != 0:
+        raise ShardLayoutError(
+            f"vocab shards leave a gap: {where} the single shard must start at 0, "
+            f"got vocab_start_index={vocab_start_index} (ids [0, {vocab_start_index}) owned by no rank)")
+    if global_vocab_size is not None and global_vocab_size != v_local:
+        raise ShardLayoutError(
+            f"{where} the weight must hold the whole vocabulary: weight has {v_local} rows "
+            f"but global_vocab_size is {global_vocab_size}")
+    return v_local
+
+
+
+
+def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options,
+                 world_size: int, group_given: bool) -> tuple[str, Optional[str], Optional[int]]:
+    """The layout checks of a call's first call: ``(TPLOGP_CHECKS mode, local problem or None, the vocab size of
+    one shard or None)``. A bad ``TPLOGP_CHECKS`` and a one-shard layout whose weight is not the whole vocabulary
+    raise here; a local problem is returned (with a group, every rank raises it together)."""
+    mode = checks_mode()
+    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                            options.ignore_index, options.temperature, options.workspace_bytes)
+    vocab_size = None
+    if problem is None and world_size == 1:
+        vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)
+    return mode, problem, vocab_size
