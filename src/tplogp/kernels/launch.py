@@ -67,6 +67,13 @@ def _hooked(runtime: Any) -> bool:
     return False
 
 
+def _active_driver() -> Any:
+    """Triton's driver of the current device: its current device and stream getters, the ones its JIT calls."""
+    from triton.runtime import driver
+
+    return driver.active
+
+
 def _is_constexpr(param: inspect.Parameter) -> bool:
     return "constexpr" in str(param.annotation)  # what Triton tests (a string annotation under future annotations)
 
@@ -135,9 +142,7 @@ class Launch:
         # the one interpreter branch: Triton's interpreter returns no compiled kernel, so nothing is kept
         if _RUNTIME is None or _hooked(_RUNTIME) or not hasattr(compiled, "packed_metadata"):
             return
-        from triton.runtime import driver
-
-        active = driver.active
+        active = _active_driver()
         device = active.get_current_device()
         if len(self._compiled) >= MAX_COMPILED:
             self._compiled.clear()
