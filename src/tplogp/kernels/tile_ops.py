@@ -318,7 +318,7 @@ def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e
     tile, nothing for the other tiles.
 
     A full tile (not ``MASKED``) below ``v_keep`` lies wholly below it: ``v_keep`` is the shard's V or a multiple of
-    ``tiles.CHUNK_ALIGN`` (256), which every ``BLOCK_V`` (a power of two up to 256) divides, as it divides the
+    ``workspace.CHUNK_ALIGN`` (256), which every ``BLOCK_V`` (a power of two up to 256) divides, as it divides the
     tile's start. So it needs the row mask alone (fewer predicate registers in the store).
 
     ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over ``[N, v_keep]`` with a ``[BLOCK_N, BLOCK_V]`` block;
