@@ -6,9 +6,8 @@ What it measures: the Python and torch host work of one ``linear_logp`` forward+
 ``linear_logp_loss`` forward+backward, as on a GPU host but without a GPU: the kernels are not run, so the numbers
 are the host path alone (planning, checks, allocations, small torch ops, autograd, launch bookkeeping), plus the
 CPU GEMMs of the backward (tiny at the default shape). Launches keep their host work: every launch goes through
-:class:`tplogp.kernels.direct_launch.DirectLauncher`'s hot path (the launch key built from the arguments, the
-cached compiled kernel looked up), whose compiled kernel is a no-op; the first launch of a key stores it without
-compiling. Rows: ``torch-eager`` (log_softmax + gather, for scale), ``triton`` (``get_op(source="triton")``),
+:class:`tplogp.kernels.launch.Launch`'s hot path (the alignment key built from the tensors, the kept compiled
+kernel looked up), whose compiled kernel is a no-op; the first launch of a key keeps it without compiling. Rows: ``torch-eager`` (log_softmax + gather, for scale), ``triton`` (``get_op(source="triton")``),
 ``sm90-tma`` (the sm90 source's TMA host path: descriptors and their launchers, through
 :func:`tplogp.tp.linear_logp_tp` since the registry offers sm90 on Hopper only; every size takes it here, where the
 source itself launches the pointer kernels up to ``TMA_MIN_MACS``), ``torch-eager-loss`` (mean ``cross_entropy`` of
@@ -31,6 +30,7 @@ import cProfile
 import os
 import pstats
 import time
+import types
 from typing import Callable, Iterator
 
 import torch  # noqa: E402
@@ -41,48 +41,46 @@ if not torch.cuda.is_available():  # (no CUDA context is made here) a GPU host k
 from .runner import DTYPES  # noqa: E402
 
 
-def install_noop_launches() -> None:
-    """Make every direct launcher take its hot path with a no-op compiled kernel (see the module docstring)."""
-    from tplogp.kernels import direct_launch
+def install_noop_launches() -> list:
+    """Make every kernel launch take its hot path with a no-op compiled kernel (see the module docstring): the
+    first call of a launch's key keeps a no-op in place of compiling. Returns the list of the launches that keep
+    one (for :func:`noop_launches` to empty afterwards)."""
+    from tplogp.kernels import launch
 
-    class _NoHooks:
-        launch_enter_hook = launch_exit_hook = None
+    touched: list = []
 
     def noop(*args) -> None:
         return None
 
-    def first(self, grid, args, num_warps, num_stages, constexprs) -> None:
-        key = (0, num_warps, num_stages, tuple(constexprs.values()), direct_launch.args_key(args))
-        self.binaries[key] = (noop, None, None)
+    def through_jit(self, tensors) -> None:
+        if self.descriptors:
+            self._describe(tensors)  # (the descriptors' host work, as a first launch does it)
+        self._compiled[(0, *[t.data_ptr() % 16 for t in tensors])] = (noop, None, None)
+        self._device, self._stream = (lambda: 0), (lambda device: 0)
+        touched.append(self)
 
-    init = direct_launch.DirectLauncher.__init__
-
-    def init_enabled(self, jit_fn) -> None:
-        init(self, jit_fn)
-        self._enabled, self._knobs = True, _NoHooks
-
-    direct_launch._current_device = lambda: 0
-    direct_launch._raw_stream = lambda device: 0
-    direct_launch.DirectLauncher._first = first
-    direct_launch.DirectLauncher.__init__ = init_enabled
-    direct_launch._LAUNCHERS.clear()
+    launch._RUNTIME = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    launch.Launch._through_jit = through_jit
+    launch._CACHE.clear()
+    return touched
 
 
 @contextlib.contextmanager
 def noop_launches() -> Iterator[None]:
-    """:func:`install_noop_launches` for the duration of the block, the real launchers back after it (for callers
+    """:func:`install_noop_launches` for the duration of the block, the real launches back after it (for callers
     that share the process with real launches, such as tests)."""
-    from tplogp.kernels import direct_launch
+    from tplogp.kernels import launch
 
-    saved = (direct_launch._current_device, direct_launch._raw_stream, direct_launch.DirectLauncher._first,
-             direct_launch.DirectLauncher.__init__)
-    install_noop_launches()
+    saved = (launch._RUNTIME, launch.Launch._through_jit)
+    touched = install_noop_launches()
     try:
         yield
     finally:
-        (direct_launch._current_device, direct_launch._raw_stream, direct_launch.DirectLauncher._first,
-         direct_launch.DirectLauncher.__init__) = saved
-        direct_launch._LAUNCHERS.clear()  # the launchers made meanwhile hold no-op kernels
+        launch._RUNTIME, launch.Launch._through_jit = saved
+        for made in touched:  # the launches made or used meanwhile (held by plans too) keep no no-op kernel
+            made._compiled.clear()
+            made._device = made._stream = None
+        launch._CACHE.clear()
 
 
 def calls(shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable[[], None]]:

@@ -62,16 +62,12 @@ STAGES = (
     ("tplogp.backends.triton_backend", "TritonBackend.backward", "source: backward"),
     ("tplogp.backends.triton_backend", "TritonBackend._launch_layout", "  _launch_layout"),
     ("tplogp.backends.triton_backend", "TritonBackend._kept_buffer", "  _kept_buffer"),
-    ("tplogp.kernels.generic_launch", "ForwardProgram.__call__", "program: forward"),
-    ("tplogp.kernels.generic_launch", "launch_stats", "launch: stats"),
-    ("tplogp.kernels.hopper_launch", "launch_stats_tma", "launch: stats (TMA)"),
-    ("tplogp.kernels.hopper_launch", "launch_dlogits_tma", "launch: d_logits (TMA, recompute)"),
-    ("tplogp.kernels.generic_launch", "launch_dlogits_kept", "launch: d_logits (kept)"),
-    ("tplogp.kernels.generic_launch", "launch_dlogits", "launch: d_logits (recompute)"),
-    ("tplogp.kernels.generic_launch", "_mm_into", "GEMM into the input dtype"),
+    ("tplogp.kernels.programs", "ForwardProgram.__call__", "program: forward"),
+    ("tplogp.kernels.programs", "launch_dlogits_kept", "launch: d_logits (kept)"),
+    ("tplogp.kernels.programs", "launch_dlogits", "launch: d_logits (recompute)"),
+    ("tplogp.kernels.programs", "_mm_into", "GEMM into the input dtype"),
     ("tplogp.fp32_gemm", "mm_into", "GEMM into fp32"),
-    ("tplogp.kernels.direct_launch", "DirectLauncher.__call__", "  DirectLauncher (key + launch)"),
-    ("tplogp.kernels.bound_launch", "BoundLaunch.launch", "  BoundLaunch (alignment + launch)"),
+    ("tplogp.kernels.launch", "Launch.__call__", "  Launch (alignment + launch)"),
 )
 
 

@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tplogp.kernels import generic_kernels, hopper_kernels, tiles
+from tplogp.kernels import backward_kernels, forward_kernels, hopper_kernels, tiles
 
 # (kernel, arch, dtype, (M, N, K, stages), dot precision)
 CASES = [
@@ -57,10 +57,10 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
         fn, sig = hopper_kernels.fwd_stats_tma_kernel, {**tma, **stats, "inv_temp": "fp32", "num_splits": "i32", "plane": "i32"}
         const = dict(SPLIT_V=split_tiles * n, **flags, **block_args, WARP_SPECIALIZE=True, NUM_STAGES=stages,
                      KEEP=keep, KEEP_TMA=keep and keep_tma)
-        if keep and keep_tma:  # the kept terms through a tensor descriptor (hopper_launch.kept_tma_ok)
+        if keep and keep_tma:  # the kept terms through a tensor descriptor (launches.kept_tma_ok)
             sig = {**sig, "p_kept": f"tensordesc<{dt}[{m},{n}]>"}
     elif kind == "fwd":
-        fn = generic_kernels.fwd_stats_kernel
+        fn = forward_kernels.fwd_stats_kernel
         sig = {**ptrs, **stats, "stride_hn": "i32", "stride_wv": "i32", "inv_temp": "fp32", "num_splits": "i32",
                "plane": "i32"}
         const = dict(SPLIT_V=split_tiles * n, **flags, EVEN_D=False, **block_args, KEEP=keep)
@@ -69,17 +69,17 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
         sig = {**tma, **grads, "stride_dz": "i32", "stride_dbp": "i32", "inv_temp": "fp32"}
         const = dict(**flags, NEED_DB=features, **block_args, WARP_SPECIALIZE=True, NUM_STAGES=stages)
     elif kind == "bwd":
-        fn = generic_kernels.bwd_dlogits_kernel
+        fn = backward_kernels.bwd_dlogits_kernel
         sig = {**ptrs, **grads, "stride_hn": "i32", "stride_wv": "i32", "stride_dz": "i32", "stride_dbp": "i32",
                "inv_temp": "fp32"}
         const = dict(**flags, NEED_DB=features, EVEN_D=False, **block_args)
     elif kind == "bwd_kept":
-        fn = generic_kernels.bwd_dlogits_kept_kernel
+        fn = backward_kernels.bwd_dlogits_kept_kernel
         sig = {"p_kept": f"*{dt}", "p_scale": "*fp32", **grads, "stride_kept": "i32", "stride_scale": "i32",
                "stride_dz": "i32", "stride_dbp": "i32", "inv_temp": "fp32"}
         const = dict(WITH_ENTROPY=features, NEED_DB=features, BLOCK_N=m, BLOCK_V=n, DOT_PRECISION=precision)
     else:  # dh: acc[M, N] += dz[M, K] @ w[K, N]
-        fn = generic_kernels.dh_accum_kernel
+        fn = backward_kernels.dh_accum_kernel
         sig = dict(p_dz=f"*{dt}", p_w=f"*{dt}", p_dh="*fp32", N="i32", K="i32", D="i32", stride_dz="i32",
                    stride_wv="i32", stride_dh="i32")
         const = dict(ACCUMULATE=True, BLOCK_N=m, BLOCK_D=n, BLOCK_K=k, GROUP_N=8, DOT_PRECISION=precision)

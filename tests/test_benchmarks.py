@@ -292,14 +292,14 @@ def test_floors_smoke_rows(tmp_path):
 
 
 def test_host_stages_smoke(capsys):
-    """The stage stamps on CPU (no-op launches): every row's table lists the forward's launch program and its bound
+    """The stage stamps on CPU (no-op launches): every row's table lists the forward's launch program and its
     launches, the backward node, the kept d_logits launch and the markers in call order; the stamped functions and
     the real launchers are back afterwards."""
     from benchmarks import host_stages
     from tplogp import tp
-    from tplogp.kernels import direct_launch
+    from tplogp.kernels.launch import Launch
 
-    before = (tp.prepare_call, direct_launch.DirectLauncher._first, direct_launch.DirectLauncher.__call__)
+    before = (tp.prepare_call, Launch._through_jit, Launch.__call__)
     assert host_stages.main(["--shape", "16x32x256", "--dtype", "fp32", "--calls", "5", "--warmup", "2"]) == 0
     out = capsys.readouterr().out
     tables = out.split("== ")[1:]
@@ -309,12 +309,12 @@ def test_host_stages_smoke(capsys):
             "(forward returned)", "(backward returned)", "(synced)"]
     for table, node in zip(tables, ("linear_logp backward", "one-pass loss backward")):
         stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
-        for needed in ("program: forward", "BoundLaunch (alignment + launch)",
+        for needed in ("program: forward", "Launch (alignment + launch)",
                        f"autograd node: {node}", "launch: d_logits (kept)"):
             assert needed in stages, (needed, stages)
         order = [stages.index(m) for m in ("(forward returned)", "(backward returned)", "(synced)")]
         assert order == sorted(order) and stages.index("program: forward") < order[0]
-    assert (tp.prepare_call, direct_launch.DirectLauncher._first, direct_launch.DirectLauncher.__call__) == before
+    assert (tp.prepare_call, Launch._through_jit, Launch.__call__) == before
 
 
 def test_host_stages_budget(capsys):

@@ -10,7 +10,7 @@ import tplogp
 from tplogp.backends.base import ShardCall
 from tplogp.backends.native import NativeBackend
 from tplogp.budgets import GPU_MIN_CHUNK_TOKENS, plan_chunk_tokens
-from tplogp.kernels import tiles
+from tplogp.kernels import workspace
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 bf16 = torch.bfloat16
@@ -61,12 +61,12 @@ def test_keep_all_and_half_per_source(device, n, v):
     for source in ("triton", "sm90"):
         pytest.importorskip("triton")
         full = tplogp.keep_logits_budget(n, v, source=source, device=device, dtype=bf16)
-        assert full <= tiles.DEFAULT_WORKSPACE_BYTES + n * v * 2 + 4 * n * -(-v // 32) + 16  # scales: 32+ wide tiles
+        assert full <= workspace.DEFAULT_WORKSPACE_BYTES + n * v * 2 + 4 * n * -(-v // 32) + 16  # scales: 32+ wide tiles
         assert _triton_kept_columns(source, n, v, full, device) == v
         assert _triton_kept_columns(source, n, v, full - 4, device) < v
         half = tplogp.keep_logits_budget(n, v, fraction=0.5, source=source, device=device, dtype=bf16)
         cols = _triton_kept_columns(source, n, v, half, device)
-        assert cols <= v // 2 and cols % tiles.CHUNK_ALIGN == 0 and v // 2 - cols < tiles.CHUNK_ALIGN
+        assert cols <= v // 2 and cols % workspace.CHUNK_ALIGN == 0 and v // 2 - cols < workspace.CHUNK_ALIGN
         assert _triton_kept_columns(source, n, v, tplogp.keep_logits_budget(
             n, v, fraction=0.0, source=source, device=device, dtype=bf16), device) == 0
         full32 = tplogp.keep_logits_budget(n, v, source=source, device=device, dtype=torch.float32)

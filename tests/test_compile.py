@@ -175,7 +175,7 @@ def test_opcheck(entropy, budget, source):
     ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
     args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True)
     packed, kept = ops.linear_logp_fwd(*args)
-    # the triton sources keep a call this small under the default budget too (tplogp.kernels.tiles.default_keep)
+    # the triton sources keep a call this small under the default budget too (tplogp.kernels.workspace.default_keep)
     assert (kept.numel() > 0) == (budget == "keep" or source != "native"), kept.shape
     torch.library.opcheck(ops.linear_logp_fwd, args)
 
@@ -185,15 +185,15 @@ def _count_recomputes(monkeypatch, source):
     launches, beside the launches that read kept logits)."""
     seen = {"recompute": 0}
     if source == "triton":
-        from tplogp.kernels import generic_launch
+        from tplogp.kernels import programs
 
-        real = generic_launch.launch_dlogits
+        real = programs.launch_dlogits
 
         def recompute(*args):
             seen["recompute"] += 1
             return real(*args)
 
-        monkeypatch.setattr(generic_launch, "launch_dlogits", recompute)
+        monkeypatch.setattr(programs, "launch_dlogits", recompute)
     else:
         from tplogp.backends import native
 

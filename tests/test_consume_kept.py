@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tplogp
 from tests.problems import make_problem, run_reference
 from tests.test_triton_kernels import pytestmark as triton_interpreter  # the interpreter tests' skip condition
-from tplogp.kernels import generic_launch, tiles
+from tplogp.kernels import kept as kept_layout, programs, workspace
 from tplogp.tolerances import assert_no_worse
 
 TRITON = tplogp.get_op("linear_logp", source="triton")
@@ -43,13 +43,13 @@ def in_place(monkeypatch):
     """One entry per kept d_logits launch: whether it wrote d_logits over the kept terms it read."""
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     seen = []
-    real = generic_launch.launch_dlogits_kept
+    real = programs.launch_dlogits_kept
 
     def launch(kept, *args):
         seen.append(args[7].data_ptr() == kept.values.data_ptr())  # args[7]: dz
         return real(kept, *args)
 
-    monkeypatch.setattr(generic_launch, "launch_dlogits_kept", launch)
+    monkeypatch.setattr(programs, "launch_dlogits_kept", launch)
     return seen
 
 
@@ -123,7 +123,7 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
 
     be = TritonBackend()
     budget = _budget(dtype)
-    assert budget == tiles.DEFAULT_WORKSPACE_BYTES + be.kept_bytes(N, V, dtype, torch.device("cpu"))
+    assert budget == workspace.DEFAULT_WORKSPACE_BYTES + be.kept_bytes(N, V, dtype, torch.device("cpu"))
     held = []
 
     def pack(t):
@@ -142,9 +142,9 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
     # within the budget's kept part (which counts the terms in whole fp32 words)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _loss(_leaves(p), p, dtype)
-    value_words, scale_words = tiles.kept_words(N, V, 2, be._keep_block_v(torch.device("cpu"), dtype))
+    value_words, scale_words = kept_layout.kept_words(N, V, 2, be._keep_block_v(torch.device("cpu"), dtype))
     assert N * V * 2 == max(held) <= 4 * value_words < N * V * 2 + 4
-    assert 4 * (value_words + scale_words) == budget - tiles.DEFAULT_WORKSPACE_BYTES
+    assert 4 * (value_words + scale_words) == budget - workspace.DEFAULT_WORKSPACE_BYTES
 
 
 @triton_interpreter

@@ -70,10 +70,10 @@ def _compare(ours, eager, what=""):
 
 def _count_recompute(monkeypatch):
     """Count the triton backward's recompute launches (its kept-logits launches do no GEMM)."""
-    from tplogp.kernels import generic_launch
+    from tplogp.kernels import programs
 
     seen = {"recompute": 0, "kept": 0}
-    real_recompute, real_kept = generic_launch.launch_dlogits, generic_launch.launch_dlogits_kept
+    real_recompute, real_kept = programs.launch_dlogits, programs.launch_dlogits_kept
 
     def recompute(*args):
         seen["recompute"] += 1
@@ -83,8 +83,8 @@ def _count_recompute(monkeypatch):
         seen["kept"] += 1
         return real_kept(*args)
 
-    monkeypatch.setattr(generic_launch, "launch_dlogits", recompute)
-    monkeypatch.setattr(generic_launch, "launch_dlogits_kept", kept)
+    monkeypatch.setattr(programs, "launch_dlogits", recompute)
+    monkeypatch.setattr(programs, "launch_dlogits_kept", kept)
     return seen
 
 
@@ -106,7 +106,7 @@ def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
     ours = _run(True, p, extra, reduction, source, **kw)
     _compare(ours, eager, f"{source} {budget}")
     if source == "triton":  # every chunk's logits are kept, with a budget and (a call this small) without one: no
-        # recompute GEMM (3 GEMMs per chunk; tplogp.kernels.tiles.default_keep)
+        # recompute GEMM (3 GEMMs per chunk; tplogp.kernels.workspace.default_keep)
         assert seen["recompute"] == 0 and seen["kept"] > 0, seen
 
 

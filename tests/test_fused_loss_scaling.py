@@ -60,16 +60,16 @@ def test_scaled_is_the_fp32_product_rounded_once(path, dtypes, g, in_place):
 def test_a_backward_scales_every_gradient_in_one_launch(path, in_place, monkeypatch):
     """d_hidden (fp32 to bf16), d_W (bf16, in place when allowed), no gradient (None) and d_b (fp32 to fp16): each
     the fp32 product rounded once, the kernel path in ONE launch whatever the tensors' sizes and dtypes."""
-    from tplogp.kernels import bound_launch
+    from tplogp.kernels.launch import Launch
 
     launches = []
-    real = bound_launch.launcher
+    real = Launch.__call__
 
-    def counting(jit_fn):  # (every launch of the scaling kernel goes through its bound launch)
-        launch = real(jit_fn)
-        return lambda *args, **kwargs: (launches.append(jit_fn), launch(*args, **kwargs))[1]
+    def counting(self, *tensors):  # (every kernel launch goes through a Launch)
+        launches.append(self.kernel)
+        return real(self, *tensors)
 
-    monkeypatch.setattr(bound_launch, "launcher", counting)
+    monkeypatch.setattr(Launch, "__call__", counting)
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(5, 3001, generator=gen) * 3, (torch.randn(9000, generator=gen)).to(torch.bfloat16), None,
              torch.randn(8193, generator=gen) * 1e-3]

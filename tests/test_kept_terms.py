@@ -52,13 +52,13 @@ def test_the_problem_has_a_trained_models_spread():
 def test_keep_all_matches_the_default_and_float64(monkeypatch, source, dtype):
     """Every term kept (in the inputs' dtype: fp16 terms for fp16 inputs) against a call that keeps nothing (on
     triton, a call this small keeps by default: there a budget of the default workspace alone keeps nothing)."""
-    from tplogp.kernels import tiles
+    from tplogp.kernels import workspace
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = trained_spread_problem(dtype, seed=1)
     op = get_op("linear_logp", source=source)
     kw = dict(entropy=True, lse=True, temperature=0.9)
-    default = run_op(op, p, workspace_bytes=None if source == "native" else tiles.DEFAULT_WORKSPACE_BYTES, **kw)
+    default = run_op(op, p, workspace_bytes=None if source == "native" else workspace.DEFAULT_WORKSPACE_BYTES, **kw)
     kept = run_op(op, p, workspace_bytes=_keep_all(source, dtype), **kw)
     truth = run_reference(p, "float64", temperature=0.9, entropy=True, lse=True)
     ref = run_reference(p, "matching", temperature=0.9, entropy=True, lse=True)
@@ -162,20 +162,20 @@ def test_consumed_kept_terms_become_d_logits_in_place(monkeypatch, source, dtype
     the kept buffer is left as the forward wrote it."""
     from tplogp.backends.base import ShardCall
     from tplogp.backends.triton_backend import TritonBackend
-    from tplogp.kernels import generic_launch
+    from tplogp.kernels import programs
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = trained_spread_problem(dtype, seed=5)
     be = TritonBackend()
     budget = _keep_all("triton", dtype)
     stores = []
-    real = generic_launch.launch_dlogits_kept
+    real = programs.launch_dlogits_kept
 
     def kept_launch(kept, *args):
         stores.append(args[7].data_ptr() == kept.values.data_ptr())  # dz written over the terms
         return real(kept, *args)
 
-    monkeypatch.setattr(generic_launch, "launch_dlogits_kept", kept_launch)
+    monkeypatch.setattr(programs, "launch_dlogits_kept", kept_launch)
 
     class Workspaces(TorchDispatchMode):
         """Tensors of the d_logits workspace's dtype and at least [N, 256] made during the backward."""

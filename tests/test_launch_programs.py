@@ -1,6 +1,6 @@
-"""The triton source's per-layout launch programs (``tplogp.kernels.generic_launch.ForwardProgram`` and
+"""The triton source's per-layout launch programs (``tplogp.kernels.programs.ForwardProgram`` and
 ``KeptBackward``): the op's calls (``ShardCall.inputs_checked``) of a layout reuse one program, made at the layout's
-first call, whose launches are bound once (``tplogp.kernels.bound_launch``). A program runs the same kernels with
+first call, whose launches are made once (``tplogp.kernels.launch.Launch``). A program runs the same kernels with
 the same arguments as the per-call path, so its outputs, kept terms and gradients are bitwise the per-call path's.
 Triton's CPU interpreter.
 """
@@ -157,9 +157,9 @@ def test_layouts_a_program_does_not_cover_plan_each_call():
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("lse", [False, True], ids=["no-lse", "lse"])
 def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy, bias, lse):
-    """Every term kept, a backward that consumes them: the layout's ``KeptBackward`` with its launch bound (made by
-    the first backward, run by the second) against the per-call path (a new one per call, launched through the
-    direct launcher), bitwise, on kept terms of the same forward. (tests/test_consume_kept.py checks the per-call
+    """Every term kept, a backward that consumes them: the layout's ``KeptBackward`` kept by the source (made by
+    the first backward, run by the second) against the per-call path (its layout's from the per-call cache),
+    bitwise, on kept terms of the same forward. (tests/test_consume_kept.py checks the per-call
     consuming backward against the read-only one, which recomputes through a workspace.)"""
     backend = _backend()
     hidden, weight, b, target = _inputs(bias=bias)
@@ -190,6 +190,26 @@ def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy
         assert (x is None) == (y is None) == (x is got.d_bias and not bias)
         if x is not None:
             assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y))
+
+
+def test_the_per_call_path_takes_one_program_per_layout_from_the_cache(monkeypatch):
+    """Calls that plan each call (a plain ShardCall) build the same program as the source's, once per layout key,
+    in the one per-call cache; another layout (here another vocab size) builds another, with its own launches."""
+    from tplogp.kernels import launch, programs
+
+    monkeypatch.setattr(launch, "_CACHE", {})
+    backend = _backend()
+    hidden, weight, _, target = _inputs()
+    for _ in range(2):
+        backend.forward_single(hidden, weight, None, target, ShardCall())
+    (found,) = launch._CACHE.values()
+    assert isinstance(found, programs.ForwardProgram) and found.single
+    wider = torch.randn(V + 40, D)
+    backend.forward_single(hidden, wider, None, target, ShardCall())
+    assert len(launch._CACHE) == 2
+    other = [p for p in launch._CACHE.values() if p is not found][0]
+    assert other.stats is not found.stats and other.finish is not found.finish
+    assert other.stats.kernel is found.stats.kernel and other.stats.scalars != found.stats.scalars
 
 
 def test_the_layout_and_program_caches_stay_bounded():

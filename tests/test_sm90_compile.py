@@ -66,7 +66,7 @@ def test_kept_terms_variants_machine_code(sass):
     """The forward that keeps softmax terms (``KEEP``) still runs wgmma/TMA with single-MUFU exponentials (the
     terms are the epilogue's own exponentials: no second one) and stores each bf16 tile with one TMA store per
     epilogue copy (interior, edge): a plain-store variant's per-element pointers take registers that the 128x256
-    accumulator tile does not leave, and it spilled twice as much (:func:`tplogp.kernels.common.keep_tile`); the
+    accumulator tile does not leave, and it spilled twice as much (:func:`tplogp.kernels.tile_ops.keep_tile`); the
     plain stores left are the row stats and scales. The d_logits kernel on kept terms runs no GEMM and no
     per-element exponential (one ex2 per row), stores with vectors and spills nothing."""
     counts = sass

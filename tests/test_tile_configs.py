@@ -15,7 +15,7 @@ import torch
 from tplogp import kernel_registry
 from tplogp.backends.sm90_backend import SM90Backend
 from tplogp.backends.triton_backend import TritonBackend
-from tplogp.kernels import tiles
+from tplogp.kernels import tiles, workspace
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (capability, shared memory per block opt-in) as the devices report them
@@ -73,7 +73,7 @@ def test_chosen_configs_fit(fake_cuda, monkeypatch, dtype, device_name, precisio
                      "dh_block_d", "dh_block_k"):
             value = getattr(cfg, name)
             assert value >= 16 and value & (value - 1) == 0, (name, value)  # tl.dot: powers of two >= 16
-        assert tiles.CHUNK_ALIGN % cfg.bwd_block_v == 0 and tiles.CHUNK_ALIGN % cfg.dh_block_k == 0
+        assert workspace.CHUNK_ALIGN % cfg.bwd_block_v == 0 and workspace.CHUNK_ALIGN % cfg.dh_block_k == 0
         if (precision_used != "ieee" or dtype != torch.float32) and \
                 max(tiles.shared_bytes(base, dtype.itemsize, precision_used).values()) <= limit:
             assert cfg == base  # nothing shrinks where the table's entry fits
@@ -143,31 +143,28 @@ def test_explicit_config_that_does_not_fit_is_refused(fake_cuda):
 # ------------------------------------------------------------------------------------ TMA or pointer kernels by size
 
 
-def _launch_hooks(backend, n, d, v, deterministic=False):
-    """``(stats hook, d_logits hook)`` the backend picks for an ``[n, d] x [v, d]`` call (meta tensors: only the
-    shapes are read; None is the generic pointer kernel)."""
+def _uses_tma(backend, n, d, v, deterministic=False):
+    """Whether the backend launches the TMA kernels for an ``[n, d] x [v, d]`` call (meta tensors: only the shapes
+    are read; False: the pointer kernels)."""
     from tplogp.backends.base import ShardCall
 
     hidden, weight = torch.empty(n, d, device="meta"), torch.empty(v, d, device="meta")
-    call = ShardCall(deterministic=deterministic)
-    return backend._stats_launch(hidden, weight, call), backend._dlogits_launch(hidden, weight, call)
+    return backend._uses_tma(hidden, weight, ShardCall(deterministic=deterministic))
 
 
 def test_sm90_launches_pointer_kernels_at_or_below_the_size_and_tma_above():
-    pytest.importorskip("triton")
     from tplogp.backends import sm90_backend
-    from tplogp.kernels import hopper_launch
 
     be = SM90Backend()
-    tma = (hopper_launch.launch_stats_tma, hopper_launch.launch_dlogits_tma)
     at = sm90_backend.TMA_MIN_MACS
-    assert _launch_hooks(be, 4096, 2048, 8192) == (None, None)  # 2^36: the limit itself
+    assert not _uses_tma(be, 4096, 2048, 8192)  # 2^36: the limit itself
     assert 4096 * 2048 * 8192 == at
-    assert _launch_hooks(be, 4097, 2048, 8192) == tma
-    assert _launch_hooks(be, 8192, 4096, 128256) == tma
+    assert _uses_tma(be, 4097, 2048, 8192)
+    assert _uses_tma(be, 8192, 4096, 128256)
     # deterministic calls launch the TMA kernels at every size (a row's bits do not depend on its batch)
-    assert _launch_hooks(be, 16, 32, 64, deterministic=True) == tma
+    assert _uses_tma(be, 16, 32, 64, deterministic=True)
     # the size is the backend's: 0 sends every call to the TMA kernels (the interpreter tests of those kernels)
-    assert _launch_hooks(SM90Backend(tma_min_macs=0), 16, 32, 64) == tma
+    assert _uses_tma(SM90Backend(tma_min_macs=0), 16, 32, 64)
     # the portable source never takes them
-    assert _launch_hooks(TritonBackend(), 8192, 4096, 128256) == (None, None)
+    assert not _uses_tma(TritonBackend(), 8192, 4096, 128256)
+    assert not _uses_tma(TritonBackend(), 16, 32, 64, deterministic=True)

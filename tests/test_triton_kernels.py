@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 from tplogp.backends.base import ShardCall  # noqa: E402
 from tplogp.backends.sm90_backend import SM90Backend  # noqa: E402
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
-from tplogp.kernels import tiles  # noqa: E402
+from tplogp.kernels import tiles, workspace  # noqa: E402
 
 CPU = torch.device("cpu")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -168,9 +168,8 @@ OPTION_SETS = {
 @pytest.mark.parametrize("schedule", ["kept", "recomputed"])
 def test_op_three_way(dtype, opts, rows, schedule):
     """Both backward schedules of the default budget: a call this small keeps its softmax terms
-    (tplogp.kernels.tiles.default_keep); a budget of the default workspace alone recomputes the logits."""
+    (tplogp.kernels.workspace.default_keep); a budget of the default workspace alone recomputes the logits."""
     from tplogp import get_op
-    from tplogp.kernels import tiles
 
     dt = DTYPES[dtype]
     o = dict(OPTION_SETS[opts])
@@ -179,7 +178,7 @@ def test_op_three_way(dtype, opts, rows, schedule):
                      ignore_index=ignore, ignore_fraction=0.3 if ignore is not None else 0.0)
     ent, lse, temp = o.pop("entropy", False), o.pop("lse", False), o.get("temperature", 1.0)
     if schedule == "recomputed":
-        o["workspace_bytes"] = tiles.DEFAULT_WORKSPACE_BYTES
+        o["workspace_bytes"] = workspace.DEFAULT_WORKSPACE_BYTES
     ours = run_op(get_op("linear_logp", source="triton"), p, entropy=ent, lse=lse, **o)
     truth = run_reference(p, "float64", temperature=temp, ignore_index=ignore, entropy=ent, lse=lse)
     ref = run_reference(p, "matching" if dt != torch.float32 else "fp32", temperature=temp, ignore_index=ignore,
@@ -234,7 +233,7 @@ def test_workspace_size_does_not_change_results():
     for det in (False, True):
         small = run_op(op, p, workspace_bytes=1, deterministic=det)  # 256-column chunks: 3 chunks
         # the default workspace: one chunk, nothing kept (a larger budget keeps terms: tests/test_kept_terms.py)
-        big = run_op(op, p, workspace_bytes=tiles.DEFAULT_WORKSPACE_BYTES, deterministic=det)
+        big = run_op(op, p, workspace_bytes=workspace.DEFAULT_WORKSPACE_BYTES, deterministic=det)
         for name in ("d_hidden", "d_weight", "d_bias"):
             x, y = getattr(small, name), getattr(big, name)
             assert torch.equal(x, y) if det else rel_error(x, y) < 1e-6, (name, det)
@@ -252,7 +251,7 @@ def test_unavailable_reasons(monkeypatch):
 
 
 def test_launcher_rejects_bad_inputs():
-    from tplogp.kernels.generic_launch import KernelInputError
+    from tplogp.kernels.programs import KernelInputError
 
     be = TritonBackend()
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.int64)
@@ -271,11 +270,11 @@ def test_op_calls_skip_the_launchers_repeat_checks_and_direct_calls_keep_them(mo
     forward and backward launch without the launchers' own checks (host time). A direct call of a source, with a
     plain ShardCall, still gets them."""
     import tplogp
-    from tplogp.kernels import generic_launch
+    from tplogp.kernels import programs
 
     seen = []
-    real = generic_launch.check_inputs
-    monkeypatch.setattr(generic_launch, "check_inputs", lambda *a: (seen.append(1), real(*a))[1])
+    real = programs.check_inputs
+    monkeypatch.setattr(programs, "check_inputs", lambda *a: (seen.append(1), real(*a))[1])
     p = make_problem((3, 5), 16, 40, torch.float32, True, seed=5)  # 3-D hidden: the op flattens it
     ours = run_op(tplogp.get_op("linear_logp", source="triton"), p)
     assert seen == []
@@ -333,13 +332,13 @@ def test_tp4_uneven_triton(tp, dtype_name, opts):
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_fp16_inputs_keep_fp16_terms(bias):
-    """fp16 inputs keep fp16 softmax terms (tiles.kept_dtype): bf16 terms carry 2^-9 where fp16's d_logits carry
+    """fp16 inputs keep fp16 softmax terms (kept.kept_dtype): bf16 terms carry 2^-9 where fp16's d_logits carry
     2^-12, and doubled the gradients' error against the fp16 reference at this shape (a call small enough to keep
     by default)."""
     from tplogp import get_op
-    from tplogp.kernels import tiles
+    from tplogp.kernels import kept
 
-    assert tiles.kept_dtype(torch.float16) == torch.float16
+    assert kept.kept_dtype(torch.float16) == torch.float16
     p = make_problem((37,), 1000, 7, torch.float16, bias, seed=1044)
     extra = dict(entropy=bias, lse=bias)
     ours = run_op(get_op("linear_logp", source="triton"), p, temperature=0.7, **extra)

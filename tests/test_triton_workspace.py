@@ -13,24 +13,22 @@ import torch
 import torch.distributed as dist
 
 from tests.problems import make_problem, run_op, run_reference
-from tplogp.kernels import tiles
+from tplogp.kernels import kept as kept_layout
+from tplogp.kernels import tiles, workspace
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bound
 
 # the interpreter tests' skip condition and kernel sets: triton, and the sm90 kernels bypassing their Hopper check
 from tests.test_triton_kernels import KERNELS as BACKENDS, pytestmark  # noqa: E402,F401
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
-from tplogp.kernels import generic_launch, hopper_launch  # noqa: E402
+from tplogp.kernels import programs  # noqa: E402
 from tplogp.api import linear_logp_on  # noqa: E402
 from tplogp.plan import LogpOptions  # noqa: E402
 
 from tplogp.backends.base import ShardCall  # noqa: E402
 
-DEFAULT = tiles.DEFAULT_WORKSPACE_BYTES
+DEFAULT = workspace.DEFAULT_WORKSPACE_BYTES
 CPU = CPU_DEVICE = torch.device("cpu")
 N, D, V = 37, 48, 600  # odd N; D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk alignments
-
-
-RECOMPUTE = {"triton": (generic_launch, "launch_dlogits"), "sm90-kernels": (hopper_launch, "launch_dlogits_tma")}
 
 
 def _op(be):
@@ -40,11 +38,10 @@ def _op(be):
     return op
 
 
-def _count_columns(monkeypatch, kernels):
+def _count_columns(monkeypatch):
     """Record the vocab columns whose d_logits were read from kept logits and those recomputed."""
     seen = {"kept": 0, "recomputed": 0}
-    module, name = RECOMPUTE[kernels]
-    real_kept, real_recompute = generic_launch.launch_dlogits_kept, getattr(module, name)
+    real_kept, real_recompute = programs.launch_dlogits_kept, programs.launch_dlogits  # (TMA or pointer kernels)
 
     def kept(*args):
         seen["kept"] += args[11] - args[10]  # v_hi - v_lo
@@ -54,8 +51,8 @@ def _count_columns(monkeypatch, kernels):
         seen["recomputed"] += args[13] - args[12]  # v_hi - v_lo
         return real_recompute(*args)
 
-    monkeypatch.setattr(generic_launch, "launch_dlogits_kept", kept)
-    monkeypatch.setattr(module, name, recompute)
+    monkeypatch.setattr(programs, "launch_dlogits_kept", kept)
+    monkeypatch.setattr(programs, "launch_dlogits", recompute)
     return seen
 
 
@@ -81,7 +78,7 @@ def test_every_budget_gives_the_default_results(monkeypatch, kernels, dtype, det
     for budget, cols in budgets:
         assert be._keep_columns(N, V, dtype, CPU, ShardCall(workspace_bytes=budget, for_backward=True)) == cols
         with monkeypatch.context() as m:
-            seen = _count_columns(m, kernels)
+            seen = _count_columns(m)
             ours = run_op(op, p, workspace_bytes=budget, **kw)
         assert seen == {"kept": cols, "recomputed": V - cols}, (budget, seen)
         for name in ("logp", "entropy", "lse"):
@@ -111,8 +108,8 @@ def test_kept_logits_only_with_a_backward_and_within_the_budget(monkeypatch):
     assert scoring.kept is None and no_keep.kept is None
     assert training.kept.dtype == torch.float32 and training.kept.numel() * 4 <= budget - DEFAULT
     block_v = tiles.INTERPRETER.block_v
-    assert training.kept.numel() * 4 == tiles.kept_bytes(N, 512, 2, block_v)  # 2 bytes per term + the scales
-    terms, scales = tiles.kept_views(training.kept, N, 512, torch.bfloat16, block_v)
+    assert training.kept.numel() * 4 == kept_layout.kept_bytes(N, 512, 2, block_v)  # 2 bytes per term + the scales
+    terms, scales = kept_layout.kept_views(training.kept, N, 512, torch.bfloat16, block_v)
     # what the stats kernel keeps: exp(z - m) in bf16, m the running max (natural units) per row and tile
     z = (p.hidden.float() @ p.weight.float().T + p.bias.float())[:, :512] * 1.25
     assert terms.dtype == torch.bfloat16 and scales.shape == (N, 512 // block_v)
@@ -130,7 +127,7 @@ def test_environment_budget_and_repeated_backward(monkeypatch):
     default = run_op(op, p)
     monkeypatch.setenv("TPLOGP_WORKSPACE_MB", str((DEFAULT >> 20) + 1))
     with monkeypatch.context() as m:
-        seen = _count_columns(m, "triton")
+        seen = _count_columns(m)
         env = run_op(op, p)
     assert seen["kept"] == V and rel_error(env.d_weight, default.d_weight) <= ERROR_SLACK[torch.float32].eps
     h = p.hidden.clone().requires_grad_()
@@ -156,7 +153,7 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
     n, v_local = p.target.numel(), vs.end - vs.start
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, deterministic=True)
     events = []
-    real_all_reduce, real_dw, real_dh = dist.all_reduce, generic_launch._mm_into, generic_launch._dh_gemm
+    real_all_reduce, real_dw, real_dh = dist.all_reduce, programs._mm_into, programs._dh_gemm
 
     def all_reduce(t, *args, **kwargs):
         events.append("all_reduce" if kwargs.get("async_op") else "blocking all_reduce")
@@ -170,12 +167,12 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
         events.append("d_hidden")
         return real_dh(*args)
 
-    dist.all_reduce, generic_launch._mm_into, generic_launch._dh_gemm = all_reduce, dw, dh
+    dist.all_reduce, programs._mm_into, programs._dh_gemm = all_reduce, dw, dh
     try:
         ours = run_op(op, p, workspace_bytes=1, **kw)  # 256-column chunks
     finally:
-        dist.all_reduce, generic_launch._mm_into, generic_launch._dh_gemm = real_all_reduce, real_dw, real_dh
-    chunks = -(-v_local // tiles.CHUNK_ALIGN)
+        dist.all_reduce, programs._mm_into, programs._dh_gemm = real_all_reduce, real_dw, real_dh
+    chunks = -(-v_local // workspace.CHUNK_ALIGN)
     expected = ["d_hidden", "d_W"] * (chunks - 1) + ["d_hidden", "all_reduce", "d_W"]
     tp.assert_all(events == expected, f"issue order {events}, expected {expected}")
     most = torch.tensor(chunks)
@@ -199,7 +196,7 @@ def test_shard_layout_is_planned_once_per_layout(monkeypatch):
     calls = []
     plan = be._plan_layout
     monkeypatch.setattr(be, "_plan_layout", lambda *a: calls.append(a) or plan(*a))
-    budget = DEFAULT + tiles.kept_bytes(N, V, 4, be._keep_block_v(CPU, torch.float32))
+    budget = DEFAULT + kept_layout.kept_bytes(N, V, 4, be._keep_block_v(CPU, torch.float32))
     first = be._layout(N, V, torch.float32, CPU, budget)
     assert be._layout(N, V, torch.float32, CPU, budget) is first and len(calls) == 1
     assert first.keep_cols == V and first.transient_bytes == DEFAULT
@@ -229,10 +226,10 @@ def test_default_budget_keeps_small_calls_whole(monkeypatch):
     assert be._keep_columns(N, V, torch.bfloat16, CPU, ShardCall()) == 0  # no backward: nothing kept
     # the largest token count that fits, and one more
     fits = DEFAULT // (2 * 8192)
-    while tiles.kept_bytes(fits, 8192, 2, block_v) > DEFAULT:
+    while kept_layout.kept_bytes(fits, 8192, 2, block_v) > DEFAULT:
         fits -= 1
     assert cols(fits, 8192) == 8192 and cols(fits + 1, 8192) == 0
-    assert tiles.kept_bytes(fits + 1, 8192, 2, block_v) > DEFAULT
+    assert kept_layout.kept_bytes(fits + 1, 8192, 2, block_v) > DEFAULT
     assert cols(N, V, deterministic=True) == 0
     assert cols(N, V, budget=DEFAULT) == 0
     monkeypatch.setenv("TPLOGP_WORKSPACE_MB", str(DEFAULT >> 20))
@@ -246,7 +243,7 @@ def test_default_budget_runs_the_kept_schedule(monkeypatch):
     p = make_problem((N,), D, V, torch.bfloat16, True, seed=5)
     op = _op(TritonBackend())
     with monkeypatch.context() as m:
-        seen = _count_columns(m, "triton")
+        seen = _count_columns(m)
         default = run_op(op, p, entropy=True)
     assert seen == {"kept": V, "recomputed": 0}
     no_keep = run_op(op, p, entropy=True, workspace_bytes=DEFAULT)

@@ -131,42 +131,54 @@ def test_large_indices_match_native(source, n, d, v, ws):
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_direct_launches_match_the_jit_path(source):
-    """Kernels launched without Triton's front end (tplogp.kernels.direct_launch) give the JIT path's bits, across
-    calls whose arguments specialize differently: odd sizes, a hidden whose base is 2 bytes off alignment."""
-    from tplogp.kernels import direct_launch
+    """Kernels launched through their compiled kernel's launcher (tplogp.kernels.launch.Launch, after its first
+    launch of an alignment) give the bits of launches through Triton's JIT (every launch, while a launch hook is
+    registered), across calls whose arguments specialize differently: odd sizes, a hidden whose base is 2 bytes off
+    alignment, and TMA and pointer kernels (sm90)."""
+    from triton import knobs
+
+    from tplogp.kernels.launch import Launch
     from tplogp.api import linear_logp_on
     from tplogp.plan import LogpOptions
 
     be = cuda_backend(source)
+    jit_launches = []
+    real = Launch._through_jit
 
-    def run_all(enabled):
-        direct_launch.set_direct_launch(enabled)
+    def through_jit(self, tensors):
+        jit_launches.append(self.kernel.fn.__name__)
+        return real(self, tensors)
+
+    def run_all():
+        results = []
+        for n, d, v, shift in [(512, 256, 1000, 0), (513, 256, 1001, 0), (512, 256, 1000, 1), (496, 264, 999, 0)]:
+            h, w, b, y, g, ge = _problem(n, d, v, torch.bfloat16, seed=n + v)
+            if shift:  # same values, base pointer 2 bytes past a 16-byte boundary
+                buf = torch.empty(n * d + 8, device="cuda", dtype=h.dtype)
+                h = buf[shift:shift + n * d].view(n, d).copy_(h)
+            fn = lambda h, w, y, b: linear_logp_on(be, h, w, y, b, options=LogpOptions(return_entropy=True))
+            first = _run(fn, h, w, b, y, g, ge, True)
+            launched = len(jit_launches)
+            again = _run(fn, h, w, b, y, g, ge, True)
+            results.append((first, again, len(jit_launches) - launched))
+        return results
+
+    Launch._through_jit = through_jit
+    try:
+        direct = run_all()
+        assert jit_launches and all(case[2] == 0 for case in direct), direct  # repeated calls: no JIT launch
+        hooked = []
+        hook = lambda *args, **kwargs: hooked.append(1)  # noqa: E731
+        knobs.runtime.launch_enter_hook.add(hook)
         try:
-            results = []
-            for n, d, v, shift in [(512, 256, 1000, 0), (513, 256, 1001, 0), (512, 256, 1000, 1), (496, 264, 999, 0)]:
-                h, w, b, y, g, ge = _problem(n, d, v, torch.bfloat16, seed=n + v)
-                if shift:  # same values, base pointer 2 bytes past a 16-byte boundary
-                    buf = torch.empty(n * d + 8, device="cuda", dtype=h.dtype)
-                    h = buf[shift:shift + n * d].view(n, d).copy_(h)
-                fn = lambda h, w, y, b: linear_logp_on(be, h, w, y, b, options=LogpOptions(return_entropy=True))
-                results.append([_run(fn, h, w, b, y, g, ge, True) for _ in range(2)])
-            return results
+            through = run_all()
         finally:
-            direct_launch.set_direct_launch(None)
-
-    def counts():
-        return {k: (l.jit_launches, l.direct_launches) for k, l in direct_launch._LAUNCHERS.items()}
-
-    before = counts()
-    direct = run_all(None)
-    after = counts()
-    used = [k for k in after if after[k] != before.get(k, (0, 0))]
-    assert used
-    for k in used:  # every kernel this test launched was launched directly on the repeated calls
-        assert after[k][1] > before.get(k, (0, 0))[1], direct_launch._LAUNCHERS[k].jit_fn.fn.__name__
-    jit = run_all(False)
-    for case_d, case_j in zip(direct, jit):
-        for r_d, r_j in zip(case_d, case_j):
+            knobs.runtime.launch_enter_hook.remove(hook)
+    finally:
+        Launch._through_jit = real
+    assert hooked and all(case[2] > 0 for case in through)  # with a hook every launch went through the JIT
+    for case_d, case_j in zip(direct, through):
+        for r_d, r_j in zip(case_d[:2], case_j[:2]):
             for k, val in r_d.items():
                 if val is not None:
                     assert torch.equal(val, r_j[k]), k

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import fp32_gemm, settings
-from ..kernels.tiles import kept_dtype  # (torch only: no Triton import)
+from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 _MIB = 1 << 20

@@ -1,6 +1,6 @@
 """The ``sm90`` source: the Triton kernels specialised for Hopper (compute capability 9.0).
 
-Same algorithm and launchers as :mod:`tplogp.backends.triton_backend`; operand tiles are loaded through tensor
+Same algorithm and programs as :mod:`tplogp.backends.triton_backend`; operand tiles are loaded through tensor
 descriptors (TMA bulk copies) with the Hopper entry of the config table (see :mod:`tplogp.kernels.hopper_kernels`).
 Small calls (:func:`uses_tma`) run the pointer kernels with the same tiles instead: there a launch's host work,
 which the three tensor descriptors lengthen, is the critical path, not the GEMM. No build step: the kernels are
@@ -20,10 +20,9 @@ from .triton_backend import TritonBackend, _default_device, triton_unavailable_r
 REQUIRED_CAPABILITY = (9, 0)
 
 # Calls whose forward GEMM is at most this many multiply-accumulates (N * D * V_local) launch the pointer kernels.
-# There the GPU work (a few hundred microseconds) is shorter than the host's, and a TMA launch's host work (three
-# tensor descriptors built, keyed and encoded per launch) delays every later kernel; above it the TMA loads'
-# speed wins. Measured on an H200 (docs/kernels.md, "TMA or pointer loads by size"): at 4096x2048x8192 (2^36) the
-# pointer kernels were faster synced and back to back, at 2048x4096x16384 (2^37) the TMA ones back to back.
+# There the GPU work is shorter than the host's, and a TMA launch's host work (tensor descriptors built and encoded
+# per launch) delays every later kernel; above it the TMA loads' speed wins (docs/kernels.md, "TMA or pointer loads
+# by size").
 TMA_MIN_MACS = 1 << 36
 
 
@@ -68,24 +67,5 @@ class SM90Backend(TritonBackend):
         return tiles.select_sm90(device, dtype, self._config)
 
     def _uses_tma(self, hidden, weight, call) -> bool:
+        """Whether a call launches the Hopper TMA kernels (:func:`uses_tma`)."""
         return uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic, self.tma_min_macs)
-
-    def _stats_launch(self, hidden, weight, call):
-        return _hopper_launch().launch_stats_tma if self._uses_tma(hidden, weight, call) else None  # None: generic
-
-    def _dlogits_launch(self, hidden, weight, call):
-        return _hopper_launch().launch_dlogits_tma if self._uses_tma(hidden, weight, call) else None
-
-
-_HOPPER_LAUNCH = None
-
-
-def _hopper_launch():
-    """:mod:`tplogp.kernels.hopper_launch`, imported at the first launch (it imports Triton); held in a global, as
-    :func:`tplogp.backends.triton_backend._generic_launch` is."""
-    global _HOPPER_LAUNCH
-    if _HOPPER_LAUNCH is None:
-        from ..kernels import hopper_launch
-
-        _HOPPER_LAUNCH = hopper_launch
-    return _HOPPER_LAUNCH

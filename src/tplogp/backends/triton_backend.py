@@ -17,8 +17,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import settings
-from ..kernels import tiles  # torch only: no Triton import, no device work
-from ..tensors import f32_contiguous
+from ..kernels import kept as kept_layout  # (these three: torch only, no Triton import, no device work)
+from ..kernels import tiles, workspace
 from .base import KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
@@ -37,22 +37,7 @@ class ShardLayout(NamedTuple):
     kept_values: int  # fp32 words of the kept terms (padded to 16 bytes); 0 when nothing is kept
     kept_scales: int  # fp32 words of the kept scales
     kept_dtype: torch.dtype  # the kept terms' dtype
-    transient_bytes: int  # the d_logits workspace part of the budget (tiles.split_budget)
-
-
-_GENERIC_LAUNCH = None
-
-
-def _generic_launch():
-    """:mod:`tplogp.kernels.generic_launch`, imported at the first launch (it imports Triton). Held in a global: a
-    ``from ..kernels import generic_launch`` statement in every method costs microseconds per call (the import
-    system's from-list handling runs in Python)."""
-    global _GENERIC_LAUNCH
-    if _GENERIC_LAUNCH is None:
-        from ..kernels import generic_launch
-
-        _GENERIC_LAUNCH = generic_launch
-    return _GENERIC_LAUNCH
+    transient_bytes: int  # the d_logits workspace part of the budget (workspace.split_budget)
 
 
 def _default_device() -> torch.device:
@@ -147,17 +132,17 @@ class TritonBackend:
 
     def _plan_layout(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
                      workspace_bytes: Optional[int], deterministic: bool = False) -> ShardLayout:
-        transient, keep = tiles.split_budget(workspace_bytes)
-        kept_dtype = tiles.kept_dtype(dtype)
+        transient, keep = workspace.split_budget(workspace_bytes)
+        kept_dtype = kept_layout.kept_dtype(dtype)
         cfg = self._known_cfg(device, dtype)
-        block_v = tiles._PLANNING_BLOCK_V if cfg is None else cfg.block_v
-        if tiles.workspace_budget(workspace_bytes) is None:  # the default budget: small calls keep everything,
+        block_v = kept_layout.PLANNING_BLOCK_V if cfg is None else cfg.block_v
+        if workspace.workspace_budget(workspace_bytes) is None:  # the default budget: small calls keep everything,
             # except deterministic ones (whether a call keeps depends on its token count, and kept terms give other
             # d_logits bits than a recompute: a row's gradient would then depend on the batch it came in)
-            cols = 0 if deterministic else tiles.default_keep(n, v, kept_dtype.itemsize, block_v)
+            cols = 0 if deterministic else workspace.default_keep(n, v, kept_dtype.itemsize, block_v)
         else:
-            cols = tiles.plan_keep(n, v, keep, kept_dtype.itemsize, block_v)
-        values, scales = tiles.kept_words(n, cols, kept_dtype.itemsize, block_v) if cols else (0, 0)
+            cols = workspace.plan_keep(n, v, keep, kept_dtype.itemsize, block_v)
+        values, scales = kept_layout.kept_words(n, cols, kept_dtype.itemsize, block_v) if cols else (0, 0)
         return ShardLayout(cfg, block_v, cols, values, scales, kept_dtype, transient)
 
     def _launch_layout(self, hidden, weight, call: ShardCall) -> ShardLayout:
@@ -168,19 +153,20 @@ class TritonBackend:
             lay = lay._replace(cfg=self._cfg(hidden.device, hidden.dtype))
         return lay
 
-    def _dlogits_launch(self, hidden, weight, call: ShardCall):
-        return None  # the generic kernel
+    def _uses_tma(self, hidden, weight, call: ShardCall) -> bool:
+        """Whether a call launches the Hopper TMA kernels (the sm90 source's choice; here never)."""
+        return False
 
     # -- primitives --------------------------------------------------------------------------------------
     @staticmethod
     def transient_bytes(device: torch.device) -> int:
         """The budget's part that goes to the backward's d_logits workspace before anything is kept (the default)."""
-        return tiles.DEFAULT_WORKSPACE_BYTES
+        return workspace.DEFAULT_WORKSPACE_BYTES
 
     @staticmethod
     def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
         """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`)."""
-        return tiles.split_budget(workspace_bytes)[1]
+        return workspace.split_budget(workspace_bytes)[1]
 
     def _known_cfg(self, device: torch.device, dtype: torch.dtype):
         """The tile config where it can be known here (the interpreter; a CUDA device that is present), else None
@@ -196,13 +182,13 @@ class TritonBackend:
         """The forward's tile width (one kept scale per row and tile): the config's where it is known
         (:meth:`_known_cfg`), else the narrowest a fitted GPU config runs (planning ahead counts the most scales)."""
         cfg = self._known_cfg(device, dtype)
-        return tiles._PLANNING_BLOCK_V if cfg is None else cfg.block_v
+        return kept_layout.PLANNING_BLOCK_V if cfg is None else cfg.block_v
 
     def kept_bytes(self, n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
         """Bytes the forward keeps for the backward to skip the recompute of ``v`` columns of ``n`` tokens: the
-        softmax terms (2 bytes each for 16-bit inputs, 4 for fp32: :func:`tplogp.kernels.tiles.kept_dtype`) and one
-        fp32 scale per row and forward tile (:func:`tplogp.kernels.tiles.kept_bytes`)."""
-        return tiles.kept_bytes(n, v, tiles.kept_dtype(dtype).itemsize, self._keep_block_v(device, dtype))
+        softmax terms (2 bytes each for 16-bit inputs, 4 for fp32: :func:`tplogp.kernels.kept.kept_dtype`) and one
+        fp32 scale per row and forward tile (:func:`tplogp.kernels.kept.kept_bytes`)."""
+        return kept_layout.kept_bytes(n, v, kept_layout.kept_dtype(dtype).itemsize, self._keep_block_v(device, dtype))
 
     def _keep_columns(self, n: int, v: int, dtype: torch.dtype, device: torch.device, call: ShardCall) -> int:
         """``v_keep``: the shard's first columns whose terms the forward keeps (0: none)."""
@@ -213,8 +199,8 @@ class TritonBackend:
     def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                    call: ShardCall) -> tuple[int, ...]:
         """Shape of the flat fp32 buffer the forward keeps for the backward: the softmax terms of the first
-        ``v_keep`` columns of the shard and their scales (:func:`tplogp.kernels.tiles.plan_keep`,
-        :func:`tplogp.kernels.tiles.kept_views`); ``(0,)``: nothing kept (no backward, or a budget or
+        ``v_keep`` columns of the shard and their scales (:func:`tplogp.kernels.workspace.plan_keep`,
+        :func:`tplogp.kernels.kept.kept_views`); ``(0,)``: nothing kept (no backward, or a budget or
         default that keeps nothing)."""
         if not call.for_backward:
             return (0,)
@@ -234,7 +220,7 @@ class TritonBackend:
         device = hidden.device
         if call.scales_apart:  # each part in its final shape and dtype: no views to make per call (host time)
             return KeptBuffers(torch.empty((n, lay.keep_cols), device=device, dtype=lay.kept_dtype),
-                               torch.empty(tiles.kept_scales_shape(n, lay.kept_scales), device=device,
+                               torch.empty(kept_layout.kept_scales_shape(n, lay.kept_scales), device=device,
                                            dtype=torch.float32))
         words = lay.kept_values
         kept = torch.empty(words + lay.kept_scales, device=device, dtype=torch.float32)
@@ -245,30 +231,31 @@ class TritonBackend:
 
     @staticmethod
     def _kept_terms(kept, n: int, lay: ShardLayout, take_scales: bool = False):
-        """The :class:`~tplogp.kernels.generic_launch.KeptTerms` views of what the forward kept (None: nothing
+        """The :class:`~tplogp.kernels.kept.KeptTerms` views of what the forward kept (None: nothing
         kept). ``take_scales`` (the backward): the scales leave the :class:`~tplogp.backends.base.KeptBuffers`
         holder for the KeptTerms, whose d_logits launcher drops them once read."""
         if kept is None:
             return None
         if isinstance(kept, KeptBuffers):
-            return _generic_launch().KeptTerms(kept.values, kept.take_scales() if take_scales else kept.scales)
+            return kept_layout.KeptTerms(kept.values, kept.take_scales() if take_scales else kept.scales)
         if kept.numel() == 0:
             return None
         # (made per call: views held on the buffer itself, an attribute, would keep it alive through their base)
-        return _generic_launch().KeptTerms(*tiles.kept_views(kept, n, lay.keep_cols, lay.kept_dtype,
-                                                              lay.keep_block_v))
+        return kept_layout.KeptTerms(*kept_layout.kept_views(kept, n, lay.keep_cols, lay.kept_dtype,
+                                                             lay.keep_block_v))
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         ran = self._run_program(hidden, weight, bias, local_target, call, ("stats", hidden.shape[0]))
         if ran is not None:
             return ShardStats(*ran[0], kept=ran[1])
-        generic_launch = _generic_launch()
+        from ..kernels import programs
+
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
-        row_max, sum_exp, target_logit, sum_exp_z = generic_launch.forward_stats(
-            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
-            lay.cfg, stats_launch=self._stats_launch(hidden, weight, call),
-            kept=self._kept_terms(kept, hidden.shape[0], lay), checked=call.inputs_checked)
+        row_max, sum_exp, target_logit, sum_exp_z = programs.forward_stats(
+            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, lay.cfg,
+            tma=self._uses_tma(hidden, weight, call), kept=self._kept_terms(kept, hidden.shape[0], lay),
+            checked=call.inputs_checked)
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
     # forward_single takes ``target_flag``: its finishing kernel checks the targets (tplogp.checks.KernelTargetCheck)
@@ -280,14 +267,14 @@ class TritonBackend:
                                 ("single", hidden.shape[0], target_flag is not None), target_flag)
         if ran is not None:
             return SingleShardOutputs(*ran[0], kept=ran[1])
-        generic_launch = _generic_launch()
+        from ..kernels import programs
+
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
-        return SingleShardOutputs(*generic_launch.forward_single(
-            hidden, weight, bias, target, call.inv_temperature, call.with_entropy,
-            lay.cfg, stats_launch=self._stats_launch(hidden, weight, call),
-            kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag, checked=call.inputs_checked),
-            kept=kept)
+        return SingleShardOutputs(*programs.forward_single(
+            hidden, weight, bias, target, call.inv_temperature, call.with_entropy, lay.cfg,
+            tma=self._uses_tma(hidden, weight, call), kept=self._kept_terms(kept, hidden.shape[0], lay),
+            target_flag=target_flag, checked=call.inputs_checked), kept=kept)
 
     def _run_program(self, hidden, weight, bias, target, call: ShardCall, key: tuple, target_flag=None):
         """``(the forward's outputs, what it kept)`` through the layout's program (:meth:`_program`), for the op's
@@ -302,12 +289,11 @@ class TritonBackend:
         return program(hidden, weight, bias, target, target_flag, kept.values, kept.scales), kept
 
     def _program(self, hidden, weight, bias, call: ShardCall, key: tuple):
-        """``(the layout's ForwardProgram, its ShardLayout)`` (:mod:`tplogp.kernels.generic_launch`) for a forward of
+        """``(the layout's ForwardProgram, its ShardLayout)`` (:mod:`tplogp.kernels.programs`) for a forward of
         ``key`` (``("stats", N)``, or ``("single", N, whether the targets are checked)``), remembered in
         ``call.programs`` (:func:`_remember`); ``False`` where the call's row count is not its layout's
-        (``ShardCall.rows``) or its forward is not one of the pointer launches with kept terms in two allocations
-        (:meth:`_kept_buffer`) or none (the TMA kernels, the op's flat kept buffer, empty shards): those plan each
-        call."""
+        (``ShardCall.rows``) or its forward keeps terms in the op's flat kept buffer (:meth:`_kept_buffer`) or its
+        shard is empty: those take the per-call path."""
         n = hidden.shape[0]
         if not _layout_rows(call, n):
             return False
@@ -316,65 +302,70 @@ class TritonBackend:
         if found is not None and (not found or found[0].matches(hidden, weight, bias)):
             return found
         found = False
-        if (n and weight.shape[0] and self._stats_launch(hidden, weight, call) is None
-                and not (call.for_backward and not call.scales_apart)):
+        if n and weight.shape[0] and not (call.for_backward and not call.scales_apart):
+            from ..kernels import programs
+
             lay = self._launch_layout(hidden, weight, call)
             keep = None
             if call.for_backward and lay.keep_cols:
-                keep = (lay.keep_cols, tiles.kept_scales_shape(n, lay.kept_scales)[1])
+                keep = (lay.keep_cols, kept_layout.kept_scales_shape(n, lay.kept_scales)[1], lay.keep_cols,
+                        lay.kept_dtype)
             single = key[0] == "single"
-            found = (_generic_launch().ForwardProgram(hidden, weight, bias, call.inv_temperature, call.with_entropy,
-                                                      lay.cfg, keep, single, single and key[2]), lay)
+            found = (programs.ForwardProgram(n, weight.shape[0], hidden.shape[1], hidden.stride(0), weight.stride(0),
+                                             hidden.dtype, None if bias is None else bias.dtype, call.inv_temperature,
+                                             call.with_entropy, lay.cfg, tiles.dot_precision(hidden.dtype), keep,
+                                             single, single and key[2], self._uses_tma(hidden, weight, call)), lay)
         _remember(call.programs, key, found)
         return found
 
-    def _stats_launch(self, hidden, weight, call: ShardCall):
-        return None  # the generic kernel
-
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None) -> ShardGrads:
-        generic_launch = _generic_launch()
         if call.inputs_checked and isinstance(kept, KeptBuffers):
-            grads = self._kept_program_backward(generic_launch, hidden, weight, bias, local_target, row_max, log_sum,
-                                                grad_logp, grad_entropy, grad_lse, mean_z, call, needs,
-                                                d_hidden_ready, kept, accumulate)
+            grads = self._kept_program_backward(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                                                grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, kept,
+                                                accumulate)
             if grads is not None:
                 return grads
+        from ..kernels import programs
+
         lay = self._launch_layout(hidden, weight, call)
-        d_hidden, d_weight, d_bias = generic_launch.backward(
+        d_hidden, d_weight, d_bias = programs.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
-            cfg=lay.cfg, dlogits_launch=self._dlogits_launch(hidden, weight, call),
+            cfg=lay.cfg, tma=self._uses_tma(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay, take_scales=True), d_hidden_ready=d_hidden_ready,
             accumulate=accumulate,
             overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype,
             checked=call.inputs_checked)
         return ShardGrads(d_hidden, d_weight, d_bias)
 
-    def _kept_program_backward(self, generic_launch, hidden, weight, bias, local_target, row_max, log_sum,
-                               grad_logp, grad_entropy, grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready,
-                               kept: KeptBuffers, accumulate) -> Optional[ShardGrads]:
-        """The backward through the layout's :class:`~tplogp.kernels.generic_launch.KeptBackward` (made at its first
-        call, remembered in ``call.programs``), or None where one does not run it (its ``covers``)."""
-        if not generic_launch.KeptBackward.covers(kept, weight, call.consume_kept):
-            return None
+    def _kept_program_backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+                               grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready, kept: KeptBuffers,
+                               accumulate) -> Optional[ShardGrads]:
+        """The backward through the layout's :class:`~tplogp.kernels.programs.KeptBackward` (made at its first call,
+        remembered in ``call.programs``), or None where one does not run it (its ``covers``)."""
         n = hidden.shape[0]
         if not _layout_rows(call, n):
             return None
         with_entropy = grad_entropy is not None
         key = ("backward", n, tuple(needs), with_entropy)
         program = call.programs.get(key)
-        terms = generic_launch.KeptTerms(kept.values, kept.take_scales())
+        if program is None:
+            from ..kernels.programs import KeptBackward
+        else:
+            KeptBackward = type(program)
+        if not KeptBackward.covers(kept, weight, call.consume_kept):
+            return None
+        terms = kept_layout.KeptTerms(kept.values, kept.take_scales())
         if program is None or not program.matches(hidden, weight, bias, terms, needs, with_entropy):
             lay = self._launch_layout(hidden, weight, call)
-            program = generic_launch.KeptBackward(hidden, weight, bias, needs, with_entropy, call.inv_temperature,
-                                                  lay.cfg, terms, call.deterministic, call.d_hidden_in_input_dtype,
-                                                  bind=True)
-            _remember(call.programs, key, program)
-        g, gmg, ge, mz = generic_launch.per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
-        return ShardGrads(*program(hidden, weight, bias, local_target, f32_contiguous(row_max),
-                                   f32_contiguous(log_sum), g, gmg, ge, mz, terms, d_hidden_ready, accumulate))
+            program = _remember(call.programs, key, KeptBackward(
+                n, weight.shape[0], hidden.dtype, None if bias is None else bias.dtype, tuple(needs), with_entropy,
+                call.inv_temperature, lay.cfg, tiles.dot_precision(hidden.dtype), terms.values.dtype,
+                terms.scales.stride(0), call.deterministic, call.d_hidden_in_input_dtype, hidden.is_cuda))
+        return ShardGrads(*program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+                                   grad_lse, mean_z, terms, d_hidden_ready, accumulate))
 
 
 def _layout_rows(call: ShardCall, n: int) -> bool:

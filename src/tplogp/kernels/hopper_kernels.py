@@ -1,13 +1,13 @@
 """Hopper (sm_90) variants of the fused kernels: tensor-memory-accelerator (TMA) tile loads.
 
-Same algorithm and the same epilogues (:mod:`.common`) as :mod:`.generic_kernels` (read its docstring); the difference is how
-operand tiles reach shared memory. ``hidden`` and ``weight`` are read through host-built tensor descriptors, so
-each ``[BLOCK_N, BLOCK_D]`` / ``[BLOCK_V, BLOCK_D]`` tile is one bulk tensor copy (out-of-range rows and columns come
+Same algorithm and the same epilogues (:mod:`.tile_ops`) as :mod:`.forward_kernels` and :mod:`.backward_kernels`
+(read their docstrings); the difference is how operand tiles reach shared memory. ``hidden`` and ``weight`` are read
+through host-built tensor descriptors, so each ``[BLOCK_N, BLOCK_D]`` / ``[BLOCK_V, BLOCK_D]`` tile is one bulk tensor copy (out-of-range rows and columns come
 back as zeros, no mask arithmetic), feeding wgmma from shared memory. Optionally the K loop is warp-specialized
 (producer warps issue the copies, consumer warpgroups run the MMAs and the softmax epilogue).
 
 Usable only when the descriptors are legal: 16-byte aligned base pointers and row strides (``D * itemsize % 16``).
-The launcher (:mod:`.hopper_launch`) falls back to the generic kernels otherwise.
+The programs (:mod:`.programs`) launch the pointer kernels otherwise.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dlogits_epilogue, grouped_ids, mma, natural_units, split_bounds, stats_program,
-                     stats_tile, store_stats)
+from .tile_ops import (LOG2E, dlogits_epilogue, grouped_ids, mma, natural_units, split_bounds, stats_program,
+                       stats_tile, store_stats)
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def fwd_stats_tma_kernel(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
-    KEEP_TMA: tl.constexpr,  # the kept terms leave through TMA stores (common.keep_tile)
+    KEEP_TMA: tl.constexpr,  # the kept terms leave through TMA stores (tile_ops.keep_tile)
 ):
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import store_rounded
+from .tile_ops import store_rounded
 
 
 @triton.jit

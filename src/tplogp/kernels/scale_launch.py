@@ -1,6 +1,7 @@
-"""Launcher of :func:`.scale_kernels.scale_round_kernel`: ``out = round(t * g)`` for up to three tensors in one
-launch, with ``g`` a 0-d fp32 tensor on their device and each ``out`` either its ``t`` (in place) or a contiguous
-tensor of ``t``'s shape in the dtype to round to."""
+"""The fused loss's scaling launch (:func:`.scale_kernels.scale_round_kernel`): ``out = round(t * g)`` for up to
+three tensors in one launch, with ``g`` a 0-d fp32 tensor on their device and each ``out`` either its ``t`` (in place)
+or a contiguous tensor of ``t``'s shape in the dtype to round to. Its :class:`~.launch.Launch` is made once per
+sizes and dtypes (:func:`~.launch.cached`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Sequence
 
 import torch
 
-from .bound_launch import LaunchSpec
-from .generic_launch import KernelInputError
+from .launch import Launch, cached
+from .programs import KernelInputError
 from .scale_kernels import scale_round_kernel
 from .tiles import KERNEL_DTYPES, cdiv, dot_precision
 
@@ -18,8 +19,6 @@ from .tiles import KERNEL_DTYPES, cdiv, dot_precision
 SCALE_BLOCK = 8192
 SCALE_WARPS = 8
 MAX_TENSORS = 3  # per launch: a loss's d_hidden, d_W and d_b
-_MAX_BOUND = 64  # bound launches remembered, by sizes and dtypes (emptied when full)
-_bound: dict = {}
 
 
 def _check(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> None:
@@ -34,18 +33,18 @@ def _check(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> None:
                                f"{g.dtype} {tuple(g.shape)} on {g.device}, out on {out.device}")
 
 
-def scale_spec(numels: Sequence[int], out_dtypes: Sequence[torch.dtype]) -> LaunchSpec:
-    """The launch over tensors of ``numels`` elements (at most :data:`MAX_TENSORS`, the missing ones 0) rounded to
-    ``out_dtypes``: one program per ``SCALE_BLOCK`` elements of each."""
-    numels = tuple(numels) + (0,) * (MAX_TENSORS - len(numels))
-    precisions = [dot_precision(dt) for dt in out_dtypes] + [None] * (MAX_TENSORS - len(out_dtypes))
-    return LaunchSpec(scale_round_kernel, (sum(cdiv(n, SCALE_BLOCK) for n in numels),), numels, SCALE_WARPS, None,
-                      dict(BLOCK=SCALE_BLOCK, P0=precisions[0], P1=precisions[1], P2=precisions[2]))
+def scale_launch(key: tuple) -> Launch:
+    """The launch over ``key``'s ``(numel, dtype, out dtype)`` tensors (at most :data:`MAX_TENSORS`; the missing ones
+    have 0 elements): one program per ``SCALE_BLOCK`` elements of each. Tensors: ``g`` and each pair ``t, out``."""
+    numels = tuple(k[0] for k in key) + (0,) * (MAX_TENSORS - len(key))
+    precisions = [dot_precision(k[2]) for k in key] + [None] * (MAX_TENSORS - len(key))
+    return Launch(scale_round_kernel, (sum(cdiv(n, SCALE_BLOCK) for n in numels),), numels, SCALE_WARPS, None,
+                  dict(BLOCK=SCALE_BLOCK, P0=precisions[0], P1=precisions[1], P2=precisions[2]))
 
 
 def scale_round(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], g: torch.Tensor, checked: bool = False) -> None:
     """``out[:] = (t.float() * g).to(out.dtype)`` elementwise, one rounding, for every ``(t, out)`` of ``pairs``
-    (at most :data:`MAX_TENSORS`), in one launch, bound once per sizes and dtypes. ``checked``: the caller
+    (at most :data:`MAX_TENSORS`), in one launch, made once per sizes and dtypes. ``checked``: the caller
     guarantees contiguous tensors of the kernel's dtypes, ``out`` of ``t``'s shape, and ``g`` a 0-d fp32 tensor on
     their device (the fused loss's backward); otherwise that is checked here."""
     if not 0 < len(pairs) <= MAX_TENSORS:
@@ -56,14 +55,9 @@ def scale_round(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], g: torch.Ten
     pairs = [(t, out) for t, out in pairs if t.numel()]
     if not pairs:
         return
-    key = tuple((t.numel(), t.dtype, out.dtype) for t, out in pairs)
-    bound = _bound.get(key)
-    if bound is None:
-        if len(_bound) >= _MAX_BOUND:
-            _bound.clear()
-        bound = _bound[key] = scale_spec([k[0] for k in key], [k[2] for k in key]).bind()
+    launch = cached(scale_launch, tuple((t.numel(), t.dtype, out.dtype) for t, out in pairs))
     tensors = [g]
     for t, out in pairs:
         tensors += (t, out)
     tensors += tensors[1:3] * (MAX_TENSORS - len(pairs))  # unused segments: no elements, no programs
-    bound.launch(*tensors)
+    launch(*tensors)

@@ -1,16 +1,14 @@
-"""Tile and workspace planning: which tiles each kernel runs with, and how the backward's vocab is chunked.
+"""Tile configs: which tiles each kernel runs with, per GPU architecture and operand dtype (torch only: no Triton
+import, no device work at import).
 
-One fixed default per GPU architecture (a capability table), no autotuning, fitted to the device's shared memory
-for the operands' element size (:func:`select`); the d_logits workspace's vocab chunk (:func:`plan_chunk`).
-
-A config fixes every tiling choice that can change a row's floating-point result (tile sizes, the vocab split
-length), so on one device and for one dtype the per-row outputs never depend on the number of tokens. Nothing here
-imports Triton or touches CUDA at import time; :func:`select` reads the device's capability and shared memory when
-a backend asks.
+One fixed default per architecture (a capability table), no autotuning, fitted to the device's shared memory for
+the operands' element size (:func:`select`), and the ``tl.dot`` precision per dtype (:func:`dot_precision`). A
+config fixes every tiling choice that can change a row's floating-point result (tile sizes, the vocab split length),
+so on one device and for one dtype the per-row outputs never depend on the number of tokens.
 
 Other tilings are explicit: pass a :class:`TileConfig` to ``TritonBackend(config=...)`` / ``SM90Backend(config=...)``;
-``python -m benchmarks op --base REV`` times a variant against another commit (docs/kernels.md records the
-measured choices). Nothing is timed implicitly at run time, so results never depend on a race.
+``python -m benchmarks op --base REV`` times a variant against another commit. Nothing is timed implicitly at run
+time, so results never depend on a race.
 """
 
 from __future__ import annotations
@@ -66,13 +64,13 @@ class TileConfig:
         return self.split_tiles * self.block_v
 
 
-# Capability table: (major, minor) -> config. Measured choices are documented in docs/kernels.md.
+# Capability table: (major, minor) -> config (the measured choices: docs/kernels.md).
 _BY_CAPABILITY: dict[tuple[int, int], TileConfig] = {
     (9, 0): TileConfig(
         block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, group_n=32, split_tiles=4,
         bwd_block_n=128, bwd_block_v=256, bwd_block_d=64, bwd_num_warps=8, bwd_num_stages=3,
         dh_block_n=128, dh_block_d=256, dh_block_k=64, dh_num_warps=8, dh_num_stages=3,
-        kept_block_n=16, kept_num_warps=4,  # 3.7 TB/s against 2.9 with the 128-row tiles (H200, in place)
+        kept_block_n=16, kept_num_warps=4,  # the kept d_logits pass: short row blocks stream faster
     ),
     (8, 0): TileConfig(
         block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=4, group_n=16, split_tiles=8,
@@ -182,9 +180,9 @@ _GEMMS = (
     ("deterministic d_hidden", "dh_block_n", "dh_block_d", "dh_block_k", "dh_num_stages"),
 )
 _MIN_BLOCK = 16  # tl.dot's smallest M, N and K
-# fp32 "ieee" dots run on the CUDA cores, unrolled per K step into M*N*K / threads FMAs per thread: 128x256x64 tiles
-# (8192 per thread) took 23 s to compile for sm_90, 128x128x32 tiles 3.5 s (Triton 3.9); larger tiles add no
-# tensor-core reuse there. So fp32 "ieee" configs are capped to these (M, N, K) tiles.
+# fp32 "ieee" dots run on the CUDA cores, unrolled per K step into M*N*K / threads FMAs per thread: larger tiles
+# compile for many seconds and add no tensor-core reuse there. So fp32 "ieee" configs are capped to these (M, N, K)
+# tiles.
 FMA_TILE_CAP = (128, 128, 32)
 
 
@@ -301,126 +299,3 @@ def select_sm90(device: torch.device, dtype: torch.dtype, override: Optional[Til
     """The sm90 source's config (the Hopper row of the table with warp specialization, or ``override``), fitted or
     checked like :func:`select`."""
     return select(device, dtype, override, base=SM90)
-
-
-# ------------------------------------------------------------------------------------ backward workspace
-
-_MIB = 1 << 20
-# Default d_logits workspace budget (bytes): large enough for full-efficiency GEMMs at N = 8192
-# ([8192, 8192] bf16 chunks), small against the 256 MiB extra-memory allowance.
-DEFAULT_WORKSPACE_BYTES = 128 * _MIB
-# Chunk widths are multiples of this (covers every BLOCK_V and BLOCK_K in the config table), so that the
-# deterministic d_hidden K order is the same whatever the chunking.
-CHUNK_ALIGN = 256
-
-
-def workspace_budget(workspace_bytes: Optional[int]) -> Optional[int]:
-    """The call's budget in bytes, else ``TPLOGP_WORKSPACE_MB``, else None (the default, :func:`default_keep`)."""
-    if workspace_bytes is not None:
-        return workspace_bytes
-    return settings.workspace_bytes()
-
-
-def split_budget(workspace_bytes: Optional[int]) -> tuple[int, int]:
-    """``(d_logits workspace bytes, kept-logits bytes)`` of a budget (the call's, else ``TPLOGP_WORKSPACE_MB``).
-
-    The transient d_logits workspace gets up to ``DEFAULT_WORKSPACE_BYTES``; the rest holds fp32 logits kept from
-    forward to backward. Unset: the default workspace and no keep bytes (a GPU source then keeps what
-    :func:`default_keep` allows)."""
-    budget = workspace_budget(workspace_bytes)
-    if budget is None:
-        return DEFAULT_WORKSPACE_BYTES, 0
-    return min(budget, DEFAULT_WORKSPACE_BYTES), max(0, budget - DEFAULT_WORKSPACE_BYTES)
-
-
-# ------------------------------------------------------------------------------------ kept softmax terms
-#
-# What the forward keeps for the backward (a budget above the default workspace, or a small call under the default:
-# :func:`default_keep`): per kept element the softmax term ``e = exp(z - m)`` in the inputs' dtype
-# (:func:`kept_dtype`), with ``m`` the row's running max (natural units) when the forward folded that element's tile,
-# one fp32 scale per (row, forward tile). The backward's ``p = e * exp(m - M - log S)`` then carries e's rounding
-# alone (2^-9 relative in bf16, 2^-12 in fp16: what the d_logits rounding adds anyway), whatever the logits' size;
-# rounding the logits themselves would give p an error of ``|z| 2^-9``. Layout: the values ``[N, cols]`` in their
-# dtype and the scales ``[N, cdiv(cols, block_v)]`` fp32. For the op, one flat fp32 buffer (what its fake
-# implementation allocates, :func:`kept_views`): the values padded to 16 bytes, the scales after them. On the eager
-# paths two allocations of those shapes (``ShardCall.scales_apart``: a consuming backward frees the scales early).
-# :func:`kept_words` counts the flat buffer's words, an upper bound of the two allocations.
-
-_PLANNING_BLOCK_V = 64  # the narrowest forward tile a fitted GPU config runs: scales counted for it when planning
-# without the device (at most 4/64 bytes per element more than the device's config needs)
-
-
-def kept_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the kept softmax terms for inputs of ``dtype``: the inputs' own (bf16, fp16 or fp32).
-
-    A term carries the rounding that ``d_logits`` gets in that dtype anyway (bf16 terms for fp16 inputs doubled
-    the gradients' error against the fp16 reference: tests/test_triton_kernels.py). bf16 has fp32's exponent range.
-    ``e = exp(z - m) <= 1``, so fp16 never overflows; a term below fp16's smallest subnormal (2^-24) is stored as 0,
-    and as ``p <= e`` that moves its ``d_logits = g (onehot - p)`` by at most ``|g| 2^-24``."""
-    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
-
-
-def kept_words(n: int, cols: int, itemsize: int, block_v: int) -> tuple[int, int]:
-    """``(words of the values incl. padding, words of the scales)`` (4-byte words) of ``cols`` kept columns."""
-    values = cdiv(cdiv(n * cols * itemsize, 4), 4) * 4
-    return values, n * cdiv(cols, block_v)
-
-
-def kept_bytes(n: int, cols: int, itemsize: int, block_v: int) -> int:
-    """Bytes of the kept buffer for ``cols`` columns of ``n`` rows (``itemsize``: of :func:`kept_dtype`)."""
-    if n == 0 or cols == 0:
-        return 0
-    return 4 * sum(kept_words(n, cols, itemsize, block_v))
-
-
-def default_keep(n: int, v: int, itemsize: int = 2, block_v: int = _PLANNING_BLOCK_V) -> int:
-    """Vocab columns kept under the default budget (no call budget, no ``TPLOGP_WORKSPACE_MB``): the whole shard when
-    its kept terms and scales fit ``DEFAULT_WORKSPACE_BYTES``, else none.
-
-    Such a call's backward runs one chunk either way: without keeping it allocates an ``[N, V]`` d_logits workspace
-    of the weight's dtype, with keeping it writes d_logits in place of the kept terms (``ShardCall.consume_kept``).
-    So the backward's peak grows at most by the scales (``4 / block_v`` bytes per logit; the eager paths free them
-    before allocating the gradients, ``ShardCall.scales_apart``), and the call skips the
-    recompute GEMM: at small shapes, where that GEMM is a quarter of the GPU time, the default runs 3 GEMMs. The
-    terms are held from forward to backward (at most ``DEFAULT_WORKSPACE_BYTES`` per call); an explicit budget of
-    ``DEFAULT_WORKSPACE_BYTES`` keeps nothing."""
-    if n == 0 or v == 0 or kept_bytes(n, v, itemsize, block_v) > DEFAULT_WORKSPACE_BYTES:
-        return 0
-    return v
-
-
-def plan_keep(n: int, v: int, keep_bytes: int, itemsize: int = 2, block_v: int = _PLANNING_BLOCK_V) -> int:
-    """Vocab columns ``[0, cols)`` of the shard whose kept terms and scales (all N tokens, :func:`kept_bytes`) fit
-    ``keep_bytes``: V when the whole shard fits, else a multiple of CHUNK_ALIGN (possibly 0), so the backward's
-    chunks stay aligned."""
-    if n == 0 or v == 0 or keep_bytes <= 0:
-        return 0
-    if kept_bytes(n, v, itemsize, block_v) <= keep_bytes:
-        return v
-    cols = (keep_bytes * block_v // (n * (itemsize * block_v + 4)) // CHUNK_ALIGN) * CHUNK_ALIGN
-    while cols > 0 and kept_bytes(n, cols, itemsize, block_v) > keep_bytes:
-        cols -= CHUNK_ALIGN
-    return min(max(cols, 0), v)
-
-
-def kept_scales_shape(n: int, scale_words: int) -> tuple[int, int]:
-    """``[n, scales per row]`` of :func:`kept_words`' ``scale_words``."""
-    return n, scale_words // max(n, 1)
-
-
-def kept_views(kept: torch.Tensor, n: int, cols: int, dtype: torch.dtype,
-               block_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values [n, cols] of dtype, scales [n, cdiv(cols, block_v)] fp32)``: views into the flat fp32 buffer."""
-    values, scales = kept_words(n, cols, dtype.itemsize, block_v)
-    shape = kept_scales_shape(n, scales)
-    # strided views of the buffer, as few view ops as can be (host time: each costs microseconds)
-    return ((kept if dtype == kept.dtype else kept.view(dtype)).as_strided((n, cols), (cols, 1)),
-            kept.as_strided(shape, (shape[1], 1), kept.storage_offset() + values))
-
-
-def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: int) -> int:
-    """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits ``workspace_bytes`` (the d_logits part of
-    the budget, :func:`split_budget`); a multiple of CHUNK_ALIGN."""
-    cols = workspace_bytes // max(1, n * itemsize)
-    cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
-    return min(cols, cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)

@@ -1,7 +1,7 @@
-"""``@triton.jit`` helpers shared by the generic kernels (:mod:`.generic_kernels`) and the Hopper kernels
-(:mod:`.hopper_kernels`): launch order, the dot, the exponential, the forward's online-softmax epilogue and the
-backward's d_logits epilogue. Only how an operand tile reaches the dot differs between the two paths; the arithmetic
-on a logits tile lives here, once.
+"""``@triton.jit`` tile operations shared by the forward, backward and Hopper kernels (:mod:`.forward_kernels`,
+:mod:`.backward_kernels`, :mod:`.hopper_kernels`): launch order, the dot, the exponential, the pointer kernels' K
+loop, the forward's online-softmax epilogue and the backward's d_logits epilogue. Only how an operand tile reaches
+the dot differs between the pointer and the TMA kernels; the arithmetic on a logits tile lives here, once.
 
 Forward epilogue (:func:`stats_tile`: :func:`keep_tile`, then :func:`online_softmax_update`): running per-row
 statistics in raw units (``y = acc + b``, ``c = log2(e) / T``)::
@@ -318,7 +318,7 @@ def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e
     tile, nothing for the other tiles.
 
     A full tile (not ``MASKED``) below ``v_keep`` lies wholly below it: ``v_keep`` is the shard's V or a multiple of
-    ``tiles.CHUNK_ALIGN`` (256), which every ``BLOCK_V`` (a power of two up to 256) divides, as it divides the
+    ``workspace.CHUNK_ALIGN`` (256), which every ``BLOCK_V`` (a power of two up to 256) divides, as it divides the
     tile's start. So it needs the row mask alone (fewer predicate registers in the store).
 
     ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over ``[N, v_keep]`` with a ``[BLOCK_N, BLOCK_V]`` block;
@@ -370,3 +370,30 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
     if WITH_ENTROPY:
         b_zr = tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * LN2 + b_shift[:, None]
     return b_p, b_zr
+
+
+@triton.jit
+def logits_tile(
+    p_h, p_w, o_n, o_v, m_n, m_v, D, stride_hn, stride_wv,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """acc[BLOCK_N, BLOCK_V] = hidden[o_n] @ weight[o_v]^T in fp32 (rows/cols outside the masks read as 0): the
+    pointer kernels' K loop (the Hopper kernels load through tensor descriptors instead)."""
+    o_d = tl.arange(0, BLOCK_D)
+    p_a = p_h + o_n.to(tl.int64)[:, None] * stride_hn + o_d[None, :]  # [BLOCK_N, BLOCK_D]
+    p_b = p_w + o_v.to(tl.int64)[None, :] * stride_wv + o_d[:, None]  # [BLOCK_D, BLOCK_V]
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        if EVEN_D:
+            b_a = tl.load(p_a, mask=m_n[:, None], other=0.0)
+            b_b = tl.load(p_b, mask=m_v[None, :], other=0.0)
+        else:
+            m_d = (d0 + o_d) < D
+            b_a = tl.load(p_a, mask=m_n[:, None] & m_d[None, :], other=0.0)
+            b_b = tl.load(p_b, mask=m_d[:, None] & m_v[None, :], other=0.0)
+        acc = mma(b_a, b_b, acc, DOT_PRECISION)
+        p_a += BLOCK_D
+        p_b += BLOCK_D
+    return acc
+

@@ -1,0 +1,485 @@
+"""Per-layout programs: one shard's forward or backward with every launch of a layout made once, and the entry points
+that run them: check shapes, allocate outputs and workspaces, launch the kernels, run the cuBLAS steps.
+
+A program (:class:`ForwardProgram`, :class:`KeptBackward`) is made from sizes alone and holds its
+:class:`~.launch.Launch` objects; a call passes its tensors. The op's calls (``ShardCall.inputs_checked``) run the
+program that the source keeps in the layout's ``ShardCall.programs``; the per-call entry points (:func:`forward_stats`,
+:func:`forward_single`, :func:`backward`) take the same programs and launches from :func:`~.launch.cached`, keyed by
+everything they are made from. The ``sm90`` source runs the same programs with ``tma``: the Hopper kernels where
+their tensor descriptors are legal (:func:`~.launches.tma_ok`), the pointer kernels otherwise.
+
+No host syncs: every size used for planning is a Python int taken from tensor shapes; no ``.item()``, no
+``nonzero()``. Each entry point checks its tensors (:func:`check_inputs`, :func:`check_kept`) unless its caller passes
+``checked=True``: the op's own call path, whose inputs passed the op's checks and were made 2-D, contiguous and
+int64 there, skips these per-launch repeats.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import fp32_gemm
+from ..tensors import f32_contiguous
+from .kept import KeptTerms
+from .launch import cached
+from .launches import (dh_launch, dlogits_kept_launch, dlogits_launch, ensure_context, finalize_launch, kept_tma_ok,
+                       merge_launch, stats_launch, tma_ok)
+from .tiles import KERNEL_DTYPES, TileConfig, cdiv, dot_precision
+from .workspace import plan_chunk
+
+
+class KernelInputError(ValueError):
+    """A launcher got tensors of the wrong shape, dtype, device or layout."""
+
+
+def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 local_target: torch.Tensor) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise KernelInputError(
+            f"expected hidden [N, D] and weight [V_local, D], got hidden {tuple(hidden.shape)} and weight "
+            f"{tuple(weight.shape)}; flatten leading dims of hidden first")
+    if hidden.shape[1] != weight.shape[1]:
+        raise KernelInputError(
+            f"hidden size mismatch: hidden has D={hidden.shape[1]} but weight has D={weight.shape[1]}")
+    if hidden.dtype != weight.dtype:
+        raise KernelInputError(f"hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one")
+    if hidden.dtype not in KERNEL_DTYPES:
+        raise KernelInputError(f"unsupported dtype {hidden.dtype}; expected float32, bfloat16 or float16")
+    dev = hidden.device
+    if weight.device != dev or local_target.device != dev or (bias is not None and bias.device != dev):
+        devices = {hidden.device, weight.device, local_target.device} | ({bias.device} if bias is not None else set())
+        raise KernelInputError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if hidden.stride(1) != 1 or weight.stride(1) != 1:
+        raise KernelInputError(
+            "hidden and weight need unit stride along D (row-major); call .contiguous() on transposed inputs")
+    if local_target.shape != (hidden.shape[0],) or local_target.dtype != torch.int64:
+        raise KernelInputError(
+            f"local_target must be int64 of shape [{hidden.shape[0]}], got {local_target.dtype} "
+            f"{tuple(local_target.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise KernelInputError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def check_kept(kept: Optional[KeptTerms], n: int, v: int, block_v: int) -> None:
+    if kept is None:
+        return
+    values, scales = kept
+    if (values.dtype not in KERNEL_DTYPES or values.dim() != 2
+            or values.shape[0] != n or not 0 < values.shape[1] <= v or values.stride(1) != 1):
+        raise KernelInputError(f"kept terms must be fp32, bf16 or fp16 [{n}, <= {v}] with unit column stride, got "
+                               f"{values.dtype} {tuple(values.shape)}")
+    tiles_kept = cdiv(values.shape[1], block_v)
+    if (scales.dtype != torch.float32 or scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] < tiles_kept
+            or scales.stride(1) != 1):
+        raise KernelInputError(f"kept scales must be fp32 [{n}, >= {tiles_kept}] with unit column stride, got "
+                               f"{scales.dtype} {tuple(scales.shape)}")
+
+
+def layout_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
+    """What a program is made for: the shapes and dtype of a call's (checked: 2-D, contiguous, one device) tensors
+    and its bias's dtype."""
+    return hidden.shape, weight.shape, hidden.dtype, None if bias is None else bias.dtype
+
+
+# The forwards' fp32 buffers: the per-split stats ``[rows, S, N]`` (row max, sum of exp, target logit and, with
+# entropy, the sum of exp * z), the merged stats of a shard ``[rows, N]`` (the same rows), the one-shard outputs
+# ``[6 or 4, N]`` (logp, lse, row max, log-sum and, with entropy, mean_rel and entropy).
+
+def _stats_rows(with_entropy: bool) -> int:
+    return 4 if with_entropy else 3
+
+
+def _single_rows(with_entropy: bool) -> int:
+    return 6 if with_entropy else 4
+
+
+def _stats_outputs(out: torch.Tensor, with_entropy: bool) -> tuple:
+    """``(row_max, sum_exp, target_logit, sum_exp_z | None)``: views of the merged stats ``out``."""
+    outs = out.unbind(0)
+    return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+
+
+def _single_outputs(out: torch.Tensor, with_entropy: bool) -> tuple:
+    """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``: views of the one-shard outputs ``out``."""
+    outs = out.unbind(0)
+    return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+class ForwardProgram:
+    """One shard's forward for one layout: :func:`forward_single` (``single``) or :func:`forward_stats`, with the
+    split count, buffer shapes and every launch made once. A call allocates the per-split stats and the outputs and
+    makes two launches (the stats kernel, then the one-shard finalize or the split merge).
+
+    ``precision``: the dot precision (:func:`~.tiles.dot_precision`). ``keep``: ``(kept row stride, scales row stride,
+    kept columns, kept dtype)`` of what the forward keeps for the backward (the calls pass the terms ``[N, columns]``
+    and their scales), or None. ``check_targets`` (``single``
+    only): the calls pass ``target_flag`` (the finishing kernel checks the targets). ``tma``: the Hopper stats kernel
+    where a call's descriptors are legal (the pointer kernel otherwise). The source's programs are checked with
+    :meth:`matches` before a call."""
+
+    def __init__(self, n: int, v: int, d: int, stride_h: int, stride_w: int, dtype: torch.dtype,
+                 bias_dtype: Optional[torch.dtype], inv_temperature: float, with_entropy: bool, cfg: TileConfig,
+                 precision: Optional[str], keep: Optional[tuple], single: bool, check_targets: bool = False,
+                 tma: bool = False) -> None:
+        self.layout = ((n, d), (v, d), dtype, bias_dtype)
+        self.with_entropy = with_entropy
+        self.single = single
+        num_splits = cdiv(v, cfg.split_v)
+        kept_dims = None if keep is None else keep[:3]
+        stats = (n, v, d, stride_h, stride_w, bias_dtype is not None, with_entropy, float(inv_temperature), cfg,
+                 precision, kept_dims)
+        self.stats = stats_launch(*stats)
+        # the Hopper kernel's launches (plain and, with kept terms, with their TMA stores), or None
+        self.stats_tma = None if not tma else (stats_launch(*stats, tma=True),
+                                               stats_launch(*stats, tma=True, keep_tma=True) if keep else None)
+        self.parts_shape = (_stats_rows(with_entropy), num_splits, n)
+        if single:
+            self.out_shape = (_single_rows(with_entropy), n)
+            self.finish = finalize_launch(n, v, num_splits, with_entropy, check_targets)
+        else:
+            self.out_shape = (_stats_rows(with_entropy), n)
+            self.finish = merge_launch(n, num_splits, with_entropy)
+
+    def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+        """Whether a call's (checked: 2-D, contiguous, one device) tensors are of this layout."""
+        return layout_of(hidden, weight, bias) == self.layout
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 target: torch.Tensor, target_flag: Optional[torch.Tensor] = None,
+                 values: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None) -> tuple:
+        """``single``: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``; else ``(row_max,
+        sum_exp, target_logit, sum_exp_z | None)`` (``target``: shard-local, contiguous). The kept terms and scales
+        are written into ``values`` and ``scales`` (the layout's ``keep``)."""
+        device = hidden.device
+        stats = self.stats
+        if self.stats_tma is not None and tma_ok(hidden, weight):
+            ensure_context(device)
+            stats = self.stats_tma[1] if values is not None and kept_tma_ok(values) else self.stats_tma[0]
+        parts = torch.empty(self.parts_shape, device=device, dtype=torch.float32)
+        stats(hidden, weight, hidden if bias is None else bias, target, parts,
+              parts if values is None else values, parts if scales is None else scales)
+        out = torch.empty(self.out_shape, device=device, dtype=torch.float32)  # after the launch: the GPU starts sooner
+        if not self.single:
+            self.finish(parts, out)
+            return _stats_outputs(out, self.with_entropy)
+        self.finish(parts, target, out, out if target_flag is None else target_flag)
+        return _single_outputs(out, self.with_entropy)
+
+
+def _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept: Optional[KeptTerms],
+                     single: bool, check_targets: bool, tma: bool) -> ForwardProgram:
+    """The per-call paths' :class:`ForwardProgram` of these tensors' layout, from :func:`~.launch.cached`."""
+    n, d = hidden.shape
+    keep = None
+    if kept is not None:
+        keep = (kept.values.stride(0), kept.scales.stride(0), kept.values.shape[1], kept.values.dtype)
+    return cached(ForwardProgram, n, weight.shape[0], d, hidden.stride(0), weight.stride(0), hidden.dtype,
+                  None if bias is None else bias.dtype, float(inv_temperature), with_entropy, cfg,
+                  dot_precision(hidden.dtype), keep, single, check_targets, tma)
+
+
+def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  local_target: torch.Tensor, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
+                  tma: bool = False, kept: Optional[KeptTerms] = None, checked: bool = False):
+    """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard.
+
+    ``kept`` (optional): the stats kernel also stores the softmax terms of the shard columns ``[0, v_keep)`` and
+    their row scales there (:class:`~.kept.KeptTerms`), for :func:`backward`. ``tma``: the Hopper kernels where legal.
+    Two allocations (the merged stats are views of one ``[3 or 4, N]`` buffer, the per-split stats of one
+    ``[3 or 4, S, N]`` buffer), two launches, no other torch op.
+    """
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    if not checked:
+        check_inputs(hidden, weight, bias, local_target)
+        check_kept(kept, n, v, cfg.block_v)
+    if n == 0 or v == 0:
+        out = torch.empty((_stats_rows(with_entropy), n), device=hidden.device, dtype=torch.float32)
+        out[0].fill_(float("-inf"))
+        out[1:].zero_()
+        return _stats_outputs(out, with_entropy)
+    local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
+    program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept, False, False, tma)
+    return program(hidden, weight, bias, local_target, None, *(() if kept is None else kept))
+
+
+def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
+                   inv_temperature: float, with_entropy: bool, cfg: TileConfig, tma: bool = False,
+                   kept: Optional[KeptTerms] = None, target_flag: Optional[torch.Tensor] = None,
+                   checked: bool = False):
+    """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``, fp32 [N].
+    ``kept``, ``tma``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the finishing kernel
+    sets to an id outside ``[0, V)`` if some target is one (the call's default check; pinned host memory on a GPU,
+    which the kernel writes directly).
+
+    ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp (the checks in
+    ``full`` mode reject such ids before this runs). Two launches (the stats kernel, then one kernel that folds the
+    splits and finishes the outputs) and two allocations: no other torch op.
+    """
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    if not checked:
+        check_inputs(hidden, weight, bias, target)
+        check_kept(kept, n, v, cfg.block_v)
+    if n == 0 or v == 0:
+        out = torch.empty((_single_rows(with_entropy), n), device=hidden.device, dtype=torch.float32)
+        if n:  # an empty vocab: no probability mass anywhere
+            out.fill_(float("nan"))
+            out[1:4].fill_(float("-inf"))
+        return _single_outputs(out, with_entropy)
+    target = target if target.is_contiguous() else target.contiguous()
+    program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept, True,
+                               target_flag is not None, tma)
+    return program(hidden, weight, bias, target, target_flag, *(() if kept is None else kept))
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` (fp32 accumulation inside the GEMM, output rounded once to ``out.dtype``)."""
+    if a.is_cuda or a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    else:  # CPU low-precision GEMMs have no fp32-accumulating path into a low-precision output
+        out.copy_(fp32_gemm.mm(a, b))
+
+
+def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, grad_logp: torch.Tensor,
+             grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_z: Optional[torch.Tensor],
+             inv_temperature: float, deterministic: bool, workspace_bytes: int,
+             needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False, kept: Optional[KeptTerms] = None,
+             d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+             accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+             overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False, checked: bool = False):
+    """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard.
+
+    ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden is one GEMM (one
+    chunk, not ``deterministic``, on CUDA), it is returned in the input dtype, rounded once as the GEMM stores it
+    (fp32 accumulation inside), with no fp32 buffer and no cast; otherwise fp32 as usual.
+
+    The vocab is walked in chunks whose ``[N, chunk]`` d_logits workspace fits ``workspace_bytes`` (the transient
+    part of the budget): first the columns ``[0, v_keep)`` whose softmax terms the forward kept in ``kept`` (their
+    d_logits kernel forms p from them: no recompute GEMM), then the rest (recomputed; ``tma``: the Hopper kernel
+    where legal). ``d_hidden_ready(d_hidden)`` is called after the last chunk's d_hidden GEMM, before its d_W GEMM.
+    ``accumulate``: fp32 ``(d_weight [V, D] | None, d_bias [V] | None)`` buffers that this shard's d_W / d_b are
+    added to, unrounded (several token chunks of one loss), returned in their place; otherwise d_weight / d_bias are
+    in the weight / bias dtype.
+
+    ``overwrite_kept`` (the caller runs one backward per forward) with every column kept and terms of the weight's
+    element size: :class:`KeptBackward` (one d_logits launch in place of the terms, then one full-size GEMM each).
+    """
+    if not checked:
+        check_inputs(hidden, weight, bias, local_target)
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    need_dh, need_dw, need_db = needs
+    need_db = need_db and bias is not None
+    dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
+    if n == 0 or v == 0 or not (need_dh or need_dw or need_db):
+        d_hidden = torch.zeros((n, d), device=dev, dtype=torch.float32) if need_dh else None
+        if d_hidden is not None and d_hidden_ready is not None:
+            d_hidden_ready(d_hidden)
+        if n == 0 or v == 0:
+            return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
+                    db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
+        return None, None, None
+    if not checked:
+        check_kept(kept, n, v, cfg.block_v)
+
+    if KeptBackward.covers(kept, weight, overwrite_kept):  # one pass over the kept terms, in their memory
+        program = cached(KeptBackward, n, v, hidden.dtype, None if bias is None else bias.dtype, tuple(needs),
+                         grad_entropy is not None, float(inv_temperature), cfg, dot_precision(hidden.dtype),
+                         kept.values.dtype, kept.scales.stride(0), deterministic, d_hidden_in_input_dtype,
+                         hidden.is_cuda)
+        return program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
+                       mean_z, kept, d_hidden_ready, accumulate)
+    f32 = torch.float32
+    if not local_target.is_contiguous():
+        local_target = local_target.contiguous()
+    row_max = f32_contiguous(row_max)
+    log_sum = f32_contiguous(log_sum)
+    with_entropy = grad_entropy is not None
+    g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
+    v_keep = 0 if kept is None else kept.values.shape[1]
+    chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
+    bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
+    bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
+    num_nb = cdiv(n, cfg.bwd_block_n)
+    dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
+    precision = dot_precision(hidden.dtype)
+    args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
+    inv_t = float(inv_temperature)
+    # one chunk (small shapes): no slicing; otherwise one workspace reused chunk after chunk
+    ws = None if len(bounds) == 1 else torch.empty(n * chunk, device=dev, dtype=weight.dtype)
+    d_hidden = d_weight = None
+    for i_chunk, (v_lo, v_hi, from_kept) in enumerate(bounds):
+        if ws is None:
+            dz = torch.empty((n, v), device=dev, dtype=weight.dtype)
+        else:
+            dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
+        if from_kept:
+            launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
+            if v_hi == v_keep:  # the last pass that reads the scales: nothing here holds them any longer
+                kept.release_scales()
+        else:
+            launch_dlogits(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision, tma)
+        if i_chunk == 0:
+            # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
+            # allocations themselves do no GPU work).
+            dh_dtype = (hidden.dtype if d_hidden_in_input_dtype and len(bounds) == 1 and not deterministic
+                        and hidden.is_cuda else f32)  # (a CPU GEMM would round through an fp32 temporary)
+            d_hidden = torch.empty((n, d), device=dev, dtype=dh_dtype) if need_dh else None
+            d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
+        whole = ws is None
+        w_chunk = weight if whole else weight[v_lo:v_hi]
+        if d_hidden is not None:
+            _dh_gemm(dz, w_chunk, d_hidden, i_chunk, deterministic, cfg, precision)
+            if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
+                d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
+        if d_weight is not None:
+            _dw_gemm(d_weight if whole else d_weight[v_lo:v_hi], dz, hidden, dw_acc is not None)
+    return d_hidden, d_weight, _bias_grad(dbp, bias, db_acc) if need_db else None
+
+
+def _dw_gemm(dw_chunk: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, accumulate: bool) -> None:
+    """``d_W[chunk] (+)= dz^T @ hidden``: added unrounded to an fp32 accumulator, else written in its dtype."""
+    if accumulate:
+        fp32_gemm.addmm_(dw_chunk, dz.t(), hidden)
+    else:
+        _mm_into(dw_chunk, dz.t(), hidden)
+
+
+def _bias_grad(dbp: torch.Tensor, bias: torch.Tensor, db_acc: Optional[torch.Tensor]) -> torch.Tensor:
+    """``d_b`` from the fp32 per-token-block partial column sums: added to ``db_acc``, else in the bias dtype."""
+    return db_acc.add_(dbp.sum(0)) if db_acc is not None else dbp.sum(0).to(bias.dtype)
+
+
+def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                    mean_z: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The d_logits kernels' per-token inputs ``(g, g - g_lse, g_entropy, mean_z)``, contiguous fp32 (``g`` in place
+    of the terms a call does not have: the kernels do not read them then)."""
+    g = f32_contiguous(grad_logp)
+    gmg = g if grad_lse is None else (g - grad_lse.to(torch.float32)).contiguous()
+    if grad_entropy is None:
+        return g, gmg, g, g
+    if mean_z is None:
+        raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z] - M")
+    return g, gmg, f32_contiguous(grad_entropy), f32_contiguous(mean_z)
+
+
+def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileConfig, precision) -> None:
+    """``d_hidden (+)= dz @ W[chunk]`` (fp32) for one chunk."""
+    if deterministic:
+        n, k = dz.shape
+        cached(dh_launch, n, k, w_chunk.shape[1], dz.stride(0), w_chunk.stride(0), d_hidden.stride(0), i_chunk > 0,
+               cfg, precision)(dz, w_chunk, d_hidden)
+    elif d_hidden.dtype != torch.float32:  # the one chunk, rounded once to the input dtype (d_hidden_in_input_dtype)
+        _mm_into(d_hidden, dz, w_chunk)
+    elif i_chunk == 0:
+        fp32_gemm.mm_into(d_hidden, dz, w_chunk)
+    else:
+        fp32_gemm.addmm_(d_hidden, dz, w_chunk)
+
+
+def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+                        inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
+                        launch: Optional[Callable] = None) -> None:
+    """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM; the forward's
+    tile width, one scale per row and tile). ``launch``: this launch as the caller's program holds it
+    (:class:`KeptBackward`), else the layout's from :func:`~.launch.cached`."""
+    values, scales = kept
+    if launch is None:
+        launch = cached(dlogits_kept_launch, values.shape[0], v_lo, v_hi, values.stride(0), scales.stride(0),
+                        dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature, with_entropy, need_db, cfg,
+                        precision)
+    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp)
+
+
+def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+                   inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
+                   tma: bool = False) -> None:
+    """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal)."""
+    n, d = hidden.shape
+    tma = tma and tma_ok(hidden, weight)
+    if tma:
+        ensure_context(hidden.device)
+    launch = cached(dlogits_launch, n, weight.shape[0], d, v_lo, v_hi, hidden.stride(0), weight.stride(0),
+                    dz.stride(0), dbp.stride(0) if need_db else 0, bias is not None, need_db, with_entropy,
+                    inv_temperature, cfg, precision, tma)
+    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp)
+
+
+class KeptBackward:
+    """:func:`backward` when the forward kept every column's terms at the weight's element size and the backward
+    consumes them (``overwrite_kept``): one d_logits launch writes d_logits in place of the terms (each element is
+    read, then written, by the same program), the scales are dropped, then one full-size GEMM each gives
+    ``d_hidden`` (in the input dtype when it is the call's whole gradient, one GEMM and not ``deterministic``, on
+    CUDA; else fp32) and ``d_W`` (all tokens, the whole shard: fp32 accumulation inside it; added to an
+    ``accumulate`` buffer when given), with every size and the launch made once. The sources keep one per layout,
+    after :meth:`matches`; :func:`backward` takes its layout's from :func:`~.launch.cached`."""
+
+    def __init__(self, n: int, v: int, dtype: torch.dtype, bias_dtype: Optional[torch.dtype],
+                 needs: tuple[bool, bool, bool], with_entropy: bool, inv_temperature: float, cfg: TileConfig,
+                 precision: Optional[str], kept_dtype: torch.dtype, scales_stride: int, deterministic: bool,
+                 d_hidden_in_input_dtype: bool, on_cuda: bool) -> None:
+        self.needs = (needs[0], needs[1], needs[2] and bias_dtype is not None)
+        self.layout = (n, v, dtype, bias_dtype, kept_dtype, scales_stride)
+        self.with_entropy = with_entropy
+        self.deterministic = deterministic
+        self.dbp_shape = (cdiv(n, cfg.bwd_block_n), v) if self.needs[2] else None
+        self.dh_dtype = (dtype if d_hidden_in_input_dtype and not deterministic and on_cuda
+                         else torch.float32)  # (a CPU GEMM would round through an fp32 temporary)
+        self.cfg, self.precision = cfg, precision
+        self.inv_temperature = float(inv_temperature)
+        self.dlogits = dlogits_kept_launch(n, 0, v, v, scales_stride, v, v if self.needs[2] else 0,
+                                           self.inv_temperature, with_entropy, self.needs[2], cfg, self.precision)
+
+    @staticmethod
+    def covers(kept: Optional[KeptTerms], weight: torch.Tensor, overwrite_kept: bool) -> bool:
+        """Whether a backward of these arguments is one this class runs (class docstring)."""
+        return (overwrite_kept and kept is not None and kept.scales is not None and kept.values.shape[0] > 0
+                and kept.values.shape[1] == weight.shape[0] and kept.values.element_size() == weight.element_size()
+                and kept.values.is_contiguous())
+
+    def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kept: KeptTerms,
+                needs: tuple[bool, bool, bool], with_entropy: bool) -> bool:
+        """Whether a call of the source's (checked tensors, every term kept) is of this program's layout."""
+        n, v = hidden.shape[0], weight.shape[0]
+        return ((n, v, hidden.dtype, None if bias is None else bias.dtype, kept.values.dtype, kept.scales.stride(0))
+                == self.layout and kept.values.shape == (n, v) and with_entropy == self.with_entropy
+                and (needs[0], needs[1], needs[2] and bias is not None) == self.needs)
+
+    def __call__(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
+                 mean_z, kept: KeptTerms, d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+                 accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None):
+        """``(d_hidden | None, d_weight | None, d_bias | None)``, the per-token tensors as :func:`backward` takes
+        them."""
+        need_dh, need_dw, need_db = self.needs
+        dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
+        g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
+        device = hidden.device
+        dbp = torch.empty(self.dbp_shape, device=device, dtype=torch.float32) if need_db else g
+        dz = kept.values if kept.values.dtype == weight.dtype else kept.values.view(weight.dtype)
+        if not local_target.is_contiguous():
+            local_target = local_target.contiguous()
+        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g, gmg, ge, mz, dz,
+                            dbp, 0, dz.shape[1], self.inv_temperature, self.with_entropy, need_db, self.cfg,
+                            self.precision, self.dlogits)
+        kept.release_scales()  # (the last pass that reads them)
+        # allocated after the d_logits launch: the GPU starts sooner (the allocations do no GPU work)
+        d_hidden = torch.empty(hidden.shape, device=device, dtype=self.dh_dtype) if need_dh else None
+        d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
+        if d_hidden is not None:
+            _dh_gemm(dz, weight, d_hidden, 0, self.deterministic, self.cfg, self.precision)
+            if d_hidden_ready is not None:
+                d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
+        if d_weight is not None:
+            _dw_gemm(d_weight, dz, hidden, dw_acc is not None)
+        return d_hidden, d_weight, _bias_grad(dbp, bias, db_acc) if need_db else None
