@@ -132,7 +132,8 @@ def apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
     """Report a PoolRun as this test's outcome (attach outputs; skip, xfail or raise RankFailure)."""
     from .report import RankFailure, failure_class, merge
 
-    _attach_outputs(item, run.outputs, label)
+    if _live_output(item) is None:  # under -s every line was printed as it came: not a second time in the report
+        _attach_outputs(item, run.outputs, label)
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path),
                     pool_desc=plan.describe())
     restored = sorted({what for o in run.outcomes.values() for what in o.state_restored})

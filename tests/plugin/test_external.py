@@ -168,7 +168,15 @@ def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag
         "E   rank 2: RuntimeError: rank 2 gives up before the collective; ranks 0-1 did not finish within 3 s after "
         "a peer failed or skipped (stuck in a collective?)",
     ])
-    result.stdout.fnmatch_lines(["*waiting in *(torch/distributed/*) called from test_rank_raises (*test_body.py:13)*"])
+    # ranks 0 and 1 wait in the same place: one line, one stack; no pytest, pluggy or plugin-thread frames
+    result.stdout.fnmatch_lines([
+        "  ranks 0-1 (pids *, *) waiting in *(torch/distributed/*) called from test_rank_raises (*test_body.py:13)",
+        "--- ranks 0-1 stack (faulthandler, SIGUSR1) ---",
+        "*File*test_body.py*line 13 in test_rank_raises*",
+        "  (* frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of pytest_tplogp not shown)",
+    ])
+    for harness in ("/_pytest/", "/pluggy/", "in _own_stack", "Thread 0x"):
+        assert harness not in out, harness
     result.stdout.fnmatch_lines([
         "test_body.py::test_before[[]tp3[]] PASSED*",
         "test_body.py::test_rank_raises[[]tp3[]] FAILED*",
