@@ -56,6 +56,7 @@ class ExternalMode:
         # puts them back so that rank 0's report reaches the terminal
         self.real_fds = (os.dup(1), os.dup(2))
         self.test_index = 0
+        self.pdb_rank = settings.pdb_rank
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             if device.type == "cuda":
@@ -84,18 +85,20 @@ class ExternalMode:
         return None
 
     def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int, timeout_s: float,
-                 capture: bool = True, on_hang: Callable[[Any], None] | None = None) -> Any:
+                 capture: bool = True, on_hang: Callable[[Any], None] | None = None,
+                 grace_s: float = STRAGGLER_GRACE_S) -> Any:
         """Run the body here, exchange outcomes (and captured output) with every rank; return a PoolRun for
         ``report.merge``, so rank 0's report shows every rank's verdict and output.
 
         The exchange goes through the job's store, never through a collective: a rank that failed cannot pair its
         exchange with a collective that its peers still wait in (which would let them pass). When the ranks are
-        not all done by the deadline, or a rank failed and the others are not done :data:`STRAGGLER_GRACE_S` later,
+        not all done by the deadline, or a rank failed and the others are not done ``grace_s`` later,
         :class:`_Exchange` takes over: every unfinished rank posts its stack, rank 0 calls ``on_hang(run)`` with
         what it knows (the finished ranks' outcomes, the others' stacks) and every rank exits.
         """
         import time
 
+        from . import debug
         from .pool import PoolRun
         from .rank import classify, seed_test
         from .values import bind, undo_per_rank
@@ -103,11 +106,12 @@ class ExternalMode:
         seed_test(seed)
         t0 = time.perf_counter()
         self.test_index += 1
-        exchange = _Exchange(self, self.test_index, timeout_s, on_hang)
+        exchange = _Exchange(self, self.test_index, timeout_s, grace_s, on_hang)
         with _capture_output(capture) as output:
             bound = {k: bind(v, self.ctx) for k, v in kwargs.items()}
             try:
-                func(**bound)
+                with debug.body(self.ctx.rank, self.pdb_rank):
+                    func(**bound)
                 mine = RankOutcome(self.ctx.rank, "passed")
             except BaseException as exc:  # noqa: BLE001 - decided collectively below
                 mine = classify(exc, self.ctx.rank, test_file=getattr(func, "__code__", None) and func.__code__.co_filename)
@@ -165,14 +169,14 @@ class _Exchange:
 
     Every rank posts ``done<r>`` (its outcome and output) when its body returns, marks ``failed`` when that
     outcome is not a pass, and waits until every rank has posted. A watcher thread per rank bounds that wait: rank
-    0 declares the test hung (``expired``) at the deadline, or :data:`STRAGGLER_GRACE_S` after a peer marked
+    0 declares the test hung (``expired``) at the deadline, or ``grace_s`` after a peer marked
     ``failed`` while some rank is still running (stuck in a collective the failed rank never entered). Then every
     unfinished rank posts its stack (``stack<r>``), rank 0 hands the finished ranks' outcomes and the others'
     stacks to ``on_hang`` (which reports and writes the JUnit file) and sets ``reported``, and every rank exits
     with status 1: a process group cannot be respawned from inside.
     """
 
-    def __init__(self, mode: ExternalMode, index: int, timeout_s: float,
+    def __init__(self, mode: ExternalMode, index: int, timeout_s: float, grace_s: float,
                  on_hang: Callable[[Any], None] | None) -> None:
         import time
 
@@ -180,6 +184,7 @@ class _Exchange:
         self.rank, self.world_size = mode.ctx.rank, mode.ctx.world_size
         self.prefix = f"tplogp/test{index}/"
         self.timeout_s = timeout_s
+        self.grace_s = grace_s
         self.on_hang = on_hang
         self.store = mode.store()
         self.started = time.monotonic()
@@ -228,7 +233,7 @@ class _Exchange:
             now = time.monotonic()
             if self.rank == 0:
                 if grace_end is None and self.store.check([self._key("failed")]):
-                    grace_end = now + STRAGGLER_GRACE_S
+                    grace_end = now + self.grace_s
                 timed_out = now >= deadline
                 if not (timed_out or (grace_end is not None and now >= grace_end)):
                     continue
