@@ -21,8 +21,9 @@ Layout (one role per module; each imports only the modules listed below it):
 - ``external.py``        pytest itself launched by torchrun: use the existing process group.
 - ``report.py``          merging per-rank outcomes (grouped failures, agreed skips) into one report.
 - ``pool.py``            the controller: persistent rank pools, bounded waits, stack dumps, kill + respawn.
-- ``rank.py``            the rank-side worker loop (imports only ``forkserver_guard``, ``protocol``, ``context``,
-                         ``values``).
+- ``rank.py``            the rank-side worker loop (imports only ``debug``, ``forkserver_guard``, ``protocol``,
+                         ``context``, ``values``).
+- ``debug.py``           ``breakpoint()`` and post-mortem pdb on one rank (``--tp-pdb``), served on a local port.
 - ``context.py``         the ``tp`` rank context and the collective assertion helpers (usable under torchrun too).
 - ``mesh.py``            mesh shapes (the marker's ``mesh=``), meshes built from cached groups, DTensor helpers.
 - ``devices.py``         backend and GPU-block choice.  ``options.py`` settings, CLI > env > ini > default.

@@ -132,7 +132,8 @@ def apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
     """Report a PoolRun as this test's outcome (attach outputs; skip, xfail or raise RankFailure)."""
     from .report import RankFailure, failure_class, merge
 
-    _attach_outputs(item, run.outputs, label)
+    if _live_output(item) is None:  # under -s every line was printed as it came: not a second time in the report
+        _attach_outputs(item, run.outputs, label)
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path),
                     pool_desc=plan.describe())
     restored = sorted({what for o in run.outcomes.values() for what in o.state_restored})
@@ -167,15 +168,25 @@ def pool_for(state: State, plan: Plan) -> Any:
         raise RankFailure(str(exc).splitlines()[0], "E   " + str(exc)) from None
 
 
+def _grace_s(state: State) -> float:
+    """How long the other ranks may still run once one failed: the straggler grace, or no limit under --tp-pdb
+    (the failed rank may be in a post-mortem)."""
+    from .debug import DEBUG_WAIT_S
+    from .protocol import STRAGGLER_GRACE_S
+
+    return DEBUG_WAIT_S if state.settings.pdb_rank is not None else STRAGGLER_GRACE_S
+
+
 def run_body(item: pytest.Function, state: State, plan: Plan) -> None:
     """Run a TP test body on every rank (pool or torchrun) and report the merged outcome."""
     cmd = run_test_command(item)
     if state.external is not None:
         run = state.external.run_test(item.obj, pickle.loads(cmd.kwargs), cmd.seed, plan.timeout_s,
                                       capture=item.config.getoption("capture", "fd") != "no",
-                                      on_deadline=lambda stuck_run: end_session_after_deadline(item, plan, stuck_run))
+                                      on_hang=lambda stuck_run: end_session_after_hang(item, plan, stuck_run),
+                                      grace_s=_grace_s(state))
     else:
-        run = pool_for(state, plan).run(cmd, plan.timeout_s, live=_live_output(item))
+        run = pool_for(state, plan).run(cmd, plan.timeout_s, live=_live_output(item), grace_s=_grace_s(state))
     apply(item, run, plan)
 
 
@@ -222,19 +233,21 @@ class PoolHandle:
         cmd = CallFn(payload=payload, modules=modules, sys_path=list(sys.path),
                      seed=seed_for(f"{self._item.nodeid}#{self._calls}"))
         run = pool_for(self._state, self._plan).run(cmd, self._plan.timeout_s if timeout is None else timeout,
-                                                    live=_live_output(self._item))
+                                                    live=_live_output(self._item), grace_s=_grace_s(self._state))
         apply(self._item, run, self._plan, label=f" (tp_pool.run #{self._calls})")
         return [pickle.loads(run.outcomes[r].value) for r in range(self.world_size)]
 
 
-def end_session_after_deadline(item: pytest.Item, plan: Plan, run: Any) -> None:
-    """Under torchrun, rank 0 at a test's deadline: report the test as failed (which ranks hung and where) and end
-    the session's reporting (summary of the outcomes so far, JUnit file) before the job is torn down.
+def end_session_after_hang(item: pytest.Item, plan: Plan, run: Any) -> None:
+    """Under torchrun, rank 0 when a test hung (its deadline passed, or ranks stayed in a collective after a peer
+    failed): report the test as failed (which ranks hung and where), report every test that did not run as an error,
+    and end the session's reporting (summary, JUnit file) before the job is torn down.
 
-    Runs on the deadline thread while the test's body is stuck in a collective on the main thread; the process
-    exits right after, so no pytest state is left to repair.
+    Runs on the exchange's watcher thread while the test's body may be stuck in a collective on the main thread; the
+    process exits right after, so no pytest state is left to repair.
     """
-    from .report import label_rank_lines, longrepr_for, merge, rank_sections
+    from .protocol import STRAGGLER_GRACE_S
+    from .report import TPLongRepr, label_rank_lines, longrepr_for, merge, rank_sections
 
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path), pool_desc="torchrun")
     # the titles pytest gives add_report_section's keys (this report is built by hand: the job ends after it)
@@ -244,16 +257,30 @@ def end_session_after_deadline(item: pytest.Item, plan: Plan, run: Any) -> None:
     ihook = item.ihook
     ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="failed", longrepr=longrepr,
                                                             when="call", sections=sections,
-                                                            duration=plan.timeout_s))
+                                                            duration=run.elapsed_s))
     labelled = [(title, label_rank_lines(title, text)) for title, text in sections]
     ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="passed", longrepr=None,
                                                             when="teardown", sections=labelled))
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     session = item.session
-    left = len(session.items) - session.items.index(item) - 1 if item in session.items else 0
+    why = (f"passed its deadline of {plan.timeout_s:g} s" if run.timed_out else
+           f"left ranks in a collective {STRAGGLER_GRACE_S:g} s after a peer failed")
+    not_run = session.items[session.items.index(item) + 1:] if item in session.items else []
+    reason = f"not run: {item.nodeid} {why} and a process group cannot be respawned under torchrun, so the job ended"
+    tbstyle = item.config.getoption("tbstyle", "auto")
+    for later in not_run:
+        path, line0, _ = later.reportinfo()
+        later.ihook.pytest_runtest_logstart(nodeid=later.nodeid, location=later.location)
+        common = dict(nodeid=later.nodeid, location=later.location, keywords={k: 1 for k in later.keywords})
+        error = TPLongRepr(f"E   {reason}", reason, str(path), (line0 or 0) + 1, style=tbstyle)
+        later.ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="failed", longrepr=error,
+                                                                      when="setup", duration=0.0))
+        later.ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="passed", longrepr=None,
+                                                                      when="teardown", duration=0.0))
+        later.ihook.pytest_runtest_logfinish(nodeid=later.nodeid, location=later.location)
     reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")
-        reporter.write_line(f"tplogp (torchrun): {item.nodeid} passed its deadline of {plan.timeout_s:g} s; a process "
-                            f"group cannot be respawned, so the job ends here ({left} test(s) not run).", red=True)
+        reporter.write_line(f"tplogp (torchrun): {item.nodeid} {why}; a process group cannot be respawned, so the "
+                            f"job ends here ({len(not_run)} test(s) not run, reported as errors).", red=True)
     item.config.hook.pytest_sessionfinish(session=session, exitstatus=pytest.ExitCode.TESTS_FAILED)

@@ -3,11 +3,12 @@
 Every pytest process is one rank of an existing world (``WORLD_SIZE``/``RANK``/``MASTER_ADDR`` from torchrun, one
 node or several). Nothing is spawned: the process group is initialised from the environment (or reused when the
 test session already has one), all ranks check that they collected the same tests, TP test bodies run in-process,
-and each test's per-rank outcomes are exchanged over a gloo control group so that every rank reaches the same
-verdict (a failure on rank 3 fails the test on rank 0, which is the only rank that prints a report). At a per-test
-deadline every rank posts its stack to the job's store and rank 0 reports what it knows (the outcomes so far,
-which ranks hung and where) and writes the JUnit file before every rank exits: torchrun then ends the job, since
-a process group cannot be respawned from inside.
+and each test's per-rank outcomes are exchanged through the job's key-value store so that every rank reaches the same
+verdict (a failure on rank 3 fails the test on rank 0, which is the only rank that prints a report). When ranks are
+still running at the deadline, or a straggler grace after a peer failed, every unfinished rank posts its stack to the
+store and rank 0 reports the test as failed (which ranks hung and where), reports every test that did not run as an
+error and writes the JUnit file before every rank exits: torchrun then ends the job, since a process group cannot
+be respawned from inside.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from .options import Settings
-from .protocol import RankOutcome
+from .protocol import STRAGGLER_GRACE_S, RankOutcome
 
 
 def detect(environ: dict[str, str] | None = None) -> bool:
@@ -55,6 +56,7 @@ class ExternalMode:
         # puts them back so that rank 0's report reaches the terminal
         self.real_fds = (os.dup(1), os.dup(2))
         self.test_index = 0
+        self.pdb_rank = settings.pdb_rank
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             if device.type == "cuda":
@@ -83,16 +85,20 @@ class ExternalMode:
         return None
 
     def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int, timeout_s: float,
-                 capture: bool = True, on_deadline: Callable[[Any], None] | None = None) -> Any:
+                 capture: bool = True, on_hang: Callable[[Any], None] | None = None,
+                 grace_s: float = STRAGGLER_GRACE_S) -> Any:
         """Run the body here, exchange outcomes (and captured output) with every rank; return a PoolRun for
         ``report.merge``, so rank 0's report shows every rank's verdict and output.
 
-        If the body and the exchange are not done within ``timeout_s``, :class:`_Deadline` takes over: every rank
-        posts its stack to the job's store, rank 0 calls ``on_deadline(run)`` with what it knows (the outcomes of
-        the ranks that finished, the stacks of those that did not) and every rank exits.
+        The exchange goes through the job's store, never through a collective: a rank that failed cannot pair its
+        exchange with a collective that its peers still wait in (which would let them pass). When the ranks are
+        not all done by the deadline, or a rank failed and the others are not done ``grace_s`` later,
+        :class:`_Exchange` takes over: every unfinished rank posts its stack, rank 0 calls ``on_hang(run)`` with
+        what it knows (the finished ranks' outcomes, the others' stacks) and every rank exits.
         """
         import time
 
+        from . import debug
         from .pool import PoolRun
         from .rank import classify, seed_test
         from .values import bind, undo_per_rank
@@ -100,21 +106,20 @@ class ExternalMode:
         seed_test(seed)
         t0 = time.perf_counter()
         self.test_index += 1
-        deadline = _Deadline(self, self.test_index, timeout_s, on_deadline)
+        exchange = _Exchange(self, self.test_index, timeout_s, grace_s, on_hang)
         with _capture_output(capture) as output:
             bound = {k: bind(v, self.ctx) for k, v in kwargs.items()}
             try:
-                func(**bound)
+                with debug.body(self.ctx.rank, self.pdb_rank):
+                    func(**bound)
                 mine = RankOutcome(self.ctx.rank, "passed")
             except BaseException as exc:  # noqa: BLE001 - decided collectively below
                 mine = classify(exc, self.ctx.rank, test_file=getattr(func, "__code__", None) and func.__code__.co_filename)
             finally:
                 undo_per_rank(bound)
         mine.duration_s = time.perf_counter() - t0
-        text = output.text()
-        deadline.body_done(mine, text)
-        everyone = self.ctx.all_gather_object((mine, text))
-        deadline.cancel()
+        exchange.post(mine, output.text())
+        everyone = exchange.collect()
         return PoolRun(outcomes={o.rank: o for o, _ in everyone},
                        outputs={o.rank: out for o, out in everyone if out != ("", "")},
                        elapsed_s=time.perf_counter() - t0)
@@ -125,11 +130,13 @@ class ExternalMode:
         os.dup2(self.real_fds[1], 2)
 
     def store(self) -> Any:
-        """The job's key-value store (torchrun's rendezvous store), or None when torch does not expose it."""
+        """The job's key-value store: the default group's (torchrun's rendezvous store), else a client of the store
+        at ``MASTER_ADDR:MASTER_PORT`` that torchrun runs for every job."""
         try:
             return self.dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - private torch API: without it, rank 0 reports only itself
-            return None
+        except Exception:  # noqa: BLE001 - private torch API: connect to torchrun's store ourselves
+            return self.dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                      timeout=timedelta(seconds=60))
 
     def close(self) -> None:
         """Leave together (bounded): torchrun kills every rank as soon as one exits non-zero, so no rank may exit
@@ -149,92 +156,146 @@ class ExternalMode:
                 pass
 
 
-#: After a deadline: how long rank 0 waits for the stacks of the ranks that did not finish, and how long the other
-#: ranks wait for rank 0's report before they exit (torchrun kills the job when the first rank exits).
+#: After a hang: how long rank 0 waits for the stacks of the ranks that did not finish, and how long the other ranks
+#: wait for rank 0's report before they exit (torchrun kills the job when the first rank exits).
 STACK_WAIT_S = 5.0
 REPORT_WAIT_S = 60.0
+#: How often a rank's watcher thread looks at the store while a test runs.
+WATCH_POLL_S = 0.05
 
 
-class _Deadline:
-    """The per-test deadline under torchrun: a timer thread that, when the body and the outcome exchange are not
-    done in time, posts this rank's stack to the job's store; rank 0 then collects every unfinished rank's stack
-    and the finished ranks' outcomes, hands them to ``on_deadline`` (which reports and writes the JUnit file),
-    and every rank exits with status 1 (a process group cannot be respawned from inside)."""
+class _Exchange:
+    """One test's outcome exchange under torchrun, through the job's store (keys ``tplogp/test<i>/...``).
 
-    def __init__(self, mode: ExternalMode, index: int, timeout_s: float,
-                 on_deadline: Callable[[Any], None] | None) -> None:
+    Every rank posts ``done<r>`` (its outcome and output) when its body returns, marks ``failed`` when that
+    outcome is not a pass, and waits until every rank has posted. A watcher thread per rank bounds that wait: rank
+    0 declares the test hung (``expired``) at the deadline, or ``grace_s`` after a peer marked
+    ``failed`` while some rank is still running (stuck in a collective the failed rank never entered). Then every
+    unfinished rank posts its stack (``stack<r>``), rank 0 hands the finished ranks' outcomes and the others'
+    stacks to ``on_hang`` (which reports and writes the JUnit file) and sets ``reported``, and every rank exits
+    with status 1: a process group cannot be respawned from inside.
+    """
+
+    def __init__(self, mode: ExternalMode, index: int, timeout_s: float, grace_s: float,
+                 on_hang: Callable[[Any], None] | None) -> None:
+        import time
+
         self.mode = mode
+        self.rank, self.world_size = mode.ctx.rank, mode.ctx.world_size
         self.prefix = f"tplogp/test{index}/"
         self.timeout_s = timeout_s
-        self.on_deadline = on_deadline
+        self.grace_s = grace_s
+        self.on_hang = on_hang
         self.store = mode.store()
-        self.done = threading.Event()
+        self.started = time.monotonic()
+        self.lock = threading.Lock()
+        self.collected = False  # the main thread has every rank's outcome: nothing can expire any more
+        self.expiring = False  # the watcher declared a hang: the process exits after the report
         self.body_finished = False
-        self.thread = threading.Thread(target=self._watch, name="tplogp-deadline", daemon=True)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="tplogp-hang-watch", daemon=True)
         self.thread.start()
 
-    def body_done(self, outcome: RankOutcome, output: tuple[str, str]) -> None:
-        self.body_finished = True
-        if self.store is not None:
-            self.store.set(f"{self.prefix}done{self.mode.ctx.rank}", pickle.dumps((outcome, output)))
+    def _key(self, name: str) -> str:
+        return self.prefix + name
 
-    def cancel(self) -> None:
+    def post(self, outcome: RankOutcome, output: tuple[str, str]) -> None:
+        self.body_finished = True
+        self.store.set(self._key(f"done{self.rank}"), pickle.dumps((outcome, output)))
+        if outcome.outcome != "passed":
+            self.store.add(self._key("failed"), 1)
+
+    def collect(self) -> list[tuple[RankOutcome, tuple[str, str]]]:
+        """Every rank's (outcome, output) in rank order, once all have posted; never returns when a hang was
+        declared (the watcher thread ends the process)."""
+        import time
+
+        keys = [self._key(f"done{r}") for r in range(self.world_size)]
+        pause = 0.0005
+        while not self.store.check(keys):
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        with self.lock:
+            if not self.expiring:
+                self.collected = True
+        if not self.collected:
+            self.thread.join()  # the watcher reports (rank 0) and exits the process
+            os._exit(1)
         self.done.set()
+        return [pickle.loads(v) for v in self.store.multi_get(keys)]
 
     def _watch(self) -> None:
-        if self.done.wait(self.timeout_s):
-            return
-        try:
-            self._expire()
-        finally:
-            os._exit(1)
+        import time
 
-    def _expire(self) -> None:
+        deadline = self.started + self.timeout_s
+        grace_end: float | None = None
+        while not self.done.wait(WATCH_POLL_S):
+            now = time.monotonic()
+            if self.rank == 0:
+                if grace_end is None and self.store.check([self._key("failed")]):
+                    grace_end = now + self.grace_s
+                timed_out = now >= deadline
+                if not (timed_out or (grace_end is not None and now >= grace_end)):
+                    continue
+                with self.lock:
+                    if self.collected:
+                        return
+                    self.expiring = True
+                self.store.set(self._key("expired"), b"deadline" if timed_out else b"grace")
+            elif not (self.store.check([self._key("expired")]) or now >= deadline + REPORT_WAIT_S):
+                continue
+            else:
+                with self.lock:
+                    if self.collected:
+                        return
+                    self.expiring = True
+            try:
+                self._expire(timed_out=self.rank != 0 or timed_out)
+            finally:
+                os._exit(1)
+
+    def _expire(self, timed_out: bool) -> None:
         import time
 
         from .pool import PoolRun, StuckRank
 
-        ctx, store = self.mode.ctx, self.store
-        stack = _own_stack()
-        if store is not None and not self.body_finished:
-            store.set(f"{self.prefix}stack{ctx.rank}", pickle.dumps((os.getpid(), stack)))
-        if ctx.rank != 0:
+        store = self.store
+        stack = "" if self.body_finished else _own_stack()
+        if not self.body_finished:
+            store.set(self._key(f"stack{self.rank}"), pickle.dumps((os.getpid(), stack)))
+        if self.rank != 0:
             end = time.monotonic() + REPORT_WAIT_S
-            while store is not None and time.monotonic() < end and not store.check([f"{self.prefix}reported"]):
+            while time.monotonic() < end and not store.check([self._key("reported")]):
                 time.sleep(0.2)
             return
-        run = PoolRun(timed_out=True)
+        run = PoolRun(timed_out=timed_out)
         end = time.monotonic() + STACK_WAIT_S
-        for r in range(ctx.world_size):
-            if r == 0 and not self.body_finished:
-                run.stuck[0] = StuckRank(0, os.getpid(), stack)
-                continue
-            done, posted = f"{self.prefix}done{r}", f"{self.prefix}stack{r}"
-            while store is not None and time.monotonic() < end and not store.check([done]) \
-                    and not store.check([posted]):
+        for r in range(self.world_size):
+            done, posted = self._key(f"done{r}"), self._key(f"stack{r}")
+            while time.monotonic() < end and not store.check([done]) and not store.check([posted]):
                 time.sleep(0.05)
-            if store is not None and store.check([done]):
+            if store.check([done]):
                 outcome, output = pickle.loads(store.get(done))
                 run.outcomes[r] = outcome
                 if output != ("", ""):
                     run.outputs[r] = output
-            elif store is not None and store.check([posted]):
+            elif store.check([posted]):
                 pid, their_stack = pickle.loads(store.get(posted))
                 run.stuck[r] = StuckRank(r, pid, their_stack)
             else:
                 run.stuck[r] = StuckRank(r, 0, "")
+        run.elapsed_s = time.monotonic() - self.started
         self.mode.restore_real_output()
         try:
-            if self.on_deadline is not None:
-                self.on_deadline(run)
+            if self.on_hang is not None:
+                self.on_hang(run)
         finally:
             for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
                 try:
                     stream.flush()
                 except Exception:  # noqa: BLE001
                     pass
-            if store is not None:
-                store.set(f"{self.prefix}reported", b"1")
+            store.set(self._key("reported"), b"1")
 
 
 def _own_stack() -> str:

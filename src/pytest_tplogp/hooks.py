@@ -35,6 +35,10 @@ def pytest_configure(config: pytest.Config) -> None:
         if not config.pluginmanager.has_plugin(module.__name__):
             config.pluginmanager.register(module, module.__name__)
     settings = options.resolve(config)
+    if settings.pdb_rank is not None and config.getoption("capture", "fd") != "no":
+        raise pytest.UsageError(f"pytest_tplogp: --tp-pdb={settings.pdb_rank} (or TPLOGP_TP_PDB, ini tp_pdb) needs -s: "
+                                f"rank {settings.pdb_rank} prints the port of its pdb as it stops, and that line must "
+                                f"reach the terminal while the test runs")
     register_marker(config, "tp", "tp(world_size=2|[2, 4], timeout=seconds, backend='auto'|'gloo'|'nccl', "
                     "mesh={'dp': 2, 'tp': 2}|[...]): run the test body on every rank of a torch.distributed pool "
                     "(pytest_tplogp)")
@@ -73,10 +77,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         ctx = state.external.ctx
         return [f"tplogp: external mode (torchrun): world size {ctx.world_size}, backend {ctx.backend}, "
                 f"device {ctx.device}; this report is rank {ctx.rank}'s; timeout {s.timeout_s:g} s"]
+    deadline = f"timeout {s.timeout_s:g} s" if s.pdb_rank is None else f"no deadline (--tp-pdb={s.pdb_rank})"
     p = devices.place(s.world_size, s.backend)
     devs = "cpu" if p.device_type == "cpu" else "cuda:" + ",".join(p.devices)
     return [f"tplogp: world size {s.world_size}, backend {p.backend} ({s.backend}), devices {devs}, "
-            f"timeout {s.timeout_s:g} s, rendezvous FileStore per session; {devices.block_note()}; "
+            f"{deadline}, rendezvous FileStore per session; {devices.block_note()}; "
             f"on by {config.stash.get(ACTIVATED_BY, '-p pytest_tplogp.hooks')}"]
 
 
@@ -199,6 +204,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if call.when == "teardown" and PLAN in item.stash:
         rep.sections = [(title, label_rank_lines(title, text)) for title, text in rep.sections]
     return rep
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_exception_interact(node: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport) -> None:
+    """Before ``--pdb`` opens on a TP failure: say where the failure is, and that this debugger is not there."""
+    from .report import RankFailure
+
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if not isinstance(exc, RankFailure) or not node.config.getoption("usepdb", False):
+        return
+    reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    where = f" at {exc.crash[0]}:{exc.crash[1]}" if exc.crash else ""
+    first = re.match(r"ranks? (\d+)", exc.headline)
+    rank = first.group(1) if first else "R"
+    reporter.write_line("")
+    reporter.write_line(
+        f"tplogp: {node.nodeid} failed on the ranks{where} ({exc.headline}). The body ran in the rank processes, so "
+        f"pytest's --pdb opens below in this process's dispatch code (pytest_tplogp.dispatch.apply: `p verdict.text` "
+        f"prints the report, `run.outcomes` holds every rank's outcome). To debug the body on rank {rank}, rerun it "
+        f"with -s --tp-pdb={rank}.", yellow=True)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

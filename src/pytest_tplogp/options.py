@@ -32,6 +32,7 @@ class Settings:
     shards: tuple[str, ...] = SHARD_KINDS
     threads: int = 0  # torch intra-op threads per CPU rank; 0 = cores // world size
     start_method: str = "forkserver"
+    pdb_rank: int | None = None  # --tp-pdb: this rank's breakpoint() and failures open pdb on a local port
 
 
 def _positive_int(raw: str) -> int:
@@ -118,6 +119,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("start_method", "--tp-start-method", "TPLOGP_TP_START_METHOD", "tp_start_method",
          _choice(START_METHODS), "how ranks start: forkserver (one process imports torch once, ranks are forks of "
          "it: fast starts and respawns) or spawn (a fresh interpreter per rank)", "NAME"),
+    Spec("pdb_rank", "--tp-pdb", "TPLOGP_TP_PDB", "tp_pdb", _non_negative_int,
+         "debug rank RANK: its breakpoint() and a failure of its body stop in pdb, served on a local port that the "
+         "rank prints (needs -s; no deadline or straggler grace while it is set)", "RANK"),
     Spec("threads", "--tp-threads", "TPLOGP_TP_THREADS", "tp_threads", _non_negative_int,
          "torch intra-op threads per CPU rank (0 = cores // world size)", "N"),
 )

@@ -88,6 +88,10 @@ def plan_for(item: pytest.Item, world_size: int, settings: Settings, external_ct
     timeout = kwargs.get("timeout", settings.timeout_s)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.tp(timeout={timeout!r}) expects seconds > 0")
+    if settings.pdb_rank is not None:  # a rank in pdb is not a hang
+        from .debug import DEBUG_WAIT_S
+
+        timeout = DEBUG_WAIT_S
     fixturenames = getattr(item, "fixturenames", ())
     in_parent = "tp_pool" in fixturenames
     if in_parent and "tp" in fixturenames:

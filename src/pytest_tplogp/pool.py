@@ -156,8 +156,9 @@ class RankPool:
     """A persistent pool of ``key.world_size`` rank processes (see the module docstring)."""
 
     def __init__(self, key: PoolKey, session_dir: str, num_threads: int | None = None,
-                 start_method: str = "forkserver") -> None:
+                 start_method: str = "forkserver", pdb_rank: int | None = None) -> None:
         self.key = key
+        self.pdb_rank = pdb_rank
         self.start_method = start_method
         self.session_dir = session_dir
         self.num_threads = num_threads
@@ -182,7 +183,7 @@ class RankPool:
                           device_type=self.key.device_type, pool_dir=self.pool_dir,
                           store_path=os.path.join(self.pool_dir, "store"), parent_pid=os.getpid(),
                           num_threads=self.num_threads or self._default_threads(),
-                          start_method=self.start_method, env=self._env())
+                          start_method=self.start_method, env=self._env(), pdb_rank=self.pdb_rank)
 
     def _env(self) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(self.key.devices)} if self.key.device_type == "cuda" else {}
@@ -331,17 +332,19 @@ class RankPool:
             time.sleep(0.05)
         return {r: _read_from(self._paths(r)[2], offsets[r]) for r in ranks}
 
-    def run(self, command: Any, timeout_s: float, live: LiveOutput | None = None) -> PoolRun:
+    def run(self, command: Any, timeout_s: float, live: LiveOutput | None = None,
+            grace_s: float = STRAGGLER_GRACE_S) -> PoolRun:
         """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the module docstring).
 
         With ``live`` (pytest ``-s``), every complete line a rank writes is passed on while the command runs.
+        ``grace_s``: how long the others may still run once a rank failed, skipped alone or died.
         """
         self.busy = True  # stays True if interrupted (Ctrl-C): the ranks are mid-command, stop() must kill
-        res = self._run(command, timeout_s, live)
+        res = self._run(command, timeout_s, live, grace_s)
         self.busy = False
         return res
 
-    def _run(self, command: Any, timeout_s: float, live: LiveOutput | None = None) -> PoolRun:
+    def _run(self, command: Any, timeout_s: float, live: LiveOutput | None, grace_s: float) -> PoolRun:
         t0 = time.perf_counter()
         n = self.key.world_size
         res = PoolRun()
@@ -362,7 +365,7 @@ class RankPool:
             except (OSError, ValueError):
                 died(r)
         deadline = time.monotonic() + timeout_s
-        grace_end: float | None = time.monotonic() + STRAGGLER_GRACE_S if res.deaths else None
+        grace_end: float | None = time.monotonic() + grace_s if res.deaths else None
         while pending:
             now = time.monotonic()
             limit = deadline if grace_end is None else min(deadline, grace_end)
@@ -392,7 +395,7 @@ class RankPool:
                     if out.outcome == "passed":
                         continue
                 if grace_end is None:
-                    grace_end = time.monotonic() + STRAGGLER_GRACE_S
+                    grace_end = time.monotonic() + grace_s
         if tail:
             tail.pump(final=True)
         if pending:
@@ -449,8 +452,10 @@ def remove_stale_session_dirs(root: str | None = None) -> list[str]:
 class PoolManager:
     """The pools of one pytest process, keyed by :class:`PoolKey`; owns the per-session directory."""
 
-    def __init__(self, num_threads: int | None = None, start_method: str = "forkserver") -> None:
+    def __init__(self, num_threads: int | None = None, start_method: str = "forkserver",
+                 pdb_rank: int | None = None) -> None:
         self.start_method = start_method
+        self.pdb_rank = pdb_rank
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         remove_stale_session_dirs()
         self.session_dir = tempfile.mkdtemp(prefix=f"tplogp-{worker}-{os.getpid()}-")
@@ -466,7 +471,7 @@ class PoolManager:
             raise PoolStartError(self.start_errors[key] + "\n(an earlier start of this pool failed; not retried)")
         pool = self.pools.get(key)
         if pool is None:
-            pool = RankPool(key, self.session_dir, self.num_threads, self.start_method)
+            pool = RankPool(key, self.session_dir, self.num_threads, self.start_method, self.pdb_rank)
             self.pools[key] = pool
         self.pools.move_to_end(key)
         while len([p for p in self.pools.values() if p.started]) > MAX_LIVE_POOLS:

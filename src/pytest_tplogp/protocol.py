@@ -35,6 +35,7 @@ class RankConfig:
     num_threads: int | None = None
     start_method: str = "forkserver"
     env: dict[str, str] = field(default_factory=dict)  # applied before torch touches a device (CUDA_VISIBLE_DEVICES)
+    pdb_rank: int | None = None  # --tp-pdb: the rank whose breakpoint() and failures open pdb on a local port
 
     def path(self, suffix: str) -> str:
         return os.path.join(self.pool_dir, f"rank{self.rank}.{suffix}")

@@ -38,6 +38,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from . import debug
 from .forkserver_guard import set_pdeathsig
 from .protocol import CallFn, RankConfig, RankOutcome, Ready, RunTest, StartFailed
 
@@ -353,7 +354,8 @@ class _Rank:
             out.summary = f"could not set up the test on the rank: {out.summary}"
         else:
             try:
-                func(**kwargs)
+                with debug.body(self.cfg.rank, self.cfg.pdb_rank):
+                    func(**kwargs)
                 out = RankOutcome(self.cfg.rank, "passed")
             except BaseException as exc:  # noqa: BLE001
                 out = self._outcome(exc, test_file=cmd.module_file)
@@ -381,7 +383,8 @@ class _Rank:
             out.duration_s = time.perf_counter() - t0
             return out
         try:
-            value = fn(self.ctx, *args, **kwargs)
+            with debug.body(self.cfg.rank, self.cfg.pdb_rank):
+                value = fn(self.ctx, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001
             out = self._outcome(exc)
         else:

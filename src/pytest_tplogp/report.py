@@ -112,22 +112,83 @@ def label_rank_lines(title: str, text: str) -> str:
 
 
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+")
+#: Where the code that runs a test body lives (this plugin, pytest, pluggy, multiprocessing, the interpreter's
+#: start-up): frames hidden from stacks, as pytest hides its own frames from tracebacks.
+_HARNESS = ("/pytest_tplogp/", "/_pytest/", "/pluggy/", "/multiprocessing/", "/torch/multiprocessing/",
+            "/pytest/__main__.py", "<frozen runpy>", "/runpy.py", "/threading.py")
+
+
+#: The plugin's frames that call a test body (or a ``tp_pool.run`` function): everything from there out is harness.
+_RUNNER = re.compile(r"pytest_tplogp/(?:rank|external)\.py:(?:run_test|call)$")
+
+
+def _is_harness(path: str) -> bool:
+    path = path.replace("\\", "/")
+    return any(part in path for part in _HARNESS)
+
+
+def _threads(stack: str) -> list[list[str]]:
+    """A faulthandler dump split into threads, each a list of lines (its header first)."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
+    return [b.rstrip().splitlines() for b in blocks if b.strip()]
+
+
+def _frames(lines: list[str]) -> list[tuple[str, int, str]]:
+    return [(m["path"], int(m["line"]), m["func"]) for m in map(_FRAME.match, lines) if m]
+
+
+def _runs_test(frames: list[tuple[str, int, str]]) -> bool:
+    return any(_RUNNER.search(f"{p}:{f}") for p, _, f in frames)
+
+
+def _test_thread(threads: list[list[str]], test_file: str | None) -> int | None:
+    """Index of the thread that runs the test: the one with a frame in the test's file, else the rank's loop."""
+    frames = [_frames(t) for t in threads]
+    for pick in ((lambda fr: bool(test_file) and any(p == test_file for p, _, _ in fr)), _runs_test):
+        found = next((i for i, fr in enumerate(frames) if fr and pick(fr)), None)
+        if found is not None:
+            return found
+    return None
+
+
+def trim_stack(stack: str, test_file: str | None) -> str:
+    """A rank's faulthandler dump without what runs the test: the thread that runs it keeps its frames down to the
+    outermost one that is not the harness's (pytest_tplogp, pytest, pluggy, multiprocessing); the plugin's own
+    threads (watchdogs) are left out; other threads are kept whole. Thread addresses are dropped, so the stacks of
+    ranks that wait in the same place are the same text (and grouped)."""
+    threads = _threads(stack)
+    main = _test_thread(threads, test_file)
+    if main is None:
+        return "\n".join(line for t in threads for line in t)
+    out: list[str] = []
+    hidden_frames = hidden_threads = 0
+    for i, lines in enumerate(threads):
+        body = [line for line in lines if not _THREAD.match(line)]
+        if i == main:
+            # down to the plugin's call of the body (rank.py / external.py), else the innermost harness run
+            keep = next((k for k, line in enumerate(body) if (m := _FRAME.match(line)) and _RUNNER.search(
+                f'{m["path"]}:{m["func"]}')), len(body))
+            while keep and (m := _FRAME.match(body[keep - 1])) and _is_harness(m["path"]):
+                keep -= 1
+            hidden_frames += len(body) - keep
+            out[:0] = body[:keep]
+        elif any("/pytest_tplogp/" in p.replace("\\", "/") for p, _, _ in _frames(body)):
+            hidden_threads += 1
+        else:
+            out += ["", "Another thread (most recent call first):", *body]
+    if hidden_frames or hidden_threads:
+        what = [f"{hidden_frames} frame(s) of pytest_tplogp, pytest and pluggy below the test"] if hidden_frames else []
+        what += [f"{hidden_threads} thread(s) of pytest_tplogp"] if hidden_threads else []
+        out.append(f"  ({' and '.join(what)} not shown)")
+    return "\n".join(out)
 
 
 def where_waiting(stack: str, test_file: str | None) -> str:
     """One line from a faulthandler dump: the innermost frame of the thread running the test, and the test's line."""
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
-    threads = [[(m["path"], int(m["line"]), m["func"]) for m in map(_FRAME.match, b.splitlines()) if m]
-               for b in blocks]
-
-    def runs_test(frames: list[tuple[str, int, str]]) -> bool:
-        return any(p.endswith("pytest_tplogp/rank.py") and f in ("run_test", "call", "serve") for p, _, f in frames)
-
-    best: list[tuple[str, int, str]] | None = None
-    for pick in ((lambda fr: bool(test_file) and any(p == test_file for p, _, _ in fr)), runs_test):
-        best = next((fr for fr in threads if fr and pick(fr)), None)
-        if best:
-            break
+    threads = _threads(stack)
+    main = _test_thread(threads, test_file)
+    best = _frames(threads[main]) if main is not None else None
     if not best:
         return "no Python stack (did not answer SIGUSR1)"
     path, line, func = best[0]
@@ -177,18 +238,26 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
     sections: list[str] = []
     heads: list[str] = []
     failed = {r: o for r, o in outs.items() if o.outcome == "failed"}
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[str, dict[str, list[int]]] = {}  # headline -> traceback -> ranks
     for r, o in sorted(failed.items()):
-        groups.setdefault((o.summary, o.longrepr), []).append(r)
-    for (summary, longrepr), ranks in groups.items():
+        groups.setdefault(o.summary, {}).setdefault(o.longrepr, []).append(r)
+    for summary, tracebacks in groups.items():
+        ranks = sorted(r for rs in tracebacks.values() for r in rs)
         heads.append(f"{format_ranks(ranks)}: {summary}")
-        body = _indent(longrepr) if longrepr else ""
+        if len(tracebacks) == 1:
+            longrepr = next(iter(tracebacks))
+            body = _indent(longrepr) if longrepr else ""
+        else:  # one headline, tracebacks that differ (e.g. in the values an assert shows): each once, with its ranks
+            body = "\n".join(f"  {format_ranks(rs)}:\n{_indent(tb, '      ')}" for tb, rs in tracebacks.items())
         sections.append(f"{format_ranks(ranks)} failed: {summary}\n{body}".rstrip())
+    passed = sorted(r for r, o in outs.items() if o.outcome == "passed")
+    if passed:
+        sections.append(f"{format_ranks(passed)} passed.")
     for r, why in sorted(run.deaths.items()):
         heads.insert(0, f"rank {r} {why}")
         text = f"rank {r} {why} while running the test"
         if run.death_stacks.get(r, "").strip():
-            text += f"\n  fatal-signal stack (faulthandler):\n{_indent(run.death_stacks[r])}"
+            text += f"\n  fatal-signal stack (faulthandler):\n{_indent(trim_stack(run.death_stacks[r], test_file))}"
         sections.append(text)
     skipped = {r: o for r, o in outs.items() if o.outcome in ("skipped", "xfailed")}
     if skipped:
@@ -209,10 +278,17 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
                     f"{'a peer failed or skipped' if not run.deaths else 'a peer died'} (stuck in a collective?)")
         heads.insert(0, head) if run.timed_out else heads.append(head)
         lines = [f"{head}; finished: {format_ranks(finished) if finished else 'none'}"]
+        waits: dict[str, list[int]] = {}
         for r in stuck:
-            lines.append(f"  rank {r} (pid {run.stuck[r].pid}) waiting in {where_waiting(run.stuck[r].stack, test_file)}")
+            waits.setdefault(where_waiting(run.stuck[r].stack, test_file), []).append(r)
+        for where, ranks in waits.items():
+            pids = ", ".join(str(run.stuck[r].pid) for r in ranks)
+            lines.append(f"  {format_ranks(ranks)} ({'pid' if len(ranks) == 1 else 'pids'} {pids}) waiting in {where}")
+        stacks: dict[str, list[int]] = {}
         for r in stuck:
-            lines.append(f"--- rank {r} stack (faulthandler, SIGUSR1) ---\n{run.stuck[r].stack.rstrip() or '(empty)'}")
+            stacks.setdefault(trim_stack(run.stuck[r].stack, test_file).rstrip() or "(empty)", []).append(r)
+        for text, ranks in stacks.items():
+            lines.append(f"--- {format_ranks(ranks)} stack (faulthandler, SIGUSR1) ---\n{text}")
         sections.append("\n".join(lines))
     if run.killed:
         sections.append(f"pool ({pool_desc}) killed ({run.killed}); a fresh pool starts for the next test.")

@@ -27,7 +27,8 @@ class State:
             from .pool import PoolManager
 
             threads = self.settings.threads or None
-            self._manager = PoolManager(num_threads=threads, start_method=self.settings.start_method)
+            self._manager = PoolManager(num_threads=threads, start_method=self.settings.start_method,
+                                        pdb_rank=self.settings.pdb_rank)
         return self._manager
 
 

@@ -52,10 +52,10 @@ if os.environ.get("RANK") == "1":
 '''
 
 
-def _torchrun(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+def _torchrun(pytester: pytest.Pytester, *args: str, nproc: int = 2) -> pytest.RunResult:
     exe = shutil.which("torchrun")
     cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    return pytester.run(*cmd, "--standalone", "--nproc_per_node=2", "-m", "pytest", "-p", "pytest_tplogp",
+    return pytester.run(*cmd, "--standalone", f"--nproc_per_node={nproc}", "-m", "pytest", "-p", "pytest_tplogp",
                         "-p", "no:cacheprovider", *args, timeout=180)
 
 
@@ -110,15 +110,87 @@ def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str) -> 
     result = _torchrun(pytester, "test_body.py", "-rA", "--junitxml=junit.xml", "-o", "junit_logging=all")
     assert result.ret != 0
     result.stdout.fnmatch_lines([
-        "*test_hangs[[]tp2[]] passed its deadline of 3 s*(1 test(s) not run)*",
+        "*test_hangs[[]tp2[]] passed its deadline of 3 s*(1 test(s) not run, reported as errors)*",
         "*FAILED test_body.py::test_fails_first[[]tp2[]] - rank 1: AssertionError*",
         "*FAILED test_body.py::test_hangs[[]tp2[]] - deadline of 3 s exceeded*",
     ], consecutive=False)
     result.stdout.fnmatch_lines(["*rank 1 (pid *) waiting in barrier (torch/distributed/*) called from test_hangs "
                                  "(*test_body.py:*)*"])
-    result.stdout.fnmatch_lines(["*2 failed*"])
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_never_runs[[]tp2[]]*",
+                                 "E   not run: test_body.py::test_hangs[[]tp2[]] passed its deadline of 3 s and a process "
+                                 "group cannot be respawned under torchrun, so the job ended"])
+    result.stdout.fnmatch_lines(["ERROR test_body.py::test_never_runs[[]tp2[]] - not run: *", "*2 failed, 1 error*"])
     cases = {c.get("name"): c for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
     hang = cases["test_hangs[tp2]"]
     assert hang.find("failure").get("message").startswith("deadline of 3 s exceeded: rank 1 still running")
     assert "[rank 0] rank 0 before the barrier" in hang.find("system-out").text
     assert cases["test_fails_first[tp2]"].find("failure") is not None
+    assert "not run: " in cases["test_never_runs[tp2]"].find("error").get("message")
+
+
+PEER_RAISES = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.tp(world_size=3)
+def test_before(tp):
+    tp.assert_close(torch.ones(2), torch.ones(2))      # the first assert_close imports DTensor support: seconds
+
+@pytest.mark.tp(world_size=3)
+def test_rank_raises(tp):
+    if tp.rank == 2:
+        raise RuntimeError("rank 2 gives up before the collective")
+    tp.assert_close(torch.ones(2), torch.ones(2))      # ranks 0 and 1 wait here for rank 2
+
+@pytest.mark.tp(world_size=3)
+def test_next(tp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 3
+
+def test_plain_after():
+    pass
+'''
+
+
+def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag: str) -> None:
+    """A rank raises while its peers wait in a collective: FAILED on rank 0's report, terminal and JUnit, after the
+    straggler grace (not the deadline), with the stuck ranks' stacks; the tests that could not run are errors."""
+    import xml.etree.ElementTree as ET
+
+    pytester.makepyfile(test_body=PEER_RAISES)
+    result = _torchrun(pytester, "test_body.py", "-rA", "-vv", "--junitxml=junit.xml", "--tp-timeout=100", nproc=3)
+    assert result.ret != 0
+    out = result.stdout.str()
+    assert "PASSED test_body.py::test_rank_raises" not in out, out
+    result.stdout.fnmatch_lines([
+        "E   rank 2: RuntimeError: rank 2 gives up before the collective; ranks 0-1 did not finish within 3 s after "
+        "a peer failed or skipped (stuck in a collective?)",
+    ])
+    # ranks 0 and 1 wait in the same place: one line, one stack; no pytest, pluggy or plugin-thread frames
+    result.stdout.fnmatch_lines([
+        "  ranks 0-1 (pids *, *) waiting in *(torch/distributed/*) called from test_rank_raises (*test_body.py:13)",
+        "--- ranks 0-1 stack (faulthandler, SIGUSR1) ---",
+        "*File*test_body.py*line 13 in test_rank_raises*",
+        "  (* frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of pytest_tplogp not shown)",
+    ])
+    for harness in ("/_pytest/", "/pluggy/", "in _own_stack", "Thread 0x"):
+        assert harness not in out, harness
+    result.stdout.fnmatch_lines([
+        "test_body.py::test_before[[]tp3[]] PASSED*",
+        "test_body.py::test_rank_raises[[]tp3[]] FAILED*",
+        "test_body.py::test_next[[]tp3[]] ERROR*",
+        "test_body.py::test_plain_after ERROR*",
+    ])
+    result.stdout.fnmatch_lines(["ERROR test_body.py::test_next[[]tp3[]] - not run: test_body.py::test_rank_raises[[]tp3[]] "
+                                 "left ranks in a collective 3 s after a peer failed*"])
+    result.stdout.fnmatch_lines(["FAILED test_body.py::test_rank_raises[[]tp3[]] - rank 2: RuntimeError: rank 2 gives up*"])
+    result.stdout.fnmatch_lines(["*1 failed, 1 passed, 2 errors*"])
+    cases = {c.get("name"): c for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
+    assert set(cases) == {"test_before[tp3]", "test_rank_raises[tp3]", "test_next[tp3]", "test_plain_after"}
+    failed = cases["test_rank_raises[tp3]"]
+    assert failed.find("failure").get("message").startswith("rank 2: RuntimeError: rank 2 gives up")
+    assert float(failed.get("time")) < 30, failed.get("time")     # the straggler grace, not the 100 s deadline
+    for name in ("test_next[tp3]", "test_plain_after"):
+        assert "not run: " in cases[name].find("error").get("message"), name

@@ -79,6 +79,7 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
         "*rank 0 (pid *) waiting in barrier (torch/distributed/*) called from test_hang (*test_body.py:9)*",
         "--- rank 0 stack (faulthandler, SIGUSR1) ---",
         "*File*test_body.py*line 9 in test_hang*",
+        "  (* frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of pytest_tplogp not shown)",
         "pool (world size 2, gloo, cpu) killed (ranks timed out)*",
     ])
     # a one-rank failure while the peer waits in a collective: the peer is declared stuck after the grace period
@@ -87,6 +88,9 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
         "peer failed or skipped (stuck in a collective?)",
         "*rank 0 (pid *) waiting in barrier*called from test_fails_while_peer_waits*",
     ])
+    out = result.stdout.str()
+    for harness in ("_watch_parent", "pytest_tplogp/rank.py", "/multiprocessing/", "Thread 0x"):  # hidden
+        assert harness not in out, harness
     result.stdout.fnmatch_lines(["*FAILED test_body.py::test_exit[[]tp2[]] - rank 1 exited with code 3*"])
     result.stdout.fnmatch_lines(["*FAILED test_body.py::test_sigkill[[]tp2[]] - rank 0 killed by signal 9 (SIGKILL)*"])
     result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: 1 process group(s) left*"])

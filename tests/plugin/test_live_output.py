@@ -55,4 +55,7 @@ def test_live_output(pytester: pytest.Pytester, tag: str) -> None:
     before = next(i for i, line in enumerate(lines) if "[rank 0] rank 0 before the barrier" in line)
     assert before < next(i for i, line in enumerate(lines) if "FAILURES" in line), out
     assert "deadline of 3 s exceeded: rank 0 still running" in out
+    # printed once, as it came: the report does not repeat the ranks' output
+    assert out.count("rank 0 before the barrier") == 1 and out.count("rank 1 saw the file") == 1, out
+    assert "Captured stdout rank" not in out, out
 

@@ -129,3 +129,54 @@ def test_where_waiting_reads_faulthandler_dump() -> None:
                                                    "test_hang (t/test_a.py:9)")
     v = merge(stuck, 1, timeout_s=3, test_file="/t/test_a.py", pool_desc="p")
     assert v.headline.startswith("deadline of 3 s exceeded: rank 0 still running")
+
+
+def test_merge_groups_headlines_and_names_the_ranks_that_passed() -> None:
+    """Ranks whose failures share a headline but not a traceback get one headline; each traceback is shown once with
+    its ranks; the ranks that passed are named."""
+    run = PoolRun(outcomes={0: _out(0, "passed"), 1: _out(1, "failed", "AssertionError: bad", "tb-one"),
+                            2: _out(2, "failed", "AssertionError: bad", "tb-two"),
+                            3: _out(3, "failed", "AssertionError: bad", "tb-two")})
+    v = merge(run, 4, timeout_s=1, test_file=None, pool_desc="p")
+    assert v.headline == "ranks 1-3: AssertionError: bad"
+    assert v.text.count("tb-two") == 1 and "  ranks 2-3:\n      tb-two" in v.text and "  rank 1:\n      tb-one" in v.text
+    assert "rank 0 passed." in v.text
+
+
+def _dump(thread: str, pid_frames: str) -> str:
+    return (f'Thread 0x{thread}1 (most recent call first):\n  File "/w/pytest_tplogp/rank.py", line 73 in _watch_parent\n'
+            f'  File "/usr/lib/python3.11/threading.py", line 975 in run\n\n'
+            f'Current thread 0x{thread}2 (most recent call first):\n{pid_frames}'
+            '  File "/w/pytest_tplogp/rank.py", line 249 in run_test\n'
+            '  File "/w/pytest_tplogp/rank.py", line 400 in serve\n'
+            '  File "/usr/lib/python3.11/multiprocessing/process.py", line 108 in run\n'
+            '  File "/s/site-packages/_pytest/runner.py", line 184 in pytest_runtest_call\n'
+            '  File "/s/site-packages/pluggy/_callers.py", line 103 in _multicall\n')
+
+
+def test_hang_report_groups_identical_stacks_and_hides_the_harness() -> None:
+    barrier = ('  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 5 in barrier\n'
+               '  File "/t/test_a.py", line 9 in test_hang\n')
+    gather = ('  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 7 in all_gather\n'
+              '  File "/w/pytest_tplogp/context.py", line 120 in all_gather_object\n'
+              '  File "/t/test_a.py", line 12 in test_hang\n')
+    stuck = {0: StuckRank(0, 10, _dump("a", barrier)), 1: StuckRank(1, 11, _dump("b", barrier)),
+             3: StuckRank(3, 13, _dump("c", gather))}
+    v = merge(PoolRun(outcomes={2: _out(2, "passed")}, stuck=stuck, timed_out=True), 4, timeout_s=3,
+              test_file="/t/test_a.py", pool_desc="p")
+    lines = v.text.splitlines()
+    assert ("  ranks 0-1 (pids 10, 11) waiting in barrier (torch/distributed/distributed_c10d.py:5) called from "
+            "test_hang (t/test_a.py:9)") in lines
+    assert ("  rank 3 (pid 13) waiting in all_gather (torch/distributed/distributed_c10d.py:7) called from "
+            "test_hang (t/test_a.py:12)") in lines
+    assert lines.count("--- ranks 0-1 stack (faulthandler, SIGUSR1) ---") == 1
+    assert lines.count("--- rank 3 stack (faulthandler, SIGUSR1) ---") == 1
+    assert "rank 2 passed." in lines
+    # the test's frames and the plugin's collective helper stay; the rank loop, multiprocessing, pytest, pluggy and
+    # the plugin's watchdog thread go, and the report says so
+    assert '  File "/w/pytest_tplogp/context.py", line 120 in all_gather_object' in lines
+    assert lines.count('  File "/t/test_a.py", line 9 in test_hang') == 1
+    for gone in (" in run_test", " in serve", "/multiprocessing/", "/_pytest/", "/pluggy/", "_watch_parent", "0x"):
+        assert gone not in v.text, gone
+    assert lines.count("  (5 frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of "
+                       "pytest_tplogp not shown)") == 2

@@ -1,0 +1,144 @@
+"""Debugging a TP body: breakpoint() says how without --tp-pdb, --tp-pdb=RANK serves pdb on a local port (a
+breakpoint and a post-mortem), --pdb says where the ranks' failure is."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+BODY = '''
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.tp
+def test_stops(tp):
+    value = 40 + tp.rank
+    breakpoint()
+    dist.barrier()
+    assert value in (40, 41)
+
+@pytest.mark.tp
+def test_fails_on_rank_1(tp):
+    local = f"rank-{tp.rank}-local"
+    assert tp.rank == 0
+'''
+
+
+def test_breakpoint_without_tp_pdb_says_how(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rf", "-vv", "test_body.py::test_stops")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "FAILED test_body.py::test_stops[[]tp2[]] - ranks 0-1: pytest_tplogp.debug.DebuggerUnavailable: breakpoint() "
+        "at test_body.py:7: a TP body runs in rank processes, which have no terminal. To stop there in pdb on rank "
+        "R, run with -s --tp-pdb=R*",
+    ])
+    assert "BdbQuit" not in result.stdout.str()
+
+
+def test_tp_pdb_needs_s(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-pdb=1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*pytest_tplogp: --tp-pdb=1 (or TPLOGP_TP_PDB, ini tp_pdb) needs -s*"])
+
+
+class _Lines:
+    """The lines of a running pytest's stdout, read by a thread as they come (a wait for a line is bounded)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        import queue
+        import threading
+
+        self.seen: list[str] = []
+        self.queue: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.queue.put(line.rstrip("\n"))
+            self.queue.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def until(self, pattern: str, timeout_s: float = 180) -> re.Match:
+        import queue
+
+        end = time.monotonic() + timeout_s
+        while (left := end - time.monotonic()) > 0:
+            try:
+                line = self.queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                return m
+        raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.seen))
+
+
+def _debug(port: int, commands: list[tuple[str, str]]) -> str:
+    """Connect to a rank's pdb, send each command and read until its expected text; return the conversation."""
+    text = ""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        for command, expect in commands:
+            if command:
+                conn.sendall(command.encode() + b"\n")
+            while expect not in text:
+                data = conn.recv(4096)
+                if not data:
+                    break
+                text += data.decode()
+            assert expect in text, f"{command!r}: no {expect!r} in {text!r}"
+    return text
+
+
+def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) -> None:
+    """Rank 1 stops at breakpoint() (rank 0 waits for it in the barrier), answers `p value`, continues, and the
+    test passes; then rank 1's failure opens a post-mortem that sees the body's locals, and the test fails."""
+    pytester.makepyfile(test_body=BODY)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-p", "no:cacheprovider", "-s",
+                             "-v", "--tp-pdb=1", "test_body.py"], cwd=pytester.path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = _Lines(proc)
+    try:
+        m = lines.until(r"\[rank 1\] tplogp: rank 1 stopped in pdb \(breakpoint\(\) at test_body\.py:7\); connect "
+                        r"from another terminal: nc 127\.0\.0\.1 (\d+)")
+        talk = _debug(int(m.group(1)), [("", "(Pdb rank 1) "), ("p value", "41"), ("c", "")])
+        assert "test_body.py(8)test_stops()" in talk, talk          # stopped in the body, on the line after
+        lines.until(r"^PASSED$")                                    # (-s -v: the verdict follows the ranks' lines)
+        m = lines.until(r"\[rank 1\] tplogp: rank 1 stopped in pdb \(post-mortem: AssertionError: assert 1 == 0.* at "
+                        r"test_body\.py:14\); connect from another terminal: nc 127\.0\.0\.1 (\d+)")
+        _debug(int(m.group(1)), [("", "(Pdb rank 1) "), ("p local", "'rank-1-local'"), ("q", "")])
+        lines.until(r"1 failed, 1 passed")
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out = "\n".join(lines.seen)
+    assert "BdbQuit" not in out and "rank 1: AssertionError: assert 1 == 0" in out, out
+    assert "no deadline (--tp-pdb=1)" in out, out
+
+
+def test_pytest_pdb_names_the_ranks_failure(pytester: pytest.Pytester, tag: str) -> None:
+    """pytest's --pdb opens in this process: it first says where the ranks' failure is and how to debug it there;
+    the pdb session has the merged verdict at hand."""
+    pytester.makepyfile(test_body=BODY)
+    result = pytester.run(sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-p", "no:cacheprovider", "--pdb",
+                          "test_body.py::test_fails_on_rank_1", stdin=b"p verdict.headline\nc\n", timeout=180)
+    result.stdout.fnmatch_lines([
+        "tplogp: test_body.py::test_fails_on_rank_1[[]tp2[]] failed on the ranks at *test_body.py:14 (rank 1: "
+        "AssertionError: assert 1 == 0). The body ran in the rank processes, so pytest's --pdb opens below in this "
+        "process's dispatch code*To debug the body on rank 1, rerun it with -s --tp-pdb=1.",
+    ])
+    result.stdout.fnmatch_lines(["*'rank 1: AssertionError: assert 1 == 0'*"])
