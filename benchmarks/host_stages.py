@@ -55,7 +55,7 @@ STAGES = (
     ("tplogp.fused_loss", "fused_loss", "fused_loss: fused_loss"),
     ("tplogp.fused_loss", "_loss_and_grads", "fused_loss: chunk loop"),
     ("tplogp.fused_loss", "_PrecomputedGrads.backward", "autograd node: loss backward"),
-    ("tplogp.fused_loss", "_scaled_all", "fused_loss: gradient scaling"),
+    ("tplogp.fused_loss", "scaled_all", "grad_scaling.scaled_all"),
     ("tplogp.backends.triton_backend", "TritonBackend.forward_single", "source: forward_single"),
     ("tplogp.backends.triton_backend", "TritonBackend.backward", "source: backward"),
     ("tplogp.backends.triton_backend", "TritonBackend._launch_layout", "  _launch_layout"),
