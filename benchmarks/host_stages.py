@@ -87,21 +87,21 @@ def stamped(stages=STAGES, record: list = None) -> Iterator[list]:
     record = [] if record is None else record
     clock = time.perf_counter
     restore = []
-    for module, path, label in stages:
-        owner, name = _owner_and_name(module, path)
-        raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+    try:  # (a stage that cannot be found raises with every wrapper made so far removed)
+        for module, path, label in stages:
+            owner, name = _owner_and_name(module, path)
+            raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            fn = raw.__func__ if isinstance(raw, staticmethod) else raw
 
-        def wrapper(*args, _fn=fn, _label=label, **kwargs):
-            t0 = clock()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                record.append((_label, t0, clock()))
+            def wrapper(*args, _fn=fn, _label=label, **kwargs):
+                t0 = clock()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    record.append((_label, t0, clock()))
 
-        setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
-        restore.append((owner, name, raw))
-    try:
+            setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+            restore.append((owner, name, raw))
         yield record
     finally:
         for owner, name, raw in reversed(restore):
