@@ -9,7 +9,7 @@ CPU GEMMs of the backward (tiny at the default shape). Launches keep their host 
 :class:`tplogp.kernels.launch.Launch`'s hot path (the alignment key built from the tensors, the kept compiled
 kernel looked up), whose compiled kernel is a no-op; the first launch of a key keeps it without compiling. Rows: ``torch-eager`` (log_softmax + gather, for scale), ``triton`` (``get_op(source="triton")``),
 ``sm90-tma`` (the sm90 source's TMA host path: descriptors and their launchers, through
-:func:`tplogp.tp.linear_logp_tp` since the registry offers sm90 on Hopper only; every size takes it here, where the
+:func:`tplogp.api.linear_logp_on` since the registry offers sm90 on Hopper only; every size takes it here, where the
 source itself launches the pointer kernels up to ``TMA_MIN_MACS``), ``torch-eager-loss`` (mean ``cross_entropy`` of
 the logits), ``loss-triton`` (``linear_logp_loss`` with the built-in ``losses.cross_entropy()``, mean) and
 ``loss-triton-callable`` (the same loss as a plain callable, differentiated by autograd).
@@ -86,8 +86,8 @@ def noop_launches() -> Iterator[None]:
 def calls(shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable[[], None]]:
     """One forward+backward per row (module docstring)."""
     import tplogp
+    from tplogp.api import linear_logp_on
     from tplogp.backends.sm90_backend import SM90Backend
-    from tplogp.tp import linear_logp_tp
 
     n, d, v = shape
     gen = torch.Generator().manual_seed(0)
@@ -112,7 +112,7 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, Callable
         "torch-eager-loss": lambda: torch.nn.functional.cross_entropy((hidden @ weight.t()).float(),
                                                                       targets).backward(),
         "triton": lambda: op(hidden, weight, targets).sum().backward(),
-        "sm90-tma": lambda: linear_logp_tp(sm90, hidden, weight, targets).sum().backward(),
+        "sm90-tma": lambda: linear_logp_on(sm90, hidden, weight, targets).sum().backward(),
         "loss-triton": loss(cross_entropy),
         "loss-triton-callable": loss(neg_logp),
     }

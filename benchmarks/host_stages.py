@@ -43,21 +43,19 @@ from .runner import DTYPES, parse_budget_spec  # noqa: E402
 # (module, attribute path, stage label): functions looked up through that module attribute at call time, so a
 # function imported by name into two modules is listed in both
 STAGES = (
-    ("tplogp.api", "linear_logp_tp", "api: linear_logp_tp"),
-    ("tplogp.tp", "prepare_call", "tp.prepare_call"),
-    ("tplogp.tp", "plan_call", "  plan_call"),
-    ("tplogp.tp", "check_call", "  check_call"),
-    ("tplogp.tp", "localize_call", "  localize_call"),
-    ("tplogp.tp", "_shard_forward", "tp._shard_forward"),
+    ("tplogp.api", "_run", "api: _run"),
+    ("tplogp.plan", "prepare", "plan.prepare"),
+    ("tplogp.plan", "plan_call", "  plan.plan_call"),
+    ("tplogp.plan", "check_layout", "    validation.check_layout"),
+    ("tplogp.plan", "open_call", "  verdicts.open_call"),
+    ("tplogp.tp", "localize", "tp.localize"),
+    ("tplogp.tp", "shard_forward", "tp.shard_forward"),
     ("tplogp.tp", "_LinearLogpFunction.backward", "autograd node: linear_logp backward"),
     ("tplogp.tp", "shard_backward", "tp.shard_backward"),
-    ("tplogp.fused_loss", "prepare_call", "fused_loss: prepare_call"),
-    ("tplogp.fused_loss", "_shard_forward", "fused_loss: _shard_forward"),
-    ("tplogp.fused_loss", "_loss_and_grads", "fused_loss._loss_and_grads"),
-    ("tplogp.fused_loss", "_PrecomputedGrads.backward", "autograd node: precomputed loss backward"),
-    ("tplogp.fused_loss", "_OnePassTokenLoss.backward", "autograd node: one-pass loss backward"),
-    ("tplogp.fused_loss", "shard_backward", "fused_loss: shard_backward"),
-    ("tplogp.fused_loss", "_scaled_all", "fused_loss._scaled_all"),
+    ("tplogp.fused_loss", "fused_loss", "fused_loss: fused_loss"),
+    ("tplogp.fused_loss", "_loss_and_grads", "fused_loss: chunk loop"),
+    ("tplogp.fused_loss", "_PrecomputedGrads.backward", "autograd node: loss backward"),
+    ("tplogp.fused_loss", "scaled_all", "grad_scaling.scaled_all"),
     ("tplogp.backends.triton_backend", "TritonBackend.forward_single", "source: forward_single"),
     ("tplogp.backends.triton_backend", "TritonBackend.backward", "source: backward"),
     ("tplogp.backends.triton_backend", "TritonBackend._launch_layout", "  _launch_layout"),
@@ -85,21 +83,21 @@ def stamped(stages=STAGES, record: list = None) -> Iterator[list]:
     record = [] if record is None else record
     clock = time.perf_counter
     restore = []
-    for module, path, label in stages:
-        owner, name = _owner_and_name(module, path)
-        raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+    try:  # (a stage that cannot be found raises with every wrapper made so far removed)
+        for module, path, label in stages:
+            owner, name = _owner_and_name(module, path)
+            raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            fn = raw.__func__ if isinstance(raw, staticmethod) else raw
 
-        def wrapper(*args, _fn=fn, _label=label, **kwargs):
-            t0 = clock()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                record.append((_label, t0, clock()))
+            def wrapper(*args, _fn=fn, _label=label, **kwargs):
+                t0 = clock()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    record.append((_label, t0, clock()))
 
-        setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
-        restore.append((owner, name, raw))
-    try:
+            setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+            restore.append((owner, name, raw))
         yield record
     finally:
         for owner, name, raw in reversed(restore):

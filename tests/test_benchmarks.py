@@ -299,7 +299,7 @@ def test_host_stages_smoke(capsys):
     from tplogp import tp
     from tplogp.kernels.launch import Launch
 
-    before = (tp.prepare_call, Launch._through_jit, Launch.__call__)
+    before = (tp.localize, Launch._through_jit, Launch.__call__)
     assert host_stages.main(["--shape", "16x32x256", "--dtype", "fp32", "--calls", "5", "--warmup", "2"]) == 0
     out = capsys.readouterr().out
     tables = out.split("== ")[1:]
@@ -307,14 +307,14 @@ def test_host_stages_smoke(capsys):
     for table in tables[2:]:  # the eager baselines: the markers alone
         assert [line.split(None, 3)[3] for line in table.splitlines()[2:]] == [
             "(forward returned)", "(backward returned)", "(synced)"]
-    for table, node in zip(tables, ("linear_logp backward", "one-pass loss backward")):
+    for table, node in zip(tables, ("linear_logp backward", "loss backward")):
         stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
         for needed in ("program: forward", "Launch (alignment + launch)",
                        f"autograd node: {node}", "launch: d_logits (kept)"):
             assert needed in stages, (needed, stages)
         order = [stages.index(m) for m in ("(forward returned)", "(backward returned)", "(synced)")]
         assert order == sorted(order) and stages.index("program: forward") < order[0]
-    assert (tp.prepare_call, Launch._through_jit, Launch.__call__) == before
+    assert (tp.localize, Launch._through_jit, Launch.__call__) == before
 
 
 def test_host_stages_budget(capsys):

@@ -215,19 +215,12 @@ class _ScalesAtAllocation(TorchDispatchMode):
         return out
 
 
-@triton_interpreter
-@pytest.mark.parametrize("path", ["linear_logp", "linear_logp_loss"])
-def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradients(monkeypatch, in_place, path):
-    """The eager paths keep the scales apart from the terms (``ShardCall.scales_apart``). A consuming backward
-    drops them once its d_logits pass has read them: they are freed before the d_hidden and d_W outputs are
-    allocated (on a GPU the backward's peak is lower by the scales). Through a retained graph they stay for the next
-    backward, which gives the same gradients."""
+def _record_kept_scales(monkeypatch) -> list:
+    """Weak references to the scales of every buffer the forward keeps apart (``KeptBuffers``), in order."""
     import weakref
 
     from tplogp.backends import base
 
-    dtype = torch.bfloat16
-    p = make_problem((N,), D, V, dtype, True, seed=13)
     refs = []
     real = base.KeptBuffers.__init__
 
@@ -237,18 +230,22 @@ def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradie
             refs.append(weakref.ref(scales))
 
     monkeypatch.setattr(base.KeptBuffers, "__init__", recording)
+    return refs
 
-    def loss(leaves):
-        h, w, b = leaves
-        if path == "linear_logp":
-            return _loss(leaves, p, dtype)
-        return tplogp.linear_logp_loss(h, w, p.target, b, loss=tplogp.losses.cross_entropy(), source="triton",
-                                       with_entropy=False, workspace_bytes=_budget(dtype))
 
+@triton_interpreter
+def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradients(monkeypatch, in_place):
+    """The eager path keeps the scales apart from the terms (``ShardCall.scales_apart``). A consuming backward
+    drops them once its d_logits pass has read them: they are freed before the d_hidden and d_W outputs are
+    allocated (on a GPU the backward's peak is lower by the scales). Through a retained graph they stay for the next
+    backward, which gives the same gradients."""
+    dtype = torch.bfloat16
+    p = make_problem((N,), D, V, dtype, True, seed=13)
+    refs = _record_kept_scales(monkeypatch)
     grads = []
     for retain in (True, False):
         leaves = _leaves(p)
-        value = loss(leaves)
+        value = _loss(leaves, p, dtype)
         assert len(refs) == 1 and refs[-1]() is not None  # held from forward to backward
         watch = _ScalesAtAllocation({(N, D), (V, D)}, refs)
         with watch:
@@ -266,3 +263,29 @@ def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradie
         refs.clear()
     assert in_place == [False, True, True]
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@triton_interpreter
+def test_the_fused_loss_frees_its_kept_scales_before_allocating_the_gradients(monkeypatch, in_place):
+    """``linear_logp_loss`` computes its gradients in the forward: the chunk's backward writes d_logits over the
+    terms its forward kept and frees the kept scales before the d_hidden and d_W outputs are allocated, so nothing
+    kept outlives the forward. The loss's backward only scales the saved gradients: through a retained graph a
+    second backward gives the same gradients."""
+    dtype = torch.bfloat16
+    p = make_problem((N,), D, V, dtype, True, seed=13)
+    refs = _record_kept_scales(monkeypatch)
+    leaves = _leaves(p)
+    watch = _ScalesAtAllocation({(N, D), (V, D)}, refs)
+    with watch:
+        value = tplogp.linear_logp_loss(*leaves[:2], p.target, leaves[2], loss=tplogp.losses.cross_entropy(),
+                                        source="triton", with_entropy=False, workspace_bytes=_budget(dtype))
+    assert len(refs) == 1 and refs[-1]() is None  # the forward's one chunk kept its scales apart, and freed them
+    assert watch.alive and not any(watch.alive), watch.alive  # before either gradient's allocation
+    assert in_place == [True]  # d_logits written over the kept terms
+    value.backward(retain_graph=True)
+    first = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    value.backward()
+    assert all(torch.equal(x.grad, g) for x, g in zip(leaves, first))
+    assert in_place == [True]  # the loss's backwards launch no d_logits pass

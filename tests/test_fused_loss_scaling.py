@@ -10,11 +10,11 @@ import torch
 
 import tplogp
 from tests.problems import make_problem
-from tplogp import fused_loss, losses
+from tplogp import fused_loss, grad_scaling, losses
 from tplogp.kernels.tiles import interpreting
 
 CPU = torch.device("cpu")
-KERNEL_HERE = interpreting() and fused_loss._triton_usable()
+KERNEL_HERE = interpreting() and grad_scaling.triton_usable()
 # the two ways the CPU scales: Triton's interpreter (the GPU's kernel) and torch ops in flat blocks
 PATHS = [pytest.param("kernel", marks=pytest.mark.skipif(not KERNEL_HERE, reason="needs triton (interpreter)")),
          "torch"]
@@ -24,8 +24,8 @@ PATHS = [pytest.param("kernel", marks=pytest.mark.skipif(not KERNEL_HERE, reason
 def path(request, monkeypatch):
     """Force the scaling path; the torch one with blocks of 1000 elements, so that several blocks run."""
     if request.param == "torch":
-        monkeypatch.setattr(fused_loss, "_scale_kernel_runs", lambda t, dtype: False)
-        monkeypatch.setattr(fused_loss, "_SCALE_BLOCK_ELEMENTS", 1000)
+        monkeypatch.setattr(grad_scaling, "runs_kernel", lambda t, dtype: False)
+        monkeypatch.setattr(grad_scaling, "SCALE_BLOCK_ELEMENTS", 1000)
     return request.param
 
 
@@ -44,7 +44,7 @@ def test_scaled_is_the_fp32_product_rounded_once(path, dtypes, g, in_place):
     kept = t.clone()
     scalar = torch.tensor(g)
     want = (t.to(torch.float32) * scalar).to(dtype)
-    got, = fused_loss._scaled_all([t], scalar, [dtype], in_place)
+    got, = grad_scaling.scaled_all([t], scalar, [dtype], in_place)
     assert got.dtype == dtype and got.shape == t.shape
     assert torch.equal(got, want), f"{path}: {(got != want).sum()} elements differ from the fp32 product rounded once"
     assert (got is t) == (in_place and saved_dtype == dtype)  # in place exactly when the dtype allows it
@@ -52,7 +52,7 @@ def test_scaled_is_the_fp32_product_rounded_once(path, dtypes, g, in_place):
         assert torch.equal(t, kept), "a scaling into a new tensor changed the saved gradient"
     if g == 1.0:  # loss.backward(): the saved gradient rounded once
         assert torch.equal(got, kept.to(dtype))
-    assert fused_loss._scale_kernel_runs(t, dtype) == (path == "kernel")
+    assert grad_scaling.runs_kernel(t, dtype) == (path == "kernel")
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
@@ -76,7 +76,7 @@ def test_a_backward_scales_every_gradient_in_one_launch(path, in_place, monkeypa
     dtypes = [torch.bfloat16, torch.bfloat16, None, torch.float16]
     kept = [None if t is None else t.clone() for t in grads]
     scalar = torch.tensor(0.3)
-    got = fused_loss._scaled_all(grads, scalar, dtypes, in_place)
+    got = grad_scaling.scaled_all(grads, scalar, dtypes, in_place)
     assert got[2] is None
     for i in (0, 1, 3):
         want = (kept[i].to(torch.float32) * scalar).to(dtypes[i])

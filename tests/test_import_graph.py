@@ -33,6 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.kernels.*",),
     # the per-shard sources (native, triton, sm90) behind one contract
     ("tplogp.backends.*",),
+    # the fused loss's gradient scaling (the scaling kernel, or torch ops without Triton)
+    ("tplogp.grad_scaling",),
     # the shared tensor-parallel path; DTensor unwrapping
     ("tplogp.tp", "tplogp.dtensor"),
     # which source runs a call

@@ -12,21 +12,19 @@ Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_c
 A chunk is as many tokens as the kept part of ``workspace_bytes`` holds softmax terms of, so its backward reads
 them instead of recomputing (3 GEMMs instead of 4). ONE all_reduce completes ``d_hidden``, issued as soon as the
 last chunk's rows are done, under that chunk's ``d_W`` work. The autograd node's backward scales the gradients by
-the upstream scalar, the fp32 product rounded once (:func:`_scaled_all`). Per-token tensors are constants.
+the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`). Per-token tensors are constants.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
 
 from . import plan, tensors, tp
-from .backends.triton_backend import triton_unavailable_reason
 from .budgets import accumulator_tokens, plan_chunk_tokens
 from .comm import OverlappedAllReduce
-from .kernels.tiles import KERNEL_DTYPES, interpreting
+from .grad_scaling import scaled_all
 from .losses import Derivative, TokenLoss
 from .tensors import f32_contiguous, zero_rows
 
@@ -54,88 +52,11 @@ class _PrecomputedGrads(torch.autograd.Function):
         in_place = not tp.graph_retained()
         if in_place:
             ctx.grads = None  # no reference left here: AccumulateGrad adopts the scaled tensors instead of copying
-        scaled = _scaled_all(grads, g, ctx.dtypes, in_place)
+        scaled = scaled_all(grads, g, ctx.dtypes, in_place)
         del grads
         if ctx.verdict is not None:  # after the scaling's launches; raises, or zeroes a captured call's gradients
             scaled = ctx.verdict.settle(scaled)
         return (None, None, None) + tuple(scaled)
-
-
-# Elements per block when the CPU (or a dtype the kernel does not take) scales a gradient with torch ops: the fp32
-# product is a transient of this size, not of the gradient's (an fp32 [V_local, D] d_W would double its memory).
-_SCALE_BLOCK_ELEMENTS = 1 << 24
-
-
-def _scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor, dtypes: Sequence[Optional[torch.dtype]],
-                in_place: bool) -> tuple[Optional[torch.Tensor], ...]:
-    """``round(t * g)`` for every gradient ``t`` of ``grads`` (None stays None): the fp32 product of ``t`` and the
-    upstream scalar ``g``, rounded once to its ``dtypes`` entry (with ``g == 1``: ``t`` rounded once; bitwise ``t``
-    when it is in that dtype). ``in_place``: written over ``t`` when ``t`` is a contiguous tensor of that dtype,
-    else into a new tensor of it.
-
-    On a GPU (and on the CPU under Triton's interpreter) ONE launch of :mod:`tplogp.kernels.scale_kernels` scales
-    them all, reading ``g`` from its device pointer; elsewhere torch ops in flat blocks of
-    ``_SCALE_BLOCK_ELEMENTS``. A ``g`` that requires a gradient (``create_graph=True``) gets differentiable torch
-    ops."""
-    if g.requires_grad and torch.is_grad_enabled():
-        return tuple(None if t is None else (t.to(torch.float32) * g.to(torch.float32)).to(dt)
-                     for t, dt in zip(grads, dtypes))
-    g32 = None
-    outs, pairs = [], []
-    for t, dtype in zip(grads, dtypes):
-        if t is None:
-            outs.append(None)
-            continue
-        if g32 is None:
-            g32 = g.detach() if g.requires_grad else g
-            if g32.dtype != torch.float32 or g32.device != t.device:  # (a no-op .to still parses its arguments)
-                g32 = g32.to(device=t.device, dtype=torch.float32)
-        out = (t if in_place and t.dtype == dtype and t.is_contiguous()
-               else torch.empty(t.shape, device=t.device, dtype=dtype))
-        outs.append(out)
-        if t.numel() == 0:
-            continue
-        if _scale_kernel_runs(t, dtype):
-            pairs.append((t.contiguous(), out))
-        else:
-            _scaled_by_torch(t, g32, out)
-    if pairs:  # (contiguous, of the kernel's dtypes and one shape each; g32 0-d fp32 on their device)
-        _scale_launch().scale_round(pairs, g32, checked=True)
-    return tuple(outs)
-
-
-@functools.lru_cache(maxsize=None)
-def _scale_launch():
-    """:mod:`tplogp.kernels.scale_launch`, imported at the first scaling (it imports Triton)."""
-    from .kernels import scale_launch
-
-    return scale_launch
-
-
-def _scaled_by_torch(t: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = round(t * g)`` with torch ops (fp32 product in flat blocks: no gradient-sized fp32 transient)."""
-    if t.dtype == torch.float32 and out.dtype == torch.float32:  # the product in fp32 is the result: one op
-        if out is t:
-            t.mul_(g)
-        else:
-            torch.mul(t, g, out=out)
-        return
-    src, dst = t.reshape(-1), out.view(-1)
-    for i0 in range(0, src.numel(), _SCALE_BLOCK_ELEMENTS):
-        dst[i0:i0 + _SCALE_BLOCK_ELEMENTS] = src[i0:i0 + _SCALE_BLOCK_ELEMENTS].to(torch.float32) * g
-
-
-def _scale_kernel_runs(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`_scaled_all` runs the Triton kernel: a CUDA tensor, or a CPU one under Triton's interpreter, of
-    the dtypes the kernel takes, with Triton installed."""
-    on = t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
-    return on and t.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES and _triton_usable()
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_usable() -> bool:
-    """Triton imports (:func:`tplogp.backends.triton_backend.triton_unavailable_reason`; asked once)."""
-    return triton_unavailable_reason() is None
 
 
 def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,

@@ -105,10 +105,22 @@ def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group
 
 def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
               global_vocab_size, options: LogpOptions, builds_graph: bool) -> tuple[CallPlan, Optional[str]]:
-    """``(the layout's plan, its local problem)``: the cached plan and None when an earlier call of the layout passed
-    its checks; else a new plan (cache it with :func:`remember` once the call's checks pass) and
-    :func:`tplogp.validation.local_problem` (None when the arguments are fine). A one-shard layout whose weight is
-    not the whole vocabulary raises :class:`~tplogp.shards.ShardLayoutError` here."""
+    """The plan of a call's layout: looked up by its key, built and checked at the layout's first call.
+
+    A later call of a checked layout costs one key and one lookup, the host time that matters at small shapes.
+
+    Args:
+        backend: the call's source.
+        hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size: the call's arguments.
+        options: the call's :class:`LogpOptions`.
+        builds_graph: whether the call records an autograd graph.
+    Returns:
+        ``(plan, problem)``: the cached plan and None when an earlier call of the layout passed its checks; else a
+        new plan (cache it with :func:`remember` once the call's checks pass) and
+        :func:`tplogp.validation.local_problem` (None when the arguments are fine).
+    Raises:
+        ShardLayoutError: a one-shard layout whose weight is not the whole vocabulary.
+    """
     key = layout_key(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                      options, builds_graph)
     if key is not None:
@@ -135,7 +147,13 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
 
 
 def remember(plan: CallPlan, vocab_size: int) -> None:
-    """Keep ``plan`` for the later calls of its layout, now that a call of it has passed its checks."""
+    """Keep ``plan`` for the later calls of its layout, now that a call of it has passed its checks (a layout that
+    failed is never cached, so it raises at every call).
+
+    Args:
+        plan: the plan from :func:`plan_call`.
+        vocab_size: the global vocabulary the call's checks found.
+    """
     plan.vocab_size = vocab_size
     if plan.key is None or plan.key in _plans:
         return
@@ -197,13 +215,22 @@ def _backend(source: Source, hidden) -> ShardBackend:
 
 def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
             options: LogpOptions, builds_graph: bool) -> Call:
-    """Resolve, validate and plan one call, and open its target verdict (the same error on every rank).
+    """Resolve, validate and plan one call, and open its target verdict.
+
+    Every check and decision of a call sits here, above the tensor-parallel layer, so that a call enters each module
+    once and every rank raises the same error before any collective of the call's work.
 
     Args:
         source: a source name, None for the registry's choice, or a backend object.
-        builds_graph: whether the call records an autograd graph.
+        hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size: the call's arguments,
+            plain tensors (after the DTensor and autocast front of :mod:`tplogp.api`).
+        options: the call's :class:`LogpOptions`.
+        builds_graph: whether the call records an autograd graph (its ranks must agree: the backward reduces).
     Returns:
         The :class:`Call` to run (:func:`tplogp.tp.linear_logp`, :func:`tplogp.tp.forward_packed`, the fused loss).
+    Raises:
+        LinearLogpInputError, ShardLayoutError: the arguments or the shard layout are wrong (with a group, on every
+            rank).
     """
     backend = _backend(source, hidden)
     plan, problem = plan_call(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
@@ -218,8 +245,17 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
 
 def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                      options: LogpOptions) -> Call:
-    """The :class:`Call` of an op's backward (:mod:`tplogp.ops`), whose forward passed its checks: the layout's
-    plan and the latest call's verdict (:func:`tplogp.verdicts.latest_verdict`: the op cannot carry its own)."""
+    """The :class:`Call` of an op's backward (:mod:`tplogp.ops`), whose forward passed its checks.
+
+    The op's backward gets tensors and plain values only, so it finds its layout's plan again and takes the latest
+    call's verdict (:func:`tplogp.verdicts.latest_verdict`): the op cannot carry its own.
+
+    Args:
+        source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options: as the forward's
+            (:func:`prepare`).
+    Returns:
+        The :class:`Call` for :func:`tplogp.tp.backward_packed` (``vocab_size`` 0: the backward does not read it).
+    """
     plan, _ = plan_call(_backend(source, hidden), hidden, weight, target_ids, bias, tp_group, vocab_start_index, None,
                         options, True)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index, None, options, True)

@@ -12,7 +12,7 @@ variable                    values (default)           effect
                                                        logits kept for the backward; docs/operator.md). Unset: the
                                                        source's default tiles (``triton`` / ``sm90``: the d_logits
                                                        chunk, 128 MiB; ``native``: 1 GiB on CUDA, 64 MiB elsewhere)
-``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.checks`):
+``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.verdicts`):
                             ``fast`` (``full``)        ``sync`` reads the target check at the call without a group;
                                                        ``fast`` checks each layout once, then skips the
                                                        checks (docs/operator.md, "Checks")

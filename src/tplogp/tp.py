@@ -97,6 +97,8 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tens
 def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     """The forward of one call's rows (all of them, or a chunk of the fused loss).
 
+    The one place where a forward's stats are gathered and merged, for every source and for both ops.
+
     Args:
         hidden, weight, bias, local_target: a :class:`LocalCall`'s tensors (rows of them).
         tpc: the call's context (``LocalCall.tpc``).
@@ -201,8 +203,8 @@ def park_kept_scales(kept, tpc: _TPContext) -> Optional[torch.Tensor]:
 
 
 class _LinearLogpFunction(torch.autograd.Function):
-    """``linear_logp``'s autograd node. ``forward`` takes what :func:`_shard_forward` returned for these inputs,
-    run just before ``apply`` (:func:`prepared_outputs`): the kernels are launched before autograd's machinery
+    """``linear_logp``'s autograd node. ``forward`` takes what :func:`shard_forward` returned for these inputs,
+    run just before ``apply`` (:func:`forward_for_backward`): the kernels are launched before autograd's machinery
     runs, which at small shapes is host time the GPU would wait for."""
 
     @staticmethod
@@ -227,11 +229,22 @@ class _LinearLogpFunction(torch.autograd.Function):
 def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool], kept_private: bool,
                    g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                    g_lse: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-    """``(d_hidden, d_weight, d_bias)`` of one call from what its forward saved (``hidden, weight, bias,
-    local_target, row_max, log_sum, mean_rel, kept``) and the per-token upstream gradients (None: none flows
-    there): the source's backward, the d_hidden all-reduce with a group, and the call's target verdict settled
-    before any gradient is handed over. ``kept_private``: nothing but the caller's autograd node holds ``kept``
-    (:func:`consumes_kept`)."""
+    """The backward of one call: the source's backward, the d_hidden all-reduce with a group, and the call's target
+    verdict settled before any gradient is handed over.
+
+    One function for the autograd Function and the op's backward, so the collective and the verdict have one place.
+
+    Args:
+        saved: what the forward saved, ``(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)``.
+        tpc: the call's context (``LocalCall.tpc``).
+        needs: whether ``(d_hidden, d_weight, d_bias)`` are wanted.
+        kept_private: nothing but the caller's autograd node holds ``kept`` (:func:`consumes_kept`).
+        g_logp, g_entropy, g_lse: the per-token upstream gradients (None: none flows there).
+    Returns:
+        ``(d_hidden, d_weight, d_bias)``, None where not needed; d_hidden in hidden's dtype.
+    Raises:
+        LinearLogpInputError: the call's deferred target check found a bad target.
+    """
     hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept = saved
     verdict = tpc.verdict
     # a group's pending check settles before the d_hidden all-reduce (every rank raises before entering it)
@@ -312,6 +325,8 @@ def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: i
 def localize(call) -> LocalCall:
     """Flattening, ignore_index compaction and target localisation of a checked call.
 
+    The sources take 2-D contiguous inputs and shard-local targets only, so their kernels need no per-launch checks.
+
     Args:
         call: a :class:`tplogp.plan.Call`.
     Returns:
@@ -371,9 +386,13 @@ def forward_for_backward(local: LocalCall) -> tuple:
 
 
 def linear_logp(call) -> LinearLogpResult:
-    """Run a checked call (:class:`tplogp.plan.Call`) eagerly: localize, the shared forward (through the autograd
-    Function when differentiated), and the outputs in the targets' shape.
+    """Run a checked call eagerly: localize, the shared forward (through the autograd Function when differentiated),
+    and the outputs in the targets' shape.
 
+    A forward that is not differentiated skips the autograd Function (scoring, rollouts: less host time).
+
+    Args:
+        call: a :class:`tplogp.plan.Call` from :func:`tplogp.plan.prepare`.
     Returns:
         The logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the requested outputs.
     """
@@ -411,10 +430,18 @@ def op_keeps(options, builds_graph: bool) -> bool:
 
 
 def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's forward of a checked call (:class:`tplogp.plan.Call`): one fp32 ``[K, target_ids.numel()]`` tensor
-    (rows ``PACKED_*``; ignored rows 0), and the fp32 logits kept for the backward within the budget (shape
-    ``backend.kept_shape`` of :func:`tplogp.plan.op_call`; ``(0,)`` when nothing is kept, and the backward
-    recomputes)."""
+    """The forward of the ``torch.library`` op (:mod:`tplogp.ops`) for a checked call.
+
+    An op returns tensors of shapes its fake implementation can state, so the outputs and what the backward needs
+    travel as one packed tensor.
+
+    Args:
+        call: a :class:`tplogp.plan.Call` from :func:`tplogp.plan.prepare`.
+    Returns:
+        ``(packed, kept)``: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows 0), and what
+        the forward kept for the backward within the budget (shape ``backend.kept_shape`` of
+        :func:`tplogp.plan.op_call`; ``(0,)`` when nothing is kept, and the backward recomputes).
+    """
     local = localize(call)
     options = call.args.options
     tpc = local.tpc
@@ -436,10 +463,19 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor]:
 
 def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs: tuple[bool, bool, bool],
                     kept: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
-    """The backward of :func:`forward_packed`: ``(d_hidden, d_weight, d_bias)`` (None where not needed) from the
-    saved packed result and its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY``; ignored rows get
-    none), reading the forward's ``kept`` logits where it kept some. ``call``: :func:`tplogp.plan.prepare_backward`'s
-    (its verdict, the latest call's, is settled before any gradient)."""
+    """The backward of :func:`forward_packed`, through :func:`shard_backward` like the eager path's.
+
+    Args:
+        call: :func:`tplogp.plan.prepare_backward`'s (its verdict, the latest call's, is settled before any
+            gradient).
+        packed: the forward's packed result.
+        grad_packed: its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY`` are read; ignored rows
+            get none).
+        needs: whether ``(d_hidden, d_weight, d_bias)`` are wanted.
+        kept: what the forward kept (read, never overwritten), or None / an empty tensor.
+    Returns:
+        ``(d_hidden, d_weight, d_bias)``, None where not needed; d_hidden in hidden's shape.
+    """
     local = localize(call)
     options = call.args.options
     if local.keep_idx is not None:

@@ -3,8 +3,8 @@ tensor data read.
 
 :func:`local_problem` returns a message instead of raising, so that with a TP group every rank first finishes its
 own checks and the group then raises the same error everywhere (:mod:`tplogp.group_record`); without a group the
-plan raises it. :func:`layout_problem_single` is the shard layout of a call on one shard. The plan
-(:mod:`tplogp.plan`) runs these at the first call of a layout only.
+plan raises it. :func:`single_shard_vocab` checks the shard layout of a call on one shard. The plan
+(:mod:`tplogp.plan`) runs these through :func:`check_layout`, at the first call of a layout only.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .shards import ShardLayoutError
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the dtype as it travels in a group record
+
 
 class LinearLogpInputError(ValueError):
     """Bad arguments to ``linear_logp`` (raised identically on every rank of the group)."""
@@ -97,8 +98,18 @@ def local_problem(
 
 
 def single_shard_vocab(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
-                          group_given: bool = False) -> int:
-    """Without a TP group, or with a group of one rank, the weight must be the whole vocabulary. Returns its size."""
+                       group_given: bool = False) -> int:
+    """Check that one shard is the whole vocabulary (without a TP group, or with a group of one rank).
+
+    Args:
+        vocab_start_index, global_vocab_size: the call's arguments.
+        v_local: the weight's rows.
+        group_given: whether a group (of one rank) was passed, for the message.
+    Returns:
+        The vocabulary size.
+    Raises:
+        ShardLayoutError: the shard does not start at 0 or is not the whole vocabulary.
+    """
     where = "with a tp_group of size 1" if group_given else "without a tp_group"
     if vocab_start_index != 0:
         raise ShardLayoutError(
@@ -111,13 +122,24 @@ def single_shard_vocab(vocab_start_index: int, v_local: int, global_vocab_size: 
     return v_local
 
 
-
-
 def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options,
                  world_size: int, group_given: bool) -> tuple[str, Optional[str], Optional[int]]:
-    """The layout checks of a call's first call: ``(TPLOGP_CHECKS mode, local problem or None, the vocab size of
-    one shard or None)``. A bad ``TPLOGP_CHECKS`` and a one-shard layout whose weight is not the whole vocabulary
-    raise here; a local problem is returned (with a group, every rank raises it together)."""
+    """The checks of a layout's first call, what one rank can check without reading tensor data.
+
+    A local problem is returned, not raised, so that with a group every rank raises it together (no rank is left in
+    a collective).
+
+    Args:
+        hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size: the call's arguments.
+        options: the call's :class:`tplogp.plan.LogpOptions`.
+        world_size: the TP group's size (1 without a group).
+        group_given: whether a group was passed (for the message of a one-rank group).
+    Returns:
+        ``(TPLOGP_CHECKS mode, local problem or None, the vocabulary of one shard or None)``.
+    Raises:
+        LinearLogpInputError: a bad ``TPLOGP_CHECKS``.
+        ShardLayoutError: a one-shard layout whose weight is not the whole vocabulary.
+    """
     mode = checks_mode()
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature, options.workspace_bytes)

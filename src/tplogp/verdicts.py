@@ -429,8 +429,17 @@ class BackwardVerdict:
         self.pending, self.captured, self.group = pending, captured, group
 
     def settle(self, grads: tuple = ()) -> tuple:
-        """Raise the call's error (the verdict is then dropped from what later calls judge); else ``grads`` with the
-        gradients zeroed where a captured call's flag is set (themselves outside a capture)."""
+        """Settle the call's verdict before its gradients are handed to autograd (a bad target never updates
+        weights).
+
+        Args:
+            grads: the call's gradients (None entries stay None); empty when settled before the work.
+        Returns:
+            ``grads``, zeroed where a captured call's flag is set (themselves outside a capture).
+        Raises:
+            LinearLogpInputError: the call's target check failed (the verdict is then dropped from what later calls
+                judge).
+        """
         pending = self.pending
         if pending is not None:
             if self.group is None:
@@ -453,8 +462,16 @@ class BackwardVerdict:
 
 
 def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardVerdict]:
-    """For a backward that cannot hold its forward's verdict (the ``torch.library`` op of :mod:`tplogp.ops`): the
-    last call's with ``group`` (None: without a group), read now under ``full`` checks (``mode``)."""
+    """The verdict of the last call, for a backward that cannot hold its forward's (the ``torch.library`` op of
+    :mod:`tplogp.ops`, whose arguments are tensors and plain values).
+
+    Args:
+        mode: the layout's ``TPLOGP_CHECKS`` mode (only ``full`` defers a verdict).
+        group: the call's TP group (None: without a group).
+        device: the call's device (a capture there reads the captured flag).
+    Returns:
+        A :class:`BackwardVerdict`, or None when nothing is deferred.
+    """
     if mode != "full":
         return None
     scope = group_name(group)
@@ -466,8 +483,6 @@ def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardV
     return BackwardVerdict(pending=_pending_by_group.get(scope), group=group)
 
 
-
-
 # ---- the forward's entry -----------------------------------------------------------------------------------------
 
 def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[BackwardVerdict],
@@ -476,10 +491,14 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
     :func:`tplogp.validation.local_problem`, None when fine or when the layout passed before) and start this call's
     target check.
 
+    The target check reads tensor data, so it is started here on the device and read later, where a host wait costs
+    nothing (the backward, a later call); with a group the record exchange makes every rank raise alike.
+
     Args:
         plan: the layout's :class:`tplogp.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``,
             ``kernel_target_check``, ``vocab_size``: set for one shard, None for a group's first call).
         args: the call's :class:`tplogp.plan.CallArgs`.
+        problem: the call's local problem, or None.
     Returns:
         ``(global vocab size, what the backward settles or None, the target check that the source's finishing
         kernel runs or None)``. A returned :class:`KernelTargetCheck` reaches the source (``forward_single``'s

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 import tplogp  # noqa: E402
 from tests.gpu import cuda_backend  # noqa: E402
-from tplogp import fused_loss, losses  # noqa: E402
+from tplogp import grad_scaling, losses  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
 
@@ -39,8 +39,8 @@ def test_scale_kernel_is_the_fp32_product_rounded_once(shape, dtypes, in_place):
         scalar = torch.tensor(value, device="cuda")
         want = (kept.float() * scalar).to(dtype)
         src = kept.clone() if in_place else t
-        got, = fused_loss._scaled_all([src], scalar, [dtype], in_place)
-        assert fused_loss._scale_kernel_runs(src, dtype)
+        got, = grad_scaling.scaled_all([src], scalar, [dtype], in_place)
+        assert grad_scaling.runs_kernel(src, dtype)
         assert (got is src) == (in_place and saved_dtype == dtype)
         assert torch.equal(got, want), f"g={value}: {(got != want).sum().item()} elements differ"
         del got, want, src

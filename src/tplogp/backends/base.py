@@ -45,7 +45,7 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     owned by nobody (its logp is NaN; full checks reject such ids first). A backend whose
     ``checks_targets_in_kernel`` is True also takes ``target_flag=``: a zeroed int64 ``[1]`` tensor (pinned host
     memory on a GPU) that its kernels set to an id outside ``[0, V)`` when a target is one: the call's default
-    target check then costs no launch and no copy (:class:`tplogp.checks.KernelTargetCheck`).
+    target check then costs no launch and no copy (:class:`tplogp.verdicts.KernelTargetCheck`).
 
 Everything that needs a collective (merging stats across ranks, the coverage check, the d_hidden all-reduce)
 lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the target id minus the shard's
@@ -136,8 +136,8 @@ class ShardCall:
     # d_hidden is the call's whole gradient (one shard: no all-reduce; no later scaling): a source may return it in
     # the input dtype, rounded once as its GEMM stores it, instead of fp32 (no fp32 buffer, no cast)
     d_hidden_in_input_dtype: bool = False
-    # the op's checks passed and the call path made the tensors what the sources take (tplogp.checks,
-    # tp.localize_call: 2-D, contiguous, one device, int64 targets): a source may skip its per-launch checks
+    # the op's checks passed and the call path made the tensors what the sources take (tplogp.plan,
+    # tp.localize: 2-D, contiguous, one device, int64 targets): a source may skip its per-launch checks
     inputs_checked: bool = False
     # the forward keeps its scales apart from its terms (KeptBuffers), so that a consuming backward can free them
     # early: the eager paths; the op's forward (torch.compile) returns one flat buffer

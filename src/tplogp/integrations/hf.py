@@ -317,9 +317,9 @@ def causal_lm_loss(
     The positions and values of :func:`causal_lm_logprobs`, fed chunk by chunk to
     :func:`tplogp.linear_logp_loss`: ``loss(logp, entropy, *per_token_chunk)`` gives the per-token loss
     (``tplogp.losses`` has PPO/GRPO clipping, KL to a reference, an entropy bonus), ``reduction`` sums it or
-    averages it over the positions that count. With a keep budget the gradients of the LM head and of the hidden
-    states are computed in the forward, chunk by chunk (otherwise by ``linear_logp``'s backward, one autograd pass);
-    ``loss.backward()`` carries them into every parameter.
+    averages it over the positions that count. The gradients of the LM head and of the hidden states are computed in
+    the forward, chunk by chunk (a keep budget sets the chunk size); ``loss.backward()`` carries them into every
+    parameter.
 
     Args:
         loss, per_token: as in :func:`tplogp.linear_logp_loss`; each ``per_token`` tensor is ``[B, S-1]`` (or
