@@ -35,17 +35,6 @@ def test_checks_mode(monkeypatch):
         validation.checks_mode()
 
 
-def test_direct_launch_flag(monkeypatch):
-    monkeypatch.delenv("TPLOGP_DIRECT_LAUNCH", raising=False)
-    assert settings.direct_launch() is True
-    for value, expected in (("0", False), ("off", False), ("1", True), ("Yes", True)):
-        monkeypatch.setenv("TPLOGP_DIRECT_LAUNCH", value)
-        assert settings.direct_launch() is expected
-    monkeypatch.setenv("TPLOGP_DIRECT_LAUNCH", "maybe")
-    with pytest.raises(settings.SettingsError, match="TPLOGP_DIRECT_LAUNCH must be one of"):
-        settings.direct_launch()
-
-
 def test_triton_interpret(monkeypatch):
     for value, expected in (("1", True), ("0", False), ("", False)):
         monkeypatch.setenv("TRITON_INTERPRET", value)
@@ -61,7 +50,7 @@ def test_only_settings_reads_the_environment():
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv"):
                 readers.append(str(path.relative_to(root)))
     assert set(readers) == {"settings.py"}, readers
-    for name in (settings.WORKSPACE_MB, settings.CHECKS, settings.DIRECT_LAUNCH, settings.TRITON_INTERPRET):
+    for name in (settings.WORKSPACE_MB, settings.CHECKS, settings.TRITON_INTERPRET):
         assert f"``{name}``" in settings.__doc__
 
 
@@ -83,22 +72,3 @@ def test_launcher_env(monkeypatch):
     monkeypatch.setenv("RANK", "4")
     with pytest.raises(settings.SettingsError, match=r"RANK must be in \[0, WORLD_SIZE\)"):
         settings.launcher_env()
-
-
-def test_environment_reads_see_what_os_environ_holds(monkeypatch):
-    """The settings' environment read (``os.environ``'s own mapping, keys encoded once) returns what
-    ``os.environ.get`` does after every kind of write, and the plain read where that mapping is absent."""
-    import os
-
-    name = "TPLOGP_TEST_SETTING"
-    monkeypatch.delenv(name, raising=False)
-    assert settings._environ_get(name) is None
-    monkeypatch.setenv(name, "1.5")
-    assert settings._environ_get(name) == "1.5"
-    os.environ[name] = "ünïcode value"
-    assert settings._environ_get(name) == os.environ.get(name) == "ünïcode value"
-    del os.environ[name]
-    assert settings._environ_get(name) is None
-    monkeypatch.setattr(settings, "_ENV_DATA", None)  # a Python whose os.environ has no such mapping
-    monkeypatch.setenv(name, "2")
-    assert settings._environ_get(name) == "2"

@@ -16,9 +16,6 @@ variable                    values (default)           effect
                             ``fast`` (``full``)        ``sync`` reads the target check at the call without a group;
                                                        ``fast`` checks each layout once, then skips the
                                                        checks (docs/operator.md, "Checks")
-``TPLOGP_DIRECT_LAUNCH``    ``1`` | ``0`` (``1``)      ``0`` launches every Triton kernel through Triton's JIT front end
-                                                       instead of the cached launcher (:mod:`tplogp.kernels.direct_launch`;
-                                                       read at each kernel's first launch)
 ``TRITON_INTERPRET``        ``0`` | ``1`` (``0``)      Triton's own switch for its CPU interpreter; tplogp reads it to
                                                        choose interpreter tile configs and code paths
 ``RANK``, ``WORLD_SIZE``,   set by torchrun            this process's place in the job, read by the runbook program
@@ -27,7 +24,7 @@ variable                    values (default)           effect
 ``TORCHELASTIC_RUN_ID``
 ==========================  =========================  =================================================================
 
-Boolean variables accept ``1/0``, ``true/false``, ``yes/no``, ``on/off`` (any case); an empty value means the default.
+An empty value means the default.
 The pytest plugin's ``TPLOGP_TP*`` options belong to :mod:`pytest_tplogp` and are read there.
 """
 
@@ -38,13 +35,10 @@ from typing import NamedTuple, Optional
 
 WORKSPACE_MB = "TPLOGP_WORKSPACE_MB"
 CHECKS = "TPLOGP_CHECKS"
-DIRECT_LAUNCH = "TPLOGP_DIRECT_LAUNCH"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 CHECK_MODES = ("full", "sync", "fast")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 _MIB = 1 << 20
 
 
@@ -52,44 +46,13 @@ class SettingsError(ValueError):
     """An environment variable read by tplogp holds a value it cannot use."""
 
 
-# CPython's ``os.environ`` keeps its items in ``_data`` under encoded keys; ``os.environ.get`` encodes the key and
-# decodes the value on every read (microseconds: a call reads several variables). Reading ``_data`` with keys encoded
-# once sees exactly what ``os.environ`` holds (its writes update ``_data``); elsewhere the plain read is used.
-_ENV_DATA = getattr(os.environ, "_data", None)
-_ENCODE = getattr(os.environ, "encodekey", None)
-_DECODE = getattr(os.environ, "decodevalue", None)
-_ENCODED: dict = {}
-
-
-def _environ_get(name: str) -> Optional[str]:
-    if _ENV_DATA is None or _ENCODE is None or _DECODE is None:
-        return os.environ.get(name)
-    key = _ENCODED.get(name)
-    if key is None:
-        key = _ENCODED[name] = _ENCODE(name)
-    raw = _ENV_DATA.get(key)
-    return None if raw is None else _DECODE(raw)
-
-
 def _raw(name: str) -> Optional[str]:
     """The variable's value stripped of surrounding blanks, or None when unset or empty."""
-    value = _environ_get(name)
+    value = os.environ.get(name)
     if value is None:
         return None
     value = value.strip()
     return value or None
-
-
-def _flag(name: str, default: bool) -> bool:
-    value = _raw(name)
-    if value is None:
-        return default
-    low = value.lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise SettingsError(f"{name} must be one of {_TRUE + _FALSE}, got {value!r}")
 
 
 def workspace_bytes() -> Optional[int]:
@@ -120,23 +83,18 @@ def checks_mode() -> str:
 def layout_settings() -> tuple[Optional[str], Optional[str]]:
     """The raw values of the variables that shape a call's plan (``TPLOGP_CHECKS``, ``TPLOGP_WORKSPACE_MB``), unparsed
     and cheap: part of the key under which :mod:`tplogp.plan` remembers a layout (parsed when it plans one)."""
-    return _environ_get(CHECKS), _environ_get(WORKSPACE_MB)
+    return os.environ.get(CHECKS), os.environ.get(WORKSPACE_MB)
 
 
 def workspace_setting() -> Optional[str]:
     """The raw value of ``TPLOGP_WORKSPACE_MB`` (unparsed, cheap: part of a source's layout key)."""
-    return _environ_get(WORKSPACE_MB)
-
-
-def direct_launch() -> bool:
-    """``TPLOGP_DIRECT_LAUNCH``: whether cached direct kernel launches are allowed (default True)."""
-    return _flag(DIRECT_LAUNCH, True)
+    return os.environ.get(WORKSPACE_MB)
 
 
 def triton_interpret() -> bool:
     """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET`` set to anything but empty or ``0``, as Triton
     reads it). Read by several launches of every call: one lookup, no helper calls."""
-    value = _environ_get(TRITON_INTERPRET)
+    value = os.environ.get(TRITON_INTERPRET)
     return value is not None and value.strip() not in ("", "0")
 
 

@@ -125,7 +125,7 @@ class ShardCall:
     deterministic: bool = False
     # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
     # keeps for the backward (docs/operator.md, "Memory budget"). None: the source's default (triton / sm90: a call
-    # whose kept terms fit the default d_logits workspace keeps them, tplogp.kernels.tiles.default_keep).
+    # whose kept terms fit the default d_logits workspace keeps them, tplogp.kernels.workspace.default_keep).
     workspace_bytes: Optional[int] = None
     # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
     for_backward: bool = False
