@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from . import devices, dispatch, fixtures, options, tplogp_fixtures
+from . import devices, dispatch, fixtures, options, rank_coverage, tplogp_fixtures
 from .mesh import MeshShapeError, parse_marker_meshes
 from .placement import is_tp, marker_args, world_sizes
 from .session import ACTIVATED_BY, PLAN, SKIPPED_ON_RANKS, STATE, State, register_marker
@@ -137,6 +137,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         problem = state.external.check_collection([item.nodeid for item in session.items])
         if problem:
             pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)  # innermost: done before pytest-cov's wrapper saves and reports
+def pytest_runtestloop(session: pytest.Session) -> Any:
+    """After the last test, when this process measures coverage: stop the pools, whose ranks send their coverage
+    data as they leave (``rank_coverage``), so that it is part of what pytest-cov (or ``coverage run``) reports."""
+    result = yield
+    manager = session.config.stash[STATE]._manager
+    if manager is not None and rank_coverage.measuring() is not None:
+        manager.stop_pools()
+    return result
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
