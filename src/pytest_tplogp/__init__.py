@@ -13,7 +13,9 @@ Layout (one role per module; each imports only the modules listed below it):
 
 - ``hooks.py``           pytest hooks of the active plugin: configure, header, collection, setup, call, reports.
 - ``optin.py``           whether a run asked for the plugin; registers ``hooks`` (by name) when it did.
-- ``tplogp_fixtures.py`` the tplogp-specific fixtures: vocab_shards, reference, op_source, dtype, bias.
+- ``lmhead.py``          a plugin of its own (``-p pytest_tplogp.lmhead``): tplogp's LM-head fixtures and options
+                         (vocab_shards, reference, op_source, dtype, bias; --tp-op-source, --tp-dtype, ...).
+- ``lmhead_values.py``   their picklable values (``VocabShards``, ``Reference``, ``OpSource``).
 - ``fixtures.py``        the fixtures of every TP test: tp_world_size (placement at setup), tp, tp_pool, mesh.
 - ``dispatch.py``        sending a body to the ranks and merging what comes back into one pytest outcome.
 - ``placement.py``       the ``tp`` marker's arguments and where a test runs (backend, devices, deadline).
@@ -22,7 +24,8 @@ Layout (one role per module; each imports only the modules listed below it):
 - ``report.py``          merging per-rank outcomes (grouped failures, agreed skips) into one report.
 - ``pool.py``            the controller: persistent rank pools, bounded waits, stack dumps, kill + respawn.
 - ``rank.py``            the rank-side worker loop (imports only ``debug``, ``forkserver_guard``, ``protocol``,
-                         ``context``, ``values``).
+                         ``context``, ``values``, ``rank_coverage``).
+- ``rank_coverage.py``   the ranks measure coverage when the pytest process does; their data joins its data.
 - ``debug.py``           ``breakpoint()`` and post-mortem pdb on one rank (``--tp-pdb``), served on a local port.
 - ``context.py``         the ``tp`` rank context and the collective assertion helpers (usable under torchrun too).
 - ``mesh.py``            mesh shapes (the marker's ``mesh=``), meshes built from cached groups, DTensor helpers.
@@ -48,9 +51,9 @@ _LAZY = {
     "RankContext": "pytest_tplogp.context",
     "CollectiveAssertionError": "pytest_tplogp.context",
     "current_context": "pytest_tplogp.context",
-    "VocabShards": "pytest_tplogp.values",
-    "Reference": "pytest_tplogp.values",
-    "OpSource": "pytest_tplogp.values",
+    "VocabShards": "pytest_tplogp.lmhead_values",
+    "Reference": "pytest_tplogp.lmhead_values",
+    "OpSource": "pytest_tplogp.lmhead_values",
     "RankValue": "pytest_tplogp.values",
     "RankFailure": "pytest_tplogp.report",
     "MeshShape": "pytest_tplogp.mesh",

@@ -1,7 +1,7 @@
 """The pytest hooks of the active plugin (parent side): configure, header, collection, setup, call and reports.
 
 Registered by the opt-in shim (``pytest_tplogp/__init__.py``, through ``optin.py``) when a run asks for the plugin;
-it registers the fixture modules (``fixtures.py``, ``tplogp_fixtures.py``) at configure time. At collection a TP test gets its world-size parametrization (``tp_world_size``, ids
+it registers the fixture module (``fixtures.py``) at configure time. At collection a TP test gets its world-size parametrization (``tp_world_size``, ids
 ``[tp2]``, ``[tp4]``, markers ``tp2``/``tp4``;
 with ``mesh=`` one parameter per mesh, ids ``[tp4-dp2xtp2]``); stress tests are skipped unless selected; plain ``gpu`` tests are
 skipped without a GPU. At call time ``pytest_pyfunc_call`` hands a TP body to ``dispatch.run_body``. Public pytest
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from . import devices, dispatch, fixtures, options, tplogp_fixtures
+from . import devices, dispatch, fixtures, options, rank_coverage
 from .mesh import MeshShapeError, parse_marker_meshes
 from .placement import is_tp, marker_args, world_sizes
 from .session import ACTIVATED_BY, PLAN, SKIPPED_ON_RANKS, STATE, State, register_marker
@@ -29,11 +29,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    # the fixture modules are part of what a run opts into (registered, not imported by name: they are imported
-    # already, so pytest's assertion rewriting must not be asked for them)
-    for module in (fixtures, tplogp_fixtures):
-        if not config.pluginmanager.has_plugin(module.__name__):
-            config.pluginmanager.register(module, module.__name__)
+    # the fixture module is part of what a run opts into (registered, not imported by name: it is imported
+    # already, so pytest's assertion rewriting must not be asked for it)
+    if not config.pluginmanager.has_plugin(fixtures.__name__):
+        config.pluginmanager.register(fixtures, fixtures.__name__)
     settings = options.resolve(config)
     if settings.pdb_rank is not None and config.getoption("capture", "fd") != "no":
         raise pytest.UsageError(f"pytest_tplogp: --tp-pdb={settings.pdb_rank} (or TPLOGP_TP_PDB, ini tp_pdb) needs -s: "
@@ -46,7 +45,6 @@ def pytest_configure(config: pytest.Config) -> None:
     register_marker(config, "gpu", "needs a CUDA device (skipped before any spawn when there is none)")
     state = State(settings)
     config.stash[STATE] = state
-    tplogp_fixtures.register(config, settings)
     from . import external
 
     if external.detect():
@@ -137,6 +135,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         problem = state.external.check_collection([item.nodeid for item in session.items])
         if problem:
             pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)  # innermost: done before pytest-cov's wrapper saves and reports
+def pytest_runtestloop(session: pytest.Session) -> Any:
+    """After the last test, when this process measures coverage: stop the pools, whose ranks send their coverage
+    data as they leave (``rank_coverage``), so that it is part of what pytest-cov (or ``coverage run``) reports."""
+    result = yield
+    manager = session.config.stash[STATE]._manager
+    if manager is not None and rank_coverage.measuring() is not None:
+        manager.stop_pools()
+    return result
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

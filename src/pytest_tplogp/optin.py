@@ -14,25 +14,27 @@ from typing import Any
 
 #: The module that holds the full plugin (hooks, which bring the fixture modules along).
 FULL_PLUGIN = "pytest_tplogp.hooks"
-#: Names under which a run can ask for the plugin.
-NAMES = ("pytest_tplogp", FULL_PLUGIN)
+#: Names under which a run can ask for the plugin (``pytest_tplogp.lmhead`` asks for it with its own fixtures).
+NAMES = ("pytest_tplogp", FULL_PLUGIN, "pytest_tplogp.lmhead")
 
 
-def _listed(specs: Any) -> bool:
+def _listed(specs: Any) -> str | None:
+    """The first of :data:`NAMES` among plugin specs (a list, or a comma-separated string), or None."""
     if isinstance(specs, str):
         specs = specs.split(",")
     try:
-        return any(str(s).strip() in NAMES for s in specs)
+        return next((str(s).strip() for s in specs if str(s).strip() in NAMES), None)
     except TypeError:
-        return False
+        return None
 
 
 def why_active(config: Any) -> str | None:
     """How this run asked for the plugin (a short phrase for the header), or None when it did not."""
     from . import options
 
-    if _listed(config.getoption("plugins", None) or ()):
-        return "-p pytest_tplogp"
+    name = _listed(config.getoption("plugins", None) or ())
+    if name is not None:
+        return f"-p {name}"
     if _listed(os.environ.get("PYTEST_PLUGINS", "")):
         return "PYTEST_PLUGINS"
     for plugin in config.pluginmanager.get_plugins():

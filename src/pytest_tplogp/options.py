@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 
-from .values import BIASES, DTYPES, OP_SOURCES, SHARD_KINDS
-
 BACKENDS = ("auto", "gloo", "nccl")
 START_METHODS = ("forkserver", "spawn")
 
@@ -26,10 +24,6 @@ class Settings:
     backend: str = "auto"
     timeout_s: float = 120.0
     run_stress: bool = False
-    op_sources: tuple[str, ...] = OP_SOURCES
-    dtypes: tuple[str, ...] = tuple(DTYPES)
-    biases: tuple[str, ...] = tuple(BIASES)
-    shards: tuple[str, ...] = SHARD_KINDS
     threads: int = 0  # torch intra-op threads per CPU rank; 0 = cores // world size
     start_method: str = "forkserver"
     pdb_rank: int | None = None  # --tp-pdb: this rank's breakpoint() and failures open pdb on a local port
@@ -74,7 +68,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
-def _subset(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+def subset(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     def parse(raw: str) -> tuple[str, ...]:
         items = tuple(x.strip() for x in raw.split(",") if x.strip())
         bad = [x for x in items if x not in choices]
@@ -108,14 +102,6 @@ SPECS: tuple[Spec, ...] = (
          "per-test deadline in seconds on the ranks (marker timeout= overrides; default 120)", "SECONDS"),
     Spec("run_stress", "--tp-run-stress", "TPLOGP_RUN_STRESS", "tp_run_stress", _bool,
          "run @pytest.mark.stress tests (also selected by -m stress)", is_flag=True),
-    Spec("op_sources", "--tp-op-source", "TPLOGP_OP_SOURCE", "tp_op_source", _subset(OP_SOURCES),
-         "op_source grid, comma-separated subset of registry,native,triton,sm90", "LIST"),
-    Spec("dtypes", "--tp-dtype", "TPLOGP_TP_DTYPE", "tp_dtype", _subset(tuple(DTYPES)),
-         "dtype grid, comma-separated subset of fp32,bf16,fp16", "LIST"),
-    Spec("biases", "--tp-bias", "TPLOGP_TP_BIAS", "tp_bias", _subset(tuple(BIASES)),
-         "bias grid, comma-separated subset of nobias,bias", "LIST"),
-    Spec("shards", "--tp-shards", "TPLOGP_TP_SHARDS", "tp_shards", _subset(SHARD_KINDS),
-         "vocab_shards grid, comma-separated subset of even,uneven", "LIST"),
     Spec("start_method", "--tp-start-method", "TPLOGP_TP_START_METHOD", "tp_start_method",
          _choice(START_METHODS), "how ranks start: forkserver (one process imports torch once, ranks are forks of "
          "it: fast starts and respawns) or spawn (a fresh interpreter per rank)", "NAME"),
@@ -131,14 +117,16 @@ SPECS: tuple[Spec, ...] = (
 ENABLE_INI = "tplogp"
 
 
-def addoption(parser: pytest.Parser) -> None:
-    """Add every option (CLI flag and ini key) once. Adding them changes nothing until the plugin is active."""
+def addoption(parser: pytest.Parser, specs: tuple[Spec, ...] = SPECS) -> None:
+    """Add the options of ``specs`` (CLI flag and ini key) once. Adding them changes nothing until the plugin is
+    active. The generic plugin's (:data:`SPECS`) come with the ini switch; ``pytest_tplogp.lmhead`` adds its own."""
     group = parser.getgroup("tplogp", "tensor-parallel rank pool (pytest_tplogp; any --tp... option turns it on)")
-    if group.options:
+    if any(option.names() == [specs[0].flag] for option in group.options):
         return
-    parser.addini(ENABLE_INI, help="turn pytest_tplogp on for this project (like -p pytest_tplogp)", type="bool",
-                  default=False)
-    for spec in SPECS:
+    if specs is SPECS:
+        parser.addini(ENABLE_INI, help="turn pytest_tplogp on for this project (like -p pytest_tplogp)", type="bool",
+                      default=False)
+    for spec in specs:
         dest = f"tplogp_{spec.field}"
         help_text = f"{spec.help} [env {spec.env}, ini {spec.ini}]"
         if spec.is_flag:
@@ -163,9 +151,16 @@ def enabled_in_ini(config: pytest.Config) -> bool:
 
 def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Settings:
     """Resolve every setting (CLI > env > ini > default); raise ``pytest.UsageError`` naming the source."""
+    return Settings(**resolve_values(config, SPECS, environ))
+
+
+def resolve_values(config: pytest.Config, specs: tuple[Spec, ...], environ: dict[str, str] | None = None
+                   ) -> dict[str, Any]:
+    """``{field: value}`` of the settings of ``specs`` that are given (CLI > env > ini); ``pytest.UsageError`` naming
+    the source of a value that does not parse."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    for spec in SPECS:
+    for spec in specs:
         cli = config.getoption(f"tplogp_{spec.field}")
         if cli is not None and cli is not False:
             raw, source = ("true" if cli is True else str(cli)), spec.flag
@@ -180,4 +175,4 @@ def resolve(config: pytest.Config, environ: dict[str, str] | None = None) -> Set
             values[spec.field] = spec.parse(raw)
         except ValueError as exc:
             raise pytest.UsageError(f"pytest_tplogp: invalid value {raw!r} for {source}: {exc}") from None
-    return Settings(**values)
+    return values

@@ -32,11 +32,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, NamedTuple
 
+from . import rank_coverage
 from .protocol import (
+    COVERAGE_STOP_TIMEOUT_S,
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
     STRAGGLER_GRACE_S,
     RankConfig,
+    RankCoverage,
     RankOutcome,
     Ready,
     StartFailed,
@@ -169,6 +172,7 @@ class RankPool:
         self.start_s = 0.0
         self.starts = 0
         self.busy = False  # starting, or a command in flight (e.g. interrupted by Ctrl-C): stop() kills at once
+        self.coverage: dict | None = None  # this generation's coverage settings (None: not measured)
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -183,7 +187,8 @@ class RankPool:
                           device_type=self.key.device_type, pool_dir=self.pool_dir,
                           store_path=os.path.join(self.pool_dir, "store"), parent_pid=os.getpid(),
                           num_threads=self.num_threads or self._default_threads(),
-                          start_method=self.start_method, env=self._env(), pdb_rank=self.pdb_rank)
+                          start_method=self.start_method, env=self._env(), pdb_rank=self.pdb_rank,
+                          coverage=self.coverage)
 
     def _env(self) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(self.key.devices)} if self.key.device_type == "cuda" else {}
@@ -204,6 +209,7 @@ class RankPool:
         t0 = time.perf_counter()
         self.busy = True  # until every rank is ready: an interrupted start is killed, not asked to stop
         self.generation += 1
+        self.coverage = rank_coverage.parent_settings()
         tag = f"ws{self.key.world_size}-{self.key.backend}-{'-'.join(self.key.devices)}-g{self.generation}"
         self.pool_dir = os.path.join(self.session_dir, tag)
         os.makedirs(self.pool_dir, exist_ok=True)
@@ -294,7 +300,8 @@ class RankPool:
         self.busy = False
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Ask the ranks to leave (bounded), then kill whatever is left."""
+        """Ask the ranks to leave (bounded), then kill whatever is left. Ranks that measure coverage send their data
+        as they leave: it is added to this process's coverage."""
         if not self.procs:
             return
         if self.busy:
@@ -305,10 +312,35 @@ class RankPool:
                 c.send_bytes(pickle.dumps("stop"))
             except (OSError, ValueError):
                 pass
+        if self.coverage is not None:
+            timeout_s = max(timeout_s, COVERAGE_STOP_TIMEOUT_S)
         deadline = time.monotonic() + timeout_s
+        if self.coverage is not None:
+            self._merge_coverage(deadline)
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         self.kill()
+
+    def _merge_coverage(self, deadline: float) -> None:
+        """Receive each leaving rank's coverage data (bounded) and add it to this process's coverage."""
+        pending = set(range(len(self.procs)))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            waitables = {self.conns[r]: r for r in pending}
+            waitables.update({self.procs[r].sentinel: r for r in pending})
+            for obj in wait(list(waitables), timeout=min(remaining, 1.0)):
+                r = waitables[obj]
+                if r not in pending:
+                    continue
+                try:
+                    msg = pickle.loads(self.conns[r].recv_bytes()) if self.conns[r].poll(0) else None
+                except (EOFError, OSError):
+                    msg = None
+                pending.discard(r)  # one message at most: the data, or nothing from a rank that left without it
+                if isinstance(msg, RankCoverage):
+                    rank_coverage.merge(msg.data)
 
     # ------------------------------------------------------------ commands
     def _paths(self, r: int) -> tuple[str, str, str]:
@@ -414,7 +446,10 @@ class RankPool:
             res.killed = f"ranks {what}"
         elif problems:
             res.killed = "fresh-state check failed: " + "; ".join(problems)
-        if res.killed:
+        if res.killed and problems and not (res.stuck or res.deaths) and self.coverage is not None:
+            self.busy = False  # every rank answered: ask them to leave, so that their coverage data comes back
+            self.stop()
+        elif res.killed:
             self.kill()
         res.elapsed_s = time.perf_counter() - t0
         return res
@@ -488,6 +523,14 @@ class PoolManager:
                 self.start_errors[key] = str(exc)
                 raise
         return pool
+
+    def stop_pools(self) -> None:
+        """Stop every pool (coverage data comes back as they stop); the next use starts them again."""
+        for pool in self.pools.values():
+            try:
+                pool.stop()
+            except Exception:
+                pool.kill()
 
     def shutdown(self) -> None:
         for pool in self.pools.values():

@@ -19,6 +19,8 @@ STRAGGLER_GRACE_S = 3.0
 START_TIMEOUT_S = 180.0
 #: Bounded wait for a graceful pool stop before SIGKILL.
 STOP_TIMEOUT_S = 5.0
+#: Bounded wait for a pool stop while coverage is measured: each rank serializes its coverage data first.
+COVERAGE_STOP_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class RankConfig:
     start_method: str = "forkserver"
     env: dict[str, str] = field(default_factory=dict)  # applied before torch touches a device (CUDA_VISIBLE_DEVICES)
     pdb_rank: int | None = None  # --tp-pdb: the rank whose breakpoint() and failures open pdb on a local port
+    coverage: dict | None = None  # the pytest process's coverage settings (rank_coverage); None: not measured
+
 
     def path(self, suffix: str) -> str:
         return os.path.join(self.pool_dir, f"rank{self.rank}.{suffix}")
@@ -88,6 +92,14 @@ class Ready:
     pid: int
     device: str
     startup_s: float
+
+
+@dataclass
+class RankCoverage:
+    """A rank's last message when it measures coverage: its data (``CoverageData.dumps``), sent as it stops."""
+
+    rank: int
+    data: bytes
 
 
 @dataclass

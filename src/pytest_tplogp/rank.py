@@ -6,7 +6,8 @@ Life of a rank (started by ``pool.py`` through ``torch.multiprocessing``, forkse
    only pytest; ``PR_SET_PDEATHSIG`` = SIGKILL so the rank dies with pytest even if pytest is SIGKILLed.
 2. fd 1/2 go to per-rank files (the controller slices them per test: per-rank captured output, also after a hang);
    ``faulthandler`` dumps every thread's stack to a per-rank file on SIGUSR1 (works while a collective holds the
-   GIL) and on fatal signals.
+   GIL) and on fatal signals. When the pytest process measures coverage, the rank starts measuring with its
+   settings (``rank_coverage``).
 3. Rendezvous through a ``FileStore`` in the per-session directory (no port at all), ``init_process_group``; under
    NCCL a gloo control group for object exchange. Then ``Ready`` is sent.
 4. Serve commands until ``stop`` or EOF: ``RunTest`` (import the module by file, look the function up by its
@@ -15,7 +16,7 @@ Life of a rank (started by ``pool.py`` through ``torch.multiprocessing``, forkse
    cheap fresh-state check: what the test changed in the process (environment, working directory, default dtype,
    grad mode, torch threads, deterministic algorithms) is restored and named; process groups left behind, a dead
    default group or CUDA memory above the baseline recycle the pool.
-5. Leave: destroy the process group, run multiprocessing's exit finalizers (named semaphores made on the rank are
+5. Leave: send the coverage data (when measured) as the last message, destroy the process group, run multiprocessing's exit finalizers (named semaphores made on the rank are
    released, not reported leaked by the resource tracker at the end of the session), then ``os._exit`` (no
    interpreter teardown).
 """
@@ -40,7 +41,7 @@ from typing import Any
 
 from . import debug
 from .forkserver_guard import set_pdeathsig
-from .protocol import CallFn, RankConfig, RankOutcome, Ready, RunTest, StartFailed
+from .protocol import CallFn, RankConfig, RankCoverage, RankOutcome, Ready, RunTest, StartFailed
 
 _KEEP: list[Any] = []  # files that must stay open for faulthandler
 
@@ -449,6 +450,11 @@ def rank_main(cfg: RankConfig, conn: Any) -> None:
     os.environ.update(cfg.env)
     _isolate(cfg)
     _redirect_output(cfg)
+    cov = None
+    if cfg.coverage is not None:  # started before the rank imports anything of the tests
+        from . import rank_coverage
+
+        cov = rank_coverage.start(cfg.coverage)
     try:
         rank = _Rank(cfg)
     except BaseException:  # noqa: BLE001 - reported to the controller
@@ -462,6 +468,11 @@ def rank_main(cfg: RankConfig, conn: Any) -> None:
     try:
         rank.serve(conn)
     finally:
+        if cov is not None:
+            try:
+                conn.send_bytes(pickle.dumps(RankCoverage(cfg.rank, rank_coverage.collect(cov))))
+            except Exception:  # noqa: BLE001 - the controller is gone, or the data could not be read: none sent
+                pass
         try:
             sys.stdout.flush()
             sys.stderr.flush()

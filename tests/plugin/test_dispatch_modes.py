@@ -111,7 +111,7 @@ def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, refere
 def test_operator_fixtures_end_to_end(pytester: pytest.Pytester, tag: str) -> None:
     pytest.importorskip("tplogp.kernel_registry")
     pytester.makepyfile(test_body=OP_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "--tp-op-source=registry,native,sm90",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rA", "--tp-op-source=registry,native,sm90",
                                            "--tp-dtype=fp32,bf16")
     # 2 shard layouts x 2 dtypes x 2 bias settings for each runnable source; sm90 is skipped on CPU
     result.assert_outcomes(passed=16, skipped=8)

@@ -57,7 +57,7 @@ def test_mesh_ids_and_the_collection_error(pytester: pytest.Pytester, tag: str) 
     assert "Traceback" not in result.stdout.str() and "pluggy" not in result.stdout.str()
     # vocab_shards over a mesh without its dim: an error at setup naming the dims
     pytester.makepyfile(test_vocab=VOCAB)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-q", "test_vocab.py", "--tp-shards=uneven")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-q", "test_vocab.py", "--tp-shards=uneven")
     result.assert_outcomes(passed=0, errors=1)
     result.stdout.fnmatch_lines(["*test_vocab.py::test_vocab[[]uneven-tp4-dp2xcp2[]]: vocab_shards shards the "
                                  "vocabulary over mesh dim 'tp', which mesh {'dp': 2, 'cp': 2} (2 x 2 = 4 ranks) "

@@ -110,8 +110,18 @@ def test_tp(tp):
 def test_stress():
     pass
 
-def test_grid(dtype, bias):
-    pass
+# a downstream project's own dtype and bias: the generic plugin has no fixture of these names, so nothing
+# parametrizes the test
+@pytest.fixture
+def dtype():
+    return "project-dtype"
+
+@pytest.fixture
+def bias():
+    return "project-bias"
+
+def test_project_dtype_bias(dtype, bias):
+    assert (dtype, bias) == ("project-dtype", "project-bias")
 '''
 
 
@@ -133,15 +143,47 @@ def test_asking_turns_everything_on(pytester: pytest.Pytester, tag: str, monkeyp
         monkeypatch.setenv("PYTEST_PLUGINS", "pytest_tplogp")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     result = pytester.runpytest_subprocess(*args)
-    # the tp parametrization, the plugin's grid fixtures (3 dtypes x 2 biases), stress tests skipped unless selected
-    result.assert_outcomes(passed=6, skipped=2)
+    # the tp parametrization, stress tests skipped unless selected, the project's dtype/bias test run once, as it is
+    result.assert_outcomes(passed=1, skipped=2)
     # the header says how the run asked for the plugin
     reason = {"-p": "-p pytest_tplogp", "conftest": "pytest_plugins in conftest.py", "--tp": "--tp*",
               "ini": "ini tplogp = true", "PYTEST_PLUGINS without autoload": "PYTEST_PLUGINS"}[how]
     result.stdout.fnmatch_lines([f"tplogp: world size 2, *; on by {reason}"])
     result.stdout.fnmatch_lines(["*test_body.py::test_tp[[]tp2[]] SKIPPED*", "*test_body.py::test_stress SKIPPED*",
-                                 "*test_body.py::test_grid[[]fp32-nobias[]] PASSED*"])
+                                 "*test_body.py::test_project_dtype_bias PASSED*"])
     result.stdout.fnmatch_lines(["*stress test: select with -m stress*"])
+    assert "--tp-dtype" not in pytester.runpytest_subprocess(*args, "--help").stdout.str()
+
+
+LMHEAD_TESTS = '''
+import pytest
+
+def test_grid(dtype, bias):
+    pass
+
+@pytest.mark.tp(backend="nccl")  # skipped in the parent without GPUs: nothing is spawned
+def test_tp(tp):
+    pass
+'''
+
+
+@pytest.mark.parametrize("how", ["-p", "conftest"])
+def test_lmhead_fixtures_are_a_plugin_of_their_own(pytester: pytest.Pytester, tag: str,
+                                                   monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """``pytest_tplogp.lmhead`` brings tplogp's LM-head fixtures and options, and the generic plugin with them."""
+    pytester.makepyfile(test_body=LMHEAD_TESTS)
+    args = ["-v", "-rs", "-p", "no:cacheprovider", "--tp-dtype=fp32,bf16"]
+    if how == "-p":
+        args = ["-p", "pytest_tplogp.lmhead", *args]
+    else:
+        pytester.makeconftest('pytest_plugins = ["pytest_tplogp.lmhead"]\n')
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=4, skipped=1)  # 2 dtypes x 2 biases; the tp marker works
+    reason = {"-p": "-p pytest_tplogp.lmhead", "conftest": "pytest_plugins in conftest.py"}[how]
+    result.stdout.fnmatch_lines([f"tplogp: world size 2, *; on by {reason}",
+                                 "*test_body.py::test_grid[[]bf16-bias[]] PASSED*"])
+    assert "--tp-dtype" in pytester.runpytest_subprocess(*args, "--help").stdout.str()
 
 
 def test_environment_variables_only_configure(pytester: pytest.Pytester, tag: str,

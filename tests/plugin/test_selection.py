@@ -40,7 +40,7 @@ def test_grid(tp, dtype, bias, vocab_shards):
 
 def test_world_size_ids_and_tp_markers(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "--co", "-q")
     result.stdout.fnmatch_lines([
         "test_body.py::test_sizes[[]tp2[]]",
         "test_body.py::test_sizes[[]tp4[]]",
@@ -56,10 +56,10 @@ def test_world_size_ids_and_tp_markers(pytester: pytest.Pytester, tag: str) -> N
 
 def test_grid_restriction(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-k", "test_grid",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "--co", "-q", "-k", "test_grid",
                                            "--tp-dtype=bf16", "--tp-bias=bias", "--tp-shards=uneven")
     result.stdout.fnmatch_lines(["test_body.py::test_grid[[]bf16-bias-uneven-tp2[]]", "1/* tests collected*"])
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-k", "test_grid")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "--co", "-q", "-k", "test_grid")
     result.stdout.fnmatch_lines(["12/* tests collected*"])
 
 
@@ -153,7 +153,7 @@ def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
     assert times and max(times) < 0.5, result.outlines
     # a fixture's skip (op_source) comes before the pool start too: no pool manager was ever made
     pytester.makeconftest(POOL_REPORTER)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "test_source", "-vv", "-s",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rs", "-k", "test_source", "-vv", "-s",
                                            "--tp-op-source=sm90")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu: *"])

@@ -1,25 +1,68 @@
-"""The tplogp-specific fixtures: ``vocab_shards``, ``reference``, ``op_source``, ``dtype``, ``bias``.
+"""The LM-head fixtures of tplogp's own tests, a plugin of their own: ``-p pytest_tplogp.lmhead``.
+
+Fixtures: ``vocab_shards``, ``reference``, ``op_source``, ``dtype``, ``bias`` (and ``vocab_shards_size``,
+``vocab_shards_mesh_dim`` to override). Options: ``--tp-op-source``, ``--tp-dtype``, ``--tp-bias``, ``--tp-shards``
+(env ``TPLOGP_OP_SOURCE``, ``TPLOGP_TP_DTYPE``, ``TPLOGP_TP_BIAS``, ``TPLOGP_TP_SHARDS``; ini ``tp_op_source``, ...).
+They exist only where a run asks for this module (``-p pytest_tplogp.lmhead``, or ``pytest_plugins`` in a
+conftest.py, as tplogp's own conftest.py does): the generic plugin (``pytest_tplogp``) has none of them, so a
+downstream test's own ``dtype`` or ``bias`` is never parametrized by tplogp. Asking for this module asks for the
+generic plugin too.
 
 In a test with ``mesh=``, ``vocab_shards`` shards over the mesh dim ``vocab_shards_mesh_dim`` ("tp") and
 ``reference`` takes DTensors (used as their full tensors).
 
-They come with the plugin when a run asks for it. The parametrizing ones (``op_source``, ``dtype``, ``bias``,
-``vocab_shards``) are built at configure time by :func:`make_grid_fixtures`, so their grids follow the settings
-(``--tp-op-source``, ``--tp-dtype``, ``--tp-bias``, ``--tp-shards``). An op source that cannot run here is skipped
-with the kernel registry's reason, in the parent, before any rank is involved.
+The parametrizing ones (``op_source``, ``dtype``, ``bias``, ``vocab_shards``) are built at configure time by
+:func:`make_grid_fixtures`, so their grids follow the settings. An op source that cannot run here is skipped with
+the kernel registry's reason, in the parent, before any rank is involved.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from . import devices
+from . import devices, options
 from .fixtures import MESH_SHAPE, plan_of
-from .options import Settings
+from .lmhead_values import BIASES, DEFAULT_VOCAB_SIZE, DTYPES, OP_SOURCES, SHARD_KINDS, OpSource, Reference, VocabShards
+from .options import Spec, subset
 from .session import STATE
-from .values import BIASES, DEFAULT_VOCAB_SIZE, DTYPES, OpSource, Reference, VocabShards
+
+#: Asking for this module asks for the generic plugin (its hooks, the ``tp`` marker, the pools).
+pytest_plugins = ["pytest_tplogp"]
+
+
+@dataclass(frozen=True)
+class LMHeadSettings:
+    """The grids of the parametrizing fixtures."""
+
+    op_sources: tuple[str, ...] = OP_SOURCES
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    biases: tuple[str, ...] = tuple(BIASES)
+    shards: tuple[str, ...] = SHARD_KINDS
+
+
+SPECS: tuple[Spec, ...] = (
+    Spec("op_sources", "--tp-op-source", "TPLOGP_OP_SOURCE", "tp_op_source", subset(OP_SOURCES),
+         "op_source grid, comma-separated subset of registry,native,triton,sm90 (pytest_tplogp.lmhead)", "LIST"),
+    Spec("dtypes", "--tp-dtype", "TPLOGP_TP_DTYPE", "tp_dtype", subset(tuple(DTYPES)),
+         "dtype grid, comma-separated subset of fp32,bf16,fp16 (pytest_tplogp.lmhead)", "LIST"),
+    Spec("biases", "--tp-bias", "TPLOGP_TP_BIAS", "tp_bias", subset(tuple(BIASES)),
+         "bias grid, comma-separated subset of nobias,bias (pytest_tplogp.lmhead)", "LIST"),
+    Spec("shards", "--tp-shards", "TPLOGP_TP_SHARDS", "tp_shards", subset(SHARD_KINDS),
+         "vocab_shards grid, comma-separated subset of even,uneven (pytest_tplogp.lmhead)", "LIST"),
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    options.addoption(parser, SPECS)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the grid fixtures for this session's settings."""
+    settings = LMHeadSettings(**options.resolve_values(config, SPECS))
+    config.pluginmanager.register(make_grid_fixtures(settings), "tplogp-lmhead-grid-fixtures")
 
 
 @pytest.fixture
@@ -66,7 +109,7 @@ def source_unavailable(name: str, device_type: str) -> str | None:
     return _SOURCE_CACHE[key]
 
 
-def make_grid_fixtures(settings: Settings) -> Any:
+def make_grid_fixtures(settings: LMHeadSettings) -> Any:
     """The parametrizing fixtures, with grids restricted by the settings (--tp-op-source, --tp-dtype, ...)."""
 
     class GridFixtures:
@@ -114,8 +157,3 @@ def make_grid_fixtures(settings: Settings) -> Any:
             return VocabShards(request.param, size, vocab_size=vocab, mesh=shape, mesh_dim=vocab_shards_mesh_dim)
 
     return GridFixtures()
-
-
-def register(config: pytest.Config, settings: Settings) -> None:
-    """Register the grid fixtures for this session's settings."""
-    config.pluginmanager.register(make_grid_fixtures(settings), "tplogp-grid-fixtures")
