@@ -4,7 +4,7 @@ the placement (decided in each worker before anything touches CUDA) is what is c
 from __future__ import annotations
 
 import pytest
-from tests.plugin.plugin_helpers import leftover_processes
+from tests.support.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 

@@ -175,7 +175,7 @@ def test_collective(tp):
 
 def test_spawn_start_method(pytester: pytest.Pytester, tag: str) -> None:
     """The spawn start method (a fresh interpreter per rank) works as well as the default forkserver."""
-    from tests.plugin.plugin_helpers import leftover_processes
+    from tests.support.plugin_helpers import leftover_processes
 
     pytester.makepyfile(test_body=SPAWN_BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-start-method=spawn")
