@@ -68,7 +68,7 @@ def _loss(leaves, p, dtype):
 
 
 @triton_interpreter
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float32], ids=["bf16", "fp32"])
 def test_keep_all_backward_consumes_the_kept_terms_only_when_no_backward_follows(in_place, dtype):
     p = make_problem((N,), D, V, dtype, True, seed=11, peaked=True)
     # retain_graph=True: read-only (a d_logits workspace); the second backward, which frees the graph, consumes
@@ -216,7 +216,7 @@ class _ScalesAtAllocation(TorchDispatchMode):
 
 
 @triton_interpreter
-@pytest.mark.parametrize("path", ["linear_logp", "linear_logp_loss"])
+@pytest.mark.parametrize("path", ["linear_logp", pytest.param("linear_logp_loss", marks=pytest.mark.slow)])
 def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradients(monkeypatch, in_place, path):
     """The eager paths keep the scales apart from the terms (``ShardCall.scales_apart``). A consuming backward
     drops them once its d_logits pass has read them: they are freed before the d_hidden and d_W outputs are

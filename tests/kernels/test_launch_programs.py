@@ -46,7 +46,7 @@ def _tensors(out) -> list:
 
 
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
 def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
     backend = _backend()
@@ -68,7 +68,7 @@ def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
     assert int(flags[1]) == int(flags[2]) == V + 5  # the target check ran in the finishing kernel
 
 
-@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+@pytest.mark.parametrize("entropy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["logp", "entropy"])
 @pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
 def test_a_tp_shards_stats_program_gives_the_per_call_paths_bits(entropy, keep):
     """``forward_stats`` (a shard of a group: shard-local targets, -1 where another rank owns the target)."""
@@ -154,8 +154,8 @@ def test_layouts_a_program_does_not_cover_plan_each_call():
 
 
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("lse", [False, True], ids=["no-lse", "lse"])
+@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("lse", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-lse", "lse"])
 def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy, bias, lse):
     """Every term kept, a backward that consumes them: the layout's ``KeptBackward`` with its launch bound (made by
     the first backward, run by the second) against the per-call path (a new one per call, launched through the

@@ -48,6 +48,7 @@ def sass():
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_sm90_kernels_machine_code(sass):
     counts = sass
     for name in ("fwd_stats", "bwd_dlogits"):
@@ -62,6 +63,7 @@ def test_sm90_kernels_machine_code(sass):
     assert counts["fwd_stats"].get("STG", 0) <= 8, counts["fwd_stats"]
 
 
+@pytest.mark.slow
 def test_kept_terms_variants_machine_code(sass):
     """The forward that keeps softmax terms (``KEEP``) still runs wgmma/TMA with single-MUFU exponentials (the
     terms are the epilogue's own exponentials: no second one) and stores each bf16 tile with one TMA store per
@@ -79,16 +81,22 @@ def test_kept_terms_variants_machine_code(sass):
     assert kept.get("STG", 0) <= 64 and kept.get("STL", 0) == 0, kept
 
 
-def test_shared_memory_model_covers_compiled_kernels():
+# The cases of tests.support.compiled_kernels.CASES by kernel kind: the inner loop compiles the d_hidden kernel (one
+# case, the cheapest compilation); the seven forward and d_logits cases (a compilation each) are slow.
+@pytest.mark.parametrize("kinds, cases", [
+    (["dh"], 1),
+    pytest.param(["fwd_tma", "bwd_tma", "fwd", "bwd"], 7, marks=pytest.mark.slow),
+], ids=["dh", "fwd-bwd"])
+def test_shared_memory_model_covers_compiled_kernels(kinds, cases):
     """The shared-memory model behind the config fitting (tplogp.kernels.tiles.gemm_shared_bytes) is never below
     what Triton allots the compiled kernels (sm_90 and sm_80; 16-bit, tf32 and ieee fp32 dots) and is exact for the
     TMA kernels, whose fp32 forward the H200 refused at 262160 bytes."""
     _needs_nvidia_toolchain()
-    run = subprocess.run([sys.executable, "-m", "tests.support.compiled_kernels", "shared-memory"], capture_output=True, text=True,
-                         env=_env(), timeout=600, cwd=ROOT)
+    run = subprocess.run([sys.executable, "-m", "tests.support.compiled_kernels", "shared-memory", *kinds],
+                         capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) >= 8, run.stdout
+    assert len(rows) == cases, run.stdout
     for row in rows:
         assert row["model"] >= row["compiled"], row
         if row["tma"]:

@@ -30,7 +30,7 @@ from tplogp.backends.base import ShardCall  # noqa: E402
 
 DEFAULT = tiles.DEFAULT_WORKSPACE_BYTES
 CPU = CPU_DEVICE = torch.device("cpu")
-N, D, V = 37, 48, 600  # odd N; D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk alignments
+N, D, V = 19, 48, 600  # odd N (two row tiles, the second masked); D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk alignments
 
 
 RECOMPUTE = {"triton": (generic_launch, "launch_dlogits"), "sm90-kernels": (hopper_launch, "launch_dlogits_tma")}
@@ -64,6 +64,7 @@ def _count_columns(monkeypatch, kernels):
 
 # Every pair of (kernels, dtype, mode) values once: four of the eight combinations cover all pairs, and each one
 # runs four interpreted forward+backward calls (the full product doubled this module's time).
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels, dtype, deterministic", [
     pytest.param("triton", torch.float32, False, id="default-fp32-triton"),
     pytest.param("triton", torch.bfloat16, True, id="deterministic-bf16-triton"),
@@ -125,6 +126,7 @@ def test_kept_logits_only_with_a_backward_and_within_the_budget(monkeypatch):
     assert torch.all(scales >= z.view(N, -1, block_v).amax(2) - 1e-4)  # a running max covers its own tile
 
 
+@pytest.mark.slow
 def test_environment_budget_and_repeated_backward(monkeypatch):
     """TPLOGP_WORKSPACE_MB has the call's meaning; kept terms are read, not overwritten, by a backward that retains
     the graph (a second backward through it gives the same gradients)."""
@@ -144,6 +146,7 @@ def test_environment_budget_and_repeated_backward(monkeypatch):
     assert torch.equal(h.grad, 2 * first)
 
 
+@pytest.mark.slow
 @pytest.mark.tp(world_size=4, timeout=300)
 def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
     """Triton source, 4 uneven gloo ranks, two vocab chunks per rank: the async all-reduce of d_hidden is issued
@@ -242,6 +245,7 @@ def test_default_budget_keeps_small_calls_whole(monkeypatch):
     assert cols(N, V) == 0  # the variable is a budget: the default workspace alone keeps nothing
 
 
+@pytest.mark.slow
 def test_default_budget_runs_the_kept_schedule(monkeypatch):
     """A default call small enough to keep forms every d_logits column from the kept terms (no recompute) and gives
     the same logp bits as a call that keeps nothing, and gradients within the eager reference's error."""
@@ -262,6 +266,7 @@ def test_default_budget_runs_the_kept_schedule(monkeypatch):
                         torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_kept_buffer_is_freed_after_the_backward(monkeypatch):
     """What is kept (the terms' buffer and, eagerly, the scales in their own allocation) lives from the forward to
     the end of its backward, no longer: nothing the call path keeps refers to it afterwards (a reference from the

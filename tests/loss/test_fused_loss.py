@@ -89,7 +89,7 @@ def _count_recompute(monkeypatch):
 
 
 @pytest.mark.parametrize("source", cpu_sources())
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("reduction", ["sum", pytest.param("mean", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("budget", [None, "chunks", "all"])
 def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
@@ -157,7 +157,7 @@ def _ppo_and_kl(logp, entropy, adv, old, ref):
 
 
 @pytest.mark.parametrize("source", cpu_sources())
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("bias", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["bias", "nobias"])
 def test_without_entropy_gives_the_same_loss_and_gradients(monkeypatch, source, bias):
     """``with_entropy=False`` with a loss that reads no entropy: no entropy statistics reach the loss path (the
     source's call and its outputs carry none) and the loss and gradients are bitwise those of the default, which
@@ -226,7 +226,7 @@ def test_deterministic_reaches_the_source(monkeypatch, deterministic):
 
 @pytest.mark.tp(world_size=4, timeout=300)
 @pytest.mark.parametrize("source", cpu_sources())
-@pytest.mark.parametrize("budget", [None, "chunks"])
+@pytest.mark.parametrize("budget", [None, pytest.param("chunks", marks=pytest.mark.slow)])
 def test_matches_eager_loss_on_uneven_ranks(tp, source, budget):
     from pytest_tplogp import VocabShards
 
@@ -537,8 +537,8 @@ def test_a_budget_that_keeps_the_whole_call_runs_one_pass_with_every_term_kept(m
 
 
 @pytest.mark.parametrize("source", cpu_sources())
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("ignore", [None, "some", "in place", "all"])
+@pytest.mark.parametrize("reduction", ["sum", pytest.param("mean", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ignore", [None, pytest.param("some", marks=pytest.mark.slow), "in place", "all"])
 @pytest.mark.parametrize("path", ["one pass", "chunks"])
 @pytest.mark.parametrize("loss", ["grpo", "linear"])
 def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction, ignore, path, loss):

@@ -131,6 +131,7 @@ def test_op_host_cost_column_per_checks_mode(tmp_path):
     assert len(seen) == 3 and all(modes and set(modes) == {r["checks"]} for modes, r in zip(seen, op_rows)), seen
 
 
+@pytest.mark.slow
 def test_memory_smoke_rows(tmp_path):
     _bench("memory", "--smoke", "--out", str(tmp_path))
     rows = {r["impl"]: r for r in _rows(tmp_path)}
@@ -141,6 +142,7 @@ def test_memory_smoke_rows(tmp_path):
         assert r["logits_mib"] == pytest.approx(256 * 2048 * 4 / 2**20, abs=0.1)
 
 
+@pytest.mark.slow
 def test_plugin_smoke_rows(tmp_path):
     _bench("plugin", "--smoke", "--out", str(tmp_path))
     rows = {r["section"]: r for r in _rows(tmp_path)}
@@ -220,6 +222,7 @@ def test_budget_and_shape_parsing():
         impls.select("tplogp-sm90,nope")
 
 
+@pytest.mark.slow
 def test_tp_smoke_rows(tmp_path):
     """``tp --smoke``: one torchrun launch per degree (1 and 2 gloo ranks), one row each with the slowest rank's step
     and its host CPU time (the calling thread's, within the process's: same calls)."""
@@ -239,6 +242,7 @@ def test_tp_smoke_rows(tmp_path):
         assert f"| {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} |" in table, table
 
 
+@pytest.mark.slow
 def test_floors_smoke_rows(tmp_path):
     """``floors --smoke``: one GEMM-floor row (the floor is the unit plus the two backward GEMMs, every keep-all
     timing positive) and, on the CPU, one host row per implementation with autograd's threads on; the report's

@@ -60,6 +60,7 @@ def test_pass_output_format_progress_and_status():
     assert text.rstrip().endswith("[result]\n  PASS")
 
 
+@pytest.mark.slow
 def test_module_entry_runs_the_same_program():
     out = torchrun(*SMALL, entry=("-m", "tplogp.runbook"))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -67,6 +68,7 @@ def test_module_entry_runs_the_same_program():
     assert out.stdout.rstrip().endswith("[result]\n  PASS")
 
 
+@pytest.mark.slow
 def test_fail_is_reported_once_and_exits_nonzero():
     out = torchrun("--dtype", "bf16", "--tokens", "32", "--hidden-size", "48", "--vocab-size", "301",
                    "--no-bias", "--atol", "0", "--rtol", "0")
@@ -76,6 +78,7 @@ def test_fail_is_reported_once_and_exits_nonzero():
     assert_one_failed_rank_quietly(out)
 
 
+@pytest.mark.slow
 def test_bad_size_is_one_line_from_rank_0_and_never_passes():
     out = torchrun(*SMALL, "--tokens", "0", nproc=4)
     message = "linear_logp_tp.py: error: argument --tokens: must be a positive int, got 0\n"
@@ -84,6 +87,7 @@ def test_bad_size_is_one_line_from_rank_0_and_never_passes():
     assert_one_failed_rank_quietly(out)
 
 
+@pytest.mark.slow
 def test_unparsable_value_prints_no_usage_per_rank():
     out = torchrun(*SMALL, "--atol", "abc")
     assert out.stderr.count("error: argument --atol: must be a number, got 'abc'") == 1, out.stderr
@@ -91,6 +95,7 @@ def test_unparsable_value_prints_no_usage_per_rank():
     assert_one_failed_rank_quietly(out)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="sm90 is unavailable only without a Hopper GPU")
 def test_unavailable_source_is_one_error_line():
     out = torchrun(*SMALL, "--op-source", "sm90")

@@ -112,6 +112,7 @@ def test_compiled_against_float64_truth():
         assert_no_worse(name, value.detach(), getattr(ref, name), getattr(truth, name), torch.float32)
 
 
+@pytest.mark.slow
 def test_compile_inductor_fullgraph():
     """The default backend (inductor) around the op: one graph, eager's values."""
     o = dict(return_entropy=True, return_lse=True, temperature=0.9)
@@ -223,7 +224,7 @@ def _count_recomputes(monkeypatch, source):
 
 
 @pytest.mark.parametrize("source", KEEP_SOURCES)
-@pytest.mark.parametrize("opts", ["plain", "entropy", "ignore_index"])
+@pytest.mark.parametrize("opts", ["plain", pytest.param("entropy", marks=pytest.mark.slow), "ignore_index"])
 def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts):
     """Under torch.compile a budget that holds the logits makes the op's forward keep their terms and its backward
     read them (no recompute GEMM), with eager's bits; with ignore_index (data-dependent row count) nothing is kept
@@ -254,8 +255,8 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
 # ---- with a TP group: gloo ranks of the plugin --------------------------------------------------------------------
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
-@pytest.mark.parametrize("mode", CHECK_MODES)
-@pytest.mark.parametrize("opts", ["plain", "keep", "all"])
+@pytest.mark.parametrize("mode", ["full", pytest.param("fast", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("opts", [pytest.param("plain", marks=pytest.mark.slow), pytest.param("keep", marks=pytest.mark.slow), "all"])
 def test_compile_with_tp_group(tp, opts, mode, monkeypatch):
     """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal eager's."""
     from pytest_tplogp import VocabShards

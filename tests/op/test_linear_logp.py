@@ -30,13 +30,14 @@ def check_three_way(ours, ref, truth, dtype, what=("logp", "d_hidden", "d_weight
 
 
 # Shapes: a tiny square-ish case, an odd one (N, D, V not multiples of 8; V prime), and a [B, S, D] one.
-SHAPES = {"37x19x101": ((37,), 19, 101), "odd-61x67x1009": ((61,), 67, 1009), "3x17x40x256": ((3, 17), 40, 256)}
+SHAPES = {"37x19x101": ((37,), 19, 101), "odd-29x67x1009": ((29,), 67, 1009), "3x17x40x256": ((3, 17), 40, 256)}
+SHAPE_PARAMS = [pytest.param(k, marks=pytest.mark.slow) if k.startswith("odd") else k for k in SHAPES]
 
 
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("shape", SHAPE_PARAMS, ids=list(SHAPES))
 def test_matches_float64_truth(source, dtype, bias, shape):
     lead, d, v = SHAPES[shape]
     dt = DTYPES[dtype]

@@ -115,7 +115,9 @@ def test_grid(dtype, bias):
 '''
 
 
-@pytest.mark.parametrize("how", ["-p", "conftest", "--tp", "ini", "PYTEST_PLUGINS without autoload"])
+# every way of asking, each a pytester subprocess: the inner loop keeps -p
+@pytest.mark.parametrize("how", ["-p", *(pytest.param(how, marks=pytest.mark.slow)
+                                        for how in ("conftest", "--tp", "ini", "PYTEST_PLUGINS without autoload"))])
 def test_asking_turns_everything_on(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch,
                                     how: str) -> None:
     pytester.makepyfile(test_body=TP_TESTS)

@@ -29,6 +29,7 @@ def test_two_distinct_gpus(tp, i):
 '''
 
 
+@pytest.mark.slow
 def test_placement_under_xdist_on_faked_gpus(pytester: pytest.Pytester, tag: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")

@@ -136,6 +136,7 @@ def pytest_sessionfinish(session):
 '''
 
 
+@pytest.mark.slow
 def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -173,6 +174,7 @@ def test_collective(tp):
 '''
 
 
+@pytest.mark.slow
 def test_spawn_start_method(pytester: pytest.Pytester, tag: str) -> None:
     """The spawn start method (a fresh interpreter per rank) works as well as the default forkserver."""
     from tests.support.plugin_helpers import leftover_processes

@@ -2,8 +2,9 @@
 
 Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` starts it in a subprocess):
 
-* ``python -m tests.support.compiled_kernels shared-memory``: one JSON line per case, ``{"case", "tma", "compiled": bytes
-  Triton allots, "model": tplogp.kernels.tiles.gemm_shared_bytes}``;
+* ``python -m tests.support.compiled_kernels shared-memory [KIND ...]``: one JSON line per case (of those kernel
+  kinds; all without), ``{"case", "tma", "compiled": bytes Triton allots, "model":
+  tplogp.kernels.tiles.gemm_shared_bytes}``;
 * ``python -m tests.support.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
   forward-statistics kernel (default and ``KEEP`` with its TMA stores) and d_logits kernels (TMA, and from kept logits), with the sm90
   config, bf16, no bias / entropy.
@@ -110,8 +111,10 @@ def sass_counts(cubin: bytes) -> collections.Counter:
     return ops
 
 
-def shared_memory() -> None:
+def shared_memory(kinds: list[str]) -> None:
     for kind, arch, dt, blocks, precision in CASES:
+        if kinds and kind not in kinds:
+            continue
         compiled = _compile(kind, arch, dt, blocks, precision).metadata.shared
         model = tiles.gemm_shared_bytes(*blocks, _ITEMSIZE[dt], tiles.uses_tensor_cores(_ITEMSIZE[dt], precision))
         print(json.dumps(dict(case=f"{kind} sm_{arch} {dt} {blocks} {precision}", tma=kind.endswith("tma") and arch == 90,
@@ -136,7 +139,10 @@ def machine_code() -> None:
 
 
 def main() -> int:
-    {"shared-memory": shared_memory, "sass-counts": machine_code}[sys.argv[1]]()
+    if sys.argv[1] == "shared-memory":
+        shared_memory(sys.argv[2:])
+    else:
+        {"sass-counts": machine_code}[sys.argv[1]]()
     return 0
 
 

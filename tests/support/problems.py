@@ -130,12 +130,16 @@ def float64_logit_stats(z: torch.Tensor, target: torch.Tensor) -> dict:
     return dict(z=z, row_max=m, sum_exp=e.sum(1), target_logit=t, sum_exp_z=(e * (z - m[:, None])).sum(1))
 
 
-def cpu_sources() -> list:
+def cpu_sources(slow_triton: bool = False) -> list:
     """``native`` and ``triton`` as pytest parameters for tests of CPU behaviour: triton skipped unless it runs
-    here (Triton's interpreter, ``TRITON_INTERPRET=1`` as the project's conftest sets it without a GPU)."""
+    here (Triton's interpreter, ``TRITON_INTERPRET=1`` as the project's conftest sets it without a GPU), and marked
+    ``slow`` with ``slow_triton`` (left out of the inner loop)."""
     import pytest
 
     from tplogp.kernel_registry import unavailable_reason
 
     here = unavailable_reason("triton", torch.device("cpu")) is None
-    return ["native", pytest.param("triton", marks=pytest.mark.skipif(not here, reason="needs triton (interpreter)"))]
+    marks = [pytest.mark.skipif(not here, reason="needs triton (interpreter)")]
+    if slow_triton:
+        marks.append(pytest.mark.slow)
+    return ["native", pytest.param("triton", marks=marks)]
