@@ -68,7 +68,8 @@ def _loss(leaves, p, dtype):
 
 
 @triton_interpreter
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float32],
+                         ids=["bf16", "fp32"])
 def test_keep_all_backward_consumes_the_kept_terms_only_when_no_backward_follows(in_place, dtype):
     p = make_problem((N,), D, V, dtype, True, seed=11, peaked=True)
     # retain_graph=True: read-only (a d_logits workspace); the second backward, which frees the graph, consumes

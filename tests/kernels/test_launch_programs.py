@@ -159,8 +159,8 @@ def test_layouts_a_program_does_not_cover_plan_each_call():
 def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy, bias, lse):
     """Every term kept, a backward that consumes them: the layout's ``KeptBackward`` with its launch bound (made by
     the first backward, run by the second) against the per-call path (a new one per call, launched through the
-    direct launcher), bitwise, on kept terms of the same forward. (tests/kernels/test_consume_kept.py checks the per-call
-    consuming backward against the read-only one, which recomputes through a workspace.)"""
+    direct launcher), bitwise, on kept terms of the same forward. (tests/kernels/test_consume_kept.py checks the
+    per-call consuming backward against the read-only one, which recomputes through a workspace.)"""
     backend = _backend()
     hidden, weight, b, target = _inputs(bias=bias)
     hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)

@@ -30,7 +30,9 @@ from tplogp.backends.base import ShardCall  # noqa: E402
 
 DEFAULT = tiles.DEFAULT_WORKSPACE_BYTES
 CPU = CPU_DEVICE = torch.device("cpu")
-N, D, V = 19, 48, 600  # odd N (two row tiles, the second masked); D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk alignments
+# odd N (two row tiles, the second masked); D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk
+# alignments
+N, D, V = 19, 48, 600
 
 
 RECOMPUTE = {"triton": (generic_launch, "launch_dlogits"), "sm90-kernels": (hopper_launch, "launch_dlogits_tma")}

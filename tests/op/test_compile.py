@@ -254,9 +254,11 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
 
 # ---- with a TP group: gloo ranks of the plugin --------------------------------------------------------------------
 
-@pytest.mark.tp(world_size=[2, 4], timeout=300)
+# 4 uneven ranks (26, 26, 26, 23 ids); 2 ranks traced the same graph with other shard sizes, so they are not run.
+@pytest.mark.tp(world_size=4, timeout=300)
 @pytest.mark.parametrize("mode", ["full", pytest.param("fast", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("opts", [pytest.param("plain", marks=pytest.mark.slow), pytest.param("keep", marks=pytest.mark.slow), "all"])
+@pytest.mark.parametrize("opts", [pytest.param("plain", marks=pytest.mark.slow),
+                                  pytest.param("keep", marks=pytest.mark.slow), "all"])
 def test_compile_with_tp_group(tp, opts, mode, monkeypatch):
     """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal eager's."""
     from pytest_tplogp import VocabShards

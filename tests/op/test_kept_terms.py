@@ -48,8 +48,8 @@ def test_the_problem_has_a_trained_models_spread():
 
 
 @pytest.mark.parametrize("source", cpu_sources())
-@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow), pytest.param(torch.float32, marks=pytest.mark.slow)],
-                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow),
+                                   pytest.param(torch.float32, marks=pytest.mark.slow)], ids=["bf16", "fp16", "fp32"])
 def test_keep_all_matches_the_default_and_float64(monkeypatch, source, dtype):
     """Every term kept (in the inputs' dtype: fp16 terms for fp16 inputs) against a call that keeps nothing (on
     triton, a call this small keeps by default: there a budget of the default workspace alone keeps nothing)."""
@@ -155,7 +155,8 @@ def test_fused_loss_keeping_terms_three_way(monkeypatch, source):
 
 
 @pytest.mark.parametrize("source", [s for s in cpu_sources() if getattr(s, "values", [s])[0] == "triton"])
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float32],
+                         ids=["bf16", "fp32"])
 def test_consumed_kept_terms_become_d_logits_in_place(monkeypatch, source, dtype):
     """``ShardCall.consume_kept`` (the fused loss: one backward per forward) with every column kept: the d_logits
     kernel writes into the kept terms' memory (no workspace), then one d_hidden and one d_W GEMM over the whole

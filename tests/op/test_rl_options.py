@@ -96,7 +96,8 @@ def test_ignored_targets_are_exempt_from_coverage():
 
 
 # the interpreted sources are slow here; tests/kernels/test_triton_kernels.py keeps a triton case in the inner loop
-@pytest.mark.parametrize("source", [s if s == "native" else pytest.param(s, marks=pytest.mark.slow) for s in SOURCES])
+@pytest.mark.parametrize("source", [s if s == "native" else pytest.param(s, marks=pytest.mark.slow)
+                                    for s in SOURCES])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_deterministic_is_bitwise_and_batch_invariant(source, dtype):
     """Twice the same call: identical bits. The same rows inside a larger batch: identical per-row bits."""

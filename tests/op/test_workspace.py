@@ -46,7 +46,8 @@ def _plan(p, budget, deterministic=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["default", "deterministic"])
+@pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["default", "deterministic"])
 def test_every_budget_gives_the_default_results(small_tiles, monkeypatch, dtype, deterministic):
     p = make_problem((5, 13), 24, 211, dtype, True, seed=8, peaked=True)
     op = get_op("linear_logp", source="native")
