@@ -11,6 +11,7 @@ import torch
 import tplogp
 from tplogp import losses
 from tplogp.tolerances import ERROR_SLACK, rel_error
+from tests.support import tolerances as tol
 
 
 def _points(n: int = 257, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -175,6 +176,6 @@ def test_linear_losses_are_their_coefficients_dot_logp_and_entropy(name):
         assert torch.equal(_as_tensor(c, x), _as_tensor(d, x))
     for lp, ent in ((logp, entropy), (logp * 0.5 - 1, entropy + 2)):
         want = FORMULAS[name](lp, ent, adv)
-        assert torch.allclose(loss(lp, ent, *extra), want, rtol=1e-15, atol=0)
+        assert torch.allclose(loss(lp, ent, *extra), want, **tol.FLOAT64_FORMULA._asdict())
         dotted = _as_tensor(c_logp, lp) * lp + _as_tensor(c_ent, ent) * ent  # the coefficients found at the first
-        assert torch.allclose(dotted, want, rtol=1e-15, atol=0)
+        assert torch.allclose(dotted, want, **tol.FLOAT64_FORMULA._asdict())

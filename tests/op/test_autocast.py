@@ -12,6 +12,7 @@ from tplogp import linear_logp
 from tplogp.reference import reference_outputs
 from tplogp.tolerances import assert_no_worse
 from tests.support.problems import make_problem
+from tests.support import tolerances as tol
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -89,7 +90,7 @@ def test_autocast_low_precision_leaves_keep_their_dtype():
                 [x.to(torch.bfloat16).double().requires_grad_() for x in (p.hidden, p.weight, p.bias)])
     assert ours[0].dtype == torch.float32
     assert tuple(g.dtype for g in ours[1:]) == (torch.bfloat16, torch.float32, torch.float32)
-    torch.testing.assert_close(ours[0].double(), truth[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(ours[0].double(), truth[0], **tol.AUTOCAST_LOGP._asdict())
     for name, a, r, t in zip(("d_hidden", "d_weight", "d_bias"), ours[1:], ref[1:], truth[1:]):
         assert_no_worse(name, a, r, t, torch.bfloat16)
 

@@ -13,6 +13,7 @@ import torch._dynamo
 from tplogp import get_op, linear_logp, linear_logp_loss, losses, ops
 from tplogp.tolerances import assert_no_worse
 from tests.support.problems import cpu_sources, make_problem, run_reference
+from tests.support import tolerances as tol
 
 OPTIONS = {
     "plain": {},
@@ -121,7 +122,7 @@ def test_compile_inductor_fullgraph():
     eager = loss_and_grads(loss_fn, p)
     compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True), p)
     for e, c in zip(eager, compiled):
-        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c, e, **tol.INDUCTOR._asdict())
 
 
 def test_compile_with_triton_source_and_bare_weight():

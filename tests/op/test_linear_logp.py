@@ -12,6 +12,7 @@ from tplogp import get_op
 from tplogp.kernel_registry import unavailable_reason
 from tplogp.tolerances import assert_no_worse, rel_error
 from tests.support.problems import make_problem, run_op, run_reference
+from tests.support import tolerances as tol
 
 CPU = torch.device("cpu")
 SOURCES = [s for s in ("native", "triton", "sm90") if unavailable_reason(s, CPU) is None]
@@ -62,8 +63,8 @@ def test_peaked_and_flat_rows(source, dtype):
     peaked = torch.arange(0, 48, 3)
     assert (truth.logp[peaked] > -1e-3).all(), "problem construction: peaked rows should have logp ~ 0"
     # the gradient at a peaked row's target is g * (1 - p) ~ 0: no catastrophic cancellation allowed
-    assert rel_error(ours.logp[peaked], truth.logp[peaked]) < (1e-5 if dt == torch.float32 else 0.05) \
-        or (ours.logp[peaked] - truth.logp[peaked]).abs().max() < 1e-4
+    assert rel_error(ours.logp[peaked], truth.logp[peaked]) < tol.REL_PEAKED_LOGP[dt] \
+        or (ours.logp[peaked] - truth.logp[peaked]).abs().max() < tol.ABS_PEAKED_LOGP
 
 
 @pytest.mark.parametrize("workspace_kib", [4, 64, 1 << 14], ids=["tiny-tiles", "mid-tiles", "one-tile"])
@@ -73,9 +74,9 @@ def test_chunk_size_invariance(workspace_kib):
     op = get_op("linear_logp", source="native")
     base = run_op(op, p, workspace_bytes=64 << 20, entropy=True)
     other = run_op(op, p, workspace_bytes=workspace_kib << 10, entropy=True)
-    torch.testing.assert_close(other.logp, base.logp, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(other.logp, base.logp, **tol.CHUNKING_LOGP._asdict())
     for name in ("d_hidden", "d_weight", "d_bias"):
-        torch.testing.assert_close(getattr(other, name), getattr(base, name), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(getattr(other, name), getattr(base, name), **tol.CHUNKING_GRADS._asdict(),
                                    msg=lambda m: f"{name}: {m}")
 
 
@@ -90,7 +91,7 @@ def test_non_contiguous_inputs_are_handled():
     assert not (h_t.is_contiguous() or w_t.is_contiguous() or b_s.is_contiguous() or tgt_s.is_contiguous())
     got = op(h_t, w_t, tgt_s, b_s)
     want = op(p.hidden, p.weight, p.target, p.bias)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, **tol.STRIDED_INPUTS._asdict())
 
 
 def test_repeated_backward_accumulates():
