@@ -12,5 +12,6 @@
   A test module imports nothing from another test module (``meta/test_suite_imports.py``).
 
 ``linear_logp_tp.py`` is the runbook's script (``torchrun ... tests/linear_logp_tp.py``), not a test module.
-``python -m pytest -m "not slow" -n 2`` is the inner loop; ``slow`` marks expensive cases covered in kind by faster ones.
+``python -m pytest -m "not slow" -n 2`` is the inner loop; ``slow`` marks expensive cases covered in kind by faster
+ones.
 """
