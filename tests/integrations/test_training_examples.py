@@ -13,6 +13,7 @@ def test_every_section_has_an_example():
     assert set(examples()) == {"compile", "autocast", "megatron", "dtensor", "cuda-graphs"}
 
 
+@pytest.mark.slow
 def test_compile_example():
     torch._dynamo.reset()
     run_example("compile")

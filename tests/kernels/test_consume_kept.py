@@ -148,6 +148,7 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
     assert 4 * (value_words + scale_words) == budget - tiles.DEFAULT_WORKSPACE_BYTES
 
 
+@pytest.mark.slow
 @triton_interpreter
 def test_compiled_keep_all_reads_the_kept_terms_with_eager_gradients(in_place):
     """``tplogp::linear_logp_bwd`` declares no mutation: the compiled backward runs the read-only schedule; fullgraph

@@ -45,7 +45,7 @@ def _tensors(out) -> list:
     return flat
 
 
-@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+@pytest.mark.parametrize("entropy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["logp", "entropy"])
 @pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
 def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):

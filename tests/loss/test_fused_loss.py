@@ -88,7 +88,7 @@ def _count_recompute(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("source", cpu_sources())
+@pytest.mark.parametrize("source", cpu_sources(slow_triton=True))
 @pytest.mark.parametrize("reduction", ["sum", pytest.param("mean", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("budget", [None, "chunks", "all"])
 def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
@@ -127,7 +127,7 @@ def _truth_and_reference(p, extra, reduction, temperature):
     return found["float64"], found["matching"]
 
 
-@pytest.mark.parametrize("source", cpu_sources())
+@pytest.mark.parametrize("source", cpu_sources(slow_triton=True))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16bit_peaked_rows_over_several_chunks_three_way(monkeypatch, source, dtype):
     """d_W and d_b of several chunks are summed in fp32 and rounded once, d_hidden is rounded once after the
@@ -455,7 +455,7 @@ def test_dtensor_weight(tp):
     tp.assert_all(not problems, f"rank {tp.rank}: {problems}")
 
 
-@pytest.mark.parametrize("source", cpu_sources())
+@pytest.mark.parametrize("source", cpu_sources(slow_triton=True))
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("ignore", [None, "some", "all"])
 def test_one_pass_matches_the_chunk_loop(monkeypatch, source, reduction, ignore):
@@ -536,7 +536,7 @@ def test_a_budget_that_keeps_the_whole_call_runs_one_pass_with_every_term_kept(m
 
 
 
-@pytest.mark.parametrize("source", cpu_sources())
+@pytest.mark.parametrize("source", cpu_sources(slow_triton=True))
 @pytest.mark.parametrize("reduction", ["sum", pytest.param("mean", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ignore", [None, pytest.param("some", marks=pytest.mark.slow), "in place", "all"])
 @pytest.mark.parametrize("path", ["one pass", "chunks"])
@@ -605,7 +605,7 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
 
 
 @pytest.mark.tp(4)
-@pytest.mark.parametrize("source", cpu_sources())
+@pytest.mark.parametrize("source", cpu_sources(slow_triton=True))
 def test_token_loss_on_uneven_ranks(tp, source):
     """With a group the loss runs the chunk loop; a built-in loss's closed-form derivatives give the loss and
     gradients of the same loss differentiated by autograd (as a plain callable), within the table's fp32 eps."""

@@ -45,6 +45,7 @@ def _no_worse(row: dict, eager: dict, keys=("err_d_hidden", "err_d_weight")) -> 
         assert row[key] <= slack_bound(eager[key], torch.bfloat16), (key, row, eager)
 
 
+@pytest.mark.slow
 def test_op_smoke_rows(tmp_path):
     # the native source and its fused loss at two budgets, the eager baseline, two peers that cannot run on CPU
     _bench("op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native,torch-eager,torch-eager-loss,liger-flce,"

@@ -79,7 +79,7 @@ def _problem(opts, seed=0, lead=(3, 11), d=24, v=97):
                         ignore_fraction=0.3 if ignore is not None else 0.0)
 
 
-@pytest.mark.parametrize("mode", CHECK_MODES)
+@pytest.mark.parametrize("mode", ["full", pytest.param("fast", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("opts", list(OPTIONS))
 def test_compile_fullgraph_matches_eager(opts, mode, monkeypatch):
     monkeypatch.setenv("TPLOGP_CHECKS", mode)
@@ -165,7 +165,7 @@ KEEP_SOURCES = cpu_sources()
 
 
 @pytest.mark.parametrize("source", KEEP_SOURCES)
-@pytest.mark.parametrize("budget", ["default", "keep"])
+@pytest.mark.parametrize("budget", ["default", pytest.param("keep", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp-lse", "entropy"])
 def test_opcheck(entropy, budget, source):
     """Schema, fake (meta) implementation and autograd registration of the op pair (torch.library.opcheck), also

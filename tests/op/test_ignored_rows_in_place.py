@@ -57,6 +57,7 @@ def test_one_rank_matches_compaction_without_host_reads(source, monkeypatch):
     assert (ours[3].reshape(-1, 16)[ignored] == 0).all()  # no gradient from ignored rows
 
 
+@pytest.mark.slow
 def test_compiled_op_in_place(monkeypatch):
     """The compiled op with the rows in place gives the compacted eager call's loss and gradients."""
     p = _problem(seed=6)

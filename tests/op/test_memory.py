@@ -22,6 +22,7 @@ def probe(n: int, d: int, v: int, workspace_mb: int | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_growth_is_far_below_the_logits():
     # logits would be 256 MiB; gradients are 34 MiB; with a 16 MiB tile budget the growth stays near the gradients.
     r = probe(2048, 256, 32768, workspace_mb=16)

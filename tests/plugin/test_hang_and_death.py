@@ -109,8 +109,8 @@ def test_sleeps(tp):
 EXIT_WITHIN_S = 10.0
 
 
-@pytest.mark.parametrize("sig, phase", [("SIGINT", "body"), pytest.param("SIGINT", "start", marks=pytest.mark.slow),
-                                        pytest.param("SIGKILL", "body", marks=pytest.mark.slow)],
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, phase", [("SIGINT", "body"), ("SIGINT", "start"), ("SIGKILL", "body")],
                          ids=["SIGINT-in-body", "SIGINT-while-starting", "SIGKILL-in-body"])
 def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, sig: str, phase: str) -> None:
     """SIGINT (Ctrl-C) or SIGKILL to pytest ends it and leaves no process behind within EXIT_WITHIN_S.

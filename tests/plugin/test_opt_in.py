@@ -66,6 +66,7 @@ def _outcome_lines(result: pytest.RunResult) -> list[str]:
     return keep
 
 
+@pytest.mark.slow
 def test_unrelated_project_is_unchanged(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makeconftest(PROJECT_CONFTEST)
     pytester.makepyfile(test_project=PROJECT_TESTS)
