@@ -89,6 +89,7 @@ def test_op_smoke_rows(tmp_path):
     assert first["grads_gib"] == pytest.approx((320 * 32 + 64 * 32) * 2 / 2**30, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_op_host_cost_column_per_checks_mode(tmp_path):
     """``--checks full,fast``: tplogp's rows once per mode (the label names a mode other than full), each with its
     host CPU microseconds per call; the eager baseline once, labelled ``full``. Every row has both host columns,
