@@ -1,7 +1,7 @@
 """CPU memory benchmark: resident growth and time of one fp32 forward+backward, native source against eager.
 
-Per shape ``N x D x V`` and implementation, ``tests/memory_probe.py`` (the probe the memory tests use) runs in a
-fresh process and reports elapsed seconds and resident growth (peak RSS above the inputs, /proc VmHWM after
+Per shape ``N x D x V`` and implementation, ``tests/support/memory_probe.py`` (the probe the memory tests use) runs
+in a fresh process and reports elapsed seconds and resident growth (peak RSS above the inputs, /proc VmHWM after
 resetting it), beside the size of the gradients (unavoidable) and of the full ``[N, V]`` fp32 logits (what the
 materializing ``eager`` baseline holds). Linux only (/proc).
 """
@@ -23,7 +23,7 @@ IMPLS = ("native", "eager")
 
 def probe(shape: tuple[int, int, int], impl: str, timeout_s: float = 3600) -> dict:
     """One probe process; its JSON, or ``{"error": ...}``."""
-    cmd = [sys.executable, "-m", "tests.memory_probe", *map(str, shape), impl]
+    cmd = [sys.executable, "-m", "tests.support.memory_probe", *map(str, shape), impl]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         lines = out.stderr.strip().splitlines()

@@ -80,7 +80,7 @@ def _front(body: Callable, hidden, weight, target_ids, bias, *rest):
 def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                     options: LogpOptions) -> bool:
     """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.validation.local_problem`
-    names the argument (checked in tests/test_linear_logp.py)."""
+    names the argument (checked in tests/op/test_linear_logp.py)."""
     return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
             and (bias is None or isinstance(bias, torch.Tensor))
             and is_int(vocab_start_index)

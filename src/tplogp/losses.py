@@ -36,7 +36,7 @@ class TokenLoss:
     """A per-token loss with its derivatives: ``loss(logp, entropy, *per_token)`` gives the per-token value (torch
     ops, differentiable by autograd like any callable), ``loss.value_and_derivatives(...)`` the value and
     ``d value / d logp`` and ``d value / d entropy`` per token, without autograd (equal to autograd's within fp32
-    rounding: tests/test_losses.py). ``per_token`` names the per-token tensors it takes, in order;
+    rounding: tests/loss/test_losses.py). ``per_token`` names the per-token tensors it takes, in order;
     ``reads_entropy`` whether it needs the entropy (``with_entropy=True``). ``a + b`` is the sum of two terms,
     taking ``a``'s per-token tensors then ``b``'s. ``parts(logp, entropy, *per_token, derivatives=...)`` computes
     the value and, with ``derivatives``, the two derivatives (without: None, so a plain call runs none of their

@@ -11,8 +11,8 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from tests.gpu import cuda_backend  # noqa: E402
-from tests.problems import make_problem, problem_on  # noqa: E402
+from tests.support.cuda import cuda_backend  # noqa: E402
+from tests.support.problems import make_problem, problem_on  # noqa: E402
 from tplogp import LinearLogpInputError, check_errors, get_op  # noqa: E402
 
 

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 import tplogp  # noqa: E402
-from tests.gpu import cuda_backend  # noqa: E402
+from tests.support.cuda import cuda_backend  # noqa: E402
 from tplogp import fused_loss, losses  # noqa: E402
 
 N, D, V = 2048, 1024, 8192  # 2^34 multiply-accumulates: a host-bound size, precomputed unless forced to one pass

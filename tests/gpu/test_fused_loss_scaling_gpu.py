@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 import tplogp  # noqa: E402
-from tests.gpu import cuda_backend  # noqa: E402
+from tests.support.cuda import cuda_backend  # noqa: E402
 from tplogp import grad_scaling, losses  # noqa: E402
 
 SOURCES = ["triton", "sm90"]

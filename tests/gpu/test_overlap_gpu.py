@@ -13,7 +13,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from tests.gpu import cuda_backend  # noqa: E402
+from tests.support.cuda import cuda_backend  # noqa: E402
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import torch._dynamo
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from tests.doc_examples import run_example  # noqa: E402
-from tests.gpu import cuda_backend  # noqa: E402
-from tests.problems import make_problem, problem_on  # noqa: E402
+from tests.support.doc_examples import run_example  # noqa: E402
+from tests.support.cuda import cuda_backend  # noqa: E402
+from tests.support.problems import make_problem, problem_on  # noqa: E402
 from tplogp import get_op  # noqa: E402
 from tplogp.reference import reference_outputs  # noqa: E402
 from tplogp.tolerances import assert_no_worse  # noqa: E402
@@ -139,7 +139,7 @@ def test_cuda_graph_capture_forward_and_backward(source, dtype, ignore, monkeypa
     got = [logp.clone(), entropy.clone(), h.grad.clone(), w.grad.clone(), b.grad.clone()]
 
     # the eager call keeps the ignored rows in place too, as the capture did: the same kernels on the same shapes
-    # (compaction's equality with this is tested on CPU, tests/test_ignored_rows_in_place.py)
+    # (compaction's equality with this is tested on CPU, tests/op/test_ignored_rows_in_place.py)
     import tplogp.tp
 
     monkeypatch.setattr(tplogp.tp, "compacts_rows", lambda device: False)

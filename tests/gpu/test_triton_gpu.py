@@ -12,8 +12,8 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from tests.gpu import cuda_backend  # noqa: E402
-from tests.problems import make_problem, problem_on, run_op, run_reference  # noqa: E402
+from tests.support.cuda import cuda_backend  # noqa: E402
+from tests.support.problems import make_problem, problem_on, run_op, run_reference  # noqa: E402
 from tplogp.tolerances import assert_no_worse, rel_error  # noqa: E402
 
 SOURCES = ["triton", "sm90"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tests.plugin.plugin_helpers import leftover_processes
+from tests.support.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 
@@ -66,6 +66,7 @@ def test_fails_on_rank_1(tp):
 '''
 
 
+@pytest.mark.slow
 def test_under_xdist(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=XDIST_BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-n", "2", "-p", "xdist", "-rf", "-vv")
@@ -108,6 +109,7 @@ def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, refere
 '''
 
 
+@pytest.mark.slow
 def test_operator_fixtures_end_to_end(pytester: pytest.Pytester, tag: str) -> None:
     pytest.importorskip("tplogp.kernel_registry")
     pytester.makepyfile(test_body=OP_BODY)

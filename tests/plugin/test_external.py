@@ -59,6 +59,7 @@ def _torchrun(pytester: pytest.Pytester, *args: str, nproc: int = 2) -> pytest.R
                         "-p", "no:cacheprovider", *args, timeout=180)
 
 
+@pytest.mark.slow
 def test_torchrun_mode(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = _torchrun(pytester, "test_body.py", "-rA", "-vv")
@@ -75,6 +76,7 @@ def test_torchrun_mode(pytester: pytest.Pytester, tag: str) -> None:
     assert result.ret != 0
 
 
+@pytest.mark.slow
 def test_torchrun_collection_mismatch(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=MISMATCH)
     result = _torchrun(pytester, "test_body.py")
@@ -102,6 +104,7 @@ def test_never_runs(tp):
 '''
 
 
+@pytest.mark.slow
 def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str) -> None:
     """A hang under torchrun: rank 0 reports the outcomes so far, which rank hung where, and writes JUnit."""
     import xml.etree.ElementTree as ET

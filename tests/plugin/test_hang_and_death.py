@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from tests.plugin.plugin_helpers import leftover_processes, tagged_pids
+from tests.support.plugin_helpers import leftover_processes, tagged_pids
 
 pytest_plugins = ["pytester"]
 
@@ -113,6 +113,7 @@ def test_sleeps(tp):
 EXIT_WITHIN_S = 10.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, phase", [("SIGINT", "body"), ("SIGINT", "start"), ("SIGKILL", "body")],
                          ids=["SIGINT-in-body", "SIGINT-while-starting", "SIGKILL-in-body"])
 def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, sig: str, phase: str) -> None:
@@ -127,7 +128,7 @@ def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, s
     import sys
     import time
 
-    from tests.plugin.plugin_helpers import forkserver_importing_torch, wait_for
+    from tests.support.plugin_helpers import forkserver_importing_torch, wait_for
 
     pytester.makepyfile(test_body=SLEEPY)
     with open(pytester.path / "pytest.log", "wb") as log:  # a file: nothing here waits on a pipe's last writer

@@ -32,6 +32,7 @@ def test_hangs(tp):
 '''
 
 
+@pytest.mark.slow
 def test_live_output(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-s", "-p", "no:cacheprovider",

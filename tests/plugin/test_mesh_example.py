@@ -2,7 +2,7 @@
 mesh test, and FSDP2 + tensor parallel with a vocab-parallel head against one device in float64 (values, every
 gradient, the parameters after an optimizer step)."""
 
-from tests.doc_examples import define_example
+from tests.support.doc_examples import define_example
 
 define_example("mesh", globals())
 define_example("fsdp2-tp", globals())

@@ -101,6 +101,7 @@ def test_e_no_mesh_left_entered(tp):
 '''
 
 
+@pytest.mark.slow
 def test_meshes_are_cached_and_never_counted_as_leaked(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_session=SESSION)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-threads=1", "-W", "always", "-rA")

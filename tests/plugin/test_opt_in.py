@@ -66,6 +66,7 @@ def _outcome_lines(result: pytest.RunResult) -> list[str]:
     return keep
 
 
+@pytest.mark.slow
 def test_unrelated_project_is_unchanged(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makeconftest(PROJECT_CONFTEST)
     pytester.makepyfile(test_project=PROJECT_TESTS)
@@ -125,7 +126,9 @@ def test_project_dtype_bias(dtype, bias):
 '''
 
 
-@pytest.mark.parametrize("how", ["-p", "conftest", "--tp", "ini", "PYTEST_PLUGINS without autoload"])
+# every way of asking, each a pytester subprocess: the inner loop keeps -p
+@pytest.mark.parametrize("how", ["-p", *(pytest.param(how, marks=pytest.mark.slow)
+                                        for how in ("conftest", "--tp", "ini", "PYTEST_PLUGINS without autoload"))])
 def test_asking_turns_everything_on(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch,
                                     how: str) -> None:
     pytester.makepyfile(test_body=TP_TESTS)

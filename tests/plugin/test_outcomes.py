@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tests.plugin.plugin_helpers import leftover_processes
+from tests.support.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 

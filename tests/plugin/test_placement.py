@@ -4,7 +4,7 @@ the placement (decided in each worker before anything touches CUDA) is what is c
 from __future__ import annotations
 
 import pytest
-from tests.plugin.plugin_helpers import leftover_processes
+from tests.support.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 
@@ -29,6 +29,7 @@ def test_two_distinct_gpus(tp, i):
 '''
 
 
+@pytest.mark.slow
 def test_placement_under_xdist_on_faked_gpus(pytester: pytest.Pytester, tag: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.plugin.plugin_helpers import leftover_processes
+from tests.support.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 
@@ -25,6 +25,7 @@ def test_holds_a_lock(tp):
 '''
 
 
+@pytest.mark.slow
 def test_stopped_ranks_release_their_semaphores(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=HOLDS_A_LOCK)
     with open(pytester.path / "pytest.log", "wb") as log:  # a file: the resource tracker writes after pytest exits

@@ -136,6 +136,7 @@ def pytest_sessionfinish(session):
 '''
 
 
+@pytest.mark.slow
 def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -173,9 +174,10 @@ def test_collective(tp):
 '''
 
 
+@pytest.mark.slow
 def test_spawn_start_method(pytester: pytest.Pytester, tag: str) -> None:
     """The spawn start method (a fresh interpreter per rank) works as well as the default forkserver."""
-    from tests.plugin.plugin_helpers import leftover_processes
+    from tests.support.plugin_helpers import leftover_processes
 
     pytester.makepyfile(test_body=SPAWN_BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-start-method=spawn")

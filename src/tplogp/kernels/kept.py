@@ -28,7 +28,7 @@ def kept_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of the kept softmax terms for inputs of ``dtype``: the inputs' own (bf16, fp16 or fp32).
 
     A term carries the rounding that ``d_logits`` gets in that dtype anyway (bf16 terms for fp16 inputs doubled
-    the gradients' error against the fp16 reference: tests/test_triton_kernels.py). bf16 has fp32's exponent range.
+    the gradients' error against the fp16 reference: tests/kernels/test_triton_kernels.py). bf16 has fp32's exponent range.
     ``e = exp(z - m) <= 1``, so fp16 never overflows; a term below fp16's smallest subnormal (2^-24) is stored as 0,
     and as ``p <= e`` that moves its ``d_logits = g (onehot - p)`` by at most ``|g| 2^-24``."""
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32

@@ -1,0 +1,384 @@
+"""``tplogp.integrations.hf`` against TRL's logits path (``model(...).logits[:, :-1] / T``, log_softmax, gather) on
+tiny random models of several families, CPU: values and gradients into every parameter, three-way (no worse than
+the fp32 logits path against the same model in float64, the rule of ``tplogp.tolerances``).
+
+Grid, each axis covered on purpose rather than crossed: every family once (tied and untied heads, a head with a
+bias, a model-side logit scale), each with one padding side; temperature on all; logits_to_keep, entropy,
+checkpointing, LoRA and the fused loss on one or two families; what is refused, once each.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tplogp import losses
+from tplogp.integrations import MissingDependencyError, require
+from tplogp.integrations.hf import UnsupportedModelError, causal_lm_logprobs, causal_lm_loss
+from tplogp.tolerances import assert_no_worse
+from tests.support import tolerances as tol
+
+V, B, S, T = 211, 3, 9, 0.7
+_DECODER = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _config(family: str):
+    c = transformers
+    if family == "llama":
+        return c.LlamaConfig(**_DECODER, tie_word_embeddings=False)
+    if family == "qwen2":  # tied head, attention biases
+        return c.Qwen2Config(**_DECODER, tie_word_embeddings=True)
+    if family == "qwen3":
+        return c.Qwen3Config(**_DECODER, head_dim=8, tie_word_embeddings=False)
+    if family == "mistral":
+        return c.MistralConfig(**_DECODER, tie_word_embeddings=False)
+    if family == "gemma":  # tied head, scaled embeddings
+        return c.GemmaConfig(**_DECODER, head_dim=8, tie_word_embeddings=True)
+    if family == "gpt2":  # tied head, Conv1D layers
+        return c.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)
+    if family == "phi":  # an LM head with a bias
+        return c.PhiConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0)
+    if family == "cohere":  # logits * logit_scale in the forward
+        return c.CohereConfig(**_DECODER, logit_scale=0.5)
+    if family == "granite":  # logits / logits_scaling in the forward
+        return c.GraniteConfig(**_DECODER, logits_scaling=4.0, tie_word_embeddings=False)
+    if family == "gemma2-softcap":
+        return c.Gemma2Config(**_DECODER, head_dim=8, final_logit_softcapping=30.0)
+    raise KeyError(family)
+
+
+def _model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.AutoModelForCausalLM
+    model = cls(_config(family)) if family == "gpt2" else cls.from_config(_config(family))
+    return model.float().eval()
+
+
+def _batch(padding: str, seed: int = 1):
+    """Token ids and an attention mask with rows of 0, 2 and 4 padded positions on the given side."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    for row, pads in enumerate((0, 2, 4)):
+        if pads:
+            if padding == "left":
+                mask[row, :pads] = 0
+            else:
+                mask[row, S - pads:] = 0
+    return ids, mask
+
+
+def logits_path(model, ids, mask, *, logits_to_keep=0, temperature=T, entropy=False):
+    """TRL's computation: the model's logits at the positions that predict the kept tokens, / T, log_softmax."""
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    logits = logits[:, :-1] if logits_to_keep == 0 else logits[:, S - logits_to_keep - 1:S - 1]
+    logsm = torch.log_softmax(logits / temperature, -1)
+    targets = ids[:, 1:] if logits_to_keep == 0 else ids[:, S - logits_to_keep:]
+    logp = logsm.gather(-1, targets[..., None])[..., 0]
+    return (logp, -(logsm.exp() * logsm).sum(-1)) if entropy else logp
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _three_way(fn, model, *args, reference=logits_path, upstream_seed=5, **kwargs):
+    """Run ``fn`` (ours) and ``reference`` (the logits path) on model (fp32) and the reference on a float64 copy;
+    check the outputs and every parameter's gradient for the same random upstream gradients."""
+    truth_model = copy.deepcopy(model).double()
+    reference_model = copy.deepcopy(model)
+    results = []
+    for f, m in ((fn, model), (reference, reference_model), (reference, truth_model)):
+        m.zero_grad(set_to_none=True)
+        out = f(m, *args, **kwargs)
+        outs = tuple(out) if isinstance(out, tuple) else (out,)
+        g = torch.Generator().manual_seed(upstream_seed)
+        total = sum((o * torch.randn(o.shape, generator=g).to(o.dtype)).sum() for o in outs)
+        total.backward()
+        results.append(([o.detach() for o in outs], _grads(m)))
+    (ours, g_ours), (ref, g_ref), (truth, g_truth) = results
+    for i, (o, r, t) in enumerate(zip(ours, ref, truth)):
+        assert o.dtype == torch.float32 and o.shape == t.shape
+        assert_no_worse(f"output {i}", o, r, t, torch.float32)
+    assert set(g_ours) == set(g_truth) and g_ours, "every parameter that the logits path reaches gets a gradient"
+    for name in g_truth:
+        assert_no_worse(f"grad {name}", g_ours[name], g_ref[name], g_truth[name], torch.float32)
+
+
+# Every family once, with one padding side each (the two sides alternate over the list).
+FAMILIES = [("llama", "left"), ("qwen2", "right"), ("qwen3", "left"), ("mistral", "right"), ("gemma", "left"),
+            ("gpt2", "right"), ("phi", "left"), ("cohere", "right"), ("granite", "left")]
+
+
+@pytest.mark.parametrize("family,padding", FAMILIES, ids=[f"{f}-{p}" for f, p in FAMILIES])
+def test_logprobs_match_the_logits_path(family, padding):
+    model = _model(family)
+    ids, mask = _batch(padding)
+    _three_way(causal_lm_logprobs, model, ids, mask, temperature=T)
+
+
+def test_tied_and_untied_heads_are_what_the_families_say():
+    for family, tied in (("qwen2", True), ("gemma", True), ("gpt2", True), ("llama", False), ("phi", False)):
+        model = _model(family)
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        assert (head.weight is embed.weight) == tied, family
+    assert _model("phi").get_output_embeddings().bias is not None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_logits_to_keep_and_entropy(family):
+    model = _model(family)
+    ids, mask = _batch("left")
+
+    def ours(m, *args, **kwargs):
+        return tuple(causal_lm_logprobs(m, *args, return_entropy=True, **kwargs))
+
+    def reference(m, *args, **kwargs):
+        return logits_path(m, *args, entropy=True, **kwargs)
+
+    _three_way(ours, model, ids, mask, logits_to_keep=4, temperature=1.3, reference=reference)
+
+
+def test_gradient_checkpointing():
+    model = _model("llama").train()
+    # transformers >= 5.2x names it activation_checkpointing_enable; earlier versions gradient_checkpointing_enable
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    ids, mask = _batch("right")
+    _three_way(causal_lm_logprobs, model, ids, mask, temperature=T)
+
+
+def _lora(model, **kwargs):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **kwargs)
+    return peft.get_peft_model(model, config)
+
+
+def test_lora_wrapped_model():
+    """PEFT's wrapper runs as usual; the adapters' (and only the trainable) parameters get the right gradients."""
+    model = _lora(_model("qwen2"), target_modules=["q_proj", "v_proj", "down_proj"])
+    ids, mask = _batch("left")
+    _three_way(causal_lm_logprobs, model, ids, mask, temperature=T)
+    assert any("lora_A" in n for n, p in model.named_parameters() if p.grad is not None)
+
+
+def test_lora_with_a_trainable_copy_of_the_head():
+    """PEFT's modules_to_save=["lm_head"]: the wrapper calls the head's trainable copy, which gets the gradient."""
+    model = _lora(_model("llama"), target_modules=["q_proj"], modules_to_save=["lm_head"])
+    ids, mask = _batch("right")
+    _three_way(causal_lm_logprobs, model, ids, mask, temperature=T)
+    trained = [n for n, p in model.named_parameters() if p.grad is not None and "lm_head" in n]
+    assert trained and all("modules_to_save" in n for n in trained)
+
+
+def test_a_head_behind_accelerate_hooks():
+    """device_map / offloading wrap the head's forward (accelerate hooks): the hook still runs around the head."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    calls = []
+
+    class Counting(hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(module)
+            return args, kwargs
+
+    model = _model("qwen2")
+    hooks.add_hook_to_module(model.lm_head, Counting())
+    ids, mask = _batch("left")
+    _three_way(causal_lm_logprobs, model, ids, mask, temperature=T)
+    assert any(m is model.lm_head for m in calls)  # ours ran through the hook (the copies have theirs)
+    assert "_old_forward" in model.lm_head.__dict__ and callable(model.lm_head._old_forward)
+
+
+def test_refusals_name_the_feature():
+    ids, mask = _batch("left")
+    with pytest.raises(UnsupportedModelError, match="final-logit softcapping"):
+        causal_lm_logprobs(_model("gemma2-softcap"), ids, mask)
+    with pytest.raises(UnsupportedModelError, match="LoRA"):
+        causal_lm_logprobs(_lora(_model("llama"), target_modules=["q_proj", "lm_head"]), ids, mask)
+    peft = pytest.importorskip("peft")
+    prompt = peft.get_peft_model(_model("llama"), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    with pytest.raises(UnsupportedModelError, match="prompt-learning"):
+        causal_lm_logprobs(prompt, ids, mask)
+    with pytest.raises(TypeError, match="labels"):
+        causal_lm_logprobs(_model("llama"), ids, mask, labels=ids)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        causal_lm_logprobs(_model("llama"), ids, mask, logits_to_keep=S)
+
+
+class _ScaledLogits(transformers.LlamaForCausalLM):
+    """A model whose forward transforms the head's output (out of place, or in place) after the head ran."""
+
+    in_place = False
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if self.in_place:
+            out.logits.mul_(2.0)
+        else:
+            out.logits = out.logits * 2.0
+        return out
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+def test_an_unknown_transform_of_the_logits_is_refused(in_place):
+    torch.manual_seed(0)
+    model = _ScaledLogits(_config("llama")).eval()
+    model.in_place = in_place
+    ids, mask = _batch("left")
+    with pytest.raises(UnsupportedModelError, match="transforms the LM head's output"):
+        causal_lm_logprobs(model, ids, mask)
+    if not in_place:  # in place, autograd itself refuses to modify the loss's output
+        with pytest.raises(UnsupportedModelError, match="transforms the LM head's output"):
+            causal_lm_loss(model, ids, mask, loss=losses.entropy_bonus(1.0))
+    assert "forward" not in model.lm_head.__dict__  # the head is restored after a refusal
+
+
+def _grpo_inputs(ids, mask, prompt_len, logits_to_keep, seed=7):
+    """Per-sequence advantages on every position, old log-probs near the current ones, the completion mask."""
+    g = torch.Generator().manual_seed(seed)
+    n = S - 1 if logits_to_keep == 0 else logits_to_keep
+    advantages = torch.randn(B, 1, generator=g).expand(B, n).contiguous()
+    completion = mask[:, S - n:].clone()
+    completion[:, : max(0, prompt_len - (S - n))] = 0
+    return advantages, completion
+
+
+@pytest.mark.parametrize("family,logits_to_keep,with_entropy", [("llama", 0, True), ("phi", 5, False)])
+def test_grpo_loss_matches_the_logits_path(family, logits_to_keep, with_entropy):
+    """PPO clipping reads no entropy: with ``with_entropy=False`` the forward skips its statistics, same values."""
+    model = _model(family)
+    ids, mask = _batch("right")
+    advantages, completion = _grpo_inputs(ids, mask, prompt_len=3, logits_to_keep=logits_to_keep)
+    with torch.no_grad():
+        old_logp = logits_path(model, ids, mask, logits_to_keep=logits_to_keep) + 0.1 * torch.randn(
+            advantages.shape, generator=torch.Generator().manual_seed(3))
+    clip = losses.ppo_clip(0.2, 0.28)
+
+    def ours(m, *args, **kwargs):
+        return causal_lm_loss(m, *args, loss=clip, per_token=(advantages, old_logp), loss_mask=completion,
+                              reduction="mean", with_entropy=with_entropy, **kwargs)
+
+    def reference(m, *args, **kwargs):
+        logp = logits_path(m, *args, **kwargs)
+        per_token = clip(logp, None, advantages.to(logp.dtype), old_logp.to(logp.dtype))
+        weights = completion.to(logp.dtype)
+        return (per_token * weights).sum() / weights.sum()
+
+    _three_way(ours, model, ids, mask, logits_to_keep=logits_to_keep, temperature=T, reference=reference)
+
+
+def test_missing_package_is_named(monkeypatch):
+    with pytest.raises(MissingDependencyError, match="not_a_real_package_name.*tplogp\\[hf\\]"):
+        require("not_a_real_package_name", "this integration", "hf")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if transformers were not installed
+    monkeypatch.delitem(sys.modules, "tplogp.integrations.hf")
+    import importlib
+
+    with pytest.raises(MissingDependencyError, match="'transformers'"):
+        importlib.import_module("tplogp.integrations.hf")
+
+
+@pytest.mark.tp(world_size=2, timeout=300)
+def test_sharded_and_wrapped_models_on_gloo_ranks(tp):
+    """The LM head sharded over the vocabulary on 2 ranks, two ways: its weight a DTensor placed Shard(0) (how
+    FSDP2 + TP hold it), and a tensor-parallel plan ColwiseParallel(output_layouts=Replicate()) on the head (its
+    hooks make the head's input a replicated DTensor); and the model under FSDP2 (per layer and root) and under
+    DDP. Values and gradients against the logits path of the same model unsharded, fp32 and float64; the loss
+    through the plan too."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor.placement_types import Replicate
+
+    mesh = DeviceMesh.from_group(tp.group, "cpu")
+    ids, mask = _batch("left")
+    problems = []
+
+    def check(name, fn, model):
+        plain = _model("llama")
+        reference, truth = copy.deepcopy(plain), copy.deepcopy(plain).double()
+        outs = []
+        for f, m in ((fn, model), (logits_path, reference), (logits_path, truth)):
+            out = f(m, ids, mask, temperature=T)
+            (out * torch.linspace(-1, 1, out.numel()).view(out.shape).to(out.dtype)).sum().backward()
+            grads = {n.removeprefix("module."): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                     for n, p in m.named_parameters()}
+            outs.append((out.detach(), grads))
+        try:
+            assert_no_worse(f"{name} logp", outs[0][0], outs[1][0], outs[2][0], torch.float32)
+            for n in outs[2][1]:
+                assert_no_worse(f"{name} grad {n}", outs[0][1][n], outs[1][1][n], outs[2][1][n], torch.float32)
+        except AssertionError as exc:
+            problems.append(str(exc))
+
+    dtensor_head = _model("llama")
+    dtensor_head.lm_head.weight = torch.nn.Parameter(distribute_tensor(dtensor_head.lm_head.weight.detach(), mesh,
+                                                                       [Shard(0)]))
+    check("DTensor head", causal_lm_logprobs, dtensor_head)
+
+    planned = parallelize_module(_model("llama"), mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    assert isinstance(planned.lm_head.weight, DTensor)
+    check("TP plan", causal_lm_logprobs, planned)
+
+    # FSDP2 and DDP over the same 2 ranks, the same batch on both: their averaged gradients are the full ones
+    from torch.distributed.fsdp import fully_shard
+
+    fsdp = _model("llama")
+    for layer in fsdp.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    check("FSDP2", causal_lm_logprobs, fsdp)
+
+    ddp = torch.nn.parallel.DistributedDataParallel(_model("llama"), process_group=tp.group)
+    check("DDP", lambda m, *a, **k: causal_lm_logprobs(m, *a, **k), ddp)
+
+    weights = mask[:, 1:].float()
+
+    def loss(m, *args, **kwargs):
+        return causal_lm_loss(m, *args, loss=losses.policy_gradient(), per_token=(weights,), **kwargs)
+
+    def loss_reference(m, *args, **kwargs):
+        return -(logits_path(m, *args, **kwargs) * weights.to(torch.float64 if m.dtype == torch.float64
+                                                                else torch.float32)).sum()
+
+    planned = parallelize_module(_model("llama"), mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    plain = _model("llama")
+    truth = copy.deepcopy(plain).double()
+    values = [f(m, ids, mask, temperature=T) for f, m in ((loss, planned), (loss_reference, plain),
+                                                           (loss_reference, truth))]
+    for value in values:
+        value.backward()
+    grads = [{n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in m.named_parameters()}
+             for m in (planned, plain, truth)]
+    try:
+        assert_no_worse("TP plan loss", *(v.detach() for v in values), torch.float32)
+        for n in grads[2]:
+            assert_no_worse(f"TP plan loss grad {n}", grads[0][n], grads[1][n], grads[2][n], torch.float32)
+    except AssertionError as exc:
+        problems.append(str(exc))
+    tp.assert_all(not problems, "; ".join(problems))
+
+
+def test_benchmark_smoke_rows():
+    """``python -m benchmarks integrations --smoke``'s measuring function on tiny shapes: every step and
+    implementation gives a row, and the log-prob step's values agree with the fp32 reference."""
+    from benchmarks import integrations
+
+    rows = integrations.bench(smoke=True, reps=1, dtype_name="fp32")
+    assert [(r["step"], r["impl"]) for r in rows] == [
+        ("logprobs", "trl_logits"), ("logprobs", "tplogp"), ("grpo_loss", "trl_logits"),
+        ("grpo_loss", "tplogp_logprobs"), ("grpo_loss", "tplogp_fused"), ("grpo_loss_ckpt", "trl_logits"),
+        ("grpo_loss_ckpt", "tplogp_logprobs"), ("grpo_loss_ckpt", "tplogp_fused")]
+    assert all(r["median_ms"] > 0 and r["suite"] == "integrations" for r in rows)
+    errors = {r["impl"]: r["err_logp"] for r in rows if r["step"] == "logprobs"}
+    assert errors["tplogp"] < tol.ABS_FP32_MODEL_LOGP and errors["trl_logits"] < tol.ABS_FP32_MODEL_LOGP
+    assert integrations.format_row(rows[0]).count("|") == integrations.TABLE_HEADER.splitlines()[0].count("|")

@@ -1,0 +1,230 @@
+"""The triton source's per-layout launch programs (``tplogp.kernels.programs.ForwardProgram`` and
+``KeptBackward``): the op's calls (``ShardCall.inputs_checked``) of a layout reuse one program, made at the layout's
+first call, whose launches are made once (``tplogp.kernels.launch.Launch``). A program runs the same kernels with
+the same arguments as the per-call path, so its outputs, kept terms and gradients are bitwise the per-call path's.
+Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tplogp.backends.base import KeptBuffers, ShardCall
+from tplogp.kernels.tiles import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+
+N, D, V = 24, 32, 200
+
+
+def _inputs(n: int = N, bias: bool = False, bad_target: bool = False):
+    g = torch.Generator().manual_seed(n)
+    hidden = torch.randn(n, D, generator=g)
+    weight = torch.randn(V, D, generator=g) * 0.3
+    target = torch.randint(0, V, (n,), generator=g)
+    if bad_target:
+        target[3] = V + 5
+    return hidden, weight, (torch.randn(V, generator=g) if bias else None), target
+
+
+def _backend():
+    from tplogp.backends.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _tensors(out) -> list:
+    flat = list(out[:6])
+    if isinstance(out.kept, KeptBuffers):
+        flat += [out.kept.values, out.kept.scales]
+    return flat
+
+
+@pytest.mark.parametrize("entropy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["logp", "entropy"])
+@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
+def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
+    backend = _backend()
+    hidden, weight, b, target = _inputs(bias=bias, bad_target=True)
+    settings = dict(inv_temperature=1.0 / 0.7, with_entropy=entropy, for_backward=keep, scales_apart=True)
+    planned, per_call = ShardCall(inputs_checked=True, **settings), ShardCall(**settings)
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(3)]
+    for flag in flags[:2]:  # the first call makes the program, the second runs it
+        got = backend.forward_single(hidden, weight, b, target, planned, target_flag=flag)
+    want = backend.forward_single(hidden, weight, b, target, per_call, target_flag=flags[2])
+    assert list(planned.programs) == [("single", N, True)] and planned.programs[("single", N, True)][0]
+    assert not per_call.programs
+    assert (got.kept is not None) == keep == (want.kept is not None)
+    for x, y in zip(_tensors(got), _tensors(want)):
+        if x is None:
+            assert y is None
+        else:
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y))
+    assert int(flags[1]) == int(flags[2]) == V + 5  # the target check ran in the finishing kernel
+
+
+@pytest.mark.parametrize("entropy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["logp", "entropy"])
+@pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
+def test_a_tp_shards_stats_program_gives_the_per_call_paths_bits(entropy, keep):
+    """``forward_stats`` (a shard of a group: shard-local targets, -1 where another rank owns the target)."""
+    backend = _backend()
+    hidden, weight, b, target = _inputs(bias=True)
+    local = torch.where(target < V // 2, target, -1)
+    settings = dict(inv_temperature=1.3, with_entropy=entropy, for_backward=keep, scales_apart=True)
+    planned, per_call = ShardCall(inputs_checked=True, **settings), ShardCall(**settings)
+    for _ in range(2):
+        got = backend.forward_stats(hidden, weight, b, local, planned)
+    want = backend.forward_stats(hidden, weight, b, local, per_call)
+    assert list(planned.programs) == [("stats", N)] and planned.programs[("stats", N)][0]
+    def flat(out) -> list:
+        return list(out[:4]) + ([out.kept.values, out.kept.scales] if out.kept is not None else [])
+
+    assert (got.kept is None) == (want.kept is None) == (not keep)
+    for x, y in zip(flat(got), flat(want)):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(_bits(x), _bits(y))
+
+
+def test_calls_of_a_layout_share_one_program_and_another_row_count_makes_another():
+    backend = _backend()
+    call = ShardCall(inputs_checked=True, for_backward=True, scales_apart=True)
+    hidden, weight, _, target = _inputs()
+    key = ("single", N, False)
+    backend.forward_single(hidden, weight, None, target, call)
+    first = call.programs[key][0]
+    backend.forward_single(hidden, weight, None, target, call)
+    assert call.programs[key][0] is first
+    short = _inputs(n=N - 5)
+    out = backend.forward_single(short[0], weight, None, short[3], call)
+    assert set(call.programs) == {key, ("single", N - 5, False)} and out.logp.shape == (N - 5,)
+    other_weight = torch.randn(V + 8, D)  # the same row count, another layout: the program is made again
+    out = backend.forward_single(hidden, other_weight, None, target, call)
+    assert call.programs[key][0] is not first and out.logp.shape == (N,)
+
+
+def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
+    """The op's plan gives its ShardCall the layout's token count (``ShardCall.rows``): rows compacted away by
+    ``ignore_index``, whose count changes from call to call, run no program (nor make one); the same layout without
+    ignored targets does."""
+    import tplogp
+    from tplogp.plan import plan_call
+
+    op = tplogp.get_op("linear_logp", source="triton")
+    hidden, weight, _, target = _inputs()
+    hidden.requires_grad_()
+    for ignored in (3, 5, 8):
+        t = target.clone()
+        t[:ignored] = -100
+        op(hidden, weight, t, ignore_index=-100).sum().backward()
+    plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
+                        tplogp.plan.LogpOptions(ignore_index=-100), True)
+    assert plan.call_for_backward.rows == N and not plan.call_for_backward.programs
+    assert not plan.call_for_backward.consuming.programs
+    for _ in range(2):
+        op(hidden, weight, target).sum().backward()
+    plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
+                        tplogp.plan.LogpOptions(), True)
+    assert ("single", N, True) in plan.call_for_backward.programs
+    assert any(k[0] == "backward" for k in plan.call_for_backward.consuming.programs)
+
+
+def _backend_of(op, hidden):
+    from tplogp.kernel_registry import backend_for_call
+
+    return backend_for_call(op.source, hidden.device, hidden.dtype)
+
+
+def test_layouts_a_program_does_not_cover_plan_each_call():
+    """The op's flat kept buffer (``scales_apart`` off, torch.compile's path) and empty shards take the per-call
+    path; ``False`` marks them."""
+    backend = _backend()
+    hidden, weight, _, target = _inputs()
+    flat = ShardCall(inputs_checked=True, for_backward=True)
+    out = backend.forward_single(hidden, weight, None, target, flat)
+    assert flat.programs == {("single", N, False): False} and isinstance(out.kept, torch.Tensor)
+    empty = ShardCall(inputs_checked=True)
+    out = backend.forward_single(hidden[:0], weight, None, target[:0], empty)
+    assert empty.programs == {("single", 0, False): False} and out.logp.shape == (0,)
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("lse", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-lse", "lse"])
+def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy, bias, lse):
+    """Every term kept, a backward that consumes them: the layout's ``KeptBackward`` kept by the source (made by
+    the first backward, run by the second) against the per-call path (its layout's from the per-call cache),
+    bitwise, on kept terms of the same forward. (tests/kernels/test_consume_kept.py checks the per-call
+    consuming backward against the read-only one, which recomputes through a workspace.)"""
+    backend = _backend()
+    hidden, weight, b, target = _inputs(bias=bias)
+    hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+    b = None if b is None else b.to(torch.bfloat16)
+    budget = 1 << 30  # keeps every term
+    settings = dict(inv_temperature=1.0 / 0.7, with_entropy=entropy, for_backward=True, scales_apart=True,
+                    workspace_bytes=budget, d_hidden_in_input_dtype=True)
+    planned, per_call = ShardCall(inputs_checked=True, **settings), ShardCall(**settings)
+    g = torch.Generator().manual_seed(3)
+    grads = (torch.randn(N, generator=g), torch.randn(N, generator=g) if entropy else None,
+             torch.randn(N, generator=g) if lse else None)
+    needs = (True, True, bias)
+
+    def backward(call):
+        out = backend.forward_single(hidden, weight, b, target, call)
+        assert out.kept.values.shape == (N, V)
+        return backend.backward(hidden, weight, b, target, out.row_max, out.log_sum, grads[0], grads[1], grads[2],
+                                out.mean_rel if entropy else None, call.consuming, needs,
+                                kept=KeptBuffers(out.kept.values, out.kept.scales))
+
+    for _ in range(2):
+        got = backward(planned)
+    want = backward(per_call)
+    key = ("backward", N, needs, entropy)
+    assert key in planned.consuming.programs and not per_call.consuming.programs
+    for x, y in zip(got, want):
+        assert (x is None) == (y is None) == (x is got.d_bias and not bias)
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y))
+
+
+def test_the_per_call_path_takes_one_program_per_layout_from_the_cache(monkeypatch):
+    """Calls that plan each call (a plain ShardCall) build the same program as the source's, once per layout key,
+    in the one per-call cache; another layout (here another vocab size) builds another, with its own launches."""
+    from tplogp.kernels import launch, programs
+
+    monkeypatch.setattr(launch, "_CACHE", {})
+    backend = _backend()
+    hidden, weight, _, target = _inputs()
+    for _ in range(2):
+        backend.forward_single(hidden, weight, None, target, ShardCall())
+    (found,) = launch._CACHE.values()
+    assert isinstance(found, programs.ForwardProgram) and found.single
+    wider = torch.randn(V + 40, D)
+    backend.forward_single(hidden, wider, None, target, ShardCall())
+    assert len(launch._CACHE) == 2
+    other = [p for p in launch._CACHE.values() if p is not found][0]
+    assert other.stats is not found.stats and other.finish is not found.finish
+    assert other.stats.kernel is found.stats.kernel and other.stats.scalars != found.stats.scalars
+
+
+def test_the_layout_and_program_caches_stay_bounded():
+    """``ShardCall.programs`` and the layout cache are emptied when a new key would pass their limit; a key they
+    already hold is replaced without emptying them."""
+    from tplogp.backends import triton_backend
+
+    programs: dict = {}
+    for i in range(triton_backend.MAX_PROGRAMS):
+        triton_backend._remember(programs, ("single", i), i)
+    triton_backend._remember(programs, ("single", 0), "again")  # held already: nothing dropped
+    assert len(programs) == triton_backend.MAX_PROGRAMS and programs[("single", 0)] == "again"
+    assert triton_backend._remember(programs, ("single", -1), "new") == "new"
+    assert programs == {("single", -1): "new"}
+    backend = _backend()
+    for n in range(1, triton_backend.MAX_LAYOUTS + 2):
+        backend._launch_layout(torch.empty(n, D), torch.empty(V, D), ShardCall())
+    assert len(backend._layout_cache) == 1  # the 257th layout found the cache full

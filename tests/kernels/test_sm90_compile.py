@@ -1,0 +1,103 @@
+"""The sm90 kernels compiled for sm_90 on a machine without a GPU (Triton's bundled ptxas and cuobjdump).
+
+The CPU interpreter runs the kernels' arithmetic but never compiles them; these tests compile them for Hopper and
+check properties of the machine code that the epilogue work of docs/kernels.md ("Epilogue instruction counts")
+bought, so a change that brings back the slow forms fails here rather than only in a GPU benchmark:
+
+* the exponentials are single MUFU ops (``ex2.approx.ftz``): no per-element FSETP of the non-ftz denormal fix-up;
+* the d_logits workspace is written with 16-byte vector stores (not one 2-byte store per logit);
+* the K loops use wgmma and TMA loads; the forward that keeps softmax terms stores them with TMA stores.
+
+And the shared-memory model that fits the tile configs to a device is checked against the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def _needs_nvidia_toolchain():
+    if not all(os.access(os.path.join(_BIN, tool), os.X_OK) for tool in ("ptxas", "cuobjdump")):
+        pytest.skip(f"no executable ptxas / cuobjdump in {_BIN}")
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # compile for real
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="module")
+def sass():
+    """SASS instruction counts per opcode of the sm90 kernels (one compilation for the tests of this module)."""
+    _needs_nvidia_toolchain()
+    run = subprocess.run([sys.executable, "-m", "tests.support.compiled_kernels", "sass-counts"], capture_output=True,
+                         text=True, env=_env(), timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_sm90_kernels_machine_code(sass):
+    counts = sass
+    for name in ("fwd_stats", "bwd_dlogits"):
+        ops = counts[name]
+        assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0, (name, ops)
+        assert ops.get("MUFU", 0) >= 128, (name, ops)  # one ex2 per logit of a thread's 128
+        # tl.exp2's non-ftz form adds an FSETP (and two FMULs) around every ex2: 128+ per epilogue
+        assert ops.get("FSETP", 0) <= 8, (name, ops)
+    # two epilogue copies (interior, edge) x 16 vector stores; per-logit 2-byte stores would be 128 per copy
+    assert counts["bwd_dlogits"].get("STG", 0) <= 64, counts["bwd_dlogits"]
+    # the default forward stores no logits (the KEEP variant is a separate compilation)
+    assert counts["fwd_stats"].get("STG", 0) <= 8, counts["fwd_stats"]
+
+
+@pytest.mark.slow
+def test_kept_terms_variants_machine_code(sass):
+    """The forward that keeps softmax terms (``KEEP``) still runs wgmma/TMA with single-MUFU exponentials (the
+    terms are the epilogue's own exponentials: no second one) and stores each bf16 tile with one TMA store per
+    epilogue copy (interior, edge): a plain-store variant's per-element pointers take registers that the 128x256
+    accumulator tile does not leave, and it spilled twice as much (:func:`tplogp.kernels.tile_ops.keep_tile`); the
+    plain stores left are the row stats and scales. The d_logits kernel on kept terms runs no GEMM and no
+    per-element exponential (one ex2 per row), stores with vectors and spills nothing."""
+    counts = sass
+    keep = counts["fwd_stats_keep"]
+    assert keep.get("HGMMA", 0) > 0 and keep.get("UTMALDG", 0) > 0, keep
+    assert keep.get("MUFU", 0) == counts["fwd_stats"].get("MUFU", 0) and keep.get("FSETP", 0) <= 8, keep
+    assert keep.get("UTMASTG", 0) == 2 and keep.get("STG", 0) <= 8, keep
+    kept = counts["bwd_dlogits_kept"]
+    assert kept.get("HGMMA", 0) == 0 and kept.get("MUFU", 0) <= 40 and kept.get("FSETP", 0) <= 8, kept
+    assert kept.get("STG", 0) <= 64 and kept.get("STL", 0) == 0, kept
+
+
+# The cases of tests.support.compiled_kernels.CASES by kernel kind: the inner loop compiles the d_hidden kernel (one
+# case, the cheapest compilation); the seven forward and d_logits cases (a compilation each) are slow.
+@pytest.mark.parametrize("kinds, cases", [
+    (["dh"], 1),
+    pytest.param(["fwd_tma", "bwd_tma", "fwd", "bwd"], 7, marks=pytest.mark.slow),
+], ids=["dh", "fwd-bwd"])
+def test_shared_memory_model_covers_compiled_kernels(kinds, cases):
+    """The shared-memory model behind the config fitting (tplogp.kernels.tiles.gemm_shared_bytes) is never below
+    what Triton allots the compiled kernels (sm_90 and sm_80; 16-bit, tf32 and ieee fp32 dots) and is exact for the
+    TMA kernels, whose fp32 forward the H200 refused at 262160 bytes."""
+    _needs_nvidia_toolchain()
+    run = subprocess.run([sys.executable, "-m", "tests.support.compiled_kernels", "shared-memory", *kinds],
+                         capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == cases, run.stdout
+    for row in rows:
+        assert row["model"] >= row["compiled"], row
+        if row["tma"]:
+            assert row["model"] == row["compiled"], row

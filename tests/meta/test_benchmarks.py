@@ -1,0 +1,339 @@
+"""The benchmark suite's CPU parts in smoke mode: each subcommand runs end to end and writes the rows it promises.
+
+These run ``python -m benchmarks ... --smoke`` in a subprocess (as a user would) on tiny problems, then read the
+results file back. They check what the rows say (the float64 errors, the gradients' size, the pool's behaviour),
+never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tplogp
+
+from benchmarks import impls, report, runner
+from tplogp.tolerances import slack_bound
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def _rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / runner.RESULTS_FILE).read_text().splitlines() if line.strip()]
+
+
+def _no_worse(row: dict, eager: dict, keys=("err_d_hidden", "err_d_weight")) -> None:
+    """The project's three-way rule: error vs float64 within tplogp.tolerances' slack of the same-dtype (bf16)
+    eager baseline's, for the same contract."""
+    for key in keys:
+        assert row[key] <= slack_bound(eager[key], torch.bfloat16), (key, row, eager)
+
+
+@pytest.mark.slow
+def test_op_smoke_rows(tmp_path):
+    # the native source and its fused loss at two budgets, the eager baseline, two peers that cannot run on CPU
+    _bench("op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native,torch-eager,torch-eager-loss,liger-flce,"
+           "quack-chunked", "--out", str(tmp_path))
+    rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
+    budgets = ("default", "16KiB", "keep 100%", "chunk 16")
+    assert set(rows) == {(impl, b) for impl in ("tplogp-native", "tplogp-loss-native") for b in budgets} | {
+        ("torch-eager", "default"), ("torch-eager-loss", "default"), ("liger-flce", "default"),
+        ("quack-chunked", "default")}
+    eager, eager_loss = rows["torch-eager", "default"], rows["torch-eager-loss", "default"]
+    for key in (("tplogp-native", b) for b in budgets):
+        r = rows[key]
+        assert r["contract"] == impls.PER_TOKEN and r["smoke"] and r["suite"] == "op" and "error" not in r, r
+        for field in ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_bwd_gemms_b2b", "gemm_ms",
+                      "host_fwd_us", "host_fwd_bwd_us", "host_fwd_bwd_all_us"):
+            assert r[field] > 0, (field, r)
+        # the process's CPU time over the same calls counts the calling thread's (and any other thread's)
+        assert r["host_fwd_bwd_all_us"] >= r["host_fwd_bwd_us"], r
+        assert r["checks"] == "full", r
+        # three-way: tplogp's fp32 log-softmax is no worse than the bf16-logits eager baseline against float64
+        _no_worse(r, eager, ("err_logp", "err_d_hidden", "err_d_weight"))
+    for budget in budgets:  # the scalar-loss contract: mean CE and its gradients vs float64, beside eager's
+        r = rows["tplogp-loss-native", budget]
+        assert r["contract"] == impls.SCALAR_LOSS and "error" not in r and "err_logp" not in r, r
+        assert r["fwd_bwd_ms"] > 0, r
+        _no_worse(r, eager_loss, ("err_loss", "err_d_hidden", "err_d_weight"))
+    assert rows["tplogp-native", "16KiB"]["budget_bytes"] == 16 * 2**10
+    # keep:F and chunk:C resolve per source and shape (64 x 32 x 320) through tplogp's budget helpers
+    assert rows["tplogp-native", "keep 100%"]["budget_bytes"] == tplogp.keep_logits_budget(
+        64, 320, source="native", device="cpu", dtype=torch.bfloat16)  # the smoke run's dtype
+    for impl in ("tplogp-native", "tplogp-loss-native"):
+        assert rows[impl, "chunk 16"]["budget_bytes"] == tplogp.loss_chunk_budget(
+            16, 32, 320, dtype=torch.bfloat16, source="native", device="cpu")  # the smoke run's dtype, no bias
+    assert rows["quack-chunked", "default"]["contract"] == impls.SCALAR_LOSS
+    for key in (("liger-flce", "default"), ("quack-chunked", "default")):
+        assert rows[key]["error"].startswith("unavailable: "), rows[key]
+    first = rows["tplogp-native", "default"]
+    for field in ("date", "device", "driver", "commit", "torch", "triton", "peers", "shape", "dtype"):
+        assert field in first, field
+    assert first["shape"] == "64x32x320" and first["dtype"] == "bf16"
+    assert first["grads_gib"] == pytest.approx((320 * 32 + 64 * 32) * 2 / 2**30, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_op_host_cost_column_per_checks_mode(tmp_path):
+    """``--checks full,fast``: tplogp's rows once per mode (the label names a mode other than full), each with its
+    host CPU microseconds per call; the eager baseline once, labelled ``full``. Every row has both host columns,
+    positive and finite (their sizes are measurements, compared in benchmarks, never in tests). In process, each
+    row's calls really run under its mode: a stub implementation records ``tplogp.validation.checks_mode()``."""
+    proc = _bench("op", "--smoke", "--impls", "tplogp-native,torch-eager", "--budgets", "default", "--checks",
+                  "full,fast", "--no-check", "--out", str(tmp_path))
+    rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
+    assert set(rows) == {("tplogp-native", "default"), ("tplogp-native", "default, checks fast"),
+                         ("torch-eager", "default")}, rows
+    assert [rows["tplogp-native", b]["checks"] for b in ("default", "default, checks fast")] == ["full", "fast"]
+    assert rows["torch-eager", "default"]["checks"] == "full"
+    for r in rows.values():
+        assert "error" not in r, r
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("host_fwd_us", "host_fwd_bwd_us",
+                                                                "host_fwd_bwd_all_us")), r
+    assert " host " in proc.stdout and "(all threads " in proc.stdout
+
+    # In process: each row's implementation sees its row's mode in every call (check, timing, host cost, memory)
+    from benchmarks import op
+    from tplogp.validation import checks_mode
+
+    seen: list[list[str]] = []  # the modes seen by each built function, in build order (= row order)
+
+    def build(device, budget):
+        modes: list[str] = []
+        seen.append(modes)
+
+        def logp(h, w, y):
+            modes.append(checks_mode())
+            return (h @ w.T).float().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+        return logp
+
+    stubs = [impls.Impl("budgeted", impls.PER_TOKEN, True, build, "reads the mode"),
+             impls.Impl("peer", impls.PER_TOKEN, False, build, "ignores the mode")]
+    op_rows = op.bench_shape((4, 8, 16), stubs, [runner.BudgetSpec("default")], "fp32", torch.device("cpu"),
+                             reps=1, rounds=1, warm_ms=0.0, check=True, checks=("full", "fast"))
+    assert [(r["impl"], r["budget"], r["checks"]) for r in op_rows] == [
+        ("budgeted", "default", "full"), ("budgeted", "default, checks fast", "fast"), ("peer", "default", "full")]
+    assert all("error" not in r for r in op_rows), op_rows
+    assert len(seen) == 3 and all(modes and set(modes) == {r["checks"]} for modes, r in zip(seen, op_rows)), seen
+
+
+@pytest.mark.slow
+def test_memory_smoke_rows(tmp_path):
+    _bench("memory", "--smoke", "--out", str(tmp_path))
+    rows = {r["impl"]: r for r in _rows(tmp_path)}
+    assert set(rows) == {"native", "eager"}
+    for r in rows.values():
+        assert "error" not in r and r["finite"] and r["growth_mib"] >= 0 and r["elapsed_s"] > 0, r
+        assert r["grads_mib"] == pytest.approx((256 * 64 + 2048 * 64) * 4 / 2**20, abs=0.1)
+        assert r["logits_mib"] == pytest.approx(256 * 2048 * 4 / 2**20, abs=0.1)
+
+
+@pytest.mark.slow
+def test_plugin_smoke_rows(tmp_path):
+    _bench("plugin", "--smoke", "--out", str(tmp_path))
+    rows = {r["section"]: r for r in _rows(tmp_path)}
+    assert set(rows) == {"dispatch", "skip"}
+    assert "error" not in rows["dispatch"] and rows["dispatch"]["n_tests"] == 6, rows["dispatch"]
+    assert len(rows["dispatch"]["samples_ms"]) == 6
+    assert rows["skip"]["spawned_anything"] is False, rows["skip"]
+
+
+def test_base_runs_both_sides_and_prints_ratios(tmp_path):
+    if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("--base needs a git checkout")
+    proc = _bench("op", "--smoke", "--impls", "tplogp-native", "--budgets", "default", "--no-check", "--base",
+                  "HEAD", "--out", str(tmp_path))
+    rows = _rows(tmp_path)
+    assert sorted(r["ab"]["side"] for r in rows) == ["base", "this"]
+    assert all(r["impl"] == "tplogp-native" and r["fwd_bwd_ms"] > 0 for r in rows), rows
+    assert "fwd_bwd_ms" in proc.stdout and "= " in proc.stdout.split("# A/B:")[-1]
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "tplogp-base-" not in worktrees  # the temporary worktree is gone
+
+
+def test_base_takes_a_source_folder(tmp_path):
+    """A machine whose copy of the repository has no git history compares against an exported tree."""
+    base = tmp_path / "base"
+    shutil.copytree(os.path.join(ROOT, "src"), base / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "out"
+    proc = _bench("op", "--smoke", "--impls", "tplogp-native", "--budgets", "default", "--no-check", "--base",
+                  str(base), "--out", str(out))
+    rows = _rows(out)
+    assert sorted(r["ab"]["side"] for r in rows) == ["base", "this"]
+    assert "fwd_bwd_ms" in proc.stdout.split("# A/B:")[-1]
+    assert base.joinpath("src", "tplogp", "__init__.py").is_file()  # the given folder is left alone
+
+
+def _op_row(impl, budget="default", **extra):
+    row = dict(suite="op", shape="64x32x320", dtype="bf16", impl=impl, budget=budget, contract=impls.PER_TOKEN,
+               date="2026-01-02T00:00:00+00:00", device="GPU X", driver="1.0", torch="2", triton="3", commit="abc",
+               checks="full", peers={"liger-kernel": "0.8.5"}, grads_gib=0.5, logits_gib=1.0)
+    row.update(extra)
+    return row
+
+
+def test_report_takes_the_latest_row_per_impl_and_budget(tmp_path):
+    timed = dict(fwd_ms=1.0, fwd_bwd_ms=4.0, fwd_gemms=1.1, fwd_bwd_gemms=4.2, fwd_bwd_gemms_b2b=4.1, gemm_ms=1.0,
+                 extra_peak_gib=0.7, err_logp=1e-7, err_d_hidden=2e-3, err_d_weight=2e-3)
+    rows = [_op_row("tplogp-sm90", **dict(timed, fwd_bwd_ms=9.0, date="2026-01-01T00:00:00+00:00")),
+            _op_row("tplogp-sm90", **timed),
+            _op_row("tplogp-sm90", "1GiB", **dict(timed, fwd_bwd_gemms=3.1, extra_peak_gib=1.9)),
+            _op_row("tplogp-sm90", **dict(timed, fwd_bwd_ms=7.0, smoke=True, date="2026-02-01T00:00:00+00:00")),
+            _op_row("quack-chunked", contract=impls.SCALAR_LOSS, error="unavailable: quack is not installed"),
+            _op_row("torch-eager", **dict(timed, gemm_ms=2.0, fwd_bwd_ms=5.0, commit="def", peers={},
+                                          date="2025-12-01T00:00:00+00:00")),
+            dict(suite="memory", shape="256x64x2048", impl="native", date="2026-01-02T00:00:00+00:00",
+                 elapsed_s=0.5, growth_mib=3.0, grads_mib=0.6, logits_mib=2.0, finite=True)]
+    runner.append_rows(str(tmp_path), rows)
+    doc = tmp_path / "docs" / "performance.md"
+    report.write(str(tmp_path), str(doc))
+    text = doc.read_text()
+    lines = text.splitlines()
+    table = [line for line in lines if line.startswith("| tplogp-sm90 |")]
+    assert len(table) == 2 and any("| 1.000 / 4.000 |" in line for line in table), table  # the latest full run's
+    assert not any("/ 9.000 |" in line or "/ 7.000 |" in line for line in table)
+    # one table per run, newest first, each under its one provenance line; at most 8 columns
+    runs = [i for i, line in enumerate(lines) if line.startswith("Measured ")]
+    assert [lines[i] for i in runs[:2]] == [
+        "Measured 2026-01-02 on GPU X (driver 1.0), torch 2, Triton 3, tplogp `abc`; peers: liger-kernel 0.8.5. "
+        "One GEMM: 1.000 ms.",
+        "Measured 2025-12-01 on GPU X (driver 1.0), torch 2, Triton 3, tplogp `def`; no peer packages installed. "
+        "One GEMM: 2.000 ms."], runs
+    headers = [i for i, line in enumerate(lines) if line.startswith("| impl |")]
+    assert [i - 2 for i in headers] == runs[:2], (headers, runs)
+    assert lines[headers[1] + 2].startswith("| torch-eager | default |") and "| 1.000 / 5.000 |" in lines[
+        headers[1] + 2], lines[headers[1] + 2]
+    assert all(line.count("|") <= 9 for line in lines if line.startswith("|")), text
+    assert "`quack-chunked`: unavailable: quack is not installed" in text
+    assert "| 256x64x2048 | native | 0.50 | 3 |" in text
+    if (tmp_path / "pareto_64x32x320_bf16.png").exists():
+        assert "](../pareto_64x32x320_bf16.png)" in text
+
+
+def test_budget_and_shape_parsing():
+    assert runner.parse_budget("default") is None
+    assert runner.parse_budget("4GiB") == 4 * 2**30 and runner.parse_budget("512MiB") == 512 * 2**20
+    assert runner.budget_label(runner.parse_budget("1GiB")) == "1GiB"
+    assert runner.parse_shapes("8192x4096x128256,64x32x320") == [(8192, 4096, 128256), (64, 32, 320)]
+    with pytest.raises(ValueError, match="TxDxV"):
+        runner.parse_shapes("8192x4096")
+    with pytest.raises(ValueError, match="budget"):
+        runner.parse_budget("lots")
+    assert runner.parse_budget_spec("keep:0.5") == runner.BudgetSpec("keep 50%", keep=0.5)
+    assert runner.parse_budget_spec("chunk:4096") == runner.BudgetSpec("chunk 4096", chunk=4096)
+    assert runner.parse_budget_spec("2GiB") == runner.BudgetSpec("2GiB", nbytes=2 * 2**30)
+    assert runner.parse_budget_spec("default") == runner.BudgetSpec("default")
+    for bad in ("keep:2", "keep:", "chunk:0", "chunk:x", "lots"):
+        with pytest.raises(ValueError, match="'keep:F'"):
+            runner.parse_budget_spec(bad)
+    spec = runner.parse_budget_spec("keep:1")
+    # bf16 terms (2 bytes per logit) and fp32 scales (counted for 64-wide tiles when planning without the GPU)
+    assert spec.resolve("triton", (8192, 4096, 128256), torch.bfloat16, torch.device("cuda")) == (
+        128 * 2**20 + 8192 * 128256 * 2 + 8192 * -(-128256 // 64) * 4)
+    with pytest.raises(ValueError, match="unknown implementation 'nope'"):
+        impls.select("tplogp-sm90,nope")
+
+
+@pytest.mark.slow
+def test_tp_smoke_rows(tmp_path):
+    """``tp --smoke``: one torchrun launch per degree (1 and 2 gloo ranks), one row each with the slowest rank's step
+    and its host CPU time (the calling thread's, within the process's: same calls)."""
+    proc = _bench("tp", "--smoke", "--out", str(tmp_path))
+    rows = _rows(tmp_path)
+    assert sorted(r["tp"] for r in rows) == [1, 2], rows
+    for r in rows:
+        assert r["suite"] == "tp" and r["smoke"] and r["backend"] == "gloo" and "error" not in r, r
+        assert r["step_ms"] > 0 and r["shape"] == "64x32x320" and r["steps"] == 2, r
+        assert 0 < r["host_step_us"] <= r["host_step_all_us"], r
+    assert proc.stdout.count("(thread / all)") == 2, proc.stdout
+    from benchmarks import report  # the report's TP table carries the host column (as a full run's rows)
+
+    table = "\n".join(report.tp_section([dict(r, smoke=False) for r in rows]))
+    assert "host µs (thread / all)" in table, table
+    for r in rows:
+        assert f"| {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} |" in table, table
+
+
+@pytest.mark.slow
+def test_floors_smoke_rows(tmp_path):
+    """``floors --smoke``: one GEMM-floor row (the floor is the unit plus the two backward GEMMs, every keep-all
+    timing positive) and, on the CPU, one host row per implementation with autograd's threads on; the report's
+    section shows both tables with the rows' numbers."""
+    proc = _bench("floors", "--smoke", "--out", str(tmp_path))
+    rows = _rows(tmp_path)
+    gemm = [r for r in rows if r["kind"] == "gemm"]
+    host = [r for r in rows if r["kind"] == "host"]
+    assert len(gemm) == 1 and gemm[0]["shape"] == "64x32x320", rows
+    (g,) = gemm
+    assert g["suite"] == "floors" and g["smoke"] and g["unit_ms"] > 0, g
+    assert g["floor_gemms"] == round(1 + g["d_hidden_gemms"] + g["d_weight_gemms"], 4), g
+    for key in ("keep_all_gemms", "keep_all_gemms_b2b", "loss_keep_all_gemms", "loss_keep_all_gemms_b2b"):
+        assert g[key] > 0, (key, g)
+    assert sorted(r["impl"] for r in host) == ["autograd-floor", "torch-eager", "tplogp", "tplogp-loss"], host
+    for r in host:
+        assert r["autograd_threads"] is True and r["shape"] == "16x32x256" and r["dtype"] == "fp32", r
+        assert 0 < r["host_us"] <= r["host_all_us"], r
+    assert proc.stdout.count("3-GEMM floor") == 1 and proc.stdout.count("(thread / all)") == 4, proc.stdout
+    section = "\n".join(report.floors_section([dict(r, smoke=False) for r in rows]))
+    assert "## Floors" in section and f"| {g['floor_gemms']:.3f} |" in section, section
+    for r in host:
+        assert f"| {r['impl']} | on | {r['host_us']:.0f} / {r['host_all_us']:.0f} |" in section, section
+
+
+def test_host_stages_smoke(capsys):
+    """The stage stamps on CPU (no-op launches): every row's table lists the forward's launch program and its
+    launches, the backward node, the kept d_logits launch and the markers in call order; the stamped functions and
+    the real launchers are back afterwards."""
+    from benchmarks import host_stages
+    from tplogp import tp
+    from tplogp.kernels.launch import Launch
+
+    before = (tp.localize, Launch._through_jit, Launch.__call__)
+    assert host_stages.main(["--shape", "16x32x256", "--dtype", "fp32", "--calls", "5", "--warmup", "2"]) == 0
+    out = capsys.readouterr().out
+    tables = out.split("== ")[1:]
+    assert [t.split(":")[0] for t in tables] == ["default", "loss", "eager", "eager-loss"]
+    for table in tables[2:]:  # the eager baselines: the markers alone
+        assert [line.split(None, 3)[3] for line in table.splitlines()[2:]] == [
+            "(forward returned)", "(backward returned)", "(synced)"]
+    for table, node in zip(tables, ("linear_logp backward", "loss backward")):
+        stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
+        for needed in ("program: forward", "Launch (alignment + launch)",
+                       f"autograd node: {node}", "launch: d_logits (kept)"):
+            assert needed in stages, (needed, stages)
+        order = [stages.index(m) for m in ("(forward returned)", "(backward returned)", "(synced)")]
+        assert order == sorted(order) and stages.index("program: forward") < order[0]
+    assert (tp.localize, Launch._through_jit, Launch.__call__) == before
+
+
+def test_host_stages_budget(capsys):
+    """``--budget`` reaches both tplogp rows: ``keep:0`` keeps nothing (the backward recomputes its logits), a
+    keep-all one keeps every column (the backward reads what was kept)."""
+    from benchmarks import host_stages
+
+    for budget, launch, absent in (("keep:0", "launch: d_logits (recompute)", "launch: d_logits (kept)"),
+                                   ("keep:1", "launch: d_logits (kept)", "launch: d_logits (recompute)")):
+        assert host_stages.main(["--shape", "16x32x256", "--dtype", "fp32", "--rows", "default,loss", "--budget",
+                                 budget, "--calls", "3", "--warmup", "1"]) == 0
+        tables = capsys.readouterr().out.split("== ")[1:]
+        assert len(tables) == 2, tables
+        for table in tables:
+            stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
+            assert launch in stages and absent not in stages, (budget, stages)

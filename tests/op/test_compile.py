@@ -1,0 +1,282 @@
+"""torch.compile: a loss that calls ``linear_logp`` compiles as one graph (no graph breaks, ``fullgraph=True``)
+with every option, in both check modes, with and without a TP group, and gives eager's value and gradients (bitwise
+with ``aot_eager``, which runs eager's kernels).
+The op pair itself passes ``torch.library.opcheck`` (schema, fake implementations, autograd registration)."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+import torch._dynamo
+
+from tplogp import get_op, linear_logp, linear_logp_loss, losses, ops
+from tplogp.tolerances import assert_no_worse
+from tests.support.problems import cpu_sources, make_problem, run_reference
+from tests.support import tolerances as tol
+
+OPTIONS = {
+    "plain": {},
+    "temperature": dict(temperature=0.7),
+    "entropy": dict(return_entropy=True),
+    "lse": dict(return_lse=True),
+    "ignore_index": dict(ignore_index=-100),
+    "deterministic": dict(deterministic=True),
+    "workspace_bytes": dict(workspace_bytes=4096),
+    "keep": dict(workspace_bytes=1 << 30),  # above every source's transient default: the call's logits are kept
+    "all": dict(temperature=1.3, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=True,
+                workspace_bytes=8192),
+}
+CHECK_MODES = ("full", "fast")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # every test compiles its own graphs (no recompile limit across parametrizations)
+    yield
+    torch._dynamo.reset()
+
+
+def make_loss(op, opts: dict, grads: tuple, **call_kw):
+    """``sum(output * upstream gradient)`` over the outputs the options request."""
+
+    def loss_fn(h, w, t, b):
+        out = op(h, w, t, b, **opts, **call_kw)
+        parts = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        loss = (parts[0] * grads[0]).sum()
+        for part, g in zip(parts[1:], grads[1:]):
+            loss = loss + (part * g).sum()
+        return loss
+
+    return loss_fn
+
+
+def loss_and_grads(fn, p):
+    h, w = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
+    b = None if p.bias is None else p.bias.clone().requires_grad_()
+    loss = fn(h, w, p.target, b)
+    loss.backward()
+    return [loss.detach(), h.grad, w.grad] + ([] if b is None else [b.grad])
+
+
+def assert_same_bits(compiled, eager):
+    """aot_eager runs the traced graph with eager's kernels: the loss and every gradient are eager's bits."""
+    for name, c, e in zip(("loss", "d_hidden", "d_weight", "d_bias"), compiled, eager):
+        assert torch.equal(c, e), f"{name}: compiled differs from eager by {float((c - e).abs().max()):.2e}"
+
+
+def graph_breaks(fn, p) -> int:
+    h, w = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
+    b = None if p.bias is None else p.bias.clone().requires_grad_()
+    explained = torch._dynamo.explain(fn)(h, w, p.target, b)
+    assert any("tplogp.linear_logp_fwd" in g.code for g in explained.graphs), "the op is not in the graph"
+    return explained.graph_break_count
+
+
+def _problem(opts, seed=0, lead=(3, 11), d=24, v=97):
+    ignore = opts.get("ignore_index")
+    return make_problem(lead, d, v, torch.float32, True, seed=seed, ignore_index=ignore,
+                        ignore_fraction=0.3 if ignore is not None else 0.0)
+
+
+@pytest.mark.parametrize("mode", ["full", pytest.param("fast", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("opts", list(OPTIONS))
+def test_compile_fullgraph_matches_eager(opts, mode, monkeypatch):
+    monkeypatch.setenv("TPLOGP_CHECKS", mode)
+    o = OPTIONS[opts]
+    p = _problem(o, seed=len(opts))
+    loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse) if o.get("return_entropy")
+                        else (p.g_logp, p.g_lse))
+    assert graph_breaks(loss_fn, p) == 0
+    eager = loss_and_grads(loss_fn, p)
+    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
+    assert_same_bits(compiled, eager)
+
+
+def test_compiled_against_float64_truth():
+    """The op path alone (compiled) against float64: every output and gradient, the three-way rule."""
+    o = OPTIONS["all"]
+    p = _problem(o, seed=9)
+    ent_lse = (p.g_logp, p.g_entropy, p.g_lse)
+
+    def outputs(h, w, t, b):
+        return linear_logp(h, w, t, b, **o)
+
+    compiled = torch.compile(outputs, fullgraph=True, backend="aot_eager")
+    h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    logp, entropy, lse = compiled(h, w, p.target, b)
+    sum((x * g).sum() for x, g in zip((logp, entropy, lse), ent_lse)).backward()
+    kw = dict(temperature=o["temperature"], ignore_index=o["ignore_index"], entropy=True, lse=True)
+    truth, ref = run_reference(p, "float64", **kw), run_reference(p, "fp32", **kw)
+    ours = dict(logp=logp, entropy=entropy, lse=lse, d_hidden=h.grad, d_weight=w.grad, d_bias=b.grad)
+    for name, value in ours.items():
+        assert_no_worse(name, value.detach(), getattr(ref, name), getattr(truth, name), torch.float32)
+
+
+@pytest.mark.slow
+def test_compile_inductor_fullgraph():
+    """The default backend (inductor) around the op: one graph, eager's values."""
+    o = dict(return_entropy=True, return_lse=True, temperature=0.9)
+    p = _problem(o, seed=3)
+    loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse))
+    eager = loss_and_grads(loss_fn, p)
+    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True), p)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, **tol.INDUCTOR._asdict())
+
+
+def test_compile_with_triton_source_and_bare_weight():
+    """A bound source (``get_op``) and no bias compile the same way."""
+    p = make_problem((13,), 16, 45, torch.float32, False, seed=6)
+    loss_fn = make_loss(get_op("linear_logp", source="triton"), dict(return_lse=True), (p.g_logp, p.g_lse))
+    assert graph_breaks(loss_fn, p) == 0
+    eager = loss_and_grads(loss_fn, p)
+    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
+    assert_same_bits(compiled, eager)
+
+
+def test_fused_loss_runs_eagerly_inside_compiled_code():
+    """``linear_logp_loss`` is not an op (docs/training.md): compiled code runs it eagerly, untraced (no GEMM in
+    any captured graph, no warning from dynamo about the registry's caches), with eager's loss and gradients."""
+    import warnings
+
+    p = make_problem((12,), 16, 50, torch.float32, True, seed=5)
+
+    def loss_fn(h, w, t, b):
+        return 2 * linear_logp_loss(h, w, t, b, loss=losses.policy_gradient(), per_token=(p.g_logp,))
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.compile(loss_fn, backend=capture)(p.hidden, p.weight, p.target, p.bias)
+    traced = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert graphs and not [t for t in traced if any(k in t for k in ("mm", "linear", "matmul", "exp"))], traced
+    eager = loss_and_grads(loss_fn, p)
+    assert_same_bits(loss_and_grads(torch.compile(loss_fn, backend="aot_eager"), p), eager)
+
+
+KEEP_SOURCES = cpu_sources()
+
+
+@pytest.mark.parametrize("source", KEEP_SOURCES)
+@pytest.mark.parametrize("budget", ["default", pytest.param("keep", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp-lse", "entropy"])
+def test_opcheck(entropy, budget, source):
+    """Schema, fake (meta) implementation and autograd registration of the op pair (torch.library.opcheck), also
+    with a budget that keeps logits (the fake kept buffer has the real one's shape)."""
+    from tplogp import keep_logits_budget
+
+    p = make_problem((6,), 8, 23, torch.float32, True, seed=1)
+    h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
+    ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
+    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True)
+    packed, kept = ops.linear_logp_fwd(*args)
+    # the triton sources keep a call this small under the default budget too (tplogp.kernels.workspace.default_keep)
+    assert (kept.numel() > 0) == (budget == "keep" or source != "native"), kept.shape
+    torch.library.opcheck(ops.linear_logp_fwd, args)
+
+
+def _count_recomputes(monkeypatch, source):
+    """Count the backward's recompute GEMMs (native: logits tiles computed in the backward; triton: recompute
+    launches, beside the launches that read kept logits)."""
+    seen = {"recompute": 0}
+    if source == "triton":
+        from tplogp.kernels import programs
+
+        real = programs.launch_dlogits
+
+        def recompute(*args):
+            seen["recompute"] += 1
+            return real(*args)
+
+        monkeypatch.setattr(programs, "launch_dlogits", recompute)
+    else:
+        from tplogp.backends import native
+
+        real_tile = native._logits_tile
+        real_backward = native.NativeBackend._backward_tiles
+        inside = {"backward": False}
+
+        def tile(*args, **kwargs):
+            seen["recompute"] += inside["backward"]
+            return real_tile(*args, **kwargs)
+
+        def in_backward(real):
+            def run(*args, **kwargs):
+                inside["backward"] = True
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    inside["backward"] = False
+
+            return run
+
+        monkeypatch.setattr(native, "_logits_tile", tile)
+        monkeypatch.setattr(native.NativeBackend, "_backward_tiles", in_backward(real_backward))
+        # a call whose logits fit one tile and keep nothing: the one-tile backward recomputes it
+        monkeypatch.setattr(native, "_backward_one_tile", in_backward(native._backward_one_tile))
+    return seen
+
+
+@pytest.mark.parametrize("source", KEEP_SOURCES)
+@pytest.mark.parametrize("opts", ["plain", pytest.param("entropy", marks=pytest.mark.slow), "ignore_index"])
+def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts):
+    """Under torch.compile a budget that holds the logits makes the op's forward keep their terms and its backward
+    read them (no recompute GEMM), with eager's bits; with ignore_index (data-dependent row count) nothing is kept
+    and the backward recomputes: eager's loss bits, and gradients within the fp32 eps of eager's (which read kept
+    terms: the probabilities are formed in another order)."""
+    from tplogp import keep_logits_budget
+
+    o = OPTIONS[opts]
+    p = _problem(o, seed=7)
+    n = p.target.numel()
+    budget = keep_logits_budget(n, p.weight.shape[0], source=source, device="cpu")
+    loss_fn = make_loss(get_op("linear_logp", source=source), o,
+                        (p.g_logp, p.g_entropy) if o.get("return_entropy") else (p.g_logp,), workspace_bytes=budget)
+    eager = loss_and_grads(loss_fn, p)
+    seen = _count_recomputes(monkeypatch, source)
+    compiled = loss_and_grads(torch.compile(loss_fn, backend="aot_eager", fullgraph=True), p)
+    if "ignore_index" in o:
+        from tplogp.tolerances import ERROR_SLACK, rel_error
+
+        assert torch.equal(compiled[0], eager[0])
+        for name, c, e in zip(("d_hidden", "d_weight", "d_bias"), compiled[1:], eager[1:]):
+            assert rel_error(c, e) <= ERROR_SLACK[torch.float32].eps, (name, rel_error(c, e))
+    else:
+        assert_same_bits(compiled, eager)
+    assert (seen["recompute"] == 0) == ("ignore_index" not in o), seen
+
+
+# ---- with a TP group: gloo ranks of the plugin --------------------------------------------------------------------
+
+# 4 uneven ranks (26, 26, 26, 23 ids); 2 ranks traced the same graph with other shard sizes, so they are not run.
+@pytest.mark.tp(world_size=4, timeout=300)
+@pytest.mark.parametrize("mode", ["full", pytest.param("fast", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("opts", [pytest.param("plain", marks=pytest.mark.slow),
+                                  pytest.param("keep", marks=pytest.mark.slow), "all"])
+def test_compile_with_tp_group(tp, opts, mode, monkeypatch):
+    """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal eager's."""
+    from pytest_tplogp import VocabShards
+
+    monkeypatch.setenv("TPLOGP_CHECKS", mode)  # per rank, undone after the test
+    torch._dynamo.reset()
+    o = OPTIONS[opts]
+    v = 101
+    vs = VocabShards("uneven", tp.world_size, vocab_size=v).__tp_bind__(tp)
+    p = _problem(o, seed=4, v=v)
+    p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
+    loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse) if o.get("return_entropy")
+                        else (p.g_logp, p.g_lse), tp_group=tp.group, vocab_start_index=vs.start,
+                        global_vocab_size=v)
+    breaks = graph_breaks(loss_fn, p)
+    eager = loss_and_grads(loss_fn, p)
+    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
+    tp.assert_all(breaks == 0, f"{breaks} graph breaks")
+    same = all(torch.equal(c, e) for e, c in zip(eager, compiled))
+    tp.assert_all(same, "compiled loss or gradients differ from eager's bits")

@@ -1,0 +1,150 @@
+"""Compile the fused kernels for a GPU architecture on a machine without a GPU (Triton's bundled ptxas, cuobjdump).
+
+Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` starts it in a subprocess):
+
+* ``python -m tests.support.compiled_kernels shared-memory [KIND ...]``: one JSON line per case (of those kernel
+  kinds; all without), ``{"case", "tma", "compiled": bytes Triton allots, "model":
+  tplogp.kernels.tiles.gemm_shared_bytes}``;
+* ``python -m tests.support.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
+  forward-statistics kernel (default and ``KEEP`` with its TMA stores) and d_logits kernels (TMA, and from kept logits), with the sm90
+  config, bf16, no bias / entropy.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tplogp.kernels import backward_kernels, forward_kernels, hopper_kernels, tiles
+
+# (kernel, arch, dtype, (M, N, K, stages), dot precision)
+CASES = [
+    ("fwd_tma", 90, "bf16", (128, 256, 64, 3), None),
+    ("fwd_tma", 90, "fp32", (128, 128, 32, 3), "ieee"),
+    ("bwd_tma", 90, "fp32", (128, 128, 32, 3), "tf32"),
+    ("fwd", 90, "fp32", (128, 128, 32, 3), "ieee"),
+    ("bwd", 90, "fp16", (128, 128, 32, 4), None),
+    ("dh", 90, "bf16", (128, 256, 64, 3), None),
+    ("fwd", 80, "bf16", (128, 128, 32, 4), None),
+    ("fwd", 80, "fp32", (128, 128, 32, 4), "tf32"),
+]
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = True, num_warps: int = 8,
+             group_n: int = 8, split_tiles: int = 4, keep: bool = False, keep_tma: bool = False):
+    """Compile one kernel for ``sm_{arch}`` (every pointer and i32 argument marked 16-divisible, as Triton
+    specializes aligned tensors and sizes); ``features``: bias, entropy and d_bias on; ``keep``: the forward's
+    kept-logits variant (``KEEP``). Kinds: fwd_tma, fwd, bwd_tma, bwd, bwd_kept (d_logits from kept logits), dh."""
+    m, n, k, stages = blocks
+    flags = dict(HAS_BIAS=features, WITH_ENTROPY=features)
+    block_args = dict(BLOCK_N=m, BLOCK_V=n, BLOCK_D=k, GROUP_N=group_n, DOT_PRECISION=precision)
+    stats = dict(p_tgt="*i64", p_parts="*fp32", p_kept=f"*{dt}", p_scale="*fp32", N="i32", V="i32", D="i32",
+                 stride_kept="i32", stride_scale="i32", v_keep="i32")
+    grads = dict(p_tgt="*i64", p_rmax="*fp32", p_lsum="*fp32", p_g="*fp32", p_gmg="*fp32", p_ge="*fp32",
+                 p_mz="*fp32", p_dz=f"*{dt}", p_dbp="*fp32", N="i32", V="i32", D="i32", v_lo="i32", v_hi="i32")
+    tma = dict(d_h=f"tensordesc<{dt}[{m},{k}]>", d_w=f"tensordesc<{dt}[{n},{k}]>", p_b=f"*{dt}")
+    ptrs = dict(p_h=f"*{dt}", p_w=f"*{dt}", p_b=f"*{dt}")
+    if kind == "fwd_tma":
+        fn, sig = hopper_kernels.fwd_stats_tma_kernel, {**tma, **stats, "inv_temp": "fp32", "num_splits": "i32", "plane": "i32"}
+        const = dict(SPLIT_V=split_tiles * n, **flags, **block_args, WARP_SPECIALIZE=True, NUM_STAGES=stages,
+                     KEEP=keep, KEEP_TMA=keep and keep_tma)
+        if keep and keep_tma:  # the kept terms through a tensor descriptor (launches.kept_tma_ok)
+            sig = {**sig, "p_kept": f"tensordesc<{dt}[{m},{n}]>"}
+    elif kind == "fwd":
+        fn = forward_kernels.fwd_stats_kernel
+        sig = {**ptrs, **stats, "stride_hn": "i32", "stride_wv": "i32", "inv_temp": "fp32", "num_splits": "i32",
+               "plane": "i32"}
+        const = dict(SPLIT_V=split_tiles * n, **flags, EVEN_D=False, **block_args, KEEP=keep)
+    elif kind == "bwd_tma":
+        fn = hopper_kernels.bwd_dlogits_tma_kernel
+        sig = {**tma, **grads, "stride_dz": "i32", "stride_dbp": "i32", "inv_temp": "fp32"}
+        const = dict(**flags, NEED_DB=features, **block_args, WARP_SPECIALIZE=True, NUM_STAGES=stages)
+    elif kind == "bwd":
+        fn = backward_kernels.bwd_dlogits_kernel
+        sig = {**ptrs, **grads, "stride_hn": "i32", "stride_wv": "i32", "stride_dz": "i32", "stride_dbp": "i32",
+               "inv_temp": "fp32"}
+        const = dict(**flags, NEED_DB=features, EVEN_D=False, **block_args)
+    elif kind == "bwd_kept":
+        fn = backward_kernels.bwd_dlogits_kept_kernel
+        sig = {"p_kept": f"*{dt}", "p_scale": "*fp32", **grads, "stride_kept": "i32", "stride_scale": "i32",
+               "stride_dz": "i32", "stride_dbp": "i32", "inv_temp": "fp32"}
+        const = dict(WITH_ENTROPY=features, NEED_DB=features, BLOCK_N=m, BLOCK_V=n, DOT_PRECISION=precision)
+    else:  # dh: acc[M, N] += dz[M, K] @ w[K, N]
+        fn = backward_kernels.dh_accum_kernel
+        sig = dict(p_dz=f"*{dt}", p_w=f"*{dt}", p_dh="*fp32", N="i32", K="i32", D="i32", stride_dz="i32",
+                   stride_wv="i32", stride_dh="i32")
+        const = dict(ACCUMULATE=True, BLOCK_N=m, BLOCK_D=n, BLOCK_K=k, GROUP_N=8, DOT_PRECISION=precision)
+    full = {name: ("constexpr" if name in const else sig[name]) for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if full[name].startswith("*") or full[name] == "i32"}
+    src = ASTSource(fn=fn, signature=full, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=stages))
+
+
+_SASS_OP = re.compile(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def sass_counts(cubin: bytes) -> collections.Counter:
+    """Instructions per opcode (``HGMMA``, ``MUFU``, ...; modifiers dropped) of a cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    ops: collections.Counter = collections.Counter()
+    for line in sass.splitlines():
+        found = _SASS_OP.match(line)
+        if found:
+            ops[found.group(1)] += 1
+    return ops
+
+
+def shared_memory(kinds: list[str]) -> None:
+    for kind, arch, dt, blocks, precision in CASES:
+        if kinds and kind not in kinds:
+            continue
+        compiled = _compile(kind, arch, dt, blocks, precision).metadata.shared
+        model = tiles.gemm_shared_bytes(*blocks, _ITEMSIZE[dt], tiles.uses_tensor_cores(_ITEMSIZE[dt], precision))
+        print(json.dumps(dict(case=f"{kind} sm_{arch} {dt} {blocks} {precision}", tma=kind.endswith("tma") and arch == 90,
+                              compiled=compiled, model=model)), flush=True)
+
+
+def machine_code() -> None:
+    cfg = tiles.SM90
+    found = {}
+    fwd = (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages)
+    bwd = (cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d, cfg.bwd_num_stages)
+    for name, kind, blocks, warps, keep in (
+            ("fwd_stats", "fwd_tma", fwd, cfg.num_warps, False),
+            ("fwd_stats_keep", "fwd_tma", fwd, cfg.num_warps, True),
+            ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False),
+            ("bwd_dlogits_kept", "bwd_kept", (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
+             cfg.kept_num_warps, False)):
+        kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
+                          split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep)
+        found[name] = dict(sass_counts(kernel.asm["cubin"]))
+    print(json.dumps(found, sort_keys=True))
+
+
+def main() -> int:
+    if sys.argv[1] == "shared-memory":
+        shared_memory(sys.argv[2:])
+    else:
+        {"sass-counts": machine_code}[sys.argv[1]]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
