@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from . import rank_coverage
 from .protocol import (
@@ -241,32 +241,18 @@ class RankPool:
         pending = set(range(self.key.world_size))
         deadline = time.monotonic() + timeout_s
         problem: str | None = None
-        while pending and problem is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                problem = f"ranks did not join within {timeout_s:.0f} s"
+        for r, msg in self._arrivals(pending, deadline):
+            if isinstance(msg, Ready):
+                pending.discard(r)
+            elif isinstance(msg, StartFailed):
+                problem = f"rank {r} failed to start:\n{msg.error}"
                 break
-            waitables = {self.conns[r]: r for r in pending}
-            waitables.update({self.procs[r].sentinel: r for r in pending})
-            for obj in wait(list(waitables), timeout=min(remaining, 1.0)):
-                r = waitables[obj]
-                if r not in pending:
-                    continue
-                msg: Any = None
-                if self.conns[r].poll(0):
-                    try:
-                        msg = pickle.loads(self.conns[r].recv_bytes())
-                    except (EOFError, OSError):
-                        msg = None
-                if isinstance(msg, Ready):
-                    pending.discard(r)
-                elif isinstance(msg, StartFailed):
-                    problem = f"rank {r} failed to start:\n{msg.error}"
-                    break
-                elif not self.procs[r].is_alive() or msg is None:
-                    self.procs[r].join(0.5)
-                    problem = f"rank {r} {describe_exit(self.procs[r].exitcode)} during start"
-                    break
+            elif not self.procs[r].is_alive() or msg is None:
+                self.procs[r].join(0.5)
+                problem = f"rank {r} {describe_exit(self.procs[r].exitcode)} during start"
+                break
+        if problem is None and pending:
+            problem = f"ranks did not join within {timeout_s:.0f} s"
         if problem is not None:
             errs = "\n".join(f"--- rank {r} stderr ---\n{_read_from(os.path.join(self.pool_dir, f'rank{r}.err'), 0)}"
                              for r in range(self.key.world_size))
@@ -324,6 +310,15 @@ class RankPool:
     def _merge_coverage(self, deadline: float) -> None:
         """Receive each leaving rank's coverage data (bounded) and add it to this process's coverage."""
         pending = set(range(len(self.procs)))
+        for r, msg in self._arrivals(pending, deadline):
+            pending.discard(r)  # one message at most: the data, or nothing from a rank that left without it
+            if isinstance(msg, RankCoverage):
+                rank_coverage.merge(msg.data)
+
+    def _arrivals(self, pending: set, deadline: float) -> Iterator[tuple[int, Any]]:
+        """``(rank, message or None)`` each time a rank of ``pending`` sends a message or exits (None: it exited or
+        its pipe broke), until ``pending`` is empty or ``deadline`` (monotonic) passes. The caller updates
+        ``pending``; a rank it removed is not reported again."""
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -338,9 +333,7 @@ class RankPool:
                     msg = pickle.loads(self.conns[r].recv_bytes()) if self.conns[r].poll(0) else None
                 except (EOFError, OSError):
                     msg = None
-                pending.discard(r)  # one message at most: the data, or nothing from a rank that left without it
-                if isinstance(msg, RankCoverage):
-                    rank_coverage.merge(msg.data)
+                yield r, msg
 
     # ------------------------------------------------------------ commands
     def _paths(self, r: int) -> tuple[str, str, str]:

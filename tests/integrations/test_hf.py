@@ -287,6 +287,7 @@ def test_missing_package_is_named(monkeypatch):
         importlib.import_module("tplogp.integrations.hf")
 
 
+@pytest.mark.slow
 @pytest.mark.tp(world_size=2, timeout=300)
 def test_sharded_and_wrapped_models_on_gloo_ranks(tp):
     """The LM head sharded over the vocabulary on 2 ranks, two ways: its weight a DTensor placed Shard(0) (how

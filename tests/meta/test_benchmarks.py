@@ -154,6 +154,7 @@ def test_plugin_smoke_rows(tmp_path):
     assert rows["skip"]["spawned_anything"] is False, rows["skip"]
 
 
+@pytest.mark.slow
 def test_base_runs_both_sides_and_prints_ratios(tmp_path):
     if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
                                                      capture_output=True).returncode != 0:
@@ -168,6 +169,7 @@ def test_base_runs_both_sides_and_prints_ratios(tmp_path):
     assert "tplogp-base-" not in worktrees  # the temporary worktree is gone
 
 
+@pytest.mark.slow
 def test_base_takes_a_source_folder(tmp_path):
     """A machine whose copy of the repository has no git history compares against an exported tree."""
     base = tmp_path / "base"

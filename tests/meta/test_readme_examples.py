@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 _EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```", re.S)
 _DEVICE_LINE = 'device = "cuda"\n'
 
@@ -36,6 +36,7 @@ def test_every_example_is_marked():
     assert set(_examples()) == {"readme-op", "readme-tp", "readme-loss"}
 
 
+@pytest.mark.slow
 def test_op_and_fused_loss_examples():
     ns = _run(["readme-op"])
     logp, hidden, weight, targets = ns["logp"], ns["hidden"], ns["weight"], ns["targets"]
@@ -55,6 +56,7 @@ def test_op_and_fused_loss_examples():
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
 
 
+@pytest.mark.slow
 @pytest.mark.tp(world_size=2, timeout=180)
 def test_tensor_parallel_example(tp):
     ns = _run(["readme-op", "readme-tp"], tp_group=tp.group)

@@ -37,6 +37,7 @@ def assert_one_failed_rank_quietly(out: subprocess.CompletedProcess) -> None:
     assert "<NO_OTHER_FAILURES>" in out.stderr and "SIGTERM" not in text, text
 
 
+@pytest.mark.slow
 def test_pass_output_format_progress_and_status():
     out = torchrun("--dtype", "fp32", "--tokens", "32", "--hidden-size", "48", "--vocab-size", "301",
                    "--uneven-shards", "--run-stress", "--stress-tokens", "64", "--stress-hidden-size", "32",

@@ -53,6 +53,7 @@ def _no_leftover_data_files(pytester: pytest.Pytester) -> None:
     assert leftovers == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("-n", "2", "-p", "xdist")], ids=["pool", "xdist"])
 def test_pytest_cov_reports_rank_lines(pytester: pytest.Pytester, tag: str, extra: tuple[str, ...]) -> None:
     pytest.importorskip("pytest_cov")
@@ -64,6 +65,7 @@ def test_pytest_cov_reports_rank_lines(pytester: pytest.Pytester, tag: str, extr
     _no_leftover_data_files(pytester)
 
 
+@pytest.mark.slow
 def test_coverage_run_reports_rank_lines(pytester: pytest.Pytester, tag: str) -> None:
     pytest.importorskip("coverage")
     _write(pytester)

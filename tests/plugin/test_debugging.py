@@ -102,6 +102,7 @@ def _debug(port: int, commands: list[tuple[str, str]]) -> str:
     return text
 
 
+@pytest.mark.slow
 def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) -> None:
     """Rank 1 stops at breakpoint() (rank 0 waits for it in the barrier), answers `p value`, continues, and the
     test passes; then rank 1's failure opens a post-mortem that sees the body's locals, and the test fails."""
@@ -130,6 +131,7 @@ def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) 
     assert "no deadline (--tp-pdb=1)" in out, out
 
 
+@pytest.mark.slow
 def test_pytest_pdb_names_the_ranks_failure(pytester: pytest.Pytester, tag: str) -> None:
     """pytest's --pdb opens in this process: it first says where the ranks' failure is and how to debug it there;
     the pdb session has the merged verdict at hand."""

@@ -157,6 +157,7 @@ def test_plain_after():
 '''
 
 
+@pytest.mark.slow
 def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag: str) -> None:
     """A rank raises while its peers wait in a collective: FAILED on rank 0's report, terminal and JUnit, after the
     straggler grace (not the deadline), with the stuck ranks' stacks; the tests that could not run are errors."""

@@ -170,6 +170,7 @@ def test_tp(tp):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["-p", "conftest"])
 def test_lmhead_fixtures_are_a_plugin_of_their_own(pytester: pytest.Pytester, tag: str,
                                                    monkeypatch: pytest.MonkeyPatch, how: str) -> None:

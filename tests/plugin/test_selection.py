@@ -63,6 +63,7 @@ def test_grid_restriction(pytester: pytest.Pytester, tag: str) -> None:
     result.stdout.fnmatch_lines(["12/* tests collected*"])
 
 
+@pytest.mark.slow
 def test_stress_selection(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-k", "stress_plain or plain", "-rs")

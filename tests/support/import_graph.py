@@ -27,7 +27,8 @@ def module_files() -> dict[str, Path]:
     return found
 
 
-def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+def resolve_from(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module name of a ``from ... import`` in ``module`` (relative levels resolved)."""
     if not node.level:
         return node.module or ""
     base = module.split(".") if is_package else module.split(".")[:-1]
@@ -52,7 +53,7 @@ def imports_of(module: str, path: Path, known: Iterable[str]) -> set[str]:
             for alias in node.names:
                 add(alias.name)
         elif isinstance(node, ast.ImportFrom):
-            target = _resolve(module, is_package, node)
+            target = resolve_from(module, is_package, node)
             for alias in node.names:
                 add(target, alias.name)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value \

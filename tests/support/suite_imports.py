@@ -11,6 +11,8 @@ import ast
 import re
 from pathlib import Path
 
+from tests.support.import_graph import resolve_from
+
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
@@ -23,14 +25,6 @@ def _module_of(path: Path, root: Path) -> tuple[str, bool]:
     return ".".join(parts), is_package
 
 
-def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
-    if not node.level:
-        return node.module or ""
-    base = module.split(".") if is_package else module.split(".")[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
 def imported_names(path: Path, root: Path) -> list[tuple[int, str]]:
     """``(line, dotted name)`` of every module (or ``package.name``) that ``path`` imports or names."""
     module, is_package = _module_of(path, root)
@@ -39,7 +33,7 @@ def imported_names(path: Path, root: Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            target = _resolve(module, is_package, node)
+            target = resolve_from(module, is_package, node)
             found += [(node.lineno, f"{target}.{alias.name}" if target else alias.name) for alias in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _DOTTED.match(node.value) \
                 and node.value.split(".")[0] == root.name:
