@@ -24,7 +24,7 @@ class State:
     @property
     def manager(self) -> Any:
         if self._manager is None:
-            from .pool import PoolManager
+            from .pools import PoolManager
 
             threads = self.settings.threads or None
             self._manager = PoolManager(num_threads=threads, start_method=self.settings.start_method,

@@ -74,7 +74,7 @@ class CallPlan:
     call_for_backward: ShardCall  # for an eager forward that may keep logits for its backward (scales apart)
     single: bool  # one shard and a backend with forward_single: it finishes logp / lse / entropy itself
     # single, no ignore_index (the kernel cannot tell ignored rows apart), and the backend's finishing kernel checks
-    # the targets (tplogp.verdicts.KernelTargetCheck)
+    # the targets (tplogp.kernel_target_check.KernelTargetCheck)
     kernel_target_check: bool
     # the global vocab: of one shard from the start, of a group once a call of the layout has passed its checks
     vocab_size: Optional[int] = None

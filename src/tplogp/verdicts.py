@@ -39,7 +39,7 @@ first call with a group that has no CPU companion yet (both name ``TPLOGP_CHECKS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -47,71 +47,10 @@ import torch.distributed as dist
 from . import tensors
 from .comm import all_gather_flat, collective_device, group_name, host_group, known_host_group
 from .group_record import GroupRecord
+from .kernel_target_check import FlagSlots, KernelTargetCheck
+from .target_summary import (COVERAGE_MESSAGE, TargetSummary, summarize_targets, target_range_problem,
+                             target_range_tensor, target_summary_tensor)
 from .validation import LinearLogpInputError
-
-COVERAGE_MESSAGE = "target_ids must be covered by exactly one TP vocab shard"
-
-
-class TargetSummary(NamedTuple):
-    """What the checks need to know about the targets, read from the device in ONE host sync."""
-
-    checksum: int  # fingerprint, to detect ranks given different (non-replicated) ids
-    lo: int  # smallest non-ignored id
-    hi: int  # largest non-ignored id (lo > hi when every position is ignored)
-
-
-def target_summary_tensor(target_ids: torch.Tensor, ignore_index: Optional[int], with_checksum: bool) -> torch.Tensor:
-    """``[checksum, lo, hi]`` (int64, on the targets' device) without reading anything on the host.
-
-    ``lo``/``hi`` are the smallest/largest non-ignored ids (``lo > hi`` when every position is ignored); the
-    checksum (0 without ``with_checksum``) fingerprints the ids to detect ranks given different targets.
-    """
-    t = target_ids.reshape(-1).long()
-    if t.numel() == 0:
-        return torch.tensor([0, 0, -1], dtype=torch.long, device=t.device)
-    checksum = torch.zeros((), dtype=torch.long, device=t.device)
-    if with_checksum:
-        weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
-        checksum = ((t % 1_000_003) * weights).sum() % (1 << 61)
-    if ignore_index is None:
-        lo, hi = torch.aminmax(t)
-    else:  # ignored ids replaced by neutral values: no boolean indexing (which would sync on its own)
-        keep = t != ignore_index
-        lo = torch.where(keep, t, torch.iinfo(torch.long).max).amin()
-        hi = torch.where(keep, t, -1).amax()
-    return torch.stack([checksum, lo, hi])
-
-
-def target_range_tensor(target_ids: torch.Tensor, ignore_index: Optional[int]) -> torch.Tensor:
-    """``[lo, hi]`` (int64, on the targets' device) of the non-ignored ids of a non-empty ``target_ids``: the range
-    check's part of :func:`target_summary_tensor` in the fewest ops (it runs at every call without a group)."""
-    t = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
-    t = t if t.dtype == torch.long else t.long()
-    if ignore_index is None:
-        if t.device.type == "cpu":
-            return torch.stack(torch.aminmax(t))
-        lo_hi = torch.empty(2, dtype=torch.long, device=t.device)  # one kernel writes what the host copy takes
-        torch.aminmax(t, out=(lo_hi[0], lo_hi[1]))
-        return lo_hi
-    keep = t != ignore_index
-    return torch.stack((torch.where(keep, t, torch.iinfo(torch.long).max).amin(), torch.where(keep, t, -1).amax()))
-
-
-def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int], with_checksum: bool) -> TargetSummary:
-    """:func:`target_summary_tensor` read on the host (one host sync)."""
-    return TargetSummary(*target_summary_tensor(target_ids, ignore_index, with_checksum).tolist())
-
-
-def target_range_problem(summary: TargetSummary, vocab_size: int, ignore_index: Optional[int]) -> Optional[str]:
-    """Targets outside ``[0, vocab_size)``: no shard owns them."""
-    if summary.hi < summary.lo:
-        return None  # no non-ignored target
-    if summary.lo < 0 or summary.hi >= vocab_size:
-        bad = summary.lo if summary.lo < 0 else summary.hi
-        return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {vocab_size})"
-                + ("" if ignore_index is None else f" (ignore_index={ignore_index})"))
-    return None
-
 
 
 # ---- verdicts read later: the default checks without a host sync -------------------------------------------------
@@ -177,77 +116,6 @@ class CapturedTargetCheck:
 # case by the backward) nothing waits.
 
 
-class KernelTargetCheck:
-    """The target check of a call without a group whose source's finishing kernel does it (``forward_single`` with
-    ``target_flag``, the triton / sm90 sources): no launch and no copy of its own. The kernel writes an id outside
-    ``[0, vocab)``, if there is one, straight into a pinned host slot (:class:`_FlagSlots`); ``ready``, the slot's
-    event (None on the CPU), recorded by the launching code right after the kernel on the current stream, says when
-    the slot holds the verdict."""
-
-    __slots__ = ("flag", "index", "slots", "ready", "vocab_size", "bad")
-
-    def __init__(self, slots: "_FlagSlots", vocab_size: int) -> None:
-        self.slots, self.vocab_size = slots, vocab_size
-        self.bad: Optional[int] = None  # the slot's value, once read (a slot is reused only after that)
-        self.index, self.flag = slots.take(self)  # (the slot's previous check has been read: its event is free)
-        self.ready: Optional[torch.cuda.Event] = slots.event(self.index) if slots.pinned else None
-
-    def done(self) -> bool:
-        """Whether the verdict can be read without waiting for the device."""
-        return self.bad is not None or self.ready is None or self.ready.query()
-
-    def read(self) -> int:
-        """The slot's value (waits only if the device has not finished the kernel yet), kept once read."""
-        if self.bad is None:
-            if self.ready is not None:
-                self.ready.synchronize()  # (returns at once when the kernel is done)
-            self.bad = int(self.slots.values[self.index])
-        return self.bad
-
-    def problem(self) -> Optional[str]:
-        """The verdict (waits only if the device has not finished the kernel yet): the slot's id as a one-id
-        summary (0, the slot's "none", lies inside every vocabulary)."""
-        bad = self.read()
-        if bad == 0:  # (the common case: no id outside the vocabulary was written)
-            return None
-        return target_range_problem(TargetSummary(0, bad, bad), self.vocab_size, None)
-
-
-class _FlagSlots:
-    """Host int64 slots for the verdicts of :class:`KernelTargetCheck` (pinned where the device is a GPU, whose
-    kernels then write them directly), taken round-robin; a slot is reused only once its last check has read it
-    (waiting for that check's kernel only when ``SIZE`` checks are in flight), so a verdict read later, e.g. by the
-    backward of one of many accumulated forwards, is still that call's."""
-
-    SIZE = 64
-
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
-        self.slots = torch.zeros(self.SIZE, dtype=torch.int64, pin_memory=pinned)
-        self.values = self.slots.numpy()  # host reads and writes without a torch op
-        self.flags = [self.slots[i:i + 1] for i in range(self.SIZE)]  # the kernels' views, made once
-        self.events: list = [None] * self.SIZE  # one reusable CUDA event per slot, made at its first use
-        self.owners: list = [None] * self.SIZE
-        self.next = 0
-
-    def take(self, check: KernelTargetCheck) -> tuple:
-        i = self.next
-        self.next = (i + 1) % self.SIZE
-        previous = self.owners[i]
-        if previous is not None:
-            previous.read()  # its verdict kept with it (a wait only when SIZE checks are in flight)
-        self.owners[i] = check
-        self.values[i] = 0
-        return i, self.flags[i]
-
-    def event(self, i: int) -> "torch.cuda.Event":
-        """Slot ``i``'s event (re-recorded by each check that takes the slot, after the previous one was read)."""
-        found = self.events[i]
-        if found is None:
-            found = self.events[i] = torch.cuda.Event(blocking=True)  # (_BLOCKING_WAIT)
-        return found
-
-
 _flag_slots: dict = {}
 
 
@@ -256,7 +124,7 @@ def start_kernel_target_check(device: torch.device, vocab_size: int) -> KernelTa
     call's deferred verdict)."""
     slots = _flag_slots.get(device.type)
     if slots is None:
-        slots = _flag_slots[device.type] = _FlagSlots(pinned=device.type == "cuda")
+        slots = _flag_slots[device.type] = FlagSlots(pinned=device.type == "cuda")
     check = KernelTargetCheck(slots, vocab_size)
     _defer(check)
     return check

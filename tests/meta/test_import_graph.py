@@ -21,10 +21,10 @@ LAYERS: list[tuple[str, ...]] = [
     # leaves: settings, plain data and math, no package imports but each other
     ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
      "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses"),
-    # collectives; argument and layout validation
-    ("tplogp.comm", "tplogp.validation"),
-    # the group record exchange, then the deferred target verdicts that use it
-    ("tplogp.group_record",),
+    # collectives; argument and layout validation; what the target checks read of the targets
+    ("tplogp.comm", "tplogp.validation", "tplogp.target_summary"),
+    # the group record exchange and the kernel-run target check, then the deferred target verdicts that use them
+    ("tplogp.group_record", "tplogp.kernel_target_check"),
     ("tplogp.verdicts",),
     # Triton kernels, their launchers and tile planning
     ("tplogp.kernels.*",),

@@ -2,7 +2,8 @@
 
 A profiler hook (``sys.setprofile``) follows every Python call of one forward (and of its backward) and maps the
 called function's file to a *room*: a module of ``src/tplogp``, except that ``tplogp.backends.*`` and
-``tplogp.kernels.*`` are one room (the source and its kernels call each other freely), and the leaf helpers that
+``tplogp.kernels.*`` are one room (the source and its kernels call each other freely), ``verdicts`` with the two
+modules it is built on (``target_summary``, ``kernel_target_check``) is one room, and the leaf helpers that
 every layer uses (``tensors``, ``comm``, ``outputs``, ``settings``, ``shards``, ``fp32_gemm``, ``losses``) are not
 rooms. Code that dataclasses and named tuples generate (file ``<string>``) is not followed. A room is *re-entered*
 when a call enters it while none of its frames is on the stack, after an earlier call had entered it: that is
@@ -22,6 +23,7 @@ import tplogp
 from tests.support.problems import make_problem
 
 PACKAGE = Path(tplogp.__file__).resolve().parent
+VERDICT_PARTS = {"target_summary", "kernel_target_check"}
 HELPERS = {"tensors", "comm", "outputs", "settings", "shards", "fp32_gemm", "losses"}
 
 
@@ -36,6 +38,8 @@ def _room(filename: str):
     if parts[0] in ("backends", "kernels"):
         return "backend"
     name = ".".join(p for p in parts if p != "__init__") or "tplogp"
+    if name in VERDICT_PARTS:
+        return "verdicts"
     return None if name in HELPERS else name
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.interpreter import interpreter_only as triton_interpreter
-from tplogp import LinearLogpInputError, check_errors, get_op, linear_logp_loss, tensors, verdicts
+from tplogp import LinearLogpInputError, check_errors, get_op, linear_logp_loss, kernel_target_check, tensors, verdicts
 
 V, D = 20, 8
 GOOD = torch.tensor([0, 3, 19, 7, 2, 1])
@@ -229,7 +229,7 @@ def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypa
     h = hidden.clone().requires_grad_()
     first = op(h, head.weight, GOOD, head.bias)  # good; its backward runs last
     with torch.no_grad():
-        for _ in range(verdicts._FlagSlots.SIZE - 1):
+        for _ in range(kernel_target_check.FlagSlots.SIZE - 1):
             op(hidden, head.weight, GOOD, head.bias)
         bad = op(hidden, head.weight, BAD, head.bias)  # takes the first call's slot, writes 25 into it
     assert torch.isnan(bad[2]) and torch.isfinite(bad[[0, 1, 3, 4, 5]]).all()

@@ -127,7 +127,7 @@ def test_stale_session_dirs_are_removed(tmp_path) -> None:
     import subprocess
     import sys
 
-    from pytest_tplogp.pool import remove_stale_session_dirs
+    from pytest_tplogp.pools import remove_stale_session_dirs
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = tmp_path / f"tplogp-main-{int(gone.stdout)}-abc"

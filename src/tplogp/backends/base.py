@@ -45,7 +45,7 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     owned by nobody (its logp is NaN; full checks reject such ids first). A backend whose
     ``checks_targets_in_kernel`` is True also takes ``target_flag=``: a zeroed int64 ``[1]`` tensor (pinned host
     memory on a GPU) that its kernels set to an id outside ``[0, V)`` when a target is one: the call's default
-    target check then costs no launch and no copy (:class:`tplogp.verdicts.KernelTargetCheck`).
+    target check then costs no launch and no copy (:class:`tplogp.kernel_target_check.KernelTargetCheck`).
 
 Everything that needs a collective (merging stats across ranks, the coverage check, the d_hidden all-reduce)
 lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the target id minus the shard's

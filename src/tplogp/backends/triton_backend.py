@@ -258,7 +258,8 @@ class TritonBackend:
             checked=call.inputs_checked)
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
 
-    # forward_single takes ``target_flag``: its finishing kernel checks the targets (tplogp.verdicts.KernelTargetCheck)
+    # forward_single takes ``target_flag``: its finishing kernel checks the targets
+    # (tplogp.kernel_target_check.KernelTargetCheck)
     checks_targets_in_kernel = True
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
