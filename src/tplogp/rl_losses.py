@@ -299,9 +299,9 @@ class BoundGRPO:
         if c.beta:
             ref = part(self.ref)
             d = torch.where(m > 0, ref - logp, 0.0)
-            if c.kl_estimator == "k3":
-                e = torch.exp(d)
-                kl, d_kl = e - d - 1, 1 - e
+            if c.kl_estimator == "k3":  # exp(d) - d - 1 with expm1: no cancellation against 1 for small d
+                e = torch.expm1(d)
+                kl, d_kl = e - d, -e
             elif c.kl_estimator == "k2":
                 kl, d_kl = 0.5 * d * d, -d
             else:

@@ -10,15 +10,12 @@ import pytest
 import torch
 
 import tplogp
-from tests.support import tolerances as tol
-from tests.support.grpo_reference import grpo_reference, logp_of, padded, per_token_inputs
+from tests.support.grpo_reference import check_three_way, definition, logp_of, per_token_inputs
 from tests.support.problems import cpu_sources
 from tplogp import losses
-from tplogp.tolerances import rel_error
 
 IGNORE = -100
 CPU = torch.device("cpu")
-GRADS = ("d_hidden", "d_weight", "d_bias")
 
 
 def _problem(b: int, l: int, d: int, v: int, seed: int, empty_row: bool = False):
@@ -44,22 +41,10 @@ def _inputs(loss, hidden, weight, bias, target, seed, temperature=1.0, spread=0.
     return [given[name] for name in loss.per_token]
 
 
-def _truth(loss, hidden, weight, bias, target, per_token, temperature=1.0, offsets=None):
-    """float64 loss, metrics and gradients of the written definition (``offsets``: packed sequences of the
-    flattened tokens, padded to rows for the definition)."""
-    h, w, b = (t.double().clone().requires_grad_() for t in (hidden, weight, bias))
-    logp, entropy = logp_of(h, w, b, target, temperature, IGNORE)
-    mask = (target != IGNORE).double()
-    named = dict(zip(loss.per_token, (t.double() for t in per_token)))
-    if offsets is not None:
-        logp, entropy, mask = (padded(x.reshape(-1), offsets) for x in (logp, entropy, mask))
-        named = {k: padded(t.reshape(-1), offsets) for k, t in named.items()}
-    adv = named.pop("advantages")
-    value, metrics = grpo_reference(loss.config, logp, entropy, mask, adv, old=named.get("old_logp"),
-                                    ref=named.get("ref_logp"), sampler=named.get("sampler_logp"),
-                                    rollout_weights=named.get("rollout_weights"))
-    value.backward()
-    return value.detach(), metrics, (h.grad, w.grad, b.grad)
+def _truth_and_reference(loss, hidden, weight, bias, target, per_token, temperature=1.0, offsets=None):
+    """The written definition in float64 (the truth) and in fp32 (the same-dtype eager reference)."""
+    return tuple(definition(loss, hidden, weight, bias, target, per_token, temperature=temperature,
+                            ignore_index=IGNORE, offsets=offsets, dtype=dt) for dt in (torch.float64, torch.float32))
 
 
 def _ours(loss, hidden, weight, bias, target, per_token, **kw):
@@ -68,19 +53,6 @@ def _ours(loss, hidden, weight, bias, target, per_token, **kw):
                                              return_metrics=True, **kw)
     value.backward()
     return value.detach(), metrics, (h.grad, w.grad, b.grad)
-
-
-def _compare(ours, truth, what, bound=tol.REL_FP32_GRPO):
-    (value, metrics, grads), (t_value, t_metrics, t_grads) = ours, truth
-    assert rel_error(value, t_value) <= bound, f"{what} loss {value.item()} vs {t_value.item()}"
-    for name, a, t in zip(GRADS, grads, t_grads):
-        err = rel_error(a, t)
-        assert err <= bound, f"{what} {name}: relative error {err:.2e} vs float64"
-    assert set(metrics) == set(t_metrics), what
-    for key, t in t_metrics.items():
-        assert metrics[key].dtype == torch.float32 and metrics[key].dim() == 0, key
-        assert abs(metrics[key].item() - t.item()) <= tol.ABS_FP32_GRPO_METRIC * max(1.0, abs(t.item())), \
-            f"{what} metric {key}: {metrics[key].item()} vs {t.item()}"
 
 
 # Each loss type at its importance-sampling levels, with the options that change its formula; KL to a reference
@@ -112,9 +84,9 @@ def test_each_loss_matches_its_definition(case):
     loss = losses.grpo(**CASES[case])
     hidden, weight, bias, target = _problem(4, 9, 16, 97, seed=3)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=4, temperature=0.9)
-    truth = _truth(loss, hidden, weight, bias, target, per_token, temperature=0.9)
+    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token, temperature=0.9)
     ours = _ours(loss, hidden, weight, bias, target, per_token, temperature=0.9, source="native")
-    _compare(ours, truth, case)
+    check_three_way(ours, ref, truth, case)
 
 
 @pytest.mark.parametrize("case", ["grpo-gspo-kl3", "vespo-tokenmask", "dapo-items-tis"])
@@ -124,11 +96,11 @@ def test_several_chunks_and_a_sequence_with_no_counted_token(case):
     loss = losses.grpo(**CASES[case])
     hidden, weight, bias, target = _problem(4, 9, 16, 97, seed=5, empty_row=True)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=6)
-    truth = _truth(loss, hidden, weight, bias, target, per_token)
+    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token)
     budget = tplogp.loss_chunk_budget(5, 16, 97, dtype=torch.float32, bias_dtype=torch.float32, source="native",
                                       device=CPU)
     ours = _ours(loss, hidden, weight, bias, target, per_token, source="native", workspace_bytes=budget)
-    _compare(ours, truth, case)
+    check_three_way(ours, ref, truth, case)
 
 
 @pytest.mark.parametrize("case", ["grpo-gspo-biaskl-seqmis", "luspo-gspo", "sapo-kl-entropy"])
@@ -141,10 +113,10 @@ def test_packed_sequences(case):
     hidden, target = hidden[0], target[0]
     target[13:15] = IGNORE
     per_token = [t[0] for t in _inputs(loss, hidden[None], weight, bias, target[None], seed=8)]
-    truth = _truth(loss, hidden, weight, bias, target, per_token, offsets=offsets)
+    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token, offsets=offsets)
     ours = _ours(loss, hidden, weight, bias, target, per_token, source="native",
                  cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
-    _compare(ours, truth, case)
+    check_three_way(ours, ref, truth, case)
 
 
 @pytest.mark.parametrize("source", cpu_sources())
@@ -153,8 +125,8 @@ def test_gspo_on_each_source(source):
     loss = losses.grpo("dapo", importance_sampling_level="sequence", beta=0.04, rollout_correction="token_truncate")
     hidden, weight, bias, target = _problem(3, 6, 16, 67, seed=9)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=10)
-    truth = _truth(loss, hidden, weight, bias, target, per_token)
-    _compare(_ours(loss, hidden, weight, bias, target, per_token, source=source), truth, source)
+    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token)
+    check_three_way(_ours(loss, hidden, weight, bias, target, per_token, source=source), ref, truth, source)
 
 
 @pytest.mark.tp(world_size=2, timeout=300)
@@ -169,17 +141,19 @@ def test_uneven_ranks(tp, case):
     loss = losses.grpo(**CASES[case])
     hidden, weight, bias, target = _problem(4, 9, 16, v, seed=11)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=12)
-    truth = _truth(loss, hidden, weight, bias, target, per_token)
+    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token)
     start, end = shard_range([0, 40, v], tp.rank)
     budget = tplogp.loss_chunk_budget(5, 16, v, dtype=torch.float32, bias_dtype=torch.float32, source="native",
                                       device=CPU)
     value, metrics, grads = _ours(loss, hidden, weight[start:end], bias[start:end], target, per_token,
                                   tp_group=tp.group, vocab_start_index=start, global_vocab_size=v, source="native",
                                   workspace_bytes=budget)
-    t_value, t_metrics, (t_h, t_w, t_b) = truth
+    def own(result):  # this rank's rows of the weight and bias gradients
+        d_h, d_w, d_b = result[2]
+        return result[0], result[1], (d_h, d_w[start:end], d_b[start:end])
+
     with tp.agree():
-        _compare((value, metrics, grads), (t_value, t_metrics, (t_h, t_w[start:end], t_b[start:end])),
-                 f"{case} rank {tp.rank}")
+        check_three_way((value, metrics, grads), own(ref), own(truth), f"{case} rank {tp.rank}")
         same = torch.stack([value, *metrics.values()])
         gathered = [torch.empty_like(same) for _ in range(tp.world_size)]
         torch.distributed.all_gather(gathered, same, group=tp.group)

@@ -16,11 +16,11 @@ import torch
 from tplogp.rl_losses import GRPOConfig
 
 
-def logp_of(hidden, weight, bias, target, temperature: float, ignore_index: int):
-    """float64 logp and entropy of ``target [B, L]`` (0 at ignored positions), differentiable."""
-    z = hidden.double() @ weight.double().T
+def logp_of(hidden, weight, bias, target, temperature: float, ignore_index: int, dtype=torch.float64):
+    """logp and entropy of ``target [B, L]`` in ``dtype`` (0 at ignored positions), differentiable."""
+    z = hidden.to(dtype) @ weight.to(dtype).T
     if bias is not None:
-        z = z + bias.double()
+        z = z + bias.to(dtype)
     z = z / temperature
     logq = torch.log_softmax(z, -1)
     safe = torch.where(target == ignore_index, 0, target)
@@ -41,8 +41,9 @@ def padded(values: torch.Tensor, offsets: list[int], fill=0.0) -> torch.Tensor:
 
 def grpo_reference(c: GRPOConfig, logp, entropy, mask, adv, old=None, ref=None, sampler=None,
                    rollout_weights=None) -> tuple[torch.Tensor, dict]:
-    """``(loss, metrics)`` of config ``c`` on ``[B, L]`` float64 tensors; ``mask`` 1 where a position counts."""
-    m = mask.double()
+    """``(loss, metrics)`` of config ``c`` on ``[B, L]`` tensors of one dtype; ``mask`` 1 where a position
+    counts."""
+    m = mask.to(logp.dtype)
     length = m.sum(-1, keepdim=True)
     batch = logp.shape[0]
     log_ratio = torch.zeros_like(logp) + (logp - logp.detach()) if old is None else logp - old
@@ -114,7 +115,7 @@ def grpo_reference(c: GRPOConfig, logp, entropy, mask, adv, old=None, ref=None, 
     norm = c.norm
     count = m.sum().clamp(min=1.0)
     normaliser = count if c.num_items_in_batch is None else torch.as_tensor(
-        c.num_items_in_batch, dtype=torch.float64).clamp(min=1.0)
+        c.num_items_in_batch, dtype=logp.dtype).clamp(min=1.0)
     if norm == "seq-mean-token-mean":
         loss = ((per_token * m).sum(-1) / length[:, 0].clamp(min=1.0)).mean()
     elif norm == "token-mean":
@@ -131,7 +132,7 @@ def grpo_reference(c: GRPOConfig, logp, entropy, mask, adv, old=None, ref=None, 
     ratio = coef_1.expand_as(logp).detach()
 
     def mean(x):
-        return (torch.where(on, x.double(), 0.0)).sum() / count
+        return (torch.where(on, x.to(logp.dtype), 0.0)).sum() / count
 
     metrics = {"clip_low_fraction": mean(low), "clip_high_fraction": mean(high),
                "clip_region_fraction": mean(low | high), "ratio_mean": mean(ratio),
@@ -162,3 +163,47 @@ def per_token_inputs(target: torch.Tensor, logp_true: torch.Tensor, seed: int, s
     if weights:
         out["rollout_weights"] = torch.rand(shape, generator=g) * 0.999 + 0.001
     return out
+
+
+def definition(loss, hidden, weight, bias, target, per_token, *, temperature: float = 1.0, ignore_index: int,
+               offsets: Optional[list[int]] = None, dtype=torch.float64):
+    """``(loss, metrics, (d_hidden, d_weight, d_bias))`` of ``loss``'s definition in ``dtype`` (float64: the
+    truth; float32: the same-dtype eager reference). ``offsets``: packed sequences of the flattened tokens, padded
+    to rows for the definition. ``bias`` None: no bias (its gradient None)."""
+    h, w = (t.to(dtype).clone().requires_grad_() for t in (hidden, weight))
+    b = None if bias is None else bias.to(dtype).clone().requires_grad_()
+    logp, entropy = logp_of(h, w, b, target, temperature, ignore_index, dtype)
+    mask = (target != ignore_index).to(dtype)
+    named = dict(zip(loss.per_token, (t.to(dtype) for t in per_token)))
+    if offsets is not None:
+        logp, entropy, mask = (padded(x.reshape(-1), offsets) for x in (logp, entropy, mask))
+        named = {k: padded(t.reshape(-1), offsets) for k, t in named.items()}
+    adv = named.pop("advantages")
+    value, metrics = grpo_reference(loss.config, logp, entropy, mask, adv, old=named.get("old_logp"),
+                                    ref=named.get("ref_logp"), sampler=named.get("sampler_logp"),
+                                    rollout_weights=named.get("rollout_weights"))
+    value.backward()
+    return value.detach(), metrics, (h.grad, w.grad, None if b is None else b.grad)
+
+
+def check_three_way(ours, reference, truth, what: str) -> None:
+    """The fused loss's gradients no worse against the float64 ``truth`` than the fp32 eager ``reference`` (the
+    table's fp32 slack); its value and metrics within the table's bounds of the truth's (a scalar sum of terms of
+    both signs: the reference's error there is as much luck as precision)."""
+    from tests.support import tolerances as tol
+    from tplogp.tolerances import assert_no_worse
+
+    value, t_value = ours[0].item(), truth[0].item()
+    assert abs(value - t_value) <= tol.GRPO_LOSS.atol + tol.GRPO_LOSS.rtol * abs(t_value), \
+        f"{what}: loss {value} vs {t_value}"
+    for name, a, r, t in zip(("d_hidden", "d_weight", "d_bias"), ours[2], reference[2], truth[2]):
+        if t is None:
+            assert a is None, f"{what} {name}"
+            continue
+        assert_no_worse(f"{what} {name}", a, r, t, torch.float32)
+    metrics, t_metrics = ours[1], truth[1]
+    assert set(metrics) == set(t_metrics), what
+    for key, t in t_metrics.items():
+        assert metrics[key].dtype == torch.float32 and metrics[key].dim() == 0, key
+        assert abs(metrics[key].item() - t.item()) <= tol.ABS_FP32_GRPO_METRIC * max(1.0, abs(t.item())), \
+            f"{what} metric {key}: {metrics[key].item()} vs {t.item()}"
