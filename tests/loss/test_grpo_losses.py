@@ -120,13 +120,28 @@ def test_packed_sequences(case):
 
 
 @pytest.mark.parametrize("source", cpu_sources())
-def test_gspo_on_each_source(source):
-    """GSPO with KL and a rollout correction on each CPU source (triton through its interpreter)."""
+def test_gspo_on_each_source(monkeypatch, source):
+    """GSPO with KL and a rollout correction on each CPU source (triton through its interpreter), its 14 counted
+    tokens in 3 chunks of at most 5: the two phases, the first chunk's backward reading its kept terms and the 2
+    others recomputing their logits (counted on triton)."""
+    seen = {"recompute": 0, "kept": 0}
+    if source == "triton":
+        from tplogp.kernels import programs
+
+        for name, key in (("launch_dlogits", "recompute"), ("launch_dlogits_kept", "kept")):
+            real = getattr(programs, name)
+            monkeypatch.setattr(programs, name, lambda *a, real=real, key=key: (seen.__setitem__(key, seen[key] + 1),
+                                                                                 real(*a))[1])
     loss = losses.grpo("dapo", importance_sampling_level="sequence", beta=0.04, rollout_correction="token_truncate")
     hidden, weight, bias, target = _problem(3, 6, 16, 67, seed=9)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=10)
     truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token)
-    check_three_way(_ours(loss, hidden, weight, bias, target, per_token, source=source), ref, truth, source)
+    budget = tplogp.loss_chunk_budget(5, 16, 67, dtype=torch.float32, bias_dtype=torch.float32, source=source,
+                                      device=CPU)
+    ours = _ours(loss, hidden, weight, bias, target, per_token, source=source, workspace_bytes=budget)
+    check_three_way(ours, ref, truth, source)
+    if source == "triton":
+        assert seen == {"recompute": 2, "kept": 1}, seen
 
 
 @pytest.mark.tp(world_size=2, timeout=300)
