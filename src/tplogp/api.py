@@ -257,7 +257,9 @@ def linear_logp_loss(
     workspace_bytes: Optional[int] = None,
     source: Optional[str] = None,
     with_entropy: bool = True,
-) -> torch.Tensor:
+    cu_seqlens=None,
+    return_metrics: bool = False,
+):
     """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
     the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
 
@@ -276,6 +278,13 @@ def linear_logp_loss(
     and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
     plain tensor (the loss is a scalar of this rank's tokens). Returns a 0-d fp32 tensor whose backward scales the
     gradients computed in the forward.
+
+    ``tplogp.losses.grpo(...)`` builds the GRPO family (TRL's loss types, GSPO's sequence ratios, clip variants,
+    rollout corrections, KL estimators): a loss that normalises itself (leave ``reduction="sum"``) over sequences,
+    the rows of ``[B, L]`` targets or, for packed input, the spans of ``cu_seqlens`` (offsets ``[0, ..., N]`` of
+    the flattened tokens). ``return_metrics=True`` (such losses only) returns ``(loss, metrics)``: a dict of 0-d
+    fp32 tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the counted
+    positions, the same on every rank (docs/operator.md, "GRPO-family losses").
     """
     from .fused_loss import fused_loss
 
@@ -285,7 +294,7 @@ def linear_logp_loss(
     body = functools.partial(fused_loss, None if source in AUTOMATIC else source, loss=loss,
                              per_token=tuple(per_token), reduction=reduction, temperature=temperature,
                              ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                             with_entropy=with_entropy)
+                             with_entropy=with_entropy, cu_seqlens=cu_seqlens, return_metrics=return_metrics)
 
     def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
         return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)

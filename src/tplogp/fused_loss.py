@@ -17,6 +17,7 @@ the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -26,6 +27,8 @@ from .budgets import accumulator_tokens, plan_chunk_tokens
 from .comm import OverlappedAllReduce
 from .grad_scaling import scaled_all
 from .losses import Derivative, TokenLoss
+from .rl_losses import GRPOLoss, combine_sums, finish_metrics
+from .sequences import check_offsets, segments_for
 from .tensors import f32_contiguous, zero_rows
 
 REDUCTIONS = ("sum", "mean")
@@ -62,11 +65,14 @@ class _PrecomputedGrads(torch.autograd.Function):
 def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
                temperature: float, ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int],
-               with_entropy: bool = True) -> torch.Tensor:
+               with_entropy: bool = True, cu_seqlens=None, return_metrics: bool = False):
     """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice). The chunk loop
     runs without autograd (only a callable loss runs under it); the result carries the gradients."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    policy = isinstance(loss, GRPOLoss)
+    _check_policy_options(loss, policy, per_token, reduction, return_metrics, cu_seqlens, target_ids, with_entropy)
+    offsets = None if cu_seqlens is None else check_offsets(cu_seqlens, target_ids.numel())
     _check_token_loss(loss, per_token, with_entropy)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
@@ -75,45 +81,124 @@ def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
     # the d_hidden all-reduce runs iff needs[0]: the group's record makes every rank agree on it (no hang)
     call = plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, needs[0])
+    sums = None
     with torch.no_grad():
-        total, grads = _loss_and_grads(tp.localize(call), loss, per_token, reduction, needs, target_ids.numel(),
-                                       hidden.shape)
-    if not any(needs):
+        if policy:
+            total, grads, sums = _policy_loss_and_grads(tp.localize(call), loss, per_token, needs,
+                                                        target_ids.numel(), hidden.shape, target_ids.shape,
+                                                        offsets, return_metrics)
+        else:
+            total, grads = _loss_and_grads(tp.localize(call), loss, per_token, reduction, needs, target_ids.numel(),
+                                           hidden.shape)
+    if any(needs):
+        total = _PrecomputedGrads.apply(total, grads, call.verdict, hidden, weight, bias)
+    if not return_metrics:
         return total
-    return _PrecomputedGrads.apply(total, grads, call.verdict, hidden, weight, bias)
+    return total, finish_metrics(sums, total.device, bool(loss.config.beta), with_entropy)
+
+
+def _check_policy_options(loss, policy: bool, per_token: Sequence, reduction: str, return_metrics: bool,
+                          cu_seqlens, target_ids, with_entropy: bool) -> None:
+    """The options that only a :class:`~tplogp.rl_losses.GRPOLoss` takes, and what it needs (the same error on
+    every rank: the arguments are)."""
+    if not policy:
+        for name, value in (("return_metrics", return_metrics), ("cu_seqlens", cu_seqlens)):
+            if value is not None and value is not False:
+                raise ValueError(f"{name} is an option of the losses.grpo(...) losses, not of {loss!r}")
+        return
+    loss.check_arity(len(per_token))
+    if reduction != "sum":
+        raise ValueError(f"the loss {loss.name} normalises itself (its normalization option): call with "
+                         f"reduction='sum', got {reduction!r}")
+    if loss.needs_sequences and cu_seqlens is None and target_ids.dim() < 2:
+        raise ValueError(f"the loss {loss.name} has per-sequence terms: pass [B, L] targets (a sequence per row) "
+                         f"or cu_seqlens (packed sequences' offsets)")
+    if loss.reads_entropy and not with_entropy:
+        raise ValueError(f"the loss {loss.name} reads the entropy (entropy_coef): call with with_entropy=True")
+
+
+class _Gradients:
+    """The call's gradients as its chunks' backwards produce them: ``d_hidden`` rows into one fp32 buffer (none for
+    one chunk without a group: the source's), ``d_W`` / ``d_b`` summed in fp32 accumulators over several chunks, and
+    the ONE all_reduce of ``d_hidden`` issued by the chunk that completes it (the last rows), under its ``d_W``
+    work."""
+
+    def __init__(self, local: tp.LocalCall, needs: tuple[bool, bool, bool], n: int, n_chunks: int) -> None:
+        h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
+        self.local, self.needs, self.n = local, needs, n
+        self.reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 and needs[0] else None
+        d = h2.shape[1]
+        # one chunk without a group: its d_hidden is the source's (no [N, D] buffer to fill)
+        self.d_hidden = (torch.zeros(n, d, device=h2.device, dtype=torch.float32)
+                         if needs[0] and (n_chunks > 1 or self.reduce is not None) else None)
+        self.accumulate = None  # several chunks: d_W and d_b summed unrounded in fp32, rounded once at the end
+        if n_chunks > 1 and (needs[1] or needs[2]):
+            self.accumulate = (torch.zeros(w.shape, device=w.device, dtype=torch.float32) if needs[1] else None,
+                               torch.zeros(b.shape, device=b.device, dtype=torch.float32) if needs[2] else None)
+        self.d_w = torch.zeros_like(w) if n == 0 and needs[1] else None
+        self.d_b = torch.zeros_like(b) if n == 0 and needs[2] else None
+        if n == 0 and needs[0]:
+            self.d_hidden = h2.new_zeros(n, d, dtype=torch.float32)
+
+    def backward(self, t0: int, t1: int, h_c, lt_c, row_max, log_sum, mean_rel, g_logp: torch.Tensor,
+                 g_ent: Optional[torch.Tensor], kept) -> None:
+        """One chunk's backward, rows ``[t0, t1)``, given its upstream gradients."""
+        local, reduce, d_hidden = self.local, self.reduce, self.d_hidden
+        ready = None
+        if reduce is not None and t1 == self.n:  # the last chunk completes d_hidden: reduce it under its d_W
+
+            def ready(rows, t0=t0, t1=t1):
+                d_hidden[t0:t1] = rows
+                reduce.start(d_hidden)
+
+        grads = local.tpc.backend.backward(h_c, local.weight, local.bias, lt_c, row_max, log_sum,
+                                           g_logp.contiguous(), None if g_ent is None else g_ent.contiguous(), None,
+                                           mean_rel if g_ent is not None else None, local.tpc.call, self.needs,
+                                           d_hidden_ready=ready, kept=kept, accumulate=self.accumulate)
+        if d_hidden is not None and not (ready is not None and reduce.started):
+            d_hidden[t0:t1] = grads.d_hidden
+        elif self.needs[0] and d_hidden is None:  # the one chunk
+            self.d_hidden = grads.d_hidden
+        self.d_w, self.d_b = grads.d_weight, grads.d_bias
+
+    def finish(self, n_all: int, hidden_shape) -> tuple:
+        """``(d_hidden, d_W, d_b)`` of the call; d_hidden fp32 (rounded once, after the upstream scale)."""
+        d_hidden = self.d_hidden
+        if d_hidden is not None:
+            if self.reduce is not None:  # the one all_reduce of d_hidden (started by the last chunk's backward)
+                d_hidden = self.reduce.finish(d_hidden)
+            d_hidden = self.local.finish_rows(d_hidden, n_all)
+            d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
+        return d_hidden, self.d_w, self.d_b
+
+
+def _plan_chunks(local: tp.LocalCall, needs: tuple[bool, bool, bool]) -> int:
+    """Tokens per chunk (the same on every rank), from what requires a gradient, not from grad mode: a call without
+    gradients sums the same chunks."""
+    h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
+    accumulators = accumulator_tokens(h2.shape[1], w.dtype if needs[1] else None, b.dtype if needs[2] else None)
+    return plan_chunk_tokens(tpc.backend, h2.shape[0], local.vocab_size, tpc.call.workspace_bytes, h2.device,
+                             accumulators, h2.dtype)
 
 
 def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs: tuple[bool, bool, bool],
                     n_all: int, hidden_shape):
     """``(loss, (d_hidden, d_W, d_b))`` of a local call, chunk by chunk (module docstring); ``needs``: the
     gradients to compute (none: the loss value alone)."""
-    h2, w, b, local_target, tpc, ignored = local.hidden, local.weight, local.bias, local.local_target, local.tpc, \
+    h2, local_target, tpc, ignored = local.hidden, local.local_target, local.tpc, \
         local.ignored  # (ignored rows kept in place, a CUDA-graph capture: masked out of the loss)
     extra = _per_token_rows(per_token, n_all, h2.device, local.keep_idx)
-    n, d = h2.shape
+    n = h2.shape[0]
     differentiate = any(needs)
-    # from what requires a gradient, not from grad mode: a call without gradients sums the same chunks
-    accumulators = accumulator_tokens(d, w.dtype if needs[1] else None, b.dtype if needs[2] else None)
-    chunk = plan_chunk_tokens(tpc.backend, n, local.vocab_size, tpc.call.workspace_bytes, h2.device, accumulators,
-                              h2.dtype)
+    chunk = _plan_chunks(local, needs)
     if differentiate:  # one backward per chunk's forward: it may write d_logits over the chunk's kept terms
         tpc.call = tpc.call.precomputing
     count = None if reduction != "mean" else (
         float(max(n, 1)) if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32))
     n_chunks = -(-n // chunk) if n else 0
-    reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 and needs[0] else None
-    # one chunk without a group: its d_hidden is the source's (no [N, D] buffer to fill)
-    d_hidden = (torch.zeros(n, d, device=h2.device, dtype=torch.float32)
-                if needs[0] and (n_chunks > 1 or reduce is not None) else None)
-    accumulate = None  # several chunks: d_W and d_b summed unrounded in fp32, rounded once at the end
-    if n_chunks > 1 and (needs[1] or needs[2]):
-        accumulate = (torch.zeros(w.shape, device=w.device, dtype=torch.float32) if needs[1] else None,
-                      torch.zeros(b.shape, device=b.device, dtype=torch.float32) if needs[2] else None)
+    grads = _Gradients(local, needs, n, n_chunks) if differentiate else None
     total = torch.zeros((), device=h2.device, dtype=torch.float32) if n == 0 else None
-    d_w = torch.zeros_like(w) if n == 0 and needs[1] else None
-    d_b = torch.zeros_like(b) if n == 0 and needs[2] else None
-    if n == 0 and needs[0]:
-        d_hidden = h2.new_zeros(n, d, dtype=torch.float32)
+    w, b = local.weight, local.bias
     for t0 in range(0, n, chunk):
         t1 = min(t0 + chunk, n)
         whole = t1 - t0 == n  # one chunk: the call's tensors themselves (no slicing ops: host time)
@@ -146,31 +231,83 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
             g_ent, part = (g_rest[0] if g_rest else None), part.detach()
         linear = (g_logp, logp, g_ent, entropy) if part is None else None
         g_logp = torch.zeros_like(logp) if g_logp is None else g_logp
-        ready = None
-        if reduce is not None and t1 == n:  # the last chunk completes d_hidden: reduce it under that chunk's d_W
-
-            def ready(rows, t0=t0, t1=t1):
-                d_hidden[t0:t1] = rows
-                reduce.start(d_hidden)
-
-        grads = tpc.backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.contiguous(),
-                                     None if g_ent is None else g_ent.contiguous(), None,
-                                     mean_rel if g_ent is not None else None, tpc.call, needs, d_hidden_ready=ready,
-                                     kept=kept, accumulate=accumulate)
+        grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, g_logp, g_ent, kept)
         del kept  # one chunk's kept logits at a time
         part = _linear_total(*linear) if linear is not None else part  # (queued behind the backward's kernels)
         total = part if total is None else total + part
-        if d_hidden is not None and not (ready is not None and reduce.started):
-            d_hidden[t0:t1] = grads.d_hidden
-        elif needs[0] and d_hidden is None:  # the one chunk
-            d_hidden = grads.d_hidden
-        d_w, d_b = grads.d_weight, grads.d_bias
-    if d_hidden is not None:  # fp32: rounded once, after the upstream scale
-        if reduce is not None:  # the one all_reduce of d_hidden (started by the last chunk's backward)
-            d_hidden = reduce.finish(d_hidden)
-        d_hidden = local.finish_rows(d_hidden, n_all)
-        d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
-    return total, (d_hidden, d_w, d_b)
+    return total, (grads.finish(n_all, hidden_shape) if differentiate else (None, None, None))
+
+
+def _policy_loss_and_grads(local: tp.LocalCall, loss: GRPOLoss, per_token, needs: tuple[bool, bool, bool],
+                           n_all: int, hidden_shape, target_shape, offsets, metrics: bool):
+    """``(loss, (d_hidden, d_W, d_b), metric sums | None)`` of a :class:`~tplogp.rl_losses.GRPOLoss`.
+
+    A loss without sequence sums runs the chunk loop of :func:`_loss_and_grads` (each chunk's coefficients from
+    its own logp). One with them (GSPO's ratio, VESPO's weights) runs it in two phases: the forwards of every chunk
+    (last chunk first), holding per token its logp, entropy and the three softmax statistics the backward takes
+    (5 fp32, 20 bytes per token) and the kept terms of the first chunk only; then the coefficients of every token
+    from those; then the backwards in order, the first chunk reading its kept terms, the others recomputing their
+    logits (as the backward of an unkept chunk does). With one chunk (every call whose kept terms fit the budget,
+    and the default budget) that is the one-pass schedule: no GEMM more.
+    """
+    h2, local_target, tpc, ignored = local.hidden, local.local_target, local.tpc, local.ignored
+    extra = _per_token_rows(per_token, n_all, h2.device, local.keep_idx)
+    n = h2.shape[0]
+    differentiate = any(needs)
+    counted = None if ignored is None else ~ignored
+    segments = (segments_for(target_shape, offsets, local.keep_idx, h2.device) if loss.needs_sequences
+                else None)
+    bound = loss.bind(extra, counted, segments)
+    chunk = _plan_chunks(local, needs)
+    lean = tpc.call  # a forward whose terms are not kept
+    if differentiate:
+        tpc.call = tpc.call.precomputing
+    n_chunks = -(-n // chunk) if n else 0
+    grads = _Gradients(local, needs, n, n_chunks) if differentiate else None
+    w, b = local.weight, local.bias
+    total, sums = torch.zeros((), device=h2.device, dtype=torch.float32), None
+    starts = list(range(0, n, chunk))
+
+    def forward(t0, keep):
+        t1 = min(t0 + chunk, n)
+        h_c, lt_c = (h2, local_target) if t1 - t0 == n else (h2[t0:t1], local_target[t0:t1])
+        context = tpc if keep or tpc.call is lean else dataclasses.replace(tpc, call=lean)
+        (logp, entropy, _), stats = tp.shard_forward(h_c, w, b, lt_c, context)
+        if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its gradient)
+            logp, entropy = zero_rows(ignored[t0:t1], logp), None if entropy is None else zero_rows(
+                ignored[t0:t1], entropy)
+        return t1, h_c, lt_c, logp, entropy, stats
+
+    if not loss.needs_sums:
+        for t0 in starts:
+            t1, h_c, lt_c, logp, entropy, (row_max, log_sum, mean_rel, kept) = forward(t0, differentiate)
+            ev = bound.evaluate(logp, entropy, None if t1 - t0 == n else slice(t0, t1), metrics)
+            if differentiate:
+                grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, ev.g_logp, ev.g_entropy, kept)
+            del kept
+            total = total + ev.total
+            sums = combine_sums(sums, ev.sums) if metrics else None
+    else:
+        held = {}
+        for t0 in reversed(starts):  # phase 1: every chunk's forward, the first one's kept terms held
+            t1, h_c, lt_c, logp, entropy, (row_max, log_sum, mean_rel, kept) = forward(t0, differentiate and t0 == 0)
+            held[t0] = (logp, entropy, row_max, log_sum, mean_rel, kept)
+        parts = [held[t0] for t0 in starts]
+        logp = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0] if parts else h2.new_zeros(
+            0, dtype=torch.float32)
+        entropy = None
+        if parts and parts[0][1] is not None:
+            entropy = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        ev = bound.evaluate(logp, entropy, None, metrics)  # the coefficients of every token
+        total, sums = total + ev.total, ev.sums
+        for t0 in starts if differentiate else ():  # phase 2: the backwards in order
+            t1 = min(t0 + chunk, n)
+            _, entropy_c, row_max, log_sum, mean_rel, kept = held.pop(t0)
+            h_c, lt_c = (h2, local_target) if t1 - t0 == n else (h2[t0:t1], local_target[t0:t1])
+            g_ent = None if ev.g_entropy is None else ev.g_entropy[t0:t1]
+            grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, ev.g_logp[t0:t1], g_ent, kept)
+            del kept
+    return total, (grads.finish(n_all, hidden_shape) if differentiate else (None, None, None)), sums
 
 
 def _chunk_part(per_token_loss: torch.Tensor, count) -> torch.Tensor:

@@ -9,6 +9,10 @@ The built-ins are :class:`TokenLoss` objects: besides the value they give its de
 and ``entropy`` in closed form (:meth:`TokenLoss.value_and_derivatives`), so that ``linear_logp_loss`` needs no
 autograd graph of the loss: one autograd node for the whole loss, and no engine run per chunk. ``+`` combines
 them (the per-token tensors of the left term first). Any other callable works too, differentiated by autograd.
+
+:func:`grpo` builds the GRPO family (TRL's loss types, GSPO's sequence ratios, clip variants, rollout corrections,
+KL estimators, metrics): a :class:`~tplogp.rl_losses.GRPOLoss`, which normalises itself and may need its sequences'
+sums before any token's gradient (:mod:`tplogp.rl_losses`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import torch
+
+from .rl_losses import GRPOConfig, GRPOLoss
 
 PerTokenLoss = Callable[..., torch.Tensor]
 # d(loss_token)/d(logp_token) (or entropy): a tensor of the tokens, a number when the same for every token, or None
@@ -168,3 +174,57 @@ def kl_to_reference(coef: float) -> TokenLoss:
 def entropy_bonus(coef: float) -> TokenLoss:
     """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the default)."""
     return _linear_loss(f"entropy_bonus({coef})", (), lambda: (None, -coef), reads_entropy=True)
+
+
+def grpo(loss_type: str = "dapo", *, importance_sampling_level: str = "token", epsilon_low: float = 0.2,
+         epsilon_high: Optional[float] = None, delta: Optional[float] = None, clip_ratio_c: Optional[float] = None,
+         beta: float = 0.0, kl_estimator: str = "k3", bias_corrected_kl: bool = False,
+         normalization: Optional[str] = None, max_completion_length: Optional[int] = None,
+         num_items_in_batch=None, with_old_logp: bool = True, sapo_temperature_pos: float = 1.0,
+         sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+         vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, rollout_correction: Optional[str] = None,
+         rollout_clip_min: Optional[float] = None, rollout_clip_max: Optional[float] = 3.0,
+         entropy_coef: float = 0.0) -> GRPOLoss:
+    """A GRPO-family policy loss with TRL's names and meanings (definitions: :mod:`tplogp.rl_losses`;
+    docs/integrations.md maps TRL, Liger and verl options). ``per_token`` = ``(advantages, old_logp)``, then
+    ``ref_logp`` when ``beta != 0``, then ``rollout_weights`` (``rollout_correction="weights"``) or
+    ``sampler_logp`` (the other corrections); without ``with_old_logp`` no ``old_logp`` (ratio 1: on-policy).
+    Call :func:`tplogp.linear_logp_loss` with the default ``reduction="sum"``: the loss normalises itself.
+
+    Args:
+        loss_type: ``grpo`` (per-sequence token mean, then the batch mean), ``bnpo`` (token mean of the call),
+            ``dr_grpo`` (token sum over ``B * max_completion_length``), ``dapo`` (token sum over
+            ``num_items_in_batch``, else over the call's counted tokens), ``cispo`` (clipped, detached ratio times
+            logp), ``sapo`` (sigmoid gate), ``luspo`` (GSPO with each sequence's loss weighted by its length),
+            ``vespo`` (gamma weights of the sequence ratio).
+        importance_sampling_level: ``token``; ``sequence`` (GSPO: ``exp`` of the sequence's mean log-ratio);
+            ``sequence_token`` (GSPO-token, its stop-gradient form: the sequence's ratio, each token's gradient its
+            own).
+        epsilon_low, epsilon_high: the clip range ``[1 - epsilon_low, 1 + epsilon_high]`` (``epsilon_high`` None:
+            ``epsilon_low``); for ``cispo`` ``epsilon_high`` is the ratio's cap.
+        delta: INTELLECT-2's upper clamp of the unclipped ratio. clip_ratio_c: the dual clip (verl), ``-A r`` at
+            most ``-clip_ratio_c A`` where ``A < 0``.
+        beta, kl_estimator, bias_corrected_kl: ``beta`` times the ``k1`` / ``k2`` / ``k3`` estimator of the KL to
+            the reference policy, multiplied by the importance ratio when ``bias_corrected_kl`` (DeepSeek-V3.2).
+        normalization: verl's ``loss_agg_mode`` names, overriding the loss type's (:data:`~tplogp.rl_losses.
+            NORMALIZATIONS`). max_completion_length, num_items_in_batch: ``dr_grpo``'s and the token mean's
+            divisors (for TRL's ``dapo``, pass ``num_items_in_batch / num_processes``).
+        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg:
+            the SAPO and VESPO parameters, TRL's defaults.
+        rollout_correction: None; ``"weights"`` (given per-token weights, e.g. TRL's ``importance_sampling_ratio``);
+            or the sampler's log-probs turned into ``exp(old_logp - sampler_logp)`` per token
+            (``token_truncate`` / ``token_mask``) or per sequence (``sequence_truncate`` / ``sequence_mask``), clamped
+            to (truncate) or zero outside (mask) ``[rollout_clip_min, rollout_clip_max]`` (TIS / MIS). They multiply
+            the policy term (vespo: folded into its sequence weight).
+        entropy_coef: an entropy bonus ``-entropy_coef`` x the token mean of the entropy (over the token-mean
+            normaliser for ``token-mean``), as TRL; reads the entropy.
+    """
+    return GRPOLoss(GRPOConfig(
+        loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_low if epsilon_high is None else epsilon_high, delta=delta, clip_ratio_c=clip_ratio_c,
+        beta=beta, kl_estimator=kl_estimator, bias_corrected_kl=bias_corrected_kl, normalization=normalization,
+        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch,
+        with_old_logp=with_old_logp, sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, rollout_correction=rollout_correction,
+        rollout_clip_min=rollout_clip_min, rollout_clip_max=rollout_clip_max, entropy_coef=entropy_coef))

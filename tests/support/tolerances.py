@@ -44,3 +44,12 @@ AUTOCAST_LOGP = Tolerance(atol=1e-4, rtol=0)
 UNIFORM_ROWS = Tolerance(atol=1e-5, rtol=1e-6)
 # float64 closed forms of a loss against the loss's own float64 value
 FLOAT64_FORMULA = Tolerance(atol=0, rtol=1e-15)
+# the GRPO family's fp32 loss and gradients against its float64 definition: fp32 logp (its error ~1e-7) through
+# exp of ratios and of sequence sums, and the float64 reference's own GEMMs
+REL_FP32_GRPO = 1e-5
+# its loss value: that bound, or absolute where the loss is a sum of tiny terms (a k3 KL of log-probs 0.01 apart is
+# d^2 / 2 ~ 5e-5 per token, and fp32 logp's absolute error ~1e-7 moves it by ~2e-5 of itself)
+GRPO_LOSS = Tolerance(atol=1e-9, rtol=REL_FP32_GRPO)
+# its metrics (means of fp32 ratios, KL and entropy; fractions of counted positions) against float64, absolute
+# (relative above 1)
+ABS_FP32_GRPO_METRIC = 1e-5

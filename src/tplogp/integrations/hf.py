@@ -310,8 +310,9 @@ def causal_lm_loss(
     temperature: float = 1.0,
     workspace_bytes: Optional[int] = None,
     with_entropy: bool = True,
+    return_metrics: bool = False,
     **model_kwargs,
-) -> torch.Tensor:
+):
     """A per-token RL loss of a Hugging Face causal LM's token log-probs, reduced to a scalar, without its logits.
 
     The positions and values of :func:`causal_lm_logprobs`, fed chunk by chunk to
@@ -326,7 +327,9 @@ def causal_lm_loss(
             ``[B, logits_to_keep]``), aligned with the log-probs.
         loss_mask: ``[B, S-1]`` (or ``[B, logits_to_keep]``), nonzero where a position counts (the completion
             tokens); the others add nothing, count nothing in ``"mean"`` and cost no GEMM work. None: all count.
-        reduction: ``"sum"`` or ``"mean"`` (over the positions that count).
+        reduction: ``"sum"`` or ``"mean"`` (over the positions that count); ``"sum"`` for a ``losses.grpo(...)``
+            loss, which normalises itself over the sequences (the rows of ``input_ids``) and their counted positions.
+        return_metrics: with a ``losses.grpo(...)`` loss, also return its metrics (:func:`tplogp.linear_logp_loss`).
         with_entropy: as in :func:`tplogp.linear_logp_loss`: False when ``loss`` does not read the entropy (policy
             gradient, PPO / GRPO clipping, KL): it then gets ``entropy=None`` and the forward skips the entropy
             statistics.
@@ -334,7 +337,7 @@ def causal_lm_loss(
             :func:`causal_lm_logprobs`.
 
     Returns:
-        a 0-d float32 tensor.
+        a 0-d float32 tensor; with ``return_metrics`` ``(loss, metrics)``.
     """
     targets = _targets(input_ids, logits_to_keep)
     if loss_mask is not None:
@@ -356,14 +359,20 @@ def causal_lm_loss(
             mesh, local = hidden.device_mesh, hidden.to_local()
         value = linear_logp_loss(local, head.weight, targets.to(local.device), head.bias, loss=loss,
                                  per_token=per_token, reduction=reduction, temperature=t_eff, ignore_index=ignore,
-                                 workspace_bytes=workspace_bytes, with_entropy=with_entropy)
+                                 workspace_bytes=workspace_bytes, with_entropy=with_entropy,
+                                 return_metrics=return_metrics)
+        if return_metrics:  # the model returns the loss where it returns its logits; the metrics come aside
+            value, found = value
+            metrics.update(found)
         if mesh is None:
             return value
         from torch.distributed.tensor import DTensor, Replicate
 
         return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
-    return _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, ())
+    metrics: dict = {}
+    value = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, ())
+    return (value, metrics) if return_metrics else value
 
 
 __all__ = ["causal_lm_logprobs", "causal_lm_loss", "UnsupportedModelError"]

@@ -1,0 +1,80 @@
+"""The sequences of a call's tokens, for losses with per-sequence terms (:mod:`tplogp.rl_losses`).
+
+A sequence is one row of ``[B, L]`` targets (the last dimension; ``[N]`` targets are one sequence), or one span
+``[cu_seqlens[i], cu_seqlens[i + 1])`` of the flattened tokens for packed input. :class:`Segments` maps each of the
+call's rows (after ``ignore_index`` compaction) to its sequence and position there, and sums per-row values per
+sequence through a dense ``[B, longest]`` buffer: each slot is written once, so the sums are deterministic on
+every device (no atomics) and the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .validation import LinearLogpInputError
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Rows' sequences: ``index[r]`` the sequence of row ``r``, ``position[r]`` its place in it; ``count`` sequences,
+    the longest ``longest`` tokens."""
+
+    index: torch.Tensor  # [n] int64
+    position: torch.Tensor  # [n] int64
+    count: int
+    longest: int
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums ``[count]`` of per-row ``values [n]`` (fp32)."""
+        dense = values.new_zeros(self.count, max(self.longest, 1))
+        dense[self.index, self.position] = values
+        return dense.sum(1)
+
+
+def segments_for(target_shape: torch.Size, offsets: Optional[list[int]], keep_idx: Optional[torch.Tensor],
+                 device: torch.device) -> Segments:
+    """The :class:`Segments` of a call with targets of ``target_shape`` (``offsets``: packed sequences' offsets
+    from :func:`check_offsets`, or None for the rows of the targets' last dimension), for the rows ``keep_idx``
+    kept (None: every row)."""
+    n_all = 1
+    for s in target_shape:
+        n_all *= s
+    rows = torch.arange(n_all, device=device)
+    if offsets is None:
+        length = target_shape[-1] if len(target_shape) else 1
+        count = n_all // length if length else 0
+        index, position, longest = rows // max(length, 1), rows % max(length, 1), length
+    else:
+        lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        count, longest = len(lengths), max(lengths, default=0)
+        index = torch.repeat_interleave(torch.arange(count, device=device),
+                                        torch.tensor(lengths, device=device, dtype=torch.int64), output_size=n_all)
+        starts = torch.tensor(offsets[:-1], device=device, dtype=torch.int64)
+        position = rows - starts[index]
+    if keep_idx is not None:
+        index, position = index.index_select(0, keep_idx), position.index_select(0, keep_idx)
+    return Segments(index, position, count, longest)
+
+
+def check_offsets(cu_seqlens, n_all: int) -> list[int]:
+    """``cu_seqlens`` (a 1-D integer tensor or a sequence ``[0, ..., N]``) as a host list of offsets, checked (the
+    same error on every rank: the arguments are the same).
+
+    Raises:
+        LinearLogpInputError: ``cu_seqlens`` is not nondecreasing offsets from 0 to the token count ``n_all``.
+    """
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise LinearLogpInputError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
+                                       f"{tuple(cu_seqlens.shape)}")
+        offsets = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        offsets = [int(x) for x in cu_seqlens]
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != n_all or any(
+            b < a for a, b in zip(offsets[:-1], offsets[1:])):
+        raise LinearLogpInputError(f"cu_seqlens must be nondecreasing offsets from 0 to the {n_all} tokens "
+                                   f"(one more than the sequences), got {offsets[:8]}{'...' if len(offsets) > 8 else ''}")
+    return offsets
