@@ -225,10 +225,12 @@ class _Rank:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         kwargs: dict[str, Any] = {}
-        if cfg.device_type == "cuda":
-            torch.cuda.set_device(cfg.rank)
-            device = torch.device("cuda", cfg.rank)
-            kwargs["device_id"] = device
+        if cfg.device_type == "cuda":  # NCCL: a GPU per rank; gloo: ranks sharing the pool's GPUs
+            index = cfg.rank if cfg.device_index is None else cfg.device_index
+            torch.cuda.set_device(index)
+            device = torch.device("cuda", index)
+            if cfg.backend == "nccl":
+                kwargs["device_id"] = device
         else:
             device = torch.device("cpu")
         store = dist.FileStore(cfg.store_path, cfg.world_size)
