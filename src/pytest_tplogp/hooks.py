@@ -49,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if external.detect():
         state.external = external.ExternalMode(settings)
+        state.external.gather_coverage_on_rank0(config.pluginmanager)
         if state.external.ctx.rank != 0:
             # Report from rank 0 only: this runs before the terminal reporter is created with sys.stdout, so the
             # other ranks' reporters write to /dev/null (their verdicts reach rank 0 through the outcome exchange).
@@ -161,11 +162,22 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: done before pytest-cov's wrapper saves and reports
 def pytest_runtestloop(session: pytest.Session) -> Any:
     """After the last test, when this process measures coverage: stop the pools, whose ranks send their coverage
-    data as they leave (``rank_coverage``), so that it is part of what pytest-cov (or ``coverage run``) reports."""
+    data as they leave (``rank_coverage``), so that it is part of what pytest-cov (or ``coverage run``) reports.
+    Under torchrun with pytest-cov, the other ranks send their data to rank 0, which adds it to its own."""
     result = yield
-    manager = session.config.stash[STATE]._manager
-    if manager is not None and rank_coverage.measuring() is not None:
-        manager.stop_pools()
+    state = session.config.stash[STATE]
+    if state._manager is not None and rank_coverage.measuring() is not None:
+        state._manager.stop_pools()
+    if state.external is not None and state.external.gathers_coverage:
+        missing = state.external.send_or_merge_coverage()
+        if missing:
+            from .external import COVERAGE_WAIT_S
+            from .protocol import format_ranks
+
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"tplogp (torchrun): the coverage data of {format_ranks(missing)} did not come "
+                                    f"within {COVERAGE_WAIT_S:g} s; their lines are reported as missed", yellow=True)
     return result
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
-import sys
-
 import pytest
+from tests.support.plugin_helpers import torchrun
 
 pytest_plugins = ["pytester"]
 
@@ -52,17 +50,10 @@ if os.environ.get("RANK") == "1":
 '''
 
 
-def _torchrun(pytester: pytest.Pytester, *args: str, nproc: int = 2) -> pytest.RunResult:
-    exe = shutil.which("torchrun")
-    cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    return pytester.run(*cmd, "--standalone", f"--nproc_per_node={nproc}", "-m", "pytest", "-p", "pytest_tplogp",
-                        "-p", "no:cacheprovider", *args, timeout=180)
-
-
 @pytest.mark.slow
 def test_torchrun_mode(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
-    result = _torchrun(pytester, "test_body.py", "-rA", "-vv")
+    result = torchrun(pytester, "test_body.py", "-rA", "-vv")
     out = result.stdout.str()
     assert out.count("test session starts") == 1, out  # only rank 0 reports
     result.stdout.fnmatch_lines([
@@ -79,7 +70,7 @@ def test_torchrun_mode(pytester: pytest.Pytester, tag: str) -> None:
 @pytest.mark.slow
 def test_torchrun_collection_mismatch(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=MISMATCH)
-    result = _torchrun(pytester, "test_body.py")
+    result = torchrun(pytester, "test_body.py")
     result.stdout.fnmatch_lines(["*rank 1 collected different tests than rank 0*test_only_on_rank_1*"])
     assert result.ret != 0
 
@@ -110,7 +101,7 @@ def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str) -> 
     import xml.etree.ElementTree as ET
 
     pytester.makepyfile(test_body=HANG)
-    result = _torchrun(pytester, "test_body.py", "-rA", "--junitxml=junit.xml", "-o", "junit_logging=all")
+    result = torchrun(pytester, "test_body.py", "-rA", "--junitxml=junit.xml", "-o", "junit_logging=all")
     assert result.ret != 0
     result.stdout.fnmatch_lines([
         "*test_hangs[[]tp2[]] passed its deadline of 3 s*(1 test(s) not run, reported as errors)*",
@@ -164,7 +155,7 @@ def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag
     import xml.etree.ElementTree as ET
 
     pytester.makepyfile(test_body=PEER_RAISES)
-    result = _torchrun(pytester, "test_body.py", "-rA", "-vv", "--junitxml=junit.xml", "--tp-timeout=100", nproc=3)
+    result = torchrun(pytester, "test_body.py", "-rA", "-vv", "--junitxml=junit.xml", "--tp-timeout=100", nproc=3)
     assert result.ret != 0
     out = result.stdout.str()
     assert "PASSED test_body.py::test_rank_raises" not in out, out
