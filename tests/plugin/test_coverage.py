@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-from tests.support.plugin_helpers import torchrun
 
 pytest_plugins = ["pytester"]
 
@@ -67,7 +66,7 @@ def test_pytest_cov_reports_rank_lines(pytester: pytest.Pytester, tag: str, extr
 
 
 @pytest.mark.slow
-def test_pytest_cov_under_torchrun_reports_every_rank(pytester: pytest.Pytester, tag: str) -> None:
+def test_pytest_cov_under_torchrun_reports_every_rank(pytester: pytest.Pytester, tag: str, torchrun) -> None:
     """Every torchrun rank is a pytest process with its own pytest-cov: rank 0's one report has every rank's lines
     (column()'s rank-0 branch runs only on rank 0, the other only on rank 1), and no rank leaves a data file of its
     own or writes a report of its part."""
@@ -77,7 +76,7 @@ def test_pytest_cov_under_torchrun_reports_every_rank(pytester: pytest.Pytester,
     _write(pytester)
     # each rank would write its XML report to a file of its own (coverage expands ${RANK} in its configuration)
     (pytester.path / ".coveragerc").write_text("[xml]\noutput = cov-rank${RANK}.xml\n")
-    result = torchrun(pytester, "--cov=tinypkg", "--cov-branch", "--cov-report=term-missing", "--cov-report=xml",
+    result = torchrun("--cov=tinypkg", "--cov-branch", "--cov-report=term-missing", "--cov-report=xml",
                       "--cov-config=.coveragerc")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["tinypkg/__init__.py * 9 * 0 * 4 * 0 * 100%", "TOTAL * 100%"])

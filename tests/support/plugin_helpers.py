@@ -77,14 +77,3 @@ def forkserver_importing_torch(pytest_pid: int) -> int | None:
         if "libtorch" in maps:
             return pid
     return None
-
-
-def torchrun(pytester, *args: str, nproc: int = 2):
-    """Run pytest with the plugin under ``torchrun --standalone --nproc_per_node=nproc`` in the pytester directory."""
-    import shutil
-    import sys
-
-    exe = shutil.which("torchrun")
-    cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    return pytester.run(*cmd, "--standalone", f"--nproc_per_node={nproc}", "-m", "pytest", "-p", "pytest_tplogp",
-                        "-p", "no:cacheprovider", *args, timeout=180)
