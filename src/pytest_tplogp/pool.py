@@ -42,9 +42,11 @@ from .protocol import (
 )
 
 #: Modules the fork server imports before forking ranks (start method "forkserver"); the guard first, so that the
-#: fork server dies with pytest even while it still imports torch.
-FORKSERVER_PRELOAD = ["pytest_tplogp.forkserver_guard", "torch", "torch.distributed", "pytest", "pytest_tplogp.rank",
-                      "pytest_tplogp.context"]
+#: fork server dies with pytest even while it still imports torch. ``torch.distributed.tensor`` is what the first
+#: ``torch.testing.assert_close`` (so the first ``tp.assert_close``) of a process imports: imported here once, no
+#: pool pays it in its first test. It touches no device and starts no thread.
+FORKSERVER_PRELOAD = ["pytest_tplogp.forkserver_guard", "torch", "torch.distributed", "torch.distributed.tensor",
+                      "pytest", "pytest_tplogp.rank", "pytest_tplogp.context"]
 
 
 class PoolKey(NamedTuple):
