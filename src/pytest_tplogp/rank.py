@@ -177,8 +177,9 @@ class _ProcessState:
 
     #: Set by libraries on first use, not by tests: neither reported nor undone. torch sets CUDA_MODULE_LOADING on
     #: CUDA initialisation, inductor TORCHINDUCTOR_CACHE_DIR on first use of its cache (torch.compile, or
-    #: torch.use_deterministic_algorithms).
-    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR")
+    #: torch.use_deterministic_algorithms) and _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR as it loads its first
+    #: compiled C++ wrapper (torch.compile on CPU).
+    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 
     def __init__(self, torch: Any) -> None:
         self.settings = _torch_settings(torch)
