@@ -104,7 +104,8 @@ SPECS: tuple[Spec, ...] = (
     Spec("world_size", "--tp", "TPLOGP_TP", "tp_world_size", _positive_int,
          "default world size of @pytest.mark.tp tests without world_size= (default 2)", "N"),
     Spec("backend", "--tp-backend", "TPLOGP_TP_BACKEND", "tp_backend", _choice(BACKENDS),
-         "auto (NCCL with one GPU per rank when this process has enough GPUs, else gloo on CPU), gloo or nccl",
+         "auto (NCCL with one GPU per rank when this process has enough GPUs, else gloo on CPU; gpu tests: gloo "
+         "ranks sharing the GPUs, see --tp-gpu-share), gloo or nccl",
          "NAME"),
     Spec("timeout_s", "--tp-timeout", "TPLOGP_TP_TIMEOUT", "tp_timeout", _positive_float,
          "per-test deadline in seconds on the ranks (marker timeout= overrides; default 120)", "SECONDS"),
