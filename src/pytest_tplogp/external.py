@@ -9,6 +9,12 @@ still running at the deadline, or a straggler grace after a peer failed, every u
 store and rank 0 reports the test as failed (which ranks hung and where), reports every test that did not run as an
 error and writes the JUnit file before every rank exits: torchrun then ends the job, since a process group cannot
 be respawned from inside.
+
+Coverage (pytest-cov's ``--cov``): every rank is a pytest process with its own pytest-cov, which would save, combine
+and report its own part, all at once in one directory. So on the other ranks pytest-cov is taken out at configure
+time (:meth:`ExternalMode.gather_coverage_on_rank0`; its measurement keeps running), and at the end of the test loop
+each of them sends its data through the store (:meth:`ExternalMode.send_or_merge_coverage`); rank 0 adds it to its
+own before its pytest-cov saves, combines and reports: one data file, one report, every rank's lines.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from typing import Any
 
 from .options import Settings
 from .protocol import STRAGGLER_GRACE_S, RankOutcome
+
+
+#: How long rank 0 waits, at the end of its test loop, for the other ranks' coverage data.
+COVERAGE_WAIT_S = 60.0
 
 
 def detect(environ: dict[str, str] | None = None) -> bool:
@@ -57,6 +67,7 @@ class ExternalMode:
         self.real_fds = (os.dup(1), os.dup(2))
         self.test_index = 0
         self.pdb_rank = settings.pdb_rank
+        self.gathers_coverage = False  # pytest-cov measures: rank 0 reports every rank's lines
         self.owns_group = not dist.is_initialized()
         if self.owns_group:
             if device.type == "cuda":
@@ -70,6 +81,45 @@ class ExternalMode:
         self.ctx = RankContext(rank, world_size, backend, device, local_rank=local_rank, external=True,
                                ctrl_group=ctrl)
         set_current(self.ctx)
+
+    #: pytest-cov's plugin object's name (``pluginmanager.register(plugin, "_cov")``).
+    PYTEST_COV = "_cov"
+
+    def gather_coverage_on_rank0(self, pluginmanager: Any) -> None:
+        """When pytest-cov measures, let rank 0 alone report: on the other ranks, take pytest-cov's plugin out (it
+        neither saves, combines nor reports there; its ``Coverage`` keeps measuring, and its data goes to rank 0)."""
+        from . import rank_coverage
+
+        self.gathers_coverage = (pluginmanager.has_plugin(self.PYTEST_COV)
+                                 and rank_coverage.measuring() is not None)
+        if self.gathers_coverage and self.ctx.rank != 0:
+            pluginmanager.unregister(name=self.PYTEST_COV)
+
+    def send_or_merge_coverage(self, wait_s: float = COVERAGE_WAIT_S) -> list[int]:
+        """End of the test loop, while gathering coverage: the other ranks stop measuring and post their data; rank 0
+        adds every rank's data to its own (bounded wait). Returns the ranks whose data did not come (rank 0)."""
+        import time
+
+        from . import rank_coverage
+
+        store = self.store()
+        if self.ctx.rank != 0:
+            cov = rank_coverage.measuring()
+            store.set(f"tplogp/coverage{self.ctx.rank}", rank_coverage.collect(cov) if cov is not None else b"")
+            return []
+        pending = {r: f"tplogp/coverage{r}" for r in range(1, self.ctx.world_size)}
+        deadline = time.monotonic() + wait_s
+        while pending:
+            for r, key in list(pending.items()):
+                if store.check([key]):
+                    blob = store.get(key)
+                    if blob:
+                        rank_coverage.merge(blob)
+                    del pending[r]
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return sorted(pending)
 
     def check_collection(self, nodeids: list[str]) -> str | None:
         """None if every rank collected the same tests in the same order, else a description of the difference."""

@@ -16,7 +16,7 @@ import pytest
 from .dispatch import PoolHandle, refuse_parent_only_fixtures
 from .mesh import MeshShape
 from .placement import Plan, plan_for
-from .session import PLAN, STATE
+from .session import PLAN, SHARING_PROPERTY, STATE
 from .values import TPPlaceholder
 
 #: The mesh shape a test's ``mesh=`` parametrization gave it (absent: the default 1-D mesh).
@@ -42,6 +42,9 @@ def tp_world_size(request: pytest.FixtureRequest) -> int | None:
     request.node.stash[PLAN] = plan
     if plan.skip_reason:
         pytest.skip(plan.skip_reason)
+    if plan.sharing is not None:  # the test's report says where its ranks ran, and why not on NCCL
+        request.node.user_properties.append((SHARING_PROPERTY, plan.sharing))
+        request.node.add_report_section("setup", "tplogp placement", plan.sharing)
     if not plan.in_parent:
         refuse_parent_only_fixtures(request.node)
     return int(ws)  # the pool starts at the end of the test's setup (hooks.pytest_runtest_setup)

@@ -20,7 +20,7 @@ import pytest
 from . import devices, dispatch, fixtures, options, rank_coverage
 from .mesh import MeshShapeError, parse_marker_meshes
 from .placement import is_tp, marker_args, world_sizes
-from .session import ACTIVATED_BY, PLAN, SKIPPED_ON_RANKS, STATE, State, register_marker
+from .session import ACTIVATED_BY, PLAN, SHARING_PROPERTY, SKIPPED_ON_RANKS, STATE, State, register_marker
 
 # ---------------------------------------------------------------------------------------------------- config
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if external.detect():
         state.external = external.ExternalMode(settings)
+        state.external.gather_coverage_on_rank0(config.pluginmanager)
         if state.external.ctx.rank != 0:
             # Report from rank 0 only: this runs before the terminal reporter is created with sys.stdout, so the
             # other ranks' reporters write to /dev/null (their verdicts reach rank 0 through the outcome exchange).
@@ -76,11 +77,32 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return [f"tplogp: external mode (torchrun): world size {ctx.world_size}, backend {ctx.backend}, "
                 f"device {ctx.device}; this report is rank {ctx.rank}'s; timeout {s.timeout_s:g} s"]
     deadline = f"timeout {s.timeout_s:g} s" if s.pdb_rank is None else f"no deadline (--tp-pdb={s.pdb_rank})"
-    p = devices.place(s.world_size, s.backend)
+    worker = _header_worker(config)
+    p = devices.place(s.world_size, s.backend, worker=worker)
     devs = "cpu" if p.device_type == "cpu" else "cuda:" + ",".join(p.devices)
-    return [f"tplogp: world size {s.world_size}, backend {p.backend} ({s.backend}), devices {devs}, "
-            f"{deadline}, rendezvous FileStore per session; {devices.block_note()}; "
-            f"on by {config.stash.get(ACTIVATED_BY, '-p pytest_tplogp.hooks')}"]
+    lines = [f"tplogp: world size {s.world_size}, backend {p.backend} ({s.backend}), devices {devs}, "
+             f"{deadline}, rendezvous FileStore per session; {devices.block_note(worker)}; "
+             f"on by {config.stash.get(ACTIVATED_BY, '-p pytest_tplogp.hooks')}"]
+    if devices.visible_gpus():
+        lines.append(f"tplogp: gpu tests at world size {s.world_size}: {_gpu_placement(s, worker)}")
+    return lines
+
+
+def _header_worker(config: pytest.Config) -> object:
+    """Whose placement the header shows: this process's, or under an xdist controller worker gw0's."""
+    if devices.xdist_worker() is not None:
+        return devices.THIS_WORKER
+    count = config.getoption("numprocesses", None)
+    return (0, count) if isinstance(count, int) and count > 0 else None
+
+
+def _gpu_placement(s: options.Settings, worker: object) -> str:
+    g = devices.place(s.world_size, s.backend, needs_gpu=True, share=s.gpu_share, worker=worker)
+    if g.skip_reason is not None:
+        return f"skipped ({g.skip_reason})"
+    if g.shared:
+        return f"{devices.sharing_note(g, s.world_size, worker)}; --tp-gpu-share=off skips them"
+    return f"{g.backend}, one GPU per rank (cuda:{','.join(g.devices)})"
 
 
 # ---------------------------------------------------------------------------------------------------- collection
@@ -140,11 +162,22 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: done before pytest-cov's wrapper saves and reports
 def pytest_runtestloop(session: pytest.Session) -> Any:
     """After the last test, when this process measures coverage: stop the pools, whose ranks send their coverage
-    data as they leave (``rank_coverage``), so that it is part of what pytest-cov (or ``coverage run``) reports."""
+    data as they leave (``rank_coverage``), so that it is part of what pytest-cov (or ``coverage run``) reports.
+    Under torchrun with pytest-cov, the other ranks send their data to rank 0, which adds it to its own."""
     result = yield
-    manager = session.config.stash[STATE]._manager
-    if manager is not None and rank_coverage.measuring() is not None:
-        manager.stop_pools()
+    state = session.config.stash[STATE]
+    if state._manager is not None and rank_coverage.measuring() is not None:
+        state._manager.stop_pools()
+    if state.external is not None and state.external.gathers_coverage:
+        missing = state.external.send_or_merge_coverage()
+        if missing:
+            from .external import COVERAGE_WAIT_S
+            from .protocol import format_ranks
+
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"tplogp (torchrun): the coverage data of {format_ranks(missing)} did not come "
+                                    f"within {COVERAGE_WAIT_S:g} s; their lines are reported as missed", yellow=True)
     return result
 
 
@@ -238,8 +271,15 @@ def pytest_exception_interact(node: pytest.Item, call: pytest.CallInfo[None], re
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """One line counting the GPU tests skipped because their xdist worker owns too few GPUs (the controller sees
-    every worker's reports)."""
+    """One line counting the GPU TP tests whose ranks shared GPUs over gloo, one counting the GPU tests skipped
+    because their xdist worker owns too few GPUs (the controller sees every worker's reports)."""
+    shared = sum(1 for reports in terminalreporter.stats.values() for rep in reports
+                 if getattr(rep, "when", None) == "call"
+                 and any(name == SHARING_PROPERTY for name, _ in getattr(rep, "user_properties", ())))
+    if shared:
+        terminalreporter.write_line(
+            f"tplogp: {shared} gpu TP test(s) ran with ranks sharing GPUs over gloo: NCCL needs a GPU per rank "
+            f"(-rA shows each one's placement; --tp-gpu-share=off skips them)")
     prefix = "Skipped: " + devices.PLACEMENT_SKIP_PREFIX
     count = sum(1 for rep in terminalreporter.stats.get("skipped", [])
                 if isinstance(rep.longrepr, tuple) and str(rep.longrepr[2]).startswith(prefix))

@@ -27,6 +27,7 @@ class Settings:
     threads: int = 0  # torch intra-op threads per CPU rank; 0 = cores // world size
     start_method: str = "forkserver"
     pdb_rank: int | None = None  # --tp-pdb: this rank's breakpoint() and failures open pdb on a local port
+    gpu_share: bool = True  # a gpu test that NCCL cannot place: gloo ranks sharing the GPUs (off: skipped)
 
 
 def _positive_int(raw: str) -> int:
@@ -57,6 +58,13 @@ def _bool(raw: str) -> bool:
     if low in ("0", "false", "no", "off", ""):
         return False
     raise ValueError("expected true/false")
+
+
+def _on_off(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low not in ("on", "off"):
+        raise ValueError("expected on or off")
+    return low == "on"
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -96,7 +104,8 @@ SPECS: tuple[Spec, ...] = (
     Spec("world_size", "--tp", "TPLOGP_TP", "tp_world_size", _positive_int,
          "default world size of @pytest.mark.tp tests without world_size= (default 2)", "N"),
     Spec("backend", "--tp-backend", "TPLOGP_TP_BACKEND", "tp_backend", _choice(BACKENDS),
-         "auto (NCCL with one GPU per rank when this process has enough GPUs, else gloo on CPU), gloo or nccl",
+         "auto (NCCL with one GPU per rank when this process has enough GPUs, else gloo on CPU; gpu tests: gloo "
+         "ranks sharing the GPUs, see --tp-gpu-share), gloo or nccl",
          "NAME"),
     Spec("timeout_s", "--tp-timeout", "TPLOGP_TP_TIMEOUT", "tp_timeout", _positive_float,
          "per-test deadline in seconds on the ranks (marker timeout= overrides; default 120)", "SECONDS"),
@@ -108,6 +117,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("pdb_rank", "--tp-pdb", "TPLOGP_TP_PDB", "tp_pdb", _non_negative_int,
          "debug rank RANK: its breakpoint() and a failure of its body stop in pdb, served on a local port that the "
          "rank prints (needs -s; no deadline or straggler grace while it is set)", "RANK"),
+    Spec("gpu_share", "--tp-gpu-share", "TPLOGP_TP_GPU_SHARE", "tp_gpu_share", _on_off,
+         "on (default): a gpu test whose ranks outnumber this process's GPUs runs on gloo, its ranks sharing the "
+         "GPUs (CUDA tensors); off: such a test is skipped", "on|off"),
     Spec("threads", "--tp-threads", "TPLOGP_TP_THREADS", "tp_threads", _non_negative_int,
          "torch intra-op threads per CPU rank (0 = cores // world size)", "N"),
 )

@@ -3,7 +3,8 @@
 A *TP test* is a test marked ``@pytest.mark.tp(...)`` or requesting the ``tp`` / ``tp_pool`` fixture. Its marker
 gives world sizes (a parametrization), a deadline and a backend; :func:`plan_for` turns that, the settings and this
 process's devices into a :class:`Plan` (backend, devices, deadline, or the reason to skip before anything is
-spawned). A bad marker argument is a ``pytest.UsageError`` naming the test.
+spawned; for a ``gpu`` test that NCCL cannot place, gloo ranks sharing the GPUs unless ``--tp-gpu-share=off``).
+A bad marker argument is a ``pytest.UsageError`` naming the test.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Plan:
     timeout_s: float
     in_parent: bool  # tp_pool tests: body in the parent
     skip_reason: str | None = None
+    sharing: str | None = None  # gloo ranks sharing GPUs: what and why (``devices.sharing_note``), for the report
 
     @property
     def device_type(self) -> str:
@@ -107,5 +109,6 @@ def plan_for(item: pytest.Item, world_size: int, settings: Settings, external_ct
         elif needs_gpu and external_ctx.device.type != "cuda":
             reason = "needs a GPU; the torchrun ranks run on CPU"
         return Plan(world_size, external_ctx.backend, ("external",), float(timeout), False, reason)
-    p = devices.place(world_size, backend, needs_gpu=needs_gpu)
-    return Plan(world_size, p.backend, p.devices, float(timeout), in_parent, p.skip_reason)
+    p = devices.place(world_size, backend, needs_gpu=needs_gpu, share=settings.gpu_share)
+    sharing = devices.sharing_note(p, world_size) if p.shared and p.skip_reason is None else None
+    return Plan(world_size, p.backend, p.devices, float(timeout), in_parent, p.skip_reason, sharing)

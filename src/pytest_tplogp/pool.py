@@ -42,9 +42,11 @@ from .protocol import (
 )
 
 #: Modules the fork server imports before forking ranks (start method "forkserver"); the guard first, so that the
-#: fork server dies with pytest even while it still imports torch.
-FORKSERVER_PRELOAD = ["pytest_tplogp.forkserver_guard", "torch", "torch.distributed", "pytest", "pytest_tplogp.rank",
-                      "pytest_tplogp.context"]
+#: fork server dies with pytest even while it still imports torch. ``torch.distributed.tensor`` is what the first
+#: ``torch.testing.assert_close`` (so the first ``tp.assert_close``) of a process imports: imported here once, no
+#: pool pays it in its first test. It touches no device and starts no thread.
+FORKSERVER_PRELOAD = ["pytest_tplogp.forkserver_guard", "torch", "torch.distributed", "torch.distributed.tensor",
+                      "pytest", "pytest_tplogp.rank", "pytest_tplogp.context"]
 
 
 class PoolKey(NamedTuple):
@@ -56,8 +58,19 @@ class PoolKey(NamedTuple):
     def device_type(self) -> str:
         return "cpu" if self.devices == ("cpu",) else "cuda"
 
+    @property
+    def shared(self) -> bool:
+        """Gloo ranks on GPUs: rank r uses ``devices[r % len(devices)]`` (several ranks per GPU when fewer GPUs)."""
+        return self.device_type == "cuda" and self.backend == "gloo"
+
+    def device_index(self, rank: int) -> int:
+        """Rank ``rank``'s CUDA device index among the pool's GPUs (the pool's ``CUDA_VISIBLE_DEVICES``)."""
+        return rank % len(self.devices)
+
     def describe(self) -> str:
         devs = "cpu" if self.device_type == "cpu" else "cuda:" + ",".join(self.devices)
+        if self.shared:
+            devs = f"{self.world_size} ranks sharing {devs}"
         return f"world size {self.world_size}, {self.backend}, {devs}"
 
 
@@ -182,7 +195,8 @@ class RankPool:
                           store_path=os.path.join(self.pool_dir, "store"), parent_pid=os.getpid(),
                           num_threads=self.num_threads or self._default_threads(),
                           start_method=self.start_method, env=self._env(), pdb_rank=self.pdb_rank,
-                          coverage=self.coverage)
+                          coverage=self.coverage,
+                          device_index=self.key.device_index(rank) if self.key.device_type == "cuda" else None)
 
     def _env(self) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": ",".join(self.key.devices)} if self.key.device_type == "cuda" else {}

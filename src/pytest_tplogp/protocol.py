@@ -39,6 +39,7 @@ class RankConfig:
     env: dict[str, str] = field(default_factory=dict)  # applied before torch touches a device (CUDA_VISIBLE_DEVICES)
     pdb_rank: int | None = None  # --tp-pdb: the rank whose breakpoint() and failures open pdb on a local port
     coverage: dict | None = None  # the pytest process's coverage settings (rank_coverage); None: not measured
+    device_index: int | None = None  # CUDA ranks: this rank's device among the pool's GPUs (shared under gloo)
 
 
     def path(self, suffix: str) -> str:

@@ -177,8 +177,9 @@ class _ProcessState:
 
     #: Set by libraries on first use, not by tests: neither reported nor undone. torch sets CUDA_MODULE_LOADING on
     #: CUDA initialisation, inductor TORCHINDUCTOR_CACHE_DIR on first use of its cache (torch.compile, or
-    #: torch.use_deterministic_algorithms).
-    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR")
+    #: torch.use_deterministic_algorithms) and _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR as it loads its first
+    #: compiled C++ wrapper (torch.compile on CPU).
+    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 
     def __init__(self, torch: Any) -> None:
         self.settings = _torch_settings(torch)
@@ -225,10 +226,12 @@ class _Rank:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         kwargs: dict[str, Any] = {}
-        if cfg.device_type == "cuda":
-            torch.cuda.set_device(cfg.rank)
-            device = torch.device("cuda", cfg.rank)
-            kwargs["device_id"] = device
+        if cfg.device_type == "cuda":  # NCCL: a GPU per rank; gloo: ranks sharing the pool's GPUs
+            index = cfg.rank if cfg.device_index is None else cfg.device_index
+            torch.cuda.set_device(index)
+            device = torch.device("cuda", index)
+            if cfg.backend == "nccl":
+                kwargs["device_id"] = device
         else:
             device = torch.device("cpu")
         store = dist.FileStore(cfg.store_path, cfg.world_size)

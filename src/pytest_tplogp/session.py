@@ -37,6 +37,8 @@ STATE = pytest.StashKey[State]()
 ACTIVATED_BY = pytest.StashKey[str]()
 #: On a TP test item: its placement (``placement.Plan``), decided at setup.
 PLAN = pytest.StashKey[Any]()
+#: The user property (JUnit ``<property>``) of a gpu TP test whose ranks share GPUs over gloo: what and why.
+SHARING_PROPERTY = "tplogp_gpu_sharing"
 #: On a TP test item whose ranks all skipped: the merged reason (the report points at the test, not the plugin).
 SKIPPED_ON_RANKS = pytest.StashKey[str]()
 

@@ -1,6 +1,6 @@
 """Coverage of the ranks: a package whose functions run only inside TP bodies is reported 100% covered by pytest-cov
-(pool mode, and under -n 2) and by ``coverage run -m pytest``, no ``.coverage.*`` file is left behind, and the ranks
-do not import coverage when nothing measures."""
+(pool mode, under -n 2, and under torchrun, where each rank runs its own branch) and by ``coverage run -m pytest``, no
+``.coverage.*`` file is left behind, and the ranks do not import coverage when nothing measures."""
 
 from __future__ import annotations
 
@@ -62,6 +62,27 @@ def test_pytest_cov_reports_rank_lines(pytester: pytest.Pytester, tag: str, extr
                                            "--cov-report=term-missing", *extra)
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["tinypkg/__init__.py * 9 * 0 * 4 * 0 * 100%", "TOTAL * 100%"])
+    _no_leftover_data_files(pytester)
+
+
+@pytest.mark.slow
+def test_pytest_cov_under_torchrun_reports_every_rank(pytester: pytest.Pytester, tag: str, torchrun) -> None:
+    """Every torchrun rank is a pytest process with its own pytest-cov: rank 0's one report has every rank's lines
+    (column()'s rank-0 branch runs only on rank 0, the other only on rank 1), and no rank leaves a data file of its
+    own or writes a report of its part."""
+    import xml.etree.ElementTree as ET
+
+    pytest.importorskip("pytest_cov")
+    _write(pytester)
+    # each rank would write its XML report to a file of its own (coverage expands ${RANK} in its configuration)
+    (pytester.path / ".coveragerc").write_text("[xml]\noutput = cov-rank${RANK}.xml\n")
+    result = torchrun("--cov=tinypkg", "--cov-branch", "--cov-report=term-missing", "--cov-report=xml",
+                      "--cov-config=.coveragerc")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["tinypkg/__init__.py * 9 * 0 * 4 * 0 * 100%", "TOTAL * 100%"])
+    reports = sorted(p.name for p in pytester.path.glob("cov-rank*.xml"))
+    assert reports == ["cov-rank0.xml"]  # rank 0 alone reports
+    assert ET.parse(pytester.path / "cov-rank0.xml").getroot().get("branch-rate") == "1"
     _no_leftover_data_files(pytester)
 
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import sys
-
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -52,17 +49,10 @@ if os.environ.get("RANK") == "1":
 '''
 
 
-def _torchrun(pytester: pytest.Pytester, *args: str, nproc: int = 2) -> pytest.RunResult:
-    exe = shutil.which("torchrun")
-    cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-    return pytester.run(*cmd, "--standalone", f"--nproc_per_node={nproc}", "-m", "pytest", "-p", "pytest_tplogp",
-                        "-p", "no:cacheprovider", *args, timeout=180)
-
-
 @pytest.mark.slow
-def test_torchrun_mode(pytester: pytest.Pytester, tag: str) -> None:
+def test_torchrun_mode(pytester: pytest.Pytester, tag: str, torchrun) -> None:
     pytester.makepyfile(test_body=BODY)
-    result = _torchrun(pytester, "test_body.py", "-rA", "-vv")
+    result = torchrun("test_body.py", "-rA", "-vv")
     out = result.stdout.str()
     assert out.count("test session starts") == 1, out  # only rank 0 reports
     result.stdout.fnmatch_lines([
@@ -77,9 +67,9 @@ def test_torchrun_mode(pytester: pytest.Pytester, tag: str) -> None:
 
 
 @pytest.mark.slow
-def test_torchrun_collection_mismatch(pytester: pytest.Pytester, tag: str) -> None:
+def test_torchrun_collection_mismatch(pytester: pytest.Pytester, tag: str, torchrun) -> None:
     pytester.makepyfile(test_body=MISMATCH)
-    result = _torchrun(pytester, "test_body.py")
+    result = torchrun("test_body.py")
     result.stdout.fnmatch_lines(["*rank 1 collected different tests than rank 0*test_only_on_rank_1*"])
     assert result.ret != 0
 
@@ -105,12 +95,12 @@ def test_never_runs(tp):
 
 
 @pytest.mark.slow
-def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str) -> None:
+def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str, torchrun) -> None:
     """A hang under torchrun: rank 0 reports the outcomes so far, which rank hung where, and writes JUnit."""
     import xml.etree.ElementTree as ET
 
     pytester.makepyfile(test_body=HANG)
-    result = _torchrun(pytester, "test_body.py", "-rA", "--junitxml=junit.xml", "-o", "junit_logging=all")
+    result = torchrun("test_body.py", "-rA", "--junitxml=junit.xml", "-o", "junit_logging=all")
     assert result.ret != 0
     result.stdout.fnmatch_lines([
         "*test_hangs[[]tp2[]] passed its deadline of 3 s*(1 test(s) not run, reported as errors)*",
@@ -158,13 +148,13 @@ def test_plain_after():
 
 
 @pytest.mark.slow
-def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag: str) -> None:
+def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag: str, torchrun) -> None:
     """A rank raises while its peers wait in a collective: FAILED on rank 0's report, terminal and JUnit, after the
     straggler grace (not the deadline), with the stuck ranks' stacks; the tests that could not run are errors."""
     import xml.etree.ElementTree as ET
 
     pytester.makepyfile(test_body=PEER_RAISES)
-    result = _torchrun(pytester, "test_body.py", "-rA", "-vv", "--junitxml=junit.xml", "--tp-timeout=100", nproc=3)
+    result = torchrun("test_body.py", "-rA", "-vv", "--junitxml=junit.xml", "--tp-timeout=100", nproc=3)
     assert result.ret != 0
     out = result.stdout.str()
     assert "PASSED test_body.py::test_rank_raises" not in out, out

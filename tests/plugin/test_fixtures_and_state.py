@@ -1,4 +1,5 @@
-"""Standard fixtures in a TP test, the pool's fresh-state check, one-line and JUnit reports, temp-dir hygiene.
+"""Standard fixtures in a TP test, the pool's fresh-state check, seeding and rank-dependent draws, the fork server's
+warm imports, one-line and JUnit reports, temp-dir hygiene.
 
 One pytester run (one pool) covers the fixtures and the state check; the report checks reuse its output.
 """
@@ -20,6 +21,9 @@ import torch
 
 @pytest.mark.tp
 def test_a_monkeypatch(tp, monkeypatch):
+    import sys
+    # the pool's first test: the fork server imported what the first torch.testing.assert_close imports
+    assert "torch.distributed.tensor" in sys.modules
     monkeypatch.setenv("MY_FLAG", "on")
     monkeypatch.setattr(os, "sep", "!")
     assert os.environ["MY_FLAG"] == "on"
@@ -47,6 +51,15 @@ def test_d_leaks_were_restored(tp):
     seed = torch.initial_seed()              # random and numpy too, with the same seed
     assert random.random() == random.Random(seed).random()
     assert np.random.rand() == np.random.RandomState(seed).rand()
+
+@pytest.mark.tp
+def test_d_rank_dependent_draws(tp):
+    torch.randn(2 + tp.rank, generator=torch.Generator().manual_seed(tp.rank))  # a generator of its own...
+    shared = tp.all_gather_object(torch.randn(4))
+    assert all(torch.equal(shared[0], x) for x in shared)                       # ...leaves the shared stream alone
+    torch.randn(2 + 100 * tp.rank)                 # a draw of a rank-dependent size from the shared stream...
+    later = tp.all_gather_object(torch.randn(4))
+    assert not torch.equal(later[0], later[1])     # ...makes the later draws differ between ranks
 
 @pytest.mark.tp
 def test_e_capsys(tp, capsys):
@@ -85,7 +98,7 @@ def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None
     pytester.makeconftest(CALL_RECORDER)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-threads=1", "-rA", "-W", "always", "--tb=line",
                                            "--junitxml=junit.xml", "-o", "junit_logging=all")
-    result.assert_outcomes(passed=5, failed=1, errors=1)
+    result.assert_outcomes(passed=6, failed=1, errors=1)
     out = result.stdout.str()
     # monkeypatch works per rank and is undone; changes made by hand are restored and named in a warning
     result.stdout.fnmatch_lines(["*test_c_leaks_by_hand*", "*PytestWarning: tplogp: the test changed process state "

@@ -107,3 +107,32 @@ def test_more_workers_than_gpus_share_one(pytester: pytest.Pytester, tag: str,
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "-rA")
     result.assert_outcomes(passed=6)
     result.stdout.no_fnmatch_line("*skipped for placement*")
+
+
+SHARING_BODY = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.gpu
+@pytest.mark.tp(world_size=[2, 4])
+def test_ranks_share_the_gpu(tp):
+    assert tp.backend == "gloo" and tp.device == torch.device("cuda", 0) == torch.device("cuda", torch.cuda.current_device())
+    t = torch.full((3,), float(tp.rank + 1), device=tp.device)   # a CUDA tensor through gloo
+    dist.all_reduce(t)
+    assert t.device.type == "cuda" and t.tolist() == [sum(range(1, tp.world_size + 1))] * 3
+'''
+
+
+def test_ranks_share_one_gpu_over_gloo(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU, two xdist workers: world sizes 2 and 4 run with their ranks sharing the GPU over gloo (CUDA tensors),
+    said in the header, each test's report and the summary; --tp-gpu-share=off skips them."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _first_gpus(1))
+    pytester.makepyfile(test_body=SHARING_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "-rA")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["tplogp: gpu tests at world size 2: 2 ranks share GPU(s) * over gloo (CUDA tensors)*"])
+    result.stdout.fnmatch_lines(["*Captured tplogp placement setup*", "? ranks share GPU(s) * over gloo*"])
+    result.stdout.fnmatch_lines(["tplogp: 2 gpu TP test(s) ran with ranks sharing GPUs over gloo*"])
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "--tp-gpu-share=off")
+    result.assert_outcomes(skipped=2)

@@ -117,8 +117,10 @@ def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
     ], consecutive=False)
     result.stdout.fnmatch_lines(["*XFAIL test_body.py::test_xfail_raises_matches[[]tp2[]]*"], consecutive=False)
     out = result.stdout.str()
-    # the one-rank failure names its rank and shows the rank's traceback, captured output per rank
+    # the one-rank failure names its rank and shows the rank's traceback, names the rank that passed, and shows the
+    # captured output per rank
     result.stdout.fnmatch_lines(["*rank 1 failed: AssertionError: assert 11 == 10*", "*assert value == 10*"])
+    result.stdout.fnmatch_lines(["*rank 0 passed.*"])
     result.stdout.fnmatch_lines(["*Captured stdout rank 0 call*", "out-of-rank-0*",
                                  "*Captured stdout rank 1 call*", "out-of-rank-1*"])
     result.stdout.fnmatch_lines(["*Captured stderr rank 1 call*", "err-of-rank-1*"])

@@ -27,11 +27,9 @@ def gpus(monkeypatch: pytest.MonkeyPatch):
             monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
             monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(count))
         devices.visible_gpus.cache_clear()
-        devices.gpu_block.cache_clear()
 
     yield set_env
     devices.visible_gpus.cache_clear()
-    devices.gpu_block.cache_clear()
 
 
 def test_xdist_workers_get_disjoint_gpu_blocks(gpus, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,8 +47,9 @@ def test_xdist_workers_get_disjoint_gpu_blocks(gpus, monkeypatch: pytest.MonkeyP
     assert too_big.skip_reason == (
         "GPU placement: needs 4 distinct GPU(s) for NCCL (one per rank); xdist worker gw1 of 3 owns 2 of 7 visible "
         "GPU(s): run with -n 1 or fewer (-n <= GPUs // world size), or --tp-backend=gloo (ranks on CPU)")
-    gpu_test = devices.place(4, "auto", needs_gpu=True)  # a gpu test cannot fall back to gloo: the fix is -n
-    assert gpu_test.skip_reason is not None and gpu_test.skip_reason.endswith("(-n <= GPUs // world size)")
+    gpu_test = devices.place(4, "auto", needs_gpu=True)  # not sharing: the fix is -n, or sharing
+    assert gpu_test.skip_reason is not None and gpu_test.skip_reason.endswith(
+        "(-n <= GPUs // world size), or --tp-gpu-share=on and backend auto (ranks share the GPUs over gloo)")
     assert devices.place(4, "auto") == devices.Placement("gloo", ("cpu",))  # auto: gloo on CPU, no skip
     gpus("")
     assert devices.place(2, "auto") == devices.Placement("gloo", ("cpu",))
@@ -89,7 +88,8 @@ def test_multi_gpu_pools_skip_with_the_fix_or_fall_back(gpus, monkeypatch: pytes
     assert devices.place(2, "nccl").skip_reason == ("needs 2 distinct GPU(s) for NCCL (one per rank); 1 visible "
                                                     "GPU(s): run it with --tp-backend=gloo (ranks on CPU)")
     assert devices.place(2, "auto", needs_gpu=True).skip_reason == (
-        "needs 2 distinct GPU(s) for NCCL (one per rank); 1 visible GPU(s)")
+        "needs 2 distinct GPU(s) for NCCL (one per rank); 1 visible GPU(s): run it with --tp-gpu-share=on and "
+        "backend auto (ranks share the GPUs over gloo)")
 
 
 def _out(rank: int, outcome: str, summary: str = "", longrepr: str = "") -> RankOutcome:
