@@ -87,7 +87,8 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and (global_vocab_size is None or is_int(global_vocab_size))
             and isinstance(options.temperature, (int, float)) and not isinstance(options.temperature, bool)
             and (options.ignore_index is None or is_int(options.ignore_index))
-            and (options.workspace_bytes is None or is_int(options.workspace_bytes)))
+            and (options.workspace_bytes is None or is_int(options.workspace_bytes))
+            and isinstance(options.sequence_parallel, bool) and isinstance(options.hidden_grad, str))
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -103,10 +104,10 @@ def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_in
     """The call as the op pair of :mod:`tplogp.ops` (traced by ``torch.compile``)."""
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
     name = source if source is None or isinstance(source, str) else source.name
-    packed, _ = ops.linear_logp_fwd(
+    packed, _, _ = ops.linear_logp_fwd(
         hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
         float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
-        options.workspace_bytes, name or "", builds_graph)
+        options.workspace_bytes, name or "", builds_graph, options.sequence_parallel, options.hidden_grad)
     shape = target_ids.shape
     logp = packed[PACKED_LOGP].view(shape)
     lse = packed[PACKED_LSE].view(shape)
@@ -150,6 +151,8 @@ def linear_logp(
     ignore_index: Optional[int] = None,
     deterministic: bool = False,
     workspace_bytes: Optional[int] = None,
+    sequence_parallel: bool = False,
+    hidden_grad: str = "reduced",
 ) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
 
@@ -179,6 +182,15 @@ def linear_logp(
             logits kept for the backward when above the source's default tiles; docs/operator.md, "Memory
             budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles; on triton / sm90 a call
             whose kept terms fit those (128 MiB) keeps them (3 GEMMs), unless ``deterministic``.
+        sequence_parallel: with ``tp_group``, hidden is this rank's contiguous slice of the tokens, rank-major: its
+            rows (leading dimensions flattened) are tokens ``[r * N / world, (r + 1) * N / world)`` of target_ids'
+            ``N`` (flattened; target_ids and the outputs are all ``N`` tokens, on every rank). The slices are
+            gathered before the GEMMs and ``hidden.grad`` is this rank's slice of the full gradient
+            (reduce-scattered). Megatron's sequence-parallel layout; docs/operator.md, "Sequence parallelism".
+        hidden_grad: with ``tp_group``, ``"reduced"`` (default): ``hidden.grad`` is the full gradient (summed over
+            the ranks; under ``sequence_parallel`` this rank's slice of it); ``"partial"``: each rank's
+            ``hidden.grad`` is its vocab shard's share, not summed (no collective), for callers that sum it
+            themselves (the backward of their own gather). Not with ``sequence_parallel``.
 
     Returns:
         float32 logp with target_ids' shape; with ``return_entropy`` and/or ``return_lse`` a named tuple of exactly
@@ -189,7 +201,8 @@ def linear_logp(
     """
     return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                 LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
-                            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes))
+                            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+                            sequence_parallel=sequence_parallel, hidden_grad=hidden_grad))
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,6 +270,8 @@ def linear_logp_loss(
     workspace_bytes: Optional[int] = None,
     source: Optional[str] = None,
     with_entropy: bool = True,
+    sequence_parallel: bool = False,
+    hidden_grad: str = "reduced",
 ) -> torch.Tensor:
     """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
     the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
@@ -274,7 +289,8 @@ def linear_logp_loss(
     there with Python's error on None). The other arguments are those of :func:`linear_logp`, with the same
     handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the leaves in their dtypes)
     and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
-    plain tensor (the loss is a scalar of this rank's tokens). Returns a 0-d fp32 tensor whose backward scales the
+    plain tensor (the loss is a scalar of this rank's tokens: with ``sequence_parallel``, of all N tokens, the same
+    on every rank, while ``hidden`` is this rank's slice, as in :func:`linear_logp`; ``hidden_grad`` as there). Returns a 0-d fp32 tensor whose backward scales the
     gradients computed in the forward.
     """
     from .fused_loss import fused_loss
@@ -285,7 +301,7 @@ def linear_logp_loss(
     body = functools.partial(fused_loss, None if source in AUTOMATIC else source, loss=loss,
                              per_token=tuple(per_token), reduction=reduction, temperature=temperature,
                              ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                             with_entropy=with_entropy)
+                             with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
 
     def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
         return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)

@@ -11,7 +11,8 @@ Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_c
 
 A chunk is as many tokens as the kept part of ``workspace_bytes`` holds softmax terms of, so its backward reads
 them instead of recomputing (3 GEMMs instead of 4). ONE all_reduce completes ``d_hidden``, issued as soon as the
-last chunk's rows are done, under that chunk's ``d_W`` work. The autograd node's backward scales the gradients by
+last chunk's rows are done, under that chunk's ``d_W`` work (a reduce-scatter of a sequence-parallel hidden, which
+the chunks see gathered: :func:`tplogp.tp.localize`; none with ``hidden_grad="partial"``). The autograd node's backward scales the gradients by
 the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`). Per-token tensors are constants.
 """
 
@@ -23,7 +24,6 @@ import torch
 
 from . import plan, tensors, tp
 from .budgets import accumulator_tokens, plan_chunk_tokens
-from .comm import OverlappedAllReduce
 from .grad_scaling import scaled_all
 from .losses import Derivative, TokenLoss
 from .tensors import f32_contiguous, zero_rows
@@ -62,7 +62,8 @@ class _PrecomputedGrads(torch.autograd.Function):
 def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
                temperature: float, ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int],
-               with_entropy: bool = True) -> torch.Tensor:
+               with_entropy: bool = True, sequence_parallel: bool = False,
+               hidden_grad: str = "reduced") -> torch.Tensor:
     """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice). The chunk loop
     runs without autograd (only a callable loss runs under it); the result carries the gradients."""
     if reduction not in REDUCTIONS:
@@ -71,8 +72,9 @@ def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
-                               deterministic=deterministic, workspace_bytes=workspace_bytes)
-    # the d_hidden all-reduce runs iff needs[0]: the group's record makes every rank agree on it (no hang)
+                               deterministic=deterministic, workspace_bytes=workspace_bytes,
+                               sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+    # the d_hidden collective runs iff needs[0]: the group's record makes every rank agree on it (no hang)
     call = plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, needs[0])
     with torch.no_grad():
@@ -101,7 +103,7 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
     count = None if reduction != "mean" else (
         float(max(n, 1)) if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32))
     n_chunks = -(-n // chunk) if n else 0
-    reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 and needs[0] else None
+    reduce = tp.hidden_grad_reducer(tpc) if needs[0] else None
     # one chunk without a group: its d_hidden is the source's (no [N, D] buffer to fill)
     d_hidden = (torch.zeros(n, d, device=h2.device, dtype=torch.float32)
                 if needs[0] and (n_chunks > 1 or reduce is not None) else None)
@@ -166,9 +168,10 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
             d_hidden = grads.d_hidden
         d_w, d_b = grads.d_weight, grads.d_bias
     if d_hidden is not None:  # fp32: rounded once, after the upstream scale
-        if reduce is not None:  # the one all_reduce of d_hidden (started by the last chunk's backward)
+        if reduce is not None:  # the one collective of d_hidden (started by the last chunk's backward)
             d_hidden = reduce.finish(d_hidden)
-        d_hidden = local.finish_rows(d_hidden, n_all)
+        if local.own_rows is None:  # (sequence-parallel ignored rows are in place, with no upstream gradient)
+            d_hidden = local.finish_rows(d_hidden, n_all)
         d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
     return total, (d_hidden, d_w, d_b)
 
