@@ -31,6 +31,7 @@ from . import ops, plan, tp
 from .comm import group_name
 from .dtensor import any_dtensor, unwrap_dtensors
 from .kernel_registry import check_op, check_source, require_source
+from .losses import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
 from .plan import LogpOptions
 from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE
@@ -251,7 +252,6 @@ def _eager_under_compile(fn):
     return wrapper
 
 
-@_eager_under_compile  # the chunk loop and its autograd.Function run eagerly inside compiled code
 def linear_logp_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -293,15 +293,58 @@ def linear_logp_loss(
     on every rank, while ``hidden`` is this rank's slice, as in :func:`linear_logp`; ``hidden_grad`` as there). Returns a 0-d fp32 tensor whose backward scales the
     gradients computed in the forward.
     """
+    options = dict(loss=loss, per_token=tuple(per_token), reduction=reduction, temperature=temperature,
+                   ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+                   with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+    source = None if source in AUTOMATIC else source
+    if torch.compiler.is_compiling() and _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
+                                                              global_vocab_size, source, options):
+        return _front(functools.partial(_compiled_loss, source, **options), hidden, weight, target_ids, bias,
+                      tp_group, vocab_start_index, global_vocab_size)
+    return _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                       options)
+
+
+def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, source,
+                         options: dict) -> bool:
+    """Whether a fused-loss call crosses ``tplogp::linear_logp_loss``'s schema: a
+    :class:`~tplogp.losses.TokenLoss` (named by its key), plain tensors, plain option values. Other calls run
+    eagerly (:func:`_eager_loss`)."""
+    return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
+            and all(isinstance(t, torch.Tensor) for t in options["per_token"])
+            and isinstance(options["reduction"], str) and (source is None or isinstance(source, str))
+            and isinstance(options["with_entropy"], bool)
+            and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, LogpOptions(
+                temperature=options["temperature"], ignore_index=options["ignore_index"],
+                workspace_bytes=options["workspace_bytes"], sequence_parallel=options["sequence_parallel"],
+                hidden_grad=options["hidden_grad"])) and isinstance(options["deterministic"], bool))
+
+
+def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction, temperature,
+                   ignore_index, deterministic, workspace_bytes, with_entropy, sequence_parallel, hidden_grad):
+    """The fused loss as the op of :mod:`tplogp.ops` (traced by ``torch.compile``): its value; the gradients it
+    computed travel in the op's autograd formula."""
+    grad_on = torch.is_grad_enabled()
+    needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    value, _, _, _ = ops.linear_logp_loss_fwd(
+        hidden, weight, target_ids, bias, list(per_token), loss.key, reduction, group_name(tp_group),
+        vocab_start_index, global_vocab_size, float(temperature), ignore_index, deterministic, workspace_bytes,
+        source or "", with_entropy, sequence_parallel, hidden_grad, *needs)
+    return value
+
+
+@_eager_under_compile  # the chunk loop and its autograd.Function run eagerly inside compiled code
+def _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                options: dict) -> torch.Tensor:
+    """:func:`linear_logp_loss` eagerly: the fused loss (:mod:`tplogp.fused_loss`) after the DTensor and autocast
+    front."""
     from .fused_loss import fused_loss
 
     if any_dtensor(hidden):
         raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "
                                    "is their scalar): pass hidden.to_local()")
-    body = functools.partial(fused_loss, None if source in AUTOMATIC else source, loss=loss,
-                             per_token=tuple(per_token), reduction=reduction, temperature=temperature,
-                             ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                             with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+    body = functools.partial(fused_loss, source, **options)
 
     def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
         return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)

@@ -60,17 +60,30 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 
 def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-               global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
-               temperature: float, ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int],
-               with_entropy: bool = True, sequence_parallel: bool = False,
-               hidden_grad: str = "reduced") -> torch.Tensor:
-    """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice). The chunk loop
-    runs without autograd (only a callable loss runs under it); the result carries the gradients."""
+               global_vocab_size: Optional[int], **kwargs) -> torch.Tensor:
+    """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice; ``kwargs``: the
+    keyword arguments of :func:`loss_and_grads` but ``needs``). The chunk loop runs without autograd (only a
+    callable loss runs under it); the result carries the gradients."""
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
+    total, grads, verdict = loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                                           global_vocab_size, needs=needs, **kwargs)
+    if not any(needs):
+        return total
+    return _PrecomputedGrads.apply(total, grads, verdict, hidden, weight, bias)
+
+
+def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                   global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
+                   temperature: float, ignore_index: Optional[int], deterministic: bool,
+                   workspace_bytes: Optional[int], needs: tuple[bool, bool, bool], with_entropy: bool = True,
+                   sequence_parallel: bool = False, hidden_grad: str = "reduced"):
+    """The fused loss's value and the unscaled gradients ``needs`` asks for, computed chunk by chunk (module
+    docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict)``, what :func:`fused_loss` and the
+    compiled op (:mod:`tplogp.ops`) hand to autograd."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     _check_token_loss(loss, per_token, with_entropy)
-    grad_on = torch.is_grad_enabled()
-    needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                                deterministic=deterministic, workspace_bytes=workspace_bytes,
                                sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
@@ -80,9 +93,7 @@ def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
     with torch.no_grad():
         total, grads = _loss_and_grads(tp.localize(call), loss, per_token, reduction, needs, target_ids.numel(),
                                        hidden.shape)
-    if not any(needs):
-        return total
-    return _PrecomputedGrads.apply(total, grads, call.verdict, hidden, weight, bias)
+    return total, grads, call.verdict
 
 
 def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs: tuple[bool, bool, bool],

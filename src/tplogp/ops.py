@@ -14,6 +14,12 @@ implementations that give the output shapes without touching data, and the pair 
 lookup, the checks' host steps, collectives, Triton launches) happens inside the ops; the process group crosses
 the op boundary as its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the
 sources always see the dtypes they were given, also when a backward runs inside an autocast region.
+
+``tplogp::linear_logp_loss`` is the fused loss (:func:`tplogp.linear_logp_loss`) under ``torch.compile``: its
+forward runs the eager chunk loop and returns the loss with its fp32 gradients (computed in the forward, as in
+eager); its registered backward scales them by the upstream scalar, each fp32 product rounded once to the leaf's
+dtype, so the compiled gradients are bitwise eager's. The loss crosses the schema as its
+:attr:`~tplogp.losses.TokenLoss.key` (:func:`tplogp.losses.loss_by_key`).
 """
 
 from __future__ import annotations
@@ -130,3 +136,67 @@ def _backward(ctx, grad_packed, grad_kept, grad_gathered):
 
 
 linear_logp_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the fused loss: one op whose forward runs the eager chunk loop and returns the loss and its gradients ----------
+
+@torch.library.custom_op("tplogp::linear_logp_loss", mutates_args=())
+def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor],
+                         per_token: list[Tensor], loss_key: str, reduction: str, group_name: str,
+                         vocab_start_index: int, global_vocab_size: Optional[int], temperature: float,
+                         ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
+                         with_entropy: bool, sequence_parallel: bool, hidden_grad: str, needs_hidden: bool,
+                         needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, d_hidden, d_weight, d_bias)`` of :func:`tplogp.linear_logp_loss` with the
+    :class:`~tplogp.losses.TokenLoss` named ``loss_key``: the eager chunk loop
+    (:func:`tplogp.fused_loss.loss_and_grads`), the gradients unscaled in fp32 (a gradient that is not needed comes
+    back empty). The call's target verdict is settled here, before the gradients leave the op."""
+    from .fused_loss import loss_and_grads
+    from .losses import loss_by_key
+
+    group = group_from_name(group_name)
+    needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
+    with torch.autocast(hidden.device.type, enabled=False):
+        value, grads, verdict = loss_and_grads(
+            _source(source), hidden, weight, target_ids, bias, group, vocab_start_index, global_vocab_size,
+            loss=loss_by_key(loss_key), per_token=tuple(per_token), reduction=reduction, temperature=temperature,
+            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes, needs=needs,
+            with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+        if verdict is not None and any(needs):
+            grads = verdict.settle(grads)
+    like = (hidden, weight, bias if bias is not None else hidden)
+    out = [g.to(torch.float32) if g is not None else x.new_empty(0, dtype=torch.float32) for g, x in zip(grads, like)]
+    return (value, *out)  # type: ignore[return-value]
+
+
+@linear_logp_loss_fwd.register_fake
+def _linear_logp_loss_fake(hidden, weight, target_ids, bias, per_token, loss_key, reduction, group_name,
+                           vocab_start_index, global_vocab_size, temperature, ignore_index, deterministic,
+                           workspace_bytes, source, with_entropy, sequence_parallel, hidden_grad, needs_hidden,
+                           needs_weight, needs_bias):
+    has_bias = needs_bias and bias is not None
+    f32 = torch.float32
+    return (hidden.new_empty((), dtype=f32), hidden.new_empty(hidden.shape if needs_hidden else (0,), dtype=f32),
+            weight.new_empty(weight.shape if needs_weight else (0,), dtype=f32),
+            hidden.new_empty(bias.shape if has_bias else (0,), dtype=f32))
+
+
+def _loss_setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias = inputs[0], inputs[1], inputs[3]
+    _, d_hidden, d_weight, d_bias = output
+    ctx.mark_non_differentiable(d_hidden, d_weight, d_bias)
+    ctx.save_for_backward(d_hidden, d_weight, d_bias)
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.n_per_token = len(inputs[4])
+
+
+def _loss_backward(ctx, g, *_):
+    """Each gradient times the upstream scalar, the fp32 product rounded once to its leaf's dtype (as the eager
+    fused loss's backward, :mod:`tplogp.grad_scaling`: bitwise with ``loss.backward()``)."""
+    needs = ctx.needs_input_grad
+    scaled = [None if not need or dtype is None else (t * g.to(torch.float32)).to(dtype)
+              for need, t, dtype in zip((needs[0], needs[1], needs[3]), ctx.saved_tensors, ctx.dtypes)]
+    return (scaled[0], scaled[1], None, scaled[2], [None] * ctx.n_per_token) + (None,) * 16
+
+
+linear_logp_loss_fwd.register_autograd(_loss_backward, setup_context=_loss_setup_context)

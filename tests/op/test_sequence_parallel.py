@@ -223,3 +223,38 @@ def test_bad_sequence_parallel_input_raises_on_every_rank(tp, case):
     messages = tp.all_gather_object(message)
     assert len(set(messages)) == 1, f"ranks disagree: {messages}"
     assert re.search(BAD_CASES[case], messages[0]), messages[0]
+
+
+@pytest.mark.slow
+@pytest.mark.tp(world_size=2, timeout=300)
+def test_sequence_parallel_compiles_fullgraph(tp):
+    """linear_logp and linear_logp_loss with sequence_parallel under torch.compile(fullgraph=True): the gathered rows
+    travel from the op's forward to its backward; loss and gradients are eager's bits."""
+    import torch._dynamo
+
+    vs = _shards(tp, 97)
+    p = make_problem((16,), 16, 97, torch.float32, True, seed=6)
+    w, b = vs.shard(p.weight), vs.shard(p.bias)
+    kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=97, sequence_parallel=True)
+    pg = losses.policy_gradient()
+
+    def op_loss(h, w, b):
+        return (tplogp.linear_logp(h, w, p.target, b, **kw) * p.g_logp).sum()
+
+    def fused_loss(h, w, b):
+        return tplogp.linear_logp_loss(h, w, p.target, b, loss=pg, per_token=(p.g_logp,), with_entropy=False, **kw)
+
+    def run(fn):
+        h, wg, bg = (x.clone().requires_grad_() for x in (_own_rows(tp, p.hidden), w, b))
+        value = fn(h, wg, bg)
+        value.backward()
+        return [value.detach(), h.grad, wg.grad, bg.grad]
+
+    torch._dynamo.reset()
+    try:
+        for fn in (op_loss, fused_loss):
+            eager, compiled = run(fn), run(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+            same = all(torch.equal(c, e) for c, e in zip(compiled, eager))
+            tp.assert_all(same, f"{fn.__name__}: compiled differs from eager")
+    finally:
+        torch._dynamo.reset()
