@@ -258,3 +258,11 @@ def test_sequence_parallel_compiles_fullgraph(tp):
             tp.assert_all(same, f"{fn.__name__}: compiled differs from eager")
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=120)
+def test_operator_doc_example(tp):
+    """docs/operator.md's sequence-parallel example runs as written on every rank."""
+    from tests.support.doc_examples import OPERATOR_DOC, run_example
+
+    run_example("sequence-parallel", OPERATOR_DOC, tp_group=tp.group)
