@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--degrees", help="TP degrees (default 1,2,4,... up to the GPUs; smoke 1,2)")
     tp.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16; smoke fp32")
     tp.add_argument("--steps", type=int, default=None)
+    tp.add_argument("--layouts", default="replicated,gather-allreduce,sequence-parallel",
+                    help="hidden layouts, comma-separated: replicated, gather-allreduce (a sequence-parallel caller "
+                         "gathering by hand), sequence-parallel (the op's option); benchmarks/tp.py")
 
     fl = sub.add_parser("floors", parents=[common], help="the 3-GEMM floor of a keep-all call and the host floor of "
                                                          "a forward+backward, beside the op")
@@ -173,7 +176,12 @@ def _tp(args) -> int:
     degrees = [int(d) for d in (args.degrees or default_degrees).split(",")]
     dtype = args.dtype or ("fp32" if smoke else "bf16")
     info = runner.run_info(_device())
-    rows = tp.bench(shape, degrees, args.impls, dtype, args.steps or (2 if smoke else 10), 1 if smoke else 3)
+    layouts = tuple(args.layouts.split(","))
+    unknown = set(layouts) - set(tp.LAYOUTS)
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from {', '.join(tp.LAYOUTS)}")
+    rows = tp.bench(shape, degrees, args.impls, dtype, args.steps or (2 if smoke else 10), 1 if smoke else 3,
+                    layouts)
     _finish(args.out, rows, info, smoke, tp.format_row)
     return 0
 

@@ -10,6 +10,13 @@ step (the highest rank's median; :func:`benchmarks.runner.host_us_threads`: the 
 process's with autograd's device thread and the collectives' threads; TP=1 runs the op without a group, so the
 rows compare the host cost of the group path with the plain one). On a CPU run the host time includes the
 kernels' own CPU work. NCCL with one GPU per rank when there are enough GPUs, gloo on CPU otherwise.
+
+Hidden layouts (``--layouts``): ``replicated`` (every rank holds all N tokens; the op all-reduces ``d_hidden``);
+``gather-allreduce`` (each rank holds its N / P tokens, as Megatron's sequence parallelism, gathers them by hand
+before a replicated call and keeps its slice of the all-reduced gradient: what a sequence-parallel caller pays
+without the option); ``sequence-parallel`` (the op's ``sequence_parallel=True``: the gather inside, ``d_hidden``
+reduce-scattered). Each row also reports the backward's median time and its ``d_hidden`` bytes sent per rank by
+the ring algorithm (``bwd_bytes_per_rank``, below), and the forward's gather bytes (``fwd_bytes_per_rank``).
 """
 
 from __future__ import annotations
@@ -30,18 +37,47 @@ from . import runner
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+LAYOUTS = ("replicated", "gather-allreduce", "sequence-parallel")
+
+
+def collective_bytes(layout: str, n: int, d: int, p: int, itemsize: int) -> tuple[int, int]:
+    """``(forward, backward)`` bytes one rank sends for the hidden states and their gradient with a ring over ``p``
+    ranks (the vocab stats' small all_gather left out): an all_gather of ``[N, D]`` in the input dtype sends
+    ``(p - 1) / p * N D itemsize``; the fp32 ``d_hidden`` all-reduce ``2 (p - 1) / p * 4 N D`` (reduce-scatter then
+    all-gather), its reduce-scatter alone half that."""
+    if p == 1:
+        return 0, 0
+    gather = (p - 1) * n * d * itemsize // p
+    reduce_scatter = (p - 1) * n * d * 4 // p
+    if layout == "replicated":
+        return 0, 2 * reduce_scatter
+    if layout == "gather-allreduce":
+        return gather, 2 * reduce_scatter
+    return gather, reduce_scatter
+
+
 def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: str, steps: int,
-          warmup: int) -> list[dict]:
+          warmup: int, layouts: tuple[str, ...] = ("replicated",)) -> list[dict]:
+    rows = []
+    for layout in layouts:
+        rows += _bench_layout(shape, degrees, source, dtype, steps, warmup, layout)
+    return rows
+
+
+def _bench_layout(shape, degrees, source, dtype, steps, warmup, layout) -> list[dict]:
     rows = []
     for p in degrees:
         with tempfile.TemporaryDirectory(prefix="tplogp-tp-") as tmp:
             row_file = os.path.join(tmp, "row.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p}",
                    "-m", "benchmarks.tp", "--shape", runner.shape_label(shape), "--source", source,
-                   "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-file", row_file]
+                   "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-file", row_file,
+                   "--layout", layout]
             out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
-            row = {"suite": "tp", "shape": runner.shape_label(shape), "impl": f"tplogp-{source}", "dtype": dtype,
-                   "tp": p}
+            impl = f"tplogp-{source}" + ("" if layout == "replicated" else f" {layout}")
+            fwd_bytes, bwd_bytes = collective_bytes(layout, shape[0], shape[1], p, runner.DTYPES[dtype].itemsize)
+            row = {"suite": "tp", "shape": runner.shape_label(shape), "impl": impl, "dtype": dtype, "tp": p,
+                   "layout": layout, "fwd_bytes_per_rank": fwd_bytes, "bwd_bytes_per_rank": bwd_bytes}
             if out.returncode != 0 or not os.path.exists(row_file):
                 lines = (out.stderr or out.stdout).strip().splitlines()
                 row["error"] = lines[-1] if lines else f"exit status {out.returncode}"
@@ -63,8 +99,11 @@ def format_row(r: dict) -> str:
     eff = f" | efficiency {r['efficiency']:.1%}" if "efficiency" in r else ""
     host = (f" | host {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} us (thread / all)"
             if "host_step_us" in r else "")
-    return (f"{r['shape']:>18} TP={r['tp']} {r['backend']} | step {r['step_ms']:.3f} ms (slowest rank) | "
-            f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU{peak}{eff}{host}")
+    layout = f" {r['layout']}" if r.get("layout", "replicated") != "replicated" else ""
+    bwd = (f" | bwd {r['bwd_ms']:.3f} ms, {r['bwd_bytes_per_rank'] / 2**20:.2f} MiB/rank"
+           if "bwd_ms" in r else "")
+    return (f"{r['shape']:>18} TP={r['tp']}{layout} {r['backend']} | step {r['step_ms']:.3f} ms (slowest rank) | "
+            f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU{peak}{eff}{host}{bwd}")
 
 
 def _worker(argv: list[str]) -> None:
@@ -72,6 +111,7 @@ def _worker(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from tplogp import get_op
+    from tplogp.comm import all_gather_flat
     from tplogp.runbook.launch import init_group, launch_env, max_over_ranks, pick_device
     from tplogp.shards import shard_boundaries, shard_range
 
@@ -82,6 +122,7 @@ def _worker(argv: list[str]) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--row-file", required=True)
+    ap.add_argument("--layout", choices=LAYOUTS, default="replicated")
     args = ap.parse_args(argv)
     env = launch_env()
     rank, world = env.rank, env.world_size
@@ -91,7 +132,9 @@ def _worker(argv: list[str]) -> None:
     dt = runner.DTYPES[args.dtype]
     start, end = shard_range(shard_boundaries(v, world), rank)
     g = torch.Generator(device="cpu").manual_seed(0)
-    hidden = (torch.randn(n, d, generator=g) * 0.5).to(dt).to(device).requires_grad_()
+    full = (torch.randn(n, d, generator=g) * 0.5).to(dt).to(device)
+    own = full if args.layout == "replicated" else full[rank * n // world:(rank + 1) * n // world]
+    hidden = own.clone().requires_grad_()  # this rank's tokens
     target = torch.randint(0, v, (n,), generator=g).to(device)
     upstream = torch.randn(n, generator=g).to(device)
     wg = torch.Generator(device="cpu").manual_seed(100 + rank)
@@ -99,10 +142,35 @@ def _worker(argv: list[str]) -> None:
     op = get_op("linear_logp", source=None if args.source == "registry" else args.source)
     group = dist.group.WORLD if world > 1 else None  # TP=1: the op without a group (its plain path)
 
-    def fwd_bwd() -> None:
+    comm_device = device if backend == "nccl" else torch.device("cpu")
+    kw = dict(tp_group=group, vocab_start_index=start, global_vocab_size=v)
+
+    def forward():
         hidden.grad = weight.grad = None
-        out = op(hidden, weight, target, tp_group=group, vocab_start_index=start, global_vocab_size=v)
+        if args.layout == "sequence-parallel":
+            return op(hidden, weight, target, sequence_parallel=True, **kw), None
+        if args.layout == "gather-allreduce" and group is not None:  # the caller's gather, the op replicated
+            rows = all_gather_flat(hidden.detach().to(comm_device), group).to(device).requires_grad_()
+            return op(rows, weight, target, **kw), rows
+        return op(hidden, weight, target, **kw), None
+
+    def backward(out, rows) -> None:
         out.backward(upstream)
+        if rows is not None:  # the caller keeps its slice of the complete gradient
+            hidden.grad = rows.grad[rank * n // world:(rank + 1) * n // world]
+            rows.grad = None
+
+    def fwd_bwd() -> None:
+        backward(*forward())
+
+    def backward_ms() -> float:
+        outputs = forward()
+        dist.barrier()
+        runner.synchronize(device)
+        t0 = time.perf_counter()
+        backward(*outputs)
+        runner.synchronize(device)
+        return (time.perf_counter() - t0) * 1e3
 
     def step() -> float:
         dist.barrier()
@@ -117,16 +185,19 @@ def _worker(argv: list[str]) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     med = statistics.median(step() for _ in range(args.steps))
+    bwd_med = statistics.median(backward_ms() for _ in range(args.steps))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else -1.0
     # every rank starts each timed call together, as in a step
     host_thread, host_all = runner.host_us_threads(fwd_bwd, device, max(args.steps, 3), before=dist.barrier)
-    slowest_ms, peak_gib, host_thread, host_all = max_over_ranks([med, peak, host_thread, host_all], device, backend)
+    slowest_ms, peak_gib, host_thread, host_all, bwd_ms = max_over_ranks([med, peak, host_thread, host_all, bwd_med],
+                                                                         device, backend)
     if rank == 0:
         with open(args.row_file, "w") as f:
             json.dump({"backend": backend, "steps": args.steps, "step_ms": round(slowest_ms, 3),
                        "tflops_per_gpu": round(4 * 2 * n * d * v / world / (slowest_ms * 1e-3) / 1e12, 2),
                        "peak_gib_per_rank": None if peak_gib < 0 else round(peak_gib, 3),
-                       "host_step_us": round(host_thread, 1), "host_step_all_us": round(host_all, 1)}, f)
+                       "host_step_us": round(host_thread, 1), "host_step_all_us": round(host_all, 1),
+                       "bwd_ms": round(bwd_ms, 3)}, f)
     dist.destroy_process_group()
 
 

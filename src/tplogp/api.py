@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -31,6 +31,7 @@ from . import ops, plan, tp
 from .comm import group_name
 from .dtensor import any_dtensor, unwrap_dtensors
 from .kernel_registry import check_op, check_source, require_source
+from .losses import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
 from .plan import LogpOptions
 from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE
@@ -87,7 +88,8 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and (global_vocab_size is None or is_int(global_vocab_size))
             and isinstance(options.temperature, (int, float)) and not isinstance(options.temperature, bool)
             and (options.ignore_index is None or is_int(options.ignore_index))
-            and (options.workspace_bytes is None or is_int(options.workspace_bytes)))
+            and (options.workspace_bytes is None or is_int(options.workspace_bytes))
+            and isinstance(options.sequence_parallel, bool) and isinstance(options.hidden_grad, str))
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -103,10 +105,10 @@ def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_in
     """The call as the op pair of :mod:`tplogp.ops` (traced by ``torch.compile``)."""
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
     name = source if source is None or isinstance(source, str) else source.name
-    packed, _ = ops.linear_logp_fwd(
+    packed, _, _ = ops.linear_logp_fwd(
         hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
         float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
-        options.workspace_bytes, name or "", builds_graph)
+        options.workspace_bytes, name or "", builds_graph, options.sequence_parallel, options.hidden_grad)
     shape = target_ids.shape
     logp = packed[PACKED_LOGP].view(shape)
     lse = packed[PACKED_LSE].view(shape)
@@ -150,6 +152,8 @@ def linear_logp(
     ignore_index: Optional[int] = None,
     deterministic: bool = False,
     workspace_bytes: Optional[int] = None,
+    sequence_parallel: bool = False,
+    hidden_grad: str = "reduced",
 ) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
 
@@ -179,6 +183,15 @@ def linear_logp(
             logits kept for the backward when above the source's default tiles; docs/operator.md, "Memory
             budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles; on triton / sm90 a call
             whose kept terms fit those (128 MiB) keeps them (3 GEMMs), unless ``deterministic``.
+        sequence_parallel: with ``tp_group``, hidden is this rank's contiguous slice of the tokens, rank-major: its
+            rows (leading dimensions flattened) are tokens ``[r * N / world, (r + 1) * N / world)`` of target_ids'
+            ``N`` (flattened; target_ids and the outputs are all ``N`` tokens, on every rank). The slices are
+            gathered before the GEMMs and ``hidden.grad`` is this rank's slice of the full gradient
+            (reduce-scattered). Megatron's sequence-parallel layout; docs/operator.md, "Sequence parallelism".
+        hidden_grad: with ``tp_group``, ``"reduced"`` (default): ``hidden.grad`` is the full gradient (summed over
+            the ranks; under ``sequence_parallel`` this rank's slice of it); ``"partial"``: each rank's
+            ``hidden.grad`` is its vocab shard's share, not summed (no collective), for callers that sum it
+            themselves (the backward of their own gather). Not with ``sequence_parallel``.
 
     Returns:
         float32 logp with target_ids' shape; with ``return_entropy`` and/or ``return_lse`` a named tuple of exactly
@@ -189,7 +202,8 @@ def linear_logp(
     """
     return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                 LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
-                            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes))
+                            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+                            sequence_parallel=sequence_parallel, hidden_grad=hidden_grad))
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,7 +252,6 @@ def _eager_under_compile(fn):
     return wrapper
 
 
-@_eager_under_compile  # the chunk loop and its autograd.Function run eagerly inside compiled code
 def linear_logp_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -257,9 +270,11 @@ def linear_logp_loss(
     workspace_bytes: Optional[int] = None,
     source: Optional[str] = None,
     with_entropy: bool = True,
-    cu_seqlens=None,
+    sequence_parallel: bool = False,
+    hidden_grad: str = "reduced",
+    cu_seqlens: Optional[torch.Tensor] = None,
     return_metrics: bool = False,
-):
+) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
     the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
 
@@ -276,8 +291,9 @@ def linear_logp_loss(
     there with Python's error on None). The other arguments are those of :func:`linear_logp`, with the same
     handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the leaves in their dtypes)
     and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
-    plain tensor (the loss is a scalar of this rank's tokens). Returns a 0-d fp32 tensor whose backward scales the
-    gradients computed in the forward.
+    plain tensor (the loss is a scalar of this rank's tokens: with ``sequence_parallel``, of all N tokens, the same
+    on every rank, while ``hidden`` is this rank's slice, as in :func:`linear_logp`; ``hidden_grad`` as there).
+    Returns a 0-d fp32 tensor whose backward scales the gradients computed in the forward.
 
     ``tplogp.losses.grpo(...)`` builds the GRPO family (TRL's loss types, GSPO's sequence ratios, clip variants,
     rollout corrections, KL estimators): a loss that normalises itself (leave ``reduction="sum"``) over sequences,
@@ -286,15 +302,62 @@ def linear_logp_loss(
     fp32 tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the counted
     positions, the same on every rank (docs/operator.md, "GRPO-family losses").
     """
+    options = dict(loss=loss, per_token=tuple(per_token), reduction=reduction, temperature=temperature,
+                   ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+                   with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
+                   cu_seqlens=cu_seqlens, return_metrics=return_metrics)
+    source = None if source in AUTOMATIC else source
+    if torch.compiler.is_compiling() and _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
+                                                              global_vocab_size, source, options):
+        return _front(functools.partial(_compiled_loss, source, **options), hidden, weight, target_ids, bias,
+                      tp_group, vocab_start_index, global_vocab_size)
+    return _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                       options)
+
+
+def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, source,
+                         options: dict) -> bool:
+    """Whether a fused-loss call crosses ``tplogp::linear_logp_loss``'s schema: a
+    :class:`~tplogp.losses.TokenLoss` (named by its key), plain tensors, plain option values. Other calls run
+    eagerly (:func:`_eager_loss`): a callable loss, a GRPO-family loss (its sequences and metrics), DTensors."""
+    return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
+            and options["cu_seqlens"] is None and options["return_metrics"] is False
+            and all(isinstance(t, torch.Tensor) for t in options["per_token"])
+            and isinstance(options["reduction"], str) and (source is None or isinstance(source, str))
+            and isinstance(options["with_entropy"], bool)
+            and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, LogpOptions(
+                temperature=options["temperature"], ignore_index=options["ignore_index"],
+                workspace_bytes=options["workspace_bytes"], sequence_parallel=options["sequence_parallel"],
+                hidden_grad=options["hidden_grad"])) and isinstance(options["deterministic"], bool))
+
+
+def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction, temperature,
+                   ignore_index, deterministic, workspace_bytes, with_entropy, sequence_parallel, hidden_grad,
+                   cu_seqlens: None = None, return_metrics: bool = False):
+    """The fused loss as the op of :mod:`tplogp.ops` (traced by ``torch.compile``): its value; the gradients it
+    computed travel in the op's autograd formula (a :class:`~tplogp.losses.TokenLoss`: no sequences, no
+    metrics)."""
+    grad_on = torch.is_grad_enabled()
+    needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    value, _, _, _ = ops.linear_logp_loss_fwd(
+        hidden, weight, target_ids, bias, list(per_token), loss.key, reduction, group_name(tp_group),
+        vocab_start_index, global_vocab_size, float(temperature), ignore_index, deterministic, workspace_bytes,
+        source or "", with_entropy, sequence_parallel, hidden_grad, *needs)
+    return value
+
+
+@_eager_under_compile  # the chunk loop and its autograd.Function run eagerly inside compiled code
+def _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                options: dict) -> torch.Tensor:
+    """:func:`linear_logp_loss` eagerly: the fused loss (:mod:`tplogp.fused_loss`) after the DTensor and autocast
+    front."""
     from .fused_loss import fused_loss
 
     if any_dtensor(hidden):
         raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "
                                    "is their scalar): pass hidden.to_local()")
-    body = functools.partial(fused_loss, None if source in AUTOMATIC else source, loss=loss,
-                             per_token=tuple(per_token), reduction=reduction, temperature=temperature,
-                             ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                             with_entropy=with_entropy, cu_seqlens=cu_seqlens, return_metrics=return_metrics)
+    body = functools.partial(fused_loss, source, **options)
 
     def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
         return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)

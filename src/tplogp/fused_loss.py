@@ -11,7 +11,8 @@ Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_c
 
 A chunk is as many tokens as the kept part of ``workspace_bytes`` holds softmax terms of, so its backward reads
 them instead of recomputing (3 GEMMs instead of 4). ONE all_reduce completes ``d_hidden``, issued as soon as the
-last chunk's rows are done, under that chunk's ``d_W`` work. The autograd node's backward scales the gradients by
+last chunk's rows are done, under that chunk's ``d_W`` work (a reduce-scatter of a sequence-parallel hidden, which
+the chunks see gathered: :func:`tplogp.tp.localize`; none with ``hidden_grad="partial"``). The autograd node's backward scales the gradients by
 the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`). Per-token tensors are constants.
 """
 
@@ -24,7 +25,6 @@ import torch
 
 from . import plan, tensors, tp
 from .budgets import accumulator_tokens, plan_chunk_tokens
-from .comm import OverlappedAllReduce
 from .grad_scaling import scaled_all
 from .losses import Derivative, TokenLoss
 from .rl_losses import GRPOLoss, combine_sums, finish_metrics
@@ -63,22 +63,43 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 
 def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-               global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
-               temperature: float, ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int],
-               with_entropy: bool = True, cu_seqlens=None, return_metrics: bool = False):
-    """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice). The chunk loop
-    runs without autograd (only a callable loss runs under it); the result carries the gradients."""
+               global_vocab_size: Optional[int], *, return_metrics: bool = False, **kwargs):
+    """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice; ``kwargs``: the
+    keyword arguments of :func:`loss_and_grads` but ``needs``). The chunk loop runs without autograd (only a
+    callable loss runs under it); the result carries the gradients, and with ``return_metrics`` comes with the
+    metrics of a :class:`~tplogp.rl_losses.GRPOLoss`."""
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
+    total, grads, verdict, sums = loss_and_grads(source, hidden, weight, target_ids, bias, tp_group,
+                                                 vocab_start_index, global_vocab_size, needs=needs,
+                                                 return_metrics=return_metrics, **kwargs)
+    if any(needs):
+        total = _PrecomputedGrads.apply(total, grads, verdict, hidden, weight, bias)
+    if not return_metrics:
+        return total
+    loss = kwargs["loss"]
+    return total, finish_metrics(sums, total.device, bool(loss.config.beta), kwargs.get("with_entropy", True))
+
+
+def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                   global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
+                   temperature: float, ignore_index: Optional[int], deterministic: bool,
+                   workspace_bytes: Optional[int], needs: tuple[bool, bool, bool], with_entropy: bool = True,
+                   sequence_parallel: bool = False, hidden_grad: str = "reduced", cu_seqlens=None,
+                   return_metrics: bool = False):
+    """The fused loss's value and the unscaled gradients ``needs`` asks for, computed chunk by chunk (module
+    docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``, what
+    :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     policy = isinstance(loss, GRPOLoss)
     _check_policy_options(loss, policy, per_token, reduction, return_metrics, cu_seqlens, target_ids, with_entropy)
     offsets = None if cu_seqlens is None else check_offsets(cu_seqlens, target_ids.numel())
     _check_token_loss(loss, per_token, with_entropy)
-    grad_on = torch.is_grad_enabled()
-    needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
-                               deterministic=deterministic, workspace_bytes=workspace_bytes)
-    # the d_hidden all-reduce runs iff needs[0]: the group's record makes every rank agree on it (no hang)
+                               deterministic=deterministic, workspace_bytes=workspace_bytes,
+                               sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+    # the d_hidden collective runs iff needs[0]: the group's record makes every rank agree on it (no hang)
     call = plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, needs[0])
     sums = None
@@ -90,12 +111,7 @@ def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
         else:
             total, grads = _loss_and_grads(tp.localize(call), loss, per_token, reduction, needs, target_ids.numel(),
                                            hidden.shape)
-    if any(needs):
-        total = _PrecomputedGrads.apply(total, grads, call.verdict, hidden, weight, bias)
-    if not return_metrics:
-        return total
-    return total, finish_metrics(sums, total.device, bool(loss.config.beta), with_entropy)
-
+    return total, grads, call.verdict, sums
 
 def _check_policy_options(loss, policy: bool, per_token: Sequence, reduction: str, return_metrics: bool,
                           cu_seqlens, target_ids, with_entropy: bool) -> None:
@@ -120,13 +136,13 @@ def _check_policy_options(loss, policy: bool, per_token: Sequence, reduction: st
 class _Gradients:
     """The call's gradients as its chunks' backwards produce them: ``d_hidden`` rows into one fp32 buffer (none for
     one chunk without a group: the source's), ``d_W`` / ``d_b`` summed in fp32 accumulators over several chunks, and
-    the ONE all_reduce of ``d_hidden`` issued by the chunk that completes it (the last rows), under its ``d_W``
-    work."""
+    the ONE collective of ``d_hidden`` (all_reduce, or reduce_scatter for sequence-parallel input) issued by the
+    chunk that completes it (the last rows), under its ``d_W`` work."""
 
     def __init__(self, local: tp.LocalCall, needs: tuple[bool, bool, bool], n: int, n_chunks: int) -> None:
         h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
         self.local, self.needs, self.n = local, needs, n
-        self.reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 and needs[0] else None
+        self.reduce = tp.hidden_grad_reducer(tpc) if needs[0] else None
         d = h2.shape[1]
         # one chunk without a group: its d_hidden is the source's (no [N, D] buffer to fill)
         self.d_hidden = (torch.zeros(n, d, device=h2.device, dtype=torch.float32)
@@ -165,9 +181,10 @@ class _Gradients:
         """``(d_hidden, d_W, d_b)`` of the call; d_hidden fp32 (rounded once, after the upstream scale)."""
         d_hidden = self.d_hidden
         if d_hidden is not None:
-            if self.reduce is not None:  # the one all_reduce of d_hidden (started by the last chunk's backward)
+            if self.reduce is not None:  # the one collective of d_hidden (started by the last chunk's backward)
                 d_hidden = self.reduce.finish(d_hidden)
-            d_hidden = self.local.finish_rows(d_hidden, n_all)
+            if self.local.own_rows is None:  # (sequence-parallel ignored rows are in place, no upstream gradient)
+                d_hidden = self.local.finish_rows(d_hidden, n_all)
             d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
         return d_hidden, self.d_w, self.d_b
 

@@ -2,7 +2,8 @@
 TP group reaches the same verdict on a call and raises the same error (none is left waiting in a collective).
 
 The record holds the rank's local verdict, the call's layout (tokens, hidden size, shard range, declared vocab,
-dtype, bias, ignore_index, whether it records an autograd graph) and optionally a summary ``[checksum, lo, hi]`` of
+dtype, bias, ignore_index, whether it records an autograd graph, the hidden layout: sequence-parallel and
+``hidden_grad``) and optionally a summary ``[checksum, lo, hi]`` of
 the targets. From the gathered rows every rank checks the ranks' agreement and the shard partition
 (:func:`tplogp.shards.validate_ranges`), giving the global vocabulary size. When some rank has a local problem, the
 message texts follow in one ``all_gather_object`` (entered by all ranks, since all of them saw the flag).
@@ -24,9 +25,9 @@ class GroupRecord:
     """The collective verdict of a call with a group. :meth:`exchange` returns the global vocab size and, when every
     rank sent one, the targets' summary."""
 
-    # verdict, 7 metadata fields, ignore_index, differentiability, then whether a target summary travels, and its
-    # checksum, lo, hi
-    _FIELDS = 14
+    # verdict, 7 metadata fields, ignore_index, differentiability, the hidden layout, then whether a target summary
+    # travels, and its checksum, lo, hi
+    _FIELDS = 15
     # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
     _verified: dict = {}
 
@@ -48,14 +49,18 @@ class GroupRecord:
         mode: str,
         builds_graph: bool = False,
         targets_note: str = "",
+        sequence_parallel: bool = False,
+        hidden_grad: str = "reduced",
     ) -> tuple[int, Optional[tuple[int, int, int]]]:
         """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the record, so the
         record exchange is the call's only host read), ``(checksum, lo, hi)`` already on the host (an earlier call's
         deferred summary: with ``group`` a CPU group, nothing here waits for a device), or None. ``targets_note`` ends the error of targets that differ between ranks. The summary is returned when
-        every rank sent one and they agree (a range check is the caller's)."""
+        every rank sent one and they agree (a range check is the caller's). ``sequence_parallel``, ``hidden_grad``: the
+        call's hidden layout (ranks that disagree would enter different collectives)."""
         world = dist.get_world_size(group)
+        hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
         key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
-               builds_graph)
+               builds_graph, hidden_layout)
         if mode == "fast" and problem is None and key in cls._verified:
             return cls._verified[key], None
         head = torch.tensor(
@@ -70,6 +75,7 @@ class GroupRecord:
                 int(has_bias),
                 -(1 << 62) if ignore_index is None else ignore_index,
                 int(builds_graph),
+                hidden_layout,
             ] + ([0, 0, 0, -1] if targets is None else [1, *targets] if isinstance(targets, tuple) else [1]),
             dtype=torch.long,
             device=comm_device,
@@ -88,23 +94,24 @@ class GroupRecord:
         total = validate_ranges(ranges, None if declared == {-1} else max(declared))
         if mode == "fast":
             cls._verified[key] = total
-        if not all(r[10] for r in rows):
+        if not all(r[11] for r in rows):
             return total, None
-        checksums = [r[11] for r in rows]
+        checksums = [r[12] for r in rows]
         if len(set(checksums)) > 1:
             listing = ", ".join(f"rank {i}: #{c:x}" for i, c in enumerate(checksums))
             raise LinearLogpInputError("target_ids (they must be replicated: the same global ids on every rank) must "
                                        f"be the same on every TP rank, got {listing}{targets_note}")
         # identical on every rank: the checksum agreement proved the targets replicated
-        return total, tuple(rows[0][11:14])
+        return total, tuple(rows[0][12:15])
 
     @classmethod
     def is_verified(cls, group, vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
                     hidden_size: int, dtype: torch.dtype, has_bias: bool, ignore_index: Optional[int],
-                    builds_graph: bool) -> bool:
+                    builds_graph: bool, sequence_parallel: bool = False, hidden_grad: str = "reduced") -> bool:
         """Whether ``fast`` mode has verified this layout with ``group`` (its later calls exchange nothing)."""
+        hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
         return (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
-                builds_graph) in cls._verified
+                builds_graph, hidden_layout) in cls._verified
 
     @classmethod
     def _exchange(cls, record: torch.Tensor, group, world: int) -> list[list[int]]:
@@ -134,4 +141,15 @@ class GroupRecord:
         # a rank that records no autograd graph would skip the backward all-reduce the others enter
         differ(9, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
                lambda b: "yes" if b else "no")
+        differ(10, "the hidden layout (sequence_parallel, hidden_grad)", lambda c: HIDDEN_LAYOUTS.get(c, "?"))
+
+
+# the hidden layout as it travels in the record: sequence_parallel and hidden_grad
+HIDDEN_LAYOUTS = {0: "replicated, hidden_grad='reduced'", 1: "sequence_parallel=True",
+                  2: "replicated, hidden_grad='partial'", 3: "sequence_parallel=True, hidden_grad='partial'"}
+
+
+def hidden_layout_code(sequence_parallel: bool, hidden_grad: str) -> int:
+    """The hidden layout of a call's options as one record field (keys of :data:`HIDDEN_LAYOUTS`)."""
+    return int(bool(sequence_parallel)) + 2 * int(hidden_grad == "partial")
 

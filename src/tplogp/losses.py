@@ -17,6 +17,8 @@ sums before any token's gradient (:mod:`tplogp.rl_losses`).
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Callable, Optional, Union
 
 import torch
@@ -28,6 +30,21 @@ PerTokenLoss = Callable[..., torch.Tensor]
 # when the loss does not depend on it
 Derivative = Optional[Union[torch.Tensor, float]]
 _Parts = tuple[torch.Tensor, Derivative, Derivative]
+
+
+# every TokenLoss by its ``key``, so that a compiled ``linear_logp_loss`` names the loss to its op
+# (``tplogp::linear_logp_loss`` takes tensors and plain values); a loss no longer referenced drops out
+_by_key: "weakref.WeakValueDictionary[str, TokenLoss]" = weakref.WeakValueDictionary()
+_numbers = itertools.count()
+
+
+def loss_by_key(key: str) -> "TokenLoss":
+    """The :class:`TokenLoss` whose ``key`` is ``key`` (a compiled ``linear_logp_loss`` op's loss)."""
+    loss = _by_key.get(key)
+    if loss is None:
+        raise LookupError(f"no live TokenLoss has the key {key!r}: keep the loss object referenced while code "
+                          "compiled with it runs")
+    return loss
 
 
 def _add(a: Derivative, b: Derivative) -> Derivative:
@@ -58,6 +75,9 @@ class TokenLoss:
         # a loss linear in (logp, entropy), value = c_logp * logp + c_entropy * entropy: the coefficients (its
         # derivatives) from the per-token tensors alone; None for any other loss
         self._coefficients = coefficients
+        # names this object to the compiled fused loss's op (loss_by_key), unique in the process
+        self.key = f"{name}#{next(_numbers)}"
+        _by_key[self.key] = self
 
     @property
     def linear(self) -> bool:

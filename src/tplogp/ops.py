@@ -5,7 +5,8 @@ verdict), then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 
 tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, and with entropy the
 entropy and ``E_p[z] - M``) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
 (``tp.op_keeps``; an empty tensor when none: no budget, no graph, or ``ignore_index``, whose compaction would make
-the size depend on the data). ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
+the size depend on the data), and a sequence-parallel call's gathered hidden rows (an empty tensor otherwise), so
+that its backward does not gather them again. ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
 recomputing them; it never writes them (its schema declares no mutation, so the compiled backward runs the
 read-only schedule: eager's in-place one, ``tp.consumes_kept``, is not used here). Both have fake (meta)
 implementations that give the output shapes without touching data, and the pair is joined by
@@ -13,6 +14,12 @@ implementations that give the output shapes without touching data, and the pair 
 lookup, the checks' host steps, collectives, Triton launches) happens inside the ops; the process group crosses
 the op boundary as its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the
 sources always see the dtypes they were given, also when a backward runs inside an autocast region.
+
+``tplogp::linear_logp_loss`` is the fused loss (:func:`tplogp.linear_logp_loss`) under ``torch.compile``: its
+forward runs the eager chunk loop and returns the loss with its fp32 gradients (computed in the forward, as in
+eager); its registered backward scales them by the upstream scalar, each fp32 product rounded once to the leaf's
+dtype, so the compiled gradients are bitwise eager's. The loss crosses the schema as its
+:attr:`~tplogp.losses.TokenLoss.key` (:func:`tplogp.losses.loss_by_key`).
 """
 
 from __future__ import annotations
@@ -29,9 +36,16 @@ from .tp import backward_packed, forward_packed, packed_rows
 
 
 def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
-             workspace_bytes: Optional[int]) -> LogpOptions:
+             workspace_bytes: Optional[int], sequence_parallel: bool, hidden_grad: str) -> LogpOptions:
     return LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=True,
-                       ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes)
+                       ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+                       sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+
+
+def _gathers(sequence_parallel: bool, group_name: str) -> bool:
+    """Whether a call's forward gathers sequence-parallel hidden rows (a group of several ranks)."""
+    group = group_from_name(group_name) if sequence_parallel else None
+    return group is not None and group.size() > 1
 
 
 def _source(source: str) -> Optional[str]:
@@ -42,50 +56,53 @@ def _source(source: str) -> Optional[str]:
 def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], group_name: str,
                     vocab_start_index: int, global_vocab_size: Optional[int], temperature: float, return_entropy: bool,
                     ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
-                    builds_graph: bool) -> tuple[Tensor, Tensor]:
-    """Packed fp32 ``[K, N]`` forward of one call and the logits it keeps for the backward (see the module
-    docstring). ``source`` "" selects per device."""
+                    builds_graph: bool, sequence_parallel: bool, hidden_grad: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Packed fp32 ``[K, N]`` forward of one call, the logits it keeps for the backward and the gathered
+    sequence-parallel rows (see the module docstring). ``source`` "" selects per device."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
         return forward_packed(prepare(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index,
                                       global_vocab_size,
                                       _options(temperature, return_entropy, ignore_index, deterministic,
-                                               workspace_bytes), builds_graph))
+                                               workspace_bytes, sequence_parallel, hidden_grad), builds_graph))
 
 
 @linear_logp_fwd.register_fake
 def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          builds_graph):
+                          builds_graph, sequence_parallel, hidden_grad):
     packed = hidden.new_empty((packed_rows(return_entropy), target_ids.numel()), dtype=torch.float32)
-    options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
+    options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes, sequence_parallel,
+                       hidden_grad)
     backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
     kept = backend.kept_shape(target_ids.numel(), hidden.shape[-1], weight.shape[0], hidden.dtype, hidden.device,
                               op_call(options, builds_graph))
-    return packed, hidden.new_empty(kept, dtype=torch.float32)
+    gathered = (target_ids.numel(), hidden.shape[-1]) if _gathers(sequence_parallel, group_name) else (0,)
+    return packed, hidden.new_empty(kept, dtype=torch.float32), hidden.new_empty(gathered)
 
 
 @torch.library.custom_op("tplogp::linear_logp_bwd", mutates_args=())
 def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], packed: Tensor,
-                    kept: Tensor, grad_packed: Tensor, group_name: str, vocab_start_index: int, temperature: float,
-                    return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
-                    workspace_bytes: Optional[int], source: str, needs_hidden: bool, needs_weight: bool,
-                    needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    kept: Tensor, gathered: Tensor, grad_packed: Tensor, group_name: str, vocab_start_index: int,
+                    temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
+                    workspace_bytes: Optional[int], source: str, sequence_parallel: bool, hidden_grad: str,
+                    needs_hidden: bool, needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(d_hidden, d_weight, d_bias)``; a gradient that is not needed comes back as an empty tensor."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
-        options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
+        options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes,
+                           sequence_parallel, hidden_grad)
         call = prepare_backward(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index, options)
         grads = backward_packed(call, packed, grad_packed, (needs_hidden, needs_weight, needs_bias and bias is not None),
-                                kept=kept)
+                                kept=kept, gathered=gathered)
     like = (hidden, weight, bias if bias is not None else hidden)
     return tuple(g if g is not None else x.new_empty(0) for g, x in zip(grads, like))  # type: ignore[return-value]
 
 
 @linear_logp_bwd.register_fake
-def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, grad_packed, group_name, vocab_start_index,
-                          temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          needs_hidden, needs_weight, needs_bias):
+def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, gathered, grad_packed, group_name,
+                          vocab_start_index, temperature, return_entropy, ignore_index, deterministic, workspace_bytes,
+                          source, sequence_parallel, hidden_grad, needs_hidden, needs_weight, needs_bias):
     has_bias = needs_bias and bias is not None
     return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
             weight.new_empty(weight.shape if needs_weight else (0,)),
@@ -94,27 +111,92 @@ def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, grad_p
 
 _FORWARD_ARGS = ("hidden", "weight", "target_ids", "bias", "group_name", "vocab_start_index", "global_vocab_size",
                  "temperature", "return_entropy", "ignore_index", "deterministic", "workspace_bytes", "source",
-                 "builds_graph")
+                 "builds_graph", "sequence_parallel", "hidden_grad")
 
 
 def _setup_context(ctx, inputs, output) -> None:
     args = dict(zip(_FORWARD_ARGS, inputs))
-    packed, kept = output
-    ctx.mark_non_differentiable(kept)
-    ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], packed, kept)
+    packed, kept, gathered = output
+    ctx.mark_non_differentiable(kept, gathered)
+    ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], packed, kept, gathered)
     ctx.call_args = (args["group_name"], args["vocab_start_index"], args["temperature"], args["return_entropy"],
-                     args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"])
+                     args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"],
+                     args["sequence_parallel"], args["hidden_grad"])
 
 
-def _backward(ctx, grad_packed, grad_kept):
-    hidden, weight, target_ids, bias, packed, kept = ctx.saved_tensors
+def _backward(ctx, grad_packed, grad_kept, grad_gathered):
+    hidden, weight, target_ids, bias, packed, kept, gathered = ctx.saved_tensors
     needs = ctx.needs_input_grad
     if grad_packed is None or not (needs[0] or needs[1] or (bias is not None and needs[3])):
         return (None,) * len(_FORWARD_ARGS)
-    d_hidden, d_weight, d_bias = linear_logp_bwd(hidden, weight, target_ids, bias, packed, kept, grad_packed,
+    d_hidden, d_weight, d_bias = linear_logp_bwd(hidden, weight, target_ids, bias, packed, kept, gathered, grad_packed,
                                                  *ctx.call_args, needs[0], needs[1], bias is not None and needs[3])
     return (d_hidden if needs[0] else None, d_weight if needs[1] else None, None,
             d_bias if (bias is not None and needs[3]) else None) + (None,) * (len(_FORWARD_ARGS) - 4)
 
 
 linear_logp_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the fused loss: one op whose forward runs the eager chunk loop and returns the loss and its gradients ----------
+
+@torch.library.custom_op("tplogp::linear_logp_loss", mutates_args=())
+def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor],
+                         per_token: list[Tensor], loss_key: str, reduction: str, group_name: str,
+                         vocab_start_index: int, global_vocab_size: Optional[int], temperature: float,
+                         ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
+                         with_entropy: bool, sequence_parallel: bool, hidden_grad: str, needs_hidden: bool,
+                         needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, d_hidden, d_weight, d_bias)`` of :func:`tplogp.linear_logp_loss` with the
+    :class:`~tplogp.losses.TokenLoss` named ``loss_key``: the eager chunk loop
+    (:func:`tplogp.fused_loss.loss_and_grads`), the gradients unscaled in fp32 (a gradient that is not needed comes
+    back empty). The call's target verdict is settled here, before the gradients leave the op."""
+    from .fused_loss import loss_and_grads
+    from .losses import loss_by_key
+
+    group = group_from_name(group_name)
+    needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
+    with torch.autocast(hidden.device.type, enabled=False):
+        value, grads, verdict, _ = loss_and_grads(
+            _source(source), hidden, weight, target_ids, bias, group, vocab_start_index, global_vocab_size,
+            loss=loss_by_key(loss_key), per_token=tuple(per_token), reduction=reduction, temperature=temperature,
+            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes, needs=needs,
+            with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+        if verdict is not None and any(needs):
+            grads = verdict.settle(grads)
+    like = (hidden, weight, bias if bias is not None else hidden)
+    out = [g.to(torch.float32) if g is not None else x.new_empty(0, dtype=torch.float32) for g, x in zip(grads, like)]
+    return (value, *out)  # type: ignore[return-value]
+
+
+@linear_logp_loss_fwd.register_fake
+def _linear_logp_loss_fake(hidden, weight, target_ids, bias, per_token, loss_key, reduction, group_name,
+                           vocab_start_index, global_vocab_size, temperature, ignore_index, deterministic,
+                           workspace_bytes, source, with_entropy, sequence_parallel, hidden_grad, needs_hidden,
+                           needs_weight, needs_bias):
+    has_bias = needs_bias and bias is not None
+    f32 = torch.float32
+    return (hidden.new_empty((), dtype=f32), hidden.new_empty(hidden.shape if needs_hidden else (0,), dtype=f32),
+            weight.new_empty(weight.shape if needs_weight else (0,), dtype=f32),
+            hidden.new_empty(bias.shape if has_bias else (0,), dtype=f32))
+
+
+def _loss_setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias = inputs[0], inputs[1], inputs[3]
+    _, d_hidden, d_weight, d_bias = output
+    ctx.mark_non_differentiable(d_hidden, d_weight, d_bias)
+    ctx.save_for_backward(d_hidden, d_weight, d_bias)
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.n_per_token = len(inputs[4])
+
+
+def _loss_backward(ctx, g, *_):
+    """Each gradient times the upstream scalar, the fp32 product rounded once to its leaf's dtype (as the eager
+    fused loss's backward, :mod:`tplogp.grad_scaling`: bitwise with ``loss.backward()``)."""
+    needs = ctx.needs_input_grad
+    scaled = [None if not need or dtype is None else (t * g.to(torch.float32)).to(dtype)
+              for need, t, dtype in zip((needs[0], needs[1], needs[3]), ctx.saved_tensors, ctx.dtypes)]
+    return (scaled[0], scaled[1], None, scaled[2], [None] * ctx.n_per_token) + (None,) * 16
+
+
+linear_logp_loss_fwd.register_autograd(_loss_backward, setup_context=_loss_setup_context)

@@ -45,6 +45,10 @@ class LogpOptions:
     ignore_index: Optional[int] = None
     deterministic: bool = False
     workspace_bytes: Optional[int] = None
+    # hidden holds this rank's contiguous 1/world of the tokens; gathered before the GEMMs, its gradient
+    # reduce-scattered (docs/operator.md, "Sequence parallelism")
+    sequence_parallel: bool = False
+    hidden_grad: str = "reduced"  # HIDDEN_GRADS: "partial" leaves hidden.grad as this rank's share, unsummed
 
 
 def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False,
@@ -94,7 +98,8 @@ def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group
             and type(options.temperature) in (float, int) and type(options.return_entropy) is bool
             and type(options.return_lse) is bool and type(options.deterministic) is bool
             and (options.ignore_index is None or type(options.ignore_index) is int)
-            and (options.workspace_bytes is None or type(options.workspace_bytes) is int)):
+            and (options.workspace_bytes is None or type(options.workspace_bytes) is int)
+            and type(options.sequence_parallel) is bool and type(options.hidden_grad) is str):
         return None
     group = None if tp_group is None else (id(tp_group), tp_group.group_name, tp_group.size())
     return (backend.name, hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype, weight.device,

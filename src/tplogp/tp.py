@@ -25,6 +25,15 @@ before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete:
 there and runs while ``d_W`` is computed. When no later backward can read what the forward kept
 (:func:`consumes_kept`: the graph is not retained), the backend may overwrite it (``ShardCall.consume_kept``).
 
+Sequence parallelism (``sequence_parallel=True``, a group of several ranks): hidden is this rank's contiguous slice of
+the tokens, rank-major. :func:`localize` gathers the slices (ONE ``all_gather``, before the first GEMM: the sources
+run one kernel sequence over all rows, which the gather must precede) and the rows run as above; the backward's
+``d_hidden`` is reduce-scattered instead of all-reduced (:class:`~tplogp.comm.OverlappedReduceScatter`, started at
+``d_hidden_ready`` like the all-reduce, under the ``d_W`` work): each rank receives its slice, half the bytes of an
+all-reduce. Ignored rows stay in place under sequence parallelism (no compaction: the slices are fixed).
+``hidden_grad="partial"`` skips the ``d_hidden`` collective: each rank's gradient is its shard's share, which the
+caller sums (:func:`hidden_grad_reducer`).
+
 Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single``
 (native, triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
 and 3 cost no host ops (what matters at small shapes, where a call's host time is most of its latency). Rows whose target equals
@@ -43,7 +52,7 @@ import torch
 
 from . import tensors
 from .backends.base import KeptBuffers, ShardBackend, ShardCall
-from .comm import OverlappedAllReduce, all_gather_flat
+from .comm import OverlappedAllReduce, OverlappedReduceScatter, all_gather_flat
 from .outputs import LinearLogpResult, pack_outputs
 from .tensors import current_stream, f32_contiguous, zero_rows
 from .verdicts import BackwardVerdict, KernelTargetCheck
@@ -67,6 +76,25 @@ class _TPContext:
     # the kept scales of a forward that keeps them apart (KeptBuffers), held here from forward to backward and
     # dropped by a consuming backward (:func:`park_kept_scales`, :func:`shard_backward`)
     kept_scales: Optional[torch.Tensor] = None
+    # the d_hidden collective: "all_reduce" (replicated hidden), "reduce_scatter" (sequence-parallel hidden), or
+    # None (one shard, or hidden_grad="partial": each rank keeps its share)
+    hidden_reduce: Optional[str] = None
+
+
+def hidden_grad_reducer(tpc: _TPContext):
+    """The overlapped ``d_hidden`` collective of a call (``start`` at ``d_hidden_ready``, ``finish`` at the end), or
+    None when ``d_hidden`` is handed over as computed."""
+    if tpc.hidden_reduce == "all_reduce":
+        return OverlappedAllReduce(tpc.group, tpc.comm_device)
+    if tpc.hidden_reduce == "reduce_scatter":
+        return OverlappedReduceScatter(tpc.group, tpc.comm_device)
+    return None
+
+
+def gather_rows(h: torch.Tensor, tpc: _TPContext) -> torch.Tensor:
+    """The sequence-parallel slices of every rank, rank-major: ``[world * n, D]`` on ``h``'s device (one
+    ``all_gather``, through the group's collective device)."""
+    return all_gather_flat(h.detach().to(tpc.comm_device), tpc.group).to(h.device)
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
@@ -208,12 +236,13 @@ class _LinearLogpFunction(torch.autograd.Function):
     runs, which at small shapes is host time the GPU would wait for."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext, shard_outputs):
+    def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext, shard_outputs, rows):
+        # rows: what the sources computed on, hidden itself or (sequence-parallel) every rank's slices gathered
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
         outputs, (row_max, log_sum, mean_rel, kept) = shard_outputs
         kept = park_kept_scales(kept, tpc)
-        ctx.save_for_backward(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
+        ctx.save_for_backward(rows, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
         ctx.kept_private = kept is not None and not saved_tensor_hooks_active()
         return outputs
 
@@ -222,26 +251,30 @@ class _LinearLogpFunction(torch.autograd.Function):
         saved = ctx.saved_tensors  # (unpacked once: each access unpacks every saved tensor again)
         needs = ctx.needs_input_grad
         needs = (needs[0], needs[1], saved[2] is not None and needs[2])
-        return (*shard_backward(saved, ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, g_lse), None, None, None)
+        return (*shard_backward(saved, ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, g_lse), None, None, None,
+                None)
 
 
 @_without_autocast
 def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool], kept_private: bool,
                    g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                    g_lse: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-    """The backward of one call: the source's backward, the d_hidden all-reduce with a group, and the call's target
-    verdict settled before any gradient is handed over.
+    """The backward of one call: the source's backward, the d_hidden collective with a group (all-reduce, or
+    reduce-scatter of a sequence-parallel hidden; none for ``hidden_grad="partial"``), and the call's target verdict
+    settled before any gradient is handed over.
 
     One function for the autograd Function and the op's backward, so the collective and the verdict have one place.
 
     Args:
-        saved: what the forward saved, ``(hidden, weight, bias, local_target, row_max, log_sum, mean_rel, kept)``.
+        saved: what the forward saved, ``(rows, weight, bias, local_target, row_max, log_sum, mean_rel, kept)``
+            (``rows``: hidden, or every rank's slices gathered).
         tpc: the call's context (``LocalCall.tpc``).
         needs: whether ``(d_hidden, d_weight, d_bias)`` are wanted.
         kept_private: nothing but the caller's autograd node holds ``kept`` (:func:`consumes_kept`).
         g_logp, g_entropy, g_lse: the per-token upstream gradients (None: none flows there).
     Returns:
-        ``(d_hidden, d_weight, d_bias)``, None where not needed; d_hidden in hidden's dtype.
+        ``(d_hidden, d_weight, d_bias)``, None where not needed; d_hidden in hidden's dtype (this rank's rows under
+        sequence parallelism).
     Raises:
         LinearLogpInputError: the call's deferred target check found a bad target.
     """
@@ -256,8 +289,8 @@ def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]
     g_logp = f32_contiguous(g_logp)
     g_ent = None if (g_entropy is None or mean_rel is None) else f32_contiguous(g_entropy)
     g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
-    # the d_hidden all-reduce starts as soon as the backend has finished d_hidden and runs under its d_W work
-    reduce = OverlappedAllReduce(tpc.group, tpc.comm_device) if tpc.world_size > 1 else None
+    # the d_hidden collective starts as soon as the backend has finished d_hidden and runs under its d_W work
+    reduce = hidden_grad_reducer(tpc)
     consuming = consumes_kept(kept, kept_private)
     call = tpc.call.consuming if consuming else tpc.call
     if tpc.kept_scales is not None:  # scales kept apart: handed over in a holder the source empties
@@ -290,6 +323,8 @@ class LocalCall(NamedTuple):
     vocab_size: int  # of all shards together (the same on every rank)
     ignored: Optional[torch.Tensor] = None  # [N] bool: ignored rows kept in place (no compaction), or None
     call_for_backward: Optional[ShardCall] = None  # the layout's ShardCall for a forward that is differentiated
+    # sequence parallelism: this rank's rows, the tensor the gradient flows to (``hidden`` is every rank's, gathered)
+    own_rows: Optional[torch.Tensor] = None
 
     @property
     def verdict(self) -> Optional[BackwardVerdict]:
@@ -322,13 +357,14 @@ def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: i
     return x.new_full(shape, fill).index_copy(dim, keep_idx, x)
 
 
-def localize(call) -> LocalCall:
-    """Flattening, ignore_index compaction and target localisation of a checked call.
+def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
+    """Flattening, the sequence-parallel gather, ignore_index compaction and target localisation of a checked call.
 
     The sources take 2-D contiguous inputs and shard-local targets only, so their kernels need no per-launch checks.
 
     Args:
         call: a :class:`tplogp.plan.Call`.
+        gathered: a sequence-parallel call's rows gathered by its forward (the op's backward), or None.
     Returns:
         The :class:`LocalCall` that :func:`shard_forward` and :func:`shard_backward` run.
     """
@@ -342,11 +378,23 @@ def localize(call) -> LocalCall:
     w = weight if weight.is_contiguous() else weight.contiguous()
     b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
 
+    options = args.options
+    sequence_parallel = options.sequence_parallel and plan.world_size > 1
+    if plan.world_size == 1 or options.hidden_grad == "partial":
+        hidden_reduce = None
+    else:
+        hidden_reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
+    tpc = _TPContext(plan.backend, plan.call, args.group, plan.world_size, plan.comm_device, plan.single,
+                     call.verdict, call.target_check, hidden_reduce=hidden_reduce)
+    own_rows = None
+    if sequence_parallel:
+        own_rows, h2 = h2, gathered if gathered is not None else gather_rows(h2, tpc)
+
     keep_idx = ignored = None
-    ignore_index = args.options.ignore_index
+    ignore_index = options.ignore_index
     if ignore_index is not None:
         keep = tgt != ignore_index
-        if compacts_rows(h2.device):
+        if compacts_rows(h2.device) and not sequence_parallel:
             keep_idx = keep.nonzero().squeeze(1)  # identical on every rank (targets are replicated)
             h2 = h2.index_select(0, keep_idx)
             tgt = tgt.index_select(0, keep_idx)
@@ -354,15 +402,14 @@ def localize(call) -> LocalCall:
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
-    tpc = _TPContext(plan.backend, plan.call, args.group, plan.world_size, plan.comm_device, plan.single,
-                     call.verdict, call.target_check)
     if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
         local_target = tgt
     else:
         start = args.vocab_start_index
         rel = tgt - start if start else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, plan.call_for_backward)
+    return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, plan.call_for_backward,
+                     own_rows)
 
 
 def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -370,8 +417,9 @@ def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor
     Function when something requires a gradient (the forward may then keep logits for the backward), else the bare
     forward (scoring, rollouts: no autograd.Function machinery, host time)."""
     h2, w, b, local_target, tpc = local.hidden, local.weight, local.bias, local.local_target, local.tpc
-    if torch.is_grad_enabled() and (h2.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-        return _LinearLogpFunction.apply(h2, w, b, local_target, tpc, forward_for_backward(local))
+    h_in = h2 if local.own_rows is None else local.own_rows  # (what the gradient flows to)
+    if torch.is_grad_enabled() and (h_in.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+        return _LinearLogpFunction.apply(h_in, w, b, local_target, tpc, forward_for_backward(local), h2)
     return shard_forward(h2, w, b, local_target, tpc)[0]
 
 
@@ -429,7 +477,7 @@ def op_keeps(options, builds_graph: bool) -> bool:
     return builds_graph and options.ignore_index is None
 
 
-def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward of the ``torch.library`` op (:mod:`tplogp.ops`) for a checked call.
 
     An op returns tensors of shapes its fake implementation can state, so the outputs and what the backward needs
@@ -438,9 +486,10 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor]:
     Args:
         call: a :class:`tplogp.plan.Call` from :func:`tplogp.plan.prepare`.
     Returns:
-        ``(packed, kept)``: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows 0), and what
-        the forward kept for the backward within the budget (shape ``backend.kept_shape`` of
-        :func:`tplogp.plan.op_call`; ``(0,)`` when nothing is kept, and the backward recomputes).
+        ``(packed, kept, gathered)``: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows
+        0), what the forward kept for the backward within the budget (shape ``backend.kept_shape`` of
+        :func:`tplogp.plan.op_call`; ``(0,)`` when nothing is kept, and the backward recomputes), and a
+        sequence-parallel call's gathered rows ``[N, D]`` for its backward (``(0,)`` otherwise).
     """
     local = localize(call)
     options = call.args.options
@@ -458,11 +507,13 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor]:
     if options.return_entropy:
         rows += [local.finish_rows(entropy, n_all), expand_kept_rows(mean_rel, local.keep_idx, n_all)]
     packed = torch.stack(rows)
-    return packed, (kept if kept is not None else packed.new_empty(0))
+    gathered = local.hidden if local.own_rows is not None else local.hidden.new_empty(0)
+    return packed, (kept if kept is not None else packed.new_empty(0)), gathered
 
 
 def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs: tuple[bool, bool, bool],
-                    kept: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
+                    kept: Optional[torch.Tensor] = None,
+                    gathered: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
     """The backward of :func:`forward_packed`, through :func:`shard_backward` like the eager path's.
 
     Args:
@@ -473,10 +524,11 @@ def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs
             get none).
         needs: whether ``(d_hidden, d_weight, d_bias)`` are wanted.
         kept: what the forward kept (read, never overwritten), or None / an empty tensor.
+        gathered: a sequence-parallel forward's gathered rows (not gathered again), or None / an empty tensor.
     Returns:
         ``(d_hidden, d_weight, d_bias)``, None where not needed; d_hidden in hidden's shape.
     """
-    local = localize(call)
+    local = localize(call, gathered if gathered is not None and gathered.numel() else None)
     options = call.args.options
     if local.keep_idx is not None:
         packed, grad_packed = packed.index_select(1, local.keep_idx), grad_packed.index_select(1, local.keep_idx)
@@ -491,5 +543,7 @@ def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs
                                                 grad_packed[PACKED_LSE])
     if d_hidden is not None:
         hidden = call.args.hidden
-        d_hidden = local.finish_rows(d_hidden, call.args.target_ids.numel()).view(hidden.shape)
+        if local.own_rows is None:  # (sequence-parallel ignored rows are in place: their upstream is zero above)
+            d_hidden = local.finish_rows(d_hidden, call.args.target_ids.numel())
+        d_hidden = d_hidden.view(hidden.shape)
     return d_hidden, d_weight, d_bias

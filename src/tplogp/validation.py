@@ -9,6 +9,7 @@ plan raises it. :func:`single_shard_vocab` checks the shard layout of a call on 
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -18,6 +19,8 @@ from .shards import ShardLayoutError
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the dtype as it travels in a group record
+# what hidden.grad holds with a group: the full gradient (summed over the ranks), or this rank's share of it
+HIDDEN_GRADS = ("reduced", "partial")
 
 
 class LinearLogpInputError(ValueError):
@@ -47,6 +50,9 @@ def local_problem(
     ignore_index: Optional[int],
     temperature: float,
     workspace_bytes: Optional[int] = None,
+    sequence_parallel: bool = False,
+    hidden_grad: str = "reduced",
+    world_size: int = 1,
 ) -> Optional[str]:
     """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
 
@@ -64,7 +70,15 @@ def local_problem(
     if hidden.shape[-1] != weight.shape[1]:
         return (f"hidden size mismatch: hidden is {tuple(hidden.shape)} (D={hidden.shape[-1]}) but weight is "
                 f"{tuple(weight.shape)} (D={weight.shape[1]})")
-    if tuple(target_ids.shape) != tuple(hidden.shape[:-1]):
+    if not isinstance(sequence_parallel, bool):
+        return f"sequence_parallel must be a bool, got {sequence_parallel!r}"
+    if not isinstance(hidden_grad, str) or hidden_grad not in HIDDEN_GRADS:
+        return f"hidden_grad must be one of {HIDDEN_GRADS}, got {hidden_grad!r}"
+    if sequence_parallel:
+        problem = sequence_parallel_problem(hidden, target_ids, hidden_grad, world_size)
+        if problem is not None:
+            return problem
+    elif tuple(target_ids.shape) != tuple(hidden.shape[:-1]):
         return (f"target_ids must have shape {tuple(hidden.shape[:-1])} (hidden's shape without D), "
                 f"got {tuple(target_ids.shape)}")
     if target_ids.dtype.is_floating_point or target_ids.dtype.is_complex or target_ids.dtype == torch.bool:
@@ -94,6 +108,26 @@ def local_problem(
         return f"ignore_index must be an int or None, got {ignore_index!r}"
     if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
         return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
+    return None
+
+
+def sequence_parallel_problem(hidden: torch.Tensor, target_ids: torch.Tensor, hidden_grad: str,
+                              world_size: int) -> Optional[str]:
+    """The sequence-parallel layout: hidden's rows (its leading dimensions flattened) are this rank's contiguous,
+    equal slice of target_ids' ``N`` tokens (flattened, rank-major). A message, or None when it is."""
+    if hidden_grad == "partial":
+        return ("hidden_grad='partial' leaves the gradient of a replicated hidden unsummed; with "
+                "sequence_parallel=True hidden.grad is this rank's slice of the summed gradient (reduce-scattered): "
+                "pass hidden_grad='reduced', or gather hidden yourself and pass it replicated with "
+                "sequence_parallel=False")
+    rows = math.prod(hidden.shape[:-1])
+    n = target_ids.numel()
+    if n % world_size or rows * world_size != n:
+        expected = f"{n // world_size} rows" if n % world_size == 0 else (
+            f"an equal share, but {n} tokens do not divide by the {world_size} ranks")
+        return (f"with sequence_parallel=True hidden holds this rank's contiguous slice of the tokens, 1/{world_size} "
+                f"of target_ids' {n} (one per rank, equal slices in rank order): expected {expected}, got hidden "
+                f"{tuple(hidden.shape)} ({rows} rows)")
     return None
 
 
@@ -142,7 +176,8 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
     """
     mode = checks_mode()
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                            options.ignore_index, options.temperature, options.workspace_bytes)
+                            options.ignore_index, options.temperature, options.workspace_bytes,
+                            options.sequence_parallel, options.hidden_grad, world_size)
     vocab_size = None
     if problem is None and world_size == 1:
         vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)

@@ -422,7 +422,7 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool) -> tup
                                        f"run in a CUDA-graph capture: {CAPTURE_FIX}")
     elif mode == "fast" and capturing and not GroupRecord.is_verified(
             group, args.vocab_start_index, weight.shape[0], args.global_vocab_size, hidden.shape[-1], hidden.dtype,
-            bias is not None, ignore_index, builds_graph):
+            bias is not None, ignore_index, builds_graph, args.options.sequence_parallel, args.options.hidden_grad):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
@@ -452,6 +452,8 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool) -> tup
         mode=mode,
         builds_graph=builds_graph,
         targets_note=GROUP_NOTE if host is not None else "",
+        sequence_parallel=args.options.sequence_parallel,
+        hidden_grad=args.options.hidden_grad,
     )
     summary = None if summary is None else TargetSummary(*summary)
     verdict = None

@@ -255,16 +255,24 @@ def test_budget_and_shape_parsing():
 
 @pytest.mark.slow
 def test_tp_smoke_rows(tmp_path):
-    """``tp --smoke``: one torchrun launch per degree (1 and 2 gloo ranks), one row each with the slowest rank's step
-    and its host CPU time (the calling thread's, within the process's: same calls)."""
+    """``tp --smoke``: one torchrun launch per degree (1 and 2 gloo ranks) and hidden layout, one row each with the
+    slowest rank's step, its backward and host CPU time (the calling thread's, within the process's: same calls),
+    and the hidden states' collective bytes per rank (the reduce-scatter half the all-reduce)."""
     proc = _bench("tp", "--smoke", "--out", str(tmp_path))
-    rows = _rows(tmp_path)
-    assert sorted(r["tp"] for r in rows) == [1, 2], rows
-    for r in rows:
+    every = _rows(tmp_path)
+    layouts = {(r["layout"], r["tp"]): r for r in every}
+    assert sorted(layouts) == sorted((layout, p) for layout in ("replicated", "gather-allreduce", "sequence-parallel")
+                                     for p in (1, 2)), every
+    for r in every:
         assert r["suite"] == "tp" and r["smoke"] and r["backend"] == "gloo" and "error" not in r, r
-        assert r["step_ms"] > 0 and r["shape"] == "64x32x320" and r["steps"] == 2, r
+        assert r["step_ms"] > 0 and r["bwd_ms"] > 0 and r["shape"] == "64x32x320" and r["steps"] == 2, r
         assert 0 < r["host_step_us"] <= r["host_step_all_us"], r
-    assert proc.stdout.count("(thread / all)") == 2, proc.stdout
+    # the d_hidden bytes per rank at TP=2 (64 x 32 fp32): all-reduce 2 (P - 1) / P * 4 N D, reduce-scatter half
+    assert layouts["gather-allreduce", 2]["bwd_bytes_per_rank"] == 2 * 64 * 32 * 4 // 2
+    assert layouts["sequence-parallel", 2]["bwd_bytes_per_rank"] == 64 * 32 * 4 // 2
+    assert layouts["sequence-parallel", 2]["fwd_bytes_per_rank"] == layouts["gather-allreduce", 2]["fwd_bytes_per_rank"]
+    rows = [r for r in every if r["layout"] == "replicated"]
+    assert proc.stdout.count("(thread / all)") == 6, proc.stdout
     from benchmarks import report  # the report's TP table carries the host column (as a full run's rows)
 
     table = "\n".join(report.tp_section([dict(r, smoke=False) for r in rows]))

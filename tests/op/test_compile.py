@@ -135,15 +135,16 @@ def test_compile_with_triton_source_and_bare_weight():
     assert_same_bits(compiled, eager)
 
 
-def test_fused_loss_runs_eagerly_inside_compiled_code():
-    """``linear_logp_loss`` is not an op (docs/training.md): compiled code runs it eagerly, untraced (no GEMM in
-    any captured graph, no warning from dynamo about the registry's caches), with eager's loss and gradients."""
+def test_fused_loss_with_a_plain_callable_runs_eagerly_inside_compiled_code():
+    """``linear_logp_loss`` with a loss that is not a TokenLoss (any callable: it cannot cross the op's schema) runs
+    eagerly inside compiled code, untraced (no GEMM in any captured graph, no warning from dynamo about the
+    registry's caches), with eager's loss and gradients."""
     import warnings
 
     p = make_problem((12,), 16, 50, torch.float32, True, seed=5)
 
     def loss_fn(h, w, t, b):
-        return 2 * linear_logp_loss(h, w, t, b, loss=losses.policy_gradient(), per_token=(p.g_logp,))
+        return 2 * linear_logp_loss(h, w, t, b, loss=lambda logp, entropy, adv: -adv * logp, per_token=(p.g_logp,))
 
     graphs = []
 
@@ -161,6 +162,52 @@ def test_fused_loss_runs_eagerly_inside_compiled_code():
     assert_same_bits(loss_and_grads(torch.compile(loss_fn, backend="aot_eager"), p), eager)
 
 
+# The peers' compile case (bf16, ignore_index -100 on every 7th token, sum and mean) at a CPU size: 48 tokens of
+# D = 32 over V = 211 (one chunk); the triton source in the interpreter at 20 tokens. Inductor, the default backend.
+FUSED_COMPILE_CASES = [pytest.param("native", 48, "sum", id="native-sum"),
+                       pytest.param("native", 48, "mean", id="native-mean"),
+                       pytest.param(*cpu_sources()[1].values, 20, "sum", marks=cpu_sources()[1].marks,
+                                    id="triton-interpreter-sum")]
+
+
+@pytest.mark.parametrize("source, n, reduction", FUSED_COMPILE_CASES)
+def test_fused_loss_compiles_fullgraph_bitwise(source, n, reduction):
+    """``linear_logp_loss`` with a TokenLoss under ``torch.compile(fullgraph=True)``: one op in the graph, and the
+    compiled loss and gradients are eager's bits; for ``linear_logp`` with the same loss written out, the gradients
+    (the loss is inductor's sum of the op's logp: another summation order)."""
+    g = torch.Generator().manual_seed(3)
+    x0 = (torch.randn(n, 32, generator=g) * 0.1).bfloat16()
+    w0 = (torch.randn(211, 32, generator=g) / 32 ** 0.5).bfloat16()
+    b0 = (torch.randn(211, generator=g) * 0.1).bfloat16()
+    target = torch.randint(0, 211, (n,), generator=g)
+    target[::7] = -100
+    ce, op = losses.cross_entropy(), get_op("linear_logp", source=source)
+
+    def fused(h, w, t, b):
+        return linear_logp_loss(h, w, t, b, loss=ce, reduction=reduction, ignore_index=-100, source=source,
+                                with_entropy=False)
+
+    def plain(h, w, t, b):
+        per_token = -op(h, w, t, b, ignore_index=-100)
+        return per_token.sum() if reduction == "sum" else per_token.sum() / (t != -100).sum()
+
+    p = make_problem((n,), 32, 211, torch.bfloat16, True)
+    p.hidden, p.weight, p.bias, p.target = x0, w0, b0, target
+    # linear_logp with ignore_index on triton: eager compacts the ignored rows and keeps their softmax terms (bf16)
+    # for the backward, the op (whose fake cannot know the compacted count) keeps none and recomputes them in fp32
+    # (tp.op_keeps): the gradients then differ by an ulp, a known gap
+    for fn in (fused, plain) if source == "native" else (fused,):
+        explained = torch._dynamo.explain(fn)(x0.clone().requires_grad_(), w0.clone().requires_grad_(), target,
+                                              b0.clone().requires_grad_())
+        assert explained.graph_break_count == 0 and len(explained.graphs) == 1, fn.__name__
+        eager = loss_and_grads(fn, p)
+        compiled = loss_and_grads(torch.compile(fn, fullgraph=True), p)
+        if fn is plain:
+            torch.testing.assert_close(compiled[0], eager[0], **tol.INDUCTOR._asdict())
+            compiled[0] = eager[0]
+        assert_same_bits(compiled, eager)
+
+
 KEEP_SOURCES = cpu_sources()
 
 
@@ -175,8 +222,9 @@ def test_opcheck(entropy, budget, source):
     p = make_problem((6,), 8, 23, torch.float32, True, seed=1)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
     ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
-    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True)
-    packed, kept = ops.linear_logp_fwd(*args)
+    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True, False, "reduced")
+    packed, kept, gathered = ops.linear_logp_fwd(*args)
+    assert gathered.numel() == 0  # (rows are gathered only by a sequence-parallel call with a group)
     # the triton sources keep a call this small under the default budget too (tplogp.kernels.workspace.default_keep)
     assert (kept.numel() > 0) == (budget == "keep" or source != "native"), kept.shape
     torch.library.opcheck(ops.linear_logp_fwd, args)

@@ -92,13 +92,13 @@ def test_forward_compacted_backward_in_place(monkeypatch):
     p = _problem(seed=7)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
     args = ("", 0, None, 1.0, True, IGNORE, False, None, "native")
-    packed, kept = ops.linear_logp_fwd(h, w, p.target, b, *args, True)
+    packed, kept, gathered = ops.linear_logp_fwd(h, w, p.target, b, *args, True, False, "reduced")
     grad = torch.stack([p.g_logp.reshape(-1), p.g_lse.reshape(-1)] + [torch.zeros_like(p.g_logp.reshape(-1))] * 2
                        + [p.g_entropy.reshape(-1), torch.zeros_like(p.g_logp.reshape(-1))])
-    bwd_args = ("", 0, 1.0, True, IGNORE, False, None, "native", True, True, True)
-    want = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, grad, *bwd_args)
+    bwd_args = ("", 0, 1.0, True, IGNORE, False, None, "native", False, "reduced", True, True, True)
+    want = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, gathered, grad, *bwd_args)
     monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
-    got = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, grad, *bwd_args)
+    got = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, gathered, grad, *bwd_args)
     for name, a, e in zip(("d_hidden", "d_weight", "d_bias"), got, want):
         assert torch.isfinite(a).all() and rel_error(a, e) <= EPS, name
 

@@ -1,5 +1,5 @@
-"""Record the TP backward's schedule on the native source: when the d_hidden all-reduce is issued, relative to
-the d_W updates (``native._accumulate_dw``), for the overlap tests."""
+"""Record the TP backward's schedule on the native source: when the d_hidden all-reduce (or a sequence-parallel
+call's reduce-scatter) is issued, relative to the d_W updates (``native._accumulate_dw``), for the overlap tests."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import torch.distributed as dist
 
 @contextlib.contextmanager
 def record_schedule() -> Iterator[list]:
-    """Yields the list of events, in order: ``("all_reduce", async_op)`` and ``("d_W", None)``."""
+    """Yields the list of events, in order: ``("all_reduce", async_op)``, ``("reduce_scatter", async_op)`` and
+    ``("d_W", None)``."""
+    from tplogp import comm
     from tplogp.backends import native
 
     events: list = []
-    real_all_reduce, real_dw = dist.all_reduce, native._accumulate_dw
+    real_all_reduce, real_dw, real_scatter = dist.all_reduce, native._accumulate_dw, comm.reduce_scatter_rows
 
     def all_reduce(t, *args, **kwargs):
         events.append(("all_reduce", kwargs.get("async_op", False)))
@@ -25,19 +27,24 @@ def record_schedule() -> Iterator[list]:
         events.append(("d_W", None))
         return real_dw(*args, **kwargs)
 
-    dist.all_reduce, native._accumulate_dw = all_reduce, accumulate_dw
+    def reduce_scatter(out, inp, group, async_op=False):
+        events.append(("reduce_scatter", async_op))
+        return real_scatter(out, inp, group, async_op)
+
+    dist.all_reduce, native._accumulate_dw, comm.reduce_scatter_rows = all_reduce, accumulate_dw, reduce_scatter
     try:
         yield events
     finally:
-        dist.all_reduce, native._accumulate_dw = real_all_reduce, real_dw
+        dist.all_reduce, native._accumulate_dw, comm.reduce_scatter_rows = real_all_reduce, real_dw, real_scatter
 
 
-def overlap_problem(events: list) -> Optional[str]:
-    """None when there was one async all_reduce, issued before the last of several d_W updates; else what was
-    seen."""
+def overlap_problem(events: list, collective: str = "all_reduce") -> Optional[str]:
+    """None when there was one async ``collective`` (and no other d_hidden collective), issued before the last of
+    several d_W updates; else what was seen."""
     names = [e[0] for e in events]
-    if names.count("all_reduce") != 1 or events[names.index("all_reduce")][1] is not True:
-        return f"expected one async all_reduce, got {events}"
-    if not (names.count("d_W") > 1 and names.index("all_reduce") < len(names) - 1 and names[-1] == "d_W"):
-        return f"the all_reduce must be issued before the last d_W update: {names}"
+    other = {"all_reduce", "reduce_scatter"} - {collective}
+    if names.count(collective) != 1 or events[names.index(collective)][1] is not True or other & set(names):
+        return f"expected one async {collective}, got {events}"
+    if not (names.count("d_W") > 1 and names.index(collective) < len(names) - 1 and names[-1] == "d_W"):
+        return f"the {collective} must be issued before the last d_W update: {names}"
     return None

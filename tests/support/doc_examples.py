@@ -1,4 +1,5 @@
-"""The examples of docs/training.md and docs/plugin.md: each ```python block preceded by ``<!-- example: NAME -->``."""
+"""The examples of docs/training.md, docs/plugin.md and docs/operator.md: each ```python block preceded by
+``<!-- example: NAME -->``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 TRAINING_DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 PLUGIN_DOC = Path(__file__).resolve().parents[2] / "docs" / "plugin.md"
+OPERATOR_DOC = Path(__file__).resolve().parents[2] / "docs" / "operator.md"
 _EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```", re.S)
 
 
@@ -16,12 +18,13 @@ def examples(doc: Path = TRAINING_DOC) -> dict[str, str]:
     return dict(_EXAMPLE.findall(doc.read_text()))
 
 
-def run_example(name: str, **namespace) -> None:
-    """Execute example ``name`` with ``namespace`` predefined (e.g. ``tp_group``); the environment is restored."""
-    code = examples()[name]
+def run_example(name: str, doc: Path = TRAINING_DOC, **namespace) -> None:
+    """Execute example ``name`` of ``doc`` with ``namespace`` predefined (e.g. ``tp_group``); the environment is
+    restored."""
+    code = examples(doc)[name]
     saved = dict(os.environ)
     try:
-        exec(compile(code, f"{TRAINING_DOC.name}:{name}", "exec"), dict(namespace))
+        exec(compile(code, f"{doc.name}:{name}", "exec"), dict(namespace))
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -14,8 +14,8 @@ A verl user switches by changing one import (``verl.utils.kernel.linear_cross_en
   stays per token under every reduction (case-insensitive, as verl);
 * both outputs are differentiable; ``weight.grad`` is this rank's shard's gradient. With a group, verl's backward
   leaves ``hidden.grad`` partial on each rank and its callers sum it over the group (Megatron's sequence-parallel
-  gather does, in its backward). tplogp's op completes ``hidden.grad`` with one all-reduce; this entry point
-  hands each rank ``1 / world`` of it, so that the caller's sum gives the same full gradient as with verl.
+  gather does, in its backward). This entry point calls the op with ``hidden_grad="partial"``: each rank's
+  ``hidden.grad`` is its shard's share, with no collective, as verl's.
 """
 
 from __future__ import annotations
@@ -29,20 +29,6 @@ from ..api import linear_logp
 from ..validation import LinearLogpInputError
 
 REDUCTIONS = ("none", "sum", "mean")
-
-
-class _ShareOfGradient(torch.autograd.Function):
-    """Identity whose backward hands on ``grad / world``: each rank's share of a gradient that is complete on
-    every rank, so that summing the shares over the group gives it once."""
-
-    @staticmethod
-    def forward(ctx, hidden, world: int):
-        ctx.world = world
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.world, None
 
 
 def linear_cross_entropy(
@@ -84,9 +70,8 @@ def linear_cross_entropy(
     group_kwargs: dict[str, Any] = {}
     if world > 1:
         local = weight.shape[0]
-        flat_hidden = _ShareOfGradient.apply(flat_hidden, world)
         group_kwargs = dict(tp_group=dist_process_group, vocab_start_index=dist.get_rank(dist_process_group) * local,
-                            global_vocab_size=world * local)
+                            global_vocab_size=world * local, hidden_grad="partial")
     # (a temperature that is not a positive finite number: linear_logp's checks raise LinearLogpInputError)
     logprobs, entropy = linear_logp(flat_hidden, weight, flat_labels, temperature=temperature, return_entropy=True,
                                     **group_kwargs)

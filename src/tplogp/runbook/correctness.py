@@ -10,7 +10,7 @@ import torch
 from ..reference import reference_outputs
 from ..shards import shard_boundaries, shard_range
 from .flags import DTYPES, IGNORE_INDEX
-from .inputs import make_targets, op_kwargs
+from .inputs import make_targets, op_kwargs, token_rows
 from .launch import log0
 from .report import report_checks
 
@@ -35,10 +35,12 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
          f"  shard_boundaries={bounds}",
          f"  source={args.op_source}, backend={backend}, device={device.type}, world_size={world}",
          *([f"  temperature={args.temperature:g}"] if args.temperature != 1.0 else []),
-         *([f"  ignore_fraction={args.ignore_fraction:g}"] if args.ignore_fraction > 0 else []))
+         *([f"  ignore_fraction={args.ignore_fraction:g}"] if args.ignore_fraction > 0 else []),
+         *(["  sequence_parallel=True"] if args.sequence_parallel else []))
 
-    # ours: this rank's shard only
-    h = hidden_full.to(device).clone().requires_grad_()
+    # ours: this rank's shard only (and with --sequence-parallel this rank's slice of the tokens)
+    rows = token_rows(args, rank, world, T)
+    h = hidden_full[rows].to(device).clone().requires_grad_()
     w = weight_full[start:end].to(device).clone().requires_grad_()
     b = None if bias_full is None else bias_full[start:end].to(device).clone().requires_grad_()
     out = op(h, w, target, b, **op_kwargs(args, start, V))
@@ -58,7 +60,7 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
     checks = [("output", logp.detach(), ref.logp.detach())]
     if ent is not None:
         checks.append(("entropy", ent.detach(), ref.entropy.detach()))
-    checks += [("hidden_grad", h.grad, hr.grad), ("weight_grad", w.grad, wr.grad[start:end])]
+    checks += [("hidden_grad", h.grad, hr.grad[rows]), ("weight_grad", w.grad, wr.grad[start:end])]
     if b is not None:
         checks.append(("bias_grad", b.grad, br.grad[start:end]))
     return report_checks(checks, args.atol, args.rtol, rank, device, backend)

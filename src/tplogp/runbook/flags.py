@@ -82,6 +82,9 @@ def build_parser(description: str = "", epilog: str = "",
     add("--uneven-shards", action="store_true",
         help="unequal vocab shards (tests vocab_start_index handling)")
     add("--no-bias", action="store_true", help="no bias")
+    add("--sequence-parallel", action="store_true",
+        help="each rank passes its contiguous slice of the tokens as hidden (sequence_parallel=True; the token "
+             "counts must divide by the world size); hidden_grad is checked against that slice of the reference's")
     add("--atol", type=tolerance, default=None,
         help="absolute bound of the correctness check (default: per dtype from tplogp.tolerances: "
              + ", ".join(f"{k} {RUNBOOK_TOLERANCES[v].atol:g}" for k, v in sorted(DTYPES.items())) + ")")

@@ -27,4 +27,15 @@ def op_kwargs(args: argparse.Namespace, start: int, vocab: int) -> dict:
         kw["return_entropy"] = True
     if args.ignore_fraction > 0:
         kw["ignore_index"] = IGNORE_INDEX
+    if args.sequence_parallel:
+        kw["sequence_parallel"] = True
     return kw
+
+
+def token_rows(args: argparse.Namespace, rank: int, world: int, tokens: int) -> slice:
+    """The rows of the tokens this rank passes as hidden: all of them, or with ``--sequence-parallel`` its
+    contiguous slice (rank-major; a count that does not divide is passed as is, for the op to refuse)."""
+    if not args.sequence_parallel or tokens % world:
+        return slice(0, tokens)
+    n = tokens // world
+    return slice(rank * n, (rank + 1) * n)

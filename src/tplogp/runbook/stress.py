@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..shards import shard_boundaries, shard_range
 from .flags import DTYPES
-from .inputs import make_targets, op_kwargs
+from .inputs import make_targets, op_kwargs, token_rows
 from .launch import log0, max_over_ranks
 
 
@@ -75,7 +75,7 @@ def stress(args: argparse.Namespace, rank: int, world: int, device: torch.device
     wgen = torch.Generator().manual_seed(args.seed + 100 + rank)  # shard only, never the full weight
     weight = (torch.randn(end - start, D, generator=wgen) / D ** 0.5).to(dtype).to(device)
     bias = None if args.no_bias else (torch.randn(end - start, generator=wgen) * 0.1).to(dtype).to(device)
-    h = hidden.requires_grad_()
+    h = hidden[token_rows(args, rank, world, T)].clone().requires_grad_()
     w = weight.requires_grad_()
     b = None if bias is None else bias.requires_grad_()
     kw = op_kwargs(args, start, V)

@@ -1,0 +1,73 @@
+"""torch.compile(fullgraph=True) on a CUDA GPU, at the peers' compile case: 256 tokens x D 512 x V 2048 in bf16, every
+7th target ``ignore_index = -100``, sum and mean (skipped without CUDA; CI has none).
+
+The fused loss (``linear_logp_loss`` with ``losses.cross_entropy()``) compiles to one op whose loss and gradients
+are eager's bits on every source; ``linear_logp`` with the loss written out gives eager's gradient bits on the
+native source (its loss is inductor's sum: compared within the inductor tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+from tests.support import tolerances as tol  # noqa: E402
+from tests.support.cuda import cuda_backend  # noqa: E402
+from tplogp import get_op, linear_logp_loss, losses  # noqa: E402
+
+N, D, V, IGNORE = 256, 512, 2048, -100
+
+
+def _inputs():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(N, D, device="cuda", generator=g).mul(0.1).bfloat16()
+    w = (torch.randn(V, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+    t = torch.randint(0, V, (N,), device="cuda", generator=g)
+    t[::7] = IGNORE
+    return x, w, t
+
+
+def _loss_and_grads(fn, x0, w0):
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    loss = fn(x, w)
+    loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("source", ["native", "triton", "sm90"])
+def test_fused_loss_compiled_gradients_are_eager_bits(source, reduction):
+    cuda_backend(source)
+    torch._dynamo.reset()
+    x0, w0, t = _inputs()
+    ce = losses.cross_entropy()
+
+    def fused(x, w):
+        return linear_logp_loss(x, w, t, loss=ce, reduction=reduction, ignore_index=IGNORE, source=source,
+                                with_entropy=False)
+
+    eager = _loss_and_grads(fused, x0, w0)
+    compiled = _loss_and_grads(torch.compile(fused, fullgraph=True), x0, w0)
+    for name, c, e in zip(("loss", "d_hidden", "d_weight"), compiled, eager):
+        assert torch.equal(c, e), f"{source} {reduction} {name}: compiled differs by {float((c - e).abs().max()):.2e}"
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_linear_logp_compiled_gradients_are_eager_bits_on_native(reduction):
+    torch._dynamo.reset()
+    x0, w0, t = _inputs()
+    op = get_op("linear_logp", source="native")
+
+    def plain(x, w):
+        per_token = -op(x, w, t, ignore_index=IGNORE)
+        return per_token.sum() if reduction == "sum" else per_token.sum() / (t != IGNORE).sum()
+
+    eager = _loss_and_grads(plain, x0, w0)
+    compiled = _loss_and_grads(torch.compile(plain, fullgraph=True), x0, w0)
+    torch.testing.assert_close(compiled[0], eager[0], **tol.INDUCTOR._asdict())
+    for name, c, e in zip(("d_hidden", "d_weight"), compiled[1:], eager[1:]):
+        assert torch.equal(c, e), f"{reduction} {name}: compiled differs by {float((c - e).abs().max()):.2e}"
