@@ -3,9 +3,10 @@ forward chunk by chunk and scaled in the backward (the scheme of fused linear cr
 
 Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_chunk_tokens`):
 
-1. :func:`tplogp.tp.shard_forward` gives fp32 logp and entropy (with a group: the stats' all_gather and merge);
-2. the loss gives the per-token upstream gradients ``g_logp`` / ``g_entropy``: closed form for a
-   :class:`~tplogp.losses.TokenLoss`, autograd on the chunk for any other callable;
+1. :func:`tplogp.tp.shard_forward` gives fp32 logp and entropy (with a group: the stats' all_gather and merge), and
+   the lse and ``sum_v z`` that a :class:`~tplogp.losses.TokenLoss` may read (:class:`~tplogp.losses.TokenStats`);
+2. the loss gives the per-token upstream gradients ``g_logp`` / ``g_entropy`` (and ``g_lse`` / ``g_sum_z``):
+   closed form for a :class:`~tplogp.losses.TokenLoss`, autograd on the chunk for any other callable;
 3. the source's backward gives the chunk's fp32 ``d_hidden`` rows and adds its ``d_W`` / ``d_b`` to fp32
    accumulators (one chunk's are written directly in the weight / bias dtype).
 
@@ -25,7 +26,7 @@ from . import plan, tensors, tp
 from .budgets import accumulator_tokens, plan_chunk_tokens
 from .comm import OverlappedAllReduce
 from .grad_scaling import scaled_all
-from .losses import Derivative, TokenLoss
+from .losses import Derivative, TokenLoss, TokenStats
 from .tensors import f32_contiguous, zero_rows
 
 REDUCTIONS = ("sum", "mean")
@@ -62,7 +63,7 @@ class _PrecomputedGrads(torch.autograd.Function):
 def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
                temperature: float, ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int],
-               with_entropy: bool = True) -> torch.Tensor:
+               with_entropy: bool = True, softcap: Optional[float] = None) -> torch.Tensor:
     """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice). The chunk loop
     runs without autograd (only a callable loss runs under it); the result carries the gradients."""
     if reduction not in REDUCTIONS:
@@ -71,7 +72,8 @@ def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
-                               deterministic=deterministic, workspace_bytes=workspace_bytes)
+                               deterministic=deterministic, workspace_bytes=workspace_bytes, softcap=softcap,
+                               with_sum_z=isinstance(loss, TokenLoss) and "sum_z" in loss.reads)
     # the d_hidden all-reduce runs iff needs[0]: the group's record makes every rank agree on it (no hang)
     call = plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, needs[0])
@@ -120,22 +122,30 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
         h_c, lt_c = (h2, local_target) if whole else (h2[t0:t1], local_target[t0:t1])
         pt = extra if whole else [t[t0:t1] for t in extra]
         skip = None if ignored is None else ignored if whole else ignored[t0:t1]
-        (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = tp.shard_forward(h_c, w, b, lt_c, tpc)
+        (logp, entropy, lse, _, sum_z), (row_max, log_sum, mean_rel, kept) = tp.shard_forward(h_c, w, b, lt_c, tpc)
         if skip is not None:  # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
             logp, entropy = zero_rows(skip, logp), None if entropy is None else zero_rows(skip, entropy)
+        reads_stats = isinstance(loss, TokenLoss) and bool(loss.reads)
+        stats = TokenStats(lse, sum_z, local.vocab_size) if reads_stats else None
         if not differentiate:
-            part = _chunk_part(zero_rows(skip, loss(logp, entropy, *pt)), count)
+            value = loss(logp, entropy, *pt, stats=stats) if reads_stats else loss(logp, entropy, *pt)
+            part = _chunk_part(zero_rows(skip, value), count)
             total = part if total is None else total + part
             continue
         part = None  # a linear loss's: from its upstream gradients, once the backward is launched
+        g_lse = g_sum_z = None
         if isinstance(loss, TokenLoss):  # closed-form derivatives: no autograd engine run per chunk
             if loss.linear:
                 d_logp, d_ent = loss.coefficients(*pt)
             else:
-                value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *pt)
+                value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *pt, stats=stats)
                 part = _chunk_part(zero_rows(skip, value), count)
             g_logp = _token_grads(d_logp, t1 - t0, h2.device, skip, count=count)
             g_ent = None if entropy is None else _token_grads(d_ent, t1 - t0, h2.device, skip, count=count)
+            if reads_stats:  # d loss / d lse and d loss / d sum_z: the sources' grad_lse and grad_sum_z
+                d_lse, d_sum_z = loss.stat_derivatives(stats, *pt)
+                g_lse = _token_grads(d_lse, t1 - t0, h2.device, skip, count=count)
+                g_sum_z = _token_grads(d_sum_z, t1 - t0, h2.device, skip, count=count)
         else:
             logp = logp.detach().requires_grad_()
             entropy = None if entropy is None else entropy.detach().requires_grad_()
@@ -153,10 +163,11 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
                 d_hidden[t0:t1] = rows
                 reduce.start(d_hidden)
 
+        extra = {} if g_sum_z is None else {"grad_sum_z": g_sum_z}  # (only label smoothing's sources get it)
         grads = tpc.backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.contiguous(),
-                                     None if g_ent is None else g_ent.contiguous(), None,
+                                     None if g_ent is None else g_ent.contiguous(), g_lse,
                                      mean_rel if g_ent is not None else None, tpc.call, needs, d_hidden_ready=ready,
-                                     kept=kept, accumulate=accumulate)
+                                     kept=kept, accumulate=accumulate, **extra)
         del kept  # one chunk's kept logits at a time
         part = _linear_total(*linear) if linear is not None else part  # (queued behind the backward's kernels)
         total = part if total is None else total + part

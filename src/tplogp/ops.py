@@ -2,8 +2,8 @@
 
 ``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.plan.prepare` (source, checks,
 verdict), then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
-tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, and with entropy the
-entropy and ``E_p[z] - M``) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
+tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, with entropy the
+entropy and ``E_p[z] - M``, and with ``return_argmax`` the argmax ids, exact in fp32) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
 (``tp.op_keeps``; an empty tensor when none: no budget, no graph, or ``ignore_index``, whose compaction would make
 the size depend on the data). ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
 recomputing them; it never writes them (its schema declares no mutation, so the compiled backward runs the
@@ -29,9 +29,10 @@ from .tp import backward_packed, forward_packed, packed_rows
 
 
 def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
-             workspace_bytes: Optional[int]) -> LogpOptions:
+             workspace_bytes: Optional[int], softcap: Optional[float], return_argmax: bool) -> LogpOptions:
     return LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=True,
-                       ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes)
+                       ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+                       softcap=softcap, return_argmax=return_argmax)
 
 
 def _source(source: str) -> Optional[str]:
@@ -42,7 +43,7 @@ def _source(source: str) -> Optional[str]:
 def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], group_name: str,
                     vocab_start_index: int, global_vocab_size: Optional[int], temperature: float, return_entropy: bool,
                     ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
-                    builds_graph: bool) -> tuple[Tensor, Tensor]:
+                    builds_graph: bool, softcap: Optional[float], return_argmax: bool) -> tuple[Tensor, Tensor]:
     """Packed fp32 ``[K, N]`` forward of one call and the logits it keeps for the backward (see the module
     docstring). ``source`` "" selects per device."""
     group = group_from_name(group_name)
@@ -50,15 +51,16 @@ def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
         return forward_packed(prepare(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index,
                                       global_vocab_size,
                                       _options(temperature, return_entropy, ignore_index, deterministic,
-                                               workspace_bytes), builds_graph))
+                                               workspace_bytes, softcap, return_argmax), builds_graph))
 
 
 @linear_logp_fwd.register_fake
 def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          builds_graph):
-    packed = hidden.new_empty((packed_rows(return_entropy), target_ids.numel()), dtype=torch.float32)
-    options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
+                          builds_graph, softcap, return_argmax):
+    packed = hidden.new_empty((packed_rows(return_entropy, return_argmax), target_ids.numel()), dtype=torch.float32)
+    options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes, softcap,
+                       return_argmax)
     backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
     kept = backend.kept_shape(target_ids.numel(), hidden.shape[-1], weight.shape[0], hidden.dtype, hidden.device,
                               op_call(options, builds_graph))
@@ -69,12 +71,13 @@ def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_st
 def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], packed: Tensor,
                     kept: Tensor, grad_packed: Tensor, group_name: str, vocab_start_index: int, temperature: float,
                     return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
-                    workspace_bytes: Optional[int], source: str, needs_hidden: bool, needs_weight: bool,
-                    needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    workspace_bytes: Optional[int], source: str, softcap: Optional[float], return_argmax: bool,
+                    needs_hidden: bool, needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(d_hidden, d_weight, d_bias)``; a gradient that is not needed comes back as an empty tensor."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
-        options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes)
+        options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes, softcap,
+                           return_argmax)
         call = prepare_backward(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index, options)
         grads = backward_packed(call, packed, grad_packed, (needs_hidden, needs_weight, needs_bias and bias is not None),
                                 kept=kept)
@@ -85,7 +88,7 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
 @linear_logp_bwd.register_fake
 def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, grad_packed, group_name, vocab_start_index,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          needs_hidden, needs_weight, needs_bias):
+                          softcap, return_argmax, needs_hidden, needs_weight, needs_bias):
     has_bias = needs_bias and bias is not None
     return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
             weight.new_empty(weight.shape if needs_weight else (0,)),
@@ -94,7 +97,7 @@ def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, grad_p
 
 _FORWARD_ARGS = ("hidden", "weight", "target_ids", "bias", "group_name", "vocab_start_index", "global_vocab_size",
                  "temperature", "return_entropy", "ignore_index", "deterministic", "workspace_bytes", "source",
-                 "builds_graph")
+                 "builds_graph", "softcap", "return_argmax")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -103,7 +106,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(kept)
     ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], packed, kept)
     ctx.call_args = (args["group_name"], args["vocab_start_index"], args["temperature"], args["return_entropy"],
-                     args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"])
+                     args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"],
+                     args["softcap"], args["return_argmax"])
 
 
 def _backward(ctx, grad_packed, grad_kept):
