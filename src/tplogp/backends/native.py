@@ -101,8 +101,10 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
 
 
 def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
-                 out: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
-    """``cap(h @ w^T + b) * inv_t`` in fp32, ``cap(y) = softcap * tanh(y / softcap)`` (identity without one)."""
+                 out: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                 slope: Optional[list] = None) -> torch.Tensor:
+    """``cap(h @ w^T + b) * inv_t`` in fp32, ``cap(y) = softcap * tanh(y / softcap)`` (identity without one).
+    ``slope`` (a list, with a softcap): gets ``d cap / d y = 1 - tanh^2`` from the tanh itself appended."""
     if out is None:
         z = fp32_gemm.mm(h, w.t())
     else:
@@ -111,15 +113,18 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
     if b is not None:
         z += b.float()
     if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
+        z.div_(softcap).tanh_()
+        if slope is not None:
+            slope.append(z.square().neg_().add_(1.0))
+        z.mul_(softcap)
     if inv_t != 1.0:
         z *= inv_t
     return z
 
 
 def _softcap_slope(z: torch.Tensor, call: ShardCall) -> torch.Tensor:
-    """``d cap / d y = 1 - tanh^2(y / softcap)`` of logits ``z = cap(y) * inv_t`` (absolute, not relative to a
-    max): ``tanh(y / softcap) = z / (softcap * inv_t)``."""
+    """``d cap / d y = 1 - tanh^2(y / softcap)`` of kept logits ``z = cap(y) * inv_t`` (absolute, not relative to
+    a max): ``tanh(y / softcap) = z / (softcap * inv_t)``."""
     t = z * (1.0 / (call.softcap * call.inv_temperature))
     return t.mul_(t).neg_().add_(1.0)
 
@@ -409,10 +414,10 @@ class NativeBackend:
                     if call.softcap is not None:  # z = log(e) + m
                         slope = _softcap_slope(_kept_logits(keep[0], keep[1]), call)
                 else:  # recompute the tile
+                    slopes = [] if call.softcap is not None else None
                     z = _logits_tile(ch.h, w, None if bias is None else bias[v0:v1], call.inv_temperature,
-                                     softcap=call.softcap)
-                    if call.softcap is not None:
-                        slope = _softcap_slope(z, call)
+                                     softcap=call.softcap, slope=slopes)
+                    slope = slopes[0] if slopes else None
                     z -= ch.m.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peak
                     if ch.ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
                         p = torch.exp(z - ch.ls.unsqueeze(1))
@@ -522,8 +527,9 @@ def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp
     c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z) (never modified)
     if grad_lse is not None:
         c0 = c0 - grad_lse
-    z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap)
-    slope = None if call.softcap is None else _softcap_slope(z, call)
+    slopes = [] if call.softcap is not None else None
+    z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap, slope=slopes)
+    slope = slopes[0] if slopes else None
     z -= row_max.unsqueeze(1)
     if grad_entropy is not None:
         c0 = c0 - grad_entropy * mean_z
