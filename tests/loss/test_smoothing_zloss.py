@@ -188,3 +188,12 @@ def test_transformer_engine_label_smoothing_with_ignored_tokens(reduction):
         per_token.append(tplogp.linear_logp_loss(p.hidden.reshape(-1, 16), p.weight, only, loss=loss,
                                                  ignore_index=IGNORE, with_entropy=False))
     torch.testing.assert_close(torch.stack(per_token).double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_operator_doc_example_runs_as_written():
+    """docs/operator.md's example of label smoothing, z-loss, softcap and argmax."""
+    from tests.support.doc_examples import OPERATOR_DOC, examples
+
+    code = examples(OPERATOR_DOC)
+    assert set(code) == {"operator-smoothing"}
+    exec(compile(code["operator-smoothing"], OPERATOR_DOC.name, "exec"), {})

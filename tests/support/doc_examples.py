@@ -1,4 +1,4 @@
-"""The examples of docs/training.md and docs/plugin.md: each ```python block preceded by ``<!-- example: NAME -->``."""
+"""The examples of docs/training.md, docs/plugin.md and docs/operator.md: each ```python block preceded by ``<!-- example: NAME -->``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 TRAINING_DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 PLUGIN_DOC = Path(__file__).resolve().parents[2] / "docs" / "plugin.md"
+OPERATOR_DOC = Path(__file__).resolve().parents[2] / "docs" / "operator.md"
 _EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```", re.S)
 
 
