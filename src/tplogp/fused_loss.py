@@ -163,11 +163,11 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
                 d_hidden[t0:t1] = rows
                 reduce.start(d_hidden)
 
-        extra = {} if g_sum_z is None else {"grad_sum_z": g_sum_z}  # (only label smoothing's sources get it)
+        sum_z_grad = {} if g_sum_z is None else {"grad_sum_z": g_sum_z}  # (only label smoothing's sources get it)
         grads = tpc.backend.backward(h_c, w, b, lt_c, row_max, log_sum, g_logp.contiguous(),
                                      None if g_ent is None else g_ent.contiguous(), g_lse,
                                      mean_rel if g_ent is not None else None, tpc.call, needs, d_hidden_ready=ready,
-                                     kept=kept, accumulate=accumulate, **extra)
+                                     kept=kept, accumulate=accumulate, **sum_z_grad)
         del kept  # one chunk's kept logits at a time
         part = _linear_total(*linear) if linear is not None else part  # (queued behind the backward's kernels)
         total = part if total is None else total + part

@@ -43,7 +43,8 @@ def _source(source: str) -> Optional[str]:
 def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], group_name: str,
                     vocab_start_index: int, global_vocab_size: Optional[int], temperature: float, return_entropy: bool,
                     ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
-                    builds_graph: bool, softcap: Optional[float], return_argmax: bool) -> tuple[Tensor, Tensor]:
+                    builds_graph: bool, softcap: Optional[float] = None,
+                    return_argmax: bool = False) -> tuple[Tensor, Tensor]:
     """Packed fp32 ``[K, N]`` forward of one call and the logits it keeps for the backward (see the module
     docstring). ``source`` "" selects per device."""
     group = group_from_name(group_name)
@@ -57,7 +58,7 @@ def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
 @linear_logp_fwd.register_fake
 def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          builds_graph, softcap, return_argmax):
+                          builds_graph, softcap=None, return_argmax=False):
     packed = hidden.new_empty((packed_rows(return_entropy, return_argmax), target_ids.numel()), dtype=torch.float32)
     options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes, softcap,
                        return_argmax)
@@ -71,8 +72,9 @@ def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_st
 def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], packed: Tensor,
                     kept: Tensor, grad_packed: Tensor, group_name: str, vocab_start_index: int, temperature: float,
                     return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
-                    workspace_bytes: Optional[int], source: str, softcap: Optional[float], return_argmax: bool,
-                    needs_hidden: bool, needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    workspace_bytes: Optional[int], source: str, needs_hidden: bool, needs_weight: bool,
+                    needs_bias: bool, softcap: Optional[float] = None,
+                    return_argmax: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``(d_hidden, d_weight, d_bias)``; a gradient that is not needed comes back as an empty tensor."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
@@ -88,7 +90,7 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
 @linear_logp_bwd.register_fake
 def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, grad_packed, group_name, vocab_start_index,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          softcap, return_argmax, needs_hidden, needs_weight, needs_bias):
+                          needs_hidden, needs_weight, needs_bias, softcap=None, return_argmax=False):
     has_bias = needs_bias and bias is not None
     return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
             weight.new_empty(weight.shape if needs_weight else (0,)),
@@ -106,8 +108,8 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(kept)
     ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], packed, kept)
     ctx.call_args = (args["group_name"], args["vocab_start_index"], args["temperature"], args["return_entropy"],
-                     args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"],
-                     args["softcap"], args["return_argmax"])
+                     args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"])
+    ctx.model_options = (args.get("softcap"), args.get("return_argmax", False))
 
 
 def _backward(ctx, grad_packed, grad_kept):
@@ -116,7 +118,8 @@ def _backward(ctx, grad_packed, grad_kept):
     if grad_packed is None or not (needs[0] or needs[1] or (bias is not None and needs[3])):
         return (None,) * len(_FORWARD_ARGS)
     d_hidden, d_weight, d_bias = linear_logp_bwd(hidden, weight, target_ids, bias, packed, kept, grad_packed,
-                                                 *ctx.call_args, needs[0], needs[1], bias is not None and needs[3])
+                                                 *ctx.call_args, needs[0], needs[1], bias is not None and needs[3],
+                                                 *ctx.model_options)
     return (d_hidden if needs[0] else None, d_weight if needs[1] else None, None,
             d_bias if (bias is not None and needs[3]) else None) + (None,) * (len(_FORWARD_ARGS) - 4)
 

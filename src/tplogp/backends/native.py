@@ -391,9 +391,10 @@ class NativeBackend:
         tile_bytes, _ = split_workspace(call.workspace_bytes, hidden.device)
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
+        sum_z_grad = {} if grad_sum_z is None else {"grad_sum_z": grad_sum_z}
         chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
                                     local_target, t0, min(t0 + tc, n), tc if call.deterministic else None,
-                                    grad_sum_z)
+                                    **sum_z_grad)
                   for t0 in range(0, n, tc)]
         dw_tile = None
         if d_weight is not None and d_weight.dtype != torch.float32:

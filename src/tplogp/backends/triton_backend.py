@@ -358,7 +358,7 @@ class TritonBackend:
             return None
         with_entropy = grad_entropy is not None
         with_sum_z = grad_sum_z is not None
-        key = ("backward", n, tuple(needs), with_entropy, with_sum_z)
+        key = ("backward", n, tuple(needs), with_entropy) + (("sum_z",) if with_sum_z else ())
         program = call.programs.get(key)
         if program is None:
             from ..kernels.programs import KeptBackward

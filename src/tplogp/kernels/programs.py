@@ -334,8 +334,10 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     log_sum = f32_contiguous(log_sum)
     with_entropy = grad_entropy is not None
     g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
-    with_sum_z = grad_sum_z is not None
-    gsz = f32_contiguous(grad_sum_z) if with_sum_z else g
+    # the d_logits launchers' optional epilogue steps (none: their plain call)
+    options = {k: v for k, v in (("softcap", softcap),
+                                 ("gsz", None if grad_sum_z is None else f32_contiguous(grad_sum_z)))
+               if v is not None}
     v_keep = 0 if kept is None else kept.values.shape[1]
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
@@ -343,7 +345,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
-    args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, gsz)
+    args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
     inv_t = float(inv_temperature)
     # one chunk (small shapes): no slicing; otherwise one workspace reused chunk after chunk
     ws = None if len(bounds) == 1 else torch.empty(n * chunk, device=dev, dtype=weight.dtype)
@@ -355,12 +357,11 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
         if from_kept:
             launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision,
-                                softcap=softcap, with_sum_z=with_sum_z)
+                                **options)
             if v_hi == v_keep:  # the last pass that reads the scales: nothing here holds them any longer
                 kept.release_scales()
         else:
-            launch_dlogits(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision, tma,
-                           softcap=softcap, with_sum_z=with_sum_z)
+            launch_dlogits(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision, tma, **options)
         if i_chunk == 0:
             # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
             # allocations themselves do no GPU work).
@@ -419,34 +420,36 @@ def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: Tile
         fp32_gemm.addmm_(d_hidden, dz, w_chunk)
 
 
-def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, gsz, dz, dbp, v_lo, v_hi,
+def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                         inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
                         launch: Optional[Callable] = None, softcap: Optional[float] = None,
-                        with_sum_z: bool = False) -> None:
+                        gsz: Optional[torch.Tensor] = None) -> None:
     """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM; the forward's
     tile width, one scale per row and tile). ``launch``: this launch as the caller's program holds it
-    (:class:`KeptBackward`), else the layout's from :func:`~.launch.cached`."""
+    (:class:`KeptBackward`), else the layout's from :func:`~.launch.cached`. ``softcap``: the forward's;
+    ``gsz``: the per-token gradient of the logits' sum (label smoothing), or None."""
     values, scales = kept
     if launch is None:
         launch = cached(dlogits_kept_launch, values.shape[0], v_lo, v_hi, values.stride(0), scales.stride(0),
                         dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature, with_entropy, need_db, cfg,
-                        precision, softcap, with_sum_z)
-    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, gsz, dz, dbp)
+                        precision, softcap, gsz is not None)
+    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, g if gsz is None else gsz, dz, dbp)
 
 
-def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, gsz, dz, dbp, v_lo, v_hi,
+def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                    inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
-                   tma: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False) -> None:
-    """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal)."""
+                   tma: bool = False, softcap: Optional[float] = None, gsz: Optional[torch.Tensor] = None) -> None:
+    """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal; ``softcap``,
+    ``gsz``: as in :func:`launch_dlogits_kept`)."""
     n, d = hidden.shape
     tma = tma and tma_ok(hidden, weight)
     if tma:
         ensure_context(hidden.device)
     launch = cached(dlogits_launch, n, weight.shape[0], d, v_lo, v_hi, hidden.stride(0), weight.stride(0),
                     dz.stride(0), dbp.stride(0) if need_db else 0, bias is not None, need_db, with_entropy,
-                    inv_temperature, cfg, precision, tma, softcap, with_sum_z)
-    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg, ge, mz, gsz, dz,
-           dbp)
+                    inv_temperature, cfg, precision, tma, softcap, gsz is not None)
+    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg, ge, mz,
+           g if gsz is None else gsz, dz, dbp)
 
 
 class KeptBackward:
@@ -507,10 +510,10 @@ class KeptBackward:
         dz = kept.values if kept.values.dtype == weight.dtype else kept.values.view(weight.dtype)
         if not local_target.is_contiguous():
             local_target = local_target.contiguous()
-        gsz = g if grad_sum_z is None else f32_contiguous(grad_sum_z)
-        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g, gmg, ge, mz, gsz,
+        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g, gmg, ge, mz,
                             dz, dbp, 0, dz.shape[1], self.inv_temperature, self.with_entropy, need_db, self.cfg,
-                            self.precision, self.dlogits)
+                            self.precision, self.dlogits,
+                            **({} if grad_sum_z is None else {"gsz": f32_contiguous(grad_sum_z)}))
         kept.release_scales()  # (the last pass that reads them)
         # allocated after the d_logits launch: the GPU starts sooner (the allocations do no GPU work)
         d_hidden = torch.empty(hidden.shape, device=device, dtype=self.dh_dtype) if need_dh else None
