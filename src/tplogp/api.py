@@ -34,10 +34,11 @@ from .kernel_registry import check_op, check_source, require_source
 from .losses import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
 from .plan import LogpOptions
-from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE
+from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
 from .validation import LinearLogpInputError, is_int
 
-_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions))
+# (with_sum_z is the fused loss's: linear_logp returns no sum of the logits)
+_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions)) - {"with_sum_z"}
 AUTOMATIC = (None, "registry", "auto")  # the source names that leave the choice to the registry
 
 
@@ -89,7 +90,10 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and isinstance(options.temperature, (int, float)) and not isinstance(options.temperature, bool)
             and (options.ignore_index is None or is_int(options.ignore_index))
             and (options.workspace_bytes is None or is_int(options.workspace_bytes))
-            and isinstance(options.sequence_parallel, bool) and isinstance(options.hidden_grad, str))
+            and isinstance(options.sequence_parallel, bool) and isinstance(options.hidden_grad, str)
+            and (options.softcap is None or (isinstance(options.softcap, (int, float))
+                                             and not isinstance(options.softcap, bool)))
+            and isinstance(options.return_argmax, bool))
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -108,12 +112,16 @@ def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_in
     packed, _, _ = ops.linear_logp_fwd(
         hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
         float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
-        options.workspace_bytes, name or "", builds_graph, options.sequence_parallel, options.hidden_grad)
+        options.workspace_bytes, name or "", builds_graph, options.sequence_parallel, options.hidden_grad,
+        None if options.softcap is None else float(options.softcap), options.return_argmax)
     shape = target_ids.shape
     logp = packed[PACKED_LOGP].view(shape)
     lse = packed[PACKED_LSE].view(shape)
     entropy = packed[PACKED_ENTROPY].view(shape) if options.return_entropy else None
-    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse)
+    argmax = None
+    if options.return_argmax:  # the last row: exact ids in fp32
+        argmax = packed[packed_rows(options.return_entropy)].view(shape).to(torch.int64)
+    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse, argmax)
 
 
 def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -147,8 +155,10 @@ def linear_logp(
     vocab_start_index: int = 0,
     global_vocab_size: Optional[int] = None,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
     return_entropy: bool = False,
     return_lse: bool = False,
+    return_argmax: bool = False,
     ignore_index: Optional[int] = None,
     deterministic: bool = False,
     workspace_bytes: Optional[int] = None,
@@ -157,7 +167,8 @@ def linear_logp(
 ) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
 
-    ``logp[t] = log_softmax((hidden @ weight.T + bias) / temperature)[t, target_ids[t]]`` over the whole vocabulary
+    ``logp[t] = log_softmax(z)[t, target_ids[t]]`` with ``z = cap(hidden @ weight.T + bias) / temperature`` and
+    ``cap(y) = softcap * tanh(y / softcap)`` (the identity when ``softcap`` is None), over the whole vocabulary
     of all ranks of ``tp_group``, without materializing the ``[tokens, vocab]`` logits. Differentiable in hidden,
     weight and bias for any upstream gradient. Traced by ``torch.compile`` as one op (no graph breaks); under
     ``torch.autocast`` hidden, weight and bias are used in the autocast dtype (outputs stay fp32).
@@ -173,10 +184,14 @@ def linear_logp(
         tp_group: the process group the vocab is sharded over (None: the weight is the whole vocab).
         vocab_start_index: first global id of this rank's shard (shards may be uneven).
         global_vocab_size: total vocab; inferred from the shards when None.
-        temperature: logits are divided by it before the softmax (gradients follow).
+        temperature: logits are divided by it before the softmax (after the softcap; gradients follow).
+        softcap: None, or a positive finite float ``c``: final-logit softcapping ``c * tanh(y / c)`` (Gemma 2 / 3),
+            fused into the kernels' epilogue with its derivative in the backward (no logits in memory).
         return_entropy: also return the entropy of the full-vocab distribution per token (differentiable).
         return_lse: also return the merged log-sum-exp per token (differentiable, for z-loss / KL terms).
-        ignore_index: positions with this target get logp 0 (entropy 0, lse 0) and no gradient.
+        return_argmax: also return the full-vocabulary argmax id of ``z`` per token (int64, the lowest id on ties,
+            merged across the group's ranks; not differentiable), for token-accuracy metrics.
+        ignore_index: positions with this target get logp 0 (entropy 0, lse 0, argmax 0) and no gradient.
         deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
             other rows of the batch (costs some speed: fixed tiling, no cuBLAS ``d_hidden`` on triton / sm90).
         workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (tiles, plus fp32
@@ -194,16 +209,18 @@ def linear_logp(
             themselves (the backward of their own gather). Not with ``sequence_parallel``.
 
     Returns:
-        float32 logp with target_ids' shape; with ``return_entropy`` and/or ``return_lse`` a named tuple of exactly
-        the requested outputs, which unpacks: ``logp, entropy = ...`` (:class:`~tplogp.outputs.LogpEntropy`),
-        ``logp, lse = ...`` (:class:`~tplogp.outputs.LogpLse`), ``logp, entropy, lse = ...``
-        (:class:`~tplogp.outputs.LogpEntropyLse`). With a DTensor hidden, each is a DTensor with hidden's
-        placements (replicated over the vocab dimension).
+        float32 logp with target_ids' shape; with ``return_entropy``, ``return_lse`` and/or ``return_argmax`` a
+        named tuple of exactly the requested outputs in the order logp, entropy, lse, argmax, which unpacks:
+        ``logp, entropy = ...`` (:class:`~tplogp.outputs.LogpEntropy`), ``logp, lse = ...``
+        (:class:`~tplogp.outputs.LogpLse`), ``logp, entropy, lse = ...`` (:class:`~tplogp.outputs.LogpEntropyLse`),
+        ``logp, argmax = ...`` (:class:`~tplogp.outputs.LogpArgmax`), and so on (:mod:`tplogp.outputs`). With a
+        DTensor hidden, each is a DTensor with hidden's placements (replicated over the vocab dimension).
     """
     return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                 LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
                             ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                            sequence_parallel=sequence_parallel, hidden_grad=hidden_grad))
+                            sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap,
+                            return_argmax=return_argmax))
 
 
 @functools.lru_cache(maxsize=None)
@@ -265,6 +282,7 @@ def linear_logp_loss(
     vocab_start_index: int = 0,
     global_vocab_size: Optional[int] = None,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
     ignore_index: Optional[int] = None,
     deterministic: bool = False,
     workspace_bytes: Optional[int] = None,
@@ -288,7 +306,10 @@ def linear_logp_loss(
     statistics (``True``); ``False`` suits a loss that never reads ``entropy`` (cross-entropy, ``policy_gradient``,
     ``ppo_clip``, ``kl_to_reference``; of ``tplogp.losses`` only ``entropy_bonus`` reads it): the forward's stats
     kernel then skips the entropy's running sum, and the callable gets ``entropy=None`` (one that uses it fails
-    there with Python's error on None). The other arguments are those of :func:`linear_logp`, with the same
+    there with Python's error on None). A :class:`~tplogp.losses.TokenLoss` may also read each token's lse and the
+    sum of its logits over the vocabulary (``losses.z_loss``, ``losses.cross_entropy(label_smoothing=...)``): the
+    sources then compute that sum as one more statistic. The other arguments are those of :func:`linear_logp`
+    (``softcap`` included), with the same
     handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the leaves in their dtypes)
     and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
     plain tensor (the loss is a scalar of this rank's tokens: with ``sequence_parallel``, of all N tokens, the same
@@ -303,7 +324,7 @@ def linear_logp_loss(
     positions, the same on every rank (docs/operator.md, "GRPO-family losses").
     """
     options = dict(loss=loss, per_token=tuple(per_token), reduction=reduction, temperature=temperature,
-                   ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
+                   softcap=softcap, ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
                    with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
                    cu_seqlens=cu_seqlens, return_metrics=return_metrics)
     source = None if source in AUTOMATIC else source
@@ -328,11 +349,11 @@ def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, gl
             and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, LogpOptions(
                 temperature=options["temperature"], ignore_index=options["ignore_index"],
                 workspace_bytes=options["workspace_bytes"], sequence_parallel=options["sequence_parallel"],
-                hidden_grad=options["hidden_grad"])) and isinstance(options["deterministic"], bool))
+                hidden_grad=options["hidden_grad"], softcap=options["softcap"])) and isinstance(options["deterministic"], bool))
 
 
 def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction, temperature,
+                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction, temperature, softcap,
                    ignore_index, deterministic, workspace_bytes, with_entropy, sequence_parallel, hidden_grad,
                    cu_seqlens: None = None, return_metrics: bool = False):
     """The fused loss as the op of :mod:`tplogp.ops` (traced by ``torch.compile``): its value; the gradients it
@@ -343,7 +364,8 @@ def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
     value, _, _, _ = ops.linear_logp_loss_fwd(
         hidden, weight, target_ids, bias, list(per_token), loss.key, reduction, group_name(tp_group),
         vocab_start_index, global_vocab_size, float(temperature), ignore_index, deterministic, workspace_bytes,
-        source or "", with_entropy, sequence_parallel, hidden_grad, *needs)
+        source or "", with_entropy, sequence_parallel, hidden_grad,
+        None if softcap is None else float(softcap), *needs)
     return value
 
 

@@ -3,9 +3,10 @@ forward chunk by chunk and scaled in the backward (the scheme of fused linear cr
 
 Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_chunk_tokens`):
 
-1. :func:`tplogp.tp.shard_forward` gives fp32 logp and entropy (with a group: the stats' all_gather and merge);
-2. the loss gives the per-token upstream gradients ``g_logp`` / ``g_entropy``: closed form for a
-   :class:`~tplogp.losses.TokenLoss`, autograd on the chunk for any other callable;
+1. :func:`tplogp.tp.shard_forward` gives fp32 logp and entropy (with a group: the stats' all_gather and merge), and
+   the lse and ``sum_v z`` that a :class:`~tplogp.losses.TokenLoss` may read (:class:`~tplogp.losses.TokenStats`);
+2. the loss gives the per-token upstream gradients ``g_logp`` / ``g_entropy`` (and ``g_lse`` / ``g_sum_z``):
+   closed form for a :class:`~tplogp.losses.TokenLoss`, autograd on the chunk for any other callable;
 3. the source's backward gives the chunk's fp32 ``d_hidden`` rows and adds its ``d_W`` / ``d_b`` to fp32
    accumulators (one chunk's are written directly in the weight / bias dtype).
 
@@ -26,7 +27,7 @@ import torch
 from . import plan, tensors, tp
 from .budgets import accumulator_tokens, plan_chunk_tokens
 from .grad_scaling import scaled_all
-from .losses import Derivative, TokenLoss
+from .losses import Derivative, TokenLoss, TokenStats
 from .rl_losses import GRPOLoss, combine_sums, finish_metrics
 from .sequences import check_offsets, segments_for
 from .tensors import f32_contiguous, zero_rows
@@ -85,8 +86,8 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
                    global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
                    temperature: float, ignore_index: Optional[int], deterministic: bool,
                    workspace_bytes: Optional[int], needs: tuple[bool, bool, bool], with_entropy: bool = True,
-                   sequence_parallel: bool = False, hidden_grad: str = "reduced", cu_seqlens=None,
-                   return_metrics: bool = False):
+                   sequence_parallel: bool = False, hidden_grad: str = "reduced", softcap: Optional[float] = None,
+                   cu_seqlens=None, return_metrics: bool = False):
     """The fused loss's value and the unscaled gradients ``needs`` asks for, computed chunk by chunk (module
     docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``, what
     :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd."""
@@ -98,7 +99,8 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
     _check_token_loss(loss, per_token, with_entropy)
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                                deterministic=deterministic, workspace_bytes=workspace_bytes,
-                               sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+                               sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap,
+                               with_sum_z=isinstance(loss, TokenLoss) and "sum_z" in loss.reads)
     # the d_hidden collective runs iff needs[0]: the group's record makes every rank agree on it (no hang)
     call = plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, needs[0])
@@ -157,8 +159,10 @@ class _Gradients:
             self.d_hidden = h2.new_zeros(n, d, dtype=torch.float32)
 
     def backward(self, t0: int, t1: int, h_c, lt_c, row_max, log_sum, mean_rel, g_logp: torch.Tensor,
-                 g_ent: Optional[torch.Tensor], kept) -> None:
-        """One chunk's backward, rows ``[t0, t1)``, given its upstream gradients."""
+                 g_ent: Optional[torch.Tensor], kept, g_lse: Optional[torch.Tensor] = None,
+                 g_sum_z: Optional[torch.Tensor] = None) -> None:
+        """One chunk's backward, rows ``[t0, t1)``, given its upstream gradients (``g_lse`` / ``g_sum_z``: of a
+        loss that reads the lse / the sum of the logits)."""
         local, reduce, d_hidden = self.local, self.reduce, self.d_hidden
         ready = None
         if reduce is not None and t1 == self.n:  # the last chunk completes d_hidden: reduce it under its d_W
@@ -167,10 +171,11 @@ class _Gradients:
                 d_hidden[t0:t1] = rows
                 reduce.start(d_hidden)
 
+        sum_z_grad = {} if g_sum_z is None else {"grad_sum_z": g_sum_z}  # (only label smoothing's sources get it)
         grads = local.tpc.backend.backward(h_c, local.weight, local.bias, lt_c, row_max, log_sum,
-                                           g_logp.contiguous(), None if g_ent is None else g_ent.contiguous(), None,
+                                           g_logp.contiguous(), None if g_ent is None else g_ent.contiguous(), g_lse,
                                            mean_rel if g_ent is not None else None, local.tpc.call, self.needs,
-                                           d_hidden_ready=ready, kept=kept, accumulate=self.accumulate)
+                                           d_hidden_ready=ready, kept=kept, accumulate=self.accumulate, **sum_z_grad)
         if d_hidden is not None and not (ready is not None and reduce.started):
             d_hidden[t0:t1] = grads.d_hidden
         elif self.needs[0] and d_hidden is None:  # the one chunk
@@ -222,22 +227,30 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
         h_c, lt_c = (h2, local_target) if whole else (h2[t0:t1], local_target[t0:t1])
         pt = extra if whole else [t[t0:t1] for t in extra]
         skip = None if ignored is None else ignored if whole else ignored[t0:t1]
-        (logp, entropy, _), (row_max, log_sum, mean_rel, kept) = tp.shard_forward(h_c, w, b, lt_c, tpc)
+        (logp, entropy, lse, _, sum_z), (row_max, log_sum, mean_rel, kept) = tp.shard_forward(h_c, w, b, lt_c, tpc)
         if skip is not None:  # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
             logp, entropy = zero_rows(skip, logp), None if entropy is None else zero_rows(skip, entropy)
+        reads_stats = isinstance(loss, TokenLoss) and bool(loss.reads)
+        stats = TokenStats(lse, sum_z, local.vocab_size) if reads_stats else None
         if not differentiate:
-            part = _chunk_part(zero_rows(skip, loss(logp, entropy, *pt)), count)
+            value = loss(logp, entropy, *pt, stats=stats) if reads_stats else loss(logp, entropy, *pt)
+            part = _chunk_part(zero_rows(skip, value), count)
             total = part if total is None else total + part
             continue
         part = None  # a linear loss's: from its upstream gradients, once the backward is launched
+        g_lse = g_sum_z = None
         if isinstance(loss, TokenLoss):  # closed-form derivatives: no autograd engine run per chunk
             if loss.linear:
                 d_logp, d_ent = loss.coefficients(*pt)
             else:
-                value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *pt)
+                value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *pt, stats=stats)
                 part = _chunk_part(zero_rows(skip, value), count)
             g_logp = _token_grads(d_logp, t1 - t0, h2.device, skip, count=count)
             g_ent = None if entropy is None else _token_grads(d_ent, t1 - t0, h2.device, skip, count=count)
+            if reads_stats:  # d loss / d lse and d loss / d sum_z: the sources' grad_lse and grad_sum_z
+                d_lse, d_sum_z = loss.stat_derivatives(stats, *pt)
+                g_lse = _token_grads(d_lse, t1 - t0, h2.device, skip, count=count)
+                g_sum_z = _token_grads(d_sum_z, t1 - t0, h2.device, skip, count=count)
         else:
             logp = logp.detach().requires_grad_()
             entropy = None if entropy is None else entropy.detach().requires_grad_()
@@ -248,7 +261,7 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
             g_ent, part = (g_rest[0] if g_rest else None), part.detach()
         linear = (g_logp, logp, g_ent, entropy) if part is None else None
         g_logp = torch.zeros_like(logp) if g_logp is None else g_logp
-        grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, g_logp, g_ent, kept)
+        grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, g_logp, g_ent, kept, g_lse, g_sum_z)
         del kept  # one chunk's kept logits at a time
         part = _linear_total(*linear) if linear is not None else part  # (queued behind the backward's kernels)
         total = part if total is None else total + part
@@ -289,7 +302,7 @@ def _policy_loss_and_grads(local: tp.LocalCall, loss: GRPOLoss, per_token, needs
         t1 = min(t0 + chunk, n)
         h_c, lt_c = (h2, local_target) if t1 - t0 == n else (h2[t0:t1], local_target[t0:t1])
         context = tpc if keep or tpc.call is lean else dataclasses.replace(tpc, call=lean)
-        (logp, entropy, _), stats = tp.shard_forward(h_c, w, b, lt_c, context)
+        (logp, entropy, *_), stats = tp.shard_forward(h_c, w, b, lt_c, context)
         if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its gradient)
             logp, entropy = zero_rows(ignored[t0:t1], logp), None if entropy is None else zero_rows(
                 ignored[t0:t1], entropy)

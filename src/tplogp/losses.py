@@ -5,6 +5,11 @@ tensors, in the order given to ``per_token=``) and returns the per-token loss; `
 Only :func:`entropy_bonus` reads ``entropy``: a loss built of the others runs with ``with_entropy=False`` (no entropy
 statistics computed; ``entropy`` is then None).
 
+A :class:`TokenLoss` may also read per-token statistics of the logits ``z`` (:class:`TokenStats`): the log-sum-exp
+``lse`` (:func:`z_loss`) and the sum ``sum_v z`` over the whole vocabulary (:func:`cross_entropy` with
+``label_smoothing``), merged across the tensor-parallel group like logp. ``linear_logp_loss`` hands them over and
+feeds their derivatives to the sources' backward (the sum's only when a term reads it: one more statistic then).
+
 The built-ins are :class:`TokenLoss` objects: besides the value they give its derivatives with respect to ``logp``
 and ``entropy`` in closed form (:meth:`TokenLoss.value_and_derivatives`), so that ``linear_logp_loss`` needs no
 autograd graph of the loss: one autograd node for the whole loss, and no engine run per chunk. ``+`` combines
@@ -18,8 +23,9 @@ sums before any token's gradient (:mod:`tplogp.rl_losses`).
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -45,6 +51,17 @@ def loss_by_key(key: str) -> "TokenLoss":
         raise LookupError(f"no live TokenLoss has the key {key!r}: keep the loss object referenced while code "
                           "compiled with it runs")
     return loss
+class TokenStats(NamedTuple):
+    """Per-token statistics of the logits ``z`` that a :class:`TokenLoss` may read (fp32, the chunk's tokens)."""
+
+    lse: torch.Tensor  # log sum_v exp(z_v)
+    sum_z: Optional[torch.Tensor]  # sum_v z_v over the whole vocabulary (None unless a term reads it)
+    vocab_size: int  # V, the whole vocabulary
+
+
+# what a term of the statistics gives: (value, d value / d lse, d value / d sum_z)
+_StatParts = tuple[torch.Tensor, Derivative, Derivative]
+STATS = ("lse", "sum_z")  # the statistics a TokenLoss may read
 
 
 def _add(a: Derivative, b: Derivative) -> Derivative:
@@ -63,14 +80,24 @@ class TokenLoss:
     ``reads_entropy`` whether it needs the entropy (``with_entropy=True``). ``a + b`` is the sum of two terms,
     taking ``a``'s per-token tensors then ``b``'s. ``parts(logp, entropy, *per_token, derivatives=...)`` computes
     the value and, with ``derivatives``, the two derivatives (without: None, so a plain call runs none of their
-    ops)."""
+    ops).
+
+    ``reads`` names the :class:`TokenStats` fields the loss reads (of :data:`STATS`); ``stat_parts(stats,
+    *per_token, derivatives=...)`` gives their term's value and its derivatives with respect to ``lse`` and
+    ``sum_z`` (the value adds to ``parts``'). Such a loss is called with ``stats=``."""
 
     def __init__(self, name: str, per_token: tuple[str, ...], parts: Callable[..., _Parts],
                  reads_entropy: bool = False,
-                 coefficients: Optional[Callable[..., tuple[Derivative, Derivative]]] = None) -> None:
+                 coefficients: Optional[Callable[..., tuple[Derivative, Derivative]]] = None,
+                 reads: frozenset = frozenset(), stat_parts: Optional[Callable[..., _StatParts]] = None) -> None:
+        unknown = set(reads) - set(STATS)
+        if unknown or (stat_parts is None) != (not reads):
+            raise ValueError(f"a TokenLoss reads statistics of {STATS} through stat_parts, got reads={set(reads)}")
         self.name = name
         self.per_token = per_token
         self.reads_entropy = reads_entropy
+        self.reads = frozenset(reads)
+        self._stat_parts = stat_parts
         self._parts = parts
         # a loss linear in (logp, entropy), value = c_logp * logp + c_entropy * entropy: the coefficients (its
         # derivatives) from the per-token tensors alone; None for any other loss
@@ -83,8 +110,9 @@ class TokenLoss:
     def linear(self) -> bool:
         """Whether the per-token value is ``c_logp * logp + c_entropy * entropy`` exactly, with coefficients that
         do not depend on ``logp`` or ``entropy`` (:meth:`coefficients`): then a reduced loss is a dot product of
-        its upstream gradients with ``logp`` and ``entropy``, and needs no per-token value."""
-        return self._coefficients is not None
+        its upstream gradients with ``logp`` and ``entropy``, and needs no per-token value. (A loss that
+        :attr:`reads` statistics is not.)"""
+        return self._coefficients is not None and self._stat_parts is None
 
     def coefficients(self, *per_token: torch.Tensor) -> tuple[Derivative, Derivative]:
         """A :attr:`linear` loss's ``(c_logp, c_entropy)``: its derivatives, each a tensor of the tokens, a number,
@@ -101,16 +129,40 @@ class TokenLoss:
             raise ValueError(f"the loss {self.name} takes per_token=({names}{',' if len(self.per_token) == 1 else ''})"
                              f": {len(self.per_token)} tensor(s), got {count}")
 
-    def value_and_derivatives(self, logp: torch.Tensor, entropy: Optional[torch.Tensor],
-                              *per_token: torch.Tensor) -> _Parts:
-        """``(value [n], d value / d logp, d value / d entropy)``; a derivative is a tensor of the tokens, a number
-        when constant, or None when the value does not depend on it."""
-        self.check_arity(len(per_token))
-        return self._parts(logp, entropy, *per_token, derivatives=True)
+    def _check_stats(self, stats: Optional[TokenStats]) -> None:
+        if self.reads and (stats is None or ("sum_z" in self.reads and stats.sum_z is None)):
+            raise ValueError(f"the loss {self.name} reads the statistics {sorted(self.reads)} of the logits: call it "
+                             f"with stats=TokenStats(...) (linear_logp_loss does)")
 
-    def __call__(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], *per_token: torch.Tensor) -> torch.Tensor:
+    def value_and_derivatives(self, logp: torch.Tensor, entropy: Optional[torch.Tensor],
+                              *per_token: torch.Tensor, stats: Optional[TokenStats] = None) -> _Parts:
+        """``(value [n], d value / d logp, d value / d entropy)``; a derivative is a tensor of the tokens, a number
+        when constant, or None when the value does not depend on it. A loss that :attr:`reads` statistics takes
+        them as ``stats`` (their derivatives: :meth:`stat_derivatives`)."""
         self.check_arity(len(per_token))
-        return self._parts(logp, entropy, *per_token, derivatives=False)[0]
+        self._check_stats(stats)
+        value, d_logp, d_entropy = self._parts(logp, entropy, *per_token, derivatives=True)
+        if self._stat_parts is not None:
+            value = value + self._stat_parts(stats, *per_token, derivatives=False)[0]
+        return value, d_logp, d_entropy
+
+    def stat_derivatives(self, stats: TokenStats, *per_token: torch.Tensor) -> tuple[Derivative, Derivative]:
+        """``(d value / d lse, d value / d sum_z)`` per token (None where the loss does not read the statistic)."""
+        self.check_arity(len(per_token))
+        if self._stat_parts is None:
+            return None, None
+        self._check_stats(stats)
+        _, d_lse, d_sum_z = self._stat_parts(stats, *per_token, derivatives=True)
+        return d_lse, d_sum_z
+
+    def __call__(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], *per_token: torch.Tensor,
+                 stats: Optional[TokenStats] = None) -> torch.Tensor:
+        self.check_arity(len(per_token))
+        self._check_stats(stats)
+        value = self._parts(logp, entropy, *per_token, derivatives=False)[0]
+        if self._stat_parts is not None:
+            value = value + self._stat_parts(stats, *per_token, derivatives=False)[0]
+        return value
 
     def __add__(self, other: "TokenLoss") -> "TokenLoss":
         if not isinstance(other, TokenLoss):
@@ -122,6 +174,18 @@ class TokenLoss:
             v2, dl2, de2 = other._parts(logp, entropy, *per_token[split:], derivatives=derivatives)
             return v1 + v2, _add(dl1, dl2), _add(de1, de2)
 
+        stat_parts = None
+        if self._stat_parts is not None or other._stat_parts is not None:
+
+            def stat_parts(stats, *per_token, derivatives):
+                terms = [side._stat_parts(stats, *pt, derivatives=derivatives)
+                         for side, pt in ((self, per_token[:split]), (other, per_token[split:]))
+                         if side._stat_parts is not None]
+                if len(terms) == 1:
+                    return terms[0]
+                (v1, a1, b1), (v2, a2, b2) = terms
+                return v1 + v2, _add(a1, a2), _add(b1, b2)
+
         coefficients = None
         if self.linear and other.linear:
 
@@ -131,7 +195,8 @@ class TokenLoss:
                 return _add(cl1, cl2), _add(ce1, ce2)
 
         return TokenLoss(f"{self.name} + {other.name}", self.per_token + other.per_token, parts,
-                         self.reads_entropy or other.reads_entropy, coefficients)
+                         self.reads_entropy or other.reads_entropy, coefficients, self.reads | other.reads,
+                         stat_parts)
 
     def __repr__(self) -> str:
         return f"TokenLoss({self.name}; per_token=({', '.join(self.per_token)}))"
@@ -151,10 +216,46 @@ def _linear_loss(name: str, per_token: tuple[str, ...], coefficients: Callable[.
     return TokenLoss(name, per_token, parts, reads_entropy, coefficients)
 
 
-def cross_entropy() -> TokenLoss:
+def cross_entropy(label_smoothing: float = 0.0) -> TokenLoss:
     """``-logp``: the target token's cross-entropy (supervised fine-tuning); no per-token tensors. Reads no
-    entropy."""
-    return _linear_loss("cross_entropy()", (), lambda: (-1.0, None))
+    entropy.
+
+    ``label_smoothing = eps`` in ``[0, 1]``: the cross-entropy against ``(1 - eps) onehot + eps / V``, per token
+    ``F.cross_entropy(z, y, label_smoothing=eps, reduction="none")``, that is ``-(1 - eps) logp + eps (lse -
+    sum_v z / V)``: it reads the statistics ``lse`` and ``sum_z`` (:class:`TokenStats`). Derivatives ``-(1 - eps)``,
+    ``eps`` and ``-eps / V``."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if label_smoothing == 0:
+        return _linear_loss("cross_entropy()", (), lambda: (-1.0, None))
+    eps = float(label_smoothing)
+
+    def parts(logp, entropy, *, derivatives):
+        return -(1.0 - eps) * logp, -(1.0 - eps) if derivatives else None, None
+
+    def stat_parts(stats, *, derivatives):
+        value = eps * stats.lse - (eps / stats.vocab_size) * stats.sum_z
+        return value, (eps if derivatives else None), (-eps / stats.vocab_size if derivatives else None)
+
+    return TokenLoss(f"cross_entropy(label_smoothing={eps})", (), parts, reads=frozenset(STATS),
+                     stat_parts=stat_parts)
+
+
+def z_loss(coef: float) -> TokenLoss:
+    """``coef * lse^2`` (PaLM's z-loss, Liger's ``lse_square_scale``); no per-token tensors. Reads the statistic
+    ``lse`` (:class:`TokenStats`), no entropy. Derivative ``2 coef lse``. Combine it with a loss by ``+``."""
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+        raise ValueError(f"z_loss's coef must be a finite float, got {coef!r}")
+    coef = float(coef)
+
+    def parts(logp, entropy, *, derivatives):
+        return torch.zeros_like(logp), None, None
+
+    def stat_parts(stats, *, derivatives):
+        return coef * stats.lse.square(), (2.0 * coef) * stats.lse if derivatives else None, None
+
+    return TokenLoss(f"z_loss({coef})", (), parts, reads=frozenset({"lse"}), stat_parts=stat_parts)
 
 
 def policy_gradient() -> TokenLoss:

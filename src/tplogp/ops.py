@@ -2,8 +2,8 @@
 
 ``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.plan.prepare` (source, checks,
 verdict), then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
-tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, and with entropy the
-entropy and ``E_p[z] - M``) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
+tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, with entropy the
+entropy and ``E_p[z] - M``, and with ``return_argmax`` the argmax ids, exact in fp32) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
 (``tp.op_keeps``; an empty tensor when none: no budget, no graph, or ``ignore_index``, whose compaction would make
 the size depend on the data), and a sequence-parallel call's gathered hidden rows (an empty tensor otherwise), so
 that its backward does not gather them again. ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
@@ -36,10 +36,12 @@ from .tp import backward_packed, forward_packed, packed_rows
 
 
 def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
-             workspace_bytes: Optional[int], sequence_parallel: bool, hidden_grad: str) -> LogpOptions:
+             workspace_bytes: Optional[int], sequence_parallel: bool, hidden_grad: str, softcap: Optional[float],
+             return_argmax: bool) -> LogpOptions:
     return LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=True,
                        ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                       sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+                       sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap,
+                       return_argmax=return_argmax)
 
 
 def _gathers(sequence_parallel: bool, group_name: str) -> bool:
@@ -56,7 +58,8 @@ def _source(source: str) -> Optional[str]:
 def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], group_name: str,
                     vocab_start_index: int, global_vocab_size: Optional[int], temperature: float, return_entropy: bool,
                     ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
-                    builds_graph: bool, sequence_parallel: bool, hidden_grad: str) -> tuple[Tensor, Tensor, Tensor]:
+                    builds_graph: bool, sequence_parallel: bool, hidden_grad: str, softcap: Optional[float],
+                    return_argmax: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Packed fp32 ``[K, N]`` forward of one call, the logits it keeps for the backward and the gathered
     sequence-parallel rows (see the module docstring). ``source`` "" selects per device."""
     group = group_from_name(group_name)
@@ -64,16 +67,17 @@ def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
         return forward_packed(prepare(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index,
                                       global_vocab_size,
                                       _options(temperature, return_entropy, ignore_index, deterministic,
-                                               workspace_bytes, sequence_parallel, hidden_grad), builds_graph))
+                                               workspace_bytes, sequence_parallel, hidden_grad, softcap,
+                                               return_argmax), builds_graph))
 
 
 @linear_logp_fwd.register_fake
 def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          builds_graph, sequence_parallel, hidden_grad):
-    packed = hidden.new_empty((packed_rows(return_entropy), target_ids.numel()), dtype=torch.float32)
+                          builds_graph, sequence_parallel, hidden_grad, softcap, return_argmax):
+    packed = hidden.new_empty((packed_rows(return_entropy, return_argmax), target_ids.numel()), dtype=torch.float32)
     options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes, sequence_parallel,
-                       hidden_grad)
+                       hidden_grad, softcap, return_argmax)
     backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
     kept = backend.kept_shape(target_ids.numel(), hidden.shape[-1], weight.shape[0], hidden.dtype, hidden.device,
                               op_call(options, builds_graph))
@@ -86,12 +90,13 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
                     kept: Tensor, gathered: Tensor, grad_packed: Tensor, group_name: str, vocab_start_index: int,
                     temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
                     workspace_bytes: Optional[int], source: str, sequence_parallel: bool, hidden_grad: str,
-                    needs_hidden: bool, needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    softcap: Optional[float], return_argmax: bool, needs_hidden: bool, needs_weight: bool,
+                    needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(d_hidden, d_weight, d_bias)``; a gradient that is not needed comes back as an empty tensor."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
         options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes,
-                           sequence_parallel, hidden_grad)
+                           sequence_parallel, hidden_grad, softcap, return_argmax)
         call = prepare_backward(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index, options)
         grads = backward_packed(call, packed, grad_packed, (needs_hidden, needs_weight, needs_bias and bias is not None),
                                 kept=kept, gathered=gathered)
@@ -102,7 +107,8 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
 @linear_logp_bwd.register_fake
 def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, gathered, grad_packed, group_name,
                           vocab_start_index, temperature, return_entropy, ignore_index, deterministic, workspace_bytes,
-                          source, sequence_parallel, hidden_grad, needs_hidden, needs_weight, needs_bias):
+                          source, sequence_parallel, hidden_grad, softcap, return_argmax, needs_hidden, needs_weight,
+                          needs_bias):
     has_bias = needs_bias and bias is not None
     return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
             weight.new_empty(weight.shape if needs_weight else (0,)),
@@ -111,7 +117,7 @@ def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, gather
 
 _FORWARD_ARGS = ("hidden", "weight", "target_ids", "bias", "group_name", "vocab_start_index", "global_vocab_size",
                  "temperature", "return_entropy", "ignore_index", "deterministic", "workspace_bytes", "source",
-                 "builds_graph", "sequence_parallel", "hidden_grad")
+                 "builds_graph", "sequence_parallel", "hidden_grad", "softcap", "return_argmax")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -121,7 +127,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], packed, kept, gathered)
     ctx.call_args = (args["group_name"], args["vocab_start_index"], args["temperature"], args["return_entropy"],
                      args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"],
-                     args["sequence_parallel"], args["hidden_grad"])
+                     args["sequence_parallel"], args["hidden_grad"], args["softcap"], args["return_argmax"])
 
 
 def _backward(ctx, grad_packed, grad_kept, grad_gathered):
@@ -145,8 +151,9 @@ def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bia
                          per_token: list[Tensor], loss_key: str, reduction: str, group_name: str,
                          vocab_start_index: int, global_vocab_size: Optional[int], temperature: float,
                          ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
-                         with_entropy: bool, sequence_parallel: bool, hidden_grad: str, needs_hidden: bool,
-                         needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         with_entropy: bool, sequence_parallel: bool, hidden_grad: str, softcap: Optional[float],
+                         needs_hidden: bool, needs_weight: bool,
+                         needs_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, d_hidden, d_weight, d_bias)`` of :func:`tplogp.linear_logp_loss` with the
     :class:`~tplogp.losses.TokenLoss` named ``loss_key``: the eager chunk loop
     (:func:`tplogp.fused_loss.loss_and_grads`), the gradients unscaled in fp32 (a gradient that is not needed comes
@@ -161,7 +168,7 @@ def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bia
             _source(source), hidden, weight, target_ids, bias, group, vocab_start_index, global_vocab_size,
             loss=loss_by_key(loss_key), per_token=tuple(per_token), reduction=reduction, temperature=temperature,
             ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes, needs=needs,
-            with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad)
+            with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap)
         if verdict is not None and any(needs):
             grads = verdict.settle(grads)
     like = (hidden, weight, bias if bias is not None else hidden)
@@ -172,8 +179,8 @@ def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bia
 @linear_logp_loss_fwd.register_fake
 def _linear_logp_loss_fake(hidden, weight, target_ids, bias, per_token, loss_key, reduction, group_name,
                            vocab_start_index, global_vocab_size, temperature, ignore_index, deterministic,
-                           workspace_bytes, source, with_entropy, sequence_parallel, hidden_grad, needs_hidden,
-                           needs_weight, needs_bias):
+                           workspace_bytes, source, with_entropy, sequence_parallel, hidden_grad, softcap,
+                           needs_hidden, needs_weight, needs_bias):
     has_bias = needs_bias and bias is not None
     f32 = torch.float32
     return (hidden.new_empty((), dtype=f32), hidden.new_empty(hidden.shape if needs_hidden else (0,), dtype=f32),
@@ -196,7 +203,7 @@ def _loss_backward(ctx, g, *_):
     needs = ctx.needs_input_grad
     scaled = [None if not need or dtype is None else (t * g.to(torch.float32)).to(dtype)
               for need, t, dtype in zip((needs[0], needs[1], needs[3]), ctx.saved_tensors, ctx.dtypes)]
-    return (scaled[0], scaled[1], None, scaled[2], [None] * ctx.n_per_token) + (None,) * 16
+    return (scaled[0], scaled[1], None, scaled[2], [None] * ctx.n_per_token) + (None,) * 17
 
 
 linear_logp_loss_fwd.register_autograd(_loss_backward, setup_context=_loss_setup_context)

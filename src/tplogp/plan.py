@@ -49,6 +49,11 @@ class LogpOptions:
     # reduce-scattered (docs/operator.md, "Sequence parallelism")
     sequence_parallel: bool = False
     hidden_grad: str = "reduced"  # HIDDEN_GRADS: "partial" leaves hidden.grad as this rank's share, unsummed
+    # final-logit softcapping: z = softcap * tanh((h W^T + b) / softcap), then the temperature divides z
+    softcap: Optional[float] = None
+    return_argmax: bool = False
+    # the per-token sum of the logits over the whole vocabulary (the fused loss's label smoothing reads it)
+    with_sum_z: bool = False
 
 
 def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False,
@@ -59,6 +64,8 @@ def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool
     allocations (``ShardCall.scales_apart``: the eager paths). ``rows``: the layout's token count
     (``ShardCall.rows``)."""
     return ShardCall(inv_temperature=1.0 / float(options.temperature), with_entropy=options.return_entropy,
+                     softcap=None if options.softcap is None else float(options.softcap),
+                     with_sum_z=options.with_sum_z, with_argmax=options.return_argmax,
                      deterministic=options.deterministic, workspace_bytes=options.workspace_bytes,
                      for_backward=for_backward, d_hidden_in_input_dtype=one_shard, inputs_checked=True,
                      scales_apart=scales_apart, rows=rows)
@@ -99,7 +106,9 @@ def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group
             and type(options.return_lse) is bool and type(options.deterministic) is bool
             and (options.ignore_index is None or type(options.ignore_index) is int)
             and (options.workspace_bytes is None or type(options.workspace_bytes) is int)
-            and type(options.sequence_parallel) is bool and type(options.hidden_grad) is str):
+            and type(options.sequence_parallel) is bool and type(options.hidden_grad) is str
+            and (options.softcap is None or type(options.softcap) in (float, int))
+            and type(options.return_argmax) is bool and type(options.with_sum_z) is bool):
         return None
     group = None if tp_group is None else (id(tp_group), tp_group.group_name, tp_group.size())
     return (backend.name, hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype, weight.device,

@@ -31,8 +31,10 @@ def reference_logits(
     *,
     mode: ReferenceMode = "fp32",
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """``(hidden @ weight.T + bias) / temperature`` as a materialized ``[..., V]`` tensor in the mode's dtype."""
+    """``cap(hidden @ weight.T + bias) / temperature`` as a materialized ``[..., V]`` tensor in the mode's dtype
+    (``cap(y) = softcap * tanh(y / softcap)``, the identity when ``softcap`` is None)."""
     if mode not in REFERENCE_MODES:
         raise ValueError(f"unknown reference mode {mode!r}; expected one of {REFERENCE_MODES}")
     if mode == "matching":
@@ -40,6 +42,8 @@ def reference_logits(
     else:
         dt = torch.float32 if mode == "fp32" else torch.float64
         logits = F.linear(hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
         logits = logits / temperature
     return logits
@@ -54,9 +58,10 @@ def reference_outputs(
     mode: ReferenceMode = "fp32",
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> ReferenceOutputs:
     """logp, entropy and lse per token (targets' shape); ignored positions give 0 logp and 0 entropy."""
-    logits = reference_logits(hidden, weight, bias, mode=mode, temperature=temperature)
+    logits = reference_logits(hidden, weight, bias, mode=mode, temperature=temperature, softcap=softcap)
     logprobs = torch.log_softmax(logits, dim=-1)
     lse = torch.logsumexp(logits, dim=-1)
     tgt = target_ids.long()
@@ -77,11 +82,12 @@ def reference_linear_logp(
     mode: ReferenceMode = "fp32",
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """``log_softmax(hidden @ weight.T + bias)[target]`` with the full vocab materialized.
+    """``log_softmax(cap(hidden @ weight.T + bias) / temperature)[target]`` with the full vocab materialized.
 
     Output dtype: float32 for ``fp32``/``matching``, float64 for ``float64``.
     """
     return reference_outputs(
-        hidden, weight, target_ids, bias, mode=mode, temperature=temperature, ignore_index=ignore_index
-    ).logp
+        hidden, weight, target_ids, bias, mode=mode, temperature=temperature, ignore_index=ignore_index,
+        softcap=softcap).logp

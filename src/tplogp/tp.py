@@ -79,6 +79,7 @@ class _TPContext:
     # the d_hidden collective: "all_reduce" (replicated hidden), "reduce_scatter" (sequence-parallel hidden), or
     # None (one shard, or hidden_grad="partial": each rank keeps its share)
     hidden_reduce: Optional[str] = None
+    vocab_start: int = 0  # this shard's first global id (argmax ids are made global with it)
 
 
 def hidden_grad_reducer(tpc: _TPContext):
@@ -97,8 +98,13 @@ def gather_rows(h: torch.Tensor, tpc: _TPContext) -> torch.Tensor:
     return all_gather_flat(h.detach().to(tpc.comm_device), tpc.group).to(h.device)
 
 
-def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, ...]:
-    """Merge packed per-rank stats ``[W, N, K]`` -> (M, log S, target logit - M, owner count, E_p[z] - M or None).
+def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
+                with_argmax: bool = False) -> tuple[torch.Tensor, ...]:
+    """Merge packed per-rank stats ``[W, N, K]`` -> (M, log S, target logit - M, owner count, E_p[z] - M or None,
+    sum_z or None, argmax or None).
+
+    Columns: max, sum of exp, target logit, owner flag, then q (entropy), sum_z and the global argmax id (each when
+    asked). ``sum_z`` adds over the ranks; the argmax is the lowest global id among the ranks whose max is ``M``.
 
     Everything is kept relative to the global max ``M`` so that ``z - M`` is exact at the max: the logp of a
     peaked target is ``(y - M) - log S`` with no cancellation between two large numbers.
@@ -119,7 +125,15 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool) -> tuple[torch.Tens
         q = stats_all[..., 4]
         shift = torch.where(s > 0, s * (m - big_m.unsqueeze(0)), torch.zeros_like(s))
         mean_rel = (scale * (q + shift)).sum(0) / total
-    return big_m, log_sum, target_rel, count, mean_rel
+    col = 5 if with_entropy else 4
+    sum_z = argmax = None
+    if with_sum_z:
+        sum_z = stats_all[..., col].sum(0)
+        col += 1
+    if with_argmax:
+        ids = stats_all[..., col]
+        argmax = torch.where(m == big_m.unsqueeze(0), ids, float("inf")).amin(0)
+    return big_m, log_sum, target_rel, count, mean_rel, sum_z, argmax
 
 
 def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
@@ -131,8 +145,9 @@ def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
         hidden, weight, bias, local_target: a :class:`LocalCall`'s tensors (rows of them).
         tpc: the call's context (``LocalCall.tpc``).
     Returns:
-        ``((logp, entropy | None, lse), (row_max, log_sum, mean_rel | None, kept))``: the outputs and what
-        :func:`shard_backward` takes (``mean_rel`` is ``E_p[z] - M``).
+        ``((logp, entropy | None, lse, argmax | None, sum_z | None), (row_max, log_sum, mean_rel | None, kept))``:
+        the outputs and what :func:`shard_backward` takes (``mean_rel`` is ``E_p[z] - M``; ``argmax``: fp32 global
+        ids, with ``ShardCall.with_argmax``; ``sum_z``: sum_v z over the whole vocabulary, with ``with_sum_z``).
     """
     be, call = tpc.backend, tpc.call
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
@@ -143,27 +158,35 @@ def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
             out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=check.flag)
             if check.ready is not None:  # the point the host waits for before reading the flag's slot
                 check.ready.record(current_stream(hidden.device))
-        return (out.logp, out.entropy, out.lse), (out.row_max, out.log_sum, out.mean_rel, out.kept)
+        return (out.logp, out.entropy, out.lse, out.argmax, out.sum_z), (out.row_max, out.log_sum, out.mean_rel,
+                                                                          out.kept)
     st = be.forward_stats(hidden, weight, bias, local_target, call)
     owned = local_target >= 0
     if tpc.world_size > 1:
         cols = [st.row_max, st.sum_exp, st.target_logit, owned.to(torch.float32)]
         if call.with_entropy:
             cols.append(st.sum_exp_z)
+        if call.with_sum_z:
+            cols.append(st.sum_z)
+        if call.with_argmax:  # global ids (exact in fp32: validation.MAX_ARGMAX_VOCAB)
+            cols.append(st.argmax + tpc.vocab_start if tpc.vocab_start else st.argmax)
         packed = torch.stack(cols, dim=1)  # [N, K]
         recv = all_gather_flat(packed.to(tpc.comm_device), tpc.group)
         stats_all = recv.view(tpc.world_size, *packed.shape).to(hidden.device)
-        row_max, log_sum, target_rel, count, mean_rel = merge_stats(stats_all, call.with_entropy)
+        row_max, log_sum, target_rel, count, mean_rel, sum_z, argmax = merge_stats(
+            stats_all, call.with_entropy, call.with_sum_z, call.with_argmax)
         covered = count == 1  # always true after full checks; fast mode turns uncovered tokens into NaN
     else:  # one shard: the merge is the identity; few ops keep the host cost low
         row_max, log_sum = st.row_max, torch.log(st.sum_exp)
         target_rel = st.target_logit - row_max
         mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
         covered = owned
+        sum_z = st.sum_z
+        argmax = None if st.argmax is None else st.argmax + tpc.vocab_start if tpc.vocab_start else st.argmax
     logp = torch.where(covered, target_rel - log_sum, float("nan"))
     lse = row_max + log_sum
     entropy = None if mean_rel is None else log_sum - mean_rel
-    return (logp, entropy, lse), (row_max, log_sum, mean_rel, st.kept)
+    return (logp, entropy, lse, argmax, sum_z), (row_max, log_sum, mean_rel, st.kept)
 
 
 def _without_autocast(backward):
@@ -244,10 +267,12 @@ class _LinearLogpFunction(torch.autograd.Function):
         kept = park_kept_scales(kept, tpc)
         ctx.save_for_backward(rows, weight, bias, local_target, row_max, log_sum, mean_rel, kept)
         ctx.kept_private = kept is not None and not saved_tensor_hooks_active()
-        return outputs
+        if outputs[3] is not None:
+            ctx.mark_non_differentiable(outputs[3])
+        return outputs[:4]
 
     @staticmethod
-    def backward(ctx, g_logp, g_entropy, g_lse):
+    def backward(ctx, g_logp, g_entropy, g_lse, _g_argmax):
         saved = ctx.saved_tensors  # (unpacked once: each access unpacks every saved tensor again)
         needs = ctx.needs_input_grad
         needs = (needs[0], needs[1], saved[2] is not None and needs[2])
@@ -385,7 +410,8 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
     else:
         hidden_reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
     tpc = _TPContext(plan.backend, plan.call, args.group, plan.world_size, plan.comm_device, plan.single,
-                     call.verdict, call.target_check, hidden_reduce=hidden_reduce)
+                     call.verdict, call.target_check, hidden_reduce=hidden_reduce,
+                     vocab_start=0 if plan.single else args.vocab_start_index)
     own_rows = None
     if sequence_parallel:
         own_rows, h2 = h2, gathered if gathered is not None else gather_rows(h2, tpc)
@@ -412,15 +438,16 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
                      own_rows)
 
 
-def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-    """``(logp, entropy | None, lse)`` of a local call's rows (compacted ones absent): through the autograd
+def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
+                                             Optional[torch.Tensor]]:
+    """``(logp, entropy | None, lse, argmax | None)`` of a local call's rows (compacted ones absent): through the autograd
     Function when something requires a gradient (the forward may then keep logits for the backward), else the bare
     forward (scoring, rollouts: no autograd.Function machinery, host time)."""
     h2, w, b, local_target, tpc = local.hidden, local.weight, local.bias, local.local_target, local.tpc
     h_in = h2 if local.own_rows is None else local.own_rows  # (what the gradient flows to)
     if torch.is_grad_enabled() and (h_in.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         return _LinearLogpFunction.apply(h_in, w, b, local_target, tpc, forward_for_backward(local), h2)
-    return shard_forward(h2, w, b, local_target, tpc)[0]
+    return shard_forward(h2, w, b, local_target, tpc)[0][:4]
 
 
 def forward_for_backward(local: LocalCall) -> tuple:
@@ -447,27 +474,31 @@ def linear_logp(call) -> LinearLogpResult:
     target_ids, options = call.args.target_ids, call.args.options
     out_shape = target_ids.shape
     local = localize(call)
-    logp, entropy, lse = local_outputs(local)
+    logp, entropy, lse, argmax = local_outputs(local)
     if local.keep_idx is not None or local.ignored is not None:
         n_all = target_ids.numel()
         logp, lse = local.finish_rows(logp, n_all), local.finish_rows(lse, n_all)
         entropy = None if entropy is None else local.finish_rows(entropy, n_all)
+        argmax = None if argmax is None else local.finish_rows(argmax, n_all)
     if len(out_shape) != 1:
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
         lse = lse.view(out_shape)
-    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse)
+        argmax = None if argmax is None else argmax.view(out_shape)
+    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse,
+                        None if argmax is None else argmax.to(torch.int64))
 
 
 # ---- the bodies that the torch.library ops (tplogp.ops) run ----------------------------------------------------------
 
-# Rows of the packed fp32 [K, N] result of ``forward_packed``: the outputs, then what the backward needs.
+# Rows of the packed fp32 [K, N] result of ``forward_packed``: the outputs, then what the backward needs; the
+# argmax ids (exact in fp32) come last, with return_argmax.
 PACKED_LOGP, PACKED_LSE, PACKED_ROW_MAX, PACKED_LOG_SUM, PACKED_ENTROPY, PACKED_MEAN_REL = range(6)
 
 
-def packed_rows(with_entropy: bool) -> int:
-    """K of the packed result: 4 rows, 6 with entropy."""
-    return 6 if with_entropy else 4
+def packed_rows(with_entropy: bool, with_argmax: bool = False) -> int:
+    """K of the packed result: 4 rows, 6 with entropy, one more with the argmax."""
+    return (6 if with_entropy else 4) + (1 if with_argmax else 0)
 
 
 def op_keeps(options, builds_graph: bool) -> bool:
@@ -496,8 +527,8 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tpc = local.tpc
     if op_keeps(options, call.args.builds_graph):
         tpc = dataclasses.replace(tpc, call=local.call_for_backward.flat_kept)  # (one buffer: the op's output)
-    (logp, entropy, lse), (row_max, log_sum, mean_rel, kept) = shard_forward(local.hidden, local.weight, local.bias,
-                                                                             local.local_target, tpc)
+    (logp, entropy, lse, argmax, _), (row_max, log_sum, mean_rel, kept) = shard_forward(
+        local.hidden, local.weight, local.bias, local.local_target, tpc)
     n_all = call.args.target_ids.numel()
     # the normalizer rows keep the real values of ignored rows kept in place; compacted-away rows get log S = inf
     # (p = 0), so that a backward that keeps the rows in place (a CUDA-graph capture) gives them no gradient either
@@ -506,6 +537,8 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                                                                                fill=float("inf"))]
     if options.return_entropy:
         rows += [local.finish_rows(entropy, n_all), expand_kept_rows(mean_rel, local.keep_idx, n_all)]
+    if options.return_argmax:
+        rows.append(local.finish_rows(argmax, n_all))
     packed = torch.stack(rows)
     gathered = local.hidden if local.own_rows is not None else local.hidden.new_empty(0)
     return packed, (kept if kept is not None else packed.new_empty(0)), gathered

@@ -35,6 +35,10 @@ def checks_mode() -> str:
         raise LinearLogpInputError(str(exc)) from exc
 
 
+# return_argmax: the largest shard whose local ids fp32 holds exactly (the per-shard statistics are fp32)
+MAX_ARGMAX_VOCAB = 1 << 24
+
+
 def is_int(x) -> bool:
     """A Python int that is not a bool (what the op's ``int`` schema arguments accept)."""
     return isinstance(x, int) and not isinstance(x, bool)
@@ -53,6 +57,8 @@ def local_problem(
     sequence_parallel: bool = False,
     hidden_grad: str = "reduced",
     world_size: int = 1,
+    softcap: Optional[float] = None,
+    return_argmax: bool = False,
 ) -> Optional[str]:
     """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
 
@@ -108,6 +114,15 @@ def local_problem(
         return f"ignore_index must be an int or None, got {ignore_index!r}"
     if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
         return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and 0 < softcap < float("inf")):
+        return (f"softcap must be a positive finite float or None (z = softcap * tanh(logits / softcap)), got "
+                f"{softcap!r}")
+    if not isinstance(return_argmax, bool):
+        return f"return_argmax must be a bool, got {return_argmax!r}"
+    if return_argmax and weight.shape[0] > MAX_ARGMAX_VOCAB:
+        return (f"return_argmax supports vocab shards of at most {MAX_ARGMAX_VOCAB} rows (a shard's ids travel "
+                f"exactly in its fp32 statistics), got a weight of {weight.shape[0]} rows")
     return None
 
 
@@ -177,7 +192,8 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
     mode = checks_mode()
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature, options.workspace_bytes,
-                            options.sequence_parallel, options.hidden_grad, world_size)
+                            options.sequence_parallel, options.hidden_grad, world_size, options.softcap,
+                            options.return_argmax)
     vocab_size = None
     if problem is None and world_size == 1:
         vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)

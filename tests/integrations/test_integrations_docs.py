@@ -21,10 +21,10 @@ def _run(name: str, **namespace) -> None:
 
 
 def test_every_section_has_an_example():
-    assert set(_examples()) == {"hf-logprobs", "hf-grpo", "hf-gspo", "verl", "verl-tp"}
+    assert set(_examples()) == {"hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo", "verl", "verl-tp"}
 
 
-@pytest.mark.parametrize("name", ["hf-logprobs", "hf-grpo", "hf-gspo"])
+@pytest.mark.parametrize("name", ["hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo"])
 def test_hugging_face_examples(name):
     pytest.importorskip("transformers")
     _run(name)

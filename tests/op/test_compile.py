@@ -222,7 +222,7 @@ def test_opcheck(entropy, budget, source):
     p = make_problem((6,), 8, 23, torch.float32, True, seed=1)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
     ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
-    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True, False, "reduced")
+    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True, False, "reduced", None, False)
     packed, kept, gathered = ops.linear_logp_fwd(*args)
     assert gathered.numel() == 0  # (rows are gathered only by a sequence-parallel call with a group)
     # the triton sources keep a call this small under the default budget too (tplogp.kernels.workspace.default_keep)

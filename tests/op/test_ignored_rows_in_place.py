@@ -92,10 +92,10 @@ def test_forward_compacted_backward_in_place(monkeypatch):
     p = _problem(seed=7)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
     args = ("", 0, None, 1.0, True, IGNORE, False, None, "native")
-    packed, kept, gathered = ops.linear_logp_fwd(h, w, p.target, b, *args, True, False, "reduced")
+    packed, kept, gathered = ops.linear_logp_fwd(h, w, p.target, b, *args, True, False, "reduced", None, False)
     grad = torch.stack([p.g_logp.reshape(-1), p.g_lse.reshape(-1)] + [torch.zeros_like(p.g_logp.reshape(-1))] * 2
                        + [p.g_entropy.reshape(-1), torch.zeros_like(p.g_logp.reshape(-1))])
-    bwd_args = ("", 0, 1.0, True, IGNORE, False, None, "native", False, "reduced", True, True, True)
+    bwd_args = ("", 0, 1.0, True, IGNORE, False, None, "native", False, "reduced", None, False, True, True, True)
     want = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, gathered, grad, *bwd_args)
     monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
     got = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, gathered, grad, *bwd_args)

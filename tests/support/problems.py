@@ -65,13 +65,15 @@ class Result:
     d_bias: Optional[torch.Tensor]
 
 
-def run_reference(p: Problem, mode: str, *, temperature=1.0, ignore_index=None, entropy=False, lse=False) -> Result:
+def run_reference(p: Problem, mode: str, *, temperature=1.0, ignore_index=None, entropy=False, lse=False,
+                  softcap=None) -> Result:
     """The materialized reference (``mode`` float64 = truth, matching = same-dtype PyTorch) with its gradients."""
     dt = torch.float64 if mode == "float64" else None
     h = (p.hidden.to(dt) if dt else p.hidden).clone().requires_grad_()
     w = (p.weight.to(dt) if dt else p.weight).clone().requires_grad_()
     b = None if p.bias is None else (p.bias.to(dt) if dt else p.bias).clone().requires_grad_()
-    out = reference_outputs(h, w, p.target, b, mode=mode, temperature=temperature, ignore_index=ignore_index)
+    out = reference_outputs(h, w, p.target, b, mode=mode, temperature=temperature, ignore_index=ignore_index,
+                            softcap=softcap)
     lse_out = out.lse
     if ignore_index is not None:
         lse_out = torch.where(p.target != ignore_index, lse_out, torch.zeros_like(lse_out))

@@ -3,13 +3,17 @@
 A backend ("source") only ever sees one rank's vocab shard. It supplies two local primitives:
 
 ``forward_stats``
-    For every token t of the shard-local logits ``z[t, v] = (hidden[t] @ weight[v] + bias[v]) * inv_temperature``
+    For every token t of the shard-local logits ``z[t, v] = cap(hidden[t] @ weight[v] + bias[v]) * inv_temperature``
+    with ``cap(y) = softcap * tanh(y / softcap)`` when ``ShardCall.softcap`` is set and ``cap(y) = y`` otherwise
     (fp32 accumulation, never materialized as a whole) return
 
     * ``row_max[t]``      = max_v z[t, v]                       (``-inf`` for an empty shard)
     * ``sum_exp[t]``      = sum_v exp(z[t, v] - row_max[t])
     * ``target_logit[t]`` = z[t, local_target[t]]  read from the fp32 accumulator, 0 where ``local_target < 0``
     * ``sum_exp_z[t]``    = sum_v exp(z[t, v] - row_max[t]) * (z[t, v] - row_max[t])   (only with ``with_entropy``)
+    * ``sum_z[t]``        = sum_v z[t, v]                       (only with ``with_sum_z``; 0 for an empty shard)
+    * ``argmax[t]``       = the lowest shard-local v with z[t, v] = row_max[t]   (only with ``with_argmax``; an
+                            exact integer in fp32, 0 for an empty shard)
 
     all fp32 of shape ``[N]``.
 
@@ -18,13 +22,14 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     ``log_sum[t] = log sum_v exp(z - M)`` (so ``lse = M + log_sum``; kept apart so that ``z - M`` is exact at the
     max and ``1 - p`` at a peaked target does not cancel), for entropy the global mean logit relative to the max
     ``mean_z[t] = E_p[z] - M``, and the upstream gradients ``grad_logp[t]`` / ``grad_entropy[t]`` / ``grad_lse[t]``
-    (``grad_entropy`` and ``grad_lse`` may be None, meaning zero), compute
+    (``grad_entropy``, ``grad_lse`` and ``grad_sum_z`` may be None, meaning zero), compute
 
         zr       = z - row_max
         p        = exp(zr - log_sum)
         dz       = grad_logp * onehot(local_target)
                    - p * (grad_logp - grad_lse + grad_entropy * (zr - mean_z))
-        d_logits = dz * inv_temperature
+                   + grad_sum_z                                   (the same for every v of the row)
+        d_logits = dz * inv_temperature * (1 - tanh^2(y / softcap))   (the last factor only with a softcap)
         d_hidden = d_logits @ weight          (partial over this shard, fp32, all-reduced by the TP layer)
         d_weight = d_logits^T @ hidden        (fp32 accumulation, returned in weight.dtype)
         d_bias   = sum_t d_logits             (fp32 accumulation, returned in bias.dtype)
@@ -92,6 +97,8 @@ class ShardStats(NamedTuple):
     # what the forward kept for the backward within the workspace budget (backend-specific layout; KeptBuffers when
     # ShardCall.scales_apart), or None
     kept: Optional[Union[torch.Tensor, KeptBuffers]] = None
+    sum_z: Optional[torch.Tensor] = None  # sum_v z[t, v] over the shard (only with_sum_z)
+    argmax: Optional[torch.Tensor] = None  # fp32: the lowest shard-local id v with z[t, v] = row_max[t] (with_argmax)
 
 
 class SingleShardOutputs(NamedTuple):
@@ -106,6 +113,8 @@ class SingleShardOutputs(NamedTuple):
     # what the forward kept for the backward within the workspace budget (backend-specific layout; KeptBuffers when
     # ShardCall.scales_apart), or None
     kept: Optional[Union[torch.Tensor, KeptBuffers]] = None
+    sum_z: Optional[torch.Tensor] = None  # sum_v z (only with_sum_z)
+    argmax: Optional[torch.Tensor] = None  # fp32 lowest id of the max (only with_argmax)
 
 
 class ShardGrads(NamedTuple):
@@ -122,6 +131,12 @@ class ShardCall:
 
     inv_temperature: float = 1.0
     with_entropy: bool = False
+    # final-logit softcap c (None: none): z = c * tanh(y / c) * inv_temperature with y = hidden @ weight^T + bias
+    softcap: Optional[float] = None
+    # the forward also returns sum_v z per token (ShardStats.sum_z), and the backward may get grad_sum_z
+    with_sum_z: bool = False
+    # the forward also returns the lowest shard-local id of the row max per token (ShardStats.argmax)
+    with_argmax: bool = False
     deterministic: bool = False
     # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
     # keeps for the backward (docs/operator.md, "Memory budget"). None: the source's default (triton / sm90: a call
@@ -202,6 +217,7 @@ class ShardBackend(Protocol):
         d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
         kept: Optional[torch.Tensor] = None,  # ShardStats.kept of the forward
         accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+        grad_sum_z: Optional[torch.Tensor] = None,  # [N] fp32 or None (d loss / d sum_v z, label smoothing)
     ) -> ShardGrads: ...
 
     def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,

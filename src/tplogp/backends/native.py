@@ -101,7 +101,10 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
 
 
 def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                 slope: Optional[list] = None) -> torch.Tensor:
+    """``cap(h @ w^T + b) * inv_t`` in fp32, ``cap(y) = softcap * tanh(y / softcap)`` (identity without one).
+    ``slope`` (a list, with a softcap): gets ``d cap / d y = 1 - tanh^2`` from the tanh itself appended."""
     if out is None:
         z = fp32_gemm.mm(h, w.t())
     else:
@@ -109,9 +112,21 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
         fp32_gemm.mm_into(z, h, w.t())
     if b is not None:
         z += b.float()
+    if softcap is not None:
+        z.div_(softcap).tanh_()
+        if slope is not None:
+            slope.append(z.square().neg_().add_(1.0))
+        z.mul_(softcap)
     if inv_t != 1.0:
         z *= inv_t
     return z
+
+
+def _softcap_slope(z: torch.Tensor, call: ShardCall) -> torch.Tensor:
+    """``d cap / d y = 1 - tanh^2(y / softcap)`` of kept logits ``z = cap(y) * inv_t`` (absolute, not relative to
+    a max): ``tanh(y / softcap) = z / (softcap * inv_t)``."""
+    t = z * (1.0 / (call.softcap * call.inv_temperature))
+    return t.mul_(t).neg_().add_(1.0)
 
 
 _TINY = torch.finfo(torch.float32).tiny  # 2^-126: a flushed kept term's log stays finite (its p is 0)
@@ -128,6 +143,12 @@ def _dz_from_kept(terms: torch.Tensor, scales: torch.Tensor, ch: "_TokenChunk") 
         return p.mul_(ch.c0.unsqueeze(1)).neg_()
     zr = terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_().add_(shift.unsqueeze(1))
     return zr.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
+
+
+def _kept_logits(terms: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The absolute logits ``z = log(e) + m`` of a kept tile (``e`` clamped to 2^-126 first: a flushed term, whose p
+    is 0, gives a finite z at most 87 below the row's running max)."""
+    return terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_().add_(scales.unsqueeze(1))
 
 
 def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, rows_per_block: int) -> None:
@@ -170,6 +191,7 @@ class _TokenChunk(NamedTuple):
     c0: torch.Tensor  # grad_logp - grad_lse - grad_entropy * mean_z
     ge: Optional[torch.Tensor]  # grad_entropy
     lt: torch.Tensor  # local target (-1: not owned, and on padded rows)
+    gsz: Optional[torch.Tensor] = None  # grad_sum_z (0 on padded rows), or None
 
 
 class NativeBackend:
@@ -221,8 +243,10 @@ class NativeBackend:
         sum_exp = torch.zeros(n, device=dev, dtype=torch.float32)
         target_logit = torch.zeros(n, device=dev, dtype=torch.float32)
         sum_exp_z = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_entropy else None
+        sum_z = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_sum_z else None
+        argmax = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_argmax else None
         if n == 0 or v == 0:
-            return ShardStats(row_max, sum_exp, target_logit, sum_exp_z)
+            return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, sum_z, argmax)
         tc, vc, (n_kept, kept_words) = self._plan(hidden, weight, call)
         kept = None
         if call.for_backward and n_kept:  # zeroed: the tiles' padding bytes are defined too
@@ -238,15 +262,23 @@ class NativeBackend:
             s = torch.zeros_like(m)
             q = torch.zeros_like(m) if call.with_entropy else None
             tl = torch.zeros(t1 - t0, device=dev, dtype=torch.float32)
+            sz = torch.zeros_like(m) if sum_z is not None else None
+            am = torch.zeros_like(m) if argmax is not None else None
             for v0 in range(0, v, vc):
                 v1 = min(v0 + vc, v)
                 keep = kept_views.get((t0, v0))  # its terms exp(z - m') and scales m' are kept
-                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature)
+                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature,
+                                 softcap=call.softcap)
                 rel = lt - v0
                 own = (rel >= 0) & (rel < v1 - v0)
                 picked = z[: t1 - t0].gather(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
                 tl = torch.where(own, picked, tl)
-                m_new = torch.maximum(m, z.amax(1))
+                if sz is not None:
+                    sz += z.sum(1)
+                tile_max = z.amax(1)
+                if am is not None:  # a later tile's max replaces the id only when larger (the lowest id on ties)
+                    am = torch.where(tile_max > m, z.argmax(1).to(torch.float32) + v0, am)
+                m_new = torch.maximum(m, tile_max)
                 alpha = torch.exp(m - m_new)  # 0 on the first tile (m = -inf)
                 z -= m_new.unsqueeze(1)  # z - m'
                 if q is not None:
@@ -266,7 +298,11 @@ class NativeBackend:
             target_logit[t0:t1] = tl
             if sum_exp_z is not None:
                 sum_exp_z[t0:t1] = q[: t1 - t0]
-        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
+            if sum_z is not None:
+                sum_z[t0:t1] = sz[: t1 - t0]
+            if argmax is not None:
+                argmax[t0:t1] = am[: t1 - t0]
+        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept, sum_z, argmax)
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
         """One shard holds the whole vocab: the outputs finished here (``target`` outside ``[0, V)``: nobody's, NaN
@@ -279,7 +315,7 @@ class NativeBackend:
         logp = torch.where(owned, (st.target_logit - st.row_max) - log_sum, float("nan"))
         mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
         return SingleShardOutputs(logp, st.row_max + log_sum, st.row_max, log_sum, mean_rel,
-                                  None if mean_rel is None else log_sum - mean_rel, st.kept)
+                                  None if mean_rel is None else log_sum - mean_rel, st.kept, st.sum_z, st.argmax)
 
     @staticmethod
     def transient_bytes(device: torch.device) -> int:
@@ -304,10 +340,10 @@ class NativeBackend:
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
-                 kept=None, accumulate=None) -> ShardGrads:
+                 kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
         if accumulate is None and kept is None and _one_tile(hidden, weight, call):
             return _backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                      grad_lse, mean_z, call, needs, d_hidden_ready)
+                                      grad_lse, mean_z, call, needs, d_hidden_ready, grad_sum_z)
         need_h, need_w, need_b = needs
         n, d = hidden.shape
         v = weight.shape[0]
@@ -326,7 +362,8 @@ class NativeBackend:
             d_bias32 = db_acc if db_acc is not None else torch.zeros(v, device=dev, dtype=torch.float32)
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
             self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                 grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept)
+                                 grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept,
+                                 grad_sum_z)
         else:
             if d_weight is not None and d_weight.dtype != torch.float32:
                 d_weight.zero_()
@@ -339,7 +376,7 @@ class NativeBackend:
 
     def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
                         grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready=None,
-                        kept=None) -> None:
+                        kept=None, grad_sum_z=None) -> None:
         """Vocab tiles outer, token chunks inner: each vocab tile's ``d_W`` rows are complete after its token
         chunks, so a low-precision ``d_W`` is summed in an fp32 ``[vocab_chunk, D]`` tile buffer (counted in the
         tile budget by :func:`plan_chunks`) and rounded once into the output. ``d_hidden`` sums the vocab tiles
@@ -354,8 +391,10 @@ class NativeBackend:
         tile_bytes, _ = split_workspace(call.workspace_bytes, hidden.device)
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
+        sum_z_grad = {} if grad_sum_z is None else {"grad_sum_z": grad_sum_z}
         chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
-                                    local_target, t0, min(t0 + tc, n), tc if call.deterministic else None)
+                                    local_target, t0, min(t0 + tc, n), tc if call.deterministic else None,
+                                    **sum_z_grad)
                   for t0 in range(0, n, tc)]
         dw_tile = None
         if d_weight is not None and d_weight.dtype != torch.float32:
@@ -370,10 +409,16 @@ class NativeBackend:
             for ch in chunks:
                 t0, t1 = ch.t0, ch.t1
                 keep = kept_views.get((t0, v0))
+                slope = None  # the softcap's d cap / d y
                 if keep is not None:  # the forward kept the tile's terms: no GEMM
                     dz = _dz_from_kept(keep[0], keep[1], ch)
+                    if call.softcap is not None:  # z = log(e) + m
+                        slope = _softcap_slope(_kept_logits(keep[0], keep[1]), call)
                 else:  # recompute the tile
-                    z = _logits_tile(ch.h, w, None if bias is None else bias[v0:v1], call.inv_temperature)
+                    slopes = [] if call.softcap is not None else None
+                    z = _logits_tile(ch.h, w, None if bias is None else bias[v0:v1], call.inv_temperature,
+                                     softcap=call.softcap, slope=slopes)
+                    slope = slopes[0] if slopes else None
                     z -= ch.m.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peak
                     if ch.ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
                         p = torch.exp(z - ch.ls.unsqueeze(1))
@@ -387,8 +432,13 @@ class NativeBackend:
                 # + grad_logp at the owned target column (scatter, no host sync)
                 dz.scatter_add_(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1),
                                 torch.where(own, ch.g, torch.zeros_like(ch.g)).unsqueeze(1))
+                if ch.gsz is not None:  # + grad_sum_z: d(sum_v z)/dz_v = 1
+                    dz += ch.gsz.unsqueeze(1)
                 if call.inv_temperature != 1.0:
                     dz *= call.inv_temperature
+                if slope is not None:
+                    dz *= slope
+                    del slope
                 if d_bias32 is not None:
                     d_bias32[v0:v1] += dz.sum(0)
                 dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
@@ -405,7 +455,7 @@ class NativeBackend:
 
     @staticmethod
     def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z, local_target, t0: int,
-                     t1: int, pad_to: Optional[int]) -> _TokenChunk:
+                     t1: int, pad_to: Optional[int], grad_sum_z=None) -> _TokenChunk:
         """The per-token vectors of rows ``[t0, t1)`` that every vocab tile of the backward reads (padded to
         ``pad_to`` rows in deterministic mode: padded rows get p = 0 and no target)."""
         rows = pad_to if pad_to is not None else t1 - t0
@@ -419,8 +469,9 @@ class NativeBackend:
         if grad_entropy is not None:
             ge = _pad_rows(grad_entropy[t0:t1], rows)
             c0 -= ge * _pad_rows(mean_z[t0:t1], rows)
+        gsz = None if grad_sum_z is None else _pad_rows(grad_sum_z[t0:t1], rows)
         return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
-                           g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1))
+                           g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1), gsz)
 
 
 # ---- one tile: a call whose logits fit one [N, V] tile in the tile budget and keep nothing (small shapes) --------
@@ -448,7 +499,9 @@ def _one_tile(hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> bo
 
 def _forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
     v = weight.shape[0]
-    z = _logits_tile(hidden, weight, bias, call.inv_temperature)
+    z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap)
+    sum_z = z.sum(1) if call.with_sum_z else None
+    argmax = z.argmax(1).to(torch.float32) if call.with_argmax else None
     m = z.amax(1)
     z -= m.unsqueeze(1)  # z - M
     column = target.clamp(0, v - 1)
@@ -462,18 +515,22 @@ def _forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSh
     log_sum = torch.log(sum_exp)
     logp = (target_rel - log_sum).masked_fill_(nobodys, float("nan"))
     mean_rel = None if q is None else q / sum_exp
-    return SingleShardOutputs(logp, m + log_sum, m, log_sum, mean_rel, None if q is None else log_sum - mean_rel)
+    return SingleShardOutputs(logp, m + log_sum, m, log_sum, mean_rel, None if q is None else log_sum - mean_rel,
+                              None, sum_z, argmax)
 
 
 def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
-                       call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None) -> ShardGrads:
+                       call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
+                       grad_sum_z=None) -> ShardGrads:
     need_h, need_w, need_b = needs
     v = weight.shape[0]
     gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
     c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z) (never modified)
     if grad_lse is not None:
         c0 = c0 - grad_lse
-    z = _logits_tile(hidden, weight, bias, call.inv_temperature)
+    slopes = [] if call.softcap is not None else None
+    z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap, slope=slopes)
+    slope = slopes[0] if slopes else None
     z -= row_max.unsqueeze(1)
     if grad_entropy is not None:
         c0 = c0 - grad_entropy * mean_z
@@ -484,8 +541,12 @@ def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp
     column = target.clamp(0, v - 1)
     # + grad_logp at the target column; nothing for ids outside [0, V) (nobody's)
     dz.scatter_add_(1, column.unsqueeze(1), grad_logp.masked_fill(column != target, 0).unsqueeze(1))
+    if grad_sum_z is not None:  # d(sum_v z)/dz_v = 1
+        dz += grad_sum_z.unsqueeze(1)
     if call.inv_temperature != 1.0:
         dz *= call.inv_temperature
+    if slope is not None:
+        dz *= slope
     d_bias = None
     if need_b and bias is not None:
         d_bias = dz.sum(0)

@@ -247,16 +247,18 @@ class TritonBackend:
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
         ran = self._run_program(hidden, weight, bias, local_target, call, ("stats", hidden.shape[0]))
         if ran is not None:
-            return ShardStats(*ran[0], kept=ran[1])
+            out = ran[0]
+            return ShardStats(*out[:4], kept=ran[1], sum_z=out[4], argmax=out[5])
         from ..kernels import programs
 
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
-        row_max, sum_exp, target_logit, sum_exp_z = programs.forward_stats(
+        out = programs.forward_stats(
             hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, lay.cfg,
             tma=self._uses_tma(hidden, weight, call), kept=self._kept_terms(kept, hidden.shape[0], lay),
-            checked=call.inputs_checked)
-        return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept)
+            checked=call.inputs_checked, softcap=call.softcap, with_sum_z=call.with_sum_z,
+            with_argmax=call.with_argmax)
+        return ShardStats(*out[:4], kept=kept, sum_z=out[4], argmax=out[5])
 
     # forward_single takes ``target_flag``: its finishing kernel checks the targets
     # (tplogp.kernel_target_check.KernelTargetCheck)
@@ -267,15 +269,18 @@ class TritonBackend:
         ran = self._run_program(hidden, weight, bias, target, call,
                                 ("single", hidden.shape[0], target_flag is not None), target_flag)
         if ran is not None:
-            return SingleShardOutputs(*ran[0], kept=ran[1])
+            out = ran[0]
+            return SingleShardOutputs(*out[:6], kept=ran[1], sum_z=out[6], argmax=out[7])
         from ..kernels import programs
 
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call)
-        return SingleShardOutputs(*programs.forward_single(
+        out = programs.forward_single(
             hidden, weight, bias, target, call.inv_temperature, call.with_entropy, lay.cfg,
             tma=self._uses_tma(hidden, weight, call), kept=self._kept_terms(kept, hidden.shape[0], lay),
-            target_flag=target_flag, checked=call.inputs_checked), kept=kept)
+            target_flag=target_flag, checked=call.inputs_checked, softcap=call.softcap, with_sum_z=call.with_sum_z,
+            with_argmax=call.with_argmax)
+        return SingleShardOutputs(*out[:6], kept=kept, sum_z=out[6], argmax=out[7])
 
     def _run_program(self, hidden, weight, bias, target, call: ShardCall, key: tuple, target_flag=None):
         """``(the forward's outputs, what it kept)`` through the layout's program (:meth:`_program`), for the op's
@@ -315,16 +320,18 @@ class TritonBackend:
             found = (programs.ForwardProgram(n, weight.shape[0], hidden.shape[1], hidden.stride(0), weight.stride(0),
                                              hidden.dtype, None if bias is None else bias.dtype, call.inv_temperature,
                                              call.with_entropy, lay.cfg, tiles.dot_precision(hidden.dtype), keep,
-                                             single, single and key[2], self._uses_tma(hidden, weight, call)), lay)
+                                             single, single and key[2], self._uses_tma(hidden, weight, call),
+                                             call.softcap, call.with_sum_z, call.with_argmax), lay)
         _remember(call.programs, key, found)
         return found
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None) -> ShardGrads:
+                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None,
+                 grad_sum_z=None) -> ShardGrads:
         if call.inputs_checked and isinstance(kept, KeptBuffers):
             grads = self._kept_program_backward(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                                                 grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, kept,
-                                                accumulate)
+                                                accumulate, grad_sum_z)
             if grads is not None:
                 return grads
         from ..kernels import programs
@@ -338,19 +345,20 @@ class TritonBackend:
             kept=self._kept_terms(kept, hidden.shape[0], lay, take_scales=True), d_hidden_ready=d_hidden_ready,
             accumulate=accumulate,
             overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype,
-            checked=call.inputs_checked)
+            checked=call.inputs_checked, softcap=call.softcap, grad_sum_z=grad_sum_z)
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _kept_program_backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
                                grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready, kept: KeptBuffers,
-                               accumulate) -> Optional[ShardGrads]:
+                               accumulate, grad_sum_z=None) -> Optional[ShardGrads]:
         """The backward through the layout's :class:`~tplogp.kernels.programs.KeptBackward` (made at its first call,
         remembered in ``call.programs``), or None where one does not run it (its ``covers``)."""
         n = hidden.shape[0]
         if not _layout_rows(call, n):
             return None
         with_entropy = grad_entropy is not None
-        key = ("backward", n, tuple(needs), with_entropy)
+        with_sum_z = grad_sum_z is not None
+        key = ("backward", n, tuple(needs), with_entropy) + (("sum_z",) if with_sum_z else ())
         program = call.programs.get(key)
         if program is None:
             from ..kernels.programs import KeptBackward
@@ -359,14 +367,15 @@ class TritonBackend:
         if not KeptBackward.covers(kept, weight, call.consume_kept):
             return None
         terms = kept_layout.KeptTerms(kept.values, kept.take_scales())
-        if program is None or not program.matches(hidden, weight, bias, terms, needs, with_entropy):
+        if program is None or not program.matches(hidden, weight, bias, terms, needs, with_entropy, with_sum_z):
             lay = self._launch_layout(hidden, weight, call)
             program = _remember(call.programs, key, KeptBackward(
                 n, weight.shape[0], hidden.dtype, None if bias is None else bias.dtype, tuple(needs), with_entropy,
                 call.inv_temperature, lay.cfg, tiles.dot_precision(hidden.dtype), terms.values.dtype,
-                terms.scales.stride(0), call.deterministic, call.d_hidden_in_input_dtype, hidden.is_cuda))
+                terms.scales.stride(0), call.deterministic, call.d_hidden_in_input_dtype, hidden.is_cuda, call.softcap,
+                with_sum_z))
         return ShardGrads(*program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                   grad_lse, mean_z, terms, d_hidden_ready, accumulate))
+                                   grad_lse, mean_z, terms, d_hidden_ready, accumulate, grad_sum_z))
 
 
 def _layout_rows(call: ShardCall, n: int) -> bool:

@@ -15,13 +15,16 @@ final hidden states, shifted as above) with its own weight and bias: ``linear_lo
 What is checked, so that a number that differs from the logits path is never returned:
 
 * before the forward: the head is a ``torch.nn.Linear`` that does not override ``forward`` (not a LoRA layer,
-  not a quantized linear; PEFT's ``modules_to_save`` wrapper of plain ones is fine); the config asks for no final-logit softcapping (Gemma 2/3 style); no prompt-learning
-  adapter changes the sequence;
+  not a quantized linear; PEFT's ``modules_to_save`` wrapper of plain ones is fine); no prompt-learning adapter
+  changes the sequence;
 * after it: the head ran exactly once, on hidden states of the input's length, and the model returned the head's
   output as its logits, unmodified (the same tensor, its version counter unchanged). A model whose forward scales
   the logits by a constant from its config (``logit_scale``: Cohere; ``logits_scaling``: Granite) gets that
   constant folded into the temperature, and its returned logits must equal exactly that scaling of the head's
-  output. Any other transform of the logits in the model's forward raises :class:`UnsupportedModelError`.
+  output. A model with final-logit softcapping (``config.final_logit_softcapping = c``: Gemma 2 and Gemma 3) returns
+  ``c * tanh(head_output / c)``: the op computes it with ``softcap=c`` (then the temperature), and the returned
+  logits must equal exactly that transform of the head's output. Any other transform of the logits in the model's
+  forward raises :class:`UnsupportedModelError`.
 """
 
 from __future__ import annotations
@@ -65,6 +68,24 @@ class _LogitScale:
         return temperature / self.value if self.multiply else temperature * self.value
 
 
+@dataclasses.dataclass(frozen=True)
+class _Softcap:
+    """The model's forward returns ``tanh(head_output / value) * value`` (Gemma 2 / 3's final-logit softcapping, in
+    the order of their forward), which the op computes with ``softcap=value``."""
+
+    value: float
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(t / self.value) * self.value
+
+    def temperature(self, temperature: float) -> float:
+        return temperature
+
+    @property
+    def softcap(self) -> float:
+        return self.value
+
+
 def _configs(model) -> list:
     config = getattr(model, "config", None)
     if config is None:
@@ -74,17 +95,20 @@ def _configs(model) -> list:
 
 
 def _check_config(model) -> Optional[_LogitScale]:
-    """Refuse what the op cannot compute; the scaling the model's forward applies to its logits, if any."""
+    """Refuse what the op cannot compute; the transform the model's forward applies to its logits, if any (a
+    :class:`_LogitScale` or a :class:`_Softcap`)."""
     scale = None
     for config in _configs(model):
         cap = getattr(config, "final_logit_softcapping", None)
-        if cap is not None:
-            raise UnsupportedModelError(
-                f"final-logit softcapping (config.final_logit_softcapping={cap}): the model returns "
-                f"cap * tanh(logits / cap), which tplogp's linear_logp does not compute; set "
-                f"final_logit_softcapping=None only if the model was trained without it")
+        if cap is not None and scale is None:
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf"):
+                raise UnsupportedModelError(f"config.final_logit_softcapping={cap!r}: expected a positive number")
+            scale = _Softcap(float(cap))
         for name, multiply in (("logit_scale", True), ("logits_scaling", False)):
             value = getattr(config, name, None)
+            if value is not None and isinstance(scale, _Softcap):
+                raise UnsupportedModelError(f"config.{name}={value!r} together with final_logit_softcapping: the "
+                                            f"order of the two transforms is not known here")
             if value is not None and scale is None:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                     raise UnsupportedModelError(f"config.{name}={value!r}: expected a positive number")
@@ -218,8 +242,9 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
             same = (isinstance(logits, torch.Tensor) and logits is not result and result._version == version
                     and torch.equal(logits, scale.apply(result)))
     if not same:
-        what = (f"exactly the head's output scaled by config.{scale.name}" if scale is not None else
-                "the head's output, unmodified")
+        what = ("the head's output, unmodified" if scale is None else
+                f"exactly the head's output softcapped by config.final_logit_softcapping={scale.value}"
+                if isinstance(scale, _Softcap) else f"exactly the head's output scaled by config.{scale.name}")
         raise UnsupportedModelError(
             f"{type(model).__name__}'s forward transforms the LM head's output before returning it as logits "
             f"(expected {what}): tplogp cannot reproduce that transform")
@@ -235,6 +260,11 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
             f"head's output hooks redistribute it (for a tensor-parallel plan, use "
             f"ColwiseParallel(output_layouts=Replicate()) on the head)")
     return result
+
+
+def _softcap(transform) -> Optional[float]:
+    """The op's ``softcap`` for the model's logit transform (None: none)."""
+    return transform.softcap if isinstance(transform, _Softcap) else None
 
 
 def _targets(input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
@@ -269,7 +299,7 @@ def causal_lm_logprobs(
         attention_mask: ``[B, S]`` as the model takes it (left or right padding). Padded positions get the values
             the logits path gives them (mask them out downstream, as with the logits).
         logits_to_keep: 0: every next token, ``[B, S-1]``; ``k > 0``: the last ``k`` tokens, ``[B, k]``.
-        temperature: the logits are divided by it (a model's own logit scale is applied first).
+        temperature: the logits are divided by it (a model's own logit scale or final-logit softcap is applied first).
         return_entropy: also return the entropy of each position's distribution.
         workspace_bytes: :func:`tplogp.linear_logp`'s memory budget.
         model_kwargs: passed to the model's forward (``position_ids``, ...); ``use_cache`` defaults to False.
@@ -278,7 +308,7 @@ def causal_lm_logprobs(
         float32 ``logp``, or ``(logp, entropy)`` (:class:`~tplogp.outputs.LogpEntropy`) with ``return_entropy``.
 
     Raises:
-        UnsupportedModelError: the model's logits are not what the LM head computes (final-logit softcapping, a
+        UnsupportedModelError: the model's logits are not what the LM head computes (a
             LoRA or quantized head, a transform of the logits in the forward; see :mod:`tplogp.integrations.hf`).
     """
     targets = _targets(input_ids, logits_to_keep)
@@ -286,7 +316,7 @@ def causal_lm_logprobs(
     def make(head, hidden, scale):
         out = linear_logp(hidden, head.weight, targets.to(hidden.device), head.bias,
                           temperature=temperature if scale is None else scale.temperature(temperature),
-                          return_entropy=return_entropy, workspace_bytes=workspace_bytes)
+                          softcap=_softcap(scale), return_entropy=return_entropy, workspace_bytes=workspace_bytes)
         # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a view)
         return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
 
@@ -358,9 +388,9 @@ def causal_lm_loss(
                                             f"Replicate() (ColwiseParallel's default input layout)")
             mesh, local = hidden.device_mesh, hidden.to_local()
         value = linear_logp_loss(local, head.weight, targets.to(local.device), head.bias, loss=loss,
-                                 per_token=per_token, reduction=reduction, temperature=t_eff, ignore_index=ignore,
-                                 workspace_bytes=workspace_bytes, with_entropy=with_entropy,
-                                 return_metrics=return_metrics)
+                                 per_token=per_token, reduction=reduction, temperature=t_eff,
+                                 softcap=_softcap(scale), ignore_index=ignore, workspace_bytes=workspace_bytes,
+                                 with_entropy=with_entropy, return_metrics=return_metrics)
         if return_metrics:  # the model returns the loss where it returns its logits; the metrics come aside
             value, found = value
             metrics.update(found)

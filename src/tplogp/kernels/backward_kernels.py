@@ -11,8 +11,8 @@ workspace (weight dtype) fits the byte budget. Per chunk:
        zr = z - M                  (M: global row max; exact 0 at the max)
        p  = exp(zr - log_sum)      (log_sum = log sum exp(z - M): lse = M + log_sum, kept apart so that
                                     1 - p at a peaked target does not cancel against a rounded lse)
-       dz = g * onehot(target) - p * (g - g_lse + g_ent * (zr - mean_zr))
-       d_logits = dz * inv_temperature
+       dz = g * onehot(target) - p * (g - g_lse + g_ent * (zr - mean_zr)) + g_sum_z
+       d_logits = dz * inv_temperature * (1 - tanh^2(y / softcap))     (the last factor with a softcap only)
 
    then rounds ``d_logits`` once to the weight dtype into the workspace; with a bias it also writes the fp32
    column sums of the tile (per token block) so ``d_bias`` is summed in fp32 without atomics. Over the columns
@@ -45,36 +45,39 @@ def bwd_dlogits_kernel(
     p_gmg,  # [N] fp32 grad_logp - grad_lse, in
     p_ge,  # [N] fp32 grad of entropy, in (only WITH_ENTROPY)
     p_mz,  # [N] fp32 mean logit relative to the max, E_p[z] - M, in (only WITH_ENTROPY)
+    p_gsz,  # [N] fp32 grad of sum_v z, in (only WITH_SUM_Z)
     p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
     N, V, D, v_lo, v_hi,
     stride_hn, stride_wv, stride_dz, stride_dbp,
-    inv_temp,
+    inv_temp, softcap,  # softcap: only SOFTCAP
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
 ):
     i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     o_v = v_lo + i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
     acc = logits_tile(p_h, p_w, o_n, o_v, o_n < N, o_v < v_hi, D, stride_hn, stride_wv,
                        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
-                      stride_dz, stride_dbp, inv_temp, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V)
+    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz, p_dz,
+                      p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
+                      BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)
 
 
 @triton.jit
 def bwd_dlogits_kept_kernel(
     p_kept,  # [N, >= v_hi] softmax terms exp(z - m) kept by the forward (KEEP), in
     p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 their running max m per row and forward tile, in
-    p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz,  # see bwd_dlogits_kernel
+    p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz,  # see bwd_dlogits_kernel
     p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only NEED_DB)
     N, v_lo, v_hi,
     stride_kept, stride_scale, stride_dz, stride_dbp,
-    inv_temp,
+    inv_temp, cap_temp,  # cap_temp = softcap * inv_temp: only SOFTCAP
     NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
 ):
     """:func:`bwd_dlogits_kernel` for columns whose softmax terms the forward kept: ``p`` (and with entropy
     ``z - M``) from the kept terms and their row scale (:func:`.tile_ops.kept_probabilities`; no GEMM; bias and
@@ -90,15 +93,19 @@ def bwd_dlogits_kept_kernel(
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
     if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
-        b_p, b_zr = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0, v_hi,
-                                       b_rmax, b_lsum2, WITH_ENTROPY, True, BLOCK_N, BLOCK_V)
+        b_p, b_zr, b_slope = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0,
+                                                v_hi, b_rmax, b_lsum2, WITH_ENTROPY, True, BLOCK_N, BLOCK_V, cap_temp,
+                                                SOFTCAP)
         dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
-                       stride_dz, stride_dbp, inv_temp, True, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V)
+                       stride_dz, stride_dbp, inv_temp, True, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope,
+                       p_gsz, SOFTCAP, WITH_SUM_Z)
     else:
-        b_p, b_zr = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0, v_hi,
-                                       b_rmax, b_lsum2, WITH_ENTROPY, False, BLOCK_N, BLOCK_V)
+        b_p, b_zr, b_slope = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0,
+                                                v_hi, b_rmax, b_lsum2, WITH_ENTROPY, False, BLOCK_N, BLOCK_V,
+                                                cap_temp, SOFTCAP)
         dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
-                       stride_dz, stride_dbp, inv_temp, False, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V)
+                       stride_dz, stride_dbp, inv_temp, False, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope,
+                       p_gsz, SOFTCAP, WITH_SUM_Z)
 
 
 @triton.jit

@@ -37,20 +37,21 @@ def fwd_stats_kernel(
     p_w,  # [V, D] weight shard, in
     p_b,  # [V] bias, in (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target, in (-1: not owned)
-    p_parts,  # [3 or 4, S, N] fp32 per split: row max, sum exp(z - max), target logit (0 if not in the split)
-              # [, sum exp(z - max) (z - max) WITH_ENTROPY], out
+    p_parts,  # [3 to 6, S, N] fp32 per split: row max, sum exp(z - max), target logit (0 if not in the split)
+              # [, sum exp(z - max) (z - max) WITH_ENTROPY][, sum z WITH_SUM_Z][, argmax WITH_ARGMAX], out
     p_kept,  # [N, v_keep] softmax terms exp(z - m) of the columns below v_keep (bf16 or fp32), out (only KEEP)
     p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 running max m per row and tile, out (only KEEP)
     N, V, D,
     stride_hn, stride_wv, stride_kept, stride_scale, v_keep,
-    inv_temp,
+    inv_temp, softcap,  # softcap: only SOFTCAP
     num_splits, plane,  # plane = S * N
     SPLIT_V: tl.constexpr,  # vocab ids per split (multiple of BLOCK_V)
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr, KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
 ):
-    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez = stats_program(N, num_splits, BLOCK_N, GROUP_N)
+    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_program(N, num_splits, BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)  # [BLOCK_N] int64
     c = inv_temp * LOG2E
     o_t = tl.arange(0, BLOCK_V)
@@ -59,27 +60,31 @@ def fwd_stats_kernel(
         o_v = v0 + o_t
         acc = logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-        b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
-                                               p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp,
-                                               False, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V)
+        b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_tile(
+            acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, p_kept,
+            p_scale, stride_kept, stride_scale, v_keep, inv_temp, False, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION,
+            BLOCK_N, BLOCK_V, False, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
     if v_full < v_hi:  # the shard's last tile, cut by V
         o_v = v_full + o_t
         acc = logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
-        b_max, b_sum, b_tl, b_sez = stats_tile(acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl,
-                                               b_sez, c, p_kept, p_scale, stride_kept, stride_scale, v_keep,
-                                               inv_temp, True, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N,
-                                               BLOCK_V)
-    b_max, b_tl, b_sez = natural_units(b_max, b_tl, b_sez, inv_temp)
-    store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
+        b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_tile(
+            acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, p_kept,
+            p_scale, stride_kept, stride_scale, v_keep, inv_temp, True, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION,
+            BLOCK_N, BLOCK_V, False, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
+    b_max, b_tl, b_sez, b_sz = natural_units(b_max, b_tl, b_sez, b_sz, inv_temp)
+    store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY, b_sz, b_am,
+                WITH_SUM_Z, WITH_ARGMAX)
 
 
 @triton.jit
-def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
+def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr, WITH_SUM_Z: tl.constexpr = False,
+                 WITH_ARGMAX: tl.constexpr = False):
     """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``, computed on the host so that Triton
     types it 64-bit when it needs to be; ``S`` or ``N`` may be the constant 1 here) of the rows ``o_n`` in split order
     (fixed order: bitwise reproducible). No split is empty (each holds at least one vocab id). Returns (max,
-    sum exp(z - max), target logit, sum exp(z - max)(z - max) or 0)."""
+    sum exp(z - max), target logit, sum exp(z - max)(z - max) or 0, sum z or 0, argmax or 0): the sums of z add,
+    the argmax is a later split's only where its max is larger (the lowest id on ties)."""
     p_max = p_parts
     p_sum = p_max + plane
     p_tl = p_sum + plane
@@ -90,6 +95,15 @@ def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
     b_sez = tl.zeros(o_n.shape, dtype=tl.float32)
     if WITH_ENTROPY:
         b_sez = tl.load(p_sez + o_n, mask=m_n, other=0.0)
+    p_sz = p_tl + plane * (2 if WITH_ENTROPY else 1)  # only read WITH_SUM_Z
+    p_am = p_sz + plane * (1 if WITH_SUM_Z else 0)  # only read WITH_ARGMAX
+    b_sz = tl.zeros(o_n.shape, dtype=tl.float32)
+    b_am = tl.zeros(o_n.shape, dtype=tl.float32)
+    if WITH_SUM_Z:
+        b_sz = tl.load(p_sz + o_n, mask=m_n, other=0.0)
+    if WITH_ARGMAX:
+        b_am = tl.load(p_am + o_n, mask=m_n, other=0.0)
+    p_ssz, p_sam = p_sz + o_n, p_am + o_n
     p_smax, p_ssum, p_stl, p_ssez = p_max + o_n, p_sum + o_n, p_tl + o_n, p_sez + o_n  # split 0
     for _ in range(1, S):
         p_smax += N  # pointer steps: 64-bit arithmetic even when S * N exceeds 2^31
@@ -98,6 +112,12 @@ def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
         c_max = tl.load(p_smax, mask=m_n, other=0.0)
         c_sum = tl.load(p_ssum, mask=m_n, other=0.0)
         b_tl += tl.load(p_stl, mask=m_n, other=0.0)
+        if WITH_SUM_Z:
+            p_ssz += N
+            b_sz += tl.load(p_ssz, mask=m_n, other=0.0)
+        if WITH_ARGMAX:
+            p_sam += N
+            b_am = tl.where(c_max > b_max, tl.load(p_sam, mask=m_n, other=0.0), b_am)
         new_max = tl.maximum(b_max, c_max)
         d_a = b_max - new_max
         d_c = c_max - new_max
@@ -109,32 +129,34 @@ def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr):
             b_sez = w_a * (b_sez + d_a * b_sum) + w_c * (c_sez + d_c * c_sum)
         b_sum = w_a * b_sum + w_c * c_sum
         b_max = new_max
-    return b_max, b_sum, b_tl, b_sez
+    return b_max, b_sum, b_tl, b_sez, b_sz, b_am
 
 
 @triton.jit
 def merge_splits_kernel(
-    p_parts,  # [3 or 4, S, N] fp32 per-split stats (max, sum, target logit[, sez]), in
-    o_stats,  # [3 or 4, N] fp32 merged stats, out
+    p_parts,  # [3 to 6, S, N] fp32 per-split stats (max, sum, target logit[, sez][, sum z][, argmax]), in
+    o_stats,  # [3 to 6, N] fp32 merged stats, out
     N, S, plane,  # plane = S * N
-    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
 ):
     """Fold S splits into one shard's stats (for the TP layer's cross-rank merge)."""
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m_n = o_n < N
-    b_max, b_sum, b_tl, b_sez = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY)
-    store_stats(o_stats, N, o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY)
+    b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY, WITH_SUM_Z,
+                                                         WITH_ARGMAX)
+    store_stats(o_stats, N, o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY, b_sz, b_am, WITH_SUM_Z, WITH_ARGMAX)
 
 
 @triton.jit
 def finalize_single_kernel(
-    p_parts,  # [3 or 4, S, N] fp32 per-split stats, in
+    p_parts,  # [3 to 6, S, N] fp32 per-split stats, in
     p_tgt,  # [N] target ids, in (owned iff 0 <= id < V)
-    o_out,  # [4 or 6, N] fp32, out: logp, lse, row max M, log S, and with entropy E_p[z] - M, entropy
+    o_out,  # [4 to 8, N] fp32, out: logp, lse, row max M, log S, with entropy E_p[z] - M and entropy, then sum z
+            # (WITH_SUM_Z) and argmax (WITH_ARGMAX)
     p_flag,  # [1] int64 target verdict, out (only CHECK_TARGETS; 0 on entry): a target id outside [0, V), if any
     N, V, S, plane,  # plane = S * N
     WITH_ENTROPY: tl.constexpr, ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr,
-    CHECK_TARGETS: tl.constexpr,
+    CHECK_TARGETS: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
 ):
     """One shard is the whole vocab: fold the splits and finish the per-token outputs in the same pass.
 
@@ -146,7 +168,8 @@ def finalize_single_kernel(
     """
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m_n = o_n < N
-    b_max, b_sum, b_tl, b_sez = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY)
+    b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY, WITH_SUM_Z,
+                                                         WITH_ARGMAX)
     if ACCURATE_LOG:
         b_lsum = libdevice.log(b_sum)
     else:
@@ -167,4 +190,10 @@ def finalize_single_kernel(
         b_mrel = b_sez / b_sum
         tl.store(o_out + 4 * N + o_n, b_mrel, mask=m_n)
         tl.store(o_out + 5 * N + o_n, b_lsum - b_mrel, mask=m_n)
+    p_extra = o_out + (6 if WITH_ENTROPY else 4) * N
+    if WITH_SUM_Z:
+        tl.store(p_extra + o_n, b_sz, mask=m_n)
+        p_extra += N
+    if WITH_ARGMAX:
+        tl.store(p_extra + o_n, b_am, mask=m_n)
 

@@ -87,24 +87,36 @@ def layout_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 # entropy, the sum of exp * z), the merged stats of a shard ``[rows, N]`` (the same rows), the one-shard outputs
 # ``[6 or 4, N]`` (logp, lse, row max, log-sum and, with entropy, mean_rel and entropy).
 
-def _stats_rows(with_entropy: bool) -> int:
-    return 4 if with_entropy else 3
+def _stats_rows(with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> int:
+    return (4 if with_entropy else 3) + with_sum_z + with_argmax
 
 
-def _single_rows(with_entropy: bool) -> int:
-    return 6 if with_entropy else 4
+def _single_rows(with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> int:
+    return (6 if with_entropy else 4) + with_sum_z + with_argmax
 
 
-def _stats_outputs(out: torch.Tensor, with_entropy: bool) -> tuple:
-    """``(row_max, sum_exp, target_logit, sum_exp_z | None)``: views of the merged stats ``out``."""
+def _extras(outs: tuple, first: int, with_sum_z: bool, with_argmax: bool) -> tuple:
+    """``(sum_z | None, argmax | None)``: the optional rows from row ``first`` on."""
+    sum_z = outs[first] if with_sum_z else None
+    argmax = outs[first + with_sum_z] if with_argmax else None
+    return sum_z, argmax
+
+
+def _stats_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> tuple:
+    """``(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None)``: views of the merged
+    stats ``out``."""
     outs = out.unbind(0)
-    return outs[0], outs[1], outs[2], outs[3] if with_entropy else None
+    return (outs[0], outs[1], outs[2], outs[3] if with_entropy else None,
+            *_extras(outs, 4 if with_entropy else 3, with_sum_z, with_argmax))
 
 
-def _single_outputs(out: torch.Tensor, with_entropy: bool) -> tuple:
-    """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``: views of the one-shard outputs ``out``."""
+def _single_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
+                    with_argmax: bool = False) -> tuple:
+    """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None, sum_z | None, argmax | None)``: views of the
+    one-shard outputs ``out``."""
     outs = out.unbind(0)
-    return outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None
+    return (outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None,
+            *_extras(outs, 6 if with_entropy else 4, with_sum_z, with_argmax))
 
 
 # ----------------------------------------------------------------------------------------------- forward
@@ -125,25 +137,29 @@ class ForwardProgram:
     def __init__(self, n: int, v: int, d: int, stride_h: int, stride_w: int, dtype: torch.dtype,
                  bias_dtype: Optional[torch.dtype], inv_temperature: float, with_entropy: bool, cfg: TileConfig,
                  precision: Optional[str], keep: Optional[tuple], single: bool, check_targets: bool = False,
-                 tma: bool = False) -> None:
+                 tma: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
+                 with_argmax: bool = False) -> None:
         self.layout = ((n, d), (v, d), dtype, bias_dtype)
         self.with_entropy = with_entropy
+        self.extras = (with_sum_z, with_argmax)
         self.single = single
         num_splits = cdiv(v, cfg.split_v)
         kept_dims = None if keep is None else keep[:3]
         stats = (n, v, d, stride_h, stride_w, bias_dtype is not None, with_entropy, float(inv_temperature), cfg,
                  precision, kept_dims)
-        self.stats = stats_launch(*stats)
+        options = dict(softcap=softcap, with_sum_z=with_sum_z, with_argmax=with_argmax)
+        self.stats = stats_launch(*stats, **options)
         # the Hopper kernel's launches (plain and, with kept terms, with their TMA stores), or None
-        self.stats_tma = None if not tma else (stats_launch(*stats, tma=True),
-                                               stats_launch(*stats, tma=True, keep_tma=True) if keep else None)
-        self.parts_shape = (_stats_rows(with_entropy), num_splits, n)
+        self.stats_tma = None if not tma else (stats_launch(*stats, tma=True, **options),
+                                               stats_launch(*stats, tma=True, keep_tma=True, **options) if keep
+                                               else None)
+        self.parts_shape = (_stats_rows(with_entropy, with_sum_z, with_argmax), num_splits, n)
         if single:
-            self.out_shape = (_single_rows(with_entropy), n)
-            self.finish = finalize_launch(n, v, num_splits, with_entropy, check_targets)
+            self.out_shape = (_single_rows(with_entropy, with_sum_z, with_argmax), n)
+            self.finish = finalize_launch(n, v, num_splits, with_entropy, check_targets, with_sum_z, with_argmax)
         else:
-            self.out_shape = (_stats_rows(with_entropy), n)
-            self.finish = merge_launch(n, num_splits, with_entropy)
+            self.out_shape = (_stats_rows(with_entropy, with_sum_z, with_argmax), n)
+            self.finish = merge_launch(n, num_splits, with_entropy, with_sum_z, with_argmax)
 
     def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         """Whether a call's (checked: 2-D, contiguous, one device) tensors are of this layout."""
@@ -152,8 +168,9 @@ class ForwardProgram:
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: torch.Tensor, target_flag: Optional[torch.Tensor] = None,
                  values: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None) -> tuple:
-        """``single``: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``; else ``(row_max,
-        sum_exp, target_logit, sum_exp_z | None)`` (``target``: shard-local, contiguous). The kept terms and scales
+        """``single``: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None, sum_z | None, argmax |
+        None)``; else ``(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None)``
+        (``target``: shard-local, contiguous). The kept terms and scales
         are written into ``values`` and ``scales`` (the layout's ``keep``)."""
         device = hidden.device
         stats = self.stats
@@ -166,13 +183,14 @@ class ForwardProgram:
         out = torch.empty(self.out_shape, device=device, dtype=torch.float32)  # after the launch: the GPU starts sooner
         if not self.single:
             self.finish(parts, out)
-            return _stats_outputs(out, self.with_entropy)
+            return _stats_outputs(out, self.with_entropy, *self.extras)
         self.finish(parts, target, out, out if target_flag is None else target_flag)
-        return _single_outputs(out, self.with_entropy)
+        return _single_outputs(out, self.with_entropy, *self.extras)
 
 
 def _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept: Optional[KeptTerms],
-                     single: bool, check_targets: bool, tma: bool) -> ForwardProgram:
+                     single: bool, check_targets: bool, tma: bool, softcap: Optional[float] = None,
+                     with_sum_z: bool = False, with_argmax: bool = False) -> ForwardProgram:
     """The per-call paths' :class:`ForwardProgram` of these tensors' layout, from :func:`~.launch.cached`."""
     n, d = hidden.shape
     keep = None
@@ -180,13 +198,15 @@ def _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, k
         keep = (kept.values.stride(0), kept.scales.stride(0), kept.values.shape[1], kept.values.dtype)
     return cached(ForwardProgram, n, weight.shape[0], d, hidden.stride(0), weight.stride(0), hidden.dtype,
                   None if bias is None else bias.dtype, float(inv_temperature), with_entropy, cfg,
-                  dot_precision(hidden.dtype), keep, single, check_targets, tma)
+                  dot_precision(hidden.dtype), keep, single, check_targets, tma, softcap, with_sum_z, with_argmax)
 
 
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                  tma: bool = False, kept: Optional[KeptTerms] = None, checked: bool = False):
-    """(row_max, sum_exp, target_logit, sum_exp_z | None), fp32 [N], for one vocab shard.
+                  tma: bool = False, kept: Optional[KeptTerms] = None, checked: bool = False,
+                  softcap: Optional[float] = None, with_sum_z: bool = False, with_argmax: bool = False):
+    """(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None), fp32 [N], for one vocab
+    shard (``softcap``, ``with_sum_z``, ``with_argmax``: :class:`tplogp.backends.base.ShardCall`'s).
 
     ``kept`` (optional): the stats kernel also stores the softmax terms of the shard columns ``[0, v_keep)`` and
     their row scales there (:class:`~.kept.KeptTerms`), for :func:`backward`. ``tma``: the Hopper kernels where legal.
@@ -198,21 +218,25 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     if not checked:
         check_inputs(hidden, weight, bias, local_target)
         check_kept(kept, n, v, cfg.block_v)
+    extras = (with_sum_z, with_argmax)
     if n == 0 or v == 0:
-        out = torch.empty((_stats_rows(with_entropy), n), device=hidden.device, dtype=torch.float32)
+        out = torch.empty((_stats_rows(with_entropy, *extras), n), device=hidden.device, dtype=torch.float32)
         out[0].fill_(float("-inf"))
         out[1:].zero_()
-        return _stats_outputs(out, with_entropy)
+        return _stats_outputs(out, with_entropy, *extras)
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
-    program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept, False, False, tma)
+    program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept, False, False, tma,
+                               softcap, *extras)
     return program(hidden, weight, bias, local_target, None, *(() if kept is None else kept))
 
 
 def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
                    inv_temperature: float, with_entropy: bool, cfg: TileConfig, tma: bool = False,
                    kept: Optional[KeptTerms] = None, target_flag: Optional[torch.Tensor] = None,
-                   checked: bool = False):
-    """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None)``, fp32 [N].
+                   checked: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
+                   with_argmax: bool = False):
+    """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None, sum_z |
+    None, argmax | None)``, fp32 [N].
     ``kept``, ``tma``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the finishing kernel
     sets to an id outside ``[0, V)`` if some target is one (the call's default check; pinned host memory on a GPU,
     which the kernel writes directly).
@@ -226,15 +250,16 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if not checked:
         check_inputs(hidden, weight, bias, target)
         check_kept(kept, n, v, cfg.block_v)
+    extras = (with_sum_z, with_argmax)
     if n == 0 or v == 0:
-        out = torch.empty((_single_rows(with_entropy), n), device=hidden.device, dtype=torch.float32)
+        out = torch.empty((_single_rows(with_entropy, *extras), n), device=hidden.device, dtype=torch.float32)
         if n:  # an empty vocab: no probability mass anywhere
             out.fill_(float("nan"))
             out[1:4].fill_(float("-inf"))
-        return _single_outputs(out, with_entropy)
+        return _single_outputs(out, with_entropy, *extras)
     target = target if target.is_contiguous() else target.contiguous()
     program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept, True,
-                               target_flag is not None, tma)
+                               target_flag is not None, tma, softcap, *extras)
     return program(hidden, weight, bias, target, target_flag, *(() if kept is None else kept))
 
 
@@ -256,8 +281,10 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False, kept: Optional[KeptTerms] = None,
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
              accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
-             overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False, checked: bool = False):
-    """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard.
+             overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False, checked: bool = False,
+             softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
+    """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard (``softcap``: the forward's;
+    ``grad_sum_z``: d loss / d sum_v z per token, or None).
 
     ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden is one GEMM (one
     chunk, not ``deterministic``, on CUDA), it is returned in the input dtype, rounded once as the GEMM stores it
@@ -297,9 +324,9 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         program = cached(KeptBackward, n, v, hidden.dtype, None if bias is None else bias.dtype, tuple(needs),
                          grad_entropy is not None, float(inv_temperature), cfg, dot_precision(hidden.dtype),
                          kept.values.dtype, kept.scales.stride(0), deterministic, d_hidden_in_input_dtype,
-                         hidden.is_cuda)
+                         hidden.is_cuda, softcap, grad_sum_z is not None)
         return program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                       mean_z, kept, d_hidden_ready, accumulate)
+                       mean_z, kept, d_hidden_ready, accumulate, grad_sum_z)
     f32 = torch.float32
     if not local_target.is_contiguous():
         local_target = local_target.contiguous()
@@ -307,6 +334,10 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     log_sum = f32_contiguous(log_sum)
     with_entropy = grad_entropy is not None
     g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
+    # the d_logits launchers' optional epilogue steps (none: their plain call)
+    options = {k: v for k, v in (("softcap", softcap),
+                                 ("gsz", None if grad_sum_z is None else f32_contiguous(grad_sum_z)))
+               if v is not None}
     v_keep = 0 if kept is None else kept.values.shape[1]
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
@@ -325,11 +356,12 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         else:
             dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
         if from_kept:
-            launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision)
+            launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision,
+                                **options)
             if v_hi == v_keep:  # the last pass that reads the scales: nothing here holds them any longer
                 kept.release_scales()
         else:
-            launch_dlogits(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision, tma)
+            launch_dlogits(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision, tma, **options)
         if i_chunk == 0:
             # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
             # allocations themselves do no GPU work).
@@ -390,30 +422,34 @@ def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: Tile
 
 def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                         inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
-                        launch: Optional[Callable] = None) -> None:
+                        launch: Optional[Callable] = None, softcap: Optional[float] = None,
+                        gsz: Optional[torch.Tensor] = None) -> None:
     """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM; the forward's
     tile width, one scale per row and tile). ``launch``: this launch as the caller's program holds it
-    (:class:`KeptBackward`), else the layout's from :func:`~.launch.cached`."""
+    (:class:`KeptBackward`), else the layout's from :func:`~.launch.cached`. ``softcap``: the forward's;
+    ``gsz``: the per-token gradient of the logits' sum (label smoothing), or None."""
     values, scales = kept
     if launch is None:
         launch = cached(dlogits_kept_launch, values.shape[0], v_lo, v_hi, values.stride(0), scales.stride(0),
                         dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature, with_entropy, need_db, cfg,
-                        precision)
-    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp)
+                        precision, softcap, gsz is not None)
+    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, g if gsz is None else gsz, dz, dbp)
 
 
 def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
                    inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
-                   tma: bool = False) -> None:
-    """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal)."""
+                   tma: bool = False, softcap: Optional[float] = None, gsz: Optional[torch.Tensor] = None) -> None:
+    """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal; ``softcap``,
+    ``gsz``: as in :func:`launch_dlogits_kept`)."""
     n, d = hidden.shape
     tma = tma and tma_ok(hidden, weight)
     if tma:
         ensure_context(hidden.device)
     launch = cached(dlogits_launch, n, weight.shape[0], d, v_lo, v_hi, hidden.stride(0), weight.stride(0),
                     dz.stride(0), dbp.stride(0) if need_db else 0, bias is not None, need_db, with_entropy,
-                    inv_temperature, cfg, precision, tma)
-    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp)
+                    inv_temperature, cfg, precision, tma, softcap, gsz is not None)
+    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg, ge, mz,
+           g if gsz is None else gsz, dz, dbp)
 
 
 class KeptBackward:
@@ -428,10 +464,12 @@ class KeptBackward:
     def __init__(self, n: int, v: int, dtype: torch.dtype, bias_dtype: Optional[torch.dtype],
                  needs: tuple[bool, bool, bool], with_entropy: bool, inv_temperature: float, cfg: TileConfig,
                  precision: Optional[str], kept_dtype: torch.dtype, scales_stride: int, deterministic: bool,
-                 d_hidden_in_input_dtype: bool, on_cuda: bool) -> None:
+                 d_hidden_in_input_dtype: bool, on_cuda: bool, softcap: Optional[float] = None,
+                 with_sum_z: bool = False) -> None:
         self.needs = (needs[0], needs[1], needs[2] and bias_dtype is not None)
         self.layout = (n, v, dtype, bias_dtype, kept_dtype, scales_stride)
         self.with_entropy = with_entropy
+        self.with_sum_z = with_sum_z
         self.deterministic = deterministic
         self.dbp_shape = (cdiv(n, cfg.bwd_block_n), v) if self.needs[2] else None
         self.dh_dtype = (dtype if d_hidden_in_input_dtype and not deterministic and on_cuda
@@ -439,7 +477,8 @@ class KeptBackward:
         self.cfg, self.precision = cfg, precision
         self.inv_temperature = float(inv_temperature)
         self.dlogits = dlogits_kept_launch(n, 0, v, v, scales_stride, v, v if self.needs[2] else 0,
-                                           self.inv_temperature, with_entropy, self.needs[2], cfg, self.precision)
+                                           self.inv_temperature, with_entropy, self.needs[2], cfg, self.precision,
+                                           softcap, with_sum_z)
 
     @staticmethod
     def covers(kept: Optional[KeptTerms], weight: torch.Tensor, overwrite_kept: bool) -> bool:
@@ -449,18 +488,20 @@ class KeptBackward:
                 and kept.values.is_contiguous())
 
     def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kept: KeptTerms,
-                needs: tuple[bool, bool, bool], with_entropy: bool) -> bool:
+                needs: tuple[bool, bool, bool], with_entropy: bool, with_sum_z: bool = False) -> bool:
         """Whether a call of the source's (checked tensors, every term kept) is of this program's layout."""
         n, v = hidden.shape[0], weight.shape[0]
         return ((n, v, hidden.dtype, None if bias is None else bias.dtype, kept.values.dtype, kept.scales.stride(0))
                 == self.layout and kept.values.shape == (n, v) and with_entropy == self.with_entropy
+                and with_sum_z == self.with_sum_z
                 and (needs[0], needs[1], needs[2] and bias is not None) == self.needs)
 
     def __call__(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, kept: KeptTerms, d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
-                 accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None):
+                 accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+                 grad_sum_z: Optional[torch.Tensor] = None):
         """``(d_hidden | None, d_weight | None, d_bias | None)``, the per-token tensors as :func:`backward` takes
-        them."""
+        them (``grad_sum_z`` given iff the program was made ``with_sum_z``)."""
         need_dh, need_dw, need_db = self.needs
         dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
         g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
@@ -469,9 +510,10 @@ class KeptBackward:
         dz = kept.values if kept.values.dtype == weight.dtype else kept.values.view(weight.dtype)
         if not local_target.is_contiguous():
             local_target = local_target.contiguous()
-        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g, gmg, ge, mz, dz,
-                            dbp, 0, dz.shape[1], self.inv_temperature, self.with_entropy, need_db, self.cfg,
-                            self.precision, self.dlogits)
+        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g, gmg, ge, mz,
+                            dz, dbp, 0, dz.shape[1], self.inv_temperature, self.with_entropy, need_db, self.cfg,
+                            self.precision, self.dlogits,
+                            **({} if grad_sum_z is None else {"gsz": f32_contiguous(grad_sum_z)}))
         kept.release_scales()  # (the last pass that reads them)
         # allocated after the d_logits launch: the GPU starts sooner (the allocations do no GPU work)
         d_hidden = torch.empty(hidden.shape, device=device, dtype=self.dh_dtype) if need_dh else None

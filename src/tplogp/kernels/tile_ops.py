@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .tiles import interpreting
 
@@ -40,6 +41,28 @@ def fast_exp2_available() -> bool:
 
 # PTX ex2.approx.ftz on CUDA builds (not under the CPU interpreter, not on ROCm): see exp2.
 FAST_EXP2 = tl.constexpr(fast_exp2_available())
+# libdevice's tanh where it runs (not under the CPU interpreter, which has no libdevice): see softcap_tile.
+LIBDEVICE_TANH = tl.constexpr(not interpreting())
+
+
+@triton.jit
+def tanh(x, LIBDEVICE: tl.constexpr):
+    """``tanh(x)`` in fp32: libdevice's (accurate to a few ulp) on a GPU; under the CPU interpreter, which runs no
+    libdevice, ``sign(x) (1 - e) / (1 + e)`` with ``e = exp(-2 |x|)`` (absolute error about 1e-7)."""
+    if LIBDEVICE:
+        return libdevice.tanh(x)
+    else:
+        e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def softcap_tile(acc, softcap):
+    """``(softcap * tanh(acc / softcap), tanh(acc / softcap))``: the final-logit softcap of a raw logits tile and
+    its tanh (the backward's slope is ``1 - tanh^2``)."""
+    b_t = tanh(acc * (1.0 / softcap), LIBDEVICE_TANH)
+    return b_t * softcap, b_t
 
 
 @triton.jit
@@ -100,11 +123,14 @@ def online_softmax_update(
     v0, V, p_b,  # first vocab id of the tile, shard size, bias pointer (unused unless HAS_BIAS)
     b_tgt,  # [BLOCK_N] the rows' target ids (local; nobody's when outside the shard)
     b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running stats in raw units (see below)
+    b_sz, b_am,  # [BLOCK_N] running sum of the tile's y and the lowest column of the running max (fp32)
     c,  # inv_temperature * log2(e)
+    softcap,  # the final-logit softcap (only SOFTCAP)
     MASKED: tl.constexpr,  # the tile reaches past V (only a split's last tile can)
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False, WITH_ARGMAX: tl.constexpr = False,
 ):
-    """Fold one tile into the running row statistics; returns (max, sum, tl, sez).
+    """Fold one tile into the running row statistics; returns (max, sum, tl, sez, sz, am, terms).
 
     The running stats stay in the tile's raw units until :func:`store_stats`: ``y = acc + b``, max ``m`` of y,
     ``s = sum 2^((y - m) c)`` (= sum exp(z - M) with z = y / T, M = m / T), target ``y[target]``, and
@@ -112,14 +138,25 @@ def online_softmax_update(
     ex2 and a sum (plus, for the target, a compare and a select): the inverse temperature and log2(e) are one
     per-call constant, ``y - m`` is exact next to the max (so 1 - p does not cancel at a peaked row), and full tiles
     carry no column mask. Also returns the tile's terms ``2^((y - m') c) = exp(z - M')`` (what :func:`keep_tile`
-    stores). Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
+    stores). With ``SOFTCAP`` the tile is first ``y = softcap * tanh((acc + b) / softcap)``; ``WITH_SUM_Z`` sums y
+    over the columns, ``WITH_ARGMAX`` keeps the lowest column of the running max (a later tile replaces it only
+    with a larger max). Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
     of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
     ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
     """
     o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     if MASKED:
         m_v = (v0 + o_t) < V
-    if HAS_BIAS:
+    if SOFTCAP:  # y = softcap * tanh((acc + b) / softcap), masked columns -inf after it
+        if HAS_BIAS:
+            if MASKED:
+                acc += tl.load(p_b + v0 + o_t, mask=m_v, other=0.0).to(tl.float32)[None, :]
+            else:
+                acc += tl.load(p_b + v0 + o_t).to(tl.float32)[None, :]
+        acc, _ = softcap_tile(acc, softcap)
+        if MASKED:
+            acc = tl.where(m_v[None, :], acc, float("-inf"))
+    elif HAS_BIAS:
         if MASKED:
             acc += tl.load(p_b + v0 + o_t, mask=m_v, other=float("-inf")).to(tl.float32)[None, :]
         else:
@@ -128,7 +165,15 @@ def online_softmax_update(
         acc = tl.where(m_v[None, :], acc, float("-inf"))
     t_col = target_column(b_tgt, v0, BLOCK_V)
     b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)  # from the fp32 accumulator
-    new_max = tl.maximum(b_max, tl.max(acc, 1))
+    if WITH_SUM_Z:
+        if MASKED:
+            b_sz += tl.sum(tl.where(m_v[None, :], acc, 0.0), 1)
+        else:
+            b_sz += tl.sum(acc, 1)
+    b_tmax = tl.max(acc, 1)
+    if WITH_ARGMAX:  # tl.argmax: the lowest column of the tile's max
+        b_am = tl.where(b_tmax > b_max, (v0 + tl.argmax(acc, 1)).to(tl.float32), b_am)
+    new_max = tl.maximum(b_max, b_tmax)
     b_arg = (acc - new_max[:, None]) * c  # log2 units; -inf on masked columns (acc's last use: fewer registers)
     b_e = exp2(b_arg, FAST_EXP2)  # masked columns give 0
     b_shift = tl.where(b_max == float("-inf"), 0.0, (b_max - new_max) * c)  # <= 0
@@ -138,41 +183,43 @@ def online_softmax_update(
             b_arg = tl.where(m_v[None, :], b_arg, 0.0)  # no 0 * inf on masked columns
         b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_e * b_arg, 1)
     b_sum = b_sum * b_scale + tl.sum(b_e, 1)
-    return new_max, b_sum, b_tl, b_sez, b_e
+    return new_max, b_sum, b_tl, b_sez, b_sz, b_am, b_e
 
 
 @triton.jit
 def stats_tile(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
-    n0, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,  # first row, rows; as in online_softmax_update
+    n0, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap,  # as in online_softmax_update
     p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp,  # the kept terms and scales (only KEEP)
     MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, KEEP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, KEEP_TMA: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False, WITH_ARGMAX: tl.constexpr = False,
 ):
     """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats kernels: fold the
     tile into the running row stats (:func:`online_softmax_update`), then, with ``KEEP`` and the tile below
     ``v_keep``, store its softmax terms and the running max they are relative to (:func:`keep_tile`); returns (max,
-    sum, tl, sez). ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over the kept terms and the tile leaves
+    sum, tl, sez, sz, am). ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over the kept terms and the tile leaves
     through one TMA store (see :func:`keep_tile`)."""
-    b_max, b_sum, b_tl, b_sez, b_e = online_softmax_update(acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, c,
-                                                           MASKED, HAS_BIAS, WITH_ENTROPY, BLOCK_V)
+    b_max, b_sum, b_tl, b_sez, b_sz, b_am, b_e = online_softmax_update(
+        acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, MASKED, HAS_BIAS, WITH_ENTROPY,
+        BLOCK_V, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
     if KEEP:
         keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e, b_max * inv_temp, MASKED,
                   DOT_PRECISION, BLOCK_N, BLOCK_V, KEEP_TMA)
-    return b_max, b_sum, b_tl, b_sez
+    return b_max, b_sum, b_tl, b_sez, b_sz, b_am
 
 
 @triton.jit
 def stats_program(N, num_splits, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
     """This program's token block and vocab split (grouped order), its rows and their mask, and zeroed running
-    stats (max -inf, sum, target logit, sez): the common prologue of the forward kernels."""
+    stats (max -inf, sum, target logit, sez, sum of logits, argmax): the common prologue of the forward kernels."""
     i_n, i_s = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_N)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     b_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_tl = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_sez = tl.zeros([BLOCK_N], dtype=tl.float32)
-    return i_n, i_s, o_n, o_n < N, b_max, b_sum, b_tl, b_sez
+    return i_n, i_s, o_n, o_n < N, b_max, b_sum, b_tl, b_sez, b_sez, b_sez
 
 
 @triton.jit
@@ -185,16 +232,19 @@ def split_bounds(i_s, V, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def natural_units(b_max, b_tl, b_sez, inv_temp):
+def natural_units(b_max, b_tl, b_sez, b_sz, inv_temp):
     """Raw running stats (see online_softmax_update) -> stored stats: max M = m / T, target logit z[target],
-    sez = sum exp(z - M) (z - M) (log2 units times ln 2). The sum needs no change."""
-    return b_max * inv_temp, b_tl * inv_temp, b_sez * LN2
+    sez = sum exp(z - M) (z - M) (log2 units times ln 2), sum_z = sum y / T. The sum and the argmax need no
+    change."""
+    return b_max * inv_temp, b_tl * inv_temp, b_sez * LN2, b_sz * inv_temp
 
 
 @triton.jit
-def store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY: tl.constexpr):
-    """Store per-row (max, sum, target logit[, sez]) at ``offs`` of the planes of ``p_stats`` (``plane`` elements
-    apart: ``[3 or 4, ...]`` buffer). Pointers step plane by plane: 64-bit even when 3 * plane exceeds 2^31."""
+def store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY: tl.constexpr,
+                b_sz=None, b_am=None, WITH_SUM_Z: tl.constexpr = False, WITH_ARGMAX: tl.constexpr = False):
+    """Store per-row (max, sum, target logit[, sez][, sum_z][, argmax]) at ``offs`` of the planes of ``p_stats``
+    (``plane`` elements apart: ``[3 to 6, ...]`` buffer). Pointers step plane by plane: 64-bit even when 3 * plane
+    exceeds 2^31."""
     tl.store(p_stats + offs, b_max, mask=mask)
     p_stats += plane
     tl.store(p_stats + offs, b_sum, mask=mask)
@@ -203,17 +253,23 @@ def store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENTR
     if WITH_ENTROPY:
         p_stats += plane
         tl.store(p_stats + offs, b_sez, mask=mask)
+    if WITH_SUM_Z:
+        p_stats += plane
+        tl.store(p_stats + offs, b_sz, mask=mask)
+    if WITH_ARGMAX:
+        p_stats += plane
+        tl.store(p_stats + offs, b_am, mask=mask)
 
 
 @triton.jit
 def dlogits_epilogue(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     i_n, i_v, N, v_lo, v_hi,  # the tile (token block, column block of the chunk), the rows, the chunk [v_lo, v_hi)
-    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see bwd_dlogits_kernel
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz, p_dz, p_dbp,  # see bwd_dlogits_kernel
     stride_dz, stride_dbp,
-    inv_temp,
+    inv_temp, softcap,
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False,
 ):
     """Tile (i_n, i_v)'s epilogue: the unmasked form for interior tiles, the masked one for tiles past N or v_hi.
     Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them."""
@@ -221,31 +277,32 @@ def dlogits_epilogue(
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
     v0 = v_lo + i_v * BLOCK_V
     if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
-        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
-                      p_dbp, stride_dz, stride_dbp, inv_temp, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
-                      BLOCK_V)
+        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz,
+                      p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, True, HAS_BIAS, NEED_DB, WITH_ENTROPY,
+                      DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
     else:
-        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz,
-                      p_dbp, stride_dz, stride_dbp, inv_temp, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
-                      BLOCK_V)
+        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz,
+                      p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, False, HAS_BIAS, NEED_DB, WITH_ENTROPY,
+                      DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
 
 
 @triton.jit
 def dlogits_tile(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     i_n, o_n, o_c, v0, N, v_hi,  # token block, its rows, the tile's chunk columns, first shard column, bounds
-    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,  # see bwd_dlogits_kernel
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz, p_dz, p_dbp,  # see bwd_dlogits_kernel
     stride_dz, stride_dbp,
-    inv_temp,
+    inv_temp, softcap,
     MASKED: tl.constexpr,  # the tile reaches past N or v_hi (edge tiles only)
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False,
 ):
     """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32 column sums.
 
     Per element: ``zr = z - M`` (one FMA; exact 0 at the max, so 1 - p does not cancel at a peaked row), ``p =
     2^(zr log2(e) - log_sum log2(e))`` (one FMA and one ex2), then :func:`dlogits_finish`. ``MASKED``: the tile's
-    rows and columns are masked (edge tiles); interior tiles carry no masks.
+    rows and columns are masked (edge tiles); interior tiles carry no masks. ``SOFTCAP``: the tile is softcapped
+    first (:func:`softcap_tile`) and the finish multiplies by the slope ``1 - tanh^2``.
     """
     o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
     m_n = o_n < N
@@ -254,12 +311,17 @@ def dlogits_tile(
             acc += tl.load(p_b + o_v, mask=o_v < v_hi, other=0.0).to(tl.float32)[None, :]
         else:
             acc += tl.load(p_b + o_v).to(tl.float32)[None, :]
+    b_slope = acc  # (read only with SOFTCAP)
+    if SOFTCAP:
+        acc, b_t = softcap_tile(acc, softcap)
+        b_slope = 1.0 - b_t * b_t
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
     b_zr = acc * inv_temp - b_rmax[:, None]  # z - M
     b_p = exp2(b_zr * LOG2E - b_lsum2[:, None], FAST_EXP2)  # [BLOCK_N, BLOCK_V]
     dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz,
-                   stride_dbp, inv_temp, MASKED, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V)
+                   stride_dbp, inv_temp, MASKED, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope, p_gsz,
+                   SOFTCAP, WITH_SUM_Z)
 
 
 @triton.jit
@@ -268,10 +330,14 @@ def dlogits_finish(
     i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp,
     MASKED: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    b_slope=None,  # [BLOCK_N, BLOCK_V] fp32 the softcap's 1 - tanh^2 (only SOFTCAP)
+    p_gsz=None,  # [N] fp32 grad of sum_v z (only WITH_SUM_Z)
+    SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False,
 ):
     """``dz = onehot * g/T - p * coef/T`` (one FMA; the temperature folded into the per-row factors; a compare and
-    a select for the one-hot term), rounded once into the workspace; with a bias its fp32 column sums per token
-    block. Shared by the recompute and the kept d_logits kernels."""
+    a select for the one-hot term), ``+ g_sum_z/T`` on every column (``WITH_SUM_Z``), times the softcap's slope
+    (``SOFTCAP``), rounded once into the workspace; with a bias its fp32 column sums per token block. Shared by the
+    recompute and the kept d_logits kernels."""
     o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     o_v = v0 + o_t
     m_n = o_n < N
@@ -286,6 +352,10 @@ def dlogits_finish(
         b_coef = b_gmg[:, None]
     t_col = target_column(b_tgt, v0, BLOCK_V)
     b_dz = tl.where(o_t[None, :] == t_col[:, None], b_g[:, None], 0.0) - b_p * b_coef
+    if WITH_SUM_Z:  # d(sum_v z)/dz_v = 1: the same on every column of the row
+        b_dz += (tl.load(p_gsz + o_n, mask=m_n, other=0.0) * inv_temp)[:, None]
+    if SOFTCAP:
+        b_dz = b_dz * b_slope
     p_out = p_dz + o_n.to(tl.int64)[:, None] * stride_dz + o_c[None, :]
     m_out = None  # interior tiles: no masks
     m_db = None
@@ -347,13 +417,15 @@ def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e
 @triton.jit
 def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_hi, b_rmax, b_lsum2,
                        WITH_ENTROPY: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_V: tl.constexpr):
+                       BLOCK_V: tl.constexpr, cap_temp=1.0, SOFTCAP: tl.constexpr = False):
     """``(p, zr)`` of the ``[BLOCK_N, BLOCK_V]`` tile at row ``n0``, shard column ``v0`` from the kept terms ``e``
     and their row scale ``m`` (natural units): ``p = e * 2^((m - M) log2(e) - log_sum log2(e))`` (one multiply per
     element, one ex2 per row), and with entropy ``zr = z - M = ln(e) + (m - M)`` (one lg2 per element; ``e`` is
     clamped to 2^-126 first, so a flushed term gives a finite zr and p = 0). At the row max ``e = 1`` and ``m = M``
     exactly, so ``1 - p`` does not cancel at a peaked target. ``MASKED``: rows at or past N and columns at or past
-    ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the forward's tile width (one scale per row)."""
+    ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the forward's tile width (one scale per row).
+    Returns ``(p, zr, slope)``: ``SOFTCAP`` (``cap_temp = softcap * inv_temperature``) the slope ``1 - tanh^2 =
+    1 - (z / cap_temp)^2`` from the absolute logit ``z = ln(e) + m`` (else ``p``, not read)."""
     p_in = _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V)
     o_r = n0 + tl.arange(0, BLOCK_N)
     m_r = o_r < N
@@ -369,7 +441,11 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
     b_zr = b_p  # not read without entropy
     if WITH_ENTROPY:
         b_zr = tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * LN2 + b_shift[:, None]
-    return b_p, b_zr
+    b_slope = b_p  # not read without a softcap
+    if SOFTCAP:
+        b_t = (tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * LN2 + b_m[:, None]) * (1.0 / cap_temp)
+        b_slope = 1.0 - b_t * b_t
+    return b_p, b_zr, b_slope
 
 
 @triton.jit
