@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -87,7 +87,8 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and (global_vocab_size is None or is_int(global_vocab_size))
             and isinstance(options.temperature, (int, float)) and not isinstance(options.temperature, bool)
             and (options.ignore_index is None or is_int(options.ignore_index))
-            and (options.workspace_bytes is None or is_int(options.workspace_bytes)))
+            and (options.workspace_bytes is None or is_int(options.workspace_bytes))
+            and isinstance(options.deterministic, bool))  # ("tp_invariant" runs eagerly: tplogp.invariant)
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -148,7 +149,7 @@ def linear_logp(
     return_entropy: bool = False,
     return_lse: bool = False,
     ignore_index: Optional[int] = None,
-    deterministic: bool = False,
+    deterministic: Union[bool, str] = False,
     workspace_bytes: Optional[int] = None,
 ) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
@@ -175,6 +176,9 @@ def linear_logp(
         ignore_index: positions with this target get logp 0 (entropy 0, lse 0) and no gradient.
         deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
             other rows of the batch (costs some speed: fixed tiling, no cuBLAS ``d_hidden`` on triton / sm90).
+            ``"tp_invariant"``: that, and logp, entropy and lse with the same bits at every TP degree and for any
+            shard boundaries, ``weight.grad`` / ``bias.grad`` rows equal to the same rows at TP=1 (vocabularies
+            below 2^23; docs/operator.md, "Determinism"; under ``torch.compile`` the call runs eagerly).
         workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (tiles, plus fp32
             logits kept for the backward when above the source's default tiles; docs/operator.md, "Memory
             budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles; on triton / sm90 a call
@@ -253,7 +257,7 @@ def linear_logp_loss(
     global_vocab_size: Optional[int] = None,
     temperature: float = 1.0,
     ignore_index: Optional[int] = None,
-    deterministic: bool = False,
+    deterministic: Union[bool, str] = False,
     workspace_bytes: Optional[int] = None,
     source: Optional[str] = None,
     with_entropy: bool = True,

@@ -61,7 +61,7 @@ class _PrecomputedGrads(torch.autograd.Function):
 
 def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
-               temperature: float, ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int],
+               temperature: float, ignore_index: Optional[int], deterministic, workspace_bytes: Optional[int],
                with_entropy: bool = True) -> torch.Tensor:
     """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice). The chunk loop
     runs without autograd (only a callable loss runs under it); the result carries the gradients."""
@@ -170,6 +170,8 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
             d_hidden = reduce.finish(d_hidden)
         d_hidden = local.finish_rows(d_hidden, n_all)
         d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
+    if tpc.regrid is not None:  # the invariant level: d_W / d_b of the grid's rows back to the shard's rows
+        d_w, d_b = tpc.regrid.grads_back(d_w, d_b)
     return total, (d_hidden, d_w, d_b)
 
 

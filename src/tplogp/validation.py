@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import settings
+from . import invariant, settings
 from .shards import ShardLayoutError
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,6 +47,7 @@ def local_problem(
     ignore_index: Optional[int],
     temperature: float,
     workspace_bytes: Optional[int] = None,
+    deterministic=False,
 ) -> Optional[str]:
     """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
 
@@ -94,6 +95,13 @@ def local_problem(
         return f"ignore_index must be an int or None, got {ignore_index!r}"
     if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
         return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
+    if not (isinstance(deterministic, bool) or invariant.is_invariant(deterministic)):
+        return f"deterministic must be True, False or {invariant.LEVEL!r}, got {deterministic!r}"
+    if invariant.is_invariant(deterministic) and max(vocab_start_index + weight.shape[0],
+                                                     global_vocab_size or 0) >= invariant.MAX_VOCAB:
+        return (f"deterministic={invariant.LEVEL!r} sums in fixed point with {invariant.FIXED_POINT_BITS} fraction "
+                f"bits, which holds vocabularies below {invariant.MAX_VOCAB}; this one reaches "
+                f"{max(vocab_start_index + weight.shape[0], global_vocab_size or 0)}: use deterministic=True")
     return None
 
 
@@ -142,7 +150,8 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
     """
     mode = checks_mode()
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                            options.ignore_index, options.temperature, options.workspace_bytes)
+                            options.ignore_index, options.temperature, options.workspace_bytes,
+                            options.deterministic)
     vocab_size = None
     if problem is None and world_size == 1:
         vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)
