@@ -42,11 +42,6 @@ MAX_VOCAB = 1 << 23  # V 2^FIXED_POINT_BITS < 2^63
 _SCALE = float(1 << FIXED_POINT_BITS)
 
 
-def is_invariant(deterministic) -> bool:
-    """Whether a ``deterministic`` option asks for the tensor-parallel-invariant level."""
-    return isinstance(deterministic, str) and deterministic == LEVEL
-
-
 def ceil_to(x: int, columns: int) -> int:
     return -(-x // columns) * columns
 
@@ -265,5 +260,5 @@ def regrid_rows(regrid: Regrid, weight: torch.Tensor, bias: Optional[torch.Tenso
     return regrid.rows(weight, bias)
 
 
-__all__ = ["LEVEL", "FIXED_POINT_BITS", "MAX_VOCAB", "is_invariant", "grid_range", "head_rows", "to_fixed",
+__all__ = ["LEVEL", "FIXED_POINT_BITS", "MAX_VOCAB", "grid_range", "head_rows", "to_fixed",
            "from_fixed", "merge_blocks", "shard_bounds", "Regrid", "RegridRows", "regrid_rows"]

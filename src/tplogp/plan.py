@@ -94,7 +94,7 @@ def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group
             and type(vocab_start_index) is int and (global_vocab_size is None or type(global_vocab_size) is int)
             and type(options.temperature) in (float, int) and type(options.return_entropy) is bool
             and type(options.return_lse) is bool
-            and (type(options.deterministic) is bool or invariant.is_invariant(options.deterministic))
+            and (type(options.deterministic) is bool or options.deterministic == invariant.LEVEL)
             and (options.ignore_index is None or type(options.ignore_index) is int)
             and (options.workspace_bytes is None or type(options.workspace_bytes) is int)):
         return None
@@ -136,7 +136,7 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     comm_device = collective_device(tp_group, device) if world > 1 else torch.device("cpu")
     ok = problem is None
-    grid = backend.grid_columns(device, weight.dtype) if ok and invariant.is_invariant(options.deterministic) else 0
+    grid = backend.grid_columns(device, weight.dtype) if ok and options.deterministic == invariant.LEVEL else 0
     single = world == 1 and hasattr(backend, "forward_single") and not grid
     _stats["built"] += 1
     rows = target_ids.numel() if ok else None

@@ -95,9 +95,9 @@ def local_problem(
         return f"ignore_index must be an int or None, got {ignore_index!r}"
     if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
         return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
-    if not (isinstance(deterministic, bool) or invariant.is_invariant(deterministic)):
+    if not (isinstance(deterministic, bool) or deterministic == invariant.LEVEL):
         return f"deterministic must be True, False or {invariant.LEVEL!r}, got {deterministic!r}"
-    if invariant.is_invariant(deterministic) and max(vocab_start_index + weight.shape[0],
+    if deterministic == invariant.LEVEL and max(vocab_start_index + weight.shape[0],
                                                      global_vocab_size or 0) >= invariant.MAX_VOCAB:
         return (f"deterministic={invariant.LEVEL!r} sums in fixed point with {invariant.FIXED_POINT_BITS} fraction "
                 f"bits, which holds vocabularies below {invariant.MAX_VOCAB}; this one reaches "
