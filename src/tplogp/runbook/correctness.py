@@ -92,7 +92,7 @@ def tp_invariance(args: argparse.Namespace, rank: int, device: torch.device, bac
     merged = max_over_ranks(differ + [float((h.grad - h1.grad).abs().max())], device, backend)
     bad = [f"{name} {int(n)} values" for (name, _, _), n in zip(pairs, merged) if n]
     if bad:
-        log0(rank, f"  FAIL tp_invariance: differs from TP=1 in {', '.join(bad)} (most on one rank)")
+        log0(rank, f"  FAIL tp_invariance: differs from TP=1 in {', '.join(bad)} (the most of any one rank)")
     else:
         log0(rank, "  PASS tp_invariance: bitwise equal to TP=1"
                    f" (hidden_grad, an fp32 all-reduce: max_abs={merged[-1]:.3g} from TP=1)")
