@@ -21,8 +21,9 @@ LAYERS: list[tuple[str, ...]] = [
     # leaves: settings, plain data and math, no package imports but each other
     ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
      "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses"),
-    # collectives; argument and layout validation; what the target checks read of the targets
-    ("tplogp.comm", "tplogp.validation", "tplogp.target_summary"),
+    # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the collectives);
+    # argument and layout validation; what the target checks read of the targets
+    ("tplogp.comm", "tplogp.invariant", "tplogp.validation", "tplogp.target_summary"),
     # the group record exchange and the kernel-run target check, then the deferred target verdicts that use them
     ("tplogp.group_record", "tplogp.kernel_target_check"),
     ("tplogp.verdicts",),
