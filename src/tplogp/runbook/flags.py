@@ -110,7 +110,7 @@ def build_parser(description: str = "", epilog: str = "",
         help="the op's deterministic option: off, on (True) or tp_invariant (the same bits at every TP degree)")
     add("--tp-invariance", action=argparse.BooleanOptionalAction, default=None,
         help="correctness phase: also run the whole vocabulary in-process without a group (TP=1) and check that "
-             "logp (entropy), lse and this rank's weight / bias gradient rows are bitwise equal to it "
+             "logp (entropy) and this rank's weight / bias gradient rows are bitwise equal to it "
              "(default: on with --deterministic tp_invariant)")
     return p
 
