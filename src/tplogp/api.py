@@ -93,7 +93,8 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and isinstance(options.sequence_parallel, bool) and isinstance(options.hidden_grad, str)
             and (options.softcap is None or (isinstance(options.softcap, (int, float))
                                              and not isinstance(options.softcap, bool)))
-            and isinstance(options.return_argmax, bool))
+            and isinstance(options.return_argmax, bool)
+            and isinstance(options.deterministic, bool))  # ("tp_invariant" runs eagerly: tplogp.invariant)
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -160,7 +161,7 @@ def linear_logp(
     return_lse: bool = False,
     return_argmax: bool = False,
     ignore_index: Optional[int] = None,
-    deterministic: bool = False,
+    deterministic: Union[bool, str] = False,
     workspace_bytes: Optional[int] = None,
     sequence_parallel: bool = False,
     hidden_grad: str = "reduced",
@@ -194,6 +195,9 @@ def linear_logp(
         ignore_index: positions with this target get logp 0 (entropy 0, lse 0, argmax 0) and no gradient.
         deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
             other rows of the batch (costs some speed: fixed tiling, no cuBLAS ``d_hidden`` on triton / sm90).
+            ``"tp_invariant"``: that, and logp, entropy and lse with the same bits at every TP degree and for any
+            shard boundaries, ``weight.grad`` / ``bias.grad`` rows equal to the same rows at TP=1 (vocabularies
+            below 2^23; docs/operator.md, "Determinism"; under ``torch.compile`` the call runs eagerly).
         workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (tiles, plus fp32
             logits kept for the backward when above the source's default tiles; docs/operator.md, "Memory
             budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles; on triton / sm90 a call
@@ -284,7 +288,7 @@ def linear_logp_loss(
     temperature: float = 1.0,
     softcap: Optional[float] = None,
     ignore_index: Optional[int] = None,
-    deterministic: bool = False,
+    deterministic: Union[bool, str] = False,
     workspace_bytes: Optional[int] = None,
     source: Optional[str] = None,
     with_entropy: bool = True,

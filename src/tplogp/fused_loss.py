@@ -96,6 +96,9 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
     policy = isinstance(loss, GRPOLoss)
     _check_policy_options(loss, policy, per_token, reduction, return_metrics, cu_seqlens, target_ids, with_entropy)
     offsets = None if cu_seqlens is None else check_offsets(cu_seqlens, target_ids.numel())
+    if deterministic == "tp_invariant" and isinstance(loss, TokenLoss) and "sum_z" in loss.reads:
+        raise ValueError("deterministic='tp_invariant' does not merge the sum of the logits that label smoothing "
+                         "reads: use deterministic=True with label_smoothing")
     _check_token_loss(loss, per_token, with_entropy)
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                                deterministic=deterministic, workspace_bytes=workspace_bytes,
@@ -191,7 +194,10 @@ class _Gradients:
             if self.local.own_rows is None:  # (sequence-parallel ignored rows are in place, no upstream gradient)
                 d_hidden = self.local.finish_rows(d_hidden, n_all)
             d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
-        return d_hidden, self.d_w, self.d_b
+        d_w, d_b = self.d_w, self.d_b
+        if self.local.tpc.regrid is not None:  # the invariant level: d_W / d_b of the grid's rows to the shard's
+            d_w, d_b = self.local.tpc.regrid.grads_back(d_w, d_b)
+        return d_hidden, d_w, d_b
 
 
 def _plan_chunks(local: tp.LocalCall, needs: tuple[bool, bool, bool]) -> int:

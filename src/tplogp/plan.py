@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import settings
+from . import invariant, settings
 from .backends.base import ShardBackend, ShardCall
 from .comm import collective_device
 from .kernel_registry import backend_for_call
@@ -43,7 +43,7 @@ class LogpOptions:
     return_entropy: bool = False
     return_lse: bool = False
     ignore_index: Optional[int] = None
-    deterministic: bool = False
+    deterministic: Union[bool, str] = False  # or "tp_invariant" (tplogp.invariant)
     workspace_bytes: Optional[int] = None
     # hidden holds this rank's contiguous 1/world of the tokens; gathered before the GEMMs, its gradient
     # reduce-scattered (docs/operator.md, "Sequence parallelism")
@@ -57,18 +57,19 @@ class LogpOptions:
 
 
 def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False,
-               scales_apart: bool = False, rows: Optional[int] = None) -> ShardCall:
+               scales_apart: bool = False, rows: Optional[int] = None, grid_columns: int = 0) -> ShardCall:
     """What the sources get to know about a call's options. ``one_shard``: d_hidden is the call's whole gradient,
     which a source may round to the input dtype in its GEMM (``ShardCall.d_hidden_in_input_dtype``). Such calls run
     only after the op's checks (``ShardCall.inputs_checked``). ``scales_apart``: what the forward keeps comes in two
     allocations (``ShardCall.scales_apart``: the eager paths). ``rows``: the layout's token count
-    (``ShardCall.rows``)."""
+    (``ShardCall.rows``). ``grid_columns``: the source's invariant grid (``ShardCall.grid_columns``; 0: off)."""
     return ShardCall(inv_temperature=1.0 / float(options.temperature), with_entropy=options.return_entropy,
                      softcap=None if options.softcap is None else float(options.softcap),
                      with_sum_z=options.with_sum_z, with_argmax=options.return_argmax,
-                     deterministic=options.deterministic, workspace_bytes=options.workspace_bytes,
-                     for_backward=for_backward, d_hidden_in_input_dtype=one_shard, inputs_checked=True,
-                     scales_apart=scales_apart, rows=rows)
+                     deterministic=bool(options.deterministic), workspace_bytes=options.workspace_bytes,
+                     for_backward=for_backward and not grid_columns,
+                     d_hidden_in_input_dtype=one_shard and not grid_columns, inputs_checked=True,
+                     scales_apart=scales_apart, rows=rows, grid_columns=grid_columns)
 
 
 @dataclass
@@ -103,7 +104,8 @@ def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group
             and isinstance(target_ids, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
             and type(vocab_start_index) is int and (global_vocab_size is None or type(global_vocab_size) is int)
             and type(options.temperature) in (float, int) and type(options.return_entropy) is bool
-            and type(options.return_lse) is bool and type(options.deterministic) is bool
+            and type(options.return_lse) is bool
+            and (type(options.deterministic) is bool or options.deterministic == invariant.LEVEL)
             and (options.ignore_index is None or type(options.ignore_index) is int)
             and (options.workspace_bytes is None or type(options.workspace_bytes) is int)
             and type(options.sequence_parallel) is bool and type(options.hidden_grad) is str
@@ -148,12 +150,14 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
     comm_device = collective_device(tp_group, device) if world > 1 else torch.device("cpu")
     ok = problem is None
-    single = world == 1 and hasattr(backend, "forward_single")
+    grid = backend.grid_columns(device, weight.dtype) if ok and options.deterministic == invariant.LEVEL else 0
+    single = world == 1 and hasattr(backend, "forward_single") and not grid
     _stats["built"] += 1
     rows = target_ids.numel() if ok else None
     plan = CallPlan(key if ok else None, backend, mode, world, comm_device,
-                    shard_call(options, one_shard=world == 1, rows=rows) if ok else ShardCall(),
-                    shard_call(options, for_backward=True, one_shard=world == 1, scales_apart=True, rows=rows) if ok
+                    shard_call(options, one_shard=world == 1, rows=rows, grid_columns=grid) if ok else ShardCall(),
+                    shard_call(options, for_backward=True, one_shard=world == 1, scales_apart=True, rows=rows,
+                               grid_columns=grid) if ok
                     else ShardCall(),
                     single, single and options.ignore_index is None and getattr(backend, "checks_targets_in_kernel",
                                                                                  False), vocab_size)

@@ -49,8 +49,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
-from . import tensors
+from . import invariant, tensors
 from .backends.base import KeptBuffers, ShardBackend, ShardCall
 from .comm import OverlappedAllReduce, OverlappedReduceScatter, all_gather_flat
 from .outputs import LinearLogpResult, pack_outputs
@@ -80,6 +81,8 @@ class _TPContext:
     # None (one shard, or hidden_grad="partial": each rank keeps its share)
     hidden_reduce: Optional[str] = None
     vocab_start: int = 0  # this shard's first global id (argmax ids are made global with it)
+    # the tensor-parallel-invariant level (tplogp.invariant): this rank's re-shard onto the grid, or None
+    regrid: Optional[invariant.Regrid] = None
 
 
 def hidden_grad_reducer(tpc: _TPContext):
@@ -150,6 +153,13 @@ def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
         ids, with ``ShardCall.with_argmax``; ``sum_z``: sum_v z over the whole vocabulary, with ``with_sum_z``).
     """
     be, call = tpc.backend, tpc.call
+    if tpc.regrid is not None:  # per-block stats, merged exactly (the same bits for every rank count)
+        blocks = be.forward_blocks(hidden, weight, bias, local_target, call)
+        row_max, log_sum, target_rel, count, mean_rel = invariant.merge_blocks(
+            blocks, local_target >= 0, tpc.group, tpc.comm_device, tpc.world_size, call.with_entropy)
+        logp = torch.where(count == 1, target_rel - log_sum, float("nan"))
+        entropy = None if mean_rel is None else log_sum - mean_rel
+        return (logp, entropy, row_max + log_sum, None, None), (row_max, log_sum, mean_rel, None)
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         check = tpc.target_check
         if check is None:
@@ -428,7 +438,11 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
-    if tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
+    if plan.call.grid_columns:  # the invariant level: the rows of the grid blocks this rank computes
+        tpc.regrid = _regrid(plan, args, w.shape[0], call.vocab_size)
+        w, b = invariant.regrid_rows(tpc.regrid, w, b)
+        local_target = tpc.regrid.local_targets(tgt)
+    elif tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
         local_target = tgt
     else:
         start = args.vocab_start_index
@@ -436,6 +450,16 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
     return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, plan.call_for_backward,
                      own_rows)
+
+
+def _regrid(plan, args, v_local: int, vocab: int) -> invariant.Regrid:
+    """This rank's :class:`~tplogp.invariant.Regrid` (with a group, after one small exchange of the shard
+    boundaries)."""
+    if plan.world_size > 1:
+        bounds = invariant.shard_bounds(args.group, plan.comm_device, args.vocab_start_index, v_local)
+        return invariant.Regrid(args.group, plan.comm_device, dist.get_rank(args.group), bounds,
+                                plan.call.grid_columns, vocab)
+    return invariant.Regrid(None, None, 0, [(0, v_local)], plan.call.grid_columns, vocab)
 
 
 def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import settings
+from . import invariant, settings
 from .shards import ShardLayoutError
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,6 +59,7 @@ def local_problem(
     world_size: int = 1,
     softcap: Optional[float] = None,
     return_argmax: bool = False,
+    deterministic: "bool | str" = False,
 ) -> Optional[str]:
     """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
 
@@ -123,6 +124,16 @@ def local_problem(
     if return_argmax and weight.shape[0] > MAX_ARGMAX_VOCAB:
         return (f"return_argmax supports vocab shards of at most {MAX_ARGMAX_VOCAB} rows (a shard's ids travel "
                 f"exactly in its fp32 statistics), got a weight of {weight.shape[0]} rows")
+    if not (isinstance(deterministic, bool) or deterministic == invariant.LEVEL):
+        return f"deterministic must be True, False or {invariant.LEVEL!r}, got {deterministic!r}"
+    if deterministic == invariant.LEVEL and (softcap is not None or return_argmax):
+        return (f"deterministic={invariant.LEVEL!r} does not take "
+                f"{'softcap' if softcap is not None else 'return_argmax=True'} yet: use deterministic=True with it")
+    if deterministic == invariant.LEVEL and max(vocab_start_index + weight.shape[0],
+                                                     global_vocab_size or 0) >= invariant.MAX_VOCAB:
+        return (f"deterministic={invariant.LEVEL!r} sums in fixed point with {invariant.FIXED_POINT_BITS} fraction "
+                f"bits, which holds vocabularies below {invariant.MAX_VOCAB}; this one reaches "
+                f"{max(vocab_start_index + weight.shape[0], global_vocab_size or 0)}: use deterministic=True")
     return None
 
 
@@ -193,7 +204,7 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                             options.ignore_index, options.temperature, options.workspace_bytes,
                             options.sequence_parallel, options.hidden_grad, world_size, options.softcap,
-                            options.return_argmax)
+                            options.return_argmax, options.deterministic)
     vocab_size = None
     if problem is None and world_size == 1:
         vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)

@@ -21,9 +21,10 @@ LAYERS: list[tuple[str, ...]] = [
     # leaves: settings, plain data and math, no package imports but each other
     ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
      "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses", "tplogp.rl_losses"),
-    # collectives; argument and layout validation (with the sequences of a loss's tokens); what the target checks
-    # read of the targets
-    ("tplogp.comm", "tplogp.validation", "tplogp.sequences", "tplogp.target_summary"),
+    # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the collectives);
+    # argument and layout validation (with the sequences of a loss's tokens); what the target checks read of the
+    # targets
+    ("tplogp.comm", "tplogp.invariant", "tplogp.validation", "tplogp.sequences", "tplogp.target_summary"),
     # the group record exchange and the kernel-run target check, then the deferred target verdicts that use them
     ("tplogp.group_record", "tplogp.kernel_target_check"),
     ("tplogp.verdicts",),

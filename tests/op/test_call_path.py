@@ -4,8 +4,8 @@ A profiler hook (``sys.setprofile``) follows every Python call of one forward (a
 called function's file to a *room*: a module of ``src/tplogp``, except that ``tplogp.backends.*`` and
 ``tplogp.kernels.*`` are one room (the source and its kernels call each other freely), ``verdicts`` with the two
 modules it is built on (``target_summary``, ``kernel_target_check``) is one room, and the leaf helpers that
-every layer uses (``tensors``, ``comm``, ``outputs``, ``settings``, ``shards``, ``fp32_gemm``, ``losses``) are not
-rooms. Code that dataclasses and named tuples generate (file ``<string>``) is not followed. A room is *re-entered*
+every layer uses (``tensors``, ``comm``, ``outputs``, ``settings``, ``shards``, ``fp32_gemm``, ``losses``, and
+``invariant``, the tensor-parallel-invariant level's grid, merge and re-shard on top of ``comm``) are not rooms. Code that dataclasses and named tuples generate (file ``<string>``) is not followed. A room is *re-entered*
 when a call enters it while none of its frames is on the stack, after an earlier call had entered it: that is
 what the test forbids. The rooms in the order first entered are asserted too (one shard, a plan miss and a plan
 hit; two gloo ranks).
@@ -24,7 +24,7 @@ from tests.support.problems import make_problem
 
 PACKAGE = Path(tplogp.__file__).resolve().parent
 VERDICT_PARTS = {"target_summary", "kernel_target_check"}
-HELPERS = {"tensors", "comm", "outputs", "settings", "shards", "fp32_gemm", "losses"}
+HELPERS = {"tensors", "comm", "outputs", "settings", "shards", "fp32_gemm", "losses", "invariant"}
 
 
 def _room(filename: str):
@@ -105,7 +105,8 @@ def test_one_shard_call_goes_down_once(layout):
 
 
 @pytest.mark.tp(2)
-def test_group_call_goes_down_once(tp):
+@pytest.mark.parametrize("deterministic", [False, "tp_invariant"])
+def test_group_call_goes_down_once(tp, deterministic):
     """With 2 gloo ranks: the forward's checks run the group record under the verdict (one exchange), tp merges the
     stats; the backward settles the verdict before the source's backward and its ``d_hidden`` all-reduce."""
     op = tplogp.get_op("linear_logp", source="native")
@@ -113,7 +114,7 @@ def test_group_call_goes_down_once(tp):
     v_local = 35
     start = tp.rank * v_local
     shard = weight.detach()[start:start + v_local].clone().requires_grad_()
-    kw = dict(tp_group=tp.group, vocab_start_index=start, global_vocab_size=70)
+    kw = dict(tp_group=tp.group, vocab_start_index=start, global_vocab_size=70, deterministic=deterministic)
     _forward_and_backward(op, hidden, shard, target, bias[start:start + v_local], **kw)
     (forward, again), (backward, back_again) = _forward_and_backward(op, hidden, shard, target,
                                                                       bias[start:start + v_local], **kw)

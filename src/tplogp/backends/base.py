@@ -43,6 +43,14 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     buffers to which ``d_weight`` / ``d_bias`` are added without rounding (a loss summed over several token chunks);
     the returned ``ShardGrads`` then holds these buffers.
 
+``forward_blocks`` and ``grid_columns`` (the tensor-parallel-invariant level, :mod:`tplogp.invariant`)
+    ``grid_columns(device, dtype)`` is the width ``B`` of the source's global column grid (a constant of the source,
+    device and dtype). ``forward_blocks`` takes a shard whose first column starts a grid block (only the last
+    block may be cut, by the vocabulary's end) and returns :class:`BlockStats`, one column per block, each
+    computed by the same arithmetic wherever the block sits: tiles aligned to the grid, a tile config that does not
+    depend on the shard's size, no split-K. Nothing is kept for the backward; ``backward`` with
+    ``ShardCall.grid_columns`` set runs fixed-shape GEMMs for ``d_W`` and fixed-order sums for ``d_b``.
+
 ``forward_single`` (optional)
     When one shard holds the whole vocab (no group, or a group of one), a backend may finish the per-token outputs
     itself and save the TP layer's merge ops (host time at small shapes): return :class:`SingleShardOutputs`. The
@@ -85,6 +93,16 @@ class KeptBuffers:
         """The scales, which this holder no longer references."""
         scales, self.scales = self.scales, None
         return scales
+
+
+class BlockStats(NamedTuple):
+    """Per-token statistics of each grid block of a grid-aligned shard (``forward_blocks``; the
+    tensor-parallel-invariant level, :mod:`tplogp.invariant`). fp32; ``[blocks, N]`` unless noted."""
+
+    block_max: torch.Tensor  # max of the block's logits
+    block_sum: torch.Tensor  # sum exp(z - block_max)
+    target_logit: torch.Tensor  # [N] z[local_target] from the fp32 accumulator, 0 where no block holds it
+    block_sez: Optional[torch.Tensor]  # sum exp(z - block_max)(z - block_max) (only with_entropy)
 
 
 class ShardStats(NamedTuple):
@@ -160,6 +178,10 @@ class ShardCall:
     # the layout's token count (tplogp.plan), or None (any): a call of another count (rows that ignore_index
     # compacted away, a fused loss's chunk) runs no launch program, since such counts vary from call to call
     rows: Optional[int] = None
+    # the tensor-parallel-invariant level (tplogp.invariant): the width of the global grid's blocks (0: off). The
+    # shard is grid-aligned (its first column starts a block), the forward runs ``forward_blocks`` and the backward
+    # runs GEMMs whose shapes do not depend on the shard's size, so a column's d_W / d_b rows do not either
+    grid_columns: int = 0
     # a source's launch programs for the layouts run with this call (the calls of a layout share one ShardCall,
     # tplogp.plan): everything of a launch but its tensors, made at a layout's first call (not compared, not hashed)
     programs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)

@@ -19,6 +19,10 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
   is summed per vocab tile in an fp32 tile buffer within the tile budget and rounded once. Saved state is O(N).
 * ``deterministic=True`` uses a token chunk that does not depend on N and pads the last chunk to it, so every GEMM
   has the same shape whatever the batch: a row's results do not change when other rows are added or removed.
+* ``deterministic="tp_invariant"`` (:mod:`tplogp.invariant`): :meth:`NativeBackend.forward_blocks` and the backward
+  walk grid blocks of ``GRID_COLUMNS`` columns, each copied into a zero-padded ``[GRID_COLUMNS, D]`` buffer, with
+  the deterministic token chunk: every GEMM, every reduction and every elementwise op has one shape, so a column's
+  logits, d_W and d_b do not depend on the shard it came in.
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ import torch
 
 from .. import fp32_gemm, settings
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
-from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .base import BlockStats, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 _MIB = 1 << 20
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
 _TILE_COPIES = 4
 # Token chunk used by deterministic mode (independent of N by construction).
 DETERMINISTIC_TOKEN_CHUNK = 256
+# The tensor-parallel-invariant level's grid: every logits GEMM is [DETERMINISTIC_TOKEN_CHUNK, D] x [D, GRID_COLUMNS]
+# over one grid block (copied into a buffer of that shape: BLAS picks kernels by shape and alignment)
+GRID_COLUMNS = 128
 
 
 def default_tile_bytes(device: torch.device) -> int:
@@ -318,6 +325,46 @@ class NativeBackend:
                                   None if mean_rel is None else log_sum - mean_rel, st.kept, st.sum_z, st.argmax)
 
     @staticmethod
+    def grid_columns(device: torch.device, dtype: torch.dtype) -> int:
+        """The invariant level's grid block width (:mod:`tplogp.invariant`)."""
+        return GRID_COLUMNS
+
+    def forward_blocks(self, hidden, weight, bias, local_target, call: ShardCall) -> BlockStats:
+        """Per-block stats of a grid-aligned shard (:class:`~tplogp.backends.base.BlockStats`): blocks outer (each
+        copied once into its padded buffer), token chunks inner, one ``[chunk, B]`` logits tile each."""
+        n, v = hidden.shape[0], weight.shape[0]
+        cols, tc = call.grid_columns, DETERMINISTIC_TOKEN_CHUNK
+        n_blocks = -(-v // cols)
+        dev = hidden.device
+        f32 = torch.float32
+        block_max = torch.empty(n_blocks, n, device=dev, dtype=f32)
+        block_sum = torch.empty(n_blocks, n, device=dev, dtype=f32)
+        block_sez = torch.empty(n_blocks, n, device=dev, dtype=f32) if call.with_entropy else None
+        target_logit = torch.zeros(n, device=dev, dtype=f32)
+        if n == 0 or n_blocks == 0:
+            return BlockStats(block_max, block_sum, target_logit, block_sez)
+        for i, (v0, v1, w_blk, b_blk) in enumerate(_grid_blocks(weight, bias, cols)):
+            for t0 in range(0, n, tc):
+                t1 = min(t0 + tc, n)
+                z = _logits_tile(_pad_rows(hidden[t0:t1], tc), w_blk, b_blk, call.inv_temperature)  # [tc, B]
+                rel = local_target[t0:t1] - v0
+                own = (rel >= 0) & (rel < v1 - v0)
+                picked = z[: t1 - t0].gather(1, rel.clamp(0, cols - 1).unsqueeze(1)).squeeze(1)
+                target_logit[t0:t1] = torch.where(own, picked, target_logit[t0:t1])
+                if v1 - v0 < cols:  # the vocabulary's last block: its padding is no column
+                    z[:, v1 - v0:] = float("-inf")
+                m = z.amax(1)
+                z -= m.unsqueeze(1)  # z - m_b (-inf on padding)
+                e = torch.exp(z)
+                block_max[i, t0:t1] = m[: t1 - t0]
+                block_sum[i, t0:t1] = e.sum(1)[: t1 - t0]
+                if block_sez is not None:
+                    if v1 - v0 < cols:
+                        z[:, v1 - v0:] = 0.0  # e = 0 there: no -inf * 0
+                    block_sez[i, t0:t1] = z.mul_(e).sum(1)[: t1 - t0]
+        return BlockStats(block_max, block_sum, target_logit, block_sez)
+
+    @staticmethod
     def transient_bytes(device: torch.device) -> int:
         """The budget's part that goes to transient tiles before anything is kept (the default budget)."""
         return default_tile_bytes(device)
@@ -341,6 +388,9 @@ class NativeBackend:
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
                  mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
                  kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
+        if call.grid_columns:
+            return self._backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                                         grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, accumulate)
         if accumulate is None and kept is None and _one_tile(hidden, weight, call):
             return _backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
                                       grad_lse, mean_z, call, needs, d_hidden_ready, grad_sum_z)
@@ -453,6 +503,68 @@ class NativeBackend:
             if dw_tile is not None:
                 d_weight[v0:v1] = acc  # rounded once to the weight dtype
 
+    def _backward_blocks(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+                         grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready=None, accumulate=None) -> ShardGrads:
+        """The invariant level's backward: grid blocks outer, deterministic token chunks inner, every GEMM
+        ``[chunk, B]``-shaped; a block's d_W / d_b rows are summed over the chunks in an fp32 ``[B, D]`` / ``[B]``
+        buffer and written (or added to ``accumulate``) once."""
+        need_h, need_w, need_b = needs
+        need_b = need_b and bias is not None
+        n, d = hidden.shape
+        v = weight.shape[0]
+        dev = hidden.device
+        f32 = torch.float32
+        cols, tc = call.grid_columns, DETERMINISTIC_TOKEN_CHUNK
+        dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
+        d_hidden = torch.zeros(n, d, device=dev, dtype=f32) if need_h else None
+        d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_w else None
+        d_bias = (db_acc if db_acc is not None else torch.empty_like(bias)) if need_b else None
+        gemm_dtype = weight.dtype if dev.type == "cuda" else f32
+        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+                                    local_target, t0, min(t0 + tc, n), tc) for t0 in range(0, n, tc)]
+        h_gemm = [ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype) for ch in chunks]
+        for v0, v1, w_blk, b_blk in _grid_blocks(weight, bias, cols):
+            w_g = w_blk if w_blk.dtype == gemm_dtype else w_blk.to(gemm_dtype)
+            acc_w = torch.zeros(cols, d, device=dev, dtype=f32) if need_w else None
+            acc_b = torch.zeros(cols, device=dev, dtype=f32) if need_b else None
+            for ch, h_g in zip(chunks, h_gemm):
+                z = _logits_tile(ch.h, w_blk, b_blk, call.inv_temperature)
+                z -= ch.m.unsqueeze(1)
+                if ch.ge is not None:
+                    p = torch.exp(z - ch.ls.unsqueeze(1))
+                    dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
+                    del p
+                else:
+                    dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
+                rel = ch.lt - v0
+                own = (rel >= 0) & (rel < v1 - v0)
+                dz.scatter_add_(1, rel.clamp(0, cols - 1).unsqueeze(1),
+                                torch.where(own, ch.g, torch.zeros_like(ch.g)).unsqueeze(1))
+                if v1 - v0 < cols:  # padding columns: no gradient anywhere
+                    dz[:, v1 - v0:] = 0.0
+                if call.inv_temperature != 1.0:
+                    dz *= call.inv_temperature
+                if acc_b is not None:
+                    acc_b += dz.sum(0)
+                dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
+                if d_hidden is not None:
+                    d_hidden[ch.t0:ch.t1] += fp32_gemm.mm(dz_g, w_g)[: ch.t1 - ch.t0]
+                if acc_w is not None:
+                    acc_w += fp32_gemm.mm(dz_g.t(), h_g)
+            if acc_w is not None:
+                if dw_acc is not None:
+                    dw_acc[v0:v1] += acc_w[: v1 - v0]
+                else:
+                    d_weight[v0:v1] = acc_w[: v1 - v0]
+            if acc_b is not None:
+                if db_acc is not None:
+                    db_acc[v0:v1] += acc_b[: v1 - v0]
+                else:
+                    d_bias[v0:v1] = acc_b[: v1 - v0]
+        if d_hidden is not None and d_hidden_ready is not None:
+            d_hidden_ready(d_hidden)
+        return ShardGrads(d_hidden, d_weight, d_bias)
+
     @staticmethod
     def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z, local_target, t0: int,
                      t1: int, pad_to: Optional[int], grad_sum_z=None) -> _TokenChunk:
@@ -472,6 +584,24 @@ class NativeBackend:
         gsz = None if grad_sum_z is None else _pad_rows(grad_sum_z[t0:t1], rows)
         return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
                            g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1), gsz)
+
+
+def _grid_blocks(weight: torch.Tensor, bias: Optional[torch.Tensor], cols: int):
+    """``(v0, v1, weight rows [cols, D], bias [cols] or None)`` per grid block of a grid-aligned shard, each copied
+    into one zero-padded buffer (so that every GEMM sees one shape and one alignment)."""
+    v, d = weight.shape
+    w_blk = torch.empty(cols, d, device=weight.device, dtype=weight.dtype)
+    b_blk = None if bias is None else torch.empty(cols, device=bias.device, dtype=bias.dtype)
+    for v0 in range(0, v, cols):
+        v1 = min(v0 + cols, v)
+        w_blk[: v1 - v0] = weight[v0:v1]
+        if v1 - v0 < cols:
+            w_blk[v1 - v0:] = 0
+        if b_blk is not None:
+            b_blk[: v1 - v0] = bias[v0:v1]
+            if v1 - v0 < cols:
+                b_blk[v1 - v0:] = 0
+        yield v0, v1, w_blk, b_blk
 
 
 # ---- one tile: a call whose logits fit one [N, V] tile in the tile budget and keep nothing (small shapes) --------

@@ -19,7 +19,7 @@ import torch
 from .. import settings
 from ..kernels import kept as kept_layout  # (these three: torch only, no Triton import, no device work)
 from ..kernels import tiles, workspace
-from .base import KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .base import BlockStats, KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
@@ -260,6 +260,24 @@ class TritonBackend:
             with_argmax=call.with_argmax)
         return ShardStats(*out[:4], kept=kept, sum_z=out[4], argmax=out[5])
 
+    def grid_columns(self, device: torch.device, dtype: torch.dtype) -> int:
+        """The invariant level's grid block width (:mod:`tplogp.invariant`): the forward's split, ``split_v`` of the
+        device's tile config, so each block is one program's split of whole tiles."""
+        return self._cfg(torch.device(device), dtype).split_v
+
+    def forward_blocks(self, hidden, weight, bias, local_target, call: ShardCall) -> BlockStats:
+        """Per-block stats of a grid-aligned shard: the stats kernel's splits, unmerged
+        (:func:`tplogp.kernels.programs.forward_blocks`)."""
+        from ..kernels import programs
+
+        lay = self._launch_layout(hidden, weight, call)
+        if lay.cfg.split_v != call.grid_columns:
+            raise AssertionError(f"grid of {call.grid_columns} columns, splits of {lay.cfg.split_v}")
+        parts = programs.forward_blocks(hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
+                                        lay.cfg, tma=self._uses_tma(hidden, weight, call))
+        # one split holds a row's target (the others add exact zeros)
+        return BlockStats(parts[0], parts[1], parts[2].sum(0), parts[3] if call.with_entropy else None)
+
     # forward_single takes ``target_flag``: its finishing kernel checks the targets
     # (tplogp.kernel_target_check.KernelTargetCheck)
     checks_targets_in_kernel = True
@@ -337,6 +355,12 @@ class TritonBackend:
         from ..kernels import programs
 
         lay = self._launch_layout(hidden, weight, call)
+        if call.grid_columns:
+            return ShardGrads(*programs.backward_on_grid(
+                hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+                inv_temperature=call.inv_temperature, columns=call.grid_columns,
+                workspace_bytes=lay.transient_bytes, needs=tuple(needs), cfg=lay.cfg,
+                tma=self._uses_tma(hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate))
         d_hidden, d_weight, d_bias = programs.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,

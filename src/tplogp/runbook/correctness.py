@@ -11,7 +11,7 @@ from ..reference import reference_outputs
 from ..shards import shard_boundaries, shard_range
 from .flags import DTYPES, IGNORE_INDEX
 from .inputs import make_targets, op_kwargs, token_rows
-from .launch import log0
+from .launch import log0, max_over_ranks
 from .report import report_checks
 
 
@@ -36,7 +36,8 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
          f"  source={args.op_source}, backend={backend}, device={device.type}, world_size={world}",
          *([f"  temperature={args.temperature:g}"] if args.temperature != 1.0 else []),
          *([f"  ignore_fraction={args.ignore_fraction:g}"] if args.ignore_fraction > 0 else []),
-         *(["  sequence_parallel=True"] if args.sequence_parallel else []))
+         *(["  sequence_parallel=True"] if args.sequence_parallel else []),
+         *([f"  deterministic={args.deterministic}"] if args.deterministic != "off" else []))
 
     # ours: this rank's shard only (and with --sequence-parallel this rank's slice of the tokens)
     rows = token_rows(args, rank, world, T)
@@ -47,6 +48,10 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
     logp, ent = (out.logp, out.entropy) if args.entropy else (out, None)
     loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if ent is not None else 0.0)
     loss.backward()
+    invariance_ok = True
+    if args.tp_invariance:
+        invariance_ok = tp_invariance(args, rank, device, backend, op, (hidden_full, weight_full, bias_full),
+                                      target, (g_logp, g_ent), (start, end, rows), (logp, ent, h, w, b))
 
     # reference: the full vocabulary, materialized
     hr = hidden_full.to(device).clone().requires_grad_()
@@ -63,4 +68,34 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
     checks += [("hidden_grad", h.grad, hr.grad[rows]), ("weight_grad", w.grad, wr.grad[start:end])]
     if b is not None:
         checks.append(("bias_grad", b.grad, br.grad[start:end]))
-    return report_checks(checks, args.atol, args.rtol, rank, device, backend)
+    return report_checks(checks, args.atol, args.rtol, rank, device, backend) and invariance_ok
+
+
+def tp_invariance(args: argparse.Namespace, rank: int, device: torch.device, backend: str, op: Callable, full,
+                  target, grads, shard, ours) -> bool:
+    """The same call on the whole vocabulary in this process, without a group (TP=1; ``shard``: this rank's
+    vocabulary rows and token rows), and the count of values of this rank's outputs and gradient rows that are not bitwise equal to it (summed over ranks); rank 0 prints
+    ``PASS tp_invariance: bitwise equal to TP=1`` or what differs."""
+    (hidden_full, weight_full, bias_full), (g_logp, g_ent), (start, end, rows) = full, grads, shard
+    logp, ent, h, w, b = ours
+    h1 = hidden_full.to(device).clone().requires_grad_()
+    w1 = weight_full.to(device).clone().requires_grad_()
+    b1 = None if bias_full is None else bias_full.to(device).clone().requires_grad_()
+    out = op(h1, w1, target, b1, **op_kwargs(args, 0, args.vocab_size, group=False))
+    logp1, ent1 = (out.logp, out.entropy) if args.entropy else (out, None)
+    ((logp1 * g_logp).sum() + ((ent1 * g_ent).sum() if ent1 is not None else 0.0)).backward()
+    pairs = [("logp", logp.detach(), logp1.detach()), ("weight_grad", w.grad, w1.grad[start:end])]
+    if ent is not None:
+        pairs.append(("entropy", ent.detach(), ent1.detach()))
+    if b is not None:
+        pairs.append(("bias_grad", b.grad, b1.grad[start:end]))
+    differ = [float((ours_ != one).sum()) if ours_.shape == one.shape else float(one.numel())
+              for _, ours_, one in pairs]
+    merged = max_over_ranks(differ + [float((h.grad - h1.grad[rows]).abs().max())], device, backend)
+    bad = [f"{name} {int(n)} values" for (name, _, _), n in zip(pairs, merged) if n]
+    if bad:
+        log0(rank, f"  FAIL tp_invariance: differs from TP=1 in {', '.join(bad)} (the most of any one rank)")
+    else:
+        log0(rank, "  PASS tp_invariance: bitwise equal to TP=1"
+                   f" (hidden_grad, an fp32 all-reduce: max_abs={merged[-1]:.3g} from TP=1)")
+    return not bad

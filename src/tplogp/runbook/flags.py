@@ -18,6 +18,7 @@ from ..tolerances import RUNBOOK_TOLERANCES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORE_INDEX = -100
+DETERMINISTIC = {"off": False, "on": True, "tp_invariant": "tp_invariant"}  # --deterministic -> the op's option
 MAX_SEED = 2 ** 62  # the stress phase seeds seed + 100 + rank; torch generators take < 2**64
 
 
@@ -108,6 +109,12 @@ def build_parser(description: str = "", epilog: str = "",
     add("--ignore-fraction", type=fraction, default=0.0,
         help=f"fraction of tokens whose target is ignore_index={IGNORE_INDEX}")
     add("--timeout-s", type=positive_finite, default=300.0, help="process-group timeout in seconds")
+    add("--deterministic", choices=sorted(DETERMINISTIC), default="off",
+        help="the op's deterministic option: off, on (True) or tp_invariant (the same bits at every TP degree)")
+    add("--tp-invariance", action=argparse.BooleanOptionalAction, default=None,
+        help="correctness phase: also run the whole vocabulary in-process without a group (TP=1) and check that "
+             "logp (entropy) and this rank's weight / bias gradient rows are bitwise equal to it "
+             "(default: on with --deterministic tp_invariant)")
     return p
 
 
@@ -125,6 +132,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", epil
         if vocab < world:
             raise UsageError(f"argument {flag}: must be at least the world size {world} (one id per rank), "
                              f"got {vocab}")
+    if args.tp_invariance is None:
+        args.tp_invariance = args.deterministic == "tp_invariant"
     tol = RUNBOOK_TOLERANCES[DTYPES[args.dtype]]
     args.atol = tol.atol if args.atol is None else args.atol
     args.rtol = tol.rtol if args.rtol is None else args.rtol

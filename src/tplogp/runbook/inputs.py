@@ -7,7 +7,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from .flags import IGNORE_INDEX
+from .flags import DETERMINISTIC, IGNORE_INDEX
 
 
 def make_targets(gen: torch.Generator, tokens: int, vocab: int, ignore_fraction: float,
@@ -19,8 +19,12 @@ def make_targets(gen: torch.Generator, tokens: int, vocab: int, ignore_fraction:
     return tgt.to(device)
 
 
-def op_kwargs(args: argparse.Namespace, start: int, vocab: int) -> dict:
-    kw = dict(tp_group=dist.group.WORLD, vocab_start_index=start, global_vocab_size=vocab)
+def op_kwargs(args: argparse.Namespace, start: int, vocab: int, group=True) -> dict:
+    """The op's keyword arguments for the shard starting at ``start`` (``group=False``: the whole vocabulary
+    without a group, TP=1)."""
+    kw = dict(tp_group=dist.group.WORLD, vocab_start_index=start, global_vocab_size=vocab) if group else {}
+    if args.deterministic != "off":
+        kw["deterministic"] = DETERMINISTIC[args.deterministic]
     if args.temperature != 1.0:
         kw["temperature"] = args.temperature
     if args.entropy:

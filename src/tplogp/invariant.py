@@ -1,0 +1,264 @@
+"""The tensor-parallel-invariant level of ``deterministic`` (``deterministic="tp_invariant"``): logp, entropy and lse
+with the same bits at every TP degree and for any shard boundaries.
+
+Three pieces, used by :mod:`tplogp.tp` (and the fused loss), each independent of the rank count:
+
+* **The grid.** The vocabulary is cut into blocks of ``B`` columns aligned to id 0 (``B``: the source's
+  ``grid_columns``, a constant of the source, device and dtype, never of a shard). Every logit is computed by the
+  same arithmetic whatever the shard: the sources compute whole blocks only, with tiles aligned to the grid and a
+  fixed tile config (no split-K), and per block they return the block's max ``m_b``, ``s_b = sum exp(z - m_b)``
+  and, for entropy, ``q_b = sum exp(z - m_b)(z - m_b)`` (:class:`tplogp.backends.base.BlockStats`).
+* **The re-shard** (:class:`Regrid`). Shards cut blocks. Rank ``r`` owning ``[start, end)`` computes the blocks
+  whose first column it owns, ``[lo, hi)`` with ``lo = ceil_B(start)`` and ``hi = min(ceil_B(end), V)``. The few
+  rows of its last block that later ranks own (``[end, hi)``, under ``B`` rows) come from those ranks' heads
+  ``[start_k, lo_k)`` in one ``all_gather`` per call, weight and bias rows packed together; in the backward the
+  ``d_W`` / ``d_b`` rows computed for foreign rows go back to their owners in one ``all_gather`` as well. The
+  shard boundaries travel first, in one small ``all_gather`` over a CPU group (nothing waits for a device).
+* **The exact merge** (:func:`merge_blocks`). The global row max ``M`` is an all-reduce MAX (exact in any order).
+  Each block's share ``s_b exp(m_b - M)`` (and the entropy's ``exp(m_b - M)(q_b + s_b (m_b - M))``) is rounded to
+  fixed point with ``FIXED_POINT_BITS`` fraction bits as an int64, summed in int64 (associative: exact in any
+  order and grouping) and all-reduced with SUM, then converted back: the same bits for any rank count. The target
+  logit travels as its fp32 bit pattern in the same int64 all-reduce (one rank holds it, the others add 0).
+
+Bounds. A block's share lies in ``[0, B]`` and the entropy share in ``[-B/e, 0]``, so the int64 sums stay below
+``V 2^FIXED_POINT_BITS``: the vocabulary must be below ``MAX_VOCAB = 2^23``. Each share is rounded once, by at most
+``2^-(FIXED_POINT_BITS + 1)``; the sum of exp is at least 1 (the block holding the max adds ``s_b >= 1``), so its
+relative error from the rounding is at most ``(V / B) 2^-41``, below fp32's ``2^-24`` for ``V / B < 2^17``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_gather_flat, host_group
+
+LEVEL = "tp_invariant"  # the value of ``deterministic`` that asks for this level
+FIXED_POINT_BITS = 40
+MAX_VOCAB = 1 << 23  # V 2^FIXED_POINT_BITS < 2^63
+_SCALE = float(1 << FIXED_POINT_BITS)
+
+
+def ceil_to(x: int, columns: int) -> int:
+    return -(-x // columns) * columns
+
+
+def grid_range(start: int, end: int, vocab: int, columns: int) -> tuple[int, int]:
+    """``[lo, hi)``: the columns of the grid blocks whose first column lies in the shard ``[start, end)`` (empty,
+    ``lo == hi == end``, when none does)."""
+    lo = ceil_to(start, columns)
+    if lo >= end:
+        return end, end
+    return lo, min(ceil_to(end, columns), vocab)
+
+
+def head_rows(start: int, end: int, columns: int) -> int:
+    """How many of a shard's first rows belong to a block that an earlier rank computes."""
+    return min(ceil_to(start, columns), end) - start
+
+
+# ---- fixed point --------------------------------------------------------------------------------------------------
+
+def to_fixed(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` (``|x| <= 2^22``) as int64 fixed point with ``FIXED_POINT_BITS`` fraction bits, rounded to nearest."""
+    return torch.round(x.to(torch.float64) * _SCALE).to(torch.int64)
+
+
+def from_fixed(i: torch.Tensor) -> torch.Tensor:
+    """int64 fixed point -> fp32 (through float64: one rounding of the integer, then one to fp32)."""
+    return (i.to(torch.float64) / _SCALE).to(torch.float32)
+
+
+def merge_blocks(blocks, owned: torch.Tensor, group, comm_device: torch.device, world_size: int,
+                 with_entropy: bool):
+    """The exact cross-block, cross-rank merge (module docstring) of one rank's
+    :class:`~tplogp.backends.base.BlockStats`; ``owned``: ``[N]`` bool, the rows whose target this rank's blocks
+    hold.
+
+    Returns:
+        ``(M, log S, target logit - M, owner count, E_p[z] - M or None)``, fp32 ``[N]`` (count int64), the same
+        bits on every rank and for every rank count.
+    """
+    m, s = blocks.block_max, blocks.block_sum  # [blocks, N]
+    n = m.shape[1]
+    if m.shape[0]:
+        big_m = m.amax(0)
+    else:  # a rank whose shard starts no block
+        big_m = torch.full((n,), float("-inf"), device=m.device, dtype=torch.float32)
+    if world_size > 1:
+        buf = big_m.to(comm_device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+        big_m = buf.to(m.device)
+    scale = torch.exp(m - big_m.unsqueeze(0))  # exp(m_b - M) <= 1
+    cols = [to_fixed(s * scale).sum(0)]
+    if with_entropy:
+        shift = torch.where(s > 0, s * (m - big_m.unsqueeze(0)), torch.zeros_like(s))
+        cols.append(to_fixed(scale * (blocks.block_sez + shift)).sum(0))
+    cols.append(blocks.target_logit.view(torch.int32).to(torch.int64))  # its bits; 0 where not owned here
+    cols.append(owned.to(torch.int64))
+    packed = torch.stack(cols)  # [2 or 3, N] int64
+    if world_size > 1:
+        buf = packed.to(comm_device)
+        dist.all_reduce(buf, group=group)  # int64 sums: exact, any order
+        packed = buf.to(m.device)
+    total = from_fixed(packed[0])
+    log_sum = torch.log(total)
+    target = packed[-2].to(torch.int32).view(torch.float32)
+    count = packed[-1]
+    mean_rel = from_fixed(packed[1]) / total if with_entropy else None
+    return big_m, log_sum, target - big_m, count, mean_rel
+
+
+# ---- the re-shard -------------------------------------------------------------------------------------------------
+
+def shard_bounds(group, comm_device: torch.device, start: int, v_local: int) -> list[tuple[int, int]]:
+    """Every rank's ``(start, end)``, rank-major: one small ``all_gather`` over a CPU group where one can be had
+    (:func:`tplogp.comm.host_group`), so nothing waits for a device."""
+    host = host_group(group, comm_device)
+    device = torch.device("cpu") if host is not None else comm_device
+    mine = torch.tensor([start, start + v_local], dtype=torch.int64, device=device)
+    rows = all_gather_flat(mine, host if host is not None else group).view(-1, 2).cpu().tolist()
+    return [(a, b) for a, b in rows]
+
+
+class Regrid:
+    """One rank's re-shard onto the grid (module docstring): which rows it computes, which it takes from later
+    ranks, and where the gradients of its head rows come from.
+
+    Args:
+        group, comm_device: the TP group and where its collectives take tensors (None: one shard).
+        rank: this rank's index in ``bounds``.
+        bounds: every rank's ``(start, end)``.
+        columns: the grid's block width ``B``.
+        vocab: the global vocabulary.
+    """
+
+    def __init__(self, group, comm_device: Optional[torch.device], rank: int, bounds: list[tuple[int, int]],
+                 columns: int, vocab: int) -> None:
+        self.group, self.comm_device, self.rank = group, comm_device, rank
+        self.bounds, self.columns, self.vocab = bounds, columns, vocab
+        self.start, self.end = bounds[rank]
+        self.lo, self.hi = grid_range(self.start, self.end, vocab, columns)
+        self.head = head_rows(self.start, self.end, columns)
+        heads = [head_rows(a, b, columns) for a, b in bounds]
+        ranges = [grid_range(a, b, vocab, columns) for a, b in bounds]
+        tails = [max(0, hi - b) for (_, b), (_, hi) in zip(bounds, ranges)]
+        self.max_head, self.max_tail = max(heads), max(tails)
+        # the foreign rows [end, hi): (rank, rows) taken from the heads of the next ranks, in order
+        self.takes: list[tuple[int, int]] = []
+        need, k = self.hi - self.end if self.hi > self.end else 0, self.rank + 1
+        while need > 0:
+            rows = min(heads[k], need)
+            self.takes.append((k, rows))
+            need -= rows
+            k += 1
+        # the rank that computes this rank's head rows and where they sit in its tail
+        self.head_source: Optional[tuple[int, int]] = None
+        if self.head:
+            j = next(j for j, (lo, hi) in enumerate(ranges) if lo <= self.start < hi)
+            self.head_source = (j, self.start - bounds[j][1])
+
+    @property
+    def identity(self) -> bool:
+        """No row moves anywhere (every shard boundary on the grid, or one shard)."""
+        return self.max_head == 0
+
+    def _gather(self, parts: list[Optional[torch.Tensor]], rows: int) -> list[Optional[torch.Tensor]]:
+        """Every rank's ``parts`` (tensors of ``rows`` leading rows at most, None skipped) in one ``all_gather`` of
+        their bytes, padded to ``rows``; returns per part a ``[world, rows, ...]`` tensor (None for None)."""
+        present = [p for p in parts if p is not None]
+        device = present[0].device
+        pieces, widths = [], []
+        for p in present:
+            width = math.prod(p.shape[1:])  # elements per row (p may have no rows)
+            b = torch.zeros((rows, width * p.element_size()), dtype=torch.uint8, device=device)
+            if p.shape[0]:
+                b[: p.shape[0]] = p.reshape(p.shape[0], width).contiguous().view(torch.uint8)
+            pieces.append(b)
+            widths.append(b.shape[1])
+        packed = torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
+        world = len(self.bounds)
+        got = all_gather_flat(packed.to(self.comm_device), self.group).to(device).view(world, rows, -1)
+        out, col = [], 0
+        it = iter(zip(present, widths))
+        for p in parts:
+            if p is None:
+                out.append(None)
+                continue
+            q, width = next(it)
+            raw = got[:, :, col: col + width].contiguous().view(q.dtype)
+            out.append(raw.view(world, rows, *q.shape[1:]))
+            col += width
+        return out
+
+    def rows(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        """``(weight rows [lo, hi), bias rows or None)``: the own rows from ``lo`` on and the later ranks' head rows
+        (one ``all_gather``)."""
+        if self.identity:
+            return weight, bias
+        h = self.head
+        gw, gb = self._gather([weight[: h], None if bias is None else bias[: h]], self.max_head)
+        if self.hi <= self.end:  # nothing foreign: a view of the own rows
+            return weight[h:], None if bias is None else bias[h:]
+        w = torch.cat([weight[h:]] + [gw[k, :rows] for k, rows in self.takes])
+        b = None if bias is None else torch.cat([bias[h:]] + [gb[k, :rows] for k, rows in self.takes])
+        return w, b
+
+    def grads_back(self, d_weight: Optional[torch.Tensor], d_bias: Optional[torch.Tensor]):
+        """Gradients of the rows ``[lo, hi)`` -> gradients of the own shard ``[start, end)``: the foreign rows go to
+        their owners and the head rows come from the rank that computed them (one ``all_gather``)."""
+        if self.identity or (d_weight is None and d_bias is None):
+            return d_weight, d_bias
+        own = self.end - self.lo if self.lo < self.end else 0
+        tails = [None if t is None else t[own:] for t in (d_weight, d_bias)]
+        gw, gb = self._gather(tails, self.max_tail)
+        out = []
+        for t, g in ((d_weight, gw), (d_bias, gb)):
+            if t is None:
+                out.append(None)
+                continue
+            mine = t[:own]
+            if self.head_source is not None:
+                j, offset = self.head_source
+                mine = torch.cat([g[j, offset: offset + self.head], mine])
+            out.append(mine)
+        return tuple(out)
+
+    def local_targets(self, target: torch.Tensor) -> torch.Tensor:
+        """Global target ids -> ids relative to ``lo`` where ``[lo, hi)`` holds them, else -1."""
+        rel = target - self.lo if self.lo else target
+        return torch.where((rel >= 0) & (rel < self.hi - self.lo), rel, -1)
+
+
+class RegridRows(torch.autograd.Function):
+    """:meth:`Regrid.rows` as a differentiable step: its backward is :meth:`Regrid.grads_back`."""
+
+    @staticmethod
+    def forward(ctx, regrid: Regrid, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        ctx.regrid = regrid
+        ctx.has_bias = bias is not None
+        w, b = regrid.rows(weight, bias)
+        return (w, b) if b is not None else (w,)
+
+    @staticmethod
+    def backward(ctx, d_weight, *rest):
+        d_bias = rest[0] if ctx.has_bias else None
+        d_w, d_b = ctx.regrid.grads_back(d_weight, d_bias)
+        return None, d_w, d_b
+
+
+def regrid_rows(regrid: Regrid, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    """``(weight rows, bias rows)`` of :meth:`Regrid.rows`, differentiable when something requires a gradient."""
+    if regrid.identity:
+        return weight, bias
+    if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        out = RegridRows.apply(regrid, weight, bias)
+        return out[0], (out[1] if bias is not None else None)
+    return regrid.rows(weight, bias)
+
+
+__all__ = ["LEVEL", "FIXED_POINT_BITS", "MAX_VOCAB", "grid_range", "head_rows", "to_fixed",
+           "from_fixed", "merge_blocks", "shard_bounds", "Regrid", "RegridRows", "regrid_rows"]

@@ -1,0 +1,180 @@
+"""``deterministic="tp_invariant"``: logp, entropy, lse, the fused loss and the weight / bias gradient rows with the
+same bits at every TP degree as at TP=1, for shards that cut the grid's blocks (uneven, prime vocabularies), on the
+native source and on the triton and sm90 kernels in Triton's interpreter; and the re-shard's bookkeeping."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tplogp
+from tests.support.interpreter import KERNELS
+from tplogp import LinearLogpInputError, invariant, losses
+from tplogp.api import linear_logp_on
+from tplogp.shards import even_boundaries, uneven_boundaries
+
+LEVEL = invariant.LEVEL
+INTERPRETING = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# 14 tokens as [2, 7]; D = 24 (not a multiple of the interpreter's BLOCK_D of 16); prime vocabularies of 3 native
+# grid blocks (128 columns) and 5 interpreter grid blocks (64): uneven shards of 2, 3 and 4 ranks cut blocks, and
+# at 4 ranks the first ranks start no block (their rows all travel).
+LEAD, D = (2, 7), 24
+VOCAB = {"native": 331, "triton": 263, "sm90-kernels": 263}
+# bf16 on the sm90 kernels: the low-precision path (d_W rows rounded once per grid block)
+DTYPE = {"native": torch.float32, "triton": torch.float32, "sm90-kernels": torch.bfloat16}
+
+
+def _source(name: str):
+    """The source: native by name, the Triton kernels as backend objects (the sm90 kernels through their launchers,
+    :data:`tests.support.interpreter.KERNELS`)."""
+    return "native" if name == "native" else KERNELS[name]()
+
+
+def _problem(v: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(7)
+    n = LEAD[0] * LEAD[1]
+    hidden = torch.randn(n, D, generator=g).reshape(*LEAD, D)
+    weight = torch.randn(v, D, generator=g) / D ** 0.5
+    bias = torch.randn(v, generator=g) * 0.1
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::5] = -100
+    grads = [torch.randn(n, generator=g).reshape(LEAD) for _ in range(3)]
+    return hidden.to(dtype), weight.to(dtype), bias.to(dtype), target.reshape(LEAD), grads
+
+
+def _logp_run(source, hidden, weight, bias, target, grads, **kw):
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    out = linear_logp_on(source, h, w, target, b, options=tplogp.plan.LogpOptions(
+        temperature=0.7, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=LEVEL), **kw)
+    sum(o * g for o, g in zip(out, grads)).sum().backward()
+    return [o.detach() for o in out], h.grad, w.grad, b.grad
+
+
+def _loss_run(source, hidden, weight, bias, target, **kw):
+    w, b = (t.clone().requires_grad_() for t in (weight, bias))
+    value = tplogp.linear_logp_loss(hidden, w, target, b, loss=losses.cross_entropy() + losses.entropy_bonus(0.01),
+                                    ignore_index=-100, deterministic=LEVEL, source=source, **kw)
+    value.backward()
+    return value.detach(), w.grad, b.grad
+
+
+@pytest.mark.tp(world_size=[2, 3, 4], timeout=300)
+def test_native_bitwise_equal_to_one_shard(tp):
+    """Every rank runs the call on its uneven shard and once more on the whole vocabulary without a group (TP=1):
+    logp, entropy, lse and its weight / bias gradient rows are equal bit for bit, and so are the fused loss's value
+    and gradient rows; hidden.grad is close (its all-reduce sums fp32 partials) and equal from run to run."""
+    _check_bitwise(tp, "native")
+
+
+# The interpreter is slow: 3 ranks (each cuts a grid block; the first ranks' last blocks take rows from the next).
+@pytest.mark.tp(world_size=3, timeout=300)
+@pytest.mark.parametrize("name", ["triton", "sm90-kernels"])
+def test_kernels_bitwise_equal_to_one_shard(tp, name):
+    """As the native test, for the triton and sm90 kernels in Triton's interpreter."""
+    tp.skip_if(not INTERPRETING, "the Triton kernels run here in the interpreter (GPU: tests/gpu)")
+    _check_bitwise(tp, name)
+
+
+def _check_bitwise(tp, name: str) -> None:
+    source = _source(name)
+    v = VOCAB[name]
+    hidden, weight, bias, target, grads = _problem(v, DTYPE[name])
+    bounds = uneven_boundaries(v, tp.world_size)
+    s, e = bounds[tp.rank], bounds[tp.rank + 1]
+    kw = dict(tp_group=tp.group, vocab_start_index=s, global_vocab_size=v)
+    outs, dh, dw, db = _logp_run(source, hidden, weight[s:e], bias[s:e], target, grads, **kw)
+    ref, ref_dh, ref_dw, ref_db = _logp_run(source, hidden, weight, bias, target, grads)
+    bad = [n for n, a, r in zip(("logp", "entropy", "lse"), outs, ref) if not torch.equal(a, r)]
+    bad += [n for n, a, r in (("weight.grad", dw, ref_dw[s:e]), ("bias.grad", db, ref_db[s:e]))
+            if not torch.equal(a, r)]
+    tp.assert_all(not bad, f"rank {tp.rank} [{s}, {e}): not bitwise equal to TP=1: {bad}")
+    tol = dict(rtol=1e-5, atol=1e-6) if DTYPE[name] == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    tp.assert_all(torch.allclose(dh.float(), ref_dh.float(), **tol), f"hidden.grad off by {(dh - ref_dh).abs().max()}")
+    again = _logp_run(source, hidden, weight[s:e], bias[s:e], target, grads, **kw)[1]
+    tp.assert_all(torch.equal(again, dh), "hidden.grad differs from run to run")
+
+    loss, lw, lb = _loss_run(source, hidden, weight[s:e], bias[s:e], target, **kw)
+    ref_loss, ref_lw, ref_lb = _loss_run(source, hidden, weight, bias, target)
+    tp.assert_all(torch.equal(loss, ref_loss), f"fused loss {loss.item()!r} vs TP=1 {ref_loss.item()!r}")
+    tp.assert_all(torch.equal(lw, ref_lw[s:e]) and torch.equal(lb, ref_lb[s:e]),
+                  "fused loss: weight / bias gradient rows differ from TP=1")
+
+
+def test_close_to_the_default_and_even_shards_agree():
+    """The invariant level computes the same function: close to the default path (fp32 tolerances), and a call on
+    the whole vocabulary gives the same bits whatever the row count of the other rows (batch invariance)."""
+    hidden, weight, bias, target, grads = _problem(VOCAB["native"])
+    ours = _logp_run("native", hidden, weight, bias, target, grads)
+    opts = tplogp.plan.LogpOptions(temperature=0.7, return_entropy=True, return_lse=True, ignore_index=-100)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    base = linear_logp_on("native", h, w, target, b, options=opts)
+    sum(o * g for o, g in zip(base, grads)).sum().backward()
+    for a, r in zip(ours[0], base):
+        assert torch.allclose(a, r, rtol=1e-5, atol=1e-5), (a - r).abs().max()
+    for a, r in ((ours[1], h.grad), (ours[2], w.grad), (ours[3], b.grad)):
+        assert torch.allclose(a, r, rtol=1e-5, atol=1e-6), (a - r).abs().max()
+    head = linear_logp_on("native", hidden[:1], weight, target[:1], bias, options=tplogp.plan.LogpOptions(
+        temperature=0.7, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=LEVEL))
+    for a, r in zip(head, ours[0]):
+        assert torch.equal(a, r[:1])
+
+
+# Boundaries chosen to stress the bookkeeping: even and uneven cuts, ranks smaller than a block, ranks that start no
+# block, a rank ending exactly on the grid, and a vocabulary whose last block is cut.
+BOUNDS = [even_boundaries(331, 4), uneven_boundaries(331, 4), [0, 3, 5, 64, 70, 200, 331], [0, 128, 130, 331],
+          [0, 1, 2, 3, 331]]
+
+
+@pytest.mark.parametrize("bounds", BOUNDS, ids=["even4", "uneven4", "tiny", "aligned", "ones"])
+def test_regrid_moves_every_row_once(bounds):
+    """Simulated exchange over every rank's :class:`~tplogp.invariant.Regrid`: each rank's rows ``[lo, hi)`` are
+    the global rows, the grid ranges tile the vocabulary, and the gradients sent back land on their owners'
+    rows."""
+    v, cols = bounds[-1], 64
+    ranges = list(zip(bounds, bounds[1:]))
+    grids = [invariant.Regrid(None, None, r, ranges, cols, v) for r in range(len(ranges))]
+    rows = torch.arange(v)
+    heads = [rows[a: a + g.head] for (a, _), g in zip(ranges, grids)]
+    covered = []
+    for g in grids:
+        assert g.lo % cols == 0 or g.lo == g.hi
+        mine = torch.cat([rows[g.start + g.head: g.end]] + [heads[k][:n] for k, n in g.takes])
+        assert torch.equal(mine, torch.arange(g.lo, g.hi)), (g.rank, g.lo, g.hi)
+        covered.append(mine)
+    assert torch.equal(torch.cat(covered), rows)
+    tails = [torch.arange(g.lo, g.hi)[max(0, g.end - g.lo):] for g in grids]
+    for g in grids:
+        back = torch.arange(g.lo, g.hi)[: max(0, g.end - g.lo)]
+        if g.head_source is not None:
+            j, offset = g.head_source
+            back = torch.cat([tails[j][offset: offset + g.head], back])
+        assert torch.equal(back, torch.arange(g.start, g.end))
+
+
+def test_fixed_point_sum_is_exact_in_any_order():
+    """The int64 sum of the fixed-point shares has one value for every order and grouping (what makes the merge
+    independent of the rank count); the conversion's error stays below its bound."""
+    g = torch.Generator().manual_seed(3)
+    shares = torch.rand(1000, generator=g) * 64
+    fixed = invariant.to_fixed(shares)
+    perm = torch.randperm(1000, generator=g)
+    assert fixed.sum() == fixed[perm].sum() == sum(fixed[i: i + 7].sum() for i in range(0, 1000, 7))
+    exact = shares.double().sum()
+    assert abs(float(invariant.from_fixed(fixed.sum())) - exact) <= 1e-7 * exact
+
+
+def test_level_is_checked():
+    hidden, weight, bias, target, _ = _problem(VOCAB["native"])
+    with pytest.raises(LinearLogpInputError, match="deterministic must be"):
+        tplogp.linear_logp(hidden, weight, target, deterministic="tp")
+    with pytest.raises(LinearLogpInputError, match="below 8388608"):
+        tplogp.linear_logp(hidden, weight, target, deterministic=LEVEL, global_vocab_size=1 << 23)
+    with pytest.raises(LinearLogpInputError, match="does not take softcap"):
+        tplogp.linear_logp(hidden, weight, target, deterministic=LEVEL, softcap=30.0)
+    with pytest.raises(LinearLogpInputError, match="does not take return_argmax"):
+        tplogp.linear_logp(hidden, weight, target, deterministic=LEVEL, return_argmax=True)
+    with pytest.raises(ValueError, match="label smoothing"):
+        tplogp.linear_logp_loss(hidden, weight, target, loss=tplogp.losses.cross_entropy(label_smoothing=0.1),
+                                deterministic=LEVEL)
