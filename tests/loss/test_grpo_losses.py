@@ -2,7 +2,7 @@
 (tests/support/grpo_reference.py): the loss, its metrics and every gradient (hidden, weight, bias), for each loss
 type, importance-sampling level, clip variant, KL estimator and rollout correction; with ignored positions, a
 sequence with no counted token, packed sequences (``cu_seqlens``), several chunks (the two-phase schedule of the
-sequence-level losses), on one process and on 2 gloo ranks with uneven vocab shards."""
+sequence-level losses), on one process and on 2 and 4 gloo ranks with uneven vocab shards."""
 
 from __future__ import annotations
 
@@ -150,25 +150,59 @@ def test_uneven_ranks(tp, case):
     """2 ranks holding 40 and 57 rows of the vocabulary (uneven): each rank's loss, metrics and gradients are
     the float64 definition's (its weight rows' share), the same loss and metrics on both ranks; chunks of 5
     tokens."""
+    _check_on_ranks(tp, CASES[case], [0, 40, 97], case, packed=False)
+
+
+# 4 ranks holding 1, 29, 32 and 35 rows (one shard of a single row: a rank that owns almost no target); each
+# case a different path: packed sequences through the two-phase schedule (GSPO), the entropy's gradient with
+# the per-sequence normalisation (SAPO), a token-level loss with a given global token count (DAPO's
+# num_items_in_batch, a tensor) and TIS.
+FOUR_RANK_CASES = {"packed-gspo": ("grpo-gspo-biaskl-seqmis", True), "sapo-entropy": ("sapo-kl-entropy", False),
+                   "dapo-items": ("dapo-items-tis", False)}
+
+
+@pytest.mark.tp(world_size=4, timeout=300)
+@pytest.mark.parametrize("case", list(FOUR_RANK_CASES))
+def test_four_uneven_ranks(tp, case):
+    """4 ranks with uneven shards, ignored positions and chunks of 5 tokens: every rank's loss, metrics and
+    gradients are the float64 definition's, the loss and metrics the same on every rank."""
+    name, packed = FOUR_RANK_CASES[case]
+    options = dict(CASES[name])
+    if "num_items_in_batch" in options:  # a global count handed over as a tensor, as trainers do
+        options["num_items_in_batch"] = torch.tensor(options["num_items_in_batch"])
+    _check_on_ranks(tp, options, [0, 1, 30, 62, 97], case, packed=packed)
+
+
+def _check_on_ranks(tp, options: dict, boundaries: list[int], what: str, packed: bool) -> None:
+    """``losses.grpo(**options)`` with this rank's shard of ``boundaries`` against the float64 definition (this
+    rank's rows of the weight and bias gradients), and the loss and metrics equal on every rank. ``packed``: the
+    tokens as one 1-D sequence with ``cu_seqlens`` (sequences of 7, 1, 12, 4 and 12 tokens)."""
     from tplogp.shards import shard_range
 
-    v = 97
-    loss = losses.grpo(**CASES[case])
+    v = boundaries[-1]
+    loss = losses.grpo(**options)
     hidden, weight, bias, target = _problem(4, 9, 16, v, seed=11)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=12)
-    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token)
-    start, end = shard_range([0, 40, v], tp.rank)
+    offsets, kw = None, {}
+    if packed:
+        offsets = [0, 7, 8, 20, 24, 36]
+        hidden, target = hidden.reshape(-1, 16), target.reshape(-1)
+        per_token = [t.reshape(-1) for t in per_token]
+        kw["cu_seqlens"] = torch.tensor(offsets)
+    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token, offsets=offsets)
+    start, end = shard_range(boundaries, tp.rank)
     budget = tplogp.loss_chunk_budget(5, 16, v, dtype=torch.float32, bias_dtype=torch.float32, source="native",
                                       device=CPU)
     value, metrics, grads = _ours(loss, hidden, weight[start:end], bias[start:end], target, per_token,
                                   tp_group=tp.group, vocab_start_index=start, global_vocab_size=v, source="native",
-                                  workspace_bytes=budget)
+                                  workspace_bytes=budget, **kw)
+
     def own(result):  # this rank's rows of the weight and bias gradients
         d_h, d_w, d_b = result[2]
         return result[0], result[1], (d_h, d_w[start:end], d_b[start:end])
 
     with tp.agree():
-        check_three_way((value, metrics, grads), own(ref), own(truth), f"{case} rank {tp.rank}")
+        check_three_way((value, metrics, grads), own(ref), own(truth), f"{what} rank {tp.rank}")
         same = torch.stack([value, *metrics.values()])
         gathered = [torch.empty_like(same) for _ in range(tp.world_size)]
         torch.distributed.all_gather(gathered, same, group=tp.group)
