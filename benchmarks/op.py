@@ -145,7 +145,8 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
 
     policies = {i.policy for i in impls if i.contract == POLICY_LOSS}
     inputs = policy.make_inputs(h, w, y) if policies else None
-    scalars = {name: (lambda logp, name=name: policy.eager_loss(name, logp.view(inputs.layout), inputs))
+    scalars = {name: (lambda logp, name=name: policy.eager_loss(name, logp.view(inputs.layout), inputs.advantages,
+                                                                inputs.old_logp))
                for name in sorted(policies)}
     if any(i.contract == SCALAR_LOSS for i in impls):
         scalars["ce"] = lambda logp: -logp.mean()

@@ -19,7 +19,7 @@ The losses, TRL's recipes (``GRPOConfig``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -63,16 +63,20 @@ def make_inputs(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, rows: int = 1
     return Inputs(advantages, old)
 
 
-def eager_loss(name: str, logp: torch.Tensor, inputs: Inputs) -> torch.Tensor:
-    """The loss ``name`` of ``[B, L]`` log-probs (every token counted) in their dtype, differentiable."""
+def eager_loss(name: str, logp: torch.Tensor, advantages: torch.Tensor, old_logp: torch.Tensor,
+               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The loss ``name`` of ``[B, L]`` log-probs in their dtype, differentiable, as TRL's ``_compute_loss`` writes
+    it: ``mask`` 1 where a position counts (None: every position)."""
     _, (lo, hi), sequence = LOSSES[name]
-    adv, old = inputs.advantages.to(logp.dtype), inputs.old_logp.to(logp.dtype)
-    log_ratio = logp - old
-    ratio = torch.exp(log_ratio.mean(-1, keepdim=True) if sequence else log_ratio)
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+    adv, old = advantages.to(logp.dtype), old_logp.to(logp.dtype)
+    m = torch.ones_like(logp) if mask is None else mask.to(logp.dtype)
+    length = m.sum(-1, keepdim=True).clamp(min=1.0)
+    log_ratio = (logp - old) * m
+    ratio = torch.exp(log_ratio.sum(-1, keepdim=True) / length if sequence else log_ratio)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv) * m
     if sequence:  # GRPO's normalisation: each sequence's token mean, then the batch mean
-        return per_token.mean(-1).mean()
-    return per_token.sum() / per_token.numel()
+        return (per_token.sum(-1) / length[:, 0]).mean()
+    return per_token.sum() / m.sum().clamp(min=1.0)
 
 
 def tplogp_fn(name: str, source: str, budget) -> Callable:
@@ -97,6 +101,6 @@ def eager_fn(name: str) -> Callable:
 
     def fn(h, w, y, inputs: Inputs):
         logp = (h @ w.T).float().log_softmax(-1).gather(1, y[:, None])[:, 0]
-        return eager_loss(name, logp.view(inputs.layout), inputs)
+        return eager_loss(name, logp.view(inputs.layout), inputs.advantages, inputs.old_logp)
 
     return fn

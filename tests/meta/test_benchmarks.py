@@ -181,12 +181,19 @@ def test_policy_loss_definitions():
     for name in policy.LOSSES:
         ours = tplogp.linear_logp_loss(h.view(8, 4, 16), w, y.view(8, 4), loss=tplogp.losses.grpo(
             **policy.LOSSES[name][0]), per_token=(inputs.advantages, inputs.old_logp), source="native")
-        eager = policy.eager_loss(name, logp.view(8, 4), inputs)
+        eager = policy.eager_loss(name, logp.view(8, 4), inputs.advantages, inputs.old_logp)
         assert abs(ours.item() - eager.item()) <= tol.GRPO_LOSS.atol + tol.GRPO_LOSS.rtol * abs(eager.item()), (
             name, ours, eager)
-    sequence = policy.eager_loss("gspo", logp.view(8, 4), inputs)
-    token = policy.eager_loss("dapo", logp.view(8, 4), inputs)
+    sequence, token = (policy.eager_loss(name, logp.view(8, 4), inputs.advantages, inputs.old_logp)
+                       for name in ("gspo", "dapo"))
     assert sequence.item() != token.item()
+    # a mask: positions that do not count change nothing (their log-probs set to anything)
+    mask = torch.ones(8, 4)
+    mask[::3, 2:] = 0
+    moved = torch.where(mask > 0, logp.view(8, 4), logp.view(8, 4) - 5.0)
+    for name in policy.LOSSES:
+        assert torch.equal(policy.eager_loss(name, logp.view(8, 4), inputs.advantages, inputs.old_logp, mask),
+                           policy.eager_loss(name, moved, inputs.advantages, inputs.old_logp, mask)), name
 
 
 @pytest.mark.slow
