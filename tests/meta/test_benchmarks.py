@@ -134,7 +134,6 @@ def test_op_host_cost_column_per_checks_mode(tmp_path):
     assert len(seen) == 3 and all(modes and set(modes) == {r["checks"]} for modes, r in zip(seen, op_rows)), seen
 
 
-@pytest.mark.slow
 def test_policy_loss_rows():
     """The GSPO and DAPO steps beside the plain fused cross-entropy, in process on the smallest problem (8 sequences
     of 4 tokens) at two budgets (one chunk; chunks of 8 tokens, the sequence-level loss's two phases): each row's
