@@ -81,6 +81,8 @@ python -m benchmarks plugin                                 # CPU: pytest_tplogp
 python -m benchmarks floors                                 # the 3-GEMM and host floors, beside the op
 python -m benchmarks report                                 # rewrites this page and the plots
 python -m benchmarks op --shapes 4096x2048x8192 --impls tplogp-sm90 --base main   # A/B against another commit
+python -m benchmarks op --shapes 8192x4096x128256 --impls tplogp-loss-sm90,tplogp-gspo-sm90,tplogp-dapo-sm90
+                                                            # GSPO and DAPO steps beside the fused CE, per budget
 ```
 
 `--base REV` checks REV out into a temporary git worktree and runs the same command on both trees as child
