@@ -7,6 +7,9 @@ An entry names the implementation, the contract it meets and how to build its ca
   gradient ``[T]`` (the contract of ``tplogp.linear_logp``; the benchmark backpropagates a random one).
 * ``scalar loss``: ``fn(hidden, weight, targets) -> mean cross-entropy`` (a 0-d tensor); its gradients may be
   computed in the forward, since the loss is known there (the benchmark backpropagates 1).
+* ``policy loss``: ``fn(hidden, weight, targets, inputs) -> loss`` (a 0-d tensor), the RL loss ``policy`` names
+  (:mod:`benchmarks.policy`: GSPO, DAPO) of the problem's per-token ``inputs``; backpropagated with 1, its error
+  measured against the float64 definition of the same loss.
 
 ``budgeted`` entries are measured once per ``--budgets`` value (resolved for the entry's ``source`` and passed as
 ``workspace_bytes``, :class:`benchmarks.runner.BudgetSpec`); the others once.
@@ -24,6 +27,7 @@ import torch
 
 PER_TOKEN = "per-token gradient"
 SCALAR_LOSS = "scalar loss"
+POLICY_LOSS = "policy loss"
 
 ImplFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -40,6 +44,7 @@ class Impl:
     build: Callable[[torch.device, Optional[int]], ImplFn]
     what: str
     source: Optional[str] = None  # the tplogp source of a budgeted entry (its budgets are resolved for it)
+    policy: Optional[str] = None  # a policy-loss entry's loss (a benchmarks.policy.LOSSES name)
 
 
 def _import(module: str, attr: str):
@@ -88,6 +93,29 @@ def _tplogp_loss(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]
         cross_entropy = losses.cross_entropy()
         return lambda h, w, y: fused(h, w, y, loss=cross_entropy, reduction="mean", source=source,
                                      with_entropy=False, **options)
+
+    return build
+
+
+def _tplogp_policy(name: str, source: str) -> Callable[[torch.device, Optional[int]], Callable]:
+    def build(device: torch.device, budget: Optional[int]) -> Callable:
+        from tplogp.kernel_registry import unavailable_reason
+
+        from . import policy
+
+        why = unavailable_reason(source, device)
+        if why is not None:
+            raise ImplUnavailable(why)
+        return policy.tplogp_fn(name, source, budget)
+
+    return build
+
+
+def _torch_eager_policy(name: str) -> Callable[[torch.device, Optional[int]], Callable]:
+    def build(device: torch.device, budget: Optional[int]) -> Callable:
+        from . import policy
+
+        return policy.eager_fn(name)
 
     return build
 
@@ -236,8 +264,15 @@ IMPLS: tuple[Impl, ...] = (
          "tplogp linear_logp_loss (mean CE, gradients in the forward), Triton source", source="triton"),
     Impl("tplogp-loss-native", SCALAR_LOSS, True, _tplogp_loss("native"),
          "tplogp linear_logp_loss (mean CE, gradients in the forward), PyTorch source", source="native"),
+    *(Impl(f"tplogp-{loss}-{source}", POLICY_LOSS, True, _tplogp_policy(loss, source),
+           f"tplogp linear_logp_loss with losses.grpo: {what} ({source} source)", source=source, policy=loss)
+      for loss, what in (("gspo", "GSPO step"), ("dapo", "DAPO step")) for source in ("sm90", "triton", "native")),
     Impl("torch-eager", PER_TOKEN, False, _torch_eager, "bf16 logits, fp32 log_softmax, gather"),
     Impl("torch-eager-loss", SCALAR_LOSS, False, _torch_eager_loss, "bf16 logits, fp32 mean cross-entropy"),
+    Impl("torch-eager-gspo", POLICY_LOSS, False, _torch_eager_policy("gspo"),
+         "bf16 logits, fp32 log_softmax, GSPO loss in eager PyTorch", policy="gspo"),
+    Impl("torch-eager-dapo", POLICY_LOSS, False, _torch_eager_policy("dapo"),
+         "bf16 logits, fp32 log_softmax, DAPO loss in eager PyTorch", policy="dapo"),
     Impl("liger-flce", PER_TOKEN, False, _liger_flce, "Liger fused linear CE (Triton), reduction none"),
     Impl("liger-cute-sm90", SCALAR_LOSS, False, _liger_cute_sm90, "Liger CuTe DSL SM90 kernel, mean loss"),
     Impl("cce-exact", PER_TOKEN, False, _cce(None), "Cut Cross-Entropy, gradient filter off"),

@@ -3,22 +3,28 @@
 ``python -m benchmarks integrations`` (one H200: about a minute after the model is built). The model is a
 Qwen2.5-1.5B-sized Qwen2 config with random weights (vocab 151936, hidden 1536, 28 layers, tied head), bf16, on
 8 x 2048 tokens (prompt 512 + completion 1536, ``logits_to_keep`` = the completion, as TRL's GRPO trainer calls it).
-Two steps, each implementation on the same model and batch:
+Steps, each implementation on the same model and batch:
 
 * ``logprobs``: the old/reference log-probs of a GRPO batch, under ``torch.no_grad()``:
   ``trl_logits`` = ``model(ids, mask, logits_to_keep=k + 1).logits[:, :-1] / T`` then a selective log-softmax
   written as TRL's (gather and log-softmax row by row for bf16 logits); ``tplogp`` = ``causal_lm_logprobs``.
-* ``grpo_loss``: forward + backward of the clipped GRPO loss (``ppo_clip(0.2, 0.28)``, token mean over the
-  completion mask): ``trl_logits`` as above then the loss in PyTorch; ``tplogp_logprobs`` = ``causal_lm_logprobs``
-  then the same PyTorch loss; ``tplogp_fused`` = ``causal_lm_loss`` with
-  ``with_entropy=False`` (the clipped loss reads no entropy; the loss and the head's gradients chunk by chunk in the
-  forward).
-* ``grpo_loss_ckpt``: the same three with gradient checkpointing on (``use_reentrant=False``), as RL trainers run
-  models of this size: the decoder's activations no longer dominate the peak, the logits path's do.
+* ``grpo_loss``: forward + backward of TRL's default GRPO loss (``loss_type="dapo"``, ``epsilon=0.2``,
+  ``epsilon_high=0.28``: the clipped token loss, a token mean over the completion mask; :mod:`benchmarks.policy`):
+  ``trl_logits`` as above then the loss written out in PyTorch (TRL's ``_compute_loss``); ``tplogp_logprobs`` =
+  ``causal_lm_logprobs`` then the same PyTorch loss; ``tplogp_fused`` = ``causal_lm_loss`` with the built-in
+  ``losses.grpo("dapo", epsilon_high=0.28)`` and ``with_entropy=False`` (the loss reads no entropy; the loss and
+  the head's gradients chunk by chunk in the forward).
+* ``gspo_loss``: the same three for GSPO (``importance_sampling_level="sequence"``, ``loss_type="grpo"``,
+  ``epsilon=3e-4``, ``epsilon_high=4e-4``: a ratio per sequence, each sequence's token mean, then the batch mean):
+  the fused row takes every token's log-prob before any gradient (the two-phase schedule of
+  :mod:`tplogp.fused_loss`).
+* ``*_ckpt``: the same with gradient checkpointing on (``use_reentrant=False``), as RL trainers run models of this
+  size: the decoder's activations no longer dominate the peak, the logits path's do.
 
 Time: median of ``--reps`` calls (CUDA events, synced per call) after warm-up calls. Memory: peak allocated GiB
 during one call above what was allocated before it (model and batch excluded; gradients of the parameters and
-the activations included). ``err_logp``: ``tplogp.tolerances.rel_error`` (``||logp - reference|| / ||reference||``)
+the activations included). ``loss``: the value of a loss step's call measured for memory (the three rows of a step compute
+the same loss: they agree within the logits' rounding). ``err_logp``: ``tplogp.tolerances.rel_error`` (``||logp - reference|| / ||reference||``)
 of the logprobs step, the reference being ``tplogp.reference.reference_linear_logp(mode="fp32")`` (fp32 log-softmax
 of fp32 logits) of the same final hidden states and head. Prints a markdown table and appends
 JSON rows (suite ``integrations``) to the results file.
@@ -38,6 +44,9 @@ FULL = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hid
 SMOKE = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, batch=2, seq=24, completion=16)
 TEMPERATURE = 0.9
+# the loss steps: (step, benchmarks.policy loss), each also with gradient checkpointing (step + "_ckpt")
+STEPS = tuple((step + ckpt, name) for ckpt in ("", "_ckpt") for step, name in (("grpo_loss", "dapo"),
+                                                                               ("gspo_loss", "gspo")))
 
 
 def build_model(shape: dict, dtype: torch.dtype, device: torch.device):
@@ -86,13 +95,6 @@ def trl_logprobs(model, ids, mask, keep: int, temperature: float) -> torch.Tenso
     return selective_log_softmax(logits, ids[:, -keep:])
 
 
-def grpo_token_loss(logp, old_logp, advantages, completion_mask) -> torch.Tensor:
-    from tplogp import losses
-
-    per_token = losses.ppo_clip(0.2, 0.28)(logp, None, advantages, old_logp)
-    return (per_token * completion_mask).sum() / completion_mask.sum().clamp_min(1)
-
-
 def reference_logprobs(model, ids, mask, keep: int, temperature: float) -> torch.Tensor:
     """``reference_linear_logp(mode="fp32")`` of the same final hidden states and head (one sequence at a time)."""
     from tplogp.reference import reference_linear_logp
@@ -106,6 +108,8 @@ def reference_logprobs(model, ids, mask, keep: int, temperature: float) -> torch
 
 def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
     from tplogp import losses
+
+    from . import policy
     from tplogp.integrations.hf import causal_lm_logprobs, causal_lm_loss
     from tplogp.tolerances import rel_error
 
@@ -141,31 +145,37 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
                 fn()
         return run
 
+    last = {}  # the latest loss step's value
+
     def with_backward(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], object]:
         def run():
             model.zero_grad(set_to_none=True)
-            loss_fn().backward()
+            value = loss_fn()
+            value.backward()
+            last["loss"] = value.detach()
         return run
 
-    def grpo_cases(step: str) -> list:
+    def loss_cases(step: str, name: str) -> list:
+        """TRL's logits path, tplogp's log-probs with the same eager loss, and the fused built-in loss."""
+        grpo = losses.grpo(**policy.LOSSES[name][0])
+
+        def eager(logp):
+            return policy.eager_loss(name, logp, advantages, old_logp, completion_mask)
+
         return [
-            (step, "trl_logits", with_backward(lambda: grpo_token_loss(
-                trl_logprobs(model, ids, mask, keep, T), old_logp, advantages, completion_mask))),
-            (step, "tplogp_logprobs", with_backward(lambda: grpo_token_loss(
-                causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T), old_logp, advantages,
-                completion_mask))),
+            (step, "trl_logits", with_backward(lambda: eager(trl_logprobs(model, ids, mask, keep, T)))),
+            (step, "tplogp_logprobs", with_backward(lambda: eager(
+                causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T)))),
             (step, "tplogp_fused", with_backward(lambda: causal_lm_loss(
-                model, ids, mask, loss=losses.ppo_clip(0.2, 0.28), per_token=(advantages, old_logp),
-                loss_mask=completion_mask, reduction="mean", logits_to_keep=keep, temperature=T,
-                with_entropy=False))),
+                model, ids, mask, loss=grpo, per_token=(advantages, old_logp), loss_mask=completion_mask,
+                logits_to_keep=keep, temperature=T, with_entropy=False))),
         ]
 
     cases = [
         ("logprobs", "trl_logits", no_grad(lambda: trl_logprobs(model, ids, mask, keep, T))),
         ("logprobs", "tplogp", no_grad(lambda: causal_lm_logprobs(model, ids, mask, logits_to_keep=keep,
                                                                   temperature=T))),
-        *grpo_cases("grpo_loss"),
-        *grpo_cases("grpo_loss_ckpt"),
+        *(case for step, name in STEPS for case in loss_cases(step, name)),
     ]
     rows = []
     for step, impl, fn in cases:
@@ -175,12 +185,13 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         peak = runner.extra_peak_gib(fn, device)
+        value = last.pop("loss").item() if "loss" in last else None  # (that call's)
         ms = runner.median_ms(fn, device, reps=reps, warmup=0 if smoke else 2)
         rows.append(dict(suite="integrations", step=step, impl=impl, model="qwen2", dtype=dtype_name,
                          vocab=shape["vocab_size"], hidden=shape["hidden_size"],
                          layers=shape["num_hidden_layers"], batch=b, seq=s, logits_to_keep=keep, temperature=T,
                          median_ms=round(ms, 3), peak_gib=None if peak is None else round(peak, 3),
-                         err_logp=errors.get(impl) if step == "logprobs" else None))
+                         err_logp=errors.get(impl) if step == "logprobs" else None, loss=value))
     set_checkpointing(model, False)
     model.zero_grad(set_to_none=True)
     return rows

@@ -22,9 +22,13 @@ Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / s
   label of a mode other than ``full`` ends with ``checks <mode>``); the other implementations do not read the
   mode: one row each, labelled with the default (``full``);
 * ``extra_peak_gib``: allocator peak during one forward+backward above the inputs (gradients included);
-* ``err_logp`` (per-token contract) or ``err_loss`` (scalar loss), ``err_d_hidden``, ``err_d_weight``:
+* ``err_logp`` (per-token contract) or ``err_loss`` (scalar and policy losses), ``err_d_hidden``, ``err_d_weight``:
   ``||x - x_fp64|| / ||x_fp64||`` against a float64 autograd reference, with the same upstream gradient (a random
-  ``[T]`` vector, or 1 for the mean loss);
+  ``[T]`` vector, or 1 for a loss): the float64 logp, the mean cross-entropy, or the policy loss's own definition
+  (:func:`benchmarks.policy.eager_loss` of the float64 logp);
+* ``vs_cross_entropy`` (and ``_b2b``), tplogp's policy-loss rows (:mod:`benchmarks.policy`: a GSPO and a DAPO
+  step): forward+backward milliseconds over those of the plain fused cross-entropy (``tplogp-loss-<source>``) at
+  the same budget, timed in the same rounds; present when both rows ran;
 * ``contract``; ``error`` instead of numbers when the implementation could not be built or run.
 
 Floors for the plots (one GEMM is 2TDV FLOP): a per-token op keeping O(T) state needs 4 GEMMs forward+backward
@@ -39,13 +43,15 @@ so put both ``DIR`` and ``DIR/nvidia_cutlass_dsl/dsl_packages`` on ``PYTHONPATH`
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
+from typing import Callable, Optional
 
 import torch
 
-from . import runner
-from .impls import PER_TOKEN, Impl, ImplUnavailable
+from . import policy, runner
+from .impls import PER_TOKEN, POLICY_LOSS, SCALAR_LOSS, Impl, ImplUnavailable
 
 DTYPES = runner.DTYPES
 MODES = (("", False), ("_b2b", True))
@@ -61,19 +67,41 @@ def make_problem(T: int, D: int, V: int, dtype: torch.dtype, device: torch.devic
     return h, w, y, gy
 
 
-def float64_truth(h, w, y, gy, scalar: bool) -> dict:
-    """Float64 logp, and d_hidden / d_W for the per-token upstream ``gy`` and (``scalar``) for the mean loss."""
+def float64_truth(h, w, y, gy, scalars: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> dict:
+    """Float64 logp and its d_hidden / d_W for the per-token upstream ``gy``; per entry of ``scalars`` (a name and
+    its loss as a function of the float64 logp ``[T]``) the loss ``loss:<name>`` and its ``dh:<name>`` /
+    ``dw:<name>``."""
     from tplogp.reference import reference_outputs
 
     hd = h.detach().double().requires_grad_()
     wd = w.detach().double().requires_grad_()
     logp = reference_outputs(hd, wd, y, mode="float64").logp
-    truth = {"logp": logp.detach(), "loss": -logp.detach().mean()}
-    dh, dw = torch.autograd.grad(logp, (hd, wd), gy.double(), retain_graph=scalar)
-    truth.update(dh=dh, dw=dw)
-    if scalar:
-        truth["dh_loss"], truth["dw_loss"] = torch.autograd.grad(-logp.mean(), (hd, wd))
+    truth = {"logp": logp.detach()}
+    truth["dh"], truth["dw"] = torch.autograd.grad(logp, (hd, wd), gy.double(), retain_graph=bool(scalars))
+    for i, (name, loss_of) in enumerate(scalars.items()):
+        leaf = logp.detach().requires_grad_()
+        with torch.enable_grad():
+            value = loss_of(leaf)
+            (g_logp,) = torch.autograd.grad(value, leaf)
+        truth["loss:" + name] = value.detach()
+        truth["dh:" + name], truth["dw:" + name] = torch.autograd.grad(logp, (hd, wd), g_logp,
+                                                                       retain_graph=i + 1 < len(scalars))
     return truth
+
+
+def truth_key(impl: Impl) -> Optional[str]:
+    """The :func:`float64_truth` loss an implementation is measured against (None: the per-token logp)."""
+    if impl.contract == PER_TOKEN:
+        return None
+    return "ce" if impl.contract == SCALAR_LOSS else impl.policy
+
+
+def cross_entropy_pair(row: dict) -> Optional[tuple]:
+    """The (impl, budget, checks) of the plain fused cross-entropy row a tplogp policy-loss row is compared with:
+    the same source, budget and checks mode (None for an eager policy row)."""
+    if row["contract"] != POLICY_LOSS or not row["impl"].startswith("tplogp-"):
+        return None
+    return f"tplogp-loss-{row['impl'].rsplit('-', 1)[1]}", row["budget"], row["checks"]
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -115,7 +143,14 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
     def timed(fn, b2b):
         return runner.median_ms(fn, device, reps=reps, warmup=3 if reps >= 3 else 1, warm_ms=warm_ms, back_to_back=b2b)
 
-    truth = float64_truth(h, w, y, gy, any(i.contract != PER_TOKEN for i in impls)) if check else None
+    policies = {i.policy for i in impls if i.contract == POLICY_LOSS}
+    inputs = policy.make_inputs(h, w, y) if policies else None
+    scalars = {name: (lambda logp, name=name: policy.eager_loss(name, logp.view(inputs.layout), inputs.advantages,
+                                                                inputs.old_logp))
+               for name in sorted(policies)}
+    if any(i.contract == SCALAR_LOSS for i in impls):
+        scalars["ce"] = lambda logp: -logp.mean()
+    truth = float64_truth(h, w, y, gy, scalars) if check else None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     rows, live = [], []
@@ -130,6 +165,8 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
             try:
                 budget = row["budget_bytes"] = spec.resolve(impl.source, shape, DTYPES[dtype], device)
                 fn = impl.build(device, budget)
+                if impl.contract == POLICY_LOSS:
+                    fn = functools.partial(fn, inputs=inputs)
             except ImplUnavailable as exc:
                 row["error"] = f"unavailable: {exc}"
                 continue
@@ -152,12 +189,13 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
                     if truth is not None:
                         out = fn(hg, wg, y)
                         out.backward(gy if per_token else None)
-                        if per_token:
+                        key = truth_key(impl)
+                        if key is None:
                             row["err_logp"] = _rel(out.float(), truth["logp"])
                         else:
-                            row["err_loss"] = _rel(out.float().reshape(()), truth["loss"])
-                        row["err_d_hidden"] = _rel(hg.grad, truth["dh" if per_token else "dh_loss"])
-                        row["err_d_weight"] = _rel(wg.grad, truth["dw" if per_token else "dw_loss"])
+                            row["err_loss"] = _rel(out.float().reshape(()), truth["loss:" + key])
+                        row["err_d_hidden"] = _rel(hg.grad, truth["dh" if key is None else "dh:" + key])
+                        row["err_d_weight"] = _rel(wg.grad, truth["dw" if key is None else "dw:" + key])
                         hg.grad = wg.grad = None
                         del out
                 live.append((row, fwd, fwd_bwd, {}))
@@ -214,7 +252,22 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         row["extra_peak_gib"] = None if peak is None else round(peak, 4)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    _ratios_to_cross_entropy(rows)
     return rows
+
+
+def _ratios_to_cross_entropy(rows: list[dict]) -> None:
+    """``vs_cross_entropy`` (synced) and ``vs_cross_entropy_b2b`` of each timed tplogp policy-loss row: its
+    forward+backward milliseconds over those of the plain fused cross-entropy at the same source, budget and checks
+    mode, timed in the same rounds (:func:`cross_entropy_pair`)."""
+    by_key = {(r["impl"], r["budget"], r["checks"]): r for r in rows}
+    for r in rows:
+        pair = cross_entropy_pair(r)
+        ce = None if pair is None else by_key.get(pair)
+        if ce is None or "fwd_bwd_ms" not in r or "fwd_bwd_ms" not in ce:
+            continue
+        for key in ("", "_b2b"):
+            r["vs_cross_entropy" + key] = round(r["fwd_bwd_ms" + key] / ce["fwd_bwd_ms" + key], 4)
 
 
 def format_row(r: dict) -> str:
@@ -229,6 +282,8 @@ def format_row(r: dict) -> str:
     host = "" if r.get("host_fwd_bwd_us") is None else f" | host {r['host_fwd_bwd_us']:7.1f} us"
     if r.get("host_fwd_bwd_all_us") is not None:
         host += f" (all threads {r['host_fwd_bwd_all_us']:.1f})"
+    vs = "" if r.get("vs_cross_entropy") is None else (
+        f" | x CE {r['vs_cross_entropy']:.3f} (b2b {r['vs_cross_entropy_b2b']:.3f})")
     return (f"{r['shape']:>18} {label:>26} | fwd {r['fwd_ms']:9.3f} ms {r['fwd_gemms']:5.2f} G | fwd+bwd "
-            f"{r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b {r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem} | "
-            f"{errs}")
+            f"{r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b {r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem}"
+            f"{vs} | {errs}")

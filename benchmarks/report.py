@@ -55,7 +55,13 @@ METHOD = """## Method
 * **Errors**: `||x - x_fp64|| / ||x_fp64||` against a float64 autograd reference with the same upstream gradient.
 * **Contracts.** *Per-token gradient*: returns logp `[T]` and backpropagates any upstream gradient (tplogp's
   contract; measured with a random one). *Scalar loss*: returns the mean cross-entropy, whose gradients can be
-  computed in the forward since the loss is known there (measured with upstream 1).
+  computed in the forward since the loss is known there (measured with upstream 1). *Policy loss*: an RL step
+  through `linear_logp_loss` with `losses.grpo(...)` (GSPO: TRL's `loss_type="grpo"`,
+  `importance_sampling_level="sequence"`, `epsilon=3e-4`, `epsilon_high=4e-4`; DAPO: `loss_type="dapo"`,
+  `epsilon=0.2`, `epsilon_high=0.28`; 8 sequences, every token counted), its errors against the float64
+  definition of the same loss, and its forward+backward time over that of the plain fused cross-entropy of the same
+  source at the same budget in the contract cell ("x CE", synced / b2b); eager rows compose the same loss on
+  fp32 log-probs of the input-dtype logits.
 * **Floors.** A per-token op that keeps O(T) state needs 4 GEMMs forward+backward (forward, recompute, d_hidden,
   d_W); 3 GEMMs when the `[T, V]` logits are kept from forward to backward or the loss is a scalar known in the
   forward. The memory floor is d_W + d_hidden.
@@ -75,6 +81,8 @@ python -m benchmarks plugin                                 # CPU: pytest_tplogp
 python -m benchmarks floors                                 # the 3-GEMM and host floors, beside the op
 python -m benchmarks report                                 # rewrites this page and the plots
 python -m benchmarks op --shapes 4096x2048x8192 --impls tplogp-sm90 --base main   # A/B against another commit
+python -m benchmarks op --shapes 8192x4096x128256 --impls tplogp-loss-sm90,tplogp-gspo-sm90,tplogp-dapo-sm90
+                                                            # GSPO and DAPO steps beside the fused CE, per budget
 ```
 
 `--base REV` checks REV out into a temporary git worktree and runs the same command on both trees as child
@@ -183,6 +191,13 @@ def _op_values(r: dict) -> list[str]:
             _num(r.get("extra_peak_gib"), ".3f"), errors]
 
 
+def _contract_cell(r: dict) -> str:
+    """The row's contract; a policy-loss row's time over the plain fused cross-entropy's at its budget after it."""
+    if r.get("vs_cross_entropy") is None:
+        return r["contract"]
+    return f"{r['contract']}, x CE {r['vs_cross_entropy']:.3f} / {_num(r.get('vs_cross_entropy_b2b'), '.3f')}"
+
+
 def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
     out = ["## Operator on the GPU", ""]
     groups = plots.latest_op_rows(rows)
@@ -194,7 +209,7 @@ def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
         out += [f"### {shape} (T x D x V), {dtype}", ""]
         for run in _by_run(timed):
             out += [_provenance(run) + _gemm_line(run), ""]
-            out += _table(OP_COLUMNS, run, lambda r: [r["impl"], r["budget"], r["contract"]], _op_values) + [""]
+            out += _table(OP_COLUMNS, run, lambda r: [r["impl"], r["budget"], _contract_cell(r)], _op_values) + [""]
         missing = [r for r in sel if r not in timed]
         if missing:
             out += ["Not measured here:", ""] + [

@@ -22,7 +22,8 @@ metrics from every token's fp32 ``logp`` (and ``entropy``), with the upstream gr
 estimator of the KL to the reference policy and ``norm_t`` the normalisation (:data:`NORMALIZATIONS`).
 
 A loss whose tokens need their sequence's sums (the sequence levels, vespo) says so (:attr:`GRPOLoss.needs_sums`);
-the fused loss then computes every token's logp before any gradient (:mod:`tplogp.fused_loss`). Every quantity is a
+the fused loss then evaluates it on chunks of whole sequences, or on every token's logp at once when a sequence is
+longer than a chunk (:mod:`tplogp.fused_loss`). Every quantity is a
 function of the merged logp, identical on every rank of a tensor-parallel group, so the loss, its gradients'
 coefficients and its metrics need no collective of their own.
 """
@@ -245,10 +246,11 @@ class BoundGRPO:
         return None, torch.where(m > 0, torch.log(weight).clamp(_LOG_MIN_WEIGHT, 20.0), 0.0)
 
     def evaluate(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], rows: Optional[slice] = None,
-                 metrics: bool = False) -> Evaluation:
-        """The loss's share of ``rows`` (a slice of the call's rows; None: all of them, as a loss with sequence
-        sums needs), its upstream gradients and, with ``metrics``, its metric sums (:func:`finish_metrics`).
-        ``logp`` / ``entropy``: those rows' fp32 values (0 at rows that do not count)."""
+                 metrics: bool = False, sequences: Optional[slice] = None) -> Evaluation:
+        """The loss's share of ``rows`` (a slice of the call's rows; None: all of them), its upstream gradients and,
+        with ``metrics``, its metric sums (:func:`finish_metrics`). A loss with sequence sums (:attr:`GRPOLoss.
+        needs_sums`) takes rows that hold whole sequences: all of them, or the ``sequences`` (a slice of the
+        sequences) and no other. ``logp`` / ``entropy``: those rows' fp32 values (0 at rows that do not count)."""
         c = self.c
 
         def part(t):
@@ -257,12 +259,14 @@ class BoundGRPO:
         m, adv, scale = part(self.m), part(self.adv), part(self.policy_scale)
         rho = None if self.old is None else torch.where(m > 0, logp - part(self.old), 0.0)
         level = c.importance_sampling_level
-        seq = self.segments
+        seq, seq_len = self.segments, self.seq_len
+        if sequences is not None:  # whole sequences: their sums are the chunk's
+            seq, seq_len = seq.part(rows, sequences), seq_len[sequences]
         seq_ratio = None
         if level == "token":
             ratio = torch.ones_like(logp) if rho is None else torch.exp(rho)
-        else:  # (rows is None: every row, so the sequences' sums are whole)
-            mean_rho = seq.sum(rho) / self.seq_len.clamp_min(1.0) if rho is not None else None
+        else:
+            mean_rho = seq.sum(rho) / seq_len.clamp_min(1.0) if rho is not None else None
             seq_ratio = torch.ones(seq.count, device=logp.device) if mean_rho is None else torch.exp(mean_rho)
             ratio = seq_ratio[seq.index]
         g_logp = torch.zeros_like(logp)
@@ -291,8 +295,8 @@ class BoundGRPO:
         elif lt == "cispo":
             coef = -ratio.clamp(max=c.epsilon_high) * adv * scale
             value, g_logp = coef * logp, coef
-        else:  # vespo (every row: its weights are sequence sums)
-            phi = self._vespo_weights(rho, adv)
+        else:  # vespo (whole sequences: its weights are sequence sums)
+            phi = self._vespo_weights(rho, adv, seq, part(self.log_weight))
             coef = -phi * adv * scale
             value, g_logp = coef * logp, coef
         kl = None
@@ -319,7 +323,7 @@ class BoundGRPO:
                 g_logp = g_logp + kl_scale * d_kl
         if d_ratio is not None:  # the chain rule through the ratio
             if level == "sequence":  # d s_i / d logp_t = s_i m_t / L_i
-                per_seq = seq.sum(d_ratio) * seq_ratio / self.seq_len.clamp_min(1.0)
+                per_seq = seq.sum(d_ratio) * seq_ratio / seq_len.clamp_min(1.0)
                 g_logp = g_logp + m * per_seq[seq.index]
             else:  # token: d s_t / d logp_t = s_t; sequence_token: the stop-gradient form, d s / d logp_t = s_i
                 g_logp = g_logp + d_ratio * ratio
@@ -332,14 +336,16 @@ class BoundGRPO:
         sums = self._metric_sums(m, ratio, adv, kl, entropy) if metrics else None
         return Evaluation(total, g_logp, g_entropy, sums)
 
-    def _vespo_weights(self, rho: Optional[torch.Tensor], adv: torch.Tensor) -> torch.Tensor:
-        """VESPO's ``phi`` per row (a constant: no gradient flows through it)."""
-        c, seq = self.c, self.segments
+    def _vespo_weights(self, rho: Optional[torch.Tensor], adv: torch.Tensor, seq,
+                       log_weight: Optional[torch.Tensor]) -> torch.Tensor:
+        """VESPO's ``phi`` per row of the whole sequences ``seq`` (a constant: no gradient flows through it);
+        ``log_weight``: those rows' log rollout weights (None without)."""
+        c = self.c
         log_w = torch.zeros(seq.count, device=adv.device)
         if rho is not None:
             log_w = seq.sum(rho.clamp(-20.0, 20.0))
-        if self.log_weight is not None:
-            log_w = log_w + seq.sum(self.log_weight)
+        if log_weight is not None:
+            log_w = log_w + seq.sum(log_weight)
         log_w = log_w.clamp(_LOG_MIN_WEIGHT, 20.0)[seq.index]
         nonneg = adv >= 0
         k = torch.where(nonneg, c.vespo_k_pos, c.vespo_k_neg)

@@ -33,6 +33,12 @@ class Segments:
         dense[self.index, self.position] = values
         return dense.sum(1)
 
+    def part(self, rows: slice, sequences: slice) -> "Segments":
+        """The segments of the rows ``rows``, which hold the whole sequences ``sequences`` (and no other), indexed
+        from the first of them."""
+        return Segments(self.index[rows] - sequences.start, self.position[rows], sequences.stop - sequences.start,
+                        self.longest)
+
 
 def segments_for(target_shape: torch.Size, offsets: Optional[list[int]], keep_idx: Optional[torch.Tensor],
                  device: torch.device) -> Segments:
@@ -57,6 +63,23 @@ def segments_for(target_shape: torch.Size, offsets: Optional[list[int]], keep_id
     if keep_idx is not None:
         index, position = index.index_select(0, keep_idx), position.index_select(0, keep_idx)
     return Segments(index, position, count, longest)
+
+
+def row_bounds(target_shape: torch.Size, offsets: Optional[list[int]], keep_idx: Optional[torch.Tensor]) -> list[int]:
+    """Each sequence's first row among the call's rows (those ``keep_idx`` kept, None: every row), then the row
+    count: ``count + 1`` nondecreasing host ints. Without compaction from the shape or the offsets alone (no device
+    read); with it, one read of ``count + 1`` ints (the compaction has synchronized already)."""
+    if offsets is None:
+        n_all = 1
+        for s in target_shape:
+            n_all *= s
+        length = target_shape[-1] if len(target_shape) else 1
+        starts = list(range(0, n_all + 1, length)) if length else [0]
+    else:
+        starts = list(offsets)
+    if keep_idx is None:
+        return starts
+    return torch.searchsorted(keep_idx, torch.tensor(starts, device=keep_idx.device, dtype=keep_idx.dtype)).tolist()
 
 
 def check_offsets(cu_seqlens, n_all: int) -> list[int]:

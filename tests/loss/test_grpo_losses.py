@@ -2,7 +2,7 @@
 (tests/support/grpo_reference.py): the loss, its metrics and every gradient (hidden, weight, bias), for each loss
 type, importance-sampling level, clip variant, KL estimator and rollout correction; with ignored positions, a
 sequence with no counted token, packed sequences (``cu_seqlens``), several chunks (the two-phase schedule of the
-sequence-level losses), on one process and on 2 gloo ranks with uneven vocab shards."""
+sequence-level losses), on one process and on 2 and 4 gloo ranks with uneven vocab shards."""
 
 from __future__ import annotations
 
@@ -121,9 +121,11 @@ def test_packed_sequences(case):
 
 @pytest.mark.parametrize("source", cpu_sources())
 def test_gspo_on_each_source(monkeypatch, source):
-    """GSPO with KL and a rollout correction on each CPU source (triton through its interpreter), its 14 counted
-    tokens in 3 chunks of at most 5: the two phases, the first chunk's backward reading its kept terms and the 2
-    others recomputing their logits (counted on triton)."""
+    """GSPO with KL and a rollout correction on each CPU source (triton through its interpreter), its 3 sequences of
+    5, 5 and 4 counted tokens in chunks of 5 tokens: each chunk holds whole sequences, so each chunk's backward
+    reads its own kept terms (3 chunks, no recompute); in chunks of 4 tokens, shorter than a sequence: the two
+    phases, the first chunk's backward reading its kept terms and the 3 others recomputing their logits (the
+    launches counted on triton)."""
     seen = {"recompute": 0, "kept": 0}
     if source == "triton":
         from tplogp.kernels import programs
@@ -136,12 +138,14 @@ def test_gspo_on_each_source(monkeypatch, source):
     hidden, weight, bias, target = _problem(3, 6, 16, 67, seed=9)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=10)
     truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token)
-    budget = tplogp.loss_chunk_budget(5, 16, 67, dtype=torch.float32, bias_dtype=torch.float32, source=source,
-                                      device=CPU)
-    ours = _ours(loss, hidden, weight, bias, target, per_token, source=source, workspace_bytes=budget)
-    check_three_way(ours, ref, truth, source)
-    if source == "triton":
-        assert seen == {"recompute": 2, "kept": 1}, seen
+    for chunk, launches in ((5, {"recompute": 0, "kept": 3}), (4, {"recompute": 3, "kept": 1})):
+        budget = tplogp.loss_chunk_budget(chunk, 16, 67, dtype=torch.float32, bias_dtype=torch.float32,
+                                          source=source, device=CPU)
+        ours = _ours(loss, hidden, weight, bias, target, per_token, source=source, workspace_bytes=budget)
+        check_three_way(ours, ref, truth, f"{source} chunks of {chunk}")
+        if source == "triton":
+            assert seen == launches, (chunk, seen)
+            seen.update(recompute=0, kept=0)
 
 
 @pytest.mark.tp(world_size=2, timeout=300)
@@ -150,25 +154,61 @@ def test_uneven_ranks(tp, case):
     """2 ranks holding 40 and 57 rows of the vocabulary (uneven): each rank's loss, metrics and gradients are
     the float64 definition's (its weight rows' share), the same loss and metrics on both ranks; chunks of 5
     tokens."""
+    _check_on_ranks(tp, CASES[case], [0, 40, 97], case, packed=False)
+
+
+# 4 ranks holding 1, 29, 32 and 35 rows (one shard of a single row: a rank that owns almost no target); each
+# case a different path: packed sequences in chunks of 5 tokens, shorter than some sequences (GSPO: the two
+# phases), and in chunks of 12 tokens, each holding whole sequences (VESPO's sequence weights chunk by chunk); the
+# entropy's gradient with the per-sequence normalisation (SAPO); a token-level loss with a given global token count
+# (DAPO's num_items_in_batch, a tensor) and TIS. (case, packed, tokens per chunk)
+FOUR_RANK_CASES = {"packed-gspo": ("grpo-gspo-biaskl-seqmis", True, 5), "packed-vespo": ("vespo-tokenmask", True, 12),
+                   "sapo-entropy": ("sapo-kl-entropy", False, 5), "dapo-items": ("dapo-items-tis", False, 5)}
+
+
+@pytest.mark.tp(world_size=4, timeout=300)
+@pytest.mark.parametrize("case", list(FOUR_RANK_CASES))
+def test_four_uneven_ranks(tp, case):
+    """4 ranks with uneven shards, ignored positions and chunks of 5 tokens: every rank's loss, metrics and
+    gradients are the float64 definition's, the loss and metrics the same on every rank."""
+    name, packed, chunk = FOUR_RANK_CASES[case]
+    options = dict(CASES[name])
+    if "num_items_in_batch" in options:  # a global count handed over as a tensor, as trainers do
+        options["num_items_in_batch"] = torch.tensor(options["num_items_in_batch"])
+    _check_on_ranks(tp, options, [0, 1, 30, 62, 97], case, packed=packed, chunk=chunk)
+
+
+def _check_on_ranks(tp, options: dict, boundaries: list[int], what: str, packed: bool, chunk: int = 5) -> None:
+    """``losses.grpo(**options)`` with this rank's shard of ``boundaries`` against the float64 definition (this
+    rank's rows of the weight and bias gradients), and the loss and metrics equal on every rank. ``packed``: the
+    tokens as one 1-D sequence with ``cu_seqlens`` (sequences of 7, 1, 12, 4 and 12 tokens); ``chunk``: tokens per
+    chunk."""
     from tplogp.shards import shard_range
 
-    v = 97
-    loss = losses.grpo(**CASES[case])
+    v = boundaries[-1]
+    loss = losses.grpo(**options)
     hidden, weight, bias, target = _problem(4, 9, 16, v, seed=11)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=12)
-    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token)
-    start, end = shard_range([0, 40, v], tp.rank)
-    budget = tplogp.loss_chunk_budget(5, 16, v, dtype=torch.float32, bias_dtype=torch.float32, source="native",
+    offsets, kw = None, {}
+    if packed:
+        offsets = [0, 7, 8, 20, 24, 36]
+        hidden, target = hidden.reshape(-1, 16), target.reshape(-1)
+        per_token = [t.reshape(-1) for t in per_token]
+        kw["cu_seqlens"] = torch.tensor(offsets)
+    truth, ref = _truth_and_reference(loss, hidden, weight, bias, target, per_token, offsets=offsets)
+    start, end = shard_range(boundaries, tp.rank)
+    budget = tplogp.loss_chunk_budget(chunk, 16, v, dtype=torch.float32, bias_dtype=torch.float32, source="native",
                                       device=CPU)
     value, metrics, grads = _ours(loss, hidden, weight[start:end], bias[start:end], target, per_token,
                                   tp_group=tp.group, vocab_start_index=start, global_vocab_size=v, source="native",
-                                  workspace_bytes=budget)
+                                  workspace_bytes=budget, **kw)
+
     def own(result):  # this rank's rows of the weight and bias gradients
         d_h, d_w, d_b = result[2]
         return result[0], result[1], (d_h, d_w[start:end], d_b[start:end])
 
     with tp.agree():
-        check_three_way((value, metrics, grads), own(ref), own(truth), f"{case} rank {tp.rank}")
+        check_three_way((value, metrics, grads), own(ref), own(truth), f"{what} rank {tp.rank}")
         same = torch.stack([value, *metrics.values()])
         gathered = [torch.empty_like(same) for _ in range(tp.world_size)]
         torch.distributed.all_gather(gathered, same, group=tp.group)

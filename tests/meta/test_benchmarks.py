@@ -20,6 +20,7 @@ import torch
 import tplogp
 
 from benchmarks import impls, report, runner
+from tests.support import tolerances as tol
 from tplogp.tolerances import slack_bound
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -131,6 +132,67 @@ def test_op_host_cost_column_per_checks_mode(tmp_path):
         ("budgeted", "default", "full"), ("budgeted", "default, checks fast", "fast"), ("peer", "default", "full")]
     assert all("error" not in r for r in op_rows), op_rows
     assert len(seen) == 3 and all(modes and set(modes) == {r["checks"]} for modes, r in zip(seen, op_rows)), seen
+
+
+def test_policy_loss_rows():
+    """The GSPO and DAPO steps beside the plain fused cross-entropy, in process on the smallest problem (8 sequences
+    of 4 tokens) at two budgets (one chunk; chunks of 8 tokens, the sequence-level loss's two phases): each row's
+    loss and gradients against the float64 definition of its own loss, no worse than the same loss composed on the
+    bf16 logits in eager PyTorch; each tplogp row's time over the cross-entropy row's of its budget."""
+    from benchmarks import op
+
+    chosen = impls.select("tplogp-loss-native,tplogp-gspo-native,tplogp-dapo-native,torch-eager-gspo,"
+                          "torch-eager-dapo")
+    budgets = [runner.BudgetSpec("default"), runner.parse_budget_spec("chunk:8")]
+    rows = op.bench_shape((32, 16, 96), chosen, budgets, "bf16", torch.device("cpu"), reps=1, rounds=1,
+                          warm_ms=0.0, check=True)
+    by = {(r["impl"], r["budget"]): r for r in rows}
+    assert set(by) == {(i, b) for i in ("tplogp-loss-native", "tplogp-gspo-native", "tplogp-dapo-native")
+                       for b in ("default", "chunk 8")} | {("torch-eager-gspo", "default"),
+                                                           ("torch-eager-dapo", "default")}, set(by)
+    assert all("error" not in r for r in rows), [r.get("error") for r in rows]
+    for name in ("gspo", "dapo"):
+        eager = by[f"torch-eager-{name}", "default"]
+        assert eager["contract"] == impls.POLICY_LOSS and "vs_cross_entropy" not in eager, eager
+        for budget in ("default", "chunk 8"):
+            r, ce = by[f"tplogp-{name}-native", budget], by["tplogp-loss-native", budget]
+            assert r["contract"] == impls.POLICY_LOSS and "err_logp" not in r, r
+            assert r["budget_bytes"] == ce["budget_bytes"], (r, ce)  # the same budget as the row it is compared to
+            _no_worse(r, eager, ("err_loss", "err_d_hidden", "err_d_weight"))
+            for key in ("", "_b2b"):
+                assert r["vs_cross_entropy" + key] == round(r["fwd_bwd_ms" + key] / ce["fwd_bwd_ms" + key], 4), r
+            assert "x CE" in op.format_row(r) and "x CE" in report._contract_cell(r)
+            # scored against its own loss's definition (the fp32 GRPO bound; against another loss it would be O(1))
+            assert r["err_loss"] <= tol.REL_FP32_GRPO, r
+
+
+def test_policy_loss_definitions():
+    """benchmarks.policy's eager losses are TRL's GSPO and DAPO: tplogp's losses.grpo of the same recipe gives the
+    same value on the same log-probs (fp32 inputs, the eager loss on their float64 log-probs)."""
+    from benchmarks import policy
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(32, 16, generator=g), torch.randn(96, 16, generator=g) / 4
+    y = torch.randint(0, 96, (32,), generator=g)
+    inputs = policy.make_inputs(h, w, y)
+    assert inputs.layout == (8, 4) and policy.layout(30) == (1, 30)
+    logp = torch.log_softmax(h.double() @ w.double().T, -1).gather(1, y[:, None])[:, 0]
+    for name in policy.LOSSES:
+        ours = tplogp.linear_logp_loss(h.view(8, 4, 16), w, y.view(8, 4), loss=tplogp.losses.grpo(
+            **policy.LOSSES[name][0]), per_token=(inputs.advantages, inputs.old_logp), source="native")
+        eager = policy.eager_loss(name, logp.view(8, 4), inputs.advantages, inputs.old_logp)
+        assert abs(ours.item() - eager.item()) <= tol.GRPO_LOSS.atol + tol.GRPO_LOSS.rtol * abs(eager.item()), (
+            name, ours, eager)
+    sequence, token = (policy.eager_loss(name, logp.view(8, 4), inputs.advantages, inputs.old_logp)
+                       for name in ("gspo", "dapo"))
+    assert sequence.item() != token.item()
+    # a mask: positions that do not count change nothing (their log-probs set to anything)
+    mask = torch.ones(8, 4)
+    mask[::3, 2:] = 0
+    moved = torch.where(mask > 0, logp.view(8, 4), logp.view(8, 4) - 5.0)
+    for name in policy.LOSSES:
+        assert torch.equal(policy.eager_loss(name, logp.view(8, 4), inputs.advantages, inputs.old_logp, mask),
+                           policy.eager_loss(name, moved, inputs.advantages, inputs.old_logp, mask)), name
 
 
 @pytest.mark.slow
