@@ -511,7 +511,6 @@ class NativeBackend:
         need_h, need_w, need_b = needs
         need_b = need_b and bias is not None
         n, d = hidden.shape
-        v = weight.shape[0]
         dev = hidden.device
         f32 = torch.float32
         cols, tc = call.grid_columns, DETERMINISTIC_TOKEN_CHUNK

@@ -14,7 +14,6 @@ exits 1 itself.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import time
