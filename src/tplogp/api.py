@@ -195,9 +195,10 @@ def linear_logp(
         ignore_index: positions with this target get logp 0 (entropy 0, lse 0, argmax 0) and no gradient.
         deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
             other rows of the batch (costs some speed: fixed tiling, no cuBLAS ``d_hidden`` on triton / sm90).
-            ``"tp_invariant"``: that, and logp, entropy and lse with the same bits at every TP degree and for any
-            shard boundaries, ``weight.grad`` / ``bias.grad`` rows equal to the same rows at TP=1 (vocabularies
-            below 2^23; docs/operator.md, "Determinism"; under ``torch.compile`` the call runs eagerly).
+            ``"tp_invariant"``: that, and logp, entropy, lse and argmax with the same bits at every TP degree and
+            for any shard boundaries, ``weight.grad`` / ``bias.grad`` rows equal to the same rows at TP=1
+            (vocabularies below 2^23; docs/operator.md, "Determinism"; under ``torch.compile`` the call runs
+            eagerly).
         workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (tiles, plus fp32
             logits kept for the backward when above the source's default tiles; docs/operator.md, "Memory
             budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles; on triton / sm90 a call

@@ -98,9 +98,6 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
     policy = isinstance(loss, GRPOLoss)
     _check_policy_options(loss, policy, per_token, reduction, return_metrics, cu_seqlens, target_ids, with_entropy)
     offsets = None if cu_seqlens is None else check_offsets(cu_seqlens, target_ids.numel())
-    if deterministic == "tp_invariant" and isinstance(loss, TokenLoss) and "sum_z" in loss.reads:
-        raise ValueError("deterministic='tp_invariant' does not merge the sum of the logits that label smoothing "
-                         "reads: use deterministic=True with label_smoothing")
     _check_token_loss(loss, per_token, with_entropy)
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                                deterministic=deterministic, workspace_bytes=workspace_bytes,

@@ -1,7 +1,7 @@
 """The tensor-parallel-invariant level of ``deterministic`` (``deterministic="tp_invariant"``): logp, entropy and lse
 with the same bits at every TP degree and for any shard boundaries.
 
-Three pieces, used by :mod:`tplogp.tp` (and the fused loss), each independent of the rank count:
+Its pieces, used by :mod:`tplogp.tp` (and the fused loss), each independent of the rank count:
 
 * **The grid.** The vocabulary is cut into blocks of ``B`` columns aligned to id 0 (``B``: the source's
   ``grid_columns``, a constant of the source, device and dtype, never of a shard). Every logit is computed by the
@@ -14,16 +14,28 @@ Three pieces, used by :mod:`tplogp.tp` (and the fused loss), each independent of
   ``[start_k, lo_k)`` in one ``all_gather`` per call, weight and bias rows packed together; in the backward the
   ``d_W`` / ``d_b`` rows computed for foreign rows go back to their owners in one ``all_gather`` as well. The
   shard boundaries travel first, in one small ``all_gather`` over a CPU group (nothing waits for a device).
-* **The exact merge** (:func:`merge_blocks`). The global row max ``M`` is an all-reduce MAX (exact in any order).
-  Each block's share ``s_b exp(m_b - M)`` (and the entropy's ``exp(m_b - M)(q_b + s_b (m_b - M))``) is rounded to
-  fixed point with ``FIXED_POINT_BITS`` fraction bits as an int64, summed in int64 (associative: exact in any
-  order and grouping) and all-reduced with SUM, then converted back: the same bits for any rank count. The target
-  logit travels as its fp32 bit pattern in the same int64 all-reduce (one rank holds it, the others add 0).
+* **The exact merge** (:func:`merge_blocks`). The global row max ``M`` is an int64 all-reduce MAX of a key made of
+  the max's fp32 bits (ordered like the floats; exact in any order). Each block's share ``s_b exp(m_b - M)`` (and
+  the entropy's ``exp(m_b - M)(q_b + s_b (m_b - M))``) is rounded to fixed point with ``FIXED_POINT_BITS`` fraction
+  bits as an int64, summed in int64 (associative: exact in any order and grouping) and all-reduced with SUM, then
+  converted back: the same bits for any rank count. The target logit travels as its fp32 bit pattern in the same
+  int64 all-reduce (one rank holds it, the others add 0).
+* **The argmax** (``return_argmax``). The max's key carries ``2^32 - 1 - id`` in its low 32 bits (``id``: the global
+  id of the lowest column of a block's max): the MAX all-reduce gives the global max and, among the blocks and
+  ranks that reach it, the lowest id. Exact, in the same collective.
+* **The sum of z** (label smoothing). Each block's ``sum z`` is an fp32 sum in a fixed order within the block. The
+  MAX all-reduce also takes each row's largest ``|block sum|``, ``R`` (its bits), so every rank agrees on a
+  per-row scale: with ``R < 2^e`` and the vocabulary's ``ceil(V / B) <= 2^c`` blocks, each block sum is rounded to
+  an int64 with ``k = 62 - c - e`` fraction bits (:func:`fixed_point_shift`), so the sum stays below ``2^62``; the
+  int64s join the SUM all-reduce and come back through float64 to fp32.
 
 Bounds. A block's share lies in ``[0, B]`` and the entropy share in ``[-B/e, 0]``, so the int64 sums stay below
 ``V 2^FIXED_POINT_BITS``: the vocabulary must be below ``MAX_VOCAB = 2^23``. Each share is rounded once, by at most
 ``2^-(FIXED_POINT_BITS + 1)``; the sum of exp is at least 1 (the block holding the max adds ``s_b >= 1``), so its
-relative error from the rounding is at most ``(V / B) 2^-41``, below fp32's ``2^-24`` for ``V / B < 2^17``.
+relative error from the rounding is at most ``(V / B) 2^-41``, below fp32's ``2^-24`` for ``V / B < 2^17``. The sum
+of z: each of the ``ceil(V / B)`` block sums is rounded by at most ``2^-(k+1)``, in all at most
+``2^(2c + e - 63) <= R 2^(2c - 62)``, ``R 2^-28`` for ``V / B < 2^17`` (``c <= 17``): under a sixteenth of an fp32
+ulp of the largest block sum, before the result's one rounding to fp32. A row with a non-finite logit gets NaN.
 """
 
 from __future__ import annotations
@@ -72,36 +84,84 @@ def from_fixed(i: torch.Tensor) -> torch.Tensor:
     return (i.to(torch.float64) / _SCALE).to(torch.float32)
 
 
-def merge_blocks(blocks, owned: torch.Tensor, group, comm_device: torch.device, world_size: int,
-                 with_entropy: bool):
+def _ordered(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 bit patterns (int32) -> int32 in the order of the floats (negative ones' magnitude bits flipped); its own
+    inverse."""
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+_LOW = 1 << 32  # a max key: ordered(max) * 2^32 + (2^32 - 1 - the max's global id)
+
+
+def _max_keys(m: torch.Tensor, ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """int64 keys of per-block maxima ``m`` ``[blocks, N]`` (and their global ids): ordered like ``(max, -id)``, so
+    the largest key holds the largest max and, among equal maxima, the lowest id. ``-0.0`` counts as ``+0.0``."""
+    key = _ordered((m + 0.0).view(torch.int32)).to(torch.int64) * _LOW
+    return key + (_LOW - 1 - ids) if ids is not None else key
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """``2^k`` as float64, exactly (built from its bits), for int64 ``k`` in ``[-1022, 1023]``."""
+    return ((k + 1023) << 52).view(torch.float64)
+
+
+def fixed_point_shift(bound: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """Per row, the fraction bits ``k`` of the sum of z's fixed point (module docstring): ``62 - c - e`` with
+    ``bound < 2^e`` (``bound``: the row's largest ``|block sum|`` over every block, fp32) and ``n_blocks <= 2^c``
+    (the vocabulary's block count), so ``n_blocks`` shares below ``2^(62 - c)`` each sum below ``2^62``."""
+    c = (n_blocks - 1).bit_length()
+    e = torch.frexp(bound)[1].to(torch.int64)  # bound = mantissa 2^e, mantissa in [0.5, 1) (e = 0 for 0)
+    return 62 - c - e
+
+
+def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bool, with_sum_z: bool = False,
+                 with_argmax: bool = False):
     """The exact cross-block, cross-rank merge (module docstring) of one rank's
     :class:`~tplogp.backends.base.BlockStats`; ``owned``: ``[N]`` bool, the rows whose target this rank's blocks
-    hold.
+    hold; ``regrid``: the rank's :class:`Regrid` (group, blocks' first global id, vocabulary). Two collectives with
+    a group: an int64 all-reduce MAX, then an int64 all-reduce SUM.
 
     Returns:
-        ``(M, log S, target logit - M, owner count, E_p[z] - M or None)``, fp32 ``[N]`` (count int64), the same
-        bits on every rank and for every rank count.
+        ``(M, log S, target logit - M, owner count, E_p[z] - M or None, sum_z or None, argmax or None)``, fp32
+        ``[N]`` (count int64; argmax: global ids as fp32), the same bits on every rank and for every rank count.
     """
     m, s = blocks.block_max, blocks.block_sum  # [blocks, N]
     n = m.shape[1]
-    if m.shape[0]:
-        big_m = m.amax(0)
-    else:  # a rank whose shard starts no block
-        big_m = torch.full((n,), float("-inf"), device=m.device, dtype=torch.float32)
+    group, world_size = regrid.group, len(regrid.bounds)
+    ids = None
+    if with_argmax:  # global ids (the grid rows start at lo)
+        ids = blocks.block_argmax.to(torch.int64) + regrid.lo
+    # the MAX all-reduce: the max's key (with the argmax: the lowest id of the global max) and, for the sum of z,
+    # the largest |block sum| (non-negative floats order like their bits)
+    rows = [_max_keys(m, ids).amax(0) if m.shape[0] else torch.full((n,), torch.iinfo(torch.int64).min,
+                                                                      device=m.device, dtype=torch.int64)]
+    if with_sum_z:
+        bound = (blocks.block_sum_z.abs().amax(0) if m.shape[0]
+                 else torch.zeros(n, device=m.device, dtype=torch.float32))
+        rows.append(bound.view(torch.int32).to(torch.int64))
+    top = torch.stack(rows)
     if world_size > 1:
-        buf = big_m.to(comm_device)
+        buf = top.to(regrid.comm_device)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-        big_m = buf.to(m.device)
+        top = buf.to(m.device)
+    big_m = _ordered(torch.div(top[0], _LOW, rounding_mode="floor").to(torch.int32)).view(torch.float32)
     scale = torch.exp(m - big_m.unsqueeze(0))  # exp(m_b - M) <= 1
     cols = [to_fixed(s * scale).sum(0)]
     if with_entropy:
         shift = torch.where(s > 0, s * (m - big_m.unsqueeze(0)), torch.zeros_like(s))
         cols.append(to_fixed(scale * (blocks.block_sez + shift)).sum(0))
+    if with_sum_z:
+        bound = top[1].to(torch.int32).view(torch.float32)
+        shift_bits = fixed_point_shift(bound, -(-regrid.vocab // regrid.columns))
+        finite = torch.isfinite(bound)
+        shift_bits = torch.where(finite, shift_bits, 0)
+        shares = blocks.block_sum_z.to(torch.float64) * _pow2(shift_bits)  # exact: a power of 2, 24-bit shares
+        cols.append(torch.where(finite, shares, 0.0).round().to(torch.int64).sum(0))
     cols.append(blocks.target_logit.view(torch.int32).to(torch.int64))  # its bits; 0 where not owned here
     cols.append(owned.to(torch.int64))
-    packed = torch.stack(cols)  # [2 or 3, N] int64
+    packed = torch.stack(cols)  # [3 to 5, N] int64
     if world_size > 1:
-        buf = packed.to(comm_device)
+        buf = packed.to(regrid.comm_device)
         dist.all_reduce(buf, group=group)  # int64 sums: exact, any order
         packed = buf.to(m.device)
     total = from_fixed(packed[0])
@@ -109,7 +169,14 @@ def merge_blocks(blocks, owned: torch.Tensor, group, comm_device: torch.device, 
     target = packed[-2].to(torch.int32).view(torch.float32)
     count = packed[-1]
     mean_rel = from_fixed(packed[1]) / total if with_entropy else None
-    return big_m, log_sum, target - big_m, count, mean_rel
+    sum_z = None
+    if with_sum_z:  # a row with a non-finite logit gets NaN
+        exact = (packed[-3].to(torch.float64) * _pow2(-shift_bits)).to(torch.float32)
+        sum_z = torch.where(finite, exact, float("nan"))
+    argmax = None
+    if with_argmax:
+        argmax = (_LOW - 1 - top[0] % _LOW).to(torch.float32)
+    return big_m, log_sum, target - big_m, count, mean_rel, sum_z, argmax
 
 
 # ---- the re-shard -------------------------------------------------------------------------------------------------
@@ -261,4 +328,4 @@ def regrid_rows(regrid: Regrid, weight: torch.Tensor, bias: Optional[torch.Tenso
 
 
 __all__ = ["LEVEL", "FIXED_POINT_BITS", "MAX_VOCAB", "grid_range", "head_rows", "to_fixed",
-           "from_fixed", "merge_blocks", "shard_bounds", "Regrid", "RegridRows", "regrid_rows"]
+           "from_fixed", "fixed_point_shift", "merge_blocks", "shard_bounds", "Regrid", "RegridRows", "regrid_rows"]

@@ -155,11 +155,11 @@ def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     be, call = tpc.backend, tpc.call
     if tpc.regrid is not None:  # per-block stats, merged exactly (the same bits for every rank count)
         blocks = be.forward_blocks(hidden, weight, bias, local_target, call)
-        row_max, log_sum, target_rel, count, mean_rel = invariant.merge_blocks(
-            blocks, local_target >= 0, tpc.group, tpc.comm_device, tpc.world_size, call.with_entropy)
+        row_max, log_sum, target_rel, count, mean_rel, sum_z, argmax = invariant.merge_blocks(
+            blocks, local_target >= 0, tpc.regrid, call.with_entropy, call.with_sum_z, call.with_argmax)
         logp = torch.where(count == 1, target_rel - log_sum, float("nan"))
         entropy = None if mean_rel is None else log_sum - mean_rel
-        return (logp, entropy, row_max + log_sum, None, None), (row_max, log_sum, mean_rel, None)
+        return (logp, entropy, row_max + log_sum, argmax, sum_z), (row_max, log_sum, mean_rel, None)
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         check = tpc.target_check
         if check is None:

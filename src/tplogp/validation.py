@@ -126,9 +126,6 @@ def local_problem(
                 f"exactly in its fp32 statistics), got a weight of {weight.shape[0]} rows")
     if not (isinstance(deterministic, bool) or deterministic == invariant.LEVEL):
         return f"deterministic must be True, False or {invariant.LEVEL!r}, got {deterministic!r}"
-    if deterministic == invariant.LEVEL and (softcap is not None or return_argmax):
-        return (f"deterministic={invariant.LEVEL!r} does not take "
-                f"{'softcap' if softcap is not None else 'return_argmax=True'} yet: use deterministic=True with it")
     if deterministic == invariant.LEVEL and max(vocab_start_index + weight.shape[0],
                                                      global_vocab_size or 0) >= invariant.MAX_VOCAB:
         return (f"deterministic={invariant.LEVEL!r} sums in fixed point with {invariant.FIXED_POINT_BITS} fraction "

@@ -48,7 +48,8 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     device and dtype). ``forward_blocks`` takes a shard whose first column starts a grid block (only the last
     block may be cut, by the vocabulary's end) and returns :class:`BlockStats`, one column per block, each
     computed by the same arithmetic wherever the block sits: tiles aligned to the grid, a tile config that does not
-    depend on the shard's size, no split-K. Nothing is kept for the backward; ``backward`` with
+    depend on the shard's size, no split-K (the softcap applied; with ``with_sum_z`` / ``with_argmax`` also each
+    block's sum of z and the lowest column of its max). Nothing is kept for the backward; ``backward`` with
     ``ShardCall.grid_columns`` set runs fixed-shape GEMMs for ``d_W`` and fixed-order sums for ``d_b``.
 
 ``forward_single`` (optional)
@@ -103,6 +104,9 @@ class BlockStats(NamedTuple):
     block_sum: torch.Tensor  # sum exp(z - block_max)
     target_logit: torch.Tensor  # [N] z[local_target] from the fp32 accumulator, 0 where no block holds it
     block_sez: Optional[torch.Tensor]  # sum exp(z - block_max)(z - block_max) (only with_entropy)
+    block_sum_z: Optional[torch.Tensor] = None  # sum of the block's z, in a fixed order within the block (with_sum_z)
+    # the lowest column of the block's max, relative to the shard's first column (with_argmax; exact in fp32)
+    block_argmax: Optional[torch.Tensor] = None
 
 
 class ShardStats(NamedTuple):

@@ -340,19 +340,26 @@ class NativeBackend:
         block_max = torch.empty(n_blocks, n, device=dev, dtype=f32)
         block_sum = torch.empty(n_blocks, n, device=dev, dtype=f32)
         block_sez = torch.empty(n_blocks, n, device=dev, dtype=f32) if call.with_entropy else None
+        block_sum_z = torch.empty(n_blocks, n, device=dev, dtype=f32) if call.with_sum_z else None
+        block_argmax = torch.empty(n_blocks, n, device=dev, dtype=f32) if call.with_argmax else None
         target_logit = torch.zeros(n, device=dev, dtype=f32)
         if n == 0 or n_blocks == 0:
-            return BlockStats(block_max, block_sum, target_logit, block_sez)
+            return BlockStats(block_max, block_sum, target_logit, block_sez, block_sum_z, block_argmax)
         for i, (v0, v1, w_blk, b_blk) in enumerate(_grid_blocks(weight, bias, cols)):
             for t0 in range(0, n, tc):
                 t1 = min(t0 + tc, n)
-                z = _logits_tile(_pad_rows(hidden[t0:t1], tc), w_blk, b_blk, call.inv_temperature)  # [tc, B]
+                z = _logits_tile(_pad_rows(hidden[t0:t1], tc), w_blk, b_blk, call.inv_temperature,
+                                 softcap=call.softcap)  # [tc, B]
                 rel = local_target[t0:t1] - v0
                 own = (rel >= 0) & (rel < v1 - v0)
                 picked = z[: t1 - t0].gather(1, rel.clamp(0, cols - 1).unsqueeze(1)).squeeze(1)
                 target_logit[t0:t1] = torch.where(own, picked, target_logit[t0:t1])
+                if block_sum_z is not None:  # one [tc, B] reduction (padding columns: zero weight and bias, z = 0)
+                    block_sum_z[i, t0:t1] = z.sum(1)[: t1 - t0]
                 if v1 - v0 < cols:  # the vocabulary's last block: its padding is no column
                     z[:, v1 - v0:] = float("-inf")
+                if block_argmax is not None:  # torch.argmax: the first (lowest) column of the max
+                    block_argmax[i, t0:t1] = z.argmax(1)[: t1 - t0].to(f32) + v0
                 m = z.amax(1)
                 z -= m.unsqueeze(1)  # z - m_b (-inf on padding)
                 e = torch.exp(z)
@@ -362,7 +369,7 @@ class NativeBackend:
                     if v1 - v0 < cols:
                         z[:, v1 - v0:] = 0.0  # e = 0 there: no -inf * 0
                     block_sez[i, t0:t1] = z.mul_(e).sum(1)[: t1 - t0]
-        return BlockStats(block_max, block_sum, target_logit, block_sez)
+        return BlockStats(block_max, block_sum, target_logit, block_sez, block_sum_z, block_argmax)
 
     @staticmethod
     def transient_bytes(device: torch.device) -> int:
@@ -390,7 +397,8 @@ class NativeBackend:
                  kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
         if call.grid_columns:
             return self._backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                                         grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, accumulate)
+                                         grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, accumulate,
+                                         grad_sum_z)
         if accumulate is None and kept is None and _one_tile(hidden, weight, call):
             return _backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
                                       grad_lse, mean_z, call, needs, d_hidden_ready, grad_sum_z)
@@ -504,10 +512,12 @@ class NativeBackend:
                 d_weight[v0:v1] = acc  # rounded once to the weight dtype
 
     def _backward_blocks(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                         grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready=None, accumulate=None) -> ShardGrads:
+                         grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready=None, accumulate=None,
+                         grad_sum_z=None) -> ShardGrads:
         """The invariant level's backward: grid blocks outer, deterministic token chunks inner, every GEMM
         ``[chunk, B]``-shaped; a block's d_W / d_b rows are summed over the chunks in an fp32 ``[B, D]`` / ``[B]``
-        buffer and written (or added to ``accumulate``) once."""
+        buffer and written (or added to ``accumulate``) once. ``dz`` as in :meth:`_backward_tiles` (the one-hot,
+        ``grad_sum_z``, the temperature, the softcap's slope), elementwise on one tile shape."""
         need_h, need_w, need_b = needs
         need_b = need_b and bias is not None
         n, d = hidden.shape
@@ -520,14 +530,15 @@ class NativeBackend:
         d_bias = (db_acc if db_acc is not None else torch.empty_like(bias)) if need_b else None
         gemm_dtype = weight.dtype if dev.type == "cuda" else f32
         chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
-                                    local_target, t0, min(t0 + tc, n), tc) for t0 in range(0, n, tc)]
+                                    local_target, t0, min(t0 + tc, n), tc, grad_sum_z) for t0 in range(0, n, tc)]
         h_gemm = [ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype) for ch in chunks]
         for v0, v1, w_blk, b_blk in _grid_blocks(weight, bias, cols):
             w_g = w_blk if w_blk.dtype == gemm_dtype else w_blk.to(gemm_dtype)
             acc_w = torch.zeros(cols, d, device=dev, dtype=f32) if need_w else None
             acc_b = torch.zeros(cols, device=dev, dtype=f32) if need_b else None
             for ch, h_g in zip(chunks, h_gemm):
-                z = _logits_tile(ch.h, w_blk, b_blk, call.inv_temperature)
+                slopes = [] if call.softcap is not None else None  # the softcap's d cap / d y
+                z = _logits_tile(ch.h, w_blk, b_blk, call.inv_temperature, softcap=call.softcap, slope=slopes)
                 z -= ch.m.unsqueeze(1)
                 if ch.ge is not None:
                     p = torch.exp(z - ch.ls.unsqueeze(1))
@@ -539,10 +550,14 @@ class NativeBackend:
                 own = (rel >= 0) & (rel < v1 - v0)
                 dz.scatter_add_(1, rel.clamp(0, cols - 1).unsqueeze(1),
                                 torch.where(own, ch.g, torch.zeros_like(ch.g)).unsqueeze(1))
+                if ch.gsz is not None:  # + grad_sum_z: d(sum_v z)/dz_v = 1
+                    dz += ch.gsz.unsqueeze(1)
                 if v1 - v0 < cols:  # padding columns: no gradient anywhere
                     dz[:, v1 - v0:] = 0.0
                 if call.inv_temperature != 1.0:
                     dz *= call.inv_temperature
+                if slopes:
+                    dz *= slopes.pop()
                 if acc_b is not None:
                     acc_b += dz.sum(0)
                 dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)

@@ -273,10 +273,12 @@ class TritonBackend:
         lay = self._launch_layout(hidden, weight, call)
         if lay.cfg.split_v != call.grid_columns:
             raise AssertionError(f"grid of {call.grid_columns} columns, splits of {lay.cfg.split_v}")
-        parts = programs.forward_blocks(hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy,
-                                        lay.cfg, tma=self._uses_tma(hidden, weight, call))
+        block_max, block_sum, target, sez, sum_z, argmax = programs.forward_blocks(
+            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, lay.cfg,
+            tma=self._uses_tma(hidden, weight, call), softcap=call.softcap, with_sum_z=call.with_sum_z,
+            with_argmax=call.with_argmax)
         # one split holds a row's target (the others add exact zeros)
-        return BlockStats(parts[0], parts[1], parts[2].sum(0), parts[3] if call.with_entropy else None)
+        return BlockStats(block_max, block_sum, target.sum(0), sez, sum_z, argmax)
 
     # forward_single takes ``target_flag``: its finishing kernel checks the targets
     # (tplogp.kernel_target_check.KernelTargetCheck)
@@ -360,7 +362,8 @@ class TritonBackend:
                 hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
                 inv_temperature=call.inv_temperature, columns=call.grid_columns,
                 workspace_bytes=lay.transient_bytes, needs=tuple(needs), cfg=lay.cfg,
-                tma=self._uses_tma(hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate))
+                tma=self._uses_tma(hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
+                softcap=call.softcap, grad_sum_z=grad_sum_z))
         d_hidden, d_weight, d_bias = programs.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,

@@ -265,25 +265,29 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 
 def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    local_target: torch.Tensor, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                   tma: bool = False) -> torch.Tensor:
-    """The per-split stats ``[3 or 4, S, N]`` of a shard (row max, sum of exp, target logit, and with entropy the
-    sum of exp * (z - max)), unmerged: one launch of the stats kernel. The splits are ``cfg.split_v`` columns from
-    the shard's first column, so for a grid-aligned shard they are the blocks of the tensor-parallel-invariant grid
-    (:mod:`tplogp.invariant`), each computed by the same tiles wherever it sits."""
+                   tma: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
+                   with_argmax: bool = False) -> tuple:
+    """The per-split stats of a shard, unmerged: ``(row max, sum of exp, target logit, sum of exp * (z - max) |
+    None, sum of z | None, lowest column of the max | None)``, each ``[S, N]`` fp32 (the last three with
+    ``with_entropy``, ``with_sum_z``, ``with_argmax``; the column relative to the shard's first); one launch of the
+    stats kernel (``softcap``: the forward's). The splits are ``cfg.split_v`` columns from the shard's first column,
+    so for a grid-aligned shard they are the blocks of the tensor-parallel-invariant grid (:mod:`tplogp.invariant`),
+    each computed by the same tiles wherever it sits."""
     n, d = hidden.shape
     v = weight.shape[0]
-    parts = torch.empty((_stats_rows(with_entropy), cdiv(v, cfg.split_v), n), device=hidden.device,
+    extras = (with_sum_z, with_argmax)
+    parts = torch.empty((_stats_rows(with_entropy, *extras), cdiv(v, cfg.split_v), n), device=hidden.device,
                         dtype=torch.float32)
-    if n == 0 or v == 0:
-        return parts
-    tma = tma and tma_ok(hidden, weight)
-    if tma:
-        ensure_context(hidden.device)
-    local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
-    launch = cached(stats_launch, n, v, d, hidden.stride(0), weight.stride(0), bias is not None, with_entropy,
-                    float(inv_temperature), cfg, dot_precision(hidden.dtype), None, tma)
-    launch(hidden, weight, hidden if bias is None else bias, local_target, parts, parts, parts)
-    return parts
+    if n and v:
+        tma = tma and tma_ok(hidden, weight)
+        if tma:
+            ensure_context(hidden.device)
+        local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
+        launch = cached(stats_launch, n, v, d, hidden.stride(0), weight.stride(0), bias is not None, with_entropy,
+                        float(inv_temperature), cfg, dot_precision(hidden.dtype), None, tma, False, softcap,
+                        *extras)
+        launch(hidden, weight, hidden if bias is None else bias, local_target, parts, parts, parts)
+    return _stats_outputs(parts, with_entropy, *extras)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -409,9 +413,11 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
                      mean_z: Optional[torch.Tensor], inv_temperature: float, columns: int, workspace_bytes: int,
                      needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False,
                      d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
-                     accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None):
+                     accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+                     softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
     """:func:`backward` of the tensor-parallel-invariant level (:mod:`tplogp.invariant`) for a grid-aligned shard:
-    a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size.
+    a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size (``softcap``, ``grad_sum_z``: as in
+    :func:`backward`).
 
     d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept); ``d_W`` is one
     ``[columns, N] x [N, D]`` GEMM per grid block, its d_logits block copied into one ``[N, columns]`` buffer (the
@@ -434,6 +440,9 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     row_max, log_sum = f32_contiguous(row_max), f32_contiguous(log_sum)
     g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
+    options = {name: value for name, value in (("softcap", softcap),
+                                               ("gsz", None if grad_sum_z is None else f32_contiguous(grad_sum_z)))
+               if value is not None}  # (the d_logits launcher's optional epilogue steps)
     chunk = max(columns, plan_chunk(n, v, weight.element_size(), workspace_bytes) // columns * columns)
     bounds = [(lo, min(lo + chunk, v)) for lo in range(0, v, chunk)]
     dbp = torch.empty((cdiv(n, cfg.bwd_block_n), v), device=dev, dtype=f32) if need_db else g
@@ -446,7 +455,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     for i_chunk, (v_lo, v_hi) in enumerate(bounds):
         dz = ws[:, : v_hi - v_lo]
         launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
-                       float(inv_temperature), grad_entropy is not None, need_db, cfg, precision, tma)
+                       float(inv_temperature), grad_entropy is not None, need_db, cfg, precision, tma, **options)
         if d_hidden is not None:
             _dh_gemm(dz, weight[v_lo:v_hi], d_hidden, i_chunk, True, cfg, precision)
             if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
