@@ -84,6 +84,9 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
         sig = dict(p_dz=f"*{dt}", p_w=f"*{dt}", p_dh="*fp32", N="i32", K="i32", D="i32", stride_dz="i32",
                    stride_wv="i32", stride_dh="i32")
         const = dict(ACCUMULATE=True, BLOCK_N=m, BLOCK_D=n, BLOCK_K=k, GROUP_N=8, DOT_PRECISION=precision)
+    # the model options (softcap, the sum of the logits, argmax) off: their scalars and pointer typed, flags False
+    sig = {"softcap": "fp32", "cap_temp": "fp32", "p_gsz": "*fp32", **sig}
+    const.update({flag: False for flag in ("SOFTCAP", "WITH_SUM_Z", "WITH_ARGMAX") if flag in fn.arg_names})
     full = {name: ("constexpr" if name in const else sig[name]) for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if full[name].startswith("*") or full[name] == "i32"}
