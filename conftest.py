@@ -16,3 +16,9 @@ pytest_plugins = ["pytest_tplogp", "pytest_tplogp.lmhead"]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# xdist workers share the cores: cores // workers torch threads each (torch's default, one per core, would have the
+# workers' OpenMP threads contend with each other and with the TP ranks, which the plugin already sizes the same way)
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
