@@ -109,9 +109,10 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
 
 def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
                  out: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
-                 slope: Optional[list] = None) -> torch.Tensor:
+                 slope: Optional[list] = None, tanh_max: Optional[list] = None) -> torch.Tensor:
     """``cap(h @ w^T + b) * inv_t`` in fp32, ``cap(y) = softcap * tanh(y / softcap)`` (identity without one).
-    ``slope`` (a list, with a softcap): gets ``d cap / d y = 1 - tanh^2`` from the tanh itself appended."""
+    With a softcap, ``slope`` (a list) gets ``d cap / d y = 1 - tanh^2`` from the tanh itself appended, and
+    ``tanh_max`` (a list) the rows' largest tanh."""
     if out is None:
         z = fp32_gemm.mm(h, w.t())
     else:
@@ -123,17 +124,32 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
         z.div_(softcap).tanh_()
         if slope is not None:
             slope.append(z.square().neg_().add_(1.0))
-        z.mul_(softcap)
+        if tanh_max is not None:
+            tanh_max.append(z.amax(1))
+        return _capped(z, softcap, inv_t)
     if inv_t != 1.0:
         z *= inv_t
     return z
 
 
-def _softcap_slope(z: torch.Tensor, call: ShardCall) -> torch.Tensor:
-    """``d cap / d y = 1 - tanh^2(y / softcap)`` of kept logits ``z = cap(y) * inv_t`` (absolute, not relative to
-    a max): ``tanh(y / softcap) = z / (softcap * inv_t)``."""
-    t = z * (1.0 / (call.softcap * call.inv_temperature))
-    return t.mul_(t).neg_().add_(1.0)
+def _capped(t: torch.Tensor, softcap: float, inv_t: float) -> torch.Tensor:
+    """``z = softcap * t * inv_t`` from ``t = tanh(y / softcap)``, in place: the two roundings of every softcapped
+    logit, so the running max of the tanh kept with softcapped terms gives the running max of ``z`` bit for bit."""
+    t.mul_(softcap)
+    if inv_t != 1.0:
+        t *= inv_t
+    return t
+
+
+def _softcap_slope(terms: torch.Tensor, tanh_max: torch.Tensor, call: ShardCall) -> torch.Tensor:
+    """``d cap / d y = (1 - t)(1 + t)`` of a kept tile, ``t = tanh(y / softcap) = t_m + log(e) / (softcap inv_t)``
+    from its terms ``e = exp(z - m)`` and the running max ``t_m`` of the tanh kept as their scale (``e`` clamped to
+    2^-126 first, as in :func:`_dz_from_kept`). Where the cap saturates, ``1 - t`` is a few ulp of 1: the max's own
+    tanh (``e = 1``, ``t = t_m`` exactly) keeps them all, where ``z / (softcap inv_t)`` (two roundings after the tanh)
+    is an ulp or two off, often past 1. ``t`` is clamped to ``[-1, 1]``: a term far below the max may step past -1."""
+    t = terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_()
+    t.mul_(1.0 / (call.softcap * call.inv_temperature)).add_(tanh_max.unsqueeze(1)).clamp_(-1.0, 1.0)
+    return torch.sub(1.0, t).mul_(t.add_(1.0))
 
 
 _TINY = torch.finfo(torch.float32).tiny  # 2^-126: a flushed kept term's log stays finite (its p is 0)
@@ -150,12 +166,6 @@ def _dz_from_kept(terms: torch.Tensor, scales: torch.Tensor, ch: "_TokenChunk") 
         return p.mul_(ch.c0.unsqueeze(1)).neg_()
     zr = terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_().add_(shift.unsqueeze(1))
     return zr.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
-
-
-def _kept_logits(terms: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The absolute logits ``z = log(e) + m`` of a kept tile (``e`` clamped to 2^-126 first: a flushed term, whose p
-    is 0, gives a finite z at most 87 below the row's running max)."""
-    return terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_().add_(scales.unsqueeze(1))
 
 
 def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, rows_per_block: int) -> None:
@@ -259,6 +269,8 @@ class NativeBackend:
         if call.for_backward and n_kept:  # zeroed: the tiles' padding bytes are defined too
             kept = torch.zeros(kept_words, device=dev, dtype=torch.float32)
         kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, kept_dtype(weight.dtype))
+        # with a softcap the kept scale is the running max of the tanh (see _softcap_slope), not of z
+        tanh_scale = call.softcap is not None and bool(kept_views)
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             h = hidden[t0:t1]
@@ -266,6 +278,7 @@ class NativeBackend:
                 h = _pad_rows(h, tc)
             lt = local_target[t0:t1]
             m = torch.full((h.shape[0],), float("-inf"), device=dev, dtype=torch.float32)
+            mt = m.clone() if tanh_scale else None  # running max of tanh(y / softcap): m = _capped(mt) bit for bit
             s = torch.zeros_like(m)
             q = torch.zeros_like(m) if call.with_entropy else None
             tl = torch.zeros(t1 - t0, device=dev, dtype=torch.float32)
@@ -274,8 +287,11 @@ class NativeBackend:
             for v0 in range(0, v, vc):
                 v1 = min(v0 + vc, v)
                 keep = kept_views.get((t0, v0))  # its terms exp(z - m') and scales m' are kept
+                tile_tanh_max = [] if mt is not None else None
                 z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature,
-                                 softcap=call.softcap)
+                                 softcap=call.softcap, tanh_max=tile_tanh_max)
+                if mt is not None:
+                    mt = torch.maximum(mt, tile_tanh_max[0])
                 rel = lt - v0
                 own = (rel >= 0) & (rel < v1 - v0)
                 picked = z[: t1 - t0].gather(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
@@ -296,7 +312,7 @@ class NativeBackend:
                     e = z.exp_()  # in place: the tile is not needed any more
                 if keep is not None:  # the terms, rounded once to the kept dtype, and the running max they follow
                     keep[0].copy_(e)
-                    keep[1].copy_(m_new)
+                    keep[1].copy_(m_new if mt is None else mt)
                 s = s * alpha + e.sum(1)
                 m = m_new
                 del z, e
@@ -469,9 +485,11 @@ class NativeBackend:
                 keep = kept_views.get((t0, v0))
                 slope = None  # the softcap's d cap / d y
                 if keep is not None:  # the forward kept the tile's terms: no GEMM
-                    dz = _dz_from_kept(keep[0], keep[1], ch)
-                    if call.softcap is not None:  # z = log(e) + m
-                        slope = _softcap_slope(_kept_logits(keep[0], keep[1]), call)
+                    terms, scales = keep
+                    if call.softcap is not None:  # the scales are the running max of the tanh
+                        slope = _softcap_slope(terms, scales, call)
+                        scales = _capped(scales.clone(), call.softcap, call.inv_temperature)
+                    dz = _dz_from_kept(terms, scales, ch)
                 else:  # recompute the tile
                     slopes = [] if call.softcap is not None else None
                     z = _logits_tile(ch.h, w, None if bias is None else bias[v0:v1], call.inv_temperature,

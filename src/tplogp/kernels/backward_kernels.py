@@ -17,8 +17,8 @@ workspace (weight dtype) fits the byte budget. Per chunk:
    then rounds ``d_logits`` once to the weight dtype into the workspace; with a bias it also writes the fp32
    column sums of the tile (per token block) so ``d_bias`` is summed in fp32 without atomics. Over the columns
    whose softmax terms the forward kept (a ``workspace_bytes`` above the default: ``exp(z - m)`` in 16 bits with an
-   fp32 running max ``m`` per row and forward tile), :func:`bwd_dlogits_kept_kernel` forms ``p`` from them instead of
-   recomputing the tile, and runs the same finish.
+   fp32 running max ``m`` per row and forward tile, with a softcap that of the tanh), :func:`bwd_dlogits_kept_kernel`
+   forms ``p`` (and the softcap's slope) from them instead of recomputing the tile, and runs the same finish.
 2. GEMMs with fp32 accumulation consume the workspace: ``d_hidden += d_logits @ W[chunk]`` (fp32 accumulator) and
    ``d_W[chunk] = d_logits^T @ hidden`` (one GEMM over all N, so d_W needs no cross-chunk accumulator). By default
    cuBLAS does both; in deterministic mode :func:`dh_accum_kernel` does ``d_hidden`` with a fixed tiling that
@@ -74,7 +74,7 @@ def bwd_dlogits_kept_kernel(
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only NEED_DB)
     N, v_lo, v_hi,
     stride_kept, stride_scale, stride_dz, stride_dbp,
-    inv_temp, cap_temp,  # cap_temp = softcap * inv_temp: only SOFTCAP
+    inv_temp, softcap,  # softcap: only SOFTCAP
     NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
@@ -94,15 +94,15 @@ def bwd_dlogits_kept_kernel(
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
     if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
         b_p, b_zr, b_slope = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0,
-                                                v_hi, b_rmax, b_lsum2, WITH_ENTROPY, True, BLOCK_N, BLOCK_V, cap_temp,
-                                                SOFTCAP)
+                                                v_hi, b_rmax, b_lsum2, WITH_ENTROPY, True, BLOCK_N, BLOCK_V, inv_temp,
+                                                softcap, SOFTCAP)
         dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
                        stride_dz, stride_dbp, inv_temp, True, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope,
                        p_gsz, SOFTCAP, WITH_SUM_Z)
     else:
         b_p, b_zr, b_slope = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0,
                                                 v_hi, b_rmax, b_lsum2, WITH_ENTROPY, False, BLOCK_N, BLOCK_V,
-                                                cap_temp, SOFTCAP)
+                                                inv_temp, softcap, SOFTCAP)
         dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
                        stride_dz, stride_dbp, inv_temp, False, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope,
                        p_gsz, SOFTCAP, WITH_SUM_Z)

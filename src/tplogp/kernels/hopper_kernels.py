@@ -73,7 +73,7 @@ def fwd_stats_tma_kernel(
             acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, p_kept,
             p_scale, stride_kept, stride_scale, v_keep, inv_temp, True, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION,
             BLOCK_N, BLOCK_V, KEEP_TMA, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
-    b_max, b_tl, b_sez, b_sz = natural_units(b_max, b_tl, b_sez, b_sz, inv_temp)
+    b_max, b_tl, b_sez, b_sz = natural_units(b_max, b_tl, b_sez, b_sz, inv_temp, softcap, SOFTCAP)
     store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY, b_sz, b_am,
                 WITH_SUM_Z, WITH_ARGMAX)
 

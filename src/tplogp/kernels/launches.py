@@ -102,11 +102,11 @@ def dlogits_kept_launch(n: int, v_lo: int, v_hi: int, stride_kept: int, stride_s
     """d_logits from the kept terms over the columns ``[v_lo, v_hi)``: rows per program are the config's own for
     this pass, but the backward's when d_bias partial rows are written. Tensors: ``kept values, kept scales, target,
     row_max, log_sum, g, g - g_lse, g_entropy, mean_z, g_sum_z, dz, dbp``."""
-    cap_temp = 1.0 if softcap is None else float(softcap) * inv_temperature
     block_n = cfg.bwd_block_n if need_db or cfg.kept_block_n is None else cfg.kept_block_n
     num_warps = cfg.bwd_num_warps if need_db or cfg.kept_num_warps is None else cfg.kept_num_warps
     return Launch(bwd_dlogits_kept_kernel, (cdiv(n, block_n) * cdiv(v_hi - v_lo, cfg.block_v),),
-                  (n, v_lo, v_hi, stride_kept, stride_scale, stride_dz, stride_dbp, inv_temperature, cap_temp),
+                  (n, v_lo, v_hi, stride_kept, stride_scale, stride_dz, stride_dbp, inv_temperature,
+                   1.0 if softcap is None else float(softcap)),
                   num_warps, None, dict(NEED_DB=need_db, WITH_ENTROPY=with_entropy, BLOCK_N=block_n,
                                         BLOCK_V=cfg.block_v, DOT_PRECISION=precision, SOFTCAP=softcap is not None,
                                         WITH_SUM_Z=with_sum_z))

@@ -122,7 +122,7 @@ def online_softmax_update(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     v0, V, p_b,  # first vocab id of the tile, shard size, bias pointer (unused unless HAS_BIAS)
     b_tgt,  # [BLOCK_N] the rows' target ids (local; nobody's when outside the shard)
-    b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running stats in raw units (see below)
+    b_max, b_sum, b_tl, b_sez,  # [BLOCK_N] running stats in raw units, the max in tanh units with SOFTCAP (see below)
     b_sz, b_am,  # [BLOCK_N] running sum of the tile's y and the lowest column of the running max (fp32)
     c,  # inv_temperature * log2(e)
     softcap,  # the final-logit softcap (only SOFTCAP)
@@ -138,8 +138,9 @@ def online_softmax_update(
     ex2 and a sum (plus, for the target, a compare and a select): the inverse temperature and log2(e) are one
     per-call constant, ``y - m`` is exact next to the max (so 1 - p does not cancel at a peaked row), and full tiles
     carry no column mask. Also returns the tile's terms ``2^((y - m') c) = exp(z - M')`` (what :func:`keep_tile`
-    stores). With ``SOFTCAP`` the tile is first ``y = softcap * tanh((acc + b) / softcap)``; ``WITH_SUM_Z`` sums y
-    over the columns, ``WITH_ARGMAX`` keeps the lowest column of the running max (a later tile replaces it only
+    stores). With ``SOFTCAP`` the tile is first ``y = softcap * tanh((acc + b) / softcap)`` and the running max is
+    kept as that of the tanh, ``t_m`` (``m = softcap * t_m`` bit for bit: rounding is monotonic), which
+    :func:`keep_tile` stores as the kept terms' scale; ``WITH_SUM_Z`` sums y over the columns, ``WITH_ARGMAX`` keeps the lowest column of the running max (a later tile replaces it only
     with a larger max). Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
     of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
     ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
@@ -147,15 +148,19 @@ def online_softmax_update(
     o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     if MASKED:
         m_v = (v0 + o_t) < V
+    b_run = b_max  # [BLOCK_N] the running max of y
     if SOFTCAP:  # y = softcap * tanh((acc + b) / softcap), masked columns -inf after it
         if HAS_BIAS:
             if MASKED:
                 acc += tl.load(p_b + v0 + o_t, mask=m_v, other=0.0).to(tl.float32)[None, :]
             else:
                 acc += tl.load(p_b + v0 + o_t).to(tl.float32)[None, :]
-        acc, _ = softcap_tile(acc, softcap)
+        _, b_t = softcap_tile(acc, softcap)
         if MASKED:
-            acc = tl.where(m_v[None, :], acc, float("-inf"))
+            b_t = tl.where(m_v[None, :], b_t, float("-inf"))
+        acc = b_t * softcap
+        b_tmax_t = tl.max(b_t, 1)  # the tile's max of the tanh
+        b_run = b_max * softcap
     elif HAS_BIAS:
         if MASKED:
             acc += tl.load(p_b + v0 + o_t, mask=m_v, other=float("-inf")).to(tl.float32)[None, :]
@@ -170,19 +175,24 @@ def online_softmax_update(
             b_sz += tl.sum(tl.where(m_v[None, :], acc, 0.0), 1)
         else:
             b_sz += tl.sum(acc, 1)
-    b_tmax = tl.max(acc, 1)
+    if SOFTCAP:
+        b_tmax = b_tmax_t * softcap  # = the tile's max of y
+    else:
+        b_tmax = tl.max(acc, 1)
     if WITH_ARGMAX:  # tl.argmax: the lowest column of the tile's max
-        b_am = tl.where(b_tmax > b_max, (v0 + tl.argmax(acc, 1)).to(tl.float32), b_am)
-    new_max = tl.maximum(b_max, b_tmax)
+        b_am = tl.where(b_tmax > b_run, (v0 + tl.argmax(acc, 1)).to(tl.float32), b_am)
+    new_max = tl.maximum(b_run, b_tmax)
     b_arg = (acc - new_max[:, None]) * c  # log2 units; -inf on masked columns (acc's last use: fewer registers)
     b_e = exp2(b_arg, FAST_EXP2)  # masked columns give 0
-    b_shift = tl.where(b_max == float("-inf"), 0.0, (b_max - new_max) * c)  # <= 0
+    b_shift = tl.where(b_run == float("-inf"), 0.0, (b_run - new_max) * c)  # <= 0
     b_scale = exp2(b_shift, FAST_EXP2)
     if WITH_ENTROPY:
         if MASKED:
             b_arg = tl.where(m_v[None, :], b_arg, 0.0)  # no 0 * inf on masked columns
         b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_e * b_arg, 1)
     b_sum = b_sum * b_scale + tl.sum(b_e, 1)
+    if SOFTCAP:
+        new_max = tl.maximum(b_max, b_tmax_t)
     return new_max, b_sum, b_tl, b_sez, b_sz, b_am, b_e
 
 
@@ -198,14 +208,14 @@ def stats_tile(
     """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats kernels: fold the
     tile into the running row stats (:func:`online_softmax_update`), then, with ``KEEP`` and the tile below
     ``v_keep``, store its softmax terms and the running max they are relative to (:func:`keep_tile`); returns (max,
-    sum, tl, sez, sz, am). ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over the kept terms and the tile leaves
+    sum, tl, sez, sz, am; the max in tanh units with ``SOFTCAP``, and so the kept scale). ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over the kept terms and the tile leaves
     through one TMA store (see :func:`keep_tile`)."""
     b_max, b_sum, b_tl, b_sez, b_sz, b_am, b_e = online_softmax_update(
         acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, MASKED, HAS_BIAS, WITH_ENTROPY,
         BLOCK_V, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
     if KEEP:
-        keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e, b_max * inv_temp, MASKED,
-                  DOT_PRECISION, BLOCK_N, BLOCK_V, KEEP_TMA)
+        keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e,
+                  b_max if SOFTCAP else b_max * inv_temp, MASKED, DOT_PRECISION, BLOCK_N, BLOCK_V, KEEP_TMA)
     return b_max, b_sum, b_tl, b_sez, b_sz, b_am
 
 
@@ -232,10 +242,12 @@ def split_bounds(i_s, V, SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def natural_units(b_max, b_tl, b_sez, b_sz, inv_temp):
-    """Raw running stats (see online_softmax_update) -> stored stats: max M = m / T, target logit z[target],
-    sez = sum exp(z - M) (z - M) (log2 units times ln 2), sum_z = sum y / T. The sum and the argmax need no
-    change."""
+def natural_units(b_max, b_tl, b_sez, b_sz, inv_temp, softcap=1.0, SOFTCAP: tl.constexpr = False):
+    """Raw running stats (see online_softmax_update) -> stored stats: max M = m / T (``SOFTCAP``: m = softcap t_m,
+    from the tanh's max), target logit z[target], sez = sum exp(z - M) (z - M) (log2 units times ln 2), sum_z = sum
+    y / T. The sum and the argmax need no change."""
+    if SOFTCAP:
+        b_max = b_max * softcap
     return b_max * inv_temp, b_tl * inv_temp, b_sez * LN2, b_sz * inv_temp
 
 
@@ -382,7 +394,8 @@ def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e
               DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
               KEEP_TMA: tl.constexpr = False):
     """Store the tile's softmax terms ``b_e = exp(z - m)`` (rounded once to the kept buffer's dtype: the inputs'
-    16-bit dtype) into ``[N, v_keep]`` and the rows' running max ``b_scale = m`` (natural units, fp32) into the scales
+    16-bit dtype) into ``[N, v_keep]`` and the rows' running max ``b_scale = m`` (natural units, fp32; with a softcap
+    that of the tanh, see :func:`kept_probabilities`) into the scales
     ``[N, cdiv(v_keep, BLOCK_V)]``, column ``v0 // BLOCK_V``, when the tile lies below ``v_keep``; rows at or past N
     and columns at or past ``v_keep`` are not written. One store per kept element and one fp32 per row and
     tile, nothing for the other tiles.
@@ -417,15 +430,18 @@ def keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e
 @triton.jit
 def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_hi, b_rmax, b_lsum2,
                        WITH_ENTROPY: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_V: tl.constexpr, cap_temp=1.0, SOFTCAP: tl.constexpr = False):
+                       BLOCK_V: tl.constexpr, inv_temp=1.0, softcap=1.0, SOFTCAP: tl.constexpr = False):
     """``(p, zr)`` of the ``[BLOCK_N, BLOCK_V]`` tile at row ``n0``, shard column ``v0`` from the kept terms ``e``
     and their row scale ``m`` (natural units): ``p = e * 2^((m - M) log2(e) - log_sum log2(e))`` (one multiply per
     element, one ex2 per row), and with entropy ``zr = z - M = ln(e) + (m - M)`` (one lg2 per element; ``e`` is
     clamped to 2^-126 first, so a flushed term gives a finite zr and p = 0). At the row max ``e = 1`` and ``m = M``
     exactly, so ``1 - p`` does not cancel at a peaked target. ``MASKED``: rows at or past N and columns at or past
     ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the forward's tile width (one scale per row).
-    Returns ``(p, zr, slope)``: ``SOFTCAP`` (``cap_temp = softcap * inv_temperature``) the slope ``1 - tanh^2 =
-    1 - (z / cap_temp)^2`` from the absolute logit ``z = ln(e) + m`` (else ``p``, not read)."""
+    Returns ``(p, zr, slope)``: ``SOFTCAP``: the scale is the running max ``t_m`` of the tanh (:func:`keep_tile`),
+    ``m = (softcap t_m) / T`` rounded as the forward rounds it, and the slope ``1 - tanh^2 = (1 - t)(1 + t)`` with
+    ``t = t_m + ln(e) T / softcap`` clamped to ``[-1, 1]`` (else ``p``, not read). Where the cap saturates, ``1 - t``
+    is a few ulp of 1: the max's own tanh (``e = 1``, ``t = t_m``) keeps them, where ``z T / softcap`` (two roundings
+    after the tanh) is an ulp or two off, often past 1."""
     p_in = _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V)
     o_r = n0 + tl.arange(0, BLOCK_N)
     m_r = o_r < N
@@ -435,7 +451,13 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
     else:
         b_e = tl.load(p_in).to(tl.float32)
     b_m = tl.load(p_scale + o_r.to(tl.int64) * stride_scale + v0 // BLOCK_V, mask=m_r, other=0.0)
-    b_shift = b_m - b_rmax  # m - M <= 0; exact 0 in the tile holding the row max
+    b_tm = b_m  # [BLOCK_N] the tanh's running max (read only with SOFTCAP)
+    if SOFTCAP:
+        b_m = (b_tm * softcap) * inv_temp
+        # m - M <= 0, exact 0 in the tile holding the row max, even where the subtraction takes the product unrounded
+        b_shift = tl.where(b_m == b_rmax, 0.0, b_m - b_rmax)
+    else:
+        b_shift = b_m - b_rmax  # m - M <= 0; exact 0 in the tile holding the row max
     b_f = exp2(b_shift * LOG2E - b_lsum2, FAST_EXP2)  # [BLOCK_N]
     b_p = b_e * b_f[:, None]
     b_zr = b_p  # not read without entropy
@@ -443,8 +465,9 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
         b_zr = tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * LN2 + b_shift[:, None]
     b_slope = b_p  # not read without a softcap
     if SOFTCAP:
-        b_t = (tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * LN2 + b_m[:, None]) * (1.0 / cap_temp)
-        b_slope = 1.0 - b_t * b_t
+        b_t = tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * (LN2 / (softcap * inv_temp)) + b_tm[:, None]
+        b_t = tl.clamp(b_t, -1.0, 1.0)
+        b_slope = (1.0 - b_t) * (1.0 + b_t)
     return b_p, b_zr, b_slope
 
 
