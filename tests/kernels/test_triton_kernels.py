@@ -35,13 +35,14 @@ def _truth(h, w, b, tgt, inv_t, g, ge, gl):
     own = tgt >= 0
     lsum = s.log()
     p = (z - m[:, None] - lsum[:, None]).exp()
-    mz = (p * (z - m[:, None])).sum(1)
+    mean_rel = (p * (z - m[:, None])).sum(1)
     onehot = torch.zeros_like(z)
     onehot[own.nonzero()[:, 0], tgt[own]] = 1.0
     zr = z - m[:, None]
-    dz = g.double()[:, None] * onehot - p * ((g - gl).double()[:, None] + ge.double()[:, None] * (zr - mz[:, None]))
+    coef = (g - gl).double()[:, None] + ge.double()[:, None] * (zr - mean_rel[:, None])
+    dz = g.double()[:, None] * onehot - p * coef
     dl = dz * inv_t
-    return dict(row_max=m, sum_exp=s, target_logit=tl, sum_exp_z=q, lsum=lsum, mz=mz, d_logits=dl,
+    return dict(row_max=m, sum_exp=s, target_logit=tl, sum_exp_z=q, lsum=lsum, mean_rel=mean_rel, d_logits=dl,
                 d_hidden=dl @ w.double(), d_weight=dl.T @ h.double(), d_bias=dl.sum(0))
 
 
@@ -79,7 +80,7 @@ def test_primitives_match_float64_formulas(kernels, dtype, bias, shape):
         assert rel_error(got, truth[name]) < tol.REL_FP32_ACCUMULATION, name
 
     grads = be.backward(h, w, b, tgt, truth["row_max"].float(), truth["lsum"].float(), g, ge, gl,
-                        truth["mz"].float(), call, (True, True, True))
+                        truth["mean_rel"].float(), call, (True, True, True))
     assert grads.d_hidden.dtype == torch.float32 and grads.d_weight.dtype == dt
     if dt == torch.float32:  # only reduction order differs
         assert rel_error(grads.d_hidden, truth["d_hidden"]) < tol.REL_FP32_ACCUMULATION

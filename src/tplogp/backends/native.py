@@ -195,7 +195,7 @@ class _TokenChunk(NamedTuple):
     m: torch.Tensor  # global row max M
     ls: torch.Tensor  # log S (inf on padded rows: p = 0)
     g: torch.Tensor  # grad_logp
-    c0: torch.Tensor  # grad_logp - grad_lse - grad_entropy * mean_z
+    c0: torch.Tensor  # grad_logp - grad_lse - grad_entropy * mean_rel
     ge: Optional[torch.Tensor]  # grad_entropy
     lt: torch.Tensor  # local target (-1: not owned, and on padded rows)
     gsz: Optional[torch.Tensor] = None  # grad_sum_z (0 on padded rows), or None
@@ -386,14 +386,14 @@ class NativeBackend:
         return n * v * kept_dtype(dtype).itemsize + 4 * n * vocab_tiles + 16 * token_chunks * vocab_tiles
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
+                 mean_rel, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
                  kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
         if call.grid_columns:
             return self._backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                                         grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, accumulate)
+                                         grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready, accumulate)
         if accumulate is None and kept is None and _one_tile(hidden, weight, call):
             return _backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                      grad_lse, mean_z, call, needs, d_hidden_ready, grad_sum_z)
+                                      grad_lse, mean_rel, call, needs, d_hidden_ready, grad_sum_z)
         need_h, need_w, need_b = needs
         n, d = hidden.shape
         v = weight.shape[0]
@@ -412,7 +412,7 @@ class NativeBackend:
             d_bias32 = db_acc if db_acc is not None else torch.zeros(v, device=dev, dtype=torch.float32)
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
             self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                 grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept,
+                                 grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept,
                                  grad_sum_z)
         else:
             if d_weight is not None and d_weight.dtype != torch.float32:
@@ -425,7 +425,7 @@ class NativeBackend:
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                        grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready=None,
+                        grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32, d_hidden_ready=None,
                         kept=None, grad_sum_z=None) -> None:
         """Vocab tiles outer, token chunks inner: each vocab tile's ``d_W`` rows are complete after its token
         chunks, so a low-precision ``d_W`` is summed in an fp32 ``[vocab_chunk, D]`` tile buffer (counted in the
@@ -442,7 +442,7 @@ class NativeBackend:
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
         sum_z_grad = {} if grad_sum_z is None else {"grad_sum_z": grad_sum_z}
-        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                                     local_target, t0, min(t0 + tc, n), tc if call.deterministic else None,
                                     **sum_z_grad)
                   for t0 in range(0, n, tc)]
@@ -504,7 +504,7 @@ class NativeBackend:
                 d_weight[v0:v1] = acc  # rounded once to the weight dtype
 
     def _backward_blocks(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                         grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready=None, accumulate=None) -> ShardGrads:
+                         grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready=None, accumulate=None) -> ShardGrads:
         """The invariant level's backward: grid blocks outer, deterministic token chunks inner, every GEMM
         ``[chunk, B]``-shaped; a block's d_W / d_b rows are summed over the chunks in an fp32 ``[B, D]`` / ``[B]``
         buffer and written (or added to ``accumulate``) once."""
@@ -519,7 +519,7 @@ class NativeBackend:
         d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_w else None
         d_bias = (db_acc if db_acc is not None else torch.empty_like(bias)) if need_b else None
         gemm_dtype = weight.dtype if dev.type == "cuda" else f32
-        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                                     local_target, t0, min(t0 + tc, n), tc) for t0 in range(0, n, tc)]
         h_gemm = [ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype) for ch in chunks]
         for v0, v1, w_blk, b_blk in _grid_blocks(weight, bias, cols):
@@ -565,21 +565,21 @@ class NativeBackend:
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     @staticmethod
-    def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z, local_target, t0: int,
+    def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, local_target, t0: int,
                      t1: int, pad_to: Optional[int], grad_sum_z=None) -> _TokenChunk:
         """The per-token vectors of rows ``[t0, t1)`` that every vocab tile of the backward reads (padded to
         ``pad_to`` rows in deterministic mode: padded rows get p = 0 and no target)."""
         rows = pad_to if pad_to is not None else t1 - t0
         h = _pad_rows(hidden[t0:t1], rows)
         g = _pad_rows(grad_logp[t0:t1], rows)
-        # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z)
+        # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel)
         c0 = g.clone()
         if grad_lse is not None:
             c0 -= _pad_rows(grad_lse[t0:t1], rows)
         ge = None
         if grad_entropy is not None:
             ge = _pad_rows(grad_entropy[t0:t1], rows)
-            c0 -= ge * _pad_rows(mean_z[t0:t1], rows)
+            c0 -= ge * _pad_rows(mean_rel[t0:t1], rows)
         gsz = None if grad_sum_z is None else _pad_rows(grad_sum_z[t0:t1], rows)
         return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
                            g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1), gsz)
@@ -648,13 +648,13 @@ def _forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSh
                               None, sum_z, argmax)
 
 
-def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                        call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
                        grad_sum_z=None) -> ShardGrads:
     need_h, need_w, need_b = needs
     v = weight.shape[0]
     gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
-    c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z) (never modified)
+    c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel) (never modified)
     if grad_lse is not None:
         c0 = c0 - grad_lse
     slopes = [] if call.softcap is not None else None
@@ -662,7 +662,7 @@ def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp
     slope = slopes[0] if slopes else None
     z -= row_max.unsqueeze(1)
     if grad_entropy is not None:
-        c0 = c0 - grad_entropy * mean_z
+        c0 = c0 - grad_entropy * mean_rel
         p = torch.exp(z - log_sum.unsqueeze(1))
         dz = z.mul_(grad_entropy.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
     else:

@@ -344,11 +344,11 @@ class TritonBackend:
         return found
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None,
+                 mean_rel, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None,
                  grad_sum_z=None) -> ShardGrads:
         if call.inputs_checked and isinstance(kept, KeptBuffers):
             grads = self._kept_program_backward(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                                                grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, kept,
+                                                grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready, kept,
                                                 accumulate, grad_sum_z)
             if grads is not None:
                 return grads
@@ -357,12 +357,12 @@ class TritonBackend:
         lay = self._launch_layout(hidden, weight, call)
         if call.grid_columns:
             return ShardGrads(*programs.backward_on_grid(
-                hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+                hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                 inv_temperature=call.inv_temperature, columns=call.grid_columns,
                 workspace_bytes=lay.transient_bytes, needs=tuple(needs), cfg=lay.cfg,
                 tma=self._uses_tma(hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate))
         d_hidden, d_weight, d_bias = programs.backward(
-            hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+            hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
             cfg=lay.cfg, tma=self._uses_tma(hidden, weight, call),
@@ -373,7 +373,7 @@ class TritonBackend:
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _kept_program_backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                               grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready, kept: KeptBuffers,
+                               grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready, kept: KeptBuffers,
                                accumulate, grad_sum_z=None) -> Optional[ShardGrads]:
         """The backward through the layout's :class:`~tplogp.kernels.programs.KeptBackward` (made at its first call,
         remembered in ``call.programs``), or None where one does not run it (its ``covers``)."""
@@ -399,7 +399,7 @@ class TritonBackend:
                 terms.scales.stride(0), call.deterministic, call.d_hidden_in_input_dtype, hidden.is_cuda, call.softcap,
                 with_sum_z))
         return ShardGrads(*program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                   grad_lse, mean_z, terms, d_hidden_ready, accumulate, grad_sum_z))
+                                   grad_lse, mean_rel, terms, d_hidden_ready, accumulate, grad_sum_z))
 
 
 def _layout_rows(call: ShardCall, n: int) -> bool:
