@@ -157,8 +157,8 @@ class ShardCall:
     with_argmax: bool = False
     deterministic: bool = False
     # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
-    # keeps for the backward (docs/operator.md, "Memory budget"). None: the source's default (triton / sm90: a call
-    # whose kept terms fit the default d_logits workspace keeps them, tplogp.kernels.workspace.default_keep).
+    # keeps for the backward, split per source by tplogp.memory_budget.split (docs/operator.md, "Memory budget").
+    # None: TPLOGP_WORKSPACE_MB, else the source's default (the table in tplogp.memory_budget).
     workspace_bytes: Optional[int] = None
     # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
     for_backward: bool = False

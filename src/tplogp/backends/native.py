@@ -4,13 +4,13 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 
 * The ``[N, V_local]`` logits are not held whole unless the budget allows it. Work is tiled into
   ``[tokens_chunk, vocab_chunk]`` fp32 tiles. The byte budget (``ShardCall.workspace_bytes``, else
-  ``TPLOGP_WORKSPACE_MB``, else the per-device default tile budget) goes to the tiles up to that default; the rest
-  keeps, for the first tiles (in the forward's order), the softmax terms ``e = exp(z - m)`` (in the inputs'
-  dtype: bf16, fp16 or fp32) with the running max ``m`` per row, whose backward then forms
-  ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding alone, whatever
-  the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output (``torch.mm(...,
-  out_dtype=float32)`` on CUDA, fp32 operands on
-  CPU), so the target logit is read from the fp32 accumulator, never from a rounded logit.
+  ``TPLOGP_WORKSPACE_MB``, else the default) goes to the tiles up to the source's transient size; the rest keeps
+  (:func:`tplogp.memory_budget.split`), for the first tiles (in the forward's order), the softmax terms
+  ``e = exp(z - m)`` (in the inputs' dtype: bf16, fp16 or fp32) with the running max ``m`` per row, whose backward
+  then forms ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding
+  alone, whatever the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output
+  (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on CPU), so the target logit is read from the fp32
+  accumulator, never from a rounded logit.
 * Forward keeps an online softmax per token across vocab tiles: running max ``m``, ``s = sum exp(z - m)`` and, for
   entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to ``m'``, ``s <- s e^{m-m'}`` and
   ``q <- e^{m-m'} (q + s (m - m'))``.
@@ -31,11 +31,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import fp32_gemm, settings
+from .. import fp32_gemm, memory_budget, settings
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
 from .base import BlockStats, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
-_MIB = 1 << 20
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
 _TILE_COPIES = 4
 # Token chunk used by deterministic mode (independent of N by construction).
@@ -43,23 +42,6 @@ DETERMINISTIC_TOKEN_CHUNK = 256
 # The tensor-parallel-invariant level's grid: every logits GEMM is [DETERMINISTIC_TOKEN_CHUNK, D] x [D, GRID_COLUMNS]
 # over one grid block (copied into a buffer of that shape: BLAS picks kernels by shape and alignment)
 GRID_COLUMNS = 128
-
-
-def default_tile_bytes(device: torch.device) -> int:
-    """The default budget, all of it for transient tiles: 1 GiB on CUDA and 64 MiB elsewhere."""
-    return (1024 if device.type == "cuda" else 64) * _MIB
-
-
-def split_workspace(workspace_bytes: Optional[int], device: torch.device) -> tuple[int, int]:
-    """``(tile bytes, keep bytes)`` of a budget (the call's, else ``TPLOGP_WORKSPACE_MB``, else the default).
-
-    Tiles get up to the default tile budget; the rest holds fp32 logits tiles kept from forward to backward.
-    """
-    budget = workspace_bytes if workspace_bytes is not None else settings.workspace_bytes()
-    tiles = default_tile_bytes(device)
-    if budget is None:
-        return tiles, 0
-    return min(budget, tiles), max(0, budget - tiles)
 
 
 def kept_tile_words(rows: int, cols: int, itemsize: int) -> tuple[int, int]:
@@ -182,10 +164,10 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tenso
 def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                 call: ShardCall) -> tuple[int, int, tuple[int, int]]:
     """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))`` of an ``[n, d] x [v, d]`` call."""
-    tile_bytes, keep_bytes = split_workspace(call.workspace_bytes, device)
+    budget = memory_budget.split(NativeBackend.name, call.workspace_bytes, device)
     low_cpu = device.type != "cuda" and dtype != torch.float32
-    tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
-    return tc, vc, kept_tiles(n, v, tc, vc, keep_bytes, call.deterministic, kept_dtype(dtype).itemsize)
+    tc, vc = plan_chunks(n, v, d, budget.transient, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
+    return tc, vc, kept_tiles(n, v, tc, vc, budget.keep, call.deterministic, kept_dtype(dtype).itemsize)
 
 
 class _TokenChunk(NamedTuple):
@@ -364,15 +346,17 @@ class NativeBackend:
                     block_sez[i, t0:t1] = z.mul_(e).sum(1)[: t1 - t0]
         return BlockStats(block_max, block_sum, target_logit, block_sez)
 
-    @staticmethod
-    def transient_bytes(device: torch.device) -> int:
-        """The budget's part that goes to transient tiles before anything is kept (the default budget)."""
-        return default_tile_bytes(device)
+    @classmethod
+    def transient_bytes(cls, device: torch.device) -> int:
+        """The budget's part that goes to transient tiles before anything is kept
+        (:func:`tplogp.memory_budget.transient_bytes`)."""
+        return memory_budget.transient_bytes(cls.name, device)
 
-    @staticmethod
-    def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
-        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`)."""
-        return split_workspace(workspace_bytes, device)[1]
+    @classmethod
+    def keep_bytes(cls, workspace_bytes: Optional[int], device: torch.device) -> int:
+        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`;
+        :func:`tplogp.memory_budget.split`)."""
+        return memory_budget.split(cls.name, workspace_bytes, device).keep
 
     @staticmethod
     def kept_bytes(n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -438,7 +422,7 @@ class NativeBackend:
         gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
         tc, vc, (n_kept, _) = self._plan(hidden, weight, call)
         kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, kept_dtype(weight.dtype))
-        tile_bytes, _ = split_workspace(call.workspace_bytes, hidden.device)
+        tile_bytes = memory_budget.split(self.name, call.workspace_bytes, hidden.device).transient
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
         sum_z_grad = {} if grad_sum_z is None else {"grad_sum_z": grad_sum_z}
