@@ -12,16 +12,10 @@ source's default). :func:`split` cuts it in two for a source on a device:
   vocab columns on ``triton`` / ``sm90``).
 
 A budget means that on every source, and a budget equal to the transient size keeps nothing. Without a budget
-(``None`` and the variable unset) a source gets its transient size and keeps what its row of the table says:
-
-==========  ==========================================  =============================================================
-source      transient part (its size)                   kept part without a budget
-==========  ==========================================  =============================================================
-``native``  fp32 tiles: 1 GiB on CUDA, 64 MiB           nothing
-            elsewhere
-``triton``  the backward's d_logits workspace: 128 MiB  the whole shard when its terms and scales fit 128 MiB (the
-``sm90``    on every device                             transient size), else nothing; nothing when ``deterministic``
-==========  ==========================================  =============================================================
+(``None`` and the variable unset) a source gets its transient size and keeps what its row of
+:data:`SOURCE_BUDGETS` says: ``native`` nothing, ``triton`` / ``sm90`` the whole shard when its terms and scales fit
+the transient size, unless the call is ``deterministic``. docs/operator.md ("Memory budget") states the rows as a
+table.
 
 Why ``triton`` / ``sm90`` keep small calls whole without a budget: such a call's backward runs one d_logits chunk
 either way, and with the terms kept it writes d_logits in their place (``ShardCall.consume_kept``) instead of
@@ -59,6 +53,7 @@ class SourceBudget(NamedTuple):
     keeps_whole: bool  # without a budget: a shard whose kept terms and scales fit the transient size is kept whole
 
 
+# The defaults of every source, the one place they are decided (docs/operator.md, "Memory budget", states them).
 SOURCE_BUDGETS: dict[str, SourceBudget] = {
     "native": SourceBudget(NATIVE_TILE_BYTES_CUDA, NATIVE_TILE_BYTES_ELSEWHERE, keeps_whole=False),
     "triton": SourceBudget(DLOGITS_WORKSPACE_BYTES, DLOGITS_WORKSPACE_BYTES, keeps_whole=True),
