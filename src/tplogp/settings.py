@@ -10,7 +10,8 @@ variable                    values (default)           effect
 ``TPLOGP_WORKSPACE_MB``     positive number of MiB     the call's ``workspace_bytes`` when it gives none: the most memory
                             (unset: per source)        the op may hold beyond inputs, outputs and gradients (transient
                                                        tiles plus terms kept for the backward). Unset: each source's
-                                                       default, the table of :mod:`tplogp.memory_budget`
+                                                       default (``tplogp.memory_budget.SOURCE_BUDGETS``; its table:
+                                                       docs/operator.md, "Memory budget")
 ``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.verdicts`):
                             ``fast`` (``full``)        ``sync`` reads the target check at the call without a group;
                                                        ``fast`` checks each layout once, then skips the
