@@ -199,10 +199,11 @@ def linear_logp(
             for any shard boundaries, ``weight.grad`` / ``bias.grad`` rows equal to the same rows at TP=1
             (vocabularies below 2^23; docs/operator.md, "Determinism"; under ``torch.compile`` the call runs
             eagerly).
-        workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients (tiles, plus fp32
-            logits kept for the backward when above the source's default tiles; docs/operator.md, "Memory
-            budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default tiles; on triton / sm90 a call
-            whose kept terms fit those (128 MiB) keeps them (3 GEMMs), unless ``deterministic``.
+        workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients: the source's
+            transient tiles up to its default size, the rest softmax terms kept for the backward (docs/operator.md,
+            "Memory budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default, one row per source in
+            that section's table (``triton`` / ``sm90`` then keep a small call's terms whole, 3 GEMMs, unless
+            ``deterministic``).
         sequence_parallel: with ``tp_group``, hidden is this rank's contiguous slice of the tokens, rank-major: its
             rows (leading dimensions flattened) are tokens ``[r * N / world, (r + 1) * N / world)`` of target_ids'
             ``N`` (flattened; target_ids and the outputs are all ``N`` tokens, on every rank). The slices are

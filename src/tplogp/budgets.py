@@ -1,10 +1,11 @@
 """``workspace_bytes`` values from what they should keep, for a source on a device.
 
-A budget is the source's transient memory (its default: ``native`` tiles, the ``triton`` / ``sm90`` d_logits
-workspace) plus what the forward keeps for the backward: per kept logit its softmax term ``exp(z - m)`` in 2 bytes
-for 16-bit inputs (4 for fp32), plus one fp32 scale per row and tile (the source's ``kept_bytes``; docs/operator.md,
-"Memory budget"). These helpers add the second part to the first, so a caller states tokens and vocab rather than
-each source's default:
+A budget is the source's transient part (``native`` tiles, the ``triton`` / ``sm90`` d_logits workspace: the
+source's ``transient_bytes``) plus its kept part, what the forward keeps for the backward: per kept logit its
+softmax term ``exp(z - m)`` in 2 bytes for 16-bit inputs (4 for fp32), plus one fp32 scale per row and tile (the
+source's ``kept_bytes``). How a budget splits is :func:`tplogp.memory_budget.split`'s (docs/operator.md, "Memory
+budget"). These helpers add the second part to the first, so a caller states tokens and vocab rather than each
+source's default:
 
 * :func:`keep_logits_budget`: ``linear_logp`` keeps ``fraction`` of a call's ``[N, V_local]`` logits' terms (the
   backward skips the recompute GEMM for that share; 1.0: 3 GEMMs instead of 4).

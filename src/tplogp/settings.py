@@ -8,10 +8,10 @@ variable, what was expected and what was found.
 variable                    values (default)           effect
 ==========================  =========================  =================================================================
 ``TPLOGP_WORKSPACE_MB``     positive number of MiB     the call's ``workspace_bytes`` when it gives none: the most memory
-                            (unset: per source)        the op may hold beyond inputs, outputs and gradients (tiles plus
-                                                       logits kept for the backward; docs/operator.md). Unset: the
-                                                       source's default tiles (``triton`` / ``sm90``: the d_logits
-                                                       chunk, 128 MiB; ``native``: 1 GiB on CUDA, 64 MiB elsewhere)
+                            (unset: per source)        the op may hold beyond inputs, outputs and gradients (transient
+                                                       tiles plus terms kept for the backward). Unset: each source's
+                                                       default (``tplogp.memory_budget.SOURCE_BUDGETS``; its table:
+                                                       docs/operator.md, "Memory budget")
 ``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.verdicts`):
                             ``fast`` (``full``)        ``sync`` reads the target check at the call without a group;
                                                        ``fast`` checks each layout once, then skips the
@@ -56,7 +56,8 @@ def _raw(name: str) -> Optional[str]:
 
 
 def workspace_bytes() -> Optional[int]:
-    """``TPLOGP_WORKSPACE_MB`` in bytes, or None when unset (each source then uses its own default)."""
+    """``TPLOGP_WORKSPACE_MB`` in bytes, or None when unset (each source's default then applies:
+    :func:`tplogp.memory_budget.split`)."""
     value = _raw(WORKSPACE_MB)
     if value is None:
         return None

@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tplogp
 from tests.support.problems import make_problem, run_reference
 from tests.support.interpreter import interpreter_only as triton_interpreter
-from tplogp.kernels import kept as kept_layout, programs, workspace
+from tplogp import memory_budget
+from tplogp.kernels import kept as kept_layout, programs
 from tplogp.tolerances import assert_no_worse
 
 TRITON = tplogp.get_op("linear_logp", source="triton")
@@ -124,7 +125,7 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
 
     be = TritonBackend()
     budget = _budget(dtype)
-    assert budget == workspace.DEFAULT_WORKSPACE_BYTES + be.kept_bytes(N, V, dtype, torch.device("cpu"))
+    assert budget == memory_budget.DLOGITS_WORKSPACE_BYTES + be.kept_bytes(N, V, dtype, torch.device("cpu"))
     held = []
 
     def pack(t):
@@ -145,7 +146,7 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
         _loss(_leaves(p), p, dtype)
     value_words, scale_words = kept_layout.kept_words(N, V, 2, be._keep_block_v(torch.device("cpu"), dtype))
     assert N * V * 2 == max(held) <= 4 * value_words < N * V * 2 + 4
-    assert 4 * (value_words + scale_words) == budget - workspace.DEFAULT_WORKSPACE_BYTES
+    assert 4 * (value_words + scale_words) == budget - memory_budget.DLOGITS_WORKSPACE_BYTES
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 from tplogp.backends.base import ShardCall  # noqa: E402
 from tplogp.backends.sm90_backend import SM90Backend  # noqa: E402
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
-from tplogp.kernels import tiles, workspace  # noqa: E402
+from tplogp import memory_budget  # noqa: E402
 
 CPU = torch.device("cpu")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -35,13 +35,14 @@ def _truth(h, w, b, tgt, inv_t, g, ge, gl):
     own = tgt >= 0
     lsum = s.log()
     p = (z - m[:, None] - lsum[:, None]).exp()
-    mz = (p * (z - m[:, None])).sum(1)
+    mean_rel = (p * (z - m[:, None])).sum(1)
     onehot = torch.zeros_like(z)
     onehot[own.nonzero()[:, 0], tgt[own]] = 1.0
     zr = z - m[:, None]
-    dz = g.double()[:, None] * onehot - p * ((g - gl).double()[:, None] + ge.double()[:, None] * (zr - mz[:, None]))
+    coef = (g - gl).double()[:, None] + ge.double()[:, None] * (zr - mean_rel[:, None])
+    dz = g.double()[:, None] * onehot - p * coef
     dl = dz * inv_t
-    return dict(row_max=m, sum_exp=s, target_logit=tl, sum_exp_z=q, lsum=lsum, mz=mz, d_logits=dl,
+    return dict(row_max=m, sum_exp=s, target_logit=tl, sum_exp_z=q, lsum=lsum, mean_rel=mean_rel, d_logits=dl,
                 d_hidden=dl @ w.double(), d_weight=dl.T @ h.double(), d_bias=dl.sum(0))
 
 
@@ -79,7 +80,7 @@ def test_primitives_match_float64_formulas(kernels, dtype, bias, shape):
         assert rel_error(got, truth[name]) < tol.REL_FP32_ACCUMULATION, name
 
     grads = be.backward(h, w, b, tgt, truth["row_max"].float(), truth["lsum"].float(), g, ge, gl,
-                        truth["mz"].float(), call, (True, True, True))
+                        truth["mean_rel"].float(), call, (True, True, True))
     assert grads.d_hidden.dtype == torch.float32 and grads.d_weight.dtype == dt
     if dt == torch.float32:  # only reduction order differs
         assert rel_error(grads.d_hidden, truth["d_hidden"]) < tol.REL_FP32_ACCUMULATION
@@ -160,7 +161,7 @@ OPTION_SETS = {
 @pytest.mark.parametrize("schedule", ["kept", pytest.param("recomputed", marks=pytest.mark.slow)])
 def test_op_three_way(dtype, opts, rows, schedule):
     """Both backward schedules of the default budget: a call this small keeps its softmax terms
-    (tplogp.kernels.workspace.default_keep); a budget of the default workspace alone recomputes the logits."""
+    (tplogp.memory_budget); a budget of the default workspace alone recomputes the logits."""
     from tplogp import get_op
 
     dt = DTYPES[dtype]
@@ -170,7 +171,7 @@ def test_op_three_way(dtype, opts, rows, schedule):
                      ignore_index=ignore, ignore_fraction=0.3 if ignore is not None else 0.0)
     ent, lse, temp = o.pop("entropy", False), o.pop("lse", False), o.get("temperature", 1.0)
     if schedule == "recomputed":
-        o["workspace_bytes"] = workspace.DEFAULT_WORKSPACE_BYTES
+        o["workspace_bytes"] = memory_budget.DLOGITS_WORKSPACE_BYTES
     ours = run_op(get_op("linear_logp", source="triton"), p, entropy=ent, lse=lse, **o)
     truth = run_reference(p, "float64", temperature=temp, ignore_index=ignore, entropy=ent, lse=lse)
     ref = run_reference(p, "matching" if dt != torch.float32 else "fp32", temperature=temp, ignore_index=ignore,
@@ -226,7 +227,7 @@ def test_workspace_size_does_not_change_results():
     for det in (False, True):
         small = run_op(op, p, workspace_bytes=1, deterministic=det)  # 256-column chunks: 3 chunks
         # the default workspace: one chunk, nothing kept (a larger budget keeps terms: tests/op/test_kept_terms.py)
-        big = run_op(op, p, workspace_bytes=workspace.DEFAULT_WORKSPACE_BYTES, deterministic=det)
+        big = run_op(op, p, workspace_bytes=memory_budget.DLOGITS_WORKSPACE_BYTES, deterministic=det)
         for name in ("d_hidden", "d_weight", "d_bias"):
             x, y = getattr(small, name), getattr(big, name)
             assert torch.equal(x, y) if det else rel_error(x, y) < tol.REL_FP32_SAME_MATH, (name, det)

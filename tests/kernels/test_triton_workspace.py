@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from tests.support.problems import make_problem, run_op, run_reference
 from tplogp.kernels import kept as kept_layout
+from tplogp import memory_budget
 from tplogp.kernels import tiles, workspace
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bound
 
@@ -31,7 +32,7 @@ from tplogp.plan import LogpOptions  # noqa: E402
 
 from tplogp.backends.base import ShardCall  # noqa: E402
 
-DEFAULT = workspace.DEFAULT_WORKSPACE_BYTES
+DEFAULT = memory_budget.DLOGITS_WORKSPACE_BYTES
 CPU = CPU_DEVICE = torch.device("cpu")
 # odd N (two row tiles, the second masked); D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk
 # alignments

@@ -106,7 +106,7 @@ def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
     ours = _run(True, p, extra, reduction, source, **kw)
     _compare(ours, eager, f"{source} {budget}")
     if source == "triton":  # every chunk's logits are kept, with a budget and (a call this small) without one: no
-        # recompute GEMM (3 GEMMs per chunk; tplogp.kernels.workspace.default_keep)
+        # recompute GEMM (3 GEMMs per chunk; tplogp.memory_budget)
         assert seen["recompute"] == 0 and seen["kept"] > 0, seen
 
 
@@ -251,7 +251,8 @@ def test_chunk_plan_counts_the_accumulators_in_the_budget():
     bias, nothing beyond the gradients for fp32 ones) beside the chunk's kept terms (2 bytes per logit plus scales
     for 16-bit inputs), both within the kept part of the budget, on every rank of any sharding; one chunk needs no
     accumulator."""
-    from tplogp.backends.native import NativeBackend, default_tile_bytes
+    from tplogp.backends.native import NativeBackend
+    from tplogp.memory_budget import transient_bytes
     from tplogp.budgets import GPU_MIN_CHUNK_TOKENS, accumulator_tokens, plan_chunk_tokens
 
     be, cpu, bf16 = NativeBackend(), torch.device("cpu"), torch.bfloat16
@@ -267,7 +268,8 @@ def test_chunk_plan_counts_the_accumulators_in_the_budget():
     assert kept(n) < n * vocab * 4 * 0.55  # about half of fp32 logits
 
     def plan(extra_bytes, device=cpu, accumulators=acc):
-        return plan_chunk_tokens(be, n, vocab, default_tile_bytes(device) + extra_bytes, device, accumulators, bf16)
+        budget = transient_bytes("native", device) + extra_bytes
+        return plan_chunk_tokens(be, n, vocab, budget, device, accumulators, bf16)
 
     assert plan_chunk_tokens(be, n, vocab, None, cpu, acc, bf16) == n  # nothing kept: one chunk
     assert plan(kept(n)) == n  # every term fits: one chunk, no accumulator

@@ -10,6 +10,7 @@ import tplogp
 from tplogp.backends.base import ShardCall
 from tplogp.backends.native import NativeBackend
 from tplogp.budgets import GPU_MIN_CHUNK_TOKENS, plan_chunk_tokens
+from tplogp import memory_budget
 from tplogp.kernels import workspace
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -61,7 +62,8 @@ def test_keep_all_and_half_per_source(device, n, v):
     for source in ("triton", "sm90"):
         pytest.importorskip("triton")
         full = tplogp.keep_logits_budget(n, v, source=source, device=device, dtype=bf16)
-        assert full <= workspace.DEFAULT_WORKSPACE_BYTES + n * v * 2 + 4 * n * -(-v // 32) + 16  # scales: 32+ wide tiles
+        # scales: 32+ wide tiles
+        assert full <= memory_budget.DLOGITS_WORKSPACE_BYTES + n * v * 2 + 4 * n * -(-v // 32) + 16
         assert _triton_kept_columns(source, n, v, full, device) == v
         assert _triton_kept_columns(source, n, v, full - 4, device) < v
         half = tplogp.keep_logits_budget(n, v, fraction=0.5, source=source, device=device, dtype=bf16)

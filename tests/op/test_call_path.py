@@ -4,8 +4,8 @@ A profiler hook (``sys.setprofile``) follows every Python call of one forward (a
 called function's file to a *room*: a module of ``src/tplogp``, except that ``tplogp.backends.*`` and
 ``tplogp.kernels.*`` are one room (the source and its kernels call each other freely), ``verdicts`` with the two
 modules it is built on (``target_summary``, ``kernel_target_check``) is one room, and the leaf helpers that
-every layer uses (``tensors``, ``comm``, ``outputs``, ``settings``, ``shards``, ``fp32_gemm``, ``losses``, and
-``invariant``, the tensor-parallel-invariant level's grid, merge and re-shard on top of ``comm``) are not rooms. Code that dataclasses and named tuples generate (file ``<string>``) is not followed. A room is *re-entered*
+every layer uses (``tensors``, ``comm``, ``outputs``, ``settings``, ``memory_budget``, ``shards``, ``fp32_gemm``,
+``losses``, and ``invariant``, the tensor-parallel-invariant level's grid, merge and re-shard on top of ``comm``) are not rooms. Code that dataclasses and named tuples generate (file ``<string>``) is not followed. A room is *re-entered*
 when a call enters it while none of its frames is on the stack, after an earlier call had entered it: that is
 what the test forbids. The rooms in the order first entered are asserted too (one shard, a plan miss and a plan
 hit; two gloo ranks).
@@ -24,7 +24,7 @@ from tests.support.problems import make_problem
 
 PACKAGE = Path(tplogp.__file__).resolve().parent
 VERDICT_PARTS = {"target_summary", "kernel_target_check"}
-HELPERS = {"tensors", "comm", "outputs", "settings", "shards", "fp32_gemm", "losses", "invariant"}
+HELPERS = {"tensors", "comm", "outputs", "settings", "memory_budget", "shards", "fp32_gemm", "losses", "invariant"}
 
 
 def _room(filename: str):

@@ -53,13 +53,13 @@ def test_the_problem_has_a_trained_models_spread():
 def test_keep_all_matches_the_default_and_float64(monkeypatch, source, dtype):
     """Every term kept (in the inputs' dtype: fp16 terms for fp16 inputs) against a call that keeps nothing (on
     triton, a call this small keeps by default: there a budget of the default workspace alone keeps nothing)."""
-    from tplogp.kernels import workspace
+    from tplogp import memory_budget
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = trained_spread_problem(dtype, seed=1)
     op = get_op("linear_logp", source=source)
     kw = dict(entropy=True, lse=True, temperature=0.9)
-    default = run_op(op, p, workspace_bytes=None if source == "native" else workspace.DEFAULT_WORKSPACE_BYTES, **kw)
+    default = run_op(op, p, workspace_bytes=None if source == "native" else memory_budget.DLOGITS_WORKSPACE_BYTES, **kw)
     kept = run_op(op, p, workspace_bytes=_keep_all(source, dtype), **kw)
     truth = run_reference(p, "float64", temperature=0.9, entropy=True, lse=True)
     ref = run_reference(p, "matching", temperature=0.9, entropy=True, lse=True)

@@ -10,7 +10,7 @@ import torch
 
 import tplogp
 from tests.support.problems import make_problem, run_op, run_reference
-from tplogp import get_op
+from tplogp import get_op, memory_budget
 from tplogp.backends import native
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bound
 
@@ -19,7 +19,8 @@ TILE_BYTES = 8 << 10  # a small default tile budget, so that small problems have
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    monkeypatch.setattr(native, "default_tile_bytes", lambda device: TILE_BYTES)
+    small = memory_budget.SourceBudget(TILE_BYTES, TILE_BYTES, keeps_whole=False)
+    monkeypatch.setitem(memory_budget.SOURCE_BUDGETS, "native", small)
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
 
 

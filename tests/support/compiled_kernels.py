@@ -51,7 +51,7 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
     stats = dict(p_tgt="*i64", p_parts="*fp32", p_kept=f"*{dt}", p_scale="*fp32", N="i32", V="i32", D="i32",
                  stride_kept="i32", stride_scale="i32", v_keep="i32")
     grads = dict(p_tgt="*i64", p_rmax="*fp32", p_lsum="*fp32", p_g="*fp32", p_gmg="*fp32", p_ge="*fp32",
-                 p_mz="*fp32", p_dz=f"*{dt}", p_dbp="*fp32", N="i32", V="i32", D="i32", v_lo="i32", v_hi="i32")
+                 p_mean_rel="*fp32", p_dz=f"*{dt}", p_dbp="*fp32", N="i32", V="i32", D="i32", v_lo="i32", v_hi="i32")
     tma = dict(d_h=f"tensordesc<{dt}[{m},{k}]>", d_w=f"tensordesc<{dt}[{n},{k}]>", p_b=f"*{dt}")
     ptrs = dict(p_h=f"*{dt}", p_w=f"*{dt}", p_b=f"*{dt}")
     if kind == "fwd_tma":

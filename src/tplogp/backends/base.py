@@ -21,13 +21,13 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     Given the merged (global) per-token softmax normalizer as two parts, ``row_max[t]`` (the global max ``M``) and
     ``log_sum[t] = log sum_v exp(z - M)`` (so ``lse = M + log_sum``; kept apart so that ``z - M`` is exact at the
     max and ``1 - p`` at a peaked target does not cancel), for entropy the global mean logit relative to the max
-    ``mean_z[t] = E_p[z] - M``, and the upstream gradients ``grad_logp[t]`` / ``grad_entropy[t]`` / ``grad_lse[t]``
+    ``mean_rel[t] = E_p[z] - M``, and the upstream gradients ``grad_logp[t]`` / ``grad_entropy[t]`` / ``grad_lse[t]``
     (``grad_entropy``, ``grad_lse`` and ``grad_sum_z`` may be None, meaning zero), compute
 
         zr       = z - row_max
         p        = exp(zr - log_sum)
         dz       = grad_logp * onehot(local_target)
-                   - p * (grad_logp - grad_lse + grad_entropy * (zr - mean_z))
+                   - p * (grad_logp - grad_lse + grad_entropy * (zr - mean_rel))
                    + grad_sum_z                                   (the same for every v of the row)
         d_logits = dz * inv_temperature * (1 - tanh^2(y / softcap))   (the last factor only with a softcap)
         d_hidden = d_logits @ weight          (partial over this shard, fp32, all-reduced by the TP layer)
@@ -161,8 +161,8 @@ class ShardCall:
     with_argmax: bool = False
     deterministic: bool = False
     # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
-    # keeps for the backward (docs/operator.md, "Memory budget"). None: the source's default (triton / sm90: a call
-    # whose kept terms fit the default d_logits workspace keeps them, tplogp.kernels.workspace.default_keep).
+    # keeps for the backward, split per source by tplogp.memory_budget.split (docs/operator.md, "Memory budget").
+    # None: TPLOGP_WORKSPACE_MB, else the source's default (the table in tplogp.memory_budget).
     workspace_bytes: Optional[int] = None
     # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
     for_backward: bool = False
@@ -237,7 +237,7 @@ class ShardBackend(Protocol):
         grad_logp: torch.Tensor,  # [N] fp32
         grad_entropy: Optional[torch.Tensor],  # [N] fp32 or None
         grad_lse: Optional[torch.Tensor],  # [N] fp32 or None (d loss / d lse, e.g. a z-loss)
-        mean_z: Optional[torch.Tensor],  # [N] fp32 E_p[z] - row_max (global) or None
+        mean_rel: Optional[torch.Tensor],  # [N] fp32 E_p[z] - row_max (global) or None
         call: ShardCall,
         needs: tuple[bool, bool, bool],  # (d_hidden, d_weight, d_bias)
         d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,

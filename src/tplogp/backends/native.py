@@ -4,13 +4,13 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 
 * The ``[N, V_local]`` logits are not held whole unless the budget allows it. Work is tiled into
   ``[tokens_chunk, vocab_chunk]`` fp32 tiles. The byte budget (``ShardCall.workspace_bytes``, else
-  ``TPLOGP_WORKSPACE_MB``, else the per-device default tile budget) goes to the tiles up to that default; the rest
-  keeps, for the first tiles (in the forward's order), the softmax terms ``e = exp(z - m)`` (in the inputs'
-  dtype: bf16, fp16 or fp32) with the running max ``m`` per row, whose backward then forms
-  ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding alone, whatever
-  the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output (``torch.mm(...,
-  out_dtype=float32)`` on CUDA, fp32 operands on
-  CPU), so the target logit is read from the fp32 accumulator, never from a rounded logit.
+  ``TPLOGP_WORKSPACE_MB``, else the default) goes to the tiles up to the source's transient size; the rest keeps
+  (:func:`tplogp.memory_budget.split`), for the first tiles (in the forward's order), the softmax terms
+  ``e = exp(z - m)`` (in the inputs' dtype: bf16, fp16 or fp32) with the running max ``m`` per row, whose backward
+  then forms ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding
+  alone, whatever the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output
+  (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on CPU), so the target logit is read from the fp32
+  accumulator, never from a rounded logit.
 * Forward keeps an online softmax per token across vocab tiles: running max ``m``, ``s = sum exp(z - m)`` and, for
   entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to ``m'``, ``s <- s e^{m-m'}`` and
   ``q <- e^{m-m'} (q + s (m - m'))``.
@@ -31,11 +31,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import fp32_gemm, settings
+from .. import fp32_gemm, memory_budget, settings
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
 from .base import BlockStats, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
-_MIB = 1 << 20
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
 _TILE_COPIES = 4
 # Token chunk used by deterministic mode (independent of N by construction).
@@ -43,23 +42,6 @@ DETERMINISTIC_TOKEN_CHUNK = 256
 # The tensor-parallel-invariant level's grid: every logits GEMM is [DETERMINISTIC_TOKEN_CHUNK, D] x [D, GRID_COLUMNS]
 # over one grid block (copied into a buffer of that shape: BLAS picks kernels by shape and alignment)
 GRID_COLUMNS = 128
-
-
-def default_tile_bytes(device: torch.device) -> int:
-    """The default budget, all of it for transient tiles: 1 GiB on CUDA and 64 MiB elsewhere."""
-    return (1024 if device.type == "cuda" else 64) * _MIB
-
-
-def split_workspace(workspace_bytes: Optional[int], device: torch.device) -> tuple[int, int]:
-    """``(tile bytes, keep bytes)`` of a budget (the call's, else ``TPLOGP_WORKSPACE_MB``, else the default).
-
-    Tiles get up to the default tile budget; the rest holds fp32 logits tiles kept from forward to backward.
-    """
-    budget = workspace_bytes if workspace_bytes is not None else settings.workspace_bytes()
-    tiles = default_tile_bytes(device)
-    if budget is None:
-        return tiles, 0
-    return min(budget, tiles), max(0, budget - tiles)
 
 
 def kept_tile_words(rows: int, cols: int, itemsize: int) -> tuple[int, int]:
@@ -192,10 +174,10 @@ def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tenso
 def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                 call: ShardCall) -> tuple[int, int, tuple[int, int]]:
     """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))`` of an ``[n, d] x [v, d]`` call."""
-    tile_bytes, keep_bytes = split_workspace(call.workspace_bytes, device)
+    budget = memory_budget.split(NativeBackend.name, call.workspace_bytes, device)
     low_cpu = device.type != "cuda" and dtype != torch.float32
-    tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
-    return tc, vc, kept_tiles(n, v, tc, vc, keep_bytes, call.deterministic, kept_dtype(dtype).itemsize)
+    tc, vc = plan_chunks(n, v, d, budget.transient, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
+    return tc, vc, kept_tiles(n, v, tc, vc, budget.keep, call.deterministic, kept_dtype(dtype).itemsize)
 
 
 class _TokenChunk(NamedTuple):
@@ -205,7 +187,7 @@ class _TokenChunk(NamedTuple):
     m: torch.Tensor  # global row max M
     ls: torch.Tensor  # log S (inf on padded rows: p = 0)
     g: torch.Tensor  # grad_logp
-    c0: torch.Tensor  # grad_logp - grad_lse - grad_entropy * mean_z
+    c0: torch.Tensor  # grad_logp - grad_lse - grad_entropy * mean_rel
     ge: Optional[torch.Tensor]  # grad_entropy
     lt: torch.Tensor  # local target (-1: not owned, and on padded rows)
     gsz: Optional[torch.Tensor] = None  # grad_sum_z (0 on padded rows), or None
@@ -387,15 +369,17 @@ class NativeBackend:
                     block_sez[i, t0:t1] = z.mul_(e).sum(1)[: t1 - t0]
         return BlockStats(block_max, block_sum, target_logit, block_sez, block_sum_z, block_argmax)
 
-    @staticmethod
-    def transient_bytes(device: torch.device) -> int:
-        """The budget's part that goes to transient tiles before anything is kept (the default budget)."""
-        return default_tile_bytes(device)
+    @classmethod
+    def transient_bytes(cls, device: torch.device) -> int:
+        """The budget's part that goes to transient tiles before anything is kept
+        (:func:`tplogp.memory_budget.transient_bytes`)."""
+        return memory_budget.transient_bytes(cls.name, device)
 
-    @staticmethod
-    def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
-        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`)."""
-        return split_workspace(workspace_bytes, device)[1]
+    @classmethod
+    def keep_bytes(cls, workspace_bytes: Optional[int], device: torch.device) -> int:
+        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`;
+        :func:`tplogp.memory_budget.split`)."""
+        return memory_budget.split(cls.name, workspace_bytes, device).keep
 
     @staticmethod
     def kept_bytes(n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
@@ -409,15 +393,15 @@ class NativeBackend:
         return n * v * kept_dtype(dtype).itemsize + 4 * n * vocab_tiles + 16 * token_chunks * vocab_tiles
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
+                 mean_rel, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
                  kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
         if call.grid_columns:
             return self._backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                                         grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, accumulate,
+                                         grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready, accumulate,
                                          grad_sum_z)
         if accumulate is None and kept is None and _one_tile(hidden, weight, call):
             return _backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                      grad_lse, mean_z, call, needs, d_hidden_ready, grad_sum_z)
+                                      grad_lse, mean_rel, call, needs, d_hidden_ready, grad_sum_z)
         need_h, need_w, need_b = needs
         n, d = hidden.shape
         v = weight.shape[0]
@@ -436,7 +420,7 @@ class NativeBackend:
             d_bias32 = db_acc if db_acc is not None else torch.zeros(v, device=dev, dtype=torch.float32)
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
             self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                 grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept,
+                                 grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept,
                                  grad_sum_z)
         else:
             if d_weight is not None and d_weight.dtype != torch.float32:
@@ -449,7 +433,7 @@ class NativeBackend:
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                        grad_lse, mean_z, call, d_hidden, d_weight, d_bias32, d_hidden_ready=None,
+                        grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32, d_hidden_ready=None,
                         kept=None, grad_sum_z=None) -> None:
         """Vocab tiles outer, token chunks inner: each vocab tile's ``d_W`` rows are complete after its token
         chunks, so a low-precision ``d_W`` is summed in an fp32 ``[vocab_chunk, D]`` tile buffer (counted in the
@@ -462,11 +446,11 @@ class NativeBackend:
         gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
         tc, vc, (n_kept, _) = self._plan(hidden, weight, call)
         kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, kept_dtype(weight.dtype))
-        tile_bytes, _ = split_workspace(call.workspace_bytes, hidden.device)
+        tile_bytes = memory_budget.split(self.name, call.workspace_bytes, hidden.device).transient
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
         sum_z_grad = {} if grad_sum_z is None else {"grad_sum_z": grad_sum_z}
-        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                                     local_target, t0, min(t0 + tc, n), tc if call.deterministic else None,
                                     **sum_z_grad)
                   for t0 in range(0, n, tc)]
@@ -530,7 +514,7 @@ class NativeBackend:
                 d_weight[v0:v1] = acc  # rounded once to the weight dtype
 
     def _backward_blocks(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                         grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready=None, accumulate=None,
+                         grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready=None, accumulate=None,
                          grad_sum_z=None) -> ShardGrads:
         """The invariant level's backward: grid blocks outer, deterministic token chunks inner, every GEMM
         ``[chunk, B]``-shaped; a block's d_W / d_b rows are summed over the chunks in an fp32 ``[B, D]`` / ``[B]``
@@ -547,7 +531,7 @@ class NativeBackend:
         d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_w else None
         d_bias = (db_acc if db_acc is not None else torch.empty_like(bias)) if need_b else None
         gemm_dtype = weight.dtype if dev.type == "cuda" else f32
-        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                                     local_target, t0, min(t0 + tc, n), tc, grad_sum_z) for t0 in range(0, n, tc)]
         h_gemm = [ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype) for ch in chunks]
         for v0, v1, w_blk, b_blk in _grid_blocks(weight, bias, cols):
@@ -598,21 +582,21 @@ class NativeBackend:
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     @staticmethod
-    def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z, local_target, t0: int,
+    def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, local_target, t0: int,
                      t1: int, pad_to: Optional[int], grad_sum_z=None) -> _TokenChunk:
         """The per-token vectors of rows ``[t0, t1)`` that every vocab tile of the backward reads (padded to
         ``pad_to`` rows in deterministic mode: padded rows get p = 0 and no target)."""
         rows = pad_to if pad_to is not None else t1 - t0
         h = _pad_rows(hidden[t0:t1], rows)
         g = _pad_rows(grad_logp[t0:t1], rows)
-        # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z)
+        # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel)
         c0 = g.clone()
         if grad_lse is not None:
             c0 -= _pad_rows(grad_lse[t0:t1], rows)
         ge = None
         if grad_entropy is not None:
             ge = _pad_rows(grad_entropy[t0:t1], rows)
-            c0 -= ge * _pad_rows(mean_z[t0:t1], rows)
+            c0 -= ge * _pad_rows(mean_rel[t0:t1], rows)
         gsz = None if grad_sum_z is None else _pad_rows(grad_sum_z[t0:t1], rows)
         return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
                            g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1), gsz)
@@ -681,13 +665,13 @@ def _forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSh
                               None, sum_z, argmax)
 
 
-def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                        call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
                        grad_sum_z=None) -> ShardGrads:
     need_h, need_w, need_b = needs
     v = weight.shape[0]
     gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
-    c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_z) (never modified)
+    c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel) (never modified)
     if grad_lse is not None:
         c0 = c0 - grad_lse
     slopes = [] if call.softcap is not None else None
@@ -695,7 +679,7 @@ def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp
     slope = slopes[0] if slopes else None
     z -= row_max.unsqueeze(1)
     if grad_entropy is not None:
-        c0 = c0 - grad_entropy * mean_z
+        c0 = c0 - grad_entropy * mean_rel
         p = torch.exp(z - log_sum.unsqueeze(1))
         dz = z.mul_(grad_entropy.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
     else:

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import settings
+from .. import memory_budget, settings
 from ..kernels import kept as kept_layout  # (these three: torch only, no Triton import, no device work)
 from ..kernels import tiles, workspace
 from .base import BlockStats, KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
@@ -37,7 +37,7 @@ class ShardLayout(NamedTuple):
     kept_values: int  # fp32 words of the kept terms (padded to 16 bytes); 0 when nothing is kept
     kept_scales: int  # fp32 words of the kept scales
     kept_dtype: torch.dtype  # the kept terms' dtype
-    transient_bytes: int  # the d_logits workspace part of the budget (workspace.split_budget)
+    transient_bytes: int  # the d_logits workspace part of the budget (memory_budget.split)
 
 
 def _default_device() -> torch.device:
@@ -132,18 +132,16 @@ class TritonBackend:
 
     def _plan_layout(self, n: int, v: int, dtype: torch.dtype, device: torch.device,
                      workspace_bytes: Optional[int], deterministic: bool = False) -> ShardLayout:
-        transient, keep = workspace.split_budget(workspace_bytes)
+        budget = memory_budget.split(self.name, workspace_bytes, device, deterministic)
         kept_dtype = kept_layout.kept_dtype(dtype)
         cfg = self._known_cfg(device, dtype)
         block_v = kept_layout.PLANNING_BLOCK_V if cfg is None else cfg.block_v
-        if workspace.workspace_budget(workspace_bytes) is None:  # the default budget: small calls keep everything,
-            # except deterministic ones (whether a call keeps depends on its token count, and kept terms give other
-            # d_logits bits than a recompute: a row's gradient would then depend on the batch it came in)
-            cols = 0 if deterministic else workspace.default_keep(n, v, kept_dtype.itemsize, block_v)
+        if budget.keep_whole:  # no budget: a call whose terms fit is kept whole (memory_budget's table)
+            cols = workspace.keep_whole(n, v, budget.keep_whole, kept_dtype.itemsize, block_v)
         else:
-            cols = workspace.plan_keep(n, v, keep, kept_dtype.itemsize, block_v)
+            cols = workspace.plan_keep(n, v, budget.keep, kept_dtype.itemsize, block_v)
         values, scales = kept_layout.kept_words(n, cols, kept_dtype.itemsize, block_v) if cols else (0, 0)
-        return ShardLayout(cfg, block_v, cols, values, scales, kept_dtype, transient)
+        return ShardLayout(cfg, block_v, cols, values, scales, kept_dtype, budget.transient)
 
     def _launch_layout(self, hidden, weight, call: ShardCall) -> ShardLayout:
         """:meth:`_layout` of a call about to launch kernels: with its tile config (or ``_cfg``'s error)."""
@@ -158,15 +156,17 @@ class TritonBackend:
         return False
 
     # -- primitives --------------------------------------------------------------------------------------
-    @staticmethod
-    def transient_bytes(device: torch.device) -> int:
-        """The budget's part that goes to the backward's d_logits workspace before anything is kept (the default)."""
-        return workspace.DEFAULT_WORKSPACE_BYTES
+    @classmethod
+    def transient_bytes(cls, device: torch.device) -> int:
+        """The budget's part that goes to the backward's d_logits workspace before anything is kept
+        (:func:`tplogp.memory_budget.transient_bytes`)."""
+        return memory_budget.transient_bytes(cls.name, device)
 
-    @staticmethod
-    def keep_bytes(workspace_bytes: Optional[int], device: torch.device) -> int:
-        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`)."""
-        return workspace.split_budget(workspace_bytes)[1]
+    @classmethod
+    def keep_bytes(cls, workspace_bytes: Optional[int], device: torch.device) -> int:
+        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`;
+        :func:`tplogp.memory_budget.split`)."""
+        return memory_budget.split(cls.name, workspace_bytes, device).keep
 
     def _known_cfg(self, device: torch.device, dtype: torch.dtype):
         """The tile config where it can be known here (the interpreter; a CUDA device that is present), else None
@@ -346,11 +346,11 @@ class TritonBackend:
         return found
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None,
+                 mean_rel, call: ShardCall, needs, d_hidden_ready=None, kept=None, accumulate=None,
                  grad_sum_z=None) -> ShardGrads:
         if call.inputs_checked and isinstance(kept, KeptBuffers):
             grads = self._kept_program_backward(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                                                grad_entropy, grad_lse, mean_z, call, needs, d_hidden_ready, kept,
+                                                grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready, kept,
                                                 accumulate, grad_sum_z)
             if grads is not None:
                 return grads
@@ -359,13 +359,13 @@ class TritonBackend:
         lay = self._launch_layout(hidden, weight, call)
         if call.grid_columns:
             return ShardGrads(*programs.backward_on_grid(
-                hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+                hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                 inv_temperature=call.inv_temperature, columns=call.grid_columns,
                 workspace_bytes=lay.transient_bytes, needs=tuple(needs), cfg=lay.cfg,
                 tma=self._uses_tma(hidden, weight, call), d_hidden_ready=d_hidden_ready, accumulate=accumulate,
                 softcap=call.softcap, grad_sum_z=grad_sum_z))
         d_hidden, d_weight, d_bias = programs.backward(
-            hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_z,
+            hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
             inv_temperature=call.inv_temperature, deterministic=call.deterministic,
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
             cfg=lay.cfg, tma=self._uses_tma(hidden, weight, call),
@@ -376,7 +376,7 @@ class TritonBackend:
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _kept_program_backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                               grad_lse, mean_z, call: ShardCall, needs, d_hidden_ready, kept: KeptBuffers,
+                               grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready, kept: KeptBuffers,
                                accumulate, grad_sum_z=None) -> Optional[ShardGrads]:
         """The backward through the layout's :class:`~tplogp.kernels.programs.KeptBackward` (made at its first call,
         remembered in ``call.programs``), or None where one does not run it (its ``covers``)."""
@@ -402,7 +402,7 @@ class TritonBackend:
                 terms.scales.stride(0), call.deterministic, call.d_hidden_in_input_dtype, hidden.is_cuda, call.softcap,
                 with_sum_z))
         return ShardGrads(*program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                   grad_lse, mean_z, terms, d_hidden_ready, accumulate, grad_sum_z))
+                                   grad_lse, mean_rel, terms, d_hidden_ready, accumulate, grad_sum_z))
 
 
 def _layout_rows(call: ShardCall, n: int) -> bool:

@@ -11,7 +11,7 @@ workspace (weight dtype) fits the byte budget. Per chunk:
        zr = z - M                  (M: global row max; exact 0 at the max)
        p  = exp(zr - log_sum)      (log_sum = log sum exp(z - M): lse = M + log_sum, kept apart so that
                                     1 - p at a peaked target does not cancel against a rounded lse)
-       dz = g * onehot(target) - p * (g - g_lse + g_ent * (zr - mean_zr)) + g_sum_z
+       dz = g * onehot(target) - p * (g - g_lse + g_ent * (zr - mean_rel)) + g_sum_z
        d_logits = dz * inv_temperature * (1 - tanh^2(y / softcap))     (the last factor with a softcap only)
 
    then rounds ``d_logits`` once to the weight dtype into the workspace; with a bias it also writes the fp32
@@ -44,7 +44,7 @@ def bwd_dlogits_kernel(
     p_g,  # [N] fp32 grad of logp, in
     p_gmg,  # [N] fp32 grad_logp - grad_lse, in
     p_ge,  # [N] fp32 grad of entropy, in (only WITH_ENTROPY)
-    p_mz,  # [N] fp32 mean logit relative to the max, E_p[z] - M, in (only WITH_ENTROPY)
+    p_mean_rel,  # [N] fp32 mean logit relative to the max, E_p[z] - M, in (only WITH_ENTROPY)
     p_gsz,  # [N] fp32 grad of sum_v z, in (only WITH_SUM_Z)
     p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
@@ -60,16 +60,16 @@ def bwd_dlogits_kernel(
     o_v = v_lo + i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
     acc = logits_tile(p_h, p_w, o_n, o_v, o_n < N, o_v < v_hi, D, stride_hn, stride_wv,
                        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
-    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz, p_dz,
-                      p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
-                      BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,
+                      p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB, WITH_ENTROPY,
+                      DOT_PRECISION, BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)
 
 
 @triton.jit
 def bwd_dlogits_kept_kernel(
     p_kept,  # [N, >= v_hi] softmax terms exp(z - m) kept by the forward (KEEP), in
     p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 their running max m per row and forward tile, in
-    p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz,  # see bwd_dlogits_kernel
+    p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,  # see bwd_dlogits_kernel
     p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only NEED_DB)
     N, v_lo, v_hi,
@@ -96,14 +96,14 @@ def bwd_dlogits_kept_kernel(
         b_p, b_zr, b_slope = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0,
                                                 v_hi, b_rmax, b_lsum2, WITH_ENTROPY, True, BLOCK_N, BLOCK_V, inv_temp,
                                                 softcap, SOFTCAP)
-        dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+        dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mean_rel, p_dz, p_dbp,
                        stride_dz, stride_dbp, inv_temp, True, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope,
                        p_gsz, SOFTCAP, WITH_SUM_Z)
     else:
         b_p, b_zr, b_slope = kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, i_n * BLOCK_N, N, v0,
                                                 v_hi, b_rmax, b_lsum2, WITH_ENTROPY, False, BLOCK_N, BLOCK_V,
                                                 inv_temp, softcap, SOFTCAP)
-        dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp,
+        dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mean_rel, p_dz, p_dbp,
                        stride_dz, stride_dbp, inv_temp, False, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope,
                        p_gsz, SOFTCAP, WITH_SUM_Z)
 

@@ -82,7 +82,7 @@ def fwd_stats_tma_kernel(
 def bwd_dlogits_tma_kernel(
     d_h,  # descriptor over hidden [N, D], block [BLOCK_N, BLOCK_D]
     d_w,  # descriptor over weight [V, D], block [BLOCK_V, BLOCK_D]
-    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz,  # see bwd_dlogits_kernel
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,  # see bwd_dlogits_kernel
     p_dz,  # [N, v_hi - v_lo] d_logits workspace, out
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial d_bias, out (only NEED_DB)
     N, V, D, v_lo, v_hi,
@@ -96,6 +96,6 @@ def bwd_dlogits_tma_kernel(
     i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
     acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
                            DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz, p_dz,
-                      p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION,
-                      BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,
+                      p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB, WITH_ENTROPY,
+                      DOT_PRECISION, BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)

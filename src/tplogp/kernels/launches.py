@@ -76,7 +76,7 @@ def dlogits_launch(n: int, v: int, d: int, v_lo: int, v_hi: int, stride_h: int, 
                    cfg: TileConfig, precision: Optional[str], tma: bool = False, softcap: Optional[float] = None,
                    with_sum_z: bool = False) -> Launch:
     """The d_logits recompute over the columns ``[v_lo, v_hi)``. Tensors: ``hidden, weight, bias (or hidden),
-    target, row_max, log_sum, g, g - g_lse, g_entropy, mean_z, g_sum_z, dz, dbp``. ``tma``: the Hopper kernel,
+    target, row_max, log_sum, g, g - g_lse, g_entropy, mean_rel, g_sum_z, dz, dbp``. ``tma``: the Hopper kernel,
     ``hidden`` and ``weight`` as tensor descriptors."""
     grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
     flags = dict(HAS_BIAS=has_bias, NEED_DB=need_db, WITH_ENTROPY=with_entropy)
@@ -101,7 +101,7 @@ def dlogits_kept_launch(n: int, v_lo: int, v_hi: int, stride_kept: int, stride_s
                         with_sum_z: bool = False) -> Launch:
     """d_logits from the kept terms over the columns ``[v_lo, v_hi)``: rows per program are the config's own for
     this pass, but the backward's when d_bias partial rows are written. Tensors: ``kept values, kept scales, target,
-    row_max, log_sum, g, g - g_lse, g_entropy, mean_z, g_sum_z, dz, dbp``."""
+    row_max, log_sum, g, g - g_lse, g_entropy, mean_rel, g_sum_z, dz, dbp``."""
     block_n = cfg.bwd_block_n if need_db or cfg.kept_block_n is None else cfg.kept_block_n
     num_warps = cfg.bwd_num_warps if need_db or cfg.kept_num_warps is None else cfg.kept_num_warps
     return Launch(bwd_dlogits_kept_kernel, (cdiv(n, block_n) * cdiv(v_hi - v_lo, cfg.block_v),),

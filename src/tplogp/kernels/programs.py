@@ -303,7 +303,7 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
              local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, grad_logp: torch.Tensor,
-             grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_z: Optional[torch.Tensor],
+             grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_rel: Optional[torch.Tensor],
              inv_temperature: float, deterministic: bool, workspace_bytes: int,
              needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False, kept: Optional[KeptTerms] = None,
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
@@ -353,14 +353,14 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                          kept.values.dtype, kept.scales.stride(0), deterministic, d_hidden_in_input_dtype,
                          hidden.is_cuda, softcap, grad_sum_z is not None)
         return program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                       mean_z, kept, d_hidden_ready, accumulate, grad_sum_z)
+                       mean_rel, kept, d_hidden_ready, accumulate, grad_sum_z)
     f32 = torch.float32
     if not local_target.is_contiguous():
         local_target = local_target.contiguous()
     row_max = f32_contiguous(row_max)
     log_sum = f32_contiguous(log_sum)
     with_entropy = grad_entropy is not None
-    g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
+    g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
     # the d_logits launchers' optional epilogue steps (none: their plain call)
     options = {k: v for k, v in (("softcap", softcap),
                                  ("gsz", None if grad_sum_z is None else f32_contiguous(grad_sum_z)))
@@ -372,7 +372,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     num_nb = cdiv(n, cfg.bwd_block_n)
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
-    args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz)
+    args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel)
     inv_t = float(inv_temperature)
     # one chunk (small shapes): no slicing; otherwise one workspace reused chunk after chunk
     ws = None if len(bounds) == 1 else torch.empty(n * chunk, device=dev, dtype=weight.dtype)
@@ -410,7 +410,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
                      grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
-                     mean_z: Optional[torch.Tensor], inv_temperature: float, columns: int, workspace_bytes: int,
+                     mean_rel: Optional[torch.Tensor], inv_temperature: float, columns: int, workspace_bytes: int,
                      needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False,
                      d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
                      accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
@@ -439,7 +439,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
                 db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     row_max, log_sum = f32_contiguous(row_max), f32_contiguous(log_sum)
-    g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
+    g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
     options = {name: value for name, value in (("softcap", softcap),
                                                ("gsz", None if grad_sum_z is None else f32_contiguous(grad_sum_z)))
                if value is not None}  # (the d_logits launcher's optional epilogue steps)
@@ -454,7 +454,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
         if need_dw else None
     for i_chunk, (v_lo, v_hi) in enumerate(bounds):
         dz = ws[:, : v_hi - v_lo]
-        launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+        launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
                        float(inv_temperature), grad_entropy is not None, need_db, cfg, precision, tma, **options)
         if d_hidden is not None:
             _dh_gemm(dz, weight[v_lo:v_hi], d_hidden, i_chunk, True, cfg, precision)
@@ -496,16 +496,16 @@ def _bias_grad(dbp: torch.Tensor, bias: torch.Tensor, db_acc: Optional[torch.Ten
 
 
 def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
-                    mean_z: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The d_logits kernels' per-token inputs ``(g, g - g_lse, g_entropy, mean_z)``, contiguous fp32 (``g`` in place
+                    mean_rel: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The d_logits kernels' per-token inputs ``(g, g - g_lse, g_entropy, mean_rel)``, contiguous fp32 (``g`` in place
     of the terms a call does not have: the kernels do not read them then)."""
     g = f32_contiguous(grad_logp)
     gmg = g if grad_lse is None else (g - grad_lse.to(torch.float32)).contiguous()
     if grad_entropy is None:
         return g, gmg, g, g
-    if mean_z is None:
-        raise KernelInputError("grad_entropy was given without mean_z; the entropy gradient needs E_p[z] - M")
-    return g, gmg, f32_contiguous(grad_entropy), f32_contiguous(mean_z)
+    if mean_rel is None:
+        raise KernelInputError("grad_entropy was given without mean_rel; the entropy gradient needs E_p[z] - M")
+    return g, gmg, f32_contiguous(grad_entropy), f32_contiguous(mean_rel)
 
 
 def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileConfig, precision) -> None:
@@ -522,7 +522,7 @@ def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: Tile
         fp32_gemm.addmm_(d_hidden, dz, w_chunk)
 
 
-def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
                         inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
                         launch: Optional[Callable] = None, softcap: Optional[float] = None,
                         gsz: Optional[torch.Tensor] = None) -> None:
@@ -535,10 +535,10 @@ def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg,
         launch = cached(dlogits_kept_launch, values.shape[0], v_lo, v_hi, values.stride(0), scales.stride(0),
                         dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature, with_entropy, need_db, cfg,
                         precision, softcap, gsz is not None)
-    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mz, g if gsz is None else gsz, dz, dbp)
+    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mean_rel, g if gsz is None else gsz, dz, dbp)
 
 
-def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mz, dz, dbp, v_lo, v_hi,
+def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
                    inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
                    tma: bool = False, softcap: Optional[float] = None, gsz: Optional[torch.Tensor] = None) -> None:
     """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal; ``softcap``,
@@ -550,7 +550,7 @@ def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg,
     launch = cached(dlogits_launch, n, weight.shape[0], d, v_lo, v_hi, hidden.stride(0), weight.stride(0),
                     dz.stride(0), dbp.stride(0) if need_db else 0, bias is not None, need_db, with_entropy,
                     inv_temperature, cfg, precision, tma, softcap, gsz is not None)
-    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg, ge, mz,
+    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel,
            g if gsz is None else gsz, dz, dbp)
 
 
@@ -599,20 +599,20 @@ class KeptBackward:
                 and (needs[0], needs[1], needs[2] and bias is not None) == self.needs)
 
     def __call__(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_z, kept: KeptTerms, d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+                 mean_rel, kept: KeptTerms, d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
                  accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
                  grad_sum_z: Optional[torch.Tensor] = None):
         """``(d_hidden | None, d_weight | None, d_bias | None)``, the per-token tensors as :func:`backward` takes
         them (``grad_sum_z`` given iff the program was made ``with_sum_z``)."""
         need_dh, need_dw, need_db = self.needs
         dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
-        g, gmg, ge, mz = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_z)
+        g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
         device = hidden.device
         dbp = torch.empty(self.dbp_shape, device=device, dtype=torch.float32) if need_db else g
         dz = kept.values if kept.values.dtype == weight.dtype else kept.values.view(weight.dtype)
         if not local_target.is_contiguous():
             local_target = local_target.contiguous()
-        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g, gmg, ge, mz,
+        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g, gmg, ge, mean_rel,
                             dz, dbp, 0, dz.shape[1], self.inv_temperature, self.with_entropy, need_db, self.cfg,
                             self.precision, self.dlogits,
                             **({} if grad_sum_z is None else {"gsz": f32_contiguous(grad_sum_z)}))

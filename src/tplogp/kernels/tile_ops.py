@@ -12,7 +12,7 @@ statistics in raw units (``y = acc + b``, ``c = log2(e) / T``)::
     t += y[target]                                           (read from the fp32 accumulator)
 
 stored in natural units by :func:`natural_units` / :func:`store_stats`. Backward epilogue (:func:`dlogits_tile`):
-``zr = z - M``, ``p = exp(zr - log_sum)``, ``dz = g onehot - p (g - g_lse + g_ent (zr - mean_zr))``, times 1/T,
+``zr = z - M``, ``p = exp(zr - log_sum)``, ``dz = g onehot - p (g - g_lse + g_ent (zr - mean_rel))``, times 1/T,
 rounded once to the weight dtype. Kept terms (:func:`keep_tile`, :func:`kept_probabilities`): the forward stores
 each tile's softmax terms ``exp(z - m)`` below a column bound (16 bits for 16-bit inputs) with the running max ``m``
 per row and tile, the backward forms ``p`` from them instead of recomputing the GEMM (:func:`dlogits_finish` is
@@ -277,7 +277,7 @@ def store_stats(p_stats, plane, offs, mask, b_max, b_sum, b_tl, b_sez, WITH_ENTR
 def dlogits_epilogue(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     i_n, i_v, N, v_lo, v_hi,  # the tile (token block, column block of the chunk), the rows, the chunk [v_lo, v_hi)
-    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz, p_dz, p_dbp,  # see bwd_dlogits_kernel
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz, p_dz, p_dbp,  # see bwd_dlogits_kernel
     stride_dz, stride_dbp,
     inv_temp, softcap,
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -289,11 +289,11 @@ def dlogits_epilogue(
     o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
     v0 = v_lo + i_v * BLOCK_V
     if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
-        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz,
+        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,
                       p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, True, HAS_BIAS, NEED_DB, WITH_ENTROPY,
                       DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
     else:
-        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz,
+        dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,
                       p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, False, HAS_BIAS, NEED_DB, WITH_ENTROPY,
                       DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
 
@@ -302,7 +302,7 @@ def dlogits_epilogue(
 def dlogits_tile(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     i_n, o_n, o_c, v0, N, v_hi,  # token block, its rows, the tile's chunk columns, first shard column, bounds
-    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mz, p_gsz, p_dz, p_dbp,  # see bwd_dlogits_kernel
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz, p_dz, p_dbp,  # see bwd_dlogits_kernel
     stride_dz, stride_dbp,
     inv_temp, softcap,
     MASKED: tl.constexpr,  # the tile reaches past N or v_hi (edge tiles only)
@@ -331,7 +331,7 @@ def dlogits_tile(
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
     b_zr = acc * inv_temp - b_rmax[:, None]  # z - M
     b_p = exp2(b_zr * LOG2E - b_lsum2[:, None], FAST_EXP2)  # [BLOCK_N, BLOCK_V]
-    dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz,
+    dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mean_rel, p_dz, p_dbp, stride_dz,
                    stride_dbp, inv_temp, MASKED, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope, p_gsz,
                    SOFTCAP, WITH_SUM_Z)
 
@@ -339,7 +339,7 @@ def dlogits_tile(
 @triton.jit
 def dlogits_finish(
     b_p, b_zr,  # [BLOCK_N, BLOCK_V] fp32 probabilities and z - M (b_zr only read WITH_ENTROPY)
-    i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp,
+    i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mean_rel, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp,
     MASKED: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_V: tl.constexpr,
     b_slope=None,  # [BLOCK_N, BLOCK_V] fp32 the softcap's 1 - tanh^2 (only SOFTCAP)
@@ -358,8 +358,8 @@ def dlogits_finish(
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
     if WITH_ENTROPY:
         b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0) * inv_temp
-        b_mz = tl.load(p_mz + o_n, mask=m_n, other=0.0)
-        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mz[:, None])
+        b_mean_rel = tl.load(p_mean_rel + o_n, mask=m_n, other=0.0)
+        b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mean_rel[:, None])
     else:
         b_coef = b_gmg[:, None]
     t_col = target_column(b_tgt, v0, BLOCK_V)

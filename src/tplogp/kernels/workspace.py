@@ -1,61 +1,25 @@
-"""How a budget splits between the backward's d_logits workspace and the kept softmax terms, and how the backward
-cuts the vocab into workspace chunks (torch only: no Triton import).
+"""How the triton / sm90 backward cuts the vocab into d_logits workspace chunks, and which columns a budget's kept
+part holds (torch only: no Triton import).
 
-The transient d_logits workspace gets up to ``DEFAULT_WORKSPACE_BYTES``; the rest of a call's budget holds softmax
-terms kept from forward to backward (:mod:`.kept`). Without a budget small calls keep every column
-(:func:`default_keep`). Chunk widths are multiples of ``CHUNK_ALIGN``, so the deterministic d_hidden K order is the
-same whatever the chunking.
+The budget's split into the d_logits workspace and the kept part is :func:`tplogp.memory_budget.split`'s. Kept
+columns are the shard's first ones (:func:`plan_keep`; without a budget :func:`keep_whole`); chunk widths are
+multiples of ``CHUNK_ALIGN``, so the deterministic d_hidden K order is the same whatever the chunking.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-from .. import settings
 from .kept import PLANNING_BLOCK_V, kept_bytes
 from .tiles import cdiv
 
-_MIB = 1 << 20
-# Default d_logits workspace budget (bytes): large enough for full-efficiency GEMMs at N = 8192
-# ([8192, 8192] bf16 chunks), small against the 256 MiB extra-memory allowance.
-DEFAULT_WORKSPACE_BYTES = 128 * _MIB
 # Chunk widths are multiples of this (covers every BLOCK_V and BLOCK_K in the config table), so that the
 # deterministic d_hidden K order is the same whatever the chunking.
 CHUNK_ALIGN = 256
 
 
-def workspace_budget(workspace_bytes: Optional[int]) -> Optional[int]:
-    """The call's budget in bytes, else ``TPLOGP_WORKSPACE_MB``, else None (the default, :func:`default_keep`)."""
-    if workspace_bytes is not None:
-        return workspace_bytes
-    return settings.workspace_bytes()
-
-
-def split_budget(workspace_bytes: Optional[int]) -> tuple[int, int]:
-    """``(d_logits workspace bytes, kept-logits bytes)`` of a budget (the call's, else ``TPLOGP_WORKSPACE_MB``).
-
-    The transient d_logits workspace gets up to ``DEFAULT_WORKSPACE_BYTES``; the rest holds fp32 logits kept from
-    forward to backward. Unset: the default workspace and no keep bytes (a GPU source then keeps what
-    :func:`default_keep` allows)."""
-    budget = workspace_budget(workspace_bytes)
-    if budget is None:
-        return DEFAULT_WORKSPACE_BYTES, 0
-    return min(budget, DEFAULT_WORKSPACE_BYTES), max(0, budget - DEFAULT_WORKSPACE_BYTES)
-
-
-
-def default_keep(n: int, v: int, itemsize: int = 2, block_v: int = PLANNING_BLOCK_V) -> int:
-    """Vocab columns kept under the default budget (no call budget, no ``TPLOGP_WORKSPACE_MB``): the whole shard when
-    its kept terms and scales fit ``DEFAULT_WORKSPACE_BYTES``, else none.
-
-    Such a call's backward runs one chunk either way: without keeping it allocates an ``[N, V]`` d_logits workspace
-    of the weight's dtype, with keeping it writes d_logits in place of the kept terms (``ShardCall.consume_kept``).
-    So the backward's peak grows at most by the scales (``4 / block_v`` bytes per logit; the eager paths free them
-    before allocating the gradients, ``ShardCall.scales_apart``), and the call skips the
-    recompute GEMM: at small shapes, where that GEMM is a quarter of the GPU time, the default runs 3 GEMMs. The
-    terms are held from forward to backward (at most ``DEFAULT_WORKSPACE_BYTES`` per call); an explicit budget of
-    ``DEFAULT_WORKSPACE_BYTES`` keeps nothing."""
-    if n == 0 or v == 0 or kept_bytes(n, v, itemsize, block_v) > DEFAULT_WORKSPACE_BYTES:
+def keep_whole(n: int, v: int, limit_bytes: int, itemsize: int = 2, block_v: int = PLANNING_BLOCK_V) -> int:
+    """Vocab columns kept without a budget (``BudgetSplit.keep_whole``): the whole shard when its kept terms and
+    scales fit ``limit_bytes``, else none."""
+    if n == 0 or v == 0 or kept_bytes(n, v, itemsize, block_v) > limit_bytes:
         return 0
     return v
 
@@ -74,10 +38,9 @@ def plan_keep(n: int, v: int, keep_bytes: int, itemsize: int = 2, block_v: int =
     return min(max(cols, 0), v)
 
 
-
 def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: int) -> int:
-    """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits ``workspace_bytes`` (the d_logits part of
-    the budget, :func:`split_budget`); a multiple of CHUNK_ALIGN."""
+    """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits ``workspace_bytes`` (the budget's
+    transient part, :func:`tplogp.memory_budget.split`); a multiple of CHUNK_ALIGN."""
     cols = workspace_bytes // max(1, n * itemsize)
     cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
     return min(cols, cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)
