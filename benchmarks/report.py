@@ -91,8 +91,8 @@ python -m benchmarks report                                 # rewrites this page
 python -m benchmarks op --shapes 4096x2048x8192 --impls tplogp-sm90 --base main   # A/B against another commit
 python -m benchmarks op --shapes 8192x4096x128256 --impls tplogp-loss-sm90,tplogp-gspo-sm90,tplogp-dapo-sm90
                                                             # GSPO and DAPO steps beside the fused CE, per budget
-python -m benchmarks op --shapes 8192x4096x128256,8192x4096x32768 --impls tplogp-sm90,tplogp-loss-sm90 \
-    --budgets default,keep:1 \
+python -m benchmarks op --shapes 8192x4096x128256,8192x4096x32768 --impls tplogp-sm90,tplogp-loss-sm90 \\
+    --budgets default,keep:1 \\
     --variants softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4
                                                             # options against the same call without them (x plain)
 ```
