@@ -69,7 +69,7 @@ METHOD = """## Method
   variant's row has the budget label of its plain row followed by the variant's label, its errors against the
   float64 truth of its own math (softcap and the loss terms change the reference, the deterministic levels do not),
   and in the contract cell its forward+backward time over the plain row's ("x plain", synced / b2b), the two timed
-  in the same rounds.
+  in the same rounds. Variant rows are in the shape's table, not in its plot.
 * **Floors.** A per-token op that keeps O(T) state needs 4 GEMMs forward+backward (forward, recompute, d_hidden,
   d_W); 3 GEMMs when the `[T, V]` logits are kept from forward to backward or the loss is a scalar known in the
   forward. The memory floor is d_W + d_hidden.
