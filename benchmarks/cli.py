@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     op.add_argument("--checks", default=None,
                     help="TPLOGP_CHECKS modes of tplogp's rows, comma-separated: full, sync, fast (default: "
                          "TPLOGP_CHECKS, else full)")
+    op.add_argument("--variants", metavar="V,...",
+                    help="also measure each tplogp row with options added, one row per variant, its float64 errors "
+                         "against its own math and its time over the plain row's (vs_plain): softcap=C, "
+                         "deterministic=true, deterministic=tp_invariant, label_smoothing=E, z_loss=K (the last two "
+                         "on the fused cross-entropy rows); join options of one variant with '+', e.g. "
+                         "softcap=30,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4 "
+                         "(benchmarks/variants.py)")
     op.add_argument("--no-check", action="store_true", help="skip the float64 error columns")
     op.add_argument("--no-plot", action="store_true", help="do not redraw the plots")
 
@@ -113,6 +120,7 @@ def _finish(out: str, rows: list[dict], info: dict, smoke: bool, fmt) -> None:
 def _op(args) -> int:
     from . import impls as impl_table
     from . import op, plots
+    from .variants import parse_variants
 
     device = _device()
     smoke = args.smoke
@@ -120,6 +128,7 @@ def _op(args) -> int:
     budgets = [runner.parse_budget_spec(b) for b in (args.budgets or (OP_SMOKE_BUDGETS if smoke else OP_BUDGETS))
                .split(",") if b.strip()]
     chosen = impl_table.select(args.impls)
+    variants = tuple(parse_variants(args.variants))
     reps = args.reps or (2 if smoke else 10)
     rounds = args.rounds or (1 if smoke else 3)
     warm_ms = args.warm_ms if args.warm_ms is not None else (0.0 if smoke else 300.0)
@@ -129,7 +138,7 @@ def _op(args) -> int:
           f"peers {info['peers']} | checks {','.join(checks)}", flush=True)
     for shape in shapes:
         rows = op.bench_shape(shape, chosen, budgets, args.dtype, device, reps=reps, rounds=rounds,
-                              warm_ms=warm_ms, check=not args.no_check, checks=checks)
+                              warm_ms=warm_ms, check=not args.no_check, checks=checks, variants=variants)
         _finish(args.out, rows, info, smoke, op.format_row)
     if not args.no_plot and not smoke:
         for path in plots.write_all(runner.read_rows(args.out), args.out):

@@ -12,7 +12,9 @@ An entry names the implementation, the contract it meets and how to build its ca
   measured against the float64 definition of the same loss.
 
 ``budgeted`` entries are measured once per ``--budgets`` value (resolved for the entry's ``source`` and passed as
-``workspace_bytes``, :class:`benchmarks.runner.BudgetSpec`); the others once.
+``workspace_bytes``, :class:`benchmarks.runner.BudgetSpec`); the others once. The builders of tplogp's (budgeted)
+entries also take a ``variant`` (:class:`benchmarks.variants.Variant`, ``--variants``): the options it adds to
+the call.
 A builder raises :class:`ImplUnavailable` with the reason when the implementation cannot run here (package not
 installed, wrong device); any other exception is recorded too: every requested implementation becomes a row,
 with numbers or with the reason it has none. A new path (for example a fused loss of tplogp) is one more entry.
@@ -64,8 +66,16 @@ def _needs_cuda(device: torch.device, name: str) -> None:
         raise ImplUnavailable(f"{name} runs on CUDA devices only (got {device.type})")
 
 
-def _tplogp(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
-    def build(device: torch.device, budget: Optional[int]) -> ImplFn:
+def _options(budget: Optional[int], variant) -> dict:
+    """tplogp's keywords of a budget (None: the default) and a variant's options."""
+    options = {} if budget is None else {"workspace_bytes": budget}
+    if variant is not None:
+        options.update(variant.call_options())
+    return options
+
+
+def _tplogp(source: str) -> Callable[..., ImplFn]:
+    def build(device: torch.device, budget: Optional[int], variant=None) -> ImplFn:
         from tplogp import get_op
         from tplogp.kernel_registry import unavailable_reason
 
@@ -73,32 +83,37 @@ def _tplogp(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
         if why is not None:
             raise ImplUnavailable(why)
         op = get_op("linear_logp", source=source)
-        options = {} if budget is None else {"workspace_bytes": budget}
+        options = _options(budget, variant)
         return lambda h, w, y: op(h, w, y, **options)
 
     return build
 
 
-def _tplogp_loss(source: str) -> Callable[[torch.device, Optional[int]], ImplFn]:
-    def build(device: torch.device, budget: Optional[int]) -> ImplFn:
+def _tplogp_loss(source: str) -> Callable[..., ImplFn]:
+    def build(device: torch.device, budget: Optional[int], variant=None) -> ImplFn:
         from tplogp.kernel_registry import unavailable_reason
 
         why = unavailable_reason(source, device)
         if why is not None:
             raise ImplUnavailable(why)
         fused, losses = _import("tplogp", "linear_logp_loss"), _import("tplogp", "losses")
-        options = {} if budget is None else {"workspace_bytes": budget}
+        options = _options(budget, variant)
         # the built-in cross-entropy (-logp, closed-form derivative), comparable to the peers' mean CE; it reads no
-        # entropy: the sources skip its statistics
-        cross_entropy = losses.cross_entropy()
+        # entropy: the sources skip its statistics. A variant's label smoothing and z-loss: the same built-ins
+        if variant is None or not variant.loss_terms:
+            cross_entropy = losses.cross_entropy()
+        else:
+            cross_entropy = losses.cross_entropy(label_smoothing=variant.label_smoothing)
+            if variant.z_loss:
+                cross_entropy = cross_entropy + losses.z_loss(variant.z_loss)
         return lambda h, w, y: fused(h, w, y, loss=cross_entropy, reduction="mean", source=source,
                                      with_entropy=False, **options)
 
     return build
 
 
-def _tplogp_policy(name: str, source: str) -> Callable[[torch.device, Optional[int]], Callable]:
-    def build(device: torch.device, budget: Optional[int]) -> Callable:
+def _tplogp_policy(name: str, source: str) -> Callable[..., Callable]:
+    def build(device: torch.device, budget: Optional[int], variant=None) -> Callable:
         from tplogp.kernel_registry import unavailable_reason
 
         from . import policy
@@ -106,7 +121,7 @@ def _tplogp_policy(name: str, source: str) -> Callable[[torch.device, Optional[i
         why = unavailable_reason(source, device)
         if why is not None:
             raise ImplUnavailable(why)
-        return policy.tplogp_fn(name, source, budget)
+        return policy.tplogp_fn(name, source, _options(budget, variant))
 
     return build
 

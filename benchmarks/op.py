@@ -29,6 +29,11 @@ Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / s
 * ``vs_cross_entropy`` (and ``_b2b``), tplogp's policy-loss rows (:mod:`benchmarks.policy`: a GSPO and a DAPO
   step): forward+backward milliseconds over those of the plain fused cross-entropy (``tplogp-loss-<source>``) at
   the same budget, timed in the same rounds; present when both rows ran;
+* ``variant`` and ``vs_plain`` (and ``_b2b``), the rows ``--variants`` adds (:mod:`benchmarks.variants`: softcap, a
+  deterministic level, label smoothing and z-loss): one per tplogp row and variant that applies to it, its budget
+  label ending with the variant's; its errors against the float64 truth of its own math; its forward+backward
+  milliseconds over the same call's without the variant (same implementation, budget and checks mode), timed in
+  the same rounds, next to it in the rotating order;
 * ``contract``; ``error`` instead of numbers when the implementation could not be built or run.
 
 Floors for the plots (one GEMM is 2TDV FLOP): a per-token op keeping O(T) state needs 4 GEMMs forward+backward
@@ -46,12 +51,13 @@ import contextlib
 import functools
 import os
 import statistics
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from . import policy, runner
 from .impls import PER_TOKEN, POLICY_LOSS, SCALAR_LOSS, Impl, ImplUnavailable
+from .variants import Variant, float64_cross_entropy
 
 DTYPES = runner.DTYPES
 MODES = (("", False), ("_b2b", True))
@@ -67,33 +73,73 @@ def make_problem(T: int, D: int, V: int, dtype: torch.dtype, device: torch.devic
     return h, w, y, gy
 
 
-def float64_truth(h, w, y, gy, scalars: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> dict:
-    """Float64 logp and its d_hidden / d_W for the per-token upstream ``gy``; per entry of ``scalars`` (a name and
-    its loss as a function of the float64 logp ``[T]``) the loss ``loss:<name>`` and its ``dh:<name>`` /
-    ``dw:<name>``."""
-    from tplogp.reference import reference_outputs
+class Float64Stats(NamedTuple):
+    """A problem's float64 per-token statistics ``[T]`` (differentiable) and its vocabulary size."""
+
+    logp: torch.Tensor
+    lse: torch.Tensor
+    sum_z: torch.Tensor
+    vocab: int
+
+
+def float64_truth(h, w, y, gy, scalars: dict[str, Callable[[Float64Stats], torch.Tensor]], *,
+                  softcap: Optional[float] = None, per_token: bool = True) -> dict:
+    """The float64 truth of the problem with logits ``cap(h @ w.T)`` (``softcap``; None: no cap): with
+    ``per_token``, the logp and its d_hidden / d_W for the per-token upstream ``gy``; per entry of ``scalars`` (a
+    name and its loss as a function of the float64 statistics, :class:`Float64Stats`) the loss ``loss:<name>`` and
+    its ``dh:<name>`` / ``dw:<name>``."""
+    from tplogp.reference import reference_logits
 
     hd = h.detach().double().requires_grad_()
     wd = w.detach().double().requires_grad_()
-    logp = reference_outputs(hd, wd, y, mode="float64").logp
-    truth = {"logp": logp.detach()}
-    truth["dh"], truth["dw"] = torch.autograd.grad(logp, (hd, wd), gy.double(), retain_graph=bool(scalars))
+    logits = reference_logits(hd, wd, mode="float64", softcap=softcap)
+    lse = torch.logsumexp(logits, -1)
+    stats = (logits.gather(1, y[:, None])[:, 0] - lse, lse, logits.sum(-1))
+    del logits
+    truth = {}
+    if per_token:
+        truth["logp"] = stats[0].detach()
+        truth["dh"], truth["dw"] = torch.autograd.grad(stats[0], (hd, wd), gy.double(), retain_graph=bool(scalars))
     for i, (name, loss_of) in enumerate(scalars.items()):
-        leaf = logp.detach().requires_grad_()
+        leaves = [x.detach().requires_grad_() for x in stats]
         with torch.enable_grad():
-            value = loss_of(leaf)
-            (g_logp,) = torch.autograd.grad(value, leaf)
+            value = loss_of(Float64Stats(*leaves, vocab=w.shape[0]))
+            grads = torch.autograd.grad(value, leaves, allow_unused=True)
+        used = [(x, g) for x, g in zip(stats, grads) if g is not None]
         truth["loss:" + name] = value.detach()
-        truth["dh:" + name], truth["dw:" + name] = torch.autograd.grad(logp, (hd, wd), g_logp,
-                                                                       retain_graph=i + 1 < len(scalars))
+        truth["dh:" + name], truth["dw:" + name] = torch.autograd.grad(
+            [x for x, _ in used], (hd, wd), [g for _, g in used], retain_graph=i + 1 < len(scalars))
     return truth
 
 
-def truth_key(impl: Impl) -> Optional[str]:
-    """The :func:`float64_truth` loss an implementation is measured against (None: the per-token logp)."""
+def truth_key(impl: Impl, variant: Optional[Variant] = None) -> Optional[str]:
+    """The :func:`float64_truth` loss an implementation (with a variant's options) is measured against (None: the
+    per-token logp)."""
     if impl.contract == PER_TOKEN:
         return None
-    return "ce" if impl.contract == SCALAR_LOSS else impl.policy
+    if impl.contract == SCALAR_LOSS:
+        return "ce" if variant is None or not variant.loss_terms else f"ce:{variant.label_smoothing}:{variant.z_loss}"
+    return impl.policy
+
+
+def _truths(h, w, y, gy, plans, inputs) -> dict:
+    """``{softcap: float64_truth}`` of every math the planned ``(impl, variant)`` rows are measured against."""
+    needs: dict[Optional[float], dict] = {}
+    for impl, variant in plans:
+        cap = None if variant is None else variant.softcap
+        need = needs.setdefault(cap, {"per_token": False, "scalars": {}})
+        key = truth_key(impl, variant)
+        if key is None:
+            need["per_token"] = True
+        elif impl.contract == POLICY_LOSS:
+            need["scalars"][key] = (lambda s, name=key: policy.eager_loss(
+                name, s.logp.view(inputs.layout), inputs.advantages, inputs.old_logp))
+        else:
+            smoothing, z = (0.0, 0.0) if variant is None else (variant.label_smoothing, variant.z_loss)
+            need["scalars"][key] = lambda s, smoothing=smoothing, z=z: float64_cross_entropy(s, smoothing, z)
+    return {cap: float64_truth(h, w, y, gy, dict(sorted(need["scalars"].items())), softcap=cap,
+                               per_token=need["per_token"])
+            for cap, need in needs.items()}
 
 
 def cross_entropy_pair(row: dict) -> Optional[tuple]:
@@ -102,6 +148,18 @@ def cross_entropy_pair(row: dict) -> Optional[tuple]:
     if row["contract"] != POLICY_LOSS or not row["impl"].startswith("tplogp-"):
         return None
     return f"tplogp-loss-{row['impl'].rsplit('-', 1)[1]}", row["budget"], row["checks"]
+
+
+def plain_pair(row: dict) -> Optional[tuple]:
+    """The (impl, budget, checks) of the row a variant row is compared with: the same call without the variant
+    (None for a row without one)."""
+    if row.get("variant") is None:
+        return None
+    return row["impl"], row["budget"].removesuffix(", " + row["variant"]), row["checks"]
+
+
+# the ratio columns of forward+backward milliseconds (``<name>`` synced, ``<name>_b2b``) and the row each is over
+RATIOS = (("vs_cross_entropy", cross_entropy_pair), ("vs_plain", plain_pair))
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -126,9 +184,10 @@ def checks_mode(mode: str):
 
 def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[runner.BudgetSpec], dtype: str,
                 device: torch.device, *, reps: int, rounds: int, warm_ms: float, check: bool,
-                checks: tuple[str, ...] = ("full",)) -> list[dict]:
+                checks: tuple[str, ...] = ("full",), variants: tuple[Variant, ...] = ()) -> list[dict]:
     """The rows of one shape (module docstring). ``checks``: the ``TPLOGP_CHECKS`` modes of tplogp's (budgeted)
-    rows; every other implementation runs once, under ``full``."""
+    rows; every other implementation runs once, under ``full``. ``variants``: each adds a row beside every tplogp
+    row it applies to (:mod:`benchmarks.variants`)."""
     T, D, V = shape
     h, w, y, gy = make_problem(T, D, V, DTYPES[dtype], device)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -143,68 +202,67 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
     def timed(fn, b2b):
         return runner.median_ms(fn, device, reps=reps, warmup=3 if reps >= 3 else 1, warm_ms=warm_ms, back_to_back=b2b)
 
-    policies = {i.policy for i in impls if i.contract == POLICY_LOSS}
-    inputs = policy.make_inputs(h, w, y) if policies else None
-    scalars = {name: (lambda logp, name=name: policy.eager_loss(name, logp.view(inputs.layout), inputs.advantages,
-                                                                inputs.old_logp))
-               for name in sorted(policies)}
-    if any(i.contract == SCALAR_LOSS for i in impls):
-        scalars["ce"] = lambda logp: -logp.mean()
-    truth = float64_truth(h, w, y, gy, scalars) if check else None
+    # per implementation, budget and checks mode: the plain call, then each variant that applies to it
+    plans = [(impl, spec, mode, variant) for impl in impls
+             for spec in (budgets if impl.budgeted else [runner.BudgetSpec("default")])
+             for mode in (checks if impl.budgeted else ("full",))
+             for variant in (None, *(v for v in variants if v.applies_to(impl)))]
+    inputs = policy.make_inputs(h, w, y) if any(i.contract == POLICY_LOSS for i in impls) else None
+    truths = _truths(h, w, y, gy, {(impl, variant) for impl, _, _, variant in plans}, inputs) if check else None
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    rows, live = [], []
-    for impl in impls:
-        variants = [(spec, mode) for spec in (budgets if impl.budgeted else [runner.BudgetSpec("default")])
-                    for mode in (checks if impl.budgeted else ("full",))]
-        for spec, mode in variants:
-            label = spec.label if mode == "full" else f"{spec.label}, checks {mode}"
-            row = dict(common, impl=impl.name, contract=impl.contract, budget=label, budget_bytes=spec.nbytes,
-                       checks=mode)
-            rows.append(row)
-            try:
-                budget = row["budget_bytes"] = spec.resolve(impl.source, shape, DTYPES[dtype], device)
-                fn = impl.build(device, budget)
-                if impl.contract == POLICY_LOSS:
-                    fn = functools.partial(fn, inputs=inputs)
-            except ImplUnavailable as exc:
-                row["error"] = f"unavailable: {exc}"
-                continue
-            except Exception as exc:  # a peer that breaks while building is a result, not a crash of the run
-                row["error"] = f"build: {type(exc).__name__}: {str(exc)[:300]}"
-                continue
-            per_token = impl.contract == PER_TOKEN
+    rows, live, truth = [], [], None
+    for impl, spec, mode, variant in plans:
+        label = spec.label if mode == "full" else f"{spec.label}, checks {mode}"
+        row = dict(common, impl=impl.name, contract=impl.contract, budget=label, budget_bytes=spec.nbytes,
+                   checks=mode)
+        if variant is not None:
+            row.update(budget=f"{label}, {variant.label}", variant=variant.label)
+        rows.append(row)
+        try:
+            budget = row["budget_bytes"] = spec.resolve(impl.source, shape, DTYPES[dtype], device)
+            fn = impl.build(device, budget) if variant is None else impl.build(device, budget, variant=variant)
+            if impl.contract == POLICY_LOSS:
+                fn = functools.partial(fn, inputs=inputs)
+        except ImplUnavailable as exc:
+            row["error"] = f"unavailable: {exc}"
+            continue
+        except Exception as exc:  # a peer that breaks while building is a result, not a crash of the run
+            row["error"] = f"build: {type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        per_token = impl.contract == PER_TOKEN
 
-            def fwd(fn=fn):
-                with torch.no_grad():
-                    return fn(h, w, y)
+        def fwd(fn=fn):
+            with torch.no_grad():
+                return fn(h, w, y)
 
-            def fwd_bwd(fn=fn, per_token=per_token):
-                out = fn(hg, wg, y)
-                out.backward(gy if per_token else None)
-                hg.grad = wg.grad = None
+        def fwd_bwd(fn=fn, per_token=per_token):
+            out = fn(hg, wg, y)
+            out.backward(gy if per_token else None)
+            hg.grad = wg.grad = None
 
-            try:
-                with checks_mode(mode):
-                    if truth is not None:
-                        out = fn(hg, wg, y)
-                        out.backward(gy if per_token else None)
-                        key = truth_key(impl)
-                        if key is None:
-                            row["err_logp"] = _rel(out.float(), truth["logp"])
-                        else:
-                            row["err_loss"] = _rel(out.float().reshape(()), truth["loss:" + key])
-                        row["err_d_hidden"] = _rel(hg.grad, truth["dh" if key is None else "dh:" + key])
-                        row["err_d_weight"] = _rel(wg.grad, truth["dw" if key is None else "dw:" + key])
-                        hg.grad = wg.grad = None
-                        del out
-                live.append((row, fwd, fwd_bwd, {}))
-            except Exception as exc:
-                hg.grad = wg.grad = None
-                row["error"] = f"run: {type(exc).__name__}: {str(exc)[:300]}"
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    del truth
+        try:
+            with checks_mode(mode):
+                if truths is not None:
+                    truth = truths[None if variant is None else variant.softcap]
+                    out = fn(hg, wg, y)
+                    out.backward(gy if per_token else None)
+                    key = truth_key(impl, variant)
+                    if key is None:
+                        row["err_logp"] = _rel(out.float(), truth["logp"])
+                    else:
+                        row["err_loss"] = _rel(out.float().reshape(()), truth["loss:" + key])
+                    row["err_d_hidden"] = _rel(hg.grad, truth["dh" if key is None else "dh:" + key])
+                    row["err_d_weight"] = _rel(wg.grad, truth["dw" if key is None else "dw:" + key])
+                    hg.grad = wg.grad = None
+                    del out
+            live.append((row, fwd, fwd_bwd, {}))
+        except Exception as exc:
+            hg.grad = wg.grad = None
+            row["error"] = f"run: {type(exc).__name__}: {str(exc)[:300]}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    del truths, truth
     for i_round in range(rounds):
         k = i_round % len(live) if live else 0
         for row, fwd, fwd_bwd, samples in live[k:] + live[:k]:
@@ -252,22 +310,24 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         row["extra_peak_gib"] = None if peak is None else round(peak, 4)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    _ratios_to_cross_entropy(rows)
+    _ratios(rows)
     return rows
 
 
-def _ratios_to_cross_entropy(rows: list[dict]) -> None:
-    """``vs_cross_entropy`` (synced) and ``vs_cross_entropy_b2b`` of each timed tplogp policy-loss row: its
-    forward+backward milliseconds over those of the plain fused cross-entropy at the same source, budget and checks
-    mode, timed in the same rounds (:func:`cross_entropy_pair`)."""
+def _ratios(rows: list[dict]) -> None:
+    """Each :data:`RATIOS` column (synced, and ``_b2b``) of each timed row that has its other row: the row's
+    forward+backward milliseconds over the other's, both timed in the same rounds (``vs_cross_entropy``: a tplogp
+    policy-loss row over the plain fused cross-entropy at the same source, budget and checks mode,
+    :func:`cross_entropy_pair`; ``vs_plain``: a variant row over the same call without it, :func:`plain_pair`)."""
     by_key = {(r["impl"], r["budget"], r["checks"]): r for r in rows}
-    for r in rows:
-        pair = cross_entropy_pair(r)
-        ce = None if pair is None else by_key.get(pair)
-        if ce is None or "fwd_bwd_ms" not in r or "fwd_bwd_ms" not in ce:
-            continue
-        for key in ("", "_b2b"):
-            r["vs_cross_entropy" + key] = round(r["fwd_bwd_ms" + key] / ce["fwd_bwd_ms" + key], 4)
+    for name, pair_of in RATIOS:
+        for r in rows:
+            pair = pair_of(r)
+            other = None if pair is None else by_key.get(pair)
+            if other is None or "fwd_bwd_ms" not in r or "fwd_bwd_ms" not in other:
+                continue
+            for key in ("", "_b2b"):
+                r[name + key] = round(r["fwd_bwd_ms" + key] / other["fwd_bwd_ms" + key], 4)
 
 
 def format_row(r: dict) -> str:
@@ -282,8 +342,8 @@ def format_row(r: dict) -> str:
     host = "" if r.get("host_fwd_bwd_us") is None else f" | host {r['host_fwd_bwd_us']:7.1f} us"
     if r.get("host_fwd_bwd_all_us") is not None:
         host += f" (all threads {r['host_fwd_bwd_all_us']:.1f})"
-    vs = "" if r.get("vs_cross_entropy") is None else (
-        f" | x CE {r['vs_cross_entropy']:.3f} (b2b {r['vs_cross_entropy_b2b']:.3f})")
+    vs = "".join(f" | x {what} {r[name]:.3f} (b2b {r[name + '_b2b']:.3f})"
+                 for name, what in (("vs_cross_entropy", "CE"), ("vs_plain", "plain")) if r.get(name) is not None)
     return (f"{r['shape']:>18} {label:>26} | fwd {r['fwd_ms']:9.3f} ms {r['fwd_gemms']:5.2f} G | fwd+bwd "
             f"{r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b {r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem}"
             f"{vs} | {errs}")

@@ -1,6 +1,7 @@
 """Pareto plots of the op benchmark: per shape and dtype, forward+backward time against extra memory.
 
-One point per implementation and budget (the latest row of each in the results file): x = extra peak GiB
+One point per implementation and budget (the latest row of each in the results file; the option variants'
+rows, ``--variants``, stay in the tables): x = extra peak GiB
 (log scale), y = forward+backward in GEMM-times, synced (filled) and back to back (hollow). Floors: 4 GEMMs from
 the gradients' size on (nothing ``[T, V]`` kept), 3 GEMMs from gradients + one copy of the logits in the input
 dtype on (logits kept, or a scalar loss known in the forward); the vertical line is the gradients' size.
@@ -28,7 +29,8 @@ def plot_path(out_dir: str, shape: str, dtype: str) -> str:
 
 def pareto(rows: list[dict], path: str) -> bool:
     """Write the plot of one shape's rows to ``path``; False (nothing written) without timed, measured rows."""
-    pts = [r for r in rows if r.get("fwd_bwd_gemms") is not None and r.get("extra_peak_gib") is not None]
+    pts = [r for r in rows if r.get("fwd_bwd_gemms") is not None and r.get("extra_peak_gib") is not None
+           and r.get("variant") is None]
     if not pts:
         return False
     import matplotlib

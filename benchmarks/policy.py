@@ -79,13 +79,12 @@ def eager_loss(name: str, logp: torch.Tensor, advantages: torch.Tensor, old_logp
     return per_token.sum() / m.sum().clamp(min=1.0)
 
 
-def tplogp_fn(name: str, source: str, budget) -> Callable:
-    """``fn(h, w, y, inputs)``: the loss ``name`` through ``tplogp.linear_logp_loss`` on ``source`` with
-    ``workspace_bytes=budget`` (None: the default)."""
+def tplogp_fn(name: str, source: str, options: dict) -> Callable:
+    """``fn(h, w, y, inputs)``: the loss ``name`` through ``tplogp.linear_logp_loss`` on ``source`` with the
+    keywords ``options`` (``workspace_bytes``, a variant's ``softcap`` / ``deterministic``)."""
     from tplogp import linear_logp_loss, losses
 
     loss = losses.grpo(**LOSSES[name][0])
-    options = {} if budget is None else {"workspace_bytes": budget}
 
     def fn(h, w, y, inputs: Inputs):
         B, L = inputs.layout

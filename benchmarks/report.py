@@ -62,6 +62,14 @@ METHOD = """## Method
   definition of the same loss, and its forward+backward time over that of the plain fused cross-entropy of the same
   source at the same budget in the contract cell ("x CE", synced / b2b); eager rows compose the same loss on
   fp32 log-probs of the input-dtype logits.
+* **Variants** (`--variants`): what an option costs against the same call without it. Each tplogp row is measured
+  again with the variant's options added: `softcap=C` (Gemma's final-logit softcap), `deterministic=true` or
+  `deterministic=tp_invariant`, and on the fused cross-entropy rows `label_smoothing=E` and `z_loss=K`
+  (`losses.cross_entropy(label_smoothing=E) + losses.z_loss(K)`); options of one variant are joined by `+`. The
+  variant's row has the budget label of its plain row followed by the variant's label, its errors against the
+  float64 truth of its own math (softcap and the loss terms change the reference, the deterministic levels do not),
+  and in the contract cell its forward+backward time over the plain row's ("x plain", synced / b2b), the two timed
+  in the same rounds. Variant rows are in the shape's table, not in its plot.
 * **Floors.** A per-token op that keeps O(T) state needs 4 GEMMs forward+backward (forward, recompute, d_hidden,
   d_W); 3 GEMMs when the `[T, V]` logits are kept from forward to backward or the loss is a scalar known in the
   forward. The memory floor is d_W + d_hidden.
@@ -83,6 +91,10 @@ python -m benchmarks report                                 # rewrites this page
 python -m benchmarks op --shapes 4096x2048x8192 --impls tplogp-sm90 --base main   # A/B against another commit
 python -m benchmarks op --shapes 8192x4096x128256 --impls tplogp-loss-sm90,tplogp-gspo-sm90,tplogp-dapo-sm90
                                                             # GSPO and DAPO steps beside the fused CE, per budget
+python -m benchmarks op --shapes 8192x4096x128256,8192x4096x32768 --impls tplogp-sm90,tplogp-loss-sm90 \\
+    --budgets default,keep:1 \\
+    --variants softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4
+                                                            # options against the same call without them (x plain)
 ```
 
 `--base REV` checks REV out into a temporary git worktree and runs the same command on both trees as child
@@ -95,7 +107,8 @@ tplogp in one process would share or clash over kernel caches and registered ops
 scales, for the run's dtype, `tplogp.keep_logits_budget`) or `chunk:C` (the budget of fused-loss chunks of C
 tokens, `tplogp.loss_chunk_budget`), each resolved per source (default `default,keep:0.5,keep:1,chunk:4096`); for
 the fused loss `keep:1` is one chunk of the whole batch, whose d_logits are written in place of the kept terms
-(no fp32 `d_W` accumulator), and `chunk:4096` two chunks at 8192 tokens (with one). `--smoke` runs everything on
+(no fp32 `d_W` accumulator), and `chunk:4096` two chunks at 8192 tokens (with one). `--variants` adds a row per
+tplogp row and option variant (Method, "Variants"; benchmarks/variants.py). `--smoke` runs everything on
 tiny problems in seconds. An implementation that cannot be imported or run here is a row with the reason.
 nvidia-cutlass-dsl (Liger's CuTe kernel, QuACK) is a `.pth`-based package: installed with
 `pip install --target DIR`, add `DIR` and `DIR/nvidia_cutlass_dsl/dsl_packages` to `PYTHONPATH`.
@@ -192,10 +205,11 @@ def _op_values(r: dict) -> list[str]:
 
 
 def _contract_cell(r: dict) -> str:
-    """The row's contract; a policy-loss row's time over the plain fused cross-entropy's at its budget after it."""
-    if r.get("vs_cross_entropy") is None:
-        return r["contract"]
-    return f"{r['contract']}, x CE {r['vs_cross_entropy']:.3f} / {_num(r.get('vs_cross_entropy_b2b'), '.3f')}"
+    """The row's contract; after it a policy-loss row's time over the plain fused cross-entropy's at its budget
+    ("x CE") and a variant row's over the same call's without the variant ("x plain"), synced / b2b."""
+    ratios = [f"x {what} {r[name]:.3f} / {_num(r.get(name + '_b2b'), '.3f')}"
+              for name, what in (("vs_cross_entropy", "CE"), ("vs_plain", "plain")) if r.get(name) is not None]
+    return ", ".join([r["contract"], *ratios])
 
 
 def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:

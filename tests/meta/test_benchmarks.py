@@ -19,9 +19,9 @@ import torch
 
 import tplogp
 
-from benchmarks import impls, report, runner
+from benchmarks import cli, impls, report, runner
 from tests.support import tolerances as tol
-from tplogp.tolerances import slack_bound
+from tplogp.tolerances import rel_error, slack_bound
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -193,6 +193,163 @@ def test_policy_loss_definitions():
     for name in policy.LOSSES:
         assert torch.equal(policy.eager_loss(name, logp.view(8, 4), inputs.advantages, inputs.old_logp, mask),
                            policy.eager_loss(name, moved, inputs.advantages, inputs.old_logp, mask)), name
+
+
+def _eager_errors(h, w, y, gy, truth: dict, key: str = None, *, softcap=None, label_smoothing=0.0, z_loss=0.0):
+    """The same-dtype eager reference's errors against ``truth`` (:func:`benchmarks.op.float64_truth`) for the same
+    math: logits in the input dtype, capped and log-softmaxed in fp32; the per-token logp (``key`` None) or the
+    mean ``F.cross_entropy(label_smoothing=...)`` plus z-loss (``key``: the truth's loss)."""
+    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+    z = (hg @ wg.T).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if key is None:
+        out = z.log_softmax(-1).gather(1, y[:, None])[:, 0]
+        out.backward(gy)
+        names = ("logp", "dh", "dw")
+    else:
+        out = torch.nn.functional.cross_entropy(z, y, label_smoothing=label_smoothing) + z_loss * z.logsumexp(
+            -1).square().mean()
+        out.backward()
+        names = ("loss:" + key, "dh:" + key, "dw:" + key)
+    errs = [rel_error(x, truth[n]) for x, n in zip((out, hg.grad, wg.grad), names)]
+    return dict(zip(("err_logp" if key is None else "err_loss", "err_d_hidden", "err_d_weight"), errs))
+
+
+# A cap of 1 near these logits' scale (std ~0.5): the capped math is far from the plain one (a cap of 30 moves them
+# by less than the bf16 reference's own error, so a row scored against the plain truth would pass too). Sharper
+# caps saturate, where a keep-all call's slope, rebuilt from the bf16 kept terms, loses to the eager reference
+# (cap 0.5: d_hidden 5.4e-3 against eager's 3.0e-3 at this shape).
+VARIANTS = "softcap=1,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4"
+
+
+def test_variant_rows(tmp_path):
+    """``--variants`` on the smoke shape in process, keep-all: each tplogp row (linear_logp, the fused cross-entropy)
+    gets one row per variant that applies to it, scored against the float64 truth of its own math within the
+    three-way slack of the same-dtype eager reference of that math (the deterministic levels: of the plain math),
+    with its time over the plain row's of the same budget."""
+    from benchmarks import op, variants
+
+    shape, cpu = runner.parse_shapes(cli.OP_SMOKE_SHAPES)[0], torch.device("cpu")
+    chosen = impls.select("tplogp-native,tplogp-loss-native,torch-eager,torch-eager-loss")
+    rows = op.bench_shape(shape, chosen, [runner.parse_budget_spec("keep:1")], "bf16", cpu, reps=1, rounds=1,
+                          warm_ms=0.0, check=True, variants=tuple(variants.parse_variants(VARIANTS)))
+    assert all("error" not in r for r in rows), [(r["budget"], r.get("error")) for r in rows]
+    by = {(r["impl"], r["budget"]): r for r in rows}
+    labels = {"tplogp-native": ("softcap=1", "deterministic=true", "deterministic=tp_invariant"),
+              "tplogp-loss-native": ("softcap=1", "deterministic=true", "deterministic=tp_invariant",
+                                     "label_smoothing=0.1+z_loss=0.0001")}
+    assert set(by) == {(impl, "keep 100%" + suffix) for impl, own in labels.items()
+                       for suffix in ("", *(", " + v for v in own))} | {("torch-eager", "default"),
+                                                                        ("torch-eager-loss", "default")}, set(by)
+
+    h, w, y, gy = op.make_problem(*shape, torch.bfloat16, cpu)
+    capped = op.float64_truth(h, w, y, gy, {"ce": lambda s: variants.float64_cross_entropy(s)}, softcap=1.0)
+    smoothed = op.float64_truth(h, w, y, gy, {"s": lambda s: variants.float64_cross_entropy(s, 0.1, 1e-4)},
+                                per_token=False)
+    eager = {(impl, v): by["torch-eager" + ("-loss" if "loss" in impl else ""), "default"]
+             for impl, own in labels.items() for v in own[1:3]}  # the deterministic levels: the plain math's
+    eager["tplogp-native", "softcap=1"] = _eager_errors(h, w, y, gy, capped, softcap=1.0)
+    eager["tplogp-loss-native", "softcap=1"] = _eager_errors(h, w, y, gy, capped, "ce", softcap=1.0)
+    eager["tplogp-loss-native", labels["tplogp-loss-native"][3]] = _eager_errors(
+        h, w, y, gy, smoothed, "s", label_smoothing=0.1, z_loss=1e-4)
+    for impl, own in labels.items():
+        plain = by[impl, "keep 100%"]
+        assert "variant" not in plain and "vs_plain" not in plain, plain
+        for label in own:
+            r = by[impl, f"keep 100%, {label}"]
+            assert r["variant"] == label and r["budget_bytes"] == plain["budget_bytes"], (r, plain)
+            for key in ("", "_b2b"):
+                assert r["vs_plain" + key] == round(r["fwd_bwd_ms" + key] / plain["fwd_bwd_ms" + key], 4), r
+            errors = [k for k in ("err_logp", "err_loss", "err_d_hidden", "err_d_weight") if k in r]
+            assert len(errors) == 3 and all(math.isfinite(r[k]) for k in errors), r
+            _no_worse(r, eager[impl, label], errors)
+            assert "x plain" in op.format_row(r) and "x plain" in report._contract_cell(r)
+    # the check can fail: the capped and the smoothed truths are far from the plain ones, beyond the bounds above
+    # (the smoothed loss's value is not: near-uniform rows' smoothing moves the mean loss by ~1e-5 of itself)
+    plain_truth = op.float64_truth(h, w, y, gy, {"ce": lambda s: variants.float64_cross_entropy(s)})
+    smoothing = eager["tplogp-loss-native", labels["tplogp-loss-native"][3]]
+    for ours, theirs, error in ((capped["logp"], plain_truth["logp"], eager["tplogp-native", "softcap=1"]["err_logp"]),
+                                (capped["dw"], plain_truth["dw"], eager["tplogp-native", "softcap=1"]["err_d_weight"]),
+                                (smoothed["dw:s"], plain_truth["dw:ce"], smoothing["err_d_weight"])):
+        assert rel_error(theirs, ours) > 10 * slack_bound(error, torch.bfloat16)
+    # the Pareto plot leaves them out (a point per implementation and budget; they are in the shape's table)
+    from benchmarks import plots
+
+    variant_rows = [dict(r, extra_peak_gib=0.1) for r in rows if "variant" in r]  # as if measured on a GPU
+    assert len(variant_rows) == 7 and plots.pareto(variant_rows, str(tmp_path / "pareto.png")) is False
+
+
+@pytest.mark.slow
+def test_variants_flag_smoke(tmp_path):
+    """``op --smoke --variants``: the variant rows reach the results file and the printed table."""
+    proc = _bench("op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native", "--budgets", "keep:1", "--reps", "1",
+                  "--variants", "softcap=1,label_smoothing=0.1+z_loss=1e-4", "--out", str(tmp_path))
+    rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
+    assert set(rows) == {("tplogp-native", "keep 100%"), ("tplogp-native", "keep 100%, softcap=1"),
+                         ("tplogp-loss-native", "keep 100%"), ("tplogp-loss-native", "keep 100%, softcap=1"),
+                         ("tplogp-loss-native", "keep 100%, label_smoothing=0.1+z_loss=0.0001")}, set(rows)
+    for r in rows.values():
+        assert r["smoke"] and "error" not in r, r
+        assert ("variant" in r) == (", " in r["budget"]) == ("vs_plain_b2b" in r), r
+        assert all(math.isfinite(r[k]) for k in ("err_d_hidden", "err_d_weight")), r
+    assert proc.stdout.count(" | x plain ") == 3, proc.stdout
+
+
+def test_variant_ratios_pair_rows_of_one_budget():
+    """``vs_plain`` pairs a variant row with the same implementation, budget and checks mode without the variant;
+    a policy row's variant has its ``vs_cross_entropy`` over the fused cross-entropy's row of the same variant."""
+    from benchmarks import op
+
+    def row(impl, budget, ms, variant=None, contract=impls.SCALAR_LOSS, checks="full"):
+        r = dict(impl=impl, budget=budget, checks=checks, contract=contract, fwd_bwd_ms=ms, fwd_bwd_ms_b2b=ms / 2)
+        return r if variant is None else dict(r, variant=variant)
+
+    rows = [row("tplogp-loss-sm90", "keep 100%", 2.0), row("tplogp-loss-sm90", "keep 100%, softcap=30", 2.2, "softcap=30"),
+            row("tplogp-loss-sm90", "default", 4.0), row("tplogp-loss-sm90", "default, checks fast", 3.0, checks="fast"),
+            row("tplogp-loss-sm90", "default, checks fast, softcap=30", 3.3, "softcap=30", checks="fast"),
+            row("tplogp-gspo-sm90", "keep 100%", 2.5, contract=impls.POLICY_LOSS),
+            row("tplogp-gspo-sm90", "keep 100%, softcap=30", 2.75, "softcap=30", contract=impls.POLICY_LOSS)]
+    op._ratios(rows)
+    ratios = [(r.get("vs_plain"), r.get("vs_plain_b2b"), r.get("vs_cross_entropy")) for r in rows]
+    assert ratios == [(None, None, None), (1.1, 1.1, None), (None, None, None), (None, None, None), (1.1, 1.1, None),
+                      (None, None, 1.25), (1.1, 1.1, 1.25)], ratios
+    assert "x CE 1.250 / 1.250, x plain 1.100 / 1.100" in report._contract_cell(rows[-1])
+
+
+def test_variant_parsing_and_float64_loss(tmp_path):
+    """``--variants`` syntax: options joined by ``+``, canonical labels, typed errors; which rows a variant applies
+    to; the float64 smoothed cross-entropy plus z-loss of the statistics is ``F.cross_entropy``'s of the logits."""
+    from benchmarks import op, variants
+
+    parsed = variants.parse_variants(" softcap=30, deterministic=TRUE ,deterministic=tp_invariant,"
+                                     "label_smoothing=0.10+z_loss=1e-4")
+    assert [v.label for v in parsed] == ["softcap=30", "deterministic=true", "deterministic=tp_invariant",
+                                         "label_smoothing=0.1+z_loss=0.0001"]
+    assert [v.call_options() for v in parsed] == [{"softcap": 30.0}, {"deterministic": True},
+                                                  {"deterministic": "tp_invariant"}, {}]
+    assert variants.parse_variants(None) == [] and variants.parse_variants("") == []
+    for bad, match in (("softcap=0", "softcap takes"), ("softcap=inf", "softcap takes"), ("label_smoothing=1.5",
+                       "label_smoothing takes"), ("deterministic=off", "deterministic takes"), ("softcap", "key=value"),
+                       ("temperature=2", "unknown option"), ("softcap=1+softcap=2", "twice"),
+                       ("softcap=1,softcap=1.0", "twice")):
+        with pytest.raises(ValueError, match=match):
+            variants.parse_variants(bad)
+    with pytest.raises(ValueError, match="unknown option 'temperature'"):  # the flag, before anything runs
+        cli.main(["op", "--smoke", "--variants", "temperature=2", "--out", str(tmp_path)])
+    assert not tmp_path.joinpath(runner.RESULTS_FILE).exists()
+    softcap, _, _, smoothing = parsed
+    applies = {name: (softcap.applies_to(impls.BY_NAME[name]), smoothing.applies_to(impls.BY_NAME[name]))
+               for name in ("tplogp-sm90", "tplogp-loss-triton", "tplogp-dapo-native", "torch-eager", "verl")}
+    assert applies == {"tplogp-sm90": (True, False), "tplogp-loss-triton": (True, True),
+                       "tplogp-dapo-native": (True, False), "torch-eager": (False, False), "verl": (False, False)}
+    g = torch.Generator().manual_seed(0)
+    h, w, y = torch.randn(16, 8, generator=g), torch.randn(40, 8, generator=g), torch.randint(0, 40, (16,), generator=g)
+    truth = op.float64_truth(h, w, y, torch.zeros(16), {"s": lambda s: variants.float64_cross_entropy(s, 0.1, 1e-4)},
+                             softcap=3.0, per_token=False)
+    z = 3.0 * torch.tanh(h.double() @ w.double().T / 3.0)
+    expected = torch.nn.functional.cross_entropy(z, y, label_smoothing=0.1) + 1e-4 * z.logsumexp(-1).square().mean()
+    assert truth["loss:s"].item() == pytest.approx(expected.item(), rel=1e-13)
 
 
 @pytest.mark.slow
