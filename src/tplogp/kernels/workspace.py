@@ -75,6 +75,19 @@ def plan_keep(n: int, v: int, keep_bytes: int, itemsize: int = 2, block_v: int =
 
 
 
+def keep_capacity(n: int, v: int, workspace_bytes: Optional[int], deterministic: bool, itemsize: int = 2,
+                  block_v: int = PLANNING_BLOCK_V) -> int:
+    """Bytes that hold what a call of any ``n' <= n`` tokens keeps (:func:`default_keep`, :func:`plan_keep`): fewer
+    tokens may keep more columns, but never more bytes than the keep part of the budget (the default:
+    ``DEFAULT_WORKSPACE_BYTES``, none when deterministic) nor than all ``n`` tokens' every column
+    (:func:`kept_bytes` grows with the tokens and the columns)."""
+    if workspace_budget(workspace_bytes) is None:
+        keep = 0 if deterministic else DEFAULT_WORKSPACE_BYTES
+    else:
+        keep = split_budget(workspace_bytes)[1]
+    return min(keep, kept_bytes(n, v, itemsize, block_v))
+
+
 def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: int) -> int:
     """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits ``workspace_bytes`` (the d_logits part of
     the budget, :func:`split_budget`); a multiple of CHUNK_ALIGN."""
