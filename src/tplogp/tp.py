@@ -589,7 +589,7 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     Returns:
         ``(packed, kept, gathered)``: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows
         0), what the forward kept for the backward within the budget (shape :func:`op_kept_shape` of
-        :func:`tplogp.plan.op_call`; ``(0,)`` when nothing is kept, and the backward recomputes), and a
+        :func:`tplogp.plan.op_call`; ``(0,)`` when the budget keeps nothing, and the backward recomputes), and a
         sequence-parallel call's gathered rows ``[N, D]`` for its backward (``(0,)`` otherwise).
     """
     local = localize(call)
