@@ -134,11 +134,12 @@ def test_bad_arguments_raise_clear_errors():
 
 
 _MIB = 1 << 20
-# The op's kept output under ignore_index is a capacity for any compacted row count (tplogp.tp.op_kept_shape). Layouts
-# (planned for a CUDA device, no GPU needed) where fewer rows plan otherwise: native with a vocab wider than a 128-token
-# tile of its 1 GiB tile budget (fewer than ~112 rows widen the vocab tile to the whole shard; a first tile that fits
-# the keep bytes only below some row count), deterministic (whole 256-row chunks); triton with a budget that keeps part of the shard at N tokens and all of it at half of them, and
-# the default budget (the whole shard kept below ~1300 tokens, nothing above; deterministic: nothing).
+# The op's kept output under ignore_index is a capacity for any compacted row count (tplogp.tp.op_kept_shape).
+# Layouts (planned for a CUDA device, no GPU needed) where fewer rows plan otherwise: native with a vocab wider than
+# a 128-token tile of its 1 GiB tile budget (fewer than ~112 rows widen the vocab tile to the whole shard; a first
+# tile that fits the keep bytes only below some row count), deterministic (whole 256-row chunks); triton with a
+# budget that keeps part of the shard at N tokens and all of it at half of them, and the default budget (the whole
+# shard kept below ~1300 tokens, nothing above; deterministic: nothing).
 CAPACITY_CASES = [  # (..., whether fewer rows keep more than N do)
     pytest.param("native", 200, 500_000, 1024 * _MIB + 50 * _MIB, False, bf16, True, id="native-wide-vocab"),
     pytest.param("native", 600, 500_000, 1024 * _MIB + 200 * _MIB, True, bf16, False, id="native-deterministic"),
