@@ -3,10 +3,12 @@
 ``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.plan.prepare` (source, checks,
 verdict), then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
 tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, with entropy the
-entropy and ``E_p[z] - M``, and with ``return_argmax`` the argmax ids, exact in fp32) and the fp32 logits that the ``workspace_bytes`` budget lets it keep for the backward
-(``tp.op_keeps``; an empty tensor when none: no budget, no graph, or ``ignore_index``, whose compaction would make
-the size depend on the data), and a sequence-parallel call's gathered hidden rows (an empty tensor otherwise), so
-that its backward does not gather them again. ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
+entropy and ``E_p[z] - M``, and with ``return_argmax`` the argmax ids, exact in fp32), the softmax terms that the
+``workspace_bytes`` budget lets it keep for the backward as eager's forward keeps them (one flat fp32 buffer of
+``tp.op_kept_shape``; an empty tensor when none: a budget that keeps nothing, or no graph; with ``ignore_index``,
+whose compaction makes the kept size depend on the data, a capacity for any row count of which the compacted rows
+fill a prefix), and a sequence-parallel call's gathered hidden rows (an empty tensor otherwise), so that its backward
+does not gather them again. ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
 recomputing them; it never writes them (its schema declares no mutation, so the compiled backward runs the
 read-only schedule: eager's in-place one, ``tp.consumes_kept``, is not used here). Both have fake (meta)
 implementations that give the output shapes without touching data, and the pair is joined by
@@ -32,7 +34,7 @@ from torch import Tensor
 from .comm import group_from_name
 from .kernel_registry import backend_for_call
 from .plan import LogpOptions, op_call, prepare, prepare_backward
-from .tp import backward_packed, forward_packed, packed_rows
+from .tp import backward_packed, forward_packed, op_kept_shape, packed_rows
 
 
 def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
@@ -79,8 +81,8 @@ def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_st
     options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes, sequence_parallel,
                        hidden_grad, softcap, return_argmax)
     backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
-    kept = backend.kept_shape(target_ids.numel(), hidden.shape[-1], weight.shape[0], hidden.dtype, hidden.device,
-                              op_call(options, builds_graph))
+    kept = op_kept_shape(backend, target_ids.numel(), hidden.shape[-1], weight.shape[0], hidden.dtype, hidden.device,
+                         op_call(options, builds_graph), ignore_index)
     gathered = (target_ids.numel(), hidden.shape[-1]) if _gathers(sequence_parallel, group_name) else (0,)
     return packed, hidden.new_empty(kept, dtype=torch.float32), hidden.new_empty(gathered)
 

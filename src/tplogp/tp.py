@@ -139,7 +139,7 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
     return big_m, log_sum, target_rel, count, mean_rel, sum_z, argmax
 
 
-def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
+def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext, kept_out: Optional[torch.Tensor] = None):
     """The forward of one call's rows (all of them, or a chunk of the fused loss).
 
     The one place where a forward's stats are gathered and merged, for every source and for both ops.
@@ -147,6 +147,7 @@ def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
     Args:
         hidden, weight, bias, local_target: a :class:`LocalCall`'s tensors (rows of them).
         tpc: the call's context (``LocalCall.tpc``).
+        kept_out: the flat buffer the source keeps into (the op's, :func:`forward_packed`), or None.
     Returns:
         ``((logp, entropy | None, lse, argmax | None, sum_z | None), (row_max, log_sum, mean_rel | None, kept))``:
         the outputs and what :func:`shard_backward` takes (``mean_rel`` is ``E_p[z] - M``; ``argmax``: fp32 global
@@ -160,17 +161,18 @@ def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext):
         logp = torch.where(count == 1, target_rel - log_sum, float("nan"))
         entropy = None if mean_rel is None else log_sum - mean_rel
         return (logp, entropy, row_max + log_sum, argmax, sum_z), (row_max, log_sum, mean_rel, None)
+    into = {} if kept_out is None else {"kept_out": kept_out}
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         check = tpc.target_check
         if check is None:
-            out = be.forward_single(hidden, weight, bias, local_target, call)
+            out = be.forward_single(hidden, weight, bias, local_target, call, **into)
         else:  # and check the targets: no launch or copy of the checks' own
-            out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=check.flag)
+            out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=check.flag, **into)
             if check.ready is not None:  # the point the host waits for before reading the flag's slot
                 check.ready.record(current_stream(hidden.device))
         return (out.logp, out.entropy, out.lse, out.argmax, out.sum_z), (out.row_max, out.log_sum, out.mean_rel,
                                                                           out.kept)
-    st = be.forward_stats(hidden, weight, bias, local_target, call)
+    st = be.forward_stats(hidden, weight, bias, local_target, call, **into)
     owned = local_target >= 0
     if tpc.world_size > 1:
         cols = [st.row_max, st.sum_exp, st.target_logit, owned.to(torch.float32)]
@@ -526,10 +528,54 @@ def packed_rows(with_entropy: bool, with_argmax: bool = False) -> int:
 
 
 def op_keeps(options, builds_graph: bool) -> bool:
-    """Whether the op's forward keeps logits for its backward: only for a call that records a graph and has no
-    ``ignore_index`` (whose row compaction would make the kept buffer's size depend on the data, which the op's fake
-    implementation cannot know); the budget then decides how much (``ShardBackend.kept_shape``)."""
-    return builds_graph and options.ignore_index is None
+    """Whether the op's forward keeps softmax terms for its backward: for a call that records a graph, as eager's;
+    the budget then decides how much (:func:`op_kept_shape`)."""
+    return builds_graph
+
+
+def op_kept_shape(backend, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, call,
+                  ignore_index: Optional[int]) -> tuple[int, ...]:
+    """Shape of the op's kept output for ``n`` tokens (what its fake implementation states): the flat buffer that the
+    forward keeps (``ShardBackend.kept_shape``), or with ``ignore_index``, whose compaction leaves a row count that
+    depends on the data, a capacity that holds what any count of at most ``n`` rows keeps
+    (``ShardBackend.kept_capacity``: at most the kept part of the budget), of which the forward fills a prefix.
+
+    Args:
+        backend: the call's source.
+        n, d, v, dtype, device: the call's tokens, hidden size, shard vocab, dtype and device.
+        call: the op's :class:`~tplogp.backends.base.ShardCall` (:func:`tplogp.plan.op_call`).
+        ignore_index: the call's.
+    """
+    if ignore_index is None:
+        return backend.kept_shape(n, d, v, dtype, device, call)
+    return backend.kept_capacity(n, d, v, dtype, device, call)
+
+
+def _op_kept_buffer(local: LocalCall, n_all: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(the op's kept output, the prefix its forward keeps into or None)`` of a call with ``ignore_index``: the
+    capacity of :func:`op_kept_shape` for the call's ``n_all`` tokens, of which the compacted rows' forward fills the
+    prefix it would allocate in eager (``ShardBackend.kept_shape`` of its rows, in the same layout: the backward reads
+    eager's terms); the rest is zeroed, so every byte of the output is defined."""
+    h, w = local.hidden, local.weight
+    call = local.call_for_backward.flat_kept
+    capacity = local.tpc.backend.kept_capacity(n_all, h.shape[1], w.shape[0], h.dtype, h.device, call)
+    words = local.tpc.backend.kept_shape(h.shape[0], h.shape[1], w.shape[0], h.dtype, h.device, call)[0]
+    assert words <= capacity[0], (words, capacity)
+    buffer = torch.empty(capacity, device=h.device, dtype=torch.float32)
+    if words < buffer.numel():
+        buffer[words:].zero_()
+    return buffer, (buffer[:words] if words else None)
+
+
+def _op_kept_prefix(local: LocalCall, kept: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """What the op's backward reads of its forward's kept output under ``ignore_index``: the prefix the compacted
+    rows' forward filled (:func:`_op_kept_buffer`), or None when they kept nothing."""
+    if kept is None or not kept.numel():
+        return None
+    h, w = local.hidden, local.weight
+    words = local.tpc.backend.kept_shape(h.shape[0], h.shape[1], w.shape[0], h.dtype, h.device,
+                                         local.call_for_backward.flat_kept)[0]
+    return kept[:words] if words else None
 
 
 def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -542,18 +588,23 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         call: a :class:`tplogp.plan.Call` from :func:`tplogp.plan.prepare`.
     Returns:
         ``(packed, kept, gathered)``: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows
-        0), what the forward kept for the backward within the budget (shape ``backend.kept_shape`` of
-        :func:`tplogp.plan.op_call`; ``(0,)`` when nothing is kept, and the backward recomputes), and a
+        0), what the forward kept for the backward within the budget (shape :func:`op_kept_shape` of
+        :func:`tplogp.plan.op_call`; ``(0,)`` when the budget keeps nothing, and the backward recomputes), and a
         sequence-parallel call's gathered rows ``[N, D]`` for its backward (``(0,)`` otherwise).
     """
     local = localize(call)
     options = call.args.options
     tpc = local.tpc
+    n_all = call.args.target_ids.numel()
+    capacity = kept_out = None
     if op_keeps(options, call.args.builds_graph):
         tpc = dataclasses.replace(tpc, call=local.call_for_backward.flat_kept)  # (one buffer: the op's output)
+        if options.ignore_index is not None:  # the rows' count depends on the data: a prefix of a capacity
+            capacity, kept_out = _op_kept_buffer(local, n_all)
     (logp, entropy, lse, argmax, _), (row_max, log_sum, mean_rel, kept) = shard_forward(
-        local.hidden, local.weight, local.bias, local.local_target, tpc)
-    n_all = call.args.target_ids.numel()
+        local.hidden, local.weight, local.bias, local.local_target, tpc, kept_out)
+    if capacity is not None:
+        kept = capacity
     # the normalizer rows keep the real values of ignored rows kept in place; compacted-away rows get log S = inf
     # (p = 0), so that a backward that keeps the rows in place (a CUDA-graph capture) gives them no gradient either
     rows = [local.finish_rows(logp, n_all), local.finish_rows(lse, n_all),
@@ -591,6 +642,8 @@ def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs
         packed, grad_packed = packed.index_select(1, local.keep_idx), grad_packed.index_select(1, local.keep_idx)
     else:  # rows in place (or none ignored): the ignored ones get no upstream gradient
         grad_packed = zero_rows(local.ignored, grad_packed, dim=1)
+    if options.ignore_index is not None:  # (what the rows kept: a prefix of the forward's capacity)
+        kept = _op_kept_prefix(local, kept)
     mean_rel = packed[PACKED_MEAN_REL] if options.return_entropy else None
     g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
     saved = (local.hidden, local.weight, local.bias, local.local_target, packed[PACKED_ROW_MAX],

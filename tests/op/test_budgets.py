@@ -133,3 +133,37 @@ def test_bad_arguments_raise_clear_errors():
         tplogp.loss_chunk_budget(0, 10, 10, source="native")
     with pytest.raises(KeyError, match="unknown source 'bogus'"):
         tplogp.loss_chunk_budget(1, 10, 10, source="bogus")
+
+
+_MIB = 1 << 20
+# The op's kept output under ignore_index is a capacity for any compacted row count (tplogp.tp.op_kept_shape).
+# Layouts (planned for a CUDA device, no GPU needed) where fewer rows plan otherwise: native with a vocab wider than
+# a 128-token tile of its 1 GiB tile budget (fewer than ~112 rows widen the vocab tile to the whole shard; a first
+# tile that fits the keep bytes only below some row count), deterministic (whole 256-row chunks); triton with a
+# budget that keeps part of the shard at N tokens and all of it at half of them, and the default budget (the whole
+# shard kept below ~1300 tokens, nothing above; deterministic: nothing).
+CAPACITY_CASES = [  # (..., whether fewer rows keep more than N do)
+    pytest.param("native", 200, 500_000, 1024 * _MIB + 50 * _MIB, False, bf16, True, id="native-wide-vocab"),
+    pytest.param("native", 600, 500_000, 1024 * _MIB + 200 * _MIB, True, bf16, False, id="native-deterministic"),
+    pytest.param("native", 150, 300_000, 1024 * _MIB + 30 * _MIB, False, torch.float32, True, id="native-fp32"),
+    pytest.param("triton", 1000, 50_000, memory_budget.DLOGITS_WORKSPACE_BYTES + 60 * _MIB, False, bf16, True,
+                 id="triton-budget"),
+    pytest.param("triton", 2000, 50_000, None, False, bf16, True, id="triton-default"),
+    pytest.param("triton", 2000, 50_000, None, True, bf16, False, id="triton-default-deterministic"),
+]
+
+
+@pytest.mark.parametrize("source, n, v, budget, deterministic, dtype, fewer_keep_more", CAPACITY_CASES)
+def test_op_kept_capacity_holds_every_row_count(source, n, v, budget, deterministic, dtype, fewer_keep_more):
+    """``kept_capacity`` of N tokens holds what every count of at most N keeps (``kept_shape``: fewer rows may keep
+    more columns or other tiles), and never passes the keep part of the budget."""
+    from tplogp.kernel_registry import get_backend
+
+    backend = get_backend(source)
+    call = ShardCall(workspace_bytes=budget, for_backward=True, deterministic=deterministic)
+    capacity = backend.kept_capacity(n, 64, v, dtype, CUDA, call)[0]
+    kept = [backend.kept_shape(m, 64, v, dtype, CUDA, call)[0] for m in range(n + 1)]
+    keep_bytes = memory_budget.DLOGITS_WORKSPACE_BYTES if source == "triton" and budget is None else (
+        backend.keep_bytes(budget, CUDA))
+    assert max(kept) <= capacity <= (0 if deterministic and budget is None else keep_bytes // 4), (max(kept), capacity)
+    assert (max(kept) > kept[n]) == fewer_keep_more, (max(kept), kept[n])

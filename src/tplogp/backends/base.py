@@ -61,6 +61,11 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     memory on a GPU) that its kernels set to an id outside ``[0, V)`` when a target is one: the call's default
     target check then costs no launch and no copy (:class:`tplogp.kernel_target_check.KernelTargetCheck`).
 
+``kept_out=`` (``forward_stats`` and ``forward_single``, optional)
+    A flat fp32 buffer of exactly ``kept_shape`` words for the call's rows, into which a forward that keeps
+    (``for_backward``, ``scales_apart`` off) writes instead of allocating its own: the op's kept output, a prefix of
+    its ``kept_capacity`` under ``ignore_index`` (:func:`tplogp.tp.forward_packed`). None: the forward allocates.
+
 Everything that needs a collective (merging stats across ranks, the coverage check, the d_hidden all-reduce)
 lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the target id minus the shard's
 ``vocab_start_index`` where the shard owns it, and ``-1`` elsewhere (ignored rows are ``-1`` too).
@@ -224,6 +229,7 @@ class ShardBackend(Protocol):
         bias: Optional[torch.Tensor],  # [V_local] or None
         local_target: torch.Tensor,  # [N] int64, -1 where this shard does not own the target
         call: ShardCall,
+        kept_out: Optional[torch.Tensor] = None,  # flat fp32 [kept_shape] buffer the forward keeps into, or None
     ) -> ShardStats: ...
 
     def backward(
@@ -250,4 +256,11 @@ class ShardBackend(Protocol):
                    call: ShardCall) -> tuple[int, ...]:
         """Shape of the fp32 ``ShardStats.kept`` buffer that ``forward_stats`` / ``forward_single`` allocate for an
         ``[n, d] x [v, d]`` call (``(0,)``: none); known before the call, for the op's fake implementation."""
+        ...
+
+    def kept_capacity(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+                      call: ShardCall) -> tuple[int, ...]:
+        """Shape of a flat fp32 buffer whose prefix holds what the forward of ANY call of at most ``n`` rows of this
+        layout keeps (its :meth:`kept_shape`): the op's kept output under ``ignore_index``, whose compaction leaves
+        a row count that depends on the data. At most the kept part of the budget. ``(0,)``: none."""
         ...

@@ -216,6 +216,28 @@ class NativeBackend:
         return (words,) if count else (0,)
 
     @staticmethod
+    def kept_capacity(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+                      call: ShardCall) -> tuple[int, ...]:
+        """A flat fp32 buffer that holds the kept tiles of any call of at most ``n`` rows (``ShardBackend``).
+
+        Fewer rows may plan other tiles (a narrower token chunk, a wider vocab tile), so the bound is counted for
+        any plan of at most ``n`` rows: a vocab tile is never narrower than ``n`` rows' (the vocab chunk grows as
+        the rows shrink), every kept tile's words are its terms padded to 16 bytes (at most 4 words of padding
+        per tile, at most one tile per row and vocab tile) and one scale per row; and the kept tiles' words never
+        pass the keep part of the budget."""
+        if not call.for_backward or n == 0 or v == 0:
+            return (0,)
+        tile_bytes, keep_bytes, _ = memory_budget.split(NativeBackend.name, call.workspace_bytes, device)
+        low_cpu = device.type != "cuda" and dtype != torch.float32
+        tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
+        token_chunks = -(-n // tc) if call.deterministic else n  # (deterministic chunks are whole: padded rows)
+        rows = token_chunks * tc if call.deterministic else n
+        vocab_tiles = -(-v // vc)
+        bound = -(-(rows * v * kept_dtype(dtype).itemsize) // 4) + rows * vocab_tiles + 4 * token_chunks * vocab_tiles
+        words = min(keep_bytes // 4, bound)
+        return (words,) if words else (0,)
+
+    @staticmethod
     def _kept_views(kept: Optional[torch.Tensor], n: int, v: int, tc: int, vc: int, count: int,
                     deterministic: bool, dtype: torch.dtype) -> dict:
         """``{(t0, v0): (terms [rows, cols] of dtype, scales [rows] fp32)}``: views of the kept tiles in ``kept``
@@ -235,7 +257,8 @@ class NativeBackend:
                 offset += words + scale_words
         return views
 
-    def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
+    def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall,
+                      kept_out: Optional[torch.Tensor] = None) -> ShardStats:
         n, v = hidden.shape[0], weight.shape[0]
         dev = hidden.device
         row_max = torch.full((n,), float("-inf"), device=dev, dtype=torch.float32)
@@ -249,7 +272,11 @@ class NativeBackend:
         tc, vc, (n_kept, kept_words) = self._plan(hidden, weight, call)
         kept = None
         if call.for_backward and n_kept:  # zeroed: the tiles' padding bytes are defined too
-            kept = torch.zeros(kept_words, device=dev, dtype=torch.float32)
+            if kept_out is None:
+                kept = torch.zeros(kept_words, device=dev, dtype=torch.float32)
+            else:  # the op's buffer (ShardBackend: ``kept_out``)
+                assert kept_out.shape == (kept_words,), (kept_out.shape, kept_words)
+                kept = kept_out.zero_()
         kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, kept_dtype(weight.dtype))
         # with a softcap the kept scale is the running max of the tanh (see _softcap_slope), not of z
         tanh_scale = call.softcap is not None and bool(kept_views)
@@ -309,12 +336,13 @@ class NativeBackend:
                 argmax[t0:t1] = am[: t1 - t0]
         return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, kept, sum_z, argmax)
 
-    def forward_single(self, hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
+    def forward_single(self, hidden, weight, bias, target, call: ShardCall,
+                       kept_out: Optional[torch.Tensor] = None) -> SingleShardOutputs:
         """One shard holds the whole vocab: the outputs finished here (``target`` outside ``[0, V)``: nobody's, NaN
         logp). A call whose logits fit one tile and keep nothing takes :func:`_forward_one_tile` (fewest ops)."""
         if _one_tile(hidden, weight, call):
             return _forward_one_tile(hidden, weight, bias, target, call)
-        st = self.forward_stats(hidden, weight, bias, target, call)
+        st = self.forward_stats(hidden, weight, bias, target, call, kept_out)
         log_sum = torch.log(st.sum_exp)
         owned = (target >= 0) & (target < weight.shape[0])
         logp = torch.where(owned, (st.target_logit - st.row_max) - log_sum, float("nan"))

@@ -207,13 +207,25 @@ class TritonBackend:
         lay = self._layout(n, v, dtype, device, call.workspace_bytes, call.deterministic)
         return (lay.kept_values + lay.kept_scales,) if lay.keep_cols else (0,)
 
+    def kept_capacity(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+                      call: ShardCall) -> tuple[int, ...]:
+        """A flat fp32 buffer that holds what any call of at most ``n`` rows keeps
+        (:func:`tplogp.kernels.workspace.keep_capacity`); ``(0,)``: none."""
+        if not call.for_backward:
+            return (0,)
+        budget = memory_budget.split(self.name, call.workspace_bytes, device, call.deterministic)
+        words = workspace.keep_capacity(n, v, max(budget.keep, budget.keep_whole),
+                                        kept_layout.kept_dtype(dtype).itemsize, self._keep_block_v(device, dtype)) // 4
+        return (words,) if words else (0,)
+
     @staticmethod
-    def _kept_buffer(hidden, lay: ShardLayout, call: ShardCall):
+    def _kept_buffer(hidden, lay: ShardLayout, call: ShardCall, out: Optional[torch.Tensor] = None):
         """What the forward keeps, or None when nothing is kept: the flat fp32 buffer of :meth:`kept_shape`, or
         with ``call.scales_apart`` its two parts in their own allocations
         (:class:`~tplogp.backends.base.KeptBuffers`: the terms ``[N, keep_cols]`` in the kept dtype, the scales
         ``[N, tiles]`` fp32). The kernel writes every term and scale; the few padding bytes after the terms of the
-        flat buffer are zeroed here, so its every byte is defined."""
+        flat buffer are zeroed here, so its every byte is defined. ``out``: the flat buffer to keep into (the op's,
+        ``ShardBackend``'s ``kept_out``), else allocated here."""
         if not (call.for_backward and lay.keep_cols):
             return None
         n = hidden.shape[0]
@@ -223,7 +235,11 @@ class TritonBackend:
                                torch.empty(kept_layout.kept_scales_shape(n, lay.kept_scales), device=device,
                                            dtype=torch.float32))
         words = lay.kept_values
-        kept = torch.empty(words + lay.kept_scales, device=device, dtype=torch.float32)
+        if out is None:
+            kept = torch.empty(words + lay.kept_scales, device=device, dtype=torch.float32)
+        else:
+            assert out.shape == (words + lay.kept_scales,), (out.shape, words + lay.kept_scales)
+            kept = out
         written = n * lay.keep_cols * lay.kept_dtype.itemsize // 4  # whole words of terms
         if written < words:
             kept[written:words].zero_()
@@ -244,7 +260,8 @@ class TritonBackend:
         return kept_layout.KeptTerms(*kept_layout.kept_views(kept, n, lay.keep_cols, lay.kept_dtype,
                                                              lay.keep_block_v))
 
-    def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall) -> ShardStats:
+    def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall,
+                      kept_out: Optional[torch.Tensor] = None) -> ShardStats:
         ran = self._run_program(hidden, weight, bias, local_target, call, ("stats", hidden.shape[0]))
         if ran is not None:
             out = ran[0]
@@ -252,7 +269,7 @@ class TritonBackend:
         from ..kernels import programs
 
         lay = self._launch_layout(hidden, weight, call)
-        kept = self._kept_buffer(hidden, lay, call)
+        kept = self._kept_buffer(hidden, lay, call, kept_out)
         out = programs.forward_stats(
             hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, lay.cfg,
             tma=self._uses_tma(hidden, weight, call), kept=self._kept_terms(kept, hidden.shape[0], lay),
@@ -285,7 +302,8 @@ class TritonBackend:
     checks_targets_in_kernel = True
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
-                       target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
+                       target_flag: Optional[torch.Tensor] = None,
+                       kept_out: Optional[torch.Tensor] = None) -> SingleShardOutputs:
         ran = self._run_program(hidden, weight, bias, target, call,
                                 ("single", hidden.shape[0], target_flag is not None), target_flag)
         if ran is not None:
@@ -294,7 +312,7 @@ class TritonBackend:
         from ..kernels import programs
 
         lay = self._launch_layout(hidden, weight, call)
-        kept = self._kept_buffer(hidden, lay, call)
+        kept = self._kept_buffer(hidden, lay, call, kept_out)
         out = programs.forward_single(
             hidden, weight, bias, target, call.inv_temperature, call.with_entropy, lay.cfg,
             tma=self._uses_tma(hidden, weight, call), kept=self._kept_terms(kept, hidden.shape[0], lay),

@@ -38,6 +38,16 @@ def plan_keep(n: int, v: int, keep_bytes: int, itemsize: int = 2, block_v: int =
     return min(max(cols, 0), v)
 
 
+
+def keep_capacity(n: int, v: int, keep_limit_bytes: int, itemsize: int = 2,
+                  block_v: int = PLANNING_BLOCK_V) -> int:
+    """Bytes that hold what a call of any ``n' <= n`` tokens keeps (:func:`keep_whole`, :func:`plan_keep`): fewer
+    tokens may keep more columns, but never more bytes than the budget's keep limit (``BudgetSplit.keep``, or
+    without a budget ``BudgetSplit.keep_whole``) nor than all ``n`` tokens' every column (:func:`kept_bytes` grows
+    with the tokens and the columns)."""
+    return min(keep_limit_bytes, kept_bytes(n, v, itemsize, block_v))
+
+
 def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: int) -> int:
     """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits ``workspace_bytes`` (the budget's
     transient part, :func:`tplogp.memory_budget.split`); a multiple of CHUNK_ALIGN."""
