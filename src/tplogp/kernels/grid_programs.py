@@ -67,9 +67,9 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
                      d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
                      accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
                      softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
-    """:func:`~.programs.backward` of the tensor-parallel-invariant level (:mod:`tplogp.invariant`) for a grid-aligned shard:
-    a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size (``softcap``, ``grad_sum_z``: as in
-    :func:`~.programs.backward`).
+    """:func:`~.programs.backward` of the tensor-parallel-invariant level (:mod:`tplogp.invariant`) for a
+    grid-aligned shard: a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size (``softcap``,
+    ``grad_sum_z``: as in :func:`~.programs.backward`).
 
     d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept); ``d_W`` is one
     ``[columns, N] x [N, D]`` GEMM per grid block, its d_logits block copied into one ``[N, columns]`` buffer (the
