@@ -20,29 +20,28 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 * ``deterministic=True`` uses a token chunk that does not depend on N and pads the last chunk to it, so every GEMM
   has the same shape whatever the batch: a row's results do not change when other rows are added or removed.
 * ``deterministic="tp_invariant"`` (:mod:`tplogp.invariant`): :meth:`NativeBackend.forward_blocks` and the backward
-  walk grid blocks of ``GRID_COLUMNS`` columns, each copied into a zero-padded ``[GRID_COLUMNS, D]`` buffer, with
-  the deterministic token chunk: every GEMM, every reduction and every elementwise op has one shape, so a column's
-  logits, d_W and d_b do not depend on the shard it came in.
+  run :mod:`tplogp.backends.native_grid`: grid blocks of ``GRID_COLUMNS`` columns, each copied into a zero-padded
+  ``[GRID_COLUMNS, D]`` buffer, with the deterministic token chunk: every GEMM, every reduction and every
+  elementwise op has one shape, so a column's logits, d_W and d_b do not depend on the shard it came in.
+
+The shared tile arithmetic (the fp32 logits tile, row padding, a backward token chunk's vectors) is in
+:mod:`tplogp.backends.native_tiles`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from .. import fp32_gemm, memory_budget, settings
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
+from . import native_grid
 from .base import BlockStats, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .native_tiles import DETERMINISTIC_TOKEN_CHUNK, _capped, _logits_tile, _pad_rows, _token_chunk, _TokenChunk
 
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
 _TILE_COPIES = 4
-# Token chunk used by deterministic mode (independent of N by construction).
-DETERMINISTIC_TOKEN_CHUNK = 256
-# The tensor-parallel-invariant level's grid: every logits GEMM is [DETERMINISTIC_TOKEN_CHUNK, D] x [D, GRID_COLUMNS]
-# over one grid block (copied into a buffer of that shape: BLAS picks kernels by shape and alignment)
-GRID_COLUMNS = 128
-
 
 def kept_tile_words(rows: int, cols: int, itemsize: int) -> tuple[int, int]:
     """4-byte words of one kept tile: ``(its terms, padded to 16 bytes; its rows' scales)``."""
@@ -89,40 +88,6 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
     return tc, vc
 
 
-def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
-                 out: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
-                 slope: Optional[list] = None, tanh_max: Optional[list] = None) -> torch.Tensor:
-    """``cap(h @ w^T + b) * inv_t`` in fp32, ``cap(y) = softcap * tanh(y / softcap)`` (identity without one).
-    With a softcap, ``slope`` (a list) gets ``d cap / d y = 1 - tanh^2`` from the tanh itself appended, and
-    ``tanh_max`` (a list) the rows' largest tanh."""
-    if out is None:
-        z = fp32_gemm.mm(h, w.t())
-    else:
-        z = out
-        fp32_gemm.mm_into(z, h, w.t())
-    if b is not None:
-        z += b.float()
-    if softcap is not None:
-        z.div_(softcap).tanh_()
-        if slope is not None:
-            slope.append(z.square().neg_().add_(1.0))
-        if tanh_max is not None:
-            tanh_max.append(z.amax(1))
-        return _capped(z, softcap, inv_t)
-    if inv_t != 1.0:
-        z *= inv_t
-    return z
-
-
-def _capped(t: torch.Tensor, softcap: float, inv_t: float) -> torch.Tensor:
-    """``z = softcap * t * inv_t`` from ``t = tanh(y / softcap)``, in place: the two roundings of every softcapped
-    logit, so the running max of the tanh kept with softcapped terms gives the running max of ``z`` bit for bit."""
-    t.mul_(softcap)
-    if inv_t != 1.0:
-        t *= inv_t
-    return t
-
-
 def _softcap_slope(terms: torch.Tensor, tanh_max: torch.Tensor, call: ShardCall) -> torch.Tensor:
     """``d cap / d y = (1 - t)(1 + t)`` of a kept tile, ``t = tanh(y / softcap) = t_m + log(e) / (softcap inv_t)``
     from its terms ``e = exp(z - m)`` and the running max ``t_m`` of the tanh kept as their scale (``e`` clamped to
@@ -164,13 +129,6 @@ def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, rows_pe
         acc[r0:r1] += fp32_gemm.mm(dz[:, r0:r1].t(), h)
 
 
-def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tensor:
-    if x.shape[0] == rows:
-        return x
-    pad = x.new_full((rows - x.shape[0],) + tuple(x.shape[1:]), value)
-    return torch.cat([x, pad], 0)
-
-
 def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                 call: ShardCall) -> tuple[int, int, tuple[int, int]]:
     """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))`` of an ``[n, d] x [v, d]`` call."""
@@ -178,19 +136,6 @@ def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device
     low_cpu = device.type != "cuda" and dtype != torch.float32
     tc, vc = plan_chunks(n, v, d, budget.transient, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
     return tc, vc, kept_tiles(n, v, tc, vc, budget.keep, call.deterministic, kept_dtype(dtype).itemsize)
-
-
-class _TokenChunk(NamedTuple):
-    t0: int
-    t1: int
-    h: torch.Tensor  # [rows, D] hidden rows (padded in deterministic mode)
-    m: torch.Tensor  # global row max M
-    ls: torch.Tensor  # log S (inf on padded rows: p = 0)
-    g: torch.Tensor  # grad_logp
-    c0: torch.Tensor  # grad_logp - grad_lse - grad_entropy * mean_rel
-    ge: Optional[torch.Tensor]  # grad_entropy
-    lt: torch.Tensor  # local target (-1: not owned, and on padded rows)
-    gsz: Optional[torch.Tensor] = None  # grad_sum_z (0 on padded rows), or None
 
 
 class NativeBackend:
@@ -353,49 +298,11 @@ class NativeBackend:
     @staticmethod
     def grid_columns(device: torch.device, dtype: torch.dtype) -> int:
         """The invariant level's grid block width (:mod:`tplogp.invariant`)."""
-        return GRID_COLUMNS
+        return native_grid.GRID_COLUMNS
 
     def forward_blocks(self, hidden, weight, bias, local_target, call: ShardCall) -> BlockStats:
-        """Per-block stats of a grid-aligned shard (:class:`~tplogp.backends.base.BlockStats`): blocks outer (each
-        copied once into its padded buffer), token chunks inner, one ``[chunk, B]`` logits tile each."""
-        n, v = hidden.shape[0], weight.shape[0]
-        cols, tc = call.grid_columns, DETERMINISTIC_TOKEN_CHUNK
-        n_blocks = -(-v // cols)
-        dev = hidden.device
-        f32 = torch.float32
-        block_max = torch.empty(n_blocks, n, device=dev, dtype=f32)
-        block_sum = torch.empty(n_blocks, n, device=dev, dtype=f32)
-        block_sez = torch.empty(n_blocks, n, device=dev, dtype=f32) if call.with_entropy else None
-        block_sum_z = torch.empty(n_blocks, n, device=dev, dtype=f32) if call.with_sum_z else None
-        block_argmax = torch.empty(n_blocks, n, device=dev, dtype=f32) if call.with_argmax else None
-        target_logit = torch.zeros(n, device=dev, dtype=f32)
-        if n == 0 or n_blocks == 0:
-            return BlockStats(block_max, block_sum, target_logit, block_sez, block_sum_z, block_argmax)
-        for i, (v0, v1, w_blk, b_blk) in enumerate(_grid_blocks(weight, bias, cols)):
-            for t0 in range(0, n, tc):
-                t1 = min(t0 + tc, n)
-                z = _logits_tile(_pad_rows(hidden[t0:t1], tc), w_blk, b_blk, call.inv_temperature,
-                                 softcap=call.softcap)  # [tc, B]
-                rel = local_target[t0:t1] - v0
-                own = (rel >= 0) & (rel < v1 - v0)
-                picked = z[: t1 - t0].gather(1, rel.clamp(0, cols - 1).unsqueeze(1)).squeeze(1)
-                target_logit[t0:t1] = torch.where(own, picked, target_logit[t0:t1])
-                if block_sum_z is not None:  # one [tc, B] reduction (padding columns: zero weight and bias, z = 0)
-                    block_sum_z[i, t0:t1] = z.sum(1)[: t1 - t0]
-                if v1 - v0 < cols:  # the vocabulary's last block: its padding is no column
-                    z[:, v1 - v0:] = float("-inf")
-                if block_argmax is not None:  # torch.argmax: the first (lowest) column of the max
-                    block_argmax[i, t0:t1] = z.argmax(1)[: t1 - t0].to(f32) + v0
-                m = z.amax(1)
-                z -= m.unsqueeze(1)  # z - m_b (-inf on padding)
-                e = torch.exp(z)
-                block_max[i, t0:t1] = m[: t1 - t0]
-                block_sum[i, t0:t1] = e.sum(1)[: t1 - t0]
-                if block_sez is not None:
-                    if v1 - v0 < cols:
-                        z[:, v1 - v0:] = 0.0  # e = 0 there: no -inf * 0
-                    block_sez[i, t0:t1] = z.mul_(e).sum(1)[: t1 - t0]
-        return BlockStats(block_max, block_sum, target_logit, block_sez, block_sum_z, block_argmax)
+        """Per-block stats of a grid-aligned shard (:func:`tplogp.backends.native_grid.forward_blocks`)."""
+        return native_grid.forward_blocks(hidden, weight, bias, local_target, call)
 
     @classmethod
     def transient_bytes(cls, device: torch.device) -> int:
@@ -424,9 +331,9 @@ class NativeBackend:
                  mean_rel, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
                  kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
         if call.grid_columns:
-            return self._backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                                         grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready, accumulate,
-                                         grad_sum_z)
+            return native_grid.backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                                               grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready,
+                                               accumulate, grad_sum_z)
         if accumulate is None and kept is None and _one_tile(hidden, weight, call):
             return _backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
                                       grad_lse, mean_rel, call, needs, d_hidden_ready, grad_sum_z)
@@ -478,9 +385,9 @@ class NativeBackend:
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
         sum_z_grad = {} if grad_sum_z is None else {"grad_sum_z": grad_sum_z}
-        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
-                                    local_target, t0, min(t0 + tc, n), tc if call.deterministic else None,
-                                    **sum_z_grad)
+        chunks = [_token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
+                               local_target, t0, min(t0 + tc, n), tc if call.deterministic else None,
+                               **sum_z_grad)
                   for t0 in range(0, n, tc)]
         dw_tile = None
         if d_weight is not None and d_weight.dtype != torch.float32:
@@ -540,112 +447,6 @@ class NativeBackend:
                     _accumulate_dw(acc, dz_g, h_gemm, rows_per_block)
             if dw_tile is not None:
                 d_weight[v0:v1] = acc  # rounded once to the weight dtype
-
-    def _backward_blocks(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                         grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready=None, accumulate=None,
-                         grad_sum_z=None) -> ShardGrads:
-        """The invariant level's backward: grid blocks outer, deterministic token chunks inner, every GEMM
-        ``[chunk, B]``-shaped; a block's d_W / d_b rows are summed over the chunks in an fp32 ``[B, D]`` / ``[B]``
-        buffer and written (or added to ``accumulate``) once. ``dz`` as in :meth:`_backward_tiles` (the one-hot,
-        ``grad_sum_z``, the temperature, the softcap's slope), elementwise on one tile shape."""
-        need_h, need_w, need_b = needs
-        need_b = need_b and bias is not None
-        n, d = hidden.shape
-        dev = hidden.device
-        f32 = torch.float32
-        cols, tc = call.grid_columns, DETERMINISTIC_TOKEN_CHUNK
-        dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
-        d_hidden = torch.zeros(n, d, device=dev, dtype=f32) if need_h else None
-        d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_w else None
-        d_bias = (db_acc if db_acc is not None else torch.empty_like(bias)) if need_b else None
-        gemm_dtype = weight.dtype if dev.type == "cuda" else f32
-        chunks = [self._token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
-                                    local_target, t0, min(t0 + tc, n), tc, grad_sum_z) for t0 in range(0, n, tc)]
-        h_gemm = [ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype) for ch in chunks]
-        for v0, v1, w_blk, b_blk in _grid_blocks(weight, bias, cols):
-            w_g = w_blk if w_blk.dtype == gemm_dtype else w_blk.to(gemm_dtype)
-            acc_w = torch.zeros(cols, d, device=dev, dtype=f32) if need_w else None
-            acc_b = torch.zeros(cols, device=dev, dtype=f32) if need_b else None
-            for ch, h_g in zip(chunks, h_gemm):
-                slopes = [] if call.softcap is not None else None  # the softcap's d cap / d y
-                z = _logits_tile(ch.h, w_blk, b_blk, call.inv_temperature, softcap=call.softcap, slope=slopes)
-                z -= ch.m.unsqueeze(1)
-                if ch.ge is not None:
-                    p = torch.exp(z - ch.ls.unsqueeze(1))
-                    dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
-                    del p
-                else:
-                    dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
-                rel = ch.lt - v0
-                own = (rel >= 0) & (rel < v1 - v0)
-                dz.scatter_add_(1, rel.clamp(0, cols - 1).unsqueeze(1),
-                                torch.where(own, ch.g, torch.zeros_like(ch.g)).unsqueeze(1))
-                if ch.gsz is not None:  # + grad_sum_z: d(sum_v z)/dz_v = 1
-                    dz += ch.gsz.unsqueeze(1)
-                if v1 - v0 < cols:  # padding columns: no gradient anywhere
-                    dz[:, v1 - v0:] = 0.0
-                if call.inv_temperature != 1.0:
-                    dz *= call.inv_temperature
-                if slopes:
-                    dz *= slopes.pop()
-                if acc_b is not None:
-                    acc_b += dz.sum(0)
-                dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
-                if d_hidden is not None:
-                    d_hidden[ch.t0:ch.t1] += fp32_gemm.mm(dz_g, w_g)[: ch.t1 - ch.t0]
-                if acc_w is not None:
-                    acc_w += fp32_gemm.mm(dz_g.t(), h_g)
-            if acc_w is not None:
-                if dw_acc is not None:
-                    dw_acc[v0:v1] += acc_w[: v1 - v0]
-                else:
-                    d_weight[v0:v1] = acc_w[: v1 - v0]
-            if acc_b is not None:
-                if db_acc is not None:
-                    db_acc[v0:v1] += acc_b[: v1 - v0]
-                else:
-                    d_bias[v0:v1] = acc_b[: v1 - v0]
-        if d_hidden is not None and d_hidden_ready is not None:
-            d_hidden_ready(d_hidden)
-        return ShardGrads(d_hidden, d_weight, d_bias)
-
-    @staticmethod
-    def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, local_target, t0: int,
-                     t1: int, pad_to: Optional[int], grad_sum_z=None) -> _TokenChunk:
-        """The per-token vectors of rows ``[t0, t1)`` that every vocab tile of the backward reads (padded to
-        ``pad_to`` rows in deterministic mode: padded rows get p = 0 and no target)."""
-        rows = pad_to if pad_to is not None else t1 - t0
-        h = _pad_rows(hidden[t0:t1], rows)
-        g = _pad_rows(grad_logp[t0:t1], rows)
-        # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel)
-        c0 = g.clone()
-        if grad_lse is not None:
-            c0 -= _pad_rows(grad_lse[t0:t1], rows)
-        ge = None
-        if grad_entropy is not None:
-            ge = _pad_rows(grad_entropy[t0:t1], rows)
-            c0 -= ge * _pad_rows(mean_rel[t0:t1], rows)
-        gsz = None if grad_sum_z is None else _pad_rows(grad_sum_z[t0:t1], rows)
-        return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
-                           g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1), gsz)
-
-
-def _grid_blocks(weight: torch.Tensor, bias: Optional[torch.Tensor], cols: int):
-    """``(v0, v1, weight rows [cols, D], bias [cols] or None)`` per grid block of a grid-aligned shard, each copied
-    into one zero-padded buffer (so that every GEMM sees one shape and one alignment)."""
-    v, d = weight.shape
-    w_blk = torch.empty(cols, d, device=weight.device, dtype=weight.dtype)
-    b_blk = None if bias is None else torch.empty(cols, device=bias.device, dtype=bias.dtype)
-    for v0 in range(0, v, cols):
-        v1 = min(v0 + cols, v)
-        w_blk[: v1 - v0] = weight[v0:v1]
-        if v1 - v0 < cols:
-            w_blk[v1 - v0:] = 0
-        if b_blk is not None:
-            b_blk[: v1 - v0] = bias[v0:v1]
-            if v1 - v0 < cols:
-                b_blk[v1 - v0:] = 0
-        yield v0, v1, w_blk, b_blk
 
 
 # ---- one tile: a call whose logits fit one [N, V] tile in the tile budget and keep nothing (small shapes) --------

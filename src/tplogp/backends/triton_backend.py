@@ -284,13 +284,13 @@ class TritonBackend:
 
     def forward_blocks(self, hidden, weight, bias, local_target, call: ShardCall) -> BlockStats:
         """Per-block stats of a grid-aligned shard: the stats kernel's splits, unmerged
-        (:func:`tplogp.kernels.programs.forward_blocks`)."""
-        from ..kernels import programs
+        (:func:`tplogp.kernels.grid_programs.forward_blocks`)."""
+        from ..kernels import grid_programs
 
         lay = self._launch_layout(hidden, weight, call)
         if lay.cfg.split_v != call.grid_columns:
             raise AssertionError(f"grid of {call.grid_columns} columns, splits of {lay.cfg.split_v}")
-        block_max, block_sum, target, sez, sum_z, argmax = programs.forward_blocks(
+        block_max, block_sum, target, sez, sum_z, argmax = grid_programs.forward_blocks(
             hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, lay.cfg,
             tma=self._uses_tma(hidden, weight, call), softcap=call.softcap, with_sum_z=call.with_sum_z,
             with_argmax=call.with_argmax)
@@ -376,7 +376,9 @@ class TritonBackend:
 
         lay = self._launch_layout(hidden, weight, call)
         if call.grid_columns:
-            return ShardGrads(*programs.backward_on_grid(
+            from ..kernels import grid_programs
+
+            return ShardGrads(*grid_programs.backward_on_grid(
                 hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                 inv_temperature=call.inv_temperature, columns=call.grid_columns,
                 workspace_bytes=lay.transient_bytes, needs=tuple(needs), cfg=lay.cfg,

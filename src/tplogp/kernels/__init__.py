@@ -21,5 +21,7 @@ shapes only). Modules, lowest layer first (each imports only the ones above it i
 * :mod:`.launches`          each shard kernel's launch for a layout, from sizes; when the TMA kernels may run.
 * :mod:`.programs`          per-layout programs (the forward, the consuming backward) and the entry points that run
                             them: input checks, buffers, the chunked backward and its cuBLAS steps.
+* :mod:`.grid_programs`     the tensor-parallel-invariant level's entry points: per-block forward stats, the
+                            grid-block backward (fixed-shape d_W GEMMs).
 * :mod:`.scale_launch`      the fused loss's scaling launch and its checks.
 """

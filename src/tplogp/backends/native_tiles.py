@@ -1,0 +1,99 @@
+"""The native source's shared tile arithmetic: one fp32 logits tile, row padding, and a backward token chunk's
+per-token vectors.
+
+* :func:`_logits_tile` is one GEMM with fp32 output (:mod:`tplogp.fp32_gemm`), the bias, the softcap
+  ``cap(y) = softcap * tanh(y / softcap)`` and the temperature, in that order: the target logit is read from the fp32
+  accumulator, never from a rounded logit.
+* ``deterministic`` pads a token chunk to :data:`DETERMINISTIC_TOKEN_CHUNK` rows (:func:`_pad_rows`), so every GEMM
+  has one shape whatever the batch; padded rows get ``p = 0`` (``log S = inf``) and no target (-1).
+* :func:`_token_chunk` gathers the per-token vectors every vocab tile (or grid block) of the backward reads, with the
+  coefficient of ``p`` formed once: ``c0 = grad_logp - grad_lse - grad_entropy * mean_rel``.
+
+Used by the tiled loops (:mod:`tplogp.backends.native`) and the tensor-parallel-invariant grid
+(:mod:`tplogp.backends.native_grid`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import fp32_gemm
+
+# Token chunk used by deterministic mode (independent of N by construction).
+DETERMINISTIC_TOKEN_CHUNK = 256
+
+
+def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
+                 out: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                 slope: Optional[list] = None, tanh_max: Optional[list] = None) -> torch.Tensor:
+    """``cap(h @ w^T + b) * inv_t`` in fp32, ``cap(y) = softcap * tanh(y / softcap)`` (identity without one).
+    With a softcap, ``slope`` (a list) gets ``d cap / d y = 1 - tanh^2`` from the tanh itself appended, and
+    ``tanh_max`` (a list) the rows' largest tanh."""
+    if out is None:
+        z = fp32_gemm.mm(h, w.t())
+    else:
+        z = out
+        fp32_gemm.mm_into(z, h, w.t())
+    if b is not None:
+        z += b.float()
+    if softcap is not None:
+        z.div_(softcap).tanh_()
+        if slope is not None:
+            slope.append(z.square().neg_().add_(1.0))
+        if tanh_max is not None:
+            tanh_max.append(z.amax(1))
+        return _capped(z, softcap, inv_t)
+    if inv_t != 1.0:
+        z *= inv_t
+    return z
+
+
+def _capped(t: torch.Tensor, softcap: float, inv_t: float) -> torch.Tensor:
+    """``z = softcap * t * inv_t`` from ``t = tanh(y / softcap)``, in place: the two roundings of every softcapped
+    logit, so the running max of the tanh kept with softcapped terms gives the running max of ``z`` bit for bit."""
+    t.mul_(softcap)
+    if inv_t != 1.0:
+        t *= inv_t
+    return t
+
+
+def _pad_rows(x: torch.Tensor, rows: int, value: float | int = 0) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x
+    pad = x.new_full((rows - x.shape[0],) + tuple(x.shape[1:]), value)
+    return torch.cat([x, pad], 0)
+
+
+class _TokenChunk(NamedTuple):
+    t0: int
+    t1: int
+    h: torch.Tensor  # [rows, D] hidden rows (padded in deterministic mode)
+    m: torch.Tensor  # global row max M
+    ls: torch.Tensor  # log S (inf on padded rows: p = 0)
+    g: torch.Tensor  # grad_logp
+    c0: torch.Tensor  # grad_logp - grad_lse - grad_entropy * mean_rel
+    ge: Optional[torch.Tensor]  # grad_entropy
+    lt: torch.Tensor  # local target (-1: not owned, and on padded rows)
+    gsz: Optional[torch.Tensor] = None  # grad_sum_z (0 on padded rows), or None
+
+
+def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, local_target, t0: int, t1: int,
+                 pad_to: Optional[int], grad_sum_z=None) -> _TokenChunk:
+    """The per-token vectors of rows ``[t0, t1)`` that every vocab tile of the backward reads (padded to
+    ``pad_to`` rows in deterministic mode: padded rows get p = 0 and no target)."""
+    rows = pad_to if pad_to is not None else t1 - t0
+    h = _pad_rows(hidden[t0:t1], rows)
+    g = _pad_rows(grad_logp[t0:t1], rows)
+    # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel)
+    c0 = g.clone()
+    if grad_lse is not None:
+        c0 -= _pad_rows(grad_lse[t0:t1], rows)
+    ge = None
+    if grad_entropy is not None:
+        ge = _pad_rows(grad_entropy[t0:t1], rows)
+        c0 -= ge * _pad_rows(mean_rel[t0:t1], rows)
+    gsz = None if grad_sum_z is None else _pad_rows(grad_sum_z[t0:t1], rows)
+    return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
+                       g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1), gsz)

@@ -1,0 +1,134 @@
+"""The triton and sm90 sources' tensor-parallel-invariant level (``deterministic="tp_invariant"``,
+:mod:`tplogp.invariant`; docs/operator.md, "Determinism"): one grid-aligned shard's per-block forward stats and its
+backward, every step in grid-block-sized pieces.
+
+Algorithm (a shard whose first column starts a grid block of ``B`` columns, ``B = cfg.split_v`` in the forward):
+
+* Forward (:func:`forward_blocks`): one launch of the stats kernel whose vocab splits are the grid blocks (tiles
+  aligned to the grid, one config per device and dtype, no split-K), returning each block's ``(m_b, s_b, q_b)`` (and
+  with the options its sum of ``z`` and the lowest column of its max) unmerged; :mod:`tplogp.invariant` merges them
+  exactly.
+* Backward (:func:`backward_on_grid`): d_logits recomputed in chunks that are multiples of ``B`` (nothing kept);
+  ``d_W`` is one ``[B, N] x [N, D]`` GEMM per grid block, its d_logits block copied into one zero-padded
+  ``[N, B]`` buffer, so every d_W GEMM has one shape; ``d_b`` sums the per-token-block partial rows one after the
+  other; ``d_hidden`` is the deterministic fixed-order GEMM in fp32. A column's d_W and d_b rows then do not depend
+  on the shard it came in.
+
+The launches, the d_logits and d_hidden steps are the per-call paths' (:mod:`tplogp.kernels.programs`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import fp32_gemm
+from ..tensors import f32_contiguous
+from .launch import cached
+from .launches import ensure_context, stats_launch, tma_ok
+from .programs import _dh_gemm, _mm_into, _stats_outputs, _stats_rows, launch_dlogits, per_token_grads
+from .tiles import TileConfig, cdiv, dot_precision
+from .workspace import plan_chunk
+
+
+def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
+                   tma: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
+                   with_argmax: bool = False) -> tuple:
+    """The per-split stats of a shard, unmerged: ``(row max, sum of exp, target logit, sum of exp * (z - max) |
+    None, sum of z | None, lowest column of the max | None)``, each ``[S, N]`` fp32 (the last three with
+    ``with_entropy``, ``with_sum_z``, ``with_argmax``; the column relative to the shard's first); one launch of the
+    stats kernel (``softcap``: the forward's). The splits are ``cfg.split_v`` columns from the shard's first column,
+    so for a grid-aligned shard they are the blocks of the tensor-parallel-invariant grid (:mod:`tplogp.invariant`),
+    each computed by the same tiles wherever it sits."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    extras = (with_sum_z, with_argmax)
+    parts = torch.empty((_stats_rows(with_entropy, *extras), cdiv(v, cfg.split_v), n), device=hidden.device,
+                        dtype=torch.float32)
+    if n and v:
+        tma = tma and tma_ok(hidden, weight)
+        if tma:
+            ensure_context(hidden.device)
+        local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
+        launch = cached(stats_launch, n, v, d, hidden.stride(0), weight.stride(0), bias is not None, with_entropy,
+                        float(inv_temperature), cfg, dot_precision(hidden.dtype), None, tma, False, softcap,
+                        *extras)
+        launch(hidden, weight, hidden if bias is None else bias, local_target, parts, parts, parts)
+    return _stats_outputs(parts, with_entropy, *extras)
+
+
+def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+                     grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+                     mean_rel: Optional[torch.Tensor], inv_temperature: float, columns: int, workspace_bytes: int,
+                     needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False,
+                     d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+                     accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
+                     softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
+    """:func:`~.programs.backward` of the tensor-parallel-invariant level (:mod:`tplogp.invariant`) for a
+    grid-aligned shard: a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size (``softcap``,
+    ``grad_sum_z``: as in :func:`~.programs.backward`).
+
+    d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept); ``d_W`` is one
+    ``[columns, N] x [N, D]`` GEMM per grid block, its d_logits block copied into one ``[N, columns]`` buffer (the
+    vocabulary's cut last block zero-padded), so every d_W GEMM has one shape; ``d_b`` sums the per-token-block
+    partial rows one after the other (elementwise: the same order for every column); ``d_hidden`` is the
+    deterministic fixed-order GEMM, fp32."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    need_dh, need_dw, need_db = needs
+    need_db = need_db and bias is not None
+    dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
+    f32 = torch.float32
+    d_hidden = torch.zeros((n, d), device=dev, dtype=f32) if need_dh else None
+    if n == 0 or v == 0:
+        if d_hidden is not None and d_hidden_ready is not None:
+            d_hidden_ready(d_hidden)
+        return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
+                db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
+    local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
+    row_max, log_sum = f32_contiguous(row_max), f32_contiguous(log_sum)
+    g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
+    options = {name: value for name, value in (("softcap", softcap),
+                                               ("gsz", None if grad_sum_z is None else f32_contiguous(grad_sum_z)))
+               if value is not None}  # (the d_logits launcher's optional epilogue steps)
+    chunk = max(columns, plan_chunk(n, v, weight.element_size(), workspace_bytes) // columns * columns)
+    bounds = [(lo, min(lo + chunk, v)) for lo in range(0, v, chunk)]
+    dbp = torch.empty((cdiv(n, cfg.bwd_block_n), v), device=dev, dtype=f32) if need_db else g
+    precision = dot_precision(hidden.dtype)
+    ws = torch.empty((n, min(chunk, cdiv(v, columns) * columns)), device=dev, dtype=weight.dtype)
+    block = torch.empty((n, columns), device=dev, dtype=weight.dtype) if need_dw else None
+    d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
+    rows = torch.empty((columns, d), device=dev, dtype=f32 if dw_acc is not None else weight.dtype) \
+        if need_dw else None
+    for i_chunk, (v_lo, v_hi) in enumerate(bounds):
+        dz = ws[:, : v_hi - v_lo]
+        launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
+                       float(inv_temperature), grad_entropy is not None, need_db, cfg, precision, tma, **options)
+        if d_hidden is not None:
+            _dh_gemm(dz, weight[v_lo:v_hi], d_hidden, i_chunk, True, cfg, precision)
+            if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
+                d_hidden_ready(d_hidden)
+        if d_weight is None:
+            continue
+        for c0 in range(v_lo, v_hi, columns):
+            width = min(c0 + columns, v_hi) - c0
+            block[:, :width] = dz[:, c0 - v_lo: c0 - v_lo + width]
+            if width < columns:
+                block[:, width:] = 0
+            if dw_acc is not None:
+                fp32_gemm.mm_into(rows, block.t(), hidden)
+                dw_acc[c0:c0 + width] += rows[:width]
+            else:
+                _mm_into(rows, block.t(), hidden)
+                d_weight[c0:c0 + width] = rows[:width]
+    d_bias = None
+    if need_db:
+        acc = dbp[0].clone()
+        for i in range(1, dbp.shape[0]):  # one row after the other: every column sums in the same order
+            acc += dbp[i]
+        d_bias = db_acc.add_(acc) if db_acc is not None else acc.to(bias.dtype)
+    return d_hidden, d_weight, d_bias
