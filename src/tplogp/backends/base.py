@@ -79,6 +79,8 @@ from typing import Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
 
+from .. import memory_budget
+
 
 class KeptBuffers:
     """What a source's forward kept for its backward in two allocations (``ShardCall.scales_apart``): ``values``,
@@ -211,6 +213,24 @@ class ShardCall:
     def flat_kept(self) -> "ShardCall":
         """This call keeping one flat buffer (``scales_apart`` off; made once per ShardCall): the op's forward."""
         return replace(self, scales_apart=False) if self.scales_apart else self
+
+
+class BudgetParts:
+    """A source's two budget parts, read from the one table (:mod:`tplogp.memory_budget`) by its ``name``."""
+
+    name: str
+
+    @classmethod
+    def transient_bytes(cls, device: torch.device) -> int:
+        """The budget's part that goes to transient work (tiles, d_logits workspace) before anything is kept
+        (:func:`tplogp.memory_budget.transient_bytes`)."""
+        return memory_budget.transient_bytes(cls.name, device)
+
+    @classmethod
+    def keep_bytes(cls, workspace_bytes: Optional[int], device: torch.device) -> int:
+        """The part of the budget that holds what the forward keeps for the backward
+        (:func:`tplogp.memory_budget.split`)."""
+        return memory_budget.split(cls.name, workspace_bytes, device).keep
 
 
 class ShardBackend(Protocol):

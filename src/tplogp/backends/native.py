@@ -37,7 +37,7 @@ import torch
 from .. import fp32_gemm, memory_budget, settings
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
 from . import native_grid
-from .base import BlockStats, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_tiles import DETERMINISTIC_TOKEN_CHUNK, _capped, _logits_tile, _pad_rows, _token_chunk, _TokenChunk
 
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
@@ -138,7 +138,7 @@ def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device
     return tc, vc, kept_tiles(n, v, tc, vc, budget.keep, call.deterministic, kept_dtype(dtype).itemsize)
 
 
-class NativeBackend:
+class NativeBackend(BudgetParts):
     """Chunked PyTorch implementation of the per-shard primitives."""
 
     name = "native"
@@ -303,18 +303,6 @@ class NativeBackend:
     def forward_blocks(self, hidden, weight, bias, local_target, call: ShardCall) -> BlockStats:
         """Per-block stats of a grid-aligned shard (:func:`tplogp.backends.native_grid.forward_blocks`)."""
         return native_grid.forward_blocks(hidden, weight, bias, local_target, call)
-
-    @classmethod
-    def transient_bytes(cls, device: torch.device) -> int:
-        """The budget's part that goes to transient tiles before anything is kept
-        (:func:`tplogp.memory_budget.transient_bytes`)."""
-        return memory_budget.transient_bytes(cls.name, device)
-
-    @classmethod
-    def keep_bytes(cls, workspace_bytes: Optional[int], device: torch.device) -> int:
-        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`;
-        :func:`tplogp.memory_budget.split`)."""
-        return memory_budget.split(cls.name, workspace_bytes, device).keep
 
     @staticmethod
     def kept_bytes(n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:

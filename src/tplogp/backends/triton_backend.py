@@ -19,7 +19,7 @@ import torch
 from .. import memory_budget, settings
 from ..kernels import kept as kept_layout  # (these three: torch only, no Triton import, no device work)
 from ..kernels import tiles, workspace
-from .base import BlockStats, KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .base import BlockStats, BudgetParts, KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 
 # Oldest architecture the kernels are tested for (bf16 tensor cores need sm_80; Triton itself needs sm_75+).
 MIN_CAPABILITY = (8, 0)
@@ -54,7 +54,7 @@ def triton_unavailable_reason() -> Optional[str]:
     return None
 
 
-class TritonBackend:
+class TritonBackend(BudgetParts):
     """Per-shard primitives backed by the fused Triton kernels (see module docstring)."""
 
     name = "triton"
@@ -156,18 +156,6 @@ class TritonBackend:
         return False
 
     # -- primitives --------------------------------------------------------------------------------------
-    @classmethod
-    def transient_bytes(cls, device: torch.device) -> int:
-        """The budget's part that goes to the backward's d_logits workspace before anything is kept
-        (:func:`tplogp.memory_budget.transient_bytes`)."""
-        return memory_budget.transient_bytes(cls.name, device)
-
-    @classmethod
-    def keep_bytes(cls, workspace_bytes: Optional[int], device: torch.device) -> int:
-        """The part of the budget that holds what the forward keeps for the backward (:meth:`kept_bytes`;
-        :func:`tplogp.memory_budget.split`)."""
-        return memory_budget.split(cls.name, workspace_bytes, device).keep
-
     def _known_cfg(self, device: torch.device, dtype: torch.dtype):
         """The tile config where it can be known here (the interpreter; a CUDA device that is present), else None
         (planned without the device, e.g. ``kept_shape`` ahead of a call, or nothing fits): no device probe then."""
