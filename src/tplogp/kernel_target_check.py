@@ -57,12 +57,15 @@ class FlagSlots:
     backward of one of many accumulated forwards, is still that call's."""
 
     SIZE = 64
+    SPACING = 2  # int64 elements from one slot to the next (16 bytes)
 
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
-        self.slots = torch.zeros(self.SIZE, dtype=torch.int64, pin_memory=pinned)
-        self.values = self.slots.numpy()  # host reads and writes without a torch op
-        self.flags = [self.slots[i:i + 1] for i in range(self.SIZE)]  # the kernels' views, made once
+        # one slot per 16 bytes: every flag has the same 16-byte alignment, which Triton specializes a compiled
+        # kernel on (8-byte slots alternate two alignments, so a kernel's launcher would be kept twice)
+        self.slots = torch.zeros(self.SIZE * self.SPACING, dtype=torch.int64, pin_memory=pinned)
+        self.values = self.slots.numpy()[::self.SPACING]  # host reads and writes without a torch op
+        self.flags = [self.slots[i * self.SPACING:i * self.SPACING + 1] for i in range(self.SIZE)]  # made once
         self.events: list = [None] * self.SIZE  # one reusable CUDA event per slot, made at its first use
         self.owners: list = [None] * self.SIZE
         self.next = 0

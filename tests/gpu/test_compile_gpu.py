@@ -66,9 +66,12 @@ def test_linear_logp_compiled_gradients_are_eager_bits(source, reduction):
     x0, w0, t = _inputs()
     op = get_op("linear_logp", source=source)
 
+    # the token mean as RL losses write it, a known count's reciprocal (a division by a count tensor is
+    # autograd's division in eager and a multiplication by its reciprocal in inductor: another upstream gradient)
+    scale = 1.0 if reduction == "sum" else 1.0 / int((t != IGNORE).sum())
+
     def plain(x, w):
-        per_token = -op(x, w, t, ignore_index=IGNORE)
-        return per_token.sum() if reduction == "sum" else per_token.sum() / (t != IGNORE).sum()
+        return -op(x, w, t, ignore_index=IGNORE).sum() * scale
 
     eager = _loss_and_grads(plain, x0, w0)
     compiled = _loss_and_grads(torch.compile(plain, fullgraph=True), x0, w0)

@@ -265,3 +265,17 @@ def test_kernel_target_check_raises_in_the_backward_and_in_a_later_forward(bad_i
         with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary"):
             op(hidden, head.weight, GOOD, head.bias)
     check_errors()
+
+
+def test_kernel_target_check_slots_share_one_alignment():
+    """Every host slot a kernel writes its verdict into has the same 16-byte alignment: Triton specializes a
+    compiled kernel on its pointers' 16-byte alignment, so 8-byte slots taken round-robin would make each
+    finishing kernel keep two compilations (and launch through the JIT again on the second). The host values read
+    and write the slots the kernels see."""
+    slots = kernel_target_check.FlagSlots(pinned=False)
+    flags = [slots.take(object())[1] for _ in range(slots.SIZE)]
+    assert len({f.data_ptr() % 16 for f in flags}) == 1
+    flags[5].fill_(7)
+    assert int(slots.values[5]) == 7 and int(slots.values[4]) == 0
+    slots.values[6] = 3
+    assert int(flags[6]) == 3

@@ -6,8 +6,9 @@ Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` star
   kinds; all without), ``{"case", "tma", "compiled": bytes Triton allots, "model":
   tplogp.kernels.tiles.gemm_shared_bytes}``;
 * ``python -m tests.support.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
-  forward-statistics kernel (default and ``KEEP`` with its TMA stores) and d_logits kernels (TMA, and from kept logits), with the sm90
-  config, bf16, no bias / entropy.
+  forward-statistics kernel (default, ``KEEP`` with its TMA stores, and ``SOFTCAP``) and d_logits kernels (TMA, and
+  from kept logits), with the sm90 config, bf16, no bias / entropy; ``ptx_mul_rn``: the PTX's ``mul.rn.f32`` count
+  (the products that must not fuse into an FMA, :func:`tplogp.kernels.tile_ops.mul_rounded`).
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = True, num_warps: int = 8,
-             group_n: int = 8, split_tiles: int = 4, keep: bool = False, keep_tma: bool = False):
+             group_n: int = 8, split_tiles: int = 4, keep: bool = False, keep_tma: bool = False,
+             softcap: bool = False):
     """Compile one kernel for ``sm_{arch}`` (every pointer and i32 argument marked 16-divisible, as Triton
     specializes aligned tensors and sizes); ``features``: bias, entropy and d_bias on; ``keep``: the forward's
-    kept-logits variant (``KEEP``). Kinds: fwd_tma, fwd, bwd_tma, bwd, bwd_kept (d_logits from kept logits), dh."""
+    kept-logits variant (``KEEP``); ``softcap``: the final-logit softcap on (``SOFTCAP``). Kinds: fwd_tma, fwd, bwd_tma, bwd, bwd_kept (d_logits from kept logits), dh."""
     m, n, k, stages = blocks
     flags = dict(HAS_BIAS=features, WITH_ENTROPY=features)
     block_args = dict(BLOCK_N=m, BLOCK_V=n, BLOCK_D=k, GROUP_N=group_n, DOT_PRECISION=precision)
@@ -87,6 +89,8 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
     # the model options (softcap, the sum of the logits, argmax) off: their scalars and pointer typed, flags False
     sig = {"softcap": "fp32", "cap_temp": "fp32", "p_gsz": "*fp32", **sig}
     const.update({flag: False for flag in ("SOFTCAP", "WITH_SUM_Z", "WITH_ARGMAX") if flag in fn.arg_names})
+    if softcap:
+        const["SOFTCAP"] = True
     full = {name: ("constexpr" if name in const else sig[name]) for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if full[name].startswith("*") or full[name] == "i32"}
@@ -129,15 +133,16 @@ def machine_code() -> None:
     found = {}
     fwd = (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages)
     bwd = (cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d, cfg.bwd_num_stages)
-    for name, kind, blocks, warps, keep in (
-            ("fwd_stats", "fwd_tma", fwd, cfg.num_warps, False),
-            ("fwd_stats_keep", "fwd_tma", fwd, cfg.num_warps, True),
-            ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False),
+    for name, kind, blocks, warps, keep, softcap in (
+            ("fwd_stats", "fwd_tma", fwd, cfg.num_warps, False, False),
+            ("fwd_stats_keep", "fwd_tma", fwd, cfg.num_warps, True, False),
+            ("fwd_stats_softcap", "fwd_tma", fwd, cfg.num_warps, False, True),
+            ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False, False),
             ("bwd_dlogits_kept", "bwd_kept", (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
-             cfg.kept_num_warps, False)):
+             cfg.kept_num_warps, False, False)):
         kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
-                          split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep)
-        found[name] = dict(sass_counts(kernel.asm["cubin"]))
+                          split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep, softcap=softcap)
+        found[name] = dict(sass_counts(kernel.asm["cubin"]), ptx_mul_rn=kernel.asm["ptx"].count("mul.rn.f32"))
     print(json.dumps(found, sort_keys=True))
 
 

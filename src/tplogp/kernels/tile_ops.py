@@ -46,6 +46,20 @@ LIBDEVICE_TANH = tl.constexpr(not interpreting())
 
 
 @triton.jit
+def mul_rounded(a, b, PTX: tl.constexpr):
+    """``a * b`` rounded to fp32 before any later use: PTX's ``mul.rn.f32``, which the code generator never fuses
+    into an FMA with a following add, where PTX runs (``FAST_EXP2``); a plain multiply elsewhere (the CPU
+    interpreter rounds every operation). ``fl(z / T) - M`` is then exactly 0 where ``z`` is the row max (``M`` is
+    that same rounded product), where an FMA would leave the product's rounding error: 1 - p at a peaked row
+    would be that error instead of ~0."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
 def tanh(x, LIBDEVICE: tl.constexpr):
     """``tanh(x)`` in fp32: libdevice's (accurate to a few ulp) on a GPU; under the CPU interpreter, which runs no
     libdevice, ``sign(x) (1 - e) / (1 + e)`` with ``e = exp(-2 |x|)`` (absolute error about 1e-7)."""
@@ -158,9 +172,9 @@ def online_softmax_update(
         _, b_t = softcap_tile(acc, softcap)
         if MASKED:
             b_t = tl.where(m_v[None, :], b_t, float("-inf"))
-        acc = b_t * softcap
+        acc = mul_rounded(b_t, softcap, FAST_EXP2)  # rounded as the max's own product (no FMA with - max)
         b_tmax_t = tl.max(b_t, 1)  # the tile's max of the tanh
-        b_run = b_max * softcap
+        b_run = mul_rounded(b_max, softcap, FAST_EXP2)
     elif HAS_BIAS:
         if MASKED:
             acc += tl.load(p_b + v0 + o_t, mask=m_v, other=float("-inf")).to(tl.float32)[None, :]
@@ -311,8 +325,9 @@ def dlogits_tile(
 ):
     """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32 column sums.
 
-    Per element: ``zr = z - M`` (one FMA; exact 0 at the max, so 1 - p does not cancel at a peaked row), ``p =
-    2^(zr log2(e) - log_sum log2(e))`` (one FMA and one ex2), then :func:`dlogits_finish`. ``MASKED``: the tile's
+    Per element: ``zr = z - M`` (a rounded multiply, then the subtraction: exact 0 at the max, so 1 - p does not
+    cancel at a peaked row; see :func:`mul_rounded`), ``p = 2^(zr log2(e) - log_sum log2(e))`` (one FMA and one
+    ex2), then :func:`dlogits_finish`. ``MASKED``: the tile's
     rows and columns are masked (edge tiles); interior tiles carry no masks. ``SOFTCAP``: the tile is softcapped
     first (:func:`softcap_tile`) and the finish multiplies by the slope ``1 - tanh^2``.
     """
@@ -329,7 +344,7 @@ def dlogits_tile(
         b_slope = 1.0 - b_t * b_t
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
-    b_zr = acc * inv_temp - b_rmax[:, None]  # z - M
+    b_zr = mul_rounded(acc, inv_temp, FAST_EXP2) - b_rmax[:, None]  # z - M, exactly 0 at the row max
     b_p = exp2(b_zr * LOG2E - b_lsum2[:, None], FAST_EXP2)  # [BLOCK_N, BLOCK_V]
     dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mean_rel, p_dz, p_dbp, stride_dz,
                    stride_dbp, inv_temp, MASKED, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope, p_gsz,
