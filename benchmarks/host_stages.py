@@ -48,7 +48,7 @@ STAGES = (
     ("tplogp.plan", "plan_call", "  plan.plan_call"),
     ("tplogp.plan", "check_layout", "    validation.check_layout"),
     ("tplogp.plan", "open_call", "  verdicts.open_call"),
-    ("tplogp.tp", "localize", "tp.localize"),
+    ("tplogp.local_call", "localize", "local_call.localize"),
     ("tplogp.tp", "shard_forward", "tp.shard_forward"),
     ("tplogp.tp", "_LinearLogpFunction.backward", "autograd node: linear_logp backward"),
     ("tplogp.tp", "shard_backward", "tp.shard_backward"),

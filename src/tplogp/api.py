@@ -34,7 +34,7 @@ from .kernel_registry import check_op, check_source, require_source
 from .losses import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
 from .plan import LogpOptions
-from .tp import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
+from .packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
 from .validation import LinearLogpInputError, is_int
 
 # (with_sum_z is the fused loss's: linear_logp returns no sum of the logits)

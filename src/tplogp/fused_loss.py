@@ -13,7 +13,7 @@ Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_c
 A chunk is as many tokens as the kept part of ``workspace_bytes`` holds softmax terms of, so its backward reads
 them instead of recomputing (3 GEMMs instead of 4). ONE all_reduce completes ``d_hidden``, issued as soon as the
 last chunk's rows are done, under that chunk's ``d_W`` work (a reduce-scatter of a sequence-parallel hidden, which
-the chunks see gathered: :func:`tplogp.tp.localize`; none with ``hidden_grad="partial"``). The autograd node's backward scales the gradients by
+the chunks see gathered: :func:`tplogp.local_call.localize`; none with ``hidden_grad="partial"``). The autograd node's backward scales the gradients by
 the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`). Per-token tensors are constants.
 A ``losses.grpo(...)`` loss with sequence sums runs the same loop on chunks of whole sequences
 (:func:`_policy_loss_and_grads`).
@@ -26,13 +26,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import plan, tensors, tp
+from . import local_call, plan, tensors, tp
 from .budgets import accumulator_tokens, plan_chunk_tokens
 from .grad_scaling import scaled_all
 from .losses import Derivative, TokenLoss, TokenStats
 from .rl_losses import GRPOLoss, combine_sums, finish_metrics
 from .sequences import check_offsets, row_bounds, segments_for
-from .tensors import f32_contiguous, zero_rows
+from .tensors import f32_contiguous, finish_rows, zero_rows
 
 REDUCTIONS = ("sum", "mean")
 
@@ -108,13 +108,12 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
                         options, needs[0])
     sums = None
     with torch.no_grad():
+        local = local_call.localize(call)
         if policy:
-            total, grads, sums = _policy_loss_and_grads(tp.localize(call), loss, per_token, needs,
-                                                        target_ids.numel(), hidden.shape, target_ids.shape,
-                                                        offsets, return_metrics)
+            total, grads, sums = _policy_loss_and_grads(local, loss, per_token, needs, target_ids.numel(),
+                                                        hidden.shape, target_ids.shape, offsets, return_metrics)
         else:
-            total, grads = _loss_and_grads(tp.localize(call), loss, per_token, reduction, needs, target_ids.numel(),
-                                           hidden.shape)
+            total, grads = _loss_and_grads(local, loss, per_token, reduction, needs, target_ids.numel(), hidden.shape)
     return total, grads, call.verdict, sums
 
 def _check_policy_options(loss, policy: bool, per_token: Sequence, reduction: str, return_metrics: bool,
@@ -143,7 +142,7 @@ class _Gradients:
     the ONE collective of ``d_hidden`` (all_reduce, or reduce_scatter for sequence-parallel input) issued by the
     chunk that completes it (the last rows), under its ``d_W`` work."""
 
-    def __init__(self, local: tp.LocalCall, needs: tuple[bool, bool, bool], n: int, n_chunks: int) -> None:
+    def __init__(self, local: local_call.LocalCall, needs: tuple[bool, bool, bool], n: int, n_chunks: int) -> None:
         h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
         self.local, self.needs, self.n = local, needs, n
         self.reduce = tp.hidden_grad_reducer(tpc) if needs[0] else None
@@ -191,7 +190,7 @@ class _Gradients:
             if self.reduce is not None:  # the one collective of d_hidden (started by the last chunk's backward)
                 d_hidden = self.reduce.finish(d_hidden)
             if self.local.own_rows is None:  # (sequence-parallel ignored rows are in place, no upstream gradient)
-                d_hidden = self.local.finish_rows(d_hidden, n_all)
+                d_hidden = finish_rows(d_hidden, n_all, self.local.keep_idx, self.local.ignored)
             d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
         d_w, d_b = self.d_w, self.d_b
         if self.local.tpc.regrid is not None:  # the invariant level: d_W / d_b of the grid's rows to the shard's
@@ -199,7 +198,7 @@ class _Gradients:
         return d_hidden, d_w, d_b
 
 
-def _plan_chunks(local: tp.LocalCall, needs: tuple[bool, bool, bool]) -> int:
+def _plan_chunks(local: local_call.LocalCall, needs: tuple[bool, bool, bool]) -> int:
     """Tokens per chunk (the same on every rank), from what requires a gradient, not from grad mode: a call without
     gradients sums the same chunks."""
     h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
@@ -208,7 +207,7 @@ def _plan_chunks(local: tp.LocalCall, needs: tuple[bool, bool, bool]) -> int:
                              accumulators, h2.dtype)
 
 
-def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs: tuple[bool, bool, bool],
+def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str, needs: tuple[bool, bool, bool],
                     n_all: int, hidden_shape):
     """``(loss, (d_hidden, d_W, d_b))`` of a local call, chunk by chunk (module docstring); ``needs``: the
     gradients to compute (none: the loss value alone)."""
@@ -273,7 +272,7 @@ def _loss_and_grads(local: tp.LocalCall, loss, per_token, reduction: str, needs:
     return total, (grads.finish(n_all, hidden_shape) if differentiate else (None, None, None))
 
 
-def _policy_loss_and_grads(local: tp.LocalCall, loss: GRPOLoss, per_token, needs: tuple[bool, bool, bool],
+def _policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token, needs: tuple[bool, bool, bool],
                            n_all: int, hidden_shape, target_shape, offsets, metrics: bool):
     """``(loss, (d_hidden, d_W, d_b), metric sums | None)`` of a :class:`~tplogp.rl_losses.GRPOLoss`.
 

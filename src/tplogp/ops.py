@@ -2,10 +2,10 @@
 
 ``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.plan.prepare` (source, checks,
 verdict), then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
-tensor (rows ``tp.PACKED_*``: logp, lse, the two normalizer parts the backward needs, with entropy the
+tensor (rows ``packed_op.PACKED_*``: logp, lse, the two normalizer parts the backward needs, with entropy the
 entropy and ``E_p[z] - M``, and with ``return_argmax`` the argmax ids, exact in fp32), the softmax terms that the
 ``workspace_bytes`` budget lets it keep for the backward as eager's forward keeps them (one flat fp32 buffer of
-``tp.op_kept_shape``; an empty tensor when none: a budget that keeps nothing, or no graph; with ``ignore_index``,
+``packed_op.op_kept_shape``; an empty tensor when none: a budget that keeps nothing, or no graph; with ``ignore_index``,
 whose compaction makes the kept size depend on the data, a capacity for any row count of which the compacted rows
 fill a prefix), and a sequence-parallel call's gathered hidden rows (an empty tensor otherwise), so that its backward
 does not gather them again. ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
@@ -34,7 +34,7 @@ from torch import Tensor
 from .comm import group_from_name
 from .kernel_registry import backend_for_call
 from .plan import LogpOptions, op_call, prepare, prepare_backward
-from .tp import backward_packed, forward_packed, op_kept_shape, packed_rows
+from .packed_op import backward_packed, forward_packed, op_kept_shape, packed_rows
 
 
 def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,

@@ -28,7 +28,7 @@ from . import invariant, settings
 from .backends.base import ShardBackend, ShardCall
 from .comm import collective_device
 from .kernel_registry import backend_for_call
-from .tp import op_keeps
+from .packed_op import op_keeps
 from .validation import check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
@@ -245,7 +245,8 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
         options: the call's :class:`LogpOptions`.
         builds_graph: whether the call records an autograd graph (its ranks must agree: the backward reduces).
     Returns:
-        The :class:`Call` to run (:func:`tplogp.tp.linear_logp`, :func:`tplogp.tp.forward_packed`, the fused loss).
+        The :class:`Call` to run (:func:`tplogp.tp.linear_logp`, :func:`tplogp.packed_op.forward_packed`, the fused
+        loss).
     Raises:
         LinearLogpInputError, ShardLayoutError: the arguments or the shard layout are wrong (with a group, on every
             rank).
@@ -272,7 +273,8 @@ def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group,
         source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options: as the forward's
             (:func:`prepare`).
     Returns:
-        The :class:`Call` for :func:`tplogp.tp.backward_packed` (``vocab_size`` 0: the backward does not read it).
+        The :class:`Call` for :func:`tplogp.packed_op.backward_packed` (``vocab_size`` 0: the backward does not read
+        it).
     """
     plan, _ = plan_call(_backend(source, hidden), hidden, weight, target_ids, bias, tp_group, vocab_start_index, None,
                         options, True)

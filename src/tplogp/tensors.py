@@ -3,6 +3,8 @@ row masks, and the CUDA stream state (capture, current stream)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -19,6 +21,27 @@ def zero_rows(rows, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return x
     mask = rows.view(*([1] * dim), -1, *([1] * (x.dim() - dim - 1)))
     return torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
+def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0,
+                     fill: float = 0.0) -> torch.Tensor:
+    """Undo the ignore_index compaction along ``dim``: ``n_all`` rows, ``fill`` at the ignored ones (``x`` itself
+    when nothing was compacted)."""
+    if keep_idx is None:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n_all
+    return x.new_full(shape, fill).index_copy(dim, keep_idx, x)
+
+
+def finish_rows(x: torch.Tensor, n_all: int, keep_idx: Optional[torch.Tensor], ignored: Optional[torch.Tensor],
+                dim: int = 0, fill: float = 0.0) -> torch.Tensor:
+    """An output of a call's rows as ``n_all`` rows along ``dim``, 0 at the ignored ones: zeroed in place where the
+    ignored rows were kept in place (``ignored``, a bool mask), else expanded from the compacted rows ``keep_idx``
+    (``fill`` at the ignored ones; ``x`` itself when nothing was compacted)."""
+    if ignored is not None:
+        return zero_rows(ignored, x, dim)
+    return expand_kept_rows(x, keep_idx, n_all, dim, fill)
 
 
 def is_capturing(device: torch.device) -> bool:

@@ -1,4 +1,5 @@
-"""The shared tensor-parallel layer: one autograd path for every backend.
+"""The shared tensor-parallel layer: one autograd path for every backend (the call arrives localized,
+:mod:`tplogp.local_call`; the ``torch.library`` ops run the same functions, :mod:`tplogp.packed_op`).
 
 Each rank holds the vocab shard ``[vocab_start_index, vocab_start_index + V_local)`` of the LM head and the same
 (replicated) global ``target_ids``. The backend computes per-shard, per-token statistics (see
@@ -26,7 +27,7 @@ there and runs while ``d_W`` is computed. When no later backward can read what t
 (:func:`consumes_kept`: the graph is not retained), the backend may overwrite it (``ShardCall.consume_kept``).
 
 Sequence parallelism (``sequence_parallel=True``, a group of several ranks): hidden is this rank's contiguous slice of
-the tokens, rank-major. :func:`localize` gathers the slices (ONE ``all_gather``, before the first GEMM: the sources
+the tokens, rank-major. :func:`tplogp.local_call.localize` gathers the slices (ONE ``all_gather``, before the first GEMM: the sources
 run one kernel sequence over all rows, which the gather must precede) and the rows run as above; the backward's
 ``d_hidden`` is reduce-scattered instead of all-reduced (:class:`~tplogp.comm.OverlappedReduceScatter`, started at
 ``d_hidden_ready`` like the all-reduce, under the ``d_W`` work): each rank receives its slice, half the bytes of an
@@ -43,49 +44,20 @@ and 3 cost no host ops (what matters at small shapes, where a call's host time i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from . import invariant, tensors
-from .backends.base import KeptBuffers, ShardBackend, ShardCall
+from . import invariant, local_call
+from .backends.base import KeptBuffers
 from .comm import OverlappedAllReduce, OverlappedReduceScatter, all_gather_flat
+from .local_call import LocalCall, TPContext
 from .outputs import LinearLogpResult, pack_outputs
-from .tensors import current_stream, f32_contiguous, zero_rows
-from .verdicts import BackwardVerdict, KernelTargetCheck
+from .tensors import current_stream, f32_contiguous, finish_rows
 
 
-@dataclass
-class _TPContext:
-    """Non-tensor state of one call, carried from forward to backward."""
-
-    backend: ShardBackend
-    call: ShardCall
-    group: Any
-    world_size: int
-    comm_device: torch.device
-    # one shard and a backend with ``forward_single``: it finishes the outputs; targets are passed as given
-    single: bool = False
-    # what the backward settles before it writes a gradient, or None
-    verdict: Optional[BackwardVerdict] = None
-    # the call's target check, run by the source's finishing kernel (single only), or None
-    target_check: Optional[KernelTargetCheck] = None
-    # the kept scales of a forward that keeps them apart (KeptBuffers), held here from forward to backward and
-    # dropped by a consuming backward (:func:`park_kept_scales`, :func:`shard_backward`)
-    kept_scales: Optional[torch.Tensor] = None
-    # the d_hidden collective: "all_reduce" (replicated hidden), "reduce_scatter" (sequence-parallel hidden), or
-    # None (one shard, or hidden_grad="partial": each rank keeps its share)
-    hidden_reduce: Optional[str] = None
-    vocab_start: int = 0  # this shard's first global id (argmax ids are made global with it)
-    # the tensor-parallel-invariant level (tplogp.invariant): this rank's re-shard onto the grid, or None
-    regrid: Optional[invariant.Regrid] = None
-
-
-def hidden_grad_reducer(tpc: _TPContext):
+def hidden_grad_reducer(tpc: TPContext):
     """The overlapped ``d_hidden`` collective of a call (``start`` at ``d_hidden_ready``, ``finish`` at the end), or
     None when ``d_hidden`` is handed over as computed."""
     if tpc.hidden_reduce == "all_reduce":
@@ -93,12 +65,6 @@ def hidden_grad_reducer(tpc: _TPContext):
     if tpc.hidden_reduce == "reduce_scatter":
         return OverlappedReduceScatter(tpc.group, tpc.comm_device)
     return None
-
-
-def gather_rows(h: torch.Tensor, tpc: _TPContext) -> torch.Tensor:
-    """The sequence-parallel slices of every rank, rank-major: ``[world * n, D]`` on ``h``'s device (one
-    ``all_gather``, through the group's collective device)."""
-    return all_gather_flat(h.detach().to(tpc.comm_device), tpc.group).to(h.device)
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
@@ -139,7 +105,7 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
     return big_m, log_sum, target_rel, count, mean_rel, sum_z, argmax
 
 
-def shard_forward(hidden, weight, bias, local_target, tpc: _TPContext, kept_out: Optional[torch.Tensor] = None):
+def shard_forward(hidden, weight, bias, local_target, tpc: TPContext, kept_out: Optional[torch.Tensor] = None):
     """The forward of one call's rows (all of them, or a chunk of the fused loss).
 
     The one place where a forward's stats are gathered and merged, for every source and for both ops.
@@ -255,7 +221,7 @@ def consumes_kept(kept: Optional[torch.Tensor], private: bool) -> bool:
     return kept is not None and private and not graph_retained()
 
 
-def park_kept_scales(kept, tpc: _TPContext) -> Optional[torch.Tensor]:
+def park_kept_scales(kept, tpc: TPContext) -> Optional[torch.Tensor]:
     """What an autograd context saves of what the forward kept: the terms buffer. Scales kept apart
     (:class:`~tplogp.backends.base.KeptBuffers`) go to ``tpc.kept_scales`` instead, which the backward can empty
     (saved tensors live until the backward returns)."""
@@ -271,7 +237,7 @@ class _LinearLogpFunction(torch.autograd.Function):
     runs, which at small shapes is host time the GPU would wait for."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, local_target, tpc: _TPContext, shard_outputs, rows):
+    def forward(ctx, hidden, weight, bias, local_target, tpc: TPContext, shard_outputs, rows):
         # rows: what the sources computed on, hidden itself or (sequence-parallel) every rank's slices gathered
         ctx.tpc = tpc
         ctx.set_materialize_grads(False)
@@ -293,7 +259,7 @@ class _LinearLogpFunction(torch.autograd.Function):
 
 
 @_without_autocast
-def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool], kept_private: bool,
+def shard_backward(saved: tuple, tpc: TPContext, needs: tuple[bool, bool, bool], kept_private: bool,
                    g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
                    g_lse: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
     """The backward of one call: the source's backward, the d_hidden collective with a group (all-reduce, or
@@ -347,123 +313,6 @@ def shard_backward(saved: tuple, tpc: _TPContext, needs: tuple[bool, bool, bool]
     return d_hidden, grads.d_weight, grads.d_bias
 
 
-class LocalCall(NamedTuple):
-    """A checked call on this shard: 2-D contiguous inputs (ignored rows compacted away), shard-local targets and the
-    context carried from forward to backward."""
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    bias: Optional[torch.Tensor]
-    local_target: torch.Tensor
-    keep_idx: Optional[torch.Tensor]  # rows kept by ignore_index compaction, or None
-    tpc: _TPContext
-    vocab_size: int  # of all shards together (the same on every rank)
-    ignored: Optional[torch.Tensor] = None  # [N] bool: ignored rows kept in place (no compaction), or None
-    call_for_backward: Optional[ShardCall] = None  # the layout's ShardCall for a forward that is differentiated
-    # sequence parallelism: this rank's rows, the tensor the gradient flows to (``hidden`` is every rank's, gathered)
-    own_rows: Optional[torch.Tensor] = None
-
-    @property
-    def verdict(self) -> Optional[BackwardVerdict]:
-        """What the call's backward settles before it writes a gradient."""
-        return self.tpc.verdict
-
-    def finish_rows(self, x: torch.Tensor, n_all: int, dim: int = 0, fill: float = 0.0) -> torch.Tensor:
-        """An output of the call's rows as ``n_all`` rows, 0 at the ignored ones (``fill`` where they were
-        compacted away)."""
-        if self.ignored is not None:
-            return zero_rows(self.ignored, x, dim)
-        return expand_kept_rows(x, self.keep_idx, n_all, dim, fill)
-
-
-def compacts_rows(device: torch.device) -> bool:
-    """Whether ignored rows are compacted away (their GEMM work saved, at the price of a host read of the kept-row
-    count), or kept in place as rows that no shard owns, whose outputs are zeroed and whose upstream gradients are
-    dropped (no host read): the latter while a CUDA graph is being captured, where a host read cannot happen."""
-    return not tensors.is_capturing(device)  # (looked up at the call: a test may simulate a capture)
-
-
-def expand_kept_rows(x: torch.Tensor, keep_idx: Optional[torch.Tensor], n_all: int, dim: int = 0,
-                     fill: float = 0.0) -> torch.Tensor:
-    """Undo the ignore_index compaction along ``dim``: ``n_all`` rows, ``fill`` at the ignored ones (``x`` itself
-    when nothing was compacted)."""
-    if keep_idx is None:
-        return x
-    shape = list(x.shape)
-    shape[dim] = n_all
-    return x.new_full(shape, fill).index_copy(dim, keep_idx, x)
-
-
-def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
-    """Flattening, the sequence-parallel gather, ignore_index compaction and target localisation of a checked call.
-
-    The sources take 2-D contiguous inputs and shard-local targets only, so their kernels need no per-launch checks.
-
-    Args:
-        call: a :class:`tplogp.plan.Call`.
-        gathered: a sequence-parallel call's rows gathered by its forward (the op's backward), or None.
-    Returns:
-        The :class:`LocalCall` that :func:`shard_forward` and :func:`shard_backward` run.
-    """
-    plan, args = call.plan, call.args
-    hidden, target_ids, weight, bias = args.hidden, args.target_ids, args.weight, args.bias
-    d = hidden.shape[-1]
-    h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
-    tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
-    tgt = tgt if tgt.dtype == torch.int64 else tgt.long()
-    h2 = h2 if h2.is_contiguous() else h2.contiguous()
-    w = weight if weight.is_contiguous() else weight.contiguous()
-    b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
-
-    options = args.options
-    sequence_parallel = options.sequence_parallel and plan.world_size > 1
-    if plan.world_size == 1 or options.hidden_grad == "partial":
-        hidden_reduce = None
-    else:
-        hidden_reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
-    tpc = _TPContext(plan.backend, plan.call, args.group, plan.world_size, plan.comm_device, plan.single,
-                     call.verdict, call.target_check, hidden_reduce=hidden_reduce,
-                     vocab_start=0 if plan.single else args.vocab_start_index)
-    own_rows = None
-    if sequence_parallel:
-        own_rows, h2 = h2, gathered if gathered is not None else gather_rows(h2, tpc)
-
-    keep_idx = ignored = None
-    ignore_index = options.ignore_index
-    if ignore_index is not None:
-        keep = tgt != ignore_index
-        if compacts_rows(h2.device) and not sequence_parallel:
-            keep_idx = keep.nonzero().squeeze(1)  # identical on every rank (targets are replicated)
-            h2 = h2.index_select(0, keep_idx)
-            tgt = tgt.index_select(0, keep_idx)
-        else:  # in place: the rows' target becomes nobody's (-1 is outside every shard)
-            ignored = ~keep
-            tgt = torch.where(keep, tgt, -1)
-
-    if plan.call.grid_columns:  # the invariant level: the rows of the grid blocks this rank computes
-        tpc.regrid = _regrid(plan, args, w.shape[0], call.vocab_size)
-        w, b = invariant.regrid_rows(tpc.regrid, w, b)
-        local_target = tpc.regrid.local_targets(tgt)
-    elif tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
-        local_target = tgt
-    else:
-        start = args.vocab_start_index
-        rel = tgt - start if start else tgt
-        local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, plan.call_for_backward,
-                     own_rows)
-
-
-def _regrid(plan, args, v_local: int, vocab: int) -> invariant.Regrid:
-    """This rank's :class:`~tplogp.invariant.Regrid` (with a group, after one small exchange of the shard
-    boundaries)."""
-    if plan.world_size > 1:
-        bounds = invariant.shard_bounds(args.group, plan.comm_device, args.vocab_start_index, v_local)
-        return invariant.Regrid(args.group, plan.comm_device, dist.get_rank(args.group), bounds,
-                                plan.call.grid_columns, vocab)
-    return invariant.Regrid(None, None, 0, [(0, v_local)], plan.call.grid_columns, vocab)
-
-
 def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                              Optional[torch.Tensor]]:
     """``(logp, entropy | None, lse, argmax | None)`` of a local call's rows (compacted ones absent): through the autograd
@@ -499,13 +348,13 @@ def linear_logp(call) -> LinearLogpResult:
     """
     target_ids, options = call.args.target_ids, call.args.options
     out_shape = target_ids.shape
-    local = localize(call)
+    local = local_call.localize(call)
     logp, entropy, lse, argmax = local_outputs(local)
     if local.keep_idx is not None or local.ignored is not None:
-        n_all = target_ids.numel()
-        logp, lse = local.finish_rows(logp, n_all), local.finish_rows(lse, n_all)
-        entropy = None if entropy is None else local.finish_rows(entropy, n_all)
-        argmax = None if argmax is None else local.finish_rows(argmax, n_all)
+        n_all, keep_idx, ignored = target_ids.numel(), local.keep_idx, local.ignored
+        logp, lse = finish_rows(logp, n_all, keep_idx, ignored), finish_rows(lse, n_all, keep_idx, ignored)
+        entropy = None if entropy is None else finish_rows(entropy, n_all, keep_idx, ignored)
+        argmax = None if argmax is None else finish_rows(argmax, n_all, keep_idx, ignored)
     if len(out_shape) != 1:
         logp = logp.view(out_shape)
         entropy = None if entropy is None else entropy.view(out_shape)
@@ -513,147 +362,3 @@ def linear_logp(call) -> LinearLogpResult:
         argmax = None if argmax is None else argmax.view(out_shape)
     return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse,
                         None if argmax is None else argmax.to(torch.int64))
-
-
-# ---- the bodies that the torch.library ops (tplogp.ops) run ----------------------------------------------------------
-
-# Rows of the packed fp32 [K, N] result of ``forward_packed``: the outputs, then what the backward needs; the
-# argmax ids (exact in fp32) come last, with return_argmax.
-PACKED_LOGP, PACKED_LSE, PACKED_ROW_MAX, PACKED_LOG_SUM, PACKED_ENTROPY, PACKED_MEAN_REL = range(6)
-
-
-def packed_rows(with_entropy: bool, with_argmax: bool = False) -> int:
-    """K of the packed result: 4 rows, 6 with entropy, one more with the argmax."""
-    return (6 if with_entropy else 4) + (1 if with_argmax else 0)
-
-
-def op_keeps(options, builds_graph: bool) -> bool:
-    """Whether the op's forward keeps softmax terms for its backward: for a call that records a graph, as eager's;
-    the budget then decides how much (:func:`op_kept_shape`)."""
-    return builds_graph
-
-
-def op_kept_shape(backend, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, call,
-                  ignore_index: Optional[int]) -> tuple[int, ...]:
-    """Shape of the op's kept output for ``n`` tokens (what its fake implementation states): the flat buffer that the
-    forward keeps (``ShardBackend.kept_shape``), or with ``ignore_index``, whose compaction leaves a row count that
-    depends on the data, a capacity that holds what any count of at most ``n`` rows keeps
-    (``ShardBackend.kept_capacity``: at most the kept part of the budget), of which the forward fills a prefix.
-
-    Args:
-        backend: the call's source.
-        n, d, v, dtype, device: the call's tokens, hidden size, shard vocab, dtype and device.
-        call: the op's :class:`~tplogp.backends.base.ShardCall` (:func:`tplogp.plan.op_call`).
-        ignore_index: the call's.
-    """
-    if ignore_index is None:
-        return backend.kept_shape(n, d, v, dtype, device, call)
-    return backend.kept_capacity(n, d, v, dtype, device, call)
-
-
-def _op_kept_buffer(local: LocalCall, n_all: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(the op's kept output, the prefix its forward keeps into or None)`` of a call with ``ignore_index``: the
-    capacity of :func:`op_kept_shape` for the call's ``n_all`` tokens, of which the compacted rows' forward fills the
-    prefix it would allocate in eager (``ShardBackend.kept_shape`` of its rows, in the same layout: the backward reads
-    eager's terms); the rest is zeroed, so every byte of the output is defined."""
-    h, w = local.hidden, local.weight
-    call = local.call_for_backward.flat_kept
-    capacity = local.tpc.backend.kept_capacity(n_all, h.shape[1], w.shape[0], h.dtype, h.device, call)
-    words = local.tpc.backend.kept_shape(h.shape[0], h.shape[1], w.shape[0], h.dtype, h.device, call)[0]
-    assert words <= capacity[0], (words, capacity)
-    buffer = torch.empty(capacity, device=h.device, dtype=torch.float32)
-    if words < buffer.numel():
-        buffer[words:].zero_()
-    return buffer, (buffer[:words] if words else None)
-
-
-def _op_kept_prefix(local: LocalCall, kept: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """What the op's backward reads of its forward's kept output under ``ignore_index``: the prefix the compacted
-    rows' forward filled (:func:`_op_kept_buffer`), or None when they kept nothing."""
-    if kept is None or not kept.numel():
-        return None
-    h, w = local.hidden, local.weight
-    words = local.tpc.backend.kept_shape(h.shape[0], h.shape[1], w.shape[0], h.dtype, h.device,
-                                         local.call_for_backward.flat_kept)[0]
-    return kept[:words] if words else None
-
-
-def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward of the ``torch.library`` op (:mod:`tplogp.ops`) for a checked call.
-
-    An op returns tensors of shapes its fake implementation can state, so the outputs and what the backward needs
-    travel as one packed tensor.
-
-    Args:
-        call: a :class:`tplogp.plan.Call` from :func:`tplogp.plan.prepare`.
-    Returns:
-        ``(packed, kept, gathered)``: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows
-        0), what the forward kept for the backward within the budget (shape :func:`op_kept_shape` of
-        :func:`tplogp.plan.op_call`; ``(0,)`` when the budget keeps nothing, and the backward recomputes), and a
-        sequence-parallel call's gathered rows ``[N, D]`` for its backward (``(0,)`` otherwise).
-    """
-    local = localize(call)
-    options = call.args.options
-    tpc = local.tpc
-    n_all = call.args.target_ids.numel()
-    capacity = kept_out = None
-    if op_keeps(options, call.args.builds_graph):
-        tpc = dataclasses.replace(tpc, call=local.call_for_backward.flat_kept)  # (one buffer: the op's output)
-        if options.ignore_index is not None:  # the rows' count depends on the data: a prefix of a capacity
-            capacity, kept_out = _op_kept_buffer(local, n_all)
-    (logp, entropy, lse, argmax, _), (row_max, log_sum, mean_rel, kept) = shard_forward(
-        local.hidden, local.weight, local.bias, local.local_target, tpc, kept_out)
-    if capacity is not None:
-        kept = capacity
-    # the normalizer rows keep the real values of ignored rows kept in place; compacted-away rows get log S = inf
-    # (p = 0), so that a backward that keeps the rows in place (a CUDA-graph capture) gives them no gradient either
-    rows = [local.finish_rows(logp, n_all), local.finish_rows(lse, n_all),
-            expand_kept_rows(row_max, local.keep_idx, n_all), expand_kept_rows(log_sum, local.keep_idx, n_all,
-                                                                               fill=float("inf"))]
-    if options.return_entropy:
-        rows += [local.finish_rows(entropy, n_all), expand_kept_rows(mean_rel, local.keep_idx, n_all)]
-    if options.return_argmax:
-        rows.append(local.finish_rows(argmax, n_all))
-    packed = torch.stack(rows)
-    gathered = local.hidden if local.own_rows is not None else local.hidden.new_empty(0)
-    return packed, (kept if kept is not None else packed.new_empty(0)), gathered
-
-
-def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs: tuple[bool, bool, bool],
-                    kept: Optional[torch.Tensor] = None,
-                    gathered: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
-    """The backward of :func:`forward_packed`, through :func:`shard_backward` like the eager path's.
-
-    Args:
-        call: :func:`tplogp.plan.prepare_backward`'s (its verdict, the latest call's, is settled before any
-            gradient).
-        packed: the forward's packed result.
-        grad_packed: its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY`` are read; ignored rows
-            get none).
-        needs: whether ``(d_hidden, d_weight, d_bias)`` are wanted.
-        kept: what the forward kept (read, never overwritten), or None / an empty tensor.
-        gathered: a sequence-parallel forward's gathered rows (not gathered again), or None / an empty tensor.
-    Returns:
-        ``(d_hidden, d_weight, d_bias)``, None where not needed; d_hidden in hidden's shape.
-    """
-    local = localize(call, gathered if gathered is not None and gathered.numel() else None)
-    options = call.args.options
-    if local.keep_idx is not None:
-        packed, grad_packed = packed.index_select(1, local.keep_idx), grad_packed.index_select(1, local.keep_idx)
-    else:  # rows in place (or none ignored): the ignored ones get no upstream gradient
-        grad_packed = zero_rows(local.ignored, grad_packed, dim=1)
-    if options.ignore_index is not None:  # (what the rows kept: a prefix of the forward's capacity)
-        kept = _op_kept_prefix(local, kept)
-    mean_rel = packed[PACKED_MEAN_REL] if options.return_entropy else None
-    g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
-    saved = (local.hidden, local.weight, local.bias, local.local_target, packed[PACKED_ROW_MAX],
-             packed[PACKED_LOG_SUM], mean_rel, kept if kept is not None and kept.numel() else None)
-    # the op's kept buffer is read, never overwritten: ``tplogp::linear_logp_bwd`` declares no mutation (tplogp.ops)
-    d_hidden, d_weight, d_bias = shard_backward(saved, local.tpc, needs, False, grad_packed[PACKED_LOGP], g_entropy,
-                                                grad_packed[PACKED_LSE])
-    if d_hidden is not None:
-        hidden = call.args.hidden
-        if local.own_rows is None:  # (sequence-parallel ignored rows are in place: their upstream is zero above)
-            d_hidden = local.finish_rows(d_hidden, call.args.target_ids.numel())
-        d_hidden = d_hidden.view(hidden.shape)
-    return d_hidden, d_weight, d_bias

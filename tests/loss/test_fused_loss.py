@@ -468,7 +468,7 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
     plus an entropy bonus) is reduced as a dot product. The loss and every gradient equal those of the same loss as
     a plain callable (differentiated by autograd) within the table's fp32 eps, with ignored rows compacted away,
     kept in place (a CUDA-graph capture's layout) or all ignored."""
-    from tplogp import tp as tp_module
+    from tplogp import local_call
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = make_problem((41,), 8, 53, torch.float32, True, seed=32)
@@ -483,7 +483,7 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
     elif ignore == "all":
         targets[:] = IGNORE
     if ignore == "in place":
-        monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
+        monkeypatch.setattr(local_call, "compacts_rows", lambda device: False)
     budget = None
     if path == "chunks":
         budget = tplogp.loss_chunk_budget(9, 8, 53, dtype=torch.float32, bias_dtype=torch.float32, source=source,

@@ -531,10 +531,10 @@ def test_host_stages_smoke(capsys):
     launches, the backward node, the kept d_logits launch and the markers in call order; the stamped functions and
     the real launchers are back afterwards."""
     from benchmarks import host_stages
-    from tplogp import tp
+    from tplogp import local_call
     from tplogp.kernels.launch import Launch
 
-    before = (tp.localize, Launch._through_jit, Launch.__call__)
+    before = (local_call.localize, Launch._through_jit, Launch.__call__)
     assert host_stages.main(["--shape", "16x32x256", "--dtype", "fp32", "--calls", "5", "--warmup", "2"]) == 0
     out = capsys.readouterr().out
     tables = out.split("== ")[1:]
@@ -549,7 +549,7 @@ def test_host_stages_smoke(capsys):
             assert needed in stages, (needed, stages)
         order = [stages.index(m) for m in ("(forward returned)", "(backward returned)", "(synced)")]
         assert order == sorted(order) and stages.index("program: forward") < order[0]
-    assert (tp.localize, Launch._through_jit, Launch.__call__) == before
+    assert (local_call.localize, Launch._through_jit, Launch.__call__) == before
 
 
 def test_host_stages_budget(capsys):

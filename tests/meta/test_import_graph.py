@@ -36,8 +36,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.backends.*",),
     # the fused loss's gradient scaling (the scaling kernel, or torch ops without Triton)
     ("tplogp.grad_scaling",),
+    # a checked call brought to this shard: flattened, gathered, compacted, targets made local
+    ("tplogp.local_call",),
     # the shared tensor-parallel path; DTensor unwrapping
     ("tplogp.tp", "tplogp.dtensor"),
+    # the torch.library ops' bodies: the shared path with outputs of static shapes
+    ("tplogp.packed_op",),
     # which source runs a call
     ("tplogp.kernel_registry",),
     # the call plan: every check, the per-layout state

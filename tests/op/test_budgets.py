@@ -136,7 +136,7 @@ def test_bad_arguments_raise_clear_errors():
 
 
 _MIB = 1 << 20
-# The op's kept output under ignore_index is a capacity for any compacted row count (tplogp.tp.op_kept_shape).
+# The op's kept output under ignore_index is a capacity for any compacted row count (tplogp.packed_op.op_kept_shape).
 # Layouts (planned for a CUDA device, no GPU needed) where fewer rows plan otherwise: native with a vocab wider than
 # a 128-token tile of its 1 GiB tile budget (fewer than ~112 rows widen the vocab tile to the whole shard; a first
 # tile that fits the keep bytes only below some row count), deterministic (whole 256-row chunks); triton with a

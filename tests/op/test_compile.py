@@ -194,7 +194,7 @@ def test_fused_loss_compiles_fullgraph_bitwise(source, n, reduction):
     p = make_problem((n,), 32, 211, torch.bfloat16, True)
     p.hidden, p.weight, p.bias, p.target = x0, w0, b0, target
     # linear_logp with ignore_index on triton: eager compacts the ignored rows and keeps their softmax terms (bf16)
-    # for the backward; the op keeps the same terms in a prefix of a capacity for any row count (tp.op_kept_shape)
+    # for the backward; the op keeps the same terms in a prefix of a capacity for any row count (packed_op.op_kept_shape)
     for fn in (fused, plain):
         explained = torch._dynamo.explain(fn)(x0.clone().requires_grad_(), w0.clone().requires_grad_(), target,
                                               b0.clone().requires_grad_())
@@ -276,7 +276,7 @@ def _count_recomputes(monkeypatch, source):
 def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts):
     """Under torch.compile a budget that holds the logits makes the op's forward keep their terms and its backward
     read them (no recompute GEMM), with eager's bits; with ignore_index too (the compacted rows' terms, in a prefix
-    of a capacity for any row count: tp.op_kept_shape)."""
+    of a capacity for any row count: packed_op.op_kept_shape)."""
     from tplogp import keep_logits_budget
 
     o = OPTIONS[opts]

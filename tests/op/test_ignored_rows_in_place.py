@@ -1,5 +1,5 @@
 """Ignored rows kept in place instead of compacted away: what a CUDA-graph capture gets, where the compaction's host
-read of the kept-row count cannot happen (``tplogp.tp.compacts_rows``; forced here). The outputs and gradients equal
+read of the kept-row count cannot happen (``tplogp.local_call.compacts_rows``; forced here). The outputs and gradients equal
 the compacted call's (fp32, within the tolerance table's fp32 eps), ignored rows give 0 and no gradient, and the
 call reads nothing on the host with ``TPLOGP_CHECKS=fast`` (one rank, 2 gloo ranks, the compiled op, a forward
 compacted with its backward in place, the fused loss)."""
@@ -12,7 +12,7 @@ import torch
 import tplogp
 from tests.support.host_reads import count_host_reads
 from tests.support.problems import cpu_sources, make_problem
-from tplogp import get_op, losses, tp as tp_module
+from tplogp import get_op, local_call, losses
 from tplogp.tolerances import ERROR_SLACK, rel_error
 
 IGNORE = -100
@@ -46,7 +46,7 @@ def test_one_rank_matches_compaction_without_host_reads(source, monkeypatch):
     p = _problem()
     op = get_op("linear_logp", source=source)
     compacted = _call(op, p)
-    monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
+    monkeypatch.setattr(local_call, "compacts_rows", lambda device: False)
     with count_host_reads() as reads:
         ours = _call(op, p)
     assert reads == [], reads
@@ -74,7 +74,7 @@ def test_compiled_op_in_place(monkeypatch):
         return loss.detach(), h.grad, w.grad, b.grad
 
     compacted = loss_and_grads(fn)
-    monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
+    monkeypatch.setattr(local_call, "compacts_rows", lambda device: False)
     torch._dynamo.reset()
     try:
         ours = loss_and_grads(torch.compile(fn, backend="aot_eager", fullgraph=True))
@@ -97,7 +97,7 @@ def test_forward_compacted_backward_in_place(monkeypatch):
                        + [p.g_entropy.reshape(-1), torch.zeros_like(p.g_logp.reshape(-1))])
     bwd_args = ("", 0, 1.0, True, IGNORE, False, None, "native", False, "reduced", None, False, True, True, True)
     want = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, gathered, grad, *bwd_args)
-    monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
+    monkeypatch.setattr(local_call, "compacts_rows", lambda device: False)
     got = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, gathered, grad, *bwd_args)
     for name, a, e in zip(("d_hidden", "d_weight", "d_bias"), got, want):
         assert torch.isfinite(a).all() and rel_error(a, e) <= EPS, name
@@ -115,7 +115,7 @@ def test_fused_loss_in_place(monkeypatch):
         return [value.detach(), h.grad, w.grad, b.grad]
 
     want = run()
-    monkeypatch.setattr(tp_module, "compacts_rows", lambda device: False)
+    monkeypatch.setattr(local_call, "compacts_rows", lambda device: False)
     got = run()
     for name, a, e in zip(("loss", "d_hidden", "d_weight", "d_bias"), got, want):
         assert torch.isfinite(a).all() and rel_error(a, e) <= EPS, name
@@ -131,11 +131,11 @@ def test_two_ranks_in_place(tp):
     op = get_op("linear_logp", source="native")
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=70)
     compacted = _call(op, p, **kw)
-    real = tp_module.compacts_rows
-    tp_module.compacts_rows = lambda device: False
+    real = local_call.compacts_rows
+    local_call.compacts_rows = lambda device: False
     try:
         ours = _call(op, p, **kw)
     finally:
-        tp_module.compacts_rows = real
+        local_call.compacts_rows = real
     with tp.agree():
         _same(ours, compacted, f"rank {tp.rank}")

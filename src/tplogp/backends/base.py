@@ -64,7 +64,7 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
 ``kept_out=`` (``forward_stats`` and ``forward_single``, optional)
     A flat fp32 buffer of exactly ``kept_shape`` words for the call's rows, into which a forward that keeps
     (``for_backward``, ``scales_apart`` off) writes instead of allocating its own: the op's kept output, a prefix of
-    its ``kept_capacity`` under ``ignore_index`` (:func:`tplogp.tp.forward_packed`). None: the forward allocates.
+    its ``kept_capacity`` under ``ignore_index`` (:func:`tplogp.packed_op.forward_packed`). None: the forward allocates.
 
 Everything that needs a collective (merging stats across ranks, the coverage check, the d_hidden all-reduce)
 lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the target id minus the shard's
@@ -86,7 +86,7 @@ class KeptBuffers:
     """What a source's forward kept for its backward in two allocations (``ShardCall.scales_apart``): ``values``,
     the terms ``[N, keep_cols]`` in the kept dtype (what the autograd context saves, and what a consuming backward
     overwrites with d_logits), and ``scales``, the per-row, per-tile fp32 scales. The call path holds the scales
-    where it can drop them (``tplogp.tp._TPContext.kept_scales``) and hands both to the backward in one of these;
+    where it can drop them (``tplogp.local_call.TPContext.kept_scales``) and hands both to the backward in one of these;
     the source's backward takes the scales out (:meth:`take_scales`), and its d_logits launcher drops them once
     read, so that a consuming backward frees them before its d_hidden / d_W GEMMs allocate their outputs (a peak
     lower by the scales)."""
@@ -181,7 +181,7 @@ class ShardCall:
     # the input dtype, rounded once as its GEMM stores it, instead of fp32 (no fp32 buffer, no cast)
     d_hidden_in_input_dtype: bool = False
     # the op's checks passed and the call path made the tensors what the sources take (tplogp.plan,
-    # tp.localize: 2-D, contiguous, one device, int64 targets): a source may skip its per-launch checks
+    # local_call.localize: 2-D, contiguous, one device, int64 targets): a source may skip its per-launch checks
     inputs_checked: bool = False
     # the forward keeps its scales apart from its terms (KeptBuffers), so that a consuming backward can free them
     # early: the eager paths; the op's forward (torch.compile) returns one flat buffer
