@@ -63,7 +63,7 @@ STAGES = (
     ("tplogp.kernels.programs", "ForwardProgram.__call__", "program: forward"),
     ("tplogp.kernels.programs", "launch_dlogits_kept", "launch: d_logits (kept)"),
     ("tplogp.kernels.programs", "launch_dlogits", "launch: d_logits (recompute)"),
-    ("tplogp.kernels.programs", "_mm_into", "GEMM into the input dtype"),
+    ("tplogp.kernels.programs", "mm_into", "GEMM into the input dtype"),
     ("tplogp.fp32_gemm", "mm_into", "GEMM into fp32"),
     ("tplogp.kernels.launch", "Launch.__call__", "  Launch (alignment + launch)"),
 )

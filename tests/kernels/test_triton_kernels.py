@@ -245,7 +245,7 @@ def test_unavailable_reasons(monkeypatch):
 
 
 def test_launcher_rejects_bad_inputs():
-    from tplogp.kernels.programs import KernelInputError
+    from tplogp.kernels.entry_checks import KernelInputError
 
     be = TritonBackend()
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.int64)

@@ -164,7 +164,7 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
     n, v_local = p.target.numel(), vs.end - vs.start
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, deterministic=True)
     events = []
-    real_all_reduce, real_dw, real_dh = dist.all_reduce, programs._mm_into, programs._dh_gemm
+    real_all_reduce, real_dw, real_dh = dist.all_reduce, programs.mm_into, programs.dh_gemm
 
     def all_reduce(t, *args, **kwargs):
         events.append("all_reduce" if kwargs.get("async_op") else "blocking all_reduce")
@@ -178,11 +178,11 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
         events.append("d_hidden")
         return real_dh(*args)
 
-    dist.all_reduce, programs._mm_into, programs._dh_gemm = all_reduce, dw, dh
+    dist.all_reduce, programs.mm_into, programs.dh_gemm = all_reduce, dw, dh
     try:
         ours = run_op(op, p, workspace_bytes=1, **kw)  # 256-column chunks
     finally:
-        dist.all_reduce, programs._mm_into, programs._dh_gemm = real_all_reduce, real_dw, real_dh
+        dist.all_reduce, programs.mm_into, programs.dh_gemm = real_all_reduce, real_dw, real_dh
     chunks = -(-v_local // workspace.CHUNK_ALIGN)
     expected = ["d_hidden", "d_W"] * (chunks - 1) + ["d_hidden", "all_reduce", "d_W"]
     tp.assert_all(events == expected, f"issue order {events}, expected {expected}")

@@ -267,7 +267,7 @@ def _count_recomputes(monkeypatch, source):
         monkeypatch.setattr(native, "_logits_tile", tile)
         monkeypatch.setattr(native.NativeBackend, "_backward_tiles", in_backward(real_backward))
         # a call whose logits fit one tile and keep nothing: the one-tile backward recomputes it
-        monkeypatch.setattr(native, "_backward_one_tile", in_backward(native._backward_one_tile))
+        monkeypatch.setattr(native, "backward_one_tile", in_backward(native.backward_one_tile))
     return seen
 
 

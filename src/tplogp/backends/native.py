@@ -38,6 +38,7 @@ from .. import fp32_gemm, memory_budget, settings
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .native_one_tile import backward_one_tile, forward_one_tile
 from .native_tiles import DETERMINISTIC_TOKEN_CHUNK, _capped, _logits_tile, _pad_rows, _token_chunk, _TokenChunk
 
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
@@ -284,9 +285,9 @@ class NativeBackend(BudgetParts):
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
                        kept_out: Optional[torch.Tensor] = None) -> SingleShardOutputs:
         """One shard holds the whole vocab: the outputs finished here (``target`` outside ``[0, V)``: nobody's, NaN
-        logp). A call whose logits fit one tile and keep nothing takes :func:`_forward_one_tile` (fewest ops)."""
+        logp). A call whose logits fit one tile and keep nothing takes :func:`forward_one_tile` (fewest ops)."""
         if _one_tile(hidden, weight, call):
-            return _forward_one_tile(hidden, weight, bias, target, call)
+            return forward_one_tile(hidden, weight, bias, target, call)
         st = self.forward_stats(hidden, weight, bias, target, call, kept_out)
         log_sum = torch.log(st.sum_exp)
         owned = (target >= 0) & (target < weight.shape[0])
@@ -323,7 +324,7 @@ class NativeBackend(BudgetParts):
                                                grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready,
                                                accumulate, grad_sum_z)
         if accumulate is None and kept is None and _one_tile(hidden, weight, call):
-            return _backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+            return backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
                                       grad_lse, mean_rel, call, needs, d_hidden_ready, grad_sum_z)
         need_h, need_w, need_b = needs
         n, d = hidden.shape
@@ -438,8 +439,7 @@ class NativeBackend(BudgetParts):
 
 
 # ---- one tile: a call whose logits fit one [N, V] tile in the tile budget and keep nothing (small shapes) --------
-# The same arithmetic, in the same order, as the tiled loops above with a single tile, in fewer ops: what costs
-# host time at small shapes. (The tiled loops' token-chunk vectors and zero-initialised accumulators fall away.)
+# (its arithmetic: tplogp.backends.native_one_tile)
 
 _one_tile_cache: dict = {}
 
@@ -458,70 +458,3 @@ def _one_tile(hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> bo
         if len(_one_tile_cache) > 1024:
             _one_tile_cache.clear()
     return one
-
-
-def _forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
-    v = weight.shape[0]
-    z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap)
-    sum_z = z.sum(1) if call.with_sum_z else None
-    argmax = z.argmax(1).to(torch.float32) if call.with_argmax else None
-    m = z.amax(1)
-    z -= m.unsqueeze(1)  # z - M
-    column = target.clamp(0, v - 1)
-    nobodys = column != target  # ids outside [0, V): owned by nobody (NaN logp)
-    target_rel = z.gather(1, column.unsqueeze(1)).squeeze(1)
-    if call.with_entropy:
-        e = torch.exp(z)
-        sum_exp, q = e.sum(1), z.mul_(e).sum(1)
-    else:
-        sum_exp, q = z.exp_().sum(1), None
-    log_sum = torch.log(sum_exp)
-    logp = (target_rel - log_sum).masked_fill_(nobodys, float("nan"))
-    mean_rel = None if q is None else q / sum_exp
-    return SingleShardOutputs(logp, m + log_sum, m, log_sum, mean_rel, None if q is None else log_sum - mean_rel,
-                              None, sum_z, argmax)
-
-
-def _backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
-                       call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
-                       grad_sum_z=None) -> ShardGrads:
-    need_h, need_w, need_b = needs
-    v = weight.shape[0]
-    gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
-    c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel) (never modified)
-    if grad_lse is not None:
-        c0 = c0 - grad_lse
-    slopes = [] if call.softcap is not None else None
-    z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap, slope=slopes)
-    slope = slopes[0] if slopes else None
-    z -= row_max.unsqueeze(1)
-    if grad_entropy is not None:
-        c0 = c0 - grad_entropy * mean_rel
-        p = torch.exp(z - log_sum.unsqueeze(1))
-        dz = z.mul_(grad_entropy.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
-    else:
-        dz = z.sub_(log_sum.unsqueeze(1)).exp_().mul_(c0.unsqueeze(1)).neg_()
-    column = target.clamp(0, v - 1)
-    # + grad_logp at the target column; nothing for ids outside [0, V) (nobody's)
-    dz.scatter_add_(1, column.unsqueeze(1), grad_logp.masked_fill(column != target, 0).unsqueeze(1))
-    if grad_sum_z is not None:  # d(sum_v z)/dz_v = 1
-        dz += grad_sum_z.unsqueeze(1)
-    if call.inv_temperature != 1.0:
-        dz *= call.inv_temperature
-    if slope is not None:
-        dz *= slope
-    d_bias = None
-    if need_b and bias is not None:
-        d_bias = dz.sum(0)
-        d_bias = d_bias if bias.dtype == torch.float32 else d_bias.to(bias.dtype)
-    dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
-    d_hidden = None
-    if need_h:
-        d_hidden = fp32_gemm.mm(dz_g, weight if weight.dtype == gemm_dtype else weight.to(gemm_dtype))
-        if d_hidden_ready is not None:
-            d_hidden_ready(d_hidden)
-    d_weight = None
-    if need_w:
-        d_weight = fp32_gemm.mm(dz_g.t(), hidden if hidden.dtype == gemm_dtype else hidden.to(gemm_dtype))
-        d_weight = d_weight if weight.dtype == torch.float32 else d_weight.to(weight.dtype)
-    return ShardGrads(d_hidden, d_weight, d_bias)

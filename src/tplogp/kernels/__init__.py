@@ -19,6 +19,7 @@ shapes only). Modules, lowest layer first (each imports only the ones above it i
 * :mod:`.hopper_kernels`    the forward-statistics and d_logits kernels with TMA tensor-descriptor loads (sm_90).
 * :mod:`.scale_kernels`     the fused loss's backward: a gradient times the upstream scalar, rounded once.
 * :mod:`.launches`          each shard kernel's launch for a layout, from sizes; when the TMA kernels may run.
+* :mod:`.entry_checks`      what the entry points accept (shapes, dtypes, devices, strides), checked before a launch.
 * :mod:`.programs`          per-layout programs (the forward, the consuming backward) and the entry points that run
                             them: input checks, buffers, the chunked backward and its cuBLAS steps.
 * :mod:`.grid_programs`     the tensor-parallel-invariant level's entry points: per-block forward stats, the

@@ -27,7 +27,7 @@ from .. import fp32_gemm
 from ..tensors import f32_contiguous
 from .launch import cached
 from .launches import ensure_context, stats_launch, tma_ok
-from .programs import _dh_gemm, _mm_into, _stats_outputs, _stats_rows, launch_dlogits, per_token_grads
+from .programs import dh_gemm, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
 from .tiles import TileConfig, cdiv, dot_precision
 from .workspace import plan_chunk
 
@@ -45,7 +45,7 @@ def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     n, d = hidden.shape
     v = weight.shape[0]
     extras = (with_sum_z, with_argmax)
-    parts = torch.empty((_stats_rows(with_entropy, *extras), cdiv(v, cfg.split_v), n), device=hidden.device,
+    parts = torch.empty((stats_rows(with_entropy, *extras), cdiv(v, cfg.split_v), n), device=hidden.device,
                         dtype=torch.float32)
     if n and v:
         tma = tma and tma_ok(hidden, weight)
@@ -56,7 +56,7 @@ def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
                         float(inv_temperature), cfg, dot_precision(hidden.dtype), None, tma, False, softcap,
                         *extras)
         launch(hidden, weight, hidden if bias is None else bias, local_target, parts, parts, parts)
-    return _stats_outputs(parts, with_entropy, *extras)
+    return stats_outputs(parts, with_entropy, *extras)
 
 
 def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -109,7 +109,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
         launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
                        float(inv_temperature), grad_entropy is not None, need_db, cfg, precision, tma, **options)
         if d_hidden is not None:
-            _dh_gemm(dz, weight[v_lo:v_hi], d_hidden, i_chunk, True, cfg, precision)
+            dh_gemm(dz, weight[v_lo:v_hi], d_hidden, i_chunk, True, cfg, precision)
             if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
                 d_hidden_ready(d_hidden)
         if d_weight is None:
@@ -123,7 +123,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
                 fp32_gemm.mm_into(rows, block.t(), hidden)
                 dw_acc[c0:c0 + width] += rows[:width]
             else:
-                _mm_into(rows, block.t(), hidden)
+                mm_into(rows, block.t(), hidden)
                 d_weight[c0:c0 + width] = rows[:width]
     d_bias = None
     if need_db:

@@ -10,9 +10,9 @@ their tensor descriptors are legal (:func:`~.launches.tma_ok`), the pointer kern
 tensor-parallel-invariant level's entry points are in :mod:`.grid_programs`.
 
 No host syncs: every size used for planning is a Python int taken from tensor shapes; no ``.item()``, no
-``nonzero()``. Each entry point checks its tensors (:func:`check_inputs`, :func:`check_kept`) unless its caller passes
-``checked=True``: the op's own call path, whose inputs passed the op's checks and were made 2-D, contiguous and
-int64 there, skips these per-launch repeats.
+``nonzero()``. Each entry point checks its tensors (:func:`.entry_checks.check_inputs`,
+:func:`.entry_checks.check_kept`) unless its caller passes ``checked=True``: the op's own call path, whose inputs
+passed the op's checks and were made 2-D, contiguous and int64 there, skips these per-launch repeats.
 """
 
 from __future__ import annotations
@@ -23,59 +23,13 @@ import torch
 
 from .. import fp32_gemm
 from ..tensors import f32_contiguous
+from .entry_checks import KernelInputError, check_inputs, check_kept
 from .kept import KeptTerms
 from .launch import cached
 from .launches import (dh_launch, dlogits_kept_launch, dlogits_launch, ensure_context, finalize_launch, kept_tma_ok,
                        merge_launch, stats_launch, tma_ok)
-from .tiles import KERNEL_DTYPES, TileConfig, cdiv, dot_precision
+from .tiles import TileConfig, cdiv, dot_precision
 from .workspace import plan_chunk
-
-
-class KernelInputError(ValueError):
-    """A launcher got tensors of the wrong shape, dtype, device or layout."""
-
-
-def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 local_target: torch.Tensor) -> None:
-    if hidden.dim() != 2 or weight.dim() != 2:
-        raise KernelInputError(
-            f"expected hidden [N, D] and weight [V_local, D], got hidden {tuple(hidden.shape)} and weight "
-            f"{tuple(weight.shape)}; flatten leading dims of hidden first")
-    if hidden.shape[1] != weight.shape[1]:
-        raise KernelInputError(
-            f"hidden size mismatch: hidden has D={hidden.shape[1]} but weight has D={weight.shape[1]}")
-    if hidden.dtype != weight.dtype:
-        raise KernelInputError(f"hidden and weight dtypes differ ({hidden.dtype} vs {weight.dtype}); cast one")
-    if hidden.dtype not in KERNEL_DTYPES:
-        raise KernelInputError(f"unsupported dtype {hidden.dtype}; expected float32, bfloat16 or float16")
-    dev = hidden.device
-    if weight.device != dev or local_target.device != dev or (bias is not None and bias.device != dev):
-        devices = {hidden.device, weight.device, local_target.device} | ({bias.device} if bias is not None else set())
-        raise KernelInputError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
-    if hidden.stride(1) != 1 or weight.stride(1) != 1:
-        raise KernelInputError(
-            "hidden and weight need unit stride along D (row-major); call .contiguous() on transposed inputs")
-    if local_target.shape != (hidden.shape[0],) or local_target.dtype != torch.int64:
-        raise KernelInputError(
-            f"local_target must be int64 of shape [{hidden.shape[0]}], got {local_target.dtype} "
-            f"{tuple(local_target.shape)}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise KernelInputError(f"bias must have shape [{weight.shape[0]}], got {tuple(bias.shape)}")
-
-
-def check_kept(kept: Optional[KeptTerms], n: int, v: int, block_v: int) -> None:
-    if kept is None:
-        return
-    values, scales = kept
-    if (values.dtype not in KERNEL_DTYPES or values.dim() != 2
-            or values.shape[0] != n or not 0 < values.shape[1] <= v or values.stride(1) != 1):
-        raise KernelInputError(f"kept terms must be fp32, bf16 or fp16 [{n}, <= {v}] with unit column stride, got "
-                               f"{values.dtype} {tuple(values.shape)}")
-    tiles_kept = cdiv(values.shape[1], block_v)
-    if (scales.dtype != torch.float32 or scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] < tiles_kept
-            or scales.stride(1) != 1):
-        raise KernelInputError(f"kept scales must be fp32 [{n}, >= {tiles_kept}] with unit column stride, got "
-                               f"{scales.dtype} {tuple(scales.shape)}")
 
 
 def layout_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
@@ -88,7 +42,7 @@ def layout_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 # entropy, the sum of exp * z), the merged stats of a shard ``[rows, N]`` (the same rows), the one-shard outputs
 # ``[6 or 4, N]`` (logp, lse, row max, log-sum and, with entropy, mean_rel and entropy).
 
-def _stats_rows(with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> int:
+def stats_rows(with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> int:
     return (4 if with_entropy else 3) + with_sum_z + with_argmax
 
 
@@ -103,7 +57,7 @@ def _extras(outs: tuple, first: int, with_sum_z: bool, with_argmax: bool) -> tup
     return sum_z, argmax
 
 
-def _stats_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> tuple:
+def stats_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> tuple:
     """``(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None)``: views of the merged
     stats ``out``."""
     outs = out.unbind(0)
@@ -154,12 +108,12 @@ class ForwardProgram:
         self.stats_tma = None if not tma else (stats_launch(*stats, tma=True, **options),
                                                stats_launch(*stats, tma=True, keep_tma=True, **options) if keep
                                                else None)
-        self.parts_shape = (_stats_rows(with_entropy, with_sum_z, with_argmax), num_splits, n)
+        self.parts_shape = (stats_rows(with_entropy, with_sum_z, with_argmax), num_splits, n)
         if single:
             self.out_shape = (_single_rows(with_entropy, with_sum_z, with_argmax), n)
             self.finish = finalize_launch(n, v, num_splits, with_entropy, check_targets, with_sum_z, with_argmax)
         else:
-            self.out_shape = (_stats_rows(with_entropy, with_sum_z, with_argmax), n)
+            self.out_shape = (stats_rows(with_entropy, with_sum_z, with_argmax), n)
             self.finish = merge_launch(n, num_splits, with_entropy, with_sum_z, with_argmax)
 
     def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
@@ -184,7 +138,7 @@ class ForwardProgram:
         out = torch.empty(self.out_shape, device=device, dtype=torch.float32)  # after the launch: the GPU starts sooner
         if not self.single:
             self.finish(parts, out)
-            return _stats_outputs(out, self.with_entropy, *self.extras)
+            return stats_outputs(out, self.with_entropy, *self.extras)
         self.finish(parts, target, out, out if target_flag is None else target_flag)
         return _single_outputs(out, self.with_entropy, *self.extras)
 
@@ -221,10 +175,10 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         check_kept(kept, n, v, cfg.block_v)
     extras = (with_sum_z, with_argmax)
     if n == 0 or v == 0:
-        out = torch.empty((_stats_rows(with_entropy, *extras), n), device=hidden.device, dtype=torch.float32)
+        out = torch.empty((stats_rows(with_entropy, *extras), n), device=hidden.device, dtype=torch.float32)
         out[0].fill_(float("-inf"))
         out[1:].zero_()
-        return _stats_outputs(out, with_entropy, *extras)
+        return stats_outputs(out, with_entropy, *extras)
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept, False, False, tma,
                                softcap, *extras)
@@ -267,7 +221,7 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out = a @ b`` (fp32 accumulation inside the GEMM, output rounded once to ``out.dtype``)."""
     if a.is_cuda or a.dtype == torch.float32:
         torch.mm(a, b, out=out)
@@ -373,7 +327,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         whole = ws is None
         w_chunk = weight if whole else weight[v_lo:v_hi]
         if d_hidden is not None:
-            _dh_gemm(dz, w_chunk, d_hidden, i_chunk, deterministic, cfg, precision)
+            dh_gemm(dz, w_chunk, d_hidden, i_chunk, deterministic, cfg, precision)
             if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
                 d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
         if d_weight is not None:
@@ -386,7 +340,7 @@ def _dw_gemm(dw_chunk: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, acc
     if accumulate:
         fp32_gemm.addmm_(dw_chunk, dz.t(), hidden)
     else:
-        _mm_into(dw_chunk, dz.t(), hidden)
+        mm_into(dw_chunk, dz.t(), hidden)
 
 
 def _bias_grad(dbp: torch.Tensor, bias: torch.Tensor, db_acc: Optional[torch.Tensor]) -> torch.Tensor:
@@ -407,14 +361,14 @@ def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor
     return g, gmg, f32_contiguous(grad_entropy), f32_contiguous(mean_rel)
 
 
-def _dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileConfig, precision) -> None:
+def dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileConfig, precision) -> None:
     """``d_hidden (+)= dz @ W[chunk]`` (fp32) for one chunk."""
     if deterministic:
         n, k = dz.shape
         cached(dh_launch, n, k, w_chunk.shape[1], dz.stride(0), w_chunk.stride(0), d_hidden.stride(0), i_chunk > 0,
                cfg, precision)(dz, w_chunk, d_hidden)
     elif d_hidden.dtype != torch.float32:  # the one chunk, rounded once to the input dtype (d_hidden_in_input_dtype)
-        _mm_into(d_hidden, dz, w_chunk)
+        mm_into(d_hidden, dz, w_chunk)
     elif i_chunk == 0:
         fp32_gemm.mm_into(d_hidden, dz, w_chunk)
     else:
@@ -520,7 +474,7 @@ class KeptBackward:
         d_hidden = torch.empty(hidden.shape, device=device, dtype=self.dh_dtype) if need_dh else None
         d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
         if d_hidden is not None:
-            _dh_gemm(dz, weight, d_hidden, 0, self.deterministic, self.cfg, self.precision)
+            dh_gemm(dz, weight, d_hidden, 0, self.deterministic, self.cfg, self.precision)
             if d_hidden_ready is not None:
                 d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
         if d_weight is not None:

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from .launch import Launch, cached
-from .programs import KernelInputError
+from .entry_checks import KernelInputError
 from .scale_kernels import scale_round_kernel
 from .tiles import KERNEL_DTYPES, cdiv, dot_precision
 
