@@ -8,7 +8,7 @@ Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` star
 * ``python -m tests.support.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
   forward-statistics kernel (default, ``KEEP`` with its TMA stores, and ``SOFTCAP``) and d_logits kernels (TMA, and
   from kept logits), with the sm90 config, bf16, no bias / entropy; ``ptx_mul_rn``: the PTX's ``mul.rn.f32`` count
-  (the products that must not fuse into an FMA, :func:`tplogp.kernels.tile_ops.mul_rounded`).
+  (the products that must not fuse into an FMA, :func:`tplogp.kernels.fp32_ops.mul_rounded`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ shapes only). Modules, lowest layer first (each imports only the ones above it i
 * :mod:`.launch`            :class:`~.launch.Launch`, the one way a kernel is launched: made once per (kernel,
                             layout), the compiled kernel looked up by the tensors' alignment; :func:`~.launch.cached`,
                             the one bounded cache of the per-call paths' launches and programs.
-* :mod:`.tile_ops`          the ``@triton.jit`` tile operations every kernel shares: launch order, dot, exp2, the
+* :mod:`.fp32_ops`          fp32 elementwise primitives (exp2, tanh, an unfused multiply, 16-bit rounding) and their
+                            PTX forms on a GPU.
+* :mod:`.tile_ops`          the ``@triton.jit`` tile operations every kernel shares: launch order, dot, softcap, the
                             pointer K loop, the forward's online-softmax epilogue, the backward's d_logits epilogue.
 * :mod:`.forward_kernels`   forward statistics per vocab split (pointer loads), the split merge, the one-shard finalize.
 * :mod:`.backward_kernels`  the d_logits recompute (pointer loads), d_logits from kept terms, deterministic ``d_hidden``.
@@ -21,7 +23,7 @@ shapes only). Modules, lowest layer first (each imports only the ones above it i
 * :mod:`.launches`          each shard kernel's launch for a layout, from sizes; when the TMA kernels may run.
 * :mod:`.entry_checks`      what the entry points accept (shapes, dtypes, devices, strides), checked before a launch.
 * :mod:`.programs`          per-layout programs (the forward, the consuming backward) and the entry points that run
-                            them: input checks, buffers, the chunked backward and its cuBLAS steps.
+                            them: buffers, the chunked backward and its cuBLAS steps.
 * :mod:`.grid_programs`     the tensor-parallel-invariant level's entry points: per-block forward stats, the
                             grid-block backward (fixed-shape d_W GEMMs).
 * :mod:`.scale_launch`      the fused loss's scaling launch and its checks.

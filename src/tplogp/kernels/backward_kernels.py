@@ -30,7 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile_ops import LOG2E, dlogits_epilogue, dlogits_finish, grouped_ids, kept_probabilities, logits_tile, mma
+from .fp32_ops import LOG2E
+from .tile_ops import dlogits_epilogue, dlogits_finish, grouped_ids, kept_probabilities, logits_tile, mma
 
 
 @triton.jit

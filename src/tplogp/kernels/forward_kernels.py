@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .tile_ops import LOG2E, logits_tile, natural_units, split_bounds, stats_program, stats_tile, store_stats
+from .fp32_ops import LOG2E
+from .tile_ops import logits_tile, natural_units, split_bounds, stats_program, stats_tile, store_stats
 
 
 @triton.jit

@@ -15,7 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile_ops import (LOG2E, dlogits_epilogue, grouped_ids, mma, natural_units, split_bounds, stats_program,
+from .fp32_ops import LOG2E
+from .tile_ops import (dlogits_epilogue, grouped_ids, mma, natural_units, split_bounds, stats_program,
                        stats_tile, store_stats)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile_ops import store_rounded
+from .fp32_ops import store_rounded
 
 
 @triton.jit

@@ -1,0 +1,79 @@
+"""fp32 elementwise primitives of the kernels, and the forms they take where PTX runs: the exponential (one MUFU
+``ex2.approx.ftz``), libdevice's tanh, a multiply that is never fused into an FMA (:func:`mul_rounded`), and the
+rounding of an fp32 tile into a 16-bit store (round-to-nearest-even, as a GPU's conversion). Under Triton's CPU
+interpreter, which runs no PTX and no libdevice, each has a plain form of the same contract. Which form a kernel
+gets is a constexpr read once, when this module is imported (:data:`FAST_EXP2`, :data:`LIBDEVICE_TANH`)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .tiles import interpreting
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+def fast_exp2_available() -> bool:
+    """Whether the kernels may use PTX's ``ex2.approx.ftz.f32`` (inline assembly): CUDA builds of torch, not Triton's
+    CPU interpreter (which runs no PTX) and not ROCm. Read once, when this module is imported."""
+    import torch
+
+    return not interpreting() and torch.version.hip is None
+
+
+# PTX ex2.approx.ftz on CUDA builds (not under the CPU interpreter, not on ROCm): see exp2.
+FAST_EXP2 = tl.constexpr(fast_exp2_available())
+# libdevice's tanh where it runs (not under the CPU interpreter, which has no libdevice): see softcap_tile.
+LIBDEVICE_TANH = tl.constexpr(not interpreting())
+
+
+@triton.jit
+def mul_rounded(a, b, PTX: tl.constexpr):
+    """``a * b`` rounded to fp32 before any later use: PTX's ``mul.rn.f32``, which the code generator never fuses
+    into an FMA with a following add, where PTX runs (``FAST_EXP2``); a plain multiply elsewhere (the CPU
+    interpreter rounds every operation). ``fl(z / T) - M`` is then exactly 0 where ``z`` is the row max (``M`` is
+    that same rounded product), where an FMA would leave the product's rounding error: 1 - p at a peaked row
+    would be that error instead of ~0."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def tanh(x, LIBDEVICE: tl.constexpr):
+    """``tanh(x)`` in fp32: libdevice's (accurate to a few ulp) on a GPU; under the CPU interpreter, which runs no
+    libdevice, ``sign(x) (1 - e) / (1 + e)`` with ``e = exp(-2 |x|)`` (absolute error about 1e-7)."""
+    if LIBDEVICE:
+        return libdevice.tanh(x)
+    else:
+        e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def store_rounded(p_out, x, mask, DOT_PRECISION: tl.constexpr):
+    """Store fp32 ``x`` in the pointer's dtype with round-to-nearest-even. Under Triton's CPU interpreter
+    (DOT_PRECISION "upcast") the fp32 -> bf16 cast truncates, so the rounding is done on the bits first."""
+    if DOT_PRECISION == "upcast" and p_out.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    tl.store(p_out, x.to(p_out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def exp2(x, FAST: tl.constexpr):
+    """``2 ** x`` in fp32. FAST: PTX ``ex2.approx.ftz.f32``, one MUFU instruction (results below 2^-126 flush to
+    0: such a term is below 2^-126 of the row max's and changes no sum). Otherwise ``tl.exp2``, whose non-ftz form
+    ptxas wraps in a denormal-range fix-up (about five instructions per element on sm_90)."""
+    if FAST:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
