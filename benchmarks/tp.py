@@ -1,7 +1,7 @@
 """Tensor-parallel scaling: forward+backward of one shape at TP = 1, 2, 4, ... (strong scaling).
 
-For each degree P the runner starts ``torchrun --standalone --nproc_per_node=P -m benchmarks.tp`` (this module's
-worker). Each rank holds the shard ``[start, end)`` of a ``V``-row LM head (even shards) and the replicated
+For each degree P the runner starts ``torchrun --standalone --nproc_per_node=P -m benchmarks.tp`` once (this module's
+worker, which measures every layout in turn on one process group). Each rank holds the shard ``[start, end)`` of a ``V``-row LM head (even shards) and the replicated
 ``[N, D]`` hidden states; a step is the op's forward and backward with a per-token upstream gradient through
 ``tplogp.get_op`` (the registry's source unless ``--impls`` names one). Reported per degree: the median step time
 of the slowest rank, effective TFLOP/s per GPU (4 GEMMs of ``2 N D V / P`` FLOP per rank), the allocator peak
@@ -58,38 +58,41 @@ def collective_bytes(layout: str, n: int, d: int, p: int, itemsize: int) -> tupl
 
 def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: str, steps: int,
           warmup: int, layouts: tuple[str, ...] = ("replicated",)) -> list[dict]:
-    rows = []
-    for layout in layouts:
-        rows += _bench_layout(shape, degrees, source, dtype, steps, warmup, layout)
-    return rows
-
-
-def _bench_layout(shape, degrees, source, dtype, steps, warmup, layout) -> list[dict]:
-    rows = []
+    """One ``torchrun`` per degree, which measures every layout in turn (rows layout-major, degrees ascending)."""
+    by_layout: dict[str, list[dict]] = {layout: [] for layout in layouts}
     for p in degrees:
         with tempfile.TemporaryDirectory(prefix="tplogp-tp-") as tmp:
-            row_file = os.path.join(tmp, "row.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p}",
                    "-m", "benchmarks.tp", "--shape", runner.shape_label(shape), "--source", source,
-                   "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-file", row_file,
-                   "--layout", layout]
+                   "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-dir", tmp,
+                   "--layouts", ",".join(layouts)]
             out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
-            impl = f"tplogp-{source}" + ("" if layout == "replicated" else f" {layout}")
-            fwd_bytes, bwd_bytes = collective_bytes(layout, shape[0], shape[1], p, runner.DTYPES[dtype].itemsize)
-            row = {"suite": "tp", "shape": runner.shape_label(shape), "impl": impl, "dtype": dtype, "tp": p,
-                   "layout": layout, "fwd_bytes_per_rank": fwd_bytes, "bwd_bytes_per_rank": bwd_bytes}
-            if out.returncode != 0 or not os.path.exists(row_file):
-                lines = (out.stderr or out.stdout).strip().splitlines()
-                row["error"] = lines[-1] if lines else f"exit status {out.returncode}"
-            else:
-                with open(row_file) as f:
-                    row.update(json.load(f))
-            rows.append(row)
-    base = next((r["step_ms"] for r in rows if r["tp"] == 1 and "step_ms" in r), None)
-    for r in rows:
-        if base and "step_ms" in r:
-            r["efficiency"] = round(base / (r["tp"] * r["step_ms"]), 3)
+            for layout in layouts:
+                row_file = os.path.join(tmp, f"{layout}.json")
+                by_layout[layout].append(_row(shape, p, source, dtype, layout, out, row_file))
+    rows = []
+    for layout_rows in by_layout.values():
+        base = next((r["step_ms"] for r in layout_rows if r["tp"] == 1 and "step_ms" in r), None)
+        for r in layout_rows:
+            if base and "step_ms" in r:
+                r["efficiency"] = round(base / (r["tp"] * r["step_ms"]), 3)
+        rows += layout_rows
     return rows
+
+
+def _row(shape, p: int, source: str, dtype: str, layout: str, out: subprocess.CompletedProcess, row_file: str) -> dict:
+    """A layout's row at degree ``p``: the bytes it sends, and what rank 0 wrote, or the launch's last error line."""
+    impl = f"tplogp-{source}" + ("" if layout == "replicated" else f" {layout}")
+    fwd_bytes, bwd_bytes = collective_bytes(layout, shape[0], shape[1], p, runner.DTYPES[dtype].itemsize)
+    row = {"suite": "tp", "shape": runner.shape_label(shape), "impl": impl, "dtype": dtype, "tp": p,
+           "layout": layout, "fwd_bytes_per_rank": fwd_bytes, "bwd_bytes_per_rank": bwd_bytes}
+    if not os.path.exists(row_file):
+        lines = (out.stderr or out.stdout).strip().splitlines()
+        row["error"] = lines[-1] if lines else f"exit status {out.returncode}"
+    else:
+        with open(row_file) as f:
+            row.update(json.load(f))
+    return row
 
 
 def format_row(r: dict) -> str:
@@ -107,7 +110,7 @@ def format_row(r: dict) -> str:
 
 
 def _worker(argv: list[str]) -> None:
-    """One rank of a torchrun launch; rank 0 writes the row."""
+    """One rank of a torchrun launch: every layout in turn on one group; rank 0 writes a row file per layout."""
     import torch.distributed as dist
 
     from tplogp import get_op
@@ -121,8 +124,8 @@ def _worker(argv: list[str]) -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--row-file", required=True)
-    ap.add_argument("--layout", choices=LAYOUTS, default="replicated")
+    ap.add_argument("--row-dir", required=True)
+    ap.add_argument("--layouts", default="replicated")
     args = ap.parse_args(argv)
     env = launch_env()
     rank, world = env.rank, env.world_size
@@ -133,71 +136,76 @@ def _worker(argv: list[str]) -> None:
     start, end = shard_range(shard_boundaries(v, world), rank)
     g = torch.Generator(device="cpu").manual_seed(0)
     full = (torch.randn(n, d, generator=g) * 0.5).to(dt).to(device)
-    own = full if args.layout == "replicated" else full[rank * n // world:(rank + 1) * n // world]
-    hidden = own.clone().requires_grad_()  # this rank's tokens
     target = torch.randint(0, v, (n,), generator=g).to(device)
     upstream = torch.randn(n, generator=g).to(device)
     wg = torch.Generator(device="cpu").manual_seed(100 + rank)
     weight = (torch.randn(end - start, d, generator=wg) / d**0.5).to(dt).to(device).requires_grad_()
     op = get_op("linear_logp", source=None if args.source == "registry" else args.source)
     group = dist.group.WORLD if world > 1 else None  # TP=1: the op without a group (its plain path)
-
     comm_device = device if backend == "nccl" else torch.device("cpu")
     kw = dict(tp_group=group, vocab_start_index=start, global_vocab_size=v)
+    mine = slice(rank * n // world, (rank + 1) * n // world)  # this rank's tokens under sequence parallelism
 
-    def forward():
-        hidden.grad = weight.grad = None
-        if args.layout == "sequence-parallel":
-            return op(hidden, weight, target, sequence_parallel=True, **kw), None
-        if args.layout == "gather-allreduce" and group is not None:  # the caller's gather, the op replicated
-            rows = all_gather_flat(hidden.detach().to(comm_device), group).to(device).requires_grad_()
-            return op(rows, weight, target, **kw), rows
-        return op(hidden, weight, target, **kw), None
+    def measure(layout: str) -> dict:
+        hidden = (full if layout == "replicated" else full[mine]).clone().requires_grad_()  # this rank's tokens
 
-    def backward(out, rows) -> None:
-        out.backward(upstream)
-        if rows is not None:  # the caller keeps its slice of the complete gradient
-            hidden.grad = rows.grad[rank * n // world:(rank + 1) * n // world]
-            rows.grad = None
+        def forward():
+            hidden.grad = weight.grad = None
+            if layout == "sequence-parallel":
+                return op(hidden, weight, target, sequence_parallel=True, **kw), None
+            if layout == "gather-allreduce" and group is not None:  # the caller's gather, the op replicated
+                rows = all_gather_flat(hidden.detach().to(comm_device), group).to(device).requires_grad_()
+                return op(rows, weight, target, **kw), rows
+            return op(hidden, weight, target, **kw), None
 
-    def fwd_bwd() -> None:
-        backward(*forward())
+        def backward(out, rows) -> None:
+            out.backward(upstream)
+            if rows is not None:  # the caller keeps its slice of the complete gradient
+                hidden.grad = rows.grad[mine]
+                rows.grad = None
 
-    def backward_ms() -> float:
-        outputs = forward()
-        dist.barrier()
-        runner.synchronize(device)
-        t0 = time.perf_counter()
-        backward(*outputs)
-        runner.synchronize(device)
-        return (time.perf_counter() - t0) * 1e3
+        def fwd_bwd() -> None:
+            backward(*forward())
 
-    def step() -> float:
-        dist.barrier()
-        runner.synchronize(device)
-        t0 = time.perf_counter()
-        fwd_bwd()
-        runner.synchronize(device)
-        return (time.perf_counter() - t0) * 1e3
+        def backward_ms() -> float:
+            outputs = forward()
+            dist.barrier()
+            runner.synchronize(device)
+            t0 = time.perf_counter()
+            backward(*outputs)
+            runner.synchronize(device)
+            return (time.perf_counter() - t0) * 1e3
 
-    for _ in range(args.warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    med = statistics.median(step() for _ in range(args.steps))
-    bwd_med = statistics.median(backward_ms() for _ in range(args.steps))
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else -1.0
-    # every rank starts each timed call together, as in a step
-    host_thread, host_all = runner.host_us_threads(fwd_bwd, device, max(args.steps, 3), before=dist.barrier)
-    slowest_ms, peak_gib, host_thread, host_all, bwd_ms = max_over_ranks([med, peak, host_thread, host_all, bwd_med],
-                                                                         device, backend)
-    if rank == 0:
-        with open(args.row_file, "w") as f:
-            json.dump({"backend": backend, "steps": args.steps, "step_ms": round(slowest_ms, 3),
-                       "tflops_per_gpu": round(4 * 2 * n * d * v / world / (slowest_ms * 1e-3) / 1e12, 2),
-                       "peak_gib_per_rank": None if peak_gib < 0 else round(peak_gib, 3),
-                       "host_step_us": round(host_thread, 1), "host_step_all_us": round(host_all, 1),
-                       "bwd_ms": round(bwd_ms, 3)}, f)
+        def step() -> float:
+            dist.barrier()
+            runner.synchronize(device)
+            t0 = time.perf_counter()
+            fwd_bwd()
+            runner.synchronize(device)
+            return (time.perf_counter() - t0) * 1e3
+
+        for _ in range(args.warmup):
+            step()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        med = statistics.median(step() for _ in range(args.steps))
+        bwd_med = statistics.median(backward_ms() for _ in range(args.steps))
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else -1.0
+        # every rank starts each timed call together, as in a step
+        host_thread, host_all = runner.host_us_threads(fwd_bwd, device, max(args.steps, 3), before=dist.barrier)
+        slowest_ms, peak_gib, host_thread, host_all, bwd_ms = max_over_ranks(
+            [med, peak, host_thread, host_all, bwd_med], device, backend)
+        return {"backend": backend, "steps": args.steps, "step_ms": round(slowest_ms, 3),
+                "tflops_per_gpu": round(4 * 2 * n * d * v / world / (slowest_ms * 1e-3) / 1e12, 2),
+                "peak_gib_per_rank": None if peak_gib < 0 else round(peak_gib, 3),
+                "host_step_us": round(host_thread, 1), "host_step_all_us": round(host_all, 1),
+                "bwd_ms": round(bwd_ms, 3)}
+
+    for layout in args.layouts.split(","):
+        row = measure(layout)
+        if rank == 0:
+            with open(os.path.join(args.row_dir, f"{layout}.json"), "w") as f:
+                json.dump(row, f)
     dist.destroy_process_group()
 
 
