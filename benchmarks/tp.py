@@ -1,8 +1,8 @@
 """Tensor-parallel scaling: forward+backward of one shape at TP = 1, 2, 4, ... (strong scaling).
 
 For each degree P the runner starts ``torchrun --standalone --nproc_per_node=P -m benchmarks.tp`` once (this
-module's worker, which measures every layout in turn on one process group). Each rank holds the shard ``[start, end)`` of a ``V``-row LM head (even shards) and the replicated
-``[N, D]`` hidden states; a step is the op's forward and backward with a per-token upstream gradient through
+module's worker, which measures every layout in turn on one process group). Each rank holds the shard
+``[start, end)`` of a ``V``-row LM head (even shards) and the replicated ``[N, D]`` hidden states; a step is the op's forward and backward with a per-token upstream gradient through
 ``tplogp.get_op`` (the registry's source unless ``--impls`` names one). Reported per degree: the median step time
 of the slowest rank, effective TFLOP/s per GPU (4 GEMMs of ``2 N D V / P`` FLOP per rank), the allocator peak
 per rank, the efficiency ``T(1) / (P * T(P))`` against the TP=1 row of the same run, and the host CPU time of a
