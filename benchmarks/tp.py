@@ -1,15 +1,16 @@
 """Tensor-parallel scaling: forward+backward of one shape at TP = 1, 2, 4, ... (strong scaling).
 
 For each degree P the runner starts ``torchrun --standalone --nproc_per_node=P -m benchmarks.tp`` once (this
-module's worker, which measures every layout in turn on one process group). Each rank holds the shard
-``[start, end)`` of a ``V``-row LM head (even shards) and the replicated ``[N, D]`` hidden states; a step is the op's forward and backward with a per-token upstream gradient through
-``tplogp.get_op`` (the registry's source unless ``--impls`` names one). Reported per degree: the median step time
-of the slowest rank, effective TFLOP/s per GPU (4 GEMMs of ``2 N D V / P`` FLOP per rank), the allocator peak
-per rank, the efficiency ``T(1) / (P * T(P))`` against the TP=1 row of the same run, and the host CPU time of a
-step (the highest rank's median; :func:`benchmarks.runner.host_us_threads`: the calling thread's, and the
-process's with autograd's device thread and the collectives' threads; TP=1 runs the op without a group, so the
-rows compare the host cost of the group path with the plain one). On a CPU run the host time includes the
-kernels' own CPU work. NCCL with one GPU per rank when there are enough GPUs, gloo on CPU otherwise.
+module's worker, which measures every layout in turn on one process group). Each rank holds the shard ``[start,
+end)`` of a ``V``-row LM head (even shards) and the replicated ``[N, D]`` hidden states; a step is the op's forward
+and backward with a per-token upstream gradient through ``tplogp.get_op`` (the registry's source unless ``--impls``
+names one). Reported per degree: the median step time of the slowest rank, effective TFLOP/s per GPU (4 GEMMs of ``2
+N D V / P`` FLOP per rank), the allocator peak per rank, the efficiency ``T(1) / (P * T(P))`` against the TP=1 row
+of the same run, and the host CPU time of a step (the highest rank's median;
+:func:`benchmarks.runner.host_us_threads`: the calling thread's, and the process's with autograd's device thread and
+the collectives' threads; TP=1 runs the op without a group, so the rows compare the host cost of the group path with
+the plain one). On a CPU run the host time includes the kernels' own CPU work. NCCL with one GPU per rank when there
+are enough GPUs, gloo on CPU otherwise.
 
 Hidden layouts (``--layouts``): ``replicated`` (every rank holds all N tokens; the op all-reduces ``d_hidden``);
 ``gather-allreduce`` (each rank holds its N / P tokens, as Megatron's sequence parallelism, gathers them by hand
