@@ -10,7 +10,7 @@ of the same run, and the host CPU time of a step (the highest rank's median;
 :func:`benchmarks.runner.host_us_threads`: the calling thread's, and the process's with autograd's device thread and
 the collectives' threads; TP=1 runs the op without a group, so the rows compare the host cost of the group path with
 the plain one). On a CPU run the host time includes the kernels' own CPU work. NCCL with one GPU per rank when there
-are enough GPUs, gloo on CPU otherwise.
+are enough GPUs; else gloo, with the ranks sharing the GPUs (CUDA tensors) where there are some, on CPU otherwise.
 
 Hidden layouts (``--layouts``): ``replicated`` (every rank holds all N tokens; the op all-reduces ``d_hidden``);
 ``gather-allreduce`` (each rank holds its N / P tokens, as Megatron's sequence parallelism, gathers them by hand
