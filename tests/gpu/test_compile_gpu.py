@@ -40,11 +40,23 @@ def _loss_and_grads(fn, x0, w0):
     return loss.detach(), x.grad, w.grad
 
 
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("source", ["native", "triton", "sm90"])
+def _eager_and_compiled(fn, x0, w0):
+    """``(loss, d_hidden, d_weight)`` of ``fn`` run eagerly, then compiled with ``fullgraph=True``."""
+    torch._dynamo.reset()
+    return _loss_and_grads(fn, x0, w0), _loss_and_grads(torch.compile(fn, fullgraph=True), x0, w0)
+
+
+def _assert_same_bits(label, names, compiled, eager):
+    for name, c, e in zip(names, compiled, eager):
+        assert torch.equal(c, e), f"{label} {name}: compiled differs by {float((c - e).abs().max()):.2e}"
+
+
+SOURCES_X_REDUCTIONS = [(source, reduction) for source in ("native", "triton", "sm90") for reduction in ("sum", "mean")]
+
+
+@pytest.mark.parametrize("source, reduction", SOURCES_X_REDUCTIONS)
 def test_fused_loss_compiled_gradients_are_eager_bits(source, reduction):
     cuda_backend(source)
-    torch._dynamo.reset()
     x0, w0, t = _inputs()
     ce = losses.cross_entropy()
 
@@ -52,20 +64,15 @@ def test_fused_loss_compiled_gradients_are_eager_bits(source, reduction):
         return linear_logp_loss(x, w, t, loss=ce, reduction=reduction, ignore_index=IGNORE, source=source,
                                 with_entropy=False)
 
-    eager = _loss_and_grads(fused, x0, w0)
-    compiled = _loss_and_grads(torch.compile(fused, fullgraph=True), x0, w0)
-    for name, c, e in zip(("loss", "d_hidden", "d_weight"), compiled, eager):
-        assert torch.equal(c, e), f"{source} {reduction} {name}: compiled differs by {float((c - e).abs().max()):.2e}"
+    eager, compiled = _eager_and_compiled(fused, x0, w0)
+    _assert_same_bits(f"{source} {reduction}", ("loss", "d_hidden", "d_weight"), compiled, eager)
 
 
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
-@pytest.mark.parametrize("source", ["native", "triton", "sm90"])
+@pytest.mark.parametrize("source, reduction", SOURCES_X_REDUCTIONS)
 def test_linear_logp_compiled_gradients_are_eager_bits(source, reduction):
     cuda_backend(source)
-    torch._dynamo.reset()
     x0, w0, t = _inputs()
     op = get_op("linear_logp", source=source)
-
     # the token mean as RL losses write it, a known count's reciprocal (a division by a count tensor is
     # autograd's division in eager and a multiplication by its reciprocal in inductor: another upstream gradient)
     scale = 1.0 if reduction == "sum" else 1.0 / int((t != IGNORE).sum())
@@ -73,8 +80,6 @@ def test_linear_logp_compiled_gradients_are_eager_bits(source, reduction):
     def plain(x, w):
         return -op(x, w, t, ignore_index=IGNORE).sum() * scale
 
-    eager = _loss_and_grads(plain, x0, w0)
-    compiled = _loss_and_grads(torch.compile(plain, fullgraph=True), x0, w0)
+    eager, compiled = _eager_and_compiled(plain, x0, w0)
     torch.testing.assert_close(compiled[0], eager[0], **tol.INDUCTOR._asdict())
-    for name, c, e in zip(("d_hidden", "d_weight"), compiled[1:], eager[1:]):
-        assert torch.equal(c, e), f"{source} {reduction} {name}: compiled differs by {float((c - e).abs().max()):.2e}"
+    _assert_same_bits(f"{source} {reduction}", ("d_hidden", "d_weight"), compiled[1:], eager[1:])

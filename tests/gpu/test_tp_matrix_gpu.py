@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.support.problems import make_problem, problem_on, run_op, run_reference
+from tests.support.ranks import agreed_message, assert_no_worse_on_every_rank
 from tplogp import LinearLogpInputError, ShardLayoutError, check_errors, linear_logp, linear_logp_loss, losses
 from tplogp.reference import reference_outputs
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error
@@ -57,13 +58,7 @@ def _three_way(tp, p, ours, full_w, full_b, vocab_shards, dtype, **ref_kw) -> No
     checks = [(n, getattr(ours, n), getattr(ref, n), getattr(truth, n)) for n in names]
     checks += [(n, getattr(ours, n), getattr(ref, n)[rows], getattr(truth, n)[rows])
                for n in ("d_weight", "d_bias") if getattr(truth, n) is not None]
-    problems = []
-    for name, mine, same_dtype, exact in checks:
-        try:
-            assert_no_worse(name, mine, same_dtype, exact, dtype)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    assert_no_worse_on_every_rank(tp, checks, dtype)
 
 
 # ---- the matrix: source x dtype x bias x shards x world size (72 tests) --------------------------------------------
@@ -238,7 +233,6 @@ def test_tp_bad_target_on_one_rank_raises_on_all(tp, op_source):
         message = f"no error (hidden.grad set: {h.grad is not None})"
     except (LinearLogpInputError, ShardLayoutError) as exc:
         message = f"{type(exc).__name__}: {exc}"
-    messages = tp.all_gather_object(message)
-    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
-    assert messages[0].startswith("LinearLogpInputError: ") and "target" in messages[0], messages[0]
+    message = agreed_message(tp, message)
+    assert message.startswith("LinearLogpInputError: ") and "target" in message, message
     tp.assert_all(h.grad is None, "a gradient reached hidden before the error")

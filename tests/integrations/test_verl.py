@@ -13,6 +13,7 @@ from tplogp import LinearLogpInputError
 from tplogp.integrations.verl import linear_cross_entropy
 from tplogp.reference import reference_outputs
 from tplogp.tolerances import assert_no_worse
+from tests.support.ranks import assert_no_worse_on_every_rank
 
 # 1032 ids: even shards at world 2 and 4 (516, 258 rows); D = 48 is not a multiple of verl's 128 (not required here)
 V, D, T = 1032, 48, 0.8
@@ -101,15 +102,9 @@ def test_even_shards_against_float64(tp, reduction):
     dist.all_reduce(d_hidden, group=tp.group)
     ref = _run(_matching, hidden, weight, labels, g_logp, g_ent, reduction)
     truth = _run(_float64, hidden, weight, labels, g_logp.double(), g_ent.double(), reduction, torch.float64)
-    problems = []
-    for name, o, r, t in (("logprobs", logp, ref[0], truth[0]), ("entropy", entropy, ref[1], truth[1]),
-                          ("d_hidden", d_hidden, ref[2], truth[2]),
-                          ("d_weight", d_weight[shard], ref[3][shard], truth[3][shard])):
-        try:
-            assert_no_worse(name, o, r, t, torch.float32)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    assert_no_worse_on_every_rank(tp, (("logprobs", logp, ref[0], truth[0]), ("entropy", entropy, ref[1], truth[1]),
+                                       ("d_hidden", d_hidden, ref[2], truth[2]),
+                                       ("d_weight", d_weight[shard], ref[3][shard], truth[3][shard])), torch.float32)
 
 
 @pytest.mark.tp(world_size=2, timeout=120)

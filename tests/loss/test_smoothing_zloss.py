@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import tplogp
 from tests.support.problems import make_problem
+from tests.support.ranks import assert_no_worse_on_every_rank
 from tplogp import losses
 from tplogp.losses import TokenStats
 from tplogp.tolerances import assert_no_worse
@@ -128,15 +129,9 @@ def test_tp_smoothing_and_zloss(tp):
     p.weight, p.bias = full_w, full_b
     ref, truth = _run(_reference, p, "matching", **kw), _run(_reference, p, "float64", **kw)
     sl = slice(vs.start, vs.end)
-    problems = []
-    for name, o, r, t in (("loss", mine[0], ref[0], truth[0]), ("d_hidden", mine[1], ref[1], truth[1]),
-                          ("d_weight", mine[2], ref[2][sl], truth[2][sl]), ("d_bias", mine[3], ref[3][sl],
-                                                                            truth[3][sl])):
-        try:
-            assert_no_worse(name, o, r, t, torch.float32)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    assert_no_worse_on_every_rank(tp, (("loss", mine[0], ref[0], truth[0]), ("d_hidden", mine[1], ref[1], truth[1]),
+                                       ("d_weight", mine[2], ref[2][sl], truth[2][sl]),
+                                       ("d_bias", mine[3], ref[3][sl], truth[3][sl])), torch.float32)
 
 
 # ---- the peers' cases, re-created at small sizes ----------------------------------------------------------------

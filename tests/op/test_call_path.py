@@ -90,7 +90,8 @@ def _forward_and_backward(op, hidden, weight, target, bias, **kw):
 @pytest.mark.parametrize("layout", ["plan miss", "plan hit"])
 def test_one_shard_call_goes_down_once(layout):
     """Without a group: the forward enters api, dtensor (the front's question), plan (validation on a plan miss), the
-    source registry, the verdict and tp, which localizes the call (local_call) and runs the source, each once; the backward enters tp, the source and the verdict once."""
+    source registry, the verdict and tp, which localizes the call (local_call) and runs the source, each once; the
+    backward enters tp, the source and the verdict once."""
     op = tplogp.get_op("linear_logp", source="native")
     _forward_and_backward(op, *_inputs(5, seed=1))  # imports and probes done
     tplogp.check_errors()
@@ -120,7 +121,7 @@ def test_group_call_goes_down_once(tp, deterministic):
     (forward, again), (backward, back_again) = _forward_and_backward(op, hidden, shard, target,
                                                                       bias[start:start + v_local], **kw)
     tp.assert_all(not again and not back_again, f"rank {tp.rank}: re-entered {again} {back_again}")
-    tp.assert_all(forward == ["api", "dtensor", "plan", "kernel_registry", "verdicts", "group_record", "tp", "local_call",
-                              "backend"],
+    tp.assert_all(forward == ["api", "dtensor", "plan", "kernel_registry", "verdicts", "group_record", "tp",
+                              "local_call", "backend"],
                   f"rank {tp.rank}: {forward}")
     tp.assert_all(backward == ["tp", "verdicts", "backend"], f"rank {tp.rank}: {backward}")

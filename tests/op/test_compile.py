@@ -194,7 +194,8 @@ def test_fused_loss_compiles_fullgraph_bitwise(source, n, reduction):
     p = make_problem((n,), 32, 211, torch.bfloat16, True)
     p.hidden, p.weight, p.bias, p.target = x0, w0, b0, target
     # linear_logp with ignore_index on triton: eager compacts the ignored rows and keeps their softmax terms (bf16)
-    # for the backward; the op keeps the same terms in a prefix of a capacity for any row count (packed_op.op_kept_shape)
+    # for the backward; the op keeps the same terms in a prefix of a capacity for any row count
+    # (packed_op.op_kept_shape)
     for fn in (fused, plain):
         explained = torch._dynamo.explain(fn)(x0.clone().requires_grad_(), w0.clone().requires_grad_(), target,
                                               b0.clone().requires_grad_())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.support.problems import make_problem, run_op, run_reference
+from tests.support.ranks import assert_no_worse_on_every_rank
 from tplogp import LinearLogpInputError, get_op, linear_logp
 from tplogp.outputs import LogpArgmax, LogpEntropyLseArgmax
 from tplogp.tolerances import assert_no_worse
@@ -156,18 +157,11 @@ def test_tp_softcap_and_argmax(tp, op_source):
     truth = run_reference(p, "float64", temperature=0.7, ignore_index=-100, entropy=True, lse=True, softcap=CAP)
     ref = run_reference(p, "matching", temperature=0.7, ignore_index=-100, entropy=True, lse=True, softcap=CAP)
     sl = slice(vs.start, vs.end)
-    problems = []
-    for name, o, r, t in [("logp", ours.logp, ref.logp, truth.logp), ("entropy", ours.entropy, ref.entropy,
-                                                                        truth.entropy),
-                          ("lse", ours.lse, ref.lse, truth.lse), ("d_hidden", ours.d_hidden, ref.d_hidden,
-                                                                  truth.d_hidden),
-                          ("d_weight", ours.d_weight, ref.d_weight[sl], truth.d_weight[sl]),
-                          ("d_bias", ours.d_bias, ref.d_bias[sl], truth.d_bias[sl])]:
-        try:
-            assert_no_worse(name, o, r, t, torch.float32)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    checks = [(name, getattr(ours, name), getattr(ref, name), getattr(truth, name))
+              for name in ("logp", "entropy", "lse", "d_hidden")]
+    checks += [(name, getattr(ours, name), getattr(ref, name)[sl], getattr(truth, name)[sl])
+               for name in ("d_weight", "d_bias")]
+    assert_no_worse_on_every_rank(tp, checks, torch.float32)
 
     hidden, weight, target = _tied_problem(20, 16, V)  # the max's ids 5, V // 3, V - 2 lie on both ranks
     _, argmax = op_source(hidden, vs.shard(weight), target, softcap=ARGMAX_CAP, return_argmax=True,

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import tplogp
 from tests.support.backward_schedule import overlap_problem, record_schedule
 from tests.support.problems import cpu_sources, make_problem, run_reference
+from tests.support.ranks import agreed_message, assert_no_worse_on_every_rank
 from tplogp import LinearLogpInputError, losses
 from tplogp.reference import reference_outputs
-from tplogp.tolerances import assert_no_worse
 
 # 24 tokens as [2, 12]: divisible by 2 and 4 ranks, and more than one interpreter row tile per rank at 2; odd D; a
 # prime V that no world size divides (uneven shards).
@@ -39,16 +39,6 @@ def _own_rows(tp, x: torch.Tensor, per_token: bool = False) -> torch.Tensor:
     flat = x.reshape(-1) if per_token else x.reshape(-1, x.shape[-1])
     n = flat.shape[0] // tp.world_size
     return flat[tp.rank * n:(tp.rank + 1) * n]
-
-
-def _check_three_way(tp, names_ours_ref_truth, dtype):
-    problems = []
-    for name, ours, ref, truth in names_ours_ref_truth:
-        try:
-            assert_no_worse(name, ours, ref, truth, dtype)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
 
 
 # the bf16 case on the native source only: the triton interpreter adds time, not coverage of the SP layout
@@ -75,7 +65,7 @@ def test_sequence_parallel_matches_float64_truth(tp, source, dtype):
     ignored = _own_rows(tp, p.target, per_token=True) == IGNORE
     tp.assert_all(bool((h.grad[ignored] == 0).all()), "ignored tokens must get no gradient")
     sl = slice(vs.start, vs.end)
-    _check_three_way(tp, [
+    assert_no_worse_on_every_rank(tp, [
         ("logp", logp, ref.logp, truth.logp), ("entropy", entropy, ref.entropy, truth.entropy),
         ("lse", lse, ref.lse, truth.lse),
         ("d_hidden", h.grad, _own_rows(tp, ref.d_hidden), _own_rows(tp, truth.d_hidden)),
@@ -139,7 +129,7 @@ def test_fused_loss_with_sequence_parallel_matches_float64_truth(tp, source):
     (2.0 * value).backward()
     sl = slice(vs.start, vs.end)
     (t_val, t_h, t_w, t_b), (r_val, r_h, r_w, r_b) = found["float64"], found["matching"]
-    _check_three_way(tp, [
+    assert_no_worse_on_every_rank(tp, [
         ("loss", value.detach(), r_val, t_val), ("d_hidden", h.grad / 2, _own_rows(tp, r_h), _own_rows(tp, t_h)),
         ("d_weight", w.grad / 2, r_w[sl], t_w[sl]), ("d_bias", b.grad / 2, r_b[sl], t_b[sl]),
     ], torch.float32)
@@ -219,10 +209,8 @@ BAD_CASES = {
 @pytest.mark.tp(world_size=4, timeout=60)
 @pytest.mark.parametrize("case", list(BAD_CASES))
 def test_bad_sequence_parallel_input_raises_on_every_rank(tp, case):
-    message = _bad_call(tp, case)
-    messages = tp.all_gather_object(message)
-    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
-    assert re.search(BAD_CASES[case], messages[0]), messages[0]
+    message = agreed_message(tp, _bad_call(tp, case))
+    assert re.search(BAD_CASES[case], message), message
 
 
 @pytest.mark.slow

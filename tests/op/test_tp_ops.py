@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support.problems import make_problem, run_op, run_reference
-from tplogp.tolerances import assert_no_worse
+from tests.support.ranks import agreed_message, assert_no_worse_on_every_rank
 from tplogp import LinearLogpInputError, ShardLayoutError, check_errors
 
 # 26 tokens as [2, 13] (two interpreter row tiles, the second masked), odd D, prime V: no dimension is a multiple of
@@ -36,21 +36,10 @@ def _three_way(tp, p, ours, full_w, full_b, vocab_shards, dtype, **ref_kw):
     sl = slice(vocab_shards.start, vocab_shards.end)
     names = ["logp", "d_hidden"] + (["entropy"] if ref_kw.get("entropy") else []) + (
         ["lse"] if ref_kw.get("lse") else [])
-    problems = []
-    for name in names:
-        try:
-            assert_no_worse(name, getattr(ours, name), getattr(ref, name), getattr(truth, name), dtype)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    for name in ("d_weight", "d_bias"):
-        t = getattr(truth, name)
-        if t is None:
-            continue
-        try:
-            assert_no_worse(name, getattr(ours, name), getattr(ref, name)[sl], t[sl], dtype)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    checks = [(name, getattr(ours, name), getattr(ref, name), getattr(truth, name)) for name in names]
+    checks += [(name, getattr(ours, name), getattr(ref, name)[sl], getattr(truth, name)[sl])
+               for name in ("d_weight", "d_bias") if getattr(truth, name) is not None]
+    assert_no_worse_on_every_rank(tp, checks, dtype)
 
 
 @pytest.mark.tp(world_size=4, timeout=300)
@@ -147,10 +136,8 @@ BAD_CASES = {
 @pytest.mark.tp(world_size=4, timeout=60)
 @pytest.mark.parametrize("case", list(BAD_CASES))
 def test_bad_input_raises_same_error_on_every_rank(tp, case):
-    message = _bad_call(tp, case)
-    messages = tp.all_gather_object(message)
-    assert len(set(messages)) == 1, f"ranks disagree: {messages}"
-    assert re.search(BAD_CASES[case], messages[0]), messages[0]
+    message = agreed_message(tp, _bad_call(tp, case))
+    assert re.search(BAD_CASES[case], message), message
 
 
 @pytest.mark.tp(world_size=4, timeout=60)

@@ -2,7 +2,7 @@
 ``ex2.approx.ftz``), libdevice's tanh, a multiply that is never fused into an FMA (:func:`mul_rounded`), and the
 rounding of an fp32 tile into a 16-bit store (round-to-nearest-even, as a GPU's conversion). Under Triton's CPU
 interpreter, which runs no PTX and no libdevice, each has a plain form of the same contract. Which form a kernel
-gets is a constexpr read once, when this module is imported (:data:`FAST_EXP2`, :data:`LIBDEVICE_TANH`)."""
+gets is a constexpr read once, when this module is imported (:data:`PTX`, :data:`LIBDEVICE_TANH`)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-def fast_exp2_available() -> bool:
-    """Whether the kernels may use PTX's ``ex2.approx.ftz.f32`` (inline assembly): CUDA builds of torch, not Triton's
-    CPU interpreter (which runs no PTX) and not ROCm. Read once, when this module is imported."""
+def ptx_runs() -> bool:
+    """Whether the kernels may use inline PTX (``ex2.approx.ftz.f32``, ``mul.rn.f32``): CUDA builds of torch, not
+    Triton's CPU interpreter (which runs no PTX) and not ROCm. Read once, when this module is imported."""
     import torch
 
     return not interpreting() and torch.version.hip is None
 
 
-# PTX ex2.approx.ftz on CUDA builds (not under the CPU interpreter, not on ROCm): see exp2.
-FAST_EXP2 = tl.constexpr(fast_exp2_available())
+# inline PTX on CUDA builds (not under the CPU interpreter, not on ROCm): see exp2 and mul_rounded.
+PTX = tl.constexpr(ptx_runs())
 # libdevice's tanh where it runs (not under the CPU interpreter, which has no libdevice): see softcap_tile.
 LIBDEVICE_TANH = tl.constexpr(not interpreting())
 
@@ -33,7 +33,7 @@ LIBDEVICE_TANH = tl.constexpr(not interpreting())
 @triton.jit
 def mul_rounded(a, b, PTX: tl.constexpr):
     """``a * b`` rounded to fp32 before any later use: PTX's ``mul.rn.f32``, which the code generator never fuses
-    into an FMA with a following add, where PTX runs (``FAST_EXP2``); a plain multiply elsewhere (the CPU
+    into an FMA with a following add, where PTX runs (:data:`PTX`); a plain multiply elsewhere (the CPU
     interpreter rounds every operation). ``fl(z / T) - M`` is then exactly 0 where ``z`` is the row max (``M`` is
     that same rounded product), where an FMA would leave the product's rounding error: 1 - p at a peaked row
     would be that error instead of ~0."""

@@ -27,7 +27,7 @@ from .. import fp32_gemm
 from ..tensors import f32_contiguous
 from .launch import cached
 from .launches import ensure_context, stats_launch, tma_ok
-from .programs import dh_gemm, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
+from .programs import dh_gemm, empty_call_grads, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
 from .tiles import TileConfig, cdiv, dot_precision
 from .workspace import plan_chunk
 
@@ -83,12 +83,9 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     need_db = need_db and bias is not None
     dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
     f32 = torch.float32
-    d_hidden = torch.zeros((n, d), device=dev, dtype=f32) if need_dh else None
     if n == 0 or v == 0:
-        if d_hidden is not None and d_hidden_ready is not None:
-            d_hidden_ready(d_hidden)
-        return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
-                db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
+        return empty_call_grads(hidden, weight, bias, needs, accumulate, d_hidden_ready)
+    d_hidden = torch.zeros((n, d), device=dev, dtype=f32) if need_dh else None
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     row_max, log_sum = f32_contiguous(row_max), f32_contiguous(log_sum)
     g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)

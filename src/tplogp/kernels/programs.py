@@ -264,13 +264,9 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     need_dh, need_dw, need_db = needs
     need_db = need_db and bias is not None
     dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
-    if n == 0 or v == 0 or not (need_dh or need_dw or need_db):
-        d_hidden = torch.zeros((n, d), device=dev, dtype=torch.float32) if need_dh else None
-        if d_hidden is not None and d_hidden_ready is not None:
-            d_hidden_ready(d_hidden)
-        if n == 0 or v == 0:
-            return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
-                    db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
+    if n == 0 or v == 0:
+        return empty_call_grads(hidden, weight, bias, needs, accumulate, d_hidden_ready)
+    if not (need_dh or need_dw or need_db):
         return None, None, None
     if not checked:
         check_kept(kept, n, v, cfg.block_v)
@@ -346,6 +342,20 @@ def _dw_gemm(dw_chunk: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, acc
 def _bias_grad(dbp: torch.Tensor, bias: torch.Tensor, db_acc: Optional[torch.Tensor]) -> torch.Tensor:
     """``d_b`` from the fp32 per-token-block partial column sums: added to ``db_acc``, else in the bias dtype."""
     return db_acc.add_(dbp.sum(0)) if db_acc is not None else dbp.sum(0).to(bias.dtype)
+
+
+def empty_call_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     needs: tuple[bool, bool, bool], accumulate: Optional[tuple], d_hidden_ready: Optional[Callable]):
+    """The gradients of a call with no rows or no columns: zeros where wanted (the ``accumulate`` buffers as given),
+    ``d_hidden`` handed to ``d_hidden_ready`` as the non-empty path does."""
+    need_dh, need_dw, need_db = needs
+    need_db = need_db and bias is not None
+    dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
+    d_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_dh else None
+    if d_hidden is not None and d_hidden_ready is not None:
+        d_hidden_ready(d_hidden)
+    return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
+            db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
 
 
 def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp32_ops import FAST_EXP2, LIBDEVICE_TANH, LN2, LOG2E, exp2, mul_rounded, store_rounded, tanh
+from .fp32_ops import LIBDEVICE_TANH, LN2, LOG2E, PTX, exp2, mul_rounded, store_rounded, tanh
 
 @triton.jit
 def softcap_tile(acc, softcap):
@@ -104,9 +104,9 @@ def online_softmax_update(
         _, b_t = softcap_tile(acc, softcap)
         if MASKED:
             b_t = tl.where(m_v[None, :], b_t, float("-inf"))
-        acc = mul_rounded(b_t, softcap, FAST_EXP2)  # rounded as the max's own product (no FMA with - max)
+        acc = mul_rounded(b_t, softcap, PTX)  # rounded as the max's own product (no FMA with - max)
         b_tmax_t = tl.max(b_t, 1)  # the tile's max of the tanh
-        b_run = mul_rounded(b_max, softcap, FAST_EXP2)
+        b_run = mul_rounded(b_max, softcap, PTX)
     elif HAS_BIAS:
         if MASKED:
             acc += tl.load(p_b + v0 + o_t, mask=m_v, other=float("-inf")).to(tl.float32)[None, :]
@@ -129,9 +129,9 @@ def online_softmax_update(
         b_am = tl.where(b_tmax > b_run, (v0 + tl.argmax(acc, 1)).to(tl.float32), b_am)
     new_max = tl.maximum(b_run, b_tmax)
     b_arg = (acc - new_max[:, None]) * c  # log2 units; -inf on masked columns (acc's last use: fewer registers)
-    b_e = exp2(b_arg, FAST_EXP2)  # masked columns give 0
+    b_e = exp2(b_arg, PTX)  # masked columns give 0
     b_shift = tl.where(b_run == float("-inf"), 0.0, (b_run - new_max) * c)  # <= 0
-    b_scale = exp2(b_shift, FAST_EXP2)
+    b_scale = exp2(b_shift, PTX)
     if WITH_ENTROPY:
         if MASKED:
             b_arg = tl.where(m_v[None, :], b_arg, 0.0)  # no 0 * inf on masked columns
@@ -276,8 +276,8 @@ def dlogits_tile(
         b_slope = 1.0 - b_t * b_t
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
-    b_zr = mul_rounded(acc, inv_temp, FAST_EXP2) - b_rmax[:, None]  # z - M, exactly 0 at the row max
-    b_p = exp2(b_zr * LOG2E - b_lsum2[:, None], FAST_EXP2)  # [BLOCK_N, BLOCK_V]
+    b_zr = mul_rounded(acc, inv_temp, PTX) - b_rmax[:, None]  # z - M, exactly 0 at the row max
+    b_p = exp2(b_zr * LOG2E - b_lsum2[:, None], PTX)  # [BLOCK_N, BLOCK_V]
     dlogits_finish(b_p, b_zr, i_n, o_n, o_c, v0, N, v_hi, p_tgt, p_g, p_gmg, p_ge, p_mean_rel, p_dz, p_dbp, stride_dz,
                    stride_dbp, inv_temp, MASKED, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, b_slope, p_gsz,
                    SOFTCAP, WITH_SUM_Z)
@@ -405,7 +405,7 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
         b_shift = tl.where(b_m == b_rmax, 0.0, b_m - b_rmax)
     else:
         b_shift = b_m - b_rmax  # m - M <= 0; exact 0 in the tile holding the row max
-    b_f = exp2(b_shift * LOG2E - b_lsum2, FAST_EXP2)  # [BLOCK_N]
+    b_f = exp2(b_shift * LOG2E - b_lsum2, PTX)  # [BLOCK_N]
     b_p = b_e * b_f[:, None]
     b_zr = b_p  # not read without entropy
     if WITH_ENTROPY:
