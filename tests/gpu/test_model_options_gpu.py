@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu,
 from tests.support.cuda import cuda_backend  # noqa: E402
 from tests.support.problems import make_problem, problem_on, run_op, run_reference  # noqa: E402
 from tplogp import get_op, linear_logp_loss, losses  # noqa: E402
+from tplogp.reference import reference_logits  # noqa: E402
 from tplogp.tolerances import assert_no_worse  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
@@ -71,8 +72,7 @@ def test_fused_loss_with_smoothing_zloss_and_softcap(source, dtype):
             value = linear_logp_loss(h, w, p.target, b, loss=loss, reduction="mean", softcap=30.0,
                                      ignore_index=-100, source=source, with_entropy=False)
         else:
-            z = torch.tanh(F.linear(h, w, b).float() / 30.0) * 30.0 if mode != "float64" else \
-                torch.tanh(F.linear(h, w, b) / 30.0) * 30.0
+            z = reference_logits(h, w, b, mode=mode, softcap=30.0)
             per = F.cross_entropy(z, p.target, label_smoothing=0.1, ignore_index=-100, reduction="none")
             per = per + 1e-4 * torch.logsumexp(z, -1) ** 2 * (p.target != -100)
             value = per.sum() / (p.target != -100).sum()

@@ -17,7 +17,7 @@ from tests.support.problems import make_problem, problem_on, run_op, run_referen
 from tests.support.ranks import agreed_message, assert_no_worse_on_every_rank
 from tplogp import LinearLogpInputError, ShardLayoutError, check_errors, linear_logp, linear_logp_loss, losses
 from tplogp.reference import reference_outputs
-from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error
+from tplogp.tolerances import ERROR_SLACK, rel_error
 
 pytestmark = pytest.mark.gpu
 
@@ -133,16 +133,10 @@ def test_tp_fused_loss(tp, op_source):
                             source=op_source.source, **_call_options(op_source))
     loss.backward()
     rows = slice(vs.start, vs.end)
-    problems = []
-    for name, mine, same_dtype, exact in (("loss", loss.detach(), ref[0], truth[0]),
-                                          ("d_hidden", h.grad, ref[1], truth[1]),
-                                          ("d_weight", w.grad, ref[2][rows], truth[2][rows]),
-                                          ("d_bias", b.grad, ref[3][rows], truth[3][rows])):
-        try:
-            assert_no_worse(name, mine, same_dtype, exact, dtype)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    assert_no_worse_on_every_rank(tp, (("loss", loss.detach(), ref[0], truth[0]),
+                                       ("d_hidden", h.grad, ref[1], truth[1]),
+                                       ("d_weight", w.grad, ref[2][rows], truth[2][rows]),
+                                       ("d_bias", b.grad, ref[3][rows], truth[3][rows])), dtype)
 
 
 # ---- DTensor, compile, errors -----------------------------------------------------------------------------------------
@@ -164,21 +158,16 @@ def test_tp_dtensor_head_on_2d_mesh(tp, mesh):
     truth, ref = run_reference(p, "float64", entropy=True), run_reference(p, "matching", entropy=True)
     chunk = -(-V // mesh.size(1))  # torch.chunk's rows per tp rank (DTensor's uneven Shard(0))
     rows = slice(mesh.get_local_rank("tp") * chunk, min(V, (mesh.get_local_rank("tp") + 1) * chunk))
-    problems = []
-    for name, param in (("d_weight", w), ("d_bias", b)):
-        if not (isinstance(param.grad, DTensor) and tuple(param.grad.placements) == tuple(placements)):
-            problems.append(f"{name} must be a DTensor placed {placements}, got {type(param.grad).__name__}")
-    checks = [("logp", logp, ref.logp, truth.logp), ("entropy", entropy, ref.entropy, truth.entropy),
-              ("d_hidden", h.grad, ref.d_hidden, truth.d_hidden)]
-    if not problems:
-        checks += [("d_weight", w.grad.to_local(), ref.d_weight[rows], truth.d_weight[rows]),
-                   ("d_bias", b.grad.to_local(), ref.d_bias[rows], truth.d_bias[rows])]
-    for name, mine, same_dtype, exact in checks:
-        try:
-            assert_no_worse(name, mine, same_dtype, exact, torch.float32)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    tp.assert_all(not problems, "; ".join(problems))
+    misplaced = [f"{name} must be a DTensor placed {placements}, got {type(param.grad).__name__}"
+                 for name, param in (("d_weight", w), ("d_bias", b))
+                 if not (isinstance(param.grad, DTensor) and tuple(param.grad.placements) == tuple(placements))]
+    tp.assert_all(not misplaced, "; ".join(misplaced))
+    assert_no_worse_on_every_rank(tp, [("logp", logp, ref.logp, truth.logp),
+                                       ("entropy", entropy, ref.entropy, truth.entropy),
+                                       ("d_hidden", h.grad, ref.d_hidden, truth.d_hidden),
+                                       ("d_weight", w.grad.to_local(), ref.d_weight[rows], truth.d_weight[rows]),
+                                       ("d_bias", b.grad.to_local(), ref.d_bias[rows], truth.d_bias[rows])],
+                                  torch.float32)
 
 
 @pytest.mark.tp(world_size=2, timeout=300)

@@ -21,6 +21,7 @@ import tplogp
 
 from benchmarks import cli, impls, report, runner
 from tests.support import tolerances as tol
+from tplogp.reference import reference_logits
 from tplogp.tolerances import rel_error, slack_bound
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -200,9 +201,7 @@ def _eager_errors(h, w, y, gy, truth: dict, key: str = None, *, softcap=None, la
     math: logits in the input dtype, capped and log-softmaxed in fp32; the per-token logp (``key`` None) or the
     mean ``F.cross_entropy(label_smoothing=...)`` plus z-loss (``key``: the truth's loss)."""
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-    z = (hg @ wg.T).float()
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
+    z = reference_logits(hg, wg, mode="matching", softcap=softcap)
     if key is None:
         out = z.log_softmax(-1).gather(1, y[:, None])[:, 0]
         out.backward(gy)

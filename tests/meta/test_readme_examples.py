@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tplogp.reference import reference_linear_logp
 from tplogp.tolerances import RUNBOOK_TOLERANCES, assert_no_worse
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -34,10 +35,6 @@ def _run(names: list[str], **namespace) -> dict:
     return namespace
 
 
-def _logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
-
-
 def test_every_example_is_marked():
     assert set(_examples()) == {"readme-op", "readme-tp", "readme-loss"}
 
@@ -47,8 +44,8 @@ def test_op_and_fused_loss_examples():
     ns = _run(["readme-op"])
     logp, hidden, weight, targets = ns["logp"], ns["hidden"], ns["weight"], ns["targets"]
     assert logp.dtype == torch.float32 and logp.shape == targets.shape
-    truth = _logp(hidden.detach().double() @ weight.detach().double().T, targets)
-    expected = _logp((hidden.detach() @ weight.detach().T).float(), targets)  # PyTorch eager: bf16 logits
+    truth, expected = (reference_linear_logp(hidden.detach(), weight.detach(), targets, mode=mode)
+                       for mode in ("float64", "matching"))  # matching: PyTorch eager's bf16 logits
     assert_no_worse("readme logp", logp.detach(), expected, truth, hidden.dtype)
     assert hidden.grad is not None and weight.grad is not None and torch.isfinite(weight.grad).all()
     hidden.grad = weight.grad = None

@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 
 import tplogp
+from tests.support import tolerances as tol
 from tests.support.backward_schedule import overlap_problem, record_schedule
 from tests.support.problems import cpu_sources, make_problem, run_reference
 from tests.support.ranks import agreed_message, assert_no_worse_on_every_rank
 from tplogp import LinearLogpInputError, losses
 from tplogp.reference import reference_outputs
+from tplogp.tolerances import rel_error
 
 # 24 tokens as [2, 12]: divisible by 2 and 4 ranks, and more than one interpreter row tile per rank at 2; odd D; a
 # prime V that no world size divides (uneven shards).
@@ -95,7 +97,7 @@ def test_sequence_parallel_reduce_scatter_runs_under_the_d_w_work(tp):
     problem = overlap_problem(events, "reduce_scatter")
     tp.assert_all(problem is None, problem)
     tp.assert_all(torch.equal(logp, full_logp), "logp differs from the replicated call's")
-    tp.assert_all(torch.allclose(d_hidden, _own_rows(tp, full_d_hidden), rtol=1e-6, atol=1e-7),
+    tp.assert_all(rel_error(d_hidden, _own_rows(tp, full_d_hidden)) <= tol.REL_FP32_SAME_MATH,
                   "hidden.grad is not the slice of the replicated call's")
 
 
@@ -161,7 +163,7 @@ def test_partial_hidden_grad_sums_to_the_reduced_one(tp):
         summed = partial[i].clone()
         dist.all_reduce(summed, group=tp.group)
         tp.assert_all(not torch.equal(partial[i], reduced[i]), f"{name}: 'partial' gave the reduced gradient")
-        tp.assert_all(torch.allclose(summed, reduced[i], rtol=1e-6, atol=1e-7), f"{name}: shares do not sum up")
+        tp.assert_all(rel_error(summed, reduced[i]) <= tol.REL_FP32_SAME_MATH, f"{name}: shares do not sum up")
 
 
 def _bad_call(tp, case):
