@@ -30,12 +30,6 @@ def packed_rows(with_entropy: bool, with_argmax: bool = False) -> int:
     return (6 if with_entropy else 4) + (1 if with_argmax else 0)
 
 
-def op_keeps(options, builds_graph: bool) -> bool:
-    """Whether the op's forward keeps softmax terms for its backward: for a call that records a graph, as eager's;
-    the budget then decides how much (:func:`op_kept_shape`)."""
-    return builds_graph
-
-
 def op_kept_shape(backend, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device, call,
                   ignore_index: Optional[int]) -> tuple[int, ...]:
     """Shape of the op's kept output for ``n`` tokens (what its fake implementation states): the flat buffer that the
@@ -100,7 +94,7 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tpc = local.tpc
     n_all = call.args.target_ids.numel()
     capacity = kept_out = None
-    if op_keeps(options, call.args.builds_graph):
+    if call.args.builds_graph:  # keep as eager does for a call that records a graph (the budget decides how much)
         tpc = dataclasses.replace(tpc, call=local.call_for_backward.flat_kept)  # (one buffer: the op's output)
         if options.ignore_index is not None:  # the rows' count depends on the data: a prefix of a capacity
             capacity, kept_out = _op_kept_buffer(local, n_all)

@@ -28,7 +28,6 @@ from . import invariant, settings
 from .backends.base import ShardBackend, ShardCall
 from .comm import collective_device
 from .kernel_registry import backend_for_call
-from .packed_op import op_keeps
 from .validation import check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
@@ -284,9 +283,10 @@ def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group,
 
 
 def op_call(options: LogpOptions, builds_graph: bool) -> ShardCall:
-    """The :class:`ShardCall` of an op's forward (``for_backward``: :func:`op_keeps`)."""
-    return shard_call(options, for_backward=op_keeps(options, builds_graph))
+    """The :class:`ShardCall` of an op's forward: it keeps softmax terms for its backward when the call records a
+    graph, as eager's does (the budget then decides how much: :func:`tplogp.packed_op.op_kept_shape`)."""
+    return shard_call(options, for_backward=builds_graph)
 
 
 __all__ = ["Call", "CallArgs", "CallPlan", "LogpOptions", "plan_call", "prepare", "prepare_backward", "remember",
-           "shard_call", "planned_layouts", "clear_plans", "layout_key", "op_call", "op_keeps", "MAX_PLANS"]
+           "shard_call", "planned_layouts", "clear_plans", "layout_key", "op_call", "MAX_PLANS"]

@@ -187,7 +187,7 @@ class BoundGRPO:
         n = adv.numel()
         self.adv, self.old, self.ref = adv, tensors.get("old_logp"), tensors.get("ref_logp")
         m = torch.ones(n, device=adv.device) if counted is None else counted.to(torch.float32)
-        self.m, self.counted = m, counted
+        self.m = m
         self.count = m.sum()  # counted rows (0-d, on the device)
         self.seq_len = None if segments is None else segments.sum(m)  # [B] counted rows per sequence
         self.norm = self._normalisation(m)  # [n] or 0-d: m_t norm_t

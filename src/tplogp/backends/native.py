@@ -89,30 +89,36 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
     return tc, vc
 
 
-def _softcap_slope(terms: torch.Tensor, tanh_max: torch.Tensor, call: ShardCall) -> torch.Tensor:
+def _log_terms(terms: torch.Tensor) -> torch.Tensor:
+    """``log(e)`` in fp32 of a kept tile's terms ``e = exp(z - m)``, ``e`` clamped to 2^-126 first (a flushed term's
+    log stays finite; its p is 0): what the softcap's slope and the entropy's ``z - M`` are read from."""
+    return terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_()
+
+
+def _softcap_slope(log_terms: torch.Tensor, tanh_max: torch.Tensor, call: ShardCall) -> torch.Tensor:
     """``d cap / d y = (1 - t)(1 + t)`` of a kept tile, ``t = tanh(y / softcap) = t_m + log(e) / (softcap inv_t)``
-    from its terms ``e = exp(z - m)`` and the running max ``t_m`` of the tanh kept as their scale (``e`` clamped to
-    2^-126 first, as in :func:`_dz_from_kept`). Where the cap saturates, ``1 - t`` is a few ulp of 1: the max's own
+    from its terms' logs (:func:`_log_terms`, not modified) and the running max ``t_m`` of the tanh kept as their
+    scale. Where the cap saturates, ``1 - t`` is a few ulp of 1: the max's own
     tanh (``e = 1``, ``t = t_m`` exactly) keeps them all, where ``z / (softcap inv_t)`` (two roundings after the tanh)
     is an ulp or two off, often past 1. ``t`` is clamped to ``[-1, 1]``: a term far below the max may step past -1."""
-    t = terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_()
-    t.mul_(1.0 / (call.softcap * call.inv_temperature)).add_(tanh_max.unsqueeze(1)).clamp_(-1.0, 1.0)
+    t = log_terms.mul(1.0 / (call.softcap * call.inv_temperature)).add_(tanh_max.unsqueeze(1)).clamp_(-1.0, 1.0)
     return torch.sub(1.0, t).mul_(t.add_(1.0))
 
 
 _TINY = torch.finfo(torch.float32).tiny  # 2^-126: a flushed kept term's log stays finite (its p is 0)
 
 
-def _dz_from_kept(terms: torch.Tensor, scales: torch.Tensor, ch: "_TokenChunk") -> torch.Tensor:
+def _dz_from_kept(terms: torch.Tensor, log_terms: Optional[torch.Tensor], scales: torch.Tensor,
+                  ch: "_TokenChunk") -> torch.Tensor:
     """``dz`` (without the one-hot term) of a kept tile: ``p = e * exp(m - M - log S)`` from the kept terms ``e =
     exp(z - m)`` and their row scale ``m`` (out of place: a repeated backward reads them again), and with entropy
-    ``zr = z - M = log(e) + (m - M)``. At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel
+    ``zr = z - M = log(e) + (m - M)`` from ``log_terms`` (:func:`_log_terms`; overwritten). At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel
     at a peaked target."""
     shift = scales - ch.m  # m - M <= 0
     p = terms.to(torch.float32, copy=True).mul_((shift - ch.ls).exp_().unsqueeze(1))
     if ch.ge is None:
         return p.mul_(ch.c0.unsqueeze(1)).neg_()
-    zr = terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_().add_(shift.unsqueeze(1))
+    zr = log_terms.add_(shift.unsqueeze(1))
     return zr.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
 
 
@@ -394,10 +400,11 @@ class NativeBackend(BudgetParts):
                 slope = None  # the softcap's d cap / d y
                 if keep is not None:  # the forward kept the tile's terms: no GEMM
                     terms, scales = keep
+                    log_terms = None if call.softcap is None and ch.ge is None else _log_terms(terms)
                     if call.softcap is not None:  # the scales are the running max of the tanh
-                        slope = _softcap_slope(terms, scales, call)
+                        slope = _softcap_slope(log_terms, scales, call)
                         scales = _capped(scales.clone(), call.softcap, call.inv_temperature)
-                    dz = _dz_from_kept(terms, scales, ch)
+                    dz = _dz_from_kept(terms, log_terms, scales, ch)
                 else:  # recompute the tile
                     slopes = [] if call.softcap is not None else None
                     z = _logits_tile(ch.h, w, None if bias is None else bias[v0:v1], call.inv_temperature,
