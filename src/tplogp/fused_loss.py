@@ -172,11 +172,11 @@ class _Gradients:
                 d_hidden[t0:t1] = rows
                 reduce.start(d_hidden)
 
-        sum_z_grad = {} if g_sum_z is None else {"grad_sum_z": g_sum_z}  # (only label smoothing's sources get it)
         grads = local.tpc.backend.backward(h_c, local.weight, local.bias, lt_c, row_max, log_sum,
                                            g_logp.contiguous(), None if g_ent is None else g_ent.contiguous(), g_lse,
                                            mean_rel if g_ent is not None else None, local.tpc.call, self.needs,
-                                           d_hidden_ready=ready, kept=kept, accumulate=self.accumulate, **sum_z_grad)
+                                           d_hidden_ready=ready, kept=kept, accumulate=self.accumulate,
+                                           grad_sum_z=g_sum_z)
         if d_hidden is not None and not (ready is not None and reduce.started):
             d_hidden[t0:t1] = grads.d_hidden
         elif self.needs[0] and d_hidden is None:  # the one chunk

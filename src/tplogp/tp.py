@@ -127,18 +127,17 @@ def shard_forward(hidden, weight, bias, local_target, tpc: TPContext, kept_out: 
         logp = torch.where(count == 1, target_rel - log_sum, float("nan"))
         entropy = None if mean_rel is None else log_sum - mean_rel
         return (logp, entropy, row_max + log_sum, argmax, sum_z), (row_max, log_sum, mean_rel, None)
-    into = {} if kept_out is None else {"kept_out": kept_out}
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         check = tpc.target_check
         if check is None:
-            out = be.forward_single(hidden, weight, bias, local_target, call, **into)
+            out = be.forward_single(hidden, weight, bias, local_target, call, kept_out=kept_out)
         else:  # and check the targets: no launch or copy of the checks' own
-            out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=check.flag, **into)
+            out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=check.flag, kept_out=kept_out)
             if check.ready is not None:  # the point the host waits for before reading the flag's slot
                 check.ready.record(current_stream(hidden.device))
         return (out.logp, out.entropy, out.lse, out.argmax, out.sum_z), (out.row_max, out.log_sum, out.mean_rel,
                                                                           out.kept)
-    st = be.forward_stats(hidden, weight, bias, local_target, call, **into)
+    st = be.forward_stats(hidden, weight, bias, local_target, call, kept_out=kept_out)
     owned = local_target >= 0
     if tpc.world_size > 1:
         cols = [st.row_max, st.sum_exp, st.target_logit, owned.to(torch.float32)]

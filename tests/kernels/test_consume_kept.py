@@ -46,9 +46,9 @@ def in_place(monkeypatch):
     seen = []
     real = programs.launch_dlogits_kept
 
-    def launch(kept, *args):
+    def launch(kept, *args, **options):
         seen.append(args[7].data_ptr() == kept.values.data_ptr())  # args[7]: dz
-        return real(kept, *args)
+        return real(kept, *args, **options)
 
     monkeypatch.setattr(programs, "launch_dlogits_kept", launch)
     return seen

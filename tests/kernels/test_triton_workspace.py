@@ -51,13 +51,13 @@ def _count_columns(monkeypatch):
     seen = {"kept": 0, "recomputed": 0}
     real_kept, real_recompute = programs.launch_dlogits_kept, programs.launch_dlogits  # (TMA or pointer kernels)
 
-    def kept(*args):
+    def kept(*args, **options):
         seen["kept"] += args[11] - args[10]  # v_hi - v_lo
-        return real_kept(*args)
+        return real_kept(*args, **options)
 
-    def recompute(*args):
+    def recompute(*args, **options):
         seen["recomputed"] += args[13] - args[12]  # v_hi - v_lo
-        return real_recompute(*args)
+        return real_recompute(*args, **options)
 
     monkeypatch.setattr(programs, "launch_dlogits_kept", kept)
     monkeypatch.setattr(programs, "launch_dlogits", recompute)

@@ -76,13 +76,13 @@ def _count_recompute(monkeypatch):
     seen = {"recompute": 0, "kept": 0}
     real_recompute, real_kept = programs.launch_dlogits, programs.launch_dlogits_kept
 
-    def recompute(*args):
+    def recompute(*args, **options):
         seen["recompute"] += 1
-        return real_recompute(*args)
+        return real_recompute(*args, **options)
 
-    def kept(*args):
+    def kept(*args, **options):
         seen["kept"] += 1
-        return real_kept(*args)
+        return real_kept(*args, **options)
 
     monkeypatch.setattr(programs, "launch_dlogits", recompute)
     monkeypatch.setattr(programs, "launch_dlogits_kept", kept)
@@ -209,9 +209,9 @@ def test_deterministic_reaches_the_source(monkeypatch, deterministic):
     pads = []
     real = native._token_chunk
 
-    def token_chunk(*args):
-        pads.append(args[-1])
-        return real(*args)
+    def token_chunk(*args, **options):
+        pads.append(args[-1])  # pad_to
+        return real(*args, **options)
 
     monkeypatch.setattr(native, "_token_chunk", token_chunk)
     full = _run(True, p, extra, "sum", deterministic=deterministic)

@@ -132,8 +132,8 @@ def test_gspo_on_each_source(monkeypatch, source):
 
         for name, key in (("launch_dlogits", "recompute"), ("launch_dlogits_kept", "kept")):
             real = getattr(programs, name)
-            monkeypatch.setattr(programs, name, lambda *a, real=real, key=key: (seen.__setitem__(key, seen[key] + 1),
-                                                                                 real(*a))[1])
+            monkeypatch.setattr(programs, name, lambda *a, real=real, key=key, **o: (
+                seen.__setitem__(key, seen[key] + 1), real(*a, **o))[1])
     loss = losses.grpo("dapo", importance_sampling_level="sequence", beta=0.04, rollout_correction="token_truncate")
     hidden, weight, bias, target = _problem(3, 6, 16, 67, seed=9)
     per_token = _inputs(loss, hidden, weight, bias, target, seed=10)

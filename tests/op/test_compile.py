@@ -239,9 +239,9 @@ def _count_recomputes(monkeypatch, source):
 
         real = programs.launch_dlogits
 
-        def recompute(*args):
+        def recompute(*args, **options):
             seen["recompute"] += 1
-            return real(*args)
+            return real(*args, **options)
 
         monkeypatch.setattr(programs, "launch_dlogits", recompute)
     else:

@@ -173,9 +173,9 @@ def test_consumed_kept_terms_become_d_logits_in_place(monkeypatch, source, dtype
     stores = []
     real = programs.launch_dlogits_kept
 
-    def kept_launch(kept, *args):
+    def kept_launch(kept, *args, **options):
         stores.append(args[7].data_ptr() == kept.values.data_ptr())  # dz written over the terms
-        return real(kept, *args)
+        return real(kept, *args, **options)
 
     monkeypatch.setattr(programs, "launch_dlogits_kept", kept_launch)
 

@@ -351,7 +351,7 @@ class NativeBackend(BudgetParts):
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
             self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
                                  grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept,
-                                 grad_sum_z)
+                                 grad_sum_z=grad_sum_z)
         else:
             if d_weight is not None and d_weight.dtype != torch.float32:
                 d_weight.zero_()
@@ -379,10 +379,9 @@ class NativeBackend(BudgetParts):
         tile_bytes = memory_budget.split(self.name, call.workspace_bytes, hidden.device).transient
         # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
-        sum_z_grad = {} if grad_sum_z is None else {"grad_sum_z": grad_sum_z}
         chunks = [_token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
                                local_target, t0, min(t0 + tc, n), tc if call.deterministic else None,
-                               **sum_z_grad)
+                               grad_sum_z=grad_sum_z)
                   for t0 in range(0, n, tc)]
         dw_tile = None
         if d_weight is not None and d_weight.dtype != torch.float32:

@@ -89,9 +89,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     row_max, log_sum = f32_contiguous(row_max), f32_contiguous(log_sum)
     g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
-    options = {name: value for name, value in (("softcap", softcap),
-                                               ("gsz", None if grad_sum_z is None else f32_contiguous(grad_sum_z)))
-               if value is not None}  # (the d_logits launcher's optional epilogue steps)
+    options = dict(softcap=softcap, gsz=None if grad_sum_z is None else f32_contiguous(grad_sum_z))
     chunk = max(columns, plan_chunk(n, v, weight.element_size(), workspace_bytes) // columns * columns)
     bounds = [(lo, min(lo + chunk, v)) for lo in range(0, v, chunk)]
     dbp = torch.empty((cdiv(n, cfg.bwd_block_n), v), device=dev, dtype=f32) if need_db else g

@@ -285,10 +285,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     log_sum = f32_contiguous(log_sum)
     with_entropy = grad_entropy is not None
     g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
-    # the d_logits launchers' optional epilogue steps (none: their plain call)
-    options = {k: v for k, v in (("softcap", softcap),
-                                 ("gsz", None if grad_sum_z is None else f32_contiguous(grad_sum_z)))
-               if v is not None}
+    # the d_logits launchers' optional epilogue steps (None: off)
+    options = dict(softcap=softcap, gsz=None if grad_sum_z is None else f32_contiguous(grad_sum_z))
     v_keep = 0 if kept is None else kept.values.shape[1]
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
