@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .rl_losses import GRPOConfig, GRPOLoss
+from .rl_losses import GRPOConfig, GRPOLoss, k3_kl
 
 PerTokenLoss = Callable[..., torch.Tensor]
 # d(loss_token)/d(logp_token) (or entropy): a tensor of the tokens, a number when the same for every token, or None
@@ -285,9 +285,8 @@ def kl_to_reference(coef: float) -> TokenLoss:
     entropy. Derivative: ``coef * (1 - exp(ref - logp))``."""
 
     def parts(logp, entropy, ref_logp, *, derivatives):
-        d = ref_logp - logp
-        e = torch.exp(d)
-        return coef * (e - d - 1), coef * (1 - e) if derivatives else None, None
+        kl, d_kl = k3_kl(ref_logp - logp)
+        return coef * kl, coef * d_kl if derivatives else None, None
 
     return TokenLoss(f"kl_to_reference({coef})", ("ref_logp",), parts)
 

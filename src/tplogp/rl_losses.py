@@ -53,6 +53,13 @@ METRICS = ("kl_mean", "clip_low_fraction", "clip_high_fraction", "clip_region_fr
 _LOG_MIN_WEIGHT = math.log(1e-8)  # VESPO's lower clamp of log w
 
 
+def k3_kl(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k3 KL estimator of ``d = ref_logp - logp``, ``exp(d) - d - 1`` (with ``expm1``: no cancellation against 1
+    for small ``d``), and its derivative with respect to ``logp``, ``1 - exp(d)``."""
+    e = torch.expm1(d)
+    return e - d, -e
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
     """The options of :func:`tplogp.losses.grpo` (see there), checked."""
@@ -303,9 +310,8 @@ class BoundGRPO:
         if c.beta:
             ref = part(self.ref)
             d = torch.where(m > 0, ref - logp, 0.0)
-            if c.kl_estimator == "k3":  # exp(d) - d - 1 with expm1: no cancellation against 1 for small d
-                e = torch.expm1(d)
-                kl, d_kl = e - d, -e
+            if c.kl_estimator == "k3":
+                kl, d_kl = k3_kl(d)
             elif c.kl_estimator == "k2":
                 kl, d_kl = 0.5 * d * d, -d
             else:
