@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp32_ops import LIBDEVICE_TANH, LN2, LOG2E, PTX, exp2, mul_rounded, store_rounded, tanh
+from .fp32_ops import LIBDEVICE_TANH, LN2, LOG2E, PTX, exp2, log2, mul_rounded, store_rounded, tanh
 
 @triton.jit
 def softcap_tile(acc, softcap):
@@ -380,9 +380,9 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
                        BLOCK_V: tl.constexpr, inv_temp=1.0, softcap=1.0, SOFTCAP: tl.constexpr = False):
     """``(p, zr)`` of the ``[BLOCK_N, BLOCK_V]`` tile at row ``n0``, shard column ``v0`` from the kept terms ``e``
     and their row scale ``m`` (natural units): ``p = e * 2^((m - M) log2(e) - log_sum log2(e))`` (one multiply per
-    element, one ex2 per row), and with entropy ``zr = z - M = ln(e) + (m - M)`` (one lg2 per element; ``e`` is
-    clamped to 2^-126 first, so a flushed term gives a finite zr and p = 0). At the row max ``e = 1`` and ``m = M``
-    exactly, so ``1 - p`` does not cancel at a peaked target. ``MASKED``: rows at or past N and columns at or past
+    element, one ex2 per row), and with entropy ``zr = z - M = ln(e) + (m - M)`` (one lg2 per element: a MUFU
+    :func:`.fp32_ops.log2` for 16-bit terms; ``e`` is clamped to 2^-126 first, so a flushed term gives a finite zr
+    and p = 0). At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel at a peaked target. ``MASKED``: rows at or past N and columns at or past
     ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the forward's tile width (one scale per row).
     Returns ``(p, zr, slope)``: ``SOFTCAP``: the scale is the running max ``t_m`` of the tanh (:func:`keep_tile`),
     ``m = (softcap t_m) / T`` rounded as the forward rounds it, and the slope ``1 - tanh^2 = (1 - t)(1 + t)`` with
@@ -407,12 +407,17 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
         b_shift = b_m - b_rmax  # m - M <= 0; exact 0 in the tile holding the row max
     b_f = exp2(b_shift * LOG2E - b_lsum2, PTX)  # [BLOCK_N]
     b_p = b_e * b_f[:, None]
+    # ln(e) in log2 units: from 16-bit terms one MUFU lg2 per element (their rounding is far above its error)
+    FAST_LOG: tl.constexpr = PTX and p_kept.dtype.element_ty != tl.float32
+    b_log_e = b_p  # not read without entropy or a softcap
+    if WITH_ENTROPY or SOFTCAP:
+        b_log_e = log2(tl.maximum(b_e, 1.1754943508222875e-38), FAST_LOG)
     b_zr = b_p  # not read without entropy
     if WITH_ENTROPY:
-        b_zr = tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * LN2 + b_shift[:, None]
+        b_zr = b_log_e * LN2 + b_shift[:, None]
     b_slope = b_p  # not read without a softcap
     if SOFTCAP:
-        b_t = tl.log2(tl.maximum(b_e, 1.1754943508222875e-38)) * (LN2 / (softcap * inv_temp)) + b_tm[:, None]
+        b_t = b_log_e * (LN2 / (softcap * inv_temp)) + b_tm[:, None]
         b_t = tl.clamp(b_t, -1.0, 1.0)
         b_slope = (1.0 - b_t) * (1.0 + b_t)
     return b_p, b_zr, b_slope
