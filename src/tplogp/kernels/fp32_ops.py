@@ -1,6 +1,7 @@
 """fp32 elementwise primitives of the kernels, and the forms they take where PTX runs: the exponential (one MUFU
-``ex2.approx.ftz``), a logarithm of 16-bit inputs' precision (one MUFU ``lg2.approx.ftz``), libdevice's tanh, a multiply that is never fused into an FMA (:func:`mul_rounded`), and the
-rounding of an fp32 tile into a 16-bit store (round-to-nearest-even, as a GPU's conversion). Under Triton's CPU
+``ex2.approx.ftz``), a logarithm of 16-bit inputs' precision (one MUFU ``lg2.approx.ftz``), libdevice's tanh, a
+multiply that is never fused into an FMA (:func:`mul_rounded`), and the rounding of an fp32 tile into a 16-bit
+store (round-to-nearest-even, as a GPU's conversion). Under Triton's CPU
 interpreter, which runs no PTX and no libdevice, each has a plain form of the same contract. Which form a kernel
 gets is a constexpr read once, when this module is imported (:data:`PTX`, :data:`LIBDEVICE_TANH`)."""
 

@@ -382,8 +382,8 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
     and their row scale ``m`` (natural units): ``p = e * 2^((m - M) log2(e) - log_sum log2(e))`` (one multiply per
     element, one ex2 per row), and with entropy ``zr = z - M = ln(e) + (m - M)`` (one lg2 per element: a MUFU
     :func:`.fp32_ops.log2` for 16-bit terms; ``e`` is clamped to 2^-126 first, so a flushed term gives a finite zr
-    and p = 0). At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel at a peaked target. ``MASKED``: rows at or past N and columns at or past
-    ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the forward's tile width (one scale per row).
+    and p = 0). At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel at a peaked target.
+    ``MASKED``: rows at or past N and columns at or past ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the forward's tile width (one scale per row).
     Returns ``(p, zr, slope)``: ``SOFTCAP``: the scale is the running max ``t_m`` of the tanh (:func:`keep_tile`),
     ``m = (softcap t_m) / T`` rounded as the forward rounds it, and the slope ``1 - tanh^2 = (1 - t)(1 + t)`` with
     ``t = t_m + ln(e) T / softcap`` clamped to ``[-1, 1]`` (else ``p``, not read). Where the cap saturates, ``1 - t``
