@@ -305,14 +305,19 @@ def tp_section(rows: list[dict]) -> list[str]:
     if not sel:
         return []
     out = ["## Tensor-parallel scaling", "", "`python -m benchmarks tp`: median step (forward+backward) of the "
-           "slowest rank; efficiency T(1) / (P T(P)); host CPU µs of a step, the highest rank's (its calling thread / "
-           "all its threads; TP 1 runs without a group).", ""]
+           "slowest rank; efficiency T(1) / (P T(P)); backward: its median ms and the `d_hidden` bytes each rank "
+           "sends in its collective (ring algorithm: an all-reduce sends twice a reduce-scatter's); host CPU µs of a "
+           "step, the highest rank's (its calling thread / all its threads; TP 1 runs without a group). With gloo "
+           "the collectives go through host memory: their times are gloo's, not a GPU interconnect's.", ""]
     return out + _run_tables(
-        sel, [("shape, dtype", "l"), ("impl", "l"), ("TP (backend)", "r"), ("step ms", "r"), ("TFLOP/s per GPU", "r"),
-              ("peak GiB per rank", "r"), ("efficiency", "r"), ("host µs (thread / all)", "r")],
+        sel, [("shape, dtype", "l"), ("impl", "l"), ("TP (backend)", "r"), ("step ms", "r"),
+              ("TFLOP/s per GPU (efficiency)", "r"), ("peak GiB per rank", "r"), ("backward ms / MiB sent", "r"),
+              ("host µs (thread / all)", "r")],
         lambda r: [f"{r['shape']} {r['dtype']}", r["impl"], f"{r['tp']} ({r['backend']})"],
-        lambda r: [f"{r['step_ms']:.3f}", f"{r['tflops_per_gpu']:.1f}", _num(r.get("peak_gib_per_rank"), ".3f"),
-                   _num(r.get("efficiency"), ".1%"), _host_cell(r, "host_step_us", "host_step_all_us")])
+        lambda r: [f"{r['step_ms']:.3f}", f"{r['tflops_per_gpu']:.1f} ({_num(r.get('efficiency'), '.1%')})",
+                   _num(r.get("peak_gib_per_rank"), ".3f"),
+                   (f"{r['bwd_ms']:.1f} / {r['bwd_bytes_per_rank'] / 2**20:.0f}" if "bwd_ms" in r else ""),
+                   _host_cell(r, "host_step_us", "host_step_all_us")])
 
 
 def floors_section(rows: list[dict]) -> list[str]:

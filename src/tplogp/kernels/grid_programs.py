@@ -8,11 +8,12 @@ Algorithm (a shard whose first column starts a grid block of ``B`` columns, ``B 
   aligned to the grid, one config per device and dtype, no split-K), returning each block's ``(m_b, s_b, q_b)`` (and
   with the options its sum of ``z`` and the lowest column of its max) unmerged; :mod:`tplogp.invariant` merges them
   exactly.
-* Backward (:func:`backward_on_grid`): d_logits recomputed in chunks that are multiples of ``B`` (nothing kept);
-  ``d_W`` is one ``[B, N] x [N, D]`` GEMM per grid block, its d_logits block copied into one zero-padded
-  ``[N, B]`` buffer, so every d_W GEMM has one shape; ``d_b`` sums the per-token-block partial rows one after the
-  other; ``d_hidden`` is the deterministic fixed-order GEMM in fp32. A column's d_W and d_b rows then do not depend
-  on the shard it came in.
+* Backward (:func:`backward_on_grid`): d_logits recomputed in chunks that are multiples of ``B`` (nothing kept),
+  into a workspace whose row stride is a function of ``N``, the budget and ``B`` alone (never of the shard);
+  ``d_W`` is one ``[B, N] x [N, D]`` GEMM per grid block, reading the block in place (the vocabulary's cut last
+  block from a zero-padded copy), so every d_W GEMM has one shape and one layout; ``d_b`` sums the
+  per-token-block partial rows one after the other; ``d_hidden`` is the deterministic fixed-order GEMM in fp32. A
+  column's d_W and d_b rows then do not depend on the shard it came in.
 
 The launches, the d_logits and d_hidden steps are the per-call paths' (:mod:`tplogp.kernels.programs`).
 """
@@ -29,7 +30,6 @@ from .launch import cached
 from .launches import ensure_context, stats_launch, tma_ok
 from .programs import dh_gemm, empty_call_grads, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
 from .tiles import TileConfig, cdiv, dot_precision
-from .workspace import plan_chunk
 
 
 def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -59,6 +59,17 @@ def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return stats_outputs(parts, with_entropy, *extras)
 
 
+MAX_CHUNK_COLUMNS = 1 << 16  # a bound on grid_chunk that no shard sets (few rows and a large budget)
+
+
+def grid_chunk(n: int, itemsize: int, workspace_bytes: int, columns: int) -> int:
+    """Columns of the invariant backward's d_logits workspace (its row stride): as many whole grid blocks as the
+    budget's transient part holds for ``n`` rows, at least one and at most :data:`MAX_CHUNK_COLUMNS`; from ``n``,
+    the budget and the grid alone, so a block's d_W GEMM reads the same layout in every shard."""
+    cols = min(workspace_bytes // max(1, n * itemsize), MAX_CHUNK_COLUMNS)
+    return max(columns, cols // columns * columns)
+
+
 def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
                      grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
@@ -71,11 +82,13 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     grid-aligned shard: a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size (``softcap``,
     ``grad_sum_z``: as in :func:`~.programs.backward`).
 
-    d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept); ``d_W`` is one
-    ``[columns, N] x [N, D]`` GEMM per grid block, its d_logits block copied into one ``[N, columns]`` buffer (the
-    vocabulary's cut last block zero-padded), so every d_W GEMM has one shape; ``d_b`` sums the per-token-block
-    partial rows one after the other (elementwise: the same order for every column); ``d_hidden`` is the
-    deterministic fixed-order GEMM, fp32."""
+    d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept) in a workspace of
+    :func:`grid_chunk` columns per row, whatever the shard; ``d_W`` is one ``[columns, N] x [N, D]`` GEMM per grid
+    block reading its d_logits columns in place (row stride: the workspace's), written straight into its ``d_W``
+    rows (the vocabulary's cut last block: zero-padded in a ``[N, columns]`` buffer, its rows copied), so every
+    d_W GEMM has one shape and one operand layout; ``d_b`` sums the per-token-block partial rows one after the
+    other (elementwise: the same order for every column); ``d_hidden`` is the deterministic fixed-order GEMM,
+    fp32."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -90,15 +103,16 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     row_max, log_sum = f32_contiguous(row_max), f32_contiguous(log_sum)
     g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
     options = dict(softcap=softcap, gsz=None if grad_sum_z is None else f32_contiguous(grad_sum_z))
-    chunk = max(columns, plan_chunk(n, v, weight.element_size(), workspace_bytes) // columns * columns)
+    chunk = grid_chunk(n, weight.element_size(), workspace_bytes, columns)
     bounds = [(lo, min(lo + chunk, v)) for lo in range(0, v, chunk)]
     dbp = torch.empty((cdiv(n, cfg.bwd_block_n), v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
-    ws = torch.empty((n, min(chunk, cdiv(v, columns) * columns)), device=dev, dtype=weight.dtype)
-    block = torch.empty((n, columns), device=dev, dtype=weight.dtype) if need_dw else None
+    ws = torch.empty((n, chunk), device=dev, dtype=weight.dtype)  # one row stride for every shard
+    cut = need_dw and v % columns != 0  # the vocabulary's last block, cut: through a zero-padded copy
+    block = torch.empty((n, columns), device=dev, dtype=weight.dtype) if cut else None
     d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
     rows = torch.empty((columns, d), device=dev, dtype=f32 if dw_acc is not None else weight.dtype) \
-        if need_dw else None
+        if need_dw and (cut or dw_acc is not None) else None
     for i_chunk, (v_lo, v_hi) in enumerate(bounds):
         dz = ws[:, : v_hi - v_lo]
         launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
@@ -111,15 +125,20 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
             continue
         for c0 in range(v_lo, v_hi, columns):
             width = min(c0 + columns, v_hi) - c0
-            block[:, :width] = dz[:, c0 - v_lo: c0 - v_lo + width]
             if width < columns:
+                block[:, :width] = dz[:, c0 - v_lo:]
                 block[:, width:] = 0
-            if dw_acc is not None:
-                fp32_gemm.mm_into(rows, block.t(), hidden)
-                dw_acc[c0:c0 + width] += rows[:width]
+                operand = block.t()
             else:
-                mm_into(rows, block.t(), hidden)
+                operand = ws[:, c0 - v_lo: c0 - v_lo + columns].t()
+            if dw_acc is not None:
+                fp32_gemm.mm_into(rows, operand, hidden)
+                dw_acc[c0:c0 + width] += rows[:width]
+            elif width < columns:
+                mm_into(rows, operand, hidden)
                 d_weight[c0:c0 + width] = rows[:width]
+            else:
+                mm_into(d_weight[c0:c0 + columns], operand, hidden)
     d_bias = None
     if need_db:
         acc = dbp[0].clone()
