@@ -193,7 +193,7 @@ def place(world_size: int, backend: str, *, needs_gpu: bool = False, share: bool
         return Placement("gloo", ("cpu",), "test needs a GPU but --tp-backend=gloo runs the ranks on CPU "
                                            "(--tp-gpu-share=on runs it on the GPUs, over gloo)")
     gpus = gpus_for(world_size, worker)
-    nccl = nccl_available()
+    nccl = gpus is not None and nccl_available()  # without GPUs the parent never imports torch
     if gpus is not None and nccl and (backend == "nccl" or needs_gpu):
         return Placement("nccl", gpus)
     if needs_gpu and backend == "auto" and share:

@@ -1,8 +1,8 @@
 """The controller: persistent rank pools, bounded waits, stack dumps, kill and respawn.
 
 One :class:`RankPool` per (world size, backend, device set) lives in each pytest process (each xdist worker has its
-own), created lazily on first use through ``torch.multiprocessing``: by default every rank is a fork of one fork
-server per pytest process, which imported torch once and never touches CUDA (``--tp-start-method=spawn``: a fresh
+own), created lazily on first use through ``multiprocessing`` (pytest's own process never imports torch): by default
+every rank is a fork of one fork server per pytest process, which imported torch once and never touches CUDA (``--tp-start-method=spawn``: a fresh
 interpreter per rank). Rendezvous is a ``FileStore`` in a per-pool-generation directory under a per-session temp directory
 (``tplogp-<worker>-<pid>-*``, removed at the end; a killed session's is removed by the next one), so nothing can
 race for a port. Each command is sent to every rank over its own pipe and awaited with
@@ -209,7 +209,8 @@ class RankPool:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> float:
         """Spawn the ranks and wait (bounded) until every one has joined the process group. Returns seconds."""
-        import torch.multiprocessing as tmp
+        import multiprocessing  # not torch's wrapper: nothing but plain values crosses the pipes, and pytest's
+        # own process then never imports torch (a second or more of CPU for every pytest run on a small machine)
 
         from .forkserver_guard import PARENT_PID_ENV
         from .rank import rank_main
@@ -221,7 +222,7 @@ class RankPool:
         tag = f"ws{self.key.world_size}-{self.key.backend}-{'-'.join(self.key.devices)}-g{self.generation}"
         self.pool_dir = os.path.join(self.session_dir, tag)
         os.makedirs(self.pool_dir, exist_ok=True)
-        ctx = tmp.get_context(self.start_method)
+        ctx = multiprocessing.get_context(self.start_method)
         if self.start_method == "forkserver":
             # One fork server per pytest process imports torch once; every rank of every pool (and every respawn)
             # is then a fork of it. It never touches CUDA (importing torch does not), so CUDA in the ranks is safe.

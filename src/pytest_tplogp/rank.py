@@ -1,6 +1,6 @@
 """Rank-side worker: one process of a pool. Imports nothing of the controller.
 
-Life of a rank (started by ``pool.py`` through ``torch.multiprocessing``, forkserver by default, or spawn):
+Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver by default, or spawn):
 
 1. Own process group (``setpgid``) so the controller can kill the rank's whole tree and a terminal Ctrl-C reaches
    only pytest; ``PR_SET_PDEATHSIG`` = SIGKILL so the rank dies with pytest even if pytest is SIGKILLed.

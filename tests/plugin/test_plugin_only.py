@@ -1,5 +1,6 @@
-"""The generic plugin without the op's dependencies: with ``triton`` and ``tplogp`` unimportable in the fork server
-and the ranks (and ``triton`` in pytest, which never imports ``tplogp``), a TP test runs and passes."""
+"""The generic plugin's footprint. Without the op's dependencies (``triton`` and ``tplogp`` unimportable in the fork
+server and the ranks, and ``triton`` in pytest, which never imports ``tplogp``) a TP test runs and passes; and
+pytest's own process never imports torch."""
 
 from __future__ import annotations
 
@@ -58,3 +59,31 @@ def test_generic_plugin_runs_without_triton_and_tplogp(pytester: pytest.Pytester
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["tplogp: world size 2, backend gloo*"])
+
+
+TORCH_FREE_BODY = '''
+import sys
+
+import pytest
+
+@pytest.mark.tp(world_size=2)
+def test_on_ranks(tp):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(1) * (tp.rank + 1)
+    dist.all_reduce(t)
+    tp.assert_close(t, torch.tensor([3.0]))
+
+def test_pytest_never_imported_torch():
+    assert "torch" not in sys.modules
+'''
+
+
+def test_pytest_itself_never_imports_torch(pytester: pytest.Pytester, tag: str) -> None:
+    """Only the fork server and the ranks import torch: a TP test run through a pool, from a test module that does
+    not import torch, leaves pytest's own process without it (on a machine without GPUs, as CI is)."""
+    pytester.makepyfile(test_body=TORCH_FREE_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "no:cacheprovider", "-rA",
+                                           "--tp-backend=gloo")
+    result.assert_outcomes(passed=2)
