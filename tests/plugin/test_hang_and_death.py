@@ -128,7 +128,7 @@ def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, s
     import sys
     import time
 
-    from tests.support.plugin_helpers import forkserver_importing_torch, wait_for
+    from tests.support.plugin_helpers import forkserver_importing_torch, process_states, wait_for
 
     pytester.makepyfile(test_body=SLEEPY)
     with open(pytester.path / "pytest.log", "wb") as log:  # a file: nothing here waits on a pipe's last writer
@@ -143,7 +143,11 @@ def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, s
             os.kill(server, signal.SIGSTOP)
         sent = time.monotonic()
         proc.send_signal(getattr(signal, sig))
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            states = process_states([proc.pid, *tagged_pids(tag)])
+            raise AssertionError(f"pytest still running 60 s after {sig}:\n{states}") from None
         exit_s = time.monotonic() - sent
         left = leftover_processes(tag, wait_s=max(0.0, EXIT_WITHIN_S - exit_s))
         all_gone_s = time.monotonic() - sent

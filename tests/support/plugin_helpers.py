@@ -77,3 +77,24 @@ def forkserver_importing_torch(pytest_pid: int) -> int | None:
         if "libtorch" in maps:
             return pid
     return None
+
+
+def process_states(pids: list[int]) -> str:
+    """One line per process: pid, parent, state, wait channel, blocked / ignored / caught signal masks and command
+    line (from /proc), for the report of a process that would not exit."""
+    lines = []
+    for pid in pids:
+        proc = pathlib.Path("/proc") / str(pid)
+        try:
+            status = dict(line.split(":\t", 1) for line in (proc / "status").read_text().splitlines()
+                          if ":\t" in line)
+            wchan = (proc / "wchan").read_text()
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError as e:
+            lines.append(f"{pid}: gone ({e})")
+            continue
+        lines.append(f"{pid} ppid {status.get('PPid', '?').strip()} {status.get('State', '?').strip()} "
+                     f"wchan {wchan} SigBlk {status.get('SigBlk', '?').strip()} SigIgn "
+                     f"{status.get('SigIgn', '?').strip()} SigCgt {status.get('SigCgt', '?').strip()} "
+                     f"threads {status.get('Threads', '?').strip()}: {cmd}")
+    return "\n".join(lines)
