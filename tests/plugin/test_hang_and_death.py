@@ -132,8 +132,11 @@ def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, s
 
     pytester.makepyfile(test_body=SLEEPY)
     with open(pytester.path / "pytest.log", "wb") as log:  # a file: nothing here waits on a pipe's last writer
+        # SIGINT at its default, as in a terminal's foreground job (a background job of a non-interactive shell,
+        # or nohup, starts with SIGINT ignored, and a child keeps an ignored signal ignored)
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-q", "test_body.py"],
-                                cwd=pytester.path, stdout=log, stderr=subprocess.STDOUT)
+                                cwd=pytester.path, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         if phase == "body":
             wait_for(lambda: all((pytester.path / f"in-body-rank{r}").exists() for r in (0, 1)), 180,
