@@ -394,6 +394,7 @@ def test_sharded_and_wrapped_models_on_gloo_ranks(tp):
     tp.assert_all(not problems, "; ".join(problems))
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_rows():
     """``python -m benchmarks integrations --smoke``'s measuring function on tiny shapes: every step and
     implementation gives a row, the log-prob step's values agree with the fp32 reference, and within each loss step

@@ -166,8 +166,8 @@ def test_fused_loss_with_a_plain_callable_runs_eagerly_inside_compiled_code():
 # D = 32 over V = 211 (one chunk); the triton source in the interpreter at 20 tokens. Inductor, the default backend.
 FUSED_COMPILE_CASES = [pytest.param("native", 48, "sum", id="native-sum"),
                        pytest.param("native", 48, "mean", id="native-mean"),
-                       pytest.param(*cpu_sources()[1].values, 20, "sum", marks=cpu_sources()[1].marks,
-                                    id="triton-interpreter-sum")]
+                       pytest.param(*cpu_sources()[1].values, 20, "sum",
+                                    marks=(*cpu_sources()[1].marks, pytest.mark.slow), id="triton-interpreter-sum")]
 
 
 @pytest.mark.parametrize("source, n, reduction", FUSED_COMPILE_CASES)

@@ -31,6 +31,7 @@ def test_fails_on_rank_1(tp):
 '''
 
 
+@pytest.mark.slow
 def test_breakpoint_without_tp_pdb_says_how(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rf", "-vv", "test_body.py::test_stops")

@@ -93,6 +93,7 @@ def pytest_runtest_call(item):
 '''
 
 
+@pytest.mark.slow
 def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     pytester.makeconftest(CALL_RECORDER)

@@ -59,6 +59,7 @@ def test_last(tp):
 '''
 
 
+@pytest.mark.slow
 def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-vv", "-rA", "-W", "always")

@@ -99,6 +99,7 @@ def test_unpicklable_fixture(tp, tmp_path, lock):
 '''
 
 
+@pytest.mark.slow
 def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-timeout=60", "-rA", "-vv",

@@ -50,6 +50,7 @@ def test_in_pytest_after_a_tp_test():
 '''
 
 
+@pytest.mark.slow
 def test_generic_plugin_runs_without_triton_and_tplogp(pytester: pytest.Pytester, tag: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = pytester.mkdir("blocker")
@@ -80,6 +81,7 @@ def test_pytest_never_imported_torch():
 '''
 
 
+@pytest.mark.slow
 def test_pytest_itself_never_imports_torch(pytester: pytest.Pytester, tag: str) -> None:
     """Only the fork server and the ranks import torch: a TP test run through a pool, from a test module that does
     not import torch, leaves pytest's own process without it (on a machine without GPUs, as CI is)."""
