@@ -97,7 +97,8 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     policy = isinstance(loss, GRPOLoss)
     _check_policy_options(loss, policy, per_token, reduction, return_metrics, cu_seqlens, target_ids, with_entropy)
-    offsets = None if cu_seqlens is None else check_offsets(cu_seqlens, target_ids.numel())
+    offsets = None if cu_seqlens is None else check_offsets(cu_seqlens, target_ids.numel(),
+                                                            read=policy and loss.needs_sequences)
     _check_token_loss(loss, per_token, with_entropy)
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                                deterministic=deterministic, workspace_bytes=workspace_bytes,

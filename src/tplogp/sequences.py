@@ -82,9 +82,11 @@ def row_bounds(target_shape: torch.Size, offsets: Optional[list[int]], keep_idx:
     return torch.searchsorted(keep_idx, torch.tensor(starts, device=keep_idx.device, dtype=keep_idx.dtype)).tolist()
 
 
-def check_offsets(cu_seqlens, n_all: int) -> list[int]:
+def check_offsets(cu_seqlens, n_all: int, read: bool = True) -> Optional[list[int]]:
     """``cu_seqlens`` (a 1-D integer tensor or a sequence ``[0, ..., N]``) as a host list of offsets, checked (the
-    same error on every rank: the arguments are the same).
+    same error on every rank: the arguments are the same). ``read=False`` (a loss without per-sequence terms, which
+    never uses the offsets): a tensor's dtype and shape are checked without reading its values (no host copy, no
+    sync with its device), and None is returned.
 
     Raises:
         LinearLogpInputError: ``cu_seqlens`` is not nondecreasing offsets from 0 to the token count ``n_all``.
@@ -93,6 +95,11 @@ def check_offsets(cu_seqlens, n_all: int) -> list[int]:
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             raise LinearLogpInputError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
                                        f"{tuple(cu_seqlens.shape)}")
+        if not read:
+            if cu_seqlens.numel() < 2:
+                raise LinearLogpInputError(f"cu_seqlens must be offsets from 0 to the {n_all} tokens (one more "
+                                           f"than the sequences), got {cu_seqlens.numel()} value(s)")
+            return None
         offsets = [int(x) for x in cu_seqlens.tolist()]
     else:
         offsets = [int(x) for x in cu_seqlens]

@@ -119,6 +119,38 @@ def test_packed_sequences(case):
     check_three_way(ours, ref, truth, case)
 
 
+def test_offsets_are_read_only_by_losses_with_sequences(monkeypatch):
+    """``cu_seqlens`` is read to the host (a sync for a device tensor) only by a loss with per-sequence terms; a
+    token-mean loss never uses the offsets and gives the same value and gradients with or without them."""
+    offsets = [0, 7, 8, 20, 24]
+    hidden, weight, bias, target = _problem(1, 24, 16, 97, seed=7)
+    hidden, target = hidden[0], target[0]
+    reads = []
+    tolist = torch.Tensor.tolist
+
+    def spy(self):
+        reads.append(self.numel())
+        return tolist(self)
+
+    for loss_type, want in (("dapo", []), ("grpo", [len(offsets)])):
+        loss = losses.grpo(loss_type)
+        per_token = [t[0] for t in _inputs(loss, hidden[None], weight, bias, target[None], seed=8)]
+        cu = torch.tensor(offsets, dtype=torch.int32)
+        reads.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "tolist", spy)
+            packed = _ours(loss, hidden, weight, bias, target, per_token, source="native", cu_seqlens=cu)
+        assert [n for n in reads if n == len(offsets)] == want, (loss_type, reads)
+        if loss_type == "dapo":
+            plain = _ours(loss, hidden, weight, bias, target, per_token, source="native")
+            assert torch.equal(packed[0], plain[0]) and packed[1].keys() == plain[1].keys()
+            assert all(torch.equal(packed[1][k], plain[1][k]) for k in plain[1])
+            assert all(torch.equal(a, b) for a, b in zip(packed[2], plain[2]))
+    with pytest.raises(tplogp.LinearLogpInputError, match="cu_seqlens must be a 1-D integer tensor"):
+        _ours(losses.grpo("dapo"), hidden, weight, bias, target, per_token, source="native",
+              cu_seqlens=torch.tensor([0.0, 24.0]))
+
+
 @pytest.mark.parametrize("source", cpu_sources())
 def test_gspo_on_each_source(monkeypatch, source):
     """GSPO with KL and a rollout correction on each CPU source (triton through its interpreter), its 3 sequences of
