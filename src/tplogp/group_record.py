@@ -28,7 +28,7 @@ class GroupRecord:
     # verdict, 7 metadata fields, ignore_index, differentiability, the hidden layout, then whether a target summary
     # travels, and its checksum, lo, hi
     _FIELDS = 15
-    # fast mode: vocab size of the layouts already verified, keyed by the call's layout (see ``run``)
+    # fast mode: (vocab size, every rank's shard range) of the layouts already verified, keyed by the call's layout
     _verified: dict = {}
 
     @classmethod
@@ -51,18 +51,20 @@ class GroupRecord:
         targets_note: str = "",
         sequence_parallel: bool = False,
         hidden_grad: str = "reduced",
-    ) -> tuple[int, Optional[tuple[int, int, int]]]:
+    ) -> tuple[int, Optional[tuple[int, int, int]], list[tuple[int, int]]]:
         """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the record, so the
         record exchange is the call's only host read), ``(checksum, lo, hi)`` already on the host (an earlier call's
         deferred summary: with ``group`` a CPU group, nothing here waits for a device), or None. ``targets_note`` ends the error of targets that differ between ranks. The summary is returned when
-        every rank sent one and they agree (a range check is the caller's). ``sequence_parallel``, ``hidden_grad``: the
+        every rank sent one and they agree (a range check is the caller's), and every rank's shard range
+        ``(start, end)``, rank-major (in ``fast`` mode those of the layout's verified call). ``sequence_parallel``, ``hidden_grad``: the
         call's hidden layout (ranks that disagree would enter different collectives)."""
         world = dist.get_world_size(group)
         hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
         key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
                builds_graph, hidden_layout)
         if mode == "fast" and problem is None and key in cls._verified:
-            return cls._verified[key], None
+            total, ranges = cls._verified[key]
+            return total, None, ranges
         head = torch.tensor(
             [
                 0 if problem is None else 1,
@@ -93,16 +95,16 @@ class GroupRecord:
         declared = {r[5] for r in rows}
         total = validate_ranges(ranges, None if declared == {-1} else max(declared))
         if mode == "fast":
-            cls._verified[key] = total
+            cls._verified[key] = (total, ranges)
         if not all(r[11] for r in rows):
-            return total, None
+            return total, None, ranges
         checksums = [r[12] for r in rows]
         if len(set(checksums)) > 1:
             listing = ", ".join(f"rank {i}: #{c:x}" for i, c in enumerate(checksums))
             raise LinearLogpInputError("target_ids (they must be replicated: the same global ids on every rank) must "
                                        f"be the same on every TP rank, got {listing}{targets_note}")
         # identical on every rank: the checksum agreement proved the targets replicated
-        return total, tuple(rows[0][12:15])
+        return total, tuple(rows[0][12:15]), ranges
 
     @classmethod
     def is_verified(cls, group, vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],

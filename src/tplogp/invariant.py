@@ -12,8 +12,10 @@ Its pieces, used by :mod:`tplogp.tp` (and the fused loss), each independent of t
   whose first column it owns, ``[lo, hi)`` with ``lo = ceil_B(start)`` and ``hi = min(ceil_B(end), V)``. The few
   rows of its last block that later ranks own (``[end, hi)``, under ``B`` rows) come from those ranks' heads
   ``[start_k, lo_k)`` in one ``all_gather`` per call, weight and bias rows packed together; in the backward the
-  ``d_W`` / ``d_b`` rows computed for foreign rows go back to their owners in one ``all_gather`` as well. The
-  shard boundaries travel first, in one small ``all_gather`` over a CPU group (nothing waits for a device).
+  ``d_W`` / ``d_b`` rows computed for foreign rows go back to their owners in one ``all_gather`` as well. Every
+  rank's boundaries come from the call's group record (:mod:`tplogp.group_record`, which gathers each rank's range
+  anyway); an op's backward under ``torch.compile``, which exchanges no record, gathers them in one small
+  ``all_gather`` over a CPU group (:func:`shard_bounds`: nothing waits for a device).
 * **The exact merge** (:func:`merge_blocks`). The global row max ``M`` is an int64 all-reduce MAX of a key made of
   the max's fp32 bits (ordered like the floats; exact in any order). Each block's share ``s_b exp(m_b - M)`` (and
   the entropy's ``exp(m_b - M)(q_b + s_b (m_b - M))``) is rounded to fixed point with ``FIXED_POINT_BITS`` fraction

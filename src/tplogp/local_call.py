@@ -126,7 +126,7 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             tgt = torch.where(keep, tgt, -1)
 
     if plan.call.grid_columns:  # the invariant level: the rows of the grid blocks this rank computes
-        tpc.regrid = _regrid(plan, args, w.shape[0], call.vocab_size)
+        tpc.regrid = _regrid(plan, args, w.shape[0], call.vocab_size, call.shard_ranges)
         w, b = invariant.regrid_rows(tpc.regrid, w, b)
         local_target = tpc.regrid.local_targets(tgt)
     elif tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
@@ -139,11 +139,12 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
                      own_rows)
 
 
-def _regrid(plan, args, v_local: int, vocab: int) -> invariant.Regrid:
-    """This rank's :class:`~tplogp.invariant.Regrid` (with a group, after one small exchange of the shard
-    boundaries)."""
+def _regrid(plan, args, v_local: int, vocab: int, ranges) -> invariant.Regrid:
+    """This rank's :class:`~tplogp.invariant.Regrid`; with a group, from every rank's shard range: ``ranges``,
+    what the call's group record gathered, else (an op's backward) one small exchange of the boundaries."""
     if plan.world_size > 1:
-        bounds = invariant.shard_bounds(args.group, plan.comm_device, args.vocab_start_index, v_local)
+        bounds = (list(ranges) if ranges is not None else
+                  invariant.shard_bounds(args.group, plan.comm_device, args.vocab_start_index, v_local))
         return invariant.Regrid(args.group, plan.comm_device, dist.get_rank(args.group), bounds,
                                 plan.call.grid_columns, vocab)
     return invariant.Regrid(None, None, 0, [(0, v_local)], plan.call.grid_columns, vocab)

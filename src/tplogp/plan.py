@@ -217,6 +217,9 @@ class Call(NamedTuple):
     vocab_size: int  # of all shards together (the same on every rank)
     verdict: Optional[BackwardVerdict]  # what the backward settles before it writes a gradient
     target_check: Optional[KernelTargetCheck]  # the target check the source's finishing kernel runs
+    # every rank's shard range (start, end), rank-major, from the group record (None: one shard, or an op's
+    # backward, which exchanges no record)
+    shard_ranges: Optional[list[tuple[int, int]]] = None
 
 
 Source = Union[None, str, ShardBackend]
@@ -255,10 +258,10 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
                               global_vocab_size, options, builds_graph)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, options,
                     builds_graph)
-    total, verdict, target_check = open_call(plan, args, problem)
+    total, verdict, target_check, ranges = open_call(plan, args, problem)
     if not plan.cached:
         remember(plan, total)
-    return Call(plan, args, total, verdict, target_check)
+    return Call(plan, args, total, verdict, target_check, ranges)
 
 
 def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,

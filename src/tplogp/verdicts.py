@@ -354,7 +354,8 @@ def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardV
 # ---- the forward's entry -----------------------------------------------------------------------------------------
 
 def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[BackwardVerdict],
-                                                           Optional[KernelTargetCheck]]:
+                                                           Optional[KernelTargetCheck],
+                                                           Optional[list[tuple[int, int]]]]:
     """Open one call's verdict: judge what earlier calls left (those delivered), raise ``problem`` (the call's
     :func:`tplogp.validation.local_problem`, None when fine or when the layout passed before) and start this call's
     target check.
@@ -369,7 +370,8 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
         problem: the call's local problem, or None.
     Returns:
         ``(global vocab size, what the backward settles or None, the target check that the source's finishing
-        kernel runs or None)``. A returned :class:`KernelTargetCheck` reaches the source (``forward_single``'s
+        kernel runs or None, every rank's shard range (start, end) from the group record, None without a
+        group)``. A returned :class:`KernelTargetCheck` reaches the source (``forward_single``'s
         ``target_flag``) and its ``ready`` event is recorded right after that launch.
     """
     mode = plan.mode
@@ -380,7 +382,8 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
                                    "capture cannot do: capture with the default checks (TPLOGP_CHECKS unset or full), "
                                    "which keep the verdict on the device, or with TPLOGP_CHECKS=fast")
     if plan.world_size > 1:
-        return (*_open_group_call(plan, args, problem, capturing), None)
+        total, verdict, ranges = _open_group_call(plan, args, problem, capturing)
+        return total, verdict, None, ranges
     if mode != "fast" and not capturing:
         raise_pending_errors(everything=False)  # the deferred verdict of the previous call without a group
     if problem is not None:
@@ -401,11 +404,13 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
             else:
                 pending = defer_target_range_check(target_ids, total, ignore_index)
             verdict = BackwardVerdict(pending=pending) if args.builds_graph else None
-    return total, verdict, in_kernel
+    return total, verdict, in_kernel, None
 
 
-def _open_group_call(plan, args, problem: Optional[str], capturing: bool) -> tuple[int, Optional[BackwardVerdict]]:
-    """:func:`open_call` with a group of several ranks (module docstring)."""
+def _open_group_call(plan, args, problem: Optional[str],
+                     capturing: bool) -> tuple[int, Optional[BackwardVerdict], list[tuple[int, int]]]:
+    """:func:`open_call` with a group of several ranks (module docstring): ``(global vocab size, verdict, every
+    rank's shard range)``."""
     mode, comm_dev, group = plan.mode, plan.comm_device, args.group
     hidden, weight, target_ids, bias = args.hidden, args.weight, args.target_ids, args.bias
     ignore_index = args.options.ignore_index
@@ -438,7 +443,7 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool) -> tup
     else:
         record_targets = (target_summary_tensor(target_ids, ignore_index, with_checksum=True)
                           if ok and mode != "fast" else None)
-    total, summary = GroupRecord.exchange(
+    total, summary, ranges = GroupRecord.exchange(
         host if host is not None else group, torch.device("cpu") if host is not None else comm_dev, problem,
         n_tokens=int(target_ids.numel()) if ok else -1,
         hidden_size=int(hidden.shape[-1]) if ok else -1,
@@ -471,4 +476,4 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool) -> tup
         msg = target_range_problem(summary, total, ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg)
-    return total, verdict
+    return total, verdict, ranges

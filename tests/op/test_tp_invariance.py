@@ -103,6 +103,23 @@ def _check_bitwise(tp, name: str) -> None:
                   "fused loss: weight / bias gradient rows differ from TP=1")
 
 
+@pytest.mark.tp(world_size=2)
+def test_shard_ranges_come_from_the_group_record(tp):
+    """With a group the re-shard takes every rank's range from the call's group record (``plan.Call.shard_ranges``)
+    and exchanges no boundaries of its own, in ``linear_logp`` and in the fused loss."""
+    from unittest import mock
+
+    v = VOCAB["native"]
+    hidden, weight, bias, target, grads = _problem(v)
+    bounds = uneven_boundaries(v, tp.world_size)
+    s, e = bounds[tp.rank], bounds[tp.rank + 1]
+    kw = dict(tp_group=tp.group, vocab_start_index=s, global_vocab_size=v)
+    with mock.patch.object(invariant, "shard_bounds", wraps=invariant.shard_bounds) as exchange:
+        _logp_run("native", hidden, weight[s:e], bias[s:e], target, grads, **kw)
+        _loss_run("native", hidden, weight[s:e], bias[s:e], target, **kw)
+    tp.assert_all(exchange.call_count == 0, f"{exchange.call_count} exchange(s) of the shard boundaries")
+
+
 # The model options: softcap and temperature, the argmax with ties forced across shards, and a loss that reads the sum
 # of the logits (label smoothing) and the lse (z-loss). Ties per vocabulary: (row, lower id, higher id), the rows'
 # hidden and the two weight rows the same small integers (exact dot products), the bias the same: the two logits are
