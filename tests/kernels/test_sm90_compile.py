@@ -94,6 +94,17 @@ def test_kept_terms_variants_machine_code(sass):
     assert kept.get("STG", 0) <= 64 and kept.get("STL", 0) == 0, kept
 
 
+@pytest.mark.slow
+def test_kept_softcap_slope_takes_one_mufu_log_per_term(sass):
+    """With a softcap the kept d_logits pass rebuilds each term's tanh from ``ln(e)``: for 16-bit terms one MUFU
+    ``lg2`` per element (:func:`tplogp.kernels.fp32_ops.log2`), not libdevice's log2f, a polynomial of about 25
+    instructions (14 FFMA) per element that made this memory-bound pass compute-bound (2864 instructions against
+    1704 on sm_90). 16 x 256 terms over 128 threads: 32 per thread, in two epilogue copies."""
+    kept = sass["bwd_dlogits_kept_softcap"]
+    assert kept.get("MUFU", 0) >= 64, kept
+    assert kept.get("FFMA", 0) <= 300 and kept.get("STL", 0) == 0, kept
+
+
 # The cases of tests.support.compiled_kernels.CASES by kernel kind: the inner loop compiles the d_hidden kernel (one
 # case, the cheapest compilation); the seven forward and d_logits cases (a compilation each) are slow.
 @pytest.mark.parametrize("kinds, cases", [

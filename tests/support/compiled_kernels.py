@@ -7,7 +7,7 @@ Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` star
   tplogp.kernels.tiles.gemm_shared_bytes}``;
 * ``python -m tests.support.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
   forward-statistics kernel (default, ``KEEP`` with its TMA stores, and ``SOFTCAP``) and d_logits kernels (TMA, and
-  from kept logits), with the sm90 config, bf16, no bias / entropy; ``ptx_mul_rn``: the PTX's ``mul.rn.f32`` count
+  from kept logits, also with ``SOFTCAP``), with the sm90 config, bf16, no bias / entropy; ``ptx_mul_rn``: the PTX's ``mul.rn.f32`` count
   (the products that must not fuse into an FMA, :func:`tplogp.kernels.fp32_ops.mul_rounded`).
 """
 
@@ -139,7 +139,9 @@ def machine_code() -> None:
             ("fwd_stats_softcap", "fwd_tma", fwd, cfg.num_warps, False, True),
             ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False, False),
             ("bwd_dlogits_kept", "bwd_kept", (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
-             cfg.kept_num_warps, False, False)):
+             cfg.kept_num_warps, False, False),
+            ("bwd_dlogits_kept_softcap", "bwd_kept",
+             (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages), cfg.kept_num_warps, False, True)):
         kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
                           split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep, softcap=softcap)
         found[name] = dict(sass_counts(kernel.asm["cubin"]), ptx_mul_rn=kernel.asm["ptx"].count("mul.rn.f32"))
