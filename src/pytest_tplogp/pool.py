@@ -2,11 +2,11 @@
 
 One :class:`RankPool` per (world size, backend, device set) lives in each pytest process (each xdist worker has its
 own), created lazily on first use through ``multiprocessing`` (pytest's own process never imports torch): by default
-every rank is a fork of one fork server per pytest process, which imported torch once and never touches CUDA (``--tp-start-method=spawn``: a fresh
-interpreter per rank). Rendezvous is a ``FileStore`` in a per-pool-generation directory under a per-session temp directory
-(``tplogp-<worker>-<pid>-*``, removed at the end; a killed session's is removed by the next one), so nothing can
-race for a port. Each command is sent to every rank over its own pipe and awaited with
-``multiprocessing.connection.wait`` on the pipes *and* the process sentinels, until a deadline:
+every rank is a fork of one fork server per pytest process, which imported torch once and never touches CUDA
+(``--tp-start-method=spawn``: a fresh interpreter per rank). Rendezvous is a ``FileStore`` in a per-pool-generation
+directory under a per-session temp directory (``tplogp-<worker>-<pid>-*``, removed at the end; a killed session's is
+removed by the next one), so nothing can race for a port. Each command is sent to every rank over its own pipe and
+awaited with ``multiprocessing.connection.wait`` on the pipes *and* the process sentinels, until a deadline:
 
 - all ranks answer: their :class:`RankOutcome` s come back (the fresh-state verdict included);
 - a rank fails, skips alone or dies: the others get :data:`STRAGGLER_GRACE_S` to finish, else they are stuck;

@@ -12,11 +12,11 @@ Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_c
 
 A chunk is as many tokens as the kept part of ``workspace_bytes`` holds softmax terms of, so its backward reads
 them instead of recomputing (3 GEMMs instead of 4). ONE all_reduce completes ``d_hidden``, issued as soon as the
-last chunk's rows are done, under that chunk's ``d_W`` work (a reduce-scatter of a sequence-parallel hidden, which
-the chunks see gathered: :func:`tplogp.local_call.localize`; none with ``hidden_grad="partial"``). The autograd node's backward scales the gradients by
-the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`). Per-token tensors are constants.
-A ``losses.grpo(...)`` loss with sequence sums runs the same loop on chunks of whole sequences
-(:func:`_policy_loss_and_grads`).
+last chunk's rows are done, under that chunk's ``d_W`` work (a reduce-scatter of a sequence-parallel hidden, which the
+chunks see gathered: :func:`tplogp.local_call.localize`; none with ``hidden_grad="partial"``). The autograd node's
+backward scales the gradients by the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`).
+Per-token tensors are constants. A ``losses.grpo(...)`` loss with sequence sums runs the same loop on chunks of whole
+sequences (:func:`_policy_loss_and_grads`).
 """
 
 from __future__ import annotations

@@ -52,12 +52,13 @@ class GroupRecord:
         sequence_parallel: bool = False,
         hidden_grad: str = "reduced",
     ) -> tuple[int, Optional[tuple[int, int, int]], list[tuple[int, int]]]:
-        """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the record, so the
-        record exchange is the call's only host read), ``(checksum, lo, hi)`` already on the host (an earlier call's
-        deferred summary: with ``group`` a CPU group, nothing here waits for a device), or None. ``targets_note`` ends the error of targets that differ between ranks. The summary is returned when
-        every rank sent one and they agree (a range check is the caller's), and every rank's shard range
-        ``(start, end)``, rank-major (in ``fast`` mode those of the layout's verified call). ``sequence_parallel``, ``hidden_grad``: the
-        call's hidden layout (ranks that disagree would enter different collectives)."""
+        """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the record, so the record
+        exchange is the call's only host read), ``(checksum, lo, hi)`` already on the host (an earlier call's deferred
+        summary: with ``group`` a CPU group, nothing here waits for a device), or None. ``targets_note`` ends the error
+        of targets that differ between ranks. The summary is returned when every rank sent one and they agree (a range
+        check is the caller's), and every rank's shard range ``(start, end)``, rank-major (in ``fast`` mode those of the
+        layout's verified call). ``sequence_parallel``, ``hidden_grad``: the call's hidden layout (ranks that disagree
+        would enter different collectives)."""
         world = dist.get_world_size(group)
         hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
         key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,

@@ -20,26 +20,25 @@ sm90 sources the finishing kernel checks the targets, ``Call.target_check``); th
 verdict (:meth:`tplogp.verdicts.BackwardVerdict.settle`) before it hands any gradient to autograd: with a group
 first, before the ``d_hidden`` all-reduce; with one shard after launching its kernels, so that a wait for the
 verdict leaves them queued.
-Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias`` and a
-partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes ``d_hidden``
-before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued async
-there and runs while ``d_W`` is computed. When no later backward can read what the forward kept
+Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias``
+and a partial fp32 ``d_hidden``; ONE ``all_reduce`` (fp32) of ``d_hidden`` completes it. The backend computes
+``d_hidden`` before ``d_W`` and hands it over (``d_hidden_ready``) as soon as it is complete: the all-reduce is issued
+async there and runs while ``d_W`` is computed. When no later backward can read what the forward kept
 (:func:`consumes_kept`: the graph is not retained), the backend may overwrite it (``ShardCall.consume_kept``).
 
 Sequence parallelism (``sequence_parallel=True``, a group of several ranks): hidden is this rank's contiguous slice of
-the tokens, rank-major. :func:`tplogp.local_call.localize` gathers the slices (ONE ``all_gather``, before the first GEMM: the sources
-run one kernel sequence over all rows, which the gather must precede) and the rows run as above; the backward's
-``d_hidden`` is reduce-scattered instead of all-reduced (:class:`~tplogp.comm.OverlappedReduceScatter`, started at
-``d_hidden_ready`` like the all-reduce, under the ``d_W`` work): each rank receives its slice, half the bytes of an
-all-reduce. Ignored rows stay in place under sequence parallelism (no compaction: the slices are fixed).
-``hidden_grad="partial"`` skips the ``d_hidden`` collective: each rank's gradient is its shard's share, which the
-caller sums (:func:`hidden_grad_reducer`).
+the tokens, rank-major. :func:`tplogp.local_call.localize` gathers the slices (ONE ``all_gather``, before the first
+GEMM: the sources run one kernel sequence over all rows, which the gather must precede) and the rows run as above; the
+backward's ``d_hidden`` is reduce-scattered instead of all-reduced (:class:`~tplogp.comm.OverlappedReduceScatter`,
+started at ``d_hidden_ready`` like the all-reduce, under the ``d_W`` work): each rank receives its slice, half the bytes
+of an all-reduce. Ignored rows stay in place under sequence parallelism (no compaction: the slices are fixed).
+``hidden_grad="partial"`` skips the ``d_hidden`` collective: each rank's gradient is its shard's share, which the caller
+sums (:func:`hidden_grad_reducer`).
 
-Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single``
-(native, triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1
-and 3 cost no host ops (what matters at small shapes, where a call's host time is most of its latency). Rows whose target equals
-``ignore_index`` are compacted away before any GEMM and get logp = entropy = lse = 0 and no gradient.
-"""
+Without a group (or a group of one) the same code runs with no collectives; a backend with ``forward_single`` (native,
+triton, sm90) then gets the target ids as given and finishes logp / lse / entropy in its own kernels, so steps 1 and 3
+cost no host ops (what matters at small shapes, where a call's host time is most of its latency). Rows whose target
+equals ``ignore_index`` are compacted away before any GEMM and get logp = entropy = lse = 0 and no gradient."""
 
 from __future__ import annotations
 
@@ -314,9 +313,9 @@ def shard_backward(saved: tuple, tpc: TPContext, needs: tuple[bool, bool, bool],
 
 def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor,
                                              Optional[torch.Tensor]]:
-    """``(logp, entropy | None, lse, argmax | None)`` of a local call's rows (compacted ones absent): through the autograd
-    Function when something requires a gradient (the forward may then keep logits for the backward), else the bare
-    forward (scoring, rollouts: no autograd.Function machinery, host time)."""
+    """``(logp, entropy | None, lse, argmax | None)`` of a local call's rows (compacted ones absent): through the
+    autograd Function when something requires a gradient (the forward may then keep logits for the backward), else the
+    bare forward (scoring, rollouts: no autograd.Function machinery, host time)."""
     h2, w, b, local_target, tpc = local.hidden, local.weight, local.bias, local.local_target, local.tpc
     h_in = h2 if local.own_rows is None else local.own_rows  # (what the gradient flows to)
     if torch.is_grad_enabled() and (h_in.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):

@@ -129,10 +129,10 @@ def test_offsets_are_read_only_by_losses_with_sequences(monkeypatch):
     tolist = torch.Tensor.tolist
 
     def spy(self):
-        reads.append(self.numel())
+        reads.append(self is cu)
         return tolist(self)
 
-    for loss_type, want in (("dapo", []), ("grpo", [len(offsets)])):
+    for loss_type, want in (("dapo", 0), ("grpo", 1)):
         loss = losses.grpo(loss_type)
         per_token = [t[0] for t in _inputs(loss, hidden[None], weight, bias, target[None], seed=8)]
         cu = torch.tensor(offsets, dtype=torch.int32)
@@ -140,7 +140,7 @@ def test_offsets_are_read_only_by_losses_with_sequences(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(torch.Tensor, "tolist", spy)
             packed = _ours(loss, hidden, weight, bias, target, per_token, source="native", cu_seqlens=cu)
-        assert [n for n in reads if n == len(offsets)] == want, (loss_type, reads)
+        assert sum(reads) == want, (loss_type, reads)  # host reads of cu_seqlens itself
         if loss_type == "dapo":
             plain = _ours(loss, hidden, weight, bias, target, per_token, source="native")
             assert torch.equal(packed[0], plain[0]) and packed[1].keys() == plain[1].keys()

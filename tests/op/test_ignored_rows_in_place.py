@@ -1,6 +1,7 @@
 """Ignored rows kept in place instead of compacted away: what a CUDA-graph capture gets, where the compaction's host
 read of the kept-row count cannot happen (``tplogp.local_call.compacts_rows``; forced here). The outputs and
-gradients equal the compacted call's (fp32, within the tolerance table's fp32 eps), ignored rows give 0 and no gradient, and the
+gradients equal the compacted call's (fp32, within the tolerance table's fp32 eps), ignored rows give 0 and no gradient,
+and the
 call reads nothing on the host with ``TPLOGP_CHECKS=fast`` (one rank, 2 gloo ranks, the compiled op, a forward
 compacted with its backward in place, the fused loss)."""
 

@@ -7,7 +7,8 @@ Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` star
   tplogp.kernels.tiles.gemm_shared_bytes}``;
 * ``python -m tests.support.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
   forward-statistics kernel (default, ``KEEP`` with its TMA stores, and ``SOFTCAP``) and d_logits kernels (TMA, and
-  from kept logits, also with ``SOFTCAP``), with the sm90 config, bf16, no bias / entropy; ``ptx_mul_rn``: the PTX's ``mul.rn.f32`` count
+  from kept logits, also with ``SOFTCAP``), with the sm90 config, bf16, no bias / entropy; ``ptx_mul_rn``: the PTX's
+  ``mul.rn.f32`` count
   (the products that must not fuse into an FMA, :func:`tplogp.kernels.fp32_ops.mul_rounded`).
 """
 
@@ -46,7 +47,8 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
              softcap: bool = False):
     """Compile one kernel for ``sm_{arch}`` (every pointer and i32 argument marked 16-divisible, as Triton
     specializes aligned tensors and sizes); ``features``: bias, entropy and d_bias on; ``keep``: the forward's
-    kept-logits variant (``KEEP``); ``softcap``: the final-logit softcap on (``SOFTCAP``). Kinds: fwd_tma, fwd, bwd_tma, bwd, bwd_kept (d_logits from kept logits), dh."""
+    kept-logits variant (``KEEP``); ``softcap``: the final-logit softcap on (``SOFTCAP``). Kinds: fwd_tma, fwd, bwd_tma,
+    bwd, bwd_kept (d_logits from kept logits), dh."""
     m, n, k, stages = blocks
     flags = dict(HAS_BIAS=features, WITH_ENTROPY=features)
     block_args = dict(BLOCK_N=m, BLOCK_V=n, BLOCK_D=k, GROUP_N=group_n, DOT_PRECISION=precision)

@@ -110,10 +110,10 @@ _TINY = torch.finfo(torch.float32).tiny  # 2^-126: a flushed kept term's log sta
 
 def _dz_from_kept(terms: torch.Tensor, log_terms: Optional[torch.Tensor], scales: torch.Tensor,
                   ch: "_TokenChunk") -> torch.Tensor:
-    """``dz`` (without the one-hot term) of a kept tile: ``p = e * exp(m - M - log S)`` from the kept terms ``e =
-    exp(z - m)`` and their row scale ``m`` (out of place: a repeated backward reads them again), and with entropy
-    ``zr = z - M = log(e) + (m - M)`` from ``log_terms`` (:func:`_log_terms`; overwritten). At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel
-    at a peaked target."""
+    """``dz`` (without the one-hot term) of a kept tile: ``p = e * exp(m - M - log S)`` from the kept terms ``e = exp(z
+    - m)`` and their row scale ``m`` (out of place: a repeated backward reads them again), and with entropy ``zr = z - M
+    = log(e) + (m - M)`` from ``log_terms`` (:func:`_log_terms`; overwritten). At the row max ``e = 1`` and ``m = M``
+    exactly, so ``1 - p`` does not cancel at a peaked target."""
     shift = scales - ch.m  # m - M <= 0
     p = terms.to(torch.float32, copy=True).mul_((shift - ch.ls).exp_().unsqueeze(1))
     if ch.ge is None:

@@ -1,9 +1,9 @@
 """fp32 elementwise primitives of the kernels, and the forms they take where PTX runs: the exponential (one MUFU
 ``ex2.approx.ftz``), a logarithm of 16-bit inputs' precision (one MUFU ``lg2.approx.ftz``), libdevice's tanh, a
 multiply that is never fused into an FMA (:func:`mul_rounded`), and the rounding of an fp32 tile into a 16-bit
-store (round-to-nearest-even, as a GPU's conversion). Under Triton's CPU
-interpreter, which runs no PTX and no libdevice, each has a plain form of the same contract. Which form a kernel
-gets is a constexpr read once, when this module is imported (:data:`PTX`, :data:`LIBDEVICE_TANH`)."""
+store (round-to-nearest-even, as a GPU's conversion). Under Triton's CPU interpreter, which runs no PTX and no
+libdevice, each has a plain form of the same contract. Which form a kernel gets is a constexpr read once, when this
+module is imported (:data:`PTX`, :data:`LIBDEVICE_TANH`)."""
 
 from __future__ import annotations
 
@@ -84,8 +84,8 @@ def exp2(x, FAST: tl.constexpr):
 def log2(x, FAST: tl.constexpr):
     """``log2(x)`` in fp32 of a positive normal ``x``. FAST: PTX ``lg2.approx.ftz.f32``, one MUFU instruction
     (absolute error below 2^-22 on [0.5, 2], relative below 2^-22 elsewhere, and exact 0 at 1 by a select): for
-    values read back from 16 bits, whose own rounding (2^-9 relative in bf16, so 2^-9 absolute in the logarithm)
-    is thousands of times larger. Otherwise ``tl.log2`` (libdevice's, accurate to an ulp: a polynomial of about 25
+    values read back from 16 bits, whose own rounding (up to 2^-9 relative in bf16, so up to about 2^-8.5 absolute
+    in log2) is tens of thousands of times larger. Otherwise ``tl.log2`` (libdevice's, accurate to an ulp: a polynomial of about 25
     instructions per element on sm_90)."""
     if FAST:
         y = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,

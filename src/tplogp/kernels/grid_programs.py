@@ -59,7 +59,9 @@ def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return stats_outputs(parts, with_entropy, *extras)
 
 
-MAX_CHUNK_COLUMNS = 1 << 16  # a bound on grid_chunk that no shard sets (few rows and a large budget)
+# grid_chunk's cap, itself no function of the shard: with few rows or a large budget the workspace would otherwise
+# reach far past any shard's width
+MAX_CHUNK_COLUMNS = 1 << 16
 
 
 def grid_chunk(n: int, itemsize: int, workspace_bytes: int, columns: int) -> int:

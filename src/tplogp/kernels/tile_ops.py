@@ -86,7 +86,8 @@ def online_softmax_update(
     carry no column mask. Also returns the tile's terms ``2^((y - m') c) = exp(z - M')`` (what :func:`keep_tile`
     stores). With ``SOFTCAP`` the tile is first ``y = softcap * tanh((acc + b) / softcap)`` and the running max is
     kept as that of the tanh, ``t_m`` (``m = softcap * t_m`` bit for bit: rounding is monotonic), which
-    :func:`keep_tile` stores as the kept terms' scale; ``WITH_SUM_Z`` sums y over the columns, ``WITH_ARGMAX`` keeps the lowest column of the running max (a later tile replaces it only
+    :func:`keep_tile` stores as the kept terms' scale; ``WITH_SUM_Z`` sums y over the columns, ``WITH_ARGMAX`` keeps the
+    lowest column of the running max (a later tile replaces it only
     with a larger max). Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
     of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
     ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
@@ -154,7 +155,8 @@ def stats_tile(
     """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats kernels: fold the
     tile into the running row stats (:func:`online_softmax_update`), then, with ``KEEP`` and the tile below
     ``v_keep``, store its softmax terms and the running max they are relative to (:func:`keep_tile`); returns (max,
-    sum, tl, sez, sz, am; the max in tanh units with ``SOFTCAP``, and so the kept scale). ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over the kept terms and the tile leaves
+    sum, tl, sez, sz, am; the max in tanh units with ``SOFTCAP``, and so the kept scale). ``KEEP_TMA`` (sm90):
+    ``p_kept`` is a tensor descriptor over the kept terms and the tile leaves
     through one TMA store (see :func:`keep_tile`)."""
     b_max, b_sum, b_tl, b_sez, b_sz, b_am, b_e = online_softmax_update(
         acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, MASKED, HAS_BIAS, WITH_ENTROPY,
@@ -383,7 +385,8 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
     element, one ex2 per row), and with entropy ``zr = z - M = ln(e) + (m - M)`` (one lg2 per element: a MUFU
     :func:`.fp32_ops.log2` for 16-bit terms; ``e`` is clamped to 2^-126 first, so a flushed term gives a finite zr
     and p = 0). At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel at a peaked target.
-    ``MASKED``: rows at or past N and columns at or past ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the forward's tile width (one scale per row).
+    ``MASKED``: rows at or past N and columns at or past ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the
+    forward's tile width (one scale per row).
     Returns ``(p, zr, slope)``: ``SOFTCAP``: the scale is the running max ``t_m`` of the tanh (:func:`keep_tile`),
     ``m = (softcap t_m) / T`` rounded as the forward rounds it, and the slope ``1 - tanh^2 = (1 - t)(1 + t)`` with
     ``t = t_m + ln(e) T / softcap`` clamped to ``[-1, 1]`` (else ``p``, not read). Where the cap saturates, ``1 - t``
@@ -407,7 +410,7 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
         b_shift = b_m - b_rmax  # m - M <= 0; exact 0 in the tile holding the row max
     b_f = exp2(b_shift * LOG2E - b_lsum2, PTX)  # [BLOCK_N]
     b_p = b_e * b_f[:, None]
-    # ln(e) in log2 units: from 16-bit terms one MUFU lg2 per element (their rounding is far above its error)
+    # log2(e): from 16-bit terms one MUFU lg2 per element (their rounding is far above its error)
     FAST_LOG: tl.constexpr = PTX and p_kept.dtype.element_ty != tl.float32
     b_log_e = b_p  # not read without entropy or a softcap
     if WITH_ENTROPY or SOFTCAP:
