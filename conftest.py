@@ -17,6 +17,8 @@ pytest_plugins = ["pytest_tplogp", "pytest_tplogp.lmhead"]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import tests.support  # noqa: E402,F401  (under the interpreter: its launches patch triton.language once)
+
 # xdist workers share the cores: cores // workers torch threads each (torch's default, one per core, would have the
 # workers' OpenMP threads contend with each other and with the TP ranks, which the plugin already sizes the same way)
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

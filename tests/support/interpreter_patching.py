@@ -1,0 +1,89 @@
+"""Triton's CPU interpreter, with ``triton.language`` patched once per kernel launch instead of at every call.
+
+The interpreter runs a kernel by patching ``triton.language``'s builtins for the launch (``_patch_lang``), running
+every program, then restoring them. A ``@triton.jit`` helper called from inside a kernel patches the same modules
+again on every call; those patches change nothing (the members are already the interpreter's), but each one walks
+the modules with ``inspect.getmembers``: about a third of the CPU time of the suite's interpreter tests.
+:func:`install` makes a helper's call skip that walk while a launch that already patched every ``triton.language``
+module the helper sees is running. What runs is unchanged: the same patched members, the same program order, the
+same numpy arithmetic (tests/meta/test_interpreter_patching.py compares the results bit for bit).
+
+:func:`install` does nothing unless the Triton release has the two pieces it wraps (``_patch_lang``,
+``GridExecutor.__call__``); it is idempotent. :func:`uninstalled` puts Triton's own back for a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, Iterator
+
+_ORIGINALS: dict[str, Callable] = {}  # "_patch_lang" / "launch": Triton's own, once installed
+
+
+def install() -> bool:
+    """Wrap the interpreter's launch and patch step; returns whether they are (now or already) wrapped."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None or "__call__" not in vars(executor):
+        return False
+    if _ORIGINALS:
+        return True
+    language_modules = (interpreter.tl, interpreter.tl.core)
+    patched: list[set[int]] = []  # per running launch: ids of the language modules it has patched
+    seen_by: dict[Callable, frozenset[int]] = {}  # per function: ids of the language modules its globals hold
+
+    def modules_seen_by(fn: Callable) -> frozenset[int]:
+        seen = seen_by.get(fn)
+        if seen is None:
+            seen = seen_by[fn] = frozenset(id(value) for value in fn.__globals__.values() if inspect.ismodule(value)
+                                           and any(value is module for module in language_modules))
+        return seen
+
+    def patch_lang_once(fn: Callable) -> Any:
+        seen = modules_seen_by(fn)
+        if patched and seen <= patched[-1]:
+            return None  # a helper's call inside a launch that patched all it sees (the caller drops the scope)
+        scope = _ORIGINALS["_patch_lang"](fn)
+        if patched:
+            patched[-1] |= seen
+        return scope
+
+    launch = executor.__call__
+
+    def launch_patching_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    _ORIGINALS.update(_patch_lang=patch_lang, launch=launch)
+    interpreter._patch_lang = patch_lang_once
+    executor.__call__ = launch_patching_once
+    return True
+
+
+def installed() -> bool:
+    return bool(_ORIGINALS)
+
+
+@contextlib.contextmanager
+def uninstalled() -> Iterator[None]:
+    """Triton's own ``_patch_lang`` and launch inside the block (for comparisons); the wrappers again after it."""
+    if not _ORIGINALS:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    wrappers = (interpreter._patch_lang, interpreter.GridExecutor.__call__)
+    interpreter._patch_lang = _ORIGINALS["_patch_lang"]
+    interpreter.GridExecutor.__call__ = _ORIGINALS["launch"]
+    try:
+        yield
+    finally:
+        interpreter._patch_lang, interpreter.GridExecutor.__call__ = wrappers
