@@ -114,7 +114,8 @@ def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_in
         hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
         float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
         options.workspace_bytes, name or "", builds_graph, options.sequence_parallel, options.hidden_grad,
-        None if options.softcap is None else float(options.softcap), options.return_argmax)
+        None if options.softcap is None else float(options.softcap), options.return_argmax,
+        ops.layout_key(name or "", hidden.device, hidden.dtype))
     shape = target_ids.shape
     logp = packed[PACKED_LOGP].view(shape)
     lse = packed[PACKED_LSE].view(shape)

@@ -12,7 +12,10 @@ does not gather them again. ``tplogp::linear_logp_bwd`` runs the backward body, 
 recomputing them; it never writes them (its schema declares no mutation, so the compiled backward runs the
 read-only schedule: eager's in-place one, ``tp.consumes_kept``, is not used here). Both have fake (meta)
 implementations that give the output shapes without touching data, and the pair is joined by
-``register_autograd``. Everything that dynamo must not trace (the importlib-based source
+``register_autograd``. The kept output's size also depends on what the call's arguments do not say (the source
+chosen for the device, its tile config, the default budget and ``TPLOGP_WORKSPACE_MB``): the forward takes those as
+its ``layout`` argument (:func:`layout_key`, a constant of the traced graph), so a compiled graph that a cache saved
+under other settings is never reused for these, and a graph run after they change raises an error that says so. Everything that dynamo must not trace (the importlib-based source
 lookup, the checks' host steps, collectives, Triton launches) happens inside the ops; the process group crosses
 the op boundary as its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the
 sources always see the dtypes they were given, also when a backward runs inside an autocast region.
@@ -31,6 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import memory_budget, settings
 from .comm import group_from_name
 from .kernel_registry import backend_for_call
 from .plan import LogpOptions, op_call, prepare, prepare_backward
@@ -56,14 +60,42 @@ def _source(source: str) -> Optional[str]:
     return source or None
 
 
+_LAYOUT_KEYS: dict[tuple, str] = {}
+
+
+@torch.compiler.assume_constant_result
+def layout_key(source: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What decides the forward's kept output shape besides the op's arguments: the source that runs on ``device``
+    for ``dtype`` with its tile config (``ShardBackend.layout_fingerprint``) and the default budget's split there
+    (with ``TPLOGP_WORKSPACE_MB``). Evaluated once at trace time (a constant of the graph, so part of a compiled
+    graph's cache key); remembered per settings for the forward's own check at run time."""
+    key = (source, device, dtype, settings.workspace_setting(), settings.triton_interpret())
+    found = _LAYOUT_KEYS.get(key)
+    if found is None:
+        backend = backend_for_call(_source(source), device, dtype)
+        found = _LAYOUT_KEYS[key] = (f"{backend.layout_fingerprint(device, dtype)}; "
+                                     f"{memory_budget.split(backend.name, None, device)!r}")
+    return found
+
+
+def _check_layout(layout: str, source: str, device: torch.device, dtype: torch.dtype) -> None:
+    current = layout_key(source, device, dtype)
+    if layout != current:
+        raise RuntimeError(f"tplogp: this compiled graph was traced for the kept layout {layout!r}, but calls now get "
+                           f"{current!r} (TPLOGP_WORKSPACE_MB, the source or its tiles changed after tracing): call "
+                           "torch._dynamo.reset() so that torch.compile traces it again")
+
+
 @torch.library.custom_op("tplogp::linear_logp_fwd", mutates_args=())
 def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], group_name: str,
                     vocab_start_index: int, global_vocab_size: Optional[int], temperature: float, return_entropy: bool,
                     ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
                     builds_graph: bool, sequence_parallel: bool, hidden_grad: str, softcap: Optional[float],
-                    return_argmax: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    return_argmax: bool, layout: str) -> tuple[Tensor, Tensor, Tensor]:
     """Packed fp32 ``[K, N]`` forward of one call, the logits it keeps for the backward and the gathered
-    sequence-parallel rows (see the module docstring). ``source`` "" selects per device."""
+    sequence-parallel rows (see the module docstring). ``source`` "" selects per device; ``layout``:
+    :func:`layout_key` when traced."""
+    _check_layout(layout, source, hidden.device, hidden.dtype)
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
         return forward_packed(prepare(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index,
@@ -76,7 +108,7 @@ def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
 @linear_logp_fwd.register_fake
 def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size,
                           temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          builds_graph, sequence_parallel, hidden_grad, softcap, return_argmax):
+                          builds_graph, sequence_parallel, hidden_grad, softcap, return_argmax, layout):
     packed = hidden.new_empty((packed_rows(return_entropy, return_argmax), target_ids.numel()), dtype=torch.float32)
     options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes, sequence_parallel,
                        hidden_grad, softcap, return_argmax)
@@ -119,7 +151,7 @@ def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, gather
 
 _FORWARD_ARGS = ("hidden", "weight", "target_ids", "bias", "group_name", "vocab_start_index", "global_vocab_size",
                  "temperature", "return_entropy", "ignore_index", "deterministic", "workspace_bytes", "source",
-                 "builds_graph", "sequence_parallel", "hidden_grad", "softcap", "return_argmax")
+                 "builds_graph", "sequence_parallel", "hidden_grad", "softcap", "return_argmax", "layout")
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -122,7 +122,7 @@ def test_single_shard_ids_outside_the_vocab_are_nan_in_fast_mode(kernels, monkey
 
     monkeypatch.setenv("TPLOGP_CHECKS", "fast")
     be = KERNELS[kernels]()
-    n, d, v = 9, 16, 45  # V not a multiple of the interpreter's 32-wide vocab tile: ids 45..63 are tile padding
+    n, d, v = 9, 16, 45  # V not a multiple of the interpreter's 64-wide vocab tile: ids 45..63 are tile padding
     gen = torch.Generator().manual_seed(3)
     h = torch.randn(n, d, generator=gen, requires_grad=True)
     w = (torch.randn(v, d, generator=gen) / 4).requires_grad_()

@@ -125,6 +125,61 @@ def test_compile_inductor_fullgraph():
         torch.testing.assert_close(c, e, **tol.INDUCTOR._asdict())
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("source", cpu_sources()[1:])
+def test_a_graph_traced_under_other_tiles_is_never_reused(source, monkeypatch):
+    """The kept output's size depends on the source's tile config (and ``TPLOGP_WORKSPACE_MB``), which no argument
+    of the op carries: the traced graph holds :func:`tplogp.ops.layout_key`, so inductor's caches never hand a graph
+    traced under one config to a trace under another (its compiled code would assert the other kept size)."""
+    from dataclasses import replace
+
+    from tplogp.kernel_registry import backend_for_call
+    from tplogp.kernels import tiles
+    from tplogp.plan import clear_plans
+
+    g = torch.Generator().manual_seed(3)
+    x0 = (torch.randn(20, 32, generator=g) * 0.1).bfloat16()
+    w0 = (torch.randn(211, 32, generator=g) / 32 ** 0.5).bfloat16()
+    b0 = (torch.randn(211, generator=g) * 0.1).bfloat16()
+    target = torch.randint(0, 211, (20,), generator=g)
+    target[::7] = -100
+    op = get_op("linear_logp", source=source)
+
+    def plain(h, w, t, b):
+        return (-op(h, w, t, b, ignore_index=-100)).sum()
+
+    p = make_problem((20,), 32, 211, torch.bfloat16, True)
+    p.hidden, p.weight, p.bias, p.target = x0, w0, b0, target
+    backend = backend_for_call(source, torch.device("cpu"), torch.bfloat16)
+    narrow = replace(tiles.INTERPRETER, block_v=tiles.INTERPRETER.block_v // 2,
+                     bwd_block_v=tiles.INTERPRETER.bwd_block_v // 2)
+    for config in (narrow, tiles.INTERPRETER):  # the kept layout's scales are one per vocab tile
+        monkeypatch.setattr(tiles, "INTERPRETER", config)
+        monkeypatch.setitem(backend.__dict__, "_cfg_cache", {})
+        monkeypatch.setattr(ops, "_LAYOUT_KEYS", {})
+        clear_plans()
+        torch._dynamo.reset()
+        eager = loss_and_grads(plain, p)
+        compiled = loss_and_grads(torch.compile(plain, fullgraph=True), p)
+        for e, c in zip(eager, compiled):
+            torch.testing.assert_close(c, e, **tol.INDUCTOR._asdict())
+    clear_plans()
+
+
+def test_a_compiled_call_after_the_budget_setting_changed_names_the_cause(monkeypatch):
+    """A graph traced under one ``TPLOGP_WORKSPACE_MB`` (whose value sizes the kept output) and run under another
+    raises an error that says to retrace."""
+    o = dict(return_entropy=True)
+    p = _problem(o, seed=5)
+    loss_fn = make_loss(get_op("linear_logp", source="native"), o, (p.g_logp, p.g_entropy))
+    monkeypatch.setenv("TPLOGP_WORKSPACE_MB", "0.01")  # keeps nothing
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    assert_same_bits(loss_and_grads(compiled, p), loss_and_grads(loss_fn, p))
+    monkeypatch.setenv("TPLOGP_WORKSPACE_MB", "1024")  # keeps every logit tile
+    with pytest.raises(RuntimeError, match=r"traced for the kept layout .* call torch._dynamo.reset\(\)"):
+        loss_and_grads(compiled, p)
+
+
 def test_compile_with_triton_source_and_bare_weight():
     """A bound source (``get_op``) and no bias compile the same way."""
     p = make_problem((13,), 16, 45, torch.float32, False, seed=6)
@@ -222,7 +277,8 @@ def test_opcheck(entropy, budget, source):
     p = make_problem((6,), 8, 23, torch.float32, True, seed=1)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
     ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
-    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True, False, "reduced", None, False)
+    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True, False, "reduced", None, False,
+            ops.layout_key(source, h.device, h.dtype))
     packed, kept, gathered = ops.linear_logp_fwd(*args)
     assert gathered.numel() == 0  # (rows are gathered only by a sequence-parallel call with a group)
     # the triton sources keep a call this small under the default budget too (tplogp.memory_budget)

@@ -93,7 +93,8 @@ def test_forward_compacted_backward_in_place(monkeypatch):
     p = _problem(seed=7)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
     args = ("", 0, None, 1.0, True, IGNORE, False, None, "native")
-    packed, kept, gathered = ops.linear_logp_fwd(h, w, p.target, b, *args, True, False, "reduced", None, False)
+    layout = ops.layout_key("native", h.device, h.dtype)
+    packed, kept, gathered = ops.linear_logp_fwd(h, w, p.target, b, *args, True, False, "reduced", None, False, layout)
     grad = torch.stack([p.g_logp.reshape(-1), p.g_lse.reshape(-1)] + [torch.zeros_like(p.g_logp.reshape(-1))] * 2
                        + [p.g_entropy.reshape(-1), torch.zeros_like(p.g_logp.reshape(-1))])
     bwd_args = ("", 0, 1.0, True, IGNORE, False, None, "native", False, "reduced", None, False, True, True, True)

@@ -17,9 +17,9 @@ from tplogp.shards import even_boundaries, uneven_boundaries
 from tplogp.tolerances import rel_error
 
 LEVEL = invariant.LEVEL
-# 14 tokens as [2, 7]; D = 24 (not a multiple of the interpreter's BLOCK_D of 16); prime vocabularies of 3 native
-# grid blocks (128 columns) and 5 interpreter grid blocks (64): uneven shards of 2, 3 and 4 ranks cut blocks, and
-# at 4 ranks the first ranks start no block (their rows all travel).
+# 14 tokens as [2, 7]; D = 24 (not a multiple of the interpreter's BLOCK_D of 32); prime vocabularies of 3 grid
+# blocks (128 columns: native's, and the interpreter's split): uneven shards of 2, 3 and 4 ranks cut blocks, and at
+# 4 ranks the second rank starts no block (its rows all travel).
 LEAD, D = (2, 7), 24
 VOCAB = {"native": 331, "triton": 263, "sm90-kernels": 263}
 # bf16 on the sm90 kernels: the low-precision path (d_W rows rounded once per grid block)

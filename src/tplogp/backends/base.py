@@ -272,6 +272,11 @@ class ShardBackend(Protocol):
         grad_sum_z: Optional[torch.Tensor] = None,  # [N] fp32 or None (d loss / d sum_v z, label smoothing)
     ) -> ShardGrads: ...
 
+    def layout_fingerprint(self, device: torch.device, dtype: torch.dtype) -> str:
+        """What decides :meth:`kept_shape` on ``device`` for ``dtype`` besides the call's arguments and the
+        workspace setting (a tile config): a compiled graph carries it (:func:`tplogp.ops.layout_key`)."""
+        ...
+
     def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                    call: ShardCall) -> tuple[int, ...]:
         """Shape of the fp32 ``ShardStats.kept`` buffer that ``forward_stats`` / ``forward_single`` allocate for an

@@ -159,6 +159,11 @@ class NativeBackend(BudgetParts):
         return _plan_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], weight.dtype, hidden.device, call)
 
     @staticmethod
+    def layout_fingerprint(device: torch.device, dtype: torch.dtype) -> str:
+        """The source's name: its chunk planning is a function of the call's sizes and the budget alone."""
+        return NativeBackend.name
+
+    @staticmethod
     def kept_shape(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                    call: ShardCall) -> tuple[int, ...]:
         """Shape of the flat fp32 buffer of the tiles the forward keeps for the backward; ``(0,)``: none."""

@@ -184,6 +184,10 @@ class TritonBackend(BudgetParts):
             return 0
         return self._layout(n, v, dtype, device, call.workspace_bytes, call.deterministic).keep_cols
 
+    def layout_fingerprint(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The source's name and its tile config on ``device`` for ``dtype`` (the kept layout's tiles)."""
+        return f"{self.name} {self._cfg(device, dtype)!r}"
+
     def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                    call: ShardCall) -> tuple[int, ...]:
         """Shape of the flat fp32 buffer the forward keeps for the backward: the softmax terms of the first
