@@ -63,7 +63,6 @@ def _source(source: str) -> Optional[str]:
 _LAYOUT_KEYS: dict[tuple, str] = {}
 
 
-@torch.compiler.assume_constant_result
 def layout_key(source: str, device: torch.device, dtype: torch.dtype) -> str:
     """What decides the forward's kept output shape besides the op's arguments: the source that runs on ``device``
     for ``dtype`` with its tile config (``ShardBackend.layout_fingerprint``) and the default budget's split there
@@ -76,6 +75,12 @@ def layout_key(source: str, device: torch.device, dtype: torch.dtype) -> str:
         found = _LAYOUT_KEYS[key] = (f"{backend.layout_fingerprint(device, dtype)}; "
                                      f"{memory_budget.split(backend.name, None, device)!r}")
     return found
+
+
+# What ``torch.compiler.assume_constant_result`` marks (dynamo calls the function while tracing and puts its result
+# in the graph), set here without that decorator's import of torch._dynamo (1.5 s, and Triton with it) at the import
+# of tplogp; tests/op/test_compile.py checks that the decorator sets exactly this.
+layout_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _check_layout(layout: str, source: str, device: torch.device, dtype: torch.dtype) -> None:

@@ -36,7 +36,7 @@ DEFAULT = memory_budget.DLOGITS_WORKSPACE_BYTES
 CPU = CPU_DEVICE = torch.device("cpu")
 # odd N (two row tiles, the second masked); D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk
 # alignments
-N, D, V = 19, 48, 600
+N, D, V = 37, 48, 600
 
 
 def _op(be):

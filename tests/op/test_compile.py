@@ -166,6 +166,17 @@ def test_a_graph_traced_under_other_tiles_is_never_reused(source, monkeypatch):
     clear_plans()
 
 
+def test_layout_key_is_marked_as_the_public_decorator_marks():
+    """``ops.layout_key`` carries what ``torch.compiler.assume_constant_result`` sets (set without importing
+    dynamo at tplogp's import): a torch whose decorator marks differently fails here."""
+    def probe():
+        return ""
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert vars(marked) == {"_dynamo_marked_constant": True}, vars(marked)
+    assert all(getattr(ops.layout_key, name) == value for name, value in vars(marked).items())
+
+
 def test_a_compiled_call_after_the_budget_setting_changed_names_the_cause(monkeypatch):
     """A graph traced under one ``TPLOGP_WORKSPACE_MB`` (whose value sizes the kept output) and run under another
     raises an error that says to retrace."""

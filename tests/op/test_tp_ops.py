@@ -12,9 +12,9 @@ from tests.support.problems import make_problem, run_op, run_reference
 from tests.support.ranks import agreed_message, assert_no_worse_on_every_rank
 from tplogp import LinearLogpInputError, ShardLayoutError, check_errors
 
-# 26 tokens as [2, 13] (two interpreter row tiles, the second masked), odd D, prime V: no dimension is a multiple of
+# 38 tokens as [2, 19] (two interpreter row tiles, the second masked), odd D, prime V: no dimension is a multiple of
 # a tile; V does not divide by the world size.
-LEAD, D, V = (2, 13), 37, 401
+LEAD, D, V = (2, 19), 37, 401
 
 
 @pytest.fixture

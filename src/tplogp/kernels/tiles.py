@@ -87,9 +87,9 @@ _GENERIC_CUDA = TileConfig(
 # Triton's CPU interpreter: its cost is per program and per tl op, so the vocab and K tiles are as wide as small test
 # shapes allow while still cutting them (masked edges, several row tiles, vocab splits and K steps).
 INTERPRETER = TileConfig(
-    block_n=16, block_v=64, block_d=32, group_n=2, split_tiles=2,
-    bwd_block_n=16, bwd_block_v=64, bwd_block_d=32,
-    dh_block_n=16, dh_block_d=64, dh_block_k=32,
+    block_n=32, block_v=64, block_d=32, group_n=2, split_tiles=2,
+    bwd_block_n=32, bwd_block_v=64, bwd_block_d=32,
+    dh_block_n=32, dh_block_d=64, dh_block_k=32,
 )
 
 # The sm90 source (TMA kernels): the Hopper row plus warp_specialize on the K loop (Triton 3.6 emits the same sm_90
