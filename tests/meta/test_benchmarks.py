@@ -1,7 +1,7 @@
 """The benchmark suite's CPU parts in smoke mode: each subcommand runs end to end and writes the rows it promises.
 
-These run ``python -m benchmarks ... --smoke`` in a subprocess (as a user would) on tiny problems, then read the
-results file back. They check what the rows say (the float64 errors, the gradients' size, the pool's behaviour),
+These run ``python -m benchmarks ... --smoke`` on tiny problems (in a subprocess as a user would, or, for the
+single-process suites, through the same entry point in this process), then read the results file back. They check what the rows say (the float64 errors, the gradients' size, the pool's behaviour),
 never how fast anything was.
 """
 
@@ -36,6 +36,14 @@ def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return proc
 
 
+def _bench_here(capsys, *args: str) -> str:
+    """``python -m benchmarks ARGS`` through the same entry point (:func:`benchmarks.cli.main`) in this process: the
+    single-process suites, without another interpreter's imports. Returns what it printed."""
+    capsys.readouterr()
+    assert cli.main(list(args)) == 0
+    return capsys.readouterr().out
+
+
 def _rows(out) -> list[dict]:
     return [json.loads(line) for line in (out / runner.RESULTS_FILE).read_text().splitlines() if line.strip()]
 
@@ -48,9 +56,9 @@ def _no_worse(row: dict, eager: dict, keys=("err_d_hidden", "err_d_weight")) -> 
 
 
 @pytest.mark.slow
-def test_op_smoke_rows(tmp_path):
+def test_op_smoke_rows(tmp_path, capsys):
     # the native source and its fused loss at two budgets, the eager baseline, two peers that cannot run on CPU
-    _bench("op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native,torch-eager,torch-eager-loss,liger-flce,"
+    _bench_here(capsys, "op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native,torch-eager,torch-eager-loss,liger-flce,"
            "quack-chunked", "--out", str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
     budgets = ("default", "16KiB", "keep 100%", "chunk 16")
@@ -280,9 +288,9 @@ def test_variant_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_variants_flag_smoke(tmp_path):
+def test_variants_flag_smoke(tmp_path, capsys):
     """``op --smoke --variants``: the variant rows reach the results file and the printed table."""
-    proc = _bench("op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native", "--budgets", "keep:1", "--reps", "1",
+    printed = _bench_here(capsys, "op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native", "--budgets", "keep:1", "--reps", "1",
                   "--variants", "softcap=1,label_smoothing=0.1+z_loss=1e-4", "--out", str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
     assert set(rows) == {("tplogp-native", "keep 100%"), ("tplogp-native", "keep 100%, softcap=1"),
@@ -292,7 +300,7 @@ def test_variants_flag_smoke(tmp_path):
         assert r["smoke"] and "error" not in r, r
         assert ("variant" in r) == (", " in r["budget"]) == ("vs_plain_b2b" in r), r
         assert all(math.isfinite(r[k]) for k in ("err_d_hidden", "err_d_weight")), r
-    assert proc.stdout.count(" | x plain ") == 3, proc.stdout
+    assert printed.count(" | x plain ") == 3, printed
 
 
 def test_variant_ratios_pair_rows_of_one_budget():
