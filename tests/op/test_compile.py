@@ -302,7 +302,7 @@ def _count_recomputes(monkeypatch, source):
 
         monkeypatch.setattr(programs, "launch_dlogits", recompute)
     else:
-        from tplogp.backends import native
+        from tplogp.backends import native, native_one_tile, native_tiles
 
         real_tile = native._logits_tile
         real_backward = native.NativeBackend._backward_tiles
@@ -322,7 +322,8 @@ def _count_recomputes(monkeypatch, source):
 
             return run
 
-        monkeypatch.setattr(native, "_logits_tile", tile)
+        for module in (native, native_one_tile, native_tiles):  # the forward's, the one-tile and tiled backward's
+            monkeypatch.setattr(module, "_logits_tile", tile)
         monkeypatch.setattr(native.NativeBackend, "_backward_tiles", in_backward(real_backward))
         # a call whose logits fit one tile and keep nothing: the one-tile backward recomputes it
         monkeypatch.setattr(native, "backward_one_tile", in_backward(native.backward_one_tile))
@@ -348,6 +349,13 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
     compiled = loss_and_grads(torch.compile(loss_fn, backend="aot_eager", fullgraph=True), p)
     assert_same_bits(compiled, eager)
     assert seen["recompute"] == 0, seen
+    # the counter sees recomputes: a budget of the transient part alone keeps nothing
+    from tplogp import memory_budget
+
+    transient = memory_budget.transient_bytes(source, torch.device("cpu"))
+    loss_and_grads(make_loss(get_op("linear_logp", source=source), o, (p.g_logp, p.g_entropy)
+                             if o.get("return_entropy") else (p.g_logp,), workspace_bytes=transient), p)
+    assert seen["recompute"] > 0, seen
 
 
 # ---- with a TP group: gloo ranks of the plugin --------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 import tplogp
 from tests.support.problems import make_problem, run_op, run_reference
 from tplogp import get_op, memory_budget
-from tplogp.backends import native
+from tplogp.backends import native, native_tiles
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bound
 
 TILE_BYTES = 8 << 10  # a small default tile budget, so that small problems have many tiles
@@ -25,7 +25,8 @@ def small_tiles(monkeypatch):
 
 
 def _count_gemms(monkeypatch):
-    """Count the native source's logits GEMMs (``monkeypatch``: a fixture or a ``monkeypatch.context()``)."""
+    """Count the native source's logits GEMMs, the forward's and the backward's recomputes (``monkeypatch``: a fixture
+    or a ``monkeypatch.context()``)."""
     calls = {"logits": 0}
     real = native._logits_tile
 
@@ -34,6 +35,7 @@ def _count_gemms(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(native, "_logits_tile", logits_tile)
+    monkeypatch.setattr(native_tiles, "_logits_tile", logits_tile)
     return calls
 
 

@@ -39,7 +39,8 @@ from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
-from .native_tiles import DETERMINISTIC_TOKEN_CHUNK, _capped, _logits_tile, _pad_rows, _token_chunk, _TokenChunk
+from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows, _recomputed_dz,
+                           _token_chunk, _TokenChunk)
 
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
 _TILE_COPIES = 4
@@ -410,30 +411,10 @@ class NativeBackend(BudgetParts):
                         scales = _capped(scales.clone(), call.softcap, call.inv_temperature)
                     dz = _dz_from_kept(terms, log_terms, scales, ch)
                 else:  # recompute the tile
-                    slopes = [] if call.softcap is not None else None
-                    z = _logits_tile(ch.h, w, None if bias is None else bias[v0:v1], call.inv_temperature,
-                                     softcap=call.softcap, slope=slopes)
-                    slope = slopes[0] if slopes else None
-                    z -= ch.m.unsqueeze(1)  # zr = z - M: exact at the max, so 1 - p does not cancel at a peak
-                    if ch.ge is not None:  # dz = -p * (c0 + ge * zr), built in zr's buffer
-                        p = torch.exp(z - ch.ls.unsqueeze(1))
-                        dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
-                        del p
-                    else:  # dz = -p * c0, all in place
-                        dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
-                    del z
-                rel = ch.lt - v0
-                own = (rel >= 0) & (rel < v1 - v0)
-                # + grad_logp at the owned target column (scatter, no host sync)
-                dz.scatter_add_(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1),
-                                torch.where(own, ch.g, torch.zeros_like(ch.g)).unsqueeze(1))
-                if ch.gsz is not None:  # + grad_sum_z: d(sum_v z)/dz_v = 1
-                    dz += ch.gsz.unsqueeze(1)
-                if call.inv_temperature != 1.0:
-                    dz *= call.inv_temperature
-                if slope is not None:
-                    dz *= slope
-                    del slope
+                    dz, slope = _recomputed_dz(ch, w, None if bias is None else bias[v0:v1], call.inv_temperature,
+                                               call.softcap)
+                dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
+                del slope
                 if d_bias32 is not None:
                     d_bias32[v0:v1] += dz.sum(0)
                 dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)

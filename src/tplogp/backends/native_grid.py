@@ -28,7 +28,8 @@ import torch
 
 from .. import fp32_gemm
 from .base import BlockStats, ShardCall, ShardGrads
-from .native_tiles import DETERMINISTIC_TOKEN_CHUNK, _logits_tile, _pad_rows, _token_chunk
+from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _logits_tile, _pad_rows, _recomputed_dz,
+                           _token_chunk)
 
 # The grid: every logits GEMM is [DETERMINISTIC_TOKEN_CHUNK, D] x [D, GRID_COLUMNS] over one grid block (copied into a
 # buffer of that shape: BLAS picks kernels by shape and alignment)
@@ -82,9 +83,9 @@ def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_l
                     call: ShardCall, needs, d_hidden_ready=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
     """The invariant level's backward: grid blocks outer, deterministic token chunks inner, every GEMM
     ``[chunk, B]``-shaped; a block's d_W / d_b rows are summed over the chunks in an fp32 ``[B, D]`` / ``[B]``
-    buffer and written (or added to ``accumulate``) once. ``dz`` as in the tiled backward
-    (:meth:`tplogp.backends.native.NativeBackend._backward_tiles`: the one-hot, ``grad_sum_z``, the temperature, the
-    softcap's slope), elementwise on one tile shape."""
+    buffer and written (or added to ``accumulate``) once. ``dz`` by the tiled backward's two steps
+    (:func:`~tplogp.backends.native_tiles._recomputed_dz`, :func:`~tplogp.backends.native_tiles._finish_dz`), on one
+    tile shape."""
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     n, d = hidden.shape
@@ -104,27 +105,9 @@ def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_l
         acc_w = torch.zeros(cols, d, device=dev, dtype=f32) if need_w else None
         acc_b = torch.zeros(cols, device=dev, dtype=f32) if need_b else None
         for ch, h_g in zip(chunks, h_gemm):
-            slopes = [] if call.softcap is not None else None  # the softcap's d cap / d y
-            z = _logits_tile(ch.h, w_blk, b_blk, call.inv_temperature, softcap=call.softcap, slope=slopes)
-            z -= ch.m.unsqueeze(1)
-            if ch.ge is not None:
-                p = torch.exp(z - ch.ls.unsqueeze(1))
-                dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
-                del p
-            else:
-                dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
-            rel = ch.lt - v0
-            own = (rel >= 0) & (rel < v1 - v0)
-            dz.scatter_add_(1, rel.clamp(0, cols - 1).unsqueeze(1),
-                            torch.where(own, ch.g, torch.zeros_like(ch.g)).unsqueeze(1))
-            if ch.gsz is not None:  # + grad_sum_z: d(sum_v z)/dz_v = 1
-                dz += ch.gsz.unsqueeze(1)
-            if v1 - v0 < cols:  # padding columns: no gradient anywhere
-                dz[:, v1 - v0:] = 0.0
-            if call.inv_temperature != 1.0:
-                dz *= call.inv_temperature
-            if slopes:
-                dz *= slopes.pop()
+            dz, slope = _recomputed_dz(ch, w_blk, b_blk, call.inv_temperature, call.softcap)
+            dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
+            del slope
             if acc_b is not None:
                 acc_b += dz.sum(0)
             dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)

@@ -8,6 +8,10 @@ per-token vectors.
   has one shape whatever the batch; padded rows get ``p = 0`` (``log S = inf``) and no target (-1).
 * :func:`_token_chunk` gathers the per-token vectors every vocab tile (or grid block) of the backward reads, with the
   coefficient of ``p`` formed once: ``c0 = grad_logp - grad_lse - grad_entropy * mean_rel``.
+* A backward tile's ``dz = d loss / d z``: :func:`_recomputed_dz` recomputes the logits and forms
+  ``-p (c0 + grad_entropy (z - M))`` in their buffer; :func:`_finish_dz` adds what does not go through ``p`` (the
+  target's ``grad_logp``, ``grad_sum_z``) and the chain rule's factors (the temperature, the softcap's slope), on
+  recomputed and on kept tiles alike.
 
 Used by the tiled loops (:mod:`tplogp.backends.native`) and the tensor-parallel-invariant grid
 (:mod:`tplogp.backends.native_grid`).
@@ -97,3 +101,39 @@ def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, me
     gsz = None if grad_sum_z is None else _pad_rows(grad_sum_z[t0:t1], rows)
     return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
                        g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1), gsz)
+
+
+def _recomputed_dz(ch: _TokenChunk, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
+                   softcap: Optional[float]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(-p (c0 + ge (z - M)), the softcap's slope or None)`` of the ``[rows, len(w)]`` tile of chunk ``ch``,
+    recomputed (:func:`_logits_tile`). ``z - M`` is exact at the max, so ``1 - p`` does not cancel at a peak; ``dz``
+    is built in the logits' buffer."""
+    slopes: Optional[list] = [] if softcap is not None else None
+    z = _logits_tile(ch.h, w, b, inv_t, softcap=softcap, slope=slopes)
+    z -= ch.m.unsqueeze(1)
+    if ch.ge is not None:
+        p = torch.exp(z - ch.ls.unsqueeze(1))
+        dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
+    else:  # -p * c0, all in place
+        dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
+    return dz, (slopes[0] if slopes else None)
+
+
+def _finish_dz(dz: torch.Tensor, ch: _TokenChunk, v0: int, v1: int, inv_t: float,
+               slope: Optional[torch.Tensor]) -> torch.Tensor:
+    """``dz`` of the tile of columns ``[v0, v1)`` (its width may pad past ``v1``: those columns get 0), in place:
+    ``+ grad_logp`` at the owned target column (a scatter: no host sync), ``+ grad_sum_z``, then times the
+    temperature's ``1 / T`` and the softcap's slope."""
+    rel = ch.lt - v0
+    own = (rel >= 0) & (rel < v1 - v0)
+    dz.scatter_add_(1, rel.clamp(0, dz.shape[1] - 1).unsqueeze(1),
+                    torch.where(own, ch.g, torch.zeros_like(ch.g)).unsqueeze(1))
+    if ch.gsz is not None:  # d(sum_v z)/dz_v = 1
+        dz += ch.gsz.unsqueeze(1)
+    if v1 - v0 < dz.shape[1]:  # padding columns: no gradient anywhere
+        dz[:, v1 - v0:] = 0.0
+    if inv_t != 1.0:
+        dz *= inv_t
+    if slope is not None:
+        dz *= slope
+    return dz
