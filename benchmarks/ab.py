@@ -12,12 +12,14 @@ appended to the results file, tagged ``ab`` (the report leaves such rows out).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Iterator
 
 from . import runner
 
@@ -82,34 +84,44 @@ def format_ratio(entry: dict) -> str:
     return f"{label}: " + ("; ".join(parts) if parts else "no common numbers")
 
 
+@contextlib.contextmanager
+def base_tree(base_rev: str) -> Iterator[tuple[str, str]]:
+    """``(the base's source tree, a scratch folder)`` for the block: ``base_rev`` itself when it is a folder (an
+    exported revision: no git history needed), else a temporary git worktree of that revision. The worktree and the
+    scratch folder are gone after the block."""
+    tmp = tempfile.mkdtemp(prefix="tplogp-base-")
+    worktree = not os.path.isdir(base_rev)
+    tree = os.path.join(tmp, "tree") if worktree else os.path.abspath(base_rev)
+    try:
+        if worktree:
+            top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True)
+            if top.returncode != 0:
+                raise RuntimeError(f"--base REV needs a git checkout ({REPO} is not one: {top.stderr.strip()}); "
+                                   f"pass the base as a folder holding its source tree instead")
+            add = subprocess.run(["git", "worktree", "add", "--detach", tree, base_rev], cwd=REPO,
+                                 capture_output=True, text=True)
+            if add.returncode != 0:
+                raise RuntimeError(f"git worktree add {base_rev} failed: {add.stderr.strip()}")
+        yield tree, tmp
+    finally:
+        if worktree and os.path.isdir(tree):
+            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def run(argv: list[str], base_rev: str, rounds: int, out_dir: str,
         later_rounds: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
     """Run ``python -m benchmarks <argv>`` on this tree and on ``base_rev``, ``rounds`` times each, interleaved.
 
     ``base_rev``: a git revision (checked out into a temporary worktree) or a folder holding a source tree (an
-    exported revision, for machines where the checkout has no git history).
+    exported revision, for machines where the checkout has no git history): :func:`base_tree`.
 
     ``later_rounds`` are extra arguments for rounds after the first (e.g. ``--no-check``). Returns (rows, ratios);
     the rows are appended to ``<out_dir>/results.jsonl``."""
-    tmp = tempfile.mkdtemp(prefix="tplogp-base-")
-    if os.path.isdir(base_rev):  # a source tree given as a folder (an exported revision: no git history needed)
-        tree, worktree = os.path.abspath(base_rev), False
-    else:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True)
-        if top.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise RuntimeError(f"--base REV needs a git checkout ({REPO} is not one: {top.stderr.strip()}); "
-                               f"pass the base as a folder holding its source tree instead")
-        tree, worktree = os.path.join(tmp, "tree"), True
-        add = subprocess.run(["git", "worktree", "add", "--detach", tree, base_rev], cwd=REPO, capture_output=True,
-                             text=True)
-        if add.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise RuntimeError(f"git worktree add {base_rev} failed: {add.stderr.strip()}")
-    sides = {"this": _src_root(REPO), "base": _src_root(tree)}
-    commits = {"this": runner.source_commit(REPO), "base": runner.source_commit(tree)}
     rows: list[dict] = []
-    try:
+    with base_tree(base_rev) as (tree, tmp):
+        sides = {"this": _src_root(REPO), "base": _src_root(tree)}
+        commits = {"this": runner.source_commit(REPO), "base": runner.source_commit(tree)}
         for i in range(rounds):
             order = ("this", "base") if i % 2 == 0 else ("base", "this")
             for side in order:
@@ -120,10 +132,6 @@ def run(argv: list[str], base_rev: str, rounds: int, out_dir: str,
                 for r in runner.read_rows(child_out):
                     r["ab"] = {"side": side, "round": i, "this": commits["this"], "base": commits["base"]}
                     rows.append(r)
-    finally:
-        if worktree:
-            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
-        shutil.rmtree(tmp, ignore_errors=True)
     runner.append_rows(out_dir, rows)
     result = ratios(rows)
     print(f"# A/B: this tree ({commits['this']}) / {base_rev} ({commits['base']}), medians over {rounds} round(s)")

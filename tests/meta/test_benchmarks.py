@@ -380,24 +380,37 @@ def test_plugin_smoke_rows(tmp_path):
     assert rows["skip"]["spawned_anything"] is False, rows["skip"]
 
 
-@pytest.mark.slow
-def test_base_runs_both_sides_and_prints_ratios(tmp_path):
+def test_base_revision_is_a_temporary_worktree():
+    """``--base REV``: the revision checked out into a temporary git worktree for the run (its commit, its source
+    tree), gone afterwards, also when the run fails; an unknown revision is one clear error. (The runs on both sides
+    and the printed ratios: the source-folder test below, which takes the same path after this step.)"""
+    from benchmarks import ab
+
     if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
                                                      capture_output=True).returncode != 0:
         pytest.skip("--base needs a git checkout")
-    proc = _bench("op", "--smoke", "--impls", "tplogp-native", "--budgets", "default", "--no-check", "--base",
-                  "HEAD", "--out", str(tmp_path))
-    rows = _rows(tmp_path)
-    assert sorted(r["ab"]["side"] for r in rows) == ["base", "this"]
-    assert all(r["impl"] == "tplogp-native" and r["fwd_bwd_ms"] > 0 for r in rows), rows
-    assert "fwd_bwd_ms" in proc.stdout and "= " in proc.stdout.split("# A/B:")[-1]
-    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert "tplogp-base-" not in worktrees  # the temporary worktree is gone
+
+    def worktrees() -> str:
+        return subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    with pytest.raises(KeyError):
+        with ab.base_tree("HEAD") as (tree, tmp):
+            assert os.path.isfile(os.path.join(tree, "src", "tplogp", "__init__.py")) and os.path.isdir(tmp)
+            assert tree in worktrees() and runner.source_commit(tree).startswith(head)
+            raise KeyError("the run fails")
+    assert not os.path.exists(tree) and not os.path.exists(tmp) and "tplogp-base-" not in worktrees()
+    with pytest.raises(RuntimeError, match="git worktree add no-such-revision failed"):
+        with ab.base_tree("no-such-revision"):
+            pass
+    assert "tplogp-base-" not in worktrees()
 
 
 @pytest.mark.slow
-def test_base_takes_a_source_folder(tmp_path):
-    """A machine whose copy of the repository has no git history compares against an exported tree."""
+def test_base_takes_a_source_folder_runs_both_sides_and_prints_ratios(tmp_path):
+    """A machine whose copy of the repository has no git history compares against an exported tree: both sides
+    run, every row is tagged with its side, and the ratios are printed."""
     base = tmp_path / "base"
     shutil.copytree(os.path.join(ROOT, "src"), base / "src", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "out"
@@ -405,7 +418,8 @@ def test_base_takes_a_source_folder(tmp_path):
                   str(base), "--out", str(out))
     rows = _rows(out)
     assert sorted(r["ab"]["side"] for r in rows) == ["base", "this"]
-    assert "fwd_bwd_ms" in proc.stdout.split("# A/B:")[-1]
+    assert all(r["impl"] == "tplogp-native" and r["fwd_bwd_ms"] > 0 for r in rows), rows
+    assert "fwd_bwd_ms" in proc.stdout and "= " in proc.stdout.split("# A/B:")[-1]
     assert base.joinpath("src", "tplogp", "__init__.py").is_file()  # the given folder is left alone
 
 
