@@ -1,24 +1,24 @@
 """``linear_logp`` as ``torch.library`` custom ops, so that ``torch.compile`` traces a call as one opaque node.
 
-``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.plan.prepare` (source, checks,
-verdict), then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]``
-tensor (rows ``packed_op.PACKED_*``: logp, lse, the two normalizer parts the backward needs, with entropy the
-entropy and ``E_p[z] - M``, and with ``return_argmax`` the argmax ids, exact in fp32), the softmax terms that the
-``workspace_bytes`` budget lets it keep for the backward as eager's forward keeps them (one flat fp32 buffer of
-``packed_op.op_kept_shape``; an empty tensor when none: a budget that keeps nothing, or no graph; with ``ignore_index``,
-whose compaction makes the kept size depend on the data, a capacity for any row count of which the compacted rows
-fill a prefix), and a sequence-parallel call's gathered hidden rows (an empty tensor otherwise), so that its backward
-does not gather them again. ``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of
-recomputing them; it never writes them (its schema declares no mutation, so the compiled backward runs the
-read-only schedule: eager's in-place one, ``tp.consumes_kept``, is not used here). Both have fake (meta)
-implementations that give the output shapes without touching data, and the pair is joined by
-``register_autograd``. The kept output's size also depends on what the call's arguments do not say (the source
-chosen for the device, its tile config, the default budget and ``TPLOGP_WORKSPACE_MB``): the forward takes those as
-its ``layout`` argument (:func:`layout_key`, a constant of the traced graph), so a compiled graph that a cache saved
-under other settings is never reused for these, and a graph run after they change raises an error that says so. Everything that dynamo must not trace (the importlib-based source
-lookup, the checks' host steps, collectives, Triton launches) happens inside the ops; the process group crosses
-the op boundary as its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the
-sources always see the dtypes they were given, also when a backward runs inside an autocast region.
+``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.plan.prepare` (source, checks, verdict),
+then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]`` tensor (rows ``packed_op.PACKED_*``:
+logp, lse, the two normalizer parts the backward needs, with entropy the entropy and ``E_p[z] - M``, and with
+``return_argmax`` the argmax ids, exact in fp32), the softmax terms that the ``workspace_bytes`` budget lets it keep for
+the backward as eager's forward keeps them (one flat fp32 buffer of ``packed_op.op_kept_shape``; an empty tensor when
+none: a budget that keeps nothing, or no graph; with ``ignore_index``, whose compaction makes the kept size depend on
+the data, a capacity for any row count of which the compacted rows fill a prefix), and a sequence-parallel call's
+gathered hidden rows (an empty tensor otherwise), so that its backward does not gather them again.
+``tplogp::linear_logp_bwd`` runs the backward body, reading those instead of recomputing them; it never writes them (its
+schema declares no mutation, so the compiled backward runs the read-only schedule: eager's in-place one,
+``tp.consumes_kept``, is not used here). Both have fake (meta) implementations that give the output shapes without
+touching data, and the pair is joined by ``register_autograd``. The kept output's size also depends on what the call's
+arguments do not say (the source chosen for the device, its tile config, the default budget and
+``TPLOGP_WORKSPACE_MB``): the forward takes those as its ``layout`` argument (:func:`layout_key`, a constant of the
+traced graph), so a compiled graph that a cache saved under other settings is never reused for these, and a graph run
+after they change raises an error that says so. Everything that dynamo must not trace (the importlib-based source
+lookup, the checks' host steps, collectives, Triton launches) happens inside the ops; the process group crosses the op
+boundary as its name. Autocast is resolved before the op (:mod:`tplogp.api`) and disabled inside it, so the sources
+always see the dtypes they were given, also when a backward runs inside an autocast region.
 
 ``tplogp::linear_logp_loss`` is the fused loss (:func:`tplogp.linear_logp_loss`) under ``torch.compile``: its
 forward runs the eager chunk loop and returns the loss with its fp32 gradients (computed in the forward, as in
