@@ -1,8 +1,8 @@
 """The benchmark suite's CPU parts in smoke mode: each subcommand runs end to end and writes the rows it promises.
 
 These run ``python -m benchmarks ... --smoke`` on tiny problems (in a subprocess as a user would, or, for the
-single-process suites, through the same entry point in this process), then read the results file back. They check what the rows say (the float64 errors, the gradients' size, the pool's behaviour),
-never how fast anything was.
+single-process suites, through the same entry point in this process), then read the results file back. They check what
+the rows say (the float64 errors, the gradients' size, the pool's behaviour), never how fast anything was.
 """
 
 from __future__ import annotations
