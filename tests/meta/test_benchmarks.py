@@ -360,8 +360,8 @@ def test_variant_parsing_and_float64_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_memory_smoke_rows(tmp_path):
-    _bench("memory", "--smoke", "--out", str(tmp_path))
+def test_memory_smoke_rows(tmp_path, capsys):
+    _bench_here(capsys, "memory", "--smoke", "--out", str(tmp_path))  # (its probes are processes of their own)
     rows = {r["impl"]: r for r in _rows(tmp_path)}
     assert set(rows) == {"native", "eager"}
     for r in rows.values():
@@ -522,11 +522,11 @@ def test_tp_smoke_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_floors_smoke_rows(tmp_path):
+def test_floors_smoke_rows(tmp_path, capsys):
     """``floors --smoke``: one GEMM-floor row (the floor is the unit plus the two backward GEMMs, every keep-all
     timing positive) and, on the CPU, one host row per implementation with autograd's threads on; the report's
     section shows both tables with the rows' numbers."""
-    proc = _bench("floors", "--smoke", "--out", str(tmp_path))
+    printed = _bench_here(capsys, "floors", "--smoke", "--out", str(tmp_path))
     rows = _rows(tmp_path)
     gemm = [r for r in rows if r["kind"] == "gemm"]
     host = [r for r in rows if r["kind"] == "host"]
@@ -540,7 +540,7 @@ def test_floors_smoke_rows(tmp_path):
     for r in host:
         assert r["autograd_threads"] is True and r["shape"] == "16x32x256" and r["dtype"] == "fp32", r
         assert 0 < r["host_us"] <= r["host_all_us"], r
-    assert proc.stdout.count("3-GEMM floor") == 1 and proc.stdout.count("(thread / all)") == 4, proc.stdout
+    assert printed.count("3-GEMM floor") == 1 and printed.count("(thread / all)") == 4, printed
     section = "\n".join(report.floors_section([dict(r, smoke=False) for r in rows]))
     assert "## Floors" in section and f"| {g['floor_gemms']:.3f} |" in section, section
     for r in host:
