@@ -1,13 +1,13 @@
 """A/B against another commit: the same measurement on this tree and on ``REV``, interleaved, with per-row ratios.
 
-``REV`` is checked out into a temporary git worktree (removed afterwards), or is a folder that holds a source tree. The measurement runs as one child
-process per side and round, ``python -m benchmarks <same arguments>`` from this tree (so both sides use this
-tree's harness), with ``PYTHONPATH`` putting that side's ``src/`` first so that the child imports that side's
-tplogp. Rounds alternate the order (this, base; base, this; ...) on the same machine state, so clock, power and
-cache drift fall on both sides alike. Separate processes rather than two copies of tplogp in one process: the
-package registers kernels, custom ops and caches under fixed names, and a second import under another name
-would share or clash with them. Ratios are this / base of the per-side medians over rounds; each row is also
-appended to the results file, tagged ``ab`` (the report leaves such rows out).
+``REV`` is checked out into a temporary git worktree (removed afterwards), or is a folder that holds a source tree. The
+measurement runs as one child process per side and round, ``python -m benchmarks <same arguments>`` from this tree (so
+both sides use this tree's harness), with ``PYTHONPATH`` putting that side's ``src/`` first so that the child imports
+that side's tplogp. Rounds alternate the order (this, base; base, this; ...) on the same machine state, so clock, power
+and cache drift fall on both sides alike. Separate processes rather than two copies of tplogp in one process: the
+package registers kernels, custom ops and caches under fixed names, and a second import under another name would share
+or clash with them. Ratios are this / base of the per-side medians over rounds; each row is also appended to the results
+file, tagged ``ab`` (the report leaves such rows out).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The interpreter runs a kernel by patching ``triton.language``'s builtins for the launch (``_patch_lang``), running
 every program, then restoring them. A ``@triton.jit`` helper called from inside a kernel patches the same modules
 again on every call; those patches change nothing (the members are already the interpreter's), but each one walks
-the modules with ``inspect.getmembers``: about a third of the CPU time of the suite's interpreter tests.
+the modules with ``inspect.getmembers``, which then dominates a kernel's host time after the numpy arithmetic.
 :func:`install` makes a helper's call skip that walk while a launch that already patched every ``triton.language``
 module the helper sees is running. What runs is unchanged: the same patched members, the same program order, the
 same numpy arithmetic (tests/meta/test_interpreter_patching.py compares the results bit for bit).

@@ -82,11 +82,11 @@ def exp2(x, FAST: tl.constexpr):
 
 @triton.jit
 def log2(x, FAST: tl.constexpr):
-    """``log2(x)`` in fp32 of a positive normal ``x``. FAST: PTX ``lg2.approx.ftz.f32``, one MUFU instruction
-    (absolute error below 2^-22 on [0.5, 2], relative below 2^-22 elsewhere, and exact 0 at 1 by a select): for
-    values read back from 16 bits, whose own rounding (up to 2^-9 relative in bf16, so up to about 2^-8.5 absolute
-    in log2) is tens of thousands of times larger. Otherwise ``tl.log2`` (libdevice's, accurate to an ulp: a polynomial of about 25
-    instructions per element on sm_90)."""
+    """``log2(x)`` in fp32 of a positive normal ``x``. FAST: PTX ``lg2.approx.ftz.f32``, one MUFU instruction (absolute
+    error below 2^-22 on [0.5, 2], relative below 2^-22 elsewhere, and exact 0 at 1 by a select): for values read back
+    from 16 bits, whose own rounding (up to 2^-9 relative in bf16, so up to about 2^-8.5 absolute in log2) is over ten
+    thousand times larger. Otherwise ``tl.log2`` (libdevice's, accurate to an ulp: a polynomial of about 25 instructions
+    per element on sm_90)."""
     if FAST:
         y = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                       is_pure=True, pack=1)

@@ -78,19 +78,18 @@ def online_softmax_update(
 ):
     """Fold one tile into the running row statistics; returns (max, sum, tl, sez, sz, am, terms).
 
-    The running stats stay in the tile's raw units until :func:`store_stats`: ``y = acc + b``, max ``m`` of y,
-    ``s = sum 2^((y - m) c)`` (= sum exp(z - M) with z = y / T, M = m / T), target ``y[target]``, and
-    ``q = sum 2^((y - m) c) (y - m) c`` (log2 units). Per element that is a max, a subtraction, a multiply, one
-    ex2 and a sum (plus, for the target, a compare and a select): the inverse temperature and log2(e) are one
-    per-call constant, ``y - m`` is exact next to the max (so 1 - p does not cancel at a peaked row), and full tiles
-    carry no column mask. Also returns the tile's terms ``2^((y - m') c) = exp(z - M')`` (what :func:`keep_tile`
-    stores). With ``SOFTCAP`` the tile is first ``y = softcap * tanh((acc + b) / softcap)`` and the running max is
-    kept as that of the tanh, ``t_m`` (``m = softcap * t_m`` bit for bit: rounding is monotonic), which
-    :func:`keep_tile` stores as the kept terms' scale; ``WITH_SUM_Z`` sums y over the columns, ``WITH_ARGMAX`` keeps the
-    lowest column of the running max (a later tile replaces it only
-    with a larger max). Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead
-    of the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of
-    ``m c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
+    The running stats stay in the tile's raw units until :func:`store_stats`: ``y = acc + b``, max ``m`` of y, ``s = sum
+    2^((y - m) c)`` (= sum exp(z - M) with z = y / T, M = m / T), target ``y[target]``, and ``q = sum 2^((y - m) c) (y -
+    m) c`` (log2 units). Per element that is a max, a subtraction, a multiply, one ex2 and a sum (plus, for the target,
+    a compare and a select): the inverse temperature and log2(e) are one per-call constant, ``y - m`` is exact next to
+    the max (so 1 - p does not cancel at a peaked row), and full tiles carry no column mask. Also returns the tile's
+    terms ``2^((y - m') c) = exp(z - M')`` (what :func:`keep_tile` stores). With ``SOFTCAP`` the tile is first ``y =
+    softcap * tanh((acc + b) / softcap)`` and the running max is kept as that of the tanh, ``t_m`` (``m = softcap *
+    t_m`` bit for bit: rounding is monotonic), which :func:`keep_tile` stores as the kept terms' scale; ``WITH_SUM_Z``
+    sums y over the columns, ``WITH_ARGMAX`` keeps the lowest column of the running max (a later tile replaces it only
+    with a larger max). Shared by the generic and the TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead of
+    the subtraction and the multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of ``m
+    c``: at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead of ~0.)
     """
     o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     if MASKED:
@@ -152,12 +151,11 @@ def stats_tile(
     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, KEEP_TMA: tl.constexpr = False,
     SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False, WITH_ARGMAX: tl.constexpr = False,
 ):
-    """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats kernels: fold the
-    tile into the running row stats (:func:`online_softmax_update`), then, with ``KEEP`` and the tile below
-    ``v_keep``, store its softmax terms and the running max they are relative to (:func:`keep_tile`); returns (max,
-    sum, tl, sez, sz, am; the max in tanh units with ``SOFTCAP``, and so the kept scale). ``KEEP_TMA`` (sm90):
-    ``p_kept`` is a tensor descriptor over the kept terms and the tile leaves
-    through one TMA store (see :func:`keep_tile`)."""
+    """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats kernels: fold the tile
+    into the running row stats (:func:`online_softmax_update`), then, with ``KEEP`` and the tile below ``v_keep``, store
+    its softmax terms and the running max they are relative to (:func:`keep_tile`); returns (max, sum, tl, sez, sz, am;
+    the max in tanh units with ``SOFTCAP``, and so the kept scale). ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor
+    descriptor over the kept terms and the tile leaves through one TMA store (see :func:`keep_tile`)."""
     b_max, b_sum, b_tl, b_sez, b_sz, b_am, b_e = online_softmax_update(
         acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, MASKED, HAS_BIAS, WITH_ENTROPY,
         BLOCK_V, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
@@ -386,12 +384,11 @@ def kept_probabilities(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_
     :func:`.fp32_ops.log2` for 16-bit terms; ``e`` is clamped to 2^-126 first, so a flushed term gives a finite zr
     and p = 0). At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel at a peaked target.
     ``MASKED``: rows at or past N and columns at or past ``v_hi`` read as 0 (edge tiles only). ``BLOCK_V`` is the
-    forward's tile width (one scale per row).
-    Returns ``(p, zr, slope)``: ``SOFTCAP``: the scale is the running max ``t_m`` of the tanh (:func:`keep_tile`),
-    ``m = (softcap t_m) / T`` rounded as the forward rounds it, and the slope ``1 - tanh^2 = (1 - t)(1 + t)`` with
-    ``t = t_m + ln(e) T / softcap`` clamped to ``[-1, 1]`` (else ``p``, not read). Where the cap saturates, ``1 - t``
-    is a few ulp of 1: the max's own tanh (``e = 1``, ``t = t_m``) keeps them, where ``z T / softcap`` (two roundings
-    after the tanh) is an ulp or two off, often past 1."""
+    forward's tile width (one scale per row). Returns ``(p, zr, slope)``: ``SOFTCAP``: the scale is the running max
+    ``t_m`` of the tanh (:func:`keep_tile`), ``m = (softcap t_m) / T`` rounded as the forward rounds it, and the slope
+    ``1 - tanh^2 = (1 - t)(1 + t)`` with ``t = t_m + ln(e) T / softcap`` clamped to ``[-1, 1]`` (else ``p``, not read).
+    Where the cap saturates, ``1 - t`` is a few ulp of 1: the max's own tanh (``e = 1``, ``t = t_m``) keeps them, where
+    ``z T / softcap`` (two roundings after the tanh) is an ulp or two off, often past 1."""
     p_in = _kept_pointers(p_kept, stride_kept, n0, v0, BLOCK_N, BLOCK_V)
     o_r = n0 + tl.arange(0, BLOCK_N)
     m_r = o_r < N
