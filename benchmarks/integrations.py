@@ -18,6 +18,10 @@ Steps, each implementation on the same model and batch:
   ``epsilon=3e-4``, ``epsilon_high=4e-4``: a ratio per sequence, each sequence's token mean, then the batch mean):
   the fused row takes every token's log-prob before any gradient (the two-phase schedule of
   :mod:`tplogp.fused_loss`).
+* ``liger_fused`` (where ``liger-kernel`` is installed): the same loss through Liger's
+  ``LigerFusedLinearGRPOLoss`` (``beta=0``, no reference model, its default ``compiled=True``, the loss's
+  ``loss_type`` / ``importance_sampling_level`` / epsilons) on the decoder's final hidden states of the completion
+  positions and the head.
 * ``*_ckpt``: the same with gradient checkpointing on (``use_reentrant=False``), as RL trainers run models of this
   size: the decoder's activations no longer dominate the peak, the logits path's do.
 
@@ -106,6 +110,28 @@ def reference_logprobs(model, ids, mask, keep: int, temperature: float) -> torch
                         for b in range(ids.shape[0])])
 
 
+def completion_hidden(model, ids, mask, keep: int) -> torch.Tensor:
+    """The decoder's final hidden states at the ``keep`` positions that predict the completion, ``[B, keep, H]``."""
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    return hidden[:, -keep - 1:-1]
+
+
+def liger_grpo_loss(name: str, temperature: float):
+    """Liger's fused GRPO loss configured as :data:`benchmarks.policy.LOSSES` ``[name]``, or None without
+    ``liger-kernel``."""
+    from . import policy
+
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError:
+        return None
+    kw = policy.LOSSES[name][0]
+    return LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type=kw["loss_type"],
+                                    epsilon_low=kw["epsilon_low"], epsilon_high=kw["epsilon_high"],
+                                    importance_sampling_level=kw.get("importance_sampling_level", "token"),
+                                    temperature=temperature)
+
+
 def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
     from tplogp import losses
 
@@ -162,6 +188,10 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
         def eager(logp):
             return policy.eager_loss(name, logp, advantages, old_logp, completion_mask)
 
+        liger = liger_grpo_loss(name, T)
+        rows = [] if liger is None else [(step, "liger_fused", with_backward(lambda: liger(
+            completion_hidden(model, ids, mask, keep), model.get_output_embeddings().weight, ids[:, -keep:],
+            completion_mask, advantages[:, 0], old_per_token_logps=old_logp)[0]))]
         return [
             (step, "trl_logits", with_backward(lambda: eager(trl_logprobs(model, ids, mask, keep, T)))),
             (step, "tplogp_logprobs", with_backward(lambda: eager(
@@ -169,6 +199,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
             (step, "tplogp_fused", with_backward(lambda: causal_lm_loss(
                 model, ids, mask, loss=grpo, per_token=(advantages, old_logp), loss_mask=completion_mask,
                 logits_to_keep=keep, temperature=T, with_entropy=False))),
+            *rows,
         ]
 
     cases = [
