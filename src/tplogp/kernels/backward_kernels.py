@@ -23,8 +23,6 @@ workspace (weight dtype) fits the byte budget. Per chunk:
    ``d_W[chunk] = d_logits^T @ hidden`` (one GEMM over all N, so d_W needs no cross-chunk accumulator). By default
    cuBLAS does both; in deterministic mode :func:`dh_accum_kernel` does ``d_hidden`` with a fixed tiling that
    continues the fp32 accumulator chunk after chunk, so a row's ``d_hidden`` does not depend on N or on chunking.
-   The tensor-parallel-invariant level's ``d_W`` is :func:`dw_rows_kernel`: every row reduced over all N tokens in
-   one fixed order, so a row's bits do not depend on where the row sits in its chunk or shard.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp32_ops import LOG2E, store_rounded
+from .fp32_ops import LOG2E
 from .tile_ops import dlogits_epilogue, dlogits_finish, grouped_ids, kept_probabilities, logits_tile, mma
 
 
@@ -145,41 +143,3 @@ def dh_accum_kernel(
         p_b += BLOCK_K * stride_wv
     tl.store(p_out, acc, mask=m_n[:, None] & m_d[None, :])
 
-
-
-@triton.jit
-def dw_rows_kernel(
-    p_dz,  # [N, V] d_logits chunk (weight dtype), in
-    p_h,  # [N, D] hidden, in
-    p_dw,  # [V, D] d_W rows of the chunk (weight dtype; an fp32 accumulator with ACCUMULATE), out (in/out)
-    N, V, D,
-    stride_dz, stride_hn, stride_dw,
-    ACCUMULATE: tl.constexpr,  # add the rows to the fp32 accumulator (after their own reduction) instead of storing
-    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """dw[v, d] (+)= sum_n dz[n, v] h[n, d] over all N tokens in one fixed order (BLOCK_K tokens at a time, no split
-    of the reduction): a row's result depends on its own d_logits column and on hidden alone, not on the chunk's
-    width or the row's place in it (masked rows load zeros and are not stored)."""
-    i_v, i_d = grouped_ids(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(D, BLOCK_D), GROUP_V)
-    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-    o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    o_k = tl.arange(0, BLOCK_K)  # [BLOCK_K] tokens
-    m_v = o_v < V
-    m_d = o_d < D
-    acc = tl.zeros([BLOCK_V, BLOCK_D], dtype=tl.float32)
-    p_a = p_dz + o_k.to(tl.int64)[:, None] * stride_dz + o_v[None, :]  # [BLOCK_K, BLOCK_V]
-    p_b = p_h + o_k.to(tl.int64)[:, None] * stride_hn + o_d[None, :]  # [BLOCK_K, BLOCK_D]
-    for k0 in range(0, N, BLOCK_K):
-        m_k = (k0 + o_k) < N
-        b_a = tl.load(p_a, mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_b = tl.load(p_b, mask=m_k[:, None] & m_d[None, :], other=0.0)
-        acc = mma(tl.trans(b_a), b_b, acc, DOT_PRECISION)
-        p_a += BLOCK_K * stride_dz
-        p_b += BLOCK_K * stride_hn
-    p_out = p_dw + o_v.to(tl.int64)[:, None] * stride_dw + o_d[None, :]  # [BLOCK_V, BLOCK_D]
-    m_out = m_v[:, None] & m_d[None, :]
-    if ACCUMULATE:
-        tl.store(p_out, tl.load(p_out, mask=m_out, other=0.0) + acc, mask=m_out)
-    else:
-        store_rounded(p_out, acc, m_out, DOT_PRECISION)

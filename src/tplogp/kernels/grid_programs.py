@@ -8,11 +8,12 @@ Algorithm (a shard whose first column starts a grid block of ``B`` columns, ``B 
   aligned to the grid, one config per device and dtype, no split-K), returning each block's ``(m_b, s_b, q_b)`` (and
   with the options its sum of ``z`` and the lowest column of its max) unmerged; :mod:`tplogp.invariant` merges them
   exactly.
-* Backward (:func:`backward_on_grid`): d_logits recomputed in chunks that are multiples of ``B`` (nothing kept);
-  ``d_W`` is one fixed-order GEMM per chunk (:func:`~.backward_kernels.dw_rows_kernel`: each row reduced over all
-  N tokens in one order, whatever its place in the chunk); ``d_b`` sums the per-token-block partial rows one after
-  the other; ``d_hidden`` is the deterministic fixed-order GEMM in fp32. A column's d_W and d_b rows then do not
-  depend on the shard it came in.
+* Backward (:func:`backward_on_grid`): d_logits recomputed in chunks that are multiples of ``B`` (nothing kept),
+  into a workspace whose row stride is a function of ``N``, the budget and ``B`` alone (never of the shard);
+  ``d_W`` is one ``[B, N] x [N, D]`` GEMM per grid block, reading the block in place (the vocabulary's cut last
+  block from a zero-padded copy), so every d_W GEMM has one shape and one layout; ``d_b`` sums the
+  per-token-block partial rows one after the other; ``d_hidden`` is the deterministic fixed-order GEMM in fp32. A
+  column's d_W and d_b rows then do not depend on the shard it came in.
 
 The launches, the d_logits and d_hidden steps are the per-call paths' (:mod:`tplogp.kernels.programs`).
 """
@@ -23,10 +24,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import fp32_gemm
 from ..tensors import f32_contiguous
 from .launch import cached
-from .launches import dw_rows_launch, ensure_context, stats_launch, tma_ok
-from .programs import dh_gemm, empty_call_grads, stats_outputs, stats_rows, launch_dlogits, per_token_grads
+from .launches import ensure_context, stats_launch, tma_ok
+from .programs import dh_gemm, empty_call_grads, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
 from .tiles import TileConfig, cdiv, dot_precision
 
 
@@ -57,11 +59,17 @@ def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return stats_outputs(parts, with_entropy, *extras)
 
 
-def grid_chunk(n: int, v: int, itemsize: int, workspace_bytes: int, columns: int) -> int:
-    """Columns of the invariant backward's d_logits chunks: as many whole grid blocks as the budget's transient part
-    holds for ``n`` rows (at least one), or the whole shard ``v`` when it fits."""
-    cols = workspace_bytes // max(1, n * itemsize)
-    return v if cols >= v else max(columns, cols // columns * columns)
+# grid_chunk's cap, itself no function of the shard: with few rows or a large budget the workspace would otherwise
+# reach far past any shard's width
+MAX_CHUNK_COLUMNS = 1 << 16
+
+
+def grid_chunk(n: int, itemsize: int, workspace_bytes: int, columns: int) -> int:
+    """Columns of the invariant backward's d_logits workspace (its row stride): as many whole grid blocks as the
+    budget's transient part holds for ``n`` rows, at least one and at most :data:`MAX_CHUNK_COLUMNS`; from ``n``,
+    the budget and the grid alone, so a block's d_W GEMM reads the same layout in every shard."""
+    cols = min(workspace_bytes // max(1, n * itemsize), MAX_CHUNK_COLUMNS)
+    return max(columns, cols // columns * columns)
 
 
 def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -76,11 +84,13 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     grid-aligned shard: a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size (``softcap``,
     ``grad_sum_z``: as in :func:`~.programs.backward`).
 
-    d_logits chunks of :func:`grid_chunk` columns (recomputed: nothing is kept); ``d_W`` is one fixed-order GEMM
-    per chunk (:func:`~.launches.dw_rows_launch`: a row's bits depend on its d_logits column and hidden alone),
-    written into the chunk's ``d_W`` rows or added to the fp32 accumulator; ``d_b`` sums the per-token-block partial
-    rows one after the other (elementwise: the same order for every column); ``d_hidden`` is the deterministic
-    fixed-order GEMM, fp32."""
+    d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept) in a workspace of
+    :func:`grid_chunk` columns per row, whatever the shard; ``d_W`` is one ``[columns, N] x [N, D]`` GEMM per grid
+    block reading its d_logits columns in place (row stride: the workspace's), written straight into its ``d_W``
+    rows (the vocabulary's cut last block: zero-padded in a ``[N, columns]`` buffer, its rows copied), so every
+    d_W GEMM has one shape and one operand layout; ``d_b`` sums the per-token-block partial rows one after the
+    other (elementwise: the same order for every column); ``d_hidden`` is the deterministic fixed-order GEMM,
+    fp32."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -95,12 +105,16 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     row_max, log_sum = f32_contiguous(row_max), f32_contiguous(log_sum)
     g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
     options = dict(softcap=softcap, gsz=None if grad_sum_z is None else f32_contiguous(grad_sum_z))
-    chunk = grid_chunk(n, v, weight.element_size(), workspace_bytes, columns)
+    chunk = grid_chunk(n, weight.element_size(), workspace_bytes, columns)
     bounds = [(lo, min(lo + chunk, v)) for lo in range(0, v, chunk)]
     dbp = torch.empty((cdiv(n, cfg.bwd_block_n), v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
-    ws = torch.empty((n, chunk), device=dev, dtype=weight.dtype)
+    ws = torch.empty((n, chunk), device=dev, dtype=weight.dtype)  # one row stride for every shard
+    cut = need_dw and v % columns != 0  # the vocabulary's last block, cut: through a zero-padded copy
+    block = torch.empty((n, columns), device=dev, dtype=weight.dtype) if cut else None
     d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
+    rows = torch.empty((columns, d), device=dev, dtype=f32 if dw_acc is not None else weight.dtype) \
+        if need_dw and (cut or dw_acc is not None) else None
     for i_chunk, (v_lo, v_hi) in enumerate(bounds):
         dz = ws[:, : v_hi - v_lo]
         launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
@@ -109,10 +123,24 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
             dh_gemm(dz, weight[v_lo:v_hi], d_hidden, i_chunk, True, cfg, precision)
             if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
                 d_hidden_ready(d_hidden)
-        if d_weight is not None:
-            rows = d_weight[v_lo:v_hi]
-            cached(dw_rows_launch, n, v_hi - v_lo, d, dz.stride(0), hidden.stride(0), rows.stride(0),
-                   dw_acc is not None, cfg, precision)(dz, hidden, rows)
+        if d_weight is None:
+            continue
+        for c0 in range(v_lo, v_hi, columns):
+            width = min(c0 + columns, v_hi) - c0
+            if width < columns:
+                block[:, :width] = dz[:, c0 - v_lo:]
+                block[:, width:] = 0
+                operand = block.t()
+            else:
+                operand = ws[:, c0 - v_lo: c0 - v_lo + columns].t()
+            if dw_acc is not None:
+                fp32_gemm.mm_into(rows, operand, hidden)
+                dw_acc[c0:c0 + width] += rows[:width]
+            elif width < columns:
+                mm_into(rows, operand, hidden)
+                d_weight[c0:c0 + width] = rows[:width]
+            else:
+                mm_into(d_weight[c0:c0 + columns], operand, hidden)
     d_bias = None
     if need_db:
         acc = dbp[0].clone()

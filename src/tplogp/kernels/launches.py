@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .backward_kernels import bwd_dlogits_kept_kernel, bwd_dlogits_kernel, dh_accum_kernel, dw_rows_kernel
+from .backward_kernels import bwd_dlogits_kept_kernel, bwd_dlogits_kernel, dh_accum_kernel
 from .forward_kernels import finalize_single_kernel, fwd_stats_kernel, merge_splits_kernel
 from .hopper_kernels import bwd_dlogits_tma_kernel, fwd_stats_tma_kernel
 from .launch import Launch
@@ -119,17 +119,6 @@ def dh_launch(n: int, k: int, d: int, stride_dz: int, stride_w: int, stride_dh: 
                   (n, k, d, stride_dz, stride_w, stride_dh), cfg.dh_num_warps, cfg.dh_num_stages,
                   dict(ACCUMULATE=accumulate, BLOCK_N=cfg.dh_block_n, BLOCK_D=cfg.dh_block_d, BLOCK_K=cfg.dh_block_k,
                        GROUP_N=cfg.group_n, DOT_PRECISION=precision))
-
-
-def dw_rows_launch(n: int, v: int, d: int, stride_dz: int, stride_h: int, stride_dw: int, accumulate: bool,
-                   cfg: TileConfig, precision: Optional[str]) -> Launch:
-    """The fixed-order ``d_W[chunk] (+)= dz^T @ hidden`` of the tensor-parallel-invariant backward (the d_hidden
-    GEMM's tiles, rows of d_W in the place of rows of d_hidden). Tensors: ``dz [N, V], hidden [N, D], d_W rows
-    [V, D]`` (weight dtype; fp32 with ``accumulate``)."""
-    return Launch(dw_rows_kernel, (cdiv(v, cfg.dh_block_n) * cdiv(d, cfg.dh_block_d),),
-                  (n, v, d, stride_dz, stride_h, stride_dw), cfg.dh_num_warps, cfg.dh_num_stages,
-                  dict(ACCUMULATE=accumulate, BLOCK_V=cfg.dh_block_n, BLOCK_D=cfg.dh_block_d, BLOCK_K=cfg.dh_block_k,
-                       GROUP_V=cfg.group_n, DOT_PRECISION=precision))
 
 
 # ----------------------------------------------------------------------------------------------- TMA legality
