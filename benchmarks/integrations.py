@@ -1,6 +1,6 @@
 """Hugging Face causal LM, RL steps: TRL's logits path vs ``tplogp.integrations.hf`` (time and peak memory).
 
-``python -m benchmarks integrations`` (one H200: about a minute after the model is built). The model is a
+``python -m benchmarks integrations`` (one H100: about two minutes after the model is built). The model is a
 Qwen2.5-1.5B-sized Qwen2 config with random weights (vocab 151936, hidden 1536, 28 layers, tied head), bf16, on
 8 x 2048 tokens (prompt 512 + completion 1536, ``logits_to_keep`` = the completion, as TRL's GRPO trainer calls it).
 Steps, each implementation on the same model and batch:
@@ -27,7 +27,7 @@ Steps, each implementation on the same model and batch:
 
 Time: median of ``--reps`` calls (CUDA events, synced per call) after warm-up calls. Memory: peak allocated GiB
 during one call above what was allocated before it (model and batch excluded; gradients of the parameters and
-the activations included). ``loss``: the value of a loss step's call measured for memory (the three rows of a step compute
+the activations included). ``loss``: the value of a loss step's call measured for memory (every row of a step computes
 the same loss: they agree within the logits' rounding). ``err_logp``: ``tplogp.tolerances.rel_error`` (``||logp - reference|| / ||reference||``)
 of the logprobs step, the reference being ``tplogp.reference.reference_linear_logp(mode="fp32")`` (fp32 log-softmax
 of fp32 logits) of the same final hidden states and head. Prints a markdown table and appends
