@@ -1,7 +1,8 @@
 """The TP matrix on GPUs, through the plugin: every source x dtype x bias x even/uneven vocab shards at world sizes 2
 and 4, the RL options and the fused loss under TP, a DTensor head on a 2-D mesh, a compiled call, and a bad target
-on one rank raising on every rank. Each result is checked against float64 truth and the same-dtype PyTorch reference
-with the tolerance table (``tplogp.tolerances``).
+on one rank raising on every rank, and the tensor-parallel-invariant level bit for bit against one rank. Each other
+result is checked against float64 truth and the same-dtype PyTorch reference with the tolerance table
+(``tplogp.tolerances``).
 
 ``python -m pytest tests/gpu -m gpu -n 4`` on one GPU runs them all: each xdist worker's ranks share the GPU over
 gloo with CUDA tensors (the plugin's sharing placement); with a GPU per rank (4 GPUs, ``-n 1``) they run on NCCL.
@@ -136,6 +137,47 @@ def test_tp_fused_loss(tp, op_source):
                                        ("d_hidden", h.grad, ref[1], truth[1]),
                                        ("d_weight", w.grad, ref[2][rows], truth[2][rows]),
                                        ("d_bias", b.grad, ref[3][rows], truth[3][rows])), dtype)
+
+
+# ---- the tensor-parallel-invariant level ----------------------------------------------------------------------------
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+@pytest.mark.parametrize("op_source", SOURCES, indirect=True)
+def test_tp_invariant_equals_one_rank_bitwise(tp, op_source):
+    """``deterministic="tp_invariant"`` on uneven shards of the prime vocabulary (shards that cut the grid's
+    blocks), temperature and ignore_index: logp, entropy, lse and this rank's weight / bias gradient rows equal an
+    in-process TP=1 call's on the same device bit for bit, and so do the fused loss's value and gradient rows;
+    hidden.grad is equal from run to run."""
+    from pytest_tplogp import VocabShards
+
+    vs = VocabShards("uneven", tp.world_size, vocab_size=V).__tp_bind__(tp)
+    dtype = torch.float32 if str(op_source) == "native" else torch.bfloat16
+    p = problem_on(make_problem(LEAD, D, V, dtype, True, seed=13, ignore_index=IGNORE, ignore_fraction=0.2),
+                   tp.device)
+    kw = dict(temperature=0.7, ignore_index=IGNORE, deterministic="tp_invariant")
+    one = run_op(op_source, p, entropy=True, lse=True, **kw)
+    full_w, full_b = _shard_problem(p, vs)
+    group = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=V)
+    ours = run_op(op_source, p, entropy=True, lse=True, **group, **kw)
+    rows = slice(vs.start, vs.end)
+    bad = [n for n in ("logp", "entropy", "lse") if not torch.equal(getattr(ours, n), getattr(one, n))]
+    bad += [n for n in ("d_weight", "d_bias") if not torch.equal(getattr(ours, n), getattr(one, n)[rows])]
+    tp.assert_all(not bad, f"rank {tp.rank} [{vs.start}, {vs.end}): not bitwise equal to TP=1: {bad}")
+    again = run_op(op_source, p, entropy=True, lse=True, **group, **kw)
+    tp.assert_all(torch.equal(again.d_hidden, ours.d_hidden), "hidden.grad differs from run to run")
+
+    def fused(weight, bias, **extra):
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        value = linear_logp_loss(p.hidden, w, p.target, b, loss=losses.cross_entropy() + losses.entropy_bonus(0.01),
+                                 source=op_source.source, **kw, **extra)
+        value.backward()
+        return value.detach(), w.grad, b.grad
+
+    loss, lw, lb = fused(p.weight, p.bias, **group)
+    ref_loss, ref_w, ref_b = fused(full_w, full_b)
+    tp.assert_all(torch.equal(loss, ref_loss) and torch.equal(lw, ref_w[rows]) and torch.equal(lb, ref_b[rows]),
+                  f"rank {tp.rank}: the fused loss or its gradient rows differ from TP=1 ({loss.item()!r} vs "
+                  f"{ref_loss.item()!r})")
 
 
 # ---- DTensor, compile, errors -----------------------------------------------------------------------------------------
