@@ -140,6 +140,7 @@ def machine_code() -> None:
             ("fwd_stats_keep", "fwd_tma", fwd, cfg.num_warps, True, False),
             ("fwd_stats_softcap", "fwd_tma", fwd, cfg.num_warps, False, True),
             ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False, False),
+            ("bwd_dlogits_softcap", "bwd_tma", bwd, cfg.bwd_num_warps, False, True),
             ("bwd_dlogits_kept", "bwd_kept", (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
              cfg.kept_num_warps, False, False),
             ("bwd_dlogits_kept_softcap", "bwd_kept",

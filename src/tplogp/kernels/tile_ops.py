@@ -229,19 +229,53 @@ def dlogits_epilogue(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False,
 ):
-    """Tile (i_n, i_v)'s epilogue: the unmasked form for interior tiles, the masked one for tiles past N or v_hi.
-    Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded differs between them."""
+    """Tile (i_n, i_v)'s epilogue. Shared by the generic and the TMA (sm90) kernels: only how ``acc`` is loaded
+    differs between them. ``SOFTCAP``: the tile's two column halves one after the other (a split of the registers
+    that hold them, no data movement), so that the softcap's extra values (the tanh, its slope) are live for half a
+    tile at a time: over a whole 128 x 256 tile they no longer fit the registers and spill."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
-    v0 = v_lo + i_v * BLOCK_V
+    if SOFTCAP:
+        HALF: tl.constexpr = BLOCK_V // 2
+        first, second = tl.split(tl.permute(tl.reshape(acc, [BLOCK_N, 2, HALF]), [0, 2, 1]))
+        _dlogits_columns(first, i_n, o_n, i_v * BLOCK_V, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge,
+                         p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB,
+                         WITH_ENTROPY, DOT_PRECISION, BLOCK_N, HALF, SOFTCAP, WITH_SUM_Z)
+        _dlogits_columns(second, i_n, o_n, i_v * BLOCK_V + HALF, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg,
+                         p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS,
+                         NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, HALF, SOFTCAP, WITH_SUM_Z)
+    else:
+        o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
+        v0 = v_lo + i_v * BLOCK_V
+        if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
+            dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel,
+                         p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, True, HAS_BIAS, NEED_DB,
+                         WITH_ENTROPY, DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+        else:
+            dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel,
+                         p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, False, HAS_BIAS, NEED_DB,
+                         WITH_ENTROPY, DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+
+
+@triton.jit
+def _dlogits_columns(
+    acc,  # [BLOCK_N, BLOCK_V] fp32 logits of the columns c0 .. c0 + BLOCK_V of the chunk
+    i_n, o_n, c0, N, v_lo, v_hi,
+    p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp,
+    inv_temp, softcap,
+    HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
+):
+    """:func:`dlogits_tile` of a block of columns: the unmasked form inside N and v_hi, the masked one past them."""
+    o_c = c0 + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
+    v0 = v_lo + c0
     if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
         dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,
-                      p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, True, HAS_BIAS, NEED_DB, WITH_ENTROPY,
-                      DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+                     p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, True, HAS_BIAS, NEED_DB, WITH_ENTROPY,
+                     DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
     else:
         dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,
-                      p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, False, HAS_BIAS, NEED_DB, WITH_ENTROPY,
-                      DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+                     p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, False, HAS_BIAS, NEED_DB, WITH_ENTROPY,
+                     DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
 
 
 @triton.jit
