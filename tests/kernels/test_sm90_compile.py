@@ -80,8 +80,8 @@ def test_products_next_to_the_row_max_are_rounded(sass):
 def test_softcap_d_logits_epilogue_fits_the_registers(sass):
     """The softcapped d_logits recompute runs its epilogue on the tile's two column halves one after the other
     (:func:`tplogp.kernels.tile_ops.dlogits_epilogue`): over the whole 128 x 256 tile the tanh and its slope beside
-    the accumulator did not fit the registers, and this compilation spilled 719 local loads and stores (the plain
-    kernel 16); by halves it spills none (Triton 3.9)."""
+    the accumulator did not fit the registers: this compilation held 719 local-memory load and store instructions
+    (spills; the plain kernel 16), by halves none (Triton 3.9)."""
     plain, capped = sass["bwd_dlogits"], sass["bwd_dlogits_softcap"]
     spills = capped.get("LDL", 0) + capped.get("STL", 0)
     assert spills <= 5 * (plain.get("LDL", 0) + plain.get("STL", 0)) + 64, (capped, plain)
