@@ -94,7 +94,7 @@ def test_fail_is_reported_once_and_exits_nonzero():
 
 @pytest.mark.slow
 def test_bad_size_is_one_line_from_rank_0_and_never_passes():
-    out = torchrun(*SMALL, "--tokens", "0", nproc=3)
+    out = torchrun(*SMALL, "--tokens", "0")
     message = "linear_logp_tp.py: error: argument --tokens: must be a positive int, got 0\n"
     assert out.stderr.count("error: argument") == 1 and message in out.stderr, out.stderr
     assert "usage:" not in out.stderr and "PASS" not in out.stdout and "[correctness]" not in out.stdout
