@@ -243,7 +243,7 @@ def dlogits_epilogue(
         _dlogits_columns(second, i_n, o_n, i_v * BLOCK_V + HALF, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg,
                          p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS,
                          NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N, HALF, SOFTCAP, WITH_SUM_Z)
-    else:
+    else:  # _dlogits_columns written out: through it, this path compiles with more register spills
         o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
         v0 = v_lo + i_v * BLOCK_V
         if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
