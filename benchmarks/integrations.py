@@ -27,9 +27,9 @@ Steps, each implementation on the same model and batch:
 
 Time: median of ``--reps`` calls (CUDA events, synced per call) after warm-up calls. Memory: peak allocated GiB
 during one call above what was allocated before it (model and batch excluded; gradients of the parameters and
-the activations included). ``loss``: the value of a loss step's call measured for memory (every row of a step computes
-the same loss: they agree within the logits' rounding). ``err_logp``: ``tplogp.tolerances.rel_error`` (``||logp - reference|| / ||reference||``)
-of the logprobs step, the reference being ``tplogp.reference.reference_linear_logp(mode="fp32")`` (fp32 log-softmax
+the activations included). ``loss``: the value of a loss step's call measured for memory (every row of a step
+computes the same loss: they agree within the logits' rounding). ``err_logp``: ``tplogp.tolerances.rel_error``
+(``||logp - reference|| / ||reference||``) of the logprobs step, the reference being ``tplogp.reference.reference_linear_logp(mode="fp32")`` (fp32 log-softmax
 of fp32 logits) of the same final hidden states and head. Prints a markdown table and appends
 JSON rows (suite ``integrations``) to the results file.
 """

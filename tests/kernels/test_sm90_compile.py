@@ -84,7 +84,7 @@ def test_softcap_d_logits_epilogue_fits_the_registers(sass):
     (spills; the plain kernel 16), by halves none (Triton 3.9)."""
     plain, capped = sass["bwd_dlogits"], sass["bwd_dlogits_softcap"]
     spills = capped.get("LDL", 0) + capped.get("STL", 0)
-    assert spills <= 5 * (plain.get("LDL", 0) + plain.get("STL", 0)) + 64, (capped, plain)
+    assert spills <= plain.get("LDL", 0) + plain.get("STL", 0) + 64, (capped, plain)
     assert capped.get("HGMMA", 0) == plain.get("HGMMA", 0), capped
 
 

@@ -58,8 +58,9 @@ def _no_worse(row: dict, eager: dict, keys=("err_d_hidden", "err_d_weight")) -> 
 @pytest.mark.slow
 def test_op_smoke_rows(tmp_path, capsys):
     # the native source and its fused loss at two budgets, the eager baseline, two peers that cannot run on CPU
-    _bench_here(capsys, "op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native,torch-eager,torch-eager-loss,liger-flce,"
-           "quack-chunked", "--out", str(tmp_path))
+    _bench_here(capsys, "op", "--smoke", "--impls",
+                "tplogp-native,tplogp-loss-native,torch-eager,torch-eager-loss,liger-flce,quack-chunked",
+                "--out", str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
     budgets = ("default", "16KiB", "keep 100%", "chunk 16")
     assert set(rows) == {(impl, b) for impl in ("tplogp-native", "tplogp-loss-native") for b in budgets} | {
@@ -290,8 +291,9 @@ def test_variant_rows(tmp_path):
 @pytest.mark.slow
 def test_variants_flag_smoke(tmp_path, capsys):
     """``op --smoke --variants``: the variant rows reach the results file and the printed table."""
-    printed = _bench_here(capsys, "op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native", "--budgets", "keep:1", "--reps", "1",
-                  "--variants", "softcap=1,label_smoothing=0.1+z_loss=1e-4", "--out", str(tmp_path))
+    printed = _bench_here(capsys, "op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native", "--budgets",
+                          "keep:1", "--reps", "1", "--variants", "softcap=1,label_smoothing=0.1+z_loss=1e-4", "--out",
+                          str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
     assert set(rows) == {("tplogp-native", "keep 100%"), ("tplogp-native", "keep 100%, softcap=1"),
                          ("tplogp-loss-native", "keep 100%"), ("tplogp-loss-native", "keep 100%, softcap=1"),

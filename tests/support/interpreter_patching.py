@@ -6,7 +6,7 @@ again on every call; those patches change nothing (the members are already the i
 the modules with ``inspect.getmembers``, which then dominates a kernel's host time after the numpy arithmetic.
 :func:`install` makes a helper's call skip that walk while a launch that already patched every ``triton.language``
 module the helper sees is running. What runs is unchanged: the same patched members, the same program order, the
-same numpy arithmetic (tests/meta/test_interpreter_patching.py compares the results bit for bit).
+same numpy arithmetic (tests/kernels/test_interpreter_patching.py compares the results bit for bit).
 
 :func:`install` does nothing unless the Triton release has the two pieces it wraps (``_patch_lang``,
 ``GridExecutor.__call__``); it is idempotent. :func:`uninstalled` puts Triton's own back for a block.
