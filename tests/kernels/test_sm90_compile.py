@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from tplogp.kernels import tiles
+
 triton = pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,14 +40,24 @@ def _env():
     return env
 
 
-@pytest.fixture(scope="module")
-def sass():
-    """SASS instruction counts per opcode of the sm90 kernels (one compilation for the tests of this module)."""
+def _compiled_kernels(*args: str) -> str:
     _needs_nvidia_toolchain()
-    run = subprocess.run([sys.executable, "-m", "tests.support.compiled_kernels", "sass-counts"], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "tests.support.compiled_kernels", *args], capture_output=True,
                          text=True, env=_env(), timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run.stdout
+
+
+# The kernel kinds of tests.support.compiled_kernels.CASES whose shared-memory rows the slow tests check: four
+# compilations, in the process that compiles the sass-counts kernels.
+SLOW_KINDS = ("fwd_tma", "bwd_tma", "fwd", "bwd")
+
+
+@pytest.fixture(scope="module")
+def sass():
+    """SASS instruction counts per opcode of the sm90 kernels and the shared-memory rows of ``SLOW_KINDS`` (one
+    process compiles them all for the tests of this module)."""
+    return json.loads(_compiled_kernels("sass-counts", *SLOW_KINDS).strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -117,23 +129,32 @@ def test_kept_softcap_slope_takes_one_mufu_log_per_term(sass):
     assert kept.get("FFMA", 0) <= 300 and kept.get("STL", 0) == 0, kept
 
 
-# The cases of tests.support.compiled_kernels.CASES by kernel kind: the inner loop compiles the d_hidden kernel (one
-# case, the cheapest compilation); the five forward and d_logits cases (a compilation each) are slow.
-@pytest.mark.parametrize("kinds, cases", [
-    (["dh"], 1),
-    pytest.param(["fwd_tma", "bwd_tma", "fwd", "bwd"], 5, marks=pytest.mark.slow),
-], ids=["dh", "fwd-bwd"])
-def test_shared_memory_model_covers_compiled_kernels(kinds, cases):
-    """The shared-memory model behind the config fitting (tplogp.kernels.tiles.gemm_shared_bytes) is never below
-    what Triton allots the compiled kernels (sm_90 and sm_80; 16-bit, tf32 and ieee fp32 dots) and is exact for the
-    TMA kernels, whose fp32 forward the H200 refused at 262160 bytes."""
-    _needs_nvidia_toolchain()
-    run = subprocess.run([sys.executable, "-m", "tests.support.compiled_kernels", "shared-memory", *kinds],
-                         capture_output=True, text=True, env=_env(), timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == cases, run.stdout
+def _check_shared_memory_rows(rows: list[dict]) -> None:
     for row in rows:
         assert row["model"] >= row["compiled"], row
         if row["tma"]:
             assert row["model"] == row["compiled"], row
+
+
+def test_shared_memory_model_covers_the_d_hidden_kernel():
+    """The inner loop's case of the model check below: the d_hidden kernel (the cheapest compilation)."""
+    rows = [json.loads(line) for line in _compiled_kernels("shared-memory", "dh").splitlines() if line.startswith("{")]
+    assert len(rows) == 1, rows
+    _check_shared_memory_rows(rows)
+
+
+@pytest.mark.slow
+def test_shared_memory_model_covers_compiled_kernels(sass):
+    """The shared-memory model behind the config fitting (tplogp.kernels.tiles.gemm_shared_bytes) is never below
+    what Triton allots the compiled kernels (sm_90 and sm_80; 16-bit, tf32 and ieee fp32 dots) and is exact for the
+    TMA kernels, whose fp32 forward the H200 refused at 262160 bytes: the bf16 sm90 forward and d_logits kernels
+    compiled above and one case per kind of ``SLOW_KINDS``."""
+    rows = sass["shared_memory"]
+    assert sorted({row["case"].split()[0] for row in rows}) == sorted(SLOW_KINDS), rows
+    for name in ("fwd_stats", "bwd_dlogits"):
+        rows.append(dict(case=name, tma=True, compiled=sass[name]["shared"], model=sass[name]["model"]))
+    _check_shared_memory_rows(rows)
+    # The KEEP forward stages one bf16 tile of terms for its TMA store on top of the K loop's buffers: still within
+    # sm_90's 227 KiB per block
+    keep, cfg = sass["fwd_stats_keep"], tiles.SM90
+    assert keep["shared"] == keep["model"] + cfg.block_n * cfg.block_v * 2 <= 227 * 1024, keep

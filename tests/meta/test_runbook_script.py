@@ -62,24 +62,18 @@ def test_pass_output_format_progress_and_status():
 
 
 @pytest.mark.slow
-def test_sequence_parallel_passes_with_the_same_output():
-    """--sequence-parallel: each rank passes its slice of the tokens; the same checks and result lines."""
+def test_module_entry_with_sequence_parallel_passes_with_the_same_output():
+    """``-m tplogp.runbook`` runs the same program as the script; --sequence-parallel: each rank passes its slice of
+    the tokens; the same checks and result lines."""
     out = torchrun("--dtype", "fp32", "--tokens", "32", "--hidden-size", "48", "--vocab-size", "301", "--uneven-shards",
                    "--ignore-fraction", "0.2", "--sequence-parallel", "--run-stress", "--stress-tokens", "64",
-                   "--stress-hidden-size", "32", "--stress-vocab-size", "512", "--stress-steps", "1")
+                   "--stress-hidden-size", "32", "--stress-vocab-size", "512", "--stress-steps", "1",
+                   entry=("-m", "tplogp.runbook"))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "  sequence_parallel=True\n" in out.stdout
     for metric in ("output", "hidden_grad", "weight_grad", "bias_grad"):
         assert re.search(rf"  PASS {metric}: max_abs=\S+, max_rel=\S+\n", out.stdout), metric
     assert "  finite=PASS\n" in out.stdout and out.stdout.rstrip().endswith("[result]\n  PASS")
-
-
-@pytest.mark.slow
-def test_module_entry_runs_the_same_program():
-    out = torchrun(*SMALL, entry=("-m", "tplogp.runbook"))
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "  shard_boundaries=[0, 32, 64]\n" in out.stdout
-    assert out.stdout.rstrip().endswith("[result]\n  PASS")
 
 
 @pytest.mark.slow

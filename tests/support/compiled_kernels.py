@@ -8,8 +8,10 @@ Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` star
 * ``python -m tests.support.compiled_kernels sass-counts``: one JSON object, SASS instructions per opcode of the sm90
   forward-statistics kernel (default, ``KEEP`` with its TMA stores, and ``SOFTCAP``) and d_logits kernels (TMA, and
   from kept logits, also with ``SOFTCAP``), with the sm90 config, bf16, no bias / entropy; ``ptx_mul_rn``: the PTX's
-  ``mul.rn.f32`` count
-  (the products that must not fuse into an FMA, :func:`tplogp.kernels.fp32_ops.mul_rounded`).
+  ``mul.rn.f32`` count (the products that must not fuse into an FMA, :func:`tplogp.kernels.fp32_ops.mul_rounded`);
+  ``shared``: the bytes Triton allots, ``model``: :func:`tplogp.kernels.tiles.gemm_shared_bytes` for the GEMM kernels;
+* ``python -m tests.support.compiled_kernels sass-counts KIND ...``: the same, and the shared-memory rows of those
+  kinds under ``"shared_memory"`` (one process, one torch and Triton import, for the slow tests).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from triton.compiler import ASTSource
 from tplogp.kernels import backward_kernels, forward_kernels, hopper_kernels, tiles
 
 # (kernel, arch, dtype, (M, N, K, stages), dot precision)
+# (the bf16 TMA forward and d_logits kernels with the sm90 tiles are the ``sass-counts`` kernels; they carry their rows)
 CASES = [
-    ("fwd_tma", 90, "bf16", (128, 256, 64, 3), None),
     ("fwd_tma", 90, "fp32", (128, 128, 32, 3), "ieee"),
     ("bwd_tma", 90, "fp32", (128, 128, 32, 3), "tf32"),
     ("bwd", 90, "fp16", (128, 128, 32, 4), None),
@@ -118,17 +120,19 @@ def sass_counts(cubin: bytes) -> collections.Counter:
     return ops
 
 
-def shared_memory(kinds: list[str]) -> None:
+def shared_memory_rows(kinds: list[str]) -> list[dict]:
+    rows = []
     for kind, arch, dt, blocks, precision in CASES:
         if kinds and kind not in kinds:
             continue
         compiled = _compile(kind, arch, dt, blocks, precision).metadata.shared
         model = tiles.gemm_shared_bytes(*blocks, _ITEMSIZE[dt], tiles.uses_tensor_cores(_ITEMSIZE[dt], precision))
-        print(json.dumps(dict(case=f"{kind} sm_{arch} {dt} {blocks} {precision}", tma=kind.endswith("tma") and arch == 90,
-                              compiled=compiled, model=model)), flush=True)
+        rows.append(dict(case=f"{kind} sm_{arch} {dt} {blocks} {precision}", tma=kind.endswith("tma") and arch == 90,
+                         compiled=compiled, model=model))
+    return rows
 
 
-def machine_code() -> None:
+def machine_code(shared_memory_kinds: list[str]) -> None:
     cfg = tiles.SM90
     found = {}
     fwd = (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages)
@@ -145,15 +149,22 @@ def machine_code() -> None:
              (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages), cfg.kept_num_warps, False, True)):
         kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
                           split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep, softcap=softcap)
-        found[name] = dict(sass_counts(kernel.asm["cubin"]), ptx_mul_rn=kernel.asm["ptx"].count("mul.rn.f32"))
+        found[name] = dict(sass_counts(kernel.asm["cubin"]), ptx_mul_rn=kernel.asm["ptx"].count("mul.rn.f32"),
+                           shared=kernel.metadata.shared)
+        if kind != "bwd_kept":
+            found[name]["model"] = tiles.gemm_shared_bytes(*blocks, 2, True)
+    if shared_memory_kinds:
+        found["shared_memory"] = shared_memory_rows(shared_memory_kinds)
     print(json.dumps(found, sort_keys=True))
 
 
 def main() -> int:
-    if sys.argv[1] == "shared-memory":
-        shared_memory(sys.argv[2:])
+    command, kinds = sys.argv[1], sys.argv[2:]
+    if command == "shared-memory":
+        for row in shared_memory_rows(kinds):
+            print(json.dumps(row), flush=True)
     else:
-        {"sass-counts": machine_code}[sys.argv[1]]()
+        {"sass-counts": machine_code}[command](kinds)
     return 0
 
 
