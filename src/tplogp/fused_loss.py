@@ -15,24 +15,25 @@ them instead of recomputing (3 GEMMs instead of 4). ONE all_reduce completes ``d
 last chunk's rows are done, under that chunk's ``d_W`` work (a reduce-scatter of a sequence-parallel hidden, which the
 chunks see gathered: :func:`tplogp.local_call.localize`; none with ``hidden_grad="partial"``). The autograd node's
 backward scales the gradients by the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`).
-Per-token tensors are constants. A ``losses.grpo(...)`` loss with sequence sums runs the same loop on chunks of whole
-sequences (:func:`_policy_loss_and_grads`).
+Per-token tensors are constants (:mod:`tplogp.chunk_gradients` holds the chunk plan and the gradients' assembly). A
+``losses.grpo(...)`` loss runs the same loop, on chunks of whole sequences when it has sequence sums
+(:mod:`tplogp.policy_loss`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Sequence
 
 import torch
 
 from . import local_call, plan, tensors, tp
-from .budgets import accumulator_tokens, plan_chunk_tokens
+from .chunk_gradients import ChunkGradients, chunk_part, per_token_rows, plan_chunks
 from .grad_scaling import scaled_all
 from .losses import Derivative, TokenLoss, TokenStats
-from .rl_losses import GRPOLoss, combine_sums, finish_metrics
-from .sequences import check_offsets, row_bounds, segments_for
-from .tensors import f32_contiguous, finish_rows, zero_rows
+from .policy_loss import check_policy_options, policy_loss_and_grads
+from .rl_losses import GRPOLoss, finish_metrics
+from .sequences import check_offsets
+from .tensors import f32_contiguous, zero_rows
 
 REDUCTIONS = ("sum", "mean")
 
@@ -96,7 +97,7 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     policy = isinstance(loss, GRPOLoss)
-    _check_policy_options(loss, policy, per_token, reduction, return_metrics, cu_seqlens, target_ids, with_entropy)
+    check_policy_options(loss, policy, per_token, reduction, return_metrics, cu_seqlens, target_ids, with_entropy)
     offsets = None if cu_seqlens is None else check_offsets(cu_seqlens, target_ids.numel(),
                                                             read=policy and loss.needs_sequences)
     _check_token_loss(loss, per_token, with_entropy)
@@ -111,102 +112,11 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
     with torch.no_grad():
         local = local_call.localize(call)
         if policy:
-            total, grads, sums = _policy_loss_and_grads(local, loss, per_token, needs, target_ids.numel(),
+            total, grads, sums = policy_loss_and_grads(local, loss, per_token, needs, target_ids.numel(),
                                                         hidden.shape, target_ids.shape, offsets, return_metrics)
         else:
             total, grads = _loss_and_grads(local, loss, per_token, reduction, needs, target_ids.numel(), hidden.shape)
     return total, grads, call.verdict, sums
-
-def _check_policy_options(loss, policy: bool, per_token: Sequence, reduction: str, return_metrics: bool,
-                          cu_seqlens, target_ids, with_entropy: bool) -> None:
-    """The options that only a :class:`~tplogp.rl_losses.GRPOLoss` takes, and what it needs (the same error on
-    every rank: the arguments are)."""
-    if not policy:
-        for name, value in (("return_metrics", return_metrics), ("cu_seqlens", cu_seqlens)):
-            if value is not None and value is not False:
-                raise ValueError(f"{name} is an option of the losses.grpo(...) losses, not of {loss!r}")
-        return
-    loss.check_arity(len(per_token))
-    if reduction != "sum":
-        raise ValueError(f"the loss {loss.name} normalises itself (its normalization option): call with "
-                         f"reduction='sum', got {reduction!r}")
-    if loss.needs_sequences and cu_seqlens is None and target_ids.dim() < 2:
-        raise ValueError(f"the loss {loss.name} has per-sequence terms: pass [B, L] targets (a sequence per row) "
-                         f"or cu_seqlens (packed sequences' offsets)")
-    if loss.reads_entropy and not with_entropy:
-        raise ValueError(f"the loss {loss.name} reads the entropy (entropy_coef): call with with_entropy=True")
-
-
-class _Gradients:
-    """The call's gradients as its chunks' backwards produce them: ``d_hidden`` rows into one fp32 buffer (none for
-    one chunk without a group: the source's), ``d_W`` / ``d_b`` summed in fp32 accumulators over several chunks, and
-    the ONE collective of ``d_hidden`` (all_reduce, or reduce_scatter for sequence-parallel input) issued by the
-    chunk that completes it (the last rows), under its ``d_W`` work."""
-
-    def __init__(self, local: local_call.LocalCall, needs: tuple[bool, bool, bool], n: int, n_chunks: int) -> None:
-        h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
-        self.local, self.needs, self.n = local, needs, n
-        self.reduce = tp.hidden_grad_reducer(tpc) if needs[0] else None
-        d = h2.shape[1]
-        # one chunk without a group: its d_hidden is the source's (no [N, D] buffer to fill)
-        self.d_hidden = (torch.zeros(n, d, device=h2.device, dtype=torch.float32)
-                         if needs[0] and (n_chunks > 1 or self.reduce is not None) else None)
-        self.accumulate = None  # several chunks: d_W and d_b summed unrounded in fp32, rounded once at the end
-        if n_chunks > 1 and (needs[1] or needs[2]):
-            self.accumulate = (torch.zeros(w.shape, device=w.device, dtype=torch.float32) if needs[1] else None,
-                               torch.zeros(b.shape, device=b.device, dtype=torch.float32) if needs[2] else None)
-        self.d_w = torch.zeros_like(w) if n == 0 and needs[1] else None
-        self.d_b = torch.zeros_like(b) if n == 0 and needs[2] else None
-        if n == 0 and needs[0]:
-            self.d_hidden = h2.new_zeros(n, d, dtype=torch.float32)
-
-    def backward(self, t0: int, t1: int, h_c, lt_c, row_max, log_sum, mean_rel, g_logp: torch.Tensor,
-                 g_ent: Optional[torch.Tensor], kept, g_lse: Optional[torch.Tensor] = None,
-                 g_sum_z: Optional[torch.Tensor] = None) -> None:
-        """One chunk's backward, rows ``[t0, t1)``, given its upstream gradients (``g_lse`` / ``g_sum_z``: of a
-        loss that reads the lse / the sum of the logits)."""
-        local, reduce, d_hidden = self.local, self.reduce, self.d_hidden
-        ready = None
-        if reduce is not None and t1 == self.n:  # the last chunk completes d_hidden: reduce it under its d_W
-
-            def ready(rows, t0=t0, t1=t1):
-                d_hidden[t0:t1] = rows
-                reduce.start(d_hidden)
-
-        grads = local.tpc.backend.backward(h_c, local.weight, local.bias, lt_c, row_max, log_sum,
-                                           g_logp.contiguous(), None if g_ent is None else g_ent.contiguous(), g_lse,
-                                           mean_rel if g_ent is not None else None, local.tpc.call, self.needs,
-                                           d_hidden_ready=ready, kept=kept, accumulate=self.accumulate,
-                                           grad_sum_z=g_sum_z)
-        if d_hidden is not None and not (ready is not None and reduce.started):
-            d_hidden[t0:t1] = grads.d_hidden
-        elif self.needs[0] and d_hidden is None:  # the one chunk
-            self.d_hidden = grads.d_hidden
-        self.d_w, self.d_b = grads.d_weight, grads.d_bias
-
-    def finish(self, n_all: int, hidden_shape) -> tuple:
-        """``(d_hidden, d_W, d_b)`` of the call; d_hidden fp32 (rounded once, after the upstream scale)."""
-        d_hidden = self.d_hidden
-        if d_hidden is not None:
-            if self.reduce is not None:  # the one collective of d_hidden (started by the last chunk's backward)
-                d_hidden = self.reduce.finish(d_hidden)
-            if self.local.own_rows is None:  # (sequence-parallel ignored rows are in place, no upstream gradient)
-                d_hidden = finish_rows(d_hidden, n_all, self.local.keep_idx, self.local.ignored)
-            d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
-        d_w, d_b = self.d_w, self.d_b
-        if self.local.tpc.regrid is not None:  # the invariant level: d_W / d_b of the grid's rows to the shard's
-            d_w, d_b = self.local.tpc.regrid.grads_back(d_w, d_b)
-        return d_hidden, d_w, d_b
-
-
-def _plan_chunks(local: local_call.LocalCall, needs: tuple[bool, bool, bool]) -> int:
-    """Tokens per chunk (the same on every rank), from what requires a gradient, not from grad mode: a call without
-    gradients sums the same chunks."""
-    h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
-    accumulators = accumulator_tokens(h2.shape[1], w.dtype if needs[1] else None, b.dtype if needs[2] else None)
-    return plan_chunk_tokens(tpc.backend, h2.shape[0], local.vocab_size, tpc.call.workspace_bytes, h2.device,
-                             accumulators, h2.dtype)
-
 
 def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str, needs: tuple[bool, bool, bool],
                     n_all: int, hidden_shape):
@@ -214,16 +124,16 @@ def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str
     gradients to compute (none: the loss value alone)."""
     h2, local_target, tpc, ignored = local.hidden, local.local_target, local.tpc, \
         local.ignored  # (ignored rows kept in place, a CUDA-graph capture: masked out of the loss)
-    extra = _per_token_rows(per_token, n_all, h2.device, local.keep_idx)
+    extra = per_token_rows(per_token, n_all, h2.device, local.keep_idx)
     n = h2.shape[0]
     differentiate = any(needs)
-    chunk = _plan_chunks(local, needs)
+    chunk = plan_chunks(local, needs)
     if differentiate:  # one backward per chunk's forward: it may write d_logits over the chunk's kept terms
         tpc.call = tpc.call.precomputing
     count = None if reduction != "mean" else (
         float(max(n, 1)) if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32))
     n_chunks = -(-n // chunk) if n else 0
-    grads = _Gradients(local, needs, n, n_chunks) if differentiate else None
+    grads = ChunkGradients(local, needs, n, n_chunks) if differentiate else None
     total = torch.zeros((), device=h2.device, dtype=torch.float32) if n == 0 else None
     w, b = local.weight, local.bias
     for t0 in range(0, n, chunk):
@@ -239,7 +149,7 @@ def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str
         stats = TokenStats(lse, sum_z, local.vocab_size) if reads_stats else None
         if not differentiate:
             value = loss(logp, entropy, *pt, stats=stats) if reads_stats else loss(logp, entropy, *pt)
-            part = _chunk_part(zero_rows(skip, value), count)
+            part = chunk_part(zero_rows(skip, value), count)
             total = part if total is None else total + part
             continue
         part = None  # a linear loss's: from its upstream gradients, once the backward is launched
@@ -249,7 +159,7 @@ def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str
                 d_logp, d_ent = loss.coefficients(*pt)
             else:
                 value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *pt, stats=stats)
-                part = _chunk_part(zero_rows(skip, value), count)
+                part = chunk_part(zero_rows(skip, value), count)
             g_logp = _token_grads(d_logp, t1 - t0, h2.device, skip, count=count)
             g_ent = None if entropy is None else _token_grads(d_ent, t1 - t0, h2.device, skip, count=count)
             if reads_stats:  # d loss / d lse and d loss / d sum_z: the sources' grad_lse and grad_sum_z
@@ -260,7 +170,7 @@ def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str
             logp = logp.detach().requires_grad_()
             entropy = None if entropy is None else entropy.detach().requires_grad_()
             with torch.enable_grad():
-                part = _chunk_part(zero_rows(skip, loss(logp, entropy, *pt)), count)
+                part = chunk_part(zero_rows(skip, loss(logp, entropy, *pt)), count)
                 g_logp, *g_rest = torch.autograd.grad(part, [logp] if entropy is None else [logp, entropy],
                                                       allow_unused=True)
             g_ent, part = (g_rest[0] if g_rest else None), part.detach()
@@ -271,114 +181,6 @@ def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str
         part = _linear_total(*linear) if linear is not None else part  # (queued behind the backward's kernels)
         total = part if total is None else total + part
     return total, (grads.finish(n_all, hidden_shape) if differentiate else (None, None, None))
-
-
-def _policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token, needs: tuple[bool, bool, bool],
-                           n_all: int, hidden_shape, target_shape, offsets, metrics: bool):
-    """``(loss, (d_hidden, d_W, d_b), metric sums | None)`` of a :class:`~tplogp.rl_losses.GRPOLoss`.
-
-    A loss without sequence sums runs the chunk loop of :func:`_loss_and_grads` (each chunk's coefficients from
-    its own logp). One with them (GSPO's ratio, VESPO's weights) needs a sequence's sums before any of its tokens'
-    gradients: its chunks hold whole sequences (:func:`_sequence_chunks`: consecutive sequences, at most the
-    planned chunk's rows), so each chunk's forward, coefficients and backward follow one another as in that loop
-    (every chunk's terms kept, no GEMM more; the coefficients' extra pass is over the chunk's per-token values).
-    When a sequence has more rows than a chunk it runs in two phases: the forwards of every chunk (last chunk
-    first), holding per token its logp, entropy and the three softmax statistics the backward takes (5 fp32, 20
-    bytes per token) and the kept terms of the first chunk only; then the coefficients of every token; then the
-    backwards in order, the first chunk reading its kept terms, the others recomputing their logits (one GEMM more
-    on those rows, as the backward of an unkept chunk).
-    """
-    h2, local_target, tpc, ignored = local.hidden, local.local_target, local.tpc, local.ignored
-    extra = _per_token_rows(per_token, n_all, h2.device, local.keep_idx)
-    n = h2.shape[0]
-    differentiate = any(needs)
-    counted = None if ignored is None else ~ignored
-    segments = (segments_for(target_shape, offsets, local.keep_idx, h2.device) if loss.needs_sequences
-                else None)
-    bound = loss.bind(extra, counted, segments)
-    chunk = _plan_chunks(local, needs)
-    lean = tpc.call  # a forward whose terms are not kept
-    if differentiate:
-        tpc.call = tpc.call.precomputing
-    chunks = [(t0, min(t0 + chunk, n), None) for t0 in range(0, n, chunk)]  # (t0, t1, whole sequences)
-    if loss.needs_sums and len(chunks) > 1:
-        chunks = _sequence_chunks(row_bounds(target_shape, offsets, local.keep_idx), chunk) or chunks
-    two_phase = loss.needs_sums and len(chunks) > 1 and chunks[0][2] is None
-    grads = _Gradients(local, needs, n, len(chunks)) if differentiate else None
-    w, b = local.weight, local.bias
-    total, sums = torch.zeros((), device=h2.device, dtype=torch.float32), None
-
-    def forward(t0, t1, keep):
-        h_c, lt_c = (h2, local_target) if t1 - t0 == n else (h2[t0:t1], local_target[t0:t1])
-        context = tpc if keep or tpc.call is lean else dataclasses.replace(tpc, call=lean)
-        (logp, entropy, *_), stats = tp.shard_forward(h_c, w, b, lt_c, context)
-        if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its gradient)
-            logp, entropy = zero_rows(ignored[t0:t1], logp), None if entropy is None else zero_rows(
-                ignored[t0:t1], entropy)
-        return h_c, lt_c, logp, entropy, stats
-
-    if not two_phase:
-        for t0, t1, sequences in chunks:
-            h_c, lt_c, logp, entropy, (row_max, log_sum, mean_rel, kept) = forward(t0, t1, differentiate)
-            whole = t1 - t0 == n
-            ev = bound.evaluate(logp, entropy, None if whole else slice(t0, t1), metrics, None if whole else sequences)
-            if differentiate:
-                grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, ev.g_logp, ev.g_entropy, kept)
-            del kept
-            total = total + ev.total
-            sums = combine_sums(sums, ev.sums) if metrics else None
-    else:
-        held = {}
-        for t0, t1, _ in reversed(chunks):  # phase 1: every chunk's forward, the first one's kept terms held
-            _, _, logp, entropy, (row_max, log_sum, mean_rel, kept) = forward(t0, t1, differentiate and t0 == 0)
-            held[t0] = (logp, entropy, row_max, log_sum, mean_rel, kept)
-        parts = [held[t0] for t0, _, _ in chunks]
-        logp = torch.cat([p[0] for p in parts])
-        entropy = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
-        ev = bound.evaluate(logp, entropy, None, metrics)  # the coefficients of every token
-        total, sums = total + ev.total, ev.sums
-        for t0, t1, _ in chunks if differentiate else ():  # phase 2: the backwards in order
-            _, entropy_c, row_max, log_sum, mean_rel, kept = held.pop(t0)
-            g_ent = None if ev.g_entropy is None else ev.g_entropy[t0:t1]
-            grads.backward(t0, t1, h2[t0:t1], local_target[t0:t1], row_max, log_sum, mean_rel, ev.g_logp[t0:t1],
-                           g_ent, kept)
-            del kept
-    return total, (grads.finish(n_all, hidden_shape) if differentiate else (None, None, None)), sums
-
-
-def _sequence_chunks(bounds: list[int], chunk: int) -> Optional[list[tuple[int, int, slice]]]:
-    """Chunks ``(t0, t1, sequences)`` of at most ``chunk`` rows, each holding the whole ``sequences`` (consecutive,
-    greedily as many as fit), from the sequences' row boundaries ``bounds`` (:func:`tplogp.sequences.row_bounds`);
-    chunks of no row left out. None when a sequence has more rows than a chunk."""
-    out, s0, count = [], 0, len(bounds) - 1
-    while s0 < count:
-        if bounds[s0 + 1] - bounds[s0] > chunk:
-            return None
-        s1 = s0 + 1
-        while s1 < count and bounds[s1 + 1] - bounds[s0] <= chunk:
-            s1 += 1
-        if bounds[s1] > bounds[s0]:
-            out.append((bounds[s0], bounds[s1], slice(s0, s1)))
-        s0 = s1
-    return out
-
-
-def _chunk_part(per_token_loss: torch.Tensor, count) -> torch.Tensor:
-    """One chunk's share of the call's loss: its per-token losses' sum, over the call's ``count`` for ``"mean"``."""
-    return per_token_loss.sum() if count is None else per_token_loss.sum() / count
-
-
-def _per_token_rows(per_token: Sequence[torch.Tensor], n_all: int, device: torch.device,
-                    keep_idx: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    """The per-token tensors as fp32 constants of the call's rows (those ``keep_idx`` kept, when compacted)."""
-    extra = []
-    for i, t in enumerate(per_token):
-        if not isinstance(t, torch.Tensor) or t.numel() != n_all:
-            raise ValueError(f"per_token[{i}] must be a tensor with target_ids' {n_all} elements, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        t = t.detach().reshape(-1).to(device=device, dtype=torch.float32)
-        extra.append(t if keep_idx is None else t.index_select(0, keep_idx))
-    return extra
 
 
 def _check_token_loss(loss, per_token: Sequence, with_entropy: bool) -> None:

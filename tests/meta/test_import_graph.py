@@ -48,6 +48,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.plan",),
     # budgets and the fused loss's chunks
     ("tplogp.budgets",),
+    # the fused loss's chunk plan and gradient assembly; the GRPO losses' chunk schedule on it
+    ("tplogp.chunk_gradients",),
+    ("tplogp.policy_loss",),
     # what runs the plan and the shared path: the torch.library ops (torch.compile), the fused loss
     ("tplogp.ops", "tplogp.fused_loss"),
     # the public operator
