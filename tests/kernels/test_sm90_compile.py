@@ -151,9 +151,8 @@ def test_shared_memory_model_covers_compiled_kernels(sass):
     compiled above and one case per kind of ``SLOW_KINDS``."""
     rows = sass["shared_memory"]
     assert sorted({row["case"].split()[0] for row in rows}) == sorted(SLOW_KINDS), rows
-    for name in ("fwd_stats", "bwd_dlogits"):
-        rows.append(dict(case=name, tma=True, compiled=sass[name]["shared"], model=sass[name]["model"]))
-    _check_shared_memory_rows(rows)
+    _check_shared_memory_rows(rows + [dict(case=name, tma=True, compiled=sass[name]["shared"], model=sass[name]["model"])
+                                      for name in ("fwd_stats", "bwd_dlogits")])
     # The KEEP forward stages one bf16 tile of terms for its TMA store on top of the K loop's buffers: still within
     # sm_90's 227 KiB per block
     keep, cfg = sass["fwd_stats_keep"], tiles.SM90
