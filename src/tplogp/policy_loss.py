@@ -39,7 +39,7 @@ def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token
                            n_all: int, hidden_shape, target_shape, offsets, metrics: bool):
     """``(loss, (d_hidden, d_W, d_b), metric sums | None)`` of a :class:`~tplogp.rl_losses.GRPOLoss`.
 
-    A loss without sequence sums runs the chunk loop of :func:`_loss_and_grads` (each chunk's coefficients from
+    A loss without sequence sums runs the chunk loop of :mod:`tplogp.fused_loss` (each chunk's coefficients from
     its own logp). One with them (GSPO's ratio, VESPO's weights) needs a sequence's sums before any of its tokens'
     gradients: its chunks hold whole sequences (:func:`_sequence_chunks`: consecutive sequences, at most the
     planned chunk's rows), so each chunk's forward, coefficients and backward follow one another as in that loop
