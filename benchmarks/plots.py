@@ -16,9 +16,10 @@ from . import runner
 
 
 def latest_op_rows(rows: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
-    """``{(shape, dtype): [latest row per (impl, budget)]}`` over op rows of full (non-smoke, non-A/B) runs."""
+    """``{(shape, dtype): [latest row per (device, impl, budget)]}`` over op rows of full (non-smoke, non-A/B) runs:
+    a run on one GPU model does not hide another model's rows."""
     out: dict[tuple[str, str], list[dict]] = {}
-    for r in runner.latest_rows(rows, "op", ("shape", "dtype", "impl", "budget")):
+    for r in runner.latest_rows(rows, "op", ("shape", "dtype", "device", "impl", "budget")):
         out.setdefault((r["shape"], r["dtype"]), []).append(r)
     return out
 
@@ -27,10 +28,21 @@ def plot_path(out_dir: str, shape: str, dtype: str) -> str:
     return os.path.join(out_dir, f"pareto_{shape}_{dtype}.png")
 
 
-def pareto(rows: list[dict], path: str) -> bool:
-    """Write the plot of one shape's rows to ``path``; False (nothing written) without timed, measured rows."""
+def plot_points(rows: list[dict]) -> list[dict]:
+    """The rows a shape's plot draws: timed and measured, no variant, of one device (one point per implementation
+    and budget): the device with the most such rows (the widest comparison), the newest on a tie."""
     pts = [r for r in rows if r.get("fwd_bwd_gemms") is not None and r.get("extra_peak_gib") is not None
            and r.get("variant") is None]
+    by_device: dict[str, list[dict]] = {}
+    for r in pts:
+        by_device.setdefault(r.get("device"), []).append(r)
+    return max(by_device.values(), key=lambda sel: (len(sel), max(r["date"] for r in sel)), default=[])
+
+
+def pareto(rows: list[dict], path: str) -> bool:
+    """Write the plot of one shape's rows to ``path`` (:func:`plot_points`); False (nothing written) without timed,
+    measured rows."""
+    pts = plot_points(rows)
     if not pts:
         return False
     import matplotlib

@@ -1,6 +1,6 @@
 """Regenerate docs/performance.md (and the plots) from the results file: current numbers only.
 
-Per section the latest row of each (shape, dtype, implementation, budget) / (shape, implementation) / section,
+Per section the latest row of each (shape, dtype, device, implementation, budget) / (shape, implementation) / section,
 leaving out smoke runs and A/B rows, shown as one table per run under one provenance line (date, machine, versions,
 commit), at most 8 columns. The method and reproduction text lives here, beside the code it describes.
 """
@@ -19,9 +19,10 @@ not this file. -->
 
 Which implementation to pick for a shape and a memory budget: the tables and the Pareto plots below, one row and
 one point per implementation and `workspace_bytes` budget, each measured beside one cuBLAS GEMM of its own run.
-A shape shows the latest row of each implementation and budget, one table per run (newest first) under the run's
-provenance line: date, machine, versions, the tplogp commit measured. A budget means what `workspace_bytes` did at
-that commit; GEMM-times compare across runs, each run's rows being measured beside their own GEMM.
+A shape shows the latest row of each device, implementation and budget, one table per run (newest first) under
+the run's provenance line: date, machine, versions, the tplogp commit measured; its plot, the device with most rows.
+A budget means what `workspace_bytes` did at that commit; GEMM-times compare across runs, each run's rows being
+measured beside their own GEMM.
 """
 
 METHOD = """## Method

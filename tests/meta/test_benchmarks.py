@@ -19,7 +19,7 @@ import torch
 
 import tplogp
 
-from benchmarks import cli, impls, report, runner
+from benchmarks import cli, impls, plots, report, runner
 from tests.support import tolerances as tol
 from tplogp.reference import reference_logits
 from tplogp.tolerances import rel_error, slack_bound
@@ -282,8 +282,6 @@ def test_variant_rows(tmp_path):
                                 (smoothed["dw:s"], plain_truth["dw:ce"], smoothing["err_d_weight"])):
         assert rel_error(theirs, ours) > 10 * slack_bound(error, torch.bfloat16)
     # the Pareto plot leaves them out (a point per implementation and budget; they are in the shape's table)
-    from benchmarks import plots
-
     variant_rows = [dict(r, extra_peak_gib=0.1) for r in rows if "variant" in r]  # as if measured on a GPU
     assert len(variant_rows) == 7 and plots.pareto(variant_rows, str(tmp_path / "pareto.png")) is False
 
@@ -431,6 +429,27 @@ def _op_row(impl, budget="default", **extra):
                checks="full", peers={"liger-kernel": "0.8.5"}, grads_gib=0.5, logits_gib=1.0)
     row.update(extra)
     return row
+
+
+def test_a_newer_run_on_another_device_keeps_each_devices_latest_rows(tmp_path):
+    """Op rows are the latest per device too: an H100 run after an H200 run shows both runs' tables (each under its
+    provenance line), and the shape's plot takes one device's rows: the one with most rows, the newest on a tie."""
+    timed = dict(fwd_ms=1.0, fwd_bwd_ms=4.0, fwd_gemms=1.1, fwd_bwd_gemms=4.2, fwd_bwd_gemms_b2b=4.1, gemm_ms=1.0,
+                 extra_peak_gib=0.7)
+    older = _op_row("tplogp-sm90", **dict(timed, device="GPU Y", fwd_bwd_ms=6.0, date="2026-01-01T00:00:00+00:00"))
+    newer = _op_row("tplogp-sm90", **timed)
+    assert plots.latest_op_rows([older, newer]) == {("64x32x320", "bf16"): [older, newer]}
+    runner.append_rows(str(tmp_path), [older, newer])
+    doc = tmp_path / "docs" / "performance.md"
+    report.write(str(tmp_path), str(doc))
+    lines = doc.read_text().splitlines()
+    assert [line.split(" (driver")[0] for line in lines if line.startswith("Measured ")] == [
+        "Measured 2026-01-02 on GPU X", "Measured 2026-01-01 on GPU Y"], lines
+    table = [line for line in lines if line.startswith("| tplogp-sm90 |")]
+    assert len(table) == 2 and "/ 4.000 |" in table[0] and "/ 6.000 |" in table[1], table
+    assert plots.plot_points([older, newer]) == [newer]
+    wider = [older, _op_row("torch-eager", **dict(timed, device="GPU Y", date="2026-01-01T00:00:00+00:00")), newer]
+    assert plots.plot_points(wider) == wider[:2]
 
 
 def test_report_takes_the_latest_row_per_impl_and_budget(tmp_path):

@@ -1,6 +1,7 @@
-"""``deterministic="tp_invariant"``: logp, entropy, lse, the fused loss and the weight / bias gradient rows with the
-same bits at every TP degree as at TP=1, for shards that cut the grid's blocks (uneven, prime vocabularies), on the
-native source and on the triton and sm90 kernels in Triton's interpreter; and the re-shard's bookkeeping."""
+"""``deterministic="tp_invariant"``: logp, entropy, lse, the fused loss (one chunk, and several chunks summed in fp32
+accumulators) and the weight / bias gradient rows with the same bits at every TP degree as at TP=1, for shards that
+cut the grid's blocks (uneven, prime vocabularies), on the native source and on the triton and sm90 kernels in
+Triton's interpreter; and the re-shard's bookkeeping."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 import tplogp
 from tests.support import tolerances as tol
 from tests.support.interpreter import INTERPRETING, KERNELS
-from tplogp import LinearLogpInputError, invariant, losses
+from tplogp import LinearLogpInputError, budgets, invariant, losses
 from tplogp.api import linear_logp_on
+from tplogp.kernel_registry import get_backend
 from tplogp.backends.base import BlockStats
 from tplogp.shards import even_boundaries, uneven_boundaries
 from tplogp.tolerances import rel_error
 
 LEVEL = invariant.LEVEL
+CPU = torch.device("cpu")
 # 14 tokens as [2, 7]; D = 24 (not a multiple of the interpreter's BLOCK_D of 32); prime vocabularies of 3 grid
 # blocks (128 columns: native's, and the interpreter's split): uneven shards of 2, 3 and 4 ranks cut blocks, and at
 # 4 ranks the second rank starts no block (its rows all travel).
@@ -96,11 +99,17 @@ def _check_bitwise(tp, name: str) -> None:
     again = _logp_run(source, hidden, weight[s:e], bias[s:e], target, grads, **kw)[1]
     tp.assert_all(torch.equal(again, dh), "hidden.grad differs from run to run")
 
-    loss, lw, lb = _loss_run(source, hidden, weight[s:e], bias[s:e], target, **kw)
-    ref_loss, ref_lw, ref_lb = _loss_run(source, hidden, weight, bias, target)
-    tp.assert_all(torch.equal(loss, ref_loss), f"fused loss {loss.item()!r} vs TP=1 {ref_loss.item()!r}")
-    tp.assert_all(torch.equal(lw, ref_lw[s:e]) and torch.equal(lb, ref_lb[s:e]),
-                  "fused loss: weight / bias gradient rows differ from TP=1")
+    # one chunk (the default budget), then chunks of 5 tokens: d_W / d_b summed over them in fp32 accumulators
+    backend = get_backend(source) if isinstance(source, str) else source  # (loss_chunk_budget's sum, any backend)
+    chunked = (backend.transient_bytes(CPU) + backend.kept_bytes(5, v, weight.dtype, CPU)
+               + budgets.accumulator_tokens(D, weight.dtype, bias.dtype) * v * 4)
+    for budget in (None, chunked):
+        loss, lw, lb = _loss_run(source, hidden, weight[s:e], bias[s:e], target, workspace_bytes=budget, **kw)
+        ref_loss, ref_lw, ref_lb = _loss_run(source, hidden, weight, bias, target, workspace_bytes=budget)
+        tp.assert_all(torch.equal(loss, ref_loss), f"fused loss {loss.item()!r} vs TP=1 {ref_loss.item()!r} "
+                                                   f"(workspace_bytes={budget})")
+        tp.assert_all(torch.equal(lw, ref_lw[s:e]) and torch.equal(lb, ref_lb[s:e]),
+                      f"fused loss: weight / bias gradient rows differ from TP=1 (workspace_bytes={budget})")
 
 
 @pytest.mark.tp(world_size=2)

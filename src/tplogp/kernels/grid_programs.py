@@ -87,10 +87,10 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept) in a workspace of
     :func:`grid_chunk` columns per row, whatever the shard; ``d_W`` is one ``[columns, N] x [N, D]`` GEMM per grid
     block reading its d_logits columns in place (row stride: the workspace's), written straight into its ``d_W``
-    rows (the vocabulary's cut last block: zero-padded in a ``[N, columns]`` buffer, its rows copied), so every
-    d_W GEMM has one shape and one operand layout; ``d_b`` sums the per-token-block partial rows one after the
-    other (elementwise: the same order for every column); ``d_hidden`` is the deterministic fixed-order GEMM,
-    fp32."""
+    rows or added to the fp32 accumulator by the GEMM itself (the vocabulary's cut last block: zero-padded in a
+    ``[N, columns]`` buffer, its rows copied or added), so every d_W GEMM has one shape and one operand layout;
+    ``d_b`` sums the per-token-block partial rows one after the other (elementwise: the same order for every
+    column); ``d_hidden`` is the deterministic fixed-order GEMM, fp32."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -113,8 +113,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     cut = need_dw and v % columns != 0  # the vocabulary's last block, cut: through a zero-padded copy
     block = torch.empty((n, columns), device=dev, dtype=weight.dtype) if cut else None
     d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
-    rows = torch.empty((columns, d), device=dev, dtype=f32 if dw_acc is not None else weight.dtype) \
-        if need_dw and (cut or dw_acc is not None) else None
+    rows = torch.empty((columns, d), device=dev, dtype=f32 if dw_acc is not None else weight.dtype) if cut else None
     for i_chunk, (v_lo, v_hi) in enumerate(bounds):
         dz = ws[:, : v_hi - v_lo]
         launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
@@ -127,20 +126,21 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
             continue
         for c0 in range(v_lo, v_hi, columns):
             width = min(c0 + columns, v_hi) - c0
-            if width < columns:
-                block[:, :width] = dz[:, c0 - v_lo:]
-                block[:, width:] = 0
-                operand = block.t()
-            else:
+            if width == columns:  # a whole block, read in place; an accumulator adds it inside the GEMM
                 operand = ws[:, c0 - v_lo: c0 - v_lo + columns].t()
+                if dw_acc is not None:
+                    fp32_gemm.addmm_(dw_acc[c0:c0 + columns], operand, hidden)
+                else:
+                    mm_into(d_weight[c0:c0 + columns], operand, hidden)
+                continue
+            block[:, :width] = dz[:, c0 - v_lo:]  # the vocabulary's cut last block: zero-padded to the grid width
+            block[:, width:] = 0
             if dw_acc is not None:
-                fp32_gemm.mm_into(rows, operand, hidden)
+                fp32_gemm.mm_into(rows, block.t(), hidden)
                 dw_acc[c0:c0 + width] += rows[:width]
-            elif width < columns:
-                mm_into(rows, operand, hidden)
-                d_weight[c0:c0 + width] = rows[:width]
             else:
-                mm_into(d_weight[c0:c0 + columns], operand, hidden)
+                mm_into(rows, block.t(), hidden)
+                d_weight[c0:c0 + width] = rows[:width]
     d_bias = None
     if need_db:
         acc = dbp[0].clone()
