@@ -240,7 +240,8 @@ def test_every_kernel_launch_is_built_with_its_constexprs_in_signature_order():
     made += [launches.merge_launch(64, 3, e) for e in (False, True)]
     made += [launches.finalize_launch(64, 256, 2, e, c) for e in (False, True) for c in (False, True)]
     made += [launches.dh_launch(64, 256, 32, 256, 32, 32, acc, cfg, None) for acc in (False, True)]
-    made.append(scale_launch.scale_launch(((5, torch.float32, torch.bfloat16), (7, torch.bfloat16, torch.bfloat16))))
+    made.append(scale_launch.scale_launch(((5, torch.float32, torch.bfloat16, False),
+                                           (7, torch.bfloat16, torch.bfloat16, True))))
     tensors = {"fwd_stats_kernel": 7, "fwd_stats_tma_kernel": 7, "bwd_dlogits_kernel": 13,
                "bwd_dlogits_tma_kernel": 13, "bwd_dlogits_kept_kernel": 12, "merge_splits_kernel": 2,
                "finalize_single_kernel": 4, "dh_accum_kernel": 3, "scale_round_kernel": 7}

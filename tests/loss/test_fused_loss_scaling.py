@@ -56,10 +56,12 @@ def test_scaled_is_the_fp32_product_rounded_once(path, dtypes, g, in_place):
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("g", [1.0, 0.3])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "new"])
-def test_a_backward_scales_every_gradient_in_one_launch(path, in_place, monkeypatch):
+def test_a_backward_scales_every_gradient_in_one_launch(path, g, in_place, monkeypatch):
     """d_hidden (fp32 to bf16), d_W (bf16, in place when allowed), no gradient (None) and d_b (fp32 to fp16): each
-    the fp32 product rounded once, the kernel path in ONE launch whatever the tensors' sizes and dtypes."""
+    the fp32 product rounded once, the kernel path in ONE launch whatever the tensors' sizes and dtypes (with
+    ``g == 1`` the in-place d_W is left as it is on the device, the new tensors beside it still written)."""
     from tplogp.kernels.launch import Launch
 
     launches = []
@@ -75,7 +77,7 @@ def test_a_backward_scales_every_gradient_in_one_launch(path, in_place, monkeypa
              torch.randn(8193, generator=gen) * 1e-3]
     dtypes = [torch.bfloat16, torch.bfloat16, None, torch.float16]
     kept = [None if t is None else t.clone() for t in grads]
-    scalar = torch.tensor(0.3)
+    scalar = torch.tensor(g)
     got = grad_scaling.scaled_all(grads, scalar, dtypes, in_place)
     assert got[2] is None
     for i in (0, 1, 3):

@@ -34,12 +34,16 @@ def _check(t: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> None:
 
 
 def scale_launch(key: tuple) -> Launch:
-    """The launch over ``key``'s ``(numel, dtype, out dtype)`` tensors (at most :data:`MAX_TENSORS`; the missing ones
-    have 0 elements): one program per ``SCALE_BLOCK`` elements of each. Tensors: ``g`` and each pair ``t, out``."""
-    numels = tuple(k[0] for k in key) + (0,) * (MAX_TENSORS - len(key))
-    precisions = [dot_precision(k[2]) for k in key] + [None] * (MAX_TENSORS - len(key))
+    """The launch over ``key``'s ``(numel, dtype, out dtype, in place)`` tensors (at most :data:`MAX_TENSORS`; the
+    missing ones have 0 elements): one program per ``SCALE_BLOCK`` elements of each, an in-place one skipped on the
+    device when ``g == 1``. Tensors: ``g`` and each pair ``t, out``."""
+    missing = MAX_TENSORS - len(key)
+    numels = tuple(k[0] for k in key) + (0,) * missing
+    precisions = [dot_precision(k[2]) for k in key] + [None] * missing
+    in_place = [bool(k[3]) for k in key] + [False] * missing
     return Launch(scale_round_kernel, (sum(cdiv(n, SCALE_BLOCK) for n in numels),), numels, SCALE_WARPS, None,
-                  dict(BLOCK=SCALE_BLOCK, P0=precisions[0], P1=precisions[1], P2=precisions[2]))
+                  dict(BLOCK=SCALE_BLOCK, P0=precisions[0], P1=precisions[1], P2=precisions[2],
+                       S0=in_place[0], S1=in_place[1], S2=in_place[2]))
 
 
 def scale_round(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], g: torch.Tensor, checked: bool = False) -> None:
@@ -55,7 +59,7 @@ def scale_round(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], g: torch.Ten
     pairs = [(t, out) for t, out in pairs if t.numel()]
     if not pairs:
         return
-    launch = cached(scale_launch, tuple((t.numel(), t.dtype, out.dtype) for t, out in pairs))
+    launch = cached(scale_launch, tuple((t.numel(), t.dtype, out.dtype, out is t) for t, out in pairs))
     tensors = [g]
     for t, out in pairs:
         tensors += (t, out)
