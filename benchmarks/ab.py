@@ -26,7 +26,7 @@ from . import runner
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {
     "op": ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_gemms_b2b", "fwd_bwd_gemms_b2b",
-           "extra_peak_gib"),
+           "host_fwd_bwd_us", "host_fwd_bwd_all_us", "extra_peak_gib"),
     "memory": ("elapsed_s", "growth_mib"),
     "plugin": ("dispatch_overhead_ms", "median_tp_test_ms", "median_skip_ms", "hang_test_s", "ratio"),
     "tp": ("step_ms", "peak_gib_per_rank"),

@@ -2,7 +2,8 @@
 
 Per section the latest row of each (shape, dtype, device, implementation, budget) / (shape, implementation) / section,
 leaving out smoke runs and A/B rows, shown as one table per run under one provenance line (date, machine, versions,
-commit), at most 8 columns. The method and reproduction text lives here, beside the code it describes.
+commit), at most 8 columns; the newest A/B run (``--base``) in a section of its own, as this / base ratios. The method
+and reproduction text lives here, beside the code it describes.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
-from . import plots, runner
+from . import ab, plots, runner
 
 HEADER = """# Performance
 
@@ -356,8 +357,43 @@ def floors_section(rows: list[dict]) -> list[str]:
     return out
 
 
+def _ab_cell(entry: dict, metric: str, fmt: str) -> str:
+    """``this / base (ratio)`` of one metric of an :func:`benchmarks.ab.ratios` entry, empty where a side lacks it."""
+    v = entry.get(metric)
+    if not isinstance(v, dict) or v.get("ratio") is None:
+        return ""
+    return f"{format(v['this'], fmt)} / {format(v['base'], fmt)} ({v['ratio']:.3f})"
+
+
+def ab_section(rows: list[dict]) -> list[str]:
+    """The newest A/B run of op rows (``python -m benchmarks op --base REV``): per row its this / base medians over
+    the run's rounds and their ratio."""
+    runs: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("suite") == "op" and isinstance(r.get("ab"), dict) and not r.get("smoke"):
+            runs.setdefault((r["ab"]["this"], r["ab"]["base"], r.get("device")), []).append(r)
+    if not runs:
+        return []
+    sel = max(runs.values(), key=lambda rs: max(r["date"] for r in rs))
+    this, base, device = sel[0]["ab"]["this"], sel[0]["ab"]["base"], sel[0].get("device")
+    first = sel[0]
+    n_rounds = len({r["ab"]["round"] for r in sel})
+    entries = sorted(ab.ratios(sel), key=lambda e: (_shape_key(e["shape"]), e["impl"], e["budget"] or ""))
+    out = ["## Against an earlier commit (A/B)", "",
+           f"`python -m benchmarks op --base {base}` from `{this}`: both trees measured in the same run, alternating "
+           f"sides over {n_rounds} round(s) (Method; medians per side, this / base and their ratio).", "",
+           f"Measured {max(r['date'] for r in sel)[:10]} on {device}, torch {first.get('torch')}, "
+           f"Triton {first.get('triton')}: tplogp `{this}` against `{base}`.", ""]
+    return out + _table(
+        [("shape", "l"), ("impl", "l"), ("budget", "l"), ("fwd+bwd GEMM-times synced", "r"),
+         ("fwd+bwd GEMM-times b2b", "r"), ("host µs, all threads", "r"), ("extra GiB", "r")],
+        entries, lambda e: [e["shape"], e["impl"], e["budget"]],
+        lambda e: [_ab_cell(e, "fwd_bwd_gemms", ".3f"), _ab_cell(e, "fwd_bwd_gemms_b2b", ".3f"),
+                   _ab_cell(e, "host_fwd_bwd_all_us", ".0f"), _ab_cell(e, "extra_peak_gib", ".3f")]) + [""]
+
+
 def render(rows: list[dict], plot_dir: str, doc_dir: str) -> str:
-    lines = [HEADER] + op_section(rows, plot_dir, doc_dir) + [METHOD] + memory_section(rows) + \
+    lines = [HEADER] + op_section(rows, plot_dir, doc_dir) + ab_section(rows) + [METHOD] + memory_section(rows) + \
         plugin_section(rows) + tp_section(rows) + floors_section(rows) + [REPRODUCE]
     return "\n".join(lines).rstrip() + "\n"
 
