@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from tests.support.session_once import once_per_session
 from tplogp.kernels import tiles
 
 triton = pytest.importorskip("triton")
@@ -54,10 +55,11 @@ SLOW_KINDS = ("fwd_tma", "bwd_tma", "fwd", "bwd")
 
 
 @pytest.fixture(scope="module")
-def sass():
+def sass(request):
     """SASS instruction counts per opcode of the sm90 kernels and the shared-memory rows of ``SLOW_KINDS`` (one
-    process compiles them all for the tests of this module)."""
-    return json.loads(_compiled_kernels("sass-counts", *SLOW_KINDS).strip().splitlines()[-1])
+    process compiles them all for the tests of this module, once per session however xdist spreads them)."""
+    return once_per_session(request, "sm90_sass_counts", lambda: json.loads(
+        _compiled_kernels("sass-counts", *SLOW_KINDS).strip().splitlines()[-1]))
 
 
 @pytest.mark.slow

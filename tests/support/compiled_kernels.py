@@ -11,13 +11,15 @@ Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` star
   ``mul.rn.f32`` count (the products that must not fuse into an FMA, :func:`tplogp.kernels.fp32_ops.mul_rounded`);
   ``shared``: the bytes Triton allots, ``model``: :func:`tplogp.kernels.tiles.gemm_shared_bytes` for the GEMM kernels;
 * ``python -m tests.support.compiled_kernels sass-counts KIND ...``: the same, and the shared-memory rows of those
-  kinds under ``"shared_memory"`` (one process, one torch and Triton import, for the slow tests).
+  kinds under ``"shared_memory"`` (one torch and Triton import, the compilations forked over the CPUs, for the slow
+  tests).
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -132,29 +134,44 @@ def shared_memory_rows(kinds: list[str]) -> list[dict]:
     return rows
 
 
-def machine_code(shared_memory_kinds: list[str]) -> None:
+# The sass-counts kernels: (name, kind, which config blocks, keep, softcap); the sm90 config's tiles and warps.
+_MACHINE_CODE = (("fwd_stats", "fwd_tma", "fwd", False, False), ("fwd_stats_keep", "fwd_tma", "fwd", True, False),
+                 ("fwd_stats_softcap", "fwd_tma", "fwd", False, True), ("bwd_dlogits", "bwd_tma", "bwd", False, False),
+                 ("bwd_dlogits_softcap", "bwd_tma", "bwd", False, True),
+                 ("bwd_dlogits_kept", "bwd_kept", "kept", False, False),
+                 ("bwd_dlogits_kept_softcap", "bwd_kept", "kept", False, True))
+
+
+def _machine_code_entry(spec: tuple) -> tuple[str, dict]:
+    """One sass-counts kernel: ``(name, its counts, mul.rn count, shared bytes and, for a GEMM kernel, the model)``."""
+    name, kind, which, keep, softcap = spec
     cfg = tiles.SM90
-    found = {}
-    fwd = (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages)
-    bwd = (cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d, cfg.bwd_num_stages)
-    for name, kind, blocks, warps, keep, softcap in (
-            ("fwd_stats", "fwd_tma", fwd, cfg.num_warps, False, False),
-            ("fwd_stats_keep", "fwd_tma", fwd, cfg.num_warps, True, False),
-            ("fwd_stats_softcap", "fwd_tma", fwd, cfg.num_warps, False, True),
-            ("bwd_dlogits", "bwd_tma", bwd, cfg.bwd_num_warps, False, False),
-            ("bwd_dlogits_softcap", "bwd_tma", bwd, cfg.bwd_num_warps, False, True),
-            ("bwd_dlogits_kept", "bwd_kept", (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
-             cfg.kept_num_warps, False, False),
-            ("bwd_dlogits_kept_softcap", "bwd_kept",
-             (cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages), cfg.kept_num_warps, False, True)):
-        kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
-                          split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep, softcap=softcap)
-        found[name] = dict(sass_counts(kernel.asm["cubin"]), ptx_mul_rn=kernel.asm["ptx"].count("mul.rn.f32"),
-                           shared=kernel.metadata.shared)
-        if kind != "bwd_kept":
-            found[name]["model"] = tiles.gemm_shared_bytes(*blocks, 2, True)
-    if shared_memory_kinds:
-        found["shared_memory"] = shared_memory_rows(shared_memory_kinds)
+    blocks, warps = {"fwd": ((cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages), cfg.num_warps),
+                     "bwd": ((cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
+                             cfg.bwd_num_warps),
+                     "kept": ((cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
+                              cfg.kept_num_warps)}[which]
+    kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
+                      split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep, softcap=softcap)
+    found = dict(sass_counts(kernel.asm["cubin"]), ptx_mul_rn=kernel.asm["ptx"].count("mul.rn.f32"),
+                 shared=kernel.metadata.shared)
+    if kind != "bwd_kept":
+        found["model"] = tiles.gemm_shared_bytes(*blocks, 2, True)
+    return name, found
+
+
+def _shared_memory_entry(kind: str) -> list[dict]:
+    return shared_memory_rows([kind])
+
+
+def machine_code(shared_memory_kinds: list[str]) -> None:
+    """The sass-counts JSON object (module docstring), its kernels compiled by as many processes as there are CPUs
+    (forked after the imports: each compilation is Triton's front end and one ptxas run)."""
+    with multiprocessing.get_context("fork").Pool(min(os.cpu_count() or 1, len(_MACHINE_CODE))) as pool:
+        rows = pool.map_async(_shared_memory_entry, shared_memory_kinds, chunksize=1)
+        found = dict(pool.map(_machine_code_entry, _MACHINE_CODE, chunksize=1))
+        if shared_memory_kinds:
+            found["shared_memory"] = [row for kind_rows in rows.get() for row in kind_rows]
     print(json.dumps(found, sort_keys=True))
 
 
