@@ -375,8 +375,8 @@ def ab_section(rows: list[dict]) -> list[str]:
     if not runs:
         return []
     sel = max(runs.values(), key=lambda rs: max(r["date"] for r in rs))
-    this, base, device = sel[0]["ab"]["this"], sel[0]["ab"]["base"], sel[0].get("device")
     first = sel[0]
+    this, base, device = first["ab"]["this"], first["ab"]["base"], first.get("device")
     n_rounds = len({r["ab"]["round"] for r in sel})
     entries = sorted(ab.ratios(sel), key=lambda e: (_shape_key(e["shape"]), e["impl"], e["budget"] or ""))
     out = ["## Against an earlier commit (A/B)", "",

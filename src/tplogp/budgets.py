@@ -118,6 +118,13 @@ def loss_chunk_budget(chunk_tokens: int, hidden_size: int, vocab_size: int, *, d
         raise ValueError(f"chunk_tokens, hidden_size and vocab_size must be >= 1, got {chunk_tokens}, "
                          f"{hidden_size} and {vocab_size}")
     backend, dev = _backend(source, device)
+    return chunks_budget(backend, chunk_tokens, hidden_size, vocab_size, dtype, bias_dtype, dev)
+
+
+def chunks_budget(backend, chunk_tokens: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
+                  bias_dtype: Optional[torch.dtype], device: torch.device) -> int:
+    """:func:`loss_chunk_budget` for a source object (``backend``) on ``device``: its transient bytes, the kept
+    terms of ``chunk_tokens`` tokens over ``vocab_size`` columns, and the fp32 accumulators of several chunks."""
     accumulators = accumulator_tokens(hidden_size, dtype, bias_dtype) * vocab_size * 4
-    return (int(backend.transient_bytes(dev)) + int(backend.kept_bytes(chunk_tokens, vocab_size, dtype, dev))
+    return (int(backend.transient_bytes(device)) + int(backend.kept_bytes(chunk_tokens, vocab_size, dtype, device))
             + accumulators)

@@ -100,9 +100,8 @@ def _check_bitwise(tp, name: str) -> None:
     tp.assert_all(torch.equal(again, dh), "hidden.grad differs from run to run")
 
     # one chunk (the default budget), then chunks of 5 tokens: d_W / d_b summed over them in fp32 accumulators
-    backend = get_backend(source) if isinstance(source, str) else source  # (loss_chunk_budget's sum, any backend)
-    chunked = (backend.transient_bytes(CPU) + backend.kept_bytes(5, v, weight.dtype, CPU)
-               + budgets.accumulator_tokens(D, weight.dtype, bias.dtype) * v * 4)
+    backend = get_backend(source) if isinstance(source, str) else source
+    chunked = budgets.chunks_budget(backend, 5, D, v, weight.dtype, bias.dtype, CPU)
     for budget in (None, chunked):
         loss, lw, lb = _loss_run(source, hidden, weight[s:e], bias[s:e], target, workspace_bytes=budget, **kw)
         ref_loss, ref_lw, ref_lb = _loss_run(source, hidden, weight, bias, target, workspace_bytes=budget)

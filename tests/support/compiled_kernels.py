@@ -160,15 +160,11 @@ def _machine_code_entry(spec: tuple) -> tuple[str, dict]:
     return name, found
 
 
-def _shared_memory_entry(kind: str) -> list[dict]:
-    return shared_memory_rows([kind])
-
-
 def machine_code(shared_memory_kinds: list[str]) -> None:
     """The sass-counts JSON object (module docstring), its kernels compiled by as many processes as there are CPUs
     (forked after the imports: each compilation is Triton's front end and one ptxas run)."""
     with multiprocessing.get_context("fork").Pool(min(os.cpu_count() or 1, len(_MACHINE_CODE))) as pool:
-        rows = pool.map_async(_shared_memory_entry, shared_memory_kinds, chunksize=1)
+        rows = pool.map_async(shared_memory_rows, [[kind] for kind in shared_memory_kinds], chunksize=1)
         found = dict(pool.map(_machine_code_entry, _MACHINE_CODE, chunksize=1))
         if shared_memory_kinds:
             found["shared_memory"] = [row for kind_rows in rows.get() for row in kind_rows]
