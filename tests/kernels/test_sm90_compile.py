@@ -103,6 +103,21 @@ def test_softcap_d_logits_epilogue_fits_the_registers(sass):
 
 
 @pytest.mark.slow
+def test_softcap_adds_a_short_tanh_per_logit(sass):
+    """The softcap's tanh (:func:`tplogp.kernels.fp32_ops.tanh`) is two MUFU operations and a few ALU ones per
+    logit, in the forward and in the d_logits recompute. libdevice's ``tanhf`` evaluates a polynomial and an
+    exponential branch per element: about 20 more instructions per logit over the plain kernel (Triton 3.9), which
+    this bound fails; the short form is about 9."""
+    logits = 2 * 128  # two epilogue copies (interior, edge) of a thread's 128 logits
+    for name in ("fwd_stats", "bwd_dlogits"):
+        plain, capped = sass[name], sass[name + "_softcap"]
+        total = {kind: sum(n for op, n in counts.items() if op.isupper()) for kind, counts in
+                 (("plain", plain), ("capped", capped))}
+        assert total["capped"] - total["plain"] <= 12 * logits, (name, total)
+        assert capped.get("MUFU", 0) - plain.get("MUFU", 0) <= 2 * logits + 8, (name, capped, plain)
+
+
+@pytest.mark.slow
 def test_kept_terms_variants_machine_code(sass):
     """The forward that keeps softmax terms (``KEEP``) still runs wgmma/TMA with single-MUFU exponentials (the
     terms are the epilogue's own exponentials: no second one) and stores each bf16 tile with one TMA store per

@@ -1,9 +1,9 @@
 """fp32 elementwise primitives of the kernels, and the forms they take where PTX runs: the exponential (one MUFU
-``ex2.approx.ftz``), a logarithm of 16-bit inputs' precision (one MUFU ``lg2.approx.ftz``), libdevice's tanh, a
-multiply that is never fused into an FMA (:func:`mul_rounded`), and the rounding of an fp32 tile into a 16-bit
-store (round-to-nearest-even, as a GPU's conversion). Under Triton's CPU interpreter, which runs no PTX and no
-libdevice, each has a plain form of the same contract. Which form a kernel gets is a constexpr read once, when this
-module is imported (:data:`PTX`, :data:`LIBDEVICE_TANH`)."""
+``ex2.approx.ftz``), a logarithm of 16-bit inputs' precision (one MUFU ``lg2.approx.ftz``), a tanh of two MUFU
+operations, a multiply that is never fused into an FMA (:func:`mul_rounded`), and the rounding of an fp32 tile into a 16-bit
+store (round-to-nearest-even, as a GPU's conversion). Under Triton's CPU interpreter, which runs no PTX, each has a
+plain form of the same contract. Which form a kernel gets is a constexpr read once, when this module is imported
+(:data:`PTX`)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,6 @@ def ptx_runs() -> bool:
 
 # inline PTX on CUDA builds (not under the CPU interpreter, not on ROCm): see exp2 and mul_rounded.
 PTX = tl.constexpr(ptx_runs())
-# libdevice's tanh where it runs (not under the CPU interpreter, which has no libdevice): see softcap_tile.
-LIBDEVICE_TANH = tl.constexpr(not interpreting())
 
 
 @triton.jit
@@ -46,14 +44,29 @@ def mul_rounded(a, b, PTX: tl.constexpr):
 
 
 @triton.jit
-def tanh(x, LIBDEVICE: tl.constexpr):
-    """``tanh(x)`` in fp32: libdevice's (accurate to a few ulp) on a GPU; under the CPU interpreter, which runs no
-    libdevice, ``sign(x) (1 - e) / (1 + e)`` with ``e = exp(-2 |x|)`` (absolute error about 1e-7)."""
-    if LIBDEVICE:
-        return libdevice.tanh(x)
+def tanh(x, PTX: tl.constexpr):
+    """``tanh(x)`` in fp32 as ``sign(x) (1 - 2 / (1 + 2^(2 |x| log2 e)))``: seven instructions, two of them MUFU
+    (``ex2.approx.ftz``, ``rcp.approx.ftz``), where PTX runs (:data:`PTX`); the same formula in plain operations
+    under the CPU interpreter. Absolute error about 2e-7 (the rounding of ``1 - 2r`` next to 1), relative error of a
+    few ulp once ``|tanh|`` passes about 0.5; saturates to exactly +-1 where ``2^(2|x| log2 e)`` overflows. Why not
+    libdevice's ``tanhf`` (a few ulp everywhere): its polynomial branch and its exponential branch, both evaluated
+    per element, cost about 20 instructions per logit in each pass that computes logits, which a softcapped call
+    pays on top of the softmax's own few."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .f32 a, e, r;
+            abs.f32 a, $1;
+            mul.f32 a, a, 0f4038AA3B;
+            ex2.approx.ftz.f32 e, a;
+            add.f32 e, e, 0f3F800000;
+            rcp.approx.ftz.f32 r, e;
+            fma.rn.f32 r, r, 0fC0000000, 0f3F800000;
+            copysign.f32 $0, $1, r;
+            }""", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        e = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2 |x|)
-        t = (1.0 - e) / (1.0 + e)
+        e = tl.exp2(tl.abs(x) * 2.8853900817779268)  # exp(2 |x|), inf past about 44
+        t = 1.0 - 2.0 / (1.0 + e)
         return tl.where(x < 0, -t, t)
 
 

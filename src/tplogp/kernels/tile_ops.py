@@ -24,13 +24,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fp32_ops import LIBDEVICE_TANH, LN2, LOG2E, PTX, exp2, log2, mul_rounded, store_rounded, tanh
+from .fp32_ops import LN2, LOG2E, PTX, exp2, log2, mul_rounded, store_rounded, tanh
 
 @triton.jit
 def softcap_tile(acc, softcap):
     """``(softcap * tanh(acc / softcap), tanh(acc / softcap))``: the final-logit softcap of a raw logits tile and
     its tanh (the backward's slope is ``1 - tanh^2``)."""
-    b_t = tanh(acc * (1.0 / softcap), LIBDEVICE_TANH)
+    b_t = tanh(acc * (1.0 / softcap), PTX)
     return b_t * softcap, b_t
 
 
