@@ -54,8 +54,15 @@ def _child(argv: list[str], src_root: str, out_dir: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
+def spread(values: list[float]) -> float:
+    """``(max - min) / median`` of one side's rounds: how far apart its rounds are, beside the ratio they give."""
+    mid = statistics.median(values)
+    return (max(values) - min(values)) / mid if mid else 0.0
+
+
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per row key and metric: medians per side over rounds and ``this / base``."""
+    """Per row key and metric: medians per side over rounds, ``this / base``, the rounds per side and their
+    :func:`spread`."""
     by_key: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
         by_key.setdefault(_row_key(r), {}).setdefault(r["ab"]["side"], []).append(r)
@@ -67,7 +74,9 @@ def ratios(rows: list[dict]) -> list[dict]:
                     for s in ("this", "base")}
             if vals["this"] and vals["base"]:
                 this, base = statistics.median(vals["this"]), statistics.median(vals["base"])
-                entry[metric] = {"this": this, "base": base, "ratio": this / base if base else None}
+                entry[metric] = {"this": this, "base": base, "ratio": this / base if base else None,
+                                 "rounds": min(len(vals["this"]), len(vals["base"])),
+                                 "spread": {s: spread(v) for s, v in vals.items()}}
         errors = {s: rs[-1]["error"] for s, rs in sides.items() if rs and "error" in rs[-1]}
         if errors:
             entry["errors"] = errors

@@ -365,6 +365,14 @@ def _ab_cell(entry: dict, metric: str, fmt: str) -> str:
     return f"{format(v['this'], fmt)} / {format(v['base'], fmt)} ({v['ratio']:.3f})"
 
 
+def _ab_spread(entry: dict, metric: str) -> str:
+    """``rounds: this% / base%``, the rounds per side and their :func:`benchmarks.ab.spread`, empty without them."""
+    v = entry.get(metric)
+    if not isinstance(v, dict) or "spread" not in v:
+        return ""
+    return f"{v['rounds']}: {100 * v['spread']['this']:.0f}% / {100 * v['spread']['base']:.0f}%"
+
+
 def ab_section(rows: list[dict]) -> list[str]:
     """The newest A/B run of op rows (``python -m benchmarks op --base REV``): per row its this / base medians over
     the run's rounds and their ratio."""
@@ -381,15 +389,17 @@ def ab_section(rows: list[dict]) -> list[str]:
     entries = sorted(ab.ratios(sel), key=lambda e: (_shape_key(e["shape"]), e["impl"], e["budget"] or ""))
     out = ["## Against an earlier commit (A/B)", "",
            f"`python -m benchmarks op --base {base}` from `{this}`: both trees measured in the same run, alternating "
-           f"sides over {n_rounds} round(s) (Method; medians per side, this / base and their ratio).", "",
+           f"sides over up to {n_rounds} round(s) (Method; medians per side, this / base and their ratio; the "
+           f"rounds per side and their spread, (max - min) / median of the synced GEMM-times, this / base).", "",
            f"Measured {max(r['date'] for r in sel)[:10]} on {device}, torch {first.get('torch')}, "
            f"Triton {first.get('triton')}: tplogp `{this}` against `{base}`.", ""]
     return out + _table(
         [("shape", "l"), ("impl", "l"), ("budget", "l"), ("fwd+bwd GEMM-times synced", "r"),
-         ("fwd+bwd GEMM-times b2b", "r"), ("host µs, all threads", "r"), ("extra GiB", "r")],
+         ("rounds, spread", "r"), ("fwd+bwd GEMM-times b2b", "r"), ("host µs, all threads", "r"), ("extra GiB", "r")],
         entries, lambda e: [e["shape"], e["impl"], e["budget"]],
-        lambda e: [_ab_cell(e, "fwd_bwd_gemms", ".3f"), _ab_cell(e, "fwd_bwd_gemms_b2b", ".3f"),
-                   _ab_cell(e, "host_fwd_bwd_all_us", ".0f"), _ab_cell(e, "extra_peak_gib", ".3f")]) + [""]
+        lambda e: [_ab_cell(e, "fwd_bwd_gemms", ".3f"), _ab_spread(e, "fwd_bwd_gemms"),
+                   _ab_cell(e, "fwd_bwd_gemms_b2b", ".3f"), _ab_cell(e, "host_fwd_bwd_all_us", ".0f"),
+                   _ab_cell(e, "extra_peak_gib", ".3f")]) + [""]
 
 
 def render(rows: list[dict], plot_dir: str, doc_dir: str) -> str:

@@ -454,7 +454,8 @@ def test_a_newer_run_on_another_device_keeps_each_devices_latest_rows(tmp_path):
 
 def test_report_shows_the_newest_ab_run_as_ratios(tmp_path):
     """A/B rows stay out of the op tables; the newest A/B run is a table of its own: per row the medians of each
-    side over the rounds, this / base, and their ratio (an older A/B run is not shown)."""
+    side over the rounds, this / base, and their ratio, the rounds per side and their spread (an older A/B run is not
+    shown)."""
     def ab_row(side, rnd, gemms, host, this="new", base="old", date="2026-01-03T00:00:00+00:00"):
         return _op_row("tplogp-sm90", **dict(fwd_ms=1.0, fwd_bwd_ms=4.0, fwd_gemms=1.0, fwd_bwd_gemms=gemms,
                                              fwd_bwd_gemms_b2b=gemms - 0.1, host_fwd_bwd_us=100.0,
@@ -469,10 +470,10 @@ def test_report_shows_the_newest_ab_run_as_ratios(tmp_path):
     doc = tmp_path / "docs" / "performance.md"
     report.write(str(tmp_path), str(doc))
     text = doc.read_text()
-    assert "`python -m benchmarks op --base old` from `new`" in text and "over 2 round(s)" in text, text
+    assert "`python -m benchmarks op --base old` from `new`" in text and "over up to 2 round(s)" in text, text
     table = [line for line in text.splitlines() if line.startswith("| 64x32x320 | tplogp-sm90 |")]
-    # medians: synced 4.2 / 4.0, b2b 4.1 / 3.9, host (all threads) 400 / 300
-    assert table == ["| 64x32x320 | tplogp-sm90 | default | 4.200 / 4.000 (1.050) | 4.100 / 3.900 (1.051) | "
+    # medians: synced 4.2 / 4.0, b2b 4.1 / 3.9, host (all threads) 400 / 300; synced spread 0.4 / 4.2, 2 / 4
+    assert table == ["| 64x32x320 | tplogp-sm90 | default | 4.200 / 4.000 (1.050) | 2: 10% / 50% | 4.100 / 3.900 (1.051) | "
                      "400 / 300 (1.333) | 0.500 / 0.500 (1.000) |"], table
     assert "No op rows in the results file yet" in text, text  # A/B rows make no op table
 
