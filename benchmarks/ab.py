@@ -86,7 +86,8 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def format_ratio(entry: dict) -> str:
     label = " ".join(str(entry[k]) for k in KEY_FIELDS[1:] if entry.get(k) not in (None, "default"))
-    parts = [f"{m} {v['this']:.4g} / {v['base']:.4g} = {v['ratio']:.3f}" for m, v in entry.items()
+    parts = [f"{m} {v['this']:.4g} / {v['base']:.4g} = {v['ratio']:.3f} (spread {v['spread']['this']:.0%} / "
+             f"{v['spread']['base']:.0%})" for m, v in entry.items()
              if isinstance(v, dict) and "ratio" in v and v["ratio"] is not None]
     if "errors" in entry:
         parts.append(f"errors: {entry['errors']}")

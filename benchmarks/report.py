@@ -375,7 +375,7 @@ def _ab_spread(entry: dict, metric: str) -> str:
 
 def ab_section(rows: list[dict]) -> list[str]:
     """The newest A/B run of op rows (``python -m benchmarks op --base REV``): per row its this / base medians over
-    the run's rounds and their ratio."""
+    the run's rounds and their ratio, and the rounds per side with their spread."""
     runs: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("suite") == "op" and isinstance(r.get("ab"), dict) and not r.get("smoke"):
@@ -385,12 +385,11 @@ def ab_section(rows: list[dict]) -> list[str]:
     sel = max(runs.values(), key=lambda rs: max(r["date"] for r in rs))
     first = sel[0]
     this, base, device = first["ab"]["this"], first["ab"]["base"], first.get("device")
-    n_rounds = len({r["ab"]["round"] for r in sel})
     entries = sorted(ab.ratios(sel), key=lambda e: (_shape_key(e["shape"]), e["impl"], e["budget"] or ""))
     out = ["## Against an earlier commit (A/B)", "",
            f"`python -m benchmarks op --base {base}` from `{this}`: both trees measured in the same run, alternating "
-           f"sides over up to {n_rounds} round(s) (Method; medians per side, this / base and their ratio; the "
-           f"rounds per side and their spread, (max - min) / median of the synced GEMM-times, this / base).", "",
+           f"sides round by round (Method; medians per side, this / base and their ratio; the rounds per side and "
+           f"their spread, (max - min) / median of the synced GEMM-times, this / base).", "",
            f"Measured {max(r['date'] for r in sel)[:10]} on {device}, torch {first.get('torch')}, "
            f"Triton {first.get('triton')}: tplogp `{this}` against `{base}`.", ""]
     return out + _table(

@@ -18,11 +18,15 @@ source's default:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
+from .backends.base import ShardBackend
 from .kernel_registry import SourceUnavailableError, backend_for_call, get_backend
+
+#: What names a source here, as in the op: a registry name, None (the registry's choice), or a backend object.
+Source = Union[None, str, ShardBackend]
 
 
 # On a GPU, chunks under this many tokens under-fill the kernels' token tiles (128-256 rows): one chunk that keeps
@@ -71,12 +75,14 @@ def plan_chunk_tokens(backend, n: int, vocab: int, workspace_bytes: Optional[int
     return chunk
 
 
-def _backend(source: Optional[str], device: Optional[torch.device | str]):
+def _backend(source: Source, device: Optional[torch.device | str]):
     """``(backend, device)``. An explicit source need not run here: sizes are planned ahead (for the GPU of a later
-    job, say); only an uninstalled one raises. None: the registry's choice on ``device``."""
+    job, say); only an uninstalled one raises. None: the registry's choice on ``device``; a backend object: itself."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    if source in (None, "registry", "auto"):
+    if source is not None and not isinstance(source, str):
+        backend = source
+    elif source in (None, "registry", "auto"):
         backend = backend_for_call(None, dev, torch.bfloat16)
     else:
         backend = get_backend(source)
@@ -85,7 +91,7 @@ def _backend(source: Optional[str], device: Optional[torch.device | str]):
     return backend, dev
 
 
-def keep_logits_budget(n_tokens: int, v_local: int, *, fraction: float = 1.0, source: Optional[str] = None,
+def keep_logits_budget(n_tokens: int, v_local: int, *, fraction: float = 1.0, source: Source = None,
                        device: Optional[torch.device | str] = None, dtype: Optional[torch.dtype] = None) -> int:
     """The ``workspace_bytes`` with which ``linear_logp`` keeps ``fraction`` of a call's logits (their softmax
     terms) from forward to backward: ``n_tokens`` after ``ignore_index`` compaction, ``v_local`` the shard's vocab
@@ -105,7 +111,7 @@ def keep_logits_budget(n_tokens: int, v_local: int, *, fraction: float = 1.0, so
 
 
 def loss_chunk_budget(chunk_tokens: int, hidden_size: int, vocab_size: int, *, dtype: torch.dtype = torch.bfloat16,
-                      bias_dtype: Optional[torch.dtype] = None, source: Optional[str] = None,
+                      bias_dtype: Optional[torch.dtype] = None, source: Source = None,
                       device: Optional[torch.device | str] = None) -> int:
     """The ``workspace_bytes`` with which ``linear_logp_loss`` runs chunks of ``chunk_tokens`` tokens, each chunk's
     logits kept (their softmax terms: 3 GEMMs), the fp32 ``d_W`` / ``d_b`` accumulators of several chunks counted in
@@ -118,13 +124,6 @@ def loss_chunk_budget(chunk_tokens: int, hidden_size: int, vocab_size: int, *, d
         raise ValueError(f"chunk_tokens, hidden_size and vocab_size must be >= 1, got {chunk_tokens}, "
                          f"{hidden_size} and {vocab_size}")
     backend, dev = _backend(source, device)
-    return chunks_budget(backend, chunk_tokens, hidden_size, vocab_size, dtype, bias_dtype, dev)
-
-
-def chunks_budget(backend, chunk_tokens: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                  bias_dtype: Optional[torch.dtype], device: torch.device) -> int:
-    """:func:`loss_chunk_budget` for a source object (``backend``) on ``device``: its transient bytes, the kept
-    terms of ``chunk_tokens`` tokens over ``vocab_size`` columns, and the fp32 accumulators of several chunks."""
     accumulators = accumulator_tokens(hidden_size, dtype, bias_dtype) * vocab_size * 4
-    return (int(backend.transient_bytes(device)) + int(backend.kept_bytes(chunk_tokens, vocab_size, dtype, device))
+    return (int(backend.transient_bytes(dev)) + int(backend.kept_bytes(chunk_tokens, vocab_size, dtype, dev))
             + accumulators)

@@ -420,6 +420,7 @@ def test_base_takes_a_source_folder_runs_both_sides_and_prints_ratios(tmp_path):
     assert sorted(r["ab"]["side"] for r in rows) == ["base", "this"]
     assert all(r["impl"] == "tplogp-native" and r["fwd_bwd_ms"] > 0 for r in rows), rows
     assert "fwd_bwd_ms" in proc.stdout and "= " in proc.stdout.split("# A/B:")[-1]
+    assert "(spread 0% / 0%)" in proc.stdout.split("# A/B:")[-1]  # one round per side: no spread
     assert base.joinpath("src", "tplogp", "__init__.py").is_file()  # the given folder is left alone
 
 
@@ -470,7 +471,7 @@ def test_report_shows_the_newest_ab_run_as_ratios(tmp_path):
     doc = tmp_path / "docs" / "performance.md"
     report.write(str(tmp_path), str(doc))
     text = doc.read_text()
-    assert "`python -m benchmarks op --base old` from `new`" in text and "over up to 2 round(s)" in text, text
+    assert "`python -m benchmarks op --base old` from `new`" in text and "round by round" in text, text
     table = [line for line in text.splitlines() if line.startswith("| 64x32x320 | tplogp-sm90 |")]
     # medians: synced 4.2 / 4.0, b2b 4.1 / 3.9, host (all threads) 400 / 300; synced spread 0.4 / 4.2, 2 / 4
     assert table == ["| 64x32x320 | tplogp-sm90 | default | 4.200 / 4.000 (1.050) | 2: 10% / 50% | 4.100 / 3.900 (1.051) | "

@@ -11,9 +11,8 @@ import torch
 import tplogp
 from tests.support import tolerances as tol
 from tests.support.interpreter import INTERPRETING, KERNELS
-from tplogp import LinearLogpInputError, budgets, invariant, losses
+from tplogp import LinearLogpInputError, invariant, losses
 from tplogp.api import linear_logp_on
-from tplogp.kernel_registry import get_backend
 from tplogp.backends.base import BlockStats
 from tplogp.shards import even_boundaries, uneven_boundaries
 from tplogp.tolerances import rel_error
@@ -100,8 +99,7 @@ def _check_bitwise(tp, name: str) -> None:
     tp.assert_all(torch.equal(again, dh), "hidden.grad differs from run to run")
 
     # one chunk (the default budget), then chunks of 5 tokens: d_W / d_b summed over them in fp32 accumulators
-    backend = get_backend(source) if isinstance(source, str) else source
-    chunked = budgets.chunks_budget(backend, 5, D, v, weight.dtype, bias.dtype, CPU)
+    chunked = tplogp.loss_chunk_budget(5, D, v, dtype=weight.dtype, bias_dtype=bias.dtype, source=source, device=CPU)
     for budget in (None, chunked):
         loss, lw, lb = _loss_run(source, hidden, weight[s:e], bias[s:e], target, workspace_bytes=budget, **kw)
         ref_loss, ref_lw, ref_lb = _loss_run(source, hidden, weight, bias, target, workspace_bytes=budget)
