@@ -10,8 +10,9 @@ A rank has no terminal: its stdin is not the user's and its output goes to files
   of pdb reading an empty stdin and raising a bare ``bdb.BdbQuit``.
 
 ``PYTHONBREAKPOINT`` (e.g. ``remote_pdb.set_trace``, or ``0``) takes precedence over both. While ``--tp-pdb`` is set
-the parent gives every test :data:`DEBUG_WAIT_S` instead of its deadline and straggler grace: a rank in pdb is not
-a hang.
+the parent gives every test :data:`DEBUG_WAIT_S` instead of its deadline, and the straggler grace after a failed
+peer starts only once the debugged rank is done: a rank in pdb is not a hang, but its peers left waiting in a
+collective after it quit or failed are.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 
-#: Under ``--tp-pdb``: the deadline and the straggler grace of every test (a week; Ctrl-C ends the run).
+#: Under ``--tp-pdb``: the deadline of every test (a week; Ctrl-C ends the run).
 DEBUG_WAIT_S = 7 * 24 * 3600.0
 
 

@@ -168,25 +168,15 @@ def pool_for(state: State, plan: Plan) -> Any:
         raise RankFailure(str(exc).splitlines()[0], "E   " + str(exc)) from None
 
 
-def _grace_s(state: State) -> float:
-    """How long the other ranks may still run once one failed: the straggler grace, or no limit under --tp-pdb
-    (the failed rank may be in a post-mortem)."""
-    from .debug import DEBUG_WAIT_S
-    from .protocol import STRAGGLER_GRACE_S
-
-    return DEBUG_WAIT_S if state.settings.pdb_rank is not None else STRAGGLER_GRACE_S
-
-
 def run_body(item: pytest.Function, state: State, plan: Plan) -> None:
     """Run a TP test body on every rank (pool or torchrun) and report the merged outcome."""
     cmd = run_test_command(item)
     if state.external is not None:
         run = state.external.run_test(item.obj, pickle.loads(cmd.kwargs), cmd.seed, plan.timeout_s,
                                       capture=item.config.getoption("capture", "fd") != "no",
-                                      on_hang=lambda stuck_run: end_session_after_hang(item, plan, stuck_run),
-                                      grace_s=_grace_s(state))
+                                      on_hang=lambda stuck_run: end_session_after_hang(item, plan, stuck_run))
     else:
-        run = pool_for(state, plan).run(cmd, plan.timeout_s, live=_live_output(item), grace_s=_grace_s(state))
+        run = pool_for(state, plan).run(cmd, plan.timeout_s, live=_live_output(item))
     apply(item, run, plan)
 
 
@@ -233,7 +223,7 @@ class PoolHandle:
         cmd = CallFn(payload=payload, modules=modules, sys_path=list(sys.path),
                      seed=seed_for(f"{self._item.nodeid}#{self._calls}"))
         run = pool_for(self._state, self._plan).run(cmd, self._plan.timeout_s if timeout is None else timeout,
-                                                    live=_live_output(self._item), grace_s=_grace_s(self._state))
+                                                    live=_live_output(self._item))
         apply(self._item, run, self._plan, label=f" (tp_pool.run #{self._calls})")
         return [pickle.loads(run.outcomes[r].value) for r in range(self.world_size)]
 

@@ -135,14 +135,13 @@ class ExternalMode:
         return None
 
     def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int, timeout_s: float,
-                 capture: bool = True, on_hang: Callable[[Any], None] | None = None,
-                 grace_s: float = STRAGGLER_GRACE_S) -> Any:
+                 capture: bool = True, on_hang: Callable[[Any], None] | None = None) -> Any:
         """Run the body here, exchange outcomes (and captured output) with every rank; return a PoolRun for
         ``report.merge``, so rank 0's report shows every rank's verdict and output.
 
         The exchange goes through the job's store, never through a collective: a rank that failed cannot pair its
         exchange with a collective that its peers still wait in (which would let them pass). When the ranks are
-        not all done by the deadline, or a rank failed and the others are not done ``grace_s`` later,
+        not all done by the deadline, or a rank failed and the others are not done :data:`STRAGGLER_GRACE_S` later,
         :class:`_Exchange` takes over: every unfinished rank posts its stack, rank 0 calls ``on_hang(run)`` with
         what it knows (the finished ranks' outcomes, the others' stacks) and every rank exits.
         """
@@ -156,7 +155,7 @@ class ExternalMode:
         seed_test(seed)
         t0 = time.perf_counter()
         self.test_index += 1
-        exchange = _Exchange(self, self.test_index, timeout_s, grace_s, on_hang)
+        exchange = _Exchange(self, self.test_index, timeout_s, on_hang)
         with _capture_output(capture) as output:
             bound = {k: bind(v, self.ctx) for k, v in kwargs.items()}
             try:
@@ -219,14 +218,15 @@ class _Exchange:
 
     Every rank posts ``done<r>`` (its outcome and output) when its body returns, marks ``failed`` when that
     outcome is not a pass, and waits until every rank has posted. A watcher thread per rank bounds that wait: rank
-    0 declares the test hung (``expired``) at the deadline, or ``grace_s`` after a peer marked
-    ``failed`` while some rank is still running (stuck in a collective the failed rank never entered). Then every
+    0 declares the test hung (``expired``) at the deadline, or :data:`STRAGGLER_GRACE_S` after a peer marked
+    ``failed`` while some rank is still running (stuck in a collective the failed rank never entered); under
+    ``--tp-pdb`` the grace starts once the debugged rank has posted. Then every
     unfinished rank posts its stack (``stack<r>``), rank 0 hands the finished ranks' outcomes and the others'
     stacks to ``on_hang`` (which reports and writes the JUnit file) and sets ``reported``, and every rank exits
     with status 1: a process group cannot be respawned from inside.
     """
 
-    def __init__(self, mode: ExternalMode, index: int, timeout_s: float, grace_s: float,
+    def __init__(self, mode: ExternalMode, index: int, timeout_s: float,
                  on_hang: Callable[[Any], None] | None) -> None:
         import time
 
@@ -234,7 +234,6 @@ class _Exchange:
         self.rank, self.world_size = mode.ctx.rank, mode.ctx.world_size
         self.prefix = f"tplogp/test{index}/"
         self.timeout_s = timeout_s
-        self.grace_s = grace_s
         self.on_hang = on_hang
         self.store = mode.store()
         self.started = time.monotonic()
@@ -274,6 +273,11 @@ class _Exchange:
         self.done.set()
         return [pickle.loads(v) for v in self.store.multi_get(keys)]
 
+    def _debugged_rank_done(self) -> bool:
+        """Whether the ``--tp-pdb`` rank (if any) has posted: until then it may be in pdb, which is no hang."""
+        pdb_rank = self.mode.pdb_rank
+        return pdb_rank is None or pdb_rank >= self.world_size or self.store.check([self._key(f"done{pdb_rank}")])
+
     def _watch(self) -> None:
         import time
 
@@ -282,8 +286,8 @@ class _Exchange:
         while not self.done.wait(WATCH_POLL_S):
             now = time.monotonic()
             if self.rank == 0:
-                if grace_end is None and self.store.check([self._key("failed")]):
-                    grace_end = now + self.grace_s
+                if grace_end is None and self.store.check([self._key("failed")]) and self._debugged_rank_done():
+                    grace_end = now + STRAGGLER_GRACE_S
                 timed_out = now >= deadline
                 if not (timed_out or (grace_end is not None and now >= grace_end)):
                     continue

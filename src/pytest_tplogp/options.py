@@ -116,7 +116,7 @@ SPECS: tuple[Spec, ...] = (
          "it: fast starts and respawns) or spawn (a fresh interpreter per rank)", "NAME"),
     Spec("pdb_rank", "--tp-pdb", "TPLOGP_TP_PDB", "tp_pdb", _non_negative_int,
          "debug rank RANK: its breakpoint() and a failure of its body stop in pdb, served on a local port that the "
-         "rank prints (needs -s; no deadline or straggler grace while it is set)", "RANK"),
+         "rank prints (needs -s; no deadline while it is set)", "RANK"),
     Spec("gpu_share", "--tp-gpu-share", "TPLOGP_TP_GPU_SHARE", "tp_gpu_share", _on_off,
          "on (default): a gpu test whose ranks outnumber this process's GPUs runs on gloo, its ranks sharing the "
          "GPUs (CUDA tensors); off: such a test is skipped", "on|off"),

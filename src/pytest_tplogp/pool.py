@@ -9,7 +9,8 @@ removed by the next one), so nothing can race for a port. Each command is sent t
 awaited with ``multiprocessing.connection.wait`` on the pipes *and* the process sentinels, until a deadline:
 
 - all ranks answer: their :class:`RankOutcome` s come back (the fresh-state verdict included);
-- a rank fails, skips alone or dies: the others get :data:`STRAGGLER_GRACE_S` to finish, else they are stuck;
+- a rank fails, skips alone or dies: the others get :data:`STRAGGLER_GRACE_S` to finish, else they are stuck
+  (under ``--tp-pdb`` the grace starts once the debugged rank is done: until then it may be in pdb);
 - the deadline passes: stuck ranks are stuck.
 
 Stuck ranks get SIGUSR1 (faulthandler dumps every thread's stack to the rank's stack file) and then the pool is
@@ -366,19 +367,17 @@ class RankPool:
             time.sleep(0.05)
         return {r: _read_from(self._paths(r)[2], offsets[r]) for r in ranks}
 
-    def run(self, command: Any, timeout_s: float, live: LiveOutput | None = None,
-            grace_s: float = STRAGGLER_GRACE_S) -> PoolRun:
+    def run(self, command: Any, timeout_s: float, live: LiveOutput | None = None) -> PoolRun:
         """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the module docstring).
 
         With ``live`` (pytest ``-s``), every complete line a rank writes is passed on while the command runs.
-        ``grace_s``: how long the others may still run once a rank failed, skipped alone or died.
         """
         self.busy = True  # stays True if interrupted (Ctrl-C): the ranks are mid-command, stop() must kill
-        res = self._run(command, timeout_s, live, grace_s)
+        res = self._run(command, timeout_s, live)
         self.busy = False
         return res
 
-    def _run(self, command: Any, timeout_s: float, live: LiveOutput | None, grace_s: float) -> PoolRun:
+    def _run(self, command: Any, timeout_s: float, live: LiveOutput | None) -> PoolRun:
         t0 = time.perf_counter()
         n = self.key.world_size
         res = PoolRun()
@@ -399,8 +398,11 @@ class RankPool:
             except (OSError, ValueError):
                 died(r)
         deadline = time.monotonic() + timeout_s
-        grace_end: float | None = time.monotonic() + grace_s if res.deaths else None
+        peer_failed = bool(res.deaths)
+        grace_end: float | None = None
         while pending:
+            if grace_end is None and peer_failed and self.pdb_rank not in pending:
+                grace_end = time.monotonic() + STRAGGLER_GRACE_S  # the --tp-pdb rank, while it runs, may be in pdb
             now = time.monotonic()
             limit = deadline if grace_end is None else min(deadline, grace_end)
             if now >= limit:
@@ -428,8 +430,7 @@ class RankPool:
                     pending.discard(r)
                     if out.outcome == "passed":
                         continue
-                if grace_end is None:
-                    grace_end = time.monotonic() + grace_s
+                peer_failed = True
         if tail:
             tail.pump(final=True)
         if pending:

@@ -13,6 +13,8 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
+PROMPT = "(Pdb rank 1) "
+
 BODY = '''
 import pytest
 import torch.distributed as dist
@@ -28,6 +30,11 @@ def test_stops(tp):
 def test_fails_on_rank_1(tp):
     local = f"rank-{tp.rank}-local"
     assert tp.rank == 0
+
+@pytest.mark.tp
+def test_quits(tp):
+    breakpoint()
+    dist.barrier()
 '''
 
 
@@ -88,25 +95,37 @@ class _Lines:
 
 
 def _debug(port: int, commands: list[tuple[str, str]]) -> str:
-    """Connect to a rank's pdb, send each command and read until its expected text; return the conversation."""
+    """Connect to a rank's pdb, send each command and read until its expected text (in what came after the command)
+    and the next prompt; after the last command (``c`` or ``q``) read until the rank closes the connection, so
+    nothing is left unread (a close with unread data resets the connection, and the rank could lose the command).
+    Returns the conversation."""
     text = ""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
-        for command, expect in commands:
+        for i, (command, expect) in enumerate(commands):
+            last = i == len(commands) - 1
+            start = len(text)
             if command:
                 conn.sendall(command.encode() + b"\n")
-            while expect not in text:
+            if last and command:
+                conn.shutdown(socket.SHUT_WR)
+            while True:
+                answer = text[start:]
+                if not last and expect in answer and answer.endswith(PROMPT):
+                    break
                 data = conn.recv(4096)
                 if not data:
                     break
                 text += data.decode()
-            assert expect in text, f"{command!r}: no {expect!r} in {text!r}"
+            assert expect in text[start:], f"{command!r}: no {expect!r} in {text[start:]!r}"
     return text
 
 
 @pytest.mark.slow
 def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) -> None:
     """Rank 1 stops at breakpoint() (rank 0 waits for it in the barrier), answers `p value`, continues, and the
-    test passes; then rank 1's failure opens a post-mortem that sees the body's locals, and the test fails."""
+    test passes; then rank 1's failure opens a post-mortem that sees the body's locals, and the test fails; then
+    `q` at a breakpoint fails the test on rank 1, and rank 0, left in the barrier, is reported stuck after the
+    usual straggler grace (no deadline under --tp-pdb, but a quit debugger is no reason to wait)."""
     pytester.makepyfile(test_body=BODY)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-p", "no:cacheprovider", "-s",
                              "-v", "--tp-pdb=1", "test_body.py"], cwd=pytester.path, stdout=subprocess.PIPE,
@@ -115,20 +134,25 @@ def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) 
     try:
         m = lines.until(r"\[rank 1\] tplogp: rank 1 stopped in pdb \(breakpoint\(\) at test_body\.py:7\); connect "
                         r"from another terminal: nc 127\.0\.0\.1 (\d+)")
-        talk = _debug(int(m.group(1)), [("", "(Pdb rank 1) "), ("p value", "41"), ("c", "")])
+        talk = _debug(int(m.group(1)), [("", PROMPT), ("p f'value={value}'", "'value=41'"), ("c", "")])
         assert "test_body.py(8)test_stops()" in talk, talk          # stopped in the body, on the line after
         lines.until(r"^PASSED$")                                    # (-s -v: the verdict follows the ranks' lines)
         m = lines.until(r"\[rank 1\] tplogp: rank 1 stopped in pdb \(post-mortem: AssertionError: assert 1 == 0.* at "
                         r"test_body\.py:14\); connect from another terminal: nc 127\.0\.0\.1 (\d+)")
-        _debug(int(m.group(1)), [("", "(Pdb rank 1) "), ("p local", "'rank-1-local'"), ("q", "")])
-        lines.until(r"1 failed, 1 passed")
+        _debug(int(m.group(1)), [("", PROMPT), ("p local", "'rank-1-local'"), ("q", "")])
+        m = lines.until(r"\[rank 1\] tplogp: rank 1 stopped in pdb \(breakpoint\(\) at test_body\.py:18\); connect "
+                        r"from another terminal: nc 127\.0\.0\.1 (\d+)")
+        before_quit = "\n".join(lines.seen)
+        _debug(int(m.group(1)), [("", PROMPT), ("q", "")])
+        lines.until(r"rank 0 did not finish within 3 s after a peer failed")
+        lines.until(r"2 failed, 1 passed", timeout_s=60)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
     out = "\n".join(lines.seen)
-    assert "BdbQuit" not in out and "rank 1: AssertionError: assert 1 == 0" in out, out
+    assert "BdbQuit" not in before_quit and "rank 1: AssertionError: assert 1 == 0" in out, out
     assert "no deadline (--tp-pdb=1)" in out, out
 
 
