@@ -26,6 +26,9 @@ def tag(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[
         monkeypatch.delenv(var, raising=False)
     own_tmp = tempfile.mkdtemp(prefix="tpt-")  # short: the fork server's AF_UNIX socket lives there
     monkeypatch.setenv("TMPDIR", own_tmp)
+    # The session loads the plugins it names (-p pytest_tplogp, -p xdist, -p pytest_cov), not every installed one:
+    # entry-point loading costs each session and each torchrun rank about half a second (test_opt_in.py tests it).
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     value = uuid.uuid4().hex
     monkeypatch.setenv("TPLOGP_TEST_TAG", value)
     yield value

@@ -58,8 +58,8 @@ def _no_leftover_data_files(pytester: pytest.Pytester) -> None:
 def test_pytest_cov_reports_rank_lines(pytester: pytest.Pytester, tag: str, extra: tuple[str, ...]) -> None:
     pytest.importorskip("pytest_cov")
     _write(pytester)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--cov=tinypkg", "--cov-branch",
-                                           "--cov-report=term-missing", *extra)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_cov", "--cov=tinypkg",
+                                           "--cov-branch", "--cov-report=term-missing", *extra)
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["tinypkg/__init__.py * 9 * 0 * 4 * 0 * 100%", "TOTAL * 100%"])
     _no_leftover_data_files(pytester)
@@ -76,8 +76,8 @@ def test_pytest_cov_under_torchrun_reports_every_rank(pytester: pytest.Pytester,
     _write(pytester)
     # each rank would write its XML report to a file of its own (coverage expands ${RANK} in its configuration)
     (pytester.path / ".coveragerc").write_text("[xml]\noutput = cov-rank${RANK}.xml\n")
-    result = torchrun("--cov=tinypkg", "--cov-branch", "--cov-report=term-missing", "--cov-report=xml",
-                      "--cov-config=.coveragerc")
+    result = torchrun("-p", "pytest_cov", "--cov=tinypkg", "--cov-branch", "--cov-report=term-missing",
+                      "--cov-report=xml", "--cov-config=.coveragerc")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["tinypkg/__init__.py * 9 * 0 * 4 * 0 * 100%", "TOTAL * 100%"])
     reports = sorted(p.name for p in pytester.path.glob("cov-rank*.xml"))

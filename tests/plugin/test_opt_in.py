@@ -11,6 +11,12 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
+
+@pytest.fixture(autouse=True)
+def entry_points_load(tag: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """These sessions load installed plugins as pytest does by default (the ``tag`` fixture turns that off)."""
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+
 # An unrelated project with its own stress/gpu markers, its own --run-stress option and its own fixtures named
 # like the plugin's (dtype, bias, reference, op_source).
 PROJECT_CONFTEST = '''
