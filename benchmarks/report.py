@@ -374,31 +374,37 @@ def _ab_spread(entry: dict, metric: str) -> str:
 
 
 def ab_section(rows: list[dict]) -> list[str]:
-    """The newest A/B run of op rows (``python -m benchmarks op --base REV``): per row its this / base medians over
-    the run's rounds and their ratio, and the rounds per side with their spread."""
+    """The newest A/B run of op rows (``python -m benchmarks op --base REV``) on each device, newest device first:
+    per row its this / base medians over the run's rounds and their ratio, and the rounds per side with their
+    spread. Rows of one run are those of one (this, base, device): several invocations pool their rounds."""
     runs: dict[tuple, list[dict]] = {}
     for r in rows:
         if r.get("suite") == "op" and isinstance(r.get("ab"), dict) and not r.get("smoke"):
             runs.setdefault((r["ab"]["this"], r["ab"]["base"], r.get("device")), []).append(r)
     if not runs:
         return []
-    sel = max(runs.values(), key=lambda rs: max(r["date"] for r in rs))
-    first = sel[0]
-    this, base, device = first["ab"]["this"], first["ab"]["base"], first.get("device")
-    entries = sorted(ab.ratios(sel), key=lambda e: (_shape_key(e["shape"]), e["impl"], e["budget"] or ""))
+    newest: dict[str | None, list[dict]] = {}
+    for (_, _, device), run in sorted(runs.items(), key=lambda kv: max(r["date"] for r in kv[1]), reverse=True):
+        newest.setdefault(device, run)
     out = ["## Against an earlier commit (A/B)", "",
-           f"`python -m benchmarks op --base {base}` from `{this}`: both trees measured in the same run, alternating "
-           f"sides round by round (Method; medians per side, this / base and their ratio; the rounds per side and "
-           f"their spread, (max - min) / median of the synced GEMM-times, this / base).", "",
-           f"Measured {max(r['date'] for r in sel)[:10]} on {device}, torch {first.get('torch')}, "
-           f"Triton {first.get('triton')}: tplogp `{this}` against `{base}`.", ""]
-    return out + _table(
-        [("shape", "l"), ("impl", "l"), ("budget", "l"), ("fwd+bwd GEMM-times synced", "r"),
-         ("rounds, spread", "r"), ("fwd+bwd GEMM-times b2b", "r"), ("host µs, all threads", "r"), ("extra GiB", "r")],
-        entries, lambda e: [e["shape"], e["impl"], e["budget"]],
-        lambda e: [_ab_cell(e, "fwd_bwd_gemms", ".3f"), _ab_spread(e, "fwd_bwd_gemms"),
-                   _ab_cell(e, "fwd_bwd_gemms_b2b", ".3f"), _ab_cell(e, "host_fwd_bwd_all_us", ".0f"),
-                   _ab_cell(e, "extra_peak_gib", ".3f")]) + [""]
+           "`python -m benchmarks op --base REV`: both trees measured in the same run, alternating sides round by "
+           "round (Method; medians per side, this / base and their ratio; the rounds per side and their spread, "
+           "(max - min) / median of the synced GEMM-times, this / base). The newest run on each device.", ""]
+    for device, sel in newest.items():
+        first = sel[0]
+        this, base = first["ab"]["this"], first["ab"]["base"]
+        entries = sorted(ab.ratios(sel), key=lambda e: (_shape_key(e["shape"]), e["impl"], e["budget"] or ""))
+        out += [f"Measured {max(r['date'] for r in sel)[:10]} on {device}, torch {first.get('torch')}, "
+                f"Triton {first.get('triton')}: tplogp `{this}` against `{base}`.", ""]
+        out += _table(
+            [("shape", "l"), ("impl", "l"), ("budget", "l"), ("fwd+bwd GEMM-times synced", "r"),
+             ("rounds, spread", "r"), ("fwd+bwd GEMM-times b2b", "r"), ("host µs, all threads", "r"),
+             ("extra GiB", "r")],
+            entries, lambda e: [e["shape"], e["impl"], e["budget"]],
+            lambda e: [_ab_cell(e, "fwd_bwd_gemms", ".3f"), _ab_spread(e, "fwd_bwd_gemms"),
+                       _ab_cell(e, "fwd_bwd_gemms_b2b", ".3f"), _ab_cell(e, "host_fwd_bwd_all_us", ".0f"),
+                       _ab_cell(e, "extra_peak_gib", ".3f")]) + [""]
+    return out
 
 
 def render(rows: list[dict], plot_dir: str, doc_dir: str) -> str:

@@ -454,28 +454,35 @@ def test_a_newer_run_on_another_device_keeps_each_devices_latest_rows(tmp_path):
 
 
 def test_report_shows_the_newest_ab_run_as_ratios(tmp_path):
-    """A/B rows stay out of the op tables; the newest A/B run is a table of its own: per row the medians of each
-    side over the rounds, this / base, and their ratio, the rounds per side and their spread (an older A/B run is not
-    shown)."""
-    def ab_row(side, rnd, gemms, host, this="new", base="old", date="2026-01-03T00:00:00+00:00"):
+    """A/B rows stay out of the op tables; the newest A/B run on each device is a table of its own: per row the
+    medians of each side over the rounds, this / base, and their ratio, the rounds per side and their spread (an
+    older A/B run on the same device is not shown)."""
+    def ab_row(side, rnd, gemms, host, this="new", base="old", date="2026-01-03T00:00:00+00:00", **extra):
         return _op_row("tplogp-sm90", **dict(fwd_ms=1.0, fwd_bwd_ms=4.0, fwd_gemms=1.0, fwd_bwd_gemms=gemms,
                                              fwd_bwd_gemms_b2b=gemms - 0.1, host_fwd_bwd_us=100.0,
                                              host_fwd_bwd_all_us=host, gemm_ms=1.0, extra_peak_gib=0.5, date=date,
-                                             ab=dict(side=side, round=rnd, this=this, base=base)))
+                                             ab=dict(side=side, round=rnd, this=this, base=base), **extra))
 
+    older = dict(this="older", date="2026-01-01T00:00:00+00:00")
     rows = [ab_row("this", 0, 4.0, 300.0), ab_row("base", 0, 3.0, 200.0), ab_row("base", 1, 5.0, 400.0),
             ab_row("this", 1, 4.4, 500.0),
-            ab_row("this", 0, 9.0, 900.0, this="older", date="2026-01-01T00:00:00+00:00"),
-            ab_row("base", 0, 9.0, 900.0, this="older", date="2026-01-01T00:00:00+00:00")]
+            ab_row("this", 0, 9.0, 900.0, **older), ab_row("base", 0, 9.0, 900.0, **older),
+            ab_row("this", 0, 7.0, 700.0, device="GPU Y", **older),
+            ab_row("base", 0, 3.5, 350.0, device="GPU Y", **older)]
     runner.append_rows(str(tmp_path), rows)
     doc = tmp_path / "docs" / "performance.md"
     report.write(str(tmp_path), str(doc))
     text = doc.read_text()
-    assert "`python -m benchmarks op --base old` from `new`" in text and "round by round" in text, text
+    assert "`python -m benchmarks op --base REV`" in text and "round by round" in text, text
+    assert "on GPU X, torch 2, Triton 3: tplogp `new` against `old`." in text, text
+    assert "on GPU Y, torch 2, Triton 3: tplogp `older` against `old`." in text, text
+    assert text.index("on GPU X,") < text.index("on GPU Y,"), text  # the newest run's device first
     table = [line for line in text.splitlines() if line.startswith("| 64x32x320 | tplogp-sm90 |")]
     # medians: synced 4.2 / 4.0, b2b 4.1 / 3.9, host (all threads) 400 / 300; synced spread 0.4 / 4.2, 2 / 4
     assert table == ["| 64x32x320 | tplogp-sm90 | default | 4.200 / 4.000 (1.050) | 2: 10% / 50% | 4.100 / 3.900 (1.051) | "
-                     "400 / 300 (1.333) | 0.500 / 0.500 (1.000) |"], table
+                     "400 / 300 (1.333) | 0.500 / 0.500 (1.000) |",
+                     "| 64x32x320 | tplogp-sm90 | default | 7.000 / 3.500 (2.000) | 1: 0% / 0% | 6.900 / 3.400 (2.029) | "
+                     "700 / 350 (2.000) | 0.500 / 0.500 (1.000) |"], table
     assert "No op rows in the results file yet" in text, text  # A/B rows make no op table
 
 
