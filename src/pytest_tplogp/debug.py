@@ -10,9 +10,10 @@ A rank has no terminal: its stdin is not the user's and its output goes to files
   of pdb reading an empty stdin and raising a bare ``bdb.BdbQuit``.
 
 ``PYTHONBREAKPOINT`` (e.g. ``remote_pdb.set_trace``, or ``0``) takes precedence over both. While ``--tp-pdb`` is set
-the parent gives every test :data:`DEBUG_WAIT_S` instead of its deadline, and the straggler grace after a failed
-peer starts only once the debugged rank is done: a rank in pdb is not a hang, but its peers left waiting in a
-collective after it quit or failed are.
+the parent gives every test :data:`DEBUG_WAIT_S` instead of its deadline: a rank in pdb is not a hang. The rank
+says when it is in pdb (``in_pdb(True)`` from the moment it serves the port until the debugger leaves, a flag the
+parent reads): while it is, the straggler grace after a failed peer is held; otherwise ranks left waiting in a
+collective are stuck as without ``--tp-pdb``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import pdb
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -39,8 +40,9 @@ class DebuggerUnavailable(RuntimeError):
 class _SocketPdb(pdb.Pdb):
     """pdb whose prompt and commands travel over one accepted TCP connection."""
 
-    def __init__(self, conn: socket.socket, rank: int) -> None:
+    def __init__(self, conn: socket.socket, rank: int, in_pdb: Callable[[bool], None]) -> None:
         self._conn = conn
+        self._in_pdb = in_pdb
         self._file = conn.makefile("rw", buffering=1, encoding="utf-8", errors="replace")
         super().__init__(stdin=self._file, stdout=self._file)
         self.use_rawinput = False
@@ -52,6 +54,7 @@ class _SocketPdb(pdb.Pdb):
                 thing.close()
             except OSError:
                 pass
+        self._in_pdb(False)
 
     def do_continue(self, arg: str) -> Any:
         result = super().do_continue(arg)
@@ -69,8 +72,9 @@ class _SocketPdb(pdb.Pdb):
     do_q = do_exit = do_quit
 
 
-def _serve(rank: int, why: str, where: str) -> _SocketPdb:
+def _serve(rank: int, why: str, where: str, in_pdb: Callable[[bool], None]) -> _SocketPdb:
     """Wait on a local port until a debugger connects; the port is announced on this rank's stderr."""
+    in_pdb(True)
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     sys.stderr.write(f"tplogp: rank {rank} stopped in pdb ({why} at {where}); connect from another terminal: "
@@ -78,17 +82,22 @@ def _serve(rank: int, why: str, where: str) -> _SocketPdb:
     sys.stderr.flush()
     with server:
         conn, _ = server.accept()
-    return _SocketPdb(conn, rank)
+    return _SocketPdb(conn, rank, in_pdb)
 
 
 def _where(frame: FrameType | None) -> str:
     return "?" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
+def _no_flag(on: bool) -> None:
+    pass
+
+
 @contextlib.contextmanager
-def body(rank: int, pdb_rank: int | None) -> Iterator[None]:
+def body(rank: int, pdb_rank: int | None, in_pdb: Callable[[bool], None] = _no_flag) -> Iterator[None]:
     """Around a test body on a rank: ``breakpoint()`` as the module docstring says, and the post-mortem of a
-    failure on the ``--tp-pdb`` rank (the exception then propagates as before)."""
+    failure on the ``--tp-pdb`` rank (the exception then propagates as before). ``in_pdb(on)`` raises and lowers
+    the flag that holds the straggler grace (lowered at the latest when the body ends)."""
     if os.environ.get("PYTHONBREAKPOINT"):
         yield
         return
@@ -101,7 +110,7 @@ def body(rank: int, pdb_rank: int | None) -> Iterator[None]:
                 f"there in pdb on rank R, run with -s --tp-pdb=R: that rank serves pdb on a local port and prints it "
                 f"(PYTHONBREAKPOINT, e.g. remote_pdb.set_trace, is honoured too)")
         if rank == pdb_rank:
-            _serve(rank, "breakpoint()", _where(frame)).set_trace(frame)
+            _serve(rank, "breakpoint()", _where(frame), in_pdb).set_trace(frame)
         # the other ranks go on, and wait for the debugged one in their next collective
 
     saved = sys.breakpointhook
@@ -110,18 +119,20 @@ def body(rank: int, pdb_rank: int | None) -> Iterator[None]:
         yield
     except BaseException as exc:
         if rank == pdb_rank and isinstance(exc, Exception) and not isinstance(exc, (DebuggerUnavailable, bdb.BdbQuit)):
-            post_mortem(rank, exc)
+            post_mortem(rank, exc, in_pdb)
         raise
     finally:
         sys.breakpointhook = saved
+        if rank == pdb_rank:
+            in_pdb(False)  # a session left open (`c` with breakpoints set) ends with the body
 
 
-def post_mortem(rank: int, exc: BaseException) -> None:
+def post_mortem(rank: int, exc: BaseException, in_pdb: Callable[[bool], None] = _no_flag) -> None:
     tb: TracebackType | None = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = _where(tb.tb_frame) if tb is not None else "?"
-    debugger = _serve(rank, f"post-mortem: {type(exc).__name__}: {exc}".splitlines()[0], where)
+    debugger = _serve(rank, f"post-mortem: {type(exc).__name__}: {exc}".splitlines()[0], where, in_pdb)
     try:
         debugger.reset()
         debugger.interaction(None, exc.__traceback__)

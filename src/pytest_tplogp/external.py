@@ -159,7 +159,7 @@ class ExternalMode:
         with _capture_output(capture) as output:
             bound = {k: bind(v, self.ctx) for k, v in kwargs.items()}
             try:
-                with debug.body(self.ctx.rank, self.pdb_rank):
+                with debug.body(self.ctx.rank, self.pdb_rank, exchange.in_pdb):
                     func(**bound)
                 mine = RankOutcome(self.ctx.rank, "passed")
             except BaseException as exc:  # noqa: BLE001 - decided collectively below
@@ -220,7 +220,7 @@ class _Exchange:
     outcome is not a pass, and waits until every rank has posted. A watcher thread per rank bounds that wait: rank
     0 declares the test hung (``expired``) at the deadline, or :data:`STRAGGLER_GRACE_S` after a peer marked
     ``failed`` while some rank is still running (stuck in a collective the failed rank never entered); under
-    ``--tp-pdb`` the grace starts once the debugged rank has posted. Then every
+    ``--tp-pdb`` the grace is held while the debugged rank's ``in-pdb`` flag is up. Then every
     unfinished rank posts its stack (``stack<r>``), rank 0 hands the finished ranks' outcomes and the others'
     stacks to ``on_hang`` (which reports and writes the JUnit file) and sets ``reported``, and every rank exits
     with status 1: a process group cannot be respawned from inside.
@@ -273,10 +273,14 @@ class _Exchange:
         self.done.set()
         return [pickle.loads(v) for v in self.store.multi_get(keys)]
 
-    def _debugged_rank_done(self) -> bool:
-        """Whether the ``--tp-pdb`` rank (if any) has posted: until then it may be in pdb, which is no hang."""
-        pdb_rank = self.mode.pdb_rank
-        return pdb_rank is None or pdb_rank >= self.world_size or self.store.check([self._key(f"done{pdb_rank}")])
+    def in_pdb(self, on: bool) -> None:
+        """The ``--tp-pdb`` rank's flag (key ``in-pdb``): set while it is in pdb, when no grace runs out."""
+        self.store.set(self._key("in-pdb"), b"1" if on else b"0")
+
+    def debugging(self) -> bool:
+        """Whether the ``--tp-pdb`` rank is in pdb now."""
+        key = self._key("in-pdb")
+        return self.store.check([key]) and self.store.get(key) == b"1"
 
     def _watch(self) -> None:
         import time
@@ -286,8 +290,11 @@ class _Exchange:
         while not self.done.wait(WATCH_POLL_S):
             now = time.monotonic()
             if self.rank == 0:
-                if grace_end is None and self.store.check([self._key("failed")]) and self._debugged_rank_done():
-                    grace_end = now + STRAGGLER_GRACE_S
+                if self.store.check([self._key("failed")]):
+                    if self.debugging():
+                        grace_end = None  # held while the --tp-pdb rank is in pdb, counted again once it leaves
+                    elif grace_end is None:
+                        grace_end = now + STRAGGLER_GRACE_S
                 timed_out = now >= deadline
                 if not (timed_out or (grace_end is not None and now >= grace_end)):
                     continue

@@ -10,7 +10,7 @@ awaited with ``multiprocessing.connection.wait`` on the pipes *and* the process 
 
 - all ranks answer: their :class:`RankOutcome` s come back (the fresh-state verdict included);
 - a rank fails, skips alone or dies: the others get :data:`STRAGGLER_GRACE_S` to finish, else they are stuck
-  (under ``--tp-pdb`` the grace starts once the debugged rank is done: until then it may be in pdb);
+  (under ``--tp-pdb`` the grace is held while the debugged rank is in pdb: its ``rank<r>.pdb`` flag file);
 - the deadline passes: stuck ranks are stuck.
 
 Stuck ranks get SIGUSR1 (faulthandler dumps every thread's stack to the rank's stack file) and then the pool is
@@ -400,9 +400,13 @@ class RankPool:
         deadline = time.monotonic() + timeout_s
         peer_failed = bool(res.deaths)
         grace_end: float | None = None
+        pdb_flag = None if self.pdb_rank is None else os.path.join(self.pool_dir, f"rank{self.pdb_rank}.pdb")
         while pending:
-            if grace_end is None and peer_failed and self.pdb_rank not in pending:
-                grace_end = time.monotonic() + STRAGGLER_GRACE_S  # the --tp-pdb rank, while it runs, may be in pdb
+            if peer_failed:
+                if pdb_flag is not None and self.pdb_rank in pending and os.path.exists(pdb_flag):
+                    grace_end = None  # the --tp-pdb rank is in pdb: held, and counted again once it leaves
+                elif grace_end is None:
+                    grace_end = time.monotonic() + STRAGGLER_GRACE_S
             now = time.monotonic()
             limit = deadline if grace_end is None else min(deadline, grace_end)
             if now >= limit:
@@ -410,7 +414,8 @@ class RankPool:
                 break
             waitables = {self.conns[r]: r for r in pending}
             waitables.update({self.procs[r].sentinel: r for r in pending})
-            ready = wait(list(waitables), timeout=min(limit - now, LIVE_POLL_S) if tail else limit - now)
+            polls = tail is not None or pdb_flag is not None  # live output to pass on, or the pdb flag to read
+            ready = wait(list(waitables), timeout=min(limit - now, LIVE_POLL_S) if polls else limit - now)
             if tail:
                 tail.pump()
             for obj in ready:

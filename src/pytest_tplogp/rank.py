@@ -23,6 +23,7 @@ Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver b
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import importlib.util
@@ -341,6 +342,16 @@ class _Rank:
         return func
 
     # ------------------------------------------------------------ commands
+    def _in_pdb(self, on: bool) -> None:
+        """The --tp-pdb flag file (``rank<r>.pdb`` in the pool directory): present while this rank is in pdb, so that
+        the parent holds the straggler grace (``pool.RankPool.run``)."""
+        flag = self.cfg.path("pdb")
+        if on:
+            open(flag, "w").close()
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(flag)
+
     def _outcome(self, exc: BaseException, tb_skip: int = 1, test_file: str | None = None) -> RankOutcome:
         return classify(exc, self.cfg.rank, tb_skip, test_file)
 
@@ -358,7 +369,7 @@ class _Rank:
             out.summary = f"could not set up the test on the rank: {out.summary}"
         else:
             try:
-                with debug.body(self.cfg.rank, self.cfg.pdb_rank):
+                with debug.body(self.cfg.rank, self.cfg.pdb_rank, self._in_pdb):
                     func(**kwargs)
                 out = RankOutcome(self.cfg.rank, "passed")
             except BaseException as exc:  # noqa: BLE001
@@ -387,7 +398,7 @@ class _Rank:
             out.duration_s = time.perf_counter() - t0
             return out
         try:
-            with debug.body(self.cfg.rank, self.cfg.pdb_rank):
+            with debug.body(self.cfg.rank, self.cfg.pdb_rank, self._in_pdb):
                 value = fn(self.ctx, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001
             out = self._outcome(exc)

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from pytest_tplogp.protocol import STRAGGLER_GRACE_S
+
 pytest_plugins = ["pytester"]
 
 PROMPT = "(Pdb rank 1) "
@@ -32,8 +34,16 @@ def test_fails_on_rank_1(tp):
     assert tp.rank == 0
 
 @pytest.mark.tp
-def test_quits(tp):
+def test_peer_fails_first(tp):
+    if tp.rank == 0:
+        raise RuntimeError("rank 0 fails first")
     breakpoint()
+    dist.barrier()
+
+@pytest.mark.tp
+def test_debugged_rank_waits(tp):
+    if tp.rank == 0:
+        raise RuntimeError("rank 0 fails before the collective")
     dist.barrier()
 '''
 
@@ -94,14 +104,17 @@ class _Lines:
         raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.seen))
 
 
-def _debug(port: int, commands: list[tuple[str, str]]) -> str:
+def _debug(port: int, commands: list[tuple[str | None, str]]) -> str:
     """Connect to a rank's pdb, send each command and read until its expected text (in what came after the command)
     and the next prompt; after the last command (``c`` or ``q``) read until the rank closes the connection, so
     nothing is left unread (a close with unread data resets the connection, and the rank could lose the command).
-    Returns the conversation."""
+    A command ``None`` holds the session open, idle, for longer than the straggler grace. Returns the conversation."""
     text = ""
     with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
         for i, (command, expect) in enumerate(commands):
+            if command is None:  # hold the session open for longer than the straggler grace
+                time.sleep(STRAGGLER_GRACE_S + 0.5)
+                continue
             last = i == len(commands) - 1
             start = len(text)
             if command:
@@ -123,9 +136,9 @@ def _debug(port: int, commands: list[tuple[str, str]]) -> str:
 @pytest.mark.slow
 def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) -> None:
     """Rank 1 stops at breakpoint() (rank 0 waits for it in the barrier), answers `p value`, continues, and the
-    test passes; then rank 1's failure opens a post-mortem that sees the body's locals, and the test fails; then
-    `q` at a breakpoint fails the test on rank 1, and rank 0, left in the barrier, is reported stuck after the
-    usual straggler grace (no deadline under --tp-pdb, but a quit debugger is no reason to wait)."""
+    test passes; then rank 1's failure opens a post-mortem that sees the body's locals, and the test fails. The
+    straggler grace after a failed peer is held while rank 1 is in pdb (it still answers after longer than the
+    grace, and `q` fails it), and runs as usual while rank 1 waits in a collective outside pdb."""
     pytester.makepyfile(test_body=BODY)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-p", "no:cacheprovider", "-s",
                              "-v", "--tp-pdb=1", "test_body.py"], cwd=pytester.path, stdout=subprocess.PIPE,
@@ -140,12 +153,13 @@ def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) 
         m = lines.until(r"\[rank 1\] tplogp: rank 1 stopped in pdb \(post-mortem: AssertionError: assert 1 == 0.* at "
                         r"test_body\.py:14\); connect from another terminal: nc 127\.0\.0\.1 (\d+)")
         _debug(int(m.group(1)), [("", PROMPT), ("p local", "'rank-1-local'"), ("q", "")])
-        m = lines.until(r"\[rank 1\] tplogp: rank 1 stopped in pdb \(breakpoint\(\) at test_body\.py:18\); connect "
+        m = lines.until(r"\[rank 1\] tplogp: rank 1 stopped in pdb \(breakpoint\(\) at test_body\.py:20\); connect "
                         r"from another terminal: nc 127\.0\.0\.1 (\d+)")
         before_quit = "\n".join(lines.seen)
-        _debug(int(m.group(1)), [("", PROMPT), ("q", "")])
-        lines.until(r"rank 0 did not finish within 3 s after a peer failed")
-        lines.until(r"2 failed, 1 passed", timeout_s=60)
+        _debug(int(m.group(1)), [("", PROMPT), (None, ""), ("p 6 * 7", "42"), ("q", "")])  # None: past the grace
+        lines.until(r"rank 0: RuntimeError: rank 0 fails first")
+        lines.until(r"rank 1 did not finish within 3 s after a peer failed")  # test_debugged_rank_waits
+        lines.until(r"3 failed, 1 passed", timeout_s=60)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -153,6 +167,8 @@ def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) 
             proc.wait(10)
     out = "\n".join(lines.seen)
     assert "BdbQuit" not in before_quit and "rank 1: AssertionError: assert 1 == 0" in out, out
+    held = out[out.index("test_peer_fails_first[tp2] _"):out.index("test_debugged_rank_waits[tp2] _")]
+    assert "did not finish within" not in held and "rank 1: " in held, held  # in pdb past the grace: not stuck
     assert "no deadline (--tp-pdb=1)" in out, out
 
 

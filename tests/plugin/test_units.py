@@ -182,26 +182,26 @@ def test_hang_report_groups_identical_stacks_and_hides_the_harness() -> None:
                        "pytest_tplogp not shown)") == 2
 
 
-@pytest.mark.parametrize("pdb_rank, waits", [(None, False), (1, True), (0, True), (2, False)],
-                         ids=["no-tp-pdb", "peer-debugged", "self-debugged", "past-the-world"])
-def test_torchrun_grace_waits_for_the_debugged_rank(pdb_rank: int | None, waits: bool) -> None:
-    """Under torchrun the straggler grace starts once the --tp-pdb rank has posted its outcome (until then it may be
-    in pdb); without --tp-pdb, or with a rank past the world size, at once."""
+def test_torchrun_grace_is_held_while_the_debugged_rank_is_in_pdb() -> None:
+    """Under torchrun the --tp-pdb rank's flag in the job's store (raised by debug.body while it serves pdb) is what
+    holds the straggler grace: down before pdb, up in it, down after."""
     import types
 
     import torch.distributed as dist
 
+    from pytest_tplogp import debug
     from pytest_tplogp.external import _Exchange
 
     store = dist.HashStore()
-    mode = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0, world_size=2), pdb_rank=pdb_rank,
-                                 store=lambda: store)
+    mode = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0, world_size=2), pdb_rank=0, store=lambda: store)
     exchange = _Exchange(mode, 7, timeout_s=3600.0, on_hang=None)  # no "failed" key: the watcher never expires
+    seen = []
     try:
-        assert exchange._debugged_rank_done() is not waits
-        for r in range(2):
-            store.set(f"tplogp/test7/done{r}", b"")
-        assert exchange._debugged_rank_done()
+        assert not exchange.debugging()
+        with debug.body(0, 0, exchange.in_pdb):
+            exchange.in_pdb(True)  # as debug._serve does before it waits for the debugger
+            seen.append(exchange.debugging())
+        assert seen == [True] and not exchange.debugging()  # the body's end lowers it
     finally:
         exchange.done.set()
         exchange.thread.join(5)
