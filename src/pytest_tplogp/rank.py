@@ -23,6 +23,7 @@ Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver b
 
 from __future__ import annotations
 
+import bdb
 import contextlib
 import faulthandler
 import importlib
@@ -127,6 +128,12 @@ def classify(exc: BaseException, rank: int, tb_skip: int = 1, test_file: str | N
     for _ in range(tb_skip):
         if tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
+    if isinstance(exc, bdb.BdbQuit):  # `q` in this rank's pdb (--tp-pdb): where, not bdb's frames
+        crash = _crash_location(tb, test_file)
+        where = f" at {os.path.basename(crash[0])}:{crash[1]}" if crash else ""
+        return RankOutcome(rank, "failed", summary=f"quit the debugger{where}",
+                           longrepr=f"pdb's `q` on rank {rank}{where} ended the body there\n",
+                           exc_type="bdb:BdbQuit", crash=crash)
     if pytest is not None and isinstance(exc, pytest.fail.Exception):
         summary = f"Failed: {getattr(exc, 'msg', '')}"
     else:
