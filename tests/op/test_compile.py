@@ -14,6 +14,7 @@ from tplogp import get_op, linear_logp, linear_logp_loss, losses, ops
 from tplogp.tolerances import assert_no_worse
 from tests.support.problems import cpu_sources, make_problem, run_reference
 from tests.support import tolerances as tol
+from tests.support.fullgraph import compile_fullgraph
 
 OPTIONS = {
     "plain": {},
@@ -65,12 +66,13 @@ def assert_same_bits(compiled, eager):
         assert torch.equal(c, e), f"{name}: compiled differs from eager by {float((c - e).abs().max()):.2e}"
 
 
-def graph_breaks(fn, p) -> int:
-    h, w = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
-    b = None if p.bias is None else p.bias.clone().requires_grad_()
-    explained = torch._dynamo.explain(fn)(h, w, p.target, b)
-    assert any("tplogp.linear_logp_fwd" in g.code for g in explained.graphs), "the op is not in the graph"
-    return explained.graph_break_count
+def compiled_in_one_graph(fn, p) -> list:
+    """``fn``'s loss and gradients through ``torch.compile(fullgraph=True, backend="aot_eager")`` (a graph break
+    raises there), after checking that dynamo captured one graph and that the op is in it."""
+    compiled, graphs = compile_fullgraph(fn)
+    out = loss_and_grads(compiled, p)
+    assert len(graphs) == 1 and "tplogp.linear_logp_fwd" in graphs[0], graphs
+    return out
 
 
 def _problem(opts, seed=0, lead=(3, 11), d=24, v=97):
@@ -87,10 +89,8 @@ def test_compile_fullgraph_matches_eager(opts, mode, monkeypatch):
     p = _problem(o, seed=len(opts))
     loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse) if o.get("return_entropy")
                         else (p.g_logp, p.g_lse))
-    assert graph_breaks(loss_fn, p) == 0
     eager = loss_and_grads(loss_fn, p)
-    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
-    assert_same_bits(compiled, eager)
+    assert_same_bits(compiled_in_one_graph(loss_fn, p), eager)
 
 
 def test_compiled_against_float64_truth():
@@ -191,10 +191,8 @@ def test_compile_with_triton_source_and_bare_weight():
     """A bound source (``get_op``) and no bias compile the same way."""
     p = make_problem((13,), 16, 45, torch.float32, False, seed=6)
     loss_fn = make_loss(get_op("linear_logp", source="triton"), dict(return_lse=True), (p.g_logp, p.g_lse))
-    assert graph_breaks(loss_fn, p) == 0
     eager = loss_and_grads(loss_fn, p)
-    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
-    assert_same_bits(compiled, eager)
+    assert_same_bits(compiled_in_one_graph(loss_fn, p), eager)
 
 
 def test_fused_loss_with_a_plain_callable_runs_eagerly_inside_compiled_code():
@@ -252,11 +250,10 @@ def test_fused_loss_compiles_fullgraph_bitwise(source, n, reduction):
     # for the backward; the op keeps the same terms in a prefix of a capacity for any row count
     # (packed_op.op_kept_shape)
     for fn in (fused, plain):
-        explained = torch._dynamo.explain(fn)(p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_(),
-                                              p.target, p.bias.clone().requires_grad_())
-        assert explained.graph_break_count == 0 and len(explained.graphs) == 1, fn.__name__
         eager = loss_and_grads(fn, p)
-        compiled = loss_and_grads(torch.compile(fn, fullgraph=True), p)
+        compiled_fn, graphs = compile_fullgraph(fn, backend="inductor")
+        compiled = loss_and_grads(compiled_fn, p)
+        assert len(graphs) == 1, (fn.__name__, graphs)
         if fn is plain:
             torch.testing.assert_close(compiled[0], eager[0], **tol.INDUCTOR._asdict())
             compiled[0] = eager[0]
@@ -378,9 +375,7 @@ def test_compile_with_tp_group(tp, opts, mode, monkeypatch):
     loss_fn = make_loss(linear_logp, o, (p.g_logp, p.g_entropy, p.g_lse) if o.get("return_entropy")
                         else (p.g_logp, p.g_lse), tp_group=tp.group, vocab_start_index=vs.start,
                         global_vocab_size=v)
-    breaks = graph_breaks(loss_fn, p)
     eager = loss_and_grads(loss_fn, p)
-    compiled = loss_and_grads(torch.compile(loss_fn, fullgraph=True, backend="aot_eager"), p)
-    tp.assert_all(breaks == 0, f"{breaks} graph breaks")
+    compiled = compiled_in_one_graph(loss_fn, p)
     same = all(torch.equal(c, e) for e, c in zip(eager, compiled))
     tp.assert_all(same, "compiled loss or gradients differ from eager's bits")
