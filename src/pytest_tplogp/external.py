@@ -73,8 +73,12 @@ class ExternalMode:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             # bounded: a rendezvous or collective that never completes fails after the test deadline + 60 s
+            # under --tp-pdb the peers of a rank in pdb wait in their collectives for as long as it may sit there
+            from .debug import DEBUG_WAIT_S
+
+            waits_s = settings.timeout_s if settings.pdb_rank is None else DEBUG_WAIT_S
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=settings.timeout_s + 60))
+                                    timeout=timedelta(seconds=waits_s + 60))
         else:
             backend = dist.get_backend()
         ctrl = dist.new_group(backend="gloo") if backend != "gloo" else None

@@ -72,11 +72,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     state = config.stash[STATE]
     s = state.settings
+    deadline = f"timeout {s.timeout_s:g} s" if s.pdb_rank is None else f"no deadline (--tp-pdb={s.pdb_rank})"
     if state.external is not None:
         ctx = state.external.ctx
         return [f"tplogp: external mode (torchrun): world size {ctx.world_size}, backend {ctx.backend}, "
-                f"device {ctx.device}; this report is rank {ctx.rank}'s; timeout {s.timeout_s:g} s"]
-    deadline = f"timeout {s.timeout_s:g} s" if s.pdb_rank is None else f"no deadline (--tp-pdb={s.pdb_rank})"
+                f"device {ctx.device}; this report is rank {ctx.rank}'s; {deadline}"]
     worker = _header_worker(config)
     p = devices.place(s.world_size, s.backend, worker=worker)
     devs = "cpu" if p.device_type == "cpu" else "cuda:" + ",".join(p.devices)

@@ -242,6 +242,10 @@ class _Rank:
                 kwargs["device_id"] = device
         else:
             device = torch.device("cpu")
+        if cfg.pdb_rank is not None:  # peers wait in collectives for as long as a rank may sit in pdb
+            from datetime import timedelta
+
+            kwargs["timeout"] = timedelta(seconds=debug.DEBUG_WAIT_S)
         store = dist.FileStore(cfg.store_path, cfg.world_size)
         dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size, **kwargs)
         ctrl = dist.new_group(backend="gloo") if cfg.backend != "gloo" else None
