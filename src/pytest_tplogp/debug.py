@@ -37,6 +37,10 @@ class DebuggerUnavailable(RuntimeError):
     """``breakpoint()`` was called on a rank that has no debugger."""
 
 
+class DebuggerQuit(RuntimeError):
+    """pdb's ``q`` on the ``--tp-pdb`` rank ended the body (in place of bdb's ``BdbQuit`` and its frames)."""
+
+
 class _SocketPdb(pdb.Pdb):
     """pdb whose prompt and commands travel over one accepted TCP connection."""
 
@@ -89,15 +93,35 @@ def _where(frame: FrameType | None) -> str:
     return "?" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-def _no_flag(on: bool) -> None:
-    pass
+def _quit_where(tb: TracebackType | None) -> str:
+    """Where pdb's ``q`` stopped the body: the innermost frame outside bdb and pdb."""
+    frame = None
+    while tb is not None:
+        if os.path.basename(tb.tb_frame.f_code.co_filename) not in ("bdb.py", "pdb.py"):
+            frame = tb.tb_frame
+        tb = tb.tb_next
+    return _where(frame)
+
+
+def flag_file(path: str) -> Callable[[bool], None]:
+    """An ``in_pdb`` flag kept as a file (present while up): how a pool's rank tells its parent (``pool.py``)."""
+
+    def in_pdb(on: bool) -> None:
+        if on:
+            open(path, "w").close()
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    return in_pdb
 
 
 @contextlib.contextmanager
-def body(rank: int, pdb_rank: int | None, in_pdb: Callable[[bool], None] = _no_flag) -> Iterator[None]:
+def body(rank: int, pdb_rank: int | None, in_pdb: Callable[[bool], None]) -> Iterator[None]:
     """Around a test body on a rank: ``breakpoint()`` as the module docstring says, and the post-mortem of a
-    failure on the ``--tp-pdb`` rank (the exception then propagates as before). ``in_pdb(on)`` raises and lowers
-    the flag that holds the straggler grace (lowered at the latest when the body ends)."""
+    failure on the ``--tp-pdb`` rank (the exception then propagates as before; ``q`` at a breakpoint becomes
+    :class:`DebuggerQuit`). ``in_pdb(on)`` raises and lowers the flag that holds the straggler grace (lowered at the
+    latest when the body ends)."""
     if os.environ.get("PYTHONBREAKPOINT"):
         yield
         return
@@ -118,7 +142,9 @@ def body(rank: int, pdb_rank: int | None, in_pdb: Callable[[bool], None] = _no_f
     try:
         yield
     except BaseException as exc:
-        if rank == pdb_rank and isinstance(exc, Exception) and not isinstance(exc, (DebuggerUnavailable, bdb.BdbQuit)):
+        if rank == pdb_rank and isinstance(exc, bdb.BdbQuit):
+            raise DebuggerQuit(f"quit the debugger at {_quit_where(exc.__traceback__)}") from None
+        if rank == pdb_rank and isinstance(exc, Exception) and not isinstance(exc, DebuggerUnavailable):
             post_mortem(rank, exc, in_pdb)
         raise
     finally:
@@ -127,7 +153,7 @@ def body(rank: int, pdb_rank: int | None, in_pdb: Callable[[bool], None] = _no_f
             in_pdb(False)  # a session left open (`c` with breakpoints set) ends with the body
 
 
-def post_mortem(rank: int, exc: BaseException, in_pdb: Callable[[bool], None] = _no_flag) -> None:
+def post_mortem(rank: int, exc: BaseException, in_pdb: Callable[[bool], None]) -> None:
     tb: TracebackType | None = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next

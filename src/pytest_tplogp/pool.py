@@ -40,6 +40,7 @@ from .protocol import (
     RankOutcome,
     Ready,
     StartFailed,
+    rank_file,
 )
 
 #: Modules the fork server imports before forking ranks (start method "forkserver"); the guard first, so that the
@@ -264,7 +265,7 @@ class RankPool:
         if problem is None and pending:
             problem = f"ranks did not join within {timeout_s:.0f} s"
         if problem is not None:
-            errs = "\n".join(f"--- rank {r} stderr ---\n{_read_from(os.path.join(self.pool_dir, f'rank{r}.err'), 0)}"
+            errs = "\n".join(f"--- rank {r} stderr ---\n{_read_from(rank_file(self.pool_dir, r, 'err'), 0)}"
                              for r in range(self.key.world_size))
             self.kill()
             raise PoolStartError(f"tplogp pool ({self.key.describe()}) could not start: {problem}\n{errs}")
@@ -347,7 +348,7 @@ class RankPool:
 
     # ------------------------------------------------------------ commands
     def _paths(self, r: int) -> tuple[str, str, str]:
-        return tuple(os.path.join(self.pool_dir, f"rank{r}.{s}") for s in ("out", "err", "stack"))  # type: ignore[return-value]
+        return tuple(rank_file(self.pool_dir, r, s) for s in ("out", "err", "stack"))  # type: ignore[return-value]
 
     def dump_stacks(self, ranks: list[int], wait_s: float = 3.0) -> dict[int, str]:
         """SIGUSR1 to ``ranks`` (faulthandler) and collect the dumps, waiting (bounded) for them to settle."""
@@ -400,7 +401,7 @@ class RankPool:
         deadline = time.monotonic() + timeout_s
         peer_failed = bool(res.deaths)
         grace_end: float | None = None
-        pdb_flag = None if self.pdb_rank is None else os.path.join(self.pool_dir, f"rank{self.pdb_rank}.pdb")
+        pdb_flag = None if self.pdb_rank is None else rank_file(self.pool_dir, self.pdb_rank, "pdb")
         while pending:
             if peer_failed:
                 if pdb_flag is not None and self.pdb_rank in pending and os.path.exists(pdb_flag):

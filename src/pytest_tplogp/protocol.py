@@ -23,6 +23,12 @@ STOP_TIMEOUT_S = 5.0
 COVERAGE_STOP_TIMEOUT_S = 30.0
 
 
+def rank_file(pool_dir: str, rank: int, suffix: str) -> str:
+    """A rank's file in its pool directory, ``rank<r>.<suffix>``: ``out``, ``err`` (its output), ``stack`` (its
+    faulthandler dumps), ``pdb`` (present while it is in pdb under ``--tp-pdb``)."""
+    return os.path.join(pool_dir, f"rank{rank}.{suffix}")
+
+
 @dataclass(frozen=True)
 class RankConfig:
     """Everything a rank needs to start; pickled into the spawned process."""
@@ -43,7 +49,7 @@ class RankConfig:
 
 
     def path(self, suffix: str) -> str:
-        return os.path.join(self.pool_dir, f"rank{self.rank}.{suffix}")
+        return rank_file(self.pool_dir, self.rank, suffix)
 
 
 @dataclass

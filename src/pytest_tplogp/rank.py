@@ -23,8 +23,6 @@ Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver b
 
 from __future__ import annotations
 
-import bdb
-import contextlib
 import faulthandler
 import importlib
 import importlib.util
@@ -128,12 +126,6 @@ def classify(exc: BaseException, rank: int, tb_skip: int = 1, test_file: str | N
     for _ in range(tb_skip):
         if tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
-    if isinstance(exc, bdb.BdbQuit):  # `q` in this rank's pdb (--tp-pdb): where, not bdb's frames
-        crash = _crash_location(tb, test_file)
-        where = f" at {os.path.basename(crash[0])}:{crash[1]}" if crash else ""
-        return RankOutcome(rank, "failed", summary=f"quit the debugger{where}",
-                           longrepr=f"pdb's `q` on rank {rank}{where} ended the body there\n",
-                           exc_type="bdb:BdbQuit", crash=crash)
     if pytest is not None and isinstance(exc, pytest.fail.Exception):
         summary = f"Failed: {getattr(exc, 'msg', '')}"
     else:
@@ -229,6 +221,7 @@ class _Rank:
         from .context import RankContext, set_current
 
         self.cfg = cfg
+        self.in_pdb = debug.flag_file(cfg.path("pdb"))  # read by the parent: the straggler grace waits meanwhile
         self.torch = torch
         self.dist = dist
         if cfg.num_threads:
@@ -353,16 +346,6 @@ class _Rank:
         return func
 
     # ------------------------------------------------------------ commands
-    def _in_pdb(self, on: bool) -> None:
-        """The --tp-pdb flag file (``rank<r>.pdb`` in the pool directory): present while this rank is in pdb, so that
-        the parent holds the straggler grace (``pool.RankPool.run``)."""
-        flag = self.cfg.path("pdb")
-        if on:
-            open(flag, "w").close()
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(flag)
-
     def _outcome(self, exc: BaseException, tb_skip: int = 1, test_file: str | None = None) -> RankOutcome:
         return classify(exc, self.cfg.rank, tb_skip, test_file)
 
@@ -380,7 +363,7 @@ class _Rank:
             out.summary = f"could not set up the test on the rank: {out.summary}"
         else:
             try:
-                with debug.body(self.cfg.rank, self.cfg.pdb_rank, self._in_pdb):
+                with debug.body(self.cfg.rank, self.cfg.pdb_rank, self.in_pdb):
                     func(**kwargs)
                 out = RankOutcome(self.cfg.rank, "passed")
             except BaseException as exc:  # noqa: BLE001
@@ -409,7 +392,7 @@ class _Rank:
             out.duration_s = time.perf_counter() - t0
             return out
         try:
-            with debug.body(self.cfg.rank, self.cfg.pdb_rank, self._in_pdb):
+            with debug.body(self.cfg.rank, self.cfg.pdb_rank, self.in_pdb):
                 value = fn(self.ctx, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001
             out = self._outcome(exc)

@@ -175,7 +175,8 @@ def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) 
     assert "BdbQuit" not in before_quit and "rank 1: AssertionError: assert 1 == 0" in out, out
     held = out[out.index("test_peer_fails_first[tp2] _"):out.index("test_debugged_rank_waits[tp2] _")]
     assert "did not finish within" not in held, held  # in pdb past the grace: not stuck
-    assert "rank 1: quit the debugger at test_body.py:21" in held and "bdb.py" not in held, held
+    assert "rank 1: pytest_tplogp.debug.DebuggerQuit: quit the debugger at test_body.py:21" in held, held
+    assert "bdb.py" not in held, held
     assert "no deadline (--tp-pdb=1)" in out, out
 
 
