@@ -1,6 +1,6 @@
 """The kernels' fp32 tanh (:func:`tplogp.kernels.fp32_ops.tanh`, the softcap's) against float64: the form this
-machine runs (Triton's interpreter on a CPU: the formula in plain fp32 operations; on a GPU the PTX form, whose
-``ex2.approx`` / ``rcp.approx`` add about an ulp each)."""
+machine runs (Triton's interpreter on a CPU: the formula in plain fp32 operations; on a GPU the PTX form with the
+approximate ``ex2`` / ``rcp``, held to the same bounds)."""
 
 from __future__ import annotations
 

@@ -47,8 +47,8 @@ def tanh(x, PTX: tl.constexpr):
     """``tanh(x)`` in fp32 as ``sign(x) (1 - 2 / (1 + 2^(2 |x| log2 e)))``: seven instructions, two of them MUFU
     (``ex2.approx.ftz``, ``rcp.approx.ftz``), where PTX runs (:data:`PTX`); the same formula in plain operations
     under the CPU interpreter. Its error is the rounding of ``1 - 2r`` next to 1: within two ulp of 1 absolute, and
-    two ulp relative once ``|tanh| >= 0.5``, for the plain form (tests/kernels/test_fp32_ops.py); the MUFU
-    approximations add about an ulp each. Saturates to exactly +-1 where ``2^(2|x| log2 e)`` overflows. Why not
+    two ulp relative once ``|tanh| >= 0.5``, for the plain form (tests/kernels/test_fp32_ops.py); the PTX form's
+    approximate ``ex2`` and ``rcp`` are checked only through the op's errors on a GPU. Saturates to exactly +-1 where ``2^(2|x| log2 e)`` overflows. Why not
     libdevice's ``tanhf`` (a few ulp everywhere): its polynomial branch and its exponential branch, both evaluated
     per element, cost about 20 instructions per logit in each pass that computes logits, which a softcapped call
     pays on top of the softmax's own few."""
