@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_gather_flat, host_group
+from .masked_rows import settle_rows
 
 LEVEL = "tp_invariant"  # the value of ``deterministic`` that asks for this level
 FIXED_POINT_BITS = 40
@@ -124,8 +125,9 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
     a group: an int64 all-reduce MAX, then an int64 all-reduce SUM.
 
     Returns:
-        ``(M, log S, target logit - M, owner count, E_p[z] - M or None, sum_z or None, argmax or None)``, fp32
-        ``[N]`` (count int64; argmax: global ids as fp32), the same bits on every rank and for every rank count.
+        ``(M, log S, lse, target logit - M, owner count, E_p[z] - M or None, sum_z or None, argmax or None)``,
+        fp32 ``[N]`` (count int64; argmax: global ids as fp32), the same bits on every rank and for every rank
+        count; a row with no unmasked column is settled by :func:`tplogp.masked_rows.settle_rows`.
     """
     m, s = blocks.block_max, blocks.block_sum  # [blocks, N]
     n = m.shape[1]
@@ -147,11 +149,12 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
         top = buf.to(m.device)
     big_m = _ordered(torch.div(top[0], _LOW, rounding_mode="floor").to(torch.int32)).view(torch.float32)
-    scale = torch.exp(m - big_m.unsqueeze(0))  # exp(m_b - M) <= 1
+    # m_b - M, 0 for a block with no unmasked column (s_b = 0, m_b = -inf: it adds 0, and no -inf - -inf forms)
+    rel = torch.where(s > 0, m - big_m.unsqueeze(0), torch.zeros_like(s))
+    scale = torch.exp(rel)  # exp(m_b - M) <= 1
     cols = [to_fixed(s * scale).sum(0)]
     if with_entropy:
-        shift = torch.where(s > 0, s * (m - big_m.unsqueeze(0)), torch.zeros_like(s))
-        cols.append(to_fixed(scale * (blocks.block_sez + shift)).sum(0))
+        cols.append(to_fixed(scale * (blocks.block_sez + s * rel)).sum(0))
     if with_sum_z:
         bound = top[1].to(torch.int32).view(torch.float32)
         shift_bits = fixed_point_shift(bound, -(-regrid.vocab // regrid.columns))
@@ -166,11 +169,10 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
         buf = packed.to(regrid.comm_device)
         dist.all_reduce(buf, group=group)  # int64 sums: exact, any order
         packed = buf.to(m.device)
-    total = from_fixed(packed[0])
-    log_sum = torch.log(total)
+    big_m, log_sum, lse, mean_rel = settle_rows(big_m, from_fixed(packed[0]),
+                                                from_fixed(packed[1]) if with_entropy else None)
     target = packed[-2].to(torch.int32).view(torch.float32)
     count = packed[-1]
-    mean_rel = from_fixed(packed[1]) / total if with_entropy else None
     sum_z = None
     if with_sum_z:  # a row with a non-finite logit gets NaN
         exact = (packed[-3].to(torch.float64) * _pow2(-shift_bits)).to(torch.float32)
@@ -178,7 +180,7 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
     argmax = None
     if with_argmax:
         argmax = (_LOW - 1 - top[0] % _LOW).to(torch.float32)
-    return big_m, log_sum, target - big_m, count, mean_rel, sum_z, argmax
+    return big_m, log_sum, lse, target - big_m, count, mean_rel, sum_z, argmax
 
 
 # ---- the re-shard -------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from . import invariant, local_call
 from .backends.base import KeptBuffers
 from .comm import OverlappedAllReduce, OverlappedReduceScatter, all_gather_flat
 from .local_call import LocalCall, TPContext
+from .masked_rows import settle_rows
 from .outputs import LinearLogpResult, pack_outputs
 from .tensors import current_stream, f32_contiguous, finish_rows
 
@@ -68,8 +69,9 @@ def hidden_grad_reducer(tpc: TPContext):
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
                 with_argmax: bool = False) -> tuple[torch.Tensor, ...]:
-    """Merge packed per-rank stats ``[W, N, K]`` -> (M, log S, target logit - M, owner count, E_p[z] - M or None,
-    sum_z or None, argmax or None).
+    """Merge packed per-rank stats ``[W, N, K]`` -> (M, log S, lse, target logit - M, owner count, E_p[z] - M or
+    None, sum_z or None, argmax or None); a row with no unmasked column anywhere is settled by
+    :func:`tplogp.masked_rows.settle_rows`.
 
     Columns: max, sum of exp, target logit, owner flag, then q (entropy), sum_z and the global argmax id (each when
     asked). ``sum_z`` adds over the ranks; the argmax is the lowest global id among the ranks whose max is ``M``.
@@ -82,17 +84,16 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
     y = stats_all[..., 2]
     owned = stats_all[..., 3]
     big_m = m.amax(0)
-    # A token whose every shard is empty would give -inf; such a layout is rejected earlier.
-    scale = torch.exp(m - big_m.unsqueeze(0))
+    # m_r - M, 0 for a shard with no unmasked column (s_r = 0, m_r = -inf: it adds 0, and no -inf - -inf forms)
+    rel = torch.where(s > 0, m - big_m.unsqueeze(0), torch.zeros_like(s))
+    scale = torch.exp(rel)
     total = (s * scale).sum(0)
-    log_sum = torch.log(total)
     count = owned.sum(0)
-    target_rel = (torch.where(owned > 0, y - big_m.unsqueeze(0), torch.zeros_like(y))).sum(0)
-    mean_rel = None
+    sez = None
     if with_entropy:
-        q = stats_all[..., 4]
-        shift = torch.where(s > 0, s * (m - big_m.unsqueeze(0)), torch.zeros_like(s))
-        mean_rel = (scale * (q + shift)).sum(0) / total
+        sez = (scale * (stats_all[..., 4] + s * rel)).sum(0)
+    big_m, log_sum, lse, mean_rel = settle_rows(big_m, total, sez)  # (empty rows: masked_rows)
+    target_rel = (torch.where(owned > 0, y - big_m.unsqueeze(0), torch.zeros_like(y))).sum(0)
     col = 5 if with_entropy else 4
     sum_z = argmax = None
     if with_sum_z:
@@ -101,7 +102,7 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
     if with_argmax:
         ids = stats_all[..., col]
         argmax = torch.where(m == big_m.unsqueeze(0), ids, float("inf")).amin(0)
-    return big_m, log_sum, target_rel, count, mean_rel, sum_z, argmax
+    return big_m, log_sum, lse, target_rel, count, mean_rel, sum_z, argmax
 
 
 def shard_forward(hidden, weight, bias, local_target, tpc: TPContext, kept_out: Optional[torch.Tensor] = None):
@@ -121,11 +122,11 @@ def shard_forward(hidden, weight, bias, local_target, tpc: TPContext, kept_out: 
     be, call = tpc.backend, tpc.call
     if tpc.regrid is not None:  # per-block stats, merged exactly (the same bits for every rank count)
         blocks = be.forward_blocks(hidden, weight, bias, local_target, call)
-        row_max, log_sum, target_rel, count, mean_rel, sum_z, argmax = invariant.merge_blocks(
+        row_max, log_sum, lse, target_rel, count, mean_rel, sum_z, argmax = invariant.merge_blocks(
             blocks, local_target >= 0, tpc.regrid, call.with_entropy, call.with_sum_z, call.with_argmax)
         logp = torch.where(count == 1, target_rel - log_sum, float("nan"))
         entropy = None if mean_rel is None else log_sum - mean_rel
-        return (logp, entropy, row_max + log_sum, argmax, sum_z), (row_max, log_sum, mean_rel, None)
+        return (logp, entropy, lse, argmax, sum_z), (row_max, log_sum, mean_rel, None)
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         check = tpc.target_check
         if check is None:
@@ -149,18 +150,16 @@ def shard_forward(hidden, weight, bias, local_target, tpc: TPContext, kept_out: 
         packed = torch.stack(cols, dim=1)  # [N, K]
         recv = all_gather_flat(packed.to(tpc.comm_device), tpc.group)
         stats_all = recv.view(tpc.world_size, *packed.shape).to(hidden.device)
-        row_max, log_sum, target_rel, count, mean_rel, sum_z, argmax = merge_stats(
+        row_max, log_sum, lse, target_rel, count, mean_rel, sum_z, argmax = merge_stats(
             stats_all, call.with_entropy, call.with_sum_z, call.with_argmax)
         covered = count == 1  # always true after full checks; fast mode turns uncovered tokens into NaN
     else:  # one shard: the merge is the identity; few ops keep the host cost low
-        row_max, log_sum = st.row_max, torch.log(st.sum_exp)
+        row_max, log_sum, lse, mean_rel = settle_rows(st.row_max, st.sum_exp, st.sum_exp_z)
         target_rel = st.target_logit - row_max
-        mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
         covered = owned
         sum_z = st.sum_z
         argmax = None if st.argmax is None else st.argmax + tpc.vocab_start if tpc.vocab_start else st.argmax
     logp = torch.where(covered, target_rel - log_sum, float("nan"))
-    lse = row_max + log_sum
     entropy = None if mean_rel is None else log_sum - mean_rel
     return (logp, entropy, lse, argmax, sum_z), (row_max, log_sum, mean_rel, st.kept)
 

@@ -20,7 +20,8 @@ from tests.support.import_graph import import_graph, imports_of
 LAYERS: list[tuple[str, ...]] = [
     # leaves: settings, plain data and math, no package imports but each other
     ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
-     "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses", "tplogp.rl_losses"),
+     "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses", "tplogp.rl_losses",
+     "tplogp.masked_rows"),
     # how a call's memory budget splits into transient and kept parts, for every source (on the settings)
     ("tplogp.memory_budget",),
     # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the collectives);

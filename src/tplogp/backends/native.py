@@ -36,6 +36,7 @@ import torch
 
 from .. import fp32_gemm, memory_budget, settings
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
+from ..masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
@@ -119,7 +120,7 @@ def _dz_from_kept(terms: torch.Tensor, log_terms: Optional[torch.Tensor], scales
     p = terms.to(torch.float32, copy=True).mul_((shift - ch.ls).exp_().unsqueeze(1))
     if ch.ge is None:
         return p.mul_(ch.c0.unsqueeze(1)).neg_()
-    zr = log_terms.add_(shift.unsqueeze(1))
+    zr = floored(log_terms.add_(shift.unsqueeze(1)))  # (a tile kept before the row's first unmasked column: -inf)
     return zr.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
 
 
@@ -269,12 +270,13 @@ class NativeBackend(BudgetParts):
                 if am is not None:  # a later tile's max replaces the id only when larger (the lowest id on ties)
                     am = torch.where(tile_max > m, z.argmax(1).to(torch.float32) + v0, am)
                 m_new = torch.maximum(m, tile_max)
-                alpha = torch.exp(m - m_new)  # 0 on the first tile (m = -inf)
-                z -= m_new.unsqueeze(1)  # z - m'
+                m_sub = rescale_max(m_new)  # (0 while every column so far is masked: no -inf - -inf)
+                alpha = torch.exp(m - m_sub)  # 0 on the first tile (m = -inf)
+                z -= m_sub.unsqueeze(1)  # z - m'
                 if q is not None:
                     e = torch.exp(z)
                     shifted = torch.where(alpha > 0, alpha * (q + s * (m - m_new)), torch.zeros_like(q))
-                    q = shifted + z.mul_(e).sum(1)  # e (z - m'), in z's buffer
+                    q = shifted + floored(z).mul_(e).sum(1)  # e (z - m'), in z's buffer
                 else:
                     e = z.exp_()  # in place: the tile is not needed any more
                 if keep is not None:  # the terms, rounded once to the kept dtype, and the running max they follow
@@ -301,11 +303,10 @@ class NativeBackend(BudgetParts):
         if _one_tile(hidden, weight, call):
             return forward_one_tile(hidden, weight, bias, target, call)
         st = self.forward_stats(hidden, weight, bias, target, call, kept_out)
-        log_sum = torch.log(st.sum_exp)
+        row_max, log_sum, lse, mean_rel = settle_rows(st.row_max, st.sum_exp, st.sum_exp_z)
         owned = (target >= 0) & (target < weight.shape[0])
-        logp = torch.where(owned, (st.target_logit - st.row_max) - log_sum, float("nan"))
-        mean_rel = None if st.sum_exp_z is None else st.sum_exp_z / st.sum_exp
-        return SingleShardOutputs(logp, st.row_max + log_sum, st.row_max, log_sum, mean_rel,
+        logp = torch.where(owned, (st.target_logit - row_max) - log_sum, float("nan"))
+        return SingleShardOutputs(logp, lse, row_max, log_sum, mean_rel,
                                   None if mean_rel is None else log_sum - mean_rel, st.kept, st.sum_z, st.argmax)
 
     @staticmethod

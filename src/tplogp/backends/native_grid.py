@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .. import fp32_gemm
+from ..masked_rows import floored, rescale_max
 from .base import BlockStats, ShardCall, ShardGrads
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _logits_tile, _pad_rows, _recomputed_dz,
                            _token_chunk)
@@ -68,14 +69,12 @@ def forward_blocks(hidden, weight, bias, local_target, call: ShardCall) -> Block
             if block_argmax is not None:  # torch.argmax: the first (lowest) column of the max
                 block_argmax[i, t0:t1] = z.argmax(1)[: t1 - t0].to(f32) + v0
             m = z.amax(1)
-            z -= m.unsqueeze(1)  # z - m_b (-inf on padding)
+            z -= rescale_max(m).unsqueeze(1)  # z - m_b (-inf on padding and masked columns)
             e = torch.exp(z)
             block_max[i, t0:t1] = m[: t1 - t0]
             block_sum[i, t0:t1] = e.sum(1)[: t1 - t0]
-            if block_sez is not None:
-                if v1 - v0 < cols:
-                    z[:, v1 - v0:] = 0.0  # e = 0 there: no -inf * 0
-                block_sez[i, t0:t1] = z.mul_(e).sum(1)[: t1 - t0]
+            if block_sez is not None:  # (floored: e = 0 there, no -inf * 0)
+                block_sez[i, t0:t1] = floored(z).mul_(e).sum(1)[: t1 - t0]
     return BlockStats(block_max, block_sum, target_logit, block_sez, block_sum_z, block_argmax)
 
 

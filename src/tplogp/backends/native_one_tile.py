@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import fp32_gemm
+from ..masked_rows import floored, rescale_max, settle_rows
 from .base import ShardCall, ShardGrads, SingleShardOutputs
 from .native_tiles import _logits_tile
 
@@ -25,19 +26,18 @@ def forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSha
     sum_z = z.sum(1) if call.with_sum_z else None
     argmax = z.argmax(1).to(torch.float32) if call.with_argmax else None
     m = z.amax(1)
-    z -= m.unsqueeze(1)  # z - M
+    z -= rescale_max(m).unsqueeze(1)  # z - M (an empty row's -inf stays -inf)
     column = target.clamp(0, v - 1)
     nobodys = column != target  # ids outside [0, V): owned by nobody (NaN logp)
     target_rel = z.gather(1, column.unsqueeze(1)).squeeze(1)
     if call.with_entropy:
         e = torch.exp(z)
-        sum_exp, q = e.sum(1), z.mul_(e).sum(1)
+        sum_exp, q = e.sum(1), floored(z).mul_(e).sum(1)
     else:
         sum_exp, q = z.exp_().sum(1), None
-    log_sum = torch.log(sum_exp)
+    m, log_sum, lse, mean_rel = settle_rows(m, sum_exp, q)
     logp = (target_rel - log_sum).masked_fill_(nobodys, float("nan"))
-    mean_rel = None if q is None else q / sum_exp
-    return SingleShardOutputs(logp, m + log_sum, m, log_sum, mean_rel, None if q is None else log_sum - mean_rel,
+    return SingleShardOutputs(logp, lse, m, log_sum, mean_rel, None if q is None else log_sum - mean_rel,
                               None, sum_z, argmax)
 
 
@@ -58,7 +58,7 @@ def backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp,
     if grad_entropy is not None:
         c0 = c0 - grad_entropy * mean_rel
         p = torch.exp(z - log_sum.unsqueeze(1))
-        dz = z.mul_(grad_entropy.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
+        dz = floored(z).mul_(grad_entropy.unsqueeze(1)).add_(c0.unsqueeze(1)).mul_(p).neg_()
     else:
         dz = z.sub_(log_sum.unsqueeze(1)).exp_().mul_(c0.unsqueeze(1)).neg_()
     column = target.clamp(0, v - 1)

@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import fp32_gemm
+from ..masked_rows import floored
 
 # Token chunk used by deterministic mode (independent of N by construction).
 DETERMINISTIC_TOKEN_CHUNK = 256
@@ -113,7 +114,7 @@ def _recomputed_dz(ch: _TokenChunk, w: torch.Tensor, b: Optional[torch.Tensor], 
     z -= ch.m.unsqueeze(1)
     if ch.ge is not None:
         p = torch.exp(z - ch.ls.unsqueeze(1))
-        dz = z.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
+        dz = floored(z).mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
     else:  # -p * c0, all in place
         dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
     return dz, (slopes[0] if slopes else None)

@@ -120,8 +120,9 @@ def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr, WIT
             p_sam += N
             b_am = tl.where(c_max > b_max, tl.load(p_sam, mask=m_n, other=0.0), b_am)
         new_max = tl.maximum(b_max, c_max)
-        d_a = b_max - new_max
-        d_c = c_max - new_max
+        # m - M, 0 for a split with no unmasked column so far (sum 0, max -inf: it adds 0, no -inf - -inf forms)
+        d_a = tl.where(b_sum > 0, b_max - new_max, 0.0)
+        d_c = tl.where(c_sum > 0, c_max - new_max, 0.0)
         w_a = tl.exp(d_a)
         w_c = tl.exp(d_c)
         if WITH_ENTROPY:
@@ -171,6 +172,12 @@ def finalize_single_kernel(
     m_n = o_n < N
     b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY, WITH_SUM_Z,
                                                          WITH_ARGMAX)
+    # an empty row (every column masked, S = 0): lse -inf, and M = log S = E_p[z] - M = 0 for logp (-inf), the
+    # entropy (0) and the backward (tplogp.masked_rows)
+    empty = b_sum == 0.0
+    b_lse_max = b_max
+    b_max = tl.where(empty, 0.0, b_max)
+    b_sum = tl.where(empty, 1.0, b_sum)
     if ACCURATE_LOG:
         b_lsum = libdevice.log(b_sum)
     else:
@@ -184,7 +191,7 @@ def finalize_single_kernel(
         b_pick = tl.where(b_lo < 0, b_lo, tl.max(b_bad, 0))
         tl.store(p_flag, b_pick, mask=b_pick != 0)
     tl.store(o_out + o_n, b_logp, mask=m_n)
-    tl.store(o_out + N + o_n, b_max + b_lsum, mask=m_n)
+    tl.store(o_out + N + o_n, tl.where(empty, b_lse_max, b_max + b_lsum), mask=m_n)
     tl.store(o_out + 2 * N + o_n, b_max, mask=m_n)
     tl.store(o_out + 3 * N + o_n, b_lsum, mask=m_n)
     if WITH_ENTROPY:

@@ -26,6 +26,10 @@ import triton.language as tl
 
 from .fp32_ops import LN2, LOG2E, PTX, exp2, log2, mul_rounded, store_rounded, tanh
 
+# z - M below RELATIVE_FLOOR (natural or log2 units) has p = 0 in fp32: the entropy's terms read z - M floored
+# there, which changes no value but never forms 0 * -inf on a masked (-inf) column (tplogp.masked_rows)
+RELATIVE_FLOOR: tl.constexpr = -1024.0
+
 @triton.jit
 def softcap_tile(acc, softcap):
     """``(softcap * tanh(acc / softcap), tanh(acc / softcap))``: the final-logit softcap of a raw logits tile and
@@ -128,13 +132,14 @@ def online_softmax_update(
     if WITH_ARGMAX:  # tl.argmax: the lowest column of the tile's max
         b_am = tl.where(b_tmax > b_run, (v0 + tl.argmax(acc, 1)).to(tl.float32), b_am)
     new_max = tl.maximum(b_run, b_tmax)
-    b_arg = (acc - new_max[:, None]) * c  # log2 units; -inf on masked columns (acc's last use: fewer registers)
+    # the max subtracted: 0 while every column so far is masked (-inf), so that no -inf - -inf forms (per row)
+    b_sub = tl.where(new_max == float("-inf"), 0.0, new_max)
+    b_arg = (acc - b_sub[:, None]) * c  # log2 units; -inf on masked columns (acc's last use: fewer registers)
     b_e = exp2(b_arg, PTX)  # masked columns give 0
     b_shift = tl.where(b_run == float("-inf"), 0.0, (b_run - new_max) * c)  # <= 0
     b_scale = exp2(b_shift, PTX)
-    if WITH_ENTROPY:
-        if MASKED:
-            b_arg = tl.where(m_v[None, :], b_arg, 0.0)  # no 0 * inf on masked columns
+    if WITH_ENTROPY:  # floored: e = 0 there, and no 0 * -inf on masked columns (NaN stays NaN)
+        b_arg = tl.maximum(b_arg, RELATIVE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
         b_sez = b_scale * (b_sez + b_shift * b_sum) + tl.sum(b_e * b_arg, 1)
     b_sum = b_sum * b_scale + tl.sum(b_e, 1)
     if SOFTCAP:
@@ -337,9 +342,10 @@ def dlogits_finish(
     b_g = tl.load(p_g + o_n, mask=m_n, other=0.0) * inv_temp
     b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0) * inv_temp
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    if WITH_ENTROPY:
+    if WITH_ENTROPY:  # z - M floored: p = 0 there, and no 0 * -inf on masked columns (NaN stays NaN)
         b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0) * inv_temp
         b_mean_rel = tl.load(p_mean_rel + o_n, mask=m_n, other=0.0)
+        b_zr = tl.maximum(b_zr, RELATIVE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
         b_coef = b_gmg[:, None] + b_ge[:, None] * (b_zr - b_mean_rel[:, None])
     else:
         b_coef = b_gmg[:, None]
