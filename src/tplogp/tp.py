@@ -92,6 +92,7 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
     sez = None
     if with_entropy:
         sez = (scale * (stats_all[..., 4] + s * rel)).sum(0)
+    top = big_m  # (the argmax's: -inf on a row with every column masked, where the settled M is 0)
     big_m, log_sum, lse, mean_rel = settle_rows(big_m, total, sez)  # (empty rows: masked_rows)
     target_rel = (torch.where(owned > 0, y - big_m.unsqueeze(0), torch.zeros_like(y))).sum(0)
     col = 5 if with_entropy else 4
@@ -101,7 +102,7 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
         col += 1
     if with_argmax:
         ids = stats_all[..., col]
-        argmax = torch.where(m == big_m.unsqueeze(0), ids, float("inf")).amin(0)
+        argmax = torch.where(m == top.unsqueeze(0), ids, float("inf")).amin(0)
     return big_m, log_sum, lse, target_rel, count, mean_rel, sum_z, argmax
 
 

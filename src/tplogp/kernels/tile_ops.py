@@ -129,8 +129,9 @@ def online_softmax_update(
         b_tmax = b_tmax_t * softcap  # = the tile's max of y
     else:
         b_tmax = tl.max(acc, 1)
-    if WITH_ARGMAX:  # tl.argmax: the lowest column of the tile's max
-        b_am = tl.where(b_tmax > b_run, (v0 + tl.argmax(acc, 1)).to(tl.float32), b_am)
+    if WITH_ARGMAX:  # tl.argmax: the lowest column of the tile's max (NaN read as -inf: a NaN row's is unspecified)
+        b_am = tl.where(b_tmax > b_run, (v0 + tl.argmax(tl.where(acc == acc, acc, float("-inf")), 1)).to(tl.float32),
+                        b_am)
     new_max = tl.maximum(b_run, b_tmax)
     # the max subtracted: 0 while every column so far is masked (-inf), so that no -inf - -inf forms (per row)
     b_sub = tl.where(new_max == float("-inf"), 0.0, new_max)
