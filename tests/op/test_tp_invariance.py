@@ -330,8 +330,8 @@ def test_sum_of_logits_fixed_point_bound():
     sums[0, 3] = 3e38  # near fp32's largest
     sums[:, 4] = 0.0
     sums[7, 4] = float("inf")
-    sum_z = _merged(torch.zeros(blocks, 5), sum_z=sums)[5]
-    again = _merged(torch.zeros(blocks, 5), sum_z=sums[torch.randperm(blocks, generator=g)])[5]
+    sum_z = _merged(torch.zeros(blocks, 5), sum_z=sums)[6]
+    again = _merged(torch.zeros(blocks, 5), sum_z=sums[torch.randperm(blocks, generator=g)])[6]
     assert torch.equal(sum_z[:4], again[:4]) and sum_z[4].isnan() and again[4].isnan()
     exact = sums[:, :4].double().sum(0)
     bound = sums[:, :4].abs().amax(0).double() * 2.0 ** (2 * c - 62)
