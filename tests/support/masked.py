@@ -1,10 +1,10 @@
 """Eager references for a vocabulary masked by a ``-inf`` bias (docs/operator.md, "Masked vocabulary and extreme
 values"), and the checks that compare the op against them.
 
-:func:`masked_outputs` is eager PyTorch's ``log_softmax(cap(h W^T + b) / T)`` in a chosen dtype (float64: the
-truth; float32: the same-dtype reference) with the ``-inf`` bias entries added as constants, so autograd gives
-eager's finite gradients of a masked column (its target's one-hot alone). Where eager has no value the rule of
-:mod:`tplogp.masked_rows` is written out independently: an entropy term ``p z`` with ``p = 0`` is 0, and a row whose
+:func:`masked_outputs` is eager PyTorch's ``log_softmax(cap(h W^T + b) / T)`` in float64 (the truth) or as a
+PyTorch LM head in the inputs' dtype (the same-dtype reference), the ``-inf`` bias entries added as constants, so
+autograd gives eager's finite gradients of a masked column (its target's one-hot alone). Where eager has no value the
+rule of :mod:`tplogp.masked_rows` is written out independently: an entropy term ``p z`` with ``p = 0`` is 0, and a row whose
 every column is masked gets ``logp = lse = -inf``, entropy 0 and the gradient of its target's one-hot
 (``d logp / d z_target = 1``).
 """
@@ -31,6 +31,11 @@ class MaskedProblem:
     g_logp: torch.Tensor  # [N] fp32 upstream gradients
     g_entropy: torch.Tensor
     g_lse: torch.Tensor
+
+    def to(self, device, dtype: torch.dtype = torch.float32) -> "MaskedProblem":
+        """The problem on ``device`` with hidden, weight and bias in ``dtype`` (the mask stays ``-inf``)."""
+        return MaskedProblem(*(t.to(device, dtype) for t in (self.hidden, self.weight, self.bias)),
+                             *(t.to(device) for t in (self.target, self.g_logp, self.g_entropy, self.g_lse)))
 
 
 def make_masked(n: int, d: int, v: int, masked, targets, *, seed: int = 0, scale: float = 1.0) -> MaskedProblem:
@@ -62,14 +67,18 @@ class Outputs:
 
 def masked_outputs(p: MaskedProblem, dtype: torch.dtype, *, temperature: float = 1.0,
                    softcap: Optional[float] = None, loss: Optional[Callable] = None) -> Outputs:
-    """Eager outputs and gradients in ``dtype`` (module docstring) of ``loss(logp, entropy, lse)`` (default: the
-    problem's upstream gradients dotted with the three)."""
+    """Eager outputs and gradients on the CPU (module docstring) of ``loss(logp, entropy, lse)`` (default: the
+    problem's upstream gradients dotted with the three). ``dtype`` float64: everything in float64 (the truth); else
+    ``F.linear`` in ``dtype`` (the problem's inputs rounded to it), the rest in fp32 (what a PyTorch LM head does)."""
+    p = p.to("cpu", p.hidden.dtype)
     h = p.hidden.to(dtype, copy=True).requires_grad_()
     w = p.weight.to(dtype, copy=True).requires_grad_()
     masked = p.bias.isneginf()
     b = p.bias.masked_fill(masked, 0.0).to(dtype).requires_grad_()
     y_finite = F.linear(h, w, b)
-    y = y_finite + torch.zeros_like(p.bias, dtype=dtype).masked_fill(masked, -INF)  # the mask: a constant
+    if dtype != torch.float64:
+        y_finite, dtype = y_finite.float(), torch.float32
+    y = y_finite + torch.zeros(masked.shape, dtype=dtype).masked_fill(masked, -INF)  # the mask: a constant
     z = y if softcap is None else softcap * torch.tanh(y / softcap)
     z = z / temperature
     empty = z.isneginf().all(-1)  # every column masked (no softcap: it maps -inf to -softcap)
@@ -93,7 +102,8 @@ def masked_outputs(p: MaskedProblem, dtype: torch.dtype, *, temperature: float =
     else:
         value = loss(logp, entropy, lse)
     value.backward()
-    return Outputs(logp.detach(), entropy.detach(), lse.detach(), z.detach().argmax(-1), h.grad, w.grad, b.grad)
+    return Outputs(logp.detach(), entropy.detach(), lse.detach(), z.detach().argmax(-1), h.grad, w.grad,
+                   b.grad)
 
 
 def outputs_of(result, h, w, b, p: MaskedProblem, loss: Optional[Callable] = None) -> Outputs:
@@ -120,6 +130,7 @@ def masked_problems(name: str, ours: torch.Tensor, reference: torch.Tensor, trut
     """What is wrong with ``ours``: a NaN, infinities other than the truth's (same sign, same place), or finite
     values whose error against the float64 truth is past the three-way rule's bound (tplogp.tolerances) beside the
     same-dtype reference's error."""
+    ours = ours.detach().cpu().double()
     if ours.isnan().any():
         return [f"{name}: NaN at {ours.isnan().nonzero().flatten().tolist()}"]
     if not (torch.equal(ours.isposinf(), truth.isposinf()) and torch.equal(ours.isneginf(), truth.isneginf())):
@@ -130,14 +141,16 @@ def masked_problems(name: str, ours: torch.Tensor, reference: torch.Tensor, trut
     return [] if e_ours <= bound else [f"{name}: error vs float64 {e_ours:.3e} > bound {bound:.3e}"]
 
 
-def compare(ours: Outputs, reference: Outputs, truth: Outputs, rows: slice = slice(None)) -> list[str]:
-    """Every output and gradient of ``ours`` against the references (``rows``: this shard's slice of d_W and d_b)
-    and the argmax exactly; the problems found."""
+def compare(ours: Outputs, reference: Outputs, truth: Outputs, rows: slice = slice(None),
+            dtype: torch.dtype = torch.float32) -> list[str]:
+    """Every output and gradient of ``ours`` (inputs in ``dtype``) against the references (``rows``: this shard's
+    slice of d_W and d_b) and the argmax exactly; the problems found."""
     found = []
     for name in ("logp", "entropy", "lse", "d_hidden"):
-        found += masked_problems(name, getattr(ours, name), getattr(reference, name), getattr(truth, name))
+        found += masked_problems(name, getattr(ours, name), getattr(reference, name), getattr(truth, name), dtype)
     for name in ("d_weight", "d_bias"):
-        found += masked_problems(name, getattr(ours, name), getattr(reference, name)[rows], getattr(truth, name)[rows])
-    if not torch.equal(ours.argmax, truth.argmax):
+        found += masked_problems(name, getattr(ours, name), getattr(reference, name)[rows],
+                                 getattr(truth, name)[rows], dtype)
+    if not torch.equal(ours.argmax.cpu(), truth.argmax):
         found.append(f"argmax {ours.argmax.tolist()} != {truth.argmax.tolist()}")
     return found

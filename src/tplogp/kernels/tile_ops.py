@@ -28,7 +28,7 @@ from .fp32_ops import LN2, LOG2E, PTX, exp2, log2, mul_rounded, store_rounded, t
 
 # z - M below RELATIVE_FLOOR (natural or log2 units) has p = 0 in fp32: the entropy's terms read z - M floored
 # there, which changes no value but never forms 0 * -inf on a masked (-inf) column (tplogp.masked_rows)
-RELATIVE_FLOOR: tl.constexpr = -1024.0
+RELATIVE_FLOOR = tl.constexpr(-1024.0)
 
 @triton.jit
 def softcap_tile(acc, softcap):
@@ -133,8 +133,9 @@ def online_softmax_update(
         b_am = tl.where(b_tmax > b_run, (v0 + tl.argmax(tl.where(acc == acc, acc, float("-inf")), 1)).to(tl.float32),
                         b_am)
     new_max = tl.maximum(b_run, b_tmax)
-    # the max subtracted: 0 while every column so far is masked (-inf), so that no -inf - -inf forms (per row)
-    b_sub = tl.where(new_max == float("-inf"), 0.0, new_max)
+    # the max subtracted: -FLT_MAX while every column so far is masked (-inf), so that no -inf - -inf forms (per
+    # row; the masked columns' -inf - -FLT_MAX is still -inf)
+    b_sub = tl.maximum(new_max, -3.4028234663852886e38)
     b_arg = (acc - b_sub[:, None]) * c  # log2 units; -inf on masked columns (acc's last use: fewer registers)
     b_e = exp2(b_arg, PTX)  # masked columns give 0
     b_shift = tl.where(b_run == float("-inf"), 0.0, (b_run - new_max) * c)  # <= 0
