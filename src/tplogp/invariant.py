@@ -125,9 +125,10 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
     a group: an int64 all-reduce MAX, then an int64 all-reduce SUM.
 
     Returns:
-        ``(M, log S, lse, target logit - M, owner count, E_p[z] - M or None, sum_z or None, argmax or None)``,
-        fp32 ``[N]`` (count int64; argmax: global ids as fp32), the same bits on every rank and for every rank
-        count; a row with no unmasked column is settled by :func:`tplogp.masked_rows.settle_rows`.
+        ``(M, log S, lse, target logit - M, owner count, E_p[z] - M or None, sum_z or None,
+        argmax or None)``, fp32 ``[N]`` (count int64; argmax: global ids as fp32), the same bits on
+        every rank and for every rank count; a row with no unmasked column is settled by
+        :func:`tplogp.masked_rows.settle_rows`.
     """
     m, s = blocks.block_max, blocks.block_sum  # [blocks, N]
     n = m.shape[1]
@@ -149,7 +150,7 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
         top = buf.to(m.device)
     big_m = _ordered(torch.div(top[0], _LOW, rounding_mode="floor").to(torch.int32)).view(torch.float32)
-    # m_b - M, 0 for a block with no unmasked column (s_b = 0, m_b = -inf: it adds 0, and no -inf - -inf forms)
+    # m_b - M, 0 for a block with no unmasked column (s_b = 0, m_b = -inf: it adds 0)
     rel = torch.where(s > 0, m - big_m.unsqueeze(0), torch.zeros_like(s))
     scale = torch.exp(rel)  # exp(m_b - M) <= 1
     cols = [to_fixed(s * scale).sum(0)]

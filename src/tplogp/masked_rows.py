@@ -1,16 +1,20 @@
-"""Masked columns and empty rows: the arithmetic that keeps a ``-inf`` logit (a column masked by a ``-inf`` bias) as
-eager PyTorch has it, shared by every finishing path (torch only; the Triton kernels do the same in their own code).
+"""Masked columns and empty rows: the arithmetic that keeps a ``-inf`` logit (a column masked by a
+``-inf`` bias) as eager PyTorch has it, shared by every finishing path (torch only; the Triton
+kernels do the same in their own code).
 
-* A masked column has ``p = exp(z - M) = 0``: it adds nothing to ``S``, to the entropy or to any gradient but its
-  own target's one-hot (a masked target: ``logp = -inf``, ``dz = g`` at that column, finite, as eager).
-* Where a row's running max is still ``-inf`` (every column so far masked: a tile, a split, a shard), the online
-  rescale subtracts :func:`rescale_max` (0 there) instead, so ``exp(-inf - -inf)`` never forms a NaN.
-* The entropy's terms ``p (z - M)`` read ``z - M`` floored at :data:`RELATIVE_FLOOR` (:func:`floored`): below it
-  ``p`` is 0 in fp32 anyway, so no value changes, but ``0 * -inf`` is never formed (one max per element, only where
-  entropy is asked for). NaN is kept (NaN logits propagate).
-* A row whose every column is masked (``S = 0``) is empty (:func:`settle_rows`): ``lse = -inf``, ``logp = -inf``,
-  entropy 0, argmax the lowest id, and the backward sees ``M = 0``, ``log S = 0``, ``E_p[z] - M = 0``, so every
-  ``p`` is 0 and its gradient is the target's one-hot alone. (Eager PyTorch gives NaN logp and entropy there.)
+* A masked column has ``p = exp(z - M) = 0``: it adds nothing to ``S``, to the entropy or to any
+  gradient but its own target's one-hot (a masked target: ``logp = -inf``, ``dz = g`` at that
+  column, finite, as eager).
+* Where a row's running max is still ``-inf`` (every column so far masked: a tile, a split, a
+  shard), the online rescale subtracts :func:`rescale_max` (0 there) instead, so
+  ``exp(-inf - -inf)`` never forms a NaN.
+* The entropy's terms ``p (z - M)`` read ``z - M`` floored at :data:`RELATIVE_FLOOR`
+  (:func:`floored`): below it ``p`` is 0 in fp32 anyway, so no value changes, but ``0 * -inf`` is
+  never formed (one max per element, only where entropy is asked for). NaN stays NaN.
+* A row whose every column is masked (``S = 0``) is empty (:func:`settle_rows`): ``lse = -inf``,
+  ``logp = -inf``, entropy 0, argmax the lowest id, and the backward sees ``M = 0``, ``log S = 0``,
+  ``E_p[z] - M = 0``, so every ``p`` is 0 and its gradient is the target's one-hot alone. (Eager
+  PyTorch gives NaN logp and entropy there.)
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ RELATIVE_FLOOR = -1024.0
 
 
 def rescale_max(row_max: torch.Tensor) -> torch.Tensor:
-    """The max an online softmax subtracts: ``row_max``, 0 where it is ``-inf`` (every column so far masked)."""
+    """The max an online softmax subtracts: ``row_max``, 0 where it is ``-inf`` (every column so far
+    masked)."""
     return torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
 
 
 def floored(relative: torch.Tensor) -> torch.Tensor:
-    """``z - M`` floored at :data:`RELATIVE_FLOOR`, in place (NaN stays NaN): what the entropy's terms multiply."""
+    """``z - M`` floored at :data:`RELATIVE_FLOOR`, in place (NaN stays NaN): what the entropy's
+    terms multiply."""
     return relative.clamp_min_(RELATIVE_FLOOR)
 
 
@@ -42,12 +48,15 @@ class RowNormalizer(NamedTuple):
     mean_rel: Optional[torch.Tensor]  # E_p[z] - M (0 on empty rows), with entropy
 
 
-def settle_rows(row_max: torch.Tensor, total: torch.Tensor, sez: Optional[torch.Tensor]) -> RowNormalizer:
-    """The normalizer of rows with max ``row_max``, ``total = S = sum exp(z - M)`` and ``sez = sum exp(z - M)(z -
-    M)`` (or None), empty rows (``S = 0``) settled by the module's rule. ``logp = (z_t - M) - log S`` with the
-    settled ``M`` and ``log S`` is then ``-inf`` on empty rows, and ``entropy = log S - mean_rel`` is 0 there."""
+def settle_rows(row_max: torch.Tensor, total: torch.Tensor,
+                sez: Optional[torch.Tensor]) -> RowNormalizer:
+    """The normalizer of rows with max ``row_max``, ``total = S = sum exp(z - M)`` and ``sez = sum
+    exp(z - M)(z - M)`` (or None), empty rows (``S = 0``) settled by the module's rule. ``logp =
+    (z_t - M) - log S`` with the settled ``M`` and ``log S`` is then ``-inf`` on empty rows, and
+    ``entropy = log S - mean_rel`` is 0 there."""
     empty = total == 0
     log_sum = torch.log(total)
     lse = row_max + log_sum  # -inf + -inf on empty rows
     mean_rel = None if sez is None else (sez / total).masked_fill_(empty, 0.0)
-    return RowNormalizer(row_max.masked_fill(empty, 0.0), log_sum.masked_fill_(empty, 0.0), lse, mean_rel)
+    return RowNormalizer(row_max.masked_fill(empty, 0.0), log_sum.masked_fill_(empty, 0.0), lse,
+                         mean_rel)

@@ -69,9 +69,9 @@ def hidden_grad_reducer(tpc: TPContext):
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
                 with_argmax: bool = False) -> tuple[torch.Tensor, ...]:
-    """Merge packed per-rank stats ``[W, N, K]`` -> (M, log S, lse, target logit - M, owner count, E_p[z] - M or
-    None, sum_z or None, argmax or None); a row with no unmasked column anywhere is settled by
-    :func:`tplogp.masked_rows.settle_rows`.
+    """Merge packed per-rank stats ``[W, N, K]`` -> (M, log S, lse, target logit - M, owner count,
+    E_p[z] - M or None, sum_z or None, argmax or None); a row with no unmasked column anywhere is
+    settled by :func:`tplogp.masked_rows.settle_rows`.
 
     Columns: max, sum of exp, target logit, owner flag, then q (entropy), sum_z and the global argmax id (each when
     asked). ``sum_z`` adds over the ranks; the argmax is the lowest global id among the ranks whose max is ``M``.
@@ -84,7 +84,7 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
     y = stats_all[..., 2]
     owned = stats_all[..., 3]
     big_m = m.amax(0)
-    # m_r - M, 0 for a shard with no unmasked column (s_r = 0, m_r = -inf: it adds 0, and no -inf - -inf forms)
+    # m_r - M, 0 for a shard with no unmasked column (s_r = 0, m_r = -inf: it adds 0)
     rel = torch.where(s > 0, m - big_m.unsqueeze(0), torch.zeros_like(s))
     scale = torch.exp(rel)
     total = (s * scale).sum(0)

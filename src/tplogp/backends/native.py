@@ -120,7 +120,8 @@ def _dz_from_kept(terms: torch.Tensor, log_terms: Optional[torch.Tensor], scales
     p = terms.to(torch.float32, copy=True).mul_((shift - ch.ls).exp_().unsqueeze(1))
     if ch.ge is None:
         return p.mul_(ch.c0.unsqueeze(1)).neg_()
-    zr = floored(log_terms.add_(shift.unsqueeze(1)))  # (a tile kept before the row's first unmasked column: -inf)
+    # (floored: a tile kept before the row's first unmasked column has m = -inf)
+    zr = floored(log_terms.add_(shift.unsqueeze(1)))
     return zr.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
 
 
@@ -270,7 +271,7 @@ class NativeBackend(BudgetParts):
                 if am is not None:  # a later tile's max replaces the id only when larger (the lowest id on ties)
                     am = torch.where(tile_max > m, z.argmax(1).to(torch.float32) + v0, am)
                 m_new = torch.maximum(m, tile_max)
-                m_sub = rescale_max(m_new)  # (0 while every column so far is masked: no -inf - -inf)
+                m_sub = rescale_max(m_new)  # (0 while every column so far is masked)
                 alpha = torch.exp(m - m_sub)  # 0 on the first tile (m = -inf)
                 z -= m_sub.unsqueeze(1)  # z - m'
                 if q is not None:

@@ -37,8 +37,8 @@ def forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSha
         sum_exp, q = z.exp_().sum(1), None
     m, log_sum, lse, mean_rel = settle_rows(m, sum_exp, q)
     logp = (target_rel - log_sum).masked_fill_(nobodys, float("nan"))
-    return SingleShardOutputs(logp, lse, m, log_sum, mean_rel, None if q is None else log_sum - mean_rel,
-                              None, sum_z, argmax)
+    entropy = None if q is None else log_sum - mean_rel
+    return SingleShardOutputs(logp, lse, m, log_sum, mean_rel, entropy, None, sum_z, argmax)
 
 
 def backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,

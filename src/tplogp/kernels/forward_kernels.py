@@ -120,7 +120,7 @@ def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr, WIT
             p_sam += N
             b_am = tl.where(c_max > b_max, tl.load(p_sam, mask=m_n, other=0.0), b_am)
         new_max = tl.maximum(b_max, c_max)
-        # m - M, 0 for a split with no unmasked column so far (sum 0, max -inf: it adds 0, no -inf - -inf forms)
+        # m - M, 0 for a split with no unmasked column (sum 0, max -inf: it adds 0, no -inf - -inf)
         d_a = tl.where(b_sum > 0, b_max - new_max, 0.0)
         d_c = tl.where(c_sum > 0, c_max - new_max, 0.0)
         w_a = tl.exp(d_a)
@@ -172,8 +172,8 @@ def finalize_single_kernel(
     m_n = o_n < N
     b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY, WITH_SUM_Z,
                                                          WITH_ARGMAX)
-    # an empty row (every column masked, S = 0): lse -inf, and M = log S = E_p[z] - M = 0 for logp (-inf), the
-    # entropy (0) and the backward (tplogp.masked_rows)
+    # an empty row (every column masked, S = 0): lse -inf, and M = log S = E_p[z] - M = 0 for logp
+    # (-inf), the entropy (0) and the backward (tplogp.masked_rows)
     empty = b_sum == 0.0
     b_lse_max = b_max
     b_max = tl.where(empty, 0.0, b_max)

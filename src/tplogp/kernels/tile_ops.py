@@ -26,8 +26,9 @@ import triton.language as tl
 
 from .fp32_ops import LN2, LOG2E, PTX, exp2, log2, mul_rounded, store_rounded, tanh
 
-# z - M below RELATIVE_FLOOR (natural or log2 units) has p = 0 in fp32: the entropy's terms read z - M floored
-# there, which changes no value but never forms 0 * -inf on a masked (-inf) column (tplogp.masked_rows)
+# z - M below RELATIVE_FLOOR (natural or log2 units) has p = 0 in fp32: the entropy's terms read
+# z - M floored there, which changes no value but never forms 0 * -inf on a masked (-inf) column
+# (tplogp.masked_rows)
 RELATIVE_FLOOR = tl.constexpr(-1024.0)
 
 @triton.jit
@@ -129,14 +130,15 @@ def online_softmax_update(
         b_tmax = b_tmax_t * softcap  # = the tile's max of y
     else:
         b_tmax = tl.max(acc, 1)
-    if WITH_ARGMAX:  # tl.argmax: the lowest column of the tile's max (NaN read as -inf: a NaN row's is unspecified)
-        b_am = tl.where(b_tmax > b_run, (v0 + tl.argmax(tl.where(acc == acc, acc, float("-inf")), 1)).to(tl.float32),
-                        b_am)
+    if WITH_ARGMAX:  # tl.argmax: the lowest column of the tile's max (NaN read as -inf)
+        b_col = tl.argmax(tl.where(acc == acc, acc, float("-inf")), 1)
+        b_am = tl.where(b_tmax > b_run, (v0 + b_col).to(tl.float32), b_am)
     new_max = tl.maximum(b_run, b_tmax)
-    # the max subtracted: -FLT_MAX while every column so far is masked (-inf), so that no -inf - -inf forms (per
-    # row; the masked columns' -inf - -FLT_MAX is still -inf)
+    # the max subtracted: -FLT_MAX while every column so far is masked (-inf), so that no
+    # -inf - -inf forms (per row; the masked columns' -inf - -FLT_MAX is still -inf)
     b_sub = tl.maximum(new_max, -3.4028234663852886e38)
-    b_arg = (acc - b_sub[:, None]) * c  # log2 units; -inf on masked columns (acc's last use: fewer registers)
+    # log2 units; -inf on masked columns (acc's last use: fewer registers)
+    b_arg = (acc - b_sub[:, None]) * c
     b_e = exp2(b_arg, PTX)  # masked columns give 0
     b_shift = tl.where(b_run == float("-inf"), 0.0, (b_run - new_max) * c)  # <= 0
     b_scale = exp2(b_shift, PTX)
@@ -344,7 +346,7 @@ def dlogits_finish(
     b_g = tl.load(p_g + o_n, mask=m_n, other=0.0) * inv_temp
     b_gmg = tl.load(p_gmg + o_n, mask=m_n, other=0.0) * inv_temp
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
-    if WITH_ENTROPY:  # z - M floored: p = 0 there, and no 0 * -inf on masked columns (NaN stays NaN)
+    if WITH_ENTROPY:  # z - M floored: p = 0 there, no 0 * -inf on masked columns (NaN stays NaN)
         b_ge = tl.load(p_ge + o_n, mask=m_n, other=0.0) * inv_temp
         b_mean_rel = tl.load(p_mean_rel + o_n, mask=m_n, other=0.0)
         b_zr = tl.maximum(b_zr, RELATIVE_FLOOR, propagate_nan=tl.PropagateNan.ALL)
