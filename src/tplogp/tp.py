@@ -13,6 +13,7 @@ Forward, per call:
      every rank: ``M = max_r m_r``, ``S = sum_r s_r e^{m_r - M}``, ``lse = M + log S``,
      ``logp = (sum_r y_r [owned_r] - M) - log S`` (relative to M: no cancellation at peaked targets),
      ``E_p[z] - M = sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``, ``entropy = log S - (E_p[z] - M)``;
+     a shard or a row with no unmasked column (``S = 0``) as :mod:`tplogp.masked_rows` says;
      a token whose owner count is not 1 gets NaN (possible only when the target check is skipped,
      ``TPLOGP_CHECKS=fast``, or deferred, ``full``: :mod:`tplogp.verdicts`).
 The call arrives checked (:func:`tplogp.plan.prepare`: the plan and the call's verdict; one shard on the triton /

@@ -5,10 +5,11 @@ called function's file to a *room*: a module of ``src/tplogp``, except that ``tp
 ``tplogp.kernels.*`` are one room (the source and its kernels call each other freely), ``verdicts`` with the two
 modules it is built on (``target_summary``, ``kernel_target_check``) is one room, and the leaf helpers that
 every layer uses (``tensors``, ``comm``, ``outputs``, ``settings``, ``memory_budget``, ``shards``, ``fp32_gemm``,
-``losses``, ``masked_rows``, and ``invariant``, the tensor-parallel-invariant level's grid, merge and re-shard on top of ``comm``) are not rooms. Code that dataclasses and named tuples generate (file ``<string>``) is not followed. A room is *re-entered*
+``losses``, and ``invariant``, the tensor-parallel-invariant level's grid, merge and re-shard on top of ``comm``) are not rooms. Code that dataclasses and named tuples generate (file ``<string>``) is not followed. A room is *re-entered*
 when a call enters it while none of its frames is on the stack, after an earlier call had entered it: that is
 what the test forbids. The rooms in the order first entered are asserted too (one shard, a plan miss and a plan
-hit; two gloo ranks).
+hit; two gloo ranks). The masked-vocabulary arithmetic that every finishing path shares
+(``masked_rows``) is a helper too.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from tests.support.problems import make_problem
 
 PACKAGE = Path(tplogp.__file__).resolve().parent
 VERDICT_PARTS = {"target_summary", "kernel_target_check"}
-HELPERS = {"tensors", "comm", "outputs", "settings", "memory_budget", "shards", "fp32_gemm", "losses", "invariant",
-           "masked_rows"}
+HELPERS = {"tensors", "comm", "outputs", "settings", "memory_budget", "shards", "fp32_gemm",
+           "losses", "invariant", "masked_rows"}
 
 
 def _room(filename: str):

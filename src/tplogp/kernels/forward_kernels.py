@@ -164,6 +164,8 @@ def finalize_single_kernel(
 
     ``logp = (t - M) - log S`` (NaN where no vocab id is the target), ``lse = M + log S``,
     ``E_p[z] - M = q / S``, ``entropy = log S - (E_p[z] - M)``: the same fp32 formulas as the TP layer's merge.
+    A row with every column masked (``S = 0``) is settled as
+    :func:`tplogp.masked_rows.settle_rows` settles it.
     ``CHECK_TARGETS`` (the call's default target check,
     :class:`tplogp.kernel_target_check.KernelTargetCheck`): a program that finds ids outside ``[0, V)`` stores one of them (never 0, which is inside) to ``p_flag``; several such programs
     store such ids alike, and the host reads the flag once the kernel is done.

@@ -17,6 +17,10 @@ rounded once to the weight dtype. Kept terms (:func:`keep_tile`, :func:`kept_pro
 each tile's softmax terms ``exp(z - m)`` below a column bound (16 bits for 16-bit inputs) with the running max ``m``
 per row and tile, the backward forms ``p`` from them instead of recomputing the GEMM (:func:`dlogits_finish` is
 shared).
+
+A masked column (``y = -inf``) gives ``2^a = 0`` and ``p = 0``: the forward's rescale subtracts
+``max(m', -FLT_MAX)`` (no ``-inf - -inf`` while a row has no unmasked column yet) and the entropy's
+``a`` and ``zr`` are floored at :data:`RELATIVE_FLOOR` (no ``0 * -inf``; tplogp.masked_rows).
 """
 
 from __future__ import annotations
