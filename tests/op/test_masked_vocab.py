@@ -21,6 +21,7 @@ TARGETS = [5, 44, 53, 60, 75, 41]  # rows 0, 2, 4: a masked target (logp -inf)
 OPTIONS = {
     "plain": dict(),
     "temperature-softcap": dict(temperature=0.7, softcap=5.0),
+    "deterministic": dict(deterministic=True),
     "invariant": dict(temperature=1.3, deterministic="tp_invariant"),
 }
 
