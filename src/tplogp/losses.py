@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .rl_losses import GRPOConfig, GRPOLoss, k3_kl
+from .rl_losses import GRPOLoss, GRPOLossConfig, k3_kl
 
 PerTokenLoss = Callable[..., torch.Tensor]
 # d(loss_token)/d(logp_token) (or entropy): a tensor of the tokens, a number when the same for every token, or None
@@ -339,7 +339,7 @@ def grpo(loss_type: str = "dapo", *, importance_sampling_level: str = "token", e
         entropy_coef: an entropy bonus ``-entropy_coef`` x the token mean of the entropy (over the token-mean
             normaliser for ``token-mean``), as TRL; reads the entropy.
     """
-    return GRPOLoss(GRPOConfig(
+    return GRPOLoss(GRPOLossConfig(
         loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
         epsilon_high=epsilon_low if epsilon_high is None else epsilon_high, delta=delta, clip_ratio_c=clip_ratio_c,
         beta=beta, kl_estimator=kl_estimator, bias_corrected_kl=bias_corrected_kl, normalization=normalization,

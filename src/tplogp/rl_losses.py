@@ -61,8 +61,9 @@ def k3_kl(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
-    """The options of :func:`tplogp.losses.grpo` (see there), checked."""
+class GRPOLossConfig:
+    """The options of :func:`tplogp.losses.grpo` (see there), checked. (``GRPOConfig`` is an alias of this name,
+    kept for existing code; ``trl.GRPOConfig`` is TRL's trainer config, another thing.)"""
 
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
@@ -138,7 +139,7 @@ class GRPOLoss:
     then computes every token's logp first); ``needs_sequences`` whether it needs to know the sequences at all
     (a per-sequence normalisation or sum); ``reads_entropy`` whether it needs the entropy (an entropy bonus)."""
 
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOLossConfig) -> None:
         self.config = c = config
         names = ["advantages"] + (["old_logp"] if c.with_old_logp else []) + (["ref_logp"] if c.beta else [])
         if c.rollout_correction == "weights":
@@ -187,7 +188,7 @@ class BoundGRPO:
     rollout weights) made once, then :meth:`evaluate` on a chunk of rows (losses without sequence sums) or on all
     of them."""
 
-    def __init__(self, config: GRPOConfig, tensors: dict, counted: Optional[torch.Tensor], segments) -> None:
+    def __init__(self, config: GRPOLossConfig, tensors: dict, counted: Optional[torch.Tensor], segments) -> None:
         c = config
         self.c, self.segments = c, segments
         adv = tensors["advantages"]
@@ -379,6 +380,9 @@ class BoundGRPO:
                torch.where(on, ratio, -math.inf).amax() if ratio.numel() else torch.full((), -math.inf,
                                                                                           device=m.device)]
         return torch.stack(row)
+
+
+GRPOConfig = GRPOLossConfig  # the former name
 
 
 def combine_sums(a: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:

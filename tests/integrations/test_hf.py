@@ -302,7 +302,7 @@ def test_softcapped_model_loss_with_label_smoothing_and_z_loss():
 
 
 def test_missing_package_is_named(monkeypatch):
-    with pytest.raises(MissingDependencyError, match="not_a_real_package_name.*tplogp\\[hf\\]"):
+    with pytest.raises(MissingDependencyError, match=r"not_a_real_package_name.*\.\[hf\]"):
         require("not_a_real_package_name", "this integration", "hf")
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if transformers were not installed
     monkeypatch.delitem(sys.modules, "tplogp.integrations.hf")
