@@ -1,4 +1,4 @@
-"""``tplogp.integrations.hf`` against TRL's logits path (``model(...).logits[:, :-1] / T``, log_softmax, gather) on
+"""``tplogp.integrations.hf`` against the logits path (``model(...).logits[:, :-1] / T``, log_softmax, gather) on
 tiny random models of several families, CPU: values and gradients into every parameter, three-way (no worse than
 the fp32 logits path against the same model in float64, the rule of ``tplogp.tolerances``).
 
@@ -398,22 +398,23 @@ def test_sharded_and_wrapped_models_on_gloo_ranks(tp):
 def test_benchmark_smoke_rows():
     """``python -m benchmarks integrations --smoke``'s measuring function on tiny shapes: every step and
     implementation gives a row, the log-prob step's values agree with the fp32 reference, and within each loss step
-    (GRPO, GSPO; with and without checkpointing) the fused loss and tplogp's log-probs with the eager loss give TRL's
-    logits path's loss (fp32 model)."""
+    (GRPO, GSPO; with and without checkpointing) the fused loss and tplogp's log-probs with the eager loss give the
+    loss of TRL's own fused LM head (fp32 model)."""
+    pytest.importorskip("trl")
     from benchmarks import integrations
 
     rows = integrations.bench(smoke=True, reps=1, dtype_name="fp32")
     loss_steps = ("grpo_loss", "gspo_loss", "grpo_loss_ckpt", "gspo_loss_ckpt")
-    assert [(r["step"], r["impl"]) for r in rows] == [("logprobs", "trl_logits"), ("logprobs", "tplogp")] + [
-        (step, impl) for step in loss_steps for impl in ("trl_logits", "tplogp_logprobs", "tplogp_fused")]
+    assert [(r["step"], r["impl"]) for r in rows] == [("logprobs", "trl_fused_head"), ("logprobs", "tplogp")] + [
+        (step, impl) for step in loss_steps for impl in ("trl_fused_head", "tplogp_logprobs", "tplogp_fused")]
     assert all(r["median_ms"] > 0 and r["suite"] == "integrations" for r in rows)
     errors = {r["impl"]: r["err_logp"] for r in rows if r["step"] == "logprobs"}
-    assert errors["tplogp"] < tol.ABS_FP32_MODEL_LOGP and errors["trl_logits"] < tol.ABS_FP32_MODEL_LOGP
+    assert errors["tplogp"] < tol.ABS_FP32_MODEL_LOGP and errors["trl_fused_head"] < tol.ABS_FP32_MODEL_LOGP
     values = {(r["step"], r["impl"]): r["loss"] for r in rows}
     for step in loss_steps:
-        trl = values[step, "trl_logits"]
+        trl = values[step, "trl_fused_head"]
         for impl in ("tplogp_logprobs", "tplogp_fused"):
             assert abs(values[step, impl] - trl) <= tol.GRPO_LOSS.atol + tol.GRPO_LOSS.rtol * abs(trl), (
                 step, impl, values[step, impl], trl)
-    assert values["grpo_loss", "trl_logits"] != values["gspo_loss", "trl_logits"]  # two different losses
+    assert values["grpo_loss", "trl_fused_head"] != values["gspo_loss", "trl_fused_head"]  # two different losses
     assert integrations.format_row(rows[0]).count("|") == integrations.TABLE_HEADER.splitlines()[0].count("|")
