@@ -228,7 +228,7 @@ FUSED_CASES = {
     "gspo-kl-bias-corrected": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
                                    epsilon_low=0.05, **{"args.use_bias_correction_kl": True}),
     "dr_grpo-entropy": dict(loss_type="dr_grpo", entropy_coef=0.01, _entropy_bonus_enabled=True),
-    "luspo": dict(loss_type="luspo"),
+    "luspo-kl": dict(loss_type="luspo", beta=0.04, **{"args.use_bias_correction_kl": False}),
     "cispo-rollout-is": dict(loss_type="cispo", use_vllm=True, vllm_importance_sampling_correction=True),
 }
 

@@ -165,7 +165,7 @@ OPTIONS = (
            "the same names"),
     Option("`entropy_coef`", "`entropy_coef=` for all but `dapo`, `cispo`, `vespo` (there TRL averages the "
            "entropy over the counted tokens, not over `num_items_in_batch`)"),
-    Option("`temperature`", "`temperature=` of the call"),
+    Option("`temperature`", "`temperature=` of the call", "`temperature=` of `linear_logp`"),
     Option("old log-probs absent (`num_iterations=1`)", "`with_old_logp=False`"),
     Option("`top_entropy_quantile < 1` (high-entropy token mask)", ""),
     Option("`off_policy_mask_threshold` (off-policy sequence mask)", ""),
