@@ -279,6 +279,32 @@ def test_grpo_loss_matches_the_logits_path(family, logits_to_keep, with_entropy)
     _three_way(ours, model, ids, mask, logits_to_keep=logits_to_keep, temperature=T, reference=reference)
 
 
+def test_per_sequence_tensors_model_output_and_1d_input_ids():
+    """A [B] (or [B, 1]) per-token tensor is each sequence's value at all its positions; the model's output
+    (an MoE model's router loss) comes back on request; 1-D input_ids get a ValueError naming the shape."""
+    config = transformers.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = _batch("left")
+    advantages = torch.randn(B, generator=torch.Generator().manual_seed(4))
+    loss = losses.grpo("grpo", with_old_logp=False)
+    expected = causal_lm_loss(model, ids, mask, loss=loss, per_token=(advantages[:, None].expand(B, 4),),
+                              logits_to_keep=4)
+    for given in (advantages, advantages[:, None]):
+        value, output = causal_lm_loss(model, ids, mask, loss=loss, per_token=(given,), logits_to_keep=4,
+                                       return_model_output=True, output_router_logits=True)
+        torch.testing.assert_close(value, expected, rtol=0, atol=0)
+    own = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+    assert isinstance(own.aux_loss, torch.Tensor) and own.aux_loss > 0
+    torch.testing.assert_close(output.aux_loss, own.aux_loss, rtol=0, atol=0)
+    logp, output = causal_lm_logprobs(model, ids, mask, return_model_output=True, output_router_logits=True)
+    torch.testing.assert_close(output.aux_loss, own.aux_loss, rtol=0, atol=0)
+    for call in (causal_lm_logprobs, causal_lm_loss):
+        kwargs = {} if call is causal_lm_logprobs else dict(loss=loss, per_token=(advantages[:1],))
+        with pytest.raises(ValueError, match=r"\[batch, sequence\] tensor, got \(9,\).*input_ids\[None\]"):
+            call(model, ids[0], **kwargs)
+
+
 def test_softcapped_model_loss_with_label_smoothing_and_z_loss():
     """Gemma 2's final-logit softcap in the fused loss, with label smoothing and a z-loss, against F.cross_entropy on
     the model's own (softcapped) logits."""
