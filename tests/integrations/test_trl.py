@@ -56,9 +56,12 @@ def _reward(completions, **kwargs):
 
 
 def _trainer(model, tmp_path, cls=None, **options):
-    args = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=B,
-                          num_generations=2, max_completion_length=K, temperature=T,
-                          report_to=[], bf16=False, logging_steps=1, **options)
+    """A trainer of ``model`` on CPU in the model's dtype; ``options``: more (or other) GRPOConfig
+    arguments."""
+    settings = dict(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=B,
+                    num_generations=2, max_completion_length=K, temperature=T, report_to=[],
+                    bf16=False, logging_steps=1)
+    args = trl.GRPOConfig(**{**settings, **options})
     dataset = datasets.Dataset.from_dict({"prompt": ["t3 t4 t5", "t6 t7"] * 2})
     trainer = (cls or trl.GRPOTrainer)(model=model, reward_funcs=_reward, args=args,
                                        train_dataset=dataset, processing_class=_tokenizer())
@@ -131,35 +134,44 @@ def _step(trainer, batch, patched: bool):
     trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
     if patched:
         tplogp_trl.patch(trainer)
-    wide = next(model.parameters()).dtype == torch.float64
-    inputs = {k: v.double() if wide and v.is_floating_point() else v for k, v in batch.items()}
+    parameter = next(model.parameters())
+    wide = parameter.dtype == torch.float64
+    inputs = {k: (v.double() if wide and v.is_floating_point() else v).to(parameter.device)
+              for k, v in batch.items()}
     try:
         loss = trainer.compute_loss(model, inputs)
         loss.backward()
         with torch.no_grad():
             logp, entropy, _ = trainer._get_per_token_logps_and_entropies(
-                model, *_ids(batch), K, compute_entropy=True)
+                model, *_ids(inputs), K, compute_entropy=True)
     finally:
         trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+    grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()
              if p.grad is not None}
-    return dict(loss=loss.detach(), logp=logp, entropy=entropy, metrics=metrics, grads=grads)
+    return dict(loss=loss.detach().cpu(), logp=logp.cpu(), entropy=entropy.cpu(), metrics=metrics,
+                grads=grads)
 
 
-def _assert_three_way(ours, stock, truth):
+CONTINUOUS_METRICS = ("entropy", "kl", "policy_loss", "aux_loss")
+
+
+def _assert_three_way(ours, stock, truth, dtype=torch.float32, metrics=None):
+    """Ours no worse than the stock trainer against the float64 one (``dtype``: the model's);
+    ``metrics``: the metrics compared (None: all)."""
     for name in ("logp", "entropy", "loss"):
         assert ours[name].dtype == torch.float32
-        assert_no_worse(name, ours[name], stock[name], truth[name], torch.float32)
+        assert_no_worse(name, ours[name], stock[name], truth[name], dtype)
     assert ours["metrics"].keys() == stock["metrics"].keys() == truth["metrics"].keys()
     assert "entropy" in ours["metrics"]
-    vectors = [torch.tensor(list(r["metrics"].values()), dtype=torch.float64).nan_to_num(-1.0)
+    names = [k for k in ours["metrics"] if metrics is None or k in metrics]
+    vectors = [torch.tensor([r["metrics"][k] for k in names], dtype=torch.float64).nan_to_num(-1.0)
                for r in (ours, stock, truth)]
-    assert_no_worse("metrics " + ", ".join(ours["metrics"]), *vectors, torch.float32)
+    assert_no_worse("metrics " + ", ".join(names), *vectors, dtype)
     assert ours["grads"].keys() == truth["grads"].keys() and ours["grads"]
     for name in truth["grads"]:
         assert_no_worse(f"grad {name}", ours["grads"][name], stock["grads"][name],
-                        truth["grads"][name], torch.float32)
+                        truth["grads"][name], dtype)
 
 
 @pytest.mark.parametrize("case", list(CASES))
