@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.gpu,
 
 pytest.importorskip("trl")
 
-from tests.integrations.test_trl import (  # noqa: E402
-    B, CASES, COMPLETION_MASK, CONTINUOUS_METRICS, K, P, PROMPT_MASK, V, _assert_three_way,
-    _configure, _model, _step, _trainer)
+from tests.support.grpo_trainer import (  # noqa: E402
+    B, CASES, COMPLETION_MASK, CONTINUOUS_METRICS, K, P, PROMPT_MASK, V, assert_three_way,
+    compute_loss_step, configure, grpo_trainer, tiny_model)
 
 GPU_CASES = ["loss_type-dapo", "loss_type-grpo", "gspo", "beta-bias-corrected",
              "entropy-mask-and-bonus", "off-policy-mask"]
@@ -25,8 +25,8 @@ GPU_CASES = ["loss_type-dapo", "loss_type-grpo", "gspo", "beta-bias-corrected",
 @pytest.fixture(scope="module")
 def gpu_trainers(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo_gpu")
-    stock = _trainer(_model(dtype=torch.bfloat16).cuda(), out, use_cpu=False, bf16=True)
-    truth = _trainer(_model(dtype=torch.float64), out)
+    stock = grpo_trainer(tiny_model(dtype=torch.bfloat16).cuda(), out, use_cpu=False, bf16=True)
+    truth = grpo_trainer(tiny_model(dtype=torch.bfloat16).double(), out)  # the same bf16 weights
     g = torch.Generator().manual_seed(3)
     old = torch.randn(B, K, generator=g) * 0.3 - 4.0
     batch = dict(prompt_ids=torch.randint(3, V, (B, P), generator=g), prompt_mask=PROMPT_MASK,
@@ -44,6 +44,6 @@ def test_bf16_compute_loss_matches_trls_triton_head(gpu_trainers, monkeypatch, c
     stock, truth, batch = gpu_trainers
     results = []
     for trainer, patched in ((stock, True), (stock, False), (truth, False)):
-        _configure(monkeypatch, trainer, CASES[case])
-        results.append(_step(trainer, batch, patched))
-    _assert_three_way(*results, dtype=torch.bfloat16, metrics=CONTINUOUS_METRICS)
+        configure(monkeypatch, trainer, CASES[case])
+        results.append(compute_loss_step(trainer, batch, patched))
+    assert_three_way(*results, dtype=torch.bfloat16, metrics=CONTINUOUS_METRICS)
