@@ -1,6 +1,6 @@
 """Hugging Face causal LMs: token log-probs and a fused RL loss without the ``[batch, sequence, vocab]`` logits.
 
-TRL's logits path, for ``input_ids [B, S]`` and ``k = logits_to_keep``::
+The logits path (TRL's before its 1.15 fused head), for ``input_ids [B, S]`` and ``k = logits_to_keep``::
 
     logits = model(input_ids, attention_mask, logits_to_keep=k + 1).logits[:, :-1] / T   # k = 0: every position
     logp = log_softmax(logits)[targets]                    # targets = input_ids[:, 1:] (k = 0) or input_ids[:, -k:]
@@ -305,7 +305,7 @@ def causal_lm_logprobs(
 ):
     """Per-token log-probs of ``input_ids[:, 1:]`` under a Hugging Face causal LM, without its logits.
 
-    The values of TRL's logits path: ``log_softmax(model(...).logits[:, :-1] / temperature)`` at the next tokens,
+    The values of the logits path: ``log_softmax(model(...).logits[:, :-1] / temperature)`` at the next tokens,
     computed by ``linear_logp`` from the final hidden states and the LM head's weight and bias (tied or not).
     Differentiable into every parameter of the model.
 
