@@ -1,6 +1,6 @@
 """Hugging Face causal LMs: token log-probs and a fused RL loss without the ``[batch, sequence, vocab]`` logits.
 
-The logits path (TRL's before its 1.15 fused head), for ``input_ids [B, S]`` and ``k = logits_to_keep``::
+The logits path, for ``input_ids [B, S]`` and ``k = logits_to_keep``::
 
     logits = model(input_ids, attention_mask, logits_to_keep=k + 1).logits[:, :-1] / T   # k = 0: every position
     logp = log_softmax(logits)[targets]                    # targets = input_ids[:, 1:] (k = 0) or input_ids[:, -k:]
