@@ -110,6 +110,27 @@ def test_a_training_step_goes_through_tplogp(tmp_path, monkeypatch):
                for k in ("loss", "entropy", "clip_ratio/region_mean"))
 
 
+def test_a_lora_training_step_with_a_kl_term(tmp_path, monkeypatch):
+    """A PEFT model's step with beta > 0: the reference log-probs (the adapter disabled) go through
+    the integration as well."""
+    peft = pytest.importorskip("peft")
+    models = []
+    original = tplogp_trl.per_token_logps_and_entropies
+
+    def spy(trainer, model, *args, **kwargs):
+        models.append(type(model).__name__)
+        return original(trainer, model, *args, **kwargs)
+
+    monkeypatch.setattr(tplogp_trl, "per_token_logps_and_entropies", spy)
+    trainer = grpo_trainer(tiny_model(), tmp_path, cls=tplogp_trl.TplogpGRPOTrainer, max_steps=1,
+                           beta=0.04, save_strategy="no",
+                           peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    assert models == ["PeftModel", "PeftModel"], models  # the reference's and the loss's
+    logged = trainer.state.log_history[0]
+    assert torch.isfinite(torch.tensor([logged["loss"], logged["kl"]])).all()
+
+
 def test_unrouted_options_fall_back_visibly(trainers, monkeypatch, caplog):
     stock, _, batch = trainers
     monkeypatch.setattr(stock.args, "cast_lm_head_to_fp32", True)

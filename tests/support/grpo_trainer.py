@@ -45,16 +45,17 @@ def reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def grpo_trainer(model, tmp_path, cls=None, **options):
-    """A trainer of ``model`` on CPU in the model's dtype; ``options``: more (or other) GRPOConfig
-    arguments."""
+def grpo_trainer(model, tmp_path, cls=None, peft_config=None, **options):
+    """A trainer of ``model`` on CPU in the model's dtype (with a PEFT adapter of ``peft_config``);
+    ``options``: more (or other) GRPOConfig arguments."""
     settings = dict(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=B,
                     num_generations=2, max_completion_length=K, temperature=T, report_to=[],
                     bf16=False, logging_steps=1)
     args = trl.GRPOConfig(**{**settings, **options})
     dataset = datasets.Dataset.from_dict({"prompt": ["t3 t4 t5", "t6 t7"] * 2})
     trainer = (cls or trl.GRPOTrainer)(model=model, reward_funcs=reward, args=args,
-                                       train_dataset=dataset, processing_class=tokenizer())
+                                       train_dataset=dataset, processing_class=tokenizer(),
+                                       peft_config=peft_config)
     trainer.current_gradient_accumulation_steps = 2
     return trainer
 
