@@ -281,7 +281,7 @@ def _per_token(tensors: Sequence[torch.Tensor], shape: tuple) -> tuple:
     as GRPO's advantages) expanded along the positions; any other shape is passed on as given (and checked there)."""
     out = []
     for t in tensors:
-        if isinstance(t, torch.Tensor) and tuple(t.shape) in ((shape[0],), (shape[0], 1)) and shape[1] != 1:
+        if isinstance(t, torch.Tensor) and tuple(t.shape) in ((shape[0],), (shape[0], 1)):
             t = t.reshape(shape[0], 1).expand(shape)
         out.append(t)
     return tuple(out)
