@@ -122,7 +122,8 @@ class GRPOLossConfig:
             raise ValueError(f"num_items_in_batch is the token-mean normaliser (dapo, cispo, vespo, bnpo); "
                              f"normalization {self.norm!r} takes none")
         if self.bias_corrected_kl and self.beta == 0:
-            raise ValueError("bias_corrected_kl corrects the KL term: set beta != 0")
+            raise ValueError("bias_corrected_kl corrects the KL term: set beta != 0 (with beta=0 leave it out, "
+                             "as TRL's use_bias_correction_kl=True does nothing then)")
         if self.loss_type == "vespo" and self.rollout_correction in ("sequence_truncate", "sequence_mask"):
             raise ValueError("vespo folds per-token rollout weights into its sequence weight: use "
                              "rollout_correction 'token_truncate', 'token_mask' or 'weights'")
@@ -131,6 +132,9 @@ class GRPOLossConfig:
     def norm(self) -> str:
         """The normalisation: the given one, else the loss type's."""
         return self.normalization or DEFAULT_NORMALIZATION[self.loss_type]
+
+
+GRPOConfig = GRPOLossConfig  # the former name
 
 
 class GRPOLoss:
@@ -380,9 +384,6 @@ class BoundGRPO:
                torch.where(on, ratio, -math.inf).amax() if ratio.numel() else torch.full((), -math.inf,
                                                                                           device=m.device)]
         return torch.stack(row)
-
-
-GRPOConfig = GRPOLossConfig  # the former name
 
 
 def combine_sums(a: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
