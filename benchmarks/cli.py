@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("--warm-ms", type=float, help="sustained warm-up before each GPU timing, ms (default 300)")
 
     hf = sub.add_parser("integrations", parents=[common],
-                        help="HF causal LM: TRL's logits path vs tplogp.integrations.hf (log-probs, GRPO step)")
+                        help="HF causal LM: TRL 1.16's fused LM head vs tplogp.integrations.hf (log-probs, GRPO step)")
     hf.add_argument("--reps", type=int, help="timed calls per implementation (default 5; smoke 1)")
     hf.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="default bf16; smoke fp32")
 

@@ -1,19 +1,22 @@
-"""Hugging Face causal LM, RL steps: TRL's logits path vs ``tplogp.integrations.hf`` (time and peak memory).
+"""Hugging Face causal LM, RL steps: TRL 1.16's fused LM head vs ``tplogp.integrations.hf`` (time and peak memory).
 
-``python -m benchmarks integrations`` (one H100: about two minutes after the model is built). The model is a
+``python -m benchmarks integrations`` (one H100: a few minutes after the model is built). The model is a
 Qwen2.5-1.5B-sized Qwen2 config with random weights (vocab 151936, hidden 1536, 28 layers, tied head), bf16, on
 8 x 2048 tokens (prompt 512 + completion 1536, ``logits_to_keep`` = the completion, as TRL's GRPO trainer calls it).
 Steps, each implementation on the same model and batch:
 
-* ``logprobs``: the old/reference log-probs of a GRPO batch, under ``torch.no_grad()``:
-  ``trl_logits`` = ``model(ids, mask, logits_to_keep=k + 1).logits[:, :-1] / T`` then a selective log-softmax
-  written as TRL's (gather and log-softmax row by row for bf16 logits); ``tplogp`` = ``causal_lm_logprobs``.
+* ``logprobs``: the old/reference log-probs of a GRPO batch, under ``torch.no_grad()``: ``trl_fused_head`` =
+  TRL's own path since 1.15, ``model(ids, mask, labels=labels, fused_lm_head=True).log_probs[:, -k:]`` with the
+  head ``trl.trainer.utils.add_fused_lm_head`` adds (its outputs ``log_probs`` and ``entropy``, as GRPOTrainer
+  adds it to the policy; ``labels`` -100 outside the completion and on padding); ``tplogp`` =
+  ``causal_lm_logprobs`` (what ``tplogp.integrations.trl`` calls).
 * ``grpo_loss``: forward + backward of TRL's default GRPO loss (``loss_type="dapo"``, ``epsilon=0.2``,
   ``epsilon_high=0.28``: the clipped token loss, a token mean over the completion mask; :mod:`benchmarks.policy`):
-  ``trl_logits`` as above then the loss written out in PyTorch (TRL's ``_compute_loss``); ``tplogp_logprobs`` =
-  ``causal_lm_logprobs`` then the same PyTorch loss; ``tplogp_fused`` = ``causal_lm_loss`` with the built-in
-  ``losses.grpo("dapo", epsilon_high=0.28)`` and ``with_entropy=False`` (the loss reads no entropy; the loss and
-  the head's gradients chunk by chunk in the forward).
+  ``trl_fused_head`` as above (with the entropy, which GRPOTrainer always asks for) then the loss written out in
+  PyTorch (TRL's ``_compute_loss``); ``tplogp_logprobs`` = ``causal_lm_logprobs(..., return_entropy=True)`` then
+  the same PyTorch loss (``TplogpGRPOTrainer``'s path); ``tplogp_fused`` = ``causal_lm_loss`` with the built-in
+  ``losses.grpo("dapo", epsilon_high=0.28)`` and ``with_entropy=False`` (the loss and the head's gradients chunk
+  by chunk in the forward).
 * ``gspo_loss``: the same three for GSPO (``importance_sampling_level="sequence"``, ``loss_type="grpo"``,
   ``epsilon=3e-4``, ``epsilon_high=4e-4``: a ratio per sequence, each sequence's token mean, then the batch mean):
   the fused row takes every token's log-prob before any gradient (the two-phase schedule of
@@ -23,12 +26,12 @@ Steps, each implementation on the same model and batch:
   ``loss_type`` / ``importance_sampling_level`` / epsilons) on the decoder's final hidden states of the completion
   positions and the head.
 * ``*_ckpt``: the same with gradient checkpointing on (``use_reentrant=False``), as RL trainers run models of this
-  size: the decoder's activations no longer dominate the peak, the logits path's do.
+  size: the decoder's activations no longer dominate the peak.
 
 Time: median of ``--reps`` calls (CUDA events, synced per call) after warm-up calls. Memory: peak allocated GiB
 during one call above what was allocated before it (model and batch excluded; gradients of the parameters and
 the activations included). ``loss``: the value of a loss step's call measured for memory (every row of a step
-computes the same loss: they agree within the logits' rounding). ``err_logp``: ``tplogp.tolerances.rel_error``
+computes the same loss). ``err_logp``: ``tplogp.tolerances.rel_error``
 (``||logp - reference|| / ||reference||``) of the logprobs step, the reference being ``tplogp.reference.reference_linear_logp(mode="fp32")`` (fp32 log-softmax
 of fp32 logits) of the same final hidden states and head. Prints a markdown table and appends
 JSON rows (suite ``integrations``) to the results file.
@@ -83,20 +86,21 @@ def set_checkpointing(model, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The selective log-softmax of TRL's trainers: fp32/fp64 logits gather minus a per-row logsumexp; lower
-    precision logits a log_softmax row by row (bounding the temporary to one row's logits)."""
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, index[..., None])[..., 0]
-        return picked - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-    return torch.stack([torch.log_softmax(row, dim=-1).gather(-1, ids[:, None])[:, 0]
-                        for row, ids in zip(logits, index)])
+def add_trl_fused_head(model, temperature: float) -> None:
+    """TRL's fused LM head on ``model`` as GRPOTrainer adds it to the policy (log-probs and entropies)."""
+    from tplogp.integrations import require
+
+    require("trl", "python -m benchmarks integrations", "trl")
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, temperature=temperature, outputs=("log_probs", "entropy"))
 
 
-def trl_logprobs(model, ids, mask, keep: int, temperature: float) -> torch.Tensor:
-    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep + 1, use_cache=False).logits
-    logits = logits[:, :-1] / temperature
-    return selective_log_softmax(logits, ids[:, -keep:])
+def trl_logprobs(model, ids, mask, keep: int) -> torch.Tensor:
+    """TRL 1.16's GRPOTrainer._get_per_token_logps_and_entropies: the fused head on the completion's labels."""
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    return model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -keep:]
 
 
 def reference_logprobs(model, ids, mask, keep: int, temperature: float) -> torch.Tensor:
@@ -143,6 +147,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
     shape = SMOKE if smoke else FULL
     dtype = runner.DTYPES[dtype_name]
     model = build_model(shape, dtype, device)
+    add_trl_fused_head(model, TEMPERATURE)
     g = torch.Generator(device="cpu").manual_seed(1)
     b, s, keep = shape["batch"], shape["seq"], shape["completion"]
     ids = torch.randint(0, shape["vocab_size"], (b, s), generator=g).to(device)
@@ -159,10 +164,10 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
 
     with torch.no_grad():
         reference = reference_logprobs(model, ids, mask, keep, T)
-        trl_values = trl_logprobs(model, ids, mask, keep, T)
+        trl_values = trl_logprobs(model, ids, mask, keep)
         ours_values = causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T)
     old_logp = (reference + 0.05 * torch.randn(reference.shape, generator=g).to(device)).detach()
-    errors = {"trl_logits": rel_error(trl_values, reference), "tplogp": rel_error(ours_values, reference)}
+    errors = {"trl_fused_head": rel_error(trl_values, reference), "tplogp": rel_error(ours_values, reference)}
     del reference, trl_values, ours_values
 
     def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
@@ -182,7 +187,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
         return run
 
     def loss_cases(step: str, name: str) -> list:
-        """TRL's logits path, tplogp's log-probs with the same eager loss, and the fused built-in loss."""
+        """TRL's fused head, tplogp's log-probs with the same eager loss, and the fused built-in loss."""
         grpo = losses.grpo(**policy.LOSSES[name][0])
 
         def eager(logp):
@@ -193,9 +198,9 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
             completion_hidden(model, ids, mask, keep), model.get_output_embeddings().weight, ids[:, -keep:],
             completion_mask, advantages[:, 0], old_per_token_logps=old_logp)[0]))]
         return [
-            (step, "trl_logits", with_backward(lambda: eager(trl_logprobs(model, ids, mask, keep, T)))),
-            (step, "tplogp_logprobs", with_backward(lambda: eager(
-                causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T)))),
+            (step, "trl_fused_head", with_backward(lambda: eager(trl_logprobs(model, ids, mask, keep)))),
+            (step, "tplogp_logprobs", with_backward(lambda: eager(causal_lm_logprobs(
+                model, ids, mask, logits_to_keep=keep, temperature=T, return_entropy=True).logp))),
             (step, "tplogp_fused", with_backward(lambda: causal_lm_loss(
                 model, ids, mask, loss=grpo, per_token=(advantages, old_logp), loss_mask=completion_mask,
                 logits_to_keep=keep, temperature=T, with_entropy=False))),
@@ -203,7 +208,7 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
         ]
 
     cases = [
-        ("logprobs", "trl_logits", no_grad(lambda: trl_logprobs(model, ids, mask, keep, T))),
+        ("logprobs", "trl_fused_head", no_grad(lambda: trl_logprobs(model, ids, mask, keep))),
         ("logprobs", "tplogp", no_grad(lambda: causal_lm_logprobs(model, ids, mask, logits_to_keep=keep,
                                                                   temperature=T))),
         *(case for step, name in STEPS for case in loss_cases(step, name)),

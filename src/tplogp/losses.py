@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .rl_losses import GRPOConfig, GRPOLoss, k3_kl
+from .rl_losses import GRPOLoss, GRPOLossConfig, k3_kl
 
 PerTokenLoss = Callable[..., torch.Tensor]
 # d(loss_token)/d(logp_token) (or entropy): a tensor of the tokens, a number when the same for every token, or None
@@ -325,10 +325,12 @@ def grpo(loss_type: str = "dapo", *, importance_sampling_level: str = "token", e
         delta: INTELLECT-2's upper clamp of the unclipped ratio. clip_ratio_c: the dual clip (verl), ``-A r`` at
             most ``-clip_ratio_c A`` where ``A < 0``.
         beta, kl_estimator, bias_corrected_kl: ``beta`` times the ``k1`` / ``k2`` / ``k3`` estimator of the KL to
-            the reference policy, multiplied by the importance ratio when ``bias_corrected_kl`` (DeepSeek-V3.2).
+            the reference policy, multiplied by the importance ratio when ``bias_corrected_kl`` (DeepSeek-V3.2;
+            it needs ``beta != 0``: TRL's ``use_bias_correction_kl`` maps to ``use_bias_correction_kl and beta``).
         normalization: verl's ``loss_agg_mode`` names, overriding the loss type's (:data:`~tplogp.rl_losses.
             NORMALIZATIONS`). max_completion_length, num_items_in_batch: ``dr_grpo``'s and the token mean's
-            divisors (for TRL's ``dapo``, pass ``num_items_in_batch / num_processes``).
+            divisors (TRL's trainer scales its ``num_items_in_batch`` for gradient accumulation:
+            :func:`tplogp.integrations.trl.grpo_loss` maps a trainer's options).
         sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg:
             the SAPO and VESPO parameters, TRL's defaults.
         rollout_correction: None; ``"weights"`` (given per-token weights, e.g. TRL's ``importance_sampling_ratio``);
@@ -337,9 +339,10 @@ def grpo(loss_type: str = "dapo", *, importance_sampling_level: str = "token", e
             to (truncate) or zero outside (mask) ``[rollout_clip_min, rollout_clip_max]`` (TIS / MIS). They multiply
             the policy term (vespo: folded into its sequence weight).
         entropy_coef: an entropy bonus ``-entropy_coef`` x the token mean of the entropy (over the token-mean
-            normaliser for ``token-mean``), as TRL; reads the entropy.
+            normaliser for ``token-mean``; TRL 1.16 takes the counted tokens for every loss type); reads the
+            entropy.
     """
-    return GRPOLoss(GRPOConfig(
+    return GRPOLoss(GRPOLossConfig(
         loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
         epsilon_high=epsilon_low if epsilon_high is None else epsilon_high, delta=delta, clip_ratio_c=clip_ratio_c,
         beta=beta, kl_estimator=kl_estimator, bias_corrected_kl=bias_corrected_kl, normalization=normalization,

@@ -61,8 +61,9 @@ def k3_kl(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class GRPOConfig:
-    """The options of :func:`tplogp.losses.grpo` (see there), checked."""
+class GRPOLossConfig:
+    """The options of :func:`tplogp.losses.grpo` (see there), checked. (``GRPOConfig`` is an alias of this name,
+    kept for existing code; ``trl.GRPOConfig`` is TRL's trainer config, another thing.)"""
 
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
@@ -121,7 +122,8 @@ class GRPOConfig:
             raise ValueError(f"num_items_in_batch is the token-mean normaliser (dapo, cispo, vespo, bnpo); "
                              f"normalization {self.norm!r} takes none")
         if self.bias_corrected_kl and self.beta == 0:
-            raise ValueError("bias_corrected_kl corrects the KL term: set beta != 0")
+            raise ValueError("bias_corrected_kl corrects the KL term: set beta != 0 (with beta=0 leave it out, "
+                             "as TRL's use_bias_correction_kl=True does nothing then)")
         if self.loss_type == "vespo" and self.rollout_correction in ("sequence_truncate", "sequence_mask"):
             raise ValueError("vespo folds per-token rollout weights into its sequence weight: use "
                              "rollout_correction 'token_truncate', 'token_mask' or 'weights'")
@@ -132,13 +134,16 @@ class GRPOConfig:
         return self.normalization or DEFAULT_NORMALIZATION[self.loss_type]
 
 
+GRPOConfig = GRPOLossConfig  # the former name
+
+
 class GRPOLoss:
     """A GRPO-family loss (:func:`tplogp.losses.grpo`). ``per_token`` names the tensors it takes, in order;
     ``needs_sums`` whether a token's gradient needs its sequence's sums of logp-dependent values (the fused loss
     then computes every token's logp first); ``needs_sequences`` whether it needs to know the sequences at all
     (a per-sequence normalisation or sum); ``reads_entropy`` whether it needs the entropy (an entropy bonus)."""
 
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOLossConfig) -> None:
         self.config = c = config
         names = ["advantages"] + (["old_logp"] if c.with_old_logp else []) + (["ref_logp"] if c.beta else [])
         if c.rollout_correction == "weights":
@@ -187,7 +192,7 @@ class BoundGRPO:
     rollout weights) made once, then :meth:`evaluate` on a chunk of rows (losses without sequence sums) or on all
     of them."""
 
-    def __init__(self, config: GRPOConfig, tensors: dict, counted: Optional[torch.Tensor], segments) -> None:
+    def __init__(self, config: GRPOLossConfig, tensors: dict, counted: Optional[torch.Tensor], segments) -> None:
         c = config
         self.c, self.segments = c, segments
         adv = tensors["advantages"]

@@ -1,4 +1,4 @@
-"""``tplogp.integrations.hf`` against TRL's logits path (``model(...).logits[:, :-1] / T``, log_softmax, gather) on
+"""``tplogp.integrations.hf`` against the logits path (``model(...).logits[:, :-1] / T``, log_softmax, gather) on
 tiny random models of several families, CPU: values and gradients into every parameter, three-way (no worse than
 the fp32 logits path against the same model in float64, the rule of ``tplogp.tolerances``).
 
@@ -279,6 +279,32 @@ def test_grpo_loss_matches_the_logits_path(family, logits_to_keep, with_entropy)
     _three_way(ours, model, ids, mask, logits_to_keep=logits_to_keep, temperature=T, reference=reference)
 
 
+def test_per_sequence_tensors_model_output_and_1d_input_ids():
+    """A [B] (or [B, 1]) per-token tensor is each sequence's value at all its positions; the model's output
+    (an MoE model's router loss) comes back on request; 1-D input_ids get a ValueError naming the shape."""
+    config = transformers.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = _batch("left")
+    advantages = torch.randn(B, generator=torch.Generator().manual_seed(4))
+    loss = losses.grpo("grpo", with_old_logp=False)
+    expected = causal_lm_loss(model, ids, mask, loss=loss, per_token=(advantages[:, None].expand(B, 4),),
+                              logits_to_keep=4)
+    for given in (advantages, advantages[:, None]):
+        value, output = causal_lm_loss(model, ids, mask, loss=loss, per_token=(given,), logits_to_keep=4,
+                                       return_model_output=True, output_router_logits=True)
+        torch.testing.assert_close(value, expected, rtol=0, atol=0)
+    own = model(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False)
+    assert isinstance(own.aux_loss, torch.Tensor) and own.aux_loss > 0
+    torch.testing.assert_close(output.aux_loss, own.aux_loss, rtol=0, atol=0)
+    logp, output = causal_lm_logprobs(model, ids, mask, return_model_output=True, output_router_logits=True)
+    torch.testing.assert_close(output.aux_loss, own.aux_loss, rtol=0, atol=0)
+    for call in (causal_lm_logprobs, causal_lm_loss):
+        kwargs = {} if call is causal_lm_logprobs else dict(loss=loss, per_token=(advantages[:1],))
+        with pytest.raises(ValueError, match=r"\[batch, sequence\] tensor, got \(9,\).*input_ids\[None\]"):
+            call(model, ids[0], **kwargs)
+
+
 def test_softcapped_model_loss_with_label_smoothing_and_z_loss():
     """Gemma 2's final-logit softcap in the fused loss, with label smoothing and a z-loss, against F.cross_entropy on
     the model's own (softcapped) logits."""
@@ -302,7 +328,7 @@ def test_softcapped_model_loss_with_label_smoothing_and_z_loss():
 
 
 def test_missing_package_is_named(monkeypatch):
-    with pytest.raises(MissingDependencyError, match="not_a_real_package_name.*tplogp\\[hf\\]"):
+    with pytest.raises(MissingDependencyError, match=r"not_a_real_package_name.*\.\[hf\]"):
         require("not_a_real_package_name", "this integration", "hf")
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if transformers were not installed
     monkeypatch.delitem(sys.modules, "tplogp.integrations.hf")
@@ -398,22 +424,23 @@ def test_sharded_and_wrapped_models_on_gloo_ranks(tp):
 def test_benchmark_smoke_rows():
     """``python -m benchmarks integrations --smoke``'s measuring function on tiny shapes: every step and
     implementation gives a row, the log-prob step's values agree with the fp32 reference, and within each loss step
-    (GRPO, GSPO; with and without checkpointing) the fused loss and tplogp's log-probs with the eager loss give TRL's
-    logits path's loss (fp32 model)."""
+    (GRPO, GSPO; with and without checkpointing) the fused loss and tplogp's log-probs with the eager loss give the
+    loss of TRL's own fused LM head (fp32 model)."""
+    pytest.importorskip("trl")
     from benchmarks import integrations
 
     rows = integrations.bench(smoke=True, reps=1, dtype_name="fp32")
     loss_steps = ("grpo_loss", "gspo_loss", "grpo_loss_ckpt", "gspo_loss_ckpt")
-    assert [(r["step"], r["impl"]) for r in rows] == [("logprobs", "trl_logits"), ("logprobs", "tplogp")] + [
-        (step, impl) for step in loss_steps for impl in ("trl_logits", "tplogp_logprobs", "tplogp_fused")]
+    assert [(r["step"], r["impl"]) for r in rows] == [("logprobs", "trl_fused_head"), ("logprobs", "tplogp")] + [
+        (step, impl) for step in loss_steps for impl in ("trl_fused_head", "tplogp_logprobs", "tplogp_fused")]
     assert all(r["median_ms"] > 0 and r["suite"] == "integrations" for r in rows)
     errors = {r["impl"]: r["err_logp"] for r in rows if r["step"] == "logprobs"}
-    assert errors["tplogp"] < tol.ABS_FP32_MODEL_LOGP and errors["trl_logits"] < tol.ABS_FP32_MODEL_LOGP
+    assert errors["tplogp"] < tol.ABS_FP32_MODEL_LOGP and errors["trl_fused_head"] < tol.ABS_FP32_MODEL_LOGP
     values = {(r["step"], r["impl"]): r["loss"] for r in rows}
     for step in loss_steps:
-        trl = values[step, "trl_logits"]
+        trl = values[step, "trl_fused_head"]
         for impl in ("tplogp_logprobs", "tplogp_fused"):
             assert abs(values[step, impl] - trl) <= tol.GRPO_LOSS.atol + tol.GRPO_LOSS.rtol * abs(trl), (
                 step, impl, values[step, impl], trl)
-    assert values["grpo_loss", "trl_logits"] != values["gspo_loss", "trl_logits"]  # two different losses
+    assert values["grpo_loss", "trl_fused_head"] != values["gspo_loss", "trl_fused_head"]  # two different losses
     assert integrations.format_row(rows[0]).count("|") == integrations.TABLE_HEADER.splitlines()[0].count("|")

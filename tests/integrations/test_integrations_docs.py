@@ -1,5 +1,5 @@
-"""The examples of docs/integrations.md run as written: the Hugging Face ones and verl's single-process call on CPU,
-verl's call with a group on 2 gloo ranks."""
+"""The examples of docs/integrations.md run as written: TRL's trainer, the Hugging Face ones and verl's
+single-process call on CPU, verl's call with a group on 2 gloo ranks; the TRL option table is the integration's."""
 
 from __future__ import annotations
 
@@ -21,7 +21,20 @@ def _run(name: str, **namespace) -> None:
 
 
 def test_every_section_has_an_example():
-    assert set(_examples()) == {"hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo", "verl", "verl-tp"}
+    assert set(_examples()) == {"trl", "hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo", "verl", "verl-tp"}
+
+
+def test_trl_example(tmp_path):
+    pytest.importorskip("trl")
+    _run("trl", tmp_path=tmp_path)
+
+
+def test_trl_option_table_is_the_integrations():
+    pytest.importorskip("trl")
+    from tplogp.integrations.trl import option_table
+
+    found = re.search(r"<!-- trl-options: [^\n]*-->\n(.*?)<!-- /trl-options -->", DOC.read_text(), re.S)
+    assert found and found.group(1) == option_table(), "docs/integrations.md: paste option_table()'s output"
 
 
 @pytest.mark.parametrize("name", ["hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo"])

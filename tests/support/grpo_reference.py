@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from tplogp.rl_losses import GRPOConfig
+from tplogp.rl_losses import GRPOLossConfig
 
 
 def logp_of(hidden, weight, bias, target, temperature: float, ignore_index: int, dtype=torch.float64):
@@ -39,7 +39,7 @@ def padded(values: torch.Tensor, offsets: list[int], fill=0.0) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def grpo_reference(c: GRPOConfig, logp, entropy, mask, adv, old=None, ref=None, sampler=None,
+def grpo_reference(c: GRPOLossConfig, logp, entropy, mask, adv, old=None, ref=None, sampler=None,
                    rollout_weights=None) -> tuple[torch.Tensor, dict]:
     """``(loss, metrics)`` of config ``c`` on ``[B, L]`` tensors of one dtype; ``mask`` 1 where a position
     counts."""

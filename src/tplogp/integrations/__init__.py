@@ -2,7 +2,9 @@
 
 * :mod:`tplogp.integrations.hf`: per-token log-probs and a fused RL loss of a Hugging Face causal LM
   (``causal_lm_logprobs``, ``causal_lm_loss``), without materializing its ``[batch, sequence, vocab]`` logits.
-  Needs ``transformers`` (``pip install "tplogp[hf]"``).
+  Needs ``transformers`` (the ``hf`` extra: ``pip install ".[hf]"`` from the repository).
+* :mod:`tplogp.integrations.trl`: TRL's ``GRPOTrainer`` with its log-probs and entropies from tplogp
+  (``TplogpGRPOTrainer``, ``patch(trainer)``). Needs ``trl`` 1.16 (the ``trl`` extra).
 * :mod:`tplogp.integrations.verl`: ``linear_cross_entropy`` with the call and the meaning of verl's fused kernel.
   Needs nothing beyond tplogp.
 
@@ -29,7 +31,8 @@ def require(package: str, integration: str, extra: str) -> ModuleType:
             raise
         raise MissingDependencyError(
             f"{integration} needs the package {package!r}, which is not installed: "
-            f"pip install \"tplogp[{extra}]\" (or pip install {package})", name=package) from err
+            f"pip install \".[{extra}]\" from a clone of the tplogp repository (the {extra!r} extra), or "
+            f"pip install {package}", name=package) from err
 
 
 __all__ = ["MissingDependencyError", "require"]

@@ -1,6 +1,6 @@
 """Hugging Face causal LMs: token log-probs and a fused RL loss without the ``[batch, sequence, vocab]`` logits.
 
-TRL's logits path, for ``input_ids [B, S]`` and ``k = logits_to_keep``::
+The logits path, for ``input_ids [B, S]`` and ``k = logits_to_keep``::
 
     logits = model(input_ids, attention_mask, logits_to_keep=k + 1).logits[:, :-1] / T   # k = 0: every position
     logp = log_softmax(logits)[targets]                    # targets = input_ids[:, 1:] (k = 0) or input_ids[:, -k:]
@@ -198,17 +198,22 @@ def _model_logits(out):
     return logits
 
 
+def _check_input_ids(input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}"
+                         f" (a single sequence: input_ids[None])")
+
+
 def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, make: Callable,
-         model_kwargs: dict, expected_shape: tuple) -> torch.Tensor:
+         model_kwargs: dict, expected_shape: tuple):
     """Run ``model``'s forward with its head computing ``make(head, shifted_hidden, temperature_scale)``; the result
-    as the model returned it, after the exactness checks."""
+    as the model returned it, after the exactness checks, and the model's output (its other fields: an MoE model's
+    ``aux_loss``, ...)."""
     bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
     if bad:
         raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets the positions "
                         f"(logits_to_keep) and computes no HF loss (labels)")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got "
-                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
     if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0 \
             or logits_to_keep > input_ids.shape[1] - 1:
         raise ValueError(f"logits_to_keep must be an int in [0, sequence length - 1 = {input_ids.shape[1] - 1}], "
@@ -259,7 +264,7 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
             f"the LM head's output came back with shape {tuple(result.shape)}, expected {expected_shape}: the "
             f"head's output hooks redistribute it (for a tensor-parallel plan, use "
             f"ColwiseParallel(output_layouts=Replicate()) on the head)")
-    return result
+    return result, out
 
 
 def _softcap(transform) -> Optional[float]:
@@ -269,6 +274,17 @@ def _softcap(transform) -> Optional[float]:
 
 def _targets(input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
     return input_ids[:, 1:] if logits_to_keep == 0 else input_ids[:, input_ids.shape[1] - logits_to_keep:]
+
+
+def _per_token(tensors: Sequence[torch.Tensor], shape: tuple) -> tuple:
+    """The per-token tensors at the log-probs' ``shape`` ``[B, k]``: a per-sequence one (``[B]`` or ``[B, 1]``, such
+    as GRPO's advantages) expanded along the positions; any other shape is passed on as given (and checked there)."""
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and tuple(t.shape) in ((shape[0],), (shape[0], 1)):
+            t = t.reshape(shape[0], 1).expand(shape)
+        out.append(t)
+    return tuple(out)
 
 
 def _positions(input_ids: torch.Tensor, logits_to_keep: int) -> int:
@@ -284,11 +300,12 @@ def causal_lm_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     workspace_bytes: Optional[int] = None,
+    return_model_output: bool = False,
     **model_kwargs,
 ):
     """Per-token log-probs of ``input_ids[:, 1:]`` under a Hugging Face causal LM, without its logits.
 
-    The values of TRL's logits path: ``log_softmax(model(...).logits[:, :-1] / temperature)`` at the next tokens,
+    The values of the logits path: ``log_softmax(model(...).logits[:, :-1] / temperature)`` at the next tokens,
     computed by ``linear_logp`` from the final hidden states and the LM head's weight and bias (tied or not).
     Differentiable into every parameter of the model.
 
@@ -302,15 +319,20 @@ def causal_lm_logprobs(
         temperature: the logits are divided by it (a model's own logit scale or final-logit softcap is applied first).
         return_entropy: also return the entropy of each position's distribution.
         workspace_bytes: :func:`tplogp.linear_logp`'s memory budget.
+        return_model_output: also return the model's output object (its logits field holds the head's result; its
+            other fields as the model returns them, e.g. an MoE model's ``aux_loss`` with
+            ``output_router_logits=True``).
         model_kwargs: passed to the model's forward (``position_ids``, ...); ``use_cache`` defaults to False.
 
     Returns:
-        float32 ``logp``, or ``(logp, entropy)`` (:class:`~tplogp.outputs.LogpEntropy`) with ``return_entropy``.
+        float32 ``logp``, or ``(logp, entropy)`` (:class:`~tplogp.outputs.LogpEntropy`) with ``return_entropy``;
+        with ``return_model_output``, ``(that, model_output)``.
 
     Raises:
         UnsupportedModelError: the model's logits are not what the LM head computes (a
             LoRA or quantized head, a transform of the logits in the forward; see :mod:`tplogp.integrations.hf`).
     """
+    _check_input_ids(input_ids)
     targets = _targets(input_ids, logits_to_keep)
 
     def make(head, hidden, scale):
@@ -321,10 +343,10 @@ def causal_lm_logprobs(
         return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
 
     shape = (input_ids.shape[0], _positions(input_ids, logits_to_keep)) + ((2,) if return_entropy else ())
-    result = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, shape)
+    result, output = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, shape)
     if return_entropy:
-        return LogpEntropy(result[..., 0], result[..., 1])
-    return result
+        result = LogpEntropy(result[..., 0], result[..., 1])
+    return (result, output) if return_model_output else result
 
 
 def causal_lm_loss(
@@ -341,6 +363,7 @@ def causal_lm_loss(
     workspace_bytes: Optional[int] = None,
     with_entropy: bool = True,
     return_metrics: bool = False,
+    return_model_output: bool = False,
     **model_kwargs,
 ):
     """A per-token RL loss of a Hugging Face causal LM's token log-probs, reduced to a scalar, without its logits.
@@ -354,7 +377,8 @@ def causal_lm_loss(
 
     Args:
         loss, per_token: as in :func:`tplogp.linear_logp_loss`; each ``per_token`` tensor is ``[B, S-1]`` (or
-            ``[B, logits_to_keep]``), aligned with the log-probs.
+            ``[B, logits_to_keep]``), aligned with the log-probs, or one value per sequence, ``[B]`` or ``[B, 1]``
+            (GRPO's advantages), taken for each of its positions.
         loss_mask: ``[B, S-1]`` (or ``[B, logits_to_keep]``), nonzero where a position counts (the completion
             tokens); the others add nothing, count nothing in ``"mean"`` and cost no GEMM work. None: all count.
         reduction: ``"sum"`` or ``"mean"`` (over the positions that count); ``"sum"`` for a ``losses.grpo(...)``
@@ -363,13 +387,16 @@ def causal_lm_loss(
         with_entropy: as in :func:`tplogp.linear_logp_loss`: False when ``loss`` does not read the entropy (policy
             gradient, PPO / GRPO clipping, KL): it then gets ``entropy=None`` and the forward skips the entropy
             statistics.
-        model, input_ids, attention_mask, logits_to_keep, temperature, workspace_bytes, model_kwargs: as in
-            :func:`causal_lm_logprobs`.
+        model, input_ids, attention_mask, logits_to_keep, temperature, workspace_bytes, return_model_output,
+            model_kwargs: as in :func:`causal_lm_logprobs`.
 
     Returns:
-        a 0-d float32 tensor; with ``return_metrics`` ``(loss, metrics)``.
+        a 0-d float32 tensor; with ``return_metrics`` ``(loss, metrics)``; with ``return_model_output`` the model's
+        output object after these.
     """
+    _check_input_ids(input_ids)
     targets = _targets(input_ids, logits_to_keep)
+    per_token = _per_token(per_token, tuple(targets.shape))
     if loss_mask is not None:
         if not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape) != tuple(targets.shape):
             raise ValueError(f"loss_mask must be a tensor of shape {tuple(targets.shape)} (the log-probs' shape), "
@@ -401,8 +428,10 @@ def causal_lm_loss(
         return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     metrics: dict = {}
-    value = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, ())
-    return (value, metrics) if return_metrics else value
+    value, output = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, ())
+    result = (value, metrics) if return_metrics else (value,)
+    result = result + (output,) if return_model_output else result
+    return result if len(result) > 1 else value
 
 
 __all__ = ["causal_lm_logprobs", "causal_lm_loss", "UnsupportedModelError"]

@@ -1,0 +1,273 @@
+"""TRL's ``GRPOTrainer`` with its per-token log-probs and entropies computed by tplogp.
+
+Enabled by the trainer subclass or by patching a built trainer::
+
+    from tplogp.integrations.trl import TplogpGRPOTrainer
+    trainer = TplogpGRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data)
+    trainer.train()              # or: trainer = tplogp.integrations.trl.patch(GRPOTrainer(...))
+
+What changes: every call of the trainer's ``_get_per_token_logps_and_entropies`` -- the policy's
+log-probs and entropies in the loss, the old and reference log-probs after generation -- runs the
+model's own forward with its LM head computing :func:`tplogp.linear_logp`
+(:func:`tplogp.integrations.hf.causal_lm_logprobs`), in place of TRL's fused head
+(``model(..., labels=labels, fused_lm_head=True)``). The values are TRL's: the completion tokens'
+log-probs at ``temperature``, 0 (entropy 0) where the attention mask is 0, the model's MoE router
+loss (``aux_loss``) alongside when TRL asks for it. TRL's own ``_compute_loss`` then computes the
+loss, its normalisation and its metrics from these ``[B, completion]`` tensors, so every option of
+the loss (:data:`OPTIONS`) keeps TRL's meaning, metric names and values.
+
+Not routed (TRL's own head runs, and a logging line names the option once per trainer): multimodal
+inputs (``pixel_values`` and the other image fields, which TRL slices per chunk of rows in its own
+ways) and ``cast_lm_head_to_fp32`` (an fp32 head on low-precision hidden states). The TRL version is
+checked: only 1.16.x, the series this module is tested with, is accepted
+(:class:`UnsupportedTRLVersionError` otherwise).
+
+For a loop of one's own around :func:`tplogp.integrations.hf.causal_lm_loss`, :func:`grpo_loss`
+gives the fused ``losses.grpo`` equivalent of a trainer's loss (docs/integrations.md holds the table
+:func:`option_table` renders from :data:`OPTIONS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+from typing import Optional
+
+import torch
+
+from .. import losses
+from ..rl_losses import GRPOLoss
+from . import require
+from .hf import causal_lm_logprobs
+
+trl = require("trl", "tplogp.integrations.trl", "trl")
+
+TESTED_TRL = "1.16"  # the release series tests/integrations/test_trl.py runs
+_LOG = logging.getLogger(__name__)
+# inputs of _get_per_token_logps_and_entropies that TRL slices per chunk of rows in its own ways
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+               "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
+               "image_position_ids")
+_TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")  # normalised by TRL's num_items_in_batch
+
+
+class UnsupportedTRLVersionError(RuntimeError):
+    """The installed TRL is not the release series this integration is tested with."""
+
+
+def check_trl_version(version: Optional[str] = None) -> None:
+    """Raise :class:`UnsupportedTRLVersionError` unless ``version`` (default: the installed TRL's)
+    is of the 1.16 series."""
+    version = trl.__version__ if version is None else version
+    if version.split("+")[0].split(".")[:2] != TESTED_TRL.split("."):
+        raise UnsupportedTRLVersionError(
+            f"tplogp.integrations.trl is tested with TRL {TESTED_TRL}.x, and TRL {version} is "
+            f"installed: its GRPOTrainer's private methods may differ. Install "
+            f"trl=={TESTED_TRL}.* (the 'trl' extra)")
+
+
+def _fallback(trainer, option: str, why: str) -> None:
+    """Log, once per trainer and option, that TRL's own head computes the log-probs."""
+    seen = trainer.__dict__.setdefault("_tplogp_fallbacks", set())
+    if option not in seen:
+        seen.add(option)
+        _LOG.warning("tplogp.integrations.trl: %s: TRL's own fused LM head computes these "
+                     "log-probs (%s)", option, why)
+
+
+def per_token_logps_and_entropies(trainer, model, input_ids, attention_mask, logits_to_keep,
+                                  batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                  **inputs):
+    """``GRPOTrainer._get_per_token_logps_and_entropies`` through tplogp: ``(logps, entropies or
+    None, aux_loss or None)``, ``[B, logits_to_keep]`` float32 each (0 where ``attention_mask`` is
+    0), the rows in chunks of ``batch_size`` as TRL takes them, the router loss their mean."""
+    multimodal = next((name for name in _MULTIMODAL if inputs.get(name) is not None), None)
+    if multimodal is not None or trainer.args.cast_lm_head_to_fp32:
+        if multimodal is not None:
+            _fallback(trainer, multimodal, "multimodal inputs")
+        else:
+            _fallback(trainer, "cast_lm_head_to_fp32",
+                      "an fp32 head on low-precision hidden states")
+        return trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+            compute_aux_loss, **inputs)
+    batch_size = batch_size or input_ids.size(0)
+    extra = {"output_router_logits": True} if compute_aux_loss else {}
+    logps, entropies, aux_losses = [], [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids = input_ids[start:start + batch_size]
+        mask = attention_mask[start:start + batch_size]
+        with trainer.accelerator.autocast():
+            result, output = causal_lm_logprobs(
+                model, ids, mask, logits_to_keep=logits_to_keep, temperature=trainer.temperature,
+                return_entropy=compute_entropy, return_model_output=True, **extra)
+        counted = mask[:, -logits_to_keep:].bool()  # TRL's labels are -100 where the mask is 0
+        logp = result.logp if compute_entropy else result
+        logps.append(torch.where(counted, logp, 0.0))
+        if compute_entropy:
+            entropies.append(torch.where(counted, result.entropy, 0.0))
+        if compute_aux_loss:
+            aux_losses.append(output.aux_loss)
+    return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux_losses).mean() if compute_aux_loss else None)
+
+
+class TplogpGRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` whose log-probs and entropies come from tplogp
+    (:mod:`tplogp.integrations.trl`); the same arguments."""
+
+    def __init__(self, *args, **kwargs):
+        check_trl_version()
+        super().__init__(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **inputs):
+        return per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                             logits_to_keep, batch_size, compute_entropy,
+                                             compute_aux_loss, **inputs)
+
+
+def patch(trainer):
+    """Make a built ``trl.GRPOTrainer`` (or a subclass of it) compute its log-probs and entropies
+    through tplogp, as :class:`TplogpGRPOTrainer` does; returns the trainer."""
+    check_trl_version()
+    if not isinstance(trainer, trl.GRPOTrainer):
+        raise TypeError(f"patch expects a trl.GRPOTrainer, got {type(trainer).__name__}")
+    if not isinstance(trainer, TplogpGRPOTrainer):
+        def method(self, *args, **kwargs):
+            return per_token_logps_and_entropies(self, *args, **kwargs)
+
+        trainer._get_per_token_logps_and_entropies = types.MethodType(method, trainer)
+    return trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One ``trl.GRPOConfig`` option of the loss: how :class:`TplogpGRPOTrainer` computes it
+    (``trainer``) and its ``losses.grpo(...)`` equivalent in :func:`grpo_loss` (``fused``; empty:
+    none)."""
+
+    trl: str
+    fused: str
+    trainer: str = "TRL's loss code on tplogp's log-probs"
+
+
+_ACCUMULATION = ("`num_items_in_batch.clamp(min=1) / num_processes * "
+                 "current_gradient_accumulation_steps / steps_per_generation` (training; in "
+                 "evaluation without the last two factors)")
+OPTIONS = (
+    Option("`loss_type` (`grpo`, `bnpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`, `vespo`)",
+           "`losses.grpo(loss_type)`; the returned loss divided by "
+           "`current_gradient_accumulation_steps` (training) for all but `dapo`, `cispo`, `vespo`"),
+    Option("`num_items_in_batch` (`dapo`, `cispo`, `vespo`)",
+           f"`num_items_in_batch=` {_ACCUMULATION}"),
+    Option("`max_completion_length` (`dr_grpo`)", "`max_completion_length=`"),
+    Option("`importance_sampling_level` (`token`, `sequence`)", "`importance_sampling_level=`"),
+    Option("`epsilon`, `epsilon_high`", "`epsilon_low=`, `epsilon_high=` (cispo: the ratio's cap)"),
+    Option("`delta`", "`delta=`"),
+    Option("`beta` (k3 KL)",
+           "`beta=`, `kl_estimator=\"k3\"`; `per_token` gets `ref_per_token_logps`"),
+    Option("`use_bias_correction_kl`",
+           "`bias_corrected_kl=use_bias_correction_kl and beta != 0` (no KL term with `beta=0`: "
+           "nothing to correct)"),
+    Option("`vllm_importance_sampling_correction` (the ratio TRL computes from the sampler's "
+           "log-probs)",
+           "`rollout_correction=\"weights\"`; `per_token` gets `importance_sampling_ratio` (vespo: "
+           "token modes only)"),
+    Option("`sapo_temperature_pos` / `_neg`, `vespo_k_pos` / `_lambda_pos` / `_k_neg` / "
+           "`_lambda_neg`", "the same names"),
+    Option("`entropy_coef`",
+           "`entropy_coef=` for all but `dapo`, `cispo`, `vespo` (there TRL averages the entropy "
+           "over the counted tokens, not over `num_items_in_batch`)"),
+    Option("`temperature`", "`temperature=` of the call", "`temperature=` of `linear_logp`"),
+    Option("old log-probs absent (`num_iterations=1`)", "`with_old_logp=False`"),
+    Option("`top_entropy_quantile < 1` (high-entropy token mask)", ""),
+    Option("`off_policy_mask_threshold` (off-policy sequence mask)", ""),
+    Option("`use_adaptive_entropy`", ""),
+    Option("`router_aux_loss_coef` (an MoE model's router loss)",
+           "`causal_lm_loss(..., output_router_logits=True, return_model_output=True)`: the "
+           "output's `aux_loss`", "TRL's code on the model output's `aux_loss`"),
+    Option("metrics `kl`, `entropy`, `clip_ratio/*`, `cispo_clip_ratio`, `vespo/phi_seq_mean`, "
+           "`policy_loss`, `entropy_coef`, `aux_loss`",
+           "`return_metrics=True`: `kl_mean`, `entropy_mean`, `clip_*_fraction` per counted token "
+           "(not per sequence under `importance_sampling_level=\"sequence\"`; no `low_min` / "
+           "`high_max`)", "TRL's metrics, names and values"),
+)
+
+
+def option_table() -> str:
+    """The markdown table of :data:`OPTIONS` (docs/integrations.md holds it; the tests compare)."""
+    rows = ["| TRL `GRPOConfig` | `TplogpGRPOTrainer` / `patch` | `losses.grpo(...)` for "
+            "`causal_lm_loss` |", "|---|---|---|"]
+    rows += [f"| {o.trl} | {o.trainer} | {o.fused or 'none: the trainer only'} |"
+             for o in OPTIONS]
+    return "\n".join(rows) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedGRPO:
+    """A trainer's loss as :func:`tplogp.integrations.hf.causal_lm_loss` computes it: ``loss`` (a
+    ``losses.grpo``) fed ``per_token``, the result divided by ``divisor``."""
+
+    loss: GRPOLoss
+    per_token: tuple
+    divisor: float
+
+
+def _unfusable(trainer, inputs: dict, rollout: bool) -> list[str]:
+    ratio = inputs.get("importance_sampling_ratio")
+    checks = (
+        ("top_entropy_quantile", trainer.top_entropy_quantile < 1.0),
+        ("off_policy_mask_threshold", trainer.off_policy_mask_threshold is not None),
+        ("use_adaptive_entropy", trainer.use_adaptive_entropy),
+        ("entropy_coef with loss_type dapo, cispo or vespo",
+         trainer.entropy_coef != 0 and trainer.loss_type in _TOKEN_SUM_LOSSES),
+        ("a sequence-level importance_sampling_ratio with loss_type vespo",
+         rollout and trainer.loss_type == "vespo" and ratio.shape[-1] == 1))
+    return [name for name, on in checks if on]
+
+
+def grpo_loss(trainer, inputs: dict, training: Optional[bool] = None) -> FusedGRPO:
+    """The ``losses.grpo`` equivalent of a ``trl.GRPOTrainer``'s loss on ``inputs`` (the batch its
+    ``compute_loss`` gets), by :data:`OPTIONS`; ``training`` defaults to ``trainer.model.training``.
+    Raises ``ValueError`` naming the options that have no fused equivalent."""
+    args, loss_type = trainer.args, trainer.loss_type
+    rollout = "importance_sampling_ratio" in inputs and (loss_type == "vespo" or (
+        trainer.use_vllm and trainer.vllm_importance_sampling_correction))
+    unfusable = _unfusable(trainer, inputs, rollout)
+    if unfusable:
+        raise ValueError(f"no fused losses.grpo equivalent of {', '.join(unfusable)}: "
+                         f"TplogpGRPOTrainer runs TRL's loss code on tplogp's log-probs instead")
+    training = trainer.model.training if training is None else training
+    steps = trainer.current_gradient_accumulation_steps if training else 1
+    num_items, divisor = None, float(steps)
+    if loss_type in _TOKEN_SUM_LOSSES:  # TRL's normaliser spans the generation batch: rescaled
+        num_items = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        if training:
+            num_items = num_items * steps / args.steps_per_generation
+        divisor = 1.0
+    old = inputs.get("old_per_token_logps")
+    loss = losses.grpo(
+        loss_type, importance_sampling_level=trainer.importance_sampling_level,
+        epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=args.delta,
+        beta=trainer.beta, bias_corrected_kl=bool(args.use_bias_correction_kl and trainer.beta),
+        max_completion_length=trainer.max_completion_length if loss_type == "dr_grpo" else None,
+        num_items_in_batch=num_items, with_old_logp=old is not None,
+        sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg,
+        rollout_correction="weights" if rollout else None, entropy_coef=trainer.entropy_coef)
+    per_token = [inputs["advantages"]] + ([old] if old is not None else [])
+    if trainer.beta != 0:
+        per_token.append(inputs["ref_per_token_logps"])
+    if rollout:
+        per_token.append(inputs["importance_sampling_ratio"].expand(inputs["completion_ids"].shape))
+    return FusedGRPO(loss, tuple(per_token), divisor)
+
+
+__all__ = ["TplogpGRPOTrainer", "patch", "check_trl_version", "UnsupportedTRLVersionError",
+           "grpo_loss", "FusedGRPO", "Option", "OPTIONS", "option_table",
+           "per_token_logps_and_entropies"]

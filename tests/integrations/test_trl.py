@@ -1,0 +1,209 @@
+"""``tplogp.integrations.trl`` inside TRL's own ``GRPOTrainer``: the trainer's ``compute_loss`` (its
+``_compute_loss``, metrics included) on one fixed batch, with TRL's fused LM head and with tplogp's
+log-probs, three-way against the same stock trainer on a float64 copy of the model (the rule of
+``tplogp.tolerances``): log-probs, entropies, loss, every metric and every parameter's gradient,
+for each group of TRL's options.
+
+A tiny Qwen2 model (and a tiny Mixtral for the router loss) and a word-level tokenizer are built
+offline (tests/support/grpo_trainer.py); generation is bypassed except in one end-to-end training
+step. ``grpo_loss`` (the fused equivalent of a trainer's loss) is checked against the stock
+trainer's loss the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+
+from tests.support.grpo_trainer import (  # noqa: E402
+    B, CASES, COMPLETION_MASK, K, P, PROMPT_MASK, T, V, assert_three_way, compute_loss_step,
+    configure, grpo_trainer, sequence_ids, tiny_model)
+from tplogp.integrations import trl as tplogp_trl  # noqa: E402
+from tplogp.integrations.hf import causal_lm_loss  # noqa: E402
+from tplogp.tolerances import assert_no_worse  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def trainers(tmp_path_factory):
+    """The stock trainer (fp32), its float64 twin (same weights) and the fixed batch."""
+    out = tmp_path_factory.mktemp("grpo")
+    stock = grpo_trainer(tiny_model(), out)
+    truth = grpo_trainer(tiny_model(dtype=torch.float64), out)
+    g = torch.Generator().manual_seed(1)
+    batch = dict(prompt_ids=torch.randint(3, V, (B, P), generator=g), prompt_mask=PROMPT_MASK,
+                 completion_ids=torch.randint(3, V, (B, K), generator=g),
+                 completion_mask=COMPLETION_MASK)
+    with torch.no_grad():
+        logp, _, _ = stock._get_per_token_logps_and_entropies(stock.model, *sequence_ids(batch), K)
+
+    def noisy(base, scale):
+        return (base + scale * torch.randn(base.shape, generator=g)) * COMPLETION_MASK
+
+    old = noisy(logp, 0.3)
+    sampler = noisy(old, 0.2)
+    batch.update(advantages=torch.randn(B, generator=g), old_per_token_logps=old,
+                 ref_per_token_logps=noisy(logp, 0.2), sampling_per_token_logps=sampler,
+                 num_items_in_batch=COMPLETION_MASK.sum().float() * 2,
+                 importance_sampling_ratio=torch.exp(old - sampler).clamp(max=2.0))  # 1 on pads
+    return stock, truth, batch
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compute_loss_matches_trls_fused_head(trainers, monkeypatch, case):
+    stock, truth, batch = trainers
+    results = []
+    for trainer, patched in ((stock, True), (stock, False), (truth, False)):
+        configure(monkeypatch, trainer, CASES[case])
+        results.append(compute_loss_step(trainer, batch, patched))
+    assert_three_way(*results)
+    if case == "adaptive-entropy":  # the controller moved the coefficient alike on both paths
+        assert stock.entropy_coef == truth.entropy_coef != 0.01
+
+
+def test_moe_router_loss_is_kept(tmp_path):
+    stock = grpo_trainer(tiny_model(moe=True), tmp_path)
+    truth = grpo_trainer(tiny_model(moe=True, dtype=torch.float64), tmp_path)
+    assert stock.aux_loss_enabled
+    g = torch.Generator().manual_seed(2)
+    batch = dict(prompt_ids=torch.randint(3, V, (B, P), generator=g), prompt_mask=PROMPT_MASK,
+                 completion_ids=torch.randint(3, V, (B, K), generator=g),
+                 completion_mask=COMPLETION_MASK, advantages=torch.randn(B, generator=g),
+                 num_items_in_batch=COMPLETION_MASK.sum().float())
+    results = [compute_loss_step(stock, batch, True), compute_loss_step(stock, batch, False),
+               compute_loss_step(truth, batch, False)]
+    assert "aux_loss" in results[0]["metrics"]
+    assert_three_way(*results)
+
+
+def test_subclass_is_the_patched_trainer(trainers, tmp_path):
+    stock, _, batch = trainers
+    subclass = grpo_trainer(tiny_model(), tmp_path, cls=tplogp_trl.TplogpGRPOTrainer)
+    ours = compute_loss_step(subclass, batch, False)
+    patched = compute_loss_step(stock, batch, True)
+    torch.testing.assert_close(ours["loss"], patched["loss"], rtol=0, atol=0)
+    for name, grad in patched["grads"].items():
+        torch.testing.assert_close(ours["grads"][name], grad, rtol=0, atol=0)
+
+
+def test_a_training_step_goes_through_tplogp(tmp_path, monkeypatch):
+    """trainer.train(): generation, the old log-probs (num_iterations=2) and the loss call the
+    integration."""
+    calls = []
+    original = tplogp_trl.per_token_logps_and_entropies
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("compute_entropy", args[6] if len(args) > 6 else False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tplogp_trl, "per_token_logps_and_entropies", spy)
+    trainer = grpo_trainer(tiny_model(), tmp_path, cls=tplogp_trl.TplogpGRPOTrainer, max_steps=1,
+                       num_iterations=2, save_strategy="no")
+    trainer.train()
+    assert True in calls and False in calls, calls  # the loss's call and the old log-probs'
+    logged = trainer.state.log_history[0]
+    assert all(torch.isfinite(torch.tensor(logged[k]))
+               for k in ("loss", "entropy", "clip_ratio/region_mean"))
+
+
+def test_a_lora_training_step_with_a_kl_term(tmp_path, monkeypatch):
+    """A PEFT model's step with beta > 0: the reference log-probs (the adapter disabled) go through
+    the integration as well."""
+    peft = pytest.importorskip("peft")
+    models = []
+    original = tplogp_trl.per_token_logps_and_entropies
+
+    def spy(trainer, model, *args, **kwargs):
+        models.append(type(model).__name__)
+        return original(trainer, model, *args, **kwargs)
+
+    monkeypatch.setattr(tplogp_trl, "per_token_logps_and_entropies", spy)
+    trainer = grpo_trainer(tiny_model(), tmp_path, cls=tplogp_trl.TplogpGRPOTrainer, max_steps=1,
+                           beta=0.04, save_strategy="no",
+                           peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    assert models == ["PeftModel", "PeftModel"], models  # the reference's and the loss's
+    logged = trainer.state.log_history[0]
+    assert torch.isfinite(torch.tensor([logged["loss"], logged["kl"]])).all()
+
+
+def test_unrouted_options_fall_back_visibly(trainers, monkeypatch, caplog):
+    stock, _, batch = trainers
+    monkeypatch.setattr(stock.args, "cast_lm_head_to_fp32", True)
+    with caplog.at_level(logging.WARNING, logger="tplogp.integrations.trl"):
+        ours = compute_loss_step(stock, batch, True)
+    assert "cast_lm_head_to_fp32" in caplog.text and "TRL's own fused LM head" in caplog.text
+    monkeypatch.setattr(stock.args, "cast_lm_head_to_fp32", False)
+    expected = compute_loss_step(stock, batch, False)
+    torch.testing.assert_close(ours["loss"], expected["loss"], rtol=0, atol=0)
+
+
+def test_tplogps_loss_config_is_not_trls():
+    from tplogp.rl_losses import GRPOConfig, GRPOLossConfig
+
+    assert GRPOConfig is GRPOLossConfig and GRPOLossConfig is not trl.GRPOConfig  # the former name
+
+
+def test_version_and_trainer_are_checked():
+    tplogp_trl.check_trl_version("1.16.4")
+    for version in ("1.15.2", "1.17.0", "2.0.0"):
+        with pytest.raises(tplogp_trl.UnsupportedTRLVersionError,
+                           match=f"TRL {version} is installed"):
+            tplogp_trl.check_trl_version(version)
+    with pytest.raises(TypeError, match="expects a trl.GRPOTrainer"):
+        tplogp_trl.patch(object())
+
+
+FUSED_CASES = {
+    "dapo-accumulated": dict(loss_type="dapo", **{"args.steps_per_generation": 4}),
+    "grpo-accumulated": dict(loss_type="grpo"),
+    "bias-correction-without-kl": dict(loss_type="bnpo", **{"args.use_bias_correction_kl": True}),
+    "gspo-kl-bias-corrected": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                   beta=0.04, epsilon_low=0.05,
+                                   **{"args.use_bias_correction_kl": True}),
+    "dr_grpo-entropy": dict(loss_type="dr_grpo", entropy_coef=0.01, _entropy_bonus_enabled=True),
+    "luspo-kl": dict(loss_type="luspo", beta=0.04, **{"args.use_bias_correction_kl": False}),
+    "cispo-rollout-is": dict(loss_type="cispo", use_vllm=True,
+                             vllm_importance_sampling_correction=True),
+    "vespo-rollout-is": dict(loss_type="vespo", use_vllm=True,
+                             vllm_importance_sampling_correction=True),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_grpo_loss_is_the_trainers_loss(trainers, monkeypatch, case):
+    """causal_lm_loss with grpo_loss(trainer, inputs), / divisor: the stock trainer's loss and
+    gradients."""
+    stock, truth, batch = trainers
+    for trainer in (stock, truth):
+        configure(monkeypatch, trainer, FUSED_CASES[case])
+    fused = tplogp_trl.grpo_loss(stock, batch, training=True)
+    model = stock.model
+    model.zero_grad(set_to_none=True)
+    loss = causal_lm_loss(model, *sequence_ids(batch), loss=fused.loss, per_token=fused.per_token,
+                          loss_mask=batch["completion_mask"], logits_to_keep=K,
+                          temperature=T) / fused.divisor
+    loss.backward()
+    ours = dict(loss=loss.detach(), grads={n: p.grad.clone() for n, p in model.named_parameters()})
+    stock_result = compute_loss_step(stock, batch, False)
+    truth_result = compute_loss_step(truth, batch, False)
+    assert_no_worse("loss", ours["loss"], stock_result["loss"], truth_result["loss"],
+                    torch.float32)
+    for name, grad in truth_result["grads"].items():
+        assert_no_worse(f"grad {name}", ours["grads"][name], stock_result["grads"][name], grad,
+                        torch.float32)
+
+
+@pytest.mark.parametrize("option", ["top_entropy_quantile", "off_policy_mask_threshold",
+                                    "use_adaptive_entropy"])
+def test_grpo_loss_names_what_it_cannot_fuse(trainers, monkeypatch, option):
+    stock, _, batch = trainers
+    value = {"top_entropy_quantile": 0.5, "off_policy_mask_threshold": 0.1,
+             "use_adaptive_entropy": True}[option]
+    monkeypatch.setattr(stock, option, value)
+    with pytest.raises(ValueError, match=option):
+        tplogp_trl.grpo_loss(stock, batch)
