@@ -1,0 +1,38 @@
+"""What a body leaves in the process groups, and who is blamed: one pytester session (pools of world size 2 and 4).
+
+- ``tp.new_group(ranks, use_local_synchronization=True)``: only the members call it; the group is cached, so the
+  pool is not recycled.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+BODY = '''
+import os, signal
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.tp(world_size=4)
+def test_a_local_sync_group(tp):
+    if tp.rank in (1, 2):       # only the members call it, as with dist.new_group(..., use_local_synchronization=True)
+        g = tp.new_group([2, 1], use_local_synchronization=True)
+        assert tp.new_group([1, 2], use_local_synchronization=True) is g     # cached
+        t = torch.full((1,), float(tp.rank))
+        dist.all_reduce(t, group=g)
+        assert t.item() == 3.0
+        assert dist.get_process_group_ranks(g) == [1, 2]
+    everyone = tp.new_group([1, 2])     # the collective kind is a group of its own, made by every rank
+    assert tp.rank not in (1, 2) or dist.get_process_group_ranks(everyone) == [1, 2]
+'''
+
+
+def test_groups_and_blame(pytester: pytest.Pytester, tag: str) -> None:
+    pytester.makepyfile(test_body=BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-vv", "-rA", "-W", "always", "--tp-timeout=60")
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(["*test_a_local_sync_group*PASSED*"])
+    assert "pool recycled" not in out, out
