@@ -92,7 +92,7 @@ class PoolRun:
     """Everything the controller learned from one command on every rank."""
 
     outcomes: dict[int, RankOutcome] = field(default_factory=dict)
-    deaths: dict[int, str] = field(default_factory=dict)  # rank -> "killed by signal 9 (SIGKILL)" etc.
+    deaths: dict[int, str] = field(default_factory=dict)  # rank -> "was killed by SIGKILL (signal 9)" etc.
     death_stacks: dict[int, str] = field(default_factory=dict)  # fatal-signal dumps of dead ranks
     stuck: dict[int, StuckRank] = field(default_factory=dict)
     timed_out: bool = False  # the deadline (not just the straggler grace) passed
@@ -102,15 +102,21 @@ class PoolRun:
 
 
 def describe_exit(exitcode: int | None) -> str:
+    """How a rank ended, to follow ``rank N``: ``was killed by SIGKILL (signal 9)``, ``exited with code 3 ...``."""
     if exitcode is None:
         return "exited (exit code unknown)"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
-            name = "?"
-        return f"killed by signal {-exitcode} ({name})"
+            name = "an unknown signal"
+        return f"was killed by {name} (signal {-exitcode})"
     return f"exited with code {exitcode} (os._exit/sys.exit inside the test?)"
+
+
+#: Bounded wait for a dead rank's exit status (under forkserver it comes through the fork server, after the rank's
+#: pipe already broke): long enough that a loaded machine still names the signal.
+EXIT_STATUS_WAIT_S = 5.0
 
 
 def _size(path: str) -> int:
@@ -389,7 +395,7 @@ class RankPool:
         pending = set(range(n))
 
         def died(r: int) -> None:
-            self.procs[r].join(1.0)
+            self.procs[r].join(EXIT_STATUS_WAIT_S)
             res.deaths[r] = describe_exit(self.procs[r].exitcode)
             pending.discard(r)
 

@@ -2,6 +2,8 @@
 
 - ``tp.new_group(ranks, use_local_synchronization=True)``: only the members call it; the group is cached, so the
   pool is not recycled.
+- A rank killed by a signal while its peers wait in a collective: the headline names it and the signal first, the
+  peers' gloo errors after; the next test runs on a fresh pool.
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ def test_a_local_sync_group(tp):
         assert dist.get_process_group_ranks(g) == [1, 2]
     everyone = tp.new_group([1, 2])     # the collective kind is a group of its own, made by every rank
     assert tp.rank not in (1, 2) or dist.get_process_group_ranks(everyone) == [1, 2]
+
+@pytest.mark.tp(world_size=4)
+def test_e_rank_killed_mid_collective(tp):
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    if tp.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(3):
+        dist.all_reduce(t)
+
+@pytest.mark.tp(world_size=4)
+def test_f_after_the_death(tp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 4
 '''
 
 
@@ -36,3 +53,7 @@ def test_groups_and_blame(pytester: pytest.Pytester, tag: str) -> None:
     out = result.stdout.str()
     result.stdout.fnmatch_lines(["*test_a_local_sync_group*PASSED*"])
     assert "pool recycled" not in out, out
+    result.stdout.fnmatch_lines(["*test_e_rank_killed_mid_collective*FAILED*", "*test_f_after_the_death*PASSED*"])
+    result.stdout.fnmatch_lines(["E   rank 1 was killed by SIGKILL (signal 9); then on its peers: *"])
+    result.stdout.fnmatch_lines(["FAILED test_body.py::test_e_rank_killed_mid_collective[[]tp4[]] - rank 1 was "
+                                 "killed by SIGKILL (signal 9)*"])

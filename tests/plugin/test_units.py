@@ -108,9 +108,17 @@ def test_merge_skips_and_deaths() -> None:
     assert merge(agreed, 2, timeout_s=1, test_file=None, pool_desc="p").outcome == "skipped"
     partial = PoolRun(outcomes={0: _out(0, "skipped", "why"), 1: _out(1, "passed")})
     assert "skip not agreed" in merge(partial, 2, timeout_s=1, test_file=None, pool_desc="p").headline
-    dead = PoolRun(outcomes={0: _out(0, "passed")}, deaths={1: "killed by signal 9 (SIGKILL)"}, killed="ranks died")
+    dead = PoolRun(outcomes={0: _out(0, "passed")}, deaths={1: "was killed by SIGKILL (signal 9)"}, killed="ranks died")
     v = merge(dead, 2, timeout_s=1, test_file=None, pool_desc="p")
-    assert v.outcome == "failed" and v.headline.startswith("rank 1 killed by signal 9")
+    assert v.outcome == "failed" and v.headline.startswith("rank 1 was killed by SIGKILL (signal 9)")
+    gloo = ("RuntimeError: [/w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:13214: Connection reset by "
+            "peer. This is typically caused by a remote worker hanging. GLHF!")
+    collateral = PoolRun(outcomes={0: _out(0, "failed", gloo, "tb0"), 2: _out(2, "failed", gloo, "tb2")},
+                         deaths={1: "was killed by SIGSEGV (signal 11)"}, killed="ranks died")
+    v = merge(collateral, 3, timeout_s=1, test_file=None, pool_desc="p")
+    assert v.headline == ("rank 1 was killed by SIGSEGV (signal 11); then on its peers: ranks 0, 2: RuntimeError: "
+                          "Read error [127.0.0.1]:13214: Connection reset by peer")
+    assert v.text.index("rank 1 was killed") < v.text.index("ranks 0, 2 failed") and "GLHF" in v.text
     incomplete = PoolRun(outcomes={0: _out(0, "passed")})  # a missing rank never counts as a pass
     assert merge(incomplete, 2, timeout_s=1, test_file=None, pool_desc="p").outcome == "failed"
 
