@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Iterator, NamedTuple
 
-from . import rank_coverage
+from . import collectives, rank_coverage
 from .protocol import (
     COVERAGE_STOP_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -99,6 +99,7 @@ class PoolRun:
     outputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (stdout, stderr) of this command
     elapsed_s: float = 0.0
     killed: str | None = None  # why the pool was killed after this command (None: still alive)
+    unmatched: str = ""  # collectives left unmatched on some ranks (collectives.unmatched): fails the test
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -456,6 +457,11 @@ class RankPool:
             out_p, err_p, _ = self._paths(r)
             res.outputs[r] = (_read_from(out_p, offsets[r][0]), _read_from(err_p, offsets[r][1]))
         problems = sorted({p for o in res.outcomes.values() for p in o.state_problems})
+        if not (res.stuck or res.deaths):
+            counts = {r: o.collectives for r, o in res.outcomes.items() if o.collectives is not None}
+            res.unmatched = collectives.unmatched(counts, n)
+            if res.unmatched:
+                problems.insert(0, "collective(s) left unmatched")
         if res.stuck or res.deaths:
             what = "timed out" if res.timed_out else ("died" if res.deaths else "stuck")
             res.killed = f"ranks {what}"

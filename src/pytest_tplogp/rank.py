@@ -15,7 +15,8 @@ Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver b
    and ``CallFn`` (``tp_pool.run``). Every command answers one :class:`RankOutcome`, which carries the result of a
    cheap fresh-state check: what the test changed in the process (environment, working directory, default dtype,
    grad mode, torch threads, deterministic algorithms) is restored and named; process groups left behind, a dead
-   default group or CUDA memory above the baseline recycle the pool.
+   default group or CUDA memory above the baseline recycle the pool. It also carries the rank's collective counts
+   (``collectives``), from which the controller finds a collective left unmatched.
 5. Leave: send the coverage data (when measured) as the last message, destroy the process group, run multiprocessing's exit finalizers (named semaphores made on the rank are
    released, not reported leaked by the resource tracker at the end of the session), then ``os._exit`` (no
    interpreter teardown).
@@ -39,7 +40,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from . import debug
+from . import collectives, debug
 from .forkserver_guard import set_pdeathsig
 from .protocol import CallFn, RankConfig, RankCoverage, RankOutcome, Ready, RunTest, StartFailed
 
@@ -414,15 +415,17 @@ class _Rank:
             cmd = pickle.loads(data)
             if cmd == "stop":
                 return
-            if isinstance(cmd, RunTest):
-                out = self.run_test(cmd)
-            elif isinstance(cmd, CallFn):
-                out = self.call(cmd)
-            else:
-                out = RankOutcome(self.cfg.rank, "failed", summary=f"unknown command {type(cmd).__name__}")
+            with collectives.count_unwaited() as unwaited:
+                if isinstance(cmd, RunTest):
+                    out = self.run_test(cmd)
+                elif isinstance(cmd, CallFn):
+                    out = self.call(cmd)
+                else:
+                    out = RankOutcome(self.cfg.rank, "failed", summary=f"unknown command {type(cmd).__name__}")
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             out.state_restored, out.state_problems = self._restore_and_check()
+            out.collectives = collectives.snapshot(unwaited[0])
             try:
                 payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001

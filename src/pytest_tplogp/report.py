@@ -230,7 +230,7 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
     outs = run.outcomes
     kinds = {o.outcome for o in outs.values()}
     complete = len(outs) == world_size and not run.deaths and not run.stuck
-    if complete and kinds == {"passed"}:
+    if complete and kinds == {"passed"} and not run.unmatched:
         return Verdict("passed")
     if complete and kinds == {"skipped"}:
         return Verdict("skipped", headline=_grouped_reasons(outs))
@@ -293,6 +293,10 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
         for text, ranks in stacks.items():
             lines.append(f"--- {format_ranks(ranks)} stack (faulthandler, SIGUSR1) ---\n{text}")
         sections.append("\n".join(lines))
+    if run.unmatched:
+        heads.append(f"collective left unmatched: {run.unmatched}")
+        sections.append(f"collective left unmatched after the body: {run.unmatched}. Wait for every async_op=True "
+                        f"collective (work.wait()) and issue each one on every rank of its group.")
     if run.killed:
         sections.append(f"pool ({pool_desc}) killed ({run.killed}); a fresh pool starts for the next test.")
     if deaths:

@@ -213,3 +213,24 @@ def test_torchrun_grace_is_held_while_the_debugged_rank_is_in_pdb() -> None:
     finally:
         exchange.done.set()
         exchange.thread.join(5)
+
+
+def test_unmatched_collectives_need_a_surplus_of_unwaited_work_ahead() -> None:
+    from pytest_tplogp.collectives import CollectiveCounts, unmatched
+
+    world = (0, 1, 2, 3)
+    def counts(seqs, unwaited, sub=None):
+        groups = lambda r: {"0": (world, seqs[r]), **({"5": ((0, 1), sub[r])} if sub and r in sub else {})}
+        return {r: CollectiveCounts(groups(r), unwaited[r]) for r in world}
+
+    assert unmatched(counts([3, 3, 3, 3], [0, 0, 0, 0]), 4) == ""
+    assert unmatched(counts([4, 4, 3, 3], [0, 0, 0, 0]), 4) == ""           # a send from rank 0 to rank 1
+    assert unmatched(counts([4, 4, 4, 4], [1, 1, 1, 1]), 4) == ""           # issued everywhere, never waited for
+    assert unmatched(counts([5, 5, 4, 4], [1, 1, 1, 1]), 4) == ""           # both of the above
+    one = unmatched(counts([3, 4, 3, 3], [0, 1, 0, 0]), 4)
+    assert one.startswith("rank 1 left 1 collective(s) never waited for and unmatched on the default group "
+                          "(sequence numbers rank 1: 4; rank 0: 3, rank 2: 3, rank 3: 3)")
+    sub = unmatched(counts([3, 3, 3, 3], [2, 0, 0, 0], sub={0: 2, 1: 0}), 4)
+    assert sub.startswith("rank 0 left 2 collective(s) never waited for and unmatched on group 5 (ranks 0-1)")
+    unknown = {r: CollectiveCounts({"0": (world, r)}, None) for r in world}  # no work registry: not checked
+    assert unmatched(unknown, 4) == ""
