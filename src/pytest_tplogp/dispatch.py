@@ -22,7 +22,7 @@ import pytest
 
 from .placement import Plan
 from .protocol import CallFn, RunTest
-from .session import SKIPPED_ON_RANKS, State
+from .session import RECYCLE_PROPERTY, SKIPPED_ON_RANKS, State
 from .values import PerRankMonkeyPatch
 
 
@@ -136,6 +136,8 @@ def apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
         _attach_outputs(item, run.outputs, label)
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path),
                     pool_desc=plan.describe())
+    if run.killed:  # counted in the terminal summary (under xdist too: user properties travel with the report)
+        item.user_properties.append((RECYCLE_PROPERTY, run.killed))
     restored = sorted({what for o in run.outcomes.values() for what in o.state_restored})
     if restored:
         item.warn(pytest.PytestWarning(f"tplogp: the test changed process state on the ranks, restored before the "

@@ -20,7 +20,7 @@ import pytest
 from . import devices, dispatch, fixtures, options, rank_coverage
 from .mesh import MeshShapeError, parse_marker_meshes
 from .placement import is_tp, marker_args, world_sizes
-from .session import ACTIVATED_BY, PLAN, SHARING_PROPERTY, SKIPPED_ON_RANKS, STATE, State, register_marker
+from .session import ACTIVATED_BY, PLAN, RECYCLE_PROPERTY, SHARING_PROPERTY, SKIPPED_ON_RANKS, STATE, State, register_marker
 
 # ---------------------------------------------------------------------------------------------------- config
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -270,9 +270,28 @@ def pytest_exception_interact(node: pytest.Item, call: pytest.CallInfo[None], re
         f"with -s --tp-pdb={rank}.", yellow=True)
 
 
+def recycle_summary(reasons: list[str]) -> str:
+    """``tplogp: 3 pool recycle(s): 2 x fresh-state check failed: CUDA memory N MiB above ...; 1 x ranks died``:
+    the reasons grouped with their numbers taken out, most frequent first ("" when there was none)."""
+    if not reasons:
+        return ""
+    groups: dict[str, int] = {}
+    for reason in reasons:
+        key = re.sub(r"\d+(?:\.\d+)?", "N", reason)
+        groups[key] = groups.get(key, 0) + 1
+    kinds = "; ".join(f"{n} x {key}" for key, n in sorted(groups.items(), key=lambda kv: -kv[1]))
+    return f"tplogp: {len(reasons)} pool recycle(s): {kinds}"
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """One line counting the GPU TP tests whose ranks shared GPUs over gloo, one counting the GPU tests skipped
-    because their xdist worker owns too few GPUs (the controller sees every worker's reports)."""
+    """One line counting the pool recycles and their reasons, one counting the GPU TP tests whose ranks shared GPUs
+    over gloo, one counting the GPU tests skipped because their xdist worker owns too few GPUs (the controller sees
+    every worker's reports)."""
+    recycles = [str(value) for reports in terminalreporter.stats.values() for rep in reports
+                if getattr(rep, "when", None) == "call"
+                for name, value in getattr(rep, "user_properties", ()) if name == RECYCLE_PROPERTY]
+    if recycles:
+        terminalreporter.write_line(recycle_summary(recycles), yellow=True)
     shared = sum(1 for reports in terminalreporter.stats.values() for rep in reports
                  if getattr(rep, "when", None) == "call"
                  and any(name == SHARING_PROPERTY for name, _ in getattr(rep, "user_properties", ())))

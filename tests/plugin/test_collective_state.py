@@ -7,6 +7,7 @@
   every rank and never waited for, and sends between some ranks only, are no problem.
 - A rank killed by a signal while its peers wait in a collective: the headline names it and the signal first, the
   peers' gloo errors after; the next test runs on a fresh pool.
+- The terminal summary counts the pool recycles, with their reasons.
 """
 
 from __future__ import annotations
@@ -86,3 +87,6 @@ def test_groups_and_blame(pytester: pytest.Pytester, tag: str) -> None:
     result.stdout.fnmatch_lines(["E   rank 1 was killed by SIGKILL (signal 9); then on its peers: *"])
     result.stdout.fnmatch_lines(["FAILED test_body.py::test_e_rank_killed_mid_collective[[]tp4[]] - rank 1 was "
                                  "killed by SIGKILL (signal 9)*"])
+    # the terminal summary counts the pool recycles with their reasons
+    result.stdout.fnmatch_lines(["tplogp: 2 pool recycle(s): 1 x fresh-state check failed: collective(s) left "
+                                 "unmatched; 1 x ranks died"])

@@ -234,3 +234,45 @@ def test_unmatched_collectives_need_a_surplus_of_unwaited_work_ahead() -> None:
     assert sub.startswith("rank 0 left 2 collective(s) never waited for and unmatched on group 5 (ranks 0-1)")
     unknown = {r: CollectiveCounts({"0": (world, r)}, None) for r in world}  # no work registry: not checked
     assert unmatched(unknown, 4) == ""
+
+
+def test_cuda_memory_check_tells_a_leak_from_a_cache() -> None:
+    from pytest_tplogp.cuda_memory import CACHE_GROWTH_LIMIT, MemoryCheck
+
+    MiB = 1 << 20
+    device = {"allocated": 10 * MiB, "tensors": 2 * MiB, "cycles": 0}
+    def collect():
+        device["allocated"] -= device["cycles"]
+        device["cycles"] = 0
+    check = MemoryCheck(lambda: device["allocated"], lambda: device["tensors"], collect)
+
+    assert check.after_test() == ""                          # nothing changed
+    device["cycles"] = 8 * MiB                               # garbage in a reference cycle: freed by gc
+    device["allocated"] += 8 * MiB
+    assert check.after_test() == ""
+    device["allocated"] += 64 * MiB                          # a library's workspace, no Python tensor holds it
+    assert check.after_test() == "" and check.base == 74 * MiB   # the new baseline: the next tests are clean
+    assert check.after_test() == ""
+    device["allocated"] += 16 * MiB                          # a tensor kept in a global
+    device["tensors"] += 16 * MiB
+    assert check.after_test() == ("CUDA memory 16.0 MiB above the pool's baseline, 16.0 MiB of it in live tensors "
+                                  "(kept in a global, a cache or a module attribute?)")
+
+    grows = MemoryCheck(lambda: device["allocated"], lambda: device["tensors"], collect)
+    verdicts = []
+    for _ in range(CACHE_GROWTH_LIMIT):                      # growth outside tensors after every test
+        device["allocated"] += 4 * MiB
+        verdicts.append(grows.after_test())
+    assert verdicts[:-1] == [""] * (CACHE_GROWTH_LIMIT - 1)
+    assert verdicts[-1].endswith(f"held outside live tensors and grown after each of the last {CACHE_GROWTH_LIMIT} "
+                                 f"tests (not a cache that fills once)")
+
+
+def test_recycle_summary_groups_reasons_without_their_numbers() -> None:
+    from pytest_tplogp.hooks import recycle_summary
+
+    assert recycle_summary([]) == ""
+    reasons = ["fresh-state check failed: CUDA memory 64.0 MiB above the pool's baseline", "ranks died",
+               "fresh-state check failed: CUDA memory 32.5 MiB above the pool's baseline"]
+    assert recycle_summary(reasons) == ("tplogp: 3 pool recycle(s): 2 x fresh-state check failed: CUDA memory N MiB "
+                                        "above the pool's baseline; 1 x ranks died")
