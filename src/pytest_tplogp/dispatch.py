@@ -22,7 +22,7 @@ import pytest
 
 from .placement import Plan
 from .protocol import CallFn, RunTest
-from .session import RECYCLE_PROPERTY, SKIPPED_ON_RANKS, State
+from .session import RECYCLE_PROPERTY, SKIPPED_ON_RANKS, STATE, State
 from .values import PerRankMonkeyPatch
 
 
@@ -257,6 +257,18 @@ def end_session_after_hang(item: pytest.Item, plan: Plan, run: Any) -> None:
     session = item.session
     why = (f"passed its deadline of {plan.timeout_s:g} s" if run.timed_out else
            f"left ranks in a collective {STRAGGLER_GRACE_S:g} s after a peer failed")
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    mode = item.config.stash[STATE].external
+    if mode is not None and mode.restarts_left and item in session.items:
+        # torchrun restarts the job: the next attempt skips the tests done (this one included) and runs the rest
+        mode.record_progress(mode.offset + session.items.index(item) + 1, session.testsfailed)
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line(f"tplogp (torchrun): {item.nodeid} {why}; a process group cannot be respawned, so "
+                                f"this attempt ends; torchrun restarts the job ({mode.restarts_left} restart(s) "
+                                f"left) and it resumes at the next test.", red=True)
+        item.config.hook.pytest_sessionfinish(session=session, exitstatus=pytest.ExitCode.TESTS_FAILED)
+        return
     not_run = session.items[session.items.index(item) + 1:] if item in session.items else []
     reason = f"not run: {item.nodeid} {why} and a process group cannot be respawned under torchrun, so the job ended"
     tbstyle = item.config.getoption("tbstyle", "auto")
@@ -270,7 +282,6 @@ def end_session_after_hang(item: pytest.Item, plan: Plan, run: Any) -> None:
         later.ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="passed", longrepr=None,
                                                                       when="teardown", duration=0.0))
         later.ihook.pytest_runtest_logfinish(nodeid=later.nodeid, location=later.location)
-    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")
         reporter.write_line(f"tplogp (torchrun): {item.nodeid} {why}; a process group cannot be respawned, so the "

@@ -57,6 +57,10 @@ def pytest_configure(config: pytest.Config) -> None:
             config.add_cleanup(sys.stdout.close)
             # rank 0 writes the one JUnit file, with every rank's verdict and output
             config.option.xmlpath = None
+        elif state.external.restart and getattr(config.option, "xmlpath", None):
+            # a restart of the job writes the tests it runs beside the earlier attempts' file, not over it
+            stem, ext = os.path.splitext(config.option.xmlpath)
+            config.option.xmlpath = f"{stem}.restart{state.external.restart}{ext}"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -157,6 +161,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         problem = state.external.check_collection([item.nodeid for item in session.items])
         if problem:
             pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
+        _resume_after_restart(session, state.external)
+
+
+def _resume_after_restart(session: pytest.Session, mode: Any) -> None:
+    """Under a torchrun restart: leave out the tests that an earlier attempt of the job ran and reported."""
+    done = min(mode.offset, len(session.items))
+    if not done:
+        return
+    earlier = (f"tplogp (torchrun): restart {mode.restart} of {mode.max_restarts}: the first {done} test(s) ran in "
+               f"earlier attempts ({mode.failed_earlier} failed, reported above)")
+    if done == len(session.items):  # an earlier attempt ran the rest and failed: torchrun restarted it again
+        pytest.exit(f"{earlier}; none left to run", returncode=pytest.ExitCode.TESTS_FAILED)
+    skipped = session.items[:done]
+    del session.items[:done]
+    session.config.hook.pytest_deselected(items=skipped)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"{earlier}; resuming at {session.items[0].nodeid}", yellow=True)
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: done before pytest-cov's wrapper saves and reports
@@ -166,6 +188,12 @@ def pytest_runtestloop(session: pytest.Session) -> Any:
     Under torchrun with pytest-cov, the other ranks send their data to rank 0, which adds it to its own."""
     result = yield
     state = session.config.stash[STATE]
+    mode = state.external
+    if mode is not None:
+        if mode.ctx.rank == 0 and mode.restarts_left and (session.testsfailed or mode.failed_earlier):
+            # this attempt exits non-zero, so torchrun starts another: it finds nothing left to run
+            mode.record_progress(mode.offset + len(session.items), session.testsfailed)
+        session.testsfailed += mode.failed_earlier  # the job fails when an earlier attempt's tests did
     if state._manager is not None and rank_coverage.measuring() is not None:
         state._manager.stop_pools()
     if state.external is not None and state.external.gathers_coverage:
