@@ -94,15 +94,17 @@ class RankContext:
     def new_group(self, ranks: Sequence[int], use_local_synchronization: bool = False) -> Any:
         """A sub-group over ``ranks``, created once and cached for the life of the pool.
 
-        Like ``dist.new_group``, every rank of the world must call it with the same ``ranks``; with
-        ``use_local_synchronization=True`` (passed through to ``dist.new_group``) only the ranks of ``ranks`` call
-        it. The two kinds are cached apart, so each call finds the group its callers made together.
+        Like ``dist.new_group``, every rank of the world must call it with the same ``ranks``;
+        with ``use_local_synchronization=True`` (passed through to ``dist.new_group``) only the
+        ranks of ``ranks`` call it. The two kinds are cached apart, so each call finds the group
+        its callers made together.
         """
         members = tuple(sorted(int(r) for r in ranks))
         key = (members, bool(use_local_synchronization))
         if key not in self._subgroups:
+            local = bool(use_local_synchronization)
             self._subgroups[key] = dist.new_group(list(members), backend=self.backend,
-                                                  use_local_synchronization=bool(use_local_synchronization))
+                                                  use_local_synchronization=local)
         return self._subgroups[key]
 
     def device_mesh(self, shape: MeshShape | Mapping[str, int] | None = None) -> DeviceMesh:

@@ -136,7 +136,7 @@ def apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
         _attach_outputs(item, run.outputs, label)
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path),
                     pool_desc=plan.describe())
-    if run.killed:  # counted in the terminal summary (under xdist too: user properties travel with the report)
+    if run.killed:  # counted in the terminal summary (under xdist too: the report carries it)
         item.user_properties.append((RECYCLE_PROPERTY, run.killed))
     restored = sorted({what for o in run.outcomes.values() for what in o.state_restored})
     if restored:
@@ -260,14 +260,17 @@ def end_session_after_hang(item: pytest.Item, plan: Plan, run: Any) -> None:
     reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     mode = item.config.stash[STATE].external
     if mode is not None and mode.restarts_left and item in session.items:
-        # torchrun restarts the job: the next attempt skips the tests done (this one included) and runs the rest
+        # torchrun restarts the job: the next attempt skips the tests done (this one too)
         mode.record_progress(mode.offset + session.items.index(item) + 1, session.testsfailed)
         if reporter is not None:
             reporter.write_line("")
-            reporter.write_line(f"tplogp (torchrun): {item.nodeid} {why}; a process group cannot be respawned, so "
-                                f"this attempt ends; torchrun restarts the job ({mode.restarts_left} restart(s) "
-                                f"left) and it resumes at the next test.", red=True)
-        item.config.hook.pytest_sessionfinish(session=session, exitstatus=pytest.ExitCode.TESTS_FAILED)
+            left = mode.restarts_left
+            reporter.write_line(f"tplogp (torchrun): {item.nodeid} {why}; a process group cannot "
+                                f"be respawned, so this attempt ends; torchrun restarts the job "
+                                f"({left} restart(s) left) and it resumes at the next test.",
+                                red=True)
+        failed = pytest.ExitCode.TESTS_FAILED
+        item.config.hook.pytest_sessionfinish(session=session, exitstatus=failed)
         return
     not_run = session.items[session.items.index(item) + 1:] if item in session.items else []
     reason = f"not run: {item.nodeid} {why} and a process group cannot be respawned under torchrun, so the job ended"

@@ -92,18 +92,18 @@ class PoolRun:
     """Everything the controller learned from one command on every rank."""
 
     outcomes: dict[int, RankOutcome] = field(default_factory=dict)
-    deaths: dict[int, str] = field(default_factory=dict)  # rank -> "was killed by SIGKILL (signal 9)" etc.
+    deaths: dict[int, str] = field(default_factory=dict)  # rank -> "was killed by SIGKILL ..."
     death_stacks: dict[int, str] = field(default_factory=dict)  # fatal-signal dumps of dead ranks
     stuck: dict[int, StuckRank] = field(default_factory=dict)
     timed_out: bool = False  # the deadline (not just the straggler grace) passed
     outputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (stdout, stderr) of this command
     elapsed_s: float = 0.0
     killed: str | None = None  # why the pool was killed after this command (None: still alive)
-    unmatched: str = ""  # collectives left unmatched on some ranks (collectives.unmatched): fails the test
+    unmatched: str = ""  # collectives left unmatched (collectives.unmatched): fails the test
 
 
 def describe_exit(exitcode: int | None) -> str:
-    """How a rank ended, to follow ``rank N``: ``was killed by SIGKILL (signal 9)``, ``exited with code 3 ...``."""
+    """How a rank ended, after ``rank N``: ``was killed by SIGKILL (signal 9)``, ``exited ...``."""
     if exitcode is None:
         return "exited (exit code unknown)"
     if exitcode < 0:
@@ -115,8 +115,8 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode} (os._exit/sys.exit inside the test?)"
 
 
-#: Bounded wait for a dead rank's exit status (under forkserver it comes through the fork server, after the rank's
-#: pipe already broke): long enough that a loaded machine still names the signal.
+#: Bounded wait for a dead rank's exit status (under forkserver it comes through the fork server,
+#: after the rank's pipe already broke): long enough that a loaded machine still names the signal.
 EXIT_STATUS_WAIT_S = 5.0
 
 
@@ -458,7 +458,7 @@ class RankPool:
             res.outputs[r] = (_read_from(out_p, offsets[r][0]), _read_from(err_p, offsets[r][1]))
         problems = sorted({p for o in res.outcomes.values() for p in o.state_problems})
         if not (res.stuck or res.deaths):
-            counts = {r: o.collectives for r, o in res.outcomes.items() if o.collectives is not None}
+            counts = {r: o.collectives for r, o in res.outcomes.items() if o.collectives}
             res.unmatched = collectives.unmatched(counts, n)
             if res.unmatched:
                 problems.insert(0, "collective(s) left unmatched")

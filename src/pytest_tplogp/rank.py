@@ -15,8 +15,9 @@ Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver b
    and ``CallFn`` (``tp_pool.run``). Every command answers one :class:`RankOutcome`, which carries the result of a
    cheap fresh-state check: what the test changed in the process (environment, working directory, default dtype,
    grad mode, torch threads, deterministic algorithms) is restored and named; process groups left behind, a dead
-   default group or CUDA memory held by live tensors (``cuda_memory``) recycle the pool. It also carries the rank's collective counts
-   (``collectives``), from which the controller finds a collective left unmatched.
+   default group or CUDA memory held by live tensors (``cuda_memory``) recycle the pool. It also
+   carries the rank's collective counts (``collectives``), from which the controller finds a
+   collective left unmatched.
 5. Leave: send the coverage data (when measured) as the last message, destroy the process group, run multiprocessing's exit finalizers (named semaphores made on the rank are
    released, not reported leaked by the resource tracker at the end of the session), then ``os._exit`` (no
    interpreter teardown).
@@ -410,7 +411,8 @@ class _Rank:
                 elif isinstance(cmd, CallFn):
                     out = self.call(cmd)
                 else:
-                    out = RankOutcome(self.cfg.rank, "failed", summary=f"unknown command {type(cmd).__name__}")
+                    what = f"unknown command {type(cmd).__name__}"
+                    out = RankOutcome(self.cfg.rank, "failed", summary=what)
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             out.state_restored, out.state_problems = self._restore_and_check()

@@ -6,10 +6,10 @@ Rules (every rank counts):
 - all ranks skipped (pytest.skip) -> skipped with the reason (grouped by rank when reasons differ);
 - all ranks xfailed -> xfailed;
 - anything else -> failed, with one section per *distinct* failure ("ranks 0-3: AssertionError: ..." shows the
-  traceback once), dead ranks ("rank 2 was killed by SIGKILL (signal 9)"), disagreeing skips, and, for ranks that
-  were stuck (deadline, or straggling after a peer failed), where each one waited plus its faulthandler stack. A
-  dead rank is the cause: it comes first in the headline and the report, its peers' errors (gloo's "Connection
-  reset by peer") after it, shortened in the headline.
+  traceback once), dead ranks ("rank 2 was killed by SIGKILL (signal 9)"), disagreeing skips, and,
+  for ranks that were stuck (deadline, or straggling after a peer failed), where each one waited
+  plus its faulthandler stack. A dead rank is the cause: it comes first in the headline and the
+  report, its peers' errors (gloo's "Connection reset by peer") after it, shortened in the headline.
 
 The failure is raised in the parent as :class:`RankFailure`; ``hooks.py`` turns it into a :class:`TPLongRepr` so
 the terminal, ``-rf`` summary lines, junitxml and xdist all show the grouped text.
@@ -244,7 +244,8 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
         deaths.append(f"rank {r} {why}")
         text = f"rank {r} {why} while running the test"
         if run.death_stacks.get(r, "").strip():
-            text += f"\n  fatal-signal stack (faulthandler):\n{_indent(trim_stack(run.death_stacks[r], test_file))}"
+            stack = _indent(trim_stack(run.death_stacks[r], test_file))
+            text += f"\n  fatal-signal stack (faulthandler):\n{stack}"
         sections.append(text)
     failed = {r: o for r, o in outs.items() if o.outcome == "failed"}
     groups: dict[str, dict[str, list[int]]] = {}  # headline -> traceback -> ranks
@@ -295,13 +296,15 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
         sections.append("\n".join(lines))
     if run.unmatched:
         heads.append(f"collective left unmatched: {run.unmatched}")
-        sections.append(f"collective left unmatched after the body: {run.unmatched}. Wait for every async_op=True "
-                        f"collective (work.wait()) and issue each one on every rank of its group.")
+        sections.append(f"collective left unmatched after the body: {run.unmatched}. Wait for "
+                        f"every async_op=True collective (work.wait()) and issue each one on every "
+                        f"rank of its group.")
     if run.killed:
         sections.append(f"pool ({pool_desc}) killed ({run.killed}); a fresh pool starts for the next test.")
     if deaths:
         after = "; ".join(h for h in heads if h)
-        heads = deaths + ([f"then on its peers: {after}" if len(deaths) == 1 else f"then: {after}"] if after else [])
+        then = f"then on its peers: {after}" if len(deaths) == 1 else f"then: {after}"
+        heads = deaths + ([then] if after else [])
     headline = "; ".join(h for h in heads if h) or "failed on the ranks"
     text = "\n\n".join(s for s in sections if s)
     types = {o.exc_type for o in failed.values()}
@@ -314,8 +317,8 @@ _SOURCE_PREFIX = re.compile(r"^(\w[\w.]*: )\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
 
 
 def _collateral(summary: str) -> str:
-    """A peer's error after a rank died, shortened for the headline: without the C++ source location and the
-    advice after the first sentence (gloo's ``... Connection reset by peer. This is typically caused by ...``)."""
+    """A peer's error after a rank died, shortened for the headline: without the C++ source location
+    and the advice after the first sentence (gloo's ``... by peer. This is typically ...``)."""
     short = _SOURCE_PREFIX.sub(r"\1", summary)
     return short.partition(". ")[0]
 
