@@ -23,8 +23,11 @@ Layout (one role per module; each imports only the modules listed below it):
 - ``external.py``        pytest itself launched by torchrun: use the existing process group.
 - ``report.py``          merging per-rank outcomes (grouped failures, agreed skips) into one report.
 - ``pool.py``            the controller: persistent rank pools, bounded waits, stack dumps, kill + respawn.
-- ``rank.py``            the rank-side worker loop (imports only ``debug``, ``forkserver_guard``, ``protocol``,
-                         ``context``, ``values``, ``rank_coverage``).
+- ``rank.py``            the rank-side worker loop (imports only ``collectives``, ``cuda_memory``,
+                         ``debug``, ``forkserver_guard``, ``protocol``, ``context``, ``values``,
+                         ``rank_coverage``).
+- ``cuda_memory.py``     a CUDA rank's memory after each test: a leak (live tensors) or a cache.
+- ``collectives.py``     collectives a body left unmatched: counted on the ranks, compared here.
 - ``rank_coverage.py``   the ranks measure coverage when the pytest process does; their data joins its data.
 - ``debug.py``           ``breakpoint()`` and post-mortem pdb on one rank (``--tp-pdb``), served on a local port.
 - ``context.py``         the ``tp`` rank context and the collective assertion helpers (usable under torchrun too).

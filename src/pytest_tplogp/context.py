@@ -79,7 +79,7 @@ class RankContext:
         self.local_rank = rank if local_rank is None else local_rank
         self.external = external
         self._ctrl_group = ctrl_group
-        self._subgroups: dict[tuple[int, ...], Any] = {}
+        self._subgroups: dict[tuple[tuple[int, ...], bool], Any] = {}
         self._meshes: dict[MeshShape, DeviceMesh] = {}  # for the life of the pool
 
     def __repr__(self) -> str:
@@ -91,14 +91,20 @@ class RankContext:
         """The default (world) process group."""
         return dist.group.WORLD
 
-    def new_group(self, ranks: Sequence[int]) -> Any:
-        """A sub-group over ``ranks``, created collectively once and cached for the life of the pool.
+    def new_group(self, ranks: Sequence[int], use_local_synchronization: bool = False) -> Any:
+        """A sub-group over ``ranks``, created once and cached for the life of the pool.
 
-        Like ``dist.new_group``, every rank of the world must call it with the same ``ranks``.
+        Like ``dist.new_group``, every rank of the world must call it with the same ``ranks``;
+        with ``use_local_synchronization=True`` (passed through to ``dist.new_group``) only the
+        ranks of ``ranks`` call it. The two kinds are cached apart, so each call finds the group
+        its callers made together.
         """
-        key = tuple(sorted(int(r) for r in ranks))
+        members = tuple(sorted(int(r) for r in ranks))
+        key = (members, bool(use_local_synchronization))
         if key not in self._subgroups:
-            self._subgroups[key] = dist.new_group(list(key), backend=self.backend)
+            local = bool(use_local_synchronization)
+            self._subgroups[key] = dist.new_group(list(members), backend=self.backend,
+                                                  use_local_synchronization=local)
         return self._subgroups[key]
 
     def device_mesh(self, shape: MeshShape | Mapping[str, int] | None = None) -> DeviceMesh:

@@ -22,7 +22,7 @@ import pytest
 
 from .placement import Plan
 from .protocol import CallFn, RunTest
-from .session import SKIPPED_ON_RANKS, State
+from .session import RECYCLE_PROPERTY, SKIPPED_ON_RANKS, STATE, State
 from .values import PerRankMonkeyPatch
 
 
@@ -136,6 +136,8 @@ def apply(item: pytest.Item, run: Any, plan: Plan, label: str = "") -> None:
         _attach_outputs(item, run.outputs, label)
     verdict = merge(run, plan.world_size, timeout_s=plan.timeout_s, test_file=str(item.path),
                     pool_desc=plan.describe())
+    if run.killed:  # counted in the terminal summary (under xdist too: the report carries it)
+        item.user_properties.append((RECYCLE_PROPERTY, run.killed))
     restored = sorted({what for o in run.outcomes.values() for what in o.state_restored})
     if restored:
         item.warn(pytest.PytestWarning(f"tplogp: the test changed process state on the ranks, restored before the "
@@ -255,6 +257,21 @@ def end_session_after_hang(item: pytest.Item, plan: Plan, run: Any) -> None:
     session = item.session
     why = (f"passed its deadline of {plan.timeout_s:g} s" if run.timed_out else
            f"left ranks in a collective {STRAGGLER_GRACE_S:g} s after a peer failed")
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    mode = item.config.stash[STATE].external
+    if mode is not None and mode.restarts_left and item in session.items:
+        # torchrun restarts the job: the next attempt skips the tests done (this one too)
+        mode.record_progress(mode.offset + session.items.index(item) + 1, session.testsfailed)
+        if reporter is not None:
+            reporter.write_line("")
+            left = mode.restarts_left
+            reporter.write_line(f"tplogp (torchrun): {item.nodeid} {why}; a process group cannot "
+                                f"be respawned, so this attempt ends; torchrun restarts the job "
+                                f"({left} restart(s) left) and it resumes at the next test.",
+                                red=True)
+        failed = pytest.ExitCode.TESTS_FAILED
+        item.config.hook.pytest_sessionfinish(session=session, exitstatus=failed)
+        return
     not_run = session.items[session.items.index(item) + 1:] if item in session.items else []
     reason = f"not run: {item.nodeid} {why} and a process group cannot be respawned under torchrun, so the job ended"
     tbstyle = item.config.getoption("tbstyle", "auto")
@@ -268,7 +285,6 @@ def end_session_after_hang(item: pytest.Item, plan: Plan, run: Any) -> None:
         later.ihook.pytest_runtest_logreport(report=pytest.TestReport(**common, outcome="passed", longrepr=None,
                                                                       when="teardown", duration=0.0))
         later.ihook.pytest_runtest_logfinish(nodeid=later.nodeid, location=later.location)
-    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")
         reporter.write_line(f"tplogp (torchrun): {item.nodeid} {why}; a process group cannot be respawned, so the "

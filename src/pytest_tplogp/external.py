@@ -8,7 +8,10 @@ verdict (a failure on rank 3 fails the test on rank 0, which is the only rank th
 still running at the deadline, or a straggler grace after a peer failed, every unfinished rank posts its stack to the
 store and rank 0 reports the test as failed (which ranks hung and where), reports every test that did not run as an
 error and writes the JUnit file before every rank exits: torchrun then ends the job, since a process group cannot
-be respawned from inside.
+be respawned from inside. When torchrun restarts the job (``--max-restarts``), rank 0 instead
+records in torchrun's agent store how many tests are done and how many failed; the restarted workers
+(``TORCHELASTIC_RESTART_COUNT``) rendezvous under keys of their own attempt, skip the tests done and
+run the rest, and the session fails when an earlier attempt's tests did.
 
 Coverage (pytest-cov's ``--cov``): every rank is a pytest process with its own pytest-cov, which would save, combine
 and report its own part, all at once in one directory. So on the other ranks pytest-cov is taken out at configure
@@ -69,6 +72,11 @@ class ExternalMode:
         self.pdb_rank = settings.pdb_rank
         self.gathers_coverage = False  # pytest-cov measures: rank 0 reports every rank's lines
         self.owns_group = not dist.is_initialized()
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.max_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+        self.job_store: Any = None  # torchrun's agent store, one for every restart (None: unused)
+        self.offset = 0  # tests of the session done in earlier attempts (skipped here)
+        self.failed_earlier = 0  # tests that failed in earlier attempts
         if self.owns_group:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
@@ -77,14 +85,51 @@ class ExternalMode:
             from .debug import DEBUG_WAIT_S
 
             waits_s = settings.timeout_s if settings.pdb_rank is None else DEBUG_WAIT_S
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=waits_s + 60))
+            timeout = timedelta(seconds=waits_s + 60)
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # torchrun's agent keeps one store for the whole job: a restarted worker that
+                # rendezvoused with env:// would read the addresses of the previous attempt's (dead)
+                # workers under the same keys (gloo: "connectFullMesh failed ... timed out
+                # connecting"). Each attempt gets keys of its own.
+                self.job_store = dist.TCPStore(os.environ["MASTER_ADDR"],
+                                               int(os.environ["MASTER_PORT"]), world_size,
+                                               is_master=False, timeout=timeout)
+                store = dist.PrefixStore(f"tplogp/attempt{self.restart}", self.job_store)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                        timeout=timeout)
+                self._read_progress()
+            else:
+                dist.init_process_group(backend, init_method="env://", rank=rank,
+                                        world_size=world_size, timeout=timeout)
         else:
             backend = dist.get_backend()
         ctrl = dist.new_group(backend="gloo") if backend != "gloo" else None
         self.ctx = RankContext(rank, world_size, backend, device, local_rank=local_rank, external=True,
                                ctrl_group=ctrl)
         set_current(self.ctx)
+
+    # -------------------------------------------------------- restarts (torchrun --max-restarts)
+    RESUME_KEY = "tplogp/resume"  # in the job store: how many of the session's tests are done
+    FAILED_KEY = "tplogp/failed"  # in the job store: how many of them failed
+
+    def _read_progress(self) -> None:
+        if self.restart == 0 or self.job_store is None:
+            return
+        if self.job_store.check([self.RESUME_KEY]):
+            self.offset = int(self.job_store.get(self.RESUME_KEY))
+            self.failed_earlier = int(self.job_store.add(self.FAILED_KEY, 0))
+
+    @property
+    def restarts_left(self) -> int:
+        """How many more times torchrun restarts the job after this attempt ends in failure (0:
+        none, or its store is not the agent's, where no progress could be kept)."""
+        return max(0, self.max_restarts - self.restart) if self.job_store is not None else 0
+
+    def record_progress(self, done: int, failed: int) -> None:
+        """Rank 0, before an attempt that torchrun restarts ends: the session's first ``done`` tests
+        (counted from the session's start) are reported; ``failed`` of them failed in this one."""
+        self.job_store.set(self.RESUME_KEY, str(done))
+        self.job_store.add(self.FAILED_KEY, failed)
 
     #: pytest-cov's plugin object's name (``pluginmanager.register(plugin, "_cov")``).
     PYTEST_COV = "_cov"

@@ -20,7 +20,8 @@ import pytest
 from . import devices, dispatch, fixtures, options, rank_coverage
 from .mesh import MeshShapeError, parse_marker_meshes
 from .placement import is_tp, marker_args, world_sizes
-from .session import ACTIVATED_BY, PLAN, SHARING_PROPERTY, SKIPPED_ON_RANKS, STATE, State, register_marker
+from .session import (ACTIVATED_BY, PLAN, RECYCLE_PROPERTY, SHARING_PROPERTY, SKIPPED_ON_RANKS,
+                      STATE, State, register_marker)
 
 # ---------------------------------------------------------------------------------------------------- config
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,6 +58,10 @@ def pytest_configure(config: pytest.Config) -> None:
             config.add_cleanup(sys.stdout.close)
             # rank 0 writes the one JUnit file, with every rank's verdict and output
             config.option.xmlpath = None
+        elif state.external.restart and getattr(config.option, "xmlpath", None):
+            # a restart of the job writes its tests beside the earlier attempts' file, not over it
+            stem, ext = os.path.splitext(config.option.xmlpath)
+            config.option.xmlpath = f"{stem}.restart{state.external.restart}{ext}"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -157,6 +162,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         problem = state.external.check_collection([item.nodeid for item in session.items])
         if problem:
             pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
+        _resume_after_restart(session, state.external)
+
+
+def _resume_after_restart(session: pytest.Session, mode: Any) -> None:
+    """Under a torchrun restart: leave out the tests that an earlier attempt ran and reported."""
+    done = min(mode.offset, len(session.items))
+    if not done:
+        return
+    earlier = (f"tplogp (torchrun): restart {mode.restart} of {mode.max_restarts}: the first "
+               f"{done} test(s) ran in earlier attempts ({mode.failed_earlier} failed, reported "
+               f"above)")
+    if done == len(session.items):  # an earlier attempt ran the rest and failed: a restart again
+        pytest.exit(f"{earlier}; none left to run", returncode=pytest.ExitCode.TESTS_FAILED)
+    skipped = session.items[:done]
+    del session.items[:done]
+    session.config.hook.pytest_deselected(items=skipped)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"{earlier}; resuming at {session.items[0].nodeid}", yellow=True)
 
 
 @pytest.hookimpl(wrapper=True, trylast=True)  # innermost: done before pytest-cov's wrapper saves and reports
@@ -166,6 +190,13 @@ def pytest_runtestloop(session: pytest.Session) -> Any:
     Under torchrun with pytest-cov, the other ranks send their data to rank 0, which adds it to its own."""
     result = yield
     state = session.config.stash[STATE]
+    mode = state.external
+    if mode is not None:
+        exits_failed = session.testsfailed or mode.failed_earlier
+        if mode.ctx.rank == 0 and mode.restarts_left and exits_failed:
+            # this attempt exits non-zero, so torchrun starts another: it finds nothing left to run
+            mode.record_progress(mode.offset + len(session.items), session.testsfailed)
+        session.testsfailed += mode.failed_earlier  # the job fails when an earlier attempt's did
     if state._manager is not None and rank_coverage.measuring() is not None:
         state._manager.stop_pools()
     if state.external is not None and state.external.gathers_coverage:
@@ -270,9 +301,29 @@ def pytest_exception_interact(node: pytest.Item, call: pytest.CallInfo[None], re
         f"with -s --tp-pdb={rank}.", yellow=True)
 
 
+def recycle_summary(reasons: list[str]) -> str:
+    """``tplogp: 3 pool recycle(s): 2 x fresh-state check failed: CUDA memory N MiB above ...; 1 x
+    ranks died``: the reasons grouped with their numbers taken out, most frequent first ("" when
+    there was none)."""
+    if not reasons:
+        return ""
+    groups: dict[str, int] = {}
+    for reason in reasons:
+        key = re.sub(r"\d+(?:\.\d+)?", "N", reason)
+        groups[key] = groups.get(key, 0) + 1
+    kinds = "; ".join(f"{n} x {key}" for key, n in sorted(groups.items(), key=lambda kv: -kv[1]))
+    return f"tplogp: {len(reasons)} pool recycle(s): {kinds}"
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """One line counting the GPU TP tests whose ranks shared GPUs over gloo, one counting the GPU tests skipped
-    because their xdist worker owns too few GPUs (the controller sees every worker's reports)."""
+    """One line counting the pool recycles and their reasons, one counting the GPU TP tests whose
+    ranks shared GPUs over gloo, one counting the GPU tests skipped because their xdist worker owns
+    too few GPUs (the controller sees every worker's reports)."""
+    recycles = [str(value) for reports in terminalreporter.stats.values() for rep in reports
+                if getattr(rep, "when", None) == "call"
+                for name, value in getattr(rep, "user_properties", ()) if name == RECYCLE_PROPERTY]
+    if recycles:
+        terminalreporter.write_line(recycle_summary(recycles), yellow=True)
     shared = sum(1 for reports in terminalreporter.stats.values() for rep in reports
                  if getattr(rep, "when", None) == "call"
                  and any(name == SHARING_PROPERTY for name, _ in getattr(rep, "user_properties", ())))

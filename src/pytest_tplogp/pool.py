@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Iterator, NamedTuple
 
-from . import rank_coverage
+from . import collectives, rank_coverage
 from .protocol import (
     COVERAGE_STOP_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -92,25 +92,32 @@ class PoolRun:
     """Everything the controller learned from one command on every rank."""
 
     outcomes: dict[int, RankOutcome] = field(default_factory=dict)
-    deaths: dict[int, str] = field(default_factory=dict)  # rank -> "killed by signal 9 (SIGKILL)" etc.
+    deaths: dict[int, str] = field(default_factory=dict)  # rank -> "was killed by SIGKILL ..."
     death_stacks: dict[int, str] = field(default_factory=dict)  # fatal-signal dumps of dead ranks
     stuck: dict[int, StuckRank] = field(default_factory=dict)
     timed_out: bool = False  # the deadline (not just the straggler grace) passed
     outputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (stdout, stderr) of this command
     elapsed_s: float = 0.0
     killed: str | None = None  # why the pool was killed after this command (None: still alive)
+    unmatched: str = ""  # collectives left unmatched (collectives.unmatched): fails the test
 
 
 def describe_exit(exitcode: int | None) -> str:
+    """How a rank ended, after ``rank N``: ``was killed by SIGKILL (signal 9)``, ``exited ...``."""
     if exitcode is None:
         return "exited (exit code unknown)"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
-            name = "?"
-        return f"killed by signal {-exitcode} ({name})"
+            name = "an unknown signal"
+        return f"was killed by {name} (signal {-exitcode})"
     return f"exited with code {exitcode} (os._exit/sys.exit inside the test?)"
+
+
+#: Bounded wait for a dead rank's exit status (under forkserver it comes through the fork server,
+#: after the rank's pipe already broke): long enough that a loaded machine still names the signal.
+EXIT_STATUS_WAIT_S = 5.0
 
 
 def _size(path: str) -> int:
@@ -389,7 +396,7 @@ class RankPool:
         pending = set(range(n))
 
         def died(r: int) -> None:
-            self.procs[r].join(1.0)
+            self.procs[r].join(EXIT_STATUS_WAIT_S)
             res.deaths[r] = describe_exit(self.procs[r].exitcode)
             pending.discard(r)
 
@@ -450,6 +457,11 @@ class RankPool:
             out_p, err_p, _ = self._paths(r)
             res.outputs[r] = (_read_from(out_p, offsets[r][0]), _read_from(err_p, offsets[r][1]))
         problems = sorted({p for o in res.outcomes.values() for p in o.state_problems})
+        if not (res.stuck or res.deaths):
+            counts = {r: o.collectives for r, o in res.outcomes.items() if o.collectives}
+            res.unmatched = collectives.unmatched(counts, n)
+            if res.unmatched:
+                problems.insert(0, "collective(s) left unmatched")
         if res.stuck or res.deaths:
             what = "timed out" if res.timed_out else ("died" if res.deaths else "stuck")
             res.killed = f"ranks {what}"

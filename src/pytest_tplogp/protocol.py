@@ -91,6 +91,7 @@ class RankOutcome:
     value: bytes | None = None  # pickled return value of a CallFn
     state_problems: list[str] = field(default_factory=list)  # fresh-state check: what makes the pool recycle
     state_restored: list[str] = field(default_factory=list)  # fresh-state check: what the rank changed and put back
+    collectives: object = None  # collectives.CollectiveCounts after the command (None: not taken)
 
 
 @dataclass

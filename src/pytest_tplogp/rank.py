@@ -15,7 +15,9 @@ Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver b
    and ``CallFn`` (``tp_pool.run``). Every command answers one :class:`RankOutcome`, which carries the result of a
    cheap fresh-state check: what the test changed in the process (environment, working directory, default dtype,
    grad mode, torch threads, deterministic algorithms) is restored and named; process groups left behind, a dead
-   default group or CUDA memory above the baseline recycle the pool.
+   default group or CUDA memory held by live tensors (``cuda_memory``) recycle the pool. It also
+   carries the rank's collective counts (``collectives``), from which the controller finds a
+   collective left unmatched.
 5. Leave: send the coverage data (when measured) as the last message, destroy the process group, run multiprocessing's exit finalizers (named semaphores made on the rank are
    released, not reported leaked by the resource tracker at the end of the session), then ``os._exit`` (no
    interpreter teardown).
@@ -39,7 +41,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from . import debug
+from . import collectives, cuda_memory, debug
 from .forkserver_guard import set_pdeathsig
 from .protocol import CallFn, RankConfig, RankCoverage, RankOutcome, Ready, RunTest, StartFailed
 
@@ -245,17 +247,11 @@ class _Rank:
         self.ctx = RankContext(cfg.rank, cfg.world_size, cfg.backend, device, ctrl_group=ctrl)
         set_current(self.ctx)
         self.base_groups = _live_groups()
-        self.base_mem = self._cuda_mem()
+        self.memory = cuda_memory.for_device(torch) if cfg.device_type == "cuda" else None
         self.baseline = _ProcessState(torch)
         self.functions: dict[tuple[str, str, bytes], Any] = {}
 
     # ------------------------------------------------------------ state
-    def _cuda_mem(self) -> int:
-        if self.cfg.device_type != "cuda":
-            return 0
-        self.torch.cuda.synchronize()
-        return int(self.torch.cuda.memory_allocated())
-
     def _restore_and_check(self) -> tuple[list[str], list[str]]:
         """Restore what a test may change in the process and name it; report what cannot be restored.
 
@@ -275,15 +271,10 @@ class _Rank:
             if extra:
                 problems.append(f"{len(extra)} process group(s) left behind (use tp.new_group or the mesh "
                                 f"fixture, which the pool caches)")
-        if self.cfg.device_type == "cuda":
-            mem = self._cuda_mem()
-            if mem > self.base_mem + (1 << 20):
-                import gc
-
-                gc.collect()
-                mem = self._cuda_mem()
-                if mem > self.base_mem + (1 << 20):
-                    problems.append(f"CUDA memory {(mem - self.base_mem) / 2**20:.1f} MiB above the pool's baseline")
+        if self.memory is not None:
+            leak = self.memory.after_test()
+            if leak:
+                problems.append(leak)
         return restored, problems
 
     # ------------------------------------------------------------ imports
@@ -414,15 +405,18 @@ class _Rank:
             cmd = pickle.loads(data)
             if cmd == "stop":
                 return
-            if isinstance(cmd, RunTest):
-                out = self.run_test(cmd)
-            elif isinstance(cmd, CallFn):
-                out = self.call(cmd)
-            else:
-                out = RankOutcome(self.cfg.rank, "failed", summary=f"unknown command {type(cmd).__name__}")
+            with collectives.count_unwaited() as unwaited:
+                if isinstance(cmd, RunTest):
+                    out = self.run_test(cmd)
+                elif isinstance(cmd, CallFn):
+                    out = self.call(cmd)
+                else:
+                    what = f"unknown command {type(cmd).__name__}"
+                    out = RankOutcome(self.cfg.rank, "failed", summary=what)
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             out.state_restored, out.state_problems = self._restore_and_check()
+            out.collectives = collectives.snapshot(unwaited[0])
             try:
                 payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001

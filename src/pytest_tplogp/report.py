@@ -6,8 +6,10 @@ Rules (every rank counts):
 - all ranks skipped (pytest.skip) -> skipped with the reason (grouped by rank when reasons differ);
 - all ranks xfailed -> xfailed;
 - anything else -> failed, with one section per *distinct* failure ("ranks 0-3: AssertionError: ..." shows the
-  traceback once), dead ranks ("rank 2 killed by signal 9 (SIGKILL)"), disagreeing skips, and, for ranks that were
-  stuck (deadline, or straggling after a peer failed), where each one waited plus its faulthandler stack.
+  traceback once), dead ranks ("rank 2 was killed by SIGKILL (signal 9)"), disagreeing skips, and,
+  for ranks that were stuck (deadline, or straggling after a peer failed), where each one waited
+  plus its faulthandler stack. A dead rank is the cause: it comes first in the headline and the
+  report, its peers' errors (gloo's "Connection reset by peer") after it, shortened in the headline.
 
 The failure is raised in the parent as :class:`RankFailure`; ``hooks.py`` turns it into a :class:`TPLongRepr` so
 the terminal, ``-rf`` summary lines, junitxml and xdist all show the grouped text.
@@ -228,7 +230,7 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
     outs = run.outcomes
     kinds = {o.outcome for o in outs.values()}
     complete = len(outs) == world_size and not run.deaths and not run.stuck
-    if complete and kinds == {"passed"}:
+    if complete and kinds == {"passed"} and not run.unmatched:
         return Verdict("passed")
     if complete and kinds == {"skipped"}:
         return Verdict("skipped", headline=_grouped_reasons(outs))
@@ -237,13 +239,21 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
 
     sections: list[str] = []
     heads: list[str] = []
+    deaths: list[str] = []  # a dead rank is the cause: named first, its peers' errors after it
+    for r, why in sorted(run.deaths.items()):
+        deaths.append(f"rank {r} {why}")
+        text = f"rank {r} {why} while running the test"
+        if run.death_stacks.get(r, "").strip():
+            stack = _indent(trim_stack(run.death_stacks[r], test_file))
+            text += f"\n  fatal-signal stack (faulthandler):\n{stack}"
+        sections.append(text)
     failed = {r: o for r, o in outs.items() if o.outcome == "failed"}
     groups: dict[str, dict[str, list[int]]] = {}  # headline -> traceback -> ranks
     for r, o in sorted(failed.items()):
         groups.setdefault(o.summary, {}).setdefault(o.longrepr, []).append(r)
     for summary, tracebacks in groups.items():
         ranks = sorted(r for rs in tracebacks.values() for r in rs)
-        heads.append(f"{format_ranks(ranks)}: {summary}")
+        heads.append(f"{format_ranks(ranks)}: {_collateral(summary) if deaths else summary}")
         if len(tracebacks) == 1:
             longrepr = next(iter(tracebacks))
             body = _indent(longrepr) if longrepr else ""
@@ -253,12 +263,6 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
     passed = sorted(r for r, o in outs.items() if o.outcome == "passed")
     if passed:
         sections.append(f"{format_ranks(passed)} passed.")
-    for r, why in sorted(run.deaths.items()):
-        heads.insert(0, f"rank {r} {why}")
-        text = f"rank {r} {why} while running the test"
-        if run.death_stacks.get(r, "").strip():
-            text += f"\n  fatal-signal stack (faulthandler):\n{_indent(trim_stack(run.death_stacks[r], test_file))}"
-        sections.append(text)
     skipped = {r: o for r, o in outs.items() if o.outcome in ("skipped", "xfailed")}
     if skipped:
         others = sorted(set(range(world_size)) - set(skipped))
@@ -290,14 +294,33 @@ def merge(run: PoolRun, world_size: int, *, timeout_s: float, test_file: str | N
         for text, ranks in stacks.items():
             lines.append(f"--- {format_ranks(ranks)} stack (faulthandler, SIGUSR1) ---\n{text}")
         sections.append("\n".join(lines))
+    if run.unmatched:
+        heads.append(f"collective left unmatched: {run.unmatched}")
+        sections.append(f"collective left unmatched after the body: {run.unmatched}. Wait for "
+                        f"every async_op=True collective (work.wait()) and issue each one on every "
+                        f"rank of its group.")
     if run.killed:
         sections.append(f"pool ({pool_desc}) killed ({run.killed}); a fresh pool starts for the next test.")
+    if deaths:
+        after = "; ".join(h for h in heads if h)
+        then = f"then on its peers: {after}" if len(deaths) == 1 else f"then: {after}"
+        heads = deaths + ([then] if after else [])
     headline = "; ".join(h for h in heads if h) or "failed on the ranks"
     text = "\n\n".join(s for s in sections if s)
     types = {o.exc_type for o in failed.values()}
     common = types.pop() if (complete and len(failed) == world_size and len(types) == 1) else ""
     crash = next((o.crash for _, o in sorted(failed.items()) if o.crash), None)
     return Verdict("failed", headline=headline, text="E   " + headline + "\n\n" + text, exc_type=common, crash=crash)
+
+
+_SOURCE_PREFIX = re.compile(r"^(\w[\w.]*: )\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
+
+
+def _collateral(summary: str) -> str:
+    """A peer's error after a rank died, shortened for the headline: without the C++ source location
+    and the advice after the first sentence (gloo's ``... by peer. This is typically ...``)."""
+    short = _SOURCE_PREFIX.sub(r"\1", summary)
+    return short.partition(". ")[0]
 
 
 def failure_class(exc_type: str) -> type:

@@ -39,6 +39,8 @@ ACTIVATED_BY = pytest.StashKey[str]()
 PLAN = pytest.StashKey[Any]()
 #: The user property (JUnit ``<property>``) of a gpu TP test whose ranks share GPUs over gloo: what and why.
 SHARING_PROPERTY = "tplogp_gpu_sharing"
+#: The user property (JUnit ``<property>``) of a TP test after which its pool was recycled: why.
+RECYCLE_PROPERTY = "tplogp_pool_recycled"
 #: On a TP test item whose ranks all skipped: the merged reason (the report points at the test, not the plugin).
 SKIPPED_ON_RANKS = pytest.StashKey[str]()
 

@@ -37,15 +37,17 @@ def tag(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 @pytest.fixture
 def torchrun(pytester: pytest.Pytester, tag: str):
-    """``torchrun(*args, nproc=2)``: pytest with the plugin under ``torchrun --standalone --nproc_per_node=nproc`` in
-    the pytester directory (the environment of ``tag``)."""
+    """``torchrun(*args, nproc=2, launcher=())``: pytest with the plugin under ``torchrun
+    --standalone --nproc_per_node=nproc *launcher`` in the pytester directory (the environment of
+    ``tag``)."""
     import shutil
     import sys
 
-    def run(*args: str, nproc: int = 2) -> pytest.RunResult:
+    def run(*args: str, nproc: int = 2, launcher: tuple[str, ...] = ()) -> pytest.RunResult:
         exe = shutil.which("torchrun")
         cmd = [exe] if exe else [sys.executable, "-m", "torch.distributed.run"]
-        return pytester.run(*cmd, "--standalone", f"--nproc_per_node={nproc}", "-m", "pytest", "-p", "pytest_tplogp",
-                            "-p", "no:cacheprovider", *args, timeout=180)
+        return pytester.run(*cmd, "--standalone", f"--nproc_per_node={nproc}", *launcher, "-m",
+                            "pytest", "-p", "pytest_tplogp", "-p", "no:cacheprovider", *args,
+                            timeout=180)
 
     return run

@@ -188,3 +188,62 @@ def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag
     assert float(failed.get("time")) < 30, failed.get("time")     # the straggler grace, not the 100 s deadline
     for name in ("test_next[tp3]", "test_plain_after"):
         assert "not run: " in cases[name].find("error").get("message"), name
+
+
+RESTARTS = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.tp
+def test_before(tp):
+    dist.barrier()
+
+@pytest.mark.tp
+def test_rank_raises(tp):
+    if tp.rank == 1:
+        raise RuntimeError("rank 1 gives up before the collective")
+    dist.barrier()                  # rank 0 waits here: the job ends after the straggler grace
+
+@pytest.mark.tp
+def test_next(tp):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+def test_plain_after():
+    pass
+'''
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_resume_at_the_next_test(pytester: pytest.Pytester, tag: str,
+                                                   torchrun) -> None:
+    """With torchrun --max-restarts, a test that leaves ranks in a collective ends the attempt,
+    reported once; the restarted workers rendezvous afresh (no stale gloo addresses), skip the tests
+    done and run the rest; the job still fails, and the attempt after the last test finds nothing
+    left to run."""
+    pytester.makepyfile(test_body=RESTARTS)
+    result = torchrun("test_body.py", "-rA", "-v", "--junitxml=junit.xml",
+                      launcher=("--max-restarts=2",))
+    assert result.ret != 0
+    out = result.stdout.str() + result.stderr.str()
+    for wrong in ("INTERNALERROR", "connectFullMesh", "not run: "):
+        assert wrong not in out, out
+    result.stdout.fnmatch_lines([
+        "test_body.py::test_before[[]tp2[]] PASSED*",
+        "test_body.py::test_rank_raises[[]tp2[]] FAILED*",
+        "tplogp (torchrun): test_body.py::test_rank_raises[[]tp2[]] left ranks in a collective 3 s "
+        "after a peer failed; * this attempt ends; torchrun restarts the job (2 restart(s) left) "
+        "and it resumes at the next test.",
+        "tplogp (torchrun): restart 1 of 2: the first 2 test(s) ran in earlier attempts (1 failed, "
+        "reported above); resuming at test_body.py::test_next[[]tp2[]]",
+        "test_body.py::test_next[[]tp2[]] PASSED*",
+        "test_body.py::test_plain_after PASSED*",
+        "*2 passed, 2 deselected*",
+    ])
+    assert out.count("FAILED test_body.py::test_rank_raises") == 1, out
+    assert ("restart 2 of 2: the first 4 test(s) ran in earlier attempts (1 failed, reported "
+            "above); none left to run") in out, out
+    assert (pytester.path / "junit.xml").exists()
+    assert (pytester.path / "junit.restart1.xml").exists()

@@ -136,3 +136,48 @@ def test_ranks_share_one_gpu_over_gloo(pytester: pytest.Pytester, tag: str, monk
     result.stdout.fnmatch_lines(["tplogp: 2 gpu TP test(s) ran with ranks sharing GPUs over gloo*"])
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "--tp-gpu-share=off")
     result.assert_outcomes(skipped=2)
+
+
+MEMORY_BODY = '''
+import pytest
+import torch
+
+LEAK = []
+
+@pytest.mark.gpu
+@pytest.mark.tp(world_size=1)
+@pytest.mark.parametrize("i", range(3))
+def test_gemm_forward_and_backward(tp, i):
+    a = torch.randn(512, 512, device=tp.device, requires_grad=True)
+    (a @ a.T).sum().backward()   # cuBLAS here and on autograd's device thread: workspaces stay
+    assert a.grad.shape == a.shape
+
+@pytest.mark.gpu
+@pytest.mark.tp(world_size=1)
+def test_leaks_a_tensor(tp):
+    LEAK.append(torch.empty(16 << 20, dtype=torch.uint8, device=tp.device))
+
+@pytest.mark.gpu
+@pytest.mark.tp(world_size=1)
+def test_after_the_leak(tp):
+    assert not LEAK              # a fresh pool
+'''
+
+
+@pytest.mark.gpu
+def test_library_workspaces_are_not_leaks_a_kept_tensor_is(pytester: pytest.Pytester,
+                                                           tag: str) -> None:
+    """GEMMs forward and backward leave cuBLAS workspaces in the caching allocator: no recycle. A
+    tensor kept in a module global: one recycle, named, and counted in the terminal summary."""
+    pytester.makepyfile(test_body=MEMORY_BODY)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "-W", "always")
+    result.assert_outcomes(passed=5)
+    out = result.stdout.str()
+    assert out.count("pool recycled after this test") == 1, out
+    result.stdout.fnmatch_lines([
+        "*test_leaks_a_tensor*",
+        "*pool recycled after this test: fresh-state check failed: CUDA memory 16.0 MiB above the "
+        "pool's baseline, 16.0 MiB of it in live tensors*"])
+    result.stdout.fnmatch_lines(["tplogp: 1 pool recycle(s): 1 x fresh-state check failed: CUDA "
+                                 "memory N MiB above the pool's baseline, N MiB of it in live "
+                                 "tensors*"])

@@ -93,7 +93,8 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
     for harness in ("_watch_parent", "pytest_tplogp/rank.py", "/multiprocessing/", "Thread 0x"):  # hidden
         assert harness not in out, harness
     result.stdout.fnmatch_lines(["*FAILED test_body.py::test_exit[[]tp2[]] - rank 1 exited with code 3*"])
-    result.stdout.fnmatch_lines(["*FAILED test_body.py::test_sigkill[[]tp2[]] - rank 0 killed by signal 9 (SIGKILL)*"])
+    result.stdout.fnmatch_lines(["*FAILED test_body.py::test_sigkill[[]tp2[]] - rank 0 was killed "
+                                 "by SIGKILL (signal 9)*"])
     result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: 1 process group(s) left*"])
     assert leftover_processes(tag) == []
 

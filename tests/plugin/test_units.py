@@ -108,9 +108,21 @@ def test_merge_skips_and_deaths() -> None:
     assert merge(agreed, 2, timeout_s=1, test_file=None, pool_desc="p").outcome == "skipped"
     partial = PoolRun(outcomes={0: _out(0, "skipped", "why"), 1: _out(1, "passed")})
     assert "skip not agreed" in merge(partial, 2, timeout_s=1, test_file=None, pool_desc="p").headline
-    dead = PoolRun(outcomes={0: _out(0, "passed")}, deaths={1: "killed by signal 9 (SIGKILL)"}, killed="ranks died")
+    dead = PoolRun(outcomes={0: _out(0, "passed")}, deaths={1: "was killed by SIGKILL (signal 9)"},
+                   killed="ranks died")
     v = merge(dead, 2, timeout_s=1, test_file=None, pool_desc="p")
-    assert v.outcome == "failed" and v.headline.startswith("rank 1 killed by signal 9")
+    assert v.outcome == "failed"
+    assert v.headline.startswith("rank 1 was killed by SIGKILL (signal 9)")
+    gloo = ("RuntimeError: [/w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:13214: "
+            "Connection reset by peer. This is typically caused by a remote worker hanging. GLHF!")
+    peers = {0: _out(0, "failed", gloo, "tb0"), 2: _out(2, "failed", gloo, "tb2")}
+    collateral = PoolRun(outcomes=peers, deaths={1: "was killed by SIGSEGV (signal 11)"},
+                         killed="ranks died")
+    v = merge(collateral, 3, timeout_s=1, test_file=None, pool_desc="p")
+    assert v.headline == ("rank 1 was killed by SIGSEGV (signal 11); then on its peers: ranks 0, "
+                          "2: RuntimeError: Read error [127.0.0.1]:13214: Connection reset by peer")
+    assert v.text.index("rank 1 was killed") < v.text.index("ranks 0, 2 failed")
+    assert "GLHF" in v.text  # the full error in the report
     incomplete = PoolRun(outcomes={0: _out(0, "passed")})  # a missing rank never counts as a pass
     assert merge(incomplete, 2, timeout_s=1, test_file=None, pool_desc="p").outcome == "failed"
 
@@ -205,3 +217,75 @@ def test_torchrun_grace_is_held_while_the_debugged_rank_is_in_pdb() -> None:
     finally:
         exchange.done.set()
         exchange.thread.join(5)
+
+
+
+def test_unmatched_collectives_need_a_surplus_of_unwaited_work_ahead() -> None:
+    from pytest_tplogp.collectives import CollectiveCounts, unmatched
+
+    world = (0, 1, 2, 3)
+
+    def counts(seqs, unwaited, sub=None):
+        def groups(r):
+            return {"0": (world, seqs[r]), **({"5": ((0, 1), sub[r])} if sub and r in sub else {})}
+        return {r: CollectiveCounts(groups(r), unwaited[r]) for r in world}
+
+    assert unmatched(counts([3, 3, 3, 3], [0, 0, 0, 0]), 4) == ""
+    assert unmatched(counts([4, 4, 3, 3], [0, 0, 0, 0]), 4) == ""   # a send from rank 0 to rank 1
+    assert unmatched(counts([4, 4, 4, 4], [1, 1, 1, 1]), 4) == ""   # everywhere, never waited for
+    assert unmatched(counts([5, 5, 4, 4], [1, 1, 1, 1]), 4) == ""   # both of the above
+    one = unmatched(counts([3, 4, 3, 3], [0, 1, 0, 0]), 4)
+    assert one.startswith("rank 1 left 1 collective(s) never waited for and unmatched on the "
+                          "default group (sequence numbers rank 1: 4; rank 0: 3, rank 2: 3, "
+                          "rank 3: 3)")
+    sub = unmatched(counts([3, 3, 3, 3], [2, 0, 0, 0], sub={0: 2, 1: 0}), 4)
+    assert sub.startswith("rank 0 left 2 collective(s) never waited for and unmatched on group 5 "
+                          "(ranks 0-1)")
+    unknown = {r: CollectiveCounts({"0": (world, r)}, None) for r in world}  # no work registry
+    assert unmatched(unknown, 4) == ""
+
+
+def test_cuda_memory_check_tells_a_leak_from_a_cache() -> None:
+    from pytest_tplogp.cuda_memory import CACHE_GROWTH_LIMIT, MemoryCheck
+
+    MiB = 1 << 20
+    device = {"allocated": 10 * MiB, "tensors": 2 * MiB, "cycles": 0}
+
+    def collect():
+        device["allocated"] -= device["cycles"]
+        device["cycles"] = 0
+
+    check = MemoryCheck(lambda: device["allocated"], lambda: device["tensors"], collect)
+    assert check.after_test() == ""                  # nothing changed
+    device["cycles"] = 8 * MiB                       # garbage in a reference cycle: freed by gc
+    device["allocated"] += 8 * MiB
+    assert check.after_test() == ""
+    device["allocated"] += 64 * MiB                  # a library's workspace, held by no tensor
+    assert check.after_test() == "" and check.base == 74 * MiB     # the new baseline
+    assert check.after_test() == ""
+    device["allocated"] += 16 * MiB                  # a tensor kept in a global
+    device["tensors"] += 16 * MiB
+    assert check.after_test() == ("CUDA memory 16.0 MiB above the pool's baseline, 16.0 MiB of it "
+                                  "in live tensors (kept in a global, a cache or a module "
+                                  "attribute?)")
+
+    grows = MemoryCheck(lambda: device["allocated"], lambda: device["tensors"], collect)
+    verdicts = []
+    for _ in range(CACHE_GROWTH_LIMIT):              # growth outside tensors after every test
+        device["allocated"] += 4 * MiB
+        verdicts.append(grows.after_test())
+    assert verdicts[:-1] == [""] * (CACHE_GROWTH_LIMIT - 1)
+    assert verdicts[-1].endswith(f"held outside live tensors and grown after each of the last "
+                                 f"{CACHE_GROWTH_LIMIT} tests (not a cache that fills once)")
+
+
+def test_recycle_summary_groups_reasons_without_their_numbers() -> None:
+    from pytest_tplogp.hooks import recycle_summary
+
+    assert recycle_summary([]) == ""
+    reasons = ["fresh-state check failed: CUDA memory 64.0 MiB above the pool's baseline",
+               "ranks died",
+               "fresh-state check failed: CUDA memory 32.5 MiB above the pool's baseline"]
+    assert recycle_summary(reasons) == ("tplogp: 3 pool recycle(s): 2 x fresh-state check failed: "
+                                        "CUDA memory N MiB above the pool's baseline; 1 x ranks "
+                                        "died")
