@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.support.host_reads import count_host_reads
+from tests.support.host_reads import count_host_reads, is_tplogp_file
 from tests.support.problems import make_problem, run_op
 from tplogp import LinearLogpInputError, check_errors, get_op
 
@@ -36,6 +36,19 @@ def test_host_reads_per_call(mode, ignore, monkeypatch):
         expected = expected + ["aten.nonzero.default in localize"]
     assert sorted(reads) == sorted(2 * expected), reads
     check_errors()
+
+
+def test_host_reads_name_tplogp_frames_by_the_package_directory(tmp_path):
+    """The read counter names the tplogp function of a read by the package's directory: torch's files below a
+    checkout named tplogp (its environment inside it) are not tplogp's, nor is the plugin."""
+    import pytest_tplogp
+    import tplogp.plan
+
+    venv_torch = tmp_path / "tplogp" / ".venv" / "lib" / "site-packages" / "torch" / "nn" / "functional.py"
+    assert not is_tplogp_file(str(venv_torch))
+    assert not is_tplogp_file(torch.nn.functional.__file__)
+    assert not is_tplogp_file(pytest_tplogp.__file__)
+    assert is_tplogp_file(tplogp.plan.__file__)
 
 
 def test_check_errors_raises_the_pending_verdict_once(monkeypatch):
