@@ -330,7 +330,8 @@ def linear_logp_loss(
     fp32 tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the counted
     positions, the same on every rank (docs/operator.md, "GRPO-family losses").
     """
-    options = dict(loss=loss, per_token=tuple(per_token), reduction=reduction, temperature=temperature,
+    per_token = tuple(per_token) if isinstance(per_token, (tuple, list)) else per_token  # (else: the checks' error)
+    options = dict(loss=loss, per_token=per_token, reduction=reduction, temperature=temperature,
                    softcap=softcap, ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
                    with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
                    cu_seqlens=cu_seqlens, return_metrics=return_metrics)
@@ -350,6 +351,7 @@ def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, gl
     eagerly (:func:`_eager_loss`): a callable loss, a GRPO-family loss (its sequences and metrics), DTensors."""
     return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
             and options["cu_seqlens"] is None and options["return_metrics"] is False
+            and isinstance(options["per_token"], tuple)
             and all(isinstance(t, torch.Tensor) for t in options["per_token"])
             and isinstance(options["reduction"], str) and (source is None or isinstance(source, str))
             and isinstance(options["with_entropy"], bool)

@@ -50,7 +50,7 @@ from .group_record import GroupRecord
 from .kernel_target_check import FlagSlots, KernelTargetCheck
 from .target_summary import (COVERAGE_MESSAGE, TargetSummary, summarize_targets, target_range_problem,
                              target_range_tensor, target_summary_tensor)
-from .validation import LinearLogpInputError
+from .validation import LinearLogpInputError, LossCheck
 
 
 # ---- verdicts read later: the default checks without a host sync -------------------------------------------------
@@ -353,9 +353,10 @@ def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardV
 
 # ---- the forward's entry -----------------------------------------------------------------------------------------
 
-def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[BackwardVerdict],
-                                                           Optional[KernelTargetCheck],
-                                                           Optional[list[tuple[int, int]]]]:
+def open_call(plan, args, problem: Optional[str],
+              loss_check: Optional[LossCheck] = None) -> tuple[int, Optional[BackwardVerdict],
+                                                               Optional[KernelTargetCheck],
+                                                               Optional[list[tuple[int, int]]]]:
     """Open one call's verdict: judge what earlier calls left (those delivered), raise ``problem`` (the call's
     :func:`tplogp.validation.local_problem`, None when fine or when the layout passed before) and start this call's
     target check.
@@ -368,6 +369,8 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
             ``kernel_target_check``, ``vocab_size``: set for one shard, None for a group's first call).
         args: the call's :class:`tplogp.plan.CallArgs`.
         problem: the call's local problem, or None.
+        loss_check: a fused-loss call's checks of its own arguments (:func:`tplogp.validation.check_loss`): its
+            problem is the call's when the layout has none; with a group its digests travel in the record.
     Returns:
         ``(global vocab size, what the backward settles or None, the target check that the source's finishing
         kernel runs or None, every rank's shard range (start, end) from the group record, None without a
@@ -375,6 +378,8 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
         ``target_flag``) and its ``ready`` event is recorded right after that launch.
     """
     mode = plan.mode
+    if problem is None and loss_check is not None:
+        problem = loss_check.problem
     device = args.hidden.device if isinstance(args.hidden, torch.Tensor) else torch.device("cpu")
     capturing = tensors.is_capturing(device)
     if capturing and mode == "sync":
@@ -382,7 +387,7 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
                                    "capture cannot do: capture with the default checks (TPLOGP_CHECKS unset or full), "
                                    "which keep the verdict on the device, or with TPLOGP_CHECKS=fast")
     if plan.world_size > 1:
-        total, verdict, ranges = _open_group_call(plan, args, problem, capturing)
+        total, verdict, ranges = _open_group_call(plan, args, problem, capturing, loss_check)
         return total, verdict, None, ranges
     if mode != "fast" and not capturing:
         raise_pending_errors(everything=False)  # the deferred verdict of the previous call without a group
@@ -407,8 +412,9 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
     return total, verdict, in_kernel, None
 
 
-def _open_group_call(plan, args, problem: Optional[str],
-                     capturing: bool) -> tuple[int, Optional[BackwardVerdict], list[tuple[int, int]]]:
+def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
+                     loss_check: Optional[LossCheck]) -> tuple[int, Optional[BackwardVerdict],
+                                                               list[tuple[int, int]]]:
     """:func:`open_call` with a group of several ranks (module docstring): ``(global vocab size, verdict, every
     rank's shard range)``."""
     mode, comm_dev, group = plan.mode, plan.comm_device, args.group
@@ -427,7 +433,8 @@ def _open_group_call(plan, args, problem: Optional[str],
                                        f"run in a CUDA-graph capture: {CAPTURE_FIX}")
     elif mode == "fast" and capturing and not GroupRecord.is_verified(
             group, args.vocab_start_index, weight.shape[0], args.global_vocab_size, hidden.shape[-1], hidden.dtype,
-            bias is not None, ignore_index, builds_graph, args.options.sequence_parallel, args.options.hidden_grad):
+            bias is not None, ignore_index, builds_graph, args.options.sequence_parallel, args.options.hidden_grad,
+            loss_check):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
@@ -459,6 +466,7 @@ def _open_group_call(plan, args, problem: Optional[str],
         targets_note=GROUP_NOTE if host is not None else "",
         sequence_parallel=args.options.sequence_parallel,
         hidden_grad=args.options.hidden_grad,
+        loss_check=loss_check,
     )
     summary = None if summary is None else TargetSummary(*summary)
     verdict = None
