@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -223,26 +223,37 @@ AGREED = ("the loss and its options (loss, reduction, with_entropy, return_metri
           "the per_token tensors' shapes and dtypes", "cu_seqlens")
 
 
-class LossCheck(NamedTuple):
+class LossCheck:
     """The checks of one fused-loss call's own arguments (:func:`check_loss`).
 
     ``problem``: the rank's problem, or None. ``offsets``: ``cu_seqlens`` as host ints when the loss uses its
-    sequences (else None). ``parts``: plain-value tuples of what every rank of a group must pass alike, one per
-    entry of :data:`AGREED`; :meth:`digests` hashes them for the group record, :meth:`describe` shows them."""
+    sequences (else None). :meth:`parts`: plain-value tuples of what every rank of a group must pass alike, one per
+    entry of :data:`AGREED` (built only with a group: host time); :meth:`digests` hashes them for the group record,
+    :meth:`describe` shows them."""
 
-    problem: Optional[str]
-    offsets: Optional[list[int]]
-    parts: tuple
+    __slots__ = ("problem", "offsets", "_arguments")
+
+    def __init__(self, problem: Optional[str], offsets: Optional[list[int]], arguments: tuple) -> None:
+        self.problem, self.offsets, self._arguments = problem, offsets, arguments
+
+    def parts(self) -> tuple:
+        loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics = self._arguments
+        layout = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
+                       for t in per_token) if isinstance(per_token, tuple) else type(per_token).__name__
+        sequences = tuple(self.offsets) if self.offsets is not None else (
+            (tuple(cu_seqlens.shape), str(cu_seqlens.dtype)) if isinstance(cu_seqlens, torch.Tensor)
+            else None if cu_seqlens is None else "given")
+        return (loss_identity(loss), reduction, with_entropy, return_metrics), layout, sequences
 
     def digests(self) -> list[int]:
         """One non-negative 63-bit digest per part (the same on every rank for equal parts: a keyed hash, not
         Python's per-process ``hash``)."""
         return [int.from_bytes(hashlib.blake2b(repr(part).encode(), digest_size=8).digest(), "little") >> 1
-                for part in self.parts]
+                for part in self.parts()]
 
     def describe(self, index: int) -> str:
         """Part ``index`` as text (for the error of ranks that disagree)."""
-        return repr(self.parts[index])
+        return repr(self.parts()[index])
 
 
 def loss_identity(loss) -> tuple:
@@ -276,18 +287,12 @@ def check_loss(loss, per_token: Sequence, reduction, with_entropy, cu_seqlens, r
         The :class:`LossCheck`.
     """
     per_token = tuple(per_token) if isinstance(per_token, (tuple, list)) else per_token
-    layout = tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
-                   for t in per_token) if isinstance(per_token, tuple) else type(per_token).__name__
-    options = (loss_identity(loss), reduction, with_entropy, return_metrics)
     offsets, problem = None, _loss_problem(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics,
                                            target_ids)
-    sequences: object = None
     if problem is None and cu_seqlens is not None:
-        reads = bool(getattr(loss, "needs_sequences", False))
-        offsets, problem = parse_offsets(cu_seqlens, target_ids.numel(), reads)
-        sequences = tuple(offsets) if offsets is not None else (
-            tuple(cu_seqlens.shape), str(cu_seqlens.dtype)) if isinstance(cu_seqlens, torch.Tensor) else None
-    return LossCheck(problem, offsets, (options, layout, sequences))
+        offsets, problem = parse_offsets(cu_seqlens, target_ids.numel(),
+                                         read=bool(getattr(loss, "needs_sequences", False)))
+    return LossCheck(problem, offsets, (loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics))
 
 
 def _loss_problem(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics,
