@@ -10,7 +10,10 @@ entry, so every rank raises the same error.
 
 Modes (``TPLOGP_CHECKS``):
 
-* ``full`` (default): nothing is read from the device at the call. The targets' ``[checksum, lo, hi]`` summary is
+* ``full`` (default): a call that records an autograd graph reads nothing from the device at the call; one that
+  records none (``torch.no_grad()``: no backward would carry its verdict) reads its targets' range at the call (one
+  small host read; with a group, every rank's summary in one more exchange over the CPU group) and raises there.
+  For the others, the targets' ``[checksum, lo, hi]`` summary is
   computed on the device and copied to pinned host memory behind an event (:class:`PendingTargetCheck`); without a
   group, on the triton / sm90 sources and without ``ignore_index``, the forward's finishing kernel writes a bad id
   straight into a pinned host slot instead (:class:`KernelTargetCheck`: no launch or copy of its own). The verdict
@@ -63,6 +66,8 @@ BACKWARD_NOTE = (" [found by the backward of the linear_logp call that had it, b
                  "is NaN for these tokens; TPLOGP_CHECKS=sync raises at the call itself]")
 CAPTURED_NOTE = (" [found by the target check of a linear_logp call captured in a CUDA graph, at its last replay; "
                  "that replay's logp is NaN for these tokens and its gradients of hidden, weight and bias are zero]")
+NO_GRAPH_NOTE = (" [checked at the call: it records no autograd graph (torch.no_grad(), or hidden does not require "
+                 "grad), so no backward would carry its verdict]")
 CAPTURE_FIX = ("run one call of this layout outside the capture first (a warm-up), or set TPLOGP_CHECKS=fast "
                "(no target check)")
 
@@ -395,11 +400,11 @@ def open_call(plan, args, problem: Optional[str],
         raise LinearLogpInputError(problem)
     total, target_ids, ignore_index = plan.vocab_size, args.target_ids, args.options.ignore_index
     verdict = in_kernel = None
-    if mode == "sync":
+    if mode == "sync" or (mode == "full" and not args.builds_graph and not capturing and target_ids.numel()):
         msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False), total,
                                    ignore_index)
         if msg is not None:
-            raise LinearLogpInputError(msg)
+            raise LinearLogpInputError(msg + ("" if mode == "sync" else NO_GRAPH_NOTE))
     elif mode == "full" and target_ids.numel():
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check("", target_ids, total, ignore_index))
@@ -476,10 +481,11 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
             raise LinearLogpInputError(msg + GROUP_NOTE)
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check(group_name(group), target_ids, total, ignore_index))
-        else:  # this call's targets: judged by its backward, else by the next call with the group
+        elif builds_graph:  # this call's targets: judged by its backward, else by the next call with the group
             defer_group_target_check(group, target_ids, total, ignore_index)
-            if builds_graph:
-                verdict = BackwardVerdict(pending=_pending_by_group[group_name(group)], group=group)
+            verdict = BackwardVerdict(pending=_pending_by_group[group_name(group)], group=group)
+        else:  # no backward would carry the verdict: judged now, one more exchange over the CPU group
+            _judge_group_summary(group, _start(target_ids, total, ignore_index, with_checksum=True), NO_GRAPH_NOTE)
     elif summary is not None:  # sync: this call's own targets, identical on every rank (the checksums agree)
         msg = target_range_problem(summary, total, ignore_index)
         if msg is not None:

@@ -154,3 +154,65 @@ def test_bad_loss_argument_without_a_group(case):
     assert re.search(expected, str(info.value)), str(info.value)
     value, _ = _call(hidden, weight, target, **_bad_kwargs(case, 0, adv, old))
     assert torch.isfinite(value)
+
+
+# ---- calls that record no autograd graph: the target verdict at the call ------------------------------------------
+
+def _grpo_step_old_logp(hidden, weight, target, source: str, **group_kw):
+    """A GRPO step's old log-probs: ``linear_logp`` under ``torch.no_grad()`` (no backward carries its verdict)."""
+    from tplogp import get_op
+
+    with torch.no_grad():
+        return get_op("linear_logp", source=source)(hidden, weight, target, **group_kw)
+
+
+@pytest.mark.parametrize("source", ["native", "triton"])
+def test_no_grad_bad_target_raises_at_the_call(source):
+    """One process: a no-grad call with a target outside the vocabulary raises at that call (no NaN enters the
+    loss), and so does a fused loss computed without a graph; the next good calls run."""
+    hidden, weight, target, adv, _ = _inputs()
+    bad = target.clone()
+    bad[5] = V
+    message = rf"target id {V} is outside the vocabulary \[0, {V}\) \[checked at the call"
+    with pytest.raises(LinearLogpInputError, match=message):
+        _grpo_step_old_logp(hidden, weight, bad, source)
+    with torch.no_grad(), pytest.raises(LinearLogpInputError, match=message):
+        linear_logp_loss(hidden, weight, bad, loss=losses.policy_gradient(), per_token=[adv], source=source)
+    old = _grpo_step_old_logp(hidden, weight, target, source)
+    assert torch.isfinite(old).all()
+    value, _ = _call(hidden, weight, target, source=source, per_token=[adv, old], cu_seqlens=OFFSETS)
+    assert torch.isfinite(value)
+    check_errors()
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=120)
+@pytest.mark.parametrize("source", ["native", "triton"])
+def test_no_grad_bad_target_raises_at_the_call_on_every_rank(tp, source):
+    """A GRPO step with a group: the old log-probs' no-grad call with a bad target raises the same error on every
+    rank at that call; the group then runs the step."""
+    tp.skip_if(source == "triton" and tp.world_size == 4, "the triton source's checks sit above it: TP=2 suffices")
+    hidden, weight, target, adv, _ = _inputs()
+    w_local, start = _shard(weight, tp.rank, tp.world_size)
+    group_kw = dict(tp_group=tp.group, vocab_start_index=start, global_vocab_size=V)
+    bad = target.clone()
+    bad[5] = V
+    outcomes = []
+    for compute in (lambda: _grpo_step_old_logp(hidden, w_local, bad, source, **group_kw),
+                    lambda: linear_logp_loss(hidden, w_local, bad, loss=losses.policy_gradient(), per_token=[adv],
+                                             source=source, **group_kw)):
+        try:
+            with torch.no_grad():
+                compute()
+            outcomes.append("no error")
+        except LinearLogpInputError as exc:
+            outcomes.append(str(exc))
+    for message in agreed_message(tp, tuple(outcomes)):
+        assert re.search(rf"target id {V} is outside the vocabulary \[0, {V}\) \[checked at the call", message), message
+    old = _grpo_step_old_logp(hidden, w_local, target, source, **group_kw)
+    value, d_hidden = _call(hidden, w_local, target, source=source, per_token=[adv, old], cu_seqlens=OFFSETS,
+                            **group_kw)
+    check_errors(tp.group)
+    ref_value, ref_d_hidden = _call(hidden, weight, target, source=source, per_token=[adv, old], cu_seqlens=OFFSETS)
+    tol = RUNBOOK_TOLERANCES[torch.float32]
+    tp.assert_close(value, ref_value, atol=tol.atol, rtol=tol.rtol)
+    tp.assert_close(d_hidden, ref_d_hidden, atol=tol.atol, rtol=tol.rtol)
