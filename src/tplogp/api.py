@@ -257,6 +257,13 @@ def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[
     return make_linear_logp(source)
 
 
+EAGER_UNDER_COMPILE = (
+    "tplogp.linear_logp_loss runs eagerly inside compiled code (a graph break, so not under fullgraph=True) when "
+    "its loss is not a tplogp.losses TokenLoss (a losses.grpo(...) loss or another callable), with cu_seqlens or "
+    "return_metrics, or with a DTensor: compile without fullgraph=True, or use a TokenLoss (losses.ppo_clip, "
+    "losses.cross_entropy, ..., combined with +)")
+
+
 def _eager_under_compile(fn):
     """``fn`` behind ``torch.compiler.disable`` while Dynamo traces the caller (compiled code that calls it runs
     ``fn`` eagerly, untraced); a plain call otherwise (the disabled wrapper's frame switch costs host time on every
@@ -271,6 +278,7 @@ def _eager_under_compile(fn):
             return fn(*args, **kwargs)
         if disabled is None:
             disabled = torch.compiler.disable(fn)
+        torch._dynamo.graph_break(msg=EAGER_UNDER_COMPILE)  # named: under fullgraph=True, the error's message
         return disabled(*args, **kwargs)
 
     return wrapper

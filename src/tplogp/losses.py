@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .rl_losses import GRPOConfig, GRPOLoss, check_number, k3_kl
+from .rl_losses import GRPOConfig, GRPOLoss, check_number, k3_kl, refuse_under_compile
 
 PerTokenLoss = Callable[..., torch.Tensor]
 # d(loss_token)/d(logp_token) (or entropy): a tensor of the tokens, a number when the same for every token, or None
@@ -89,6 +89,7 @@ class TokenLoss:
                  reads_entropy: bool = False,
                  coefficients: Optional[Callable[..., tuple[Derivative, Derivative]]] = None,
                  reads: frozenset = frozenset(), stat_parts: Optional[Callable[..., _StatParts]] = None) -> None:
+        refuse_under_compile(name)
         unknown = set(reads) - set(STATS)
         if unknown or (stat_parts is None) != (not reads):
             raise ValueError(f"a TokenLoss reads statistics of {STATS} through stat_parts, got reads={set(reads)}")

@@ -60,6 +60,18 @@ def k3_kl(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e - d, -e
 
 
+def refuse_under_compile(name: str) -> None:
+    """A loss is built outside ``torch.compile``'d code: a loss object holds a process-wide key that names it to the
+    compiled fused loss's op (and a GRPO loss's work runs eagerly), which a trace cannot create. Under a trace this
+    is a graph break whose message says where to build the loss (under ``fullgraph=True``, the error); eagerly,
+    nothing."""
+    if torch.compiler.is_compiling():
+        torch._dynamo.graph_break(msg=(
+            f"tplogp: the loss {name} is built inside a function that torch.compile traces; build tplogp losses "
+            f"(losses.grpo(...), losses.ppo_clip(...), ...) once outside the compiled function (where the model "
+            f"and optimizer are built) and pass the loss in or close over it"))
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -178,6 +190,7 @@ class GRPOLoss:
     (a per-sequence normalisation or sum); ``reads_entropy`` whether it needs the entropy (an entropy bonus)."""
 
     def __init__(self, config: GRPOConfig) -> None:
+        refuse_under_compile("grpo(...)")
         self.config = c = config
         names = ["advantages"] + (["old_logp"] if c.with_old_logp else []) + (["ref_logp"] if c.beta else [])
         if c.rollout_correction == "weights":
