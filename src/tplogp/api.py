@@ -35,7 +35,7 @@ from .losses import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
 from .plan import LogpOptions
 from .packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
-from .validation import LinearLogpInputError, is_int
+from .validation import EntryCheck, LinearLogpInputError, is_int
 
 # (with_sum_z is the fused loss's: linear_logp returns no sum of the logits)
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions)) - {"with_sum_z"}
@@ -98,11 +98,13 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-           global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
-    """The eager call: the plan, then the tensor-parallel layer."""
+           global_vocab_size: Optional[int], options: LogpOptions,
+           entry: Optional[EntryCheck] = None) -> LinearLogpResult:
+    """The eager call: the plan, then the tensor-parallel layer. ``entry``: an integration's own check, raised with
+    the op's (:func:`linear_logp_entry`)."""
     builds_graph = torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad
     return tp.linear_logp(plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                                       global_vocab_size, options, builds_graph))
+                                       global_vocab_size, options, builds_graph, entry))
 
 
 def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -137,6 +139,22 @@ def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: 
         body = _compiled  # (other calls run eagerly: their checks raise the error, on every rank)
     return _front(functools.partial(body, source), hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                   global_vocab_size, options)
+
+
+def linear_logp_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, *, tp_group=None,
+                      vocab_start_index: int = 0, global_vocab_size: Optional[int] = None,
+                      **options) -> LinearLogpResult:
+    """:func:`linear_logp` for an integration's entry point (:mod:`tplogp.integrations`): the entry's own problem
+    and options (``entry``) are checked with the op's, so with a group every rank raises the same error and ranks
+    whose options differ raise alike. Under ``torch.compile`` (whose op carries no entry) and with DTensors the
+    entry's problem raises at once."""
+    opts = _options(options)
+    if torch.compiler.is_compiling() or any_dtensor(weight, hidden):
+        if entry.problem is not None:
+            raise LinearLogpInputError(entry.problem)
+        return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, opts)
+    return _front(functools.partial(_eager, None, entry=entry), hidden, weight, target_ids, bias, tp_group,
+                  vocab_start_index, global_vocab_size, opts)
 
 
 def linear_logp_on(source, hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,

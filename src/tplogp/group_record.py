@@ -95,7 +95,7 @@ class GroupRecord:
         )
         record = head if not isinstance(targets, torch.Tensor) else torch.cat([head, targets.to(comm_device)])
         rows = cls._exchange(record, group, world)
-        caller = "linear_logp" if loss_check is None else "linear_logp_loss"
+        caller = "linear_logp" if loss_check is None else loss_check.caller
         if any(r[0] for r in rows):
             messages: list = [None] * world
             dist.all_gather_object(messages, problem, group=group)
@@ -143,14 +143,15 @@ class GroupRecord:
         """The fused loss's parts (:data:`tplogp.validation.AGREED`) must have the same digest on every rank; where
         one differs, every rank's description follows in one ``all_gather_object`` (all ranks saw the difference)
         and every rank raises the same error."""
-        for index, what in enumerate(AGREED):
+        for index, what in enumerate(AGREED if loss_check is None else loss_check.labels):
             values = [r[_LOSS + index] for r in rows]
             if len(set(values)) == 1:
                 continue
             texts: list = [None] * world
             dist.all_gather_object(texts, None if loss_check is None else loss_check.describe(index), group=group)
             listing = "; ".join(f"rank {i}: {t}" for i, t in enumerate(texts))
-            raise LinearLogpInputError(f"linear_logp_loss: {what} must be the same on every TP rank, got {listing}")
+            caller = "linear_logp_loss" if loss_check is None else loss_check.caller
+            raise LinearLogpInputError(f"{caller}: {what} must be the same on every TP rank, got {listing}")
 
     @staticmethod
     def _check_agreement(rows: Sequence[Sequence[int]]) -> None:

@@ -232,6 +232,8 @@ class LossCheck:
     :meth:`describe` shows them."""
 
     __slots__ = ("problem", "offsets", "_arguments")
+    caller = "linear_logp_loss"  # names the call in the group's errors
+    labels = AGREED  # what each part is, for the error of ranks that disagree
 
     def __init__(self, problem: Optional[str], offsets: Optional[list[int]], arguments: tuple) -> None:
         self.problem, self.offsets, self._arguments = problem, offsets, arguments
@@ -254,6 +256,22 @@ class LossCheck:
     def describe(self, index: int) -> str:
         """Part ``index`` as text (for the error of ranks that disagree)."""
         return repr(self.parts()[index])
+
+
+class EntryCheck(LossCheck):
+    """The checks of an integration's entry point that calls the op (:mod:`tplogp.integrations`): its own problem,
+    raised with the op's (on every rank of a group), and its options, which the ranks must pass alike (compared by
+    digest in the group record like a fused loss's)."""
+
+    __slots__ = ("caller", "labels")
+
+    def __init__(self, caller: str, problem: Optional[str], options: tuple) -> None:
+        super().__init__(problem, None, options)
+        self.caller = caller
+        self.labels = (f"{caller}'s options ({', '.join(name for name, _ in options)})", "", "")
+
+    def parts(self) -> tuple:
+        return self._arguments, None, None
 
 
 def loss_identity(loss) -> tuple:
