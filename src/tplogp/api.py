@@ -146,15 +146,24 @@ def linear_logp_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, 
                       **options) -> LinearLogpResult:
     """:func:`linear_logp` for an integration's entry point (:mod:`tplogp.integrations`): the entry's own problem
     and options (``entry``) are checked with the op's, so with a group every rank raises the same error and ranks
-    whose options differ raise alike. Under ``torch.compile`` (whose op carries no entry) and with DTensors the
-    entry's problem raises at once."""
+    whose options differ raise alike. Under ``torch.compile`` (whose op carries no entry) the entry's problem raises
+    at once."""
     opts = _options(options)
-    if torch.compiler.is_compiling() or any_dtensor(weight, hidden):
+    if torch.compiler.is_compiling():
         if entry.problem is not None:
             raise LinearLogpInputError(entry.problem)
         return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, opts)
+    run = functools.partial(_eager_entry, entry)
+    if any_dtensor(weight, hidden):
+        return unwrap_dtensors(run, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                               opts)
+    return run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, opts)
+
+
+def _eager_entry(entry: EntryCheck, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
+                 global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
     return _front(functools.partial(_eager, None, entry=entry), hidden, weight, target_ids, bias, tp_group,
-                  vocab_start_index, global_vocab_size, opts)
+                  vocab_start_index, global_vocab_size, options)
 
 
 def linear_logp_on(source, hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
@@ -362,6 +371,40 @@ def linear_logp_loss(
                    with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
                    cu_seqlens=cu_seqlens, return_metrics=return_metrics)
     source = None if source in AUTOMATIC else source
+    return _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                      options)
+
+
+# linear_logp_loss's options and their defaults (linear_logp_loss_entry takes them by name)
+_LOSS_OPTIONS = dict(per_token=(), reduction="sum", temperature=1.0, softcap=None, ignore_index=None,
+                     deterministic=False, workspace_bytes=None, with_entropy=True, sequence_parallel=False,
+                     hidden_grad="reduced", cu_seqlens=None, return_metrics=False)
+
+
+def linear_logp_loss_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, *, loss, tp_group=None,
+                           vocab_start_index: int = 0, global_vocab_size: Optional[int] = None,
+                           source: Optional[str] = None, **options):
+    """:func:`linear_logp_loss` for an integration's entry point (:mod:`tplogp.integrations`): the entry's own
+    problem (``entry``) is raised with the loss's checks, so with a group every rank raises the same error. Under
+    ``torch.compile`` it raises at once."""
+    unknown = set(options) - set(_LOSS_OPTIONS)
+    if unknown:
+        raise TypeError(f"linear_logp_loss got unexpected keyword argument(s) {sorted(unknown)}")
+    options = dict(_LOSS_OPTIONS, loss=loss, **options)
+    per_token = options["per_token"]
+    options["per_token"] = tuple(per_token) if isinstance(per_token, (tuple, list)) else per_token
+    if torch.compiler.is_compiling():
+        if entry.problem is not None:
+            raise LinearLogpInputError(entry.problem)
+    else:
+        options["entry"] = entry
+    return _loss_call(None if source in AUTOMATIC else source, hidden, weight, target_ids, bias, tp_group,
+                      vocab_start_index, global_vocab_size, options)
+
+
+def _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+               options: dict):
+    """:func:`linear_logp_loss` after its options: the compiled op when they cross its schema, else eagerly."""
     if torch.compiler.is_compiling() and _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
                                                               global_vocab_size, source, options):
         return _front(functools.partial(_compiled_loss, source, **options), hidden, weight, target_ids, bias,

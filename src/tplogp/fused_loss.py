@@ -87,12 +87,14 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
                    temperature: float, ignore_index: Optional[int], deterministic: bool,
                    workspace_bytes: Optional[int], needs: tuple[bool, bool, bool], with_entropy: bool = True,
                    sequence_parallel: bool = False, hidden_grad: str = "reduced", softcap: Optional[float] = None,
-                   cu_seqlens=None, return_metrics: bool = False):
+                   cu_seqlens=None, return_metrics: bool = False, entry=None):
     """The fused loss's value and the unscaled gradients ``needs`` asks for, computed chunk by chunk (module
     docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``, what
-    :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd."""
+    :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd. ``entry``: the checks of an
+    integration's entry point (:class:`tplogp.validation.EntryCheck`), raised with the loss's."""
     # the loss's own arguments, checked with the op's (the same error on every rank of a group, before any collective)
-    check = validation.check_loss(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics, target_ids)
+    check = validation.check_loss(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics, target_ids,
+                                  entry)
     policy = isinstance(loss, GRPOLoss)
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                                deterministic=deterministic, workspace_bytes=workspace_bytes,

@@ -231,12 +231,13 @@ class LossCheck:
     entry of :data:`AGREED` (built only with a group: host time); :meth:`digests` hashes them for the group record,
     :meth:`describe` shows them."""
 
-    __slots__ = ("problem", "offsets", "_arguments")
-    caller = "linear_logp_loss"  # names the call in the group's errors
+    __slots__ = ("problem", "offsets", "_arguments", "caller")
     labels = AGREED  # what each part is, for the error of ranks that disagree
 
-    def __init__(self, problem: Optional[str], offsets: Optional[list[int]], arguments: tuple) -> None:
+    def __init__(self, problem: Optional[str], offsets: Optional[list[int]], arguments: tuple,
+                 caller: str = "linear_logp_loss") -> None:
         self.problem, self.offsets, self._arguments = problem, offsets, arguments
+        self.caller = caller  # names the call in the group's errors
 
     def parts(self) -> tuple:
         loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics = self._arguments
@@ -263,11 +264,10 @@ class EntryCheck(LossCheck):
     raised with the op's (on every rank of a group), and its options, which the ranks must pass alike (compared by
     digest in the group record like a fused loss's)."""
 
-    __slots__ = ("caller", "labels")
+    __slots__ = ("labels",)
 
     def __init__(self, caller: str, problem: Optional[str], options: tuple) -> None:
-        super().__init__(problem, None, options)
-        self.caller = caller
+        super().__init__(problem, None, options, caller)
         self.labels = (f"{caller}'s options ({', '.join(name for name, _ in options)})", "", "")
 
     def parts(self) -> tuple:
@@ -293,24 +293,28 @@ def _plain(value):
     return value
 
 
-def check_loss(loss, per_token: Sequence, reduction, with_entropy, cu_seqlens, return_metrics,
-               target_ids) -> LossCheck:
+def check_loss(loss, per_token: Sequence, reduction, with_entropy, cu_seqlens, return_metrics, target_ids,
+               entry: Optional[EntryCheck] = None) -> LossCheck:
     """The fused loss's own arguments, checked (no tensor data read, but ``cu_seqlens`` when the loss uses its
     sequences: one small host read). The problem is returned, not raised (module docstring).
 
     Args:
         loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics: :func:`tplogp.linear_logp_loss`'s.
         target_ids: the call's targets (their shape; a problem of their own is :func:`local_problem`'s).
+        entry: the checks of the integration's entry point that made the call (its problem comes first, its name
+            is the call's in the group's errors), or None.
     Returns:
         The :class:`LossCheck`.
     """
     per_token = tuple(per_token) if isinstance(per_token, (tuple, list)) else per_token
-    offsets, problem = None, _loss_problem(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics,
-                                           target_ids)
+    offsets, problem = None, entry.problem if entry is not None else None
+    problem = problem or _loss_problem(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics,
+                                       target_ids)
     if problem is None and cu_seqlens is not None:
         offsets, problem = parse_offsets(cu_seqlens, target_ids.numel(),
                                          read=bool(getattr(loss, "needs_sequences", False)))
-    return LossCheck(problem, offsets, (loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics))
+    return LossCheck(problem, offsets, (loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics),
+                     "linear_logp_loss" if entry is None else entry.caller)
 
 
 def _loss_problem(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics,

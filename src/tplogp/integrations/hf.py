@@ -35,9 +35,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..api import linear_logp, linear_logp_loss
+from ..api import linear_logp_entry, linear_logp_loss_entry
 from ..dtensor import is_dtensor
 from ..outputs import LogpEntropy
+from ..validation import EntryCheck
 from . import require
 
 require("transformers", "tplogp.integrations.hf", "hf")
@@ -201,18 +202,7 @@ def _model_logits(out):
 def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, make: Callable,
          model_kwargs: dict, expected_shape: tuple) -> torch.Tensor:
     """Run ``model``'s forward with its head computing ``make(head, shifted_hidden, temperature_scale)``; the result
-    as the model returned it, after the exactness checks."""
-    bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
-    if bad:
-        raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets the positions "
-                        f"(logits_to_keep) and computes no HF loss (labels)")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got "
-                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0 \
-            or logits_to_keep > input_ids.shape[1] - 1:
-        raise ValueError(f"logits_to_keep must be an int in [0, sequence length - 1 = {input_ids.shape[1] - 1}], "
-                         f"got {logits_to_keep!r}")
+    as the model returned it, after the exactness checks. ``logits_to_keep``: checked (:func:`_entry`)."""
     scale = _check_config(model)
     heads = _output_heads(model)
     seq = input_ids.shape[1]
@@ -260,6 +250,26 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
             f"head's output hooks redistribute it (for a tensor-parallel plan, use "
             f"ColwiseParallel(output_layouts=Replicate()) on the head)")
     return result
+
+
+def _entry(input_ids, logits_to_keep, model_kwargs: dict) -> tuple[int, Optional[str]]:
+    """The entry point's own checks: ``(logits_to_keep to run the model with, problem or None)``. What the model
+    cannot run with raises here (input_ids not ``[B, S]``; model keyword arguments the integration sets itself,
+    fixed in the caller's code); a bad ``logits_to_keep`` is a problem that travels with the head's op call
+    (:class:`tplogp.validation.EntryCheck`), so with a tensor-parallel head every rank raises the same error after
+    the model's forward (its collectives done on every rank) and none is left waiting."""
+    bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
+    if bad:
+        raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets the positions "
+                        f"(logits_to_keep) and computes no HF loss (labels)")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0 \
+            or logits_to_keep > input_ids.shape[1] - 1:
+        return 0, (f"logits_to_keep must be an int in [0, sequence length - 1 = {input_ids.shape[1] - 1}], got "
+                   f"{logits_to_keep!r}")
+    return logits_to_keep, None
 
 
 def _softcap(transform) -> Optional[float]:
@@ -311,17 +321,20 @@ def causal_lm_logprobs(
         UnsupportedModelError: the model's logits are not what the LM head computes (a
             LoRA or quantized head, a transform of the logits in the forward; see :mod:`tplogp.integrations.hf`).
     """
-    targets = _targets(input_ids, logits_to_keep)
+    keep, problem = _entry(input_ids, logits_to_keep, model_kwargs)
+    entry = EntryCheck("causal_lm_logprobs", problem, (("logits_to_keep", logits_to_keep),))
+    targets = _targets(input_ids, keep)
 
     def make(head, hidden, scale):
-        out = linear_logp(hidden, head.weight, targets.to(hidden.device), head.bias,
-                          temperature=temperature if scale is None else scale.temperature(temperature),
-                          softcap=_softcap(scale), return_entropy=return_entropy, workspace_bytes=workspace_bytes)
+        out = linear_logp_entry(entry, hidden, head.weight, targets.to(hidden.device), head.bias,
+                                temperature=temperature if scale is None else scale.temperature(temperature),
+                                softcap=_softcap(scale), return_entropy=return_entropy,
+                                workspace_bytes=workspace_bytes)
         # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a view)
         return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
 
-    shape = (input_ids.shape[0], _positions(input_ids, logits_to_keep)) + ((2,) if return_entropy else ())
-    result = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, shape)
+    shape = (input_ids.shape[0], _positions(input_ids, keep)) + ((2,) if return_entropy else ())
+    result = _run(model, input_ids, attention_mask, keep, make, model_kwargs, shape)
     if return_entropy:
         return LogpEntropy(result[..., 0], result[..., 1])
     return result
@@ -369,12 +382,16 @@ def causal_lm_loss(
     Returns:
         a 0-d float32 tensor; with ``return_metrics`` ``(loss, metrics)``.
     """
-    targets = _targets(input_ids, logits_to_keep)
+    keep, problem = _entry(input_ids, logits_to_keep, model_kwargs)
+    targets = _targets(input_ids, keep)
+    if loss_mask is not None and (not isinstance(loss_mask, torch.Tensor)
+                                  or tuple(loss_mask.shape) != tuple(targets.shape)):
+        problem = problem or (f"loss_mask must be a tensor of shape {tuple(targets.shape)} (the log-probs' shape), "
+                              f"got {tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else loss_mask}")
+        loss_mask = None  # (the call is rejected: the problem travels with the loss's checks)
     if loss_mask is not None:
-        if not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape) != tuple(targets.shape):
-            raise ValueError(f"loss_mask must be a tensor of shape {tuple(targets.shape)} (the log-probs' shape), "
-                             f"got {tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else loss_mask}")
         targets = torch.where(loss_mask.to(targets.device).bool(), targets, _MASKED)
+    entry = EntryCheck("causal_lm_loss", problem, (("logits_to_keep", logits_to_keep),))
 
     def make(head, hidden, scale):
         ignore = None if loss_mask is None else _MASKED
@@ -387,10 +404,11 @@ def causal_lm_loss(
                 raise UnsupportedModelError(f"the LM head's input is a DTensor placed {hidden.placements}; expected "
                                             f"Replicate() (ColwiseParallel's default input layout)")
             mesh, local = hidden.device_mesh, hidden.to_local()
-        value = linear_logp_loss(local, head.weight, targets.to(local.device), head.bias, loss=loss,
-                                 per_token=per_token, reduction=reduction, temperature=t_eff,
-                                 softcap=_softcap(scale), ignore_index=ignore, workspace_bytes=workspace_bytes,
-                                 with_entropy=with_entropy, return_metrics=return_metrics)
+        value = linear_logp_loss_entry(entry, local, head.weight, targets.to(local.device), head.bias, loss=loss,
+                                       per_token=per_token, reduction=reduction, temperature=t_eff,
+                                       softcap=_softcap(scale), ignore_index=ignore,
+                                       workspace_bytes=workspace_bytes, with_entropy=with_entropy,
+                                       return_metrics=return_metrics)
         if return_metrics:  # the model returns the loss where it returns its logits; the metrics come aside
             value, found = value
             metrics.update(found)
@@ -401,7 +419,7 @@ def causal_lm_loss(
         return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     metrics: dict = {}
-    value = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, ())
+    value = _run(model, input_ids, attention_mask, keep, make, model_kwargs, ())
     return (value, metrics) if return_metrics else value
 
 
