@@ -145,9 +145,9 @@ def linear_logp_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, 
                       vocab_start_index: int = 0, global_vocab_size: Optional[int] = None,
                       **options) -> LinearLogpResult:
     """:func:`linear_logp` for an integration's entry point (:mod:`tplogp.integrations`): the entry's own problem
-    and options (``entry``) are checked with the op's, so with a group every rank raises the same error and ranks
-    whose options differ raise alike. Under ``torch.compile`` (whose op carries no entry) the entry's problem raises
-    at once."""
+    and options (``entry``) are checked with the op's, so with a group every rank raises the same
+    error and ranks whose options differ raise alike. Under ``torch.compile`` (whose op carries no
+    entry) the entry's problem raises at once."""
     opts = _options(options)
     if torch.compiler.is_compiling():
         if entry.problem is not None:
@@ -385,8 +385,8 @@ def linear_logp_loss_entry(entry: EntryCheck, hidden, weight, target_ids, bias=N
                            vocab_start_index: int = 0, global_vocab_size: Optional[int] = None,
                            source: Optional[str] = None, **options):
     """:func:`linear_logp_loss` for an integration's entry point (:mod:`tplogp.integrations`): the entry's own
-    problem (``entry``) is raised with the loss's checks, so with a group every rank raises the same error. Under
-    ``torch.compile`` it raises at once."""
+    problem (``entry``) is raised with the loss's checks, so with a group every rank raises the same
+    error. Under ``torch.compile`` it raises at once."""
     unknown = set(options) - set(_LOSS_OPTIONS)
     if unknown:
         raise TypeError(f"linear_logp_loss got unexpected keyword argument(s) {sorted(unknown)}")

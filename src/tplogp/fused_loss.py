@@ -89,10 +89,12 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
                    sequence_parallel: bool = False, hidden_grad: str = "reduced", softcap: Optional[float] = None,
                    cu_seqlens=None, return_metrics: bool = False, entry=None):
     """The fused loss's value and the unscaled gradients ``needs`` asks for, computed chunk by chunk (module
-    docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``, what
-    :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd. ``entry``: the checks of an
-    integration's entry point (:class:`tplogp.validation.EntryCheck`), raised with the loss's."""
-    # the loss's own arguments, checked with the op's (the same error on every rank of a group, before any collective)
+    docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``,
+    what :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd. ``entry``: the
+    checks of an integration's entry point (:class:`tplogp.validation.EntryCheck`), raised with the
+    loss's."""
+    # the loss's own arguments, checked with the op's (the same error on every rank of a group,
+    # before any collective)
     check = validation.check_loss(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics, target_ids,
                                   entry)
     policy = isinstance(loss, GRPOLoss)

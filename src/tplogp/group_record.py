@@ -4,12 +4,13 @@ TP group reaches the same verdict on a call and raises the same error (none is l
 The record holds the rank's local verdict, the call's layout (tokens, hidden size, shard range, declared vocab,
 dtype, bias, ignore_index, whether it records an autograd graph, the hidden layout: sequence-parallel and
 ``hidden_grad``), for a fused-loss call the digests of what its ranks must pass alike
-(:class:`tplogp.validation.LossCheck`: the loss's options, the per-token tensors' shapes and dtypes, the sequences'
-offsets; 0 for an op call) and optionally a summary ``[checksum, lo, hi]`` of the targets. From the gathered rows every rank checks the ranks' agreement and the shard partition
-(:func:`tplogp.shards.validate_ranges`), giving the global vocabulary size. When some rank has a local problem, the
-message texts follow in one ``all_gather_object`` (entered by all ranks, since all of them saw the flag); so do the
-descriptions of a fused-loss part whose digests differ.
-Used by the per-call verdict (:mod:`tplogp.verdicts`), whose deferred target summary travels in the record.
+(:class:`tplogp.validation.LossCheck`: the loss's options, the per-token tensors' shapes and dtypes,
+the sequences' offsets; 0 for an op call) and optionally a summary ``[checksum, lo, hi]`` of the
+targets. From the gathered rows every rank checks the ranks' agreement and the shard partition
+(:func:`tplogp.shards.validate_ranges`), giving the global vocabulary size. When some rank has a
+local problem, the message texts follow in one ``all_gather_object`` (entered by all ranks, since
+all of them saw the flag); so do the descriptions of a fused-loss part whose digests differ. Used by
+the per-call verdict (:mod:`tplogp.verdicts`), whose deferred target summary travels in the record.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .comm import all_gather_flat
 from .shards import validate_ranges
 from .validation import AGREED, DTYPE_CODE, LinearLogpInputError, LossCheck
 
-# the record's fields: the verdict and the layout (0 to 10), the fused loss's digests, then the targets' summary
+# the record's fields: the verdict and the layout (0 to 10), the fused loss's digests, then the
+# targets' summary
 _LOSS = 11  # the first of the len(AGREED) digests
 _SENT = _LOSS + len(AGREED)  # whether a target summary travels, then its checksum, lo, hi
 
@@ -31,8 +33,8 @@ class GroupRecord:
     """The collective verdict of a call with a group. :meth:`exchange` returns the global vocab size and, when every
     rank sent one, the targets' summary."""
 
-    # verdict, 7 metadata fields, ignore_index, differentiability, the hidden layout, the fused loss's digests, then
-    # whether a target summary travels, and its checksum, lo, hi
+    # verdict, 7 metadata fields, ignore_index, differentiability, the hidden layout, the fused
+    # loss's digests, then whether a target summary travels, and its checksum, lo, hi
     _FIELDS = _SENT + 4
     # fast mode: (vocab size, every rank's shard range) of the layouts already verified, keyed by the call's layout
     _verified: dict = {}
@@ -62,11 +64,12 @@ class GroupRecord:
         """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the record, so the record
         exchange is the call's only host read), ``(checksum, lo, hi)`` already on the host (an earlier call's deferred
         summary: with ``group`` a CPU group, nothing here waits for a device), or None. ``targets_note`` ends the error
-        of targets that differ between ranks. The summary is returned when every rank sent one and they agree (a range
-        check is the caller's), and every rank's shard range ``(start, end)``, rank-major (in ``fast`` mode those of the
-        layout's verified call). ``sequence_parallel``, ``hidden_grad``: the call's hidden layout (ranks that disagree
-        would enter different collectives). ``loss_check``: a fused-loss call's own arguments (its ranks' digests
-        must agree; errors then name ``linear_logp_loss``)."""
+        of targets that differ between ranks. The summary is returned when every rank sent one and
+        they agree (a range check is the caller's), and every rank's shard range ``(start, end)``,
+        rank-major (in ``fast`` mode those of the layout's verified call). ``sequence_parallel``,
+        ``hidden_grad``: the call's hidden layout (ranks that disagree would enter different
+        collectives). ``loss_check``: a fused-loss call's own arguments (its ranks' digests must
+        agree; errors then name ``linear_logp_loss``)."""
         world = dist.get_world_size(group)
         hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
         digests = [0] * len(AGREED) if loss_check is None or problem is not None else loss_check.digests()
@@ -141,8 +144,8 @@ class GroupRecord:
     def _check_loss_agreement(rows: Sequence[Sequence[int]], group, world: int,
                               loss_check: Optional[LossCheck]) -> None:
         """The fused loss's parts (:data:`tplogp.validation.AGREED`) must have the same digest on every rank; where
-        one differs, every rank's description follows in one ``all_gather_object`` (all ranks saw the difference)
-        and every rank raises the same error."""
+        one differs, every rank's description follows in one ``all_gather_object`` (all ranks saw
+        the difference) and every rank raises the same error."""
         for index, what in enumerate(AGREED if loss_check is None else loss_check.labels):
             values = [r[_LOSS + index] for r in rows]
             if len(set(values)) == 1:

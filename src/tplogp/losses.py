@@ -264,7 +264,8 @@ def policy_gradient() -> TokenLoss:
 
 def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> TokenLoss:
     """``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with ``r = exp(logp - old_logp)`` (PPO / GRPO);
-    per_token = ``(advantages, old_logp)``. Reads no entropy. ``eps_low``, ``eps_high``: finite, at least 0.
+    per_token = ``(advantages, old_logp)``. Reads no entropy. ``eps_low``, ``eps_high``: finite, at
+    least 0.
 
     Derivative: ``-A r`` where the unclipped term is the smaller one (or the two are equal, ``r`` inside the range
     or ``A = 0``), else 0 (the clipped term is constant in ``logp`` outside the range)."""

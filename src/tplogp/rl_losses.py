@@ -62,9 +62,9 @@ def k3_kl(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def refuse_under_compile(name: str) -> None:
     """A loss is built outside ``torch.compile``'d code: a loss object holds a process-wide key that names it to the
-    compiled fused loss's op (and a GRPO loss's work runs eagerly), which a trace cannot create. Under a trace this
-    is a graph break whose message says where to build the loss (under ``fullgraph=True``, the error); eagerly,
-    nothing."""
+    compiled fused loss's op (and a GRPO loss's work runs eagerly), which a trace cannot create.
+    Under a trace this is a graph break whose message says where to build the loss (under
+    ``fullgraph=True``, the error); eagerly, nothing."""
     if torch.compiler.is_compiling():
         torch._dynamo.graph_break(msg=(
             f"tplogp: the loss {name} is built inside a function that torch.compile traces; build tplogp losses "

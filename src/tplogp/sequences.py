@@ -42,8 +42,8 @@ class Segments:
 def segments_for(target_shape: torch.Size, offsets: Optional[list[int]], keep_idx: Optional[torch.Tensor],
                  device: torch.device) -> Segments:
     """The :class:`Segments` of a call with targets of ``target_shape`` (``offsets``: packed sequences' offsets
-    from :func:`tplogp.validation.check_loss`, or None for the rows of the targets' last dimension), for the rows ``keep_idx``
-    kept (None: every row)."""
+    from :func:`tplogp.validation.check_loss`, or None for the rows of the targets' last dimension),
+    for the rows ``keep_idx`` kept (None: every row)."""
     n_all = 1
     for s in target_shape:
         n_all *= s

@@ -6,11 +6,11 @@ own checks and the group then raises the same error everywhere (:mod:`tplogp.gro
 plan raises it. :func:`single_shard_vocab` checks the shard layout of a call on one shard. The plan
 (:mod:`tplogp.plan`) runs these through :func:`check_layout`, at the first call of a layout only.
 
-The fused loss's own arguments (the loss, ``per_token``, ``reduction``, ``with_entropy``, ``cu_seqlens``,
-``return_metrics``) are checked at every call by :func:`check_loss` (a few type and shape tests): a
-:class:`LossCheck` holds the rank's problem and what its ranks must agree on (the loss's options, the per-token
-tensors' shapes and dtypes, the sequences' offsets), which the group record compares by digest
-(:meth:`LossCheck.digests`).
+The fused loss's own arguments (the loss, ``per_token``, ``reduction``, ``with_entropy``,
+``cu_seqlens``, ``return_metrics``) are checked at every call by :func:`check_loss` (a few type and
+shape tests): a :class:`LossCheck` holds the rank's problem and what its ranks must agree on (the
+loss's options, the per-token tensors' shapes and dtypes, the sequences' offsets), which the group
+record compares by digest (:meth:`LossCheck.digests`).
 """
 
 from __future__ import annotations
@@ -218,7 +218,8 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
 # ---- the fused loss's arguments ------------------------------------------------------------------------------------
 
 REDUCTIONS = ("sum", "mean")  # linear_logp_loss's reduction
-# what a LossCheck's ranks must agree on, in the order of LossCheck.parts and of the group record's digests
+# what a LossCheck's ranks must agree on, in the order of LossCheck.parts and of the group record's
+# digests
 AGREED = ("the loss and its options (loss, reduction, with_entropy, return_metrics)",
           "the per_token tensors' shapes and dtypes", "cu_seqlens")
 
@@ -226,10 +227,10 @@ AGREED = ("the loss and its options (loss, reduction, with_entropy, return_metri
 class LossCheck:
     """The checks of one fused-loss call's own arguments (:func:`check_loss`).
 
-    ``problem``: the rank's problem, or None. ``offsets``: ``cu_seqlens`` as host ints when the loss uses its
-    sequences (else None). :meth:`parts`: plain-value tuples of what every rank of a group must pass alike, one per
-    entry of :data:`AGREED` (built only with a group: host time); :meth:`digests` hashes them for the group record,
-    :meth:`describe` shows them."""
+    ``problem``: the rank's problem, or None. ``offsets``: ``cu_seqlens`` as host ints when the loss
+    uses its sequences (else None). :meth:`parts`: plain-value tuples of what every rank of a group
+    must pass alike, one per entry of :data:`AGREED` (built only with a group: host time);
+    :meth:`digests` hashes them for the group record, :meth:`describe` shows them."""
 
     __slots__ = ("problem", "offsets", "_arguments", "caller")
     labels = AGREED  # what each part is, for the error of ranks that disagree
@@ -261,8 +262,8 @@ class LossCheck:
 
 class EntryCheck(LossCheck):
     """The checks of an integration's entry point that calls the op (:mod:`tplogp.integrations`): its own problem,
-    raised with the op's (on every rank of a group), and its options, which the ranks must pass alike (compared by
-    digest in the group record like a fused loss's)."""
+    raised with the op's (on every rank of a group), and its options, which the ranks must pass
+    alike (compared by digest in the group record like a fused loss's)."""
 
     __slots__ = ("labels",)
 
@@ -276,8 +277,8 @@ class EntryCheck(LossCheck):
 
 def loss_identity(loss) -> tuple:
     """What names a loss the same way on every rank: a :class:`~tplogp.losses.TokenLoss`'s name (its options
-    included) and per-token names, a GRPO-family loss's options (a tensor option by its shape and dtype: no host
-    read), else the callable's module and qualified name."""
+    included) and per-token names, a GRPO-family loss's options (a tensor option by its shape and
+    dtype: no host read), else the callable's module and qualified name."""
     config = getattr(loss, "config", None)
     if config is not None and hasattr(config, "__dataclass_fields__"):
         fields = tuple((name, _plain(getattr(config, name))) for name in config.__dataclass_fields__)
@@ -360,9 +361,9 @@ def _loss_problem(loss, per_token, reduction, with_entropy, cu_seqlens, return_m
 
 def parse_offsets(cu_seqlens, n_all: int, read: bool = True) -> tuple[Optional[list[int]], Optional[str]]:
     """``cu_seqlens`` (a 1-D integer tensor or a sequence ``[0, ..., N]``) as host offsets, checked: ``(offsets,
-    None)``, or ``(None, problem)``. ``read=False`` (a loss without per-sequence terms, which never uses the
-    offsets): a tensor's dtype and shape are checked without reading its values (no host copy, no sync with its
-    device), and the offsets are None."""
+    None)``, or ``(None, problem)``. ``read=False`` (a loss without per-sequence terms, which never
+    uses the offsets): a tensor's dtype and shape are checked without reading its values (no host
+    copy, no sync with its device), and the offsets are None."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             return None, (f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "

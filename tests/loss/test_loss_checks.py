@@ -1,7 +1,8 @@
 """The fused loss's own arguments are a collective verdict: a bad argument on one rank of a TP group raises the same
-typed error, naming the rank and the argument, on every rank, before any collective of the call; replicated
-arguments that differ between ranks (the loss's options, the per-token tensors' layout, ``cu_seqlens``) are
-compared in the group record. The group stays usable: the next good call on it gives the TP=1 value."""
+typed error, naming the rank and the argument, on every rank, before any collective of the call;
+replicated arguments that differ between ranks (the loss's options, the per-token tensors' layout,
+``cu_seqlens``) are compared in the group record. The group stays usable: the next good call on it
+gives the TP=1 value."""
 
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ def _bad_then_good(tp, case: str, source: str = "native") -> None:
     message = agreed_message(tp, outcome)
     assert message.startswith("LinearLogpInputError: "), message
     assert re.search(LOSS_CASES[case], message.removeprefix("LinearLogpInputError: ")), message
-    # the group is usable: a good call on it gives the value and hidden gradient of the call without a group
+    # the group is usable: a good call on it gives the value and hidden gradient of the call without
+    # a group
     good = dict(per_token=[adv, old], cu_seqlens=torch.tensor(OFFSETS))
     value, d_hidden = _call(hidden, w_local, target, source=source, **group_kw, **good)
     check_errors(tp.group)

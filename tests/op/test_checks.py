@@ -78,8 +78,9 @@ def test_fast_mode_drops_nothing_pending(monkeypatch):
 
 def _calls(tp, targets_per_call, finish=None, graph=True):
     """Run ``linear_logp`` once per target tensor on uneven shards of a 64-id vocab; per call the outcome ("ok" or
-    the error) and the host reads it made. ``finish``: called last (check_errors), its outcome appended too.
-    ``graph``: whether the calls record an autograd graph (hidden requires grad; no backward runs)."""
+    the error) and the host reads it made. ``finish``: called last (check_errors), its outcome
+    appended too. ``graph``: whether the calls record an autograd graph (hidden requires grad; no
+    backward runs)."""
     from tplogp.shards import shard_boundaries, shard_range
 
     start, end = shard_range(shard_boundaries(64, tp.world_size, uneven=True), tp.rank)
@@ -149,7 +150,8 @@ def test_tp_full_checks_raise_at_the_next_call_on_every_rank(tp, monkeypatch):
 def test_tp_full_checks_of_a_call_without_graph_raise_at_the_call(tp, monkeypatch):
     """A call that records no autograd graph (no_grad: a GRPO step's old / reference log-probs) has no backward to
     carry its verdict: with the default checks it reads its own targets' summary at the call and exchanges it over
-    the CPU group, so every rank raises the same error at that call (no NaN handed out), and the group goes on."""
+    the CPU group, so every rank raises the same error at that call (no NaN handed out), and the
+    group goes on."""
     monkeypatch.setenv("TPLOGP_CHECKS", "full")
     with torch.no_grad():
         outcome = _calls(tp, [GOOD, BAD, GOOD, lambda rank: GOOD + rank], finish=lambda: check_errors(tp.group),
@@ -162,7 +164,8 @@ def test_tp_full_checks_of_a_call_without_graph_raise_at_the_call(tp, monkeypatc
                      r"autograd graph", outcome[2]), outcome
     assert re.search(r"target_ids \(they must be replicated.*rank 0: #[0-9a-f]+, rank 1: #[0-9a-f]+.*checked at the "
                      r"call", outcome[6]), outcome
-    # per call: the CPU record's read and the exchange of the call's own summary (one small host read of it)
+    # per call: the CPU record's read and the exchange of the call's own summary (one small host
+    # read of it)
     for reads in outcome[1:8:2]:
         assert sorted(reads) == ["Tensor.tolist in _exchange", "Tensor.tolist in _judge_group_summary",
                                  "Tensor.tolist in read_summary"], reads

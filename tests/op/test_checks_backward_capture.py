@@ -219,9 +219,9 @@ def test_compiled_backward_raises_a_bad_target_before_any_gradient(monkeypatch):
 @triton_interpreter
 def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypatch):
     """The triton source's finishing kernel writes the target verdict into a host slot (tplogp.checks
-    KernelTargetCheck); slots are reused round-robin. A call whose backward runs after its slot was reused (many
-    forwards that record a graph accumulated before one backward) still gets its own verdict; the bad call that
-    reused the slot is raised by check_errors, once."""
+    KernelTargetCheck); slots are reused round-robin. A call whose backward runs after its slot was
+    reused (many forwards that record a graph accumulated before one backward) still gets its own
+    verdict; the bad call that reused the slot is raised by check_errors, once."""
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
     check_errors()
     head, hidden = _model(3)
@@ -246,8 +246,8 @@ def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypa
 @pytest.mark.parametrize("bad_id", [-4, 25])
 def test_kernel_target_check_raises_in_the_backward_and_in_a_later_forward(bad_id, monkeypatch):
     """With the verdict in the triton source's kernel: a bad target raises in the same call's backward with nothing
-    handed to the parameters; a no-grad call's bad target raises at the call itself (no backward would carry it),
-    and a later call runs."""
+    handed to the parameters; a no-grad call's bad target raises at the call itself (no backward
+    would carry it), and a later call runs."""
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
     check_errors()
     head, hidden = _model(4)

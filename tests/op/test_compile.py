@@ -233,8 +233,8 @@ BUILD_OUTSIDE = r"the loss .* is built inside a function that torch.compile trac
 ])
 def test_a_loss_built_under_fullgraph_names_where_to_build_it(build):
     """A loss object built inside a function compiled with ``fullgraph=True`` raises dynamo's error with a message
-    that says where to build it (dynamo raises at the trace, before any work); compiled without ``fullgraph`` the
-    loss is built eagerly at a graph break and the value is eager's."""
+    that says where to build it (dynamo raises at the trace, before any work); compiled without
+    ``fullgraph`` the loss is built eagerly at a graph break and the value is eager's."""
     p = make_problem((6,), 8, 20, torch.float32, False, seed=2)
     old = -torch.rand(6)
 

@@ -132,9 +132,9 @@ def test_fp16_native(bias):
 @pytest.mark.parametrize("mode", ["full", "sync"])
 def test_target_outside_the_vocabulary_is_rejected(bad, mode, monkeypatch):
     """One shard: a target no shard owns raises the runbook's coverage message (ignore_index only exempts itself):
-    at the call with TPLOGP_CHECKS=sync, and with the default (full) at the call of a call that records no autograd
-    graph; a call that records one gives NaN for that token and the next call raises, once (here no backward
-    runs)."""
+    at the call with TPLOGP_CHECKS=sync, and with the default (full) at the call of a call that
+    records no autograd graph; a call that records one gives NaN for that token and the next call
+    raises, once (here no backward runs)."""
     from tplogp import LinearLogpInputError
 
     monkeypatch.setenv("TPLOGP_CHECKS", mode)

@@ -12,8 +12,9 @@ import torch
 import tplogp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# tplogp's own source directory (with a separator at its end): a frame is tplogp's when its file lies below it. A
-# substring test of the path would also match torch's frames when the environment lives below a folder named tplogp
+# tplogp's own source directory (with a separator at its end): a frame is tplogp's when its file
+# lies below it. A substring test of the path would also match torch's frames when the environment
+# lives below a folder named tplogp
 _TPLOGP_DIR = os.path.join(os.path.dirname(os.path.realpath(tplogp.__file__)), "")
 
 # aten ops that hand tensor data to the host: ``.item()`` / ``bool(t)`` and data-dependent output shapes

@@ -202,7 +202,8 @@ def _model_logits(out):
 def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, make: Callable,
          model_kwargs: dict, expected_shape: tuple) -> torch.Tensor:
     """Run ``model``'s forward with its head computing ``make(head, shifted_hidden, temperature_scale)``; the result
-    as the model returned it, after the exactness checks. ``logits_to_keep``: checked (:func:`_entry`)."""
+    as the model returned it, after the exactness checks. ``logits_to_keep``: checked
+    (:func:`_entry`)."""
     scale = _check_config(model)
     heads = _output_heads(model)
     seq = input_ids.shape[1]
@@ -254,10 +255,11 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
 
 def _entry(input_ids, logits_to_keep, model_kwargs: dict) -> tuple[int, Optional[str]]:
     """The entry point's own checks: ``(logits_to_keep to run the model with, problem or None)``. What the model
-    cannot run with raises here (input_ids not ``[B, S]``; model keyword arguments the integration sets itself,
-    fixed in the caller's code); a bad ``logits_to_keep`` is a problem that travels with the head's op call
-    (:class:`tplogp.validation.EntryCheck`), so with a tensor-parallel head every rank raises the same error after
-    the model's forward (its collectives done on every rank) and none is left waiting."""
+    cannot run with raises here (input_ids not ``[B, S]``; model keyword arguments the integration
+    sets itself, fixed in the caller's code); a bad ``logits_to_keep`` is a problem that travels
+    with the head's op call (:class:`tplogp.validation.EntryCheck`), so with a tensor-parallel head
+    every rank raises the same error after the model's forward (its collectives done on every rank)
+    and none is left waiting."""
     bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
     if bad:
         raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets the positions "

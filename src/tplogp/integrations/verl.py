@@ -52,7 +52,8 @@ def linear_cross_entropy(
     Returns:
         float32 ``logprobs`` (``[N]``, or 0-d with ``"sum"`` / ``"mean"``) and ``entropy`` ``[N]``.
     """
-    # verl's own checks travel with the op's: with a group every rank raises the same error (none is left waiting)
+    # verl's own checks travel with the op's: with a group every rank raises the same error (none is
+    # left waiting)
     problem = None
     if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
         problem, reduction = f"reduction must be one of {REDUCTIONS}, got {reduction!r}", "none"
@@ -68,7 +69,8 @@ def linear_cross_entropy(
             problem = problem or (f"labels must hold one id per token of hidden: {flat_hidden.shape[0]} tokens "
                                   f"(hidden {tuple(hidden.shape)}), got labels {tuple(labels.shape)}")
             flat_labels = labels.new_zeros(flat_hidden.shape[0])  # (the call is rejected: the problem above)
-    # (not a tensor: the op's checks name it; a temperature that is not a positive finite number: the op's too)
+    # (not a tensor: the op's checks name it; a temperature that is not a positive finite number:
+    # the op's too)
     world = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
     group_kwargs: dict[str, Any] = {}
     if world > 1:
