@@ -95,8 +95,8 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
     loss's."""
     # the loss's own arguments, checked with the op's (the same error on every rank of a group,
     # before any collective)
-    check = validation.check_loss(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics, target_ids,
-                                  entry)
+    check = validation.check_loss(loss, per_token, reduction, with_entropy, cu_seqlens,
+                                  return_metrics, target_ids, entry)
     policy = isinstance(loss, GRPOLoss)
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                                deterministic=deterministic, workspace_bytes=workspace_bytes,

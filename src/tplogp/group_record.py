@@ -72,7 +72,9 @@ class GroupRecord:
         agree; errors then name ``linear_logp_loss``)."""
         world = dist.get_world_size(group)
         hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
-        digests = [0] * len(AGREED) if loss_check is None or problem is not None else loss_check.digests()
+        digests = [0] * len(AGREED)
+        if loss_check is not None and problem is None:
+            digests = loss_check.digests()
         key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
                builds_graph, hidden_layout, *digests)
         if mode == "fast" and problem is None and key in cls._verified:
@@ -125,8 +127,8 @@ class GroupRecord:
     @classmethod
     def is_verified(cls, group, vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
                     hidden_size: int, dtype: torch.dtype, has_bias: bool, ignore_index: Optional[int],
-                    builds_graph: bool, sequence_parallel: bool = False, hidden_grad: str = "reduced",
-                    loss_check: Optional[LossCheck] = None) -> bool:
+                    builds_graph: bool, sequence_parallel: bool = False,
+                    hidden_grad: str = "reduced", loss_check: Optional[LossCheck] = None) -> bool:
         """Whether ``fast`` mode has verified this layout with ``group`` (its later calls exchange nothing)."""
         hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
         digests = [0] * len(AGREED) if loss_check is None else loss_check.digests()
@@ -143,18 +145,21 @@ class GroupRecord:
     @staticmethod
     def _check_loss_agreement(rows: Sequence[Sequence[int]], group, world: int,
                               loss_check: Optional[LossCheck]) -> None:
-        """The fused loss's parts (:data:`tplogp.validation.AGREED`) must have the same digest on every rank; where
-        one differs, every rank's description follows in one ``all_gather_object`` (all ranks saw
-        the difference) and every rank raises the same error."""
+        """The fused loss's parts (:data:`tplogp.validation.AGREED`) must have the same digest on
+        every rank; where one differs, every rank's description follows in one
+        ``all_gather_object`` (all ranks saw the difference) and every rank raises the same
+        error."""
         for index, what in enumerate(AGREED if loss_check is None else loss_check.labels):
             values = [r[_LOSS + index] for r in rows]
             if len(set(values)) == 1:
                 continue
             texts: list = [None] * world
-            dist.all_gather_object(texts, None if loss_check is None else loss_check.describe(index), group=group)
+            mine = None if loss_check is None else loss_check.describe(index)
+            dist.all_gather_object(texts, mine, group=group)
             listing = "; ".join(f"rank {i}: {t}" for i, t in enumerate(texts))
             caller = "linear_logp_loss" if loss_check is None else loss_check.caller
-            raise LinearLogpInputError(f"{caller}: {what} must be the same on every TP rank, got {listing}")
+            raise LinearLogpInputError(f"{caller}: {what} must be the same on every TP rank, got "
+                                       f"{listing}")
 
     @staticmethod
     def _check_agreement(rows: Sequence[Sequence[int]]) -> None:

@@ -295,8 +295,8 @@ def kl_to_reference(coef: float) -> TokenLoss:
 
 
 def entropy_bonus(coef: float) -> TokenLoss:
-    """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the default).
-    ``coef``: finite."""
+    """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the
+    default). ``coef``: finite."""
     check_number("entropy_bonus's coef", coef)
     return _linear_loss(f"entropy_bonus({coef})", (), lambda: (None, -coef), reads_entropy=True)
 

@@ -1,5 +1,6 @@
-"""The GRPO family's chunk schedule in the fused loss (:func:`policy_loss_and_grads`); the options only its losses
-take are checked with the fused loss's others (:func:`tplogp.validation.check_loss`)."""
+"""The GRPO family's chunk schedule in the fused loss (:func:`policy_loss_and_grads`); the options
+only its losses take are checked with the fused loss's others
+(:func:`tplogp.validation.check_loss`)."""
 
 from __future__ import annotations
 

@@ -61,15 +61,16 @@ def k3_kl(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def refuse_under_compile(name: str) -> None:
-    """A loss is built outside ``torch.compile``'d code: a loss object holds a process-wide key that names it to the
-    compiled fused loss's op (and a GRPO loss's work runs eagerly), which a trace cannot create.
-    Under a trace this is a graph break whose message says where to build the loss (under
-    ``fullgraph=True``, the error); eagerly, nothing."""
+    """A loss is built outside ``torch.compile``'d code: a loss object holds a process-wide key that
+    names it to the compiled fused loss's op (and a GRPO loss's work runs eagerly), which a trace
+    cannot create. Under a trace this is a graph break whose message says where to build the loss
+    (under ``fullgraph=True``, the error); eagerly, nothing."""
     if torch.compiler.is_compiling():
         torch._dynamo.graph_break(msg=(
-            f"tplogp: the loss {name} is built inside a function that torch.compile traces; build tplogp losses "
-            f"(losses.grpo(...), losses.ppo_clip(...), ...) once outside the compiled function (where the model "
-            f"and optimizer are built) and pass the loss in or close over it"))
+            f"tplogp: the loss {name} is built inside a function that torch.compile traces; "
+            f"build tplogp losses (losses.grpo(...), losses.ppo_clip(...), ...) once outside the "
+            f"compiled function (where the model and optimizer are built) and pass the loss in or "
+            f"close over it"))
 
 
 def _is_int(value) -> bool:
@@ -78,8 +79,8 @@ def _is_int(value) -> bool:
 
 def check_number(name: str, value, minimum: Optional[float] = None, open_minimum: bool = False,
                  optional: bool = False) -> None:
-    """A loss option that must be a finite real number (not a bool), at least ``minimum`` (above it with
-    ``open_minimum``); None passes when ``optional``.
+    """A loss option that must be a finite real number (not a bool), at least ``minimum`` (above it
+    with ``open_minimum``); None passes when ``optional``.
 
     Raises:
         ValueError: naming the option, what it must be and what it got.
@@ -91,7 +92,8 @@ def check_number(name: str, value, minimum: Optional[float] = None, open_minimum
         ok = value > minimum if open_minimum else value >= minimum
     if not ok:
         bound = "" if minimum is None else f" {'>' if open_minimum else '>='} {minimum:g}"
-        raise ValueError(f"{name} must be a finite number{bound}{' or None' if optional else ''}, got {value!r}")
+        none = " or None" if optional else ""
+        raise ValueError(f"{name} must be a finite number{bound}{none}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -138,21 +140,22 @@ class GRPOConfig:
         for name in ("epsilon_low", "epsilon_high", "beta"):
             check_number(name, getattr(self, name), minimum=0.0)
         check_number("entropy_coef", self.entropy_coef)
-        for name in ("delta", "clip_ratio_c", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
-                     "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+        for name in ("delta", "clip_ratio_c", "sapo_temperature_pos", "sapo_temperature_neg",
+                     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             check_number(name, getattr(self, name), minimum=0.0, open_minimum=True, optional=True)
         for name in ("rollout_clip_min", "rollout_clip_max"):
             check_number(name, getattr(self, name), minimum=0.0, optional=True)
         if None not in (self.rollout_clip_min, self.rollout_clip_max) and \
                 self.rollout_clip_min > self.rollout_clip_max:
-            raise ValueError(f"rollout_clip_min ({self.rollout_clip_min}) must be at most rollout_clip_max "
-                             f"({self.rollout_clip_max})")
-        if self.max_completion_length is not None and (not _is_int(self.max_completion_length)
-                                                       or self.max_completion_length <= 0):
-            raise ValueError(f"max_completion_length must be a positive int, got {self.max_completion_length!r}")
+            raise ValueError(f"rollout_clip_min ({self.rollout_clip_min}) must be at most "
+                             f"rollout_clip_max ({self.rollout_clip_max})")
+        length = self.max_completion_length
+        if length is not None and (not _is_int(length) or length <= 0):
+            raise ValueError(f"max_completion_length must be a positive int, got {length!r}")
         items = self.num_items_in_batch
+        # (a 0-d tensor passes: its value is not read here)
         if items is not None and not (isinstance(items, torch.Tensor) and items.dim() == 0
-                                      and items.dtype != torch.bool):  # a 0-d tensor: its value is not read here
+                                      and items.dtype != torch.bool):
             check_number("num_items_in_batch", items, minimum=0.0)
         for name in ("bias_corrected_kl", "with_old_logp"):
             if not isinstance(getattr(self, name), bool):

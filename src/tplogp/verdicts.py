@@ -10,13 +10,13 @@ entry, so every rank raises the same error.
 
 Modes (``TPLOGP_CHECKS``):
 
-* ``full`` (default): a call that records an autograd graph reads nothing from the device at the call; one that
-  records none (``torch.no_grad()``: no backward would carry its verdict) reads its targets' range at the call (one
-  small host read; with a group, every rank's summary in one more exchange over the CPU group) and raises there.
-  For the others, the targets' ``[checksum, lo, hi]`` summary is
-  computed on the device and copied to pinned host memory behind an event (:class:`PendingTargetCheck`); without a
-  group, on the triton / sm90 sources and without ``ignore_index``, the forward's finishing kernel writes a bad id
-  straight into a pinned host slot instead (:class:`KernelTargetCheck`: no launch or copy of its own). The verdict
+* ``full`` (default): a call that records an autograd graph reads nothing from the device at the
+  call; one that records none (``torch.no_grad()``: no backward would carry its verdict) reads its
+  targets' range at the call (one small host read; with a group, every rank's summary in one more
+  exchange over the CPU group) and raises there. For the others, the targets' ``[checksum, lo,
+  hi]`` summary is computed on the device and copied to pinned host memory behind an event
+  (:class:`PendingTargetCheck`); without a group, on the triton / sm90 sources and without
+  ``ignore_index``, the forward's finishing kernel writes a bad id straight into a pinned host slot instead (:class:`KernelTargetCheck`: no launch or copy of its own). The verdict
   reaches the user at the first of: the **backward of the same call** (which raises before any gradient is handed
   to autograd: without a group after launching its kernels, so that a wait for the event leaves them queued; with
   a group first, after one exchange over the group's CPU companion, so every rank raises the same error), a later
@@ -66,8 +66,8 @@ BACKWARD_NOTE = (" [found by the backward of the linear_logp call that had it, b
                  "is NaN for these tokens; TPLOGP_CHECKS=sync raises at the call itself]")
 CAPTURED_NOTE = (" [found by the target check of a linear_logp call captured in a CUDA graph, at its last replay; "
                  "that replay's logp is NaN for these tokens and its gradients of hidden, weight and bias are zero]")
-NO_GRAPH_NOTE = (" [checked at the call: it records no autograd graph (torch.no_grad(), or hidden does not require "
-                 "grad), so no backward would carry its verdict]")
+NO_GRAPH_NOTE = (" [checked at the call: it records no autograd graph (torch.no_grad(), or hidden "
+                 "does not require grad), so no backward would carry its verdict]")
 CAPTURE_FIX = ("run one call of this layout outside the capture first (a warm-up), or set TPLOGP_CHECKS=fast "
                "(no target check)")
 
@@ -374,8 +374,9 @@ def open_call(plan, args, problem: Optional[str],
             ``kernel_target_check``, ``vocab_size``: set for one shard, None for a group's first call).
         args: the call's :class:`tplogp.plan.CallArgs`.
         problem: the call's local problem, or None.
-        loss_check: a fused-loss call's checks of its own arguments (:func:`tplogp.validation.check_loss`): its
-            problem is the call's when the layout has none; with a group its digests travel in the record.
+        loss_check: a fused-loss call's checks of its own arguments
+            (:func:`tplogp.validation.check_loss`): its problem is the call's when the layout has
+            none; with a group its digests travel in the record.
     Returns:
         ``(global vocab size, what the backward settles or None, the target check that the source's finishing
         kernel runs or None, every rank's shard range (start, end) from the group record, None without a
@@ -400,7 +401,9 @@ def open_call(plan, args, problem: Optional[str],
         raise LinearLogpInputError(problem)
     total, target_ids, ignore_index = plan.vocab_size, args.target_ids, args.options.ignore_index
     verdict = in_kernel = None
-    if mode == "sync" or (mode == "full" and not args.builds_graph and not capturing and target_ids.numel()):
+    # a call that records no graph has no backward to carry its verdict: decided now (no capture)
+    at_call = mode == "full" and not args.builds_graph and not capturing and target_ids.numel()
+    if mode == "sync" or at_call:
         msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False), total,
                                    ignore_index)
         if msg is not None:
@@ -438,8 +441,8 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
                                        f"run in a CUDA-graph capture: {CAPTURE_FIX}")
     elif mode == "fast" and capturing and not GroupRecord.is_verified(
             group, args.vocab_start_index, weight.shape[0], args.global_vocab_size, hidden.shape[-1], hidden.dtype,
-            bias is not None, ignore_index, builds_graph, args.options.sequence_parallel, args.options.hidden_grad,
-            loss_check):
+            bias is not None, ignore_index, builds_graph, args.options.sequence_parallel,
+            args.options.hidden_grad, loss_check):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
@@ -481,11 +484,12 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
             raise LinearLogpInputError(msg + GROUP_NOTE)
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check(group_name(group), target_ids, total, ignore_index))
-        elif builds_graph:  # this call's targets: judged by its backward, else by the next call with the group
+        elif builds_graph:  # this call's targets: judged by its backward, else by the next call
             defer_group_target_check(group, target_ids, total, ignore_index)
             verdict = BackwardVerdict(pending=_pending_by_group[group_name(group)], group=group)
-        else:  # no backward would carry the verdict: judged now, one more exchange over the CPU group
-            _judge_group_summary(group, _start(target_ids, total, ignore_index, with_checksum=True), NO_GRAPH_NOTE)
+        else:  # no backward would carry the verdict: judged now, one more exchange (CPU group)
+            own = _start(target_ids, total, ignore_index, with_checksum=True)
+            _judge_group_summary(group, own, NO_GRAPH_NOTE)
     elif summary is not None:  # sync: this call's own targets, identical on every rank (the checksums agree)
         msg = target_range_problem(summary, total, ignore_index)
         if msg is not None:

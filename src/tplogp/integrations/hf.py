@@ -254,22 +254,23 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
 
 
 def _entry(input_ids, logits_to_keep, model_kwargs: dict) -> tuple[int, Optional[str]]:
-    """The entry point's own checks: ``(logits_to_keep to run the model with, problem or None)``. What the model
-    cannot run with raises here (input_ids not ``[B, S]``; model keyword arguments the integration
-    sets itself, fixed in the caller's code); a bad ``logits_to_keep`` is a problem that travels
-    with the head's op call (:class:`tplogp.validation.EntryCheck`), so with a tensor-parallel head
-    every rank raises the same error after the model's forward (its collectives done on every rank)
-    and none is left waiting."""
+    """The entry point's own checks: ``(logits_to_keep to run the model with, problem or None)``.
+    What the model cannot run with raises here (input_ids not ``[B, S]``; model keyword arguments
+    the integration sets itself, fixed in the caller's code); a bad ``logits_to_keep`` is a problem
+    that travels with the head's op call (:class:`tplogp.validation.EntryCheck`), so with a
+    tensor-parallel head every rank raises the same error after the model's forward (its
+    collectives done on every rank) and none is left waiting."""
     bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
     if bad:
-        raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets the positions "
-                        f"(logits_to_keep) and computes no HF loss (labels)")
+        raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets "
+                        f"the positions (logits_to_keep) and computes no HF loss (labels)")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got "
-                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0 \
-            or logits_to_keep > input_ids.shape[1] - 1:
-        return 0, (f"logits_to_keep must be an int in [0, sequence length - 1 = {input_ids.shape[1] - 1}], got "
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got {got}")
+    last = input_ids.shape[1] - 1
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) \
+            or not 0 <= logits_to_keep <= last:
+        return 0, (f"logits_to_keep must be an int in [0, sequence length - 1 = {last}], got "
                    f"{logits_to_keep!r}")
     return logits_to_keep, None
 
@@ -328,10 +329,10 @@ def causal_lm_logprobs(
     targets = _targets(input_ids, keep)
 
     def make(head, hidden, scale):
+        t_eff = temperature if scale is None else scale.temperature(temperature)
         out = linear_logp_entry(entry, hidden, head.weight, targets.to(hidden.device), head.bias,
-                                temperature=temperature if scale is None else scale.temperature(temperature),
-                                softcap=_softcap(scale), return_entropy=return_entropy,
-                                workspace_bytes=workspace_bytes)
+                                temperature=t_eff, softcap=_softcap(scale),
+                                return_entropy=return_entropy, workspace_bytes=workspace_bytes)
         # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a view)
         return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
 
@@ -388,8 +389,9 @@ def causal_lm_loss(
     targets = _targets(input_ids, keep)
     if loss_mask is not None and (not isinstance(loss_mask, torch.Tensor)
                                   or tuple(loss_mask.shape) != tuple(targets.shape)):
-        problem = problem or (f"loss_mask must be a tensor of shape {tuple(targets.shape)} (the log-probs' shape), "
-                              f"got {tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else loss_mask}")
+        got = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else loss_mask
+        problem = problem or (f"loss_mask must be a tensor of shape {tuple(targets.shape)} (the "
+                              f"log-probs' shape), got {got}")
         loss_mask = None  # (the call is rejected: the problem travels with the loss's checks)
     if loss_mask is not None:
         targets = torch.where(loss_mask.to(targets.device).bool(), targets, _MASKED)
@@ -406,8 +408,9 @@ def causal_lm_loss(
                 raise UnsupportedModelError(f"the LM head's input is a DTensor placed {hidden.placements}; expected "
                                             f"Replicate() (ColwiseParallel's default input layout)")
             mesh, local = hidden.device_mesh, hidden.to_local()
-        value = linear_logp_loss_entry(entry, local, head.weight, targets.to(local.device), head.bias, loss=loss,
-                                       per_token=per_token, reduction=reduction, temperature=t_eff,
+        value = linear_logp_loss_entry(entry, local, head.weight, targets.to(local.device),
+                                       head.bias, loss=loss, per_token=per_token,
+                                       reduction=reduction, temperature=t_eff,
                                        softcap=_softcap(scale), ignore_index=ignore,
                                        workspace_bytes=workspace_bytes, with_entropy=with_entropy,
                                        return_metrics=return_metrics)

@@ -61,25 +61,30 @@ def linear_cross_entropy(
     flat_hidden, flat_labels = hidden, labels
     tensors = all(isinstance(t, torch.Tensor) for t in (hidden, weight, labels))
     if tensors and (hidden.dim() < 2 or weight.dim() != 2):
-        problem = problem or (f"expected hidden [..., D] and weight [V, D], got hidden {tuple(hidden.shape)} and "
-                              f"weight {tuple(weight.shape)}")
+        problem = problem or (f"expected hidden [..., D] and weight [V, D], got hidden "
+                              f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}")
     elif tensors:
         flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         if flat_labels.numel() != flat_hidden.shape[0]:
-            problem = problem or (f"labels must hold one id per token of hidden: {flat_hidden.shape[0]} tokens "
-                                  f"(hidden {tuple(hidden.shape)}), got labels {tuple(labels.shape)}")
-            flat_labels = labels.new_zeros(flat_hidden.shape[0])  # (the call is rejected: the problem above)
+            problem = problem or (f"labels must hold one id per token of hidden: "
+                                  f"{flat_hidden.shape[0]} tokens (hidden {tuple(hidden.shape)}), "
+                                  f"got labels {tuple(labels.shape)}")
+            # (the call is rejected: the problem above)
+            flat_labels = labels.new_zeros(flat_hidden.shape[0])
     # (not a tensor: the op's checks name it; a temperature that is not a positive finite number:
     # the op's too)
     world = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
     group_kwargs: dict[str, Any] = {}
     if world > 1:
         local = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
-        group_kwargs = dict(tp_group=dist_process_group, vocab_start_index=dist.get_rank(dist_process_group) * local,
-                            global_vocab_size=world * local if local else None, hidden_grad="partial")
+        group_kwargs = dict(tp_group=dist_process_group,
+                            vocab_start_index=dist.get_rank(dist_process_group) * local,
+                            global_vocab_size=world * local if local else None,
+                            hidden_grad="partial")
     entry = EntryCheck("linear_cross_entropy", problem, (("reduction", reduction),))
-    logprobs, entropy = linear_logp_entry(entry, flat_hidden, weight, flat_labels, temperature=temperature,
-                                          return_entropy=True, **group_kwargs)
+    logprobs, entropy = linear_logp_entry(entry, flat_hidden, weight, flat_labels,
+                                          temperature=temperature, return_entropy=True,
+                                          **group_kwargs)
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":
