@@ -13,18 +13,21 @@ Modes (``TPLOGP_CHECKS``):
 * ``full`` (default): a call that records an autograd graph reads nothing from the device at the
   call; one that records none (``torch.no_grad()``: no backward would carry its verdict) reads its
   targets' range at the call (one small host read; with a group, every rank's summary in one more
-  exchange over the CPU group) and raises there. For the others, the targets' ``[checksum, lo,
-  hi]`` summary is computed on the device and copied to pinned host memory behind an event
+  exchange over the CPU group) and raises there. For the others, the targets' ``[checksum, lo, hi]``
+  summary is computed on the device and copied to pinned host memory behind an event
   (:class:`PendingTargetCheck`); without a group, on the triton / sm90 sources and without
-  ``ignore_index``, the forward's finishing kernel writes a bad id straight into a pinned host slot instead (:class:`KernelTargetCheck`: no launch or copy of its own). The verdict
-  reaches the user at the first of: the **backward of the same call** (which raises before any gradient is handed
-  to autograd: without a group after launching its kernels, so that a wait for the event leaves them queued; with
-  a group first, after one exchange over the group's CPU companion, so every rank raises the same error), a later
-  call (without a group: the first whose start finds the verdict delivered, never waiting for it; with a group:
-  the next call, in its record exchange), or :func:`check_errors`. With a group the record holds host values only and is
-  exchanged over a CPU group (:func:`tplogp.comm.host_group`) on every call, which proves the token counts agree
-  before the stats exchange; metadata errors surface at the call. A validated partition plus targets inside
-  ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN at those tokens.
+  ``ignore_index``, the forward's finishing kernel writes a bad id straight into a pinned host slot
+  instead (:class:`KernelTargetCheck`: no launch or copy of its own). The verdict reaches the user
+  at the first of: the **backward of the same call** (which raises before any gradient is handed to
+  autograd: without a group after launching its kernels, so that a wait for the event leaves them
+  queued; with a group first, after one exchange over the group's CPU companion, so every rank
+  raises the same error), a later call (without a group: the first whose start finds the verdict
+  delivered, never waiting for it; with a group: the next call, in its record exchange), or
+  :func:`check_errors`. With a group the record holds host values only and is exchanged over a CPU
+  group (:func:`tplogp.comm.host_group`) on every call, which proves the token counts agree before
+  the stats exchange; metadata errors surface at the call. A validated partition plus targets inside
+  ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN at
+  those tokens.
 * ``sync``: the targets' summary is read at the call (one host sync); errors surface at the call that caused them.
 * ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size, bias,
   ignore_index, whether the call records an autograd graph) and skips the target check: one collective per forward
