@@ -119,10 +119,10 @@ def test_verdict_on_a_side_stream(source, monkeypatch):
 
 @pytest.mark.parametrize("source", ["native", "triton", "sm90"])
 def test_no_grad_call_decides_its_verdict_at_the_call_with_one_host_read(source, monkeypatch):
-    """A no-grad call (a GRPO step's old log-probs) reads its targets' range at the call: one host read, counted
-    by the CUDA sync debug mode as the only synchronizing call; a bad id raises there and no NaN is
-    handed out. A no-grad call captured in a CUDA graph reads nothing (its flag is read by
-    ``check_errors`` after a replay)."""
+    """A no-grad call (a GRPO step's old log-probs) reads its targets' range at the call: one host
+    read, counted by the CUDA sync debug mode as the only synchronizing call; a bad id raises there
+    and no NaN is handed out. A no-grad call captured in a CUDA graph reads nothing (its flag is
+    read by ``check_errors`` after a replay)."""
     op, h, w, t, v = _planned(source, 3, monkeypatch)
     check_errors()
     with torch.no_grad():

@@ -407,10 +407,10 @@ HF_CASES = {
 @pytest.mark.tp(world_size=2, timeout=300)
 @pytest.mark.parametrize("entry", ["causal_lm_loss", "causal_lm_logprobs"])
 def test_bad_argument_on_one_rank_raises_on_every_rank(tp, entry):
-    """A model whose LM head is a DTensor sharded over the vocabulary on 2 ranks: an entry point's argument wrong
-    on rank 1 alone travels with the head's op call, so every rank raises the same error after the
-    model's forward (none left in a collective), and the next good call on the group runs (each case
-    in turn, one model)."""
+    """A model whose LM head is a DTensor sharded over the vocabulary on 2 ranks: an entry point's
+    argument wrong on rank 1 alone travels with the head's op call, so every rank raises the same
+    error after the model's forward (none left in a collective), and the next good call on the group
+    runs (each case in turn, one model)."""
     import re
 
     from torch.distributed.device_mesh import DeviceMesh

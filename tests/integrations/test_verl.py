@@ -135,9 +135,9 @@ VERL_CASES = {
 @pytest.mark.tp(world_size=[2, 4], timeout=120)
 @pytest.mark.parametrize("case", list(VERL_CASES))
 def test_bad_argument_on_one_rank_raises_on_every_rank(tp, case):
-    """verl's entry point: its own arguments travel with the op's checks, so an argument wrong on rank 1 alone
-    raises the same error on every rank (none left in a collective), and the next good call on the
-    group runs."""
+    """verl's entry point: its own arguments travel with the op's checks, so an argument wrong on
+    rank 1 alone raises the same error on every rank (none left in a collective), and the next good
+    call on the group runs."""
     from tests.support.ranks import agreed_message
 
     hidden, weight, labels, _, _ = _inputs(4)

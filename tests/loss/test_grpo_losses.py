@@ -303,8 +303,8 @@ def test_errors_name_the_fix():
     (lambda: losses.cross_entropy(label_smoothing=1.5), r"label_smoothing must be a float in \[0, 1\], got 1.5"),
 ], ids=lambda x: "" if callable(x) else x.split(" must")[0].replace("\\", ""))
 def test_loss_options_that_cannot_be_right_are_refused_at_construction(build, message):
-    """A loss's options are checked where the loss is built (every rank builds it alike; options that differ
-    between ranks are the group record's: tests/loss/test_loss_checks.py)."""
+    """A loss's options are checked where the loss is built (every rank builds it alike; options
+    that differ between ranks are the group record's: tests/loss/test_loss_checks.py)."""
     with pytest.raises(ValueError, match=message):
         build()
 

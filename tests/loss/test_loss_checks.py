@@ -1,8 +1,8 @@
-"""The fused loss's own arguments are a collective verdict: a bad argument on one rank of a TP group raises the same
-typed error, naming the rank and the argument, on every rank, before any collective of the call;
-replicated arguments that differ between ranks (the loss's options, the per-token tensors' layout,
-``cu_seqlens``) are compared in the group record. The group stays usable: the next good call on it
-gives the TP=1 value."""
+"""The fused loss's own arguments are a collective verdict: a bad argument on one rank of a TP group
+raises the same typed error, naming the rank and the argument, on every rank, before any collective
+of the call; replicated arguments that differ between ranks (the loss's options, the per-token
+tensors' layout, ``cu_seqlens``) are compared in the group record. The group stays usable: the next
+good call on it gives the TP=1 value."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ OFFSETS = [0, 8, 16]
 
 
 def _inputs(seed: int = 0):
-    """Replicated inputs of a GRPO call: hidden [N, D], the full weight [V, D], targets [N], advantages, old
-    log-probs (the same on every rank: one seed)."""
+    """Replicated inputs of a GRPO call: hidden [N, D], the full weight [V, D], targets [N],
+    advantages, old log-probs (the same on every rank: one seed)."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, D, generator=g)
     weight = torch.randn(V, D, generator=g)
@@ -142,7 +142,8 @@ def test_bad_loss_argument_on_one_rank_raises_on_every_rank(tp, case):
 @pytest.mark.tp(world_size=2, timeout=300)
 @pytest.mark.parametrize("case", ["per-token-short", "cu-seqlens-differ"])
 def test_bad_loss_argument_interpreted_triton(tp, case):
-    """The same verdict with the triton source (interpreted on the CPU): the checks sit above the sources."""
+    """The same verdict with the triton source (interpreted on the CPU): the checks sit above the
+    sources."""
     _bad_then_good(tp, case, source="triton")
 
 
@@ -161,7 +162,8 @@ def test_bad_loss_argument_without_a_group(case):
 # ---- calls that record no autograd graph: the target verdict at the call ------------------------------------------
 
 def _grpo_step_old_logp(hidden, weight, target, source: str, **group_kw):
-    """A GRPO step's old log-probs: ``linear_logp`` under ``torch.no_grad()`` (no backward carries its verdict)."""
+    """A GRPO step's old log-probs: ``linear_logp`` under ``torch.no_grad()`` (no backward carries
+    its verdict)."""
     from tplogp import get_op
 
     with torch.no_grad():
@@ -170,8 +172,8 @@ def _grpo_step_old_logp(hidden, weight, target, source: str, **group_kw):
 
 @pytest.mark.parametrize("source", ["native", "triton"])
 def test_no_grad_bad_target_raises_at_the_call(source):
-    """One process: a no-grad call with a target outside the vocabulary raises at that call (no NaN enters the
-    loss), and so does a fused loss computed without a graph; the next good calls run."""
+    """One process: a no-grad call with a target outside the vocabulary raises at that call (no NaN
+    enters the loss), and so does a fused loss computed without a graph; the next good calls run."""
     hidden, weight, target, adv, _ = _inputs()
     bad = target.clone()
     bad[5] = V
@@ -190,8 +192,8 @@ def test_no_grad_bad_target_raises_at_the_call(source):
 @pytest.mark.tp(world_size=[2, 4], timeout=120)
 @pytest.mark.parametrize("source", ["native", "triton"])
 def test_no_grad_bad_target_raises_at_the_call_on_every_rank(tp, source):
-    """A GRPO step with a group: the old log-probs' no-grad call with a bad target raises the same error on every
-    rank at that call; the group then runs the step."""
+    """A GRPO step with a group: the old log-probs' no-grad call with a bad target raises the same
+    error on every rank at that call; the group then runs the step."""
     tp.skip_if(source == "triton" and tp.world_size == 4, "the triton source's checks sit above it: TP=2 suffices")
     hidden, weight, target, adv, _ = _inputs()
     w_local, start = _shard(weight, tp.rank, tp.world_size)

@@ -39,8 +39,9 @@ def test_host_reads_per_call(mode, ignore, monkeypatch):
 
 
 def test_host_reads_name_tplogp_frames_by_the_package_directory(tmp_path):
-    """The read counter names the tplogp function of a read by the package's directory: torch's files below a
-    checkout named tplogp (its environment inside it) are not tplogp's, nor is the plugin."""
+    """The read counter names the tplogp function of a read by the package's directory: torch's
+    files below a checkout named tplogp (its environment inside it) are not tplogp's, nor is the
+    plugin."""
     import pytest_tplogp
     import tplogp.plan
 
@@ -148,10 +149,10 @@ def test_tp_full_checks_raise_at_the_next_call_on_every_rank(tp, monkeypatch):
 
 @pytest.mark.tp(world_size=[2, 4], timeout=120)
 def test_tp_full_checks_of_a_call_without_graph_raise_at_the_call(tp, monkeypatch):
-    """A call that records no autograd graph (no_grad: a GRPO step's old / reference log-probs) has no backward to
-    carry its verdict: with the default checks it reads its own targets' summary at the call and exchanges it over
-    the CPU group, so every rank raises the same error at that call (no NaN handed out), and the
-    group goes on."""
+    """A call that records no autograd graph (no_grad: a GRPO step's old / reference log-probs) has
+    no backward to carry its verdict: with the default checks it reads its own targets' summary at
+    the call and exchanges it over the CPU group, so every rank raises the same error at that call
+    (no NaN handed out), and the group goes on."""
     monkeypatch.setenv("TPLOGP_CHECKS", "full")
     with torch.no_grad():
         outcome = _calls(tp, [GOOD, BAD, GOOD, lambda rank: GOOD + rank], finish=lambda: check_errors(tp.group),

@@ -232,9 +232,10 @@ BUILD_OUTSIDE = r"the loss .* is built inside a function that torch.compile trac
     pytest.param(lambda: losses.grpo("bnpo"), id="grpo"),
 ])
 def test_a_loss_built_under_fullgraph_names_where_to_build_it(build):
-    """A loss object built inside a function compiled with ``fullgraph=True`` raises dynamo's error with a message
-    that says where to build it (dynamo raises at the trace, before any work); compiled without
-    ``fullgraph`` the loss is built eagerly at a graph break and the value is eager's."""
+    """A loss object built inside a function compiled with ``fullgraph=True`` raises dynamo's error
+    with a message that says where to build it (dynamo raises at the trace, before any work);
+    compiled without ``fullgraph`` the loss is built eagerly at a graph break and the value is
+    eager's."""
     p = make_problem((6,), 8, 20, torch.float32, False, seed=2)
     old = -torch.rand(6)
 
@@ -251,8 +252,8 @@ def test_a_loss_built_under_fullgraph_names_where_to_build_it(build):
 
 
 def test_a_loss_that_runs_eagerly_names_the_cause_under_fullgraph():
-    """A ``losses.grpo(...)`` loss (built outside) runs eagerly inside compiled code: under ``fullgraph=True`` the
-    graph break's message says why and what compiles as one graph."""
+    """A ``losses.grpo(...)`` loss (built outside) runs eagerly inside compiled code: under
+    ``fullgraph=True`` the graph break's message says why and what compiles as one graph."""
     p = make_problem((6,), 8, 20, torch.float32, False, seed=2)
     loss, old = losses.grpo("bnpo"), -torch.rand(6)
 

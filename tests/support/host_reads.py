@@ -32,8 +32,8 @@ def _where() -> str:
 
 
 def is_tplogp_file(filename: str) -> bool:
-    """Whether ``filename`` (a code object's) is a module of the tplogp package (not of the plugin, torch or the
-    tests, wherever the checkout and its environment live)."""
+    """Whether ``filename`` (a code object's) is a module of the tplogp package (not of the plugin,
+    torch or the tests, wherever the checkout and its environment live)."""
     return os.path.realpath(filename).startswith(_TPLOGP_DIR)
 
 
