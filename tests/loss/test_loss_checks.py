@@ -40,8 +40,8 @@ def _shard(weight: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, i
 
 def _call(hidden, weight, target, *, per_token, source="native", loss=None, **kw):
     hidden = hidden.clone().requires_grad_()
-    value = linear_logp_loss(hidden, weight, target, loss=loss or losses.grpo("grpo"), per_token=per_token,
-                             source=source, **kw)
+    value = linear_logp_loss(hidden, weight, target, loss=loss or losses.grpo("grpo"),
+                             per_token=per_token, source=source, **kw)
     value.backward()
     return value.detach(), hidden.grad
 
@@ -83,28 +83,31 @@ def _bad_kwargs(case: str, rank: int, adv, old) -> dict:
 
 
 REJECTED = r"linear_logp_loss inputs rejected \(rank 1: "
+SHAPE = r"per_token\[0\] must be a floating-point tensor of target_ids' shape \(16,\), got "
 LOSS_CASES = {
-    "per-token-short": REJECTED + r"per_token\[0\] must be a floating-point tensor of target_ids' shape \(16,\), got "
-                                  r"torch.float32 of shape \(15,\)\)$",
-    "per-token-2d": REJECTED + r"per_token\[0\] must be a floating-point tensor of target_ids' shape \(16,\), got "
-                               r"torch.float32 of shape \(2, 8\)\)$",
-    "per-token-integer": REJECTED + r"per_token\[1\] must be a floating-point tensor .* got torch.int64",
-    "per-token-one-too-many": REJECTED + r"the loss grpo\(loss_type='grpo', .*\) takes per_token=\(advantages, "
-                                         r"old_logp\): 2 tensors, got 3\)$",
+    "per-token-short": REJECTED + SHAPE + r"torch.float32 of shape \(15,\)\)$",
+    "per-token-2d": REJECTED + SHAPE + r"torch.float32 of shape \(2, 8\)\)$",
+    "per-token-integer": REJECTED + r"per_token\[1\] must be a floating-point tensor .* got "
+                                    r"torch.int64",
+    "per-token-one-too-many": REJECTED + r"the loss grpo\(loss_type='grpo', .*\) takes "
+                                         r"per_token=\(advantages, old_logp\): 2 tensors, got 3\)$",
     "reduction": REJECTED + r"reduction must be one of \('sum', 'mean'\), got 'avg'\)$",
     "with-entropy": REJECTED + r"with_entropy must be a bool, got 1\)$",
-    "metrics-of-a-token-loss": REJECTED + r"return_metrics is an option of the losses.grpo\(...\) losses, not of "
-                                          r"TokenLoss\(ppo_clip",
-    "cu-seqlens-malformed": REJECTED + r"cu_seqlens must be nondecreasing offsets from 0 to the 16 tokens .*got "
-                                       r"\[0, 8, 15\]\)$",
+    "metrics-of-a-token-loss": REJECTED + r"return_metrics is an option of the losses.grpo\(...\) "
+                                          r"losses, not of TokenLoss\(ppo_clip",
+    "cu-seqlens-malformed": REJECTED + r"cu_seqlens must be nondecreasing offsets from 0 to the 16 "
+                                       r"tokens .*got \[0, 8, 15\]\)$",
     "cu-seqlens-float": REJECTED + r"cu_seqlens must be a 1-D integer tensor, got torch.float32",
-    "cu-seqlens-differ": r"^linear_logp_loss: cu_seqlens must be the same on every TP rank, got rank 0: \(0, 8, "
-                         r"16\); rank 1: \(0, 6, 16\)",
-    "loss-options-differ": r"^linear_logp_loss: the loss and its options .* must be the same on every TP rank, got "
-                           r"rank 0: .*'epsilon_low', 0.2.*; rank 1: .*'epsilon_low', 0.3",
-    "loss-type-differs": r"^linear_logp_loss: the loss and its options .*rank 1: .*'loss_type', 'bnpo'",
-    "per-token-dtype-differs": r"^linear_logp_loss: the per_token tensors' shapes and dtypes must be the same on "
-                               r"every TP rank, got rank 0: .*torch.float32.*; rank 1: \(\(\(16,\), 'torch.float64'\)",
+    "cu-seqlens-differ": r"^linear_logp_loss: cu_seqlens must be the same on every TP rank, got "
+                         r"rank 0: \(0, 8, 16\); rank 1: \(0, 6, 16\)",
+    "loss-options-differ": r"^linear_logp_loss: the loss and its options .* must be the same on "
+                           r"every TP rank, got rank 0: .*'epsilon_low', 0.2.*; rank 1: "
+                           r".*'epsilon_low', 0.3",
+    "loss-type-differs": r"^linear_logp_loss: the loss and its options .*rank 1: "
+                         r".*'loss_type', 'bnpo'",
+    "per-token-dtype-differs": r"^linear_logp_loss: the per_token tensors' shapes and dtypes must "
+                               r"be the same on every TP rank, got rank 0: .*torch.float32.*; "
+                               r"rank 1: \(\(\(16,\), 'torch.float64'\)",
     "temperature": REJECTED + r"temperature must be a positive finite number, got 0.0\)$",
 }
 
@@ -114,7 +117,8 @@ def _bad_then_good(tp, case: str, source: str = "native") -> None:
     w_local, start = _shard(weight, tp.rank, tp.world_size)
     group_kw = dict(tp_group=tp.group, vocab_start_index=start, global_vocab_size=V)
     try:
-        _call(hidden, w_local, target, source=source, **group_kw, **_bad_kwargs(case, tp.rank, adv, old))
+        bad = _bad_kwargs(case, tp.rank, adv, old)
+        _call(hidden, w_local, target, source=source, **group_kw, **bad)
         check_errors(tp.group)
         outcome = "no error"
     except (LinearLogpInputError, ShardLayoutError) as exc:
@@ -159,7 +163,7 @@ def test_bad_loss_argument_without_a_group(case):
     assert torch.isfinite(value)
 
 
-# ---- calls that record no autograd graph: the target verdict at the call ------------------------------------------
+# ---- calls that record no autograd graph: the target verdict at the call -------------------------
 
 def _grpo_step_old_logp(hidden, weight, target, source: str, **group_kw):
     """A GRPO step's old log-probs: ``linear_logp`` under ``torch.no_grad()`` (no backward carries
@@ -181,10 +185,12 @@ def test_no_grad_bad_target_raises_at_the_call(source):
     with pytest.raises(LinearLogpInputError, match=message):
         _grpo_step_old_logp(hidden, weight, bad, source)
     with torch.no_grad(), pytest.raises(LinearLogpInputError, match=message):
-        linear_logp_loss(hidden, weight, bad, loss=losses.policy_gradient(), per_token=[adv], source=source)
+        linear_logp_loss(hidden, weight, bad, loss=losses.policy_gradient(), per_token=[adv],
+                         source=source)
     old = _grpo_step_old_logp(hidden, weight, target, source)
     assert torch.isfinite(old).all()
-    value, _ = _call(hidden, weight, target, source=source, per_token=[adv, old], cu_seqlens=OFFSETS)
+    value, _ = _call(hidden, weight, target, source=source, per_token=[adv, old],
+                     cu_seqlens=OFFSETS)
     assert torch.isfinite(value)
     check_errors()
 
@@ -194,7 +200,8 @@ def test_no_grad_bad_target_raises_at_the_call(source):
 def test_no_grad_bad_target_raises_at_the_call_on_every_rank(tp, source):
     """A GRPO step with a group: the old log-probs' no-grad call with a bad target raises the same
     error on every rank at that call; the group then runs the step."""
-    tp.skip_if(source == "triton" and tp.world_size == 4, "the triton source's checks sit above it: TP=2 suffices")
+    tp.skip_if(source == "triton" and tp.world_size == 4,
+               "the triton source's checks sit above it: TP=2 suffices")
     hidden, weight, target, adv, _ = _inputs()
     w_local, start = _shard(weight, tp.rank, tp.world_size)
     group_kw = dict(tp_group=tp.group, vocab_start_index=start, global_vocab_size=V)
@@ -202,8 +209,8 @@ def test_no_grad_bad_target_raises_at_the_call_on_every_rank(tp, source):
     bad[5] = V
     outcomes = []
     for compute in (lambda: _grpo_step_old_logp(hidden, w_local, bad, source, **group_kw),
-                    lambda: linear_logp_loss(hidden, w_local, bad, loss=losses.policy_gradient(), per_token=[adv],
-                                             source=source, **group_kw)):
+                    lambda: linear_logp_loss(hidden, w_local, bad, loss=losses.policy_gradient(),
+                                             per_token=[adv], source=source, **group_kw)):
         try:
             with torch.no_grad():
                 compute()
@@ -211,12 +218,14 @@ def test_no_grad_bad_target_raises_at_the_call_on_every_rank(tp, source):
         except LinearLogpInputError as exc:
             outcomes.append(str(exc))
     for message in agreed_message(tp, tuple(outcomes)):
-        assert re.search(rf"target id {V} is outside the vocabulary \[0, {V}\) \[checked at the call", message), message
+        expected = rf"target id {V} is outside the vocabulary \[0, {V}\) \[checked at the call"
+        assert re.search(expected, message), message
     old = _grpo_step_old_logp(hidden, w_local, target, source, **group_kw)
-    value, d_hidden = _call(hidden, w_local, target, source=source, per_token=[adv, old], cu_seqlens=OFFSETS,
-                            **group_kw)
+    value, d_hidden = _call(hidden, w_local, target, source=source, per_token=[adv, old],
+                            cu_seqlens=OFFSETS, **group_kw)
     check_errors(tp.group)
-    ref_value, ref_d_hidden = _call(hidden, weight, target, source=source, per_token=[adv, old], cu_seqlens=OFFSETS)
+    ref_value, ref_d_hidden = _call(hidden, weight, target, source=source, per_token=[adv, old],
+                                    cu_seqlens=OFFSETS)
     tol = RUNBOOK_TOLERANCES[torch.float32]
     tp.assert_close(value, ref_value, atol=tol.atol, rtol=tol.rtol)
     tp.assert_close(d_hidden, ref_d_hidden, atol=tol.atol, rtol=tol.rtol)
