@@ -87,8 +87,8 @@ def test_bad_target_raises_in_the_same_calls_backward_and_leaves_the_model_uncha
     opt.step()
     assert torch.equal(w.detach(), before)
     check_errors()  # judged once, by the backward
-    with torch.no_grad(), pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the "
-                                                                    r"vocabulary .*\[checked at the call"):
+    at_call = rf"target id {bad_id} is outside the vocabulary .*\[checked at the call"
+    with torch.no_grad(), pytest.raises(LinearLogpInputError, match=at_call):
         op(h, w, bad)  # no backward would carry the verdict: decided at the call
     check_errors()
     op(h, w, t).sum().backward()  # the next good call runs
@@ -138,8 +138,8 @@ def test_no_grad_call_decides_its_verdict_at_the_call_with_one_host_read(source,
         assert torch.isfinite(out).all()
         bad = t.clone()
         bad[3] = v
-        with pytest.raises(LinearLogpInputError, match=rf"target id {v} is outside the vocabulary \[0, {v}\) "
-                                                       r"\[checked at the call"):
+        at_call = rf"target id {v} is outside the vocabulary \[0, {v}\) \[checked at the call"
+        with pytest.raises(LinearLogpInputError, match=at_call):
             op(h, w, bad)
         check_errors()
         side = torch.cuda.Stream()
@@ -154,5 +154,6 @@ def test_no_grad_call_decides_its_verdict_at_the_call_with_one_host_read(source,
         captured_targets.copy_(bad)
         graph.replay()
         torch.cuda.synchronize()
-        with pytest.raises(LinearLogpInputError, match=rf"target id {v} is outside the vocabulary .*CUDA graph"):
+        captured = rf"target id {v} is outside the vocabulary .*CUDA graph"
+        with pytest.raises(LinearLogpInputError, match=captured):
             check_errors()

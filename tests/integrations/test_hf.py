@@ -395,12 +395,13 @@ def test_sharded_and_wrapped_models_on_gloo_ranks(tp):
 
 
 HF_CASES = {
-    "logits-to-keep": (dict(logits_to_keep=S), r"rank 1: logits_to_keep must be an int in \[0, sequence length - "
-                                               r"1 = 8\], got 9"),
+    "logits-to-keep": (dict(logits_to_keep=S), r"rank 1: logits_to_keep must be an int in \[0, "
+                                               r"sequence length - 1 = 8\], got 9"),
     "loss-mask": (dict(loss_mask="short"), r"rank 1: loss_mask must be a tensor of shape \(3, 8\)"),
-    "per-token": (dict(per_token="short"), r"rank 1: per_token\[0\] must be a floating-point tensor of "
-                                           r"target_ids' shape \(3, 8\)"),
-    "reduction": (dict(reduction="avg"), r"rank 1: reduction must be one of \('sum', 'mean'\), got 'avg'"),
+    "per-token": (dict(per_token="short"), r"rank 1: per_token\[0\] must be a floating-point "
+                                           r"tensor of target_ids' shape \(3, 8\)"),
+    "reduction": (dict(reduction="avg"), r"rank 1: reduction must be one of \('sum', 'mean'\), "
+                                         r"got 'avg'"),
 }
 
 
@@ -422,18 +423,22 @@ def test_bad_argument_on_one_rank_raises_on_every_rank(tp, entry):
 
     mesh = DeviceMesh.from_group(tp.group, "cpu")
     model = _model("llama")
-    model.lm_head.weight = torch.nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)]))
+    sharded = distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)])
+    model.lm_head.weight = torch.nn.Parameter(sharded)
     ids, mask = _batch("left")
     weights = mask[:, 1:].float()
     good = dict(temperature=T, logits_to_keep=0)
     if entry == "causal_lm_loss":
-        good.update(loss=losses.policy_gradient(), per_token=(weights,), loss_mask=mask[:, 1:], reduction="sum")
+        good.update(loss=losses.policy_gradient(), per_token=(weights,), loss_mask=mask[:, 1:],
+                    reduction="sum")
     reference = logits_path(_model("llama"), ids, mask, temperature=T).detach()
     if entry == "causal_lm_loss":
         reference = -(reference * weights * mask[:, 1:]).sum()
     call = causal_lm_loss if entry == "causal_lm_loss" else causal_lm_logprobs
     tol = RUNBOOK_TOLERANCES[torch.float32]
-    cases = HF_CASES if entry == "causal_lm_loss" else {"logits-to-keep": HF_CASES["logits-to-keep"]}
+    cases = dict(HF_CASES)
+    if entry == "causal_lm_logprobs":
+        cases = {"logits-to-keep": HF_CASES["logits-to-keep"]}
     for case, (change, expected) in cases.items():
         kw = dict(good)
         if tp.rank == 1:
@@ -451,7 +456,8 @@ def test_bad_argument_on_one_rank_raises_on_every_rank(tp, entry):
             outcome = str(exc)
         message = agreed_message(tp, outcome)
         assert re.search(rf"^{entry} inputs rejected \(" + expected, message), (case, message)
-        tp.assert_close(call(model, ids, mask, **good).detach(), reference, atol=tol.atol, rtol=tol.rtol)
+        value = call(model, ids, mask, **good).detach()
+        tp.assert_close(value, reference, atol=tol.atol, rtol=tol.rtol)
 
 
 @pytest.mark.slow

@@ -119,16 +119,18 @@ def test_uneven_shards_are_refused_on_every_rank(tp):
     tp.assert_all(isinstance(info.value, (LinearLogpInputError, ValueError)), repr(info.value))
 
 
+REJECTED_ON_1 = r"^linear_cross_entropy inputs rejected \(rank 1: "
 VERL_CASES = {
-    "reduction": (dict(reduction="avg"), r"^linear_cross_entropy inputs rejected \(rank 1: reduction must be one "
-                                         r"of \('none', 'sum', 'mean'\), got 'avg'\)$"),
-    "reduction-differs": (dict(reduction="sum"), r"^linear_cross_entropy: linear_cross_entropy's options "
-                                                 r"\(reduction\) must be the same on every TP rank, got rank 0: "
-                                                 r"\(\('reduction', 'none'\),\); rank 1: \(\('reduction', 'sum'\),\)"),
-    "labels-short": (dict(labels="short"), r"^linear_cross_entropy inputs rejected \(rank 1: labels must hold one id "
-                                           r"per token of hidden: 15 tokens"),
-    "temperature": (dict(temperature=0.0), r"^linear_cross_entropy inputs rejected \(rank 1: temperature must be a "
-                                           r"positive finite number, got 0.0\)$"),
+    "reduction": (dict(reduction="avg"), REJECTED_ON_1 + r"reduction must be one of \('none', "
+                                                         r"'sum', 'mean'\), got 'avg'\)$"),
+    "reduction-differs": (dict(reduction="sum"),
+                          r"^linear_cross_entropy: linear_cross_entropy's options \(reduction\) "
+                          r"must be the same on every TP rank, got rank 0: "
+                          r"\(\('reduction', 'none'\),\); rank 1: \(\('reduction', 'sum'\),\)"),
+    "labels-short": (dict(labels="short"), REJECTED_ON_1 + r"labels must hold one id per token of "
+                                                           r"hidden: 15 tokens"),
+    "temperature": (dict(temperature=0.0), REJECTED_ON_1 + r"temperature must be a positive finite "
+                                                           r"number, got 0.0\)$"),
 }
 
 
@@ -159,5 +161,6 @@ def test_bad_argument_on_one_rank_raises_on_every_rank(tp, case):
     logp, entropy = linear_cross_entropy(hidden, local, labels, T, "none", tp.group)
     ref_logp, ref_entropy = _matching(hidden, weight, labels, T, "none")
     truth_logp, truth_entropy = _float64(hidden.double(), weight.double(), labels, T, "none")
-    assert_no_worse_on_every_rank(tp, (("logprobs", logp, ref_logp, truth_logp),
-                                       ("entropy", entropy, ref_entropy, truth_entropy)), torch.float32)
+    checks = (("logprobs", logp, ref_logp, truth_logp),
+              ("entropy", entropy, ref_entropy, truth_entropy))
+    assert_no_worse_on_every_rank(tp, checks, torch.float32)

@@ -45,7 +45,8 @@ def test_host_reads_name_tplogp_frames_by_the_package_directory(tmp_path):
     import pytest_tplogp
     import tplogp.plan
 
-    venv_torch = tmp_path / "tplogp" / ".venv" / "lib" / "site-packages" / "torch" / "nn" / "functional.py"
+    site = tmp_path / "tplogp" / ".venv" / "lib" / "site-packages"
+    venv_torch = site / "torch" / "nn" / "functional.py"
     assert not is_tplogp_file(str(venv_torch))
     assert not is_tplogp_file(torch.nn.functional.__file__)
     assert not is_tplogp_file(pytest_tplogp.__file__)
@@ -55,7 +56,8 @@ def test_host_reads_name_tplogp_frames_by_the_package_directory(tmp_path):
 def test_check_errors_raises_the_pending_verdict_once(monkeypatch):
     monkeypatch.setenv("TPLOGP_CHECKS", "full")
     op = get_op("linear_logp", source="native")
-    h, w = torch.randn(5, 8, requires_grad=True), torch.randn(20, 8)  # (a call that records a graph defers)
+    # (a call that records a graph defers its verdict)
+    h, w = torch.randn(5, 8, requires_grad=True), torch.randn(20, 8)
     op(h, w, torch.tensor([0, 1, 2, 3, 4]))
     check_errors()  # a good call leaves nothing to raise
     out = op(h, w, torch.tensor([0, 25, 2, -3, 4])).detach()
@@ -155,20 +157,21 @@ def test_tp_full_checks_of_a_call_without_graph_raise_at_the_call(tp, monkeypatc
     (no NaN handed out), and the group goes on."""
     monkeypatch.setenv("TPLOGP_CHECKS", "full")
     with torch.no_grad():
-        outcome = _calls(tp, [GOOD, BAD, GOOD, lambda rank: GOOD + rank], finish=lambda: check_errors(tp.group),
-                         graph=False)
+        outcome = _calls(tp, [GOOD, BAD, GOOD, lambda rank: GOOD + rank],
+                         finish=lambda: check_errors(tp.group), graph=False)
     everyone = tp.all_gather_object(outcome)
     assert all(o == everyone[0] for o in everyone), everyone
     outcome = everyone[0]
     assert outcome[0] == "ok" and outcome[4] == "ok" and outcome[8] == "ok", outcome
-    assert re.search(r"target id 64 is outside the vocabulary \[0, 64\) \[checked at the call: it records no "
-                     r"autograd graph", outcome[2]), outcome
-    assert re.search(r"target_ids \(they must be replicated.*rank 0: #[0-9a-f]+, rank 1: #[0-9a-f]+.*checked at the "
-                     r"call", outcome[6]), outcome
+    assert re.search(r"target id 64 is outside the vocabulary \[0, 64\) \[checked at the call: "
+                     r"it records no autograd graph", outcome[2]), outcome
+    assert re.search(r"target_ids \(they must be replicated.*rank 0: #[0-9a-f]+, "
+                     r"rank 1: #[0-9a-f]+.*checked at the call", outcome[6]), outcome
     # per call: the CPU record's read and the exchange of the call's own summary (one small host
     # read of it)
     for reads in outcome[1:8:2]:
-        assert sorted(reads) == ["Tensor.tolist in _exchange", "Tensor.tolist in _judge_group_summary",
+        assert sorted(reads) == ["Tensor.tolist in _exchange",
+                                 "Tensor.tolist in _judge_group_summary",
                                  "Tensor.tolist in read_summary"], reads
 
 

@@ -231,7 +231,8 @@ def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypa
     # calls that record a graph defer their verdict to their backward (never run here)
     for _ in range(kernel_target_check.FlagSlots.SIZE - 1):
         op(hidden.clone().requires_grad_(), head.weight, GOOD, head.bias)
-    bad = op(hidden.clone().requires_grad_(), head.weight, BAD, head.bias).detach()  # takes the first call's slot
+    # takes the first call's slot
+    bad = op(hidden.clone().requires_grad_(), head.weight, BAD, head.bias).detach()
     assert torch.isnan(bad[2]) and torch.isfinite(bad[[0, 1, 3, 4, 5]]).all()
     (-first.sum()).backward()  # the first call's own verdict: good
     with pytest.raises(LinearLogpInputError, match=r"target id 25 is outside the vocabulary \[0, 20\)"):
@@ -261,8 +262,8 @@ def test_kernel_target_check_raises_in_the_backward_and_in_a_later_forward(bad_i
         (-logp.sum()).backward()
     assert h.grad is None and all(p.grad is None for p in head.parameters())
     with torch.no_grad():
-        with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary \[0, 20\) "
-                                                       r"\[checked at the call"):
+        message = rf"target id {bad_id} is outside the vocabulary \[0, 20\) \[checked at the call"
+        with pytest.raises(LinearLogpInputError, match=message):
             op(hidden, head.weight, targets, head.bias)
         assert torch.isfinite(op(hidden, head.weight, GOOD, head.bias)).all()
     check_errors()
