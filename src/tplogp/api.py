@@ -35,7 +35,7 @@ from .losses import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
 from .plan import LogpOptions
 from .packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
-from .validation import LinearLogpInputError, is_int
+from .validation import EntryCheck, LinearLogpInputError, is_int
 
 # (with_sum_z is the fused loss's: linear_logp returns no sum of the logits)
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions)) - {"with_sum_z"}
@@ -98,11 +98,13 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-           global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
-    """The eager call: the plan, then the tensor-parallel layer."""
+           global_vocab_size: Optional[int], options: LogpOptions,
+           entry: Optional[EntryCheck] = None) -> LinearLogpResult:
+    """The eager call: the plan, then the tensor-parallel layer. ``entry``: an integration's own
+    check, raised with the op's (:func:`linear_logp_entry`)."""
     builds_graph = torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad
     return tp.linear_logp(plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                                       global_vocab_size, options, builds_graph))
+                                       global_vocab_size, options, builds_graph, entry))
 
 
 def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -137,6 +139,32 @@ def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: 
         body = _compiled  # (other calls run eagerly: their checks raise the error, on every rank)
     return _front(functools.partial(body, source), hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                   global_vocab_size, options)
+
+
+def linear_logp_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, *, tp_group=None,
+                      vocab_start_index: int = 0, global_vocab_size: Optional[int] = None,
+                      **options) -> LinearLogpResult:
+    """:func:`linear_logp` for an integration's entry point (:mod:`tplogp.integrations`): the
+    entry's own problem and options (``entry``) are checked with the op's, so with a group every
+    rank raises the same error and ranks whose options differ raise alike. Under ``torch.compile``
+    (whose op carries no entry) the entry's problem raises at once."""
+    opts = _options(options)
+    layout = (tp_group, vocab_start_index, global_vocab_size, opts)
+    if torch.compiler.is_compiling():
+        if entry.problem is not None:
+            raise LinearLogpInputError(entry.problem)
+        return _run(None, hidden, weight, target_ids, bias, *layout)
+    run = functools.partial(_eager_entry, entry)
+    if any_dtensor(weight, hidden):
+        return unwrap_dtensors(run, hidden, weight, target_ids, bias, *layout)
+    return run(hidden, weight, target_ids, bias, *layout)
+
+
+def _eager_entry(entry: EntryCheck, hidden, weight, target_ids, bias, *layout) -> LinearLogpResult:
+    """:func:`_eager` with ``entry``, after the autocast front (``layout``: group, vocab start,
+    global vocab, options)."""
+    return _front(functools.partial(_eager, None, entry=entry), hidden, weight, target_ids, bias,
+                  *layout)
 
 
 def linear_logp_on(source, hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
@@ -257,6 +285,14 @@ def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[
     return make_linear_logp(source)
 
 
+EAGER_UNDER_COMPILE = (
+    "tplogp.linear_logp_loss runs eagerly inside compiled code (a graph break, so not under "
+    "fullgraph=True) when its loss is not a tplogp.losses TokenLoss (a losses.grpo(...) loss or "
+    "another callable), with cu_seqlens or return_metrics, or with a DTensor: compile without "
+    "fullgraph=True, or use a TokenLoss (losses.ppo_clip, losses.cross_entropy, ..., combined with "
+    "+)")
+
+
 def _eager_under_compile(fn):
     """``fn`` behind ``torch.compiler.disable`` while Dynamo traces the caller (compiled code that calls it runs
     ``fn`` eagerly, untraced); a plain call otherwise (the disabled wrapper's frame switch costs host time on every
@@ -271,6 +307,8 @@ def _eager_under_compile(fn):
             return fn(*args, **kwargs)
         if disabled is None:
             disabled = torch.compiler.disable(fn)
+        # named: under fullgraph=True, the error's message
+        torch._dynamo.graph_break(msg=EAGER_UNDER_COMPILE)
         return disabled(*args, **kwargs)
 
     return wrapper
@@ -330,11 +368,50 @@ def linear_logp_loss(
     fp32 tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the counted
     positions, the same on every rank (docs/operator.md, "GRPO-family losses").
     """
-    options = dict(loss=loss, per_token=tuple(per_token), reduction=reduction, temperature=temperature,
+    if isinstance(per_token, (tuple, list)):  # (else: the checks' error)
+        per_token = tuple(per_token)
+    options = dict(loss=loss, per_token=per_token, reduction=reduction, temperature=temperature,
                    softcap=softcap, ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
                    with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
                    cu_seqlens=cu_seqlens, return_metrics=return_metrics)
     source = None if source in AUTOMATIC else source
+    return _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                      global_vocab_size, options)
+
+
+# linear_logp_loss's options and their defaults (linear_logp_loss_entry takes them by name)
+_LOSS_OPTIONS = dict(per_token=(), reduction="sum", temperature=1.0, softcap=None,
+                     ignore_index=None, deterministic=False, workspace_bytes=None,
+                     with_entropy=True, sequence_parallel=False, hidden_grad="reduced",
+                     cu_seqlens=None, return_metrics=False)
+
+
+def linear_logp_loss_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, *, loss,
+                           tp_group=None, vocab_start_index: int = 0,
+                           global_vocab_size: Optional[int] = None, source: Optional[str] = None,
+                           **options):
+    """:func:`linear_logp_loss` for an integration's entry point (:mod:`tplogp.integrations`): the
+    entry's own problem (``entry``) is raised with the loss's checks, so with a group every rank
+    raises the same error. Under ``torch.compile`` it raises at once."""
+    unknown = set(options) - set(_LOSS_OPTIONS)
+    if unknown:
+        raise TypeError(f"linear_logp_loss got unexpected keyword argument(s) {sorted(unknown)}")
+    options = dict(_LOSS_OPTIONS, loss=loss, **options)
+    per_token = options["per_token"]
+    options["per_token"] = tuple(per_token) if isinstance(per_token, (tuple, list)) else per_token
+    if torch.compiler.is_compiling():
+        if entry.problem is not None:
+            raise LinearLogpInputError(entry.problem)
+    else:
+        options["entry"] = entry
+    return _loss_call(None if source in AUTOMATIC else source, hidden, weight, target_ids, bias,
+                      tp_group, vocab_start_index, global_vocab_size, options)
+
+
+def _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+               global_vocab_size, options: dict):
+    """:func:`linear_logp_loss` after its options: the compiled op when they cross its schema, else
+    eagerly."""
     if torch.compiler.is_compiling() and _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
                                                               global_vocab_size, source, options):
         return _front(functools.partial(_compiled_loss, source, **options), hidden, weight, target_ids, bias,
@@ -350,6 +427,7 @@ def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, gl
     eagerly (:func:`_eager_loss`): a callable loss, a GRPO-family loss (its sequences and metrics), DTensors."""
     return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
             and options["cu_seqlens"] is None and options["return_metrics"] is False
+            and isinstance(options["per_token"], tuple)
             and all(isinstance(t, torch.Tensor) for t in options["per_token"])
             and isinstance(options["reduction"], str) and (source is None or isinstance(source, str))
             and isinstance(options["with_entropy"], bool)

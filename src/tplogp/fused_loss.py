@@ -26,16 +26,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import local_call, plan, tensors, tp
+from . import local_call, plan, tensors, tp, validation
 from .chunk_gradients import ChunkGradients, chunk_part, per_token_rows, plan_chunks
 from .grad_scaling import scaled_all
 from .losses import Derivative, TokenLoss, TokenStats
-from .policy_loss import check_policy_options, policy_loss_and_grads
+from .policy_loss import policy_loss_and_grads
 from .rl_losses import GRPOLoss, finish_metrics
-from .sequences import check_offsets
 from .tensors import f32_contiguous, zero_rows
-
-REDUCTIONS = ("sum", "mean")
 
 
 class _PrecomputedGrads(torch.autograd.Function):
@@ -90,24 +87,26 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
                    temperature: float, ignore_index: Optional[int], deterministic: bool,
                    workspace_bytes: Optional[int], needs: tuple[bool, bool, bool], with_entropy: bool = True,
                    sequence_parallel: bool = False, hidden_grad: str = "reduced", softcap: Optional[float] = None,
-                   cu_seqlens=None, return_metrics: bool = False):
+                   cu_seqlens=None, return_metrics: bool = False, entry=None):
     """The fused loss's value and the unscaled gradients ``needs`` asks for, computed chunk by chunk (module
-    docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``, what
-    :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd."""
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``,
+    what :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd. ``entry``: the
+    checks of an integration's entry point (:class:`tplogp.validation.EntryCheck`), raised with the
+    loss's."""
+    # the loss's own arguments, checked with the op's (the same error on every rank of a group,
+    # before any collective)
+    check = validation.check_loss(loss, per_token, reduction, with_entropy, cu_seqlens,
+                                  return_metrics, target_ids, entry)
     policy = isinstance(loss, GRPOLoss)
-    check_policy_options(loss, policy, per_token, reduction, return_metrics, cu_seqlens, target_ids, with_entropy)
-    offsets = None if cu_seqlens is None else check_offsets(cu_seqlens, target_ids.numel(),
-                                                            read=policy and loss.needs_sequences)
-    _check_token_loss(loss, per_token, with_entropy)
     options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
                                deterministic=deterministic, workspace_bytes=workspace_bytes,
                                sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap,
-                               with_sum_z=isinstance(loss, TokenLoss) and "sum_z" in loss.reads)
+                               with_sum_z=isinstance(loss, TokenLoss) and check.problem is None
+                               and "sum_z" in loss.reads)
     # the d_hidden collective runs iff needs[0]: the group's record makes every rank agree on it (no hang)
     call = plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-                        options, needs[0])
+                        options, needs[0], check)
+    offsets = check.offsets
     sums = None
     with torch.no_grad():
         local = local_call.localize(call)
@@ -181,16 +180,6 @@ def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str
         part = _linear_total(*linear) if linear is not None else part  # (queued behind the backward's kernels)
         total = part if total is None else total + part
     return total, (grads.finish(n_all, hidden_shape) if differentiate else (None, None, None))
-
-
-def _check_token_loss(loss, per_token: Sequence, with_entropy: bool) -> None:
-    """A :class:`~tplogp.losses.TokenLoss` gets the per-token tensors it names, and the entropy when it reads it:
-    a clear error before any work otherwise (the same on every rank: the arguments are)."""
-    if not isinstance(loss, TokenLoss):
-        return
-    loss.check_arity(len(per_token))
-    if loss.reads_entropy and not with_entropy:
-        raise ValueError(f"the loss {loss.name} reads the entropy: call with with_entropy=True")
 
 
 def _token_grads(d: Derivative, n: int, device: torch.device, skip: Optional[torch.Tensor],

@@ -3,11 +3,14 @@ TP group reaches the same verdict on a call and raises the same error (none is l
 
 The record holds the rank's local verdict, the call's layout (tokens, hidden size, shard range, declared vocab,
 dtype, bias, ignore_index, whether it records an autograd graph, the hidden layout: sequence-parallel and
-``hidden_grad``) and optionally a summary ``[checksum, lo, hi]`` of
-the targets. From the gathered rows every rank checks the ranks' agreement and the shard partition
-(:func:`tplogp.shards.validate_ranges`), giving the global vocabulary size. When some rank has a local problem, the
-message texts follow in one ``all_gather_object`` (entered by all ranks, since all of them saw the flag).
-Used by the per-call verdict (:mod:`tplogp.verdicts`), whose deferred target summary travels in the record.
+``hidden_grad``), for a fused-loss call the digests of what its ranks must pass alike
+(:class:`tplogp.validation.LossCheck`: the loss's options, the per-token tensors' shapes and dtypes,
+the sequences' offsets; 0 for an op call) and optionally a summary ``[checksum, lo, hi]`` of the
+targets. From the gathered rows every rank checks the ranks' agreement and the shard partition
+(:func:`tplogp.shards.validate_ranges`), giving the global vocabulary size. When some rank has a
+local problem, the message texts follow in one ``all_gather_object`` (entered by all ranks, since
+all of them saw the flag); so do the descriptions of a fused-loss part whose digests differ. Used by
+the per-call verdict (:mod:`tplogp.verdicts`), whose deferred target summary travels in the record.
 """
 
 from __future__ import annotations
@@ -19,15 +22,20 @@ import torch.distributed as dist
 
 from .comm import all_gather_flat
 from .shards import validate_ranges
-from .validation import DTYPE_CODE, LinearLogpInputError
+from .validation import AGREED, DTYPE_CODE, LinearLogpInputError, LossCheck
+
+# the record's fields: the verdict and the layout (0 to 10), the fused loss's digests, then the
+# targets' summary
+_LOSS = 11  # the first of the len(AGREED) digests
+_SENT = _LOSS + len(AGREED)  # whether a target summary travels, then its checksum, lo, hi
 
 class GroupRecord:
     """The collective verdict of a call with a group. :meth:`exchange` returns the global vocab size and, when every
     rank sent one, the targets' summary."""
 
-    # verdict, 7 metadata fields, ignore_index, differentiability, the hidden layout, then whether a target summary
-    # travels, and its checksum, lo, hi
-    _FIELDS = 15
+    # verdict, 7 metadata fields, ignore_index, differentiability, the hidden layout, the fused
+    # loss's digests, then whether a target summary travels, and its checksum, lo, hi
+    _FIELDS = _SENT + 4
     # fast mode: (vocab size, every rank's shard range) of the layouts already verified, keyed by the call's layout
     _verified: dict = {}
 
@@ -51,18 +59,24 @@ class GroupRecord:
         targets_note: str = "",
         sequence_parallel: bool = False,
         hidden_grad: str = "reduced",
+        loss_check: Optional[LossCheck] = None,
     ) -> tuple[int, Optional[tuple[int, int, int]], list[tuple[int, int]]]:
         """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the record, so the record
         exchange is the call's only host read), ``(checksum, lo, hi)`` already on the host (an earlier call's deferred
         summary: with ``group`` a CPU group, nothing here waits for a device), or None. ``targets_note`` ends the error
-        of targets that differ between ranks. The summary is returned when every rank sent one and they agree (a range
-        check is the caller's), and every rank's shard range ``(start, end)``, rank-major (in ``fast`` mode those of the
-        layout's verified call). ``sequence_parallel``, ``hidden_grad``: the call's hidden layout (ranks that disagree
-        would enter different collectives)."""
+        of targets that differ between ranks. The summary is returned when every rank sent one and
+        they agree (a range check is the caller's), and every rank's shard range ``(start, end)``,
+        rank-major (in ``fast`` mode those of the layout's verified call). ``sequence_parallel``,
+        ``hidden_grad``: the call's hidden layout (ranks that disagree would enter different
+        collectives). ``loss_check``: a fused-loss call's own arguments (its ranks' digests must
+        agree; errors then name ``linear_logp_loss``)."""
         world = dist.get_world_size(group)
         hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
+        digests = [0] * len(AGREED)
+        if loss_check is not None and problem is None:
+            digests = loss_check.digests()
         key = (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
-               builds_graph, hidden_layout)
+               builds_graph, hidden_layout, *digests)
         if mode == "fast" and problem is None and key in cls._verified:
             total, ranges = cls._verified[key]
             return total, None, ranges
@@ -79,42 +93,47 @@ class GroupRecord:
                 -(1 << 62) if ignore_index is None else ignore_index,
                 int(builds_graph),
                 hidden_layout,
+                *digests,
             ] + ([0, 0, 0, -1] if targets is None else [1, *targets] if isinstance(targets, tuple) else [1]),
             dtype=torch.long,
             device=comm_device,
         )
         record = head if not isinstance(targets, torch.Tensor) else torch.cat([head, targets.to(comm_device)])
         rows = cls._exchange(record, group, world)
+        caller = "linear_logp" if loss_check is None else loss_check.caller
         if any(r[0] for r in rows):
             messages: list = [None] * world
             dist.all_gather_object(messages, problem, group=group)
             bad = [(r, m) for r, m in enumerate(messages) if m]
             detail = "; ".join(f"rank {r}: {m}" for r, m in bad)
-            raise LinearLogpInputError(f"linear_logp inputs rejected ({detail})")
+            raise LinearLogpInputError(f"{caller} inputs rejected ({detail})")
         cls._check_agreement(rows)
+        cls._check_loss_agreement(rows, group, world, loss_check)
         ranges = [(r[3], r[3] + r[4]) for r in rows]
         declared = {r[5] for r in rows}
         total = validate_ranges(ranges, None if declared == {-1} else max(declared))
         if mode == "fast":
             cls._verified[key] = (total, ranges)
-        if not all(r[11] for r in rows):
+        if not all(r[_SENT] for r in rows):
             return total, None, ranges
-        checksums = [r[12] for r in rows]
+        checksums = [r[_SENT + 1] for r in rows]
         if len(set(checksums)) > 1:
             listing = ", ".join(f"rank {i}: #{c:x}" for i, c in enumerate(checksums))
             raise LinearLogpInputError("target_ids (they must be replicated: the same global ids on every rank) must "
                                        f"be the same on every TP rank, got {listing}{targets_note}")
         # identical on every rank: the checksum agreement proved the targets replicated
-        return total, tuple(rows[0][12:15]), ranges
+        return total, tuple(rows[0][_SENT + 1:_SENT + 4]), ranges
 
     @classmethod
     def is_verified(cls, group, vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
                     hidden_size: int, dtype: torch.dtype, has_bias: bool, ignore_index: Optional[int],
-                    builds_graph: bool, sequence_parallel: bool = False, hidden_grad: str = "reduced") -> bool:
+                    builds_graph: bool, sequence_parallel: bool = False,
+                    hidden_grad: str = "reduced", loss_check: Optional[LossCheck] = None) -> bool:
         """Whether ``fast`` mode has verified this layout with ``group`` (its later calls exchange nothing)."""
         hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
+        digests = [0] * len(AGREED) if loss_check is None else loss_check.digests()
         return (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype, has_bias, ignore_index,
-                builds_graph, hidden_layout) in cls._verified
+                builds_graph, hidden_layout, *digests) in cls._verified
 
     @classmethod
     def _exchange(cls, record: torch.Tensor, group, world: int) -> list[list[int]]:
@@ -122,6 +141,25 @@ class GroupRecord:
         lives on a device; nothing waits for a device when it is a CPU tensor of a CPU group)."""
         gathered = all_gather_flat(record, group)
         return gathered.view(world, cls._FIELDS).cpu().tolist()
+
+    @staticmethod
+    def _check_loss_agreement(rows: Sequence[Sequence[int]], group, world: int,
+                              loss_check: Optional[LossCheck]) -> None:
+        """The fused loss's parts (:data:`tplogp.validation.AGREED`) must have the same digest on
+        every rank; where one differs, every rank's description follows in one
+        ``all_gather_object`` (all ranks saw the difference) and every rank raises the same
+        error."""
+        for index, what in enumerate(AGREED if loss_check is None else loss_check.labels):
+            values = [r[_LOSS + index] for r in rows]
+            if len(set(values)) == 1:
+                continue
+            texts: list = [None] * world
+            mine = None if loss_check is None else loss_check.describe(index)
+            dist.all_gather_object(texts, mine, group=group)
+            listing = "; ".join(f"rank {i}: {t}" for i, t in enumerate(texts))
+            caller = "linear_logp_loss" if loss_check is None else loss_check.caller
+            raise LinearLogpInputError(f"{caller}: {what} must be the same on every TP rank, got "
+                                       f"{listing}")
 
     @staticmethod
     def _check_agreement(rows: Sequence[Sequence[int]]) -> None:

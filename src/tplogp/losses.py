@@ -23,13 +23,12 @@ sums before any token's gradient (:mod:`tplogp.rl_losses`).
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .rl_losses import GRPOLoss, GRPOLossConfig, k3_kl
+from .rl_losses import GRPOLoss, GRPOLossConfig, check_number, k3_kl, refuse_under_compile
 
 PerTokenLoss = Callable[..., torch.Tensor]
 # d(loss_token)/d(logp_token) (or entropy): a tensor of the tokens, a number when the same for every token, or None
@@ -90,6 +89,7 @@ class TokenLoss:
                  reads_entropy: bool = False,
                  coefficients: Optional[Callable[..., tuple[Derivative, Derivative]]] = None,
                  reads: frozenset = frozenset(), stat_parts: Optional[Callable[..., _StatParts]] = None) -> None:
+        refuse_under_compile(name)
         unknown = set(reads) - set(STATS)
         if unknown or (stat_parts is None) != (not reads):
             raise ValueError(f"a TokenLoss reads statistics of {STATS} through stat_parts, got reads={set(reads)}")
@@ -245,8 +245,7 @@ def cross_entropy(label_smoothing: float = 0.0) -> TokenLoss:
 def z_loss(coef: float) -> TokenLoss:
     """``coef * lse^2`` (PaLM's z-loss, Liger's ``lse_square_scale``); no per-token tensors. Reads the statistic
     ``lse`` (:class:`TokenStats`), no entropy. Derivative ``2 coef lse``. Combine it with a loss by ``+``."""
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
-        raise ValueError(f"z_loss's coef must be a finite float, got {coef!r}")
+    check_number("z_loss's coef", coef)
     coef = float(coef)
 
     def parts(logp, entropy, *, derivatives):
@@ -265,10 +264,13 @@ def policy_gradient() -> TokenLoss:
 
 def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> TokenLoss:
     """``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with ``r = exp(logp - old_logp)`` (PPO / GRPO);
-    per_token = ``(advantages, old_logp)``. Reads no entropy.
+    per_token = ``(advantages, old_logp)``. Reads no entropy. ``eps_low``, ``eps_high``: finite, at
+    least 0.
 
     Derivative: ``-A r`` where the unclipped term is the smaller one (or the two are equal, ``r`` inside the range
     or ``A = 0``), else 0 (the clipped term is constant in ``logp`` outside the range)."""
+    check_number("eps_low", eps_low, minimum=0.0)
+    check_number("eps_high", eps_high, minimum=0.0)
     lo, hi = 1 - eps_low, 1 + eps_high
 
     def parts(logp, entropy, adv, old_logp, *, derivatives):
@@ -282,7 +284,8 @@ def ppo_clip(eps_low: float = 0.2, eps_high: float = 0.2) -> TokenLoss:
 
 def kl_to_reference(coef: float) -> TokenLoss:
     """``coef * (exp(ref - logp) - (ref - logp) - 1)`` (the k3 estimator); per_token = ``(ref_logp,)``. Reads no
-    entropy. Derivative: ``coef * (1 - exp(ref - logp))``."""
+    entropy. Derivative: ``coef * (1 - exp(ref - logp))``. ``coef``: finite, at least 0."""
+    check_number("kl_to_reference's coef", coef, minimum=0.0)
 
     def parts(logp, entropy, ref_logp, *, derivatives):
         kl, d_kl = k3_kl(ref_logp - logp)
@@ -292,7 +295,9 @@ def kl_to_reference(coef: float) -> TokenLoss:
 
 
 def entropy_bonus(coef: float) -> TokenLoss:
-    """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the default)."""
+    """``-coef * entropy``; no per-token tensors. Needs the entropy: ``with_entropy=True`` (the
+    default). ``coef``: finite."""
+    check_number("entropy_bonus's coef", coef)
     return _linear_loss(f"entropy_bonus({coef})", (), lambda: (None, -coef), reads_entropy=True)
 
 

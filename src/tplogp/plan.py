@@ -28,7 +28,7 @@ from . import invariant, settings
 from .backends.base import ShardBackend, ShardCall
 from .comm import collective_device
 from .kernel_registry import backend_for_call
-from .validation import check_layout
+from .validation import LossCheck, check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
 MAX_PLANS = 256
@@ -234,7 +234,8 @@ def _backend(source: Source, hidden) -> ShardBackend:
 
 
 def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-            options: LogpOptions, builds_graph: bool) -> Call:
+            options: LogpOptions, builds_graph: bool,
+            loss_check: Optional[LossCheck] = None) -> Call:
     """Resolve, validate and plan one call, and open its target verdict.
 
     Every check and decision of a call sits here, above the tensor-parallel layer, so that a call enters each module
@@ -246,6 +247,9 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
             plain tensors (after the DTensor and autocast front of :mod:`tplogp.api`).
         options: the call's :class:`LogpOptions`.
         builds_graph: whether the call records an autograd graph (its ranks must agree: the backward reduces).
+        loss_check: a fused-loss call's checks of its own arguments
+            (:func:`tplogp.validation.check_loss`, run at every call): raised like a layout's
+            problem, and with a group compared across the ranks in the record.
     Returns:
         The :class:`Call` to run (:func:`tplogp.tp.linear_logp`, :func:`tplogp.packed_op.forward_packed`, the fused
         loss).
@@ -258,7 +262,7 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
                               global_vocab_size, options, builds_graph)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, options,
                     builds_graph)
-    total, verdict, target_check, ranges = open_call(plan, args, problem)
+    total, verdict, target_check, ranges = open_call(plan, args, problem, loss_check)
     if not plan.cached:
         remember(plan, total)
     return Call(plan, args, total, verdict, target_check, ranges)

@@ -1,10 +1,11 @@
-"""The GRPO family's chunk schedule in the fused loss (:func:`policy_loss_and_grads`) and the options only its
-losses take (:func:`check_policy_options`)."""
+"""The GRPO family's chunk schedule in the fused loss (:func:`policy_loss_and_grads`); the options
+only its losses take are checked with the fused loss's others
+(:func:`tplogp.validation.check_loss`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -13,26 +14,6 @@ from .chunk_gradients import ChunkGradients, per_token_rows, plan_chunks
 from .rl_losses import GRPOLoss, combine_sums
 from .sequences import row_bounds, segments_for
 from .tensors import zero_rows
-
-
-def check_policy_options(loss, policy: bool, per_token: Sequence, reduction: str, return_metrics: bool,
-                          cu_seqlens, target_ids, with_entropy: bool) -> None:
-    """The options that only a :class:`~tplogp.rl_losses.GRPOLoss` takes, and what it needs (the same error on
-    every rank: the arguments are)."""
-    if not policy:
-        for name, value in (("return_metrics", return_metrics), ("cu_seqlens", cu_seqlens)):
-            if value is not None and value is not False:
-                raise ValueError(f"{name} is an option of the losses.grpo(...) losses, not of {loss!r}")
-        return
-    loss.check_arity(len(per_token))
-    if reduction != "sum":
-        raise ValueError(f"the loss {loss.name} normalises itself (its normalization option): call with "
-                         f"reduction='sum', got {reduction!r}")
-    if loss.needs_sequences and cu_seqlens is None and target_ids.dim() < 2:
-        raise ValueError(f"the loss {loss.name} has per-sequence terms: pass [B, L] targets (a sequence per row) "
-                         f"or cu_seqlens (packed sequences' offsets)")
-    if loss.reads_entropy and not with_entropy:
-        raise ValueError(f"the loss {loss.name} reads the entropy (entropy_coef): call with with_entropy=True")
 
 
 def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token, needs: tuple[bool, bool, bool],

@@ -60,6 +60,42 @@ def k3_kl(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return e - d, -e
 
 
+def refuse_under_compile(name: str) -> None:
+    """A loss is built outside ``torch.compile``'d code: a loss object holds a process-wide key that
+    names it to the compiled fused loss's op (and a GRPO loss's work runs eagerly), which a trace
+    cannot create. Under a trace this is a graph break whose message says where to build the loss
+    (under ``fullgraph=True``, the error); eagerly, nothing."""
+    if torch.compiler.is_compiling():
+        torch._dynamo.graph_break(msg=(
+            f"tplogp: the loss {name} is built inside a function that torch.compile traces; "
+            f"build tplogp losses (losses.grpo(...), losses.ppo_clip(...), ...) once outside the "
+            f"compiled function (where the model and optimizer are built) and pass the loss in or "
+            f"close over it"))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_number(name: str, value, minimum: Optional[float] = None, open_minimum: bool = False,
+                 optional: bool = False) -> None:
+    """A loss option that must be a finite real number (not a bool), at least ``minimum`` (above it
+    with ``open_minimum``); None passes when ``optional``.
+
+    Raises:
+        ValueError: naming the option, what it must be and what it got.
+    """
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and minimum is not None:
+        ok = value > minimum if open_minimum else value >= minimum
+    if not ok:
+        bound = "" if minimum is None else f" {'>' if open_minimum else '>='} {minimum:g}"
+        none = " or None" if optional else ""
+        raise ValueError(f"{name} must be a finite number{bound}{none}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class GRPOLossConfig:
     """The options of :func:`tplogp.losses.grpo` (see there), checked. (``GRPOConfig`` is an alias of this name,
@@ -102,11 +138,29 @@ class GRPOLossConfig:
         if self.importance_sampling_level != "token" and self.loss_type in ("cispo", "sapo", "vespo"):
             raise ValueError(f"loss_type={self.loss_type!r} takes importance_sampling_level='token' (vespo computes "
                              f"its sequence weights itself), got {self.importance_sampling_level!r}")
-        for name in ("delta", "clip_ratio_c", "max_completion_length", "sapo_temperature_pos",
-                     "sapo_temperature_neg"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
+        for name in ("epsilon_low", "epsilon_high", "beta"):
+            check_number(name, getattr(self, name), minimum=0.0)
+        check_number("entropy_coef", self.entropy_coef)
+        for name in ("delta", "clip_ratio_c", "sapo_temperature_pos", "sapo_temperature_neg",
+                     "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            check_number(name, getattr(self, name), minimum=0.0, open_minimum=True, optional=True)
+        for name in ("rollout_clip_min", "rollout_clip_max"):
+            check_number(name, getattr(self, name), minimum=0.0, optional=True)
+        if None not in (self.rollout_clip_min, self.rollout_clip_max) and \
+                self.rollout_clip_min > self.rollout_clip_max:
+            raise ValueError(f"rollout_clip_min ({self.rollout_clip_min}) must be at most "
+                             f"rollout_clip_max ({self.rollout_clip_max})")
+        length = self.max_completion_length
+        if length is not None and (not _is_int(length) or length <= 0):
+            raise ValueError(f"max_completion_length must be a positive int, got {length!r}")
+        items = self.num_items_in_batch
+        # (a 0-d tensor passes: its value is not read here)
+        if items is not None and not (isinstance(items, torch.Tensor) and items.dim() == 0
+                                      and items.dtype != torch.bool):
+            check_number("num_items_in_batch", items, minimum=0.0)
+        for name in ("bias_corrected_kl", "with_old_logp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c (the dual clip's bound on -A r for A < 0) must be > 1, got "
                              f"{self.clip_ratio_c}")
@@ -144,6 +198,7 @@ class GRPOLoss:
     (a per-sequence normalisation or sum); ``reads_entropy`` whether it needs the entropy (an entropy bonus)."""
 
     def __init__(self, config: GRPOLossConfig) -> None:
+        refuse_under_compile("grpo(...)")
         self.config = c = config
         names = ["advantages"] + (["old_logp"] if c.with_old_logp else []) + (["ref_logp"] if c.beta else [])
         if c.rollout_correction == "weights":

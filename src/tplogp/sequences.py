@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 
-from .validation import LinearLogpInputError
 
 
 @dataclass(frozen=True)
@@ -43,8 +42,8 @@ class Segments:
 def segments_for(target_shape: torch.Size, offsets: Optional[list[int]], keep_idx: Optional[torch.Tensor],
                  device: torch.device) -> Segments:
     """The :class:`Segments` of a call with targets of ``target_shape`` (``offsets``: packed sequences' offsets
-    from :func:`check_offsets`, or None for the rows of the targets' last dimension), for the rows ``keep_idx``
-    kept (None: every row)."""
+    from :func:`tplogp.validation.check_loss`, or None for the rows of the targets' last dimension),
+    for the rows ``keep_idx`` kept (None: every row)."""
     n_all = 1
     for s in target_shape:
         n_all *= s
@@ -80,31 +79,3 @@ def row_bounds(target_shape: torch.Size, offsets: Optional[list[int]], keep_idx:
     if keep_idx is None:
         return starts
     return torch.searchsorted(keep_idx, torch.tensor(starts, device=keep_idx.device, dtype=keep_idx.dtype)).tolist()
-
-
-def check_offsets(cu_seqlens, n_all: int, read: bool = True) -> Optional[list[int]]:
-    """``cu_seqlens`` (a 1-D integer tensor or a sequence ``[0, ..., N]``) as a host list of offsets, checked (the
-    same error on every rank: the arguments are the same). ``read=False`` (a loss without per-sequence terms, which
-    never uses the offsets): a tensor's dtype and shape are checked without reading its values (no host copy, no
-    sync with its device), and None is returned.
-
-    Raises:
-        LinearLogpInputError: ``cu_seqlens`` is not nondecreasing offsets from 0 to the token count ``n_all``.
-    """
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise LinearLogpInputError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
-                                       f"{tuple(cu_seqlens.shape)}")
-        if not read:
-            if cu_seqlens.numel() < 2:
-                raise LinearLogpInputError(f"cu_seqlens must be offsets from 0 to the {n_all} tokens (one more "
-                                           f"than the sequences), got {cu_seqlens.numel()} value(s)")
-            return None
-        offsets = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        offsets = [int(x) for x in cu_seqlens]
-    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != n_all or any(
-            b < a for a, b in zip(offsets[:-1], offsets[1:])):
-        raise LinearLogpInputError(f"cu_seqlens must be nondecreasing offsets from 0 to the {n_all} tokens "
-                                   f"(one more than the sequences), got {offsets[:8]}{'...' if len(offsets) > 8 else ''}")
-    return offsets

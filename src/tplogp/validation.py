@@ -1,16 +1,23 @@
 """Argument and layout validation of ``linear_logp`` and ``linear_logp_loss``: what one rank can check alone, with no
-tensor data read.
+tensor data read (but ``cu_seqlens``, read when a loss uses its sequences).
 
 :func:`local_problem` returns a message instead of raising, so that with a TP group every rank first finishes its
 own checks and the group then raises the same error everywhere (:mod:`tplogp.group_record`); without a group the
 plan raises it. :func:`single_shard_vocab` checks the shard layout of a call on one shard. The plan
 (:mod:`tplogp.plan`) runs these through :func:`check_layout`, at the first call of a layout only.
+
+The fused loss's own arguments (the loss, ``per_token``, ``reduction``, ``with_entropy``,
+``cu_seqlens``, ``return_metrics``) are checked at every call by :func:`check_loss` (a few type and
+shape tests): a :class:`LossCheck` holds the rank's problem and what its ranks must agree on (the
+loss's options, the per-token tensors' shapes and dtypes, the sequences' offsets), which the group
+record compares by digest (:meth:`LossCheck.digests`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -206,3 +213,202 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
     if problem is None and world_size == 1:
         vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)
     return mode, problem, vocab_size
+
+
+# ---- the fused loss's arguments ----------------------------------------------------------------
+
+REDUCTIONS = ("sum", "mean")  # linear_logp_loss's reduction
+# what a LossCheck's ranks must agree on, in the order of LossCheck.parts and of the group record's
+# digests
+AGREED = ("the loss and its options (loss, reduction, with_entropy, return_metrics)",
+          "the per_token tensors' shapes and dtypes", "cu_seqlens")
+
+
+class LossCheck:
+    """The checks of one fused-loss call's own arguments (:func:`check_loss`).
+
+    ``problem``: the rank's problem, or None. ``offsets``: ``cu_seqlens`` as host ints when the loss
+    uses its sequences (else None). :meth:`parts`: plain-value tuples of what every rank of a group
+    must pass alike, one per entry of :data:`AGREED` (built only with a group: host time);
+    :meth:`digests` hashes them for the group record, :meth:`describe` shows them."""
+
+    __slots__ = ("problem", "offsets", "_arguments", "caller")
+    labels = AGREED  # what each part is, for the error of ranks that disagree
+
+    def __init__(self, problem: Optional[str], offsets: Optional[list[int]], arguments: tuple,
+                 caller: str = "linear_logp_loss") -> None:
+        self.problem, self.offsets, self._arguments = problem, offsets, arguments
+        self.caller = caller  # names the call in the group's errors
+
+    def parts(self) -> tuple:
+        loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics = self._arguments
+        if isinstance(per_token, tuple):
+            layout = tuple(_layout(t) for t in per_token)
+        else:
+            layout = type(per_token).__name__
+        if self.offsets is not None:
+            sequences = tuple(self.offsets)
+        else:
+            sequences = None if cu_seqlens is None else _layout(cu_seqlens)
+        options = (loss_identity(loss), reduction, with_entropy, return_metrics)
+        return options, layout, sequences
+
+    def digests(self) -> list[int]:
+        """One non-negative 63-bit digest per part (the same on every rank for equal parts: a keyed
+        hash, not Python's per-process ``hash``)."""
+        return [_digest(repr(part)) for part in self.parts()]
+
+    def describe(self, index: int) -> str:
+        """Part ``index`` as text (for the error of ranks that disagree)."""
+        return repr(self.parts()[index])
+
+
+def _digest(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _layout(value):
+    """A tensor as its shape and dtype (no data read); anything else as its type's name."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), str(value.dtype)
+    return type(value).__name__
+
+
+class EntryCheck(LossCheck):
+    """The checks of an integration's entry point that calls the op (:mod:`tplogp.integrations`):
+    its own problem, raised with the op's (on every rank of a group), and its options, which the
+    ranks must pass alike (compared by digest in the group record like a fused loss's)."""
+
+    __slots__ = ("labels",)
+
+    def __init__(self, caller: str, problem: Optional[str], options: tuple) -> None:
+        super().__init__(problem, None, options, caller)
+        names = ", ".join(name for name, _ in options)
+        self.labels = (f"{caller}'s options ({names})", "", "")
+
+    def parts(self) -> tuple:
+        return self._arguments, None, None
+
+
+def loss_identity(loss) -> tuple:
+    """What names a loss the same way on every rank: a :class:`~tplogp.losses.TokenLoss`'s name
+    (its options included) and per-token names, a GRPO-family loss's options (a tensor option by
+    its shape and dtype: no host read), else the callable's module and qualified name."""
+    kind = type(loss).__name__
+    config = getattr(loss, "config", None)
+    if config is not None and hasattr(config, "__dataclass_fields__"):
+        fields = tuple((name, _plain(getattr(config, name)))
+                       for name in config.__dataclass_fields__)
+        return kind, fields
+    if hasattr(loss, "per_token") and hasattr(loss, "name"):
+        return kind, loss.name, tuple(loss.per_token)
+    return kind, getattr(loss, "__module__", None), getattr(loss, "__qualname__", None)
+
+
+def _plain(value):
+    return ("tensor", *_layout(value)) if isinstance(value, torch.Tensor) else value
+
+
+def check_loss(loss, per_token: Sequence, reduction, with_entropy, cu_seqlens, return_metrics,
+               target_ids, entry: Optional[EntryCheck] = None) -> LossCheck:
+    """The fused loss's own arguments, checked (no tensor data read, but ``cu_seqlens`` when the
+    loss uses its sequences: one small host read). The problem is returned, not raised (module
+    docstring).
+
+    Args:
+        loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics:
+            :func:`tplogp.linear_logp_loss`'s.
+        target_ids: the call's targets (their shape; a problem of their own is
+            :func:`local_problem`'s).
+        entry: the checks of the integration's entry point that made the call (its problem comes
+            first, its name is the call's in the group's errors), or None.
+    Returns:
+        The :class:`LossCheck`.
+    """
+    if isinstance(per_token, (tuple, list)):
+        per_token = tuple(per_token)
+    offsets, problem = None, entry.problem if entry is not None else None
+    problem = problem or _loss_problem(loss, per_token, reduction, with_entropy, cu_seqlens,
+                                       return_metrics, target_ids)
+    if problem is None and cu_seqlens is not None:
+        offsets, problem = parse_offsets(cu_seqlens, target_ids.numel(),
+                                         read=bool(getattr(loss, "needs_sequences", False)))
+    arguments = (loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics)
+    return LossCheck(problem, offsets, arguments,
+                     "linear_logp_loss" if entry is None else entry.caller)
+
+
+def _loss_problem(loss, per_token, reduction, with_entropy, cu_seqlens, return_metrics,
+                  target_ids) -> Optional[str]:
+    """:func:`check_loss`'s problem of the arguments but ``cu_seqlens``' values, or None."""
+    policy = hasattr(loss, "config") and hasattr(loss, "needs_sequences")  # a losses.grpo(...)
+    if not (callable(loss) or policy):
+        return (f"loss must be a callable (a tplogp.losses loss or (logp, entropy, *per_token) -> "
+                f"[n]), got {loss!r}")
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+        return f"reduction must be one of {REDUCTIONS}, got {reduction!r}"
+    for name, value in (("with_entropy", with_entropy), ("return_metrics", return_metrics)):
+        if not isinstance(value, bool):
+            return f"{name} must be a bool, got {value!r}"
+    if not isinstance(per_token, tuple):
+        return f"per_token must be a tuple or list of tensors, got {type(per_token).__name__}"
+    if not isinstance(target_ids, torch.Tensor):
+        return None  # local_problem names it
+    shape = tuple(target_ids.shape)
+    for i, t in enumerate(per_token):
+        tensor = isinstance(t, torch.Tensor)
+        if not (tensor and tuple(t.shape) == shape and t.dtype.is_floating_point):
+            got = f"{t.dtype} of shape {tuple(t.shape)}" if tensor else type(t).__name__
+            return (f"per_token[{i}] must be a floating-point tensor of target_ids' shape {shape}, "
+                    f"got {got}")
+    if not policy:
+        for name, value in (("return_metrics", return_metrics), ("cu_seqlens", cu_seqlens)):
+            if value is not None and value is not False:
+                return f"{name} is an option of the losses.grpo(...) losses, not of {loss!r}"
+    if hasattr(loss, "check_arity"):  # a tplogp.losses loss names the per-token tensors it takes
+        try:
+            loss.check_arity(len(per_token))
+        except ValueError as exc:
+            return str(exc)
+    if getattr(loss, "reads_entropy", False) and not with_entropy:
+        return f"the loss {loss.name} reads the entropy: call with with_entropy=True"
+    if policy:
+        if reduction != "sum":
+            return (f"the loss {loss.name} normalises itself (its normalization option): call with "
+                    f"reduction='sum', got {reduction!r}")
+        if loss.needs_sequences and cu_seqlens is None and target_ids.dim() < 2:
+            return (f"the loss {loss.name} has per-sequence terms: pass [B, L] targets (a sequence "
+                    f"per row) or cu_seqlens (packed sequences' offsets)")
+    return None
+
+
+def parse_offsets(cu_seqlens, n_all: int,
+                  read: bool = True) -> tuple[Optional[list[int]], Optional[str]]:
+    """``cu_seqlens`` (a 1-D integer tensor or a sequence ``[0, ..., N]``) as host offsets, checked:
+    ``(offsets, None)``, or ``(None, problem)``. ``read=False`` (a loss without per-sequence terms,
+    which never uses the offsets): a tensor's dtype and shape are checked without reading its values
+    (no host copy, no sync with its device), and the offsets are None."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        dtype = cu_seqlens.dtype
+        if cu_seqlens.dim() != 1 or dtype.is_floating_point or dtype == torch.bool:
+            return None, (f"cu_seqlens must be a 1-D integer tensor, got {dtype} of shape "
+                          f"{tuple(cu_seqlens.shape)}")
+        if not read:
+            if cu_seqlens.numel() < 2:
+                return None, (f"cu_seqlens must be offsets from 0 to the {n_all} tokens (one more "
+                              f"than the sequences), got {cu_seqlens.numel()} value(s)")
+            return None, None
+        offsets = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        try:
+            offsets = [int(x) for x in cu_seqlens]
+        except (TypeError, ValueError):
+            return None, (f"cu_seqlens must be a 1-D integer tensor or a sequence of ints, got "
+                          f"{cu_seqlens!r}")
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != n_all or any(
+            b < a for a, b in zip(offsets[:-1], offsets[1:])):
+        shown = f"{offsets[:8]}{'...' if len(offsets) > 8 else ''}"
+        return None, (f"cu_seqlens must be nondecreasing offsets from 0 to the {n_all} tokens (one "
+                      f"more than the sequences), got {shown}")
+    return offsets, None

@@ -10,18 +10,24 @@ entry, so every rank raises the same error.
 
 Modes (``TPLOGP_CHECKS``):
 
-* ``full`` (default): nothing is read from the device at the call. The targets' ``[checksum, lo, hi]`` summary is
-  computed on the device and copied to pinned host memory behind an event (:class:`PendingTargetCheck`); without a
-  group, on the triton / sm90 sources and without ``ignore_index``, the forward's finishing kernel writes a bad id
-  straight into a pinned host slot instead (:class:`KernelTargetCheck`: no launch or copy of its own). The verdict
-  reaches the user at the first of: the **backward of the same call** (which raises before any gradient is handed
-  to autograd: without a group after launching its kernels, so that a wait for the event leaves them queued; with
-  a group first, after one exchange over the group's CPU companion, so every rank raises the same error), a later
-  call (without a group: the first whose start finds the verdict delivered, never waiting for it; with a group:
-  the next call, in its record exchange), or :func:`check_errors`. With a group the record holds host values only and is
-  exchanged over a CPU group (:func:`tplogp.comm.host_group`) on every call, which proves the token counts agree
-  before the stats exchange; metadata errors surface at the call. A validated partition plus targets inside
-  ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN at those tokens.
+* ``full`` (default): a call that records an autograd graph reads nothing from the device at the
+  call; one that records none (``torch.no_grad()``: no backward would carry its verdict) reads its
+  targets' range at the call (one small host read; with a group, every rank's summary in one more
+  exchange over the CPU group) and raises there. For the others, the targets' ``[checksum, lo, hi]``
+  summary is computed on the device and copied to pinned host memory behind an event
+  (:class:`PendingTargetCheck`); without a group, on the triton / sm90 sources and without
+  ``ignore_index``, the forward's finishing kernel writes a bad id straight into a pinned host slot
+  instead (:class:`KernelTargetCheck`: no launch or copy of its own). The verdict reaches the user
+  at the first of: the **backward of the same call** (which raises before any gradient is handed to
+  autograd: without a group after launching its kernels, so that a wait for the event leaves them
+  queued; with a group first, after one exchange over the group's CPU companion, so every rank
+  raises the same error), a later call (without a group: the first whose start finds the verdict
+  delivered, never waiting for it; with a group: the next call, in its record exchange), or
+  :func:`check_errors`. With a group the record holds host values only and is exchanged over a CPU
+  group (:func:`tplogp.comm.host_group`) on every call, which proves the token counts agree before
+  the stats exchange; metadata errors surface at the call. A validated partition plus targets inside
+  ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN at
+  those tokens.
 * ``sync``: the targets' summary is read at the call (one host sync); errors surface at the call that caused them.
 * ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size, bias,
   ignore_index, whether the call records an autograd graph) and skips the target check: one collective per forward
@@ -50,7 +56,7 @@ from .group_record import GroupRecord
 from .kernel_target_check import FlagSlots, KernelTargetCheck
 from .target_summary import (COVERAGE_MESSAGE, TargetSummary, summarize_targets, target_range_problem,
                              target_range_tensor, target_summary_tensor)
-from .validation import LinearLogpInputError
+from .validation import LinearLogpInputError, LossCheck
 
 
 # ---- verdicts read later: the default checks without a host sync -------------------------------------------------
@@ -63,6 +69,8 @@ BACKWARD_NOTE = (" [found by the backward of the linear_logp call that had it, b
                  "is NaN for these tokens; TPLOGP_CHECKS=sync raises at the call itself]")
 CAPTURED_NOTE = (" [found by the target check of a linear_logp call captured in a CUDA graph, at its last replay; "
                  "that replay's logp is NaN for these tokens and its gradients of hidden, weight and bias are zero]")
+NO_GRAPH_NOTE = (" [checked at the call: it records no autograd graph (torch.no_grad(), or hidden "
+                 "does not require grad), so no backward would carry its verdict]")
 CAPTURE_FIX = ("run one call of this layout outside the capture first (a warm-up), or set TPLOGP_CHECKS=fast "
                "(no target check)")
 
@@ -353,9 +361,10 @@ def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardV
 
 # ---- the forward's entry -----------------------------------------------------------------------------------------
 
-def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[BackwardVerdict],
-                                                           Optional[KernelTargetCheck],
-                                                           Optional[list[tuple[int, int]]]]:
+def open_call(plan, args, problem: Optional[str],
+              loss_check: Optional[LossCheck] = None) -> tuple[int, Optional[BackwardVerdict],
+                                                               Optional[KernelTargetCheck],
+                                                               Optional[list[tuple[int, int]]]]:
     """Open one call's verdict: judge what earlier calls left (those delivered), raise ``problem`` (the call's
     :func:`tplogp.validation.local_problem`, None when fine or when the layout passed before) and start this call's
     target check.
@@ -368,6 +377,9 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
             ``kernel_target_check``, ``vocab_size``: set for one shard, None for a group's first call).
         args: the call's :class:`tplogp.plan.CallArgs`.
         problem: the call's local problem, or None.
+        loss_check: a fused-loss call's checks of its own arguments
+            (:func:`tplogp.validation.check_loss`): its problem is the call's when the layout has
+            none; with a group its digests travel in the record.
     Returns:
         ``(global vocab size, what the backward settles or None, the target check that the source's finishing
         kernel runs or None, every rank's shard range (start, end) from the group record, None without a
@@ -375,6 +387,8 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
         ``target_flag``) and its ``ready`` event is recorded right after that launch.
     """
     mode = plan.mode
+    if problem is None and loss_check is not None:
+        problem = loss_check.problem
     device = args.hidden.device if isinstance(args.hidden, torch.Tensor) else torch.device("cpu")
     capturing = tensors.is_capturing(device)
     if capturing and mode == "sync":
@@ -382,7 +396,7 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
                                    "capture cannot do: capture with the default checks (TPLOGP_CHECKS unset or full), "
                                    "which keep the verdict on the device, or with TPLOGP_CHECKS=fast")
     if plan.world_size > 1:
-        total, verdict, ranges = _open_group_call(plan, args, problem, capturing)
+        total, verdict, ranges = _open_group_call(plan, args, problem, capturing, loss_check)
         return total, verdict, None, ranges
     if mode != "fast" and not capturing:
         raise_pending_errors(everything=False)  # the deferred verdict of the previous call without a group
@@ -390,11 +404,13 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
         raise LinearLogpInputError(problem)
     total, target_ids, ignore_index = plan.vocab_size, args.target_ids, args.options.ignore_index
     verdict = in_kernel = None
-    if mode == "sync":
+    # a call that records no graph has no backward to carry its verdict: decided now (no capture)
+    at_call = mode == "full" and not args.builds_graph and not capturing and target_ids.numel()
+    if mode == "sync" or at_call:
         msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False), total,
                                    ignore_index)
         if msg is not None:
-            raise LinearLogpInputError(msg)
+            raise LinearLogpInputError(msg + ("" if mode == "sync" else NO_GRAPH_NOTE))
     elif mode == "full" and target_ids.numel():
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check("", target_ids, total, ignore_index))
@@ -407,8 +423,9 @@ def open_call(plan, args, problem: Optional[str]) -> tuple[int, Optional[Backwar
     return total, verdict, in_kernel, None
 
 
-def _open_group_call(plan, args, problem: Optional[str],
-                     capturing: bool) -> tuple[int, Optional[BackwardVerdict], list[tuple[int, int]]]:
+def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
+                     loss_check: Optional[LossCheck]) -> tuple[int, Optional[BackwardVerdict],
+                                                               list[tuple[int, int]]]:
     """:func:`open_call` with a group of several ranks (module docstring): ``(global vocab size, verdict, every
     rank's shard range)``."""
     mode, comm_dev, group = plan.mode, plan.comm_device, args.group
@@ -427,7 +444,8 @@ def _open_group_call(plan, args, problem: Optional[str],
                                        f"run in a CUDA-graph capture: {CAPTURE_FIX}")
     elif mode == "fast" and capturing and not GroupRecord.is_verified(
             group, args.vocab_start_index, weight.shape[0], args.global_vocab_size, hidden.shape[-1], hidden.dtype,
-            bias is not None, ignore_index, builds_graph, args.options.sequence_parallel, args.options.hidden_grad):
+            bias is not None, ignore_index, builds_graph, args.options.sequence_parallel,
+            args.options.hidden_grad, loss_check):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
@@ -459,6 +477,7 @@ def _open_group_call(plan, args, problem: Optional[str],
         targets_note=GROUP_NOTE if host is not None else "",
         sequence_parallel=args.options.sequence_parallel,
         hidden_grad=args.options.hidden_grad,
+        loss_check=loss_check,
     )
     summary = None if summary is None else TargetSummary(*summary)
     verdict = None
@@ -468,10 +487,12 @@ def _open_group_call(plan, args, problem: Optional[str],
             raise LinearLogpInputError(msg + GROUP_NOTE)
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check(group_name(group), target_ids, total, ignore_index))
-        else:  # this call's targets: judged by its backward, else by the next call with the group
+        elif builds_graph:  # this call's targets: judged by its backward, else by the next call
             defer_group_target_check(group, target_ids, total, ignore_index)
-            if builds_graph:
-                verdict = BackwardVerdict(pending=_pending_by_group[group_name(group)], group=group)
+            verdict = BackwardVerdict(pending=_pending_by_group[group_name(group)], group=group)
+        else:  # no backward would carry the verdict: judged now, one more exchange (CPU group)
+            own = _start(target_ids, total, ignore_index, with_checksum=True)
+            _judge_group_summary(group, own, NO_GRAPH_NOTE)
     elif summary is not None:  # sync: this call's own targets, identical on every rank (the checksums agree)
         msg = target_range_problem(summary, total, ignore_index)
         if msg is not None:

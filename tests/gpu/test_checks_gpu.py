@@ -59,7 +59,7 @@ def test_default_checks_make_no_synchronizing_call(source, monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     bad = t.clone()
     bad[7] = v
-    out = op(h.detach(), w.detach(), bad)
+    out = op(h, w, bad).detach()  # records a graph whose backward never runs: its verdict waits
     torch.cuda.synchronize()  # the verdict delivered: the next call's start judges it (it never waits for it)
     with pytest.raises(LinearLogpInputError, match=rf"target id {v} is outside the vocabulary"):
         op(h.detach(), w.detach(), t)
@@ -72,7 +72,7 @@ def test_default_checks_make_no_synchronizing_call(source, monkeypatch):
 def test_bad_target_raises_in_the_same_calls_backward_and_leaves_the_model_unchanged(source, bad_id, monkeypatch):
     """The default checks (the triton / sm90 finishing kernel writes the verdict to pinned host memory; native's
     summary is copied behind an event): the backward of the call with the bad target raises before any gradient
-    reaches the parameters, naming the id; a no-grad call's verdict reaches ``check_errors``."""
+    reaches the parameters, naming the id; a no-grad call raises at the call itself."""
     op, h, w, t, v = _planned(source, 1, monkeypatch)
     check_errors()
     h.grad = w.grad = None
@@ -87,10 +87,10 @@ def test_bad_target_raises_in_the_same_calls_backward_and_leaves_the_model_uncha
     opt.step()
     assert torch.equal(w.detach(), before)
     check_errors()  # judged once, by the backward
-    with torch.no_grad():
-        op(h, w, bad)
-    with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary"):
-        check_errors()
+    at_call = rf"target id {bad_id} is outside the vocabulary .*\[checked at the call"
+    with torch.no_grad(), pytest.raises(LinearLogpInputError, match=at_call):
+        op(h, w, bad)  # no backward would carry the verdict: decided at the call
+    check_errors()
     op(h, w, t).sum().backward()  # the next good call runs
 
 
@@ -115,3 +115,45 @@ def test_verdict_on_a_side_stream(source, monkeypatch):
     h.grad = w.grad = None
     op(h, w, t).sum().backward()
     check_errors()
+
+
+@pytest.mark.parametrize("source", ["native", "triton", "sm90"])
+def test_no_grad_call_decides_its_verdict_at_the_call_with_one_host_read(source, monkeypatch):
+    """A no-grad call (a GRPO step's old log-probs) reads its targets' range at the call: one host
+    read, counted by the CUDA sync debug mode as the only synchronizing call; a bad id raises there
+    and no NaN is handed out. A no-grad call captured in a CUDA graph reads nothing (its flag is
+    read by ``check_errors`` after a replay)."""
+    op, h, w, t, v = _planned(source, 3, monkeypatch)
+    check_errors()
+    with torch.no_grad():
+        op(h, w, t)  # planned without a graph
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with pytest.warns(UserWarning, match="called a synchronizing CUDA operation") as caught:
+                out = op(h, w, t)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert len(caught) == 1, [str(c.message) for c in caught]
+        assert torch.isfinite(out).all()
+        bad = t.clone()
+        bad[3] = v
+        at_call = rf"target id {v} is outside the vocabulary \[0, {v}\) \[checked at the call"
+        with pytest.raises(LinearLogpInputError, match=at_call):
+            op(h, w, bad)
+        check_errors()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            op(h, w, t.clone())  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(side)
+        captured_targets = t.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            op(h, w, captured_targets)
+        captured_targets.copy_(bad)
+        graph.replay()
+        torch.cuda.synchronize()
+        captured = rf"target id {v} is outside the vocabulary .*CUDA graph"
+        with pytest.raises(LinearLogpInputError, match=captured):
+            check_errors()

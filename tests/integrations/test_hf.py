@@ -420,6 +420,72 @@ def test_sharded_and_wrapped_models_on_gloo_ranks(tp):
     tp.assert_all(not problems, "; ".join(problems))
 
 
+HF_CASES = {
+    "logits-to-keep": (dict(logits_to_keep=S), r"rank 1: logits_to_keep must be an int in \[0, "
+                                               r"sequence length - 1 = 8\], got 9"),
+    "loss-mask": (dict(loss_mask="short"), r"rank 1: loss_mask must be a tensor of shape \(3, 8\)"),
+    "per-token": (dict(per_token="short"), r"rank 1: per_token\[0\] must be a floating-point "
+                                           r"tensor of target_ids' shape \(3, 8\)"),
+    "reduction": (dict(reduction="avg"), r"rank 1: reduction must be one of \('sum', 'mean'\), "
+                                         r"got 'avg'"),
+}
+
+
+@pytest.mark.tp(world_size=2, timeout=300)
+@pytest.mark.parametrize("entry", ["causal_lm_loss", "causal_lm_logprobs"])
+def test_bad_argument_on_one_rank_raises_on_every_rank(tp, entry):
+    """A model whose LM head is a DTensor sharded over the vocabulary on 2 ranks: an entry point's
+    argument wrong on rank 1 alone travels with the head's op call, so every rank raises the same
+    error after the model's forward (none left in a collective), and the next good call on the group
+    runs (each case in turn, one model)."""
+    import re
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.support.ranks import agreed_message
+    from tplogp import LinearLogpInputError
+    from tplogp.tolerances import RUNBOOK_TOLERANCES
+
+    mesh = DeviceMesh.from_group(tp.group, "cpu")
+    model = _model("llama")
+    sharded = distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)])
+    model.lm_head.weight = torch.nn.Parameter(sharded)
+    ids, mask = _batch("left")
+    weights = mask[:, 1:].float()
+    good = dict(temperature=T, logits_to_keep=0)
+    if entry == "causal_lm_loss":
+        good.update(loss=losses.policy_gradient(), per_token=(weights,), loss_mask=mask[:, 1:],
+                    reduction="sum")
+    reference = logits_path(_model("llama"), ids, mask, temperature=T).detach()
+    if entry == "causal_lm_loss":
+        reference = -(reference * weights * mask[:, 1:]).sum()
+    call = causal_lm_loss if entry == "causal_lm_loss" else causal_lm_logprobs
+    tol = RUNBOOK_TOLERANCES[torch.float32]
+    cases = dict(HF_CASES)
+    if entry == "causal_lm_logprobs":
+        cases = {"logits-to-keep": HF_CASES["logits-to-keep"]}
+    for case, (change, expected) in cases.items():
+        kw = dict(good)
+        if tp.rank == 1:
+            kw["logits_to_keep"] = change.get("logits_to_keep", 0)
+            if "loss_mask" in change:
+                kw["loss_mask"] = mask[:, 2:]
+            if "per_token" in change:
+                kw["per_token"] = (weights[:, 1:],)
+            if "reduction" in change:
+                kw["reduction"] = change["reduction"]
+        try:
+            call(model, ids, mask, **kw)
+            outcome = "no error"
+        except LinearLogpInputError as exc:
+            outcome = str(exc)
+        message = agreed_message(tp, outcome)
+        assert re.search(rf"^{entry} inputs rejected \(" + expected, message), (case, message)
+        value = call(model, ids, mask, **good).detach()
+        tp.assert_close(value, reference, atol=tol.atol, rtol=tol.rtol)
+
+
 @pytest.mark.slow
 def test_benchmark_smoke_rows():
     """``python -m benchmarks integrations --smoke``'s measuring function on tiny shapes: every step and

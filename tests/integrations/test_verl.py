@@ -5,6 +5,8 @@ three-way rule of ``tplogp.tolerances`` (no worse than the same-dtype PyTorch re
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -115,3 +117,50 @@ def test_uneven_shards_are_refused_on_every_rank(tp):
     with pytest.raises(Exception) as info:
         linear_cross_entropy(hidden, local, labels, T, "none", tp.group)
     tp.assert_all(isinstance(info.value, (LinearLogpInputError, ValueError)), repr(info.value))
+
+
+REJECTED_ON_1 = r"^linear_cross_entropy inputs rejected \(rank 1: "
+VERL_CASES = {
+    "reduction": (dict(reduction="avg"), REJECTED_ON_1 + r"reduction must be one of \('none', "
+                                                         r"'sum', 'mean'\), got 'avg'\)$"),
+    "reduction-differs": (dict(reduction="sum"),
+                          r"^linear_cross_entropy: linear_cross_entropy's options \(reduction\) "
+                          r"must be the same on every TP rank, got rank 0: "
+                          r"\(\('reduction', 'none'\),\); rank 1: \(\('reduction', 'sum'\),\)"),
+    "labels-short": (dict(labels="short"), REJECTED_ON_1 + r"labels must hold one id per token of "
+                                                           r"hidden: 15 tokens"),
+    "temperature": (dict(temperature=0.0), REJECTED_ON_1 + r"temperature must be a positive finite "
+                                                           r"number, got 0.0\)$"),
+}
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=120)
+@pytest.mark.parametrize("case", list(VERL_CASES))
+def test_bad_argument_on_one_rank_raises_on_every_rank(tp, case):
+    """verl's entry point: its own arguments travel with the op's checks, so an argument wrong on
+    rank 1 alone raises the same error on every rank (none left in a collective), and the next good
+    call on the group runs."""
+    from tests.support.ranks import agreed_message
+
+    hidden, weight, labels, _, _ = _inputs(4)
+    rows = V // tp.world_size
+    local = weight[tp.rank * rows:(tp.rank + 1) * rows]
+    change, expected = VERL_CASES[case]
+    kw = dict(reduction="none", temperature=T)
+    if tp.rank == 1:
+        kw.update({k: v for k, v in change.items() if k != "labels"})
+        labels = labels.reshape(-1)[:-1] if change.get("labels") else labels
+    try:
+        linear_cross_entropy(hidden, local, labels, kw["temperature"], kw["reduction"], tp.group)
+        outcome = "no error"
+    except LinearLogpInputError as exc:
+        outcome = str(exc)
+    message = agreed_message(tp, outcome)
+    assert re.search(expected, message), message
+    hidden, weight, labels, _, _ = _inputs(4)
+    logp, entropy = linear_cross_entropy(hidden, local, labels, T, "none", tp.group)
+    ref_logp, ref_entropy = _matching(hidden, weight, labels, T, "none")
+    truth_logp, truth_entropy = _float64(hidden.double(), weight.double(), labels, T, "none")
+    checks = (("logprobs", logp, ref_logp, truth_logp),
+              ("entropy", entropy, ref_entropy, truth_entropy))
+    assert_no_worse_on_every_rank(tp, checks, torch.float32)

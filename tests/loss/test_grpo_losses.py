@@ -273,3 +273,55 @@ def test_errors_name_the_fix():
         losses.grpo("cispo", importance_sampling_level="sequence")
     with pytest.raises(ValueError, match="loss_type must be one of"):
         losses.grpo("ppo")
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: losses.grpo(epsilon_low=-0.1), r"epsilon_low must be a finite number >= 0, got -0.1"),
+    (lambda: losses.grpo(epsilon_high=-1.0),
+     r"epsilon_high must be a finite number >= 0, got -1.0"),
+    (lambda: losses.grpo(epsilon_low=float("nan")),
+     r"epsilon_low must be a finite number >= 0, got nan"),
+    (lambda: losses.grpo(delta=0.0), r"delta must be a finite number > 0 or None, got 0.0"),
+    (lambda: losses.grpo(delta=-2.0), r"delta must be a finite number > 0 or None, got -2.0"),
+    (lambda: losses.grpo(delta="4"), r"delta must be a finite number > 0 or None, got '4'"),
+    (lambda: losses.grpo(beta=-0.04), r"beta must be a finite number >= 0, got -0.04"),
+    (lambda: losses.grpo(entropy_coef=float("inf")),
+     r"entropy_coef must be a finite number, got inf"),
+    (lambda: losses.grpo("vespo", vespo_k_pos=0),
+     r"vespo_k_pos must be a finite number > 0 or None, got 0"),
+    (lambda: losses.grpo(rollout_correction="token_truncate", rollout_clip_min=-1.0),
+     r"rollout_clip_min must be a finite number >= 0 or None, got -1.0"),
+    (lambda: losses.grpo(rollout_correction="token_mask", rollout_clip_min=4.0,
+                         rollout_clip_max=2.0),
+     r"rollout_clip_min \(4.0\) must be at most rollout_clip_max \(2.0\)"),
+    (lambda: losses.grpo("dr_grpo", max_completion_length=0),
+     r"max_completion_length must be a positive int"),
+    (lambda: losses.grpo("dr_grpo", max_completion_length=2.5),
+     r"max_completion_length must be a positive int"),
+    (lambda: losses.grpo(num_items_in_batch=-3),
+     r"num_items_in_batch must be a finite number >= 0, got -3"),
+    (lambda: losses.grpo(with_old_logp="yes"), r"with_old_logp must be a bool, got 'yes'"),
+    (lambda: losses.grpo("sapo", sapo_temperature_neg=-1.0),
+     r"sapo_temperature_neg must be a finite number > 0"),
+    (lambda: losses.grpo("ppo"), r"loss_type must be one of \('grpo', "),
+    (lambda: losses.ppo_clip(-0.2, 0.2), r"eps_low must be a finite number >= 0, got -0.2"),
+    (lambda: losses.ppo_clip(0.2, float("nan")), r"eps_high must be a finite number >= 0, got nan"),
+    (lambda: losses.kl_to_reference(-0.1),
+     r"kl_to_reference's coef must be a finite number >= 0, got -0.1"),
+    (lambda: losses.entropy_bonus(None), r"entropy_bonus's coef must be a finite number, got None"),
+    (lambda: losses.z_loss(float("inf")), r"z_loss's coef must be a finite number, got inf"),
+    (lambda: losses.cross_entropy(label_smoothing=1.5),
+     r"label_smoothing must be a float in \[0, 1\], got 1.5"),
+], ids=lambda x: "" if callable(x) else x.split(" must")[0].replace("\\", ""))
+def test_loss_options_that_cannot_be_right_are_refused_at_construction(build, message):
+    """A loss's options are checked where the loss is built (every rank builds it alike; options
+    that differ between ranks are the group record's: tests/loss/test_loss_checks.py)."""
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_loss_options_at_their_bounds_are_accepted():
+    losses.grpo(epsilon_low=0.0, epsilon_high=0.0, beta=0.0, num_items_in_batch=torch.tensor(12.0))
+    losses.grpo("cispo", epsilon_high=5.0, entropy_coef=-0.01)
+    losses.grpo(rollout_correction="token_truncate", rollout_clip_min=0.0, rollout_clip_max=0.0)
+    losses.ppo_clip(0.0, 0.0), losses.kl_to_reference(0.0), losses.entropy_bonus(-0.5)

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.support.host_reads import count_host_reads
+from tests.support.host_reads import count_host_reads, is_tplogp_file
 from tests.support.problems import make_problem, run_op
 from tplogp import LinearLogpInputError, check_errors, get_op
 
@@ -38,13 +38,29 @@ def test_host_reads_per_call(mode, ignore, monkeypatch):
     check_errors()
 
 
+def test_host_reads_name_tplogp_frames_by_the_package_directory(tmp_path):
+    """The read counter names the tplogp function of a read by the package's directory: torch's
+    files below a checkout named tplogp (its environment inside it) are not tplogp's, nor is the
+    plugin."""
+    import pytest_tplogp
+    import tplogp.plan
+
+    site = tmp_path / "tplogp" / ".venv" / "lib" / "site-packages"
+    venv_torch = site / "torch" / "nn" / "functional.py"
+    assert not is_tplogp_file(str(venv_torch))
+    assert not is_tplogp_file(torch.nn.functional.__file__)
+    assert not is_tplogp_file(pytest_tplogp.__file__)
+    assert is_tplogp_file(tplogp.plan.__file__)
+
+
 def test_check_errors_raises_the_pending_verdict_once(monkeypatch):
     monkeypatch.setenv("TPLOGP_CHECKS", "full")
     op = get_op("linear_logp", source="native")
-    h, w = torch.randn(5, 8), torch.randn(20, 8)
+    # (a call that records a graph defers its verdict)
+    h, w = torch.randn(5, 8, requires_grad=True), torch.randn(20, 8)
     op(h, w, torch.tensor([0, 1, 2, 3, 4]))
     check_errors()  # a good call leaves nothing to raise
-    out = op(h, w, torch.tensor([0, 25, 2, -3, 4]))
+    out = op(h, w, torch.tensor([0, 25, 2, -3, 4])).detach()
     assert torch.isnan(out).tolist() == [False, True, False, True, False]
     with pytest.raises(LinearLogpInputError, match=r"target id -3 is outside the vocabulary \[0, 20\)"):
         check_errors()
@@ -54,7 +70,7 @@ def test_check_errors_raises_the_pending_verdict_once(monkeypatch):
 def test_fast_mode_drops_nothing_pending(monkeypatch):
     """A fast-mode call neither raises nor clears the verdict of an earlier full-mode call."""
     op = get_op("linear_logp", source="native")
-    h, w = torch.randn(3, 4), torch.randn(6, 4)
+    h, w = torch.randn(3, 4, requires_grad=True), torch.randn(6, 4)
     monkeypatch.setenv("TPLOGP_CHECKS", "full")
     op(h, w, torch.tensor([0, 9, 1]))
     monkeypatch.setenv("TPLOGP_CHECKS", "fast")
@@ -63,13 +79,15 @@ def test_fast_mode_drops_nothing_pending(monkeypatch):
         check_errors()
 
 
-def _calls(tp, targets_per_call, finish=None):
+def _calls(tp, targets_per_call, finish=None, graph=True):
     """Run ``linear_logp`` once per target tensor on uneven shards of a 64-id vocab; per call the outcome ("ok" or
-    the error) and the host reads it made. ``finish``: called last (check_errors), its outcome appended too."""
+    the error) and the host reads it made. ``finish``: called last (check_errors), its outcome
+    appended too. ``graph``: whether the calls record an autograd graph (hidden requires grad; no
+    backward runs)."""
     from tplogp.shards import shard_boundaries, shard_range
 
     start, end = shard_range(shard_boundaries(64, tp.world_size, uneven=True), tp.rank)
-    h, w = torch.randn(6, 8), torch.randn(end - start, 8)
+    h, w = torch.randn(6, 8).requires_grad_(graph), torch.randn(end - start, 8)
     op = get_op("linear_logp", source="native")
     outcome = []
     for t in targets_per_call:
@@ -129,6 +147,32 @@ def test_tp_full_checks_raise_at_the_next_call_on_every_rank(tp, monkeypatch):
         assert set(reads) <= {"Tensor.tolist in _exchange", "Tensor.tolist in read_summary"}, reads
         assert reads.count("Tensor.tolist in _exchange") == 1, reads
     assert now[0] == "nan" and "target id 64 is outside" in now[2] and clean[::2] == ["ok", "ok"], (now, clean)
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=120)
+def test_tp_full_checks_of_a_call_without_graph_raise_at_the_call(tp, monkeypatch):
+    """A call that records no autograd graph (no_grad: a GRPO step's old / reference log-probs) has
+    no backward to carry its verdict: with the default checks it reads its own targets' summary at
+    the call and exchanges it over the CPU group, so every rank raises the same error at that call
+    (no NaN handed out), and the group goes on."""
+    monkeypatch.setenv("TPLOGP_CHECKS", "full")
+    with torch.no_grad():
+        outcome = _calls(tp, [GOOD, BAD, GOOD, lambda rank: GOOD + rank],
+                         finish=lambda: check_errors(tp.group), graph=False)
+    everyone = tp.all_gather_object(outcome)
+    assert all(o == everyone[0] for o in everyone), everyone
+    outcome = everyone[0]
+    assert outcome[0] == "ok" and outcome[4] == "ok" and outcome[8] == "ok", outcome
+    assert re.search(r"target id 64 is outside the vocabulary \[0, 64\) \[checked at the call: "
+                     r"it records no autograd graph", outcome[2]), outcome
+    assert re.search(r"target_ids \(they must be replicated.*rank 0: #[0-9a-f]+, "
+                     r"rank 1: #[0-9a-f]+.*checked at the call", outcome[6]), outcome
+    # per call: the CPU record's read and the exchange of the call's own summary (one small host
+    # read of it)
+    for reads in outcome[1:8:2]:
+        assert sorted(reads) == ["Tensor.tolist in _exchange",
+                                 "Tensor.tolist in _judge_group_summary",
+                                 "Tensor.tolist in read_summary"], reads
 
 
 @pytest.mark.tp(world_size=2, timeout=120)

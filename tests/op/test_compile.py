@@ -222,6 +222,49 @@ def test_fused_loss_with_a_plain_callable_runs_eagerly_inside_compiled_code():
     assert_same_bits(loss_and_grads(torch.compile(loss_fn, backend="aot_eager"), p), eager)
 
 
+BUILD_OUTSIDE = (r"the loss .* is built inside a function that torch.compile traces; build tplogp "
+                 r"losses .* once outside the compiled function")
+
+
+@pytest.mark.parametrize("build", [
+    pytest.param(lambda: losses.ppo_clip(0.2, 0.28), id="ppo_clip"),
+    pytest.param(lambda: losses.cross_entropy() + losses.z_loss(1e-4), id="sum-of-terms"),
+    pytest.param(lambda: losses.grpo("bnpo"), id="grpo"),
+])
+def test_a_loss_built_under_fullgraph_names_where_to_build_it(build):
+    """A loss object built inside a function compiled with ``fullgraph=True`` raises dynamo's error
+    with a message that says where to build it (dynamo raises at the trace, before any work);
+    compiled without ``fullgraph`` the loss is built eagerly at a graph break and the value is
+    eager's."""
+    p = make_problem((6,), 8, 20, torch.float32, False, seed=2)
+    old = -torch.rand(6)
+
+    def loss_fn(h, w, t):
+        loss = build()
+        per_token = (p.g_logp, old)[:len(loss.per_token)]
+        return linear_logp_loss(h, w, t, loss=loss, per_token=per_token, source="native")
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=BUILD_OUTSIDE):
+        compile_fullgraph(loss_fn)[0](p.hidden, p.weight, p.target)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend="eager")(p.hidden, p.weight, p.target)
+    assert torch.equal(compiled, loss_fn(p.hidden, p.weight, p.target))
+
+
+def test_a_loss_that_runs_eagerly_names_the_cause_under_fullgraph():
+    """A ``losses.grpo(...)`` loss (built outside) runs eagerly inside compiled code: under
+    ``fullgraph=True`` the graph break's message says why and what compiles as one graph."""
+    p = make_problem((6,), 8, 20, torch.float32, False, seed=2)
+    loss, old = losses.grpo("bnpo"), -torch.rand(6)
+
+    def loss_fn(h, w, t):
+        return linear_logp_loss(h, w, t, loss=loss, per_token=(p.g_logp, old), source="native")
+
+    eager = r"linear_logp_loss runs eagerly inside compiled code \(a graph break, so not under "
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=eager + r"fullgraph=True\)"):
+        compile_fullgraph(loss_fn)[0](p.hidden, p.weight, p.target)
+
+
 # The peers' compile case (bf16, ignore_index -100 on every 7th token, sum and mean) at a CPU size: 48 tokens of
 # D = 32 over V = 211 (one chunk); the triton source in the interpreter at 20 tokens. Inductor, the default backend.
 FUSED_COMPILE_CASES = [pytest.param("native", 48, "sum", id="native-sum"),

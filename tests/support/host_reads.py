@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Iterator
 
 import torch
+
+import tplogp
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# tplogp's own source directory (with a separator at its end): a frame is tplogp's when its file
+# lies below it. A substring test of the path would also match torch's frames when the environment
+# lives below a folder named tplogp
+_TPLOGP_DIR = os.path.join(os.path.dirname(os.path.realpath(tplogp.__file__)), "")
 
 # aten ops that hand tensor data to the host: ``.item()`` / ``bool(t)`` and data-dependent output shapes
 _READ_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique")
@@ -17,10 +25,16 @@ def _where() -> str:
     """The innermost tplogp function on the stack (``?`` when the read came from elsewhere)."""
     frame = sys._getframe(2)
     while frame is not None:
-        if "tplogp" in frame.f_code.co_filename and "pytest_tplogp" not in frame.f_code.co_filename:
+        if is_tplogp_file(frame.f_code.co_filename):
             return frame.f_code.co_name
         frame = frame.f_back
     return "?"
+
+
+def is_tplogp_file(filename: str) -> bool:
+    """Whether ``filename`` (a code object's) is a module of the tplogp package (not of the plugin,
+    torch or the tests, wherever the checkout and its environment live)."""
+    return os.path.realpath(filename).startswith(_TPLOGP_DIR)
 
 
 class _Reads(TorchDispatchMode):

@@ -35,9 +35,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..api import linear_logp, linear_logp_loss
+from ..api import linear_logp_entry, linear_logp_loss_entry
 from ..dtensor import is_dtensor
 from ..outputs import LogpEntropy
+from ..validation import EntryCheck
 from . import require
 
 require("transformers", "tplogp.integrations.hf", "hf")
@@ -198,26 +199,11 @@ def _model_logits(out):
     return logits
 
 
-def _check_input_ids(input_ids) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got "
-                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}"
-                         f" (a single sequence: input_ids[None])")
-
-
 def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, make: Callable,
          model_kwargs: dict, expected_shape: tuple):
     """Run ``model``'s forward with its head computing ``make(head, shifted_hidden, temperature_scale)``; the result
     as the model returned it, after the exactness checks, and the model's output (its other fields: an MoE model's
-    ``aux_loss``, ...)."""
-    bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
-    if bad:
-        raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets the positions "
-                        f"(logits_to_keep) and computes no HF loss (labels)")
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0 \
-            or logits_to_keep > input_ids.shape[1] - 1:
-        raise ValueError(f"logits_to_keep must be an int in [0, sequence length - 1 = {input_ids.shape[1] - 1}], "
-                         f"got {logits_to_keep!r}")
+    ``aux_loss``, ...). ``logits_to_keep``: checked (:func:`_entry`)."""
     scale = _check_config(model)
     heads = _output_heads(model)
     seq = input_ids.shape[1]
@@ -265,6 +251,29 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
             f"head's output hooks redistribute it (for a tensor-parallel plan, use "
             f"ColwiseParallel(output_layouts=Replicate()) on the head)")
     return result, out
+
+
+def _entry(input_ids, logits_to_keep, model_kwargs: dict) -> tuple[int, Optional[str]]:
+    """The entry point's own checks: ``(logits_to_keep to run the model with, problem or None)``.
+    What the model cannot run with raises here (input_ids not ``[B, S]``; model keyword arguments
+    the integration sets itself, fixed in the caller's code); a bad ``logits_to_keep`` is a problem
+    that travels with the head's op call (:class:`tplogp.validation.EntryCheck`), so with a
+    tensor-parallel head every rank raises the same error after the model's forward (its
+    collectives done on every rank) and none is left waiting."""
+    bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
+    if bad:
+        raise TypeError(f"model keyword argument(s) {bad} are not accepted: the integration sets "
+                        f"the positions (logits_to_keep) and computes no HF loss (labels)")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
+        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got {got} (a single "
+                         f"sequence: input_ids[None])")
+    last = input_ids.shape[1] - 1
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) \
+            or not 0 <= logits_to_keep <= last:
+        return 0, (f"logits_to_keep must be an int in [0, sequence length - 1 = {last}], got "
+                   f"{logits_to_keep!r}")
+    return logits_to_keep, None
 
 
 def _softcap(transform) -> Optional[float]:
@@ -332,18 +341,20 @@ def causal_lm_logprobs(
         UnsupportedModelError: the model's logits are not what the LM head computes (a
             LoRA or quantized head, a transform of the logits in the forward; see :mod:`tplogp.integrations.hf`).
     """
-    _check_input_ids(input_ids)
-    targets = _targets(input_ids, logits_to_keep)
+    keep, problem = _entry(input_ids, logits_to_keep, model_kwargs)
+    entry = EntryCheck("causal_lm_logprobs", problem, (("logits_to_keep", logits_to_keep),))
+    targets = _targets(input_ids, keep)
 
     def make(head, hidden, scale):
-        out = linear_logp(hidden, head.weight, targets.to(hidden.device), head.bias,
-                          temperature=temperature if scale is None else scale.temperature(temperature),
-                          softcap=_softcap(scale), return_entropy=return_entropy, workspace_bytes=workspace_bytes)
+        t_eff = temperature if scale is None else scale.temperature(temperature)
+        out = linear_logp_entry(entry, hidden, head.weight, targets.to(hidden.device), head.bias,
+                                temperature=t_eff, softcap=_softcap(scale),
+                                return_entropy=return_entropy, workspace_bytes=workspace_bytes)
         # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a view)
         return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
 
-    shape = (input_ids.shape[0], _positions(input_ids, logits_to_keep)) + ((2,) if return_entropy else ())
-    result, output = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, shape)
+    shape = (input_ids.shape[0], _positions(input_ids, keep)) + ((2,) if return_entropy else ())
+    result, output = _run(model, input_ids, attention_mask, keep, make, model_kwargs, shape)
     if return_entropy:
         result = LogpEntropy(result[..., 0], result[..., 1])
     return (result, output) if return_model_output else result
@@ -394,14 +405,18 @@ def causal_lm_loss(
         a 0-d float32 tensor; with ``return_metrics`` ``(loss, metrics)``; with ``return_model_output`` the model's
         output object after these.
     """
-    _check_input_ids(input_ids)
-    targets = _targets(input_ids, logits_to_keep)
+    keep, problem = _entry(input_ids, logits_to_keep, model_kwargs)
+    targets = _targets(input_ids, keep)
     per_token = _per_token(per_token, tuple(targets.shape))
+    if loss_mask is not None and (not isinstance(loss_mask, torch.Tensor)
+                                  or tuple(loss_mask.shape) != tuple(targets.shape)):
+        got = tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else loss_mask
+        problem = problem or (f"loss_mask must be a tensor of shape {tuple(targets.shape)} (the "
+                              f"log-probs' shape), got {got}")
+        loss_mask = None  # (the call is rejected: the problem travels with the loss's checks)
     if loss_mask is not None:
-        if not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape) != tuple(targets.shape):
-            raise ValueError(f"loss_mask must be a tensor of shape {tuple(targets.shape)} (the log-probs' shape), "
-                             f"got {tuple(loss_mask.shape) if isinstance(loss_mask, torch.Tensor) else loss_mask}")
         targets = torch.where(loss_mask.to(targets.device).bool(), targets, _MASKED)
+    entry = EntryCheck("causal_lm_loss", problem, (("logits_to_keep", logits_to_keep),))
 
     def make(head, hidden, scale):
         ignore = None if loss_mask is None else _MASKED
@@ -414,10 +429,12 @@ def causal_lm_loss(
                 raise UnsupportedModelError(f"the LM head's input is a DTensor placed {hidden.placements}; expected "
                                             f"Replicate() (ColwiseParallel's default input layout)")
             mesh, local = hidden.device_mesh, hidden.to_local()
-        value = linear_logp_loss(local, head.weight, targets.to(local.device), head.bias, loss=loss,
-                                 per_token=per_token, reduction=reduction, temperature=t_eff,
-                                 softcap=_softcap(scale), ignore_index=ignore, workspace_bytes=workspace_bytes,
-                                 with_entropy=with_entropy, return_metrics=return_metrics)
+        value = linear_logp_loss_entry(entry, local, head.weight, targets.to(local.device),
+                                       head.bias, loss=loss, per_token=per_token,
+                                       reduction=reduction, temperature=t_eff,
+                                       softcap=_softcap(scale), ignore_index=ignore,
+                                       workspace_bytes=workspace_bytes, with_entropy=with_entropy,
+                                       return_metrics=return_metrics)
         if return_metrics:  # the model returns the loss where it returns its logits; the metrics come aside
             value, found = value
             metrics.update(found)
@@ -428,7 +445,7 @@ def causal_lm_loss(
         return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     metrics: dict = {}
-    value, output = _run(model, input_ids, attention_mask, logits_to_keep, make, model_kwargs, ())
+    value, output = _run(model, input_ids, attention_mask, keep, make, model_kwargs, ())
     result = (value, metrics) if return_metrics else (value,)
     result = result + (output,) if return_model_output else result
     return result if len(result) > 1 else value

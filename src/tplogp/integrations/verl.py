@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..api import linear_logp
-from ..validation import LinearLogpInputError
+from ..api import linear_logp_entry
+from ..validation import EntryCheck
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -52,29 +52,39 @@ def linear_cross_entropy(
     Returns:
         float32 ``logprobs`` (``[N]``, or 0-d with ``"sum"`` / ``"mean"``) and ``entropy`` ``[N]``.
     """
+    # verl's own checks travel with the op's: with a group every rank raises the same error (none is
+    # left waiting)
+    problem = None
     if not isinstance(reduction, str) or reduction.lower() not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        problem, reduction = f"reduction must be one of {REDUCTIONS}, got {reduction!r}", "none"
     reduction = reduction.lower()
-    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
-        if not isinstance(t, torch.Tensor):
-            raise LinearLogpInputError(f"{name} must be a tensor, got {type(t).__name__}")
-    if hidden.dim() < 2 or weight.dim() != 2:
-        raise LinearLogpInputError(f"expected hidden [..., D] and weight [V, D], got hidden {tuple(hidden.shape)} "
-                                   f"and weight {tuple(weight.shape)}")
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1)
-    if flat_labels.numel() != flat_hidden.shape[0]:
-        raise LinearLogpInputError(f"labels must hold one id per token of hidden: {flat_hidden.shape[0]} tokens "
-                                   f"(hidden {tuple(hidden.shape)}), got labels {tuple(labels.shape)}")
+    flat_hidden, flat_labels = hidden, labels
+    tensors = all(isinstance(t, torch.Tensor) for t in (hidden, weight, labels))
+    if tensors and (hidden.dim() < 2 or weight.dim() != 2):
+        problem = problem or (f"expected hidden [..., D] and weight [V, D], got hidden "
+                              f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}")
+    elif tensors:
+        flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        if flat_labels.numel() != flat_hidden.shape[0]:
+            problem = problem or (f"labels must hold one id per token of hidden: "
+                                  f"{flat_hidden.shape[0]} tokens (hidden {tuple(hidden.shape)}), "
+                                  f"got labels {tuple(labels.shape)}")
+            # (the call is rejected: the problem above)
+            flat_labels = labels.new_zeros(flat_hidden.shape[0])
+    # (not a tensor: the op's checks name it; a temperature that is not a positive finite number:
+    # the op's too)
     world = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
     group_kwargs: dict[str, Any] = {}
     if world > 1:
-        local = weight.shape[0]
-        group_kwargs = dict(tp_group=dist_process_group, vocab_start_index=dist.get_rank(dist_process_group) * local,
-                            global_vocab_size=world * local, hidden_grad="partial")
-    # (a temperature that is not a positive finite number: linear_logp's checks raise LinearLogpInputError)
-    logprobs, entropy = linear_logp(flat_hidden, weight, flat_labels, temperature=temperature, return_entropy=True,
-                                    **group_kwargs)
+        local = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
+        group_kwargs = dict(tp_group=dist_process_group,
+                            vocab_start_index=dist.get_rank(dist_process_group) * local,
+                            global_vocab_size=world * local if local else None,
+                            hidden_grad="partial")
+    entry = EntryCheck("linear_cross_entropy", problem, (("reduction", reduction),))
+    logprobs, entropy = linear_logp_entry(entry, flat_hidden, weight, flat_labels,
+                                          temperature=temperature, return_entropy=True,
+                                          **group_kwargs)
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":
