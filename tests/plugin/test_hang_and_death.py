@@ -111,7 +111,7 @@ def test_sleeps(tp):
 '''
 
 #: Ctrl-C or a crash of pytest ends the run, every rank and the fork server included, within this many seconds,
-#: also on a loaded 2-core machine (measured there: docs/plugin.md, "No orphans").
+#: also on a loaded 2-core machine (measured there: docs/plugin.md, "Pool").
 EXIT_WITHIN_S = 10.0
 
 
