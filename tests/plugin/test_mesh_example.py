@@ -1,12 +1,12 @@
-"""The mesh example of docs/plugin.md, run as the test file it is (4 gloo ranks, mesh dp2 x tp2), and
-FSDP2 + tensor parallel with a vocab-parallel head against one device in float64 (values, every
+"""The mesh example of docs/plugin.md, run as the test file it is (4 gloo ranks, mesh dp2 x tp2),
+and FSDP2 + tensor parallel with a vocab-parallel head against one device in float64 (values, every
 gradient, the parameters after an optimizer step).
 
-The MLP is tensor parallel over ``mesh["tp"]`` (column-wise up, row-wise down), the LM head weight is
-sharded over the vocabulary on ``mesh["tp"]`` and read out through ``tplogp.linear_logp``, and FSDP2
-(``fully_shard``) shards every parameter over ``mesh["dp"]``, which also splits the batch. SGD with
-momentum is linear in the gradient, so the tolerance carries over to the parameters. On CPU, FSDP2
-runs on gloo (all-gather and reduce-scatter over ``mesh["dp"]``)."""
+The MLP is tensor parallel over ``mesh["tp"]`` (column-wise up, row-wise down), the LM head weight
+is sharded over the vocabulary on ``mesh["tp"]`` and read out through ``tplogp.linear_logp``, and
+FSDP2 (``fully_shard``) shards every parameter over ``mesh["dp"]``, which also splits the batch. SGD
+with momentum is linear in the gradient, so the tolerance carries over to the parameters. On CPU,
+FSDP2 runs on gloo (all-gather and reduce-scatter over ``mesh["dp"]``)."""
 
 import pytest
 import torch
@@ -41,24 +41,29 @@ class TinyLM(nn.Module):
 
     def forward(self, x, targets):
         h = x + self.down(torch.relu(self.up(x)))
-        return self.readout(h, self.head.weight, targets)   # linear_logp: vocab-parallel on a sharded head
+        # linear_logp: vocab-parallel on a sharded head
+        return self.readout(h, self.head.weight, targets)
 
 
 @pytest.mark.tp(mesh={"dp": 2, "tp": 2}, backend="gloo", timeout=120)   # 4 ranks on CPU
 def test_fsdp2_tp_lm_matches_one_device(tp, mesh):
-    reference = TinyLM(readout=full_vocab_logp).double()    # seeded from the node id: the same weights everywhere
+    # seeded from the node id: the same weights everywhere
+    reference = TinyLM(readout=full_vocab_logp).double()
     model = TinyLM()
     model.load_state_dict(reference.state_dict())
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel(),
-                                           "head": ColwiseParallel()})   # head.weight: Shard(0), the vocabulary
+                                           # head.weight: Shard(0), the vocabulary
+                                           "head": ColwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
 
-    x = torch.randn(2 * TOKENS, D)                         # the global batch, the same on every rank
+    # the global batch, the same on every rank
+    x = torch.randn(2 * TOKENS, D)
     targets = torch.randint(0, V, (2 * TOKENS,))
     dp = mesh.get_local_rank("dp")
-    mine = slice(dp * TOKENS, (dp + 1) * TOKENS)           # this data-parallel rank's half of the batch
+    # this data-parallel rank's half of the batch
+    mine = slice(dp * TOKENS, (dp + 1) * TOKENS)
 
     logp = model(x[mine], targets[mine])
     (-logp.mean()).backward()                              # FSDP2 averages the gradients over dp
@@ -71,4 +76,5 @@ def test_fsdp2_tp_lm_matches_one_device(tp, mesh):
     optimizer.step()
     ref_optimizer.step()
     for name, param in model.named_parameters():
-        tp.assert_close(param, ref_params[name].float(), **TOL)              # parameters after the step
+        # parameters after the step
+        tp.assert_close(param, ref_params[name].float(), **TOL)
