@@ -1,13 +1,16 @@
-"""A/B against another commit: the same measurement on this tree and on ``REV``, interleaved, with per-row ratios.
+"""A/B against another commit: the same measurement on this tree and on ``REV``, interleaved, with
+per-row ratios.
 
-``REV`` is checked out into a temporary git worktree (removed afterwards), or is a folder that holds a source tree. The
-measurement runs as one child process per side and round, ``python -m benchmarks <same arguments>`` from this tree (so
-both sides use this tree's harness), with ``PYTHONPATH`` putting that side's ``src/`` first so that the child imports
-that side's tplogp. Rounds alternate the order (this, base; base, this; ...) on the same machine state, so clock, power
-and cache drift fall on both sides alike. Separate processes rather than two copies of tplogp in one process: the
-package registers kernels, custom ops and caches under fixed names, and a second import under another name would share
-or clash with them. Ratios are this / base of the per-side medians over rounds; each row is also appended to the results
-file, tagged ``ab`` (the report leaves such rows out).
+``REV`` is checked out into a temporary git worktree (removed afterwards), or is a folder that holds
+a source tree. The measurement runs as one child process per side and round, ``python -m benchmarks
+<same arguments>`` from this tree (so both sides use this tree's harness), with ``PYTHONPATH``
+putting that side's ``src/`` first so that the child imports that side's tplogp. Rounds alternate
+the order (this, base; base, this; ...) on the same machine state, so clock, power and cache drift
+fall on both sides alike. Separate processes rather than two copies of tplogp in one process: the
+package registers kernels, custom ops and caches under fixed names, and a second import under
+another name would share or clash with them. Ratios are this / base of the per-side medians over
+rounds; each row is also appended to the results file, tagged ``ab`` (the report leaves such rows
+out).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from . import runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {
-    "op": ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_gemms_b2b", "fwd_bwd_gemms_b2b",
+    "op": ("fwd_ms", "fwd_bwd_ms", "fwd_gemms", "fwd_bwd_gemms", "fwd_gemms_b2b",
+           "fwd_bwd_gemms_b2b",
            "host_fwd_bwd_us", "host_fwd_bwd_all_us", "extra_peak_gib"),
     "memory": ("elapsed_s", "growth_mib"),
-    "plugin": ("dispatch_overhead_ms", "median_tp_test_ms", "median_skip_ms", "hang_test_s", "ratio"),
+    "plugin": ("dispatch_overhead_ms", "median_tp_test_ms", "median_skip_ms", "hang_test_s",
+               "ratio"),
     "tp": ("step_ms", "peak_gib_per_rank"),
 }
 KEY_FIELDS = ("suite", "shape", "dtype", "impl", "budget", "section", "tp")
@@ -55,14 +60,15 @@ def _child(argv: list[str], src_root: str, out_dir: str) -> None:
 
 
 def spread(values: list[float]) -> float:
-    """``(max - min) / median`` of one side's rounds: how far apart its rounds are, beside the ratio they give."""
+    """``(max - min) / median`` of one side's rounds: how far apart its rounds are, beside the ratio
+    they give."""
     mid = statistics.median(values)
     return (max(values) - min(values)) / mid if mid else 0.0
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per row key and metric: medians per side over rounds, ``this / base``, the rounds per side and their
-    :func:`spread`."""
+    """Per row key and metric: medians per side over rounds, ``this / base``, the rounds per side
+    and their :func:`spread`."""
     by_key: dict[tuple, dict[str, list[dict]]] = {}
     for r in rows:
         by_key.setdefault(_row_key(r), {}).setdefault(r["ab"]["side"], []).append(r)
@@ -70,7 +76,8 @@ def ratios(rows: list[dict]) -> list[dict]:
     for key, sides in by_key.items():
         entry = dict(zip(KEY_FIELDS, key))
         for metric in METRICS.get(key[0], ()):
-            vals = {s: [r[metric] for r in sides.get(s, []) if isinstance(r.get(metric), (int, float))]
+            vals = {s: [r[metric] for r in sides.get(s, [])
+                        if isinstance(r.get(metric), (int, float))]
                     for s in ("this", "base")}
             if vals["this"] and vals["base"]:
                 this, base = statistics.median(vals["this"]), statistics.median(vals["base"])
@@ -86,8 +93,8 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def format_ratio(entry: dict) -> str:
     label = " ".join(str(entry[k]) for k in KEY_FIELDS[1:] if entry.get(k) not in (None, "default"))
-    parts = [f"{m} {v['this']:.4g} / {v['base']:.4g} = {v['ratio']:.3f} (spread {v['spread']['this']:.0%} / "
-             f"{v['spread']['base']:.0%})" for m, v in entry.items()
+    parts = [f"{m} {v['this']:.4g} / {v['base']:.4g} = {v['ratio']:.3f} (spread "
+             f"{v['spread']['this']:.0%} / {v['spread']['base']:.0%})" for m, v in entry.items()
              if isinstance(v, dict) and "ratio" in v and v["ratio"] is not None]
     if "errors" in entry:
         parts.append(f"errors: {entry['errors']}")
@@ -96,18 +103,20 @@ def format_ratio(entry: dict) -> str:
 
 @contextlib.contextmanager
 def base_tree(base_rev: str) -> Iterator[tuple[str, str]]:
-    """``(the base's source tree, a scratch folder)`` for the block: ``base_rev`` itself when it is a folder (an
-    exported revision: no git history needed), else a temporary git worktree of that revision. The worktree and the
-    scratch folder are gone after the block."""
+    """``(the base's source tree, a scratch folder)`` for the block: ``base_rev`` itself when it is
+    a folder (an exported revision: no git history needed), else a temporary git worktree of that
+    revision. The worktree and the scratch folder are gone after the block."""
     tmp = tempfile.mkdtemp(prefix="tplogp-base-")
     worktree = not os.path.isdir(base_rev)
     tree = os.path.join(tmp, "tree") if worktree else os.path.abspath(base_rev)
     try:
         if worktree:
-            top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True)
+            top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO,
+                                 capture_output=True, text=True)
             if top.returncode != 0:
-                raise RuntimeError(f"--base REV needs a git checkout ({REPO} is not one: {top.stderr.strip()}); "
-                                   f"pass the base as a folder holding its source tree instead")
+                raise RuntimeError(f"--base REV needs a git checkout ({REPO} is not one: "
+                                   f"{top.stderr.strip()}); pass the base as a folder holding its "
+                                   "source tree instead")
             add = subprocess.run(["git", "worktree", "add", "--detach", tree, base_rev], cwd=REPO,
                                  capture_output=True, text=True)
             if add.returncode != 0:
@@ -115,19 +124,22 @@ def base_tree(base_rev: str) -> Iterator[tuple[str, str]]:
         yield tree, tmp
     finally:
         if worktree and os.path.isdir(tree):
-            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
+            subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO,
+                           capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(argv: list[str], base_rev: str, rounds: int, out_dir: str,
         later_rounds: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
-    """Run ``python -m benchmarks <argv>`` on this tree and on ``base_rev``, ``rounds`` times each, interleaved.
+    """Run ``python -m benchmarks <argv>`` on this tree and on ``base_rev``, ``rounds`` times each,
+    interleaved.
 
-    ``base_rev``: a git revision (checked out into a temporary worktree) or a folder holding a source tree (an
-    exported revision, for machines where the checkout has no git history): :func:`base_tree`.
+    ``base_rev``: a git revision (checked out into a temporary worktree) or a folder holding a
+    source tree (an exported revision, for machines where the checkout has no git history):
+    :func:`base_tree`.
 
-    ``later_rounds`` are extra arguments for rounds after the first (e.g. ``--no-check``). Returns (rows, ratios);
-    the rows are appended to ``<out_dir>/results.jsonl``."""
+    ``later_rounds`` are extra arguments for rounds after the first (e.g. ``--no-check``). Returns
+    (rows, ratios); the rows are appended to ``<out_dir>/results.jsonl``."""
     rows: list[dict] = []
     with base_tree(base_rev) as (tree, tmp):
         sides = {"this": _src_root(REPO), "base": _src_root(tree)}
@@ -140,11 +152,13 @@ def run(argv: list[str], base_rev: str, rounds: int, out_dir: str,
                 print(f"# A/B round {i + 1}/{rounds}: {side} ({commits[side]})", flush=True)
                 _child([*argv, *extra], sides[side], child_out)
                 for r in runner.read_rows(child_out):
-                    r["ab"] = {"side": side, "round": i, "this": commits["this"], "base": commits["base"]}
+                    r["ab"] = {"side": side, "round": i, "this": commits["this"],
+                               "base": commits["base"]}
                     rows.append(r)
     runner.append_rows(out_dir, rows)
     result = ratios(rows)
-    print(f"# A/B: this tree ({commits['this']}) / {base_rev} ({commits['base']}), medians over {rounds} round(s)")
+    print(f"# A/B: this tree ({commits['this']}) / {base_rev} ({commits['base']}), medians over "
+          f"{rounds} round(s)")
     for entry in result:
         print(format_ratio(entry))
     return rows, result

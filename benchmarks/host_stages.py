@@ -1,27 +1,30 @@
-"""Where the host time of one forward+backward goes: stage stamps of ``linear_logp`` and ``linear_logp_loss``.
+"""Where the host time of one forward+backward goes: stage stamps of ``linear_logp`` and
+``linear_logp_loss``.
 
-``python -m benchmarks.host_stages [--shape 4096x2048x8192] [--dtype bf16] [--rows default,loss] [--source sm90]
-[--budget keep:1] [--calls 200] [--warmup 60]``
+``python -m benchmarks.host_stages [--shape 4096x2048x8192] [--dtype bf16] [--rows default,loss]
+[--source sm90] [--budget keep:1] [--calls 200] [--warmup 60]``
 
-At small shapes a call waits on its host work: the GPU idles until the first kernel is enqueued, and between two
-kernels whenever the host takes longer to enqueue the second than the GPU takes to run the first. This tool says
-which part of the call path the host time goes to, without a profiler (whose own overhead distorts exactly these
-microseconds).
+At small shapes a call waits on its host work: the GPU idles until the first kernel is enqueued, and
+between two kernels whenever the host takes longer to enqueue the second than the GPU takes to run
+the first. This tool says which part of the call path the host time goes to, without a profiler
+(whose own overhead distorts exactly these microseconds).
 
-Algorithm: for the run, each function of :data:`STAGES` is replaced by a wrapper that appends ``(stage, start, end)``
-(``time.perf_counter``) to one list, on whichever thread runs it (on a GPU autograd runs the backward on its own
-device thread). After ``--warmup`` calls, each of ``--calls`` calls starts from a synced device; its stamps, and the
-markers ``forward returned``, ``backward returned`` and ``synced``, are taken relative to the call's start. Per stage
-the table gives the median over calls of its first start and of its summed duration (a stage run twice in one call,
-two launches say, sums), ordered by start. A wrapper costs about a microsecond per stage call, so the totals read a
-little high. The wrappers are removed afterwards.
+Algorithm: for the run, each function of :data:`STAGES` is replaced by a wrapper that appends
+``(stage, start, end)`` (``time.perf_counter``) to one list, on whichever thread runs it (on a GPU
+autograd runs the backward on its own device thread). After ``--warmup`` calls, each of ``--calls``
+calls starts from a synced device; its stamps, and the markers ``forward returned``, ``backward
+returned`` and ``synced``, are taken relative to the call's start. Per stage the table gives the
+median over calls of its first start and of its summed duration (a stage run twice in one call, two
+launches say, sums), ordered by start. A wrapper costs about a microsecond per stage call, so the
+totals read a little high. The wrappers are removed afterwards.
 
-``default``: ``get_op("linear_logp", source=...)(h, w, y)`` then ``backward`` of a random per-token gradient;
-``loss``: ``linear_logp_loss`` with ``losses.cross_entropy()``, mean, ``with_entropy=False``, then ``backward()``;
-``eager`` and ``eager-loss``: PyTorch's log_softmax + gather and cross-entropy of the fp32 logits, for scale (their
-table holds the markers alone).
+``default``: ``get_op("linear_logp", source=...)(h, w, y)`` then ``backward`` of a random per-token
+gradient; ``loss``: ``linear_logp_loss`` with ``losses.cross_entropy()``, mean,
+``with_entropy=False``, then ``backward()``; ``eager`` and ``eager-loss``: PyTorch's log_softmax +
+gather and cross-entropy of the fp32 logits, for scale (their table holds the markers alone).
 Without CUDA every Triton launch is a no-op that still takes the direct launcher's hot path
-(:func:`benchmarks.host_noop.noop_launches`, under Triton's interpreter), so the CPU numbers are the host path alone.
+(:func:`benchmarks.host_noop.noop_launches`, under Triton's interpreter), so the CPU numbers are the
+host path alone.
 """
 
 from __future__ import annotations
@@ -33,15 +36,16 @@ import statistics
 import time
 from typing import Callable, Iterator, Optional
 
-from .host_noop import noop_launches  # (first: without CUDA it sets TRITON_INTERPRET before tplogp imports the kernels)
+# (first: without CUDA it sets TRITON_INTERPRET before tplogp imports the kernels)
+from .host_noop import noop_launches
 
 import torch  # noqa: E402
 
 from .op import make_problem  # noqa: E402
 from .runner import DTYPES, parse_budget_spec  # noqa: E402
 
-# (module, attribute path, stage label): functions looked up through that module attribute at call time, so a
-# function imported by name into two modules is listed in both
+# (module, attribute path, stage label): functions looked up through that module attribute at call
+# time, so a function imported by name into two modules is listed in both
 STAGES = (
     ("tplogp.api", "_run", "api: _run"),
     ("tplogp.plan", "prepare", "plan.prepare"),
@@ -79,7 +83,8 @@ def _owner_and_name(module: str, path: str):
 
 @contextlib.contextmanager
 def stamped(stages=STAGES, record: list = None) -> Iterator[list]:
-    """Every stage wrapped so that each run appends ``(label, start, end)`` to the yielded list; restored after."""
+    """Every stage wrapped so that each run appends ``(label, start, end)`` to the yielded list;
+    restored after."""
     record = [] if record is None else record
     clock = time.perf_counter
     restore = []
@@ -96,7 +101,8 @@ def stamped(stages=STAGES, record: list = None) -> Iterator[list]:
                 finally:
                     record.append((_label, t0, clock()))
 
-            setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod) else wrapper)
+            setattr(owner, name, staticmethod(wrapper) if isinstance(raw, staticmethod)
+                    else wrapper)
             restore.append((owner, name, raw))
         yield record
     finally:
@@ -106,19 +112,22 @@ def stamped(stages=STAGES, record: list = None) -> Iterator[list]:
 
 def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, source: str,
           workspace_bytes: Optional[int] = None) -> dict[str, Callable[[], tuple]]:
-    """Per row, one call returning ``(output, upstream gradient or None)`` (module docstring); ``workspace_bytes``
-    goes to both tplogp rows."""
+    """Per row, one call returning ``(output, upstream gradient or None)`` (module docstring);
+    ``workspace_bytes`` goes to both tplogp rows."""
     import tplogp
 
-    hidden, weight, targets, upstream = make_problem(*shape, dtype, device)  # the op suite's seeded problem
+    # the op suite's seeded problem
+    hidden, weight, targets, upstream = make_problem(*shape, dtype, device)
     hidden.requires_grad_()
     weight.requires_grad_()
     op = tplogp.get_op("linear_logp", source=source)
     cross_entropy = tplogp.losses.cross_entropy()
 
     def loss():
-        return tplogp.linear_logp_loss(hidden, weight, targets, loss=cross_entropy, reduction="mean",
-                                       source=source, with_entropy=False, workspace_bytes=workspace_bytes), None
+        return tplogp.linear_logp_loss(hidden, weight, targets, loss=cross_entropy,
+                                       reduction="mean",
+                                       source=source, with_entropy=False,
+                                       workspace_bytes=workspace_bytes), None
 
     def eager():
         logits = (hidden @ weight.t()).float()
@@ -136,8 +145,8 @@ def calls(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
 
 def stage_table(fn: Callable[[], tuple], leaves: tuple, device: torch.device, n_calls: int,
                 warmup: int) -> list[tuple[str, float, float, int]]:
-    """``[(stage, median first start µs, median summed duration µs, runs per call)]`` ordered by start, the
-    markers included (module docstring)."""
+    """``[(stage, median first start µs, median summed duration µs, runs per call)]`` ordered by
+    start, the markers included (module docstring)."""
 
     def sync():
         if device.type == "cuda":
@@ -160,7 +169,8 @@ def stage_table(fn: Callable[[], tuple], leaves: tuple, device: torch.device, n_
             first, total, count = seen.get(label, (start, 0.0, 0))
             seen[label] = (min(first, start), total + end - start, count + 1)
         seen = {k: ((a - t0) * 1e6, b * 1e6, c) for k, (a, b, c) in seen.items()}
-        for label, at in (("(forward returned)", t1), ("(backward returned)", t2), ("(synced)", t3)):
+        for label, at in (("(forward returned)", t1), ("(backward returned)", t2),
+                          ("(synced)", t3)):
             seen[label] = ((at - t0) * 1e6, 0.0, 1)
         return seen
 
@@ -172,37 +182,43 @@ def stage_table(fn: Callable[[], tuple], leaves: tuple, device: torch.device, n_
     rows = []
     for label in labels:
         got = [s[label] for s in samples if label in s]
-        rows.append((label, statistics.median(g[0] for g in got), statistics.median(g[1] for g in got),
+        rows.append((label, statistics.median(g[0] for g in got),
+                     statistics.median(g[1] for g in got),
                      round(statistics.median(g[2] for g in got))))
     return sorted(rows, key=lambda r: r[1])
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_stages", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_stages",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="4096x2048x8192", help="NxDxV (default %(default)s)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--rows", default="default,loss,eager,eager-loss")
     parser.add_argument("--source", default=None, help="default: sm90 on Hopper, else triton")
     parser.add_argument("--budget", default="default",
-                        help="workspace_bytes of the tplogp rows, as the suite's --budgets entries: default, bytes, "
-                             "keep:F (the share F of the logits kept), chunk:C")
+                        help="workspace_bytes of the tplogp rows, as the suite's --budgets "
+                             "entries: default, bytes, keep:F (the share F of the logits kept), "
+                             "chunk:C")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=60)
     args = parser.parse_args(argv)
     shape = tuple(int(x) for x in args.shape.split("x"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    source = args.source or ("sm90" if cuda and torch.cuda.get_device_capability() == (9, 0) else "triton")
+    source = (args.source or ("sm90" if cuda and torch.cuda.get_device_capability() == (9, 0)
+                              else "triton"))
     with contextlib.nullcontext() if cuda else noop_launches():
         budget = parse_budget_spec(args.budget)
-        workspace_bytes = budget.resolve(source, shape, DTYPES[args.dtype], device)  # type: ignore[arg-type]
-        rows = calls(shape, DTYPES[args.dtype], device, source, workspace_bytes)  # type: ignore[arg-type]
+        # type: ignore[arg-type]
+        workspace_bytes = budget.resolve(source, shape, DTYPES[args.dtype], device)
+        # type: ignore[arg-type]
+        rows = calls(shape, DTYPES[args.dtype], device, source, workspace_bytes)
         leaves = rows.pop("_leaves")()
         for name in args.rows.split(","):
             table = stage_table(rows[name], leaves, device, args.calls, args.warmup)
             where = "" if cuda else ", kernel launches are no-ops"
-            print(f"== {name}: {args.shape} {args.dtype} source={source} budget {budget.label} on {device}{where}; "
-                  f"median of {args.calls} calls, µs from the call's start")
+            print(f"== {name}: {args.shape} {args.dtype} source={source} budget {budget.label} on "
+                  f"{device}{where}; median of {args.calls} calls, µs from the call's start")
             print(f"  {'start':>8} {'duration':>9} {'runs':>4}  stage")
             for label, start, dur, runs in table:
                 print(f"  {start:8.1f} {dur:9.1f} {runs:4d}  {label}")

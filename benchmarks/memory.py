@@ -1,9 +1,11 @@
-"""CPU memory benchmark: resident growth and time of one fp32 forward+backward, native source against eager.
+"""CPU memory benchmark: resident growth and time of one fp32 forward+backward, native source
+against eager.
 
-Per shape ``N x D x V`` and implementation, ``tests/support/memory_probe.py`` (the probe the memory tests use) runs
-in a fresh process and reports elapsed seconds and resident growth (peak RSS above the inputs, /proc VmHWM after
-resetting it), beside the size of the gradients (unavoidable) and of the full ``[N, V]`` fp32 logits (what the
-materializing ``eager`` baseline holds). Linux only (/proc).
+Per shape ``N x D x V`` and implementation, ``tests/support/memory_probe.py`` (the probe the memory
+tests use) runs in a fresh process and reports elapsed seconds and resident growth (peak RSS above
+the inputs, /proc VmHWM after resetting it), beside the size of the gradients (unavoidable) and of
+the full ``[N, V]`` fp32 logits (what the materializing ``eager`` baseline holds). Linux only
+(/proc).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def bench(shapes: list[tuple[int, int, int]], impls: list[str]) -> list[dict]:
             if impl not in IMPLS:
                 raise ValueError(f"the memory benchmark compares {', '.join(IMPLS)}; got {impl!r}")
             r = probe(shape, impl)
-            row = {"suite": "memory", "shape": runner.shape_label(shape), "impl": impl, "dtype": "fp32"}
+            row = {"suite": "memory", "shape": runner.shape_label(shape), "impl": impl,
+                   "dtype": "fp32"}
             if "error" in r:
                 row["error"] = r["error"]
             else:
@@ -52,5 +55,6 @@ def bench(shapes: list[tuple[int, int, int]], impls: list[str]) -> list[dict]:
 def format_row(r: dict) -> str:
     if "error" in r:
         return f"{r['shape']:>18} {r['impl']:>7} | {r['error']}"
-    return (f"{r['shape']:>18} {r['impl']:>7} | {r['elapsed_s']:8.2f} s | growth {r['growth_mib']:8.1f} MiB | "
-            f"grads {r['grads_mib']:7.1f} MiB | full logits {r['logits_mib']:8.1f} MiB")
+    return (f"{r['shape']:>18} {r['impl']:>7} | {r['elapsed_s']:8.2f} s | growth "
+            f"{r['growth_mib']:8.1f} MiB | grads {r['grads_mib']:7.1f} MiB | full logits "
+            f"{r['logits_mib']:8.1f} MiB")

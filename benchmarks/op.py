@@ -1,48 +1,59 @@
-"""Op benchmark: every implementation a user could pick, per shape, in one run, beside one cuBLAS GEMM.
+"""Op benchmark: every implementation a user could pick, per shape, in one run, beside one cuBLAS
+GEMM.
 
-Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / sqrt(D)``) and per implementation
-(:mod:`benchmarks.impls`; tplogp's sources once per ``workspace_bytes`` budget) one row with:
+Per shape ``T x D x V`` (one device, seeded inputs, ``hidden * 0.5`` and ``W / sqrt(D)``) and per
+implementation (:mod:`benchmarks.impls`; tplogp's sources once per ``workspace_bytes`` budget) one
+row with:
 
-* ``fwd_ms``, ``fwd_bwd_ms``: median milliseconds, synced, and ``*_b2b`` back to back (:mod:`benchmarks.runner`);
-* ``fwd_gemms``, ``fwd_bwd_gemms`` (and ``*_b2b``): the same in *GEMM-times*, one GEMM = the ``[T, D] x [D, V]``
-  matmul in the input dtype (2 T D V FLOP), ``gemm_ms``. Each round times GEMM, forward, GEMM, forward+backward,
-  every timing after a sustained warm-up of the function itself (``--warm-ms``), and divides each time by the GEMM
-  timed just before it; a GEMM-time is the median over rounds, and the implementations are interleaved within a
-  round in a rotating order, so clock and power drift fall on all of them alike. The GEMM is always timed back to
-  back (its GPU time), so both columns share one unit and differ only by the op's own host overhead: a synced
-  GEMM would add one launch latency to the unit (0.24-0.28 against 0.20-0.21 ms at 4096x2048x8192 on an H200) and so
-  shrink the synced column at small shapes;
-* ``host_fwd_us``, ``host_fwd_bwd_us``: host CPU microseconds per call (:func:`benchmarks.runner.host_us`: the
-  calling thread's CPU time, synced before and after each call), on CPU and GPU alike: what a call costs the host
-  (Python, dispatch, launches), which bounds the op at small shapes where the GPU work is shorter; on a GPU the
-  backward's functions run on autograd's device thread and are not counted (a lower bound there);
-  ``host_fwd_bwd_all_us``: over the same calls, the process's CPU time per forward+backward, every thread
-  (autograd's device thread included): the whole host cost of a call on a GPU;
-* ``checks``: the ``TPLOGP_CHECKS`` mode of the row; tplogp's rows are repeated per mode of ``--checks`` (the
-  label of a mode other than ``full`` ends with ``checks <mode>``); the other implementations do not read the
-  mode: one row each, labelled with the default (``full``);
-* ``extra_peak_gib``: allocator peak during one forward+backward above the inputs (gradients included);
-* ``err_logp`` (per-token contract) or ``err_loss`` (scalar and policy losses), ``err_d_hidden``, ``err_d_weight``:
-  ``||x - x_fp64|| / ||x_fp64||`` against a float64 autograd reference, with the same upstream gradient (a random
-  ``[T]`` vector, or 1 for a loss): the float64 logp, the mean cross-entropy, or the policy loss's own definition
-  (:func:`benchmarks.policy.eager_loss` of the float64 logp);
-* ``vs_cross_entropy`` (and ``_b2b``), tplogp's policy-loss rows (:mod:`benchmarks.policy`: a GSPO and a DAPO
-  step): forward+backward milliseconds over those of the plain fused cross-entropy (``tplogp-loss-<source>``) at
-  the same budget, timed in the same rounds; present when both rows ran;
-* ``variant`` and ``vs_plain`` (and ``_b2b``), the rows ``--variants`` adds (:mod:`benchmarks.variants`: softcap, a
-  deterministic level, label smoothing and z-loss): one per tplogp row and variant that applies to it, its budget
-  label ending with the variant's; its errors against the float64 truth of its own math; its forward+backward
-  milliseconds over the same call's without the variant (same implementation, budget and checks mode), timed in
-  the same rounds, next to it in the rotating order;
+* ``fwd_ms``, ``fwd_bwd_ms``: median milliseconds, synced, and ``*_b2b`` back to back
+  (:mod:`benchmarks.runner`);
+* ``fwd_gemms``, ``fwd_bwd_gemms`` (and ``*_b2b``): the same in *GEMM-times*, one GEMM = the ``[T,
+  D] x [D, V]`` matmul in the input dtype (2 T D V FLOP), ``gemm_ms``. Each round times GEMM,
+  forward, GEMM, forward+backward, every timing after a sustained warm-up of the function itself
+  (``--warm-ms``), and divides each time by the GEMM timed just before it; a GEMM-time is the median
+  over rounds, and the implementations are interleaved within a round in a rotating order, so clock
+  and power drift fall on all of them alike. The GEMM is always timed back to back (its GPU time),
+  so both columns share one unit and differ only by the op's own host overhead: a synced GEMM would
+  add one launch latency to the unit (0.24-0.28 against 0.20-0.21 ms at 4096x2048x8192 on an H200)
+  and so shrink the synced column at small shapes;
+* ``host_fwd_us``, ``host_fwd_bwd_us``: host CPU microseconds per call
+  (:func:`benchmarks.runner.host_us`: the calling thread's CPU time, synced before and after each
+  call), on CPU and GPU alike: what a call costs the host (Python, dispatch, launches), which bounds
+  the op at small shapes where the GPU work is shorter; on a GPU the backward's functions run on
+  autograd's device thread and are not counted (a lower bound there); ``host_fwd_bwd_all_us``: over
+  the same calls, the process's CPU time per forward+backward, every thread (autograd's device
+  thread included): the whole host cost of a call on a GPU;
+* ``checks``: the ``TPLOGP_CHECKS`` mode of the row; tplogp's rows are repeated per mode of
+  ``--checks`` (the label of a mode other than ``full`` ends with ``checks <mode>``); the other
+  implementations do not read the mode: one row each, labelled with the default (``full``);
+* ``extra_peak_gib``: allocator peak during one forward+backward above the inputs (gradients
+  included);
+* ``err_logp`` (per-token contract) or ``err_loss`` (scalar and policy losses), ``err_d_hidden``,
+  ``err_d_weight``: ``||x - x_fp64|| / ||x_fp64||`` against a float64 autograd reference, with the
+  same upstream gradient (a random ``[T]`` vector, or 1 for a loss): the float64 logp, the mean
+  cross-entropy, or the policy loss's own definition (:func:`benchmarks.policy.eager_loss` of the
+  float64 logp);
+* ``vs_cross_entropy`` (and ``_b2b``), tplogp's policy-loss rows (:mod:`benchmarks.policy`: a GSPO
+  and a DAPO step): forward+backward milliseconds over those of the plain fused cross-entropy
+  (``tplogp-loss-<source>``) at the same budget, timed in the same rounds; present when both rows
+  ran;
+* ``variant`` and ``vs_plain`` (and ``_b2b``), the rows ``--variants`` adds
+  (:mod:`benchmarks.variants`: softcap, a deterministic level, label smoothing and z-loss): one per
+  tplogp row and variant that applies to it, its budget label ending with the variant's; its errors
+  against the float64 truth of its own math; its forward+backward milliseconds over the same call's
+  without the variant (same implementation, budget and checks mode), timed in the same rounds, next
+  to it in the rotating order;
 * ``contract``; ``error`` instead of numbers when the implementation could not be built or run.
 
-Floors for the plots (one GEMM is 2TDV FLOP): a per-token op keeping O(T) state needs 4 GEMMs forward+backward
-(forward, recompute, d_hidden, d_W); 3 when the ``[T, V]`` logits (``logits_gib``) are kept from the forward or
-the loss is a scalar known in the forward. ``grads_gib`` (d_W + d_hidden) is the memory no implementation avoids.
+Floors for the plots (one GEMM is 2TDV FLOP): a per-token op keeping O(T) state needs 4 GEMMs
+forward+backward (forward, recompute, d_hidden, d_W); 3 when the ``[T, V]`` logits (``logits_gib``)
+are kept from the forward or the loss is a scalar known in the forward. ``grads_gib`` (d_W +
+d_hidden) is the memory no implementation avoids.
 
-Peers are optional imports pinned in benchmarks/requirements-peers.txt. nvidia-cutlass-dsl (Liger's CuTe kernel,
-QuACK) is a ``.pth``-based package: installed with ``pip install --target DIR``, its ``.pth`` file is not read,
-so put both ``DIR`` and ``DIR/nvidia_cutlass_dsl/dsl_packages`` on ``PYTHONPATH``.
+Peers are optional imports pinned in benchmarks/requirements-peers.txt. nvidia-cutlass-dsl (Liger's
+CuTe kernel, QuACK) is a ``.pth``-based package: installed with ``pip install --target DIR``, its
+``.pth`` file is not read, so put both ``DIR`` and ``DIR/nvidia_cutlass_dsl/dsl_packages`` on
+``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -84,10 +95,10 @@ class Float64Stats(NamedTuple):
 
 def float64_truth(h, w, y, gy, scalars: dict[str, Callable[[Float64Stats], torch.Tensor]], *,
                   softcap: Optional[float] = None, per_token: bool = True) -> dict:
-    """The float64 truth of the problem with logits ``cap(h @ w.T)`` (``softcap``; None: no cap): with
-    ``per_token``, the logp and its d_hidden / d_W for the per-token upstream ``gy``; per entry of ``scalars`` (a
-    name and its loss as a function of the float64 statistics, :class:`Float64Stats`) the loss ``loss:<name>`` and
-    its ``dh:<name>`` / ``dw:<name>``."""
+    """The float64 truth of the problem with logits ``cap(h @ w.T)`` (``softcap``; None: no cap):
+    with ``per_token``, the logp and its d_hidden / d_W for the per-token upstream ``gy``; per entry
+    of ``scalars`` (a name and its loss as a function of the float64 statistics,
+    :class:`Float64Stats`) the loss ``loss:<name>`` and its ``dh:<name>`` / ``dw:<name>``."""
     from tplogp.reference import reference_logits
 
     hd = h.detach().double().requires_grad_()
@@ -99,7 +110,8 @@ def float64_truth(h, w, y, gy, scalars: dict[str, Callable[[Float64Stats], torch
     truth = {}
     if per_token:
         truth["logp"] = stats[0].detach()
-        truth["dh"], truth["dw"] = torch.autograd.grad(stats[0], (hd, wd), gy.double(), retain_graph=bool(scalars))
+        truth["dh"], truth["dw"] = torch.autograd.grad(stats[0], (hd, wd), gy.double(),
+                                                       retain_graph=bool(scalars))
     for i, (name, loss_of) in enumerate(scalars.items()):
         leaves = [x.detach().requires_grad_() for x in stats]
         with torch.enable_grad():
@@ -113,17 +125,19 @@ def float64_truth(h, w, y, gy, scalars: dict[str, Callable[[Float64Stats], torch
 
 
 def truth_key(impl: Impl, variant: Optional[Variant] = None) -> Optional[str]:
-    """The :func:`float64_truth` loss an implementation (with a variant's options) is measured against (None: the
-    per-token logp)."""
+    """The :func:`float64_truth` loss an implementation (with a variant's options) is measured
+    against (None: the per-token logp)."""
     if impl.contract == PER_TOKEN:
         return None
     if impl.contract == SCALAR_LOSS:
-        return "ce" if variant is None or not variant.loss_terms else f"ce:{variant.label_smoothing}:{variant.z_loss}"
+        return ("ce" if variant is None or not variant.loss_terms
+                else f"ce:{variant.label_smoothing}:{variant.z_loss}")
     return impl.policy
 
 
 def _truths(h, w, y, gy, plans, inputs) -> dict:
-    """``{softcap: float64_truth}`` of every math the planned ``(impl, variant)`` rows are measured against."""
+    """``{softcap: float64_truth}`` of every math the planned ``(impl, variant)`` rows are measured
+    against."""
     needs: dict[Optional[float], dict] = {}
     for impl, variant in plans:
         cap = None if variant is None else variant.softcap
@@ -135,42 +149,47 @@ def _truths(h, w, y, gy, plans, inputs) -> dict:
             need["scalars"][key] = (lambda s, name=key: policy.eager_loss(
                 name, s.logp.view(inputs.layout), inputs.advantages, inputs.old_logp))
         else:
-            smoothing, z = (0.0, 0.0) if variant is None else (variant.label_smoothing, variant.z_loss)
-            need["scalars"][key] = lambda s, smoothing=smoothing, z=z: float64_cross_entropy(s, smoothing, z)
+            smoothing, z = ((0.0, 0.0) if variant is None
+                            else (variant.label_smoothing, variant.z_loss))
+            need["scalars"][key] = lambda s, smoothing=smoothing, z=z: float64_cross_entropy(
+                s, smoothing, z)
     return {cap: float64_truth(h, w, y, gy, dict(sorted(need["scalars"].items())), softcap=cap,
                                per_token=need["per_token"])
             for cap, need in needs.items()}
 
 
 def cross_entropy_pair(row: dict) -> Optional[tuple]:
-    """The (impl, budget, checks) of the plain fused cross-entropy row a tplogp policy-loss row is compared with:
-    the same source, budget and checks mode (None for an eager policy row)."""
+    """The (impl, budget, checks) of the plain fused cross-entropy row a tplogp policy-loss row is
+    compared with: the same source, budget and checks mode (None for an eager policy row)."""
     if row["contract"] != POLICY_LOSS or not row["impl"].startswith("tplogp-"):
         return None
     return f"tplogp-loss-{row['impl'].rsplit('-', 1)[1]}", row["budget"], row["checks"]
 
 
 def plain_pair(row: dict) -> Optional[tuple]:
-    """The (impl, budget, checks) of the row a variant row is compared with: the same call without the variant
-    (None for a row without one)."""
+    """The (impl, budget, checks) of the row a variant row is compared with: the same call without
+    the variant (None for a row without one)."""
     if row.get("variant") is None:
         return None
     return row["impl"], row["budget"].removesuffix(", " + row["variant"]), row["checks"]
 
 
-# the ratio columns of forward+backward milliseconds (``<name>`` synced, ``<name>_b2b``) and the row each is over
+# the ratio columns of forward+backward milliseconds (``<name>`` synced, ``<name>_b2b``) and the row
+# each is over
 RATIOS = (("vs_cross_entropy", cross_entropy_pair), ("vs_plain", plain_pair))
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    from tplogp.tolerances import rel_error  # the measured tree's tplogp (imported at run time, --base)
+    # the measured tree's tplogp (imported at run time, --base)
+    from tplogp.tolerances import rel_error
 
     return rel_error(x, ref)
 
 
 @contextlib.contextmanager
 def checks_mode(mode: str):
-    """``TPLOGP_CHECKS=mode`` while the block runs (tplogp reads it at each call), then as it was."""
+    """``TPLOGP_CHECKS=mode`` while the block runs (tplogp reads it at each call), then as it
+    was."""
     before = os.environ.get("TPLOGP_CHECKS")
     os.environ["TPLOGP_CHECKS"] = mode
     try:
@@ -182,12 +201,14 @@ def checks_mode(mode: str):
             os.environ["TPLOGP_CHECKS"] = before
 
 
-def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[runner.BudgetSpec], dtype: str,
+def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[runner.BudgetSpec],
+                dtype: str,
                 device: torch.device, *, reps: int, rounds: int, warm_ms: float, check: bool,
-                checks: tuple[str, ...] = ("full",), variants: tuple[Variant, ...] = ()) -> list[dict]:
-    """The rows of one shape (module docstring). ``checks``: the ``TPLOGP_CHECKS`` modes of tplogp's (budgeted)
-    rows; every other implementation runs once, under ``full``. ``variants``: each adds a row beside every tplogp
-    row it applies to (:mod:`benchmarks.variants`)."""
+                checks: tuple[str, ...] = ("full",), variants: tuple[Variant, ...] = ()) -> list[
+                    dict]:
+    """The rows of one shape (module docstring). ``checks``: the ``TPLOGP_CHECKS`` modes of tplogp's
+    (budgeted) rows; every other implementation runs once, under ``full``. ``variants``: each adds a
+    row beside every tplogp row it applies to (:mod:`benchmarks.variants`)."""
     T, D, V = shape
     h, w, y, gy = make_problem(T, D, V, DTYPES[dtype], device)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -200,34 +221,40 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         return h @ w.T
 
     def timed(fn, b2b):
-        return runner.median_ms(fn, device, reps=reps, warmup=3 if reps >= 3 else 1, warm_ms=warm_ms, back_to_back=b2b)
+        return runner.median_ms(fn, device, reps=reps, warmup=3 if reps >= 3 else 1,
+                                warm_ms=warm_ms, back_to_back=b2b)
 
-    # per implementation, budget and checks mode: the plain call, then each variant that applies to it
+    # per implementation, budget and checks mode: the plain call, then each variant that applies to
+    # it
     plans = [(impl, spec, mode, variant) for impl in impls
              for spec in (budgets if impl.budgeted else [runner.BudgetSpec("default")])
              for mode in (checks if impl.budgeted else ("full",))
              for variant in (None, *(v for v in variants if v.applies_to(impl)))]
     inputs = policy.make_inputs(h, w, y) if any(i.contract == POLICY_LOSS for i in impls) else None
-    truths = _truths(h, w, y, gy, {(impl, variant) for impl, _, _, variant in plans}, inputs) if check else None
+    truths = (_truths(h, w, y, gy, {(impl, variant) for impl, _, _, variant in plans}, inputs)
+              if check else None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     rows, live, truth = [], [], None
     for impl, spec, mode, variant in plans:
         label = spec.label if mode == "full" else f"{spec.label}, checks {mode}"
-        row = dict(common, impl=impl.name, contract=impl.contract, budget=label, budget_bytes=spec.nbytes,
+        row = dict(common, impl=impl.name, contract=impl.contract, budget=label,
+                   budget_bytes=spec.nbytes,
                    checks=mode)
         if variant is not None:
             row.update(budget=f"{label}, {variant.label}", variant=variant.label)
         rows.append(row)
         try:
             budget = row["budget_bytes"] = spec.resolve(impl.source, shape, DTYPES[dtype], device)
-            fn = impl.build(device, budget) if variant is None else impl.build(device, budget, variant=variant)
+            fn = (impl.build(device, budget) if variant is None
+                  else impl.build(device, budget, variant=variant))
             if impl.contract == POLICY_LOSS:
                 fn = functools.partial(fn, inputs=inputs)
         except ImplUnavailable as exc:
             row["error"] = f"unavailable: {exc}"
             continue
-        except Exception as exc:  # a peer that breaks while building is a result, not a crash of the run
+        # a peer that breaks while building is a result, not a crash of the run
+        except Exception as exc:
             row["error"] = f"build: {type(exc).__name__}: {str(exc)[:300]}"
             continue
         per_token = impl.contract == PER_TOKEN
@@ -271,7 +298,8 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
             try:
                 with checks_mode(row["checks"]):
                     for key, b2b in MODES:
-                        g1 = timed(gemm, True)  # the unit: the GEMM's GPU time in both modes (module docstring)
+                        # the unit: the GEMM's GPU time in both modes (module docstring)
+                        g1 = timed(gemm, True)
                         f_ms = timed(fwd, b2b)
                         g2 = timed(gemm, True)
                         fb_ms = timed(fwd_bwd, b2b)
@@ -305,7 +333,8 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         row["host_fwd_us"] = round(min(samples["host_fwd"]), 1)  # the least loaded round's median
         least = min(range(len(samples["host_fwd_bwd"])), key=samples["host_fwd_bwd"].__getitem__)
         row["host_fwd_bwd_us"] = round(samples["host_fwd_bwd"][least], 1)
-        row["host_fwd_bwd_all_us"] = round(samples["host_fwd_bwd_all"][least], 1)  # (the same round's)
+        # (the same round's)
+        row["host_fwd_bwd_all_us"] = round(samples["host_fwd_bwd_all"][least], 1)
         row["gemm_samples_ms"] = [round(x, 4) for x in samples["gemm"]]
         row["extra_peak_gib"] = None if peak is None else round(peak, 4)
         if device.type == "cuda":
@@ -315,10 +344,11 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
 
 
 def _ratios(rows: list[dict]) -> None:
-    """Each :data:`RATIOS` column (synced, and ``_b2b``) of each timed row that has its other row: the row's
-    forward+backward milliseconds over the other's, both timed in the same rounds (``vs_cross_entropy``: a tplogp
-    policy-loss row over the plain fused cross-entropy at the same source, budget and checks mode,
-    :func:`cross_entropy_pair`; ``vs_plain``: a variant row over the same call without it, :func:`plain_pair`)."""
+    """Each :data:`RATIOS` column (synced, and ``_b2b``) of each timed row that has its other row:
+    the row's forward+backward milliseconds over the other's, both timed in the same rounds
+    (``vs_cross_entropy``: a tplogp policy-loss row over the plain fused cross-entropy at the same
+    source, budget and checks mode, :func:`cross_entropy_pair`; ``vs_plain``: a variant row over the
+    same call without it, :func:`plain_pair`)."""
     by_key = {(r["impl"], r["budget"], r["checks"]): r for r in rows}
     for name, pair_of in RATIOS:
         for r in rows:
@@ -331,19 +361,21 @@ def _ratios(rows: list[dict]) -> None:
 
 
 def format_row(r: dict) -> str:
-    label = f"{r['impl']}@{r['budget']}" if r.get("budget_bytes") is not None or r["impl"].startswith("tplogp") \
-        else r["impl"]
+    with_budget = r.get("budget_bytes") is not None or r["impl"].startswith("tplogp")
+    label = f"{r['impl']}@{r['budget']}" if with_budget else r["impl"]
     if "error" in r:
         return f"{r['shape']:>18} {label:>26} | {r['error']}"
     if "fwd_ms" not in r:
         return f"{r['shape']:>18} {label:>26} | not timed"
-    errs = " ".join(f"{k[4:]}={r[k]:.1e}" for k in ("err_logp", "err_loss", "err_d_hidden", "err_d_weight") if k in r)
+    errs = " ".join(f"{k[4:]}={r[k]:.1e}"
+                    for k in ("err_logp", "err_loss", "err_d_hidden", "err_d_weight") if k in r)
     mem = "" if r.get("extra_peak_gib") is None else f" | {r['extra_peak_gib']:.3f} GiB"
     host = "" if r.get("host_fwd_bwd_us") is None else f" | host {r['host_fwd_bwd_us']:7.1f} us"
     if r.get("host_fwd_bwd_all_us") is not None:
         host += f" (all threads {r['host_fwd_bwd_all_us']:.1f})"
     vs = "".join(f" | x {what} {r[name]:.3f} (b2b {r[name + '_b2b']:.3f})"
-                 for name, what in (("vs_cross_entropy", "CE"), ("vs_plain", "plain")) if r.get(name) is not None)
-    return (f"{r['shape']:>18} {label:>26} | fwd {r['fwd_ms']:9.3f} ms {r['fwd_gemms']:5.2f} G | fwd+bwd "
-            f"{r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b {r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem}"
-            f"{vs} | {errs}")
+                 for name, what in (("vs_cross_entropy", "CE"), ("vs_plain", "plain"))
+                 if r.get(name) is not None)
+    return (f"{r['shape']:>18} {label:>26} | fwd {r['fwd_ms']:9.3f} ms {r['fwd_gemms']:5.2f} G | "
+            f"fwd+bwd {r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b "
+            f"{r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem}{vs} | {errs}")

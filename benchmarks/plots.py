@@ -1,10 +1,12 @@
-"""Pareto plots of the op benchmark: per shape and dtype, forward+backward time against extra memory.
+"""Pareto plots of the op benchmark: per shape and dtype, forward+backward time against extra
+memory.
 
-One point per implementation and budget (the latest row of each in the results file; the option variants'
-rows, ``--variants``, stay in the tables): x = extra peak GiB
-(log scale), y = forward+backward in GEMM-times, synced (filled) and back to back (hollow). Floors: 4 GEMMs from
-the gradients' size on (nothing ``[T, V]`` kept), 3 GEMMs from gradients + one copy of the logits in the input
-dtype on (logits kept, or a scalar loss known in the forward); the vertical line is the gradients' size.
+One point per implementation and budget (the latest row of each in the results file; the option
+variants' rows, ``--variants``, stay in the tables): x = extra peak GiB (log scale), y =
+forward+backward in GEMM-times, synced (filled) and back to back (hollow). Floors: 4 GEMMs from the
+gradients' size on (nothing ``[T, V]`` kept), 3 GEMMs from gradients + one copy of the logits in the
+input dtype on (logits kept, or a scalar loss known in the forward); the vertical line is the
+gradients' size.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from . import runner
 
 
 def latest_op_rows(rows: Iterable[dict]) -> dict[tuple[str, str], list[dict]]:
-    """``{(shape, dtype): [latest row per (device, impl, budget)]}`` over op rows of full (non-smoke, non-A/B) runs:
-    a run on one GPU model does not hide another model's rows."""
+    """``{(shape, dtype): [latest row per (device, impl, budget)]}`` over op rows of full
+    (non-smoke, non-A/B) runs: a run on one GPU model does not hide another model's rows."""
     out: dict[tuple[str, str], list[dict]] = {}
     for r in runner.latest_rows(rows, "op", ("shape", "dtype", "device", "impl", "budget")):
         out.setdefault((r["shape"], r["dtype"]), []).append(r)
@@ -29,19 +31,22 @@ def plot_path(out_dir: str, shape: str, dtype: str) -> str:
 
 
 def plot_points(rows: list[dict]) -> list[dict]:
-    """The rows a shape's plot draws: timed and measured, no variant, of one device (one point per implementation
-    and budget): the device with the most such rows (the widest comparison), the newest on a tie."""
-    pts = [r for r in rows if r.get("fwd_bwd_gemms") is not None and r.get("extra_peak_gib") is not None
+    """The rows a shape's plot draws: timed and measured, no variant, of one device (one point per
+    implementation and budget): the device with the most such rows (the widest comparison), the
+    newest on a tie."""
+    pts = [r for r in rows if r.get("fwd_bwd_gemms") is not None
+           and r.get("extra_peak_gib") is not None
            and r.get("variant") is None]
     by_device: dict[str, list[dict]] = {}
     for r in pts:
         by_device.setdefault(r.get("device"), []).append(r)
-    return max(by_device.values(), key=lambda sel: (len(sel), max(r["date"] for r in sel)), default=[])
+    return max(by_device.values(), key=lambda sel: (len(sel), max(r["date"] for r in sel)),
+               default=[])
 
 
 def pareto(rows: list[dict], path: str) -> bool:
-    """Write the plot of one shape's rows to ``path`` (:func:`plot_points`); False (nothing written) without timed,
-    measured rows."""
+    """Write the plot of one shape's rows to ``path`` (:func:`plot_points`); False (nothing written)
+    without timed, measured rows."""
     pts = plot_points(rows)
     if not pts:
         return False
@@ -55,8 +60,10 @@ def pareto(rows: list[dict], path: str) -> bool:
     fig, ax = plt.subplots(figsize=(8, 5))
     xmax = max(max(r["extra_peak_gib"] for r in pts), grads + logits) * 1.6
     xmin = min(min(r["extra_peak_gib"] for r in pts), grads) / 1.6
-    ax.hlines(4.0, grads, xmax, colors="k", linestyles="--", lw=0.9, label="floor: 4 GEMMs, nothing [T,V] kept")
-    ax.hlines(3.0, grads + logits, xmax, colors="k", linestyles=":", lw=0.9, label="floor: 3 GEMMs, logits kept")
+    ax.hlines(4.0, grads, xmax, colors="k", linestyles="--", lw=0.9,
+              label="floor: 4 GEMMs, nothing [T,V] kept")
+    ax.hlines(3.0, grads + logits, xmax, colors="k", linestyles=":", lw=0.9,
+              label="floor: 3 GEMMs, logits kept")
     ax.axvline(grads, color="0.6", lw=0.8, label="d_W + d_hidden")
     cmap = plt.get_cmap("tab10")
     names = sorted({r["impl"] for r in pts})
@@ -75,9 +82,11 @@ def pareto(rows: list[dict], path: str) -> bool:
     ax.set_xlim(xmin, xmax)
     ymax = max(max(r["fwd_bwd_gemms"] for r in pts), 4.5)
     ax.set_ylim(0, min(ymax * 1.1, 20))
-    ax.set_xlabel("extra peak memory during forward+backward, GiB (inputs excluded, gradients included)")
+    ax.set_xlabel("extra peak memory during forward+backward, GiB (inputs excluded, gradients "
+                  "included)")
     ax.set_ylabel("fwd+bwd, GEMM-times (filled: synced, hollow: b2b)")
-    ax.set_title(f"{first['shape']} (T x D x V), {first['dtype']}, {first.get('device', '')}", fontsize=10)
+    ax.set_title(f"{first['shape']} (T x D x V), {first['dtype']}, {first.get('device', '')}",
+                 fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -87,7 +96,8 @@ def pareto(rows: list[dict], path: str) -> bool:
 
 
 def write_all(rows: list[dict], out_dir: str) -> list[str]:
-    """Plots of every (shape, dtype) with measured rows, from the latest rows; returns the paths written."""
+    """Plots of every (shape, dtype) with measured rows, from the latest rows; returns the paths
+    written."""
     written = []
     for (shape, dtype), sel in sorted(latest_op_rows(rows).items()):
         path = plot_path(out_dir, shape, dtype)

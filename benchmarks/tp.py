@@ -1,23 +1,26 @@
 """Tensor-parallel scaling: forward+backward of one shape at TP = 1, 2, 4, ... (strong scaling).
 
-For each degree P the runner starts ``torchrun --standalone --nproc_per_node=P -m benchmarks.tp`` once (this
-module's worker, which measures every layout in turn on one process group). Each rank holds the shard ``[start,
-end)`` of a ``V``-row LM head (even shards) and the replicated ``[N, D]`` hidden states; a step is the op's forward
-and backward with a per-token upstream gradient through ``tplogp.get_op`` (the registry's source unless ``--impls``
-names one). Reported per degree: the median step time of the slowest rank, effective TFLOP/s per GPU (4 GEMMs of ``2
-N D V / P`` FLOP per rank), the allocator peak per rank, the efficiency ``T(1) / (P * T(P))`` against the TP=1 row
-of the same run, and the host CPU time of a step (the highest rank's median;
-:func:`benchmarks.runner.host_us_threads`: the calling thread's, and the process's with autograd's device thread and
-the collectives' threads; TP=1 runs the op without a group, so the rows compare the host cost of the group path with
-the plain one). On a CPU run the host time includes the kernels' own CPU work. NCCL with one GPU per rank when there
-are enough GPUs; else gloo, with the ranks sharing the GPUs (CUDA tensors) where there are some, on CPU otherwise.
+For each degree P the runner starts ``torchrun --standalone --nproc_per_node=P -m benchmarks.tp``
+once (this module's worker, which measures every layout in turn on one process group). Each rank
+holds the shard ``[start, end)`` of a ``V``-row LM head (even shards) and the replicated ``[N, D]``
+hidden states; a step is the op's forward and backward with a per-token upstream gradient through
+``tplogp.get_op`` (the registry's source unless ``--impls`` names one). Reported per degree: the
+median step time of the slowest rank, effective TFLOP/s per GPU (4 GEMMs of ``2 N D V / P`` FLOP per
+rank), the allocator peak per rank, the efficiency ``T(1) / (P * T(P))`` against the TP=1 row of the
+same run, and the host CPU time of a step (the highest rank's median;
+:func:`benchmarks.runner.host_us_threads`: the calling thread's, and the process's with autograd's
+device thread and the collectives' threads; TP=1 runs the op without a group, so the rows compare
+the host cost of the group path with the plain one). On a CPU run the host time includes the
+kernels' own CPU work. NCCL with one GPU per rank when there are enough GPUs; else gloo, with the
+ranks sharing the GPUs (CUDA tensors) where there are some, on CPU otherwise.
 
-Hidden layouts (``--layouts``): ``replicated`` (every rank holds all N tokens; the op all-reduces ``d_hidden``);
-``gather-allreduce`` (each rank holds its N / P tokens, as Megatron's sequence parallelism, gathers them by hand
-before a replicated call and keeps its slice of the all-reduced gradient: what a sequence-parallel caller pays
-without the option); ``sequence-parallel`` (the op's ``sequence_parallel=True``: the gather inside, ``d_hidden``
-reduce-scattered). Each row also reports the backward's median time and its ``d_hidden`` bytes sent per rank by
-the ring algorithm (``bwd_bytes_per_rank``, below), and the forward's gather bytes (``fwd_bytes_per_rank``).
+Hidden layouts (``--layouts``): ``replicated`` (every rank holds all N tokens; the op all-reduces
+``d_hidden``); ``gather-allreduce`` (each rank holds its N / P tokens, as Megatron's sequence
+parallelism, gathers them by hand before a replicated call and keeps its slice of the all-reduced
+gradient: what a sequence-parallel caller pays without the option); ``sequence-parallel`` (the op's
+``sequence_parallel=True``: the gather inside, ``d_hidden`` reduce-scattered). Each row also reports
+the backward's median time and its ``d_hidden`` bytes sent per rank by the ring algorithm
+(``bwd_bytes_per_rank``, below), and the forward's gather bytes (``fwd_bytes_per_rank``).
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ LAYOUTS = ("replicated", "gather-allreduce", "sequence-parallel")
 
 
 def collective_bytes(layout: str, n: int, d: int, p: int, itemsize: int) -> tuple[int, int]:
-    """``(forward, backward)`` bytes one rank sends for the hidden states and their gradient with a ring over ``p``
-    ranks (the vocab stats' small all_gather left out): an all_gather of ``[N, D]`` in the input dtype sends
-    ``(p - 1) / p * N D itemsize``; the fp32 ``d_hidden`` all-reduce ``2 (p - 1) / p * 4 N D`` (reduce-scatter then
-    all-gather), its reduce-scatter alone half that."""
+    """``(forward, backward)`` bytes one rank sends for the hidden states and their gradient with a
+    ring over ``p`` ranks (the vocab stats' small all_gather left out): an all_gather of ``[N, D]``
+    in the input dtype sends ``(p - 1) / p * N D itemsize``; the fp32 ``d_hidden`` all-reduce ``2 (p
+    - 1) / p * 4 N D`` (reduce-scatter then all-gather), its reduce-scatter alone half that."""
     if p == 1:
         return 0, 0
     gather = (p - 1) * n * d * itemsize // p
@@ -59,13 +62,16 @@ def collective_bytes(layout: str, n: int, d: int, p: int, itemsize: int) -> tupl
 
 def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: str, steps: int,
           warmup: int, layouts: tuple[str, ...] = ("replicated",)) -> list[dict]:
-    """One ``torchrun`` per degree, which measures every layout in turn (rows layout-major, degrees ascending)."""
+    """One ``torchrun`` per degree, which measures every layout in turn (rows layout-major, degrees
+    ascending)."""
     by_layout: dict[str, list[dict]] = {layout: [] for layout in layouts}
     for p in degrees:
         with tempfile.TemporaryDirectory(prefix="tplogp-tp-") as tmp:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p}",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={p}",
                    "-m", "benchmarks.tp", "--shape", runner.shape_label(shape), "--source", source,
-                   "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-dir", tmp,
+                   "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-dir",
+                   tmp,
                    "--layouts", ",".join(layouts)]
             out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
             for layout in layouts:
@@ -81,10 +87,13 @@ def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: s
     return rows
 
 
-def _row(shape, p: int, source: str, dtype: str, layout: str, out: subprocess.CompletedProcess, row_file: str) -> dict:
-    """A layout's row at degree ``p``: the bytes it sends, and what rank 0 wrote, or the launch's last error line."""
+def _row(shape, p: int, source: str, dtype: str, layout: str, out: subprocess.CompletedProcess,
+         row_file: str) -> dict:
+    """A layout's row at degree ``p``: the bytes it sends, and what rank 0 wrote, or the launch's
+    last error line."""
     impl = f"tplogp-{source}" + ("" if layout == "replicated" else f" {layout}")
-    fwd_bytes, bwd_bytes = collective_bytes(layout, shape[0], shape[1], p, runner.DTYPES[dtype].itemsize)
+    fwd_bytes, bwd_bytes = collective_bytes(layout, shape[0], shape[1], p,
+                                            runner.DTYPES[dtype].itemsize)
     row = {"suite": "tp", "shape": runner.shape_label(shape), "impl": impl, "dtype": dtype, "tp": p,
            "layout": layout, "fwd_bytes_per_rank": fwd_bytes, "bwd_bytes_per_rank": bwd_bytes}
     if not os.path.exists(row_file):
@@ -99,19 +108,21 @@ def _row(shape, p: int, source: str, dtype: str, layout: str, out: subprocess.Co
 def format_row(r: dict) -> str:
     if "error" in r:
         return f"{r['shape']:>18} TP={r['tp']} | {r['error']}"
-    peak = "" if r.get("peak_gib_per_rank") is None else f" | peak {r['peak_gib_per_rank']:.3f} GiB/rank"
+    peak = ("" if r.get("peak_gib_per_rank") is None
+            else f" | peak {r['peak_gib_per_rank']:.3f} GiB/rank")
     eff = f" | efficiency {r['efficiency']:.1%}" if "efficiency" in r else ""
     host = (f" | host {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} us (thread / all)"
             if "host_step_us" in r else "")
     layout = f" {r['layout']}" if r.get("layout", "replicated") != "replicated" else ""
     bwd = (f" | bwd {r['bwd_ms']:.3f} ms, {r['bwd_bytes_per_rank'] / 2**20:.2f} MiB/rank"
            if "bwd_ms" in r else "")
-    return (f"{r['shape']:>18} TP={r['tp']}{layout} {r['backend']} | step {r['step_ms']:.3f} ms (slowest rank) | "
-            f"{r['tflops_per_gpu']:.1f} TFLOP/s/GPU{peak}{eff}{host}{bwd}")
+    return (f"{r['shape']:>18} TP={r['tp']}{layout} {r['backend']} | step {r['step_ms']:.3f} ms "
+            f"(slowest rank) | {r['tflops_per_gpu']:.1f} TFLOP/s/GPU{peak}{eff}{host}{bwd}")
 
 
 def _worker(argv: list[str]) -> None:
-    """One rank of a torchrun launch: every layout in turn on one group; rank 0 writes a row file per layout."""
+    """One rank of a torchrun launch: every layout in turn on one group; rank 0 writes a row file
+    per layout."""
     import torch.distributed as dist
 
     from tplogp import get_op
@@ -130,7 +141,8 @@ def _worker(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     env = launch_env()
     rank, world = env.rank, env.world_size
-    device, backend = pick_device("auto", env)  # the runbook's rule: NCCL with one GPU per rank, else gloo
+    # the runbook's rule: NCCL with one GPU per rank, else gloo
+    device, backend = pick_device("auto", env)
     init_group(device, backend, timeout_s=600)
     n, d, v = (int(x) for x in args.shape.split("x"))
     dt = runner.DTYPES[args.dtype]
@@ -145,17 +157,21 @@ def _worker(argv: list[str]) -> None:
     group = dist.group.WORLD if world > 1 else None  # TP=1: the op without a group (its plain path)
     comm_device = device if backend == "nccl" else torch.device("cpu")
     kw = dict(tp_group=group, vocab_start_index=start, global_vocab_size=v)
-    mine = slice(rank * n // world, (rank + 1) * n // world)  # this rank's tokens under sequence parallelism
+    # this rank's tokens under sequence parallelism
+    mine = slice(rank * n // world, (rank + 1) * n // world)
 
     def measure(layout: str) -> dict:
-        hidden = (full if layout == "replicated" else full[mine]).clone().requires_grad_()  # this rank's tokens
+        # this rank's tokens
+        hidden = (full if layout == "replicated" else full[mine]).clone().requires_grad_()
 
         def forward():
             hidden.grad = weight.grad = None
             if layout == "sequence-parallel":
                 return op(hidden, weight, target, sequence_parallel=True, **kw), None
-            if layout == "gather-allreduce" and group is not None:  # the caller's gather, the op replicated
-                rows = all_gather_flat(hidden.detach().to(comm_device), group).to(device).requires_grad_()
+            # the caller's gather, the op replicated
+            if layout == "gather-allreduce" and group is not None:
+                rows = all_gather_flat(hidden.detach().to(comm_device), group).to(
+                    device).requires_grad_()
                 return op(rows, weight, target, **kw), rows
             return op(hidden, weight, target, **kw), None
 
@@ -193,7 +209,8 @@ def _worker(argv: list[str]) -> None:
         bwd_med = statistics.median(backward_ms() for _ in range(args.steps))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else -1.0
         # every rank starts each timed call together, as in a step
-        host_thread, host_all = runner.host_us_threads(fwd_bwd, device, max(args.steps, 3), before=dist.barrier)
+        host_thread, host_all = runner.host_us_threads(fwd_bwd, device, max(args.steps, 3),
+                                                       before=dist.barrier)
         slowest_ms, peak_gib, host_thread, host_all, bwd_ms = max_over_ranks(
             [med, peak, host_thread, host_all, bwd_med], device, backend)
         return {"backend": backend, "steps": args.steps, "step_ms": round(slowest_ms, 3),

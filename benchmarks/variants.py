@@ -1,18 +1,22 @@
-"""Option variants of the op benchmark: what an option of tplogp costs against the same call without it, in one run.
+"""Option variants of the op benchmark: what an option of tplogp costs against the same call without
+it, in one run.
 
-``--variants`` lists variants, comma-separated; one variant is one option or several joined by ``+``:
+``--variants`` lists variants, comma-separated; one variant is one option or several joined by
+``+``:
 
 * ``softcap=C``: final-logit softcapping ``C tanh(z / C)`` (Gemma 2 / 3 use 30);
 * ``deterministic=true`` / ``deterministic=tp_invariant``: the two levels of ``deterministic``;
-* ``label_smoothing=E``, ``z_loss=K``: the fused cross-entropy becomes ``losses.cross_entropy(label_smoothing=E)``
-  (plus ``losses.z_loss(K)``); these apply to the plain fused cross-entropy rows only (``tplogp-loss-<source>``).
+* ``label_smoothing=E``, ``z_loss=K``: the fused cross-entropy becomes
+  ``losses.cross_entropy(label_smoothing=E)`` (plus ``losses.z_loss(K)``); these apply to the plain
+  fused cross-entropy rows only (``tplogp-loss-<source>``).
 
-For example ``softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4``. Every
-tplogp row the run measures (per source, budget and checks mode) that a variant applies to gets one more row with
-the options added: its budget label ends with the variant's label, its ``variant`` field is that label, its errors
-are measured against the float64 truth of its own math (softcap and the loss terms change it; the deterministic
-levels do not), and ``vs_plain`` (``_b2b``) is its forward+backward time over the plain row's, timed in the same
-rounds (:mod:`benchmarks.op`).
+For example
+``softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4``. Every
+tplogp row the run measures (per source, budget and checks mode) that a variant applies to gets one
+more row with the options added: its budget label ends with the variant's label, its ``variant``
+field is that label, its errors are measured against the float64 truth of its own math (softcap and
+the loss terms change it; the deterministic levels do not), and ``vs_plain`` (``_b2b``) is its
+forward+backward time over the plain row's, timed in the same rounds (:mod:`benchmarks.op`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ DETERMINISTIC = {"true": True, "tp_invariant": "tp_invariant"}
 
 @dataclass(frozen=True)
 class Variant:
-    """One ``--variants`` entry: the options it adds to a call, and its label (the canonical spelling)."""
+    """One ``--variants`` entry: the options it adds to a call, and its label (the canonical
+    spelling)."""
 
     label: str
     softcap: Optional[float] = None
@@ -44,13 +49,15 @@ class Variant:
         return self.label_smoothing != 0.0 or self.z_loss != 0.0
 
     def applies_to(self, impl: Impl) -> bool:
-        """tplogp's budgeted rows; a variant with loss terms, its plain fused cross-entropy rows only."""
+        """tplogp's budgeted rows; a variant with loss terms, its plain fused cross-entropy rows
+        only."""
         if not impl.budgeted or impl.source is None:
             return False
         return impl.contract == SCALAR_LOSS if self.loss_terms else True
 
     def call_options(self) -> dict:
-        """The ``linear_logp`` / ``linear_logp_loss`` keywords of the variant's options other than the loss's."""
+        """The ``linear_logp`` / ``linear_logp_loss`` keywords of the variant's options other than
+        the loss's."""
         options: dict = {}
         if self.softcap is not None:
             options["softcap"] = self.softcap
@@ -65,19 +72,22 @@ def _number(key: str, text: str, low: float, low_open: bool, high: float = math.
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and (value > low if low_open else value >= low) and value <= high):
-        bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if math.isfinite(high) else "")
+        bound = (f"{'>' if low_open else '>='} {low:g}"
+                 + (f" and <= {high:g}" if math.isfinite(high) else ""))
         raise ValueError(f"--variants: {key} takes a finite number {bound}, got {text!r}")
     return value
 
 
 def parse_variant(text: str) -> Variant:
-    """``softcap=30``, ``deterministic=tp_invariant``, ``label_smoothing=0.1+z_loss=1e-4``, ... (module docstring)."""
+    """``softcap=30``, ``deterministic=tp_invariant``, ``label_smoothing=0.1+z_loss=1e-4``, ...
+    (module docstring)."""
     fields: dict = {}
     labels = []
     for item in text.split("+"):
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep or not value:
-            raise ValueError(f"--variants: an option is key=value, got {item.strip()!r} in {text!r}")
+            raise ValueError(f"--variants: an option is key=value, got {item.strip()!r} in "
+                             f"{text!r}")
         if key in fields:
             raise ValueError(f"--variants: {key} given twice in {text!r}")
         if key == "softcap":
@@ -85,7 +95,8 @@ def parse_variant(text: str) -> Variant:
             labels.append(f"softcap={fields[key]:g}")
         elif key == "deterministic":
             if value.lower() not in DETERMINISTIC:
-                raise ValueError(f"--variants: deterministic takes {' or '.join(DETERMINISTIC)}, got {value!r}")
+                raise ValueError(f"--variants: deterministic takes {' or '.join(DETERMINISTIC)}, "
+                                 f"got {value!r}")
             fields[key] = DETERMINISTIC[value.lower()]
             labels.append(f"deterministic={value.lower()}")
         elif key == "label_smoothing":
@@ -95,8 +106,8 @@ def parse_variant(text: str) -> Variant:
             fields[key] = _number(key, value, 0.0, True)
             labels.append(f"z_loss={fields[key]:g}")
         else:
-            raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options: softcap, deterministic, "
-                             f"label_smoothing, z_loss")
+            raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options: softcap, "
+                             f"deterministic, label_smoothing, z_loss")
     return Variant("+".join(labels), **fields)
 
 
@@ -112,12 +123,14 @@ def parse_variants(text: Optional[str]) -> list[Variant]:
 
 
 def float64_cross_entropy(stats, label_smoothing: float = 0.0, z_loss: float = 0.0) -> torch.Tensor:
-    """The mean of ``F.cross_entropy(z, y, label_smoothing=E, reduction="none") + K lse^2`` from a problem's float64
-    per-token statistics (:class:`benchmarks.op.Float64Stats`): ``-(1 - E) logp + E (lse - sum_v z / V) + K lse^2``
-    (the smoothed target ``(1 - E) onehot + E / V`` against ``logp_v = z_v - lse``)."""
+    """The mean of ``F.cross_entropy(z, y, label_smoothing=E, reduction="none") + K lse^2`` from a
+    problem's float64 per-token statistics (:class:`benchmarks.op.Float64Stats`): ``-(1 - E) logp +
+    E (lse - sum_v z / V) + K lse^2`` (the smoothed target ``(1 - E) onehot + E / V`` against
+    ``logp_v = z_v - lse``)."""
     per_token = -stats.logp
     if label_smoothing:
-        per_token = -(1.0 - label_smoothing) * stats.logp + label_smoothing * (stats.lse - stats.sum_z / stats.vocab)
+        per_token = (-(1.0 - label_smoothing) * stats.logp + label_smoothing
+                     * (stats.lse - stats.sum_z / stats.vocab))
     if z_loss:
         per_token = per_token + z_loss * stats.lse.square()
     return per_token.mean()

@@ -1,13 +1,14 @@
 """The ``tp`` rank context and collective assertion helpers.
 
-A :class:`RankContext` is what a test body receives as ``tp`` on each rank: rank, world size, backend, device and
-the process group, plus helpers that turn a *local* check into a *collective* decision. Design rule: a check that
-fails on one rank must fail the test on every rank, and nobody may be left waiting in a collective. Each helper
-therefore exchanges a small verdict over a gloo control group (the default group itself under gloo, a dedicated gloo
-group under NCCL) and then every rank raises the same error (or skips with the same reason).
+A :class:`RankContext` is what a test body receives as ``tp`` on each rank: rank, world size,
+backend, device and the process group, plus helpers that turn a *local* check into a *collective*
+decision. Design rule: a check that fails on one rank must fail the test on every rank, and nobody
+may be left waiting in a collective. Each helper therefore exchanges a small verdict over a gloo
+control group (the default group itself under gloo, a dedicated gloo group under NCCL) and then
+every rank raises the same error (or skips with the same reason).
 
-This module is rank-side: it imports torch but nothing of the controller, and it works both inside the plugin's
-rank pool and when pytest itself was launched by torchrun (external mode).
+This module is rank-side: it imports torch but nothing of the controller, and it works both inside
+the plugin's rank pool and when pytest itself was launched by torchrun (external mode).
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ class CollectiveAssertionError(AssertionError):
     """A collective check failed on at least one rank; raised identically on every rank."""
 
 
-CollectiveAssertionError.__module__ = "pytest_tplogp"  # short name in reports; resolvable via the package
+# short name in reports; resolvable via the package
+CollectiveAssertionError.__module__ = "pytest_tplogp"
 
 
 def current_context() -> RankContext:
     """The rank context of this process (inside a rank of the pool or under torchrun)."""
     if _CURRENT is None:
         raise RuntimeError(
-            "no tplogp rank context in this process: current_context() works only inside a test body running "
-            "on the ranks (@pytest.mark.tp) or in a function passed to tp_pool.run"
+            "no tplogp rank context in this process: current_context() works only inside a test "
+            "body running on the ranks (@pytest.mark.tp) or in a function passed to tp_pool.run"
         )
     return _CURRENT
 
@@ -54,11 +56,12 @@ def _is_skip(exc: BaseException) -> bool:
 
 
 class RankContext:
-    """This rank's view of the pool: ``rank``, ``world_size``, ``backend``, ``device``, ``group`` and helpers.
+    """This rank's view of the pool: ``rank``, ``world_size``, ``backend``, ``device``, ``group``
+    and helpers.
 
-    ``group`` is the default (world) process group. Sub-groups must come from :meth:`new_group`, which caches them
-    for the life of the pool; groups created directly with ``dist.new_group`` and not destroyed make the pool's
-    fresh-state check recycle the pool after the test.
+    ``group`` is the default (world) process group. Sub-groups must come from :meth:`new_group`,
+    which caches them for the life of the pool; groups created directly with ``dist.new_group`` and
+    not destroyed make the pool's fresh-state check recycle the pool after the test.
     """
 
     def __init__(
@@ -83,7 +86,8 @@ class RankContext:
         self._meshes: dict[MeshShape, DeviceMesh] = {}  # for the life of the pool
 
     def __repr__(self) -> str:
-        return f"RankContext(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, device={self.device})"
+        return (f"RankContext(rank={self.rank}, world_size={self.world_size}, "
+                f"backend={self.backend!r}, device={self.device})")
 
     # ---------------------------------------------------------------- process groups
     @property
@@ -108,25 +112,29 @@ class RankContext:
         return self._subgroups[key]
 
     def device_mesh(self, shape: MeshShape | Mapping[str, int] | None = None) -> DeviceMesh:
-        """The ``DeviceMesh`` of ``shape`` (a :class:`~pytest_tplogp.mesh.MeshShape` or a dict such as
-        ``{"dp": 2, "tp": 2}``; None: ``{"tp": world_size}``), row-major over the ranks like ``init_device_mesh``.
+        """The ``DeviceMesh`` of ``shape`` (a :class:`~pytest_tplogp.mesh.MeshShape` or a dict such
+        as ``{"dp": 2, "tp": 2}``; None: ``{"tp": world_size}``), row-major over the ranks like
+        ``init_device_mesh``.
 
-        Collective the first time a shape is asked for (its groups are created); cached for the life of the pool.
+        Collective the first time a shape is asked for (its groups are created); cached for the life
+        of the pool.
         """
         from .mesh import MeshShape, build_mesh
 
-        key = MeshShape.default(self.world_size) if shape is None else MeshShape.parse(shape, "tp.device_mesh")
+        key = (MeshShape.default(self.world_size) if shape is None
+               else MeshShape.parse(shape, "tp.device_mesh"))
         mesh = self._meshes.get(key)
         if mesh is None:
             mesh = self._meshes[key] = build_mesh(self, key)
         return mesh
 
     def owned_group_ids(self) -> set[int]:
-        """Identities of the process groups the pool keeps (cached sub-groups, cached meshes' groups); the
-        fresh-state check does not count them as left behind."""
+        """Identities of the process groups the pool keeps (cached sub-groups, cached meshes'
+        groups); the fresh-state check does not count them as left behind."""
         from .mesh import mesh_group_ids
 
-        ids = {id(g) for g in self._subgroups.values()}  # (a rank outside a sub-group holds a sentinel)
+        # (a rank outside a sub-group holds a sentinel)
+        ids = {id(g) for g in self._subgroups.values()}
         for mesh in self._meshes.values():
             ids |= mesh_group_ids(mesh)
         return ids
@@ -141,26 +149,31 @@ class RankContext:
         dist.barrier(group=self._ctrl_group)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Gather a picklable object from every rank over the gloo control group (no device work)."""
+        """Gather a picklable object from every rank over the gloo control group (no device
+        work)."""
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self._ctrl_group)
         return out
 
     # ---------------------------------------------------------------- collective checks
     def assert_all(self, condition: Any, message: str = "") -> None:
-        """Collective ``assert``: if ``condition`` is false on any rank, every rank raises the same error.
+        """Collective ``assert``: if ``condition`` is false on any rank, every rank raises the same
+        error.
 
-        The error names the failing ranks and each one's message, so the report groups it as "ranks 0-3".
+        The error names the failing ranks and each one's message, so the report groups it as "ranks
+        0-3".
         """
         ok = bool(condition)
         verdicts = self.all_gather_object((ok, "" if ok else str(message)))
         self._raise_if_failed(verdicts, what="check")
 
     def assert_close(self, actual: Any, expected: Any, **kwargs: Any) -> None:
-        """Collective ``torch.testing.assert_close``: a mismatch on any rank fails every rank with its details.
+        """Collective ``torch.testing.assert_close``: a mismatch on any rank fails every rank with
+        its details.
 
-        Either side may be a DTensor (every rank must then call this, like any collective): the full tensors are
-        compared, and on a mismatch the error also names the mesh coordinates whose local shard differs.
+        Either side may be a DTensor (every rank must then call this, like any collective): the full
+        tensors are compared, and on a mismatch the error also names the mesh coordinates whose
+        local shard differs.
         """
         from .values import is_dtensor
 
@@ -187,25 +200,30 @@ class RankContext:
         verdicts = self.all_gather_object((not problem, problem))
         if all(ok for ok, _ in verdicts):
             return
-        shards = self.all_gather_object((coordinate_label(mesh), local_shard_problem(actual, expected, **kwargs)))
+        shards = self.all_gather_object(
+            (coordinate_label(mesh), local_shard_problem(actual, expected, **kwargs)))
         differing = [(r, label, why) for r, (label, why) in enumerate(shards) if why]
         if differing:
-            where = "local shards differ at " + "; ".join(f"({label}) on rank {r}" for r, label, _ in differing)
+            where = ("local shards differ at "
+                     + "; ".join(f"({label}) on rank {r}" for r, label, _ in differing))
         else:
             where = "no local shard differs on its own (a shape or placement mismatch)"
         details = "".join(f"\n  ({label}) on rank {r}: {why}" for r, label, why in differing)
         first_bad = next(msg for ok, msg in verdicts if not ok)
-        raise CollectiveAssertionError(f"collective assert_close failed (DTensor, full tensors compared): "
-                                       f"{where}{details}\n  full tensors: {first_bad}")
+        raise CollectiveAssertionError("collective assert_close failed (DTensor, full tensors "
+                                       f"compared): {where}{details}\n  full tensors: {first_bad}")
 
-    def distribute_randn(self, shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Any], *, seed: int = 0,
+    def distribute_randn(self, shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Any], *,
+                         seed: int = 0,
                          dtype: torch.dtype | None = None, requires_grad: bool = False) -> Any:
-        """A DTensor holding the same seeded global ``randn`` tensor on every rank, placed with ``placements``
-        (``Shard``, ``Replicate``; uneven shards as ``torch.chunk``); ``.full_tensor()`` gives it back. The test's
-        RNG is untouched (a generator of its own, seeded with ``seed``)."""
+        """A DTensor holding the same seeded global ``randn`` tensor on every rank, placed with
+        ``placements`` (``Shard``, ``Replicate``; uneven shards as ``torch.chunk``);
+        ``.full_tensor()`` gives it back. The test's RNG is untouched (a generator of its own,
+        seeded with ``seed``)."""
         from .mesh import distribute_randn
 
-        return distribute_randn(shape, mesh, placements, seed=seed, dtype=dtype, requires_grad=requires_grad)
+        return distribute_randn(shape, mesh, placements, seed=seed, dtype=dtype,
+                                requires_grad=requires_grad)
 
     def _raise_if_failed(self, verdicts: list[tuple[bool, str]], what: str) -> None:
         bad = [r for r, (ok, _) in enumerate(verdicts) if not ok]
@@ -214,16 +232,19 @@ class RankContext:
         by_msg: dict[str, list[int]] = {}
         for r in bad:
             by_msg.setdefault(verdicts[r][1], []).append(r)
-        details = "\n".join(f"  {format_ranks(rs)}: {msg}" if msg else f"  {format_ranks(rs)}" for msg, rs in by_msg.items())
-        raise CollectiveAssertionError(f"collective {what} failed on {format_ranks(bad)} of {self.world_size}:\n{details}")
+        details = "\n".join(f"  {format_ranks(rs)}: {msg}" if msg else f"  {format_ranks(rs)}"
+                            for msg, rs in by_msg.items())
+        raise CollectiveAssertionError(f"collective {what} failed on {format_ranks(bad)} of "
+                                       f"{self.world_size}:\n{details}")
 
     @contextlib.contextmanager
     def agree(self) -> Iterator[None]:
         """Run a block whose failure or skip on any rank must be shared by all ranks.
 
-        If the block raises on some ranks, those ranks re-raise their own exception and the others raise
-        :class:`CollectiveAssertionError` naming them; if it skips (``pytest.skip``) on some ranks and fails on
-        none, every rank skips with the first reason. Nobody is left in a later collective.
+        If the block raises on some ranks, those ranks re-raise their own exception and the others
+        raise :class:`CollectiveAssertionError` naming them; if it skips (``pytest.skip``) on some
+        ranks and fails on none, every rank skips with the first reason. Nobody is left in a later
+        collective.
         """
         err: BaseException | None = None
         try:
@@ -245,7 +266,8 @@ class RankContext:
             if err is not None and mine[0] == "error":
                 raise err
             lines = "\n".join(f"  rank {r}: {verdicts[r][1]}" for r in errors)
-            raise CollectiveAssertionError(f"tp.agree(): the block failed on {format_ranks(errors)}:\n{lines}")
+            raise CollectiveAssertionError(
+                f"tp.agree(): the block failed on {format_ranks(errors)}:\n{lines}")
         if skips:
             import pytest
 
@@ -253,13 +275,15 @@ class RankContext:
                         f"skipped on {format_ranks(skips)}: {verdicts[skips[0]][1]}")
 
     def skip_if(self, condition: Any, reason: str) -> None:
-        """Collective skip: if ``condition`` holds on any rank, every rank skips (never a one-rank skip)."""
+        """Collective skip: if ``condition`` holds on any rank, every rank skips (never a one-rank
+        skip)."""
         verdicts = self.all_gather_object(bool(condition))
         hit = [r for r, v in enumerate(verdicts) if v]
         if hit:
             import pytest
 
-            pytest.skip(reason if len(hit) == self.world_size else f"{reason} (on {format_ranks(hit)})")
+            pytest.skip(reason if len(hit) == self.world_size
+                        else f"{reason} (on {format_ranks(hit)})")
 
 
 def set_current(ctx: RankContext | None) -> None:

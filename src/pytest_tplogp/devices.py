@@ -1,27 +1,31 @@
 """Which devices this pytest process may use, and which backend a pool gets.
 
-- Visible GPUs are the entries of ``CUDA_VISIBLE_DEVICES`` when it is set (empty or ``-1`` = none), else
-  ``0..torch.cuda.device_count()-1``. torch is imported only when the answer is not already in the environment;
-  CUDA is never initialised here (``device_count`` only queries; ranks start from a fork server or are spawned,
-  never forked from this process).
-- Under pytest-xdist (``PYTEST_XDIST_WORKER`` = ``gwI``, ``PYTEST_XDIST_WORKER_COUNT`` = ``K``, ``n`` visible GPUs)
-  worker ``I`` owns the disjoint block ``visible[I*B:(I+1)*B]`` with ``B = n // K`` (empty when ``K > n``).
-  Outside xdist the block is every visible GPU.
-- A test that needs one device (a plain ``gpu`` test, a pool of world size 1) gets the first GPU of the block, or,
-  when there are more workers than GPUs, GPU ``visible[I mod n]``, shared with other workers.
-- A pool of world size ``w > 1`` on NCCL needs ``w`` distinct GPUs (one per rank): ``block[:w]`` when ``B >= w``.
-  Otherwise a ``gpu`` or ``nccl`` test is skipped with a reason that names the fix (``-n <= n // w``, or
-  ``--tp-backend=gloo`` for a test that does not need a GPU). When ``n >= w``, so that fewer workers would run it,
-  the reason starts with :data:`PLACEMENT_SKIP_PREFIX`, and the terminal summary counts those skips.
-- Sharing (``--tp-gpu-share=on``, the default): a ``gpu`` test whose ranks NCCL cannot place (fewer GPUs in the
-  block than ranks, or a torch without NCCL) runs on gloo with CUDA tensors, its ranks sharing the block's GPUs
-  (rank ``r`` on the ``r mod m``-th of the ``m`` GPUs; an empty block: the one-device GPU ``visible[I mod n]``).
-  A ``gpu`` test under ``--tp-backend=gloo`` shares them too. With ``--tp-gpu-share=off`` such a test is skipped
-  as described above. Tests that are not marked ``gpu`` never share: they run on CPU gloo ranks.
+- Visible GPUs are the entries of ``CUDA_VISIBLE_DEVICES`` when it is set (empty or ``-1`` = none),
+  else ``0..torch.cuda.device_count()-1``. torch is imported only when the answer is not already in
+  the environment; CUDA is never initialised here (``device_count`` only queries; ranks start from a
+  fork server or are spawned, never forked from this process).
+- Under pytest-xdist (``PYTEST_XDIST_WORKER`` = ``gwI``, ``PYTEST_XDIST_WORKER_COUNT`` = ``K``,
+  ``n`` visible GPUs) worker ``I`` owns the disjoint block ``visible[I*B:(I+1)*B]`` with ``B = n //
+  K`` (empty when ``K > n``). Outside xdist the block is every visible GPU.
+- A test that needs one device (a plain ``gpu`` test, a pool of world size 1) gets the first GPU of
+  the block, or, when there are more workers than GPUs, GPU ``visible[I mod n]``, shared with other
+  workers.
+- A pool of world size ``w > 1`` on NCCL needs ``w`` distinct GPUs (one per rank): ``block[:w]``
+  when ``B >= w``. Otherwise a ``gpu`` or ``nccl`` test is skipped with a reason that names the fix
+  (``-n <= n // w``, or ``--tp-backend=gloo`` for a test that does not need a GPU). When ``n >= w``,
+  so that fewer workers would run it, the reason starts with :data:`PLACEMENT_SKIP_PREFIX`, and the
+  terminal summary counts those skips.
+- Sharing (``--tp-gpu-share=on``, the default): a ``gpu`` test whose ranks NCCL cannot place (fewer
+  GPUs in the block than ranks, or a torch without NCCL) runs on gloo with CUDA tensors, its ranks
+  sharing the block's GPUs (rank ``r`` on the ``r mod m``-th of the ``m`` GPUs; an empty block: the
+  one-device GPU ``visible[I mod n]``). A ``gpu`` test under ``--tp-backend=gloo`` shares them too.
+  With ``--tp-gpu-share=off`` such a test is skipped as described above. Tests that are not marked
+  ``gpu`` never share: they run on CPU gloo ranks.
 - Backend ``auto``: NCCL on those GPUs when they exist, gloo on CPU otherwise.
 
-Every function that depends on the xdist worker takes ``worker`` (``(index, count)``, or None outside xdist), which
-defaults to this process's (:func:`xdist_worker`): the session header asks as worker ``gw0`` of the run's ``-n``.
+Every function that depends on the xdist worker takes ``worker`` (``(index, count)``, or None
+outside xdist), which defaults to this process's (:func:`xdist_worker`): the session header asks as
+worker ``gw0`` of the run's ``-n``.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def _worker(worker: Any) -> tuple[int, int] | None:
 
 
 def gpu_block(worker: Any = THIS_WORKER) -> tuple[str, ...]:
-    """The GPUs a pytest process owns: every visible one, or worker ``I`` of ``K``'s disjoint block."""
+    """The GPUs a pytest process owns: every visible one, or worker ``I`` of ``K``'s disjoint
+    block."""
     gpus = visible_gpus()
     worker = _worker(worker)
     if worker is None or not gpus:
@@ -82,7 +87,8 @@ def gpu_block(worker: Any = THIS_WORKER) -> tuple[str, ...]:
 
 
 def one_gpu(worker: Any = THIS_WORKER) -> str | None:
-    """The GPU for a test that needs one device: the block's first, else ``visible[I mod n]`` (None: no GPU)."""
+    """The GPU for a test that needs one device: the block's first, else ``visible[I mod n]`` (None:
+    no GPU)."""
     block = gpu_block(worker)
     if block:
         return block[0]
@@ -94,7 +100,8 @@ def one_gpu(worker: Any = THIS_WORKER) -> str | None:
 
 
 def one_gpu_index() -> int | None:
-    """The CUDA device index of :func:`one_gpu` in this process (its position among the visible GPUs)."""
+    """The CUDA device index of :func:`one_gpu` in this process (its position among the visible
+    GPUs)."""
     gpu = one_gpu()
     return None if gpu is None else visible_gpus().index(gpu)
 
@@ -112,7 +119,8 @@ def block_note(worker: Any = THIS_WORKER) -> str:
     return note
 
 
-#: How the reason of a test skipped because its xdist worker's GPU block is too small begins (counted in the summary).
+#: How the reason of a test skipped because its xdist worker's GPU block is too small begins
+#: (counted in the summary).
 PLACEMENT_SKIP_PREFIX = "GPU placement: "
 
 
@@ -121,7 +129,8 @@ class Placement:
     backend: str
     devices: tuple[str, ...]  # GPU ids, or ("cpu",)
     skip_reason: str | None = None
-    shared: bool = False  # gloo ranks sharing the GPUs of ``devices`` (rank r on devices[r % len(devices)])
+    # gloo ranks sharing the GPUs of ``devices`` (rank r on devices[r % len(devices)])
+    shared: bool = False
 
     @property
     def device_type(self) -> str:
@@ -138,7 +147,8 @@ def nccl_available() -> bool:
 
 
 def gpus_for(world_size: int, worker: Any = THIS_WORKER) -> tuple[str, ...] | None:
-    """``world_size`` distinct GPUs for a pool on them (see the module docstring), or None when there are none."""
+    """``world_size`` distinct GPUs for a pool on them (see the module docstring), or None when
+    there are none."""
     if world_size == 1:
         gpu = one_gpu(worker)
         return None if gpu is None else (gpu,)
@@ -147,8 +157,8 @@ def gpus_for(world_size: int, worker: Any = THIS_WORKER) -> tuple[str, ...] | No
 
 
 def shared_gpus(world_size: int, worker: Any = THIS_WORKER) -> tuple[str, ...] | None:
-    """The GPUs that ``world_size`` ranks share: the block's first ``world_size`` (all of a smaller block), else the
-    one-device GPU; None without a GPU."""
+    """The GPUs that ``world_size`` ranks share: the block's first ``world_size`` (all of a smaller
+    block), else the one-device GPU; None without a GPU."""
     block = gpu_block(worker)
     if block:
         return block[:world_size]
@@ -166,8 +176,8 @@ def no_gpus_reason(world_size: int, needs_gpu: bool, worker: Any = THIS_WORKER) 
              "--tp-backend=gloo (ranks on CPU)")
     if n < world_size:
         return f"{need}; {n} visible GPU(s): run it with {other}"
-    return (f"{PLACEMENT_SKIP_PREFIX}{need}; {block_note(worker)}: run with -n {n // world_size} or fewer "
-            f"(-n <= GPUs // world size), or {other}")
+    return (f"{PLACEMENT_SKIP_PREFIX}{need}; {block_note(worker)}: run with -n {n // world_size} "
+            f"or fewer (-n <= GPUs // world size), or {other}")
 
 
 def sharing_note(placement: Placement, world_size: int, worker: Any = THIS_WORKER) -> str:
@@ -180,8 +190,8 @@ def sharing_note(placement: Placement, world_size: int, worker: Any = THIS_WORKE
 
 def place(world_size: int, backend: str, *, needs_gpu: bool = False, share: bool = False,
           worker: Any = THIS_WORKER) -> Placement:
-    """Backend and devices for a pool of ``world_size`` ranks (``backend`` is auto, gloo or nccl; ``share``: a
-    ``gpu`` test that NCCL cannot place shares the GPUs over gloo)."""
+    """Backend and devices for a pool of ``world_size`` ranks (``backend`` is auto, gloo or nccl;
+    ``share``: a ``gpu`` test that NCCL cannot place shares the GPUs over gloo)."""
     if backend == "gloo":
         if not needs_gpu:
             return Placement("gloo", ("cpu",))
@@ -189,8 +199,10 @@ def place(world_size: int, backend: str, *, needs_gpu: bool = False, share: bool
         if gpus is not None:
             return Placement("gloo", gpus, shared=True)
         if share:
-            return Placement("gloo", ("cpu",), f"needs a CUDA device; this process has none ({block_note(worker)})")
-        return Placement("gloo", ("cpu",), "test needs a GPU but --tp-backend=gloo runs the ranks on CPU "
+            return Placement("gloo", ("cpu",),
+                             f"needs a CUDA device; this process has none ({block_note(worker)})")
+        return Placement("gloo", ("cpu",),
+                         "test needs a GPU but --tp-backend=gloo runs the ranks on CPU "
                                            "(--tp-gpu-share=on runs it on the GPUs, over gloo)")
     gpus = gpus_for(world_size, worker)
     nccl = gpus is not None and nccl_available()  # without GPUs the parent never imports torch

@@ -1,23 +1,27 @@
-"""External mode: pytest itself was launched by torchrun (``torchrun --nproc_per_node=2 -m pytest ...``).
+"""External mode: pytest itself was launched by torchrun (``torchrun --nproc_per_node=2 -m pytest
+...``).
 
-Every pytest process is one rank of an existing world (``WORLD_SIZE``/``RANK``/``MASTER_ADDR`` from torchrun, one
-node or several). Nothing is spawned: the process group is initialised from the environment (or reused when the
-test session already has one), all ranks check that they collected the same tests, TP test bodies run in-process,
-and each test's per-rank outcomes are exchanged through the job's key-value store so that every rank reaches the same
-verdict (a failure on rank 3 fails the test on rank 0, which is the only rank that prints a report). When ranks are
-still running at the deadline, or a straggler grace after a peer failed, every unfinished rank posts its stack to the
-store and rank 0 reports the test as failed (which ranks hung and where), reports every test that did not run as an
-error and writes the JUnit file before every rank exits: torchrun then ends the job, since a process group cannot
-be respawned from inside. When torchrun restarts the job (``--max-restarts``), rank 0 instead
-records in torchrun's agent store how many tests are done and how many failed; the restarted workers
-(``TORCHELASTIC_RESTART_COUNT``) rendezvous under keys of their own attempt, skip the tests done and
-run the rest, and the session fails when an earlier attempt's tests did.
+Every pytest process is one rank of an existing world (``WORLD_SIZE``/``RANK``/``MASTER_ADDR`` from
+torchrun, one node or several). Nothing is spawned: the process group is initialised from the
+environment (or reused when the test session already has one), all ranks check that they collected
+the same tests, TP test bodies run in-process, and each test's per-rank outcomes are exchanged
+through the job's key-value store so that every rank reaches the same verdict (a failure on rank 3
+fails the test on rank 0, which is the only rank that prints a report). When ranks are still running
+at the deadline, or a straggler grace after a peer failed, every unfinished rank posts its stack to
+the store and rank 0 reports the test as failed (which ranks hung and where), reports every test
+that did not run as an error and writes the JUnit file before every rank exits: torchrun then ends
+the job, since a process group cannot be respawned from inside. When torchrun restarts the job
+(``--max-restarts``), rank 0 instead records in torchrun's agent store how many tests are done and
+how many failed; the restarted workers (``TORCHELASTIC_RESTART_COUNT``) rendezvous under keys of
+their own attempt, skip the tests done and run the rest, and the session fails when an earlier
+attempt's tests did.
 
-Coverage (pytest-cov's ``--cov``): every rank is a pytest process with its own pytest-cov, which would save, combine
-and report its own part, all at once in one directory. So on the other ranks pytest-cov is taken out at configure
-time (:meth:`ExternalMode.gather_coverage_on_rank0`; its measurement keeps running), and at the end of the test loop
-each of them sends its data through the store (:meth:`ExternalMode.send_or_merge_coverage`); rank 0 adds it to its
-own before its pytest-cov saves, combines and reports: one data file, one report, every rank's lines.
+Coverage (pytest-cov's ``--cov``): every rank is a pytest process with its own pytest-cov, which
+would save, combine and report its own part, all at once in one directory. So on the other ranks
+pytest-cov is taken out at configure time (:meth:`ExternalMode.gather_coverage_on_rank0`; its
+measurement keeps running), and at the end of the test loop each of them sends its data through the
+store (:meth:`ExternalMode.send_or_merge_coverage`); rank 0 adds it to its own before its pytest-cov
+saves, combines and reports: one data file, one report, every rank's lines.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ COVERAGE_WAIT_S = 60.0
 
 def detect(environ: dict[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
-    return "WORLD_SIZE" in env and "RANK" in env and ("TORCHELASTIC_RUN_ID" in env or "MASTER_ADDR" in env)
+    return ("WORLD_SIZE" in env and "RANK" in env
+            and ("TORCHELASTIC_RUN_ID" in env or "MASTER_ADDR" in env))
 
 
 class ExternalMode:
@@ -60,13 +65,14 @@ class ExternalMode:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
         backend = settings.backend
         if backend == "auto":
-            # The same answer on every rank of a node (never NCCL on some ranks and gloo on others): NCCL only
-            # when this node has a GPU for each of its local ranks. Nodes of one job are assumed alike.
+            # The same answer on every rank of a node (never NCCL on some ranks and gloo on others):
+            # NCCL only when this node has a GPU for each of its local ranks. Nodes of one job are
+            # assumed alike.
             enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
             backend = "nccl" if enough else "gloo"
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        # the real stdout/stderr (pytest's capture and our own redirect fds 1 and 2 during a test): a deadline
-        # puts them back so that rank 0's report reaches the terminal
+        # the real stdout/stderr (pytest's capture and our own redirect fds 1 and 2 during a test):
+        # a deadline puts them back so that rank 0's report reaches the terminal
         self.real_fds = (os.dup(1), os.dup(2))
         self.test_index = 0
         self.pdb_rank = settings.pdb_rank
@@ -80,8 +86,9 @@ class ExternalMode:
         if self.owns_group:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            # bounded: a rendezvous or collective that never completes fails after the test deadline + 60 s
-            # under --tp-pdb the peers of a rank in pdb wait in their collectives for as long as it may sit there
+            # bounded: a rendezvous or collective that never completes fails after the test deadline
+            # + 60 s under --tp-pdb the peers of a rank in pdb wait in their collectives for as long
+            # as it may sit there
             from .debug import DEBUG_WAIT_S
 
             waits_s = settings.timeout_s if settings.pdb_rank is None else DEBUG_WAIT_S
@@ -104,7 +111,8 @@ class ExternalMode:
         else:
             backend = dist.get_backend()
         ctrl = dist.new_group(backend="gloo") if backend != "gloo" else None
-        self.ctx = RankContext(rank, world_size, backend, device, local_rank=local_rank, external=True,
+        self.ctx = RankContext(rank, world_size, backend, device, local_rank=local_rank,
+                               external=True,
                                ctrl_group=ctrl)
         set_current(self.ctx)
 
@@ -135,8 +143,9 @@ class ExternalMode:
     PYTEST_COV = "_cov"
 
     def gather_coverage_on_rank0(self, pluginmanager: Any) -> None:
-        """When pytest-cov measures, let rank 0 alone report: on the other ranks, take pytest-cov's plugin out (it
-        neither saves, combines nor reports there; its ``Coverage`` keeps measuring, and its data goes to rank 0)."""
+        """When pytest-cov measures, let rank 0 alone report: on the other ranks, take pytest-cov's
+        plugin out (it neither saves, combines nor reports there; its ``Coverage`` keeps measuring,
+        and its data goes to rank 0)."""
         from . import rank_coverage
 
         self.gathers_coverage = (pluginmanager.has_plugin(self.PYTEST_COV)
@@ -145,8 +154,9 @@ class ExternalMode:
             pluginmanager.unregister(name=self.PYTEST_COV)
 
     def send_or_merge_coverage(self, wait_s: float = COVERAGE_WAIT_S) -> list[int]:
-        """End of the test loop, while gathering coverage: the other ranks stop measuring and post their data; rank 0
-        adds every rank's data to its own (bounded wait). Returns the ranks whose data did not come (rank 0)."""
+        """End of the test loop, while gathering coverage: the other ranks stop measuring and post
+        their data; rank 0 adds every rank's data to its own (bounded wait). Returns the ranks whose
+        data did not come (rank 0)."""
         import time
 
         from . import rank_coverage
@@ -154,7 +164,8 @@ class ExternalMode:
         store = self.store()
         if self.ctx.rank != 0:
             cov = rank_coverage.measuring()
-            store.set(f"tplogp/coverage{self.ctx.rank}", rank_coverage.collect(cov) if cov is not None else b"")
+            store.set(f"tplogp/coverage{self.ctx.rank}", rank_coverage.collect(cov)
+                      if cov is not None else b"")
             return []
         pending = {r: f"tplogp/coverage{r}" for r in range(1, self.ctx.world_size)}
         deadline = time.monotonic() + wait_s
@@ -171,28 +182,32 @@ class ExternalMode:
         return sorted(pending)
 
     def check_collection(self, nodeids: list[str]) -> str | None:
-        """None if every rank collected the same tests in the same order, else a description of the difference."""
+        """None if every rank collected the same tests in the same order, else a description of the
+        difference."""
         everyone = self.ctx.all_gather_object(nodeids)
         ref = everyone[0]
         for r, ids in enumerate(everyone[1:], start=1):
             if ids != ref:
                 extra = sorted(set(ids) - set(ref))[:5]
                 missing = sorted(set(ref) - set(ids))[:5]
-                return (f"tplogp (torchrun): rank {r} collected different tests than rank 0 ({len(ids)} vs "
-                        f"{len(ref)}; extra on rank {r}: {extra}; missing on rank {r}: {missing}; or a different "
-                        f"order). Every rank must run the same tests with the same options.")
+                return (f"tplogp (torchrun): rank {r} collected different tests than rank 0 "
+                        f"({len(ids)} vs {len(ref)}; extra on rank {r}: {extra}; missing on rank "
+                        f"{r}: {missing}; or a different order). Every rank must run the same "
+                        "tests with the same options.")
         return None
 
-    def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int, timeout_s: float,
+    def run_test(self, func: Callable[..., Any], kwargs: dict[str, Any], seed: int,
+                 timeout_s: float,
                  capture: bool = True, on_hang: Callable[[Any], None] | None = None) -> Any:
-        """Run the body here, exchange outcomes (and captured output) with every rank; return a PoolRun for
-        ``report.merge``, so rank 0's report shows every rank's verdict and output.
+        """Run the body here, exchange outcomes (and captured output) with every rank; return a
+        PoolRun for ``report.merge``, so rank 0's report shows every rank's verdict and output.
 
-        The exchange goes through the job's store, never through a collective: a rank that failed cannot pair its
-        exchange with a collective that its peers still wait in (which would let them pass). When the ranks are
-        not all done by the deadline, or a rank failed and the others are not done :data:`STRAGGLER_GRACE_S` later,
-        :class:`_Exchange` takes over: every unfinished rank posts its stack, rank 0 calls ``on_hang(run)`` with
-        what it knows (the finished ranks' outcomes, the others' stacks) and every rank exits.
+        The exchange goes through the job's store, never through a collective: a rank that failed
+        cannot pair its exchange with a collective that its peers still wait in (which would let
+        them pass). When the ranks are not all done by the deadline, or a rank failed and the others
+        are not done :data:`STRAGGLER_GRACE_S` later, :class:`_Exchange` takes over: every
+        unfinished rank posts its stack, rank 0 calls ``on_hang(run)`` with what it knows (the
+        finished ranks' outcomes, the others' stacks) and every rank exits.
         """
         import time
 
@@ -212,7 +227,8 @@ class ExternalMode:
                     func(**bound)
                 mine = RankOutcome(self.ctx.rank, "passed")
             except BaseException as exc:  # noqa: BLE001 - decided collectively below
-                mine = classify(exc, self.ctx.rank, test_file=getattr(func, "__code__", None) and func.__code__.co_filename)
+                mine = classify(exc, self.ctx.rank, test_file=getattr(func, "__code__", None)
+                                and func.__code__.co_filename)
             finally:
                 undo_per_rank(bound)
         mine.duration_s = time.perf_counter() - t0
@@ -228,25 +244,28 @@ class ExternalMode:
         os.dup2(self.real_fds[1], 2)
 
     def store(self) -> Any:
-        """The job's key-value store: the default group's (torchrun's rendezvous store), else a client of the store
-        at ``MASTER_ADDR:MASTER_PORT`` that torchrun runs for every job."""
+        """The job's key-value store: the default group's (torchrun's rendezvous store), else a
+        client of the store at ``MASTER_ADDR:MASTER_PORT`` that torchrun runs for every job."""
         try:
             return self.dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - private torch API: connect to torchrun's store ourselves
-            return self.dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            return self.dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                      is_master=False,
                                       timeout=timedelta(seconds=60))
 
     def close(self) -> None:
-        """Leave together (bounded): torchrun kills every rank as soon as one exits non-zero, so no rank may exit
-        before rank 0 has printed its report."""
+        """Leave together (bounded): torchrun kills every rank as soon as one exits non-zero, so no
+        rank may exit before rank 0 has printed its report."""
         if self.dist.is_initialized():
             from datetime import timedelta
 
             try:
-                self.dist.monitored_barrier(group=self.ctx._ctrl_group, timeout=timedelta(seconds=120),
+                self.dist.monitored_barrier(group=self.ctx._ctrl_group,
+                                            timeout=timedelta(seconds=120),
                                             wait_all_ranks=True)
             except Exception as exc:  # noqa: BLE001 - reported, the session is over anyway
-                sys.stderr.write(f"tplogp (torchrun): final barrier failed on rank {self.ctx.rank}: {exc}\n")
+                sys.stderr.write("tplogp (torchrun): final barrier failed on rank "
+                                 f"{self.ctx.rank}: {exc}\n")
         if self.owns_group and self.dist.is_initialized():
             try:
                 self.dist.destroy_process_group()
@@ -254,8 +273,9 @@ class ExternalMode:
                 pass
 
 
-#: After a hang: how long rank 0 waits for the stacks of the ranks that did not finish, and how long the other ranks
-#: wait for rank 0's report before they exit (torchrun kills the job when the first rank exits).
+#: After a hang: how long rank 0 waits for the stacks of the ranks that did not finish, and how long
+#: the other ranks wait for rank 0's report before they exit (torchrun kills the job when the first
+#: rank exits).
 STACK_WAIT_S = 5.0
 REPORT_WAIT_S = 60.0
 #: How often a rank's watcher thread looks at the store while a test runs.
@@ -263,16 +283,18 @@ WATCH_POLL_S = 0.05
 
 
 class _Exchange:
-    """One test's outcome exchange under torchrun, through the job's store (keys ``tplogp/test<i>/...``).
+    """One test's outcome exchange under torchrun, through the job's store (keys
+    ``tplogp/test<i>/...``).
 
-    Every rank posts ``done<r>`` (its outcome and output) when its body returns, marks ``failed`` when that
-    outcome is not a pass, and waits until every rank has posted. A watcher thread per rank bounds that wait: rank
-    0 declares the test hung (``expired``) at the deadline, or :data:`STRAGGLER_GRACE_S` after a peer marked
-    ``failed`` while some rank is still running (stuck in a collective the failed rank never entered); under
-    ``--tp-pdb`` the grace is held while the debugged rank's ``in-pdb`` flag is up. Then every
-    unfinished rank posts its stack (``stack<r>``), rank 0 hands the finished ranks' outcomes and the others'
-    stacks to ``on_hang`` (which reports and writes the JUnit file) and sets ``reported``, and every rank exits
-    with status 1: a process group cannot be respawned from inside.
+    Every rank posts ``done<r>`` (its outcome and output) when its body returns, marks ``failed``
+    when that outcome is not a pass, and waits until every rank has posted. A watcher thread per
+    rank bounds that wait: rank 0 declares the test hung (``expired``) at the deadline, or
+    :data:`STRAGGLER_GRACE_S` after a peer marked ``failed`` while some rank is still running (stuck
+    in a collective the failed rank never entered); under ``--tp-pdb`` the grace is held while the
+    debugged rank's ``in-pdb`` flag is up. Then every unfinished rank posts its stack
+    (``stack<r>``), rank 0 hands the finished ranks' outcomes and the others' stacks to ``on_hang``
+    (which reports and writes the JUnit file) and sets ``reported``, and every rank exits with
+    status 1: a process group cannot be respawned from inside.
     """
 
     def __init__(self, mode: ExternalMode, index: int, timeout_s: float,
@@ -287,7 +309,8 @@ class _Exchange:
         self.store = mode.store()
         self.started = time.monotonic()
         self.lock = threading.Lock()
-        self.collected = False  # the main thread has every rank's outcome: nothing can expire any more
+        # the main thread has every rank's outcome: nothing can expire any more
+        self.collected = False
         self.expiring = False  # the watcher declared a hang: the process exits after the report
         self.body_finished = False
         self.done = threading.Event()
@@ -304,8 +327,8 @@ class _Exchange:
             self.store.add(self._key("failed"), 1)
 
     def collect(self) -> list[tuple[RankOutcome, tuple[str, str]]]:
-        """Every rank's (outcome, output) in rank order, once all have posted; never returns when a hang was
-        declared (the watcher thread ends the process)."""
+        """Every rank's (outcome, output) in rank order, once all have posted; never returns when a
+        hang was declared (the watcher thread ends the process)."""
         import time
 
         keys = [self._key(f"done{r}") for r in range(self.world_size)]
@@ -323,7 +346,8 @@ class _Exchange:
         return [pickle.loads(v) for v in self.store.multi_get(keys)]
 
     def in_pdb(self, on: bool) -> None:
-        """The ``--tp-pdb`` rank's flag (key ``in-pdb``): set while it is in pdb, when no grace runs out."""
+        """The ``--tp-pdb`` rank's flag (key ``in-pdb``): set while it is in pdb, when no grace runs
+        out."""
         self.store.set(self._key("in-pdb"), b"1" if on else b"0")
 
     def debugging(self) -> bool:
@@ -341,7 +365,8 @@ class _Exchange:
             if self.rank == 0:
                 if self.store.check([self._key("failed")]):
                     if self.debugging():
-                        grace_end = None  # held while the --tp-pdb rank is in pdb, counted again once it leaves
+                        # held while the --tp-pdb rank is in pdb, counted again once it leaves
+                        grace_end = None
                     elif grace_end is None:
                         grace_end = now + STRAGGLER_GRACE_S
                 timed_out = now >= deadline
@@ -409,7 +434,8 @@ class _Exchange:
 
 
 def _own_stack() -> str:
-    """Every thread's stack of this process, in faulthandler's format (what ``report.where_waiting`` reads)."""
+    """Every thread's stack of this process, in faulthandler's format (what ``report.where_waiting``
+    reads)."""
     with tempfile.TemporaryFile() as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
         f.seek(0)
@@ -433,8 +459,9 @@ class _Captured:
 
 @contextlib.contextmanager
 def _capture_output(enabled: bool) -> Iterator[_Captured]:
-    """Capture this rank's stdout/stderr (Python and fd level) during a body, inside pytest's own capture, so the
-    text can travel to rank 0's report under this rank's name. Disabled under ``-s``."""
+    """Capture this rank's stdout/stderr (Python and fd level) during a body, inside pytest's own
+    capture, so the text can travel to rank 0's report under this rank's name. Disabled under
+    ``-s``."""
     cap = _Captured()
     if not enabled:
         yield cap
@@ -446,8 +473,10 @@ def _capture_output(enabled: bool) -> Iterator[_Captured]:
     saved_fds = (os.dup(1), os.dup(2))
     os.dup2(files[0].fileno(), 1)
     os.dup2(files[1].fileno(), 2)
-    sys.stdout = open(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
-    sys.stderr = open(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+    # noqa: SIM115
+    sys.stdout = open(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+    # noqa: SIM115
+    sys.stderr = open(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
     try:
         yield cap
     finally:

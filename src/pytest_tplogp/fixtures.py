@@ -1,10 +1,10 @@
-"""The fixtures every TP test has: ``tp_world_size`` (autouse: fixes the placement at setup), ``tp``, ``tp_pool``,
-``mesh``.
+"""The fixtures every TP test has: ``tp_world_size`` (autouse: fixes the placement at setup),
+``tp``, ``tp_pool``, ``mesh``.
 
-``tp_world_size`` is the indirect parametrization ``[tpN]`` of a TP test (``[tpN-dp2xtp2]`` with ``mesh=``: the
-parameter is then the :class:`~pytest_tplogp.mesh.MeshShape`, kept in the item's stash for ``mesh`` and
-``vocab_shards``). At setup it decides the :class:`Plan` (backend, devices, deadline) and skips, before any rank is
-spawned, when this process cannot run the test.
+``tp_world_size`` is the indirect parametrization ``[tpN]`` of a TP test (``[tpN-dp2xtp2]`` with
+``mesh=``: the parameter is then the :class:`~pytest_tplogp.mesh.MeshShape`, kept in the item's
+stash for ``mesh`` and ``vocab_shards``). At setup it decides the :class:`Plan` (backend, devices,
+deadline) and skips, before any rank is spawned, when this process cannot run the test.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ MESH_SHAPE = pytest.StashKey[MeshShape]()
 def tp_world_size(request: pytest.FixtureRequest) -> int | None:
     """World size of a TP test (its ``[tpN]`` parametrization); None for other tests.
 
-    For TP tests this also fixes the placement (backend, devices, deadline) and skips, before any rank is
-    spawned, when this process cannot run it.
+    For TP tests this also fixes the placement (backend, devices, deadline) and skips, before any
+    rank is spawned, when this process cannot run it.
     """
     ws = getattr(request, "param", None)
     if ws is None:
@@ -56,9 +56,9 @@ def plan_of(request: pytest.FixtureRequest) -> Plan | None:
 
 @pytest.fixture
 def tp(request: pytest.FixtureRequest) -> Any:
-    """This rank's context in a TP test body: ``rank``, ``world_size``, ``backend``, ``device``, ``group`` and the
-    collective helpers ``assert_all``, ``assert_close`` (DTensors too), ``agree()``, ``skip_if``, ``new_group``,
-    ``barrier``, ``device_mesh``, ``distribute_randn``."""
+    """This rank's context in a TP test body: ``rank``, ``world_size``, ``backend``, ``device``,
+    ``group`` and the collective helpers ``assert_all``, ``assert_close`` (DTensors too),
+    ``agree()``, ``skip_if``, ``new_group``, ``barrier``, ``device_mesh``, ``distribute_randn``."""
     plan = plan_of(request)
     if plan is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the tp fixture only works in TP tests")
@@ -75,7 +75,8 @@ def tp_pool(request: pytest.FixtureRequest) -> PoolHandle:
 
 
 def mesh_shape_of(request: pytest.FixtureRequest) -> MeshShape | None:
-    """The mesh shape of a TP test: its ``mesh=`` parameter, else ``{"tp": world_size}``; None for other tests."""
+    """The mesh shape of a TP test: its ``mesh=`` parameter, else ``{"tp": world_size}``; None for
+    other tests."""
     plan = plan_of(request)
     if plan is None:
         return None
@@ -84,10 +85,12 @@ def mesh_shape_of(request: pytest.FixtureRequest) -> MeshShape | None:
 
 @pytest.fixture
 def mesh(request: pytest.FixtureRequest) -> MeshShape:
-    """The test's ``torch.distributed.device_mesh.DeviceMesh`` on the ranks: the marker's ``mesh={"dp": 2, "tp": 2}``
-    (dim names and sizes in that order, row-major over the ranks, as ``init_device_mesh`` builds it) or the 1-D
-    ``{"tp": world_size}``; on the pool's device type. Cached per pool and shape. In the parent (``tp_pool`` tests)
-    it is the :class:`~pytest_tplogp.mesh.MeshShape`, which becomes the mesh when passed to ``tp_pool.run``."""
+    """The test's ``torch.distributed.device_mesh.DeviceMesh`` on the ranks: the marker's
+    ``mesh={"dp": 2, "tp": 2}`` (dim names and sizes in that order, row-major over the ranks, as
+    ``init_device_mesh`` builds it) or the 1-D ``{"tp": world_size}``; on the pool's device type.
+    Cached per pool and shape. In the parent (``tp_pool`` tests) it is the
+    :class:`~pytest_tplogp.mesh.MeshShape`, which becomes the mesh when passed to
+    ``tp_pool.run``."""
     shape = mesh_shape_of(request)
     if shape is None:
         raise pytest.UsageError(f"{request.node.nodeid}: the mesh fixture only works in TP tests "

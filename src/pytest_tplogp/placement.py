@@ -1,10 +1,11 @@
 """Which tests are TP tests, what their ``@pytest.mark.tp(...)`` says, and where each one runs.
 
-A *TP test* is a test marked ``@pytest.mark.tp(...)`` or requesting the ``tp`` / ``tp_pool`` fixture. Its marker
-gives world sizes (a parametrization), a deadline and a backend; :func:`plan_for` turns that, the settings and this
-process's devices into a :class:`Plan` (backend, devices, deadline, or the reason to skip before anything is
-spawned; for a ``gpu`` test that NCCL cannot place, gloo ranks sharing the GPUs unless ``--tp-gpu-share=off``).
-A bad marker argument is a ``pytest.UsageError`` naming the test.
+A *TP test* is a test marked ``@pytest.mark.tp(...)`` or requesting the ``tp`` / ``tp_pool``
+fixture. Its marker gives world sizes (a parametrization), a deadline and a backend;
+:func:`plan_for` turns that, the settings and this process's devices into a :class:`Plan` (backend,
+devices, deadline, or the reason to skip before anything is spawned; for a ``gpu`` test that NCCL
+cannot place, gloo ranks sharing the GPUs unless ``--tp-gpu-share=off``). A bad marker argument is a
+``pytest.UsageError`` naming the test.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Plan:
     timeout_s: float
     in_parent: bool  # tp_pool tests: body in the parent
     skip_reason: str | None = None
-    sharing: str | None = None  # gloo ranks sharing GPUs: what and why (``devices.sharing_note``), for the report
+    # gloo ranks sharing GPUs: what and why (``devices.sharing_note``), for the report
+    sharing: str | None = None
 
     @property
     def device_type(self) -> str:
@@ -61,11 +63,12 @@ def marker_args(marker: Any, where: str) -> dict[str, Any]:
     kwargs = dict(marker.kwargs)
     unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
     if unknown:
-        raise pytest.UsageError(f"{where}: unknown argument(s) {', '.join(unknown)} to @pytest.mark.tp; "
-                                f"expected {', '.join(MARKER_KWARGS)}")
+        raise pytest.UsageError(f"{where}: unknown argument(s) {', '.join(unknown)} to "
+                                f"@pytest.mark.tp; expected {', '.join(MARKER_KWARGS)}")
     if marker.args:
         if len(marker.args) > 1 or "world_size" in kwargs:
-            raise pytest.UsageError(f"{where}: @pytest.mark.tp takes at most one positional argument (world_size)")
+            raise pytest.UsageError(f"{where}: @pytest.mark.tp takes at most one positional "
+                                    "argument (world_size)")
         kwargs["world_size"] = marker.args[0]
     return kwargs
 
@@ -73,23 +76,27 @@ def marker_args(marker: Any, where: str) -> dict[str, Any]:
 def world_sizes(kwargs: dict[str, Any], default: int, where: str) -> list[int]:
     raw = kwargs.get("world_size", default)
     sizes = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
-        raise pytest.UsageError(f"{where}: @pytest.mark.tp(world_size=...) expects an int >= 1 or a list of them, "
-                                f"got {raw!r}")
+    if (not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                             for n in sizes)):
+        raise pytest.UsageError(f"{where}: @pytest.mark.tp(world_size=...) expects an int >= 1 or "
+                                f"a list of them, got {raw!r}")
     return sizes
 
 
-def plan_for(item: pytest.Item, world_size: int, settings: Settings, external_ctx: Any = None) -> Plan:
-    """The :class:`Plan` of ``item`` at ``world_size`` (``external_ctx``: the torchrun rank context, if any)."""
+def plan_for(item: pytest.Item, world_size: int, settings: Settings,
+             external_ctx: Any = None) -> Plan:
+    """The :class:`Plan` of ``item`` at ``world_size`` (``external_ctx``: the torchrun rank context,
+    if any)."""
     marker = item.get_closest_marker("tp")
     kwargs = marker_args(marker, item.nodeid)
     backend = kwargs.get("backend", settings.backend)
     if backend not in options.BACKENDS:
-        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.tp(backend={backend!r}); expected one of "
-                                f"{', '.join(options.BACKENDS)}")
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.tp(backend={backend!r}); expected "
+                                f"one of {', '.join(options.BACKENDS)}")
     timeout = kwargs.get("timeout", settings.timeout_s)
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.tp(timeout={timeout!r}) expects seconds > 0")
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.tp(timeout={timeout!r}) expects "
+                                "seconds > 0")
     if settings.pdb_rank is not None:  # a rank in pdb is not a hang
         from .debug import DEBUG_WAIT_S
 
@@ -97,13 +104,14 @@ def plan_for(item: pytest.Item, world_size: int, settings: Settings, external_ct
     fixturenames = getattr(item, "fixturenames", ())
     in_parent = "tp_pool" in fixturenames
     if in_parent and "tp" in fixturenames:
-        raise pytest.UsageError(f"{item.nodeid}: a test requests either tp (body on the ranks) or tp_pool (body in "
-                                f"the parent, explicit dispatch), not both")
+        raise pytest.UsageError(f"{item.nodeid}: a test requests either tp (body on the ranks) or "
+                                f"tp_pool (body in the parent, explicit dispatch), not both")
     needs_gpu = item.get_closest_marker("gpu") is not None
     if external_ctx is not None:
         reason = None
         if world_size != external_ctx.world_size:
-            reason = f"needs world size {world_size}; torchrun started {external_ctx.world_size} ranks"
+            reason = (f"needs world size {world_size}; torchrun started {external_ctx.world_size} "
+                      "ranks")
         elif in_parent:
             reason = "tp_pool tests need the plugin's own pool; not available under torchrun"
         elif needs_gpu and external_ctx.device.type != "cuda":

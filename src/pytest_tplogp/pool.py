@@ -1,21 +1,25 @@
 """The controller: persistent rank pools, bounded waits, stack dumps, kill and respawn.
 
-One :class:`RankPool` per (world size, backend, device set) lives in each pytest process (each xdist worker has its
-own), created lazily on first use through ``multiprocessing`` (pytest's own process never imports torch): by default
-every rank is a fork of one fork server per pytest process, which imported torch once and never touches CUDA
-(``--tp-start-method=spawn``: a fresh interpreter per rank). Rendezvous is a ``FileStore`` in a per-pool-generation
-directory under a per-session temp directory (``tplogp-<worker>-<pid>-*``, removed at the end; a killed session's is
-removed by the next one), so nothing can race for a port. Each command is sent to every rank over its own pipe and
-awaited with ``multiprocessing.connection.wait`` on the pipes *and* the process sentinels, until a deadline:
+One :class:`RankPool` per (world size, backend, device set) lives in each pytest process (each xdist
+worker has its own), created lazily on first use through ``multiprocessing`` (pytest's own process
+never imports torch): by default every rank is a fork of one fork server per pytest process, which
+imported torch once and never touches CUDA (``--tp-start-method=spawn``: a fresh interpreter per
+rank). Rendezvous is a ``FileStore`` in a per-pool-generation directory under a per-session temp
+directory (``tplogp-<worker>-<pid>-*``, removed at the end; a killed session's is removed by the
+next one), so nothing can race for a port. Each command is sent to every rank over its own pipe and
+awaited with ``multiprocessing.connection.wait`` on the pipes *and* the process sentinels, until a
+deadline:
 
 - all ranks answer: their :class:`RankOutcome` s come back (the fresh-state verdict included);
-- a rank fails, skips alone or dies: the others get :data:`STRAGGLER_GRACE_S` to finish, else they are stuck
-  (under ``--tp-pdb`` the grace is held while the debugged rank is in pdb: its ``rank<r>.pdb`` flag file);
+- a rank fails, skips alone or dies: the others get :data:`STRAGGLER_GRACE_S` to finish, else they
+  are stuck (under ``--tp-pdb`` the grace is held while the debugged rank is in pdb: its
+  ``rank<r>.pdb`` flag file);
 - the deadline passes: stuck ranks are stuck.
 
-Stuck ranks get SIGUSR1 (faulthandler dumps every thread's stack to the rank's stack file) and then the pool is
-killed (SIGKILL to every rank's process group, bounded joins) and respawned on next use. The same happens when a
-rank died or the fresh-state check failed. Nothing here waits without a timeout.
+Stuck ranks get SIGUSR1 (faulthandler dumps every thread's stack to the rank's stack file) and then
+the pool is killed (SIGKILL to every rank's process group, bounded joins) and respawned on next use.
+The same happens when a rank died or the fresh-state check failed. Nothing here waits without a
+timeout.
 """
 
 from __future__ import annotations
@@ -43,11 +47,13 @@ from .protocol import (
     rank_file,
 )
 
-#: Modules the fork server imports before forking ranks (start method "forkserver"); the guard first, so that the
-#: fork server dies with pytest even while it still imports torch. ``torch.distributed.tensor`` is what the first
-#: ``torch.testing.assert_close`` (so the first ``tp.assert_close``) of a process imports: imported here once, no
-#: pool pays it in its first test. It touches no device and starts no thread.
-FORKSERVER_PRELOAD = ["pytest_tplogp.forkserver_guard", "torch", "torch.distributed", "torch.distributed.tensor",
+#: Modules the fork server imports before forking ranks (start method "forkserver"); the guard
+#: first, so that the fork server dies with pytest even while it still imports torch.
+#: ``torch.distributed.tensor`` is what the first
+#: ``torch.testing.assert_close`` (so the first ``tp.assert_close``) of a process imports: imported
+#: here once, no pool pays it in its first test. It touches no device and starts no thread.
+FORKSERVER_PRELOAD = ["pytest_tplogp.forkserver_guard", "torch", "torch.distributed",
+                      "torch.distributed.tensor",
                       "pytest", "pytest_tplogp.rank", "pytest_tplogp.context"]
 
 
@@ -62,11 +68,13 @@ class PoolKey(NamedTuple):
 
     @property
     def shared(self) -> bool:
-        """Gloo ranks on GPUs: rank r uses ``devices[r % len(devices)]`` (several ranks per GPU when fewer GPUs)."""
+        """Gloo ranks on GPUs: rank r uses ``devices[r % len(devices)]`` (several ranks per GPU when
+        fewer GPUs)."""
         return self.device_type == "cuda" and self.backend == "gloo"
 
     def device_index(self, rank: int) -> int:
-        """Rank ``rank``'s CUDA device index among the pool's GPUs (the pool's ``CUDA_VISIBLE_DEVICES``)."""
+        """Rank ``rank``'s CUDA device index among the pool's GPUs (the pool's
+        ``CUDA_VISIBLE_DEVICES``)."""
         return rank % len(self.devices)
 
     def describe(self) -> str:
@@ -77,7 +85,8 @@ class PoolKey(NamedTuple):
 
 
 class PoolStartError(RuntimeError):
-    """The pool could not start (rendezvous, import or device error); the message carries every rank's stderr."""
+    """The pool could not start (rendezvous, import or device error); the message carries every
+    rank's stderr."""
 
 
 @dataclass
@@ -96,7 +105,8 @@ class PoolRun:
     death_stacks: dict[int, str] = field(default_factory=dict)  # fatal-signal dumps of dead ranks
     stuck: dict[int, StuckRank] = field(default_factory=dict)
     timed_out: bool = False  # the deadline (not just the straggler grace) passed
-    outputs: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (stdout, stderr) of this command
+    # rank -> (stdout, stderr) of this command
+    outputs: dict[int, tuple[str, str]] = field(default_factory=dict)
     elapsed_s: float = 0.0
     killed: str | None = None  # why the pool was killed after this command (None: still alive)
     unmatched: str = ""  # collectives left unmatched (collectives.unmatched): fails the test
@@ -140,12 +150,14 @@ def _read_from(path: str, offset: int, limit: int = 256 * 1024) -> str:
 
 #: Called with (rank, "stdout" | "stderr", one line) for live output (pytest ``-s``).
 LiveOutput = Callable[[int, str, str], None]
-#: How often (seconds) the controller looks for new rank output while a command runs with live output.
+#: How often (seconds) the controller looks for new rank output while a command runs with live
+#: output.
 LIVE_POLL_S = 0.05
 
 
 class _Tail:
-    """Follows the ranks' output files from given offsets and hands on complete lines (all that is left at the end)."""
+    """Follows the ranks' output files from given offsets and hands on complete lines (all that is
+    left at the end)."""
 
     def __init__(self, sink: LiveOutput, files: dict[tuple[int, str], tuple[str, int]]) -> None:
         self.sink = sink
@@ -187,8 +199,10 @@ class RankPool:
         self.pool_dir = ""
         self.start_s = 0.0
         self.starts = 0
-        self.busy = False  # starting, or a command in flight (e.g. interrupted by Ctrl-C): stop() kills at once
-        self.coverage: dict | None = None  # this generation's coverage settings (None: not measured)
+        # starting, or a command in flight (e.g. interrupted by Ctrl-C): stop() kills at once
+        self.busy = False
+        # this generation's coverage settings (None: not measured)
+        self.coverage: dict | None = None
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -205,46 +219,58 @@ class RankPool:
                           num_threads=self.num_threads or self._default_threads(),
                           start_method=self.start_method, env=self._env(), pdb_rank=self.pdb_rank,
                           coverage=self.coverage,
-                          device_index=self.key.device_index(rank) if self.key.device_type == "cuda" else None)
+                          device_index=self.key.device_index(rank) if self.key.device_type == "cuda"
+                          else None)
 
     def _env(self) -> dict[str, str]:
-        return {"CUDA_VISIBLE_DEVICES": ",".join(self.key.devices)} if self.key.device_type == "cuda" else {}
+        return ({"CUDA_VISIBLE_DEVICES": ",".join(self.key.devices)}
+                if self.key.device_type == "cuda" else {})
 
     def _default_threads(self) -> int | None:
-        """CPU ranks share the cores (cores // world size torch threads each); GPU ranks keep torch's default."""
+        """CPU ranks share the cores (cores // world size torch threads each); GPU ranks keep
+        torch's default."""
         if self.key.device_type != "cpu":
             return None
         return max(1, (os.cpu_count() or 1) // self.key.world_size)
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> float:
-        """Spawn the ranks and wait (bounded) until every one has joined the process group. Returns seconds."""
-        import multiprocessing  # not torch's wrapper: nothing but plain values crosses the pipes, and pytest's
-        # own process then never imports torch (a second or more of CPU for every pytest run on a small machine)
+        """Spawn the ranks and wait (bounded) until every one has joined the process group. Returns
+        seconds."""
+        # not torch's wrapper: nothing but plain values crosses the pipes, and pytest's
+        import multiprocessing
+        # own process then never imports torch (a second or more of CPU for every pytest run on a
+        # small machine)
 
         from .forkserver_guard import PARENT_PID_ENV
         from .rank import rank_main
 
         t0 = time.perf_counter()
-        self.busy = True  # until every rank is ready: an interrupted start is killed, not asked to stop
+        # until every rank is ready: an interrupted start is killed, not asked to stop
+        self.busy = True
         self.generation += 1
         self.coverage = rank_coverage.parent_settings()
-        tag = f"ws{self.key.world_size}-{self.key.backend}-{'-'.join(self.key.devices)}-g{self.generation}"
+        devices = "-".join(self.key.devices)
+        tag = f"ws{self.key.world_size}-{self.key.backend}-{devices}-g{self.generation}"
         self.pool_dir = os.path.join(self.session_dir, tag)
         os.makedirs(self.pool_dir, exist_ok=True)
         ctx = multiprocessing.get_context(self.start_method)
         if self.start_method == "forkserver":
-            # One fork server per pytest process imports torch once; every rank of every pool (and every respawn)
-            # is then a fork of it. It never touches CUDA (importing torch does not), so CUDA in the ranks is safe.
+            # One fork server per pytest process imports torch once; every rank of every pool (and
+            # every respawn) is then a fork of it. It never touches CUDA (importing torch does not),
+            # so CUDA in the ranks is safe.
             ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         env = self._env()
-        if self.start_method == "forkserver":  # for a fork server started now (a spawned rank must not see it)
+        # for a fork server started now (a spawned rank must not see it)
+        if self.start_method == "forkserver":
             env[PARENT_PID_ENV] = str(os.getpid())
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
             for r in range(self.key.world_size):
                 parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=rank_main, args=(self._cfg(r), child), name=f"tplogp-rank{r}", daemon=False)  # type: ignore[attr-defined]
+                proc = ctx.Process(target=rank_main, args=(self._cfg(r), child),
+                                   # type: ignore[attr-defined]
+                                   name=f"tplogp-rank{r}", daemon=False)
                 proc.start()
                 child.close()
                 self.procs.append(proc)
@@ -272,10 +298,12 @@ class RankPool:
         if problem is None and pending:
             problem = f"ranks did not join within {timeout_s:.0f} s"
         if problem is not None:
-            errs = "\n".join(f"--- rank {r} stderr ---\n{_read_from(rank_file(self.pool_dir, r, 'err'), 0)}"
+            errs = "\n".join(f"--- rank {r} stderr "
+                             f"---\n{_read_from(rank_file(self.pool_dir, r, 'err'), 0)}"
                              for r in range(self.key.world_size))
             self.kill()
-            raise PoolStartError(f"tplogp pool ({self.key.describe()}) could not start: {problem}\n{errs}")
+            raise PoolStartError(f"tplogp pool ({self.key.describe()}) could not start: "
+                                 f"{problem}\n{errs}")
         self.busy = False
         self.start_s = time.perf_counter() - t0
         return self.start_s
@@ -304,8 +332,8 @@ class RankPool:
         self.busy = False
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Ask the ranks to leave (bounded), then kill whatever is left. Ranks that measure coverage send their data
-        as they leave: it is added to this process's coverage."""
+        """Ask the ranks to leave (bounded), then kill whatever is left. Ranks that measure coverage
+        send their data as they leave: it is added to this process's coverage."""
         if not self.procs:
             return
         if self.busy:
@@ -326,17 +354,19 @@ class RankPool:
         self.kill()
 
     def _merge_coverage(self, deadline: float) -> None:
-        """Receive each leaving rank's coverage data (bounded) and add it to this process's coverage."""
+        """Receive each leaving rank's coverage data (bounded) and add it to this process's
+        coverage."""
         pending = set(range(len(self.procs)))
         for r, msg in self._arrivals(pending, deadline):
-            pending.discard(r)  # one message at most: the data, or nothing from a rank that left without it
+            # one message at most: the data, or nothing from a rank that left without it
+            pending.discard(r)
             if isinstance(msg, RankCoverage):
                 rank_coverage.merge(msg.data)
 
     def _arrivals(self, pending: set, deadline: float) -> Iterator[tuple[int, Any]]:
-        """``(rank, message or None)`` each time a rank of ``pending`` sends a message or exits (None: it exited or
-        its pipe broke), until ``pending`` is empty or ``deadline`` (monotonic) passes. The caller updates
-        ``pending``; a rank it removed is not reported again."""
+        """``(rank, message or None)`` each time a rank of ``pending`` sends a message or exits
+        (None: it exited or its pipe broke), until ``pending`` is empty or ``deadline`` (monotonic)
+        passes. The caller updates ``pending``; a rank it removed is not reported again."""
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -348,17 +378,20 @@ class RankPool:
                 if r not in pending:
                     continue
                 try:
-                    msg = pickle.loads(self.conns[r].recv_bytes()) if self.conns[r].poll(0) else None
+                    msg = (pickle.loads(self.conns[r].recv_bytes()) if self.conns[r].poll(0)
+                           else None)
                 except (EOFError, OSError):
                     msg = None
                 yield r, msg
 
     # ------------------------------------------------------------ commands
     def _paths(self, r: int) -> tuple[str, str, str]:
-        return tuple(rank_file(self.pool_dir, r, s) for s in ("out", "err", "stack"))  # type: ignore[return-value]
+        # type: ignore[return-value]
+        return tuple(rank_file(self.pool_dir, r, s) for s in ("out", "err", "stack"))
 
     def dump_stacks(self, ranks: list[int], wait_s: float = 3.0) -> dict[int, str]:
-        """SIGUSR1 to ``ranks`` (faulthandler) and collect the dumps, waiting (bounded) for them to settle."""
+        """SIGUSR1 to ``ranks`` (faulthandler) and collect the dumps, waiting (bounded) for them to
+        settle."""
         offsets = {r: _size(self._paths(r)[2]) for r in ranks}
         for r in ranks:
             try:
@@ -376,11 +409,14 @@ class RankPool:
         return {r: _read_from(self._paths(r)[2], offsets[r]) for r in ranks}
 
     def run(self, command: Any, timeout_s: float, live: LiveOutput | None = None) -> PoolRun:
-        """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the module docstring).
+        """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the
+        module docstring).
 
-        With ``live`` (pytest ``-s``), every complete line a rank writes is passed on while the command runs.
+        With ``live`` (pytest ``-s``), every complete line a rank writes is passed on while the
+        command runs.
         """
-        self.busy = True  # stays True if interrupted (Ctrl-C): the ranks are mid-command, stop() must kill
+        # stays True if interrupted (Ctrl-C): the ranks are mid-command, stop() must kill
+        self.busy = True
         res = self._run(command, timeout_s, live)
         self.busy = False
         return res
@@ -391,7 +427,8 @@ class RankPool:
         res = PoolRun()
         offsets = {r: tuple(_size(p) for p in self._paths(r)) for r in range(n)}
         tail = _Tail(live, {(r, s): (self._paths(r)[i], offsets[r][i]) for r in range(n)
-                            for i, s in enumerate(("stdout", "stderr"))}) if live is not None else None
+                            for i, s in enumerate(
+                                ("stdout", "stderr"))}) if live is not None else None
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         pending = set(range(n))
 
@@ -412,7 +449,8 @@ class RankPool:
         while pending:
             if peer_failed:
                 if pdb_flag is not None and self.pdb_rank in pending and os.path.exists(pdb_flag):
-                    grace_end = None  # the --tp-pdb rank is in pdb: held, and counted again once it leaves
+                    # the --tp-pdb rank is in pdb: held, and counted again once it leaves
+                    grace_end = None
                 elif grace_end is None:
                     grace_end = time.monotonic() + STRAGGLER_GRACE_S
             now = time.monotonic()
@@ -422,8 +460,10 @@ class RankPool:
                 break
             waitables = {self.conns[r]: r for r in pending}
             waitables.update({self.procs[r].sentinel: r for r in pending})
-            polls = tail is not None or pdb_flag is not None  # live output to pass on, or the pdb flag to read
-            ready = wait(list(waitables), timeout=min(limit - now, LIVE_POLL_S) if polls else limit - now)
+            # live output to pass on, or the pdb flag to read
+            polls = tail is not None or pdb_flag is not None
+            ready = wait(list(waitables), timeout=min(limit - now, LIVE_POLL_S) if polls
+                         else limit - now)
             if tail:
                 tail.pump()
             for obj in ready:
@@ -468,7 +508,8 @@ class RankPool:
         elif problems:
             res.killed = "fresh-state check failed: " + "; ".join(problems)
         if res.killed and problems and not (res.stuck or res.deaths) and self.coverage is not None:
-            self.busy = False  # every rank answered: ask them to leave, so that their coverage data comes back
+            # every rank answered: ask them to leave, so that their coverage data comes back
+            self.busy = False
             self.stop()
         elif res.killed:
             self.kill()

@@ -1,6 +1,7 @@
-"""The pools of one pytest process: at most :data:`MAX_LIVE_POOLS` live :class:`~pytest_tplogp.pool.RankPool` s,
-started on first use and restarted after a kill, and the per-session directory they share (a killed session's
-directory is removed by the next session on the machine).
+"""The pools of one pytest process: at most :data:`MAX_LIVE_POOLS` live
+:class:`~pytest_tplogp.pool.RankPool` s, started on first use and restarted after a kill, and the
+per-session directory they share (a killed session's directory is removed by the next session on the
+machine).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ MAX_LIVE_POOLS = 3
 
 
 def remove_stale_session_dirs(root: str | None = None) -> list[str]:
-    """Remove the session directories (``tplogp-<worker>-<pid>-*``) of pytest processes that are gone.
+    """Remove the session directories (``tplogp-<worker>-<pid>-*``) of pytest processes that are
+    gone.
 
-    A session removes its own directory when it ends; one that was killed (SIGKILL, a crashed xdist worker) could
-    not, so the next session on the machine does. Returns the removed paths.
+    A session removes its own directory when it ends; one that was killed (SIGKILL, a crashed xdist
+    worker) could not, so the next session on the machine does. Returns the removed paths.
     """
     root = root or tempfile.gettempdir()
     removed = []
@@ -47,7 +49,8 @@ def remove_stale_session_dirs(root: str | None = None) -> list[str]:
 
 
 class PoolManager:
-    """The pools of one pytest process, keyed by :class:`PoolKey`; owns the per-session directory."""
+    """The pools of one pytest process, keyed by :class:`PoolKey`; owns the per-session
+    directory."""
 
     def __init__(self, num_threads: int | None = None, start_method: str = "forkserver",
                  pdb_rank: int | None = None) -> None:
@@ -65,10 +68,12 @@ class PoolManager:
     def get(self, key: PoolKey) -> RankPool:
         """The live pool for ``key``, (re)started if needed. Raises :class:`PoolStartError`."""
         if key in self.start_errors:
-            raise PoolStartError(self.start_errors[key] + "\n(an earlier start of this pool failed; not retried)")
+            raise PoolStartError(self.start_errors[key]
+                                 + "\n(an earlier start of this pool failed; not retried)")
         pool = self.pools.get(key)
         if pool is None:
-            pool = RankPool(key, self.session_dir, self.num_threads, self.start_method, self.pdb_rank)
+            pool = RankPool(key, self.session_dir, self.num_threads, self.start_method,
+                            self.pdb_rank)
             self.pools[key] = pool
         self.pools.move_to_end(key)
         while len([p for p in self.pools.values() if p.started]) > MAX_LIVE_POOLS:
@@ -87,7 +92,8 @@ class PoolManager:
         return pool
 
     def stop_pools(self) -> None:
-        """Stop every pool (coverage data comes back as they stop); the next use starts them again."""
+        """Stop every pool (coverage data comes back as they stop); the next use starts them
+        again."""
         for pool in self.pools.values():
             try:
                 pool.stop()

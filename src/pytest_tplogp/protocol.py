@@ -1,9 +1,9 @@
 """Messages between the controller (``pool.py``) and the ranks (``rank.py``).
 
-Every message is a small picklable dataclass sent as one ``send_bytes`` frame over a per-rank pipe; payloads that
-carry user objects (fixture values, ``tp_pool.run`` arguments and results) are pickled separately so a value that
-does not pickle is reported against the right fixture instead of breaking the channel. This module imports neither
-torch nor pytest.
+Every message is a small picklable dataclass sent as one ``send_bytes`` frame over a per-rank pipe;
+payloads that carry user objects (fixture values, ``tp_pool.run`` arguments and results) are pickled
+separately so a value that does not pickle is reported against the right fixture instead of breaking
+the channel. This module imports neither torch nor pytest.
 """
 
 from __future__ import annotations
@@ -12,20 +12,21 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-#: How long (seconds) the controller waits for the other ranks once one rank failed, died or skipped alone before it
-#: treats them as stuck in a collective (dump stacks, kill, respawn).
+#: How long (seconds) the controller waits for the other ranks once one rank failed, died or skipped
+#: alone before it treats them as stuck in a collective (dump stacks, kill, respawn).
 STRAGGLER_GRACE_S = 3.0
 #: Bounded wait for a whole pool to start (spawn, import torch, rendezvous).
 START_TIMEOUT_S = 180.0
 #: Bounded wait for a graceful pool stop before SIGKILL.
 STOP_TIMEOUT_S = 5.0
-#: Bounded wait for a pool stop while coverage is measured: each rank serializes its coverage data first.
+#: Bounded wait for a pool stop while coverage is measured: each rank serializes its coverage data
+#: first.
 COVERAGE_STOP_TIMEOUT_S = 30.0
 
 
 def rank_file(pool_dir: str, rank: int, suffix: str) -> str:
-    """A rank's file in its pool directory, ``rank<r>.<suffix>``: ``out``, ``err`` (its output), ``stack`` (its
-    faulthandler dumps), ``pdb`` (present while it is in pdb under ``--tp-pdb``)."""
+    """A rank's file in its pool directory, ``rank<r>.<suffix>``: ``out``, ``err`` (its output),
+    ``stack`` (its faulthandler dumps), ``pdb`` (present while it is in pdb under ``--tp-pdb``)."""
     return os.path.join(pool_dir, f"rank{rank}.{suffix}")
 
 
@@ -42,10 +43,14 @@ class RankConfig:
     parent_pid: int  # the pytest process (with forkserver, the OS parent is the fork server)
     num_threads: int | None = None
     start_method: str = "forkserver"
-    env: dict[str, str] = field(default_factory=dict)  # applied before torch touches a device (CUDA_VISIBLE_DEVICES)
-    pdb_rank: int | None = None  # --tp-pdb: the rank whose breakpoint() and failures open pdb on a local port
-    coverage: dict | None = None  # the pytest process's coverage settings (rank_coverage); None: not measured
-    device_index: int | None = None  # CUDA ranks: this rank's device among the pool's GPUs (shared under gloo)
+    # applied before torch touches a device (CUDA_VISIBLE_DEVICES)
+    env: dict[str, str] = field(default_factory=dict)
+    # --tp-pdb: the rank whose breakpoint() and failures open pdb on a local port
+    pdb_rank: int | None = None
+    # the pytest process's coverage settings (rank_coverage); None: not measured
+    coverage: dict | None = None
+    # CUDA ranks: this rank's device among the pool's GPUs (shared under gloo)
+    device_index: int | None = None
 
 
     def path(self, suffix: str) -> str:
@@ -54,7 +59,8 @@ class RankConfig:
 
 @dataclass
 class RunTest:
-    """Run one test body, dispatched by node id: the rank imports the module and looks the function up."""
+    """Run one test body, dispatched by node id: the rank imports the module and looks the function
+    up."""
 
     nodeid: str
     module_name: str
@@ -64,7 +70,8 @@ class RunTest:
     sys_path: list[str]
     seed: int
     code: bytes | None = None  # marshal of the parent's (assertion-rewritten) code object, if any
-    extra_globals: dict[str, str] = field(default_factory=dict)  # global name -> module name the code needs
+    # global name -> module name the code needs
+    extra_globals: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,12 +92,16 @@ class RankOutcome:
     outcome: str  # "passed" | "failed" | "skipped" | "xfailed"
     summary: str = ""  # one line: "AssertionError: assert 1 == 2" or the skip reason
     longrepr: str = ""  # traceback text (test frames only)
-    exc_type: str = ""  # "module:qualname" of the exception a failed body raised (for xfail(raises=...))
-    crash: tuple[str, int] | None = None  # (file, line) of the failure: the innermost frame in the test's file
+    # "module:qualname" of the exception a failed body raised (for xfail(raises=...))
+    exc_type: str = ""
+    # (file, line) of the failure: the innermost frame in the test's file
+    crash: tuple[str, int] | None = None
     duration_s: float = 0.0
     value: bytes | None = None  # pickled return value of a CallFn
-    state_problems: list[str] = field(default_factory=list)  # fresh-state check: what makes the pool recycle
-    state_restored: list[str] = field(default_factory=list)  # fresh-state check: what the rank changed and put back
+    # fresh-state check: what makes the pool recycle
+    state_problems: list[str] = field(default_factory=list)
+    # fresh-state check: what the rank changed and put back
+    state_restored: list[str] = field(default_factory=list)
     collectives: object = None  # collectives.CollectiveCounts after the command (None: not taken)
 
 
@@ -104,7 +115,8 @@ class Ready:
 
 @dataclass
 class RankCoverage:
-    """A rank's last message when it measures coverage: its data (``CoverageData.dumps``), sent as it stops."""
+    """A rank's last message when it measures coverage: its data (``CoverageData.dumps``), sent as
+    it stops."""
 
     rank: int
     data: bytes

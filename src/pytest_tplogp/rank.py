@@ -1,26 +1,31 @@
 """Rank-side worker: one process of a pool. Imports nothing of the controller.
 
-Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver by default, or spawn):
+Life of a rank (started by ``pool.py`` through ``multiprocessing``, forkserver by default, or
+spawn):
 
-1. Own process group (``setpgid``) so the controller can kill the rank's whole tree and a terminal Ctrl-C reaches
-   only pytest; ``PR_SET_PDEATHSIG`` = SIGKILL so the rank dies with pytest even if pytest is SIGKILLed.
-2. fd 1/2 go to per-rank files (the controller slices them per test: per-rank captured output, also after a hang);
-   ``faulthandler`` dumps every thread's stack to a per-rank file on SIGUSR1 (works while a collective holds the
-   GIL) and on fatal signals. When the pytest process measures coverage, the rank starts measuring with its
-   settings (``rank_coverage``).
-3. Rendezvous through a ``FileStore`` in the per-session directory (no port at all), ``init_process_group``; under
-   NCCL a gloo control group for object exchange. Then ``Ready`` is sent.
-4. Serve commands until ``stop`` or EOF: ``RunTest`` (import the module by file, look the function up by its
-   qualified name, rebuild it from the parent's assertion-rewritten code object, bind fixture values, seed, call)
-   and ``CallFn`` (``tp_pool.run``). Every command answers one :class:`RankOutcome`, which carries the result of a
-   cheap fresh-state check: what the test changed in the process (environment, working directory, default dtype,
-   grad mode, torch threads, deterministic algorithms) is restored and named; process groups left behind, a dead
-   default group or CUDA memory held by live tensors (``cuda_memory``) recycle the pool. It also
-   carries the rank's collective counts (``collectives``), from which the controller finds a
-   collective left unmatched.
-5. Leave: send the coverage data (when measured) as the last message, destroy the process group, run multiprocessing's exit finalizers (named semaphores made on the rank are
-   released, not reported leaked by the resource tracker at the end of the session), then ``os._exit`` (no
-   interpreter teardown).
+1. Own process group (``setpgid``) so the controller can kill the rank's whole tree and a terminal
+   Ctrl-C reaches only pytest; ``PR_SET_PDEATHSIG`` = SIGKILL so the rank dies with pytest even if
+   pytest is SIGKILLed.
+2. fd 1/2 go to per-rank files (the controller slices them per test: per-rank captured output, also
+   after a hang); ``faulthandler`` dumps every thread's stack to a per-rank file on SIGUSR1 (works
+   while a collective holds the GIL) and on fatal signals. When the pytest process measures
+   coverage, the rank starts measuring with its settings (``rank_coverage``).
+3. Rendezvous through a ``FileStore`` in the per-session directory (no port at all),
+   ``init_process_group``; under NCCL a gloo control group for object exchange. Then ``Ready`` is
+   sent.
+4. Serve commands until ``stop`` or EOF: ``RunTest`` (import the module by file, look the function
+   up by its qualified name, rebuild it from the parent's assertion-rewritten code object, bind
+   fixture values, seed, call) and ``CallFn`` (``tp_pool.run``). Every command answers one
+   :class:`RankOutcome`, which carries the result of a cheap fresh-state check: what the test
+   changed in the process (environment, working directory, default dtype, grad mode, torch threads,
+   deterministic algorithms) is restored and named; process groups left behind, a dead default group
+   or CUDA memory held by live tensors (``cuda_memory``) recycle the pool. It also carries the
+   rank's collective counts (``collectives``), from which the controller finds a collective left
+   unmatched.
+5. Leave: send the coverage data (when measured) as the last message, destroy the process group, run
+   multiprocessing's exit finalizers (named semaphores made on the rank are released, not reported
+   leaked by the resource tracker at the end of the session), then ``os._exit`` (no interpreter
+   teardown).
 """
 
 from __future__ import annotations
@@ -54,12 +59,14 @@ def _isolate(cfg: RankConfig) -> None:
     except OSError:
         pass
     set_pdeathsig()
-    if cfg.start_method == "spawn" and os.getppid() != cfg.parent_pid:  # pytest died before prctl took effect
+    # pytest died before prctl took effect
+    if cfg.start_method == "spawn" and os.getppid() != cfg.parent_pid:
         os._exit(1)
     if cfg.start_method == "forkserver":
-        # Our OS parent is the fork server, which exits when pytest does, unless its children keep the
-        # "alive" pipe open: multiprocessing hands every child that pipe's write end. Close our copy so that the
-        # chain pytest dies -> fork server exits -> PDEATHSIG kills us works (kernel-level, GIL-independent).
+        # Our OS parent is the fork server, which exits when pytest does, unless its children keep
+        # the "alive" pipe open: multiprocessing hands every child that pipe's write end. Close our
+        # copy so that the chain pytest dies -> fork server exits -> PDEATHSIG kills us works
+        # (kernel-level, GIL-independent).
         server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
         fd = getattr(server, "_forkserver_alive_fd", None)
         if isinstance(fd, int):
@@ -68,8 +75,10 @@ def _isolate(cfg: RankConfig) -> None:
             except OSError:
                 pass
             server._forkserver_alive_fd = None  # type: ignore[union-attr]
-    # Belt and braces: a watchdog thread that takes the rank's process group down when pytest is gone.
-    threading.Thread(target=_watch_parent, args=(cfg.parent_pid,), name="tplogp-parent-watchdog", daemon=True).start()
+    # Belt and braces: a watchdog thread that takes the rank's process group down when pytest is
+    # gone.
+    threading.Thread(target=_watch_parent, args=(cfg.parent_pid,), name="tplogp-parent-watchdog",
+                     daemon=True).start()
 
 
 def _watch_parent(pid: int) -> None:
@@ -103,7 +112,8 @@ def _redirect_output(cfg: RankConfig) -> None:
 
 
 def _live_groups() -> set[int] | None:
-    """Identities of the live process groups, or None when this torch does not expose them (check skipped)."""
+    """Identities of the live process groups, or None when this torch does not expose them (check
+    skipped)."""
     from torch.distributed import distributed_c10d as c10d
 
     pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
@@ -111,14 +121,16 @@ def _live_groups() -> set[int] | None:
 
 
 def _groups_kept_for_the_process() -> set[int]:
-    """Groups a library keeps on purpose for the whole process, not leaks: tplogp's CPU companion of each
-    device-backend TP group (``tplogp.comm.host_group``), when tplogp is loaded."""
+    """Groups a library keeps on purpose for the whole process, not leaks: tplogp's CPU companion of
+    each device-backend TP group (``tplogp.comm.host_group``), when tplogp is loaded."""
     comm = sys.modules.get("tplogp.comm")
     return set() if comm is None else {id(g) for g in comm.host_groups()}
 
 
-def classify(exc: BaseException, rank: int, tb_skip: int = 1, test_file: str | None = None) -> RankOutcome:
-    """A rank's :class:`RankOutcome` for an exception from a test body (skip, xfail or failure with traceback)."""
+def classify(exc: BaseException, rank: int, tb_skip: int = 1,
+             test_file: str | None = None) -> RankOutcome:
+    """A rank's :class:`RankOutcome` for an exception from a test body (skip, xfail or failure with
+    traceback)."""
     pytest = sys.modules.get("pytest")
     if pytest is not None and isinstance(exc, pytest.skip.Exception):
         return RankOutcome(rank, "skipped", summary=str(getattr(exc, "msg", "") or ""))
@@ -133,7 +145,8 @@ def classify(exc: BaseException, rank: int, tb_skip: int = 1, test_file: str | N
     else:
         summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     lines = [line.strip() for line in summary.splitlines() if line.strip()]
-    summary = lines[0] if lines else type(exc).__name__  # one line for headlines; the traceback has the rest
+    # one line for headlines; the traceback has the rest
+    summary = lines[0] if lines else type(exc).__name__
     if summary.endswith(":") and len(lines) > 1:
         summary += " " + lines[1]
     longrepr = "".join(traceback.format_exception(type(exc), exc, tb))
@@ -143,17 +156,20 @@ def classify(exc: BaseException, rank: int, tb_skip: int = 1, test_file: str | N
 
 
 def _crash_location(tb: Any, test_file: str | None) -> tuple[str, int] | None:
-    """Where a failure happened, for one-line reports: the innermost frame in the test's file, else the innermost."""
+    """Where a failure happened, for one-line reports: the innermost frame in the test's file, else
+    the innermost."""
     frames = traceback.extract_tb(tb) if tb is not None else []
     if not frames:
         return None
-    in_test = [f for f in frames if test_file and os.path.realpath(f.filename) == os.path.realpath(test_file)]
+    in_test = [f for f in frames if test_file
+               and os.path.realpath(f.filename) == os.path.realpath(test_file)]
     frame = (in_test or frames)[-1]
     return (frame.filename, frame.lineno or 0)
 
 
 def seed_test(seed: int) -> None:
-    """Seed ``random``, torch and (when imported) numpy with a test's seed: every rank draws the same numbers."""
+    """Seed ``random``, torch and (when imported) numpy with a test's seed: every rank draws the
+    same numbers."""
     import torch
 
     random.seed(seed)
@@ -163,11 +179,14 @@ def seed_test(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
-def _torch_settings(torch: Any) -> tuple[tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], str]], ...]:
-    """The torch process settings a body can change by hand: (get, set, how a changed value is named)."""
+def _torch_settings(torch: Any) -> tuple[
+    tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], str]], ...]:
+    """The torch process settings a body can change by hand: (get, set, how a changed value is
+    named)."""
     return (
         (torch.get_default_dtype, torch.set_default_dtype, lambda v: f"default dtype set to {v}"),
-        (torch.is_grad_enabled, torch.set_grad_enabled, lambda v: f"grad mode left {'on' if v else 'off'}"),
+        (torch.is_grad_enabled, torch.set_grad_enabled,
+         lambda v: f"grad mode left {'on' if v else 'off'}"),
         (torch.get_num_threads, torch.set_num_threads, lambda v: f"torch threads set to {v}"),
         (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms,
          lambda v: f"deterministic algorithms switched {'on' if v else 'off'}"),
@@ -175,13 +194,16 @@ def _torch_settings(torch: Any) -> tuple[tuple[Callable[[], Any], Callable[[Any]
 
 
 class _ProcessState:
-    """What a test body can change in a rank process and the pool can put back (see ``_restore_and_check``)."""
+    """What a test body can change in a rank process and the pool can put back (see
+    ``_restore_and_check``)."""
 
-    #: Set by libraries on first use, not by tests: neither reported nor undone. torch sets CUDA_MODULE_LOADING on
-    #: CUDA initialisation, inductor TORCHINDUCTOR_CACHE_DIR on first use of its cache (torch.compile, or
-    #: torch.use_deterministic_algorithms) and _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR as it loads its first
-    #: compiled C++ wrapper (torch.compile on CPU).
-    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+    #: Set by libraries on first use, not by tests: neither reported nor undone. torch sets
+    #: CUDA_MODULE_LOADING on CUDA initialisation, inductor TORCHINDUCTOR_CACHE_DIR on first use of
+    #: its cache (torch.compile, or torch.use_deterministic_algorithms) and
+    #: _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR as it loads its first compiled C++ wrapper
+    #: (torch.compile on CPU).
+    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR",
+                   "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 
     def __init__(self, torch: Any) -> None:
         self.settings = _torch_settings(torch)
@@ -223,7 +245,8 @@ class _Rank:
         from .context import RankContext, set_current
 
         self.cfg = cfg
-        self.in_pdb = debug.flag_file(cfg.path("pdb"))  # read by the parent: the straggler grace waits meanwhile
+        # read by the parent: the straggler grace waits meanwhile
+        self.in_pdb = debug.flag_file(cfg.path("pdb"))
         self.torch = torch
         self.dist = dist
         if cfg.num_threads:
@@ -237,12 +260,14 @@ class _Rank:
                 kwargs["device_id"] = device
         else:
             device = torch.device("cpu")
-        if cfg.pdb_rank is not None:  # peers wait in collectives for as long as a rank may sit in pdb
+        # peers wait in collectives for as long as a rank may sit in pdb
+        if cfg.pdb_rank is not None:
             from datetime import timedelta
 
             kwargs["timeout"] = timedelta(seconds=debug.DEBUG_WAIT_S)
         store = dist.FileStore(cfg.store_path, cfg.world_size)
-        dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size, **kwargs)
+        dist.init_process_group(cfg.backend, store=store, rank=cfg.rank, world_size=cfg.world_size,
+                                **kwargs)
         ctrl = dist.new_group(backend="gloo") if cfg.backend != "gloo" else None
         self.ctx = RankContext(cfg.rank, cfg.world_size, cfg.backend, device, ctrl_group=ctrl)
         set_current(self.ctx)
@@ -253,12 +278,14 @@ class _Rank:
 
     # ------------------------------------------------------------ state
     def _restore_and_check(self) -> tuple[list[str], list[str]]:
-        """Restore what a test may change in the process and name it; report what cannot be restored.
+        """Restore what a test may change in the process and name it; report what cannot be
+        restored.
 
-        Returns ``(restored, problems)``: ``restored`` names the changes undone here (environment variables,
-        working directory, default dtype, grad mode, torch threads, deterministic algorithms; the parent warns),
-        ``problems`` what makes the controller recycle the pool (process groups, CUDA memory). RNGs need no check:
-        every test starts by seeding ``random``, torch and numpy from its node id.
+        Returns ``(restored, problems)``: ``restored`` names the changes undone here (environment
+        variables, working directory, default dtype, grad mode, torch threads, deterministic
+        algorithms; the parent warns), ``problems`` what makes the controller recycle the pool
+        (process groups, CUDA memory). RNGs need no check: every test starts by seeding ``random``,
+        torch and numpy from its node id.
         """
         restored = self.baseline.restore() + self.ctx.reset_after_test()
         problems: list[str] = []
@@ -267,10 +294,11 @@ class _Rank:
             return restored, problems
         live = _live_groups()
         if live is not None and self.base_groups is not None:
-            extra = live - self.base_groups - self.ctx.owned_group_ids() - _groups_kept_for_the_process()
+            extra = (live - self.base_groups - self.ctx.owned_group_ids()
+                     - _groups_kept_for_the_process())
             if extra:
-                problems.append(f"{len(extra)} process group(s) left behind (use tp.new_group or the mesh "
-                                f"fixture, which the pool caches)")
+                problems.append(f"{len(extra)} process group(s) left behind (use tp.new_group or "
+                                f"the mesh fixture, which the pool caches)")
         if self.memory is not None:
             leak = self.memory.after_test()
             if leak:
@@ -327,17 +355,21 @@ class _Rank:
         if func is None:
             func = raw
             plain = getattr(raw, "__func__", raw)
-            if cmd.code is not None and isinstance(plain, types.FunctionType) and plain.__closure__ is None:
-                func = types.FunctionType(marshal.loads(cmd.code), plain.__globals__, plain.__name__, plain.__defaults__)
+            if (cmd.code is not None and isinstance(plain, types.FunctionType)
+                and plain.__closure__ is None):
+                func = types.FunctionType(marshal.loads(cmd.code), plain.__globals__,
+                                          plain.__name__, plain.__defaults__)
                 func.__kwdefaults__ = plain.__kwdefaults__
                 func.__qualname__ = plain.__qualname__
             self.functions[key] = func
-        if owner is not mod and isinstance(owner, type):  # test class: fresh instance per test, like pytest
+        # test class: fresh instance per test, like pytest
+        if owner is not mod and isinstance(owner, type):
             return types.MethodType(func, owner())
         return func
 
     # ------------------------------------------------------------ commands
-    def _outcome(self, exc: BaseException, tb_skip: int = 1, test_file: str | None = None) -> RankOutcome:
+    def _outcome(self, exc: BaseException, tb_skip: int = 1,
+                 test_file: str | None = None) -> RankOutcome:
         return classify(exc, self.cfg.rank, tb_skip, test_file)
 
     def run_test(self, cmd: RunTest) -> RankOutcome:
@@ -389,9 +421,11 @@ class _Rank:
             out = self._outcome(exc)
         else:
             try:
-                out = RankOutcome(self.cfg.rank, "passed", value=pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+                out = RankOutcome(self.cfg.rank, "passed",
+                                  value=pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
             except Exception as exc:  # noqa: BLE001
-                out = RankOutcome(self.cfg.rank, "failed", summary=f"return value of {getattr(fn, '__name__', fn)!r} "
+                out = RankOutcome(self.cfg.rank, "failed",
+                                  summary=f"return value of {getattr(fn, '__name__', fn)!r} "
                                   f"is not picklable: {type(exc).__name__}: {exc}")
         out.duration_s = time.perf_counter() - t0
         return out
@@ -420,20 +454,23 @@ class _Rank:
             try:
                 payload = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001
-                payload = pickle.dumps(RankOutcome(self.cfg.rank, "failed", summary=f"unpicklable outcome: {exc!r}"))
+                payload = pickle.dumps(RankOutcome(self.cfg.rank, "failed",
+                                                   summary=f"unpicklable outcome: {exc!r}"))
             conn.send_bytes(payload)
 
 
 def _release_multiprocessing_resources() -> None:
-    """Run multiprocessing's exit finalizers of priority >= 0, as a multiprocessing process that returns does.
+    """Run multiprocessing's exit finalizers of priority >= 0, as a multiprocessing process that
+    returns does.
 
-    ``os._exit`` skips them, yet they release what outlives the process otherwise: each named semaphore made on the
-    rank (a multiprocessing lock of a non-fork context, e.g. tqdm's class lock, which torch.fx makes when
-    torch.compile runs) is unlinked and unregistered from the pytest process's resource tracker, which would
-    otherwise report it leaked when the session ends. Queues are closed and pools or managers a test left are shut
-    down too. Not run: the joins of child processes and queue feeder threads that multiprocessing does after them
-    (they can wait without bound). ``_run_finalizers`` is multiprocessing's own (private) entry point for this;
-    where it is missing, nothing is run. The controller's bounded stop still kills a rank stuck here.
+    ``os._exit`` skips them, yet they release what outlives the process otherwise: each named
+    semaphore made on the rank (a multiprocessing lock of a non-fork context, e.g. tqdm's class
+    lock, which torch.fx makes when torch.compile runs) is unlinked and unregistered from the pytest
+    process's resource tracker, which would otherwise report it leaked when the session ends. Queues
+    are closed and pools or managers a test left are shut down too. Not run: the joins of child
+    processes and queue feeder threads that multiprocessing does after them (they can wait without
+    bound). ``_run_finalizers`` is multiprocessing's own (private) entry point for this; where it is
+    missing, nothing is run. The controller's bounded stop still kills a rank stuck here.
     """
     from multiprocessing import util
 
@@ -466,14 +503,16 @@ def rank_main(cfg: RankConfig, conn: Any) -> None:
             conn.send_bytes(pickle.dumps(StartFailed(cfg.rank, err)))
         finally:
             os._exit(1)
-    conn.send_bytes(pickle.dumps(Ready(cfg.rank, os.getpid(), str(rank.ctx.device), time.perf_counter() - t0)))
+    conn.send_bytes(pickle.dumps(Ready(cfg.rank, os.getpid(), str(rank.ctx.device),
+                                       time.perf_counter() - t0)))
     try:
         rank.serve(conn)
     finally:
         if cov is not None:
             try:
                 conn.send_bytes(pickle.dumps(RankCoverage(cfg.rank, rank_coverage.collect(cov))))
-            except Exception:  # noqa: BLE001 - the controller is gone, or the data could not be read: none sent
+            # noqa: BLE001 - the controller is gone, or the data could not be read: none sent
+            except Exception:
                 pass
         try:
             sys.stdout.flush()

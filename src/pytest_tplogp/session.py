@@ -1,7 +1,9 @@
-"""Per-session state of the active plugin, kept in ``config.stash``, and the stash keys shared by the modules.
+"""Per-session state of the active plugin, kept in ``config.stash``, and the stash keys shared by
+the modules.
 
-The pool manager is created lazily when the first TP test's setup completes (``hooks.pytest_runtest_setup``), so a
-run that only collects, or whose TP tests all skip at setup (in the plugin or in a fixture), spawns nothing.
+The pool manager is created lazily when the first TP test's setup completes
+(``hooks.pytest_runtest_setup``), so a run that only collects, or whose TP tests all skip at setup
+(in the plugin or in a fixture), spawns nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class State:
             from .pools import PoolManager
 
             threads = self.settings.threads or None
-            self._manager = PoolManager(num_threads=threads, start_method=self.settings.start_method,
+            self._manager = PoolManager(num_threads=threads,
+                                        start_method=self.settings.start_method,
                                         pdb_rank=self.settings.pdb_rank)
         return self._manager
 
@@ -37,11 +40,13 @@ STATE = pytest.StashKey[State]()
 ACTIVATED_BY = pytest.StashKey[str]()
 #: On a TP test item: its placement (``placement.Plan``), decided at setup.
 PLAN = pytest.StashKey[Any]()
-#: The user property (JUnit ``<property>``) of a gpu TP test whose ranks share GPUs over gloo: what and why.
+#: The user property (JUnit ``<property>``) of a gpu TP test whose ranks share GPUs over gloo: what
+#: and why.
 SHARING_PROPERTY = "tplogp_gpu_sharing"
 #: The user property (JUnit ``<property>``) of a TP test after which its pool was recycled: why.
 RECYCLE_PROPERTY = "tplogp_pool_recycled"
-#: On a TP test item whose ranks all skipped: the merged reason (the report points at the test, not the plugin).
+#: On a TP test item whose ranks all skipped: the merged reason (the report points at the test, not
+#: the plugin).
 SKIPPED_ON_RANKS = pytest.StashKey[str]()
 
 

@@ -1,6 +1,7 @@
-"""Coverage of the ranks: a package whose functions run only inside TP bodies is reported 100% covered by pytest-cov
-(pool mode, under -n 2, and under torchrun, where each rank runs its own branch) and by ``coverage run -m pytest``, no
-``.coverage.*`` file is left behind, and the ranks do not import coverage when nothing measures."""
+"""Coverage of the ranks: a package whose functions run only inside TP bodies is reported 100%
+covered by pytest-cov (pool mode, under -n 2, and under torchrun, where each rank runs its own
+branch) and by ``coverage run -m pytest``, no ``.coverage.*`` file is left behind, and the ranks do
+not import coverage when nothing measures."""
 
 from __future__ import annotations
 
@@ -55,10 +56,12 @@ def _no_leftover_data_files(pytester: pytest.Pytester) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("-n", "2", "-p", "xdist")], ids=["pool", "xdist"])
-def test_pytest_cov_reports_rank_lines(pytester: pytest.Pytester, tag: str, extra: tuple[str, ...]) -> None:
+def test_pytest_cov_reports_rank_lines(pytester: pytest.Pytester, tag: str,
+                                       extra: tuple[str, ...]) -> None:
     pytest.importorskip("pytest_cov")
     _write(pytester)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_cov", "--cov=tinypkg",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_cov",
+                                           "--cov=tinypkg",
                                            "--cov-branch", "--cov-report=term-missing", *extra)
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["tinypkg/__init__.py * 9 * 0 * 4 * 0 * 100%", "TOTAL * 100%"])
@@ -66,17 +69,20 @@ def test_pytest_cov_reports_rank_lines(pytester: pytest.Pytester, tag: str, extr
 
 
 @pytest.mark.slow
-def test_pytest_cov_under_torchrun_reports_every_rank(pytester: pytest.Pytester, tag: str, torchrun) -> None:
-    """Every torchrun rank is a pytest process with its own pytest-cov: rank 0's one report has every rank's lines
-    (column()'s rank-0 branch runs only on rank 0, the other only on rank 1), and no rank leaves a data file of its
-    own or writes a report of its part."""
+def test_pytest_cov_under_torchrun_reports_every_rank(pytester: pytest.Pytester, tag: str,
+                                                      torchrun) -> None:
+    """Every torchrun rank is a pytest process with its own pytest-cov: rank 0's one report has
+    every rank's lines (column()'s rank-0 branch runs only on rank 0, the other only on rank 1), and
+    no rank leaves a data file of its own or writes a report of its part."""
     import xml.etree.ElementTree as ET
 
     pytest.importorskip("pytest_cov")
     _write(pytester)
-    # each rank would write its XML report to a file of its own (coverage expands ${RANK} in its configuration)
+    # each rank would write its XML report to a file of its own (coverage expands ${RANK} in its
+    # configuration)
     (pytester.path / ".coveragerc").write_text("[xml]\noutput = cov-rank${RANK}.xml\n")
-    result = torchrun("-p", "pytest_cov", "--cov=tinypkg", "--cov-branch", "--cov-report=term-missing",
+    result = torchrun("-p", "pytest_cov", "--cov=tinypkg", "--cov-branch",
+                      "--cov-report=term-missing",
                       "--cov-report=xml", "--cov-config=.coveragerc")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["tinypkg/__init__.py * 9 * 0 * 4 * 0 * 100%", "TOTAL * 100%"])
@@ -90,7 +96,8 @@ def test_pytest_cov_under_torchrun_reports_every_rank(pytester: pytest.Pytester,
 def test_coverage_run_reports_rank_lines(pytester: pytest.Pytester, tag: str) -> None:
     pytest.importorskip("coverage")
     _write(pytester)
-    result = pytester.run(sys.executable, "-m", "coverage", "run", "--branch", "--source=tinypkg", "-m", "pytest",
+    result = pytester.run(sys.executable, "-m", "coverage", "run", "--branch", "--source=tinypkg",
+                          "-m", "pytest",
                           "-p", "pytest_tplogp", timeout=300)
     result.assert_outcomes(passed=3)
     report = pytester.run(sys.executable, "-m", "coverage", "report", "-m")
@@ -98,7 +105,8 @@ def test_coverage_run_reports_rank_lines(pytester: pytest.Pytester, tag: str) ->
     _no_leftover_data_files(pytester)
 
 
-def test_ranks_do_not_import_coverage_when_nothing_measures(pytester: pytest.Pytester, tag: str) -> None:
+def test_ranks_do_not_import_coverage_when_nothing_measures(pytester: pytest.Pytester,
+                                                            tag: str) -> None:
     pytester.makepyfile(test_plain='''
         import sys
         import pytest

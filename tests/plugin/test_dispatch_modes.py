@@ -1,4 +1,5 @@
-"""tp_pool explicit dispatch, pytest-xdist (own pool per worker, no ports), and the operator fixtures end to end."""
+"""tp_pool explicit dispatch, pytest-xdist (own pool per worker, no ports), and the operator
+fixtures end to end."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def test_tp_pool_run(pytester: pytest.Pytester, tag: str) -> None:
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "-vv")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*test_run_returns_every_rank[[]tp3[]] PASSED*",
-                                 "*FAILED test_body.py::test_failure_is_raised[[]tp2[]] - rank 1: RuntimeError: boom on "
-                                 "one rank*"])
+                                 "*FAILED test_body.py::test_failure_is_raised[[]tp2[]] - rank 1: "
+                                 "RuntimeError: boom on one rank*"])
     assert leftover_processes(tag) == []
 
 
@@ -69,13 +70,17 @@ def test_fails_on_rank_1(tp):
 @pytest.mark.slow
 def test_under_xdist(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=XDIST_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-n", "2", "-p", "xdist", "-rf", "-vv", "--tb=line")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-n", "2", "-p", "xdist", "-rf",
+                                           "-vv", "--tb=line")
     result.assert_outcomes(passed=6, failed=1)
-    # the controller's summary line carries the headline, as without xdist (no "E   " of the report body)
-    result.stdout.fnmatch_lines(["FAILED test_body.py::test_fails_on_rank_1[[]tp2[]] - rank 1: AssertionError: "
-                                 "assert 1 == 0"])
-    # --tb=line crosses xdist's report transport: the failure is one line, not the whole grouped report
-    assert not any("Captured" in line or line.startswith("E ") for line in result.outlines), result.outlines
+    # the controller's summary line carries the headline, as without xdist (no "E   " of the report
+    # body)
+    result.stdout.fnmatch_lines(["FAILED test_body.py::test_fails_on_rank_1[[]tp2[]] - rank 1: "
+                                 "AssertionError: assert 1 == 0"])
+    # --tb=line crosses xdist's report transport: the failure is one line, not the whole grouped
+    # report
+    assert (not any("Captured" in line or line.startswith("E ")
+                    for line in result.outlines)), result.outlines
     result.stdout.fnmatch_lines(["*test_body.py:*: rank 1: AssertionError: assert 1 == 0"])
     assert leftover_processes(tag) == []
 
@@ -86,7 +91,7 @@ import torch
 import torch.nn.functional as F
 from tplogp.tolerances import assert_no_worse
 
-# One shape, chosen to exercise the uneven layouts of the default 1031-token vocabulary at world size 2.
+# One shape, chosen for the uneven layouts of the default 1031-token vocabulary at world size 2.
 @pytest.mark.tp
 def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, reference):
     tokens, hidden_dim = 8, 16
@@ -100,9 +105,10 @@ def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, refere
     expected = reference.fp32(h, w, t, b)
     tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
     tp.assert_close(out.float(), expected, atol=tol, rtol=tol)
-    # the project's rule: error vs float64 no worse than the same-dtype reference's (tplogp.tolerances)
+    # the project's rule: error vs float64 no worse than the same-dtype reference's (tolerances)
     with tp.agree():
-        assert_no_worse("logp", out, reference.matching(h, w, t, b), reference.float64(h, w, t, b), dtype)
+        matching, truth = reference.matching(h, w, t, b), reference.float64(h, w, t, b)
+        assert_no_worse("logp", out, matching, truth, dtype)
 '''
 
 
@@ -110,7 +116,8 @@ def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, refere
 def test_operator_fixtures_end_to_end(pytester: pytest.Pytester, tag: str) -> None:
     pytest.importorskip("tplogp.kernel_registry")
     pytester.makepyfile(test_body=OP_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rA", "--tp-op-source=registry,native,sm90",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rA",
+                                           "--tp-op-source=registry,native,sm90",
                                            "--tp-dtype=fp32,bf16")
     # 2 shard layouts x 2 dtypes x 2 bias settings for each runnable source; sm90 is skipped on CPU
     result.assert_outcomes(passed=16, skipped=8)

@@ -1,4 +1,5 @@
-"""External mode: pytest launched by torchrun on CPU uses the existing process group and reports from rank 0."""
+"""External mode: pytest launched by torchrun on CPU uses the existing process group and reports
+from rank 0."""
 
 from __future__ import annotations
 
@@ -56,8 +57,10 @@ def test_torchrun_mode(pytester: pytest.Pytester, tag: str, torchrun) -> None:
     out = result.stdout.str()
     assert out.count("test session starts") == 1, out  # only rank 0 reports
     result.stdout.fnmatch_lines([
-        "tplogp: external mode (torchrun): world size 2, backend gloo, device cpu; this report is rank 0's*",
-        "*FAILED test_body.py::test_fails_on_rank_1[[]tp2[]] - rank 1: AssertionError: rank 1 disagrees*",
+        "tplogp: external mode (torchrun): world size 2, backend gloo, device cpu; this report is "
+        "rank 0's*",
+        "*FAILED test_body.py::test_fails_on_rank_1[[]tp2[]] - rank 1: AssertionError: rank 1 "
+        "disagrees*",
     ])
     result.stdout.fnmatch_lines(["*Captured stdout rank 0 call*", "hello from rank 0",
                                  "*Captured stdout rank 1 call*", "hello from rank 1"])
@@ -70,7 +73,8 @@ def test_torchrun_mode(pytester: pytest.Pytester, tag: str, torchrun) -> None:
 def test_torchrun_collection_mismatch(pytester: pytest.Pytester, tag: str, torchrun) -> None:
     pytester.makepyfile(test_body=MISMATCH)
     result = torchrun("test_body.py")
-    result.stdout.fnmatch_lines(["*rank 1 collected different tests than rank 0*test_only_on_rank_1*"])
+    result.stdout.fnmatch_lines(["*rank 1 collected different tests than rank "
+                                 "0*test_only_on_rank_1*"])
     assert result.ret != 0
 
 
@@ -96,7 +100,8 @@ def test_never_runs(tp):
 
 @pytest.mark.slow
 def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str, torchrun) -> None:
-    """A hang under torchrun: rank 0 reports the outcomes so far, which rank hung where, and writes JUnit."""
+    """A hang under torchrun: rank 0 reports the outcomes so far, which rank hung where, and writes
+    JUnit."""
     import xml.etree.ElementTree as ET
 
     pytester.makepyfile(test_body=HANG)
@@ -107,15 +112,19 @@ def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str, tor
         "*FAILED test_body.py::test_fails_first[[]tp2[]] - rank 1: AssertionError*",
         "*FAILED test_body.py::test_hangs[[]tp2[]] - deadline of 3 s exceeded*",
     ], consecutive=False)
-    result.stdout.fnmatch_lines(["*rank 1 (pid *) waiting in barrier (torch/distributed/*) called from test_hangs "
-                                 "(*test_body.py:*)*"])
+    result.stdout.fnmatch_lines(["*rank 1 (pid *) waiting in barrier (torch/distributed/*) called "
+                                 "from test_hangs (*test_body.py:*)*"])
     result.stdout.fnmatch_lines(["*ERROR at setup of test_never_runs[[]tp2[]]*",
-                                 "E   not run: test_body.py::test_hangs[[]tp2[]] passed its deadline of 3 s and a process "
-                                 "group cannot be respawned under torchrun, so the job ended"])
-    result.stdout.fnmatch_lines(["ERROR test_body.py::test_never_runs[[]tp2[]] - not run: *", "*2 failed, 1 error*"])
-    cases = {c.get("name"): c for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
+                                 "E   not run: test_body.py::test_hangs[[]tp2[]] passed its "
+                                 "deadline of 3 s and a process group cannot be respawned under "
+                                 "torchrun, so the job ended"])
+    result.stdout.fnmatch_lines(["ERROR test_body.py::test_never_runs[[]tp2[]] - not run: *",
+                                 "*2 failed, 1 error*"])
+    cases = {c.get("name"): c for c in ET.parse(pytester.path / "junit.xml").getroot().iter(
+        "testcase")}
     hang = cases["test_hangs[tp2]"]
-    assert hang.find("failure").get("message").startswith("deadline of 3 s exceeded: rank 1 still running")
+    assert hang.find("failure").get("message").startswith(
+        "deadline of 3 s exceeded: rank 1 still running")
     assert "[rank 0] rank 0 before the barrier" in hang.find("system-out").text
     assert cases["test_fails_first[tp2]"].find("failure") is not None
     assert "not run: " in cases["test_never_runs[tp2]"].find("error").get("message")
@@ -128,7 +137,7 @@ import torch.distributed as dist
 
 @pytest.mark.tp(world_size=3)
 def test_before(tp):
-    tp.assert_close(torch.ones(2), torch.ones(2))      # the first assert_close imports DTensor support: seconds
+    tp.assert_close(torch.ones(2), torch.ones(2))  # the first assert_close imports DTensor: seconds
 
 @pytest.mark.tp(world_size=3)
 def test_rank_raises(tp):
@@ -148,26 +157,32 @@ def test_plain_after():
 
 
 @pytest.mark.slow
-def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag: str, torchrun) -> None:
-    """A rank raises while its peers wait in a collective: FAILED on rank 0's report, terminal and JUnit, after the
-    straggler grace (not the deadline), with the stuck ranks' stacks; the tests that could not run are errors."""
+def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag: str,
+                                                  torchrun) -> None:
+    """A rank raises while its peers wait in a collective: FAILED on rank 0's report, terminal and
+    JUnit, after the straggler grace (not the deadline), with the stuck ranks' stacks; the tests
+    that could not run are errors."""
     import xml.etree.ElementTree as ET
 
     pytester.makepyfile(test_body=PEER_RAISES)
-    result = torchrun("test_body.py", "-rA", "-vv", "--junitxml=junit.xml", "--tp-timeout=100", nproc=3)
+    result = torchrun("test_body.py", "-rA", "-vv", "--junitxml=junit.xml", "--tp-timeout=100",
+                      nproc=3)
     assert result.ret != 0
     out = result.stdout.str()
     assert "PASSED test_body.py::test_rank_raises" not in out, out
     result.stdout.fnmatch_lines([
-        "E   rank 2: RuntimeError: rank 2 gives up before the collective; ranks 0-1 did not finish within 3 s after "
-        "a peer failed or skipped (stuck in a collective?)",
+        "E   rank 2: RuntimeError: rank 2 gives up before the collective; ranks 0-1 did not finish "
+        "within 3 s after a peer failed or skipped (stuck in a collective?)",
     ])
-    # ranks 0 and 1 wait in the same place: one line, one stack; no pytest, pluggy or plugin-thread frames
+    # ranks 0 and 1 wait in the same place: one line, one stack; no pytest, pluggy or plugin-thread
+    # frames
     result.stdout.fnmatch_lines([
-        "  ranks 0-1 (pids *, *) waiting in *(torch/distributed/*) called from test_rank_raises (*test_body.py:13)",
+        "  ranks 0-1 (pids *, *) waiting in *(torch/distributed/*) called from test_rank_raises "
+        "(*test_body.py:13)",
         "--- ranks 0-1 stack (faulthandler, SIGUSR1) ---",
         "*File*test_body.py*line 13 in test_rank_raises*",
-        "  (* frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of pytest_tplogp not shown)",
+        "  (* frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of "
+        "pytest_tplogp not shown)",
     ])
     for harness in ("/_pytest/", "/pluggy/", "in _own_stack", "Thread 0x"):
         assert harness not in out, harness
@@ -177,15 +192,20 @@ def test_torchrun_peer_raises_inside_a_collective(pytester: pytest.Pytester, tag
         "test_body.py::test_next[[]tp3[]] ERROR*",
         "test_body.py::test_plain_after ERROR*",
     ])
-    result.stdout.fnmatch_lines(["ERROR test_body.py::test_next[[]tp3[]] - not run: test_body.py::test_rank_raises[[]tp3[]] "
-                                 "left ranks in a collective 3 s after a peer failed*"])
-    result.stdout.fnmatch_lines(["FAILED test_body.py::test_rank_raises[[]tp3[]] - rank 2: RuntimeError: rank 2 gives up*"])
+    result.stdout.fnmatch_lines(["ERROR test_body.py::test_next[[]tp3[]] - not run: "
+                                 "test_body.py::test_rank_raises[[]tp3[]] left ranks in a "
+                                 "collective 3 s after a peer failed*"])
+    result.stdout.fnmatch_lines(["FAILED test_body.py::test_rank_raises[[]tp3[]] - rank 2: "
+                                 "RuntimeError: rank 2 gives up*"])
     result.stdout.fnmatch_lines(["*1 failed, 1 passed, 2 errors*"])
-    cases = {c.get("name"): c for c in ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")}
-    assert set(cases) == {"test_before[tp3]", "test_rank_raises[tp3]", "test_next[tp3]", "test_plain_after"}
+    cases = {c.get("name"): c for c in ET.parse(pytester.path / "junit.xml").getroot().iter(
+        "testcase")}
+    assert (set(cases) == {"test_before[tp3]", "test_rank_raises[tp3]", "test_next[tp3]",
+                           "test_plain_after"})
     failed = cases["test_rank_raises[tp3]"]
     assert failed.find("failure").get("message").startswith("rank 2: RuntimeError: rank 2 gives up")
-    assert float(failed.get("time")) < 30, failed.get("time")     # the straggler grace, not the 100 s deadline
+    # the straggler grace, not the 100 s deadline
+    assert float(failed.get("time")) < 30, failed.get("time")
     for name in ("test_next[tp3]", "test_plain_after"):
         assert "not run: " in cases[name].find("error").get("message"), name
 

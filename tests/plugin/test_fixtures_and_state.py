@@ -1,7 +1,8 @@
-"""Standard fixtures in a TP test, the pool's fresh-state check, seeding and rank-dependent draws, the fork server's
-warm imports, one-line and JUnit reports, temp-dir hygiene.
+"""Standard fixtures in a TP test, the pool's fresh-state check, seeding and rank-dependent draws,
+the fork server's warm imports, one-line and JUnit reports, temp-dir hygiene.
 
-One pytester run (one pool) covers the fixtures and the state check; the report checks reuse its output.
+One pytester run (one pool) covers the fixtures and the state check; the report checks reuse its
+output.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 @pytest.mark.tp
 def test_a_monkeypatch(tp, monkeypatch):
     import sys
-    # the pool's first test: the fork server imported what the first torch.testing.assert_close imports
+    # the pool's first test: the fork server imported what torch.testing.assert_close first imports
     assert "torch.distributed.tensor" in sys.modules
     monkeypatch.setenv("MY_FLAG", "on")
     monkeypatch.setattr(os, "sep", "!")
@@ -54,10 +55,10 @@ def test_d_leaks_were_restored(tp):
 
 @pytest.mark.tp
 def test_d_rank_dependent_draws(tp):
-    torch.randn(2 + tp.rank, generator=torch.Generator().manual_seed(tp.rank))  # a generator of its own...
+    torch.randn(2 + tp.rank, generator=torch.Generator().manual_seed(tp.rank))  # own generator...
     shared = tp.all_gather_object(torch.randn(4))
-    assert all(torch.equal(shared[0], x) for x in shared)                       # ...leaves the shared stream alone
-    torch.randn(2 + 100 * tp.rank)                 # a draw of a rank-dependent size from the shared stream...
+    assert all(torch.equal(shared[0], x) for x in shared)  # ...leaves the shared stream alone
+    torch.randn(2 + 100 * tp.rank)  # a draw of a rank-dependent size from the shared stream...
     later = tp.all_gather_object(torch.randn(4))
     assert not torch.equal(later[0], later[1])     # ...makes the later draws differ between ranks
 
@@ -97,38 +98,50 @@ def pytest_runtest_call(item):
 def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     pytester.makeconftest(CALL_RECORDER)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-threads=1", "-rA", "-W", "always", "--tb=line",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-threads=1", "-rA", "-W",
+                                           "always", "--tb=line",
                                            "--junitxml=junit.xml", "-o", "junit_logging=all")
     result.assert_outcomes(passed=6, failed=1, errors=1)
     out = result.stdout.str()
-    # monkeypatch works per rank and is undone; changes made by hand are restored and named in a warning
-    result.stdout.fnmatch_lines(["*test_c_leaks_by_hand*", "*PytestWarning: tplogp: the test changed process state "
-                                 "on the ranks, restored before the next test: default dtype set to torch.float64; "
-                                 "deterministic algorithms switched on; environment variable(s) RAW_FLAG set; "
-                                 "grad mode left off; torch threads set to 3; working directory changed to /*"])
+    # monkeypatch works per rank and is undone; changes made by hand are restored and named in a
+    # warning
+    result.stdout.fnmatch_lines(["*test_c_leaks_by_hand*",
+                                 "*PytestWarning: tplogp: the test changed process state "
+                                 "on the ranks, restored before the next test: default dtype set "
+                                 "to torch.float64; deterministic algorithms switched on; "
+                                 "environment variable(s) RAW_FLAG set; grad mode left off; torch "
+                                 "threads set to 3; working directory changed to /*"])
     warnings = out.split("warnings summary")[-1].split("-- Docs")[0]
     assert "test_c_leaks_by_hand" in warnings and "test_a_monkeypatch" not in warnings
     # capsys: refused at setup with one message naming it, no pickling error about another fixture
     result.stdout.fnmatch_lines(["*ERROR at setup of test_e_capsys[[]tp2[]]*",
-                                 "test_body.py::test_e_capsys[[]tp2[]]: a TP test body cannot take the 'capsys' "
-                                 "fixture: capsys captures the output of the pytest process, but the body runs on "
-                                 "the ranks.*"])
+                                 "test_body.py::test_e_capsys[[]tp2[]]: a TP test body cannot take "
+                                 "the 'capsys' fixture: capsys captures the output of the pytest "
+                                 "process, but the body runs on the ranks.*"])
     assert "pickle" not in out.lower()
-    # --tb=line: one proper line that points at the failing line, not at the decorator nor a Crash(...) object
-    lines = [line for line in result.outlines  # the -rA summary line ends the same way where the terminal is wide
-             if line.endswith("rank 1: AssertionError: assert 11 == 10") and not line.startswith("FAILED ")]
+    # --tb=line: one proper line that points at the failing line, not at the decorator nor a
+    # Crash(...) object
+    # the -rA summary line ends the same way where the terminal is wide
+    lines = [line for line in result.outlines
+             if line.endswith("rank 1: AssertionError: assert 11 == 10")
+             and not line.startswith("FAILED ")]
     assert len(lines) == 1 and lines[0].startswith(str(pytester.path / "test_body.py") + ":"), out
     lineno = int(lines[0].rsplit(".py:", 1)[1].split(":", 1)[0])
-    assert (pytester.path / "test_body.py").read_text().splitlines()[lineno - 1].strip() == "assert value == 10"
+    assert ((pytester.path / "test_body.py").read_text().splitlines()[lineno - 1].strip()
+            == "assert value == 10")
     assert "Crash(" not in out
-    # the pool starts during the first TP test's setup, not its call (so --durations charges it to the setup)
-    assert (pytester.path / "calls.txt").read_text().splitlines()[0] == "test_a_monkeypatch[tp2] pool alive: True"
+    # the pool starts during the first TP test's setup, not its call (so --durations charges it to
+    # the setup)
+    first_call = (pytester.path / "calls.txt").read_text().splitlines()[0]
+    assert first_call == "test_a_monkeypatch[tp2] pool alive: True"
     # JUnit: the failure and each rank's output, labelled per rank
     root = ET.parse(pytester.path / "junit.xml").getroot()
-    case = next(c for c in root.iter("testcase") if c.get("name") == "test_g_fails_below_the_decorators[tp2-1]")
+    case = next(c for c in root.iter("testcase")
+                if c.get("name") == "test_g_fails_below_the_decorators[tp2-1]")
     assert case.find("failure").get("message") == "rank 1: AssertionError: assert 11 == 10"
     system_out = case.find("system-out").text
-    assert "[rank 0] about to fail on rank 0" in system_out and "[rank 1] about to fail on rank 1" in system_out
+    assert ("[rank 0] about to fail on rank 0" in system_out
+            and "[rank 1] about to fail on rank 1" in system_out)
     # hygiene: nothing of the session is left in the system temp dir (TMPDIR, see the tag fixture)
     import os
 
@@ -136,14 +149,16 @@ def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None
 
 
 def test_stale_session_dirs_are_removed(tmp_path) -> None:
-    """The directory of a session that was killed is removed by the next session; live ones are kept."""
+    """The directory of a session that was killed is removed by the next session; live ones are
+    kept."""
     import os
     import subprocess
     import sys
 
     from pytest_tplogp.pools import remove_stale_session_dirs
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)
     dead = tmp_path / f"tplogp-main-{int(gone.stdout)}-abc"
     live = tmp_path / f"tplogp-gw0-{os.getpid()}-def"
     other = tmp_path / "tplogp-main-xyz"
@@ -154,14 +169,16 @@ def test_stale_session_dirs_are_removed(tmp_path) -> None:
 
 
 
-def test_project_silences_only_the_interpreters_masked_lane_warnings(pytester: pytest.Pytester) -> None:
-    """The project's filterwarnings drop numpy's log(0) and 0/0 warnings from Triton's interpreter (masked lanes),
-    and only those: the same messages from anywhere else still show."""
+def test_project_silences_only_the_interpreters_masked_lane_warnings(
+    pytester: pytest.Pytester) -> None:
+    """The project's filterwarnings drop numpy's log(0) and 0/0 warnings from Triton's interpreter
+    (masked lanes), and only those: the same messages from anywhere else still show."""
     import pathlib
     import tomllib
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    filters = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["filterwarnings"]
+    filters = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+        "filterwarnings"]
     pytester.makeini("[pytest]\nfilterwarnings =\n" + "".join(f"    {f}\n" for f in filters))
     pytester.makepyfile(test_warn='''
 import warnings

@@ -1,4 +1,5 @@
-"""GPU behaviour (NCCL pool, memory fresh-state check, GPU placement under xdist); skipped without a GPU."""
+"""GPU behaviour (NCCL pool, memory fresh-state check, GPU placement under xdist); skipped without a
+GPU."""
 
 from __future__ import annotations
 
@@ -53,11 +54,13 @@ def test_one_gpu(tp):
 def test_nccl_pool_and_memory_check(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     ws = min(2, _gpu_count())
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "-W", "always", "-k", "not one_gpu",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "-W", "always", "-k",
+                                           "not one_gpu",
                                            f"--tp={ws}")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([f"tplogp: world size {ws}, backend nccl (auto), devices cuda:*"])
-    result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: CUDA memory *MiB above*"])
+    result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: CUDA "
+                                 "memory *MiB above*"])
 
 
 def _first_gpus(n: int) -> str:
@@ -68,15 +71,18 @@ def _first_gpus(n: int) -> str:
 
 
 @pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 CUDA GPUs")
-def test_xdist_gpu_blocks_are_disjoint(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_xdist_gpu_blocks_are_disjoint(pytester: pytest.Pytester, tag: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _first_gpus(2))
     pytester.makepyfile(test_body=BODY)
-    # two workers on two GPUs: one GPU each, so world size 2 on NCCL does not fit and is skipped for placement
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "-rA", "-k",
+    # two workers on two GPUs: one GPU each, so world size 2 on NCCL does not fit and is skipped for
+    # placement
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "-rA",
+                                           "-k",
                                            "nccl or one_gpu", "--tp-backend=nccl")
     result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*GPU placement: needs 2 distinct GPU(s) for NCCL*xdist worker gw? of 2 owns 1 of 2 "
-                                 "visible GPU(s): run with -n 1 or fewer*"])
+    result.stdout.fnmatch_lines(["*GPU placement: needs 2 distinct GPU(s) for NCCL*xdist worker "
+                                 "gw? of 2 owns 1 of 2 visible GPU(s): run with -n 1 or fewer*"])
     result.stdout.fnmatch_lines(["tplogp: 1 GPU test(s) skipped for placement*"])
 
 
@@ -101,7 +107,8 @@ def test_one_rank_nccl(tp, i):
 
 def test_more_workers_than_gpus_share_one(pytester: pytest.Pytester, tag: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """One GPU and two workers: every test that needs one device runs (worker I on GPU I mod 1), none is skipped."""
+    """One GPU and two workers: every test that needs one device runs (worker I on GPU I mod 1),
+    none is skipped."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _first_gpus(1))
     pytester.makepyfile(test_body=SHARED_BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "-rA")
@@ -117,24 +124,30 @@ import torch.distributed as dist
 @pytest.mark.gpu
 @pytest.mark.tp(world_size=[2, 4])
 def test_ranks_share_the_gpu(tp):
-    assert tp.backend == "gloo" and tp.device == torch.device("cuda", 0) == torch.device("cuda", torch.cuda.current_device())
+    current = torch.device("cuda", torch.cuda.current_device())
+    assert tp.backend == "gloo" and tp.device == torch.device("cuda", 0) == current
     t = torch.full((3,), float(tp.rank + 1), device=tp.device)   # a CUDA tensor through gloo
     dist.all_reduce(t)
     assert t.device.type == "cuda" and t.tolist() == [sum(range(1, tp.world_size + 1))] * 3
 '''
 
 
-def test_ranks_share_one_gpu_over_gloo(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One GPU, two xdist workers: world sizes 2 and 4 run with their ranks sharing the GPU over gloo (CUDA tensors),
-    said in the header, each test's report and the summary; --tp-gpu-share=off skips them."""
+def test_ranks_share_one_gpu_over_gloo(pytester: pytest.Pytester, tag: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU, two xdist workers: world sizes 2 and 4 run with their ranks sharing the GPU over
+    gloo (CUDA tensors), said in the header, each test's report and the summary; --tp-gpu-share=off
+    skips them."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _first_gpus(1))
     pytester.makepyfile(test_body=SHARING_BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "-rA")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["tplogp: gpu tests at world size 2: 2 ranks share GPU(s) * over gloo (CUDA tensors)*"])
-    result.stdout.fnmatch_lines(["*Captured tplogp placement setup*", "? ranks share GPU(s) * over gloo*"])
+    result.stdout.fnmatch_lines(["tplogp: gpu tests at world size 2: 2 ranks share GPU(s) * over "
+                                 "gloo (CUDA tensors)*"])
+    result.stdout.fnmatch_lines(["*Captured tplogp placement setup*",
+                                 "? ranks share GPU(s) * over gloo*"])
     result.stdout.fnmatch_lines(["tplogp: 2 gpu TP test(s) ran with ranks sharing GPUs over gloo*"])
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2", "--tp-gpu-share=off")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "2",
+                                           "--tp-gpu-share=off")
     result.assert_outcomes(skipped=2)
 
 

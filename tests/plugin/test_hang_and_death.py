@@ -1,4 +1,5 @@
-"""Hangs, dead ranks and dirty state: reported with stacks, the pool respawned, the session goes on, no orphans."""
+"""Hangs, dead ranks and dirty state: reported with stacks, the pool respawned, the session goes on,
+no orphans."""
 
 from __future__ import annotations
 
@@ -77,25 +78,31 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
     # hang: which rank waited where, every stuck rank's faulthandler stack, pool killed
     result.stdout.fnmatch_lines([
         "E   deadline of 2 s exceeded: rank 0 still running*",
-        "*rank 0 (pid *) waiting in barrier (torch/distributed/*) called from test_hang (*test_body.py:9)*",
+        "*rank 0 (pid *) waiting in barrier (torch/distributed/*) called from test_hang "
+        "(*test_body.py:9)*",
         "--- rank 0 stack (faulthandler, SIGUSR1) ---",
         "*File*test_body.py*line 9 in test_hang*",
-        "  (* frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of pytest_tplogp not shown)",
+        "  (* frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of "
+        "pytest_tplogp not shown)",
         "pool (world size 2, gloo, cpu) killed (ranks timed out)*",
     ])
-    # a one-rank failure while the peer waits in a collective: the peer is declared stuck after the grace period
+    # a one-rank failure while the peer waits in a collective: the peer is declared stuck after the
+    # grace period
     result.stdout.fnmatch_lines([
-        "E   rank 1: RuntimeError: rank 1 gives up before the collective; rank 0 did not finish within 3 s after a "
-        "peer failed or skipped (stuck in a collective?)",
+        "E   rank 1: RuntimeError: rank 1 gives up before the collective; rank 0 did not finish "
+        "within 3 s after a peer failed or skipped (stuck in a collective?)",
         "*rank 0 (pid *) waiting in barrier*called from test_fails_while_peer_waits*",
     ])
     out = result.stdout.str()
-    for harness in ("_watch_parent", "pytest_tplogp/rank.py", "/multiprocessing/", "Thread 0x"):  # hidden
+    # hidden
+    for harness in ("_watch_parent", "pytest_tplogp/rank.py", "/multiprocessing/", "Thread 0x"):
         assert harness not in out, harness
-    result.stdout.fnmatch_lines(["*FAILED test_body.py::test_exit[[]tp2[]] - rank 1 exited with code 3*"])
+    result.stdout.fnmatch_lines(["*FAILED test_body.py::test_exit[[]tp2[]] - rank 1 exited with "
+                                 "code 3*"])
     result.stdout.fnmatch_lines(["*FAILED test_body.py::test_sigkill[[]tp2[]] - rank 0 was killed "
                                  "by SIGKILL (signal 9)*"])
-    result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: 1 process group(s) left*"])
+    result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: 1 "
+                                 "process group(s) left*"])
     assert leftover_processes(tag) == []
 
 
@@ -110,20 +117,24 @@ def test_sleeps(tp):
     time.sleep(120)
 '''
 
-#: Ctrl-C or a crash of pytest ends the run, every rank and the fork server included, within this many seconds,
-#: also on a loaded 2-core machine (measured there: docs/plugin.md, "No orphans").
+#: Ctrl-C or a crash of pytest ends the run, every rank and the fork server included, within this
+#: many seconds, also on a loaded 2-core machine (measured there: docs/plugin.md, "Pool").
 EXIT_WITHIN_S = 10.0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, phase", [("SIGINT", "body"), ("SIGINT", "start"), ("SIGKILL", "body")],
+@pytest.mark.parametrize("sig, phase", [("SIGINT", "body"), ("SIGINT", "start"),
+                                        ("SIGKILL", "body")],
                          ids=["SIGINT-in-body", "SIGINT-while-starting", "SIGKILL-in-body"])
-def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, sig: str, phase: str) -> None:
-    """SIGINT (Ctrl-C) or SIGKILL to pytest ends it and leaves no process behind within EXIT_WITHIN_S.
+def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, sig: str,
+                                          phase: str) -> None:
+    """SIGINT (Ctrl-C) or SIGKILL to pytest ends it and leaves no process behind within
+    EXIT_WITHIN_S.
 
     ``body``: the signal comes once both ranks are inside the test body (each touched its file).
-    ``start``: the signal comes while the pool's fork server is still importing torch, frozen there (SIGSTOP) as a
-    starved process on a loaded machine is; it must die with pytest instead of finishing its import first.
+    ``start``: the signal comes while the pool's fork server is still importing torch, frozen there
+    (SIGSTOP) as a starved process on a loaded machine is; it must die with pytest instead of
+    finishing its import first.
     """
     import signal
     import subprocess
@@ -133,18 +144,23 @@ def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, s
     from tests.support.plugin_helpers import forkserver_importing_torch, process_states, wait_for
 
     pytester.makepyfile(test_body=SLEEPY)
-    with open(pytester.path / "pytest.log", "wb") as log:  # a file: nothing here waits on a pipe's last writer
-        # SIGINT at its default, as in a terminal's foreground job (a background job of a non-interactive shell,
-        # or nohup, starts with SIGINT ignored, and a child keeps an ignored signal ignored)
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-q", "test_body.py"],
+    # a file: nothing here waits on a pipe's last writer
+    with open(pytester.path / "pytest.log", "wb") as log:
+        # SIGINT at its default, as in a terminal's foreground job (a background job of a
+        # non-interactive shell, or nohup, starts with SIGINT ignored, and a child keeps an ignored
+        # signal ignored)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-q",
+                                 "test_body.py"],
                                 cwd=pytester.path, stdout=log, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         if phase == "body":
-            wait_for(lambda: all((pytester.path / f"in-body-rank{r}").exists() for r in (0, 1)), 180,
+            wait_for(lambda: all((pytester.path / f"in-body-rank{r}").exists() for r in (0, 1)),
+                     180,
                      "both ranks in the test body")
         else:
-            server = wait_for(lambda: forkserver_importing_torch(proc.pid), 180, "the fork server importing torch")
+            server = wait_for(lambda: forkserver_importing_torch(proc.pid), 180,
+                              "the fork server importing torch")
             os.kill(server, signal.SIGSTOP)
         sent = time.monotonic()
         proc.send_signal(getattr(signal, sig))
@@ -160,13 +176,16 @@ def test_no_orphans_after_ctrl_c_or_crash(pytester: pytest.Pytester, tag: str, s
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        for pid in tagged_pids(tag):  # clean up after a failure (a frozen fork server would stay forever)
+        # clean up after a failure (a frozen fork server would stay forever)
+        for pid in tagged_pids(tag):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
     output = (pytester.path / "pytest.log").read_text(errors="replace")
-    assert exit_s < EXIT_WITHIN_S, f"pytest took {exit_s:.1f} s to exit after {sig}:\n{output[-3000:]}"
+    assert (
+        exit_s
+        < EXIT_WITHIN_S), f"pytest took {exit_s:.1f} s to exit after {sig}:\n{output[-3000:]}"
     assert left == [], f"still running {all_gone_s:.1f} s after {sig}: {left}\n{output[-3000:]}"
     if sig == "SIGINT":
         assert "KeyboardInterrupt" in output, output[-3000:]

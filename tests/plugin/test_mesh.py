@@ -1,10 +1,11 @@
-"""The mesh fixture and the DTensor helpers, as TP tests on gloo (world sizes 2 and 4, the suite's pools; one NCCL
-test on GPUs).
+"""The mesh fixture and the DTensor helpers, as TP tests on gloo (world sizes 2 and 4, the suite's
+pools; one NCCL test on GPUs).
 
-Meshes: names, order and row-major layout, sub-mesh groups, the default 1-D mesh, parametrized meshes, the cache.
-DTensors: tp.assert_close with a DTensor on either side and its failure message naming mesh coordinates;
-tp.distribute_randn with Shard, Replicate and uneven shards; vocab_shards / reference over mesh["tp"].
-The collection error, the ids and the fresh-state check across tests are pytester runs (test_mesh_session.py).
+Meshes: names, order and row-major layout, sub-mesh groups, the default 1-D mesh, parametrized
+meshes, the cache. DTensors: tp.assert_close with a DTensor on either side and its failure message
+naming mesh coordinates; tp.distribute_randn with Shard, Replicate and uneven shards; vocab_shards /
+reference over mesh["tp"]. The collection error, the ids and the fresh-state check across tests are
+pytester runs (test_mesh_session.py).
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ def test_2d_mesh_names_layout_and_sub_mesh_groups(tp, mesh):
 def test_default_mesh_is_1d_tp_over_the_world(tp, mesh):
     assert mesh.mesh_dim_names == ("tp",)
     assert mesh.mesh.tolist() == list(range(tp.world_size))
-    assert mesh.get_group() is tp.group  # the default group, as init_device_mesh uses for a full dim
+    # the default group, as init_device_mesh uses for a full dim
+    assert mesh.get_group() is tp.group
 
 
-# Three shapes: dims in a non-alphabetical order, a 1-D mesh with a name of its own, and world size 2.
+# Three shapes: dims in a non-alphabetical order, a 1-D mesh with a name of its own, and world size
+# 2.
 @pytest.mark.tp(mesh=[{"tp": 2, "dp": 2}, {"cp": 4}, {"dp": 1, "tp": 2}], backend="gloo")
 def test_parametrized_meshes_keep_their_names_and_order(tp, mesh):
     expected = {("tp", "dp"): [[0, 1], [2, 3]], ("cp",): [0, 1, 2, 3], ("dp", "tp"): [[0, 1]]}
@@ -66,8 +69,8 @@ def test_mesh_shape_ids_and_errors() -> None:
 
     shapes = parse_marker_meshes([{"dp": 2, "tp": 2}, {"tp": 4}], None, "t")
     assert [s.id for s in shapes] == ["dp2xtp2", "tp4"] and [s.world_size for s in shapes] == [4, 4]
-    with pytest.raises(MeshShapeError, match=r"mesh \{'dp': 2, 'tp': 3\} \(2 x 3 = 6 ranks\) does not match the "
-                                             r"world size"):
+    with pytest.raises(MeshShapeError, match=r"mesh \{'dp': 2, 'tp': 3\} \(2 x 3 = 6 ranks\) does "
+                                             r"not match the world size"):
         parse_marker_meshes({"dp": 2, "tp": 3}, [4], "t")
     with pytest.raises(MeshShapeError, match="no mesh has 2 ranks"):
         parse_marker_meshes({"tp": 4}, [2, 4], "t")
@@ -78,8 +81,9 @@ def test_mesh_shape_ids_and_errors() -> None:
 
 
 def test_a_torch_without_the_mesh_apis_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Old-torch behaviour, simulated in-process: from_group refusing a list of groups, distribute_tensor without
-    src_data_rank. A 1 x 1 mesh over world size 1 uses the default group on both dims (no process group needed)."""
+    """Old-torch behaviour, simulated in-process: from_group refusing a list of groups,
+    distribute_tensor without src_data_rank. A 1 x 1 mesh over world size 1 uses the default group
+    on both dims (no process group needed)."""
     from types import SimpleNamespace
 
     import torch.distributed.tensor as dtensor_module
@@ -94,21 +98,26 @@ def test_a_torch_without_the_mesh_apis_gets_a_clear_error(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(from_group_without_lists))
     tp = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
-    with pytest.raises(MeshSupportError, match=r"from_group could not assemble mesh \{'dp': 1, 'tp': 1\} .* "
-                                               r"\(torch .*\): TypeError: expected a ProcessGroup\. The mesh fixture "
-                                               r"needs from_group to take a list of groups"):
+    with pytest.raises(MeshSupportError,
+                       match=r"from_group could not assemble mesh \{'dp': 1, 'tp': 1\} .* "
+                                               r"\(torch .*\): TypeError: expected a "
+                                               r"ProcessGroup\. The mesh fixture needs from_group "
+                                               r"to take a list of groups"):
         build_mesh(tp, MeshShape(("dp", "tp"), (1, 1)))
 
     def distribute_tensor_without_src_data_rank(tensor, device_mesh=None, placements=None):
         raise AssertionError("not called")
 
-    monkeypatch.setattr(dtensor_module, "distribute_tensor", distribute_tensor_without_src_data_rank)
-    with pytest.raises(MeshSupportError, match=r"needs .*distribute_tensor\(\.\.\., src_data_rank=None\).* "
+    monkeypatch.setattr(dtensor_module, "distribute_tensor",
+                        distribute_tensor_without_src_data_rank)
+    with pytest.raises(MeshSupportError,
+                       match=r"needs .*distribute_tensor\(\.\.\., src_data_rank=None\).* "
                                                r"has no src_data_rank"):
         distribute_randn((2,), None, [], seed=0)
 
 
-# Shape (5, 3): 5 rows split unevenly as torch.chunk does (3 + 2 over tp=2; 2 + 2 + 1 + 0 over 4 ranks).
+# Shape (5, 3): 5 rows split unevenly as torch.chunk does (3 + 2 over tp=2; 2 + 2 + 1 + 0 over 4
+# ranks).
 @pytest.mark.tp(world_size=4, mesh={"dp": 2, "tp": 2}, backend="gloo")
 def test_distribute_randn_is_one_global_tensor_with_its_placements(tp, mesh):
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -139,14 +148,16 @@ def test_assert_close_with_dtensors_names_the_differing_shards(tp, mesh):
     truth = x.full_tensor()
     tp.assert_close(x, truth)  # DTensor left
     tp.assert_close(truth, x)  # DTensor right
-    tp.assert_close(x, tp.distribute_randn((6, 4), mesh, [Shard(1), Replicate()], seed=3))  # both, other placements
+    # both, other placements
+    tp.assert_close(x, tp.distribute_randn((6, 4), mesh, [Shard(1), Replicate()], seed=3))
     wrong = truth.clone()
     wrong[4, 1] += 1.0  # row 4: the shard of tp=1 (rows 3-5), held by ranks 1 and 3
     with pytest.raises(CollectiveAssertionError) as info:
         tp.assert_close(x, wrong)
     message = str(info.value)
-    assert message.startswith("collective assert_close failed (DTensor, full tensors compared): local shards differ "
-                              "at (dp=0, tp=1) on rank 1; (dp=1, tp=1) on rank 3\n"), message
+    assert message.startswith("collective assert_close failed (DTensor, full tensors compared): "
+                              "local shards differ at (dp=0, tp=1) on rank 1; (dp=1, tp=1) on rank "
+                              "3\n"), message
     assert "Mismatched elements: 1 / 12" in message and "full tensors: " in message
     with pytest.raises(CollectiveAssertionError, match="local shards differ at .* on rank 1"):
         tp.assert_close(wrong, x)  # the same with the DTensor on the right
@@ -165,16 +176,19 @@ def test_vocab_shards_and_reference_over_the_tp_dim(tp, mesh, vocab_shards, refe
     h, t = torch.randn(6, 8), torch.randint(0, vocab_shards.vocab_size, (6,))
     w = torch.randn(vocab_shards.vocab_size, 8)
     logp = op_source(h, vocab_shards.shard(w), t, tp_group=vocab_shards.group,
-                     vocab_start_index=vocab_shards.start, global_vocab_size=vocab_shards.vocab_size)
+                     vocab_start_index=vocab_shards.start,
+                     global_vocab_size=vocab_shards.vocab_size)
     tol = RUNBOOK_TOLERANCES[torch.float32]._asdict()
     tp.assert_close(logp, reference.fp32(h, w, t), **tol)
-    # A DTensor weight: the reference uses its full tensor, the weight distribute_randn documents (drawn here anew)
+    # A DTensor weight: the reference uses its full tensor, the weight distribute_randn documents
+    # (drawn here anew)
     w_dt = tp.distribute_randn((vocab_shards.vocab_size, 8), mesh, [Replicate(), Shard(0)], seed=5)
     w_full = torch.randn(vocab_shards.vocab_size, 8, generator=torch.Generator().manual_seed(5))
     from_dtensor = reference.fp32(h, w_dt, t)
     tp.assert_close(from_dtensor, reference.fp32(h, w_full, t), rtol=0, atol=0)
     logp_full = op_source(h, vocab_shards.shard(w_full), t, tp_group=vocab_shards.group,
-                          vocab_start_index=vocab_shards.start, global_vocab_size=vocab_shards.vocab_size)
+                          vocab_start_index=vocab_shards.start,
+                          global_vocab_size=vocab_shards.vocab_size)
     tp.assert_close(logp_full, from_dtensor, **tol)
 
 
@@ -203,5 +217,6 @@ def test_nccl_mesh_lives_on_the_pools_gpus(tp, mesh):
     assert x.to_local().device == tp.device and x.to_local().shape[0] == [3, 2][tp.rank]
     truth = torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).to(tp.device)
     tp.assert_close(x, truth)
-    with pytest.raises(CollectiveAssertionError, match=r"local shards differ at \(dp=0, tp=1\) on rank 1"):
+    with pytest.raises(CollectiveAssertionError,
+                       match=r"local shards differ at \(dp=0, tp=1\) on rank 1"):
         tp.assert_close(x, truth + torch.arange(5, device=tp.device)[:, None].ge(3))

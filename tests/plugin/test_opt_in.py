@@ -1,4 +1,5 @@
-"""The plugin is opt-in: installed, it changes nothing in a project that did not ask; asked, it does everything.
+"""The plugin is opt-in: installed, it changes nothing in a project that did not ask; asked, it does
+everything.
 
 Every run here collects or runs plain tests only (no rank pool is started), so the file is cheap.
 """
@@ -14,11 +15,12 @@ pytest_plugins = ["pytester"]
 
 @pytest.fixture(autouse=True)
 def entry_points_load(tag: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """These sessions load installed plugins as pytest does by default (the ``tag`` fixture turns that off)."""
+    """These sessions load installed plugins as pytest does by default (the ``tag`` fixture turns
+    that off)."""
     monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
 
-# An unrelated project with its own stress/gpu markers, its own --run-stress option and its own fixtures named
-# like the plugin's (dtype, bias, reference, op_source).
+# An unrelated project with its own stress/gpu markers, its own --run-stress option and its own
+# fixtures named like the plugin's (dtype, bias, reference, op_source).
 PROJECT_CONFTEST = '''
 import pytest
 
@@ -50,7 +52,8 @@ def test_project_gpu():
     pass
 
 def test_project_fixtures(dtype, bias, reference):
-    assert dtype in ("half", "single") and bias == "project-bias" and reference == "project-reference"
+    assert dtype in ("half", "single") and bias == "project-bias"
+    assert reference == "project-reference"
 
 def test_no_foreign_fixtures(request):
     print("FIXTURES", sorted(request.fixturenames))
@@ -59,7 +62,8 @@ def test_unknown_op_source(op_source):
     pass
 '''
 
-PROJECT_INI = "[pytest]\nmarkers =\n    stress: the project's slow tests\n    gpu: the project's GPU tests\n"
+PROJECT_INI = ("[pytest]\nmarkers =\n    stress: the project's slow tests\n    gpu: the project's "
+               "GPU tests\n")
 
 
 def _outcome_lines(result: pytest.RunResult) -> list[str]:
@@ -67,7 +71,8 @@ def _outcome_lines(result: pytest.RunResult) -> list[str]:
     keep = []
     for line in result.outlines:
         line = re.sub(r"\s+\[\s*\d+%\]$", "", line)
-        if re.match(r"^(test_\S+::\S+ (PASSED|FAILED|SKIPPED|ERROR)|FIXTURES |(PASSED|FAILED|SKIPPED|ERROR) )", line):
+        if re.match(r"^(test_\S+::\S+ (PASSED|FAILED|SKIPPED|ERROR)|FIXTURES "
+                    r"|(PASSED|FAILED|SKIPPED|ERROR) )", line):
             keep.append(line)
     return keep
 
@@ -86,14 +91,18 @@ def test_unrelated_project_is_unchanged(pytester: pytest.Pytester, tag: str) -> 
     # loaded (pytest lists the distribution), yet silent: no header line, no skip reason
     plugins = [line for line in installed.outlines if line.startswith("plugins:")]
     assert plugins and "tplogp" in plugins[0], installed.stdout.str()
-    assert not any("tplogp" in line for line in not_installed.outlines if line.startswith("plugins:"))
-    assert not any("tplogp" in line for line in installed.outlines if not line.startswith("plugins:"))
+    assert (not any("tplogp" in line for line in not_installed.outlines
+                    if line.startswith("plugins:")))
+    assert (not any("tplogp" in line for line in installed.outlines
+                    if not line.startswith("plugins:")))
     # the same fixtures exist either way
-    fixtures = [[line for line in pytester.runpytest_subprocess("--fixtures", "-p", "no:cacheprovider", *extra).outlines
+    fixtures = [[line for line in pytester.runpytest_subprocess("--fixtures", "-p",
+                                                                "no:cacheprovider", *extra).outlines
                  if not line.startswith("plugins:") and " in " not in line]
                 for extra in ((), ("-p", "no:pytest_tplogp"))]
     assert fixtures[0] == fixtures[1]
-    # the project's --run-stress option does not clash with the plugin's options, which exist all the same
+    # the project's --run-stress option does not clash with the plugin's options, which exist all
+    # the same
     helps = pytester.runpytest_subprocess("--help").stdout.str()
     assert "--run-stress" in helps and "--tp-run-stress" in helps and "--tp=N" in helps
 
@@ -102,8 +111,8 @@ def test_the_shim_has_no_per_test_hooks() -> None:
     """What the entry point loads: an option adder and a configure-time switch, nothing per test."""
     import pytest_tplogp
 
-    assert sorted(n for n in vars(pytest_tplogp) if n.startswith("pytest_")) == ["pytest_addoption",
-                                                                               "pytest_configure"]
+    hooks = sorted(n for n in vars(pytest_tplogp) if n.startswith("pytest_"))
+    assert hooks == ["pytest_addoption", "pytest_configure"]
 
 
 TP_TESTS = '''
@@ -117,8 +126,8 @@ def test_tp(tp):
 def test_stress():
     pass
 
-# a downstream project's own dtype and bias: the generic plugin has no fixture of these names, so nothing
-# parametrizes the test
+# a downstream project's own dtype and bias: the generic plugin has no fixture of these names,
+# so nothing parametrizes the test
 @pytest.fixture
 def dtype():
     return "project-dtype"
@@ -134,8 +143,11 @@ def test_project_dtype_bias(dtype, bias):
 
 # every way of asking, each a pytester subprocess: the inner loop keeps -p
 @pytest.mark.parametrize("how", ["-p", *(pytest.param(how, marks=pytest.mark.slow)
-                                        for how in ("conftest", "--tp", "ini", "PYTEST_PLUGINS without autoload"))])
-def test_asking_turns_everything_on(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch,
+                                        for how
+                                        in ("conftest", "--tp", "ini",
+                                            "PYTEST_PLUGINS without autoload"))])
+def test_asking_turns_everything_on(pytester: pytest.Pytester, tag: str,
+                                    monkeypatch: pytest.MonkeyPatch,
                                     how: str) -> None:
     pytester.makepyfile(test_body=TP_TESTS)
     args = ["-v", "-rs", "-p", "no:cacheprovider"]
@@ -152,13 +164,16 @@ def test_asking_turns_everything_on(pytester: pytest.Pytester, tag: str, monkeyp
         monkeypatch.setenv("PYTEST_PLUGINS", "pytest_tplogp")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     result = pytester.runpytest_subprocess(*args)
-    # the tp parametrization, stress tests skipped unless selected, the project's dtype/bias test run once, as it is
+    # the tp parametrization, stress tests skipped unless selected, the project's dtype/bias test
+    # run once, as it is
     result.assert_outcomes(passed=1, skipped=2)
     # the header says how the run asked for the plugin
-    reason = {"-p": "-p pytest_tplogp", "conftest": "pytest_plugins in conftest.py", "--tp": "--tp*",
+    reason = {"-p": "-p pytest_tplogp", "conftest": "pytest_plugins in conftest.py",
+              "--tp": "--tp*",
               "ini": "ini tplogp = true", "PYTEST_PLUGINS without autoload": "PYTEST_PLUGINS"}[how]
     result.stdout.fnmatch_lines([f"tplogp: world size 2, *; on by {reason}"])
-    result.stdout.fnmatch_lines(["*test_body.py::test_tp[[]tp2[]] SKIPPED*", "*test_body.py::test_stress SKIPPED*",
+    result.stdout.fnmatch_lines(["*test_body.py::test_tp[[]tp2[]] SKIPPED*",
+                                 "*test_body.py::test_stress SKIPPED*",
                                  "*test_body.py::test_project_dtype_bias PASSED*"])
     result.stdout.fnmatch_lines(["*stress test: select with -m stress*"])
     assert "--tp-dtype" not in pytester.runpytest_subprocess(*args, "--help").stdout.str()
@@ -179,8 +194,10 @@ def test_tp(tp):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["-p", "conftest"])
 def test_lmhead_fixtures_are_a_plugin_of_their_own(pytester: pytest.Pytester, tag: str,
-                                                   monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """``pytest_tplogp.lmhead`` brings tplogp's LM-head fixtures and options, and the generic plugin with them."""
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   how: str) -> None:
+    """``pytest_tplogp.lmhead`` brings tplogp's LM-head fixtures and options, and the generic plugin
+    with them."""
     pytester.makepyfile(test_body=LMHEAD_TESTS)
     args = ["-v", "-rs", "-p", "no:cacheprovider", "--tp-dtype=fp32,bf16"]
     if how == "-p":

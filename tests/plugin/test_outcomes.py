@@ -1,4 +1,5 @@
-"""Per-rank outcomes: pass, one-rank failure, grouped failures, agreed and disagreed skips, collective checks."""
+"""Per-rank outcomes: pass, one-rank failure, grouped failures, agreed and disagreed skips,
+collective checks."""
 
 from __future__ import annotations
 
@@ -106,21 +107,29 @@ def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
                                            "--junitxml=junit.xml", "-o", "junit_logging=all")
     result.assert_outcomes(passed=3, failed=8, skipped=2, xfailed=2)
     result.stdout.fnmatch_lines([
-        "*FAILED test_body.py::test_one_rank_fails[[]tp2[]] - rank 1: AssertionError: assert 11 == 10*",
-        "*FAILED test_body.py::test_all_fail_same[[]tp2[]] - ranks 0-1: ValueError: same everywhere*",
+        "*FAILED test_body.py::test_one_rank_fails[[]tp2[]] - rank 1: AssertionError: assert 11 == "
+        "10*",
+        "*FAILED test_body.py::test_all_fail_same[[]tp2[]] - ranks 0-1: ValueError: same "
+        "everywhere*",
         "*FAILED test_body.py::test_skip_disagreed[[]tp2[]] - skip not agreed: rank 0 skipped*",
-        "*FAILED test_body.py::test_collective_assert[[]tp2[]] - ranks 0-1: pytest_tplogp.CollectiveAssertionError*",
-        "*FAILED test_body.py::test_assert_close[[]tp2[]] - ranks 0-1: pytest_tplogp.CollectiveAssertionError*",
-        "*FAILED test_body.py::test_agree_block[[]tp2[]] - rank 0: pytest_tplogp.CollectiveAssertionError*rank 1: KeyError*",
-        "*FAILED test_body.py::test_xfail_raises_mismatch[[]tp2[]] - ranks 0-1: ValueError: not the expected type*",
-        "*FAILED test_body.py::test_unpicklable_fixture[[]tp2[]] - *fixture 'lock' (a lock) cannot be sent to the "
-        "ranks: TypeError: *pickle*",
+        "*FAILED test_body.py::test_collective_assert[[]tp2[]] - ranks 0-1: "
+        "pytest_tplogp.CollectiveAssertionError*",
+        "*FAILED test_body.py::test_assert_close[[]tp2[]] - ranks 0-1: "
+        "pytest_tplogp.CollectiveAssertionError*",
+        "*FAILED test_body.py::test_agree_block[[]tp2[]] - rank 0: "
+        "pytest_tplogp.CollectiveAssertionError*rank 1: KeyError*",
+        "*FAILED test_body.py::test_xfail_raises_mismatch[[]tp2[]] - ranks 0-1: ValueError: not "
+        "the expected type*",
+        "*FAILED test_body.py::test_unpicklable_fixture[[]tp2[]] - *fixture 'lock' (a lock) cannot "
+        "be sent to the ranks: TypeError: *pickle*",
     ], consecutive=False)
-    result.stdout.fnmatch_lines(["*XFAIL test_body.py::test_xfail_raises_matches[[]tp2[]]*"], consecutive=False)
+    result.stdout.fnmatch_lines(["*XFAIL test_body.py::test_xfail_raises_matches[[]tp2[]]*"],
+                                consecutive=False)
     out = result.stdout.str()
-    # the one-rank failure names its rank and shows the rank's traceback, names the rank that passed, and shows the
-    # captured output per rank
-    result.stdout.fnmatch_lines(["*rank 1 failed: AssertionError: assert 11 == 10*", "*assert value == 10*"])
+    # the one-rank failure names its rank and shows the rank's traceback, names the rank that
+    # passed, and shows the captured output per rank
+    result.stdout.fnmatch_lines(["*rank 1 failed: AssertionError: assert 11 == 10*",
+                                 "*assert value == 10*"])
     result.stdout.fnmatch_lines(["*rank 0 passed.*"])
     result.stdout.fnmatch_lines(["*Captured stdout rank 0 call*", "out-of-rank-0*",
                                  "*Captured stdout rank 1 call*", "out-of-rank-1*"])
@@ -135,8 +144,10 @@ def test_rank_outcomes(pytester: pytest.Pytester, tag: str) -> None:
     # JUnit XML: every rank's failure in the failure text, each rank's output labelled with its rank
     case = _junit_case(pytester, "test_one_rank_fails[tp2]")
     failure = case.find("failure")
-    assert failure is not None and failure.get("message") == "rank 1: AssertionError: assert 11 == 10"
-    assert "rank 1 failed: AssertionError: assert 11 == 10" in failure.text and "assert value == 10" in failure.text
+    assert failure is not None
+    assert failure.get("message") == "rank 1: AssertionError: assert 11 == 10"
+    assert ("rank 1 failed: AssertionError: assert 11 == 10" in failure.text
+            and "assert value == 10" in failure.text)
     out, err = case.find("system-out").text, case.find("system-err").text
     assert "[rank 0] out-of-rank-0" in out and "[rank 1] out-of-rank-1" in out
     assert "[rank 1] err-of-rank-1" in err

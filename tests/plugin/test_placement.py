@@ -1,5 +1,6 @@
-"""GPU placement under pytest-xdist, on faked GPUs: ``CUDA_VISIBLE_DEVICES`` names devices that need not exist, and
-the placement (decided in each worker before anything touches CUDA) is what is checked, not a kernel."""
+"""GPU placement under pytest-xdist, on faked GPUs: ``CUDA_VISIBLE_DEVICES`` names devices that need
+not exist, and the placement (decided in each worker before anything touches CUDA) is what is
+checked, not a kernel."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_one_device(i):
 @pytest.mark.tp(world_size=2)
 @pytest.mark.parametrize("i", range(2))
 def test_two_distinct_gpus(tp, i):
-    pass  # no worker owns 2 GPUs: shared over gloo, or skipped for placement with --tp-gpu-share=off
+    pass  # no worker owns 2 GPUs: shared over gloo, or skipped for placement (--tp-gpu-share=off)
 '''
 
 
@@ -44,17 +45,21 @@ def test_placement_under_xdist_on_faked_gpus(pytester: pytest.Pytester, tag: str
                                            "--tp-gpu-share=off")
     result.assert_outcomes(passed=3, skipped=2)
     result.stdout.fnmatch_lines([
-        "SKIPPED [[]1[]] test_body.py:*: GPU placement: needs 2 distinct GPU(s) for NCCL (one per rank); xdist worker "
-        "gw? of 3 owns 0 of 2 visible GPU(s), shares GPU ? for one-device tests: run with -n 1 or fewer "
-        "(-n <= GPUs // world size), or --tp-gpu-share=on and backend auto (ranks share the GPUs over gloo)",
+        "SKIPPED [[]1[]] test_body.py:*: GPU placement: needs 2 distinct GPU(s) for NCCL (one per "
+        "rank); xdist worker gw? of 3 owns 0 of 2 visible GPU(s), shares GPU ? for one-device "
+        "tests: run with -n 1 or fewer (-n <= GPUs // world size), or --tp-gpu-share=on and "
+        "backend auto (ranks share the GPUs over gloo)",
     ])
-    result.stdout.fnmatch_lines(["tplogp: 2 GPU test(s) skipped for placement: their xdist worker owns fewer GPUs "
-                                 "than they need (run with -n <= GPUs // world size*"])
-    # no GPU at all: the multi-GPU tests skip for want of GPUs, which is not placement (no summary line)
+    result.stdout.fnmatch_lines(["tplogp: 2 GPU test(s) skipped for placement: their xdist worker "
+                                 "owns fewer GPUs than they need (run with -n <= GPUs // world "
+                                 "size*"])
+    # no GPU at all: the multi-GPU tests skip for want of GPUs, which is not placement (no summary
+    # line)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "two")
     result.assert_outcomes(skipped=2)
-    result.stdout.fnmatch_lines(["SKIPPED [[]2[]] *needs 2 distinct GPU(s) for NCCL (one per rank); this process has none*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]2[]] *needs 2 distinct GPU(s) for NCCL (one per "
+                                 "rank); this process has none*"])
     result.stdout.no_fnmatch_line("*skipped for placement*")
     assert leftover_processes(tag) == []
 
@@ -62,12 +67,14 @@ def test_placement_under_xdist_on_faked_gpus(pytester: pytest.Pytester, tag: str
 @pytest.mark.slow
 def test_sharing_is_the_default_and_says_so(pytester: pytest.Pytester, tag: str,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two faked GPUs, -n 3: the header says that gpu TP tests share; each worker places the world-size-2 test on
-    gloo ranks sharing its one-device GPU. Faked GPUs cannot start such a pool, so its start error and the test's
-    report name the placement (on a real GPU the test runs: tests/plugin/test_gpu.py)."""
+    """Two faked GPUs, -n 3: the header says that gpu TP tests share; each worker places the
+    world-size-2 test on gloo ranks sharing its one-device GPU. Faked GPUs cannot start such a pool,
+    so its start error and the test's report name the placement (on a real GPU the test runs:
+    tests/plugin/test_gpu.py)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     pytester.makepyfile(test_body=PLACEMENT_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "3", "-rA", "-k", "two")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "xdist", "-n", "3", "-rA",
+                                           "-k", "two")
     # why: NCCL's rule (a GPU per rank), or a torch without NCCL, as this CPU build of torch is
     why = ["NCCL needs 2 distinct GPUs and xdist worker gw? of 3 owns 0 of 2 visible GPU(s)*",
            "torch was built without NCCL"][devices_without_nccl()]
@@ -75,7 +82,8 @@ def test_sharing_is_the_default_and_says_so(pytester: pytest.Pytester, tag: str,
         "tplogp: gpu tests at world size 2: 2 ranks share GPU(s) 0 over gloo (CUDA tensors): "
         f"{why.replace('gw?', 'gw0')}; --tp-gpu-share=off skips them"])
     result.assert_outcomes(errors=2)
-    result.stdout.fnmatch_lines(["*tplogp pool (world size 2, gloo, 2 ranks sharing cuda:?) could not start*"])
+    result.stdout.fnmatch_lines(["*tplogp pool (world size 2, gloo, 2 ranks sharing cuda:?) could "
+                                 "not start*"])
     result.stdout.fnmatch_lines(["*Captured tplogp placement setup*",
                                  f"2 ranks share GPU(s) ? over gloo (CUDA tensors): {why}"])
     result.stdout.no_fnmatch_line("*skipped for placement*")

@@ -1,6 +1,6 @@
-"""The generic plugin's footprint. Without the op's dependencies (``triton`` and ``tplogp`` unimportable in the fork
-server and the ranks, and ``triton`` in pytest, which never imports ``tplogp``) a TP test runs and passes; and
-pytest's own process never imports torch."""
+"""The generic plugin's footprint. Without the op's dependencies (``triton`` and ``tplogp``
+unimportable in the fork server and the ranks, and ``triton`` in pytest, which never imports
+``tplogp``) a TP test runs and passes; and pytest's own process never imports torch."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def test_on_ranks(tp):
     tp.assert_close(t, torch.tensor([3.0]))
 
 def test_in_pytest_after_a_tp_test():
-    # pytest's assertion rewriting imports the modules of an installed plugin's distribution itself, past the
-    # blocker: here what counts is that nothing imported them
+    # pytest's assertion rewriting imports the modules of an installed plugin's distribution
+    # itself, past the blocker: here what counts is that nothing imported them
     import sys
 
     assert "triton" not in sys.modules and "tplogp" not in sys.modules
@@ -83,8 +83,9 @@ def test_pytest_never_imported_torch():
 
 @pytest.mark.slow
 def test_pytest_itself_never_imports_torch(pytester: pytest.Pytester, tag: str) -> None:
-    """Only the fork server and the ranks import torch: a TP test run through a pool, from a test module that does
-    not import torch, leaves pytest's own process without it (on a machine without GPUs, as CI is)."""
+    """Only the fork server and the ranks import torch: a TP test run through a pool, from a test
+    module that does not import torch, leaves pytest's own process without it (on a machine without
+    GPUs, as CI is)."""
     pytester.makepyfile(test_body=TORCH_FREE_BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "no:cacheprovider", "-rA",
                                            "--tp-backend=gloo")

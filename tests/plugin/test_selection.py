@@ -1,4 +1,5 @@
-"""Collection-side behaviour: world-size ids and markers, stress selection, grids, header, settings, GPU skips.
+"""Collection-side behaviour: world-size ids and markers, stress selection, grids, header, settings,
+GPU skips.
 
 Most runs here use --collect-only or spawn nothing, so they are cheap.
 """
@@ -49,41 +50,52 @@ def test_world_size_ids_and_tp_markers(pytester: pytest.Pytester, tag: str) -> N
     ])
     result.stdout.fnmatch_lines(["test_body.py::test_grid[[]fp32-nobias-even-tp2[]]"])
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-m", "tp4")
-    result.stdout.fnmatch_lines(["test_body.py::test_sizes[[]tp4[]]", "1/* tests collected (* deselected)*"])
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "--tp=3", "-m", "tp3")
+    result.stdout.fnmatch_lines(["test_body.py::test_sizes[[]tp4[]]",
+                                 "1/* tests collected (* deselected)*"])
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "--tp=3", "-m",
+                                           "tp3")
     result.stdout.fnmatch_lines(["test_body.py::test_default[[]tp3[]]"])
 
 
 def test_grid_restriction(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "--co", "-q", "-k", "test_grid",
-                                           "--tp-dtype=bf16", "--tp-bias=bias", "--tp-shards=uneven")
-    result.stdout.fnmatch_lines(["test_body.py::test_grid[[]bf16-bias-uneven-tp2[]]", "1/* tests collected*"])
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "--co", "-q", "-k", "test_grid")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "--co", "-q", "-k",
+                                           "test_grid",
+                                           "--tp-dtype=bf16", "--tp-bias=bias",
+                                           "--tp-shards=uneven")
+    result.stdout.fnmatch_lines(["test_body.py::test_grid[[]bf16-bias-uneven-tp2[]]",
+                                 "1/* tests collected*"])
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "--co", "-q", "-k",
+                                           "test_grid")
     result.stdout.fnmatch_lines(["12/* tests collected*"])
 
 
 @pytest.mark.slow
 def test_stress_selection(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-k", "stress_plain or plain", "-rs")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-k", "stress_plain or plain",
+                                           "-rs")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["*stress test: select with -m stress or --tp-run-stress*"])
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-m", "stress", "-k", "plain")
     result.assert_outcomes(passed=1)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-run-stress", "-k", "stress_plain")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-run-stress", "-k",
+                                           "stress_plain")
     result.assert_outcomes(passed=1)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--co", "-q", "-m", "stress")
-    result.stdout.fnmatch_lines(["test_body.py::test_stress_plain", "test_body.py::test_stress_tp[[]tp2[]]"])
+    result.stdout.fnmatch_lines(["test_body.py::test_stress_plain",
+                                 "test_body.py::test_stress_tp[[]tp2[]]"])
 
 
 def test_header_and_single_registration(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body="def test_x():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_tplogp.hooks", "--tp=4")
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "pytest_tplogp.hooks",
+                                           "--tp=4")
     result.assert_outcomes(passed=1)
     header = [line for line in result.outlines if line.startswith("tplogp:")]
     assert len(header) == 1, result.outlines  # -p next to the entry point does not register twice
-    assert header[0].startswith("tplogp: world size 4, backend gloo (auto), devices cpu, timeout 120 s")
+    assert header[0].startswith("tplogp: world size 4, backend gloo (auto), devices cpu, timeout "
+                                "120 s")
 
 
 def test_settings_precedence_and_errors(pytester: pytest.Pytester, tag: str,
@@ -99,11 +111,13 @@ def test_settings_precedence_and_errors(pytester: pytest.Pytester, tag: str,
     result.stdout.fnmatch_lines(["tplogp: world size 6, *"])  # CLI beats env
     monkeypatch.setenv("TPLOGP_TP_TIMEOUT", "soon")
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp")
-    result.stderr.fnmatch_lines(["*invalid value 'soon' for env TPLOGP_TP_TIMEOUT: could not convert*"])
+    result.stderr.fnmatch_lines(["*invalid value 'soon' for env TPLOGP_TP_TIMEOUT: could not "
+                                 "convert*"])
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     monkeypatch.delenv("TPLOGP_TP_TIMEOUT")
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-backend=mpi")
-    result.stderr.fnmatch_lines(["*invalid value 'mpi' for --tp-backend: expected one of auto, gloo, nccl*"])
+    result.stderr.fnmatch_lines(["*invalid value 'mpi' for --tp-backend: expected one of auto, "
+                                 "gloo, nccl*"])
 
 
 GPU_BODY = '''
@@ -142,20 +156,25 @@ def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     pytester.makepyfile(test_body=GPU_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "gpu or nccl", "--durations=0",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "gpu or nccl",
+                                           "--durations=0",
                                            "--durations-min=0")
     result.assert_outcomes(skipped=3)
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:3: needs 2 distinct GPU(s) for NCCL (one per rank); "
-                                 "this process has none*"])
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:8: needs 4 distinct GPU(s) for NCCL*"])
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:12: needs a CUDA device; this process has none*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:3: needs 2 distinct GPU(s) for NCCL "
+                                 "(one per rank); this process has none*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:8: needs 4 distinct GPU(s) for "
+                                 "NCCL*"])
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:12: needs a CUDA device; this "
+                                 "process has none*"])
     # decided in the parent at setup: nothing spawned, each skip costs (far) less than a pool start
-    times = [float(line.split("s ", 1)[0]) for line in result.outlines if line.endswith(("]", "gpu"))
+    times = [float(line.split("s ", 1)[0]) for line in result.outlines
+             if line.endswith(("]", "gpu"))
              and line[:1].isdigit()]
     assert times and max(times) < 0.5, result.outlines
     # a fixture's skip (op_source) comes before the pool start too: no pool manager was ever made
     pytester.makeconftest(POOL_REPORTER)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rs", "-k", "test_source", "-vv", "-s",
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rs", "-k", "test_source",
+                                           "-vv", "-s",
                                            "--tp-op-source=sm90")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu: *"])
@@ -177,7 +196,8 @@ def test_collective(tp):
 
 @pytest.mark.slow
 def test_spawn_start_method(pytester: pytest.Pytester, tag: str) -> None:
-    """The spawn start method (a fresh interpreter per rank) works as well as the default forkserver."""
+    """The spawn start method (a fresh interpreter per rank) works as well as the default
+    forkserver."""
     from tests.support.plugin_helpers import leftover_processes
 
     pytester.makepyfile(test_body=SPAWN_BODY)

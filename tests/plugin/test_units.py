@@ -1,4 +1,5 @@
-"""In-process unit tests of the pure parts: rank ranges, GPU blocks under xdist, outcome merging, settings."""
+"""In-process unit tests of the pure parts: rank ranges, GPU blocks under xdist, outcome merging,
+settings."""
 
 from __future__ import annotations
 
@@ -36,21 +37,26 @@ def test_xdist_workers_get_disjoint_gpu_blocks(gpus, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(devices, "nccl_available", lambda: True)
     blocks = []
     for w in range(3):
-        gpus("4,5,6,7,0,1,2", f"gw{w}", 3)  # honours the outer CUDA_VISIBLE_DEVICES, leftover GPU unused
+        # honours the outer CUDA_VISIBLE_DEVICES, leftover GPU unused
+        gpus("4,5,6,7,0,1,2", f"gw{w}", 3)
         blocks.append(devices.gpu_block())
     assert blocks == [("4", "5"), ("6", "7"), ("0", "1")]
     gpus("4,5,6,7,0,1,2", "gw1", 3)
     assert devices.place(2, "auto") == devices.Placement("nccl", ("6", "7"))
-    assert devices.place(1, "nccl") == devices.Placement("nccl", ("6",))  # one device: the block's first
+    # one device: the block's first
+    assert devices.place(1, "nccl") == devices.Placement("nccl", ("6",))
     assert devices.one_gpu_index() == 2  # "6" is cuda:2 of this process
     too_big = devices.place(4, "nccl")
     assert too_big.skip_reason == (
-        "GPU placement: needs 4 distinct GPU(s) for NCCL (one per rank); xdist worker gw1 of 3 owns 2 of 7 visible "
-        "GPU(s): run with -n 1 or fewer (-n <= GPUs // world size), or --tp-backend=gloo (ranks on CPU)")
+        "GPU placement: needs 4 distinct GPU(s) for NCCL (one per rank); xdist worker gw1 of 3 "
+        "owns 2 of 7 visible GPU(s): run with -n 1 or fewer (-n <= GPUs // world size), or "
+        "--tp-backend=gloo (ranks on CPU)")
     gpu_test = devices.place(4, "auto", needs_gpu=True)  # not sharing: the fix is -n, or sharing
     assert gpu_test.skip_reason is not None and gpu_test.skip_reason.endswith(
-        "(-n <= GPUs // world size), or --tp-gpu-share=on and backend auto (ranks share the GPUs over gloo)")
-    assert devices.place(4, "auto") == devices.Placement("gloo", ("cpu",))  # auto: gloo on CPU, no skip
+        "(-n <= GPUs // world size), or --tp-gpu-share=on and backend auto (ranks share the GPUs "
+        "over gloo)")
+    # auto: gloo on CPU, no skip
+    assert devices.place(4, "auto") == devices.Placement("gloo", ("cpu",))
     gpus("")
     assert devices.place(2, "auto") == devices.Placement("gloo", ("cpu",))
     assert devices.one_gpu() is None
@@ -61,7 +67,8 @@ def test_xdist_workers_get_disjoint_gpu_blocks(gpus, monkeypatch: pytest.MonkeyP
     ("0,1", 3, ["0", "1", "0"]),                 # more workers than GPUs: worker I uses GPU I mod n
     ("0,1,2,3,4,5,6,7", 3, ["0", "2", "4"]),     # a block each: its first GPU
 ], ids=["1gpu-n4", "2gpu-n3", "8gpu-n3"])
-def test_one_device_tests_run_on_every_worker(gpus, monkeypatch: pytest.MonkeyPatch, visible: str, workers: int,
+def test_one_device_tests_run_on_every_worker(gpus, monkeypatch: pytest.MonkeyPatch, visible: str,
+                                              workers: int,
                                                one_device: list[str]) -> None:
     monkeypatch.setattr(devices, "nccl_available", lambda: True)
     got = []
@@ -72,24 +79,29 @@ def test_one_device_tests_run_on_every_worker(gpus, monkeypatch: pytest.MonkeyPa
     assert got == one_device
 
 
-def test_multi_gpu_pools_skip_with_the_fix_or_fall_back(gpus, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_multi_gpu_pools_skip_with_the_fix_or_fall_back(gpus,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "nccl_available", lambda: True)
     gpus("0,1", "gw2", 4)  # 2 GPUs, 4 workers: no worker owns 2
     assert devices.gpu_block() == ()
-    assert devices.block_note() == "xdist worker gw2 of 4 owns 0 of 2 visible GPU(s), shares GPU 0 for one-device tests"
+    assert (devices.block_note() == "xdist worker gw2 of 4 owns 0 of 2 visible GPU(s), shares GPU "
+                                    "0 for one-device tests")
     skip = devices.place(2, "nccl").skip_reason
-    assert skip is not None and skip.startswith(devices.PLACEMENT_SKIP_PREFIX) and "run with -n 1 or fewer" in skip
+    assert (skip is not None and skip.startswith(devices.PLACEMENT_SKIP_PREFIX)
+            and "run with -n 1 or fewer" in skip)
     assert devices.place(2, "auto") == devices.Placement("gloo", ("cpu",))
     gpus("0,1", "gw1", 2)  # 2 workers: one GPU each, still not 2 distinct ones
     assert devices.place(2, "nccl").skip_reason.startswith(devices.PLACEMENT_SKIP_PREFIX)
     gpus("0,1", "gw0", 1)  # one worker owns both
     assert devices.place(2, "nccl") == devices.Placement("nccl", ("0", "1"))
-    gpus("0")  # fewer GPUs than ranks: not a placement skip (no -n helps); the gloo fix where it applies
-    assert devices.place(2, "nccl").skip_reason == ("needs 2 distinct GPU(s) for NCCL (one per rank); 1 visible "
-                                                    "GPU(s): run it with --tp-backend=gloo (ranks on CPU)")
+    # fewer GPUs than ranks: not a placement skip (no -n helps); the gloo fix where it applies
+    gpus("0")
+    assert devices.place(2, "nccl").skip_reason == ("needs 2 distinct GPU(s) for NCCL (one per "
+                                                    "rank); 1 visible GPU(s): run it with "
+                                                    "--tp-backend=gloo (ranks on CPU)")
     assert devices.place(2, "auto", needs_gpu=True).skip_reason == (
-        "needs 2 distinct GPU(s) for NCCL (one per rank); 1 visible GPU(s): run it with --tp-gpu-share=on and "
-        "backend auto (ranks share the GPUs over gloo)")
+        "needs 2 distinct GPU(s) for NCCL (one per rank); 1 visible GPU(s): run it with "
+        "--tp-gpu-share=on and backend auto (ranks share the GPUs over gloo)")
 
 
 def _out(rank: int, outcome: str, summary: str = "", longrepr: str = "") -> RankOutcome:
@@ -107,7 +119,8 @@ def test_merge_skips_and_deaths() -> None:
     agreed = PoolRun(outcomes={r: _out(r, "skipped", "why") for r in range(2)})
     assert merge(agreed, 2, timeout_s=1, test_file=None, pool_desc="p").outcome == "skipped"
     partial = PoolRun(outcomes={0: _out(0, "skipped", "why"), 1: _out(1, "passed")})
-    assert "skip not agreed" in merge(partial, 2, timeout_s=1, test_file=None, pool_desc="p").headline
+    assert ("skip not agreed" in merge(partial, 2, timeout_s=1, test_file=None,
+                                       pool_desc="p").headline)
     dead = PoolRun(outcomes={0: _out(0, "passed")}, deaths={1: "was killed by SIGKILL (signal 9)"},
                    killed="ranks died")
     v = merge(dead, 2, timeout_s=1, test_file=None, pool_desc="p")
@@ -129,36 +142,39 @@ def test_merge_skips_and_deaths() -> None:
 
 def test_where_waiting_reads_faulthandler_dump() -> None:
     dump = (
-        'Thread 0x0003 (most recent call first):\n  File "/w/pytest_tplogp/rank.py", line 73 in _watch_parent\n\n'
-        'Thread 0x0001 (most recent call first):\n  File "/x/threading.py", line 1 in wait\n\n'
-        'Current thread 0x0002 (most recent call first):\n'
+        'Thread 0x0003 (most recent call first):\n  File "/w/pytest_tplogp/rank.py", line 73 in '
+        '_watch_parent\n\nThread 0x0001 (most recent call first):\n  File "/x/threading.py", line '
+        '1 in wait\n\nCurrent thread 0x0002 (most recent call first):\n'
         '  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 5 in barrier\n'
         '  File "/t/test_a.py", line 9 in test_hang\n'
         '  File "/w/pytest_tplogp/rank.py", line 3 in run_test\n'
     )
     stuck = PoolRun(stuck={0: StuckRank(0, 11, dump)}, timed_out=True)
-    assert where_waiting(dump, "/t/test_a.py") == ("barrier (torch/distributed/distributed_c10d.py:5) called from "
-                                                   "test_hang (t/test_a.py:9)")
+    assert where_waiting(dump, "/t/test_a.py") == ("barrier "
+                                                   "(torch/distributed/distributed_c10d.py:5) "
+                                                   "called from test_hang (t/test_a.py:9)")
     v = merge(stuck, 1, timeout_s=3, test_file="/t/test_a.py", pool_desc="p")
     assert v.headline.startswith("deadline of 3 s exceeded: rank 0 still running")
 
 
 def test_merge_groups_headlines_and_names_the_ranks_that_passed() -> None:
-    """Ranks whose failures share a headline but not a traceback get one headline; each traceback is shown once with
-    its ranks; the ranks that passed are named."""
-    run = PoolRun(outcomes={0: _out(0, "passed"), 1: _out(1, "failed", "AssertionError: bad", "tb-one"),
+    """Ranks whose failures share a headline but not a traceback get one headline; each traceback is
+    shown once with its ranks; the ranks that passed are named."""
+    run = PoolRun(outcomes={0: _out(0, "passed"),
+                            1: _out(1, "failed", "AssertionError: bad", "tb-one"),
                             2: _out(2, "failed", "AssertionError: bad", "tb-two"),
                             3: _out(3, "failed", "AssertionError: bad", "tb-two")})
     v = merge(run, 4, timeout_s=1, test_file=None, pool_desc="p")
     assert v.headline == "ranks 1-3: AssertionError: bad"
-    assert v.text.count("tb-two") == 1 and "  ranks 2-3:\n      tb-two" in v.text and "  rank 1:\n      tb-one" in v.text
+    assert (v.text.count("tb-two") == 1 and "  ranks 2-3:\n      tb-two" in v.text
+            and "  rank 1:\n      tb-one" in v.text)
     assert "rank 0 passed." in v.text
 
 
 def _dump(thread: str, pid_frames: str) -> str:
-    return (f'Thread 0x{thread}1 (most recent call first):\n  File "/w/pytest_tplogp/rank.py", line 73 in _watch_parent\n'
-            f'  File "/usr/lib/python3.11/threading.py", line 975 in run\n\n'
-            f'Current thread 0x{thread}2 (most recent call first):\n{pid_frames}'
+    return (f'Thread 0x{thread}1 (most recent call first):\n  File "/w/pytest_tplogp/rank.py", '
+            'line 73 in _watch_parent\n  File "/usr/lib/python3.11/threading.py", line 975 in '
+            f'run\n\nCurrent thread 0x{thread}2 (most recent call first):\n{pid_frames}'
             '  File "/w/pytest_tplogp/rank.py", line 249 in run_test\n'
             '  File "/w/pytest_tplogp/rank.py", line 400 in serve\n'
             '  File "/usr/lib/python3.11/multiprocessing/process.py", line 108 in run\n'
@@ -167,36 +183,37 @@ def _dump(thread: str, pid_frames: str) -> str:
 
 
 def test_hang_report_groups_identical_stacks_and_hides_the_harness() -> None:
-    barrier = ('  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 5 in barrier\n'
-               '  File "/t/test_a.py", line 9 in test_hang\n')
-    gather = ('  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 7 in all_gather\n'
-              '  File "/w/pytest_tplogp/context.py", line 120 in all_gather_object\n'
+    barrier = ('  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 5 in '
+               'barrier\n  File "/t/test_a.py", line 9 in test_hang\n')
+    gather = ('  File "/s/site-packages/torch/distributed/distributed_c10d.py", line 7 in '
+              'all_gather\n  File "/w/pytest_tplogp/context.py", line 120 in all_gather_object\n'
               '  File "/t/test_a.py", line 12 in test_hang\n')
     stuck = {0: StuckRank(0, 10, _dump("a", barrier)), 1: StuckRank(1, 11, _dump("b", barrier)),
              3: StuckRank(3, 13, _dump("c", gather))}
     v = merge(PoolRun(outcomes={2: _out(2, "passed")}, stuck=stuck, timed_out=True), 4, timeout_s=3,
               test_file="/t/test_a.py", pool_desc="p")
     lines = v.text.splitlines()
-    assert ("  ranks 0-1 (pids 10, 11) waiting in barrier (torch/distributed/distributed_c10d.py:5) called from "
-            "test_hang (t/test_a.py:9)") in lines
-    assert ("  rank 3 (pid 13) waiting in all_gather (torch/distributed/distributed_c10d.py:7) called from "
-            "test_hang (t/test_a.py:12)") in lines
+    assert ("  ranks 0-1 (pids 10, 11) waiting in barrier (torch/distributed/distributed_c10d.py:5)"
+            " called from test_hang (t/test_a.py:9)") in lines
+    assert ("  rank 3 (pid 13) waiting in all_gather (torch/distributed/distributed_c10d.py:7) "
+            "called from test_hang (t/test_a.py:12)") in lines
     assert lines.count("--- ranks 0-1 stack (faulthandler, SIGUSR1) ---") == 1
     assert lines.count("--- rank 3 stack (faulthandler, SIGUSR1) ---") == 1
     assert "rank 2 passed." in lines
-    # the test's frames and the plugin's collective helper stay; the rank loop, multiprocessing, pytest, pluggy and
-    # the plugin's watchdog thread go, and the report says so
+    # the test's frames and the plugin's collective helper stay; the rank loop, multiprocessing,
+    # pytest, pluggy and the plugin's watchdog thread go, and the report says so
     assert '  File "/w/pytest_tplogp/context.py", line 120 in all_gather_object' in lines
     assert lines.count('  File "/t/test_a.py", line 9 in test_hang') == 1
-    for gone in (" in run_test", " in serve", "/multiprocessing/", "/_pytest/", "/pluggy/", "_watch_parent", "0x"):
+    for gone in (" in run_test", " in serve", "/multiprocessing/", "/_pytest/", "/pluggy/",
+                 "_watch_parent", "0x"):
         assert gone not in v.text, gone
-    assert lines.count("  (5 frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of "
-                       "pytest_tplogp not shown)") == 2
+    assert lines.count("  (5 frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 "
+                       "thread(s) of pytest_tplogp not shown)") == 2
 
 
 def test_torchrun_grace_is_held_while_the_debugged_rank_is_in_pdb() -> None:
-    """Under torchrun the --tp-pdb rank's flag in the job's store (raised by debug.body while it serves pdb) is what
-    holds the straggler grace: down before pdb, up in it, down after."""
+    """Under torchrun the --tp-pdb rank's flag in the job's store (raised by debug.body while it
+    serves pdb) is what holds the straggler grace: down before pdb, up in it, down after."""
     import types
 
     import torch.distributed as dist
@@ -205,8 +222,10 @@ def test_torchrun_grace_is_held_while_the_debugged_rank_is_in_pdb() -> None:
     from pytest_tplogp.external import _Exchange
 
     store = dist.HashStore()
-    mode = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0, world_size=2), pdb_rank=0, store=lambda: store)
-    exchange = _Exchange(mode, 7, timeout_s=3600.0, on_hang=None)  # no "failed" key: the watcher never expires
+    mode = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0, world_size=2), pdb_rank=0,
+                                 store=lambda: store)
+    # no "failed" key: the watcher never expires
+    exchange = _Exchange(mode, 7, timeout_s=3600.0, on_hang=None)
     seen = []
     try:
         assert not exchange.debugging()
