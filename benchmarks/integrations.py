@@ -20,7 +20,7 @@ Steps, each implementation on the same model and batch:
 * ``gspo_loss``: the same three for GSPO (``importance_sampling_level="sequence"``, ``loss_type="grpo"``,
   ``epsilon=3e-4``, ``epsilon_high=4e-4``: a ratio per sequence, each sequence's token mean, then the batch mean):
   the fused row takes every token's log-prob before any gradient (the two-phase schedule of
-  :mod:`tplogp.fused_loss`).
+  :mod:`tplogp.fused_loss.loop`).
 * ``liger_fused`` (where ``liger-kernel`` is installed): the same loss through Liger's
   ``LigerFusedLinearGRPOLoss`` (``beta=0``, no reference model, its default ``compiled=True``, the loss's
   ``loss_type`` / ``importance_sampling_level`` / epsilons) on the decoder's final hidden states of the completion

@@ -1,14 +1,14 @@
 """The public operator ``linear_logp``, ``linear_logp_loss`` and ``get_op``, the per-source callables.
 
-One front serves both ops, then the call goes down once: :func:`tplogp.plan.prepare` (source, every check, the
-layout's plan, the call's verdict) and :mod:`tplogp.tp` (the autograd Function, the collectives, the source). Under
-``torch.compile`` the same two steps run inside the ``torch.library`` ops of :mod:`tplogp.ops` (one opaque node each
+One front serves both ops, then the call goes down once: :func:`tplogp.op.plan.prepare` (source, every check, the
+layout's plan, the call's verdict) and :mod:`tplogp.op.tp` (the autograd Function, the collectives, the source). Under
+``torch.compile`` the same two steps run inside the ``torch.library`` ops of :mod:`tplogp.op.ops` (one opaque node each
 for forward and backward); eager calls skip the op's dispatch, whose host time matters at small shapes.
 
 The front:
 
 1. DTensor weights (vocab-sharded ``Shard(0)``) become their local shard plus the group, vocab start and global
-   vocab of the mesh dimension they are sharded over (:mod:`tplogp.dtensor`).
+   vocab of the mesh dimension they are sharded over (:mod:`tplogp.op.dtensor`).
 2. Under ``torch.autocast(device_type, dtype=X)`` hidden, weight and bias are cast to X, as ``F.linear`` would
    use them, and the call runs with autocast off; the casts are differentiable, so gradients reach the original
    tensors in their own dtypes.
@@ -27,15 +27,15 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from . import ops, plan, tp
-from .comm import group_name
-from .dtensor import any_dtensor, unwrap_dtensors
-from .kernel_registry import check_op, check_source, require_source
-from .losses import TokenLoss
+from .op import ops, plan, tp
+from .support.comm import group_name
+from .op.dtensor import any_dtensor, unwrap_dtensors
+from .backends.kernel_registry import check_op, check_source, require_source
+from .losses.terms import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
-from .plan import LogpOptions
-from .packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
-from .validation import EntryCheck, LinearLogpInputError, is_int
+from .op.plan import LogpOptions
+from .op.packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
+from .op.validation import EntryCheck, LinearLogpInputError, is_int
 
 # (with_sum_z is the fused loss's: linear_logp returns no sum of the logits)
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions)) - {"with_sum_z"}
@@ -81,7 +81,7 @@ def _front(body: Callable, hidden, weight, target_ids, bias, *rest):
 
 def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
                     options: LogpOptions) -> bool:
-    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.validation.local_problem`
+    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.op.validation.local_problem`
     names the argument (checked in tests/op/test_linear_logp.py)."""
     return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
             and (bias is None or isinstance(bias, torch.Tensor))
@@ -94,7 +94,7 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and (options.softcap is None or (isinstance(options.softcap, (int, float))
                                              and not isinstance(options.softcap, bool)))
             and isinstance(options.return_argmax, bool)
-            and isinstance(options.deterministic, bool))  # ("tp_invariant" runs eagerly: tplogp.invariant)
+            and isinstance(options.deterministic, bool))  # ("tp_invariant" runs eagerly: tplogp.support.invariant)
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -109,7 +109,7 @@ def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index
 
 def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
               global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
-    """The call as the op pair of :mod:`tplogp.ops` (traced by ``torch.compile``)."""
+    """The call as the op pair of :mod:`tplogp.op.ops` (traced by ``torch.compile``)."""
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
     name = source if source is None or isinstance(source, str) else source.name
     packed, _, _ = ops.linear_logp_fwd(
@@ -339,7 +339,7 @@ def linear_logp_loss(
     return_metrics: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
-    the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
+    the forward chunk by chunk (see :mod:`tplogp.fused_loss.loop`).
 
     ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has
     cross-entropy, PPO/GRPO clipping, policy gradient, KL to a reference and an entropy bonus: ``TokenLoss``
@@ -441,7 +441,7 @@ def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
                    global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction, temperature, softcap,
                    ignore_index, deterministic, workspace_bytes, with_entropy, sequence_parallel, hidden_grad,
                    cu_seqlens: None = None, return_metrics: bool = False):
-    """The fused loss as the op of :mod:`tplogp.ops` (traced by ``torch.compile``): its value; the gradients it
+    """The fused loss as the op of :mod:`tplogp.op.ops` (traced by ``torch.compile``): its value; the gradients it
     computed travel in the op's autograd formula (a :class:`~tplogp.losses.TokenLoss`: no sequences, no
     metrics)."""
     grad_on = torch.is_grad_enabled()
@@ -457,9 +457,9 @@ def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
 @_eager_under_compile  # the chunk loop and its autograd.Function run eagerly inside compiled code
 def _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                 options: dict) -> torch.Tensor:
-    """:func:`linear_logp_loss` eagerly: the fused loss (:mod:`tplogp.fused_loss`) after the DTensor and autocast
+    """:func:`linear_logp_loss` eagerly: the fused loss (:mod:`tplogp.fused_loss.loop`) after the DTensor and autocast
     front."""
-    from .fused_loss import fused_loss
+    from .fused_loss.loop import fused_loss
 
     if any_dtensor(hidden):
         raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "

@@ -3,7 +3,7 @@
 A budget is the source's transient part (``native`` tiles, the ``triton`` / ``sm90`` d_logits workspace: the
 source's ``transient_bytes``) plus its kept part, what the forward keeps for the backward: per kept logit its
 softmax term ``exp(z - m)`` in 2 bytes for 16-bit inputs (4 for fp32), plus one fp32 scale per row and tile (the
-source's ``kept_bytes``). How a budget splits is :func:`tplogp.memory_budget.split`'s (docs/operator.md, "Memory
+source's ``kept_bytes``). How a budget splits is :func:`tplogp.backends.memory_budget.split`'s (docs/operator.md, "Memory
 budget"). These helpers add the second part to the first, so a caller states tokens and vocab rather than each
 source's default:
 
@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 
 from .backends.base import ShardBackend
-from .kernel_registry import SourceUnavailableError, backend_for_call, get_backend
+from .backends.kernel_registry import SourceUnavailableError, backend_for_call, get_backend
 
 #: What names a source here, as in the op: a registry name, None (the registry's choice), or a backend object.
 Source = Union[None, str, ShardBackend]

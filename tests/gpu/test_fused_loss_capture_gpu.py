@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu,
 
 import tplogp  # noqa: E402
 from tests.support.cuda import cuda_backend  # noqa: E402
-from tplogp import fused_loss, losses  # noqa: E402
+from tplogp.fused_loss import loop as fused_loss
+from tplogp import losses  # noqa: E402
 
 N, D, V = 2048, 1024, 8192  # 2^34 multiply-accumulates: a host-bound size, precomputed unless forced to one pass
 

@@ -17,7 +17,7 @@ import tplogp
 from tests.support.problems import make_problem, run_reference
 from tests.support.fullgraph import compile_fullgraph
 from tests.support.interpreter import interpreter_only as triton_interpreter
-from tplogp import memory_budget
+from tplogp.backends import memory_budget
 from tplogp.kernels import kept as kept_layout, programs
 from tplogp.tolerances import assert_no_worse
 

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from triton.runtime import interpreter  # noqa: E402
 
 from tplogp.api import linear_logp_on  # noqa: E402
-from tplogp.plan import LogpOptions  # noqa: E402
+from tplogp.op.plan import LogpOptions  # noqa: E402
 
 
 def _softcapped_entropy_call(p):

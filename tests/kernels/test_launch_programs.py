@@ -113,7 +113,7 @@ def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
     ``ignore_index``, whose count changes from call to call, run no program (nor make one); the same layout without
     ignored targets does."""
     import tplogp
-    from tplogp.plan import plan_call
+    from tplogp.op.plan import plan_call
 
     op = tplogp.get_op("linear_logp", source="triton")
     hidden, weight, _, target = _inputs()
@@ -123,19 +123,19 @@ def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
         t[:ignored] = -100
         op(hidden, weight, t, ignore_index=-100).sum().backward()
     plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
-                        tplogp.plan.LogpOptions(ignore_index=-100), True)
+                        tplogp.op.plan.LogpOptions(ignore_index=-100), True)
     assert plan.call_for_backward.rows == N and not plan.call_for_backward.programs
     assert not plan.call_for_backward.consuming.programs
     for _ in range(2):
         op(hidden, weight, target).sum().backward()
     plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
-                        tplogp.plan.LogpOptions(), True)
+                        tplogp.op.plan.LogpOptions(), True)
     assert ("single", N, True) in plan.call_for_backward.programs
     assert any(k[0] == "backward" for k in plan.call_for_backward.consuming.programs)
 
 
 def _backend_of(op, hidden):
-    from tplogp.kernel_registry import backend_for_call
+    from tplogp.backends.kernel_registry import backend_for_call
 
     return backend_for_call(op.source, hidden.device, hidden.dtype)
 

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from tplogp import kernel_registry
+from tplogp.backends import kernel_registry
 from tplogp.backends.sm90_backend import SM90Backend
 from tplogp.backends.triton_backend import TritonBackend
 from tplogp.kernels import tiles, workspace

@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 from tplogp.backends.base import ShardCall  # noqa: E402
 from tplogp.backends.sm90_backend import SM90Backend  # noqa: E402
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
-from tplogp import memory_budget  # noqa: E402
+from tplogp.backends import memory_budget  # noqa: E402
 
 CPU = torch.device("cpu")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -118,7 +118,7 @@ def test_single_shard_ids_outside_the_vocab_are_nan_in_fast_mode(kernels, monkey
     gradients of the finite rows' loss, match the same call on only those rows (to rounding: the interpreter's
     per-row dot results depend on a row's position in its block)."""
     from tplogp.api import linear_logp_on
-    from tplogp.plan import LogpOptions
+    from tplogp.op.plan import LogpOptions
 
     monkeypatch.setenv("TPLOGP_CHECKS", "fast")
     be = KERNELS[kernels]()
@@ -161,7 +161,7 @@ OPTION_SETS = {
 @pytest.mark.parametrize("schedule", ["kept", pytest.param("recomputed", marks=pytest.mark.slow)])
 def test_op_three_way(dtype, opts, rows, schedule):
     """Both backward schedules of the default budget: a call this small keeps its softmax terms
-    (tplogp.memory_budget); a budget of the default workspace alone recomputes the logits."""
+    (tplogp.backends.memory_budget); a budget of the default workspace alone recomputes the logits."""
     from tplogp import get_op
 
     dt = DTYPES[dtype]
@@ -293,7 +293,7 @@ def test_tp4_uneven_triton(tp, dtype_name, opts):
     from tests.support.problems import make_problem, run_op, run_reference
     from tplogp.tolerances import assert_no_worse
     from tplogp import get_op
-    from tplogp.shards import shard_boundaries, shard_range
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     rank, world, group = tp.rank, tp.world_size, tp.group
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]

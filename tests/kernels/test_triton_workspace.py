@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tests.support.problems import make_problem, run_op, run_reference
 from tplogp.kernels import kept as kept_layout
-from tplogp import memory_budget
+from tplogp.backends import memory_budget
 from tplogp.kernels import tiles, workspace
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bound
 
@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
 from tplogp.kernels import programs  # noqa: E402
 from tplogp.api import linear_logp_on  # noqa: E402
-from tplogp.plan import LogpOptions  # noqa: E402
+from tplogp.op.plan import LogpOptions  # noqa: E402
 
 from tplogp.backends.base import ShardCall  # noqa: E402
 

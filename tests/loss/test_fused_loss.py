@@ -12,8 +12,9 @@ import torch
 import tplogp
 from tests.support.problems import cpu_sources, make_problem
 from tests.support.ranks import agreed_message
-from tplogp import budgets, fused_loss, losses
-from tplogp.kernel_registry import get_backend
+from tplogp import budgets, losses
+from tplogp.fused_loss import loop as fused_loss
+from tplogp.backends.kernel_registry import get_backend
 from tplogp.reference import reference_outputs
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error
 
@@ -107,7 +108,7 @@ def test_matches_eager_loss_one_rank(monkeypatch, source, reduction, budget):
     ours = _run(True, p, extra, reduction, source, **kw)
     _compare(ours, eager, f"{source} {budget}")
     if source == "triton":  # every chunk's logits are kept, with a budget and (a call this small) without one: no
-        # recompute GEMM (3 GEMMs per chunk; tplogp.memory_budget)
+        # recompute GEMM (3 GEMMs per chunk; tplogp.backends.memory_budget)
         assert seen["recompute"] == 0 and seen["kept"] > 0, seen
 
 
@@ -253,7 +254,7 @@ def test_chunk_plan_counts_the_accumulators_in_the_budget():
     for 16-bit inputs), both within the kept part of the budget, on every rank of any sharding; one chunk needs no
     accumulator."""
     from tplogp.backends.native import NativeBackend
-    from tplogp.memory_budget import transient_bytes
+    from tplogp.backends.memory_budget import transient_bytes
     from tplogp.budgets import GPU_MIN_CHUNK_TOKENS, accumulator_tokens, plan_chunk_tokens
 
     be, cpu, bf16 = NativeBackend(), torch.device("cpu"), torch.bfloat16
@@ -359,7 +360,7 @@ def test_value_alone_runs_no_backward(monkeypatch):
 def test_grad_on_some_ranks_raises_on_every_rank(tp):
     """A rank whose hidden needs no gradient would skip the d_hidden all-reduce the others enter: every rank raises
     the group check's error instead of hanging."""
-    from tplogp.shards import shard_boundaries, shard_range
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     start, end = shard_range(shard_boundaries(40, tp.world_size), tp.rank)
     h = torch.randn(6, 8).requires_grad_(tp.rank == 0)
@@ -424,7 +425,7 @@ def test_dtensor_weight(tp):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from tplogp.shards import chunk_boundaries, shard_range
+    from tplogp.support.shards import chunk_boundaries, shard_range
 
     v = 101
     mesh = DeviceMesh.from_group(tp.group, "cpu", mesh_dim_names=("tp",))
@@ -468,7 +469,7 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
     plus an entropy bonus) is reduced as a dot product. The loss and every gradient equal those of the same loss as
     a plain callable (differentiated by autograd) within the table's fp32 eps, with ignored rows compacted away,
     kept in place (a CUDA-graph capture's layout) or all ignored."""
-    from tplogp import local_call
+    from tplogp.op import local_call
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = make_problem((41,), 8, 53, torch.float32, True, seed=32)

@@ -10,7 +10,8 @@ import torch
 
 import tplogp
 from tests.support.problems import make_problem
-from tplogp import fused_loss, grad_scaling, losses
+from tplogp.fused_loss import loop as fused_loss, grad_scaling
+from tplogp import losses
 from tplogp.kernels.tiles import interpreting
 
 CPU = torch.device("cpu")

@@ -215,7 +215,7 @@ def _check_on_ranks(tp, options: dict, boundaries: list[int], what: str, packed:
     rank's rows of the weight and bias gradients), and the loss and metrics equal on every rank. ``packed``: the
     tokens as one 1-D sequence with ``cu_seqlens`` (sequences of 7, 1, 12, 4 and 12 tokens); ``chunk``: tokens per
     chunk."""
-    from tplogp.shards import shard_range
+    from tplogp.support.shards import shard_range
 
     v = boundaries[-1]
     loss = losses.grpo(**options)

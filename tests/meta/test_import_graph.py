@@ -18,49 +18,53 @@ from typing import Optional
 from tests.support.import_graph import import_graph, imports_of
 
 LAYERS: list[tuple[str, ...]] = [
-    # leaves: settings, plain data and math, no package imports but each other
-    ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
-     "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses", "tplogp.rl_losses",
-     "tplogp.masked_rows"),
+    # the packages' docstrings (their __init__ import nothing)
+    ("tplogp.support", "tplogp.op", "tplogp.fused_loss", "tplogp.testing", "tplogp.backends"),
+    # leaves: settings, plain data and math, the loss terms, the references and tolerances; no package imports
+    # but each other (with the public re-exports of the terms, references and tolerances)
+    ("tplogp.support.settings", "tplogp.support.shards", "tplogp.support.fp32_gemm", "tplogp.support.tensors",
+     "tplogp.support.masked_rows", "tplogp.outputs", "tplogp.testing.*", "tplogp.losses.*",
+     "tplogp.reference", "tplogp.tolerances", "tplogp.rl_losses"),
     # how a call's memory budget splits into transient and kept parts, for every source (on the settings)
-    ("tplogp.memory_budget",),
+    ("tplogp.backends.memory_budget",),
     # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the collectives);
-    # argument and layout validation (with the sequences of a loss's tokens); what the target checks read of the
-    # targets
-    ("tplogp.comm", "tplogp.invariant", "tplogp.validation", "tplogp.sequences", "tplogp.target_summary"),
+    # the sequences of a loss's tokens
+    ("tplogp.support.comm", "tplogp.support.invariant", "tplogp.support.sequences"),
+    # argument and layout validation; what the target checks read of the targets
+    ("tplogp.op.validation", "tplogp.op.target_summary"),
     # the group record exchange and the kernel-run target check, then the deferred target verdicts that use them
-    ("tplogp.group_record", "tplogp.kernel_target_check"),
-    ("tplogp.verdicts",),
+    ("tplogp.op.group_record", "tplogp.op.kernel_target_check"),
+    ("tplogp.op.verdicts",),
     # Triton kernels, their launchers and tile planning
     ("tplogp.kernels.*",),
     # the per-shard sources (native, triton, sm90) behind one contract
     ("tplogp.backends.*",),
-    # the fused loss's gradient scaling (the scaling kernel, or torch ops without Triton)
-    ("tplogp.grad_scaling",),
-    # a checked call brought to this shard: flattened, gathered, compacted, targets made local
-    ("tplogp.local_call",),
-    # the shared tensor-parallel path; DTensor unwrapping
-    ("tplogp.tp", "tplogp.dtensor"),
-    # the torch.library ops' bodies: the shared path with outputs of static shapes
-    ("tplogp.packed_op",),
     # which source runs a call
-    ("tplogp.kernel_registry",),
+    ("tplogp.backends.kernel_registry",),
+    # the fused loss's gradient scaling (the scaling kernel, or torch ops without Triton)
+    ("tplogp.fused_loss.grad_scaling",),
+    # a checked call brought to this shard: flattened, gathered, compacted, targets made local
+    ("tplogp.op.local_call",),
+    # the shared tensor-parallel path; DTensor unwrapping
+    ("tplogp.op.tp", "tplogp.op.dtensor"),
+    # the torch.library ops' bodies: the shared path with outputs of static shapes
+    ("tplogp.op.packed_op",),
     # the call plan: every check, the per-layout state
-    ("tplogp.plan",),
+    ("tplogp.op.plan",),
     # budgets and the fused loss's chunks
     ("tplogp.budgets",),
     # the fused loss's chunk plan and gradient assembly; the GRPO losses' chunk schedule on it
-    ("tplogp.chunk_gradients",),
-    ("tplogp.policy_loss",),
+    ("tplogp.fused_loss.chunk_gradients",),
+    ("tplogp.fused_loss.policy_loss",),
     # what runs the plan and the shared path: the torch.library ops (torch.compile), the fused loss
-    ("tplogp.ops", "tplogp.fused_loss"),
+    ("tplogp.op.ops", "tplogp.fused_loss.loop"),
     # the public operator
     ("tplogp.api",),
     # the runbook script's logic (python -m tplogp.runbook)
     ("tplogp.runbook.*",),
     # the package's public surface
     ("tplogp",),
-    # optional entry points for training stacks (Hugging Face, verl), on top of the public operator
+    # optional entry points for training stacks (Hugging Face, TRL, verl), on top of the public operator
     ("tplogp.integrations.*",),
     # the pytest plugin, which may use the operator
     ("pytest_tplogp.*",),

@@ -10,7 +10,7 @@ import tplogp
 from tplogp.backends.base import ShardCall
 from tplogp.backends.native import NativeBackend
 from tplogp.budgets import GPU_MIN_CHUNK_TOKENS, plan_chunk_tokens
-from tplogp import memory_budget
+from tplogp.backends import memory_budget
 from tplogp.kernels import workspace
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -36,7 +36,7 @@ def _native_kept_tiles(n, v, d, budget, device=CPU):
 
 
 def _triton_kept_columns(source, n, v, budget, device, dtype=torch.bfloat16):
-    from tplogp.kernel_registry import get_backend
+    from tplogp.backends.kernel_registry import get_backend
 
     call = ShardCall(workspace_bytes=budget, for_backward=True)
     return get_backend(source)._keep_columns(n, v, dtype, device, call)
@@ -82,7 +82,7 @@ def test_loss_chunk_budget_runs_chunks_of_that_size(source, device):
     if source == "triton":
         pytest.importorskip("triton")
     from tplogp.budgets import accumulator_tokens
-    from tplogp.kernel_registry import get_backend
+    from tplogp.backends.kernel_registry import get_backend
 
     be = get_backend(source)
     for chunk, d, vocab, dtype, bias_dtype in ((GPU_MIN_CHUNK_TOKENS, 64, 5000, torch.bfloat16, torch.bfloat16),
@@ -136,7 +136,7 @@ def test_bad_arguments_raise_clear_errors():
 
 
 _MIB = 1 << 20
-# The op's kept output under ignore_index is a capacity for any compacted row count (tplogp.packed_op.op_kept_shape).
+# The op's kept output under ignore_index is a capacity for any compacted row count (tplogp.op.packed_op.op_kept_shape).
 # Layouts (planned for a CUDA device, no GPU needed) where fewer rows plan otherwise: native with a vocab wider than
 # a 128-token tile of its 1 GiB tile budget (fewer than ~112 rows widen the vocab tile to the whole shard; a first
 # tile that fits the keep bytes only below some row count), deterministic (whole 256-row chunks); triton with a
@@ -157,7 +157,7 @@ CAPACITY_CASES = [  # (..., whether fewer rows keep more than N do)
 def test_op_kept_capacity_holds_every_row_count(source, n, v, budget, deterministic, dtype, fewer_keep_more):
     """``kept_capacity`` of N tokens holds what every count of at most N keeps (``kept_shape``: fewer rows may keep
     more columns or other tiles), and never passes the keep part of the budget."""
-    from tplogp.kernel_registry import get_backend
+    from tplogp.backends.kernel_registry import get_backend
 
     backend = get_backend(source)
     call = ShardCall(workspace_bytes=budget, for_backward=True, deterministic=deterministic)

@@ -43,14 +43,14 @@ def test_host_reads_name_tplogp_frames_by_the_package_directory(tmp_path):
     files below a checkout named tplogp (its environment inside it) are not tplogp's, nor is the
     plugin."""
     import pytest_tplogp
-    import tplogp.plan
+    import tplogp.op.plan
 
     site = tmp_path / "tplogp" / ".venv" / "lib" / "site-packages"
     venv_torch = site / "torch" / "nn" / "functional.py"
     assert not is_tplogp_file(str(venv_torch))
     assert not is_tplogp_file(torch.nn.functional.__file__)
     assert not is_tplogp_file(pytest_tplogp.__file__)
-    assert is_tplogp_file(tplogp.plan.__file__)
+    assert is_tplogp_file(tplogp.op.plan.__file__)
 
 
 def test_check_errors_raises_the_pending_verdict_once(monkeypatch):
@@ -84,7 +84,7 @@ def _calls(tp, targets_per_call, finish=None, graph=True):
     the error) and the host reads it made. ``finish``: called last (check_errors), its outcome
     appended too. ``graph``: whether the calls record an autograd graph (hidden requires grad; no
     backward runs)."""
-    from tplogp.shards import shard_boundaries, shard_range
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     start, end = shard_range(shard_boundaries(64, tp.world_size, uneven=True), tp.rank)
     h, w = torch.randn(6, 8).requires_grad_(graph), torch.randn(end - start, 8)
@@ -200,7 +200,7 @@ def test_host_group_companion_of_a_device_group(tp):
 
     import torch.distributed as dist
 
-    from tplogp import comm
+    from tplogp.support import comm
 
     low, high = tp.new_group([0, 1]), tp.new_group([2, 3])  # every rank creates both (as dist.new_group wants)
     mine = low if tp.rank < 2 else high

@@ -3,7 +3,7 @@
 Default checks (``full``): the backward of the call that had a target outside the vocabulary raises before it writes
 any gradient (the parameters keep no ``.grad``, so ``optimizer.step()`` is never reached), on one process and on
 every rank of a gloo group alike. Under a capture (simulated on the CPU by answering "capturing" from
-``tplogp.tensors.is_capturing``, which the call path consults) nothing is read on the host: the verdict is a device
+``tplogp.support.tensors.is_capturing``, which the call path consults) nothing is read on the host: the verdict is a device
 flag, the captured backward zeroes the call's gradients when it is set, and ``check_errors`` (or the next call
 outside the capture) raises after the "replay"."""
 
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from tests.support.interpreter import interpreter_only as triton_interpreter
-from tplogp import LinearLogpInputError, check_errors, get_op, linear_logp_loss, kernel_target_check, tensors, verdicts
+from tplogp import LinearLogpInputError, check_errors, get_op, linear_logp_loss
+from tplogp.op import kernel_target_check, verdicts
+from tplogp.support import tensors
 
 V, D = 20, 8
 GOOD = torch.tensor([0, 3, 19, 7, 2, 1])
@@ -170,7 +172,7 @@ def test_tp_a_bad_target_raises_in_the_backward_on_every_rank(tp, bad, monkeypat
     """Gloo ranks: the backward of the call with a bad target (outside the vocabulary, or targets that differ
     between ranks) raises the same error on every rank before its d_hidden all-reduce (no hang), and no rank's
     parameters get a gradient; the next step runs."""
-    from tplogp.shards import shard_boundaries, shard_range
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
     start, end = shard_range(shard_boundaries(64, tp.world_size, uneven=True), tp.rank)

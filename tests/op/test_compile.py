@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from tplogp import get_op, linear_logp, linear_logp_loss, losses, ops
+from tplogp import get_op, linear_logp, linear_logp_loss, losses
+from tplogp.op import ops
 from tplogp.tolerances import assert_no_worse
 from tests.support.problems import cpu_sources, make_problem, run_reference
 from tests.support import tolerances as tol
@@ -129,14 +130,14 @@ def _peer_compile_problem(n: int):
 @pytest.mark.parametrize("source", cpu_sources()[1:])
 def test_a_graph_traced_under_other_tiles_is_never_reused(source, monkeypatch):
     """The kept output's size depends on the source's tile config (and ``TPLOGP_WORKSPACE_MB``), which no argument
-    of the op carries: the traced graph holds :func:`tplogp.ops.layout_key`, so inductor's caches never hand a graph
+    of the op carries: the traced graph holds :func:`tplogp.op.ops.layout_key`, so inductor's caches never hand a graph
     traced under one config to a trace under another (its compiled code would assert the other kept size). Also the
     default backend (inductor) around the op with entropy, lse and a temperature: one graph, eager's values."""
     from dataclasses import replace
 
-    from tplogp.kernel_registry import backend_for_call
+    from tplogp.backends.kernel_registry import backend_for_call
     from tplogp.kernels import tiles
-    from tplogp.plan import clear_plans
+    from tplogp.op.plan import clear_plans
 
     p = _peer_compile_problem(20)
     op = get_op("linear_logp", source=source)
@@ -321,7 +322,7 @@ def test_opcheck(entropy, budget, source):
             ops.layout_key(source, h.device, h.dtype))
     packed, kept, gathered = ops.linear_logp_fwd(*args)
     assert gathered.numel() == 0  # (rows are gathered only by a sequence-parallel call with a group)
-    # the triton sources keep a call this small under the default budget too (tplogp.memory_budget)
+    # the triton sources keep a call this small under the default budget too (tplogp.backends.memory_budget)
     assert (kept.numel() > 0) == (budget == "keep" or source != "native"), kept.shape
     torch.library.opcheck(ops.linear_logp_fwd, args)
 
@@ -389,7 +390,7 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
     assert_same_bits(compiled, eager)
     assert seen["recompute"] == 0, seen
     # the counter sees recomputes: a budget of the transient part alone keeps nothing
-    from tplogp import memory_budget
+    from tplogp.backends import memory_budget
 
     transient = memory_budget.transient_bytes(source, torch.device("cpu"))
     loss_and_grads(make_loss(get_op("linear_logp", source=source), o, (p.g_logp, p.g_entropy)

@@ -1,5 +1,5 @@
 """Ignored rows kept in place instead of compacted away: what a CUDA-graph capture gets, where the compaction's host
-read of the kept-row count cannot happen (``tplogp.local_call.compacts_rows``; forced here). The outputs and
+read of the kept-row count cannot happen (``tplogp.op.local_call.compacts_rows``; forced here). The outputs and
 gradients equal the compacted call's (fp32, within the tolerance table's fp32 eps), ignored rows give 0 and no gradient,
 and the
 call reads nothing on the host with ``TPLOGP_CHECKS=fast`` (one rank, 2 gloo ranks, the compiled op, a forward
@@ -13,7 +13,8 @@ import torch
 import tplogp
 from tests.support.host_reads import count_host_reads
 from tests.support.problems import cpu_sources, make_problem
-from tplogp import get_op, local_call, losses
+from tplogp import get_op, losses
+from tplogp.op import local_call
 from tplogp.tolerances import ERROR_SLACK, rel_error
 
 IGNORE = -100
@@ -88,7 +89,7 @@ def test_compiled_op_in_place(monkeypatch):
 def test_forward_compacted_backward_in_place(monkeypatch):
     """The op's forward compacts (no capture), its backward runs in place (captured): the ignored rows' saved
     normalizer gives them p = 0, so the gradients are still those of the compacted call."""
-    from tplogp import ops
+    from tplogp.op import ops
 
     p = _problem(seed=7)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))

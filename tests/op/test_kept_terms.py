@@ -53,7 +53,7 @@ def test_the_problem_has_a_trained_models_spread():
 def test_keep_all_matches_the_default_and_float64(monkeypatch, source, dtype):
     """Every term kept (in the inputs' dtype: fp16 terms for fp16 inputs) against a call that keeps nothing (on
     triton, a call this small keeps by default: there a budget of the default workspace alone keeps nothing)."""
-    from tplogp import memory_budget
+    from tplogp.backends import memory_budget
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = trained_spread_problem(dtype, seed=1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tplogp import get_op
-from tplogp.kernel_registry import unavailable_reason
+from tplogp.backends.kernel_registry import unavailable_reason
 from tplogp.tolerances import assert_no_worse, rel_error
 from tests.support.problems import make_problem, run_op, run_reference
 from tests.support import tolerances as tol

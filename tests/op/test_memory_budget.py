@@ -1,4 +1,4 @@
-"""How a budget splits, for every source (:mod:`tplogp.memory_budget`): the call's ``workspace_bytes``, else
+"""How a budget splits, for every source (:mod:`tplogp.backends.memory_budget`): the call's ``workspace_bytes``, else
 ``TPLOGP_WORKSPACE_MB``, else the source's row of the table; a budget's transient part is at most the source's
 transient size and the rest is kept, the same on every source; docs/operator.md states the table's rows."""
 
@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from tplogp import memory_budget
+from tplogp.backends import memory_budget
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # (a device object only: nothing runs on it)
 MIB = 1 << 20

@@ -114,7 +114,7 @@ def test_softcap_must_be_a_positive_finite_float(softcap):
 
 
 def test_argmax_of_a_shard_beyond_exact_fp32_ids_is_refused(monkeypatch):
-    from tplogp import validation
+    from tplogp.op import validation
 
     monkeypatch.setattr(validation, "MAX_ARGMAX_VOCAB", 8)
     p = make_problem((4,), 8, 11, torch.float32, False)

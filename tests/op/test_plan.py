@@ -1,4 +1,4 @@
-"""The per-layout call plan (tplogp.plan): a later call of a layout plans nothing; a change of any layout input
+"""The per-layout call plan (tplogp.op.plan): a later call of a layout plans nothing; a change of any layout input
 (shapes, dtypes, bias, options, group, checks mode, workspace setting, grad mode) plans afresh; a bad layout is never
 remembered (it raises at every call)."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tplogp import LinearLogpInputError, ShardLayoutError, check_errors, get_op, plan
+from tplogp import LinearLogpInputError, ShardLayoutError, check_errors, get_op
+from tplogp.op import plan
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""tplogp.settings: every environment variable the package reads, read at call time, with clear errors."""
+"""tplogp.support.settings: every environment variable the package reads, read at call time, with clear errors."""
 
 import ast
 from pathlib import Path
@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 import tplogp
-from tplogp import settings, validation
+from tplogp.support import settings
+from tplogp.op import validation
 
 
 def test_workspace_mb(monkeypatch):
@@ -49,7 +50,7 @@ def test_only_settings_reads_the_environment():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv"):
                 readers.append(str(path.relative_to(root)))
-    assert set(readers) == {"settings.py"}, readers
+    assert set(readers) == {"support/settings.py"}, readers
     for name in (settings.WORKSPACE_MB, settings.CHECKS, settings.TRITON_INTERPRET):
         assert f"``{name}``" in settings.__doc__
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tplogp.shards import (
+from tplogp.support.shards import (
     ShardLayoutError,
     chunk_boundaries,
     even_boundaries,

@@ -11,10 +11,11 @@ import torch
 import tplogp
 from tests.support import tolerances as tol
 from tests.support.interpreter import INTERPRETING, KERNELS
-from tplogp import LinearLogpInputError, invariant, losses
+from tplogp import LinearLogpInputError, losses
+from tplogp.support import invariant
 from tplogp.api import linear_logp_on
 from tplogp.backends.base import BlockStats
-from tplogp.shards import even_boundaries, uneven_boundaries
+from tplogp.support.shards import even_boundaries, uneven_boundaries
 from tplogp.tolerances import rel_error
 
 LEVEL = invariant.LEVEL
@@ -48,7 +49,7 @@ def _problem(v: int, dtype: torch.dtype = torch.float32):
 
 def _logp_run(source, hidden, weight, bias, target, grads, **kw):
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    out = linear_logp_on(source, h, w, target, b, options=tplogp.plan.LogpOptions(
+    out = linear_logp_on(source, h, w, target, b, options=tplogp.op.plan.LogpOptions(
         temperature=0.7, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=LEVEL), **kw)
     sum(o * g for o, g in zip(out, grads)).sum().backward()
     return [o.detach() for o in out], h.grad, w.grad, b.grad
@@ -149,7 +150,7 @@ def _options_problem(v: int, dtype: torch.dtype = torch.float32):
 def _options_logp_run(source, hidden, weight, bias, target, grads, deterministic=LEVEL, **kw):
     """(logp, entropy, lse, argmax), weight.grad, bias.grad with the softcap, the temperature and the argmax."""
     w, b = (t.clone().requires_grad_() for t in (weight, bias))
-    out = linear_logp_on(source, hidden, w, target, b, options=tplogp.plan.LogpOptions(
+    out = linear_logp_on(source, hidden, w, target, b, options=tplogp.op.plan.LogpOptions(
         temperature=0.7, softcap=SOFTCAP, return_entropy=True, return_lse=True, return_argmax=True,
         ignore_index=-100, deterministic=deterministic), **kw)
     sum(o * g for o, g in zip(out[:3], grads)).sum().backward()
@@ -232,7 +233,7 @@ def test_close_to_the_default_and_even_shards_agree():
     the whole vocabulary gives the same bits whatever the row count of the other rows (batch invariance)."""
     hidden, weight, bias, target, grads = _problem(VOCAB["native"])
     ours = _logp_run("native", hidden, weight, bias, target, grads)
-    opts = tplogp.plan.LogpOptions(temperature=0.7, return_entropy=True, return_lse=True, ignore_index=-100)
+    opts = tplogp.op.plan.LogpOptions(temperature=0.7, return_entropy=True, return_lse=True, ignore_index=-100)
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     base = linear_logp_on("native", h, w, target, b, options=opts)
     sum(o * g for o, g in zip(base, grads)).sum().backward()
@@ -240,7 +241,7 @@ def test_close_to_the_default_and_even_shards_agree():
         assert rel_error(a, r) <= tol.REL_FP32_SAME_MATH, rel_error(a, r)
     for a, r in ((ours[1], h.grad), (ours[2], w.grad), (ours[3], b.grad)):
         assert rel_error(a, r) <= tol.REL_FP32_SAME_MATH, rel_error(a, r)
-    head = linear_logp_on("native", hidden[:1], weight, target[:1], bias, options=tplogp.plan.LogpOptions(
+    head = linear_logp_on("native", hidden[:1], weight, target[:1], bias, options=tplogp.op.plan.LogpOptions(
         temperature=0.7, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=LEVEL))
     for a, r in zip(head, ours[0]):
         assert torch.equal(a, r[:1])
@@ -254,7 +255,7 @@ BOUNDS = [even_boundaries(331, 4), uneven_boundaries(331, 4), [0, 3, 5, 64, 70, 
 
 @pytest.mark.parametrize("bounds", BOUNDS, ids=["even4", "uneven4", "tiny", "aligned", "ones"])
 def test_regrid_moves_every_row_once(bounds):
-    """Simulated exchange over every rank's :class:`~tplogp.invariant.Regrid`: each rank's rows ``[lo, hi)`` are
+    """Simulated exchange over every rank's :class:`~tplogp.support.invariant.Regrid`: each rank's rows ``[lo, hi)`` are
     the global rows, the grid ranges tile the vocabulary, and the gradients sent back land on their owners'
     rows."""
     v, cols = bounds[-1], 64
@@ -291,7 +292,7 @@ def test_fixed_point_sum_is_exact_in_any_order():
 
 
 def _merged(block_max, argmax=None, sum_z=None, columns: int = 64):
-    """:func:`~tplogp.invariant.merge_blocks` of made-up block stats ``[blocks, N]`` on one shard."""
+    """:func:`~tplogp.support.invariant.merge_blocks` of made-up block stats ``[blocks, N]`` on one shard."""
     blocks, n = block_max.shape
     stats = BlockStats(block_max, torch.ones_like(block_max), torch.zeros(n), None, sum_z, argmax)
     regrid = invariant.Regrid(None, None, 0, [(0, blocks * columns)], columns, blocks * columns)

@@ -74,7 +74,7 @@ def test_tp_rl_options(tp, op_source):
 
 def _bad_call(tp, case):
     from tplogp import get_op
-    from tplogp.shards import shard_boundaries, shard_range
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     rank, world = tp.rank, tp.world_size
     start, end = shard_range(shard_boundaries(64, world), rank)

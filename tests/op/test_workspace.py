@@ -10,7 +10,8 @@ import torch
 
 import tplogp
 from tests.support.problems import make_problem, run_op, run_reference
-from tplogp import get_op, memory_budget
+from tplogp import get_op
+from tplogp.backends import memory_budget
 from tplogp.backends import native, native_tiles
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bound
 

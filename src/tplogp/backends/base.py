@@ -43,7 +43,7 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     buffers to which ``d_weight`` / ``d_bias`` are added without rounding (a loss summed over several token chunks);
     the returned ``ShardGrads`` then holds these buffers.
 
-``forward_blocks`` and ``grid_columns`` (the tensor-parallel-invariant level, :mod:`tplogp.invariant`)
+``forward_blocks`` and ``grid_columns`` (the tensor-parallel-invariant level, :mod:`tplogp.support.invariant`)
     ``grid_columns(device, dtype)`` is the width ``B`` of the source's global column grid (a constant of the source,
     device and dtype). ``forward_blocks`` takes a shard whose first column starts a grid block (only the last
     block may be cut, by the vocabulary's end) and returns :class:`BlockStats`, one column per block, each
@@ -59,15 +59,15 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     owned by nobody (its logp is NaN; full checks reject such ids first). A backend whose
     ``checks_targets_in_kernel`` is True also takes ``target_flag=``: a zeroed int64 ``[1]`` tensor (pinned host
     memory on a GPU) that its kernels set to an id outside ``[0, V)`` when a target is one: the call's default
-    target check then costs no launch and no copy (:class:`tplogp.kernel_target_check.KernelTargetCheck`).
+    target check then costs no launch and no copy (:class:`tplogp.op.kernel_target_check.KernelTargetCheck`).
 
 ``kept_out=`` (``forward_stats`` and ``forward_single``, optional)
     A flat fp32 buffer of exactly ``kept_shape`` words for the call's rows, into which a forward that keeps
     (``for_backward``, ``scales_apart`` off) writes instead of allocating its own: the op's kept output, a prefix of
-    its ``kept_capacity`` under ``ignore_index`` (:func:`tplogp.packed_op.forward_packed`). None: the forward allocates.
+    its ``kept_capacity`` under ``ignore_index`` (:func:`tplogp.op.packed_op.forward_packed`). None: the forward allocates.
 
 Everything that needs a collective (merging stats across ranks, the coverage check, the d_hidden all-reduce)
-lives in :mod:`tplogp.tp`, once, for every backend. ``local_target`` is the target id minus the shard's
+lives in :mod:`tplogp.op.tp`, once, for every backend. ``local_target`` is the target id minus the shard's
 ``vocab_start_index`` where the shard owns it, and ``-1`` elsewhere (ignored rows are ``-1`` too).
 """
 
@@ -79,14 +79,14 @@ from typing import Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
 
-from .. import memory_budget
+from . import memory_budget
 
 
 class KeptBuffers:
     """What a source's forward kept for its backward in two allocations (``ShardCall.scales_apart``): ``values``,
     the terms ``[N, keep_cols]`` in the kept dtype (what the autograd context saves, and what a consuming backward
     overwrites with d_logits), and ``scales``, the per-row, per-tile fp32 scales. The call path holds the scales
-    where it can drop them (``tplogp.local_call.TPContext.kept_scales``) and hands both to the backward in one of these;
+    where it can drop them (``tplogp.op.local_call.TPContext.kept_scales``) and hands both to the backward in one of these;
     the source's backward takes the scales out (:meth:`take_scales`), and its d_logits launcher drops them once
     read, so that a consuming backward frees them before its d_hidden / d_W GEMMs allocate their outputs (a peak
     lower by the scales)."""
@@ -105,7 +105,7 @@ class KeptBuffers:
 
 class BlockStats(NamedTuple):
     """Per-token statistics of each grid block of a grid-aligned shard (``forward_blocks``; the
-    tensor-parallel-invariant level, :mod:`tplogp.invariant`). fp32; ``[blocks, N]`` unless noted."""
+    tensor-parallel-invariant level, :mod:`tplogp.support.invariant`). fp32; ``[blocks, N]`` unless noted."""
 
     block_max: torch.Tensor  # max of the block's logits
     block_sum: torch.Tensor  # sum exp(z - block_max)
@@ -168,8 +168,8 @@ class ShardCall:
     with_argmax: bool = False
     deterministic: bool = False
     # The most bytes the op may hold beyond inputs, outputs and gradients: transient tiles plus what the forward
-    # keeps for the backward, split per source by tplogp.memory_budget.split (docs/operator.md, "Memory budget").
-    # None: TPLOGP_WORKSPACE_MB, else the source's default (the table in tplogp.memory_budget).
+    # keeps for the backward, split per source by tplogp.backends.memory_budget.split (docs/operator.md, "Memory budget").
+    # None: TPLOGP_WORKSPACE_MB, else the source's default (the table in tplogp.backends.memory_budget).
     workspace_bytes: Optional[int] = None
     # the forward's results will be differentiated: a backend may keep logits for the backward within the budget
     for_backward: bool = False
@@ -180,21 +180,21 @@ class ShardCall:
     # d_hidden is the call's whole gradient (one shard: no all-reduce; no later scaling): a source may return it in
     # the input dtype, rounded once as its GEMM stores it, instead of fp32 (no fp32 buffer, no cast)
     d_hidden_in_input_dtype: bool = False
-    # the op's checks passed and the call path made the tensors what the sources take (tplogp.plan,
+    # the op's checks passed and the call path made the tensors what the sources take (tplogp.op.plan,
     # local_call.localize: 2-D, contiguous, one device, int64 targets): a source may skip its per-launch checks
     inputs_checked: bool = False
     # the forward keeps its scales apart from its terms (KeptBuffers), so that a consuming backward can free them
     # early: the eager paths; the op's forward (torch.compile) returns one flat buffer
     scales_apart: bool = False
-    # the layout's token count (tplogp.plan), or None (any): a call of another count (rows that ignore_index
+    # the layout's token count (tplogp.op.plan), or None (any): a call of another count (rows that ignore_index
     # compacted away, a fused loss's chunk) runs no launch program, since such counts vary from call to call
     rows: Optional[int] = None
-    # the tensor-parallel-invariant level (tplogp.invariant): the width of the global grid's blocks (0: off). The
+    # the tensor-parallel-invariant level (tplogp.support.invariant): the width of the global grid's blocks (0: off). The
     # shard is grid-aligned (its first column starts a block), the forward runs ``forward_blocks`` and the backward
     # runs GEMMs whose shapes do not depend on the shard's size, so a column's d_W / d_b rows do not either
     grid_columns: int = 0
     # a source's launch programs for the layouts run with this call (the calls of a layout share one ShardCall,
-    # tplogp.plan): everything of a launch but its tensors, made at a layout's first call (not compared, not hashed)
+    # tplogp.op.plan): everything of a launch but its tensors, made at a layout's first call (not compared, not hashed)
     programs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @functools.cached_property
@@ -216,20 +216,20 @@ class ShardCall:
 
 
 class BudgetParts:
-    """A source's two budget parts, read from the one table (:mod:`tplogp.memory_budget`) by its ``name``."""
+    """A source's two budget parts, read from the one table (:mod:`tplogp.backends.memory_budget`) by its ``name``."""
 
     name: str
 
     @classmethod
     def transient_bytes(cls, device: torch.device) -> int:
         """The budget's part that goes to transient work (tiles, d_logits workspace) before anything is kept
-        (:func:`tplogp.memory_budget.transient_bytes`)."""
+        (:func:`tplogp.backends.memory_budget.transient_bytes`)."""
         return memory_budget.transient_bytes(cls.name, device)
 
     @classmethod
     def keep_bytes(cls, workspace_bytes: Optional[int], device: torch.device) -> int:
         """The part of the budget that holds what the forward keeps for the backward
-        (:func:`tplogp.memory_budget.split`)."""
+        (:func:`tplogp.backends.memory_budget.split`)."""
         return memory_budget.split(cls.name, workspace_bytes, device).keep
 
 
@@ -274,7 +274,7 @@ class ShardBackend(Protocol):
 
     def layout_fingerprint(self, device: torch.device, dtype: torch.dtype) -> str:
         """What decides :meth:`kept_shape` on ``device`` for ``dtype`` besides the call's arguments and the
-        workspace setting (a tile config): a compiled graph carries it (:func:`tplogp.ops.layout_key`)."""
+        workspace setting (a tile config): a compiled graph carries it (:func:`tplogp.op.ops.layout_key`)."""
         ...
 
     def kept_shape(self, n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,

@@ -5,7 +5,7 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 * The ``[N, V_local]`` logits are not held whole unless the budget allows it. Work is tiled into
   ``[tokens_chunk, vocab_chunk]`` fp32 tiles. The byte budget (``ShardCall.workspace_bytes``, else
   ``TPLOGP_WORKSPACE_MB``, else the default) goes to the tiles up to the source's transient size; the rest keeps
-  (:func:`tplogp.memory_budget.split`), for the first tiles (in the forward's order), the softmax terms
+  (:func:`tplogp.backends.memory_budget.split`), for the first tiles (in the forward's order), the softmax terms
   ``e = exp(z - m)`` (in the inputs' dtype: bf16, fp16 or fp32) with the running max ``m`` per row, whose backward
   then forms ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding
   alone, whatever the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output
@@ -19,7 +19,7 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
   is summed per vocab tile in an fp32 tile buffer within the tile budget and rounded once. Saved state is O(N).
 * ``deterministic=True`` uses a token chunk that does not depend on N and pads the last chunk to it, so every GEMM
   has the same shape whatever the batch: a row's results do not change when other rows are added or removed.
-* ``deterministic="tp_invariant"`` (:mod:`tplogp.invariant`): :meth:`NativeBackend.forward_blocks` and the backward
+* ``deterministic="tp_invariant"`` (:mod:`tplogp.support.invariant`): :meth:`NativeBackend.forward_blocks` and the backward
   run :mod:`tplogp.backends.native_grid`: grid blocks of ``GRID_COLUMNS`` columns, each copied into a zero-padded
   ``[GRID_COLUMNS, D]`` buffer, with the deterministic token chunk: every GEMM, every reduction and every
   elementwise op has one shape, so a column's logits, d_W and d_b do not depend on the shard it came in.
@@ -34,9 +34,10 @@ from typing import Optional
 
 import torch
 
-from .. import fp32_gemm, memory_budget, settings
+from ..support import fp32_gemm, settings
+from . import memory_budget
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
-from ..masked_rows import floored, rescale_max, settle_rows
+from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
@@ -312,7 +313,7 @@ class NativeBackend(BudgetParts):
 
     @staticmethod
     def grid_columns(device: torch.device, dtype: torch.dtype) -> int:
-        """The invariant level's grid block width (:mod:`tplogp.invariant`)."""
+        """The invariant level's grid block width (:mod:`tplogp.support.invariant`)."""
         return native_grid.GRID_COLUMNS
 
     def forward_blocks(self, hidden, weight, bias, local_target, call: ShardCall) -> BlockStats:

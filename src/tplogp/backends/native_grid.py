@@ -1,4 +1,4 @@
-"""The native source's tensor-parallel-invariant level (``deterministic="tp_invariant"``, :mod:`tplogp.invariant`;
+"""The native source's tensor-parallel-invariant level (``deterministic="tp_invariant"``, :mod:`tplogp.support.invariant`;
 docs/operator.md, "Determinism"): per-block statistics and gradients of a grid-aligned shard.
 
 Algorithm (one shard whose first column starts a grid block):
@@ -13,7 +13,7 @@ Algorithm (one shard whose first column starts a grid block):
 * Forward (:func:`forward_blocks`), blocks outer, chunks inner: per block and token the stats ``m_b`` (max),
   ``s_b = sum exp(z - m_b)``, for entropy ``q_b = sum exp(z - m_b)(z - m_b)``, with the options the block's sum of
   ``z`` (padding columns: zero weight and bias, ``z = 0``) and the lowest column of its max (padding set to -inf
-  first); the owned target's fp32 logit. No online merge: :mod:`tplogp.invariant` merges the blocks exactly.
+  first); the owned target's fp32 logit. No online merge: :mod:`tplogp.support.invariant` merges the blocks exactly.
 * Backward (:func:`backward_blocks`), blocks outer, chunks inner: each tile recomputed, ``dz`` formed as in the
   tiled backward (the one-hot, ``grad_sum_z``, the temperature, the softcap's slope) with padding columns zeroed;
   ``d_hidden`` summed over the blocks in order in fp32, a block's d_W / d_b rows summed over the chunks in an fp32
@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..masked_rows import floored, rescale_max
+from ..support import fp32_gemm
+from ..support.masked_rows import floored, rescale_max
 from .base import BlockStats, ShardCall, ShardGrads
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _logits_tile, _pad_rows, _recomputed_dz,
                            _token_chunk)

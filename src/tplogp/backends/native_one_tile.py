@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import fp32_gemm
-from ..masked_rows import floored, rescale_max, settle_rows
+from ..support import fp32_gemm
+from ..support.masked_rows import floored, rescale_max, settle_rows
 from .base import ShardCall, ShardGrads, SingleShardOutputs
 from .native_tiles import _logits_tile
 

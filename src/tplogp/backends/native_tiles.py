@@ -1,7 +1,7 @@
 """The native source's shared tile arithmetic: one fp32 logits tile, row padding, and a backward token chunk's
 per-token vectors.
 
-* :func:`_logits_tile` is one GEMM with fp32 output (:mod:`tplogp.fp32_gemm`), the bias, the softcap
+* :func:`_logits_tile` is one GEMM with fp32 output (:mod:`tplogp.support.fp32_gemm`), the bias, the softcap
   ``cap(y) = softcap * tanh(y / softcap)`` and the temperature, in that order: the target logit is read from the fp32
   accumulator, never from a rounded logit.
 * ``deterministic`` pads a token chunk to :data:`DETERMINISTIC_TOKEN_CHUNK` rows (:func:`_pad_rows`), so every GEMM
@@ -23,8 +23,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..masked_rows import floored
+from ..support import fp32_gemm
+from ..support.masked_rows import floored
 
 # Token chunk used by deterministic mode (independent of N by construction).
 DETERMINISTIC_TOKEN_CHUNK = 256

@@ -16,7 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import memory_budget, settings
+from . import memory_budget
+from ..support import settings
 from ..kernels import kept as kept_layout  # (these three: torch only, no Triton import, no device work)
 from ..kernels import tiles, workspace
 from .base import BlockStats, BudgetParts, KeptBuffers, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
@@ -270,7 +271,7 @@ class TritonBackend(BudgetParts):
         return ShardStats(*out[:4], kept=kept, sum_z=out[4], argmax=out[5])
 
     def grid_columns(self, device: torch.device, dtype: torch.dtype) -> int:
-        """The invariant level's grid block width (:mod:`tplogp.invariant`): the forward's split, ``split_v`` of the
+        """The invariant level's grid block width (:mod:`tplogp.support.invariant`): the forward's split, ``split_v`` of the
         device's tile config, so each block is one program's split of whole tiles."""
         return self._cfg(torch.device(device), dtype).split_v
 
@@ -290,7 +291,7 @@ class TritonBackend(BudgetParts):
         return BlockStats(block_max, block_sum, target.sum(0), sez, sum_z, argmax)
 
     # forward_single takes ``target_flag``: its finishing kernel checks the targets
-    # (tplogp.kernel_target_check.KernelTargetCheck)
+    # (tplogp.op.kernel_target_check.KernelTargetCheck)
     checks_targets_in_kernel = True
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,

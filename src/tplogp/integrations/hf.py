@@ -36,9 +36,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..api import linear_logp_entry, linear_logp_loss_entry
-from ..dtensor import is_dtensor
+from ..op.dtensor import is_dtensor
 from ..outputs import LogpEntropy
-from ..validation import EntryCheck
+from ..op.validation import EntryCheck
 from . import require
 
 require("transformers", "tplogp.integrations.hf", "hf")
@@ -257,7 +257,7 @@ def _entry(input_ids, logits_to_keep, model_kwargs: dict) -> tuple[int, Optional
     """The entry point's own checks: ``(logits_to_keep to run the model with, problem or None)``.
     What the model cannot run with raises here (input_ids not ``[B, S]``; model keyword arguments
     the integration sets itself, fixed in the caller's code); a bad ``logits_to_keep`` is a problem
-    that travels with the head's op call (:class:`tplogp.validation.EntryCheck`), so with a
+    that travels with the head's op call (:class:`tplogp.op.validation.EntryCheck`), so with a
     tensor-parallel head every rank raises the same error after the model's forward (its
     collectives done on every rank) and none is left waiting."""
     bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import linear_logp_entry
-from ..validation import EntryCheck
+from ..op.validation import EntryCheck
 
 REDUCTIONS = ("none", "sum", "mean")
 

@@ -165,9 +165,9 @@ def finalize_single_kernel(
     ``logp = (t - M) - log S`` (NaN where no vocab id is the target), ``lse = M + log S``,
     ``E_p[z] - M = q / S``, ``entropy = log S - (E_p[z] - M)``: the same fp32 formulas as the TP layer's merge.
     A row with every column masked (``S = 0``) is settled as
-    :func:`tplogp.masked_rows.settle_rows` settles it.
+    :func:`tplogp.support.masked_rows.settle_rows` settles it.
     ``CHECK_TARGETS`` (the call's default target check,
-    :class:`tplogp.kernel_target_check.KernelTargetCheck`): a program that finds ids outside ``[0, V)`` stores one of them (never 0, which is inside) to ``p_flag``; several such programs
+    :class:`tplogp.op.kernel_target_check.KernelTargetCheck`): a program that finds ids outside ``[0, V)`` stores one of them (never 0, which is inside) to ``p_flag``; several such programs
     store such ids alike, and the host reads the flag once the kernel is done.
     """
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
@@ -175,7 +175,7 @@ def finalize_single_kernel(
     b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY, WITH_SUM_Z,
                                                          WITH_ARGMAX)
     # an empty row (every column masked, S = 0): lse -inf, and M = log S = E_p[z] - M = 0 for logp
-    # (-inf), the entropy (0) and the backward (tplogp.masked_rows)
+    # (-inf), the entropy (0) and the backward (tplogp.support.masked_rows)
     empty = b_sum == 0.0
     b_lse_max = b_max
     b_max = tl.where(empty, 0.0, b_max)

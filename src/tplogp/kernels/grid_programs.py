@@ -1,12 +1,12 @@
 """The triton and sm90 sources' tensor-parallel-invariant level (``deterministic="tp_invariant"``,
-:mod:`tplogp.invariant`; docs/operator.md, "Determinism"): one grid-aligned shard's per-block forward stats and its
+:mod:`tplogp.support.invariant`; docs/operator.md, "Determinism"): one grid-aligned shard's per-block forward stats and its
 backward, every step in grid-block-sized pieces.
 
 Algorithm (a shard whose first column starts a grid block of ``B`` columns, ``B = cfg.split_v`` in the forward):
 
 * Forward (:func:`forward_blocks`): one launch of the stats kernel whose vocab splits are the grid blocks (tiles
   aligned to the grid, one config per device and dtype, no split-K), returning each block's ``(m_b, s_b, q_b)`` (and
-  with the options its sum of ``z`` and the lowest column of its max) unmerged; :mod:`tplogp.invariant` merges them
+  with the options its sum of ``z`` and the lowest column of its max) unmerged; :mod:`tplogp.support.invariant` merges them
   exactly.
 * Backward (:func:`backward_on_grid`): d_logits recomputed in chunks that are multiples of ``B`` (nothing kept),
   into a workspace whose row stride is a function of ``N``, the budget and ``B`` alone (never of the shard);
@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..tensors import f32_contiguous
+from ..support import fp32_gemm
+from ..support.tensors import f32_contiguous
 from .launch import cached
 from .launches import ensure_context, stats_launch, tma_ok
 from .programs import dh_gemm, empty_call_grads, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
@@ -40,7 +40,7 @@ def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     None, sum of z | None, lowest column of the max | None)``, each ``[S, N]`` fp32 (the last three with
     ``with_entropy``, ``with_sum_z``, ``with_argmax``; the column relative to the shard's first); one launch of the
     stats kernel (``softcap``: the forward's). The splits are ``cfg.split_v`` columns from the shard's first column,
-    so for a grid-aligned shard they are the blocks of the tensor-parallel-invariant grid (:mod:`tplogp.invariant`),
+    so for a grid-aligned shard they are the blocks of the tensor-parallel-invariant grid (:mod:`tplogp.support.invariant`),
     each computed by the same tiles wherever it sits."""
     n, d = hidden.shape
     v = weight.shape[0]
@@ -80,7 +80,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
                      d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
                      accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
                      softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
-    """:func:`~.programs.backward` of the tensor-parallel-invariant level (:mod:`tplogp.invariant`) for a
+    """:func:`~.programs.backward` of the tensor-parallel-invariant level (:mod:`tplogp.support.invariant`) for a
     grid-aligned shard: a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size (``softcap``,
     ``grad_sum_z``: as in :func:`~.programs.backward`).
 

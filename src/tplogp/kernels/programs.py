@@ -21,8 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..tensors import f32_contiguous
+from ..support import fp32_gemm
+from ..support.tensors import f32_contiguous
 from .entry_checks import KernelInputError, check_inputs, check_kept
 from .kept import KeptTerms
 from .launch import cached

@@ -20,7 +20,7 @@ shared).
 
 A masked column (``y = -inf``) gives ``2^a = 0`` and ``p = 0``: the forward's rescale subtracts
 ``max(m', -FLT_MAX)`` (no ``-inf - -inf`` while a row has no unmasked column yet) and the entropy's
-``a`` and ``zr`` are floored at :data:`RELATIVE_FLOOR` (no ``0 * -inf``; tplogp.masked_rows).
+``a`` and ``zr`` are floored at :data:`RELATIVE_FLOOR` (no ``0 * -inf``; tplogp.support.masked_rows).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .fp32_ops import LN2, LOG2E, PTX, exp2, log2, mul_rounded, store_rounded, t
 
 # z - M below RELATIVE_FLOOR (natural or log2 units) has p = 0 in fp32: the entropy's terms read
 # z - M floored there, which changes no value but never forms 0 * -inf on a masked (-inf) column
-# (tplogp.masked_rows)
+# (tplogp.support.masked_rows)
 RELATIVE_FLOOR = tl.constexpr(-1024.0)
 
 @triton.jit

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .. import settings
+from ..support import settings
 
 
 # Operand dtypes every Triton kernel of tplogp takes (the launchers' checks, the sources' dtype test, the fused
@@ -97,7 +97,7 @@ INTERPRETER = TileConfig(
 SM90 = replace(_BY_CAPABILITY[(9, 0)], warp_specialize=True)
 
 
-# Whether Triton's CPU interpreter runs the kernels: :func:`tplogp.settings.triton_interpret` itself (read at each
+# Whether Triton's CPU interpreter runs the kernels: :func:`tplogp.support.settings.triton_interpret` itself (read at each
 # call; no wrapper frame, several launches of every call ask).
 interpreting = settings.triton_interpret
 

@@ -1,7 +1,7 @@
 """How the triton / sm90 backward cuts the vocab into d_logits workspace chunks, and which columns a budget's kept
 part holds (torch only: no Triton import).
 
-The budget's split into the d_logits workspace and the kept part is :func:`tplogp.memory_budget.split`'s. Kept
+The budget's split into the d_logits workspace and the kept part is :func:`tplogp.backends.memory_budget.split`'s. Kept
 columns are the shard's first ones (:func:`plan_keep`; without a budget :func:`keep_whole`); chunk widths are
 multiples of ``CHUNK_ALIGN``, so the deterministic d_hidden K order is the same whatever the chunking.
 """
@@ -50,7 +50,7 @@ def keep_capacity(n: int, v: int, keep_limit_bytes: int, itemsize: int = 2,
 
 def plan_chunk(n: int, v: int, itemsize: int, workspace_bytes: int) -> int:
     """Vocab columns per backward chunk: the ``[N, chunk]`` workspace fits ``workspace_bytes`` (the budget's
-    transient part, :func:`tplogp.memory_budget.split`); a multiple of CHUNK_ALIGN."""
+    transient part, :func:`tplogp.backends.memory_budget.split`); a multiple of CHUNK_ALIGN."""
     cols = workspace_bytes // max(1, n * itemsize)
     cols = max(CHUNK_ALIGN, (cols // CHUNK_ALIGN) * CHUNK_ALIGN)
     return min(cols, cdiv(v, CHUNK_ALIGN) * CHUNK_ALIGN)

@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..api import get_op
-from ..kernel_registry import SourceUnavailableError
-from ..shards import ShardLayoutError
-from ..validation import LinearLogpInputError
+from ..backends.kernel_registry import SourceUnavailableError
+from ..support.shards import ShardLayoutError
+from ..op.validation import LinearLogpInputError
 from .correctness import correctness
 from .flags import UsageError, parse_args
 from .launch import env_rank, gather_errors, init_group, launch_env, leave_last, log0, pick_device

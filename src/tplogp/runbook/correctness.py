@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from ..reference import reference_outputs
-from ..shards import shard_boundaries, shard_range
+from ..testing.reference import reference_outputs
+from ..support.shards import shard_boundaries, shard_range
 from .flags import DTYPES, IGNORE_INDEX
 from .inputs import make_targets, op_kwargs, token_rows
 from .launch import log0, max_over_ranks

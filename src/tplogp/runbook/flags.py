@@ -13,8 +13,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..settings import SettingsError, launcher_env
-from ..tolerances import RUNBOOK_TOLERANCES
+from ..support.settings import SettingsError, launcher_env
+from ..testing.tolerances import RUNBOOK_TOLERANCES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORE_INDEX = -100
@@ -87,10 +87,10 @@ def build_parser(description: str = "", epilog: str = "",
         help="each rank passes its contiguous slice of the tokens as hidden (sequence_parallel=True; the token "
              "counts must divide by the world size); hidden_grad is checked against that slice of the reference's")
     add("--atol", type=tolerance, default=None,
-        help="absolute bound of the correctness check (default: per dtype from tplogp.tolerances: "
+        help="absolute bound of the correctness check (default: per dtype from tplogp.testing.tolerances: "
              + ", ".join(f"{k} {RUNBOOK_TOLERANCES[v].atol:g}" for k, v in sorted(DTYPES.items())) + ")")
     add("--rtol", type=tolerance, default=None,
-        help="relative bound of the correctness check (default: per dtype from tplogp.tolerances: "
+        help="relative bound of the correctness check (default: per dtype from tplogp.testing.tolerances: "
              + ", ".join(f"{k} {RUNBOOK_TOLERANCES[v].rtol:g}" for k, v in sorted(DTYPES.items())) + ")")
     add("--run-stress", action="store_true",
         help="add the stress phase: a TP-only shape, no reference (finiteness, step time, peak memory)")

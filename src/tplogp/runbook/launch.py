@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..settings import LauncherEnv, SettingsError, launcher_env
+from ..support.settings import LauncherEnv, SettingsError, launcher_env
 from .flags import UsageError
 
 LAUNCH_HINT = "launch with torchrun, e.g. torchrun --standalone --nproc_per_node=4 tests/linear_logp_tp.py"

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..shards import shard_boundaries, shard_range
+from ..support.shards import shard_boundaries, shard_range
 from .flags import DTYPES
 from .inputs import make_targets, op_kwargs, token_rows
 from .launch import log0, max_over_ranks

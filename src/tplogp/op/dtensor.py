@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .shards import chunk_boundaries, shard_range
+from ..support.shards import chunk_boundaries, shard_range
 from .validation import LinearLogpInputError
 
 

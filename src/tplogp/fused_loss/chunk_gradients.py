@@ -1,4 +1,4 @@
-"""The fused loss's chunks (:mod:`tplogp.fused_loss`): tokens per chunk, the per-token tensors as the chunk rows'
+"""The fused loss's chunks (:mod:`tplogp.fused_loss.loop`): tokens per chunk, the per-token tensors as the chunk rows'
 fp32 constants, a chunk's share of the reduced loss, and the call's gradients assembled from the chunks' backwards.
 
 The gradients: ``d_hidden`` rows go into one fp32 buffer, ``d_W`` / ``d_b`` are summed unrounded in fp32 over the
@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import local_call, tp
-from .budgets import accumulator_tokens, plan_chunk_tokens
-from .tensors import finish_rows
+from ..op import local_call, tp
+from ..budgets import accumulator_tokens, plan_chunk_tokens
+from ..support.tensors import finish_rows
 
 
 class ChunkGradients:

@@ -1,10 +1,10 @@
-"""The bodies that the ``torch.library`` ops (:mod:`tplogp.ops`) run: a checked call's forward and backward with
+"""The bodies that the ``torch.library`` ops (:mod:`tplogp.op.ops`) run: a checked call's forward and backward with
 outputs of shapes a fake implementation can state.
 
 The outputs and what the backward needs travel as one packed fp32 ``[K, N]`` tensor (rows ``PACKED_*``), the kept
 softmax terms as one flat buffer (with ``ignore_index``, whose compaction leaves a data-dependent row count, a
 capacity of which the forward fills a prefix), and a sequence-parallel call's gathered rows as a third output. Both
-run through the same :func:`tplogp.tp.shard_forward` / :func:`tplogp.tp.shard_backward` as the eager path.
+run through the same :func:`tplogp.op.tp.shard_forward` / :func:`tplogp.op.tp.shard_backward` as the eager path.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from . import local_call
 from .local_call import LocalCall
-from .tensors import expand_kept_rows, finish_rows, zero_rows
+from ..support.tensors import expand_kept_rows, finish_rows, zero_rows
 from .tp import shard_backward, shard_forward
 
 
@@ -40,7 +40,7 @@ def op_kept_shape(backend, n: int, d: int, v: int, dtype: torch.dtype, device: t
     Args:
         backend: the call's source.
         n, d, v, dtype, device: the call's tokens, hidden size, shard vocab, dtype and device.
-        call: the op's :class:`~tplogp.backends.base.ShardCall` (:func:`tplogp.plan.op_call`).
+        call: the op's :class:`~tplogp.backends.base.ShardCall` (:func:`tplogp.op.plan.op_call`).
         ignore_index: the call's.
     """
     if ignore_index is None:
@@ -76,17 +76,17 @@ def _op_kept_prefix(local: LocalCall, kept: Optional[torch.Tensor]) -> Optional[
 
 
 def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward of the ``torch.library`` op (:mod:`tplogp.ops`) for a checked call.
+    """The forward of the ``torch.library`` op (:mod:`tplogp.op.ops`) for a checked call.
 
     An op returns tensors of shapes its fake implementation can state, so the outputs and what the backward needs
     travel as one packed tensor.
 
     Args:
-        call: a :class:`tplogp.plan.Call` from :func:`tplogp.plan.prepare`.
+        call: a :class:`tplogp.op.plan.Call` from :func:`tplogp.op.plan.prepare`.
     Returns:
         ``(packed, kept, gathered)``: one fp32 ``[K, target_ids.numel()]`` tensor (rows ``PACKED_*``; ignored rows
         0), what the forward kept for the backward within the budget (shape :func:`op_kept_shape` of
-        :func:`tplogp.plan.op_call`; ``(0,)`` when the budget keeps nothing, and the backward recomputes), and a
+        :func:`tplogp.op.plan.op_call`; ``(0,)`` when the budget keeps nothing, and the backward recomputes), and a
         sequence-parallel call's gathered rows ``[N, D]`` for its backward (``(0,)`` otherwise).
     """
     local = local_call.localize(call)
@@ -122,7 +122,7 @@ def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs
     """The backward of :func:`forward_packed`, through :func:`shard_backward` like the eager path's.
 
     Args:
-        call: :func:`tplogp.plan.prepare_backward`'s (its verdict, the latest call's, is settled before any
+        call: :func:`tplogp.op.plan.prepare_backward`'s (its verdict, the latest call's, is settled before any
             gradient).
         packed: the forward's packed result.
         grad_packed: its gradient (rows ``PACKED_LOGP``, ``PACKED_LSE``, ``PACKED_ENTROPY`` are read; ignored rows
@@ -145,7 +145,7 @@ def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs
     g_entropy = grad_packed[PACKED_ENTROPY] if options.return_entropy else None
     saved = (local.hidden, local.weight, local.bias, local.local_target, packed[PACKED_ROW_MAX],
              packed[PACKED_LOG_SUM], mean_rel, kept if kept is not None and kept.numel() else None)
-    # the op's kept buffer is read, never overwritten: ``tplogp::linear_logp_bwd`` declares no mutation (tplogp.ops)
+    # the op's kept buffer is read, never overwritten: ``tplogp::linear_logp_bwd`` declares no mutation (tplogp.op.ops)
     d_hidden, d_weight, d_bias = shard_backward(saved, local.tpc, needs, False, grad_packed[PACKED_LOGP], g_entropy,
                                                 grad_packed[PACKED_LSE])
     if d_hidden is not None:
@@ -157,5 +157,5 @@ def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor, needs
 
 
 def finish_rows_of(local: LocalCall, x: torch.Tensor, n_all: int) -> torch.Tensor:
-    """:func:`tplogp.tensors.finish_rows` with the local call's compaction."""
+    """:func:`tplogp.support.tensors.finish_rows` with the local call's compaction."""
     return finish_rows(x, n_all, local.keep_idx, local.ignored)

@@ -10,9 +10,9 @@ variable                    values (default)           effect
 ``TPLOGP_WORKSPACE_MB``     positive number of MiB     the call's ``workspace_bytes`` when it gives none: the most memory
                             (unset: per source)        the op may hold beyond inputs, outputs and gradients (transient
                                                        tiles plus terms kept for the backward). Unset: each source's
-                                                       default (``tplogp.memory_budget.SOURCE_BUDGETS``; its table:
+                                                       default (``tplogp.backends.memory_budget.SOURCE_BUDGETS``; its table:
                                                        docs/operator.md, "Memory budget")
-``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.verdicts`):
+``TPLOGP_CHECKS``           ``full`` | ``sync`` |      input checks of ``linear_logp`` (:mod:`tplogp.op.verdicts`):
                             ``fast`` (``full``)        ``sync`` reads the target check at the call without a group;
                                                        ``fast`` checks each layout once, then skips the
                                                        checks (docs/operator.md, "Checks")
@@ -57,7 +57,7 @@ def _raw(name: str) -> Optional[str]:
 
 def workspace_bytes() -> Optional[int]:
     """``TPLOGP_WORKSPACE_MB`` in bytes, or None when unset (each source's default then applies:
-    :func:`tplogp.memory_budget.split`)."""
+    :func:`tplogp.backends.memory_budget.split`)."""
     value = _raw(WORKSPACE_MB)
     if value is None:
         return None
@@ -83,7 +83,7 @@ def checks_mode() -> str:
 
 def layout_settings() -> tuple[Optional[str], Optional[str]]:
     """The raw values of the variables that shape a call's plan (``TPLOGP_CHECKS``, ``TPLOGP_WORKSPACE_MB``), unparsed
-    and cheap: part of the key under which :mod:`tplogp.plan` remembers a layout (parsed when it plans one)."""
+    and cheap: part of the key under which :mod:`tplogp.op.plan` remembers a layout (parsed when it plans one)."""
     return os.environ.get(CHECKS), os.environ.get(WORKSPACE_MB)
 
 

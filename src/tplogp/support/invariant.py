@@ -1,7 +1,7 @@
 """The tensor-parallel-invariant level of ``deterministic`` (``deterministic="tp_invariant"``): logp, entropy and lse
 with the same bits at every TP degree and for any shard boundaries.
 
-Its pieces, used by :mod:`tplogp.tp` (and the fused loss), each independent of the rank count:
+Its pieces, used by :mod:`tplogp.op.tp` (and the fused loss), each independent of the rank count:
 
 * **The grid.** The vocabulary is cut into blocks of ``B`` columns aligned to id 0 (``B``: the source's
   ``grid_columns``, a constant of the source, device and dtype, never of a shard). Every logit is computed by the
@@ -13,7 +13,7 @@ Its pieces, used by :mod:`tplogp.tp` (and the fused loss), each independent of t
   rows of its last block that later ranks own (``[end, hi)``, under ``B`` rows) come from those ranks' heads
   ``[start_k, lo_k)`` in one ``all_gather`` per call, weight and bias rows packed together; in the backward the
   ``d_W`` / ``d_b`` rows computed for foreign rows go back to their owners in one ``all_gather`` as well. Every
-  rank's boundaries come from the call's group record (:mod:`tplogp.group_record`, which gathers each rank's range
+  rank's boundaries come from the call's group record (:mod:`tplogp.op.group_record`, which gathers each rank's range
   anyway); an op's backward under ``torch.compile``, which exchanges no record, gathers them in one small
   ``all_gather`` over a CPU group (:func:`shard_bounds`: nothing waits for a device).
 * **The exact merge** (:func:`merge_blocks`). The global row max ``M`` is an int64 all-reduce MAX of a key made of
@@ -128,7 +128,7 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
         ``(M, log S, lse, target logit - M, owner count, E_p[z] - M or None, sum_z or None,
         argmax or None)``, fp32 ``[N]`` (count int64; argmax: global ids as fp32), the same bits on
         every rank and for every rank count; a row with no unmasked column is settled by
-        :func:`tplogp.masked_rows.settle_rows`.
+        :func:`tplogp.support.masked_rows.settle_rows`.
     """
     m, s = blocks.block_max, blocks.block_sum  # [blocks, N]
     n = m.shape[1]
@@ -188,7 +188,7 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
 
 def shard_bounds(group, comm_device: torch.device, start: int, v_local: int) -> list[tuple[int, int]]:
     """Every rank's ``(start, end)``, rank-major: one small ``all_gather`` over a CPU group where one can be had
-    (:func:`tplogp.comm.host_group`), so nothing waits for a device."""
+    (:func:`tplogp.support.comm.host_group`), so nothing waits for a device."""
     host = host_group(group, comm_device)
     device = torch.device("cpu") if host is not None else comm_device
     mine = torch.tensor([start, start + v_local], dtype=torch.int64, device=device)

@@ -2,7 +2,7 @@
 ``target_flag``, the triton / sm90 sources): the kernel writes an id outside ``[0, vocab)``, if there is one,
 straight into a host slot, so the check costs no launch and no copy of its own. Slots are pinned on a GPU (the
 kernel writes them directly), taken round-robin and reused only once read, so a verdict read later (by the backward
-of one of many accumulated forwards) is still its own call's. :mod:`tplogp.verdicts` decides when it is read.
+of one of many accumulated forwards) is still its own call's. :mod:`tplogp.op.verdicts` decides when it is read.
 """
 
 from __future__ import annotations

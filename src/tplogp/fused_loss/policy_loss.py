@@ -1,6 +1,6 @@
 """The GRPO family's chunk schedule in the fused loss (:func:`policy_loss_and_grads`); the options
 only its losses take are checked with the fused loss's others
-(:func:`tplogp.validation.check_loss`)."""
+(:func:`tplogp.op.validation.check_loss`)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ from typing import Optional
 
 import torch
 
-from . import local_call, tp
+from ..op import local_call, tp
 from .chunk_gradients import ChunkGradients, per_token_rows, plan_chunks
-from .rl_losses import GRPOLoss, combine_sums
-from .sequences import row_bounds, segments_for
-from .tensors import zero_rows
+from ..losses.grpo_family import GRPOLoss, combine_sums
+from ..support.sequences import row_bounds, segments_for
+from ..support.tensors import zero_rows
 
 
 def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token, needs: tuple[bool, bool, bool],
                            n_all: int, hidden_shape, target_shape, offsets, metrics: bool):
-    """``(loss, (d_hidden, d_W, d_b), metric sums | None)`` of a :class:`~tplogp.rl_losses.GRPOLoss`.
+    """``(loss, (d_hidden, d_W, d_b), metric sums | None)`` of a :class:`~tplogp.losses.grpo_family.GRPOLoss`.
 
-    A loss without sequence sums runs the chunk loop of :mod:`tplogp.fused_loss` (each chunk's coefficients from
+    A loss without sequence sums runs the chunk loop of :mod:`tplogp.fused_loss.loop` (each chunk's coefficients from
     its own logp). One with them (GSPO's ratio, VESPO's weights) needs a sequence's sums before any of its tokens'
     gradients: its chunks hold whole sequences (:func:`_sequence_chunks`: consecutive sequences, at most the
     planned chunk's rows), so each chunk's forward, coefficients and backward follow one another as in that loop
@@ -91,7 +91,7 @@ def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token
 
 def _sequence_chunks(bounds: list[int], chunk: int) -> Optional[list[tuple[int, int, slice]]]:
     """Chunks ``(t0, t1, sequences)`` of at most ``chunk`` rows, each holding the whole ``sequences`` (consecutive,
-    greedily as many as fit), from the sequences' row boundaries ``bounds`` (:func:`tplogp.sequences.row_bounds`);
+    greedily as many as fit), from the sequences' row boundaries ``bounds`` (:func:`tplogp.support.sequences.row_bounds`);
     chunks of no row left out. None when a sequence has more rows than a chunk."""
     out, s0, count = [], 0, len(bounds) - 1
     while s0 < count:

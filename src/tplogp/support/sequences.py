@@ -1,4 +1,4 @@
-"""The sequences of a call's tokens, for losses with per-sequence terms (:mod:`tplogp.rl_losses`).
+"""The sequences of a call's tokens, for losses with per-sequence terms (:mod:`tplogp.losses.grpo_family`).
 
 A sequence is one row of ``[B, L]`` targets (the last dimension; ``[N]`` targets are one sequence), or one span
 ``[cu_seqlens[i], cu_seqlens[i + 1])`` of the flattened tokens for packed input. :class:`Segments` maps each of the
@@ -42,7 +42,7 @@ class Segments:
 def segments_for(target_shape: torch.Size, offsets: Optional[list[int]], keep_idx: Optional[torch.Tensor],
                  device: torch.device) -> Segments:
     """The :class:`Segments` of a call with targets of ``target_shape`` (``offsets``: packed sequences' offsets
-    from :func:`tplogp.validation.check_loss`, or None for the rows of the targets' last dimension),
+    from :func:`tplogp.op.validation.check_loss`, or None for the rows of the targets' last dimension),
     for the rows ``keep_idx`` kept (None: every row)."""
     n_all = 1
     for s in target_shape:

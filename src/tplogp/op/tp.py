@@ -1,5 +1,5 @@
 """The shared tensor-parallel layer: one autograd path for every backend (the call arrives localized,
-:mod:`tplogp.local_call`; the ``torch.library`` ops run the same functions, :mod:`tplogp.packed_op`).
+:mod:`tplogp.op.local_call`; the ``torch.library`` ops run the same functions, :mod:`tplogp.op.packed_op`).
 
 Each rank holds the vocab shard ``[vocab_start_index, vocab_start_index + V_local)`` of the LM head and the same
 (replicated) global ``target_ids``. The backend computes per-shard, per-token statistics (see
@@ -13,12 +13,12 @@ Forward, per call:
      every rank: ``M = max_r m_r``, ``S = sum_r s_r e^{m_r - M}``, ``lse = M + log S``,
      ``logp = (sum_r y_r [owned_r] - M) - log S`` (relative to M: no cancellation at peaked targets),
      ``E_p[z] - M = sum_r e^{m_r - M}(q_r + s_r (m_r - M)) / S``, ``entropy = log S - (E_p[z] - M)``;
-     a shard or a row with no unmasked column (``S = 0``) as :mod:`tplogp.masked_rows` says;
+     a shard or a row with no unmasked column (``S = 0``) as :mod:`tplogp.support.masked_rows` says;
      a token whose owner count is not 1 gets NaN (possible only when the target check is skipped,
-     ``TPLOGP_CHECKS=fast``, or deferred, ``full``: :mod:`tplogp.verdicts`).
-The call arrives checked (:func:`tplogp.plan.prepare`: the plan and the call's verdict; one shard on the triton /
+     ``TPLOGP_CHECKS=fast``, or deferred, ``full``: :mod:`tplogp.op.verdicts`).
+The call arrives checked (:func:`tplogp.op.plan.prepare`: the plan and the call's verdict; one shard on the triton /
 sm90 sources the finishing kernel checks the targets, ``Call.target_check``); the backward settles the call's target
-verdict (:meth:`tplogp.verdicts.BackwardVerdict.settle`) before it hands any gradient to autograd: with a group
+verdict (:meth:`tplogp.op.verdicts.BackwardVerdict.settle`) before it hands any gradient to autograd: with a group
 first, before the ``d_hidden`` all-reduce; with one shard after launching its kernels, so that a wait for the
 verdict leaves them queued.
 Backward: ``backend.backward`` with the global ``(M, log S)`` (and ``E_p[z] - M``) gives local ``d_weight``/``d_bias``
@@ -28,9 +28,9 @@ async there and runs while ``d_W`` is computed. When no later backward can read 
 (:func:`consumes_kept`: the graph is not retained), the backend may overwrite it (``ShardCall.consume_kept``).
 
 Sequence parallelism (``sequence_parallel=True``, a group of several ranks): hidden is this rank's contiguous slice of
-the tokens, rank-major. :func:`tplogp.local_call.localize` gathers the slices (ONE ``all_gather``, before the first
+the tokens, rank-major. :func:`tplogp.op.local_call.localize` gathers the slices (ONE ``all_gather``, before the first
 GEMM: the sources run one kernel sequence over all rows, which the gather must precede) and the rows run as above; the
-backward's ``d_hidden`` is reduce-scattered instead of all-reduced (:class:`~tplogp.comm.OverlappedReduceScatter`,
+backward's ``d_hidden`` is reduce-scattered instead of all-reduced (:class:`~tplogp.support.comm.OverlappedReduceScatter`,
 started at ``d_hidden_ready`` like the all-reduce, under the ``d_W`` work): each rank receives its slice, half the bytes
 of an all-reduce. Ignored rows stay in place under sequence parallelism (no compaction: the slices are fixed).
 ``hidden_grad="partial"`` skips the ``d_hidden`` collective: each rank's gradient is its shard's share, which the caller
@@ -49,13 +49,14 @@ from typing import Optional
 
 import torch
 
-from . import invariant, local_call
-from .backends.base import KeptBuffers
-from .comm import OverlappedAllReduce, OverlappedReduceScatter, all_gather_flat
+from ..support import invariant
+from . import local_call
+from ..backends.base import KeptBuffers
+from ..support.comm import OverlappedAllReduce, OverlappedReduceScatter, all_gather_flat
 from .local_call import LocalCall, TPContext
-from .masked_rows import settle_rows
-from .outputs import LinearLogpResult, pack_outputs
-from .tensors import current_stream, f32_contiguous, finish_rows
+from ..support.masked_rows import settle_rows
+from ..outputs import LinearLogpResult, pack_outputs
+from ..support.tensors import current_stream, f32_contiguous, finish_rows
 
 
 def hidden_grad_reducer(tpc: TPContext):
@@ -72,7 +73,7 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
                 with_argmax: bool = False) -> tuple[torch.Tensor, ...]:
     """Merge packed per-rank stats ``[W, N, K]`` -> (M, log S, lse, target logit - M, owner count,
     E_p[z] - M or None, sum_z or None, argmax or None); a row with no unmasked column anywhere is
-    settled by :func:`tplogp.masked_rows.settle_rows`.
+    settled by :func:`tplogp.support.masked_rows.settle_rows`.
 
     Columns: max, sum of exp, target logit, owner flag, then q (entropy), sum_z and the global argmax id (each when
     asked). ``sum_z`` adds over the ranks; the argmax is the lowest global id among the ranks whose max is ``M``.
@@ -341,7 +342,7 @@ def linear_logp(call) -> LinearLogpResult:
     A forward that is not differentiated skips the autograd Function (scoring, rollouts: less host time).
 
     Args:
-        call: a :class:`tplogp.plan.Call` from :func:`tplogp.plan.prepare`.
+        call: a :class:`tplogp.op.plan.Call` from :func:`tplogp.op.plan.prepare`.
     Returns:
         The logp tensor, or the named tuple of :mod:`tplogp.outputs` that holds the requested outputs.
     """

@@ -2,9 +2,9 @@
 tensor data read (but ``cu_seqlens``, read when a loss uses its sequences).
 
 :func:`local_problem` returns a message instead of raising, so that with a TP group every rank first finishes its
-own checks and the group then raises the same error everywhere (:mod:`tplogp.group_record`); without a group the
+own checks and the group then raises the same error everywhere (:mod:`tplogp.op.group_record`); without a group the
 plan raises it. :func:`single_shard_vocab` checks the shard layout of a call on one shard. The plan
-(:mod:`tplogp.plan`) runs these through :func:`check_layout`, at the first call of a layout only.
+(:mod:`tplogp.op.plan`) runs these through :func:`check_layout`, at the first call of a layout only.
 
 The fused loss's own arguments (the loss, ``per_token``, ``reduction``, ``with_entropy``,
 ``cu_seqlens``, ``return_metrics``) are checked at every call by :func:`check_loss` (a few type and
@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import invariant, settings
-from .shards import ShardLayoutError
+from ..support import invariant, settings
+from ..support.shards import ShardLayoutError
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the dtype as it travels in a group record
@@ -35,7 +35,7 @@ class LinearLogpInputError(ValueError):
 
 
 def checks_mode() -> str:
-    """``TPLOGP_CHECKS`` (:func:`tplogp.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
+    """``TPLOGP_CHECKS`` (:func:`tplogp.support.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
     try:
         return settings.checks_mode()
     except settings.SettingsError as exc:
@@ -70,7 +70,7 @@ def local_problem(
 ) -> Optional[str]:
     """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
 
-    An argument of a type that the op's schema (:mod:`tplogp.ops`) does not take is always a problem here: such
+    An argument of a type that the op's schema (:mod:`tplogp.op.ops`) does not take is always a problem here: such
     calls run these checks eagerly to raise their error (:mod:`tplogp.api`)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
         if not isinstance(t, torch.Tensor):
@@ -195,7 +195,7 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
 
     Args:
         hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size: the call's arguments.
-        options: the call's :class:`tplogp.plan.LogpOptions`.
+        options: the call's :class:`tplogp.op.plan.LogpOptions`.
         world_size: the TP group's size (1 without a group).
         group_given: whether a group was passed (for the message of a one-rank group).
     Returns:

@@ -16,8 +16,8 @@ autograd graph of the loss: one autograd node for the whole loss, and no engine 
 them (the per-token tensors of the left term first). Any other callable works too, differentiated by autograd.
 
 :func:`grpo` builds the GRPO family (TRL's loss types, GSPO's sequence ratios, clip variants, rollout corrections,
-KL estimators, metrics): a :class:`~tplogp.rl_losses.GRPOLoss`, which normalises itself and may need its sequences'
-sums before any token's gradient (:mod:`tplogp.rl_losses`).
+KL estimators, metrics): a :class:`~tplogp.losses.grpo_family.GRPOLoss`, which normalises itself and may need its sequences'
+sums before any token's gradient (:mod:`tplogp.losses.grpo_family`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .rl_losses import GRPOLoss, GRPOLossConfig, check_number, k3_kl, refuse_under_compile
+from .grpo_family import GRPOLoss, GRPOLossConfig, check_number, k3_kl, refuse_under_compile
 
 PerTokenLoss = Callable[..., torch.Tensor]
 # d(loss_token)/d(logp_token) (or entropy): a tensor of the tokens, a number when the same for every token, or None
@@ -310,7 +310,7 @@ def grpo(loss_type: str = "dapo", *, importance_sampling_level: str = "token", e
          vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0, rollout_correction: Optional[str] = None,
          rollout_clip_min: Optional[float] = None, rollout_clip_max: Optional[float] = 3.0,
          entropy_coef: float = 0.0) -> GRPOLoss:
-    """A GRPO-family policy loss with TRL's names and meanings (definitions: :mod:`tplogp.rl_losses`;
+    """A GRPO-family policy loss with TRL's names and meanings (definitions: :mod:`tplogp.losses.grpo_family`;
     docs/integrations.md maps TRL, Liger and verl options). ``per_token`` = ``(advantages, old_logp)``, then
     ``ref_logp`` when ``beta != 0``, then ``rollout_weights`` (``rollout_correction="weights"``) or
     ``sampler_logp`` (the other corrections); without ``with_old_logp`` no ``old_logp`` (ratio 1: on-policy).
@@ -332,7 +332,7 @@ def grpo(loss_type: str = "dapo", *, importance_sampling_level: str = "token", e
         beta, kl_estimator, bias_corrected_kl: ``beta`` times the ``k1`` / ``k2`` / ``k3`` estimator of the KL to
             the reference policy, multiplied by the importance ratio when ``bias_corrected_kl`` (DeepSeek-V3.2;
             it needs ``beta != 0``: TRL's ``use_bias_correction_kl`` maps to ``use_bias_correction_kl and beta``).
-        normalization: verl's ``loss_agg_mode`` names, overriding the loss type's (:data:`~tplogp.rl_losses.
+        normalization: verl's ``loss_agg_mode`` names, overriding the loss type's (:data:`~tplogp.losses.grpo_family.
             NORMALIZATIONS`). max_completion_length, num_items_in_batch: ``dr_grpo``'s and the token mean's
             divisors (TRL's trainer scales its ``num_items_in_batch`` for gradient accumulation:
             :func:`tplogp.integrations.trl.grpo_loss` maps a trainer's options).

@@ -3,7 +3,7 @@ forward chunk by chunk and scaled in the backward (the scheme of fused linear cr
 
 Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_chunk_tokens`):
 
-1. :func:`tplogp.tp.shard_forward` gives fp32 logp and entropy (with a group: the stats' all_gather and merge), and
+1. :func:`tplogp.op.tp.shard_forward` gives fp32 logp and entropy (with a group: the stats' all_gather and merge), and
    the lse and ``sum_v z`` that a :class:`~tplogp.losses.TokenLoss` may read (:class:`~tplogp.losses.TokenStats`);
 2. the loss gives the per-token upstream gradients ``g_logp`` / ``g_entropy`` (and ``g_lse`` / ``g_sum_z``):
    closed form for a :class:`~tplogp.losses.TokenLoss`, autograd on the chunk for any other callable;
@@ -13,11 +13,11 @@ Per chunk of tokens (the same chunks on every rank, :func:`tplogp.budgets.plan_c
 A chunk is as many tokens as the kept part of ``workspace_bytes`` holds softmax terms of, so its backward reads
 them instead of recomputing (3 GEMMs instead of 4). ONE all_reduce completes ``d_hidden``, issued as soon as the
 last chunk's rows are done, under that chunk's ``d_W`` work (a reduce-scatter of a sequence-parallel hidden, which the
-chunks see gathered: :func:`tplogp.local_call.localize`; none with ``hidden_grad="partial"``). The autograd node's
-backward scales the gradients by the upstream scalar, the fp32 product rounded once (:mod:`tplogp.grad_scaling`).
-Per-token tensors are constants (:mod:`tplogp.chunk_gradients` holds the chunk plan and the gradients' assembly). A
+chunks see gathered: :func:`tplogp.op.local_call.localize`; none with ``hidden_grad="partial"``). The autograd node's
+backward scales the gradients by the upstream scalar, the fp32 product rounded once (:mod:`tplogp.fused_loss.grad_scaling`).
+Per-token tensors are constants (:mod:`tplogp.fused_loss.chunk_gradients` holds the chunk plan and the gradients' assembly). A
 ``losses.grpo(...)`` loss runs the same loop, on chunks of whole sequences when it has sequence sums
-(:mod:`tplogp.policy_loss`).
+(:mod:`tplogp.fused_loss.policy_loss`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import local_call, plan, tensors, tp, validation
+from ..op import local_call, plan, tp, validation
+from ..support import tensors
 from .chunk_gradients import ChunkGradients, chunk_part, per_token_rows, plan_chunks
 from .grad_scaling import scaled_all
-from .losses import Derivative, TokenLoss, TokenStats
+from ..losses.terms import Derivative, TokenLoss, TokenStats
 from .policy_loss import policy_loss_and_grads
-from .rl_losses import GRPOLoss, finish_metrics
-from .tensors import f32_contiguous, zero_rows
+from ..losses.grpo_family import GRPOLoss, finish_metrics
+from ..support.tensors import f32_contiguous, zero_rows
 
 
 class _PrecomputedGrads(torch.autograd.Function):
@@ -68,7 +69,7 @@ def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
     """See :func:`tplogp.linear_logp_loss` (``source``: a name, or None for the registry's choice; ``kwargs``: the
     keyword arguments of :func:`loss_and_grads` but ``needs``). The chunk loop runs without autograd (only a
     callable loss runs under it); the result carries the gradients, and with ``return_metrics`` comes with the
-    metrics of a :class:`~tplogp.rl_losses.GRPOLoss`."""
+    metrics of a :class:`~tplogp.losses.grpo_family.GRPOLoss`."""
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and isinstance(t, torch.Tensor) and t.requires_grad for t in (hidden, weight, bias))
     total, grads, verdict, sums = loss_and_grads(source, hidden, weight, target_ids, bias, tp_group,
@@ -90,8 +91,8 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
                    cu_seqlens=None, return_metrics: bool = False, entry=None):
     """The fused loss's value and the unscaled gradients ``needs`` asks for, computed chunk by chunk (module
     docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``,
-    what :func:`fused_loss` and the compiled op (:mod:`tplogp.ops`) hand to autograd. ``entry``: the
-    checks of an integration's entry point (:class:`tplogp.validation.EntryCheck`), raised with the
+    what :func:`fused_loss` and the compiled op (:mod:`tplogp.op.ops`) hand to autograd. ``entry``: the
+    checks of an integration's entry point (:class:`tplogp.op.validation.EntryCheck`), raised with the
     loss's."""
     # the loss's own arguments, checked with the op's (the same error on every rank of a group,
     # before any collective)

@@ -1,7 +1,7 @@
 """``linear_logp`` as ``torch.library`` custom ops, so that ``torch.compile`` traces a call as one opaque node.
 
-``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.plan.prepare` (source, checks, verdict),
-then the forward body of :mod:`tplogp.tp`; it returns one packed fp32 ``[K, N]`` tensor (rows ``packed_op.PACKED_*``:
+``tplogp::linear_logp_fwd`` runs the eager call's path inside: :func:`tplogp.op.plan.prepare` (source, checks, verdict),
+then the forward body of :mod:`tplogp.op.tp`; it returns one packed fp32 ``[K, N]`` tensor (rows ``packed_op.PACKED_*``:
 logp, lse, the two normalizer parts the backward needs, with entropy the entropy and ``E_p[z] - M``, and with
 ``return_argmax`` the argmax ids, exact in fp32), the softmax terms that the ``workspace_bytes`` budget lets it keep for
 the backward as eager's forward keeps them (one flat fp32 buffer of ``packed_op.op_kept_shape``; an empty tensor when
@@ -34,9 +34,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import memory_budget, settings
-from .comm import group_from_name
-from .kernel_registry import backend_for_call
+from ..backends import memory_budget
+from ..support import settings
+from ..support.comm import group_from_name
+from ..backends.kernel_registry import backend_for_call
 from .plan import LogpOptions, op_call, prepare, prepare_backward
 from .packed_op import backward_packed, forward_packed, op_kept_shape, packed_rows
 
@@ -195,10 +196,10 @@ def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bia
                          needs_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, d_hidden, d_weight, d_bias)`` of :func:`tplogp.linear_logp_loss` with the
     :class:`~tplogp.losses.TokenLoss` named ``loss_key``: the eager chunk loop
-    (:func:`tplogp.fused_loss.loss_and_grads`), the gradients unscaled in fp32 (a gradient that is not needed comes
+    (:func:`tplogp.fused_loss.loop.loss_and_grads`), the gradients unscaled in fp32 (a gradient that is not needed comes
     back empty). The call's target verdict is settled here, before the gradients leave the op."""
-    from .fused_loss import loss_and_grads
-    from .losses import loss_by_key
+    from ..fused_loss.loop import loss_and_grads
+    from ..losses.terms import loss_by_key
 
     group = group_from_name(group_name)
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
@@ -238,7 +239,7 @@ def _loss_setup_context(ctx, inputs, output) -> None:
 
 def _loss_backward(ctx, g, *_):
     """Each gradient times the upstream scalar, the fp32 product rounded once to its leaf's dtype (as the eager
-    fused loss's backward, :mod:`tplogp.grad_scaling`: bitwise with ``loss.backward()``)."""
+    fused loss's backward, :mod:`tplogp.fused_loss.grad_scaling`: bitwise with ``loss.backward()``)."""
     needs = ctx.needs_input_grad
     scaled = [None if not need or dtype is None else (t * g.to(torch.float32)).to(dtype)
               for need, t, dtype in zip((needs[0], needs[1], needs[3]), ctx.saved_tensors, ctx.dtypes)]

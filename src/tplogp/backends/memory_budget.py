@@ -1,7 +1,7 @@
 """How a call's memory budget splits between transient memory and kept softmax terms, for every source.
 
 The budget is the most memory the op may hold beyond its inputs, outputs and gradients: the call's
-``workspace_bytes``, else ``TPLOGP_WORKSPACE_MB`` (:func:`tplogp.settings.workspace_bytes`), else none (the
+``workspace_bytes``, else ``TPLOGP_WORKSPACE_MB`` (:func:`tplogp.support.settings.workspace_bytes`), else none (the
 source's default). :func:`split` cuts it in two for a source on a device:
 
 * the transient part, allocated and freed within a forward or a backward: ``native``'s fp32 tiles, the
@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import settings
+from ..support import settings
 
 _MIB = 1 << 20
 # native: fp32 [tokens, vocab] tiles and their temporaries (tplogp.backends.native.plan_chunks)

@@ -19,8 +19,8 @@ from typing import Optional
 
 import torch
 
-from . import settings
-from .backends.base import ShardBackend
+from ..support import settings
+from .base import ShardBackend
 
 log = logging.getLogger("tplogp")
 

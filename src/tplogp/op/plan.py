@@ -6,12 +6,12 @@ hidden, weight, target_ids and bias; ``vocab_start_index`` and ``global_vocab_si
 from the environment (``TPLOGP_CHECKS``, ``TPLOGP_WORKSPACE_MB``). :func:`plan_call` turns those into a tuple key and
 looks the :class:`CallPlan` up in a small dict, so a later call of a layout costs one key and one lookup (the host
 time that matters at small shapes). At the first call of a layout it validates the arguments and the shard layout
-(:mod:`tplogp.validation`) and builds the :class:`~tplogp.backends.base.ShardCall` the sources get;
+(:mod:`tplogp.op.validation`) and builds the :class:`~tplogp.backends.base.ShardCall` the sources get;
 :func:`remember` keeps the plan once the call's checks have passed (so a bad layout raises at every call).
 
-:func:`prepare` is the one step of a call above the tensor-parallel layer: the source (:mod:`tplogp.kernel_registry`),
-the plan, and the call's target verdict (:func:`tplogp.verdicts.open_call`, with a group the record exchange that
-makes every rank raise the same error). It returns a :class:`Call` that :mod:`tplogp.tp` runs. Calls whose
+:func:`prepare` is the one step of a call above the tensor-parallel layer: the source (:mod:`tplogp.backends.kernel_registry`),
+the plan, and the call's target verdict (:func:`tplogp.op.verdicts.open_call`, with a group the record exchange that
+makes every rank raise the same error). It returns a :class:`Call` that :mod:`tplogp.op.tp` runs. Calls whose
 arguments are not of the plain types the op takes are never cached: they are checked afresh and get the
 validation's error. The cache holds at most ``MAX_PLANS`` layouts (it is emptied when full).
 """
@@ -24,10 +24,10 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import invariant, settings
-from .backends.base import ShardBackend, ShardCall
-from .comm import collective_device
-from .kernel_registry import backend_for_call
+from ..support import invariant, settings
+from ..backends.base import ShardBackend, ShardCall
+from ..support.comm import collective_device
+from ..backends.kernel_registry import backend_for_call
 from .validation import LossCheck, check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
@@ -42,7 +42,7 @@ class LogpOptions:
     return_entropy: bool = False
     return_lse: bool = False
     ignore_index: Optional[int] = None
-    deterministic: Union[bool, str] = False  # or "tp_invariant" (tplogp.invariant)
+    deterministic: Union[bool, str] = False  # or "tp_invariant" (tplogp.support.invariant)
     workspace_bytes: Optional[int] = None
     # hidden holds this rank's contiguous 1/world of the tokens; gathered before the GEMMs, its gradient
     # reduce-scattered (docs/operator.md, "Sequence parallelism")
@@ -85,7 +85,7 @@ class CallPlan:
     call_for_backward: ShardCall  # for an eager forward that may keep logits for its backward (scales apart)
     single: bool  # one shard and a backend with forward_single: it finishes logp / lse / entropy itself
     # single, no ignore_index (the kernel cannot tell ignored rows apart), and the backend's finishing kernel checks
-    # the targets (tplogp.kernel_target_check.KernelTargetCheck)
+    # the targets (tplogp.op.kernel_target_check.KernelTargetCheck)
     kernel_target_check: bool
     # the global vocab: of one shard from the start, of a group once a call of the layout has passed its checks
     vocab_size: Optional[int] = None
@@ -132,7 +132,7 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     Returns:
         ``(plan, problem)``: the cached plan and None when an earlier call of the layout passed its checks; else a
         new plan (cache it with :func:`remember` once the call's checks pass) and
-        :func:`tplogp.validation.local_problem` (None when the arguments are fine).
+        :func:`tplogp.op.validation.local_problem` (None when the arguments are fine).
     Raises:
         ShardLayoutError: a one-shard layout whose weight is not the whole vocabulary.
     """
@@ -210,7 +210,7 @@ class CallArgs(NamedTuple):
 
 
 class Call(NamedTuple):
-    """A call that passed its checks, what :mod:`tplogp.tp` runs."""
+    """A call that passed its checks, what :mod:`tplogp.op.tp` runs."""
 
     plan: CallPlan
     args: CallArgs
@@ -248,10 +248,10 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
         options: the call's :class:`LogpOptions`.
         builds_graph: whether the call records an autograd graph (its ranks must agree: the backward reduces).
         loss_check: a fused-loss call's checks of its own arguments
-            (:func:`tplogp.validation.check_loss`, run at every call): raised like a layout's
+            (:func:`tplogp.op.validation.check_loss`, run at every call): raised like a layout's
             problem, and with a group compared across the ranks in the record.
     Returns:
-        The :class:`Call` to run (:func:`tplogp.tp.linear_logp`, :func:`tplogp.packed_op.forward_packed`, the fused
+        The :class:`Call` to run (:func:`tplogp.op.tp.linear_logp`, :func:`tplogp.op.packed_op.forward_packed`, the fused
         loss).
     Raises:
         LinearLogpInputError, ShardLayoutError: the arguments or the shard layout are wrong (with a group, on every
@@ -270,16 +270,16 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
 
 def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                      options: LogpOptions) -> Call:
-    """The :class:`Call` of an op's backward (:mod:`tplogp.ops`), whose forward passed its checks.
+    """The :class:`Call` of an op's backward (:mod:`tplogp.op.ops`), whose forward passed its checks.
 
     The op's backward gets tensors and plain values only, so it finds its layout's plan again and takes the latest
-    call's verdict (:func:`tplogp.verdicts.latest_verdict`): the op cannot carry its own.
+    call's verdict (:func:`tplogp.op.verdicts.latest_verdict`): the op cannot carry its own.
 
     Args:
         source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, options: as the forward's
             (:func:`prepare`).
     Returns:
-        The :class:`Call` for :func:`tplogp.packed_op.backward_packed` (``vocab_size`` 0: the backward does not read
+        The :class:`Call` for :func:`tplogp.op.packed_op.backward_packed` (``vocab_size`` 0: the backward does not read
         it).
     """
     plan, _ = plan_call(_backend(source, hidden), hidden, weight, target_ids, bias, tp_group, vocab_start_index, None,
@@ -291,7 +291,7 @@ def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group,
 
 def op_call(options: LogpOptions, builds_graph: bool) -> ShardCall:
     """The :class:`ShardCall` of an op's forward: it keeps softmax terms for its backward when the call records a
-    graph, as eager's does (the budget then decides how much: :func:`tplogp.packed_op.op_kept_shape`)."""
+    graph, as eager's does (the budget then decides how much: :func:`tplogp.op.packed_op.op_kept_shape`)."""
     return shard_call(options, for_backward=builds_graph)
 
 

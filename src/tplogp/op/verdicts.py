@@ -2,10 +2,10 @@
 on every rank), decided without stalling the host.
 
 One entry in the forward, :func:`open_call` (called by the plan for every call), and one in the backward,
-:meth:`BackwardVerdict.settle` (called by :func:`tplogp.tp.shard_backward`). Verdicts not yet read wait in this
+:meth:`BackwardVerdict.settle` (called by :func:`tplogp.op.tp.shard_backward`). Verdicts not yet read wait in this
 module's queues; :func:`check_errors` reads them on demand.
 
-With a TP group the data part travels in the group record (:mod:`tplogp.group_record`), exchanged by the same
+With a TP group the data part travels in the group record (:mod:`tplogp.op.group_record`), exchanged by the same
 entry, so every rank raises the same error.
 
 Modes (``TPLOGP_CHECKS``):
@@ -24,7 +24,7 @@ Modes (``TPLOGP_CHECKS``):
   raises the same error), a later call (without a group: the first whose start finds the verdict
   delivered, never waiting for it; with a group: the next call, in its record exchange), or
   :func:`check_errors`. With a group the record holds host values only and is exchanged over a CPU
-  group (:func:`tplogp.comm.host_group`) on every call, which proves the token counts agree before
+  group (:func:`tplogp.support.comm.host_group`) on every call, which proves the token counts agree before
   the stats exchange; metadata errors surface at the call. A validated partition plus targets inside
   ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN at
   those tokens.
@@ -34,7 +34,7 @@ Modes (``TPLOGP_CHECKS``):
   and no host syncs (but the ignore_index compaction's ``nonzero``); tokens whose target no shard owns come out as
   NaN with finite gradients, and ranks that disagree on the token count are the caller's bug.
 
-Under a CUDA-graph capture (:func:`tplogp.tensors.is_capturing`; also ``torch.compile(mode="reduce-overhead")``),
+Under a CUDA-graph capture (:func:`tplogp.support.tensors.is_capturing`; also ``torch.compile(mode="reduce-overhead")``),
 ``full`` reads nothing on the host: the target check writes a device flag (:class:`CapturedTargetCheck`), recomputed by every
 replay. The captured backward zeroes the call's ``d_hidden``, ``d_weight`` and ``d_bias`` when the flag is set, and
 the flag is read after a replay by :func:`check_errors` or by the next call outside a capture (which raise). What
@@ -50,12 +50,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import tensors
-from .comm import all_gather_flat, collective_device, group_name, host_group, known_host_group
+from ..support import tensors
+from ..support.comm import (all_gather_flat, collective_device, group_name, host_group,
+                            known_host_group)
 from .group_record import GroupRecord
 from .kernel_target_check import FlagSlots, KernelTargetCheck
-from .target_summary import (COVERAGE_MESSAGE, TargetSummary, summarize_targets, target_range_problem,
-                             target_range_tensor, target_summary_tensor)
+from .target_summary import (COVERAGE_MESSAGE, TargetSummary, summarize_targets,
+                             target_range_problem, target_range_tensor, target_summary_tensor)
 from .validation import LinearLogpInputError, LossCheck
 
 
@@ -339,7 +340,7 @@ class BackwardVerdict:
 
 def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardVerdict]:
     """The verdict of the last call, for a backward that cannot hold its forward's (the ``torch.library`` op of
-    :mod:`tplogp.ops`, whose arguments are tensors and plain values).
+    :mod:`tplogp.op.ops`, whose arguments are tensors and plain values).
 
     Args:
         mode: the layout's ``TPLOGP_CHECKS`` mode (only ``full`` defers a verdict).
@@ -366,19 +367,19 @@ def open_call(plan, args, problem: Optional[str],
                                                                Optional[KernelTargetCheck],
                                                                Optional[list[tuple[int, int]]]]:
     """Open one call's verdict: judge what earlier calls left (those delivered), raise ``problem`` (the call's
-    :func:`tplogp.validation.local_problem`, None when fine or when the layout passed before) and start this call's
+    :func:`tplogp.op.validation.local_problem`, None when fine or when the layout passed before) and start this call's
     target check.
 
     The target check reads tensor data, so it is started here on the device and read later, where a host wait costs
     nothing (the backward, a later call); with a group the record exchange makes every rank raise alike.
 
     Args:
-        plan: the layout's :class:`tplogp.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``,
+        plan: the layout's :class:`tplogp.op.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``,
             ``kernel_target_check``, ``vocab_size``: set for one shard, None for a group's first call).
-        args: the call's :class:`tplogp.plan.CallArgs`.
+        args: the call's :class:`tplogp.op.plan.CallArgs`.
         problem: the call's local problem, or None.
         loss_check: a fused-loss call's checks of its own arguments
-            (:func:`tplogp.validation.check_loss`): its problem is the call's when the layout has
+            (:func:`tplogp.op.validation.check_loss`): its problem is the call's when the layout has
             none; with a group its digests travel in the record.
     Returns:
         ``(global vocab size, what the backward settles or None, the target check that the source's finishing

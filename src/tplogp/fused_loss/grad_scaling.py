@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .backends.triton_backend import triton_unavailable_reason
-from .kernels.tiles import KERNEL_DTYPES, interpreting
+from ..backends.triton_backend import triton_unavailable_reason
+from ..kernels.tiles import KERNEL_DTYPES, interpreting
 
 # Elements per block when torch ops scale a gradient: the fp32 product is a transient of this size, not of the
 # gradient's (an fp32 [V_local, D] d_W would double its memory).
@@ -82,7 +82,7 @@ def triton_usable() -> bool:
 @functools.lru_cache(maxsize=None)
 def _scale_launch():
     """:mod:`tplogp.kernels.scale_launch`, imported at the first scaling (it imports Triton)."""
-    from .kernels import scale_launch
+    from ..kernels import scale_launch
 
     return scale_launch
 

@@ -4,13 +4,13 @@ TP group reaches the same verdict on a call and raises the same error (none is l
 The record holds the rank's local verdict, the call's layout (tokens, hidden size, shard range, declared vocab,
 dtype, bias, ignore_index, whether it records an autograd graph, the hidden layout: sequence-parallel and
 ``hidden_grad``), for a fused-loss call the digests of what its ranks must pass alike
-(:class:`tplogp.validation.LossCheck`: the loss's options, the per-token tensors' shapes and dtypes,
+(:class:`tplogp.op.validation.LossCheck`: the loss's options, the per-token tensors' shapes and dtypes,
 the sequences' offsets; 0 for an op call) and optionally a summary ``[checksum, lo, hi]`` of the
 targets. From the gathered rows every rank checks the ranks' agreement and the shard partition
-(:func:`tplogp.shards.validate_ranges`), giving the global vocabulary size. When some rank has a
+(:func:`tplogp.support.shards.validate_ranges`), giving the global vocabulary size. When some rank has a
 local problem, the message texts follow in one ``all_gather_object`` (entered by all ranks, since
 all of them saw the flag); so do the descriptions of a fused-loss part whose digests differ. Used by
-the per-call verdict (:mod:`tplogp.verdicts`), whose deferred target summary travels in the record.
+the per-call verdict (:mod:`tplogp.op.verdicts`), whose deferred target summary travels in the record.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_flat
-from .shards import validate_ranges
+from ..support.comm import all_gather_flat
+from ..support.shards import validate_ranges
 from .validation import AGREED, DTYPE_CODE, LinearLogpInputError, LossCheck
 
 # the record's fields: the verdict and the layout (0 to 10), the fused loss's digests, then the
@@ -145,7 +145,7 @@ class GroupRecord:
     @staticmethod
     def _check_loss_agreement(rows: Sequence[Sequence[int]], group, world: int,
                               loss_check: Optional[LossCheck]) -> None:
-        """The fused loss's parts (:data:`tplogp.validation.AGREED`) must have the same digest on
+        """The fused loss's parts (:data:`tplogp.op.validation.AGREED`) must have the same digest on
         every rank; where one differs, every rank's description follows in one
         ``all_gather_object`` (all ranks saw the difference) and every rank raises the same
         error."""

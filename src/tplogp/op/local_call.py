@@ -3,9 +3,9 @@
 :func:`localize` flattens the inputs to 2-D contiguous tensors, gathers a sequence-parallel call's slices (ONE
 ``all_gather``, before any GEMM), compacts away rows whose target is ``ignore_index`` (or, while a CUDA graph is
 captured, keeps them in place as rows that no shard owns: :func:`compacts_rows`), re-shards onto the
-tensor-parallel-invariant grid where that level is asked (:mod:`tplogp.invariant`), and makes the targets
+tensor-parallel-invariant grid where that level is asked (:mod:`tplogp.support.invariant`), and makes the targets
 shard-local (``-1`` where another shard owns the id). The result, a :class:`LocalCall`, is what
-:func:`tplogp.tp.shard_forward` and :func:`tplogp.tp.shard_backward` run; :class:`TPContext` is the call's
+:func:`tplogp.op.tp.shard_forward` and :func:`tplogp.op.tp.shard_backward` run; :class:`TPContext` is the call's
 non-tensor state from forward to backward.
 """
 
@@ -17,9 +17,9 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from . import invariant, tensors
-from .backends.base import ShardBackend, ShardCall
-from .comm import all_gather_flat
+from ..support import invariant, tensors
+from ..backends.base import ShardBackend, ShardCall
+from ..support.comm import all_gather_flat
 from .verdicts import BackwardVerdict, KernelTargetCheck
 
 
@@ -45,7 +45,7 @@ class TPContext:
     # None (one shard, or hidden_grad="partial": each rank keeps its share)
     hidden_reduce: Optional[str] = None
     vocab_start: int = 0  # this shard's first global id (argmax ids are made global with it)
-    # the tensor-parallel-invariant level (tplogp.invariant): this rank's re-shard onto the grid, or None
+    # the tensor-parallel-invariant level (tplogp.support.invariant): this rank's re-shard onto the grid, or None
     regrid: Optional[invariant.Regrid] = None
 
 
@@ -85,7 +85,7 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
     The sources take 2-D contiguous inputs and shard-local targets only, so their kernels need no per-launch checks.
 
     Args:
-        call: a :class:`tplogp.plan.Call`.
+        call: a :class:`tplogp.op.plan.Call`.
         gathered: a sequence-parallel call's rows gathered by its forward (the op's backward), or None.
     Returns:
         The :class:`LocalCall` that :func:`shard_forward` and :func:`shard_backward` run.
@@ -140,7 +140,7 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
 
 
 def _regrid(plan, args, v_local: int, vocab: int, ranges) -> invariant.Regrid:
-    """This rank's :class:`~tplogp.invariant.Regrid`; with a group, from every rank's shard range: ``ranges``,
+    """This rank's :class:`~tplogp.support.invariant.Regrid`; with a group, from every rank's shard range: ``ranges``,
     what the call's group record gathered, else (an op's backward) one small exchange of the boundaries."""
     if plan.world_size > 1:
         bounds = (list(ranges) if ranges is not None else
