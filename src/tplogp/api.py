@@ -33,7 +33,7 @@ from .op.dtensor import any_dtensor, unwrap_dtensors
 from .backends.kernel_registry import check_op, check_source, require_source
 from .losses.terms import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
-from .op.plan import LogpOptions
+from .op.options import DEFAULTS, LOGP_OP, LOSS_OP, LogpOptions, crosses_schema, names_of, op_values
 from .op.packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
 from .op.validation import EntryCheck, LinearLogpInputError, is_int
 
@@ -80,21 +80,15 @@ def _front(body: Callable, hidden, weight, target_ids, bias, *rest):
 
 
 def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                    options: LogpOptions) -> bool:
-    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.op.validation.local_problem`
-    names the argument (checked in tests/op/test_linear_logp.py)."""
+                    options: LogpOptions, op: str = LOGP_OP) -> bool:
+    """Whether the arguments' Python types cross ``op``'s schema (the options': as declared in
+    :mod:`tplogp.op.options`); when not, :func:`tplogp.op.validation.local_problem` names the argument (checked
+    in tests/op/test_linear_logp.py). ``deterministic="tp_invariant"`` runs eagerly (:mod:`tplogp.support.invariant`)."""
     return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
             and (bias is None or isinstance(bias, torch.Tensor))
             and is_int(vocab_start_index)
             and (global_vocab_size is None or is_int(global_vocab_size))
-            and isinstance(options.temperature, (int, float)) and not isinstance(options.temperature, bool)
-            and (options.ignore_index is None or is_int(options.ignore_index))
-            and (options.workspace_bytes is None or is_int(options.workspace_bytes))
-            and isinstance(options.sequence_parallel, bool) and isinstance(options.hidden_grad, str)
-            and (options.softcap is None or (isinstance(options.softcap, (int, float))
-                                             and not isinstance(options.softcap, bool)))
-            and isinstance(options.return_argmax, bool)
-            and isinstance(options.deterministic, bool))  # ("tp_invariant" runs eagerly: tplogp.support.invariant)
+            and crosses_schema(options, op))
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -113,11 +107,8 @@ def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_in
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
     name = source if source is None or isinstance(source, str) else source.name
     packed, _, _ = ops.linear_logp_fwd(
-        hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
-        float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
-        options.workspace_bytes, name or "", builds_graph, options.sequence_parallel, options.hidden_grad,
-        None if options.softcap is None else float(options.softcap), options.return_argmax,
-        ops.layout_key(name or "", hidden.device, hidden.dtype))
+        hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size, name or "",
+        builds_graph, ops.layout_key(name or "", hidden.device, hidden.dtype), *op_values(options, LOGP_OP))
     shape = target_ids.shape
     logp = packed[PACKED_LOGP].view(shape)
     lse = packed[PACKED_LSE].view(shape)
@@ -380,10 +371,8 @@ def linear_logp_loss(
 
 
 # linear_logp_loss's options and their defaults (linear_logp_loss_entry takes them by name)
-_LOSS_OPTIONS = dict(per_token=(), reduction="sum", temperature=1.0, softcap=None,
-                     ignore_index=None, deterministic=False, workspace_bytes=None,
-                     with_entropy=True, sequence_parallel=False, hidden_grad="reduced",
-                     cu_seqlens=None, return_metrics=False)
+_LOSS_OPTIONS = dict(per_token=(), reduction="sum", with_entropy=True, cu_seqlens=None, return_metrics=False,
+                     **{name: DEFAULTS[name] for name in names_of(LOSS_OP)})
 
 
 def linear_logp_loss_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, *, loss,
@@ -431,16 +420,18 @@ def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, gl
             and all(isinstance(t, torch.Tensor) for t in options["per_token"])
             and isinstance(options["reduction"], str) and (source is None or isinstance(source, str))
             and isinstance(options["with_entropy"], bool)
-            and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, LogpOptions(
-                temperature=options["temperature"], ignore_index=options["ignore_index"],
-                workspace_bytes=options["workspace_bytes"], sequence_parallel=options["sequence_parallel"],
-                hidden_grad=options["hidden_grad"], softcap=options["softcap"])) and isinstance(options["deterministic"], bool))
+            and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                                _loss_options(options), LOSS_OP))
+
+
+def _loss_options(options: dict) -> LogpOptions:
+    """The :class:`LogpOptions` of a fused-loss call's keyword options (those its op's schema takes)."""
+    return LogpOptions(**{name: options[name] for name in names_of(LOSS_OP)})
 
 
 def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction, temperature, softcap,
-                   ignore_index, deterministic, workspace_bytes, with_entropy, sequence_parallel, hidden_grad,
-                   cu_seqlens: None = None, return_metrics: bool = False):
+                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction, with_entropy,
+                   cu_seqlens: None = None, return_metrics: bool = False, **options):
     """The fused loss as the op of :mod:`tplogp.op.ops` (traced by ``torch.compile``): its value; the gradients it
     computed travel in the op's autograd formula (a :class:`~tplogp.losses.TokenLoss`: no sequences, no
     metrics)."""
@@ -448,9 +439,8 @@ def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
     needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     value, _, _, _ = ops.linear_logp_loss_fwd(
         hidden, weight, target_ids, bias, list(per_token), loss.key, reduction, group_name(tp_group),
-        vocab_start_index, global_vocab_size, float(temperature), ignore_index, deterministic, workspace_bytes,
-        source or "", with_entropy, sequence_parallel, hidden_grad,
-        None if softcap is None else float(softcap), *needs)
+        vocab_start_index, global_vocab_size, source or "", with_entropy, *needs,
+        *op_values(_loss_options(options), LOSS_OP))
     return value
 
 

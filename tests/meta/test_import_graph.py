@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the collectives);
     # the sequences of a loss's tokens
     ("tplogp.support.comm", "tplogp.support.invariant", "tplogp.support.sequences"),
+    # the options, declared once (their schema types, defaults, docs and checks)
+    ("tplogp.op.options",),
     # argument and layout validation; what the target checks read of the targets
     ("tplogp.op.validation", "tplogp.op.target_summary"),
     # the group record exchange and the kernel-run target check, then the deferred target verdicts that use them

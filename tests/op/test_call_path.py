@@ -103,7 +103,7 @@ def test_one_shard_call_goes_down_once(layout):
         _forward_and_backward(op, *inputs)
     (forward, again), (backward, back_again) = _forward_and_backward(op, *inputs)
     assert not again and not back_again, (again, back_again)
-    middle = ["op.validation"] if layout == "plan miss" else []
+    middle = ["op.validation", "op.options"] if layout == "plan miss" else []
     assert forward == ["api", "op.dtensor", "op.plan", "backends.kernel_registry", *middle,
                        "op.verdicts", "op.tp", "op.local_call", "backend"], forward
     assert backward == ["op.tp", "backend", "op.verdicts"], backward

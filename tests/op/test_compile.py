@@ -314,12 +314,13 @@ def test_opcheck(entropy, budget, source):
     """Schema, fake (meta) implementation and autograd registration of the op pair (torch.library.opcheck), also
     with a budget that keeps logits (the fake kept buffer has the real one's shape)."""
     from tplogp import keep_logits_budget
+    from tplogp.op.options import LOGP_OP, LogpOptions, op_values
 
     p = make_problem((6,), 8, 23, torch.float32, True, seed=1)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
     ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
-    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True, False, "reduced", None, False,
-            ops.layout_key(source, h.device, h.dtype))
+    options = op_values(LogpOptions(temperature=0.8, return_entropy=entropy, workspace_bytes=ws), LOGP_OP)
+    args = (h, w, p.target, b, "", 0, None, source, True, ops.layout_key(source, h.device, h.dtype), *options)
     packed, kept, gathered = ops.linear_logp_fwd(*args)
     assert gathered.numel() == 0  # (rows are gathered only by a sequence-parallel call with a group)
     # the triton sources keep a call this small under the default budget too (tplogp.backends.memory_budget)

@@ -90,15 +90,16 @@ def test_forward_compacted_backward_in_place(monkeypatch):
     """The op's forward compacts (no capture), its backward runs in place (captured): the ignored rows' saved
     normalizer gives them p = 0, so the gradients are still those of the compacted call."""
     from tplogp.op import ops
+    from tplogp.op.options import LOGP_OP, LogpOptions, op_values
 
     p = _problem(seed=7)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
-    args = ("", 0, None, 1.0, True, IGNORE, False, None, "native")
+    options = op_values(LogpOptions(return_entropy=True, ignore_index=IGNORE), LOGP_OP)
     layout = ops.layout_key("native", h.device, h.dtype)
-    packed, kept, gathered = ops.linear_logp_fwd(h, w, p.target, b, *args, True, False, "reduced", None, False, layout)
+    packed, kept, gathered = ops.linear_logp_fwd(h, w, p.target, b, "", 0, None, "native", True, layout, *options)
     grad = torch.stack([p.g_logp.reshape(-1), p.g_lse.reshape(-1)] + [torch.zeros_like(p.g_logp.reshape(-1))] * 2
                        + [p.g_entropy.reshape(-1), torch.zeros_like(p.g_logp.reshape(-1))])
-    bwd_args = ("", 0, 1.0, True, IGNORE, False, None, "native", False, "reduced", None, False, True, True, True)
+    bwd_args = ("", 0, "native", True, True, True, *options)
     want = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, gathered, grad, *bwd_args)
     monkeypatch.setattr(local_call, "compacts_rows", lambda device: False)
     got = ops.linear_logp_bwd(h, w, p.target, b, packed, kept, gathered, grad, *bwd_args)

@@ -85,25 +85,22 @@ def fused_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
 
 def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
                    global_vocab_size: Optional[int], *, loss, per_token: Sequence[torch.Tensor], reduction: str,
-                   temperature: float, ignore_index: Optional[int], deterministic: bool,
-                   workspace_bytes: Optional[int], needs: tuple[bool, bool, bool], with_entropy: bool = True,
-                   sequence_parallel: bool = False, hidden_grad: str = "reduced", softcap: Optional[float] = None,
-                   cu_seqlens=None, return_metrics: bool = False, entry=None):
+                   needs: tuple[bool, bool, bool], with_entropy: bool = True, cu_seqlens=None,
+                   return_metrics: bool = False, entry=None, **options):
     """The fused loss's value and the unscaled gradients ``needs`` asks for, computed chunk by chunk (module
     docstring): ``(loss, (d_hidden, d_weight, d_bias), the call's verdict, metric sums | None)``,
     what :func:`fused_loss` and the compiled op (:mod:`tplogp.op.ops`) hand to autograd. ``entry``: the
     checks of an integration's entry point (:class:`tplogp.op.validation.EntryCheck`), raised with the
-    loss's."""
+    loss's. ``options``: the fused loss's :class:`~tplogp.op.options.LogpOptions` (those of
+    ``linear_logp_loss``'s schema, :func:`tplogp.op.options.names_of`)."""
     # the loss's own arguments, checked with the op's (the same error on every rank of a group,
     # before any collective)
     check = validation.check_loss(loss, per_token, reduction, with_entropy, cu_seqlens,
                                   return_metrics, target_ids, entry)
     policy = isinstance(loss, GRPOLoss)
-    options = plan.LogpOptions(temperature=temperature, return_entropy=with_entropy, ignore_index=ignore_index,
-                               deterministic=deterministic, workspace_bytes=workspace_bytes,
-                               sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap,
+    options = plan.LogpOptions(return_entropy=with_entropy,
                                with_sum_z=isinstance(loss, TokenLoss) and check.problem is None
-                               and "sum_z" in loss.reads)
+                               and "sum_z" in loss.reads, **options)
     # the d_hidden collective runs iff needs[0]: the group's record makes every rank agree on it (no hang)
     call = plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
                         options, needs[0], check)

@@ -38,17 +38,14 @@ from ..backends import memory_budget
 from ..support import settings
 from ..support.comm import group_from_name
 from ..backends.kernel_registry import backend_for_call
-from .plan import LogpOptions, op_call, prepare, prepare_backward
+from .options import LOGP_OP, LOSS_OP, LogpOptions, from_op_values, names_of, schema_arguments
+from .plan import op_call, prepare, prepare_backward
 from .packed_op import backward_packed, forward_packed, op_kept_shape, packed_rows
 
 
-def _options(temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
-             workspace_bytes: Optional[int], sequence_parallel: bool, hidden_grad: str, softcap: Optional[float],
-             return_argmax: bool) -> LogpOptions:
-    return LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=True,
-                       ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                       sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap,
-                       return_argmax=return_argmax)
+def _options(values: tuple) -> LogpOptions:
+    """The forward's and backward's options from their schema's option tail (the op returns the lse)."""
+    return from_op_values(LOGP_OP, values, return_lse=True)
 
 
 def _gathers(sequence_parallel: bool, group_name: str) -> bool:
@@ -92,52 +89,53 @@ def _check_layout(layout: str, source: str, device: torch.device, dtype: torch.d
                            "torch._dynamo.reset() so that torch.compile traces it again")
 
 
-@torch.library.custom_op("tplogp::linear_logp_fwd", mutates_args=())
-def linear_logp_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], group_name: str,
-                    vocab_start_index: int, global_vocab_size: Optional[int], temperature: float, return_entropy: bool,
-                    ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
-                    builds_graph: bool, sequence_parallel: bool, hidden_grad: str, softcap: Optional[float],
-                    return_argmax: bool, layout: str) -> tuple[Tensor, Tensor, Tensor]:
+# The ops' arguments: the call's tensors and layout, then the options' tail (tplogp.op.options, in declaration
+# order), so an option is declared once and crosses every schema, fake and saved tuple below.
+_FORWARD_HEAD = ("Tensor hidden, Tensor weight, Tensor target_ids, Tensor? bias, str group_name, "
+                 "int vocab_start_index, int? global_vocab_size, str source, bool builds_graph, str layout")
+_FORWARD_ARGS = tuple(a.split()[-1] for a in _FORWARD_HEAD.split(", ")) + names_of(LOGP_OP)
+_BACKWARD_HEAD = ("Tensor hidden, Tensor weight, Tensor target_ids, Tensor? bias, Tensor packed, Tensor kept, "
+                  "Tensor gathered, Tensor grad_packed, str group_name, int vocab_start_index, str source, "
+                  "bool needs_hidden, bool needs_weight, bool needs_bias")
+
+
+@torch.library.custom_op("tplogp::linear_logp_fwd", mutates_args=(),
+                         schema=f"({_FORWARD_HEAD}, {schema_arguments(LOGP_OP)}) -> (Tensor, Tensor, Tensor)")
+def linear_logp_fwd(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size, source,
+                    builds_graph, layout, *options) -> tuple[Tensor, Tensor, Tensor]:
     """Packed fp32 ``[K, N]`` forward of one call, the logits it keeps for the backward and the gathered
     sequence-parallel rows (see the module docstring). ``source`` "" selects per device; ``layout``:
-    :func:`layout_key` when traced."""
+    :func:`layout_key` when traced; ``options``: :func:`tplogp.op.options.op_values`."""
     _check_layout(layout, source, hidden.device, hidden.dtype)
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
         return forward_packed(prepare(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index,
-                                      global_vocab_size,
-                                      _options(temperature, return_entropy, ignore_index, deterministic,
-                                               workspace_bytes, sequence_parallel, hidden_grad, softcap,
-                                               return_argmax), builds_graph))
+                                      global_vocab_size, _options(options), builds_graph))
 
 
 @linear_logp_fwd.register_fake
 def _linear_logp_fwd_fake(hidden, weight, target_ids, bias, group_name, vocab_start_index, global_vocab_size,
-                          temperature, return_entropy, ignore_index, deterministic, workspace_bytes, source,
-                          builds_graph, sequence_parallel, hidden_grad, softcap, return_argmax, layout):
-    packed = hidden.new_empty((packed_rows(return_entropy, return_argmax), target_ids.numel()), dtype=torch.float32)
-    options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes, sequence_parallel,
-                       hidden_grad, softcap, return_argmax)
+                          source, builds_graph, layout, *values):
+    options = _options(values)
+    packed = hidden.new_empty((packed_rows(options.return_entropy, options.return_argmax), target_ids.numel()),
+                              dtype=torch.float32)
     backend = backend_for_call(_source(source), hidden.device, hidden.dtype)
     kept = op_kept_shape(backend, target_ids.numel(), hidden.shape[-1], weight.shape[0], hidden.dtype, hidden.device,
-                         op_call(options, builds_graph), ignore_index)
-    gathered = (target_ids.numel(), hidden.shape[-1]) if _gathers(sequence_parallel, group_name) else (0,)
+                         op_call(options, builds_graph), options.ignore_index)
+    gathered = (target_ids.numel(), hidden.shape[-1]) if _gathers(options.sequence_parallel, group_name) else (0,)
     return packed, hidden.new_empty(kept, dtype=torch.float32), hidden.new_empty(gathered)
 
 
-@torch.library.custom_op("tplogp::linear_logp_bwd", mutates_args=())
-def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor], packed: Tensor,
-                    kept: Tensor, gathered: Tensor, grad_packed: Tensor, group_name: str, vocab_start_index: int,
-                    temperature: float, return_entropy: bool, ignore_index: Optional[int], deterministic: bool,
-                    workspace_bytes: Optional[int], source: str, sequence_parallel: bool, hidden_grad: str,
-                    softcap: Optional[float], return_argmax: bool, needs_hidden: bool, needs_weight: bool,
-                    needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.custom_op("tplogp::linear_logp_bwd", mutates_args=(),
+                         schema=f"({_BACKWARD_HEAD}, {schema_arguments(LOGP_OP)}) -> (Tensor, Tensor, Tensor)")
+def linear_logp_bwd(hidden, weight, target_ids, bias, packed, kept, gathered, grad_packed, group_name,
+                    vocab_start_index, source, needs_hidden, needs_weight, needs_bias,
+                    *options) -> tuple[Tensor, Tensor, Tensor]:
     """``(d_hidden, d_weight, d_bias)``; a gradient that is not needed comes back as an empty tensor."""
     group = group_from_name(group_name)
     with torch.autocast(hidden.device.type, enabled=False):
-        options = _options(temperature, return_entropy, ignore_index, deterministic, workspace_bytes,
-                           sequence_parallel, hidden_grad, softcap, return_argmax)
-        call = prepare_backward(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index, options)
+        call = prepare_backward(_source(source), hidden, weight, target_ids, bias, group, vocab_start_index,
+                                _options(options))
         grads = backward_packed(call, packed, grad_packed, (needs_hidden, needs_weight, needs_bias and bias is not None),
                                 kept=kept, gathered=gathered)
     like = (hidden, weight, bias if bias is not None else hidden)
@@ -146,18 +144,14 @@ def linear_logp_bwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Op
 
 @linear_logp_bwd.register_fake
 def _linear_logp_bwd_fake(hidden, weight, target_ids, bias, packed, kept, gathered, grad_packed, group_name,
-                          vocab_start_index, temperature, return_entropy, ignore_index, deterministic, workspace_bytes,
-                          source, sequence_parallel, hidden_grad, softcap, return_argmax, needs_hidden, needs_weight,
-                          needs_bias):
+                          vocab_start_index, source, needs_hidden, needs_weight, needs_bias, *options):
     has_bias = needs_bias and bias is not None
     return (hidden.new_empty(hidden.shape if needs_hidden else (0,)),
             weight.new_empty(weight.shape if needs_weight else (0,)),
             (bias if has_bias else hidden).new_empty(bias.shape if has_bias else (0,)))
 
 
-_FORWARD_ARGS = ("hidden", "weight", "target_ids", "bias", "group_name", "vocab_start_index", "global_vocab_size",
-                 "temperature", "return_entropy", "ignore_index", "deterministic", "workspace_bytes", "source",
-                 "builds_graph", "sequence_parallel", "hidden_grad", "softcap", "return_argmax", "layout")
+_OPTIONS_AT = _FORWARD_ARGS.index(names_of(LOGP_OP)[0])  # where the forward's option tail begins
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -165,9 +159,8 @@ def _setup_context(ctx, inputs, output) -> None:
     packed, kept, gathered = output
     ctx.mark_non_differentiable(kept, gathered)
     ctx.save_for_backward(args["hidden"], args["weight"], args["target_ids"], args["bias"], packed, kept, gathered)
-    ctx.call_args = (args["group_name"], args["vocab_start_index"], args["temperature"], args["return_entropy"],
-                     args["ignore_index"], args["deterministic"], args["workspace_bytes"], args["source"],
-                     args["sequence_parallel"], args["hidden_grad"], args["softcap"], args["return_argmax"])
+    ctx.call_args = (args["group_name"], args["vocab_start_index"], args["source"])
+    ctx.options = tuple(inputs[_OPTIONS_AT:])
 
 
 def _backward(ctx, grad_packed, grad_kept, grad_gathered):
@@ -176,7 +169,8 @@ def _backward(ctx, grad_packed, grad_kept, grad_gathered):
     if grad_packed is None or not (needs[0] or needs[1] or (bias is not None and needs[3])):
         return (None,) * len(_FORWARD_ARGS)
     d_hidden, d_weight, d_bias = linear_logp_bwd(hidden, weight, target_ids, bias, packed, kept, gathered, grad_packed,
-                                                 *ctx.call_args, needs[0], needs[1], bias is not None and needs[3])
+                                                 *ctx.call_args, needs[0], needs[1], bias is not None and needs[3],
+                                                 *ctx.options)
     return (d_hidden if needs[0] else None, d_weight if needs[1] else None, None,
             d_bias if (bias is not None and needs[3]) else None) + (None,) * (len(_FORWARD_ARGS) - 4)
 
@@ -186,18 +180,21 @@ linear_logp_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- the fused loss: one op whose forward runs the eager chunk loop and returns the loss and its gradients ----------
 
-@torch.library.custom_op("tplogp::linear_logp_loss", mutates_args=())
-def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Optional[Tensor],
-                         per_token: list[Tensor], loss_key: str, reduction: str, group_name: str,
-                         vocab_start_index: int, global_vocab_size: Optional[int], temperature: float,
-                         ignore_index: Optional[int], deterministic: bool, workspace_bytes: Optional[int], source: str,
-                         with_entropy: bool, sequence_parallel: bool, hidden_grad: str, softcap: Optional[float],
-                         needs_hidden: bool, needs_weight: bool,
-                         needs_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+_LOSS_HEAD = ("Tensor hidden, Tensor weight, Tensor target_ids, Tensor? bias, Tensor[] per_token, str loss_key, "
+              "str reduction, str group_name, int vocab_start_index, int? global_vocab_size, str source, "
+              "bool with_entropy, bool needs_hidden, bool needs_weight, bool needs_bias")
+_LOSS_ARGS = tuple(a.split()[-1] for a in _LOSS_HEAD.split(", ")) + names_of(LOSS_OP)
+
+
+@torch.library.custom_op("tplogp::linear_logp_loss", mutates_args=(),
+                         schema=f"({_LOSS_HEAD}, {schema_arguments(LOSS_OP)}) -> (Tensor, Tensor, Tensor, Tensor)")
+def linear_logp_loss_fwd(hidden, weight, target_ids, bias, per_token, loss_key, reduction, group_name,
+                         vocab_start_index, global_vocab_size, source, with_entropy, needs_hidden, needs_weight,
+                         needs_bias, *options) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(loss, d_hidden, d_weight, d_bias)`` of :func:`tplogp.linear_logp_loss` with the
     :class:`~tplogp.losses.TokenLoss` named ``loss_key``: the eager chunk loop
-    (:func:`tplogp.fused_loss.loop.loss_and_grads`), the gradients unscaled in fp32 (a gradient that is not needed comes
-    back empty). The call's target verdict is settled here, before the gradients leave the op."""
+    (:func:`tplogp.fused_loss.loop.loss_and_grads`), the gradients unscaled in fp32 (a gradient that is not needed
+    comes back empty). The call's target verdict is settled here, before the gradients leave the op."""
     from ..fused_loss.loop import loss_and_grads
     from ..losses.terms import loss_by_key
 
@@ -206,9 +203,8 @@ def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bia
     with torch.autocast(hidden.device.type, enabled=False):
         value, grads, verdict, _ = loss_and_grads(
             _source(source), hidden, weight, target_ids, bias, group, vocab_start_index, global_vocab_size,
-            loss=loss_by_key(loss_key), per_token=tuple(per_token), reduction=reduction, temperature=temperature,
-            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes, needs=needs,
-            with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap)
+            loss=loss_by_key(loss_key), per_token=tuple(per_token), reduction=reduction, needs=needs,
+            with_entropy=with_entropy, **dict(zip(names_of(LOSS_OP), options)))
         if verdict is not None and any(needs):
             grads = verdict.settle(grads)
     like = (hidden, weight, bias if bias is not None else hidden)
@@ -218,9 +214,8 @@ def linear_logp_loss_fwd(hidden: Tensor, weight: Tensor, target_ids: Tensor, bia
 
 @linear_logp_loss_fwd.register_fake
 def _linear_logp_loss_fake(hidden, weight, target_ids, bias, per_token, loss_key, reduction, group_name,
-                           vocab_start_index, global_vocab_size, temperature, ignore_index, deterministic,
-                           workspace_bytes, source, with_entropy, sequence_parallel, hidden_grad, softcap,
-                           needs_hidden, needs_weight, needs_bias):
+                           vocab_start_index, global_vocab_size, source, with_entropy, needs_hidden, needs_weight,
+                           needs_bias, *options):
     has_bias = needs_bias and bias is not None
     f32 = torch.float32
     return (hidden.new_empty((), dtype=f32), hidden.new_empty(hidden.shape if needs_hidden else (0,), dtype=f32),
@@ -243,7 +238,7 @@ def _loss_backward(ctx, g, *_):
     needs = ctx.needs_input_grad
     scaled = [None if not need or dtype is None else (t * g.to(torch.float32)).to(dtype)
               for need, t, dtype in zip((needs[0], needs[1], needs[3]), ctx.saved_tensors, ctx.dtypes)]
-    return (scaled[0], scaled[1], None, scaled[2], [None] * ctx.n_per_token) + (None,) * 17
+    return (scaled[0], scaled[1], None, scaled[2], [None] * ctx.n_per_token) + (None,) * (len(_LOSS_ARGS) - 5)
 
 
 linear_logp_loss_fwd.register_autograd(_loss_backward, setup_context=_loss_setup_context)

@@ -28,31 +28,11 @@ from ..support import invariant, settings
 from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import collective_device
 from ..backends.kernel_registry import backend_for_call
+from .options import LogpOptions, keyable
 from .validation import LossCheck, check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
 MAX_PLANS = 256
-
-
-@dataclass(frozen=True)
-class LogpOptions:
-    """Keyword options of ``linear_logp`` beyond the bare contract (defaults keep the bare behaviour)."""
-
-    temperature: float = 1.0
-    return_entropy: bool = False
-    return_lse: bool = False
-    ignore_index: Optional[int] = None
-    deterministic: Union[bool, str] = False  # or "tp_invariant" (tplogp.support.invariant)
-    workspace_bytes: Optional[int] = None
-    # hidden holds this rank's contiguous 1/world of the tokens; gathered before the GEMMs, its gradient
-    # reduce-scattered (docs/operator.md, "Sequence parallelism")
-    sequence_parallel: bool = False
-    hidden_grad: str = "reduced"  # HIDDEN_GRADS: "partial" leaves hidden.grad as this rank's share, unsummed
-    # final-logit softcapping: z = softcap * tanh((h W^T + b) / softcap), then the temperature divides z
-    softcap: Optional[float] = None
-    return_argmax: bool = False
-    # the per-token sum of the logits over the whole vocabulary (the fused loss's label smoothing reads it)
-    with_sum_z: bool = False
 
 
 def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False,
@@ -102,14 +82,7 @@ def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group
     if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
             and isinstance(target_ids, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
             and type(vocab_start_index) is int and (global_vocab_size is None or type(global_vocab_size) is int)
-            and type(options.temperature) in (float, int) and type(options.return_entropy) is bool
-            and type(options.return_lse) is bool
-            and (type(options.deterministic) is bool or options.deterministic == invariant.LEVEL)
-            and (options.ignore_index is None or type(options.ignore_index) is int)
-            and (options.workspace_bytes is None or type(options.workspace_bytes) is int)
-            and type(options.sequence_parallel) is bool and type(options.hidden_grad) is str
-            and (options.softcap is None or type(options.softcap) in (float, int))
-            and type(options.return_argmax) is bool and type(options.with_sum_z) is bool):
+            and keyable(options)):
         return None
     group = None if tp_group is None else (id(tp_group), tp_group.group_name, tp_group.size())
     return (backend.name, hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype, weight.device,

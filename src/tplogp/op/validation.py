@@ -23,11 +23,10 @@ import torch
 
 from ..support import invariant, settings
 from ..support.shards import ShardLayoutError
+from .options import LogpOptions, option_problems
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the dtype as it travels in a group record
-# what hidden.grad holds with a group: the full gradient (summed over the ranks), or this rank's share of it
-HIDDEN_GRADS = ("reduced", "partial")
 
 
 class LinearLogpInputError(ValueError):
@@ -58,20 +57,14 @@ def local_problem(
     bias: Optional[torch.Tensor],
     vocab_start_index: int,
     global_vocab_size: Optional[int],
-    ignore_index: Optional[int],
-    temperature: float,
-    workspace_bytes: Optional[int] = None,
-    sequence_parallel: bool = False,
-    hidden_grad: str = "reduced",
+    options: LogpOptions,
     world_size: int = 1,
-    softcap: Optional[float] = None,
-    return_argmax: bool = False,
-    deterministic: "bool | str" = False,
 ) -> Optional[str]:
     """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
 
     An argument of a type that the op's schema (:mod:`tplogp.op.ops`) does not take is always a problem here: such
-    calls run these checks eagerly to raise their error (:mod:`tplogp.api`)."""
+    calls run these checks eagerly to raise their error (:mod:`tplogp.api`). The options' own checks are declared
+    with them (:func:`tplogp.op.options.option_problems`)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -84,12 +77,11 @@ def local_problem(
     if hidden.shape[-1] != weight.shape[1]:
         return (f"hidden size mismatch: hidden is {tuple(hidden.shape)} (D={hidden.shape[-1]}) but weight is "
                 f"{tuple(weight.shape)} (D={weight.shape[1]})")
-    if not isinstance(sequence_parallel, bool):
-        return f"sequence_parallel must be a bool, got {sequence_parallel!r}"
-    if not isinstance(hidden_grad, str) or hidden_grad not in HIDDEN_GRADS:
-        return f"hidden_grad must be one of {HIDDEN_GRADS}, got {hidden_grad!r}"
-    if sequence_parallel:
-        problem = sequence_parallel_problem(hidden, target_ids, hidden_grad, world_size)
+    problem, late_problem = option_problems(options)
+    if problem is not None:
+        return problem
+    if options.sequence_parallel:
+        problem = sequence_parallel_problem(hidden, target_ids, options.hidden_grad, world_size)
         if problem is not None:
             return problem
     elif tuple(target_ids.shape) != tuple(hidden.shape[:-1]):
@@ -115,25 +107,12 @@ def local_problem(
         return f"vocab_start_index must be a non-negative int, got {vocab_start_index!r}"
     if global_vocab_size is not None and (not is_int(global_vocab_size) or global_vocab_size <= 0):
         return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
-            and temperature != float("inf")):
-        return f"temperature must be a positive finite number, got {temperature!r}"
-    if ignore_index is not None and not is_int(ignore_index):
-        return f"ignore_index must be an int or None, got {ignore_index!r}"
-    if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
-        return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-                                    and 0 < softcap < float("inf")):
-        return (f"softcap must be a positive finite float or None (z = softcap * tanh(logits / softcap)), got "
-                f"{softcap!r}")
-    if not isinstance(return_argmax, bool):
-        return f"return_argmax must be a bool, got {return_argmax!r}"
-    if return_argmax and weight.shape[0] > MAX_ARGMAX_VOCAB:
+    if late_problem is not None:
+        return late_problem
+    if options.return_argmax and weight.shape[0] > MAX_ARGMAX_VOCAB:
         return (f"return_argmax supports vocab shards of at most {MAX_ARGMAX_VOCAB} rows (a shard's ids travel "
                 f"exactly in its fp32 statistics), got a weight of {weight.shape[0]} rows")
-    if not (isinstance(deterministic, bool) or deterministic == invariant.LEVEL):
-        return f"deterministic must be True, False or {invariant.LEVEL!r}, got {deterministic!r}"
-    if deterministic == invariant.LEVEL and max(vocab_start_index + weight.shape[0],
+    if options.deterministic == invariant.LEVEL and max(vocab_start_index + weight.shape[0],
                                                      global_vocab_size or 0) >= invariant.MAX_VOCAB:
         return (f"deterministic={invariant.LEVEL!r} sums in fixed point with {invariant.FIXED_POINT_BITS} fraction "
                 f"bits, which holds vocabularies below {invariant.MAX_VOCAB}; this one reaches "
@@ -205,10 +184,8 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
         ShardLayoutError: a one-shard layout whose weight is not the whole vocabulary.
     """
     mode = checks_mode()
-    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                            options.ignore_index, options.temperature, options.workspace_bytes,
-                            options.sequence_parallel, options.hidden_grad, world_size, options.softcap,
-                            options.return_argmax, options.deterministic)
+    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options,
+                            world_size)
     vocab_size = None
     if problem is None and world_size == 1:
         vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)
