@@ -1,31 +1,38 @@
-"""The GRPO family of policy losses for :func:`tplogp.linear_logp_loss`: the loss, its normalisation and its
-metrics from every token's fp32 ``logp`` (and ``entropy``), with the upstream gradients of both in closed form.
+"""The GRPO family of policy losses for :func:`tplogp.linear_logp_loss`: the loss, its normalisation
+and its metrics from every token's fp32 ``logp`` (and ``entropy``), with the upstream gradients of
+both in closed form.
 
-:func:`tplogp.losses.grpo` builds a :class:`GRPOLoss` from TRL's names. Per token ``t`` of sequence ``i``, with
+:func:`tplogp.losses.grpo` builds a :class:`GRPOLoss` from TRL's names. Per token ``t`` of sequence
+``i``, with
 ``m_t`` 1 where the position counts (its target is not ``ignore_index``) and ``L_i = sum_t m_t``::
 
-    rho_t = logp_t - old_t                      (0 without old log-probs: ratio 1, gradient through logp)
-    s_t   = exp(rho_t)                          importance_sampling_level="token"
+    rho_t = logp_t - old_t                      (0 without old log-probs: ratio 1, gradient through
+    logp) s_t   = exp(rho_t)                          importance_sampling_level="token"
     s_i   = exp(sum_t m_t rho_t / max(L_i, 1))  "sequence" (GSPO; ds_i / dlogp_t = s_i m_t / L_i)
-                                                "sequence_token" (GSPO-token: the value s_i, ds / dlogp_t = s_i)
+                                                "sequence_token" (GSPO-token: the value s_i,
+                                                ds / dlogp_t = s_i)
     policy P_t (loss_type):
-      grpo, bnpo, dr_grpo, dapo, luspo   -min(min(s, delta) A, clamp(s, 1 - eps_low, 1 + eps_high) A); with the dual
+      grpo, bnpo, dr_grpo, dapo, luspo   -min(min(s, delta) A, clamp(s, 1 - eps_low, 1 + eps_high)
+      A); with the dual
                                          clip, for A < 0 at most -clip_ratio_c A
       cispo                              -sg(min(s, eps_high)) A logp
-      sapo                               -A sigmoid(tau (s - 1)) 4 / tau, tau = tau_pos (A > 0) or tau_neg
-      vespo                              -sg(phi_i) A logp, phi_i = exp(lambda + k log w_i - lambda w_i) with
-                                         log w_i = clamp(sum_t m_t clamp(rho_t, -20, 20) + log IS weights, log 1e-8, 20)
+      sapo                               -A sigmoid(tau (s - 1)) 4 / tau, tau = tau_pos (A > 0) or
+      tau_neg vespo                              -sg(phi_i) A logp, phi_i = exp(lambda + k log
+      w_i - lambda w_i) with
+                                         log w_i = clamp(sum_t m_t clamp(rho_t, -20, 20) + log IS
+                                         weights, log 1e-8, 20)
     l_t = P_t c_t + beta KL_t (x s if bias-corrected) - entropy_coef H_t / n_H
     loss = sum_t m_t norm_t l_t
 
-``c_t`` is the rollout correction (1 without one; folded into ``w_i`` for vespo), ``KL_t`` the k1 / k2 / k3
-estimator of the KL to the reference policy and ``norm_t`` the normalisation (:data:`NORMALIZATIONS`).
+``c_t`` is the rollout correction (1 without one; folded into ``w_i`` for vespo), ``KL_t`` the
+k1 / k2 / k3 estimator of the KL to the reference policy and ``norm_t`` the normalisation
+(:data:`NORMALIZATIONS`).
 
-A loss whose tokens need their sequence's sums (the sequence levels, vespo) says so (:attr:`GRPOLoss.needs_sums`);
-the fused loss then evaluates it on chunks of whole sequences, or on every token's logp at once when a sequence is
-longer than a chunk (:mod:`tplogp.fused_loss.loop`). Every quantity is a
-function of the merged logp, identical on every rank of a tensor-parallel group, so the loss, its gradients'
-coefficients and its metrics need no collective of their own.
+A loss whose tokens need their sequence's sums (the sequence levels, vespo) says so
+(:attr:`GRPOLoss.needs_sums`); the fused loss then evaluates it on chunks of whole sequences, or on
+every token's logp at once when a sequence is longer than a chunk (:mod:`tplogp.fused_loss.loop`).
+Every quantity is a function of the merged logp, identical on every rank of a tensor-parallel group,
+so the loss, its gradients' coefficients and its metrics need no collective of their own.
 """
 
 from __future__ import annotations
@@ -39,23 +46,28 @@ import torch
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence", "sequence_token")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-ROLLOUT_CORRECTIONS = ("weights", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-# The normalisations, by verl's ``loss_agg_mode`` names: over the counted tokens (TRL's bnpo; dapo / cispo / vespo
-# with a global token count), the batch mean of per-sequence token means (grpo, sapo), the batch mean of
-# per-sequence token sums (luspo), and the token sum over batch size x max_completion_length (dr_grpo).
-NORMALIZATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-DEFAULT_NORMALIZATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "bnpo": "token-mean",
-                         "dapo": "token-mean", "cispo": "token-mean", "vespo": "token-mean",
-                         "luspo": "seq-mean-token-sum", "dr_grpo": "seq-mean-token-sum-norm"}
+ROLLOUT_CORRECTIONS = ("weights", "token_truncate", "token_mask", "sequence_truncate",
+                       "sequence_mask")
+# The normalisations, by verl's ``loss_agg_mode`` names: over the counted tokens (TRL's bnpo;
+# dapo / cispo / vespo with a global token count), the batch mean of per-sequence token means (grpo,
+# sapo), the batch mean of per-sequence token sums (luspo), and the token sum over batch size x
+# max_completion_length (dr_grpo).
+NORMALIZATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm")
+DEFAULT_NORMALIZATION = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean",
+                         "bnpo": "token-mean", "dapo": "token-mean", "cispo": "token-mean",
+                         "vespo": "token-mean", "luspo": "seq-mean-token-sum",
+                         "dr_grpo": "seq-mean-token-sum-norm"}
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the PPO-clipped policy term
-METRICS = ("kl_mean", "clip_low_fraction", "clip_high_fraction", "clip_region_fraction", "ratio_mean", "ratio_min",
-           "ratio_max", "entropy_mean")
+METRICS = ("kl_mean", "clip_low_fraction", "clip_high_fraction", "clip_region_fraction",
+           "ratio_mean", "ratio_min", "ratio_max", "entropy_mean")
 _LOG_MIN_WEIGHT = math.log(1e-8)  # VESPO's lower clamp of log w
 
 
 def k3_kl(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k3 KL estimator of ``d = ref_logp - logp``, ``exp(d) - d - 1`` (with ``expm1``: no cancellation against 1
-    for small ``d``), and its derivative with respect to ``logp``, ``1 - exp(d)``."""
+    """The k3 KL estimator of ``d = ref_logp - logp``, ``exp(d) - d - 1`` (with ``expm1``: no
+    cancellation against 1 for small ``d``), and its derivative with respect to ``logp``,
+    ``1 - exp(d)``."""
     e = torch.expm1(d)
     return e - d, -e
 
@@ -98,8 +110,9 @@ def check_number(name: str, value, minimum: Optional[float] = None, open_minimum
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
-    """The options of :func:`tplogp.losses.grpo` (see there), checked. (``GRPOConfig`` is an alias of this name,
-    kept for existing code; ``trl.GRPOConfig`` is TRL's trainer config, another thing.)"""
+    """The options of :func:`tplogp.losses.grpo` (see there), checked. (``GRPOConfig`` is an alias
+    of this name, kept for existing code; ``trl.GRPOConfig`` is TRL's trainer config, another
+    thing.)"""
 
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
@@ -135,7 +148,8 @@ class GRPOLossConfig:
         one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         one_of("rollout_correction", self.rollout_correction, (None,) + ROLLOUT_CORRECTIONS)
         one_of("normalization", self.normalization, (None,) + NORMALIZATIONS)
-        if self.importance_sampling_level != "token" and self.loss_type in ("cispo", "sapo", "vespo"):
+        if self.importance_sampling_level != "token" and self.loss_type in ("cispo", "sapo",
+                                                                            "vespo"):
             raise ValueError(f"loss_type={self.loss_type!r} takes importance_sampling_level='token' (vespo computes "
                              f"its sequence weights itself), got {self.importance_sampling_level!r}")
         for name in ("epsilon_low", "epsilon_high", "beta"):
@@ -178,7 +192,8 @@ class GRPOLossConfig:
         if self.bias_corrected_kl and self.beta == 0:
             raise ValueError("bias_corrected_kl corrects the KL term: set beta != 0 (with beta=0 leave it out, "
                              "as TRL's use_bias_correction_kl=True does nothing then)")
-        if self.loss_type == "vespo" and self.rollout_correction in ("sequence_truncate", "sequence_mask"):
+        if self.loss_type == "vespo" and self.rollout_correction in ("sequence_truncate",
+                                                                     "sequence_mask"):
             raise ValueError("vespo folds per-token rollout weights into its sequence weight: use "
                              "rollout_correction 'token_truncate', 'token_mask' or 'weights'")
 
@@ -192,10 +207,11 @@ GRPOConfig = GRPOLossConfig  # the former name
 
 
 class GRPOLoss:
-    """A GRPO-family loss (:func:`tplogp.losses.grpo`). ``per_token`` names the tensors it takes, in order;
-    ``needs_sums`` whether a token's gradient needs its sequence's sums of logp-dependent values (the fused loss
-    then computes every token's logp first); ``needs_sequences`` whether it needs to know the sequences at all
-    (a per-sequence normalisation or sum); ``reads_entropy`` whether it needs the entropy (an entropy bonus)."""
+    """A GRPO-family loss (:func:`tplogp.losses.grpo`). ``per_token`` names the tensors it takes, in
+    order; ``needs_sums`` whether a token's gradient needs its sequence's sums of logp-dependent
+    values (the fused loss then computes every token's logp first); ``needs_sequences`` whether it
+    needs to know the sequences at all (a per-sequence normalisation or sum); ``reads_entropy``
+    whether it needs the entropy (an entropy bonus)."""
 
     def __init__(self, config: GRPOLossConfig) -> None:
         refuse_under_compile("grpo(...)")
@@ -221,10 +237,12 @@ class GRPOLoss:
             raise ValueError(f"the loss {self.name} takes per_token=({', '.join(self.per_token)}): "
                              f"{len(self.per_token)} tensors, got {count}")
 
-    def bind(self, per_token: list[torch.Tensor], counted: Optional[torch.Tensor], segments) -> "BoundGRPO":
-        """The loss for one call's rows: ``per_token`` fp32 ``[n]`` tensors (the call's rows, in ``per_token``
-        order), ``counted`` the ``[n]`` bool mask of rows that count (None: all), ``segments`` a
-        :class:`tplogp.support.sequences.Segments` of the rows (None when :attr:`needs_sequences` is False)."""
+    def bind(self, per_token: list[torch.Tensor], counted: Optional[torch.Tensor],
+             segments) -> "BoundGRPO":
+        """The loss for one call's rows: ``per_token`` fp32 ``[n]`` tensors (the call's rows, in
+        ``per_token`` order), ``counted`` the ``[n]`` bool mask of rows that count (None: all),
+        ``segments`` a :class:`tplogp.support.sequences.Segments` of the rows (None when
+        :attr:`needs_sequences` is False)."""
         self.check_arity(len(per_token))
         return BoundGRPO(self.config, dict(zip(self.per_token, per_token)), counted, segments)
 
@@ -233,8 +251,9 @@ class GRPOLoss:
 
 
 class Evaluation:
-    """What :meth:`BoundGRPO.evaluate` gives for some rows: the loss's share, the upstream gradients of logp and
-    entropy (``[rows]`` fp32, 0 where a row does not count; entropy's None when not read) and the metric sums."""
+    """What :meth:`BoundGRPO.evaluate` gives for some rows: the loss's share, the upstream gradients
+    of logp and entropy (``[rows]`` fp32, 0 where a row does not count; entropy's None when not
+    read) and the metric sums."""
 
     __slots__ = ("total", "g_logp", "g_entropy", "sums")
 
@@ -243,11 +262,12 @@ class Evaluation:
 
 
 class BoundGRPO:
-    """A :class:`GRPOLoss` bound to one call's rows: the constant per-token factors (counted mask, normalisation,
-    rollout weights) made once, then :meth:`evaluate` on a chunk of rows (losses without sequence sums) or on all
-    of them."""
+    """A :class:`GRPOLoss` bound to one call's rows: the constant per-token factors (counted mask,
+    normalisation, rollout weights) made once, then :meth:`evaluate` on a chunk of rows (losses
+    without sequence sums) or on all of them."""
 
-    def __init__(self, config: GRPOLossConfig, tensors: dict, counted: Optional[torch.Tensor], segments) -> None:
+    def __init__(self, config: GRPOLossConfig, tensors: dict, counted: Optional[torch.Tensor],
+                 segments) -> None:
         c = config
         self.c, self.segments = c, segments
         adv = tensors["advantages"]
@@ -256,9 +276,11 @@ class BoundGRPO:
         m = torch.ones(n, device=adv.device) if counted is None else counted.to(torch.float32)
         self.m = m
         self.count = m.sum()  # counted rows (0-d, on the device)
-        self.seq_len = None if segments is None else segments.sum(m)  # [B] counted rows per sequence
+        # [B] counted rows per sequence
+        self.seq_len = None if segments is None else segments.sum(m)
         self.norm = self._normalisation(m)  # [n] or 0-d: m_t norm_t
-        self.weight, self.log_weight = self._rollout(tensors, m)  # c_t ([n] or None); vespo: log c_t
+        # c_t ([n] or None); vespo: log c_t
+        self.weight, self.log_weight = self._rollout(tensors, m)
         self.policy_scale = self.norm if self.weight is None or c.loss_type == "vespo" else self.norm * self.weight
         if c.entropy_coef:
             denom = self._normaliser() if c.norm == "token-mean" else self.count.clamp_min(1.0)
@@ -288,8 +310,8 @@ class BoundGRPO:
         return m / (batch * c.max_completion_length)
 
     def _rollout(self, tensors: dict, m: torch.Tensor):
-        """``(c_t, log c_t)``: the rollout correction's per-row weight (None without one) and, for vespo, its log
-        (clamped to ``[log 1e-8, 20]``, folded into the sequence weight)."""
+        """``(c_t, log c_t)``: the rollout correction's per-row weight (None without one) and, for
+        vespo, its log (clamped to ``[log 1e-8, 20]``, folded into the sequence weight)."""
         c = self.c
         mode = c.rollout_correction
         if mode is None:
@@ -312,12 +334,14 @@ class BoundGRPO:
             return weight, None
         return None, torch.where(m > 0, torch.log(weight).clamp(_LOG_MIN_WEIGHT, 20.0), 0.0)
 
-    def evaluate(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], rows: Optional[slice] = None,
-                 metrics: bool = False, sequences: Optional[slice] = None) -> Evaluation:
-        """The loss's share of ``rows`` (a slice of the call's rows; None: all of them), its upstream gradients and,
-        with ``metrics``, its metric sums (:func:`finish_metrics`). A loss with sequence sums (:attr:`GRPOLoss.
-        needs_sums`) takes rows that hold whole sequences: all of them, or the ``sequences`` (a slice of the
-        sequences) and no other. ``logp`` / ``entropy``: those rows' fp32 values (0 at rows that do not count)."""
+    def evaluate(self, logp: torch.Tensor, entropy: Optional[torch.Tensor],
+                 rows: Optional[slice] = None, metrics: bool = False,
+                 sequences: Optional[slice] = None) -> Evaluation:
+        """The loss's share of ``rows`` (a slice of the call's rows; None: all of them), its
+        upstream gradients and, with ``metrics``, its metric sums (:func:`finish_metrics`). A loss
+        with sequence sums (:attr:`GRPOLoss. needs_sums`) takes rows that hold whole sequences: all
+        of them, or the ``sequences`` (a slice of the sequences) and no other.
+        ``logp`` / ``entropy``: those rows' fp32 values (0 at rows that do not count)."""
         c = self.c
 
         def part(t):
@@ -377,7 +401,8 @@ class BoundGRPO:
             else:
                 kl, d_kl = -d, torch.ones_like(d)
             kl_scale = part(self.norm) * c.beta
-            if c.bias_corrected_kl:  # KL x ratio (DeepSeek-V3.2): d = (KL' + KL) ratio on the row's own logp,
+            # KL x ratio (DeepSeek-V3.2): d = (KL' + KL) ratio on the row's own logp,
+            if c.bias_corrected_kl:
                 # through the sequence ratio's mean at the sequence level
                 value = value + kl_scale * kl * ratio
                 g_logp = g_logp + kl_scale * d_kl * ratio
@@ -391,7 +416,9 @@ class BoundGRPO:
             if level == "sequence":  # d s_i / d logp_t = s_i m_t / L_i
                 per_seq = seq.sum(d_ratio) * seq_ratio / seq_len.clamp_min(1.0)
                 g_logp = g_logp + m * per_seq[seq.index]
-            else:  # token: d s_t / d logp_t = s_t; sequence_token: the stop-gradient form, d s / d logp_t = s_i
+            # token: d s_t / d logp_t = s_t; sequence_token: the stop-gradient form, d s / d
+            # logp_t = s_i
+            else:
                 g_logp = g_logp + d_ratio * ratio
         g_entropy = None
         if entropy is not None and self.entropy_scale is not None:
@@ -404,8 +431,8 @@ class BoundGRPO:
 
     def _vespo_weights(self, rho: Optional[torch.Tensor], adv: torch.Tensor, seq,
                        log_weight: Optional[torch.Tensor]) -> torch.Tensor:
-        """VESPO's ``phi`` per row of the whole sequences ``seq`` (a constant: no gradient flows through it);
-        ``log_weight``: those rows' log rollout weights (None without)."""
+        """VESPO's ``phi`` per row of the whole sequences ``seq`` (a constant: no gradient flows
+        through it); ``log_weight``: those rows' log rollout weights (None without)."""
         c = self.c
         log_w = torch.zeros(seq.count, device=adv.device)
         if rho is not None:
@@ -420,7 +447,8 @@ class BoundGRPO:
         return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
     def _metric_sums(self, m, ratio, adv, kl, entropy) -> torch.Tensor:
-        """``[count, kl, low, high, region, ratio, entropy, ratio_min, ratio_max]`` over the counted rows."""
+        """``[count, kl, low, high, region, ratio, entropy, ratio_min, ratio_max]`` over the counted
+        rows."""
         c = self.c
         on = m > 0
         zero = torch.zeros((), device=m.device)
@@ -432,11 +460,12 @@ class BoundGRPO:
         else:
             low = high = torch.zeros_like(on)
         f = torch.float32
-        row = [m.sum(), zero if kl is None else torch.where(on, kl, 0.0).sum(), low.to(f).sum(), high.to(f).sum(),
-               (low | high).to(f).sum(), torch.where(on, ratio, 0.0).sum(),
+        row = [m.sum(), zero if kl is None else torch.where(on, kl, 0.0).sum(), low.to(f).sum(),
+               high.to(f).sum(), (low | high).to(f).sum(), torch.where(on, ratio, 0.0).sum(),
                zero if entropy is None else torch.where(on, entropy, 0.0).sum(),
                torch.where(on, ratio, math.inf).amin() if ratio.numel() else torch.full((), math.inf, device=m.device),
-               torch.where(on, ratio, -math.inf).amax() if ratio.numel() else torch.full((), -math.inf,
+               torch.where(on, ratio, -math.inf).amax() if ratio.numel() else torch.full((),
+                                                                                         -math.inf,
                                                                                           device=m.device)]
         return torch.stack(row)
 
@@ -450,16 +479,17 @@ def combine_sums(a: Optional[torch.Tensor], b: torch.Tensor) -> torch.Tensor:
 
 def finish_metrics(sums: Optional[torch.Tensor], device: torch.device, with_kl: bool,
                    with_entropy: bool) -> dict[str, torch.Tensor]:
-    """The metrics (:data:`METRICS`; ``kl_mean`` with a KL term, ``entropy_mean`` where the entropy is computed)
-    from the metric sums: means over the counted rows (0 when none counts; the ratio's min and max NaN then)."""
+    """The metrics (:data:`METRICS`; ``kl_mean`` with a KL term, ``entropy_mean`` where the entropy
+    is computed) from the metric sums: means over the counted rows (0 when none counts; the ratio's
+    min and max NaN then)."""
     if sums is None:
         sums = torch.tensor([0.0] * 7 + [math.inf, -math.inf], device=device)
     count = sums[0].clamp_min(1.0)
     none = sums[0] == 0
-    out = {"kl_mean": sums[1] / count, "clip_low_fraction": sums[2] / count, "clip_high_fraction": sums[3] / count,
-           "clip_region_fraction": sums[4] / count, "ratio_mean": sums[5] / count,
-           "ratio_min": torch.where(none, math.nan, sums[7]), "ratio_max": torch.where(none, math.nan, sums[8]),
-           "entropy_mean": sums[6] / count}
+    out = {"kl_mean": sums[1] / count, "clip_low_fraction": sums[2] / count,
+           "clip_high_fraction": sums[3] / count, "clip_region_fraction": sums[4] / count,
+           "ratio_mean": sums[5] / count, "ratio_min": torch.where(none, math.nan, sums[7]),
+           "ratio_max": torch.where(none, math.nan, sums[8]), "entropy_mean": sums[6] / count}
     if not with_kl:
         del out["kl_mean"]
     if not with_entropy:

@@ -1,10 +1,11 @@
-"""Argument and layout validation of ``linear_logp`` and ``linear_logp_loss``: what one rank can check alone, with no
-tensor data read (but ``cu_seqlens``, read when a loss uses its sequences).
+"""Argument and layout validation of ``linear_logp`` and ``linear_logp_loss``: what one rank can
+check alone, with no tensor data read (but ``cu_seqlens``, read when a loss uses its sequences).
 
-:func:`local_problem` returns a message instead of raising, so that with a TP group every rank first finishes its
-own checks and the group then raises the same error everywhere (:mod:`tplogp.op.group_record`); without a group the
-plan raises it. :func:`single_shard_vocab` checks the shard layout of a call on one shard. The plan
-(:mod:`tplogp.op.plan`) runs these through :func:`check_layout`, at the first call of a layout only.
+:func:`local_problem` returns a message instead of raising, so that with a TP group every rank first
+finishes its own checks and the group then raises the same error everywhere
+(:mod:`tplogp.op.group_record`); without a group the plan raises it. :func:`single_shard_vocab`
+checks the shard layout of a call on one shard. The plan (:mod:`tplogp.op.plan`) runs these through
+:func:`check_layout`, at the first call of a layout only.
 
 The fused loss's own arguments (the loss, ``per_token``, ``reduction``, ``with_entropy``,
 ``cu_seqlens``, ``return_metrics``) are checked at every call by :func:`check_loss` (a few type and
@@ -26,7 +27,8 @@ from ..support.shards import ShardLayoutError
 from .options import LogpOptions, option_problems
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the dtype as it travels in a group record
+# the dtype as it travels in a group record
+DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 class LinearLogpInputError(ValueError):
@@ -34,14 +36,16 @@ class LinearLogpInputError(ValueError):
 
 
 def checks_mode() -> str:
-    """``TPLOGP_CHECKS`` (:func:`tplogp.support.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
+    """``TPLOGP_CHECKS`` (:func:`tplogp.support.settings.checks_mode`); a bad value is a
+    :class:`LinearLogpInputError`."""
     try:
         return settings.checks_mode()
     except settings.SettingsError as exc:
         raise LinearLogpInputError(str(exc)) from exc
 
 
-# return_argmax: the largest shard whose local ids fp32 holds exactly (the per-shard statistics are fp32)
+# return_argmax: the largest shard whose local ids fp32 holds exactly (the per-shard statistics are
+# fp32)
 MAX_ARGMAX_VOCAB = 1 << 24
 
 
@@ -62,9 +66,9 @@ def local_problem(
 ) -> Optional[str]:
     """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
 
-    An argument of a type that the op's schema (:mod:`tplogp.op.ops`) does not take is always a problem here: such
-    calls run these checks eagerly to raise their error (:mod:`tplogp.api`). The options' own checks are declared
-    with them (:func:`tplogp.op.options.option_problems`)."""
+    An argument of a type that the op's schema (:mod:`tplogp.op.ops`) does not take is always a
+    problem here: such calls run these checks eagerly to raise their error (:mod:`tplogp.api`). The
+    options' own checks are declared with them (:func:`tplogp.op.options.option_problems`)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -122,8 +126,9 @@ def local_problem(
 
 def sequence_parallel_problem(hidden: torch.Tensor, target_ids: torch.Tensor, hidden_grad: str,
                               world_size: int) -> Optional[str]:
-    """The sequence-parallel layout: hidden's rows (its leading dimensions flattened) are this rank's contiguous,
-    equal slice of target_ids' ``N`` tokens (flattened, rank-major). A message, or None when it is."""
+    """The sequence-parallel layout: hidden's rows (its leading dimensions flattened) are this
+    rank's contiguous, equal slice of target_ids' ``N`` tokens (flattened, rank-major). A message,
+    or None when it is."""
     if hidden_grad == "partial":
         return ("hidden_grad='partial' leaves the gradient of a replicated hidden unsummed; with "
                 "sequence_parallel=True hidden.grad is this rank's slice of the summed gradient (reduce-scattered): "
@@ -142,7 +147,8 @@ def sequence_parallel_problem(hidden: torch.Tensor, target_ids: torch.Tensor, hi
 
 def single_shard_vocab(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
                        group_given: bool = False) -> int:
-    """Check that one shard is the whole vocabulary (without a TP group, or with a group of one rank).
+    """Check that one shard is the whole vocabulary (without a TP group, or with a group of one
+    rank).
 
     Args:
         vocab_start_index, global_vocab_size: the call's arguments.
@@ -169,11 +175,12 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
                  world_size: int, group_given: bool) -> tuple[str, Optional[str], Optional[int]]:
     """The checks of a layout's first call, what one rank can check without reading tensor data.
 
-    A local problem is returned, not raised, so that with a group every rank raises it together (no rank is left in
-    a collective).
+    A local problem is returned, not raised, so that with a group every rank raises it together (no
+    rank is left in a collective).
 
     Args:
-        hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size: the call's arguments.
+        hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size: the call's
+            arguments.
         options: the call's :class:`tplogp.op.plan.LogpOptions`.
         world_size: the TP group's size (1 without a group).
         group_given: whether a group was passed (for the message of a one-rank group).
@@ -184,11 +191,12 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
         ShardLayoutError: a one-shard layout whose weight is not the whole vocabulary.
     """
     mode = checks_mode()
-    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, options,
-                            world_size)
+    problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                            options, world_size)
     vocab_size = None
     if problem is None and world_size == 1:
-        vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)
+        vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size,
+                                        group_given)
     return mode, problem, vocab_size
 
 

@@ -1,12 +1,12 @@
-"""The target verdict of a call: whether every target id lies inside the vocabulary (and, with a group, is the same
-on every rank), decided without stalling the host.
+"""The target verdict of a call: whether every target id lies inside the vocabulary (and, with a
+group, is the same on every rank), decided without stalling the host.
 
-One entry in the forward, :func:`open_call` (called by the plan for every call), and one in the backward,
-:meth:`BackwardVerdict.settle` (called by :func:`tplogp.op.tp.shard_backward`). Verdicts not yet read wait in this
-module's queues; :func:`check_errors` reads them on demand.
+One entry in the forward, :func:`open_call` (called by the plan for every call), and one in the
+backward, :meth:`BackwardVerdict.settle` (called by :func:`tplogp.op.tp.shard_backward`). Verdicts
+not yet read wait in this module's queues; :func:`check_errors` reads them on demand.
 
-With a TP group the data part travels in the group record (:mod:`tplogp.op.group_record`), exchanged by the same
-entry, so every rank raises the same error.
+With a TP group the data part travels in the group record (:mod:`tplogp.op.group_record`), exchanged
+by the same entry, so every rank raises the same error.
 
 Modes (``TPLOGP_CHECKS``):
 
@@ -24,22 +24,26 @@ Modes (``TPLOGP_CHECKS``):
   raises the same error), a later call (without a group: the first whose start finds the verdict
   delivered, never waiting for it; with a group: the next call, in its record exchange), or
   :func:`check_errors`. With a group the record holds host values only and is exchanged over a CPU
-  group (:func:`tplogp.support.comm.host_group`) on every call, which proves the token counts agree before
-  the stats exchange; metadata errors surface at the call. A validated partition plus targets inside
-  ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN at
-  those tokens.
-* ``sync``: the targets' summary is read at the call (one host sync); errors surface at the call that caused them.
-* ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size, bias,
-  ignore_index, whether the call records an autograd graph) and skips the target check: one collective per forward
-  and no host syncs (but the ignore_index compaction's ``nonzero``); tokens whose target no shard owns come out as
-  NaN with finite gradients, and ranks that disagree on the token count are the caller's bug.
+  group (:func:`tplogp.support.comm.host_group`) on every call, which proves the token counts agree
+  before the stats exchange; metadata errors surface at the call. A validated partition plus targets
+  inside ``[0, vocab)`` means every target has exactly one owner; meanwhile a bad call's logp is NaN
+  at those tokens.
+* ``sync``: the targets' summary is read at the call (one host sync); errors surface at the call
+  that caused them.
+* ``fast``: exchanges the record only for the first call of each (group, layout, dtype, hidden size,
+  bias, ignore_index, whether the call records an autograd graph) and skips the target check: one
+  collective per forward and no host syncs (but the ignore_index compaction's ``nonzero``); tokens
+  whose target no shard owns come out as NaN with finite gradients, and ranks that disagree on the
+  token count are the caller's bug.
 
-Under a CUDA-graph capture (:func:`tplogp.support.tensors.is_capturing`; also ``torch.compile(mode="reduce-overhead")``),
-``full`` reads nothing on the host: the target check writes a device flag (:class:`CapturedTargetCheck`), recomputed by every
-replay. The captured backward zeroes the call's ``d_hidden``, ``d_weight`` and ``d_bias`` when the flag is set, and
-the flag is read after a replay by :func:`check_errors` or by the next call outside a capture (which raise). What
-a capture cannot hold raises :class:`LinearLogpInputError` before anything of the call is captured: ``sync``, and a
-first call with a group that has no CPU companion yet (both name ``TPLOGP_CHECKS=fast`` and the warm-up call).
+Under a CUDA-graph capture (:func:`tplogp.support.tensors.is_capturing`; also
+``torch.compile(mode="reduce-overhead")``), ``full`` reads nothing on the host: the target check
+writes a device flag (:class:`CapturedTargetCheck`), recomputed by every replay. The captured
+backward zeroes the call's ``d_hidden``, ``d_weight`` and ``d_bias`` when the flag is set, and the
+flag is read after a replay by :func:`check_errors` or by the next call outside a capture (which
+raise). What a capture cannot hold raises :class:`LinearLogpInputError` before anything of the call
+is captured: ``sync``, and a first call with a group that has no CPU companion yet (both name
+``TPLOGP_CHECKS=fast`` and the warm-up call).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from .target_summary import (COVERAGE_MESSAGE, TargetSummary, summarize_targets,
 from .validation import LinearLogpInputError, LossCheck
 
 
-# ---- verdicts read later: the default checks without a host sync -------------------------------------------------
+# ---- verdicts read later: the default checks without a host sync ---------------------------------
 
 NO_GROUP_NOTE = (" [found by the check of an earlier linear_logp call without a TP group, whose logp is NaN for these "
                  "tokens; TPLOGP_CHECKS=sync raises at the call itself]")
@@ -81,13 +85,16 @@ CAPTURE_FIX = ("run one call of this layout outside the capture first (a warm-up
 class PendingTargetCheck:
     """The targets' summary of one call on its way to the host (module docstring, ``full``)."""
 
-    summary: torch.Tensor  # [3] int64 [checksum, lo, hi] or [2] [lo, hi] on the CPU (pinned when copied from a GPU)
-    ready: Optional[torch.cuda.Event]  # recorded after the copy; None when the summary was computed on the CPU
+    # [3] int64 [checksum, lo, hi] or [2] [lo, hi] on the CPU (pinned when copied from a GPU)
+    summary: torch.Tensor
+    # recorded after the copy; None when the summary was computed on the CPU
+    ready: Optional[torch.cuda.Event]
     vocab_size: int
     ignore_index: Optional[int]
 
     def read_summary(self) -> TargetSummary:
-        """The integers (waits only if the device has not reached the copy yet, normally long done)."""
+        """The integers (waits only if the device has not reached the copy yet, normally long
+        done)."""
         if self.ready is not None and not self.ready.query():
             self.ready.synchronize()
         values = self.summary.tolist()
@@ -107,9 +114,11 @@ class PendingTargetCheck:
 
 @dataclass
 class CapturedTargetCheck:
-    """The target check of a call captured in a CUDA graph: a device flag that every replay recomputes."""
+    """The target check of a call captured in a CUDA graph: a device flag that every replay
+    recomputes."""
 
-    bad: torch.Tensor  # 0-d bool on the targets' device: some non-ignored target is outside [0, vocab_size)
+    # 0-d bool on the targets' device: some non-ignored target is outside [0, vocab_size)
+    bad: torch.Tensor
     vocab_size: int
     ignore_index: Optional[int]
 
@@ -118,19 +127,20 @@ class CapturedTargetCheck:
         return f"{COVERAGE_MESSAGE}: a target id is outside the vocabulary [0, {self.vocab_size}){where}"
 
 
-# _BLOCKING_WAIT: the events that say when a verdict is on the host are blocking-sync events, so that a host that
-# waits for one sleeps instead of spinning a CPU core. A backward settles its forward's verdict after launching its
-# kernels; at large shapes it then waits for the forward's kernels (tens of milliseconds), which would otherwise
-# keep autograd's device thread spinning all that time. Where the verdict has arrived (small shapes, the usual
-# case by the backward) nothing waits.
+# _BLOCKING_WAIT: the events that say when a verdict is on the host are blocking-sync events, so
+# that a host that waits for one sleeps instead of spinning a CPU core. A backward settles its
+# forward's verdict after launching its kernels; at large shapes it then waits for the forward's
+# kernels (tens of milliseconds), which would otherwise keep autograd's device thread spinning all
+# that time. Where the verdict has arrived (small shapes, the usual case by the backward) nothing
+# waits.
 
 
 _flag_slots: dict = {}
 
 
 def start_kernel_target_check(device: torch.device, vocab_size: int) -> KernelTargetCheck:
-    """A :class:`KernelTargetCheck` for a call on ``device`` without a group and without ``ignore_index`` (the
-    call's deferred verdict)."""
+    """A :class:`KernelTargetCheck` for a call on ``device`` without a group and without
+    ``ignore_index`` (the call's deferred verdict)."""
     slots = _flag_slots.get(device.type)
     if slots is None:
         slots = _flag_slots[device.type] = FlagSlots(pinned=device.type == "cuda")
@@ -139,8 +149,9 @@ def start_kernel_target_check(device: torch.device, vocab_size: int) -> KernelTa
     return check
 
 
-# The unjudged checks of calls without a group, oldest first. A call's start judges those whose verdict the device
-# has delivered (it never waits, unless _MAX_UNJUDGED are in flight); their backward or check_errors the others.
+# The unjudged checks of calls without a group, oldest first. A call's start judges those whose
+# verdict the device has delivered (it never waits, unless _MAX_UNJUDGED are in flight); their
+# backward or check_errors the others.
 _unjudged: list = []
 _MAX_UNJUDGED = 32
 
@@ -152,17 +163,19 @@ def _defer(check) -> None:
 
 
 def _judge_oldest() -> None:
-    """Judge the oldest unjudged check (waiting for the device if needed); on an error the later calls' verdicts
-    go with it (one error per bad batch)."""
+    """Judge the oldest unjudged check (waiting for the device if needed); on an error the later
+    calls' verdicts go with it (one error per bad batch)."""
     problem = _unjudged.pop(0).problem()
     if problem is not None:
         del _unjudged[:]
         raise LinearLogpInputError(problem + NO_GROUP_NOTE)
 
 
-_pending_by_group: dict[str, PendingTargetCheck] = {}  # the last call with each group (by group name)
-# captured checks by scope ("" without a group, else the group name): the latest few, read after replays by
-# check_errors, and by the first call outside a capture after a capture (scopes in _captured_unread)
+# the last call with each group (by group name)
+_pending_by_group: dict[str, PendingTargetCheck] = {}
+# captured checks by scope ("" without a group, else the group name): the latest few, read after
+# replays by check_errors, and by the first call outside a capture after a capture (scopes in
+# _captured_unread)
 _captured: dict[str, list[CapturedTargetCheck]] = {}
 _captured_unread: set[str] = set()
 _CAPTURED_KEPT = 64
@@ -174,7 +187,8 @@ def _start(target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int
                else target_range_tensor(target_ids, ignore_index))
     ready = None
     if summary.device.type == "cuda":
-        summary = summary.to("cpu", non_blocking=True)  # pinned (caching host allocator), ordered on the stream
+        # pinned (caching host allocator), ordered on the stream
+        summary = summary.to("cpu", non_blocking=True)
         ready = torch.cuda.Event(blocking=True)  # (_BLOCKING_WAIT)
         ready.record()
     return PendingTargetCheck(summary, ready, vocab_size, ignore_index)
@@ -196,8 +210,9 @@ def _capture_check(scope: str, target_ids: torch.Tensor, vocab_size: int,
 
 
 def _captured_problem(scope: str, first_read_only: bool = False) -> Optional[str]:
-    """Read the flags of the captured calls of ``scope`` (one host read; a set flag is cleared once raised, until
-    the graph's next replay sets it again). ``first_read_only``: only if not read since the last capture."""
+    """Read the flags of the captured calls of ``scope`` (one host read; a set flag is cleared once
+    raised, until the graph's next replay sets it again). ``first_read_only``: only if not read
+    since the last capture."""
     if first_read_only and scope not in _captured_unread:
         return None
     _captured_unread.discard(scope)
@@ -214,7 +229,8 @@ def _captured_problem(scope: str, first_read_only: bool = False) -> Optional[str
 
 def defer_target_range_check(target_ids: torch.Tensor, vocab_size: int,
                              ignore_index: Optional[int]) -> Optional[PendingTargetCheck]:
-    """Start the range check of ``target_ids`` against ``[0, vocab_size)`` (a call without a group)."""
+    """Start the range check of ``target_ids`` against ``[0, vocab_size)`` (a call without a
+    group)."""
     if target_ids.numel() == 0:
         return None
     check = _start(target_ids, vocab_size, ignore_index, with_checksum=False)
@@ -222,21 +238,25 @@ def defer_target_range_check(target_ids: torch.Tensor, vocab_size: int,
     return check
 
 
-def defer_group_target_check(group, target_ids: torch.Tensor, vocab_size: int, ignore_index: Optional[int]) -> None:
-    """Start the checks of a call with ``group``: its targets' checksum and range, read by the next call."""
-    _pending_by_group[group_name(group)] = _start(target_ids, vocab_size, ignore_index, with_checksum=True)
+def defer_group_target_check(group, target_ids: torch.Tensor, vocab_size: int,
+                             ignore_index: Optional[int]) -> None:
+    """Start the checks of a call with ``group``: its targets' checksum and range, read by the next
+    call."""
+    _pending_by_group[group_name(group)] = _start(target_ids, vocab_size, ignore_index,
+                                                  with_checksum=True)
 
 
 def take_group_pending(group) -> Optional[PendingTargetCheck]:
-    """The pending check of the previous call with ``group`` (removed: it is judged once), or None."""
+    """The pending check of the previous call with ``group`` (removed: it is judged once), or
+    None."""
     return _pending_by_group.pop(group_name(group), None)
 
 
 def raise_pending_errors(everything: bool = True) -> None:
     """Raise the verdict of deferred checks without a group, or of captured calls, if one failed.
-    ``everything=False`` (a call's own start): only the deferred verdicts that the device has delivered (oldest
-    first; no wait), and the captured flags only at the first call after a capture. ``everything=True``: all of
-    them (waiting for the device where needed)."""
+    ``everything=False`` (a call's own start): only the deferred verdicts that the device has
+    delivered (oldest first; no wait), and the captured flags only at the first call after a
+    capture. ``everything=True``: all of them (waiting for the device where needed)."""
     problem = _captured_problem("", first_read_only=not everything) if _captured else None
     if problem is not None:
         raise LinearLogpInputError(problem)
@@ -245,15 +265,18 @@ def raise_pending_errors(everything: bool = True) -> None:
 
 
 def _judge_group_summary(group, pending: Optional[PendingTargetCheck], note: str) -> None:
-    """Every rank's ``pending`` summary in one exchange over the group's CPU companion; the same error on every
-    rank. Rows: sent, checksum, lo, hi, vocab size, ignore_index sent, ignore_index."""
-    comm_dev = collective_device(group, torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    """Every rank's ``pending`` summary in one exchange over the group's CPU companion; the same
+    error on every rank. Rows: sent, checksum, lo, hi, vocab size, ignore_index sent,
+    ignore_index."""
+    comm_dev = collective_device(group,
+                                 torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     host = host_group(group, comm_dev)
     summary = pending.read_summary() if pending is not None else None
     record = [0, 0, 0, -1, 0] if summary is None else [1, *summary, pending.vocab_size]
     world = dist.get_world_size(group)
     on = torch.device("cpu") if host is not None else comm_dev
-    rows = all_gather_flat(torch.tensor(record, dtype=torch.long, device=on), host if host is not None else group)
+    rows = all_gather_flat(torch.tensor(record, dtype=torch.long, device=on),
+                           host if host is not None else group)
     rows = rows.view(world, 5).cpu().tolist()
     if not all(r[0] for r in rows):
         return
@@ -268,7 +291,8 @@ def _judge_group_summary(group, pending: Optional[PendingTargetCheck], note: str
 
 
 def _raise_pending_group_errors(group) -> None:
-    """:func:`check_errors` with a group: every rank's pending summary in one exchange over the CPU group."""
+    """:func:`check_errors` with a group: every rank's pending summary in one exchange over the CPU
+    group."""
     problem = _captured_problem(group_name(group)) if _captured else None
     _judge_group_summary(group, take_group_pending(group), GROUP_NOTE)
     if problem is not None:  # targets are replicated: every rank read the same flags
@@ -278,44 +302,47 @@ def _raise_pending_group_errors(group) -> None:
 def check_errors(tp_group=None) -> None:
     """Raise now any error found by a deferred check (``TPLOGP_CHECKS=full``).
 
-    Without ``tp_group``: the last call without a group, and the flags of calls captured in CUDA graphs (read after
-    their last replay). Call it where a step ends to surface a bad batch before the next one; it waits only until
-    the device has reached that check (the start of the call's forward), not for later queued work. With
-    ``tp_group``: the last call with that group, the same error on every rank; a collective (every rank of the group
-    calls it), over the group's CPU companion."""
+    Without ``tp_group``: the last call without a group, and the flags of calls captured in CUDA
+    graphs (read after their last replay). Call it where a step ends to surface a bad batch before
+    the next one; it waits only until the device has reached that check (the start of the call's
+    forward), not for later queued work. With ``tp_group``: the last call with that group, the same
+    error on every rank; a collective (every rank of the group calls it), over the group's CPU
+    companion."""
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         raise_pending_errors()
     else:
         _raise_pending_group_errors(tp_group)
 
 
-# ---- the backward of a call: its own verdict before any gradient -------------------------------------------------
+# ---- the backward of a call: its own verdict before any gradient ---------------------------------
 
 class BackwardVerdict:
     """What the backward of one call (``full`` checks) settles before it writes a gradient.
 
-    Outside a capture: the call's :class:`PendingTargetCheck`, read (its event has normally passed long before; with
-    a group, exchanged over the CPU companion so that every rank raises the same error, before the ``d_hidden``
-    all-reduce). Under a capture: the call's :class:`CapturedTargetCheck`; the gradients are zeroed where its flag
-    is set (:meth:`settle`)."""
+    Outside a capture: the call's :class:`PendingTargetCheck`, read (its event has normally passed
+    long before; with a group, exchanged over the CPU companion so that every rank raises the same
+    error, before the ``d_hidden`` all-reduce). Under a capture: the call's
+    :class:`CapturedTargetCheck`; the gradients are zeroed where its flag is set
+    (:meth:`settle`)."""
 
     __slots__ = ("pending", "captured", "group")
 
-    def __init__(self, pending: Optional[PendingTargetCheck] = None, captured: Optional[CapturedTargetCheck] = None,
-                 group=None) -> None:
+    def __init__(self, pending: Optional[PendingTargetCheck] = None,
+                 captured: Optional[CapturedTargetCheck] = None, group=None) -> None:
         self.pending, self.captured, self.group = pending, captured, group
 
     def settle(self, grads: tuple = ()) -> tuple:
-        """Settle the call's verdict before its gradients are handed to autograd (a bad target never updates
-        weights).
+        """Settle the call's verdict before its gradients are handed to autograd (a bad target never
+        updates weights).
 
         Args:
-            grads: the call's gradients (None entries stay None); empty when settled before the work.
+            grads: the call's gradients (None entries stay None); empty when settled before the
+                work.
         Returns:
             ``grads``, zeroed where a captured call's flag is set (themselves outside a capture).
         Raises:
-            LinearLogpInputError: the call's target check failed (the verdict is then dropped from what later calls
-                judge).
+            LinearLogpInputError: the call's target check failed (the verdict is then dropped from
+                what later calls judge).
         """
         pending = self.pending
         if pending is not None:
@@ -339,8 +366,8 @@ class BackwardVerdict:
 
 
 def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardVerdict]:
-    """The verdict of the last call, for a backward that cannot hold its forward's (the ``torch.library`` op of
-    :mod:`tplogp.op.ops`, whose arguments are tensors and plain values).
+    """The verdict of the last call, for a backward that cannot hold its forward's (the
+    ``torch.library`` op of :mod:`tplogp.op.ops`, whose arguments are tensors and plain values).
 
     Args:
         mode: the layout's ``TPLOGP_CHECKS`` mode (only ``full`` defers a verdict).
@@ -360,32 +387,35 @@ def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardV
     return BackwardVerdict(pending=_pending_by_group.get(scope), group=group)
 
 
-# ---- the forward's entry -----------------------------------------------------------------------------------------
+# ---- the forward's entry -------------------------------------------------------------------------
 
 def open_call(plan, args, problem: Optional[str],
               loss_check: Optional[LossCheck] = None) -> tuple[int, Optional[BackwardVerdict],
                                                                Optional[KernelTargetCheck],
                                                                Optional[list[tuple[int, int]]]]:
-    """Open one call's verdict: judge what earlier calls left (those delivered), raise ``problem`` (the call's
-    :func:`tplogp.op.validation.local_problem`, None when fine or when the layout passed before) and start this call's
-    target check.
+    """Open one call's verdict: judge what earlier calls left (those delivered), raise ``problem``
+    (the call's :func:`tplogp.op.validation.local_problem`, None when fine or when the layout passed
+    before) and start this call's target check.
 
-    The target check reads tensor data, so it is started here on the device and read later, where a host wait costs
-    nothing (the backward, a later call); with a group the record exchange makes every rank raise alike.
+    The target check reads tensor data, so it is started here on the device and read later, where a
+    host wait costs nothing (the backward, a later call); with a group the record exchange makes
+    every rank raise alike.
 
     Args:
-        plan: the layout's :class:`tplogp.op.plan.CallPlan` (``mode``, ``world_size``, ``comm_device``,
-            ``kernel_target_check``, ``vocab_size``: set for one shard, None for a group's first call).
+        plan: the layout's :class:`tplogp.op.plan.CallPlan` (``mode``, ``world_size``,
+            ``comm_device``, ``kernel_target_check``, ``vocab_size``: set for one shard, None for a
+            group's first call).
         args: the call's :class:`tplogp.op.plan.CallArgs`.
         problem: the call's local problem, or None.
         loss_check: a fused-loss call's checks of its own arguments
             (:func:`tplogp.op.validation.check_loss`): its problem is the call's when the layout has
             none; with a group its digests travel in the record.
     Returns:
-        ``(global vocab size, what the backward settles or None, the target check that the source's finishing
-        kernel runs or None, every rank's shard range (start, end) from the group record, None without a
-        group)``. A returned :class:`KernelTargetCheck` reaches the source (``forward_single``'s
-        ``target_flag``) and its ``ready`` event is recorded right after that launch.
+        ``(global vocab size, what the backward settles or None, the target check that the source's
+        finishing kernel runs or None, every rank's shard range (start, end) from the group record,
+        None without a group)``. A returned :class:`KernelTargetCheck` reaches the source
+        (``forward_single``'s ``target_flag``) and its ``ready`` event is recorded right after that
+        launch.
     """
     mode = plan.mode
     if problem is None and loss_check is not None:
@@ -400,7 +430,8 @@ def open_call(plan, args, problem: Optional[str],
         total, verdict, ranges = _open_group_call(plan, args, problem, capturing, loss_check)
         return total, verdict, None, ranges
     if mode != "fast" and not capturing:
-        raise_pending_errors(everything=False)  # the deferred verdict of the previous call without a group
+        # the deferred verdict of the previous call without a group
+        raise_pending_errors(everything=False)
     if problem is not None:
         raise LinearLogpInputError(problem)
     total, target_ids, ignore_index = plan.vocab_size, args.target_ids, args.options.ignore_index
@@ -408,14 +439,15 @@ def open_call(plan, args, problem: Optional[str],
     # a call that records no graph has no backward to carry its verdict: decided now (no capture)
     at_call = mode == "full" and not args.builds_graph and not capturing and target_ids.numel()
     if mode == "sync" or at_call:
-        msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False), total,
-                                   ignore_index)
+        msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False),
+                                   total, ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg + ("" if mode == "sync" else NO_GRAPH_NOTE))
     elif mode == "full" and target_ids.numel():
         if capturing:
             verdict = BackwardVerdict(captured=_capture_check("", target_ids, total, ignore_index))
-        else:  # read by this call's backward, else a later call (no host sync now); NaN logp meanwhile
+        # read by this call's backward, else a later call (no host sync now); NaN logp meanwhile
+        else:
             if plan.kernel_target_check:
                 pending = in_kernel = start_kernel_target_check(device, total)
             else:
@@ -427,15 +459,16 @@ def open_call(plan, args, problem: Optional[str],
 def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
                      loss_check: Optional[LossCheck]) -> tuple[int, Optional[BackwardVerdict],
                                                                list[tuple[int, int]]]:
-    """:func:`open_call` with a group of several ranks (module docstring): ``(global vocab size, verdict, every
-    rank's shard range)``."""
+    """:func:`open_call` with a group of several ranks (module docstring):
+    ``(global vocab size, verdict, every rank's shard range)``."""
     mode, comm_dev, group = plan.mode, plan.comm_device, args.group
     hidden, weight, target_ids, bias = args.hidden, args.weight, args.target_ids, args.bias
     ignore_index = args.options.ignore_index
     ok = problem is None
     builds_graph = bool(ok and args.builds_graph)
-    # full checks exchange the record over a CPU group: nothing waits for the device; the targets' summary
-    # travels one call later. sync (or no CPU group to be had): the device record, read here.
+    # full checks exchange the record over a CPU group: nothing waits for the device; the targets'
+    # summary travels one call later. sync (or no CPU group to be had): the device record, read
+    # here.
     host = None
     if mode == "full":
         host = host_group(group, comm_dev) if not capturing else known_host_group(group, comm_dev)
@@ -444,27 +477,30 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
                                        "over a CPU companion group, made by the group's first call, which cannot "
                                        f"run in a CUDA-graph capture: {CAPTURE_FIX}")
     elif mode == "fast" and capturing and not GroupRecord.is_verified(
-            group, args.vocab_start_index, weight.shape[0], args.global_vocab_size, hidden.shape[-1], hidden.dtype,
-            bias is not None, ignore_index, builds_graph, args.options.sequence_parallel,
-            args.options.hidden_grad, loss_check):
+            group, args.vocab_start_index, weight.shape[0], args.global_vocab_size,
+            hidden.shape[-1], hidden.dtype, bias is not None, ignore_index, builds_graph,
+            args.options.sequence_parallel, args.options.hidden_grad, loss_check):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
     earlier = None
     if host is not None and not capturing:
         captured = _captured_problem(group_name(group), first_read_only=True) if _captured else None
-        if captured is not None and ok:  # a local problem: shared with the others by the record exchange
+        # a local problem: shared with the others by the record exchange
+        if captured is not None and ok:
             problem, ok = captured, False
-        earlier = take_group_pending(group)  # the previous call's pending target check, judged by this one
+        # the previous call's pending target check, judged by this one
+        earlier = take_group_pending(group)
         record_targets = None if earlier is None else tuple(earlier.read_summary())
     elif host is not None:
-        record_targets = None  # a capture reads nothing: earlier verdicts wait for a call outside it
+        # a capture reads nothing: earlier verdicts wait for a call outside it
+        record_targets = None
     else:
         record_targets = (target_summary_tensor(target_ids, ignore_index, with_checksum=True)
                           if ok and mode != "fast" else None)
     total, summary, ranges = GroupRecord.exchange(
-        host if host is not None else group, torch.device("cpu") if host is not None else comm_dev, problem,
-        n_tokens=int(target_ids.numel()) if ok else -1,
+        host if host is not None else group, torch.device("cpu") if host is not None else comm_dev,
+        problem, n_tokens=int(target_ids.numel()) if ok else -1,
         hidden_size=int(hidden.shape[-1]) if ok else -1,
         vocab_start_index=int(args.vocab_start_index) if ok else -1,
         v_local=int(weight.shape[0]) if ok else -1,
@@ -482,19 +518,22 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
     )
     summary = None if summary is None else TargetSummary(*summary)
     verdict = None
-    if host is not None:  # the summary is the previous call's (replicated, per the checksums): its range now
+    # the summary is the previous call's (replicated, per the checksums): its range now
+    if host is not None:
         msg = None if summary is None else earlier.range_problem(summary)
         if msg is not None:
             raise LinearLogpInputError(msg + GROUP_NOTE)
         if capturing:
-            verdict = BackwardVerdict(captured=_capture_check(group_name(group), target_ids, total, ignore_index))
+            verdict = BackwardVerdict(captured=_capture_check(group_name(group), target_ids, total,
+                                                              ignore_index))
         elif builds_graph:  # this call's targets: judged by its backward, else by the next call
             defer_group_target_check(group, target_ids, total, ignore_index)
             verdict = BackwardVerdict(pending=_pending_by_group[group_name(group)], group=group)
         else:  # no backward would carry the verdict: judged now, one more exchange (CPU group)
             own = _start(target_ids, total, ignore_index, with_checksum=True)
             _judge_group_summary(group, own, NO_GRAPH_NOTE)
-    elif summary is not None:  # sync: this call's own targets, identical on every rank (the checksums agree)
+    # sync: this call's own targets, identical on every rank (the checksums agree)
+    elif summary is not None:
         msg = target_range_problem(summary, total, ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg)

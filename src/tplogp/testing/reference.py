@@ -1,8 +1,10 @@
-"""Materialized full-vocab references (for tests, the runbook script and benchmarks; never for production).
+"""Materialized full-vocab references (for tests, the runbook script and benchmarks; never for
+production).
 
-``mode="fp32"``      upcast hidden, weight and bias to fp32, then ``F.linear`` and an fp32 log_softmax.
-``mode="matching"``  ``F.linear`` in the input dtype (what a plain PyTorch LM head does), then fp32 log_softmax.
-``mode="float64"``   everything in float64: the ground truth the tests measure errors against.
+``mode="fp32"``      upcast hidden, weight and bias to fp32, then ``F.linear`` and an fp32
+log_softmax. ``mode="matching"``  ``F.linear`` in the input dtype (what a plain PyTorch LM head
+does), then fp32 log_softmax. ``mode="float64"``   everything in float64: the ground truth the tests
+measure errors against.
 
 All modes take the *full* (unsharded) weight ``[V, D]`` and are differentiable through autograd.
 """
@@ -33,8 +35,9 @@ def reference_logits(
     temperature: float = 1.0,
     softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """``cap(hidden @ weight.T + bias) / temperature`` as a materialized ``[..., V]`` tensor in the mode's dtype
-    (``cap(y) = softcap * tanh(y / softcap)``, the identity when ``softcap`` is None)."""
+    """``cap(hidden @ weight.T + bias) / temperature`` as a materialized ``[..., V]`` tensor in the
+    mode's dtype (``cap(y) = softcap * tanh(y / softcap)``, the identity when ``softcap`` is
+    None)."""
     if mode not in REFERENCE_MODES:
         raise ValueError(f"unknown reference mode {mode!r}; expected one of {REFERENCE_MODES}")
     if mode == "matching":
@@ -60,8 +63,10 @@ def reference_outputs(
     ignore_index: Optional[int] = None,
     softcap: Optional[float] = None,
 ) -> ReferenceOutputs:
-    """logp, entropy and lse per token (targets' shape); ignored positions give 0 logp and 0 entropy."""
-    logits = reference_logits(hidden, weight, bias, mode=mode, temperature=temperature, softcap=softcap)
+    """logp, entropy and lse per token (targets' shape); ignored positions give 0 logp and 0
+    entropy."""
+    logits = reference_logits(hidden, weight, bias, mode=mode, temperature=temperature,
+                              softcap=softcap)
     logprobs = torch.log_softmax(logits, dim=-1)
     lse = torch.logsumexp(logits, dim=-1)
     tgt = target_ids.long()
@@ -84,10 +89,11 @@ def reference_linear_logp(
     ignore_index: Optional[int] = None,
     softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """``log_softmax(cap(hidden @ weight.T + bias) / temperature)[target]`` with the full vocab materialized.
+    """``log_softmax(cap(hidden @ weight.T + bias) / temperature)[target]`` with the full vocab
+    materialized.
 
     Output dtype: float32 for ``fp32``/``matching``, float64 for ``float64``.
     """
     return reference_outputs(
-        hidden, weight, target_ids, bias, mode=mode, temperature=temperature, ignore_index=ignore_index,
-        softcap=softcap).logp
+        hidden, weight, target_ids, bias, mode=mode, temperature=temperature,
+        ignore_index=ignore_index, softcap=softcap).logp
