@@ -13,7 +13,7 @@ import tplogp
 from tests.support.problems import cpu_sources, make_problem
 from tests.support.ranks import agreed_message
 from tplogp import budgets, losses
-from tplogp.fused_loss import loop as fused_loss
+from tplogp.fused_loss import chunk_gradients, loop as fused_loss
 from tplogp.backends.kernel_registry import get_backend
 from tplogp.reference import reference_outputs
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error
@@ -498,8 +498,8 @@ def test_token_loss_closed_form_matches_autograd(monkeypatch, source, reduction,
 
     monkeypatch.setattr(torch.autograd, "grad", counted_grad)
     dotted = []  # calls reduced as a dot product (_linear_total)
-    real_total = fused_loss._linear_total
-    monkeypatch.setattr(fused_loss, "_linear_total", lambda *args: dotted.append(1) or real_total(*args))
+    real_total = chunk_gradients._linear_total
+    monkeypatch.setattr(chunk_gradients, "_linear_total", lambda *args: dotted.append(1) or real_total(*args))
 
     def run(loss):
         h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
@@ -545,17 +545,17 @@ def test_token_loss_on_uneven_ranks(tp, source):
 def test_constant_derivative_vectors_are_cached_outside_a_capture_only(monkeypatch):
     """A constant derivative over the count is one cached read-only vector per (n, value, device), the oldest
     dropped beyond the cap; inside a capture a fresh one, and the cache untouched."""
-    monkeypatch.setattr(fused_loss, "_CONSTANTS", {})
-    monkeypatch.setattr(fused_loss, "_MAX_CONSTANTS", 3)
-    a = fused_loss._constant_vector(5, -0.25, torch.device("cpu"))
+    monkeypatch.setattr(chunk_gradients, "_CONSTANTS", {})
+    monkeypatch.setattr(chunk_gradients, "_MAX_CONSTANTS", 3)
+    a = chunk_gradients._constant_vector(5, -0.25, torch.device("cpu"))
     assert torch.equal(a, torch.full((5,), -0.25)) and a.dtype == torch.float32
-    assert fused_loss._constant_vector(5, -0.25, torch.device("cpu")) is a
+    assert chunk_gradients._constant_vector(5, -0.25, torch.device("cpu")) is a
     for n in (6, 7, 8):
-        fused_loss._constant_vector(n, 1.0, torch.device("cpu"))
-    assert list(fused_loss._CONSTANTS) == [(6, 1.0, torch.device("cpu")), (7, 1.0, torch.device("cpu")),
+        chunk_gradients._constant_vector(n, 1.0, torch.device("cpu"))
+    assert list(chunk_gradients._CONSTANTS) == [(6, 1.0, torch.device("cpu")), (7, 1.0, torch.device("cpu")),
                                            (8, 1.0, torch.device("cpu"))]
-    monkeypatch.setattr(fused_loss.tensors, "is_capturing", lambda device: True)
-    inside = fused_loss._constant_vector(7, 1.0, torch.device("cpu"))
-    assert torch.equal(inside, torch.ones(7)) and inside is not fused_loss._CONSTANTS[(7, 1.0, torch.device("cpu"))]
-    fused_loss._constant_vector(9, 2.0, torch.device("cpu"))
-    assert len(fused_loss._CONSTANTS) == 3 and (9, 2.0, torch.device("cpu")) not in fused_loss._CONSTANTS
+    monkeypatch.setattr(chunk_gradients.tensors, "is_capturing", lambda device: True)
+    inside = chunk_gradients._constant_vector(7, 1.0, torch.device("cpu"))
+    assert torch.equal(inside, torch.ones(7)) and inside is not chunk_gradients._CONSTANTS[(7, 1.0, torch.device("cpu"))]
+    chunk_gradients._constant_vector(9, 2.0, torch.device("cpu"))
+    assert len(chunk_gradients._CONSTANTS) == 3 and (9, 2.0, torch.device("cpu")) not in chunk_gradients._CONSTANTS

@@ -10,7 +10,7 @@ import torch
 
 import tplogp
 from tests.support.problems import make_problem
-from tplogp.fused_loss import loop as fused_loss, grad_scaling
+from tplogp.fused_loss import chunk_gradients, grad_scaling
 from tplogp import losses
 from tplogp.kernels.tiles import interpreting
 
@@ -93,14 +93,14 @@ def _problem_and_saved(monkeypatch, chunks: int):
     receives each call's saved gradients: ``(clone, data_ptr)`` per gradient."""
     p = make_problem((45,), 8, 157, torch.bfloat16, True, seed=4)
     saved = []
-    real = fused_loss._loss_and_grads
+    real = chunk_gradients.token_loss_and_grads
 
     def spying(*args, **kwargs):
         total, grads = real(*args, **kwargs)
         saved.append([(t.clone(), t.data_ptr()) for t in grads])
         return total, grads
 
-    monkeypatch.setattr(fused_loss, "_loss_and_grads", spying)
+    monkeypatch.setattr(chunk_gradients, "token_loss_and_grads", spying)
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     ws = None if chunks == 1 else tplogp.loss_chunk_budget(8, 8, 157, dtype=torch.bfloat16,
                                                            bias_dtype=torch.bfloat16, device=CPU, source="native")

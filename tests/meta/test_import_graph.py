@@ -33,9 +33,9 @@ LAYERS: list[tuple[str, ...]] = [
     # the options, declared once (their schema types, defaults, docs and checks)
     ("tplogp.op.options",),
     # argument and layout validation; what the target checks read of the targets
-    ("tplogp.op.validation", "tplogp.op.target_summary"),
-    # the group record exchange and the kernel-run target check, then the deferred target verdicts that use them
-    ("tplogp.op.group_record", "tplogp.op.kernel_target_check"),
+    ("tplogp.op.validation",),
+    # the group record exchange, then the deferred target verdicts (with the kernel-run target check)
+    ("tplogp.op.group_record",),
     ("tplogp.op.verdicts",),
     # Triton kernels, their launchers and tile planning
     ("tplogp.kernels.*",),

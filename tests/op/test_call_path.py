@@ -1,15 +1,16 @@
-"""One call, one path: a ``linear_logp`` forward, and its backward, enter each module of the package once.
+"""One call, one path: a ``linear_logp`` forward, and its backward, enter each module of the package
+once.
 
-A profiler hook (``sys.setprofile``) follows every Python call of one forward (and of its backward) and maps the
-called function's file to a *room*: a module of ``src/tplogp``, named by its path under the package
-(``op.plan``), except that the sources and their kernels (``backends.*`` but the registry, ``kernels.*``) are
-one room ``backend`` (they call each other freely), ``op.verdicts`` with the two modules it is built on
-(``op.target_summary``, ``op.kernel_target_check``) is one room, and the helpers that every layer uses (the
-``support`` package, ``outputs``, the budget table ``backends.memory_budget`` and the loss terms
-``losses.terms``) are not rooms. Code that dataclasses and named tuples generate (file ``<string>``) is not
-followed. A room is *re-entered* when a call enters it while none of its frames is on the stack, after an earlier
-call had entered it: that is what the test forbids. The rooms in the order first entered are asserted too (one
-shard, a plan miss and a plan hit; two gloo ranks).
+A profiler hook (``sys.setprofile``) follows every Python call of one forward (and of its backward)
+and maps the called function's file to a *room*: a module of ``src/tplogp``, named by its path under
+the package (``op.plan``), except that the sources and their kernels (``backends.*`` but the
+registry, ``kernels.*``) are one room ``backend`` (they call each other freely), and the helpers that
+every layer uses (the ``support`` package, ``outputs``, the budget table ``backends.memory_budget``
+and the loss terms ``losses.terms``) are not rooms. Code that dataclasses and named tuples generate
+(file ``<string>``) is not followed. A room is *re-entered* when a call enters it while none of its
+frames is on the stack, after an earlier call had entered it: that is what the test forbids. The rooms
+in the order first entered are asserted too (one shard, a plan miss and a plan hit; two gloo ranks).
+:mod:`tests.support.route` counts every module, helpers included, for docs/operator.md's route.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import tplogp
 from tests.support.problems import make_problem
 
 PACKAGE = Path(tplogp.__file__).resolve().parent
-VERDICT_PARTS = {"op.target_summary", "op.kernel_target_check"}
 HELPERS = {"outputs", "backends.memory_budget", "losses.terms"}
 
 
@@ -39,8 +39,6 @@ def _room(filename: str):
     name = ".".join(p for p in parts if p != "__init__") or "tplogp"
     if parts[0] == "support" or name in HELPERS:
         return None
-    if name in VERDICT_PARTS:
-        return "op.verdicts"
     if parts[0] in ("backends", "kernels") and name != "backends.kernel_registry":
         return "backend"
     return name

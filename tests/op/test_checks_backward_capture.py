@@ -16,7 +16,7 @@ import torch
 
 from tests.support.interpreter import interpreter_only as triton_interpreter
 from tplogp import LinearLogpInputError, check_errors, get_op, linear_logp_loss
-from tplogp.op import kernel_target_check, verdicts
+from tplogp.op import verdicts
 from tplogp.support import tensors
 
 V, D = 20, 8
@@ -231,7 +231,7 @@ def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypa
     h = hidden.clone().requires_grad_()
     first = op(h, head.weight, GOOD, head.bias)  # good; its backward runs last
     # calls that record a graph defer their verdict to their backward (never run here)
-    for _ in range(kernel_target_check.FlagSlots.SIZE - 1):
+    for _ in range(verdicts.FlagSlots.SIZE - 1):
         op(hidden.clone().requires_grad_(), head.weight, GOOD, head.bias)
     # takes the first call's slot
     bad = op(hidden.clone().requires_grad_(), head.weight, BAD, head.bias).detach()
@@ -276,7 +276,7 @@ def test_kernel_target_check_slots_share_one_alignment():
     compiled kernel on its pointers' 16-byte alignment, so 8-byte slots taken round-robin would make each
     finishing kernel keep two compilations (and launch through the JIT again on the second). The host values read
     and write the slots the kernels see."""
-    slots = kernel_target_check.FlagSlots(pinned=False)
+    slots = verdicts.FlagSlots(pinned=False)
     flags = [slots.take(object())[1] for _ in range(slots.SIZE)]
     assert len({f.data_ptr() % 16 for f in flags}) == 1
     flags[5].fill_(7)

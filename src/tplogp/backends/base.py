@@ -70,7 +70,7 @@ A backend ("source") only ever sees one rank's vocab shard. It supplies two loca
     reject such ids first). A backend whose ``checks_targets_in_kernel`` is True also takes
     ``target_flag=``: a zeroed int64 ``[1]`` tensor (pinned host memory on a GPU) that its kernels
     set to an id outside ``[0, V)`` when a target is one: the call's default target check then costs
-    no launch and no copy (:class:`tplogp.op.kernel_target_check.KernelTargetCheck`).
+    no launch and no copy (:class:`tplogp.op.verdicts.KernelTargetCheck`).
 
 ``kept_out=`` (``forward_stats`` and ``forward_single``, optional)
     A flat fp32 buffer of exactly ``kept_shape`` words for the call's rows, into which a forward

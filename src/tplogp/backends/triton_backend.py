@@ -321,7 +321,7 @@ class TritonBackend(BudgetParts):
         return BlockStats(block_max, block_sum, target.sum(0), sez, sum_z, argmax)
 
     # forward_single takes ``target_flag``: its finishing kernel checks the targets
-    # (tplogp.op.kernel_target_check.KernelTargetCheck)
+    # (tplogp.op.verdicts.KernelTargetCheck)
     checks_targets_in_kernel = True
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,

@@ -20,7 +20,8 @@ reduce-scatter of a sequence-parallel hidden, which the chunks see gathered:
 :func:`tplogp.op.local_call.localize`; none with ``hidden_grad="partial"``). The autograd node's
 backward scales the gradients by the upstream scalar, the fp32 product rounded once
 (:mod:`tplogp.fused_loss.grad_scaling`). Per-token tensors are constants
-(:mod:`tplogp.fused_loss.chunk_gradients` holds the chunk plan and the gradients' assembly). A
+(:mod:`tplogp.fused_loss.chunk_gradients` holds this loop, the chunk plan and the gradients'
+assembly; this module the entry, the checks and plan, and the autograd node). A
 ``losses.grpo(...)`` loss runs the same loop, on chunks of whole sequences when it has sequence sums
 (:mod:`tplogp.fused_loss.policy_loss`).
 """
@@ -31,14 +32,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..op import local_call, plan, tp, validation
-from ..support import tensors
-from .chunk_gradients import ChunkGradients, chunk_part, per_token_rows, plan_chunks
-from .grad_scaling import scaled_all
-from ..losses.terms import Derivative, TokenLoss, TokenStats
-from .policy_loss import policy_loss_and_grads
 from ..losses.grpo_family import GRPOLoss, finish_metrics
-from ..support.tensors import f32_contiguous, zero_rows
+from ..losses.terms import TokenLoss
+from ..op import local_call, plan, tp, validation
+from . import chunk_gradients
+from .grad_scaling import scaled_all
+from .policy_loss import policy_loss_and_grads
 
 
 class _PrecomputedGrads(torch.autograd.Function):
@@ -128,135 +127,8 @@ def loss_and_grads(source, hidden, weight, target_ids, bias, tp_group, vocab_sta
                                                         hidden.shape, target_ids.shape, offsets,
                                                         return_metrics)
         else:
-            total, grads = _loss_and_grads(local, loss, per_token, reduction, needs,
-                                           target_ids.numel(), hidden.shape)
+            total, grads = chunk_gradients.token_loss_and_grads(local, loss, per_token, reduction,
+                                                                needs, target_ids.numel(),
+                                                                hidden.shape)
     return total, grads, call.verdict, sums
 
-def _loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction: str,
-                    needs: tuple[bool, bool, bool], n_all: int, hidden_shape):
-    """``(loss, (d_hidden, d_W, d_b))`` of a local call, chunk by chunk (module docstring);
-    ``needs``: the gradients to compute (none: the loss value alone)."""
-    h2, local_target, tpc, ignored = local.hidden, local.local_target, local.tpc, \
-        local.ignored  # (ignored rows kept in place, a CUDA-graph capture: masked out of the loss)
-    extra = per_token_rows(per_token, n_all, h2.device, local.keep_idx)
-    n = h2.shape[0]
-    differentiate = any(needs)
-    chunk = plan_chunks(local, needs)
-    # one backward per chunk's forward: it may write d_logits over the chunk's kept terms
-    if differentiate:
-        tpc.call = tpc.call.precomputing
-    count = None if reduction != "mean" else (
-        float(max(n, 1)) if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32))
-    n_chunks = -(-n // chunk) if n else 0
-    grads = ChunkGradients(local, needs, n, n_chunks) if differentiate else None
-    total = torch.zeros((), device=h2.device, dtype=torch.float32) if n == 0 else None
-    w, b = local.weight, local.bias
-    for t0 in range(0, n, chunk):
-        t1 = min(t0 + chunk, n)
-        whole = t1 - t0 == n  # one chunk: the call's tensors themselves (no slicing ops: host time)
-        h_c, lt_c = (h2, local_target) if whole else (h2[t0:t1], local_target[t0:t1])
-        pt = extra if whole else [t[t0:t1] for t in extra]
-        skip = None if ignored is None else ignored if whole else ignored[t0:t1]
-        (logp, entropy, lse, _, sum_z), (row_max, log_sum, mean_rel, kept) = tp.shard_forward(h_c, w, b, lt_c, tpc)
-        # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
-        if skip is not None:
-            logp, entropy = zero_rows(skip, logp), None if entropy is None else zero_rows(skip,
-                                                                                          entropy)
-        reads_stats = isinstance(loss, TokenLoss) and bool(loss.reads)
-        stats = TokenStats(lse, sum_z, local.vocab_size) if reads_stats else None
-        if not differentiate:
-            value = loss(logp, entropy, *pt, stats=stats) if reads_stats else loss(logp, entropy,
-                                                                                   *pt)
-            part = chunk_part(zero_rows(skip, value), count)
-            total = part if total is None else total + part
-            continue
-        part = None  # a linear loss's: from its upstream gradients, once the backward is launched
-        g_lse = g_sum_z = None
-        if isinstance(loss, TokenLoss):  # closed-form derivatives: no autograd engine run per chunk
-            if loss.linear:
-                d_logp, d_ent = loss.coefficients(*pt)
-            else:
-                value, d_logp, d_ent = loss.value_and_derivatives(logp, entropy, *pt, stats=stats)
-                part = chunk_part(zero_rows(skip, value), count)
-            g_logp = _token_grads(d_logp, t1 - t0, h2.device, skip, count=count)
-            g_ent = None if entropy is None else _token_grads(d_ent, t1 - t0, h2.device, skip,
-                                                              count=count)
-            # d loss / d lse and d loss / d sum_z: the sources' grad_lse and grad_sum_z
-            if reads_stats:
-                d_lse, d_sum_z = loss.stat_derivatives(stats, *pt)
-                g_lse = _token_grads(d_lse, t1 - t0, h2.device, skip, count=count)
-                g_sum_z = _token_grads(d_sum_z, t1 - t0, h2.device, skip, count=count)
-        else:
-            logp = logp.detach().requires_grad_()
-            entropy = None if entropy is None else entropy.detach().requires_grad_()
-            with torch.enable_grad():
-                part = chunk_part(zero_rows(skip, loss(logp, entropy, *pt)), count)
-                g_logp, *g_rest = torch.autograd.grad(part,
-                                                      [logp] if entropy is None else [logp, entropy], allow_unused=True)
-            g_ent, part = (g_rest[0] if g_rest else None), part.detach()
-        linear = (g_logp, logp, g_ent, entropy) if part is None else None
-        g_logp = torch.zeros_like(logp) if g_logp is None else g_logp
-        grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, g_logp, g_ent, kept, g_lse,
-                       g_sum_z)
-        del kept  # one chunk's kept logits at a time
-        # (queued behind the backward's kernels)
-        part = _linear_total(*linear) if linear is not None else part
-        total = part if total is None else total + part
-    return total, (grads.finish(n_all, hidden_shape) if differentiate else (None, None, None))
-
-
-def _token_grads(d: Derivative, n: int, device: torch.device, skip: Optional[torch.Tensor],
-                 upstream: Optional[torch.Tensor] = None, count=None) -> Optional[torch.Tensor]:
-    """The upstream gradient of one per-token input of a loss, ``d * upstream / count``
-    (``upstream``: the 0-d gradient of the reduced loss, None for 1; ``count``: the mean's divisor,
-    a number or a 0-d tensor, None for a sum), as a contiguous fp32 ``[n]`` tensor, 0 at the
-    ``skip`` rows; None when the loss does not depend on that input. ``d``: a
-    :data:`~tplogp.losses.Derivative`. One op in the common cases (host time at small shapes)."""
-    if d is None:
-        return None
-    if isinstance(count, torch.Tensor):  # ignored rows kept in place: the count is on the device
-        upstream, count = (1.0 if upstream is None else upstream) / count, None
-    factor = 1.0 if count is None else 1.0 / count
-    if upstream is None:
-        g = d * factor if isinstance(d, torch.Tensor) else _constant_vector(n, d * factor, device)
-    elif isinstance(d, torch.Tensor):
-        g = d * upstream if factor == 1.0 else torch.mul(d, upstream).mul_(factor)
-    else:  # a constant derivative: the upstream scalar broadcast, one op
-        g = torch.mul(upstream.expand(n), d * factor)
-    return f32_contiguous(zero_rows(skip, g))
-
-
-# Read-only fp32 vectors of one value (a constant derivative over the mean's count), by (n, value,
-# device): made once, then no op per call (host time at small shapes). Never written: every consumer
-# reads them or makes a new tensor. At most _MAX_CONSTANTS (the oldest dropped first).
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-_MAX_CONSTANTS = 32
-
-
-def _constant_vector(n: int, value: float, device: torch.device) -> torch.Tensor:
-    """A read-only fp32 ``[n]`` tensor of ``value`` on ``device``, cached outside CUDA-graph
-    captures. A capture gets a new one (in the graph's memory pool): a cached one could be dropped
-    while a graph still reads it."""
-    if tensors.is_capturing(device):
-        return torch.full((n,), value, device=device, dtype=torch.float32)
-    key = (n, value, device)
-    vec = _CONSTANTS.get(key)
-    if vec is None:
-        if len(_CONSTANTS) >= _MAX_CONSTANTS:
-            del _CONSTANTS[next(iter(_CONSTANTS))]
-        vec = _CONSTANTS[key] = torch.full((n,), value, device=device, dtype=torch.float32)
-    return vec
-
-
-def _linear_total(g_logp: Optional[torch.Tensor], logp: torch.Tensor,
-                  g_entropy: Optional[torch.Tensor],
-                  entropy: Optional[torch.Tensor]) -> torch.Tensor:
-    """The reduced value of a :attr:`~tplogp.losses.TokenLoss.linear` loss from its upstream
-    gradients (the coefficients over the mean's count, 0 at skipped rows):
-    ``g_logp . logp + g_entropy . entropy``, one op per term (the rows' losses need not be
-    formed)."""
-    total = None if g_logp is None else torch.dot(g_logp, logp)
-    if g_entropy is not None:
-        part = torch.dot(g_entropy, entropy)
-        total = part if total is None else total + part
-    return total if total is not None else logp.new_zeros(())

@@ -185,7 +185,7 @@ def finalize_single_kernel(
     layer's merge. A row with every column masked (``S = 0``) is settled as
     :func:`tplogp.support.masked_rows.settle_rows` settles it.
     ``CHECK_TARGETS`` (the call's default target check,
-    :class:`tplogp.op.kernel_target_check.KernelTargetCheck`): a program that finds ids outside
+    :class:`tplogp.op.verdicts.KernelTargetCheck`): a program that finds ids outside
     ``[0, V)`` stores one of them (never 0, which is inside) to ``p_flag``; several such programs
     store such ids alike, and the host reads the flag once the kernel is done.
     """

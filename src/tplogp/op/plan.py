@@ -75,7 +75,7 @@ class CallPlan:
     # one shard and a backend with forward_single: it finishes logp / lse / entropy itself
     single: bool
     # single, no ignore_index (the kernel cannot tell ignored rows apart), and the backend's
-    # finishing kernel checks the targets (tplogp.op.kernel_target_check.KernelTargetCheck)
+    # finishing kernel checks the targets (tplogp.op.verdicts.KernelTargetCheck)
     kernel_target_check: bool
     # the global vocab: of one shard from the start, of a group once a call of the layout has passed
     # its checks

@@ -49,7 +49,7 @@ is captured: ``sync``, and a first call with a group that has no CPU companion y
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,10 +58,176 @@ from ..support import tensors
 from ..support.comm import (all_gather_flat, collective_device, group_name, host_group,
                             known_host_group)
 from .group_record import GroupRecord
-from .kernel_target_check import FlagSlots, KernelTargetCheck
-from .target_summary import (COVERAGE_MESSAGE, TargetSummary, summarize_targets,
-                             target_range_problem, target_range_tensor, target_summary_tensor)
 from .validation import LinearLogpInputError, LossCheck
+
+
+# ---- what the checks read of the targets ---------------------------------------------------------
+# ``[checksum, lo, hi]`` formed on the device, so the host reads it in one sync (or, for a deferred
+# verdict, later behind an event), and the range verdict drawn from it. The checksum fingerprints the
+# ids so that ranks given different targets are told apart; ``lo`` / ``hi`` are the smallest and
+# largest ids that are not ``ignore_index``, found with neutral fill values instead of boolean
+# indexing (which would sync on its own).
+
+COVERAGE_MESSAGE = "target_ids must be covered by exactly one TP vocab shard"
+
+
+class TargetSummary(NamedTuple):
+    """What the checks need to know about the targets, read from the device in ONE host sync."""
+
+    checksum: int  # fingerprint, to detect ranks given different (non-replicated) ids
+    lo: int  # smallest non-ignored id
+    hi: int  # largest non-ignored id (lo > hi when every position is ignored)
+
+
+def target_summary_tensor(target_ids: torch.Tensor, ignore_index: Optional[int],
+                          with_checksum: bool) -> torch.Tensor:
+    """``[checksum, lo, hi]`` (int64, on the targets' device) without reading anything on the host.
+
+    ``lo``/``hi`` are the smallest/largest non-ignored ids (``lo > hi`` when every position is
+    ignored); the checksum (0 without ``with_checksum``) fingerprints the ids to detect ranks given
+    different targets.
+    """
+    t = target_ids.reshape(-1).long()
+    if t.numel() == 0:
+        return torch.tensor([0, 0, -1], dtype=torch.long, device=t.device)
+    checksum = torch.zeros((), dtype=torch.long, device=t.device)
+    if with_checksum:
+        weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.long) % 1_000_003
+        checksum = ((t % 1_000_003) * weights).sum() % (1 << 61)
+    if ignore_index is None:
+        lo, hi = torch.aminmax(t)
+    # ignored ids replaced by neutral values: no boolean indexing (which would sync on its own)
+    else:
+        keep = t != ignore_index
+        lo = torch.where(keep, t, torch.iinfo(torch.long).max).amin()
+        hi = torch.where(keep, t, -1).amax()
+    return torch.stack([checksum, lo, hi])
+
+
+def target_range_tensor(target_ids: torch.Tensor, ignore_index: Optional[int]) -> torch.Tensor:
+    """``[lo, hi]`` (int64, on the targets' device) of the non-ignored ids of a non-empty
+    ``target_ids``: the range check's part of :func:`target_summary_tensor` in the fewest ops (it
+    runs at every call without a group)."""
+    t = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
+    t = t if t.dtype == torch.long else t.long()
+    if ignore_index is None:
+        if t.device.type == "cpu":
+            return torch.stack(torch.aminmax(t))
+        # one kernel writes what the host copy takes
+        lo_hi = torch.empty(2, dtype=torch.long, device=t.device)
+        torch.aminmax(t, out=(lo_hi[0], lo_hi[1]))
+        return lo_hi
+    keep = t != ignore_index
+    return torch.stack((torch.where(keep, t, torch.iinfo(torch.long).max).amin(),
+                        torch.where(keep, t, -1).amax()))
+
+
+def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int],
+                      with_checksum: bool) -> TargetSummary:
+    """:func:`target_summary_tensor` read on the host (one host sync)."""
+    return TargetSummary(*target_summary_tensor(target_ids, ignore_index, with_checksum).tolist())
+
+
+def target_range_problem(summary: TargetSummary, vocab_size: int,
+                         ignore_index: Optional[int]) -> Optional[str]:
+    """Targets outside ``[0, vocab_size)``: no shard owns them."""
+    if summary.hi < summary.lo:
+        return None  # no non-ignored target
+    if summary.lo < 0 or summary.hi >= vocab_size:
+        bad = summary.lo if summary.lo < 0 else summary.hi
+        return (f"{COVERAGE_MESSAGE}: target id {bad} is outside the vocabulary [0, {vocab_size})"
+                + ("" if ignore_index is None else f" (ignore_index={ignore_index})"))
+    return None
+
+
+# ---- the target check a source's finishing kernel runs -------------------------------------------
+# For a call without a group (``forward_single`` with ``target_flag``, the triton / sm90 sources) the
+# kernel writes an id outside ``[0, vocab)``, if there is one, straight into a host slot, so the
+# check costs no launch and no copy of its own. Slots are pinned on a GPU (the kernel writes them
+# directly), taken round-robin and reused only once read, so a verdict read later (by the backward of
+# one of many accumulated forwards) is still its own call's.
+
+class KernelTargetCheck:
+    """The target check of a call without a group whose source's finishing kernel does it
+    (``forward_single`` with ``target_flag``, the triton / sm90 sources): no launch and no copy of
+    its own. The kernel writes an id outside ``[0, vocab)``, if there is one, straight into a pinned
+    host slot (:class:`FlagSlots`); ``ready``, the slot's event (None on the CPU), recorded by the
+    launching code right after the kernel on the current stream, says when the slot holds the
+    verdict."""
+
+    __slots__ = ("flag", "index", "slots", "ready", "vocab_size", "bad")
+
+    def __init__(self, slots: "FlagSlots", vocab_size: int) -> None:
+        self.slots, self.vocab_size = slots, vocab_size
+        # the slot's value, once read (a slot is reused only after that)
+        self.bad: Optional[int] = None
+        # (the slot's previous check has been read: its event is free)
+        self.index, self.flag = slots.take(self)
+        self.ready: Optional[torch.cuda.Event] = slots.event(self.index) if slots.pinned else None
+
+    def done(self) -> bool:
+        """Whether the verdict can be read without waiting for the device."""
+        return self.bad is not None or self.ready is None or self.ready.query()
+
+    def read(self) -> int:
+        """The slot's value (waits only if the device has not finished the kernel yet), kept once
+        read."""
+        if self.bad is None:
+            if self.ready is not None:
+                self.ready.synchronize()  # (returns at once when the kernel is done)
+            self.bad = int(self.slots.values[self.index])
+        return self.bad
+
+    def problem(self) -> Optional[str]:
+        """The verdict (waits only if the device has not finished the kernel yet): the slot's id as
+        a one-id summary (0, the slot's "none", lies inside every vocabulary)."""
+        bad = self.read()
+        if bad == 0:  # (the common case: no id outside the vocabulary was written)
+            return None
+        return target_range_problem(TargetSummary(0, bad, bad), self.vocab_size, None)
+
+
+class FlagSlots:
+    """Host int64 slots for the verdicts of :class:`KernelTargetCheck` (pinned where the device is a
+    GPU, whose kernels then write them directly), taken round-robin; a slot is reused only once its
+    last check has read it (waiting for that check's kernel only when ``SIZE`` checks are in
+    flight), so a verdict read later, e.g. by the backward of one of many accumulated forwards, is
+    still that call's."""
+
+    SIZE = 64
+    SPACING = 2  # int64 elements from one slot to the next (16 bytes)
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        # one slot per 16 bytes: every flag has the same 16-byte alignment, which Triton specializes
+        # a compiled kernel on (8-byte slots alternate two alignments, so a kernel's launcher would
+        # be kept twice)
+        self.slots = torch.zeros(self.SIZE * self.SPACING, dtype=torch.int64, pin_memory=pinned)
+        self.values = self.slots.numpy()[::self.SPACING]  # host reads and writes without a torch op
+        # made once
+        self.flags = [self.slots[i * self.SPACING:i * self.SPACING + 1] for i in range(self.SIZE)]
+        # one reusable CUDA event per slot, made at its first use
+        self.events: list = [None] * self.SIZE
+        self.owners: list = [None] * self.SIZE
+        self.next = 0
+
+    def take(self, check: KernelTargetCheck) -> tuple:
+        i = self.next
+        self.next = (i + 1) % self.SIZE
+        previous = self.owners[i]
+        if previous is not None:
+            previous.read()  # its verdict kept with it (a wait only when SIZE checks are in flight)
+        self.owners[i] = check
+        self.values[i] = 0
+        return i, self.flags[i]
+
+    def event(self, i: int) -> "torch.cuda.Event":
+        """Slot ``i``'s event (re-recorded by each check that takes the slot, after the previous one
+        was read)."""
+        found = self.events[i]
+        if found is None:
+            found = self.events[i] = torch.cuda.Event(blocking=True)  # a waiting host sleeps
+        return found
 
 
 # ---- verdicts read later: the default checks without a host sync ---------------------------------
@@ -238,18 +404,19 @@ def defer_target_range_check(target_ids: torch.Tensor, vocab_size: int,
     return check
 
 
-def defer_group_target_check(group, target_ids: torch.Tensor, vocab_size: int,
-                             ignore_index: Optional[int]) -> None:
-    """Start the checks of a call with ``group``: its targets' checksum and range, read by the next
-    call."""
-    _pending_by_group[group_name(group)] = _start(target_ids, vocab_size, ignore_index,
-                                                  with_checksum=True)
+def defer_group_target_check(scope: str, target_ids: torch.Tensor, vocab_size: int,
+                             ignore_index: Optional[int]) -> PendingTargetCheck:
+    """Start the checks of a call with the group named ``scope``: its targets' checksum and range,
+    read by its backward or the next call."""
+    pending = _pending_by_group[scope] = _start(target_ids, vocab_size, ignore_index,
+                                                with_checksum=True)
+    return pending
 
 
-def take_group_pending(group) -> Optional[PendingTargetCheck]:
-    """The pending check of the previous call with ``group`` (removed: it is judged once), or
-    None."""
-    return _pending_by_group.pop(group_name(group), None)
+def take_group_pending(scope: str) -> Optional[PendingTargetCheck]:
+    """The pending check of the previous call with the group named ``scope`` (removed: it is judged
+    once), or None."""
+    return _pending_by_group.pop(scope, None)
 
 
 def raise_pending_errors(everything: bool = True) -> None:
@@ -264,13 +431,16 @@ def raise_pending_errors(everything: bool = True) -> None:
         _judge_oldest()
 
 
-def _judge_group_summary(group, pending: Optional[PendingTargetCheck], note: str) -> None:
-    """Every rank's ``pending`` summary in one exchange over the group's CPU companion; the same
-    error on every rank. Rows: sent, checksum, lo, hi, vocab size, ignore_index sent,
-    ignore_index."""
-    comm_dev = collective_device(group,
-                                 torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    host = host_group(group, comm_dev)
+def _judge_group_summary(group, pending: Optional[PendingTargetCheck], note: str,
+                         host=None) -> None:
+    """Every rank's ``pending`` summary in one exchange over the group's CPU companion ``host`` (the
+    call's, else looked up here); the same error on every rank. Rows: sent, checksum, lo, hi, vocab
+    size, ignore_index sent, ignore_index."""
+    comm_dev = torch.device("cpu")
+    if host is None:
+        comm_dev = collective_device(group, torch.device("cuda") if torch.cuda.is_available()
+                                     else torch.device("cpu"))
+        host = host_group(group, comm_dev)
     summary = pending.read_summary() if pending is not None else None
     record = [0, 0, 0, -1, 0] if summary is None else [1, *summary, pending.vocab_size]
     world = dist.get_world_size(group)
@@ -294,7 +464,7 @@ def _raise_pending_group_errors(group) -> None:
     """:func:`check_errors` with a group: every rank's pending summary in one exchange over the CPU
     group."""
     problem = _captured_problem(group_name(group)) if _captured else None
-    _judge_group_summary(group, take_group_pending(group), GROUP_NOTE)
+    _judge_group_summary(group, take_group_pending(group_name(group)), GROUP_NOTE)
     if problem is not None:  # targets are replicated: every rank read the same flags
         raise LinearLogpInputError(problem)
 
@@ -323,13 +493,16 @@ class BackwardVerdict:
     long before; with a group, exchanged over the CPU companion so that every rank raises the same
     error, before the ``d_hidden`` all-reduce). Under a capture: the call's
     :class:`CapturedTargetCheck`; the gradients are zeroed where its flag is set
-    (:meth:`settle`)."""
+    (:meth:`settle`). With a group it holds the group's name (``scope``) and its CPU companion
+    (``host``, None: looked up when settled), so that settling costs the exchange alone."""
 
-    __slots__ = ("pending", "captured", "group")
+    __slots__ = ("pending", "captured", "group", "scope", "host")
 
     def __init__(self, pending: Optional[PendingTargetCheck] = None,
-                 captured: Optional[CapturedTargetCheck] = None, group=None) -> None:
+                 captured: Optional[CapturedTargetCheck] = None, group=None, scope: str = "",
+                 host=None) -> None:
         self.pending, self.captured, self.group = pending, captured, group
+        self.scope, self.host = scope, host
 
     def settle(self, grads: tuple = ()) -> tuple:
         """Settle the call's verdict before its gradients are handed to autograd (a bad target never
@@ -355,10 +528,9 @@ class BackwardVerdict:
                 if problem is not None:
                     raise LinearLogpInputError(problem + BACKWARD_NOTE)
             else:
-                name = group_name(self.group)
-                if _pending_by_group.get(name) is pending:
-                    del _pending_by_group[name]
-                _judge_group_summary(self.group, pending, BACKWARD_NOTE)
+                if _pending_by_group.get(self.scope) is pending:
+                    del _pending_by_group[self.scope]
+                _judge_group_summary(self.group, pending, BACKWARD_NOTE, self.host)
         if self.captured is None:
             return grads
         bad = self.captured.bad
@@ -384,7 +556,7 @@ def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardV
         return BackwardVerdict(captured=kept[-1]) if kept else None
     if group is None or dist.get_world_size(group) == 1:
         return BackwardVerdict(pending=_unjudged[-1] if _unjudged else None)
-    return BackwardVerdict(pending=_pending_by_group.get(scope), group=group)
+    return BackwardVerdict(pending=_pending_by_group.get(scope), group=group, scope=scope)
 
 
 # ---- the forward's entry -------------------------------------------------------------------------
@@ -462,6 +634,7 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
     """:func:`open_call` with a group of several ranks (module docstring):
     ``(global vocab size, verdict, every rank's shard range)``."""
     mode, comm_dev, group = plan.mode, plan.comm_device, args.group
+    scope = group.group_name  # (support.comm.group_name of a group)
     hidden, weight, target_ids, bias = args.hidden, args.weight, args.target_ids, args.bias
     ignore_index = args.options.ignore_index
     ok = problem is None
@@ -485,12 +658,12 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
                                    "call of this layout outside the capture first (a warm-up)")
     earlier = None
     if host is not None and not capturing:
-        captured = _captured_problem(group_name(group), first_read_only=True) if _captured else None
+        captured = _captured_problem(scope, first_read_only=True) if _captured else None
         # a local problem: shared with the others by the record exchange
         if captured is not None and ok:
             problem, ok = captured, False
         # the previous call's pending target check, judged by this one
-        earlier = take_group_pending(group)
+        earlier = take_group_pending(scope)
         record_targets = None if earlier is None else tuple(earlier.read_summary())
     elif host is not None:
         # a capture reads nothing: earlier verdicts wait for a call outside it
@@ -524,14 +697,14 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
         if msg is not None:
             raise LinearLogpInputError(msg + GROUP_NOTE)
         if capturing:
-            verdict = BackwardVerdict(captured=_capture_check(group_name(group), target_ids, total,
+            verdict = BackwardVerdict(captured=_capture_check(scope, target_ids, total,
                                                               ignore_index))
         elif builds_graph:  # this call's targets: judged by its backward, else by the next call
-            defer_group_target_check(group, target_ids, total, ignore_index)
-            verdict = BackwardVerdict(pending=_pending_by_group[group_name(group)], group=group)
+            pending = defer_group_target_check(scope, target_ids, total, ignore_index)
+            verdict = BackwardVerdict(pending=pending, group=group, scope=scope, host=host)
         else:  # no backward would carry the verdict: judged now, one more exchange (CPU group)
             own = _start(target_ids, total, ignore_index, with_checksum=True)
-            _judge_group_summary(group, own, NO_GRAPH_NOTE)
+            _judge_group_summary(group, own, NO_GRAPH_NOTE, host)
     # sync: this call's own targets, identical on every rank (the checksums agree)
     elif summary is not None:
         msg = target_range_problem(summary, total, ignore_index)
