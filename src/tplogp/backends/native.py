@@ -156,6 +156,24 @@ def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor,
         acc[r0:r1] += fp32_gemm.mm(dz[:, r0:r1].t(), h)
 
 
+# the forward's plans, by (sizes, dtype, device, call, TPLOGP_WORKSPACE_MB): planned once per layout
+# (host time at small shapes); emptied beyond 1024 entries
+_plans: dict = {}
+
+
+def _planned(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+             call: ShardCall) -> tuple[int, int, tuple[int, int], torch.dtype]:
+    """:func:`_plan_sizes` and the kept dtype of a call, remembered per layout and
+    ``TPLOGP_WORKSPACE_MB``."""
+    key = (n, d, v, dtype, device, call, settings.workspace_setting())
+    found = _plans.get(key)
+    if found is None:
+        if len(_plans) > 1024:
+            _plans.clear()
+        found = _plans[key] = (*_plan_sizes(n, d, v, dtype, device, call), kept_dtype(dtype))
+    return found
+
+
 def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                 call: ShardCall) -> tuple[int, int, tuple[int, int]]:
     """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))`` of an ``[n, d] x [v, d]``
@@ -257,7 +275,8 @@ class NativeBackend(BudgetParts):
         argmax = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_argmax else None
         if n == 0 or v == 0:
             return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, sum_z, argmax)
-        tc, vc, (n_kept, kept_words) = self._plan(hidden, weight, call)
+        tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
+                                                             dev, call)
         kept = None
         if call.for_backward and n_kept:  # zeroed: the tiles' padding bytes are defined too
             if kept_out is None:
@@ -265,8 +284,7 @@ class NativeBackend(BudgetParts):
             else:  # the op's buffer (ShardBackend: ``kept_out``)
                 assert kept_out.shape == (kept_words,), (kept_out.shape, kept_words)
                 kept = kept_out.zero_()
-        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic,
-                                      kept_dtype(weight.dtype))
+        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, terms_dtype)
         # with a softcap the kept scale is the running max of the tanh (see _softcap_slope), not of
         # z
         tanh_scale = call.softcap is not None and bool(kept_views)

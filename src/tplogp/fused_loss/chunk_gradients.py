@@ -18,7 +18,7 @@ import torch
 from ..op import local_call, tp
 from ..budgets import accumulator_tokens, plan_chunk_tokens
 from ..losses.terms import Derivative, TokenLoss, TokenStats
-from ..support import tensors
+from ..support import settings, tensors
 from ..support.tensors import f32_contiguous, finish_rows, zero_rows
 
 
@@ -98,14 +98,29 @@ class ChunkGradients:
         return d_hidden, d_w, d_b
 
 
+# tokens per chunk, by everything plan_chunk_tokens reads (the source's budget and tiles:
+# TPLOGP_WORKSPACE_MB, TRITON_INTERPRET, the fp32 matmul precision): planned once per layout (host
+# time at small shapes); emptied beyond 1024 entries
+_chunk_tokens: dict = {}
+
+
 def plan_chunks(local: local_call.LocalCall, needs: tuple[bool, bool, bool]) -> int:
     """Tokens per chunk (the same on every rank), from what requires a gradient, not from grad mode:
-    a call without gradients sums the same chunks."""
+    a call without gradients sums the same chunks. Remembered per layout."""
     h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
-    accumulators = accumulator_tokens(h2.shape[1], w.dtype if needs[1] else None,
-                                      b.dtype if needs[2] else None)
-    return plan_chunk_tokens(tpc.backend, h2.shape[0], local.vocab_size, tpc.call.workspace_bytes,
-                             h2.device, accumulators, h2.dtype)
+    key = (tpc.backend, h2.shape[0], h2.shape[1], local.vocab_size, tpc.call.workspace_bytes,
+           h2.device, h2.dtype, w.dtype if needs[1] else None, b.dtype if needs[2] else None,
+           settings.kernel_settings(), torch.get_float32_matmul_precision())
+    chunk = _chunk_tokens.get(key)
+    if chunk is None:
+        accumulators = accumulator_tokens(h2.shape[1], w.dtype if needs[1] else None,
+                                          b.dtype if needs[2] else None)
+        if len(_chunk_tokens) > 1024:
+            _chunk_tokens.clear()
+        chunk = _chunk_tokens[key] = plan_chunk_tokens(tpc.backend, h2.shape[0], local.vocab_size,
+                                                       tpc.call.workspace_bytes, h2.device,
+                                                       accumulators, h2.dtype)
+    return chunk
 
 
 def chunk_part(per_token_loss: torch.Tensor, count) -> torch.Tensor:

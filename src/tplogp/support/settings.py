@@ -99,6 +99,12 @@ def workspace_setting() -> Optional[str]:
     return os.environ.get(WORKSPACE_MB)
 
 
+def kernel_settings() -> tuple[Optional[str], Optional[str]]:
+    """The raw values of ``TPLOGP_WORKSPACE_MB`` and ``TRITON_INTERPRET`` (unparsed, cheap: part of
+    the key of a plan that depends on a source's budget and tiles)."""
+    return os.environ.get(WORKSPACE_MB), os.environ.get(TRITON_INTERPRET)
+
+
 def triton_interpret() -> bool:
     """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET`` set to anything but empty or
     ``0``, as Triton reads it). Read by several launches of every call: one lookup, no helper
