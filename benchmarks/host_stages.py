@@ -53,7 +53,7 @@ STAGES = (
     ("tplogp.op.tp", "_LinearLogpFunction.backward", "autograd node: linear_logp backward"),
     ("tplogp.op.tp", "shard_backward", "tp.shard_backward"),
     ("tplogp.fused_loss.loop", "fused_loss", "fused_loss: fused_loss"),
-    ("tplogp.fused_loss.loop", "_loss_and_grads", "fused_loss: chunk loop"),
+    ("tplogp.fused_loss.chunk_gradients", "token_loss_and_grads", "fused_loss: chunk loop"),
     ("tplogp.fused_loss.loop", "_PrecomputedGrads.backward", "autograd node: loss backward"),
     ("tplogp.fused_loss.loop", "scaled_all", "grad_scaling.scaled_all"),
     ("tplogp.backends.triton_backend", "TritonBackend.forward_single", "source: forward_single"),

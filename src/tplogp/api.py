@@ -484,17 +484,18 @@ def _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_
     DTensor and autocast front."""
     from .fused_loss.loop import fused_loss
 
-    if any_dtensor(hidden):
-        raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "
-                                   "is their scalar): pass hidden.to_local()")
     body = functools.partial(fused_loss, source, **options)
+    if any_dtensor(hidden, weight):  # (one question on the plain path; which one, only then)
+        if any_dtensor(hidden):
+            raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this "
+                                       "rank's tokens (the loss is their scalar): pass "
+                                       "hidden.to_local()")
 
-    def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-            _options):
-        return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                      global_vocab_size)
+        def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                _options):
+            return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                          global_vocab_size)
 
-    if any_dtensor(weight):
         return unwrap_dtensors(run, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                                global_vocab_size, None)
     return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index,

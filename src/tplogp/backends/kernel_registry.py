@@ -146,7 +146,8 @@ _resolved_elsewhere: dict = {}
 
 
 def backend_for_call(source: Optional[str], device: torch.device,
-                     dtype: Optional[torch.dtype] = None) -> ShardBackend:
+                     dtype: Optional[torch.dtype] = None,
+                     interpret: Optional[bool] = None) -> ShardBackend:
     """Resolve the backend that runs one call on ``device`` with inputs of ``dtype``.
 
     The answer is remembered: on CUDA devices per (source, device index, dtype), since what decides
@@ -159,7 +160,8 @@ def backend_for_call(source: Optional[str], device: torch.device,
                dtype)
         found = _resolved_on_cuda
     else:
-        key = (source, device.type, dtype, settings.triton_interpret())
+        key = (source, device.type, dtype,
+               settings.triton_interpret() if interpret is None else interpret)
         found = _resolved_elsewhere
     backend = found.get(key)
     if backend is None:

@@ -88,9 +88,10 @@ _stats = {"built": 0}
 
 
 def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-               global_vocab_size, options: LogpOptions, builds_graph: bool) -> Optional[tuple]:
+               global_vocab_size, options: LogpOptions, builds_graph: bool,
+               env: Optional[tuple] = None) -> Optional[tuple]:
     """The call's layout as a hashable tuple, or None when an argument is of a type that is never
-    planned."""
+    planned. ``env``: :func:`tplogp.support.settings.layout_settings` (read here when None)."""
     if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
             and isinstance(target_ids, torch.Tensor)
             and (bias is None or isinstance(bias, torch.Tensor))
@@ -103,12 +104,12 @@ def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group
             weight.device, target_ids.shape, target_ids.dtype, target_ids.device,
             None if bias is None else (bias.shape, bias.dtype, bias.device), vocab_start_index,
             global_vocab_size, options, type(options.temperature), group, bool(builds_graph),
-            settings.layout_settings())
+            settings.layout_settings() if env is None else env)
 
 
 def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-              global_vocab_size, options: LogpOptions,
-              builds_graph: bool) -> tuple[CallPlan, Optional[str]]:
+              global_vocab_size, options: LogpOptions, builds_graph: bool,
+              env: Optional[tuple] = None) -> tuple[CallPlan, Optional[str]]:
     """The plan of a call's layout: looked up by its key, built and checked at the layout's first
     call.
 
@@ -129,7 +130,7 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
         ShardLayoutError: a one-shard layout whose weight is not the whole vocabulary.
     """
     key = layout_key(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                     global_vocab_size, options, builds_graph)
+                     global_vocab_size, options, builds_graph, env)
     if key is not None:
         plan = _plans.get(key)
         if plan is not None:
@@ -221,13 +222,13 @@ class Call(NamedTuple):
 Source = Union[None, str, ShardBackend]
 
 
-def _backend(source: Source, hidden) -> ShardBackend:
+def _backend(source: Source, hidden, env: tuple) -> ShardBackend:
     """The backend of ``source``: a name, None (the registry's choice for the device), or a backend
-    object."""
+    object. ``env``: the call's :func:`tplogp.support.settings.layout_settings`."""
     if source is not None and not isinstance(source, str):
         return source
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    return backend_for_call(source, device, getattr(hidden, "dtype", None))
+    return backend_for_call(source, device, getattr(hidden, "dtype", None), env[2])
 
 
 def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
@@ -256,9 +257,10 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
         LinearLogpInputError, ShardLayoutError: the arguments or the shard layout are wrong (with a
             group, on every rank).
     """
-    backend = _backend(source, hidden)
+    env = settings.layout_settings()  # (read once: the plan's key and the registry's question)
+    backend = _backend(source, hidden, env)
     plan, problem = plan_call(backend, hidden, weight, target_ids, bias, tp_group,
-                              vocab_start_index, global_vocab_size, options, builds_graph)
+                              vocab_start_index, global_vocab_size, options, builds_graph, env)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                     global_vocab_size, options, builds_graph)
     total, verdict, target_check, ranges = open_call(plan, args, problem, loss_check)
@@ -283,8 +285,9 @@ def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group,
         The :class:`Call` for :func:`tplogp.op.packed_op.backward_packed` (``vocab_size`` 0: the
         backward does not read it).
     """
-    plan, _ = plan_call(_backend(source, hidden), hidden, weight, target_ids, bias, tp_group,
-                        vocab_start_index, None, options, True)
+    env = settings.layout_settings()
+    plan, _ = plan_call(_backend(source, hidden, env), hidden, weight, target_ids, bias, tp_group,
+                        vocab_start_index, None, options, True, env)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index, None, options,
                     True)
     group = tp_group if plan.world_size > 1 else None

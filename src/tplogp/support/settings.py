@@ -87,11 +87,15 @@ def checks_mode() -> str:
     return mode
 
 
-def layout_settings() -> tuple[Optional[str], Optional[str]]:
-    """The raw values of the variables that shape a call's plan (``TPLOGP_CHECKS``,
-    ``TPLOGP_WORKSPACE_MB``), unparsed and cheap: part of the key under which :mod:`tplogp.op.plan`
-    remembers a layout (parsed when it plans one)."""
-    return os.environ.get(CHECKS), os.environ.get(WORKSPACE_MB)
+def layout_settings() -> tuple[Optional[str], Optional[str], bool]:
+    """The variables that shape a call's plan: ``TPLOGP_CHECKS`` and ``TPLOGP_WORKSPACE_MB`` raw,
+    unparsed and cheap (parsed when a layout is planned), and whether Triton's interpreter is on
+    (:func:`triton_interpret`, which decides off CUDA whether the Triton sources run). Read once per
+    call by :mod:`tplogp.op.plan`: part of the key under which it remembers a layout, and what the
+    registry resolves the call's source with."""
+    value = os.environ.get(TRITON_INTERPRET)
+    return (os.environ.get(CHECKS), os.environ.get(WORKSPACE_MB),
+            value is not None and value.strip() not in ("", "0"))
 
 
 def workspace_setting() -> Optional[str]:
