@@ -1,14 +1,16 @@
 """The import graph of ``src/tplogp`` and ``src/pytest_tplogp`` has no cycles and no upward edges.
 
-Every module is parsed (``ast``, nothing is imported) and every import inside the two packages becomes an edge:
-module-level and function-level ``import`` / ``from ... import`` (relative ones resolved), and module names given as
-dotted string constants (what ``importlib.import_module`` is called with). Importing a submodule also runs its parents'
-``__init__``; those implicit edges are not counted.
+Every module is parsed (``ast``, nothing is imported) and every import inside the two packages
+becomes an edge: module-level and function-level ``import`` / ``from ... import`` (relative ones
+resolved), and module names given as dotted string constants (what ``importlib.import_module`` is
+called with). Importing a submodule also runs its parents' ``__init__``; those implicit edges are
+not counted.
 
-``LAYERS`` is the declared order, lowest first. An entry ``"a.b"`` names one module; ``"a.b.*"`` names a package and
-everything under it; a module takes the layer of the longest entry that names it, and every module must be named.
-An import may point to the same layer or a lower one. pytest_tplogp sits above tplogp: the plugin may import the
-operator's package, never the other way round.
+``LAYERS`` is the declared order, lowest first. An entry ``"a.b"`` names one module; ``"a.b.*"``
+names a package and everything under it; a module takes the layer of the longest entry that names
+it, and every module must be named. An import may point to the same layer or a lower one.
+pytest_tplogp sits above tplogp: the plugin may import the operator's package, never the other way
+round.
 """
 
 from __future__ import annotations
@@ -20,21 +22,24 @@ from tests.support.import_graph import import_graph, imports_of
 LAYERS: list[tuple[str, ...]] = [
     # the packages' docstrings (their __init__ import nothing)
     ("tplogp.support", "tplogp.op", "tplogp.fused_loss", "tplogp.testing", "tplogp.backends"),
-    # leaves: settings, plain data and math, the loss terms, the references and tolerances; no package imports
-    # but each other (with the public re-exports of the terms, references and tolerances)
-    ("tplogp.support.settings", "tplogp.support.shards", "tplogp.support.fp32_gemm", "tplogp.support.tensors",
-     "tplogp.support.masked_rows", "tplogp.outputs", "tplogp.testing.*", "tplogp.losses.*",
-     "tplogp.reference", "tplogp.tolerances", "tplogp.rl_losses"),
-    # how a call's memory budget splits into transient and kept parts, for every source (on the settings)
+    # leaves: settings, plain data and math, the loss terms, the references and tolerances; no
+    # package imports but each other (with the public re-exports of the terms, references and
+    # tolerances)
+    ("tplogp.support.settings", "tplogp.support.shards", "tplogp.support.fp32_gemm",
+     "tplogp.support.tensors", "tplogp.support.masked_rows", "tplogp.outputs", "tplogp.testing.*",
+     "tplogp.losses.*", "tplogp.reference", "tplogp.tolerances", "tplogp.rl_losses"),
+    # how a call's memory budget splits into transient and kept parts, for every source (on the
+    # settings)
     ("tplogp.backends.memory_budget",),
-    # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the collectives);
-    # the sequences of a loss's tokens
+    # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the
+    # collectives); the sequences of a loss's tokens
     ("tplogp.support.comm", "tplogp.support.invariant", "tplogp.support.sequences"),
     # the options, declared once (their schema types, defaults, docs and checks)
     ("tplogp.op.options",),
     # argument and layout validation; what the target checks read of the targets
     ("tplogp.op.validation",),
-    # the group record exchange, then the deferred target verdicts (with the kernel-run target check)
+    # the group record exchange, then the deferred target verdicts (with the kernel-run target
+    # check)
     ("tplogp.op.group_record",),
     ("tplogp.op.verdicts",),
     # Triton kernels, their launchers and tile planning
@@ -66,7 +71,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.runbook.*",),
     # the package's public surface
     ("tplogp",),
-    # optional entry points for training stacks (Hugging Face, TRL, verl), on top of the public operator
+    # optional entry points for training stacks (Hugging Face, TRL, verl), on top of the public
+    # operator
     ("tplogp.integrations.*",),
     # the pytest plugin, which may use the operator
     ("pytest_tplogp.*",),
@@ -130,7 +136,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# ---- the checks --------------------------------------------------------------------------------------------------
+# ---- the checks ----------------------------------------------------------------------------------
 
 def test_every_module_has_a_declared_layer():
     graph = import_graph()
@@ -150,7 +156,8 @@ def test_import_graph_has_no_upward_edges():
 
 
 def test_the_checker_sees_function_level_relative_and_string_imports(tmp_path):
-    """The parser finds the kinds of import the packages use, and the checks flag a cycle and an upward edge."""
+    """The parser finds the kinds of import the packages use, and the checks flag a cycle and an
+    upward edge."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("from .top import f\n")

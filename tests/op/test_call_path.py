@@ -4,13 +4,14 @@ once.
 A profiler hook (``sys.setprofile``) follows every Python call of one forward (and of its backward)
 and maps the called function's file to a *room*: a module of ``src/tplogp``, named by its path under
 the package (``op.plan``), except that the sources and their kernels (``backends.*`` but the
-registry, ``kernels.*``) are one room ``backend`` (they call each other freely), and the helpers that
-every layer uses (the ``support`` package, ``outputs``, the budget table ``backends.memory_budget``
-and the loss terms ``losses.terms``) are not rooms. Code that dataclasses and named tuples generate
-(file ``<string>``) is not followed. A room is *re-entered* when a call enters it while none of its
-frames is on the stack, after an earlier call had entered it: that is what the test forbids. The rooms
-in the order first entered are asserted too (one shard, a plan miss and a plan hit; two gloo ranks).
-:mod:`tests.support.route` counts every module, helpers included, for docs/operator.md's route.
+registry, ``kernels.*``) are one room ``backend`` (they call each other freely), and the helpers
+that every layer uses (the ``support`` package, ``outputs``, the budget table
+``backends.memory_budget`` and the loss terms ``losses.terms``) are not rooms. Code that dataclasses
+and named tuples generate (file ``<string>``) is not followed. A room is *re-entered* when a call
+enters it while none of its frames is on the stack, after an earlier call had entered it: that is
+what the test forbids. The rooms in the order first entered are asserted too (one shard, a plan miss
+and a plan hit; two gloo ranks). :mod:`tests.support.route` counts every module, helpers included,
+for docs/operator.md's route.
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def _forward_and_backward(op, hidden, weight, target, bias, **kw):
 
 @pytest.mark.parametrize("layout", ["plan miss", "plan hit"])
 def test_one_shard_call_goes_down_once(layout):
-    """Without a group: the forward enters api, dtensor (the front's question), plan (validation on a plan miss), the
-    source registry, the verdict and tp, which localizes the call (local_call) and runs the source, each once; the
-    backward enters tp, the source and the verdict once."""
+    """Without a group: the forward enters api, dtensor (the front's question), plan (validation on
+    a plan miss), the source registry, the verdict and tp, which localizes the call (local_call) and
+    runs the source, each once; the backward enters tp, the source and the verdict once."""
     op = tplogp.get_op("linear_logp", source="native")
     _forward_and_backward(op, *_inputs(5, seed=1))  # imports and probes done
     tplogp.check_errors()
@@ -110,19 +111,23 @@ def test_one_shard_call_goes_down_once(layout):
 @pytest.mark.tp(2)
 @pytest.mark.parametrize("deterministic", [False, "tp_invariant"])
 def test_group_call_goes_down_once(tp, deterministic):
-    """With 2 gloo ranks: the forward's checks run the group record under the verdict (one exchange), tp merges the
-    stats; the backward settles the verdict before the source's backward and its ``d_hidden`` all-reduce."""
+    """With 2 gloo ranks: the forward's checks run the group record under the verdict (one
+    exchange), tp merges the stats; the backward settles the verdict before the source's backward
+    and its ``d_hidden`` all-reduce."""
     op = tplogp.get_op("linear_logp", source="native")
     hidden, weight, target, bias = _inputs(6, seed=3)
     v_local = 35
     start = tp.rank * v_local
     shard = weight.detach()[start:start + v_local].clone().requires_grad_()
-    kw = dict(tp_group=tp.group, vocab_start_index=start, global_vocab_size=70, deterministic=deterministic)
+    kw = dict(tp_group=tp.group, vocab_start_index=start, global_vocab_size=70,
+              deterministic=deterministic)
     _forward_and_backward(op, hidden, shard, target, bias[start:start + v_local], **kw)
     (forward, again), (backward, back_again) = _forward_and_backward(op, hidden, shard, target,
-                                                                      bias[start:start + v_local], **kw)
+                                                                      bias[start:start + v_local],
+                                                                      **kw)
     tp.assert_all(not again and not back_again, f"rank {tp.rank}: re-entered {again} {back_again}")
     tp.assert_all(forward == ["api", "op.dtensor", "op.plan", "backends.kernel_registry",
-                              "op.verdicts", "op.group_record", "op.tp", "op.local_call", "backend"],
+                              "op.verdicts", "op.group_record", "op.tp", "op.local_call",
+                              "backend"],
                   f"rank {tp.rank}: {forward}")
     tp.assert_all(backward == ["op.tp", "op.verdicts", "backend"], f"rank {tp.rank}: {backward}")

@@ -1,5 +1,5 @@
-"""The options are declared once (tplogp.op.options): the op schemas, the type tests, the checks' messages and the
-option table of docs/operator.md derive from the declarations."""
+"""The options are declared once (tplogp.op.options): the op schemas, the type tests, the checks'
+messages and the option table of docs/operator.md derive from the declarations."""
 
 from __future__ import annotations
 
@@ -22,16 +22,19 @@ def test_docs_option_table_is_the_declared_one():
 
 
 @pytest.mark.parametrize("op, names", [
-    (ops.linear_logp_fwd, LOGP_OP), (ops.linear_logp_bwd, LOGP_OP), (ops.linear_logp_loss_fwd, LOSS_OP)])
+    (ops.linear_logp_fwd, LOGP_OP), (ops.linear_logp_bwd, LOGP_OP),
+    (ops.linear_logp_loss_fwd, LOSS_OP)])
 def test_op_schemas_end_with_the_declared_options(op, names):
-    """Each op's schema ends with the options of its op, in declaration order and with their schema types."""
+    """Each op's schema ends with the options of its op, in declaration order and with their schema
+    types."""
     schema = str(op._opoverload._schema)
     assert f", {options.schema_arguments(names)}) -> " in schema, schema
     assert schema.split(") -> ")[0].endswith(options.names_of(names)[-1])
 
 
 def test_public_signatures_take_every_crossing_option_with_its_default():
-    """``linear_logp`` takes every option with the declared default; ``linear_logp_loss`` those of its op."""
+    """``linear_logp`` takes every option with the declared default; ``linear_logp_loss`` those of
+    its op."""
     for fn, names in ((tplogp.linear_logp, [f.name for f in dataclasses.fields(LogpOptions)
                                             if f.name != "with_sum_z"]),
                       (tplogp.linear_logp_loss, options.names_of(LOSS_OP))):
@@ -51,7 +54,8 @@ def test_public_signatures_take_every_crossing_option_with_its_default():
     ("hidden_grad", "summed", "hidden_grad must be one of"),
 ])
 def test_a_bad_option_is_named_by_its_declared_check(field, bad, message):
-    """The declared check names the option; ``keyable`` refuses what the plan must not cache; the call raises."""
+    """The declared check names the option; ``keyable`` refuses what the plan must not cache; the
+    call raises."""
     opts = LogpOptions(**{field: bad})
     early, late = options.option_problems(opts)
     assert message in (early if SPECS[field].early else late)
@@ -63,7 +67,8 @@ def test_a_bad_option_is_named_by_its_declared_check(field, bad, message):
 def test_op_values_round_trip_and_type_tests():
     opts = LogpOptions(temperature=2, softcap=3, return_entropy=True, ignore_index=-100)
     values = options.op_values(opts, LOGP_OP)
-    assert type(values[0]) is float and options.from_op_values(LOGP_OP, values) == dataclasses.replace(
+    assert type(values[0]) is float and options.from_op_values(LOGP_OP,
+                                                               values) == dataclasses.replace(
         opts, temperature=2.0, softcap=3.0)
     assert options.keyable(opts) and options.crosses_schema(opts, LOGP_OP)
     assert not options.keyable(LogpOptions(temperature=True))

@@ -1,17 +1,20 @@
-"""The route of a call through ``src/tplogp``: which modules it enters, in how many stays, how often it returns.
+"""The route of a call through ``src/tplogp``: which modules it enters, in how many stays, how often
+it returns.
 
-A profiler hook (``sys.setprofile``, host frames only) follows every Python call and return while ``fn`` runs and
-keeps the module of the innermost frame that belongs to the package (a file under the package's folder, named by
-its dotted path there: ``op.plan``; code that dataclasses and named tuples generate, file ``<string>``, belongs
-to none). A *stay* begins whenever that module changes to another module of the package (time spent outside the
-package, in torch or the autograd engine, does not end a stay); a *return* is a stay in a module that an earlier
-stay already left. Every module counts, helpers included: ``returns = stays - modules entered``.
+A profiler hook (``sys.setprofile``, host frames only) follows every Python call and return while
+``fn`` runs and keeps the module of the innermost frame that belongs to the package (a file under
+the package's folder, named by its dotted path there: ``op.plan``; code that dataclasses and named
+tuples generate, file ``<string>``, belongs to none). A *stay* begins whenever that module changes
+to another module of the package (time spent outside the package, in torch or the autograd engine,
+does not end a stay); a *return* is a stay in a module that an earlier stay already left. Every
+module counts, helpers included: ``returns = stays - modules entered``.
 
-``python -m tests.support.route`` measures the four steady phases of the TP path with the native source on two
-gloo ranks (rank 0 reports; each call is the second of its layout, so imports, probes and plan misses are
-behind it): ``linear_logp``'s forward and backward, and ``linear_logp_loss``'s (a policy-gradient loss)
-forward and backward. It prints, per phase, the modules entered, the stays and the returns, then the returns in
-all; ``--stays`` lists every stay in order. ``PYTHONPATH`` picks the tree measured.
+``python -m tests.support.route`` measures the four steady phases of the TP path with the native
+source on two gloo ranks (rank 0 reports; each call is the second of its layout, so imports, probes
+and plan misses are behind it): ``linear_logp``'s forward and backward, and ``linear_logp_loss``'s
+(a policy-gradient loss) forward and backward. It prints, per phase, the modules entered, the stays
+and the returns, then the returns in all; ``--stays`` lists every stay in order. ``PYTHONPATH``
+picks the tree measured.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def trace_route(fn: Callable[[], object], package: Path) -> Route:
         return names[filename]
 
     stays: list[str] = []
-    innermost: list[Optional[str]] = []  # per open frame: the innermost package module at or above it
+    # per open frame: the innermost package module at or above it
+    innermost: list[Optional[str]] = []
 
     def hook(frame, event, arg):
         if event == "call":
@@ -85,7 +89,8 @@ PHASES = ("op forward", "op backward", "fused loss forward", "fused loss backwar
 
 
 def measure(rank: int, world: int, store_path: str) -> dict[str, Route]:
-    """The four phases' routes on this rank (every rank runs the same calls; each traces its own)."""
+    """The four phases' routes on this rank (every rank runs the same calls; each traces its
+    own)."""
     import torch
     import torch.distributed as dist
 
@@ -144,7 +149,8 @@ def _rank_main(rank: int, world: int, store_path: str, show_stays: bool) -> None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.route", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.support.route",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--stays", action="store_true", help="list every stay of each phase")
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
