@@ -83,7 +83,7 @@ def _options(budget: Optional[int], variant) -> dict:
 def _tplogp(source: str) -> Callable[..., ImplFn]:
     def build(device: torch.device, budget: Optional[int], variant=None) -> ImplFn:
         from tplogp import get_op
-        from tplogp.kernel_registry import unavailable_reason
+        from tplogp.backends.kernel_registry import unavailable_reason
 
         why = unavailable_reason(source, device)
         if why is not None:
@@ -97,7 +97,7 @@ def _tplogp(source: str) -> Callable[..., ImplFn]:
 
 def _tplogp_loss(source: str) -> Callable[..., ImplFn]:
     def build(device: torch.device, budget: Optional[int], variant=None) -> ImplFn:
-        from tplogp.kernel_registry import unavailable_reason
+        from tplogp.backends.kernel_registry import unavailable_reason
 
         why = unavailable_reason(source, device)
         if why is not None:
@@ -121,7 +121,7 @@ def _tplogp_loss(source: str) -> Callable[..., ImplFn]:
 
 def _tplogp_policy(name: str, source: str) -> Callable[..., Callable]:
     def build(device: torch.device, budget: Optional[int], variant=None) -> Callable:
-        from tplogp.kernel_registry import unavailable_reason
+        from tplogp.backends.kernel_registry import unavailable_reason
 
         from . import policy
 

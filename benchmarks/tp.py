@@ -126,9 +126,9 @@ def _worker(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from tplogp import get_op
-    from tplogp.comm import all_gather_flat
+    from tplogp.support.comm import all_gather_flat
     from tplogp.runbook.launch import init_group, launch_env, max_over_ranks, pick_device
-    from tplogp.shards import shard_boundaries, shard_range
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", required=True)

@@ -101,9 +101,9 @@ def source_unavailable(name: str, device_type: str) -> str | None:
     key = (name, device_type)
     if key not in _SOURCE_CACHE:
         try:
-            from tplogp import kernel_registry
+            from tplogp.backends import kernel_registry
         except ImportError as exc:
-            return f"tplogp.kernel_registry is not importable: {exc}"
+            return f"tplogp.backends.kernel_registry is not importable: {exc}"
         import torch
 
         if device_type == "cuda":

@@ -2,7 +2,7 @@
 references, op sources.
 
 Shared by the parent and the ranks; imports neither torch nor pytest at import time, and tplogp only
-when a value is used (``tplogp.shards``, ``tplogp.reference``, ``tplogp.get_op``).
+when a value is used (``tplogp.support.shards``, ``tplogp.reference``, ``tplogp.get_op``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class VocabShards:
 
     In the parent ``rank`` is None; on a rank it is bound, so ``start``/``end``/``range`` are that
     rank's shard of the default vocabulary. Use :meth:`boundaries` / :meth:`range_for` for a
-    vocabulary of your own. Boundaries come from :func:`tplogp.shards.shard_boundaries` (never
+    vocabulary of your own. Boundaries come from :func:`tplogp.support.shards.shard_boundaries` (never
     ``rank * V_local``).
 
     With a mesh (``mesh``: the test's :class:`~pytest_tplogp.mesh.MeshShape`), the vocabulary is
@@ -59,14 +59,14 @@ class VocabShards:
 
     def boundaries(self, vocab_size: int | None = None) -> list[int]:
         """``[0, b_1, ..., V]`` for ``vocab_size`` (default: :attr:`vocab_size`)."""
-        from tplogp.shards import shard_boundaries
+        from tplogp.support.shards import shard_boundaries
 
         return shard_boundaries(self.vocab_size if vocab_size is None else vocab_size,
                                 self.world_size, uneven=self.uneven)
 
     def range_for(self, rank: int | None = None, vocab_size: int | None = None) -> Any:
         """``ShardRange(start, end)`` of ``rank`` (default: this rank)."""
-        from tplogp.shards import shard_range
+        from tplogp.support.shards import shard_range
 
         r = self.rank if rank is None else rank
         if r is None:

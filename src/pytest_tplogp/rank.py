@@ -122,8 +122,8 @@ def _live_groups() -> set[int] | None:
 
 def _groups_kept_for_the_process() -> set[int]:
     """Groups a library keeps on purpose for the whole process, not leaks: tplogp's CPU companion of
-    each device-backend TP group (``tplogp.comm.host_group``), when tplogp is loaded."""
-    comm = sys.modules.get("tplogp.comm")
+    each device-backend TP group (``tplogp.support.comm.host_group``), when tplogp is loaded."""
+    comm = sys.modules.get("tplogp.support.comm")
     return set() if comm is None else {id(g) for g in comm.host_groups()}
 
 

@@ -1,22 +1,24 @@
-"""The public operator ``linear_logp``, ``linear_logp_loss`` and ``get_op``, the per-source callables.
+"""The public operator ``linear_logp``, ``linear_logp_loss`` and ``get_op``, the per-source
+callables.
 
-One front serves both ops, then the call goes down once: :func:`tplogp.plan.prepare` (source, every check, the
-layout's plan, the call's verdict) and :mod:`tplogp.tp` (the autograd Function, the collectives, the source). Under
-``torch.compile`` the same two steps run inside the ``torch.library`` ops of :mod:`tplogp.ops` (one opaque node each
-for forward and backward); eager calls skip the op's dispatch, whose host time matters at small shapes.
+One front serves both ops, then the call goes down once: :func:`tplogp.op.plan.prepare` (source,
+every check, the layout's plan, the call's verdict) and :mod:`tplogp.op.tp` (the autograd Function,
+the collectives, the source). Under ``torch.compile`` the same two steps run inside the
+``torch.library`` ops of :mod:`tplogp.op.ops` (one opaque node each for forward and backward); eager
+calls skip the op's dispatch, whose host time matters at small shapes.
 
 The front:
 
-1. DTensor weights (vocab-sharded ``Shard(0)``) become their local shard plus the group, vocab start and global
-   vocab of the mesh dimension they are sharded over (:mod:`tplogp.dtensor`).
-2. Under ``torch.autocast(device_type, dtype=X)`` hidden, weight and bias are cast to X, as ``F.linear`` would
-   use them, and the call runs with autocast off; the casts are differentiable, so gradients reach the original
-   tensors in their own dtypes.
-3. Under ``torch.compile`` the op returns one packed fp32 result; logp (and entropy, lse) are views of it with the
-   targets' shape.
+1. DTensor weights (vocab-sharded ``Shard(0)``) become their local shard plus the group, vocab start
+   and global vocab of the mesh dimension they are sharded over (:mod:`tplogp.op.dtensor`).
+2. Under ``torch.autocast(device_type, dtype=X)`` hidden, weight and bias are cast to X, as
+   ``F.linear`` would use them, and the call runs with autocast off; the casts are differentiable,
+   so gradients reach the original tensors in their own dtypes.
+3. Under ``torch.compile`` the op returns one packed fp32 result; logp (and entropy, lse) are views
+   of it with the targets' shape.
 
-Arguments of the wrong Python type cannot cross the op's schema; such calls run the eager path, whose checks raise
-the same clear error on every rank.
+Arguments of the wrong Python type cannot cross the op's schema; such calls run the eager path,
+whose checks raise the same clear error on every rank.
 """
 
 from __future__ import annotations
@@ -27,15 +29,15 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from . import ops, plan, tp
-from .comm import group_name
-from .dtensor import any_dtensor, unwrap_dtensors
-from .kernel_registry import check_op, check_source, require_source
-from .losses import TokenLoss
+from .op import ops, plan, tp
+from .support.comm import group_name
+from .op.dtensor import any_dtensor, unwrap_dtensors
+from .backends.kernel_registry import check_op, check_source, require_source
+from .losses.terms import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
-from .plan import LogpOptions
-from .packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
-from .validation import EntryCheck, LinearLogpInputError, is_int
+from .op.options import DEFAULTS, LOGP_OP, LOSS_OP, LogpOptions, crosses_schema, names_of, op_values
+from .op.packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
+from .op.validation import EntryCheck, LinearLogpInputError, is_int
 
 # (with_sum_z is the fused loss's: linear_logp returns no sum of the logits)
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions)) - {"with_sum_z"}
@@ -51,10 +53,12 @@ def _options(kwargs: dict) -> LogpOptions:
 
 
 def autocast_inputs(device_type: str, hidden, weight, bias):
-    """Under ``torch.autocast(device_type, dtype=X)``: hidden, weight and bias in X, as ``F.linear`` would use them.
+    """Under ``torch.autocast(device_type, dtype=X)``: hidden, weight and bias in X, as ``F.linear``
+    would use them.
 
-    The casts are ordinary differentiable ``.to`` calls, so gradients reach the original tensors in their own
-    dtypes (fp32 parameters get fp32 gradients). Outside autocast the inputs come back as given.
+    The casts are ordinary differentiable ``.to`` calls, so gradients reach the original tensors in
+    their own dtypes (fp32 parameters get fp32 gradients). Outside autocast the inputs come back as
+    given.
     """
     if not torch.is_autocast_enabled(device_type):
         return hidden, weight, bias
@@ -67,11 +71,12 @@ def autocast_inputs(device_type: str, hidden, weight, bias):
 
 
 def _front(body: Callable, hidden, weight, target_ids, bias, *rest):
-    """``body(hidden, weight, target_ids, bias, *rest)`` after the autocast step of the module docstring (DTensors
-    are unwrapped before): inputs cast like ``F.linear``, autocast off inside. Arguments of other types are not cast
-    (the checks raise their error, on every rank)."""
+    """``body(hidden, weight, target_ids, bias, *rest)`` after the autocast step of the module
+    docstring (DTensors are unwrapped before): inputs cast like ``F.linear``, autocast off inside.
+    Arguments of other types are not cast (the checks raise their error, on every rank)."""
     device = hidden.device if isinstance(hidden, torch.Tensor) else None
-    if (device is None or not torch.is_autocast_enabled(device.type) or not isinstance(weight, torch.Tensor)
+    if (device is None or not torch.is_autocast_enabled(device.type)
+        or not isinstance(weight, torch.Tensor)
             or not (bias is None or isinstance(bias, torch.Tensor))):
         return body(hidden, weight, target_ids, bias, *rest)
     hidden, weight, bias = autocast_inputs(device.type, hidden, weight, bias)
@@ -80,21 +85,16 @@ def _front(body: Callable, hidden, weight, target_ids, bias, *rest):
 
 
 def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                    options: LogpOptions) -> bool:
-    """Whether the arguments' Python types cross the op's schema; when not, :func:`tplogp.validation.local_problem`
-    names the argument (checked in tests/op/test_linear_logp.py)."""
+                    options: LogpOptions, op: str = LOGP_OP) -> bool:
+    """Whether the arguments' Python types cross ``op``'s schema (the options': as declared in
+    :mod:`tplogp.op.options`); when not, :func:`tplogp.op.validation.local_problem` names the
+    argument (checked in tests/op/test_linear_logp.py). ``deterministic="tp_invariant"`` runs
+    eagerly (:mod:`tplogp.support.invariant`)."""
     return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
             and (bias is None or isinstance(bias, torch.Tensor))
             and is_int(vocab_start_index)
             and (global_vocab_size is None or is_int(global_vocab_size))
-            and isinstance(options.temperature, (int, float)) and not isinstance(options.temperature, bool)
-            and (options.ignore_index is None or is_int(options.ignore_index))
-            and (options.workspace_bytes is None or is_int(options.workspace_bytes))
-            and isinstance(options.sequence_parallel, bool) and isinstance(options.hidden_grad, str)
-            and (options.softcap is None or (isinstance(options.softcap, (int, float))
-                                             and not isinstance(options.softcap, bool)))
-            and isinstance(options.return_argmax, bool)
-            and isinstance(options.deterministic, bool))  # ("tp_invariant" runs eagerly: tplogp.invariant)
+            and crosses_schema(options, op))
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -103,21 +103,20 @@ def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index
     """The eager call: the plan, then the tensor-parallel layer. ``entry``: an integration's own
     check, raised with the op's (:func:`linear_logp_entry`)."""
     builds_graph = torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad
-    return tp.linear_logp(plan.prepare(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                                       global_vocab_size, options, builds_graph, entry))
+    return tp.linear_logp(plan.prepare(source, hidden, weight, target_ids, bias, tp_group,
+                                       vocab_start_index, global_vocab_size, options, builds_graph,
+                                       entry))
 
 
 def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
               global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
-    """The call as the op pair of :mod:`tplogp.ops` (traced by ``torch.compile``)."""
+    """The call as the op pair of :mod:`tplogp.op.ops` (traced by ``torch.compile``)."""
     builds_graph = torch.is_grad_enabled() and hidden.requires_grad
     name = source if source is None or isinstance(source, str) else source.name
     packed, _, _ = ops.linear_logp_fwd(
-        hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index, global_vocab_size,
-        float(options.temperature), bool(options.return_entropy), options.ignore_index, bool(options.deterministic),
-        options.workspace_bytes, name or "", builds_graph, options.sequence_parallel, options.hidden_grad,
-        None if options.softcap is None else float(options.softcap), options.return_argmax,
-        ops.layout_key(name or "", hidden.device, hidden.dtype))
+        hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index,
+        global_vocab_size, name or "", builds_graph,
+        ops.layout_key(name or "", hidden.device, hidden.dtype), *op_values(options, LOGP_OP))
     shape = target_ids.shape
     logp = packed[PACKED_LOGP].view(shape)
     lse = packed[PACKED_LSE].view(shape)
@@ -131,14 +130,15 @@ def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_in
 def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
          global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
     if any_dtensor(weight, hidden):
-        return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias, tp_group,
-                               vocab_start_index, global_vocab_size, options)
+        return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias,
+                               tp_group, vocab_start_index, global_vocab_size, options)
     body = _eager
-    if torch.compiler.is_compiling() and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
-                                                         global_vocab_size, options):
+    if torch.compiler.is_compiling() and _fits_op_schema(hidden, weight, target_ids, bias,
+                                                         vocab_start_index, global_vocab_size,
+                                                         options):
         body = _compiled  # (other calls run eagerly: their checks raise the error, on every rank)
-    return _front(functools.partial(body, source), hidden, weight, target_ids, bias, tp_group, vocab_start_index,
-                  global_vocab_size, options)
+    return _front(functools.partial(body, source), hidden, weight, target_ids, bias, tp_group,
+                  vocab_start_index, global_vocab_size, options)
 
 
 def linear_logp_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, *, tp_group=None,
@@ -168,11 +168,13 @@ def _eager_entry(entry: EntryCheck, hidden, weight, target_ids, bias, *layout) -
 
 
 def linear_logp_on(source, hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor,
-                   bias: Optional[torch.Tensor] = None, *, tp_group=None, vocab_start_index: int = 0,
-                   global_vocab_size: Optional[int] = None, options: LogpOptions = LogpOptions()) -> LinearLogpResult:
-    """:func:`linear_logp` on ``source``: a source name, None (the registry's choice), or a backend object (a source
-    configured by hand, as tests and benchmarks use)."""
-    return _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, options)
+                   bias: Optional[torch.Tensor] = None, *, tp_group=None,
+                   vocab_start_index: int = 0, global_vocab_size: Optional[int] = None,
+                   options: LogpOptions = LogpOptions()) -> LinearLogpResult:
+    """:func:`linear_logp` on ``source``: a source name, None (the registry's choice), or a backend
+    object (a source configured by hand, as tests and benchmarks use)."""
+    return _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                global_vocab_size, options)
 
 
 def linear_logp(
@@ -197,65 +199,78 @@ def linear_logp(
 ) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
 
-    ``logp[t] = log_softmax(z)[t, target_ids[t]]`` with ``z = cap(hidden @ weight.T + bias) / temperature`` and
-    ``cap(y) = softcap * tanh(y / softcap)`` (the identity when ``softcap`` is None), over the whole vocabulary
-    of all ranks of ``tp_group``, without materializing the ``[tokens, vocab]`` logits. Differentiable in hidden,
-    weight and bias for any upstream gradient. Traced by ``torch.compile`` as one op (no graph breaks); under
+    ``logp[t] = log_softmax(z)[t, target_ids[t]]`` with ``z = cap(hidden @
+    weight.T + bias) / temperature`` and ``cap(y) = softcap * tanh(y / softcap)`` (the identity when
+    ``softcap`` is None), over the whole vocabulary of all ranks of ``tp_group``, without
+    materializing the ``[tokens, vocab]`` logits. Differentiable in hidden, weight and bias for any
+    upstream gradient. Traced by ``torch.compile`` as one op (no graph breaks); under
     ``torch.autocast`` hidden, weight and bias are used in the autocast dtype (outputs stay fp32).
 
     Args:
-        hidden: ``[N, D]`` or ``[B, S, D]``, float32 / bfloat16 / float16 (plain, or a DTensor replicated over the
-            weight's vocab mesh dimension).
-        weight: ``[V_local, D]``, this rank's rows ``[vocab_start_index, vocab_start_index + V_local)``, hidden's dtype;
-            or a DTensor ``[V, D]`` placed ``Shard(0)`` on one mesh dimension (then group, vocab start and global
-            vocab come from it and must not be passed).
+        hidden: ``[N, D]`` or ``[B, S, D]``, float32 / bfloat16 / float16 (plain, or a DTensor
+            replicated over the weight's vocab mesh dimension).
+        weight: ``[V_local, D]``, this rank's rows ``[vocab_start_index,
+            vocab_start_index + V_local)``, hidden's dtype; or a DTensor ``[V, D]`` placed
+            ``Shard(0)`` on one mesh dimension (then group, vocab start and global vocab come from
+            it and must not be passed).
         target_ids: integer global token ids with hidden's leading shape, the same on every rank.
         bias: ``[V_local]`` or None (a DTensor when weight is one, with the same placements).
         tp_group: the process group the vocab is sharded over (None: the weight is the whole vocab).
         vocab_start_index: first global id of this rank's shard (shards may be uneven).
         global_vocab_size: total vocab; inferred from the shards when None.
-        temperature: logits are divided by it before the softmax (after the softcap; gradients follow).
-        softcap: None, or a positive finite float ``c``: final-logit softcapping ``c * tanh(y / c)`` (Gemma 2 / 3),
-            fused into the kernels' epilogue with its derivative in the backward (no logits in memory).
-        return_entropy: also return the entropy of the full-vocab distribution per token (differentiable).
-        return_lse: also return the merged log-sum-exp per token (differentiable, for z-loss / KL terms).
-        return_argmax: also return the full-vocabulary argmax id of ``z`` per token (int64, the lowest id on ties,
-            merged across the group's ranks; not differentiable), for token-accuracy metrics.
-        ignore_index: positions with this target get logp 0 (entropy 0, lse 0, argmax 0) and no gradient.
-        deterministic: bitwise reproducible outputs and gradients, and per-row results that do not depend on the
-            other rows of the batch (costs some speed: fixed tiling, no cuBLAS ``d_hidden`` on triton / sm90).
-            ``"tp_invariant"``: that, and logp, entropy, lse and argmax with the same bits at every TP degree and
-            for any shard boundaries, ``weight.grad`` / ``bias.grad`` rows equal to the same rows at TP=1
-            (vocabularies below 2^23; docs/operator.md, "Determinism"; under ``torch.compile`` the call runs
-            eagerly).
-        workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients: the source's
-            transient tiles up to its default size, the rest softmax terms kept for the backward (docs/operator.md,
-            "Memory budget"). None: ``TPLOGP_WORKSPACE_MB``, else the source's default, one row per source in
-            that section's table (``triton`` / ``sm90`` then keep a small call's terms whole, 3 GEMMs, unless
-            ``deterministic``).
-        sequence_parallel: with ``tp_group``, hidden is this rank's contiguous slice of the tokens, rank-major: its
-            rows (leading dimensions flattened) are tokens ``[r * N / world, (r + 1) * N / world)`` of target_ids'
-            ``N`` (flattened; target_ids and the outputs are all ``N`` tokens, on every rank). The slices are
-            gathered before the GEMMs and ``hidden.grad`` is this rank's slice of the full gradient
-            (reduce-scattered). Megatron's sequence-parallel layout; docs/operator.md, "Sequence parallelism".
-        hidden_grad: with ``tp_group``, ``"reduced"`` (default): ``hidden.grad`` is the full gradient (summed over
-            the ranks; under ``sequence_parallel`` this rank's slice of it); ``"partial"``: each rank's
-            ``hidden.grad`` is its vocab shard's share, not summed (no collective), for callers that sum it
-            themselves (the backward of their own gather). Not with ``sequence_parallel``.
+        temperature: logits are divided by it before the softmax (after the softcap; gradients
+            follow).
+        softcap: None, or a positive finite float ``c``: final-logit softcapping ``c * tanh(y / c)``
+            (Gemma 2 / 3), fused into the kernels' epilogue with its derivative in the backward (no
+            logits in memory).
+        return_entropy: also return the entropy of the full-vocab distribution per token
+            (differentiable).
+        return_lse: also return the merged log-sum-exp per token (differentiable, for z-loss / KL
+            terms).
+        return_argmax: also return the full-vocabulary argmax id of ``z`` per token (int64, the
+            lowest id on ties, merged across the group's ranks; not differentiable), for
+            token-accuracy metrics.
+        ignore_index: positions with this target get logp 0 (entropy 0, lse 0, argmax 0) and no
+            gradient.
+        deterministic: bitwise reproducible outputs and gradients, and per-row results that do not
+            depend on the other rows of the batch (costs some speed: fixed tiling, no cuBLAS
+            ``d_hidden`` on triton / sm90). ``"tp_invariant"``: that, and logp, entropy, lse and
+            argmax with the same bits at every TP degree and for any shard boundaries,
+            ``weight.grad`` / ``bias.grad`` rows equal to the same rows at TP=1 (vocabularies below
+            2^23; docs/operator.md, "Determinism"; under ``torch.compile`` the call runs eagerly).
+        workspace_bytes: the most memory the op may hold beyond inputs, outputs and gradients: the
+            source's transient tiles up to its default size, the rest softmax terms kept for the
+            backward (docs/operator.md, "Memory budget"). None: ``TPLOGP_WORKSPACE_MB``, else the
+            source's default, one row per source in that section's table (``triton`` / ``sm90`` then
+            keep a small call's terms whole, 3 GEMMs, unless ``deterministic``).
+        sequence_parallel: with ``tp_group``, hidden is this rank's contiguous slice of the tokens,
+            rank-major: its rows (leading dimensions flattened) are tokens
+            ``[r * N / world, (r + 1) * N / world)`` of target_ids' ``N`` (flattened; target_ids and
+            the outputs are all ``N`` tokens, on every rank). The slices are gathered before the
+            GEMMs and ``hidden.grad`` is this rank's slice of the full gradient (reduce-scattered).
+            Megatron's sequence-parallel layout; docs/operator.md, "Sequence parallelism".
+        hidden_grad: with ``tp_group``, ``"reduced"`` (default): ``hidden.grad`` is the full
+            gradient (summed over the ranks; under ``sequence_parallel`` this rank's slice of it);
+            ``"partial"``: each rank's ``hidden.grad`` is its vocab shard's share, not summed (no
+            collective), for callers that sum it themselves (the backward of their own gather). Not
+            with ``sequence_parallel``.
 
     Returns:
-        float32 logp with target_ids' shape; with ``return_entropy``, ``return_lse`` and/or ``return_argmax`` a
-        named tuple of exactly the requested outputs in the order logp, entropy, lse, argmax, which unpacks:
-        ``logp, entropy = ...`` (:class:`~tplogp.outputs.LogpEntropy`), ``logp, lse = ...``
-        (:class:`~tplogp.outputs.LogpLse`), ``logp, entropy, lse = ...`` (:class:`~tplogp.outputs.LogpEntropyLse`),
-        ``logp, argmax = ...`` (:class:`~tplogp.outputs.LogpArgmax`), and so on (:mod:`tplogp.outputs`). With a
-        DTensor hidden, each is a DTensor with hidden's placements (replicated over the vocab dimension).
+        float32 logp with target_ids' shape; with ``return_entropy``, ``return_lse`` and/or
+        ``return_argmax`` a named tuple of exactly the requested outputs in the order logp, entropy,
+        lse, argmax, which unpacks: ``logp, entropy = ...`` (:class:`~tplogp.outputs.LogpEntropy`),
+        ``logp, lse = ...`` (:class:`~tplogp.outputs.LogpLse`), ``logp, entropy, lse = ...``
+        (:class:`~tplogp.outputs.LogpEntropyLse`), ``logp, argmax = ...``
+        (:class:`~tplogp.outputs.LogpArgmax`), and so on (:mod:`tplogp.outputs`). With a DTensor
+        hidden, each is a DTensor with hidden's placements (replicated over the vocab dimension).
     """
-    return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-                LogpOptions(temperature=temperature, return_entropy=return_entropy, return_lse=return_lse,
-                            ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                            sequence_parallel=sequence_parallel, hidden_grad=hidden_grad, softcap=softcap,
-                            return_argmax=return_argmax))
+    return _run(None, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                global_vocab_size,
+                LogpOptions(temperature=temperature, return_entropy=return_entropy,
+                            return_lse=return_lse, ignore_index=ignore_index,
+                            deterministic=deterministic, workspace_bytes=workspace_bytes,
+                            sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
+                            softcap=softcap, return_argmax=return_argmax))
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,8 +282,8 @@ def make_linear_logp(source: Optional[str]) -> Callable[..., LinearLogpResult]:
     @functools.wraps(linear_logp)
     def op(hidden, weight, target_ids, bias=None, *, tp_group=None, vocab_start_index: int = 0,
            global_vocab_size: Optional[int] = None, **options):
-        return _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-                    _options(options))
+        return _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                    global_vocab_size, _options(options))
 
     op.__name__ = f"linear_logp_{source}"
     op.source = source  # type: ignore[attr-defined]
@@ -276,7 +291,8 @@ def make_linear_logp(source: Optional[str]) -> Callable[..., LinearLogpResult]:
 
 
 def get_op(name: str = "linear_logp", source: Optional[str] = None) -> Callable[..., LinearLogpResult]:
-    """The op callable. ``source=None`` or ``"registry"`` selects per call; otherwise that source or an error."""
+    """The op callable. ``source=None`` or ``"registry"`` selects per call; otherwise that source or
+    an error."""
     check_op(name)
     if source in AUTOMATIC:
         return make_linear_logp(None)
@@ -294,10 +310,10 @@ EAGER_UNDER_COMPILE = (
 
 
 def _eager_under_compile(fn):
-    """``fn`` behind ``torch.compiler.disable`` while Dynamo traces the caller (compiled code that calls it runs
-    ``fn`` eagerly, untraced); a plain call otherwise (the disabled wrapper's frame switch costs host time on every
-    eager call). The wrapper is made at the first traced call: importing ``torch._dynamo`` with tplogp would cost
-    about a second."""
+    """``fn`` behind ``torch.compiler.disable`` while Dynamo traces the caller (compiled code that
+    calls it runs ``fn`` eagerly, untraced); a plain call otherwise (the disabled wrapper's frame
+    switch costs host time on every eager call). The wrapper is made at the first traced call:
+    importing ``torch._dynamo`` with tplogp would cost about a second."""
     disabled = None
 
     @functools.wraps(fn)
@@ -338,41 +354,45 @@ def linear_logp_loss(
     cu_seqlens: Optional[torch.Tensor] = None,
     return_metrics: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the gradients computed in
-    the forward chunk by chunk (see :mod:`tplogp.fused_loss`).
+    """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the
+    gradients computed in the forward chunk by chunk (see :mod:`tplogp.fused_loss.loop`).
 
-    ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk (``tplogp.losses`` has
-    cross-entropy, PPO/GRPO clipping, policy gradient, KL to a reference and an entropy bonus: ``TokenLoss``
-    objects whose closed-form derivatives spare the loss an autograd graph, combined with ``+``; any callable works,
-    differentiated by autograd); ``per_token`` tensors have target_ids' shape and are constants.
-    ``reduction``: ``"sum"`` or ``"mean"`` (over the tokens not ignored). Ignored
-    positions add nothing. ``source``: None, ``"registry"`` or ``"auto"`` (the registry's choice for the device) or
-    ``"native"`` / ``"triton"`` / ``"sm90"``. ``with_entropy``: whether the sources compute the entropy
-    statistics (``True``); ``False`` suits a loss that never reads ``entropy`` (cross-entropy, ``policy_gradient``,
-    ``ppo_clip``, ``kl_to_reference``; of ``tplogp.losses`` only ``entropy_bonus`` reads it): the forward's stats
-    kernel then skips the entropy's running sum, and the callable gets ``entropy=None`` (one that uses it fails
-    there with Python's error on None). A :class:`~tplogp.losses.TokenLoss` may also read each token's lse and the
-    sum of its logits over the vocabulary (``losses.z_loss``, ``losses.cross_entropy(label_smoothing=...)``): the
-    sources then compute that sum as one more statistic. The other arguments are those of :func:`linear_logp`
-    (``softcap`` included), with the same
-    handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the leaves in their dtypes)
-    and of a DTensor weight / bias sharded over the vocabulary (their gradients come back as DTensors); hidden is a
-    plain tensor (the loss is a scalar of this rank's tokens: with ``sequence_parallel``, of all N tokens, the same
-    on every rank, while ``hidden`` is this rank's slice, as in :func:`linear_logp`; ``hidden_grad`` as there).
-    Returns a 0-d fp32 tensor whose backward scales the gradients computed in the forward.
+    ``loss(logp, entropy, *per_token_chunk)`` returns the per-token loss of a chunk
+    (``tplogp.losses`` has cross-entropy, PPO/GRPO clipping, policy gradient, KL to a reference and
+    an entropy bonus: ``TokenLoss`` objects whose closed-form derivatives spare the loss an autograd
+    graph, combined with ``+``; any callable works, differentiated by autograd); ``per_token``
+    tensors have target_ids' shape and are constants. ``reduction``: ``"sum"`` or ``"mean"`` (over
+    the tokens not ignored). Ignored positions add nothing. ``source``: None, ``"registry"`` or
+    ``"auto"`` (the registry's choice for the device) or ``"native"`` / ``"triton"`` / ``"sm90"``.
+    ``with_entropy``: whether the sources compute the entropy statistics (``True``); ``False`` suits
+    a loss that never reads ``entropy`` (cross-entropy, ``policy_gradient``, ``ppo_clip``,
+    ``kl_to_reference``; of ``tplogp.losses`` only ``entropy_bonus`` reads it): the forward's stats
+    kernel then skips the entropy's running sum, and the callable gets ``entropy=None`` (one that
+    uses it fails there with Python's error on None). A :class:`~tplogp.losses.TokenLoss` may also
+    read each token's lse and the sum of its logits over the vocabulary (``losses.z_loss``,
+    ``losses.cross_entropy(label_smoothing=...)``): the sources then compute that sum as one more
+    statistic. The other arguments are those of :func:`linear_logp` (``softcap`` included), with the
+    same handling of autocast (inputs cast like ``F.linear``, the loss in fp32, gradients to the
+    leaves in their dtypes) and of a DTensor weight / bias sharded over the vocabulary (their
+    gradients come back as DTensors); hidden is a plain tensor (the loss is a scalar of this rank's
+    tokens: with ``sequence_parallel``, of all N tokens, the same on every rank, while ``hidden`` is
+    this rank's slice, as in :func:`linear_logp`; ``hidden_grad`` as there). Returns a 0-d fp32
+    tensor whose backward scales the gradients computed in the forward.
 
-    ``tplogp.losses.grpo(...)`` builds the GRPO family (TRL's loss types, GSPO's sequence ratios, clip variants,
-    rollout corrections, KL estimators): a loss that normalises itself (leave ``reduction="sum"``) over sequences,
-    the rows of ``[B, L]`` targets or, for packed input, the spans of ``cu_seqlens`` (offsets ``[0, ..., N]`` of
-    the flattened tokens). ``return_metrics=True`` (such losses only) returns ``(loss, metrics)``: a dict of 0-d
-    fp32 tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the counted
-    positions, the same on every rank (docs/operator.md, "GRPO-family losses").
+    ``tplogp.losses.grpo(...)`` builds the GRPO family (TRL's loss types, GSPO's sequence ratios,
+    clip variants, rollout corrections, KL estimators): a loss that normalises itself (leave
+    ``reduction="sum"``) over sequences, the rows of ``[B, L]`` targets or, for packed input, the
+    spans of ``cu_seqlens`` (offsets ``[0, ..., N]`` of the flattened tokens).
+    ``return_metrics=True`` (such losses only) returns ``(loss, metrics)``: a dict of 0-d fp32
+    tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the
+    counted positions, the same on every rank (docs/operator.md, "GRPO-family losses").
     """
     if isinstance(per_token, (tuple, list)):  # (else: the checks' error)
         per_token = tuple(per_token)
     options = dict(loss=loss, per_token=per_token, reduction=reduction, temperature=temperature,
-                   softcap=softcap, ignore_index=ignore_index, deterministic=deterministic, workspace_bytes=workspace_bytes,
-                   with_entropy=with_entropy, sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
+                   softcap=softcap, ignore_index=ignore_index, deterministic=deterministic,
+                   workspace_bytes=workspace_bytes, with_entropy=with_entropy,
+                   sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
                    cu_seqlens=cu_seqlens, return_metrics=return_metrics)
     source = None if source in AUTOMATIC else source
     return _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
@@ -380,10 +400,8 @@ def linear_logp_loss(
 
 
 # linear_logp_loss's options and their defaults (linear_logp_loss_entry takes them by name)
-_LOSS_OPTIONS = dict(per_token=(), reduction="sum", temperature=1.0, softcap=None,
-                     ignore_index=None, deterministic=False, workspace_bytes=None,
-                     with_entropy=True, sequence_parallel=False, hidden_grad="reduced",
-                     cu_seqlens=None, return_metrics=False)
+_LOSS_OPTIONS = dict(per_token=(), reduction="sum", with_entropy=True, cu_seqlens=None,
+                     return_metrics=False, **{name: DEFAULTS[name] for name in names_of(LOSS_OP)})
 
 
 def linear_logp_loss_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, *, loss,
@@ -412,64 +430,73 @@ def _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
                global_vocab_size, options: dict):
     """:func:`linear_logp_loss` after its options: the compiled op when they cross its schema, else
     eagerly."""
-    if torch.compiler.is_compiling() and _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
-                                                              global_vocab_size, source, options):
-        return _front(functools.partial(_compiled_loss, source, **options), hidden, weight, target_ids, bias,
-                      tp_group, vocab_start_index, global_vocab_size)
-    return _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-                       options)
+    if torch.compiler.is_compiling() and _loss_fits_op_schema(hidden, weight, target_ids, bias,
+                                                              vocab_start_index, global_vocab_size,
+                                                              source, options):
+        return _front(functools.partial(_compiled_loss, source, **options), hidden, weight,
+                      target_ids, bias, tp_group, vocab_start_index, global_vocab_size)
+    return _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                       global_vocab_size, options)
 
 
-def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, source,
-                         options: dict) -> bool:
+def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
+                         source, options: dict) -> bool:
     """Whether a fused-loss call crosses ``tplogp::linear_logp_loss``'s schema: a
-    :class:`~tplogp.losses.TokenLoss` (named by its key), plain tensors, plain option values. Other calls run
-    eagerly (:func:`_eager_loss`): a callable loss, a GRPO-family loss (its sequences and metrics), DTensors."""
+    :class:`~tplogp.losses.TokenLoss` (named by its key), plain tensors, plain option values. Other
+    calls run eagerly (:func:`_eager_loss`): a callable loss, a GRPO-family loss (its sequences and
+    metrics), DTensors."""
     return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
             and options["cu_seqlens"] is None and options["return_metrics"] is False
             and isinstance(options["per_token"], tuple)
             and all(isinstance(t, torch.Tensor) for t in options["per_token"])
-            and isinstance(options["reduction"], str) and (source is None or isinstance(source, str))
+            and isinstance(options["reduction"], str)
+            and (source is None or isinstance(source, str))
             and isinstance(options["with_entropy"], bool)
-            and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size, LogpOptions(
-                temperature=options["temperature"], ignore_index=options["ignore_index"],
-                workspace_bytes=options["workspace_bytes"], sequence_parallel=options["sequence_parallel"],
-                hidden_grad=options["hidden_grad"], softcap=options["softcap"])) and isinstance(options["deterministic"], bool))
+            and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
+                                global_vocab_size, _loss_options(options), LOSS_OP))
+
+
+def _loss_options(options: dict) -> LogpOptions:
+    """The :class:`LogpOptions` of a fused-loss call's keyword options (those its op's schema
+    takes)."""
+    return LogpOptions(**{name: options[name] for name in names_of(LOSS_OP)})
 
 
 def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction, temperature, softcap,
-                   ignore_index, deterministic, workspace_bytes, with_entropy, sequence_parallel, hidden_grad,
-                   cu_seqlens: None = None, return_metrics: bool = False):
-    """The fused loss as the op of :mod:`tplogp.ops` (traced by ``torch.compile``): its value; the gradients it
-    computed travel in the op's autograd formula (a :class:`~tplogp.losses.TokenLoss`: no sequences, no
-    metrics)."""
+                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction,
+                   with_entropy, cu_seqlens: None = None, return_metrics: bool = False, **options):
+    """The fused loss as the op of :mod:`tplogp.op.ops` (traced by ``torch.compile``): its value;
+    the gradients it computed travel in the op's autograd formula (a
+    :class:`~tplogp.losses.TokenLoss`: no sequences, no metrics)."""
     grad_on = torch.is_grad_enabled()
     needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     value, _, _, _ = ops.linear_logp_loss_fwd(
-        hidden, weight, target_ids, bias, list(per_token), loss.key, reduction, group_name(tp_group),
-        vocab_start_index, global_vocab_size, float(temperature), ignore_index, deterministic, workspace_bytes,
-        source or "", with_entropy, sequence_parallel, hidden_grad,
-        None if softcap is None else float(softcap), *needs)
+        hidden, weight, target_ids, bias, list(per_token), loss.key, reduction,
+        group_name(tp_group), vocab_start_index, global_vocab_size, source or "", with_entropy,
+        *needs, *op_values(_loss_options(options), LOSS_OP))
     return value
 
 
 @_eager_under_compile  # the chunk loop and its autograd.Function run eagerly inside compiled code
-def _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-                options: dict) -> torch.Tensor:
-    """:func:`linear_logp_loss` eagerly: the fused loss (:mod:`tplogp.fused_loss`) after the DTensor and autocast
-    front."""
-    from .fused_loss import fused_loss
+def _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                global_vocab_size, options: dict) -> torch.Tensor:
+    """:func:`linear_logp_loss` eagerly: the fused loss (:mod:`tplogp.fused_loss.loop`) after the
+    DTensor and autocast front."""
+    from .fused_loss.loop import fused_loss
 
-    if any_dtensor(hidden):
-        raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this rank's tokens (the loss "
-                                   "is their scalar): pass hidden.to_local()")
     body = functools.partial(fused_loss, source, **options)
+    if any_dtensor(hidden, weight):  # (one question on the plain path; which one, only then)
+        if any_dtensor(hidden):
+            raise LinearLogpInputError("linear_logp_loss takes hidden as a plain tensor of this "
+                                       "rank's tokens (the loss is their scalar): pass "
+                                       "hidden.to_local()")
 
-    def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size, _options):
-        return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)
+        def run(hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
+                _options):
+            return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                          global_vocab_size)
 
-    if any_dtensor(weight):
-        return unwrap_dtensors(run, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size,
-                               None)
-    return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size)
+        return unwrap_dtensors(run, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                               global_vocab_size, None)
+    return _front(body, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                  global_vocab_size)

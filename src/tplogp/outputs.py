@@ -1,4 +1,5 @@
-"""What ``linear_logp`` returns: the bare logp tensor, or a named tuple that holds exactly the requested outputs.
+"""What ``linear_logp`` returns: the bare logp tensor, or a named tuple that holds exactly the
+requested outputs.
 
 The tuples unpack like ``torch.unique``'s optional outputs and keep named access::
 
@@ -19,21 +20,24 @@ import torch
 
 
 class LogpEntropy(NamedTuple):
-    """``return_entropy=True``: logp and the entropy of the full-vocab distribution (fp32, the targets' shape)."""
+    """``return_entropy=True``: logp and the entropy of the full-vocab distribution (fp32, the
+    targets' shape)."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
 
 
 class LogpLse(NamedTuple):
-    """``return_lse=True``: logp and the merged log-sum-exp of the logits (fp32, the targets' shape)."""
+    """``return_lse=True``: logp and the merged log-sum-exp of the logits (fp32, the targets'
+    shape)."""
 
     logp: torch.Tensor
     lse: torch.Tensor
 
 
 class LogpEntropyLse(NamedTuple):
-    """``return_entropy=True, return_lse=True``: logp, entropy and lse (fp32, the targets' shape)."""
+    """``return_entropy=True, return_lse=True``: logp, entropy and lse (fp32, the targets'
+    shape)."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
@@ -41,7 +45,8 @@ class LogpEntropyLse(NamedTuple):
 
 
 class LogpArgmax(NamedTuple):
-    """``return_argmax=True``: logp and the full-vocabulary argmax id of the logits (int64, the lowest id on ties)."""
+    """``return_argmax=True``: logp and the full-vocabulary argmax id of the logits (int64, the
+    lowest id on ties)."""
 
     logp: torch.Tensor
     argmax: torch.Tensor
@@ -64,7 +69,8 @@ class LogpLseArgmax(NamedTuple):
 
 
 class LogpEntropyLseArgmax(NamedTuple):
-    """``return_entropy=True, return_lse=True, return_argmax=True``: logp, entropy, lse and argmax."""
+    """``return_entropy=True, return_lse=True, return_argmax=True``: logp, entropy, lse and
+    argmax."""
 
     logp: torch.Tensor
     entropy: torch.Tensor
@@ -76,10 +82,11 @@ LinearLogpResult = Union[torch.Tensor, LogpEntropy, LogpLse, LogpEntropyLse, Log
                          LogpLseArgmax, LogpEntropyLseArgmax]
 
 
-def pack_outputs(logp: torch.Tensor, entropy: Optional[torch.Tensor], lse: torch.Tensor, return_entropy: bool,
-                 return_lse: bool, argmax: Optional[torch.Tensor] = None) -> LinearLogpResult:
-    """The requested outputs: ``logp`` alone, or the named tuple of the requested combination (``argmax``: given
-    when it was asked for)."""
+def pack_outputs(logp: torch.Tensor, entropy: Optional[torch.Tensor], lse: torch.Tensor,
+                 return_entropy: bool, return_lse: bool,
+                 argmax: Optional[torch.Tensor] = None) -> LinearLogpResult:
+    """The requested outputs: ``logp`` alone, or the named tuple of the requested combination
+    (``argmax``: given when it was asked for)."""
     if argmax is not None:
         if return_entropy and return_lse:
             return LogpEntropyLseArgmax(logp, entropy, lse, argmax)

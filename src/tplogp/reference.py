@@ -1,93 +1,15 @@
-"""Materialized full-vocab references (for tests, the runbook script and benchmarks; never for production).
+"""The references of the operator (public path; they live in :mod:`tplogp.testing.reference`)."""
 
-``mode="fp32"``      upcast hidden, weight and bias to fp32, then ``F.linear`` and an fp32 log_softmax.
-``mode="matching"``  ``F.linear`` in the input dtype (what a plain PyTorch LM head does), then fp32 log_softmax.
-``mode="float64"``   everything in float64: the ground truth the tests measure errors against.
+from .testing.reference import (
+    ReferenceMode, REFERENCE_MODES, ReferenceOutputs, reference_logits, reference_outputs,
+    reference_linear_logp,
+)
 
-All modes take the *full* (unsharded) weight ``[V, D]`` and are differentiable through autograd.
-"""
-
-from __future__ import annotations
-
-from typing import Literal, NamedTuple, Optional
-
-import torch
-import torch.nn.functional as F
-
-ReferenceMode = Literal["fp32", "matching", "float64"]
-REFERENCE_MODES: tuple[str, ...] = ("fp32", "matching", "float64")
-
-
-class ReferenceOutputs(NamedTuple):
-    logp: torch.Tensor
-    entropy: torch.Tensor
-    lse: torch.Tensor
-
-
-def reference_logits(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    mode: ReferenceMode = "fp32",
-    temperature: float = 1.0,
-    softcap: Optional[float] = None,
-) -> torch.Tensor:
-    """``cap(hidden @ weight.T + bias) / temperature`` as a materialized ``[..., V]`` tensor in the mode's dtype
-    (``cap(y) = softcap * tanh(y / softcap)``, the identity when ``softcap`` is None)."""
-    if mode not in REFERENCE_MODES:
-        raise ValueError(f"unknown reference mode {mode!r}; expected one of {REFERENCE_MODES}")
-    if mode == "matching":
-        logits = F.linear(hidden, weight, bias).float()
-    else:
-        dt = torch.float32 if mode == "fp32" else torch.float64
-        logits = F.linear(hidden.to(dt), weight.to(dt), None if bias is None else bias.to(dt))
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    if temperature != 1.0:
-        logits = logits / temperature
-    return logits
-
-
-def reference_outputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    mode: ReferenceMode = "fp32",
-    temperature: float = 1.0,
-    ignore_index: Optional[int] = None,
-    softcap: Optional[float] = None,
-) -> ReferenceOutputs:
-    """logp, entropy and lse per token (targets' shape); ignored positions give 0 logp and 0 entropy."""
-    logits = reference_logits(hidden, weight, bias, mode=mode, temperature=temperature, softcap=softcap)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    tgt = target_ids.long()
-    keep = torch.ones_like(tgt, dtype=torch.bool) if ignore_index is None else tgt != ignore_index
-    safe = torch.where(keep, tgt, torch.zeros_like(tgt))
-    logp = logprobs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    return ReferenceOutputs(torch.where(keep, logp, zero), torch.where(keep, entropy, zero), lse)
-
-
-def reference_linear_logp(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    *,
-    mode: ReferenceMode = "fp32",
-    temperature: float = 1.0,
-    ignore_index: Optional[int] = None,
-    softcap: Optional[float] = None,
-) -> torch.Tensor:
-    """``log_softmax(cap(hidden @ weight.T + bias) / temperature)[target]`` with the full vocab materialized.
-
-    Output dtype: float32 for ``fp32``/``matching``, float64 for ``float64``.
-    """
-    return reference_outputs(
-        hidden, weight, target_ids, bias, mode=mode, temperature=temperature, ignore_index=ignore_index,
-        softcap=softcap).logp
+__all__ = [
+    "ReferenceMode",
+    "REFERENCE_MODES",
+    "ReferenceOutputs",
+    "reference_logits",
+    "reference_outputs",
+    "reference_linear_logp",
+]

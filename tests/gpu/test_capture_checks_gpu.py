@@ -54,10 +54,10 @@ def test_default_checks_in_a_cuda_graph_with_ignore_index_and_a_bad_target(sourc
     got = [logp.clone(), h.grad.clone(), w.grad.clone(), b.grad.clone()]
 
     # an eager call that keeps the ignored rows in place, as the capture did (the same kernels on the same shapes)
-    import tplogp.local_call
+    import tplogp.op.local_call
 
     with monkeypatch.context() as m:
-        m.setattr(tplogp.local_call, "compacts_rows", lambda device: False)
+        m.setattr(tplogp.op.local_call, "compacts_rows", lambda device: False)
         h2, w2, b2 = (x.detach().clone().requires_grad_() for x in (h, w, b))
         logp2 = op(h2, w2, t, b2, ignore_index=-100)
         (logp2 * g).sum().backward()

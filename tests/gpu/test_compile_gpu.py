@@ -5,7 +5,7 @@ The fused loss (``linear_logp_loss`` with ``losses.cross_entropy()``) compiles t
 are eager's bits on every source; ``linear_logp`` with the loss written out gives eager's gradient bits on every
 source too (its loss is inductor's sum: compared within the inductor tolerance). On triton / sm90 eager keeps the
 compacted rows' softmax terms for the backward under the default budget, and so does the op (a prefix of its kept
-capacity, ``tplogp.packed_op.op_kept_shape``), so both backwards read the same terms.
+capacity, ``tplogp.op.packed_op.op_kept_shape``), so both backwards read the same terms.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu,
 
 import tplogp  # noqa: E402
 from tests.support.cuda import cuda_backend  # noqa: E402
-from tplogp import fused_loss, losses  # noqa: E402
+from tplogp.fused_loss import chunk_gradients  # noqa: E402
+from tplogp import losses  # noqa: E402
 
 N, D, V = 2048, 1024, 8192  # 2^34 multiply-accumulates: a host-bound size, precomputed unless forced to one pass
 
@@ -55,12 +56,12 @@ def test_a_captured_fused_loss_replays_an_eager_calls_bits(source, name, checks,
         for _ in range(2):  # warm-up outside the capture (kernels compiled, constants cached)
             step(hidden, weight)
     torch.cuda.current_stream().wait_stream(side)
-    cached = dict(fused_loss._CONSTANTS)
+    cached = dict(chunk_gradients._CONSTANTS)
     hidden.grad = weight.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         loss = step(hidden, weight)
-    assert fused_loss._CONSTANTS == cached  # nothing made inside the capture was cached
+    assert chunk_gradients._CONSTANTS == cached  # nothing made inside the capture was cached
     with torch.no_grad():
         hidden.copy_(torch.randn(N, D, device="cuda", generator=gen) * 0.5)
     graph.replay()

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.gpu,
 
 import tplogp  # noqa: E402
 from tests.support.cuda import cuda_backend  # noqa: E402
-from tplogp import grad_scaling, losses  # noqa: E402
+from tplogp.fused_loss import grad_scaling  # noqa: E402
+from tplogp import losses  # noqa: E402
 
 SOURCES = ["triton", "sm90"]
 

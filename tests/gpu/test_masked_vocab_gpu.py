@@ -17,7 +17,7 @@ import torch
 import tplogp
 from tests.support.cuda import cuda_backend
 from tests.support.masked import compare, make_masked, masked_outputs, masked_problems, run_masked
-from tplogp.memory_budget import DLOGITS_WORKSPACE_BYTES
+from tplogp.backends.memory_budget import DLOGITS_WORKSPACE_BYTES
 
 pytestmark = pytest.mark.gpu
 

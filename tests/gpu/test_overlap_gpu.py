@@ -45,7 +45,7 @@ def _gemm_and_reduce_order(events):
 
 @pytest.mark.parametrize("source", ["native", "triton", "sm90"])
 def test_all_reduce_issued_before_the_d_w_gemm(source, one_rank_nccl):
-    from tplogp.comm import OverlappedAllReduce
+    from tplogp.support.comm import OverlappedAllReduce
     from tplogp.backends.base import ShardCall
 
     be = cuda_backend(source)

@@ -140,9 +140,9 @@ def test_cuda_graph_capture_forward_and_backward(source, dtype, ignore, monkeypa
 
     # the eager call keeps the ignored rows in place too, as the capture did: the same kernels on the same shapes
     # (compaction's equality with this is tested on CPU, tests/op/test_ignored_rows_in_place.py)
-    import tplogp.local_call
+    import tplogp.op.local_call
 
-    monkeypatch.setattr(tplogp.local_call, "compacts_rows", lambda device: False)
+    monkeypatch.setattr(tplogp.op.local_call, "compacts_rows", lambda device: False)
     h2, w2, b2 = (x.detach().clone().requires_grad_() for x in (h, w, b))
     logp2, entropy2 = op(h2, w2, p.target, b2, return_entropy=True, **kw)
     ((logp2 * p.g_logp).sum() + (entropy2 * p.g_entropy).sum()).backward()

@@ -60,7 +60,7 @@ CASES = {
 def test_three_way_at_real_sizes(source, case):
     from tplogp.reference import reference_outputs
     from tplogp.api import linear_logp_on
-    from tplogp.plan import LogpOptions
+    from tplogp.op.plan import LogpOptions
 
     be = cuda_backend(source)
     n, d, v, dt, peaked, opts = CASES[case]
@@ -90,7 +90,7 @@ def test_three_way_at_real_sizes(source, case):
 @pytest.mark.parametrize("source", SOURCES)
 def test_deterministic_bitwise_and_batch_independent(source):
     from tplogp.api import linear_logp_on
-    from tplogp.plan import LogpOptions
+    from tplogp.op.plan import LogpOptions
 
     be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(4096, 2048, 32000, torch.bfloat16, seed=3)
@@ -115,7 +115,7 @@ def test_deterministic_bitwise_and_batch_independent(source):
 def test_large_indices_match_native(source, n, d, v, ws):
     from tplogp.backends.native import NativeBackend
     from tplogp.api import linear_logp_on
-    from tplogp.plan import LogpOptions
+    from tplogp.op.plan import LogpOptions
 
     be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(n, d, v, torch.bfloat16, seed=7)
@@ -139,7 +139,7 @@ def test_direct_launches_match_the_jit_path(source):
 
     from tplogp.kernels.launch import Launch
     from tplogp.api import linear_logp_on
-    from tplogp.plan import LogpOptions
+    from tplogp.op.plan import LogpOptions
 
     be = cuda_backend(source)
     jit_launches = []
@@ -212,7 +212,7 @@ def _grid_case(dtype_name, shape, bias, shapes):
     (their gradients flow too). A source that refuses the case fails it: on the GPUs the kernels support every
     dtype must run."""
     from tplogp import get_op
-    from tplogp.kernel_registry import unavailable_reason
+    from tplogp.backends.kernel_registry import unavailable_reason
 
     dt = GRID_DTYPES[dtype_name]
     n, d, v, opts = shapes[shape]

@@ -48,7 +48,7 @@ BUDGETS = {"default": None, "half": 0.5, "all": 1.0}  # the share of the call's 
 def test_kept_logits_budgets_three_way(source, dtype):
     from tplogp.reference import reference_outputs
     from tplogp.api import linear_logp_on
-    from tplogp.plan import LogpOptions
+    from tplogp.op.plan import LogpOptions
 
     be = cuda_backend(source)
     h, w, b, y, g, ge = _problem(N, D, V, dtype)
@@ -90,7 +90,7 @@ def test_keep_all_backward_in_place_and_through_a_retained_graph(source):
     bits)."""
     from tplogp.reference import reference_outputs
     from tplogp.api import linear_logp_on
-    from tplogp.plan import LogpOptions
+    from tplogp.op.plan import LogpOptions
 
     be = cuda_backend(source)
     n, d, v, dtype = 4096, 1024, 32000, torch.bfloat16

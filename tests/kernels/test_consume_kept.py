@@ -1,10 +1,11 @@
-"""The per-token op's keep-all backward on the triton source (CPU interpreter): when no later backward can read the
-kept terms (the graph is not retained, no saved-tensor hooks hold them, not under a compiler), the backward writes
-d_logits in place of them and runs one full-size d_hidden and one d_W GEMM, with no d_logits workspace; otherwise
-(``retain_graph=True``, saved-tensor hooks, the compiled op) it reads them and leaves them as the forward wrote
-them. Either way the gradients are the same bits here (one chunk, the same GEMMs), a repeated backward through a
-retained graph gives them again, and a fullgraph compile has no graph break and eager's gradients. The native
-source reads its kept tiles even when told it may consume them.
+"""The per-token op's keep-all backward on the triton source (CPU interpreter): when no later
+backward can read the kept terms (the graph is not retained, no saved-tensor hooks hold them, not
+under a compiler), the backward writes d_logits in place of them and runs one full-size d_hidden and
+one d_W GEMM, with no d_logits workspace; otherwise (``retain_graph=True``, saved-tensor hooks, the
+compiled op) it reads them and leaves them as the forward wrote them. Either way the gradients are
+the same bits here (one chunk, the same GEMMs), a repeated backward through a retained graph gives
+them again, and a fullgraph compile has no graph break and eager's gradients. The native source
+reads its kept tiles even when told it may consume them.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ import tplogp
 from tests.support.problems import make_problem, run_reference
 from tests.support.fullgraph import compile_fullgraph
 from tests.support.interpreter import interpreter_only as triton_interpreter
-from tplogp import memory_budget
+from tplogp.backends import memory_budget
 from tplogp.kernels import kept as kept_layout, programs
 from tplogp.tolerances import assert_no_worse
 
 TRITON = tplogp.get_op("linear_logp", source="triton")
-N, D, V = 24, 32, 300  # one 256-column unit plus a partial one: the whole shard is kept only with a keep-all budget
+# one 256-column unit plus a partial one: the whole shard is kept only with a keep-all budget
+N, D, V = 24, 32, 300
 
 
 class Allocations(TorchDispatchMode):
-    """Shapes of the tensors of ``dtype`` with at least ``numel`` elements allocated inside the mode."""
+    """Shapes of the tensors of ``dtype`` with at least ``numel`` elements allocated inside the
+    mode."""
 
     def __init__(self, dtype: torch.dtype, numel: int):
         super().__init__()
@@ -35,7 +38,8 @@ class Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if (isinstance(out, torch.Tensor) and out.dtype == self.dtype and out.numel() >= self.numel
-                and func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)):
+                and func in (torch.ops.aten.empty.memory_format,
+                             torch.ops.aten.empty_strided.default)):
             self.found.append(tuple(out.shape))
         return out
 
@@ -70,11 +74,13 @@ def _loss(leaves, p, dtype):
 
 
 @triton_interpreter
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float32],
+@pytest.mark.parametrize("dtype",
+                         [pytest.param(torch.bfloat16, marks=pytest.mark.slow), torch.float32],
                          ids=["bf16", "fp32"])
 def test_keep_all_backward_consumes_the_kept_terms_only_when_no_backward_follows(in_place, dtype):
     p = make_problem((N,), D, V, dtype, True, seed=11, peaked=True)
-    # retain_graph=True: read-only (a d_logits workspace); the second backward, which frees the graph, consumes
+    # retain_graph=True: read-only (a d_logits workspace); the second backward, which frees the
+    # graph, consumes
     leaves = _leaves(p)
     loss = _loss(leaves, p, dtype)
     with Allocations(dtype, N * 256) as retained:
@@ -97,7 +103,8 @@ def test_keep_all_backward_consumes_the_kept_terms_only_when_no_backward_follows
     ref = run_reference(p, "matching" if dtype != torch.float32 else "fp32", entropy=True)
     for name, x in zip(("d_hidden", "d_weight", "d_bias"), leaves):
         assert_no_worse(f"consumed {name}", x.grad, getattr(ref, name), getattr(truth, name), dtype)
-    # torch.autograd.grad frees the graph too; saved-tensor hooks (a pack hook may hold the buffer) keep it read-only
+    # torch.autograd.grad frees the graph too; saved-tensor hooks (a pack hook may hold the buffer)
+    # keep it read-only
     in_place.clear()
     leaves = _leaves(p)
     grads = torch.autograd.grad(_loss(leaves, p, dtype), leaves)
@@ -117,16 +124,18 @@ def test_keep_all_backward_consumes_the_kept_terms_only_when_no_backward_follows
 
 @triton_interpreter
 def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
-    """The budget's accounting: ``keep_logits_budget`` = the default d_logits workspace (what a read-only backward
-    through a retained graph uses) + what is kept (the terms' buffer and the scales, in two allocations on the eager
-    path); the consuming backward allocates nothing of the d_logits size beyond it."""
+    """The budget's accounting: ``keep_logits_budget`` = the default d_logits workspace (what a
+    read-only backward through a retained graph uses) + what is kept (the terms' buffer and the
+    scales, in two allocations on the eager path); the consuming backward allocates nothing of the
+    d_logits size beyond it."""
     dtype = torch.bfloat16
     p = make_problem((N,), D, V, dtype, True, seed=12)
     from tplogp.backends.triton_backend import TritonBackend
 
     be = TritonBackend()
     budget = _budget(dtype)
-    assert budget == memory_budget.DLOGITS_WORKSPACE_BYTES + be.kept_bytes(N, V, dtype, torch.device("cpu"))
+    assert budget == memory_budget.DLOGITS_WORKSPACE_BYTES + be.kept_bytes(N, V, dtype,
+                                                                           torch.device("cpu"))
     held = []
 
     def pack(t):
@@ -141,11 +150,12 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
     assert in_place == [True]
     # the kept terms, in their own [N, V] buffer; no logits, no d_logits workspace
     assert forward_allocations == [(N, V)] and seen.found == [(N, V)], seen.found
-    # the kept terms' buffer (saved) and the scales (kept apart, so that the backward can free them early) are
-    # within the budget's kept part (which counts the terms in whole fp32 words)
+    # the kept terms' buffer (saved) and the scales (kept apart, so that the backward can free them
+    # early) are within the budget's kept part (which counts the terms in whole fp32 words)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _loss(_leaves(p), p, dtype)
-    value_words, scale_words = kept_layout.kept_words(N, V, 2, be._keep_block_v(torch.device("cpu"), dtype))
+    value_words, scale_words = kept_layout.kept_words(N, V, 2,
+                                                      be._keep_block_v(torch.device("cpu"), dtype))
     assert N * V * 2 == max(held) <= 4 * value_words < N * V * 2 + 4
     assert 4 * (value_words + scale_words) == budget - memory_budget.DLOGITS_WORKSPACE_BYTES
 
@@ -153,8 +163,9 @@ def test_consumed_keep_all_holds_no_workspace_beyond_the_kept_buffer(in_place):
 @pytest.mark.slow
 @triton_interpreter
 def test_compiled_keep_all_reads_the_kept_terms_with_eager_gradients(in_place):
-    """``tplogp::linear_logp_bwd`` declares no mutation: the compiled backward runs the read-only schedule; fullgraph
-    with no graph break, and the compiled gradients are eager's (consuming) bits."""
+    """``tplogp::linear_logp_bwd`` declares no mutation: the compiled backward runs the read-only
+    schedule; fullgraph with no graph break, and the compiled gradients are eager's (consuming)
+    bits."""
     dtype = torch.float32
     p = make_problem((N,), D, V, dtype, True, seed=13)
     budget = _budget(dtype)
@@ -194,15 +205,17 @@ def test_native_reads_its_kept_tiles_even_when_it_may_consume_them(monkeypatch):
         out = be.forward_single(p.hidden, p.weight, p.bias, p.target, call)
         assert out.kept is not None
         before = out.kept.clone()
-        grads[consume] = be.backward(p.hidden, p.weight, p.bias, p.target, out.row_max, out.log_sum, p.g_logp,
-                                     None, None, None, call, (True, True, True), kept=out.kept)
+        grads[consume] = be.backward(p.hidden, p.weight, p.bias, p.target, out.row_max, out.log_sum,
+                                     p.g_logp, None, None, None, call, (True, True, True),
+                                     kept=out.kept)
         assert torch.equal(out.kept, before)
     for a, b in zip(grads[True], grads[False]):
         assert torch.equal(a, b)
 
 
 class _ScalesAtAllocation(TorchDispatchMode):
-    """For each allocation of a gradient-shaped tensor (``shapes``), whether the latest kept scales were alive."""
+    """For each allocation of a gradient-shaped tensor (``shapes``), whether the latest kept scales
+    were alive."""
 
     def __init__(self, shapes, scales_refs):
         super().__init__()
@@ -212,13 +225,15 @@ class _ScalesAtAllocation(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if (func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                      torch.ops.aten.empty_like.default)
-                and isinstance(out, torch.Tensor) and tuple(out.shape) in self.shapes and self.refs):
+                and isinstance(out, torch.Tensor) and tuple(out.shape) in self.shapes
+                and self.refs):
             self.alive.append(self.refs[-1]() is not None)
         return out
 
 
 def _record_kept_scales(monkeypatch) -> list:
-    """Weak references to the scales of every buffer the forward keeps apart (``KeptBuffers``), in order."""
+    """Weak references to the scales of every buffer the forward keeps apart (``KeptBuffers``), in
+    order."""
     import weakref
 
     from tplogp.backends import base
@@ -226,7 +241,8 @@ def _record_kept_scales(monkeypatch) -> list:
     refs = []
     real = base.KeptBuffers.__init__
 
-    def recording(self, values, scales):  # the forward's kept buffers, from either launch path of the source
+    # the forward's kept buffers, from either launch path of the source
+    def recording(self, values, scales):
         real(self, values, scales)
         if scales is not None and not any(r() is scales for r in refs):
             refs.append(weakref.ref(scales))
@@ -236,11 +252,12 @@ def _record_kept_scales(monkeypatch) -> list:
 
 
 @triton_interpreter
-def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradients(monkeypatch, in_place):
-    """The eager path keeps the scales apart from the terms (``ShardCall.scales_apart``). A consuming backward
-    drops them once its d_logits pass has read them: they are freed before the d_hidden and d_W outputs are
-    allocated (on a GPU the backward's peak is lower by the scales). Through a retained graph they stay for the next
-    backward, which gives the same gradients."""
+def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradients(monkeypatch,
+                                                                                    in_place):
+    """The eager path keeps the scales apart from the terms (``ShardCall.scales_apart``). A
+    consuming backward drops them once its d_logits pass has read them: they are freed before the
+    d_hidden and d_W outputs are allocated (on a GPU the backward's peak is lower by the scales).
+    Through a retained graph they stay for the next backward, which gives the same gradients."""
     dtype = torch.bfloat16
     p = make_problem((N,), D, V, dtype, True, seed=13)
     refs = _record_kept_scales(monkeypatch)
@@ -260,7 +277,8 @@ def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradie
             value.backward()
             assert all(torch.equal(x.grad, g) for x, g in zip(leaves, first))
         else:
-            assert watch.alive and not any(watch.alive), watch.alive  # freed before either gradient's allocation
+            # freed before either gradient's allocation
+            assert watch.alive and not any(watch.alive), watch.alive
         grads.append([x.grad for x in leaves])
         refs.clear()
     assert in_place == [False, True, True]
@@ -268,20 +286,23 @@ def test_a_consuming_backward_frees_the_kept_scales_before_allocating_the_gradie
 
 
 @triton_interpreter
-def test_the_fused_loss_frees_its_kept_scales_before_allocating_the_gradients(monkeypatch, in_place):
-    """``linear_logp_loss`` computes its gradients in the forward: the chunk's backward writes d_logits over the
-    terms its forward kept and frees the kept scales before the d_hidden and d_W outputs are allocated, so nothing
-    kept outlives the forward. The loss's backward only scales the saved gradients: through a retained graph a
-    second backward gives the same gradients."""
+def test_the_fused_loss_frees_its_kept_scales_before_allocating_the_gradients(monkeypatch,
+                                                                              in_place):
+    """``linear_logp_loss`` computes its gradients in the forward: the chunk's backward writes
+    d_logits over the terms its forward kept and frees the kept scales before the d_hidden and d_W
+    outputs are allocated, so nothing kept outlives the forward. The loss's backward only scales the
+    saved gradients: through a retained graph a second backward gives the same gradients."""
     dtype = torch.bfloat16
     p = make_problem((N,), D, V, dtype, True, seed=13)
     refs = _record_kept_scales(monkeypatch)
     leaves = _leaves(p)
     watch = _ScalesAtAllocation({(N, D), (V, D)}, refs)
     with watch:
-        value = tplogp.linear_logp_loss(*leaves[:2], p.target, leaves[2], loss=tplogp.losses.cross_entropy(),
-                                        source="triton", with_entropy=False, workspace_bytes=_budget(dtype))
-    assert len(refs) == 1 and refs[-1]() is None  # the forward's one chunk kept its scales apart, and freed them
+        value = tplogp.linear_logp_loss(*leaves[:2], p.target, leaves[2],
+                                        loss=tplogp.losses.cross_entropy(), source="triton",
+                                        with_entropy=False, workspace_bytes=_budget(dtype))
+    # the forward's one chunk kept its scales apart, and freed them
+    assert len(refs) == 1 and refs[-1]() is None
     assert watch.alive and not any(watch.alive), watch.alive  # before either gradient's allocation
     assert in_place == [True]  # d_logits written over the kept terms
     value.backward(retain_graph=True)

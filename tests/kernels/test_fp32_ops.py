@@ -1,6 +1,6 @@
-"""The kernels' fp32 tanh (:func:`tplogp.kernels.fp32_ops.tanh`, the softcap's) against float64: the form this
-machine runs (Triton's interpreter on a CPU: the formula in plain fp32 operations; on a GPU the PTX form with the
-approximate ``ex2`` / ``rcp``, held to the same bounds)."""
+"""The kernels' fp32 tanh (:func:`tplogp.kernels.fp32_ops.tanh`, the softcap's) against float64: the
+form this machine runs (Triton's interpreter on a CPU: the formula in plain fp32 operations; on a
+GPU the PTX form with the approximate ``ex2`` / ``rcp``, held to the same bounds)."""
 
 from __future__ import annotations
 
@@ -30,11 +30,14 @@ def _run(x: torch.Tensor) -> torch.Tensor:
     return y.cpu()
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's exp2 of large |x| (inf: tanh = 1)
+# the interpreter's exp2 of large |x| (inf: tanh = 1)
+@pytest.mark.filterwarnings("ignore:overflow encountered")
 def test_tanh_error_saturation_and_symmetry():
-    """Absolute error within two ulp of 1 everywhere (the rounding of ``1 - 2 / (1 + e)`` next to 1), relative error
-    within two ulp where ``|tanh| >= 0.5``; exactly +-1 once ``e^(2|x|)`` overflows (and at +-inf); odd bit for bit."""
-    half = torch.cat([torch.linspace(0, 12, 100001)[1:], torch.tensor([1e-30, 1e-8, 1e-3, 44.0, 50.0, 1e4, 3e38])])
+    """Absolute error within two ulp of 1 everywhere (the rounding of ``1 - 2 / (1 + e)`` next to
+    1), relative error within two ulp where ``|tanh| >= 0.5``; exactly +-1 once ``e^(2|x|)``
+    overflows (and at +-inf); odd bit for bit."""
+    half = torch.cat([torch.linspace(0, 12, 100001)[1:],
+                      torch.tensor([1e-30, 1e-8, 1e-3, 44.0, 50.0, 1e4, 3e38])])
     x = torch.cat([half, -half]).float()
     y = _run(x)
     truth = torch.tanh(x.double())

@@ -1,5 +1,6 @@
-"""tests.support.interpreter_patching: under Triton's interpreter the suite's kernels give the same bits with the
-language patched once per launch as with Triton's own patching per helper call, and the walk runs once per launch.
+"""tests.support.interpreter_patching: under Triton's interpreter the suite's kernels give the same
+bits with the language patched once per launch as with Triton's own patching per helper call, and
+the walk runs once per launch.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ pytest.importorskip("triton")
 from triton.runtime import interpreter  # noqa: E402
 
 from tplogp.api import linear_logp_on  # noqa: E402
-from tplogp.plan import LogpOptions  # noqa: E402
+from tplogp.op.plan import LogpOptions  # noqa: E402
 
 
 def _softcapped_entropy_call(p):
     backend = KERNELS["triton"]()
 
     def op(h, w, y, b=None, **kw):
-        return linear_logp_on(backend, h, w, y, b, options=LogpOptions(softcap=3.0, temperature=0.7, **kw))
+        return linear_logp_on(backend, h, w, y, b,
+                              options=LogpOptions(softcap=3.0, temperature=0.7, **kw))
     return run_op(op, p, entropy=True, lse=True)
 
 
@@ -44,7 +46,8 @@ def test_same_bits_as_tritons_own_patching():
 
 
 def test_one_language_walk_per_launch(monkeypatch):
-    """Triton's own patching walks the language at every helper call too; the suite's once per launch and module."""
+    """Triton's own patching walks the language at every helper call too; the suite's once per
+    launch and module."""
     walks, launches = [], []
     original_walk = interpreter_patching._ORIGINALS["_patch_lang"]
     wrapped_launch = interpreter.GridExecutor.__call__
@@ -61,7 +64,8 @@ def test_one_language_walk_per_launch(monkeypatch):
     monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch)
     p = make_problem((9,), 16, 70, torch.float32, bias=False, seed=1)
     _softcapped_entropy_call(p)
-    # at most one walk per language module (triton.language, triton.language.core) a launch's code sees
+    # at most one walk per language module (triton.language, triton.language.core) a launch's code
+    # sees
     assert launches and len(walks) <= 2 * len(launches), (walks, launches)
     once = len(walks)
     walks.clear()

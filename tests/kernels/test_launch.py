@@ -1,9 +1,11 @@
-"""tplogp.kernels.launch: a Launch made once per (kernel, layout) launches its kernel with the call's tensors alone.
+"""tplogp.kernels.launch: a Launch made once per (kernel, layout) launches its kernel with the
+call's tensors alone.
 
-In Triton's CPU interpreter a real kernel runs through it (the interpreter returns no compiled kernel: every call
-goes through the JIT). A stand-in JIT kernel, whose "compiled kernel" records what its launcher receives, tests on
-the CPU what a GPU does: the first call of an alignment goes through the JIT, later ones call the compiled kernel's
-launcher with the bound arguments. The real kernels run through it on the GPU (tests/gpu/test_triton_gpu.py).
+In Triton's CPU interpreter a real kernel runs through it (the interpreter returns no compiled
+kernel: every call goes through the JIT). A stand-in JIT kernel, whose "compiled kernel" records
+what its launcher receives, tests on the CPU what a GPU does: the first call of an alignment goes
+through the JIT, later ones call the compiled kernel's launcher with the bound arguments. The real
+kernels run through it on the GPU (tests/gpu/test_triton_gpu.py).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ def _axpb_kernel(p_x, p_out, N, a, B: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(p_out + o_e, tl.load(p_x + o_e, mask=m_e) * a + B, mask=m_e)
 
 
-@pytest.mark.skipif(not interpreting(), reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.skipif(not interpreting(),
+                    reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
 def test_a_launch_bound_once_runs_its_kernel_for_every_calls_tensors():
     n = 37  # two programs of 32, the second masked
     launch = Launch(_axpb_kernel, (2,), (n, 0.5), 4, None, dict(B=3.0, BLOCK=32))
-    for seed in range(3):  # the same layout, new tensors each call (one of them a view 4 bytes off alignment)
+    # the same layout, new tensors each call (one of them a view 4 bytes off alignment)
+    for seed in range(3):
         x = torch.randn(n + 1, generator=torch.Generator().manual_seed(seed))[seed % 2:][:n]
         out = torch.full((n,), float("nan"))
         launch(x, out)
@@ -45,17 +49,20 @@ def test_a_launch_checks_its_constexprs_and_tensor_count_once():
     with pytest.raises(TypeError, match="every constexpr, in signature order"):
         Launch(_axpb_kernel, (1,), (4, 1.0), 4, None, dict(BLOCK=32, B=1.0))  # out of order
     with pytest.raises(TypeError, match="every constexpr"):
-        Launch(_axpb_kernel, (1,), (4, 1.0, 1.0), 4, None, dict(BLOCK=32))  # B passed as a runtime argument
+        # B passed as a runtime argument
+        Launch(_axpb_kernel, (1,), (4, 1.0, 1.0), 4, None, dict(BLOCK=32))
     launch = Launch(_axpb_kernel, (1,), (4, 1.0), 4, None, dict(B=1.0, BLOCK=32))
     assert launch.n_tensors == 2
     with pytest.raises(TypeError, match="expected 2 tensors, got 1"):
         launch(torch.zeros(4))
 
 
-# ------------------------------------------------------------------------ a stand-in for a GPU's compiled kernels
+# ------------------------------------------------------------------------ a stand-in for a GPU's
+# compiled kernels
 
 
-def _kernel_fn(p_x, p_y, N, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False):  # noqa: F821
+def _kernel_fn(p_x, p_y, N, scale, BLOCK: "tl.constexpr",
+               FLAG: "tl.constexpr" = False):  # noqa: F821
     pass
 
 
@@ -72,8 +79,8 @@ class _FakeCompiled:
 
 
 class _FakeJit:
-    """What a Launch needs of a ``@triton.jit`` object: ``fn`` and ``[grid](...)``, which returns the compiled kernel
-    (None: the interpreter's)."""
+    """What a Launch needs of a ``@triton.jit`` object: ``fn`` and ``[grid](...)``, which returns
+    the compiled kernel (None: the interpreter's)."""
 
     def __init__(self, compiles=True):
         self.fn = _kernel_fn
@@ -104,7 +111,8 @@ class _Driver:
 @pytest.fixture
 def gpu_like(monkeypatch):
     """Triton's launcher call known, no launch hooks, device 0 current, its stream 1000."""
-    runtime = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]), launch_exit_hook=None)
+    runtime = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]),
+                                    launch_exit_hook=None)
     monkeypatch.setattr(launch_module, "_RUNTIME", runtime)
     driver = _Driver()
     monkeypatch.setattr(launch_module, "_active_driver", lambda: driver)
@@ -133,7 +141,8 @@ def test_another_alignment_device_or_a_launch_hook_goes_through_the_jit(gpu_like
     buf = torch.zeros(256)
     launch(buf[:64], buf[64:128])
     assert jit.log[0][3] == {"num_warps": 8, "num_stages": 3, "BLOCK": 64, "FLAG": True}
-    launch(buf[1:65], buf[64:128])  # 4 bytes past a 16-byte boundary: another specialization, compiled
+    # 4 bytes past a 16-byte boundary: another specialization, compiled
+    launch(buf[1:65], buf[64:128])
     launch(buf[1:65], buf[64:128])
     assert jit.compiled == 2 and jit.log[-1][0] == "direct" and jit.log[-1][1][:3] == (2, 3, 1)
     driver.device = 1  # another device: its own compiled kernel, then its stream
@@ -146,7 +155,8 @@ def test_another_alignment_device_or_a_launch_hook_goes_through_the_jit(gpu_like
 
 
 def test_without_a_compiled_kernel_every_call_goes_through_the_jit(gpu_like):
-    """Triton's interpreter returns no compiled kernel: nothing is kept, each call is a JIT launch."""
+    """Triton's interpreter returns no compiled kernel: nothing is kept, each call is a JIT
+    launch."""
     jit = _FakeJit(compiles=False)
     launch = Launch(jit, (1,), (32, 0.5), 4, None, dict(BLOCK=64, FLAG=False))
     x = torch.zeros(64)
@@ -156,7 +166,8 @@ def test_without_a_compiled_kernel_every_call_goes_through_the_jit(gpu_like):
 
 
 def test_an_unknown_triton_launcher_call_keeps_every_launch_in_the_jit(gpu_like, monkeypatch):
-    monkeypatch.setattr(launch_module, "_RUNTIME", None)  # (_runtime_knobs() on another Triton release)
+    # (_runtime_knobs() on another Triton release)
+    monkeypatch.setattr(launch_module, "_RUNTIME", None)
     jit = _FakeJit()
     launch = Launch(jit, (1,), (32, 0.5), 4, None, dict(BLOCK=64, FLAG=False))
     x = torch.zeros(64)
@@ -182,7 +193,8 @@ def test_the_compiled_kernels_of_a_launch_stay_bounded(gpu_like):
     assert len(launch._compiled) == 1 and jit.compiled == launch_module.MAX_COMPILED + 1
 
 
-@pytest.mark.skipif(launch_module.TensorDescriptor is None, reason="Triton without host tensor descriptors")
+@pytest.mark.skipif(launch_module.TensorDescriptor is None,
+                    reason="Triton without host tensor descriptors")
 def test_descriptor_operands_are_made_per_call_and_keyed_by_their_tensors(gpu_like):
     jit = _FakeJit()
     launch = Launch(jit, (1,), (32, 0.5), 4, None, dict(BLOCK=64, FLAG=False), ((0, [16, 32]),))
@@ -193,10 +205,12 @@ def test_descriptor_operands_are_made_per_call_and_keyed_by_their_tensors(gpu_li
     assert tuple(desc.shape) == (64, 32) and tuple(desc.strides) == (32, 1)
     other = torch.zeros(64, 32)
     launch(other, y)
-    assert jit.compiled == 1 and jit.log[-1][1][9].base is other  # a new descriptor, the same compiled kernel
+    # a new descriptor, the same compiled kernel
+    assert jit.compiled == 1 and jit.log[-1][1][9].base is other
 
 
-# ------------------------------------------------------------------------------------ the cache of the per-call paths
+# ------------------------------------------------------------------------------------ the cache of
+# the per-call paths
 
 
 def test_the_per_call_cache_makes_one_object_per_key_and_stays_bounded(monkeypatch):
@@ -219,8 +233,8 @@ def test_the_per_call_cache_makes_one_object_per_key_and_stays_bounded(monkeypat
 
 
 def test_every_kernel_launch_is_built_with_its_constexprs_in_signature_order():
-    """Each builder's Launch passes the kernel's constexprs in order (:class:`Launch` checks it when made), for
-    every variant: pointer and TMA, kept terms or not, each flag."""
+    """Each builder's Launch passes the kernel's constexprs in order (:class:`Launch` checks it when
+    made), for every variant: pointer and TMA, kept terms or not, each flag."""
     from tplogp.kernels import launches, scale_launch, tiles
 
     cfg = tiles.SM90
@@ -228,22 +242,26 @@ def test_every_kernel_launch_is_built_with_its_constexprs_in_signature_order():
     for bias in (False, True):
         for entropy in (False, True):
             for kept in (None, (256, 8, 256)):
-                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg, None, kept))
-                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg, None, kept,
-                                                  tma=True, keep_tma=kept is not None))
+                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg,
+                                                  None, kept))
+                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg,
+                                                  None, kept, tma=True, keep_tma=kept is not None))
             for db in (False, True):
-                made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db, entropy, 1.0,
-                                                    cfg, None))
-                made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db, entropy, 1.0,
-                                                    cfg, None, tma=True))
-                made.append(launches.dlogits_kept_launch(64, 0, 256, 256, 8, 256, 256, 1.0, entropy, db, cfg, None))
+                made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db,
+                                                    entropy, 1.0, cfg, None))
+                made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db,
+                                                    entropy, 1.0, cfg, None, tma=True))
+                made.append(launches.dlogits_kept_launch(64, 0, 256, 256, 8, 256, 256, 1.0, entropy,
+                                                         db, cfg, None))
     made += [launches.merge_launch(64, 3, e) for e in (False, True)]
-    made += [launches.finalize_launch(64, 256, 2, e, c) for e in (False, True) for c in (False, True)]
+    made += [launches.finalize_launch(64, 256, 2, e, c) for e in (False, True) for c in (False,
+                                                                                         True)]
     made += [launches.dh_launch(64, 256, 32, 256, 32, 32, acc, cfg, None) for acc in (False, True)]
     made.append(scale_launch.scale_launch(((5, torch.float32, torch.bfloat16, False),
                                            (7, torch.bfloat16, torch.bfloat16, True))))
     tensors = {"fwd_stats_kernel": 7, "fwd_stats_tma_kernel": 7, "bwd_dlogits_kernel": 13,
-               "bwd_dlogits_tma_kernel": 13, "bwd_dlogits_kept_kernel": 12, "merge_splits_kernel": 2,
-               "finalize_single_kernel": 4, "dh_accum_kernel": 3, "scale_round_kernel": 7}
+               "bwd_dlogits_tma_kernel": 13, "bwd_dlogits_kept_kernel": 12,
+               "merge_splits_kernel": 2, "finalize_single_kernel": 4, "dh_accum_kernel": 3,
+               "scale_round_kernel": 7}
     for launch in made:
         assert launch.n_tensors == tensors[launch.kernel.fn.__name__], launch.kernel.fn.__name__

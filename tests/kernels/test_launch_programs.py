@@ -1,8 +1,8 @@
 """The triton source's per-layout launch programs (``tplogp.kernels.programs.ForwardProgram`` and
-``KeptBackward``): the op's calls (``ShardCall.inputs_checked``) of a layout reuse one program, made at the layout's
-first call, whose launches are made once (``tplogp.kernels.launch.Launch``). A program runs the same kernels with
-the same arguments as the per-call path, so its outputs, kept terms and gradients are bitwise the per-call path's.
-Triton's CPU interpreter.
+``KeptBackward``): the op's calls (``ShardCall.inputs_checked``) of a layout reuse one program, made
+at the layout's first call, whose launches are made once (``tplogp.kernels.launch.Launch``). A
+program runs the same kernels with the same arguments as the per-call path, so its outputs, kept
+terms and gradients are bitwise the per-call path's. Triton's CPU interpreter.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 from tplogp.backends.base import KeptBuffers, ShardCall
 from tplogp.kernels.tiles import interpreting
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.skipif(not interpreting(),
+                                reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
 
 N, D, V = 24, 32, 200
 
@@ -45,19 +46,23 @@ def _tensors(out) -> list:
     return flat
 
 
-@pytest.mark.parametrize("entropy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["logp", "entropy"])
-@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("entropy", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["logp", "entropy"])
+@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["no-bias", "bias"])
 @pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
 def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
     backend = _backend()
     hidden, weight, b, target = _inputs(bias=bias, bad_target=True)
-    settings = dict(inv_temperature=1.0 / 0.7, with_entropy=entropy, for_backward=keep, scales_apart=True)
+    settings = dict(inv_temperature=1.0 / 0.7, with_entropy=entropy, for_backward=keep,
+                    scales_apart=True)
     planned, per_call = ShardCall(inputs_checked=True, **settings), ShardCall(**settings)
     flags = [torch.zeros(1, dtype=torch.int64) for _ in range(3)]
     for flag in flags[:2]:  # the first call makes the program, the second runs it
         got = backend.forward_single(hidden, weight, b, target, planned, target_flag=flag)
     want = backend.forward_single(hidden, weight, b, target, per_call, target_flag=flags[2])
-    assert list(planned.programs) == [("single", N, True)] and planned.programs[("single", N, True)][0]
+    assert list(planned.programs) == [("single", N, True)] and planned.programs[("single", N,
+                                                                                 True)][0]
     assert not per_call.programs
     assert (got.kept is not None) == keep == (want.kept is not None)
     for x, y in zip(_tensors(got), _tensors(want)):
@@ -68,10 +73,12 @@ def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
     assert int(flags[1]) == int(flags[2]) == V + 5  # the target check ran in the finishing kernel
 
 
-@pytest.mark.parametrize("entropy", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["logp", "entropy"])
+@pytest.mark.parametrize("entropy", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["logp", "entropy"])
 @pytest.mark.parametrize("keep", [False, True], ids=["no-keep", "keep"])
 def test_a_tp_shards_stats_program_gives_the_per_call_paths_bits(entropy, keep):
-    """``forward_stats`` (a shard of a group: shard-local targets, -1 where another rank owns the target)."""
+    """``forward_stats`` (a shard of a group: shard-local targets, -1 where another rank owns the
+    target)."""
     backend = _backend()
     hidden, weight, b, target = _inputs(bias=True)
     local = torch.where(target < V // 2, target, -1)
@@ -103,17 +110,18 @@ def test_calls_of_a_layout_share_one_program_and_another_row_count_makes_another
     short = _inputs(n=N - 5)
     out = backend.forward_single(short[0], weight, None, short[3], call)
     assert set(call.programs) == {key, ("single", N - 5, False)} and out.logp.shape == (N - 5,)
-    other_weight = torch.randn(V + 8, D)  # the same row count, another layout: the program is made again
+    # the same row count, another layout: the program is made again
+    other_weight = torch.randn(V + 8, D)
     out = backend.forward_single(hidden, other_weight, None, target, call)
     assert call.programs[key][0] is not first and out.logp.shape == (N,)
 
 
 def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
-    """The op's plan gives its ShardCall the layout's token count (``ShardCall.rows``): rows compacted away by
-    ``ignore_index``, whose count changes from call to call, run no program (nor make one); the same layout without
-    ignored targets does."""
+    """The op's plan gives its ShardCall the layout's token count (``ShardCall.rows``): rows
+    compacted away by ``ignore_index``, whose count changes from call to call, run no program (nor
+    make one); the same layout without ignored targets does."""
     import tplogp
-    from tplogp.plan import plan_call
+    from tplogp.op.plan import plan_call
 
     op = tplogp.get_op("linear_logp", source="triton")
     hidden, weight, _, target = _inputs()
@@ -123,26 +131,26 @@ def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
         t[:ignored] = -100
         op(hidden, weight, t, ignore_index=-100).sum().backward()
     plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
-                        tplogp.plan.LogpOptions(ignore_index=-100), True)
+                        tplogp.op.plan.LogpOptions(ignore_index=-100), True)
     assert plan.call_for_backward.rows == N and not plan.call_for_backward.programs
     assert not plan.call_for_backward.consuming.programs
     for _ in range(2):
         op(hidden, weight, target).sum().backward()
     plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
-                        tplogp.plan.LogpOptions(), True)
+                        tplogp.op.plan.LogpOptions(), True)
     assert ("single", N, True) in plan.call_for_backward.programs
     assert any(k[0] == "backward" for k in plan.call_for_backward.consuming.programs)
 
 
 def _backend_of(op, hidden):
-    from tplogp.kernel_registry import backend_for_call
+    from tplogp.backends.kernel_registry import backend_for_call
 
     return backend_for_call(op.source, hidden.device, hidden.dtype)
 
 
 def test_layouts_a_program_does_not_cover_plan_each_call():
-    """The op's flat kept buffer (``scales_apart`` off, torch.compile's path) and empty shards take the per-call
-    path; ``False`` marks them."""
+    """The op's flat kept buffer (``scales_apart`` off, torch.compile's path) and empty shards take
+    the per-call path; ``False`` marks them."""
     backend = _backend()
     hidden, weight, _, target = _inputs()
     flat = ShardCall(inputs_checked=True, for_backward=True)
@@ -154,20 +162,23 @@ def test_layouts_a_program_does_not_cover_plan_each_call():
 
 
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
-@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("lse", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no-lse", "lse"])
+@pytest.mark.parametrize("bias", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["no-bias", "bias"])
+@pytest.mark.parametrize("lse", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["no-lse", "lse"])
 def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy, bias, lse):
-    """Every term kept, a backward that consumes them: the layout's ``KeptBackward`` kept by the source (made by
-    the first backward, run by the second) against the per-call path (its layout's from the per-call cache),
-    bitwise, on kept terms of the same forward. (tests/kernels/test_consume_kept.py checks the per-call
-    consuming backward against the read-only one, which recomputes through a workspace.)"""
+    """Every term kept, a backward that consumes them: the layout's ``KeptBackward`` kept by the
+    source (made by the first backward, run by the second) against the per-call path (its layout's
+    from the per-call cache), bitwise, on kept terms of the same forward.
+    (tests/kernels/test_consume_kept.py checks the per-call consuming backward against the read-only
+    one, which recomputes through a workspace.)"""
     backend = _backend()
     hidden, weight, b, target = _inputs(bias=bias)
     hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
     b = None if b is None else b.to(torch.bfloat16)
     budget = 1 << 30  # keeps every term
-    settings = dict(inv_temperature=1.0 / 0.7, with_entropy=entropy, for_backward=True, scales_apart=True,
-                    workspace_bytes=budget, d_hidden_in_input_dtype=True)
+    settings = dict(inv_temperature=1.0 / 0.7, with_entropy=entropy, for_backward=True,
+                    scales_apart=True, workspace_bytes=budget, d_hidden_in_input_dtype=True)
     planned, per_call = ShardCall(inputs_checked=True, **settings), ShardCall(**settings)
     g = torch.Generator().manual_seed(3)
     grads = (torch.randn(N, generator=g), torch.randn(N, generator=g) if entropy else None,
@@ -177,8 +188,9 @@ def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy
     def backward(call):
         out = backend.forward_single(hidden, weight, b, target, call)
         assert out.kept.values.shape == (N, V)
-        return backend.backward(hidden, weight, b, target, out.row_max, out.log_sum, grads[0], grads[1], grads[2],
-                                out.mean_rel if entropy else None, call.consuming, needs,
+        return backend.backward(hidden, weight, b, target, out.row_max, out.log_sum, grads[0],
+                                grads[1], grads[2], out.mean_rel if entropy else None,
+                                call.consuming, needs,
                                 kept=KeptBuffers(out.kept.values, out.kept.scales))
 
     for _ in range(2):
@@ -193,8 +205,9 @@ def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy
 
 
 def test_the_per_call_path_takes_one_program_per_layout_from_the_cache(monkeypatch):
-    """Calls that plan each call (a plain ShardCall) build the same program as the source's, once per layout key,
-    in the one per-call cache; another layout (here another vocab size) builds another, with its own launches."""
+    """Calls that plan each call (a plain ShardCall) build the same program as the source's, once
+    per layout key, in the one per-call cache; another layout (here another vocab size) builds
+    another, with its own launches."""
     from tplogp.kernels import launch, programs
 
     monkeypatch.setattr(launch, "_CACHE", {})
@@ -213,8 +226,8 @@ def test_the_per_call_path_takes_one_program_per_layout_from_the_cache(monkeypat
 
 
 def test_the_layout_and_program_caches_stay_bounded():
-    """``ShardCall.programs`` and the layout cache are emptied when a new key would pass their limit; a key they
-    already hold is replaced without emptying them."""
+    """``ShardCall.programs`` and the layout cache are emptied when a new key would pass their
+    limit; a key they already hold is replaced without emptying them."""
     from tplogp.backends import triton_backend
 
     programs: dict = {}

@@ -1,8 +1,10 @@
-"""Tile configs fit the device's shared memory for every dtype, and a source that cannot fit refuses with a reason.
+"""Tile configs fit the device's shared memory for every dtype, and a source that cannot fit refuses
+with a reason.
 
-No GPU: a fake CUDA device (capability and shared-memory limit of an A100-class sm_80, an sm_86 and an H200-class
-sm_90) stands in for ``torch.cuda``'s queries, and the configs come from the sources' own selection path. The
-shared-memory model itself is checked against Triton's compiled kernels in ``tests/kernels/test_sm90_compile.py``.
+No GPU: a fake CUDA device (capability and shared-memory limit of an A100-class sm_80, an sm_86 and
+an H200-class sm_90) stands in for ``torch.cuda``'s queries, and the configs come from the sources'
+own selection path. The shared-memory model itself is checked against Triton's compiled kernels in
+``tests/kernels/test_sm90_compile.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import types
 import pytest
 import torch
 
-from tplogp import kernel_registry
+from tplogp.backends import kernel_registry
 from tplogp.backends.sm90_backend import SM90Backend
 from tplogp.backends.triton_backend import TritonBackend
 from tplogp.kernels import tiles, workspace
@@ -25,10 +27,12 @@ CUDA0 = torch.device("cuda", 0)
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """``fake_cuda(capability, smem_limit or None)``: torch.cuda answers as that device (None: no optin field)."""
+    """``fake_cuda(capability, smem_limit or None)``: torch.cuda answers as that device (None: no
+    optin field)."""
 
     def install(cap, limit):
-        monkeypatch.setenv("TRITON_INTERPRET", "0")  # config selection as on the GPU (read at call time)
+        # config selection as on the GPU (read at call time)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
         props = types.SimpleNamespace(major=cap[0], minor=cap[1], name="fake")
         if limit is not None:
             props.shared_memory_per_block_optin = limit
@@ -43,8 +47,9 @@ def fake_cuda(monkeypatch):
 
 
 def test_model_matches_the_failing_h200_config():
-    """The H200 refused the sm90 forward for fp32 (128x256x64 tiles, 3 stages, ieee dots) with "Required: 262160";
-    the model reproduces it, and the 16-bit form (tensor cores) of the same tiles."""
+    """The H200 refused the sm90 forward for fp32 (128x256x64 tiles, 3 stages, ieee dots) with
+    "Required: 262160"; the model reproduces it, and the 16-bit form (tensor cores) of the same
+    tiles."""
     assert tiles.gemm_shared_bytes(128, 256, 64, 3, 4, tensor_cores=False) == 262160
     assert tiles.gemm_shared_bytes(128, 256, 64, 3, 2, tensor_cores=True) == 147480
     needs = tiles.shared_bytes(tiles.SM90, 4, "ieee")
@@ -55,8 +60,9 @@ def test_model_matches_the_failing_h200_config():
 @pytest.mark.parametrize("device_name", sorted(DEVICES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_chosen_configs_fit(fake_cuda, monkeypatch, dtype, device_name, precision):
-    """Every config a source chooses fits the device's shared memory (both sources, every dtype, fp32 with ieee
-    and tf32 dots), keeps the invariants the kernels rely on, and changes only what had to shrink."""
+    """Every config a source chooses fits the device's shared memory (both sources, every dtype,
+    fp32 with ieee and tf32 dots), keeps the invariants the kernels rely on, and changes only what
+    had to shrink."""
     cap, limit = DEVICES[device_name]
     fake_cuda(cap, limit)
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
@@ -69,10 +75,11 @@ def test_chosen_configs_fit(fake_cuda, monkeypatch, dtype, device_name, precisio
         precision_used = tiles.dot_precision(dtype)
         for kernel, need in tiles.shared_bytes(cfg, dtype.itemsize, precision_used).items():
             assert need <= limit, (source, kernel, need, limit, cfg)
-        for name in ("block_n", "block_v", "block_d", "bwd_block_n", "bwd_block_v", "bwd_block_d", "dh_block_n",
-                     "dh_block_d", "dh_block_k"):
+        for name in ("block_n", "block_v", "block_d", "bwd_block_n", "bwd_block_v", "bwd_block_d",
+                     "dh_block_n", "dh_block_d", "dh_block_k"):
             value = getattr(cfg, name)
-            assert value >= 16 and value & (value - 1) == 0, (name, value)  # tl.dot: powers of two >= 16
+            # tl.dot: powers of two >= 16
+            assert value >= 16 and value & (value - 1) == 0, (name, value)
         assert workspace.CHUNK_ALIGN % cfg.bwd_block_v == 0 and workspace.CHUNK_ALIGN % cfg.dh_block_k == 0
         if (precision_used != "ieee" or dtype != torch.float32) and \
                 max(tiles.shared_bytes(base, dtype.itemsize, precision_used).values()) <= limit:
@@ -82,8 +89,8 @@ def test_chosen_configs_fit(fake_cuda, monkeypatch, dtype, device_name, precisio
 
 
 def test_fp32_on_h200(fake_cuda, monkeypatch):
-    """fp32 with ieee dots (torch's default) gets CUDA-core sized tiles; with tf32 dots the table's tiles with one
-    stage less."""
+    """fp32 with ieee dots (torch's default) gets CUDA-core sized tiles; with tf32 dots the table's
+    tiles with one stage less."""
     fake_cuda(*DEVICES["sm_90"])
     cfg = SM90Backend()._cfg(CUDA0, torch.float32)
     assert (cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages) == (128, 128, 32, 3)
@@ -109,27 +116,33 @@ def test_fit_shrinks_in_order_and_refuses_when_nothing_fits():
     for need in tiles.shared_bytes(fitted, 4, "ieee").values():
         assert need <= 60000
     assert fitted.split_v == cfg.split_v and fitted.split_tiles * fitted.block_v == cfg.split_v
-    with pytest.raises(tiles.TilesDoNotFitError, match=r"forward statistics kernel needs \d+ bytes .* allows 1000"):
+    with pytest.raises(tiles.TilesDoNotFitError,
+                       match=r"forward statistics kernel needs \d+ bytes .* allows 1000"):
         tiles.fit_shared_memory(cfg, 4, "ieee", 1000)
-    with pytest.raises(tiles.TilesDoNotFitError, match="given tile config's forward statistics kernel"):
+    with pytest.raises(tiles.TilesDoNotFitError,
+                       match="given tile config's forward statistics kernel"):
         tiles.check_shared_memory(cfg, 4, "ieee", 232447)
 
 
 def test_registry_refuses_a_case_that_does_not_fit(fake_cuda, monkeypatch):
-    """A device whose shared memory fits no fp32 config: the fused sources refuse fp32 with the reason, automatic
-    selection falls back to native, an explicit request raises SourceUnavailableError; bf16 still runs fused."""
+    """A device whose shared memory fits no fp32 config: the fused sources refuse fp32 with the
+    reason, automatic selection falls back to native, an explicit request raises
+    SourceUnavailableError; bf16 still runs fused."""
     fake_cuda((9, 0), 232448)
-    monkeypatch.setattr(tiles, "shared_memory_limit", lambda device: 3000)  # fits 16-bit 16x16 tiles, not fp32
+    # fits 16-bit 16x16 tiles, not fp32
+    monkeypatch.setattr(tiles, "shared_memory_limit", lambda device: 3000)
     status = kernel_registry.source_status(device=CUDA0, dtype=torch.float32)
     assert status["native"] is None
     for source in ("triton", "sm90"):
         assert "no tile configuration" in status[source] and "torch.float32" in status[source], status
         assert "allows 3000" in status[source]
     assert kernel_registry.select_source(CUDA0, torch.float32) == "native"
-    with pytest.raises(kernel_registry.SourceUnavailableError, match="fused_linear_logp_sm90 is unavailable: no tile"):
+    with pytest.raises(kernel_registry.SourceUnavailableError,
+                       match="fused_linear_logp_sm90 is unavailable: no tile"):
         kernel_registry.backend_for_call("sm90", CUDA0, torch.float32)
     assert kernel_registry.source_status(device=CUDA0, dtype=torch.bfloat16)["sm90"] is None
-    assert kernel_registry.source_status(device=CUDA0)["sm90"] is None  # no dtype: device-level status
+    # no dtype: device-level status
+    assert kernel_registry.source_status(device=CUDA0)["sm90"] is None
 
 
 def test_explicit_config_that_does_not_fit_is_refused(fake_cuda):
@@ -137,15 +150,17 @@ def test_explicit_config_that_does_not_fit_is_refused(fake_cuda):
     backend = TritonBackend(config=tiles.SM90)
     reason = backend.unsupported_reason(CUDA0, torch.bfloat16)
     assert reason is not None and "given tile config" in reason and "allows 101376" in reason
-    assert TritonBackend().unsupported_reason(CUDA0, torch.float32) is None  # the table entry is fitted instead
+    # the table entry is fitted instead
+    assert TritonBackend().unsupported_reason(CUDA0, torch.float32) is None
 
 
-# ------------------------------------------------------------------------------------ TMA or pointer kernels by size
+# ------------------------------------------------------------------------------------ TMA or
+# pointer kernels by size
 
 
 def _uses_tma(backend, n, d, v, deterministic=False):
-    """Whether the backend launches the TMA kernels for an ``[n, d] x [v, d]`` call (meta tensors: only the shapes
-    are read; False: the pointer kernels)."""
+    """Whether the backend launches the TMA kernels for an ``[n, d] x [v, d]`` call (meta tensors:
+    only the shapes are read; False: the pointer kernels)."""
     from tplogp.backends.base import ShardCall
 
     hidden, weight = torch.empty(n, d, device="meta"), torch.empty(v, d, device="meta")
@@ -161,9 +176,11 @@ def test_sm90_launches_pointer_kernels_at_or_below_the_size_and_tma_above():
     assert 4096 * 2048 * 8192 == at
     assert _uses_tma(be, 4097, 2048, 8192)
     assert _uses_tma(be, 8192, 4096, 128256)
-    # deterministic calls launch the TMA kernels at every size (a row's bits do not depend on its batch)
+    # deterministic calls launch the TMA kernels at every size (a row's bits do not depend on its
+    # batch)
     assert _uses_tma(be, 16, 32, 64, deterministic=True)
-    # the size is the backend's: 0 sends every call to the TMA kernels (the interpreter tests of those kernels)
+    # the size is the backend's: 0 sends every call to the TMA kernels (the interpreter tests of
+    # those kernels)
     assert _uses_tma(SM90Backend(tma_min_macs=0), 16, 32, 64)
     # the portable source never takes them
     assert not _uses_tma(TritonBackend(), 8192, 4096, 128256)

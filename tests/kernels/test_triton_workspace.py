@@ -1,9 +1,10 @@
-"""``workspace_bytes`` on the triton source and the sm90 kernels (CPU interpreter): up to the default d_logits
-workspace goes to the backward's chunks, the rest keeps the softmax terms (bf16 for 16-bit inputs) of the shard's
-first columns with their row scales from forward to backward, whose d_logits are then formed from them, not
-recomputed. Every budget gives the default's values bit for bit, and its gradients within the tolerance table
-(fp32: the table's eps; 16-bit: within the eager reference's error, three-way against float64). Also: the
-overlapped all-reduce's issue order on the triton source.
+"""``workspace_bytes`` on the triton source and the sm90 kernels (CPU interpreter): up to the
+default d_logits workspace goes to the backward's chunks, the rest keeps the softmax terms (bf16 for
+16-bit inputs) of the shard's first columns with their row scales from forward to backward, whose
+d_logits are then formed from them, not recomputed. Every budget gives the default's values bit for
+bit, and its gradients within the tolerance table (fp32: the table's eps; 16-bit: within the eager
+reference's error, three-way against float64). Also: the overlapped all-reduce's issue order on the
+triton source.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import torch.distributed as dist
 
 from tests.support.problems import make_problem, run_op, run_reference
 from tplogp.kernels import kept as kept_layout
-from tplogp import memory_budget
+from tplogp.backends import memory_budget
 from tplogp.kernels import tiles, workspace
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bound
 
-# the interpreter tests' skip condition and kernel sets: triton, and the sm90 kernels bypassing their Hopper check
+# the interpreter tests' skip condition and kernel sets: triton, and the sm90 kernels bypassing
+# their Hopper check
 from tests.support.interpreter import KERNELS as BACKENDS, interpreter_only  # noqa: E402
 from tests.support import tolerances as tol
 
@@ -28,20 +30,21 @@ pytest.importorskip("triton")
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
 from tplogp.kernels import programs  # noqa: E402
 from tplogp.api import linear_logp_on  # noqa: E402
-from tplogp.plan import LogpOptions  # noqa: E402
+from tplogp.op.plan import LogpOptions  # noqa: E402
 
 from tplogp.backends.base import ShardCall  # noqa: E402
 
 DEFAULT = memory_budget.DLOGITS_WORKSPACE_BYTES
 CPU = CPU_DEVICE = torch.device("cpu")
-# odd N (two row tiles, the second masked); D a multiple of 8 (the sm90 kernels' descriptor path); V > 2 chunk
-# alignments
+# odd N (two row tiles, the second masked); D a multiple of 8 (the sm90 kernels' descriptor path);
+# V > 2 chunk alignments
 N, D, V = 37, 48, 600
 
 
 def _op(be):
     def op(h, w, y, b=None, tp_group=None, vocab_start_index=0, global_vocab_size=None, **kw):
-        return linear_logp_on(be, h, w, y, b, tp_group=tp_group, vocab_start_index=vocab_start_index,
+        return linear_logp_on(be, h, w, y, b, tp_group=tp_group,
+                              vocab_start_index=vocab_start_index,
                               global_vocab_size=global_vocab_size, options=LogpOptions(**kw))
     return op
 
@@ -49,7 +52,8 @@ def _op(be):
 def _count_columns(monkeypatch):
     """Record the vocab columns whose d_logits were read from kept logits and those recomputed."""
     seen = {"kept": 0, "recomputed": 0}
-    real_kept, real_recompute = programs.launch_dlogits_kept, programs.launch_dlogits  # (TMA or pointer kernels)
+    # (TMA or pointer kernels)
+    real_kept, real_recompute = programs.launch_dlogits_kept, programs.launch_dlogits
 
     def kept(*args, **options):
         seen["kept"] += args[11] - args[10]  # v_hi - v_lo
@@ -64,8 +68,9 @@ def _count_columns(monkeypatch):
     return seen
 
 
-# Every pair of (kernels, dtype, mode) values once: four of the eight combinations cover all pairs, and each one
-# runs four interpreted forward+backward calls (the full product doubled this module's time).
+# Every pair of (kernels, dtype, mode) values once: four of the eight combinations cover all pairs,
+# and each one runs four interpreted forward+backward calls (the full product doubled this module's
+# time).
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels, dtype, deterministic", [
     pytest.param("triton", torch.float32, False, id="default-fp32-triton"),
@@ -85,7 +90,8 @@ def test_every_budget_gives_the_default_results(monkeypatch, kernels, dtype, det
     # (budget, kept columns): none, two 256-column units, the whole shard
     budgets = [(1, 0), (DEFAULT + be.kept_bytes(N, 520, dtype, CPU), 512), (4 * DEFAULT, V)]
     for budget, cols in budgets:
-        assert be._keep_columns(N, V, dtype, CPU, ShardCall(workspace_bytes=budget, for_backward=True)) == cols
+        assert be._keep_columns(N, V, dtype, CPU,
+                                ShardCall(workspace_bytes=budget, for_backward=True)) == cols
         with monkeypatch.context() as m:
             seen = _count_columns(m)
             ours = run_op(op, p, workspace_bytes=budget, **kw)
@@ -97,9 +103,11 @@ def test_every_budget_gives_the_default_results(monkeypatch, kernels, dtype, det
             if cols == 0 and deterministic:
                 assert torch.equal(a, b), (name, budget)
             elif dtype == torch.float32:
-                assert rel_error(a, b) <= ERROR_SLACK[torch.float32].eps, (name, budget, rel_error(a, b))
+                assert rel_error(a, b) <= ERROR_SLACK[torch.float32].eps, (name, budget,
+                                                                           rel_error(a, b))
             else:
-                assert_no_worse(f"{kernels} {budget} {name}", a, getattr(ref, name), getattr(truth, name), dtype)
+                assert_no_worse(f"{kernels} {budget} {name}", a, getattr(ref, name),
+                                getattr(truth, name), dtype)
                 bound = slack_bound(rel_error(getattr(ref, name), getattr(truth, name)), dtype)
                 assert rel_error(a, b) <= bound, (name, budget, rel_error(a, b))
 
@@ -109,29 +117,34 @@ def test_kept_logits_only_with_a_backward_and_within_the_budget(monkeypatch):
     p = make_problem((N,), D, V, torch.bfloat16, True, seed=2)
     be = TritonBackend()
     budget = DEFAULT + N * 300 * 4
-    scoring = be.forward_single(p.hidden, p.weight, p.bias, p.target, ShardCall(workspace_bytes=budget))
+    scoring = be.forward_single(p.hidden, p.weight, p.bias, p.target,
+                                ShardCall(workspace_bytes=budget))
     call = ShardCall(workspace_bytes=budget, for_backward=True, inv_temperature=1.25)
     training = be.forward_single(p.hidden, p.weight, p.bias, p.target, call)
-    no_keep = be.forward_stats(p.hidden, p.weight, p.bias, p.target, ShardCall(workspace_bytes=DEFAULT,
+    no_keep = be.forward_stats(p.hidden, p.weight, p.bias, p.target,
+                               ShardCall(workspace_bytes=DEFAULT,
                                                                               for_backward=True))
     assert scoring.kept is None and no_keep.kept is None
     assert training.kept.dtype == torch.float32 and training.kept.numel() * 4 <= budget - DEFAULT
     block_v = tiles.INTERPRETER.block_v
-    assert training.kept.numel() * 4 == kept_layout.kept_bytes(N, 512, 2, block_v)  # 2 bytes per term + the scales
+    # 2 bytes per term + the scales
+    assert training.kept.numel() * 4 == kept_layout.kept_bytes(N, 512, 2, block_v)
     terms, scales = kept_layout.kept_views(training.kept, N, 512, torch.bfloat16, block_v)
-    # what the stats kernel keeps: exp(z - m) in bf16, m the running max (natural units) per row and tile
+    # what the stats kernel keeps: exp(z - m) in bf16, m the running max (natural units) per row and
+    # tile
     z = (p.hidden.float() @ p.weight.float().T + p.bias.float())[:, :512] * 1.25
     assert terms.dtype == torch.bfloat16 and scales.shape == (N, 512 // block_v)
     m = scales.repeat_interleave(block_v, 1)
     assert float(terms.float().max()) <= 1.0
     assert rel_error(terms.float(), torch.exp(z - m)) <= tol.REL_BF16_KEPT_TERMS
-    assert torch.all(scales >= z.view(N, -1, block_v).amax(2) - 1e-4)  # a running max covers its own tile
+    # a running max covers its own tile
+    assert torch.all(scales >= z.view(N, -1, block_v).amax(2) - 1e-4)
 
 
 @pytest.mark.slow
 def test_environment_budget_and_repeated_backward(monkeypatch):
-    """TPLOGP_WORKSPACE_MB has the call's meaning; kept terms are read, not overwritten, by a backward that retains
-    the graph (a second backward through it gives the same gradients)."""
+    """TPLOGP_WORKSPACE_MB has the call's meaning; kept terms are read, not overwritten, by a
+    backward that retains the graph (a second backward through it gives the same gradients)."""
     p = make_problem((N,), D, V, torch.float32, True, seed=3)
     op = _op(TritonBackend())
     default = run_op(op, p)
@@ -151,9 +164,10 @@ def test_environment_budget_and_repeated_backward(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.tp(world_size=4, timeout=300)
 def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
-    """Triton source, 4 uneven gloo ranks, two vocab chunks per rank: the async all-reduce of d_hidden is issued
-    after the last chunk's d_hidden GEMM and before its d_W GEMM; a budget that keeps every logit's term gives the
-    default's values bit for bit and its gradients within the fp32 eps on every rank."""
+    """Triton source, 4 uneven gloo ranks, two vocab chunks per rank: the async all-reduce of
+    d_hidden is issued after the last chunk's d_hidden GEMM and before its d_W GEMM; a budget that
+    keeps every logit's term gives the default's values bit for bit and its gradients within the
+    fp32 eps on every rank."""
     from pytest_tplogp import VocabShards
 
     v = 1201
@@ -162,7 +176,8 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
     p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
     op = _op(TritonBackend())
     n, v_local = p.target.numel(), vs.end - vs.start
-    kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v, deterministic=True)
+    kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v,
+              deterministic=True)
     events = []
     real_all_reduce, real_dw, real_dh = dist.all_reduce, programs.mm_into, programs.dh_gemm
 
@@ -190,8 +205,9 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=tp.group)
     assert most.item() >= 2  # the larger shards run several chunks
     default = run_op(op, p, **kw)
-    kept = run_op(op, p, workspace_bytes=DEFAULT + TritonBackend().kept_bytes(n, v_local, torch.float32, CPU_DEVICE),
-                  **kw)
+    kept = run_op(op, p,
+                  workspace_bytes=DEFAULT + TritonBackend().kept_bytes(n, v_local, torch.float32,
+                                                                       CPU_DEVICE), **kw)
     tp.assert_all(torch.equal(kept.logp, default.logp), "logp differs with kept terms")
     for name in ("d_hidden", "d_weight", "d_bias"):
         tp.assert_all(rel_error(getattr(kept, name), getattr(default, name)) <= ERROR_SLACK[torch.float32].eps,
@@ -201,8 +217,9 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
 
 
 def test_shard_layout_is_planned_once_per_layout(monkeypatch):
-    """The source's per-layout plan (tile config, kept columns, workspace split) is reused for the same layout and
-    planned afresh when the shard size, the budget or ``TPLOGP_WORKSPACE_MB`` changes (no kernel runs)."""
+    """The source's per-layout plan (tile config, kept columns, workspace split) is reused for the
+    same layout and planned afresh when the shard size, the budget or ``TPLOGP_WORKSPACE_MB``
+    changes (no kernel runs)."""
     be = TritonBackend()
     calls = []
     plan = be._plan_layout
@@ -211,7 +228,8 @@ def test_shard_layout_is_planned_once_per_layout(monkeypatch):
     first = be._layout(N, V, torch.float32, CPU, budget)
     assert be._layout(N, V, torch.float32, CPU, budget) is first and len(calls) == 1
     assert first.keep_cols == V and first.transient_bytes == DEFAULT
-    assert be.kept_shape(N, D, V, torch.float32, CPU, ShardCall(workspace_bytes=budget, for_backward=True)) == (
+    assert be.kept_shape(N, D, V, torch.float32, CPU,
+                         ShardCall(workspace_bytes=budget, for_backward=True)) == (
         first.kept_values + first.kept_scales,)
     assert be._layout(N, V, torch.float32, CPU, DEFAULT).keep_cols == 0 and len(calls) == 2
     assert be._layout(N + 1, V, torch.float32, CPU, budget) is not first and len(calls) == 3
@@ -221,20 +239,22 @@ def test_shard_layout_is_planned_once_per_layout(monkeypatch):
 
 
 def test_default_budget_keeps_small_calls_whole(monkeypatch):
-    """Without a budget a call whose kept terms and scales fit the default d_logits workspace keeps the whole shard
-    (its backward writes d_logits in their place: 3 GEMMs, the default's peak plus the scales); a larger call, a
-    deterministic one and an explicit budget of the default workspace keep nothing; ``TPLOGP_WORKSPACE_MB`` is a
-    budget like the call's (no kernel runs)."""
+    """Without a budget a call whose kept terms and scales fit the default d_logits workspace keeps
+    the whole shard (its backward writes d_logits in their place: 3 GEMMs, the default's peak plus
+    the scales); a larger call, a deterministic one and an explicit budget of the default workspace
+    keep nothing; ``TPLOGP_WORKSPACE_MB`` is a budget like the call's (no kernel runs)."""
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     be = TritonBackend()
     block_v = be._keep_block_v(CPU, torch.bfloat16)
 
     def cols(n, v, budget=None, deterministic=False):
-        return be._keep_columns(n, v, torch.bfloat16, CPU, ShardCall(workspace_bytes=budget, for_backward=True,
+        return be._keep_columns(n, v, torch.bfloat16, CPU,
+                                ShardCall(workspace_bytes=budget, for_backward=True,
                                                                      deterministic=deterministic))
 
     assert cols(N, V) == V
-    assert be._keep_columns(N, V, torch.bfloat16, CPU, ShardCall()) == 0  # no backward: nothing kept
+    # no backward: nothing kept
+    assert be._keep_columns(N, V, torch.bfloat16, CPU, ShardCall()) == 0
     # the largest token count that fits, and one more
     fits = DEFAULT // (2 * 8192)
     while kept_layout.kept_bytes(fits, 8192, 2, block_v) > DEFAULT:
@@ -249,8 +269,9 @@ def test_default_budget_keeps_small_calls_whole(monkeypatch):
 
 @pytest.mark.slow
 def test_default_budget_runs_the_kept_schedule(monkeypatch):
-    """A default call small enough to keep forms every d_logits column from the kept terms (no recompute) and gives
-    the same logp bits as a call that keeps nothing, and gradients within the eager reference's error."""
+    """A default call small enough to keep forms every d_logits column from the kept terms (no
+    recompute) and gives the same logp bits as a call that keeps nothing, and gradients within the
+    eager reference's error."""
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = make_problem((N,), D, V, torch.bfloat16, True, seed=5)
     op = _op(TritonBackend())
@@ -264,15 +285,15 @@ def test_default_budget_runs_the_kept_schedule(monkeypatch):
     for name in ("logp", "entropy"):
         assert torch.equal(getattr(default, name), getattr(no_keep, name)), name
     for name in ("d_hidden", "d_weight", "d_bias"):
-        assert_no_worse(f"default keep {name}", getattr(default, name), getattr(ref, name), getattr(truth, name),
-                        torch.bfloat16)
+        assert_no_worse(f"default keep {name}", getattr(default, name), getattr(ref, name),
+                        getattr(truth, name), torch.bfloat16)
 
 
 @pytest.mark.slow
 def test_kept_buffer_is_freed_after_the_backward(monkeypatch):
-    """What is kept (the terms' buffer and, eagerly, the scales in their own allocation) lives from the forward to
-    the end of its backward, no longer: nothing the call path keeps refers to it afterwards (a reference from the
-    buffer to a view of itself would keep it alive for good)."""
+    """What is kept (the terms' buffer and, eagerly, the scales in their own allocation) lives from
+    the forward to the end of its backward, no longer: nothing the call path keeps refers to it
+    afterwards (a reference from the buffer to a view of itself would keep it alive for good)."""
     import gc
     import weakref
 
@@ -282,18 +303,21 @@ def test_kept_buffer_is_freed_after_the_backward(monkeypatch):
     real = be._kept_buffer
 
     def kept_buffer(*args):
-        kept = real(*args)  # eagerly the terms' buffer and the scales, in two allocations (KeptBuffers)
+        # eagerly the terms' buffer and the scales, in two allocations (KeptBuffers)
+        kept = real(*args)
         made.append((weakref.ref(kept.values), weakref.ref(kept.scales)))
         return kept
 
     monkeypatch.setattr(be, "_kept_buffer", kept_buffer)
     p = make_problem((N,), D, V, torch.bfloat16, True, seed=4)
     op = _op(be)
-    for retain in (False, True):  # the in-place backward, and one that reads the terms (retained graph)
+    # the in-place backward, and one that reads the terms (retained graph)
+    for retain in (False, True):
         h, w = p.hidden.clone().requires_grad_(), p.weight.clone().requires_grad_()
         out = op(h, w, p.target, p.bias)
         out.sum().backward(retain_graph=retain)
-        assert len(made) == (2 if retain else 1)  # the call kept its terms (the default, at this size)
+        # the call kept its terms (the default, at this size)
+        assert len(made) == (2 if retain else 1)
         del out
         gc.collect()
         alive = [ref() is not None for ref in made[-1]]

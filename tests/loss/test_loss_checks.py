@@ -32,7 +32,7 @@ def _inputs(seed: int = 0):
 
 
 def _shard(weight: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, int]:
-    from tplogp.shards import shard_boundaries, shard_range
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     start, end = shard_range(shard_boundaries(V, world), rank)
     return weight[start:end].clone(), start

@@ -1,10 +1,11 @@
-"""Label smoothing and z-loss in the fused loss: ``losses.cross_entropy(label_smoothing=eps)`` per token is
-``F.cross_entropy(z, y, label_smoothing=eps, reduction="none")`` and ``losses.z_loss(coef)`` is ``coef * lse^2``;
-they combine with ``+``, honour ``ignore_index`` and the final-logit softcap. Three ways against float64 on one
-process (native; triton through the interpreter), on 2 uneven gloo ranks, and a small grid re-creating the peers'
-cases (Liger's fused linear cross-entropy: label_smoothing x lse_square_scale x softcap x reduction, and its
-token accuracy; TransformerEngine's parallel cross-entropy: label smoothing with ignored tokens, mean and per
-token)."""
+"""Label smoothing and z-loss in the fused loss: ``losses.cross_entropy(label_smoothing=eps)`` per
+token is ``F.cross_entropy(z, y, label_smoothing=eps, reduction="none")`` and
+``losses.z_loss(coef)`` is ``coef * lse^2``; they combine with ``+``, honour ``ignore_index`` and
+the final-logit softcap. Three ways against float64 on one process (native; triton through the
+interpreter), on 2 uneven gloo ranks, and a small grid re-creating the peers' cases (Liger's fused
+linear cross-entropy: label_smoothing x lse_square_scale x softcap x reduction, and its token
+accuracy; TransformerEngine's parallel cross-entropy: label smoothing with ignored tokens, mean and
+per token)."""
 
 from __future__ import annotations
 
@@ -25,20 +26,21 @@ LEAD, D, V = (3, 7), 24, 211  # 21 tokens, prime V: no tile multiple
 
 
 def _reference(h, w, b, target, *, eps, coef, softcap, temperature, reduction):
-    """The materialized loss: F.cross_entropy with label smoothing on the (softcapped, tempered) logits, plus
-    coef * lse^2 on the tokens that count, summed or averaged over them."""
+    """The materialized loss: F.cross_entropy with label smoothing on the (softcapped, tempered)
+    logits, plus coef * lse^2 on the tokens that count, summed or averaged over them."""
     z = reference_logits(h, w, b, mode="float64" if h.dtype == torch.float64 else "matching",
                          temperature=temperature, softcap=softcap)
     flat_t = target.reshape(-1)
-    per_token = F.cross_entropy(z.reshape(-1, z.shape[-1]), flat_t, label_smoothing=eps, reduction="none",
-                                ignore_index=IGNORE)
+    per_token = F.cross_entropy(z.reshape(-1, z.shape[-1]), flat_t, label_smoothing=eps,
+                                reduction="none", ignore_index=IGNORE)
     kept = flat_t != IGNORE
     per_token = per_token + coef * torch.logsumexp(z.reshape(-1, z.shape[-1]), -1) ** 2 * kept
     return per_token.sum() / kept.sum() if reduction == "mean" else per_token.sum()
 
 
 def _run(fn, p, dtype_mode, **kw):
-    """(loss, d_hidden, d_weight, d_bias): ``fn`` on the problem's tensors (float64 for the truth)."""
+    """(loss, d_hidden, d_weight, d_bias): ``fn`` on the problem's tensors (float64 for the
+    truth)."""
     cast = (lambda t: t.double()) if dtype_mode == "float64" else (lambda t: t)
     h = cast(p.hidden).clone().requires_grad_()
     w = cast(p.weight).clone().requires_grad_()
@@ -53,8 +55,9 @@ def _ours(source):
         loss = losses.cross_entropy(label_smoothing=eps)
         if coef:
             loss = loss + losses.z_loss(coef)
-        return tplogp.linear_logp_loss(h, w, target, b, loss=loss, reduction=reduction, temperature=temperature,
-                                       softcap=softcap, ignore_index=IGNORE, source=source, with_entropy=False)
+        return tplogp.linear_logp_loss(h, w, target, b, loss=loss, reduction=reduction,
+                                       temperature=temperature, softcap=softcap,
+                                       ignore_index=IGNORE, source=source, with_entropy=False)
     return run
 
 
@@ -67,16 +70,21 @@ def _three_way(source, p, dtype, **kw):
             assert_no_worse(name, o, r, t, dtype)
 
 
-# native at fp32 and bf16 (with a bias, softcap and temperature), triton once at fp32 under the interpreter
-CASES = [("native", torch.float32, 0.1, 1e-3, None, "mean"), ("native", torch.bfloat16, 0.2, 1e-2, 5.0, "sum"),
+# native at fp32 and bf16 (with a bias, softcap and temperature), triton once at fp32 under the
+# interpreter
+CASES = [("native", torch.float32, 0.1, 1e-3, None, "mean"),
+         ("native", torch.bfloat16, 0.2, 1e-2, 5.0, "sum"),
          ("triton", torch.float32, 0.1, 1e-2, 5.0, "mean")]
 
 
 @pytest.mark.parametrize("source,dtype,eps,coef,softcap,reduction", CASES,
-                         ids=[f"src={s}-{str(d)[6:]}-eps={e}-z={c}-cap={cap}-{r}" for s, d, e, c, cap, r in CASES])
+                         ids=[f"src={s}-{str(d)[6:]}-eps={e}-z={c}-cap={cap}-{r}" for s, d, e, c,
+                              cap, r in CASES])
 def test_smoothing_and_zloss_match_float64_truth(source, dtype, eps, coef, softcap, reduction):
-    p = make_problem(LEAD, D, V, dtype, True, seed=7, peaked=True, ignore_index=IGNORE, ignore_fraction=0.25)
-    _three_way(source, p, dtype, eps=eps, coef=coef, softcap=softcap, temperature=0.8, reduction=reduction)
+    p = make_problem(LEAD, D, V, dtype, True, seed=7, peaked=True, ignore_index=IGNORE,
+                     ignore_fraction=0.25)
+    _three_way(source, p, dtype, eps=eps, coef=coef, softcap=softcap, temperature=0.8,
+               reduction=reduction)
 
 
 def test_per_token_values_are_f_cross_entropy_with_label_smoothing():
@@ -103,40 +111,48 @@ def test_stat_losses_name_what_they_need():
         losses.z_loss(float("nan"))
     with pytest.raises(ValueError, match="reads the statistics"):
         losses.z_loss(1.0)(torch.zeros(3), None)
-    assert losses.cross_entropy(label_smoothing=0.0).linear  # no smoothing: the plain linear cross-entropy
+    # no smoothing: the plain linear cross-entropy
+    assert losses.cross_entropy(label_smoothing=0.0).linear
 
 
 @pytest.mark.tp(world_size=2, timeout=300)
 def test_tp_smoothing_and_zloss(tp):
-    """On 2 uneven shards: the sum of the logits and the lse merged across the ranks, d_hidden all-reduced, the local
-    weight and bias gradients, against the single-process float64 truth."""
+    """On 2 uneven shards: the sum of the logits and the lse merged across the ranks, d_hidden
+    all-reduced, the local weight and bias gradients, against the single-process float64 truth."""
     from pytest_tplogp import VocabShards
 
     vs = VocabShards("uneven", tp.world_size, vocab_size=V).__tp_bind__(tp)
-    p = make_problem(LEAD, D, V, torch.float32, True, seed=9, ignore_index=IGNORE, ignore_fraction=0.25)
+    p = make_problem(LEAD, D, V, torch.float32, True, seed=9, ignore_index=IGNORE,
+                     ignore_fraction=0.25)
     kw = dict(eps=0.1, coef=1e-2, softcap=5.0, temperature=0.8, reduction="mean")
     full_w, full_b = p.weight, p.bias
     p.weight, p.bias = vs.shard(full_w).clone(), vs.shard(full_b).clone()
 
     def ours(h, w, b, target, *, eps, coef, softcap, temperature, reduction):
         loss = losses.cross_entropy(label_smoothing=eps) + losses.z_loss(coef)
-        return tplogp.linear_logp_loss(h, w, target, b, loss=loss, reduction=reduction, temperature=temperature,
-                                       softcap=softcap, ignore_index=IGNORE, source="native", with_entropy=False,
-                                       tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=V)
+        return tplogp.linear_logp_loss(h, w, target, b, loss=loss, reduction=reduction,
+                                       temperature=temperature, softcap=softcap,
+                                       ignore_index=IGNORE, source="native", with_entropy=False,
+                                       tp_group=tp.group, vocab_start_index=vs.start,
+                                       global_vocab_size=V)
 
     mine = _run(ours, p, "ours", **kw)
     p.weight, p.bias = full_w, full_b
     ref, truth = _run(_reference, p, "matching", **kw), _run(_reference, p, "float64", **kw)
     sl = slice(vs.start, vs.end)
-    assert_no_worse_on_every_rank(tp, (("loss", mine[0], ref[0], truth[0]), ("d_hidden", mine[1], ref[1], truth[1]),
+    assert_no_worse_on_every_rank(tp,
+                                  (("loss", mine[0], ref[0], truth[0]),
+                                   ("d_hidden", mine[1], ref[1], truth[1]),
                                        ("d_weight", mine[2], ref[2][sl], truth[2][sl]),
-                                       ("d_bias", mine[3], ref[3][sl], truth[3][sl])), torch.float32)
+                                       ("d_bias", mine[3], ref[3][sl], truth[3][sl])),
+                                       torch.float32)
 
 
-# ---- the peers' cases, re-created at small sizes ----------------------------------------------------------------
+# ---- the peers' cases, re-created at small sizes -------------------------------------------------
 
-# Liger's fused linear cross-entropy grid: label_smoothing {0, 0.1} x lse_square_scale {0, 1e-4} x softcap {None, 30}
-# x reduction {mean, sum}, ignore_index -100, fp32 (native: the whole grid is cheap there)
+# Liger's fused linear cross-entropy grid: label_smoothing {0, 0.1} x lse_square_scale {0, 1e-4} x
+# softcap {None, 30} x reduction {mean, sum}, ignore_index -100, fp32 (native: the whole grid is
+# cheap there)
 LIGER = [(eps, z, cap, red) for eps in (0.0, 0.1) for z in (0.0, 1e-4) for cap in (None, 30.0)
          for red in ("mean", "sum")]
 
@@ -144,14 +160,16 @@ LIGER = [(eps, z, cap, red) for eps in (0.0, 0.1) for z in (0.0, 1e-4) for cap i
 @pytest.mark.parametrize("eps,coef,softcap,reduction", LIGER,
                          ids=[f"eps={e}-lse2={z}-cap={c}-{r}" for e, z, c, r in LIGER])
 def test_liger_flce_grid(eps, coef, softcap, reduction):
-    p = make_problem((2, 16), 32, 97, torch.float32, False, seed=11, ignore_index=IGNORE, ignore_fraction=0.2)
+    p = make_problem((2, 16), 32, 97, torch.float32, False, seed=11, ignore_index=IGNORE,
+                     ignore_fraction=0.2)
     _three_way("native", p, torch.float32, eps=eps, coef=coef, softcap=softcap, temperature=1.0,
                reduction=reduction)
 
 
 def test_liger_token_accuracy_from_argmax():
     """Liger's ``return_token_accuracy``: the share of counted tokens whose argmax is the target."""
-    p = make_problem((4, 8), 16, 53, torch.float32, False, seed=12, ignore_index=IGNORE, ignore_fraction=0.2)
+    p = make_problem((4, 8), 16, 53, torch.float32, False, seed=12, ignore_index=IGNORE,
+                     ignore_fraction=0.2)
     _, argmax = tplogp.linear_logp(p.hidden, p.weight, p.target, softcap=30.0, return_argmax=True,
                                    ignore_index=IGNORE)
     kept = p.target != IGNORE
@@ -162,9 +180,11 @@ def test_liger_token_accuracy_from_argmax():
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_transformer_engine_label_smoothing_with_ignored_tokens(reduction):
-    """TransformerEngine's parallel cross-entropy case: label smoothing 0.1, some tokens ignored, the mean or the
-    per-token losses (per token: the fused loss's gradient for one-hot upstream weights is that token's)."""
-    p = make_problem((2, 12), 16, 64, torch.float32, False, seed=13, ignore_index=IGNORE, ignore_fraction=0.3)
+    """TransformerEngine's parallel cross-entropy case: label smoothing 0.1, some tokens ignored,
+    the mean or the per-token losses (per token: the fused loss's gradient for one-hot upstream
+    weights is that token's)."""
+    p = make_problem((2, 12), 16, 64, torch.float32, False, seed=13, ignore_index=IGNORE,
+                     ignore_fraction=0.3)
     loss = losses.cross_entropy(label_smoothing=0.1)
     # TE's formula on float64 logits (truth) and on fp32 ones (the same-dtype reference)
     truth, ref = (F.cross_entropy(reference_logits(p.hidden, p.weight, mode=mode).reshape(-1, 64),
@@ -178,11 +198,13 @@ def test_transformer_engine_label_smoothing_with_ignored_tokens(reduction):
         return
     per_token = []
     flat = p.target.reshape(-1)
-    for i in range(flat.numel()):  # one token at a time: its loss is the sum over a one-token target
+    # one token at a time: its loss is the sum over a one-token target
+    for i in range(flat.numel()):
         only = torch.full_like(flat, IGNORE)
         only[i] = flat[i]
-        per_token.append(tplogp.linear_logp_loss(p.hidden.reshape(-1, 16), p.weight, only, loss=loss,
-                                                 ignore_index=IGNORE, with_entropy=False))
+        per_token.append(tplogp.linear_logp_loss(p.hidden.reshape(-1, 16), p.weight, only,
+                                                 loss=loss, ignore_index=IGNORE,
+                                                 with_entropy=False))
     assert_no_worse("per-token loss", torch.stack(per_token), ref, truth, torch.float32)
 
 

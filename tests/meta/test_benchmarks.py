@@ -105,7 +105,7 @@ def test_op_host_cost_column_per_checks_mode(tmp_path):
     """``--checks full,fast``: tplogp's rows once per mode (the label names a mode other than full), each with its
     host CPU microseconds per call; the eager baseline once, labelled ``full``. Every row has both host columns,
     positive and finite (their sizes are measurements, compared in benchmarks, never in tests). In process, each
-    row's calls really run under its mode: a stub implementation records ``tplogp.validation.checks_mode()``."""
+    row's calls really run under its mode: a stub implementation records ``tplogp.op.validation.checks_mode()``."""
     proc = _bench("op", "--smoke", "--impls", "tplogp-native,torch-eager", "--budgets", "default", "--checks",
                   "full,fast", "--no-check", "--out", str(tmp_path))
     rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
@@ -121,7 +121,7 @@ def test_op_host_cost_column_per_checks_mode(tmp_path):
 
     # In process: each row's implementation sees its row's mode in every call (check, timing, host cost, memory)
     from benchmarks import op
-    from tplogp.validation import checks_mode
+    from tplogp.op.validation import checks_mode
 
     seen: list[list[str]] = []  # the modes seen by each built function, in build order (= row order)
 
@@ -607,7 +607,7 @@ def test_host_stages_smoke(capsys):
     launches, the backward node, the kept d_logits launch and the markers in call order; the stamped functions and
     the real launchers are back afterwards."""
     from benchmarks import host_stages
-    from tplogp import local_call
+    from tplogp.op import local_call
     from tplogp.kernels.launch import Launch
 
     before = (local_call.localize, Launch._through_jit, Launch.__call__)

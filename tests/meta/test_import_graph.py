@@ -1,14 +1,16 @@
 """The import graph of ``src/tplogp`` and ``src/pytest_tplogp`` has no cycles and no upward edges.
 
-Every module is parsed (``ast``, nothing is imported) and every import inside the two packages becomes an edge:
-module-level and function-level ``import`` / ``from ... import`` (relative ones resolved), and module names given as
-dotted string constants (what ``importlib.import_module`` is called with). Importing a submodule also runs its parents'
-``__init__``; those implicit edges are not counted.
+Every module is parsed (``ast``, nothing is imported) and every import inside the two packages
+becomes an edge: module-level and function-level ``import`` / ``from ... import`` (relative ones
+resolved), and module names given as dotted string constants (what ``importlib.import_module`` is
+called with). Importing a submodule also runs its parents' ``__init__``; those implicit edges are
+not counted.
 
-``LAYERS`` is the declared order, lowest first. An entry ``"a.b"`` names one module; ``"a.b.*"`` names a package and
-everything under it; a module takes the layer of the longest entry that names it, and every module must be named.
-An import may point to the same layer or a lower one. pytest_tplogp sits above tplogp: the plugin may import the
-operator's package, never the other way round.
+``LAYERS`` is the declared order, lowest first. An entry ``"a.b"`` names one module; ``"a.b.*"``
+names a package and everything under it; a module takes the layer of the longest entry that names
+it, and every module must be named. An import may point to the same layer or a lower one.
+pytest_tplogp sits above tplogp: the plugin may import the operator's package, never the other way
+round.
 """
 
 from __future__ import annotations
@@ -18,49 +20,59 @@ from typing import Optional
 from tests.support.import_graph import import_graph, imports_of
 
 LAYERS: list[tuple[str, ...]] = [
-    # leaves: settings, plain data and math, no package imports but each other
-    ("tplogp.settings", "tplogp.shards", "tplogp.tolerances", "tplogp.outputs", "tplogp.reference",
-     "tplogp.fp32_gemm", "tplogp.tensors", "tplogp.losses", "tplogp.rl_losses",
-     "tplogp.masked_rows"),
-    # how a call's memory budget splits into transient and kept parts, for every source (on the settings)
-    ("tplogp.memory_budget",),
-    # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the collectives);
-    # argument and layout validation (with the sequences of a loss's tokens); what the target checks read of the
-    # targets
-    ("tplogp.comm", "tplogp.invariant", "tplogp.validation", "tplogp.sequences", "tplogp.target_summary"),
-    # the group record exchange and the kernel-run target check, then the deferred target verdicts that use them
-    ("tplogp.group_record", "tplogp.kernel_target_check"),
-    ("tplogp.verdicts",),
+    # the packages' docstrings (their __init__ import nothing)
+    ("tplogp.support", "tplogp.op", "tplogp.fused_loss", "tplogp.testing", "tplogp.backends"),
+    # leaves: settings, plain data and math, the loss terms, the references and tolerances; no
+    # package imports but each other (with the public re-exports of the terms, references and
+    # tolerances)
+    ("tplogp.support.settings", "tplogp.support.shards", "tplogp.support.fp32_gemm",
+     "tplogp.support.tensors", "tplogp.support.masked_rows", "tplogp.outputs", "tplogp.testing.*",
+     "tplogp.losses.*", "tplogp.reference", "tplogp.tolerances", "tplogp.rl_losses"),
+    # how a call's memory budget splits into transient and kept parts, for every source (on the
+    # settings)
+    ("tplogp.backends.memory_budget",),
+    # collectives; the tensor-parallel-invariant level's grid, exact merge and re-shard (on the
+    # collectives); the sequences of a loss's tokens
+    ("tplogp.support.comm", "tplogp.support.invariant", "tplogp.support.sequences"),
+    # the options, declared once (their schema types, defaults, docs and checks)
+    ("tplogp.op.options",),
+    # argument and layout validation; what the target checks read of the targets
+    ("tplogp.op.validation",),
+    # the group record exchange, then the deferred target verdicts (with the kernel-run target
+    # check)
+    ("tplogp.op.group_record",),
+    ("tplogp.op.verdicts",),
     # Triton kernels, their launchers and tile planning
     ("tplogp.kernels.*",),
     # the per-shard sources (native, triton, sm90) behind one contract
     ("tplogp.backends.*",),
-    # the fused loss's gradient scaling (the scaling kernel, or torch ops without Triton)
-    ("tplogp.grad_scaling",),
-    # a checked call brought to this shard: flattened, gathered, compacted, targets made local
-    ("tplogp.local_call",),
-    # the shared tensor-parallel path; DTensor unwrapping
-    ("tplogp.tp", "tplogp.dtensor"),
-    # the torch.library ops' bodies: the shared path with outputs of static shapes
-    ("tplogp.packed_op",),
     # which source runs a call
-    ("tplogp.kernel_registry",),
+    ("tplogp.backends.kernel_registry",),
+    # the fused loss's gradient scaling (the scaling kernel, or torch ops without Triton)
+    ("tplogp.fused_loss.grad_scaling",),
+    # a checked call brought to this shard: flattened, gathered, compacted, targets made local
+    ("tplogp.op.local_call",),
+    # the shared tensor-parallel path; DTensor unwrapping
+    ("tplogp.op.tp", "tplogp.op.dtensor"),
+    # the torch.library ops' bodies: the shared path with outputs of static shapes
+    ("tplogp.op.packed_op",),
     # the call plan: every check, the per-layout state
-    ("tplogp.plan",),
+    ("tplogp.op.plan",),
     # budgets and the fused loss's chunks
     ("tplogp.budgets",),
     # the fused loss's chunk plan and gradient assembly; the GRPO losses' chunk schedule on it
-    ("tplogp.chunk_gradients",),
-    ("tplogp.policy_loss",),
+    ("tplogp.fused_loss.chunk_gradients",),
+    ("tplogp.fused_loss.policy_loss",),
     # what runs the plan and the shared path: the torch.library ops (torch.compile), the fused loss
-    ("tplogp.ops", "tplogp.fused_loss"),
+    ("tplogp.op.ops", "tplogp.fused_loss.loop"),
     # the public operator
     ("tplogp.api",),
     # the runbook script's logic (python -m tplogp.runbook)
     ("tplogp.runbook.*",),
     # the package's public surface
     ("tplogp",),
-    # optional entry points for training stacks (Hugging Face, verl), on top of the public operator
+    # optional entry points for training stacks (Hugging Face, TRL, verl), on top of the public
+    # operator
     ("tplogp.integrations.*",),
     # the pytest plugin, which may use the operator
     ("pytest_tplogp.*",),
@@ -124,7 +136,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# ---- the checks --------------------------------------------------------------------------------------------------
+# ---- the checks ----------------------------------------------------------------------------------
 
 def test_every_module_has_a_declared_layer():
     graph = import_graph()
@@ -144,7 +156,8 @@ def test_import_graph_has_no_upward_edges():
 
 
 def test_the_checker_sees_function_level_relative_and_string_imports(tmp_path):
-    """The parser finds the kinds of import the packages use, and the checks flag a cycle and an upward edge."""
+    """The parser finds the kinds of import the packages use, and the checks flag a cycle and an
+    upward edge."""
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("from .top import f\n")

@@ -14,7 +14,7 @@ KERNELS = Path(tplogp.kernels.__file__).parent
 ORDER = ["tiles", "kept", "workspace", "launch", "fp32_ops", "tile_ops", "forward_kernels", "backward_kernels", "hopper_kernels",
          "scale_kernels", "launches", "entry_checks", "programs", "grid_programs", "scale_launch"]
 # what kernels may import from the rest of tplogp (all torch-only leaves)
-ALLOWED_OUTSIDE = {"tplogp.settings", "tplogp.tensors", "tplogp.fp32_gemm"}
+ALLOWED_OUTSIDE = {"tplogp.support.settings", "tplogp.support.tensors", "tplogp.support.fp32_gemm"}
 
 
 def test_every_kernels_module_is_placed():

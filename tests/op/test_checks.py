@@ -1,6 +1,7 @@
-"""Checks without host syncs: the default (``full``) checks of a call without a TP group read nothing on the host;
-their verdict is raised by the next call (or ``tplogp.check_errors``); with a group they read nothing from the device
-either, and every rank raises the same error at the next call with the group; ``sync`` raises at the call."""
+"""Checks without host syncs: the default (``full``) checks of a call without a TP group read
+nothing on the host; their verdict is raised by the next call (or ``tplogp.check_errors``); with a
+group they read nothing from the device either, and every rank raises the same error at the next
+call with the group; ``sync`` raises at the call."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from tplogp import LinearLogpInputError, check_errors, get_op
 @pytest.mark.parametrize("ignore", [None, -100], ids=["plain", "ignore-index"])
 @pytest.mark.parametrize("mode", ["full", "fast", "sync"])
 def test_host_reads_per_call(mode, ignore, monkeypatch):
-    """Forward + backward of one call without a group: with the default checks the only host read is that of the
-    previous call's verdict, which was copied to the host asynchronously (on a GPU: pinned memory, behind an event
-    the device passed long ago), so nothing waits for the device. The counter does count: ``sync`` shows its read
-    of the targets' range at the call, and ignore_index the read of its row compaction in every mode."""
+    """Forward + backward of one call without a group: with the default checks the only host read is
+    that of the previous call's verdict, which was copied to the host asynchronously (on a GPU:
+    pinned memory, behind an event the device passed long ago), so nothing waits for the device. The
+    counter does count: ``sync`` shows its read of the targets' range at the call, and ignore_index
+    the read of its row compaction in every mode."""
     monkeypatch.setenv("TPLOGP_CHECKS", mode)
     op = get_op("linear_logp", source="native")
     p = make_problem((3, 11), 16, 97, torch.float32, True, seed=3, ignore_index=ignore,
@@ -43,14 +45,14 @@ def test_host_reads_name_tplogp_frames_by_the_package_directory(tmp_path):
     files below a checkout named tplogp (its environment inside it) are not tplogp's, nor is the
     plugin."""
     import pytest_tplogp
-    import tplogp.plan
+    import tplogp.op.plan
 
     site = tmp_path / "tplogp" / ".venv" / "lib" / "site-packages"
     venv_torch = site / "torch" / "nn" / "functional.py"
     assert not is_tplogp_file(str(venv_torch))
     assert not is_tplogp_file(torch.nn.functional.__file__)
     assert not is_tplogp_file(pytest_tplogp.__file__)
-    assert is_tplogp_file(tplogp.plan.__file__)
+    assert is_tplogp_file(tplogp.op.plan.__file__)
 
 
 def test_check_errors_raises_the_pending_verdict_once(monkeypatch):
@@ -62,7 +64,8 @@ def test_check_errors_raises_the_pending_verdict_once(monkeypatch):
     check_errors()  # a good call leaves nothing to raise
     out = op(h, w, torch.tensor([0, 25, 2, -3, 4])).detach()
     assert torch.isnan(out).tolist() == [False, True, False, True, False]
-    with pytest.raises(LinearLogpInputError, match=r"target id -3 is outside the vocabulary \[0, 20\)"):
+    with pytest.raises(LinearLogpInputError,
+                       match=r"target id -3 is outside the vocabulary \[0, 20\)"):
         check_errors()
     check_errors()
 
@@ -80,11 +83,11 @@ def test_fast_mode_drops_nothing_pending(monkeypatch):
 
 
 def _calls(tp, targets_per_call, finish=None, graph=True):
-    """Run ``linear_logp`` once per target tensor on uneven shards of a 64-id vocab; per call the outcome ("ok" or
-    the error) and the host reads it made. ``finish``: called last (check_errors), its outcome
-    appended too. ``graph``: whether the calls record an autograd graph (hidden requires grad; no
-    backward runs)."""
-    from tplogp.shards import shard_boundaries, shard_range
+    """Run ``linear_logp`` once per target tensor on uneven shards of a 64-id vocab; per call the
+    outcome ("ok" or the error) and the host reads it made. ``finish``: called last (check_errors),
+    its outcome appended too. ``graph``: whether the calls record an autograd graph (hidden requires
+    grad; no backward runs)."""
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     start, end = shard_range(shard_boundaries(64, tp.world_size, uneven=True), tp.rank)
     h, w = torch.randn(6, 8).requires_grad_(graph), torch.randn(end - start, 8)
@@ -94,7 +97,8 @@ def _calls(tp, targets_per_call, finish=None, graph=True):
         out = None
         with count_host_reads() as reads:
             try:
-                out = op(h, w, t(tp.rank) if callable(t) else t, tp_group=tp.group, vocab_start_index=start)
+                out = op(h, w, t(tp.rank) if callable(t) else t, tp_group=tp.group,
+                         vocab_start_index=start)
             except LinearLogpInputError as exc:
                 outcome.append(str(exc))
         if out is not None:
@@ -115,23 +119,26 @@ GOOD = torch.tensor([0, 5, 63, 7, 2, 1])
 
 @pytest.mark.tp(world_size=4, timeout=120)
 def test_tp_sync_checks_raise_at_the_call_on_every_rank(tp, monkeypatch):
-    """``sync`` with a group: the targets' summary travels in the call's record exchange (its one host read), so
-    every rank raises the same error at the call, and nothing is left pending."""
+    """``sync`` with a group: the targets' summary travels in the call's record exchange (its one
+    host read), so every rank raises the same error at the call, and nothing is left pending."""
     monkeypatch.setenv("TPLOGP_CHECKS", "sync")  # per rank, undone after the test
     outcome = _calls(tp, [BAD, GOOD], finish=lambda: check_errors(tp.group))
     everyone = tp.all_gather_object(outcome)
     assert all(o == everyone[0] for o in everyone), everyone
-    assert re.search(r"target id 64 is outside the vocabulary \[0, 64\)", everyone[0][0]), everyone[0]
+    assert re.search(r"target id 64 is outside the vocabulary \[0, 64\)",
+                     everyone[0][0]), everyone[0]
     assert "previous" not in everyone[0][0]
-    assert everyone[0][1:] == [["Tensor.tolist in _exchange"], "ok", ["Tensor.tolist in _exchange"], "ok"], everyone[0]
+    assert everyone[0][1:] == [["Tensor.tolist in _exchange"], "ok", ["Tensor.tolist in _exchange"],
+                               "ok"], everyone[0]
 
 
 @pytest.mark.tp(world_size=4, timeout=120)
 def test_tp_full_checks_raise_at_the_next_call_on_every_rank(tp, monkeypatch):
-    """The default checks with a group read nothing from the device: the record goes over a CPU group, and the
-    targets' summary of a call travels in the next call's record. So a bad call gives NaN for its uncovered token,
-    and the next call with the group raises the same error on every rank before any collective of its own, once;
-    ``check_errors(group)`` raises it at once instead."""
+    """The default checks with a group read nothing from the device: the record goes over a CPU
+    group, and the targets' summary of a call travels in the next call's record. So a bad call gives
+    NaN for its uncovered token, and the next call with the group raises the same error on every
+    rank before any collective of its own, once; ``check_errors(group)`` raises it at once
+    instead."""
     monkeypatch.setenv("TPLOGP_CHECKS", "full")
     nxt = _calls(tp, [GOOD, BAD, GOOD, GOOD])
     now = _calls(tp, [BAD], finish=lambda: check_errors(tp.group))
@@ -142,7 +149,8 @@ def test_tp_full_checks_raise_at_the_next_call_on_every_rank(tp, monkeypatch):
     assert nxt[0] == "ok" and nxt[2] == "nan" and nxt[6] == "ok", nxt
     assert re.search(r"target id 64 is outside the vocabulary \[0, 64\) \[found by the check of the previous "
                      r"linear_logp call with this TP group", nxt[4]), nxt
-    # per call: the CPU record's read (host values only) and the pinned copy of the previous call's summary
+    # per call: the CPU record's read (host values only) and the pinned copy of the previous call's
+    # summary
     for reads in nxt[1::2]:
         assert set(reads) <= {"Tensor.tolist in _exchange", "Tensor.tolist in read_summary"}, reads
         assert reads.count("Tensor.tolist in _exchange") == 1, reads
@@ -178,8 +186,8 @@ def test_tp_full_checks_of_a_call_without_graph_raise_at_the_call(tp, monkeypatc
 @pytest.mark.tp(world_size=2, timeout=120)
 @pytest.mark.parametrize("mode", ["full", "sync"])
 def test_tp_targets_that_differ_between_ranks(tp, mode, monkeypatch):
-    """Targets that are not replicated: every rank raises the same error naming each rank's checksum (at the call
-    with ``sync``, at the next call with the default checks)."""
+    """Targets that are not replicated: every rank raises the same error naming each rank's checksum
+    (at the call with ``sync``, at the next call with the default checks)."""
     monkeypatch.setenv("TPLOGP_CHECKS", mode)
     outcome = _calls(tp, [lambda rank: GOOD + rank, GOOD])
     everyone = tp.all_gather_object(outcome)
@@ -189,20 +197,22 @@ def test_tp_targets_that_differ_between_ranks(tp, mode, monkeypatch):
     assert ("previous linear_logp call" in raised) == (mode == "full"), raised
 
 
-@pytest.mark.filterwarnings("error::pytest.PytestWarning")  # a pool recycled for a "leaked" companion fails
+# a pool recycled for a "leaked" companion fails
+@pytest.mark.filterwarnings("error::pytest.PytestWarning")
 @pytest.mark.tp(world_size=4, timeout=120)
 def test_host_group_companion_of_a_device_group(tp):
-    """A group whose backend takes no CPU tensors (NCCL; here a gloo sub-group reported as NCCL) gets a gloo
-    companion over its ranks, made by those ranks alone (the other sub-group makes its own at the same time), kept
-    for the process and not counted as a leaked group by the plugin; when no rank can make one, every rank gets
-    None (and the checks keep to the device group)."""
+    """A group whose backend takes no CPU tensors (NCCL; here a gloo sub-group reported as NCCL)
+    gets a gloo companion over its ranks, made by those ranks alone (the other sub-group makes its
+    own at the same time), kept for the process and not counted as a leaked group by the plugin;
+    when no rank can make one, every rank gets None (and the checks keep to the device group)."""
     from unittest import mock
 
     import torch.distributed as dist
 
-    from tplogp import comm
+    from tplogp.support import comm
 
-    low, high = tp.new_group([0, 1]), tp.new_group([2, 3])  # every rank creates both (as dist.new_group wants)
+    # every rank creates both (as dist.new_group wants)
+    low, high = tp.new_group([0, 1]), tp.new_group([2, 3])
     mine = low if tp.rank < 2 else high
     real_backend = dist.get_backend
     as_nccl = mock.patch.object(comm.dist, "get_backend",
@@ -220,4 +230,5 @@ def test_host_group_companion_of_a_device_group(tp):
         with mock.patch.object(comm.dist, "get_backend", lambda g=None: "nccl"), \
                 mock.patch.object(comm.dist, "new_group", side_effect=RuntimeError("no gloo here")):
             assert comm.host_group(other, torch.device("cpu")) is None
-            assert comm.host_group(other, torch.device("cpu")) is None  # remembered, no second attempt
+            # remembered, no second attempt
+            assert comm.host_group(other, torch.device("cpu")) is None

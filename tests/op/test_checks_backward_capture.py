@@ -1,11 +1,13 @@
-"""A bad target never updates a model silently, and the default checks work under a (simulated) CUDA-graph capture.
+"""A bad target never updates a model silently, and the default checks work under a (simulated)
+CUDA-graph capture.
 
-Default checks (``full``): the backward of the call that had a target outside the vocabulary raises before it writes
-any gradient (the parameters keep no ``.grad``, so ``optimizer.step()`` is never reached), on one process and on
-every rank of a gloo group alike. Under a capture (simulated on the CPU by answering "capturing" from
-``tplogp.tensors.is_capturing``, which the call path consults) nothing is read on the host: the verdict is a device
-flag, the captured backward zeroes the call's gradients when it is set, and ``check_errors`` (or the next call
-outside the capture) raises after the "replay"."""
+Default checks (``full``): the backward of the call that had a target outside the vocabulary raises
+before it writes any gradient (the parameters keep no ``.grad``, so ``optimizer.step()`` is never
+reached), on one process and on every rank of a gloo group alike. Under a capture (simulated on the
+CPU by answering "capturing" from ``tplogp.support.tensors.is_capturing``, which the call path
+consults) nothing is read on the host: the verdict is a device flag, the captured backward zeroes
+the call's gradients when it is set, and ``check_errors`` (or the next call outside the capture)
+raises after the "replay"."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import pytest
 import torch
 
 from tests.support.interpreter import interpreter_only as triton_interpreter
-from tplogp import LinearLogpInputError, check_errors, get_op, linear_logp_loss, kernel_target_check, tensors, verdicts
+from tplogp import LinearLogpInputError, check_errors, get_op, linear_logp_loss
+from tplogp.op import verdicts
+from tplogp.support import tensors
 
 V, D = 20, 8
 GOOD = torch.tensor([0, 3, 19, 7, 2, 1])
@@ -41,7 +45,8 @@ def _logp_step(head, hidden, targets, **kw):
 
 def _loss_step(head, hidden, targets, **kw):
     h = hidden.clone().requires_grad_()
-    loss = linear_logp_loss(h, head.weight, targets, head.bias, loss=lambda lp, ent: -lp, source="native", **kw)
+    loss = linear_logp_loss(h, head.weight, targets, head.bias, loss=lambda lp, ent: -lp,
+                            source="native", **kw)
     return loss, loss.backward
 
 
@@ -52,7 +57,8 @@ def test_a_training_step_with_a_bad_target_raises_before_step(step, monkeypatch)
     before = [p.detach().clone() for p in head.parameters()]
     opt = torch.optim.SGD(head.parameters(), lr=0.1)
     _, backward = step(head, hidden, BAD)  # the forward reads nothing on the host: no error yet
-    with pytest.raises(LinearLogpInputError, match=r"target id 25 is outside the vocabulary \[0, 20\) \[found by "
+    with pytest.raises(LinearLogpInputError,
+                       match=r"target id 25 is outside the vocabulary \[0, 20\) \[found by "
                                                   r"the backward of the linear_logp call that had it"):
         backward()
         opt.step()
@@ -65,8 +71,8 @@ def test_a_training_step_with_a_bad_target_raises_before_step(step, monkeypatch)
 
 
 def test_fast_checks_give_finite_gradients_for_a_bad_target(monkeypatch):
-    """``TPLOGP_CHECKS=fast`` checks no target: the bad row's logp is NaN and its gradient is its softmax term alone
-    (docs/operator.md says so); nothing raises."""
+    """``TPLOGP_CHECKS=fast`` checks no target: the bad row's logp is NaN and its gradient is its
+    softmax term alone (docs/operator.md says so); nothing raises."""
     monkeypatch.setenv("TPLOGP_CHECKS", "fast")
     head, hidden = _model()
     logp, backward = _logp_step(head, hidden, BAD)
@@ -109,7 +115,8 @@ def test_captured_checks_read_nothing_and_the_flag_surfaces_after_replay(capturi
     targets = BAD.clone()
     kw = {}
     if ignore_index is not None:
-        targets[1] = ignore_index  # kept in place under a capture (no compaction: that needs a host read)
+        # kept in place under a capture (no compaction: that needs a host read)
+        targets[1] = ignore_index
         kw["ignore_index"] = ignore_index
     with count_host_reads() as reads:
         with capturing:
@@ -121,11 +128,13 @@ def test_captured_checks_read_nothing_and_the_flag_surfaces_after_replay(capturi
         assert logp[1].item() == 0.0
     # the captured backward zeroes the call's gradients when its flag is set: a step changes nothing
     assert all(torch.count_nonzero(p.grad) == 0 for p in head.parameters())
-    with pytest.raises(LinearLogpInputError, match=r"a target id is outside the vocabulary \[0, 20\).*captured in "
+    with pytest.raises(LinearLogpInputError,
+                       match=r"a target id is outside the vocabulary \[0, 20\).*captured in "
                                                   r"a CUDA graph"):
         check_errors()
     check_errors()  # raised once per replay
-    verdicts._captured[""][-1].bad.fill_(True)  # what a second replay with the bad target does to the flag
+    # what a second replay with the bad target does to the flag
+    verdicts._captured[""][-1].bad.fill_(True)
     with pytest.raises(LinearLogpInputError, match="captured in a CUDA graph"):
         check_errors()
 
@@ -143,7 +152,8 @@ def test_captured_good_targets_give_the_eager_gradients_and_the_next_call_raises
     check_errors()  # a good flag raises nothing
     with capturing:
         _logp_step(head, hidden, BAD)
-    with pytest.raises(LinearLogpInputError, match="captured in a CUDA graph"):  # the next call outside a capture
+    # the next call outside a capture
+    with pytest.raises(LinearLogpInputError, match="captured in a CUDA graph"):
         _logp_step(head, hidden, GOOD)
 
 
@@ -160,17 +170,18 @@ def test_captured_fused_loss_zeroes_its_gradients(capturing):
 def test_sync_checks_refuse_a_capture_with_a_clear_error(capturing, monkeypatch):
     monkeypatch.setenv("TPLOGP_CHECKS", "sync")
     head, hidden = _model()
-    with capturing, pytest.raises(LinearLogpInputError, match=r"TPLOGP_CHECKS=sync .* CUDA-graph capture"):
+    with capturing, pytest.raises(LinearLogpInputError,
+                                  match=r"TPLOGP_CHECKS=sync .* CUDA-graph capture"):
         _logp_step(head, hidden, GOOD)
 
 
 @pytest.mark.tp(world_size=2, timeout=120)
 @pytest.mark.parametrize("bad", ["range", "differ"])
 def test_tp_a_bad_target_raises_in_the_backward_on_every_rank(tp, bad, monkeypatch):
-    """Gloo ranks: the backward of the call with a bad target (outside the vocabulary, or targets that differ
-    between ranks) raises the same error on every rank before its d_hidden all-reduce (no hang), and no rank's
-    parameters get a gradient; the next step runs."""
-    from tplogp.shards import shard_boundaries, shard_range
+    """Gloo ranks: the backward of the call with a bad target (outside the vocabulary, or targets
+    that differ between ranks) raises the same error on every rank before its d_hidden all-reduce
+    (no hang), and no rank's parameters get a gradient; the next step runs."""
+    from tplogp.support.shards import shard_boundaries, shard_range
 
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
     start, end = shard_range(shard_boundaries(64, tp.world_size, uneven=True), tp.rank)
@@ -200,11 +211,13 @@ def test_tp_a_bad_target_raises_in_the_backward_on_every_rank(tp, bad, monkeypat
 
 
 def test_compiled_backward_raises_a_bad_target_before_any_gradient(monkeypatch):
-    """Under torch.compile the op's backward (a separate ``torch.library`` op) settles the latest call's verdict."""
+    """Under torch.compile the op's backward (a separate ``torch.library`` op) settles the latest
+    call's verdict."""
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
     op = get_op("linear_logp", source="native")
     head, hidden = _model()
-    fn = torch.compile(lambda h, w, t, b: -op(h, w, t, b).sum(), backend="aot_eager", fullgraph=True)
+    fn = torch.compile(lambda h, w, t, b: -op(h, w, t, b).sum(), backend="aot_eager",
+                       fullgraph=True)
     loss = fn(hidden.clone().requires_grad_(), head.weight, BAD, head.bias)
     with pytest.raises(LinearLogpInputError, match="found by the backward"):
         loss.backward()
@@ -213,15 +226,17 @@ def test_compiled_backward_raises_a_bad_target_before_any_gradient(monkeypatch):
     fn(hidden.clone().requires_grad_(), head.weight, GOOD, head.bias).backward()
     w_eager, b_eager = (t.detach().clone().requires_grad_() for t in (head.weight, head.bias))
     (-op(hidden.clone(), w_eager, GOOD, b_eager).sum()).backward()
-    assert torch.equal(head.weight.grad, w_eager.grad)  # the good call's gradient, as eager computes it
+    # the good call's gradient, as eager computes it
+    assert torch.equal(head.weight.grad, w_eager.grad)
 
 
 @triton_interpreter
 def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypatch):
-    """The triton source's finishing kernel writes the target verdict into a host slot (tplogp.checks
-    KernelTargetCheck); slots are reused round-robin. A call whose backward runs after its slot was
-    reused (many forwards that record a graph accumulated before one backward) still gets its own
-    verdict; the bad call that reused the slot is raised by check_errors, once."""
+    """The triton source's finishing kernel writes the target verdict into a host slot
+    (tplogp.checks KernelTargetCheck); slots are reused round-robin. A call whose backward runs
+    after its slot was reused (many forwards that record a graph accumulated before one backward)
+    still gets its own verdict; the bad call that reused the slot is raised by check_errors,
+    once."""
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
     check_errors()
     head, hidden = _model(3)
@@ -229,13 +244,14 @@ def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypa
     h = hidden.clone().requires_grad_()
     first = op(h, head.weight, GOOD, head.bias)  # good; its backward runs last
     # calls that record a graph defer their verdict to their backward (never run here)
-    for _ in range(kernel_target_check.FlagSlots.SIZE - 1):
+    for _ in range(verdicts.FlagSlots.SIZE - 1):
         op(hidden.clone().requires_grad_(), head.weight, GOOD, head.bias)
     # takes the first call's slot
     bad = op(hidden.clone().requires_grad_(), head.weight, BAD, head.bias).detach()
     assert torch.isnan(bad[2]) and torch.isfinite(bad[[0, 1, 3, 4, 5]]).all()
     (-first.sum()).backward()  # the first call's own verdict: good
-    with pytest.raises(LinearLogpInputError, match=r"target id 25 is outside the vocabulary \[0, 20\)"):
+    with pytest.raises(LinearLogpInputError,
+                       match=r"target id 25 is outside the vocabulary \[0, 20\)"):
         check_errors()
     check_errors()
     h_again = hidden.clone().requires_grad_()
@@ -246,9 +262,9 @@ def test_kernel_target_check_keeps_each_calls_verdict_across_slot_reuse(monkeypa
 @triton_interpreter
 @pytest.mark.parametrize("bad_id", [-4, 25])
 def test_kernel_target_check_raises_in_the_backward_and_in_a_later_forward(bad_id, monkeypatch):
-    """With the verdict in the triton source's kernel: a bad target raises in the same call's backward with nothing
-    handed to the parameters; a no-grad call's bad target raises at the call itself (no backward
-    would carry it), and a later call runs."""
+    """With the verdict in the triton source's kernel: a bad target raises in the same call's
+    backward with nothing handed to the parameters; a no-grad call's bad target raises at the call
+    itself (no backward would carry it), and a later call runs."""
     monkeypatch.delenv("TPLOGP_CHECKS", raising=False)
     check_errors()
     head, hidden = _model(4)
@@ -257,7 +273,8 @@ def test_kernel_target_check_raises_in_the_backward_and_in_a_later_forward(bad_i
     targets[2] = bad_id
     h = hidden.clone().requires_grad_()
     logp = op(h, head.weight, targets, head.bias)
-    with pytest.raises(LinearLogpInputError, match=rf"target id {bad_id} is outside the vocabulary \[0, 20\) "
+    with pytest.raises(LinearLogpInputError,
+                       match=rf"target id {bad_id} is outside the vocabulary \[0, 20\) "
                                                    r"\[found by the backward"):
         (-logp.sum()).backward()
     assert h.grad is None and all(p.grad is None for p in head.parameters())
@@ -270,11 +287,11 @@ def test_kernel_target_check_raises_in_the_backward_and_in_a_later_forward(bad_i
 
 
 def test_kernel_target_check_slots_share_one_alignment():
-    """Every host slot a kernel writes its verdict into has the same 16-byte alignment: Triton specializes a
-    compiled kernel on its pointers' 16-byte alignment, so 8-byte slots taken round-robin would make each
-    finishing kernel keep two compilations (and launch through the JIT again on the second). The host values read
-    and write the slots the kernels see."""
-    slots = kernel_target_check.FlagSlots(pinned=False)
+    """Every host slot a kernel writes its verdict into has the same 16-byte alignment: Triton
+    specializes a compiled kernel on its pointers' 16-byte alignment, so 8-byte slots taken
+    round-robin would make each finishing kernel keep two compilations (and launch through the JIT
+    again on the second). The host values read and write the slots the kernels see."""
+    slots = verdicts.FlagSlots(pinned=False)
     flags = [slots.take(object())[1] for _ in range(slots.SIZE)]
     assert len({f.data_ptr() % 16 for f in flags}) == 1
     flags[5].fill_(7)

@@ -1,7 +1,8 @@
-"""torch.compile: a loss that calls ``linear_logp`` compiles as one graph (no graph breaks, ``fullgraph=True``)
-with every option, in both check modes, with and without a TP group, and gives eager's value and gradients (bitwise
-with ``aot_eager``, which runs eager's kernels).
-The op pair itself passes ``torch.library.opcheck`` (schema, fake implementations, autograd registration)."""
+"""torch.compile: a loss that calls ``linear_logp`` compiles as one graph (no graph breaks,
+``fullgraph=True``) with every option, in both check modes, with and without a TP group, and gives
+eager's value and gradients (bitwise with ``aot_eager``, which runs eager's kernels).
+The op pair itself passes ``torch.library.opcheck`` (schema, fake implementations, autograd
+registration)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from tplogp import get_op, linear_logp, linear_logp_loss, losses, ops
+from tplogp import get_op, linear_logp, linear_logp_loss, losses
+from tplogp.op import ops
 from tplogp.tolerances import assert_no_worse
 from tests.support.problems import cpu_sources, make_problem, run_reference
 from tests.support import tolerances as tol
@@ -24,16 +26,18 @@ OPTIONS = {
     "ignore_index": dict(ignore_index=-100),
     "deterministic": dict(deterministic=True),
     "workspace_bytes": dict(workspace_bytes=4096),
-    "keep": dict(workspace_bytes=1 << 30),  # above every source's transient default: the call's logits are kept
-    "all": dict(temperature=1.3, return_entropy=True, return_lse=True, ignore_index=-100, deterministic=True,
-                workspace_bytes=8192),
+    # above every source's transient default: the call's logits are kept
+    "keep": dict(workspace_bytes=1 << 30),
+    "all": dict(temperature=1.3, return_entropy=True, return_lse=True, ignore_index=-100,
+                deterministic=True, workspace_bytes=8192),
 }
 CHECK_MODES = ("full", "fast")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    torch._dynamo.reset()  # every test compiles its own graphs (no recompile limit across parametrizations)
+    # every test compiles its own graphs (no recompile limit across parametrizations)
+    torch._dynamo.reset()
     yield
     torch._dynamo.reset()
 
@@ -61,14 +65,16 @@ def loss_and_grads(fn, p):
 
 
 def assert_same_bits(compiled, eager):
-    """aot_eager runs the traced graph with eager's kernels: the loss and every gradient are eager's bits."""
+    """aot_eager runs the traced graph with eager's kernels: the loss and every gradient are eager's
+    bits."""
     for name, c, e in zip(("loss", "d_hidden", "d_weight", "d_bias"), compiled, eager):
         assert torch.equal(c, e), f"{name}: compiled differs from eager by {float((c - e).abs().max()):.2e}"
 
 
 def compiled_in_one_graph(fn, p) -> list:
-    """``fn``'s loss and gradients through ``torch.compile(fullgraph=True, backend="aot_eager")`` (a graph break
-    raises there), after checking that dynamo captured one graph and that the op is in it."""
+    """``fn``'s loss and gradients through ``torch.compile(fullgraph=True, backend="aot_eager")`` (a
+    graph break raises there), after checking that dynamo captured one graph and that the op is in
+    it."""
     compiled, graphs = compile_fullgraph(fn)
     out = loss_and_grads(compiled, p)
     assert len(graphs) == 1 and "tplogp.linear_logp_fwd" in graphs[0], graphs
@@ -94,7 +100,8 @@ def test_compile_fullgraph_matches_eager(opts, mode, monkeypatch):
 
 
 def test_compiled_against_float64_truth():
-    """The op path alone (compiled) against float64: every output and gradient, the three-way rule."""
+    """The op path alone (compiled) against float64: every output and gradient, the three-way
+    rule."""
     o = OPTIONS["all"]
     p = _problem(o, seed=9)
     ent_lse = (p.g_logp, p.g_entropy, p.g_lse)
@@ -108,13 +115,16 @@ def test_compiled_against_float64_truth():
     sum((x * g).sum() for x, g in zip((logp, entropy, lse), ent_lse)).backward()
     kw = dict(temperature=o["temperature"], ignore_index=o["ignore_index"], entropy=True, lse=True)
     truth, ref = run_reference(p, "float64", **kw), run_reference(p, "fp32", **kw)
-    ours = dict(logp=logp, entropy=entropy, lse=lse, d_hidden=h.grad, d_weight=w.grad, d_bias=b.grad)
+    ours = dict(logp=logp, entropy=entropy, lse=lse, d_hidden=h.grad, d_weight=w.grad,
+                d_bias=b.grad)
     for name, value in ours.items():
-        assert_no_worse(name, value.detach(), getattr(ref, name), getattr(truth, name), torch.float32)
+        assert_no_worse(name, value.detach(), getattr(ref, name), getattr(truth, name),
+                        torch.float32)
 
 
 def _peer_compile_problem(n: int):
-    """QuACK's compile case at a CPU size: ``n`` bf16 tokens of D = 32 over V = 211, every 7th target -100."""
+    """QuACK's compile case at a CPU size: ``n`` bf16 tokens of D = 32 over V = 211, every 7th
+    target -100."""
     g = torch.Generator().manual_seed(3)
     p = make_problem((n,), 32, 211, torch.bfloat16, True)
     p.hidden = (torch.randn(n, 32, generator=g) * 0.1).bfloat16()
@@ -128,21 +138,23 @@ def _peer_compile_problem(n: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("source", cpu_sources()[1:])
 def test_a_graph_traced_under_other_tiles_is_never_reused(source, monkeypatch):
-    """The kept output's size depends on the source's tile config (and ``TPLOGP_WORKSPACE_MB``), which no argument
-    of the op carries: the traced graph holds :func:`tplogp.ops.layout_key`, so inductor's caches never hand a graph
-    traced under one config to a trace under another (its compiled code would assert the other kept size). Also the
-    default backend (inductor) around the op with entropy, lse and a temperature: one graph, eager's values."""
+    """The kept output's size depends on the source's tile config (and ``TPLOGP_WORKSPACE_MB``),
+    which no argument of the op carries: the traced graph holds :func:`tplogp.op.ops.layout_key`, so
+    inductor's caches never hand a graph traced under one config to a trace under another (its
+    compiled code would assert the other kept size). Also the default backend (inductor) around the
+    op with entropy, lse and a temperature: one graph, eager's values."""
     from dataclasses import replace
 
-    from tplogp.kernel_registry import backend_for_call
+    from tplogp.backends.kernel_registry import backend_for_call
     from tplogp.kernels import tiles
-    from tplogp.plan import clear_plans
+    from tplogp.op.plan import clear_plans
 
     p = _peer_compile_problem(20)
     op = get_op("linear_logp", source=source)
 
     def plain(h, w, t, b):
-        logp, entropy, lse = op(h, w, t, b, ignore_index=-100, return_entropy=True, return_lse=True, temperature=0.9)
+        logp, entropy, lse = op(h, w, t, b, ignore_index=-100, return_entropy=True, return_lse=True,
+                                temperature=0.9)
         return -logp.sum() + 0.5 * entropy.sum() + 0.01 * lse.sum()
 
     backend = backend_for_call(source, torch.device("cpu"), torch.bfloat16)
@@ -156,15 +168,17 @@ def test_a_graph_traced_under_other_tiles_is_never_reused(source, monkeypatch):
         torch._dynamo.reset()
         eager = loss_and_grads(plain, p)
         compiled = loss_and_grads(torch.compile(plain, fullgraph=True), p)
-        torch.testing.assert_close(compiled[0], eager[0], **tol.INDUCTOR._asdict())  # inductor's sums of the outputs
+        # inductor's sums of the outputs
+        torch.testing.assert_close(compiled[0], eager[0], **tol.INDUCTOR._asdict())
         compiled[0] = eager[0]
-        assert_same_bits(compiled, eager)  # the op's backward: eager's kernels on the same upstream gradients
+        # the op's backward: eager's kernels on the same upstream gradients
+        assert_same_bits(compiled, eager)
     clear_plans()
 
 
 def test_layout_key_is_marked_as_the_public_decorator_marks():
-    """``ops.layout_key`` carries what ``torch.compiler.assume_constant_result`` sets (set without importing
-    dynamo at tplogp's import): a torch whose decorator marks differently fails here."""
+    """``ops.layout_key`` carries what ``torch.compiler.assume_constant_result`` sets (set without
+    importing dynamo at tplogp's import): a torch whose decorator marks differently fails here."""
     def probe():
         return ""
 
@@ -174,8 +188,8 @@ def test_layout_key_is_marked_as_the_public_decorator_marks():
 
 
 def test_a_compiled_call_after_the_budget_setting_changed_names_the_cause(monkeypatch):
-    """A graph traced under one ``TPLOGP_WORKSPACE_MB`` (whose value sizes the kept output) and run under another
-    raises an error that says to retrace."""
+    """A graph traced under one ``TPLOGP_WORKSPACE_MB`` (whose value sizes the kept output) and run
+    under another raises an error that says to retrace."""
     o = dict(return_entropy=True)
     p = _problem(o, seed=5)
     loss_fn = make_loss(get_op("linear_logp", source="native"), o, (p.g_logp, p.g_entropy))
@@ -183,28 +197,31 @@ def test_a_compiled_call_after_the_budget_setting_changed_names_the_cause(monkey
     compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
     assert_same_bits(loss_and_grads(compiled, p), loss_and_grads(loss_fn, p))
     monkeypatch.setenv("TPLOGP_WORKSPACE_MB", "1024")  # keeps every logit tile
-    with pytest.raises(RuntimeError, match=r"traced for the kept layout .* call torch._dynamo.reset\(\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"traced for the kept layout .* call torch._dynamo.reset\(\)"):
         loss_and_grads(compiled, p)
 
 
 def test_compile_with_triton_source_and_bare_weight():
     """A bound source (``get_op``) and no bias compile the same way."""
     p = make_problem((13,), 16, 45, torch.float32, False, seed=6)
-    loss_fn = make_loss(get_op("linear_logp", source="triton"), dict(return_lse=True), (p.g_logp, p.g_lse))
+    loss_fn = make_loss(get_op("linear_logp", source="triton"), dict(return_lse=True),
+                        (p.g_logp, p.g_lse))
     eager = loss_and_grads(loss_fn, p)
     assert_same_bits(compiled_in_one_graph(loss_fn, p), eager)
 
 
 def test_fused_loss_with_a_plain_callable_runs_eagerly_inside_compiled_code():
-    """``linear_logp_loss`` with a loss that is not a TokenLoss (any callable: it cannot cross the op's schema) runs
-    eagerly inside compiled code, untraced (no GEMM in any captured graph, no warning from dynamo about the
-    registry's caches), with eager's loss and gradients."""
+    """``linear_logp_loss`` with a loss that is not a TokenLoss (any callable: it cannot cross the
+    op's schema) runs eagerly inside compiled code, untraced (no GEMM in any captured graph, no
+    warning from dynamo about the registry's caches), with eager's loss and gradients."""
     import warnings
 
     p = make_problem((12,), 16, 50, torch.float32, True, seed=5)
 
     def loss_fn(h, w, t, b):
-        return 2 * linear_logp_loss(h, w, t, b, loss=lambda logp, entropy, adv: -adv * logp, per_token=(p.g_logp,))
+        return 2 * linear_logp_loss(h, w, t, b, loss=lambda logp, entropy, adv: -adv * logp,
+                                    per_token=(p.g_logp,))
 
     graphs = []
 
@@ -217,7 +234,8 @@ def test_fused_loss_with_a_plain_callable_runs_eagerly_inside_compiled_code():
         warnings.simplefilter("error")
         torch.compile(loss_fn, backend=capture)(p.hidden, p.weight, p.target, p.bias)
     traced = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    assert graphs and not [t for t in traced if any(k in t for k in ("mm", "linear", "matmul", "exp"))], traced
+    assert graphs and not [t for t in traced if any(k in t for k in ("mm", "linear", "matmul",
+                                                                     "exp"))], traced
     eager = loss_and_grads(loss_fn, p)
     assert_same_bits(loss_and_grads(torch.compile(loss_fn, backend="aot_eager"), p), eager)
 
@@ -265,33 +283,36 @@ def test_a_loss_that_runs_eagerly_names_the_cause_under_fullgraph():
         compile_fullgraph(loss_fn)[0](p.hidden, p.weight, p.target)
 
 
-# The peers' compile case (bf16, ignore_index -100 on every 7th token, sum and mean) at a CPU size: 48 tokens of
-# D = 32 over V = 211 (one chunk); the triton source in the interpreter at 20 tokens. Inductor, the default backend.
+# The peers' compile case (bf16, ignore_index -100 on every 7th token, sum and mean) at a CPU size:
+# 48 tokens of D = 32 over V = 211 (one chunk); the triton source in the interpreter at 20 tokens.
+# Inductor, the default backend.
 FUSED_COMPILE_CASES = [pytest.param("native", 48, "sum", id="native-sum"),
                        pytest.param("native", 48, "mean", id="native-mean"),
                        pytest.param(*cpu_sources()[1].values, 20, "sum",
-                                    marks=(*cpu_sources()[1].marks, pytest.mark.slow), id="triton-interpreter-sum")]
+                                    marks=(*cpu_sources()[1].marks, pytest.mark.slow),
+                                    id="triton-interpreter-sum")]
 
 
 @pytest.mark.parametrize("source, n, reduction", FUSED_COMPILE_CASES)
 def test_fused_loss_compiles_fullgraph_bitwise(source, n, reduction):
-    """``linear_logp_loss`` with a TokenLoss under ``torch.compile(fullgraph=True)``: one op in the graph, and the
-    compiled loss and gradients are eager's bits; for ``linear_logp`` with the same loss written out, the gradients
-    (the loss is inductor's sum of the op's logp: another summation order)."""
+    """``linear_logp_loss`` with a TokenLoss under ``torch.compile(fullgraph=True)``: one op in the
+    graph, and the compiled loss and gradients are eager's bits; for ``linear_logp`` with the same
+    loss written out, the gradients (the loss is inductor's sum of the op's logp: another summation
+    order)."""
     p = _peer_compile_problem(n)
     ce, op = losses.cross_entropy(), get_op("linear_logp", source=source)
 
     def fused(h, w, t, b):
-        return linear_logp_loss(h, w, t, b, loss=ce, reduction=reduction, ignore_index=-100, source=source,
-                                with_entropy=False)
+        return linear_logp_loss(h, w, t, b, loss=ce, reduction=reduction, ignore_index=-100,
+                                source=source, with_entropy=False)
 
     def plain(h, w, t, b):
         per_token = -op(h, w, t, b, ignore_index=-100)
         return per_token.sum() if reduction == "sum" else per_token.sum() / (t != -100).sum()
 
-    # linear_logp with ignore_index on triton: eager compacts the ignored rows and keeps their softmax terms (bf16)
-    # for the backward; the op keeps the same terms in a prefix of a capacity for any row count
-    # (packed_op.op_kept_shape)
+    # linear_logp with ignore_index on triton: eager compacts the ignored rows and keeps their
+    # softmax terms (bf16) for the backward; the op keeps the same terms in a prefix of a capacity
+    # for any row count (packed_op.op_kept_shape)
     for fn in (fused, plain):
         eager = loss_and_grads(fn, p)
         compiled_fn, graphs = compile_fullgraph(fn, backend="inductor")
@@ -310,25 +331,31 @@ KEEP_SOURCES = cpu_sources()
 @pytest.mark.parametrize("budget", ["default", pytest.param("keep", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp-lse", "entropy"])
 def test_opcheck(entropy, budget, source):
-    """Schema, fake (meta) implementation and autograd registration of the op pair (torch.library.opcheck), also
-    with a budget that keeps logits (the fake kept buffer has the real one's shape)."""
+    """Schema, fake (meta) implementation and autograd registration of the op pair
+    (torch.library.opcheck), also with a budget that keeps logits (the fake kept buffer has the real
+    one's shape)."""
     from tplogp import keep_logits_budget
+    from tplogp.op.options import LOGP_OP, LogpOptions, op_values
 
     p = make_problem((6,), 8, 23, torch.float32, True, seed=1)
     h, w, b = (x.clone().requires_grad_() for x in (p.hidden, p.weight, p.bias))
     ws = None if budget == "default" else keep_logits_budget(6, 23, source=source, device="cpu")
-    args = (h, w, p.target, b, "", 0, None, 0.8, entropy, None, False, ws, source, True, False, "reduced", None, False,
-            ops.layout_key(source, h.device, h.dtype))
+    options = op_values(LogpOptions(temperature=0.8, return_entropy=entropy, workspace_bytes=ws),
+                        LOGP_OP)
+    args = (h, w, p.target, b, "", 0, None, source, True, ops.layout_key(source, h.device, h.dtype),
+            *options)
     packed, kept, gathered = ops.linear_logp_fwd(*args)
-    assert gathered.numel() == 0  # (rows are gathered only by a sequence-parallel call with a group)
-    # the triton sources keep a call this small under the default budget too (tplogp.memory_budget)
+    # (rows are gathered only by a sequence-parallel call with a group)
+    assert gathered.numel() == 0
+    # the triton sources keep a call this small under the default budget too
+    # (tplogp.backends.memory_budget)
     assert (kept.numel() > 0) == (budget == "keep" or source != "native"), kept.shape
     torch.library.opcheck(ops.linear_logp_fwd, args)
 
 
 def _count_recomputes(monkeypatch, source):
-    """Count the backward's recompute GEMMs (native: logits tiles computed in the backward; triton: recompute
-    launches, beside the launches that read kept logits)."""
+    """Count the backward's recompute GEMMs (native: logits tiles computed in the backward; triton:
+    recompute launches, beside the launches that read kept logits)."""
     seen = {"recompute": 0}
     if source == "triton":
         from tplogp.kernels import programs
@@ -361,7 +388,8 @@ def _count_recomputes(monkeypatch, source):
 
             return run
 
-        for module in (native, native_one_tile, native_tiles):  # the forward's, the one-tile and tiled backward's
+        # the forward's, the one-tile and tiled backward's
+        for module in (native, native_one_tile, native_tiles):
             monkeypatch.setattr(module, "_logits_tile", tile)
         monkeypatch.setattr(native.NativeBackend, "_backward_tiles", in_backward(real_backward))
         # a call whose logits fit one tile and keep nothing: the one-tile backward recomputes it
@@ -370,11 +398,12 @@ def _count_recomputes(monkeypatch, source):
 
 
 @pytest.mark.parametrize("source", KEEP_SOURCES)
-@pytest.mark.parametrize("opts", ["plain", pytest.param("entropy", marks=pytest.mark.slow), "ignore_index"])
+@pytest.mark.parametrize("opts",
+                         ["plain", pytest.param("entropy", marks=pytest.mark.slow), "ignore_index"])
 def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts):
-    """Under torch.compile a budget that holds the logits makes the op's forward keep their terms and its backward
-    read them (no recompute GEMM), with eager's bits; with ignore_index too (the compacted rows' terms, in a prefix
-    of a capacity for any row count: packed_op.op_kept_shape)."""
+    """Under torch.compile a budget that holds the logits makes the op's forward keep their terms
+    and its backward read them (no recompute GEMM), with eager's bits; with ignore_index too (the
+    compacted rows' terms, in a prefix of a capacity for any row count: packed_op.op_kept_shape)."""
     from tplogp import keep_logits_budget
 
     o = OPTIONS[opts]
@@ -382,22 +411,24 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
     n = p.target.numel()
     budget = keep_logits_budget(n, p.weight.shape[0], source=source, device="cpu")
     loss_fn = make_loss(get_op("linear_logp", source=source), o,
-                        (p.g_logp, p.g_entropy) if o.get("return_entropy") else (p.g_logp,), workspace_bytes=budget)
+                        (p.g_logp, p.g_entropy) if o.get("return_entropy") else (p.g_logp,),
+                        workspace_bytes=budget)
     eager = loss_and_grads(loss_fn, p)
     seen = _count_recomputes(monkeypatch, source)
     compiled = loss_and_grads(torch.compile(loss_fn, backend="aot_eager", fullgraph=True), p)
     assert_same_bits(compiled, eager)
     assert seen["recompute"] == 0, seen
     # the counter sees recomputes: a budget of the transient part alone keeps nothing
-    from tplogp import memory_budget
+    from tplogp.backends import memory_budget
 
     transient = memory_budget.transient_bytes(source, torch.device("cpu"))
     loss_and_grads(make_loss(get_op("linear_logp", source=source), o, (p.g_logp, p.g_entropy)
-                             if o.get("return_entropy") else (p.g_logp,), workspace_bytes=transient), p)
+                             if o.get("return_entropy") else (p.g_logp,),
+                             workspace_bytes=transient), p)
     assert seen["recompute"] > 0, seen
 
 
-# ---- with a TP group: gloo ranks of the plugin --------------------------------------------------------------------
+# ---- with a TP group: gloo ranks of the plugin ---------------------------------------------------
 
 # 3 uneven ranks (16, 34 and 51 ids): each rank traces its graph with another shard size.
 @pytest.mark.tp(world_size=3, timeout=300)
@@ -405,7 +436,8 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
 @pytest.mark.parametrize("opts", [pytest.param("plain", marks=pytest.mark.slow),
                                   pytest.param("keep", marks=pytest.mark.slow), "all"])
 def test_compile_with_tp_group(tp, opts, mode, monkeypatch):
-    """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal eager's."""
+    """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal
+    eager's."""
     from pytest_tplogp import VocabShards
 
     monkeypatch.setenv("TPLOGP_CHECKS", mode)  # per rank, undone after the test

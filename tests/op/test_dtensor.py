@@ -1,8 +1,8 @@
-"""DTensor LM heads on 4 gloo ranks: a weight (and bias) placed ``Shard(0)`` over an uneven vocabulary (101 ids:
-torch.chunk gives 26, 26, 26, 23 rows) on a 1-D mesh and on the TP dimension of a 2 x 2 mesh, against float64
-(no worse than the fp32 PyTorch reference, the three-way rule of ``tplogp.tolerances``).
-``weight.grad`` comes back as a DTensor with the weight's placements (``Partial()`` over data-parallel dims of a
-sharded hidden)."""
+"""DTensor LM heads on 4 gloo ranks: a weight (and bias) placed ``Shard(0)`` over an uneven
+vocabulary (101 ids: torch.chunk gives 26, 26, 26, 23 rows) on a 1-D mesh and on the TP dimension of
+a 2 x 2 mesh, against float64 (no worse than the fp32 PyTorch reference, the three-way rule of
+``tplogp.tolerances``). ``weight.grad`` comes back as a DTensor with the weight's placements
+(``Partial()`` over data-parallel dims of a sharded hidden)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ V, D = 101, 24
 
 
 def _mesh(tp, layout):
-    """(mesh, vocab dim): a 1-D mesh over the world, or a (dp, tp) = (2, 2) mesh; groups cached by the pool."""
+    """(mesh, vocab dim): a 1-D mesh over the world, or a (dp, tp) = (2, 2) mesh; groups cached by
+    the pool."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if layout == "1d":
@@ -26,11 +27,13 @@ def _mesh(tp, layout):
     dp = [tp.new_group(col.tolist()) for col in ranks.T]
     tp_groups = [tp.new_group(row.tolist()) for row in ranks]
     row, col = divmod(tp.rank, tp.world_size // 2)
-    return DeviceMesh.from_group([dp[col], tp_groups[row]], "cpu", mesh=ranks, mesh_dim_names=("dp", "tp")), 1
+    return DeviceMesh.from_group([dp[col], tp_groups[row]], "cpu", mesh=ranks,
+                                 mesh_dim_names=("dp", "tp")), 1
 
 
 def _close(tp, name, ours, reference, truth):
-    """The three-way rule on every rank: error vs float64 no worse than the fp32 PyTorch reference's (+ slack)."""
+    """The three-way rule on every rank: error vs float64 no worse than the fp32 PyTorch reference's
+    (+ slack)."""
     try:
         assert_no_worse(name, ours.detach(), reference, truth, torch.float32)
         problem = ""
@@ -43,17 +46,20 @@ def _close(tp, name, ours, reference, truth):
 @pytest.mark.parametrize("layout", ["1d", "2d"])
 @pytest.mark.parametrize("hidden_kind", ["plain", "replicate"])
 def test_dtensor_weight_against_float64(tp, layout, hidden_kind):
-    """logp / entropy plain (or Replicate DTensors); weight.grad, bias.grad DTensors with the weight's placements."""
+    """logp / entropy plain (or Replicate DTensors); weight.grad, bias.grad DTensors with the
+    weight's placements."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     mesh, tp_dim = _mesh(tp, layout)
     placements = [Replicate()] * mesh.ndim
     placements[tp_dim] = Shard(0)
-    p = make_problem((3, 7), D, V, torch.float32, True, seed=8, peaked=True)  # the same tensors on every rank
+    # the same tensors on every rank
+    p = make_problem((3, 7), D, V, torch.float32, True, seed=8, peaked=True)
     w = distribute_tensor(p.weight, mesh, placements).requires_grad_()
     b = distribute_tensor(p.bias, mesh, placements).requires_grad_()
     h_plain = p.hidden.clone().requires_grad_()
-    h = h_plain if hidden_kind == "plain" else DTensor.from_local(h_plain, mesh, [Replicate()] * mesh.ndim)
+    h = h_plain if hidden_kind == "plain" else DTensor.from_local(h_plain, mesh,
+                                                                  [Replicate()] * mesh.ndim)
     logp, entropy = linear_logp(h, w, p.target, b, return_entropy=True)
     if hidden_kind == "plain":
         assert type(logp) is torch.Tensor and type(entropy) is torch.Tensor
@@ -68,20 +74,23 @@ def test_dtensor_weight_against_float64(tp, layout, hidden_kind):
     _close(tp, "entropy", entropy, ref.entropy, truth.entropy)
     _close(tp, "d_hidden", h_plain.grad, ref.d_hidden, truth.d_hidden)
     for name, param, full in (("d_weight", w, truth.d_weight), ("d_bias", b, truth.d_bias)):
-        tp.assert_all(isinstance(param.grad, DTensor) and tuple(param.grad.placements) == tuple(placements),
+        tp.assert_all(isinstance(param.grad, DTensor)
+                      and tuple(param.grad.placements) == tuple(placements),
                       f"{name} must be a DTensor placed {placements}, got {type(param.grad).__name__}")
         _close(tp, name, param.grad.full_tensor(), getattr(ref, name), full)
 
 
 @pytest.mark.tp(world_size=4, timeout=300)
 def test_dtensor_hidden_sharded_over_data_parallel_dim(tp):
-    """2 x 2 (dp, tp) mesh, hidden Shard(0) on dp: logp is sharded like hidden; weight.grad sums over dp (Partial)."""
+    """2 x 2 (dp, tp) mesh, hidden Shard(0) on dp: logp is sharded like hidden; weight.grad sums
+    over dp (Partial)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     mesh, _ = _mesh(tp, "2d")
     p = make_problem((8,), D, V, torch.float32, False, seed=12)
     w = distribute_tensor(p.weight, mesh, [Replicate(), Shard(0)]).requires_grad_()
-    rows = slice(4 * mesh.get_local_rank(0), 4 * mesh.get_local_rank(0) + 4)  # this dp rank's 4 of the 8 tokens
+    # this dp rank's 4 of the 8 tokens
+    rows = slice(4 * mesh.get_local_rank(0), 4 * mesh.get_local_rank(0) + 4)
     h_local = p.hidden[rows].clone().requires_grad_()
     h = DTensor.from_local(h_local, mesh, [Shard(0), Replicate()])
     logp = linear_logp(h, w, p.target[rows])
@@ -90,7 +99,8 @@ def test_dtensor_hidden_sharded_over_data_parallel_dim(tp):
     (logp.to_local() * p.g_logp[rows]).sum().backward()
     truth, ref = run_reference(p, "float64"), run_reference(p, "fp32")
     _close(tp, "logp", logp.full_tensor(), ref.logp, truth.logp)
-    tp.assert_all(tuple(w.grad.placements) == (Partial(), Shard(0)), f"weight.grad placed {w.grad.placements}")
+    tp.assert_all(tuple(w.grad.placements) == (Partial(), Shard(0)),
+                  f"weight.grad placed {w.grad.placements}")
     _close(tp, "d_weight", w.grad.full_tensor(), ref.d_weight, truth.d_weight)
     _close(tp, "d_hidden", h_local.grad, ref.d_hidden[rows], truth.d_hidden[rows])
 
@@ -102,14 +112,16 @@ def test_dtensor_bad_placements_raise_on_every_rank(tp):
     mesh, _ = _mesh(tp, "1d")
     p = make_problem((5,), D, V, torch.float32, False, seed=1)
     messages = []
-    for w in (distribute_tensor(p.weight, mesh, [Replicate()]), distribute_tensor(p.weight, mesh, [Shard(1)])):
+    for w in (distribute_tensor(p.weight, mesh, [Replicate()]),
+              distribute_tensor(p.weight, mesh, [Shard(1)])):
         try:
             linear_logp(p.hidden, w, p.target)
             messages.append("no error")
         except LinearLogpInputError as exc:
             messages.append(str(exc))
     try:
-        linear_logp(p.hidden, distribute_tensor(p.weight, mesh, [Shard(0)]), p.target, tp_group=tp.group)
+        linear_logp(p.hidden, distribute_tensor(p.weight, mesh, [Shard(0)]), p.target,
+                    tp_group=tp.group)
         messages.append("no error")
     except LinearLogpInputError as exc:
         messages.append(str(exc))

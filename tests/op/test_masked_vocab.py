@@ -11,7 +11,7 @@ import torch
 import tplogp
 from tests.support.masked import compare, make_masked, masked_outputs, masked_problems, run_masked
 from tests.support.problems import cpu_sources
-from tplogp.memory_budget import DLOGITS_WORKSPACE_BYTES
+from tplogp.backends.memory_budget import DLOGITS_WORKSPACE_BYTES
 
 N, D, V = 6, 16, 80
 # a leading run of masked ids (whole tiles: a row's running max stays -inf over them), forbidden

@@ -1,6 +1,7 @@
-"""How a budget splits, for every source (:mod:`tplogp.memory_budget`): the call's ``workspace_bytes``, else
-``TPLOGP_WORKSPACE_MB``, else the source's row of the table; a budget's transient part is at most the source's
-transient size and the rest is kept, the same on every source; docs/operator.md states the table's rows."""
+"""How a budget splits, for every source (:mod:`tplogp.backends.memory_budget`): the call's
+``workspace_bytes``, else ``TPLOGP_WORKSPACE_MB``, else the source's row of the table; a budget's
+transient part is at most the source's transient size and the rest is kept, the same on every
+source; docs/operator.md states the table's rows."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import pathlib
 import pytest
 import torch
 
-from tplogp import memory_budget
+from tplogp.backends import memory_budget
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # (a device object only: nothing runs on it)
 MIB = 1 << 20
 SOURCES = ("native", "triton", "sm90")
 
 
-# every row on both kinds of device: the native row differs between them, the triton / sm90 rows do not
+# every row on both kinds of device: the native row differs between them, the triton / sm90 rows do
+# not
 @pytest.mark.parametrize("source, device, transient, keep_whole", [
     pytest.param("native", CPU, 64 * MIB, 0, id="native-cpu"),
     pytest.param("native", CUDA, 1024 * MIB, 0, id="native-cuda"),
@@ -33,8 +35,8 @@ def test_no_budget_is_the_sources_row(monkeypatch, source, device, transient, ke
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_a_budget_splits_alike_on_every_source(monkeypatch, source):
-    """Up to the transient size all of it is transient (so a budget of that size keeps nothing), the rest is kept;
-    the variable is a budget like the call's, and the call's wins over it."""
+    """Up to the transient size all of it is transient (so a budget of that size keeps nothing), the
+    rest is kept; the variable is a budget like the call's, and the call's wins over it."""
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     t = memory_budget.transient_bytes(source, CPU)
     assert memory_budget.split(source, 0, CPU) == (0, 0, 0)
@@ -52,8 +54,8 @@ def _size(n_bytes: int) -> str:
 
 
 def test_the_operator_manual_states_the_table():
-    """docs/operator.md, "Memory budget": each source's row gives its transient sizes and whether a call without a
-    budget keeps anything."""
+    """docs/operator.md, "Memory budget": each source's row gives its transient sizes and whether a
+    call without a budget keeps anything."""
     text = (pathlib.Path(__file__).parents[2] / "docs" / "operator.md").read_text()
     section = text.split("## Memory budget", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]

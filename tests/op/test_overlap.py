@@ -1,5 +1,6 @@
-"""The TP backward's d_hidden all-reduce is issued as soon as d_hidden is complete and runs under the d_W work:
-the gradients are bitwise those of a blocking all-reduce after the whole backward (4 uneven gloo ranks)."""
+"""The TP backward's d_hidden all-reduce is issued as soon as d_hidden is complete and runs under
+the d_W work: the gradients are bitwise those of a blocking all-reduce after the whole backward (4
+uneven gloo ranks)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ LEAD, D, V = (3, 23), 19, 301
 
 
 def _blocking_reference(tp, op, p, vs, workspace_bytes):
-    """The op with the pre-overlap schedule: the backend's whole backward, then the all_reduce (its hook dropped)."""
+    """The op with the pre-overlap schedule: the backend's whole backward, then the all_reduce (its
+    hook dropped)."""
     from tplogp.backends.native import NativeBackend
 
     original = NativeBackend.backward
@@ -35,7 +37,8 @@ def test_overlapped_all_reduce_is_issued_before_the_last_d_w_update(tp, dtype):
     p = make_problem(LEAD, D, V, dtype, True, seed=4)
     p.weight, p.bias = vs.shard(p.weight).clone(), vs.shard(p.bias).clone()
     op = get_op("linear_logp", source="native")
-    ws = 16 * 4 * 4 * (vs.end - vs.start)  # 16-token chunks: d_hidden is complete only in the last one
+    # 16-token chunks: d_hidden is complete only in the last one
+    ws = 16 * 4 * 4 * (vs.end - vs.start)
     with record_schedule() as events:
         ours = run_op(op, p, tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=V,
                       workspace_bytes=ws)
@@ -43,4 +46,5 @@ def test_overlapped_all_reduce_is_issued_before_the_last_d_w_update(tp, dtype):
     tp.assert_all(problem is None, problem)
     ref = _blocking_reference(tp, op, p, vs, ws)
     for name in ("logp", "d_hidden", "d_weight", "d_bias"):
-        tp.assert_all(torch.equal(getattr(ours, name), getattr(ref, name)), f"{name} differs from the blocking run")
+        tp.assert_all(torch.equal(getattr(ours, name), getattr(ref, name)),
+                      f"{name} differs from the blocking run")

@@ -1,18 +1,20 @@
-"""The per-layout call plan (tplogp.plan): a later call of a layout plans nothing; a change of any layout input
-(shapes, dtypes, bias, options, group, checks mode, workspace setting, grad mode) plans afresh; a bad layout is never
-remembered (it raises at every call)."""
+"""The per-layout call plan (tplogp.op.plan): a later call of a layout plans nothing; a change of
+any layout input (shapes, dtypes, bias, options, group, checks mode, workspace setting, grad mode)
+plans afresh; a bad layout is never remembered (it raises at every call)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tplogp import LinearLogpInputError, ShardLayoutError, check_errors, get_op, plan
+from tplogp import LinearLogpInputError, ShardLayoutError, check_errors, get_op
+from tplogp.op import plan
 
 
 @pytest.fixture(autouse=True)
 def _no_remembered_plans():
-    """Each test starts from an empty plan cache: another test in the same process may have planned its layouts."""
+    """Each test starts from an empty plan cache: another test in the same process may have planned
+    its layouts."""
     plan.clear_plans()
     yield
 
@@ -57,13 +59,16 @@ def test_a_changed_layout_input_replans_and_the_same_layout_does_not(change):
     h, w, y, b = _inputs()
     op(h, w, y)
     assert _planned(lambda: op(h, w, y)) == 0  # the same layout: the remembered plan
-    assert _planned(lambda: op(h.clone(), w.clone(), y.clone())) == 0  # other tensors of the same layout
+    # other tensors of the same layout
+    assert _planned(lambda: op(h.clone(), w.clone(), y.clone())) == 0
     assert _planned(lambda: CHANGES[change](op, h, w, y, b)) == 1
-    assert _planned(lambda: CHANGES[change](op, h, w, y, b)) == 0  # and that one is remembered in turn
+    # and that one is remembered in turn
+    assert _planned(lambda: CHANGES[change](op, h, w, y, b)) == 0
     check_errors()
 
 
-@pytest.mark.parametrize("variable,value", [("TPLOGP_CHECKS", "sync"), ("TPLOGP_WORKSPACE_MB", "3")])
+@pytest.mark.parametrize("variable,value",
+                         [("TPLOGP_CHECKS", "sync"), ("TPLOGP_WORKSPACE_MB", "3")])
 def test_a_changed_setting_replans(variable, value, monkeypatch):
     op = get_op("linear_logp", source="native")
     h, w, y, _ = _inputs(n=5)
@@ -75,11 +80,13 @@ def test_a_changed_setting_replans(variable, value, monkeypatch):
 
 
 def test_a_bad_layout_is_never_remembered():
-    """Every call of a bad layout runs the checks again and raises (the plan is kept only after they pass)."""
+    """Every call of a bad layout runs the checks again and raises (the plan is kept only after they
+    pass)."""
     op = get_op("linear_logp", source="native")
     h, w, y, _ = _inputs(n=7)
     for _ in range(2):
-        with pytest.raises(LinearLogpInputError, match=r"temperature must be a positive finite number"):
+        with pytest.raises(LinearLogpInputError,
+                           match=r"temperature must be a positive finite number"):
             op(h, w, y, temperature=-1.0)
         with pytest.raises(ShardLayoutError, match="the single shard must start at 0"):
             op(h, w, y, vocab_start_index=3)
@@ -100,7 +107,8 @@ def test_a_bad_setting_raises_at_every_call(monkeypatch):
 
 
 def test_planned_calls_match_the_reference():
-    """The remembered plan gives the same outputs and gradients as the first (planning) call, bit for bit."""
+    """The remembered plan gives the same outputs and gradients as the first (planning) call, bit
+    for bit."""
     op = get_op("linear_logp", source="native")
     h, w, y, b = _inputs(n=9, bias=True)
     results = []

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tplogp import SourceUnavailableError, get_op, linear_logp
-from tplogp import kernel_registry as reg
+from tplogp.backends import kernel_registry as reg
 
 
 def test_unknown_op_and_source_list_what_exists():
@@ -51,7 +51,7 @@ def test_registry_op_equals_public_op_and_native():
 def test_import_does_no_device_work_and_needs_no_triton():
     """Importing tplogp must not import triton, initialise CUDA, or touch a device."""
     code = (
-        "import sys, tplogp, tplogp.kernel_registry;"
+        "import sys, tplogp, tplogp.backends.kernel_registry;"
         "import torch;"
         "assert 'triton' not in sys.modules, 'triton imported at import time';"
         "assert not torch.cuda.is_initialized();"

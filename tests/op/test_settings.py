@@ -1,4 +1,5 @@
-"""tplogp.settings: every environment variable the package reads, read at call time, with clear errors."""
+"""tplogp.support.settings: every environment variable the package reads, read at call time, with
+clear errors."""
 
 import ast
 from pathlib import Path
@@ -6,7 +7,8 @@ from pathlib import Path
 import pytest
 
 import tplogp
-from tplogp import settings, validation
+from tplogp.support import settings
+from tplogp.op import validation
 
 
 def test_workspace_mb(monkeypatch):
@@ -28,7 +30,8 @@ def test_checks_mode(monkeypatch):
     monkeypatch.setenv("TPLOGP_CHECKS", " FAST ")
     assert settings.checks_mode() == "fast"
     monkeypatch.setenv("TPLOGP_CHECKS", "quick")
-    with pytest.raises(settings.SettingsError, match="TPLOGP_CHECKS must be one of .*'full'.*got 'quick'"):
+    with pytest.raises(settings.SettingsError,
+                       match="TPLOGP_CHECKS must be one of .*'full'.*got 'quick'"):
         settings.checks_mode()
     # the operator reports it as an input error
     with pytest.raises(validation.LinearLogpInputError, match="TPLOGP_CHECKS"):
@@ -42,14 +45,15 @@ def test_triton_interpret(monkeypatch):
 
 
 def test_only_settings_reads_the_environment():
-    """No other module of the package reads os.environ / os.getenv, and the docstring lists every variable."""
+    """No other module of the package reads os.environ / os.getenv, and the docstring lists every
+    variable."""
     root = Path(tplogp.__file__).parent
     readers = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv"):
                 readers.append(str(path.relative_to(root)))
-    assert set(readers) == {"settings.py"}, readers
+    assert set(readers) == {"support/settings.py"}, readers
     for name in (settings.WORKSPACE_MB, settings.CHECKS, settings.TRITON_INTERPRET):
         assert f"``{name}``" in settings.__doc__
 

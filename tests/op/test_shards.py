@@ -2,7 +2,7 @@
 
 import pytest
 
-from tplogp.shards import (
+from tplogp.support.shards import (
     ShardLayoutError,
     chunk_boundaries,
     even_boundaries,
@@ -39,7 +39,8 @@ def test_runbook_layouts():
 @pytest.mark.parametrize("vocab", [1, 3, 7, 10, 101])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_chunk_boundaries_are_torch_chunk(vocab, world):
-    """The split of a DTensor placed Shard(0): torch.chunk's, trailing ranks empty when the chunks run out."""
+    """The split of a DTensor placed Shard(0): torch.chunk's, trailing ranks empty when the chunks
+    run out."""
     import torch
 
     sizes = [len(c) for c in torch.arange(vocab).chunk(world)]
@@ -60,7 +61,8 @@ def test_shard_range():
     "ranges, vocab, message",
     [
         ([(0, 5), (4, 10)], None, r"overlap: rank 0 owns \[0, 5\) and rank 1 owns \[4, 10\)"),
-        ([(0, 5), (6, 10)], None, r"gap: ids \[5, 6\) between rank 0 \[0, 5\) and rank 1 \[6, 10\)"),
+        ([(0, 5), (6, 10)], None,
+         r"gap: ids \[5, 6\) between rank 0 \[0, 5\) and rank 1 \[6, 10\)"),
         ([(1, 5), (5, 10)], None, r"gap: ids \[0, 1\) are owned by no rank"),
         ([(0, 5), (5, 10)], 12, r"last rank \(1\) ends at 10 but global_vocab_size is 12"),
         ([(0, 5), (5, 10)], 8, r"ids past the end"),

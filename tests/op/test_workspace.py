@@ -1,7 +1,8 @@
-"""``workspace_bytes`` as a memory-for-speed dial (native source): tiles up to the default tile budget, the rest
-keeps tiles' softmax terms (16-bit for 16-bit inputs) with their row scales for the backward. Every budget gives
-the default's values bit for bit and its gradients within the tolerance table (fp32: the table's eps; 16-bit: the
-eager reference's error, three-way against float64); the backward runs one recompute GEMM per tile not kept."""
+"""``workspace_bytes`` as a memory-for-speed dial (native source): tiles up to the default tile
+budget, the rest keeps tiles' softmax terms (16-bit for 16-bit inputs) with their row scales for the
+backward. Every budget gives the default's values bit for bit and its gradients within the tolerance
+table (fp32: the table's eps; 16-bit: the eager reference's error, three-way against float64); the
+backward runs one recompute GEMM per tile not kept."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 import tplogp
 from tests.support.problems import make_problem, run_op, run_reference
-from tplogp import get_op, memory_budget
+from tplogp import get_op
+from tplogp.backends import memory_budget
 from tplogp.backends import native, native_tiles
 from tplogp.tolerances import ERROR_SLACK, assert_no_worse, rel_error, slack_bound
 
@@ -25,8 +27,8 @@ def small_tiles(monkeypatch):
 
 
 def _count_gemms(monkeypatch):
-    """Count the native source's logits GEMMs, the forward's and the backward's recomputes (``monkeypatch``: a fixture
-    or a ``monkeypatch.context()``)."""
+    """Count the native source's logits GEMMs, the forward's and the backward's recomputes
+    (``monkeypatch``: a fixture or a ``monkeypatch.context()``)."""
     calls = {"logits": 0}
     real = native._logits_tile
 
@@ -42,7 +44,8 @@ def _count_gemms(monkeypatch):
 def _plan(p, budget, deterministic=False):
     n, v = p.target.numel(), p.weight.shape[0]
     low_cpu = p.hidden.dtype != torch.float32
-    tc, vc = native.plan_chunks(n, v, p.hidden.shape[-1], TILE_BYTES, deterministic, low_cpu, dw_tile=low_cpu)
+    tc, vc = native.plan_chunks(n, v, p.hidden.shape[-1], TILE_BYTES, deterministic, low_cpu,
+                                dw_tile=low_cpu)
     tiles = -(-n // tc) * -(-v // vc)
     return tiles, native.kept_tiles(n, v, tc, vc, max(0, budget - TILE_BYTES), deterministic,
                                     native.kept_dtype(p.hidden.dtype).itemsize)
@@ -76,7 +79,8 @@ def test_every_budget_gives_the_default_results(small_tiles, monkeypatch, dtype,
         for name in ("d_hidden", "d_weight", "d_bias"):
             _within_table(name, getattr(ours, name), getattr(default, name), getattr(ref, name),
                           getattr(truth, name), dtype)
-    # all kept at the top; 16-bit terms take about half of fp32 logits' bytes (plus the scales of these small tiles)
+    # all kept at the top; 16-bit terms take about half of fp32 logits' bytes (plus the scales of
+    # these small tiles)
     all_kept, words = _plan(p, TILE_BYTES + 4 * full_logits, deterministic)[1]
     assert tiles > 1 and all_kept == tiles
     share, rows = (1.0 if dtype == torch.float32 else 0.5), full_logits // (4 * v)
@@ -84,8 +88,9 @@ def test_every_budget_gives_the_default_results(small_tiles, monkeypatch, dtype,
 
 
 def _within_table(name, ours, default, ref, truth, dtype):
-    """A gradient of a budget that keeps terms against the default's: within fp32's eps, or (16-bit) no worse than
-    the eager reference against float64 and within that reference's error of the default."""
+    """A gradient of a budget that keeps terms against the default's: within fp32's eps, or (16-bit)
+    no worse than the eager reference against float64 and within that reference's error of the
+    default."""
     if dtype == torch.float32:
         assert rel_error(ours, default) <= ERROR_SLACK[torch.float32].eps, (name, rel_error(ours, default))
         return
@@ -101,7 +106,8 @@ def test_kept_logits_survive_a_repeated_backward(small_tiles):
     (out * p.g_logp).sum().backward(retain_graph=True)
     first = h.grad.clone()
     (out * p.g_logp).sum().backward()
-    torch.testing.assert_close(h.grad, 2 * first, rtol=0, atol=0)  # the kept terms are read, not overwritten
+    # the kept terms are read, not overwritten
+    torch.testing.assert_close(h.grad, 2 * first, rtol=0, atol=0)
 
 
 def test_nothing_is_kept_without_a_backward(small_tiles):
@@ -111,15 +117,16 @@ def test_nothing_is_kept_without_a_backward(small_tiles):
 
     t = p.target
     scoring = be.forward_stats(p.hidden, p.weight, None, t, ShardCall(workspace_bytes=1 << 20))
-    training = be.forward_stats(p.hidden, p.weight, None, t, ShardCall(workspace_bytes=1 << 20, for_backward=True))
+    training = be.forward_stats(p.hidden, p.weight, None, t,
+                                ShardCall(workspace_bytes=1 << 20, for_backward=True))
     assert scoring.kept is None and training.kept is not None
     assert training.kept.numel() * 4 <= (1 << 20) - TILE_BYTES
 
 
 @pytest.mark.tp(world_size=4, timeout=300)
 def test_budgets_on_uneven_ranks(tp):
-    """4 uneven gloo ranks: a budget that keeps every tile gives the default's values bit for bit and its gradients
-    within the fp32 eps on every rank."""
+    """4 uneven gloo ranks: a budget that keeps every tile gives the default's values bit for bit
+    and its gradients within the fp32 eps on every rank."""
     from pytest_tplogp import VocabShards
 
     vs = VocabShards("uneven", tp.world_size, vocab_size=301).__tp_bind__(tp)
@@ -128,8 +135,10 @@ def test_budgets_on_uneven_ranks(tp):
     op = get_op("linear_logp", source="native")
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=301, entropy=True)
     default = run_op(op, p, **kw)
-    kept = run_op(op, p, workspace_bytes=tplogp.keep_logits_budget(51, vs.end - vs.start, source="native",
-                                                                    device="cpu", dtype=torch.float32), **kw)
+    kept = run_op(op, p,
+                  workspace_bytes=tplogp.keep_logits_budget(51, vs.end - vs.start, source="native",
+                                                                    device="cpu",
+                                                                    dtype=torch.float32), **kw)
     for name in ("logp", "entropy"):
         tp.assert_all(torch.equal(getattr(kept, name), getattr(default, name)), name)
     for name in ("d_hidden", "d_weight", "d_bias"):
@@ -137,15 +146,16 @@ def test_budgets_on_uneven_ranks(tp):
 
 
 def test_low_precision_d_weight_needs_no_full_size_fp32_buffer(small_tiles):
-    """A 16-bit d_W is summed per vocab tile in an fp32 tile buffer (within the tile budget) and rounded once: no
-    fp32 tensor of d_W's size is made, however many token chunks; the result is no worse than the eager
-    reference (tolerance table)."""
+    """A 16-bit d_W is summed per vocab tile in an fp32 tile buffer (within the tile budget) and
+    rounded once: no fp32 tensor of d_W's size is made, however many token chunks; the result is no
+    worse than the eager reference (tolerance table)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from tests.support.problems import run_reference
     from tplogp.tolerances import assert_no_worse
 
-    p = make_problem((150,), 24, 211, torch.bfloat16, True, seed=4)  # d_hidden (fp32) smaller than d_W
+    # d_hidden (fp32) smaller than d_W
+    p = make_problem((150,), 24, 211, torch.bfloat16, True, seed=4)
     v, d = p.weight.shape
     big = []
 

@@ -114,7 +114,7 @@ def test_logp_matches_reference(tp, vocab_shards, op_source, dtype, bias, refere
 
 @pytest.mark.slow
 def test_operator_fixtures_end_to_end(pytester: pytest.Pytester, tag: str) -> None:
-    pytest.importorskip("tplogp.kernel_registry")
+    pytest.importorskip("tplogp.backends.kernel_registry")
     pytester.makepyfile(test_body=OP_BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rA",
                                            "--tp-op-source=registry,native,sm90",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 def record_schedule() -> Iterator[list]:
     """Yields the list of events, in order: ``("all_reduce", async_op)``, ``("reduce_scatter", async_op)`` and
     ``("d_W", None)``."""
-    from tplogp import comm
+    from tplogp.support import comm
     from tplogp.backends import native
 
     events: list = []

@@ -4,7 +4,7 @@ and extreme values"), and the checks that compare the op against them.
 :func:`masked_outputs` is eager PyTorch's ``log_softmax(cap(h W^T + b) / T)`` in float64 (the truth)
 or as a PyTorch LM head in the inputs' dtype (the same-dtype reference), the ``-inf`` bias entries
 added as constants, so autograd gives eager's finite gradients of a masked column (its target's
-one-hot alone). Where eager has no value the rule of :mod:`tplogp.masked_rows` is written out
+one-hot alone). Where eager has no value the rule of :mod:`tplogp.support.masked_rows` is written out
 independently: an entropy term ``p z`` with ``p = 0`` is 0, and a row whose every column is masked
 gets ``logp = lse = -inf``, entropy 0 and the gradient of its target's one-hot
 (``d logp / d z_target = 1``).

@@ -138,7 +138,7 @@ def cpu_sources(slow_triton: bool = False) -> list:
     ``slow`` with ``slow_triton`` (left out of the inner loop)."""
     import pytest
 
-    from tplogp.kernel_registry import unavailable_reason
+    from tplogp.backends.kernel_registry import unavailable_reason
 
     here = unavailable_reason("triton", torch.device("cpu")) is None
     marks = [pytest.mark.skipif(not here, reason="needs triton (interpreter)")]

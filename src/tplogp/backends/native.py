@@ -4,28 +4,32 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 
 * The ``[N, V_local]`` logits are not held whole unless the budget allows it. Work is tiled into
   ``[tokens_chunk, vocab_chunk]`` fp32 tiles. The byte budget (``ShardCall.workspace_bytes``, else
-  ``TPLOGP_WORKSPACE_MB``, else the default) goes to the tiles up to the source's transient size; the rest keeps
-  (:func:`tplogp.memory_budget.split`), for the first tiles (in the forward's order), the softmax terms
-  ``e = exp(z - m)`` (in the inputs' dtype: bf16, fp16 or fp32) with the running max ``m`` per row, whose backward
-  then forms ``p = e exp(m - M - log S)`` instead of recomputing the tile (no GEMM; ``p`` carries e's rounding
-  alone, whatever the logits' size: docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output
-  (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on CPU), so the target logit is read from the fp32
-  accumulator, never from a rounded logit.
-* Forward keeps an online softmax per token across vocab tiles: running max ``m``, ``s = sum exp(z - m)`` and, for
-  entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to ``m'``, ``s <- s e^{m-m'}`` and
-  ``q <- e^{m-m'} (q + s (m - m'))``.
-* Backward (vocab tiles outer, token chunks inner) recomputes each tile (or reads a kept one), forms ``dz`` in fp32,
-  then accumulates ``d_hidden`` (fp32) and ``d_weight`` with fp32-accumulating GEMMs; a low-precision ``d_weight``
-  is summed per vocab tile in an fp32 tile buffer within the tile budget and rounded once. Saved state is O(N).
-* ``deterministic=True`` uses a token chunk that does not depend on N and pads the last chunk to it, so every GEMM
-  has the same shape whatever the batch: a row's results do not change when other rows are added or removed.
-* ``deterministic="tp_invariant"`` (:mod:`tplogp.invariant`): :meth:`NativeBackend.forward_blocks` and the backward
-  run :mod:`tplogp.backends.native_grid`: grid blocks of ``GRID_COLUMNS`` columns, each copied into a zero-padded
-  ``[GRID_COLUMNS, D]`` buffer, with the deterministic token chunk: every GEMM, every reduction and every
-  elementwise op has one shape, so a column's logits, d_W and d_b do not depend on the shard it came in.
+  ``TPLOGP_WORKSPACE_MB``, else the default) goes to the tiles up to the source's transient size;
+  the rest keeps (:func:`tplogp.backends.memory_budget.split`), for the first tiles (in the
+  forward's order), the softmax terms ``e = exp(z - m)`` (in the inputs' dtype: bf16, fp16 or fp32)
+  with the running max ``m`` per row, whose backward then forms ``p = e exp(m - M - log S)`` instead
+  of recomputing the tile (no GEMM; ``p`` carries e's rounding alone, whatever the logits' size:
+  docs/operator.md, "Memory budget"). Each tile is one GEMM with fp32 output
+  (``torch.mm(..., out_dtype=float32)`` on CUDA, fp32 operands on CPU), so the target logit is read
+  from the fp32 accumulator, never from a rounded logit.
+* Forward keeps an online softmax per token across vocab tiles: running max ``m``,
+  ``s = sum exp(z - m)`` and, for entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to
+  ``m'``, ``s <- s e^{m-m'}`` and ``q <- e^{m-m'} (q + s (m - m'))``.
+* Backward (vocab tiles outer, token chunks inner) recomputes each tile (or reads a kept one), forms
+  ``dz`` in fp32, then accumulates ``d_hidden`` (fp32) and ``d_weight`` with fp32-accumulating
+  GEMMs; a low-precision ``d_weight`` is summed per vocab tile in an fp32 tile buffer within the
+  tile budget and rounded once. Saved state is O(N).
+* ``deterministic=True`` uses a token chunk that does not depend on N and pads the last chunk to it,
+  so every GEMM has the same shape whatever the batch: a row's results do not change when other rows
+      are added or removed.
+* ``deterministic="tp_invariant"`` (:mod:`tplogp.support.invariant`):
+  :meth:`NativeBackend.forward_blocks` and the backward run :mod:`tplogp.backends.native_grid`: grid
+  blocks of ``GRID_COLUMNS`` columns, each copied into a zero-padded ``[GRID_COLUMNS, D]`` buffer,
+  with the deterministic token chunk: every GEMM, every reduction and every elementwise op has one
+      shape, so a column's logits, d_W and d_b do not depend on the shard it came in.
 
-The shared tile arithmetic (the fp32 logits tile, row padding, a backward token chunk's vectors) is in
-:mod:`tplogp.backends.native_tiles`.
+The shared tile arithmetic (the fp32 logits tile, row padding, a backward token chunk's vectors) is
+in :mod:`tplogp.backends.native_tiles`.
 """
 
 from __future__ import annotations
@@ -34,16 +38,18 @@ from typing import Optional
 
 import torch
 
-from .. import fp32_gemm, memory_budget, settings
+from ..support import fp32_gemm, settings
+from . import memory_budget
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
-from ..masked_rows import floored, rescale_max, settle_rows
+from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
-from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows, _recomputed_dz,
-                           _token_chunk, _TokenChunk)
+from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
+                           _recomputed_dz, _token_chunk, _TokenChunk)
 
-# fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for temporaries.
+# fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for
+# temporaries.
 _TILE_COPIES = 4
 
 def kept_tile_words(rows: int, cols: int, itemsize: int) -> tuple[int, int]:
@@ -53,8 +59,9 @@ def kept_tile_words(rows: int, cols: int, itemsize: int) -> tuple[int, int]:
 
 def kept_tiles(n_tokens: int, vocab: int, tc: int, vc: int, keep_bytes: int, deterministic: bool,
                itemsize: int = 4) -> tuple[int, int]:
-    """``(tiles, 4-byte words)``: the first tiles, in the forward's order (token chunks, then vocab tiles), whose
-    kept softmax terms (``itemsize`` bytes each) and per-row scales fit ``keep_bytes`` together."""
+    """``(tiles, 4-byte words)``: the first tiles, in the forward's order (token chunks, then vocab
+    tiles), whose kept softmax terms (``itemsize`` bytes each) and per-row scales fit ``keep_bytes``
+    together."""
     count, used = 0, 0
     for t0 in range(0, n_tokens, tc):
         rows = tc if deterministic else min(tc, n_tokens - t0)
@@ -69,18 +76,20 @@ def kept_tiles(n_tokens: int, vocab: int, tc: int, vc: int, keep_bytes: int, det
 
 def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deterministic: bool,
                 low_precision_cpu: bool, dw_tile: bool = False) -> tuple[int, int]:
-    """(tokens_chunk, vocab_chunk) so that the fp32 tiles (and CPU upcast copies, and with ``dw_tile`` the
-    backward's fp32 ``[vocab_chunk, D]`` d_W tile of low-precision weights) fit ``workspace_bytes``."""
+    """(tokens_chunk, vocab_chunk) so that the fp32 tiles (and CPU upcast copies, and with
+    ``dw_tile`` the backward's fp32 ``[vocab_chunk, D]`` d_W tile of low-precision weights) fit
+    ``workspace_bytes``."""
     budget_elems = max(workspace_bytes // (4 * _TILE_COPIES), 1)
-    # per vocab row, in units of the _TILE_COPIES tile copies: the CPU upcast of a weight slice to fp32, and the
-    # one fp32 d_W tile row
+    # per vocab row, in units of the _TILE_COPIES tile copies: the CPU upcast of a weight slice to
+    # fp32, and the one fp32 d_W tile row
     extra_per_vocab = (dim if low_precision_cpu else 0) + (-(-dim // _TILE_COPIES) if dw_tile else 0)
     if deterministic:
         tc = DETERMINISTIC_TOKEN_CHUNK
         vc = max(1, min(vocab, budget_elems // (tc + extra_per_vocab)))
         return tc, vc
     n = max(n_tokens, 1)
-    # Whole shard per tile when at least a modest token chunk fits: each token chunk then reads W once.
+    # Whole shard per tile when at least a modest token chunk fits: each token chunk then reads W
+    # once.
     min_tokens = min(n, 128)
     if vocab * (min_tokens + extra_per_vocab) <= budget_elems:
         vc = vocab
@@ -92,30 +101,37 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
 
 
 def _log_terms(terms: torch.Tensor) -> torch.Tensor:
-    """``log(e)`` in fp32 of a kept tile's terms ``e = exp(z - m)``, ``e`` clamped to 2^-126 first (a flushed term's
-    log stays finite; its p is 0): what the softcap's slope and the entropy's ``z - M`` are read from."""
+    """``log(e)`` in fp32 of a kept tile's terms ``e = exp(z - m)``, ``e`` clamped to 2^-126 first
+    (a flushed term's log stays finite; its p is 0): what the softcap's slope and the entropy's
+    ``z - M`` are read from."""
     return terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_()
 
 
-def _softcap_slope(log_terms: torch.Tensor, tanh_max: torch.Tensor, call: ShardCall) -> torch.Tensor:
-    """``d cap / d y = (1 - t)(1 + t)`` of a kept tile, ``t = tanh(y / softcap) = t_m + log(e) / (softcap inv_t)``
-    from its terms' logs (:func:`_log_terms`, not modified) and the running max ``t_m`` of the tanh kept as their
-    scale. Where the cap saturates, ``1 - t`` is a few ulp of 1: the max's own
-    tanh (``e = 1``, ``t = t_m`` exactly) keeps them all, where ``z / (softcap inv_t)`` (two roundings after the tanh)
-    is an ulp or two off, often past 1. ``t`` is clamped to ``[-1, 1]``: a term far below the max may step past -1."""
+def _softcap_slope(log_terms: torch.Tensor, tanh_max: torch.Tensor,
+                   call: ShardCall) -> torch.Tensor:
+    """``d cap / d y = (1 - t)(1 + t)`` of a kept tile,
+    ``t = tanh(y / softcap) = t_m + log(e) / (softcap inv_t)`` from its terms' logs
+    (:func:`_log_terms`, not modified) and the running max ``t_m`` of the tanh kept as their scale.
+    Where the cap saturates, ``1 - t`` is a few ulp of 1: the max's own tanh (``e = 1``, ``t = t_m``
+    exactly) keeps them all, where ``z / (softcap inv_t)`` (two roundings after the tanh) is an ulp
+    or two off, often past 1. ``t`` is clamped to ``[-1, 1]``: a term far below the max may step
+    past -1."""
     t = log_terms.mul(1.0 / (call.softcap * call.inv_temperature)).add_(tanh_max.unsqueeze(1)).clamp_(-1.0, 1.0)
     return torch.sub(1.0, t).mul_(t.add_(1.0))
 
 
-_TINY = torch.finfo(torch.float32).tiny  # 2^-126: a flushed kept term's log stays finite (its p is 0)
+# 2^-126: a flushed kept term's log stays finite (its p is 0)
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def _dz_from_kept(terms: torch.Tensor, log_terms: Optional[torch.Tensor], scales: torch.Tensor,
                   ch: "_TokenChunk") -> torch.Tensor:
-    """``dz`` (without the one-hot term) of a kept tile: ``p = e * exp(m - M - log S)`` from the kept terms ``e = exp(z
-    - m)`` and their row scale ``m`` (out of place: a repeated backward reads them again), and with entropy ``zr = z - M
-    = log(e) + (m - M)`` from ``log_terms`` (:func:`_log_terms`; overwritten). At the row max ``e = 1`` and ``m = M``
-    exactly, so ``1 - p`` does not cancel at a peaked target."""
+    """``dz`` (without the one-hot term) of a kept tile: ``p = e * exp(m - M - log S)`` from the
+    kept terms ``e = exp(z
+    - m)`` and their row scale ``m`` (out of place: a repeated backward reads them again), and with
+    entropy ``zr = z - M = log(e) + (m - M)`` from ``log_terms`` (:func:`_log_terms`; overwritten).
+    At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel at a peaked
+    target."""
     shift = scales - ch.m  # m - M <= 0
     p = terms.to(torch.float32, copy=True).mul_((shift - ch.ls).exp_().unsqueeze(1))
     if ch.ge is None:
@@ -125,11 +141,12 @@ def _dz_from_kept(terms: torch.Tensor, log_terms: Optional[torch.Tensor], scales
     return zr.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
 
 
-def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, rows_per_block: int) -> None:
+def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor,
+                   rows_per_block: int) -> None:
     """``acc += dz.T @ h`` into the fp32 accumulator without a full-size temporary.
 
-    fp32 operands: one in-place ``addmm_``. Low-precision operands (CUDA): fp32-output GEMMs over blocks of
-    ``rows_per_block`` vocab rows, so the temporary stays within the workspace budget.
+    fp32 operands: one in-place ``addmm_``. Low-precision operands (CUDA): fp32-output GEMMs over
+    blocks of ``rows_per_block`` vocab rows, so the temporary stays within the workspace budget.
     """
     if dz.dtype == torch.float32 and h.dtype == torch.float32:
         acc.addmm_(dz.t(), h)
@@ -139,13 +156,34 @@ def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, rows_pe
         acc[r0:r1] += fp32_gemm.mm(dz[:, r0:r1].t(), h)
 
 
+# the forward's plans, by (sizes, dtype, device, call, TPLOGP_WORKSPACE_MB): planned once per layout
+# (host time at small shapes); emptied beyond 1024 entries
+_plans: dict = {}
+
+
+def _planned(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
+             call: ShardCall) -> tuple[int, int, tuple[int, int], torch.dtype]:
+    """:func:`_plan_sizes` and the kept dtype of a call, remembered per layout and
+    ``TPLOGP_WORKSPACE_MB``."""
+    key = (n, d, v, dtype, device, call, settings.workspace_setting())
+    found = _plans.get(key)
+    if found is None:
+        if len(_plans) > 1024:
+            _plans.clear()
+        found = _plans[key] = (*_plan_sizes(n, d, v, dtype, device, call), kept_dtype(dtype))
+    return found
+
+
 def _plan_sizes(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                 call: ShardCall) -> tuple[int, int, tuple[int, int]]:
-    """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))`` of an ``[n, d] x [v, d]`` call."""
+    """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))`` of an ``[n, d] x [v, d]``
+    call."""
     budget = memory_budget.split(NativeBackend.name, call.workspace_bytes, device)
     low_cpu = device.type != "cuda" and dtype != torch.float32
-    tc, vc = plan_chunks(n, v, d, budget.transient, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
-    return tc, vc, kept_tiles(n, v, tc, vc, budget.keep, call.deterministic, kept_dtype(dtype).itemsize)
+    tc, vc = plan_chunks(n, v, d, budget.transient, call.deterministic, low_cpu,
+                         dw_tile=dtype != torch.float32)
+    return tc, vc, kept_tiles(n, v, tc, vc, budget.keep, call.deterministic,
+                              kept_dtype(dtype).itemsize)
 
 
 class NativeBackend(BudgetParts):
@@ -159,17 +197,20 @@ class NativeBackend(BudgetParts):
     def _plan(self, hidden: torch.Tensor, weight: torch.Tensor,
               call: ShardCall) -> tuple[int, int, tuple[int, int]]:
         """``(tokens_chunk, vocab_chunk, (kept tiles, their 4-byte words))``."""
-        return _plan_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], weight.dtype, hidden.device, call)
+        return _plan_sizes(hidden.shape[0], hidden.shape[1], weight.shape[0], weight.dtype,
+                           hidden.device, call)
 
     @staticmethod
     def layout_fingerprint(device: torch.device, dtype: torch.dtype) -> str:
-        """The source's name: its chunk planning is a function of the call's sizes and the budget alone."""
+        """The source's name: its chunk planning is a function of the call's sizes and the budget
+        alone."""
         return NativeBackend.name
 
     @staticmethod
     def kept_shape(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                    call: ShardCall) -> tuple[int, ...]:
-        """Shape of the flat fp32 buffer of the tiles the forward keeps for the backward; ``(0,)``: none."""
+        """Shape of the flat fp32 buffer of the tiles the forward keeps for the backward; ``(0,)``:
+        none."""
         if not call.for_backward:
             return (0,)
         _, _, (count, words) = _plan_sizes(n, d, v, dtype, device, call)
@@ -178,19 +219,24 @@ class NativeBackend(BudgetParts):
     @staticmethod
     def kept_capacity(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
                       call: ShardCall) -> tuple[int, ...]:
-        """A flat fp32 buffer that holds the kept tiles of any call of at most ``n`` rows (``ShardBackend``).
+        """A flat fp32 buffer that holds the kept tiles of any call of at most ``n`` rows
+        (``ShardBackend``).
 
-        Fewer rows may plan other tiles (a narrower token chunk, a wider vocab tile), so the bound is counted for
-        any plan of at most ``n`` rows: a vocab tile is never narrower than ``n`` rows' (the vocab chunk grows as
-        the rows shrink), every kept tile's words are its terms padded to 16 bytes (at most 4 words of padding
-        per tile, at most one tile per row and vocab tile) and one scale per row; and the kept tiles' words never
-        pass the keep part of the budget."""
+        Fewer rows may plan other tiles (a narrower token chunk, a wider vocab tile), so the bound
+        is counted for any plan of at most ``n`` rows: a vocab tile is never narrower than ``n``
+        rows' (the vocab chunk grows as the rows shrink), every kept tile's words are its terms
+        padded to 16 bytes (at most 4 words of padding per tile, at most one tile per row and vocab
+        tile) and one scale per row; and the kept tiles' words never pass the keep part of the
+        budget."""
         if not call.for_backward or n == 0 or v == 0:
             return (0,)
-        tile_bytes, keep_bytes, _ = memory_budget.split(NativeBackend.name, call.workspace_bytes, device)
+        tile_bytes, keep_bytes, _ = memory_budget.split(NativeBackend.name, call.workspace_bytes,
+                                                        device)
         low_cpu = device.type != "cuda" and dtype != torch.float32
-        tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu, dw_tile=dtype != torch.float32)
-        token_chunks = -(-n // tc) if call.deterministic else n  # (deterministic chunks are whole: padded rows)
+        tc, vc = plan_chunks(n, v, d, tile_bytes, call.deterministic, low_cpu,
+                             dw_tile=dtype != torch.float32)
+        # (deterministic chunks are whole: padded rows)
+        token_chunks = -(-n // tc) if call.deterministic else n
         rows = token_chunks * tc if call.deterministic else n
         vocab_tiles = -(-v // vc)
         bound = -(-(rows * v * kept_dtype(dtype).itemsize) // 4) + rows * vocab_tiles + 4 * token_chunks * vocab_tiles
@@ -200,8 +246,8 @@ class NativeBackend(BudgetParts):
     @staticmethod
     def _kept_views(kept: Optional[torch.Tensor], n: int, v: int, tc: int, vc: int, count: int,
                     deterministic: bool, dtype: torch.dtype) -> dict:
-        """``{(t0, v0): (terms [rows, cols] of dtype, scales [rows] fp32)}``: views of the kept tiles in ``kept``
-        (laid out in the forward's order, each tile's terms then its scales)."""
+        """``{(t0, v0): (terms [rows, cols] of dtype, scales [rows] fp32)}``: views of the kept
+        tiles in ``kept`` (laid out in the forward's order, each tile's terms then its scales)."""
         views, offset = {}, 0
         if kept is None or count == 0:
             return views
@@ -229,7 +275,8 @@ class NativeBackend(BudgetParts):
         argmax = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_argmax else None
         if n == 0 or v == 0:
             return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, sum_z, argmax)
-        tc, vc, (n_kept, kept_words) = self._plan(hidden, weight, call)
+        tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
+                                                             dev, call)
         kept = None
         if call.for_backward and n_kept:  # zeroed: the tiles' padding bytes are defined too
             if kept_out is None:
@@ -237,8 +284,9 @@ class NativeBackend(BudgetParts):
             else:  # the op's buffer (ShardBackend: ``kept_out``)
                 assert kept_out.shape == (kept_words,), (kept_out.shape, kept_words)
                 kept = kept_out.zero_()
-        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, kept_dtype(weight.dtype))
-        # with a softcap the kept scale is the running max of the tanh (see _softcap_slope), not of z
+        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, terms_dtype)
+        # with a softcap the kept scale is the running max of the tanh (see _softcap_slope), not of
+        # z
         tanh_scale = call.softcap is not None and bool(kept_views)
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
@@ -247,7 +295,8 @@ class NativeBackend(BudgetParts):
                 h = _pad_rows(h, tc)
             lt = local_target[t0:t1]
             m = torch.full((h.shape[0],), float("-inf"), device=dev, dtype=torch.float32)
-            mt = m.clone() if tanh_scale else None  # running max of tanh(y / softcap): m = _capped(mt) bit for bit
+            # running max of tanh(y / softcap): m = _capped(mt) bit for bit
+            mt = m.clone() if tanh_scale else None
             s = torch.zeros_like(m)
             q = torch.zeros_like(m) if call.with_entropy else None
             tl = torch.zeros(t1 - t0, device=dev, dtype=torch.float32)
@@ -257,8 +306,8 @@ class NativeBackend(BudgetParts):
                 v1 = min(v0 + vc, v)
                 keep = kept_views.get((t0, v0))  # its terms exp(z - m') and scales m' are kept
                 tile_tanh_max = [] if mt is not None else None
-                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1], call.inv_temperature,
-                                 softcap=call.softcap, tanh_max=tile_tanh_max)
+                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1],
+                                 call.inv_temperature, softcap=call.softcap, tanh_max=tile_tanh_max)
                 if mt is not None:
                     mt = torch.maximum(mt, tile_tanh_max[0])
                 rel = lt - v0
@@ -268,7 +317,8 @@ class NativeBackend(BudgetParts):
                 if sz is not None:
                     sz += z.sum(1)
                 tile_max = z.amax(1)
-                if am is not None:  # a later tile's max replaces the id only when larger (the lowest id on ties)
+                # a later tile's max replaces the id only when larger (the lowest id on ties)
+                if am is not None:
                     am = torch.where(tile_max > m, z.argmax(1).to(torch.float32) + v0, am)
                 m_new = torch.maximum(m, tile_max)
                 m_sub = rescale_max(m_new)  # (0 while every column so far is masked)
@@ -276,11 +326,13 @@ class NativeBackend(BudgetParts):
                 z -= m_sub.unsqueeze(1)  # z - m'
                 if q is not None:
                     e = torch.exp(z)
-                    shifted = torch.where(alpha > 0, alpha * (q + s * (m - m_new)), torch.zeros_like(q))
+                    shifted = torch.where(alpha > 0, alpha * (q + s * (m - m_new)),
+                                          torch.zeros_like(q))
                     q = shifted + floored(z).mul_(e).sum(1)  # e (z - m'), in z's buffer
                 else:
                     e = z.exp_()  # in place: the tile is not needed any more
-                if keep is not None:  # the terms, rounded once to the kept dtype, and the running max they follow
+                # the terms, rounded once to the kept dtype, and the running max they follow
+                if keep is not None:
                     keep[0].copy_(e)
                     keep[1].copy_(m_new if mt is None else mt)
                 s = s * alpha + e.sum(1)
@@ -299,8 +351,9 @@ class NativeBackend(BudgetParts):
 
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
                        kept_out: Optional[torch.Tensor] = None) -> SingleShardOutputs:
-        """One shard holds the whole vocab: the outputs finished here (``target`` outside ``[0, V)``: nobody's, NaN
-        logp). A call whose logits fit one tile and keep nothing takes :func:`forward_one_tile` (fewest ops)."""
+        """One shard holds the whole vocab: the outputs finished here (``target`` outside
+        ``[0, V)``: nobody's, NaN logp). A call whose logits fit one tile and keep nothing takes
+        :func:`forward_one_tile` (fewest ops)."""
         if _one_tile(hidden, weight, call):
             return forward_one_tile(hidden, weight, bias, target, call)
         st = self.forward_stats(hidden, weight, bias, target, call, kept_out)
@@ -308,37 +361,41 @@ class NativeBackend(BudgetParts):
         owned = (target >= 0) & (target < weight.shape[0])
         logp = torch.where(owned, (st.target_logit - row_max) - log_sum, float("nan"))
         return SingleShardOutputs(logp, lse, row_max, log_sum, mean_rel,
-                                  None if mean_rel is None else log_sum - mean_rel, st.kept, st.sum_z, st.argmax)
+                                  None if mean_rel is None else log_sum - mean_rel, st.kept,
+                                  st.sum_z, st.argmax)
 
     @staticmethod
     def grid_columns(device: torch.device, dtype: torch.dtype) -> int:
-        """The invariant level's grid block width (:mod:`tplogp.invariant`)."""
+        """The invariant level's grid block width (:mod:`tplogp.support.invariant`)."""
         return native_grid.GRID_COLUMNS
 
     def forward_blocks(self, hidden, weight, bias, local_target, call: ShardCall) -> BlockStats:
-        """Per-block stats of a grid-aligned shard (:func:`tplogp.backends.native_grid.forward_blocks`)."""
+        """Per-block stats of a grid-aligned shard
+        (:func:`tplogp.backends.native_grid.forward_blocks`)."""
         return native_grid.forward_blocks(hidden, weight, bias, local_target, call)
 
     @staticmethod
     def kept_bytes(n: int, v: int, dtype: torch.dtype, device: torch.device) -> int:
-        """Bytes that keep the terms of ``v`` columns of ``n`` tokens (:func:`kept_tiles`): 2 per term for 16-bit
-        inputs (4 for fp32), and per tile one fp32 scale per row and up to 16 bytes of padding, counted for vocab
-        tiles of at least 256 columns and token chunks of at least 128 rows (the default tile budgets' tiles are
-        thousands of columns wide: an upper bound there)."""
+        """Bytes that keep the terms of ``v`` columns of ``n`` tokens (:func:`kept_tiles`): 2 per
+        term for 16-bit inputs (4 for fp32), and per tile one fp32 scale per row and up to 16 bytes
+        of padding, counted for vocab tiles of at least 256 columns and token chunks of at least 128
+        rows (the default tile budgets' tiles are thousands of columns wide: an upper bound
+        there)."""
         if n == 0 or v == 0:
             return 0
         vocab_tiles, token_chunks = -(-v // 256), -(-n // 128)
         return n * v * kept_dtype(dtype).itemsize + 4 * n * vocab_tiles + 16 * token_chunks * vocab_tiles
 
-    def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_rel, call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
-                 kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
+    def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                 grad_entropy, grad_lse, mean_rel, call: ShardCall, needs: tuple[bool, bool, bool],
+                 d_hidden_ready=None, kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
         if call.grid_columns:
-            return native_grid.backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                                               grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready,
-                                               accumulate, grad_sum_z)
+            return native_grid.backward_blocks(hidden, weight, bias, local_target, row_max, log_sum,
+                                               grad_logp, grad_entropy, grad_lse, mean_rel, call,
+                                               needs, d_hidden_ready, accumulate, grad_sum_z)
         if accumulate is None and kept is None and _one_tile(hidden, weight, call):
-            return backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+            return backward_one_tile(hidden, weight, bias, local_target, row_max, log_sum,
+                                     grad_logp, grad_entropy,
                                       grad_lse, mean_rel, call, needs, d_hidden_ready, grad_sum_z)
         need_h, need_w, need_b = needs
         n, d = hidden.shape
@@ -346,8 +403,9 @@ class NativeBackend(BudgetParts):
         dev = hidden.device
         dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
         d_hidden = torch.zeros(n, d, device=dev, dtype=torch.float32) if need_h else None
-        # d_W: the caller's fp32 accumulator, else the output itself for fp32 weights, else the output in the
-        # weight dtype, each vocab tile's rows summed in an fp32 tile buffer and rounded once (no [V, D] fp32 buffer)
+        # d_W: the caller's fp32 accumulator, else the output itself for fp32 weights, else the
+        # output in the weight dtype, each vocab tile's rows summed in an fp32 tile buffer and
+        # rounded once (no [V, D] fp32 buffer)
         d_weight = None
         if need_w:
             d_weight = dw_acc if dw_acc is not None else (
@@ -355,11 +413,12 @@ class NativeBackend(BudgetParts):
                 else torch.empty(v, d, device=dev, dtype=weight.dtype))
         d_bias32 = None
         if need_b and bias is not None:
-            d_bias32 = db_acc if db_acc is not None else torch.zeros(v, device=dev, dtype=torch.float32)
+            d_bias32 = db_acc if db_acc is not None else torch.zeros(v, device=dev,
+                                                                     dtype=torch.float32)
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
-            self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                                 grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32, d_hidden_ready, kept,
-                                 grad_sum_z=grad_sum_z)
+            self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                                 grad_entropy, grad_lse, mean_rel, call, d_hidden, d_weight,
+                                 d_bias32, d_hidden_ready, kept, grad_sum_z=grad_sum_z)
         else:
             if d_weight is not None and d_weight.dtype != torch.float32:
                 d_weight.zero_()
@@ -370,30 +429,33 @@ class NativeBackend(BudgetParts):
             d_bias = d_bias32 if (bias.dtype == torch.float32 or db_acc is not None) else d_bias32.to(bias.dtype)
         return ShardGrads(d_hidden, d_weight, d_bias)
 
-    def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                        grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32, d_hidden_ready=None,
-                        kept=None, grad_sum_z=None) -> None:
-        """Vocab tiles outer, token chunks inner: each vocab tile's ``d_W`` rows are complete after its token
-        chunks, so a low-precision ``d_W`` is summed in an fp32 ``[vocab_chunk, D]`` tile buffer (counted in the
-        tile budget by :func:`plan_chunks`) and rounded once into the output. ``d_hidden`` sums the vocab tiles
-        in order into its fp32 rows, and ``d_W`` each tile's token chunks in order: the sums of the token-outer
-        order, bit for bit."""
+    def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                        grad_entropy, grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32,
+                        d_hidden_ready=None, kept=None, grad_sum_z=None) -> None:
+        """Vocab tiles outer, token chunks inner: each vocab tile's ``d_W`` rows are complete after
+        its token chunks, so a low-precision ``d_W`` is summed in an fp32 ``[vocab_chunk, D]`` tile
+        buffer (counted in the tile budget by :func:`plan_chunks`) and rounded once into the output.
+        ``d_hidden`` sums the vocab tiles in order into its fp32 rows, and ``d_W`` each tile's token
+        chunks in order: the sums of the token-outer order, bit for bit."""
         n, v = hidden.shape[0], weight.shape[0]
-        # GEMM operand dtype for dz: the weight's dtype on CUDA (like an eager LM head, fp32 accumulation),
-        # fp32 on CPU where low-precision GEMMs have no fp32-output path.
+        # GEMM operand dtype for dz: the weight's dtype on CUDA (like an eager LM head, fp32
+        # accumulation), fp32 on CPU where low-precision GEMMs have no fp32-output path.
         gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
         tc, vc, (n_kept, _) = self._plan(hidden, weight, call)
-        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, kept_dtype(weight.dtype))
+        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic,
+                                      kept_dtype(weight.dtype))
         tile_bytes = memory_budget.split(self.name, call.workspace_bytes, hidden.device).transient
-        # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on CUDA)
+        # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on
+        # CUDA)
         rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
-        chunks = [_token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
-                               local_target, t0, min(t0 + tc, n), tc if call.deterministic else None,
-                               grad_sum_z=grad_sum_z)
+        chunks = [_token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
+                               mean_rel, local_target, t0, min(t0 + tc, n),
+                               tc if call.deterministic else None, grad_sum_z=grad_sum_z)
                   for t0 in range(0, n, tc)]
         dw_tile = None
         if d_weight is not None and d_weight.dtype != torch.float32:
-            dw_tile = torch.empty(min(vc, v), hidden.shape[1], device=hidden.device, dtype=torch.float32)
+            dw_tile = torch.empty(min(vc, v), hidden.shape[1], device=hidden.device,
+                                  dtype=torch.float32)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             w = weight[v0:v1]
@@ -413,8 +475,8 @@ class NativeBackend(BudgetParts):
                         scales = _capped(scales.clone(), call.softcap, call.inv_temperature)
                     dz = _dz_from_kept(terms, log_terms, scales, ch)
                 else:  # recompute the tile
-                    dz, slope = _recomputed_dz(ch, w, None if bias is None else bias[v0:v1], call.inv_temperature,
-                                               call.softcap)
+                    dz, slope = _recomputed_dz(ch, w, None if bias is None else bias[v0:v1],
+                                               call.inv_temperature, call.softcap)
                 dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
                 del slope
                 if d_bias32 is not None:
@@ -424,7 +486,8 @@ class NativeBackend(BudgetParts):
                 if d_hidden is not None:
                     d_hidden[t0:t1] += fp32_gemm.mm(dz_g, w_g)[: t1 - t0]
                     if t1 == n and v1 == v and d_hidden_ready is not None:
-                        d_hidden_ready(d_hidden)  # complete: hand it over before this tile's d_W update
+                        # complete: hand it over before this tile's d_W update
+                        d_hidden_ready(d_hidden)
                 if acc is not None:
                     h_gemm = ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype)
                     _accumulate_dw(acc, dz_g, h_gemm, rows_per_block)
@@ -432,18 +495,20 @@ class NativeBackend(BudgetParts):
                 d_weight[v0:v1] = acc  # rounded once to the weight dtype
 
 
-# ---- one tile: a call whose logits fit one [N, V] tile in the tile budget and keep nothing (small shapes) --------
+# ---- one tile: a call whose logits fit one [N, V] tile in the tile budget and keep nothing (small
 # (its arithmetic: tplogp.backends.native_one_tile)
 
 _one_tile_cache: dict = {}
 
 
 def _one_tile(hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> bool:
-    """Whether the call's plan is one ``[N, V]`` tile that keeps nothing for the backward (and not deterministic:
-    that pads token chunks), remembered per (sizes, dtype, device, call, ``TPLOGP_WORKSPACE_MB``)."""
+    """Whether the call's plan is one ``[N, V]`` tile that keeps nothing for the backward (and not
+    deterministic: that pads token chunks), remembered per (sizes, dtype, device, call,
+    ``TPLOGP_WORKSPACE_MB``)."""
     if call.deterministic:
         return False
-    key = (hidden.shape, weight.shape, weight.dtype, hidden.device, call, settings.workspace_bytes())
+    key = (hidden.shape, weight.shape, weight.dtype, hidden.device, call,
+           settings.workspace_bytes())
     one = _one_tile_cache.get(key)
     if one is None:
         n, v = hidden.shape[0], weight.shape[0]

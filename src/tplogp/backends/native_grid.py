@@ -1,23 +1,26 @@
-"""The native source's tensor-parallel-invariant level (``deterministic="tp_invariant"``, :mod:`tplogp.invariant`;
-docs/operator.md, "Determinism"): per-block statistics and gradients of a grid-aligned shard.
+"""The native source's tensor-parallel-invariant level (``deterministic="tp_invariant"``,
+:mod:`tplogp.support.invariant`; docs/operator.md, "Determinism"): per-block statistics and
+gradients of a grid-aligned shard.
 
 Algorithm (one shard whose first column starts a grid block):
 
-* The vocabulary is cut into blocks of ``B = GRID_COLUMNS`` columns aligned to id 0. Each block's weight rows (and
-  bias) are copied into one zero-padded ``[B, D]`` buffer (``[B]``), so every block, the last one included, has one
-  shape and one alignment wherever the shard boundaries fall.
-* Token chunks are :data:`~tplogp.backends.native_tiles.DETERMINISTIC_TOKEN_CHUNK` rows, the last one zero-padded:
-  every logits GEMM is ``[chunk, D] x [D, B]`` with fp32 output, and every reduction and elementwise op runs on one
-  ``[chunk, B]`` tile shape (BLAS picks kernels by shape and alignment). A column's logits, d_W and d_b rows then do
-  not depend on the shard it came in.
-* Forward (:func:`forward_blocks`), blocks outer, chunks inner: per block and token the stats ``m_b`` (max),
-  ``s_b = sum exp(z - m_b)``, for entropy ``q_b = sum exp(z - m_b)(z - m_b)``, with the options the block's sum of
-  ``z`` (padding columns: zero weight and bias, ``z = 0``) and the lowest column of its max (padding set to -inf
-  first); the owned target's fp32 logit. No online merge: :mod:`tplogp.invariant` merges the blocks exactly.
-* Backward (:func:`backward_blocks`), blocks outer, chunks inner: each tile recomputed, ``dz`` formed as in the
-  tiled backward (the one-hot, ``grad_sum_z``, the temperature, the softcap's slope) with padding columns zeroed;
-  ``d_hidden`` summed over the blocks in order in fp32, a block's d_W / d_b rows summed over the chunks in an fp32
-  ``[B, D]`` / ``[B]`` buffer and written (or added to ``accumulate``) once.
+* The vocabulary is cut into blocks of ``B = GRID_COLUMNS`` columns aligned to id 0. Each block's
+  weight rows (and bias) are copied into one zero-padded ``[B, D]`` buffer (``[B]``), so every
+  block, the last one included, has one shape and one alignment wherever the shard boundaries fall.
+* Token chunks are :data:`~tplogp.backends.native_tiles.DETERMINISTIC_TOKEN_CHUNK` rows, the last
+  one zero-padded: every logits GEMM is ``[chunk, D] x [D, B]`` with fp32 output, and every
+  reduction and elementwise op runs on one ``[chunk, B]`` tile shape (BLAS picks kernels by shape
+  and alignment). A column's logits, d_W and d_b rows then do not depend on the shard it came in.
+* Forward (:func:`forward_blocks`), blocks outer, chunks inner: per block and token the stats
+  ``m_b`` (max), ``s_b = sum exp(z - m_b)``, for entropy ``q_b = sum exp(z - m_b)(z - m_b)``, with
+  the options the block's sum of ``z`` (padding columns: zero weight and bias, ``z = 0``) and the
+  lowest column of its max (padding set to -inf first); the owned target's fp32 logit. No online
+  merge: :mod:`tplogp.support.invariant` merges the blocks exactly.
+* Backward (:func:`backward_blocks`), blocks outer, chunks inner: each tile recomputed, ``dz``
+  formed as in the tiled backward (the one-hot, ``grad_sum_z``, the temperature, the softcap's
+  slope) with padding columns zeroed; ``d_hidden`` summed over the blocks in order in fp32, a
+  block's d_W / d_b rows summed over the chunks in an fp32 ``[B, D]`` / ``[B]`` buffer and written
+  (or added to ``accumulate``) once.
 """
 
 from __future__ import annotations
@@ -26,20 +29,22 @@ from typing import Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..masked_rows import floored, rescale_max
+from ..support import fp32_gemm
+from ..support.masked_rows import floored, rescale_max
 from .base import BlockStats, ShardCall, ShardGrads
-from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _logits_tile, _pad_rows, _recomputed_dz,
-                           _token_chunk)
+from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _logits_tile, _pad_rows,
+                           _recomputed_dz, _token_chunk)
 
-# The grid: every logits GEMM is [DETERMINISTIC_TOKEN_CHUNK, D] x [D, GRID_COLUMNS] over one grid block (copied into a
+# The grid: every logits GEMM is [DETERMINISTIC_TOKEN_CHUNK, D] x [D, GRID_COLUMNS] over one grid
+# block (copied into a
 # buffer of that shape: BLAS picks kernels by shape and alignment)
 GRID_COLUMNS = 128
 
 
 def forward_blocks(hidden, weight, bias, local_target, call: ShardCall) -> BlockStats:
-    """Per-block stats of a grid-aligned shard (:class:`~tplogp.backends.base.BlockStats`): blocks outer (each
-    copied once into its padded buffer), token chunks inner, one ``[chunk, B]`` logits tile each."""
+    """Per-block stats of a grid-aligned shard (:class:`~tplogp.backends.base.BlockStats`): blocks
+    outer (each copied once into its padded buffer), token chunks inner, one ``[chunk, B]`` logits
+    tile each."""
     n, v = hidden.shape[0], weight.shape[0]
     cols, tc = call.grid_columns, DETERMINISTIC_TOKEN_CHUNK
     n_blocks = -(-v // cols)
@@ -62,7 +67,8 @@ def forward_blocks(hidden, weight, bias, local_target, call: ShardCall) -> Block
             own = (rel >= 0) & (rel < v1 - v0)
             picked = z[: t1 - t0].gather(1, rel.clamp(0, cols - 1).unsqueeze(1)).squeeze(1)
             target_logit[t0:t1] = torch.where(own, picked, target_logit[t0:t1])
-            if block_sum_z is not None:  # one [tc, B] reduction (padding columns: zero weight and bias, z = 0)
+            # one [tc, B] reduction (padding columns: zero weight and bias, z = 0)
+            if block_sum_z is not None:
                 block_sum_z[i, t0:t1] = z.sum(1)[: t1 - t0]
             if v1 - v0 < cols:  # the vocabulary's last block: its padding is no column
                 z[:, v1 - v0:] = float("-inf")
@@ -78,13 +84,14 @@ def forward_blocks(hidden, weight, bias, local_target, call: ShardCall) -> Block
     return BlockStats(block_max, block_sum, target_logit, block_sez, block_sum_z, block_argmax)
 
 
-def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
-                    call: ShardCall, needs, d_hidden_ready=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
-    """The invariant level's backward: grid blocks outer, deterministic token chunks inner, every GEMM
-    ``[chunk, B]``-shaped; a block's d_W / d_b rows are summed over the chunks in an fp32 ``[B, D]`` / ``[B]``
-    buffer and written (or added to ``accumulate``) once. ``dz`` by the tiled backward's two steps
-    (:func:`~tplogp.backends.native_tiles._recomputed_dz`, :func:`~tplogp.backends.native_tiles._finish_dz`), on one
-    tile shape."""
+def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
+                    grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready=None,
+                    accumulate=None, grad_sum_z=None) -> ShardGrads:
+    """The invariant level's backward: grid blocks outer, deterministic token chunks inner, every
+    GEMM ``[chunk, B]``-shaped; a block's d_W / d_b rows are summed over the chunks in an fp32
+    ``[B, D]`` / ``[B]`` buffer and written (or added to ``accumulate``) once. ``dz`` by the tiled
+    backward's two steps (:func:`~tplogp.backends.native_tiles._recomputed_dz`,
+    :func:`~tplogp.backends.native_tiles._finish_dz`), on one tile shape."""
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     n, d = hidden.shape
@@ -96,8 +103,9 @@ def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_l
     d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_w else None
     d_bias = (db_acc if db_acc is not None else torch.empty_like(bias)) if need_b else None
     gemm_dtype = weight.dtype if dev.type == "cuda" else f32
-    chunks = [_token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, local_target, t0,
-                           min(t0 + tc, n), tc, grad_sum_z) for t0 in range(0, n, tc)]
+    chunks = [_token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
+                           local_target, t0, min(t0 + tc, n), tc, grad_sum_z) for t0 in range(0, n,
+                                                                                              tc)]
     h_gemm = [ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype) for ch in chunks]
     for v0, v1, w_blk, b_blk in _grid_blocks(weight, bias, cols):
         w_g = w_blk if w_blk.dtype == gemm_dtype else w_blk.to(gemm_dtype)
@@ -130,8 +138,9 @@ def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_l
 
 
 def _grid_blocks(weight: torch.Tensor, bias: Optional[torch.Tensor], cols: int):
-    """``(v0, v1, weight rows [cols, D], bias [cols] or None)`` per grid block of a grid-aligned shard, each copied
-    into one zero-padded buffer (so that every GEMM sees one shape and one alignment)."""
+    """``(v0, v1, weight rows [cols, D], bias [cols] or None)`` per grid block of a grid-aligned
+    shard, each copied into one zero-padded buffer (so that every GEMM sees one shape and one
+    alignment)."""
     v, d = weight.shape
     w_blk = torch.empty(cols, d, device=weight.device, dtype=weight.dtype)
     b_blk = None if bias is None else torch.empty(cols, device=bias.device, dtype=bias.dtype)

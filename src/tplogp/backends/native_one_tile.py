@@ -1,11 +1,13 @@
-"""The ``native`` source on one tile: a call whose logits fit one ``[N, V]`` tile of the tile budget and that keeps
-nothing for the backward (small shapes; :func:`tplogp.backends.native._one_tile` decides).
+"""The ``native`` source on one tile: a call whose logits fit one ``[N, V]`` tile of the tile budget
+and that keeps nothing for the backward (small shapes; :func:`tplogp.backends.native._one_tile`
+decides).
 
-The same arithmetic, in the same order, as the tiled loops of :mod:`tplogp.backends.native` with a single tile, in
-fewer ops: what costs host time at small shapes (the tiled loops' token-chunk vectors and zero-initialised
-accumulators fall away). Forward: ``z`` (fp32, softcapped and tempered), its max ``M``, ``z - M`` in place, the
-target's ``z - M``, ``S = sum exp(z - M)`` (and ``q = sum exp(z - M) (z - M)`` for entropy), ``logp = (z_t - M) -
-log S``. Backward: ``dz = onehot g - p (g - g_lse + g_ent (z - M - mean_rel))`` (``+ g_sum_z``), times ``1 / T`` and
+The same arithmetic, in the same order, as the tiled loops of :mod:`tplogp.backends.native` with a
+single tile, in fewer ops: what costs host time at small shapes (the tiled loops' token-chunk
+vectors and zero-initialised accumulators fall away). Forward: ``z`` (fp32, softcapped and
+tempered), its max ``M``, ``z - M`` in place, the target's ``z - M``, ``S = sum exp(z - M)`` (and
+``q = sum exp(z - M) (z - M)`` for entropy), ``logp = (z_t - M) - log S``. Backward:
+``dz = onehot g - p (g - g_lse + g_ent (z - M - mean_rel))`` (``+ g_sum_z``), times ``1 / T`` and
 the softcap's slope, then ``d_hidden = dz W`` and ``d_W = dz^T h`` with fp32 accumulation.
 """
 
@@ -13,14 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from .. import fp32_gemm
-from ..masked_rows import floored, rescale_max, settle_rows
+from ..support import fp32_gemm
+from ..support.masked_rows import floored, rescale_max, settle_rows
 from .base import ShardCall, ShardGrads, SingleShardOutputs
 from .native_tiles import _logits_tile
 
 
 def forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
-    """:meth:`NativeBackend.forward_single <tplogp.backends.native.NativeBackend.forward_single>` on one tile."""
+    """:meth:`NativeBackend.forward_single <tplogp.backends.native.NativeBackend.forward_single>` on
+    one tile."""
     v = weight.shape[0]
     z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap)
     sum_z = z.sum(1) if call.with_sum_z else None
@@ -41,14 +44,17 @@ def forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSha
     return SingleShardOutputs(logp, lse, m, log_sum, mean_rel, entropy, None, sum_z, argmax)
 
 
-def backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
+def backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp, grad_entropy,
+                      grad_lse, mean_rel,
                        call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready=None,
                        grad_sum_z=None) -> ShardGrads:
-    """:meth:`NativeBackend.backward <tplogp.backends.native.NativeBackend.backward>` on one tile."""
+    """:meth:`NativeBackend.backward <tplogp.backends.native.NativeBackend.backward>` on one
+    tile."""
     need_h, need_w, need_b = needs
     v = weight.shape[0]
     gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
-    c0 = grad_logp  # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel) (never modified)
+    # coefficient of p: grad_logp - grad_lse + grad_entropy * (z - mean_rel) (never modified)
+    c0 = grad_logp
     if grad_lse is not None:
         c0 = c0 - grad_lse
     slopes = [] if call.softcap is not None else None
@@ -77,11 +83,13 @@ def backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp,
     dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
     d_hidden = None
     if need_h:
-        d_hidden = fp32_gemm.mm(dz_g, weight if weight.dtype == gemm_dtype else weight.to(gemm_dtype))
+        d_hidden = fp32_gemm.mm(dz_g,
+                                weight if weight.dtype == gemm_dtype else weight.to(gemm_dtype))
         if d_hidden_ready is not None:
             d_hidden_ready(d_hidden)
     d_weight = None
     if need_w:
-        d_weight = fp32_gemm.mm(dz_g.t(), hidden if hidden.dtype == gemm_dtype else hidden.to(gemm_dtype))
+        d_weight = fp32_gemm.mm(dz_g.t(),
+                                hidden if hidden.dtype == gemm_dtype else hidden.to(gemm_dtype))
         d_weight = d_weight if weight.dtype == torch.float32 else d_weight.to(weight.dtype)
     return ShardGrads(d_hidden, d_weight, d_bias)

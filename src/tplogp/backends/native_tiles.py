@@ -1,17 +1,19 @@
-"""The native source's shared tile arithmetic: one fp32 logits tile, row padding, and a backward token chunk's
-per-token vectors.
+"""The native source's shared tile arithmetic: one fp32 logits tile, row padding, and a backward
+token chunk's per-token vectors.
 
-* :func:`_logits_tile` is one GEMM with fp32 output (:mod:`tplogp.fp32_gemm`), the bias, the softcap
-  ``cap(y) = softcap * tanh(y / softcap)`` and the temperature, in that order: the target logit is read from the fp32
-  accumulator, never from a rounded logit.
-* ``deterministic`` pads a token chunk to :data:`DETERMINISTIC_TOKEN_CHUNK` rows (:func:`_pad_rows`), so every GEMM
-  has one shape whatever the batch; padded rows get ``p = 0`` (``log S = inf``) and no target (-1).
-* :func:`_token_chunk` gathers the per-token vectors every vocab tile (or grid block) of the backward reads, with the
-  coefficient of ``p`` formed once: ``c0 = grad_logp - grad_lse - grad_entropy * mean_rel``.
+* :func:`_logits_tile` is one GEMM with fp32 output (:mod:`tplogp.support.fp32_gemm`), the bias, the
+  softcap ``cap(y) = softcap * tanh(y / softcap)`` and the temperature, in that order: the target
+  logit is read from the fp32 accumulator, never from a rounded logit.
+* ``deterministic`` pads a token chunk to :data:`DETERMINISTIC_TOKEN_CHUNK` rows
+  (:func:`_pad_rows`), so every GEMM has one shape whatever the batch; padded rows get ``p = 0``
+  (``log S = inf``) and no target (-1).
+* :func:`_token_chunk` gathers the per-token vectors every vocab tile (or grid block) of the
+  backward reads, with the coefficient of ``p`` formed once:
+  ``c0 = grad_logp - grad_lse - grad_entropy * mean_rel``.
 * A backward tile's ``dz = d loss / d z``: :func:`_recomputed_dz` recomputes the logits and forms
-  ``-p (c0 + grad_entropy (z - M))`` in their buffer; :func:`_finish_dz` adds what does not go through ``p`` (the
-  target's ``grad_logp``, ``grad_sum_z``) and the chain rule's factors (the temperature, the softcap's slope), on
-  recomputed and on kept tiles alike.
+  ``-p (c0 + grad_entropy (z - M))`` in their buffer; :func:`_finish_dz` adds what does not go
+  through ``p`` (the target's ``grad_logp``, ``grad_sum_z``) and the chain rule's factors (the
+  temperature, the softcap's slope), on recomputed and on kept tiles alike.
 
 Used by the tiled loops (:mod:`tplogp.backends.native`) and the tensor-parallel-invariant grid
 (:mod:`tplogp.backends.native_grid`).
@@ -23,8 +25,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..masked_rows import floored
+from ..support import fp32_gemm
+from ..support.masked_rows import floored
 
 # Token chunk used by deterministic mode (independent of N by construction).
 DETERMINISTIC_TOKEN_CHUNK = 256
@@ -33,9 +35,9 @@ DETERMINISTIC_TOKEN_CHUNK = 256
 def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
                  out: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
                  slope: Optional[list] = None, tanh_max: Optional[list] = None) -> torch.Tensor:
-    """``cap(h @ w^T + b) * inv_t`` in fp32, ``cap(y) = softcap * tanh(y / softcap)`` (identity without one).
-    With a softcap, ``slope`` (a list) gets ``d cap / d y = 1 - tanh^2`` from the tanh itself appended, and
-    ``tanh_max`` (a list) the rows' largest tanh."""
+    """``cap(h @ w^T + b) * inv_t`` in fp32, ``cap(y) = softcap * tanh(y / softcap)`` (identity
+    without one). With a softcap, ``slope`` (a list) gets ``d cap / d y = 1 - tanh^2`` from the tanh
+    itself appended, and ``tanh_max`` (a list) the rows' largest tanh."""
     if out is None:
         z = fp32_gemm.mm(h, w.t())
     else:
@@ -56,8 +58,9 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
 
 
 def _capped(t: torch.Tensor, softcap: float, inv_t: float) -> torch.Tensor:
-    """``z = softcap * t * inv_t`` from ``t = tanh(y / softcap)``, in place: the two roundings of every softcapped
-    logit, so the running max of the tanh kept with softcapped terms gives the running max of ``z`` bit for bit."""
+    """``z = softcap * t * inv_t`` from ``t = tanh(y / softcap)``, in place: the two roundings of
+    every softcapped logit, so the running max of the tanh kept with softcapped terms gives the
+    running max of ``z`` bit for bit."""
     t.mul_(softcap)
     if inv_t != 1.0:
         t *= inv_t
@@ -84,10 +87,11 @@ class _TokenChunk(NamedTuple):
     gsz: Optional[torch.Tensor] = None  # grad_sum_z (0 on padded rows), or None
 
 
-def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, local_target, t0: int, t1: int,
-                 pad_to: Optional[int], grad_sum_z=None) -> _TokenChunk:
-    """The per-token vectors of rows ``[t0, t1)`` that every vocab tile of the backward reads (padded to
-    ``pad_to`` rows in deterministic mode: padded rows get p = 0 and no target)."""
+def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
+                 local_target, t0: int, t1: int, pad_to: Optional[int],
+                 grad_sum_z=None) -> _TokenChunk:
+    """The per-token vectors of rows ``[t0, t1)`` that every vocab tile of the backward reads
+    (padded to ``pad_to`` rows in deterministic mode: padded rows get p = 0 and no target)."""
     rows = pad_to if pad_to is not None else t1 - t0
     h = _pad_rows(hidden[t0:t1], rows)
     g = _pad_rows(grad_logp[t0:t1], rows)
@@ -100,15 +104,16 @@ def _token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse, me
         ge = _pad_rows(grad_entropy[t0:t1], rows)
         c0 -= ge * _pad_rows(mean_rel[t0:t1], rows)
     gsz = None if grad_sum_z is None else _pad_rows(grad_sum_z[t0:t1], rows)
-    return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows), _pad_rows(log_sum[t0:t1], rows, float("inf")),
-                       g, c0, ge, _pad_rows(local_target[t0:t1], rows, -1), gsz)
+    return _TokenChunk(t0, t1, h, _pad_rows(row_max[t0:t1], rows),
+                       _pad_rows(log_sum[t0:t1], rows, float("inf")), g, c0, ge,
+                       _pad_rows(local_target[t0:t1], rows, -1), gsz)
 
 
 def _recomputed_dz(ch: _TokenChunk, w: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
                    softcap: Optional[float]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """``(-p (c0 + ge (z - M)), the softcap's slope or None)`` of the ``[rows, len(w)]`` tile of chunk ``ch``,
-    recomputed (:func:`_logits_tile`). ``z - M`` is exact at the max, so ``1 - p`` does not cancel at a peak; ``dz``
-    is built in the logits' buffer."""
+    """``(-p (c0 + ge (z - M)), the softcap's slope or None)`` of the ``[rows, len(w)]`` tile of
+    chunk ``ch``, recomputed (:func:`_logits_tile`). ``z - M`` is exact at the max, so ``1 - p``
+    does not cancel at a peak; ``dz`` is built in the logits' buffer."""
     slopes: Optional[list] = [] if softcap is not None else None
     z = _logits_tile(ch.h, w, b, inv_t, softcap=softcap, slope=slopes)
     z -= ch.m.unsqueeze(1)
@@ -122,9 +127,9 @@ def _recomputed_dz(ch: _TokenChunk, w: torch.Tensor, b: Optional[torch.Tensor], 
 
 def _finish_dz(dz: torch.Tensor, ch: _TokenChunk, v0: int, v1: int, inv_t: float,
                slope: Optional[torch.Tensor]) -> torch.Tensor:
-    """``dz`` of the tile of columns ``[v0, v1)`` (its width may pad past ``v1``: those columns get 0), in place:
-    ``+ grad_logp`` at the owned target column (a scatter: no host sync), ``+ grad_sum_z``, then times the
-    temperature's ``1 / T`` and the softcap's slope."""
+    """``dz`` of the tile of columns ``[v0, v1)`` (its width may pad past ``v1``: those columns get
+    0), in place: ``+ grad_logp`` at the owned target column (a scatter: no host sync),
+    ``+ grad_sum_z``, then times the temperature's ``1 / T`` and the softcap's slope."""
     rel = ch.lt - v0
     own = (rel >= 0) & (rel < v1 - v0)
     dz.scatter_add_(1, rel.clamp(0, dz.shape[1] - 1).unsqueeze(1),

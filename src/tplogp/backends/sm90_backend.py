@@ -1,11 +1,12 @@
 """The ``sm90`` source: the Triton kernels specialised for Hopper (compute capability 9.0).
 
-Same algorithm and programs as :mod:`tplogp.backends.triton_backend`; operand tiles are loaded through tensor
-descriptors (TMA bulk copies) with the Hopper entry of the config table (see :mod:`tplogp.kernels.hopper_kernels`).
-Small calls (:func:`uses_tma`) run the pointer kernels with the same tiles instead: there a launch's host work,
-which the three tensor descriptors lengthen, is the critical path, not the GEMM. No build step: the kernels are
-JIT-compiled by Triton on first use. Reports itself unavailable, with the reason, on anything
-but a compute-capability-9.0 CUDA device (the generic ``triton`` source covers the rest, and the CPU interpreter).
+Same algorithm and programs as :mod:`tplogp.backends.triton_backend`; operand tiles are loaded
+through tensor descriptors (TMA bulk copies) with the Hopper entry of the config table (see
+:mod:`tplogp.kernels.hopper_kernels`). Small calls (:func:`uses_tma`) run the pointer kernels with
+the same tiles instead: there a launch's host work, which the three tensor descriptors lengthen, is
+the critical path, not the GEMM. No build step: the kernels are JIT-compiled by Triton on first use.
+Reports itself unavailable, with the reason, on anything but a compute-capability-9.0 CUDA device
+(the generic ``triton`` source covers the rest, and the CPU interpreter).
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from .triton_backend import TritonBackend, _default_device, triton_unavailable_r
 
 REQUIRED_CAPABILITY = (9, 0)
 
-# Calls whose forward GEMM is at most this many multiply-accumulates (N * D * V_local) launch the pointer kernels.
-# There the GPU work is shorter than the host's, and a TMA launch's host work (tensor descriptors built and encoded
-# per launch) delays every later kernel; above it the TMA loads' speed wins (docs/kernels.md, "TMA or pointer loads
-# by size").
+# Calls whose forward GEMM is at most this many multiply-accumulates (N * D * V_local) launch the
+# pointer kernels. There the GPU work is shorter than the host's, and a TMA launch's host work
+# (tensor descriptors built and encoded per launch) delays every later kernel; above it the TMA
+# loads' speed wins (docs/kernels.md, "TMA or pointer loads by size").
 TMA_MIN_MACS = 1 << 36
 
 
 def uses_tma(n: int, d: int, v: int, deterministic: bool, min_macs: int = TMA_MIN_MACS) -> bool:
-    """Whether an ``[n, d] x [v, d]`` call launches the TMA kernels (else the pointer kernels, same tiles): above
-    ``min_macs``. Deterministic calls always do: a row's bits must not depend on the batch it came in, and the two
-    kernels are not promised to round alike."""
+    """Whether an ``[n, d] x [v, d]`` call launches the TMA kernels (else the pointer kernels, same
+    tiles): above ``min_macs``. Deterministic calls always do: a row's bits must not depend on the
+    batch it came in, and the two kernels are not promised to round alike."""
     return deterministic or n * d * v > min_macs
 
 
@@ -39,7 +40,8 @@ class SM90Backend(TritonBackend):
     name = "sm90"
 
     def __init__(self, config=None, tma_min_macs: int = TMA_MIN_MACS):
-        # config: as TritonBackend's; tma_min_macs: the size above which calls launch the TMA kernels (uses_tma)
+        # config: as TritonBackend's; tma_min_macs: the size above which calls launch the TMA
+        # kernels (uses_tma)
         super().__init__(config)
         self.tma_min_macs = tma_min_macs
 
@@ -68,4 +70,5 @@ class SM90Backend(TritonBackend):
 
     def _uses_tma(self, hidden, weight, call) -> bool:
         """Whether a call launches the Hopper TMA kernels (:func:`uses_tma`)."""
-        return uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic, self.tma_min_macs)
+        return uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic,
+                        self.tma_min_macs)

@@ -1,30 +1,34 @@
-"""Hugging Face causal LMs: token log-probs and a fused RL loss without the ``[batch, sequence, vocab]`` logits.
+"""Hugging Face causal LMs: token log-probs and a fused RL loss without the
+``[batch, sequence, vocab]`` logits.
 
 The logits path, for ``input_ids [B, S]`` and ``k = logits_to_keep``::
 
-    logits = model(input_ids, attention_mask, logits_to_keep=k + 1).logits[:, :-1] / T   # k = 0: every position
-    logp = log_softmax(logits)[targets]                    # targets = input_ids[:, 1:] (k = 0) or input_ids[:, -k:]
+    logits = model(input_ids, attention_mask, logits_to_keep=k + 1).logits[:, :-1] / T   # k = 0:
+    every position logp = log_softmax(logits)[targets]                    # targets = input_ids[:,
+    1:] (k = 0) or input_ids[:, -k:]
 
-holds ``[B, S-1, V]`` logits (and copies of them). Here the model runs its own forward, so every wrapper, hook,
-adapter, checkpointing and sharding of the model applies as usual (PEFT, DDP, FSDP2's unsharding, a
-tensor-parallel plan's input and output hooks), except that its LM head -- the ``torch.nn.Linear`` that
-``get_output_embeddings()`` returns -- computes, for the duration of the call, tplogp's result from its input (the
-final hidden states, shifted as above) with its own weight and bias: ``linear_logp`` (logp, and entropy) or
-``linear_logp_loss`` (a scalar). The model returns that result where it returns its logits.
+holds ``[B, S-1, V]`` logits (and copies of them). Here the model runs its own forward, so every
+wrapper, hook, adapter, checkpointing and sharding of the model applies as usual (PEFT, DDP, FSDP2's
+unsharding, a tensor-parallel plan's input and output hooks), except that its LM head -- the
+``torch.nn.Linear`` that ``get_output_embeddings()`` returns -- computes, for the duration of the
+call, tplogp's result from its input (the final hidden states, shifted as above) with its own weight
+and bias: ``linear_logp`` (logp, and entropy) or ``linear_logp_loss`` (a scalar). The model returns
+that result where it returns its logits.
 
 What is checked, so that a number that differs from the logits path is never returned:
 
-* before the forward: the head is a ``torch.nn.Linear`` that does not override ``forward`` (not a LoRA layer,
-  not a quantized linear; PEFT's ``modules_to_save`` wrapper of plain ones is fine); no prompt-learning adapter
-  changes the sequence;
-* after it: the head ran exactly once, on hidden states of the input's length, and the model returned the head's
-  output as its logits, unmodified (the same tensor, its version counter unchanged). A model whose forward scales
-  the logits by a constant from its config (``logit_scale``: Cohere; ``logits_scaling``: Granite) gets that
-  constant folded into the temperature, and its returned logits must equal exactly that scaling of the head's
-  output. A model with final-logit softcapping (``config.final_logit_softcapping = c``: Gemma 2 and Gemma 3) returns
-  ``c * tanh(head_output / c)``: the op computes it with ``softcap=c`` (then the temperature), and the returned
-  logits must equal exactly that transform of the head's output. Any other transform of the logits in the model's
-  forward raises :class:`UnsupportedModelError`.
+* before the forward: the head is a ``torch.nn.Linear`` that does not override ``forward`` (not a
+  LoRA layer, not a quantized linear; PEFT's ``modules_to_save`` wrapper of plain ones is fine); no
+  prompt-learning adapter changes the sequence;
+* after it: the head ran exactly once, on hidden states of the input's length, and the model
+  returned the head's output as its logits, unmodified (the same tensor, its version counter
+  unchanged). A model whose forward scales the logits by a constant from its config
+  (``logit_scale``: Cohere; ``logits_scaling``: Granite) gets that constant folded into the
+  temperature, and its returned logits must equal exactly that scaling of the head's output. A model
+  with final-logit softcapping (``config.final_logit_softcapping = c``: Gemma 2 and Gemma 3) returns
+  ``c * tanh(head_output / c)``: the op computes it with ``softcap=c`` (then the temperature), and
+  the returned logits must equal exactly that transform of the head's output. Any other transform of
+  the logits in the model's forward raises :class:`UnsupportedModelError`.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..api import linear_logp_entry, linear_logp_loss_entry
-from ..dtensor import is_dtensor
+from ..op.dtensor import is_dtensor
 from ..outputs import LogpEntropy
-from ..validation import EntryCheck
+from ..op.validation import EntryCheck
 from . import require
 
 require("transformers", "tplogp.integrations.hf", "hf")
@@ -49,13 +53,14 @@ _FORBIDDEN_MODEL_KWARGS = ("labels", "logits_to_keep", "num_logits_to_keep")
 
 
 class UnsupportedModelError(ValueError):
-    """The model computes its logits in a way this integration does not reproduce exactly; the message names the
-    feature."""
+    """The model computes its logits in a way this integration does not reproduce exactly; the
+    message names the feature."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _LogitScale:
-    """The model's forward returns ``head_output * value`` (``multiply``) or ``head_output / value``."""
+    """The model's forward returns ``head_output * value`` (``multiply``) or
+    ``head_output / value``."""
 
     name: str
     value: float
@@ -65,14 +70,15 @@ class _LogitScale:
         return t * self.value if self.multiply else t / self.value
 
     def temperature(self, temperature: float) -> float:
-        """The temperature that gives ``log_softmax(scaled logits / temperature)`` from the unscaled ones."""
+        """The temperature that gives ``log_softmax(scaled logits / temperature)`` from the unscaled
+        ones."""
         return temperature / self.value if self.multiply else temperature * self.value
 
 
 @dataclasses.dataclass(frozen=True)
 class _Softcap:
-    """The model's forward returns ``tanh(head_output / value) * value`` (Gemma 2 / 3's final-logit softcapping, in
-    the order of their forward), which the op computes with ``softcap=value``."""
+    """The model's forward returns ``tanh(head_output / value) * value`` (Gemma 2 / 3's final-logit
+    softcapping, in the order of their forward), which the op computes with ``softcap=value``."""
 
     value: float
 
@@ -96,8 +102,8 @@ def _configs(model) -> list:
 
 
 def _check_config(model) -> Optional[_LogitScale]:
-    """Refuse what the op cannot compute; the transform the model's forward applies to its logits, if any (a
-    :class:`_LogitScale` or a :class:`_Softcap`)."""
+    """Refuse what the op cannot compute; the transform the model's forward applies to its logits,
+    if any (a :class:`_LogitScale` or a :class:`_Softcap`)."""
     scale = None
     for config in _configs(model):
         cap = getattr(config, "final_logit_softcapping", None)
@@ -127,9 +133,10 @@ def _plain_linear(module) -> bool:
 
 
 def _output_heads(model) -> list[torch.nn.Linear]:
-    """The linear layers that may compute the model's logits: the LM head (``get_output_embeddings()``, through
-    wrappers that hold the model as ``.module``), or, for PEFT's ``modules_to_save`` wrapper of the head, its
-    original layer and its trainable copies (the wrapper calls one of them and returns its output as is)."""
+    """The linear layers that may compute the model's logits: the LM head
+    (``get_output_embeddings()``, through wrappers that hold the model as ``.module``), or, for
+    PEFT's ``modules_to_save`` wrapper of the head, its original layer and its trainable copies (the
+    wrapper calls one of them and returns its output as is)."""
     target = model
     head = None
     for _ in range(4):
@@ -160,8 +167,9 @@ def _output_heads(model) -> list[torch.nn.Linear]:
 
 @contextlib.contextmanager
 def _heads_compute(heads: list, compute: Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]):
-    """While active, calling any of ``heads`` returns ``compute(that_head, hidden)`` instead of its logits (its
-    hooks still run); yields the list of the heads' outputs, after their hooks, with their version counters."""
+    """While active, calling any of ``heads`` returns ``compute(that_head, hidden)`` instead of its
+    logits (its hooks still run); yields the list of the heads' outputs, after their hooks, with
+    their version counters."""
     outputs: list = []
 
     def record(module, args, output):
@@ -178,9 +186,11 @@ def _heads_compute(heads: list, compute: Callable[[torch.nn.Linear, torch.Tensor
     restore = []
     try:
         for head in heads:
-            # accelerate's hooks (device_map) wrap forward and call _old_forward after moving tensors: replace that
+            # accelerate's hooks (device_map) wrap forward and call _old_forward after moving
+            # tensors: replace that
             name = "_old_forward" if "_old_forward" in head.__dict__ else "forward"
-            restore.append((head, name, head.__dict__.get(name), head.register_forward_hook(record)))
+            restore.append((head, name, head.__dict__.get(name),
+                            head.register_forward_hook(record)))
             setattr(head, name, patched(head))
         yield outputs
     finally:
@@ -201,9 +211,10 @@ def _model_logits(out):
 
 def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, make: Callable,
          model_kwargs: dict, expected_shape: tuple):
-    """Run ``model``'s forward with its head computing ``make(head, shifted_hidden, temperature_scale)``; the result
-    as the model returned it, after the exactness checks, and the model's output (its other fields: an MoE model's
-    ``aux_loss``, ...). ``logits_to_keep``: checked (:func:`_entry`)."""
+    """Run ``model``'s forward with its head computing ``make(head, shifted_hidden,
+    temperature_scale)``; the result as the model returned it, after the exactness checks, and the
+    model's output (its other fields: an MoE model's ``aux_loss``, ...). ``logits_to_keep``: checked
+    (:func:`_entry`)."""
     scale = _check_config(model)
     heads = _output_heads(model)
     seq = input_ids.shape[1]
@@ -230,7 +241,8 @@ def _run(model, input_ids: torch.Tensor, attention_mask, logits_to_keep: int, ma
         same = logits is result and result._version == version
     else:
         with torch.no_grad():
-            same = (isinstance(logits, torch.Tensor) and logits is not result and result._version == version
+            same = (isinstance(logits, torch.Tensor) and logits is not result
+                    and result._version == version
                     and torch.equal(logits, scale.apply(result)))
     if not same:
         what = ("the head's output, unmodified" if scale is None else
@@ -257,7 +269,7 @@ def _entry(input_ids, logits_to_keep, model_kwargs: dict) -> tuple[int, Optional
     """The entry point's own checks: ``(logits_to_keep to run the model with, problem or None)``.
     What the model cannot run with raises here (input_ids not ``[B, S]``; model keyword arguments
     the integration sets itself, fixed in the caller's code); a bad ``logits_to_keep`` is a problem
-    that travels with the head's op call (:class:`tplogp.validation.EntryCheck`), so with a
+    that travels with the head's op call (:class:`tplogp.op.validation.EntryCheck`), so with a
     tensor-parallel head every rank raises the same error after the model's forward (its
     collectives done on every rank) and none is left waiting."""
     bad = sorted(set(model_kwargs) & set(_FORBIDDEN_MODEL_KWARGS))
@@ -286,8 +298,9 @@ def _targets(input_ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
 
 
 def _per_token(tensors: Sequence[torch.Tensor], shape: tuple) -> tuple:
-    """The per-token tensors at the log-probs' ``shape`` ``[B, k]``: a per-sequence one (``[B]`` or ``[B, 1]``, such
-    as GRPO's advantages) expanded along the positions; any other shape is passed on as given (and checked there)."""
+    """The per-token tensors at the log-probs' ``shape`` ``[B, k]``: a per-sequence one (``[B]`` or
+    ``[B, 1]``, such as GRPO's advantages) expanded along the positions; any other shape is passed
+    on as given (and checked there)."""
     out = []
     for t in tensors:
         if isinstance(t, torch.Tensor) and tuple(t.shape) in ((shape[0],), (shape[0], 1)):
@@ -312,34 +325,40 @@ def causal_lm_logprobs(
     return_model_output: bool = False,
     **model_kwargs,
 ):
-    """Per-token log-probs of ``input_ids[:, 1:]`` under a Hugging Face causal LM, without its logits.
+    """Per-token log-probs of ``input_ids[:, 1:]`` under a Hugging Face causal LM, without its
+    logits.
 
-    The values of the logits path: ``log_softmax(model(...).logits[:, :-1] / temperature)`` at the next tokens,
-    computed by ``linear_logp`` from the final hidden states and the LM head's weight and bias (tied or not).
-    Differentiable into every parameter of the model.
+    The values of the logits path: ``log_softmax(model(...).logits[:, :-1] / temperature)`` at the
+    next tokens, computed by ``linear_logp`` from the final hidden states and the LM head's weight
+    and bias (tied or not). Differentiable into every parameter of the model.
 
     Args:
-        model: a ``*ForCausalLM`` model (plain, PEFT-wrapped, DDP/FSDP2-wrapped, tensor-parallel with a
-            ``ColwiseParallel(output_layouts=Replicate())`` head or a DTensor head).
+        model: a ``*ForCausalLM`` model (plain, PEFT-wrapped, DDP/FSDP2-wrapped, tensor-parallel
+            with a ``ColwiseParallel(output_layouts=Replicate())`` head or a DTensor head).
         input_ids: ``[B, S]`` token ids; the log-prob of token ``s`` is read at position ``s - 1``.
-        attention_mask: ``[B, S]`` as the model takes it (left or right padding). Padded positions get the values
-            the logits path gives them (mask them out downstream, as with the logits).
-        logits_to_keep: 0: every next token, ``[B, S-1]``; ``k > 0``: the last ``k`` tokens, ``[B, k]``.
-        temperature: the logits are divided by it (a model's own logit scale or final-logit softcap is applied first).
+        attention_mask: ``[B, S]`` as the model takes it (left or right padding). Padded positions
+            get the values the logits path gives them (mask them out downstream, as with the
+            logits).
+        logits_to_keep: 0: every next token, ``[B, S-1]``; ``k > 0``: the last ``k`` tokens,
+            ``[B, k]``.
+        temperature: the logits are divided by it (a model's own logit scale or final-logit softcap
+            is applied first).
         return_entropy: also return the entropy of each position's distribution.
         workspace_bytes: :func:`tplogp.linear_logp`'s memory budget.
-        return_model_output: also return the model's output object (its logits field holds the head's result; its
-            other fields as the model returns them, e.g. an MoE model's ``aux_loss`` with
-            ``output_router_logits=True``).
-        model_kwargs: passed to the model's forward (``position_ids``, ...); ``use_cache`` defaults to False.
+        return_model_output: also return the model's output object (its logits field holds the
+            head's result; its other fields as the model returns them, e.g. an MoE model's
+            ``aux_loss`` with ``output_router_logits=True``).
+        model_kwargs: passed to the model's forward (``position_ids``, ...); ``use_cache`` defaults
+            to False.
 
     Returns:
-        float32 ``logp``, or ``(logp, entropy)`` (:class:`~tplogp.outputs.LogpEntropy`) with ``return_entropy``;
-        with ``return_model_output``, ``(that, model_output)``.
+        float32 ``logp``, or ``(logp, entropy)`` (:class:`~tplogp.outputs.LogpEntropy`) with
+        ``return_entropy``; with ``return_model_output``, ``(that, model_output)``.
 
     Raises:
         UnsupportedModelError: the model's logits are not what the LM head computes (a
-            LoRA or quantized head, a transform of the logits in the forward; see :mod:`tplogp.integrations.hf`).
+            LoRA or quantized head, a transform of the logits in the forward; see
+            :mod:`tplogp.integrations.hf`).
     """
     keep, problem = _entry(input_ids, logits_to_keep, model_kwargs)
     entry = EntryCheck("causal_lm_logprobs", problem, (("logits_to_keep", logits_to_keep),))
@@ -350,7 +369,8 @@ def causal_lm_logprobs(
         out = linear_logp_entry(entry, hidden, head.weight, targets.to(hidden.device), head.bias,
                                 temperature=t_eff, softcap=_softcap(scale),
                                 return_entropy=return_entropy, workspace_bytes=workspace_bytes)
-        # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a view)
+        # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a
+        # view)
         return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
 
     shape = (input_ids.shape[0], _positions(input_ids, keep)) + ((2,) if return_entropy else ())
@@ -377,33 +397,38 @@ def causal_lm_loss(
     return_model_output: bool = False,
     **model_kwargs,
 ):
-    """A per-token RL loss of a Hugging Face causal LM's token log-probs, reduced to a scalar, without its logits.
+    """A per-token RL loss of a Hugging Face causal LM's token log-probs, reduced to a scalar,
+    without its logits.
 
     The positions and values of :func:`causal_lm_logprobs`, fed chunk by chunk to
-    :func:`tplogp.linear_logp_loss`: ``loss(logp, entropy, *per_token_chunk)`` gives the per-token loss
-    (``tplogp.losses`` has PPO/GRPO clipping, KL to a reference, an entropy bonus), ``reduction`` sums it or
-    averages it over the positions that count. The gradients of the LM head and of the hidden states are computed in
-    the forward, chunk by chunk (a keep budget sets the chunk size); ``loss.backward()`` carries them into every
-    parameter.
+    :func:`tplogp.linear_logp_loss`: ``loss(logp, entropy, *per_token_chunk)`` gives the per-token
+    loss (``tplogp.losses`` has PPO/GRPO clipping, KL to a reference, an entropy bonus),
+    ``reduction`` sums it or averages it over the positions that count. The gradients of the LM head
+    and of the hidden states are computed in the forward, chunk by chunk (a keep budget sets the
+    chunk size); ``loss.backward()`` carries them into every parameter.
 
     Args:
-        loss, per_token: as in :func:`tplogp.linear_logp_loss`; each ``per_token`` tensor is ``[B, S-1]`` (or
-            ``[B, logits_to_keep]``), aligned with the log-probs, or one value per sequence, ``[B]`` or ``[B, 1]``
-            (GRPO's advantages), taken for each of its positions.
-        loss_mask: ``[B, S-1]`` (or ``[B, logits_to_keep]``), nonzero where a position counts (the completion
-            tokens); the others add nothing, count nothing in ``"mean"`` and cost no GEMM work. None: all count.
-        reduction: ``"sum"`` or ``"mean"`` (over the positions that count); ``"sum"`` for a ``losses.grpo(...)``
-            loss, which normalises itself over the sequences (the rows of ``input_ids``) and their counted positions.
-        return_metrics: with a ``losses.grpo(...)`` loss, also return its metrics (:func:`tplogp.linear_logp_loss`).
-        with_entropy: as in :func:`tplogp.linear_logp_loss`: False when ``loss`` does not read the entropy (policy
-            gradient, PPO / GRPO clipping, KL): it then gets ``entropy=None`` and the forward skips the entropy
-            statistics.
-        model, input_ids, attention_mask, logits_to_keep, temperature, workspace_bytes, return_model_output,
+        loss, per_token: as in :func:`tplogp.linear_logp_loss`; each ``per_token`` tensor is
+            ``[B, S-1]`` (or ``[B, logits_to_keep]``), aligned with the log-probs, or one value per
+            sequence, ``[B]`` or ``[B, 1]`` (GRPO's advantages), taken for each of its positions.
+        loss_mask: ``[B, S-1]`` (or ``[B, logits_to_keep]``), nonzero where a position counts (the
+            completion tokens); the others add nothing, count nothing in ``"mean"`` and cost no GEMM
+            work. None: all count.
+        reduction: ``"sum"`` or ``"mean"`` (over the positions that count); ``"sum"`` for a
+            ``losses.grpo(...)`` loss, which normalises itself over the sequences (the rows of
+            ``input_ids``) and their counted positions.
+        return_metrics: with a ``losses.grpo(...)`` loss, also return its metrics
+            (:func:`tplogp.linear_logp_loss`).
+        with_entropy: as in :func:`tplogp.linear_logp_loss`: False when ``loss`` does not read the
+            entropy (policy gradient, PPO / GRPO clipping, KL): it then gets ``entropy=None`` and
+            the forward skips the entropy statistics.
+        model, input_ids, attention_mask, logits_to_keep, temperature, workspace_bytes,
+        return_model_output,
             model_kwargs: as in :func:`causal_lm_logprobs`.
 
     Returns:
-        a 0-d float32 tensor; with ``return_metrics`` ``(loss, metrics)``; with ``return_model_output`` the model's
-        output object after these.
+        a 0-d float32 tensor; with ``return_metrics`` ``(loss, metrics)``; with
+        ``return_model_output`` the model's output object after these.
     """
     keep, problem = _entry(input_ids, logits_to_keep, model_kwargs)
     targets = _targets(input_ids, keep)
@@ -423,8 +448,9 @@ def causal_lm_loss(
         t_eff = temperature if scale is None else scale.temperature(temperature)
         mesh, local = None, hidden
         if is_dtensor(hidden):
-            # a tensor-parallel plan's input hook made hidden a DTensor replicated over the head's mesh: the loss is
-            # computed from the local copy and handed back as a replicated DTensor (what the output hook expects)
+            # a tensor-parallel plan's input hook made hidden a DTensor replicated over the head's
+            # mesh: the loss is computed from the local copy and handed back as a replicated DTensor
+            # (what the output hook expects)
             if not all(p.is_replicate() for p in hidden.placements):
                 raise UnsupportedModelError(f"the LM head's input is a DTensor placed {hidden.placements}; expected "
                                             f"Replicate() (ColwiseParallel's default input layout)")
@@ -435,7 +461,8 @@ def causal_lm_loss(
                                        softcap=_softcap(scale), ignore_index=ignore,
                                        workspace_bytes=workspace_bytes, with_entropy=with_entropy,
                                        return_metrics=return_metrics)
-        if return_metrics:  # the model returns the loss where it returns its logits; the metrics come aside
+        # the model returns the loss where it returns its logits; the metrics come aside
+        if return_metrics:
             value, found = value
             metrics.update(found)
         if mesh is None:

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from .. import losses
-from ..rl_losses import GRPOLoss
+from ..losses.grpo_family import GRPOLoss
 from . import require
 from .hf import causal_lm_logprobs
 

@@ -4,18 +4,20 @@ dist_process_group) -> (logprobs, entropy)``, computed by :func:`tplogp.linear_l
 A verl user switches by changing one import (``verl.utils.kernel.linear_cross_entropy`` ->
 ``tplogp.integrations.verl``). The meaning is verl's (0.9.1):
 
-* ``hidden`` ``[..., D]`` is flattened to ``[N, D]`` and ``labels`` to ``[N]`` (the same count); both outputs are
-  flat ``[N]`` float32 tensors: ``logprobs[n] = log_softmax(hidden[n] @ W.T / temperature)[labels[n]]`` over the
-  whole vocabulary and ``entropy[n]`` of that distribution; there is no bias and no ignore label (every label is
-  a token id of the vocabulary);
-* with ``dist_process_group`` each rank holds the even vocab shard ``weight = W[rank * V_local:(rank + 1) * V_local]``
-  of the ``world * V_local`` vocabulary and the same hidden and labels (global ids);
-* ``reduction``: ``"none"`` (per token), ``"sum"`` or ``"mean"`` (over the N tokens) of ``logprobs``; ``entropy``
-  stays per token under every reduction (case-insensitive, as verl);
-* both outputs are differentiable; ``weight.grad`` is this rank's shard's gradient. With a group, verl's backward
-  leaves ``hidden.grad`` partial on each rank and its callers sum it over the group (Megatron's sequence-parallel
-  gather does, in its backward). This entry point calls the op with ``hidden_grad="partial"``: each rank's
-  ``hidden.grad`` is its shard's share, with no collective, as verl's.
+* ``hidden`` ``[..., D]`` is flattened to ``[N, D]`` and ``labels`` to ``[N]`` (the same count);
+  both outputs are flat ``[N]`` float32 tensors: ``logprobs[n] = log_softmax(hidden[n] @
+  W.T / temperature)[labels[n]]`` over the whole vocabulary and ``entropy[n]`` of that distribution;
+  there is no bias and no ignore label (every label is a token id of the vocabulary);
+* with ``dist_process_group`` each rank holds the even vocab shard
+  ``weight = W[rank * V_local:(rank + 1) * V_local]`` of the ``world * V_local`` vocabulary and the
+  same hidden and labels (global ids);
+* ``reduction``: ``"none"`` (per token), ``"sum"`` or ``"mean"`` (over the N tokens) of
+  ``logprobs``; ``entropy`` stays per token under every reduction (case-insensitive, as verl);
+* both outputs are differentiable; ``weight.grad`` is this rank's shard's gradient. With a group,
+  verl's backward leaves ``hidden.grad`` partial on each rank and its callers sum it over the group
+  (Megatron's sequence-parallel gather does, in its backward). This entry point calls the op with
+  ``hidden_grad="partial"``: each rank's ``hidden.grad`` is its shard's share, with no collective,
+  as verl's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import linear_logp_entry
-from ..validation import EntryCheck
+from ..op.validation import EntryCheck
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -39,7 +41,8 @@ def linear_cross_entropy(
     reduction: str = "none",
     dist_process_group: Optional[dist.ProcessGroup] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logprobs, entropy)`` of ``labels`` through ``weight`` with verl's meaning (see the module docstring).
+    """``(logprobs, entropy)`` of ``labels`` through ``weight`` with verl's meaning (see the module
+    docstring).
 
     Args:
         hidden: ``[N, D]`` or ``[B, S, D]`` (any leading shape), the weight's dtype.

@@ -1,30 +1,41 @@
 """Triton kernels behind the ``triton`` and ``sm90`` sources.
 
-Importing this package does nothing; importing a kernel module imports Triton and defines its kernels (no CUDA
-work). Set ``TRITON_INTERPRET=1`` before the first import to run them on the CPU through Triton's interpreter (small
-shapes only). Modules, lowest layer first (each imports only the ones above it in this list):
+Importing this package does nothing; importing a kernel module imports Triton and defines its
+kernels (no CUDA work). Set ``TRITON_INTERPRET=1`` before the first import to run them on the CPU
+through Triton's interpreter (small shapes only). Modules, lowest layer first (each imports only the
+ones above it in this list):
 
-* :mod:`.tiles`             tile configs per GPU architecture, fitted to the device's shared memory per element
-                            size; the dot precision. No Triton import.
-* :mod:`.kept`              layout of the softmax terms the forward keeps for the backward. No Triton import.
-* :mod:`.workspace`         how a budget splits into the d_logits workspace and kept terms; the backward's chunks.
-                            No Triton import.
-* :mod:`.launch`            :class:`~.launch.Launch`, the one way a kernel is launched: made once per (kernel,
-                            layout), the compiled kernel looked up by the tensors' alignment; :func:`~.launch.cached`,
-                            the one bounded cache of the per-call paths' launches and programs.
-* :mod:`.fp32_ops`          fp32 elementwise primitives (exp2, tanh, an unfused multiply, 16-bit rounding) and their
-                            PTX forms on a GPU.
-* :mod:`.tile_ops`          the ``@triton.jit`` tile operations every kernel shares: launch order, dot, softcap, the
-                            pointer K loop, the forward's online-softmax epilogue, the backward's d_logits epilogue.
-* :mod:`.forward_kernels`   forward statistics per vocab split (pointer loads), the split merge, the one-shard finalize.
-* :mod:`.backward_kernels`  the d_logits recompute (pointer loads), d_logits from kept terms, deterministic ``d_hidden``.
-* :mod:`.hopper_kernels`    the forward-statistics and d_logits kernels with TMA tensor-descriptor loads (sm_90).
-* :mod:`.scale_kernels`     the fused loss's backward: a gradient times the upstream scalar, rounded once.
-* :mod:`.launches`          each shard kernel's launch for a layout, from sizes; when the TMA kernels may run.
-* :mod:`.entry_checks`      what the entry points accept (shapes, dtypes, devices, strides), checked before a launch.
-* :mod:`.programs`          per-layout programs (the forward, the consuming backward) and the entry points that run
-                            them: buffers, the chunked backward and its cuBLAS steps.
-* :mod:`.grid_programs`     the tensor-parallel-invariant level's entry points: per-block forward stats, the
-                            grid-block backward (fixed-shape d_W GEMMs).
+* :mod:`.tiles`             tile configs per GPU architecture, fitted to the device's shared memory
+                            per element size; the dot precision. No Triton import.
+* :mod:`.kept`              layout of the softmax terms the forward keeps for the backward. No
+  Triton import.
+* :mod:`.workspace`         how a budget splits into the d_logits workspace and kept terms; the
+                            backward's chunks. No Triton import.
+* :mod:`.launch`            :class:`~.launch.Launch`, the one way a kernel is launched: made once
+                            per (kernel, layout), the compiled kernel looked up by the tensors'
+                            alignment; :func:`~.launch.cached`, the one bounded cache of the
+                            per-call paths' launches and programs.
+* :mod:`.fp32_ops`          fp32 elementwise primitives (exp2, tanh, an unfused multiply, 16-bit
+                            rounding) and their PTX forms on a GPU.
+* :mod:`.tile_ops`          the ``@triton.jit`` tile operations every kernel shares: launch order,
+                            dot, softcap, the pointer K loop, the forward's online-softmax epilogue,
+                            the backward's d_logits epilogue.
+* :mod:`.forward_kernels`   forward statistics per vocab split (pointer loads), the split merge, the
+  one-shard finalize.
+* :mod:`.backward_kernels`  the d_logits recompute (pointer loads), d_logits from kept terms,
+  deterministic ``d_hidden``.
+* :mod:`.hopper_kernels`    the forward-statistics and d_logits kernels with TMA tensor-descriptor
+  loads (sm_90).
+* :mod:`.scale_kernels`     the fused loss's backward: a gradient times the upstream scalar, rounded
+  once.
+* :mod:`.launches`          each shard kernel's launch for a layout, from sizes; when the TMA
+  kernels may run.
+* :mod:`.entry_checks`      what the entry points accept (shapes, dtypes, devices, strides), checked
+  before a launch.
+* :mod:`.programs`          per-layout programs (the forward, the consuming backward) and the entry
+                            points that run them: buffers, the chunked backward and its cuBLAS
+                                steps.
+* :mod:`.grid_programs`     the tensor-parallel-invariant level's entry points: per-block forward
+                            stats, the grid-block backward (fixed-shape d_W GEMMs).
 * :mod:`.scale_launch`      the fused loss's scaling launch and its checks.
 """

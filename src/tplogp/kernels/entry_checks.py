@@ -1,6 +1,6 @@
-"""What the kernels' entry points accept: the shapes, dtypes, devices and strides of a shard call's tensors and of
-the kept softmax terms, checked before any launch (:mod:`.programs` runs these unless its caller passes
-``checked=True``), with :class:`KernelInputError` naming what was expected."""
+"""What the kernels' entry points accept: the shapes, dtypes, devices and strides of a shard call's
+tensors and of the kept softmax terms, checked before any launch (:mod:`.programs` runs these unless
+its caller passes ``checked=True``), with :class:`KernelInputError` naming what was expected."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if hidden.dtype not in KERNEL_DTYPES:
         raise KernelInputError(f"unsupported dtype {hidden.dtype}; expected float32, bfloat16 or float16")
     dev = hidden.device
-    if weight.device != dev or local_target.device != dev or (bias is not None and bias.device != dev):
+    if weight.device != dev or local_target.device != dev or (bias is not None
+                                                              and bias.device != dev):
         devices = {hidden.device, weight.device, local_target.device} | ({bias.device} if bias is not None else set())
         raise KernelInputError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
     if hidden.stride(1) != 1 or weight.stride(1) != 1:
@@ -53,7 +54,8 @@ def check_kept(kept: Optional[KeptTerms], n: int, v: int, block_v: int) -> None:
         raise KernelInputError(f"kept terms must be fp32, bf16 or fp16 [{n}, <= {v}] with unit column stride, got "
                                f"{values.dtype} {tuple(values.shape)}")
     tiles_kept = cdiv(values.shape[1], block_v)
-    if (scales.dtype != torch.float32 or scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] < tiles_kept
+    if (scales.dtype != torch.float32 or scales.dim() != 2 or scales.shape[0] != n
+        or scales.shape[1] < tiles_kept
             or scales.stride(1) != 1):
         raise KernelInputError(f"kept scales must be fp32 [{n}, >= {tiles_kept}] with unit column stride, got "
                                f"{scales.dtype} {tuple(scales.shape)}")

@@ -1,11 +1,12 @@
-"""Forward kernels on pointer loads (any CUDA GPU Triton supports, and Triton's CPU interpreter): per-shard softmax
-statistics in the epilogue of the logits GEMM, never writing logits; the split merge and the one-shard finalize
-(which the Hopper forward, :mod:`.hopper_kernels`, shares).
+"""Forward kernels on pointer loads (any CUDA GPU Triton supports, and Triton's CPU interpreter):
+per-shard softmax statistics in the epilogue of the logits GEMM, never writing logits; the split
+merge and the one-shard finalize (which the Hopper forward, :mod:`.hopper_kernels`, shares).
 
-Algorithm. The vocab shard ``[0, V)`` is cut into splits of ``split_tiles * BLOCK_V`` ids (a function of V and the
-config only, never of N). One program owns a ``BLOCK_N`` token block and one split; for each ``[BLOCK_N, BLOCK_V]``
-tile it runs the K loop over the hidden dim (fp32 accumulator), then folds the tile into running per-row
-statistics (online softmax; in natural units here, computed in raw log2 units by
+Algorithm. The vocab shard ``[0, V)`` is cut into splits of ``split_tiles * BLOCK_V`` ids (a
+function of V and the config only, never of N). One program owns a ``BLOCK_N`` token block and one
+split; for each ``[BLOCK_N, BLOCK_V]`` tile it runs the K loop over the hidden dim (fp32
+accumulator), then folds the tile into running per-row statistics (online softmax; in natural units
+here, computed in raw log2 units by
 :func:`.tile_ops.online_softmax_update`)::
 
     z      = (acc + b) * inv_temperature                 # masked columns -> -inf
@@ -14,11 +15,12 @@ statistics (online softmax; in natural units here, computed in raw log2 units by
     q      = exp(m - m') * (q + (m - m') * s_old) + sum_v exp(z - m') (z - m')      # entropy only
     t     += z[target]    (exactly one tile of one split holds it; read from the fp32 accumulator)
 
-Each program writes its split's (m, s, t, q) into one ``[3 or 4, S, N]`` buffer; :func:`merge_splits_kernel` folds
-the S splits in a fixed order (log-add-exp), so the result is bitwise reproducible and a row's stats do not depend
-on the other rows. When one shard is the whole vocab, :func:`finalize_single_kernel` does the same fold and also
-finishes the per-token outputs (logp, lse, entropy), so the TP layer runs no merge ops. Launch order is grouped
-(``GROUP_N`` token blocks walk the vocab together) so a W tile read from HBM is reused from L2 by every token block of
+Each program writes its split's (m, s, t, q) into one ``[3 or 4, S, N]`` buffer;
+:func:`merge_splits_kernel` folds the S splits in a fixed order (log-add-exp), so the result is
+bitwise reproducible and a row's stats do not depend on the other rows. When one shard is the whole
+vocab, :func:`finalize_single_kernel` does the same fold and also finishes the per-token outputs
+(logp, lse, entropy), so the TP layer runs no merge ops. Launch order is grouped (``GROUP_N`` token
+blocks walk the vocab together) so a W tile read from HBM is reused from L2 by every token block of
 the group. No collectives here: the TP layer merges ranks.
 """
 
@@ -38,9 +40,13 @@ def fwd_stats_kernel(
     p_w,  # [V, D] weight shard, in
     p_b,  # [V] bias, in (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target, in (-1: not owned)
-    p_parts,  # [3 to 6, S, N] fp32 per split: row max, sum exp(z - max), target logit (0 if not in the split)
-              # [, sum exp(z - max) (z - max) WITH_ENTROPY][, sum z WITH_SUM_Z][, argmax WITH_ARGMAX], out
-    p_kept,  # [N, v_keep] softmax terms exp(z - m) of the columns below v_keep (bf16 or fp32), out (only KEEP)
+    # [3 to 6, S, N] fp32 per split: row max, sum exp(z - max), target logit (0 if not in the split)
+    p_parts,
+              # [, sum exp(z - max) (z - max) WITH_ENTROPY][, sum z WITH_SUM_Z][, argmax
+              # WITH_ARGMAX], out
+    # [N, v_keep] softmax terms exp(z - m) of the columns below v_keep (bf16 or fp32), out (only
+    # KEEP)
+    p_kept,
     p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 running max m per row and tile, out (only KEEP)
     N, V, D,
     stride_hn, stride_wv, stride_kept, stride_scale, v_keep,
@@ -52,7 +58,8 @@ def fwd_stats_kernel(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
 ):
-    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_program(N, num_splits, BLOCK_N, GROUP_N)
+    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_program(N, num_splits,
+                                                                              BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)  # [BLOCK_N] int64
     c = inv_temp * LOG2E
     o_t = tl.arange(0, BLOCK_V)
@@ -62,30 +69,33 @@ def fwd_stats_kernel(
         acc = logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)  # [BLOCK_N, BLOCK_V]
         b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_tile(
-            acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, p_kept,
-            p_scale, stride_kept, stride_scale, v_keep, inv_temp, False, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION,
-            BLOCK_N, BLOCK_V, False, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
+            acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c,
+            softcap, p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp, False, HAS_BIAS,
+            WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V, False, SOFTCAP, WITH_SUM_Z,
+            WITH_ARGMAX)
     if v_full < v_hi:  # the shard's last tile, cut by V
         o_v = v_full + o_t
         acc = logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PRECISION)
         b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_tile(
-            acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, p_kept,
-            p_scale, stride_kept, stride_scale, v_keep, inv_temp, True, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION,
-            BLOCK_N, BLOCK_V, False, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
+            acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c,
+            softcap, p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp, True, HAS_BIAS,
+            WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V, False, SOFTCAP, WITH_SUM_Z,
+            WITH_ARGMAX)
     b_max, b_tl, b_sez, b_sz = natural_units(b_max, b_tl, b_sez, b_sz, inv_temp, softcap, SOFTCAP)
-    store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY, b_sz, b_am,
-                WITH_SUM_Z, WITH_ARGMAX)
+    store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
+                WITH_ENTROPY, b_sz, b_am, WITH_SUM_Z, WITH_ARGMAX)
 
 
 @triton.jit
-def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr, WITH_SUM_Z: tl.constexpr = False,
-                 WITH_ARGMAX: tl.constexpr = False):
-    """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``, computed on the host so that Triton
-    types it 64-bit when it needs to be; ``S`` or ``N`` may be the constant 1 here) of the rows ``o_n`` in split order
-    (fixed order: bitwise reproducible). No split is empty (each holds at least one vocab id). Returns (max,
-    sum exp(z - max), target logit, sum exp(z - max)(z - max) or 0, sum z or 0, argmax or 0): the sums of z add,
-    the argmax is a later split's only where its max is larger (the lowest id on ties)."""
+def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr,
+                 WITH_SUM_Z: tl.constexpr = False, WITH_ARGMAX: tl.constexpr = False):
+    """Fold the S per-split stats ``p_parts [3 or 4, S, N]`` (``plane = S * N``, computed on the
+    host so that Triton types it 64-bit when it needs to be; ``S`` or ``N`` may be the constant 1
+    here) of the rows ``o_n`` in split order (fixed order: bitwise reproducible). No split is empty
+    (each holds at least one vocab id). Returns (max, sum exp(z - max), target logit, sum
+    exp(z - max)(z - max) or 0, sum z or 0, argmax or 0): the sums of z add, the argmax is a later
+    split's only where its max is larger (the lowest id on ties)."""
     p_max = p_parts
     p_sum = p_max + plane
     p_tl = p_sum + plane
@@ -136,46 +146,55 @@ def _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY: tl.constexpr, WIT
 
 @triton.jit
 def merge_splits_kernel(
-    p_parts,  # [3 to 6, S, N] fp32 per-split stats (max, sum, target logit[, sez][, sum z][, argmax]), in
+    # [3 to 6, S, N] fp32 per-split stats (max, sum, target logit[, sez][, sum z][, argmax]), in
+    p_parts,
     o_stats,  # [3 to 6, N] fp32 merged stats, out
     N, S, plane,  # plane = S * N
-    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, WITH_SUM_Z: tl.constexpr,
+    WITH_ARGMAX: tl.constexpr,
 ):
     """Fold S splits into one shard's stats (for the TP layer's cross-rank merge)."""
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m_n = o_n < N
-    b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY, WITH_SUM_Z,
-                                                         WITH_ARGMAX)
-    store_stats(o_stats, N, o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY, b_sz, b_am, WITH_SUM_Z, WITH_ARGMAX)
+    b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S,
+                                                         WITH_ENTROPY, WITH_SUM_Z, WITH_ARGMAX)
+    store_stats(o_stats, N, o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY, b_sz, b_am,
+                WITH_SUM_Z, WITH_ARGMAX)
 
 
 @triton.jit
 def finalize_single_kernel(
     p_parts,  # [3 to 6, S, N] fp32 per-split stats, in
     p_tgt,  # [N] target ids, in (owned iff 0 <= id < V)
-    o_out,  # [4 to 8, N] fp32, out: logp, lse, row max M, log S, with entropy E_p[z] - M and entropy, then sum z
+    # [4 to 8, N] fp32, out: logp, lse, row max M, log S, with entropy E_p[z] - M and entropy, then
+    # sum z
+    o_out,
             # (WITH_SUM_Z) and argmax (WITH_ARGMAX)
-    p_flag,  # [1] int64 target verdict, out (only CHECK_TARGETS; 0 on entry): a target id outside [0, V), if any
+    # [1] int64 target verdict, out (only CHECK_TARGETS; 0 on entry): a target id outside [0, V), if
+    # any
+    p_flag,
     N, V, S, plane,  # plane = S * N
     WITH_ENTROPY: tl.constexpr, ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr,
     CHECK_TARGETS: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
 ):
-    """One shard is the whole vocab: fold the splits and finish the per-token outputs in the same pass.
+    """One shard is the whole vocab: fold the splits and finish the per-token outputs in the same
+    pass.
 
     ``logp = (t - M) - log S`` (NaN where no vocab id is the target), ``lse = M + log S``,
-    ``E_p[z] - M = q / S``, ``entropy = log S - (E_p[z] - M)``: the same fp32 formulas as the TP layer's merge.
-    A row with every column masked (``S = 0``) is settled as
-    :func:`tplogp.masked_rows.settle_rows` settles it.
+    ``E_p[z] - M = q / S``, ``entropy = log S - (E_p[z] - M)``: the same fp32 formulas as the TP
+    layer's merge. A row with every column masked (``S = 0``) is settled as
+    :func:`tplogp.support.masked_rows.settle_rows` settles it.
     ``CHECK_TARGETS`` (the call's default target check,
-    :class:`tplogp.kernel_target_check.KernelTargetCheck`): a program that finds ids outside ``[0, V)`` stores one of them (never 0, which is inside) to ``p_flag``; several such programs
+    :class:`tplogp.op.verdicts.KernelTargetCheck`): a program that finds ids outside
+    ``[0, V)`` stores one of them (never 0, which is inside) to ``p_flag``; several such programs
     store such ids alike, and the host reads the flag once the kernel is done.
     """
     o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     m_n = o_n < N
-    b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S, WITH_ENTROPY, WITH_SUM_Z,
-                                                         WITH_ARGMAX)
+    b_max, b_sum, b_tl, b_sez, b_sz, b_am = _fold_splits(p_parts, plane, o_n, m_n, N, S,
+                                                         WITH_ENTROPY, WITH_SUM_Z, WITH_ARGMAX)
     # an empty row (every column masked, S = 0): lse -inf, and M = log S = E_p[z] - M = 0 for logp
-    # (-inf), the entropy (0) and the backward (tplogp.masked_rows)
+    # (-inf), the entropy (0) and the backward (tplogp.support.masked_rows)
     empty = b_sum == 0.0
     b_lse_max = b_max
     b_max = tl.where(empty, 0.0, b_max)

@@ -1,21 +1,24 @@
 """The triton and sm90 sources' tensor-parallel-invariant level (``deterministic="tp_invariant"``,
-:mod:`tplogp.invariant`; docs/operator.md, "Determinism"): one grid-aligned shard's per-block forward stats and its
-backward, every step in grid-block-sized pieces.
+:mod:`tplogp.support.invariant`; docs/operator.md, "Determinism"): one grid-aligned shard's
+per-block forward stats and its backward, every step in grid-block-sized pieces.
 
-Algorithm (a shard whose first column starts a grid block of ``B`` columns, ``B = cfg.split_v`` in the forward):
+Algorithm (a shard whose first column starts a grid block of ``B`` columns, ``B = cfg.split_v`` in
+the forward):
 
-* Forward (:func:`forward_blocks`): one launch of the stats kernel whose vocab splits are the grid blocks (tiles
-  aligned to the grid, one config per device and dtype, no split-K), returning each block's ``(m_b, s_b, q_b)`` (and
-  with the options its sum of ``z`` and the lowest column of its max) unmerged; :mod:`tplogp.invariant` merges them
-  exactly.
-* Backward (:func:`backward_on_grid`): d_logits recomputed in chunks that are multiples of ``B`` (nothing kept),
-  into a workspace whose row stride is a function of ``N``, the budget and ``B`` alone (never of the shard);
-  ``d_W`` is one ``[B, N] x [N, D]`` GEMM per grid block, reading the block in place (the vocabulary's cut last
-  block from a zero-padded copy), so every d_W GEMM has one shape and one layout; ``d_b`` sums the
-  per-token-block partial rows one after the other; ``d_hidden`` is the deterministic fixed-order GEMM in fp32. A
-  column's d_W and d_b rows then do not depend on the shard it came in.
+* Forward (:func:`forward_blocks`): one launch of the stats kernel whose vocab splits are the grid
+  blocks (tiles aligned to the grid, one config per device and dtype, no split-K), returning each
+  block's ``(m_b, s_b, q_b)`` (and with the options its sum of ``z`` and the lowest column of its
+  max) unmerged; :mod:`tplogp.support.invariant` merges them exactly.
+* Backward (:func:`backward_on_grid`): d_logits recomputed in chunks that are multiples of ``B``
+  (nothing kept), into a workspace whose row stride is a function of ``N``, the budget and ``B``
+  alone (never of the shard); ``d_W`` is one ``[B, N] x [N, D]`` GEMM per grid block, reading the
+  block in place (the vocabulary's cut last block from a zero-padded copy), so every d_W GEMM has
+  one shape and one layout; ``d_b`` sums the per-token-block partial rows one after the other;
+  ``d_hidden`` is the deterministic fixed-order GEMM in fp32. A column's d_W and d_b rows then do
+  not depend on the shard it came in.
 
-The launches, the d_logits and d_hidden steps are the per-call paths' (:mod:`tplogp.kernels.programs`).
+The launches, the d_logits and d_hidden steps are the per-call paths'
+(:mod:`tplogp.kernels.programs`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..tensors import f32_contiguous
+from ..support import fp32_gemm
+from ..support.tensors import f32_contiguous
 from .launch import cached
 from .launches import ensure_context, stats_launch, tma_ok
 from .programs import dh_gemm, empty_call_grads, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
@@ -33,64 +36,68 @@ from .tiles import TileConfig, cdiv, dot_precision
 
 
 def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                   tma: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
-                   with_argmax: bool = False) -> tuple:
-    """The per-split stats of a shard, unmerged: ``(row max, sum of exp, target logit, sum of exp * (z - max) |
-    None, sum of z | None, lowest column of the max | None)``, each ``[S, N]`` fp32 (the last three with
-    ``with_entropy``, ``with_sum_z``, ``with_argmax``; the column relative to the shard's first); one launch of the
-    stats kernel (``softcap``: the forward's). The splits are ``cfg.split_v`` columns from the shard's first column,
-    so for a grid-aligned shard they are the blocks of the tensor-parallel-invariant grid (:mod:`tplogp.invariant`),
-    each computed by the same tiles wherever it sits."""
+                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
+                   cfg: TileConfig, tma: bool = False, softcap: Optional[float] = None,
+                   with_sum_z: bool = False, with_argmax: bool = False) -> tuple:
+    """The per-split stats of a shard, unmerged: ``(row max, sum of exp, target logit, sum of
+    exp * (z - max) | None, sum of z | None, lowest column of the max | None)``, each ``[S, N]``
+    fp32 (the last three with ``with_entropy``, ``with_sum_z``, ``with_argmax``; the column relative
+    to the shard's first); one launch of the stats kernel (``softcap``: the forward's). The splits
+    are ``cfg.split_v`` columns from the shard's first column, so for a grid-aligned shard they are
+    the blocks of the tensor-parallel-invariant grid (:mod:`tplogp.support.invariant`), each
+    computed by the same tiles wherever it sits."""
     n, d = hidden.shape
     v = weight.shape[0]
     extras = (with_sum_z, with_argmax)
-    parts = torch.empty((stats_rows(with_entropy, *extras), cdiv(v, cfg.split_v), n), device=hidden.device,
-                        dtype=torch.float32)
+    parts = torch.empty((stats_rows(with_entropy, *extras), cdiv(v, cfg.split_v), n),
+                        device=hidden.device, dtype=torch.float32)
     if n and v:
         tma = tma and tma_ok(hidden, weight)
         if tma:
             ensure_context(hidden.device)
         local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
-        launch = cached(stats_launch, n, v, d, hidden.stride(0), weight.stride(0), bias is not None, with_entropy,
-                        float(inv_temperature), cfg, dot_precision(hidden.dtype), None, tma, False, softcap,
-                        *extras)
+        launch = cached(stats_launch, n, v, d, hidden.stride(0), weight.stride(0), bias is not None,
+                        with_entropy, float(inv_temperature), cfg, dot_precision(hidden.dtype),
+                        None, tma, False, softcap, *extras)
         launch(hidden, weight, hidden if bias is None else bias, local_target, parts, parts, parts)
     return stats_outputs(parts, with_entropy, *extras)
 
 
-# grid_chunk's cap, itself no function of the shard: with few rows or a large budget the workspace would otherwise
-# reach far past any shard's width
+# grid_chunk's cap, itself no function of the shard: with few rows or a large budget the workspace
+# would otherwise reach far past any shard's width
 MAX_CHUNK_COLUMNS = 1 << 16
 
 
 def grid_chunk(n: int, itemsize: int, workspace_bytes: int, columns: int) -> int:
-    """Columns of the invariant backward's d_logits workspace (its row stride): as many whole grid blocks as the
-    budget's transient part holds for ``n`` rows, at least one and at most :data:`MAX_CHUNK_COLUMNS`; from ``n``,
-    the budget and the grid alone, so a block's d_W GEMM reads the same layout in every shard."""
+    """Columns of the invariant backward's d_logits workspace (its row stride): as many whole grid
+    blocks as the budget's transient part holds for ``n`` rows, at least one and at most
+    :data:`MAX_CHUNK_COLUMNS`; from ``n``, the budget and the grid alone, so a block's d_W GEMM
+    reads the same layout in every shard."""
     cols = min(workspace_bytes // max(1, n * itemsize), MAX_CHUNK_COLUMNS)
     return max(columns, cols // columns * columns)
 
 
 def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
-                     grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
-                     mean_rel: Optional[torch.Tensor], inv_temperature: float, columns: int, workspace_bytes: int,
+                     grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+                     grad_lse: Optional[torch.Tensor], mean_rel: Optional[torch.Tensor],
+                     inv_temperature: float, columns: int, workspace_bytes: int,
                      needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False,
                      d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
-                     accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
-                     softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
-    """:func:`~.programs.backward` of the tensor-parallel-invariant level (:mod:`tplogp.invariant`) for a
-    grid-aligned shard: a column's ``d_W`` and ``d_b`` rows do not depend on the shard's size (``softcap``,
-    ``grad_sum_z``: as in :func:`~.programs.backward`).
+                     accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None, softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
+    """:func:`~.programs.backward` of the tensor-parallel-invariant level
+    (:mod:`tplogp.support.invariant`) for a grid-aligned shard: a column's ``d_W`` and ``d_b`` rows
+    do not depend on the shard's size (``softcap``, ``grad_sum_z``: as in
+    :func:`~.programs.backward`).
 
-    d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept) in a workspace of
-    :func:`grid_chunk` columns per row, whatever the shard; ``d_W`` is one ``[columns, N] x [N, D]`` GEMM per grid
-    block reading its d_logits columns in place (row stride: the workspace's), written straight into its ``d_W``
-    rows or added to the fp32 accumulator by the GEMM itself (the vocabulary's cut last block: zero-padded in a
-    ``[N, columns]`` buffer, its rows copied or added), so every d_W GEMM has one shape and one operand layout;
-    ``d_b`` sums the per-token-block partial rows one after the other (elementwise: the same order for every
-    column); ``d_hidden`` is the deterministic fixed-order GEMM, fp32."""
+    d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept) in a
+    workspace of :func:`grid_chunk` columns per row, whatever the shard; ``d_W`` is one
+    ``[columns, N] x [N, D]`` GEMM per grid block reading its d_logits columns in place (row stride:
+    the workspace's), written straight into its ``d_W`` rows or added to the fp32 accumulator by the
+    GEMM itself (the vocabulary's cut last block: zero-padded in a ``[N, columns]`` buffer, its rows
+    copied or added), so every d_W GEMM has one shape and one operand layout; ``d_b`` sums the
+    per-token-block partial rows one after the other (elementwise: the same order for every column);
+    ``d_hidden`` is the deterministic fixed-order GEMM, fp32."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -110,14 +117,17 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     dbp = torch.empty((cdiv(n, cfg.bwd_block_n), v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
     ws = torch.empty((n, chunk), device=dev, dtype=weight.dtype)  # one row stride for every shard
-    cut = need_dw and v % columns != 0  # the vocabulary's last block, cut: through a zero-padded copy
+    # the vocabulary's last block, cut: through a zero-padded copy
+    cut = need_dw and v % columns != 0
     block = torch.empty((n, columns), device=dev, dtype=weight.dtype) if cut else None
     d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
-    rows = torch.empty((columns, d), device=dev, dtype=f32 if dw_acc is not None else weight.dtype) if cut else None
+    rows = torch.empty((columns, d), device=dev,
+                       dtype=f32 if dw_acc is not None else weight.dtype) if cut else None
     for i_chunk, (v_lo, v_hi) in enumerate(bounds):
         dz = ws[:, : v_hi - v_lo]
-        launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
-                       float(inv_temperature), grad_entropy is not None, need_db, cfg, precision, tma, **options)
+        launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel,
+                       dz, dbp, v_lo, v_hi, float(inv_temperature), grad_entropy is not None,
+                       need_db, cfg, precision, tma, **options)
         if d_hidden is not None:
             dh_gemm(dz, weight[v_lo:v_hi], d_hidden, i_chunk, True, cfg, precision)
             if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
@@ -126,14 +136,16 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
             continue
         for c0 in range(v_lo, v_hi, columns):
             width = min(c0 + columns, v_hi) - c0
-            if width == columns:  # a whole block, read in place; an accumulator adds it inside the GEMM
+            # a whole block, read in place; an accumulator adds it inside the GEMM
+            if width == columns:
                 operand = ws[:, c0 - v_lo: c0 - v_lo + columns].t()
                 if dw_acc is not None:
                     fp32_gemm.addmm_(dw_acc[c0:c0 + columns], operand, hidden)
                 else:
                     mm_into(d_weight[c0:c0 + columns], operand, hidden)
                 continue
-            block[:, :width] = dz[:, c0 - v_lo:]  # the vocabulary's cut last block: zero-padded to the grid width
+            # the vocabulary's cut last block: zero-padded to the grid width
+            block[:, :width] = dz[:, c0 - v_lo:]
             block[:, width:] = 0
             if dw_acc is not None:
                 fp32_gemm.mm_into(rows, block.t(), hidden)
@@ -144,7 +156,8 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     d_bias = None
     if need_db:
         acc = dbp[0].clone()
-        for i in range(1, dbp.shape[0]):  # one row after the other: every column sums in the same order
+        # one row after the other: every column sums in the same order
+        for i in range(1, dbp.shape[0]):
             acc += dbp[i]
         d_bias = db_acc.add_(acc) if db_acc is not None else acc.to(bias.dtype)
     return d_hidden, d_weight, d_bias

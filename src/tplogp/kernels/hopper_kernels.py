@@ -1,13 +1,15 @@
 """Hopper (sm_90) variants of the fused kernels: tensor-memory-accelerator (TMA) tile loads.
 
-Same algorithm and the same epilogues (:mod:`.tile_ops`) as :mod:`.forward_kernels` and :mod:`.backward_kernels`
-(read their docstrings); the difference is how operand tiles reach shared memory. ``hidden`` and ``weight`` are read
-through host-built tensor descriptors, so each ``[BLOCK_N, BLOCK_D]`` / ``[BLOCK_V, BLOCK_D]`` tile is one bulk tensor copy (out-of-range rows and columns come
-back as zeros, no mask arithmetic), feeding wgmma from shared memory. Optionally the K loop is warp-specialized
-(producer warps issue the copies, consumer warpgroups run the MMAs and the softmax epilogue).
+Same algorithm and the same epilogues (:mod:`.tile_ops`) as :mod:`.forward_kernels` and
+:mod:`.backward_kernels` (read their docstrings); the difference is how operand tiles reach shared
+memory. ``hidden`` and ``weight`` are read through host-built tensor descriptors, so each
+``[BLOCK_N, BLOCK_D]`` / ``[BLOCK_V, BLOCK_D]`` tile is one bulk tensor copy (out-of-range rows and
+columns come back as zeros, no mask arithmetic), feeding wgmma from shared memory. Optionally the K
+loop is warp-specialized (producer warps issue the copies, consumer warpgroups run the MMAs and the
+softmax epilogue).
 
-Usable only when the descriptors are legal: 16-byte aligned base pointers and row strides (``D * itemsize % 16``).
-The programs (:mod:`.programs`) launch the pointer kernels otherwise.
+Usable only when the descriptors are legal: 16-byte aligned base pointers and row strides
+(``D * itemsize % 16``). The programs (:mod:`.programs`) launch the pointer kernels otherwise.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import triton
 import triton.language as tl
 
 from .fp32_ops import LOG2E
-from .tile_ops import (dlogits_epilogue, grouped_ids, mma, natural_units, split_bounds, stats_program,
-                       stats_tile, store_stats)
+from .tile_ops import (dlogits_epilogue, grouped_ids, mma, natural_units, split_bounds,
+                       stats_program, stats_tile, store_stats)
 
 
 @triton.jit
@@ -42,7 +44,9 @@ def fwd_stats_tma_kernel(
     p_b,  # [V] bias (unused unless HAS_BIAS)
     p_tgt,  # [N] int64 local target (-1: not owned)
     p_parts,  # [3 or 4, S, N] fp32 split stats, out (see fwd_stats_kernel)
-    p_kept,  # [N, v_keep] kept softmax terms, out (only KEEP; see fwd_stats_kernel); with KEEP_TMA a descriptor
+    # [N, v_keep] kept softmax terms, out (only KEEP; see fwd_stats_kernel); with KEEP_TMA a
+    # descriptor
+    p_kept,
     # over them, block [BLOCK_N, BLOCK_V]
     p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 their running max per row and tile, out (only KEEP)
     N, V, D,
@@ -56,7 +60,8 @@ def fwd_stats_tma_kernel(
     KEEP_TMA: tl.constexpr,  # the kept terms leave through TMA stores (tile_ops.keep_tile)
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
 ):
-    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_program(N, num_splits, BLOCK_N, GROUP_N)
+    i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_program(N, num_splits,
+                                                                              BLOCK_N, GROUP_N)
     b_tgt = tl.load(p_tgt + o_n, mask=m_n, other=-1)
     c = inv_temp * LOG2E
     v_lo, v_full, v_hi = split_bounds(i_s, V, SPLIT_V, BLOCK_V)
@@ -64,19 +69,21 @@ def fwd_stats_tma_kernel(
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v0, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
         b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_tile(
-            acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, p_kept,
-            p_scale, stride_kept, stride_scale, v_keep, inv_temp, False, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION,
-            BLOCK_N, BLOCK_V, KEEP_TMA, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
+            acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c,
+            softcap, p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp, False, HAS_BIAS,
+            WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V, KEEP_TMA, SOFTCAP, WITH_SUM_Z,
+            WITH_ARGMAX)
     if v_full < v_hi:  # the shard's last tile, cut by V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
         b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_tile(
-            acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, p_kept,
-            p_scale, stride_kept, stride_scale, v_keep, inv_temp, True, HAS_BIAS, WITH_ENTROPY, KEEP, DOT_PRECISION,
-            BLOCK_N, BLOCK_V, KEEP_TMA, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
+            acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c,
+            softcap, p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp, True, HAS_BIAS,
+            WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V, KEEP_TMA, SOFTCAP, WITH_SUM_Z,
+            WITH_ARGMAX)
     b_max, b_tl, b_sez, b_sz = natural_units(b_max, b_tl, b_sez, b_sz, inv_temp, softcap, SOFTCAP)
-    store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez, WITH_ENTROPY, b_sz, b_am,
-                WITH_SUM_Z, WITH_ARGMAX)
+    store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
+                WITH_ENTROPY, b_sz, b_am, WITH_SUM_Z, WITH_ARGMAX)
 
 
 @triton.jit
@@ -94,9 +101,12 @@ def bwd_dlogits_tma_kernel(
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
 ):
-    i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V), GROUP_N)
-    acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V, BLOCK_D,
+    i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V),
+                           GROUP_N)
+    acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_lo + i_v * BLOCK_V, D, BLOCK_N, BLOCK_V,
+                           BLOCK_D,
                            DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)  # [BLOCK_N, BLOCK_V]
-    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,
-                      p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB, WITH_ENTROPY,
-                      DOT_PRECISION, BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+    dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge,
+                     p_mean_rel, p_gsz,
+                      p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB,
+                      WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)

@@ -1,18 +1,21 @@
-"""Per-layout programs: one shard's forward or backward with every launch of a layout made once, and the entry points
-that run them: check shapes, allocate outputs and workspaces, launch the kernels, run the cuBLAS steps.
+"""Per-layout programs: one shard's forward or backward with every launch of a layout made once, and
+the entry points that run them: check shapes, allocate outputs and workspaces, launch the kernels,
+run the cuBLAS steps.
 
 A program (:class:`ForwardProgram`, :class:`KeptBackward`) is made from sizes alone and holds its
-:class:`~.launch.Launch` objects; a call passes its tensors. The op's calls (``ShardCall.inputs_checked``) run the
-program that the source keeps in the layout's ``ShardCall.programs``; the per-call entry points (:func:`forward_stats`,
-:func:`forward_single`, :func:`backward`) take the same programs and launches from :func:`~.launch.cached`, keyed by
-everything they are made from. The ``sm90`` source runs the same programs with ``tma``: the Hopper kernels where
-their tensor descriptors are legal (:func:`~.launches.tma_ok`), the pointer kernels otherwise. The
-tensor-parallel-invariant level's entry points are in :mod:`.grid_programs`.
+:class:`~.launch.Launch` objects; a call passes its tensors. The op's calls
+(``ShardCall.inputs_checked``) run the program that the source keeps in the layout's
+``ShardCall.programs``; the per-call entry points (:func:`forward_stats`, :func:`forward_single`,
+:func:`backward`) take the same programs and launches from :func:`~.launch.cached`, keyed by
+everything they are made from. The ``sm90`` source runs the same programs with ``tma``: the Hopper
+kernels where their tensor descriptors are legal (:func:`~.launches.tma_ok`), the pointer kernels
+otherwise. The tensor-parallel-invariant level's entry points are in :mod:`.grid_programs`.
 
-No host syncs: every size used for planning is a Python int taken from tensor shapes; no ``.item()``, no
-``nonzero()``. Each entry point checks its tensors (:func:`.entry_checks.check_inputs`,
-:func:`.entry_checks.check_kept`) unless its caller passes ``checked=True``: the op's own call path, whose inputs
-passed the op's checks and were made 2-D, contiguous and int64 there, skips these per-launch repeats.
+No host syncs: every size used for planning is a Python int taken from tensor shapes; no
+``.item()``, no ``nonzero()``. Each entry point checks its tensors
+(:func:`.entry_checks.check_inputs`, :func:`.entry_checks.check_kept`) unless its caller passes
+``checked=True``: the op's own call path, whose inputs passed the op's checks and were made 2-D,
+contiguous and int64 there, skips these per-launch repeats.
 """
 
 from __future__ import annotations
@@ -21,26 +24,27 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import fp32_gemm
-from ..tensors import f32_contiguous
+from ..support import fp32_gemm
+from ..support.tensors import f32_contiguous
 from .entry_checks import KernelInputError, check_inputs, check_kept
 from .kept import KeptTerms
 from .launch import cached
-from .launches import (dh_launch, dlogits_kept_launch, dlogits_launch, ensure_context, finalize_launch, kept_tma_ok,
-                       merge_launch, stats_launch, tma_ok)
+from .launches import (dh_launch, dlogits_kept_launch, dlogits_launch, ensure_context,
+                       finalize_launch, kept_tma_ok, merge_launch, stats_launch, tma_ok)
 from .tiles import TileConfig, cdiv, dot_precision
 from .workspace import plan_chunk
 
 
 def layout_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
-    """What a program is made for: the shapes and dtype of a call's (checked: 2-D, contiguous, one device) tensors
-    and its bias's dtype."""
+    """What a program is made for: the shapes and dtype of a call's (checked: 2-D, contiguous, one
+    device) tensors and its bias's dtype."""
     return hidden.shape, weight.shape, hidden.dtype, None if bias is None else bias.dtype
 
 
-# The forwards' fp32 buffers: the per-split stats ``[rows, S, N]`` (row max, sum of exp, target logit and, with
-# entropy, the sum of exp * z), the merged stats of a shard ``[rows, N]`` (the same rows), the one-shard outputs
-# ``[6 or 4, N]`` (logp, lse, row max, log-sum and, with entropy, mean_rel and entropy).
+# The forwards' fp32 buffers: the per-split stats ``[rows, S, N]`` (row max, sum of exp, target
+# logit and, with entropy, the sum of exp * z), the merged stats of a shard ``[rows, N]`` (the same
+# rows), the one-shard outputs ``[6 or 4, N]`` (logp, lse, row max, log-sum and, with entropy,
+# mean_rel and entropy).
 
 def stats_rows(with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> int:
     return (4 if with_entropy else 3) + with_sum_z + with_argmax
@@ -57,9 +61,10 @@ def _extras(outs: tuple, first: int, with_sum_z: bool, with_argmax: bool) -> tup
     return sum_z, argmax
 
 
-def stats_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> tuple:
-    """``(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None)``: views of the merged
-    stats ``out``."""
+def stats_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
+                  with_argmax: bool = False) -> tuple:
+    """``(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None)``: views of
+    the merged stats ``out``."""
     outs = out.unbind(0)
     return (outs[0], outs[1], outs[2], outs[3] if with_entropy else None,
             *_extras(outs, 4 if with_entropy else 3, with_sum_z, with_argmax))
@@ -67,10 +72,11 @@ def stats_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = Fals
 
 def _single_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
                     with_argmax: bool = False) -> tuple:
-    """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None, sum_z | None, argmax | None)``: views of the
-    one-shard outputs ``out``."""
+    """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None, sum_z | None,
+    argmax | None)``: views of the one-shard outputs ``out``."""
     outs = out.unbind(0)
-    return (outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None, outs[5] if with_entropy else None,
+    return (outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None,
+            outs[5] if with_entropy else None,
             *_extras(outs, 6 if with_entropy else 4, with_sum_z, with_argmax))
 
 
@@ -78,55 +84,60 @@ def _single_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = Fa
 
 
 class ForwardProgram:
-    """One shard's forward for one layout: :func:`forward_single` (``single``) or :func:`forward_stats`, with the
-    split count, buffer shapes and every launch made once. A call allocates the per-split stats and the outputs and
-    makes two launches (the stats kernel, then the one-shard finalize or the split merge).
+    """One shard's forward for one layout: :func:`forward_single` (``single``) or
+    :func:`forward_stats`, with the split count, buffer shapes and every launch made once. A call
+    allocates the per-split stats and the outputs and makes two launches (the stats kernel, then the
+    one-shard finalize or the split merge).
 
-    ``precision``: the dot precision (:func:`~.tiles.dot_precision`). ``keep``: ``(kept row stride, scales row stride,
-    kept columns, kept dtype)`` of what the forward keeps for the backward (the calls pass the terms ``[N, columns]``
-    and their scales), or None. ``check_targets`` (``single``
-    only): the calls pass ``target_flag`` (the finishing kernel checks the targets). ``tma``: the Hopper stats kernel
-    where a call's descriptors are legal (the pointer kernel otherwise). The source's programs are checked with
-    :meth:`matches` before a call."""
+    ``precision``: the dot precision (:func:`~.tiles.dot_precision`). ``keep``:
+    ``(kept row stride, scales row stride, kept columns, kept dtype)`` of what the forward keeps for
+    the backward (the calls pass the terms ``[N, columns]`` and their scales), or None.
+    ``check_targets`` (``single`` only): the calls pass ``target_flag`` (the finishing kernel checks
+    the targets). ``tma``: the Hopper stats kernel where a call's descriptors are legal (the pointer
+    kernel otherwise). The source's programs are checked with :meth:`matches` before a call."""
 
     def __init__(self, n: int, v: int, d: int, stride_h: int, stride_w: int, dtype: torch.dtype,
-                 bias_dtype: Optional[torch.dtype], inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                 precision: Optional[str], keep: Optional[tuple], single: bool, check_targets: bool = False,
-                 tma: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
-                 with_argmax: bool = False) -> None:
+                 bias_dtype: Optional[torch.dtype], inv_temperature: float, with_entropy: bool,
+                 cfg: TileConfig, precision: Optional[str], keep: Optional[tuple], single: bool,
+                 check_targets: bool = False, tma: bool = False, softcap: Optional[float] = None,
+                 with_sum_z: bool = False, with_argmax: bool = False) -> None:
         self.layout = ((n, d), (v, d), dtype, bias_dtype)
         self.with_entropy = with_entropy
         self.extras = (with_sum_z, with_argmax)
         self.single = single
         num_splits = cdiv(v, cfg.split_v)
         kept_dims = None if keep is None else keep[:3]
-        stats = (n, v, d, stride_h, stride_w, bias_dtype is not None, with_entropy, float(inv_temperature), cfg,
-                 precision, kept_dims)
+        stats = (n, v, d, stride_h, stride_w, bias_dtype is not None, with_entropy,
+                 float(inv_temperature), cfg, precision, kept_dims)
         options = dict(softcap=softcap, with_sum_z=with_sum_z, with_argmax=with_argmax)
         self.stats = stats_launch(*stats, **options)
         # the Hopper kernel's launches (plain and, with kept terms, with their TMA stores), or None
         self.stats_tma = None if not tma else (stats_launch(*stats, tma=True, **options),
-                                               stats_launch(*stats, tma=True, keep_tma=True, **options) if keep
+                                               stats_launch(*stats, tma=True, keep_tma=True,
+                                                            **options) if keep
                                                else None)
         self.parts_shape = (stats_rows(with_entropy, with_sum_z, with_argmax), num_splits, n)
         if single:
             self.out_shape = (_single_rows(with_entropy, with_sum_z, with_argmax), n)
-            self.finish = finalize_launch(n, v, num_splits, with_entropy, check_targets, with_sum_z, with_argmax)
+            self.finish = finalize_launch(n, v, num_splits, with_entropy, check_targets, with_sum_z,
+                                          with_argmax)
         else:
             self.out_shape = (stats_rows(with_entropy, with_sum_z, with_argmax), n)
             self.finish = merge_launch(n, num_splits, with_entropy, with_sum_z, with_argmax)
 
-    def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    def matches(self, hidden: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> bool:
         """Whether a call's (checked: 2-D, contiguous, one device) tensors are of this layout."""
         return layout_of(hidden, weight, bias) == self.layout
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: torch.Tensor, target_flag: Optional[torch.Tensor] = None,
-                 values: Optional[torch.Tensor] = None, scales: Optional[torch.Tensor] = None) -> tuple:
-        """``single``: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None, sum_z | None, argmax |
-        None)``; else ``(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None)``
-        (``target``: shard-local, contiguous). The kept terms and scales
-        are written into ``values`` and ``scales`` (the layout's ``keep``)."""
+                 values: Optional[torch.Tensor] = None,
+                 scales: Optional[torch.Tensor] = None) -> tuple:
+        """``single``: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None,
+        sum_z | None, argmax | None)``; else ``(row_max, sum_exp, target_logit, sum_exp_z | None,
+        sum_z | None, argmax | None)`` (``target``: shard-local, contiguous). The kept terms and
+        scales are written into ``values`` and ``scales`` (the layout's ``keep``)."""
         device = hidden.device
         stats = self.stats
         if self.stats_tma is not None and tma_ok(hidden, weight):
@@ -135,7 +146,8 @@ class ForwardProgram:
         parts = torch.empty(self.parts_shape, device=device, dtype=torch.float32)
         stats(hidden, weight, hidden if bias is None else bias, target, parts,
               parts if values is None else values, parts if scales is None else scales)
-        out = torch.empty(self.out_shape, device=device, dtype=torch.float32)  # after the launch: the GPU starts sooner
+        # after the launch: the GPU starts sooner
+        out = torch.empty(self.out_shape, device=device, dtype=torch.float32)
         if not self.single:
             self.finish(parts, out)
             return stats_outputs(out, self.with_entropy, *self.extras)
@@ -143,30 +155,37 @@ class ForwardProgram:
         return _single_outputs(out, self.with_entropy, *self.extras)
 
 
-def _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept: Optional[KeptTerms],
-                     single: bool, check_targets: bool, tma: bool, softcap: Optional[float] = None,
-                     with_sum_z: bool = False, with_argmax: bool = False) -> ForwardProgram:
-    """The per-call paths' :class:`ForwardProgram` of these tensors' layout, from :func:`~.launch.cached`."""
+def _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg,
+                     kept: Optional[KeptTerms], single: bool, check_targets: bool, tma: bool,
+                     softcap: Optional[float] = None, with_sum_z: bool = False,
+                     with_argmax: bool = False) -> ForwardProgram:
+    """The per-call paths' :class:`ForwardProgram` of these tensors' layout, from
+    :func:`~.launch.cached`."""
     n, d = hidden.shape
     keep = None
     if kept is not None:
-        keep = (kept.values.stride(0), kept.scales.stride(0), kept.values.shape[1], kept.values.dtype)
-    return cached(ForwardProgram, n, weight.shape[0], d, hidden.stride(0), weight.stride(0), hidden.dtype,
-                  None if bias is None else bias.dtype, float(inv_temperature), with_entropy, cfg,
-                  dot_precision(hidden.dtype), keep, single, check_targets, tma, softcap, with_sum_z, with_argmax)
+        keep = (kept.values.stride(0), kept.scales.stride(0), kept.values.shape[1],
+                kept.values.dtype)
+    return cached(ForwardProgram, n, weight.shape[0], d, hidden.stride(0), weight.stride(0),
+                  hidden.dtype, None if bias is None else bias.dtype, float(inv_temperature),
+                  with_entropy, cfg, dot_precision(hidden.dtype), keep, single, check_targets, tma,
+                  softcap, with_sum_z, with_argmax)
 
 
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  local_target: torch.Tensor, inv_temperature: float, with_entropy: bool, cfg: TileConfig,
-                  tma: bool = False, kept: Optional[KeptTerms] = None, checked: bool = False,
-                  softcap: Optional[float] = None, with_sum_z: bool = False, with_argmax: bool = False):
-    """(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None), fp32 [N], for one vocab
-    shard (``softcap``, ``with_sum_z``, ``with_argmax``: :class:`tplogp.backends.base.ShardCall`'s).
+                  local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
+                  cfg: TileConfig, tma: bool = False, kept: Optional[KeptTerms] = None,
+                  checked: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
+                  with_argmax: bool = False):
+    """(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None), fp32 [N],
+    for one vocab shard (``softcap``, ``with_sum_z``, ``with_argmax``:
+    :class:`tplogp.backends.base.ShardCall`'s).
 
-    ``kept`` (optional): the stats kernel also stores the softmax terms of the shard columns ``[0, v_keep)`` and
-    their row scales there (:class:`~.kept.KeptTerms`), for :func:`backward`. ``tma``: the Hopper kernels where legal.
-    Two allocations (the merged stats are views of one ``[3 or 4, N]`` buffer, the per-split stats of one
-    ``[3 or 4, S, N]`` buffer), two launches, no other torch op.
+    ``kept`` (optional): the stats kernel also stores the softmax terms of the shard columns
+    ``[0, v_keep)`` and their row scales there (:class:`~.kept.KeptTerms`), for :func:`backward`.
+    ``tma``: the Hopper kernels where legal. Two allocations (the merged stats are views of one
+    ``[3 or 4, N]`` buffer, the per-split stats of one ``[3 or 4, S, N]`` buffer), two launches, no
+    other torch op.
     """
     n = hidden.shape[0]
     v = weight.shape[0]
@@ -175,30 +194,33 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         check_kept(kept, n, v, cfg.block_v)
     extras = (with_sum_z, with_argmax)
     if n == 0 or v == 0:
-        out = torch.empty((stats_rows(with_entropy, *extras), n), device=hidden.device, dtype=torch.float32)
+        out = torch.empty((stats_rows(with_entropy, *extras), n), device=hidden.device,
+                          dtype=torch.float32)
         out[0].fill_(float("-inf"))
         out[1:].zero_()
         return stats_outputs(out, with_entropy, *extras)
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
-    program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept, False, False, tma,
-                               softcap, *extras)
+    program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept,
+                               False, False, tma, softcap, *extras)
     return program(hidden, weight, bias, local_target, None, *(() if kept is None else kept))
 
 
-def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
-                   inv_temperature: float, with_entropy: bool, cfg: TileConfig, tma: bool = False,
-                   kept: Optional[KeptTerms] = None, target_flag: Optional[torch.Tensor] = None,
-                   checked: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
+def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   target: torch.Tensor, inv_temperature: float, with_entropy: bool,
+                   cfg: TileConfig, tma: bool = False, kept: Optional[KeptTerms] = None,
+                   target_flag: Optional[torch.Tensor] = None, checked: bool = False,
+                   softcap: Optional[float] = None, with_sum_z: bool = False,
                    with_argmax: bool = False):
-    """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None, sum_z |
-    None, argmax | None)``, fp32 [N].
-    ``kept``, ``tma``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the finishing kernel
-    sets to an id outside ``[0, V)`` if some target is one (the call's default check; pinned host memory on a GPU,
-    which the kernel writes directly).
+    """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None,
+    entropy | None, sum_z | None, argmax | None)``, fp32 [N].
+    ``kept``, ``tma``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the
+    finishing kernel sets to an id outside ``[0, V)`` if some target is one (the call's default
+    check; pinned host memory on a GPU, which the kernel writes directly).
 
-    ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp (the checks in
-    ``full`` mode reject such ids before this runs). Two launches (the stats kernel, then one kernel that folds the
-    splits and finishes the outputs) and two allocations: no other torch op.
+    ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp
+    (the checks in ``full`` mode reject such ids before this runs). Two launches (the stats kernel,
+    then one kernel that folds the splits and finishes the outputs) and two allocations: no other
+    torch op.
     """
     n = hidden.shape[0]
     v = weight.shape[0]
@@ -207,7 +229,8 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         check_kept(kept, n, v, cfg.block_v)
     extras = (with_sum_z, with_argmax)
     if n == 0 or v == 0:
-        out = torch.empty((_single_rows(with_entropy, *extras), n), device=hidden.device, dtype=torch.float32)
+        out = torch.empty((_single_rows(with_entropy, *extras), n), device=hidden.device,
+                          dtype=torch.float32)
         if n:  # an empty vocab: no probability mass anywhere
             out.fill_(float("nan"))
             out[1:4].fill_(float("-inf"))
@@ -230,31 +253,37 @@ def mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-             local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, grad_logp: torch.Tensor,
-             grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], mean_rel: Optional[torch.Tensor],
+             local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+             grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+             grad_lse: Optional[torch.Tensor], mean_rel: Optional[torch.Tensor],
              inv_temperature: float, deterministic: bool, workspace_bytes: int,
-             needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False, kept: Optional[KeptTerms] = None,
+             needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False,
+             kept: Optional[KeptTerms] = None,
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
              accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
-             overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False, checked: bool = False,
-             softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
-    """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard (``softcap``: the forward's;
-    ``grad_sum_z``: d loss / d sum_v z per token, or None).
+             overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False,
+             checked: bool = False, softcap: Optional[float] = None,
+             grad_sum_z: Optional[torch.Tensor] = None):
+    """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard (``softcap``: the
+    forward's; ``grad_sum_z``: d loss / d sum_v z per token, or None).
 
-    ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden is one GEMM (one
-    chunk, not ``deterministic``, on CUDA), it is returned in the input dtype, rounded once as the GEMM stores it
-    (fp32 accumulation inside), with no fp32 buffer and no cast; otherwise fp32 as usual.
+    ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden
+    is one GEMM (one chunk, not ``deterministic``, on CUDA), it is returned in the input dtype,
+    rounded once as the GEMM stores it (fp32 accumulation inside), with no fp32 buffer and no cast;
+    otherwise fp32 as usual.
 
-    The vocab is walked in chunks whose ``[N, chunk]`` d_logits workspace fits ``workspace_bytes`` (the transient
-    part of the budget): first the columns ``[0, v_keep)`` whose softmax terms the forward kept in ``kept`` (their
-    d_logits kernel forms p from them: no recompute GEMM), then the rest (recomputed; ``tma``: the Hopper kernel
-    where legal). ``d_hidden_ready(d_hidden)`` is called after the last chunk's d_hidden GEMM, before its d_W GEMM.
-    ``accumulate``: fp32 ``(d_weight [V, D] | None, d_bias [V] | None)`` buffers that this shard's d_W / d_b are
-    added to, unrounded (several token chunks of one loss), returned in their place; otherwise d_weight / d_bias are
-    in the weight / bias dtype.
+    The vocab is walked in chunks whose ``[N, chunk]`` d_logits workspace fits ``workspace_bytes``
+    (the transient part of the budget): first the columns ``[0, v_keep)`` whose softmax terms the
+    forward kept in ``kept`` (their d_logits kernel forms p from them: no recompute GEMM), then the
+    rest (recomputed; ``tma``: the Hopper kernel where legal). ``d_hidden_ready(d_hidden)`` is
+    called after the last chunk's d_hidden GEMM, before its d_W GEMM. ``accumulate``: fp32
+    ``(d_weight [V, D] | None, d_bias [V] | None)`` buffers that this shard's d_W / d_b are added
+    to, unrounded (several token chunks of one loss), returned in their place; otherwise
+    d_weight / d_bias are in the weight / bias dtype.
 
-    ``overwrite_kept`` (the caller runs one backward per forward) with every column kept and terms of the weight's
-    element size: :class:`KeptBackward` (one d_logits launch in place of the terms, then one full-size GEMM each).
+    ``overwrite_kept`` (the caller runs one backward per forward) with every column kept and terms
+    of the weight's element size: :class:`KeptBackward` (one d_logits launch in place of the terms,
+    then one full-size GEMM each).
     """
     if not checked:
         check_inputs(hidden, weight, bias, local_target)
@@ -271,13 +300,16 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if not checked:
         check_kept(kept, n, v, cfg.block_v)
 
-    if KeptBackward.covers(kept, weight, overwrite_kept):  # one pass over the kept terms, in their memory
-        program = cached(KeptBackward, n, v, hidden.dtype, None if bias is None else bias.dtype, tuple(needs),
-                         grad_entropy is not None, float(inv_temperature), cfg, dot_precision(hidden.dtype),
-                         kept.values.dtype, kept.scales.stride(0), deterministic, d_hidden_in_input_dtype,
-                         hidden.is_cuda, softcap, grad_sum_z is not None)
-        return program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                       mean_rel, kept, d_hidden_ready, accumulate, grad_sum_z)
+    # one pass over the kept terms, in their memory
+    if KeptBackward.covers(kept, weight, overwrite_kept):
+        program = cached(KeptBackward, n, v, hidden.dtype, None if bias is None else bias.dtype,
+                         tuple(needs), grad_entropy is not None, float(inv_temperature), cfg,
+                         dot_precision(hidden.dtype), kept.values.dtype, kept.scales.stride(0),
+                         deterministic, d_hidden_in_input_dtype, hidden.is_cuda, softcap,
+                         grad_sum_z is not None)
+        return program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                       grad_entropy, grad_lse, mean_rel, kept, d_hidden_ready, accumulate,
+                       grad_sum_z)
     f32 = torch.float32
     if not local_target.is_contiguous():
         local_target = local_target.contiguous()
@@ -305,17 +337,21 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         else:
             dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
         if from_kept:
-            launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision,
-                                **options)
-            if v_hi == v_keep:  # the last pass that reads the scales: nothing here holds them any longer
+            launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db,
+                                cfg, precision, **options)
+            # the last pass that reads the scales: nothing here holds them any longer
+            if v_hi == v_keep:
                 kept.release_scales()
         else:
-            launch_dlogits(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision, tma, **options)
+            launch_dlogits(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision,
+                           tma, **options)
         if i_chunk == 0:
-            # Allocated after the first d_logits launch: the GPU starts sooner (host latency at small shapes; the
-            # allocations themselves do no GPU work).
-            dh_dtype = (hidden.dtype if d_hidden_in_input_dtype and len(bounds) == 1 and not deterministic
-                        and hidden.is_cuda else f32)  # (a CPU GEMM would round through an fp32 temporary)
+            # Allocated after the first d_logits launch: the GPU starts sooner (host latency at
+            # small shapes; the allocations themselves do no GPU work).
+            dh_dtype = (hidden.dtype if d_hidden_in_input_dtype and len(bounds) == 1
+                        and not deterministic
+                        # (a CPU GEMM would round through an fp32 temporary)
+                        and hidden.is_cuda else f32)
             d_hidden = torch.empty((n, d), device=dev, dtype=dh_dtype) if need_dh else None
             d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
         whole = ws is None
@@ -323,43 +359,52 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         if d_hidden is not None:
             dh_gemm(dz, w_chunk, d_hidden, i_chunk, deterministic, cfg, precision)
             if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:
-                d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
+                # complete: the caller may start its all-reduce under the d_W GEMM
+                d_hidden_ready(d_hidden)
         if d_weight is not None:
             _dw_gemm(d_weight if whole else d_weight[v_lo:v_hi], dz, hidden, dw_acc is not None)
     return d_hidden, d_weight, _bias_grad(dbp, bias, db_acc) if need_db else None
 
 
-def _dw_gemm(dw_chunk: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor, accumulate: bool) -> None:
-    """``d_W[chunk] (+)= dz^T @ hidden``: added unrounded to an fp32 accumulator, else written in its dtype."""
+def _dw_gemm(dw_chunk: torch.Tensor, dz: torch.Tensor, hidden: torch.Tensor,
+             accumulate: bool) -> None:
+    """``d_W[chunk] (+)= dz^T @ hidden``: added unrounded to an fp32 accumulator, else written in
+    its dtype."""
     if accumulate:
         fp32_gemm.addmm_(dw_chunk, dz.t(), hidden)
     else:
         mm_into(dw_chunk, dz.t(), hidden)
 
 
-def _bias_grad(dbp: torch.Tensor, bias: torch.Tensor, db_acc: Optional[torch.Tensor]) -> torch.Tensor:
-    """``d_b`` from the fp32 per-token-block partial column sums: added to ``db_acc``, else in the bias dtype."""
+def _bias_grad(dbp: torch.Tensor, bias: torch.Tensor,
+               db_acc: Optional[torch.Tensor]) -> torch.Tensor:
+    """``d_b`` from the fp32 per-token-block partial column sums: added to ``db_acc``, else in the
+    bias dtype."""
     return db_acc.add_(dbp.sum(0)) if db_acc is not None else dbp.sum(0).to(bias.dtype)
 
 
 def empty_call_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     needs: tuple[bool, bool, bool], accumulate: Optional[tuple], d_hidden_ready: Optional[Callable]):
-    """The gradients of a call with no rows or no columns: zeros where wanted (the ``accumulate`` buffers as given),
-    ``d_hidden`` handed to ``d_hidden_ready`` as the non-empty path does."""
+                     needs: tuple[bool, bool, bool], accumulate: Optional[tuple],
+                     d_hidden_ready: Optional[Callable]):
+    """The gradients of a call with no rows or no columns: zeros where wanted (the ``accumulate``
+    buffers as given), ``d_hidden`` handed to ``d_hidden_ready`` as the non-empty path does."""
     need_dh, need_dw, need_db = needs
     need_db = need_db and bias is not None
     dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
-    d_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if need_dh else None
+    d_hidden = torch.zeros(hidden.shape, device=hidden.device,
+                           dtype=torch.float32) if need_dh else None
     if d_hidden is not None and d_hidden_ready is not None:
         d_hidden_ready(d_hidden)
-    return (d_hidden, dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
+    return (d_hidden,
+            dw_acc if dw_acc is not None else (torch.zeros_like(weight) if need_dw else None),
             db_acc if db_acc is not None else (torch.zeros_like(bias) if need_db else None))
 
 
-def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+                    grad_lse: Optional[torch.Tensor],
                     mean_rel: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The d_logits kernels' per-token inputs ``(g, g - g_lse, g_entropy, mean_rel)``, contiguous fp32 (``g`` in place
-    of the terms a call does not have: the kernels do not read them then)."""
+    """The d_logits kernels' per-token inputs ``(g, g - g_lse, g_entropy, mean_rel)``, contiguous
+    fp32 (``g`` in place of the terms a call does not have: the kernels do not read them then)."""
     g = f32_contiguous(grad_logp)
     gmg = g if grad_lse is None else (g - grad_lse.to(torch.float32)).contiguous()
     if grad_entropy is None:
@@ -369,13 +414,15 @@ def per_token_grads(grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor
     return g, gmg, f32_contiguous(grad_entropy), f32_contiguous(mean_rel)
 
 
-def dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileConfig, precision) -> None:
+def dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileConfig,
+            precision) -> None:
     """``d_hidden (+)= dz @ W[chunk]`` (fp32) for one chunk."""
     if deterministic:
         n, k = dz.shape
-        cached(dh_launch, n, k, w_chunk.shape[1], dz.stride(0), w_chunk.stride(0), d_hidden.stride(0), i_chunk > 0,
-               cfg, precision)(dz, w_chunk, d_hidden)
-    elif d_hidden.dtype != torch.float32:  # the one chunk, rounded once to the input dtype (d_hidden_in_input_dtype)
+        cached(dh_launch, n, k, w_chunk.shape[1], dz.stride(0), w_chunk.stride(0),
+               d_hidden.stride(0), i_chunk > 0, cfg, precision)(dz, w_chunk, d_hidden)
+    # the one chunk, rounded once to the input dtype (d_hidden_in_input_dtype)
+    elif d_hidden.dtype != torch.float32:
         mm_into(d_hidden, dz, w_chunk)
     elif i_chunk == 0:
         fp32_gemm.mm_into(d_hidden, dz, w_chunk)
@@ -383,52 +430,59 @@ def dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileC
         fp32_gemm.addmm_(d_hidden, dz, w_chunk)
 
 
-def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
-                        inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
-                        launch: Optional[Callable] = None, softcap: Optional[float] = None,
+def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz,
+                        dbp, v_lo, v_hi, inv_temperature, with_entropy, need_db, cfg: TileConfig,
+                        precision: Optional[str], launch: Optional[Callable] = None,
+                        softcap: Optional[float] = None,
                         gsz: Optional[torch.Tensor] = None) -> None:
-    """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM; the forward's
-    tile width, one scale per row and tile). ``launch``: this launch as the caller's program holds it
-    (:class:`KeptBackward`), else the layout's from :func:`~.launch.cached`. ``softcap``: the forward's;
-    ``gsz``: the per-token gradient of the logits' sum (label smoothing), or None."""
+    """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM;
+    the forward's tile width, one scale per row and tile). ``launch``: this launch as the caller's
+    program holds it (:class:`KeptBackward`), else the layout's from :func:`~.launch.cached`.
+    ``softcap``: the forward's; ``gsz``: the per-token gradient of the logits' sum (label
+    smoothing), or None."""
     values, scales = kept
     if launch is None:
-        launch = cached(dlogits_kept_launch, values.shape[0], v_lo, v_hi, values.stride(0), scales.stride(0),
-                        dz.stride(0), dbp.stride(0) if need_db else 0, inv_temperature, with_entropy, need_db, cfg,
-                        precision, softcap, gsz is not None)
-    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mean_rel, g if gsz is None else gsz, dz, dbp)
+        launch = cached(dlogits_kept_launch, values.shape[0], v_lo, v_hi, values.stride(0),
+                        scales.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
+                        inv_temperature, with_entropy, need_db, cfg, precision, softcap,
+                        gsz is not None)
+    launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mean_rel,
+           g if gsz is None else gsz, dz, dbp)
 
 
-def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz, dbp, v_lo, v_hi,
-                   inv_temperature, with_entropy, need_db, cfg: TileConfig, precision: Optional[str],
-                   tma: bool = False, softcap: Optional[float] = None, gsz: Optional[torch.Tensor] = None) -> None:
-    """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal; ``softcap``,
-    ``gsz``: as in :func:`launch_dlogits_kept`)."""
+def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz,
+                   dbp, v_lo, v_hi, inv_temperature, with_entropy, need_db, cfg: TileConfig,
+                   precision: Optional[str], tma: bool = False, softcap: Optional[float] = None,
+                   gsz: Optional[torch.Tensor] = None) -> None:
+    """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal;
+    ``softcap``, ``gsz``: as in :func:`launch_dlogits_kept`)."""
     n, d = hidden.shape
     tma = tma and tma_ok(hidden, weight)
     if tma:
         ensure_context(hidden.device)
-    launch = cached(dlogits_launch, n, weight.shape[0], d, v_lo, v_hi, hidden.stride(0), weight.stride(0),
-                    dz.stride(0), dbp.stride(0) if need_db else 0, bias is not None, need_db, with_entropy,
-                    inv_temperature, cfg, precision, tma, softcap, gsz is not None)
-    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel,
-           g if gsz is None else gsz, dz, dbp)
+    launch = cached(dlogits_launch, n, weight.shape[0], d, v_lo, v_hi, hidden.stride(0),
+                    weight.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
+                    bias is not None, need_db, with_entropy, inv_temperature, cfg, precision, tma,
+                    softcap, gsz is not None)
+    launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg,
+           ge, mean_rel, g if gsz is None else gsz, dz, dbp)
 
 
 class KeptBackward:
-    """:func:`backward` when the forward kept every column's terms at the weight's element size and the backward
-    consumes them (``overwrite_kept``): one d_logits launch writes d_logits in place of the terms (each element is
-    read, then written, by the same program), the scales are dropped, then one full-size GEMM each gives
-    ``d_hidden`` (in the input dtype when it is the call's whole gradient, one GEMM and not ``deterministic``, on
-    CUDA; else fp32) and ``d_W`` (all tokens, the whole shard: fp32 accumulation inside it; added to an
-    ``accumulate`` buffer when given), with every size and the launch made once. The sources keep one per layout,
-    after :meth:`matches`; :func:`backward` takes its layout's from :func:`~.launch.cached`."""
+    """:func:`backward` when the forward kept every column's terms at the weight's element size and
+    the backward consumes them (``overwrite_kept``): one d_logits launch writes d_logits in place of
+    the terms (each element is read, then written, by the same program), the scales are dropped,
+    then one full-size GEMM each gives ``d_hidden`` (in the input dtype when it is the call's whole
+    gradient, one GEMM and not ``deterministic``, on CUDA; else fp32) and ``d_W`` (all tokens, the
+    whole shard: fp32 accumulation inside it; added to an ``accumulate`` buffer when given), with
+    every size and the launch made once. The sources keep one per layout, after :meth:`matches`;
+    :func:`backward` takes its layout's from :func:`~.launch.cached`."""
 
     def __init__(self, n: int, v: int, dtype: torch.dtype, bias_dtype: Optional[torch.dtype],
-                 needs: tuple[bool, bool, bool], with_entropy: bool, inv_temperature: float, cfg: TileConfig,
-                 precision: Optional[str], kept_dtype: torch.dtype, scales_stride: int, deterministic: bool,
-                 d_hidden_in_input_dtype: bool, on_cuda: bool, softcap: Optional[float] = None,
-                 with_sum_z: bool = False) -> None:
+                 needs: tuple[bool, bool, bool], with_entropy: bool, inv_temperature: float,
+                 cfg: TileConfig, precision: Optional[str], kept_dtype: torch.dtype,
+                 scales_stride: int, deterministic: bool, d_hidden_in_input_dtype: bool,
+                 on_cuda: bool, softcap: Optional[float] = None, with_sum_z: bool = False) -> None:
         self.needs = (needs[0], needs[1], needs[2] and bias_dtype is not None)
         self.layout = (n, v, dtype, bias_dtype, kept_dtype, scales_stride)
         self.with_entropy = with_entropy
@@ -440,31 +494,38 @@ class KeptBackward:
         self.cfg, self.precision = cfg, precision
         self.inv_temperature = float(inv_temperature)
         self.dlogits = dlogits_kept_launch(n, 0, v, v, scales_stride, v, v if self.needs[2] else 0,
-                                           self.inv_temperature, with_entropy, self.needs[2], cfg, self.precision,
-                                           softcap, with_sum_z)
+                                           self.inv_temperature, with_entropy, self.needs[2], cfg,
+                                           self.precision, softcap, with_sum_z)
 
     @staticmethod
     def covers(kept: Optional[KeptTerms], weight: torch.Tensor, overwrite_kept: bool) -> bool:
         """Whether a backward of these arguments is one this class runs (class docstring)."""
-        return (overwrite_kept and kept is not None and kept.scales is not None and kept.values.shape[0] > 0
-                and kept.values.shape[1] == weight.shape[0] and kept.values.element_size() == weight.element_size()
+        return (overwrite_kept and kept is not None and kept.scales is not None
+                and kept.values.shape[0] > 0
+                and kept.values.shape[1] == weight.shape[0]
+                and kept.values.element_size() == weight.element_size()
                 and kept.values.is_contiguous())
 
-    def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], kept: KeptTerms,
-                needs: tuple[bool, bool, bool], with_entropy: bool, with_sum_z: bool = False) -> bool:
-        """Whether a call of the source's (checked tensors, every term kept) is of this program's layout."""
+    def matches(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                kept: KeptTerms, needs: tuple[bool, bool, bool], with_entropy: bool,
+                with_sum_z: bool = False) -> bool:
+        """Whether a call of the source's (checked tensors, every term kept) is of this program's
+        layout."""
         n, v = hidden.shape[0], weight.shape[0]
-        return ((n, v, hidden.dtype, None if bias is None else bias.dtype, kept.values.dtype, kept.scales.stride(0))
+        return ((n, v, hidden.dtype, None if bias is None else bias.dtype, kept.values.dtype,
+                 kept.scales.stride(0))
                 == self.layout and kept.values.shape == (n, v) and with_entropy == self.with_entropy
                 and with_sum_z == self.with_sum_z
                 and (needs[0], needs[1], needs[2] and bias is not None) == self.needs)
 
-    def __call__(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                 mean_rel, kept: KeptTerms, d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
+    def __call__(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                 grad_entropy, grad_lse, mean_rel, kept: KeptTerms,
+                 d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
                  accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
                  grad_sum_z: Optional[torch.Tensor] = None):
-        """``(d_hidden | None, d_weight | None, d_bias | None)``, the per-token tensors as :func:`backward` takes
-        them (``grad_sum_z`` given iff the program was made ``with_sum_z``)."""
+        """``(d_hidden | None, d_weight | None, d_bias | None)``, the per-token tensors as
+        :func:`backward` takes them (``grad_sum_z`` given iff the program was made
+        ``with_sum_z``)."""
         need_dh, need_dw, need_db = self.needs
         dw_acc, db_acc = accumulate if accumulate is not None else (None, None)
         g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
@@ -473,18 +534,21 @@ class KeptBackward:
         dz = kept.values if kept.values.dtype == weight.dtype else kept.values.view(weight.dtype)
         if not local_target.is_contiguous():
             local_target = local_target.contiguous()
-        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g, gmg, ge, mean_rel,
-                            dz, dbp, 0, dz.shape[1], self.inv_temperature, self.with_entropy, need_db, self.cfg,
-                            self.precision, self.dlogits,
+        launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g,
+                            gmg, ge, mean_rel, dz, dbp, 0, dz.shape[1], self.inv_temperature,
+                            self.with_entropy, need_db, self.cfg, self.precision, self.dlogits,
                             **({} if grad_sum_z is None else {"gsz": f32_contiguous(grad_sum_z)}))
         kept.release_scales()  # (the last pass that reads them)
-        # allocated after the d_logits launch: the GPU starts sooner (the allocations do no GPU work)
-        d_hidden = torch.empty(hidden.shape, device=device, dtype=self.dh_dtype) if need_dh else None
+        # allocated after the d_logits launch: the GPU starts sooner (the allocations do no GPU
+        # work)
+        d_hidden = torch.empty(hidden.shape, device=device,
+                               dtype=self.dh_dtype) if need_dh else None
         d_weight = (dw_acc if dw_acc is not None else torch.empty_like(weight)) if need_dw else None
         if d_hidden is not None:
             dh_gemm(dz, weight, d_hidden, 0, self.deterministic, self.cfg, self.precision)
             if d_hidden_ready is not None:
-                d_hidden_ready(d_hidden)  # complete: the caller may start its all-reduce under the d_W GEMM
+                # complete: the caller may start its all-reduce under the d_W GEMM
+                d_hidden_ready(d_hidden)
         if d_weight is not None:
             _dw_gemm(d_weight, dz, hidden, dw_acc is not None)
         return d_hidden, d_weight, _bias_grad(dbp, bias, db_acc) if need_db else None

@@ -1,8 +1,9 @@
-"""``main``: check the flags, set up the process group, run the phases, agree on the verdict, report it.
+"""``main``: check the flags, set up the process group, run the phases, agree on the verdict, report
+it.
 
-Errors a user can cause (a bad flag, a source this machine cannot run, inputs the op rejects) are reported by
-rank 0 as one line each, without a Python traceback; an unexpected exception also prints the failing rank's
-traceback.
+Errors a user can cause (a bad flag, a source this machine cannot run, inputs the op rejects) are
+reported by rank 0 as one line each, without a Python traceback; an unexpected exception also prints
+the failing rank's traceback.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ..api import get_op
-from ..kernel_registry import SourceUnavailableError
-from ..shards import ShardLayoutError
-from ..validation import LinearLogpInputError
+from ..backends.kernel_registry import SourceUnavailableError
+from ..support.shards import ShardLayoutError
+from ..op.validation import LinearLogpInputError
 from .correctness import correctness
 from .flags import UsageError, parse_args
 from .launch import env_rank, gather_errors, init_group, launch_env, leave_last, log0, pick_device
@@ -51,11 +52,13 @@ def _describe(exc: BaseException) -> str:
 
 
 def _parse(argv: Optional[Sequence[str]], rank: int):
-    """The checked flags, or an exit status: 0 after --help, 2 after a bad flag (printed by rank 0 only)."""
+    """The checked flags, or an exit status: 0 after --help, 2 after a bad flag (printed by rank 0
+    only)."""
     quiet = contextlib.redirect_stdout(io.StringIO()) if rank != 0 else contextlib.nullcontext()
     try:
         with quiet:
-            args = parse_args(argv, description=sys.modules[__package__].__doc__, epilog=EPILOG, prog=_prog())
+            args = parse_args(argv, description=sys.modules[__package__].__doc__, epilog=EPILOG,
+                              prog=_prog())
         env = launch_env()
         device, backend = pick_device(args.backend, env)
         return args, env, device, backend
@@ -93,8 +96,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ok, error, trace = _run_phases(args, env, device, backend)
     try:  # the verdict: every rank's own result, including errors other ranks did not see
         records = gather_errors(None if ok else (error, trace), env.world_size)
-    except Exception as exc:  # the exchange itself failed (a rank died): this rank reports and fails alone
-        print(f"[rank {rank}] verdict exchange failed: {_describe(exc)}", file=sys.stderr, flush=True)
+    # the exchange itself failed (a rank died): this rank reports and fails alone
+    except Exception as exc:
+        print(f"[rank {rank}] verdict exchange failed: {_describe(exc)}", file=sys.stderr,
+              flush=True)
         return 1
     failed = [(r, rec) for r, rec in enumerate(records) if rec is not None]
     errors = [(r, line, tb) for r, (line, tb) in failed if line]

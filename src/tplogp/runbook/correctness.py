@@ -1,4 +1,5 @@
-"""Phase ``correctness``: the TP op on this rank's shard against a materialized full-vocabulary reference."""
+"""Phase ``correctness``: the TP op on this rank's shard against a materialized full-vocabulary
+reference."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from ..reference import reference_outputs
-from ..shards import shard_boundaries, shard_range
+from ..testing.reference import reference_outputs
+from ..support.shards import shard_boundaries, shard_range
 from .flags import DTYPES, IGNORE_INDEX
 from .inputs import make_targets, op_kwargs, token_rows
 from .launch import log0, max_over_ranks
@@ -50,14 +51,16 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
     loss.backward()
     invariance_ok = True
     if args.tp_invariance:
-        invariance_ok = tp_invariance(args, rank, device, backend, op, (hidden_full, weight_full, bias_full),
-                                      target, (g_logp, g_ent), (start, end, rows), (logp, ent, h, w, b))
+        invariance_ok = tp_invariance(args, rank, device, backend, op,
+                                      (hidden_full, weight_full, bias_full), target,
+                                      (g_logp, g_ent), (start, end, rows), (logp, ent, h, w, b))
 
     # reference: the full vocabulary, materialized
     hr = hidden_full.to(device).clone().requires_grad_()
     wr = weight_full.to(device).clone().requires_grad_()
     br = None if bias_full is None else bias_full.to(device).clone().requires_grad_()
-    ref = reference_outputs(hr, wr, target, br, mode=args.reference_mode, temperature=args.temperature,
+    ref = reference_outputs(hr, wr, target, br, mode=args.reference_mode,
+                            temperature=args.temperature,
                             ignore_index=IGNORE_INDEX if args.ignore_fraction > 0 else None)
     ref_loss = (ref.logp * g_logp).sum() + ((ref.entropy * g_ent).sum() if ent is not None else 0.0)
     ref_loss.backward()
@@ -71,10 +74,11 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
     return report_checks(checks, args.atol, args.rtol, rank, device, backend) and invariance_ok
 
 
-def tp_invariance(args: argparse.Namespace, rank: int, device: torch.device, backend: str, op: Callable, full,
-                  target, grads, shard, ours) -> bool:
-    """The same call on the whole vocabulary in this process, without a group (TP=1; ``shard``: this rank's
-    vocabulary rows and token rows), and the count of values of this rank's outputs and gradient rows that are not bitwise equal to it (summed over ranks); rank 0 prints
+def tp_invariance(args: argparse.Namespace, rank: int, device: torch.device, backend: str,
+                  op: Callable, full, target, grads, shard, ours) -> bool:
+    """The same call on the whole vocabulary in this process, without a group (TP=1; ``shard``: this
+    rank's vocabulary rows and token rows), and the count of values of this rank's outputs and
+    gradient rows that are not bitwise equal to it (summed over ranks); rank 0 prints
     ``PASS tp_invariance: bitwise equal to TP=1`` or what differs."""
     (hidden_full, weight_full, bias_full), (g_logp, g_ent), (start, end, rows) = full, grads, shard
     logp, ent, h, w, b = ours
@@ -94,7 +98,8 @@ def tp_invariance(args: argparse.Namespace, rank: int, device: torch.device, bac
     merged = max_over_ranks(differ + [float((h.grad - h1.grad[rows]).abs().max())], device, backend)
     bad = [f"{name} {int(n)} values" for (name, _, _), n in zip(pairs, merged) if n]
     if bad:
-        log0(rank, f"  FAIL tp_invariance: differs from TP=1 in {', '.join(bad)} (the most of any one rank)")
+        log0(rank,
+             f"  FAIL tp_invariance: differs from TP=1 in {', '.join(bad)} (the most of any one rank)")
     else:
         log0(rank, "  PASS tp_invariance: bitwise equal to TP=1"
                    f" (hidden_grad, an fp32 all-reduce: max_abs={merged[-1]:.3g} from TP=1)")

@@ -1,8 +1,10 @@
-"""The runbook's command line: flags, their defaults, and the checks every value passes before any work.
+"""The runbook's command line: flags, their defaults, and the checks every value passes before any
+work.
 
-Every size must be a positive int, every tolerance a non-negative finite number; a vocabulary must have at
-least one id per rank. A bad value raises :class:`UsageError` with one line naming the flag, the rule and the
-value; parsing never exits the process itself, so the caller decides which rank prints it.
+Every size must be a positive int, every tolerance a non-negative finite number; a vocabulary must
+have at least one id per rank. A bad value raises :class:`UsageError` with one line naming the flag,
+the rule and the value; parsing never exits the process itself, so the caller decides which rank
+prints it.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..settings import SettingsError, launcher_env
-from ..tolerances import RUNBOOK_TOLERANCES
+from ..support.settings import SettingsError, launcher_env
+from ..testing.tolerances import RUNBOOK_TOLERANCES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORE_INDEX = -100
-DETERMINISTIC = {"off": False, "on": True, "tp_invariant": "tp_invariant"}  # --deterministic -> the op's option
+# --deterministic -> the op's option
+DETERMINISTIC = {"off": False, "on": True, "tp_invariant": "tp_invariant"}
 MAX_SEED = 2 ** 62  # the stress phase seeds seed + 100 + rank; torch generators take < 2**64
 
 
@@ -87,11 +90,13 @@ def build_parser(description: str = "", epilog: str = "",
         help="each rank passes its contiguous slice of the tokens as hidden (sequence_parallel=True; the token "
              "counts must divide by the world size); hidden_grad is checked against that slice of the reference's")
     add("--atol", type=tolerance, default=None,
-        help="absolute bound of the correctness check (default: per dtype from tplogp.tolerances: "
-             + ", ".join(f"{k} {RUNBOOK_TOLERANCES[v].atol:g}" for k, v in sorted(DTYPES.items())) + ")")
+        help="absolute bound of the correctness check (default: per dtype from tplogp.testing.tolerances: "
+             + ", ".join(f"{k} {RUNBOOK_TOLERANCES[v].atol:g}" for k,
+                         v in sorted(DTYPES.items())) + ")")
     add("--rtol", type=tolerance, default=None,
-        help="relative bound of the correctness check (default: per dtype from tplogp.tolerances: "
-             + ", ".join(f"{k} {RUNBOOK_TOLERANCES[v].rtol:g}" for k, v in sorted(DTYPES.items())) + ")")
+        help="relative bound of the correctness check (default: per dtype from tplogp.testing.tolerances: "
+             + ", ".join(f"{k} {RUNBOOK_TOLERANCES[v].rtol:g}" for k,
+                         v in sorted(DTYPES.items())) + ")")
     add("--run-stress", action="store_true",
         help="add the stress phase: a TP-only shape, no reference (finiteness, step time, peak memory)")
     add("--stress-tokens", type=positive_int, default=4096, help="stress phase: tokens")

@@ -1,4 +1,5 @@
-"""Random problem data shared by both phases, and the op's keyword arguments for one rank's shard."""
+"""Random problem data shared by both phases, and the op's keyword arguments for one rank's
+shard."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ def make_targets(gen: torch.Generator, tokens: int, vocab: int, ignore_fraction:
 
 
 def op_kwargs(args: argparse.Namespace, start: int, vocab: int, group=True) -> dict:
-    """The op's keyword arguments for the shard starting at ``start`` (``group=False``: the whole vocabulary
-    without a group, TP=1)."""
-    kw = dict(tp_group=dist.group.WORLD, vocab_start_index=start, global_vocab_size=vocab) if group else {}
+    """The op's keyword arguments for the shard starting at ``start`` (``group=False``: the whole
+    vocabulary without a group, TP=1)."""
+    kw = dict(tp_group=dist.group.WORLD, vocab_start_index=start,
+              global_vocab_size=vocab) if group else {}
     if args.deterministic != "off":
         kw["deterministic"] = DETERMINISTIC[args.deterministic]
     if args.temperature != 1.0:
@@ -37,8 +39,9 @@ def op_kwargs(args: argparse.Namespace, start: int, vocab: int, group=True) -> d
 
 
 def token_rows(args: argparse.Namespace, rank: int, world: int, tokens: int) -> slice:
-    """The rows of the tokens this rank passes as hidden: all of them, or with ``--sequence-parallel`` its
-    contiguous slice (rank-major; a count that does not divide is passed as is, for the op to refuse)."""
+    """The rows of the tokens this rank passes as hidden: all of them, or with
+    ``--sequence-parallel`` its contiguous slice (rank-major; a count that does not divide is passed
+    as is, for the op to refuse)."""
     if not args.sequence_parallel or tokens % world:
         return slice(0, tokens)
     n = tokens // world

@@ -1,15 +1,15 @@
 """Process-group set-up, rank-0 output, and the exit policy of the runbook under torchrun.
 
-Everything that can be decided from the command line and the launcher's environment (rank, world size, GPUs
-per node) is decided before the process group starts, so a bad value ends every rank at once without a
-collective.
+Everything that can be decided from the command line and the launcher's environment (rank, world
+size, GPUs per node) is decided before the process group starts, so a bad value ends every rank at
+once without a collective.
 
-Exit policy: rank 0 prints every verdict and carries it in its exit status; the other ranks exit 0 once the
-verdict is agreed (or when a flag is bad, which every rank knows alike). torchrun's agent prints its
-``ChildFailedError`` report for each rank that exits non-zero, so this keeps that report to one entry; and
-rank 0, when it exits non-zero, first waits (a few seconds at most) for its sibling ranks to exit, so that the
-agent does not signal them and list them as failed too. A rank that cannot take part in the verdict exchange
-exits 1 itself.
+Exit policy: rank 0 prints every verdict and carries it in its exit status; the other ranks exit 0
+once the verdict is agreed (or when a flag is bad, which every rank knows alike). torchrun's agent
+prints its ``ChildFailedError`` report for each rank that exits non-zero, so this keeps that report
+to one entry; and rank 0, when it exits non-zero, first waits (a few seconds at most) for its
+sibling ranks to exit, so that the agent does not signal them and list them as failed too. A rank
+that cannot take part in the verdict exchange exits 1 itself.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..settings import LauncherEnv, SettingsError, launcher_env
+from ..support.settings import LauncherEnv, SettingsError, launcher_env
 from .flags import UsageError
 
 LAUNCH_HINT = "launch with torchrun, e.g. torchrun --standalone --nproc_per_node=4 tests/linear_logp_tp.py"
 
 
 def launch_env() -> LauncherEnv:
-    """This process's place in the job, from torchrun's variables. Raises :class:`UsageError` without them."""
+    """This process's place in the job, from torchrun's variables. Raises :class:`UsageError`
+    without them."""
     env = _launcher_env()
     if env is None:
         raise UsageError(LAUNCH_HINT)
@@ -37,8 +38,8 @@ def launch_env() -> LauncherEnv:
 
 
 def env_rank() -> int:
-    """The global rank if launched by torchrun, else 0 (plain ``python``, or unusable variables: this process
-    prints)."""
+    """The global rank if launched by torchrun, else 0 (plain ``python``, or unusable variables:
+    this process prints)."""
     try:
         env = launcher_env()
     except SettingsError:
@@ -54,7 +55,8 @@ def _launcher_env() -> Optional[LauncherEnv]:  # malformed variables are a usage
 
 
 def pick_device(backend: str, env: LauncherEnv) -> tuple[torch.device, str]:
-    """(device, process-group backend). The GPU count is the node's, the same on every rank of a node."""
+    """(device, process-group backend). The GPU count is the node's, the same on every rank of a
+    node."""
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         backend = "nccl" if n_gpus >= env.local_world_size and n_gpus > 0 else "gloo"
@@ -94,7 +96,8 @@ def gather_errors(error: Optional[tuple], world: int) -> list[Optional[tuple]]:
 
 
 def _running_siblings() -> list[int]:
-    """Other live (not exited) children of this process's parent: under torchrun, the node's other ranks."""
+    """Other live (not exited) children of this process's parent: under torchrun, the node's other
+    ranks."""
     parent, me = os.getppid(), os.getpid()
     live = []
     try:
@@ -115,7 +118,8 @@ def _running_siblings() -> list[int]:
 
 
 def leave_last(timeout_s: float = 5.0) -> None:
-    """Before a non-zero exit under torchrun: wait until the node's other ranks have exited (bounded)."""
+    """Before a non-zero exit under torchrun: wait until the node's other ranks have exited
+    (bounded)."""
     try:
         env = launcher_env()
     except SettingsError:

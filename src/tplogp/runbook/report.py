@@ -8,8 +8,8 @@ from .launch import log0, max_over_ranks
 
 
 def compare(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, float]:
-    """(max_abs, max_rel, passed): max_rel = max |d| / max(|ref|, 1e-6); passed iff |d| <= atol + rtol |ref|
-    everywhere and ``ours`` is finite."""
+    """(max_abs, max_rel, passed): max_rel = max |d| / max(|ref|, 1e-6); passed
+    iff |d| <= atol + rtol |ref| everywhere and ``ours`` is finite."""
     d = (ours.double() - ref.double()).abs()
     r = ref.double().abs()
     max_abs = float(d.max()) if d.numel() else 0.0
@@ -20,7 +20,8 @@ def compare(ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> 
 
 def report_checks(checks: list, atol: float, rtol: float, rank: int, device: torch.device,
                   backend: str) -> bool:
-    """Compare every (name, ours, ref), take the max error and the min verdict over ranks; rank 0 prints."""
+    """Compare every (name, ours, ref), take the max error and the min verdict over ranks; rank 0
+    prints."""
     flat = []
     for _, ours, ref in checks:
         max_abs, max_rel, passed = compare(ours, ref, atol, rtol)
@@ -30,6 +31,7 @@ def report_checks(checks: list, atol: float, rtol: float, rank: int, device: tor
     for i, (name, _, _) in enumerate(checks):
         max_abs, max_rel, failed = merged[3 * i: 3 * i + 3]
         ok_all &= not failed
-        log0(rank, f"  {'FAIL' if failed else 'PASS'} {name}: max_abs={max_abs:.6g}, max_rel={max_rel:.6g}")
+        log0(rank,
+             f"  {'FAIL' if failed else 'PASS'} {name}: max_abs={max_abs:.6g}, max_rel={max_rel:.6g}")
     log0(rank, "")
     return ok_all

@@ -1,11 +1,12 @@
-"""Phase ``stress``: a larger TP-only shape, each rank holding only its shard: finiteness, step time, memory.
+"""Phase ``stress``: a larger TP-only shape, each rank holding only its shard: finiteness, step
+time, memory.
 
-Rank 0 prints a progress line as each step ends (the step's time, max over ranks, and an estimate of the time
-left), so a long CPU run is not silent.
+Rank 0 prints a progress line as each step ends (the step's time, max over ranks, and an estimate of
+the time left), so a long CPU run is not silent.
 
 Memory on CPU is the growth of the resident set (``VmHWM`` after resetting it through
-``/proc/self/clear_refs`` where the kernel allows, else ``VmRSS``); on a GPU it is the caching allocator's
-peak.
+``/proc/self/clear_refs`` where the kernel allows, else ``VmRSS``); on a GPU it is the caching
+allocator's peak.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..shards import shard_boundaries, shard_range
+from ..support.shards import shard_boundaries, shard_range
 from .flags import DTYPES
 from .inputs import make_targets, op_kwargs, token_rows
 from .launch import log0, max_over_ranks
@@ -48,10 +49,11 @@ def _duration(seconds: float) -> str:
 
 
 def progress_line(step: int, timed_steps: int, step_ms: float, own_ms: list[float]) -> str:
-    """One line per step as it ends: its time (max over ranks) and the time left, estimated from this rank.
+    """One line per step as it ends: its time (max over ranks) and the time left, estimated from
+    this rank.
 
-    The estimate multiplies the steps left by the median warmed step so far (after the warm-up step: by the
-    warm-up step's time, which includes one-time compilation, so the first estimate is high).
+    The estimate multiplies the steps left by the median warmed step so far (after the warm-up step:
+    by the warm-up step's time, which includes one-time compilation, so the first estimate is high).
     """
     left = timed_steps - step
     per_step_ms = statistics.median(own_ms[1:]) if len(own_ms) > 1 else own_ms[0]
@@ -66,13 +68,15 @@ def stress(args: argparse.Namespace, rank: int, world: int, device: torch.device
     T, D, V = args.stress_tokens, args.stress_hidden_size, args.stress_vocab_size
     bounds = shard_boundaries(V, world, uneven=args.uneven_shards)
     start, end = shard_range(bounds, rank)
-    log0(rank, "[stress]", f"  dtype={dtype}, tokens={T}, hidden={D}, vocab={V}, steps={args.stress_steps}",
+    log0(rank, "[stress]",
+         f"  dtype={dtype}, tokens={T}, hidden={D}, vocab={V}, steps={args.stress_steps}",
          f"  shard_boundaries={bounds}")
     gen = torch.Generator().manual_seed(args.seed + 1)
     hidden = (torch.randn(T, D, generator=gen) * 0.5).to(dtype).to(device)  # replicated: same seed
     target = make_targets(gen, T, V, args.ignore_fraction, device)
     g_logp = torch.randn(T, generator=gen).to(device)
-    wgen = torch.Generator().manual_seed(args.seed + 100 + rank)  # shard only, never the full weight
+    # shard only, never the full weight
+    wgen = torch.Generator().manual_seed(args.seed + 100 + rank)
     weight = (torch.randn(end - start, D, generator=wgen) / D ** 0.5).to(dtype).to(device)
     bias = None if args.no_bias else (torch.randn(end - start, generator=wgen) * 0.1).to(dtype).to(device)
     h = hidden[token_rows(args, rank, world, T)].clone().requires_grad_()
@@ -105,10 +109,13 @@ def stress(args: argparse.Namespace, rank: int, world: int, device: torch.device
         (logp * g_logp).sum().backward()
         sync()
         elapsed_ms.append((time.perf_counter() - t0) * 1e3)
-        log0(rank, progress_line(step, args.stress_steps, max_over_ranks(elapsed_ms[-1:], device, backend)[0],
+        log0(rank,
+             progress_line(step, args.stress_steps,
+                           max_over_ranks(elapsed_ms[-1:], device, backend)[0],
                                  elapsed_ms))
         finite &= bool(torch.isfinite(logp).all() and torch.isfinite(h.grad).all()
-                       and torch.isfinite(w.grad).all() and (b is None or torch.isfinite(b.grad).all()))
+                       and torch.isfinite(w.grad).all()
+                       and (b is None or torch.isfinite(b.grad).all()))
     if device.type == "cuda":
         peak_gb = torch.cuda.max_memory_allocated(device) / 1e9
         extra_gb = (torch.cuda.max_memory_allocated(device) - base_alloc) / 1e9

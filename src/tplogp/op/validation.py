@@ -1,10 +1,11 @@
-"""Argument and layout validation of ``linear_logp`` and ``linear_logp_loss``: what one rank can check alone, with no
-tensor data read (but ``cu_seqlens``, read when a loss uses its sequences).
+"""Argument and layout validation of ``linear_logp`` and ``linear_logp_loss``: what one rank can
+check alone, with no tensor data read (but ``cu_seqlens``, read when a loss uses its sequences).
 
-:func:`local_problem` returns a message instead of raising, so that with a TP group every rank first finishes its
-own checks and the group then raises the same error everywhere (:mod:`tplogp.group_record`); without a group the
-plan raises it. :func:`single_shard_vocab` checks the shard layout of a call on one shard. The plan
-(:mod:`tplogp.plan`) runs these through :func:`check_layout`, at the first call of a layout only.
+:func:`local_problem` returns a message instead of raising, so that with a TP group every rank first
+finishes its own checks and the group then raises the same error everywhere
+(:mod:`tplogp.op.group_record`); without a group the plan raises it. :func:`single_shard_vocab`
+checks the shard layout of a call on one shard. The plan (:mod:`tplogp.op.plan`) runs these through
+:func:`check_layout`, at the first call of a layout only.
 
 The fused loss's own arguments (the loss, ``per_token``, ``reduction``, ``with_entropy``,
 ``cu_seqlens``, ``return_metrics``) are checked at every call by :func:`check_loss` (a few type and
@@ -21,13 +22,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import invariant, settings
-from .shards import ShardLayoutError
+from ..support import invariant, settings
+from ..support.shards import ShardLayoutError
+from .options import LogpOptions, option_problems
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}  # the dtype as it travels in a group record
-# what hidden.grad holds with a group: the full gradient (summed over the ranks), or this rank's share of it
-HIDDEN_GRADS = ("reduced", "partial")
+# the dtype as it travels in a group record
+DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 class LinearLogpInputError(ValueError):
@@ -35,14 +36,16 @@ class LinearLogpInputError(ValueError):
 
 
 def checks_mode() -> str:
-    """``TPLOGP_CHECKS`` (:func:`tplogp.settings.checks_mode`); a bad value is a :class:`LinearLogpInputError`."""
+    """``TPLOGP_CHECKS`` (:func:`tplogp.support.settings.checks_mode`); a bad value is a
+    :class:`LinearLogpInputError`."""
     try:
         return settings.checks_mode()
     except settings.SettingsError as exc:
         raise LinearLogpInputError(str(exc)) from exc
 
 
-# return_argmax: the largest shard whose local ids fp32 holds exactly (the per-shard statistics are fp32)
+# return_argmax: the largest shard whose local ids fp32 holds exactly (the per-shard statistics are
+# fp32)
 MAX_ARGMAX_VOCAB = 1 << 24
 
 
@@ -58,20 +61,14 @@ def local_problem(
     bias: Optional[torch.Tensor],
     vocab_start_index: int,
     global_vocab_size: Optional[int],
-    ignore_index: Optional[int],
-    temperature: float,
-    workspace_bytes: Optional[int] = None,
-    sequence_parallel: bool = False,
-    hidden_grad: str = "reduced",
+    options: LogpOptions,
     world_size: int = 1,
-    softcap: Optional[float] = None,
-    return_argmax: bool = False,
-    deterministic: "bool | str" = False,
 ) -> Optional[str]:
     """Everything one rank can check alone. Returns a message, or None when the inputs are fine.
 
-    An argument of a type that the op's schema (:mod:`tplogp.ops`) does not take is always a problem here: such
-    calls run these checks eagerly to raise their error (:mod:`tplogp.api`)."""
+    An argument of a type that the op's schema (:mod:`tplogp.op.ops`) does not take is always a
+    problem here: such calls run these checks eagerly to raise their error (:mod:`tplogp.api`). The
+    options' own checks are declared with them (:func:`tplogp.op.options.option_problems`)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("target_ids", target_ids)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -84,12 +81,11 @@ def local_problem(
     if hidden.shape[-1] != weight.shape[1]:
         return (f"hidden size mismatch: hidden is {tuple(hidden.shape)} (D={hidden.shape[-1]}) but weight is "
                 f"{tuple(weight.shape)} (D={weight.shape[1]})")
-    if not isinstance(sequence_parallel, bool):
-        return f"sequence_parallel must be a bool, got {sequence_parallel!r}"
-    if not isinstance(hidden_grad, str) or hidden_grad not in HIDDEN_GRADS:
-        return f"hidden_grad must be one of {HIDDEN_GRADS}, got {hidden_grad!r}"
-    if sequence_parallel:
-        problem = sequence_parallel_problem(hidden, target_ids, hidden_grad, world_size)
+    problem, late_problem = option_problems(options)
+    if problem is not None:
+        return problem
+    if options.sequence_parallel:
+        problem = sequence_parallel_problem(hidden, target_ids, options.hidden_grad, world_size)
         if problem is not None:
             return problem
     elif tuple(target_ids.shape) != tuple(hidden.shape[:-1]):
@@ -115,25 +111,12 @@ def local_problem(
         return f"vocab_start_index must be a non-negative int, got {vocab_start_index!r}"
     if global_vocab_size is not None and (not is_int(global_vocab_size) or global_vocab_size <= 0):
         return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
-    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
-            and temperature != float("inf")):
-        return f"temperature must be a positive finite number, got {temperature!r}"
-    if ignore_index is not None and not is_int(ignore_index):
-        return f"ignore_index must be an int or None, got {ignore_index!r}"
-    if workspace_bytes is not None and (not is_int(workspace_bytes) or workspace_bytes < 0):
-        return f"workspace_bytes must be a non-negative int or None, got {workspace_bytes!r}"
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-                                    and 0 < softcap < float("inf")):
-        return (f"softcap must be a positive finite float or None (z = softcap * tanh(logits / softcap)), got "
-                f"{softcap!r}")
-    if not isinstance(return_argmax, bool):
-        return f"return_argmax must be a bool, got {return_argmax!r}"
-    if return_argmax and weight.shape[0] > MAX_ARGMAX_VOCAB:
+    if late_problem is not None:
+        return late_problem
+    if options.return_argmax and weight.shape[0] > MAX_ARGMAX_VOCAB:
         return (f"return_argmax supports vocab shards of at most {MAX_ARGMAX_VOCAB} rows (a shard's ids travel "
                 f"exactly in its fp32 statistics), got a weight of {weight.shape[0]} rows")
-    if not (isinstance(deterministic, bool) or deterministic == invariant.LEVEL):
-        return f"deterministic must be True, False or {invariant.LEVEL!r}, got {deterministic!r}"
-    if deterministic == invariant.LEVEL and max(vocab_start_index + weight.shape[0],
+    if options.deterministic == invariant.LEVEL and max(vocab_start_index + weight.shape[0],
                                                      global_vocab_size or 0) >= invariant.MAX_VOCAB:
         return (f"deterministic={invariant.LEVEL!r} sums in fixed point with {invariant.FIXED_POINT_BITS} fraction "
                 f"bits, which holds vocabularies below {invariant.MAX_VOCAB}; this one reaches "
@@ -143,8 +126,9 @@ def local_problem(
 
 def sequence_parallel_problem(hidden: torch.Tensor, target_ids: torch.Tensor, hidden_grad: str,
                               world_size: int) -> Optional[str]:
-    """The sequence-parallel layout: hidden's rows (its leading dimensions flattened) are this rank's contiguous,
-    equal slice of target_ids' ``N`` tokens (flattened, rank-major). A message, or None when it is."""
+    """The sequence-parallel layout: hidden's rows (its leading dimensions flattened) are this
+    rank's contiguous, equal slice of target_ids' ``N`` tokens (flattened, rank-major). A message,
+    or None when it is."""
     if hidden_grad == "partial":
         return ("hidden_grad='partial' leaves the gradient of a replicated hidden unsummed; with "
                 "sequence_parallel=True hidden.grad is this rank's slice of the summed gradient (reduce-scattered): "
@@ -163,7 +147,8 @@ def sequence_parallel_problem(hidden: torch.Tensor, target_ids: torch.Tensor, hi
 
 def single_shard_vocab(vocab_start_index: int, v_local: int, global_vocab_size: Optional[int],
                        group_given: bool = False) -> int:
-    """Check that one shard is the whole vocabulary (without a TP group, or with a group of one rank).
+    """Check that one shard is the whole vocabulary (without a TP group, or with a group of one
+    rank).
 
     Args:
         vocab_start_index, global_vocab_size: the call's arguments.
@@ -190,12 +175,13 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
                  world_size: int, group_given: bool) -> tuple[str, Optional[str], Optional[int]]:
     """The checks of a layout's first call, what one rank can check without reading tensor data.
 
-    A local problem is returned, not raised, so that with a group every rank raises it together (no rank is left in
-    a collective).
+    A local problem is returned, not raised, so that with a group every rank raises it together (no
+    rank is left in a collective).
 
     Args:
-        hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size: the call's arguments.
-        options: the call's :class:`tplogp.plan.LogpOptions`.
+        hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size: the call's
+            arguments.
+        options: the call's :class:`tplogp.op.plan.LogpOptions`.
         world_size: the TP group's size (1 without a group).
         group_given: whether a group was passed (for the message of a one-rank group).
     Returns:
@@ -206,12 +192,11 @@ def check_layout(hidden, weight, target_ids, bias, vocab_start_index, global_voc
     """
     mode = checks_mode()
     problem = local_problem(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                            options.ignore_index, options.temperature, options.workspace_bytes,
-                            options.sequence_parallel, options.hidden_grad, world_size, options.softcap,
-                            options.return_argmax, options.deterministic)
+                            options, world_size)
     vocab_size = None
     if problem is None and world_size == 1:
-        vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size, group_given)
+        vocab_size = single_shard_vocab(vocab_start_index, weight.shape[0], global_vocab_size,
+                                        group_given)
     return mode, problem, vocab_size
 
 

@@ -1,13 +1,14 @@
 """Which source computes an op: a registry with a priority order and readable reasons.
 
-``backend_for_call(source, device, dtype)`` resolves the backend of one call (``tplogp.get_op`` binds ``source``).
-With ``source=None`` (the runbook's "registry" path) the source is chosen per device on each call: ``sm90`` on
-Hopper, then ``triton`` on CUDA, then ``native``; the choice is logged once per device on the ``tplogp`` logger. An
-explicitly requested source that cannot run raises :class:`SourceUnavailableError` with the backend's own reason. A
-source may also refuse one case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for
-example no tile configuration of the fused kernels fits the device's shared memory for that element size); automatic
-selection then takes the next source, an explicit request raises with that reason. Backends are imported lazily, so
-importing tplogp does no device work and does not need Triton.
+``backend_for_call(source, device, dtype)`` resolves the backend of one call (``tplogp.get_op``
+binds ``source``). With ``source=None`` (the runbook's "registry" path) the source is chosen per
+device on each call: ``sm90`` on Hopper, then ``triton`` on CUDA, then ``native``; the choice is
+logged once per device on the ``tplogp`` logger. An explicitly requested source that cannot run
+raises :class:`SourceUnavailableError` with the backend's own reason. A source may also refuse one
+case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for example no tile
+configuration of the fused kernels fits the device's shared memory for that element size); automatic
+selection then takes the next source, an explicit request raises with that reason. Backends are
+imported lazily, so importing tplogp does no device work and does not need Triton.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from . import settings
-from .backends.base import ShardBackend
+from ..support import settings
+from .base import ShardBackend
 
 log = logging.getLogger("tplogp")
 
@@ -34,7 +35,8 @@ _BACKEND_CLASSES: dict[str, tuple[str, str]] = {
     "triton": ("tplogp.backends.triton_backend", "TritonBackend"),
     "sm90": ("tplogp.backends.sm90_backend", "SM90Backend"),
 }
-_KERNEL_NAMES = {"native": "linear_logp_native", "triton": "fused_linear_logp_triton", "sm90": "fused_linear_logp_sm90"}
+_KERNEL_NAMES = {"native": "linear_logp_native", "triton": "fused_linear_logp_triton",
+                 "sm90": "fused_linear_logp_sm90"}
 
 
 class SourceUnavailableError(RuntimeError):
@@ -85,20 +87,22 @@ def _default_device() -> torch.device:
 
 def unavailable_reason(source: str, device: Optional[torch.device] = None,
                        dtype: Optional[torch.dtype] = None) -> Optional[str]:
-    """None if ``source`` can run on ``device`` (default: current CUDA device, else CPU) and, when ``dtype`` is
-    given, with inputs of that dtype; else why not."""
+    """None if ``source`` can run on ``device`` (default: current CUDA device, else CPU) and, when
+    ``dtype`` is given, with inputs of that dtype; else why not."""
     backend = get_backend(source)
     device = device if device is not None else _default_device()
     why = backend.unavailable_reason(device)
     if why is None and dtype is not None:
-        refuse = getattr(backend, "unsupported_reason", None)  # optional: sources that refuse no case lack it
+        # optional: sources that refuse no case lack it
+        refuse = getattr(backend, "unsupported_reason", None)
         why = refuse(device, dtype) if refuse is not None else None
     return why
 
 
 def source_status(op: str = "linear_logp", device: Optional[torch.device] = None,
                   dtype: Optional[torch.dtype] = None) -> dict[str, Optional[str]]:
-    """``{source: None or reason}`` for every source of ``op`` (on ``device``, for inputs of ``dtype`` if given)."""
+    """``{source: None or reason}`` for every source of ``op`` (on ``device``, for inputs of
+    ``dtype`` if given)."""
     check_op(op)
     return {s: unavailable_reason(s, device, dtype) for s in SOURCES}
 
@@ -107,8 +111,8 @@ _logged_choice: set = set()
 
 
 def select_source(device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
-    """Automatic choice for ``device`` (and inputs of ``dtype``): sm90 on Hopper, then triton on CUDA, then
-    native."""
+    """Automatic choice for ``device`` (and inputs of ``dtype``): sm90 on Hopper, then triton on
+    CUDA, then native."""
     reasons = {}
     for source in PRIORITY:
         if source != "native" and device.type != "cuda":
@@ -120,14 +124,17 @@ def select_source(device: torch.device, dtype: Optional[torch.dtype] = None) -> 
             if key not in _logged_choice:
                 _logged_choice.add(key)
                 skipped = "; ".join(f"{s}: {r}" for s, r in reasons.items())
-                log.info("linear_logp on %s%s uses source %r%s", device, "" if dtype is None else f" for {dtype}",
-                         source, f" (skipped {skipped})" if skipped else "")
+                log.info("linear_logp on %s%s uses source %r%s", device,
+                         "" if dtype is None else f" for {dtype}", source,
+                         f" (skipped {skipped})" if skipped else "")
             return source
         reasons[source] = why
-    raise SourceUnavailableError(f"no linear_logp source can run on {device}: {reasons}")  # native always can
+    # native always can
+    raise SourceUnavailableError(f"no linear_logp source can run on {device}: {reasons}")
 
 
-def require_source(source: str, device: Optional[torch.device], dtype: Optional[torch.dtype] = None) -> ShardBackend:
+def require_source(source: str, device: Optional[torch.device],
+                   dtype: Optional[torch.dtype] = None) -> ShardBackend:
     why = unavailable_reason(source, device, dtype)
     if why is not None:
         raise SourceUnavailableError(f"{_KERNEL_NAMES[source]} is unavailable: {why}")
@@ -139,19 +146,22 @@ _resolved_elsewhere: dict = {}
 
 
 def backend_for_call(source: Optional[str], device: torch.device,
-                     dtype: Optional[torch.dtype] = None) -> ShardBackend:
+                     dtype: Optional[torch.dtype] = None,
+                     interpret: Optional[bool] = None) -> ShardBackend:
     """Resolve the backend that runs one call on ``device`` with inputs of ``dtype``.
 
-    The answer is remembered: on CUDA devices per (source, device index, dtype), since what decides it (installed
-    modules, the device's compute capability and shared memory) does not change within a process; on other devices
-    per (source, device type, dtype, ``TRITON_INTERPRET``), the one setting that decides there whether the Triton
-    sources run (through the interpreter). The probes would cost host time on every call. Failures are not
-    remembered (they raise each time)."""
+    The answer is remembered: on CUDA devices per (source, device index, dtype), since what decides
+    it (installed modules, the device's compute capability and shared memory) does not change within
+    a process; on other devices per (source, device type, dtype, ``TRITON_INTERPRET``), the one
+    setting that decides there whether the Triton sources run (through the interpreter). The probes
+    would cost host time on every call. Failures are not remembered (they raise each time)."""
     if device.type == "cuda":
-        key = (source, device.index if device.index is not None else torch.cuda.current_device(), dtype)
+        key = (source, device.index if device.index is not None else torch.cuda.current_device(),
+               dtype)
         found = _resolved_on_cuda
     else:
-        key = (source, device.type, dtype, settings.triton_interpret())
+        key = (source, device.type, dtype,
+               settings.triton_interpret() if interpret is None else interpret)
         found = _resolved_elsewhere
     backend = found.get(key)
     if backend is None:
@@ -159,7 +169,8 @@ def backend_for_call(source: Optional[str], device: torch.device,
     return backend
 
 
-def _resolve(source: Optional[str], device: torch.device, dtype: Optional[torch.dtype]) -> ShardBackend:
+def _resolve(source: Optional[str], device: torch.device,
+             dtype: Optional[torch.dtype]) -> ShardBackend:
     if source is None:
         return get_backend(select_source(device, dtype))
     return require_source(source, device, dtype)

@@ -1,12 +1,14 @@
-"""A checked call brought to this shard: the rows and targets the sources take, and the state its backward carries.
+"""A checked call brought to this shard: the rows and targets the sources take, and the state its
+backward carries.
 
-:func:`localize` flattens the inputs to 2-D contiguous tensors, gathers a sequence-parallel call's slices (ONE
-``all_gather``, before any GEMM), compacts away rows whose target is ``ignore_index`` (or, while a CUDA graph is
-captured, keeps them in place as rows that no shard owns: :func:`compacts_rows`), re-shards onto the
-tensor-parallel-invariant grid where that level is asked (:mod:`tplogp.invariant`), and makes the targets
-shard-local (``-1`` where another shard owns the id). The result, a :class:`LocalCall`, is what
-:func:`tplogp.tp.shard_forward` and :func:`tplogp.tp.shard_backward` run; :class:`TPContext` is the call's
-non-tensor state from forward to backward.
+:func:`localize` flattens the inputs to 2-D contiguous tensors, gathers a sequence-parallel call's
+slices (ONE ``all_gather``, before any GEMM), compacts away rows whose target is ``ignore_index``
+(or, while a CUDA graph is captured, keeps them in place as rows that no shard owns:
+:func:`compacts_rows`), re-shards onto the tensor-parallel-invariant grid where that level is asked
+(:mod:`tplogp.support.invariant`), and makes the targets shard-local (``-1`` where another shard
+owns the id). The result, a :class:`LocalCall`, is what :func:`tplogp.op.tp.shard_forward` and
+:func:`tplogp.op.tp.shard_backward` run; :class:`TPContext` is the call's non-tensor state from
+forward to backward.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from . import invariant, tensors
-from .backends.base import ShardBackend, ShardCall
-from .comm import all_gather_flat
+from ..support import invariant, tensors
+from ..backends.base import ShardBackend, ShardCall
+from ..support.comm import all_gather_flat
 from .verdicts import BackwardVerdict, KernelTargetCheck
 
 
@@ -32,32 +34,35 @@ class TPContext:
     group: Any
     world_size: int
     comm_device: torch.device
-    # one shard and a backend with ``forward_single``: it finishes the outputs; targets are passed as given
+    # one shard and a backend with ``forward_single``: it finishes the outputs; targets are passed
+    # as given
     single: bool = False
     # what the backward settles before it writes a gradient, or None
     verdict: Optional[BackwardVerdict] = None
     # the call's target check, run by the source's finishing kernel (single only), or None
     target_check: Optional[KernelTargetCheck] = None
-    # the kept scales of a forward that keeps them apart (KeptBuffers), held here from forward to backward and
-    # dropped by a consuming backward (:func:`park_kept_scales`, :func:`shard_backward`)
+    # the kept scales of a forward that keeps them apart (KeptBuffers), held here from forward to
+    # backward and dropped by a consuming backward (:func:`park_kept_scales`,
+    # :func:`shard_backward`)
     kept_scales: Optional[torch.Tensor] = None
-    # the d_hidden collective: "all_reduce" (replicated hidden), "reduce_scatter" (sequence-parallel hidden), or
-    # None (one shard, or hidden_grad="partial": each rank keeps its share)
+    # the d_hidden collective: "all_reduce" (replicated hidden), "reduce_scatter" (sequence-parallel
+    # hidden), or None (one shard, or hidden_grad="partial": each rank keeps its share)
     hidden_reduce: Optional[str] = None
     vocab_start: int = 0  # this shard's first global id (argmax ids are made global with it)
-    # the tensor-parallel-invariant level (tplogp.invariant): this rank's re-shard onto the grid, or None
+    # the tensor-parallel-invariant level (tplogp.support.invariant): this rank's re-shard onto the
+    # grid, or None
     regrid: Optional[invariant.Regrid] = None
 
 
 def gather_rows(h: torch.Tensor, tpc: TPContext) -> torch.Tensor:
-    """The sequence-parallel slices of every rank, rank-major: ``[world * n, D]`` on ``h``'s device (one
-    ``all_gather``, through the group's collective device)."""
+    """The sequence-parallel slices of every rank, rank-major: ``[world * n, D]`` on ``h``'s device
+    (one ``all_gather``, through the group's collective device)."""
     return all_gather_flat(h.detach().to(tpc.comm_device), tpc.group).to(h.device)
 
 
 class LocalCall(NamedTuple):
-    """A checked call on this shard: 2-D contiguous inputs (ignored rows compacted away), shard-local targets and the
-    context carried from forward to backward."""
+    """A checked call on this shard: 2-D contiguous inputs (ignored rows compacted away),
+    shard-local targets and the context carried from forward to backward."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -66,34 +71,43 @@ class LocalCall(NamedTuple):
     keep_idx: Optional[torch.Tensor]  # rows kept by ignore_index compaction, or None
     tpc: TPContext
     vocab_size: int  # of all shards together (the same on every rank)
-    ignored: Optional[torch.Tensor] = None  # [N] bool: ignored rows kept in place (no compaction), or None
-    call_for_backward: Optional[ShardCall] = None  # the layout's ShardCall for a forward that is differentiated
-    # sequence parallelism: this rank's rows, the tensor the gradient flows to (``hidden`` is every rank's, gathered)
+    # [N] bool: ignored rows kept in place (no compaction), or None
+    ignored: Optional[torch.Tensor] = None
+    # the layout's ShardCall for a forward that is differentiated
+    call_for_backward: Optional[ShardCall] = None
+    # sequence parallelism: this rank's rows, the tensor the gradient flows to (``hidden`` is every
+    # rank's, gathered)
     own_rows: Optional[torch.Tensor] = None
 
 
 def compacts_rows(device: torch.device) -> bool:
-    """Whether ignored rows are compacted away (their GEMM work saved, at the price of a host read of the kept-row
-    count), or kept in place as rows that no shard owns, whose outputs are zeroed and whose upstream gradients are
-    dropped (no host read): the latter while a CUDA graph is being captured, where a host read cannot happen."""
-    return not tensors.is_capturing(device)  # (looked up at the call: a test may simulate a capture)
+    """Whether ignored rows are compacted away (their GEMM work saved, at the price of a host read
+    of the kept-row count), or kept in place as rows that no shard owns, whose outputs are zeroed
+    and whose upstream gradients are dropped (no host read): the latter while a CUDA graph is being
+    captured, where a host read cannot happen."""
+    # (looked up at the call: a test may simulate a capture)
+    return not tensors.is_capturing(device)
 
 
 def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
-    """Flattening, the sequence-parallel gather, ignore_index compaction and target localisation of a checked call.
+    """Flattening, the sequence-parallel gather, ignore_index compaction and target localisation of
+    a checked call.
 
-    The sources take 2-D contiguous inputs and shard-local targets only, so their kernels need no per-launch checks.
+    The sources take 2-D contiguous inputs and shard-local targets only, so their kernels need no
+    per-launch checks.
 
     Args:
-        call: a :class:`tplogp.plan.Call`.
-        gathered: a sequence-parallel call's rows gathered by its forward (the op's backward), or None.
+        call: a :class:`tplogp.op.plan.Call`.
+        gathered: a sequence-parallel call's rows gathered by its forward (the op's backward), or
+            None.
     Returns:
         The :class:`LocalCall` that :func:`shard_forward` and :func:`shard_backward` run.
     """
     plan, args = call.plan, call.args
     hidden, target_ids, weight, bias = args.hidden, args.target_ids, args.weight, args.bias
     d = hidden.shape[-1]
-    h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)  # (no view op, and no view node, when 2-D)
+    # (no view op, and no view node, when 2-D)
+    h2 = hidden if hidden.dim() == 2 else hidden.reshape(-1, d)
     tgt = target_ids if target_ids.dim() == 1 else target_ids.reshape(-1)
     tgt = tgt if tgt.dtype == torch.int64 else tgt.long()
     h2 = h2 if h2.is_contiguous() else h2.contiguous()
@@ -106,7 +120,8 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
         hidden_reduce = None
     else:
         hidden_reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
-    tpc = TPContext(plan.backend, plan.call, args.group, plan.world_size, plan.comm_device, plan.single,
+    tpc = TPContext(plan.backend, plan.call, args.group, plan.world_size, plan.comm_device,
+                    plan.single,
                      call.verdict, call.target_check, hidden_reduce=hidden_reduce,
                      vocab_start=0 if plan.single else args.vocab_start_index)
     own_rows = None
@@ -125,26 +140,30 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
-    if plan.call.grid_columns:  # the invariant level: the rows of the grid blocks this rank computes
+    # the invariant level: the rows of the grid blocks this rank computes
+    if plan.call.grid_columns:
         tpc.regrid = _regrid(plan, args, w.shape[0], call.vocab_size, call.shard_ranges)
         w, b = invariant.regrid_rows(tpc.regrid, w, b)
         local_target = tpc.regrid.local_targets(tgt)
-    elif tpc.single:  # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
+    # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
+    elif tpc.single:
         local_target = tgt
     else:
         start = args.vocab_start_index
         rel = tgt - start if start else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, plan.call_for_backward,
-                     own_rows)
+    return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored,
+                     plan.call_for_backward, own_rows)
 
 
 def _regrid(plan, args, v_local: int, vocab: int, ranges) -> invariant.Regrid:
-    """This rank's :class:`~tplogp.invariant.Regrid`; with a group, from every rank's shard range: ``ranges``,
-    what the call's group record gathered, else (an op's backward) one small exchange of the boundaries."""
+    """This rank's :class:`~tplogp.support.invariant.Regrid`; with a group, from every rank's shard
+    range: ``ranges``, what the call's group record gathered, else (an op's backward) one small
+    exchange of the boundaries."""
     if plan.world_size > 1:
         bounds = (list(ranges) if ranges is not None else
-                  invariant.shard_bounds(args.group, plan.comm_device, args.vocab_start_index, v_local))
+                  invariant.shard_bounds(args.group, plan.comm_device, args.vocab_start_index,
+                                         v_local))
         return invariant.Regrid(args.group, plan.comm_device, dist.get_rank(args.group), bounds,
                                 plan.call.grid_columns, vocab)
     return invariant.Regrid(None, None, 0, [(0, v_local)], plan.call.grid_columns, vocab)

@@ -1,6 +1,6 @@
 """The GRPO family's chunk schedule in the fused loss (:func:`policy_loss_and_grads`); the options
 only its losses take are checked with the fused loss's others
-(:func:`tplogp.validation.check_loss`)."""
+(:func:`tplogp.op.validation.check_loss`)."""
 
 from __future__ import annotations
 
@@ -9,43 +9,50 @@ from typing import Optional
 
 import torch
 
-from . import local_call, tp
+from ..op import local_call, tp
 from .chunk_gradients import ChunkGradients, per_token_rows, plan_chunks
-from .rl_losses import GRPOLoss, combine_sums
-from .sequences import row_bounds, segments_for
-from .tensors import zero_rows
+from ..losses.grpo_family import GRPOLoss, combine_sums
+from ..support.sequences import row_bounds, segments_for
+from ..support.tensors import zero_rows
 
 
-def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token, needs: tuple[bool, bool, bool],
+def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token,
+                          needs: tuple[bool, bool, bool],
                            n_all: int, hidden_shape, target_shape, offsets, metrics: bool):
-    """``(loss, (d_hidden, d_W, d_b), metric sums | None)`` of a :class:`~tplogp.rl_losses.GRPOLoss`.
+    """``(loss, (d_hidden, d_W, d_b), metric sums | None)`` of a
+    :class:`~tplogp.losses.grpo_family.GRPOLoss`.
 
-    A loss without sequence sums runs the chunk loop of :mod:`tplogp.fused_loss` (each chunk's coefficients from
-    its own logp). One with them (GSPO's ratio, VESPO's weights) needs a sequence's sums before any of its tokens'
-    gradients: its chunks hold whole sequences (:func:`_sequence_chunks`: consecutive sequences, at most the
-    planned chunk's rows), so each chunk's forward, coefficients and backward follow one another as in that loop
-    (every chunk's terms kept, no GEMM more; the coefficients' extra pass is over the chunk's per-token values).
-    When a sequence has more rows than a chunk it runs in two phases: the forwards of every chunk (last chunk
-    first), holding per token its logp, entropy and the three softmax statistics the backward takes (5 fp32, 20
-    bytes per token) and the kept terms of the first chunk only; then the coefficients of every token; then the
-    backwards in order, the first chunk reading its kept terms, the others recomputing their logits (one GEMM more
-    on those rows, as the backward of an unkept chunk).
+    A loss without sequence sums runs the chunk loop of :mod:`tplogp.fused_loss.loop` (each chunk's
+    coefficients from its own logp). One with them (GSPO's ratio, VESPO's weights) needs a
+    sequence's sums before any of its tokens' gradients: its chunks hold whole sequences
+    (:func:`_sequence_chunks`: consecutive sequences, at most the planned chunk's rows), so each
+    chunk's forward, coefficients and backward follow one another as in that loop (every chunk's
+    terms kept, no GEMM more; the coefficients' extra pass is over the chunk's per-token values).
+    When a sequence has more rows than a chunk it runs in two phases: the forwards of every chunk
+    (last chunk first), holding per token its logp, entropy and the three softmax statistics the
+    backward takes (5 fp32, 20 bytes per token) and the kept terms of the first chunk only; then the
+    coefficients of every token; then the backwards in order, the first chunk reading its kept
+    terms, the others recomputing their logits (one GEMM more on those rows, as the backward of an
+    unkept chunk).
     """
     h2, local_target, tpc, ignored = local.hidden, local.local_target, local.tpc, local.ignored
     extra = per_token_rows(per_token, n_all, h2.device, local.keep_idx)
     n = h2.shape[0]
     differentiate = any(needs)
     counted = None if ignored is None else ~ignored
-    segments = (segments_for(target_shape, offsets, local.keep_idx, h2.device) if loss.needs_sequences
+    segments = (segments_for(target_shape, offsets, local.keep_idx,
+                             h2.device) if loss.needs_sequences
                 else None)
     bound = loss.bind(extra, counted, segments)
     chunk = plan_chunks(local, needs)
     lean = tpc.call  # a forward whose terms are not kept
     if differentiate:
         tpc.call = tpc.call.precomputing
-    chunks = [(t0, min(t0 + chunk, n), None) for t0 in range(0, n, chunk)]  # (t0, t1, whole sequences)
+    # (t0, t1, whole sequences)
+    chunks = [(t0, min(t0 + chunk, n), None) for t0 in range(0, n, chunk)]
     if loss.needs_sums and len(chunks) > 1:
-        chunks = _sequence_chunks(row_bounds(target_shape, offsets, local.keep_idx), chunk) or chunks
+        chunks = _sequence_chunks(row_bounds(target_shape, offsets, local.keep_idx),
+                                  chunk) or chunks
     two_phase = loss.needs_sums and len(chunks) > 1 and chunks[0][2] is None
     grads = ChunkGradients(local, needs, n, len(chunks)) if differentiate else None
     w, b = local.weight, local.bias
@@ -62,18 +69,23 @@ def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token
 
     if not two_phase:
         for t0, t1, sequences in chunks:
-            h_c, lt_c, logp, entropy, (row_max, log_sum, mean_rel, kept) = forward(t0, t1, differentiate)
+            h_c, lt_c, logp, entropy, (row_max, log_sum, mean_rel, kept) = forward(t0, t1,
+                                                                                   differentiate)
             whole = t1 - t0 == n
-            ev = bound.evaluate(logp, entropy, None if whole else slice(t0, t1), metrics, None if whole else sequences)
+            ev = bound.evaluate(logp, entropy, None if whole else slice(t0, t1), metrics,
+                                None if whole else sequences)
             if differentiate:
-                grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, ev.g_logp, ev.g_entropy, kept)
+                grads.backward(t0, t1, h_c, lt_c, row_max, log_sum, mean_rel, ev.g_logp,
+                               ev.g_entropy, kept)
             del kept
             total = total + ev.total
             sums = combine_sums(sums, ev.sums) if metrics else None
     else:
         held = {}
-        for t0, t1, _ in reversed(chunks):  # phase 1: every chunk's forward, the first one's kept terms held
-            _, _, logp, entropy, (row_max, log_sum, mean_rel, kept) = forward(t0, t1, differentiate and t0 == 0)
+        # phase 1: every chunk's forward, the first one's kept terms held
+        for t0, t1, _ in reversed(chunks):
+            _, _, logp, entropy, (row_max, log_sum, mean_rel, kept) = forward(t0, t1, differentiate
+                                                                              and t0 == 0)
             held[t0] = (logp, entropy, row_max, log_sum, mean_rel, kept)
         parts = [held[t0] for t0, _, _ in chunks]
         logp = torch.cat([p[0] for p in parts])
@@ -83,16 +95,17 @@ def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token
         for t0, t1, _ in chunks if differentiate else ():  # phase 2: the backwards in order
             _, entropy_c, row_max, log_sum, mean_rel, kept = held.pop(t0)
             g_ent = None if ev.g_entropy is None else ev.g_entropy[t0:t1]
-            grads.backward(t0, t1, h2[t0:t1], local_target[t0:t1], row_max, log_sum, mean_rel, ev.g_logp[t0:t1],
-                           g_ent, kept)
+            grads.backward(t0, t1, h2[t0:t1], local_target[t0:t1], row_max, log_sum, mean_rel,
+                           ev.g_logp[t0:t1], g_ent, kept)
             del kept
     return total, (grads.finish(n_all, hidden_shape) if differentiate else (None, None, None)), sums
 
 
 def _sequence_chunks(bounds: list[int], chunk: int) -> Optional[list[tuple[int, int, slice]]]:
-    """Chunks ``(t0, t1, sequences)`` of at most ``chunk`` rows, each holding the whole ``sequences`` (consecutive,
-    greedily as many as fit), from the sequences' row boundaries ``bounds`` (:func:`tplogp.sequences.row_bounds`);
-    chunks of no row left out. None when a sequence has more rows than a chunk."""
+    """Chunks ``(t0, t1, sequences)`` of at most ``chunk`` rows, each holding the whole
+    ``sequences`` (consecutive, greedily as many as fit), from the sequences' row boundaries
+    ``bounds`` (:func:`tplogp.support.sequences.row_bounds`); chunks of no row left out. None when a
+    sequence has more rows than a chunk."""
     out, s0, count = [], 0, len(bounds) - 1
     while s0 < count:
         if bounds[s0 + 1] - bounds[s0] > chunk:

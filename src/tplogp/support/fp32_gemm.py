@@ -1,8 +1,9 @@
 """GEMMs that accumulate in fp32 and write fp32, for any input dtype, shared by the sources.
 
-On CUDA, low-precision operands go straight into one cuBLAS call with ``out_dtype=torch.float32`` (fp32
-accumulation, fp32 output, nothing rounded to the input dtype); torch versions without that argument (it is probed
-once per device type) and the CPU, where low-precision GEMMs have no fp32-output path, upcast the operands instead.
+On CUDA, low-precision operands go straight into one cuBLAS call with ``out_dtype=torch.float32``
+(fp32 accumulation, fp32 output, nothing rounded to the input dtype); torch versions without that
+argument (it is probed once per device type) and the CPU, where low-precision GEMMs have no
+fp32-output path, upcast the operands instead.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ _OUT_DTYPE_OK: dict[str, bool] = {}
 
 
 def _native_f32_out(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a @ b`` can run on the inputs' dtype with an fp32 output (low-precision CUDA operands)."""
+    """True when ``a @ b`` can run on the inputs' dtype with an fp32 output (low-precision CUDA
+    operands)."""
     if a.device.type != "cuda":
         return False
     ok = _OUT_DTYPE_OK.get(a.device.type)
@@ -28,7 +30,8 @@ def _native_f32_out(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """``(a, b, extra torch.mm kwargs)`` for an fp32-accumulating, fp32-output GEMM of ``a`` and ``b``."""
+    """``(a, b, extra torch.mm kwargs)`` for an fp32-accumulating, fp32-output GEMM of ``a`` and
+    ``b``."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return a, b, {}
     if _native_f32_out(a, b):

@@ -1,7 +1,8 @@
 """Vocab shard boundaries: one tested helper for building and checking them.
 
-A layout over ``world_size`` ranks is a boundary list ``[b_0 = 0, b_1, ..., b_W = vocab_size]``; rank ``r`` owns
-the half-open range ``[b_r, b_{r+1})``. Shards are never derived as ``rank * V_local``: uneven shards are first-class.
+A layout over ``world_size`` ranks is a boundary list ``[b_0 = 0, b_1, ..., b_W = vocab_size]``;
+rank ``r`` owns the half-open range ``[b_r, b_{r+1})``. Shards are never derived as
+``rank * V_local``: uneven shards are first-class.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def even_boundaries(vocab_size: int, world_size: int) -> list[int]:
 
 
 def uneven_boundaries(vocab_size: int, world_size: int) -> list[int]:
-    """Deliberately unequal shards (weights 1, 2, 3, ...; rank 0 smallest) so that range handling is exercised.
+    """Deliberately unequal shards (weights 1, 2, 3, ...; rank 0 smallest) so that range handling is
+    exercised.
 
-    Every shard is non-empty when ``vocab_size >= world_size``; for ``world_size == 1`` it is the whole vocab.
+    Every shard is non-empty when ``vocab_size >= world_size``; for ``world_size == 1`` it is the
+    whole vocab.
     """
     _check_sizes(vocab_size, world_size)
     if world_size == 1:
@@ -58,15 +61,17 @@ def uneven_boundaries(vocab_size: int, world_size: int) -> list[int]:
 
 
 def chunk_boundaries(vocab_size: int, world_size: int) -> list[int]:
-    """``torch.chunk``'s split, the one a DTensor placed ``Shard(0)`` uses: chunks of ``ceil(V / W)`` ids, the last
-    ones smaller or empty."""
+    """``torch.chunk``'s split, the one a DTensor placed ``Shard(0)`` uses: chunks of
+    ``ceil(V / W)`` ids, the last ones smaller or empty."""
     size = -(-vocab_size // world_size)
     return [min(r * size, vocab_size) for r in range(world_size + 1)]
 
 
 def shard_boundaries(vocab_size: int, world_size: int, uneven: bool = False) -> list[int]:
-    """The runbook's layouts: near-even by default, :func:`uneven_boundaries` with ``uneven=True``."""
-    return uneven_boundaries(vocab_size, world_size) if uneven else even_boundaries(vocab_size, world_size)
+    """The runbook's layouts: near-even by default, :func:`uneven_boundaries` with
+    ``uneven=True``."""
+    return uneven_boundaries(vocab_size, world_size) if uneven else even_boundaries(vocab_size,
+                                                                                    world_size)
 
 
 def shard_range(boundaries: Sequence[int], rank: int) -> ShardRange:

@@ -7,17 +7,19 @@ import torch.distributed as dist
 
 
 def all_gather_flat(inp: torch.Tensor, group) -> torch.Tensor:
-    """Gather ``inp`` ``[n, ...]`` from every rank into ``[world * n, ...]`` (rank-major), one collective."""
+    """Gather ``inp`` ``[n, ...]`` from every rank into ``[world * n, ...]`` (rank-major), one
+    collective."""
     world = dist.get_world_size(group)
-    out = torch.empty((world * inp.shape[0],) + tuple(inp.shape[1:]), dtype=inp.dtype, device=inp.device)
+    out = torch.empty((world * inp.shape[0],) + tuple(inp.shape[1:]), dtype=inp.dtype,
+                      device=inp.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, inp.contiguous(), group=group)
     return out
 
 
 def reduce_scatter_rows(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    """``out`` ``[n, ...]`` = rank r's rows ``[r * n, (r + 1) * n)`` of ``inp`` ``[world * n, ...]`` summed over
-    the group (one collective); the work handle with ``async_op``."""
+    """``out`` ``[n, ...]`` = rank r's rows ``[r * n, (r + 1) * n)`` of ``inp`` ``[world * n, ...]``
+    summed over the group (one collective); the work handle with ``async_op``."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(out, inp.contiguous(), group=group, async_op=async_op)
 
@@ -46,19 +48,23 @@ def group_from_name(name: str):
     return _resolve_process_group(name)
 
 
-# ranks of a device-backend group -> its gloo companion (None: none could be made on some rank of the group)
+# ranks of a device-backend group -> its gloo companion (None: none could be made on some rank of
+# the group)
 _host_groups: dict[tuple[int, ...], object] = {}
 
 
 def host_group(group, comm_device: torch.device):
-    """A group over ``group``'s ranks whose collectives take CPU tensors and never wait for a device.
+    """A group over ``group``'s ranks whose collectives take CPU tensors and never wait for a
+    device.
 
-    ``group`` itself when its backend runs CPU collectives (gloo, alone or beside NCCL). Otherwise a gloo companion,
-    created on first use by the group's ranks alone (``new_group(..., use_local_synchronization=True)``: no other
-    rank takes part, and the global group counter that names ordinary groups is left alone) and kept for the
-    process. Like a collective, that first use must be entered by every rank of the group. Whether every rank made
-    one is agreed once over ``group`` itself (one small collective and host read, at the first use only); when some
-    rank could not (gloo missing, a name taken), every rank gets None and the caller keeps to ``group``."""
+    ``group`` itself when its backend runs CPU collectives (gloo, alone or beside NCCL). Otherwise a
+    gloo companion, created on first use by the group's ranks alone
+    (``new_group(..., use_local_synchronization=True)``: no other rank takes part, and the global
+    group counter that names ordinary groups is left alone) and kept for the process. Like a
+    collective, that first use must be entered by every rank of the group. Whether every rank made
+    one is agreed once over ``group`` itself (one small collective and host read, at the first use
+    only); when some rank could not (gloo missing, a name taken), every rank gets None and the
+    caller keeps to ``group``."""
     if "gloo" in str(dist.get_backend(group)).lower():
         return group
     ranks = tuple(dist.get_process_group_ranks(group))
@@ -74,26 +80,29 @@ def host_group(group, comm_device: torch.device):
 
 
 def known_host_group(group, comm_device: torch.device):
-    """:func:`host_group` when it needs no collective now (``group`` is gloo, or its companion was made by an earlier
-    call), else None: what a CUDA-graph capture, which cannot run the first use's device collective, may call."""
+    """:func:`host_group` when it needs no collective now (``group`` is gloo, or its companion was
+    made by an earlier call), else None: what a CUDA-graph capture, which cannot run the first use's
+    device collective, may call."""
     if "gloo" in str(dist.get_backend(group)).lower():
         return group
     return _host_groups.get(tuple(dist.get_process_group_ranks(group)))
 
 
 def host_groups() -> list:
-    """The companion groups :func:`host_group` holds for the process (the test plugin does not count them as
-    leaked)."""
+    """The companion groups :func:`host_group` holds for the process (the test plugin does not count
+    them as leaked)."""
     return [g for g in _host_groups.values() if g is not None]
 
 
 class OverlappedAllReduce:
-    """Sum a tensor over ``group`` with an async collective started as soon as the tensor is complete.
+    """Sum a tensor over ``group`` with an async collective started as soon as the tensor is
+    complete.
 
-    ``start(t)`` issues ``all_reduce(async_op=True)`` on ``t`` (moved to ``comm_device`` first when the group cannot
-    reduce tensors where they are): the caller keeps computing (e.g. ``d_W``) while it runs, and must not modify
-    ``t`` afterwards. ``finish(t)`` starts it if nobody did, waits, and returns the sum on ``t``'s device.
-    Identical sums to a blocking ``all_reduce``: the same collective on the same data.
+    ``start(t)`` issues ``all_reduce(async_op=True)`` on ``t`` (moved to ``comm_device`` first when
+    the group cannot reduce tensors where they are): the caller keeps computing (e.g. ``d_W``) while
+    it runs, and must not modify ``t`` afterwards. ``finish(t)`` starts it if nobody did, waits, and
+    returns the sum on ``t``'s device. Identical sums to a blocking ``all_reduce``: the same
+    collective on the same data.
     """
 
     def __init__(self, group, comm_device: torch.device):
@@ -132,9 +141,9 @@ class OverlappedAllReduce:
 
 
 class OverlappedReduceScatter(OverlappedAllReduce):
-    """:class:`OverlappedAllReduce` whose collective is a reduce-scatter over rows: ``finish(t)`` returns this rank's
-    rows ``[r * n, (r + 1) * n)`` of the sum, ``n = t.shape[0] / world`` (the gradient of a sequence-parallel
-    hidden). Half the bytes of an all-reduce per rank."""
+    """:class:`OverlappedAllReduce` whose collective is a reduce-scatter over rows: ``finish(t)``
+    returns this rank's rows ``[r * n, (r + 1) * n)`` of the sum, ``n = t.shape[0] / world`` (the
+    gradient of a sequence-parallel hidden). Half the bytes of an all-reduce per rank."""
 
     def _collective(self, buf: torch.Tensor):
         world = dist.get_world_size(self.group)

@@ -1,43 +1,50 @@
-"""The tensor-parallel-invariant level of ``deterministic`` (``deterministic="tp_invariant"``): logp, entropy and lse
-with the same bits at every TP degree and for any shard boundaries.
+"""The tensor-parallel-invariant level of ``deterministic`` (``deterministic="tp_invariant"``):
+logp, entropy and lse with the same bits at every TP degree and for any shard boundaries.
 
-Its pieces, used by :mod:`tplogp.tp` (and the fused loss), each independent of the rank count:
+Its pieces, used by :mod:`tplogp.op.tp` (and the fused loss), each independent of the rank count:
 
-* **The grid.** The vocabulary is cut into blocks of ``B`` columns aligned to id 0 (``B``: the source's
-  ``grid_columns``, a constant of the source, device and dtype, never of a shard). Every logit is computed by the
-  same arithmetic whatever the shard: the sources compute whole blocks only, with tiles aligned to the grid and a
-  fixed tile config (no split-K), and per block they return the block's max ``m_b``, ``s_b = sum exp(z - m_b)``
-  and, for entropy, ``q_b = sum exp(z - m_b)(z - m_b)`` (:class:`tplogp.backends.base.BlockStats`).
-* **The re-shard** (:class:`Regrid`). Shards cut blocks. Rank ``r`` owning ``[start, end)`` computes the blocks
-  whose first column it owns, ``[lo, hi)`` with ``lo = ceil_B(start)`` and ``hi = min(ceil_B(end), V)``. The few
-  rows of its last block that later ranks own (``[end, hi)``, under ``B`` rows) come from those ranks' heads
-  ``[start_k, lo_k)`` in one ``all_gather`` per call, weight and bias rows packed together; in the backward the
-  ``d_W`` / ``d_b`` rows computed for foreign rows go back to their owners in one ``all_gather`` as well. Every
-  rank's boundaries come from the call's group record (:mod:`tplogp.group_record`, which gathers each rank's range
-  anyway); an op's backward under ``torch.compile``, which exchanges no record, gathers them in one small
-  ``all_gather`` over a CPU group (:func:`shard_bounds`: nothing waits for a device).
-* **The exact merge** (:func:`merge_blocks`). The global row max ``M`` is an int64 all-reduce MAX of a key made of
-  the max's fp32 bits (ordered like the floats; exact in any order). Each block's share ``s_b exp(m_b - M)`` (and
-  the entropy's ``exp(m_b - M)(q_b + s_b (m_b - M))``) is rounded to fixed point with ``FIXED_POINT_BITS`` fraction
-  bits as an int64, summed in int64 (associative: exact in any order and grouping) and all-reduced with SUM, then
-  converted back: the same bits for any rank count. The target logit travels as its fp32 bit pattern in the same
-  int64 all-reduce (one rank holds it, the others add 0).
-* **The argmax** (``return_argmax``). The max's key carries ``2^32 - 1 - id`` in its low 32 bits (``id``: the global
-  id of the lowest column of a block's max): the MAX all-reduce gives the global max and, among the blocks and
-  ranks that reach it, the lowest id. Exact, in the same collective.
-* **The sum of z** (label smoothing). Each block's ``sum z`` is an fp32 sum in a fixed order within the block. The
-  MAX all-reduce also takes each row's largest ``|block sum|``, ``R`` (its bits), so every rank agrees on a
-  per-row scale: with ``R < 2^e`` and the vocabulary's ``ceil(V / B) <= 2^c`` blocks, each block sum is rounded to
-  an int64 with ``k = 62 - c - e`` fraction bits (:func:`fixed_point_shift`), so the sum stays below ``2^62``; the
-  int64s join the SUM all-reduce and come back through float64 to fp32.
+* **The grid.** The vocabulary is cut into blocks of ``B`` columns aligned to id 0 (``B``: the
+  source's ``grid_columns``, a constant of the source, device and dtype, never of a shard). Every
+  logit is computed by the
+  same arithmetic whatever the shard: the sources compute whole blocks only, with tiles aligned to
+  the grid and a fixed tile config (no split-K), and per block they return the block's max ``m_b``,
+  ``s_b = sum exp(z - m_b)`` and, for entropy, ``q_b = sum exp(z - m_b)(z - m_b)``
+  (:class:`tplogp.backends.base.BlockStats`).
+* **The re-shard** (:class:`Regrid`). Shards cut blocks. Rank ``r`` owning ``[start, end)`` computes
+  the blocks whose first column it owns, ``[lo, hi)`` with ``lo = ceil_B(start)`` and
+  ``hi = min(ceil_B(end), V)``. The few rows of its last block that later ranks own (``[end, hi)``,
+  under ``B`` rows) come from those ranks' heads ``[start_k, lo_k)`` in one ``all_gather`` per call,
+  weight and bias rows packed together; in the backward the ``d_W`` / ``d_b`` rows computed for
+  foreign rows go back to their owners in one ``all_gather`` as well. Every rank's boundaries come
+  from the call's group record (:mod:`tplogp.op.group_record`, which gathers each rank's range
+  anyway); an op's backward under ``torch.compile``, which exchanges no record, gathers them in one
+  small ``all_gather`` over a CPU group (:func:`shard_bounds`: nothing waits for a device).
+* **The exact merge** (:func:`merge_blocks`). The global row max ``M`` is an int64 all-reduce MAX of
+  a key made of the max's fp32 bits (ordered like the floats; exact in any order). Each block's
+  share ``s_b exp(m_b - M)`` (and the entropy's ``exp(m_b - M)(q_b + s_b (m_b - M))``) is rounded to
+  fixed point with ``FIXED_POINT_BITS`` fraction bits as an int64, summed in int64 (associative:
+  exact in any order and grouping) and all-reduced with SUM, then
+  converted back: the same bits for any rank count. The target logit travels as its fp32 bit pattern
+  in the same int64 all-reduce (one rank holds it, the others add 0).
+* **The argmax** (``return_argmax``). The max's key carries ``2^32 - 1 - id`` in its low 32 bits
+  (``id``: the global id of the lowest column of a block's max): the MAX all-reduce gives the global
+  max and, among the blocks and ranks that reach it, the lowest id. Exact, in the same collective.
+* **The sum of z** (label smoothing). Each block's ``sum z`` is an fp32 sum in a fixed order within
+  the block. The MAX all-reduce also takes each row's largest ``|block sum|``, ``R`` (its bits), so
+  every rank agrees on a per-row scale: with ``R < 2^e`` and the vocabulary's ``ceil(V / B) <= 2^c``
+  blocks, each block sum is rounded to an int64 with ``k = 62 - c - e`` fraction bits
+  (:func:`fixed_point_shift`), so the sum stays below ``2^62``; the int64s join the SUM all-reduce
+  and come back through float64 to fp32.
 
-Bounds. A block's share lies in ``[0, B]`` and the entropy share in ``[-B/e, 0]``, so the int64 sums stay below
-``V 2^FIXED_POINT_BITS``: the vocabulary must be below ``MAX_VOCAB = 2^23``. Each share is rounded once, by at most
-``2^-(FIXED_POINT_BITS + 1)``; the sum of exp is at least 1 (the block holding the max adds ``s_b >= 1``), so its
-relative error from the rounding is at most ``(V / B) 2^-41``, below fp32's ``2^-24`` for ``V / B < 2^17``. The sum
-of z: each of the ``ceil(V / B)`` block sums is rounded by at most ``2^-(k+1)``, in all at most
-``2^(2c + e - 63) <= R 2^(2c - 62)``, ``R 2^-28`` for ``V / B < 2^17`` (``c <= 17``): under a sixteenth of an fp32
-ulp of the largest block sum, before the result's one rounding to fp32. A row with a non-finite logit gets NaN.
+Bounds. A block's share lies in ``[0, B]`` and the entropy share in ``[-B/e, 0]``, so the int64 sums
+stay below ``V 2^FIXED_POINT_BITS``: the vocabulary must be below ``MAX_VOCAB = 2^23``. Each share
+is rounded once, by at most ``2^-(FIXED_POINT_BITS + 1)``; the sum of exp is at least 1 (the block
+holding the max adds ``s_b >= 1``), so its relative error from the rounding is at most
+``(V / B) 2^-41``, below fp32's ``2^-24`` for ``V / B < 2^17``. The sum of z: each of the
+``ceil(V / B)`` block sums is rounded by at most ``2^-(k+1)``, in all at most
+``2^(2c + e - 63) <= R 2^(2c - 62)``, ``R 2^-28`` for ``V / B < 2^17`` (``c <= 17``): under a
+sixteenth of an fp32 ulp of the largest block sum, before the result's one rounding to fp32. A row
+with a non-finite logit gets NaN.
 """
 
 from __future__ import annotations
@@ -62,8 +69,8 @@ def ceil_to(x: int, columns: int) -> int:
 
 
 def grid_range(start: int, end: int, vocab: int, columns: int) -> tuple[int, int]:
-    """``[lo, hi)``: the columns of the grid blocks whose first column lies in the shard ``[start, end)`` (empty,
-    ``lo == hi == end``, when none does)."""
+    """``[lo, hi)``: the columns of the grid blocks whose first column lies in the shard
+    ``[start, end)`` (empty, ``lo == hi == end``, when none does)."""
     lo = ceil_to(start, columns)
     if lo >= end:
         return end, end
@@ -75,21 +82,23 @@ def head_rows(start: int, end: int, columns: int) -> int:
     return min(ceil_to(start, columns), end) - start
 
 
-# ---- fixed point --------------------------------------------------------------------------------------------------
+# ---- fixed point ---------------------------------------------------------------------------------
 
 def to_fixed(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` (``|x| <= 2^22``) as int64 fixed point with ``FIXED_POINT_BITS`` fraction bits, rounded to nearest."""
+    """fp32 ``x`` (``|x| <= 2^22``) as int64 fixed point with ``FIXED_POINT_BITS`` fraction bits,
+    rounded to nearest."""
     return torch.round(x.to(torch.float64) * _SCALE).to(torch.int64)
 
 
 def from_fixed(i: torch.Tensor) -> torch.Tensor:
-    """int64 fixed point -> fp32 (through float64: one rounding of the integer, then one to fp32)."""
+    """int64 fixed point -> fp32 (through float64: one rounding of the integer, then one to
+    fp32)."""
     return (i.to(torch.float64) / _SCALE).to(torch.float32)
 
 
 def _ordered(bits: torch.Tensor) -> torch.Tensor:
-    """fp32 bit patterns (int32) -> int32 in the order of the floats (negative ones' magnitude bits flipped); its own
-    inverse."""
+    """fp32 bit patterns (int32) -> int32 in the order of the floats (negative ones' magnitude bits
+    flipped); its own inverse."""
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
@@ -97,8 +106,9 @@ _LOW = 1 << 32  # a max key: ordered(max) * 2^32 + (2^32 - 1 - the max's global 
 
 
 def _max_keys(m: torch.Tensor, ids: Optional[torch.Tensor]) -> torch.Tensor:
-    """int64 keys of per-block maxima ``m`` ``[blocks, N]`` (and their global ids): ordered like ``(max, -id)``, so
-    the largest key holds the largest max and, among equal maxima, the lowest id. ``-0.0`` counts as ``+0.0``."""
+    """int64 keys of per-block maxima ``m`` ``[blocks, N]`` (and their global ids): ordered like
+    ``(max, -id)``, so the largest key holds the largest max and, among equal maxima, the lowest id.
+    ``-0.0`` counts as ``+0.0``."""
     key = _ordered((m + 0.0).view(torch.int32)).to(torch.int64) * _LOW
     return key + (_LOW - 1 - ids) if ids is not None else key
 
@@ -109,26 +119,29 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
 
 
 def fixed_point_shift(bound: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """Per row, the fraction bits ``k`` of the sum of z's fixed point (module docstring): ``62 - c - e`` with
-    ``bound < 2^e`` (``bound``: the row's largest ``|block sum|`` over every block, fp32) and ``n_blocks <= 2^c``
-    (the vocabulary's block count), so ``n_blocks`` shares below ``2^(62 - c)`` each sum below ``2^62``."""
+    """Per row, the fraction bits ``k`` of the sum of z's fixed point (module docstring):
+    ``62 - c - e`` with ``bound < 2^e`` (``bound``: the row's largest ``|block sum|`` over every
+    block, fp32) and ``n_blocks <= 2^c`` (the vocabulary's block count), so ``n_blocks`` shares
+    below ``2^(62 - c)`` each sum below ``2^62``."""
     c = (n_blocks - 1).bit_length()
-    e = torch.frexp(bound)[1].to(torch.int64)  # bound = mantissa 2^e, mantissa in [0.5, 1) (e = 0 for 0)
+    # bound = mantissa 2^e, mantissa in [0.5, 1) (e = 0 for 0)
+    e = torch.frexp(bound)[1].to(torch.int64)
     return 62 - c - e
 
 
-def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bool, with_sum_z: bool = False,
-                 with_argmax: bool = False):
+def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bool,
+                 with_sum_z: bool = False, with_argmax: bool = False):
     """The exact cross-block, cross-rank merge (module docstring) of one rank's
-    :class:`~tplogp.backends.base.BlockStats`; ``owned``: ``[N]`` bool, the rows whose target this rank's blocks
-    hold; ``regrid``: the rank's :class:`Regrid` (group, blocks' first global id, vocabulary). Two collectives with
-    a group: an int64 all-reduce MAX, then an int64 all-reduce SUM.
+    :class:`~tplogp.backends.base.BlockStats`; ``owned``: ``[N]`` bool, the rows whose target this
+    rank's blocks hold; ``regrid``: the rank's :class:`Regrid` (group, blocks' first global id,
+    vocabulary). Two collectives with a group: an int64 all-reduce MAX, then an int64 all-reduce
+    SUM.
 
     Returns:
         ``(M, log S, lse, target logit - M, owner count, E_p[z] - M or None, sum_z or None,
         argmax or None)``, fp32 ``[N]`` (count int64; argmax: global ids as fp32), the same bits on
         every rank and for every rank count; a row with no unmasked column is settled by
-        :func:`tplogp.masked_rows.settle_rows`.
+        :func:`tplogp.support.masked_rows.settle_rows`.
     """
     m, s = blocks.block_max, blocks.block_sum  # [blocks, N]
     n = m.shape[1]
@@ -136,10 +149,12 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
     ids = None
     if with_argmax:  # global ids (the grid rows start at lo)
         ids = blocks.block_argmax.to(torch.int64) + regrid.lo
-    # the MAX all-reduce: the max's key (with the argmax: the lowest id of the global max) and, for the sum of z,
-    # the largest |block sum| (non-negative floats order like their bits)
-    rows = [_max_keys(m, ids).amax(0) if m.shape[0] else torch.full((n,), torch.iinfo(torch.int64).min,
-                                                                      device=m.device, dtype=torch.int64)]
+    # the MAX all-reduce: the max's key (with the argmax: the lowest id of the global max) and, for
+    # the sum of z, the largest |block sum| (non-negative floats order like their bits)
+    rows = [_max_keys(m, ids).amax(0) if m.shape[0] else torch.full((n,),
+                                                                    torch.iinfo(torch.int64).min,
+                                                                      device=m.device,
+                                                                      dtype=torch.int64)]
     if with_sum_z:
         bound = (blocks.block_sum_z.abs().amax(0) if m.shape[0]
                  else torch.zeros(n, device=m.device, dtype=torch.float32))
@@ -161,9 +176,11 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
         shift_bits = fixed_point_shift(bound, -(-regrid.vocab // regrid.columns))
         finite = torch.isfinite(bound)
         shift_bits = torch.where(finite, shift_bits, 0)
-        shares = blocks.block_sum_z.to(torch.float64) * _pow2(shift_bits)  # exact: a power of 2, 24-bit shares
+        # exact: a power of 2, 24-bit shares
+        shares = blocks.block_sum_z.to(torch.float64) * _pow2(shift_bits)
         cols.append(torch.where(finite, shares, 0.0).round().to(torch.int64).sum(0))
-    cols.append(blocks.target_logit.view(torch.int32).to(torch.int64))  # its bits; 0 where not owned here
+    # its bits; 0 where not owned here
+    cols.append(blocks.target_logit.view(torch.int32).to(torch.int64))
     cols.append(owned.to(torch.int64))
     packed = torch.stack(cols)  # [3 to 5, N] int64
     if world_size > 1:
@@ -184,11 +201,11 @@ def merge_blocks(blocks, owned: torch.Tensor, regrid: "Regrid", with_entropy: bo
     return big_m, log_sum, lse, target - big_m, count, mean_rel, sum_z, argmax
 
 
-# ---- the re-shard -------------------------------------------------------------------------------------------------
+# ---- the re-shard --------------------------------------------------------------------------------
 
 def shard_bounds(group, comm_device: torch.device, start: int, v_local: int) -> list[tuple[int, int]]:
-    """Every rank's ``(start, end)``, rank-major: one small ``all_gather`` over a CPU group where one can be had
-    (:func:`tplogp.comm.host_group`), so nothing waits for a device."""
+    """Every rank's ``(start, end)``, rank-major: one small ``all_gather`` over a CPU group where
+    one can be had (:func:`tplogp.support.comm.host_group`), so nothing waits for a device."""
     host = host_group(group, comm_device)
     device = torch.device("cpu") if host is not None else comm_device
     mine = torch.tensor([start, start + v_local], dtype=torch.int64, device=device)
@@ -197,8 +214,8 @@ def shard_bounds(group, comm_device: torch.device, start: int, v_local: int) -> 
 
 
 class Regrid:
-    """One rank's re-shard onto the grid (module docstring): which rows it computes, which it takes from later
-    ranks, and where the gradients of its head rows come from.
+    """One rank's re-shard onto the grid (module docstring): which rows it computes, which it takes
+    from later ranks, and where the gradients of its head rows come from.
 
     Args:
         group, comm_device: the TP group and where its collectives take tensors (None: one shard).
@@ -208,8 +225,8 @@ class Regrid:
         vocab: the global vocabulary.
     """
 
-    def __init__(self, group, comm_device: Optional[torch.device], rank: int, bounds: list[tuple[int, int]],
-                 columns: int, vocab: int) -> None:
+    def __init__(self, group, comm_device: Optional[torch.device], rank: int,
+                 bounds: list[tuple[int, int]], columns: int, vocab: int) -> None:
         self.group, self.comm_device, self.rank = group, comm_device, rank
         self.bounds, self.columns, self.vocab = bounds, columns, vocab
         self.start, self.end = bounds[rank]
@@ -239,8 +256,9 @@ class Regrid:
         return self.max_head == 0
 
     def _gather(self, parts: list[Optional[torch.Tensor]], rows: int) -> list[Optional[torch.Tensor]]:
-        """Every rank's ``parts`` (tensors of ``rows`` leading rows at most, None skipped) in one ``all_gather`` of
-        their bytes, padded to ``rows``; returns per part a ``[world, rows, ...]`` tensor (None for None)."""
+        """Every rank's ``parts`` (tensors of ``rows`` leading rows at most, None skipped) in one
+        ``all_gather`` of their bytes, padded to ``rows``; returns per part a ``[world, rows, ...]``
+        tensor (None for None)."""
         present = [p for p in parts if p is not None]
         device = present[0].device
         pieces, widths = [], []
@@ -253,7 +271,8 @@ class Regrid:
             widths.append(b.shape[1])
         packed = torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0]
         world = len(self.bounds)
-        got = all_gather_flat(packed.to(self.comm_device), self.group).to(device).view(world, rows, -1)
+        got = all_gather_flat(packed.to(self.comm_device), self.group).to(device).view(world, rows,
+                                                                                       -1)
         out, col = [], 0
         it = iter(zip(present, widths))
         for p in parts:
@@ -267,8 +286,8 @@ class Regrid:
         return out
 
     def rows(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        """``(weight rows [lo, hi), bias rows or None)``: the own rows from ``lo`` on and the later ranks' head rows
-        (one ``all_gather``)."""
+        """``(weight rows [lo, hi), bias rows or None)``: the own rows from ``lo`` on and the later
+        ranks' head rows (one ``all_gather``)."""
         if self.identity:
             return weight, bias
         h = self.head
@@ -276,12 +295,14 @@ class Regrid:
         if self.hi <= self.end:  # nothing foreign: a view of the own rows
             return weight[h:], None if bias is None else bias[h:]
         w = torch.cat([weight[h:]] + [gw[k, :rows] for k, rows in self.takes])
-        b = None if bias is None else torch.cat([bias[h:]] + [gb[k, :rows] for k, rows in self.takes])
+        b = None if bias is None else torch.cat([bias[h:]] + [gb[k, :rows] for k,
+                                                              rows in self.takes])
         return w, b
 
     def grads_back(self, d_weight: Optional[torch.Tensor], d_bias: Optional[torch.Tensor]):
-        """Gradients of the rows ``[lo, hi)`` -> gradients of the own shard ``[start, end)``: the foreign rows go to
-        their owners and the head rows come from the rank that computed them (one ``all_gather``)."""
+        """Gradients of the rows ``[lo, hi)`` -> gradients of the own shard ``[start, end)``: the
+        foreign rows go to their owners and the head rows come from the rank that computed them (one
+        ``all_gather``)."""
         if self.identity or (d_weight is None and d_bias is None):
             return d_weight, d_bias
         own = self.end - self.lo if self.lo < self.end else 0
@@ -323,14 +344,17 @@ class RegridRows(torch.autograd.Function):
 
 
 def regrid_rows(regrid: Regrid, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-    """``(weight rows, bias rows)`` of :meth:`Regrid.rows`, differentiable when something requires a gradient."""
+    """``(weight rows, bias rows)`` of :meth:`Regrid.rows`, differentiable when something requires a
+    gradient."""
     if regrid.identity:
         return weight, bias
-    if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
         out = RegridRows.apply(regrid, weight, bias)
         return out[0], (out[1] if bias is not None else None)
     return regrid.rows(weight, bias)
 
 
 __all__ = ["LEVEL", "FIXED_POINT_BITS", "MAX_VOCAB", "grid_range", "head_rows", "to_fixed",
-           "from_fixed", "fixed_point_shift", "merge_blocks", "shard_bounds", "Regrid", "RegridRows", "regrid_rows"]
+           "from_fixed", "fixed_point_shift", "merge_blocks", "shard_bounds", "Regrid",
+           "RegridRows", "regrid_rows"]
