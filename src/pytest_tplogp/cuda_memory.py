@@ -20,6 +20,11 @@ test:
    becomes the baseline, and the test passes. A growth outside tensors after
    :data:`CACHE_GROWTH_LIMIT` tests in a row is not a cache that fills once but something that grows
    per test: the pool is recycled.
+4. Whatever the verdict, the allocator's cached free blocks go back to the device
+   (``torch.cuda.empty_cache``): a healthy pool now lives for the whole session, its ranks share
+   GPUs with other pools and xdist workers, and each rank's cache would otherwise stay at the size
+   of its largest test (on one H100, 24 ranks holding 2-3 GiB each ran the GPU suite's largest
+   tests out of memory).
 """
 
 from __future__ import annotations
@@ -44,17 +49,25 @@ class MemoryCheck:
     unreachable cycles."""
 
     def __init__(self, allocated: Callable[[], int], tensor_bytes: Callable[[], int],
-                 collect: Callable[[], Any] = gc.collect) -> None:
+                 collect: Callable[[], Any] = gc.collect,
+                 release: Callable[[], Any] = lambda: None) -> None:
         self.allocated = allocated
         self.tensor_bytes = tensor_bytes
         self.collect = collect
+        self.release = release
         self.base = allocated()
         self.base_tensors = tensor_bytes()
         self.cache_growths = 0  # tests in a row whose growth was held outside live tensors
 
     def after_test(self) -> str:
         """"" when the memory is back to the baseline or a cache filled; else why the pool must be
-        recycled."""
+        recycled. The allocator's cache is released either way (step 4)."""
+        try:
+            return self._verdict()
+        finally:
+            self.release()
+
+    def _verdict(self) -> str:
         if self.allocated() <= self.base + SLACK_BYTES:
             self.cache_growths = 0
             return ""
@@ -97,4 +110,4 @@ def for_device(torch: Any) -> MemoryCheck:
                 continue
         return sum(seen.values())
 
-    return MemoryCheck(allocated, tensor_bytes)
+    return MemoryCheck(allocated, tensor_bytes, release=torch.cuda.empty_cache)

@@ -154,6 +154,7 @@ def test_no_grad_call_decides_its_verdict_at_the_call_with_one_host_read(source,
         captured_targets.copy_(bad)
         graph.replay()
         torch.cuda.synchronize()
-        captured = rf"target id {v} is outside the vocabulary .*CUDA graph"
+        captured = (rf"outside the vocabulary \[0, {v}\) \[found by the target check of a "
+                    r"linear_logp call captured in a CUDA graph")
         with pytest.raises(LinearLogpInputError, match=captured):
             check_errors()

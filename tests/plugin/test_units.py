@@ -274,7 +274,9 @@ def test_cuda_memory_check_tells_a_leak_from_a_cache() -> None:
         device["allocated"] -= device["cycles"]
         device["cycles"] = 0
 
-    check = MemoryCheck(lambda: device["allocated"], lambda: device["tensors"], collect)
+    released = []
+    check = MemoryCheck(lambda: device["allocated"], lambda: device["tensors"], collect,
+                        release=lambda: released.append(device["allocated"]))
     assert check.after_test() == ""                  # nothing changed
     device["cycles"] = 8 * MiB                       # garbage in a reference cycle: freed by gc
     device["allocated"] += 8 * MiB
@@ -287,6 +289,7 @@ def test_cuda_memory_check_tells_a_leak_from_a_cache() -> None:
     assert check.after_test() == ("CUDA memory 16.0 MiB above the pool's baseline, 16.0 MiB of it "
                                   "in live tensors (kept in a global, a cache or a module "
                                   "attribute?)")
+    assert len(released) == 5                        # the cache released after every test, leak or not
 
     grows = MemoryCheck(lambda: device["allocated"], lambda: device["tensors"], collect)
     verdicts = []
