@@ -185,6 +185,26 @@ def test_direct_launches_match_the_jit_path(source):
                     assert torch.equal(val, r_j[k]), k
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_fp16_and_bf16_of_one_layout_each_run_their_own_kernels(source):
+    """bf16, fp16, then bf16 again in one process at one shape (the TP matrix's shard, 26 x 64 x
+    516), deterministic: the d_logits and d_hidden launches of the per-call paths, whose layouts
+    fp16 and bf16 share. Each call against float64 truth, no worse than the same-dtype reference: a
+    kernel compiled for one 16-bit dtype and launched with the other's tensors reads their bits as
+    its own (fp16 through bf16's d_hidden kernel: all but zero, relative error 1)."""
+    from tplogp import get_op
+
+    cuda_backend(source)
+    op = get_op("linear_logp", source=source)
+    for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+        p = problem_on(make_problem((2, 13), 64, 516, dtype, True, seed=21, peaked=True), "cuda")
+        ours = run_op(op, p, deterministic=True)
+        truth, same = run_reference(p, "float64"), run_reference(p, "matching")
+        for field in ("logp", "d_hidden", "d_weight", "d_bias"):
+            assert_no_worse(f"{source} {dtype} {field}", getattr(ours, field),
+                            getattr(same, field), getattr(truth, field), dtype)
+
+
 # ------------------------------------------------------------------------------------------ dtype x shape grid
 
 GRID_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -154,6 +154,31 @@ def test_another_alignment_device_or_a_launch_hook_goes_through_the_jit(gpu_like
     assert jit.log[-1][0] == "jit" and jit.compiled == 4
 
 
+def test_another_dtype_of_the_same_layout_gets_its_own_compiled_kernel(gpu_like):
+    """fp16 and bf16 tensors share a layout's every size, stride and dot precision (the per-call
+    cache's key): a kernel compiled for bf16 pointers reads fp16 bits as bf16 (a deterministic
+    d_hidden of about 1e-14, all but zero), so each dtype goes through the JIT once and then runs
+    its own compiled kernel."""
+    jit = _FakeJit()
+    launch = Launch(jit, (1,), (32, 0.5), 4, None, dict(BLOCK=64, FLAG=False))
+    bf16 = [torch.zeros(64, dtype=torch.bfloat16) for _ in range(2)]
+    fp16 = [torch.zeros(64, dtype=torch.float16) for _ in range(2)]
+    launch(*bf16)
+    launch(*fp16)
+    assert jit.compiled == 2 and [e[0] for e in jit.log] == ["jit", "jit"]
+    assert [t.dtype for t in jit.log[1][2][:2]] == [torch.float16] * 2
+    by_dtype = {}
+    for t, compiled in ((bf16, "bf16"), (fp16, "fp16")):
+        launch(*t)
+        by_dtype[compiled] = jit.log[-1]
+    assert jit.compiled == 2 and all(e[0] == "direct" for e in by_dtype.values())
+    assert by_dtype["bf16"][1][9].dtype == torch.bfloat16
+    assert by_dtype["fp16"][1][9].dtype == torch.float16
+    # a mix within one launch is a specialization of its own too
+    launch(bf16[0], fp16[1])
+    assert jit.compiled == 3 and jit.log[-1][0] == "jit"
+
+
 def test_without_a_compiled_kernel_every_call_goes_through_the_jit(gpu_like):
     """Triton's interpreter returns no compiled kernel: nothing is kept, each call is a JIT
     launch."""

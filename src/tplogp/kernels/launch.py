@@ -8,9 +8,11 @@ signature, then the scalars, then the constexprs). Per-layout programs (:mod:`.p
 launches; per-call paths take theirs from :func:`cached`, the one bounded cache of launches and
 programs.
 
-Algorithm: of what Triton specializes a compiled kernel on, only the tensors' 16-byte alignment and
-the current device can change between calls of one layout. So a launch keys its compiled kernels by
-``(device, data_ptr() % 16 of each tensor)``. The first call with a key goes through Triton's JIT
+Algorithm: of what Triton specializes a compiled kernel on, only the tensors' dtypes and 16-byte
+alignment and the current device can change between calls of one layout (the dtypes because fp16
+and bf16 share every size, stride and the dot precision of a layout, and a kernel compiled for one
+reads the other's bits as its own). So a launch keys its compiled kernels by ``(device, the dtype
+and data_ptr() % 16 of each tensor)``. The first call with a key goes through Triton's JIT
 (``kernel[grid](...)``), which compiles or finds the kernel and returns its ``CompiledKernel``; the
 launch keeps that kernel's launcher (``CompiledKernel.run``, the call ``JITFunction.run`` ends with)
 and later calls with the key call it directly on the current stream. Through the JIT every time, in
@@ -85,6 +87,12 @@ def _is_constexpr(param: inspect.Parameter) -> bool:
     return "constexpr" in str(param.annotation)
 
 
+def _specialization(device: Any, tensors: tuple) -> tuple:
+    """The key of a launch's compiled kernel for ``tensors`` on ``device``: each tensor's dtype and
+    16-byte alignment (module docstring)."""
+    return (device, *[(t.dtype, t.data_ptr() % 16) for t in tensors])
+
+
 class Launch:
     """``launch(*tensors)``: one ``@triton.jit`` kernel with everything but its tensors bound
     (module docstring).
@@ -127,7 +135,7 @@ class Launch:
     def __call__(self, *tensors: Any) -> None:
         if self._device is not None and not _hooked(_RUNTIME):
             device = self._device()
-            found = self._compiled.get((device, *[t.data_ptr() % 16 for t in tensors]))
+            found = self._compiled.get(_specialization(device, tensors))
             if found is not None:
                 run, function, metadata = found
                 grid = self._grid3
@@ -161,7 +169,7 @@ class Launch:
         device = active.get_current_device()
         if len(self._compiled) >= MAX_COMPILED:
             self._compiled.clear()
-        self._compiled[(device, *[t.data_ptr() % 16 for t in tensors])] = (
+        self._compiled[_specialization(device, tensors)] = (
             compiled.run, compiled.function, compiled.packed_metadata)
         self._device, self._stream = active.get_current_device, active.get_current_stream
 
