@@ -242,17 +242,19 @@ def test_every_kernel_launch_is_built_with_its_constexprs_in_signature_order():
     for bias in (False, True):
         for entropy in (False, True):
             for kept in (None, (256, 8, 256)):
-                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg,
-                                                  None, kept))
-                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg,
-                                                  None, kept, tma=True, keep_tma=kept is not None))
+                options = launches.KernelOptions(with_entropy=entropy)
+                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, options, cfg, None,
+                                                  kept))
+                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, options, cfg, None,
+                                                  kept, tma=True, keep_tma=kept is not None))
+            identity = launches.LogitTransform()
             for db in (False, True):
                 made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db,
-                                                    entropy, 1.0, cfg, None))
+                                                    entropy, identity, cfg, None))
                 made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db,
-                                                    entropy, 1.0, cfg, None, tma=True))
-                made.append(launches.dlogits_kept_launch(64, 0, 256, 256, 8, 256, 256, 1.0, entropy,
-                                                         db, cfg, None))
+                                                    entropy, identity, cfg, None, tma=True))
+                made.append(launches.dlogits_kept_launch(64, 0, 256, 256, 8, 256, 256, identity,
+                                                         entropy, db, cfg, None))
     made += [launches.merge_launch(64, 3, e) for e in (False, True)]
     made += [launches.finalize_launch(64, 256, 2, e, c) for e in (False, True) for c in (False,
                                                                                          True)]
