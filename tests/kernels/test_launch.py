@@ -257,6 +257,34 @@ def test_the_per_call_cache_makes_one_object_per_key_and_stays_bounded(monkeypat
     assert len(launch_module._CACHE) == 1 and cached(build, 1, "a") is not first
 
 
+def test_a_calls_options_reach_the_builders_as_one_bundle_made_once_per_call():
+    """``ShardCall.kernel_options`` is made once per ShardCall, equal for equal options (one cache
+    key); the builders turn it into the kernels' arguments: the temperature and the cap as scalars
+    (1.0 for no cap), the cap's presence and the optional stats as constexprs."""
+    from tplogp.backends.base import ShardCall
+    from tplogp.kernels import launches, tiles
+
+    call = ShardCall(inv_temperature=2.0, with_entropy=True, softcap=30, with_argmax=True)
+    options = call.kernel_options
+    assert options is call.kernel_options
+    assert options == launches.KernelOptions(launches.LogitTransform(2.0, 30.0), True, False, True)
+    assert ShardCall().kernel_options == launches.KernelOptions()
+    cfg = tiles.SM90
+    stats = launches.stats_launch(64, 256, 32, 32, 32, False, options, cfg, None, None)
+    assert stats.scalars[8:10] == (2.0, 30.0)
+    assert (stats.constexprs["SOFTCAP"], stats.constexprs["WITH_ENTROPY"],
+            stats.constexprs["WITH_SUM_Z"], stats.constexprs["WITH_ARGMAX"]) == (True, True, False,
+                                                                                True)
+    plain = launches.dlogits_kept_launch(64, 0, 256, 256, 8, 256, 256,
+                                         ShardCall().kernel_options.transform, False, False, cfg,
+                                         None)
+    assert plain.scalars[-2:] == (1.0, 1.0) and not plain.constexprs["SOFTCAP"]
+    capped = launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, False, False, True,
+                                     options.transform, cfg, None, with_sum_z=True)
+    assert capped.scalars[-2:] == (2.0, 30.0)
+    assert capped.constexprs["SOFTCAP"] and capped.constexprs["WITH_SUM_Z"]
+
+
 def test_every_kernel_launch_is_built_with_its_constexprs_in_signature_order():
     """Each builder's Launch passes the kernel's constexprs in order (:class:`Launch` checks it when
     made), for every variant: pointer and TMA, kept terms or not, each flag."""
@@ -267,17 +295,19 @@ def test_every_kernel_launch_is_built_with_its_constexprs_in_signature_order():
     for bias in (False, True):
         for entropy in (False, True):
             for kept in (None, (256, 8, 256)):
-                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg,
-                                                  None, kept))
-                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, entropy, 1.0, cfg,
-                                                  None, kept, tma=True, keep_tma=kept is not None))
+                options = launches.KernelOptions(with_entropy=entropy)
+                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, options, cfg, None,
+                                                  kept))
+                made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, options, cfg, None,
+                                                  kept, tma=True, keep_tma=kept is not None))
+            identity = launches.LogitTransform()
             for db in (False, True):
                 made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db,
-                                                    entropy, 1.0, cfg, None))
+                                                    entropy, identity, cfg, None))
                 made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db,
-                                                    entropy, 1.0, cfg, None, tma=True))
-                made.append(launches.dlogits_kept_launch(64, 0, 256, 256, 8, 256, 256, 1.0, entropy,
-                                                         db, cfg, None))
+                                                    entropy, identity, cfg, None, tma=True))
+                made.append(launches.dlogits_kept_launch(64, 0, 256, 256, 8, 256, 256, identity,
+                                                         entropy, db, cfg, None))
     made += [launches.merge_launch(64, 3, e) for e in (False, True)]
     made += [launches.finalize_launch(64, 256, 2, e, c) for e in (False, True) for c in (False,
                                                                                          True)]

@@ -368,7 +368,7 @@ def _count_recomputes(monkeypatch, source):
 
         monkeypatch.setattr(programs, "launch_dlogits", recompute)
     else:
-        from tplogp.backends import native, native_one_tile, native_tiles
+        from tplogp.backends import native, native_tiles
 
         real_tile = native._logits_tile
         real_backward = native.NativeBackend._backward_tiles
@@ -388,8 +388,8 @@ def _count_recomputes(monkeypatch, source):
 
             return run
 
-        # the forward's, the one-tile and tiled backward's
-        for module in (native, native_one_tile, native_tiles):
+        # the tiled forward's; the one-tile and tiled backward's (through native_tiles)
+        for module in (native, native_tiles):
             monkeypatch.setattr(module, "_logits_tile", tile)
         monkeypatch.setattr(native.NativeBackend, "_backward_tiles", in_backward(real_backward))
         # a call whose logits fit one tile and keep nothing: the one-tile backward recomputes it

@@ -88,11 +88,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
-from typing import Callable, NamedTuple, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Protocol, Union
 
 import torch
 
 from . import memory_budget
+
+if TYPE_CHECKING:
+    from ..kernels.launches import KernelOptions
 
 
 class KeptBuffers:
@@ -228,6 +231,17 @@ class ShardCall:
     # ShardCall, tplogp.op.plan): everything of a launch but its tensors, made at a layout's first
     # call (not compared, not hashed)
     programs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
+
+    @functools.cached_property
+    def kernel_options(self) -> "KernelOptions":
+        """The options as the Triton kernels' launch builders take them, one bundle
+        (:class:`tplogp.kernels.launches.KernelOptions`), made once per ShardCall (imported here:
+        only the sources that launch kernels read it, and importing tplogp needs no Triton)."""
+        from ..kernels.launches import KernelOptions, LogitTransform
+
+        transform = LogitTransform(float(self.inv_temperature),
+                                   None if self.softcap is None else float(self.softcap))
+        return KernelOptions(transform, self.with_entropy, self.with_sum_z, self.with_argmax)
 
     @functools.cached_property
     def consuming(self) -> "ShardCall":

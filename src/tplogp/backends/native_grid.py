@@ -17,10 +17,10 @@ Algorithm (one shard whose first column starts a grid block):
   lowest column of its max (padding set to -inf first); the owned target's fp32 logit. No online
   merge: :mod:`tplogp.support.invariant` merges the blocks exactly.
 * Backward (:func:`backward_blocks`), blocks outer, chunks inner: each tile recomputed, ``dz``
-  formed as in the tiled backward (the one-hot, ``grad_sum_z``, the temperature, the softcap's
-  slope) with padding columns zeroed; ``d_hidden`` summed over the blocks in order in fp32, a
-  block's d_W / d_b rows summed over the chunks in an fp32 ``[B, D]`` / ``[B]`` buffer and written
-  (or added to ``accumulate``) once.
+  formed as in the tiled backward (the one-hot, ``grad_sum_z``, the temperature, the logit
+  transform's slope) with padding columns zeroed; ``d_hidden`` summed over the blocks in order in
+  fp32, a block's d_W / d_b rows summed over the chunks in an fp32 ``[B, D]`` / ``[B]`` buffer and
+  written (or added to ``accumulate``) once.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch
 from ..support import fp32_gemm
 from ..support.masked_rows import floored, rescale_max
 from .base import BlockStats, ShardCall, ShardGrads
-from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _logits_tile, _pad_rows,
-                           _recomputed_dz, _token_chunk)
+from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _pad_rows, _token_chunk,
+                           call_logits_tile, call_recomputed_dz)
 
 # The grid: every logits GEMM is [DETERMINISTIC_TOKEN_CHUNK, D] x [D, GRID_COLUMNS] over one grid
 # block (copied into a
@@ -61,8 +61,7 @@ def forward_blocks(hidden, weight, bias, local_target, call: ShardCall) -> Block
     for i, (v0, v1, w_blk, b_blk) in enumerate(_grid_blocks(weight, bias, cols)):
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
-            z = _logits_tile(_pad_rows(hidden[t0:t1], tc), w_blk, b_blk, call.inv_temperature,
-                             softcap=call.softcap)  # [tc, B]
+            z = call_logits_tile(_pad_rows(hidden[t0:t1], tc), w_blk, b_blk, call)  # [tc, B]
             rel = local_target[t0:t1] - v0
             own = (rel >= 0) & (rel < v1 - v0)
             picked = z[: t1 - t0].gather(1, rel.clamp(0, cols - 1).unsqueeze(1)).squeeze(1)
@@ -112,7 +111,7 @@ def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_l
         acc_w = torch.zeros(cols, d, device=dev, dtype=f32) if need_w else None
         acc_b = torch.zeros(cols, device=dev, dtype=f32) if need_b else None
         for ch, h_g in zip(chunks, h_gemm):
-            dz, slope = _recomputed_dz(ch, w_blk, b_blk, call.inv_temperature, call.softcap)
+            dz, slope = call_recomputed_dz(ch, w_blk, b_blk, call)
             dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
             del slope
             if acc_b is not None:

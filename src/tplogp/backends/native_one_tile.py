@@ -4,11 +4,11 @@ decides).
 
 The same arithmetic, in the same order, as the tiled loops of :mod:`tplogp.backends.native` with a
 single tile, in fewer ops: what costs host time at small shapes (the tiled loops' token-chunk
-vectors and zero-initialised accumulators fall away). Forward: ``z`` (fp32, softcapped and
-tempered), its max ``M``, ``z - M`` in place, the target's ``z - M``, ``S = sum exp(z - M)`` (and
+vectors and zero-initialised accumulators fall away). Forward: ``z`` (fp32, under the logit
+transform), its max ``M``, ``z - M`` in place, the target's ``z - M``, ``S = sum exp(z - M)`` (and
 ``q = sum exp(z - M) (z - M)`` for entropy), ``logp = (z_t - M) - log S``. Backward:
 ``dz = onehot g - p (g - g_lse + g_ent (z - M - mean_rel))`` (``+ g_sum_z``), times ``1 / T`` and
-the softcap's slope, then ``d_hidden = dz W`` and ``d_W = dz^T h`` with fp32 accumulation.
+the logit transform's slope, then ``d_hidden = dz W`` and ``d_W = dz^T h`` with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 from ..support import fp32_gemm
 from ..support.masked_rows import floored, rescale_max, settle_rows
 from .base import ShardCall, ShardGrads, SingleShardOutputs
-from .native_tiles import _logits_tile
+from .native_tiles import call_logits_tile
 
 
 def forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleShardOutputs:
     """:meth:`NativeBackend.forward_single <tplogp.backends.native.NativeBackend.forward_single>` on
     one tile."""
     v = weight.shape[0]
-    z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap)
+    z = call_logits_tile(hidden, weight, bias, call)
     sum_z = z.sum(1) if call.with_sum_z else None
     argmax = z.argmax(1).to(torch.float32) if call.with_argmax else None
     m = z.amax(1)
@@ -57,8 +57,8 @@ def backward_one_tile(hidden, weight, bias, target, row_max, log_sum, grad_logp,
     c0 = grad_logp
     if grad_lse is not None:
         c0 = c0 - grad_lse
-    slopes = [] if call.softcap is not None else None
-    z = _logits_tile(hidden, weight, bias, call.inv_temperature, softcap=call.softcap, slope=slopes)
+    slopes: list = []  # the transform's slope, where it has one
+    z = call_logits_tile(hidden, weight, bias, call, slope=slopes)
     slope = slopes[0] if slopes else None
     z -= row_max.unsqueeze(1)
     if grad_entropy is not None:

@@ -14,6 +14,8 @@ token chunk's per-token vectors.
   ``-p (c0 + grad_entropy (z - M))`` in their buffer; :func:`_finish_dz` adds what does not go
   through ``p`` (the target's ``grad_logp``, ``grad_sum_z``) and the chain rule's factors (the
   temperature, the softcap's slope), on recomputed and on kept tiles alike.
+* :func:`call_logits_tile` and :func:`call_recomputed_dz` are the two first under a
+  :class:`~tplogp.backends.base.ShardCall`'s logit transform, for the modules that pass the call.
 
 Used by the tiled loops (:mod:`tplogp.backends.native`) and the tensor-parallel-invariant grid
 (:mod:`tplogp.backends.native_grid`).
@@ -55,6 +57,12 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
     if inv_t != 1.0:
         z *= inv_t
     return z
+
+
+def call_logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], call,
+                     slope: Optional[list] = None) -> torch.Tensor:
+    """:func:`_logits_tile` under the logit transform of ``call`` (a ShardCall)."""
+    return _logits_tile(h, w, b, call.inv_temperature, softcap=call.softcap, slope=slope)
 
 
 def _capped(t: torch.Tensor, softcap: float, inv_t: float) -> torch.Tensor:
@@ -123,6 +131,12 @@ def _recomputed_dz(ch: _TokenChunk, w: torch.Tensor, b: Optional[torch.Tensor], 
     else:  # -p * c0, all in place
         dz = z.sub_(ch.ls.unsqueeze(1)).exp_().mul_(ch.c0.unsqueeze(1)).neg_()
     return dz, (slopes[0] if slopes else None)
+
+
+def call_recomputed_dz(ch: _TokenChunk, w: torch.Tensor, b: Optional[torch.Tensor],
+                       call) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`_recomputed_dz` under the logit transform of ``call`` (a ShardCall)."""
+    return _recomputed_dz(ch, w, b, call.inv_temperature, call.softcap)
 
 
 def _finish_dz(dz: torch.Tensor, ch: _TokenChunk, v0: int, v1: int, inv_t: float,

@@ -293,10 +293,9 @@ class TritonBackend(BudgetParts):
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call, kept_out)
         out = programs.forward_stats(
-            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, lay.cfg,
+            hidden, weight, bias, local_target, call.kernel_options, lay.cfg,
             tma=self._uses_tma(hidden, weight, call),
-            kept=self._kept_terms(kept, hidden.shape[0], lay), checked=call.inputs_checked,
-            softcap=call.softcap, with_sum_z=call.with_sum_z, with_argmax=call.with_argmax)
+            kept=self._kept_terms(kept, hidden.shape[0], lay), checked=call.inputs_checked)
         return ShardStats(*out[:4], kept=kept, sum_z=out[4], argmax=out[5])
 
     def grid_columns(self, device: torch.device, dtype: torch.dtype) -> int:
@@ -314,9 +313,8 @@ class TritonBackend(BudgetParts):
         if lay.cfg.split_v != call.grid_columns:
             raise AssertionError(f"grid of {call.grid_columns} columns, splits of {lay.cfg.split_v}")
         block_max, block_sum, target, sez, sum_z, argmax = grid_programs.forward_blocks(
-            hidden, weight, bias, local_target, call.inv_temperature, call.with_entropy, lay.cfg,
-            tma=self._uses_tma(hidden, weight, call), softcap=call.softcap,
-            with_sum_z=call.with_sum_z, with_argmax=call.with_argmax)
+            hidden, weight, bias, local_target, call.kernel_options, lay.cfg,
+            tma=self._uses_tma(hidden, weight, call))
         # one split holds a row's target (the others add exact zeros)
         return BlockStats(block_max, block_sum, target.sum(0), sez, sum_z, argmax)
 
@@ -337,11 +335,10 @@ class TritonBackend(BudgetParts):
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call, kept_out)
         out = programs.forward_single(
-            hidden, weight, bias, target, call.inv_temperature, call.with_entropy, lay.cfg,
+            hidden, weight, bias, target, call.kernel_options, lay.cfg,
             tma=self._uses_tma(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag,
-            checked=call.inputs_checked, softcap=call.softcap, with_sum_z=call.with_sum_z,
-            with_argmax=call.with_argmax)
+            checked=call.inputs_checked)
         return SingleShardOutputs(*out[:6], kept=kept, sum_z=out[6], argmax=out[7])
 
     def _run_program(self, hidden, weight, bias, target, call: ShardCall, key: tuple,
@@ -385,10 +382,10 @@ class TritonBackend(BudgetParts):
             found = (programs.ForwardProgram(n, weight.shape[0], hidden.shape[1], hidden.stride(0),
                                              weight.stride(0), hidden.dtype,
                                              None if bias is None else bias.dtype,
-                                             call.inv_temperature, call.with_entropy, lay.cfg,
-                                             tiles.dot_precision(hidden.dtype), keep, single, single
-                                             and key[2], self._uses_tma(hidden, weight, call),
-                                             call.softcap, call.with_sum_z, call.with_argmax), lay)
+                                             call.kernel_options, lay.cfg,
+                                             tiles.dot_precision(hidden.dtype), keep, single,
+                                             single and key[2],
+                                             self._uses_tma(hidden, weight, call)), lay)
         _remember(call.programs, key, found)
         return found
 
@@ -410,19 +407,20 @@ class TritonBackend(BudgetParts):
 
             return ShardGrads(*grid_programs.backward_on_grid(
                 hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy,
-                grad_lse, mean_rel, inv_temperature=call.inv_temperature, columns=call.grid_columns,
+                grad_lse, mean_rel, transform=call.kernel_options.transform,
+                columns=call.grid_columns,
                 workspace_bytes=lay.transient_bytes, needs=tuple(needs), cfg=lay.cfg,
                 tma=self._uses_tma(hidden, weight, call), d_hidden_ready=d_hidden_ready,
-                accumulate=accumulate, softcap=call.softcap, grad_sum_z=grad_sum_z))
+                accumulate=accumulate, grad_sum_z=grad_sum_z))
         d_hidden, d_weight, d_bias = programs.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-            mean_rel, inv_temperature=call.inv_temperature, deterministic=call.deterministic,
+            mean_rel, transform=call.kernel_options.transform, deterministic=call.deterministic,
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
             cfg=lay.cfg, tma=self._uses_tma(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay, take_scales=True),
             d_hidden_ready=d_hidden_ready, accumulate=accumulate,
             overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype,
-            checked=call.inputs_checked, softcap=call.softcap, grad_sum_z=grad_sum_z)
+            checked=call.inputs_checked, grad_sum_z=grad_sum_z)
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _kept_program_backward(self, hidden, weight, bias, local_target, row_max, log_sum,
@@ -451,10 +449,9 @@ class TritonBackend(BudgetParts):
             lay = self._launch_layout(hidden, weight, call)
             program = _remember(call.programs, key, KeptBackward(
                 n, weight.shape[0], hidden.dtype, None if bias is None else bias.dtype,
-                tuple(needs), with_entropy, call.inv_temperature, lay.cfg,
+                tuple(needs), with_entropy, call.kernel_options.transform, lay.cfg,
                 tiles.dot_precision(hidden.dtype), terms.values.dtype, terms.scales.stride(0),
-                call.deterministic, call.d_hidden_in_input_dtype, hidden.is_cuda, call.softcap,
-                with_sum_z))
+                call.deterministic, call.d_hidden_in_input_dtype, hidden.is_cuda, with_sum_z))
         return ShardGrads(*program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                                    grad_entropy, grad_lse, mean_rel, terms, d_hidden_ready,
                                    accumulate, grad_sum_z))

@@ -18,8 +18,8 @@ ones above it in this list):
 * :mod:`.fp32_ops`          fp32 elementwise primitives (exp2, tanh, an unfused multiply, 16-bit
                             rounding) and their PTX forms on a GPU.
 * :mod:`.tile_ops`          the ``@triton.jit`` tile operations every kernel shares: launch order,
-                            dot, softcap, the pointer K loop, the forward's online-softmax epilogue,
-                            the backward's d_logits epilogue.
+                            dot, the logit transform, the pointer K loop, the forward's
+                            online-softmax epilogue, the backward's d_logits epilogue.
 * :mod:`.forward_kernels`   forward statistics per vocab split (pointer loads), the split merge, the
   one-shard finalize.
 * :mod:`.backward_kernels`  the d_logits recompute (pointer loads), d_logits from kept terms,
@@ -28,7 +28,8 @@ ones above it in this list):
   loads (sm_90).
 * :mod:`.scale_kernels`     the fused loss's backward: a gradient times the upstream scalar, rounded
   once.
-* :mod:`.launches`          each shard kernel's launch for a layout, from sizes; when the TMA
+* :mod:`.launches`          a call's options as the kernels take them (one bundle); each shard
+                            kernel's launch for a layout, from sizes; when the TMA
   kernels may run.
 * :mod:`.entry_checks`      what the entry points accept (shapes, dtypes, devices, strides), checked
   before a launch.

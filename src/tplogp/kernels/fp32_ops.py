@@ -54,8 +54,8 @@ def tanh(x, PTX: tl.constexpr):
     checked only through the op's errors on a GPU. Saturates to exactly +-1 where
     ``2^(2|x| log2 e)`` overflows. Why not libdevice's ``tanhf`` (a few ulp everywhere): its
     polynomial branch and its exponential branch, both evaluated per element, cost about 20
-    instructions per logit in each pass that computes logits, which a softcapped call pays on top of
-    the softmax's own few."""
+    instructions per logit in each pass that computes logits, which a call with a tanh in its logit
+    transform pays on top of the softmax's own few."""
     if PTX:
         return tl.inline_asm_elementwise(
             """{

@@ -30,25 +30,24 @@ import torch
 from ..support import fp32_gemm
 from ..support.tensors import f32_contiguous
 from .launch import cached
-from .launches import ensure_context, stats_launch, tma_ok
+from .launches import KernelOptions, LogitTransform, ensure_context, stats_launch, tma_ok
 from .programs import dh_gemm, empty_call_grads, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
 from .tiles import TileConfig, cdiv, dot_precision
 
 
 def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
-                   cfg: TileConfig, tma: bool = False, softcap: Optional[float] = None,
-                   with_sum_z: bool = False, with_argmax: bool = False) -> tuple:
+                   local_target: torch.Tensor, options: KernelOptions, cfg: TileConfig,
+                   tma: bool = False) -> tuple:
     """The per-split stats of a shard, unmerged: ``(row max, sum of exp, target logit, sum of
     exp * (z - max) | None, sum of z | None, lowest column of the max | None)``, each ``[S, N]``
     fp32 (the last three with ``with_entropy``, ``with_sum_z``, ``with_argmax``; the column relative
-    to the shard's first); one launch of the stats kernel (``softcap``: the forward's). The splits
+    to the shard's first; ``options``: the call's); one launch of the stats kernel. The splits
     are ``cfg.split_v`` columns from the shard's first column, so for a grid-aligned shard they are
     the blocks of the tensor-parallel-invariant grid (:mod:`tplogp.support.invariant`), each
     computed by the same tiles wherever it sits."""
     n, d = hidden.shape
     v = weight.shape[0]
-    extras = (with_sum_z, with_argmax)
+    _, with_entropy, *extras = options
     parts = torch.empty((stats_rows(with_entropy, *extras), cdiv(v, cfg.split_v), n),
                         device=hidden.device, dtype=torch.float32)
     if n and v:
@@ -57,8 +56,7 @@ def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
             ensure_context(hidden.device)
         local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
         launch = cached(stats_launch, n, v, d, hidden.stride(0), weight.stride(0), bias is not None,
-                        with_entropy, float(inv_temperature), cfg, dot_precision(hidden.dtype),
-                        None, tma, False, softcap, *extras)
+                        options, cfg, dot_precision(hidden.dtype), None, tma, False)
         launch(hidden, weight, hidden if bias is None else bias, local_target, parts, parts, parts)
     return stats_outputs(parts, with_entropy, *extras)
 
@@ -81,13 +79,15 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
                      local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
                      grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
                      grad_lse: Optional[torch.Tensor], mean_rel: Optional[torch.Tensor],
-                     inv_temperature: float, columns: int, workspace_bytes: int,
+                     transform: LogitTransform, columns: int, workspace_bytes: int,
                      needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False,
                      d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
-                     accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None, softcap: Optional[float] = None, grad_sum_z: Optional[torch.Tensor] = None):
+                     accumulate: Optional[tuple[Optional[torch.Tensor],
+                                                Optional[torch.Tensor]]] = None,
+                     grad_sum_z: Optional[torch.Tensor] = None):
     """:func:`~.programs.backward` of the tensor-parallel-invariant level
     (:mod:`tplogp.support.invariant`) for a grid-aligned shard: a column's ``d_W`` and ``d_b`` rows
-    do not depend on the shard's size (``softcap``, ``grad_sum_z``: as in
+    do not depend on the shard's size (``transform``, ``grad_sum_z``: as in
     :func:`~.programs.backward`).
 
     d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept) in a
@@ -111,7 +111,7 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
     row_max, log_sum = f32_contiguous(row_max), f32_contiguous(log_sum)
     g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
-    options = dict(softcap=softcap, gsz=None if grad_sum_z is None else f32_contiguous(grad_sum_z))
+    gsz = None if grad_sum_z is None else f32_contiguous(grad_sum_z)
     chunk = grid_chunk(n, weight.element_size(), workspace_bytes, columns)
     bounds = [(lo, min(lo + chunk, v)) for lo in range(0, v, chunk)]
     dbp = torch.empty((cdiv(n, cfg.bwd_block_n), v), device=dev, dtype=f32) if need_db else g
@@ -126,8 +126,8 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
     for i_chunk, (v_lo, v_hi) in enumerate(bounds):
         dz = ws[:, : v_hi - v_lo]
         launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel,
-                       dz, dbp, v_lo, v_hi, float(inv_temperature), grad_entropy is not None,
-                       need_db, cfg, precision, tma, **options)
+                       dz, dbp, v_lo, v_hi, transform, grad_entropy is not None, need_db, cfg,
+                       precision, tma, gsz=gsz)
         if d_hidden is not None:
             dh_gemm(dz, weight[v_lo:v_hi], d_hidden, i_chunk, True, cfg, precision)
             if i_chunk == len(bounds) - 1 and d_hidden_ready is not None:

@@ -2,10 +2,10 @@
 and their per-tile scales (torch only: no Triton import).
 
 Per kept element the softmax term ``e = exp(z - m)`` in the inputs' dtype (:func:`kept_dtype`), with
-``m`` the row's running max (natural units; with a softcap that of ``tanh(y / softcap)``, from which
-the backward rebuilds both ``m`` and the softcap's slope at a saturated max) when the forward folded
-that element's tile, one fp32 scale per (row, forward tile). The
-backward's ``p = e * exp(m - M - log S)`` then carries e's rounding alone (2^-9 relative in bf16,
+``m`` the row's running max (natural units; with a tanh in the logit transform that of the tanh,
+from which the backward rebuilds both ``m`` and the transform's slope at a saturated max) when the
+forward folded that element's tile, one fp32 scale per (row, forward tile). The backward's
+``p = e * exp(m - M - log S)`` then carries e's rounding alone (2^-9 relative in bf16,
 2^-12 in fp16: what the d_logits rounding adds anyway), whatever the logits' size; rounding the
 logits themselves would give p an error of ``|z| 2^-9``. Layout: the values ``[N, cols]`` in their
 dtype and the scales ``[N, cdiv(cols, block_v)]`` fp32. For the op, one flat fp32 buffer (what its

@@ -29,8 +29,9 @@ from ..support.tensors import f32_contiguous
 from .entry_checks import KernelInputError, check_inputs, check_kept
 from .kept import KeptTerms
 from .launch import cached
-from .launches import (dh_launch, dlogits_kept_launch, dlogits_launch, ensure_context,
-                       finalize_launch, kept_tma_ok, merge_launch, stats_launch, tma_ok)
+from .launches import (KernelOptions, LogitTransform, dh_launch, dlogits_kept_launch,
+                       dlogits_launch, ensure_context, finalize_launch, kept_tma_ok, merge_launch,
+                       stats_launch, tma_ok)
 from .tiles import TileConfig, cdiv, dot_precision
 from .workspace import plan_chunk
 
@@ -89,7 +90,8 @@ class ForwardProgram:
     allocates the per-split stats and the outputs and makes two launches (the stats kernel, then the
     one-shard finalize or the split merge).
 
-    ``precision``: the dot precision (:func:`~.tiles.dot_precision`). ``keep``:
+    ``options``: the call's (:class:`~.launches.KernelOptions`). ``precision``: the dot precision
+    (:func:`~.tiles.dot_precision`). ``keep``:
     ``(kept row stride, scales row stride, kept columns, kept dtype)`` of what the forward keeps for
     the backward (the calls pass the terms ``[N, columns]`` and their scales), or None.
     ``check_targets`` (``single`` only): the calls pass ``target_flag`` (the finishing kernel checks
@@ -97,25 +99,23 @@ class ForwardProgram:
     kernel otherwise). The source's programs are checked with :meth:`matches` before a call."""
 
     def __init__(self, n: int, v: int, d: int, stride_h: int, stride_w: int, dtype: torch.dtype,
-                 bias_dtype: Optional[torch.dtype], inv_temperature: float, with_entropy: bool,
-                 cfg: TileConfig, precision: Optional[str], keep: Optional[tuple], single: bool,
-                 check_targets: bool = False, tma: bool = False, softcap: Optional[float] = None,
-                 with_sum_z: bool = False, with_argmax: bool = False) -> None:
+                 bias_dtype: Optional[torch.dtype], options: KernelOptions, cfg: TileConfig,
+                 precision: Optional[str], keep: Optional[tuple], single: bool,
+                 check_targets: bool = False, tma: bool = False) -> None:
         self.layout = ((n, d), (v, d), dtype, bias_dtype)
+        _, with_entropy, with_sum_z, with_argmax = options
         self.with_entropy = with_entropy
         self.extras = (with_sum_z, with_argmax)
         self.single = single
         num_splits = cdiv(v, cfg.split_v)
         kept_dims = None if keep is None else keep[:3]
-        stats = (n, v, d, stride_h, stride_w, bias_dtype is not None, with_entropy,
-                 float(inv_temperature), cfg, precision, kept_dims)
-        options = dict(softcap=softcap, with_sum_z=with_sum_z, with_argmax=with_argmax)
-        self.stats = stats_launch(*stats, **options)
+        stats = (n, v, d, stride_h, stride_w, bias_dtype is not None, options, cfg, precision,
+                 kept_dims)
+        self.stats = stats_launch(*stats)
         # the Hopper kernel's launches (plain and, with kept terms, with their TMA stores), or None
-        self.stats_tma = None if not tma else (stats_launch(*stats, tma=True, **options),
-                                               stats_launch(*stats, tma=True, keep_tma=True,
-                                                            **options) if keep
-                                               else None)
+        self.stats_tma = None if not tma else (stats_launch(*stats, tma=True),
+                                               stats_launch(*stats, tma=True, keep_tma=True)
+                                               if keep else None)
         self.parts_shape = (stats_rows(with_entropy, with_sum_z, with_argmax), num_splits, n)
         if single:
             self.out_shape = (_single_rows(with_entropy, with_sum_z, with_argmax), n)
@@ -155,10 +155,9 @@ class ForwardProgram:
         return _single_outputs(out, self.with_entropy, *self.extras)
 
 
-def _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg,
-                     kept: Optional[KeptTerms], single: bool, check_targets: bool, tma: bool,
-                     softcap: Optional[float] = None, with_sum_z: bool = False,
-                     with_argmax: bool = False) -> ForwardProgram:
+def _forward_program(hidden, weight, bias, options: KernelOptions, cfg,
+                     kept: Optional[KeptTerms], single: bool, check_targets: bool,
+                     tma: bool) -> ForwardProgram:
     """The per-call paths' :class:`ForwardProgram` of these tensors' layout, from
     :func:`~.launch.cached`."""
     n, d = hidden.shape
@@ -167,19 +166,15 @@ def _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg,
         keep = (kept.values.stride(0), kept.scales.stride(0), kept.values.shape[1],
                 kept.values.dtype)
     return cached(ForwardProgram, n, weight.shape[0], d, hidden.stride(0), weight.stride(0),
-                  hidden.dtype, None if bias is None else bias.dtype, float(inv_temperature),
-                  with_entropy, cfg, dot_precision(hidden.dtype), keep, single, check_targets, tma,
-                  softcap, with_sum_z, with_argmax)
+                  hidden.dtype, None if bias is None else bias.dtype, options, cfg,
+                  dot_precision(hidden.dtype), keep, single, check_targets, tma)
 
 
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  local_target: torch.Tensor, inv_temperature: float, with_entropy: bool,
-                  cfg: TileConfig, tma: bool = False, kept: Optional[KeptTerms] = None,
-                  checked: bool = False, softcap: Optional[float] = None, with_sum_z: bool = False,
-                  with_argmax: bool = False):
+                  local_target: torch.Tensor, options: KernelOptions, cfg: TileConfig,
+                  tma: bool = False, kept: Optional[KeptTerms] = None, checked: bool = False):
     """(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None), fp32 [N],
-    for one vocab shard (``softcap``, ``with_sum_z``, ``with_argmax``:
-    :class:`tplogp.backends.base.ShardCall`'s).
+    for one vocab shard (``options``: the call's, ``ShardCall.kernel_options``).
 
     ``kept`` (optional): the stats kernel also stores the softmax terms of the shard columns
     ``[0, v_keep)`` and their row scales there (:class:`~.kept.KeptTerms`), for :func:`backward`.
@@ -192,25 +187,22 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     if not checked:
         check_inputs(hidden, weight, bias, local_target)
         check_kept(kept, n, v, cfg.block_v)
-    extras = (with_sum_z, with_argmax)
     if n == 0 or v == 0:
+        _, with_entropy, *extras = options
         out = torch.empty((stats_rows(with_entropy, *extras), n), device=hidden.device,
                           dtype=torch.float32)
         out[0].fill_(float("-inf"))
         out[1:].zero_()
         return stats_outputs(out, with_entropy, *extras)
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
-    program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept,
-                               False, False, tma, softcap, *extras)
+    program = _forward_program(hidden, weight, bias, options, cfg, kept, False, False, tma)
     return program(hidden, weight, bias, local_target, None, *(() if kept is None else kept))
 
 
 def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   target: torch.Tensor, inv_temperature: float, with_entropy: bool,
-                   cfg: TileConfig, tma: bool = False, kept: Optional[KeptTerms] = None,
-                   target_flag: Optional[torch.Tensor] = None, checked: bool = False,
-                   softcap: Optional[float] = None, with_sum_z: bool = False,
-                   with_argmax: bool = False):
+                   target: torch.Tensor, options: KernelOptions, cfg: TileConfig,
+                   tma: bool = False, kept: Optional[KeptTerms] = None,
+                   target_flag: Optional[torch.Tensor] = None, checked: bool = False):
     """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None,
     entropy | None, sum_z | None, argmax | None)``, fp32 [N].
     ``kept``, ``tma``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the
@@ -227,8 +219,8 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if not checked:
         check_inputs(hidden, weight, bias, target)
         check_kept(kept, n, v, cfg.block_v)
-    extras = (with_sum_z, with_argmax)
     if n == 0 or v == 0:
+        _, with_entropy, *extras = options
         out = torch.empty((_single_rows(with_entropy, *extras), n), device=hidden.device,
                           dtype=torch.float32)
         if n:  # an empty vocab: no probability mass anywhere
@@ -236,8 +228,8 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
             out[1:4].fill_(float("-inf"))
         return _single_outputs(out, with_entropy, *extras)
     target = target if target.is_contiguous() else target.contiguous()
-    program = _forward_program(hidden, weight, bias, inv_temperature, with_entropy, cfg, kept, True,
-                               target_flag is not None, tma, softcap, *extras)
+    program = _forward_program(hidden, weight, bias, options, cfg, kept, True,
+                               target_flag is not None, tma)
     return program(hidden, weight, bias, target, target_flag, *(() if kept is None else kept))
 
 
@@ -256,16 +248,15 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              local_target: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
              grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
              grad_lse: Optional[torch.Tensor], mean_rel: Optional[torch.Tensor],
-             inv_temperature: float, deterministic: bool, workspace_bytes: int,
+             transform: LogitTransform, deterministic: bool, workspace_bytes: int,
              needs: tuple[bool, bool, bool], cfg: TileConfig, tma: bool = False,
              kept: Optional[KeptTerms] = None,
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
              accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
              overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False,
-             checked: bool = False, softcap: Optional[float] = None,
-             grad_sum_z: Optional[torch.Tensor] = None):
-    """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard (``softcap``: the
-    forward's; ``grad_sum_z``: d loss / d sum_v z per token, or None).
+             checked: bool = False, grad_sum_z: Optional[torch.Tensor] = None):
+    """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard (``transform``:
+    the forward's logit transform; ``grad_sum_z``: d loss / d sum_v z per token, or None).
 
     ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden
     is one GEMM (one chunk, not ``deterministic``, on CUDA), it is returned in the input dtype,
@@ -303,9 +294,9 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     # one pass over the kept terms, in their memory
     if KeptBackward.covers(kept, weight, overwrite_kept):
         program = cached(KeptBackward, n, v, hidden.dtype, None if bias is None else bias.dtype,
-                         tuple(needs), grad_entropy is not None, float(inv_temperature), cfg,
+                         tuple(needs), grad_entropy is not None, transform, cfg,
                          dot_precision(hidden.dtype), kept.values.dtype, kept.scales.stride(0),
-                         deterministic, d_hidden_in_input_dtype, hidden.is_cuda, softcap,
+                         deterministic, d_hidden_in_input_dtype, hidden.is_cuda,
                          grad_sum_z is not None)
         return program(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                        grad_entropy, grad_lse, mean_rel, kept, d_hidden_ready, accumulate,
@@ -317,8 +308,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     log_sum = f32_contiguous(log_sum)
     with_entropy = grad_entropy is not None
     g, gmg, ge, mean_rel = per_token_grads(grad_logp, grad_entropy, grad_lse, mean_rel)
-    # the d_logits launchers' optional epilogue steps (None: off)
-    options = dict(softcap=softcap, gsz=None if grad_sum_z is None else f32_contiguous(grad_sum_z))
+    # the d_logits launchers' gradient of the logits' sum (None: none)
+    gsz = None if grad_sum_z is None else f32_contiguous(grad_sum_z)
     v_keep = 0 if kept is None else kept.values.shape[1]
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
@@ -327,7 +318,6 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     dbp = torch.empty((num_nb, v), device=dev, dtype=f32) if need_db else g
     precision = dot_precision(hidden.dtype)
     args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel)
-    inv_t = float(inv_temperature)
     # one chunk (small shapes): no slicing; otherwise one workspace reused chunk after chunk
     ws = None if len(bounds) == 1 else torch.empty(n * chunk, device=dev, dtype=weight.dtype)
     d_hidden = d_weight = None
@@ -337,14 +327,14 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         else:
             dz = ws[: n * (v_hi - v_lo)].view(n, v_hi - v_lo)
         if from_kept:
-            launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db,
-                                cfg, precision, **options)
+            launch_dlogits_kept(kept, *args[3:], dz, dbp, v_lo, v_hi, transform, with_entropy,
+                                need_db, cfg, precision, gsz=gsz)
             # the last pass that reads the scales: nothing here holds them any longer
             if v_hi == v_keep:
                 kept.release_scales()
         else:
-            launch_dlogits(*args, dz, dbp, v_lo, v_hi, inv_t, with_entropy, need_db, cfg, precision,
-                           tma, **options)
+            launch_dlogits(*args, dz, dbp, v_lo, v_hi, transform, with_entropy, need_db, cfg,
+                           precision, tma, gsz=gsz)
         if i_chunk == 0:
             # Allocated after the first d_logits launch: the GPU starts sooner (host latency at
             # small shapes; the allocations themselves do no GPU work).
@@ -431,39 +421,38 @@ def dh_gemm(dz, w_chunk, d_hidden, i_chunk: int, deterministic: bool, cfg: TileC
 
 
 def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz,
-                        dbp, v_lo, v_hi, inv_temperature, with_entropy, need_db, cfg: TileConfig,
-                        precision: Optional[str], launch: Optional[Callable] = None,
-                        softcap: Optional[float] = None,
+                        dbp, v_lo, v_hi, transform: LogitTransform, with_entropy, need_db,
+                        cfg: TileConfig, precision: Optional[str],
+                        launch: Optional[Callable] = None,
                         gsz: Optional[torch.Tensor] = None) -> None:
     """One chunk's d_logits from the softmax terms the forward kept (an elementwise kernel: no GEMM;
     the forward's tile width, one scale per row and tile). ``launch``: this launch as the caller's
     program holds it (:class:`KeptBackward`), else the layout's from :func:`~.launch.cached`.
-    ``softcap``: the forward's; ``gsz``: the per-token gradient of the logits' sum (label
-    smoothing), or None."""
+    ``transform``: the forward's logit transform; ``gsz``: the per-token gradient of the logits' sum
+    (label smoothing), or None."""
     values, scales = kept
     if launch is None:
         launch = cached(dlogits_kept_launch, values.shape[0], v_lo, v_hi, values.stride(0),
                         scales.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
-                        inv_temperature, with_entropy, need_db, cfg, precision, softcap,
-                        gsz is not None)
+                        transform, with_entropy, need_db, cfg, precision, gsz is not None)
     launch(values, scales, local_target, row_max, log_sum, g, gmg, ge, mean_rel,
            g if gsz is None else gsz, dz, dbp)
 
 
 def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz,
-                   dbp, v_lo, v_hi, inv_temperature, with_entropy, need_db, cfg: TileConfig,
-                   precision: Optional[str], tma: bool = False, softcap: Optional[float] = None,
+                   dbp, v_lo, v_hi, transform: LogitTransform, with_entropy, need_db,
+                   cfg: TileConfig, precision: Optional[str], tma: bool = False,
                    gsz: Optional[torch.Tensor] = None) -> None:
     """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal;
-    ``softcap``, ``gsz``: as in :func:`launch_dlogits_kept`)."""
+    ``transform``, ``gsz``: as in :func:`launch_dlogits_kept`)."""
     n, d = hidden.shape
     tma = tma and tma_ok(hidden, weight)
     if tma:
         ensure_context(hidden.device)
     launch = cached(dlogits_launch, n, weight.shape[0], d, v_lo, v_hi, hidden.stride(0),
                     weight.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
-                    bias is not None, need_db, with_entropy, inv_temperature, cfg, precision, tma,
-                    softcap, gsz is not None)
+                    bias is not None, need_db, with_entropy, transform, cfg, precision, tma,
+                    gsz is not None)
     launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg,
            ge, mean_rel, g if gsz is None else gsz, dz, dbp)
 
@@ -479,10 +468,10 @@ class KeptBackward:
     :func:`backward` takes its layout's from :func:`~.launch.cached`."""
 
     def __init__(self, n: int, v: int, dtype: torch.dtype, bias_dtype: Optional[torch.dtype],
-                 needs: tuple[bool, bool, bool], with_entropy: bool, inv_temperature: float,
+                 needs: tuple[bool, bool, bool], with_entropy: bool, transform: LogitTransform,
                  cfg: TileConfig, precision: Optional[str], kept_dtype: torch.dtype,
                  scales_stride: int, deterministic: bool, d_hidden_in_input_dtype: bool,
-                 on_cuda: bool, softcap: Optional[float] = None, with_sum_z: bool = False) -> None:
+                 on_cuda: bool, with_sum_z: bool = False) -> None:
         self.needs = (needs[0], needs[1], needs[2] and bias_dtype is not None)
         self.layout = (n, v, dtype, bias_dtype, kept_dtype, scales_stride)
         self.with_entropy = with_entropy
@@ -492,10 +481,10 @@ class KeptBackward:
         self.dh_dtype = (dtype if d_hidden_in_input_dtype and not deterministic and on_cuda
                          else torch.float32)  # (a CPU GEMM would round through an fp32 temporary)
         self.cfg, self.precision = cfg, precision
-        self.inv_temperature = float(inv_temperature)
+        self.transform = transform
         self.dlogits = dlogits_kept_launch(n, 0, v, v, scales_stride, v, v if self.needs[2] else 0,
-                                           self.inv_temperature, with_entropy, self.needs[2], cfg,
-                                           self.precision, softcap, with_sum_z)
+                                           transform, with_entropy, self.needs[2], cfg,
+                                           self.precision, with_sum_z)
 
     @staticmethod
     def covers(kept: Optional[KeptTerms], weight: torch.Tensor, overwrite_kept: bool) -> bool:
@@ -535,7 +524,7 @@ class KeptBackward:
         if not local_target.is_contiguous():
             local_target = local_target.contiguous()
         launch_dlogits_kept(kept, local_target, f32_contiguous(row_max), f32_contiguous(log_sum), g,
-                            gmg, ge, mean_rel, dz, dbp, 0, dz.shape[1], self.inv_temperature,
+                            gmg, ge, mean_rel, dz, dbp, 0, dz.shape[1], self.transform,
                             self.with_entropy, need_db, self.cfg, self.precision, self.dlogits,
                             **({} if grad_sum_z is None else {"gsz": f32_contiguous(grad_sum_z)}))
         kept.release_scales()  # (the last pass that reads them)
