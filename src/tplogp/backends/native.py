@@ -45,6 +45,7 @@ from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
+from .native_support import kept_columns, support_rows
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
                            _recomputed_dz, _token_chunk, _TokenChunk)
 
@@ -278,7 +279,8 @@ class NativeBackend(BudgetParts):
         tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
                                                              dev, call)
         kept = None
-        if call.for_backward and n_kept:  # zeroed: the tiles' padding bytes are defined too
+        support = call.support  # (a support keeps nothing: its backward recomputes)
+        if call.for_backward and n_kept and support is None:  # zeroed: padding bytes defined too
             if kept_out is None:
                 kept = torch.zeros(kept_words, device=dev, dtype=torch.float32)
             else:  # the op's buffer (ShardBackend: ``kept_out``)
@@ -294,6 +296,7 @@ class NativeBackend(BudgetParts):
             if call.deterministic:
                 h = _pad_rows(h, tc)
             lt = local_target[t0:t1]
+            ids = None if support is None else support_rows(support, t0, t1, h.shape[0])
             m = torch.full((h.shape[0],), float("-inf"), device=dev, dtype=torch.float32)
             # running max of tanh(y / softcap): m = _capped(mt) bit for bit
             mt = m.clone() if tanh_scale else None
@@ -308,6 +311,8 @@ class NativeBackend(BudgetParts):
                 tile_tanh_max = [] if mt is not None else None
                 z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1],
                                  call.inv_temperature, softcap=call.softcap, tanh_max=tile_tanh_max)
+                if ids is not None:  # outside the row's support: -inf (masked columns)
+                    z.masked_fill_(~kept_columns(ids, v0, v1), float("-inf"))
                 if mt is not None:
                     mt = torch.maximum(mt, tile_tanh_max[0])
                 rel = lt - v0
@@ -477,6 +482,9 @@ class NativeBackend(BudgetParts):
                 else:  # recompute the tile
                     dz, slope = _recomputed_dz(ch, w, None if bias is None else bias[v0:v1],
                                                call.inv_temperature, call.softcap)
+                    if call.support is not None:  # p = 0 outside the row's support
+                        ids = support_rows(call.support, t0, t1, ch.h.shape[0])
+                        dz.masked_fill_(~kept_columns(ids, v0, v1), 0.0)
                 dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
                 del slope
                 if d_bias32 is not None:
@@ -505,7 +513,7 @@ def _one_tile(hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> bo
     """Whether the call's plan is one ``[N, V]`` tile that keeps nothing for the backward (and not
     deterministic: that pads token chunks), remembered per (sizes, dtype, device, call,
     ``TPLOGP_WORKSPACE_MB``)."""
-    if call.deterministic:
+    if call.deterministic or call.support is not None:
         return False
     key = (hidden.shape, weight.shape, weight.dtype, hidden.device, call,
            settings.workspace_bytes())
