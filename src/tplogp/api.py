@@ -255,6 +255,14 @@ def linear_logp(
             ``"partial"``: each rank's ``hidden.grad`` is its vocab shard's share, not summed (no
             collective), for callers that sum it themselves (the backward of their own gather). Not
             with ``sequence_parallel``.
+        support: the sampler's kept ids per token, as GLOBAL vocabulary ids: an integer tensor of
+            shape ``target_ids.shape + (K,)`` (``-1`` for none, any order) or a CSR pair
+            ``(offsets [N + 1], ids)`` over the flattened tokens. logp, entropy and lse are then
+            those of the distribution renormalized over each token's ids, and the gradients reach
+            their logits only; each token's support must hold its target once (a token whose target
+            is ``ignore_index`` needs none). Runs on the native source (triton / sm90 refuse it),
+            eagerly; not with ``deterministic="tp_invariant"`` (docs/operator.md, "Sampler's
+            support").
 
     Returns:
         float32 logp with target_ids' shape; with ``return_entropy``, ``return_lse`` and/or
@@ -388,6 +396,8 @@ def linear_logp_loss(
     ``return_metrics=True`` (such losses only) returns ``(loss, metrics)``: a dict of 0-d fp32
     tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the
     counted positions, the same on every rank (docs/operator.md, "GRPO-family losses").
+    ``support``: the sampler's kept ids per token, as in :func:`linear_logp` (logp and entropy
+    renormalized over them; not with label smoothing).
     """
     if isinstance(per_token, (tuple, list)):  # (else: the checks' error)
         per_token = tuple(per_token)

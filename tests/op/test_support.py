@@ -223,14 +223,14 @@ def test_fused_sources_say_they_cannot_run_a_support():
 
 
 def test_fused_loss_with_support_matches_the_op():
-    """``linear_logp_loss`` with a support (cross-entropy plus an entropy bonus, several chunks):
-    the loss and the gradients of the op's eager loss."""
+    """``linear_logp_loss`` with a support (cross-entropy plus an entropy bonus, chunks of 3
+    tokens): the loss and the gradients of the op's eager loss."""
     problem = _problem(seed=10, ignore=True)
     hidden, weight, bias, target, support = problem
     loss = losses.cross_entropy() + losses.entropy_bonus(0.2)
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     value = tplogp.linear_logp_loss(h, w, target, b, loss=loss, ignore_index=IGNORE,
-                                    support=_csr(support), workspace_bytes=4096)
+                                    support=_csr(support), workspace_bytes=_chunks_of(3))
     value.backward()
     ours, leaves = _call(tplogp.linear_logp, problem, support, ignore_index=IGNORE)
     keep = target != IGNORE
@@ -241,9 +241,17 @@ def test_fused_loss_with_support_matches_the_op():
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
 
 
-def test_grpo_with_support_matches_its_definition(monkeypatch):
-    """``losses.grpo(...)`` through ``linear_logp_loss`` with a support: the loss, its metrics and
-    every gradient as the GRPO definition over the renormalized log-probs (float64 truth)."""
+def _chunks_of(tokens: int) -> int:
+    """The fused loss's budget for chunks of ``tokens`` tokens (several chunks per call)."""
+    return tplogp.loss_chunk_budget(tokens, D, V, dtype=torch.float32, bias_dtype=torch.float32,
+                                    source="native", device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", ["token", "sequence"])
+def test_grpo_with_support_matches_its_definition(monkeypatch, case):
+    """``losses.grpo(...)`` through ``linear_logp_loss`` with a support, in chunks of 3 tokens (the
+    sequence-level loss: its two phases): the loss, its metrics and every gradient as the GRPO
+    definition over the renormalized log-probs (float64 truth)."""
     problem = _problem(seed=11, ignore=True)
     hidden, weight, bias, target, support = problem
 
@@ -254,7 +262,7 @@ def test_grpo_with_support_matches_its_definition(monkeypatch):
         return out.logp, out.entropy
 
     monkeypatch.setattr(grpo_reference, "logp_of", logp_of)
-    loss = losses.grpo(loss_type="grpo", beta=0.04)
+    loss = losses.grpo(loss_type="grpo", beta=0.04, importance_sampling_level=case)
     with torch.no_grad():
         logp, _ = logp_of(hidden, weight, bias, target, 1.0, IGNORE)
     given = grpo_reference.per_token_inputs(target, logp, 12, 0.3)
@@ -265,7 +273,7 @@ def test_grpo_with_support_matches_its_definition(monkeypatch):
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     value, metrics = tplogp.linear_logp_loss(h, w, target, b, loss=loss, per_token=per_token,
                                              ignore_index=IGNORE, return_metrics=True,
-                                             support=support)
+                                             support=support, workspace_bytes=_chunks_of(3))
     value.backward()
     grpo_reference.check_three_way((value.detach(), metrics, (h.grad, w.grad, b.grad)),
                                    reference, truth, "grpo with support")
@@ -379,7 +387,8 @@ def test_tp_fused_loss_with_support(tp, vocab_shards):
     w, b = (vs.shard(t).clone().requires_grad_() for t in (weight, bias))
     value = tplogp.linear_logp_loss(h, w, target, b, loss=loss, ignore_index=IGNORE,
                                     tp_group=tp.group, vocab_start_index=vs.start,
-                                    global_vocab_size=V, support=support, workspace_bytes=4096)
+                                    global_vocab_size=V, support=support,
+                                    workspace_bytes=_chunks_of(3))
     value.backward()
     ours, leaves = _call(tplogp.linear_logp, problem, support, ignore_index=IGNORE)
     keep = target != IGNORE
