@@ -459,7 +459,8 @@ def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, gl
     calls run eagerly (:func:`_eager_loss`): a callable loss, a GRPO-family loss (its sequences and
     metrics), DTensors."""
     return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
-            and options["cu_seqlens"] is None and options["support"] is None and options["return_metrics"] is False
+            and options["cu_seqlens"] is None and options["support"] is None
+            and options["return_metrics"] is False
             and isinstance(options["per_token"], tuple)
             and all(isinstance(t, torch.Tensor) for t in options["per_token"])
             and isinstance(options["reduction"], str)

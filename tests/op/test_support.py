@@ -298,8 +298,10 @@ def test_tp_support_matches_the_definition(tp, vocab_shards, form):
     kw = dict(temperature=0.8, softcap=5.0, ignore_index=IGNORE)
     leaves = (hidden.clone().requires_grad_(), vs.shard(weight).clone().requires_grad_(),
               vs.shard(bias).clone().requires_grad_())
-    ours, leaves = _call(tplogp.linear_logp, problem, support if form == "padded" else _csr(support),
-                         leaves=leaves, tp_group=tp.group, vocab_start_index=vs.start,
+    given = support if form == "padded" else _csr(support)
+    # (CSR: the global vocabulary from the group record, the support's range checked after it)
+    ours, leaves = _call(tplogp.linear_logp, problem, given, leaves=leaves, tp_group=tp.group,
+                         vocab_start_index=vs.start,
                          global_vocab_size=V if form == "padded" else None, **kw)
     found = _compare(ours, leaves, problem, support, _upstream((B, L), 21),
                      rows=slice(vs.start, vs.end), **kw)

@@ -90,9 +90,9 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
 def tp_invariance(args: argparse.Namespace, rank: int, device: torch.device, backend: str,
                   op: Callable, full, target, grads, shard, ours, support=None) -> bool:
     """The same call on the whole vocabulary in this process, without a group (TP=1; ``shard``: this
-    rank's vocabulary rows and token rows; ``support``: the call's, or None), and the count of values of this rank's outputs and
-    gradient rows that are not bitwise equal to it (summed over ranks); rank 0 prints
-    ``PASS tp_invariance: bitwise equal to TP=1`` or what differs."""
+    rank's vocabulary rows and token rows; ``support``: the call's, or None), and the count of
+    values of this rank's outputs and gradient rows that are not bitwise equal to it (summed over
+    ranks); rank 0 prints ``PASS tp_invariance: bitwise equal to TP=1`` or what differs."""
     (hidden_full, weight_full, bias_full), (g_logp, g_ent), (start, end, rows) = full, grads, shard
     logp, ent, h, w, b = ours
     h1 = hidden_full.to(device).clone().requires_grad_()

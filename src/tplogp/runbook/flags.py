@@ -117,8 +117,9 @@ def build_parser(description: str = "", epilog: str = "",
     add("--deterministic", choices=sorted(DETERMINISTIC), default="off",
         help="the op's deterministic option: off, on (True) or tp_invariant (the same bits at every TP degree)")
     add("--support-k", type=positive_int, default=None,
-        help="correctness phase: a random sampler's support of K ids per token that holds its target "
-             "(support=), the reference renormalized over it; also checks the support's lse (default: off)")
+        help="correctness phase: a random sampler's support of K ids per token that holds its "
+             "target (support=), the reference renormalized over it; also checks the support's "
+             "lse (default: off)")
     add("--tp-invariance", action=argparse.BooleanOptionalAction, default=None,
         help="correctness phase: also run the whole vocabulary in-process without a group (TP=1) and check that "
              "logp (entropy) and this rank's weight / bias gradient rows are bitwise equal to it "
