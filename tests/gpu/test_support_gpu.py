@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tplogp
+from tplogp.backends import native_support
 from tplogp.backends.kernel_registry import (SourceUnavailableError, backend_for_call,
                                              unavailable_reason)
 from tplogp.testing.reference import reference_support_outputs
@@ -76,11 +77,14 @@ def _check(outputs, leaves, problem, dtype, rows=slice(None), **kw):
     return found
 
 
+@pytest.mark.parametrize("path", ["mask", "gather"])
 @pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_support_on_the_registry_choice(dtype, options):
+def test_support_on_the_registry_choice(dtype, options, path, monkeypatch):
     """The automatic choice with a support is native (the fused sources, where they run here,
-    report the feature missing), and its outputs and gradients match the definition."""
+    report the feature missing), and its outputs and gradients match the definition, on both of
+    its ways (masked tiles; the gathered rows of the supports' union)."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", -1.0 if path == "mask" else 1.0)
     dt = DTYPES[dtype]
     device = torch.device("cuda")
     assert backend_for_call(None, device, dt, features=("support",)).name == "native"

@@ -15,6 +15,7 @@ import torch
 import tplogp
 from tests.support import grpo_reference
 from tplogp import losses
+from tplogp.backends import native, native_support
 from tplogp.backends.kernel_registry import SourceUnavailableError, unavailable_reason
 from tplogp.op.validation import LinearLogpInputError
 from tplogp.testing.reference import reference_support_outputs
@@ -28,6 +29,32 @@ OPTIONS = {
     "ignore-tiled": dict(ignore_index=IGNORE, workspace_bytes=4096),  # tiles of a few columns
     "deterministic": dict(deterministic=True, temperature=1.3),
 }
+
+
+# the native source's two ways: every tile masked, or the gathered rows of the supports' union
+PATHS = {"mask": -1.0, "gather": 1.0}  # (-1: never, even an empty union)
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request) -> str:
+    """Runs the test on each of the native source's two ways (set by :func:`_take`, in the body:
+    on a TP test's ranks)."""
+    return request.param
+
+
+def _take(path: str, monkeypatch) -> list[bool]:
+    """The native source's way ``path`` for this test (``GATHER_FRACTION``); the list it returns
+    gets, per forward or backward of the source, whether it ran on gathered rows."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS[path])
+    real, seen = native.gathered, []
+
+    def gathered(*args):
+        narrow = real(*args)
+        seen.append(narrow is not None)
+        return narrow
+
+    monkeypatch.setattr(native, "gathered", gathered)
+    return seen
 
 
 def _problem(seed: int, vocab: int = V, ignore: bool = False, length: int = L):
@@ -121,9 +148,10 @@ def _call(op, problem, support, leaves=None, **kw):
 
 @pytest.mark.parametrize("form", ["padded", "csr"])
 @pytest.mark.parametrize("options", list(OPTIONS))
-def test_support_matches_the_definition(form, options):
+def test_support_matches_the_definition(form, options, path, monkeypatch):
     """logp, entropy, lse and the gradients of hidden, weight and bias as the float64 definition's
     (within the fp32 reference's error), for ragged supports in both forms."""
+    seen = _take(path, monkeypatch)
     kw = OPTIONS[options]
     problem = _problem(seed=3, ignore="ignore_index" in kw)
     support = problem[4]
@@ -133,10 +161,12 @@ def test_support_matches_the_definition(form, options):
     assert not found, "; ".join(found)
     # a token whose support is its target alone: logp 0 and entropy 0 exactly
     assert ours.logp[0, 0].item() == 0.0 and ours.entropy[0, 0].item() == 0.0
+    assert any(seen) == (path == "gather" and "deterministic" not in kw) and seen, seen
 
 
-def test_gradients_reach_the_support_only():
+def test_gradients_reach_the_support_only(path, monkeypatch):
     """d_W and d_b are 0 on every row no token keeps (and no target is)."""
+    seen = _take(path, monkeypatch)
     problem = _problem(seed=5)
     support = problem[4]
     ours, (h, w, b) = _call(tplogp.linear_logp, problem, support)
@@ -146,6 +176,7 @@ def test_gradients_reach_the_support_only():
     assert kept.sum() < V
     assert torch.all(w.grad[~kept] == 0) and torch.all(b.grad[~kept] == 0)
     assert w.grad[kept].abs().sum() > 0
+    assert any(seen) == (path == "gather") and seen, seen
 
 
 def test_full_support_is_the_plain_op():
@@ -222,9 +253,10 @@ def test_fused_sources_say_they_cannot_run_a_support():
             _call(tplogp.get_op(source="triton"), problem, problem[4])
 
 
-def test_fused_loss_with_support_matches_the_op():
+def test_fused_loss_with_support_matches_the_op(path, monkeypatch):
     """``linear_logp_loss`` with a support (cross-entropy plus an entropy bonus, chunks of 3
     tokens): the loss and the gradients of the op's eager loss."""
+    seen = _take(path, monkeypatch)
     problem = _problem(seed=10, ignore=True)
     hidden, weight, bias, target, support = problem
     loss = losses.cross_entropy() + losses.entropy_bonus(0.2)
@@ -239,6 +271,7 @@ def test_fused_loss_with_support_matches_the_op():
     torch.testing.assert_close(value, eager.detach(), rtol=1e-5, atol=1e-5)
     for a, e in zip((h.grad, w.grad, b.grad), grads):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+    assert any(seen) == (path == "gather") and seen, seen
 
 
 def _chunks_of(tokens: int) -> int:
@@ -248,10 +281,11 @@ def _chunks_of(tokens: int) -> int:
 
 
 @pytest.mark.parametrize("case", ["token", "sequence"])
-def test_grpo_with_support_matches_its_definition(monkeypatch, case):
+def test_grpo_with_support_matches_its_definition(monkeypatch, case, path):
     """``losses.grpo(...)`` through ``linear_logp_loss`` with a support, in chunks of 3 tokens (the
     sequence-level loss: its two phases): the loss, its metrics and every gradient as the GRPO
     definition over the renormalized log-probs (float64 truth)."""
+    seen = _take(path, monkeypatch)
     problem = _problem(seed=11, ignore=True)
     hidden, weight, bias, target, support = problem
 
@@ -277,6 +311,7 @@ def test_grpo_with_support_matches_its_definition(monkeypatch, case):
     value.backward()
     grpo_reference.check_three_way((value.detach(), metrics, (h.grad, w.grad, b.grad)),
                                    reference, truth, "grpo with support")
+    assert any(seen) == (path == "gather") and seen, seen
 
 
 # ---- tensor parallel ---------------------------------------------------------------------------
@@ -288,10 +323,11 @@ def vocab_shards_size() -> int:
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
 @pytest.mark.parametrize("form", ["padded", "csr"])
-def test_tp_support_matches_the_definition(tp, vocab_shards, form):
+def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, monkeypatch):
     """Over the ranks (even and uneven shards; ids global, each rank masking the ids it owns):
     outputs and gradients as the float64 definition's (d_W / d_b: this rank's rows), with
     temperature, softcap and ignore_index, on the native source (the automatic choice)."""
+    seen = _take(path, monkeypatch)
     problem = _problem(seed=20, ignore=True)
     hidden, weight, bias, target, support = problem
     vs = vocab_shards
@@ -306,6 +342,7 @@ def test_tp_support_matches_the_definition(tp, vocab_shards, form):
     found = _compare(ours, leaves, problem, support, _upstream((B, L), 21),
                      rows=slice(vs.start, vs.end), **kw)
     tp.assert_all(not found, "; ".join(found))
+    _assert_path_taken(tp, path, seen)
 
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
@@ -378,9 +415,10 @@ def test_tp_bad_supports_raise_on_every_rank(tp, vocab_shards):
 
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
-def test_tp_fused_loss_with_support(tp, vocab_shards):
+def test_tp_fused_loss_with_support(tp, vocab_shards, path, monkeypatch):
     """``linear_logp_loss`` with a support over the ranks: the gradients of the single-process
     op's eager loss (this rank's rows of d_W and d_b)."""
+    seen = _take(path, monkeypatch)
     problem = _problem(seed=23, ignore=True)
     hidden, weight, bias, target, support = problem
     vs = vocab_shards
@@ -402,3 +440,11 @@ def test_tp_fused_loss_with_support(tp, vocab_shards):
           and torch.allclose(w.grad, d_w[rows], rtol=1e-4, atol=1e-6)
           and torch.allclose(b.grad, d_b[rows], rtol=1e-4, atol=1e-6))
     tp.assert_all(ok, "fused loss with support differs from the op's eager loss")
+    _assert_path_taken(tp, path, seen)
+
+
+def _assert_path_taken(tp, path: str, seen: list[bool]) -> None:
+    """Masking: no rank gathered. Gathering: some rank did (a rank whose shard ids the supports all
+    keep masks: nothing to gather)."""
+    everyone = tp.all_gather_object(any(seen))
+    tp.assert_all(any(everyone) == (path == "gather"), f"{path}: gathered on ranks {everyone}")

@@ -45,7 +45,8 @@ from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
-from .native_support import kept_columns, support_rows
+from .native_support import (gathered, gathered_accumulators, kept_columns, scattered_argmax,
+                             scattered_grads, support_rows)
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
                            _recomputed_dz, _token_chunk, _TokenChunk)
 
@@ -276,6 +277,11 @@ class NativeBackend(BudgetParts):
         argmax = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_argmax else None
         if n == 0 or v == 0:
             return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, sum_z, argmax)
+        narrow = gathered(weight, bias, local_target, call)  # a small union of the supports' ids
+        if narrow is not None:
+            st = self.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
+                                    narrow.call)
+            return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows))
         tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
                                                              dev, call)
         kept = None
@@ -394,6 +400,14 @@ class NativeBackend(BudgetParts):
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                  grad_entropy, grad_lse, mean_rel, call: ShardCall, needs: tuple[bool, bool, bool],
                  d_hidden_ready=None, kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
+        narrow = gathered(weight, bias, local_target, call)  # a small union of the supports' ids
+        if narrow is not None:
+            grads = self.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
+                                  log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
+                                  narrow.call, needs, d_hidden_ready, None,
+                                  gathered_accumulators(accumulate, narrow.rows.numel()),
+                                  grad_sum_z)
+            return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
         if call.grid_columns:
             return native_grid.backward_blocks(hidden, weight, bias, local_target, row_max, log_sum,
                                                grad_logp, grad_entropy, grad_lse, mean_rel, call,
