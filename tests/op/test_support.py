@@ -18,7 +18,7 @@ from tplogp import losses
 from tplogp.backends import native, native_support
 from tplogp.backends.kernel_registry import SourceUnavailableError, unavailable_reason
 from tplogp.op.validation import LinearLogpInputError
-from tplogp.testing.reference import reference_support_outputs
+from tplogp.testing.reference import reference_logits, reference_support_outputs, support_mask
 from tplogp.tolerances import assert_no_worse
 
 IGNORE = -100
@@ -176,6 +176,21 @@ def test_gradients_reach_the_support_only(path, monkeypatch):
     assert kept.sum() < V
     assert torch.all(w.grad[~kept] == 0) and torch.all(b.grad[~kept] == 0)
     assert w.grad[kept].abs().sum() > 0
+    assert any(seen) == (path == "gather") and seen, seen
+
+
+def test_argmax_is_over_the_support(path, monkeypatch):
+    """``return_argmax``: the id of the largest logit among each token's support (an ignored
+    token's: 0), in both forms."""
+    seen = _take(path, monkeypatch)
+    hidden, weight, bias, target, support = _problem(seed=12, ignore=True)
+    z = reference_logits(hidden, weight, bias, mode="float64", temperature=0.9)
+    expected = z.masked_fill(~support_mask(support, V), float("-inf")).argmax(-1)
+    expected = torch.where(target == IGNORE, 0, expected)
+    for given in (support, _csr(support)):
+        out = tplogp.linear_logp(hidden, weight, target, bias, temperature=0.9,
+                                 ignore_index=IGNORE, return_argmax=True, support=given)
+        assert torch.equal(out.argmax, expected), (out.argmax, expected)
     assert any(seen) == (path == "gather") and seen, seen
 
 
@@ -338,9 +353,14 @@ def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, monkeyp
     # (CSR: the global vocabulary from the group record, the support's range checked after it)
     ours, leaves = _call(tplogp.linear_logp, problem, given, leaves=leaves, tp_group=tp.group,
                          vocab_start_index=vs.start,
-                         global_vocab_size=V if form == "padded" else None, **kw)
+                         global_vocab_size=V if form == "padded" else None, return_argmax=True,
+                         **kw)
     found = _compare(ours, leaves, problem, support, _upstream((B, L), 21),
                      rows=slice(vs.start, vs.end), **kw)
+    z = reference_logits(hidden, weight, bias, mode="float64", temperature=0.8, softcap=5.0)
+    expected = z.masked_fill(~support_mask(support, V), float("-inf")).argmax(-1)
+    if not torch.equal(ours.argmax, torch.where(target == IGNORE, 0, expected)):
+        found.append(f"argmax {ours.argmax.tolist()} != {expected.tolist()}")
     tp.assert_all(not found, "; ".join(found))
     _assert_path_taken(tp, path, seen)
 
