@@ -94,7 +94,7 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and (bias is None or isinstance(bias, torch.Tensor))
             and is_int(vocab_start_index)
             and (global_vocab_size is None or is_int(global_vocab_size))
-            and crosses_schema(options, op))
+            and crosses_schema(options, op) and options.support is None)
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -196,6 +196,7 @@ def linear_logp(
     workspace_bytes: Optional[int] = None,
     sequence_parallel: bool = False,
     hidden_grad: str = "reduced",
+    support=None,
 ) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
 
@@ -254,6 +255,14 @@ def linear_logp(
             ``"partial"``: each rank's ``hidden.grad`` is its vocab shard's share, not summed (no
             collective), for callers that sum it themselves (the backward of their own gather). Not
             with ``sequence_parallel``.
+        support: the sampler's kept ids per token, as GLOBAL vocabulary ids: an integer tensor of
+            shape ``target_ids.shape + (K,)`` (``-1`` for none, any order) or a CSR pair
+            ``(offsets [N + 1], ids)`` over the flattened tokens. logp, entropy and lse are then
+            those of the distribution renormalized over each token's ids, and the gradients reach
+            their logits only; each token's support must hold its target once (a token whose target
+            is ``ignore_index`` needs none). Runs on the native source (triton / sm90 refuse it),
+            eagerly; not with ``deterministic="tp_invariant"`` (docs/operator.md, "Sampler's
+            support").
 
     Returns:
         float32 logp with target_ids' shape; with ``return_entropy``, ``return_lse`` and/or
@@ -270,7 +279,7 @@ def linear_logp(
                             return_lse=return_lse, ignore_index=ignore_index,
                             deterministic=deterministic, workspace_bytes=workspace_bytes,
                             sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
-                            softcap=softcap, return_argmax=return_argmax))
+                            softcap=softcap, return_argmax=return_argmax, support=support))
 
 
 @functools.lru_cache(maxsize=None)
@@ -353,6 +362,7 @@ def linear_logp_loss(
     hidden_grad: str = "reduced",
     cu_seqlens: Optional[torch.Tensor] = None,
     return_metrics: bool = False,
+    support=None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the
     gradients computed in the forward chunk by chunk (see :mod:`tplogp.fused_loss.loop`).
@@ -386,6 +396,8 @@ def linear_logp_loss(
     ``return_metrics=True`` (such losses only) returns ``(loss, metrics)``: a dict of 0-d fp32
     tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the
     counted positions, the same on every rank (docs/operator.md, "GRPO-family losses").
+    ``support``: the sampler's kept ids per token, as in :func:`linear_logp` (logp and entropy
+    renormalized over them; not with label smoothing).
     """
     if isinstance(per_token, (tuple, list)):  # (else: the checks' error)
         per_token = tuple(per_token)
@@ -393,7 +405,7 @@ def linear_logp_loss(
                    softcap=softcap, ignore_index=ignore_index, deterministic=deterministic,
                    workspace_bytes=workspace_bytes, with_entropy=with_entropy,
                    sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
-                   cu_seqlens=cu_seqlens, return_metrics=return_metrics)
+                   cu_seqlens=cu_seqlens, return_metrics=return_metrics, support=support)
     source = None if source in AUTOMATIC else source
     return _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                       global_vocab_size, options)
@@ -401,7 +413,8 @@ def linear_logp_loss(
 
 # linear_logp_loss's options and their defaults (linear_logp_loss_entry takes them by name)
 _LOSS_OPTIONS = dict(per_token=(), reduction="sum", with_entropy=True, cu_seqlens=None,
-                     return_metrics=False, **{name: DEFAULTS[name] for name in names_of(LOSS_OP)})
+                     return_metrics=False, support=None,
+                     **{name: DEFAULTS[name] for name in names_of(LOSS_OP)})
 
 
 def linear_logp_loss_entry(entry: EntryCheck, hidden, weight, target_ids, bias=None, *, loss,
@@ -446,7 +459,8 @@ def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, gl
     calls run eagerly (:func:`_eager_loss`): a callable loss, a GRPO-family loss (its sequences and
     metrics), DTensors."""
     return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
-            and options["cu_seqlens"] is None and options["return_metrics"] is False
+            and options["cu_seqlens"] is None and options["support"] is None
+            and options["return_metrics"] is False
             and isinstance(options["per_token"], tuple)
             and all(isinstance(t, torch.Tensor) for t in options["per_token"])
             and isinstance(options["reduction"], str)

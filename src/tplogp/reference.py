@@ -2,7 +2,7 @@
 
 from .testing.reference import (
     ReferenceMode, REFERENCE_MODES, ReferenceOutputs, reference_logits, reference_outputs,
-    reference_linear_logp,
+    reference_linear_logp, reference_support_outputs, support_mask,
 )
 
 __all__ = [
@@ -12,4 +12,6 @@ __all__ = [
     "reference_logits",
     "reference_outputs",
     "reference_linear_logp",
+    "reference_support_outputs",
+    "support_mask",
 ]

@@ -36,6 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.support.comm", "tplogp.support.invariant", "tplogp.support.sequences"),
     # the options, declared once (their schema types, defaults, docs and checks)
     ("tplogp.op.options",),
+    # the sampler's support of a call: its two forms made one, its checks, a shard's ids
+    ("tplogp.op.support_ids",),
     # argument and layout validation; what the target checks read of the targets
     ("tplogp.op.validation",),
     # the group record exchange, then the deferred target verdicts (with the kernel-run target

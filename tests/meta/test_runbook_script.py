@@ -151,3 +151,38 @@ def test_help_shows_every_flag_with_its_default():
             help_text = parser._get_formatter()._get_help_string(action)
             assert "default" in help_text, action.option_strings
             assert action.option_strings[0] in text
+
+
+@pytest.mark.tp(world_size=2, timeout=120)
+def test_support_k_correctness_phase_on_two_ranks(tp):
+    """``--support-k K``: a random support of K ids per token (its target among them) passed as
+    ``support=``, the reference renormalized over it; the header names it and the support's lse is
+    one more check line, in the other lines' format, all passing (the phase in-process on the
+    plugin's ranks: no torchrun)."""
+    import contextlib
+    import io
+
+    from tplogp import get_op
+    from tplogp.runbook.correctness import correctness
+
+    args = parse_args([*SMALL, "--vocab-size", "61", "--uneven-shards", "--entropy",
+                       "--ignore-fraction", "0.25", "--support-k", "5"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ok = correctness(args, tp.rank, tp.world_size, torch.device("cpu"), "gloo",
+                         get_op("linear_logp"))
+    text = printed.getvalue()
+    lines_ok = tp.rank != 0 or (
+        "  support_k=5\n" in text
+        and all(re.search(rf"  PASS {metric}: max_abs=\S+, max_rel=\S+\n", text)
+                for metric in ("output", "entropy", "hidden_grad", "weight_grad", "bias_grad",
+                               "support_lse")))
+    tp.assert_all(ok and lines_ok, text)
+
+
+def test_support_k_is_at_most_the_vocabulary():
+    with pytest.raises(UsageError, match=r"^argument --support-k: must be at most --vocab-size 64, "
+                                         r"got 65$"):
+        parse_args([*SMALL, "--support-k", "65"])
+    with pytest.raises(UsageError, match="^argument --support-k: must be a positive int, got 0"):
+        parse_args(["--support-k", "0"])

@@ -231,6 +231,17 @@ class ShardCall:
     # ShardCall, tplogp.op.plan): everything of a launch but its tensors, made at a layout's first
     # call (not compared, not hashed)
     programs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
+    # the sampler's support of the call's rows (docs/operator.md, "Sampler's support"): int64
+    # [rows, K], this shard's ids shard-local, -1 elsewhere; the logits outside a row's ids are
+    # -inf (the masked-vocabulary rule). Set per call (tplogp.op.local_call), sliced with the rows
+    # (:meth:`for_rows`); a source that cannot mask names it in ``missing_features``
+    support: Optional[torch.Tensor] = field(default=None, compare=False, hash=False, repr=False)
+
+    def for_rows(self, t0: int, t1: int) -> "ShardCall":
+        """This call for its rows ``[t0, t1)`` (a chunk): the support sliced with them."""
+        if self.support is None or (t0 == 0 and t1 == self.support.shape[0]):
+            return self
+        return replace(self, support=self.support[t0:t1])
 
     @functools.cached_property
     def kernel_options(self) -> "KernelOptions":

@@ -6,8 +6,10 @@ device on each call: ``sm90`` on Hopper, then ``triton`` on CUDA, then ``native`
 logged once per device on the ``tplogp`` logger. An explicitly requested source that cannot run
 raises :class:`SourceUnavailableError` with the backend's own reason. A source may also refuse one
 case on a device where it otherwise runs (``unsupported_reason(device, dtype)``: for example no tile
-configuration of the fused kernels fits the device's shared memory for that element size); automatic
-selection then takes the next source, an explicit request raises with that reason. Backends are
+configuration of the fused kernels fits the device's shared memory for that element size), or a
+feature of the call (``missing_features``: ``{feature: reason}``, e.g. ``"support"`` for a call with
+``support=``); automatic selection then takes the next source, an explicit request raises with that
+reason. Backends are
 imported lazily, so importing tplogp does no device work and does not need Triton.
 """
 
@@ -86,9 +88,11 @@ def _default_device() -> torch.device:
 
 
 def unavailable_reason(source: str, device: Optional[torch.device] = None,
-                       dtype: Optional[torch.dtype] = None) -> Optional[str]:
+                       dtype: Optional[torch.dtype] = None,
+                       features: tuple[str, ...] = ()) -> Optional[str]:
     """None if ``source`` can run on ``device`` (default: current CUDA device, else CPU) and, when
-    ``dtype`` is given, with inputs of that dtype; else why not."""
+    ``dtype`` is given, with inputs of that dtype, and a call with ``features`` (``"support"``);
+    else why not."""
     backend = get_backend(source)
     device = device if device is not None else _default_device()
     why = backend.unavailable_reason(device)
@@ -96,6 +100,10 @@ def unavailable_reason(source: str, device: Optional[torch.device] = None,
         # optional: sources that refuse no case lack it
         refuse = getattr(backend, "unsupported_reason", None)
         why = refuse(device, dtype) if refuse is not None else None
+    missing = getattr(backend, "missing_features", {})
+    for feature in features if why is None else ():
+        if feature in missing:
+            return missing[feature]
     return why
 
 
@@ -110,17 +118,18 @@ def source_status(op: str = "linear_logp", device: Optional[torch.device] = None
 _logged_choice: set = set()
 
 
-def select_source(device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
-    """Automatic choice for ``device`` (and inputs of ``dtype``): sm90 on Hopper, then triton on
-    CUDA, then native."""
+def select_source(device: torch.device, dtype: Optional[torch.dtype] = None,
+                  features: tuple[str, ...] = ()) -> str:
+    """Automatic choice for ``device`` (and inputs of ``dtype``, a call with ``features``): sm90 on
+    Hopper, then triton on CUDA, then native."""
     reasons = {}
     for source in PRIORITY:
         if source != "native" and device.type != "cuda":
             reasons[source] = "automatic selection uses fused sources on CUDA devices only"
             continue
-        why = unavailable_reason(source, device, dtype)
+        why = unavailable_reason(source, device, dtype, features)
         if why is None:
-            key = (str(device), source, dtype)
+            key = (str(device), source, dtype, features)
             if key not in _logged_choice:
                 _logged_choice.add(key)
                 skipped = "; ".join(f"{s}: {r}" for s, r in reasons.items())
@@ -134,8 +143,9 @@ def select_source(device: torch.device, dtype: Optional[torch.dtype] = None) -> 
 
 
 def require_source(source: str, device: Optional[torch.device],
-                   dtype: Optional[torch.dtype] = None) -> ShardBackend:
-    why = unavailable_reason(source, device, dtype)
+                   dtype: Optional[torch.dtype] = None,
+                   features: tuple[str, ...] = ()) -> ShardBackend:
+    why = unavailable_reason(source, device, dtype, features)
     if why is not None:
         raise SourceUnavailableError(f"{_KERNEL_NAMES[source]} is unavailable: {why}")
     return get_backend(source)
@@ -147,8 +157,10 @@ _resolved_elsewhere: dict = {}
 
 def backend_for_call(source: Optional[str], device: torch.device,
                      dtype: Optional[torch.dtype] = None,
-                     interpret: Optional[bool] = None) -> ShardBackend:
-    """Resolve the backend that runs one call on ``device`` with inputs of ``dtype``.
+                     interpret: Optional[bool] = None,
+                     features: tuple[str, ...] = ()) -> ShardBackend:
+    """Resolve the backend that runs one call on ``device`` with inputs of ``dtype`` (and
+    ``features``: ``("support",)`` for a call with ``support=``).
 
     The answer is remembered: on CUDA devices per (source, device index, dtype), since what decides
     it (installed modules, the device's compute capability and shared memory) does not change within
@@ -157,20 +169,20 @@ def backend_for_call(source: Optional[str], device: torch.device,
     would cost host time on every call. Failures are not remembered (they raise each time)."""
     if device.type == "cuda":
         key = (source, device.index if device.index is not None else torch.cuda.current_device(),
-               dtype)
+               dtype, features)
         found = _resolved_on_cuda
     else:
         key = (source, device.type, dtype,
-               settings.triton_interpret() if interpret is None else interpret)
+               settings.triton_interpret() if interpret is None else interpret, features)
         found = _resolved_elsewhere
     backend = found.get(key)
     if backend is None:
-        backend = found[key] = _resolve(source, device, dtype)
+        backend = found[key] = _resolve(source, device, dtype, features)
     return backend
 
 
-def _resolve(source: Optional[str], device: torch.device,
-             dtype: Optional[torch.dtype]) -> ShardBackend:
+def _resolve(source: Optional[str], device: torch.device, dtype: Optional[torch.dtype],
+             features: tuple[str, ...] = ()) -> ShardBackend:
     if source is None:
-        return get_backend(select_source(device, dtype))
-    return require_source(source, device, dtype)
+        return get_backend(select_source(device, dtype, features))
+    return require_source(source, device, dtype, features)

@@ -45,6 +45,8 @@ from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
+from .native_support import (gathered, gathered_accumulators, kept_columns, scattered_argmax,
+                             scattered_grads, support_rows)
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
                            _recomputed_dz, _token_chunk, _TokenChunk)
 
@@ -275,10 +277,16 @@ class NativeBackend(BudgetParts):
         argmax = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_argmax else None
         if n == 0 or v == 0:
             return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, sum_z, argmax)
+        narrow = gathered(weight, bias, local_target, call)  # a small union of the supports' ids
+        if narrow is not None:
+            st = self.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
+                                    narrow.call)
+            return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows))
         tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
                                                              dev, call)
         kept = None
-        if call.for_backward and n_kept:  # zeroed: the tiles' padding bytes are defined too
+        support = call.support  # (a support keeps nothing: its backward recomputes)
+        if call.for_backward and n_kept and support is None:  # zeroed: padding bytes defined too
             if kept_out is None:
                 kept = torch.zeros(kept_words, device=dev, dtype=torch.float32)
             else:  # the op's buffer (ShardBackend: ``kept_out``)
@@ -294,6 +302,7 @@ class NativeBackend(BudgetParts):
             if call.deterministic:
                 h = _pad_rows(h, tc)
             lt = local_target[t0:t1]
+            ids = None if support is None else support_rows(support, t0, t1, h.shape[0])
             m = torch.full((h.shape[0],), float("-inf"), device=dev, dtype=torch.float32)
             # running max of tanh(y / softcap): m = _capped(mt) bit for bit
             mt = m.clone() if tanh_scale else None
@@ -308,6 +317,8 @@ class NativeBackend(BudgetParts):
                 tile_tanh_max = [] if mt is not None else None
                 z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1],
                                  call.inv_temperature, softcap=call.softcap, tanh_max=tile_tanh_max)
+                if ids is not None:  # outside the row's support: -inf (masked columns)
+                    z.masked_fill_(~kept_columns(ids, v0, v1), float("-inf"))
                 if mt is not None:
                     mt = torch.maximum(mt, tile_tanh_max[0])
                 rel = lt - v0
@@ -389,6 +400,14 @@ class NativeBackend(BudgetParts):
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                  grad_entropy, grad_lse, mean_rel, call: ShardCall, needs: tuple[bool, bool, bool],
                  d_hidden_ready=None, kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
+        narrow = gathered(weight, bias, local_target, call)  # a small union of the supports' ids
+        if narrow is not None:
+            grads = self.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
+                                  log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
+                                  narrow.call, needs, d_hidden_ready, None,
+                                  gathered_accumulators(accumulate, narrow.rows.numel()),
+                                  grad_sum_z)
+            return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
         if call.grid_columns:
             return native_grid.backward_blocks(hidden, weight, bias, local_target, row_max, log_sum,
                                                grad_logp, grad_entropy, grad_lse, mean_rel, call,
@@ -477,6 +496,9 @@ class NativeBackend(BudgetParts):
                 else:  # recompute the tile
                     dz, slope = _recomputed_dz(ch, w, None if bias is None else bias[v0:v1],
                                                call.inv_temperature, call.softcap)
+                    if call.support is not None:  # p = 0 outside the row's support
+                        ids = support_rows(call.support, t0, t1, ch.h.shape[0])
+                        dz.masked_fill_(~kept_columns(ids, v0, v1), 0.0)
                 dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
                 del slope
                 if d_bias32 is not None:
@@ -505,7 +527,7 @@ def _one_tile(hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> bo
     """Whether the call's plan is one ``[N, V]`` tile that keeps nothing for the backward (and not
     deterministic: that pads token chunks), remembered per (sizes, dtype, device, call,
     ``TPLOGP_WORKSPACE_MB``)."""
-    if call.deterministic:
+    if call.deterministic or call.support is not None:
         return False
     key = (hidden.shape, weight.shape, weight.dtype, hidden.device, call,
            settings.workspace_bytes())

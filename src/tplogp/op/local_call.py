@@ -13,7 +13,7 @@ forward to backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..support import invariant, tensors
 from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import all_gather_flat
+from .support_ids import local_ids
 from .verdicts import BackwardVerdict, KernelTargetCheck
 
 
@@ -52,6 +53,12 @@ class TPContext:
     # the tensor-parallel-invariant level (tplogp.support.invariant): this rank's re-shard onto the
     # grid, or None
     regrid: Optional[invariant.Regrid] = None
+
+    def for_rows(self, t0: int, t1: int) -> "TPContext":
+        """This context for the rows ``[t0, t1)`` of its call (a fused loss's chunk): itself, or
+        with a support a copy whose call holds the chunk's rows of it."""
+        call = self.call.for_rows(t0, t1)
+        return self if call is self.call else replace(self, call=call)
 
 
 def gather_rows(h: torch.Tensor, tpc: TPContext) -> torch.Tensor:
@@ -129,6 +136,7 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
         own_rows, h2 = h2, gathered if gathered is not None else gather_rows(h2, tpc)
 
     keep_idx = ignored = None
+    support = options.support  # (padded [N, K] int64: tplogp.op.plan)
     ignore_index = options.ignore_index
     if ignore_index is not None:
         keep = tgt != ignore_index
@@ -136,6 +144,7 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             keep_idx = keep.nonzero().squeeze(1)  # identical on every rank (targets are replicated)
             h2 = h2.index_select(0, keep_idx)
             tgt = tgt.index_select(0, keep_idx)
+            support = None if support is None else support.index_select(0, keep_idx)
         else:  # in place: the rows' target becomes nobody's (-1 is outside every shard)
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
@@ -152,8 +161,14 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
         start = args.vocab_start_index
         rel = tgt - start if start else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
+    call_for_backward = plan.call_for_backward
+    if support is not None:  # this shard's ids of the support, shard-local, on the call's settings
+        start = 0 if tpc.single else args.vocab_start_index
+        support = local_ids(support, start, w.shape[0])
+        tpc.call = replace(tpc.call, support=support)
+        call_for_backward = replace(call_for_backward, support=support)
     return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored,
-                     plan.call_for_backward, own_rows)
+                     call_for_backward, own_rows)
 
 
 def _regrid(plan, args, v_local: int, vocab: int, ranges) -> invariant.Regrid:

@@ -150,6 +150,11 @@ class LogpOptions:
     # reads it)
     with_sum_z: bool = option(False, "bool", "the per-token sum of the logits (the fused loss's)",
                               ops=())
+    # the sampler's kept ids per token (tplogp.op.support_ids: its forms and checks); such calls run
+    # eagerly (the schemas take no support) and are planned afresh at every call
+    support: Optional[Any] = option(
+        None, "Tensor?", "the sampler's kept ids per token, the distribution renormalized over "
+        'them (eager only; "Sampler\'s support")', ops=(), keyable="({v} is None)")
 
 
 SPECS: dict[str, OptionSpec] = {f.name: f.metadata["spec"] for f in fields(LogpOptions)}

@@ -21,7 +21,7 @@ validation's error. The cache holds at most ``MAX_PLANS`` layouts (it is emptied
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -30,9 +30,10 @@ import torch.distributed as dist
 from ..support import invariant, settings
 from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import collective_device
-from ..backends.kernel_registry import backend_for_call
+from ..backends.kernel_registry import SourceUnavailableError, backend_for_call
+from . import support_ids
 from .options import LogpOptions, keyable
-from .validation import LossCheck, check_layout
+from .validation import LinearLogpInputError, LossCheck, check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
 MAX_PLANS = 256
@@ -222,13 +223,31 @@ class Call(NamedTuple):
 Source = Union[None, str, ShardBackend]
 
 
-def _backend(source: Source, hidden, env: tuple) -> ShardBackend:
+def _backend(source: Source, hidden, env: tuple, features: tuple[str, ...] = ()) -> ShardBackend:
     """The backend of ``source``: a name, None (the registry's choice for the device), or a backend
-    object. ``env``: the call's :func:`tplogp.support.settings.layout_settings`."""
+    object. ``env``: the call's :func:`tplogp.support.settings.layout_settings`; ``features``: what
+    the call asks beyond the plain op (``("support",)``), which a source may not run
+    (:mod:`tplogp.backends.kernel_registry`)."""
     if source is not None and not isinstance(source, str):
+        missing = getattr(source, "missing_features", {})
+        for feature in features:
+            if feature in missing:
+                raise SourceUnavailableError(f"source {source.name!r}: {missing[feature]}")
         return source
     device = hidden.device if isinstance(hidden, torch.Tensor) else torch.device("cpu")
-    return backend_for_call(source, device, getattr(hidden, "dtype", None), env[2])
+    return backend_for_call(source, device, getattr(hidden, "dtype", None), env[2], features)
+
+
+def _checked_support(options: LogpOptions, target_ids: torch.Tensor,
+                     vocab: Optional[int]) -> tuple[LogpOptions, Optional[str], int]:
+    """A call's support in the padded int64 ``[N, K]`` form, and its data checked
+    (:mod:`tplogp.op.support_ids`): ``(options with that support, problem or None, largest id)``."""
+    support = options.support
+    ids, problem = support_ids.padded(support, target_ids.numel())
+    if problem is not None:
+        return options, problem, -1
+    problem, largest = support_ids.data_problem(ids, target_ids, options.ignore_index, vocab)
+    return replace(options, support=ids), problem, largest
 
 
 def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
@@ -258,12 +277,20 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
             group, on every rank).
     """
     env = settings.layout_settings()  # (read once: the plan's key and the registry's question)
-    backend = _backend(source, hidden, env)
+    backend = _backend(source, hidden, env, () if options.support is None else ("support",))
     plan, problem = plan_call(backend, hidden, weight, target_ids, bias, tp_group,
                               vocab_start_index, global_vocab_size, options, builds_graph, env)
+    largest = -1
+    if options.support is not None and problem is None:  # (its data: one host read)
+        options, problem, largest = _checked_support(options, target_ids,
+                                                     global_vocab_size or plan.vocab_size)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                     global_vocab_size, options, builds_graph)
     total, verdict, target_check, ranges = open_call(plan, args, problem, loss_check)
+    # a group's vocabulary, known from its record: every rank reads the same (replicated) support
+    problem = support_ids.past_vocab_problem(largest, total) if largest >= 0 else None
+    if problem is not None:
+        raise LinearLogpInputError(problem)
     if not plan.cached:
         remember(plan, total)
     return Call(plan, args, total, verdict, target_check, ranges)

@@ -25,6 +25,7 @@ import torch
 from ..support import invariant, settings
 from ..support.shards import ShardLayoutError
 from .options import LogpOptions, option_problems
+from .support_ids import form_problem as support_form_problem
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the dtype as it travels in a group record
@@ -113,6 +114,10 @@ def local_problem(
         return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
     if late_problem is not None:
         return late_problem
+    if options.support is not None:
+        problem = _support_problem(options, target_ids)
+        if problem is not None:
+            return problem
     if options.return_argmax and weight.shape[0] > MAX_ARGMAX_VOCAB:
         return (f"return_argmax supports vocab shards of at most {MAX_ARGMAX_VOCAB} rows (a shard's ids travel "
                 f"exactly in its fp32 statistics), got a weight of {weight.shape[0]} rows")
@@ -122,6 +127,19 @@ def local_problem(
                 f"bits, which holds vocabularies below {invariant.MAX_VOCAB}; this one reaches "
                 f"{max(vocab_start_index + weight.shape[0], global_vocab_size or 0)}: use deterministic=True")
     return None
+
+
+def _support_problem(options: LogpOptions, target_ids: torch.Tensor) -> Optional[str]:
+    """What a call with ``support=`` cannot be (its form: :mod:`tplogp.op.support_ids`), or
+    None."""
+    if options.deterministic == invariant.LEVEL:
+        return (f"deterministic={invariant.LEVEL!r} is not implemented with support= (its grid "
+                f"blocks do not mask per token): use deterministic=True, which is bitwise "
+                f"reproducible for one TP degree")
+    if options.with_sum_z:
+        return ("label smoothing reads the sum of the logits over the whole vocabulary, which a "
+                "call with support= does not compute: drop label_smoothing or support=")
+    return support_form_problem(options.support, target_ids)
 
 
 def sequence_parallel_problem(hidden: torch.Tensor, target_ids: torch.Tensor, hidden_grad: str,

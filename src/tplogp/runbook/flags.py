@@ -116,6 +116,10 @@ def build_parser(description: str = "", epilog: str = "",
     add("--timeout-s", type=positive_finite, default=300.0, help="process-group timeout in seconds")
     add("--deterministic", choices=sorted(DETERMINISTIC), default="off",
         help="the op's deterministic option: off, on (True) or tp_invariant (the same bits at every TP degree)")
+    add("--support-k", type=positive_int, default=None,
+        help="correctness phase: a random sampler's support of K ids per token that holds its "
+             "target (support=), the reference renormalized over it; also checks the support's "
+             "lse (default: off)")
     add("--tp-invariance", action=argparse.BooleanOptionalAction, default=None,
         help="correctness phase: also run the whole vocabulary in-process without a group (TP=1) and check that "
              "logp (entropy) and this rank's weight / bias gradient rows are bitwise equal to it "
@@ -137,6 +141,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", epil
         if vocab < world:
             raise UsageError(f"argument {flag}: must be at least the world size {world} (one id per rank), "
                              f"got {vocab}")
+    if args.support_k is not None and args.support_k > args.vocab_size:
+        raise UsageError(f"argument --support-k: must be at most --vocab-size {args.vocab_size}, "
+                         f"got {args.support_k}")
     if args.tp_invariance is None:
         args.tp_invariance = args.deterministic == "tp_invariant"
     tol = RUNBOOK_TOLERANCES[DTYPES[args.dtype]]

@@ -20,6 +20,20 @@ def make_targets(gen: torch.Generator, tokens: int, vocab: int, ignore_fraction:
     return tgt.to(device)
 
 
+def make_support(gen: torch.Generator, target: torch.Tensor, vocab: int, k: int) -> torch.Tensor:
+    """A sampler's support per token: ``[T, k]`` distinct global ids, the target among them, in a
+    random order (an ignored token's row: ``-1``), on the targets' device."""
+    tokens = target.shape[0]
+    scores = torch.rand(tokens, vocab, generator=gen)
+    tgt = target.cpu()
+    kept = tgt != IGNORE_INDEX
+    rows = torch.arange(tokens)[kept]
+    scores[rows, tgt[kept]] = 2.0  # (the target is always among the k largest)
+    ids = scores.topk(k, dim=1).indices
+    ids = ids.gather(1, torch.rand(tokens, k, generator=gen).argsort(dim=1))
+    return torch.where(kept.unsqueeze(1), ids, -1).to(target.device)
+
+
 def op_kwargs(args: argparse.Namespace, start: int, vocab: int, group=True) -> dict:
     """The op's keyword arguments for the shard starting at ``start`` (``group=False``: the whole
     vocabulary without a group, TP=1)."""
@@ -35,6 +49,8 @@ def op_kwargs(args: argparse.Namespace, start: int, vocab: int, group=True) -> d
         kw["ignore_index"] = IGNORE_INDEX
     if args.sequence_parallel:
         kw["sequence_parallel"] = True
+    if args.support_k is not None:
+        kw["return_lse"] = True
     return kw
 
 

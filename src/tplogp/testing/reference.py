@@ -97,3 +97,46 @@ def reference_linear_logp(
     return reference_outputs(
         hidden, weight, target_ids, bias, mode=mode, temperature=temperature,
         ignore_index=ignore_index, softcap=softcap).logp
+
+
+def support_mask(support: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[..., V]`` bool of a padded support (``[..., K]`` global ids, ``-1`` for none): whether
+    column ``v`` is one of the row's ids."""
+    ids = support.long()
+    ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
+    mask = torch.zeros(*ids.shape[:-1], vocab + 1, dtype=torch.bool, device=ids.device)
+    return mask.scatter_(-1, ids, True)[..., :vocab]
+
+
+def reference_support_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    support: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    mode: ReferenceMode = "fp32",
+    temperature: float = 1.0,
+    ignore_index: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> ReferenceOutputs:
+    """logp, entropy and lse per token of the distribution renormalized over the sampler's support
+    ``S_t`` (padded ``[..., K]`` global ids, ``-1`` for none), from the definition: with ``z`` the
+    logits (:func:`reference_logits`), ``lse = logsumexp_{v in S_t} z_v``, ``logp = z_y - lse``,
+    entropy ``-sum_{v in S_t} p_v log p_v`` with ``p = exp(z - lse)`` on ``S_t``, 0 elsewhere.
+    Differentiable: the gradients reach the support's logits only. Ignored positions give 0 logp
+    and 0 entropy (their lse is that of the whole vocabulary: they need no support)."""
+    logits = reference_logits(hidden, weight, bias, mode=mode, temperature=temperature,
+                              softcap=softcap)
+    tgt = target_ids.long()
+    keep = torch.ones_like(tgt, dtype=torch.bool) if ignore_index is None else tgt != ignore_index
+    mask = support_mask(support, logits.shape[-1]) | ~keep.unsqueeze(-1)
+    masked = logits.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(masked, dim=-1)
+    logprobs = torch.where(mask, masked - lse.unsqueeze(-1), torch.zeros((), dtype=logits.dtype))
+    p = torch.where(mask, logprobs.exp(), torch.zeros((), dtype=logits.dtype))
+    safe = torch.where(keep, tgt, torch.zeros_like(tgt))
+    logp = logprobs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    entropy = -(p * logprobs).sum(-1)
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    return ReferenceOutputs(torch.where(keep, logp, zero), torch.where(keep, entropy, zero), lse)

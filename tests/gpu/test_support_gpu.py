@@ -1,0 +1,132 @@
+"""The sampler's support (``support=``, docs/operator.md, "Sampler's support") on a CUDA GPU: the
+registry's automatic choice runs such calls on the native source where the fused sources are
+available (they report the feature missing; an explicit request raises), and its outputs and
+gradients match the float64 definition (``tplogp.testing.reference.reference_support_outputs``)
+within the same-dtype PyTorch reference's error, in bf16 and fp32, with temperature and softcap, in
+one process and over ranks through the plugin (uneven shards).
+
+Run on a GPU machine: ``python -m pytest tests/gpu/test_support_gpu.py -m gpu`` (``-n 4`` for the
+TP tests on one GPU, or ``-n 1`` on 4 GPUs: NCCL).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tplogp
+from tplogp.backends import native_support
+from tplogp.backends.kernel_registry import (SourceUnavailableError, backend_for_call,
+                                             unavailable_reason)
+from tplogp.testing.reference import reference_support_outputs
+from tplogp.tolerances import assert_no_worse
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+N, D, V, K = 300, 256, 5003, 64
+TP_V = 1031
+OPTIONS = {"plain": dict(), "temperature-softcap": dict(temperature=0.7, softcap=30.0)}
+
+
+def _problem(n: int, vocab: int, seed: int, device, dtype):
+    """hidden, weight, bias, targets and a padded support of 1 to K distinct ids per token, its
+    target among them, ``-1`` padding (every fourth token: its target alone)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, D, generator=g)
+    weight = torch.randn(vocab, D, generator=g) / D ** 0.5 * 3
+    bias = torch.randn(vocab, generator=g) * 0.2
+    target = torch.randint(0, vocab, (n,), generator=g)
+    scores = torch.rand(n, vocab, generator=g)
+    scores[torch.arange(n), target] = 2.0
+    support = scores.topk(K, dim=1).indices
+    support = support.gather(1, torch.rand(n, K, generator=g).argsort(dim=1))
+    sizes = torch.randint(1, K + 1, (n,), generator=g)
+    sizes[::4] = 1
+    ranked = (scores.gather(1, support).argsort(1, descending=True).argsort(1))
+    support = torch.where(ranked < sizes.unsqueeze(1), support, -1)  # the target ranks first
+    to = dict(device=device)
+    return (hidden.to(**to, dtype=dtype), weight.to(**to, dtype=dtype),
+            bias.to(**to, dtype=dtype), target.to(**to), support.to(**to))
+
+
+def _check(outputs, leaves, problem, dtype, rows=slice(None), **kw):
+    """Three-way checks of logp, entropy, lse and the gradients of ``sum(logp + 0.5 entropy +
+    0.25 lse)`` (``rows``: this rank's of d_W and d_b); the problems found."""
+    hidden, weight, bias, target, support = problem
+    found, results = [], {}
+    for ref_dtype in (torch.float64, dtype):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        mode = ("float64" if ref_dtype == torch.float64 else
+                "fp32" if dtype == torch.float32 else "matching")
+        ref = reference_support_outputs(h, w, target, support, b, mode=mode, **kw)
+        (ref.logp.sum() + 0.5 * ref.entropy.sum() + 0.25 * ref.lse.sum()).backward()
+        results[ref_dtype] = ((ref.logp, ref.entropy, ref.lse), (h.grad, w.grad[rows],
+                                                                 b.grad[rows]))
+    logp, entropy, lse = outputs
+    (logp.sum() + 0.5 * entropy.sum() + 0.25 * lse.sum()).backward()
+    ours = ((logp, entropy, lse), tuple(t.grad for t in leaves))
+    for part in (0, 1):
+        names = ("logp", "entropy", "lse") if part == 0 else ("d_hidden", "d_weight", "d_bias")
+        for name, a, r, t in zip(names, ours[part], results[dtype][part],
+                                 results[torch.float64][part]):
+            try:
+                assert_no_worse(name, a.detach().float(), r.detach().float(), t.detach(), dtype)
+            except AssertionError as exc:
+                found.append(str(exc))
+    return found
+
+
+@pytest.mark.parametrize("path", ["mask", "gather"])
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_support_on_the_registry_choice(dtype, options, path, monkeypatch):
+    """The automatic choice with a support is native (the fused sources, where they run here,
+    report the feature missing), and its outputs and gradients match the definition, on both of
+    its ways (masked tiles; the gathered rows of the supports' union)."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", -1.0 if path == "mask" else 1.0)
+    dt = DTYPES[dtype]
+    device = torch.device("cuda")
+    assert backend_for_call(None, device, dt, features=("support",)).name == "native"
+    problem = _problem(N, V, seed=1, device=device, dtype=dt)
+    hidden, weight, bias, target, support = problem
+    leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
+    kw = OPTIONS[options]
+    out = tplogp.linear_logp(leaves[0], leaves[1], target, leaves[2], return_entropy=True,
+                             return_lse=True, support=support, **kw)
+    found = _check(tuple(out), leaves, problem, dt, **kw)
+    assert not found, "; ".join(found)
+
+
+@pytest.mark.parametrize("source", ["triton", "sm90"])
+def test_fused_sources_refuse_a_support(source):
+    device = torch.device("cuda")
+    if unavailable_reason(source, device, torch.bfloat16) is not None:
+        pytest.skip(unavailable_reason(source, device, torch.bfloat16))
+    hidden, weight, bias, target, support = _problem(8, 97, seed=2, device=device,
+                                                     dtype=torch.bfloat16)
+    with pytest.raises(SourceUnavailableError, match="renormalize over a sampler's support"):
+        tplogp.get_op(source=source)(hidden, weight, target, bias, support=support)
+
+
+@pytest.fixture
+def vocab_shards_size() -> int:
+    return TP_V
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=600)
+def test_tp_support_gpu(tp, vocab_shards):
+    """Over the ranks (bf16, uneven shards; ids global): outputs and this rank's gradient rows as
+    the definition's."""
+    vs = vocab_shards
+    problem = _problem(64, TP_V, seed=3, device=tp.device, dtype=torch.bfloat16)
+    hidden, weight, bias, target, support = problem
+    leaves = (hidden.clone().requires_grad_(), vs.shard(weight).clone().requires_grad_(),
+              vs.shard(bias).clone().requires_grad_())
+    out = tplogp.linear_logp(leaves[0], leaves[1], target, leaves[2], tp_group=tp.group,
+                             vocab_start_index=vs.start, global_vocab_size=TP_V,
+                             return_entropy=True, return_lse=True, support=support,
+                             temperature=0.8)
+    found = _check(tuple(out), leaves, problem, torch.bfloat16, rows=slice(vs.start, vs.end),
+                   temperature=0.8)
+    tp.assert_all(not found, "; ".join(found))

@@ -1,0 +1,470 @@
+"""Log-probs renormalized over the sampler's support (``support=``, docs/operator.md, "Sampler's
+support") against the float64 definition (``tplogp.testing.reference.reference_support_outputs``):
+values and every gradient, padded and CSR supports of different sizes per token, temperature,
+softcap, ignore_index and a tiled budget, on one process and on 2 and 4 uneven gloo ranks; every
+bad support raising the same error on every rank with the group usable after; the fused loss and
+``losses.grpo(...)`` with a support; the registry's answer for the fused sources."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import tplogp
+from tests.support import grpo_reference
+from tplogp import losses
+from tplogp.backends import native, native_support
+from tplogp.backends.kernel_registry import SourceUnavailableError, unavailable_reason
+from tplogp.op.validation import LinearLogpInputError
+from tplogp.testing.reference import reference_logits, reference_support_outputs, support_mask
+from tplogp.tolerances import assert_no_worse
+
+IGNORE = -100
+B, L, D, V, K = 2, 5, 16, 61, 6  # V prime: uneven shards
+OPTIONS = {
+    "plain": dict(),
+    "temperature-softcap": dict(temperature=0.7, softcap=4.0),
+    "ignore-tiled": dict(ignore_index=IGNORE, workspace_bytes=4096),  # tiles of a few columns
+    "deterministic": dict(deterministic=True, temperature=1.3),
+}
+
+
+# the native source's two ways: every tile masked, or the gathered rows of the supports' union
+PATHS = {"mask": -1.0, "gather": 1.0}  # (-1: never, even an empty union)
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request) -> str:
+    """Runs the test on each of the native source's two ways (set by :func:`_take`, in the body:
+    on a TP test's ranks)."""
+    return request.param
+
+
+def _take(path: str, monkeypatch) -> list[bool]:
+    """The native source's way ``path`` for this test (``GATHER_FRACTION``); the list it returns
+    gets, per forward or backward of the source, whether it ran on gathered rows."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS[path])
+    real, seen = native.gathered, []
+
+    def gathered(*args):
+        narrow = real(*args)
+        seen.append(narrow is not None)
+        return narrow
+
+    monkeypatch.setattr(native, "gathered", gathered)
+    return seen
+
+
+def _problem(seed: int, vocab: int = V, ignore: bool = False, length: int = L):
+    """hidden ``[B, L, D]``, weight, bias, targets ``[B, L]`` and a padded support ``[B, L, K]``:
+    per token 1 to K distinct ids holding the target, in random order, ``-1`` padding scattered
+    among them (token 0 keeps only its target; one token keeps K); ``ignore``: two ignored tokens,
+    whose rows hold only ``-1``."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, length, D, generator=g)
+    weight = torch.randn(vocab, D, generator=g) / D ** 0.5 * 2
+    bias = torch.randn(vocab, generator=g) * 0.3
+    target = torch.randint(0, vocab, (B, length), generator=g)
+    support = torch.full((B * length, K), -1, dtype=torch.int64)
+    for t, y in enumerate(target.reshape(-1).tolist()):
+        size = 1 if t == 0 else K if t == 3 else int(torch.randint(2, K, (), generator=g))
+        others = [v for v in torch.randperm(vocab, generator=g).tolist() if v != y][: size - 1]
+        slots = torch.randperm(K, generator=g)[:size].tolist()
+        for slot, v in zip(slots, [y, *others]):
+            support[t, slot] = v
+    if ignore:
+        target[0, 2] = target[1, length - 1] = IGNORE
+        support[2] = support[B * length - 1] = -1
+    return hidden, weight, bias, target, support.reshape(B, length, K)
+
+
+def _csr(support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The padded support as ``(offsets, ids)`` over the flattened tokens (in the rows' order)."""
+    rows = support.reshape(-1, support.shape[-1])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), (rows >= 0).sum(1).cumsum(0)])
+    return offsets, rows[rows >= 0]
+
+
+def _grads_of(outputs, leaves, weights):
+    """The gradients of ``sum(g_logp logp + g_entropy entropy + g_lse lse)`` for the leaves."""
+    total = sum((o.to(weights[0].dtype) * w).sum() for o, w in zip(outputs, weights))
+    return torch.autograd.grad(total, [x for x in leaves if x is not None])
+
+
+def _upstream(shape, seed: int) -> list[torch.Tensor]:
+    """Upstream gradients of logp, entropy and lse (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def _reference(problem, support, dtype, **kw):
+    """``(logp, entropy, lse), (d_hidden, d_weight, d_bias)`` of the definition in ``dtype``."""
+    hidden, weight, bias, target, _ = problem
+    h, w, b = (t.to(dtype).clone().requires_grad_() for t in (hidden, weight, bias))
+    ref_kw = {k: v for k, v in kw.items() if k in ("temperature", "softcap", "ignore_index")}
+    out = reference_support_outputs(h, w, target, support, b,
+                                    mode="float64" if dtype == torch.float64 else "fp32", **ref_kw)
+    keep = (target != IGNORE).to(dtype)
+    lse = out.lse * keep  # (an ignored token's lse: not compared)
+    return (out.logp, out.entropy, lse), (h, w, b)
+
+
+def _compare(ours, ours_leaves, problem, support, upstream, rows=slice(None), **kw):
+    """Three-way checks of the outputs and the gradients (``rows``: this rank's of d_W and d_b)."""
+    target = problem[3]
+    keep = (target != IGNORE).float()
+    found = []
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        outs, leaves = _reference(problem, support, dtype, **kw)
+        grads = _grads_of(outs, leaves, [u.to(dtype) * keep.to(dtype) for u in upstream])
+        results[dtype] = ([o.detach() for o in outs], grads)
+    (truth, t_grads), (ref, r_grads) = results[torch.float64], results[torch.float32]
+    mine = [ours.logp, ours.entropy, ours.lse * keep]
+    my_grads = _grads_of(mine, ours_leaves, [u.float() * keep for u in upstream])
+    for name, a, r, t in zip(("logp", "entropy", "lse"), mine, ref, truth):
+        try:
+            assert_no_worse(name, a.detach(), r, t, torch.float32)
+        except AssertionError as exc:
+            found.append(str(exc))
+    for name, a, r, t in zip(("d_hidden", "d_weight", "d_bias"), my_grads, r_grads, t_grads):
+        if name != "d_hidden":
+            r, t = r[rows], t[rows]
+        try:
+            assert_no_worse(name, a, r, t, torch.float32)
+        except AssertionError as exc:
+            found.append(str(exc))
+    return found
+
+
+def _call(op, problem, support, leaves=None, **kw):
+    hidden, weight, bias, target, _ = problem
+    h, w, b = leaves or (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    out = op(h, w, target, b, return_entropy=True, return_lse=True, support=support, **kw)
+    return out, (h, w, b)
+
+
+@pytest.mark.parametrize("form", ["padded", "csr"])
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_support_matches_the_definition(form, options, path, monkeypatch):
+    """logp, entropy, lse and the gradients of hidden, weight and bias as the float64 definition's
+    (within the fp32 reference's error), for ragged supports in both forms."""
+    seen = _take(path, monkeypatch)
+    kw = OPTIONS[options]
+    problem = _problem(seed=3, ignore="ignore_index" in kw)
+    support = problem[4]
+    given = support if form == "padded" else _csr(support)
+    ours, leaves = _call(tplogp.linear_logp, problem, given, **kw)
+    found = _compare(ours, leaves, problem, support, _upstream((B, L), 4), **kw)
+    assert not found, "; ".join(found)
+    # a token whose support is its target alone: logp 0 and entropy 0 exactly
+    assert ours.logp[0, 0].item() == 0.0 and ours.entropy[0, 0].item() == 0.0
+    assert any(seen) == (path == "gather" and "deterministic" not in kw) and seen, seen
+
+
+def test_gradients_reach_the_support_only(path, monkeypatch):
+    """d_W and d_b are 0 on every row no token keeps (and no target is)."""
+    seen = _take(path, monkeypatch)
+    problem = _problem(seed=5)
+    support = problem[4]
+    ours, (h, w, b) = _call(tplogp.linear_logp, problem, support)
+    (ours.logp.sum() + ours.entropy.sum()).backward()
+    kept = torch.zeros(V, dtype=torch.bool)
+    kept[support[support >= 0]] = True
+    assert kept.sum() < V
+    assert torch.all(w.grad[~kept] == 0) and torch.all(b.grad[~kept] == 0)
+    assert w.grad[kept].abs().sum() > 0
+    assert any(seen) == (path == "gather") and seen, seen
+
+
+def test_argmax_is_over_the_support(path, monkeypatch):
+    """``return_argmax``: the id of the largest logit among each token's support (an ignored
+    token's: 0), in both forms."""
+    seen = _take(path, monkeypatch)
+    hidden, weight, bias, target, support = _problem(seed=12, ignore=True)
+    z = reference_logits(hidden, weight, bias, mode="float64", temperature=0.9)
+    expected = z.masked_fill(~support_mask(support, V), float("-inf")).argmax(-1)
+    expected = torch.where(target == IGNORE, 0, expected)
+    for given in (support, _csr(support)):
+        out = tplogp.linear_logp(hidden, weight, target, bias, temperature=0.9,
+                                 ignore_index=IGNORE, return_argmax=True, support=given)
+        assert torch.equal(out.argmax, expected), (out.argmax, expected)
+    assert any(seen) == (path == "gather") and seen, seen
+
+
+def test_full_support_is_the_plain_op():
+    """A support of every id gives the plain op's outputs and gradients."""
+    problem = _problem(seed=6)
+    every = torch.arange(V).expand(B, L, V)
+    ours, leaves = _call(tplogp.linear_logp, problem, every)
+    plain, plain_leaves = _call(tplogp.linear_logp, problem, None)
+    for a, p in zip(ours, plain):
+        torch.testing.assert_close(a, p, rtol=1e-6, atol=1e-6)
+    ga = _grads_of(list(ours), leaves, [torch.ones(B, L)] * 3)
+    gp = _grads_of(list(plain), plain_leaves, [torch.ones(B, L)] * 3)
+    for a, p in zip(ga, gp):
+        torch.testing.assert_close(a, p, rtol=1e-5, atol=1e-6)
+
+
+def _bad_cases(problem):
+    """``{case: (support, pattern of the error)}``: every way a support can be wrong."""
+    support, target = problem[4], problem[3]
+    offsets, ids = _csr(support)
+    missing = support.clone()
+    missing[1, 2] = torch.where(missing[1, 2] == target[1, 2], -1, missing[1, 2])
+    twice = support.clone()
+    twice[0, 3, 0], twice[0, 3, 1] = target[0, 3], target[0, 3]
+    past = support.clone()
+    past[1, 0, support[1, 0].tolist().index(-1) if -1 in support[1, 0].tolist() else 0] = V
+    below = support.clone()
+    below[0, 1, support[0, 1].tolist().index(-1)] = -2
+    negative_ids = ids.clone()
+    negative_ids[3] = -1
+    return {
+        "target-missing": (missing, r"token 7's target \d+ is not in its support"),
+        "duplicate": (twice, r"token 3 holds id \d+ more than once"),
+        "past-vocab": (past, r"global vocabulary ids in \[0, 61\).*61"),
+        "below": (below, r"token 1 holds -2"),
+        "csr-negative": ((offsets, negative_ids), r"CSR ids hold -1 at position 3"),
+        "csr-offsets": ((offsets.flip(0), ids), r"CSR offsets must be nondecreasing"),
+        "shape": (support[..., 0], r"shape target_ids.shape \+ \(K,\)"),
+        "dtype": (support.float(), r"must be an integer tensor"),
+    }
+
+
+def test_bad_supports_raise():
+    """Each bad support is a LinearLogpInputError naming the problem; a good call follows."""
+    problem = _problem(seed=7)
+    for case, (support, pattern) in _bad_cases(problem).items():
+        with pytest.raises(LinearLogpInputError, match=pattern):
+            _call(tplogp.linear_logp, problem, support)
+    _call(tplogp.linear_logp, problem, problem[4])
+
+
+def test_tp_invariant_and_label_smoothing_are_refused():
+    problem = _problem(seed=8)
+    with pytest.raises(LinearLogpInputError, match="tp_invariant.*not implemented with support="):
+        _call(tplogp.linear_logp, problem, problem[4], deterministic="tp_invariant")
+    hidden, weight, bias, target, support = problem
+    with pytest.raises(LinearLogpInputError, match="label smoothing.*support="):
+        tplogp.linear_logp_loss(hidden, weight, target, bias, support=support,
+                                loss=losses.cross_entropy(label_smoothing=0.1))
+
+
+def test_fused_sources_say_they_cannot_run_a_support():
+    """The registry's answer: triton and sm90 name the missing feature (an explicit request raises
+    it), native runs the call; a call without support is unaffected."""
+    cpu = torch.device("cpu")
+    for source in ("triton", "sm90"):
+        assert "support=" in tplogp.backends.kernel_registry.get_backend(
+            source).missing_features["support"]
+    assert unavailable_reason("native", cpu, torch.float32, ("support",)) is None
+    if unavailable_reason("triton", cpu, torch.float32) is None:  # (interpreted Triton)
+        assert "support=" in unavailable_reason("triton", cpu, torch.float32, ("support",))
+        problem = _problem(seed=9)
+        with pytest.raises(SourceUnavailableError, match=r"renormalize over a sampler's support"):
+            _call(tplogp.get_op(source="triton"), problem, problem[4])
+
+
+def test_fused_loss_with_support_matches_the_op(path, monkeypatch):
+    """``linear_logp_loss`` with a support (cross-entropy plus an entropy bonus, chunks of 3
+    tokens): the loss and the gradients of the op's eager loss."""
+    seen = _take(path, monkeypatch)
+    problem = _problem(seed=10, ignore=True)
+    hidden, weight, bias, target, support = problem
+    loss = losses.cross_entropy() + losses.entropy_bonus(0.2)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    value = tplogp.linear_logp_loss(h, w, target, b, loss=loss, ignore_index=IGNORE,
+                                    support=_csr(support), workspace_bytes=_chunks_of(3))
+    value.backward()
+    ours, leaves = _call(tplogp.linear_logp, problem, support, ignore_index=IGNORE)
+    keep = target != IGNORE
+    eager = ((-ours.logp - 0.2 * ours.entropy) * keep).sum()
+    grads = torch.autograd.grad(eager, leaves)
+    torch.testing.assert_close(value, eager.detach(), rtol=1e-5, atol=1e-5)
+    for a, e in zip((h.grad, w.grad, b.grad), grads):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
+    assert any(seen) == (path == "gather") and seen, seen
+
+
+def _chunks_of(tokens: int) -> int:
+    """The fused loss's budget for chunks of ``tokens`` tokens (several chunks per call)."""
+    return tplogp.loss_chunk_budget(tokens, D, V, dtype=torch.float32, bias_dtype=torch.float32,
+                                    source="native", device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("case", ["token", "sequence"])
+def test_grpo_with_support_matches_its_definition(monkeypatch, case, path):
+    """``losses.grpo(...)`` through ``linear_logp_loss`` with a support, in chunks of 3 tokens (the
+    sequence-level loss: its two phases): the loss, its metrics and every gradient as the GRPO
+    definition over the renormalized log-probs (float64 truth)."""
+    seen = _take(path, monkeypatch)
+    problem = _problem(seed=11, ignore=True)
+    hidden, weight, bias, target, support = problem
+
+    def logp_of(h, w, b, tgt, temperature, ignore_index, dtype=torch.float64):
+        out = reference_support_outputs(h, w, tgt, support, b, temperature=temperature,
+                                        ignore_index=ignore_index,
+                                        mode="float64" if dtype == torch.float64 else "fp32")
+        return out.logp, out.entropy
+
+    monkeypatch.setattr(grpo_reference, "logp_of", logp_of)
+    loss = losses.grpo(loss_type="grpo", beta=0.04, importance_sampling_level=case)
+    with torch.no_grad():
+        logp, _ = logp_of(hidden, weight, bias, target, 1.0, IGNORE)
+    given = grpo_reference.per_token_inputs(target, logp, 12, 0.3)
+    per_token = [given[name] for name in loss.per_token]
+    truth, reference = (grpo_reference.definition(loss, hidden, weight, bias, target, per_token,
+                                                  ignore_index=IGNORE, dtype=dt)
+                        for dt in (torch.float64, torch.float32))
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    value, metrics = tplogp.linear_logp_loss(h, w, target, b, loss=loss, per_token=per_token,
+                                             ignore_index=IGNORE, return_metrics=True,
+                                             support=support, workspace_bytes=_chunks_of(3))
+    value.backward()
+    grpo_reference.check_three_way((value.detach(), metrics, (h.grad, w.grad, b.grad)),
+                                   reference, truth, "grpo with support")
+    assert any(seen) == (path == "gather") and seen, seen
+
+
+# ---- tensor parallel ---------------------------------------------------------------------------
+
+@pytest.fixture
+def vocab_shards_size() -> int:
+    return V
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+@pytest.mark.parametrize("form", ["padded", "csr"])
+def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, monkeypatch):
+    """Over the ranks (even and uneven shards; ids global, each rank masking the ids it owns):
+    outputs and gradients as the float64 definition's (d_W / d_b: this rank's rows), with
+    temperature, softcap and ignore_index, on the native source (the automatic choice)."""
+    seen = _take(path, monkeypatch)
+    problem = _problem(seed=20, ignore=True)
+    hidden, weight, bias, target, support = problem
+    vs = vocab_shards
+    kw = dict(temperature=0.8, softcap=5.0, ignore_index=IGNORE)
+    leaves = (hidden.clone().requires_grad_(), vs.shard(weight).clone().requires_grad_(),
+              vs.shard(bias).clone().requires_grad_())
+    given = support if form == "padded" else _csr(support)
+    # (CSR: the global vocabulary from the group record, the support's range checked after it)
+    ours, leaves = _call(tplogp.linear_logp, problem, given, leaves=leaves, tp_group=tp.group,
+                         vocab_start_index=vs.start,
+                         global_vocab_size=V if form == "padded" else None, return_argmax=True,
+                         **kw)
+    found = _compare(ours, leaves, problem, support, _upstream((B, L), 21),
+                     rows=slice(vs.start, vs.end), **kw)
+    z = reference_logits(hidden, weight, bias, mode="float64", temperature=0.8, softcap=5.0)
+    expected = z.masked_fill(~support_mask(support, V), float("-inf")).argmax(-1)
+    if not torch.equal(ours.argmax, torch.where(target == IGNORE, 0, expected)):
+        found.append(f"argmax {ours.argmax.tolist()} != {expected.tolist()}")
+    tp.assert_all(not found, "; ".join(found))
+    _assert_path_taken(tp, path, seen)
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+def test_tp_sequence_parallel_support(tp, vocab_shards):
+    """``sequence_parallel=True`` (hidden: this rank's slice of the tokens, the support and the
+    targets of all of them): logp, entropy and this rank's slice of d_hidden as the float64
+    definition's."""
+    problem = _problem(seed=24, ignore=True, length=4)
+    hidden, weight, bias, target, support = problem
+    vs = vocab_shards
+    rows = hidden.reshape(-1, D).chunk(tp.world_size)[tp.rank]
+    h = rows.clone().requires_grad_()
+    w, b = vs.shard(weight), vs.shard(bias)
+    out = tplogp.linear_logp(h, w, target.reshape(-1), b, tp_group=tp.group,
+                             vocab_start_index=vs.start, global_vocab_size=V, return_entropy=True,
+                             ignore_index=IGNORE, sequence_parallel=True,
+                             support=support.reshape(-1, K))
+    (out.logp.sum() + 0.5 * out.entropy.sum()).backward()
+    found = []
+    for dtype in (torch.float64, torch.float32):
+        h_ref = hidden.to(dtype).clone().requires_grad_()
+        ref = reference_support_outputs(h_ref, weight.to(dtype), target, support, bias.to(dtype),
+                                        ignore_index=IGNORE,
+                                        mode="float64" if dtype == torch.float64 else "fp32")
+        (ref.logp.sum() + 0.5 * ref.entropy.sum()).backward()
+        found.append((ref.logp.reshape(-1).detach(), ref.entropy.reshape(-1).detach(),
+                      h_ref.grad.reshape(-1, D).chunk(tp.world_size)[tp.rank]))
+    problems = []
+    for name, a, r, t in zip(("logp", "entropy", "d_hidden"), (out.logp, out.entropy, h.grad),
+                             found[1], found[0]):
+        try:
+            assert_no_worse(name, a.detach(), r, t, torch.float32)
+        except AssertionError as exc:
+            problems.append(str(exc))
+    tp.assert_all(not problems, "; ".join(problems))
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+def test_tp_bad_supports_raise_on_every_rank(tp, vocab_shards):
+    """Each bad support raises the same LinearLogpInputError on every rank (the range check also
+    where the global vocabulary comes from the group record), and a support bad on one rank only
+    raises on all; a good call follows each, so the group is usable."""
+    problem = _problem(seed=22)
+    hidden, weight, bias, target, support = problem
+    vs = vocab_shards
+    w, b = vs.shard(weight), vs.shard(bias)
+    cases = list(_bad_cases(problem).items())
+    one_rank = support.clone()
+    if tp.rank == 1:
+        one_rank[0, 4, :2] = target[0, 4]
+    cases.append(("one-rank", (one_rank, r"more than once")))
+    outcome = []
+    for case, (bad, pattern) in cases:
+        for vocab in (V, None):
+            try:
+                tplogp.linear_logp(hidden, w, target, b, tp_group=tp.group,
+                                   vocab_start_index=vs.start, global_vocab_size=vocab,
+                                   support=bad)
+                outcome.append(f"{case}: no error")
+            except LinearLogpInputError as exc:
+                outcome.append(f"{case}: ok" if re.search(pattern, str(exc)) else f"{case}: {exc}")
+            good = tplogp.linear_logp(hidden, w, target, b, tp_group=tp.group,
+                                      vocab_start_index=vs.start, global_vocab_size=V,
+                                      support=support)
+            if not torch.isfinite(good).all():
+                outcome.append(f"{case}: the next call is not finite")
+    everyone = tp.all_gather_object(outcome)
+    tp.assert_all(all(o == everyone[0] for o in everyone), str(everyone))
+    tp.assert_all(all(o.endswith(": ok") for o in outcome), str(outcome))
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+def test_tp_fused_loss_with_support(tp, vocab_shards, path, monkeypatch):
+    """``linear_logp_loss`` with a support over the ranks: the gradients of the single-process
+    op's eager loss (this rank's rows of d_W and d_b)."""
+    seen = _take(path, monkeypatch)
+    problem = _problem(seed=23, ignore=True)
+    hidden, weight, bias, target, support = problem
+    vs = vocab_shards
+    loss = losses.cross_entropy() + losses.entropy_bonus(0.2)
+    h = hidden.clone().requires_grad_()
+    w, b = (vs.shard(t).clone().requires_grad_() for t in (weight, bias))
+    value = tplogp.linear_logp_loss(h, w, target, b, loss=loss, ignore_index=IGNORE,
+                                    tp_group=tp.group, vocab_start_index=vs.start,
+                                    global_vocab_size=V, support=support,
+                                    workspace_bytes=_chunks_of(3))
+    value.backward()
+    ours, leaves = _call(tplogp.linear_logp, problem, support, ignore_index=IGNORE)
+    keep = target != IGNORE
+    eager = ((-ours.logp - 0.2 * ours.entropy) * keep).sum()
+    d_h, d_w, d_b = torch.autograd.grad(eager, leaves)
+    rows = slice(vs.start, vs.end)
+    ok = (torch.allclose(value, eager.detach(), rtol=1e-5, atol=1e-5)
+          and torch.allclose(h.grad, d_h, rtol=1e-4, atol=1e-6)
+          and torch.allclose(w.grad, d_w[rows], rtol=1e-4, atol=1e-6)
+          and torch.allclose(b.grad, d_b[rows], rtol=1e-4, atol=1e-6))
+    tp.assert_all(ok, "fused loss with support differs from the op's eager loss")
+    _assert_path_taken(tp, path, seen)
+
+
+def _assert_path_taken(tp, path: str, seen: list[bool]) -> None:
+    """Masking: no rank gathered. Gathering: some rank did (a rank whose shard ids the supports all
+    keep masks: nothing to gather)."""
+    everyone = tp.all_gather_object(any(seen))
+    tp.assert_all(any(everyone) == (path == "gather"), f"{path}: gathered on ranks {everyone}")
