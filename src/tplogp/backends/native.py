@@ -277,7 +277,8 @@ class NativeBackend(BudgetParts):
         argmax = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_argmax else None
         if n == 0 or v == 0:
             return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, sum_z, argmax)
-        narrow = gathered(weight, bias, local_target, call)  # a small union of the supports' ids
+        # a small union of the supports' ids
+        narrow = None if call.support is None else gathered(weight, bias, local_target, call)
         if narrow is not None:
             st = self.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
                                     narrow.call)
@@ -400,7 +401,8 @@ class NativeBackend(BudgetParts):
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                  grad_entropy, grad_lse, mean_rel, call: ShardCall, needs: tuple[bool, bool, bool],
                  d_hidden_ready=None, kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
-        narrow = gathered(weight, bias, local_target, call)  # a small union of the supports' ids
+        # a small union of the supports' ids
+        narrow = None if call.support is None else gathered(weight, bias, local_target, call)
         if narrow is not None:
             grads = self.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
                                   log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,

@@ -67,11 +67,12 @@ class ChunkGradients:
 
             ready = reduce_when_ready
 
+        call = local.tpc.call
         grads = local.tpc.backend.backward(h_c, local.weight, local.bias, lt_c, row_max, log_sum,
                                            g_logp.contiguous(),
                                            None if g_ent is None else g_ent.contiguous(), g_lse,
                                            mean_rel if g_ent is not None else None,
-                                           local.tpc.call.for_rows(t0, t1),
+                                           call if call.support is None else call.for_rows(t0, t1),
                                            self.needs, d_hidden_ready=ready, kept=kept,
                                            accumulate=self.accumulate, grad_sum_z=g_sum_z)
         if d_hidden is not None and not (ready is not None and reduce.started):
@@ -173,7 +174,7 @@ def token_loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction
         pt = extra if whole else [t[t0:t1] for t in extra]
         skip = None if ignored is None else ignored if whole else ignored[t0:t1]
         (logp, entropy, lse, _, sum_z), (row_max, log_sum, mean_rel, kept) = tp.shard_forward(
-            h_c, w, b, lt_c, tpc.for_rows(t0, t1))
+            h_c, w, b, lt_c, tpc if tpc.call.support is None else tpc.for_rows(t0, t1))
         # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
         if skip is not None:
             logp, entropy = zero_rows(skip, logp), None if entropy is None else zero_rows(skip,

@@ -61,7 +61,8 @@ def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token
     def forward(t0, t1, keep):
         h_c, lt_c = (h2, local_target) if t1 - t0 == n else (h2[t0:t1], local_target[t0:t1])
         context = tpc if keep or tpc.call is lean else dataclasses.replace(tpc, call=lean)
-        (logp, entropy, *_), stats = tp.shard_forward(h_c, w, b, lt_c, context.for_rows(t0, t1))
+        (logp, entropy, *_), stats = tp.shard_forward(
+            h_c, w, b, lt_c, context if context.call.support is None else context.for_rows(t0, t1))
         if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its gradient)
             logp, entropy = zero_rows(ignored[t0:t1], logp), None if entropy is None else zero_rows(
                 ignored[t0:t1], entropy)
