@@ -16,7 +16,9 @@ and a ``workspace_bytes`` budget:
 ``budgeted`` entries are measured once per ``--budgets`` value (resolved for the entry's ``source``
 and passed as ``workspace_bytes``, :class:`benchmarks.runner.BudgetSpec`); the others once. The
 builders of tplogp's (budgeted) entries also take a ``variant``
-(:class:`benchmarks.variants.Variant`, ``--variants``): the options it adds to the call. A builder
+(:class:`benchmarks.variants.Variant`, ``--variants``): the options it adds to the call, and a
+``support`` (the padded ``[T, K]`` ids of a support variant, :mod:`benchmarks.supports`; a source
+that cannot run a call with one is unavailable for it). A builder
 raises :class:`ImplUnavailable` with the reason when the implementation cannot run here (package not
 installed, wrong device); any other exception is recorded too: every requested implementation
 becomes a row, with numbers or with the reason it has none. A new path (for example a fused loss of
@@ -72,38 +74,47 @@ def _needs_cuda(device: torch.device, name: str) -> None:
         raise ImplUnavailable(f"{name} runs on CUDA devices only (got {device.type})")
 
 
-def _options(budget: Optional[int], variant) -> dict:
-    """tplogp's keywords of a budget (None: the default) and a variant's options."""
+def _options(budget: Optional[int], variant, support: Optional[torch.Tensor] = None) -> dict:
+    """tplogp's keywords of a budget (None: the default), a variant's options and a support."""
     options = {} if budget is None else {"workspace_bytes": budget}
     if variant is not None:
         options.update(variant.call_options())
+    if support is not None:
+        options["support"] = support
     return options
 
 
-def _tplogp(source: str) -> Callable[..., ImplFn]:
-    def build(device: torch.device, budget: Optional[int], variant=None) -> ImplFn:
-        from tplogp import get_op
-        from tplogp.backends.kernel_registry import unavailable_reason
+def _tplogp_available(source: str, device: torch.device, support: Optional[torch.Tensor]) -> None:
+    """:class:`ImplUnavailable` with the registry's reason when ``source`` cannot run here, or
+    cannot run a call with a support."""
+    from tplogp.backends.kernel_registry import unavailable_reason
 
-        why = unavailable_reason(source, device)
-        if why is not None:
-            raise ImplUnavailable(why)
+    # (a tree measured with --base may predate the features argument: a plain call passes none)
+    why = (unavailable_reason(source, device) if support is None
+           else unavailable_reason(source, device, features=("support",)))
+    if why is not None:
+        raise ImplUnavailable(why)
+
+
+def _tplogp(source: str) -> Callable[..., ImplFn]:
+    def build(device: torch.device, budget: Optional[int], variant=None,
+              support: Optional[torch.Tensor] = None) -> ImplFn:
+        from tplogp import get_op
+
+        _tplogp_available(source, device, support)
         op = get_op("linear_logp", source=source)
-        options = _options(budget, variant)
+        options = _options(budget, variant, support)
         return lambda h, w, y: op(h, w, y, **options)
 
     return build
 
 
 def _tplogp_loss(source: str) -> Callable[..., ImplFn]:
-    def build(device: torch.device, budget: Optional[int], variant=None) -> ImplFn:
-        from tplogp.backends.kernel_registry import unavailable_reason
-
-        why = unavailable_reason(source, device)
-        if why is not None:
-            raise ImplUnavailable(why)
+    def build(device: torch.device, budget: Optional[int], variant=None,
+              support: Optional[torch.Tensor] = None) -> ImplFn:
+        _tplogp_available(source, device, support)
         fused, losses = _import("tplogp", "linear_logp_loss"), _import("tplogp", "losses")
-        options = _options(budget, variant)
+        options = _options(budget, variant, support)
         # the built-in cross-entropy (-logp, closed-form derivative), comparable to the peers' mean
         # CE; it reads no entropy: the sources skip its statistics. A variant's label smoothing and
         # z-loss: the same built-ins
@@ -120,15 +131,12 @@ def _tplogp_loss(source: str) -> Callable[..., ImplFn]:
 
 
 def _tplogp_policy(name: str, source: str) -> Callable[..., Callable]:
-    def build(device: torch.device, budget: Optional[int], variant=None) -> Callable:
-        from tplogp.backends.kernel_registry import unavailable_reason
-
+    def build(device: torch.device, budget: Optional[int], variant=None,
+              support: Optional[torch.Tensor] = None) -> Callable:
         from . import policy
 
-        why = unavailable_reason(source, device)
-        if why is not None:
-            raise ImplUnavailable(why)
-        return policy.tplogp_fn(name, source, _options(budget, variant))
+        _tplogp_available(source, device, support)
+        return policy.tplogp_fn(name, source, _options(budget, variant, support))
 
     return build
 

@@ -43,6 +43,11 @@ row with:
   against the float64 truth of its own math; its forward+backward milliseconds over the same call's
   without the variant (same implementation, budget and checks mode), timed in the same rounds, next
   to it in the rotating order;
+* ``support``, ``support_k``, ``support_union``, a ``support=`` variant's rows: the support's label,
+  its ids per token and the number of distinct ids of all tokens' supports together (printed as
+  ``union N``); the supports are built once per shape before any timing
+  (:mod:`benchmarks.supports`), the errors measured against the float64 truth renormalized over
+  them;
 * ``contract``; ``error`` instead of numbers when the implementation could not be built or run.
 
 Floors for the plots (one GEMM is 2TDV FLOP): a per-token op keeping O(T) state needs 4 GEMMs
@@ -60,13 +65,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import statistics
 from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from . import policy, runner
+from . import policy, runner, supports
 from .impls import PER_TOKEN, POLICY_LOSS, SCALAR_LOSS, Impl, ImplUnavailable
 from .variants import Variant, float64_cross_entropy
 
@@ -94,17 +100,26 @@ class Float64Stats(NamedTuple):
 
 
 def float64_truth(h, w, y, gy, scalars: dict[str, Callable[[Float64Stats], torch.Tensor]], *,
-                  softcap: Optional[float] = None, per_token: bool = True) -> dict:
+                  softcap: Optional[float] = None, per_token: bool = True,
+                  support: Optional[torch.Tensor] = None) -> dict:
     """The float64 truth of the problem with logits ``cap(h @ w.T)`` (``softcap``; None: no cap):
     with ``per_token``, the logp and its d_hidden / d_W for the per-token upstream ``gy``; per entry
     of ``scalars`` (a name and its loss as a function of the float64 statistics,
-    :class:`Float64Stats`) the loss ``loss:<name>`` and its ``dh:<name>`` / ``dw:<name>``."""
+    :class:`Float64Stats`) the loss ``loss:<name>`` and its ``dh:<name>`` / ``dw:<name>``. With a
+    padded ``support`` ``[T, K]`` the distribution is renormalized over each token's ids (the
+    definition of ``tplogp.testing.reference.reference_support_outputs``: ``lse`` over the support's
+    logits, the others masked by its ``support_mask``; ``sum_z`` stays the whole vocabulary's)."""
     from tplogp.reference import reference_logits
 
     hd = h.detach().double().requires_grad_()
     wd = w.detach().double().requires_grad_()
     logits = reference_logits(hd, wd, mode="float64", softcap=softcap)
-    lse = torch.logsumexp(logits, -1)
+    if support is None:
+        lse = torch.logsumexp(logits, -1)
+    else:
+        from tplogp.testing.reference import support_mask
+
+        lse = torch.logsumexp(logits.masked_fill(~support_mask(support, w.shape[0]), -math.inf), -1)
     stats = (logits.gather(1, y[:, None])[:, 0] - lse, lse, logits.sum(-1))
     del logits
     truth = {}
@@ -135,13 +150,17 @@ def truth_key(impl: Impl, variant: Optional[Variant] = None) -> Optional[str]:
     return impl.policy
 
 
-def _truths(h, w, y, gy, plans, inputs) -> dict:
-    """``{softcap: float64_truth}`` of every math the planned ``(impl, variant)`` rows are measured
-    against."""
-    needs: dict[Optional[float], dict] = {}
+def math_key(variant: Optional[Variant]) -> tuple:
+    """The options of a variant that change the per-token statistics: (softcap, support)."""
+    return (None, None) if variant is None else (variant.softcap, variant.support)
+
+
+def _truths(h, w, y, gy, plans, inputs, support_ids: dict) -> dict:
+    """``{math_key: float64_truth}`` of every math the planned ``(impl, variant)`` rows are
+    measured against (``support_ids``: the padded support of each support label)."""
+    needs: dict[tuple, dict] = {}
     for impl, variant in plans:
-        cap = None if variant is None else variant.softcap
-        need = needs.setdefault(cap, {"per_token": False, "scalars": {}})
+        need = needs.setdefault(math_key(variant), {"per_token": False, "scalars": {}})
         key = truth_key(impl, variant)
         if key is None:
             need["per_token"] = True
@@ -153,9 +172,10 @@ def _truths(h, w, y, gy, plans, inputs) -> dict:
                             else (variant.label_smoothing, variant.z_loss))
             need["scalars"][key] = lambda s, smoothing=smoothing, z=z: float64_cross_entropy(
                 s, smoothing, z)
-    return {cap: float64_truth(h, w, y, gy, dict(sorted(need["scalars"].items())), softcap=cap,
-                               per_token=need["per_token"])
-            for cap, need in needs.items()}
+    return {(cap, sup): float64_truth(h, w, y, gy, dict(sorted(need["scalars"].items())),
+                                      softcap=cap, per_token=need["per_token"],
+                                      support=support_ids.get(sup))
+            for (cap, sup), need in needs.items()}
 
 
 def cross_entropy_pair(row: dict) -> Optional[tuple]:
@@ -231,8 +251,12 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
              for mode in (checks if impl.budgeted else ("full",))
              for variant in (None, *(v for v in variants if v.applies_to(impl)))]
     inputs = policy.make_inputs(h, w, y) if any(i.contract == POLICY_LOSS for i in impls) else None
-    truths = (_truths(h, w, y, gy, {(impl, variant) for impl, _, _, variant in plans}, inputs)
-              if check else None)
+    # each support variant's ids, built once before any timing (benchmarks.supports)
+    support_ids = {v.support: supports.make_support(y, V, v.support_k, v.support_kind)
+                   for *_, v in plans if v is not None and v.support is not None}
+    unions = {label: supports.union_size(ids) for label, ids in support_ids.items()}
+    truths = (_truths(h, w, y, gy, {(impl, variant) for impl, _, _, variant in plans}, inputs,
+                      support_ids) if check else None)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     rows, live, truth = [], [], None
@@ -243,11 +267,16 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
                    checks=mode)
         if variant is not None:
             row.update(budget=f"{label}, {variant.label}", variant=variant.label)
+        support = None if variant is None else support_ids.get(variant.support)
+        if support is not None:
+            row.update(support=variant.support, support_k=support.shape[1],
+                       support_union=unions[variant.support])
         rows.append(row)
         try:
             budget = row["budget_bytes"] = spec.resolve(impl.source, shape, DTYPES[dtype], device)
             fn = (impl.build(device, budget) if variant is None
-                  else impl.build(device, budget, variant=variant))
+                  else impl.build(device, budget, variant=variant) if support is None
+                  else impl.build(device, budget, variant=variant, support=support))
             if impl.contract == POLICY_LOSS:
                 fn = functools.partial(fn, inputs=inputs)
         except ImplUnavailable as exc:
@@ -271,7 +300,7 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         try:
             with checks_mode(mode):
                 if truths is not None:
-                    truth = truths[None if variant is None else variant.softcap]
+                    truth = truths[math_key(variant)]
                     out = fn(hg, wg, y)
                     out.backward(gy if per_token else None)
                     key = truth_key(impl, variant)
@@ -289,7 +318,7 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
             row["error"] = f"run: {type(exc).__name__}: {str(exc)[:300]}"
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    del truths, truth
+    del truths, truth, support_ids
     for i_round in range(rounds):
         k = i_round % len(live) if live else 0
         for row, fwd, fwd_bwd, samples in live[k:] + live[:k]:
@@ -363,8 +392,9 @@ def _ratios(rows: list[dict]) -> None:
 def format_row(r: dict) -> str:
     with_budget = r.get("budget_bytes") is not None or r["impl"].startswith("tplogp")
     label = f"{r['impl']}@{r['budget']}" if with_budget else r["impl"]
+    union = "" if r.get("support_union") is None else f" | union {r['support_union']}"
     if "error" in r:
-        return f"{r['shape']:>18} {label:>26} | {r['error']}"
+        return f"{r['shape']:>18} {label:>26}{union} | {r['error']}"
     if "fwd_ms" not in r:
         return f"{r['shape']:>18} {label:>26} | not timed"
     errs = " ".join(f"{k[4:]}={r[k]:.1e}"
@@ -376,6 +406,7 @@ def format_row(r: dict) -> str:
     vs = "".join(f" | x {what} {r[name]:.3f} (b2b {r[name + '_b2b']:.3f})"
                  for name, what in (("vs_cross_entropy", "CE"), ("vs_plain", "plain"))
                  if r.get(name) is not None)
-    return (f"{r['shape']:>18} {label:>26} | fwd {r['fwd_ms']:9.3f} ms {r['fwd_gemms']:5.2f} G | "
+    return (f"{r['shape']:>18} {label:>26}{union} | fwd {r['fwd_ms']:9.3f} ms "
+            f"{r['fwd_gemms']:5.2f} G | "
             f"fwd+bwd {r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b "
             f"{r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem}{vs} | {errs}")

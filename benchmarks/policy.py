@@ -85,17 +85,19 @@ def eager_loss(name: str, logp: torch.Tensor, advantages: torch.Tensor, old_logp
 def tplogp_fn(name: str, source: str, options: dict) -> Callable:
     """``fn(h, w, y, inputs)``: the loss ``name`` through ``tplogp.linear_logp_loss`` on ``source``
     with the keywords ``options`` (``workspace_bytes``, a variant's ``softcap`` /
-    ``deterministic``)."""
+    ``deterministic``, a padded ``[T, K]`` ``support``, viewed as ``[B, L, K]``)."""
     from tplogp import linear_logp_loss, losses
 
     loss = losses.grpo(**LOSSES[name][0])
+    support = options.get("support")
 
     def fn(h, w, y, inputs: Inputs):
         B, L = inputs.layout
+        shaped = {} if support is None else {"support": support.view(B, L, -1)}
         return linear_logp_loss(h.view(B, L, -1), w, y.view(B, L), loss=loss,
                                 per_token=(inputs.advantages, inputs.old_logp), source=source,
                                 with_entropy=False,
-                                **options)
+                                **{**options, **shaped})
 
     return fn
 

@@ -8,20 +8,29 @@ it, in one run.
 * ``deterministic=true`` / ``deterministic=tp_invariant``: the two levels of ``deterministic``;
 * ``label_smoothing=E``, ``z_loss=K``: the fused cross-entropy becomes
   ``losses.cross_entropy(label_smoothing=E)`` (plus ``losses.z_loss(K)``); these apply to the plain
-  fused cross-entropy rows only (``tplogp-loss-<source>``).
+  fused cross-entropy rows only (``tplogp-loss-<source>``);
+* ``support=K<k>-shared`` / ``support=K<k>-disjoint``: the sampler's support, ``k`` ids per token
+  holding its target, shared within a sequence or disjoint across tokens
+  (:mod:`benchmarks.supports`), built once per shape; the row's ``support_union`` / ``support_k``
+  are the union size of the supports and their width. The native source runs it; the triton and
+  sm90 rows report it unavailable. It composes with ``softcap`` and ``deterministic=true``; the op
+  refuses it with ``deterministic=tp_invariant`` and label smoothing, and so does the parser.
 
 For example
-``softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4``. Every
+``softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4,
+support=K64-shared``. Every
 tplogp row the run measures (per source, budget and checks mode) that a variant applies to gets one
 more row with the options added: its budget label ends with the variant's label, its ``variant``
 field is that label, its errors are measured against the float64 truth of its own math (softcap and
-the loss terms change it; the deterministic levels do not), and ``vs_plain`` (``_b2b``) is its
+the loss terms change it, a support renormalizes it over the support's ids; the deterministic levels
+do not), and ``vs_plain`` (``_b2b``) is its
 forward+backward time over the plain row's, timed in the same rounds (:mod:`benchmarks.op`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -30,6 +39,7 @@ import torch
 from .impls import SCALAR_LOSS, Impl
 
 DETERMINISTIC = {"true": True, "tp_invariant": "tp_invariant"}
+SUPPORT = re.compile(r"K([1-9][0-9]*)-(shared|disjoint)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,17 @@ class Variant:
     deterministic: Union[bool, str] = False
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    support: Optional[str] = None  # ``K<k>-<kind>``: the support the call passes (module docstring)
+
+    @property
+    def support_k(self) -> int:
+        """The support's ids per token (before clipping to the vocabulary)."""
+        return int(SUPPORT.fullmatch(self.support).group(1))
+
+    @property
+    def support_kind(self) -> str:
+        """``shared`` or ``disjoint`` (:mod:`benchmarks.supports`)."""
+        return SUPPORT.fullmatch(self.support).group(2).lower()
 
     @property
     def loss_terms(self) -> bool:
@@ -57,7 +78,7 @@ class Variant:
 
     def call_options(self) -> dict:
         """The ``linear_logp`` / ``linear_logp_loss`` keywords of the variant's options other than
-        the loss's."""
+        the loss's and the support (a tensor of the problem, passed by the builders)."""
         options: dict = {}
         if self.softcap is not None:
             options["softcap"] = self.softcap
@@ -105,9 +126,20 @@ def parse_variant(text: str) -> Variant:
         elif key == "z_loss":
             fields[key] = _number(key, value, 0.0, True)
             labels.append(f"z_loss={fields[key]:g}")
+        elif key == "support":
+            match = SUPPORT.fullmatch(value)
+            if match is None:
+                raise ValueError(f"--variants: support takes K<ids per token>-shared or "
+                                 f"K<ids per token>-disjoint (e.g. K64-shared), got {value!r}")
+            fields[key] = f"K{int(match.group(1))}-{match.group(2).lower()}"
+            labels.append(f"support={fields[key]}")
         else:
             raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options: softcap, "
-                             f"deterministic, label_smoothing, z_loss")
+                             f"deterministic, label_smoothing, z_loss, support")
+    if "support" in fields and (fields.get("label_smoothing")
+                                or fields.get("deterministic") == DETERMINISTIC["tp_invariant"]):
+        raise ValueError(f"--variants: support= does not run with label_smoothing or "
+                         f"deterministic=tp_invariant (the op refuses both), got {text!r}")
     return Variant("+".join(labels), **fields)
 
 
