@@ -359,6 +359,112 @@ def test_variant_parsing_and_float64_loss(tmp_path):
     assert truth["loss:s"].item() == pytest.approx(expected.item(), rel=1e-13)
 
 
+def test_support_variant_rows(tmp_path, capsys):
+    """``op --smoke --variants support=...``: the plain call and one row per support, each with its support's width
+    and union size (printed too; shared supports a smaller union than disjoint ones), scored against the float64
+    truth renormalized over the support (the library's support reference's), within the three-way slack of the
+    same-dtype reference of that math; its time over the plain call's."""
+    from benchmarks import op, supports, variants
+    from tplogp.testing.reference import reference_support_outputs
+
+    labels = ("support=K4-shared", "support=K4-disjoint")
+    printed = _bench_here(capsys, "op", "--smoke", "--impls", "tplogp-native,tplogp-loss-native", "--budgets",
+                          "default", "--reps", "1", "--variants", ",".join(labels), "--out", str(tmp_path))
+    rows = {(r["impl"], r["budget"]): r for r in _rows(tmp_path)}
+    assert set(rows) == {(impl, "default" + suffix) for impl in ("tplogp-native", "tplogp-loss-native")
+                         for suffix in ("", *(", " + label for label in labels))}, set(rows)
+    shape = runner.parse_shapes(cli.OP_SMOKE_SHAPES)[0]
+    T, _, V = shape
+    h, w, y, gy = op.make_problem(*shape, torch.bfloat16, torch.device("cpu"))
+    plain_truth = op.float64_truth(h, w, y, gy, {})
+    unions = {}
+    for label in labels:
+        variant = variants.parse_variant(label)
+        support = supports.make_support(y, V, variant.support_k, variant.support_kind)
+        truth = op.float64_truth(h, w, y, gy, {"ce": lambda s: variants.float64_cross_entropy(s)}, support=support)
+        # the harness's truth is the library's definition of the renormalized logp, and far from the plain one
+        defined = reference_support_outputs(h, w, y, support, mode="float64").logp
+        assert torch.allclose(truth["logp"], defined, rtol=1e-12, atol=1e-12)
+        eager = {}  # the same-dtype reference (bf16 logits, fp32 renormalized log-softmax), per contract
+        for impl, key in (("tplogp-native", None), ("tplogp-loss-native", "ce")):
+            hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+            out = reference_support_outputs(hg, wg, y, support, mode="matching").logp
+            out = out if key is None else -out.mean()
+            out.backward(gy if key is None else None)
+            names = ("logp", "dh", "dw") if key is None else ("loss:ce", "dh:ce", "dw:ce")
+            eager[impl] = {k: rel_error(x, truth[n]) for k, x, n in zip(
+                ("err_logp" if key is None else "err_loss", "err_d_hidden", "err_d_weight"),
+                (out, hg.grad, wg.grad), names)}
+        bound = 10 * slack_bound(eager["tplogp-native"]["err_logp"], torch.bfloat16)
+        assert rel_error(plain_truth["logp"], truth["logp"]) > bound
+        for impl in ("tplogp-native", "tplogp-loss-native"):
+            plain, r = rows[impl, "default"], rows[impl, f"default, {label}"]
+            assert "support_union" not in plain and "error" not in r and r["smoke"], r
+            assert r["variant"] == label and r["support"] == label.split("=")[1] and r["support_k"] == 4, r
+            assert r["support_union"] == supports.union_size(support), r
+            unions[variant.support_kind] = r["support_union"]
+            assert f"| union {r['support_union']} |" in op.format_row(r)
+            for key in ("", "_b2b"):
+                assert r["vs_plain" + key] == round(r["fwd_bwd_ms" + key] / plain["fwd_bwd_ms" + key], 4), r
+            assert r["extra_peak_gib"] is None or r["extra_peak_gib"] >= 0, r  # (no allocator peak on CPU)
+            _no_worse(r, eager[impl], tuple(eager[impl]))
+    # shared: 8 sequences' pools of 16 ids plus the targets; disjoint: 4 ids per token, 256 of the 320 ids
+    distinct_targets = y.unique().numel()
+    assert distinct_targets <= unions["shared"] <= 8 * supports.POOL_FACTOR * 4 + distinct_targets, unions
+    assert 0.75 * T * 4 <= unions["disjoint"] <= V and unions["shared"] < unions["disjoint"], unions
+    assert printed.count(" | union ") == 4 and printed.count(" | x plain ") == 4, printed
+
+
+def test_supports_and_their_unavailable_sources(tmp_path):
+    """The supports the variants pass: ``K`` distinct ids per token in range, holding its target; a shared
+    support's union bounded by its pools, a disjoint one's as large as the vocabulary allows. A source that cannot
+    run a call with a support is unavailable for it (its row says why), and the parser refuses what the op
+    refuses."""
+    from benchmarks import supports, variants
+
+    g = torch.Generator().manual_seed(3)
+    T, V = 256, 5000
+    y = torch.randint(0, V, (T,), generator=g)
+    for kind in supports.KINDS:
+        for k in (1, 8, 64):
+            ids = supports.make_support(y, V, k, kind)
+            assert ids.shape == (T, k) and ids.dtype == torch.int64 and 0 <= int(ids.min()) <= int(ids.max()) < V
+            assert (ids == y[:, None]).any(1).all(), (kind, k)
+            assert (ids.sort(1).values.diff(dim=1) > 0).all(), (kind, k)  # each id once per token
+            union = supports.union_size(ids)
+            if kind == "shared":
+                assert union <= 8 * supports.POOL_FACTOR * k + y.unique().numel(), (k, union)
+            else:
+                assert union >= 0.9 * min(T * k, V), (k, union)
+    assert supports.make_support(y[:8], 6, 64, "disjoint").shape == (8, 6)  # K past V: the whole vocabulary
+    with pytest.raises(ValueError, match="kind must be one of"):
+        supports.make_support(y, V, 4, "nested")
+
+    support = supports.make_support(y[:8], V, 4, "shared")
+    for name in ("tplogp-triton", "tplogp-loss-sm90", "tplogp-gspo-triton"):
+        with pytest.raises(impls.ImplUnavailable):
+            impls.BY_NAME[name].build(torch.device("cpu"), None, variant=variants.parse_variant("support=K4-shared"),
+                                      support=support)
+    from tplogp.backends.kernel_registry import get_backend
+
+    missing = get_backend("triton").missing_features["support"]
+    with pytest.MonkeyPatch.context() as mp:  # where the triton source runs, the support alone makes it unavailable
+        mp.setattr(get_backend("triton"), "unavailable_reason", lambda device: None)
+        with pytest.raises(impls.ImplUnavailable, match="support"):
+            impls.BY_NAME["tplogp-triton"].build(torch.device("cpu"), None, support=support)
+        assert impls.BY_NAME["tplogp-triton"].build(torch.device("cpu"), None) is not None
+    assert "support=" in missing
+    parsed = variants.parse_variants("support=k64-Shared,support=K512-disjoint+softcap=30")
+    assert [(v.label, v.support_k, v.support_kind) for v in parsed] == [
+        ("support=K64-shared", 64, "shared"), ("support=K512-disjoint+softcap=30", 512, "disjoint")]
+    assert parsed[1].call_options() == {"softcap": 30.0}  # (the support is the builders' argument)
+    for bad, match in (("support=64", "support takes"), ("support=K0-shared", "support takes"),
+                       ("support=K8-nested", "support takes"), ("support=K8-shared+label_smoothing=0.1", "refuses"),
+                       ("support=K8-shared+deterministic=tp_invariant", "refuses")):
+        with pytest.raises(ValueError, match=match):
+            variants.parse_variants(bad)
+
+
 @pytest.mark.slow
 def test_memory_smoke_rows(tmp_path, capsys):
     _bench_here(capsys, "memory", "--smoke", "--out", str(tmp_path))  # (its probes are processes of their own)
