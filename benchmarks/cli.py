@@ -62,10 +62,12 @@ def _parser() -> argparse.ArgumentParser:
                          "its float64 errors against its own math and its time over the plain "
                          "row's (vs_plain): softcap=C, deterministic=true, "
                          "deterministic=tp_invariant, label_smoothing=E, z_loss=K (the last two on "
-                         "the fused cross-entropy rows); join options of one variant with '+', "
-                         "e.g. "
-                         "softcap=30,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4 "
-                         "(benchmarks/variants.py)")
+                         "the fused cross-entropy rows), support=K<k>-shared / "
+                         "support=K<k>-disjoint (a sampler's support of k ids per token, its union "
+                         "size in the row; benchmarks/supports.py); join options of one variant "
+                         "with '+', e.g. "
+                         "softcap=30,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4,"
+                         "support=K64-shared (benchmarks/variants.py)")
     op.add_argument("--no-check", action="store_true", help="skip the float64 error columns")
     op.add_argument("--no-plot", action="store_true", help="do not redraw the plots")
 

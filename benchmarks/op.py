@@ -172,10 +172,15 @@ def _truths(h, w, y, gy, plans, inputs, support_ids: dict) -> dict:
                             else (variant.label_smoothing, variant.z_loss))
             need["scalars"][key] = lambda s, smoothing=smoothing, z=z: float64_cross_entropy(
                 s, smoothing, z)
-    return {(cap, sup): float64_truth(h, w, y, gy, dict(sorted(need["scalars"].items())),
-                                      softcap=cap, per_token=need["per_token"],
-                                      support=support_ids.get(sup))
-            for (cap, sup), need in needs.items()}
+    # kept in host memory when there are several: each holds a float64 d_W (4 GiB at 128256 x 4096)
+    host = len(needs) > 1
+    truths = {}
+    for (cap, sup), need in needs.items():
+        truth = float64_truth(h, w, y, gy, dict(sorted(need["scalars"].items())), softcap=cap,
+                              per_token=need["per_token"], support=support_ids.get(sup))
+        truths[cap, sup] = {k: v.cpu() for k, v in truth.items()} if host else truth
+        del truth
+    return truths
 
 
 def cross_entropy_pair(row: dict) -> Optional[tuple]:
@@ -203,7 +208,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     # the measured tree's tplogp (imported at run time, --base)
     from tplogp.tolerances import rel_error
 
-    return rel_error(x, ref)
+    return rel_error(x, ref.to(x.device))
 
 
 @contextlib.contextmanager

@@ -81,7 +81,14 @@ METHOD = """## Method
   followed by the variant's label, its errors against the float64 truth of its own math (softcap and
   the loss terms change the reference, the deterministic levels do not), and in the contract cell
   its forward+backward time over the plain row's ("x plain", synced / b2b), the two timed in the
-  same rounds. Variant rows are in the shape's table, not in its plot.
+  same rounds. `support=K<k>-shared` / `support=K<k>-disjoint` pass the sampler's support, `k` ids
+  per token holding its target (benchmarks/supports.py): shared, each token's ids drawn from its
+  sequence's pool of 4k random ids (of 8 sequences), as top-p sets overlap; disjoint, no id shared
+  between tokens as far as the vocabulary allows (the worst case). They are built once per shape
+  before any timing; the row reports the union size of all tokens' supports (`support_union`,
+  "union N" in the contract cell) and its errors against the float64 truth renormalized over the
+  support; the sources that cannot run a support yet (triton, sm90) give rows with the reason.
+  Variant rows are in the shape's table, not in its plot.
 * **Floors.** A per-token op that keeps O(T) state needs 4 GEMMs forward+backward (forward,
   recompute, d_hidden, d_W); 3 GEMMs when the `[T, V]` logits are kept from forward to backward or
   the loss is a scalar known in the forward. The memory floor is d_W + d_hidden.
@@ -111,6 +118,10 @@ python -m benchmarks op --shapes 8192x4096x128256 \\
 python -m benchmarks op --shapes 8192x4096x128256,8192x4096x32768 \\
     --impls tplogp-sm90,tplogp-loss-sm90 --budgets default,keep:1 \\
     --variants softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4
+# the sampler's support (native source) against the same call without it (x plain)
+python -m benchmarks op --shapes 8192x4096x128256 --dtype bf16 \
+    --impls tplogp-native,tplogp-loss-native --budgets default \
+    --variants support=K64-shared,support=K512-shared,support=K64-disjoint,support=K512-disjoint
 ```
 
 `--base REV` checks REV out into a temporary git worktree and runs the same command on both trees as
@@ -234,11 +245,12 @@ def _op_values(r: dict) -> list[str]:
 def _contract_cell(r: dict) -> str:
     """The row's contract; after it a policy-loss row's time over the plain fused cross-entropy's at
     its budget ("x CE") and a variant row's over the same call's without the variant ("x plain"),
-    synced / b2b."""
+    synced / b2b; before them a support variant's union size ("union N")."""
     ratios = [f"x {what} {r[name]:.3f} / {_num(r.get(name + '_b2b'), '.3f')}"
               for name, what in (("vs_cross_entropy", "CE"), ("vs_plain", "plain"))
               if r.get(name) is not None]
-    return ", ".join([r["contract"], *ratios])
+    union = [] if r.get("support_union") is None else [f"union {r['support_union']}"]
+    return ", ".join([r["contract"], *union, *ratios])
 
 
 def op_section(rows: list[dict], plot_dir: str, doc_dir: str) -> list[str]:
