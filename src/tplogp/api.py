@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from .op import ops, plan, tp
 from .support.comm import group_name
-from .op.dtensor import any_dtensor, unwrap_dtensors
+from .op.dtensor import unwrap_dtensors
 from .backends.kernel_registry import check_op, check_source, require_source
 from .losses.terms import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
@@ -125,6 +126,14 @@ def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_in
     if options.return_argmax:  # the last row: exact ids in fp32
         argmax = packed[packed_rows(options.return_entropy)].view(shape).to(torch.int64)
     return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse, argmax)
+
+
+def any_dtensor(*xs) -> bool:
+    """Whether one of ``xs`` is a DTensor (without importing the DTensor package when nothing has
+    made one): the front's question on every call, asked here (:mod:`tplogp.op.dtensor` unwraps
+    the calls that hold one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(x, module.DTensor) for x in xs)
 
 
 def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,

@@ -29,7 +29,7 @@ def path(request, monkeypatch):
     """Force the scaling path; the torch one with blocks of 1000 elements, so that several blocks
     run."""
     if request.param == "torch":
-        monkeypatch.setattr(grad_scaling, "runs_kernel", lambda t, dtype: False)
+        monkeypatch.setattr(grad_scaling, "runs_kernel", lambda t, dtype, on_device=None: False)
         monkeypatch.setattr(grad_scaling, "SCALE_BLOCK_ELEMENTS", 1000)
     return request.param
 

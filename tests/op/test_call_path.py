@@ -91,9 +91,10 @@ def _forward_and_backward(op, hidden, weight, target, bias, **kw):
 
 @pytest.mark.parametrize("layout", ["plan miss", "plan hit"])
 def test_one_shard_call_goes_down_once(layout):
-    """Without a group: the forward enters api, dtensor (the front's question), plan (validation on
-    a plan miss), the source registry, the verdict and tp, which localizes the call (local_call) and
-    runs the source, each once; the backward enters tp, the source and the verdict once."""
+    """Without a group: the forward enters api (with the front's DTensor question), plan (on a plan
+    miss the source registry and validation), the verdict and tp, which localizes the call
+    (local_call) and runs the source, each once; the backward enters tp, the source and the verdict
+    once."""
     op = tplogp.get_op("linear_logp", source="native")
     _forward_and_backward(op, *_inputs(5, seed=1))  # imports and probes done
     tplogp.check_errors()
@@ -102,9 +103,10 @@ def test_one_shard_call_goes_down_once(layout):
         _forward_and_backward(op, *inputs)
     (forward, again), (backward, back_again) = _forward_and_backward(op, *inputs)
     assert not again and not back_again, (again, back_again)
-    middle = ["op.validation", "op.options"] if layout == "plan miss" else []
-    assert forward == ["api", "op.dtensor", "op.plan", "backends.kernel_registry", *middle,
-                       "op.verdicts", "op.tp", "op.local_call", "backend"], forward
+    middle = (["backends.kernel_registry", "op.validation", "op.options"] if layout == "plan miss"
+              else [])
+    assert forward == ["api", "op.plan", *middle, "op.verdicts", "op.tp", "op.local_call",
+                       "backend"], forward
     assert backward == ["op.tp", "backend", "op.verdicts"], backward
 
 
@@ -126,8 +128,7 @@ def test_group_call_goes_down_once(tp, deterministic):
                                                                       bias[start:start + v_local],
                                                                       **kw)
     tp.assert_all(not again and not back_again, f"rank {tp.rank}: re-entered {again} {back_again}")
-    tp.assert_all(forward == ["api", "op.dtensor", "op.plan", "backends.kernel_registry",
-                              "op.verdicts", "op.group_record", "op.tp", "op.local_call",
-                              "backend"],
+    tp.assert_all(forward == ["api", "op.plan", "op.verdicts", "op.group_record", "op.tp",
+                              "op.local_call", "backend"],
                   f"rank {tp.rank}: {forward}")
     tp.assert_all(backward == ["op.tp", "op.verdicts", "backend"], f"rank {tp.rank}: {backward}")

@@ -227,6 +227,10 @@ class ShardCall:
     # ``forward_blocks`` and the backward runs GEMMs whose shapes do not depend on the shard's size,
     # so a column's d_W / d_b rows do not either
     grid_columns: int = 0
+    # the settings that shape a layout's plan as tplogp.op.plan read them once for the call
+    # (tplogp.support.settings.layout_settings), or None (a ShardCall made elsewhere: a source's
+    # plan reads them itself); part of the sources' per-layout keys
+    env: Optional[tuple] = None
     # a source's launch programs for the layouts run with this call (the calls of a layout share one
     # ShardCall, tplogp.op.plan): everything of a launch but its tensors, made at a layout's first
     # call (not compared, not hashed)

@@ -18,26 +18,27 @@ import torch
 from ..op import local_call, tp
 from ..budgets import accumulator_tokens, plan_chunk_tokens
 from ..losses.terms import Derivative, TokenLoss, TokenStats
-from ..support import settings, tensors
+from ..support import comm, settings, tensors
 from ..support.tensors import f32_contiguous, finish_rows, zero_rows
 
 
 class ChunkGradients:
     """The call's gradients as its chunks' backwards produce them: ``d_hidden`` rows into one fp32
-    buffer (none for one chunk without a group: the source's), ``d_W`` / ``d_b`` summed in fp32
-    accumulators over several chunks, and the ONE collective of ``d_hidden`` (all_reduce, or
-    reduce_scatter for sequence-parallel input) issued by the chunk that completes it (the last
-    rows), under its ``d_W`` work."""
+    buffer (none for one chunk: the source's own, which the collective is started on), ``d_W`` /
+    ``d_b`` summed in fp32 accumulators over several chunks, and the ONE collective of ``d_hidden``
+    (all_reduce, or reduce_scatter for sequence-parallel input) issued by the chunk that completes
+    it (the last rows), under its ``d_W`` work."""
 
     def __init__(self, local: local_call.LocalCall, needs: tuple[bool, bool, bool], n: int,
                  n_chunks: int) -> None:
         h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
         self.local, self.needs, self.n = local, needs, n
-        self.reduce = tp.hidden_grad_reducer(tpc) if needs[0] else None
+        self.reduce = (comm.overlapped_reduce(tpc.hidden_reduce, tpc.group, tpc.comm_device)
+                       if needs[0] else None)
         d = h2.shape[1]
-        # one chunk without a group: its d_hidden is the source's (no [N, D] buffer to fill)
+        # one chunk: its d_hidden is the source's (no [N, D] buffer to fill), reduced as the op's
         self.d_hidden = (torch.zeros(n, d, device=h2.device, dtype=torch.float32)
-                         if needs[0] and (n_chunks > 1 or self.reduce is not None) else None)
+                         if needs[0] and n_chunks > 1 else None)
         # several chunks: d_W and d_b summed unrounded in fp32, rounded once at the end
         self.accumulate = None
         if n_chunks > 1 and (needs[1] or needs[2]):
@@ -58,12 +59,17 @@ class ChunkGradients:
         (``g_lse`` / ``g_sum_z``: of a loss that reads the lse / the sum of the logits)."""
         local, reduce, d_hidden = self.local, self.reduce, self.d_hidden
         ready = None
-        # the last chunk completes d_hidden: reduce it under its d_W
-        if reduce is not None and t1 == self.n:
+        started = []  # the source handed d_hidden over (its rows written, the reduce started)
+        # the last chunk completes d_hidden: reduce it under its d_W (the one chunk: the source's
+        # d_hidden itself, as the op's backward does)
+        if reduce is not None and d_hidden is None:
+            ready = reduce.start
+        elif reduce is not None and t1 == self.n:
 
             def reduce_when_ready(rows, t0=t0, t1=t1):
                 d_hidden[t0:t1] = rows
                 reduce.start(d_hidden)
+                started.append(True)
 
             ready = reduce_when_ready
 
@@ -75,7 +81,7 @@ class ChunkGradients:
                                            call if call.support is None else call.for_rows(t0, t1),
                                            self.needs, d_hidden_ready=ready, kept=kept,
                                            accumulate=self.accumulate, grad_sum_z=g_sum_z)
-        if d_hidden is not None and not (ready is not None and reduce.started):
+        if d_hidden is not None and not started:
             d_hidden[t0:t1] = grads.d_hidden
         elif self.needs[0] and d_hidden is None:  # the one chunk
             self.d_hidden = grads.d_hidden
@@ -90,8 +96,9 @@ class ChunkGradients:
             if self.reduce is not None:
                 d_hidden = self.reduce.finish(d_hidden)
             # (sequence-parallel ignored rows are in place, no upstream gradient)
-            if self.local.own_rows is None:
-                d_hidden = finish_rows(d_hidden, n_all, self.local.keep_idx, self.local.ignored)
+            local = self.local
+            if local.own_rows is None and (local.keep_idx is not None or local.ignored is not None):
+                d_hidden = finish_rows(d_hidden, n_all, local.keep_idx, local.ignored)
             d_hidden = d_hidden if d_hidden.shape == hidden_shape else d_hidden.view(hidden_shape)
         d_w, d_b = self.d_w, self.d_b
         # the invariant level: d_W / d_b of the grid's rows to the shard's
@@ -101,8 +108,8 @@ class ChunkGradients:
 
 
 # tokens per chunk, by everything plan_chunk_tokens reads (the source's budget and tiles:
-# TPLOGP_WORKSPACE_MB, TRITON_INTERPRET, the fp32 matmul precision): planned once per layout (host
-# time at small shapes); emptied beyond 1024 entries
+# TPLOGP_WORKSPACE_MB, TRITON_INTERPRET as the plan read them, ShardCall.env, and the fp32 matmul
+# precision): planned once per layout (host time at small shapes); emptied beyond 1024 entries
 _chunk_tokens: dict = {}
 
 
@@ -112,7 +119,7 @@ def plan_chunks(local: local_call.LocalCall, needs: tuple[bool, bool, bool]) -> 
     h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
     key = (tpc.backend, h2.shape[0], h2.shape[1], local.vocab_size, tpc.call.workspace_bytes,
            h2.device, h2.dtype, w.dtype if needs[1] else None, b.dtype if needs[2] else None,
-           settings.kernel_settings(), torch.get_float32_matmul_precision())
+           tpc.call.env or settings.kernel_settings(), torch.get_float32_matmul_precision())
     chunk = _chunk_tokens.get(key)
     if chunk is None:
         accumulators = accumulator_tokens(h2.shape[1], w.dtype if needs[1] else None,
@@ -240,7 +247,7 @@ def _token_grads(d: Derivative, n: int, device: torch.device, skip: Optional[tor
         g = d * upstream if factor == 1.0 else torch.mul(d, upstream).mul_(factor)
     else:  # a constant derivative: the upstream scalar broadcast, one op
         g = torch.mul(upstream.expand(n), d * factor)
-    return f32_contiguous(zero_rows(skip, g))
+    return f32_contiguous(g, zero_at=skip)
 
 
 # Read-only fp32 vectors of one value (a constant derivative over the mean's count), by (n, value,

@@ -46,7 +46,7 @@ def scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor,
     if g.requires_grad and torch.is_grad_enabled():
         return tuple(None if t is None else (t.to(torch.float32) * g.to(torch.float32)).to(dt)
                      for t, dt in zip(grads, dtypes))
-    g32 = None
+    g32 = kernel_device = None
     outs, pairs = [], []
     for t, dtype in zip(grads, dtypes):
         if t is None:
@@ -57,12 +57,13 @@ def scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor,
             # (a no-op .to still parses its arguments)
             if g32.dtype != torch.float32 or g32.device != t.device:
                 g32 = g32.to(device=t.device, dtype=torch.float32)
+            kernel_device = runs_on(t.device)  # (asked once: the call's gradients share it)
         out = (t if in_place and t.dtype == dtype and t.is_contiguous()
                else torch.empty(t.shape, device=t.device, dtype=dtype))
         outs.append(out)
         if t.numel() == 0:
             continue
-        if runs_kernel(t, dtype):
+        if runs_kernel(t, dtype, kernel_device):
             pairs.append((t.contiguous(), out))
         else:
             _scaled_by_torch(t, g32, out)
@@ -72,11 +73,17 @@ def scaled_all(grads: Sequence[Optional[torch.Tensor]], g: torch.Tensor,
     return tuple(outs)
 
 
-def runs_kernel(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`scaled_all` scales ``t`` into ``dtype`` with the Triton kernel: a CUDA tensor,
-    or a CPU one under Triton's interpreter, of the dtypes the kernel takes, with Triton
-    installed."""
-    on = t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+def runs_on(device: torch.device) -> bool:
+    """Whether the scaling kernel runs on ``device``: CUDA, or the CPU under Triton's
+    interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def runs_kernel(t: torch.Tensor, dtype: torch.dtype, on_device: Optional[bool] = None) -> bool:
+    """Whether :func:`scaled_all` scales ``t`` into ``dtype`` with the Triton kernel: a tensor on a
+    device the kernel runs on (:func:`runs_on`; ``on_device``: that answer for ``t``'s device, asked
+    here when None), of the dtypes the kernel takes, with Triton installed."""
+    on = runs_on(t.device) if on_device is None else on_device
     return on and t.dtype in KERNEL_DTYPES and dtype in KERNEL_DTYPES and triton_usable()
 
 

@@ -113,17 +113,14 @@ class TokenLoss:
         # a loss linear in (logp, entropy), value = c_logp * logp + c_entropy * entropy: the
         # coefficients (its derivatives) from the per-token tensors alone; None for any other loss
         self._coefficients = coefficients
+        # whether the per-token value is c_logp * logp + c_entropy * entropy exactly, with
+        # coefficients that do not depend on logp or entropy (:meth:`coefficients`): then a reduced
+        # loss is a dot product of its upstream gradients with logp and entropy, and needs no
+        # per-token value (a loss that reads statistics is not). An attribute: read per chunk
+        self.linear: bool = coefficients is not None and stat_parts is None
         # names this object to the compiled fused loss's op (loss_by_key), unique in the process
         self.key = f"{name}#{next(_numbers)}"
         _by_key[self.key] = self
-
-    @property
-    def linear(self) -> bool:
-        """Whether the per-token value is ``c_logp * logp + c_entropy * entropy`` exactly, with
-        coefficients that do not depend on ``logp`` or ``entropy`` (:meth:`coefficients`): then a
-        reduced loss is a dot product of its upstream gradients with ``logp`` and ``entropy``, and
-        needs no per-token value. (A loss that :attr:`reads` statistics is not.)"""
-        return self._coefficients is not None and self._stat_parts is None
 
     def coefficients(self, *per_token: torch.Tensor) -> tuple[Derivative, Derivative]:
         """A :attr:`linear` loss's ``(c_logp, c_entropy)``: its derivatives, each a tensor of the

@@ -37,12 +37,6 @@ def is_dtensor(x) -> bool:
     return module is not None and isinstance(x, module.DTensor)
 
 
-def any_dtensor(*xs) -> bool:
-    """Whether one of ``xs`` is a DTensor."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and any(isinstance(x, module.DTensor) for x in xs)
-
-
 def _vocab_mesh_dim(weight) -> int:
     from torch.distributed.tensor import Shard
 

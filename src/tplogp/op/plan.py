@@ -11,8 +11,9 @@ shapes). At the first call of a layout it validates the arguments and the shard 
 get; :func:`remember` keeps the plan once the call's checks have passed (so a bad layout raises at
 every call).
 
-:func:`prepare` is the one step of a call above the tensor-parallel layer: the source
-(:mod:`tplogp.backends.kernel_registry`), the plan, and the call's target verdict
+:func:`prepare` is the one step of a call above the tensor-parallel layer: the plan (the source
+named by the call is part of the key and resolved by :mod:`tplogp.backends.kernel_registry` at a
+layout's first call), and the call's target verdict
 (:func:`tplogp.op.verdicts.open_call`, with a group the record exchange that makes every rank raise
 the same error). It returns a :class:`Call` that :mod:`tplogp.op.tp` runs. Calls whose arguments are
 not of the plain types the op takes are never cached: they are checked afresh and get the
@@ -41,14 +42,15 @@ MAX_PLANS = 256
 
 def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool = False,
                scales_apart: bool = False, rows: Optional[int] = None,
-               grid_columns: int = 0) -> ShardCall:
+               grid_columns: int = 0, env: Optional[tuple] = None) -> ShardCall:
     """What the sources get to know about a call's options. ``one_shard``: d_hidden is the call's
     whole gradient, which a source may round to the input dtype in its GEMM
     (``ShardCall.d_hidden_in_input_dtype``). Such calls run only after the op's checks
     (``ShardCall.inputs_checked``). ``scales_apart``: what the forward keeps comes in two
     allocations (``ShardCall.scales_apart``: the eager paths). ``rows``: the layout's token count
     (``ShardCall.rows``). ``grid_columns``: the source's invariant grid (``ShardCall.grid_columns``;
-    0: off)."""
+    0: off). ``env``: the call's :func:`tplogp.support.settings.layout_settings`
+    (``ShardCall.env``)."""
     return ShardCall(inv_temperature=1.0 / float(options.temperature),
                      with_entropy=options.return_entropy,
                      softcap=None if options.softcap is None else float(options.softcap),
@@ -57,7 +59,7 @@ def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool
                      workspace_bytes=options.workspace_bytes, for_backward=for_backward
                      and not grid_columns, d_hidden_in_input_dtype=one_shard and not grid_columns,
                      inputs_checked=True, scales_apart=scales_apart, rows=rows,
-                     grid_columns=grid_columns)
+                     grid_columns=grid_columns, env=env)
 
 
 @dataclass
@@ -88,11 +90,14 @@ _plans: dict[tuple, CallPlan] = {}
 _stats = {"built": 0}
 
 
-def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+def layout_key(source: "Source", hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                global_vocab_size, options: LogpOptions, builds_graph: bool,
                env: Optional[tuple] = None) -> Optional[tuple]:
     """The call's layout as a hashable tuple, or None when an argument is of a type that is never
-    planned. ``env``: :func:`tplogp.support.settings.layout_settings` (read here when None)."""
+    planned. ``source``: as the call names it (a backend object by its name); what the registry
+    resolves it to depends on nothing but the key's devices, dtypes, options and ``env``
+    (:func:`tplogp.backends.kernel_registry.backend_for_call`). ``env``:
+    :func:`tplogp.support.settings.layout_settings` (read here when None)."""
     if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
             and isinstance(target_ids, torch.Tensor)
             and (bias is None or isinstance(bias, torch.Tensor))
@@ -101,14 +106,15 @@ def layout_key(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group
             and keyable(options)):
         return None
     group = None if tp_group is None else (id(tp_group), tp_group.group_name, tp_group.size())
-    return (backend.name, hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
+    named = source if source is None or isinstance(source, str) else source.name
+    return (named, hidden.shape, hidden.dtype, hidden.device, weight.shape, weight.dtype,
             weight.device, target_ids.shape, target_ids.dtype, target_ids.device,
             None if bias is None else (bias.shape, bias.dtype, bias.device), vocab_start_index,
             global_vocab_size, options, type(options.temperature), group, bool(builds_graph),
             settings.layout_settings() if env is None else env)
 
 
-def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+def plan_call(source: "Source", hidden, weight, target_ids, bias, tp_group, vocab_start_index,
               global_vocab_size, options: LogpOptions, builds_graph: bool,
               env: Optional[tuple] = None) -> tuple[CallPlan, Optional[str]]:
     """The plan of a call's layout: looked up by its key, built and checked at the layout's first
@@ -118,7 +124,8 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     small shapes.
 
     Args:
-        backend: the call's source.
+        source: the call's source: a name, None (the registry's choice for the device) or a backend
+            object, resolved at the layout's first call (the plan holds the backend).
         hidden, weight, target_ids, bias, tp_group, vocab_start_index, global_vocab_size: the call's
             arguments.
         options: the call's :class:`LogpOptions`.
@@ -130,12 +137,14 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     Raises:
         ShardLayoutError: a one-shard layout whose weight is not the whole vocabulary.
     """
-    key = layout_key(backend, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+    env = settings.layout_settings() if env is None else env
+    key = layout_key(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                      global_vocab_size, options, builds_graph, env)
     if key is not None:
         plan = _plans.get(key)
         if plan is not None:
             return plan, None
+    backend = _backend(source, hidden, env, () if options.support is None else ("support",))
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     # a bad TPLOGP_CHECKS raises here, at every call (never cached)
     mode, problem, vocab_size = check_layout(hidden, weight, target_ids, bias, vocab_start_index,
@@ -150,9 +159,9 @@ def plan_call(backend: ShardBackend, hidden, weight, target_ids, bias, tp_group,
     rows = target_ids.numel() if ok else None
     plan = CallPlan(key if ok else None, backend, mode, world, comm_device,
                     shard_call(options, one_shard=world == 1, rows=rows,
-                               grid_columns=grid) if ok else ShardCall(),
+                               grid_columns=grid, env=env) if ok else ShardCall(),
                     shard_call(options, for_backward=True, one_shard=world == 1, scales_apart=True,
-                               rows=rows, grid_columns=grid) if ok
+                               rows=rows, grid_columns=grid, env=env) if ok
                     else ShardCall(),
                     single, single and options.ignore_index is None
                     and getattr(backend, "checks_targets_in_kernel",
@@ -276,9 +285,8 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
         LinearLogpInputError, ShardLayoutError: the arguments or the shard layout are wrong (with a
             group, on every rank).
     """
-    env = settings.layout_settings()  # (read once: the plan's key and the registry's question)
-    backend = _backend(source, hidden, env, () if options.support is None else ("support",))
-    plan, problem = plan_call(backend, hidden, weight, target_ids, bias, tp_group,
+    env = settings.layout_settings()  # (read once: the plan's key, the registry's question)
+    plan, problem = plan_call(source, hidden, weight, target_ids, bias, tp_group,
                               vocab_start_index, global_vocab_size, options, builds_graph, env)
     largest = -1
     if options.support is not None and problem is None:  # (its data: one host read)
@@ -313,7 +321,7 @@ def prepare_backward(source: Source, hidden, weight, target_ids, bias, tp_group,
         backward does not read it).
     """
     env = settings.layout_settings()
-    plan, _ = plan_call(_backend(source, hidden, env), hidden, weight, target_ids, bias, tp_group,
+    plan, _ = plan_call(source, hidden, weight, target_ids, bias, tp_group,
                         vocab_start_index, None, options, True, env)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index, None, options,
                     True)

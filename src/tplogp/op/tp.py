@@ -39,7 +39,8 @@ instead of all-reduced (:class:`~tplogp.support.comm.OverlappedReduceScatter`, s
 ``d_hidden_ready`` like the all-reduce, under the ``d_W`` work): each rank receives its slice, half
 the bytes of an all-reduce. Ignored rows stay in place under sequence parallelism (no compaction:
 the slices are fixed). ``hidden_grad="partial"`` skips the ``d_hidden`` collective: each rank's
-gradient is its shard's share, which the caller sums (:func:`hidden_grad_reducer`).
+gradient is its shard's share, which the caller sums
+(:func:`tplogp.support.comm.overlapped_reduce`).
 
 Without a group (or a group of one) the same code runs with no collectives; a backend with
 ``forward_single`` (native, triton, sm90) then gets the target ids as given and finishes
@@ -58,21 +59,11 @@ import torch
 from ..support import invariant
 from . import local_call
 from ..backends.base import KeptBuffers
-from ..support.comm import OverlappedAllReduce, OverlappedReduceScatter, all_gather_flat
+from ..support.comm import all_gather_flat, overlapped_reduce
 from .local_call import LocalCall, TPContext
 from ..support.masked_rows import settle_rows
 from ..outputs import LinearLogpResult, pack_outputs
 from ..support.tensors import current_stream, f32_contiguous, finish_rows
-
-
-def hidden_grad_reducer(tpc: TPContext):
-    """The overlapped ``d_hidden`` collective of a call (``start`` at ``d_hidden_ready``, ``finish``
-    at the end), or None when ``d_hidden`` is handed over as computed."""
-    if tpc.hidden_reduce == "all_reduce":
-        return OverlappedAllReduce(tpc.group, tpc.comm_device)
-    if tpc.hidden_reduce == "reduce_scatter":
-        return OverlappedReduceScatter(tpc.group, tpc.comm_device)
-    return None
 
 
 def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
@@ -317,7 +308,7 @@ def shard_backward(saved: tuple, tpc: TPContext, needs: tuple[bool, bool, bool],
     g_lse_ = None if g_lse is None else f32_contiguous(g_lse)
     # the d_hidden collective starts as soon as the backend has finished d_hidden and runs under its
     # d_W work
-    reduce = hidden_grad_reducer(tpc)
+    reduce = overlapped_reduce(tpc.hidden_reduce, tpc.group, tpc.comm_device)
     consuming = consumes_kept(kept, kept_private)
     call = tpc.call.consuming if consuming else tpc.call
     if tpc.kept_scales is not None:  # scales kept apart: handed over in a holder the source empties

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -152,3 +154,15 @@ class OverlappedReduceScatter(OverlappedAllReduce):
 
     def _result(self) -> torch.Tensor:
         return self._out
+
+
+def overlapped_reduce(kind: Optional[str], group, comm_device: torch.device):
+    """The overlapped ``d_hidden`` collective of a call (``start`` at ``d_hidden_ready``, ``finish``
+    at the end) that ``kind`` names (``TPContext.hidden_reduce``): ``"all_reduce"``
+    (:class:`OverlappedAllReduce`), ``"reduce_scatter"`` (:class:`OverlappedReduceScatter`, a
+    sequence-parallel hidden), or None when ``d_hidden`` is handed over as computed."""
+    if kind == "all_reduce":
+        return OverlappedAllReduce(group, comm_device)
+    if kind == "reduce_scatter":
+        return OverlappedReduceScatter(group, comm_device)
+    return None

@@ -8,9 +8,11 @@ from typing import Optional
 import torch
 
 
-def f32_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a contiguous fp32 tensor (itself when it already is one): the per-token inputs of
-    the primitives."""
+def f32_contiguous(x: torch.Tensor, zero_at: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` as a contiguous fp32 tensor (itself when it already is one and ``zero_at`` is None):
+    the per-token inputs of the primitives; 0 at the rows ``zero_at`` (a bool mask) marks."""
+    if zero_at is not None:
+        x = zero_rows(zero_at, x)
     if x.dtype != torch.float32:
         x = x.float()
     return x if x.is_contiguous() else x.contiguous()
