@@ -207,3 +207,48 @@ def test_grpo_loss_names_what_it_cannot_fuse(trainers, monkeypatch, option):
     monkeypatch.setattr(stock, option, value)
     with pytest.raises(ValueError, match=option):
         tplogp_trl.grpo_loss(stock, batch)
+
+
+TRAINER_FUSED_CASES = {
+    "sapo-entropy": dict(loss_type="sapo", entropy_coef=0.01, _entropy_bonus_enabled=True),
+    "sapo-kl-bias-corrected-rollout-is": dict(
+        loss_type="sapo", beta=0.04, use_vllm=True,
+        vllm_importance_sampling_correction=True, **{"args.use_bias_correction_kl": True}),
+    "cispo-kl-rollout-is": dict(loss_type="cispo", beta=0.04, use_vllm=True,
+                                vllm_importance_sampling_correction=True,
+                                **{"args.steps_per_generation": 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINER_FUSED_CASES))
+def test_fused_loss_in_the_trainer_matches_trls(trainers, monkeypatch, caplog, case):
+    """patch(trainer, fused_loss=True): the loss, every gradient and every metric TRL logs, three-way
+    against the stock trainer and its float64 twin, with no fallback."""
+    stock, truth, batch = trainers
+    results = []
+    with caplog.at_level(logging.WARNING, logger="tplogp.integrations.trl"):
+        for trainer, patched in ((stock, True), (stock, False), (truth, False)):
+            configure(monkeypatch, trainer, TRAINER_FUSED_CASES[case])
+            results.append(compute_loss_step(trainer, batch, patched, fused=patched))
+    assert "fused_loss" not in caplog.text
+    assert_three_way(*results)
+
+
+def test_fused_loss_falls_back_visibly(trainers, monkeypatch, caplog, tmp_path):
+    """A clipped loss logs per-sequence clip metrics: TRL's loss code on tplogp's log-probs
+    computes it, with one warning per trainer naming the metrics."""
+    stock, _, batch = trainers
+    monkeypatch.setattr(stock, "loss_type", "dapo")
+    expected = compute_loss_step(stock, batch, True)
+    with caplog.at_level(logging.WARNING, logger="tplogp.integrations.trl"):
+        ours = compute_loss_step(stock, batch, True, fused=True)
+        compute_loss_step(stock, batch, True, fused=True)
+    warned = [r for r in caplog.records if "fused_loss" in r.getMessage()]
+    assert len(warned) == 1 and "clip_ratio/low_min" in warned[0].getMessage()
+    torch.testing.assert_close(ours["loss"], expected["loss"], rtol=0, atol=0)
+    assert ours["metrics"] == expected["metrics"]
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(ours["grads"][name], grad, rtol=0, atol=0)
+    subclass = grpo_trainer(tiny_model(), tmp_path, cls=tplogp_trl.TplogpGRPOTrainer,
+                            fused_loss=True)
+    assert subclass._tplogp_fused_loss

@@ -45,17 +45,18 @@ def reward(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def grpo_trainer(model, tmp_path, cls=None, peft_config=None, **options):
-    """A trainer of ``model`` on CPU in the model's dtype (with a PEFT adapter of ``peft_config``);
-    ``options``: more (or other) GRPOConfig arguments."""
+def grpo_trainer(model, tmp_path, cls=None, peft_config=None, fused_loss=None, **options):
+    """A trainer of ``model`` on CPU in the model's dtype (with a PEFT adapter of ``peft_config``;
+    ``fused_loss``: the subclass's argument); ``options``: more (or other) GRPOConfig arguments."""
     settings = dict(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=B,
                     num_generations=2, max_completion_length=K, temperature=T, report_to=[],
                     bf16=False, logging_steps=1)
     args = trl.GRPOConfig(**{**settings, **options})
     dataset = datasets.Dataset.from_dict({"prompt": ["t3 t4 t5", "t6 t7"] * 2})
+    extra = {} if fused_loss is None else {"fused_loss": fused_loss}
     trainer = (cls or trl.GRPOTrainer)(model=model, reward_funcs=reward, args=args,
                                        train_dataset=dataset, processing_class=tokenizer(),
-                                       peft_config=peft_config)
+                                       peft_config=peft_config, **extra)
     trainer.current_gradient_accumulation_steps = 2
     return trainer
 
@@ -91,16 +92,17 @@ def configure(monkeypatch, trainer, options: dict) -> None:
         monkeypatch.setattr(target, name.removeprefix("args."), value)
 
 
-def compute_loss_step(trainer, batch, patched: bool):
-    """Loss, metrics and gradients of the trainer's own compute_loss on the batch, and its
-    log-probs and entropies."""
+def compute_loss_step(trainer, batch, patched: bool, fused: bool = False):
+    """Loss, metrics and gradients of the trainer's own compute_loss on the batch (``fused``: the
+    patched trainer's fused loss), and its log-probs and entropies."""
     model = trainer.model
     model.train()
     model.zero_grad(set_to_none=True)
     trainer._metrics["train"].clear()
-    trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
+    for name in ("_get_per_token_logps_and_entropies", "_compute_loss"):
+        trainer.__dict__.pop(name, None)
     if patched:
-        tplogp_trl.patch(trainer)
+        tplogp_trl.patch(trainer, fused_loss=fused)
     parameter = next(model.parameters())
     wide = parameter.dtype == torch.float64
     inputs = {k: (v.double() if wide and v.is_floating_point() else v).to(parameter.device)
@@ -112,7 +114,8 @@ def compute_loss_step(trainer, batch, patched: bool):
             logp, entropy, _ = trainer._get_per_token_logps_and_entropies(
                 model, *sequence_ids(inputs), K, compute_entropy=True)
     finally:
-        trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
+        for name in ("_get_per_token_logps_and_entropies", "_compute_loss"):
+            trainer.__dict__.pop(name, None)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()
              if p.grad is not None}

@@ -37,9 +37,9 @@ from typing import Optional
 import torch
 
 from .. import losses
-from ..losses.grpo_family import GRPOLoss
+from ..losses.grpo_family import CLIPPED, GRPOLoss
 from . import require
-from .hf import causal_lm_logprobs
+from .hf import causal_lm_logprobs, causal_lm_loss
 
 trl = require("trl", "tplogp.integrations.trl", "trl")
 
@@ -113,13 +113,100 @@ def per_token_logps_and_entropies(trainer, model, input_ids, attention_mask, log
             torch.stack(aux_losses).mean() if compute_aux_loss else None)
 
 
+def _unfused(trainer, inputs: dict) -> Optional[str]:
+    """The first option or metric of this loss call that the fused loss cannot match exactly
+    (None: none)."""
+    multimodal = next((name for name in _MULTIMODAL if inputs.get(name) is not None), None)
+    rollout = "importance_sampling_ratio" in inputs and (trainer.loss_type == "vespo" or (
+        trainer.use_vllm and trainer.vllm_importance_sampling_correction))
+    refused = _unfusable(trainer, inputs, rollout)
+    sequence = trainer.importance_sampling_level == "sequence"
+    checks = (
+        (multimodal, multimodal is not None),
+        ("cast_lm_head_to_fp32", trainer.args.cast_lm_head_to_fp32),
+        ("tool_mask", "tool_mask" in inputs),
+        (refused[0] if refused else "", bool(refused)),
+        (f"loss_type {trainer.loss_type}: the metrics clip_ratio/low_min and clip_ratio/high_max "
+         f"(per-sequence values)", trainer.loss_type in CLIPPED),
+        ("loss_type vespo: the metric vespo/phi_seq_mean (per-sequence values)",
+         trainer.loss_type == "vespo"),
+        (f"importance_sampling_level sequence with loss_type {trainer.loss_type} (losses.grpo "
+         f"takes it at the token level)", sequence and trainer.loss_type in ("cispo", "sapo")))
+    return next((name for name, on in checks if on), None)
+
+
+def _global_token_mean(trainer, mean: torch.Tensor, count: torch.Tensor) -> float:
+    """TRL's ``global_masked_mean`` from a process's token mean over ``count`` tokens."""
+    local = torch.stack([mean.detach().float() * count, count]).to(count.device)
+    totals = trainer.accelerator.reduce(local, reduction="sum")
+    return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+
+def fused_compute_loss(trainer, model, inputs: dict, unfused):
+    """``GRPOTrainer._compute_loss`` as one :func:`causal_lm_loss` call of :func:`grpo_loss` (the
+    model's forward, the head's loss and its gradients chunk by chunk), logging TRL's metrics
+    (names and values: token means summed and counted across processes). Where an option or a
+    logged metric has no exact fused equivalent (:func:`_unfused`), ``unfused(model, inputs)``
+    (tplogp's log-probs under TRL's loss code) computes it, and a ``WARNING`` names the option
+    once per trainer."""
+    reason = _unfused(trainer, inputs)
+    if reason is not None:
+        seen = trainer.__dict__.setdefault("_tplogp_unfused", set())
+        if reason not in seen:
+            seen.add(reason)
+            _LOG.warning("tplogp.integrations.trl: fused_loss: %s has no exact fused "
+                         "equivalent: TRL's loss code on tplogp's log-probs computes this loss",
+                         reason)
+        return unfused(model, inputs)
+    fused = grpo_loss(trainer, inputs)
+    mask = inputs["completion_mask"]
+    keep = inputs["completion_ids"].size(1)
+    extra = ({"output_router_logits": True, "return_model_output": True}
+             if trainer.aux_loss_enabled else {})
+    with trainer.accelerator.autocast():
+        result = causal_lm_loss(
+            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], mask], 1), loss=fused.loss,
+            per_token=fused.per_token, loss_mask=mask, logits_to_keep=keep,
+            temperature=trainer.temperature, return_metrics=True, **extra)
+    value, metrics = result[0], result[1]
+    mode = "train" if trainer.model.training else "eval"
+    logged = trainer._metrics[mode]
+    loss = value / fused.divisor
+    if trainer._entropy_bonus_enabled:  # the policy loss: the entropy bonus taken back out
+        policy_loss = (value + trainer.entropy_coef * metrics["entropy_mean"]).detach()
+        logged["policy_loss"].append(trainer.accelerator.gather(policy_loss).nanmean().item())
+        if mode == "train" and trainer.accelerator.sync_gradients:
+            logged["entropy_coef"].append(trainer.entropy_coef)
+    if trainer.aux_loss_enabled:
+        aux_loss = result[2].aux_loss
+        normalizer = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = loss + trainer.router_aux_loss_coef * aux_loss / normalizer
+        logged["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
+    count = mask.sum().float()
+    if trainer.beta != 0.0:
+        logged["kl"].append(_global_token_mean(trainer, metrics["kl_mean"], count))
+    logged["entropy"].append(_global_token_mean(trainer, metrics["entropy_mean"], count))
+    if trainer.loss_type == "cispo":
+        logged["cispo_clip_ratio"].append(
+            _global_token_mean(trainer, metrics["clip_high_fraction"], count))
+    return loss
+
+
 class TplogpGRPOTrainer(trl.GRPOTrainer):
     """``trl.GRPOTrainer`` whose log-probs and entropies come from tplogp
-    (:mod:`tplogp.integrations.trl`); the same arguments."""
+    (:mod:`tplogp.integrations.trl`); the same arguments, and ``fused_loss=True`` for the loss as
+    one fused call (:func:`fused_compute_loss`)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, fused_loss: bool = False, **kwargs):
         check_trl_version()
+        self._tplogp_fused_loss = fused_loss
         super().__init__(*args, **kwargs)
+
+    def _compute_loss(self, model, inputs):
+        if not self._tplogp_fused_loss:
+            return super()._compute_loss(model, inputs)
+        return fused_compute_loss(self, model, inputs, super()._compute_loss)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                            batch_size=None, compute_entropy=False,
@@ -129,17 +216,30 @@ class TplogpGRPOTrainer(trl.GRPOTrainer):
                                              compute_aux_loss, **inputs)
 
 
-def patch(trainer):
+def patch(trainer, fused_loss: bool = False):
     """Make a built ``trl.GRPOTrainer`` (or a subclass of it) compute its log-probs and entropies
-    through tplogp, as :class:`TplogpGRPOTrainer` does; returns the trainer."""
+    through tplogp, as :class:`TplogpGRPOTrainer` does, and with ``fused_loss`` its loss as one
+    fused call (:func:`fused_compute_loss`); returns the trainer."""
     check_trl_version()
     if not isinstance(trainer, trl.GRPOTrainer):
         raise TypeError(f"patch expects a trl.GRPOTrainer, got {type(trainer).__name__}")
-    if not isinstance(trainer, TplogpGRPOTrainer):
-        def method(self, *args, **kwargs):
-            return per_token_logps_and_entropies(self, *args, **kwargs)
+    if isinstance(trainer, TplogpGRPOTrainer):
+        trainer._tplogp_fused_loss = fused_loss
+        return trainer
 
-        trainer._get_per_token_logps_and_entropies = types.MethodType(method, trainer)
+    def method(self, *args, **kwargs):
+        return per_token_logps_and_entropies(self, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = types.MethodType(method, trainer)
+    if fused_loss:
+        unfused = types.MethodType(type(trainer)._compute_loss, trainer)
+
+        def compute(self, model, inputs):
+            return fused_compute_loss(self, model, inputs, unfused)
+
+        trainer._compute_loss = types.MethodType(compute, trainer)
+    else:
+        trainer.__dict__.pop("_compute_loss", None)
     return trainer
 
 
@@ -270,4 +370,4 @@ def grpo_loss(trainer, inputs: dict, training: Optional[bool] = None) -> FusedGR
 
 __all__ = ["TplogpGRPOTrainer", "patch", "check_trl_version", "UnsupportedTRLVersionError",
            "grpo_loss", "FusedGRPO", "Option", "OPTIONS", "option_table",
-           "per_token_logps_and_entropies"]
+           "per_token_logps_and_entropies", "fused_compute_loss"]
