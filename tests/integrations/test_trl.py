@@ -210,6 +210,13 @@ def test_grpo_loss_names_what_it_cannot_fuse(trainers, monkeypatch, option):
 
 
 TRAINER_FUSED_CASES = {
+    **{f"{t}-accumulated": dict(loss_type=t, **{"args.steps_per_generation": 4})
+       for t in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")},
+    "dapo-clip-delta-kl": dict(loss_type="dapo", epsilon_high=0.28, beta=0.04,
+                               **{"args.delta": 1.1, "args.use_bias_correction_kl": True}),
+    "bnpo-tight-clip": dict(loss_type="bnpo", epsilon_low=0.01, epsilon_high=0.01),
+    "grpo-rollout-is": dict(loss_type="grpo", use_vllm=True,
+                            vllm_importance_sampling_correction=True),
     "sapo-entropy": dict(loss_type="sapo", entropy_coef=0.01, _entropy_bonus_enabled=True),
     "sapo-kl-bias-corrected-rollout-is": dict(
         loss_type="sapo", beta=0.04, use_vllm=True,
@@ -235,16 +242,16 @@ def test_fused_loss_in_the_trainer_matches_trls(trainers, monkeypatch, caplog, c
 
 
 def test_fused_loss_falls_back_visibly(trainers, monkeypatch, caplog, tmp_path):
-    """A clipped loss logs per-sequence clip metrics: TRL's loss code on tplogp's log-probs
-    computes it, with one warning per trainer naming the metrics."""
+    """vespo logs a per-sequence metric: TRL's loss code on tplogp's log-probs computes it, with
+    one warning per trainer naming the metric."""
     stock, _, batch = trainers
-    monkeypatch.setattr(stock, "loss_type", "dapo")
+    monkeypatch.setattr(stock, "loss_type", "vespo")
     expected = compute_loss_step(stock, batch, True)
     with caplog.at_level(logging.WARNING, logger="tplogp.integrations.trl"):
         ours = compute_loss_step(stock, batch, True, fused=True)
         compute_loss_step(stock, batch, True, fused=True)
     warned = [r for r in caplog.records if "fused_loss" in r.getMessage()]
-    assert len(warned) == 1 and "clip_ratio/low_min" in warned[0].getMessage()
+    assert len(warned) == 1 and "vespo/phi_seq_mean" in warned[0].getMessage()
     torch.testing.assert_close(ours["loss"], expected["loss"], rtol=0, atol=0)
     assert ours["metrics"] == expected["metrics"]
     for name, grad in expected["grads"].items():

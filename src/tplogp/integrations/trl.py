@@ -37,11 +37,12 @@ from typing import Optional
 import torch
 
 from .. import losses
-from ..losses.grpo_family import CLIPPED, GRPOLoss
+from ..losses.grpo_family import CLIPPED, BoundGRPO, GRPOLoss
 from . import require
 from .hf import causal_lm_logprobs, causal_lm_loss
 
 trl = require("trl", "tplogp.integrations.trl", "trl")
+from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 
 TESTED_TRL = "1.16"  # the release series tests/integrations/test_trl.py runs
 _LOG = logging.getLogger(__name__)
@@ -126,13 +127,80 @@ def _unfused(trainer, inputs: dict) -> Optional[str]:
         ("cast_lm_head_to_fp32", trainer.args.cast_lm_head_to_fp32),
         ("tool_mask", "tool_mask" in inputs),
         (refused[0] if refused else "", bool(refused)),
-        (f"loss_type {trainer.loss_type}: the metrics clip_ratio/low_min and clip_ratio/high_max "
-         f"(per-sequence values)", trainer.loss_type in CLIPPED),
+        (f"importance_sampling_level sequence with loss_type {trainer.loss_type}: the clip_ratio "
+         f"metrics (per-sequence values)", sequence and trainer.loss_type in CLIPPED),
         ("loss_type vespo: the metric vespo/phi_seq_mean (per-sequence values)",
          trainer.loss_type == "vespo"),
         (f"importance_sampling_level sequence with loss_type {trainer.loss_type} (losses.grpo "
          f"takes it at the token level)", sequence and trainer.loss_type in ("cispo", "sapo")))
     return next((name for name, on in checks if on), None)
+
+
+class _ClipFlags(GRPOLoss):
+    """A clipped ``losses.grpo`` loss that also records, for each counted token, TRL's clip flags:
+    ``low`` (``min(ratio, delta) < 1 - epsilon_low`` and advantage < 0) and ``high``
+    (``min(ratio, delta) > 1 + epsilon_high`` and advantage > 0), ``[B, K]`` bool, from the token's
+    own ratio as each chunk evaluates it; a ``position`` per-token tensor (the flat index
+    ``b K + t``) carries each row back to its token through the op's row compaction."""
+
+    def __init__(self, base: GRPOLoss, shape: torch.Size, delta: Optional[float]) -> None:
+        super().__init__(base.config)
+        self.per_token = base.per_token + ("position",)
+        self.delta = delta
+        self.low = torch.zeros(shape, dtype=torch.bool)
+        self.high = torch.zeros(shape, dtype=torch.bool)
+
+    def bind(self, per_token, counted, segments) -> BoundGRPO:
+        self.check_arity(len(per_token))
+        return _FlaggingBound(self, dict(zip(self.per_token, per_token)), counted, segments)
+
+
+class _FlaggingBound(BoundGRPO):
+    """:class:`BoundGRPO` writing :class:`_ClipFlags`' flags of the rows it evaluates."""
+
+    def __init__(self, flags: _ClipFlags, tensors: dict, counted, segments) -> None:
+        super().__init__(flags.config, tensors, counted, segments)
+        self.flags, self.position = flags, tensors["position"]
+
+    def evaluate(self, logp, entropy, rows=None, metrics=False, sequences=None):
+        result = super().evaluate(logp, entropy, rows, metrics, sequences)
+        if self.old is not None:
+            def part(t):
+                return t if rows is None else t[rows]
+
+            with torch.no_grad():
+                on = part(self.m) > 0
+                ratio = torch.exp(torch.where(on, logp.detach() - part(self.old), 0.0))
+                if self.flags.delta is not None:
+                    ratio = ratio.clamp(max=self.flags.delta)
+                adv, c = part(self.adv), self.c
+                index = part(self.position).long().cpu()
+                low = (on & (ratio < 1 - c.epsilon_low) & (adv < 0)).cpu()
+                high = (on & (ratio > 1 + c.epsilon_high) & (adv > 0)).cpu()
+                self.flags.low.view(-1)[index] = low
+                self.flags.high.view(-1)[index] = high
+        return result
+
+
+def _log_clip_metrics(trainer, logged: dict, flags: _ClipFlags, mask: torch.Tensor) -> None:
+    """TRL's ``clip_ratio/*`` metrics from the clip flags, as TRL's ``_compute_loss`` logs them."""
+    mask = mask.float()
+    count = mask.sum()
+
+    def token_mean(flag):
+        local = torch.stack([(flag.to(mask) * mask).sum(), count])
+        totals = trainer.accelerator.reduce(local, reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    def sequence_means(flag):
+        return trainer.accelerator.gather((flag.to(mask) * mask).sum(-1) / mask.sum(-1))
+
+    low, high = flags.low.to(mask.device), flags.high.to(mask.device)
+    logged["clip_ratio/low_mean"].append(token_mean(low))
+    logged["clip_ratio/high_mean"].append(token_mean(high))
+    logged["clip_ratio/region_mean"].append(token_mean(low | high))
+    logged["clip_ratio/low_min"].append(nanmin(sequence_means(low)).item())
+    logged["clip_ratio/high_max"].append(nanmax(sequence_means(high)).item())
 
 
 def _global_token_mean(trainer, mean: torch.Tensor, count: torch.Tensor) -> float:
@@ -161,13 +229,19 @@ def fused_compute_loss(trainer, model, inputs: dict, unfused):
     fused = grpo_loss(trainer, inputs)
     mask = inputs["completion_mask"]
     keep = inputs["completion_ids"].size(1)
+    loss_fn, per_token, flags = fused.loss, fused.per_token, None
+    if trainer.loss_type in CLIPPED:
+        shape = inputs["completion_ids"].shape
+        flags = loss_fn = _ClipFlags(fused.loss, shape, trainer.args.delta)
+        position = torch.arange(shape.numel(), dtype=torch.float32, device=mask.device)
+        per_token = per_token + (position.view(shape),)
     extra = ({"output_router_logits": True, "return_model_output": True}
              if trainer.aux_loss_enabled else {})
     with trainer.accelerator.autocast():
         result = causal_lm_loss(
             model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], mask], 1), loss=fused.loss,
-            per_token=fused.per_token, loss_mask=mask, logits_to_keep=keep,
+            torch.cat([inputs["prompt_mask"], mask], 1), loss=loss_fn, per_token=per_token,
+            loss_mask=mask, logits_to_keep=keep,
             temperature=trainer.temperature, return_metrics=True, **extra)
     value, metrics = result[0], result[1]
     mode = "train" if trainer.model.training else "eval"
@@ -187,6 +261,8 @@ def fused_compute_loss(trainer, model, inputs: dict, unfused):
     if trainer.beta != 0.0:
         logged["kl"].append(_global_token_mean(trainer, metrics["kl_mean"], count))
     logged["entropy"].append(_global_token_mean(trainer, metrics["entropy_mean"], count))
+    if flags is not None:
+        _log_clip_metrics(trainer, logged, flags, mask)
     if trainer.loss_type == "cispo":
         logged["cispo_clip_ratio"].append(
             _global_token_mean(trainer, metrics["clip_high_fraction"], count))
