@@ -78,6 +78,7 @@ def test_moe_router_loss_is_kept(tmp_path):
                compute_loss_step(truth, batch, False)]
     assert "aux_loss" in results[0]["metrics"]
     assert_three_way(*results)
+    assert_three_way(compute_loss_step(stock, batch, True, fused=True), *results[1:])
 
 
 def test_subclass_is_the_patched_trainer(trainers, tmp_path):
