@@ -230,8 +230,8 @@ TRAINER_FUSED_CASES = {
 
 @pytest.mark.parametrize("case", list(TRAINER_FUSED_CASES))
 def test_fused_loss_in_the_trainer_matches_trls(trainers, monkeypatch, caplog, case):
-    """patch(trainer, fused_loss=True): the loss, every gradient and every metric TRL logs, three-way
-    against the stock trainer and its float64 twin, with no fallback."""
+    """patch(trainer, fused_loss=True): the loss, every gradient and every metric TRL logs,
+    three-way against the stock trainer and its float64 twin, with no fallback."""
     stock, truth, batch = trainers
     results = []
     with caplog.at_level(logging.WARNING, logger="tplogp.integrations.trl"):

@@ -22,6 +22,12 @@ ways) and ``cast_lm_head_to_fp32`` (an fp32 head on low-precision hidden states)
 checked: only 1.16.x, the series this module is tested with, is accepted
 (:class:`UnsupportedTRLVersionError` otherwise).
 
+With ``fused_loss=True`` (``TplogpGRPOTrainer(..., fused_loss=True)``, ``patch(trainer,
+fused_loss=True)``) the trainer's ``_compute_loss`` is one :func:`causal_lm_loss` call of
+:func:`grpo_loss` (:func:`fused_compute_loss`), logging TRL's metrics with TRL's values; an option
+or a logged metric without an exact fused equivalent falls back to the path above, with a logging
+line naming it once per trainer.
+
 For a loop of one's own around :func:`tplogp.integrations.hf.causal_lm_loss`, :func:`grpo_loss`
 gives the fused ``losses.grpo`` equivalent of a trainer's loss (docs/integrations.md holds the table
 :func:`option_table` renders from :data:`OPTIONS`).
@@ -322,12 +328,13 @@ def patch(trainer, fused_loss: bool = False):
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One ``trl.GRPOConfig`` option of the loss: how :class:`TplogpGRPOTrainer` computes it
-    (``trainer``) and its ``losses.grpo(...)`` equivalent in :func:`grpo_loss` (``fused``; empty:
-    none)."""
+    (``trainer``), its ``losses.grpo(...)`` equivalent in :func:`grpo_loss` (``fused``; empty:
+    none) and what the trainer's ``fused_loss=True`` does with it (``fused_trainer``)."""
 
     trl: str
     fused: str
     trainer: str = "TRL's loss code on tplogp's log-probs"
+    fused_trainer: str = "fused"
 
 
 _ACCUMULATION = ("`num_items_in_batch.clamp(min=1) / num_processes * "
@@ -336,11 +343,14 @@ _ACCUMULATION = ("`num_items_in_batch.clamp(min=1) / num_processes * "
 OPTIONS = (
     Option("`loss_type` (`grpo`, `bnpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`, `vespo`)",
            "`losses.grpo(loss_type)`; the returned loss divided by "
-           "`current_gradient_accumulation_steps` (training) for all but `dapo`, `cispo`, `vespo`"),
+           "`current_gradient_accumulation_steps` (training) for all but `dapo`, `cispo`, `vespo`",
+           fused_trainer="fused; `vespo` falls back (`vespo/phi_seq_mean` is per sequence)"),
     Option("`num_items_in_batch` (`dapo`, `cispo`, `vespo`)",
            f"`num_items_in_batch=` {_ACCUMULATION}"),
     Option("`max_completion_length` (`dr_grpo`)", "`max_completion_length=`"),
-    Option("`importance_sampling_level` (`token`, `sequence`)", "`importance_sampling_level=`"),
+    Option("`importance_sampling_level` (`token`, `sequence`)", "`importance_sampling_level=`",
+           fused_trainer="`token` fused; `sequence` falls back (the clip metrics are per "
+           "sequence; `cispo`, `sapo`: token level only)"),
     Option("`epsilon`, `epsilon_high`", "`epsilon_low=`, `epsilon_high=` (cispo: the ratio's cap)"),
     Option("`delta`", "`delta=`"),
     Option("`beta` (k3 KL)",
@@ -356,29 +366,34 @@ OPTIONS = (
            "`_lambda_neg`", "the same names"),
     Option("`entropy_coef`",
            "`entropy_coef=` for all but `dapo`, `cispo`, `vespo` (there TRL averages the entropy "
-           "over the counted tokens, not over `num_items_in_batch`)"),
+           "over the counted tokens, not over `num_items_in_batch`)",
+           fused_trainer="fused for all but `dapo`, `cispo`, `vespo` (those fall back)"),
     Option("`temperature`", "`temperature=` of the call", "`temperature=` of `linear_logp`"),
     Option("old log-probs absent (`num_iterations=1`)", "`with_old_logp=False`"),
-    Option("`top_entropy_quantile < 1` (high-entropy token mask)", ""),
-    Option("`off_policy_mask_threshold` (off-policy sequence mask)", ""),
-    Option("`use_adaptive_entropy`", ""),
+    Option("`top_entropy_quantile < 1` (high-entropy token mask)", "", fused_trainer="falls back"),
+    Option("`off_policy_mask_threshold` (off-policy sequence mask)", "",
+           fused_trainer="falls back"),
+    Option("`use_adaptive_entropy`", "", fused_trainer="falls back"),
     Option("`router_aux_loss_coef` (an MoE model's router loss)",
            "`causal_lm_loss(..., output_router_logits=True, return_model_output=True)`: the "
-           "output's `aux_loss`", "TRL's code on the model output's `aux_loss`"),
+           "output's `aux_loss`", "TRL's code on the model output's `aux_loss`",
+           "fused; TRL's code on the output's `aux_loss`"),
     Option("metrics `kl`, `entropy`, `clip_ratio/*`, `cispo_clip_ratio`, `vespo/phi_seq_mean`, "
            "`policy_loss`, `entropy_coef`, `aux_loss`",
            "`return_metrics=True`: `kl_mean`, `entropy_mean`, `clip_*_fraction` per counted token "
            "(not per sequence under `importance_sampling_level=\"sequence\"`; no `low_min` / "
-           "`high_max`)", "TRL's metrics, names and values"),
+           "`high_max`)", "TRL's metrics, names and values",
+           "TRL's names and values: the fused loss's token means, the clip fractions per sequence "
+           "from each token's clip flags"),
 )
 
 
 def option_table() -> str:
     """The markdown table of :data:`OPTIONS` (docs/integrations.md holds it; the tests compare)."""
-    rows = ["| TRL `GRPOConfig` | `TplogpGRPOTrainer` / `patch` | `losses.grpo(...)` for "
-            "`causal_lm_loss` |", "|---|---|---|"]
-    rows += [f"| {o.trl} | {o.trainer} | {o.fused or 'none: the trainer only'} |"
-             for o in OPTIONS]
+    rows = ["| TRL `GRPOConfig` | `TplogpGRPOTrainer` / `patch` | with `fused_loss=True` | "
+            "`losses.grpo(...)` for `causal_lm_loss` |", "|---|---|---|---|"]
+    rows += [f"| {o.trl} | {o.trainer} | {o.fused_trainer} | "
+             f"{o.fused or 'none: the trainer only'} |" for o in OPTIONS]
     return "\n".join(rows) + "\n"
 
 
