@@ -47,3 +47,19 @@ def test_bf16_compute_loss_matches_trls_triton_head(gpu_trainers, monkeypatch, c
         configure(monkeypatch, trainer, CASES[case])
         results.append(compute_loss_step(trainer, batch, patched))
     assert_three_way(*results, dtype=torch.bfloat16, metrics=CONTINUOUS_METRICS)
+
+
+FUSED_GPU_CASES = ["loss_type-dapo", "loss_type-grpo", "loss_type-cispo", "loss_type-sapo",
+                   "beta-bias-corrected"]
+
+
+@pytest.mark.parametrize("case", FUSED_GPU_CASES)
+def test_bf16_fused_loss_matches_trls_triton_head(gpu_trainers, monkeypatch, case):
+    """patch(trainer, fused_loss=True): the loss as one fused call, its loss, continuous metrics
+    and gradients three-way as above."""
+    stock, truth, batch = gpu_trainers
+    results = []
+    for trainer, patched in ((stock, True), (stock, False), (truth, False)):
+        configure(monkeypatch, trainer, CASES[case])
+        results.append(compute_loss_step(trainer, batch, patched, fused=patched))
+    assert_three_way(*results, dtype=torch.bfloat16, metrics=CONTINUOUS_METRICS)

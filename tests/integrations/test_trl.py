@@ -111,6 +111,27 @@ def test_a_training_step_goes_through_tplogp(tmp_path, monkeypatch):
                for k in ("loss", "entropy", "clip_ratio/region_mean"))
 
 
+def test_a_fused_loss_training_step(tmp_path, monkeypatch, caplog):
+    """trainer.train() with fused_loss=True: generation, then the fused loss with no fallback, and
+    TRL's metrics logged."""
+    calls = []
+    original = tplogp_trl.causal_lm_loss
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["loss"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tplogp_trl, "causal_lm_loss", spy)
+    trainer = grpo_trainer(tiny_model(), tmp_path, cls=tplogp_trl.TplogpGRPOTrainer, max_steps=1,
+                           save_strategy="no", fused_loss=True)
+    with caplog.at_level(logging.WARNING, logger="tplogp.integrations.trl"):
+        trainer.train()
+    assert "fused_loss" not in caplog.text and len(calls) == 1, calls
+    logged = trainer.state.log_history[0]
+    assert all(torch.isfinite(torch.tensor(logged[k]))
+               for k in ("loss", "entropy", "clip_ratio/region_mean", "clip_ratio/high_max"))
+
+
 def test_a_lora_training_step_with_a_kl_term(tmp_path, monkeypatch):
     """A PEFT model's step with beta > 0: the reference log-probs (the adapter disabled) go through
     the integration as well."""

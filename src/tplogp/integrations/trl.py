@@ -149,12 +149,13 @@ class _ClipFlags(GRPOLoss):
     own ratio as each chunk evaluates it; a ``position`` per-token tensor (the flat index
     ``b K + t``) carries each row back to its token through the op's row compaction."""
 
-    def __init__(self, base: GRPOLoss, shape: torch.Size, delta: Optional[float]) -> None:
+    def __init__(self, base: GRPOLoss, shape: torch.Size, delta: Optional[float],
+                 device: torch.device) -> None:
         super().__init__(base.config)
         self.per_token = base.per_token + ("position",)
         self.delta = delta
-        self.low = torch.zeros(shape, dtype=torch.bool)
-        self.high = torch.zeros(shape, dtype=torch.bool)
+        self.low = torch.zeros(shape, dtype=torch.bool, device=device)
+        self.high = torch.zeros(shape, dtype=torch.bool, device=device)
 
     def bind(self, per_token, counted, segments) -> BoundGRPO:
         self.check_arity(len(per_token))
@@ -180,11 +181,11 @@ class _FlaggingBound(BoundGRPO):
                 if self.flags.delta is not None:
                     ratio = ratio.clamp(max=self.flags.delta)
                 adv, c = part(self.adv), self.c
-                index = part(self.position).long().cpu()
-                low = (on & (ratio < 1 - c.epsilon_low) & (adv < 0)).cpu()
-                high = (on & (ratio > 1 + c.epsilon_high) & (adv > 0)).cpu()
-                self.flags.low.view(-1)[index] = low
-                self.flags.high.view(-1)[index] = high
+                index = part(self.position).long().to(self.flags.low.device)
+                low = on & (ratio < 1 - c.epsilon_low) & (adv < 0)
+                high = on & (ratio > 1 + c.epsilon_high) & (adv > 0)
+                self.flags.low.view(-1)[index] = low.to(self.flags.low.device)
+                self.flags.high.view(-1)[index] = high.to(self.flags.low.device)
         return result
 
 
@@ -201,7 +202,7 @@ def _log_clip_metrics(trainer, logged: dict, flags: _ClipFlags, mask: torch.Tens
     def sequence_means(flag):
         return trainer.accelerator.gather((flag.to(mask) * mask).sum(-1) / mask.sum(-1))
 
-    low, high = flags.low.to(mask.device), flags.high.to(mask.device)
+    low, high = flags.low, flags.high
     logged["clip_ratio/low_mean"].append(token_mean(low))
     logged["clip_ratio/high_mean"].append(token_mean(high))
     logged["clip_ratio/region_mean"].append(token_mean(low | high))
@@ -238,7 +239,7 @@ def fused_compute_loss(trainer, model, inputs: dict, unfused):
     loss_fn, per_token, flags = fused.loss, fused.per_token, None
     if trainer.loss_type in CLIPPED:
         shape = inputs["completion_ids"].shape
-        flags = loss_fn = _ClipFlags(fused.loss, shape, trainer.args.delta)
+        flags = loss_fn = _ClipFlags(fused.loss, shape, trainer.args.delta, mask.device)
         position = torch.arange(shape.numel(), dtype=torch.float32, device=mask.device)
         per_token = per_token + (position.view(shape),)
     extra = ({"output_router_logits": True, "return_model_output": True}
