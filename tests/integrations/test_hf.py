@@ -510,3 +510,50 @@ def test_benchmark_smoke_rows():
                 step, impl, values[step, impl], trl)
     assert values["grpo_loss", "trl_fused_head"] != values["gspo_loss", "trl_fused_head"]  # two different losses
     assert integrations.format_row(rows[0]).count("|") == integrations.TABLE_HEADER.splitlines()[0].count("|")
+
+
+def _top_k_support(model, ids, mask, k: int, csr: bool):
+    """A sampler's kept ids per position: the k largest logits plus the target (padded with -1 where
+    the target was among them), or the same ids as a CSR pair over the flattened positions."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+    top = logits.topk(k, dim=-1).indices
+    targets = ids[:, 1:, None]
+    extra = torch.where((top == targets).any(-1, keepdim=True), -1, targets)
+    padded = torch.cat([top, extra], dim=-1)
+    if not csr:
+        return padded
+    flat = padded.reshape(-1, padded.shape[-1])
+    counts = (flat >= 0).sum(-1)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return offsets, flat[flat >= 0]
+
+
+@pytest.mark.parametrize("csr", [False, True], ids=["padded", "csr"])
+def test_support_is_the_ops_support_on_the_models_hidden_states(csr):
+    """causal_lm_logprobs / causal_lm_loss with support= give what linear_logp / linear_logp_loss
+    give with it on the model's final hidden states and head (values and the hidden-state gradient
+    path included), and differ from the full-vocabulary values."""
+    import tplogp
+
+    model = _model("llama")
+    ids, mask = _batch("left")
+    support = _top_k_support(model, ids, mask, 5, csr)
+    hidden = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                   output_hidden_states=True).hidden_states[-1][:, :-1].detach()
+    head = model.get_output_embeddings()
+    direct = tplogp.linear_logp(hidden, head.weight, ids[:, 1:], temperature=T, return_entropy=True,
+                                support=support)
+    ours = causal_lm_logprobs(model, ids, mask, temperature=T, return_entropy=True, support=support)
+    for o, d in zip(ours, direct):
+        torch.testing.assert_close(o, d, rtol=1e-5, atol=1e-5)
+    full = causal_lm_logprobs(model, ids, mask, temperature=T)
+    assert (ours.logp >= full - 1e-6).all() and (ours.logp > full + 1e-3).any()
+
+    loss_mask = mask[:, 1:]
+    pg = lambda logp, entropy, adv: -adv * logp  # noqa: E731
+    adv = torch.linspace(-1.0, 1.0, B)
+    loss = causal_lm_loss(model, ids, mask, loss=pg, per_token=(adv,), loss_mask=loss_mask,
+                          with_entropy=False, temperature=T, support=support)
+    expected = (-adv[:, None] * direct.logp * loss_mask).sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)

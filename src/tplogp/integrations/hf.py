@@ -309,6 +309,16 @@ def _per_token(tensors: Sequence[torch.Tensor], shape: tuple) -> tuple:
     return tuple(out)
 
 
+def _support_on(support, device: torch.device):
+    """The sampler's support (padded tensor or CSR pair) on the head's device; anything else as
+    given (the op's checks name it)."""
+    if isinstance(support, torch.Tensor):
+        return support.to(device)
+    if isinstance(support, tuple):
+        return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in support)
+    return support
+
+
 def _positions(input_ids: torch.Tensor, logits_to_keep: int) -> int:
     return input_ids.shape[1] - 1 if logits_to_keep == 0 else logits_to_keep
 
@@ -323,6 +333,7 @@ def causal_lm_logprobs(
     return_entropy: bool = False,
     workspace_bytes: Optional[int] = None,
     return_model_output: bool = False,
+    support=None,
     **model_kwargs,
 ):
     """Per-token log-probs of ``input_ids[:, 1:]`` under a Hugging Face causal LM, without its
@@ -348,6 +359,10 @@ def causal_lm_logprobs(
         return_model_output: also return the model's output object (its logits field holds the
             head's result; its other fields as the model returns them, e.g. an MoE model's
             ``aux_loss`` with ``output_router_logits=True``).
+        support: the sampler's kept ids of each log-prob's position (top-k / top-p replay), as in
+            :func:`tplogp.linear_logp`: padded ``[B, positions, K]`` (``-1`` for none) or a CSR
+            pair ``(offsets, ids)`` over the flattened ``[B, positions]`` tokens; the log-probs
+            (and entropy) are then those renormalized over each position's ids.
         model_kwargs: passed to the model's forward (``position_ids``, ...); ``use_cache`` defaults
             to False.
 
@@ -368,7 +383,8 @@ def causal_lm_logprobs(
         t_eff = temperature if scale is None else scale.temperature(temperature)
         out = linear_logp_entry(entry, hidden, head.weight, targets.to(hidden.device), head.bias,
                                 temperature=t_eff, softcap=_softcap(scale),
-                                return_entropy=return_entropy, workspace_bytes=workspace_bytes)
+                                return_entropy=return_entropy, workspace_bytes=workspace_bytes,
+                                support=_support_on(support, hidden.device))
         # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a
         # view)
         return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
@@ -395,6 +411,7 @@ def causal_lm_loss(
     with_entropy: bool = True,
     return_metrics: bool = False,
     return_model_output: bool = False,
+    support=None,
     **model_kwargs,
 ):
     """A per-token RL loss of a Hugging Face causal LM's token log-probs, reduced to a scalar,
@@ -423,8 +440,9 @@ def causal_lm_loss(
             entropy (policy gradient, PPO / GRPO clipping, KL): it then gets ``entropy=None`` and
             the forward skips the entropy statistics.
         model, input_ids, attention_mask, logits_to_keep, temperature, workspace_bytes,
-        return_model_output,
-            model_kwargs: as in :func:`causal_lm_logprobs`.
+        return_model_output, support,
+            model_kwargs: as in :func:`causal_lm_logprobs` (positions left out by ``loss_mask``
+            need no support).
 
     Returns:
         a 0-d float32 tensor; with ``return_metrics`` ``(loss, metrics)``; with
@@ -460,7 +478,8 @@ def causal_lm_loss(
                                        reduction=reduction, temperature=t_eff,
                                        softcap=_softcap(scale), ignore_index=ignore,
                                        workspace_bytes=workspace_bytes, with_entropy=with_entropy,
-                                       return_metrics=return_metrics)
+                                       return_metrics=return_metrics,
+                                       support=_support_on(support, local.device))
         # the model returns the loss where it returns its logits; the metrics come aside
         if return_metrics:
             value, found = value

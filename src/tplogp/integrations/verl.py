@@ -40,6 +40,8 @@ def linear_cross_entropy(
     temperature: float = 1.0,
     reduction: str = "none",
     dist_process_group: Optional[dist.ProcessGroup] = None,
+    *,
+    support=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)`` of ``labels`` through ``weight`` with verl's meaning (see the module
     docstring).
@@ -51,6 +53,9 @@ def linear_cross_entropy(
         temperature: the logits are divided by it.
         reduction: ``"none"``, ``"sum"`` or ``"mean"`` (of logprobs; entropy is always per token).
         dist_process_group: the group the vocabulary is sharded over, or None.
+        support: the sampler's kept GLOBAL ids per token (top-k / top-p replay), as in
+            :func:`tplogp.linear_logp`: padded ``labels.shape + (K,)`` (``-1`` for none) or a CSR
+            pair ``(offsets, ids)`` over the N tokens; the outputs are then renormalized over them.
 
     Returns:
         float32 ``logprobs`` (``[N]``, or 0-d with ``"sum"`` / ``"mean"``) and ``entropy`` ``[N]``.
@@ -74,6 +79,8 @@ def linear_cross_entropy(
                                   f"got labels {tuple(labels.shape)}")
             # (the call is rejected: the problem above)
             flat_labels = labels.new_zeros(flat_hidden.shape[0])
+        if isinstance(support, torch.Tensor) and support.dim() == labels.dim() + 1:
+            support = support.reshape(-1, support.shape[-1])  # (other shapes: the op names them)
     # (not a tensor: the op's checks name it; a temperature that is not a positive finite number:
     # the op's too)
     world = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
@@ -87,7 +94,7 @@ def linear_cross_entropy(
     entry = EntryCheck("linear_cross_entropy", problem, (("reduction", reduction),))
     logprobs, entropy = linear_logp_entry(entry, flat_hidden, weight, flat_labels,
                                           temperature=temperature, return_entropy=True,
-                                          **group_kwargs)
+                                          support=support, **group_kwargs)
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":
