@@ -164,3 +164,23 @@ def test_bad_argument_on_one_rank_raises_on_every_rank(tp, case):
     checks = (("logprobs", logp, ref_logp, truth_logp),
               ("entropy", entropy, ref_entropy, truth_entropy))
     assert_no_worse_on_every_rank(tp, checks, torch.float32)
+
+
+def test_support_is_passed_to_the_op():
+    """support= (padded labels.shape + (K,), or CSR over the N tokens) gives the op's renormalized
+    values on the flattened tokens."""
+    import tplogp
+
+    hidden, weight, labels, _, _ = _inputs(3)
+    others = (labels[..., None] + torch.tensor([1, 3, 7])) % weight.shape[0]
+    others[0, 0, 1:] = -1  # a token with fewer kept ids
+    padded = torch.cat([others[..., :1], labels[..., None], others[..., 1:]], dim=-1)
+    flat = padded.reshape(-1, 4)
+    direct = tplogp.linear_logp(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                return_entropy=True, support=flat)
+    counts = (flat >= 0).sum(-1)
+    csr = (torch.cat([counts.new_zeros(1), counts.cumsum(0)]), flat[flat >= 0])
+    for support in (padded, csr):
+        logp, entropy = linear_cross_entropy(hidden, weight, labels, support=support)
+        torch.testing.assert_close(logp, direct.logp, rtol=0, atol=0)
+        torch.testing.assert_close(entropy, direct.entropy, rtol=0, atol=0)
