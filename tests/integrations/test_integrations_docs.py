@@ -21,7 +21,8 @@ def _run(name: str, **namespace) -> None:
 
 
 def test_every_section_has_an_example():
-    assert set(_examples()) == {"trl", "hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo", "verl", "verl-tp"}
+    assert set(_examples()) == {"trl", "hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo", "verl", "verl-tp",
+                                 "hf-support-vllm", "hf-support-sglang"}
 
 
 def test_trl_example(tmp_path):
@@ -37,7 +38,8 @@ def test_trl_option_table_is_the_integrations():
     assert found and found.group(1) == option_table(), "docs/integrations.md: paste option_table()'s output"
 
 
-@pytest.mark.parametrize("name", ["hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo"])
+@pytest.mark.parametrize("name", ["hf-logprobs", "hf-gemma", "hf-grpo", "hf-gspo",
+                                  "hf-support-vllm", "hf-support-sglang"])
 def test_hugging_face_examples(name):
     pytest.importorskip("transformers")
     _run(name)
