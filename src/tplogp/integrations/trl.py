@@ -36,6 +36,7 @@ gives the fused ``losses.grpo`` equivalent of a trainer's loss (docs/integration
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import types
 from typing import Optional
@@ -48,7 +49,8 @@ from . import require
 from .hf import causal_lm_logprobs, causal_lm_loss
 
 trl = require("trl", "tplogp.integrations.trl", "trl")
-from trl.trainer.utils import nanmax, nanmin  # noqa: E402
+_trl_utils = importlib.import_module("trl.trainer.utils")  # (trl is there: require said so)
+nanmax, nanmin = _trl_utils.nanmax, _trl_utils.nanmin
 
 TESTED_TRL = "1.16"  # the release series tests/integrations/test_trl.py runs
 _LOG = logging.getLogger(__name__)

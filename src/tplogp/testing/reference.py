@@ -69,11 +69,23 @@ def reference_outputs(
                               softcap=softcap)
     logprobs = torch.log_softmax(logits, dim=-1)
     lse = torch.logsumexp(logits, dim=-1)
+    return _per_token(logprobs, logprobs.exp(), lse, target_ids, _kept(target_ids, ignore_index))
+
+
+def _kept(target_ids: torch.Tensor, ignore_index: Optional[int]) -> torch.Tensor:
+    """Whether each token counts (its target is not ``ignore_index``)."""
     tgt = target_ids.long()
-    keep = torch.ones_like(tgt, dtype=torch.bool) if ignore_index is None else tgt != ignore_index
+    return torch.ones_like(tgt, dtype=torch.bool) if ignore_index is None else tgt != ignore_index
+
+
+def _per_token(logprobs: torch.Tensor, probs: torch.Tensor, lse: torch.Tensor,
+               target_ids: torch.Tensor, keep: torch.Tensor) -> ReferenceOutputs:
+    """The target's log-prob and the entropy ``-sum p log p`` per token, 0 where ``keep`` is
+    False, beside ``lse``."""
+    tgt = target_ids.long()
     safe = torch.where(keep, tgt, torch.zeros_like(tgt))
     logp = logprobs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    entropy = -(probs * logprobs).sum(-1)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     return ReferenceOutputs(torch.where(keep, logp, zero), torch.where(keep, entropy, zero), lse)
 
@@ -128,15 +140,10 @@ def reference_support_outputs(
     and 0 entropy (their lse is that of the whole vocabulary: they need no support)."""
     logits = reference_logits(hidden, weight, bias, mode=mode, temperature=temperature,
                               softcap=softcap)
-    tgt = target_ids.long()
-    keep = torch.ones_like(tgt, dtype=torch.bool) if ignore_index is None else tgt != ignore_index
+    keep = _kept(target_ids, ignore_index)
     mask = support_mask(support, logits.shape[-1]) | ~keep.unsqueeze(-1)
     masked = logits.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(masked, dim=-1)
     logprobs = torch.where(mask, masked - lse.unsqueeze(-1), torch.zeros((), dtype=logits.dtype))
     p = torch.where(mask, logprobs.exp(), torch.zeros((), dtype=logits.dtype))
-    safe = torch.where(keep, tgt, torch.zeros_like(tgt))
-    logp = logprobs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    entropy = -(p * logprobs).sum(-1)
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    return ReferenceOutputs(torch.where(keep, logp, zero), torch.where(keep, entropy, zero), lse)
+    return _per_token(logprobs, p, lse, target_ids, keep)
