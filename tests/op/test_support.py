@@ -28,6 +28,7 @@ OPTIONS = {
     "temperature-softcap": dict(temperature=0.7, softcap=4.0),
     "ignore-tiled": dict(ignore_index=IGNORE, workspace_bytes=4096),  # tiles of a few columns
     "deterministic": dict(deterministic=True, temperature=1.3),
+    "tp-invariant": dict(deterministic="tp_invariant", temperature=0.9, softcap=5.0),
 }
 
 
@@ -243,11 +244,8 @@ def test_bad_supports_raise():
     _call(tplogp.linear_logp, problem, problem[4])
 
 
-def test_tp_invariant_and_label_smoothing_are_refused():
-    problem = _problem(seed=8)
-    with pytest.raises(LinearLogpInputError, match="tp_invariant.*not implemented with support="):
-        _call(tplogp.linear_logp, problem, problem[4], deterministic="tp_invariant")
-    hidden, weight, bias, target, support = problem
+def test_label_smoothing_is_refused():
+    hidden, weight, bias, target, support = _problem(seed=8)
     with pytest.raises(LinearLogpInputError, match="label smoothing.*support="):
         tplogp.linear_logp_loss(hidden, weight, target, bias, support=support,
                                 loss=losses.cross_entropy(label_smoothing=0.1))
@@ -363,6 +361,53 @@ def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, monkeyp
         found.append(f"argmax {ours.argmax.tolist()} != {expected.tolist()}")
     tp.assert_all(not found, "; ".join(found))
     _assert_path_taken(tp, path, seen)
+
+
+# three grid blocks of the tensor-parallel-invariant level (128 columns), cut by every TP degree
+INVARIANT_VOCAB = 331
+
+
+@pytest.mark.tp(world_size=[2, 3, 4], timeout=300)
+def test_tp_invariant_support_bitwise_equal_to_one_shard(tp):
+    """``deterministic="tp_invariant"`` with a support: on uneven shards that cut the grid's blocks,
+    logp, entropy, lse and this rank's d_W / d_b rows equal the whole vocabulary's without a group
+    (TP=1) bit for bit, and the fused loss's value and gradient rows too (the mask is a function of
+    the global id and the row alone)."""
+    from tplogp.support.shards import uneven_boundaries
+
+    v = INVARIANT_VOCAB
+    problem = _problem(seed=30, vocab=v, ignore=True)
+    hidden, weight, bias, target, support = problem
+    bounds = uneven_boundaries(v, tp.world_size)
+    s, e = bounds[tp.rank], bounds[tp.rank + 1]
+    kw = dict(deterministic="tp_invariant", temperature=0.7, softcap=6.0, ignore_index=IGNORE)
+    upstream = [u.float() for u in _upstream((B, L), 31)]
+
+    def run(w, b, **group):
+        leaves = (hidden.clone().requires_grad_(), w.clone().requires_grad_(),
+                  b.clone().requires_grad_())
+        out, leaves = _call(tplogp.linear_logp, problem, support, leaves=leaves, **kw, **group)
+        keep = (target != IGNORE).float()
+        sum((o * u * keep).sum() for o, u in zip(out, upstream)).backward()
+        loss_w, loss_b = w.clone().requires_grad_(), b.clone().requires_grad_()
+        value = tplogp.linear_logp_loss(hidden, loss_w, target, loss_b, support=_csr(support),
+                                        loss=losses.cross_entropy() + losses.entropy_bonus(0.1),
+                                        **kw, **group)
+        value.backward()
+        return ([o.detach() for o in out] + [leaves[1].grad, leaves[2].grad, value.detach(),
+                                              loss_w.grad, loss_b.grad])
+
+    mine = run(weight[s:e], bias[s:e], tp_group=tp.group, vocab_start_index=s,
+               global_vocab_size=v)
+    whole = run(weight, bias)
+    names = ("logp", "entropy", "lse", "d_weight", "d_bias", "loss", "loss d_weight", "loss d_bias")
+    rows = {"d_weight", "d_bias", "loss d_weight", "loss d_bias"}
+    bad = [n for n, a, r in zip(names, mine, whole)
+           if not torch.equal(a, r[s:e] if n in rows else r)]
+    tp.assert_all(not bad, f"rank {tp.rank} [{s}, {e}): not bitwise equal to TP=1: {bad}")
+    found = _compare(*_call(tplogp.linear_logp, problem, support, **kw), problem, support,
+                     _upstream((B, L), 32), **kw)
+    tp.assert_all(not found, "; ".join(found))
 
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)

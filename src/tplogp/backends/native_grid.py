@@ -32,6 +32,7 @@ import torch
 from ..support import fp32_gemm
 from ..support.masked_rows import floored, rescale_max
 from .base import BlockStats, ShardCall, ShardGrads
+from .native_support import kept_columns, support_rows
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _pad_rows, _token_chunk,
                            call_logits_tile, call_recomputed_dz)
 
@@ -62,6 +63,8 @@ def forward_blocks(hidden, weight, bias, local_target, call: ShardCall) -> Block
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             z = call_logits_tile(_pad_rows(hidden[t0:t1], tc), w_blk, b_blk, call)  # [tc, B]
+            if call.support is not None:  # outside the row's support: -inf (masked columns)
+                z.masked_fill_(~_kept(call.support, t0, t1, tc, v0, cols), float("-inf"))
             rel = local_target[t0:t1] - v0
             own = (rel >= 0) & (rel < v1 - v0)
             picked = z[: t1 - t0].gather(1, rel.clamp(0, cols - 1).unsqueeze(1)).squeeze(1)
@@ -112,6 +115,8 @@ def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_l
         acc_b = torch.zeros(cols, device=dev, dtype=f32) if need_b else None
         for ch, h_g in zip(chunks, h_gemm):
             dz, slope = call_recomputed_dz(ch, w_blk, b_blk, call)
+            if call.support is not None:  # p = 0 outside the row's support
+                dz.masked_fill_(~_kept(call.support, ch.t0, ch.t1, tc, v0, cols), 0.0)
             dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
             del slope
             if acc_b is not None:
@@ -134,6 +139,13 @@ def backward_blocks(hidden, weight, bias, local_target, row_max, log_sum, grad_l
     if d_hidden is not None and d_hidden_ready is not None:
         d_hidden_ready(d_hidden)
     return ShardGrads(d_hidden, d_weight, d_bias)
+
+
+def _kept(support: torch.Tensor, t0: int, t1: int, rows: int, v0: int, cols: int) -> torch.Tensor:
+    """``[rows, cols]`` bool: the columns ``[v0, v0 + cols)`` that rows ``[t0, t1)`` of the support
+    keep (padding rows and columns keep none). A function of the global id and the row alone, so
+    the masked grid stays invariant to the shard boundaries."""
+    return kept_columns(support_rows(support, t0, t1, rows), v0, v0 + cols)
 
 
 def _grid_blocks(weight: torch.Tensor, bias: Optional[torch.Tensor], cols: int):

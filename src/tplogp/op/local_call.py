@@ -163,8 +163,10 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
     call_for_backward = plan.call_for_backward
     if support is not None:  # this shard's ids of the support, shard-local, on the call's settings
-        start = 0 if tpc.single else args.vocab_start_index
-        support = local_ids(support, start, w.shape[0])
+        if tpc.regrid is not None:  # the rows of the grid blocks this rank computes
+            support = local_ids(support, tpc.regrid.lo, tpc.regrid.hi - tpc.regrid.lo)
+        else:
+            support = local_ids(support, 0 if tpc.single else args.vocab_start_index, w.shape[0])
         tpc.call = replace(tpc.call, support=support)
         call_for_backward = replace(call_for_backward, support=support)
     return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored,

@@ -132,10 +132,6 @@ def local_problem(
 def _support_problem(options: LogpOptions, target_ids: torch.Tensor) -> Optional[str]:
     """What a call with ``support=`` cannot be (its form: :mod:`tplogp.op.support_ids`), or
     None."""
-    if options.deterministic == invariant.LEVEL:
-        return (f"deterministic={invariant.LEVEL!r} is not implemented with support= (its grid "
-                f"blocks do not mask per token): use deterministic=True, which is bitwise "
-                f"reproducible for one TP degree")
     if options.with_sum_z:
         return ("label smoothing reads the sum of the logits over the whole vocabulary, which a "
                 "call with support= does not compute: drop label_smoothing or support=")
