@@ -90,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                     help="default bf16; smoke fp32")
     tp.add_argument("--steps", type=int, default=None)
+    tp.add_argument("--support", default=None, metavar="K<k>-<kind>",
+                    help="also pass a sampler's support of k ids per token (kind shared or "
+                         "disjoint, benchmarks/supports.py; its union size in the row), e.g. "
+                         "K64-shared")
     tp.add_argument("--layouts", default="replicated,gather-allreduce,sequence-parallel",
                     help="hidden layouts, comma-separated: replicated, gather-allreduce (a "
                          "sequence-parallel caller gathering by hand), sequence-parallel (the op's "
@@ -221,9 +225,9 @@ def _tp(args) -> int:
     if unknown:
         raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from "
                          f"{', '.join(tp.LAYOUTS)}")
-    rows = tp.bench(shape, degrees, args.impls, dtype, args.steps or (2 if smoke else 10), 1
-                    if smoke else 3,
-                    layouts)
+    support = None if args.support is None else tp.parse_support(args.support)
+    rows = tp.bench(shape, degrees, args.impls, dtype, args.steps or (2 if smoke else 10),
+                    1 if smoke else 3, layouts, support)
     _finish(args.out, rows, info, smoke, tp.format_row)
     return 0
 

@@ -33,10 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
-from . import runner
+from . import runner, supports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,10 +61,22 @@ def collective_bytes(layout: str, n: int, d: int, p: int, itemsize: int) -> tupl
     return gather, reduce_scatter
 
 
+def parse_support(text: str) -> tuple[int, str]:
+    """``K<k>-<kind>`` (``--support``) as ``(k, kind)``."""
+    head, _, kind = text.partition("-")
+    if not head.startswith("K") or not head[1:].isdigit() or int(head[1:]) < 1 or \
+            kind not in supports.KINDS:
+        raise SystemExit(f"--support: expected K<k>-<kind> with k >= 1 and kind one of "
+                         f"{', '.join(supports.KINDS)}, got {text!r}")
+    return int(head[1:]), kind
+
+
 def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: str, steps: int,
-          warmup: int, layouts: tuple[str, ...] = ("replicated",)) -> list[dict]:
+          warmup: int, layouts: tuple[str, ...] = ("replicated",),
+          support: Optional[tuple[int, str]] = None) -> list[dict]:
     """One ``torchrun`` per degree, which measures every layout in turn (rows layout-major, degrees
-    ascending)."""
+    ascending); ``support``: ``(k, kind)``, every call given that sampler's support."""
+    extra = [] if support is None else ["--support", f"K{support[0]}-{support[1]}"]
     by_layout: dict[str, list[dict]] = {layout: [] for layout in layouts}
     for p in degrees:
         with tempfile.TemporaryDirectory(prefix="tplogp-tp-") as tmp:
@@ -72,11 +85,14 @@ def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: s
                    "-m", "benchmarks.tp", "--shape", runner.shape_label(shape), "--source", source,
                    "--dtype", dtype, "--steps", str(steps), "--warmup", str(warmup), "--row-dir",
                    tmp,
-                   "--layouts", ",".join(layouts)]
+                   "--layouts", ",".join(layouts), *extra]
             out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
             for layout in layouts:
                 row_file = os.path.join(tmp, f"{layout}.json")
-                by_layout[layout].append(_row(shape, p, source, dtype, layout, out, row_file))
+                row = _row(shape, p, source, dtype, layout, out, row_file)
+                if support is not None:
+                    row["impl"] += f" support=K{support[0]}-{support[1]}"
+                by_layout[layout].append(row)
     rows = []
     for layout_rows in by_layout.values():
         base = next((r["step_ms"] for r in layout_rows if r["tp"] == 1 and "step_ms" in r), None)
@@ -114,6 +130,8 @@ def format_row(r: dict) -> str:
     host = (f" | host {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} us (thread / all)"
             if "host_step_us" in r else "")
     layout = f" {r['layout']}" if r.get("layout", "replicated") != "replicated" else ""
+    if "support_union" in r:
+        layout += f" {r['impl'].rsplit(' ', 1)[-1]} (union {r['support_union']} ids)"
     bwd = (f" | bwd {r['bwd_ms']:.3f} ms, {r['bwd_bytes_per_rank'] / 2**20:.2f} MiB/rank"
            if "bwd_ms" in r else "")
     return (f"{r['shape']:>18} TP={r['tp']}{layout} {r['backend']} | step {r['step_ms']:.3f} ms "
@@ -138,6 +156,7 @@ def _worker(argv: list[str]) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--row-dir", required=True)
     ap.add_argument("--layouts", default="replicated")
+    ap.add_argument("--support", default=None)
     args = ap.parse_args(argv)
     env = launch_env()
     rank, world = env.rank, env.world_size
@@ -151,12 +170,16 @@ def _worker(argv: list[str]) -> None:
     full = (torch.randn(n, d, generator=g) * 0.5).to(dt).to(device)
     target = torch.randint(0, v, (n,), generator=g).to(device)
     upstream = torch.randn(n, generator=g).to(device)
+    support_ids = None
+    if args.support is not None:  # replicated: made on the host from the same seed on every rank
+        k, kind = parse_support(args.support)
+        support_ids = supports.make_support(target.cpu(), v, k, kind).to(device)
     wg = torch.Generator(device="cpu").manual_seed(100 + rank)
     weight = (torch.randn(end - start, d, generator=wg) / d**0.5).to(dt).to(device).requires_grad_()
     op = get_op("linear_logp", source=None if args.source == "registry" else args.source)
     group = dist.group.WORLD if world > 1 else None  # TP=1: the op without a group (its plain path)
     comm_device = device if backend == "nccl" else torch.device("cpu")
-    kw = dict(tp_group=group, vocab_start_index=start, global_vocab_size=v)
+    kw = dict(tp_group=group, vocab_start_index=start, global_vocab_size=v, support=support_ids)
     # this rank's tokens under sequence parallelism
     mine = slice(rank * n // world, (rank + 1) * n // world)
 
@@ -217,7 +240,9 @@ def _worker(argv: list[str]) -> None:
                 "tflops_per_gpu": round(4 * 2 * n * d * v / world / (slowest_ms * 1e-3) / 1e12, 2),
                 "peak_gib_per_rank": None if peak_gib < 0 else round(peak_gib, 3),
                 "host_step_us": round(host_thread, 1), "host_step_all_us": round(host_all, 1),
-                "bwd_ms": round(bwd_ms, 3)}
+                "bwd_ms": round(bwd_ms, 3),
+                **({} if support_ids is None else
+                   {"support_union": supports.union_size(support_ids)})}
 
     for layout in args.layouts.split(","):
         row = measure(layout)
