@@ -459,6 +459,14 @@ def test_tp_bad_supports_raise_on_every_rank(tp, vocab_shards):
     if tp.rank == 1:
         one_rank[0, 4, :2] = target[0, 4]
     cases.append(("one-rank", (one_rank, r"more than once")))
+    # valid supports that differ between the ranks: one id dropped, or no support at all, on rank 1
+    differs = support.clone()
+    if tp.rank == 1:
+        row = differs[1, 1]  # (2 ids or more)
+        row[((row >= 0) & (row != target[1, 1])).nonzero()[0, 0]] = -1
+    agree = r"support= \(replicated.*must be the same on every TP rank, got rank 0: #"
+    cases.append(("one-rank-differs", (differs, agree)))
+    cases.append(("one-rank-none", (None if tp.rank == 1 else support, agree)))
     outcome = []
     for case, (bad, pattern) in cases:
         for vocab in (V, None):
@@ -474,6 +482,11 @@ def test_tp_bad_supports_raise_on_every_rank(tp, vocab_shards):
                                       support=support)
             if not torch.isfinite(good).all():
                 outcome.append(f"{case}: the next call is not finite")
+    # the same kept sets in another order within each token: the same fingerprint, no error
+    shuffled = support.flip(-1) if tp.rank == 1 else support
+    again = tplogp.linear_logp(hidden, w, target, b, tp_group=tp.group,
+                               vocab_start_index=vs.start, global_vocab_size=V, support=shuffled)
+    outcome.append("reordered: ok" if torch.isfinite(again).all() else "reordered: not finite")
     everyone = tp.all_gather_object(outcome)
     tp.assert_all(all(o == everyone[0] for o in everyone), str(everyone))
     tp.assert_all(all(o.endswith(": ok") for o in outcome), str(outcome))

@@ -29,14 +29,15 @@ from .validation import AGREED, DTYPE_CODE, LinearLogpInputError, LossCheck
 # the record's fields: the verdict and the layout (0 to 10), the fused loss's digests, then the
 # targets' summary
 _LOSS = 11  # the first of the len(AGREED) digests
-_SENT = _LOSS + len(AGREED)  # whether a target summary travels, then its checksum, lo, hi
+_SUPPORT = _LOSS + len(AGREED)  # the support's fingerprint (-1: none)
+_SENT = _SUPPORT + 1  # whether a target summary travels, then its checksum, lo, hi
 
 class GroupRecord:
     """The collective verdict of a call with a group. :meth:`exchange` returns the global vocab size
     and, when every rank sent one, the targets' summary."""
 
     # verdict, 7 metadata fields, ignore_index, differentiability, the hidden layout, the fused
-    # loss's digests, then whether a target summary travels, and its checksum, lo, hi
+    # loss's digests, the support's fingerprint, then whether a target summary travels, and its checksum, lo, hi
     _FIELDS = _SENT + 4
     # fast mode: (vocab size, every rank's shard range) of the layouts already verified, keyed by
     # the call's layout
@@ -63,6 +64,7 @@ class GroupRecord:
         sequence_parallel: bool = False,
         hidden_grad: str = "reduced",
         loss_check: Optional[LossCheck] = None,
+        support_digest: int = -1,
     ) -> tuple[int, Optional[tuple[int, int, int]], list[tuple[int, int]]]:
         """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the
         record, so the record exchange is the call's only host read), ``(checksum, lo, hi)`` already
@@ -73,7 +75,9 @@ class GroupRecord:
         of the layout's verified call). ``sequence_parallel``, ``hidden_grad``: the call's hidden
         layout (ranks that disagree would enter different collectives). ``loss_check``: a fused-loss
         call's own arguments (its ranks' digests must agree; errors then name
-        ``linear_logp_loss``)."""
+        ``linear_logp_loss``). ``support_digest``: the fingerprint of the call's support (-1:
+        none), which the ranks' must agree on where the record is exchanged (not part of ``fast``
+        mode's key: a verified layout's later calls compare nothing, as with the targets)."""
         world = dist.get_world_size(group)
         hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
         digests = [0] * len(AGREED)
@@ -98,6 +102,7 @@ class GroupRecord:
                 int(builds_graph),
                 hidden_layout,
                 *digests,
+                support_digest,
             ] + ([0, 0, 0, -1] if targets is None else [1, *targets] if isinstance(targets,
                                                                                    tuple) else [1]),
             dtype=torch.long,
@@ -114,6 +119,13 @@ class GroupRecord:
             raise LinearLogpInputError(f"{caller} inputs rejected ({detail})")
         cls._check_agreement(rows)
         cls._check_loss_agreement(rows, group, world, loss_check)
+        supports = [r[_SUPPORT] for r in rows]
+        if len(set(supports)) > 1:
+            listing = ", ".join(f"rank {i}: " + ("none" if d < 0 else f"#{d:x}")
+                                for i, d in enumerate(supports))
+            raise LinearLogpInputError(f"{caller}: support= (replicated, like target_ids: the same "
+                                       f"kept ids per token) must be the same on every TP rank, "
+                                       f"got {listing}")
         ranges = [(r[3], r[3] + r[4]) for r in rows]
         declared = {r[5] for r in rows}
         total = validate_ranges(ranges, None if declared == {-1} else max(declared))

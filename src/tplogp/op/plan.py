@@ -248,15 +248,15 @@ def _backend(source: Source, hidden, env: tuple, features: tuple[str, ...] = ())
 
 
 def _checked_support(options: LogpOptions, target_ids: torch.Tensor,
-                     vocab: Optional[int]) -> tuple[LogpOptions, Optional[str], int]:
+                     vocab: Optional[int]) -> tuple[LogpOptions, support_ids.SupportData]:
     """A call's support in the padded int64 ``[N, K]`` form, and its data checked
-    (:mod:`tplogp.op.support_ids`): ``(options with that support, problem or None, largest id)``."""
+    (:mod:`tplogp.op.support_ids`): ``(options with that support, what the check read)``."""
     support = options.support
     ids, problem = support_ids.padded(support, target_ids.numel())
     if problem is not None:
-        return options, problem, -1
-    problem, largest = support_ids.data_problem(ids, target_ids, options.ignore_index, vocab)
-    return replace(options, support=ids), problem, largest
+        return options, support_ids.SupportData(problem, -1, 0)
+    return (replace(options, support=ids),
+            support_ids.data_problem(ids, target_ids, options.ignore_index, vocab))
 
 
 def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
@@ -288,13 +288,14 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
     env = settings.layout_settings()  # (read once: the plan's key, the registry's question)
     plan, problem = plan_call(source, hidden, weight, target_ids, bias, tp_group,
                               vocab_start_index, global_vocab_size, options, builds_graph, env)
-    largest = -1
+    largest = support_digest = -1
     if options.support is not None and problem is None:  # (its data: one host read)
-        options, problem, largest = _checked_support(options, target_ids,
-                                                     global_vocab_size or plan.vocab_size)
+        options, (problem, largest, support_digest) = _checked_support(
+            options, target_ids, global_vocab_size or plan.vocab_size)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                     global_vocab_size, options, builds_graph)
-    total, verdict, target_check, ranges = open_call(plan, args, problem, loss_check)
+    total, verdict, target_check, ranges = open_call(plan, args, problem, loss_check,
+                                                     support_digest)
     # a group's vocabulary, known from its record: every rank reads the same (replicated) support
     problem = support_ids.past_vocab_problem(largest, total) if largest >= 0 else None
     if problem is not None:

@@ -21,7 +21,7 @@ call's work. :func:`local_ids` gives the ids a shard owns, shard-local, ``-1`` e
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -94,18 +94,28 @@ def padded(support: Support, n: int) -> tuple[Optional[torch.Tensor], Optional[s
     return out, None
 
 
+class SupportData(NamedTuple):
+    """What :func:`data_problem` read: the first problem or None, the largest id, and a fingerprint
+    of the kept sets (each token's ids in sorted order, padding and ignored tokens left out), equal
+    on ranks given the same supports in any order within a token."""
+
+    problem: Optional[str]
+    largest: int
+    fingerprint: int
+
+
 def data_problem(ids: torch.Tensor, target_ids: torch.Tensor, ignore_index: Optional[int],
-                 vocab: Optional[int]) -> tuple[Optional[str], int]:
-    """The first problem of the padded support ``ids`` [N, K] (module docstring), in one host read:
-    ``(message or None, the largest id)``. ``vocab``: the global vocabulary when the call knows it
-    (else the caller checks the largest id against it later)."""
+                 vocab: Optional[int]) -> SupportData:
+    """The first problem of the padded support ``ids`` [N, K] (module docstring), its largest id and
+    its fingerprint, in one host read. ``vocab``: the global vocabulary when the call knows it (else
+    the caller checks the largest id against it later)."""
     n = ids.shape[0]
     if n == 0 or ids.shape[1] == 0:
         tgt = target_ids.reshape(-1)
         if n and (ignore_index is None or bool((tgt != ignore_index).any())):
             t = 0 if ignore_index is None else int((tgt != ignore_index).int().argmax())
-            return _missing(t, int(tgt[t])), -1
-        return None, -1
+            return SupportData(_missing(t, int(tgt[t])), -1, 0)
+        return SupportData(None, -1, 0)
     tgt = target_ids.reshape(-1).long()
     ignored = torch.zeros(n, dtype=torch.bool, device=ids.device) if ignore_index is None \
         else tgt == ignore_index
@@ -117,23 +127,34 @@ def data_problem(ids: torch.Tensor, target_ids: torch.Tensor, ignore_index: Opti
     missing = ~(rows == tgt.unsqueeze(1)).any(1) & ~ignored
     flags = torch.stack([m.any().long() for m in (below, past, twice, missing)]
                         + [m.long().argmax() for m in (below, past, twice, missing)]
-                        + [rows.max()])
-    (b, p, w, m, tb, tp, tw, tm, hi) = flags.tolist()
+                        + [rows.max(), _fingerprint(ordered)])
+    (b, p, w, m, tb, tp, tw, tm, hi, digest) = flags.tolist()
     span = f"[0, {vocab})" if vocab is not None else "[0, the global vocabulary)"
     if b or p:
         t = tb if b else tp
         row = ids[t]
         bad = int(row[(row < -1) | (row >= (vocab if vocab is not None else 2 ** 62))][0])
-        return (f"support ids must be global vocabulary ids in {span} (-1 pads a row): token {t} "
-                f"holds {bad}"), hi
+        return SupportData(f"support ids must be global vocabulary ids in {span} (-1 pads a row): "
+                           f"token {t} holds {bad}", hi, digest)
     if w:
         row = ordered[tw]
         same = int(row[1:][(row[1:] == row[:-1]) & (row[1:] >= 0)][0])
-        return (f"support must hold each kept id once per token: token {tw} holds id {same} more "
-                f"than once"), hi
+        return SupportData(f"support must hold each kept id once per token: token {tw} holds id "
+                           f"{same} more than once", hi, digest)
     if m:
-        return _missing(tm, int(tgt[tm])), hi
-    return None, hi
+        return SupportData(_missing(tm, int(tgt[tm])), hi, digest)
+    return SupportData(None, hi, digest)
+
+
+def _fingerprint(ordered: torch.Tensor) -> torch.Tensor:
+    """A 61-bit fingerprint of the sorted rows ``ordered`` [N, K] (``-1`` for none): a position- and
+    token-weighted sum of the ids modulo a prime, on the device."""
+    prime = 1_000_003
+    n, k = ordered.shape
+    token = torch.arange(1, n + 1, device=ordered.device, dtype=torch.long).unsqueeze(1)
+    slot = torch.arange(1, k + 1, device=ordered.device, dtype=torch.long)
+    weights = (token * 7919 + slot) % prime
+    return (((ordered + 1) % prime) * weights).sum() % (1 << 61)
 
 
 def _missing(t: int, target: int) -> str:
@@ -155,4 +176,5 @@ def local_ids(ids: torch.Tensor, start: int, v_local: int) -> torch.Tensor:
     return torch.where((ids >= 0) & (rel >= 0) & (rel < v_local), rel, -1)
 
 
-__all__ = ["Support", "form_problem", "padded", "data_problem", "past_vocab_problem", "local_ids"]
+__all__ = ["Support", "SupportData", "form_problem", "padded", "data_problem", "past_vocab_problem",
+           "local_ids"]

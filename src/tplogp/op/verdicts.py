@@ -562,7 +562,8 @@ def latest_verdict(mode: str, group, device: torch.device) -> Optional[BackwardV
 # ---- the forward's entry -------------------------------------------------------------------------
 
 def open_call(plan, args, problem: Optional[str],
-              loss_check: Optional[LossCheck] = None) -> tuple[int, Optional[BackwardVerdict],
+              loss_check: Optional[LossCheck] = None,
+              support_digest: int = -1) -> tuple[int, Optional[BackwardVerdict],
                                                                Optional[KernelTargetCheck],
                                                                Optional[list[tuple[int, int]]]]:
     """Open one call's verdict: judge what earlier calls left (those delivered), raise ``problem``
@@ -582,6 +583,9 @@ def open_call(plan, args, problem: Optional[str],
         loss_check: a fused-loss call's checks of its own arguments
             (:func:`tplogp.op.validation.check_loss`): its problem is the call's when the layout has
             none; with a group its digests travel in the record.
+        support_digest: the fingerprint of the call's support
+            (:class:`tplogp.op.support_ids.SupportData`), -1 without one; with a group it travels
+            in the record and the ranks' must agree.
     Returns:
         ``(global vocab size, what the backward settles or None, the target check that the source's
         finishing kernel runs or None, every rank's shard range (start, end) from the group record,
@@ -599,7 +603,8 @@ def open_call(plan, args, problem: Optional[str],
                                    "capture cannot do: capture with the default checks (TPLOGP_CHECKS unset or full), "
                                    "which keep the verdict on the device, or with TPLOGP_CHECKS=fast")
     if plan.world_size > 1:
-        total, verdict, ranges = _open_group_call(plan, args, problem, capturing, loss_check)
+        total, verdict, ranges = _open_group_call(plan, args, problem, capturing, loss_check,
+                                                  support_digest)
         return total, verdict, None, ranges
     if mode != "fast" and not capturing:
         # the deferred verdict of the previous call without a group
@@ -629,7 +634,8 @@ def open_call(plan, args, problem: Optional[str],
 
 
 def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
-                     loss_check: Optional[LossCheck]) -> tuple[int, Optional[BackwardVerdict],
+                     loss_check: Optional[LossCheck],
+                     support_digest: int = -1) -> tuple[int, Optional[BackwardVerdict],
                                                                list[tuple[int, int]]]:
     """:func:`open_call` with a group of several ranks (module docstring):
     ``(global vocab size, verdict, every rank's shard range)``."""
@@ -688,6 +694,7 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
         sequence_parallel=args.options.sequence_parallel,
         hidden_grad=args.options.hidden_grad,
         loss_check=loss_check,
+        support_digest=support_digest,
     )
     summary = None if summary is None else TargetSummary(*summary)
     verdict = None
