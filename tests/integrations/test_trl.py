@@ -21,11 +21,12 @@ pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
 from tests.support.grpo_trainer import (  # noqa: E402
-    B, CASES, COMPLETION_MASK, K, P, PROMPT_MASK, T, V, assert_three_way, compute_loss_step,
-    configure, grpo_trainer, sequence_ids, tiny_model)
+    B, CASES, COMPLETION_MASK, CONTINUOUS_METRICS, K, P, PROMPT_MASK, T, V, assert_three_way,
+    bf16_steps, bf16_trainers, compute_loss_step, configure, grpo_trainer, sequence_ids,
+    tiny_model)
 from tplogp.integrations import trl as tplogp_trl  # noqa: E402
 from tplogp.integrations.hf import causal_lm_loss  # noqa: E402
-from tplogp.tolerances import assert_no_worse  # noqa: E402
+from tplogp.tolerances import RUNBOOK_TOLERANCES, assert_no_worse  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,43 @@ def test_compute_loss_matches_trls_fused_head(trainers, monkeypatch, case):
     assert_three_way(*results)
     if case == "adaptive-entropy":  # the controller moved the coefficient alike on both paths
         assert stock.entropy_coef == truth.entropy_coef != 0.01
+
+
+@pytest.fixture(scope="module")
+def bf16_trainers_cpu(tmp_path_factory):
+    """The bf16 model's trainer (TRL's bf16 autocast on the CPU, where TRL folds its head's bf16
+    tiles in torch), its float64 twin and the batch of the GPU test."""
+    return bf16_trainers(tmp_path_factory.mktemp("grpo_bf16"))
+
+
+BF16_CASES = ["loss_type-dapo", "loss_type-grpo", "gspo", "beta-bias-corrected",
+              "entropy-mask-and-bonus", "off-policy-mask"]
+BF16_FUSED_CASES = ["loss_type-dapo", "loss_type-grpo", "loss_type-cispo", "loss_type-sapo",
+                    "beta-bias-corrected"]
+
+
+@pytest.mark.parametrize("case,fused", [(c, False) for c in BF16_CASES]
+                         + [(c, True) for c in BF16_FUSED_CASES])
+def test_bf16_compute_loss_by_the_shared_error_rule(bf16_trainers_cpu, monkeypatch, case, fused):
+    """A bf16 model: the trainer's loss, continuous metrics and every gradient with tplogp's head
+    (``fused``: the fused loss) no worse than the larger of TRL's head's error and a float64
+    head's on the same bf16 model (tplogp.tolerances.assert_no_worse_shared)."""
+    ours, stock, truth, exact = bf16_steps(monkeypatch, bf16_trainers_cpu, CASES[case], fused)
+    assert_three_way(ours, stock, truth, dtype=torch.bfloat16, metrics=CONTINUOUS_METRICS,
+                     exact_head=exact)
+
+
+def test_bf16_log_probs_are_a_float64_heads(bf16_trainers_cpu, monkeypatch):
+    """On the same bf16 backbone, tplogp's log-probs are a float64 head's to fp32 rounding, while
+    TRL's head rounds each logit to bf16 (its tiles' dtype under autocast) before its fp32
+    softmax: the head's own error, apart from the backbone's that both carry."""
+    ours, stock, _, exact = bf16_steps(monkeypatch, bf16_trainers_cpu, CASES["loss_type-grpo"])
+    counted = COMPLETION_MASK.bool()
+    ours_head = (ours["logp"].double() - exact["logp"])[counted].abs().max().item()
+    trl_head = (stock["logp"].double() - exact["logp"])[counted].abs().max().item()
+    fp32 = RUNBOOK_TOLERANCES[torch.float32]
+    assert ours_head <= fp32.atol + fp32.rtol * exact["logp"].abs().max().item(), ours_head
+    assert trl_head > 100 * ours_head, (trl_head, ours_head)
 
 
 def test_moe_router_loss_is_kept(tmp_path):
