@@ -321,3 +321,92 @@ def test_fused_loss_falls_back_visibly(trainers, monkeypatch, caplog, tmp_path):
     subclass = grpo_trainer(tiny_model(), tmp_path, cls=tplogp_trl.TplogpGRPOTrainer,
                             fused_loss=True)
     assert subclass._tplogp_fused_loss
+
+
+RATIOS = (0.5, 0.7, 0.95, 1.0, 1.1, 1.5, 2.0)  # far from each bound below: 0.8, 1.28, 1.2, 1.25
+CLIP_CASES = {
+    "grpo-mixed-advantages": (dict(loss_type="grpo", epsilon_low=0.2, epsilon_high=0.28),
+                              (1.0, -1.0, 0.5, -0.5)),
+    "dapo-negative-advantages": (dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28),
+                                 (-1.0, -0.3, -2.0, -0.7)),
+    # delta under 1 + epsilon_high: no token is high-clipped (TRL flags the delta-clamped ratio)
+    "bnpo-delta": (dict(loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.28,
+                        **{"args.delta": 1.25}), (1.0, -1.0, 0.5, 2.0)),
+    "cispo": (dict(loss_type="cispo", epsilon_high=1.2), (1.0, -1.0, 0.5, -0.5)),
+}
+
+
+def _clip_batch(stock, advantages):
+    """A batch whose old log-probs set each counted token's ratio to one of RATIOS (from the
+    model's own log-probs; every row's first two 0.5 and 2.0), and those ratios (float64)."""
+    g = torch.Generator().manual_seed(5)
+    batch = dict(prompt_ids=torch.randint(3, V, (B, P), generator=g), prompt_mask=PROMPT_MASK,
+                 completion_ids=torch.randint(3, V, (B, K), generator=g),
+                 completion_mask=COMPLETION_MASK, advantages=torch.tensor(advantages),
+                 num_items_in_batch=COMPLETION_MASK.sum().float())
+    with torch.no_grad():
+        logp, _, _ = stock._get_per_token_logps_and_entropies(stock.model, *sequence_ids(batch), K)
+    ratio = torch.tensor(RATIOS, dtype=torch.float64)[torch.randint(len(RATIOS), (B, K),
+                                                                    generator=g)]
+    ratio[:, :2] = torch.tensor([0.5, 2.0], dtype=torch.float64)  # each row: both signs' clip
+    batch["old_per_token_logps"] = (logp - ratio.log().float()) * COMPLETION_MASK
+    return batch, ratio
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", list(CLIP_CASES))
+def test_clip_metrics_token_by_token(trainers, monkeypatch, case, fused):
+    """Each clip metric TRL logs (clip_ratio/low_mean, high_mean, region_mean, low_min, high_max;
+    cispo_clip_ratio) against its definition on per-token ratios set far from the bounds, for TRL's
+    own trainer and for tplogp's (``fused``: the fused loss, whose per-token clip flags are
+    compared token by token): low = ratio < 1 - epsilon_low with advantage < 0, high =
+    min(ratio, delta) > 1 + epsilon_high with advantage > 0 (cispo: ratio > epsilon_high),
+    token means over the counted tokens, low_min / high_max over the per-sequence means."""
+    stock = trainers[0]
+    options, advantages = CLIP_CASES[case]
+    configure(monkeypatch, stock, options)
+    batch, ratio = _clip_batch(stock, advantages)
+    counted = COMPLETION_MASK.bool()
+    adv = torch.tensor(advantages, dtype=torch.float64)[:, None]
+    if stock.loss_type == "cispo":
+        low, high = torch.zeros_like(counted), (ratio > stock.epsilon_high) & (adv > 0) & counted
+    else:
+        capped = ratio if stock.args.delta is None else ratio.clamp(max=stock.args.delta)
+        low = (ratio < 1 - stock.epsilon_low) & (adv < 0) & counted
+        high = (capped > 1 + stock.epsilon_high) & (adv > 0) & counted
+    assert low.any() or high.any()
+    count = counted.sum(-1).double()
+
+    def mean(flags):
+        return (flags.sum() / counted.sum()).item()
+
+    if stock.loss_type == "cispo":
+        expected = {"cispo_clip_ratio": mean(high)}
+    else:
+        expected = {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
+                    "clip_ratio/region_mean": mean(low | high),
+                    "clip_ratio/low_min": (low.sum(-1) / count).min().item(),
+                    "clip_ratio/high_max": (high.sum(-1) / count).max().item()}
+    flags = []
+    original = tplogp_trl._log_clip_metrics
+
+    def spy(trainer, logged, clip_flags, mask):
+        flags.append((clip_flags.low.clone(), clip_flags.high.clone()))
+        return original(trainer, logged, clip_flags, mask)
+
+    monkeypatch.setattr(tplogp_trl, "_log_clip_metrics", spy)
+    fp32 = RUNBOOK_TOLERANCES[torch.float32]
+    for patched in (False, True):
+        metrics = compute_loss_step(stock, batch, patched, fused=fused and patched)["metrics"]
+        for name, value in expected.items():
+            assert metrics[name] == pytest.approx(value, rel=fp32.rtol, abs=fp32.atol), \
+                (name, patched, metrics[name], value)
+    if fused and stock.loss_type != "cispo":
+        assert len(flags) == 1
+        assert torch.equal(flags[0][0].cpu(), low) and torch.equal(flags[0][1].cpu(), high)
+    # the batch reaches each metric: every sequence low-clipped somewhere (low_min > 0) with
+    # negative advantages only, high-clipped tokens with positive ones unless delta caps them
+    if case == "dapo-negative-advantages":
+        assert expected["clip_ratio/low_min"] > 0
+    elif stock.loss_type != "cispo":
+        assert expected["clip_ratio/high_max"] > 0 or stock.args.delta is not None
