@@ -274,14 +274,17 @@ def _integrations(args) -> int:
     device = _device()
     info = runner.run_info(device)
     info["transformers"] = runner._version("transformers")
+    info["trl"] = runner._version("trl")
     rows = integrations.bench(args.smoke, args.reps or (1 if args.smoke else 5),
                               args.dtype or ("fp32" if args.smoke else "bf16"))
     r = rows[0]
     print(f"# {info['device']} | torch {info['torch']} | transformers {info['transformers']} | "
-          f"tplogp {info['commit']}\n# {r['model']} vocab {r['vocab']}, hidden {r['hidden']}, "
-          f"{r['layers']} layers, {r['batch']} x {r['seq']} tokens, logits_to_keep "
+          f"trl {info['trl']} | tplogp {info['commit']}\n# {r['model']} vocab {r['vocab']}, hidden "
+          f"{r['hidden']}, {r['layers']} layers, {r['batch']} x {r['seq']} tokens, logits_to_keep "
           f"{r['logits_to_keep']}, {r['dtype']}\n{integrations.TABLE_HEADER}", flush=True)
     _finish(args.out, rows, info, args.smoke, integrations.format_row)
+    print("\n# to paste between the integrations-benchmark markers of docs/integrations.md:\n")
+    print(integrations.markdown(rows, info), flush=True)
     return 0
 
 

@@ -31,20 +31,29 @@ as TRL's GRPO trainer calls it). Steps, each implementation on the same model an
 * ``*_ckpt``: the same with gradient checkpointing on (``use_reentrant=False``), as RL trainers run
   models of this size: the decoder's activations no longer dominate the peak.
 
+In bf16 and fp16 every call runs under ``torch.autocast`` in that dtype, as GRPOTrainer runs both
+heads (``accelerator.autocast()`` with ``bf16=True``); fp32 runs without it. The model is built from
+its config alone (no download: the machine needs no network).
+
 Time: median of ``--reps`` calls (CUDA events, synced per call) after warm-up calls. Memory: peak
 allocated GiB during one call above what was allocated before it (model and batch excluded;
-gradients of the parameters and the activations included). ``loss``: the value of a loss step's call
-measured for memory (every row of a step computes the same loss). ``err_logp``:
-``tplogp.tolerances.rel_error`` (``||logp - reference|| / ||reference||``) of the logprobs step, the
-reference being ``tplogp.reference.reference_linear_logp(mode="fp32")`` (fp32 log-softmax of fp32
-logits) of the same final hidden states and head. Prints a markdown table and appends JSON rows
-(suite ``integrations``) to the results file.
+gradients of the parameters and the activations included). A row whose call runs out of device
+memory is kept, marked ``oom``, and a failing Liger row carries its ``error`` (the other rows still
+run). ``loss``: the value of a loss step's call measured for memory. Agreement with an fp32 head on
+the same final hidden states (the backbone's rounding is then no part of it): ``err_logp``,
+``tplogp.tolerances.rel_error`` (``||logp - reference|| / ||reference||``) of the logprobs step,
+the reference being ``tplogp.reference.reference_linear_logp(mode="fp32")`` (fp32 log-softmax of
+fp32 logits); ``err_loss``, ``|loss - reference| / |reference|`` of a loss step, the reference
+being the same loss in float64 of those fp32 log-probs. Prints a markdown table, then the same
+table as a block to paste between the ``integrations-benchmark`` markers of docs/integrations.md,
+and appends JSON rows (suite ``integrations``) to the results file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -115,17 +124,18 @@ def trl_logprobs(model, ids, mask, keep: int) -> torch.Tensor:
 
 
 def reference_logprobs(model, ids, mask, keep: int, temperature: float) -> torch.Tensor:
-    """``reference_linear_logp(mode="fp32")`` of the same final hidden states and head (one sequence
-    at a time)."""
+    """``reference_linear_logp(mode="fp32")`` of the same final hidden states (the decoder run as
+    the caller runs it, under its autocast) and head (outside autocast; one sequence at a time)."""
     from tplogp.reference import reference_linear_logp
 
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask,
                                  use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
-    return torch.stack([reference_linear_logp(hidden[b, -keep - 1:-1], head.weight, ids[b, -keep:],
-                                              head.bias,
-                                              mode="fp32", temperature=temperature)
-                        for b in range(ids.shape[0])])
+    with torch.autocast(hidden.device.type, enabled=False):
+        return torch.stack([reference_linear_logp(hidden[b, -keep - 1:-1], head.weight,
+                                                  ids[b, -keep:], head.bias, mode="fp32",
+                                                  temperature=temperature)
+                            for b in range(ids.shape[0])])
 
 
 def completion_hidden(model, ids, mask, keep: int) -> torch.Tensor:
@@ -180,18 +190,27 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
     advantages = torch.randn(b, 1, generator=g).expand(b, keep).contiguous().to(device)
     T = TEMPERATURE
 
-    with torch.no_grad():
+    def autocast():
+        """GRPOTrainer's ``accelerator.autocast()``: the model's dtype when low-precision."""
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    with torch.no_grad(), autocast():
         reference = reference_logprobs(model, ids, mask, keep, T)
         trl_values = trl_logprobs(model, ids, mask, keep)
         ours_values = causal_lm_logprobs(model, ids, mask, logits_to_keep=keep, temperature=T)
     old_logp = (reference + 0.05 * torch.randn(reference.shape, generator=g).to(device)).detach()
     errors = {"trl_fused_head": rel_error(trl_values, reference),
               "tplogp": rel_error(ours_values, reference)}
+    reference_loss = {  # each loss in float64 of the fp32 head's log-probs
+        name: policy.eager_loss(name, reference.double(), advantages, old_logp,
+                                completion_mask).item() for _, name in STEPS}
     del reference, trl_values, ours_values
 
     def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
         def run():
-            with torch.no_grad():
+            with torch.no_grad(), autocast():
                 fn()
         return run
 
@@ -200,7 +219,8 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
     def with_backward(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], object]:
         def run():
             model.zero_grad(set_to_none=True)
-            value = loss_fn()
+            with autocast():
+                value = loss_fn()
             value.backward()
             last["loss"] = value.detach()
         return run
@@ -240,29 +260,72 @@ def bench(smoke: bool, reps: int, dtype_name: str) -> list[dict]:
     for step, impl, fn in cases:
         set_checkpointing(model, step.endswith("_ckpt"))
         model.zero_grad(set_to_none=True)
+        last.clear()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        peak = runner.extra_peak_gib(fn, device)
-        value = last.pop("loss").item() if "loss" in last else None  # (that call's)
-        ms = runner.median_ms(fn, device, reps=reps, warmup=0 if smoke else 2)
-        rows.append(dict(suite="integrations", step=step, impl=impl, model="qwen2",
-                         dtype=dtype_name,
-                         vocab=shape["vocab_size"], hidden=shape["hidden_size"],
-                         layers=shape["num_hidden_layers"], batch=b, seq=s, logits_to_keep=keep,
-                         temperature=T,
-                         median_ms=round(ms, 3), peak_gib=None if peak is None else round(peak, 3),
-                         err_logp=errors.get(impl) if step == "logprobs" else None, loss=value))
+        row = dict(suite="integrations", step=step, impl=impl, model="qwen2", dtype=dtype_name,
+                   vocab=shape["vocab_size"], hidden=shape["hidden_size"],
+                   layers=shape["num_hidden_layers"], batch=b, seq=s, logits_to_keep=keep,
+                   temperature=T, median_ms=None, peak_gib=None,
+                   err_logp=errors.get(impl) if step == "logprobs" else None, loss=None,
+                   err_loss=None)
+        try:
+            peak = runner.extra_peak_gib(fn, device)
+            value = last.pop("loss").item() if "loss" in last else None  # (that call's)
+            ms = runner.median_ms(fn, device, reps=reps, warmup=0 if smoke else 2)
+        except torch.OutOfMemoryError:
+            row["oom"] = True
+        except Exception as error:  # a peer's failure is its row's, not the run's
+            if impl != "liger_fused":
+                raise
+            row["error"] = f"{type(error).__name__}: {error}"[:200]
+        else:
+            row.update(median_ms=round(ms, 3), peak_gib=None if peak is None else round(peak, 3),
+                       loss=value, err_loss=loss_error(value, reference_loss.get(_loss_name(step))))
+        rows.append(row)
     set_checkpointing(model, False)
     model.zero_grad(set_to_none=True)
     return rows
 
 
+def _loss_name(step: str) -> Optional[str]:
+    return next((name for s, name in STEPS if s == step), None)
+
+
+def loss_error(value: Optional[float], reference: Optional[float]) -> Optional[float]:
+    """``|value - reference| / |reference|`` (None without both)."""
+    if value is None or reference is None:
+        return None
+    return abs(value - reference) / max(abs(reference), 1e-30)
+
+
 def format_row(r: dict) -> str:
+    if r.get("oom") or r.get("error"):
+        what = "out of memory" if r.get("oom") else r["error"].replace("|", "/")
+        return f"| {r['step']} | {r['impl']} | {what} | | | |"
     peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
     err = "" if r.get("err_logp") is None else f"{r['err_logp']:.2e}"
-    return f"| {r['step']} | {r['impl']} | {r['median_ms']:.1f} | {peak} | {err} |"
+    err_loss = "" if r.get("err_loss") is None else f"{r['err_loss']:.2e}"
+    return f"| {r['step']} | {r['impl']} | {r['median_ms']:.1f} | {peak} | {err} | {err_loss} |"
 
 
-TABLE_HEADER = ("| step | implementation | median ms | extra peak GiB | logp rel error vs fp32 |\n"
-                "|---|---|---:|---:|---:|")
+TABLE_HEADER = ("| step | implementation | median ms | extra peak GiB | logp rel error vs fp32 "
+                "head | loss rel error vs fp32 head |\n|---|---|---:|---:|---:|---:|")
+
+
+def caption(rows: list[dict], info: dict) -> str:
+    """The table's one-line caption: the machine, the versions and the problem."""
+    r = rows[0]
+    return (f"{info.get('device', '?')}, torch {info.get('torch', '?')}, transformers "
+            f"{info.get('transformers', '?')}, trl {info.get('trl', '?')}, tplogp "
+            f"{info.get('commit', '?')}: Qwen2 config (vocab {r['vocab']}, hidden {r['hidden']}, "
+            f"{r['layers']} layers, random weights), {r['dtype']}, {r['batch']} x {r['seq']} "
+            f"tokens, the last {r['logits_to_keep']} scored, temperature {r['temperature']}"
+            + (" (smoke shapes)" if r.get("smoke") else "") + ".")
+
+
+def markdown(rows: list[dict], info: dict) -> str:
+    """The block to paste between the ``integrations-benchmark`` markers of docs/integrations.md:
+    the caption, a blank line, the table."""
+    return "\n".join([caption(rows, info), "", TABLE_HEADER, *map(format_row, rows)]) + "\n"

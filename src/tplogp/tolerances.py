@@ -2,6 +2,7 @@
 
 from .testing.tolerances import (
     Tolerance, ErrorSlack, RUNBOOK_TOLERANCES, ERROR_SLACK, rel_error, slack_bound, assert_no_worse,
+    assert_no_worse_shared,
 )
 
 __all__ = [
@@ -12,4 +13,5 @@ __all__ = [
     "rel_error",
     "slack_bound",
     "assert_no_worse",
+    "assert_no_worse_shared",
 ]

@@ -509,7 +509,32 @@ def test_benchmark_smoke_rows():
             assert abs(values[step, impl] - trl) <= tol.GRPO_LOSS.atol + tol.GRPO_LOSS.rtol * abs(trl), (
                 step, impl, values[step, impl], trl)
     assert values["grpo_loss", "trl_fused_head"] != values["gspo_loss", "trl_fused_head"]  # two different losses
+    assert all((r["err_loss"] is not None) == (r["step"] != "logprobs") for r in rows)
     assert integrations.format_row(rows[0]).count("|") == integrations.TABLE_HEADER.splitlines()[0].count("|")
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_bf16_and_its_markdown():
+    """The bf16 smoke run (both heads under bf16 autocast, as GRPOTrainer runs them): against the
+    fp32 head on the same hidden states, tplogp's log-probs and losses are the closer (TRL's head
+    rounds its logits to bf16), and the block to paste into docs/integrations.md is a caption and
+    the table of every row."""
+    pytest.importorskip("trl")
+    from benchmarks import integrations
+
+    rows = integrations.bench(smoke=True, reps=1, dtype_name="bf16")
+    assert not any(r.get("oom") for r in rows)
+    errors = {r["impl"]: r["err_logp"] for r in rows if r["step"] == "logprobs"}
+    assert errors["tplogp"] <= tol.REL_FP32_SAME_MATH < errors["trl_fused_head"], errors
+    loss_errors = {(r["step"], r["impl"]): r["err_loss"] for r in rows if r["step"] != "logprobs"}
+    for (step, impl), value in loss_errors.items():
+        assert impl == "trl_fused_head" or value < loss_errors[step, "trl_fused_head"], \
+            (step, impl, value)
+    block = integrations.markdown(rows, {"device": "cpu", "torch": torch.__version__})
+    lines = block.splitlines()
+    assert lines[0].startswith("cpu, torch") and lines[1] == ""
+    assert "\n".join(lines[2:4]) == integrations.TABLE_HEADER
+    assert lines[4:] == [integrations.format_row(r) for r in rows]
 
 
 def _top_k_support(model, ids, mask, k: int, csr: bool):

@@ -21,10 +21,12 @@ pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
 from tests.support.grpo_trainer import (  # noqa: E402
-    B, CASES, COMPLETION_MASK, K, P, PROMPT_MASK, T, V, assert_three_way, compute_loss_step,
-    configure, grpo_trainer, sequence_ids, tiny_model)
+    B, CASES, COMPLETION_MASK, CONTINUOUS_METRICS, K, P, PROMPT_MASK, T, V, assert_three_way,
+    bf16_steps, bf16_trainers, compute_loss_step, configure, grpo_trainer, sequence_ids,
+    tiny_model)
 from tplogp.integrations import trl as tplogp_trl  # noqa: E402
 from tplogp.integrations.hf import causal_lm_loss  # noqa: E402
+from tests.support import tolerances as tol  # noqa: E402
 from tplogp.tolerances import assert_no_worse  # noqa: E402
 
 
@@ -63,6 +65,42 @@ def test_compute_loss_matches_trls_fused_head(trainers, monkeypatch, case):
     assert_three_way(*results)
     if case == "adaptive-entropy":  # the controller moved the coefficient alike on both paths
         assert stock.entropy_coef == truth.entropy_coef != 0.01
+
+
+@pytest.fixture(scope="module")
+def bf16_trainers_cpu(tmp_path_factory):
+    """The bf16 model's trainer (TRL's bf16 autocast on the CPU, where TRL folds its head's bf16
+    tiles in torch), its float64 twin and the batch of the GPU test."""
+    return bf16_trainers(tmp_path_factory.mktemp("grpo_bf16"))
+
+
+BF16_CASES = ["loss_type-dapo", "loss_type-grpo", "gspo", "beta-bias-corrected",
+              "entropy-mask-and-bonus", "off-policy-mask"]
+BF16_FUSED_CASES = ["loss_type-dapo", "loss_type-grpo", "loss_type-cispo", "loss_type-sapo",
+                    "beta-bias-corrected"]
+
+
+@pytest.mark.parametrize("case,fused", [(c, False) for c in BF16_CASES]
+                         + [(c, True) for c in BF16_FUSED_CASES])
+def test_bf16_compute_loss_by_the_shared_error_rule(bf16_trainers_cpu, monkeypatch, case, fused):
+    """A bf16 model: the trainer's loss, continuous metrics and every gradient with tplogp's head
+    (``fused``: the fused loss) no worse than the larger of TRL's head's error and a float64
+    head's on the same bf16 model (tplogp.tolerances.assert_no_worse_shared)."""
+    ours, stock, truth, exact = bf16_steps(monkeypatch, bf16_trainers_cpu, CASES[case], fused)
+    assert_three_way(ours, stock, truth, dtype=torch.bfloat16, metrics=CONTINUOUS_METRICS,
+                     exact_head=exact)
+
+
+def test_bf16_log_probs_are_a_float64_heads(bf16_trainers_cpu, monkeypatch):
+    """On the same bf16 backbone, tplogp's log-probs are a float64 head's to fp32 rounding, while
+    TRL's head rounds each logit to bf16 (its tiles' dtype under autocast) before its fp32
+    softmax: the head's own error, apart from the backbone's that both carry."""
+    ours, stock, _, exact = bf16_steps(monkeypatch, bf16_trainers_cpu, CASES["loss_type-grpo"])
+    counted = COMPLETION_MASK.bool()
+    ours_head = (ours["logp"].double() - exact["logp"])[counted].abs().max().item()
+    trl_head = (stock["logp"].double() - exact["logp"])[counted].abs().max().item()
+    assert ours_head <= tol.ABS_FP32_HEAD_LOGP, ours_head
+    assert trl_head > 100 * ours_head, (trl_head, ours_head)
 
 
 def test_moe_router_loss_is_kept(tmp_path):
@@ -283,3 +321,91 @@ def test_fused_loss_falls_back_visibly(trainers, monkeypatch, caplog, tmp_path):
     subclass = grpo_trainer(tiny_model(), tmp_path, cls=tplogp_trl.TplogpGRPOTrainer,
                             fused_loss=True)
     assert subclass._tplogp_fused_loss
+
+
+RATIOS = (0.5, 0.7, 0.95, 1.0, 1.1, 1.5, 2.0)  # far from each bound below: 0.8, 1.28, 1.2, 1.25
+CLIP_CASES = {
+    "grpo-mixed-advantages": (dict(loss_type="grpo", epsilon_low=0.2, epsilon_high=0.28),
+                              (1.0, -1.0, 0.5, -0.5)),
+    "dapo-negative-advantages": (dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28),
+                                 (-1.0, -0.3, -2.0, -0.7)),
+    # delta under 1 + epsilon_high: no token is high-clipped (TRL flags the delta-clamped ratio)
+    "bnpo-delta": (dict(loss_type="bnpo", epsilon_low=0.2, epsilon_high=0.28,
+                        **{"args.delta": 1.25}), (1.0, -1.0, 0.5, 2.0)),
+    "cispo": (dict(loss_type="cispo", epsilon_high=1.2), (1.0, -1.0, 0.5, -0.5)),
+}
+
+
+def _clip_batch(stock, advantages):
+    """A batch whose old log-probs set each counted token's ratio to one of RATIOS (from the
+    model's own log-probs; every row's first two 0.5 and 2.0), and those ratios (float64)."""
+    g = torch.Generator().manual_seed(5)
+    batch = dict(prompt_ids=torch.randint(3, V, (B, P), generator=g), prompt_mask=PROMPT_MASK,
+                 completion_ids=torch.randint(3, V, (B, K), generator=g),
+                 completion_mask=COMPLETION_MASK, advantages=torch.tensor(advantages),
+                 num_items_in_batch=COMPLETION_MASK.sum().float())
+    with torch.no_grad():
+        logp, _, _ = stock._get_per_token_logps_and_entropies(stock.model, *sequence_ids(batch), K)
+    ratio = torch.tensor(RATIOS, dtype=torch.float64)[torch.randint(len(RATIOS), (B, K),
+                                                                    generator=g)]
+    ratio[:, :2] = torch.tensor([0.5, 2.0], dtype=torch.float64)  # each row: both signs' clip
+    batch["old_per_token_logps"] = (logp - ratio.log().float()) * COMPLETION_MASK
+    return batch, ratio
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", list(CLIP_CASES))
+def test_clip_metrics_token_by_token(trainers, monkeypatch, case, fused):
+    """Each clip metric TRL logs (clip_ratio/low_mean, high_mean, region_mean, low_min, high_max;
+    cispo_clip_ratio) against its definition on per-token ratios set far from the bounds, for TRL's
+    own trainer and for tplogp's (``fused``: the fused loss, whose per-token clip flags are
+    compared token by token): low = ratio < 1 - epsilon_low with advantage < 0, high =
+    min(ratio, delta) > 1 + epsilon_high with advantage > 0 (cispo: ratio > epsilon_high),
+    token means over the counted tokens, low_min / high_max over the per-sequence means."""
+    stock = trainers[0]
+    options, advantages = CLIP_CASES[case]
+    configure(monkeypatch, stock, options)
+    batch, ratio = _clip_batch(stock, advantages)
+    counted = COMPLETION_MASK.bool()
+    adv = torch.tensor(advantages, dtype=torch.float64)[:, None]
+    if stock.loss_type == "cispo":
+        low, high = torch.zeros_like(counted), (ratio > stock.epsilon_high) & (adv > 0) & counted
+    else:
+        capped = ratio if stock.args.delta is None else ratio.clamp(max=stock.args.delta)
+        low = (ratio < 1 - stock.epsilon_low) & (adv < 0) & counted
+        high = (capped > 1 + stock.epsilon_high) & (adv > 0) & counted
+    assert low.any() or high.any()
+    count = counted.sum(-1).double()
+
+    def mean(flags):
+        return (flags.sum() / counted.sum()).item()
+
+    if stock.loss_type == "cispo":
+        expected = {"cispo_clip_ratio": mean(high)}
+    else:
+        expected = {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
+                    "clip_ratio/region_mean": mean(low | high),
+                    "clip_ratio/low_min": (low.sum(-1) / count).min().item(),
+                    "clip_ratio/high_max": (high.sum(-1) / count).max().item()}
+    flags = []
+    original = tplogp_trl._log_clip_metrics
+
+    def spy(trainer, logged, clip_flags, mask):
+        flags.append((clip_flags.low.clone(), clip_flags.high.clone()))
+        return original(trainer, logged, clip_flags, mask)
+
+    monkeypatch.setattr(tplogp_trl, "_log_clip_metrics", spy)
+    for patched in (False, True):
+        metrics = compute_loss_step(stock, batch, patched, fused=fused and patched)["metrics"]
+        for name, value in expected.items():
+            assert abs(metrics[name] - value) <= tol.ABS_FP32_GRPO_METRIC, \
+                (name, patched, metrics[name], value)
+    if fused and stock.loss_type != "cispo":
+        assert len(flags) == 1
+        assert torch.equal(flags[0][0].cpu(), low) and torch.equal(flags[0][1].cpu(), high)
+    # the batch reaches each metric: every sequence low-clipped somewhere (low_min > 0) with
+    # negative advantages only, high-clipped tokens with positive ones unless delta caps them
+    if case == "dapo-negative-advantages":
+        assert expected["clip_ratio/low_min"] > 0
+    elif stock.loss_type != "cispo":
+        assert expected["clip_ratio/high_max"] > 0 or stock.args.delta is not None
