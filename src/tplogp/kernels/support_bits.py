@@ -4,7 +4,7 @@ shard's columns (torch only: no Triton import).
 The call path gives the support as shard-local ids, int64 ``[rows, K]`` with ``-1`` for none
 (``ShardCall.support``). The kernels read, per token row and column ``c`` of a range
 ``[v_lo, v_hi)``, bit ``c % 32`` of int32 word ``c // 32`` (:func:`column_bits`,
-``tile_ops.support_columns``): ``cdiv(v_hi - v_lo, 32)`` words a row, 1/32 of the bytes of the
+``tile_ops.support_masked``): ``cdiv(v_hi - v_lo, 32)`` words a row, 1/32 of the bytes of the
 range's fp32 logits.
 
 Algorithm (:func:`column_bits`): each id of the range becomes a word index and a one-bit value

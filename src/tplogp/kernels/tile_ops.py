@@ -80,16 +80,24 @@ def target_column(b_tgt, v0, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def support_columns(p_sup, stride_sup, o_n, m_n, o_c, m_c):
-    """[BLOCK_N, BLOCK_V] bool: whether the sampler's support keeps column ``o_c`` of rows ``o_n``:
-    bit ``o_c % 32`` of word ``o_c // 32`` of row ``o_n`` of the int32 bitmask ``p_sup``
-    (``stride_sup`` words a row; :mod:`.support_bits`). Rows outside ``m_n`` and columns outside
-    ``m_c`` are not kept (nothing read there). One word load per element (a row's 32 columns read
-    the same word) and a shift and an ``and``."""
-    m = m_n[:, None] & m_c[None, :]
-    words = tl.load(p_sup + o_n.to(tl.int64)[:, None] * stride_sup + (o_c >> 5)[None, :], mask=m,
-                    other=0)
-    return ((words >> (o_c & 31)[None, :]) & 1) != 0
+def support_masked(x, p_sup, stride_sup, o_n, m_n, c0, BLOCK_V: tl.constexpr):
+    """``x`` (``[BLOCK_N, BLOCK_V]``, the rows ``o_n``, the columns ``c0 .. c0 + BLOCK_V`` of the
+    bitmask's range; ``c0`` a multiple of 32) with ``-inf`` at the columns the sampler's support
+    does not keep: bit ``c % 32`` of word ``c // 32`` of the row's int32 bitmask ``p_sup``
+    (``stride_sup`` words a row; :mod:`.support_bits`) clear. Rows outside ``m_n`` and words past
+    the row's read as 0 (masked). The tile's ``BLOCK_V / 32`` words a row are loaded once and
+    expanded by broadcasting over a ``[BLOCK_N, BLOCK_V / 32, 32]`` view of ``x`` (a reshape of its
+    registers, no data movement): no per-element address, a shift, an ``and`` and a select per
+    element."""
+    tl.static_assert(BLOCK_V % 32 == 0)
+    BLOCK_N: tl.constexpr = x.shape[0]
+    WORDS: tl.constexpr = BLOCK_V // 32
+    o_w = c0 // 32 + tl.arange(0, WORDS)
+    words = tl.load(p_sup + o_n.to(tl.int64)[:, None] * stride_sup + o_w[None, :],
+                    mask=m_n[:, None] & (o_w < stride_sup)[None, :], other=0)  # [BLOCK_N, WORDS]
+    bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+    x = tl.where(bits != 0, tl.reshape(x, [BLOCK_N, WORDS, 32]), float("-inf"))
+    return tl.reshape(x, [BLOCK_N, BLOCK_V])
 
 
 @triton.jit
@@ -107,7 +115,9 @@ def online_softmax_update(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
     SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False,
     WITH_ARGMAX: tl.constexpr = False,
-    b_keep=None,  # [BLOCK_N, BLOCK_V] bool: the columns the support keeps (only SUPPORT)
+    # the support's bitmask of the shard's columns and the tile's rows and their mask (only
+    # SUPPORT)
+    p_sup=None, stride_sup=0, o_n=None, m_n=None,
     SUPPORT: tl.constexpr = False,
 ):
     """Fold one tile into the running row statistics; returns (max, sum, tl, sez, sz, am, terms).
@@ -123,8 +133,8 @@ def online_softmax_update(
     kept as that of the tanh, ``t_m`` (``m = softcap * t_m`` bit for bit: rounding is monotonic),
     which :func:`keep_tile` stores as the kept terms' scale; ``WITH_SUM_Z`` sums y over the columns,
     ``WITH_ARGMAX`` keeps the lowest column of the running max (a later tile replaces it only with a
-    larger max). ``SUPPORT``: the columns outside ``b_keep`` (a sampler's support) are set to
-``-inf`` after the transform, as past V: the masked-vocabulary arithmetic then gives them ``2^a =
+    larger max). ``SUPPORT``: the columns outside a row's support (:func:`support_masked`) are set
+to ``-inf`` after the transform, as past V: the masked-vocabulary arithmetic then gives them ``2^a =
 0``, so the statistics are those of the support alone. Shared by the generic and the TMA (sm90)
 forward kernels. (One FMA
     ``y c - fl(m c)`` instead of the subtraction and the multiply saves an instruction but leaves
@@ -145,7 +155,7 @@ forward kernels. (One FMA
         if MASKED:
             b_t = tl.where(m_v[None, :], b_t, float("-inf"))
         if SUPPORT:
-            b_t = tl.where(b_keep, b_t, float("-inf"))
+            b_t = support_masked(b_t, p_sup, stride_sup, o_n, m_n, v0, BLOCK_V)
         acc = mul_rounded(b_t, softcap, PTX)  # rounded as the max's own product (no FMA with - max)
         b_tmax_t = tl.max(b_t, 1)  # the tile's max of the tanh
         b_run = mul_rounded(b_max, softcap, PTX)
@@ -157,7 +167,7 @@ forward kernels. (One FMA
     elif MASKED:
         acc = tl.where(m_v[None, :], acc, float("-inf"))
     if SUPPORT and not SOFTCAP:  # (with a softcap: on the tanh, above)
-        acc = tl.where(b_keep, acc, float("-inf"))
+        acc = support_masked(acc, p_sup, stride_sup, o_n, m_n, v0, BLOCK_V)
     t_col = target_column(b_tgt, v0, BLOCK_V)
     # from the fp32 accumulator
     b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)
@@ -206,21 +216,17 @@ def stats_tile(
     SUPPORT: tl.constexpr = False,
 ):
     """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats
-    kernels: with ``SUPPORT`` read which columns the support keeps (:func:`support_columns`), fold
-    the tile into the running row stats (:func:`online_softmax_update`), then, with
+    kernels: fold the tile into the running row stats (:func:`online_softmax_update`; with
+    ``SUPPORT`` the columns outside each row's support masked), then, with
     ``KEEP`` and the tile below ``v_keep``, store its softmax terms and the running max they are
     relative to (:func:`keep_tile`); returns (max, sum, tl, sez, sz, am; the max in tanh units with
     ``SOFTCAP``, and so the kept scale). ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over
     the kept terms and the tile leaves through one TMA store (see :func:`keep_tile`)."""
-    if SUPPORT:
-        o_r = n0 + tl.arange(0, BLOCK_N)
-        o_c = v0 + tl.arange(0, BLOCK_V)
-        b_keep = support_columns(p_sup, stride_sup, o_r, o_r < N, o_c, o_c < V)
-    else:
-        b_keep = None
+    o_r = n0 + tl.arange(0, BLOCK_N)  # (read only with SUPPORT)
     b_max, b_sum, b_tl, b_sez, b_sz, b_am, b_e = online_softmax_update(
         acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, MASKED, HAS_BIAS,
-        WITH_ENTROPY, BLOCK_V, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX, b_keep, SUPPORT)
+        WITH_ENTROPY, BLOCK_V, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX, p_sup, stride_sup, o_r, o_r < N,
+        SUPPORT)
     if KEEP:
         keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e,
                   b_max if SOFTCAP else b_max * inv_temp, MASKED, DOT_PRECISION, BLOCK_N, BLOCK_V,
@@ -325,12 +331,12 @@ def dlogits_epilogue(
             dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg,
                          p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp,
                          softcap, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V,
-                         SOFTCAP, WITH_SUM_Z, p_sup, stride_sup, SUPPORT)
+                         SOFTCAP, WITH_SUM_Z, p_sup, stride_sup, i_v * BLOCK_V, SUPPORT)
         else:
             dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg,
                          p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp,
                          softcap, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V,
-                         SOFTCAP, WITH_SUM_Z, p_sup, stride_sup, SUPPORT)
+                         SOFTCAP, WITH_SUM_Z, p_sup, stride_sup, i_v * BLOCK_V, SUPPORT)
 
 
 @triton.jit
@@ -352,12 +358,12 @@ def _dlogits_columns(
         dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge,
                      p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, True,
                      HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z,
-                     p_sup, stride_sup, SUPPORT)
+                     p_sup, stride_sup, c0, SUPPORT)
     else:
         dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge,
                      p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap,
                      False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, SOFTCAP,
-                     WITH_SUM_Z, p_sup, stride_sup, SUPPORT)
+                     WITH_SUM_Z, p_sup, stride_sup, c0, SUPPORT)
 
 
 @triton.jit
@@ -373,7 +379,9 @@ def dlogits_tile(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr = False,
     WITH_SUM_Z: tl.constexpr = False,
-    p_sup=None, stride_sup=0,  # the support's bitmask of the chunk's columns (only SUPPORT)
+    # the support's bitmask of the chunk's columns, and the tile's first column in the chunk (o_c's
+    # first; only SUPPORT)
+    p_sup=None, stride_sup=0, c0=0,
     SUPPORT: tl.constexpr = False,
 ):
     """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32
@@ -385,7 +393,7 @@ def dlogits_tile(
     ``MASKED``: the tile's rows and columns are masked (edge tiles); interior tiles carry no masks.
     ``SOFTCAP``: the tile is softcapped first (:func:`softcap_tile`) and the finish multiplies by
     the slope ``1 - tanh^2``. ``SUPPORT``: the columns the support does not keep (its bitmask of
-    the chunk's columns, :func:`support_columns` at ``o_c``) are ``-inf`` after the transform, as
+    the chunk's columns, :func:`support_masked` at ``o_c``) are ``-inf`` after the transform, as
     in the forward: ``p = 0`` there, so ``dz = 0`` (the target's column is always kept).
     """
     o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
@@ -400,8 +408,7 @@ def dlogits_tile(
         acc, b_t = softcap_tile(acc, softcap)
         b_slope = 1.0 - b_t * b_t
     if SUPPORT:
-        acc = tl.where(support_columns(p_sup, stride_sup, o_n, m_n, o_c, o_v < v_hi), acc,
-                       float("-inf"))
+        acc = support_masked(acc, p_sup, stride_sup, o_n, m_n, c0, BLOCK_V)
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
     b_zr = mul_rounded(acc, inv_temp, PTX) - b_rmax[:, None]  # z - M, exactly 0 at the row max
