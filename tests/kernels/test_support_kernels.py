@@ -1,5 +1,5 @@
-"""A sampler's support (``support=``) in the fused kernels (CPU interpreter): the triton source and the
-sm90 kernels (tensor-descriptor loads, bypassing the Hopper check) mask the columns outside each
+"""A sampler's support (``support=``) in the fused kernels (CPU interpreter): the triton source and
+the sm90 kernels (tensor-descriptor loads, bypassing the Hopper check) mask the columns outside each
 row's support through its bitmask (:mod:`tplogp.kernels.support_bits`), against the float64
 definition (``tplogp.testing.reference.reference_support_outputs``) within the same-dtype
 reference's error, fp32 and bf16, with temperature and softcap; at budgets that run the forward in

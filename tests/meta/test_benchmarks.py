@@ -449,9 +449,11 @@ def test_supports_and_their_unavailable_sources(tmp_path):
 
     with pytest.MonkeyPatch.context() as mp:  # where the triton source runs, it runs a support
         mp.setattr(get_backend("triton"), "unavailable_reason", lambda device: None)
-        assert impls.BY_NAME["tplogp-triton"].build(torch.device("cpu"), None, support=support) is not None
+        triton_row = impls.BY_NAME["tplogp-triton"]
+        assert triton_row.build(torch.device("cpu"), None, support=support) is not None
         # a source that named the feature missing would be unavailable for it, with its reason
-        mp.setattr(get_backend("triton"), "missing_features", {"support": "no support= here"}, raising=False)
+        mp.setattr(get_backend("triton"), "missing_features", {"support": "no support= here"},
+                   raising=False)
         with pytest.raises(impls.ImplUnavailable, match="support"):
             impls.BY_NAME["tplogp-triton"].build(torch.device("cpu"), None, support=support)
         assert impls.BY_NAME["tplogp-triton"].build(torch.device("cpu"), None) is not None

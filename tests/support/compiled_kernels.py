@@ -90,9 +90,10 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
         sig = dict(p_dz=f"*{dt}", p_w=f"*{dt}", p_dh="*fp32", N="i32", K="i32", D="i32", stride_dz="i32",
                    stride_wv="i32", stride_dh="i32")
         const = dict(ACCUMULATE=True, BLOCK_N=m, BLOCK_D=n, BLOCK_K=k, GROUP_N=8, DOT_PRECISION=precision)
-    # the model options (softcap, the sum of the logits, argmax) and the support off: their scalars and pointers typed,
-    # flags False
-    sig = {"softcap": "fp32", "cap_temp": "fp32", "p_gsz": "*fp32", "p_sup": "*i32", "stride_sup": "i32", **sig}
+    # the model options (softcap, the sum of the logits, argmax) and the support off: their
+    # scalars and pointers typed, flags False
+    sig = {"softcap": "fp32", "cap_temp": "fp32", "p_gsz": "*fp32", "p_sup": "*i32",
+           "stride_sup": "i32", **sig}
     const.update({flag: False for flag in ("SOFTCAP", "WITH_SUM_Z", "WITH_ARGMAX", "SUPPORT")
                   if flag in fn.arg_names})
     if softcap:
@@ -138,8 +139,8 @@ def shared_memory_rows(kinds: list[str]) -> list[dict]:
     return rows
 
 
-# The sass-counts kernels: (name, kind, which config blocks, keep, softcap[, support]); the sm90 config's tiles and
-# warps.
+# The sass-counts kernels: (name, kind, which config blocks, keep, softcap[, support]); the sm90
+# config's tiles and warps.
 _MACHINE_CODE = (("fwd_stats", "fwd_tma", "fwd", False, False), ("fwd_stats_keep", "fwd_tma", "fwd", True, False),
                  ("fwd_stats_softcap", "fwd_tma", "fwd", False, True), ("bwd_dlogits", "bwd_tma", "bwd", False, False),
                  ("bwd_dlogits_softcap", "bwd_tma", "bwd", False, True),

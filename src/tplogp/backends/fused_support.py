@@ -10,8 +10,8 @@ Two ways, as on the native source (:mod:`tplogp.backends.native_support`):
 * otherwise the fused kernels mask the logits outside each row's support to ``-inf`` in their logit
   transform (forward, and the backward's recompute), reading per row a bitmask of the shard's
   columns (:mod:`tplogp.kernels.support_bits`): the masked-vocabulary rule then gives the
-  renormalized statistics and ``dz = 0`` there. The forward's kept terms are 0 on those columns, so a
-  backward from them needs no mask. The forward's bitmask covers the whole shard for its token
+  renormalized statistics and ``dz = 0`` there. The forward's kept terms are 0 on those columns,
+  so a backward from them needs no mask. The forward's bitmask covers the whole shard for its token
   rows; where the rows' bitmask would exceed the budget's transient part, the forward runs in token
   chunks whose bitmask fits it (:func:`tplogp.kernels.support_bits.forward_rows`). The backward
   builds the bitmask of each d_logits chunk's columns (:func:`tplogp.kernels.programs.backward`).
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
-from .native_support import (gathered, gathered_accumulators, scattered_argmax, scattered_grads)
+from .native_support import gathered, gathered_accumulators, scattered_argmax, scattered_grads
 
 
 def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,

@@ -145,7 +145,8 @@ def dlogits_launch(n: int, v: int, d: int, v_lo: int, v_hi: int, stride_h: int, 
                   cfg.bwd_num_warps, cfg.bwd_num_stages,
                   dict(flags, **blocks, WARP_SPECIALIZE=cfg.warp_specialize,
                        NUM_STAGES=cfg.bwd_num_stages, **options, SUPPORT=support),
-                  ((0, [cfg.bwd_block_n, cfg.bwd_block_d]), (1, [cfg.bwd_block_v, cfg.bwd_block_d])))
+                  ((0, [cfg.bwd_block_n, cfg.bwd_block_d]),
+                   (1, [cfg.bwd_block_v, cfg.bwd_block_d])))
 
 
 def dlogits_kept_launch(n: int, v_lo: int, v_hi: int, stride_kept: int, stride_scale: int,

@@ -217,9 +217,9 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
                    support: Optional[torch.Tensor] = None):
     """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None,
     entropy | None, sum_z | None, argmax | None)``, fp32 [N].
-    ``kept``, ``tma``, ``support``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the
-    finishing kernel sets to an id outside ``[0, V)`` if some target is one (the call's default
-    check; pinned host memory on a GPU, which the kernel writes directly).
+    ``kept``, ``tma``, ``support``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64
+    ``[1]`` that the finishing kernel sets to an id outside ``[0, V)`` if some target is one (the
+    call's default check; pinned host memory on a GPU, which the kernel writes directly).
 
     ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp
     (the checks in ``full`` mode reject such ids before this runs). Two launches (the stats kernel,
