@@ -241,3 +241,21 @@ def test_forward_rows_follow_the_budget():
     for itemsize in (2, 4):
         part = support_bits.chunk_itemsize_budget(1 << 20, itemsize)
         assert part + part / (8 * itemsize) <= 1 << 20
+
+
+def test_tiles_narrower_than_a_word():
+    """Tiles of 16 columns (a config shrunk to fit a small shared memory; the softcap's half tiles
+    of 8): each element's word is read; outputs and gradients as the definition's, in chunks."""
+    import dataclasses
+
+    from tplogp.backends.triton_backend import TritonBackend
+    from tplogp.kernels import tiles
+
+    cfg = dataclasses.replace(tiles.INTERPRETER, block_v=16, bwd_block_v=16, split_tiles=4)
+    problem = _problem(torch.float32, seed=6)
+    kw = dict(softcap=5.0, temperature=1.2)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native_support, "GATHER_FRACTION", -1.0)
+        ours = _run(TritonBackend(cfg), problem, workspace_bytes=1, **kw)
+    found = _check(ours, problem, torch.float32, **kw)
+    assert not found, "; ".join(found)

@@ -82,22 +82,30 @@ def target_column(b_tgt, v0, BLOCK_V: tl.constexpr):
 @triton.jit
 def support_masked(x, p_sup, stride_sup, o_n, m_n, c0, BLOCK_V: tl.constexpr):
     """``x`` (``[BLOCK_N, BLOCK_V]``, the rows ``o_n``, the columns ``c0 .. c0 + BLOCK_V`` of the
-    bitmask's range; ``c0`` a multiple of 32) with ``-inf`` at the columns the sampler's support
-    does not keep: bit ``c % 32`` of word ``c // 32`` of the row's int32 bitmask ``p_sup``
-    (``stride_sup`` words a row; :mod:`.support_bits`) clear. Rows outside ``m_n`` and words past
-    the row's read as 0 (masked). The tile's ``BLOCK_V / 32`` words a row are loaded once and
-    expanded by broadcasting over a ``[BLOCK_N, BLOCK_V / 32, 32]`` view of ``x`` (a reshape of its
-    registers, no data movement): no per-element address, a shift, an ``and`` and a select per
-    element."""
-    tl.static_assert(BLOCK_V % 32 == 0)
+    bitmask's range) with ``-inf`` at the columns the sampler's support does not keep: bit
+    ``c % 32`` of word ``c // 32`` of the row's int32 bitmask ``p_sup`` (``stride_sup`` words a
+    row; :mod:`.support_bits`) clear. Rows outside ``m_n`` and words past the row's read as 0
+    (masked). Tiles of whole words (``BLOCK_V`` a multiple of 32, ``c0`` then one too: every config
+    the tile tables give, and the softcap's half tiles of them) load their ``BLOCK_V / 32`` words a
+    row once and expand them by broadcasting over a ``[BLOCK_N, BLOCK_V / 32, 32]`` view of ``x`` (a
+    reshape of its registers, no data movement): no per-element address, a shift, an ``and`` and a
+    select per element. Narrower tiles (a config shrunk to fit a small shared memory) load each
+    element's word."""
     BLOCK_N: tl.constexpr = x.shape[0]
-    WORDS: tl.constexpr = BLOCK_V // 32
-    o_w = c0 // 32 + tl.arange(0, WORDS)
-    words = tl.load(p_sup + o_n.to(tl.int64)[:, None] * stride_sup + o_w[None, :],
-                    mask=m_n[:, None] & (o_w < stride_sup)[None, :], other=0)  # [BLOCK_N, WORDS]
-    bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
-    x = tl.where(bits != 0, tl.reshape(x, [BLOCK_N, WORDS, 32]), float("-inf"))
-    return tl.reshape(x, [BLOCK_N, BLOCK_V])
+    if BLOCK_V % 32 == 0:
+        WORDS: tl.constexpr = BLOCK_V // 32
+        o_w = c0 // 32 + tl.arange(0, WORDS)
+        words = tl.load(p_sup + o_n.to(tl.int64)[:, None] * stride_sup + o_w[None, :],
+                        mask=m_n[:, None] & (o_w < stride_sup)[None, :], other=0)
+        bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+        x = tl.where(bits != 0, tl.reshape(x, [BLOCK_N, WORDS, 32]), float("-inf"))
+        x = tl.reshape(x, [BLOCK_N, BLOCK_V])
+    else:
+        o_c = c0 + tl.arange(0, BLOCK_V)
+        words = tl.load(p_sup + o_n.to(tl.int64)[:, None] * stride_sup + (o_c >> 5)[None, :],
+                        mask=m_n[:, None] & ((o_c >> 5) < stride_sup)[None, :], other=0)
+        x = tl.where(((words >> (o_c & 31)[None, :]) & 1) != 0, x, float("-inf"))
+    return x
 
 
 @triton.jit
