@@ -222,6 +222,31 @@ def test_full_support_is_the_plain_op(source):
         torch.testing.assert_close(a, p, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_support_under_torch_compile_runs_eagerly(source):
+    """Under ``torch.compile`` a call with a support leaves the graph (the op schemas take none)
+    and runs eagerly, untraced: the outputs and gradients of the eager call, bit for bit; under
+    ``fullgraph=True`` the graph break names it."""
+    problem = _problem(seed=13)
+    op = tplogp.get_op("linear_logp", source)
+
+    def loss(h, w, b):
+        out = op(h, w, problem[3], b, return_entropy=True, support=problem[4], temperature=0.8)
+        return (out.logp + 0.5 * out.entropy).sum()
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (loss, torch.compile(loss, backend="eager")):
+        leaves = [t.clone().requires_grad_() for t in (problem[0], problem[1], problem[2])]
+        value = fn(*leaves)
+        results.append((value.detach(), *torch.autograd.grad(value, leaves)))
+    for a, e in zip(*results):
+        assert torch.equal(a, e)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="support= runs eagerly"):
+        torch.compile(loss, backend="eager", fullgraph=True)(*problem[:3])
+
+
 def _bad_cases(problem):
     """``{case: (support, pattern of the error)}``: every way a support can be wrong."""
     support, target = problem[4], problem[3]
@@ -387,20 +412,22 @@ def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, source,
 
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
-def test_tp_sequence_parallel_support(tp, vocab_shards):
+@pytest.mark.parametrize("source", SOURCES)
+def test_tp_sequence_parallel_support(tp, vocab_shards, source):
     """``sequence_parallel=True`` (hidden: this rank's slice of the tokens, the support and the
     targets of all of them): logp, entropy and this rank's slice of d_hidden as the float64
-    definition's."""
+    definition's, on each source."""
     problem = _problem(seed=24, ignore=True, length=4)
     hidden, weight, bias, target, support = problem
     vs = vocab_shards
     rows = hidden.reshape(-1, D).chunk(tp.world_size)[tp.rank]
     h = rows.clone().requires_grad_()
     w, b = vs.shard(weight), vs.shard(bias)
-    out = tplogp.linear_logp(h, w, target.reshape(-1), b, tp_group=tp.group,
-                             vocab_start_index=vs.start, global_vocab_size=V, return_entropy=True,
-                             ignore_index=IGNORE, sequence_parallel=True,
-                             support=support.reshape(-1, K))
+    out = tplogp.get_op("linear_logp", source)(h, w, target.reshape(-1), b, tp_group=tp.group,
+                                               vocab_start_index=vs.start, global_vocab_size=V,
+                                               return_entropy=True, ignore_index=IGNORE,
+                                               sequence_parallel=True,
+                                               support=support.reshape(-1, K))
     (out.logp.sum() + 0.5 * out.entropy.sum()).backward()
     found = []
     for dtype in (torch.float64, torch.float32):
