@@ -142,12 +142,12 @@ def online_softmax_update(
     which :func:`keep_tile` stores as the kept terms' scale; ``WITH_SUM_Z`` sums y over the columns,
     ``WITH_ARGMAX`` keeps the lowest column of the running max (a later tile replaces it only with a
     larger max). ``SUPPORT``: the columns outside a row's support (:func:`support_masked`) are set
-to ``-inf`` after the transform, as past V: the masked-vocabulary arithmetic then gives them ``2^a =
-0``, so the statistics are those of the support alone. Shared by the generic and the TMA (sm90)
-forward kernels. (One FMA
-    ``y c - fl(m c)`` instead of the subtraction and the multiply saves an instruction but leaves
-    the max's term at ``2^-e``, e the rounding of ``m c``: at a peaked row ``S`` then misses 1 by an
-    ulp and the target's ``1 - p`` is that ulp instead of ~0.)
+    to ``-inf`` after the transform, as past V: the masked-vocabulary arithmetic then gives them
+    ``2^a = 0``, so the statistics are those of the support alone. Shared by the generic and the
+    TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead of the subtraction and the
+    multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of ``m c``:
+    at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead
+    of ~0.)
     """
     o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     if MASKED:
