@@ -5,7 +5,8 @@ GEMM (online softmax over vocab tiles, target logit read from the fp32 accumulat
 logits; a second tiny kernel merges the vocab splits in a fixed order. Backward: a fused kernel
 recomputes logits tiles and writes ``d_logits`` for one vocab chunk into a bounded workspace, then
 GEMMs with fp32 accumulation produce ``d_hidden`` (fp32, partial) and ``d_weight``. See
-:mod:`tplogp.kernels` and docs/kernels.md. No collectives here.
+:mod:`tplogp.kernels` and docs/kernels.md. A call with a sampler's support (``ShardCall.support``):
+:mod:`tplogp.backends.fused_support`. No collectives here.
 
 Runs on CPU through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before the kernels are
 first imported. Nothing is imported from Triton and no device is probed until a method is called.
