@@ -118,8 +118,8 @@ python -m benchmarks op --shapes 8192x4096x128256 \\
 python -m benchmarks op --shapes 8192x4096x128256,8192x4096x32768 \\
     --impls tplogp-sm90,tplogp-loss-sm90 --budgets default,keep:1 \\
     --variants softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4
-# the sampler's support (native source) against the same call without it (x plain), beside
-# the default call (sm90; its support rows say why it cannot run one yet)
+# the sampler's support on the sm90 and the native source against the same call without it
+# (x plain)
 python -m benchmarks op --shapes 8192x4096x128256 --dtype bf16 \\
     --impls tplogp-sm90,tplogp-native,tplogp-loss-sm90,tplogp-loss-native --budgets default \\
     --variants support=K64-shared,support=K512-shared,support=K64-disjoint,support=K512-disjoint

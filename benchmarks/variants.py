@@ -12,9 +12,9 @@ it, in one run.
 * ``support=K<k>-shared`` / ``support=K<k>-disjoint``: the sampler's support, ``k`` ids per token
   holding its target, shared within a sequence or disjoint across tokens
   (:mod:`benchmarks.supports`), built once per shape; the row's ``support_union`` / ``support_k``
-  are the union size of the supports and their width. The native source runs it; the triton and
-  sm90 rows report it unavailable. It composes with ``softcap`` and ``deterministic=true``; the op
-  refuses it with ``deterministic=tp_invariant`` and label smoothing, and so does the parser.
+  are the union size of the supports and their width. Every source runs it (the triton and sm90
+  kernels through the support's bitmask). It composes with ``softcap`` and ``deterministic=true``;
+  the op refuses it with ``deterministic=tp_invariant`` and label smoothing, and so does the parser.
 
 For example
 ``softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4,

@@ -142,10 +142,13 @@ def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: 
         return unwrap_dtensors(functools.partial(_run, source), hidden, weight, target_ids, bias,
                                tp_group, vocab_start_index, global_vocab_size, options)
     body = _eager
-    if torch.compiler.is_compiling() and _fits_op_schema(hidden, weight, target_ids, bias,
-                                                         vocab_start_index, global_vocab_size,
-                                                         options):
-        body = _compiled  # (other calls run eagerly: their checks raise the error, on every rank)
+    if torch.compiler.is_compiling():
+        if _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
+                           global_vocab_size, options):
+            # (other calls run eagerly: their checks raise the error, on every rank)
+            body = _compiled
+        elif options.support is not None:  # (untraced: the sources' kernels launch as in eager)
+            body = _eager_support
     return _front(functools.partial(body, source), hidden, weight, target_ids, bias, tp_group,
                   vocab_start_index, global_vocab_size, options)
 
@@ -327,11 +330,17 @@ EAGER_UNDER_COMPILE = (
     "+)")
 
 
-def _eager_under_compile(fn):
+SUPPORT_UNDER_COMPILE = (
+    "tplogp.linear_logp with support= runs eagerly inside compiled code (a graph break, so not "
+    "under fullgraph=True): the op's schema takes no support")
+
+
+def _eager_under_compile(fn, message: str = EAGER_UNDER_COMPILE):
     """``fn`` behind ``torch.compiler.disable`` while Dynamo traces the caller (compiled code that
-    calls it runs ``fn`` eagerly, untraced); a plain call otherwise (the disabled wrapper's frame
-    switch costs host time on every eager call). The wrapper is made at the first traced call:
-    importing ``torch._dynamo`` with tplogp would cost about a second."""
+    calls it runs ``fn`` eagerly, untraced, after a graph break with ``message``); a plain call
+    otherwise (the disabled wrapper's frame switch costs host time on every eager call). The
+    wrapper is made at the first traced call: importing ``torch._dynamo`` with tplogp would cost
+    about a second."""
     disabled = None
 
     @functools.wraps(fn)
@@ -342,10 +351,14 @@ def _eager_under_compile(fn):
         if disabled is None:
             disabled = torch.compiler.disable(fn)
         # named: under fullgraph=True, the error's message
-        torch._dynamo.graph_break(msg=EAGER_UNDER_COMPILE)
+        torch._dynamo.graph_break(msg=message)
         return disabled(*args, **kwargs)
 
     return wrapper
+
+
+# a call with a sampler's support inside compiled code: eagerly, untraced
+_eager_support = _eager_under_compile(_eager, SUPPORT_UNDER_COMPILE)
 
 
 def linear_logp_loss(

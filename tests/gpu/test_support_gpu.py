@@ -1,9 +1,12 @@
 """The sampler's support (``support=``, docs/operator.md, "Sampler's support") on a CUDA GPU: the
-registry's automatic choice runs such calls on the native source where the fused sources are
-available (they report the feature missing; an explicit request raises), and its outputs and
-gradients match the float64 definition (``tplogp.testing.reference.reference_support_outputs``)
-within the same-dtype PyTorch reference's error, in bf16 and fp32, with temperature and softcap, in
-one process and over ranks through the plugin (uneven shards).
+registry's automatic choice runs such calls on the source it takes without one (the fused sources
+run a support), and the outputs and gradients of the registry's choice and of the triton, sm90 and
+native sources named explicitly match the float64 definition
+(``tplogp.testing.reference.reference_support_outputs``) within the same-dtype PyTorch reference's
+error, in bf16 and fp32, with temperature and softcap, on both ways (every tile masked; the gathered
+rows of the supports' union), at the default budget and at one that runs the fused forward in token
+chunks and its backward in column chunks (each with its support bitmask); the fused loss with a
+support on each source; in one process and over ranks through the plugin (uneven shards).
 
 Run on a GPU machine: ``python -m pytest tests/gpu/test_support_gpu.py -m gpu`` (``-n 4`` for the
 TP tests on one GPU, or ``-n 1`` on 4 GPUs: NCCL).
@@ -15,9 +18,9 @@ import pytest
 import torch
 
 import tplogp
+from tplogp import losses
 from tplogp.backends import native_support
-from tplogp.backends.kernel_registry import (SourceUnavailableError, backend_for_call,
-                                             unavailable_reason)
+from tplogp.backends.kernel_registry import backend_for_call, unavailable_reason
 from tplogp.testing.reference import reference_support_outputs
 from tplogp.tolerances import assert_no_worse
 
@@ -77,17 +80,24 @@ def _check(outputs, leaves, problem, dtype, rows=slice(None), **kw):
     return found
 
 
+# the budgets of the explicit sources' test: the default (one forward, the shard's terms kept
+# whole), and 1 byte (the fused forward in token chunks of one token block, the backward in
+# 256-column chunks, each with its bitmask)
+BUDGETS = {"default": None, "chunks": 1}
+
+
 @pytest.mark.parametrize("path", ["mask", "gather"])
 @pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_support_on_the_registry_choice(dtype, options, path, monkeypatch):
-    """The automatic choice with a support is native (the fused sources, where they run here,
-    report the feature missing), and its outputs and gradients match the definition, on both of
-    its ways (masked tiles; the gathered rows of the supports' union)."""
+    """The automatic choice with a support is the one without (a fused source on a GPU where one
+    runs: none names the feature missing), and its outputs and gradients match the definition, on
+    both of its ways (masked tiles; the gathered rows of the supports' union)."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", -1.0 if path == "mask" else 1.0)
     dt = DTYPES[dtype]
     device = torch.device("cuda")
-    assert backend_for_call(None, device, dt, features=("support",)).name == "native"
+    assert (backend_for_call(None, device, dt, features=("support",)).name
+            == backend_for_call(None, device, dt).name)
     problem = _problem(N, V, seed=1, device=device, dtype=dt)
     hidden, weight, bias, target, support = problem
     leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
@@ -98,15 +108,78 @@ def test_support_on_the_registry_choice(dtype, options, path, monkeypatch):
     assert not found, "; ".join(found)
 
 
-@pytest.mark.parametrize("source", ["triton", "sm90"])
-def test_fused_sources_refuse_a_support(source):
+def _op(source: str):
+    """The op on ``source``; ``sm90-tma``: the sm90 source launching its TMA kernels at any size
+    (the plain sm90 source launches them above ``TMA_MIN_MACS`` only)."""
+    if source != "sm90-tma":
+        return tplogp.get_op("linear_logp", source)
+    from tplogp.api import linear_logp_on
+    from tplogp.backends.sm90_backend import SM90Backend
+    from tplogp.op.plan import LogpOptions
+
+    backend = SM90Backend(tma_min_macs=0)
+    return lambda h, w, y, b, **kw: linear_logp_on(backend, h, w, y, b,
+                                                   options=LogpOptions(**kw))
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("path", ["mask", "gather"])
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("source", ["sm90-tma", "sm90", "triton", "native"])
+def test_support_on_each_source(source, dtype, options, path, budget, monkeypatch):
+    """Each source named explicitly with a support (sm90 with its TMA kernels and with its pointer
+    kernels): outputs and gradients as the definition's, on both ways, at the default budget and at
+    one that chunks the fused forward's tokens and the backward's columns."""
     device = torch.device("cuda")
-    if unavailable_reason(source, device, torch.bfloat16) is not None:
-        pytest.skip(unavailable_reason(source, device, torch.bfloat16))
-    hidden, weight, bias, target, support = _problem(8, 97, seed=2, device=device,
-                                                     dtype=torch.bfloat16)
-    with pytest.raises(SourceUnavailableError, match="renormalize over a sampler's support"):
-        tplogp.get_op(source=source)(hidden, weight, target, bias, support=support)
+    dt = DTYPES[dtype]
+    name = source.split("-")[0]
+    if unavailable_reason(name, device, dt, ("support",)) is not None:
+        pytest.skip(unavailable_reason(name, device, dt, ("support",)))
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", -1.0 if path == "mask" else 1.0)
+    problem = _problem(N, V, seed=4, device=device, dtype=dt)
+    hidden, weight, bias, target, support = problem
+    leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
+    kw = OPTIONS[options]
+    out = _op(source)(leaves[0], leaves[1], target, leaves[2], return_entropy=True,
+                      return_lse=True, support=support, workspace_bytes=BUDGETS[budget], **kw)
+    found = _check(tuple(out), leaves, problem, dt, **kw)
+    assert not found, f"{source}: " + "; ".join(found)
+
+
+@pytest.mark.parametrize("source", ["sm90", "triton", "native"])
+def test_fused_loss_with_support_on_each_source(source):
+    """``linear_logp_loss`` (cross-entropy plus an entropy bonus, bf16) with a support on each
+    source: the loss and the gradients as the definition's (float64 truth, the bf16 reference's
+    error)."""
+    device, dt = torch.device("cuda"), torch.bfloat16
+    if unavailable_reason(source, device, dt, ("support",)) is not None:
+        pytest.skip(unavailable_reason(source, device, dt, ("support",)))
+    problem = _problem(N, V, seed=5, device=device, dtype=dt)
+    hidden, weight, bias, target, support = problem
+    leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
+    value = tplogp.linear_logp_loss(*leaves[:2], target, leaves[2], support=support,
+                                    loss=losses.cross_entropy() + losses.entropy_bonus(0.2),
+                                    source=source)
+    value.backward()
+    results = {}
+    for ref_dtype in (torch.float64, dt):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        mode = "float64" if ref_dtype == torch.float64 else "matching"
+        ref = reference_support_outputs(h, w, target, support, b, mode=mode)
+        loss = (-ref.logp.float() - 0.2 * ref.entropy.float()).sum()
+        loss.backward()
+        results[ref_dtype] = (loss.detach(), h.grad, w.grad, b.grad)
+    found = []
+    for name, a, r, t in zip(("loss", "d_hidden", "d_weight", "d_bias"),
+                             (value.detach(), *(x.grad for x in leaves)), results[dt],
+                             results[torch.float64]):
+        try:
+            assert_no_worse(name, a.float().reshape(-1), r.float().reshape(-1),
+                            t.double().reshape(-1), dt)
+        except AssertionError as exc:
+            found.append(str(exc))
+    assert not found, f"{source}: " + "; ".join(found)
 
 
 @pytest.fixture
@@ -116,8 +189,8 @@ def vocab_shards_size() -> int:
 
 @pytest.mark.tp(world_size=[2, 4], timeout=600)
 def test_tp_support_gpu(tp, vocab_shards):
-    """Over the ranks (bf16, uneven shards; ids global): outputs and this rank's gradient rows as
-    the definition's."""
+    """Over the ranks (bf16, uneven shards; ids global; the registry's choice, a fused source where
+    one runs): outputs and this rank's gradient rows as the definition's."""
     vs = vocab_shards
     problem = _problem(64, TP_V, seed=3, device=tp.device, dtype=torch.bfloat16)
     hidden, weight, bias, target, support = problem

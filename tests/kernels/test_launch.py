@@ -300,12 +300,19 @@ def test_every_kernel_launch_is_built_with_its_constexprs_in_signature_order():
                                                   kept))
                 made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, options, cfg, None,
                                                   kept, tma=True, keep_tma=kept is not None))
+                for tma in (False, True):  # a sampler's support: its bitmask's launches
+                    made.append(launches.stats_launch(64, 256, 32, 32, 32, bias, options, cfg,
+                                                      None, kept, tma=tma, support=True))
             identity = launches.LogitTransform()
             for db in (False, True):
                 made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db,
                                                     entropy, identity, cfg, None))
                 made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256, bias, db,
                                                     entropy, identity, cfg, None, tma=True))
+                for tma in (False, True):
+                    made.append(launches.dlogits_launch(64, 256, 32, 0, 256, 32, 32, 256, 256,
+                                                        bias, db, entropy, identity, cfg, None,
+                                                        tma=tma, support=True))
                 made.append(launches.dlogits_kept_launch(64, 0, 256, 256, 8, 256, 256, identity,
                                                          entropy, db, cfg, None))
     made += [launches.merge_launch(64, 3, e) for e in (False, True)]
@@ -314,8 +321,8 @@ def test_every_kernel_launch_is_built_with_its_constexprs_in_signature_order():
     made += [launches.dh_launch(64, 256, 32, 256, 32, 32, acc, cfg, None) for acc in (False, True)]
     made.append(scale_launch.scale_launch(((5, torch.float32, torch.bfloat16, False),
                                            (7, torch.bfloat16, torch.bfloat16, True))))
-    tensors = {"fwd_stats_kernel": 7, "fwd_stats_tma_kernel": 7, "bwd_dlogits_kernel": 13,
-               "bwd_dlogits_tma_kernel": 13, "bwd_dlogits_kept_kernel": 12,
+    tensors = {"fwd_stats_kernel": 8, "fwd_stats_tma_kernel": 8, "bwd_dlogits_kernel": 14,
+               "bwd_dlogits_tma_kernel": 14, "bwd_dlogits_kept_kernel": 12,
                "merge_splits_kernel": 2, "finalize_single_kernel": 4, "dh_accum_kernel": 3,
                "scale_round_kernel": 7}
     for launch in made:

@@ -192,3 +192,24 @@ def test_shared_memory_model_covers_compiled_kernels(sass):
     # buffers: still within sm_90's 227 KiB per block
     keep, cfg = sass["fwd_stats_keep"], tiles.SM90
     assert keep["shared"] == keep["model"] + cfg.block_n * cfg.block_v * 2 <= 227 * 1024, keep
+
+
+@pytest.mark.slow
+def test_support_mask_costs_a_few_instructions_per_logit(sass):
+    """A sampler's support (``SUPPORT``, :func:`tplogp.kernels.tile_ops.support_masked`): the tile's
+    bitmask words are loaded once per row and expanded over a reshaped view of the accumulator's
+    registers, so the forward and the d_logits recompute keep their GEMM, exponentials and shared
+    memory, spill no more than the plain kernels (a per-element word load took 7293 spill
+    instructions in the forward), and add a shift, an ``and`` and a select per logit and
+    little else (Triton 3.9: +616 in each, of 3216 and 3208)."""
+    logits = 2 * 128  # two epilogue copies (interior, edge) of a thread's 128 logits
+    for name in ("fwd_stats", "bwd_dlogits"):
+        plain, masked = sass[name], sass[name + "_support"]
+        for op in ("HGMMA", "MUFU"):
+            assert masked.get(op, 0) == plain.get(op, 0), (name, op, masked, plain)
+        assert masked["shared"] == plain["shared"], (name, masked, plain)
+        spills = masked.get("LDL", 0) + masked.get("STL", 0)
+        assert spills <= plain.get("LDL", 0) + plain.get("STL", 0) + 16, (name, masked, plain)
+        extra = (sum(n for op, n in masked.items() if op.isupper())
+                 - sum(n for op, n in plain.items() if op.isupper()))
+        assert extra <= 3 * logits, (name, extra)

@@ -1,9 +1,11 @@
 """Log-probs renormalized over the sampler's support (``support=``, docs/operator.md, "Sampler's
 support") against the float64 definition (``tplogp.testing.reference.reference_support_outputs``):
 values and every gradient, padded and CSR supports of different sizes per token, temperature,
-softcap, ignore_index and a tiled budget, on one process and on 2 and 4 uneven gloo ranks; every
-bad support raising the same error on every rank with the group usable after; the fused loss and
-``losses.grpo(...)`` with a support; the registry's answer for the fused sources."""
+softcap, ignore_index and a tiled budget, on one process and on 2 and 4 uneven gloo ranks, on the
+native source and the interpreted triton source (``TRITON_INTERPRET=1``), each on both ways (every
+tile masked; the gathered rows of the supports' union); every bad support raising the same error on
+every rank with the group usable after; the fused loss and ``losses.grpo(...)`` with a support; the
+registry's answer for the fused sources (they run a support)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import torch
 
 import tplogp
 from tests.support import grpo_reference
+from tests.support.problems import cpu_sources
 from tplogp import losses
-from tplogp.backends import native, native_support
-from tplogp.backends.kernel_registry import SourceUnavailableError, unavailable_reason
+from tplogp.backends import fused_support, native, native_support
+from tplogp.backends.kernel_registry import unavailable_reason
 from tplogp.op.validation import LinearLogpInputError
 from tplogp.testing.reference import reference_logits, reference_support_outputs, support_mask
 from tplogp.tolerances import assert_no_worse
@@ -32,29 +35,34 @@ OPTIONS = {
 }
 
 
-# the native source's two ways: every tile masked, or the gathered rows of the supports' union
+# every source's two ways: every tile masked, or the gathered rows of the supports' union
 PATHS = {"mask": -1.0, "gather": 1.0}  # (-1: never, even an empty union)
+# the sources that run here: native, and triton where Triton's interpreter runs it
+SOURCES = cpu_sources()
 
 
 @pytest.fixture(params=list(PATHS))
 def path(request) -> str:
-    """Runs the test on each of the native source's two ways (set by :func:`_take`, in the body:
-    on a TP test's ranks)."""
+    """Runs the test on each of the sources' two ways (set by :func:`_take`, in the body: on a TP
+    test's ranks)."""
     return request.param
 
 
 def _take(path: str, monkeypatch) -> list[bool]:
-    """The native source's way ``path`` for this test (``GATHER_FRACTION``); the list it returns
-    gets, per forward or backward of the source, whether it ran on gathered rows."""
+    """The sources' way ``path`` for this test (``GATHER_FRACTION``); the list it returns gets, per
+    forward or backward of the source (native, or triton / sm90: :mod:`tplogp.backends.
+    fused_support`), whether it ran on gathered rows."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS[path])
-    real, seen = native.gathered, []
+    seen = []
+    for module in (native, fused_support):
+        real = module.gathered
 
-    def gathered(*args):
-        narrow = real(*args)
-        seen.append(narrow is not None)
-        return narrow
+        def gathered(*args, real=real):
+            narrow = real(*args)
+            seen.append(narrow is not None)
+            return narrow
 
-    monkeypatch.setattr(native, "gathered", gathered)
+        monkeypatch.setattr(module, "gathered", gathered)
     return seen
 
 
@@ -147,17 +155,18 @@ def _call(op, problem, support, leaves=None, **kw):
     return out, (h, w, b)
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("form", ["padded", "csr"])
 @pytest.mark.parametrize("options", list(OPTIONS))
-def test_support_matches_the_definition(form, options, path, monkeypatch):
+def test_support_matches_the_definition(form, options, path, source, monkeypatch):
     """logp, entropy, lse and the gradients of hidden, weight and bias as the float64 definition's
-    (within the fp32 reference's error), for ragged supports in both forms."""
+    (within the fp32 reference's error), for ragged supports in both forms, on each source."""
     seen = _take(path, monkeypatch)
     kw = OPTIONS[options]
     problem = _problem(seed=3, ignore="ignore_index" in kw)
     support = problem[4]
     given = support if form == "padded" else _csr(support)
-    ours, leaves = _call(tplogp.linear_logp, problem, given, **kw)
+    ours, leaves = _call(tplogp.get_op("linear_logp", source), problem, given, **kw)
     found = _compare(ours, leaves, problem, support, _upstream((B, L), 4), **kw)
     assert not found, "; ".join(found)
     # a token whose support is its target alone: logp 0 and entropy 0 exactly
@@ -165,12 +174,13 @@ def test_support_matches_the_definition(form, options, path, monkeypatch):
     assert any(seen) == (path == "gather" and "deterministic" not in kw) and seen, seen
 
 
-def test_gradients_reach_the_support_only(path, monkeypatch):
+@pytest.mark.parametrize("source", SOURCES)
+def test_gradients_reach_the_support_only(path, source, monkeypatch):
     """d_W and d_b are 0 on every row no token keeps (and no target is)."""
     seen = _take(path, monkeypatch)
     problem = _problem(seed=5)
     support = problem[4]
-    ours, (h, w, b) = _call(tplogp.linear_logp, problem, support)
+    ours, (h, w, b) = _call(tplogp.get_op("linear_logp", source), problem, support)
     (ours.logp.sum() + ours.entropy.sum()).backward()
     kept = torch.zeros(V, dtype=torch.bool)
     kept[support[support >= 0]] = True
@@ -180,7 +190,8 @@ def test_gradients_reach_the_support_only(path, monkeypatch):
     assert any(seen) == (path == "gather") and seen, seen
 
 
-def test_argmax_is_over_the_support(path, monkeypatch):
+@pytest.mark.parametrize("source", SOURCES)
+def test_argmax_is_over_the_support(path, source, monkeypatch):
     """``return_argmax``: the id of the largest logit among each token's support (an ignored
     token's: 0), in both forms."""
     seen = _take(path, monkeypatch)
@@ -189,24 +200,52 @@ def test_argmax_is_over_the_support(path, monkeypatch):
     expected = z.masked_fill(~support_mask(support, V), float("-inf")).argmax(-1)
     expected = torch.where(target == IGNORE, 0, expected)
     for given in (support, _csr(support)):
-        out = tplogp.linear_logp(hidden, weight, target, bias, temperature=0.9,
-                                 ignore_index=IGNORE, return_argmax=True, support=given)
+        out = tplogp.get_op("linear_logp", source)(hidden, weight, target, bias,
+                                                   temperature=0.9, ignore_index=IGNORE,
+                                                   return_argmax=True, support=given)
         assert torch.equal(out.argmax, expected), (out.argmax, expected)
     assert any(seen) == (path == "gather") and seen, seen
 
 
-def test_full_support_is_the_plain_op():
+@pytest.mark.parametrize("source", SOURCES)
+def test_full_support_is_the_plain_op(source):
     """A support of every id gives the plain op's outputs and gradients."""
     problem = _problem(seed=6)
     every = torch.arange(V).expand(B, L, V)
-    ours, leaves = _call(tplogp.linear_logp, problem, every)
-    plain, plain_leaves = _call(tplogp.linear_logp, problem, None)
+    op = tplogp.get_op("linear_logp", source)
+    ours, leaves = _call(op, problem, every)
+    plain, plain_leaves = _call(op, problem, None)
     for a, p in zip(ours, plain):
         torch.testing.assert_close(a, p, rtol=1e-6, atol=1e-6)
     ga = _grads_of(list(ours), leaves, [torch.ones(B, L)] * 3)
     gp = _grads_of(list(plain), plain_leaves, [torch.ones(B, L)] * 3)
     for a, p in zip(ga, gp):
         torch.testing.assert_close(a, p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_support_under_torch_compile_runs_eagerly(source):
+    """Under ``torch.compile`` a call with a support leaves the graph (the op schemas take none)
+    and runs eagerly, untraced: the outputs and gradients of the eager call, bit for bit; under
+    ``fullgraph=True`` the graph break names it."""
+    problem = _problem(seed=13)
+    op = tplogp.get_op("linear_logp", source)
+
+    def loss(h, w, b):
+        out = op(h, w, problem[3], b, return_entropy=True, support=problem[4], temperature=0.8)
+        return (out.logp + 0.5 * out.entropy).sum()
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (loss, torch.compile(loss, backend="eager")):
+        leaves = [t.clone().requires_grad_() for t in (problem[0], problem[1], problem[2])]
+        value = fn(*leaves)
+        results.append((value.detach(), *torch.autograd.grad(value, leaves)))
+    for a, e in zip(*results):
+        assert torch.equal(a, e)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="support= runs eagerly"):
+        torch.compile(loss, backend="eager", fullgraph=True)(*problem[:3])
 
 
 def _bad_cases(problem):
@@ -251,33 +290,36 @@ def test_label_smoothing_is_refused():
                                 loss=losses.cross_entropy(label_smoothing=0.1))
 
 
-def test_fused_sources_say_they_cannot_run_a_support():
-    """The registry's answer: triton and sm90 name the missing feature (an explicit request raises
-    it), native runs the call; a call without support is unaffected."""
+def test_every_source_runs_a_support():
+    """The registry's answer: no source names a support as a missing feature (an explicit request
+    of triton, where it runs, computes the call)."""
     cpu = torch.device("cpu")
-    for source in ("triton", "sm90"):
-        assert "support=" in tplogp.backends.kernel_registry.get_backend(
-            source).missing_features["support"]
+    for source in ("native", "triton", "sm90"):
+        assert "support" not in getattr(tplogp.backends.kernel_registry.get_backend(source),
+                                        "missing_features", {})
     assert unavailable_reason("native", cpu, torch.float32, ("support",)) is None
     if unavailable_reason("triton", cpu, torch.float32) is None:  # (interpreted Triton)
-        assert "support=" in unavailable_reason("triton", cpu, torch.float32, ("support",))
+        assert unavailable_reason("triton", cpu, torch.float32, ("support",)) is None
         problem = _problem(seed=9)
-        with pytest.raises(SourceUnavailableError, match=r"renormalize over a sampler's support"):
-            _call(tplogp.get_op(source="triton"), problem, problem[4])
+        out, _ = _call(tplogp.get_op(source="triton"), problem, problem[4])
+        assert torch.isfinite(out.logp).all()
 
 
-def test_fused_loss_with_support_matches_the_op(path, monkeypatch):
+@pytest.mark.parametrize("source", SOURCES)
+def test_fused_loss_with_support_matches_the_op(path, source, monkeypatch):
     """``linear_logp_loss`` with a support (cross-entropy plus an entropy bonus, chunks of 3
-    tokens): the loss and the gradients of the op's eager loss."""
+    tokens): the loss and the gradients of the op's eager loss (the native source's)."""
     seen = _take(path, monkeypatch)
     problem = _problem(seed=10, ignore=True)
     hidden, weight, bias, target, support = problem
     loss = losses.cross_entropy() + losses.entropy_bonus(0.2)
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     value = tplogp.linear_logp_loss(h, w, target, b, loss=loss, ignore_index=IGNORE,
-                                    support=_csr(support), workspace_bytes=_chunks_of(3))
+                                    support=_csr(support), workspace_bytes=_chunks_of(3, source),
+                                    source=source)
     value.backward()
-    ours, leaves = _call(tplogp.linear_logp, problem, support, ignore_index=IGNORE)
+    ours, leaves = _call(tplogp.get_op("linear_logp", "native"), problem, support,
+                         ignore_index=IGNORE)
     keep = target != IGNORE
     eager = ((-ours.logp - 0.2 * ours.entropy) * keep).sum()
     grads = torch.autograd.grad(eager, leaves)
@@ -287,14 +329,16 @@ def test_fused_loss_with_support_matches_the_op(path, monkeypatch):
     assert any(seen) == (path == "gather") and seen, seen
 
 
-def _chunks_of(tokens: int) -> int:
-    """The fused loss's budget for chunks of ``tokens`` tokens (several chunks per call)."""
+def _chunks_of(tokens: int, source: str = "native") -> int:
+    """The fused loss's budget for chunks of ``tokens`` tokens (several chunks per call) on
+    ``source``."""
     return tplogp.loss_chunk_budget(tokens, D, V, dtype=torch.float32, bias_dtype=torch.float32,
-                                    source="native", device=torch.device("cpu"))
+                                    source=source, device=torch.device("cpu"))
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("case", ["token", "sequence"])
-def test_grpo_with_support_matches_its_definition(monkeypatch, case, path):
+def test_grpo_with_support_matches_its_definition(monkeypatch, case, path, source):
     """``losses.grpo(...)`` through ``linear_logp_loss`` with a support, in chunks of 3 tokens (the
     sequence-level loss: its two phases): the loss, its metrics and every gradient as the GRPO
     definition over the renormalized log-probs (float64 truth)."""
@@ -320,7 +364,8 @@ def test_grpo_with_support_matches_its_definition(monkeypatch, case, path):
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     value, metrics = tplogp.linear_logp_loss(h, w, target, b, loss=loss, per_token=per_token,
                                              ignore_index=IGNORE, return_metrics=True,
-                                             support=support, workspace_bytes=_chunks_of(3))
+                                             support=support,
+                                             workspace_bytes=_chunks_of(3, source), source=source)
     value.backward()
     grpo_reference.check_three_way((value.detach(), metrics, (h.grad, w.grad, b.grad)),
                                    reference, truth, "grpo with support")
@@ -335,11 +380,12 @@ def vocab_shards_size() -> int:
 
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("form", ["padded", "csr"])
-def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, monkeypatch):
+def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, source, monkeypatch):
     """Over the ranks (even and uneven shards; ids global, each rank masking the ids it owns):
     outputs and gradients as the float64 definition's (d_W / d_b: this rank's rows), with
-    temperature, softcap and ignore_index, on the native source (the automatic choice)."""
+    temperature, softcap and ignore_index, on each source."""
     seen = _take(path, monkeypatch)
     problem = _problem(seed=20, ignore=True)
     hidden, weight, bias, target, support = problem
@@ -349,8 +395,8 @@ def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, monkeyp
               vs.shard(bias).clone().requires_grad_())
     given = support if form == "padded" else _csr(support)
     # (CSR: the global vocabulary from the group record, the support's range checked after it)
-    ours, leaves = _call(tplogp.linear_logp, problem, given, leaves=leaves, tp_group=tp.group,
-                         vocab_start_index=vs.start,
+    ours, leaves = _call(tplogp.get_op("linear_logp", source), problem, given, leaves=leaves,
+                         tp_group=tp.group, vocab_start_index=vs.start,
                          global_vocab_size=V if form == "padded" else None, return_argmax=True,
                          **kw)
     found = _compare(ours, leaves, problem, support, _upstream((B, L), 21),
@@ -411,20 +457,22 @@ def test_tp_invariant_support_bitwise_equal_to_one_shard(tp):
 
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
-def test_tp_sequence_parallel_support(tp, vocab_shards):
+@pytest.mark.parametrize("source", SOURCES)
+def test_tp_sequence_parallel_support(tp, vocab_shards, source):
     """``sequence_parallel=True`` (hidden: this rank's slice of the tokens, the support and the
     targets of all of them): logp, entropy and this rank's slice of d_hidden as the float64
-    definition's."""
+    definition's, on each source."""
     problem = _problem(seed=24, ignore=True, length=4)
     hidden, weight, bias, target, support = problem
     vs = vocab_shards
     rows = hidden.reshape(-1, D).chunk(tp.world_size)[tp.rank]
     h = rows.clone().requires_grad_()
     w, b = vs.shard(weight), vs.shard(bias)
-    out = tplogp.linear_logp(h, w, target.reshape(-1), b, tp_group=tp.group,
-                             vocab_start_index=vs.start, global_vocab_size=V, return_entropy=True,
-                             ignore_index=IGNORE, sequence_parallel=True,
-                             support=support.reshape(-1, K))
+    out = tplogp.get_op("linear_logp", source)(h, w, target.reshape(-1), b, tp_group=tp.group,
+                                               vocab_start_index=vs.start, global_vocab_size=V,
+                                               return_entropy=True, ignore_index=IGNORE,
+                                               sequence_parallel=True,
+                                               support=support.reshape(-1, K))
     (out.logp.sum() + 0.5 * out.entropy.sum()).backward()
     found = []
     for dtype in (torch.float64, torch.float32):
@@ -493,9 +541,10 @@ def test_tp_bad_supports_raise_on_every_rank(tp, vocab_shards):
 
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
-def test_tp_fused_loss_with_support(tp, vocab_shards, path, monkeypatch):
-    """``linear_logp_loss`` with a support over the ranks: the gradients of the single-process
-    op's eager loss (this rank's rows of d_W and d_b)."""
+@pytest.mark.parametrize("source", SOURCES)
+def test_tp_fused_loss_with_support(tp, vocab_shards, path, source, monkeypatch):
+    """``linear_logp_loss`` with a support over the ranks, on each source: the gradients of the
+    single-process op's eager loss (the native source's; this rank's rows of d_W and d_b)."""
     seen = _take(path, monkeypatch)
     problem = _problem(seed=23, ignore=True)
     hidden, weight, bias, target, support = problem
@@ -506,9 +555,10 @@ def test_tp_fused_loss_with_support(tp, vocab_shards, path, monkeypatch):
     value = tplogp.linear_logp_loss(h, w, target, b, loss=loss, ignore_index=IGNORE,
                                     tp_group=tp.group, vocab_start_index=vs.start,
                                     global_vocab_size=V, support=support,
-                                    workspace_bytes=_chunks_of(3))
+                                    workspace_bytes=_chunks_of(3, source), source=source)
     value.backward()
-    ours, leaves = _call(tplogp.linear_logp, problem, support, ignore_index=IGNORE)
+    ours, leaves = _call(tplogp.get_op("linear_logp", "native"), problem, support,
+                         ignore_index=IGNORE)
     keep = target != IGNORE
     eager = ((-ours.logp - 0.2 * ours.entropy) * keep).sum()
     d_h, d_w, d_b = torch.autograd.grad(eager, leaves)

@@ -46,7 +46,7 @@ _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = True, num_warps: int = 8,
              group_n: int = 8, split_tiles: int = 4, keep: bool = False, keep_tma: bool = False,
-             softcap: bool = False):
+             softcap: bool = False, support: bool = False):
     """Compile one kernel for ``sm_{arch}`` (every pointer and i32 argument marked 16-divisible, as Triton
     specializes aligned tensors and sizes); ``features``: bias, entropy and d_bias on; ``keep``: the forward's
     kept-logits variant (``KEEP``); ``softcap``: the final-logit softcap on (``SOFTCAP``). Kinds: fwd_tma, fwd, bwd_tma,
@@ -90,11 +90,16 @@ def _compile(kind: str, arch: int, dt: str, blocks, precision, features: bool = 
         sig = dict(p_dz=f"*{dt}", p_w=f"*{dt}", p_dh="*fp32", N="i32", K="i32", D="i32", stride_dz="i32",
                    stride_wv="i32", stride_dh="i32")
         const = dict(ACCUMULATE=True, BLOCK_N=m, BLOCK_D=n, BLOCK_K=k, GROUP_N=8, DOT_PRECISION=precision)
-    # the model options (softcap, the sum of the logits, argmax) off: their scalars and pointer typed, flags False
-    sig = {"softcap": "fp32", "cap_temp": "fp32", "p_gsz": "*fp32", **sig}
-    const.update({flag: False for flag in ("SOFTCAP", "WITH_SUM_Z", "WITH_ARGMAX") if flag in fn.arg_names})
+    # the model options (softcap, the sum of the logits, argmax) and the support off: their
+    # scalars and pointers typed, flags False
+    sig = {"softcap": "fp32", "cap_temp": "fp32", "p_gsz": "*fp32", "p_sup": "*i32",
+           "stride_sup": "i32", **sig}
+    const.update({flag: False for flag in ("SOFTCAP", "WITH_SUM_Z", "WITH_ARGMAX", "SUPPORT")
+                  if flag in fn.arg_names})
     if softcap:
         const["SOFTCAP"] = True
+    if support:
+        const["SUPPORT"] = True
     full = {name: ("constexpr" if name in const else sig[name]) for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if full[name].startswith("*") or full[name] == "i32"}
@@ -134,17 +139,20 @@ def shared_memory_rows(kinds: list[str]) -> list[dict]:
     return rows
 
 
-# The sass-counts kernels: (name, kind, which config blocks, keep, softcap); the sm90 config's tiles and warps.
+# The sass-counts kernels: (name, kind, which config blocks, keep, softcap[, support]); the sm90
+# config's tiles and warps.
 _MACHINE_CODE = (("fwd_stats", "fwd_tma", "fwd", False, False), ("fwd_stats_keep", "fwd_tma", "fwd", True, False),
                  ("fwd_stats_softcap", "fwd_tma", "fwd", False, True), ("bwd_dlogits", "bwd_tma", "bwd", False, False),
                  ("bwd_dlogits_softcap", "bwd_tma", "bwd", False, True),
                  ("bwd_dlogits_kept", "bwd_kept", "kept", False, False),
-                 ("bwd_dlogits_kept_softcap", "bwd_kept", "kept", False, True))
+                 ("bwd_dlogits_kept_softcap", "bwd_kept", "kept", False, True),
+                 ("fwd_stats_support", "fwd_tma", "fwd", False, False, True),
+                 ("bwd_dlogits_support", "bwd_tma", "bwd", False, False, True))
 
 
 def _machine_code_entry(spec: tuple) -> tuple[str, dict]:
     """One sass-counts kernel: ``(name, its counts, mul.rn count, shared bytes and, for a GEMM kernel, the model)``."""
-    name, kind, which, keep, softcap = spec
+    name, kind, which, keep, softcap, *support = spec
     cfg = tiles.SM90
     blocks, warps = {"fwd": ((cfg.block_n, cfg.block_v, cfg.block_d, cfg.num_stages), cfg.num_warps),
                      "bwd": ((cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
@@ -152,7 +160,8 @@ def _machine_code_entry(spec: tuple) -> tuple[str, dict]:
                      "kept": ((cfg.kept_block_n, cfg.block_v, cfg.bwd_block_d, cfg.bwd_num_stages),
                               cfg.kept_num_warps)}[which]
     kernel = _compile(kind, 90, "bf16", blocks, None, features=False, num_warps=warps, group_n=cfg.group_n,
-                      split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep, softcap=softcap)
+                      split_tiles=cfg.split_tiles, keep=keep, keep_tma=keep, softcap=softcap,
+                      support=bool(support and support[0]))
     found = dict(sass_counts(kernel.asm["cubin"]), ptx_mul_rn=kernel.asm["ptx"].count("mul.rn.f32"),
                  shared=kernel.metadata.shared)
     if kind != "bwd_kept":

@@ -10,7 +10,8 @@ so nothing of size ``[N, V]`` is held.
 When the union of the call's supports is small (:func:`gathered`), the call runs on the gathered
 weight rows of that union alone (the ids become positions among them), and its argmax and its
 ``d_W`` / ``d_b`` rows are put back at the shard's ids (:func:`scattered_argmax`,
-:func:`scattered_grads`).
+:func:`scattered_grads`). That way is source-agnostic: the triton and sm90 sources take it too
+(:mod:`tplogp.backends.fused_support`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def gathered(weight: torch.Tensor, bias: Optional[torch.Tensor], local_target: t
     position[rows] = torch.arange(rows.numel(), device=weight.device)
 
     def positions(ids: torch.Tensor) -> torch.Tensor:  # (-1 stays -1: the extra last entry)
-        return position[torch.where(ids >= 0, ids, v)]
+        return position[torch.where((ids >= 0) & (ids < v), ids, v)]
 
     return Gathered(rows, weight.index_select(0, rows),
                     None if bias is None else bias.index_select(0, rows),

@@ -5,7 +5,8 @@ GEMM (online softmax over vocab tiles, target logit read from the fp32 accumulat
 logits; a second tiny kernel merges the vocab splits in a fixed order. Backward: a fused kernel
 recomputes logits tiles and writes ``d_logits`` for one vocab chunk into a bounded workspace, then
 GEMMs with fp32 accumulation produce ``d_hidden`` (fp32, partial) and ``d_weight``. See
-:mod:`tplogp.kernels` and docs/kernels.md. No collectives here.
+:mod:`tplogp.kernels` and docs/kernels.md. A call with a sampler's support (``ShardCall.support``):
+:mod:`tplogp.backends.fused_support`. No collectives here.
 
 Runs on CPU through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before the kernels are
 first imported. Nothing is imported from Triton and no device is probed until a method is called.
@@ -17,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import memory_budget
+from . import fused_support, memory_budget
 from ..support import settings
 # (these three: torch only, no Triton import, no device work)
 from ..kernels import kept as kept_layout
@@ -66,9 +67,9 @@ class TritonBackend(BudgetParts):
     """Per-shard primitives backed by the fused Triton kernels (see module docstring)."""
 
     name = "triton"
-    # the calls the fused kernels cannot run yet (kernel_registry: the native source runs them)
-    missing_features = {"support": "the fused kernels do not renormalize over a sampler's support "
-                                   "(support=) yet: the native source runs such calls"}
+    # the calls the fused kernels cannot run (kernel_registry: the native source runs them): none
+    # (a sampler's support: tplogp.backends.fused_support)
+    missing_features: dict = {}
 
     def __init__(self, config=None):
         # config: an optional tplogp.kernels.tiles.TileConfig overriding the per-architecture
@@ -286,6 +287,9 @@ class TritonBackend(BudgetParts):
 
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall,
                       kept_out: Optional[torch.Tensor] = None) -> ShardStats:
+        if call.support is not None:  # (a sampler's support: no launch program)
+            return fused_support.forward_stats(self, hidden, weight, bias, local_target, call,
+                                               kept_out)
         ran = self._run_program(hidden, weight, bias, local_target, call,
                                 ("stats", hidden.shape[0]))
         if ran is not None:
@@ -328,6 +332,9 @@ class TritonBackend(BudgetParts):
     def forward_single(self, hidden, weight, bias, target, call: ShardCall,
                        target_flag: Optional[torch.Tensor] = None,
                        kept_out: Optional[torch.Tensor] = None) -> SingleShardOutputs:
+        if call.support is not None:  # (a sampler's support: no launch program)
+            return fused_support.forward_single(self, hidden, weight, bias, target, call,
+                                                target_flag, kept_out)
         ran = self._run_program(hidden, weight, bias, target, call,
                                 ("single", hidden.shape[0], target_flag is not None), target_flag)
         if ran is not None:
@@ -395,6 +402,13 @@ class TritonBackend(BudgetParts):
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                  grad_entropy, grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready=None,
                  kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
+        if call.support is not None:  # a small union of the supports' ids: its gathered rows
+            grads = fused_support.gathered_backward(
+                self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready, kept, accumulate,
+                grad_sum_z)
+            if grads is not None:
+                return grads
         if call.inputs_checked and isinstance(kept, KeptBuffers):
             grads = self._kept_program_backward(hidden, weight, bias, local_target, row_max,
                                                 log_sum, grad_logp, grad_entropy, grad_lse,
@@ -423,7 +437,7 @@ class TritonBackend(BudgetParts):
             kept=self._kept_terms(kept, hidden.shape[0], lay, take_scales=True),
             d_hidden_ready=d_hidden_ready, accumulate=accumulate,
             overwrite_kept=call.consume_kept, d_hidden_in_input_dtype=call.d_hidden_in_input_dtype,
-            checked=call.inputs_checked, grad_sum_z=grad_sum_z)
+            checked=call.inputs_checked, grad_sum_z=grad_sum_z, support=call.support)
         return ShardGrads(d_hidden, d_weight, d_bias)
 
     def _kept_program_backward(self, hidden, weight, bias, local_target, row_max, log_sum,

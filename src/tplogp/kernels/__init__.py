@@ -11,6 +11,9 @@ ones above it in this list):
   Triton import.
 * :mod:`.workspace`         how a budget splits into the d_logits workspace and kept terms; the
                             backward's chunks. No Triton import.
+* :mod:`.support_bits`      a sampler's support as the kernels read it: a per-row bitmask of a
+                            range of the shard's columns, and the token chunks of the forward
+                            whose bitmask fits the budget. No Triton import.
 * :mod:`.launch`            :class:`~.launch.Launch`, the one way a kernel is launched: made once
                             per (kernel, layout), the compiled kernel looked up by the tensors'
                             alignment; :func:`~.launch.cached`, the one bounded cache of the

@@ -55,12 +55,17 @@ def bwd_dlogits_kernel(
     p_dz,  # [N, v_hi - v_lo] d_logits workspace (weight dtype), out
     # [cdiv(N, BLOCK_N), V] fp32 partial column sums of d_logits, out (only HAS_BIAS and NEED_DB)
     p_dbp,
+    # [N, cdiv(v_hi - v_lo, 32)] int32 bitmask of the chunk's columns that a sampler's support
+    # keeps, in (only SUPPORT)
+    p_sup,
     N, V, D, v_lo, v_hi,
     stride_hn, stride_wv, stride_dz, stride_dbp,
+    stride_sup,  # words per row of p_sup (only SUPPORT)
     inv_temp, softcap,  # softcap: only SOFTCAP
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
+    SUPPORT: tl.constexpr,  # the logits outside a row's support are -inf (tile_ops.dlogits_tile)
 ):
     i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V),
                            GROUP_N)
@@ -71,7 +76,8 @@ def bwd_dlogits_kernel(
     dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge,
                      p_mean_rel, p_gsz,
                       p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB,
-                      WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+                      WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z, p_sup,
+                      stride_sup, SUPPORT)
 
 
 @triton.jit

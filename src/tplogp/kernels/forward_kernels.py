@@ -48,15 +48,19 @@ def fwd_stats_kernel(
     # KEEP)
     p_kept,
     p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 running max m per row and tile, out (only KEEP)
+    # [N, cdiv(V, 32)] int32 bitmask of the columns a sampler's support keeps, in (only SUPPORT)
+    p_sup,
     N, V, D,
     stride_hn, stride_wv, stride_kept, stride_scale, v_keep,
     inv_temp, softcap,  # softcap: only SOFTCAP
     num_splits, plane,  # plane = S * N
+    stride_sup,  # words per row of p_sup (only SUPPORT)
     SPLIT_V: tl.constexpr,  # vocab ids per split (multiple of BLOCK_V)
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr, KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
+    SUPPORT: tl.constexpr,  # the logits outside a row's support are -inf (tile_ops.stats_tile)
 ):
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_program(N, num_splits,
                                                                               BLOCK_N, GROUP_N)
@@ -72,7 +76,7 @@ def fwd_stats_kernel(
             acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c,
             softcap, p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp, False, HAS_BIAS,
             WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V, False, SOFTCAP, WITH_SUM_Z,
-            WITH_ARGMAX)
+            WITH_ARGMAX, p_sup, stride_sup, SUPPORT)
     if v_full < v_hi:  # the shard's last tile, cut by V
         o_v = v_full + o_t
         acc = logits_tile(p_h, p_w, o_n, o_v, m_n, o_v < V, D, stride_hn, stride_wv,
@@ -81,7 +85,7 @@ def fwd_stats_kernel(
             acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c,
             softcap, p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp, True, HAS_BIAS,
             WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V, False, SOFTCAP, WITH_SUM_Z,
-            WITH_ARGMAX)
+            WITH_ARGMAX, p_sup, stride_sup, SUPPORT)
     b_max, b_tl, b_sez, b_sz = natural_units(b_max, b_tl, b_sez, b_sz, inv_temp, softcap, SOFTCAP)
     store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
                 WITH_ENTROPY, b_sz, b_am, WITH_SUM_Z, WITH_ARGMAX)

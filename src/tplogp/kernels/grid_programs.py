@@ -57,7 +57,8 @@ def forward_blocks(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
         launch = cached(stats_launch, n, v, d, hidden.stride(0), weight.stride(0), bias is not None,
                         options, cfg, dot_precision(hidden.dtype), None, tma, False)
-        launch(hidden, weight, hidden if bias is None else bias, local_target, parts, parts, parts)
+        launch(hidden, weight, hidden if bias is None else bias, local_target, parts, parts, parts,
+               parts)
     return stats_outputs(parts, with_entropy, *extras)
 
 

@@ -49,16 +49,19 @@ def fwd_stats_tma_kernel(
     p_kept,
     # over them, block [BLOCK_N, BLOCK_V]
     p_scale,  # [N, cdiv(v_keep, BLOCK_V)] fp32 their running max per row and tile, out (only KEEP)
+    p_sup,  # [N, cdiv(V, 32)] int32 the support's bitmask, in (only SUPPORT; see fwd_stats_kernel)
     N, V, D,
     stride_kept, stride_scale, v_keep,
     inv_temp, softcap,  # softcap: only SOFTCAP
     num_splits, plane,  # plane = S * N
+    stride_sup,  # words per row of p_sup (only SUPPORT)
     SPLIT_V: tl.constexpr,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
     KEEP_TMA: tl.constexpr,  # the kept terms leave through TMA stores (tile_ops.keep_tile)
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
+    SUPPORT: tl.constexpr,
 ):
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_program(N, num_splits,
                                                                               BLOCK_N, GROUP_N)
@@ -72,7 +75,7 @@ def fwd_stats_tma_kernel(
             acc, i_n * BLOCK_N, N, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c,
             softcap, p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp, False, HAS_BIAS,
             WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V, KEEP_TMA, SOFTCAP, WITH_SUM_Z,
-            WITH_ARGMAX)
+            WITH_ARGMAX, p_sup, stride_sup, SUPPORT)
     if v_full < v_hi:  # the shard's last tile, cut by V
         acc = _logits_tile_tma(d_h, d_w, i_n * BLOCK_N, v_full, D, BLOCK_N, BLOCK_V, BLOCK_D,
                                DOT_PRECISION, WARP_SPECIALIZE, NUM_STAGES)
@@ -80,7 +83,7 @@ def fwd_stats_tma_kernel(
             acc, i_n * BLOCK_N, N, v_full, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c,
             softcap, p_kept, p_scale, stride_kept, stride_scale, v_keep, inv_temp, True, HAS_BIAS,
             WITH_ENTROPY, KEEP, DOT_PRECISION, BLOCK_N, BLOCK_V, KEEP_TMA, SOFTCAP, WITH_SUM_Z,
-            WITH_ARGMAX)
+            WITH_ARGMAX, p_sup, stride_sup, SUPPORT)
     b_max, b_tl, b_sez, b_sz = natural_units(b_max, b_tl, b_sez, b_sz, inv_temp, softcap, SOFTCAP)
     store_stats(p_parts, plane, i_s.to(tl.int64) * N + o_n, m_n, b_max, b_sum, b_tl, b_sez,
                 WITH_ENTROPY, b_sz, b_am, WITH_SUM_Z, WITH_ARGMAX)
@@ -93,13 +96,16 @@ def bwd_dlogits_tma_kernel(
     p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz,  # see bwd_dlogits_kernel
     p_dz,  # [N, v_hi - v_lo] d_logits workspace, out
     p_dbp,  # [cdiv(N, BLOCK_N), V] fp32 partial d_bias, out (only NEED_DB)
+    p_sup,  # [N, cdiv(v_hi - v_lo, 32)] int32 the support's bitmask of the chunk (only SUPPORT)
     N, V, D, v_lo, v_hi,
     stride_dz, stride_dbp,
+    stride_sup,  # words per row of p_sup (only SUPPORT)
     inv_temp, softcap,
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
+    SUPPORT: tl.constexpr,
 ):
     i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V),
                            GROUP_N)
@@ -109,4 +115,5 @@ def bwd_dlogits_tma_kernel(
     dlogits_epilogue(acc, i_n, i_v, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge,
                      p_mean_rel, p_gsz,
                       p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB,
-                      WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+                      WITH_ENTROPY, DOT_PRECISION, BLOCK_N, BLOCK_V, SOFTCAP, WITH_SUM_Z, p_sup,
+                      stride_sup, SUPPORT)

@@ -22,6 +22,7 @@ from .backward_kernels import bwd_dlogits_kept_kernel, bwd_dlogits_kernel, dh_ac
 from .forward_kernels import finalize_single_kernel, fwd_stats_kernel, merge_splits_kernel
 from .hopper_kernels import bwd_dlogits_tma_kernel, fwd_stats_tma_kernel
 from .launch import Launch
+from .support_bits import bit_words
 from .tiles import TileConfig, cdiv, interpreting
 
 MERGE_BLOCK = 256  # tokens per program of the split merge and the one-shard finalize
@@ -59,22 +60,25 @@ class KernelOptions(NamedTuple):
 def stats_launch(n: int, v: int, d: int, stride_h: int, stride_w: int, has_bias: bool,
                  options: KernelOptions, cfg: TileConfig, precision: Optional[str],
                  kept_dims: Optional[tuple[int, int, int]], tma: bool = False,
-                 keep_tma: bool = False) -> Launch:
+                 keep_tma: bool = False, support: bool = False) -> Launch:
     """The forward statistics over S = cdiv(V, split_v) splits, one program per (token block,
     split). Tensors: ``hidden, weight, bias (or hidden), target, parts [3 or 4, S, N], kept values
-    (or parts), kept scales (or parts)``. ``kept_dims``: the kept terms' and scales' row strides and
-    the kept column count, or None (nothing kept: zeros, which the ``KEEP=False`` variant never
-    reads). ``tma``: the Hopper kernel, ``hidden`` and ``weight`` as tensor descriptors
-    (:func:`tma_ok`), and with ``keep_tma`` the kept terms too (:func:`kept_tma_ok`). ``options``:
-    the logit transform and the optional stats (``parts`` then has up to 6 rows)."""
+    (or parts), kept scales (or parts), support bits (or parts)``. ``kept_dims``: the kept terms'
+    and scales' row strides and the kept column count, or None (nothing kept: zeros, which the
+    ``KEEP=False`` variant never reads). ``tma``: the Hopper kernel, ``hidden`` and ``weight`` as
+    tensor descriptors (:func:`tma_ok`), and with ``keep_tma`` the kept terms too
+    (:func:`kept_tma_ok`). ``options``: the logit transform and the optional stats (``parts`` then
+    has up to 6 rows). ``support``: the columns outside a row's support are masked, read from the
+    support's bitmask of the shard's columns, ``[N, cdiv(V, 32)]`` int32
+    (:func:`.support_bits.column_bits`)."""
     num_splits = cdiv(v, cfg.split_v)
     stride_kept, stride_scale, v_keep = kept_dims if kept_dims is not None else (0, 0, 0)
     grid = (cdiv(n, cfg.block_n) * num_splits,)
     tail = ((stride_kept, stride_scale, v_keep) + options.transform.scalars()
-            + (num_splits, num_splits * n))
+            + (num_splits, num_splits * n, bit_words(v) if support else 0))
     common = dict(SPLIT_V=cfg.split_v, HAS_BIAS=has_bias, WITH_ENTROPY=options.with_entropy)
     flags = dict(options.transform.constexprs(), WITH_SUM_Z=options.with_sum_z,
-                 WITH_ARGMAX=options.with_argmax)
+                 WITH_ARGMAX=options.with_argmax, SUPPORT=support)
     blocks = dict(BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_D=cfg.block_d,
                   GROUP_N=cfg.group_n, DOT_PRECISION=precision)
     if not tma:
@@ -114,26 +118,35 @@ def finalize_launch(n: int, v: int, num_splits: int, with_entropy: bool, check_t
 def dlogits_launch(n: int, v: int, d: int, v_lo: int, v_hi: int, stride_h: int, stride_w: int,
                    stride_dz: int, stride_dbp: int, has_bias: bool, need_db: bool,
                    with_entropy: bool, transform: LogitTransform, cfg: TileConfig,
-                   precision: Optional[str], tma: bool = False, with_sum_z: bool = False) -> Launch:
+                   precision: Optional[str], tma: bool = False, with_sum_z: bool = False,
+                   support: bool = False) -> Launch:
     """The d_logits recompute over the columns ``[v_lo, v_hi)``. Tensors:
     ``hidden, weight, bias (or hidden), target, row_max, log_sum, g, g - g_lse, g_entropy, mean_rel,
-    g_sum_z, dz, dbp``. ``tma``: the Hopper kernel, ``hidden`` and ``weight`` as tensor
-    descriptors. ``with_sum_z``: the call has a gradient of the logits' sum (``g_sum_z``)."""
+    g_sum_z, dz, dbp, support bits (or dz)``. ``tma``: the Hopper kernel, ``hidden`` and ``weight``
+    as tensor descriptors. ``with_sum_z``: the call has a gradient of the logits' sum
+    (``g_sum_z``). ``support``: the columns outside a row's support get ``dz = 0``, read from the
+    support's bitmask of the chunk's columns, ``[N, cdiv(v_hi - v_lo, 32)]`` int32
+    (:func:`.support_bits.column_bits`)."""
     grid = (cdiv(n, cfg.bwd_block_n) * cdiv(v_hi - v_lo, cfg.bwd_block_v),)
     flags = dict(HAS_BIAS=has_bias, NEED_DB=need_db, WITH_ENTROPY=with_entropy)
     options = dict(transform.constexprs(), WITH_SUM_Z=with_sum_z)
     blocks = dict(BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_D=cfg.bwd_block_d,
                   GROUP_N=cfg.group_n, DOT_PRECISION=precision)
+    stride_sup = bit_words(v_hi - v_lo) if support else 0
     if not tma:
         return Launch(bwd_dlogits_kernel, grid,
-                      (n, v, d, v_lo, v_hi, stride_h, stride_w, stride_dz, stride_dbp,
+                      (n, v, d, v_lo, v_hi, stride_h, stride_w, stride_dz, stride_dbp, stride_sup,
                        *transform.scalars()),
                       cfg.bwd_num_warps, cfg.bwd_num_stages,
-                      dict(flags, EVEN_D=d % cfg.bwd_block_d == 0, **blocks, **options))
+                      dict(flags, EVEN_D=d % cfg.bwd_block_d == 0, **blocks, **options,
+                           SUPPORT=support))
     return Launch(bwd_dlogits_tma_kernel, grid,
-                  (n, v, d, v_lo, v_hi, stride_dz, stride_dbp, *transform.scalars()),
+                  (n, v, d, v_lo, v_hi, stride_dz, stride_dbp, stride_sup, *transform.scalars()),
                   cfg.bwd_num_warps, cfg.bwd_num_stages,
-                  dict(flags, **blocks, WARP_SPECIALIZE=cfg.warp_specialize, NUM_STAGES=cfg.bwd_num_stages, **options), ((0, [cfg.bwd_block_n, cfg.bwd_block_d]), (1, [cfg.bwd_block_v, cfg.bwd_block_d])))
+                  dict(flags, **blocks, WARP_SPECIALIZE=cfg.warp_specialize,
+                       NUM_STAGES=cfg.bwd_num_stages, **options, SUPPORT=support),
+                  ((0, [cfg.bwd_block_n, cfg.bwd_block_d]),
+                   (1, [cfg.bwd_block_v, cfg.bwd_block_d])))
 
 
 def dlogits_kept_launch(n: int, v_lo: int, v_hi: int, stride_kept: int, stride_scale: int,

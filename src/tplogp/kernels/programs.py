@@ -32,6 +32,7 @@ from .launch import cached
 from .launches import (KernelOptions, LogitTransform, dh_launch, dlogits_kept_launch,
                        dlogits_launch, ensure_context, finalize_launch, kept_tma_ok, merge_launch,
                        stats_launch, tma_ok)
+from . import support_bits
 from .tiles import TileConfig, cdiv, dot_precision
 from .workspace import plan_chunk
 
@@ -96,12 +97,14 @@ class ForwardProgram:
     the backward (the calls pass the terms ``[N, columns]`` and their scales), or None.
     ``check_targets`` (``single`` only): the calls pass ``target_flag`` (the finishing kernel checks
     the targets). ``tma``: the Hopper stats kernel where a call's descriptors are legal (the pointer
-    kernel otherwise). The source's programs are checked with :meth:`matches` before a call."""
+    kernel otherwise). ``support``: the calls pass the bitmask of the columns each row's support
+    keeps (:func:`.support_bits.column_bits`; the other logits are masked). The source's programs
+    are checked with :meth:`matches` before a call."""
 
     def __init__(self, n: int, v: int, d: int, stride_h: int, stride_w: int, dtype: torch.dtype,
                  bias_dtype: Optional[torch.dtype], options: KernelOptions, cfg: TileConfig,
                  precision: Optional[str], keep: Optional[tuple], single: bool,
-                 check_targets: bool = False, tma: bool = False) -> None:
+                 check_targets: bool = False, tma: bool = False, support: bool = False) -> None:
         self.layout = ((n, d), (v, d), dtype, bias_dtype)
         _, with_entropy, with_sum_z, with_argmax = options
         self.with_entropy = with_entropy
@@ -111,10 +114,11 @@ class ForwardProgram:
         kept_dims = None if keep is None else keep[:3]
         stats = (n, v, d, stride_h, stride_w, bias_dtype is not None, options, cfg, precision,
                  kept_dims)
-        self.stats = stats_launch(*stats)
+        self.stats = stats_launch(*stats, support=support)
         # the Hopper kernel's launches (plain and, with kept terms, with their TMA stores), or None
-        self.stats_tma = None if not tma else (stats_launch(*stats, tma=True),
-                                               stats_launch(*stats, tma=True, keep_tma=True)
+        self.stats_tma = None if not tma else (stats_launch(*stats, tma=True, support=support),
+                                               stats_launch(*stats, tma=True, keep_tma=True,
+                                                            support=support)
                                                if keep else None)
         self.parts_shape = (stats_rows(with_entropy, with_sum_z, with_argmax), num_splits, n)
         if single:
@@ -133,11 +137,13 @@ class ForwardProgram:
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  target: torch.Tensor, target_flag: Optional[torch.Tensor] = None,
                  values: Optional[torch.Tensor] = None,
-                 scales: Optional[torch.Tensor] = None) -> tuple:
+                 scales: Optional[torch.Tensor] = None,
+                 support: Optional[torch.Tensor] = None) -> tuple:
         """``single``: ``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None,
         sum_z | None, argmax | None)``; else ``(row_max, sum_exp, target_logit, sum_exp_z | None,
         sum_z | None, argmax | None)`` (``target``: shard-local, contiguous). The kept terms and
-        scales are written into ``values`` and ``scales`` (the layout's ``keep``)."""
+        scales are written into ``values`` and ``scales`` (the layout's ``keep``); ``support``: the
+        rows' bitmask (a program made with ``support``)."""
         device = hidden.device
         stats = self.stats
         if self.stats_tma is not None and tma_ok(hidden, weight):
@@ -145,7 +151,8 @@ class ForwardProgram:
             stats = self.stats_tma[1] if values is not None and kept_tma_ok(values) else self.stats_tma[0]
         parts = torch.empty(self.parts_shape, device=device, dtype=torch.float32)
         stats(hidden, weight, hidden if bias is None else bias, target, parts,
-              parts if values is None else values, parts if scales is None else scales)
+              parts if values is None else values, parts if scales is None else scales,
+              parts if support is None else support)
         # after the launch: the GPU starts sooner
         out = torch.empty(self.out_shape, device=device, dtype=torch.float32)
         if not self.single:
@@ -157,7 +164,7 @@ class ForwardProgram:
 
 def _forward_program(hidden, weight, bias, options: KernelOptions, cfg,
                      kept: Optional[KeptTerms], single: bool, check_targets: bool,
-                     tma: bool) -> ForwardProgram:
+                     tma: bool, support: bool = False) -> ForwardProgram:
     """The per-call paths' :class:`ForwardProgram` of these tensors' layout, from
     :func:`~.launch.cached`."""
     n, d = hidden.shape
@@ -167,20 +174,22 @@ def _forward_program(hidden, weight, bias, options: KernelOptions, cfg,
                 kept.values.dtype)
     return cached(ForwardProgram, n, weight.shape[0], d, hidden.stride(0), weight.stride(0),
                   hidden.dtype, None if bias is None else bias.dtype, options, cfg,
-                  dot_precision(hidden.dtype), keep, single, check_targets, tma)
+                  dot_precision(hidden.dtype), keep, single, check_targets, tma, support)
 
 
 def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   local_target: torch.Tensor, options: KernelOptions, cfg: TileConfig,
-                  tma: bool = False, kept: Optional[KeptTerms] = None, checked: bool = False):
+                  tma: bool = False, kept: Optional[KeptTerms] = None, checked: bool = False,
+                  support: Optional[torch.Tensor] = None):
     """(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None), fp32 [N],
     for one vocab shard (``options``: the call's, ``ShardCall.kernel_options``).
 
     ``kept`` (optional): the stats kernel also stores the softmax terms of the shard columns
     ``[0, v_keep)`` and their row scales there (:class:`~.kept.KeptTerms`), for :func:`backward`.
-    ``tma``: the Hopper kernels where legal. Two allocations (the merged stats are views of one
-    ``[3 or 4, N]`` buffer, the per-split stats of one ``[3 or 4, S, N]`` buffer), two launches, no
-    other torch op.
+    ``tma``: the Hopper kernels where legal. ``support``: int32 ``[N, cdiv(V, 32)]``, the bitmask
+    of the columns each row's support keeps (:func:`.support_bits.column_bits`): the other logits
+    are masked (``-inf``). Two allocations (the merged stats are views of one ``[3 or 4, N]``
+    buffer, the per-split stats of one ``[3 or 4, S, N]`` buffer), two launches, no other torch op.
     """
     n = hidden.shape[0]
     v = weight.shape[0]
@@ -195,19 +204,22 @@ def forward_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         out[1:].zero_()
         return stats_outputs(out, with_entropy, *extras)
     local_target = local_target if local_target.is_contiguous() else local_target.contiguous()
-    program = _forward_program(hidden, weight, bias, options, cfg, kept, False, False, tma)
-    return program(hidden, weight, bias, local_target, None, *(() if kept is None else kept))
+    program = _forward_program(hidden, weight, bias, options, cfg, kept, False, False, tma,
+                               support is not None)
+    values, scales = (None, None) if kept is None else kept
+    return program(hidden, weight, bias, local_target, None, values, scales, support)
 
 
 def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    target: torch.Tensor, options: KernelOptions, cfg: TileConfig,
                    tma: bool = False, kept: Optional[KeptTerms] = None,
-                   target_flag: Optional[torch.Tensor] = None, checked: bool = False):
+                   target_flag: Optional[torch.Tensor] = None, checked: bool = False,
+                   support: Optional[torch.Tensor] = None):
     """One shard holds the whole vocab: ``(logp, lse, row_max, log_sum, mean_rel | None,
     entropy | None, sum_z | None, argmax | None)``, fp32 [N].
-    ``kept``, ``tma``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64 ``[1]`` that the
-    finishing kernel sets to an id outside ``[0, V)`` if some target is one (the call's default
-    check; pinned host memory on a GPU, which the kernel writes directly).
+    ``kept``, ``tma``, ``support``: as in :func:`forward_stats`. ``target_flag``: a zeroed int64
+    ``[1]`` that the finishing kernel sets to an id outside ``[0, V)`` if some target is one (the
+    call's default check; pinned host memory on a GPU, which the kernel writes directly).
 
     ``target`` holds vocab ids as given: an id outside ``[0, V)`` is nobody's and gets a NaN logp
     (the checks in ``full`` mode reject such ids before this runs). Two launches (the stats kernel,
@@ -229,8 +241,9 @@ def forward_single(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
         return _single_outputs(out, with_entropy, *extras)
     target = target if target.is_contiguous() else target.contiguous()
     program = _forward_program(hidden, weight, bias, options, cfg, kept, True,
-                               target_flag is not None, tma)
-    return program(hidden, weight, bias, target, target_flag, *(() if kept is None else kept))
+                               target_flag is not None, tma, support is not None)
+    values, scales = (None, None) if kept is None else kept
+    return program(hidden, weight, bias, target, target_flag, values, scales, support)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -254,9 +267,15 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
              d_hidden_ready: Optional[Callable[[torch.Tensor], None]] = None,
              accumulate: Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = None,
              overwrite_kept: bool = False, d_hidden_in_input_dtype: bool = False,
-             checked: bool = False, grad_sum_z: Optional[torch.Tensor] = None):
+             checked: bool = False, grad_sum_z: Optional[torch.Tensor] = None,
+             support: Optional[torch.Tensor] = None):
     """(d_hidden fp32 | None, d_weight | None, d_bias | None) for one vocab shard (``transform``:
     the forward's logit transform; ``grad_sum_z``: d loss / d sum_v z per token, or None).
+
+    ``support``: the rows' sampler's support, shard-local ids int64 ``[N, K]`` (``-1``: none): each
+    recomputed chunk masks the columns outside it (``dz = 0`` there), through the bitmask of the
+    chunk's columns (:func:`.support_bits.column_bits`), which the chunk's width leaves room for
+    in ``workspace_bytes``. The kept terms need none: the forward kept 0 for those columns.
 
     ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden
     is one GEMM (one chunk, not ``deterministic``, on CUDA), it is returned in the input dtype,
@@ -311,6 +330,8 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     # the d_logits launchers' gradient of the logits' sum (None: none)
     gsz = None if grad_sum_z is None else f32_contiguous(grad_sum_z)
     v_keep = 0 if kept is None else kept.values.shape[1]
+    if support is not None:  # each chunk's bitmask shares the transient budget with it
+        workspace_bytes = support_bits.chunk_itemsize_budget(workspace_bytes, weight.element_size())
     chunk = plan_chunk(n, v, weight.element_size(), workspace_bytes)
     bounds = [(lo, min(lo + chunk, v_keep), True) for lo in range(0, v_keep, chunk)]
     bounds += [(lo, min(lo + chunk, v), False) for lo in range(v_keep, v, chunk)]
@@ -333,8 +354,10 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             if v_hi == v_keep:
                 kept.release_scales()
         else:
+            bits = None if support is None else support_bits.column_bits(support, v_lo, v_hi)
             launch_dlogits(*args, dz, dbp, v_lo, v_hi, transform, with_entropy, need_db, cfg,
-                           precision, tma, gsz=gsz)
+                           precision, tma, gsz=gsz, bits=bits)
+            del bits
         if i_chunk == 0:
             # Allocated after the first d_logits launch: the GPU starts sooner (host latency at
             # small shapes; the allocations themselves do no GPU work).
@@ -442,9 +465,11 @@ def launch_dlogits_kept(kept: KeptTerms, local_target, row_max, log_sum, g, gmg,
 def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel, dz,
                    dbp, v_lo, v_hi, transform: LogitTransform, with_entropy, need_db,
                    cfg: TileConfig, precision: Optional[str], tma: bool = False,
-                   gsz: Optional[torch.Tensor] = None) -> None:
+                   gsz: Optional[torch.Tensor] = None,
+                   bits: Optional[torch.Tensor] = None) -> None:
     """One chunk's d_logits, the logits tiles recomputed (``tma``: the Hopper kernel where legal;
-    ``transform``, ``gsz``: as in :func:`launch_dlogits_kept`)."""
+    ``transform``, ``gsz``: as in :func:`launch_dlogits_kept`; ``bits``: the support's bitmask of
+    the chunk's columns, int32 ``[N, cdiv(v_hi - v_lo, 32)]``, or None)."""
     n, d = hidden.shape
     tma = tma and tma_ok(hidden, weight)
     if tma:
@@ -452,9 +477,9 @@ def launch_dlogits(hidden, weight, bias, local_target, row_max, log_sum, g, gmg,
     launch = cached(dlogits_launch, n, weight.shape[0], d, v_lo, v_hi, hidden.stride(0),
                     weight.stride(0), dz.stride(0), dbp.stride(0) if need_db else 0,
                     bias is not None, need_db, with_entropy, transform, cfg, precision, tma,
-                    gsz is not None)
+                    gsz is not None, bits is not None)
     launch(hidden, weight, hidden if bias is None else bias, local_target, row_max, log_sum, g, gmg,
-           ge, mean_rel, g if gsz is None else gsz, dz, dbp)
+           ge, mean_rel, g if gsz is None else gsz, dz, dbp, dz if bits is None else bits)
 
 
 class KeptBackward:

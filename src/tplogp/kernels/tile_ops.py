@@ -80,6 +80,35 @@ def target_column(b_tgt, v0, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def support_masked(x, p_sup, stride_sup, o_n, m_n, c0, BLOCK_V: tl.constexpr):
+    """``x`` (``[BLOCK_N, BLOCK_V]``, the rows ``o_n``, the columns ``c0 .. c0 + BLOCK_V`` of the
+    bitmask's range) with ``-inf`` at the columns the sampler's support does not keep: bit
+    ``c % 32`` of word ``c // 32`` of the row's int32 bitmask ``p_sup`` (``stride_sup`` words a
+    row; :mod:`.support_bits`) clear. Rows outside ``m_n`` and words past the row's read as 0
+    (masked). Tiles of whole words (``BLOCK_V`` a multiple of 32, ``c0`` then one too: every config
+    the tile tables give, and the softcap's half tiles of them) load their ``BLOCK_V / 32`` words a
+    row once and expand them by broadcasting over a ``[BLOCK_N, BLOCK_V / 32, 32]`` view of ``x`` (a
+    reshape of its registers, no data movement): no per-element address, a shift, an ``and`` and a
+    select per element. Narrower tiles (a config shrunk to fit a small shared memory) load each
+    element's word."""
+    BLOCK_N: tl.constexpr = x.shape[0]
+    if BLOCK_V % 32 == 0:
+        WORDS: tl.constexpr = BLOCK_V // 32
+        o_w = c0 // 32 + tl.arange(0, WORDS)
+        words = tl.load(p_sup + o_n.to(tl.int64)[:, None] * stride_sup + o_w[None, :],
+                        mask=m_n[:, None] & (o_w < stride_sup)[None, :], other=0)
+        bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+        x = tl.where(bits != 0, tl.reshape(x, [BLOCK_N, WORDS, 32]), float("-inf"))
+        x = tl.reshape(x, [BLOCK_N, BLOCK_V])
+    else:
+        o_c = c0 + tl.arange(0, BLOCK_V)
+        words = tl.load(p_sup + o_n.to(tl.int64)[:, None] * stride_sup + (o_c >> 5)[None, :],
+                        mask=m_n[:, None] & ((o_c >> 5) < stride_sup)[None, :], other=0)
+        x = tl.where(((words >> (o_c & 31)[None, :]) & 1) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
 def online_softmax_update(
     acc,  # [BLOCK_N, BLOCK_V] fp32 logits tile (before bias and temperature)
     v0, V, p_b,  # first vocab id of the tile, shard size, bias pointer (unused unless HAS_BIAS)
@@ -94,6 +123,10 @@ def online_softmax_update(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
     SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False,
     WITH_ARGMAX: tl.constexpr = False,
+    # the support's bitmask of the shard's columns and the tile's rows and their mask (only
+    # SUPPORT)
+    p_sup=None, stride_sup=0, o_n=None, m_n=None,
+    SUPPORT: tl.constexpr = False,
 ):
     """Fold one tile into the running row statistics; returns (max, sum, tl, sez, sz, am, terms).
 
@@ -108,10 +141,13 @@ def online_softmax_update(
     kept as that of the tanh, ``t_m`` (``m = softcap * t_m`` bit for bit: rounding is monotonic),
     which :func:`keep_tile` stores as the kept terms' scale; ``WITH_SUM_Z`` sums y over the columns,
     ``WITH_ARGMAX`` keeps the lowest column of the running max (a later tile replaces it only with a
-    larger max). Shared by the generic and the TMA (sm90) forward kernels. (One FMA
-    ``y c - fl(m c)`` instead of the subtraction and the multiply saves an instruction but leaves
-    the max's term at ``2^-e``, e the rounding of ``m c``: at a peaked row ``S`` then misses 1 by an
-    ulp and the target's ``1 - p`` is that ulp instead of ~0.)
+    larger max). ``SUPPORT``: the columns outside a row's support (:func:`support_masked`) are set
+    to ``-inf`` after the transform, as past V: the masked-vocabulary arithmetic then gives them
+    ``2^a = 0``, so the statistics are those of the support alone. Shared by the generic and the
+    TMA (sm90) forward kernels. (One FMA ``y c - fl(m c)`` instead of the subtraction and the
+    multiply saves an instruction but leaves the max's term at ``2^-e``, e the rounding of ``m c``:
+    at a peaked row ``S`` then misses 1 by an ulp and the target's ``1 - p`` is that ulp instead
+    of ~0.)
     """
     o_t = tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the tile
     if MASKED:
@@ -126,6 +162,8 @@ def online_softmax_update(
         _, b_t = softcap_tile(acc, softcap)
         if MASKED:
             b_t = tl.where(m_v[None, :], b_t, float("-inf"))
+        if SUPPORT:
+            b_t = support_masked(b_t, p_sup, stride_sup, o_n, m_n, v0, BLOCK_V)
         acc = mul_rounded(b_t, softcap, PTX)  # rounded as the max's own product (no FMA with - max)
         b_tmax_t = tl.max(b_t, 1)  # the tile's max of the tanh
         b_run = mul_rounded(b_max, softcap, PTX)
@@ -136,6 +174,8 @@ def online_softmax_update(
             acc += tl.load(p_b + v0 + o_t).to(tl.float32)[None, :]
     elif MASKED:
         acc = tl.where(m_v[None, :], acc, float("-inf"))
+    if SUPPORT and not SOFTCAP:  # (with a softcap: on the tanh, above)
+        acc = support_masked(acc, p_sup, stride_sup, o_n, m_n, v0, BLOCK_V)
     t_col = target_column(b_tgt, v0, BLOCK_V)
     # from the fp32 accumulator
     b_tl += tl.sum(tl.where(o_t[None, :] == t_col[:, None], acc, 0.0), 1)
@@ -180,16 +220,21 @@ def stats_tile(
     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     KEEP_TMA: tl.constexpr = False, SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False,
     WITH_ARGMAX: tl.constexpr = False,
+    p_sup=None, stride_sup=0,  # the support's bitmask of the shard's columns (only SUPPORT)
+    SUPPORT: tl.constexpr = False,
 ):
     """The forward's epilogue of one logits tile, shared by the generic and the TMA (sm90) stats
-    kernels: fold the tile into the running row stats (:func:`online_softmax_update`), then, with
+    kernels: fold the tile into the running row stats (:func:`online_softmax_update`; with
+    ``SUPPORT`` the columns outside each row's support masked), then, with
     ``KEEP`` and the tile below ``v_keep``, store its softmax terms and the running max they are
     relative to (:func:`keep_tile`); returns (max, sum, tl, sez, sz, am; the max in tanh units with
     ``SOFTCAP``, and so the kept scale). ``KEEP_TMA`` (sm90): ``p_kept`` is a tensor descriptor over
     the kept terms and the tile leaves through one TMA store (see :func:`keep_tile`)."""
+    o_r = n0 + tl.arange(0, BLOCK_N)  # (read only with SUPPORT)
     b_max, b_sum, b_tl, b_sez, b_sz, b_am, b_e = online_softmax_update(
         acc, v0, V, p_b, b_tgt, b_max, b_sum, b_tl, b_sez, b_sz, b_am, c, softcap, MASKED, HAS_BIAS,
-        WITH_ENTROPY, BLOCK_V, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX)
+        WITH_ENTROPY, BLOCK_V, SOFTCAP, WITH_SUM_Z, WITH_ARGMAX, p_sup, stride_sup, o_r, o_r < N,
+        SUPPORT)
     if KEEP:
         keep_tile(p_kept, p_scale, stride_kept, stride_scale, n0, N, v0, v_keep, b_e,
                   b_max if SOFTCAP else b_max * inv_temp, MASKED, DOT_PRECISION, BLOCK_N, BLOCK_V,
@@ -266,6 +311,8 @@ def dlogits_epilogue(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     SOFTCAP: tl.constexpr = False, WITH_SUM_Z: tl.constexpr = False,
+    p_sup=None, stride_sup=0,  # the support's bitmask of the chunk's columns (only SUPPORT)
+    SUPPORT: tl.constexpr = False,
 ):
     """Tile (i_n, i_v)'s epilogue. Shared by the generic and the TMA (sm90) kernels: only how
     ``acc`` is loaded differs between them. ``SOFTCAP``: the tile's two column halves one after the
@@ -279,11 +326,12 @@ def dlogits_epilogue(
         _dlogits_columns(first, i_n, o_n, i_v * BLOCK_V, N, v_lo, v_hi, p_b, p_tgt, p_rmax, p_lsum,
                          p_g, p_gmg, p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp,
                          inv_temp, softcap, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_N,
-                         HALF, SOFTCAP, WITH_SUM_Z)
+                         HALF, SOFTCAP, WITH_SUM_Z, p_sup, stride_sup, SUPPORT)
         _dlogits_columns(second, i_n, o_n, i_v * BLOCK_V + HALF, N, v_lo, v_hi, p_b, p_tgt, p_rmax,
                          p_lsum, p_g, p_gmg, p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz,
                          stride_dbp, inv_temp, softcap, HAS_BIAS, NEED_DB, WITH_ENTROPY,
-                         DOT_PRECISION, BLOCK_N, HALF, SOFTCAP, WITH_SUM_Z)
+                         DOT_PRECISION, BLOCK_N, HALF, SOFTCAP, WITH_SUM_Z, p_sup, stride_sup,
+                         SUPPORT)
     else:  # _dlogits_columns written out: through it, this path compiles with more register spills
         o_c = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the chunk
         v0 = v_lo + i_v * BLOCK_V
@@ -291,12 +339,12 @@ def dlogits_epilogue(
             dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg,
                          p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp,
                          softcap, True, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V,
-                         SOFTCAP, WITH_SUM_Z)
+                         SOFTCAP, WITH_SUM_Z, p_sup, stride_sup, i_v * BLOCK_V, SUPPORT)
         else:
             dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg,
                          p_ge, p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp,
                          softcap, False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V,
-                         SOFTCAP, WITH_SUM_Z)
+                         SOFTCAP, WITH_SUM_Z, p_sup, stride_sup, i_v * BLOCK_V, SUPPORT)
 
 
 @triton.jit
@@ -308,6 +356,7 @@ def _dlogits_columns(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
+    p_sup=None, stride_sup=0, SUPPORT: tl.constexpr = False,
 ):
     """:func:`dlogits_tile` of a block of columns: the unmasked form inside N and v_hi, the masked
     one past them."""
@@ -316,12 +365,13 @@ def _dlogits_columns(
     if ((i_n + 1) * BLOCK_N > N) | (v0 + BLOCK_V > v_hi):
         dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge,
                      p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap, True,
-                     HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z)
+                     HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, SOFTCAP, WITH_SUM_Z,
+                     p_sup, stride_sup, c0, SUPPORT)
     else:
         dlogits_tile(acc, i_n, o_n, o_c, v0, N, v_hi, p_b, p_tgt, p_rmax, p_lsum, p_g, p_gmg, p_ge,
                      p_mean_rel, p_gsz, p_dz, p_dbp, stride_dz, stride_dbp, inv_temp, softcap,
                      False, HAS_BIAS, NEED_DB, WITH_ENTROPY, DOT_PRECISION, BLOCK_V, SOFTCAP,
-                     WITH_SUM_Z)
+                     WITH_SUM_Z, p_sup, stride_sup, c0, SUPPORT)
 
 
 @triton.jit
@@ -337,6 +387,10 @@ def dlogits_tile(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_V: tl.constexpr, SOFTCAP: tl.constexpr = False,
     WITH_SUM_Z: tl.constexpr = False,
+    # the support's bitmask of the chunk's columns, and the tile's first column in the chunk (o_c's
+    # first; only SUPPORT)
+    p_sup=None, stride_sup=0, c0=0,
+    SUPPORT: tl.constexpr = False,
 ):
     """From a logits tile to its d_logits (rounded into the workspace) and, with a bias, its fp32
     column sums.
@@ -346,7 +400,9 @@ def dlogits_tile(
     ``p = 2^(zr log2(e) - log_sum log2(e))`` (one FMA and one ex2), then :func:`dlogits_finish`.
     ``MASKED``: the tile's rows and columns are masked (edge tiles); interior tiles carry no masks.
     ``SOFTCAP``: the tile is softcapped first (:func:`softcap_tile`) and the finish multiplies by
-    the slope ``1 - tanh^2``.
+    the slope ``1 - tanh^2``. ``SUPPORT``: the columns the support does not keep (its bitmask of
+    the chunk's columns, :func:`support_masked` at ``o_c``) are ``-inf`` after the transform, as
+    in the forward: ``p = 0`` there, so ``dz = 0`` (the target's column is always kept).
     """
     o_v = v0 + tl.arange(0, BLOCK_V)  # [BLOCK_V] column inside the shard
     m_n = o_n < N
@@ -359,6 +415,8 @@ def dlogits_tile(
     if SOFTCAP:
         acc, b_t = softcap_tile(acc, softcap)
         b_slope = 1.0 - b_t * b_t
+    if SUPPORT:
+        acc = support_masked(acc, p_sup, stride_sup, o_n, m_n, c0, BLOCK_V)
     b_rmax = tl.load(p_rmax + o_n, mask=m_n, other=0.0)
     b_lsum2 = tl.load(p_lsum + o_n, mask=m_n, other=0.0) * LOG2E
     b_zr = mul_rounded(acc, inv_temp, PTX) - b_rmax[:, None]  # z - M, exactly 0 at the row max

@@ -1,0 +1,113 @@
+"""The ``triton`` and ``sm90`` sources' calls with a sampler's support (``ShardCall.support``).
+
+Two ways, as on the native source (:mod:`tplogp.backends.native_support`):
+
+* when the union of the call's supports is small (:func:`~.native_support.gathered`), the call runs
+  on the gathered weight rows of that union alone, the ids becoming positions among them, and its
+  argmax and ``d_W`` / ``d_b`` rows are put back at the shard's ids
+  (:func:`~.native_support.scattered_argmax`, :func:`~.native_support.scattered_grads`); its kept
+  terms are those of the gathered rows, which its backward (gathering the same union) reads;
+* otherwise the fused kernels mask the logits outside each row's support to ``-inf`` in their logit
+  transform (forward, and the backward's recompute), reading per row a bitmask of the shard's
+  columns (:mod:`tplogp.kernels.support_bits`): the masked-vocabulary rule then gives the
+  renormalized statistics and ``dz = 0`` there. The forward's kept terms are 0 on those columns,
+  so a backward from them needs no mask. The forward's bitmask covers the whole shard for its token
+  rows; where the rows' bitmask would exceed the budget's transient part, the forward runs in token
+  chunks whose bitmask fits it (:func:`tplogp.kernels.support_bits.forward_rows`). The backward
+  builds the bitmask of each d_logits chunk's columns (:func:`tplogp.kernels.programs.backward`).
+
+Support calls run no launch program (:mod:`tplogp.kernels.programs`'s per-layout ones): they go
+through the per-call entry points, planned afresh at every call as the call path plans them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .native_support import gathered, gathered_accumulators, scattered_argmax, scattered_grads
+
+
+def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
+                  kept_out: Optional[torch.Tensor] = None) -> ShardStats:
+    """``backend.forward_stats`` of a call with a support (module docstring)."""
+    narrow = None if kept_out is not None else gathered(weight, bias, local_target, call)
+    if narrow is not None:
+        st = backend.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
+                                   narrow.call)
+        return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows))
+    out, kept = _masked_forward(backend, hidden, weight, bias, local_target, call, kept_out, False)
+    return ShardStats(*out[:4], kept=kept, sum_z=out[4], argmax=out[5])
+
+
+def forward_single(backend, hidden, weight, bias, target, call: ShardCall,
+                   target_flag: Optional[torch.Tensor] = None,
+                   kept_out: Optional[torch.Tensor] = None) -> SingleShardOutputs:
+    """``backend.forward_single`` of a call with a support (module docstring)."""
+    narrow = None if kept_out is not None else gathered(weight, bias, target, call)
+    if narrow is not None:
+        out = backend.forward_single(hidden, narrow.weight, narrow.bias, narrow.local_target,
+                                     narrow.call, target_flag)
+        return out._replace(argmax=scattered_argmax(out.argmax, narrow.rows))
+    out, kept = _masked_forward(backend, hidden, weight, bias, target, call, kept_out, True,
+                                target_flag)
+    return SingleShardOutputs(*out[:6], kept=kept, sum_z=out[6], argmax=out[7])
+
+
+def _masked_forward(backend, hidden, weight, bias, target, call: ShardCall,
+                    kept_out: Optional[torch.Tensor], single: bool,
+                    target_flag: Optional[torch.Tensor] = None) -> tuple:
+    """``(the per-call entry point's outputs, what the forward kept)``: the stats kernel with the
+    support's bitmask, in token chunks whose bitmask fits the budget's transient part (the chunks'
+    outputs concatenated)."""
+    from ..kernels import programs, support_bits
+    from ..kernels.kept import KeptTerms
+
+    n, v = hidden.shape[0], weight.shape[0]
+    lay = backend._launch_layout(hidden, weight, call)
+    kept = backend._kept_buffer(hidden, lay, call, kept_out)
+    terms = backend._kept_terms(kept, n, lay)
+    rows = support_bits.forward_rows(n, v, lay.transient_bytes, lay.cfg.block_n)
+    tma = backend._uses_tma(hidden, weight, call)
+    outs = []
+    for t0 in range(0, max(n, 1), rows):
+        t1 = min(t0 + rows, n)
+        whole = t0 == 0 and t1 == n
+        part = terms if terms is None or whole else KeptTerms(terms.values[t0:t1],
+                                                              terms.scales[t0:t1])
+        bits = support_bits.column_bits(call.support[t0:t1], 0, v)
+        args = (hidden if whole else hidden[t0:t1], weight, bias,
+                target if whole else target[t0:t1], call.kernel_options, lay.cfg)
+        if single:
+            outs.append(programs.forward_single(*args, tma=tma, kept=part, target_flag=target_flag,
+                                                checked=call.inputs_checked, support=bits))
+        else:
+            outs.append(programs.forward_stats(*args, tma=tma, kept=part,
+                                               checked=call.inputs_checked, support=bits))
+        del bits
+    if len(outs) == 1:
+        return outs[0], kept
+    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs)), kept
+
+
+def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                      grad_entropy, grad_lse, mean_rel, call: ShardCall, needs,
+                      d_hidden_ready=None, kept=None, accumulate=None,
+                      grad_sum_z=None) -> Optional[ShardGrads]:
+    """``backend.backward`` on the gathered rows of the supports' union where the forward ran there
+    (the same union: :func:`~.native_support.gathered`), its ``d_W`` / ``d_b`` rows put back at the
+    shard's ids; None where the call masks the whole shard (the caller's backward runs it, with the
+    support: :func:`tplogp.kernels.programs.backward`)."""
+    narrow = gathered(weight, bias, local_target, call)
+    if narrow is None:
+        return None
+    grads = backend.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
+                             log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, narrow.call,
+                             needs, d_hidden_ready, kept,
+                             gathered_accumulators(accumulate, narrow.rows.numel()), grad_sum_z)
+    return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
+
+
+__all__ = ["forward_stats", "forward_single", "gathered_backward"]

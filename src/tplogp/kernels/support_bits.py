@@ -1,0 +1,78 @@
+"""A sampler's support as the fused kernels read it: per token row, a bitmask of a range of the
+shard's columns (torch only: no Triton import).
+
+The call path gives the support as shard-local ids, int64 ``[rows, K]`` with ``-1`` for none
+(``ShardCall.support``). The kernels read, per token row and column ``c`` of a range
+``[v_lo, v_hi)``, bit ``c % 32`` of int32 word ``c // 32`` (:func:`column_bits`,
+``tile_ops.support_masked``): ``cdiv(v_hi - v_lo, 32)`` words a row, 1/32 of the bytes of the
+range's fp32 logits.
+
+Algorithm (:func:`column_bits`): each id of the range becomes a word index and a one-bit value
+``2^(c % 32)`` (bit 31 as ``-2^31``), and one ``scatter_add`` over the flattened ``[rows, words]``
+words sums them. A row's ids are distinct (the call's checks), so the bits that meet in one word are
+distinct and their sum is their OR, without a carry and without overflow (bits 0..30 sum to at most
+``2^31 - 1``; adding ``-2^31`` stays in range). Ids outside the range and ``-1`` add 0 to word 0.
+No host sync.
+
+Memory (:func:`forward_rows`): the forward masks the whole shard, so its bitmask is
+``rows * cdiv(V, 32) * 4`` bytes; a call whose rows' bitmask exceeds the budget's transient part
+runs its forward in token chunks whose bitmask fits (each chunk reads the weight again). The
+backward builds the bitmask of each d_logits chunk's columns only, which its chunk planning counts
+(:func:`chunk_itemsize_budget`): ``1/16`` of a 16-bit d_logits workspace.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORD_BITS = 32
+
+
+def bit_words(cols: int) -> int:
+    """int32 words a row's bitmask of ``cols`` columns takes."""
+    return -(-cols // WORD_BITS)
+
+
+def column_bits(ids: torch.Tensor, v_lo: int, v_hi: int) -> torch.Tensor:
+    """int32 ``[rows, bit_words(v_hi - v_lo)]``: bit ``c % 32`` of word ``c // 32`` of row ``t`` is
+    set iff the column ``v_lo + c`` is one of row ``t``'s ``ids`` (int64 ``[rows, K]``, shard-local,
+    ``-1`` for none; distinct per row). Module docstring: the algorithm."""
+    rows = ids.shape[0]
+    cols = v_hi - v_lo
+    words = bit_words(cols)
+    out = torch.zeros((rows, words), dtype=torch.int32, device=ids.device)
+    if rows == 0 or words == 0 or ids.shape[1] == 0:
+        return out
+    rel = ids - v_lo
+    valid = (ids >= 0) & (rel >= 0) & (rel < cols)
+    rel = torch.where(valid, rel, 0)
+    shift = rel & (WORD_BITS - 1)
+    one = torch.ones_like(rel) << shift  # int64: 2^shift
+    one = torch.where(shift == WORD_BITS - 1, -(1 << (WORD_BITS - 1)), one)  # bit 31 as -2^31
+    value = torch.where(valid, one, 0).to(torch.int32)
+    row = torch.arange(rows, device=ids.device, dtype=torch.int64).unsqueeze(1) * words
+    index = torch.where(valid, row + (rel >> 5), 0)
+    out.view(-1).scatter_add_(0, index.reshape(-1), value.reshape(-1))
+    return out
+
+
+def forward_rows(n: int, v: int, budget_bytes: int, align: int) -> int:
+    """Token rows per forward chunk: all ``n`` when their bitmask of the ``v`` shard columns fits
+    ``budget_bytes`` (the transient part of the call's budget), else the most that fit, a multiple
+    of ``align`` (the kernels' token block) and at least ``align``."""
+    per_row = 4 * bit_words(v)
+    if n * per_row <= budget_bytes:
+        return max(n, 1)
+    rows = budget_bytes // per_row // align * align
+    return max(align, rows)
+
+
+def chunk_itemsize_budget(workspace_bytes: int, itemsize: int) -> int:
+    """The part of the backward's transient budget that its ``[N, chunk]`` d_logits workspace of
+    ``itemsize`` bytes an element may take when each chunk also holds its support bitmask
+    (``cdiv(chunk, 32)`` int32 words a row, 1/8 byte a column): the two fit ``workspace_bytes``
+    together."""
+    return workspace_bytes * 8 * itemsize // (8 * itemsize + 1)
+
+
+__all__ = ["WORD_BITS", "bit_words", "column_bits", "forward_rows", "chunk_itemsize_budget"]
