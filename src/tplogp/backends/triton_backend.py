@@ -67,9 +67,13 @@ class TritonBackend(BudgetParts):
     """Per-shard primitives backed by the fused Triton kernels (see module docstring)."""
 
     name = "triton"
-    # the calls the fused kernels cannot run (kernel_registry: the native source runs them): none
-    # (a sampler's support: tplogp.backends.fused_support)
-    missing_features: dict = {}
+    # the calls the fused kernels cannot run (kernel_registry: the native source runs them). A
+    # sampler's support runs here (tplogp.backends.fused_support), but not on the
+    # tensor-parallel-invariant level's grid kernels.
+    missing_features: dict = {
+        "support-tp-invariant": "its tensor-parallel-invariant grid kernels do not mask a "
+                                "sampler's support (deterministic=\"tp_invariant\" with support=): "
+                                "the native source runs that call"}
 
     def __init__(self, config=None):
         # config: an optional tplogp.kernels.tiles.TileConfig overriding the per-architecture

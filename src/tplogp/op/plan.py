@@ -144,7 +144,7 @@ def plan_call(source: "Source", hidden, weight, target_ids, bias, tp_group, voca
         plan = _plans.get(key)
         if plan is not None:
             return plan, None
-    backend = _backend(source, hidden, env, () if options.support is None else ("support",))
+    backend = _backend(source, hidden, env, call_features(options))
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     # a bad TPLOGP_CHECKS raises here, at every call (never cached)
     mode, problem, vocab_size = check_layout(hidden, weight, target_ids, bias, vocab_start_index,
@@ -230,6 +230,17 @@ class Call(NamedTuple):
 
 
 Source = Union[None, str, ShardBackend]
+
+
+def call_features(options: LogpOptions) -> tuple[str, ...]:
+    """What a call asks beyond the plain op, which a source may not run (its ``missing_features``):
+    ``"support"`` for a call with ``support=``, and ``"support-tp-invariant"`` for one under
+    ``deterministic="tp_invariant"`` too."""
+    if options.support is None:
+        return ()
+    if options.deterministic == invariant.LEVEL:
+        return ("support", "support-tp-invariant")
+    return ("support",)
 
 
 def _backend(source: Source, hidden, env: tuple, features: tuple[str, ...] = ()) -> ShardBackend:
