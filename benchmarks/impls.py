@@ -87,7 +87,10 @@ def _options(budget: Optional[int], variant, support: Optional[torch.Tensor] = N
 def _tplogp_available(source: str, device: torch.device, support: Optional[torch.Tensor]) -> None:
     """:class:`ImplUnavailable` with the registry's reason when ``source`` cannot run here, or
     cannot run a call with a support."""
-    from tplogp.backends.kernel_registry import unavailable_reason
+    try:
+        from tplogp.backends.kernel_registry import unavailable_reason
+    except ModuleNotFoundError:  # a tree measured with --base may predate the backends package
+        from tplogp.kernel_registry import unavailable_reason
 
     # (a tree measured with --base may predate the features argument: a plain call passes none)
     why = (unavailable_reason(source, device) if support is None
