@@ -32,7 +32,7 @@ from ..support import invariant, settings
 from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import collective_device
 from ..backends.kernel_registry import SourceUnavailableError, backend_for_call
-from . import support_ids
+from . import sampler_params, support_ids
 from .options import LogpOptions, keyable
 from .validation import LinearLogpInputError, LossCheck, check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
@@ -144,7 +144,8 @@ def plan_call(source: "Source", hidden, weight, target_ids, bias, tp_group, voca
         plan = _plans.get(key)
         if plan is not None:
             return plan, None
-    backend = _backend(source, hidden, env, () if options.support is None else ("support",))
+    masks = options.support is not None or sampler_params.given(options)
+    backend = _backend(source, hidden, env, ("support",) if masks else ())
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     # a bad TPLOGP_CHECKS raises here, at every call (never cached)
     mode, problem, vocab_size = check_layout(hidden, weight, target_ids, bias, vocab_start_index,
@@ -292,6 +293,8 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
     if options.support is not None and problem is None:  # (its data: one host read)
         options, problem, largest = _checked_support(options, target_ids,
                                                      global_vocab_size or plan.vocab_size)
+    if problem is None and sampler_params.given(options):  # (tensor parameters: one host read)
+        problem = sampler_params.data_problem(options, target_ids, options.ignore_index)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                     global_vocab_size, options, builds_graph)
     total, verdict, target_check, ranges = open_call(plan, args, problem, loss_check)

@@ -1,0 +1,228 @@
+"""The sampler's support computed from its parameters (``top_k=``, ``top_p=``, ``min_p=``), as
+vLLM's v1 sampler keeps its ids, without the ``[tokens, vocab]`` logits in memory.
+
+Definition, per token ``t`` with ``z`` the logits after the softcap and the temperature (the op's
+``z``, in fp32), in vLLM's order (temperature, then min-p, then top-k, then top-p):
+
+1. min-p: keep ``v`` when ``p_v >= min_p * max_u p_u`` (``p = softmax(z)``), i.e.
+   ``exp(z_v - max z) >= min_p``;
+2. top-k: keep ``v`` when ``z_v`` is at least the ``k``-th largest logit (every id tied with the
+   ``k``-th is kept). The two sets are top sets of the logits, so their intersection does not
+   depend on their order;
+3. top-p, over the distribution renormalized over what 1 and 2 kept (``R``; the whole vocabulary
+   when neither is on): rank ``R``'s ids by logit, largest first, ties by id, the LOWER id first
+   (as ``return_argmax`` takes the lowest id); keep an id when the renormalized mass of the ids
+   ranked before it is below ``top_p``. That is vLLM's rule (sort ascending, drop the ids whose
+   cumulative mass is at most ``1 - top_p``, always keep the largest), with the order of tied
+   logits, which vLLM's sort leaves unspecified, fixed: at a boundary that falls inside a group of
+   tied logits, the lower ids are kept. ``top_p = 1`` keeps every id of ``R``.
+
+Ids whose logit is ``-inf`` are never kept. A token whose target is not in its support gets logp
+``-inf`` (the target has probability 0 under the sampler's distribution).
+
+Algorithm (:func:`sampler_support`). Every token's support is a top prefix of its logits in the
+order above, so each rank streams its shard's logits once (token chunks x vocab chunks, fp32
+GEMMs, within the call's transient budget) and keeps per token its ``M`` largest logits and their
+ids, the ``M``-th value (its *floor*: every id of the shard above it is among the candidates) and,
+for top-p without top-k and min-p, the shard's online-softmax statistics. One ``all_gather`` of
+these (float64, ``[tokens, 2 M + 3]`` per rank) gives every rank the same candidates; each rank
+then applies the definition in float64 to the merged candidates, ranked as above. A token's answer
+is exact when some candidate strictly above the merged floor (the largest rank floor) is left out
+of the support (of ``R`` when top-k or min-p is on, whose normalizer is then among the candidates;
+top-p alone normalizes with the merged log-sum-exp), or when no rank left an id out. Tokens whose
+answer is not yet exact run again with ``4 M`` candidates (only they, every rank alike: the
+decision comes from the gathered data); ``M`` starts at the largest ``top_k`` plus 16, at least 256
+with top-p or min-p, and ends at the vocabulary, where every rank sends every id. Tokens whose
+filters are all off keep every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
+Cost: one forward pass over the vocabulary per round (usually one), its candidates' ``topk`` per
+chunk, one collective and one host read per round.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..backends import memory_budget
+from ..support import fp32_gemm
+from ..support.comm import all_gather_flat
+from .sampler_params import SamplerParams
+from .support_ids import KEEP_ALL
+
+SLACK = 16  # candidates beyond the largest top_k (ties at the k-th logit, the excluded one)
+MIN_CANDIDATES = 256  # with top-p or min-p: the first round's candidates at least
+GROWTH = 4  # a round's candidates over the previous round's
+DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_temperature: float,
+            softcap: Optional[float]) -> torch.Tensor:
+    """``cap(h w^T + b) * inv_temperature`` as fp32 ``[rows, cols]``."""
+    y = fp32_gemm.mm(h, w.t())
+    if b is not None:
+        y += b.float()
+    if softcap is not None:
+        y = torch.tanh(y / softcap).mul_(softcap)
+    if inv_temperature != 1.0:
+        y.mul_(inv_temperature)
+    return y
+
+
+def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
+                      inv_temperature: float, softcap: Optional[float], tile_elements: int,
+                      deterministic: bool) -> torch.Tensor:
+    """Per row of ``h``: this shard's ``m`` largest logits and their shard-local ids (``-inf`` /
+    ``-1`` past the shard's ids), the floor, the row max and ``sum exp(z - max)``, packed as
+    float64 ``[rows, 2 m + 3]``."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    take = min(m, v)
+    out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
+    out[:, m:2 * m] = -1
+    out[:, 2 * m + 2] = 0
+    if n == 0 or v == 0:
+        return out
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    # (a chunk at least as wide as the candidates: their topk costs at most the logits' size)
+    vc = max(64, take, tile_elements // tc - take)
+    for t0 in range(0, n, tc):
+        t1 = min(t0 + tc, n)
+        hc = h[t0:t1]
+        if deterministic and hc.shape[0] < tc:  # fixed shapes: a row's bits, whatever the batch
+            hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
+        rows = hc.shape[0]
+        vals = torch.full((rows, take), float("-inf"), dtype=torch.float32, device=dev)
+        ids = torch.full((rows, take), -1, dtype=torch.int64, device=dev)
+        row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+        sum_exp = torch.zeros(rows, dtype=torch.float32, device=dev)
+        for v0 in range(0, v, vc):
+            v1 = min(v0 + vc, v)
+            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            new_max = torch.maximum(row_max, z.max(1).values)
+            base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S stays 0)
+            sum_exp = sum_exp * torch.exp(row_max - base) + torch.exp(z - base[:, None]).sum(1)
+            row_max = new_max
+            top_vals, at = torch.cat([vals, z], 1).topk(take, dim=1)
+            ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), at - take + v0)
+            vals = top_vals
+        keep = slice(0, t1 - t0)
+        out[t0:t1, :take] = vals[keep].double()
+        out[t0:t1, m:m + take] = ids[keep].double()
+        if v > m:
+            out[t0:t1, 2 * m] = vals[keep, m - 1].double()
+        out[t0:t1, 2 * m + 1] = row_max[keep].double()
+        out[t0:t1, 2 * m + 2] = sum_exp[keep].double()
+    return out
+
+
+def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates ranked by value, largest first, ties by id, lowest first (two stable
+    sorts); padding (``-inf``, ``-1``) last."""
+    by_id = torch.where(ids < 0, torch.iinfo(torch.int64).max, ids).argsort(dim=1, stable=True)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = values.argsort(dim=1, descending=True, stable=True)
+    return values.gather(1, by_value), ids.gather(1, by_value)
+
+
+def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
+            params: SamplerParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition on ranked candidates ``x`` (float64 ``[rows, C]``): ``(kept [rows, C],
+    exact [rows])`` (module docstring)."""
+    valid = x > float("-inf")
+    top = x[:, :1]
+    kept = valid.clone()
+    narrowed = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    if params.min_p is not None:
+        kept &= torch.exp(x - top) >= params.min_p[:, None]
+        narrowed |= params.min_p > 0
+    if params.top_k is not None:
+        k = params.top_k
+        kth = x.gather(1, (k - 1).clamp(0, x.shape[1] - 1)[:, None])
+        kept &= (x >= kth) | (k[:, None] <= 0)
+        narrowed |= k > 0
+    outside_r = valid & ~kept
+    if params.top_p is not None:
+        masked = x.masked_fill(~kept, float("-inf"))
+        norm = torch.where(narrowed, torch.logsumexp(masked, 1), lse)
+        mass = torch.exp(masked - norm[:, None])
+        before = torch.cumsum(mass, 1) - mass
+        kept &= (before < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
+    kept[:, 0] = valid[:, 0]  # the largest, always
+    above = valid & (x > floor[:, None])
+    left_out = torch.where(narrowed[:, None], above & outside_r, above & ~kept).any(1)
+    exact = (floor == float("-inf")) | left_out | torch.isnan(top[:, 0])
+    return kept, exact
+
+
+def _active(params: SamplerParams, n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` bool: the tokens with some filter on."""
+    on = torch.zeros(n, dtype=torch.bool, device=device)
+    if params.top_k is not None:
+        on |= params.top_k > 0
+    if params.top_p is not None:
+        on |= params.top_p < 1
+    if params.min_p is not None:
+        on |= params.min_p > 0
+    return on
+
+
+def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    params: SamplerParams, *, inv_temperature: float, softcap: Optional[float],
+                    vocab_start: int, vocab: int, group, comm_device: torch.device,
+                    workspace_bytes: Optional[int], deterministic: bool) -> torch.Tensor:
+    """The support of every row of ``hidden`` (``[n, D]``, this shard's ``weight`` rows
+    ``[vocab_start, vocab_start + V_local)``, ``vocab`` the global vocabulary; ``group``: the TP
+    group, or None for one shard) as padded GLOBAL ids ``[n, K]`` (``-1`` pads; a row of
+    ``KEEP_ALL`` keeps every id), the module docstring's algorithm. Every rank of ``group`` calls
+    it with the same rows and parameters and gets the same result."""
+    n, dev = hidden.shape[0], hidden.device
+    world = 1 if group is None else torch.distributed.get_world_size(group)
+    transient = memory_budget.split("native", workspace_bytes, dev).transient
+    tile_elements = max(transient // 16, 1 << 12)
+    on = _active(params, n, dev)
+    todo = on.nonzero().squeeze(1)  # (a host read)
+    count = todo.numel()
+    k_max = int(params.top_k.max()) if params.top_k is not None and count else 0
+    m = k_max + SLACK
+    if params.top_p is not None or params.min_p is not None:
+        m = max(m, MIN_CANDIDATES)
+    m = min(m, vocab)
+    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, ranked ids, lengths
+    while count:
+        part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, inv_temperature,
+                                 softcap, tile_elements, deterministic)
+        shifted = part[:, m:2 * m]
+        part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
+        if world > 1:
+            part = all_gather_flat(part.to(comm_device), group).to(dev)
+        ranks = part.view(world, count, 2 * m + 3)
+        values = ranks[:, :, :m].permute(1, 0, 2).reshape(count, world * m)
+        ids = ranks[:, :, m:2 * m].permute(1, 0, 2).reshape(count, world * m).long()
+        floor = ranks[:, :, 2 * m].max(0).values
+        row_max, sums = ranks[:, :, 2 * m + 1], ranks[:, :, 2 * m + 2]
+        top = row_max.max(0).values
+        base = torch.where(top == float("-inf"), 0.0, top)
+        lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
+        x, ranked_ids = _ranked(values, ids)
+        kept, exact = _decide(x, lse, floor, params.rows(todo))
+        lengths = kept.sum(1)
+        done.append((todo[exact], ranked_ids[exact], lengths[exact]))
+        todo = todo[~exact]
+        count = todo.numel()  # (one host read per round: every rank the same)
+        m = min(m * GROWTH, vocab)
+    widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths
+                                                                 in done if lengths.numel()]
+    every = bool((~on).any()) if n else False
+    width = max(int(torch.stack(widths).max()), 1 if every else 0)
+    out = torch.full((n, width), -1, dtype=torch.int64, device=dev)
+    if every:
+        out[~on, 0] = KEEP_ALL
+    for rows, ranked_ids, lengths in done:
+        w = min(width, ranked_ids.shape[1])
+        part = ranked_ids[:, :w]
+        positions = torch.arange(w, device=dev)
+        out[rows, :w] = torch.where(positions[None, :] < lengths[:, None], part, -1)
+    return out
+
+
+__all__ = ["sampler_support", "SLACK", "MIN_CANDIDATES", "GROWTH"]
