@@ -282,7 +282,11 @@ class NativeBackend(BudgetParts):
         if narrow is not None:
             st = self.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
                                     narrow.call)
-            return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows))
+            # a target this shard owns outside every support (a computed support need not hold
+            # it): its logit is masked, -inf, as on the masked tiles
+            lost = (narrow.local_target < 0) & (local_target >= 0)
+            return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
+                               target_logit=st.target_logit.masked_fill(lost, float("-inf")))
         tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
                                                              dev, call)
         kept = None

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from ..support import tensors
 from ..support.comm import (all_gather_flat, collective_device, group_name, host_group,
                             known_host_group)
+from . import sampler_params
 from .group_record import GroupRecord
 from .validation import LinearLogpInputError, LossCheck
 
@@ -652,7 +653,8 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
     elif mode == "fast" and capturing and not GroupRecord.is_verified(
             group, args.vocab_start_index, weight.shape[0], args.global_vocab_size,
             hidden.shape[-1], hidden.dtype, bias is not None, ignore_index, builds_graph,
-            args.options.sequence_parallel, args.options.hidden_grad, loss_check):
+            args.options.sequence_parallel, args.options.hidden_grad, loss_check,
+            sampler_params.given(args.options)):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
@@ -688,6 +690,7 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
         sequence_parallel=args.options.sequence_parallel,
         hidden_grad=args.options.hidden_grad,
         loss_check=loss_check,
+        samples=sampler_params.given(args.options),
     )
     summary = None if summary is None else TargetSummary(*summary)
     verdict = None
