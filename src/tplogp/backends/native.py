@@ -502,10 +502,11 @@ class NativeBackend(BudgetParts):
                 else:  # recompute the tile
                     dz, slope = _recomputed_dz(ch, w, None if bias is None else bias[v0:v1],
                                                call.inv_temperature, call.softcap)
-                    if call.support is not None:  # p = 0 outside the row's support
-                        ids = support_rows(call.support, t0, t1, ch.h.shape[0])
-                        dz.masked_fill_(~kept_columns(ids, v0, v1), 0.0)
                 dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
+                if call.support is not None:  # 0 outside the row's support (p = 0 there; the
+                    # target's one-hot too, when a computed support does not hold the target)
+                    ids = support_rows(call.support, t0, t1, ch.h.shape[0])
+                    dz[:, : v1 - v0].masked_fill_(~kept_columns(ids, v0, v1), 0.0)
                 del slope
                 if d_bias32 is not None:
                     d_bias32[v0:v1] += dz.sum(0)
