@@ -166,6 +166,7 @@ def _active(params: SamplerParams, n: int, device: torch.device) -> torch.Tensor
     return on
 
 
+@torch.no_grad()  # (a set of ids: nothing of it is differentiated)
 def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     params: SamplerParams, *, inv_temperature: float, softcap: Optional[float],
                     vocab_start: int, vocab: int, group, comm_device: torch.device,
