@@ -31,8 +31,8 @@ is exact when some candidate strictly above the merged floor (the largest rank f
 of the support (of ``R`` when top-k or min-p is on, whose normalizer is then among the candidates;
 top-p alone normalizes with the merged log-sum-exp), or when no rank left an id out. Tokens whose
 answer is not yet exact run again with ``4 M`` candidates (only they, every rank alike: the
-decision comes from the gathered data); ``M`` starts at the largest ``top_k`` plus 16, at least 256
-with top-p or min-p, and ends at the vocabulary, where every rank sends every id. Tokens whose
+decision comes from the gathered data); ``M`` starts at the largest ``top_k`` plus 16 (at least
+256 when some token has top-p or min-p without top-k), and ends at the vocabulary, where every rank sends every id. Tokens whose
 filters are all off keep every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
 Cost: one forward pass over the vocabulary per round (usually one), its candidates' ``topk`` per
 chunk, one collective and one host read per round.
@@ -40,6 +40,7 @@ chunk, one collective and one host read per round.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -71,10 +72,10 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_tem
 
 def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
                       inv_temperature: float, softcap: Optional[float], tile_elements: int,
-                      deterministic: bool) -> torch.Tensor:
+                      deterministic: bool, with_lse: bool = True) -> torch.Tensor:
     """Per row of ``h``: this shard's ``m`` largest logits and their shard-local ids (``-inf`` /
-    ``-1`` past the shard's ids), the floor, the row max and ``sum exp(z - max)``, packed as
-    float64 ``[rows, 2 m + 3]``."""
+    ``-1`` past the shard's ids), the floor, the row max and (``with_lse``; else 0)
+    ``sum exp(z - max)``, packed as float64 ``[rows, 2 m + 3]``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     take = min(m, v)
     out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
@@ -99,11 +100,15 @@ def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
             v1 = min(v0 + vc, v)
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
             new_max = torch.maximum(row_max, z.max(1).values)
-            base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S stays 0)
-            sum_exp = sum_exp * torch.exp(row_max - base) + torch.exp(z - base[:, None]).sum(1)
+            if with_lse:
+                base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
+                sum_exp = sum_exp * torch.exp(row_max - base) + torch.exp(z - base[:, None]).sum(1)
             row_max = new_max
-            top_vals, at = torch.cat([vals, z], 1).topk(take, dim=1)
-            ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), at - take + v0)
+            # the chunk's largest, then merged with the running ones
+            z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
+            top_vals, at = torch.cat([vals, z_vals], 1).topk(take, dim=1)
+            from_chunk = z_at.gather(1, (at - take).clamp(min=0)) + v0
+            ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), from_chunk)
             vals = top_vals
         keep = slice(0, t1 - t0)
         out[t0:t1, :take] = vals[keep].double()
@@ -125,9 +130,11 @@ def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
-            params: SamplerParams) -> tuple[torch.Tensor, torch.Tensor]:
+            params: SamplerParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The definition on ranked candidates ``x`` (float64 ``[rows, C]``): ``(kept [rows, C],
-    exact [rows])`` (module docstring)."""
+    exact [rows], need [rows])`` (module docstring; ``need``: for a top-p row without top-k or
+    min-p, a lower bound of the ids its answer takes: those above the floor, plus the mass still
+    missing over the floor's probability, which bounds every unseen id's; else 0)."""
     valid = x > float("-inf")
     top = x[:, :1]
     kept = valid.clone()
@@ -151,7 +158,14 @@ def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
     above = valid & (x > floor[:, None])
     left_out = torch.where(narrowed[:, None], above & outside_r, above & ~kept).any(1)
     exact = (floor == float("-inf")) | left_out | torch.isnan(top[:, 0])
-    return kept, exact
+    need = torch.zeros_like(lse)
+    if params.top_p is not None:
+        covered = torch.exp(x - lse[:, None]).mul_(above).sum(1)
+        at_floor = torch.exp(floor - lse)
+        missing = (params.top_p - covered).clamp_(min=0)
+        bound = above.sum(1) + missing / at_floor
+        need = torch.where(~narrowed & (params.top_p < 1) & (at_floor > 0), bound, need)
+    return kept, exact, need
 
 
 def _active(params: SamplerParams, n: int, device: torch.device) -> torch.Tensor:
@@ -183,15 +197,23 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     on = _active(params, n, dev)
     todo = on.nonzero().squeeze(1)  # (a host read)
     count = todo.numel()
-    k_max = int(params.top_k.max()) if params.top_k is not None and count else 0
+    # rows with a top-k need k + SLACK candidates at most; top-p alone normalizes with the lse
+    k_max, unbounded, top_p_alone = 0, count, 0
+    if count:
+        p = params.rows(todo)
+        k = p.top_k if p.top_k is not None else torch.zeros_like(todo)
+        alone = (k <= 0) & (p.min_p <= 0 if p.min_p is not None else True)
+        alone &= p.top_p < 1 if p.top_p is not None else False
+        k_max, unbounded, top_p_alone = torch.stack([k.max(), (k <= 0).sum(),
+                                                     alone.sum()]).tolist()
     m = k_max + SLACK
-    if params.top_p is not None or params.min_p is not None:
+    if unbounded:
         m = max(m, MIN_CANDIDATES)
     m = min(m, vocab)
     done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, ranked ids, lengths
     while count:
         part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, inv_temperature,
-                                 softcap, tile_elements, deterministic)
+                                 softcap, tile_elements, deterministic, bool(top_p_alone))
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
         if world > 1:
@@ -205,12 +227,15 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         base = torch.where(top == float("-inf"), 0.0, top)
         lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
         x, ranked_ids = _ranked(values, ids)
-        kept, exact = _decide(x, lse, floor, params.rows(todo))
+        kept, exact, need = _decide(x, lse, floor, params.rows(todo))
         lengths = kept.sum(1)
+        # (one host read per round: every rank the same)
+        count, need = torch.stack([(~exact).sum().double(),
+                                   torch.where(exact, 0.0, need).max()]).tolist()
         done.append((todo[exact], ranked_ids[exact], lengths[exact]))
-        todo = todo[~exact]
-        count = todo.numel()  # (one host read per round: every rank the same)
-        m = min(m * GROWTH, vocab)
+        todo, count = todo[~exact], int(count)
+        # the next round: 4x the candidates, or twice a top-p row's bound spread over the ranks
+        m = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
     widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths
                                                                  in done if lengths.numel()]
     every = bool((~on).any()) if n else False
