@@ -393,12 +393,14 @@ def _bad_cases():
         "top_p-nan": (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\]"),
         "min_p<0": (dict(min_p=-0.1), r"min_p must be a number in \[0, 1\]"),
         "min_p>1": (dict(min_p=2), r"min_p must be a number in \[0, 1\]"),
-        "top_k-tensor-entry": (dict(top_k=top_k_bad), r"top_k must be at least -1 .*token 8 holds -3"),
-        "top_p-tensor-entry": (dict(top_p=top_p_bad), r"top_p must be in \(0, 1\] .*token 4 holds 0"),
+        "top_k-tensor-entry": (dict(top_k=top_k_bad),
+                               r"top_k must be at least -1 .*token 8 holds -3"),
+        "top_p-tensor-entry": (dict(top_p=top_p_bad),
+                               r"top_p must be in \(0, 1\] .*token 4 holds 0"),
         "top_k-dtype": (dict(top_k=torch.full(shape, 5.0)), r"top_k must be a number or an integer "
                                                              r"tensor of target_ids' shape"),
-        "top_p-shape": (dict(top_p=torch.full((N,), 0.5)), r"top_p must be a number or a "
-                                                            r"floating-point tensor of target_ids'"),
+        "top_p-shape": (dict(top_p=torch.full((N,), 0.5)),
+                        r"top_p must be a number or a floating-point tensor of target_ids'"),
         "min_p-int": (dict(min_p=torch.zeros(shape, dtype=torch.int64)), r"min_p must be a number"),
         "with-support": (dict(top_k=4, support=torch.zeros(B, L, 1, dtype=torch.int64)),
                          r"support= and top_k= both give the sampler's support"),

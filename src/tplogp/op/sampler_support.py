@@ -24,18 +24,22 @@ Algorithm (:func:`sampler_support`). Every token's support is a top prefix of it
 order above, so each rank streams its shard's logits once (token chunks x vocab chunks, fp32
 GEMMs, within the call's transient budget) and keeps per token its ``M`` largest logits and their
 ids, the ``M``-th value (its *floor*: every id of the shard above it is among the candidates) and,
-for top-p without top-k and min-p, the shard's online-softmax statistics. One ``all_gather`` of
-these (float64, ``[tokens, 2 M + 3]`` per rank) gives every rank the same candidates; each rank
-then applies the definition in float64 to the merged candidates, ranked as above. A token's answer
-is exact when some candidate strictly above the merged floor (the largest rank floor) is left out
-of the support (of ``R`` when top-k or min-p is on, whose normalizer is then among the candidates;
-top-p alone normalizes with the merged log-sum-exp), or when no rank left an id out. Tokens whose
-answer is not yet exact run again with ``4 M`` candidates (only they, every rank alike: the
-decision comes from the gathered data); ``M`` starts at the largest ``top_k`` plus 16 (at least
-256 when some token has top-p or min-p without top-k), and ends at the vocabulary, where every rank sends every id. Tokens whose
-filters are all off keep every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
-Cost: one forward pass over the vocabulary per round (usually one), its candidates' ``topk`` per
-chunk, one collective and one host read per round.
+for a token with top-p but neither top-k nor min-p, the shard's online-softmax statistics. One
+``all_gather`` of these (float64, ``[tokens, 2 M + 3]`` per rank) gives every rank the same
+candidates; each rank then applies the definition in float64 to the merged candidates, ranked as
+above. A token's answer is exact when some candidate strictly above the merged floor (the largest
+rank floor) is left out of the support (of ``R`` when top-k or min-p is on, whose normalizer is
+then among the candidates; top-p alone normalizes with the merged log-sum-exp), or when no rank
+left an id out. Tokens whose answer is not yet exact run again (only they, every rank alike: the
+decision comes from the gathered data) with ``4 M`` candidates, or more for a top-p token whose
+missing mass over the floor's probability bounds the ids it still takes. ``M`` starts at the
+largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without top-k) and
+ends at the vocabulary, where every rank sends every id. Tokens whose filters are all off keep
+every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
+
+Cost: one forward pass over the vocabulary per round (one round when the support fits the first
+``M``, as with a top-k: flat distributions under top-p or min-p alone take more), a ``topk`` per
+chunk, one collective and one host read per round; ``[tokens, world M]`` float64 candidates.
 """
 
 from __future__ import annotations

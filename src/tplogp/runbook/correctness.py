@@ -33,7 +33,7 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
     g_ent = torch.randn(T, generator=gen).to(device)
     support = None if args.support_k is None else make_support(gen, target, V, args.support_k)
     sampler = sampler_kwargs(args)
-    if sampler:  # the float64 definition's kept ids: the targets among them, the reference's support
+    if sampler:  # the float64 definition's kept ids: the targets among them, the reference's
         z = reference_logits(hidden_full, weight_full, bias_full, mode="float64",
                              temperature=args.temperature)
         mask = sampler_mask(z, **sampler)
