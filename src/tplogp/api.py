@@ -38,7 +38,6 @@ from .losses.terms import TokenLoss
 from .outputs import LinearLogpResult, pack_outputs
 from .op.options import DEFAULTS, LOGP_OP, LOSS_OP, LogpOptions, crosses_schema, names_of, op_values
 from .op.packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
-from .op.sampler_params import given as sampler_given
 from .op.validation import EntryCheck, LinearLogpInputError, is_int
 
 # (with_sum_z is the fused loss's: linear_logp returns no sum of the logits)
@@ -97,7 +96,7 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and is_int(vocab_start_index)
             and (global_vocab_size is None or is_int(global_vocab_size))
             and crosses_schema(options, op) and options.support is None
-            and not sampler_given(options))
+            and options.top_k is None and options.top_p is None and options.min_p is None)
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,

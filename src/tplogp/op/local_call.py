@@ -151,7 +151,9 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
-    if sampler_params.given(options):  # the support from the sampler's parameters: GLOBAL ids
+    # the support from the sampler's parameters (sampler_params.given, inline: the plain path
+    # enters no room for it): GLOBAL ids
+    if options.top_k is not None or options.top_p is not None or options.min_p is not None:
         support = _sampler_support(plan, args, options, h2, w, b, keep_idx, call.vocab_size, tpc)
 
     # the invariant level: the rows of the grid blocks this rank computes

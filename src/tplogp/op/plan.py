@@ -144,7 +144,9 @@ def plan_call(source: "Source", hidden, weight, target_ids, bias, tp_group, voca
         plan = _plans.get(key)
         if plan is not None:
             return plan, None
-    masks = options.support is not None or sampler_params.given(options)
+    # a support, given or from the sampler's parameters (sampler_params.given, inline)
+    masks = (options.support is not None or options.top_k is not None or options.top_p is not None
+             or options.min_p is not None)
     backend = _backend(source, hidden, env, ("support",) if masks else ())
     world = dist.get_world_size(tp_group) if tp_group is not None else 1
     # a bad TPLOGP_CHECKS raises here, at every call (never cached)
@@ -293,7 +295,8 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
     if options.support is not None and problem is None:  # (its data: one host read)
         options, problem, largest = _checked_support(options, target_ids,
                                                      global_vocab_size or plan.vocab_size)
-    if problem is None and sampler_params.given(options):  # (tensor parameters: one host read)
+    if problem is None and (options.top_k is not None or options.top_p is not None
+                            or options.min_p is not None):  # (tensor parameters: one host read)
         problem = sampler_params.data_problem(options, target_ids, options.ignore_index)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                     global_vocab_size, options, builds_graph)

@@ -115,7 +115,8 @@ def local_problem(
         return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
     if late_problem is not None:
         return late_problem
-    if options.support is not None or sampler_params.given(options):
+    if (options.support is not None or options.top_k is not None or options.top_p is not None
+            or options.min_p is not None):  # (sampler_params.given, inline: no room entered)
         problem = _support_problem(options, target_ids)
         if problem is not None:
             return problem

@@ -57,7 +57,6 @@ import torch.distributed as dist
 from ..support import tensors
 from ..support.comm import (all_gather_flat, collective_device, group_name, host_group,
                             known_host_group)
-from . import sampler_params
 from .group_record import GroupRecord
 from .validation import LinearLogpInputError, LossCheck
 
@@ -629,6 +628,12 @@ def open_call(plan, args, problem: Optional[str],
     return total, verdict, in_kernel, None
 
 
+def _samples(options) -> bool:
+    """Whether a call computes its support from the sampler's parameters
+    (:func:`tplogp.op.sampler_params.given`, asked here: a plain call enters no room for it)."""
+    return options.top_k is not None or options.top_p is not None or options.min_p is not None
+
+
 def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
                      loss_check: Optional[LossCheck]) -> tuple[int, Optional[BackwardVerdict],
                                                                list[tuple[int, int]]]:
@@ -654,7 +659,7 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
             group, args.vocab_start_index, weight.shape[0], args.global_vocab_size,
             hidden.shape[-1], hidden.dtype, bias is not None, ignore_index, builds_graph,
             args.options.sequence_parallel, args.options.hidden_grad, loss_check,
-            sampler_params.given(args.options)):
+            _samples(args.options)):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
@@ -690,7 +695,7 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
         sequence_parallel=args.options.sequence_parallel,
         hidden_grad=args.options.hidden_grad,
         loss_check=loss_check,
-        samples=sampler_params.given(args.options),
+        samples=_samples(args.options),
     )
     summary = None if summary is None else TargetSummary(*summary)
     verdict = None
