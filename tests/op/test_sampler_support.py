@@ -475,27 +475,35 @@ def test_tp_kept_ids_values_and_gradients(tp, vocab_shards, case, monkeypatch):
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
 def test_tp_sequence_parallel_and_fused_loss(tp, vocab_shards):
-    """``sequence_parallel=True`` (this rank's slice of hidden, the parameters of all tokens) and
-    the fused loss over the ranks: the single-process op's values and gradients."""
+    """``sequence_parallel=True`` (this rank's slice of hidden, the parameters of all tokens; an
+    ignored token, kept in place, whose parameter is not valid and not read) and the fused loss
+    over the ranks: the single-process op's values and gradients."""
     problem = _problem(seed=22)
     hidden, weight, bias = problem
     vs = vocab_shards
-    params = dict(top_k=6, min_p=0.05)
+    top_p = torch.full((B, L), 0.9)
+    params = dict(top_k=6, min_p=0.05, top_p=top_p)
     target = _targets_in(_truth_mask(problem, params), seed=23)
-    single = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True, **params)
+    target[1, 3], top_p[1, 3] = IGNORE, 0.0
+    single = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True,
+                                ignore_index=IGNORE, **params)
     rows = hidden.reshape(N, D).chunk(tp.world_size)[tp.rank]
     out = tplogp.linear_logp(rows, vs.shard(weight), target.reshape(-1), vs.shard(bias),
                              tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=V,
-                             return_entropy=True, sequence_parallel=True, **params)
+                             return_entropy=True, sequence_parallel=True, ignore_index=IGNORE,
+                             **{k: v.reshape(-1) if isinstance(v, torch.Tensor) else v
+                                for k, v in params.items()})
     ok = torch.allclose(out.logp, single.logp.reshape(-1), rtol=1e-5, atol=1e-5)
     h = hidden.clone().requires_grad_()
     w, b = (vs.shard(t).clone().requires_grad_() for t in (weight, bias))
     loss = losses.cross_entropy()
     value = tplogp.linear_logp_loss(h, w, target, b, loss=loss, tp_group=tp.group,
-                                    vocab_start_index=vs.start, global_vocab_size=V, **params)
+                                    vocab_start_index=vs.start, global_vocab_size=V,
+                                    ignore_index=IGNORE, **params)
     value.backward()
     leaves = tuple(t.clone().requires_grad_() for t in problem)
-    eager = -tplogp.linear_logp(*leaves[:2], target, leaves[2], **params).sum()
+    eager = -tplogp.linear_logp(*leaves[:2], target, leaves[2], ignore_index=IGNORE,
+                                **params).sum()
     d_h, d_w, d_b = torch.autograd.grad(eager, leaves)
     ok = ok and torch.allclose(value, eager.detach(), rtol=1e-5, atol=1e-5)
     ok = ok and torch.allclose(h.grad, d_h, rtol=1e-4, atol=1e-6)

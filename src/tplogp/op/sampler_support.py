@@ -234,8 +234,8 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         kept, exact, need = _decide(x, lse, floor, params.rows(todo))
         lengths = kept.sum(1)
         # (one host read per round: every rank the same)
-        count, need = torch.stack([(~exact).sum().double(),
-                                   torch.where(exact, 0.0, need).max()]).tolist()
+        need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
+        count, need = torch.stack([(~exact).sum().double(), need.max()]).tolist()
         done.append((todo[exact], ranked_ids[exact], lengths[exact]))
         todo, count = todo[~exact], int(count)
         # the next round: 4x the candidates, or twice a top-p row's bound spread over the ranks
