@@ -59,6 +59,7 @@ SLACK = 16  # candidates beyond the largest top_k (ties at the k-th logit, the e
 MIN_CANDIDATES = 256  # with top-p or min-p: the first round's candidates at least
 GROWTH = 4  # a round's candidates over the previous round's
 DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
+BINS = 64  # the bins of the counting pass
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_temperature: float,
@@ -78,10 +79,12 @@ def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
                       inv_temperature: float, softcap: Optional[float], tile_elements: int,
                       deterministic: bool, with_lse: bool = True) -> torch.Tensor:
     """Per row of ``h``: this shard's ``m`` largest logits and their shard-local ids (``-inf`` /
-    ``-1`` past the shard's ids), the floor, the row max and (``with_lse``; else 0)
+    ``-1`` past the shard's ids), the floor (the ``m + 1``-th largest logit, ``-inf`` when the shard
+    has at most ``m`` ids), the row max and (``with_lse``; else 0)
     ``sum exp(z - max)``, packed as float64 ``[rows, 2 m + 3]``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
-    take = min(m, v)
+    # the m largest and one more: its value is the floor (every id above it is among the m)
+    take = min(m + 1, v)
     out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
     out[:, m:2 * m] = -1
     out[:, 2 * m + 2] = 0
@@ -99,14 +102,16 @@ def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
         vals = torch.full((rows, take), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, take), -1, dtype=torch.int64, device=dev)
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        sum_exp = torch.zeros(rows, dtype=torch.float32, device=dev)
+        sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)  # (float64 terms and sums: the
+        # normalizer of top-p alone, whose candidates' masses are float64)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
             new_max = torch.maximum(row_max, z.max(1).values)
             if with_lse:
                 base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
-                sum_exp = sum_exp * torch.exp(row_max - base) + torch.exp(z - base[:, None]).sum(1)
+                sum_exp = (sum_exp * torch.exp((row_max - base).double())
+                           + torch.exp((z - base[:, None]).double()).sum(1))
             row_max = new_max
             # the chunk's largest, then merged with the running ones
             z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
@@ -114,14 +119,90 @@ def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
             from_chunk = z_at.gather(1, (at - take).clamp(min=0)) + v0
             ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), from_chunk)
             vals = top_vals
-        keep = slice(0, t1 - t0)
-        out[t0:t1, :take] = vals[keep].double()
-        out[t0:t1, m:m + take] = ids[keep].double()
+        keep, sent = slice(0, t1 - t0), min(m, v)
+        out[t0:t1, :sent] = vals[keep, :sent].double()
+        out[t0:t1, m:m + sent] = ids[keep, :sent].double()
         if v > m:
-            out[t0:t1, 2 * m] = vals[keep, m - 1].double()
+            out[t0:t1, 2 * m] = vals[keep, m].double()
         out[t0:t1, 2 * m + 1] = row_max[keep].double()
         out[t0:t1, 2 * m + 2] = sum_exp[keep].double()
     return out
+
+
+def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], lo: torch.Tensor,
+                top: torch.Tensor, lse: torch.Tensor, inv_temperature: float,
+                softcap: Optional[float], tile_elements: int, deterministic: bool) -> torch.Tensor:
+    """Per row of ``h``: how many of this shard's logits fall in each of ``BINS`` equal bins of
+    ``[lo, top]`` (bin 0 at the top; float64 per row) and their mass ``exp(z - lse)``, packed as
+    float64 ``[rows, 2 BINS]`` (counts, then masses)."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    out = torch.zeros(n, 2 * BINS, dtype=torch.float64, device=dev)
+    if n == 0 or v == 0:
+        return out
+    width = (top - lo) / BINS
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    vc = max(64, tile_elements // (2 * tc))
+    for t0 in range(0, n, tc):
+        t1 = min(t0 + tc, n)
+        hc = h[t0:t1]
+        if deterministic and hc.shape[0] < tc:
+            hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
+        rows = slice(t0, t1)
+        counts = torch.zeros(hc.shape[0], BINS + 1, dtype=torch.float64, device=dev)
+        masses = torch.zeros_like(counts)
+        for v0 in range(0, v, vc):
+            v1 = min(v0 + vc, v)
+            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature,
+                        softcap)[: t1 - t0].double()
+            at = ((top[rows, None] - z) / width[rows, None]).floor_()
+            at = torch.where((z >= lo[rows, None]) & (at >= 0), at.clamp_(max=BINS - 1), BINS)
+            at = at.nan_to_num_(nan=BINS).long()
+            pad = hc.shape[0] - (t1 - t0)
+            if pad:
+                at = torch.cat([at, at.new_full((pad, at.shape[1]), BINS)])
+                z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
+            counts.scatter_add_(1, at, torch.ones_like(z))
+            mass = torch.exp(z - torch.cat([lse[rows], lse.new_zeros(pad)])[:, None])
+            masses.scatter_add_(1, at, mass.nan_to_num_(nan=0.0))
+        out[rows, :BINS] = counts[: t1 - t0, :BINS]
+        out[rows, BINS:] = masses[: t1 - t0, :BINS]
+    return out
+
+
+def _lower_bounds(params: SamplerParams, top: torch.Tensor, lse: torch.Tensor,
+                  vocab: int) -> torch.Tensor:
+    """Per row, a logit below which no id of the support lies, or ``-inf`` when none is known:
+    ``max z + log(min_p)`` with min-p (the support lies within min-p's ids); with top-p alone,
+    ``lse + log((1 - top_p) / V) - 1`` (the ids below it hold less than ``1 - top_p`` of the mass
+    together, so the support reaches no lower)."""
+    lo = torch.full_like(top, float("-inf"))
+    if params.top_p is not None:
+        alone = params.top_p < 1
+        if params.top_k is not None:
+            alone &= params.top_k <= 0
+        if params.min_p is not None:
+            alone &= params.min_p <= 0
+        tail = torch.log((1 - params.top_p).clamp(min=1e-300) / vocab) - 1
+        lo = torch.where(alone, lse + tail, lo)
+    if params.min_p is not None:
+        lo = torch.where(params.min_p > 0, top + torch.log(params.min_p), lo)
+    return torch.where(torch.isfinite(lo) & (lo < top), lo, float("-inf"))
+
+
+def _binned_sizes(bins: torch.Tensor, params: SamplerParams, world: int) -> torch.Tensor:
+    """From every rank's bins (``[world, rows, 2 BINS]``): per row, the most ids any rank holds
+    at or above the support's lowest bin (top-p alone: the first bin where the mass from the top
+    reaches ``top_p``, and one more; else every bin)."""
+    counts, masses = bins[..., :BINS], bins[..., BINS:].sum(0)
+    last = torch.full((counts.shape[1],), BINS - 1, dtype=torch.int64, device=bins.device)
+    if params.top_p is not None:
+        reached = masses.cumsum(1) >= params.top_p[:, None]
+        first = torch.where(reached.any(1), reached.long().argmax(1) + 1, BINS - 1)
+        only_p = (params.top_k <= 0 if params.top_k is not None else True)
+        only_p = only_p & (params.min_p <= 0 if params.min_p is not None else True)
+        last = torch.where(only_p & (params.top_p < 1), first.clamp(max=BINS - 1), last)
+    inside = torch.arange(BINS, device=bins.device)[None, :] <= last[:, None]
+    return (counts * inside).sum(2).max(0).values
 
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +296,7 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         m = max(m, MIN_CANDIDATES)
     m = min(m, vocab)
     done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, ranked ids, lengths
+    counted = False  # whether the counting pass ran
     while count:
         part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, inv_temperature,
                                  softcap, tile_elements, deterministic, bool(top_p_alone))
@@ -231,15 +313,33 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         base = torch.where(top == float("-inf"), 0.0, top)
         lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
         x, ranked_ids = _ranked(values, ids)
-        kept, exact, need = _decide(x, lse, floor, params.rows(todo))
+        rows_params = params.rows(todo)
+        kept, exact, need = _decide(x, lse, floor, rows_params)
+        # exact too: every id at or above a bound of the support's logits is a candidate
+        lo = _lower_bounds(rows_params, top, lse, vocab)
+        exact |= floor < lo
         lengths = kept.sum(1)
         # (one host read per round: every rank the same)
         need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
         count, need = torch.stack([(~exact).sum().double(), need.max()]).tolist()
         done.append((todo[exact], ranked_ids[exact], lengths[exact]))
-        todo, count = todo[~exact], int(count)
+        left, todo, count = ~exact, todo[~exact], int(count)
         # the next round: 4x the candidates, or twice a top-p row's bound spread over the ranks
-        m = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
+        grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
+        if count and not counted:  # once: the sizes the bounded rows take, counted
+            counted = True
+            lo = lo[left]
+            bins = _shard_bins(hidden.index_select(0, todo), weight, bias, lo, top[left],
+                               lse[left], inv_temperature, softcap, tile_elements, deterministic)
+            if world > 1:
+                bins = all_gather_flat(bins.to(comm_device), group).to(dev)
+            sizes = _binned_sizes(bins.view(world, count, 2 * BINS), rows_params.rows(
+                left.nonzero().squeeze(1)), world)
+            unknown, size = torch.stack([(lo == float("-inf")).sum().double(),
+                                         sizes.max()]).tolist()
+            # (one more than the largest count: an id left out, below the support)
+            grown = int(min(vocab, max(size + 1, grown if unknown else 0, 1)))
+        m = grown
     widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths
                                                                  in done if lengths.numel()]
     every = bool((~on).any()) if n else False
