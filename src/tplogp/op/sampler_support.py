@@ -23,23 +23,29 @@ Ids whose logit is ``-inf`` are never kept. A token whose target is not in its s
 Algorithm (:func:`sampler_support`). Every token's support is a top prefix of its logits in the
 order above, so each rank streams its shard's logits once (token chunks x vocab chunks, fp32
 GEMMs, within the call's transient budget) and keeps per token its ``M`` largest logits and their
-ids, the ``M``-th value (its *floor*: every id of the shard above it is among the candidates) and,
-for a token with top-p but neither top-k nor min-p, the shard's online-softmax statistics. One
-``all_gather`` of these (float64, ``[tokens, 2 M + 3]`` per rank) gives every rank the same
-candidates; each rank then applies the definition in float64 to the merged candidates, ranked as
-above. A token's answer is exact when some candidate strictly above the merged floor (the largest
-rank floor) is left out of the support (of ``R`` when top-k or min-p is on, whose normalizer is
-then among the candidates; top-p alone normalizes with the merged log-sum-exp), or when no rank
-left an id out. Tokens whose answer is not yet exact run again (only they, every rank alike: the
-decision comes from the gathered data) with ``4 M`` candidates, or more for a top-p token whose
-missing mass over the floor's probability bounds the ids it still takes. ``M`` starts at the
-largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without top-k) and
-ends at the vocabulary, where every rank sends every id. Tokens whose filters are all off keep
-every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
+ids, the ``M + 1``-th value (its *floor*: every id of the shard above it is among the candidates)
+and, for a token with top-p but neither top-k nor min-p, the shard's softmax statistics (float64
+sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]`` per rank) gives every rank the
+same candidates; each rank then applies the definition in float64 to the merged candidates, ranked
+as above. A token's answer is exact when some candidate strictly above the merged floor (the
+largest rank floor) is left out of the support (of ``R`` when top-k or min-p is on, whose
+normalizer is then among the candidates; top-p alone normalizes with the merged log-sum-exp), when
+the floor lies below a bound of the support's logits (min-p's ``max z + log(min_p)``; for top-p
+alone ``lse + log((1 - top_p) / V) - 1``, below which all ids together hold less than
+``1 - top_p``), or when no rank left an id out. Tokens whose answer is not yet exact run again
+(only they, every rank alike: the decision comes from the gathered data). Before the second round
+one counting pass (one more ``all_gather``) counts each rank's logits in 64 bins between the
+token's bound and its max, with their mass: the second round takes the most ids any rank holds
+above the bound (top-p alone: above the bin where the mass from the top reaches ``top_p``, and one
+bin more), plus one. Later rounds (ties, tokens without a bound: top-k's) take ``4 M``. ``M``
+starts at the largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without
+top-k) and ends at the vocabulary, where every rank sends every id. Tokens whose filters are all off
+keep every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
 
 Cost: one forward pass over the vocabulary per round (one round when the support fits the first
-``M``, as with a top-k: flat distributions under top-p or min-p alone take more), a ``topk`` per
-chunk, one collective and one host read per round; ``[tokens, world M]`` float64 candidates.
+``M``, as with a top-k; top-p or min-p alone over flat distributions: two rounds and the counting
+pass), a ``topk`` of ``M + 1`` per chunk, one collective and one host read per round;
+``[tokens, world M]`` float64 candidates.
 """
 
 from __future__ import annotations
