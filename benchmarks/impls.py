@@ -84,16 +84,18 @@ def _options(budget: Optional[int], variant, support: Optional[torch.Tensor] = N
     return options
 
 
-def _tplogp_available(source: str, device: torch.device, support: Optional[torch.Tensor]) -> None:
+def _tplogp_available(source: str, device: torch.device, support: Optional[torch.Tensor],
+                      variant=None) -> None:
     """:class:`ImplUnavailable` with the registry's reason when ``source`` cannot run here, or
-    cannot run a call with a support."""
+    cannot run a call with a support (given, or computed from a variant's sampler parameters)."""
     try:
         from tplogp.backends.kernel_registry import unavailable_reason
     except ModuleNotFoundError:  # a tree measured with --base may predate the backends package
         from tplogp.kernel_registry import unavailable_reason
 
     # (a tree measured with --base may predate the features argument: a plain call passes none)
-    why = (unavailable_reason(source, device) if support is None
+    masks = support is not None or getattr(variant, "samples", False)
+    why = (unavailable_reason(source, device) if not masks
            else unavailable_reason(source, device, features=("support",)))
     if why is not None:
         raise ImplUnavailable(why)
@@ -104,7 +106,7 @@ def _tplogp(source: str) -> Callable[..., ImplFn]:
               support: Optional[torch.Tensor] = None) -> ImplFn:
         from tplogp import get_op
 
-        _tplogp_available(source, device, support)
+        _tplogp_available(source, device, support, variant)
         op = get_op("linear_logp", source=source)
         options = _options(budget, variant, support)
         return lambda h, w, y: op(h, w, y, **options)
@@ -115,7 +117,7 @@ def _tplogp(source: str) -> Callable[..., ImplFn]:
 def _tplogp_loss(source: str) -> Callable[..., ImplFn]:
     def build(device: torch.device, budget: Optional[int], variant=None,
               support: Optional[torch.Tensor] = None) -> ImplFn:
-        _tplogp_available(source, device, support)
+        _tplogp_available(source, device, support, variant)
         fused, losses = _import("tplogp", "linear_logp_loss"), _import("tplogp", "losses")
         options = _options(budget, variant, support)
         # the built-in cross-entropy (-logp, closed-form derivative), comparable to the peers' mean
@@ -138,7 +140,7 @@ def _tplogp_policy(name: str, source: str) -> Callable[..., Callable]:
               support: Optional[torch.Tensor] = None) -> Callable:
         from . import policy
 
-        _tplogp_available(source, device, support)
+        _tplogp_available(source, device, support, variant)
         return policy.tplogp_fn(name, source, _options(budget, variant, support))
 
     return build

@@ -160,6 +160,8 @@ def _truths(h, w, y, gy, plans, inputs, support_ids: dict) -> dict:
     measured against (``support_ids``: the padded support of each support label)."""
     needs: dict[tuple, dict] = {}
     for impl, variant in plans:
+        if variant is not None and variant.samples:  # (timed only: benchmarks.variants)
+            continue
         need = needs.setdefault(math_key(variant), {"per_token": False, "scalars": {}})
         key = truth_key(impl, variant)
         if key is None:
@@ -304,7 +306,10 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
 
         try:
             with checks_mode(mode):
-                if truths is not None:
+                if variant is not None and variant.samples:
+                    row["errors"] = ("not measured: the sampler's support holds few of the random "
+                                     "targets (tests/op/test_sampler_support.py checks it)")
+                elif truths is not None:
                     truth = truths[math_key(variant)]
                     out = fn(hg, wg, y)
                     out.backward(gy if per_token else None)

@@ -14,7 +14,13 @@ it, in one run.
   (:mod:`benchmarks.supports`), built once per shape; the row's ``support_union`` / ``support_k``
   are the union size of the supports and their width. Every source runs it (the triton and sm90
   kernels through the support's bitmask). It composes with ``softcap`` and ``deterministic=true``;
-  the op refuses it with ``deterministic=tp_invariant`` and label smoothing, and so does the parser.
+  with ``deterministic=tp_invariant`` the native source runs it; the op refuses label smoothing,
+  and so does the parser;
+* ``top_k=K``, ``top_p=P``, ``min_p=M`` (e.g. ``top_k=50+top_p=0.9``): the sampler's parameters,
+  the support computed inside the call (one more pass over the vocabulary), then run as a support.
+  Its rows are timed only (``errors`` names why: the benchmark's random targets mostly fall outside
+  such a support, where logp is ``-inf``; tests/op/test_sampler_support.py checks the values). Not
+  with ``support=``, label smoothing or ``deterministic=tp_invariant``.
 
 For example
 ``softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4,
@@ -53,6 +59,14 @@ class Variant:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     support: Optional[str] = None  # ``K<k>-<kind>``: the support the call passes (module docstring)
+    top_k: Optional[int] = None  # the sampler's parameters (module docstring)
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+
+    @property
+    def samples(self) -> bool:
+        """Whether the call computes its support from the sampler's parameters."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
 
     @property
     def support_k(self) -> int:
@@ -84,6 +98,9 @@ class Variant:
             options["softcap"] = self.softcap
         if self.deterministic is not False:
             options["deterministic"] = self.deterministic
+        for name in ("top_k", "top_p", "min_p"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
         return options
 
 
@@ -133,13 +150,29 @@ def parse_variant(text: str) -> Variant:
                                  f"K<ids per token>-disjoint (e.g. K64-shared), got {value!r}")
             fields[key] = f"K{int(match.group(1))}-{match.group(2).lower()}"
             labels.append(f"support={fields[key]}")
+        elif key == "top_k":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--variants: top_k takes an int >= 1, got {value!r}")
+            fields[key] = int(value)
+            labels.append(f"top_k={fields[key]}")
+        elif key == "top_p":
+            fields[key] = _number(key, value, 0.0, True, 1.0)
+            labels.append(f"top_p={fields[key]:g}")
+        elif key == "min_p":
+            fields[key] = _number(key, value, 0.0, False, 1.0)
+            labels.append(f"min_p={fields[key]:g}")
         else:
             raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options: softcap, "
-                             f"deterministic, label_smoothing, z_loss, support")
-    if "support" in fields and (fields.get("label_smoothing")
-                                or fields.get("deterministic") == DETERMINISTIC["tp_invariant"]):
-        raise ValueError(f"--variants: support= does not run with label_smoothing or "
-                         f"deterministic=tp_invariant (the op refuses both), got {text!r}")
+                             f"deterministic, label_smoothing, z_loss, support, top_k, top_p, "
+                             f"min_p")
+    if "support" in fields and fields.get("label_smoothing"):
+        raise ValueError(f"--variants: support= does not run with label_smoothing (the op "
+                         f"refuses it), got {text!r}")
+    if any(k in fields for k in ("top_k", "top_p", "min_p")) and (
+            "support" in fields or fields.get("label_smoothing")
+            or fields.get("deterministic") == DETERMINISTIC["tp_invariant"]):
+        raise ValueError(f"--variants: top_k / top_p / min_p do not run with support=, "
+                         f"label_smoothing or deterministic=tp_invariant, got {text!r}")
     return Variant("+".join(labels), **fields)
 
 

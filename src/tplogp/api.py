@@ -95,7 +95,8 @@ def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_
             and (bias is None or isinstance(bias, torch.Tensor))
             and is_int(vocab_start_index)
             and (global_vocab_size is None or is_int(global_vocab_size))
-            and crosses_schema(options, op) and options.support is None)
+            and crosses_schema(options, op) and options.support is None
+            and options.top_k is None and options.top_p is None and options.min_p is None)
 
 
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
@@ -209,6 +210,9 @@ def linear_logp(
     sequence_parallel: bool = False,
     hidden_grad: str = "reduced",
     support=None,
+    top_k=None,
+    top_p=None,
+    min_p=None,
 ) -> LinearLogpResult:
     """Per-token log-probability of ``target_ids`` through a (vocab-sharded) LM head.
 
@@ -275,6 +279,14 @@ def linear_logp(
             is ``ignore_index`` needs none). Runs on the native source (triton / sm90 refuse it),
             eagerly; not with ``deterministic="tp_invariant"`` (docs/operator.md, "Sampler's
             support").
+        top_k, top_p, min_p: the sampler's parameters, instead of ``support``: each a number for
+            every token or a tensor of target_ids' shape (one value per token); ``top_k`` -1 or 0,
+            ``top_p`` 1, ``min_p`` 0 switch a filter off (vLLM's values). The support is computed
+            from the logits as vLLM's v1 sampler keeps its ids (temperature, then min-p, then
+            top-k with every id tied with the k-th, then top-p over the renormalized rest; ties at
+            the top-p boundary keep the lower ids: :mod:`tplogp.op.sampler_support`), at the cost
+            of one more forward pass over the vocabulary (and one collective with a group); then
+            as with ``support``. A token whose target is outside its support gets logp ``-inf``.
 
     Returns:
         float32 logp with target_ids' shape; with ``return_entropy``, ``return_lse`` and/or
@@ -291,7 +303,8 @@ def linear_logp(
                             return_lse=return_lse, ignore_index=ignore_index,
                             deterministic=deterministic, workspace_bytes=workspace_bytes,
                             sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
-                            softcap=softcap, return_argmax=return_argmax, support=support))
+                            softcap=softcap, return_argmax=return_argmax, support=support,
+                            top_k=top_k, top_p=top_p, min_p=min_p))
 
 
 @functools.lru_cache(maxsize=None)
@@ -385,6 +398,9 @@ def linear_logp_loss(
     cu_seqlens: Optional[torch.Tensor] = None,
     return_metrics: bool = False,
     support=None,
+    top_k=None,
+    top_p=None,
+    min_p=None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """A per-token loss of the token log-probs (and entropies), reduced to a scalar, with the
     gradients computed in the forward chunk by chunk (see :mod:`tplogp.fused_loss.loop`).
@@ -419,7 +435,8 @@ def linear_logp_loss(
     tensors (KL mean, clip fractions, ratio mean / min / max, entropy mean when computed) over the
     counted positions, the same on every rank (docs/operator.md, "GRPO-family losses").
     ``support``: the sampler's kept ids per token, as in :func:`linear_logp` (logp and entropy
-    renormalized over them; not with label smoothing).
+    renormalized over them; not with label smoothing); ``top_k``, ``top_p``, ``min_p``: that
+    support computed from the sampler's parameters, as in :func:`linear_logp`.
     """
     if isinstance(per_token, (tuple, list)):  # (else: the checks' error)
         per_token = tuple(per_token)
@@ -427,7 +444,8 @@ def linear_logp_loss(
                    softcap=softcap, ignore_index=ignore_index, deterministic=deterministic,
                    workspace_bytes=workspace_bytes, with_entropy=with_entropy,
                    sequence_parallel=sequence_parallel, hidden_grad=hidden_grad,
-                   cu_seqlens=cu_seqlens, return_metrics=return_metrics, support=support)
+                   cu_seqlens=cu_seqlens, return_metrics=return_metrics, support=support,
+                   top_k=top_k, top_p=top_p, min_p=min_p)
     source = None if source in AUTOMATIC else source
     return _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                       global_vocab_size, options)
@@ -435,7 +453,7 @@ def linear_logp_loss(
 
 # linear_logp_loss's options and their defaults (linear_logp_loss_entry takes them by name)
 _LOSS_OPTIONS = dict(per_token=(), reduction="sum", with_entropy=True, cu_seqlens=None,
-                     return_metrics=False, support=None,
+                     return_metrics=False, support=None, top_k=None, top_p=None, min_p=None,
                      **{name: DEFAULTS[name] for name in names_of(LOSS_OP)})
 
 
@@ -482,6 +500,7 @@ def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, gl
     metrics), DTensors."""
     return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
             and options["cu_seqlens"] is None and options["support"] is None
+            and options["top_k"] is None and options["top_p"] is None and options["min_p"] is None
             and options["return_metrics"] is False
             and isinstance(options["per_token"], tuple)
             and all(isinstance(t, torch.Tensor) for t in options["per_token"])

@@ -2,7 +2,8 @@
 
 from .testing.reference import (
     ReferenceMode, REFERENCE_MODES, ReferenceOutputs, reference_logits, reference_outputs,
-    reference_linear_logp, reference_support_outputs, support_mask,
+    reference_linear_logp, reference_support_outputs, support_mask, sampler_mask,
+    padded_support,
 )
 
 __all__ = [
@@ -14,4 +15,6 @@ __all__ = [
     "reference_linear_logp",
     "reference_support_outputs",
     "support_mask",
+    "sampler_mask",
+    "padded_support",
 ]

@@ -468,6 +468,35 @@ def test_supports_and_their_unavailable_sources(tmp_path):
             variants.parse_variants(bad)
 
 
+def test_sampler_variants():
+    """``top_k=`` / ``top_p=`` / ``min_p=`` variants: parsed to the call's keywords, refused with what
+    the op refuses, unavailable on the sources that cannot mask, and timed (not scored) on the smoke shape
+    beside the plain rows."""
+    from benchmarks import op, variants
+
+    parsed = variants.parse_variants("top_k=50+top_p=0.90,min_p=0.05")
+    assert [v.label for v in parsed] == ["top_k=50+top_p=0.9", "min_p=0.05"]
+    assert [v.call_options() for v in parsed] == [{"top_k": 50, "top_p": 0.9}, {"min_p": 0.05}]
+    assert all(v.samples for v in parsed)
+    for bad, match in (("top_k=0", "top_k takes"), ("top_k=2.5", "top_k takes"), ("top_p=0", "top_p takes"),
+                       ("min_p=1.5", "min_p takes"), ("top_k=5+support=K4-shared", "do not run"),
+                       ("top_p=0.9+deterministic=tp_invariant", "do not run")):
+        with pytest.raises(ValueError, match=match):
+            variants.parse_variants(bad)
+    for name in ("tplogp-triton", "tplogp-loss-sm90"):
+        with pytest.raises(impls.ImplUnavailable):
+            impls.BY_NAME[name].build(torch.device("cpu"), None, variant=parsed[0])
+    shape, cpu = runner.parse_shapes(cli.OP_SMOKE_SHAPES)[0], torch.device("cpu")
+    chosen = impls.select("tplogp-native,tplogp-loss-native")
+    rows = op.bench_shape(shape, chosen, [runner.parse_budget_spec("default")], "fp32", cpu, reps=1, rounds=1,
+                          warm_ms=0.0, check=True, variants=tuple(parsed))
+    assert all("error" not in r for r in rows), [(r["budget"], r.get("error")) for r in rows]
+    sampled = [r for r in rows if r.get("variant")]
+    assert len(sampled) == 4 and all(r["errors"].startswith("not measured") and r["vs_plain"] > 0
+                                     for r in sampled), sampled
+    assert all("err_logp" in r or "err_loss" in r for r in rows if not r.get("variant"))
+
+
 @pytest.mark.slow
 def test_memory_smoke_rows(tmp_path, capsys):
     _bench_here(capsys, "memory", "--smoke", "--out", str(tmp_path))  # (its probes are processes of their own)

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the options, declared once (their schema types, defaults, docs and checks)
     ("tplogp.op.options",),
     # the sampler's support of a call: its two forms made one, its checks, a shard's ids
-    ("tplogp.op.support_ids",),
+    ("tplogp.op.support_ids", "tplogp.op.sampler_params"),
     # argument and layout validation; what the target checks read of the targets
     ("tplogp.op.validation",),
     # the group record exchange, then the deferred target verdicts (with the kernel-run target
@@ -52,6 +52,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.backends.kernel_registry",),
     # the fused loss's gradient scaling (the scaling kernel, or torch ops without Triton)
     ("tplogp.fused_loss.grad_scaling",),
+    # the sampler's support computed from its parameters (a pass over the vocabulary, one
+    # collective per round)
+    ("tplogp.op.sampler_support",),
     # a checked call brought to this shard: flattened, gathered, compacted, targets made local
     ("tplogp.op.local_call",),
     # the shared tensor-parallel path; DTensor unwrapping

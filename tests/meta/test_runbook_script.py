@@ -180,6 +180,46 @@ def test_support_k_correctness_phase_on_two_ranks(tp):
     tp.assert_all(ok and lines_ok, text)
 
 
+@pytest.mark.tp(world_size=2, timeout=120)
+def test_sampler_correctness_phase_on_two_ranks(tp):
+    """``--top-k K --top-p P --min-p M``: the op computes the sampler's support, the targets are
+    drawn from the float64 definition's kept ids and the reference is renormalized over them; the
+    header names the parameters and the support's lse is one more check line, all passing."""
+    import contextlib
+    import io
+
+    from tplogp import get_op
+    from tplogp.runbook.correctness import correctness
+
+    args = parse_args([*SMALL, "--vocab-size", "61", "--uneven-shards", "--entropy",
+                       "--ignore-fraction", "0.25", "--top-k", "7", "--top-p", "0.8",
+                       "--min-p", "0.01"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ok = correctness(args, tp.rank, tp.world_size, torch.device("cpu"), "gloo",
+                         get_op("linear_logp"))
+    text = printed.getvalue()
+    lines_ok = tp.rank != 0 or (
+        "  sampler: top_k=7, top_p=0.8, min_p=0.01, kept ids per token" in text
+        and all(re.search(rf"  PASS {metric}: max_abs=\S+, max_rel=\S+\n", text)
+                for metric in ("output", "entropy", "hidden_grad", "weight_grad", "bias_grad",
+                               "support_lse")))
+    tp.assert_all(ok and lines_ok, text)
+
+
+def test_sampler_flags_are_checked():
+    for flags, message in ((["--top-k", "0"], "argument --top-k: must be a positive int, got 0"),
+                           (["--top-p", "0"], r"argument --top-p: must be a number in \(0, 1\], "
+                                              r"got 0"),
+                           (["--min-p", "2"], r"argument --min-p: must be a number in \[0, 1\]"),
+                           (["--top-k", "5", "--support-k", "5"],
+                            "argument --top-k: not with --support-k"),
+                           (["--top-p", "0.9", "--deterministic", "tp_invariant"],
+                            "argument --top-p: not with --deterministic tp_invariant")):
+        with pytest.raises(UsageError, match=f"^{message}"):
+            parse_args(flags)
+
+
 def test_support_k_is_at_most_the_vocabulary():
     with pytest.raises(UsageError, match=r"^argument --support-k: must be at most --vocab-size 64, "
                                          r"got 65$"):

@@ -282,7 +282,11 @@ class NativeBackend(BudgetParts):
         if narrow is not None:
             st = self.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
                                     narrow.call)
-            return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows))
+            # a target this shard owns outside every support (a computed support need not hold
+            # it): its logit is masked, -inf, as on the masked tiles
+            lost = (narrow.local_target < 0) & (local_target >= 0)
+            return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
+                               target_logit=st.target_logit.masked_fill(lost, float("-inf")))
         tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
                                                              dev, call)
         kept = None
@@ -498,10 +502,11 @@ class NativeBackend(BudgetParts):
                 else:  # recompute the tile
                     dz, slope = _recomputed_dz(ch, w, None if bias is None else bias[v0:v1],
                                                call.inv_temperature, call.softcap)
-                    if call.support is not None:  # p = 0 outside the row's support
-                        ids = support_rows(call.support, t0, t1, ch.h.shape[0])
-                        dz.masked_fill_(~kept_columns(ids, v0, v1), 0.0)
                 dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
+                if call.support is not None:  # 0 outside the row's support (p = 0 there; the
+                    # target's one-hot too, when a computed support does not hold the target)
+                    ids = support_rows(call.support, t0, t1, ch.h.shape[0])
+                    dz[:, : v1 - v0].masked_fill_(~kept_columns(ids, v0, v1), 0.0)
                 del slope
                 if d_bias32 is not None:
                     d_bias32[v0:v1] += dz.sum(0)

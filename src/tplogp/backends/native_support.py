@@ -21,18 +21,23 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..op.support_ids import KEEP_ALL
 from .base import ShardCall, ShardGrads
 
 
 def kept_columns(ids: torch.Tensor, v0: int, v1: int) -> torch.Tensor:
     """``[rows, v1 - v0]`` bool: whether column ``v0 + j`` is one of row ``t``'s shard-local
-    ``ids`` (int64 ``[rows, K]``, ``-1`` for none)."""
+    ``ids`` (int64 ``[rows, K]``, ``-1`` for none; a row that starts with ``KEEP_ALL`` keeps every
+    column)."""
     cols = v1 - v0
     rel = ids - v0
     rel = torch.where((ids >= 0) & (rel >= 0) & (rel < cols), rel, cols)
     keep = torch.zeros(ids.shape[0], cols + 1, dtype=torch.bool, device=ids.device)
     keep.scatter_(1, rel, True)
-    return keep[:, :cols]
+    keep = keep[:, :cols]
+    if ids.shape[1]:
+        keep |= (ids[:, :1] == KEEP_ALL)
+    return keep
 
 
 def support_rows(support: torch.Tensor, t0: int, t1: int, rows: int) -> torch.Tensor:
@@ -73,6 +78,8 @@ def gathered(weight: torch.Tensor, bias: Optional[torch.Tensor], local_target: t
     union's size)."""
     support, v = call.support, weight.shape[0]
     if support is None or call.deterministic or v == 0:
+        return None
+    if support.shape[1] and bool((support[:, 0] == KEEP_ALL).any()):  # (a row keeps every id)
         return None
     rows = torch.unique(support[support >= 0])  # sorted
     if rows.numel() == v or rows.numel() > GATHER_FRACTION * v:  # (every id: nothing to gather)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from ..op.support_ids import KEEP_ALL
+
 WORD_BITS = 32
 
 
@@ -36,7 +38,8 @@ def bit_words(cols: int) -> int:
 def column_bits(ids: torch.Tensor, v_lo: int, v_hi: int) -> torch.Tensor:
     """int32 ``[rows, bit_words(v_hi - v_lo)]``: bit ``c % 32`` of word ``c // 32`` of row ``t`` is
     set iff the column ``v_lo + c`` is one of row ``t``'s ``ids`` (int64 ``[rows, K]``, shard-local,
-    ``-1`` for none; distinct per row). Module docstring: the algorithm."""
+    ``-1`` for none; distinct per row; a row that starts with ``KEEP_ALL`` keeps every column).
+    Module docstring: the algorithm."""
     rows = ids.shape[0]
     cols = v_hi - v_lo
     words = bit_words(cols)
@@ -53,7 +56,8 @@ def column_bits(ids: torch.Tensor, v_lo: int, v_hi: int) -> torch.Tensor:
     row = torch.arange(rows, device=ids.device, dtype=torch.int64).unsqueeze(1) * words
     index = torch.where(valid, row + (rel >> 5), 0)
     out.view(-1).scatter_add_(0, index.reshape(-1), value.reshape(-1))
-    return out
+    every = ids[:, 0] == KEEP_ALL  # a computed support's row that keeps every id: all bits
+    return out.masked_fill_(every.unsqueeze(1), -1)
 
 
 def forward_rows(n: int, v: int, budget_bytes: int, align: int) -> int:

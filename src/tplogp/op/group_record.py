@@ -65,6 +65,7 @@ class GroupRecord:
         hidden_grad: str = "reduced",
         loss_check: Optional[LossCheck] = None,
         support_digest: int = -1,
+        samples: bool = False,
     ) -> tuple[int, Optional[tuple[int, int, int]], list[tuple[int, int]]]:
         """``targets``: this rank's targets summary as a device ``[3]`` tensor (it travels in the
         record, so the record exchange is the call's only host read), ``(checksum, lo, hi)`` already
@@ -73,13 +74,15 @@ class GroupRecord:
         ranks. The summary is returned when every rank sent one and they agree (a range check is the
         caller's), and every rank's shard range ``(start, end)``, rank-major (in ``fast`` mode those
         of the layout's verified call). ``sequence_parallel``, ``hidden_grad``: the call's hidden
-        layout (ranks that disagree would enter different collectives). ``loss_check``: a fused-loss
+        layout (ranks that disagree would enter different collectives); ``samples``: whether the
+        call computes its support from the sampler's parameters (a collective of its own, so it
+        travels in the same field). ``loss_check``: a fused-loss
         call's own arguments (its ranks' digests must agree; errors then name
         ``linear_logp_loss``). ``support_digest``: the fingerprint of the call's support (-1:
         none), which the ranks' must agree on where the record is exchanged (not part of ``fast``
         mode's key: a verified layout's later calls compare nothing, as with the targets)."""
         world = dist.get_world_size(group)
-        hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
+        hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad, samples)
         digests = [0] * len(AGREED)
         if loss_check is not None and problem is None:
             digests = loss_check.digests()
@@ -146,10 +149,10 @@ class GroupRecord:
                     global_vocab_size: Optional[int], hidden_size: int, dtype: torch.dtype,
                     has_bias: bool, ignore_index: Optional[int], builds_graph: bool,
                     sequence_parallel: bool = False, hidden_grad: str = "reduced",
-                    loss_check: Optional[LossCheck] = None) -> bool:
+                    loss_check: Optional[LossCheck] = None, samples: bool = False) -> bool:
         """Whether ``fast`` mode has verified this layout with ``group`` (its later calls exchange
         nothing)."""
-        hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad)
+        hidden_layout = hidden_layout_code(sequence_parallel, hidden_grad, samples)
         digests = [0] * len(AGREED) if loss_check is None else loss_check.digests()
         return (id(group), vocab_start_index, v_local, global_vocab_size, hidden_size, dtype,
                 has_bias, ignore_index, builds_graph, hidden_layout, *digests) in cls._verified
@@ -203,8 +206,17 @@ class GroupRecord:
         # a rank that records no autograd graph would skip the backward all-reduce the others enter
         differ(9, "whether the call is differentiable (grad mode on and hidden.requires_grad)",
                lambda b: "yes" if b else "no")
-        differ(10, "the hidden layout (sequence_parallel, hidden_grad)",
-               lambda c: HIDDEN_LAYOUTS.get(c, "?"))
+        layouts = [r[10] for r in rows]
+        if len({c & 3 for c in layouts}) > 1:
+            listing = ", ".join(f"rank {i}: {HIDDEN_LAYOUTS.get(c & 3, '?')}"
+                                for i, c in enumerate(layouts))
+            raise LinearLogpInputError("the hidden layout (sequence_parallel, hidden_grad) must be "
+                                       f"the same on every TP rank, got {listing}")
+        if len({c >> 2 for c in layouts}) > 1:  # a support computed on some ranks only
+            listing = ", ".join(f"rank {i}: {'given' if c >> 2 else 'none'}"
+                                for i, c in enumerate(layouts))
+            raise LinearLogpInputError("the sampler's parameters (top_k= / top_p= / min_p=: given "
+                                       f"or not) must be the same on every TP rank, got {listing}")
 
 
 # the hidden layout as it travels in the record: sequence_parallel and hidden_grad
@@ -213,8 +225,10 @@ HIDDEN_LAYOUTS = {0: "replicated, hidden_grad='reduced'", 1: "sequence_parallel=
                   3: "sequence_parallel=True, hidden_grad='partial'"}
 
 
-def hidden_layout_code(sequence_parallel: bool, hidden_grad: str) -> int:
+def hidden_layout_code(sequence_parallel: bool, hidden_grad: str, samples: bool = False) -> int:
     """The hidden layout of a call's options as one record field (keys of
-    :data:`HIDDEN_LAYOUTS`)."""
-    return int(bool(sequence_parallel)) + 2 * int(hidden_grad == "partial")
+    :data:`HIDDEN_LAYOUTS`, plus 4 when the call computes its support from the sampler's
+    parameters)."""
+    return int(bool(sequence_parallel)) + 2 * int(hidden_grad == "partial") + 4 * int(samples)
+
 

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from ..support import invariant, tensors
 from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import all_gather_flat
+from . import sampler_params
+from .sampler_support import sampler_support
 from .support_ids import local_ids
 from .verdicts import BackwardVerdict, KernelTargetCheck
 
@@ -149,6 +151,11 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
+    # the support from the sampler's parameters (sampler_params.given, inline: the plain path
+    # enters no room for it): GLOBAL ids
+    if options.top_k is not None or options.top_p is not None or options.min_p is not None:
+        support = _sampler_support(plan, args, options, h2, w, b, keep_idx, call.vocab_size, tpc)
+
     # the invariant level: the rows of the grid blocks this rank computes
     if plan.call.grid_columns:
         tpc.regrid = _regrid(plan, args, w.shape[0], call.vocab_size, call.shard_ranges)
@@ -171,6 +178,25 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
         call_for_backward = replace(call_for_backward, support=support)
     return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored,
                      call_for_backward, own_rows)
+
+
+def _sampler_support(plan, args, options, h2, w, b, keep_idx, vocab: int,
+                     tpc: TPContext) -> Optional[torch.Tensor]:
+    """The padded GLOBAL support of the rows ``h2`` computed from the sampler's parameters
+    (:mod:`tplogp.op.sampler_support`; ``keep_idx``: the rows ignore_index compaction kept), or
+    None when every filter is off."""
+    params = sampler_params.per_token(options, args.target_ids.numel(), h2.device, vocab)
+    if params is None:
+        return None
+    if keep_idx is not None:
+        params = params.rows(keep_idx)
+    group = args.group if plan.world_size > 1 else None
+    return sampler_support(h2, w, b, params, inv_temperature=plan.call.inv_temperature,
+                           softcap=plan.call.softcap,
+                           vocab_start=0 if tpc.single else args.vocab_start_index, vocab=vocab,
+                           group=group, comm_device=plan.comm_device,
+                           workspace_bytes=options.workspace_bytes,
+                           deterministic=bool(options.deterministic))
 
 
 def _regrid(plan, args, v_local: int, vocab: int, ranges) -> invariant.Regrid:

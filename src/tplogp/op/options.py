@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Optional, Union
 
+import torch
+
 from ..support import invariant
 
 LOGP_OP = "linear_logp"  # tplogp::linear_logp_fwd and tplogp::linear_logp_bwd
@@ -87,6 +89,31 @@ def _softcap(x) -> Optional[str]:
     if x is not None and not (_is_number(x) and 0 < x < float("inf")):
         return ("softcap must be a positive finite float or None (z = softcap * tanh(logits / softcap)), got "
                 f"{x!r}")
+    return None
+
+
+def _top_k(x) -> Optional[str]:
+    if x is None or isinstance(x, torch.Tensor):  # (a tensor: tplogp.op.sampler_params)
+        return None
+    if not (_is_int(x) and x >= -1):
+        return (f"top_k must be an int of at least -1 (-1 or 0: off) or a tensor per token, got "
+                f"{x!r}")
+    return None
+
+
+def _top_p(x) -> Optional[str]:
+    if x is None or isinstance(x, torch.Tensor):
+        return None
+    if not (_is_number(x) and 0 < x <= 1):
+        return f"top_p must be a number in (0, 1] (1: off) or a tensor per token, got {x!r}"
+    return None
+
+
+def _min_p(x) -> Optional[str]:
+    if x is None or isinstance(x, torch.Tensor):
+        return None
+    if not (_is_number(x) and 0 <= x <= 1):
+        return f"min_p must be a number in [0, 1] (0: off) or a tensor per token, got {x!r}"
     return None
 
 
@@ -155,6 +182,19 @@ class LogpOptions:
     support: Optional[Any] = option(
         None, "Tensor?", "the sampler's kept ids per token, the distribution renormalized over "
         'them (eager only; "Sampler\'s support")', ops=(), keyable="({v} is None)")
+    # the sampler's parameters, per call or per token (tplogp.op.sampler_params): the support is
+    # computed from them, as vLLM's sampler keeps its ids (tplogp.op.sampler_support); such calls
+    # run eagerly and are planned afresh at every call
+    top_k: Optional[Any] = option(
+        None, "int?", "the sampler's top-k (`-1`, `0`: off; an int or a tensor per token): the "
+        'support computed from the logits (eager only; "Sampler\'s support")', ops=(),
+        check=_top_k, keyable="({v} is None)")
+    top_p: Optional[Any] = option(
+        None, "float?", "the sampler's top-p (`1`: off), after top-k and min-p (eager only)",
+        ops=(), check=_top_p, keyable="({v} is None)")
+    min_p: Optional[Any] = option(
+        None, "float?", "the sampler's min-p (`0`: off), before top-k (eager only)", ops=(),
+        check=_min_p, keyable="({v} is None)")
 
 
 SPECS: dict[str, OptionSpec] = {f.name: f.metadata["spec"] for f in fields(LogpOptions)}

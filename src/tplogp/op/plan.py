@@ -32,7 +32,7 @@ from ..support import invariant, settings
 from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import collective_device
 from ..backends.kernel_registry import SourceUnavailableError, backend_for_call
-from . import support_ids
+from . import sampler_params, support_ids
 from .options import LogpOptions, keyable
 from .validation import LinearLogpInputError, LossCheck, check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
@@ -234,9 +234,12 @@ Source = Union[None, str, ShardBackend]
 
 def call_features(options: LogpOptions) -> tuple[str, ...]:
     """What a call asks beyond the plain op, which a source may not run (its ``missing_features``):
-    ``"support"`` for a call with ``support=``, and ``"support-tp-invariant"`` for one under
+    ``"support"`` for a call with ``support=`` (or the sampler's parameters that compute one), and
+    ``"support-tp-invariant"`` for one under
     ``deterministic="tp_invariant"`` too."""
-    if options.support is None:
+    # a support, given or from the sampler's parameters (sampler_params.given, inline)
+    if (options.support is None and options.top_k is None and options.top_p is None
+            and options.min_p is None):
         return ()
     if options.deterministic == invariant.LEVEL:
         return ("support", "support-tp-invariant")
@@ -303,6 +306,9 @@ def prepare(source: Source, hidden, weight, target_ids, bias, tp_group, vocab_st
     if options.support is not None and problem is None:  # (its data: one host read)
         options, (problem, largest, support_digest) = _checked_support(
             options, target_ids, global_vocab_size or plan.vocab_size)
+    if problem is None and (options.top_k is not None or options.top_p is not None
+                            or options.min_p is not None):  # (tensor parameters: one host read)
+        problem = sampler_params.data_problem(options, target_ids, options.ignore_index)
     args = CallArgs(hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                     global_vocab_size, options, builds_graph)
     total, verdict, target_check, ranges = open_call(plan, args, problem, loss_check,

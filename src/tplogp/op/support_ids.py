@@ -26,6 +26,9 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 Support = Union[torch.Tensor, tuple]  # padded, or (offsets, ids)
+# a row of a computed support (tplogp.op.sampler_support) whose first entry is KEEP_ALL keeps every
+# id: a token whose sampler filters are all off (a given support never holds it: ids are >= -1)
+KEEP_ALL = -2
 
 
 def _int_tensor(t) -> bool:
@@ -171,10 +174,13 @@ def past_vocab_problem(largest: int, vocab: int) -> Optional[str]:
 
 
 def local_ids(ids: torch.Tensor, start: int, v_local: int) -> torch.Tensor:
-    """The ids of ``[start, start + v_local)`` shard-local, ``-1`` elsewhere (and for padding)."""
+    """The ids of ``[start, start + v_local)`` shard-local, ``-1`` elsewhere (and for padding);
+    ``KEEP_ALL`` stays."""
     rel = ids - start if start else ids
-    return torch.where((ids >= 0) & (rel >= 0) & (rel < v_local), rel, -1)
+    return torch.where((ids >= 0) & (rel >= 0) & (rel < v_local), rel,
+                       torch.where(ids == KEEP_ALL, KEEP_ALL, -1))
 
 
-__all__ = ["Support", "SupportData", "form_problem", "padded", "data_problem", "past_vocab_problem",
+__all__ = ["Support", "SupportData", "KEEP_ALL", "form_problem", "padded", "data_problem",
+           "past_vocab_problem",
            "local_ids"]

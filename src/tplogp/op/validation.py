@@ -25,6 +25,7 @@ import torch
 from ..support import invariant, settings
 from ..support.shards import ShardLayoutError
 from .options import LogpOptions, option_problems
+from . import sampler_params
 from .support_ids import form_problem as support_form_problem
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -114,7 +115,8 @@ def local_problem(
         return f"global_vocab_size must be a positive int or None, got {global_vocab_size!r}"
     if late_problem is not None:
         return late_problem
-    if options.support is not None:
+    if (options.support is not None or options.top_k is not None or options.top_p is not None
+            or options.min_p is not None):  # (sampler_params.given, inline: no room entered)
         problem = _support_problem(options, target_ids)
         if problem is not None:
             return problem
@@ -130,11 +132,19 @@ def local_problem(
 
 
 def _support_problem(options: LogpOptions, target_ids: torch.Tensor) -> Optional[str]:
-    """What a call with ``support=`` cannot be (its form: :mod:`tplogp.op.support_ids`), or
-    None."""
+    """What a call with ``support=`` or the sampler's parameters cannot be (their forms:
+    :mod:`tplogp.op.support_ids`, :mod:`tplogp.op.sampler_params`), or None."""
+    given = "support=" if options.support is not None else "top_k= / top_p= / min_p="
+    if options.deterministic == invariant.LEVEL and options.support is None:
+        return (f"deterministic={invariant.LEVEL!r} is not implemented with {given} (the kept ids "
+                f"are chosen from logits computed on each rank's own shard): use "
+                f"deterministic=True, which is bitwise reproducible for one TP degree, or pass "
+                f"the sampler's kept ids as support=")
     if options.with_sum_z:
         return ("label smoothing reads the sum of the logits over the whole vocabulary, which a "
-                "call with support= does not compute: drop label_smoothing or support=")
+                f"call with {given} does not compute: drop label_smoothing or {given}")
+    if sampler_params.given(options):
+        return sampler_params.form_problem(options, target_ids)
     return support_form_problem(options.support, target_ids)
 
 

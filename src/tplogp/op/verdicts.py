@@ -633,6 +633,12 @@ def open_call(plan, args, problem: Optional[str],
     return total, verdict, in_kernel, None
 
 
+def _samples(options) -> bool:
+    """Whether a call computes its support from the sampler's parameters
+    (:func:`tplogp.op.sampler_params.given`, asked here: a plain call enters no room for it)."""
+    return options.top_k is not None or options.top_p is not None or options.min_p is not None
+
+
 def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
                      loss_check: Optional[LossCheck],
                      support_digest: int = -1) -> tuple[int, Optional[BackwardVerdict],
@@ -658,7 +664,8 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
     elif mode == "fast" and capturing and not GroupRecord.is_verified(
             group, args.vocab_start_index, weight.shape[0], args.global_vocab_size,
             hidden.shape[-1], hidden.dtype, bias is not None, ignore_index, builds_graph,
-            args.options.sequence_parallel, args.options.hidden_grad, loss_check):
+            args.options.sequence_parallel, args.options.hidden_grad, loss_check,
+            _samples(args.options)):
         raise LinearLogpInputError("TPLOGP_CHECKS=fast checks a layout with a TP group at its first call, which reads "
                                    "the group's verdict on the host and so cannot run in a CUDA-graph capture: run one "
                                    "call of this layout outside the capture first (a warm-up)")
@@ -695,6 +702,7 @@ def _open_group_call(plan, args, problem: Optional[str], capturing: bool,
         hidden_grad=args.options.hidden_grad,
         loss_check=loss_check,
         support_digest=support_digest,
+        samples=_samples(args.options),
     )
     summary = None if summary is None else TargetSummary(*summary)
     verdict = None

@@ -8,10 +8,12 @@ from typing import Callable
 
 import torch
 
-from ..testing.reference import reference_outputs, reference_support_outputs
+from ..testing.reference import (padded_support, reference_logits, reference_outputs,
+                                 reference_support_outputs, sampler_mask)
 from ..support.shards import shard_boundaries, shard_range
 from .flags import DTYPES, IGNORE_INDEX
-from .inputs import make_support, make_targets, op_kwargs, token_rows
+from .inputs import (make_support, make_targets, op_kwargs, sampler_kwargs, targets_in,
+                     token_rows)
 from .launch import log0, max_over_ranks
 from .report import report_checks
 
@@ -30,6 +32,15 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
     g_logp = torch.randn(T, generator=gen).to(device)
     g_ent = torch.randn(T, generator=gen).to(device)
     support = None if args.support_k is None else make_support(gen, target, V, args.support_k)
+    sampler = sampler_kwargs(args)
+    if sampler:  # the float64 definition's kept ids: the targets among them, the reference's
+        z = reference_logits(hidden_full, weight_full, bias_full, mode="float64",
+                             temperature=args.temperature)
+        mask = sampler_mask(z, **sampler)
+        target = targets_in(gen, target, mask)
+        support = padded_support(mask).to(device)
+        del z, mask
+    given = None if sampler else support  # (the op computes a sampler's support itself)
 
     log0(rank, "[correctness]",
          f"  dtype={dtype}, reference_mode={args.reference_mode}, atol={args.atol:g}, rtol={args.rtol:g}",
@@ -40,7 +51,10 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
          *([f"  ignore_fraction={args.ignore_fraction:g}"] if args.ignore_fraction > 0 else []),
          *(["  sequence_parallel=True"] if args.sequence_parallel else []),
          *([f"  deterministic={args.deterministic}"] if args.deterministic != "off" else []),
-         *([f"  support_k={args.support_k}"] if support is not None else []))
+         *([f"  support_k={args.support_k}"] if args.support_k is not None else []),
+         *([f"  sampler: {', '.join(f'{k}={v:g}' for k, v in sampler.items())}, kept ids per "
+            f"token {int((support >= 0).sum(1).min())}..{int((support >= 0).sum(1).max())}"]
+           if sampler else []))
 
     # ours: this rank's shard only (and with --sequence-parallel this rank's slice of the tokens)
     rows = token_rows(args, rank, world, T)
@@ -48,8 +62,7 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
     w = weight_full[start:end].to(device).clone().requires_grad_()
     b = None if bias_full is None else bias_full[start:end].to(device).clone().requires_grad_()
     kw = op_kwargs(args, start, V)
-    out = op(h, w, target, b, **kw) if support is None else op(h, w, target, b, support=support,
-                                                              **kw)
+    out = op(h, w, target, b, **kw) if given is None else op(h, w, target, b, support=given, **kw)
     logp, ent = (out.logp, out.entropy) if args.entropy else (out.logp if support is not None
                                                               else out, None)
     loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if ent is not None else 0.0)
@@ -59,7 +72,7 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
         invariance_ok = tp_invariance(args, rank, device, backend, op,
                                       (hidden_full, weight_full, bias_full), target,
                                       (g_logp, g_ent), (start, end, rows), (logp, ent, h, w, b),
-                                      support)
+                                      given, support is not None)
 
     # reference: the full vocabulary, materialized
     hr = hidden_full.to(device).clone().requires_grad_()
@@ -88,9 +101,11 @@ def correctness(args: argparse.Namespace, rank: int, world: int, device: torch.d
 
 
 def tp_invariance(args: argparse.Namespace, rank: int, device: torch.device, backend: str,
-                  op: Callable, full, target, grads, shard, ours, support=None) -> bool:
+                  op: Callable, full, target, grads, shard, ours, support=None,
+                  renormalized: bool = False) -> bool:
     """The same call on the whole vocabulary in this process, without a group (TP=1; ``shard``: this
-    rank's vocabulary rows and token rows; ``support``: the call's, or None), and the count of
+    rank's vocabulary rows and token rows; ``support``: the call's, or None; ``renormalized``: the
+    call returns a named tuple, with a support or the sampler's parameters), and the count of
     values of this rank's outputs and gradient rows that are not bitwise equal to it (summed over
     ranks); rank 0 prints ``PASS tp_invariance: bitwise equal to TP=1`` or what differs."""
     (hidden_full, weight_full, bias_full), (g_logp, g_ent), (start, end, rows) = full, grads, shard
@@ -101,7 +116,7 @@ def tp_invariance(args: argparse.Namespace, rank: int, device: torch.device, bac
     kw = op_kwargs(args, 0, args.vocab_size, group=False)
     out = op(h1, w1, target, b1, **kw) if support is None else op(h1, w1, target, b1,
                                                                   support=support, **kw)
-    logp1 = out.logp if args.entropy or support is not None else out
+    logp1 = out.logp if args.entropy or support is not None or renormalized else out
     ent1 = out.entropy if args.entropy else None
     ((logp1 * g_logp).sum() + ((ent1 * g_ent).sum() if ent1 is not None else 0.0)).backward()
     pairs = [("logp", logp.detach(), logp1.detach()), ("weight_grad", w.grad, w1.grad[start:end])]

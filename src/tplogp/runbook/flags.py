@@ -55,6 +55,7 @@ tolerance = _number(float, "a non-negative finite number", lambda v: math.isfini
 positive_finite = _number(float, "a positive finite number", lambda v: math.isfinite(v) and v > 0)
 fraction = _number(float, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0)
 seed_int = _number(int, "an int in [0, 2**62]", lambda v: 0 <= v <= MAX_SEED)
+top_p_number = _number(float, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -120,6 +121,16 @@ def build_parser(description: str = "", epilog: str = "",
         help="correctness phase: a random sampler's support of K ids per token that holds its "
              "target (support=), the reference renormalized over it; also checks the support's "
              "lse (default: off)")
+    add("--top-k", type=positive_int, default=None,
+        help="correctness phase: the sampler's top_k= (the support computed inside the op, as "
+             "vLLM's sampler keeps its ids), the targets drawn from the float64 definition's kept "
+             "ids, the reference renormalized over them; also checks the support's lse (an id "
+             "whose logit ties another's within rounding at a boundary may be kept differently; "
+             "default: off)")
+    add("--top-p", type=top_p_number, default=None,
+        help="correctness phase: the sampler's top_p=, as --top-k (with it: both; default: off)")
+    add("--min-p", type=fraction, default=None,
+        help="correctness phase: the sampler's min_p=, as --top-k (with it: all; default: off)")
     add("--tp-invariance", action=argparse.BooleanOptionalAction, default=None,
         help="correctness phase: also run the whole vocabulary in-process without a group (TP=1) and check that "
              "logp (entropy) and this rank's weight / bias gradient rows are bitwise equal to it "
@@ -144,6 +155,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, description: str = "", epil
     if args.support_k is not None and args.support_k > args.vocab_size:
         raise UsageError(f"argument --support-k: must be at most --vocab-size {args.vocab_size}, "
                          f"got {args.support_k}")
+    sampler = [f for f, v in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                              ("--min-p", args.min_p)) if v is not None]
+    if sampler and args.support_k is not None:
+        raise UsageError(f"argument {sampler[0]}: not with --support-k (both give the sampler's "
+                         f"support)")
+    if sampler and args.deterministic == "tp_invariant":
+        raise UsageError(f"argument {sampler[0]}: not with --deterministic tp_invariant (the op "
+                         f"refuses it)")
     if args.tp_invariance is None:
         args.tp_invariance = args.deterministic == "tp_invariant"
     tol = RUNBOOK_TOLERANCES[DTYPES[args.dtype]]

@@ -34,6 +34,19 @@ def make_support(gen: torch.Generator, target: torch.Tensor, vocab: int, k: int)
     return torch.where(kept.unsqueeze(1), ids, -1).to(target.device)
 
 
+def sampler_kwargs(args: argparse.Namespace) -> dict:
+    """The sampler's parameters the flags give (``--top-k``, ``--top-p``, ``--min-p``)."""
+    return {name: getattr(args, name) for name in ("top_k", "top_p", "min_p")
+            if getattr(args, name) is not None}
+
+
+def targets_in(gen: torch.Generator, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``target`` with each token that is not ignored redrawn among its ``mask`` ids (``[T, V]``
+    bool, every row with at least one id), on the targets' device."""
+    drawn = torch.multinomial(mask.double().cpu(), 1, generator=gen).squeeze(1)
+    return torch.where(target.cpu() == IGNORE_INDEX, IGNORE_INDEX, drawn).to(target.device)
+
+
 def op_kwargs(args: argparse.Namespace, start: int, vocab: int, group=True) -> dict:
     """The op's keyword arguments for the shard starting at ``start`` (``group=False``: the whole
     vocabulary without a group, TP=1)."""
@@ -49,8 +62,9 @@ def op_kwargs(args: argparse.Namespace, start: int, vocab: int, group=True) -> d
         kw["ignore_index"] = IGNORE_INDEX
     if args.sequence_parallel:
         kw["sequence_parallel"] = True
-    if args.support_k is not None:
+    if args.support_k is not None or sampler_kwargs(args):
         kw["return_lse"] = True
+    kw.update(sampler_kwargs(args))
     return kw
 
 

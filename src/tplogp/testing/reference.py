@@ -120,6 +120,58 @@ def support_mask(support: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask.scatter_(-1, ids, True)[..., :vocab]
 
 
+def _per_row(value, n: int, dtype: torch.dtype, off, device) -> torch.Tensor:
+    """A sampler parameter (None, a number, or a tensor per token) as ``[n]`` of ``dtype``."""
+    if value is None:
+        return torch.full((n,), off, dtype=dtype, device=device)
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).to(device=device, dtype=dtype)
+    return torch.full((n,), value, dtype=dtype, device=device)
+
+
+def sampler_mask(logits: torch.Tensor, *, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """``[..., V]`` bool: the ids vLLM's v1 sampler keeps from ``logits`` (already softcapped and
+    divided by the temperature), written out from its definition on the whole row in float64, in
+    its order: min-p (``p >= min_p * max p``), top-k on what min-p left (every logit at least the
+    k-th largest; ``top_k`` -1, 0 or at least V: off), top-p on the renormalized rest (sort
+    ascending, drop where the cumulative mass is at most ``1 - top_p``, keep the largest; 1: off).
+    Ties of the top-p sort are ordered with the higher id first in the ascending order (so a
+    boundary inside a group of tied logits keeps its lower ids). Each parameter: None, a number, or
+    a tensor per token. ``-inf`` logits are never kept."""
+    shape, vocab = logits.shape, logits.shape[-1]
+    z = logits.detach().double().reshape(-1, vocab)
+    n, dev, neg = z.shape[0], z.device, float("-inf")
+    k = _per_row(top_k, n, torch.int64, 0, dev)
+    p = _per_row(top_p, n, torch.float64, 1.0, dev)
+    mp = _per_row(min_p, n, torch.float64, 0.0, dev)
+    probs = torch.softmax(z, -1)
+    z = z.masked_fill(probs < mp[:, None] * probs.max(-1, keepdim=True).values, neg)
+    on = (k > 0) & (k < vocab)
+    kth = z.sort(-1, descending=True).values.gather(1, (k - 1).clamp(0, vocab - 1)[:, None])
+    z = z.masked_fill(on[:, None] & (z < kth), neg)
+    ids = torch.arange(vocab, device=dev).expand(n, vocab)
+    by_id = ids.flip(-1)  # ids descending, then a stable ascending sort by value
+    order = by_id.gather(1, z.gather(1, by_id).argsort(dim=-1, stable=True))
+    ascending = z.gather(1, order)
+    cumulative = torch.softmax(ascending, -1).cumsum(-1)
+    drop = (cumulative <= 1 - p[:, None]) & (p[:, None] < 1)
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, neg)
+    kept = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+    kept.scatter_(1, order, ascending > neg)
+    return kept.reshape(shape)
+
+
+def padded_support(mask: torch.Tensor) -> torch.Tensor:
+    """A ``[..., V]`` bool mask as a padded support ``[..., K]`` (its ids ascending, ``-1``
+    pads)."""
+    vocab = mask.shape[-1]
+    width = max(int(mask.sum(-1).max()) if mask.numel() else 0, 1)
+    ids = torch.where(mask, torch.arange(vocab, device=mask.device), vocab)
+    ids = ids.sort(-1).values[..., :width]
+    return torch.where(ids < vocab, ids, -1)
+
+
 def reference_support_outputs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

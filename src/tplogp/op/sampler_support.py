@@ -1,0 +1,364 @@
+"""The sampler's support computed from its parameters (``top_k=``, ``top_p=``, ``min_p=``), as
+vLLM's v1 sampler keeps its ids, without the ``[tokens, vocab]`` logits in memory.
+
+Definition, per token ``t`` with ``z`` the logits after the softcap and the temperature (the op's
+``z``, in fp32), in vLLM's order (temperature, then min-p, then top-k, then top-p):
+
+1. min-p: keep ``v`` when ``p_v >= min_p * max_u p_u`` (``p = softmax(z)``), i.e.
+   ``exp(z_v - max z) >= min_p``;
+2. top-k: keep ``v`` when ``z_v`` is at least the ``k``-th largest logit (every id tied with the
+   ``k``-th is kept). The two sets are top sets of the logits, so their intersection does not
+   depend on their order;
+3. top-p, over the distribution renormalized over what 1 and 2 kept (``R``; the whole vocabulary
+   when neither is on): rank ``R``'s ids by logit, largest first, ties by id, the LOWER id first
+   (as ``return_argmax`` takes the lowest id); keep an id when the renormalized mass of the ids
+   ranked before it is below ``top_p``. That is vLLM's rule (sort ascending, drop the ids whose
+   cumulative mass is at most ``1 - top_p``, always keep the largest), with the order of tied
+   logits, which vLLM's sort leaves unspecified, fixed: at a boundary that falls inside a group of
+   tied logits, the lower ids are kept. ``top_p = 1`` keeps every id of ``R``.
+
+Ids whose logit is ``-inf`` are never kept. A token whose target is not in its support gets logp
+``-inf`` (the target has probability 0 under the sampler's distribution).
+
+Algorithm (:func:`sampler_support`). Every token's support is a top prefix of its logits in the
+order above, so each rank streams its shard's logits once (token chunks x vocab chunks, fp32
+GEMMs, within the call's transient budget) and keeps per token its ``M`` largest logits and their
+ids, the ``M + 1``-th value (its *floor*: every id of the shard above it is among the candidates)
+and, for a token with top-p but neither top-k nor min-p, the shard's softmax statistics (float64
+sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]`` per rank) gives every rank the
+same candidates; each rank then applies the definition in float64 to the merged candidates, ranked
+as above. A token's answer is exact when some candidate strictly above the merged floor (the
+largest rank floor) is left out of the support (of ``R`` when top-k or min-p is on, whose
+normalizer is then among the candidates; top-p alone normalizes with the merged log-sum-exp), when
+the floor lies below a bound of the support's logits (min-p's ``max z + log(min_p)``; for top-p
+alone ``lse + log((1 - top_p) / V) - 1``, below which all ids together hold less than
+``1 - top_p``), or when no rank left an id out. Tokens whose answer is not yet exact run again
+(only they, every rank alike: the decision comes from the gathered data). Before the second round
+one counting pass (one more ``all_gather``) counts each rank's logits in 64 bins between the
+token's bound and its max, with their mass: the second round takes the most ids any rank holds
+above the bound (top-p alone: above the bin where the mass from the top reaches ``top_p``, and one
+bin more), plus one. Later rounds (ties, tokens without a bound: top-k's) take ``4 M``. ``M``
+starts at the largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without
+top-k) and ends at the vocabulary, where every rank sends every id. Tokens whose filters are all off
+keep every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
+
+Cost: one forward pass over the vocabulary per round (one round when the support fits the first
+``M``, as with a top-k; top-p or min-p alone over flat distributions: two rounds and the counting
+pass), a ``topk`` of ``M + 1`` per chunk, one collective and one host read per round;
+``[tokens, world M]`` float64 candidates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..backends import memory_budget
+from ..support import fp32_gemm
+from ..support.comm import all_gather_flat
+from .sampler_params import SamplerParams
+from .support_ids import KEEP_ALL
+
+SLACK = 16  # candidates beyond the largest top_k (ties at the k-th logit, the excluded one)
+MIN_CANDIDATES = 256  # with top-p or min-p: the first round's candidates at least
+GROWTH = 4  # a round's candidates over the previous round's
+DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
+BINS = 64  # the bins of the counting pass
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_temperature: float,
+            softcap: Optional[float]) -> torch.Tensor:
+    """``cap(h w^T + b) * inv_temperature`` as fp32 ``[rows, cols]``."""
+    y = fp32_gemm.mm(h, w.t())
+    if b is not None:
+        y += b.float()
+    if softcap is not None:
+        y = torch.tanh(y / softcap).mul_(softcap)
+    if inv_temperature != 1.0:
+        y.mul_(inv_temperature)
+    return y
+
+
+def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
+                      inv_temperature: float, softcap: Optional[float], tile_elements: int,
+                      deterministic: bool, with_lse: bool = True) -> torch.Tensor:
+    """Per row of ``h``: this shard's ``m`` largest logits and their shard-local ids (``-inf`` /
+    ``-1`` past the shard's ids), the floor (the ``m + 1``-th largest logit, ``-inf`` when the shard
+    has at most ``m`` ids), the row max and (``with_lse``; else 0)
+    ``sum exp(z - max)``, packed as float64 ``[rows, 2 m + 3]``."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    # the m largest and one more: its value is the floor (every id above it is among the m)
+    take = min(m + 1, v)
+    out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
+    out[:, m:2 * m] = -1
+    out[:, 2 * m + 2] = 0
+    if n == 0 or v == 0:
+        return out
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    # (a chunk at least as wide as the candidates: their topk costs at most the logits' size)
+    vc = max(64, take, tile_elements // tc - take)
+    for t0 in range(0, n, tc):
+        t1 = min(t0 + tc, n)
+        hc = h[t0:t1]
+        if deterministic and hc.shape[0] < tc:  # fixed shapes: a row's bits, whatever the batch
+            hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
+        rows = hc.shape[0]
+        vals = torch.full((rows, take), float("-inf"), dtype=torch.float32, device=dev)
+        ids = torch.full((rows, take), -1, dtype=torch.int64, device=dev)
+        row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+        sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)  # (float64 terms and sums: the
+        # normalizer of top-p alone, whose candidates' masses are float64)
+        for v0 in range(0, v, vc):
+            v1 = min(v0 + vc, v)
+            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            new_max = torch.maximum(row_max, z.max(1).values)
+            if with_lse:
+                base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
+                sum_exp = (sum_exp * torch.exp((row_max - base).double())
+                           + torch.exp((z - base[:, None]).double()).sum(1))
+            row_max = new_max
+            # the chunk's largest, then merged with the running ones
+            z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
+            top_vals, at = torch.cat([vals, z_vals], 1).topk(take, dim=1)
+            from_chunk = z_at.gather(1, (at - take).clamp(min=0)) + v0
+            ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), from_chunk)
+            vals = top_vals
+        keep, sent = slice(0, t1 - t0), min(m, v)
+        out[t0:t1, :sent] = vals[keep, :sent].double()
+        out[t0:t1, m:m + sent] = ids[keep, :sent].double()
+        if v > m:
+            out[t0:t1, 2 * m] = vals[keep, m].double()
+        out[t0:t1, 2 * m + 1] = row_max[keep].double()
+        out[t0:t1, 2 * m + 2] = sum_exp[keep].double()
+    return out
+
+
+def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], lo: torch.Tensor,
+                top: torch.Tensor, lse: torch.Tensor, inv_temperature: float,
+                softcap: Optional[float], tile_elements: int, deterministic: bool) -> torch.Tensor:
+    """Per row of ``h``: how many of this shard's logits fall in each of ``BINS`` equal bins of
+    ``[lo, top]`` (bin 0 at the top; float64 per row) and their mass ``exp(z - lse)``, packed as
+    float64 ``[rows, 2 BINS]`` (counts, then masses)."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    out = torch.zeros(n, 2 * BINS, dtype=torch.float64, device=dev)
+    if n == 0 or v == 0:
+        return out
+    width = (top - lo) / BINS
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    vc = max(64, tile_elements // (2 * tc))
+    for t0 in range(0, n, tc):
+        t1 = min(t0 + tc, n)
+        hc = h[t0:t1]
+        if deterministic and hc.shape[0] < tc:
+            hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
+        rows = slice(t0, t1)
+        counts = torch.zeros(hc.shape[0], BINS + 1, dtype=torch.float64, device=dev)
+        masses = torch.zeros_like(counts)
+        for v0 in range(0, v, vc):
+            v1 = min(v0 + vc, v)
+            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature,
+                        softcap)[: t1 - t0].double()
+            at = ((top[rows, None] - z) / width[rows, None]).floor_()
+            at = torch.where((z >= lo[rows, None]) & (at >= 0), at.clamp_(max=BINS - 1), BINS)
+            at = at.nan_to_num_(nan=BINS).long()
+            pad = hc.shape[0] - (t1 - t0)
+            if pad:
+                at = torch.cat([at, at.new_full((pad, at.shape[1]), BINS)])
+                z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
+            counts.scatter_add_(1, at, torch.ones_like(z))
+            mass = torch.exp(z - torch.cat([lse[rows], lse.new_zeros(pad)])[:, None])
+            masses.scatter_add_(1, at, mass.nan_to_num_(nan=0.0))
+        out[rows, :BINS] = counts[: t1 - t0, :BINS]
+        out[rows, BINS:] = masses[: t1 - t0, :BINS]
+    return out
+
+
+def _lower_bounds(params: SamplerParams, top: torch.Tensor, lse: torch.Tensor,
+                  vocab: int) -> torch.Tensor:
+    """Per row, a logit below which no id of the support lies, or ``-inf`` when none is known:
+    ``max z + log(min_p)`` with min-p (the support lies within min-p's ids); with top-p alone,
+    ``lse + log((1 - top_p) / V) - 1`` (the ids below it hold less than ``1 - top_p`` of the mass
+    together, so the support reaches no lower)."""
+    lo = torch.full_like(top, float("-inf"))
+    if params.top_p is not None:
+        alone = params.top_p < 1
+        if params.top_k is not None:
+            alone &= params.top_k <= 0
+        if params.min_p is not None:
+            alone &= params.min_p <= 0
+        tail = torch.log((1 - params.top_p).clamp(min=1e-300) / vocab) - 1
+        lo = torch.where(alone, lse + tail, lo)
+    if params.min_p is not None:
+        lo = torch.where(params.min_p > 0, top + torch.log(params.min_p), lo)
+    return torch.where(torch.isfinite(lo) & (lo < top), lo, float("-inf"))
+
+
+def _binned_sizes(bins: torch.Tensor, params: SamplerParams, world: int) -> torch.Tensor:
+    """From every rank's bins (``[world, rows, 2 BINS]``): per row, the most ids any rank holds
+    at or above the support's lowest bin (top-p alone: the first bin where the mass from the top
+    reaches ``top_p``, and one more; else every bin)."""
+    counts, masses = bins[..., :BINS], bins[..., BINS:].sum(0)
+    last = torch.full((counts.shape[1],), BINS - 1, dtype=torch.int64, device=bins.device)
+    if params.top_p is not None:
+        reached = masses.cumsum(1) >= params.top_p[:, None]
+        first = torch.where(reached.any(1), reached.long().argmax(1) + 1, BINS - 1)
+        only_p = (params.top_k <= 0 if params.top_k is not None else True)
+        only_p = only_p & (params.min_p <= 0 if params.min_p is not None else True)
+        last = torch.where(only_p & (params.top_p < 1), first.clamp(max=BINS - 1), last)
+    inside = torch.arange(BINS, device=bins.device)[None, :] <= last[:, None]
+    return (counts * inside).sum(2).max(0).values
+
+
+def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates ranked by value, largest first, ties by id, lowest first (two stable
+    sorts); padding (``-inf``, ``-1``) last."""
+    by_id = torch.where(ids < 0, torch.iinfo(torch.int64).max, ids).argsort(dim=1, stable=True)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    by_value = values.argsort(dim=1, descending=True, stable=True)
+    return values.gather(1, by_value), ids.gather(1, by_value)
+
+
+def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
+            params: SamplerParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The definition on ranked candidates ``x`` (float64 ``[rows, C]``): ``(kept [rows, C],
+    exact [rows], need [rows])`` (module docstring; ``need``: for a top-p row without top-k or
+    min-p, a lower bound of the ids its answer takes: those above the floor, plus the mass still
+    missing over the floor's probability, which bounds every unseen id's; else 0)."""
+    valid = x > float("-inf")
+    top = x[:, :1]
+    kept = valid.clone()
+    narrowed = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    if params.min_p is not None:
+        kept &= torch.exp(x - top) >= params.min_p[:, None]
+        narrowed |= params.min_p > 0
+    if params.top_k is not None:
+        k = params.top_k
+        kth = x.gather(1, (k - 1).clamp(0, x.shape[1] - 1)[:, None])
+        kept &= (x >= kth) | (k[:, None] <= 0)
+        narrowed |= k > 0
+    outside_r = valid & ~kept
+    if params.top_p is not None:
+        masked = x.masked_fill(~kept, float("-inf"))
+        norm = torch.where(narrowed, torch.logsumexp(masked, 1), lse)
+        mass = torch.exp(masked - norm[:, None])
+        before = torch.cumsum(mass, 1) - mass
+        kept &= (before < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
+    kept[:, 0] = valid[:, 0]  # the largest, always
+    above = valid & (x > floor[:, None])
+    left_out = torch.where(narrowed[:, None], above & outside_r, above & ~kept).any(1)
+    exact = (floor == float("-inf")) | left_out | torch.isnan(top[:, 0])
+    need = torch.zeros_like(lse)
+    if params.top_p is not None:
+        covered = torch.exp(x - lse[:, None]).mul_(above).sum(1)
+        at_floor = torch.exp(floor - lse)
+        missing = (params.top_p - covered).clamp_(min=0)
+        bound = above.sum(1) + missing / at_floor
+        need = torch.where(~narrowed & (params.top_p < 1) & (at_floor > 0), bound, need)
+    return kept, exact, need
+
+
+def _active(params: SamplerParams, n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` bool: the tokens with some filter on."""
+    on = torch.zeros(n, dtype=torch.bool, device=device)
+    if params.top_k is not None:
+        on |= params.top_k > 0
+    if params.top_p is not None:
+        on |= params.top_p < 1
+    if params.min_p is not None:
+        on |= params.min_p > 0
+    return on
+
+
+@torch.no_grad()  # (a set of ids: nothing of it is differentiated)
+def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    params: SamplerParams, *, inv_temperature: float, softcap: Optional[float],
+                    vocab_start: int, vocab: int, group, comm_device: torch.device,
+                    workspace_bytes: Optional[int], deterministic: bool) -> torch.Tensor:
+    """The support of every row of ``hidden`` (``[n, D]``, this shard's ``weight`` rows
+    ``[vocab_start, vocab_start + V_local)``, ``vocab`` the global vocabulary; ``group``: the TP
+    group, or None for one shard) as padded GLOBAL ids ``[n, K]`` (``-1`` pads; a row of
+    ``KEEP_ALL`` keeps every id), the module docstring's algorithm. Every rank of ``group`` calls
+    it with the same rows and parameters and gets the same result."""
+    n, dev = hidden.shape[0], hidden.device
+    world = 1 if group is None else torch.distributed.get_world_size(group)
+    transient = memory_budget.split("native", workspace_bytes, dev).transient
+    tile_elements = max(transient // 16, 1 << 12)
+    on = _active(params, n, dev)
+    todo = on.nonzero().squeeze(1)  # (a host read)
+    count = todo.numel()
+    # rows with a top-k need k + SLACK candidates at most; top-p alone normalizes with the lse
+    k_max, unbounded, top_p_alone = 0, count, 0
+    if count:
+        p = params.rows(todo)
+        k = p.top_k if p.top_k is not None else torch.zeros_like(todo)
+        alone = (k <= 0) & (p.min_p <= 0 if p.min_p is not None else True)
+        alone &= p.top_p < 1 if p.top_p is not None else False
+        k_max, unbounded, top_p_alone = torch.stack([k.max(), (k <= 0).sum(),
+                                                     alone.sum()]).tolist()
+    m = k_max + SLACK
+    if unbounded:
+        m = max(m, MIN_CANDIDATES)
+    m = min(m, vocab)
+    done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, ranked ids, lengths
+    counted = False  # whether the counting pass ran
+    while count:
+        part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, inv_temperature,
+                                 softcap, tile_elements, deterministic, bool(top_p_alone))
+        shifted = part[:, m:2 * m]
+        part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
+        if world > 1:
+            part = all_gather_flat(part.to(comm_device), group).to(dev)
+        ranks = part.view(world, count, 2 * m + 3)
+        values = ranks[:, :, :m].permute(1, 0, 2).reshape(count, world * m)
+        ids = ranks[:, :, m:2 * m].permute(1, 0, 2).reshape(count, world * m).long()
+        floor = ranks[:, :, 2 * m].max(0).values
+        row_max, sums = ranks[:, :, 2 * m + 1], ranks[:, :, 2 * m + 2]
+        top = row_max.max(0).values
+        base = torch.where(top == float("-inf"), 0.0, top)
+        lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
+        x, ranked_ids = _ranked(values, ids)
+        rows_params = params.rows(todo)
+        kept, exact, need = _decide(x, lse, floor, rows_params)
+        # exact too: every id at or above a bound of the support's logits is a candidate
+        lo = _lower_bounds(rows_params, top, lse, vocab)
+        exact |= floor < lo
+        lengths = kept.sum(1)
+        # (one host read per round: every rank the same)
+        need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
+        count, need = torch.stack([(~exact).sum().double(), need.max()]).tolist()
+        done.append((todo[exact], ranked_ids[exact], lengths[exact]))
+        left, todo, count = ~exact, todo[~exact], int(count)
+        # the next round: 4x the candidates, or twice a top-p row's bound spread over the ranks
+        grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
+        if count and not counted:  # once: the sizes the bounded rows take, counted
+            counted = True
+            lo = lo[left]
+            bins = _shard_bins(hidden.index_select(0, todo), weight, bias, lo, top[left],
+                               lse[left], inv_temperature, softcap, tile_elements, deterministic)
+            if world > 1:
+                bins = all_gather_flat(bins.to(comm_device), group).to(dev)
+            sizes = _binned_sizes(bins.view(world, count, 2 * BINS), rows_params.rows(
+                left.nonzero().squeeze(1)), world)
+            unknown, size = torch.stack([(lo == float("-inf")).sum().double(),
+                                         sizes.max()]).tolist()
+            # (one more than the largest count: an id left out, below the support)
+            grown = int(min(vocab, max(size + 1, grown if unknown else 0, 1)))
+        m = grown
+    widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths
+                                                                 in done if lengths.numel()]
+    every = bool((~on).any()) if n else False
+    width = max(int(torch.stack(widths).max()), 1 if every else 0)
+    out = torch.full((n, width), -1, dtype=torch.int64, device=dev)
+    if every:
+        out[~on, 0] = KEEP_ALL
+    for rows, ranked_ids, lengths in done:
+        w = min(width, ranked_ids.shape[1])
+        part = ranked_ids[:, :w]
+        positions = torch.arange(w, device=dev)
+        out[rows, :w] = torch.where(positions[None, :] < lengths[:, None], part, -1)
+    return out
+
+
+__all__ = ["sampler_support", "SLACK", "MIN_CANDIDATES", "GROWTH"]

@@ -1,0 +1,546 @@
+"""The sampler's support computed from its parameters (``top_k=``, ``top_p=``, ``min_p=``,
+docs/operator.md, "Sampler's support") against vLLM's v1 masking written out in float64 on the
+whole logits (``tplogp.testing.reference.sampler_mask``): the kept ids themselves (exact ties at
+the k-th logit and a top-p boundary inside a group of tied logits; per-token parameters, the
+filters' off values, temperature and softcap, tiny budgets and several candidate rounds), then
+logp, entropy, lse and every gradient as the float64 definition's renormalized over those ids, in
+one process and on 2 and 4 uneven gloo ranks; a target outside its support; the fused loss and
+``losses.grpo(...)``; every bad parameter raising the same error on every rank."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import tplogp
+from tplogp import losses
+from tplogp.backends import native_support
+from tplogp.op import sampler_support as sampler_module
+from tplogp.op.sampler_params import per_token
+from tplogp.op.options import LogpOptions
+from tplogp.op.support_ids import KEEP_ALL
+from tplogp.op.validation import LinearLogpInputError
+from tplogp.testing.reference import (padded_support, reference_logits, reference_support_outputs,
+                                      sampler_mask)
+from tplogp.tolerances import assert_no_worse
+
+IGNORE = -100
+B, L, D, V = 2, 6, 8, 61  # V prime: uneven shards
+N = B * L
+
+
+def _problem(seed: int):
+    """hidden ``[B, L, D]``, weight ``[V, D]``, bias ``[V]`` of small dyadic values: every logit a
+    multiple of 1/32, exact in fp32 and float64, so equal logits are exact ties (many, at the k-th
+    logit and elsewhere)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-2, 3, (B, L, D), generator=g).float() / 2
+    weight = torch.randint(-4, 5, (V, D), generator=g).float() / 4
+    bias = torch.randint(-4, 5, (V,), generator=g).float() / 8
+    return hidden, weight, bias
+
+
+def _per_token_params(seed: int) -> dict:
+    """Per-token parameters mixing values and the filters' off values."""
+    g = torch.Generator().manual_seed(seed)
+    top_k = torch.randint(1, 12, (B, L), generator=g)
+    top_k[0, 0], top_k[0, 1], top_k[1, 0] = -1, 0, V + 3  # off
+    top_p = torch.rand(B, L, generator=g, dtype=torch.float64) * 0.7 + 0.25
+    top_p[0, 2] = 1.0  # off
+    min_p = torch.rand(B, L, generator=g) * 0.3
+    min_p[1, 1] = 0.0  # off
+    return dict(top_k=top_k, top_p=top_p.float(), min_p=min_p)
+
+
+CASES = {
+    "top_k": dict(top_k=5),
+    "top_k=1": dict(top_k=1),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.1),
+    "all": dict(top_k=9, top_p=0.7, min_p=0.05),
+    "top_p-min_p": dict(top_p=0.6, min_p=0.2),
+    "per-token": "per-token",
+}
+OPTIONS = {
+    "plain": dict(),
+    "temperature-softcap": dict(temperature=0.5, softcap=6.0),
+    "tiny-budget": dict(workspace_bytes=4096, temperature=1.25),
+}
+
+
+def _params(case: str) -> dict:
+    return _per_token_params(1) if CASES[case] == "per-token" else dict(CASES[case])
+
+
+def _truth_mask(problem, params: dict, temperature: float = 1.0, softcap=None) -> torch.Tensor:
+    hidden, weight, bias = problem
+    z = reference_logits(hidden, weight, bias, mode="float64", temperature=temperature,
+                         softcap=softcap)
+    return sampler_mask(z, **params)
+
+
+def _our_mask(problem, params: dict, *, temperature: float = 1.0, softcap=None,
+              workspace_bytes=None, deterministic=False, group=None, vocab_start=0,
+              weight=None, bias=None) -> torch.Tensor:
+    """The ids :func:`sampler_support` keeps, as a ``[B, L, V]`` mask (``KEEP_ALL``: every id)."""
+    hidden, full_w, full_b = problem
+    w = full_w if weight is None else weight
+    b = full_b if bias is None else bias
+    sp = per_token(LogpOptions(**params), N, hidden.device, V)
+    if sp is None:
+        return torch.ones(B, L, V, dtype=torch.bool)
+    ids = sampler_module.sampler_support(
+        hidden.reshape(N, -1), w, b, sp, inv_temperature=1.0 / temperature, softcap=softcap,
+        vocab_start=vocab_start, vocab=V, group=group, comm_device=torch.device("cpu"),
+        workspace_bytes=workspace_bytes, deterministic=deterministic)
+    mask = torch.zeros(N, V + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(ids >= 0, ids, V), True)
+    if ids.shape[1]:
+        mask[ids[:, 0] == KEEP_ALL] = True
+    return mask[:, :V].reshape(B, L, V)
+
+
+def _mismatch(ours: torch.Tensor, truth: torch.Tensor) -> str:
+    bad = (ours != truth).any(-1).reshape(-1).nonzero().squeeze(1).tolist()
+    if not bad:
+        return ""
+    t = bad[0]
+    o, r = ours.reshape(N, V)[t], truth.reshape(N, V)[t]
+    return (f"tokens {bad}: token {t} keeps {o.nonzero().squeeze(1).tolist()}, the definition "
+            f"{r.nonzero().squeeze(1).tolist()}")
+
+
+def _rounds(monkeypatch) -> list[int]:
+    """The candidates per rank of each round (``M``), recorded."""
+    real, seen = sampler_module._shard_candidates, []
+
+    def counted(h, w, b, m, *args):
+        seen.append(m)
+        return real(h, w, b, m, *args)
+
+    monkeypatch.setattr(sampler_module, "_shard_candidates", counted)
+    return seen
+
+
+# ---- the kept ids ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_kept_ids_are_vllms(case, options):
+    """Every token's kept ids are those of vLLM's masking on the float64 logits, exact ties at the
+    k-th logit included (the logits are exact: many ties)."""
+    problem = _problem(seed=2)
+    params, kw = _params(case), OPTIONS[options]
+    truth = _truth_mask(problem, params, kw.get("temperature", 1.0), kw.get("softcap"))
+    ours = _our_mask(problem, params, **kw)
+    assert not _mismatch(ours, truth), _mismatch(ours, truth)
+    if case == "top_k":  # ties at the 5th logit: some token keeps more than 5
+        assert (truth.sum(-1) > 5).any()
+
+
+@pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "per-token"])
+def test_candidate_rounds(case, monkeypatch):
+    """With one candidate per rank to start, the rows whose answer is not exact run again until it
+    is: the same ids, after several rounds; top-p or min-p alone take two (the counting pass sizes
+    the second)."""
+    monkeypatch.setattr(sampler_module, "SLACK", 1)
+    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    seen = _rounds(monkeypatch)
+    problem = _problem(seed=3)
+    params = _params(case)
+    ours = _our_mask(problem, params, workspace_bytes=1)
+    truth = _truth_mask(problem, params)
+    assert not _mismatch(ours, truth), _mismatch(ours, truth)
+    assert len(seen) >= 2 and seen == sorted(seen), seen
+    if case in ("top_p", "min_p"):
+        assert len(seen) == 2, seen
+
+
+def test_deterministic_rows_do_not_depend_on_the_batch():
+    """``deterministic=True``: a token's kept ids are the same alone as in its batch."""
+    problem = _problem(seed=4)
+    params = dict(top_k=7, top_p=0.85)
+    batch = _our_mask(problem, params, deterministic=True)
+    hidden, weight, bias = problem
+    one = (hidden[:1, :1].expand(B, L, D).contiguous(), weight, bias)
+    alone = _our_mask(one, params, deterministic=True)
+    assert torch.equal(alone[0, 0], batch[0, 0])
+    assert not _mismatch(batch, _truth_mask(problem, params))
+
+
+def _tied_row():
+    """One token whose logits are: id 5: 2, ids 10, 20, 30: 1 (tied), every other id -3."""
+    z = torch.full((V,), -3.0)
+    z[5], z[[10, 20, 30]] = 2.0, 1.0
+    hidden = torch.ones(B, L, 1)
+    return (hidden, z[:, None].clone(), None), z.double()
+
+
+def test_top_k_keeps_every_id_tied_with_the_kth():
+    problem, _ = _tied_row()
+    for k, kept in ((1, [5]), (2, [5, 10, 20, 30]), (4, [5, 10, 20, 30])):
+        ours = _our_mask(problem, dict(top_k=k))
+        assert ours[0, 0].nonzero().squeeze(1).tolist() == kept, k
+        assert torch.equal(ours, _truth_mask(problem, dict(top_k=k)))
+
+
+def test_top_p_boundary_inside_tied_logits_keeps_the_lower_ids():
+    """The top-p boundary falls inside the three tied logits: the lowest two ids of the three are
+    kept (the documented tie rule), the third is not."""
+    problem, z = _tied_row()
+    p = torch.softmax(z, 0)
+    for tied_kept in (1, 2, 3):
+        mass = p[5] + tied_kept * p[10]
+        top_p = float(mass - p[10] / 2)  # inside the tied group: needs exactly tied_kept of them
+        ours = _our_mask(problem, dict(top_p=top_p))
+        expected = [5, 10, 20, 30][: 1 + tied_kept]
+        assert ours[0, 0].nonzero().squeeze(1).tolist() == expected, (tied_kept, top_p)
+        assert torch.equal(ours, _truth_mask(problem, dict(top_p=top_p)))
+
+
+def test_min_p_keeps_probabilities_at_its_threshold():
+    """``min_p = p_tied / p_max`` exactly at a power of two: the tied ids are kept (``>=``)."""
+    z = torch.full((V,), -8.0)
+    z[3], z[[7, 9]] = 1.0, 1.0 - math.log(4.0)
+    problem = (torch.ones(B, L, 1), z[:, None].clone(), None)
+    z64 = z.double()
+    ours = _our_mask(problem, dict(min_p=0.25 * (1 - 1e-6)))
+    assert ours[0, 0].nonzero().squeeze(1).tolist() == [3, 7, 9]
+    assert torch.equal(ours, sampler_mask(z64.expand(B, L, V), min_p=0.25 * (1 - 1e-6)))
+
+
+# ---- the op's values and gradients -------------------------------------------------------------
+
+def _targets_in(mask: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.multinomial(mask.reshape(N, V).double(), 1, generator=g).reshape(B, L)
+
+
+def _grads_of(outputs, leaves, weights):
+    total = sum((o.to(weights[0].dtype) * w).sum() for o, w in zip(outputs, weights))
+    return torch.autograd.grad(total, [x for x in leaves if x is not None])
+
+
+def _compare(ours, leaves, problem, target, support, rows=slice(None), **kw) -> list[str]:
+    """Three-way checks of logp, entropy, lse and the gradients against the float64 definition
+    renormalized over ``support`` (``rows``: this rank's of d_W and d_b)."""
+    hidden, weight, bias = problem
+    keep = (target != IGNORE).float()
+    g = torch.Generator().manual_seed(7)
+    upstream = [torch.randn(B, L, generator=g, dtype=torch.float64) * keep for _ in range(3)]
+    ref_kw = {k: v for k, v in kw.items() if k in ("temperature", "softcap", "ignore_index")}
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        h, w, b = (t.to(dtype).clone().requires_grad_() for t in (hidden, weight, bias))
+        out = reference_support_outputs(h, w, target, support, b, **ref_kw,
+                                        mode="float64" if dtype == torch.float64 else "fp32")
+        outs = (out.logp, out.entropy, out.lse * keep.to(dtype))
+        results[dtype] = ([o.detach() for o in outs],
+                          _grads_of(outs, (h, w, b), [u.to(dtype) for u in upstream]))
+    (truth, t_grads), (ref, r_grads) = results[torch.float64], results[torch.float32]
+    mine = [ours.logp, ours.entropy, ours.lse * keep]
+    my_grads = _grads_of(mine, leaves, [u.float() for u in upstream])
+    found = []
+    for name, a, r, t in zip(("logp", "entropy", "lse"), mine, ref, truth):
+        try:
+            assert_no_worse(name, a.detach(), r, t, torch.float32)
+        except AssertionError as exc:
+            found.append(str(exc))
+    for name, a, r, t in zip(("d_hidden", "d_weight", "d_bias"), my_grads, r_grads, t_grads):
+        if name != "d_hidden":
+            r, t = r[rows], t[rows]
+        try:
+            assert_no_worse(name, a, r, t, torch.float32)
+        except AssertionError as exc:
+            found.append(str(exc))
+    return found
+
+
+VALUE_OPTIONS = {
+    "plain": dict(),
+    "temperature-softcap": dict(temperature=0.5, softcap=6.0),
+    "ignore-tiled": dict(ignore_index=IGNORE, workspace_bytes=4096),
+    "deterministic": dict(deterministic=True, temperature=1.25),
+}
+
+
+@pytest.mark.parametrize("options", list(VALUE_OPTIONS))
+@pytest.mark.parametrize("case", ["top_k", "all", "per-token"])
+def test_values_and_gradients_match_the_definition(case, options):
+    """logp, entropy, lse and the hidden, weight and bias gradients as the float64 definition's
+    renormalized over vLLM's kept ids (targets drawn from them)."""
+    problem = _problem(seed=5)
+    params, kw = _params(case), VALUE_OPTIONS[options]
+    mask = _truth_mask(problem, params, kw.get("temperature", 1.0), kw.get("softcap"))
+    target = _targets_in(mask, seed=6)
+    if "ignore_index" in kw:
+        target[0, 3] = target[1, 5] = IGNORE
+    leaves = tuple(t.clone().requires_grad_() for t in problem)
+    ours = tplogp.linear_logp(*leaves[:2], target, leaves[2], return_entropy=True,
+                              return_lse=True, **params, **kw)
+    found = _compare(ours, leaves, problem, target, padded_support(mask), **kw)
+    assert not found, "; ".join(found)
+
+
+@pytest.mark.parametrize("gather", [-1.0, 1.0])  # the native source's masked tiles, gathered rows
+def test_a_target_outside_its_support_has_logp_minus_inf(gather, monkeypatch):
+    """The sampler's distribution gives such a target probability 0: logp ``-inf``; entropy and
+    lse those of the support, and logp's gradient that of ``-lse`` over the support (finite), on
+    both ways of the native source."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", gather)
+    problem = _problem(seed=8)
+    params = dict(top_k=3)
+    mask = _truth_mask(problem, params)
+    target = _targets_in(mask, seed=9)
+    outside = (~mask[0, 1]).nonzero()[0, 0]
+    target[0, 1] = outside
+    leaves = tuple(t.clone().requires_grad_() for t in problem)
+    ours = tplogp.linear_logp(*leaves[:2], target, leaves[2], return_entropy=True,
+                              return_lse=True, **params)
+    assert ours.logp[0, 1].item() == float("-inf")
+    assert torch.isfinite(ours.logp.flatten()[2:]).all()
+    h, w, b = (t.double().clone().requires_grad_() for t in problem)
+    ref = reference_support_outputs(h, w, target, padded_support(mask), b, mode="float64")
+    torch.testing.assert_close(ours.entropy, ref.entropy.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.lse, ref.lse.float(), rtol=1e-5, atol=1e-6)
+    mine = torch.autograd.grad((ours.logp[0, 1] * 1.0), leaves)
+    theirs = torch.autograd.grad(-ref.lse[0, 1], (h, w, b))
+    for a, t in zip(mine, theirs):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, t.float(), rtol=1e-4, atol=1e-6)
+
+
+def test_filters_off_are_the_plain_op():
+    """``top_k`` -1 / 0 / at least V, ``top_p`` 1 and ``min_p`` 0 (scalars) are the plain op; per
+    token, a token whose filters are all off keeps every id (its values are the plain op's)."""
+    problem = _problem(seed=10)
+    hidden, weight, bias = problem
+    target = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(11))
+    plain = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True)
+    for off in (dict(top_k=-1), dict(top_k=0), dict(top_k=V), dict(top_p=1.0), dict(min_p=0.0),
+                dict(top_k=0, top_p=1.0, min_p=0)):
+        out = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True, **off)
+        assert torch.equal(out.logp, plain.logp) and torch.equal(out.entropy, plain.entropy), off
+    top_k = torch.zeros(B, L, dtype=torch.int64)
+    top_k[1] = 4
+    mask = _truth_mask(problem, dict(top_k=top_k))
+    target[1] = _targets_in(mask, seed=12)[1]
+    out = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True, top_k=top_k)
+    torch.testing.assert_close(out.logp[0], plain.logp[0], rtol=1e-6, atol=1e-6)
+    ref = reference_support_outputs(hidden, weight, target, padded_support(mask), bias,
+                                    mode="float64")
+    torch.testing.assert_close(out.logp, ref.logp.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_argmax_is_the_supports():
+    """``return_argmax``: the support always holds the largest logit, so the argmax is the plain
+    op's."""
+    hidden, weight, bias = _problem(seed=13)
+    target = torch.zeros(B, L, dtype=torch.int64)
+    plain = tplogp.linear_logp(hidden, weight, target, bias, return_argmax=True)
+    out = tplogp.linear_logp(hidden, weight, target, bias, return_argmax=True, top_p=0.5)
+    assert torch.equal(out.argmax, plain.argmax)
+
+
+def test_fused_loss_and_grpo_match_the_explicit_support():
+    """``linear_logp_loss`` (cross-entropy plus an entropy bonus) and ``losses.grpo(...)`` with
+    the sampler's parameters: the loss and gradients of the same call given the float64
+    definition's kept ids as ``support=``."""
+    problem = _problem(seed=14)
+    params = dict(top_k=8, top_p=0.9)
+    mask = _truth_mask(problem, params)
+    target = _targets_in(mask, seed=15)
+    target[1, 2] = IGNORE
+    support = padded_support(mask)
+    chunks = tplogp.loss_chunk_budget(3, D, V, dtype=torch.float32, bias_dtype=torch.float32,
+                                      source="native", device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(16)
+    old = torch.randn(B, L, generator=g) * 0.1 - 2.0
+    advantages = torch.randn(B, L, generator=g)
+    for loss, per_token_inputs, extra in (
+            (losses.cross_entropy() + losses.entropy_bonus(0.2), (), {}),
+            (losses.grpo(loss_type="dapo"), (advantages, old), {"return_metrics": True})):
+        results = []
+        for given in (params, dict(support=support)):
+            leaves = tuple(t.clone().requires_grad_() for t in problem)
+            value = tplogp.linear_logp_loss(*leaves[:2], target, leaves[2], loss=loss,
+                                            per_token=per_token_inputs, ignore_index=IGNORE,
+                                            workspace_bytes=chunks, **extra, **given)
+            value = value[0] if isinstance(value, tuple) else value
+            value.backward()
+            results.append((value.detach(), [t.grad for t in leaves]))
+        (v1, g1), (v2, g2) = results
+        torch.testing.assert_close(v1, v2, rtol=1e-6, atol=1e-6)
+        for a, b in zip(g1, g2):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ---- bad parameters ----------------------------------------------------------------------------
+
+def _bad_cases():
+    """``{case: (keyword arguments, pattern of the error)}``."""
+    shape = (B, L)
+    top_k_bad = torch.full(shape, 5)
+    top_k_bad[1, 2] = -3
+    top_p_bad = torch.full(shape, 0.5)
+    top_p_bad[0, 4] = 0.0
+    return {
+        "top_k<-1": (dict(top_k=-2), r"top_k must be an int of at least -1"),
+        "top_k-float": (dict(top_k=2.5), r"top_k must be an int"),
+        "top_k-bool": (dict(top_k=True), r"top_k must be an int"),
+        "top_p=0": (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+        "top_p>1": (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+        "top_p-nan": (dict(top_p=float("nan")), r"top_p must be a number in \(0, 1\]"),
+        "min_p<0": (dict(min_p=-0.1), r"min_p must be a number in \[0, 1\]"),
+        "min_p>1": (dict(min_p=2), r"min_p must be a number in \[0, 1\]"),
+        "top_k-tensor-entry": (dict(top_k=top_k_bad),
+                               r"top_k must be at least -1 .*token 8 holds -3"),
+        "top_p-tensor-entry": (dict(top_p=top_p_bad),
+                               r"top_p must be in \(0, 1\] .*token 4 holds 0"),
+        "top_k-dtype": (dict(top_k=torch.full(shape, 5.0)), r"top_k must be a number or an integer "
+                                                             r"tensor of target_ids' shape"),
+        "top_p-shape": (dict(top_p=torch.full((N,), 0.5)),
+                        r"top_p must be a number or a floating-point tensor of target_ids'"),
+        "min_p-int": (dict(min_p=torch.zeros(shape, dtype=torch.int64)), r"min_p must be a number"),
+        "with-support": (dict(top_k=4, support=torch.zeros(B, L, 1, dtype=torch.int64)),
+                         r"support= and top_k= both give the sampler's support"),
+        "tp-invariant": (dict(top_p=0.9, deterministic="tp_invariant"),
+                         r"tp_invariant.*not implemented with top_k= / top_p= / min_p="),
+    }
+
+
+def test_bad_parameters_raise():
+    """Each bad parameter is a LinearLogpInputError naming it; a good call follows."""
+    hidden, weight, bias = _problem(seed=17)
+    target = torch.zeros(B, L, dtype=torch.int64)
+    for case, (kw, pattern) in _bad_cases().items():
+        with pytest.raises(LinearLogpInputError, match=pattern):
+            tplogp.linear_logp(hidden, weight, target, bias, **kw)
+    with pytest.raises(LinearLogpInputError, match=r"label smoothing.*top_k= / top_p= / min_p="):
+        tplogp.linear_logp_loss(hidden, weight, target, bias, top_k=3,
+                                loss=losses.cross_entropy(label_smoothing=0.1))
+    assert torch.isfinite(tplogp.linear_logp(hidden, weight, target, bias, top_k=V)).all()
+
+
+def test_an_ignored_tokens_parameters_are_not_read():
+    hidden, weight, bias = _problem(seed=18)
+    target = torch.zeros(B, L, dtype=torch.int64)
+    target[0, 4] = IGNORE
+    top_p = torch.full((B, L), 0.5)
+    top_p[0, 4] = 0.0  # (its token is ignored)
+    out = tplogp.linear_logp(hidden, weight, target, bias, top_p=top_p, ignore_index=IGNORE)
+    assert out[0, 4].item() == 0.0
+
+
+# ---- tensor parallel ---------------------------------------------------------------------------
+
+@pytest.fixture
+def vocab_shards_size() -> int:
+    return V
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+@pytest.mark.parametrize("case", ["all", "per-token", "top_p"])
+def test_tp_kept_ids_values_and_gradients(tp, vocab_shards, case, monkeypatch):
+    """Over the ranks (uneven shards, one all_gather of candidates per round; a first round of
+    one candidate per rank, so several): every rank keeps vLLM's ids, and the op's values and
+    gradients are the float64 definition's (d_W / d_b: this rank's rows), with temperature,
+    softcap and ignore_index."""
+    monkeypatch.setattr(sampler_module, "SLACK", 1)
+    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    seen = _rounds(monkeypatch)
+    problem = _problem(seed=20)
+    hidden, weight, bias = problem
+    vs = vocab_shards
+    params = _params(case)
+    kw = dict(temperature=0.5, softcap=6.0)
+    truth = _truth_mask(problem, params, **kw)
+    ours = _our_mask(problem, params, **kw, group=tp.group, vocab_start=vs.start,
+                     weight=vs.shard(weight), bias=vs.shard(bias))
+    found = [_mismatch(ours, truth)] if _mismatch(ours, truth) else []
+    if case == "top_p" and len(seen) < 2:
+        found.append(f"one round only: {seen}")
+    target = _targets_in(truth, seed=21)
+    target[1, 1] = IGNORE
+    leaves = (hidden.clone().requires_grad_(), vs.shard(weight).clone().requires_grad_(),
+              vs.shard(bias).clone().requires_grad_())
+    out = tplogp.linear_logp(leaves[0], leaves[1], target, leaves[2], tp_group=tp.group,
+                             vocab_start_index=vs.start, global_vocab_size=V,
+                             return_entropy=True, return_lse=True, ignore_index=IGNORE, **params,
+                             **kw)
+    found += _compare(out, leaves, problem, target, padded_support(truth),
+                      rows=slice(vs.start, vs.end), ignore_index=IGNORE, **kw)
+    tp.assert_all(not found, "; ".join(found))
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+def test_tp_sequence_parallel_and_fused_loss(tp, vocab_shards):
+    """``sequence_parallel=True`` (this rank's slice of hidden, the parameters of all tokens; an
+    ignored token, kept in place, whose parameter is not valid and not read) and the fused loss
+    over the ranks: the single-process op's values and gradients."""
+    problem = _problem(seed=22)
+    hidden, weight, bias = problem
+    vs = vocab_shards
+    top_p = torch.full((B, L), 0.9)
+    params = dict(top_k=6, min_p=0.05, top_p=top_p)
+    target = _targets_in(_truth_mask(problem, params), seed=23)
+    target[1, 3], top_p[1, 3] = IGNORE, 0.0
+    single = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True,
+                                ignore_index=IGNORE, **params)
+    rows = hidden.reshape(N, D).chunk(tp.world_size)[tp.rank]
+    out = tplogp.linear_logp(rows, vs.shard(weight), target.reshape(-1), vs.shard(bias),
+                             tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=V,
+                             return_entropy=True, sequence_parallel=True, ignore_index=IGNORE,
+                             **{k: v.reshape(-1) if isinstance(v, torch.Tensor) else v
+                                for k, v in params.items()})
+    ok = torch.allclose(out.logp, single.logp.reshape(-1), rtol=1e-5, atol=1e-5)
+    h = hidden.clone().requires_grad_()
+    w, b = (vs.shard(t).clone().requires_grad_() for t in (weight, bias))
+    loss = losses.cross_entropy()
+    value = tplogp.linear_logp_loss(h, w, target, b, loss=loss, tp_group=tp.group,
+                                    vocab_start_index=vs.start, global_vocab_size=V,
+                                    ignore_index=IGNORE, **params)
+    value.backward()
+    leaves = tuple(t.clone().requires_grad_() for t in problem)
+    eager = -tplogp.linear_logp(*leaves[:2], target, leaves[2], ignore_index=IGNORE,
+                                **params).sum()
+    d_h, d_w, d_b = torch.autograd.grad(eager, leaves)
+    ok = ok and torch.allclose(value, eager.detach(), rtol=1e-5, atol=1e-5)
+    ok = ok and torch.allclose(h.grad, d_h, rtol=1e-4, atol=1e-6)
+    ok = ok and torch.allclose(w.grad, d_w[vs.start:vs.end], rtol=1e-4, atol=1e-6)
+    ok = ok and torch.allclose(b.grad, d_b[vs.start:vs.end], rtol=1e-4, atol=1e-6)
+    tp.assert_all(ok, "sequence-parallel / fused loss with the sampler's parameters differ")
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+def test_tp_bad_parameters_raise_on_every_rank(tp, vocab_shards):
+    """Each bad parameter raises the same LinearLogpInputError on every rank, a bad value on one
+    rank only and parameters given on some ranks only too; a good call follows each."""
+    hidden, weight, bias = _problem(seed=24)
+    vs = vocab_shards
+    w, b = vs.shard(weight), vs.shard(bias)
+    target = torch.zeros(B, L, dtype=torch.int64)
+    cases = [(case, kw, pattern) for case, (kw, pattern) in _bad_cases().items()]
+    cases.append(("one-rank-value", dict(top_p=0.0 if tp.rank == 1 else 0.5),
+                  r"rank 1: top_p must be a number in \(0, 1\]"))
+    cases.append(("some-ranks", dict(top_k=4) if tp.rank == 0 else dict(),
+                  r"the sampler's parameters .* must be the same on every TP rank, got rank 0: "
+                  r"given, rank 1: none"))
+    outcome = []
+    for case, kw, pattern in cases:
+        try:
+            tplogp.linear_logp(hidden, w, target, b, tp_group=tp.group,
+                               vocab_start_index=vs.start, global_vocab_size=V, **kw)
+            outcome.append(f"{case}: no error")
+        except LinearLogpInputError as exc:
+            outcome.append(f"{case}: ok" if re.search(pattern, str(exc)) else f"{case}: {exc}")
+        good = tplogp.linear_logp(hidden, w, target, b, tp_group=tp.group,
+                                  vocab_start_index=vs.start, global_vocab_size=V, min_p=1e-30)
+        if not torch.isfinite(good).all():
+            outcome.append(f"{case}: the next call is not finite")
+    everyone = tp.all_gather_object(outcome)
+    tp.assert_all(all(o == everyone[0] for o in everyone), str(everyone))
+    tp.assert_all(all(o.endswith(": ok") for o in outcome), str(outcome))
