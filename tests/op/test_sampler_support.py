@@ -26,10 +26,14 @@ from tplogp.op.validation import LinearLogpInputError
 from tplogp.testing.reference import (padded_support, reference_logits, reference_support_outputs,
                                       sampler_mask)
 from tplogp.tolerances import assert_no_worse
+from tests.support.problems import cpu_sources
 
 IGNORE = -100
 B, L, D, V = 2, 6, 8, 61  # V prime: uneven shards
 N = B * L
+# the sources that run here: native, and triton where Triton's interpreter runs it (the computed
+# support goes down each source's support= path)
+SOURCES = cpu_sources()
 
 
 def _problem(seed: int):
@@ -267,11 +271,12 @@ VALUE_OPTIONS = {
 }
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("options", list(VALUE_OPTIONS))
 @pytest.mark.parametrize("case", ["top_k", "all", "per-token"])
-def test_values_and_gradients_match_the_definition(case, options):
+def test_values_and_gradients_match_the_definition(case, options, source):
     """logp, entropy, lse and the hidden, weight and bias gradients as the float64 definition's
-    renormalized over vLLM's kept ids (targets drawn from them)."""
+    renormalized over vLLM's kept ids (targets drawn from them), on each source."""
     problem = _problem(seed=5)
     params, kw = _params(case), VALUE_OPTIONS[options]
     mask = _truth_mask(problem, params, kw.get("temperature", 1.0), kw.get("softcap"))
@@ -279,17 +284,19 @@ def test_values_and_gradients_match_the_definition(case, options):
     if "ignore_index" in kw:
         target[0, 3] = target[1, 5] = IGNORE
     leaves = tuple(t.clone().requires_grad_() for t in problem)
-    ours = tplogp.linear_logp(*leaves[:2], target, leaves[2], return_entropy=True,
-                              return_lse=True, **params, **kw)
+    ours = tplogp.get_op("linear_logp", source)(*leaves[:2], target, leaves[2],
+                                                  return_entropy=True, return_lse=True, **params,
+                                                  **kw)
     found = _compare(ours, leaves, problem, target, padded_support(mask), **kw)
     assert not found, "; ".join(found)
 
 
-@pytest.mark.parametrize("gather", [-1.0, 1.0])  # the native source's masked tiles, gathered rows
-def test_a_target_outside_its_support_has_logp_minus_inf(gather, monkeypatch):
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("gather", [-1.0, 1.0])  # the sources' masked tiles, gathered rows
+def test_a_target_outside_its_support_has_logp_minus_inf(gather, source, monkeypatch):
     """The sampler's distribution gives such a target probability 0: logp ``-inf``; entropy and
     lse those of the support, and logp's gradient that of ``-lse`` over the support (finite), on
-    both ways of the native source."""
+    both ways of each source."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", gather)
     problem = _problem(seed=8)
     params = dict(top_k=3)
@@ -298,8 +305,8 @@ def test_a_target_outside_its_support_has_logp_minus_inf(gather, monkeypatch):
     outside = (~mask[0, 1]).nonzero()[0, 0]
     target[0, 1] = outside
     leaves = tuple(t.clone().requires_grad_() for t in problem)
-    ours = tplogp.linear_logp(*leaves[:2], target, leaves[2], return_entropy=True,
-                              return_lse=True, **params)
+    ours = tplogp.get_op("linear_logp", source)(*leaves[:2], target, leaves[2],
+                                                  return_entropy=True, return_lse=True, **params)
     assert ours.logp[0, 1].item() == float("-inf")
     assert torch.isfinite(ours.logp.flatten()[2:]).all()
     h, w, b = (t.double().clone().requires_grad_() for t in problem)
@@ -313,22 +320,25 @@ def test_a_target_outside_its_support_has_logp_minus_inf(gather, monkeypatch):
         torch.testing.assert_close(a, t.float(), rtol=1e-4, atol=1e-6)
 
 
-def test_filters_off_are_the_plain_op():
+@pytest.mark.parametrize("source", SOURCES)
+def test_filters_off_are_the_plain_op(source):
     """``top_k`` -1 / 0 / at least V, ``top_p`` 1 and ``min_p`` 0 (scalars) are the plain op; per
-    token, a token whose filters are all off keeps every id (its values are the plain op's)."""
+    token, a token whose filters are all off keeps every id (its values are the plain op's), on
+    each source."""
     problem = _problem(seed=10)
     hidden, weight, bias = problem
     target = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(11))
-    plain = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True)
+    op = tplogp.get_op("linear_logp", source)
+    plain = op(hidden, weight, target, bias, return_entropy=True)
     for off in (dict(top_k=-1), dict(top_k=0), dict(top_k=V), dict(top_p=1.0), dict(min_p=0.0),
                 dict(top_k=0, top_p=1.0, min_p=0)):
-        out = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True, **off)
+        out = op(hidden, weight, target, bias, return_entropy=True, **off)
         assert torch.equal(out.logp, plain.logp) and torch.equal(out.entropy, plain.entropy), off
     top_k = torch.zeros(B, L, dtype=torch.int64)
     top_k[1] = 4
     mask = _truth_mask(problem, dict(top_k=top_k))
     target[1] = _targets_in(mask, seed=12)[1]
-    out = tplogp.linear_logp(hidden, weight, target, bias, return_entropy=True, top_k=top_k)
+    out = op(hidden, weight, target, bias, return_entropy=True, top_k=top_k)
     torch.testing.assert_close(out.logp[0], plain.logp[0], rtol=1e-6, atol=1e-6)
     ref = reference_support_outputs(hidden, weight, target, padded_support(mask), bias,
                                     mode="float64")

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from ..op.support_ids import KEEP_ALL
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_support import gathered, gathered_accumulators, scattered_argmax, scattered_grads
 
@@ -35,9 +36,10 @@ def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
     """``backend.forward_stats`` of a call with a support (module docstring)."""
     narrow = None if kept_out is not None else gathered(weight, bias, local_target, call)
     if narrow is not None:
-        st = backend.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
-                                   narrow.call)
-        return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows))
+        lost, targets = _lost_targets(narrow.local_target, local_target)
+        st = backend.forward_stats(hidden, narrow.weight, narrow.bias, targets, narrow.call)
+        return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
+                           target_logit=st.target_logit.masked_fill(lost, float("-inf")))
     out, kept = _masked_forward(backend, hidden, weight, bias, local_target, call, kept_out, False)
     return ShardStats(*out[:4], kept=kept, sum_z=out[4], argmax=out[5])
 
@@ -48,12 +50,24 @@ def forward_single(backend, hidden, weight, bias, target, call: ShardCall,
     """``backend.forward_single`` of a call with a support (module docstring)."""
     narrow = None if kept_out is not None else gathered(weight, bias, target, call)
     if narrow is not None:
-        out = backend.forward_single(hidden, narrow.weight, narrow.bias, narrow.local_target,
-                                     narrow.call, target_flag)
-        return out._replace(argmax=scattered_argmax(out.argmax, narrow.rows))
+        lost, targets = _lost_targets(narrow.local_target, target)
+        out = backend.forward_single(hidden, narrow.weight, narrow.bias, targets, narrow.call,
+                                     target_flag)
+        return out._replace(argmax=scattered_argmax(out.argmax, narrow.rows),
+                            logp=out.logp.masked_fill(lost, float("-inf")))
     out, kept = _masked_forward(backend, hidden, weight, bias, target, call, kept_out, True,
                                 target_flag)
     return SingleShardOutputs(*out[:6], kept=kept, sum_z=out[6], argmax=out[7])
+
+
+def _lost_targets(positions: torch.Tensor,
+                  targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lost, targets for the gathered forward)``: the rows whose target this shard owns but no
+    support keeps (a computed support need not hold it: its logit is masked, ``-inf``, as on the
+    masked tiles; set by the caller), and the gathered positions with those rows pointed at
+    position 0 (any gathered row: their target logit is replaced)."""
+    lost = (positions < 0) & (targets >= 0)
+    return lost, torch.where(lost, 0, positions)
 
 
 def _masked_forward(backend, hidden, weight, bias, target, call: ShardCall,
@@ -92,6 +106,16 @@ def _masked_forward(backend, hidden, weight, bias, target, call: ShardCall,
     return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs)), kept
 
 
+def kept_targets(local_target: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """The backward's targets: a row's target where its support keeps it, else ``-1`` (nobody's).
+    A support computed from the sampler's parameters need not hold the target (its logp is then
+    ``-inf``, the forward's masked target logit): its gradient is that of ``-lse`` over the
+    support, with no one-hot term, as on the native source. Given supports always hold their
+    targets (the call's checks); ``KEEP_ALL`` rows keep every id. Device ops only."""
+    inside = (support == local_target.unsqueeze(1)).any(1) | (support[:, 0] == KEEP_ALL)
+    return torch.where(inside, local_target, -1)
+
+
 def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                       grad_entropy, grad_lse, mean_rel, call: ShardCall, needs,
                       d_hidden_ready=None, kept=None, accumulate=None,
@@ -110,4 +134,4 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
     return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
 
 
-__all__ = ["forward_stats", "forward_single", "gathered_backward"]
+__all__ = ["forward_stats", "forward_single", "kept_targets", "gathered_backward"]

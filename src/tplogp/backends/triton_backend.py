@@ -407,6 +407,7 @@ class TritonBackend(BudgetParts):
                  grad_entropy, grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready=None,
                  kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
         if call.support is not None:  # a small union of the supports' ids: its gathered rows
+            local_target = fused_support.kept_targets(local_target, call.support)
             grads = fused_support.gathered_backward(
                 self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                 grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready, kept, accumulate,
