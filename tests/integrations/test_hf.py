@@ -582,3 +582,33 @@ def test_support_is_the_ops_support_on_the_models_hidden_states(csr):
                           with_entropy=False, temperature=T, support=support)
     expected = (-adv[:, None] * direct.logp * loss_mask).sum()
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sampler_parameters_are_the_ops_on_the_models_hidden_states():
+    """causal_lm_logprobs / causal_lm_loss with top_k / top_p give what linear_logp /
+    linear_logp_loss give with them on the model's final hidden states and head (per-position
+    tensors of the log-probs' shape too)."""
+    import tplogp
+
+    model = _model("llama")
+    ids, mask = _batch("left")
+    hidden = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                   output_hidden_states=True).hidden_states[-1][:, :-1].detach()
+    head = model.get_output_embeddings()
+    top_k = torch.full(ids[:, 1:].shape, 150, dtype=torch.int64)
+    top_k[0] = -1  # (the first sequence's filter off)
+    for params in (dict(top_k=150, top_p=0.98), dict(top_k=top_k, min_p=0.2)):
+        direct = tplogp.linear_logp(hidden, head.weight, ids[:, 1:], temperature=T,
+                                    return_entropy=True, **params)
+        ours = causal_lm_logprobs(model, ids, mask, temperature=T, return_entropy=True, **params)
+        for o, d in zip(ours, direct):
+            torch.testing.assert_close(o, d, rtol=1e-5, atol=1e-5)
+        loss_mask = mask[:, 1:] * torch.isfinite(direct.logp)  # (targets the filters keep)
+        assert loss_mask.sum() >= 10 and torch.isinf(direct.logp).any()
+        pg = lambda logp, entropy, adv: -adv * logp  # noqa: E731
+        adv = torch.linspace(-1.0, 1.0, B)
+        loss = causal_lm_loss(model, ids, mask, loss=pg, per_token=(adv,), loss_mask=loss_mask,
+                              with_entropy=False, temperature=T, **params)
+        kept = torch.where(loss_mask.bool(), direct.logp, 0.0)
+        torch.testing.assert_close(loss, (-adv[:, None] * kept * loss_mask).sum(), rtol=1e-5,
+                                   atol=1e-5)

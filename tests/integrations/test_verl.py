@@ -184,3 +184,23 @@ def test_support_is_passed_to_the_op():
         logp, entropy = linear_cross_entropy(hidden, weight, labels, support=support)
         torch.testing.assert_close(logp, direct.logp, rtol=0, atol=0)
         torch.testing.assert_close(entropy, direct.entropy, rtol=0, atol=0)
+
+
+def test_sampler_parameters_are_passed_to_the_op():
+    """top_k / top_p / min_p (numbers, or one value per label in labels' shape) give the op's
+    values on the flattened tokens."""
+    import tplogp
+
+    hidden, weight, labels, _, _ = _inputs(5)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    per_label = torch.full(labels.shape, 9, dtype=torch.int64)
+    per_label[0] = -1
+    for params, flat in ((dict(top_k=12, top_p=0.95), dict(top_k=12, top_p=0.95)),
+                         (dict(top_k=per_label, min_p=0.01),
+                          dict(top_k=per_label.reshape(-1), min_p=0.01))):
+        direct = tplogp.linear_logp(flat_hidden, weight, labels.reshape(-1), return_entropy=True,
+                                    temperature=T, **flat)
+        logp, entropy = linear_cross_entropy(hidden, weight, labels, T, **params)
+        torch.testing.assert_close(logp, direct.logp, rtol=0, atol=0)
+        torch.testing.assert_close(entropy, direct.entropy, rtol=0, atol=0)
+        assert torch.isfinite(entropy).all()

@@ -309,6 +309,13 @@ def _per_token(tensors: Sequence[torch.Tensor], shape: tuple) -> tuple:
     return tuple(out)
 
 
+def _sampler_on(device: torch.device, **params) -> dict:
+    """The sampler's parameters given (``top_k``, ``top_p``, ``min_p``), tensors on the head's
+    device."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in params.items()
+            if v is not None}
+
+
 def _support_on(support, device: torch.device):
     """The sampler's support (padded tensor or CSR pair) on the head's device; anything else as
     given (the op's checks name it)."""
@@ -334,6 +341,9 @@ def causal_lm_logprobs(
     workspace_bytes: Optional[int] = None,
     return_model_output: bool = False,
     support=None,
+    top_k=None,
+    top_p=None,
+    min_p=None,
     **model_kwargs,
 ):
     """Per-token log-probs of ``input_ids[:, 1:]`` under a Hugging Face causal LM, without its
@@ -363,6 +373,9 @@ def causal_lm_logprobs(
             :func:`tplogp.linear_logp`: padded ``[B, positions, K]`` (``-1`` for none) or a CSR
             pair ``(offsets, ids)`` over the flattened ``[B, positions]`` tokens; the log-probs
             (and entropy) are then those renormalized over each position's ids.
+        top_k, top_p, min_p: the sampler's parameters, as in :func:`tplogp.linear_logp`: the
+            support computed inside as vLLM's sampler keeps its ids (a number, or a tensor of the
+            log-probs' shape ``[B, positions]``); not with ``support``.
         model_kwargs: passed to the model's forward (``position_ids``, ...); ``use_cache`` defaults
             to False.
 
@@ -384,7 +397,9 @@ def causal_lm_logprobs(
         out = linear_logp_entry(entry, hidden, head.weight, targets.to(hidden.device), head.bias,
                                 temperature=t_eff, softcap=_softcap(scale),
                                 return_entropy=return_entropy, workspace_bytes=workspace_bytes,
-                                support=_support_on(support, hidden.device))
+                                support=_support_on(support, hidden.device),
+                                **_sampler_on(hidden.device, top_k=top_k, top_p=top_p,
+                                              min_p=min_p))
         # a new tensor, not a view of the op's packed output (FSDP2 warns about a module returning a
         # view)
         return torch.stack(tuple(out), dim=-1) if return_entropy else out.clone()
@@ -412,6 +427,9 @@ def causal_lm_loss(
     return_metrics: bool = False,
     return_model_output: bool = False,
     support=None,
+    top_k=None,
+    top_p=None,
+    min_p=None,
     **model_kwargs,
 ):
     """A per-token RL loss of a Hugging Face causal LM's token log-probs, reduced to a scalar,
@@ -440,7 +458,7 @@ def causal_lm_loss(
             entropy (policy gradient, PPO / GRPO clipping, KL): it then gets ``entropy=None`` and
             the forward skips the entropy statistics.
         model, input_ids, attention_mask, logits_to_keep, temperature, workspace_bytes,
-        return_model_output, support,
+        return_model_output, support, top_k, top_p, min_p,
             model_kwargs: as in :func:`causal_lm_logprobs` (positions left out by ``loss_mask``
             need no support).
 
@@ -479,7 +497,9 @@ def causal_lm_loss(
                                        softcap=_softcap(scale), ignore_index=ignore,
                                        workspace_bytes=workspace_bytes, with_entropy=with_entropy,
                                        return_metrics=return_metrics,
-                                       support=_support_on(support, local.device))
+                                       support=_support_on(support, local.device),
+                                       **_sampler_on(local.device, top_k=top_k, top_p=top_p,
+                                                     min_p=min_p))
         # the model returns the loss where it returns its logits; the metrics come aside
         if return_metrics:
             value, found = value

@@ -42,6 +42,9 @@ def linear_cross_entropy(
     dist_process_group: Optional[dist.ProcessGroup] = None,
     *,
     support=None,
+    top_k=None,
+    top_p=None,
+    min_p=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)`` of ``labels`` through ``weight`` with verl's meaning (see the module
     docstring).
@@ -56,6 +59,9 @@ def linear_cross_entropy(
         support: the sampler's kept GLOBAL ids per token (top-k / top-p replay), as in
             :func:`tplogp.linear_logp`: padded ``labels.shape + (K,)`` (``-1`` for none) or a CSR
             pair ``(offsets, ids)`` over the N tokens; the outputs are then renormalized over them.
+        top_k, top_p, min_p: the sampler's parameters instead, as in :func:`tplogp.linear_logp`
+            (the support computed inside as vLLM's sampler keeps its ids): a number, or a tensor
+            with one value per label (any shape of ``labels``' size).
 
     Returns:
         float32 ``logprobs`` (``[N]``, or 0-d with ``"sum"`` / ``"mean"``) and ``entropy`` ``[N]``.
@@ -81,6 +87,10 @@ def linear_cross_entropy(
             flat_labels = labels.new_zeros(flat_hidden.shape[0])
         if isinstance(support, torch.Tensor) and support.dim() == labels.dim() + 1:
             support = support.reshape(-1, support.shape[-1])  # (other shapes: the op names them)
+    sampler = {name: value.reshape(-1) if isinstance(value, torch.Tensor) and tensors
+               and value.shape == labels.shape else value
+               for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
+               if value is not None}  # (per-label tensors flattened with the labels)
     # (not a tensor: the op's checks name it; a temperature that is not a positive finite number:
     # the op's too)
     world = 1 if dist_process_group is None else dist.get_world_size(dist_process_group)
@@ -94,7 +104,7 @@ def linear_cross_entropy(
     entry = EntryCheck("linear_cross_entropy", problem, (("reduction", reduction),))
     logprobs, entropy = linear_logp_entry(entry, flat_hidden, weight, flat_labels,
                                           temperature=temperature, return_entropy=True,
-                                          support=support, **group_kwargs)
+                                          support=support, **sampler, **group_kwargs)
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":
