@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..op.support_ids import KEEP_ALL
+from ..support.tensors import KEEP_ALL
 
 WORD_BITS = 32
 

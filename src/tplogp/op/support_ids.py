@@ -25,10 +25,9 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from ..support.tensors import KEEP_ALL
+
 Support = Union[torch.Tensor, tuple]  # padded, or (offsets, ids)
-# a row of a computed support (tplogp.op.sampler_support) whose first entry is KEEP_ALL keeps every
-# id: a token whose sampler filters are all off (a given support never holds it: ids are >= -1)
-KEEP_ALL = -2
 
 
 def _int_tensor(t) -> bool:

@@ -1,11 +1,18 @@
 """Small tensor and device helpers shared by the call path and the kernels' launchers (torch only):
-fp32 views, row masks, and the CUDA stream state (capture, current stream)."""
+fp32 views, row masks, the support rows' keep-all marker, and the CUDA stream state (capture,
+current stream)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+
+# a row of a computed support (tplogp.op.sampler_support) whose first entry is KEEP_ALL keeps every
+# id: a token whose sampler filters are all off (a given support never holds it: ids are >= -1);
+# the call path, the native source and the kernels' support bitmask read it
+KEEP_ALL = -2
 
 
 def f32_contiguous(x: torch.Tensor, zero_at: Optional[torch.Tensor] = None) -> torch.Tensor:
