@@ -164,7 +164,11 @@ def vocab_shards_size() -> int:
     return TP_V
 
 
+# The fused sources on uneven shards (native, the registry's other choice, runs these cases on 2
+# and 4 gloo ranks in tests/op/test_masked_vocab.py; even shards are a special case of the layout)
 @pytest.mark.tp(world_size=[2, 4], timeout=600)
+@pytest.mark.parametrize("op_source", SOURCES, indirect=True)
+@pytest.mark.parametrize("vocab_shards", ["uneven"], indirect=True)
 @pytest.mark.parametrize("case", ["shard", "one", "empty"])
 @pytest.mark.parametrize("options", ["plain", "deterministic", "invariant"])
 def test_tp_masked_vocab_gpu(tp, vocab_shards, op_source, case, options):
