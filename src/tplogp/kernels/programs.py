@@ -4,10 +4,11 @@ run the cuBLAS steps.
 
 A program (:class:`ForwardProgram`, :class:`KeptBackward`) is made from sizes alone and holds its
 :class:`~.launch.Launch` objects; a call passes its tensors. The op's calls
-(``ShardCall.inputs_checked``) run the program that the source keeps in the layout's
-``ShardCall.programs``; the per-call entry points (:func:`forward_stats`, :func:`forward_single`,
-:func:`backward`) take the same programs and launches from :func:`~.launch.cached`, keyed by
-everything they are made from. The ``sm90`` source runs the same programs with ``tma``: the Hopper
+(``ShardCall.inputs_checked``), eager and compiled alike, run the program that the source holds for
+the layout (``TritonBackend._program``: keyed by ``ShardCall.key`` and the tensors' layout); the
+per-call entry points (:func:`forward_stats`, :func:`forward_single`, :func:`backward`: other row
+counts, a sampler's support, direct calls of a source) take the same programs and launches from
+:func:`~.launch.cached`, keyed by everything they are made from. The ``sm90`` source runs the same programs with ``tma``: the Hopper
 kernels where their tensor descriptors are legal (:func:`~.launches.tma_ok`), the pointer kernels
 otherwise. The tensor-parallel-invariant level's entry points are in :mod:`.grid_programs`.
 
