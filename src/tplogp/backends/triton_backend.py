@@ -29,7 +29,9 @@ from .base import BlockStats, BudgetParts, KeptBuffers, ShardCall, ShardGrads, S
 # sm_75+).
 MIN_CAPABILITY = (8, 0)
 MAX_LAYOUTS = 256  # shard layouts remembered per backend (the cache is emptied when full)
-MAX_PROGRAMS = 64  # launch programs remembered per backend (the cache is emptied when full)
+# launch programs remembered per backend (emptied when full): room for a few per layout of every
+# plan the call path holds (tplogp.op.plan.MAX_PLANS)
+MAX_PROGRAMS = 1024
 
 
 class ShardLayout(NamedTuple):
