@@ -1,8 +1,9 @@
 """The triton source's per-layout launch programs (``tplogp.kernels.programs.ForwardProgram`` and
 ``KeptBackward``): the op's calls (``ShardCall.inputs_checked``) of a layout reuse one program, made
-at the layout's first call, whose launches are made once (``tplogp.kernels.launch.Launch``). A
-program runs the same kernels with the same arguments as the per-call path, so its outputs, kept
-terms and gradients are bitwise the per-call path's. Triton's CPU interpreter.
+at the layout's first call, whose launches are made once (``tplogp.kernels.launch.Launch``), held by
+the source under the call's settings (``ShardCall.key``) and the tensors' layout, for eager and
+compiled calls alike. A program runs the same kernels with the same arguments as the per-call path,
+so its outputs, kept terms and gradients are bitwise the per-call path's. Triton's CPU interpreter.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ def _backend():
     return TritonBackend()
 
 
+def _programs(backend, call: ShardCall) -> dict:
+    """The programs ``backend`` holds for ``call``'s settings: ``{(kind, check_targets, rows):
+    found}`` for the forwards, ``{("backward", needs, rows): found}`` for the backwards."""
+    out = {}
+    for key, found in backend._programs.items():
+        if key[0] == call.key:
+            rows = key[5][0] if key[1] == "backward" else key[3][0]
+            out[(key[1], key[2], rows)] = found
+    return out
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
@@ -61,9 +73,9 @@ def test_a_program_gives_the_per_call_paths_bits(entropy, bias, keep):
     for flag in flags[:2]:  # the first call makes the program, the second runs it
         got = backend.forward_single(hidden, weight, b, target, planned, target_flag=flag)
     want = backend.forward_single(hidden, weight, b, target, per_call, target_flag=flags[2])
-    assert list(planned.programs) == [("single", N, True)] and planned.programs[("single", N,
-                                                                                 True)][0]
-    assert not per_call.programs
+    held = _programs(backend, planned)
+    assert list(held) == [("single", True, N)] and held[("single", True, N)][0]
+    assert not _programs(backend, per_call)
     assert (got.kept is not None) == keep == (want.kept is not None)
     for x, y in zip(_tensors(got), _tensors(want)):
         if x is None:
@@ -87,7 +99,9 @@ def test_a_tp_shards_stats_program_gives_the_per_call_paths_bits(entropy, keep):
     for _ in range(2):
         got = backend.forward_stats(hidden, weight, b, local, planned)
     want = backend.forward_stats(hidden, weight, b, local, per_call)
-    assert list(planned.programs) == [("stats", N)] and planned.programs[("stats", N)][0]
+    held = _programs(backend, planned)
+    assert list(held) == [("stats", False, N)] and held[("stats", False, N)][0]
+
     def flat(out) -> list:
         return list(out[:4]) + ([out.kept.values, out.kept.scales] if out.kept is not None else [])
 
@@ -102,21 +116,27 @@ def test_calls_of_a_layout_share_one_program_and_another_row_count_makes_another
     backend = _backend()
     call = ShardCall(inputs_checked=True, for_backward=True, scales_apart=True)
     hidden, weight, _, target = _inputs()
-    key = ("single", N, False)
+    key = ("single", False, N)
     backend.forward_single(hidden, weight, None, target, call)
-    first = call.programs[key][0]
+    first = _programs(backend, call)[key][0]
     backend.forward_single(hidden, weight, None, target, call)
-    assert call.programs[key][0] is first
+    assert _programs(backend, call)[key][0] is first and len(backend._programs) == 1
+    # an equal ShardCall (the same settings) finds the same program
+    again = ShardCall(inputs_checked=True, for_backward=True, scales_apart=True)
+    backend.forward_single(hidden, weight, None, target, again)
+    assert again is not call and _programs(backend, again)[key][0] is first
     short = _inputs(n=N - 5)
     out = backend.forward_single(short[0], weight, None, short[3], call)
-    assert set(call.programs) == {key, ("single", N - 5, False)} and out.logp.shape == (N - 5,)
-    # the same row count, another layout: the program is made again
+    assert set(_programs(backend, call)) == {key, ("single", False, N - 5)}
+    assert out.logp.shape == (N - 5,)
+    # the same row count, another layout: another program, the first one kept
     other_weight = torch.randn(V + 8, D)
     out = backend.forward_single(hidden, other_weight, None, target, call)
-    assert call.programs[key][0] is not first and out.logp.shape == (N,)
+    programs = [p for k, p in backend._programs.items() if k[1:4] == ("single", False, (N, D))]
+    assert len(programs) == 2 and first in [p[0] for p in programs] and out.logp.shape == (N,)
 
 
-def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
+def test_the_ops_calls_run_programs_for_their_layouts_row_count_only(monkeypatch):
     """The op's plan gives its ShardCall the layout's token count (``ShardCall.rows``): rows
     compacted away by ``ignore_index``, whose count changes from call to call, run no program (nor
     make one); the same layout without ignored targets does."""
@@ -125,6 +145,8 @@ def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
 
     op = tplogp.get_op("linear_logp", source="triton")
     hidden, weight, _, target = _inputs()
+    # (the registry's backend is the process's: its programs from other tests set aside)
+    monkeypatch.setattr(_backend_of(op, hidden), "_programs", {})
     hidden.requires_grad_()
     for ignored in (3, 5, 8):
         t = target.clone()
@@ -132,14 +154,15 @@ def test_the_ops_calls_run_programs_for_their_layouts_row_count_only():
         op(hidden, weight, t, ignore_index=-100).sum().backward()
     plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
                         tplogp.op.plan.LogpOptions(ignore_index=-100), True)
-    assert plan.call_for_backward.rows == N and not plan.call_for_backward.programs
-    assert not plan.call_for_backward.consuming.programs
+    backend = _backend_of(op, hidden)
+    assert plan.call_for_backward.rows == N and not _programs(backend, plan.call_for_backward)
+    assert not _programs(backend, plan.call_for_backward.consuming)
     for _ in range(2):
         op(hidden, weight, target).sum().backward()
     plan, _ = plan_call(_backend_of(op, hidden), hidden, weight, target, None, None, 0, None,
                         tplogp.op.plan.LogpOptions(), True)
-    assert ("single", N, True) in plan.call_for_backward.programs
-    assert any(k[0] == "backward" for k in plan.call_for_backward.consuming.programs)
+    assert ("single", True, N) in _programs(backend, plan.call_for_backward)
+    assert any(k[0] == "backward" for k in _programs(backend, plan.call_for_backward.consuming))
 
 
 def _backend_of(op, hidden):
@@ -148,17 +171,47 @@ def _backend_of(op, hidden):
     return backend_for_call(op.source, hidden.device, hidden.dtype)
 
 
-def test_layouts_a_program_does_not_cover_plan_each_call():
-    """The op's flat kept buffer (``scales_apart`` off, torch.compile's path) and empty shards take
-    the per-call path; ``False`` marks them."""
+def test_the_flat_kept_buffer_runs_the_layouts_program_and_empty_shards_plan_each_call():
+    """The op's flat kept buffer (``scales_apart`` off, torch.compile's path; here into a buffer
+    the caller passes, as the op's forward does) runs a program of the source's like the eager
+    calls, bitwise the per-call path's; an empty shard takes the per-call path (``False`` marks
+    it)."""
     backend = _backend()
     hidden, weight, _, target = _inputs()
     flat = ShardCall(inputs_checked=True, for_backward=True)
-    out = backend.forward_single(hidden, weight, None, target, flat)
-    assert flat.programs == {("single", N, False): False} and isinstance(out.kept, torch.Tensor)
+    words = backend.kept_shape(N, D, V, hidden.dtype, hidden.device, flat)
+    outs = []
+    for _ in range(2):
+        buffer = torch.full(words, float("nan"))
+        outs.append(backend.forward_single(hidden, weight, None, target, flat, kept_out=buffer))
+        assert outs[-1].kept is buffer
+    (found,) = _programs(backend, flat).values()
+    assert found and found[0].stats is not None
+    want = backend.forward_single(hidden, weight, None, target,
+                                  ShardCall(for_backward=True))
+    for got in outs:
+        for x, y in zip(list(got[:4]) + [got.kept], list(want[:4]) + [want.kept]):
+            assert x.shape == y.shape and torch.equal(_bits(x), _bits(y))
     empty = ShardCall(inputs_checked=True)
     out = backend.forward_single(hidden[:0], weight, None, target[:0], empty)
-    assert empty.programs == {("single", 0, False): False} and out.logp.shape == (0,)
+    assert _programs(backend, empty) == {("single", False, 0): False} and out.logp.shape == (0,)
+
+
+def test_the_call_key_holds_every_setting_but_the_support():
+    """``ShardCall.key``, what the programs are keyed by: one entry per field but the support, so
+    calls that differ in a setting never share a program."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(ShardCall) if f.name != "support"]
+    call = ShardCall(inv_temperature=2.0, with_entropy=True, softcap=30.0, with_sum_z=True,
+                     with_argmax=True, deterministic=True, workspace_bytes=7, for_backward=True,
+                     consume_kept=True, d_hidden_in_input_dtype=True, inputs_checked=True,
+                     scales_apart=True, rows=5, grid_columns=64, env=("a", None, False))
+    assert call.key == tuple(getattr(call, name) for name in names)
+    for name in names:
+        assert dataclasses.replace(call, **{name: ShardCall.__dataclass_fields__[name].default}
+                                   ).key != call.key, name
+    assert dataclasses.replace(call, support=torch.zeros(5, 2, dtype=torch.int64)).key == call.key
 
 
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
@@ -196,8 +249,8 @@ def test_a_consuming_backward_program_gives_the_per_call_paths_gradients(entropy
     for _ in range(2):
         got = backward(planned)
     want = backward(per_call)
-    key = ("backward", N, needs, entropy)
-    assert key in planned.consuming.programs and not per_call.consuming.programs
+    held = _programs(backend, planned.consuming)
+    assert ("backward", needs, N) in held and not _programs(backend, per_call.consuming)
     for x, y in zip(got, want):
         assert (x is None) == (y is None) == (x is got.d_bias and not bias)
         if x is not None:
@@ -226,7 +279,7 @@ def test_the_per_call_path_takes_one_program_per_layout_from_the_cache(monkeypat
 
 
 def test_the_layout_and_program_caches_stay_bounded():
-    """``ShardCall.programs`` and the layout cache are emptied when a new key would pass their
+    """The source's programs and its layout cache are emptied when a new key would pass their
     limit; a key they already hold is replaced without emptying them."""
     from tplogp.backends import triton_backend
 

@@ -231,10 +231,6 @@ class ShardCall:
     # (tplogp.support.settings.layout_settings), or None (a ShardCall made elsewhere: a source's
     # plan reads them itself); part of the sources' per-layout keys
     env: Optional[tuple] = None
-    # a source's launch programs for the layouts run with this call (the calls of a layout share one
-    # ShardCall, tplogp.op.plan): everything of a launch but its tensors, made at a layout's first
-    # call (not compared, not hashed)
-    programs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
     # the sampler's support of the call's rows (docs/operator.md, "Sampler's support"): int64
     # [rows, K], this shard's ids shard-local, -1 elsewhere; the logits outside a row's ids are
     # -inf (the masked-vocabulary rule). Set per call (tplogp.op.local_call), sliced with the rows
@@ -246,6 +242,18 @@ class ShardCall:
         if self.support is None or (t0 == 0 and t1 == self.support.shape[0]):
             return self
         return replace(self, support=self.support[t0:t1])
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """Every setting of this call but its support, as one hashable tuple (made once per
+        ShardCall): what a source's per-layout state is keyed by with the shard's shapes (the
+        triton / sm90 sources' launch programs, ``TritonBackend._program``). Equal calls (the
+        calls of one layout, eager or compiled, share one ShardCall: tplogp.op.plan) find the same
+        programs; a call that differs in any setting finds its own."""
+        return (self.inv_temperature, self.with_entropy, self.softcap, self.with_sum_z,
+                self.with_argmax, self.deterministic, self.workspace_bytes, self.for_backward,
+                self.consume_kept, self.d_hidden_in_input_dtype, self.inputs_checked,
+                self.scales_apart, self.rows, self.grid_columns, self.env)
 
     @functools.cached_property
     def kernel_options(self) -> "KernelOptions":

@@ -167,7 +167,7 @@ def _planned(n: int, d: int, v: int, dtype: torch.dtype, device: torch.device,
              call: ShardCall) -> tuple[int, int, tuple[int, int], torch.dtype]:
     """:func:`_plan_sizes` and the kept dtype of a call, remembered per layout and
     ``TPLOGP_WORKSPACE_MB`` (as the plan read it: ``call.env``; read here for a call without)."""
-    key = (n, d, v, dtype, device, call, call.env or settings.workspace_setting())
+    key = (n, d, v, dtype, device, call.key, call.env or settings.workspace_setting())
     found = _plans.get(key)
     if found is None:
         if len(_plans) > 1024:
@@ -532,11 +532,12 @@ _one_tile_cache: dict = {}
 
 def _one_tile(hidden: torch.Tensor, weight: torch.Tensor, call: ShardCall) -> bool:
     """Whether the call's plan is one ``[N, V]`` tile that keeps nothing for the backward (and not
-    deterministic: that pads token chunks), remembered per (sizes, dtype, device, call,
-    ``TPLOGP_WORKSPACE_MB``: ``call.env``, or read here for a call without)."""
+    deterministic: that pads token chunks), remembered per (sizes, dtype, device, the call's
+    settings ``call.key``, ``TPLOGP_WORKSPACE_MB``: ``call.env``, or read here for a call
+    without)."""
     if call.deterministic or call.support is not None:
         return False
-    key = (hidden.shape, weight.shape, weight.dtype, hidden.device, call,
+    key = (hidden.shape, weight.shape, weight.dtype, hidden.device, call.key,
            call.env or settings.workspace_setting())
     one = _one_tile_cache.get(key)
     if one is None:

@@ -29,7 +29,9 @@ from .base import BlockStats, BudgetParts, KeptBuffers, ShardCall, ShardGrads, S
 # sm_75+).
 MIN_CAPABILITY = (8, 0)
 MAX_LAYOUTS = 256  # shard layouts remembered per backend (the cache is emptied when full)
-MAX_PROGRAMS = 8  # launch programs remembered per ShardCall (the dict is emptied when full)
+# launch programs remembered per backend (emptied when full): room for a few per layout of every
+# plan the call path holds (tplogp.op.plan.MAX_PLANS)
+MAX_PROGRAMS = 1024
 
 
 class ShardLayout(NamedTuple):
@@ -79,6 +81,8 @@ class TritonBackend(BudgetParts):
         # config: an optional tplogp.kernels.tiles.TileConfig overriding the per-architecture
         # default.
         self._config = config
+        # the layouts' launch programs, eager and compiled calls alike (:meth:`_program`)
+        self._programs: dict = {}
 
     # -- availability ------------------------------------------------------------------------------
     def unavailable_reason(self, device: Optional[torch.device] = None) -> Optional[str]:
@@ -294,8 +298,8 @@ class TritonBackend(BudgetParts):
         if call.support is not None:  # (a sampler's support: no launch program)
             return fused_support.forward_stats(self, hidden, weight, bias, local_target, call,
                                                kept_out)
-        ran = self._run_program(hidden, weight, bias, local_target, call,
-                                ("stats", hidden.shape[0]))
+        ran = self._run_program(hidden, weight, bias, local_target, call, "stats", False, None,
+                                kept_out) if call.inputs_checked else None
         if ran is not None:
             out = ran[0]
             return ShardStats(*out[:4], kept=ran[1], sum_z=out[4], argmax=out[5])
@@ -339,8 +343,9 @@ class TritonBackend(BudgetParts):
         if call.support is not None:  # (a sampler's support: no launch program)
             return fused_support.forward_single(self, hidden, weight, bias, target, call,
                                                 target_flag, kept_out)
-        ran = self._run_program(hidden, weight, bias, target, call,
-                                ("single", hidden.shape[0], target_flag is not None), target_flag)
+        ran = self._run_program(hidden, weight, bias, target, call, "single",
+                                target_flag is not None, target_flag,
+                                kept_out) if call.inputs_checked else None
         if ran is not None:
             out = ran[0]
             return SingleShardOutputs(*out[:6], kept=ran[1], sum_z=out[6], argmax=out[7])
@@ -355,53 +360,59 @@ class TritonBackend(BudgetParts):
             checked=call.inputs_checked)
         return SingleShardOutputs(*out[:6], kept=kept, sum_z=out[6], argmax=out[7])
 
-    def _run_program(self, hidden, weight, bias, target, call: ShardCall, key: tuple,
-                     target_flag=None):
+    def _run_program(self, hidden, weight, bias, target, call: ShardCall, kind: str,
+                     check_targets: bool, target_flag=None, kept_out=None):
         """``(the forward's outputs, what it kept)`` through the layout's program
-        (:meth:`_program`), for the op's own calls (``call.inputs_checked``), or None where none
-        runs it."""
-        found = self._program(hidden, weight, bias, call, key) if call.inputs_checked else False
+        (:meth:`_program`), for the op's own calls (``call.inputs_checked``, tested by the caller),
+        or None where none runs it. What the forward keeps: the two allocations of
+        ``call.scales_apart``, else the flat buffer (``kept_out``, the op's, or allocated), whose
+        views the program writes (:meth:`_kept_terms`)."""
+        found = self._program(hidden, weight, bias, call, kind, check_targets)
         if not found:
             return None
         program, lay = found
-        kept = self._kept_buffer(hidden, lay, call)
+        kept = self._kept_buffer(hidden, lay, call, kept_out)
         if kept is None:
             return program(hidden, weight, bias, target, target_flag), None
-        return program(hidden, weight, bias, target, target_flag, kept.values, kept.scales), kept
+        terms = kept if call.scales_apart else self._kept_terms(kept, hidden.shape[0], lay)
+        return program(hidden, weight, bias, target, target_flag, terms.values, terms.scales), kept
 
-    def _program(self, hidden, weight, bias, call: ShardCall, key: tuple):
+    def _program(self, hidden, weight, bias, call: ShardCall, kind: str, check_targets: bool):
         """``(the layout's ForwardProgram, its ShardLayout)`` (:mod:`tplogp.kernels.programs`) for a
-        forward of ``key`` (``("stats", N)``, or ``("single", N, whether the targets are
-        checked)``), remembered in ``call.programs`` (:func:`_remember`); ``False`` where the call's
-        row count is not its layout's (``ShardCall.rows``) or its forward keeps terms in the op's
-        flat kept buffer (:meth:`_kept_buffer`) or its shard is empty: those take the per-call
-        path."""
+        forward of ``kind`` (``"stats"``, or ``"single"`` with ``check_targets``: whether the
+        targets are checked), held by this source for eager and compiled calls alike, keyed by the
+        call's settings (``ShardCall.key``) and the tensors' shapes, dtypes and device: a steady
+        call finds it with one lookup (:func:`_remember` bounds the cache). ``False`` where the
+        call's row count is not its layout's (``ShardCall.rows``; None: any) or its shard is empty:
+        those take the per-call path (counts that vary from call to call, rows compacted away by
+        ignore_index or a loss chunk, would make a program per count)."""
         n = hidden.shape[0]
-        if not _layout_rows(call, n):
+        if call.rows is not None and n != call.rows:
             return False
-        programs = call.programs
-        found = programs.get(key)
-        if found is not None and (not found or found[0].matches(hidden, weight, bias)):
+        key = (call.key, kind, check_targets, hidden.shape, weight.shape, hidden.dtype,
+               None if bias is None else bias.dtype, hidden.device)
+        found = self._programs.get(key)
+        if found is not None:
             return found
         found = False
-        if n and weight.shape[0] and not (call.for_backward and not call.scales_apart):
+        if n and weight.shape[0]:
             from ..kernels import programs
 
             lay = self._launch_layout(hidden, weight, call)
             keep = None
             if call.for_backward and lay.keep_cols:
+                # (the flat buffer's views and the two allocations have the same strides)
                 keep = (lay.keep_cols, kept_layout.kept_scales_shape(n, lay.kept_scales)[1],
                         lay.keep_cols, lay.kept_dtype)
-            single = key[0] == "single"
+            single = kind == "single"
             found = (programs.ForwardProgram(n, weight.shape[0], hidden.shape[1], hidden.stride(0),
                                              weight.stride(0), hidden.dtype,
                                              None if bias is None else bias.dtype,
                                              call.kernel_options, lay.cfg,
                                              tiles.dot_precision(hidden.dtype), keep, single,
-                                             single and key[2],
+                                             single and check_targets,
                                              self._uses_tma(hidden, weight, call)), lay)
-        _remember(call.programs, key, found)
-        return found
+        return _remember(self._programs, key, found)
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                  grad_entropy, grad_lse, mean_rel, call: ShardCall, needs, d_hidden_ready=None,
@@ -450,15 +461,16 @@ class TritonBackend(BudgetParts):
                                d_hidden_ready, kept: KeptBuffers, accumulate,
                                grad_sum_z=None) -> Optional[ShardGrads]:
         """The backward through the layout's :class:`~tplogp.kernels.programs.KeptBackward` (made at
-        its first call, remembered in ``call.programs``), or None where one does not run it (its
-        ``covers``)."""
+        its first call, held by this source with the forwards' programs, :meth:`_program`), or None
+        where one does not run it (its ``covers``)."""
         n = hidden.shape[0]
-        if not _layout_rows(call, n):
+        if call.rows is not None and n != call.rows:  # (as :meth:`_program`)
             return None
         with_entropy = grad_entropy is not None
         with_sum_z = grad_sum_z is not None
-        key = ("backward", n, tuple(needs), with_entropy) + (("sum_z",) if with_sum_z else ())
-        program = call.programs.get(key)
+        key = (call.key, "backward", tuple(needs), with_entropy, with_sum_z, hidden.shape,
+               weight.shape, hidden.dtype, None if bias is None else bias.dtype, hidden.device)
+        program = self._programs.get(key)
         if program is None:
             from ..kernels.programs import KeptBackward
         else:
@@ -469,7 +481,7 @@ class TritonBackend(BudgetParts):
         if program is None or not program.matches(hidden, weight, bias, terms, needs, with_entropy,
                                                   with_sum_z):
             lay = self._launch_layout(hidden, weight, call)
-            program = _remember(call.programs, key, KeptBackward(
+            program = _remember(self._programs, key, KeptBackward(
                 n, weight.shape[0], hidden.dtype, None if bias is None else bias.dtype,
                 tuple(needs), with_entropy, call.kernel_options.transform, lay.cfg,
                 tiles.dot_precision(hidden.dtype), terms.values.dtype, terms.scales.stride(0),
@@ -479,17 +491,11 @@ class TritonBackend(BudgetParts):
                                    accumulate, grad_sum_z))
 
 
-def _layout_rows(call: ShardCall, n: int) -> bool:
-    """Whether a call of ``n`` rows may run its layout's programs: the layout's own token count
-    (``ShardCall.rows``; None: any). Counts that vary from call to call (rows compacted away by
-    ignore_index, a loss chunk) would make a program per count."""
-    return call.rows is None or n == call.rows
-
-
 def _remember(cache: dict, key: tuple, value, limit: int = MAX_PROGRAMS):
     """``cache[key] = value``, the dict emptied first when it already holds ``limit`` other keys;
-    returns ``value``. The layout cache (``MAX_LAYOUTS``) and ``ShardCall.programs`` (a program, or
-    ``False`` for a layout no program runs; ``MAX_PROGRAMS``)."""
+    returns ``value``. The layout cache (``MAX_LAYOUTS``) and the launch programs
+    (``TritonBackend._programs``: a program, or ``False`` for a layout no program runs;
+    ``MAX_PROGRAMS``)."""
     if key not in cache and len(cache) >= limit:
         cache.clear()
     cache[key] = value

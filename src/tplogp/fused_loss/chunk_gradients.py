@@ -17,6 +17,7 @@ import torch
 
 from ..op import local_call, tp
 from ..budgets import accumulator_tokens, plan_chunk_tokens
+from ..backends.base import ShardCall
 from ..losses.terms import Derivative, TokenLoss, TokenStats
 from ..support import comm, settings, tensors
 from ..support.tensors import f32_contiguous, finish_rows, zero_rows
@@ -27,12 +28,13 @@ class ChunkGradients:
     buffer (none for one chunk: the source's own, which the collective is started on), ``d_W`` /
     ``d_b`` summed in fp32 accumulators over several chunks, and the ONE collective of ``d_hidden``
     (all_reduce, or reduce_scatter for sequence-parallel input) issued by the chunk that completes
-    it (the last rows), under its ``d_W`` work."""
+    it (the last rows), under its ``d_W`` work. ``call``: the settings of the chunks' backwards
+    (``ShardCall.precomputing`` of the call's; a chunk's rows of its support taken per chunk)."""
 
-    def __init__(self, local: local_call.LocalCall, needs: tuple[bool, bool, bool], n: int,
-                 n_chunks: int) -> None:
+    def __init__(self, local: local_call.LocalCall, call: ShardCall,
+                 needs: tuple[bool, bool, bool], n: int, n_chunks: int) -> None:
         h2, w, b, tpc = local.hidden, local.weight, local.bias, local.tpc
-        self.local, self.needs, self.n = local, needs, n
+        self.local, self.call, self.needs, self.n = local, call, needs, n
         self.reduce = (comm.overlapped_reduce(tpc.hidden_reduce, tpc.group, tpc.comm_device)
                        if needs[0] else None)
         d = h2.shape[1]
@@ -73,7 +75,7 @@ class ChunkGradients:
 
             ready = reduce_when_ready
 
-        call = local.tpc.call
+        call = self.call
         grads = local.tpc.backend.backward(h_c, local.weight, local.bias, lt_c, row_max, log_sum,
                                            g_logp.contiguous(),
                                            None if g_ent is None else g_ent.contiguous(), g_lse,
@@ -166,12 +168,11 @@ def token_loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction
     differentiate = any(needs)
     chunk = plan_chunks(local, needs)
     # one backward per chunk's forward: it may write d_logits over the chunk's kept terms
-    if differentiate:
-        tpc.call = tpc.call.precomputing
+    call = tpc.call.precomputing if differentiate else tpc.call
     count = None if reduction != "mean" else (
         float(max(n, 1)) if ignored is None else (~ignored).sum().clamp_min(1).to(torch.float32))
     n_chunks = -(-n // chunk) if n else 0
-    grads = ChunkGradients(local, needs, n, n_chunks) if differentiate else None
+    grads = ChunkGradients(local, call, needs, n, n_chunks) if differentiate else None
     total = torch.zeros((), device=h2.device, dtype=torch.float32) if n == 0 else None
     w, b = local.weight, local.bias
     for t0 in range(0, n, chunk):
@@ -181,7 +182,7 @@ def token_loss_and_grads(local: local_call.LocalCall, loss, per_token, reduction
         pt = extra if whole else [t[t0:t1] for t in extra]
         skip = None if ignored is None else ignored if whole else ignored[t0:t1]
         (logp, entropy, lse, _, sum_z), (row_max, log_sum, mean_rel, kept) = tp.shard_forward(
-            h_c, w, b, lt_c, tpc if tpc.call.support is None else tpc.for_rows(t0, t1))
+            h_c, w, b, lt_c, tpc, call if call.support is None else call.for_rows(t0, t1))
         # no NaN of a row nobody owns reaches the loss callable (nor its gradient)
         if skip is not None:
             logp, entropy = zero_rows(skip, logp), None if entropy is None else zero_rows(skip,

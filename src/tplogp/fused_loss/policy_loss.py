@@ -4,7 +4,6 @@ only its losses take are checked with the fused loss's others
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -46,23 +45,22 @@ def policy_loss_and_grads(local: local_call.LocalCall, loss: GRPOLoss, per_token
     bound = loss.bind(extra, counted, segments)
     chunk = plan_chunks(local, needs)
     lean = tpc.call  # a forward whose terms are not kept
-    if differentiate:
-        tpc.call = tpc.call.precomputing
+    call = lean.precomputing if differentiate else lean
     # (t0, t1, whole sequences)
     chunks = [(t0, min(t0 + chunk, n), None) for t0 in range(0, n, chunk)]
     if loss.needs_sums and len(chunks) > 1:
         chunks = _sequence_chunks(row_bounds(target_shape, offsets, local.keep_idx),
                                   chunk) or chunks
     two_phase = loss.needs_sums and len(chunks) > 1 and chunks[0][2] is None
-    grads = ChunkGradients(local, needs, n, len(chunks)) if differentiate else None
+    grads = ChunkGradients(local, call, needs, n, len(chunks)) if differentiate else None
     w, b = local.weight, local.bias
     total, sums = torch.zeros((), device=h2.device, dtype=torch.float32), None
 
     def forward(t0, t1, keep):
         h_c, lt_c = (h2, local_target) if t1 - t0 == n else (h2[t0:t1], local_target[t0:t1])
-        context = tpc if keep or tpc.call is lean else dataclasses.replace(tpc, call=lean)
+        run = call if keep else lean
         (logp, entropy, *_), stats = tp.shard_forward(
-            h_c, w, b, lt_c, context if context.call.support is None else context.for_rows(t0, t1))
+            h_c, w, b, lt_c, tpc, run if run.support is None else run.for_rows(t0, t1))
         if ignored is not None:  # no NaN of a row nobody owns reaches the loss (nor its gradient)
             logp, entropy = zero_rows(ignored[t0:t1], logp), None if entropy is None else zero_rows(
                 ignored[t0:t1], entropy)

@@ -5,8 +5,8 @@ everything about a launch but its tensors: the grid, the scalar arguments,
 ``num_warps`` / ``num_stages`` and the constexprs. A :class:`Launch` holds those;
 ``launch(*tensors)`` launches the kernel with the call's tensors (pointers first in the kernel's
 signature, then the scalars, then the constexprs). Per-layout programs (:mod:`.programs`) hold their
-launches; per-call paths take theirs from :func:`cached`, the one bounded cache of launches and
-programs.
+launches; the source holds the programs of the op's calls, and per-call paths take theirs from
+:func:`cached`, the bounded cache of launches and programs below the sources.
 
 Algorithm: of what Triton specializes a compiled kernel on, only the tensors' dtypes and 16-byte
 alignment and the current device can change between calls of one layout (the dtypes because fp16

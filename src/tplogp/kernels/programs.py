@@ -3,13 +3,16 @@ the entry points that run them: check shapes, allocate outputs and workspaces, l
 run the cuBLAS steps.
 
 A program (:class:`ForwardProgram`, :class:`KeptBackward`) is made from sizes alone and holds its
-:class:`~.launch.Launch` objects; a call passes its tensors. The op's calls
-(``ShardCall.inputs_checked``) run the program that the source keeps in the layout's
-``ShardCall.programs``; the per-call entry points (:func:`forward_stats`, :func:`forward_single`,
-:func:`backward`) take the same programs and launches from :func:`~.launch.cached`, keyed by
-everything they are made from. The ``sm90`` source runs the same programs with ``tma``: the Hopper
-kernels where their tensor descriptors are legal (:func:`~.launches.tma_ok`), the pointer kernels
-otherwise. The tensor-parallel-invariant level's entry points are in :mod:`.grid_programs`.
+:class:`~.launch.Launch` objects; a call passes its tensors. The op's forwards
+(``ShardCall.inputs_checked``; eager and compiled alike) and its consuming backwards run the program
+that the source holds for the layout (``TritonBackend._program``: keyed by ``ShardCall.key`` and the
+tensors' layout); the per-call entry points (:func:`forward_stats`, :func:`forward_single`,
+:func:`backward`: the other backwards, other row counts, a sampler's support, direct calls of a
+source) take the same programs and launches from
+:func:`~.launch.cached`, keyed by everything they are made from. The ``sm90`` source runs the same
+programs with ``tma``: the Hopper kernels where their tensor descriptors are legal
+(:func:`~.launches.tma_ok`), the pointer kernels otherwise. The tensor-parallel-invariant level's
+entry points are in :mod:`.grid_programs`.
 
 No host syncs: every size used for planning is a Python int taken from tensor shapes; no
 ``.item()``, no ``nonzero()``. Each entry point checks its tensors

@@ -30,10 +30,23 @@ from .verdicts import BackwardVerdict, KernelTargetCheck
 
 @dataclass
 class TPContext:
-    """Non-tensor state of one call, carried from forward to backward."""
+    """Non-tensor state of one call, carried from forward to backward: built once by
+    :func:`localize`, its fields fixed from then on but ``kept_scales``, the one hand-off that a
+    forward writes and its backward takes (:func:`tplogp.op.tp.park_kept_scales`).
+
+    The call's two :class:`~tplogp.backends.base.ShardCall` objects are fixed here, the sampler's
+    support (this shard's ids) already in both: ``call`` and ``call_for_backward``. A phase that
+    runs a variant of one (the op's flat kept buffer, ``ShardCall.flat_kept``; the fused loss's
+    ``ShardCall.precomputing``; a chunk's rows, ``ShardCall.for_rows``) derives it, an immutable
+    value, and passes it to :func:`tplogp.op.tp.shard_forward` /
+    :func:`~tplogp.op.tp.shard_backward` or the source: the context is never changed for it."""
 
     backend: ShardBackend
+    # a forward whose results are not differentiated, and the op's backward (tplogp.op.packed_op)
     call: ShardCall
+    # an eager forward whose results are differentiated (the source may keep terms for the
+    # backward), and its backward
+    call_for_backward: ShardCall
     group: Any
     world_size: int
     comm_device: torch.device
@@ -44,10 +57,6 @@ class TPContext:
     verdict: Optional[BackwardVerdict] = None
     # the call's target check, run by the source's finishing kernel (single only), or None
     target_check: Optional[KernelTargetCheck] = None
-    # the kept scales of a forward that keeps them apart (KeptBuffers), held here from forward to
-    # backward and dropped by a consuming backward (:func:`park_kept_scales`,
-    # :func:`shard_backward`)
-    kept_scales: Optional[torch.Tensor] = None
     # the d_hidden collective: "all_reduce" (replicated hidden), "reduce_scatter" (sequence-parallel
     # hidden), or None (one shard, or hidden_grad="partial": each rank keeps its share)
     hidden_reduce: Optional[str] = None
@@ -55,18 +64,16 @@ class TPContext:
     # the tensor-parallel-invariant level (tplogp.support.invariant): this rank's re-shard onto the
     # grid, or None
     regrid: Optional[invariant.Regrid] = None
-
-    def for_rows(self, t0: int, t1: int) -> "TPContext":
-        """This context for the rows ``[t0, t1)`` of its call (a fused loss's chunk): itself, or
-        with a support a copy whose call holds the chunk's rows of it."""
-        call = self.call.for_rows(t0, t1)
-        return self if call is self.call else replace(self, call=call)
+    # the one field written after construction: the kept scales of a forward that keeps them apart
+    # (KeptBuffers), held here from forward to backward and dropped by a consuming backward
+    # (:func:`park_kept_scales`, :func:`shard_backward`)
+    kept_scales: Optional[torch.Tensor] = None
 
 
-def gather_rows(h: torch.Tensor, tpc: TPContext) -> torch.Tensor:
+def gather_rows(h: torch.Tensor, group: Any, comm_device: torch.device) -> torch.Tensor:
     """The sequence-parallel slices of every rank, rank-major: ``[world * n, D]`` on ``h``'s device
     (one ``all_gather``, through the group's collective device)."""
-    return all_gather_flat(h.detach().to(tpc.comm_device), tpc.group).to(h.device)
+    return all_gather_flat(h.detach().to(comm_device), group).to(h.device)
 
 
 class LocalCall(NamedTuple):
@@ -82,8 +89,6 @@ class LocalCall(NamedTuple):
     vocab_size: int  # of all shards together (the same on every rank)
     # [N] bool: ignored rows kept in place (no compaction), or None
     ignored: Optional[torch.Tensor] = None
-    # the layout's ShardCall for a forward that is differentiated
-    call_for_backward: Optional[ShardCall] = None
     # sequence parallelism: this rank's rows, the tensor the gradient flows to (``hidden`` is every
     # rank's, gathered)
     own_rows: Optional[torch.Tensor] = None
@@ -129,13 +134,10 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
         hidden_reduce = None
     else:
         hidden_reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
-    tpc = TPContext(plan.backend, plan.call, args.group, plan.world_size, plan.comm_device,
-                    plan.single,
-                     call.verdict, call.target_check, hidden_reduce=hidden_reduce,
-                     vocab_start=0 if plan.single else args.vocab_start_index)
     own_rows = None
     if sequence_parallel:
-        own_rows, h2 = h2, gathered if gathered is not None else gather_rows(h2, tpc)
+        own_rows, h2 = h2, (gathered if gathered is not None
+                            else gather_rows(h2, args.group, plan.comm_device))
 
     keep_idx = ignored = None
     support = options.support  # (padded [N, K] int64: tplogp.op.plan)
@@ -157,27 +159,30 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
         support = _sampler_support(plan, args, options, h2, w, b, keep_idx, call.vocab_size, tpc)
 
     # the invariant level: the rows of the grid blocks this rank computes
+    regrid = None
     if plan.call.grid_columns:
-        tpc.regrid = _regrid(plan, args, w.shape[0], call.vocab_size, call.shard_ranges)
-        w, b = invariant.regrid_rows(tpc.regrid, w, b)
-        local_target = tpc.regrid.local_targets(tgt)
+        regrid = _regrid(plan, args, w.shape[0], call.vocab_size, call.shard_ranges)
+        w, b = invariant.regrid_rows(regrid, w, b)
+        local_target = regrid.local_targets(tgt)
     # the backend treats ids outside [0, V) as nobody's (vocab_start_index is 0 without a group)
-    elif tpc.single:
+    elif plan.single:
         local_target = tgt
     else:
         start = args.vocab_start_index
         rel = tgt - start if start else tgt
         local_target = torch.where((rel >= 0) & (rel < w.shape[0]), rel, -1)
-    call_for_backward = plan.call_for_backward
+    shard_call, call_for_backward = plan.call, plan.call_for_backward
     if support is not None:  # this shard's ids of the support, shard-local, on the call's settings
-        if tpc.regrid is not None:  # the rows of the grid blocks this rank computes
-            support = local_ids(support, tpc.regrid.lo, tpc.regrid.hi - tpc.regrid.lo)
+        if regrid is not None:  # the rows of the grid blocks this rank computes
+            support = local_ids(support, regrid.lo, regrid.hi - regrid.lo)
         else:
-            support = local_ids(support, 0 if tpc.single else args.vocab_start_index, w.shape[0])
-        tpc.call = replace(tpc.call, support=support)
+            support = local_ids(support, 0 if plan.single else args.vocab_start_index, w.shape[0])
+        shard_call = replace(shard_call, support=support)
         call_for_backward = replace(call_for_backward, support=support)
-    return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored,
-                     call_for_backward, own_rows)
+    tpc = TPContext(plan.backend, shard_call, call_for_backward, args.group, plan.world_size,
+                    plan.comm_device, plan.single, call.verdict, call.target_check, hidden_reduce,
+                    0 if plan.single else args.vocab_start_index, regrid)
+    return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, own_rows)
 
 
 def _sampler_support(plan, args, options, h2, w, b, keep_idx, vocab: int,

@@ -10,7 +10,6 @@ sequence-parallel call's gathered rows as a third output. Both run through the s
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -57,7 +56,7 @@ def _op_kept_buffer(local: LocalCall, n_all: int) -> tuple[torch.Tensor, Optiona
     (``ShardBackend.kept_shape`` of its rows, in the same layout: the backward reads eager's terms);
     the rest is zeroed, so every byte of the output is defined."""
     h, w = local.hidden, local.weight
-    call = local.call_for_backward.flat_kept
+    call = local.tpc.call_for_backward.flat_kept
     capacity = local.tpc.backend.kept_capacity(n_all, h.shape[1], w.shape[0], h.dtype, h.device,
                                                call)
     words = local.tpc.backend.kept_shape(h.shape[0], h.shape[1], w.shape[0], h.dtype, h.device,
@@ -76,7 +75,7 @@ def _op_kept_prefix(local: LocalCall, kept: Optional[torch.Tensor]) -> Optional[
         return None
     h, w = local.hidden, local.weight
     words = local.tpc.backend.kept_shape(h.shape[0], h.shape[1], w.shape[0], h.dtype, h.device,
-                                         local.call_for_backward.flat_kept)[0]
+                                         local.tpc.call_for_backward.flat_kept)[0]
     return kept[:words] if words else None
 
 
@@ -100,15 +99,16 @@ def forward_packed(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tpc = local.tpc
     n_all = call.args.target_ids.numel()
     capacity = kept_out = None
+    shard_call = tpc.call
     # keep as eager does for a call that records a graph (the budget decides how much)
     if call.args.builds_graph:
         # (one buffer: the op's output)
-        tpc = dataclasses.replace(tpc, call=local.call_for_backward.flat_kept)
+        shard_call = tpc.call_for_backward.flat_kept
         # the rows' count depends on the data: a prefix of a capacity
         if options.ignore_index is not None:
             capacity, kept_out = _op_kept_buffer(local, n_all)
     (logp, entropy, lse, argmax, _), (row_max, log_sum, mean_rel, kept) = shard_forward(
-        local.hidden, local.weight, local.bias, local.local_target, tpc, kept_out)
+        local.hidden, local.weight, local.bias, local.local_target, tpc, shard_call, kept_out)
     if capacity is not None:
         kept = capacity
     # the normalizer rows keep the real values of ignored rows kept in place; compacted-away rows
@@ -161,7 +161,7 @@ def backward_packed(call, packed: torch.Tensor, grad_packed: torch.Tensor,
              packed[PACKED_LOG_SUM], mean_rel, kept if kept is not None and kept.numel() else None)
     # the op's kept buffer is read, never overwritten: ``tplogp::linear_logp_bwd`` declares no
     # mutation (tplogp.op.ops)
-    d_hidden, d_weight, d_bias = shard_backward(saved, local.tpc, needs, False,
+    d_hidden, d_weight, d_bias = shard_backward(saved, local.tpc, local.tpc.call, needs, False,
                                                 grad_packed[PACKED_LOGP], g_entropy,
                                                 grad_packed[PACKED_LSE])
     if d_hidden is not None:

@@ -58,7 +58,7 @@ import torch
 
 from ..support import invariant
 from . import local_call
-from ..backends.base import KeptBuffers
+from ..backends.base import KeptBuffers, ShardCall
 from ..support.comm import all_gather_flat, overlapped_reduce
 from .local_call import LocalCall, TPContext
 from ..support.masked_rows import settle_rows
@@ -106,7 +106,7 @@ def merge_stats(stats_all: torch.Tensor, with_entropy: bool, with_sum_z: bool = 
     return big_m, log_sum, lse, target_rel, count, mean_rel, sum_z, argmax
 
 
-def shard_forward(hidden, weight, bias, local_target, tpc: TPContext,
+def shard_forward(hidden, weight, bias, local_target, tpc: TPContext, call: ShardCall,
                   kept_out: Optional[torch.Tensor] = None):
     """The forward of one call's rows (all of them, or a chunk of the fused loss).
 
@@ -116,6 +116,9 @@ def shard_forward(hidden, weight, bias, local_target, tpc: TPContext,
     Args:
         hidden, weight, bias, local_target: a :class:`LocalCall`'s tensors (rows of them).
         tpc: the call's context (``LocalCall.tpc``).
+        call: the settings the source runs with: ``tpc.call``, ``tpc.call_for_backward`` (a
+            forward that is differentiated) or a variant derived from one (``ShardCall.flat_kept``,
+            ``precomputing``, ``for_rows``).
         kept_out: the flat buffer the source keeps into (the op's, :func:`forward_packed`), or None.
     Returns:
         ``((logp, entropy | None, lse, argmax | None, sum_z | None), (row_max, log_sum,
@@ -123,7 +126,7 @@ def shard_forward(hidden, weight, bias, local_target, tpc: TPContext,
         is ``E_p[z] - M``; ``argmax``: fp32 global ids, with ``ShardCall.with_argmax``; ``sum_z``:
         sum_v z over the whole vocabulary, with ``with_sum_z``).
     """
-    be, call = tpc.backend, tpc.call
+    be = tpc.backend
     # per-block stats, merged exactly (the same bits for every rank count)
     if tpc.regrid is not None:
         blocks = be.forward_blocks(hidden, weight, bias, local_target, call)
@@ -250,7 +253,7 @@ class _LinearLogpFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, local_target, tpc: TPContext, shard_outputs, rows):
         # rows: what the sources computed on, hidden itself or (sequence-parallel) every rank's
         # slices gathered
-        ctx.tpc = tpc
+        ctx.tpc = tpc  # (the backward runs with tpc.call_for_backward, as the forward did)
         ctx.set_materialize_grads(False)
         outputs, (row_max, log_sum, mean_rel, kept) = shard_outputs
         kept = park_kept_scales(kept, tpc)
@@ -265,13 +268,15 @@ class _LinearLogpFunction(torch.autograd.Function):
         saved = ctx.saved_tensors  # (unpacked once: each access unpacks every saved tensor again)
         needs = ctx.needs_input_grad
         needs = (needs[0], needs[1], saved[2] is not None and needs[2])
-        return (*shard_backward(saved, ctx.tpc, needs, ctx.kept_private, g_logp, g_entropy, g_lse),
-                None, None, None, None)
+        tpc = ctx.tpc
+        return (*shard_backward(saved, tpc, tpc.call_for_backward, needs, ctx.kept_private, g_logp,
+                                g_entropy, g_lse), None, None, None, None)
 
 
 @_without_autocast
-def shard_backward(saved: tuple, tpc: TPContext, needs: tuple[bool, bool, bool], kept_private: bool,
-                   g_logp: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+def shard_backward(saved: tuple, tpc: TPContext, call: ShardCall, needs: tuple[bool, bool, bool],
+                   kept_private: bool, g_logp: Optional[torch.Tensor],
+                   g_entropy: Optional[torch.Tensor],
                    g_lse: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
     """The backward of one call: the source's backward, the d_hidden collective with a group
     (all-reduce, or reduce-scatter of a sequence-parallel hidden; none for
@@ -285,6 +290,9 @@ def shard_backward(saved: tuple, tpc: TPContext, needs: tuple[bool, bool, bool],
         saved: what the forward saved, ``(rows, weight, bias, local_target, row_max, log_sum,
             mean_rel, kept)`` (``rows``: hidden, or every rank's slices gathered).
         tpc: the call's context (``LocalCall.tpc``).
+        call: the settings of the call's backward (``tpc.call_for_backward`` after an eager
+            forward that kept for it, ``tpc.call`` for the op's); its consuming variant
+            (``ShardCall.consuming``) runs where the backward may overwrite what was kept.
         needs: whether ``(d_hidden, d_weight, d_bias)`` are wanted.
         kept_private: nothing but the caller's autograd node holds ``kept`` (:func:`consumes_kept`).
         g_logp, g_entropy, g_lse: the per-token upstream gradients (None: none flows there).
@@ -310,7 +318,7 @@ def shard_backward(saved: tuple, tpc: TPContext, needs: tuple[bool, bool, bool],
     # d_W work
     reduce = overlapped_reduce(tpc.hidden_reduce, tpc.group, tpc.comm_device)
     consuming = consumes_kept(kept, kept_private)
-    call = tpc.call.consuming if consuming else tpc.call
+    call = call.consuming if consuming else call
     if tpc.kept_scales is not None:  # scales kept apart: handed over in a holder the source empties
         kept = KeptBuffers(kept, tpc.kept_scales)
         # no later backward reads them: the source's d_logits launcher frees them once read
@@ -344,18 +352,19 @@ def local_outputs(local: LocalCall) -> tuple[torch.Tensor, Optional[torch.Tensor
                                     or (b is not None and b.requires_grad)):
         return _LinearLogpFunction.apply(h_in, w, b, local_target, tpc, forward_for_backward(local),
                                          h2)
-    return shard_forward(h2, w, b, local_target, tpc)[0][:4]
+    return shard_forward(h2, w, b, local_target, tpc, tpc.call)[0][:4]
 
 
 def forward_for_backward(local: LocalCall) -> tuple:
-    """:func:`shard_forward` of a local call whose results will be differentiated (its layout's
+    """:func:`shard_forward` of a local call whose results will be differentiated (its context's
     ``call_for_backward``: the source may keep terms for the backward), run before the call's
     autograd ``Function.apply``, which takes the results: the kernels are launched before autograd's
     machinery runs (host time at small shapes)."""
-    local.tpc.call = local.call_for_backward
+    tpc = local.tpc
     # (what a Function's forward runs under: the native source's torch ops record nothing)
     with torch.no_grad():
-        return shard_forward(local.hidden, local.weight, local.bias, local.local_target, local.tpc)
+        return shard_forward(local.hidden, local.weight, local.bias, local.local_target, tpc,
+                             tpc.call_for_backward)
 
 
 def linear_logp(call) -> LinearLogpResult:
