@@ -156,7 +156,7 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
     # the support from the sampler's parameters (sampler_params.given, inline: the plain path
     # enters no room for it): GLOBAL ids
     if options.top_k is not None or options.top_p is not None or options.min_p is not None:
-        support = _sampler_support(plan, args, options, h2, w, b, keep_idx, call.vocab_size, tpc)
+        support = _sampler_support(plan, args, options, h2, w, b, keep_idx, call.vocab_size)
 
     # the invariant level: the rows of the grid blocks this rank computes
     regrid = None
@@ -185,8 +185,8 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
     return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, own_rows)
 
 
-def _sampler_support(plan, args, options, h2, w, b, keep_idx, vocab: int,
-                     tpc: TPContext) -> Optional[torch.Tensor]:
+def _sampler_support(plan, args, options, h2, w, b, keep_idx,
+                     vocab: int) -> Optional[torch.Tensor]:
     """The padded GLOBAL support of the rows ``h2`` computed from the sampler's parameters
     (:mod:`tplogp.op.sampler_support`; ``keep_idx``: the rows ignore_index compaction kept), or
     None when every filter is off."""
@@ -198,7 +198,7 @@ def _sampler_support(plan, args, options, h2, w, b, keep_idx, vocab: int,
     group = args.group if plan.world_size > 1 else None
     return sampler_support(h2, w, b, params, inv_temperature=plan.call.inv_temperature,
                            softcap=plan.call.softcap,
-                           vocab_start=0 if tpc.single else args.vocab_start_index, vocab=vocab,
+                           vocab_start=0 if plan.single else args.vocab_start_index, vocab=vocab,
                            group=group, comm_device=plan.comm_device,
                            workspace_bytes=options.workspace_bytes,
                            deterministic=bool(options.deterministic))
