@@ -66,6 +66,9 @@ MIN_CANDIDATES = 256  # with top-p or min-p: the first round's candidates at lea
 GROWTH = 4  # a round's candidates over the previous round's
 DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
 BINS = 64  # the bins of the counting pass
+# top-p alone collects down to the bin where the counted mass passes top_p by this much (the
+# counting pass sums fp32 terms; the round decides in float64)
+MASS_MARGIN = 1e-4
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_temperature: float,
@@ -81,29 +84,65 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_tem
     return y
 
 
+def _ceil32(x: torch.Tensor) -> torch.Tensor:
+    """The least fp32 value at least ``x`` (float64): an fp32 logit ``z`` is at least ``x`` exactly
+    when it is at least this value."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, y.new_full((), float("inf"))), y)
+
+
 def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
                       inv_temperature: float, softcap: Optional[float], tile_elements: int,
-                      deterministic: bool, with_lse: bool = True) -> torch.Tensor:
-    """Per row of ``h``: this shard's ``m`` largest logits and their shard-local ids (``-inf`` /
-    ``-1`` past the shard's ids), the floor (the ``m + 1``-th largest logit, ``-inf`` when the shard
-    has at most ``m`` ids), the row max and (``with_lse``; else 0)
-    ``sum exp(z - max)``, packed as float64 ``[rows, 2 m + 3]``."""
+                      deterministic: bool, with_lse: bool = True,
+                      edge: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
+    shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
+    candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 thresholds)
+    *collect*: their candidates are this shard's ids whose logit is at least the row's edge (the
+    first ``m`` of them in id order when more are), the floor the largest logit below the edge,
+    the statistics the largest logit and how many ids the edge holds. The other rows take the
+    ``m`` largest logits, the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m``
+    ids), the statistics the row max and (``with_lse``; else 0) ``sum exp(z - max)``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
-    # the m largest and one more: its value is the floor (every id above it is among the m)
-    take = min(m + 1, v)
     out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
     out[:, m:2 * m] = -1
     out[:, 2 * m + 2] = 0
     if n == 0 or v == 0:
         return out
+    c = 0 if edge is None else edge.shape[0]
+    if c:
+        _collect(out[:c], h[:c], w, b, _ceil32(edge), m, inv_temperature, softcap,
+                 tile_elements, deterministic)
+    if c < n:
+        _largest(out[c:], h[c:], w, b, m, inv_temperature, softcap, tile_elements,
+                 deterministic, with_lse)
+    return out
+
+
+def _row_chunks(h: torch.Tensor, deterministic: bool):
+    """``(t0, t1, rows)``: the token chunks of ``h`` (a deterministic call's padded with zero rows
+    to the fixed chunk: a row's bits, whatever the batch)."""
+    n = h.shape[0]
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    # (a chunk at least as wide as the candidates: their topk costs at most the logits' size)
-    vc = max(64, take, tile_elements // tc - take)
     for t0 in range(0, n, tc):
         t1 = min(t0 + tc, n)
         hc = h[t0:t1]
-        if deterministic and hc.shape[0] < tc:  # fixed shapes: a row's bits, whatever the batch
+        if deterministic and hc.shape[0] < tc:
             hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
+        yield t0, t1, hc
+
+
+def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+             m: int, inv_temperature: float, softcap: Optional[float], tile_elements: int,
+             deterministic: bool, with_lse: bool) -> None:
+    """:func:`_shard_candidates`' rows that take the ``m`` largest logits, written into ``out``."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    # the m largest and one more: its value is the floor (every id above it is among the m)
+    take = min(m + 1, v)
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    # (a chunk at least as wide as the candidates: their topk costs at most the logits' size)
+    vc = max(64, take, tile_elements // tc - take)
+    for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
         vals = torch.full((rows, take), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, take), -1, dtype=torch.int64, device=dev)
@@ -132,46 +171,75 @@ def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
             out[t0:t1, 2 * m] = vals[keep, m].double()
         out[t0:t1, 2 * m + 1] = row_max[keep].double()
         out[t0:t1, 2 * m + 2] = sum_exp[keep].double()
-    return out
 
 
-def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], lo: torch.Tensor,
-                top: torch.Tensor, lse: torch.Tensor, inv_temperature: float,
-                softcap: Optional[float], tile_elements: int, deterministic: bool) -> torch.Tensor:
-    """Per row of ``h``: how many of this shard's logits fall in each of ``BINS`` equal bins of
-    ``[lo, top]`` (bin 0 at the top; float64 per row) and their mass ``exp(z - lse)``, packed as
-    float64 ``[rows, 2 BINS]`` (counts, then masses)."""
+def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+             edge: torch.Tensor, m: int, inv_temperature: float, softcap: Optional[float],
+             tile_elements: int, deterministic: bool) -> None:
+    """:func:`_shard_candidates`' collecting rows (``edge``: fp32 thresholds), written into
+    ``out``: per vocab chunk, the ids at or above the edge get their slots from a running count
+    and a cumulative sum along the row, and are scattered into ``[rows, m]`` buffers (slots past
+    ``m`` into a column that is dropped): no host read, whatever the count."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    vc = max(64, tile_elements // (2 * tc))
+    for t0, t1, hc in _row_chunks(h, deterministic):
+        rows = hc.shape[0]
+        at_least = torch.cat([edge[t0:t1], edge.new_full((rows - (t1 - t0),), float("inf"))])
+        vals = torch.full((rows, m + 1), float("-inf"), dtype=torch.float32, device=dev)
+        ids = torch.full((rows, m + 1), -1, dtype=torch.int64, device=dev)
+        held = torch.zeros(rows, 1, dtype=torch.int64, device=dev)
+        below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+        row_max = torch.full_like(below, float("-inf"))
+        for v0 in range(0, v, vc):
+            v1 = min(v0 + vc, v)
+            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            row_max = torch.maximum(row_max, z.max(1).values)
+            mask = z >= at_least[:, None]
+            below = torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values)
+            slot = mask.cumsum(1).add_(held - 1)
+            held = slot[:, -1:] + 1
+            slot = torch.where(mask & (slot < m), slot, m)
+            vals.scatter_(1, slot, z)
+            ids.scatter_(1, slot, torch.arange(v0, v1, device=dev).expand(rows, -1))
+        keep = slice(0, t1 - t0)
+        out[t0:t1, :m] = vals[keep, :m].double()
+        out[t0:t1, m:2 * m] = torch.where(vals[keep, :m] > float("-inf"), ids[keep, :m], -1)
+        out[t0:t1, 2 * m] = below[keep].double()
+        out[t0:t1, 2 * m + 1] = row_max[keep].double()
+        out[t0:t1, 2 * m + 2] = held[keep, 0].double()
+
+
+def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], edges: torch.Tensor,
+                lse: torch.Tensor, inv_temperature: float, softcap: Optional[float],
+                tile_elements: int, deterministic: bool) -> torch.Tensor:
+    """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins between
+    the row's fp32 ``edges`` (``[rows, BINS + 1]``, ascending; bin 0 the top one: at least
+    ``edges[BINS - 1]``, bin ``j`` at least ``edges[BINS - 1 - j]`` and below the next edge) and
+    their mass ``exp(z - lse)`` (fp32 terms), packed as float64 ``[rows, 2 BINS]`` (counts, then
+    masses). The bins hold what :func:`_collect` takes with the same edge exactly."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     out = torch.zeros(n, 2 * BINS, dtype=torch.float64, device=dev)
     if n == 0 or v == 0:
         return out
-    width = (top - lo) / BINS
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     vc = max(64, tile_elements // (2 * tc))
-    for t0 in range(0, n, tc):
-        t1 = min(t0 + tc, n)
-        hc = h[t0:t1]
-        if deterministic and hc.shape[0] < tc:
-            hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
-        rows = slice(t0, t1)
-        counts = torch.zeros(hc.shape[0], BINS + 1, dtype=torch.float64, device=dev)
+    for t0, t1, hc in _row_chunks(h, deterministic):
+        rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
+        seq = torch.cat([edges[t0:t1], edges.new_full((pad, BINS + 1), float("inf"))])
+        shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
+        counts = torch.zeros(rows, BINS + 1, dtype=torch.float32, device=dev)
         masses = torch.zeros_like(counts)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
-            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature,
-                        softcap)[: t1 - t0].double()
-            at = ((top[rows, None] - z) / width[rows, None]).floor_()
-            at = torch.where((z >= lo[rows, None]) & (at >= 0), at.clamp_(max=BINS - 1), BINS)
-            at = at.nan_to_num_(nan=BINS).long()
-            pad = hc.shape[0] - (t1 - t0)
-            if pad:
-                at = torch.cat([at, at.new_full((pad, at.shape[1]), BINS)])
-                z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
+            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            # (how many edges are at most z: 0, below the lowest edge, goes to the dropped bin)
+            at = torch.searchsorted(seq, z.contiguous(), right=True)
+            at = torch.where(at == 0, BINS, (BINS - at).clamp_(min=0))
             counts.scatter_add_(1, at, torch.ones_like(z))
-            mass = torch.exp(z - torch.cat([lse[rows], lse.new_zeros(pad)])[:, None])
-            masses.scatter_add_(1, at, mass.nan_to_num_(nan=0.0))
-        out[rows, :BINS] = counts[: t1 - t0, :BINS]
-        out[rows, BINS:] = masses[: t1 - t0, :BINS]
+            masses.scatter_add_(1, at, torch.exp(z - shift).nan_to_num_(nan=0.0))
+        out[t0:t1, :BINS] = counts[: t1 - t0, :BINS].double()
+        out[t0:t1, BINS:] = masses[: t1 - t0, :BINS].double()
     return out
 
 
@@ -195,20 +263,33 @@ def _lower_bounds(params: SamplerParams, top: torch.Tensor, lse: torch.Tensor,
     return torch.where(torch.isfinite(lo) & (lo < top), lo, float("-inf"))
 
 
-def _binned_sizes(bins: torch.Tensor, params: SamplerParams, world: int) -> torch.Tensor:
-    """From every rank's bins (``[world, rows, 2 BINS]``): per row, the most ids any rank holds
-    at or above the support's lowest bin (top-p alone: the first bin where the mass from the top
-    reaches ``top_p``, and one more; else every bin)."""
+def _binned_edges(bins: torch.Tensor, edges: torch.Tensor, params: SamplerParams,
+                  world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From every rank's bins (``[world, rows, 2 BINS]``) and the rows' fp32 ``edges``: per row,
+    the edge the next round collects from (top-p alone: the lowest edge of the first bin where
+    the mass from the top passes ``top_p`` by ``MASS_MARGIN``; else the lowest edge, the bound),
+    the most ids any rank holds at or above it, and at or above the bound (float64)."""
     counts, masses = bins[..., :BINS], bins[..., BINS:].sum(0)
     last = torch.full((counts.shape[1],), BINS - 1, dtype=torch.int64, device=bins.device)
     if params.top_p is not None:
-        reached = masses.cumsum(1) >= params.top_p[:, None]
-        first = torch.where(reached.any(1), reached.long().argmax(1) + 1, BINS - 1)
+        reached = masses.cumsum(1) >= params.top_p[:, None] + MASS_MARGIN
+        first = torch.where(reached.any(1), reached.long().argmax(1), BINS - 1)
         only_p = (params.top_k <= 0 if params.top_k is not None else True)
         only_p = only_p & (params.min_p <= 0 if params.min_p is not None else True)
-        last = torch.where(only_p & (params.top_p < 1), first.clamp(max=BINS - 1), last)
+        last = torch.where(only_p & (params.top_p < 1), first, last)
     inside = torch.arange(BINS, device=bins.device)[None, :] <= last[:, None]
-    return (counts * inside).sum(2).max(0).values
+    size = (counts * inside).sum(2).max(0).values
+    edge = edges.gather(1, (BINS - 1 - last)[:, None]).squeeze(1).double()
+    return edge, size, counts.sum(2).max(0).values
+
+
+def _bin_edges(lo: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``[rows, BINS + 1]`` ascending fp32 edges of ``BINS`` equal bins from ``lo`` to ``top``
+    (each rounded up to fp32: the lowest is the least fp32 value at least ``lo``)."""
+    steps = torch.arange(BINS, -1, -1, dtype=torch.float64, device=lo.device)
+    edges = top[:, None] - steps[None, :] * ((top - lo) / BINS)[:, None]
+    edges[:, 0] = lo
+    return _ceil32(edges).cummax(1).values
 
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,12 +324,17 @@ def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
         masked = x.masked_fill(~kept, float("-inf"))
         norm = torch.where(narrowed, torch.logsumexp(masked, 1), lse)
         mass = torch.exp(masked - norm[:, None])
-        before = torch.cumsum(mass, 1) - mass
+        through = torch.cumsum(mass, 1)
+        before = through - mass
         kept &= (before < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
     kept[:, 0] = valid[:, 0]  # the largest, always
     above = valid & (x > floor[:, None])
     left_out = torch.where(narrowed[:, None], above & outside_r, above & ~kept).any(1)
     exact = (floor == float("-inf")) | left_out | torch.isnan(top[:, 0])
+    if params.top_p is not None:  # top-p alone: the ids above the floor hold top_p, so every id
+        # below it has at least that much ranked before it
+        reach = torch.where(above, through, 0.0).amax(1) >= params.top_p
+        exact |= ~narrowed & (params.top_p < 1) & reach
     need = torch.zeros_like(lse)
     if params.top_p is not None:
         covered = torch.exp(x - lse[:, None]).mul_(above).sum(1)
@@ -302,10 +388,17 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         m = max(m, MIN_CANDIDATES)
     m = min(m, vocab)
     done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, ranked ids, lengths
-    counted = False  # whether the counting pass ran
+    # per row of todo, from the first round: the max, the log-sum-exp and the bound of the
+    # support's logits (-inf: none); the rows that collect come first, with their edges and the
+    # most ids any rank holds at or above the bound (the counting pass's)
+    top = lse = lo = whole = torch.empty(0, dtype=torch.float64, device=dev)
+    edge, collecting, first = None, 0, True
     while count:
+        rows_params = params.rows(todo)
         part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, inv_temperature,
-                                 softcap, tile_elements, deterministic, bool(top_p_alone))
+                                 softcap, tile_elements, deterministic,
+                                 first and bool(top_p_alone),
+                                 edge[:collecting] if collecting else None)
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
         if world > 1:
@@ -314,38 +407,61 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         values = ranks[:, :, :m].permute(1, 0, 2).reshape(count, world * m)
         ids = ranks[:, :, m:2 * m].permute(1, 0, 2).reshape(count, world * m).long()
         floor = ranks[:, :, 2 * m].max(0).values
-        row_max, sums = ranks[:, :, 2 * m + 1], ranks[:, :, 2 * m + 2]
-        top = row_max.max(0).values
-        base = torch.where(top == float("-inf"), 0.0, top)
-        lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
+        if first:
+            row_max, sums = ranks[:, :, 2 * m + 1], ranks[:, :, 2 * m + 2]
+            top = row_max.max(0).values
+            base = torch.where(top == float("-inf"), 0.0, top)
+            lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
+            lo = _lower_bounds(rows_params, top, lse, vocab)
+            whole = torch.zeros_like(top)
         x, ranked_ids = _ranked(values, ids)
-        rows_params = params.rows(todo)
         kept, exact, need = _decide(x, lse, floor, rows_params)
         # exact too: every id at or above a bound of the support's logits is a candidate
-        lo = _lower_bounds(rows_params, top, lse, vocab)
         exact |= floor < lo
+        # a collecting row whose edge holds more ids than the round's candidates on some rank
+        held = ranks[:, :, 2 * m + 2].max(0).values
+        was = torch.arange(count, device=dev) < collecting
+        exact &= ~(was & (held > m))
         lengths = kept.sum(1)
-        # (one host read per round: every rank the same)
-        need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
-        count, need = torch.stack([(~exact).sum().double(), need.max()]).tolist()
         done.append((todo[exact], ranked_ids[exact], lengths[exact]))
-        left, todo, count = ~exact, todo[~exact], int(count)
-        # the next round: 4x the candidates, or twice a top-p row's bound spread over the ranks
-        grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
-        if count and not counted:  # once: the sizes the bounded rows take, counted
-            counted = True
-            lo = lo[left]
-            bins = _shard_bins(hidden.index_select(0, todo), weight, bias, lo, top[left],
-                               lse[left], inv_temperature, softcap, tile_elements, deterministic)
+        # the next round: the rows after the first collect from their bound, at an edge counted
+        # first; a collecting row left (its ids past the candidates, or an edge that did not
+        # settle it) collects from its bound, then takes the largest, as the rows without a bound
+        if first:
+            step = torch.where(lo > float("-inf"), lo, float("nan"))
+            size = torch.zeros_like(lo)
+        else:
+            again = was & (edge > lo)
+            step = torch.where(again, lo, float("nan"))
+            size = torch.where(again, torch.maximum(whole, held), 0.0)
+        left = ~exact
+        step, size = step[left], size[left]
+        order = torch.isnan(step).to(torch.int8).argsort(stable=True)
+        todo, step, size = todo[left][order], step[order], size[order]
+        top, lse, lo, whole = (t[left][order] for t in (top, lse, lo, whole))
+        need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
+        # (one host read per round: every rank the same)
+        count, need, collecting, size_max = torch.stack([
+            left.sum().double(), need.max(), (~torch.isnan(step)).sum().double(),
+            size.max() if size.numel() else size.new_zeros(())]).tolist()
+        count, collecting = int(count), int(collecting)
+        if first and collecting:  # once: the edges the bounded rows collect from, counted
+            edges = _bin_edges(lo[:collecting], top[:collecting])
+            bins = _shard_bins(hidden.index_select(0, todo[:collecting]), weight, bias,
+                               edges, lse[:collecting], inv_temperature, softcap,
+                               tile_elements, deterministic)
             if world > 1:
                 bins = all_gather_flat(bins.to(comm_device), group).to(dev)
-            sizes = _binned_sizes(bins.view(world, count, 2 * BINS), rows_params.rows(
-                left.nonzero().squeeze(1)), world)
-            unknown, size = torch.stack([(lo == float("-inf")).sum().double(),
-                                         sizes.max()]).tolist()
-            # (one more than the largest count: an id left out, below the support)
-            grown = int(min(vocab, max(size + 1, grown if unknown else 0, 1)))
-        m = grown
+            step[:collecting], size[:collecting], whole[:collecting] = _binned_edges(
+                bins.view(world, collecting, 2 * BINS), edges, params.rows(todo[:collecting]),
+                world)
+            size_max = size[:collecting].max().item()
+        edge, first = step, False
+        grown = m
+        if count > collecting:  # 4x the candidates, or twice a top-p row's bound over the ranks
+            grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
+        # (one more than the most ids collected: a row with more on some rank runs again)
+        m = int(min(vocab, max(grown, size_max if collecting else 0, 1)))
     widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths
                                                                  in done if lengths.numel()]
     every = bool((~on).any()) if n else False
