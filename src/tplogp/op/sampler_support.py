@@ -91,16 +91,34 @@ def _ceil32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(y.double() < x, torch.nextafter(y, y.new_full((), float("inf"))), y)
 
 
+def _bin_scale(lo: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Per row ``[rows, 3]`` fp32: the bins' bottom (the least fp32 value at least ``lo``), top and
+    ``BINS`` over their span (finite)."""
+    scale = (BINS / (top - lo)).clamp(max=torch.finfo(torch.float32).max)
+    return torch.stack([_ceil32(lo), top.float(), scale.float()], 1)
+
+
+def _bins_of(z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bin of each fp32 logit ``z`` ``[rows, cols]`` (``scale``: :func:`_bin_scale`'s rows):
+    ``floor((top - z) BINS / (top - lo))`` within ``[0, BINS)`` (0 at the top) for ``z`` at least
+    ``lo``, else ``BINS``. Non-increasing in ``z`` (each step of it is), so the ids of bins
+    ``0 .. b`` are a top set of the logits; the counting pass and the collecting round compute it
+    alike."""
+    at = (scale[:, 1:2] - z).mul_(scale[:, 2:3]).floor_().clamp_(0, BINS - 1)
+    return at.masked_fill_(~(z >= scale[:, 0:1]), BINS).to(torch.int64)
+
+
 def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
                       inv_temperature: float, softcap: Optional[float], tile_elements: int,
                       deterministic: bool, with_lse: bool = True,
                       edge: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
     shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
-    candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 thresholds)
-    *collect*: their candidates are this shard's ids whose logit is at least the row's edge (the
-    first ``m`` of them in id order when more are), the floor the largest logit below the edge,
-    the statistics the largest logit and how many ids the edge holds. The other rows take the
+    candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 ``[rows, 3]``:
+    the bound ``lo``, the max and the last bin ``b``) *collect*: their candidates are this
+    shard's ids of the bins ``0 .. b`` between ``lo`` and the max (:func:`_bins_of`; the first
+    ``m`` of them in id order when more are), the floor the largest logit of the others, the
+    statistics the largest logit and how many ids those bins hold. The other rows take the
     ``m`` largest logits, the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m``
     ids), the statistics the row max and (``with_lse``; else 0) ``sum exp(z - max)``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
@@ -111,8 +129,8 @@ def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
         return out
     c = 0 if edge is None else edge.shape[0]
     if c:
-        _collect(out[:c], h[:c], w, b, _ceil32(edge), m, inv_temperature, softcap,
-                 tile_elements, deterministic)
+        _collect(out[:c], h[:c], w, b, _bin_scale(edge[:, 0], edge[:, 1]), edge[:, 2], m,
+                 inv_temperature, softcap, tile_elements, deterministic)
     if c < n:
         _largest(out[c:], h[c:], w, b, m, inv_temperature, softcap, tile_elements,
                  deterministic, with_lse)
@@ -174,32 +192,35 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
 
 
 def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-             edge: torch.Tensor, m: int, inv_temperature: float, softcap: Optional[float],
-             tile_elements: int, deterministic: bool) -> None:
-    """:func:`_shard_candidates`' collecting rows (``edge``: fp32 thresholds), written into
-    ``out``: per vocab chunk, the ids at or above the edge get their slots from a running count
-    and a cumulative sum along the row, and are scattered into ``[rows, m]`` buffers (slots past
-    ``m`` into a column that is dropped): no host read, whatever the count."""
+             scale: torch.Tensor, last: torch.Tensor, m: int, inv_temperature: float,
+             softcap: Optional[float], tile_elements: int, deterministic: bool) -> None:
+    """:func:`_shard_candidates`' collecting rows (``scale``: :func:`_bin_scale`'s, ``last``: the
+    last bin each takes), written into ``out``: per vocab chunk, the ids of those bins get their
+    slots from a running count and a cumulative sum along the row, and are scattered into
+    ``[rows, m]`` buffers (slots past ``m`` into a column that is dropped): no host read, whatever
+    the count."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     vc = max(64, tile_elements // (2 * tc))
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
-        at_least = torch.cat([edge[t0:t1], edge.new_full((rows - (t1 - t0),), float("inf"))])
+        pad = rows - (t1 - t0)  # (padding rows: an empty bin range, nothing collected)
+        rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
+        rows_last = torch.cat([last[t0:t1], last.new_full((pad,), -1.0)]).to(torch.int64)
         vals = torch.full((rows, m + 1), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, m + 1), -1, dtype=torch.int64, device=dev)
-        held = torch.zeros(rows, 1, dtype=torch.int64, device=dev)
+        held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
         below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
         row_max = torch.full_like(below, float("-inf"))
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
             row_max = torch.maximum(row_max, z.max(1).values)
-            mask = z >= at_least[:, None]
+            mask = _bins_of(z, rows_scale) <= rows_last[:, None]
             below = torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values)
-            slot = mask.cumsum(1).add_(held - 1)
+            slot = mask.to(torch.int32).cumsum(1, dtype=torch.int32).add_(held - 1)
             held = slot[:, -1:] + 1
-            slot = torch.where(mask & (slot < m), slot, m)
+            slot = torch.where(mask & (slot < m), slot, m).to(torch.int64)
             vals.scatter_(1, slot, z)
             ids.scatter_(1, slot, torch.arange(v0, v1, device=dev).expand(rows, -1))
         keep = slice(0, t1 - t0)
@@ -210,14 +231,13 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         out[t0:t1, 2 * m + 2] = held[keep, 0].double()
 
 
-def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], edges: torch.Tensor,
+def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
                 lse: torch.Tensor, inv_temperature: float, softcap: Optional[float],
                 tile_elements: int, deterministic: bool) -> torch.Tensor:
-    """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins between
-    the row's fp32 ``edges`` (``[rows, BINS + 1]``, ascending; bin 0 the top one: at least
-    ``edges[BINS - 1]``, bin ``j`` at least ``edges[BINS - 1 - j]`` and below the next edge) and
-    their mass ``exp(z - lse)`` (fp32 terms), packed as float64 ``[rows, 2 BINS]`` (counts, then
-    masses). The bins hold what :func:`_collect` takes with the same edge exactly."""
+    """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins of
+    :func:`_bins_of` (``scale``: :func:`_bin_scale`'s rows; bin 0 at the top) and their mass
+    ``exp(z - lse)`` (fp32 terms), packed as float64 ``[rows, 2 BINS]`` (counts, then masses). The
+    bins hold what :func:`_collect` takes exactly (the same logits: the same chunks)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     out = torch.zeros(n, 2 * BINS, dtype=torch.float64, device=dev)
     if n == 0 or v == 0:
@@ -226,18 +246,16 @@ def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], edg
     vc = max(64, tile_elements // (2 * tc))
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
-        seq = torch.cat([edges[t0:t1], edges.new_full((pad, BINS + 1), float("inf"))])
+        rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
         shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
         counts = torch.zeros(rows, BINS + 1, dtype=torch.float32, device=dev)
         masses = torch.zeros_like(counts)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
-            # (how many edges are at most z: 0, below the lowest edge, goes to the dropped bin)
-            at = torch.searchsorted(seq, z.contiguous(), right=True)
-            at = torch.where(at == 0, BINS, (BINS - at).clamp_(min=0))
+            at = _bins_of(z, rows_scale)
             counts.scatter_add_(1, at, torch.ones_like(z))
-            masses.scatter_add_(1, at, torch.exp(z - shift).nan_to_num_(nan=0.0))
+            masses.scatter_add_(1, at, torch.exp(z.sub_(shift)).nan_to_num_(nan=0.0))
         out[t0:t1, :BINS] = counts[: t1 - t0, :BINS].double()
         out[t0:t1, BINS:] = masses[: t1 - t0, :BINS].double()
     return out
@@ -263,12 +281,12 @@ def _lower_bounds(params: SamplerParams, top: torch.Tensor, lse: torch.Tensor,
     return torch.where(torch.isfinite(lo) & (lo < top), lo, float("-inf"))
 
 
-def _binned_edges(bins: torch.Tensor, edges: torch.Tensor, params: SamplerParams,
-                  world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From every rank's bins (``[world, rows, 2 BINS]``) and the rows' fp32 ``edges``: per row,
-    the edge the next round collects from (top-p alone: the lowest edge of the first bin where
-    the mass from the top passes ``top_p`` by ``MASS_MARGIN``; else the lowest edge, the bound),
-    the most ids any rank holds at or above it, and at or above the bound (float64)."""
+def _binned_sizes(bins: torch.Tensor, params: SamplerParams
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From every rank's bins (``[world, rows, 2 BINS]``): per row, the last bin the next round
+    collects (top-p alone: the first where the mass from the top passes ``top_p`` by
+    ``MASS_MARGIN``; else the last, down to the bound), and the most ids any rank holds in the
+    bins up to it, and in all (float64)."""
     counts, masses = bins[..., :BINS], bins[..., BINS:].sum(0)
     last = torch.full((counts.shape[1],), BINS - 1, dtype=torch.int64, device=bins.device)
     if params.top_p is not None:
@@ -279,26 +297,19 @@ def _binned_edges(bins: torch.Tensor, edges: torch.Tensor, params: SamplerParams
         last = torch.where(only_p & (params.top_p < 1), first, last)
     inside = torch.arange(BINS, device=bins.device)[None, :] <= last[:, None]
     size = (counts * inside).sum(2).max(0).values
-    edge = edges.gather(1, (BINS - 1 - last)[:, None]).squeeze(1).double()
-    return edge, size, counts.sum(2).max(0).values
-
-
-def _bin_edges(lo: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """``[rows, BINS + 1]`` ascending fp32 edges of ``BINS`` equal bins from ``lo`` to ``top``
-    (each rounded up to fp32: the lowest is the least fp32 value at least ``lo``)."""
-    steps = torch.arange(BINS, -1, -1, dtype=torch.float64, device=lo.device)
-    edges = top[:, None] - steps[None, :] * ((top - lo) / BINS)[:, None]
-    edges[:, 0] = lo
-    return _ceil32(edges).cummax(1).values
+    return last.double(), size, counts.sum(2).max(0).values
 
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidates ranked by value, largest first, ties by id, lowest first (two stable
-    sorts); padding (``-inf``, ``-1``) last."""
-    by_id = torch.where(ids < 0, torch.iinfo(torch.int64).max, ids).argsort(dim=1, stable=True)
-    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
-    by_value = values.argsort(dim=1, descending=True, stable=True)
-    return values.gather(1, by_value), ids.gather(1, by_value)
+    """The candidates ranked by value, largest first, ties by id, lowest first; padding (``-inf``,
+    ``-1``) last. One sort of int64 keys: the value (an fp32 logit, exact in float64; ``-0``
+    as ``+0``) as an order-preserving integer in the high 32 bits, the id's complement in the low
+    32."""
+    bits = (values.float() + 0.0).view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    low = (1 << 32) - 1 - torch.where(ids < 0, (1 << 32) - 1, ids)
+    order = (ordered * (1 << 32) + low).sort(dim=1, descending=True).indices
+    return values.gather(1, order), ids.gather(1, order)
 
 
 def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
@@ -392,13 +403,15 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     # support's logits (-inf: none); the rows that collect come first, with their edges and the
     # most ids any rank holds at or above the bound (the counting pass's)
     top = lse = lo = whole = torch.empty(0, dtype=torch.float64, device=dev)
-    edge, collecting, first = None, 0, True
+    last, collecting, first = None, 0, True
     while count:
         rows_params = params.rows(todo)
+        edge = None
+        if collecting:
+            edge = torch.stack([lo[:collecting], top[:collecting], last[:collecting]], 1)
         part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, inv_temperature,
                                  softcap, tile_elements, deterministic,
-                                 first and bool(top_p_alone),
-                                 edge[:collecting] if collecting else None)
+                                 first and bool(top_p_alone), edge)
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
         if world > 1:
@@ -428,11 +441,11 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         # first; a collecting row left (its ids past the candidates, or an edge that did not
         # settle it) collects from its bound, then takes the largest, as the rows without a bound
         if first:
-            step = torch.where(lo > float("-inf"), lo, float("nan"))
+            step = torch.where(lo > float("-inf"), BINS - 1.0, float("nan"))
             size = torch.zeros_like(lo)
         else:
-            again = was & (edge > lo)
-            step = torch.where(again, lo, float("nan"))
+            again = was & (last < BINS - 1)
+            step = torch.where(again, BINS - 1.0, float("nan"))
             size = torch.where(again, torch.maximum(whole, held), 0.0)
         left = ~exact
         step, size = step[left], size[left]
@@ -446,17 +459,15 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             size.max() if size.numel() else size.new_zeros(())]).tolist()
         count, collecting = int(count), int(collecting)
         if first and collecting:  # once: the edges the bounded rows collect from, counted
-            edges = _bin_edges(lo[:collecting], top[:collecting])
             bins = _shard_bins(hidden.index_select(0, todo[:collecting]), weight, bias,
-                               edges, lse[:collecting], inv_temperature, softcap,
-                               tile_elements, deterministic)
+                               _bin_scale(lo[:collecting], top[:collecting]), lse[:collecting],
+                               inv_temperature, softcap, tile_elements, deterministic)
             if world > 1:
                 bins = all_gather_flat(bins.to(comm_device), group).to(dev)
-            step[:collecting], size[:collecting], whole[:collecting] = _binned_edges(
-                bins.view(world, collecting, 2 * BINS), edges, params.rows(todo[:collecting]),
-                world)
+            step[:collecting], size[:collecting], whole[:collecting] = _binned_sizes(
+                bins.view(world, collecting, 2 * BINS), params.rows(todo[:collecting]))
             size_max = size[:collecting].max().item()
-        edge, first = step, False
+        last, first = step, False
         grown = m
         if count > collecting:  # 4x the candidates, or twice a top-p row's bound over the ranks
             grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
