@@ -21,31 +21,51 @@ Ids whose logit is ``-inf`` are never kept. A token whose target is not in its s
 ``-inf`` (the target has probability 0 under the sampler's distribution).
 
 Algorithm (:func:`sampler_support`). Every token's support is a top prefix of its logits in the
-order above, so each rank streams its shard's logits once (token chunks x vocab chunks, fp32
-GEMMs, within the call's transient budget) and keeps per token its ``M`` largest logits and their
-ids, the ``M + 1``-th value (its *floor*: every id of the shard above it is among the candidates)
-and, for a token with top-p but neither top-k nor min-p, the shard's softmax statistics (float64
-sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]`` per rank) gives every rank the
-same candidates; each rank then applies the definition in float64 to the merged candidates, ranked
-as above. A token's answer is exact when some candidate strictly above the merged floor (the
-largest rank floor) is left out of the support (of ``R`` when top-k or min-p is on, whose
-normalizer is then among the candidates; top-p alone normalizes with the merged log-sum-exp), when
-the floor lies below a bound of the support's logits (min-p's ``max z + log(min_p)``; for top-p
-alone ``lse + log((1 - top_p) / V) - 1``, below which all ids together hold less than
-``1 - top_p``), or when no rank left an id out. Tokens whose answer is not yet exact run again
-(only they, every rank alike: the decision comes from the gathered data). Before the second round
-one counting pass (one more ``all_gather``) counts each rank's logits in 64 bins between the
-token's bound and its max, with their mass: the second round takes the most ids any rank holds
-above the bound (top-p alone: above the bin where the mass from the top reaches ``top_p``, and one
-bin more), plus one. Later rounds (ties, tokens without a bound: top-k's) take ``4 M``. ``M``
-starts at the largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without
-top-k) and ends at the vocabulary, where every rank sends every id. Tokens whose filters are all off
-keep every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
+order above. The first round streams each rank's shard of the logits once (token chunks x vocab
+chunks, fp32 GEMMs, within the call's transient budget) and keeps per token its ``M`` largest
+logits and their ids, the ``M + 1``-th value (its *floor*: every id of the shard above it is among
+the candidates), the shard's max and, for a token with top-p but neither top-k nor min-p, its
+softmax sum (float64 terms and sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]``
+per rank) gives every rank the same candidates, max and log-sum-exp; each rank then applies the
+definition in float64 to the merged candidates, ranked as above (one sort of int64 keys: the fp32
+value's order-preserving bits, then the id's complement). A token's answer is exact when some
+candidate strictly above the merged floor (the largest rank floor) is left out of the support (of
+``R`` when top-k or min-p is on, whose normalizer is then among the candidates), when for top-p
+alone (normalized with the merged log-sum-exp) the candidates above the floor hold ``top_p`` (every
+id below has at least that much ranked before it), when the floor lies below a bound ``lo`` of the
+support's logits (min-p's ``max z + log(min_p)``; for top-p alone ``lse + log((1 - top_p) / V) -
+1``, below which all ids together hold less than ``1 - top_p``), or when no rank left an id out.
+Tokens whose answer is not yet exact run again (only they, every rank alike: the decision comes
+from the gathered data).
 
-Cost: one forward pass over the vocabulary per round (one round when the support fits the first
-``M``, as with a top-k; top-p or min-p alone over flat distributions: two rounds and the counting
-pass), a ``topk`` of ``M + 1`` per chunk, one collective and one host read per round;
-``[tokens, world M]`` float64 candidates.
+Tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts its
+logits in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z) 64 / (max -
+lo))`` in fp32, non-increasing in ``z``, so the ids of the top bins are a top set of the logits;
+below ``lo``: none) and sums their mass (fp32 terms). The next round *collects*: down to the first
+bin where the mass from the top passes ``top_p`` by ``MASS_MARGIN`` (top-p alone), else down to
+``lo``. Per vocab chunk, the ids of those bins get their slots from a running count and a
+cumulative sum along the row and are scattered into a ``[tokens, M]`` buffer (``M``: the most ids
+any rank counted there, known on the host after the counting pass's read); the floor is the
+largest logit not collected. No host read per chunk and no ``topk``: the candidates are sorted
+once, after the gather. The two passes compute the same logits in the same chunks and the same
+bins, so a rank's ids fit; a token whose ids do not (a GEMM that gave other bits) or that its bins
+did not settle collects again down to ``lo``, then takes the largest logits. Tokens without a
+bound (ties at top-k's ``k``-th logit) take ``4 M`` per round up to the vocabulary, where every
+rank sends every id. ``M`` starts at the largest ``top_k`` plus 16 (at least 256 when some token
+has top-p or min-p without top-k) and never shrinks. Tokens whose filters are all off keep every id
+(the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
+
+Cost: one forward pass over the vocabulary per round and one collective and one host read per
+round. A token whose support fits the first ``M`` (a top-k; top-p or min-p over a peaked
+distribution) settles in the first round, whose ``topk`` of ``M + 1`` per chunk costs about its
+GEMM on a CPU. Top-p or min-p alone over a flat distribution takes three passes (the first round,
+the counting pass, the collecting round), the last two with a few elementwise operations per
+logit instead of a ``topk`` of thousands, and one sort of ``[tokens, world M]`` candidates. Why not
+fold the counting pass into the first round: bins merged over the ranks need a range every rank
+knows before the pass (the max and the log-sum-exp come from the first round's gather), and the
+tokens the first round settles would count for nothing. Why 256 to start: a smaller first ``M``
+saves part of the first round's ``topk``, but a token whose support is past it takes the two
+further passes.
 """
 
 from __future__ import annotations
@@ -232,12 +252,13 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
 
 
 def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
-                lse: torch.Tensor, inv_temperature: float, softcap: Optional[float],
+                lse: Optional[torch.Tensor], inv_temperature: float, softcap: Optional[float],
                 tile_elements: int, deterministic: bool) -> torch.Tensor:
     """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins of
-    :func:`_bins_of` (``scale``: :func:`_bin_scale`'s rows; bin 0 at the top) and their mass
-    ``exp(z - lse)`` (fp32 terms), packed as float64 ``[rows, 2 BINS]`` (counts, then masses). The
-    bins hold what :func:`_collect` takes exactly (the same logits: the same chunks)."""
+    :func:`_bins_of` (``scale``: :func:`_bin_scale`'s rows; bin 0 at the top) and (given ``lse``;
+    else 0) their mass ``exp(z - lse)`` (fp32 terms), packed as float64 ``[rows, 2 BINS]``
+    (counts, then masses). The bins hold what :func:`_collect` takes exactly (the same logits: the
+    same chunks)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     out = torch.zeros(n, 2 * BINS, dtype=torch.float64, device=dev)
     if n == 0 or v == 0:
@@ -247,7 +268,8 @@ def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], sca
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
         rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
-        shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
+        if lse is not None:
+            shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
         counts = torch.zeros(rows, BINS + 1, dtype=torch.float32, device=dev)
         masses = torch.zeros_like(counts)
         for v0 in range(0, v, vc):
@@ -255,7 +277,8 @@ def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], sca
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
             at = _bins_of(z, rows_scale)
             counts.scatter_add_(1, at, torch.ones_like(z))
-            masses.scatter_add_(1, at, torch.exp(z.sub_(shift)).nan_to_num_(nan=0.0))
+            if lse is not None:
+                masses.scatter_add_(1, at, torch.exp(z.sub_(shift)).nan_to_num_(nan=0.0))
         out[t0:t1, :BINS] = counts[: t1 - t0, :BINS].double()
         out[t0:t1, BINS:] = masses[: t1 - t0, :BINS].double()
     return out
@@ -333,7 +356,9 @@ def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
     outside_r = valid & ~kept
     if params.top_p is not None:
         masked = x.masked_fill(~kept, float("-inf"))
-        norm = torch.where(narrowed, torch.logsumexp(masked, 1), lse)
+        norm = lse  # (R's own normalizer only where top-k or min-p is given)
+        if params.min_p is not None or params.top_k is not None:
+            norm = torch.where(narrowed, torch.logsumexp(masked, 1), lse)
         mass = torch.exp(masked - norm[:, None])
         through = torch.cumsum(mass, 1)
         before = through - mass
@@ -348,7 +373,7 @@ def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
         exact |= ~narrowed & (params.top_p < 1) & reach
     need = torch.zeros_like(lse)
     if params.top_p is not None:
-        covered = torch.exp(x - lse[:, None]).mul_(above).sum(1)
+        covered = (mass * above).sum(1)  # (a row without top-k or min-p: exp(x - lse))
         at_floor = torch.exp(floor - lse)
         missing = (params.top_p - covered).clamp_(min=0)
         bound = above.sum(1) + missing / at_floor
@@ -460,8 +485,9 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         count, collecting = int(count), int(collecting)
         if first and collecting:  # once: the edges the bounded rows collect from, counted
             bins = _shard_bins(hidden.index_select(0, todo[:collecting]), weight, bias,
-                               _bin_scale(lo[:collecting], top[:collecting]), lse[:collecting],
-                               inv_temperature, softcap, tile_elements, deterministic)
+                               _bin_scale(lo[:collecting], top[:collecting]),
+                               lse[:collecting] if top_p_alone else None, inv_temperature,
+                               softcap, tile_elements, deterministic)
             if world > 1:
                 bins = all_gather_flat(bins.to(comm_device), group).to(dev)
             step[:collecting], size[:collecting], whole[:collecting] = _binned_sizes(
@@ -471,7 +497,7 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         grown = m
         if count > collecting:  # 4x the candidates, or twice a top-p row's bound over the ranks
             grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
-        # (one more than the most ids collected: a row with more on some rank runs again)
+        # (the most ids a rank counted in a collecting row's bins: a row with more runs again)
         m = int(min(vocab, max(grown, size_max if collecting else 0, 1)))
     widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths
                                                                  in done if lengths.numel()]
