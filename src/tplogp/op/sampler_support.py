@@ -43,11 +43,12 @@ logits in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z)
 lo))`` in fp32, non-increasing in ``z``, so the ids of the top bins are a top set of the logits;
 below ``lo``: none) and sums their mass (fp32 terms). The next round *collects*: down to the first
 bin where the mass from the top passes ``top_p`` by ``MASS_MARGIN`` (top-p alone), else down to
-``lo``. Per vocab chunk, the ids of those bins get their slots from a running count and a
-cumulative sum along the row and are scattered into a ``[tokens, M]`` buffer (``M``: the most ids
-any rank counted there, known on the host after the counting pass's read); the floor is the
-largest logit not collected. No host read per chunk and no ``topk``: the candidates are sorted
-once, after the gather. The two passes compute the same logits in the same chunks and the same
+``lo``. Per vocab chunk, the ids of those bins (those at least a threshold found once per token
+by bisection over the fp32 values with the same bin function) get their slots from a running
+count and a cumulative sum along the row and are scattered into a ``[tokens, M]`` buffer (``M``:
+the most ids any rank counted there, known on the host after the counting pass's read); the floor
+is the largest logit not collected. No host read per chunk and no ``topk``: the candidates are
+sorted once, after the gather. The two passes compute the same logits in the same chunks and the same
 bins, so a rank's ids fit; a token whose ids do not (a GEMM that gave other bits) or that its bins
 did not settle collects again down to ``lo``, then takes the largest logits. Tokens without a
 bound (ties at top-k's ``k``-th logit) take ``4 M`` per round up to the vocabulary, where every
@@ -126,6 +127,30 @@ def _bins_of(z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     alike."""
     at = (scale[:, 1:2] - z).mul_(scale[:, 2:3]).floor_().clamp_(0, BINS - 1)
     return at.masked_fill_(~(z >= scale[:, 0:1]), BINS).to(torch.int64)
+
+
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` as int64 keys in the order of the values (``-0`` just below ``+0``)."""
+    bits = x.contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _from_key(key: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of :func:`_ordered`'s keys."""
+    return torch.where(key < 0, key ^ 0x7FFFFFFF, key).to(torch.int32).view(torch.float32)
+
+
+def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Per row, the least fp32 value ``t`` whose bin (:func:`_bins_of`) is at most ``last``: the
+    logits of the bins ``0 .. last`` are exactly those at least ``t`` (the bin is non-increasing
+    in the logit, and the bisection over the fp32 values between the bins' bottom and top
+    evaluates it as the passes do); ``inf`` for ``last < 0``."""
+    lo_key, hi_key = _ordered(scale[:, 0]), _ordered(scale[:, 1])
+    for _ in range(33):  # (the keys of two fp32 values differ by less than 2^32)
+        mid = (lo_key + hi_key) // 2
+        fits = _bins_of(_from_key(mid)[:, None], scale).squeeze(1) <= last
+        hi_key, lo_key = torch.where(fits, mid, hi_key), torch.where(fits, lo_key, mid + 1)
+    return _from_key(hi_key).masked_fill(last < 0, float("inf"))
 
 
 def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
@@ -215,18 +240,18 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
              scale: torch.Tensor, last: torch.Tensor, m: int, inv_temperature: float,
              softcap: Optional[float], tile_elements: int, deterministic: bool) -> None:
     """:func:`_shard_candidates`' collecting rows (``scale``: :func:`_bin_scale`'s, ``last``: the
-    last bin each takes), written into ``out``: per vocab chunk, the ids of those bins get their
-    slots from a running count and a cumulative sum along the row, and are scattered into
-    ``[rows, m]`` buffers (slots past ``m`` into a column that is dropped): no host read, whatever
-    the count."""
+    last bin each takes), written into ``out``: per vocab chunk, the ids of those bins (those at
+    least the row's :func:`_threshold`) get their slots from a running count and a cumulative sum
+    along the row, and are scattered into ``[rows, m]`` buffers (slots past ``m`` into a column
+    that is dropped): no host read, whatever the count."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     vc = max(64, tile_elements // (2 * tc))
+    threshold = _threshold(scale, last.to(torch.int64))
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
-        pad = rows - (t1 - t0)  # (padding rows: an empty bin range, nothing collected)
-        rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
-        rows_last = torch.cat([last[t0:t1], last.new_full((pad,), -1.0)]).to(torch.int64)
+        pad = rows - (t1 - t0)  # (padding rows: nothing collected)
+        at_least = torch.cat([threshold[t0:t1], threshold.new_full((pad,), float("inf"))])
         vals = torch.full((rows, m + 1), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, m + 1), -1, dtype=torch.int64, device=dev)
         held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
@@ -236,7 +261,7 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
             v1 = min(v0 + vc, v)
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
             row_max = torch.maximum(row_max, z.max(1).values)
-            mask = _bins_of(z, rows_scale) <= rows_last[:, None]
+            mask = z >= at_least[:, None]
             below = torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values)
             slot = mask.to(torch.int32).cumsum(1, dtype=torch.int32).add_(held - 1)
             held = slot[:, -1:] + 1
@@ -328,8 +353,7 @@ def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torc
     ``-1``) last. One sort of int64 keys: the value (an fp32 logit, exact in float64; ``-0``
     as ``+0``) as an order-preserving integer in the high 32 bits, the id's complement in the low
     32."""
-    bits = (values.float() + 0.0).view(torch.int32).long()
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = _ordered(values.float() + 0.0)
     low = (1 << 32) - 1 - torch.where(ids < 0, (1 << 32) - 1, ids)
     order = (ordered * (1 << 32) + low).sort(dim=1, descending=True).indices
     return values.gather(1, order), ids.gather(1, order)
