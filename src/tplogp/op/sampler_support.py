@@ -38,35 +38,34 @@ support's logits (min-p's ``max z + log(min_p)``; for top-p alone ``lse + log((1
 Tokens whose answer is not yet exact run again (only they, every rank alike: the decision comes
 from the gathered data).
 
-Tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts its
-logits in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z) 64 / (max -
-lo))`` in fp32, non-increasing in ``z``, so the ids of the top bins are a top set of the logits;
-below ``lo``: none) and sums their mass (fp32 terms). The next round *collects*: down to the first
-bin where the mass from the top passes ``top_p`` by ``MASS_MARGIN`` (top-p alone), else down to
-``lo``. Per vocab chunk, the ids of those bins (those at least a threshold found once per token
-by bisection over the fp32 values with the same bin function) get their slots from a running
-count and a cumulative sum along the row and are scattered into a ``[tokens, M]`` buffer (``M``:
-the most ids any rank counted there, known on the host after the counting pass's read); the floor
-is the largest logit not collected. No host read per chunk and no ``topk``: the candidates are
-sorted once, after the gather. The two passes compute the same logits in the same chunks and the same
-bins, so a rank's ids fit; a token whose ids do not (a GEMM that gave other bits) or that its bins
-did not settle collects again down to ``lo``, then takes the largest logits. Tokens without a
-bound (ties at top-k's ``k``-th logit) take ``4 M`` per round up to the vocabulary, where every
-rank sends every id. ``M`` starts at the largest ``top_k`` plus 16 (at least 256 when some token
-has top-p or min-p without top-k) and never shrinks. Tokens whose filters are all off keep every id
-(the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
+Tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts its logits
+in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z) 64 / (max - lo))`` in
+fp32, non-increasing in ``z``, so the ids of the top bins are a top set of the logits; below ``lo``:
+none) and sums their mass (fp32 terms). The next round *collects*: down to the first bin where the
+mass from the top passes ``top_p`` by ``MASS_MARGIN`` (top-p alone), else down to ``lo``. Per vocab
+chunk, the ids of those bins (those at least a threshold found once per token by bisection over the
+fp32 values with the same bin function) get their slots from a running count and a cumulative sum
+along the row and are scattered into a ``[tokens, M]`` buffer (``M``: the most ids any rank counted
+there, known on the host after the counting pass's read); the floor is the largest logit not
+collected. No host read per chunk and no ``topk``: the candidates are sorted once, after the gather.
+The two passes compute the same logits in the same chunks and the same bins, so a rank's ids fit; a
+token whose ids do not (a GEMM that gave other bits) or that its bins did not settle collects again
+down to ``lo``, then takes the largest logits. Tokens without a bound (ties at top-k's ``k``-th
+logit) take ``4 M`` per round up to the vocabulary, where every rank sends every id. ``M`` starts at
+the largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without top-k) and
+never shrinks. Tokens whose filters are all off keep every id (the ``KEEP_ALL`` row of
+:mod:`tplogp.op.support_ids`).
 
-Cost: one forward pass over the vocabulary per round and one collective and one host read per
-round. A token whose support fits the first ``M`` (a top-k; top-p or min-p over a peaked
-distribution) settles in the first round, whose ``topk`` of ``M + 1`` per chunk costs about its
-GEMM on a CPU. Top-p or min-p alone over a flat distribution takes three passes (the first round,
-the counting pass, the collecting round), the last two with a few elementwise operations per
-logit instead of a ``topk`` of thousands, and one sort of ``[tokens, world M]`` candidates. Why not
-fold the counting pass into the first round: bins merged over the ranks need a range every rank
-knows before the pass (the max and the log-sum-exp come from the first round's gather), and the
-tokens the first round settles would count for nothing. Why 256 to start: a smaller first ``M``
-saves part of the first round's ``topk``, but a token whose support is past it takes the two
-further passes.
+Cost: one forward pass over the vocabulary per round and one collective and one host read per round.
+A token whose support fits the first ``M`` (a top-k; top-p or min-p over a peaked distribution)
+settles in the first round, whose ``topk`` of ``M + 1`` per chunk costs about its GEMM on a CPU.
+Top-p or min-p alone over a flat distribution takes three passes (the first round, the counting
+pass, the collecting round), the last two with a few elementwise operations per logit instead of a
+``topk`` of thousands, and one sort of ``[tokens, world M]`` candidates. Why not fold the counting
+pass into the first round: bins merged over the ranks need a range every rank knows before the pass
+(the max and the log-sum-exp come from the first round's gather), and the tokens the first round
+settles would count for nothing. Why 256 to start: a smaller first ``M`` saves part of the first
+round's ``topk``, but a token whose support is past it takes the two further passes.
 """
 
 from __future__ import annotations
@@ -350,13 +349,15 @@ def _binned_sizes(bins: torch.Tensor, params: SamplerParams
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidates ranked by value, largest first, ties by id, lowest first; padding (``-inf``,
-    ``-1``) last. One sort of int64 keys: the value (an fp32 logit, exact in float64; ``-0``
-    as ``+0``) as an order-preserving integer in the high 32 bits, the id's complement in the low
-    32."""
-    ordered = _ordered(values.float() + 0.0)
-    low = (1 << 32) - 1 - torch.where(ids < 0, (1 << 32) - 1, ids)
-    order = (ordered * (1 << 32) + low).sort(dim=1, descending=True).indices
-    return values.gather(1, order), ids.gather(1, order)
+    ``-1``) last. One sort of int64 keys, read back: the value (an fp32 logit, exact in float64;
+    ``-0`` as ``+0``) as its order-preserving key in the high 32 bits, the id's complement in the
+    low 32."""
+    low = (1 << 32) - 1
+    keys = _ordered(values.float() + 0.0) * (1 << 32) + (low - torch.where(ids < 0, low, ids))
+    keys = keys.sort(dim=1, descending=True).values
+    ranked_ids = low - (keys & low)
+    return (_from_key(keys >> 32).double(),
+            ranked_ids.masked_fill_(ranked_ids == low, -1))
 
 
 def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
