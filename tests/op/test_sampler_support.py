@@ -2,7 +2,9 @@
 docs/operator.md, "Sampler's support") against vLLM's v1 masking written out in float64 on the
 whole logits (``tplogp.testing.reference.sampler_mask``): the kept ids themselves (exact ties at
 the k-th logit and a top-p boundary inside a group of tied logits; per-token parameters, the
-filters' off values, temperature and softcap, tiny budgets and several candidate rounds), then
+filters' off values, temperature and softcap, tiny budgets and several candidate rounds; collecting
+rounds past their counted capacity, ``-inf`` logits and ties across rounds, a support that one rank
+holds alone), then
 logp, entropy, lse and every gradient as the float64 definition's renormalized over those ids, in
 one process and on 2 and 4 uneven gloo ranks; a target outside its support; the fused loss and
 ``losses.grpo(...)``; every bad parameter raising the same error on every rank."""
