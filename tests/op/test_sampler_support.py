@@ -2,7 +2,9 @@
 docs/operator.md, "Sampler's support") against vLLM's v1 masking written out in float64 on the
 whole logits (``tplogp.testing.reference.sampler_mask``): the kept ids themselves (exact ties at
 the k-th logit and a top-p boundary inside a group of tied logits; per-token parameters, the
-filters' off values, temperature and softcap, tiny budgets and several candidate rounds), then
+filters' off values, temperature and softcap, tiny budgets and several candidate rounds; collecting
+rounds past their counted capacity, ``-inf`` logits and ties across rounds, a support that one rank
+holds alone), then
 logp, entropy, lse and every gradient as the float64 definition's renormalized over those ids, in
 one process and on 2 and 4 uneven gloo ranks; a target outside its support; the fused loss and
 ``losses.grpo(...)``; every bad parameter raising the same error on every rank."""
@@ -161,6 +163,60 @@ def test_candidate_rounds(case, monkeypatch):
     assert len(seen) >= 2 and seen == sorted(seen), seen
     if case in ("top_p", "min_p"):
         assert len(seen) == 2, seen
+
+
+@pytest.mark.parametrize("case", ["top_p", "min_p", "per-token"])
+def test_collecting_rounds_past_their_capacity_run_again(case, monkeypatch):
+    """A collecting round whose edge holds more ids on a rank than the counting pass gave it (here
+    a count of 1 for every row) leaves those rows for another round (from their bound, then the
+    largest logits): the same ids."""
+    monkeypatch.setattr(sampler_module, "SLACK", 1)
+    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    real = sampler_module._binned_sizes
+
+    def short(*args):
+        last, size, whole = real(*args)
+        return last, torch.ones_like(size), torch.ones_like(whole)
+
+    monkeypatch.setattr(sampler_module, "_binned_sizes", short)
+    seen = _rounds(monkeypatch)
+    problem = _problem(seed=3)
+    params = _params(case)
+    ours = _our_mask(problem, params, workspace_bytes=1)
+    truth = _truth_mask(problem, params)
+    assert not _mismatch(ours, truth), _mismatch(ours, truth)
+    assert len(seen) >= 3 and seen == sorted(seen), seen
+
+
+@pytest.mark.parametrize("params", [dict(top_p=0.8), dict(min_p=0.01), dict(top_p=0.9, min_p=0.2),
+                                    dict(top_k=4, top_p=0.95)])
+def test_minus_inf_logits_and_ties_across_rounds(params, monkeypatch):
+    """Logits of ``-inf`` (a bias of ``-inf``: never kept, never counted) and exact ties (dyadic
+    logits: tied ids fall in one bin, collected or not together), with one candidate to start, so
+    every row counts and collects: the definition's ids."""
+    monkeypatch.setattr(sampler_module, "SLACK", 1)
+    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    hidden, weight, bias = _problem(seed=25)
+    bias = bias.clone()
+    bias[::3] = float("-inf")
+    problem = (hidden, weight, bias)
+    truth = _truth_mask(problem, params)
+    ours = _our_mask(problem, params, workspace_bytes=1)
+    assert not _mismatch(ours, truth), _mismatch(ours, truth)
+    assert not ours.reshape(N, V)[:, ::3].any()
+
+
+def test_top_p_boundary_inside_tied_logits_across_rounds(monkeypatch):
+    """The tie rule when the boundary's tied logits come from a collecting round."""
+    monkeypatch.setattr(sampler_module, "SLACK", 1)
+    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    problem, z = _tied_row()
+    p = torch.softmax(z, 0)
+    for tied_kept in (1, 2, 3):
+        top_p = float(p[5] + tied_kept * p[10] - p[10] / 2)
+        ours = _our_mask(problem, dict(top_p=top_p))
+        assert ours[0, 0].nonzero().squeeze(1).tolist() == [5, 10, 20, 30][: 1 + tied_kept]
+        assert torch.equal(ours, _truth_mask(problem, dict(top_p=top_p)))
 
 
 def test_deterministic_rows_do_not_depend_on_the_batch():
@@ -483,6 +539,34 @@ def test_tp_kept_ids_values_and_gradients(tp, vocab_shards, case, monkeypatch):
                              **kw)
     found += _compare(out, leaves, problem, target, padded_support(truth),
                       rows=slice(vs.start, vs.end), ignore_index=IGNORE, **kw)
+    tp.assert_all(not found, "; ".join(found))
+
+
+@pytest.mark.tp(world_size=[2, 4], timeout=300)
+@pytest.mark.parametrize("case", ["top_p", "min_p", "per-token"])
+def test_tp_support_on_one_rank(tp, vocab_shards, case, monkeypatch):
+    """Every token's support lies in ids 0, 1, 2 (rank 0's): the other ranks collect nothing in
+    the rounds after the first (one candidate per rank to start), and every rank keeps the
+    definition's ids."""
+    monkeypatch.setattr(sampler_module, "SLACK", 1)
+    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    seen = _rounds(monkeypatch)
+    hidden, weight, bias = _problem(seed=26)
+    bias = bias.clone()
+    bias[:3] += torch.tensor([30.0, 29.5, 29.5])
+    problem = (hidden, weight, bias)
+    vs = vocab_shards
+    params = _params(case)
+    truth = _truth_mask(problem, params)
+    ours = _our_mask(problem, params, group=tp.group, vocab_start=vs.start,
+                     weight=vs.shard(weight), bias=vs.shard(bias), workspace_bytes=1)
+    found = [_mismatch(ours, truth)] if _mismatch(ours, truth) else []
+    if not truth.reshape(N, V)[:, 3:].logical_not().all() and case != "per-token":
+        found.append("a token's support reaches past id 2")
+    if len(seen) < 2 and case != "per-token":  # (per token: top-k's candidates settle it)
+        found.append(f"one round only: {seen}")
+    everyone = tp.all_gather_object(ours.reshape(N, V).nonzero().tolist())
+    found += [] if all(o == everyone[0] for o in everyone) else ["the ranks' supports differ"]
     tp.assert_all(not found, "; ".join(found))
 
 

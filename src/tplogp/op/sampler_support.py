@@ -21,31 +21,51 @@ Ids whose logit is ``-inf`` are never kept. A token whose target is not in its s
 ``-inf`` (the target has probability 0 under the sampler's distribution).
 
 Algorithm (:func:`sampler_support`). Every token's support is a top prefix of its logits in the
-order above, so each rank streams its shard's logits once (token chunks x vocab chunks, fp32
-GEMMs, within the call's transient budget) and keeps per token its ``M`` largest logits and their
-ids, the ``M + 1``-th value (its *floor*: every id of the shard above it is among the candidates)
-and, for a token with top-p but neither top-k nor min-p, the shard's softmax statistics (float64
-sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]`` per rank) gives every rank the
-same candidates; each rank then applies the definition in float64 to the merged candidates, ranked
-as above. A token's answer is exact when some candidate strictly above the merged floor (the
-largest rank floor) is left out of the support (of ``R`` when top-k or min-p is on, whose
-normalizer is then among the candidates; top-p alone normalizes with the merged log-sum-exp), when
-the floor lies below a bound of the support's logits (min-p's ``max z + log(min_p)``; for top-p
-alone ``lse + log((1 - top_p) / V) - 1``, below which all ids together hold less than
-``1 - top_p``), or when no rank left an id out. Tokens whose answer is not yet exact run again
-(only they, every rank alike: the decision comes from the gathered data). Before the second round
-one counting pass (one more ``all_gather``) counts each rank's logits in 64 bins between the
-token's bound and its max, with their mass: the second round takes the most ids any rank holds
-above the bound (top-p alone: above the bin where the mass from the top reaches ``top_p``, and one
-bin more), plus one. Later rounds (ties, tokens without a bound: top-k's) take ``4 M``. ``M``
-starts at the largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without
-top-k) and ends at the vocabulary, where every rank sends every id. Tokens whose filters are all off
-keep every id (the ``KEEP_ALL`` row of :mod:`tplogp.op.support_ids`).
+order above. The first round streams each rank's shard of the logits once (token chunks x vocab
+chunks, fp32 GEMMs, within the call's transient budget) and keeps per token its ``M`` largest
+logits and their ids, the ``M + 1``-th value (its *floor*: every id of the shard above it is among
+the candidates), the shard's max and, for a token with top-p but neither top-k nor min-p, its
+softmax sum (float64 terms and sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]``
+per rank) gives every rank the same candidates, max and log-sum-exp; each rank then applies the
+definition in float64 to the merged candidates, ranked as above (one sort of int64 keys: the fp32
+value's order-preserving bits, then the id's complement). A token's answer is exact when some
+candidate strictly above the merged floor (the largest rank floor) is left out of the support (of
+``R`` when top-k or min-p is on, whose normalizer is then among the candidates), when for top-p
+alone (normalized with the merged log-sum-exp) the candidates above the floor hold ``top_p`` (every
+id below has at least that much ranked before it), when the floor lies below a bound ``lo`` of the
+support's logits (min-p's ``max z + log(min_p)``; for top-p alone ``lse + log((1 - top_p) / V) -
+1``, below which all ids together hold less than ``1 - top_p``), or when no rank left an id out.
+Tokens whose answer is not yet exact run again (only they, every rank alike: the decision comes
+from the gathered data).
 
-Cost: one forward pass over the vocabulary per round (one round when the support fits the first
-``M``, as with a top-k; top-p or min-p alone over flat distributions: two rounds and the counting
-pass), a ``topk`` of ``M + 1`` per chunk, one collective and one host read per round;
-``[tokens, world M]`` float64 candidates.
+Tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts its logits
+in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z) 64 / (max - lo))`` in
+fp32, non-increasing in ``z``, so the ids of the top bins are a top set of the logits; below ``lo``:
+none) and sums their mass (fp32 terms). The next round *collects*: down to the first bin where the
+mass from the top passes ``top_p`` by ``MASS_MARGIN`` (top-p alone), else down to ``lo``. Per vocab
+chunk, the ids of those bins (those at least a threshold found once per token by bisection over the
+fp32 values with the same bin function) get their slots from a running count and a cumulative sum
+along the row and are scattered into a ``[tokens, M]`` buffer (``M``: the most ids any rank counted
+there, known on the host after the counting pass's read); the floor is the largest logit not
+collected. No host read per chunk and no ``topk``: the candidates are sorted once, after the gather.
+The two passes compute the same logits in the same chunks and the same bins, so a rank's ids fit; a
+token whose ids do not (a GEMM that gave other bits) or that its bins did not settle collects again
+down to ``lo``, then takes the largest logits. Tokens without a bound (ties at top-k's ``k``-th
+logit) take ``4 M`` per round up to the vocabulary, where every rank sends every id. ``M`` starts at
+the largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without top-k) and
+never shrinks. Tokens whose filters are all off keep every id (the ``KEEP_ALL`` row of
+:mod:`tplogp.op.support_ids`).
+
+Cost: one forward pass over the vocabulary per round and one collective and one host read per round.
+A token whose support fits the first ``M`` (a top-k; top-p or min-p over a peaked distribution)
+settles in the first round, whose ``topk`` of ``M + 1`` per chunk costs about its GEMM on a CPU.
+Top-p or min-p alone over a flat distribution takes three passes (the first round, the counting
+pass, the collecting round), the last two with a few elementwise operations per logit instead of a
+``topk`` of thousands, and one sort of ``[tokens, world M]`` candidates. Why not fold the counting
+pass into the first round: bins merged over the ranks need a range every rank knows before the pass
+(the max and the log-sum-exp come from the first round's gather), and the tokens the first round
+settles would count for nothing. Why 256 to start: a smaller first ``M`` saves part of the first
+round's ``topk``, but a token whose support is past it takes the two further passes.
 """
 
 from __future__ import annotations
@@ -66,6 +86,9 @@ MIN_CANDIDATES = 256  # with top-p or min-p: the first round's candidates at lea
 GROWTH = 4  # a round's candidates over the previous round's
 DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
 BINS = 64  # the bins of the counting pass
+# top-p alone collects down to the bin where the counted mass passes top_p by this much (the
+# counting pass sums fp32 terms; the round decides in float64)
+MASS_MARGIN = 1e-4
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_temperature: float,
@@ -81,29 +104,107 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_tem
     return y
 
 
+def _ceil32(x: torch.Tensor) -> torch.Tensor:
+    """The least fp32 value at least ``x`` (float64): an fp32 logit ``z`` is at least ``x`` exactly
+    when it is at least this value."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, y.new_full((), float("inf"))), y)
+
+
+def _bin_scale(lo: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Per row ``[rows, 3]`` fp32: the bins' bottom (the least fp32 value at least ``lo``), top and
+    ``BINS`` over their span (finite)."""
+    scale = (BINS / (top - lo)).clamp(max=torch.finfo(torch.float32).max)
+    return torch.stack([_ceil32(lo), top.float(), scale.float()], 1)
+
+
+def _bins_of(z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bin of each fp32 logit ``z`` ``[rows, cols]`` (``scale``: :func:`_bin_scale`'s rows):
+    ``floor((top - z) BINS / (top - lo))`` within ``[0, BINS)`` (0 at the top) for ``z`` at least
+    ``lo``, else ``BINS``. Non-increasing in ``z`` (each step of it is), so the ids of bins
+    ``0 .. b`` are a top set of the logits; the counting pass and the collecting round compute it
+    alike."""
+    at = (scale[:, 1:2] - z).mul_(scale[:, 2:3]).floor_().clamp_(0, BINS - 1)
+    return at.masked_fill_(~(z >= scale[:, 0:1]), BINS).to(torch.int64)
+
+
+def _ordered(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` as int64 keys in the order of the values (``-0`` just below ``+0``)."""
+    bits = x.contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _from_key(key: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of :func:`_ordered`'s keys."""
+    return torch.where(key < 0, key ^ 0x7FFFFFFF, key).to(torch.int32).view(torch.float32)
+
+
+def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Per row, the least fp32 value ``t`` whose bin (:func:`_bins_of`) is at most ``last``: the
+    logits of the bins ``0 .. last`` are exactly those at least ``t`` (the bin is non-increasing
+    in the logit, and the bisection over the fp32 values between the bins' bottom and top
+    evaluates it as the passes do); ``inf`` for ``last < 0``."""
+    lo_key, hi_key = _ordered(scale[:, 0]), _ordered(scale[:, 1])
+    for _ in range(33):  # (the keys of two fp32 values differ by less than 2^32)
+        mid = (lo_key + hi_key) // 2
+        fits = _bins_of(_from_key(mid)[:, None], scale).squeeze(1) <= last
+        hi_key, lo_key = torch.where(fits, mid, hi_key), torch.where(fits, lo_key, mid + 1)
+    return _from_key(hi_key).masked_fill(last < 0, float("inf"))
+
+
 def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
                       inv_temperature: float, softcap: Optional[float], tile_elements: int,
-                      deterministic: bool, with_lse: bool = True) -> torch.Tensor:
-    """Per row of ``h``: this shard's ``m`` largest logits and their shard-local ids (``-inf`` /
-    ``-1`` past the shard's ids), the floor (the ``m + 1``-th largest logit, ``-inf`` when the shard
-    has at most ``m`` ids), the row max and (``with_lse``; else 0)
-    ``sum exp(z - max)``, packed as float64 ``[rows, 2 m + 3]``."""
+                      deterministic: bool, with_lse: bool = True,
+                      edge: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
+    shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
+    candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 ``[rows, 3]``:
+    the bound ``lo``, the max and the last bin ``b``) *collect*: their candidates are this
+    shard's ids of the bins ``0 .. b`` between ``lo`` and the max (:func:`_bins_of`; the first
+    ``m`` of them in id order when more are), the floor the largest logit of the others, the
+    statistics the largest logit and how many ids those bins hold. The other rows take the
+    ``m`` largest logits, the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m``
+    ids), the statistics the row max and (``with_lse``; else 0) ``sum exp(z - max)``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
-    # the m largest and one more: its value is the floor (every id above it is among the m)
-    take = min(m + 1, v)
     out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
     out[:, m:2 * m] = -1
     out[:, 2 * m + 2] = 0
     if n == 0 or v == 0:
         return out
+    c = 0 if edge is None else edge.shape[0]
+    if c:
+        _collect(out[:c], h[:c], w, b, _bin_scale(edge[:, 0], edge[:, 1]), edge[:, 2], m,
+                 inv_temperature, softcap, tile_elements, deterministic)
+    if c < n:
+        _largest(out[c:], h[c:], w, b, m, inv_temperature, softcap, tile_elements,
+                 deterministic, with_lse)
+    return out
+
+
+def _row_chunks(h: torch.Tensor, deterministic: bool):
+    """``(t0, t1, rows)``: the token chunks of ``h`` (a deterministic call's padded with zero rows
+    to the fixed chunk: a row's bits, whatever the batch)."""
+    n = h.shape[0]
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    # (a chunk at least as wide as the candidates: their topk costs at most the logits' size)
-    vc = max(64, take, tile_elements // tc - take)
     for t0 in range(0, n, tc):
         t1 = min(t0 + tc, n)
         hc = h[t0:t1]
-        if deterministic and hc.shape[0] < tc:  # fixed shapes: a row's bits, whatever the batch
+        if deterministic and hc.shape[0] < tc:
             hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
+        yield t0, t1, hc
+
+
+def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+             m: int, inv_temperature: float, softcap: Optional[float], tile_elements: int,
+             deterministic: bool, with_lse: bool) -> None:
+    """:func:`_shard_candidates`' rows that take the ``m`` largest logits, written into ``out``."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    # the m largest and one more: its value is the floor (every id above it is among the m)
+    take = min(m + 1, v)
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    # (a chunk at least as wide as the candidates: their topk costs at most the logits' size)
+    vc = max(64, take, tile_elements // tc - take)
+    for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
         vals = torch.full((rows, take), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, take), -1, dtype=torch.int64, device=dev)
@@ -132,46 +233,78 @@ def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
             out[t0:t1, 2 * m] = vals[keep, m].double()
         out[t0:t1, 2 * m + 1] = row_max[keep].double()
         out[t0:t1, 2 * m + 2] = sum_exp[keep].double()
-    return out
 
 
-def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], lo: torch.Tensor,
-                top: torch.Tensor, lse: torch.Tensor, inv_temperature: float,
-                softcap: Optional[float], tile_elements: int, deterministic: bool) -> torch.Tensor:
-    """Per row of ``h``: how many of this shard's logits fall in each of ``BINS`` equal bins of
-    ``[lo, top]`` (bin 0 at the top; float64 per row) and their mass ``exp(z - lse)``, packed as
-    float64 ``[rows, 2 BINS]`` (counts, then masses)."""
+def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+             scale: torch.Tensor, last: torch.Tensor, m: int, inv_temperature: float,
+             softcap: Optional[float], tile_elements: int, deterministic: bool) -> None:
+    """:func:`_shard_candidates`' collecting rows (``scale``: :func:`_bin_scale`'s, ``last``: the
+    last bin each takes), written into ``out``: per vocab chunk, the ids of those bins (those at
+    least the row's :func:`_threshold`) get their slots from a running count and a cumulative sum
+    along the row, and are scattered into ``[rows, m]`` buffers (slots past ``m`` into a column
+    that is dropped): no host read, whatever the count."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    vc = max(64, tile_elements // (2 * tc))
+    threshold = _threshold(scale, last.to(torch.int64))
+    for t0, t1, hc in _row_chunks(h, deterministic):
+        rows = hc.shape[0]
+        pad = rows - (t1 - t0)  # (padding rows: nothing collected)
+        at_least = torch.cat([threshold[t0:t1], threshold.new_full((pad,), float("inf"))])
+        vals = torch.full((rows, m + 1), float("-inf"), dtype=torch.float32, device=dev)
+        ids = torch.full((rows, m + 1), -1, dtype=torch.int64, device=dev)
+        held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
+        below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+        row_max = torch.full_like(below, float("-inf"))
+        for v0 in range(0, v, vc):
+            v1 = min(v0 + vc, v)
+            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            row_max = torch.maximum(row_max, z.max(1).values)
+            mask = z >= at_least[:, None]
+            below = torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values)
+            slot = mask.to(torch.int32).cumsum(1, dtype=torch.int32).add_(held - 1)
+            held = slot[:, -1:] + 1
+            slot = torch.where(mask & (slot < m), slot, m).to(torch.int64)
+            vals.scatter_(1, slot, z)
+            ids.scatter_(1, slot, torch.arange(v0, v1, device=dev).expand(rows, -1))
+        keep = slice(0, t1 - t0)
+        out[t0:t1, :m] = vals[keep, :m].double()
+        out[t0:t1, m:2 * m] = torch.where(vals[keep, :m] > float("-inf"), ids[keep, :m], -1)
+        out[t0:t1, 2 * m] = below[keep].double()
+        out[t0:t1, 2 * m + 1] = row_max[keep].double()
+        out[t0:t1, 2 * m + 2] = held[keep, 0].double()
+
+
+def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
+                lse: Optional[torch.Tensor], inv_temperature: float, softcap: Optional[float],
+                tile_elements: int, deterministic: bool) -> torch.Tensor:
+    """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins of
+    :func:`_bins_of` (``scale``: :func:`_bin_scale`'s rows; bin 0 at the top) and (given ``lse``;
+    else 0) their mass ``exp(z - lse)`` (fp32 terms), packed as float64 ``[rows, 2 BINS]``
+    (counts, then masses). The bins hold what :func:`_collect` takes exactly (the same logits: the
+    same chunks)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     out = torch.zeros(n, 2 * BINS, dtype=torch.float64, device=dev)
     if n == 0 or v == 0:
         return out
-    width = (top - lo) / BINS
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     vc = max(64, tile_elements // (2 * tc))
-    for t0 in range(0, n, tc):
-        t1 = min(t0 + tc, n)
-        hc = h[t0:t1]
-        if deterministic and hc.shape[0] < tc:
-            hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
-        rows = slice(t0, t1)
-        counts = torch.zeros(hc.shape[0], BINS + 1, dtype=torch.float64, device=dev)
+    for t0, t1, hc in _row_chunks(h, deterministic):
+        rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
+        rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
+        if lse is not None:
+            shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
+        counts = torch.zeros(rows, BINS + 1, dtype=torch.float32, device=dev)
         masses = torch.zeros_like(counts)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
-            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature,
-                        softcap)[: t1 - t0].double()
-            at = ((top[rows, None] - z) / width[rows, None]).floor_()
-            at = torch.where((z >= lo[rows, None]) & (at >= 0), at.clamp_(max=BINS - 1), BINS)
-            at = at.nan_to_num_(nan=BINS).long()
-            pad = hc.shape[0] - (t1 - t0)
-            if pad:
-                at = torch.cat([at, at.new_full((pad, at.shape[1]), BINS)])
-                z = torch.cat([z, z.new_zeros(pad, z.shape[1])])
+            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            at = _bins_of(z, rows_scale)
             counts.scatter_add_(1, at, torch.ones_like(z))
-            mass = torch.exp(z - torch.cat([lse[rows], lse.new_zeros(pad)])[:, None])
-            masses.scatter_add_(1, at, mass.nan_to_num_(nan=0.0))
-        out[rows, :BINS] = counts[: t1 - t0, :BINS]
-        out[rows, BINS:] = masses[: t1 - t0, :BINS]
+            if lse is not None:
+                masses.scatter_add_(1, at, torch.exp(z.sub_(shift)).nan_to_num_(nan=0.0))
+        out[t0:t1, :BINS] = counts[: t1 - t0, :BINS].double()
+        out[t0:t1, BINS:] = masses[: t1 - t0, :BINS].double()
     return out
 
 
@@ -195,29 +328,36 @@ def _lower_bounds(params: SamplerParams, top: torch.Tensor, lse: torch.Tensor,
     return torch.where(torch.isfinite(lo) & (lo < top), lo, float("-inf"))
 
 
-def _binned_sizes(bins: torch.Tensor, params: SamplerParams, world: int) -> torch.Tensor:
-    """From every rank's bins (``[world, rows, 2 BINS]``): per row, the most ids any rank holds
-    at or above the support's lowest bin (top-p alone: the first bin where the mass from the top
-    reaches ``top_p``, and one more; else every bin)."""
+def _binned_sizes(bins: torch.Tensor, params: SamplerParams
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From every rank's bins (``[world, rows, 2 BINS]``): per row, the last bin the next round
+    collects (top-p alone: the first where the mass from the top passes ``top_p`` by
+    ``MASS_MARGIN``; else the last, down to the bound), and the most ids any rank holds in the
+    bins up to it, and in all (float64)."""
     counts, masses = bins[..., :BINS], bins[..., BINS:].sum(0)
     last = torch.full((counts.shape[1],), BINS - 1, dtype=torch.int64, device=bins.device)
     if params.top_p is not None:
-        reached = masses.cumsum(1) >= params.top_p[:, None]
-        first = torch.where(reached.any(1), reached.long().argmax(1) + 1, BINS - 1)
+        reached = masses.cumsum(1) >= params.top_p[:, None] + MASS_MARGIN
+        first = torch.where(reached.any(1), reached.long().argmax(1), BINS - 1)
         only_p = (params.top_k <= 0 if params.top_k is not None else True)
         only_p = only_p & (params.min_p <= 0 if params.min_p is not None else True)
-        last = torch.where(only_p & (params.top_p < 1), first.clamp(max=BINS - 1), last)
+        last = torch.where(only_p & (params.top_p < 1), first, last)
     inside = torch.arange(BINS, device=bins.device)[None, :] <= last[:, None]
-    return (counts * inside).sum(2).max(0).values
+    size = (counts * inside).sum(2).max(0).values
+    return last.double(), size, counts.sum(2).max(0).values
 
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The candidates ranked by value, largest first, ties by id, lowest first (two stable
-    sorts); padding (``-inf``, ``-1``) last."""
-    by_id = torch.where(ids < 0, torch.iinfo(torch.int64).max, ids).argsort(dim=1, stable=True)
-    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
-    by_value = values.argsort(dim=1, descending=True, stable=True)
-    return values.gather(1, by_value), ids.gather(1, by_value)
+    """The candidates ranked by value, largest first, ties by id, lowest first; padding (``-inf``,
+    ``-1``) last. One sort of int64 keys, read back: the value (an fp32 logit, exact in float64;
+    ``-0`` as ``+0``) as its order-preserving key in the high 32 bits, the id's complement in the
+    low 32."""
+    low = (1 << 32) - 1
+    keys = _ordered(values.float() + 0.0) * (1 << 32) + (low - torch.where(ids < 0, low, ids))
+    keys = keys.sort(dim=1, descending=True).values
+    ranked_ids = low - (keys & low)
+    return (_from_key(keys >> 32).double(),
+            ranked_ids.masked_fill_(ranked_ids == low, -1))
 
 
 def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
@@ -241,17 +381,24 @@ def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
     outside_r = valid & ~kept
     if params.top_p is not None:
         masked = x.masked_fill(~kept, float("-inf"))
-        norm = torch.where(narrowed, torch.logsumexp(masked, 1), lse)
+        norm = lse  # (R's own normalizer only where top-k or min-p is given)
+        if params.min_p is not None or params.top_k is not None:
+            norm = torch.where(narrowed, torch.logsumexp(masked, 1), lse)
         mass = torch.exp(masked - norm[:, None])
-        before = torch.cumsum(mass, 1) - mass
+        through = torch.cumsum(mass, 1)
+        before = through - mass
         kept &= (before < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
     kept[:, 0] = valid[:, 0]  # the largest, always
     above = valid & (x > floor[:, None])
     left_out = torch.where(narrowed[:, None], above & outside_r, above & ~kept).any(1)
     exact = (floor == float("-inf")) | left_out | torch.isnan(top[:, 0])
+    if params.top_p is not None:  # top-p alone: the ids above the floor hold top_p, so every id
+        # below it has at least that much ranked before it
+        reach = torch.where(above, through, 0.0).amax(1) >= params.top_p
+        exact |= ~narrowed & (params.top_p < 1) & reach
     need = torch.zeros_like(lse)
     if params.top_p is not None:
-        covered = torch.exp(x - lse[:, None]).mul_(above).sum(1)
+        covered = (mass * above).sum(1)  # (a row without top-k or min-p: exp(x - lse))
         at_floor = torch.exp(floor - lse)
         missing = (params.top_p - covered).clamp_(min=0)
         bound = above.sum(1) + missing / at_floor
@@ -302,10 +449,19 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         m = max(m, MIN_CANDIDATES)
     m = min(m, vocab)
     done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, ranked ids, lengths
-    counted = False  # whether the counting pass ran
+    # per row of todo, from the first round: the max, the log-sum-exp and the bound of the
+    # support's logits (-inf: none); the rows that collect come first, with their edges and the
+    # most ids any rank holds at or above the bound (the counting pass's)
+    top = lse = lo = whole = torch.empty(0, dtype=torch.float64, device=dev)
+    last, collecting, first = None, 0, True
     while count:
+        rows_params = params.rows(todo)
+        edge = None
+        if collecting:
+            edge = torch.stack([lo[:collecting], top[:collecting], last[:collecting]], 1)
         part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, inv_temperature,
-                                 softcap, tile_elements, deterministic, bool(top_p_alone))
+                                 softcap, tile_elements, deterministic,
+                                 first and bool(top_p_alone), edge)
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
         if world > 1:
@@ -314,38 +470,60 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         values = ranks[:, :, :m].permute(1, 0, 2).reshape(count, world * m)
         ids = ranks[:, :, m:2 * m].permute(1, 0, 2).reshape(count, world * m).long()
         floor = ranks[:, :, 2 * m].max(0).values
-        row_max, sums = ranks[:, :, 2 * m + 1], ranks[:, :, 2 * m + 2]
-        top = row_max.max(0).values
-        base = torch.where(top == float("-inf"), 0.0, top)
-        lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
+        if first:
+            row_max, sums = ranks[:, :, 2 * m + 1], ranks[:, :, 2 * m + 2]
+            top = row_max.max(0).values
+            base = torch.where(top == float("-inf"), 0.0, top)
+            lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
+            lo = _lower_bounds(rows_params, top, lse, vocab)
+            whole = torch.zeros_like(top)
         x, ranked_ids = _ranked(values, ids)
-        rows_params = params.rows(todo)
         kept, exact, need = _decide(x, lse, floor, rows_params)
         # exact too: every id at or above a bound of the support's logits is a candidate
-        lo = _lower_bounds(rows_params, top, lse, vocab)
         exact |= floor < lo
+        # a collecting row whose edge holds more ids than the round's candidates on some rank
+        held = ranks[:, :, 2 * m + 2].max(0).values
+        was = torch.arange(count, device=dev) < collecting
+        exact &= ~(was & (held > m))
         lengths = kept.sum(1)
-        # (one host read per round: every rank the same)
-        need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
-        count, need = torch.stack([(~exact).sum().double(), need.max()]).tolist()
         done.append((todo[exact], ranked_ids[exact], lengths[exact]))
-        left, todo, count = ~exact, todo[~exact], int(count)
-        # the next round: 4x the candidates, or twice a top-p row's bound spread over the ranks
-        grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
-        if count and not counted:  # once: the sizes the bounded rows take, counted
-            counted = True
-            lo = lo[left]
-            bins = _shard_bins(hidden.index_select(0, todo), weight, bias, lo, top[left],
-                               lse[left], inv_temperature, softcap, tile_elements, deterministic)
+        # the next round: the rows after the first collect from their bound, at an edge counted
+        # first; a collecting row left (its ids past the candidates, or an edge that did not
+        # settle it) collects from its bound, then takes the largest, as the rows without a bound
+        if first:
+            step = torch.where(lo > float("-inf"), BINS - 1.0, float("nan"))
+            size = torch.zeros_like(lo)
+        else:
+            again = was & (last < BINS - 1)
+            step = torch.where(again, BINS - 1.0, float("nan"))
+            size = torch.where(again, torch.maximum(whole, held), 0.0)
+        left = ~exact
+        step, size = step[left], size[left]
+        order = torch.isnan(step).to(torch.int8).argsort(stable=True)
+        todo, step, size = todo[left][order], step[order], size[order]
+        top, lse, lo, whole = (t[left][order] for t in (top, lse, lo, whole))
+        need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
+        # (one host read per round: every rank the same)
+        count, need, collecting, size_max = torch.stack([
+            left.sum().double(), need.max(), (~torch.isnan(step)).sum().double(),
+            size.max() if size.numel() else size.new_zeros(())]).tolist()
+        count, collecting = int(count), int(collecting)
+        if first and collecting:  # once: the edges the bounded rows collect from, counted
+            bins = _shard_bins(hidden.index_select(0, todo[:collecting]), weight, bias,
+                               _bin_scale(lo[:collecting], top[:collecting]),
+                               lse[:collecting] if top_p_alone else None, inv_temperature,
+                               softcap, tile_elements, deterministic)
             if world > 1:
                 bins = all_gather_flat(bins.to(comm_device), group).to(dev)
-            sizes = _binned_sizes(bins.view(world, count, 2 * BINS), rows_params.rows(
-                left.nonzero().squeeze(1)), world)
-            unknown, size = torch.stack([(lo == float("-inf")).sum().double(),
-                                         sizes.max()]).tolist()
-            # (one more than the largest count: an id left out, below the support)
-            grown = int(min(vocab, max(size + 1, grown if unknown else 0, 1)))
-        m = grown
+            step[:collecting], size[:collecting], whole[:collecting] = _binned_sizes(
+                bins.view(world, collecting, 2 * BINS), params.rows(todo[:collecting]))
+            size_max = size[:collecting].max().item()
+        last, first = step, False
+        grown = m
+        if count > collecting:  # 4x the candidates, or twice a top-p row's bound over the ranks
+            grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
+        # (the most ids a rank counted in a collecting row's bins: a row with more runs again)
+        m = int(min(vocab, max(grown, size_max if collecting else 0, 1)))
     widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths
                                                                  in done if lengths.numel()]
     every = bool((~on).any()) if n else False
