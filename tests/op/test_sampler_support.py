@@ -27,7 +27,7 @@ from tplogp.op.support_ids import KEEP_ALL
 from tplogp.op.validation import LinearLogpInputError
 from tplogp.testing.reference import (padded_support, reference_logits, reference_support_outputs,
                                       sampler_mask)
-from tplogp.tolerances import assert_no_worse
+from tests.support import support_checks
 from tests.support.problems import cpu_sources
 
 IGNORE = -100
@@ -279,44 +279,13 @@ def _targets_in(mask: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.multinomial(mask.reshape(N, V).double(), 1, generator=g).reshape(B, L)
 
 
-def _grads_of(outputs, leaves, weights):
-    total = sum((o.to(weights[0].dtype) * w).sum() for o, w in zip(outputs, weights))
-    return torch.autograd.grad(total, [x for x in leaves if x is not None])
-
-
 def _compare(ours, leaves, problem, target, support, rows=slice(None), **kw) -> list[str]:
     """Three-way checks of logp, entropy, lse and the gradients against the float64 definition
     renormalized over ``support`` (``rows``: this rank's of d_W and d_b)."""
-    hidden, weight, bias = problem
-    keep = (target != IGNORE).float()
     g = torch.Generator().manual_seed(7)
-    upstream = [torch.randn(B, L, generator=g, dtype=torch.float64) * keep for _ in range(3)]
-    ref_kw = {k: v for k, v in kw.items() if k in ("temperature", "softcap", "ignore_index")}
-    results = {}
-    for dtype in (torch.float64, torch.float32):
-        h, w, b = (t.to(dtype).clone().requires_grad_() for t in (hidden, weight, bias))
-        out = reference_support_outputs(h, w, target, support, b, **ref_kw,
-                                        mode="float64" if dtype == torch.float64 else "fp32")
-        outs = (out.logp, out.entropy, out.lse * keep.to(dtype))
-        results[dtype] = ([o.detach() for o in outs],
-                          _grads_of(outs, (h, w, b), [u.to(dtype) for u in upstream]))
-    (truth, t_grads), (ref, r_grads) = results[torch.float64], results[torch.float32]
-    mine = [ours.logp, ours.entropy, ours.lse * keep]
-    my_grads = _grads_of(mine, leaves, [u.float() for u in upstream])
-    found = []
-    for name, a, r, t in zip(("logp", "entropy", "lse"), mine, ref, truth):
-        try:
-            assert_no_worse(name, a.detach(), r, t, torch.float32)
-        except AssertionError as exc:
-            found.append(str(exc))
-    for name, a, r, t in zip(("d_hidden", "d_weight", "d_bias"), my_grads, r_grads, t_grads):
-        if name != "d_hidden":
-            r, t = r[rows], t[rows]
-        try:
-            assert_no_worse(name, a, r, t, torch.float32)
-        except AssertionError as exc:
-            found.append(str(exc))
-    return found
+    upstream = [torch.randn(B, L, generator=g, dtype=torch.float64) for _ in range(3)]
+    return support_checks.compare(ours, leaves, problem, target, support, upstream,
+                                  target != IGNORE, rows, **kw)
 
 
 VALUE_OPTIONS = {

@@ -16,6 +16,7 @@ import torch
 
 import tplogp
 from tests.support import grpo_reference
+from tests.support import support_checks
 from tests.support.problems import cpu_sources
 from tplogp import losses
 from tplogp.backends import fused_support, native, native_support
@@ -96,56 +97,17 @@ def _csr(support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return offsets, rows[rows >= 0]
 
 
-def _grads_of(outputs, leaves, weights):
-    """The gradients of ``sum(g_logp logp + g_entropy entropy + g_lse lse)`` for the leaves."""
-    total = sum((o.to(weights[0].dtype) * w).sum() for o, w in zip(outputs, weights))
-    return torch.autograd.grad(total, [x for x in leaves if x is not None])
-
-
 def _upstream(shape, seed: int) -> list[torch.Tensor]:
     """Upstream gradients of logp, entropy and lse (float64)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3)]
 
 
-def _reference(problem, support, dtype, **kw):
-    """``(logp, entropy, lse), (d_hidden, d_weight, d_bias)`` of the definition in ``dtype``."""
-    hidden, weight, bias, target, _ = problem
-    h, w, b = (t.to(dtype).clone().requires_grad_() for t in (hidden, weight, bias))
-    ref_kw = {k: v for k, v in kw.items() if k in ("temperature", "softcap", "ignore_index")}
-    out = reference_support_outputs(h, w, target, support, b,
-                                    mode="float64" if dtype == torch.float64 else "fp32", **ref_kw)
-    keep = (target != IGNORE).to(dtype)
-    lse = out.lse * keep  # (an ignored token's lse: not compared)
-    return (out.logp, out.entropy, lse), (h, w, b)
-
-
 def _compare(ours, ours_leaves, problem, support, upstream, rows=slice(None), **kw):
     """Three-way checks of the outputs and the gradients (``rows``: this rank's of d_W and d_b)."""
-    target = problem[3]
-    keep = (target != IGNORE).float()
-    found = []
-    results = {}
-    for dtype in (torch.float64, torch.float32):
-        outs, leaves = _reference(problem, support, dtype, **kw)
-        grads = _grads_of(outs, leaves, [u.to(dtype) * keep.to(dtype) for u in upstream])
-        results[dtype] = ([o.detach() for o in outs], grads)
-    (truth, t_grads), (ref, r_grads) = results[torch.float64], results[torch.float32]
-    mine = [ours.logp, ours.entropy, ours.lse * keep]
-    my_grads = _grads_of(mine, ours_leaves, [u.float() * keep for u in upstream])
-    for name, a, r, t in zip(("logp", "entropy", "lse"), mine, ref, truth):
-        try:
-            assert_no_worse(name, a.detach(), r, t, torch.float32)
-        except AssertionError as exc:
-            found.append(str(exc))
-    for name, a, r, t in zip(("d_hidden", "d_weight", "d_bias"), my_grads, r_grads, t_grads):
-        if name != "d_hidden":
-            r, t = r[rows], t[rows]
-        try:
-            assert_no_worse(name, a, r, t, torch.float32)
-        except AssertionError as exc:
-            found.append(str(exc))
-    return found
+    hidden, weight, bias, target, _ = problem
+    return support_checks.compare(ours, ours_leaves, (hidden, weight, bias), target, support,
+                                  upstream, target != IGNORE, rows, **kw)
 
 
 def _call(op, problem, support, leaves=None, **kw):
@@ -224,8 +186,8 @@ def test_full_support_is_the_plain_op(source):
     plain, plain_leaves = _call(op, problem, None)
     for a, p in zip(ours, plain):
         torch.testing.assert_close(a, p, rtol=1e-6, atol=1e-6)
-    ga = _grads_of(list(ours), leaves, [torch.ones(B, L)] * 3)
-    gp = _grads_of(list(plain), plain_leaves, [torch.ones(B, L)] * 3)
+    ga = support_checks.grads_of(list(ours), leaves, [torch.ones(B, L)] * 3)
+    gp = support_checks.grads_of(list(plain), plain_leaves, [torch.ones(B, L)] * 3)
     for a, p in zip(ga, gp):
         torch.testing.assert_close(a, p, rtol=1e-5, atol=1e-6)
 
