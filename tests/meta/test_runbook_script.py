@@ -159,25 +159,7 @@ def test_support_k_correctness_phase_on_two_ranks(tp):
     ``support=``, the reference renormalized over it; the header names it and the support's lse is
     one more check line, in the other lines' format, all passing (the phase in-process on the
     plugin's ranks: no torchrun)."""
-    import contextlib
-    import io
-
-    from tplogp import get_op
-    from tplogp.runbook.correctness import correctness
-
-    args = parse_args([*SMALL, "--vocab-size", "61", "--uneven-shards", "--entropy",
-                       "--ignore-fraction", "0.25", "--support-k", "5"])
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        ok = correctness(args, tp.rank, tp.world_size, torch.device("cpu"), "gloo",
-                         get_op("linear_logp"))
-    text = printed.getvalue()
-    lines_ok = tp.rank != 0 or (
-        "  support_k=5\n" in text
-        and all(re.search(rf"  PASS {metric}: max_abs=\S+, max_rel=\S+\n", text)
-                for metric in ("output", "entropy", "hidden_grad", "weight_grad", "bias_grad",
-                               "support_lse")))
-    tp.assert_all(ok and lines_ok, text)
+    _check_support_phase(tp, ["--support-k", "5"], "  support_k=5\n")
 
 
 @pytest.mark.tp(world_size=2, timeout=120)
@@ -185,6 +167,14 @@ def test_sampler_correctness_phase_on_two_ranks(tp):
     """``--top-k K --top-p P --min-p M``: the op computes the sampler's support, the targets are
     drawn from the float64 definition's kept ids and the reference is renormalized over them; the
     header names the parameters and the support's lse is one more check line, all passing."""
+    _check_support_phase(tp, ["--top-k", "7", "--top-p", "0.8", "--min-p", "0.01"],
+                         "  sampler: top_k=7, top_p=0.8, min_p=0.01, kept ids per token")
+
+
+def _check_support_phase(tp, flags: list[str], header: str) -> None:
+    """The correctness phase in-process on the plugin's ranks (no torchrun) with ``flags`` (a
+    support, given or from the sampler's parameters): it passes, rank 0's output holds ``header``
+    and a PASS line, in the other lines' format, for every metric and the support's lse."""
     import contextlib
     import io
 
@@ -192,15 +182,14 @@ def test_sampler_correctness_phase_on_two_ranks(tp):
     from tplogp.runbook.correctness import correctness
 
     args = parse_args([*SMALL, "--vocab-size", "61", "--uneven-shards", "--entropy",
-                       "--ignore-fraction", "0.25", "--top-k", "7", "--top-p", "0.8",
-                       "--min-p", "0.01"])
+                       "--ignore-fraction", "0.25", *flags])
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         ok = correctness(args, tp.rank, tp.world_size, torch.device("cpu"), "gloo",
                          get_op("linear_logp"))
     text = printed.getvalue()
     lines_ok = tp.rank != 0 or (
-        "  sampler: top_k=7, top_p=0.8, min_p=0.01, kept ids per token" in text
+        header in text
         and all(re.search(rf"  PASS {metric}: max_abs=\S+, max_rel=\S+\n", text)
                 for metric in ("output", "entropy", "hidden_grad", "weight_grad", "bias_grad",
                                "support_lse")))

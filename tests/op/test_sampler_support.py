@@ -152,14 +152,7 @@ def test_candidate_rounds(case, monkeypatch):
     """With one candidate per rank to start, the rows whose answer is not exact run again until it
     is: the same ids, after several rounds; top-p or min-p alone take two (the counting pass sizes
     the second)."""
-    monkeypatch.setattr(sampler_module, "SLACK", 1)
-    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
-    seen = _rounds(monkeypatch)
-    problem = _problem(seed=3)
-    params = _params(case)
-    ours = _our_mask(problem, params, workspace_bytes=1)
-    truth = _truth_mask(problem, params)
-    assert not _mismatch(ours, truth), _mismatch(ours, truth)
+    seen = _rounds_from_one_candidate(case, monkeypatch)
     assert len(seen) >= 2 and seen == sorted(seen), seen
     if case in ("top_p", "min_p"):
         assert len(seen) == 2, seen
@@ -170,8 +163,6 @@ def test_collecting_rounds_past_their_capacity_run_again(case, monkeypatch):
     """A collecting round whose edge holds more ids on a rank than the counting pass gave it (here
     a count of 1 for every row) leaves those rows for another round (from their bound, then the
     largest logits): the same ids."""
-    monkeypatch.setattr(sampler_module, "SLACK", 1)
-    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
     real = sampler_module._binned_sizes
 
     def short(*args):
@@ -179,13 +170,23 @@ def test_collecting_rounds_past_their_capacity_run_again(case, monkeypatch):
         return last, torch.ones_like(size), torch.ones_like(whole)
 
     monkeypatch.setattr(sampler_module, "_binned_sizes", short)
+    seen = _rounds_from_one_candidate(case, monkeypatch)
+    assert len(seen) >= 3 and seen == sorted(seen), seen
+
+
+def _rounds_from_one_candidate(case: str, monkeypatch) -> list:
+    """The kept ids of ``case`` with one candidate per rank to start and a budget of one byte
+    (every chunk the smallest), checked against the float64 definition; returns the rounds seen
+    (:func:`_rounds`)."""
+    monkeypatch.setattr(sampler_module, "SLACK", 1)
+    monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
     seen = _rounds(monkeypatch)
     problem = _problem(seed=3)
     params = _params(case)
     ours = _our_mask(problem, params, workspace_bytes=1)
     truth = _truth_mask(problem, params)
     assert not _mismatch(ours, truth), _mismatch(ours, truth)
-    assert len(seen) >= 3 and seen == sorted(seen), seen
+    return seen
 
 
 @pytest.mark.parametrize("params", [dict(top_p=0.8), dict(min_p=0.01), dict(top_p=0.9, min_p=0.2),
