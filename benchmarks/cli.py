@@ -64,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                          "deterministic=tp_invariant, label_smoothing=E, z_loss=K (the last two on "
                          "the fused cross-entropy rows), support=K<k>-shared / "
                          "support=K<k>-disjoint (a sampler's support of k ids per token, its union "
-                         "size in the row; benchmarks/supports.py); join options of one variant "
+                         "size in the row; benchmarks/supports.py), top_k=K / top_p=P / min_p=M "
+                         "(the sampler's parameters; logit_std=S scales their problem's logits "
+                         "to that spread); join options of one variant "
                          "with '+', e.g. "
                          "softcap=30,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4,"
                          "support=K64-shared (benchmarks/variants.py)")

@@ -43,6 +43,10 @@ row with:
   against the float64 truth of its own math; its forward+backward milliseconds over the same call's
   without the variant (same implementation, budget and checks mode), timed in the same rounds, next
   to it in the rotating order;
+* ``logit_std``, ``support_mean``, ``support_max``, a sampler variant's rows (``top_k=`` /
+  ``top_p=`` / ``min_p=``): the spread its logits were scaled to (None: the problem's own), and
+  the mean and largest size of its supports over the first 256 tokens (printed as ``support N (max
+  M)``);
 * ``support``, ``support_k``, ``support_union``, a ``support=`` variant's rows: the support's label,
   its ids per token and the number of distinct ids of all tokens' supports together (printed as
   ``union N``); the supports are built once per shape before any timing
@@ -88,6 +92,26 @@ def make_problem(T: int, D: int, V: int, dtype: torch.dtype, device: torch.devic
     y = torch.randint(0, V, (T,), device=device, generator=g)
     gy = torch.randn(T, device=device, generator=g)
     return h, w, y, gy
+
+
+def scaled_hidden(h: torch.Tensor, w: torch.Tensor, std: float, tokens: int = 256) -> torch.Tensor:
+    """``h`` scaled so the logits ``h w^T`` have standard deviation ``std`` (measured over the first
+    ``tokens`` rows, fp32)."""
+    now = (h[:tokens].float() @ w.float().T).std()
+    return (h.float() * (std / now)).to(h.dtype)
+
+
+def support_sizes(h: torch.Tensor, w: torch.Tensor, variant: Variant,
+                  tokens: int = 256) -> tuple[float, int]:
+    """The mean and the largest number of ids a sampler variant's support keeps, over the first
+    ``tokens`` rows of ``h`` (their whole fp32 logits, the float64 definition of
+    ``tplogp.testing.reference.sampler_mask``)."""
+    from tplogp.testing.reference import sampler_mask
+
+    logits = h[:tokens].float() @ w.float().T
+    kept = sampler_mask(logits, top_k=variant.top_k, top_p=variant.top_p,
+                        min_p=variant.min_p).sum(-1)
+    return float(kept.double().mean()), int(kept.max())
 
 
 class Float64Stats(NamedTuple):
@@ -278,6 +302,14 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         if support is not None:
             row.update(support=variant.support, support_k=support.shape[1],
                        support_union=unions[variant.support])
+        # a sampler variant: its logits' spread (logit_std) and its supports' sizes
+        h_row, hg_row = h, hg
+        if variant is not None and variant.samples:
+            if variant.logit_std is not None:
+                h_row = scaled_hidden(h, w, variant.logit_std)
+                hg_row = h_row.clone().requires_grad_()
+            mean, most = support_sizes(h_row, w, variant)
+            row.update(logit_std=variant.logit_std, support_mean=round(mean, 1), support_max=most)
         rows.append(row)
         try:
             budget = row["budget_bytes"] = spec.resolve(impl.source, shape, DTYPES[dtype], device)
@@ -295,11 +327,11 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
             continue
         per_token = impl.contract == PER_TOKEN
 
-        def fwd(fn=fn):
+        def fwd(fn=fn, h=h_row):
             with torch.no_grad():
                 return fn(h, w, y)
 
-        def fwd_bwd(fn=fn, per_token=per_token):
+        def fwd_bwd(fn=fn, per_token=per_token, hg=hg_row):
             out = fn(hg, wg, y)
             out.backward(gy if per_token else None)
             hg.grad = wg.grad = None
@@ -403,6 +435,8 @@ def format_row(r: dict) -> str:
     with_budget = r.get("budget_bytes") is not None or r["impl"].startswith("tplogp")
     label = f"{r['impl']}@{r['budget']}" if with_budget else r["impl"]
     union = "" if r.get("support_union") is None else f" | union {r['support_union']}"
+    if r.get("support_mean") is not None:
+        union = f" | support {r['support_mean']:.0f} (max {r['support_max']})"
     if "error" in r:
         return f"{r['shape']:>18} {label:>26}{union} | {r['error']}"
     if "fwd_ms" not in r:

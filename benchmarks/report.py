@@ -246,11 +246,14 @@ def _op_values(r: dict) -> list[str]:
 def _contract_cell(r: dict) -> str:
     """The row's contract; after it a policy-loss row's time over the plain fused cross-entropy's at
     its budget ("x CE") and a variant row's over the same call's without the variant ("x plain"),
-    synced / b2b; before them a support variant's union size ("union N")."""
+    synced / b2b; before them a support variant's union size ("union N"), or a sampler variant's
+    mean and largest support ("support N (max M)")."""
     ratios = [f"x {what} {r[name]:.3f} / {_num(r.get(name + '_b2b'), '.3f')}"
               for name, what in (("vs_cross_entropy", "CE"), ("vs_plain", "plain"))
               if r.get(name) is not None]
     union = [] if r.get("support_union") is None else [f"union {r['support_union']}"]
+    if r.get("support_mean") is not None:
+        union = [f"support {r['support_mean']:.0f} (max {r['support_max']})"]
     return ", ".join([r["contract"], *union, *ratios])
 
 

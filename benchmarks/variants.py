@@ -20,7 +20,12 @@ it, in one run.
   the support computed inside the call (one more pass over the vocabulary), then run as a support.
   Its rows are timed only (``errors`` names why: the benchmark's random targets mostly fall outside
   such a support, where logp is ``-inf``; tests/op/test_sampler_support.py checks the values). Not
-  with ``support=``, label smoothing or ``deterministic=tp_invariant``.
+  with ``support=``, label smoothing or ``deterministic=tp_invariant``;
+* ``logit_std=S`` (with ``top_k`` / ``top_p`` / ``min_p`` only): the row's hidden states scaled so
+  the logits' standard deviation is ``S``. The problem's own is about 0.5, every token nearly
+  uniform over the vocabulary, so that a top-p set holds most of it; an LLM's logits spread
+  wider. The sampler rows report the mean and the largest support size over the first tokens
+  (``support_mean``, ``support_max``: ``tplogp.testing.reference.sampler_mask`` on their rows).
 
 For example
 ``softcap=30,deterministic=true,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4,
@@ -62,6 +67,7 @@ class Variant:
     top_k: Optional[int] = None  # the sampler's parameters (module docstring)
     top_p: Optional[float] = None
     min_p: Optional[float] = None
+    logit_std: Optional[float] = None  # the spread the row's logits are scaled to
 
     @property
     def samples(self) -> bool:
@@ -161,13 +167,19 @@ def parse_variant(text: str) -> Variant:
         elif key == "min_p":
             fields[key] = _number(key, value, 0.0, False, 1.0)
             labels.append(f"min_p={fields[key]:g}")
+        elif key == "logit_std":
+            fields[key] = _number(key, value, 0.0, True)
+            labels.append(f"logit_std={fields[key]:g}")
         else:
             raise ValueError(f"--variants: unknown option {key!r} in {text!r}; options: softcap, "
                              f"deterministic, label_smoothing, z_loss, support, top_k, top_p, "
-                             f"min_p")
+                             f"min_p, logit_std")
     if "support" in fields and fields.get("label_smoothing"):
         raise ValueError(f"--variants: support= does not run with label_smoothing (the op "
                          f"refuses it), got {text!r}")
+    if "logit_std" in fields and not any(k in fields for k in ("top_k", "top_p", "min_p")):
+        raise ValueError(f"--variants: logit_std goes with top_k / top_p / min_p (it sets the "
+                         f"spread a sampler's support is computed from), got {text!r}")
     if any(k in fields for k in ("top_k", "top_p", "min_p")) and (
             "support" in fields or fields.get("label_smoothing")
             or fields.get("deterministic") == DETERMINISTIC["tp_invariant"]):

@@ -476,13 +476,15 @@ def test_sampler_variants():
     beside the plain rows."""
     from benchmarks import op, variants
 
-    parsed = variants.parse_variants("top_k=50+top_p=0.90,min_p=0.05")
-    assert [v.label for v in parsed] == ["top_k=50+top_p=0.9", "min_p=0.05"]
-    assert [v.call_options() for v in parsed] == [{"top_k": 50, "top_p": 0.9}, {"min_p": 0.05}]
-    assert all(v.samples for v in parsed)
+    parsed = variants.parse_variants("top_k=50+top_p=0.90,min_p=0.05,top_p=0.9,top_p=0.9+logit_std=4")
+    assert [v.label for v in parsed] == ["top_k=50+top_p=0.9", "min_p=0.05", "top_p=0.9", "top_p=0.9+logit_std=4"]
+    assert [v.call_options() for v in parsed] == [{"top_k": 50, "top_p": 0.9}, {"min_p": 0.05}, {"top_p": 0.9},
+                                                  {"top_p": 0.9}]
+    assert all(v.samples for v in parsed) and parsed[3].logit_std == 4.0
     for bad, match in (("top_k=0", "top_k takes"), ("top_k=2.5", "top_k takes"), ("top_p=0", "top_p takes"),
                        ("min_p=1.5", "min_p takes"), ("top_k=5+support=K4-shared", "do not run"),
-                       ("top_p=0.9+deterministic=tp_invariant", "do not run")):
+                       ("top_p=0.9+deterministic=tp_invariant", "do not run"),
+                       ("logit_std=4", "goes with top_k"), ("top_p=0.9+logit_std=0", "logit_std takes")):
         with pytest.raises(ValueError, match=match):
             variants.parse_variants(bad)
     from tplogp.backends.kernel_registry import get_backend
@@ -497,8 +499,15 @@ def test_sampler_variants():
                           warm_ms=0.0, check=True, variants=tuple(parsed))
     assert all("error" not in r for r in rows), [(r["budget"], r.get("error")) for r in rows]
     sampled = [r for r in rows if r.get("variant")]
-    assert len(sampled) == 4 and all(r["errors"].startswith("not measured") and r["vs_plain"] > 0
+    assert len(sampled) == 8 and all(r["errors"].startswith("not measured") and r["vs_plain"] > 0
                                      for r in sampled), sampled
+    # the supports' sizes, from the rows' own logits: top-k keeps k (no ties in random fp32 logits); a
+    # wider spread narrows top-p's set
+    size = {r["variant"]: (r["support_mean"], r["support_max"], r["logit_std"]) for r in sampled}
+    assert size["top_k=50+top_p=0.9"][1] <= 50 and size["top_p=0.9"][2] is None, size
+    assert size["top_p=0.9+logit_std=4"][0] < size["top_p=0.9"][0] / 4, size
+    h, w, *_ = op.make_problem(64, 32, 320, torch.float32, cpu)
+    assert (op.scaled_hidden(h, w, 4.0) @ w.T).std().item() == pytest.approx(4.0, rel=1e-5)
     assert all("err_logp" in r or "err_loss" in r for r in rows if not r.get("variant"))
 
 
