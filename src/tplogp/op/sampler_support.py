@@ -25,7 +25,7 @@ order above. The first round streams each rank's shard of the logits once (token
 chunks, fp32 GEMMs, within the call's transient budget) and keeps per token its ``M`` largest
 logits and their ids, the ``M + 1``-th value (its *floor*: every id of the shard above it is among
 the candidates), the shard's max and, for a token with top-p but neither top-k nor min-p, its
-softmax sum (float64 terms and sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]``
+softmax sum (fp32 terms, float64 sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]``
 per rank) gives every rank the same candidates, max and log-sum-exp; each rank then applies the
 definition in float64 to the merged candidates, ranked as above (one sort of int64 keys: the fp32
 value's order-preserving bits, then the id's complement). A token's answer is exact when some
@@ -209,8 +209,8 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         vals = torch.full((rows, take), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, take), -1, dtype=torch.int64, device=dev)
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)  # (float64 terms and sums: the
-        # normalizer of top-p alone, whose candidates' masses are float64)
+        # (the normalizer of top-p alone: fp32 terms, each within an ulp, summed in float64)
+        sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
@@ -218,7 +218,7 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
             if with_lse:
                 base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
                 sum_exp = (sum_exp * torch.exp((row_max - base).double())
-                           + torch.exp((z - base[:, None]).double()).sum(1))
+                           + torch.sub(z, base[:, None]).exp_().sum(1, dtype=torch.float64))
             row_max = new_max
             # the chunk's largest, then merged with the running ones
             z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
