@@ -381,7 +381,8 @@ class TritonBackend(BudgetParts):
         """``(the layout's ForwardProgram, its ShardLayout)`` (:mod:`tplogp.kernels.programs`) for a
         forward of ``kind`` (``"stats"``, or ``"single"`` with ``check_targets``: whether the
         targets are checked), held by this source for eager and compiled calls alike, keyed by the
-        call's settings (``ShardCall.key``) and the tensors' shapes, dtypes and device: a steady
+        call's settings (``ShardCall.key``), the tensors' shapes, dtypes and device and the kernels'
+        dot precision (``torch.get_float32_matmul_precision()`` for fp32 operands): a steady
         call finds it with one lookup (:func:`_remember` bounds the cache). ``False`` where the
         call's row count is not its layout's (``ShardCall.rows``; None: any) or its shard is empty:
         those take the per-call path (counts that vary from call to call, rows compacted away by
@@ -390,7 +391,8 @@ class TritonBackend(BudgetParts):
         if call.rows is not None and n != call.rows:
             return False
         key = (call.key, kind, check_targets, hidden.shape, weight.shape, hidden.dtype,
-               None if bias is None else bias.dtype, hidden.device)
+               None if bias is None else bias.dtype, hidden.device,
+               tiles.dot_precision(hidden.dtype))
         found = self._programs.get(key)
         if found is not None:
             return found
@@ -469,7 +471,8 @@ class TritonBackend(BudgetParts):
         with_entropy = grad_entropy is not None
         with_sum_z = grad_sum_z is not None
         key = (call.key, "backward", tuple(needs), with_entropy, with_sum_z, hidden.shape,
-               weight.shape, hidden.dtype, None if bias is None else bias.dtype, hidden.device)
+               weight.shape, hidden.dtype, None if bias is None else bias.dtype, hidden.device,
+               tiles.dot_precision(hidden.dtype))
         program = self._programs.get(key)
         if program is None:
             from ..kernels.programs import KeptBackward
