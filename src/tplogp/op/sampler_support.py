@@ -214,14 +214,15 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
-            new_max = torch.maximum(row_max, z.max(1).values)
+            # the chunk's largest (the first is its max, NaN first as in max), then merged with
+            # the running ones
+            z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
+            new_max = torch.maximum(row_max, z_vals[:, 0])
             if with_lse:
                 base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
                 sum_exp = (sum_exp * torch.exp((row_max - base).double())
                            + torch.sub(z, base[:, None]).exp_().sum(1, dtype=torch.float64))
             row_max = new_max
-            # the chunk's largest, then merged with the running ones
-            z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
             top_vals, at = torch.cat([vals, z_vals], 1).topk(take, dim=1)
             from_chunk = z_at.gather(1, (at - take).clamp(min=0)) + v0
             ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), from_chunk)
