@@ -36,8 +36,10 @@ OPTIONS = {
 }
 
 
-# every source's two ways: every tile masked, or the gathered rows of the supports' union
-PATHS = {"mask": -1.0, "gather": 1.0}  # (-1: never, even an empty union)
+# every source's three ways: every tile masked, the gathered rows of the supports' union, or token
+# chunks each on the gathered rows of its own union (GATHER_FRACTION; the chunks' settings)
+PATHS = {"mask": -1.0, "gather": 1.0, "chunks": 0.25}  # (-1: never, even an empty union)
+CHUNKS = dict(CHUNK_IDS=12, CHUNK_FRACTION=1.0, MIN_CHUNK_ROWS=1)  # chunks of 2 tokens (K = 6)
 # the sources that run here: native, and triton where Triton's interpreter runs it
 SOURCES = cpu_sources()
 
@@ -54,17 +56,37 @@ def _take(path: str, monkeypatch) -> list[bool]:
     forward or backward of the source (native, or triton / sm90: :mod:`tplogp.backends.
     fused_support`), whether it ran on gathered rows."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS[path])
+    if path == "chunks":
+        for name, value in CHUNKS.items():
+            monkeypatch.setattr(native_support, name, value)
     seen = []
     for module in (native, fused_support):
-        real = module.gathered
+        real, real_chunks = module.gathered, module.chunk_rows
 
         def gathered(*args, real=real):
             narrow = real(*args)
             seen.append(narrow is not None)
             return narrow
 
+        def chunk_rows(*args, real=real_chunks):
+            rows = real(*args)
+            if rows is not None:
+                seen.append("chunks")
+            return rows
+
         monkeypatch.setattr(module, "gathered", gathered)
+        monkeypatch.setattr(module, "chunk_rows", chunk_rows)
     return seen
+
+
+def _assert_ran(path: str, seen: list, gathers: bool = True) -> None:
+    """The way ``path`` ran (``gathers``: the call may gather; not under ``deterministic``): some
+    forward or backward gathered exactly when the way gathers, and ran in token chunks exactly
+    when it is ``chunks``."""
+    gathered = any(s is True for s in seen)
+    chunked = "chunks" in seen
+    assert seen and gathered == (path != "mask" and gathers), seen
+    assert chunked == (path == "chunks" and gathers), seen
 
 
 def _problem(seed: int, vocab: int = V, ignore: bool = False, length: int = L):
@@ -140,7 +162,7 @@ def test_support_matches_the_definition(form, options, path, source, monkeypatch
     assert not found, "; ".join(found)
     # a token whose support is its target alone: logp 0 and entropy 0 exactly
     assert ours.logp[0, 0].item() == 0.0 and ours.entropy[0, 0].item() == 0.0
-    assert any(seen) == (path == "gather" and "deterministic" not in kw) and seen, seen
+    _assert_ran(path, seen, gathers="deterministic" not in kw)
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -156,7 +178,7 @@ def test_gradients_reach_the_support_only(path, source, monkeypatch):
     assert kept.sum() < V
     assert torch.all(w.grad[~kept] == 0) and torch.all(b.grad[~kept] == 0)
     assert w.grad[kept].abs().sum() > 0
-    assert any(seen) == (path == "gather") and seen, seen
+    _assert_ran(path, seen)
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -173,7 +195,7 @@ def test_argmax_is_over_the_support(path, source, monkeypatch):
                                                    temperature=0.9, ignore_index=IGNORE,
                                                    return_argmax=True, support=given)
         assert torch.equal(out.argmax, expected), (out.argmax, expected)
-    assert any(seen) == (path == "gather") and seen, seen
+    _assert_ran(path, seen)
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -295,7 +317,7 @@ def test_fused_loss_with_support_matches_the_op(path, source, monkeypatch):
     torch.testing.assert_close(value, eager.detach(), rtol=1e-5, atol=1e-5)
     for a, e in zip((h.grad, w.grad, b.grad), grads):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)
-    assert any(seen) == (path == "gather") and seen, seen
+    _assert_ran(path, seen)
 
 
 def _chunks_of(tokens: int, source: str = "native") -> int:
@@ -338,7 +360,7 @@ def test_grpo_with_support_matches_its_definition(monkeypatch, case, path, sourc
     value.backward()
     grpo_reference.check_three_way((value.detach(), metrics, (h.grad, w.grad, b.grad)),
                                    reference, truth, "grpo with support")
-    assert any(seen) == (path == "gather") and seen, seen
+    _assert_ran(path, seen)
 
 
 # ---- tensor parallel ---------------------------------------------------------------------------
@@ -540,8 +562,10 @@ def test_tp_fused_loss_with_support(tp, vocab_shards, path, source, monkeypatch)
     _assert_path_taken(tp, path, seen)
 
 
-def _assert_path_taken(tp, path: str, seen: list[bool]) -> None:
+def _assert_path_taken(tp, path: str, seen: list) -> None:
     """Masking: no rank gathered. Gathering: some rank did (a rank whose shard ids the supports all
-    keep masks: nothing to gather)."""
-    everyone = tp.all_gather_object(any(seen))
-    tp.assert_all(any(everyone) == (path == "gather"), f"{path}: gathered on ranks {everyone}")
+    keep masks: nothing to gather). Chunks: some rank ran in token chunks."""
+    everyone = tp.all_gather_object((any(s is True for s in seen), "chunks" in seen))
+    gathered, chunked = (any(rank[i] for rank in everyone) for i in (0, 1))
+    tp.assert_all(gathered == (path != "mask") and chunked == (path == "chunks"),
+                  f"{path}: (gathered, in chunks) on ranks {everyone}")

@@ -1,12 +1,16 @@
 """The ``triton`` and ``sm90`` sources' calls with a sampler's support (``ShardCall.support``).
 
-Two ways, as on the native source (:mod:`tplogp.backends.native_support`):
+Three ways, as on the native source (:mod:`tplogp.backends.native_support`):
 
 * when the union of the call's supports is small (:func:`~.native_support.gathered`), the call runs
   on the gathered weight rows of that union alone, the ids becoming positions among them, and its
   argmax and ``d_W`` / ``d_b`` rows are put back at the shard's ids
   (:func:`~.native_support.scattered_argmax`, :func:`~.native_support.scattered_grads`); its kept
   terms are those of the gathered rows, which its backward (gathering the same union) reads;
+* when that union is large but each token's support narrow
+  (:func:`~.native_support.chunk_rows`), the call runs token chunk by token chunk, each chunk the
+  first way on its own small union, keeping nothing (the backward recomputes, chunk by chunk, its
+  ``d_W`` / ``d_b`` rows added to fp32 accumulators: :func:`~.native_support.chunked_backward`);
 * otherwise the fused kernels mask the logits outside each row's support to ``-inf`` in their logit
   transform (forward, and the backward's recompute), reading per row a bitmask of the shard's
   columns (:mod:`tplogp.kernels.support_bits`): the masked-vocabulary rule then gives the
@@ -28,7 +32,8 @@ import torch
 
 from ..op.support_ids import KEEP_ALL
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
-from .native_support import gathered, gathered_accumulators, scattered_argmax, scattered_grads
+from .native_support import (chunk_rows, chunked_backward, chunked_forward, gathered,
+                             gathered_accumulators, scattered_argmax, scattered_grads)
 
 
 def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
@@ -40,6 +45,10 @@ def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
         st = backend.forward_stats(hidden, narrow.weight, narrow.bias, targets, narrow.call)
         return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
                            target_logit=st.target_logit.masked_fill(lost, float("-inf")))
+    rows = None if kept_out is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
+    if rows is not None:
+        return chunked_forward(lambda h, t, c: backend.forward_stats(h, weight, bias, t, c), rows,
+                               hidden, local_target, call)
     out, kept = _masked_forward(backend, hidden, weight, bias, local_target, call, kept_out, False)
     return ShardStats(*out[:4], kept=kept, sum_z=out[4], argmax=out[5])
 
@@ -55,6 +64,11 @@ def forward_single(backend, hidden, weight, bias, target, call: ShardCall,
                                      target_flag)
         return out._replace(argmax=scattered_argmax(out.argmax, narrow.rows),
                             logp=out.logp.masked_fill(lost, float("-inf")))
+    rows = None if kept_out is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
+    if rows is not None:
+        return chunked_forward(
+            lambda h, t, c: backend.forward_single(h, weight, bias, t, c, target_flag), rows,
+            hidden, target, call)
     out, kept = _masked_forward(backend, hidden, weight, bias, target, call, kept_out, True,
                                 target_flag)
     return SingleShardOutputs(*out[:6], kept=kept, sum_z=out[6], argmax=out[7])
@@ -126,7 +140,16 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
     support: :func:`tplogp.kernels.programs.backward`)."""
     narrow = gathered(weight, bias, local_target, call)
     if narrow is None:
-        return None
+        rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
+        if rows is None:
+            return None
+        # narrow supports with a large union: token chunks with small unions
+        return chunked_backward(
+            lambda h, t, per_token, c, acc, gz: backend.backward(h, weight, bias, t, *per_token, c,
+                                                                 needs, None, None, acc, gz),
+            rows, hidden, weight, bias, local_target,
+            (row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel), call, needs,
+            d_hidden_ready, accumulate, grad_sum_z)
     grads = backend.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
                              log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, narrow.call,
                              needs, d_hidden_ready, kept,

@@ -45,8 +45,9 @@ from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
-from .native_support import (gathered, gathered_accumulators, kept_columns, scattered_argmax,
-                             scattered_grads, support_rows)
+from .native_support import (chunk_rows, chunked_backward, chunked_forward, gathered,
+                             gathered_accumulators, kept_columns, scattered_argmax, scattered_grads,
+                             support_rows)
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
                            _recomputed_dz, _token_chunk, _TokenChunk)
 
@@ -287,6 +288,11 @@ class NativeBackend(BudgetParts):
             lost = (narrow.local_target < 0) & (local_target >= 0)
             return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
                                target_logit=st.target_logit.masked_fill(lost, float("-inf")))
+        # narrow supports with a large union: token chunks with small unions
+        rows = None if kept_out is not None else chunk_rows(n, v, call)
+        if rows is not None:
+            return chunked_forward(lambda h, t, c: self.forward_stats(h, weight, bias, t, c), rows,
+                                   hidden, local_target, call)
         tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
                                                              dev, call)
         kept = None
@@ -414,6 +420,15 @@ class NativeBackend(BudgetParts):
                                   gathered_accumulators(accumulate, narrow.rows.numel()),
                                   grad_sum_z)
             return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
+        # narrow supports with a large union: token chunks with small unions
+        rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
+        if rows is not None:
+            return chunked_backward(
+                lambda h, t, per_token, c, acc, gz: self.backward(h, weight, bias, t, *per_token, c,
+                                                                  needs, None, None, acc, gz),
+                rows, hidden, weight, bias, local_target,
+                (row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel), call, needs,
+                d_hidden_ready, accumulate, grad_sum_z)
         if call.grid_columns:
             return native_grid.backward_blocks(hidden, weight, bias, local_target, row_max, log_sum,
                                                grad_logp, grad_entropy, grad_lse, mean_rel, call,

@@ -10,8 +10,10 @@ so nothing of size ``[N, V]`` is held.
 When the union of the call's supports is small (:func:`gathered`), the call runs on the gathered
 weight rows of that union alone (the ids become positions among them), and its argmax and its
 ``d_W`` / ``d_b`` rows are put back at the shard's ids (:func:`scattered_argmax`,
-:func:`scattered_grads`). That way is source-agnostic: the triton and sm90 sources take it too
-(:mod:`tplogp.backends.fused_support`).
+:func:`scattered_grads`). When the whole union is large but each token's support is narrow, the call
+runs token chunk by token chunk, each chunk on the gathered rows of its own small union
+(:func:`chunk_rows`, :func:`chunked_forward`, :func:`chunked_backward`). Both ways are
+source-agnostic: the triton and sm90 sources take them too (:mod:`tplogp.backends.fused_support`).
 """
 
 from __future__ import annotations
@@ -134,5 +136,86 @@ def gathered_accumulators(accumulate: Optional[tuple], rows: int) -> Optional[tu
             None if acc_b is None else acc_b.new_zeros(rows))
 
 
+# ---- token chunks with small unions: the gathered rows, chunk by chunk -------------------------
+# A call whose union covers much of the shard (tokens with different supports) but whose supports
+# are narrow runs token chunk by token chunk, each chunk on the gathered rows of its own union (at
+# most ``CHUNK_IDS`` ids and ``CHUNK_FRACTION`` of the shard's: at most ``K`` ids per token): the
+# logits' GEMMs shrink to the chunks' unions, and each chunk gathers its rows of W. Chunks of fewer
+# than ``MIN_CHUNK_ROWS`` tokens are not worth their launches and host reads: wider supports mask
+# the whole shard. Not under ``deterministic`` (as :func:`gathered`).
+CHUNK_IDS = 16384
+CHUNK_FRACTION = 0.25  # a chunk's ids at most, over the shard's
+MIN_CHUNK_ROWS = 128
+
+
+def chunk_rows(n: int, v: int, call: ShardCall) -> Optional[int]:
+    """The token rows per chunk of a call that runs chunk by chunk on gathered rows (above), or
+    None (one host read where it could: whether a row keeps every id). Asked where the whole
+    call's union is too large to gather (:func:`gathered`)."""
+    support = call.support
+    if support is None or call.deterministic or n == 0 or v == 0 or support.shape[1] == 0:
+        return None
+    rows = int(min(CHUNK_IDS, CHUNK_FRACTION * v)) // support.shape[1]
+    if rows < MIN_CHUNK_ROWS or rows >= n:
+        return None
+    if bool((support[:, 0] == KEEP_ALL).any()):
+        return None
+    return rows
+
+
+def chunked_forward(forward, rows: int, hidden: torch.Tensor, target: torch.Tensor,
+                    call: ShardCall):
+    """``forward(hidden rows, target rows, call)`` over token chunks of ``rows`` rows, each with its
+    rows of the support and keeping nothing (the backward recomputes), the outputs concatenated
+    (a NamedTuple of ``[N]`` tensors or None)."""
+    outs = []
+    for t0 in range(0, hidden.shape[0], rows):
+        t1 = t0 + rows
+        outs.append(forward(hidden[t0:t1], target[t0:t1],
+                            replace(call, support=call.support[t0:t1], for_backward=False)))
+    return type(outs[0])(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs)))
+
+
+def chunked_backward(backward, rows: int, hidden: torch.Tensor, weight: torch.Tensor,
+                     bias: Optional[torch.Tensor], local_target: torch.Tensor, per_token: tuple,
+                     call: ShardCall, needs: tuple[bool, bool, bool], d_hidden_ready,
+                     accumulate: Optional[tuple], grad_sum_z) -> ShardGrads:
+    """A backend's ``backward`` over token chunks of ``rows`` rows (``backward(hidden rows, target
+    rows, per-token tensors' rows, call, accumulate, grad_sum_z rows)``; ``per_token``: ``(row_max,
+    log_sum, grad_logp, grad_entropy, grad_lse, mean_rel)``, each ``[N]`` or None), each chunk's
+    ``d_W`` / ``d_b`` rows added to fp32 accumulators (the caller's, else made here and returned in
+    the weight's / bias's dtype), ``d_hidden`` concatenated and handed to ``d_hidden_ready`` once
+    complete."""
+    n = hidden.shape[0]
+    _, need_w, need_b = needs
+    own = accumulate is None
+    if own:
+        accumulate = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                      if need_w else None,
+                      torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                      if need_b and bias is not None else None)
+
+    def part(x, t0: int, t1: int):
+        return x[t0:t1] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else x
+
+    d_hidden = []
+    for t0 in range(0, n, rows):
+        t1 = t0 + rows
+        grads = backward(hidden[t0:t1], local_target[t0:t1],
+                         tuple(part(x, t0, t1) for x in per_token),
+                         replace(call, support=call.support[t0:t1]), accumulate,
+                         part(grad_sum_z, t0, t1))
+        d_hidden.append(grads.d_hidden)
+    dh = None if d_hidden[0] is None else torch.cat(d_hidden)
+    if d_hidden_ready is not None and dh is not None:
+        d_hidden_ready(dh)
+    acc_w, acc_b = accumulate
+    if own:
+        acc_w = None if acc_w is None else acc_w.to(weight.dtype)
+        acc_b = None if acc_b is None else acc_b.to(bias.dtype)
+    return ShardGrads(dh, acc_w, acc_b)
+
+
 __all__ = ["kept_columns", "support_rows", "GATHER_FRACTION", "Gathered", "gathered",
-           "scattered_argmax", "scattered_grads", "gathered_accumulators"]
+           "scattered_argmax", "scattered_grads", "gathered_accumulators", "CHUNK_IDS",
+           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_rows", "chunked_forward", "chunked_backward"]
