@@ -569,3 +569,40 @@ def _assert_path_taken(tp, path: str, seen: list) -> None:
     gathered, chunked = (any(rank[i] for rank in everyone) for i in (0, 1))
     tp.assert_all(gathered == (path != "mask") and chunked == (path == "chunks"),
                   f"{path}: (gathered, in chunks) on ranks {everyone}")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
+    """A call run in token chunks adds each chunk's d_W / d_b rows to fp32 accumulators: made for the
+    op's backward only where the call's budget holds their ``4 V (D + 1)`` bytes (else the backward
+    masks the whole shard); the fused loss's token chunks pass their own. Either way the op gives the
+    definition's gradients."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["chunks"])
+    for name, value in CHUNKS.items():
+        monkeypatch.setattr(native_support, name, value)
+    backwards = []
+    for module in (native, fused_support):
+        real = module.chunked_backward
+
+        def chunked_backward(*args, real=real):
+            backwards.append(True)
+            return real(*args)
+
+        monkeypatch.setattr(module, "chunked_backward", chunked_backward)
+    problem = _problem(seed=21)
+    support = problem[4]
+    need = 4 * V * (D + 1)
+    op = tplogp.get_op("linear_logp", source)
+    for budget, chunked in ((need - 1, False), (need + 4096, True)):
+        backwards.clear()
+        ours, leaves = _call(op, problem, support, workspace_bytes=budget)
+        found = _compare(ours, leaves, problem, support, _upstream((B, L), 22))
+        assert not found, "; ".join(found)
+        assert bool(backwards) == chunked, (budget, backwards)
+    backwards.clear()  # the fused loss's token chunks (of 6): its own accumulators
+    hidden, weight, bias, target, _ = problem
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = tplogp.linear_logp_loss(h, w, target, bias, loss=losses.cross_entropy(), support=support,
+                                   workspace_bytes=_chunks_of(6, source), source=source)
+    loss.backward()
+    assert backwards and torch.isfinite(w.grad).all()

@@ -32,7 +32,7 @@ import torch
 
 from ..op.support_ids import KEEP_ALL
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
-from .native_support import (chunk_rows, chunked_backward, chunked_forward, gathered,
+from .native_support import (accumulators_fit, chunk_rows, chunked_backward, chunked_forward, gathered,
                              gathered_accumulators, scattered_argmax, scattered_grads)
 
 
@@ -141,7 +141,8 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
     narrow = gathered(weight, bias, local_target, call)
     if narrow is None:
         rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
-        if rows is None:
+        if rows is None or (accumulate is None
+                            and not accumulators_fit(backend.name, weight, call)):
             return None
         # narrow supports with a large union: token chunks with small unions
         return chunked_backward(

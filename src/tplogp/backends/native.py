@@ -45,7 +45,7 @@ from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
-from .native_support import (chunk_rows, chunked_backward, chunked_forward, gathered,
+from .native_support import (accumulators_fit, chunk_rows, chunked_backward, chunked_forward, gathered,
                              gathered_accumulators, kept_columns, scattered_argmax, scattered_grads,
                              support_rows)
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
@@ -422,7 +422,8 @@ class NativeBackend(BudgetParts):
             return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
         # narrow supports with a large union: token chunks with small unions
         rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
-        if rows is not None:
+        if rows is not None and (accumulate is not None
+                                 or accumulators_fit(self.name, weight, call)):
             return chunked_backward(
                 lambda h, t, per_token, c, acc, gz: self.backward(h, weight, bias, t, *per_token, c,
                                                                   needs, None, None, acc, gz),

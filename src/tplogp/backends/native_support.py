@@ -24,6 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..op.support_ids import KEEP_ALL
+from . import memory_budget
 from .base import ShardCall, ShardGrads
 
 
@@ -142,7 +143,10 @@ def gathered_accumulators(accumulate: Optional[tuple], rows: int) -> Optional[tu
 # most ``CHUNK_IDS`` ids and ``CHUNK_FRACTION`` of the shard's: at most ``K`` ids per token): the
 # logits' GEMMs shrink to the chunks' unions, and each chunk gathers its rows of W. Chunks of fewer
 # than ``MIN_CHUNK_ROWS`` tokens are not worth their launches and host reads: wider supports mask
-# the whole shard. Not under ``deterministic`` (as :func:`gathered`).
+# the whole shard. Not under ``deterministic`` (as :func:`gathered`). The backward adds each
+# chunk's ``d_W`` / ``d_b`` rows to fp32 accumulators: the fused loss's own, else ``4 V (D + 1)``
+# bytes made for it where the call's memory budget holds them (:func:`accumulators_fit`; else the
+# backward masks the whole shard).
 CHUNK_IDS = 16384
 CHUNK_FRACTION = 0.25  # a chunk's ids at most, over the shard's
 MIN_CHUNK_ROWS = 128
@@ -161,6 +165,15 @@ def chunk_rows(n: int, v: int, call: ShardCall) -> Optional[int]:
     if bool((support[:, 0] == KEEP_ALL).any()):
         return None
     return rows
+
+
+def accumulators_fit(source: str, weight: torch.Tensor, call: ShardCall) -> bool:
+    """Whether a chunked backward's own fp32 ``d_W`` / ``d_b`` accumulators (``4 V (D + 1)``
+    bytes: made where the caller passes none) fit the call's memory budget for ``source``
+    (:func:`tplogp.backends.memory_budget.split`: what the call may hold beyond its inputs,
+    outputs and gradients). Where they do not, the backward masks the whole shard instead."""
+    split = memory_budget.split(source, call.workspace_bytes, weight.device, call.deterministic)
+    return 4 * weight.shape[0] * (weight.shape[1] + 1) <= split.transient + split.keep
 
 
 def chunked_forward(forward, rows: int, hidden: torch.Tensor, target: torch.Tensor,
@@ -218,4 +231,4 @@ def chunked_backward(backward, rows: int, hidden: torch.Tensor, weight: torch.Te
 
 __all__ = ["kept_columns", "support_rows", "GATHER_FRACTION", "Gathered", "gathered",
            "scattered_argmax", "scattered_grads", "gathered_accumulators", "CHUNK_IDS",
-           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_rows", "chunked_forward", "chunked_backward"]
+           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_rows", "accumulators_fit", "chunked_forward", "chunked_backward"]
