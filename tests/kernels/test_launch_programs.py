@@ -136,24 +136,21 @@ def test_calls_of_a_layout_share_one_program_and_another_row_count_makes_another
     assert len(programs) == 2 and first in [p[0] for p in programs] and out.logp.shape == (N,)
 
 
-def test_a_change_of_fp32_matmul_precision_makes_another_program(monkeypatch):
-    """fp32 operands' dot precision follows ``torch.get_float32_matmul_precision()`` (``"high"``: TF32
-    on the GPU): a program made under one setting is not run under another, and going back finds the
-    first again. (The interpreter computes every fp32 dot in IEEE fp32: the setting is read as a GPU
-    reads it, the programs made, not run.)"""
+def test_a_change_of_dot_precision_makes_another_program(monkeypatch):
+    """The kernels' dot precision (``tiles.dot_precision``: fp32 operands follow
+    ``torch.get_float32_matmul_precision()``, ``"high"`` giving TF32 on the GPU) is part of the
+    source's program key: a program found under one precision is not run under another, and going
+    back finds the first key again. (The interpreter computes every fp32 dot in IEEE fp32: the
+    precision is set here as a GPU would read it, for the key alone.)"""
     from tplogp.kernels import tiles
 
     backend = _backend()
     call = ShardCall(inputs_checked=True)
     hidden, weight, _, target = _inputs()
-    monkeypatch.setattr(tiles, "interpreting", lambda: False)
-    made = {}
-    for precision in ("highest", "high", "highest"):
-        monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda p=precision: p)
-        found = backend._program(hidden, weight, None, call, "single", False)
-        assert found and found[0] is made.setdefault(precision, found[0]), precision
-    assert made["high"] is not made["highest"] and len(backend._programs) == 2
-    assert {k[-1] for k in backend._programs} == {"ieee", "tf32"}
+    for precision in ("ieee", "tf32", "ieee"):
+        monkeypatch.setattr(tiles, "dot_precision", lambda dtype, p=precision: p)
+        assert backend._program(hidden, weight, None, call, "single", False)
+    assert sorted(key[-1] for key in backend._programs) == ["ieee", "tf32"]
 
 
 def test_the_ops_calls_run_programs_for_their_layouts_row_count_only(monkeypatch):

@@ -476,15 +476,17 @@ def test_sampler_variants():
     beside the plain rows."""
     from benchmarks import op, variants
 
-    parsed = variants.parse_variants("top_k=50+top_p=0.90,min_p=0.05,top_p=0.9,top_p=0.9+logit_std=4")
-    assert [v.label for v in parsed] == ["top_k=50+top_p=0.9", "min_p=0.05", "top_p=0.9", "top_p=0.9+logit_std=4"]
-    assert [v.call_options() for v in parsed] == [{"top_k": 50, "top_p": 0.9}, {"min_p": 0.05}, {"top_p": 0.9},
-                                                  {"top_p": 0.9}]
+    labels = ["top_k=50+top_p=0.9", "min_p=0.05", "top_p=0.9", "top_p=0.9+logit_std=4"]
+    parsed = variants.parse_variants(",".join(labels).replace("0.9+", "0.90+", 1))
+    assert [v.label for v in parsed] == labels
+    assert [v.call_options() for v in parsed] == [{"top_k": 50, "top_p": 0.9}, {"min_p": 0.05},
+                                                  {"top_p": 0.9}, {"top_p": 0.9}]
     assert all(v.samples for v in parsed) and parsed[3].logit_std == 4.0
     for bad, match in (("top_k=0", "top_k takes"), ("top_k=2.5", "top_k takes"), ("top_p=0", "top_p takes"),
                        ("min_p=1.5", "min_p takes"), ("top_k=5+support=K4-shared", "do not run"),
                        ("top_p=0.9+deterministic=tp_invariant", "do not run"),
-                       ("logit_std=4", "goes with top_k"), ("top_p=0.9+logit_std=0", "logit_std takes")):
+                       ("logit_std=4", "goes with top_k"),
+                       ("top_p=0.9+logit_std=0", "logit_std takes")):
         with pytest.raises(ValueError, match=match):
             variants.parse_variants(bad)
     from tplogp.backends.kernel_registry import get_backend
@@ -501,8 +503,8 @@ def test_sampler_variants():
     sampled = [r for r in rows if r.get("variant")]
     assert len(sampled) == 8 and all(r["errors"].startswith("not measured") and r["vs_plain"] > 0
                                      for r in sampled), sampled
-    # the supports' sizes, from the rows' own logits: top-k keeps k (no ties in random fp32 logits); a
-    # wider spread narrows top-p's set
+    # the supports' sizes, from the rows' own logits: top-k keeps k (no ties in random fp32
+    # logits); a wider spread narrows top-p's set
     size = {r["variant"]: (r["support_mean"], r["support_max"], r["logit_std"]) for r in sampled}
     assert size["top_k=50+top_p=0.9"][1] <= 50 and size["top_p=0.9"][2] is None, size
     assert size["top_p=0.9+logit_std=4"][0] < size["top_p=0.9"][0] / 4, size

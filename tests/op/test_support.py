@@ -573,10 +573,10 @@ def _assert_path_taken(tp, path: str, seen: list) -> None:
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
-    """A call run in token chunks adds each chunk's d_W / d_b rows to fp32 accumulators: made for the
-    op's backward only where the call's budget holds their ``4 V (D + 1)`` bytes (else the backward
-    masks the whole shard); the fused loss's token chunks pass their own. Either way the op gives the
-    definition's gradients."""
+    """A call run in token chunks adds each chunk's d_W / d_b rows to fp32 accumulators: made for
+    the op's backward only where the call's budget holds their ``4 V (D + 1)`` bytes (else the
+    backward masks the whole shard); the fused loss's token chunks pass their own. Either way the
+    op gives the definition's gradients."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["chunks"])
     for name, value in CHUNKS.items():
         monkeypatch.setattr(native_support, name, value)

@@ -32,8 +32,8 @@ import torch
 
 from ..op.support_ids import KEEP_ALL
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
-from .native_support import (accumulators_fit, chunk_rows, chunked_backward, chunked_forward, gathered,
-                             gathered_accumulators, scattered_argmax, scattered_grads)
+from .native_support import (accumulators_fit, chunk_rows, chunked_backward, chunked_forward,
+                             gathered, gathered_accumulators, scattered_argmax, scattered_grads)
 
 
 def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,

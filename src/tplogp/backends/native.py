@@ -45,9 +45,9 @@ from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
-from .native_support import (accumulators_fit, chunk_rows, chunked_backward, chunked_forward, gathered,
-                             gathered_accumulators, kept_columns, scattered_argmax, scattered_grads,
-                             support_rows)
+from .native_support import (accumulators_fit, chunk_rows, chunked_backward, chunked_forward,
+                             gathered, gathered_accumulators, kept_columns, scattered_argmax,
+                             scattered_grads, support_rows)
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
                            _recomputed_dz, _token_chunk, _TokenChunk)
 

@@ -231,4 +231,5 @@ def chunked_backward(backward, rows: int, hidden: torch.Tensor, weight: torch.Te
 
 __all__ = ["kept_columns", "support_rows", "GATHER_FRACTION", "Gathered", "gathered",
            "scattered_argmax", "scattered_grads", "gathered_accumulators", "CHUNK_IDS",
-           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_rows", "accumulators_fit", "chunked_forward", "chunked_backward"]
+           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_rows", "accumulators_fit", "chunked_forward",
+           "chunked_backward"]
