@@ -97,18 +97,20 @@ def make_problem(T: int, D: int, V: int, dtype: torch.dtype, device: torch.devic
 def scaled_hidden(h: torch.Tensor, w: torch.Tensor, std: float, tokens: int = 256) -> torch.Tensor:
     """``h`` scaled so the logits ``h w^T`` have standard deviation ``std`` (measured over the first
     ``tokens`` rows, fp32)."""
-    now = (h[:tokens].float() @ w.float().T).std()
+    from tplogp.testing.reference import reference_logits
+
+    now = reference_logits(h[:tokens], w).std()
     return (h.float() * (std / now)).to(h.dtype)
 
 
 def support_sizes(h: torch.Tensor, w: torch.Tensor, variant: Variant,
                   tokens: int = 256) -> tuple[float, int]:
     """The mean and the largest number of ids a sampler variant's support keeps, over the first
-    ``tokens`` rows of ``h`` (their whole fp32 logits, the float64 definition of
-    ``tplogp.testing.reference.sampler_mask``)."""
-    from tplogp.testing.reference import sampler_mask
+    ``tokens`` rows of ``h`` (their whole fp32 logits with the variant's softcap, the float64
+    definition of ``tplogp.testing.reference.sampler_mask``)."""
+    from tplogp.testing.reference import reference_logits, sampler_mask
 
-    logits = h[:tokens].float() @ w.float().T
+    logits = reference_logits(h[:tokens], w, softcap=variant.softcap)
     kept = sampler_mask(logits, top_k=variant.top_k, top_p=variant.top_p,
                         min_p=variant.min_p).sum(-1)
     return float(kept.double().mean()), int(kept.max())

@@ -54,13 +54,14 @@ def path(request) -> str:
 def _take(path: str, monkeypatch) -> list[bool]:
     """The sources' way ``path`` for this test (``GATHER_FRACTION``); the list it returns gets, per
     forward or backward of the source (native, or triton / sm90: :mod:`tplogp.backends.
-    fused_support`), whether it ran on gathered rows."""
+    fused_support`; every backward: ``native_support.gathered_backward``), whether it ran on
+    gathered rows, and ``"chunks"`` where it ran in token chunks."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS[path])
     if path == "chunks":
         for name, value in CHUNKS.items():
             monkeypatch.setattr(native_support, name, value)
     seen = []
-    for module in (native, fused_support):
+    for module in (native, fused_support, native_support):  # (the forwards; every backward)
         real, real_chunks = module.gathered, module.chunk_rows
 
         def gathered(*args, real=real):
@@ -581,14 +582,13 @@ def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
     for name, value in CHUNKS.items():
         monkeypatch.setattr(native_support, name, value)
     backwards = []
-    for module in (native, fused_support):
-        real = module.chunked_backward
+    real = native_support.chunked_backward
 
-        def chunked_backward(*args, real=real):
-            backwards.append(True)
-            return real(*args)
+    def chunked_backward(*args):
+        backwards.append(True)
+        return real(*args)
 
-        monkeypatch.setattr(module, "chunked_backward", chunked_backward)
+    monkeypatch.setattr(native_support, "chunked_backward", chunked_backward)
     problem = _problem(seed=21)
     support = problem[4]
     need = 4 * V * (D + 1)

@@ -32,8 +32,7 @@ import torch
 
 from ..op.support_ids import KEEP_ALL
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
-from .native_support import (accumulators_fit, chunk_rows, chunked_backward, chunked_forward,
-                             gathered, gathered_accumulators, scattered_argmax, scattered_grads)
+from .native_support import chunk_rows, chunked_forward, gathered, scattered_argmax
 
 
 def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
@@ -130,32 +129,4 @@ def kept_targets(local_target: torch.Tensor, support: torch.Tensor) -> torch.Ten
     return torch.where(inside, local_target, -1)
 
 
-def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                      grad_entropy, grad_lse, mean_rel, call: ShardCall, needs,
-                      d_hidden_ready=None, kept=None, accumulate=None,
-                      grad_sum_z=None) -> Optional[ShardGrads]:
-    """``backend.backward`` on the gathered rows of the supports' union where the forward ran there
-    (the same union: :func:`~.native_support.gathered`), its ``d_W`` / ``d_b`` rows put back at the
-    shard's ids; None where the call masks the whole shard (the caller's backward runs it, with the
-    support: :func:`tplogp.kernels.programs.backward`)."""
-    narrow = gathered(weight, bias, local_target, call)
-    if narrow is None:
-        rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
-        if rows is None or (accumulate is None
-                            and not accumulators_fit(backend.name, weight, call)):
-            return None
-        # narrow supports with a large union: token chunks with small unions
-        return chunked_backward(
-            lambda h, t, per_token, c, acc, gz: backend.backward(h, weight, bias, t, *per_token, c,
-                                                                 needs, None, None, acc, gz),
-            rows, hidden, weight, bias, local_target,
-            (row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel), call, needs,
-            d_hidden_ready, accumulate, grad_sum_z)
-    grads = backend.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
-                             log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, narrow.call,
-                             needs, d_hidden_ready, kept,
-                             gathered_accumulators(accumulate, narrow.rows.numel()), grad_sum_z)
-    return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
-
-
-__all__ = ["forward_stats", "forward_single", "kept_targets", "gathered_backward"]
+__all__ = ["forward_stats", "forward_single", "kept_targets"]

@@ -45,9 +45,8 @@ from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
-from .native_support import (accumulators_fit, chunk_rows, chunked_backward, chunked_forward,
-                             gathered, gathered_accumulators, kept_columns, scattered_argmax,
-                             scattered_grads, support_rows)
+from .native_support import (chunk_rows, chunked_forward, gathered, gathered_backward,
+                             kept_columns, scattered_argmax, support_rows)
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
                            _recomputed_dz, _token_chunk, _TokenChunk)
 
@@ -411,25 +410,12 @@ class NativeBackend(BudgetParts):
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                  grad_entropy, grad_lse, mean_rel, call: ShardCall, needs: tuple[bool, bool, bool],
                  d_hidden_ready=None, kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
-        # a small union of the supports' ids
-        narrow = None if call.support is None else gathered(weight, bias, local_target, call)
-        if narrow is not None:
-            grads = self.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
-                                  log_sum, grad_logp, grad_entropy, grad_lse, mean_rel,
-                                  narrow.call, needs, d_hidden_ready, None,
-                                  gathered_accumulators(accumulate, narrow.rows.numel()),
-                                  grad_sum_z)
-            return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
-        # narrow supports with a large union: token chunks with small unions
-        rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
-        if rows is not None and (accumulate is not None
-                                 or accumulators_fit(self.name, weight, call)):
-            return chunked_backward(
-                lambda h, t, per_token, c, acc, gz: self.backward(h, weight, bias, t, *per_token, c,
-                                                                  needs, None, None, acc, gz),
-                rows, hidden, weight, bias, local_target,
-                (row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel), call, needs,
-                d_hidden_ready, accumulate, grad_sum_z)
+        if call.support is not None:  # the gathered rows of a small union, or of token chunks
+            grads = gathered_backward(self, hidden, weight, bias, local_target, row_max, log_sum,
+                                      grad_logp, grad_entropy, grad_lse, mean_rel, call, needs,
+                                      d_hidden_ready, kept, accumulate, grad_sum_z)
+            if grads is not None:
+                return grads
         if call.grid_columns:
             return native_grid.backward_blocks(hidden, weight, bias, local_target, row_max, log_sum,
                                                grad_logp, grad_entropy, grad_lse, mean_rel, call,

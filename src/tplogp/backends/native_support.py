@@ -229,7 +229,36 @@ def chunked_backward(backward, rows: int, hidden: torch.Tensor, weight: torch.Te
     return ShardGrads(dh, acc_w, acc_b)
 
 
+def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                      grad_entropy, grad_lse, mean_rel, call: ShardCall, needs,
+                      d_hidden_ready=None, kept=None, accumulate=None,
+                      grad_sum_z=None) -> Optional[ShardGrads]:
+    """``backend.backward`` of a call with a support on gathered rows, where its forward ran there
+    (the same decisions, made again from the call): on the union of the supports' ids
+    (:func:`gathered`), its ``d_W`` / ``d_b`` rows put back at the shard's ids; else token chunk
+    by token chunk (:func:`chunk_rows`, where the fp32 accumulators are the caller's or fit the
+    budget: :func:`accumulators_fit`); else None (the caller masks the whole shard). Every
+    source's backward asks it first."""
+    narrow = gathered(weight, bias, local_target, call)
+    if narrow is not None:
+        grads = backend.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
+                                 log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, narrow.call,
+                                 needs, d_hidden_ready, kept,
+                                 gathered_accumulators(accumulate, narrow.rows.numel()),
+                                 grad_sum_z)
+        return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
+    rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
+    if rows is None or (accumulate is None and not accumulators_fit(backend.name, weight, call)):
+        return None
+    return chunked_backward(
+        lambda h, t, per_token, c, acc, gz: backend.backward(h, weight, bias, t, *per_token, c,
+                                                             needs, None, None, acc, gz),
+        rows, hidden, weight, bias, local_target,
+        (row_max, log_sum, grad_logp, grad_entropy, grad_lse, mean_rel), call, needs,
+        d_hidden_ready, accumulate, grad_sum_z)
+
+
 __all__ = ["kept_columns", "support_rows", "GATHER_FRACTION", "Gathered", "gathered",
            "scattered_argmax", "scattered_grads", "gathered_accumulators", "CHUNK_IDS",
            "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_rows", "accumulators_fit", "chunked_forward",
-           "chunked_backward"]
+           "chunked_backward", "gathered_backward"]

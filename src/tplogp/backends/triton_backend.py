@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import fused_support, memory_budget
+from . import fused_support, memory_budget, native_support
 from ..support import settings
 # (these three: torch only, no Triton import, no device work)
 from ..kernels import kept as kept_layout
@@ -421,7 +421,7 @@ class TritonBackend(BudgetParts):
                  kept=None, accumulate=None, grad_sum_z=None) -> ShardGrads:
         if call.support is not None:  # a small union of the supports' ids: its gathered rows
             local_target = fused_support.kept_targets(local_target, call.support)
-            grads = fused_support.gathered_backward(
+            grads = native_support.gathered_backward(
                 self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
                 grad_entropy, grad_lse, mean_rel, call, needs, d_hidden_ready, kept, accumulate,
                 grad_sum_z)
