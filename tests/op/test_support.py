@@ -331,9 +331,10 @@ def _chunks_of(tokens: int, source: str = "native") -> int:
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("case", ["token", "sequence"])
 def test_grpo_with_support_matches_its_definition(monkeypatch, case, path, source):
-    """``losses.grpo(...)`` through ``linear_logp_loss`` with a support, in chunks of 3 tokens (the
-    sequence-level loss: its two phases): the loss, its metrics and every gradient as the GRPO
-    definition over the renormalized log-probs (float64 truth)."""
+    """``losses.grpo(...)`` through ``linear_logp_loss`` with a support, in chunks of 6 tokens (the
+    sequence-level loss: its two phases; a chunk's union wider than a token chunk's of the
+    ``chunks`` way): the loss, its metrics and every gradient as the GRPO definition over the
+    renormalized log-probs (float64 truth)."""
     seen = _take(path, monkeypatch)
     problem = _problem(seed=11, ignore=True)
     hidden, weight, bias, target, support = problem
@@ -357,7 +358,7 @@ def test_grpo_with_support_matches_its_definition(monkeypatch, case, path, sourc
     value, metrics = tplogp.linear_logp_loss(h, w, target, b, loss=loss, per_token=per_token,
                                              ignore_index=IGNORE, return_metrics=True,
                                              support=support,
-                                             workspace_bytes=_chunks_of(3, source), source=source)
+                                             workspace_bytes=_chunks_of(6, source), source=source)
     value.backward()
     grpo_reference.check_three_way((value.detach(), metrics, (h.grad, w.grad, b.grad)),
                                    reference, truth, "grpo with support")
@@ -606,3 +607,40 @@ def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
                                    workspace_bytes=_chunks_of(6, source), source=source)
     loss.backward()
     assert backwards and torch.isfinite(w.grad).all()
+
+
+def test_chunk_unions_are_each_chunks_own():
+    """Every token chunk's union at once (one host read) equals that chunk's sorted unique ids:
+    ``-1`` padding, a last chunk of fewer rows, a chunk that keeps no id of the shard."""
+    g = torch.Generator().manual_seed(23)
+    support = torch.randint(-1, 40, (11, 5), generator=g)
+    support[4:8] = -1  # (rows 4..7: the second chunk of 4 rows keeps nothing)
+    unions = native_support.chunk_unions(support, 4, 40)
+    assert len(unions) == 3
+    for c, union in enumerate(unions):
+        part = support[4 * c:4 * c + 4]
+        assert torch.equal(union, torch.unique(part[part >= 0])), (c, union)
+    assert unions[1].numel() == 0
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_token_chunks_find_their_unions_once(source, monkeypatch):
+    """A call in token chunks finds every chunk's union in one pass per forward and backward
+    (``chunk_unions``), and its chunks look for no smaller union (no ``torch.unique`` per chunk,
+    no chunks within chunks): 2 searches of the whole call's union, whatever the chunk count."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["chunks"])
+    for name, value in CHUNKS.items():
+        monkeypatch.setattr(native_support, name, value)
+    problem = _problem(seed=24)
+    support = problem[4]
+    searches, unions = [], []
+    real_unique, real_unions = torch.unique, native_support.chunk_unions
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: searches.append(1) or real_unique(*a, **k))
+    monkeypatch.setattr(native_support, "chunk_unions",
+                        lambda *a: unions.append(a[1]) or real_unions(*a))
+    ours, leaves = _call(tplogp.get_op("linear_logp", source), problem, support,
+                         workspace_bytes=1 << 30)
+    found = _compare(ours, leaves, problem, support, _upstream((B, L), 25))
+    assert not found, "; ".join(found)
+    assert unions == [2, 2], unions  # (CHUNKS: 2 rows a chunk, forward and backward)
+    assert len(searches) == 2, len(searches)

@@ -236,20 +236,29 @@ class ShardCall:
     # -inf (the masked-vocabulary rule). Set per call (tplogp.op.local_call), sliced with the rows
     # (:meth:`for_rows`); a source that cannot mask names it in ``missing_features``
     support: Optional[torch.Tensor] = field(default=None, compare=False, hash=False, repr=False)
+    # the sorted union of the support's ids where the caller computed it (token chunks compute
+    # every chunk's at once, one host read: tplogp.backends.native_support.chunk_unions), else None
+    support_union: Optional[torch.Tensor] = field(default=None, compare=False, hash=False,
+                                                  repr=False)
+    # the support's ids are positions among gathered weight rows that are the union itself
+    # (native_support.gathered): the source masks them, with no smaller union to look for
+    support_narrowed: bool = False
 
     def for_rows(self, t0: int, t1: int) -> "ShardCall":
-        """This call for its rows ``[t0, t1)`` (a chunk): the support sliced with them."""
+        """This call for its rows ``[t0, t1)`` (a chunk): the support sliced with them (its union
+        is no longer known)."""
         if self.support is None or (t0 == 0 and t1 == self.support.shape[0]):
             return self
-        return replace(self, support=self.support[t0:t1])
+        return replace(self, support=self.support[t0:t1], support_union=None)
 
     @functools.cached_property
     def key(self) -> tuple:
-        """Every setting of this call but its support, as one hashable tuple (made once per
-        ShardCall): what a source's per-layout state is keyed by with the shard's shapes (the
-        triton / sm90 sources' launch programs, ``TritonBackend._program``). Equal calls (the
-        calls of one layout, eager or compiled, share one ShardCall: tplogp.op.plan) find the same
-        programs; a call that differs in any setting finds its own."""
+        """Every setting of this call but its support's (``support``, ``support_union``,
+        ``support_narrowed``: support calls run no launch program), as one hashable tuple (made
+        once per ShardCall): what a source's per-layout state is keyed by with the shard's
+        shapes (the triton / sm90 sources' launch programs, ``TritonBackend._program``). Equal
+        calls (the calls of one layout, eager or compiled, share one ShardCall: tplogp.op.plan)
+        find the same programs; a call that differs in any setting finds its own."""
         return (self.inv_temperature, self.with_entropy, self.softcap, self.with_sum_z,
                 self.with_argmax, self.deterministic, self.workspace_bytes, self.for_backward,
                 self.consume_kept, self.d_hidden_in_input_dtype, self.inputs_checked,

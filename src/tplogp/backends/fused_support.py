@@ -47,7 +47,7 @@ def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
     rows = None if kept_out is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
     if rows is not None:
         return chunked_forward(lambda h, t, c: backend.forward_stats(h, weight, bias, t, c), rows,
-                               hidden, local_target, call)
+                               hidden, local_target, weight.shape[0], call)
     out, kept = _masked_forward(backend, hidden, weight, bias, local_target, call, kept_out, False)
     return ShardStats(*out[:4], kept=kept, sum_z=out[4], argmax=out[5])
 
@@ -67,7 +67,7 @@ def forward_single(backend, hidden, weight, bias, target, call: ShardCall,
     if rows is not None:
         return chunked_forward(
             lambda h, t, c: backend.forward_single(h, weight, bias, t, c, target_flag), rows,
-            hidden, target, call)
+            hidden, target, weight.shape[0], call)
     out, kept = _masked_forward(backend, hidden, weight, bias, target, call, kept_out, True,
                                 target_flag)
     return SingleShardOutputs(*out[:6], kept=kept, sum_z=out[6], argmax=out[7])

@@ -291,7 +291,7 @@ class NativeBackend(BudgetParts):
         rows = None if kept_out is not None else chunk_rows(n, v, call)
         if rows is not None:
             return chunked_forward(lambda h, t, c: self.forward_stats(h, weight, bias, t, c), rows,
-                                   hidden, local_target, call)
+                                   hidden, local_target, v, call)
         tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
                                                              dev, call)
         kept = None

@@ -78,15 +78,21 @@ def gathered(weight: torch.Tensor, bias: Optional[torch.Tensor], local_target: t
              call: ShardCall) -> Optional[Gathered]:
     """The call on the union of its supports' ids when that union is small (at most
     ``GATHER_FRACTION`` of the shard's ids, and not all of them), else None (one host read: the
-    union's size)."""
+    union's size; none where the caller gives the union, ``call.support_union``), or where the
+    union is wider than a token chunk's and the call runs in chunks (:func:`chunk_rows`). Its
+    call's support is ``support_narrowed``: asked again, none."""
     support, v = call.support, weight.shape[0]
-    if support is None or call.deterministic or v == 0:
+    if support is None or call.deterministic or v == 0 or call.support_narrowed:
         return None
-    if support.shape[1] and bool((support[:, 0] == KEEP_ALL).any()):  # (a row keeps every id)
-        return None
-    rows = torch.unique(support[support >= 0])  # sorted
-    if rows.numel() == v or rows.numel() > GATHER_FRACTION * v:  # (every id: nothing to gather)
-        return None
+    rows = call.support_union
+    if rows is None:
+        if support.shape[1] and bool((support[:, 0] == KEEP_ALL).any()):  # (a row keeps all)
+            return None
+        rows = torch.unique(support[support >= 0])  # sorted
+        if rows.numel() == v or rows.numel() > GATHER_FRACTION * v:  # (every id: no gather)
+            return None
+        if rows.numel() > chunk_ids(v) and chunk_rows(support.shape[0], v, call) is not None:
+            return None  # (token chunks: narrower GEMMs than the whole union's)
     position = torch.full((v + 1,), -1, dtype=torch.int64, device=weight.device)
     position[rows] = torch.arange(rows.numel(), device=weight.device)
 
@@ -95,7 +101,9 @@ def gathered(weight: torch.Tensor, bias: Optional[torch.Tensor], local_target: t
 
     return Gathered(rows, weight.index_select(0, rows),
                     None if bias is None else bias.index_select(0, rows),
-                    positions(local_target), replace(call, support=positions(support)))
+                    positions(local_target),
+                    replace(call, support=positions(support), support_union=None,
+                            support_narrowed=True))
 
 
 def scattered_argmax(argmax: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
@@ -152,19 +160,43 @@ CHUNK_FRACTION = 0.25  # a chunk's ids at most, over the shard's
 MIN_CHUNK_ROWS = 128
 
 
+def chunk_ids(v: int) -> int:
+    """The most ids a token chunk's union may hold in a shard of ``v`` ids."""
+    return int(min(CHUNK_IDS, CHUNK_FRACTION * v))
+
+
 def chunk_rows(n: int, v: int, call: ShardCall) -> Optional[int]:
     """The token rows per chunk of a call that runs chunk by chunk on gathered rows (above), or
-    None (one host read where it could: whether a row keeps every id). Asked where the whole
-    call's union is too large to gather (:func:`gathered`)."""
+    None (one host read where it could: whether a row keeps every id). Never for a chunk
+    (``support_union`` given) or a gathered call (``support_narrowed``): chunks do not nest."""
     support = call.support
-    if support is None or call.deterministic or n == 0 or v == 0 or support.shape[1] == 0:
+    if (support is None or call.deterministic or n == 0 or v == 0 or support.shape[1] == 0
+            or call.support_narrowed or call.support_union is not None):
         return None
-    rows = int(min(CHUNK_IDS, CHUNK_FRACTION * v)) // support.shape[1]
+    rows = chunk_ids(v) // support.shape[1]
     if rows < MIN_CHUNK_ROWS or rows >= n:
         return None
     if bool((support[:, 0] == KEEP_ALL).any()):
         return None
     return rows
+
+
+def chunk_unions(support: torch.Tensor, rows: int, v: int) -> list[torch.Tensor]:
+    """The sorted union of the shard-local ids of each token chunk of ``rows`` rows of ``support``
+    (int64 ``[n, K]``, ``-1`` for none, no ``KEEP_ALL`` row), every chunk at once: the ids of a
+    chunk sorted (``-1`` as ``v``, last), the first of each run of equal ids kept, sorted again to
+    put them first; one host read (the chunks' union sizes)."""
+    n, k = support.shape
+    chunks = -(-n // rows)
+    ids = torch.where(support >= 0, support, v)
+    if chunks * rows != n:
+        ids = torch.cat([ids, ids.new_full((chunks * rows - n, k), v)])
+    ids = ids.view(chunks, rows * k).sort(dim=1).values
+    first = ids < v
+    first[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+    sizes = first.sum(1).tolist()
+    ids = ids.masked_fill(~first, v).sort(dim=1).values
+    return [ids[c, :size] for c, size in enumerate(sizes)]
 
 
 def accumulators_fit(source: str, weight: torch.Tensor, call: ShardCall) -> bool:
@@ -176,16 +208,19 @@ def accumulators_fit(source: str, weight: torch.Tensor, call: ShardCall) -> bool
     return 4 * weight.shape[0] * (weight.shape[1] + 1) <= split.transient + split.keep
 
 
-def chunked_forward(forward, rows: int, hidden: torch.Tensor, target: torch.Tensor,
+def chunked_forward(forward, rows: int, hidden: torch.Tensor, target: torch.Tensor, v: int,
                     call: ShardCall):
     """``forward(hidden rows, target rows, call)`` over token chunks of ``rows`` rows, each with its
-    rows of the support and keeping nothing (the backward recomputes), the outputs concatenated
-    (a NamedTuple of ``[N]`` tensors or None)."""
+    rows of the support and their union (:func:`chunk_unions`, of a shard of ``v`` ids) and keeping
+    nothing (the backward recomputes), the outputs concatenated (a NamedTuple of ``[N]`` tensors
+    or None)."""
     outs = []
-    for t0 in range(0, hidden.shape[0], rows):
+    unions = chunk_unions(call.support, rows, v)
+    for t0, union in zip(range(0, hidden.shape[0], rows), unions):
         t1 = t0 + rows
         outs.append(forward(hidden[t0:t1], target[t0:t1],
-                            replace(call, support=call.support[t0:t1], for_backward=False)))
+                            replace(call, support=call.support[t0:t1], support_union=union,
+                                    for_backward=False)))
     return type(outs[0])(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs)))
 
 
@@ -212,12 +247,13 @@ def chunked_backward(backward, rows: int, hidden: torch.Tensor, weight: torch.Te
         return x[t0:t1] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == n else x
 
     d_hidden = []
-    for t0 in range(0, n, rows):
+    unions = chunk_unions(call.support, rows, weight.shape[0])
+    for t0, union in zip(range(0, n, rows), unions):
         t1 = t0 + rows
         grads = backward(hidden[t0:t1], local_target[t0:t1],
                          tuple(part(x, t0, t1) for x in per_token),
-                         replace(call, support=call.support[t0:t1]), accumulate,
-                         part(grad_sum_z, t0, t1))
+                         replace(call, support=call.support[t0:t1], support_union=union),
+                         accumulate, part(grad_sum_z, t0, t1))
         d_hidden.append(grads.d_hidden)
     dh = None if d_hidden[0] is None else torch.cat(d_hidden)
     if d_hidden_ready is not None and dh is not None:
@@ -260,5 +296,5 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
 
 __all__ = ["kept_columns", "support_rows", "GATHER_FRACTION", "Gathered", "gathered",
            "scattered_argmax", "scattered_grads", "gathered_accumulators", "CHUNK_IDS",
-           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_rows", "accumulators_fit", "chunked_forward",
-           "chunked_backward", "gathered_backward"]
+           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_ids", "chunk_rows", "chunk_unions",
+           "accumulators_fit", "chunked_forward", "chunked_backward", "gathered_backward"]
