@@ -147,8 +147,16 @@ def test_kept_ids_are_vllms(case, options):
         assert (truth.sum(-1) > 5).any()
 
 
+@pytest.fixture(params=["one-drop-column", "spread"])
+def drop_columns(request, monkeypatch) -> None:
+    """The passes' dropped logits in one column per row (a CPU's way) or spread over ``SPREAD``
+    columns (a GPU's)."""
+    if request.param == "spread":
+        monkeypatch.setattr(sampler_module, "_drop_columns", lambda device: sampler_module.SPREAD)
+
+
 @pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "per-token"])
-def test_candidate_rounds(case, monkeypatch):
+def test_candidate_rounds(case, monkeypatch, drop_columns):
     """With one candidate per rank to start, the rows whose answer is not exact run again until it
     is: the same ids, after several rounds; top-p or min-p alone take two (the counting pass sizes
     the second)."""
@@ -159,7 +167,7 @@ def test_candidate_rounds(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["top_p", "min_p", "per-token"])
-def test_collecting_rounds_past_their_capacity_run_again(case, monkeypatch):
+def test_collecting_rounds_past_their_capacity_run_again(case, monkeypatch, drop_columns):
     """A collecting round whose edge holds more ids on a rank than the counting pass gave it (here
     a count of 1 for every row) leaves those rows for another round (from their bound, then the
     largest logits): the same ids."""

@@ -46,8 +46,9 @@ mass from the top passes ``top_p`` by ``MASS_MARGIN`` (top-p alone), else down t
 chunk, the ids of those bins (those at least a threshold found once per token by bisection over the
 fp32 values with the same bin function) get their slots from a running count and a cumulative sum
 along the row and are scattered into a ``[tokens, M]`` buffer (``M``: the most ids any rank counted
-there, known on the host after the counting pass's read); the floor is the largest logit not
-collected. No host read per chunk and no ``topk``: the candidates are sorted once, after the gather.
+there, known on the host after the counting pass's read; on a GPU the ids not collected, and
+the counting pass's logits below ``lo``, go to ``SPREAD`` columns per row that are dropped, by
+column, so that no one address takes them all); the floor is the largest logit not collected. No host read per chunk and no ``topk``: the candidates are sorted once, after the gather.
 The two passes compute the same logits in the same chunks and the same bins, so a rank's ids fit; a
 token whose ids do not (a GEMM that gave other bits) or that its bins did not settle collects again
 down to ``lo``, then takes the largest logits. Tokens without a bound (ties at top-k's ``k``-th
@@ -86,6 +87,10 @@ MIN_CANDIDATES = 256  # with top-p or min-p: the first round's candidates at lea
 GROWTH = 4  # a round's candidates over the previous round's
 DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
 BINS = 64  # the bins of the counting pass
+# the columns of a row's scatter buffers that take the logits a pass drops, on a GPU (spread over
+# them by column: one per row would take every dropped logit's atomic add or store one after
+# another; a CPU's scatter has no such contention and keeps one)
+SPREAD = 64
 # top-p alone collects down to the bin where the counted mass passes top_p by this much (the
 # counting pass sums fp32 terms; the round decides in float64)
 MASS_MARGIN = 1e-4
@@ -137,6 +142,19 @@ def _ordered(x: torch.Tensor) -> torch.Tensor:
 def _from_key(key: torch.Tensor) -> torch.Tensor:
     """The fp32 values of :func:`_ordered`'s keys."""
     return torch.where(key < 0, key ^ 0x7FFFFFFF, key).to(torch.int32).view(torch.float32)
+
+
+def _drop_columns(device: torch.device) -> int:
+    """How many columns of a row's scatter buffers take the dropped logits (``SPREAD``)."""
+    return SPREAD if device.type == "cuda" else 1
+
+
+def _spread(v0: int, v1: int, device: torch.device):
+    """Which of the drop columns each column ``v0 .. v1`` of a chunk's dropped logits takes: int64
+    ``[v1 - v0]`` on a GPU, else 0 (the one column)."""
+    if _drop_columns(device) == 1:
+        return 0
+    return torch.arange(v0, v1, device=device) % SPREAD
 
 
 def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
@@ -223,6 +241,9 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
                 sum_exp = (sum_exp * torch.exp((row_max - base).double())
                            + torch.sub(z, base[:, None]).exp_().sum(1, dtype=torch.float64))
             row_max = new_max
+            if v0 == 0 and z_vals.shape[1] == take:  # (the first chunk's are the running ones)
+                vals, ids = z_vals, z_at
+                continue
             top_vals, at = torch.cat([vals, z_vals], 1).topk(take, dim=1)
             from_chunk = z_at.gather(1, (at - take).clamp(min=0)) + v0
             ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), from_chunk)
@@ -252,8 +273,9 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         rows = hc.shape[0]
         pad = rows - (t1 - t0)  # (padding rows: nothing collected)
         at_least = torch.cat([threshold[t0:t1], threshold.new_full((pad,), float("inf"))])
-        vals = torch.full((rows, m + 1), float("-inf"), dtype=torch.float32, device=dev)
-        ids = torch.full((rows, m + 1), -1, dtype=torch.int64, device=dev)
+        drop = _drop_columns(dev)
+        vals = torch.full((rows, m + drop), float("-inf"), dtype=torch.float32, device=dev)
+        ids = torch.full((rows, m + drop), -1, dtype=torch.int64, device=dev)
         held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
         below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
         row_max = torch.full_like(below, float("-inf"))
@@ -265,7 +287,7 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
             below = torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values)
             slot = mask.to(torch.int32).cumsum(1, dtype=torch.int32).add_(held - 1)
             held = slot[:, -1:] + 1
-            slot = torch.where(mask & (slot < m), slot, m).to(torch.int64)
+            slot = torch.where(mask & (slot < m), slot, m + _spread(v0, v1, dev))
             vals.scatter_(1, slot, z)
             ids.scatter_(1, slot, torch.arange(v0, v1, device=dev).expand(rows, -1))
         keep = slice(0, t1 - t0)
@@ -295,12 +317,14 @@ def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], sca
         rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
         if lse is not None:
             shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
-        counts = torch.zeros(rows, BINS + 1, dtype=torch.float32, device=dev)
+        counts = torch.zeros(rows, BINS + _drop_columns(dev), dtype=torch.float32, device=dev)
         masses = torch.zeros_like(counts)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
             at = _bins_of(z, rows_scale)
+            if _drop_columns(dev) > 1:  # (below lo: dropped)
+                at = torch.where(at < BINS, at, BINS + _spread(v0, v1, dev))
             counts.scatter_add_(1, at, torch.ones_like(z))
             if lse is not None:
                 masses.scatter_add_(1, at, torch.exp(z.sub_(shift)).nan_to_num_(nan=0.0))
