@@ -19,7 +19,7 @@ from tests.support import grpo_reference
 from tests.support import support_checks
 from tests.support.problems import cpu_sources
 from tplogp import losses
-from tplogp.backends import fused_support, native, native_support
+from tplogp.backends import fused_support, native, native_support, support_pairs
 from tplogp.backends.kernel_registry import SourceUnavailableError, unavailable_reason
 from tplogp.op.validation import LinearLogpInputError
 from tplogp.testing.reference import reference_logits, reference_support_outputs, support_mask
@@ -36,9 +36,10 @@ OPTIONS = {
 }
 
 
-# every source's three ways: every tile masked, the gathered rows of the supports' union, or token
-# chunks each on the gathered rows of its own union (GATHER_FRACTION; the chunks' settings)
-PATHS = {"mask": -1.0, "gather": 1.0, "chunks": 0.25}  # (-1: never, even an empty union)
+# every source's four ways: every tile masked, the gathered rows of the supports' union, token
+# chunks each on the gathered rows of its own union (GATHER_FRACTION; the chunks' settings), and
+# those chunks with a backward from the (token, id) pairs (no d_W accumulators within the budget)
+PATHS = {"mask": -1.0, "gather": 1.0, "chunks": 0.25, "pairs": 0.25}  # (-1: never, even empty)
 CHUNKS = dict(CHUNK_IDS=12, CHUNK_FRACTION=1.0, MIN_CHUNK_ROWS=1)  # chunks of 2 tokens (K = 6)
 # the sources that run here: native, and triton where Triton's interpreter runs it
 SOURCES = cpu_sources()
@@ -57,10 +58,15 @@ def _take(path: str, monkeypatch) -> list[bool]:
     fused_support`; every backward: ``native_support.gathered_backward``), whether it ran on
     gathered rows, and ``"chunks"`` where it ran in token chunks."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS[path])
-    if path == "chunks":
+    seen = []
+    if path in ("chunks", "pairs"):
         for name, value in CHUNKS.items():
             monkeypatch.setattr(native_support, name, value)
-    seen = []
+    if path == "pairs":
+        monkeypatch.setattr(native_support, "accumulators_fit", lambda *args: False)
+        real_pairs = support_pairs.backward
+        monkeypatch.setattr(support_pairs, "backward",
+                            lambda *args: seen.append("pairs") or real_pairs(*args))
     for module in (native, fused_support, native_support):  # (the forwards; every backward)
         real, real_chunks = module.gathered, module.chunk_rows
 
@@ -83,11 +89,12 @@ def _take(path: str, monkeypatch) -> list[bool]:
 def _assert_ran(path: str, seen: list, gathers: bool = True) -> None:
     """The way ``path`` ran (``gathers``: the call may gather; not under ``deterministic``): some
     forward or backward gathered exactly when the way gathers, and ran in token chunks exactly
-    when it is ``chunks``."""
+    when it is ``chunks`` or ``pairs``; no other way ran a backward from the pairs."""
     gathered = any(s is True for s in seen)
     chunked = "chunks" in seen
     assert seen and gathered == (path != "mask" and gathers), seen
-    assert chunked == (path == "chunks" and gathers), seen
+    assert chunked == (path in ("chunks", "pairs") and gathers), seen
+    assert "pairs" not in seen or path == "pairs", seen
 
 
 def _problem(seed: int, vocab: int = V, ignore: bool = False, length: int = L):
@@ -566,47 +573,51 @@ def test_tp_fused_loss_with_support(tp, vocab_shards, path, source, monkeypatch)
 
 def _assert_path_taken(tp, path: str, seen: list) -> None:
     """Masking: no rank gathered. Gathering: some rank did (a rank whose shard ids the supports all
-    keep masks: nothing to gather). Chunks: some rank ran in token chunks."""
-    everyone = tp.all_gather_object((any(s is True for s in seen), "chunks" in seen))
-    gathered, chunked = (any(rank[i] for rank in everyone) for i in (0, 1))
-    tp.assert_all(gathered == (path != "mask") and chunked == (path == "chunks"),
-                  f"{path}: (gathered, in chunks) on ranks {everyone}")
+    keep masks: nothing to gather). Chunks: some rank ran in token chunks. Pairs: those, and no
+    other way ran a backward from the pairs."""
+    everyone = tp.all_gather_object((any(s is True for s in seen), "chunks" in seen,
+                                     "pairs" in seen))
+    gathered, chunked, pairs = (any(rank[i] for rank in everyone) for i in (0, 1, 2))
+    tp.assert_all(gathered == (path != "mask") and chunked == (path in ("chunks", "pairs"))
+                  and (not pairs or path == "pairs"),
+                  f"{path}: (gathered, in chunks, from pairs) on ranks {everyone}")
 
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
     """A call run in token chunks adds each chunk's d_W / d_b rows to fp32 accumulators: made for
-    the op's backward only where the call's budget holds their ``4 V (D + 1)`` bytes (else the
-    backward masks the whole shard); the fused loss's token chunks pass their own. Either way the
-    op gives the definition's gradients."""
+    the op's backward only where the call's budget holds their ``4 V (D + 1)`` bytes; else the
+    backward runs from the supports' (token, id) pairs (supports of at most
+    ``support_pairs.MAX_IDS`` ids), else masks the whole shard; the fused loss's token chunks pass
+    their own. Every way gives the definition's gradients."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["chunks"])
     for name, value in CHUNKS.items():
         monkeypatch.setattr(native_support, name, value)
     backwards = []
-    real = native_support.chunked_backward
-
-    def chunked_backward(*args):
-        backwards.append(True)
-        return real(*args)
-
-    monkeypatch.setattr(native_support, "chunked_backward", chunked_backward)
+    real, real_pairs = native_support.chunked_backward, support_pairs.backward
+    monkeypatch.setattr(native_support, "chunked_backward",
+                        lambda *args: backwards.append("chunks") or real(*args))
+    monkeypatch.setattr(support_pairs, "backward",
+                        lambda *args: backwards.append("pairs") or real_pairs(*args))
     problem = _problem(seed=21)
     support = problem[4]
     need = 4 * V * (D + 1)
     op = tplogp.get_op("linear_logp", source)
-    for budget, chunked in ((need - 1, False), (need + 4096, True)):
+    for budget, widest, way in ((need - 1, K, ["pairs"]), (need - 1, K - 1, []),
+                                (need + 4096, K, ["chunks"])):
         backwards.clear()
+        monkeypatch.setattr(support_pairs, "MAX_IDS", widest)  # (K - 1: too wide, masked)
         ours, leaves = _call(op, problem, support, workspace_bytes=budget)
         found = _compare(ours, leaves, problem, support, _upstream((B, L), 22))
         assert not found, "; ".join(found)
-        assert bool(backwards) == chunked, (budget, backwards)
+        assert backwards == way, (budget, widest, backwards)
     backwards.clear()  # the fused loss's token chunks (of 6): its own accumulators
     hidden, weight, bias, target, _ = problem
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = tplogp.linear_logp_loss(h, w, target, bias, loss=losses.cross_entropy(), support=support,
                                    workspace_bytes=_chunks_of(6, source), source=source)
     loss.backward()
-    assert backwards and torch.isfinite(w.grad).all()
+    assert set(backwards) == {"chunks"} and torch.isfinite(w.grad).all()
 
 
 def test_chunk_unions_are_each_chunks_own():

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..op.support_ids import KEEP_ALL
-from . import memory_budget
+from . import memory_budget, support_pairs
 from .base import ShardCall, ShardGrads
 
 
@@ -154,7 +154,8 @@ def gathered_accumulators(accumulate: Optional[tuple], rows: int) -> Optional[tu
 # the whole shard. Not under ``deterministic`` (as :func:`gathered`). The backward adds each
 # chunk's ``d_W`` / ``d_b`` rows to fp32 accumulators: the fused loss's own, else ``4 V (D + 1)``
 # bytes made for it where the call's memory budget holds them (:func:`accumulators_fit`; else the
-# backward masks the whole shard).
+# backward runs from the supports' (token, id) pairs, :mod:`tplogp.backends.support_pairs`, for
+# supports of at most ``support_pairs.MAX_IDS`` ids, and masks the whole shard for wider ones).
 CHUNK_IDS = 16384
 CHUNK_FRACTION = 0.25  # a chunk's ids at most, over the shard's
 MIN_CHUNK_ROWS = 128
@@ -203,7 +204,8 @@ def accumulators_fit(source: str, weight: torch.Tensor, call: ShardCall) -> bool
     """Whether a chunked backward's own fp32 ``d_W`` / ``d_b`` accumulators (``4 V (D + 1)``
     bytes: made where the caller passes none) fit the call's memory budget for ``source``
     (:func:`tplogp.backends.memory_budget.split`: what the call may hold beyond its inputs,
-    outputs and gradients). Where they do not, the backward masks the whole shard instead."""
+    outputs and gradients). Where they do not, the backward runs from the pairs or masks the
+    whole shard instead."""
     split = memory_budget.split(source, call.workspace_bytes, weight.device, call.deterministic)
     return 4 * weight.shape[0] * (weight.shape[1] + 1) <= split.transient + split.keep
 
@@ -273,8 +275,9 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
     (the same decisions, made again from the call): on the union of the supports' ids
     (:func:`gathered`), its ``d_W`` / ``d_b`` rows put back at the shard's ids; else token chunk
     by token chunk (:func:`chunk_rows`, where the fp32 accumulators are the caller's or fit the
-    budget: :func:`accumulators_fit`); else None (the caller masks the whole shard). Every
-    source's backward asks it first."""
+    budget: :func:`accumulators_fit`; where they do not, from the supports' (token, id) pairs,
+    :mod:`tplogp.backends.support_pairs`, for supports it takes); else None (the caller masks
+    the whole shard). Every source's backward asks it first."""
     narrow = gathered(weight, bias, local_target, call)
     if narrow is not None:
         grads = backend.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
@@ -284,8 +287,14 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
                                  grad_sum_z)
         return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
     rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
-    if rows is None or (accumulate is None and not accumulators_fit(backend.name, weight, call)):
+    if rows is None:
         return None
+    if accumulate is None and not accumulators_fit(backend.name, weight, call):
+        if not support_pairs.applies(call, grad_sum_z):
+            return None
+        return support_pairs.backward(backend.name, hidden, weight, bias, local_target, row_max,
+                                      log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, call,
+                                      needs, d_hidden_ready)
     return chunked_backward(
         lambda h, t, per_token, c, acc, gz: backend.backward(h, weight, bias, t, *per_token, c,
                                                              needs, None, None, acc, gz),

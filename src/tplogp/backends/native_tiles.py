@@ -45,6 +45,14 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
     else:
         z = out
         fp32_gemm.mm_into(z, h, w.t())
+    return _transformed(z, b, inv_t, softcap, slope, tanh_max)
+
+
+def _transformed(z: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
+                 softcap: Optional[float], slope: Optional[list] = None,
+                 tanh_max: Optional[list] = None) -> torch.Tensor:
+    """The logit transform of :func:`_logits_tile` on the fp32 products ``z``, in place: the bias
+    (broadcast over ``z``'s last dimension, or of ``z``'s shape), the softcap, the temperature."""
     if b is not None:
         z += b.float()
     if softcap is not None:

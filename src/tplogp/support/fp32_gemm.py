@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 _OUT_DTYPE_OK: dict[str, bool] = {}
+_BMM_OUT_DTYPE_OK: dict[str, bool] = {}
 
 
 def _native_f32_out(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -37,6 +38,25 @@ def _operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     if _native_f32_out(a, b):
         return a, b, {"out_dtype": torch.float32}
     return a.float(), b.float(), {}
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` batched (``[B, n, k] @ [B, k, m]``) as a new fp32 tensor: low-precision CUDA
+    operands in one cuBLAS call with an fp32 output where torch has it, else upcast."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.bmm(a, b)
+    if a.device.type == "cuda":
+        ok = _BMM_OUT_DTYPE_OK.get(a.device.type)
+        if ok is None:  # (probed once per device type, on one element)
+            try:
+                torch.bmm(a[:1, :1], b[:1, :, :1], out_dtype=torch.float32)
+                ok = True
+            except (TypeError, RuntimeError, NotImplementedError):
+                ok = False
+            _BMM_OUT_DTYPE_OK[a.device.type] = ok
+        if ok:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
