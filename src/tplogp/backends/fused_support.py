@@ -10,7 +10,9 @@ Three ways, as on the native source (:mod:`tplogp.backends.native_support`):
 * when that union is large but each token's support narrow
   (:func:`~.native_support.chunk_rows`), the call runs token chunk by token chunk, each chunk the
   first way on its own small union, keeping nothing (the backward recomputes, chunk by chunk, its
-  ``d_W`` / ``d_b`` rows added to fp32 accumulators: :func:`~.native_support.chunked_backward`);
+  ``d_W`` / ``d_b`` rows added to fp32 accumulators: :func:`~.native_support.chunked_backward`;
+  without accumulators in the budget, from the supports' (token, id) pairs:
+  :mod:`tplogp.backends.support_pairs`);
 * otherwise the fused kernels mask the logits outside each row's support to ``-inf`` in their logit
   transform (forward, and the backward's recompute), reading per row a bitmask of the shard's
   columns (:mod:`tplogp.kernels.support_bits`): the masked-vocabulary rule then gives the
