@@ -3,8 +3,9 @@ registry's automatic choice runs such calls on the source it takes without one (
 run a support), and the outputs and gradients of the registry's choice and of the triton, sm90 and
 native sources named explicitly match the float64 definition
 (``tplogp.testing.reference.reference_support_outputs``) within the same-dtype PyTorch reference's
-error, in bf16 and fp32, with temperature and softcap, on both ways (every tile masked; the gathered
-rows of the supports' union), at the default budget and at one that runs the fused forward in token
+error, in bf16 and fp32, with temperature and softcap, on every way (every tile masked; the gathered
+rows of the supports' union; token chunks, with a backward from fp32 accumulators or from the
+(token, id) pairs), at the default budget and at one that runs the fused forward in token
 chunks and its backward in column chunks (each with its support bitmask); the fused loss with a
 support on each source; in one process and over ranks through the plugin (uneven shards).
 
@@ -145,6 +146,43 @@ def test_support_on_each_source(source, dtype, options, path, budget, monkeypatc
                       return_lse=True, support=support, workspace_bytes=BUDGETS[budget], **kw)
     found = _check(tuple(out), leaves, problem, dt, **kw)
     assert not found, f"{source}: " + "; ".join(found)
+
+
+@pytest.mark.parametrize("way", ["chunks", "pairs"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("source", ["sm90", "triton", "native"])
+def test_narrow_supports_in_token_chunks_on_each_source(source, dtype, way, monkeypatch):
+    """Supports whose union is most of the shard, run in token chunks of 19 tokens on the gathered
+    rows of each chunk's union (every union found at once); the backward adds each chunk's d_W
+    rows to fp32 accumulators (``chunks``) or, without them in the budget, runs from the
+    supports' (token, id) pairs (``pairs``: :mod:`tplogp.backends.support_pairs`). Outputs and
+    gradients as the definition's, with temperature and softcap."""
+    from tplogp.backends import support_pairs
+
+    device = torch.device("cuda")
+    dt = DTYPES[dtype]
+    if unavailable_reason(source, device, dt, ("support",)) is not None:
+        pytest.skip(unavailable_reason(source, device, dt, ("support",)))
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", 0.25)
+    monkeypatch.setattr(native_support, "MIN_CHUNK_ROWS", 1)
+    ran = []
+    real_chunks, real_pairs = native_support.chunked_backward, support_pairs.backward
+    monkeypatch.setattr(native_support, "chunked_backward",
+                        lambda *args: ran.append("chunks") or real_chunks(*args))
+    monkeypatch.setattr(support_pairs, "backward",
+                        lambda *args: ran.append("pairs") or real_pairs(*args))
+    if way == "pairs":
+        monkeypatch.setattr(native_support, "accumulators_fit", lambda *args: False)
+    problem = _problem(N, V, seed=6, device=device, dtype=dt)
+    hidden, weight, bias, target, support = problem
+    leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
+    kw = OPTIONS["temperature-softcap"]
+    out = tplogp.get_op("linear_logp", source)(leaves[0], leaves[1], target, leaves[2],
+                                               return_entropy=True, return_lse=True,
+                                               support=support, **kw)
+    found = _check(tuple(out), leaves, problem, dt, **kw)
+    assert not found, f"{source}: " + "; ".join(found)
+    assert ran == [way], ran
 
 
 @pytest.mark.parametrize("source", ["sm90", "triton", "native"])
