@@ -155,8 +155,8 @@ def test_narrow_supports_in_token_chunks_on_each_source(source, dtype, way, monk
     """Supports whose union is most of the shard, run in token chunks of 19 tokens on the gathered
     rows of each chunk's union (every union found at once); the backward adds each chunk's d_W
     rows to fp32 accumulators (``chunks``) or, without them in the budget, runs from the
-    supports' (token, id) pairs (``pairs``: :mod:`tplogp.backends.support_pairs`). Outputs and
-    gradients as the definition's, with temperature and softcap."""
+    supports' (token, id) pairs (``pairs``: :mod:`tplogp.backends.support_pairs`; bf16 only, fp32
+    masks). Outputs and gradients as the definition's, with temperature and softcap."""
     from tplogp.backends import support_pairs
 
     device = torch.device("cuda")
@@ -182,7 +182,59 @@ def test_narrow_supports_in_token_chunks_on_each_source(source, dtype, way, monk
                                                support=support, **kw)
     found = _check(tuple(out), leaves, problem, dt, **kw)
     assert not found, f"{source}: " + "; ".join(found)
-    assert ran == [way], ran
+    # (an fp32 call's backward does not run from the pairs: it masks the shard)
+    assert ran == ([] if way == "pairs" and dt == torch.float32 else [way]), ran
+
+
+SAMPLER_CASES = {"top_k": dict(top_k=5), "top_p": dict(top_p=0.8), "min_p": dict(min_p=0.1),
+                 "all": dict(top_k=9, top_p=0.7, min_p=0.05)}
+
+
+@pytest.mark.parametrize("case", list(SAMPLER_CASES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("source", ["sm90", "triton", "native"])
+def test_sampler_parameters_on_each_source(source, dtype, case):
+    """``top_k`` / ``top_p`` / ``min_p`` computed on the GPU (its fp32-output GEMMs, the passes'
+    spread drop columns): on logits exact in every dtype (small dyadic values: exact ties) the kept
+    ids are the float64 definition's (``tplogp.testing.reference.sampler_mask``, exact ties at the
+    k-th logit), and the op's outputs and gradients equal those of that explicit support (the
+    targets drawn from it, as a sampler draws them)."""
+    from tplogp.op.options import LogpOptions
+    from tplogp.op.sampler_params import per_token
+    from tplogp.op.sampler_support import sampler_support
+    from tplogp.testing.reference import padded_support, reference_logits, sampler_mask
+
+    device, dt = torch.device("cuda"), DTYPES[dtype]
+    if unavailable_reason(source, device, dt, ("support",)) is not None:
+        pytest.skip(unavailable_reason(source, device, dt, ("support",)))
+    n, d, v = 300, 64, 3001
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randint(-2, 3, (n, d), generator=g).float() / 2
+    weight = torch.randint(-4, 5, (v, d), generator=g).float() / 4
+    bias = torch.randint(-4, 5, (v,), generator=g).float() / 8
+    params = SAMPLER_CASES[case]
+    keep = sampler_mask(reference_logits(hidden, weight, bias, mode="float64"), **params)
+    target = torch.multinomial(keep.float(), 1, generator=g).squeeze(1)  # (a kept id)
+    hidden, weight, bias, target = (t.to(device) for t in (hidden.to(dt), weight.to(dt),
+                                                          bias.to(dt), target))
+    ids = sampler_support(hidden, weight, bias, per_token(LogpOptions(**params), n, device, v),
+                          inv_temperature=1.0, softcap=None, vocab_start=0, vocab=v, group=None,
+                          comm_device=device, workspace_bytes=None, deterministic=False)
+    ours = torch.zeros(n, v + 1, dtype=torch.bool, device=device)
+    ours.scatter_(1, torch.where(ids >= 0, ids, v), True)
+    bad = (ours[:, :v].cpu() != keep).any(1).nonzero().squeeze(1).tolist()
+    assert not bad, f"{source} {dtype} {case}: tokens {bad[:8]} keep other ids"
+    support = padded_support(keep).to(device)
+    op = tplogp.get_op("linear_logp", source)
+    results = []
+    for kw in (params, dict(support=support)):
+        leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
+        logp, entropy = op(leaves[0], leaves[1], target, leaves[2], return_entropy=True, **kw)
+        (logp.masked_fill(~torch.isfinite(logp), 0).sum() + entropy.sum()).backward()
+        results.append((logp.detach(), entropy.detach(), *(t.grad for t in leaves)))
+    for name, a, b in zip(("logp", "entropy", "d_hidden", "d_weight", "d_bias"), *results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True,
+                                   msg=lambda m, name=name: f"{source} {case} {name}: {m}")
 
 
 @pytest.mark.parametrize("source", ["sm90", "triton", "native"])

@@ -587,9 +587,10 @@ def _assert_path_taken(tp, path: str, seen: list) -> None:
 def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
     """A call run in token chunks adds each chunk's d_W / d_b rows to fp32 accumulators: made for
     the op's backward only where the call's budget holds their ``4 V (D + 1)`` bytes; else the
-    backward runs from the supports' (token, id) pairs (supports of at most
+    backward runs from the supports' (token, id) pairs (16-bit calls, supports of at most
     ``support_pairs.MAX_IDS`` ids), else masks the whole shard; the fused loss's token chunks pass
-    their own. Every way gives the definition's gradients."""
+    their own. Every way gives the definition's gradients (bf16: within the bf16 reference's
+    error)."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["chunks"])
     for name, value in CHUNKS.items():
         monkeypatch.setattr(native_support, name, value)
@@ -603,14 +604,17 @@ def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
     support = problem[4]
     need = 4 * V * (D + 1)
     op = tplogp.get_op("linear_logp", source)
-    for budget, widest, way in ((need - 1, K, ["pairs"]), (need - 1, K - 1, []),
-                                (need + 4096, K, ["chunks"])):
+    for budget, widest, dtype, way in ((need - 1, K, torch.bfloat16, ["pairs"]),
+                                       (need - 1, K, torch.float32, []),
+                                       (need - 1, K - 1, torch.bfloat16, []),
+                                       (need + 4096, K, torch.float32, ["chunks"])):
         backwards.clear()
         monkeypatch.setattr(support_pairs, "MAX_IDS", widest)  # (K - 1: too wide, masked)
-        ours, leaves = _call(op, problem, support, workspace_bytes=budget)
-        found = _compare(ours, leaves, problem, support, _upstream((B, L), 22))
-        assert not found, "; ".join(found)
-        assert backwards == way, (budget, widest, backwards)
+        call = tuple(t.to(dtype) if t.is_floating_point() else t for t in problem)
+        ours, leaves = _call(op, call, support, workspace_bytes=budget)
+        found = _compare(ours, leaves, call, support, _upstream((B, L), 22), dtype=dtype)
+        assert not found, f"{dtype} {widest}: " + "; ".join(found)
+        assert backwards == way, (budget, widest, dtype, backwards)
     backwards.clear()  # the fused loss's token chunks (of 6): its own accumulators
     hidden, weight, bias, target, _ = problem
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

@@ -155,7 +155,8 @@ def gathered_accumulators(accumulate: Optional[tuple], rows: int) -> Optional[tu
 # chunk's ``d_W`` / ``d_b`` rows to fp32 accumulators: the fused loss's own, else ``4 V (D + 1)``
 # bytes made for it where the call's memory budget holds them (:func:`accumulators_fit`; else the
 # backward runs from the supports' (token, id) pairs, :mod:`tplogp.backends.support_pairs`, for
-# supports of at most ``support_pairs.MAX_IDS`` ids, and masks the whole shard for wider ones).
+# 16-bit calls with supports of at most ``support_pairs.MAX_IDS`` ids, and masks the whole shard
+# for the others).
 CHUNK_IDS = 16384
 CHUNK_FRACTION = 0.25  # a chunk's ids at most, over the shard's
 MIN_CHUNK_ROWS = 128
@@ -290,7 +291,7 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
     if rows is None:
         return None
     if accumulate is None and not accumulators_fit(backend.name, weight, call):
-        if not support_pairs.applies(call, grad_sum_z):
+        if not support_pairs.applies(call, weight, grad_sum_z):
             return None
         return support_pairs.backward(backend.name, hidden, weight, bias, local_target, row_max,
                                       log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, call,

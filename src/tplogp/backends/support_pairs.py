@@ -1,11 +1,11 @@
 """The backward of a call with narrow supports from its (token, id) pairs alone: no GEMM over the
 shard's vocabulary, no ``[V, D]`` fp32 accumulator.
 
-Where a call's supports are narrow (``K`` ids per token at most :data:`MAX_IDS`) but their union is
-the whole shard, and the op's own backward has no fp32 ``d_W`` accumulators within its budget for
-the token-chunk way (:func:`tplogp.backends.native_support.accumulators_fit`), every source's
-backward takes this way (:func:`tplogp.backends.native_support.gathered_backward`) instead of
-masking the whole shard.
+Where a call's supports are narrow (``K`` ids per token at most :data:`MAX_IDS`; a 16-bit weight:
+:func:`applies`) but their union is the whole shard, and the op's own backward has no fp32
+``d_W`` accumulators within its budget for the token-chunk way
+(:func:`tplogp.backends.native_support.accumulators_fit`), every source's backward takes this way
+(:func:`tplogp.backends.native_support.gathered_backward`) instead of masking the whole shard.
 
 Algorithm (:func:`backward`), per token chunk of ``T`` rows (``T K D`` gathered weight elements
 within the budget's transient part): the weight rows of each row's ids ``W[S_t]`` (``[T, K, D]``),
@@ -38,11 +38,14 @@ from .native_tiles import _transformed
 MAX_IDS = 64  # the widest support (ids per token) this way takes
 
 
-def applies(call: ShardCall, grad_sum_z: Optional[torch.Tensor]) -> bool:
-    """Whether this way computes the call's backward: supports of at most ``MAX_IDS`` ids and no
-    gradient of the sum of the logits (which reaches every column)."""
+def applies(call: ShardCall, weight: torch.Tensor, grad_sum_z: Optional[torch.Tensor]) -> bool:
+    """Whether this way computes the call's backward: supports of at most ``MAX_IDS`` ids, a 16-bit
+    weight, and no gradient of the sum of the logits (which reaches every column). Not fp32: the
+    pairs' logits are not the forward's bits (another GEMM), so ``z - M`` at a peaked row's max is
+    off by the logits' rounding (about ``|z| 2^-24``) and ``1 - p`` with it, beyond an fp32
+    reference's error there; a 16-bit call's reference error is far larger."""
     return (call.support is not None and 0 < call.support.shape[1] <= MAX_IDS
-            and grad_sum_z is None)
+            and weight.dtype in (torch.bfloat16, torch.float16) and grad_sum_z is None)
 
 
 def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
