@@ -78,9 +78,8 @@ def gathered(weight: torch.Tensor, bias: Optional[torch.Tensor], local_target: t
              call: ShardCall) -> Optional[Gathered]:
     """The call on the union of its supports' ids when that union is small (at most
     ``GATHER_FRACTION`` of the shard's ids, and not all of them), else None (one host read: the
-    union's size; none where the caller gives the union, ``call.support_union``), or where the
-    union is wider than a token chunk's and the call runs in chunks (:func:`chunk_rows`). Its
-    call's support is ``support_narrowed``: asked again, none."""
+    union's size; none where the caller gives the union, ``call.support_union``). Its call's
+    support is ``support_narrowed``: asked again, none (chunks do not nest in it)."""
     support, v = call.support, weight.shape[0]
     if support is None or call.deterministic or v == 0 or call.support_narrowed:
         return None
@@ -91,8 +90,6 @@ def gathered(weight: torch.Tensor, bias: Optional[torch.Tensor], local_target: t
         rows = torch.unique(support[support >= 0])  # sorted
         if rows.numel() == v or rows.numel() > GATHER_FRACTION * v:  # (every id: no gather)
             return None
-        if rows.numel() > chunk_ids(v) and chunk_rows(support.shape[0], v, call) is not None:
-            return None  # (token chunks: narrower GEMMs than the whole union's)
     position = torch.full((v + 1,), -1, dtype=torch.int64, device=weight.device)
     position[rows] = torch.arange(rows.numel(), device=weight.device)
 
