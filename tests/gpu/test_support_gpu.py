@@ -152,11 +152,11 @@ def test_support_on_each_source(source, dtype, options, path, budget, monkeypatc
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("source", ["sm90", "triton", "native"])
 def test_narrow_supports_in_token_chunks_on_each_source(source, dtype, way, monkeypatch):
-    """Supports whose union is most of the shard, run in token chunks of 19 tokens on the gathered
-    rows of each chunk's union (every union found at once); the backward adds each chunk's d_W
-    rows to fp32 accumulators (``chunks``) or, without them in the budget, runs from the
-    supports' (token, id) pairs (``pairs``: :mod:`tplogp.backends.support_pairs`; bf16 only, fp32
-    masks). Outputs and gradients as the definition's, with temperature and softcap."""
+    """Narrow supports whose union is most of the shard: from their (token, id) pairs, forward and
+    backward (``pairs``: :mod:`tplogp.backends.support_pairs`), or, with that way off, in token
+    chunks of 19 tokens on the gathered rows of each chunk's union, the backward adding each
+    chunk's d_W rows to fp32 accumulators (``chunks``). Outputs and gradients as the
+    definition's, with temperature and softcap."""
     from tplogp.backends import support_pairs
 
     device = torch.device("cuda")
@@ -171,8 +171,8 @@ def test_narrow_supports_in_token_chunks_on_each_source(source, dtype, way, monk
                         lambda *args: ran.append("chunks") or real_chunks(*args))
     monkeypatch.setattr(support_pairs, "backward",
                         lambda *args: ran.append("pairs") or real_pairs(*args))
-    if way == "pairs":
-        monkeypatch.setattr(native_support, "accumulators_fit", lambda *args: False)
+    if way == "chunks":
+        monkeypatch.setattr(support_pairs, "MAX_IDS", 0)  # (never from the pairs)
     problem = _problem(N, V, seed=6, device=device, dtype=dt)
     hidden, weight, bias, target, support = problem
     leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
@@ -182,8 +182,7 @@ def test_narrow_supports_in_token_chunks_on_each_source(source, dtype, way, monk
                                                support=support, **kw)
     found = _check(tuple(out), leaves, problem, dt, **kw)
     assert not found, f"{source}: " + "; ".join(found)
-    # (an fp32 call's backward does not run from the pairs: it masks the shard)
-    assert ran == ([] if way == "pairs" and dt == torch.float32 else [way]), ran
+    assert ran == [way], ran
 
 
 SAMPLER_CASES = {"top_k": dict(top_k=5), "top_p": dict(top_p=0.8), "min_p": dict(min_p=0.1),

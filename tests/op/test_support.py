@@ -62,11 +62,12 @@ def _take(path: str, monkeypatch) -> list[bool]:
     if path in ("chunks", "pairs"):
         for name, value in CHUNKS.items():
             monkeypatch.setattr(native_support, name, value)
-    if path == "pairs":
-        monkeypatch.setattr(native_support, "accumulators_fit", lambda *args: False)
-        real_pairs = support_pairs.backward
-        monkeypatch.setattr(support_pairs, "backward",
-                            lambda *args: seen.append("pairs") or real_pairs(*args))
+    if path == "chunks":
+        monkeypatch.setattr(support_pairs, "MAX_IDS", 0)  # (never from the pairs)
+    for name in ("forward_stats", "forward_single", "backward"):
+        real_pairs = getattr(support_pairs, name)
+        monkeypatch.setattr(support_pairs, name,
+                            lambda *args, real=real_pairs: seen.append("pairs") or real(*args))
     for module in (native, fused_support, native_support):  # (the forwards; every backward)
         real, real_chunks = module.gathered, module.chunk_rows
 
@@ -88,13 +89,15 @@ def _take(path: str, monkeypatch) -> list[bool]:
 
 def _assert_ran(path: str, seen: list, gathers: bool = True) -> None:
     """The way ``path`` ran (``gathers``: the call may gather; not under ``deterministic``): some
-    forward or backward gathered exactly when the way gathers, and ran in token chunks exactly
-    when it is ``chunks`` or ``pairs``; no other way ran a backward from the pairs."""
+    forward or backward gathered exactly when the way gathers (on the pairs' way, only calls of
+    narrow unions do: a fused loss's token chunks), found token chunks exactly when
+    it is ``chunks`` or ``pairs``, and ran from the (token, id) pairs exactly when it is
+    ``pairs``."""
     gathered = any(s is True for s in seen)
     chunked = "chunks" in seen
-    assert seen and gathered == (path != "mask" and gathers), seen
+    assert seen and (path == "pairs" or gathered == (path != "mask" and gathers)), seen
     assert chunked == (path in ("chunks", "pairs") and gathers), seen
-    assert "pairs" not in seen or path == "pairs", seen
+    assert ("pairs" in seen) == (path == "pairs" and gathers), seen
 
 
 def _problem(seed: int, vocab: int = V, ignore: bool = False, length: int = L):
@@ -572,25 +575,26 @@ def test_tp_fused_loss_with_support(tp, vocab_shards, path, source, monkeypatch)
 
 
 def _assert_path_taken(tp, path: str, seen: list) -> None:
-    """Masking: no rank gathered. Gathering: some rank did (a rank whose shard ids the supports all
-    keep masks: nothing to gather). Chunks: some rank ran in token chunks. Pairs: those, and no
-    other way ran a backward from the pairs."""
+    """Masking: no rank gathered. Gathering: some rank did (a rank whose shard ids the supports
+    all keep masks: nothing to gather). Chunks: some rank found token chunks. Pairs: some rank ran
+    from the (token, id) pairs, and only then."""
     everyone = tp.all_gather_object((any(s is True for s in seen), "chunks" in seen,
                                      "pairs" in seen))
     gathered, chunked, pairs = (any(rank[i] for rank in everyone) for i in (0, 1, 2))
-    tp.assert_all(gathered == (path != "mask") and chunked == (path in ("chunks", "pairs"))
-                  and (not pairs or path == "pairs"),
+    tp.assert_all((path == "pairs" or gathered == (path != "mask"))
+                  and chunked == (path in ("chunks", "pairs"))
+                  and pairs == (path == "pairs"),
                   f"{path}: (gathered, in chunks, from pairs) on ranks {everyone}")
 
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
-    """A call run in token chunks adds each chunk's d_W / d_b rows to fp32 accumulators: made for
-    the op's backward only where the call's budget holds their ``4 V (D + 1)`` bytes; else the
-    backward runs from the supports' (token, id) pairs (16-bit calls, supports of at most
-    ``support_pairs.MAX_IDS`` ids), else masks the whole shard; the fused loss's token chunks pass
-    their own. Every way gives the definition's gradients (bf16: within the bf16 reference's
-    error)."""
+    """Narrow supports of at most ``support_pairs.MAX_IDS`` ids run from their (token, id) pairs,
+    forward and backward, in fp32 and bf16, with the op's own d_W rows or the fused loss's
+    accumulators. Wider ones run in token chunks whose backward adds each chunk's d_W / d_b rows
+    to fp32 accumulators: made for the op's backward only where the call's budget holds their
+    ``4 V (D + 1)`` bytes, else it masks the whole shard; the fused loss's token chunks pass their
+    own. Every way gives the definition's gradients (bf16: within the bf16 reference's error)."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["chunks"])
     for name, value in CHUNKS.items():
         monkeypatch.setattr(native_support, name, value)
@@ -605,23 +609,26 @@ def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
     need = 4 * V * (D + 1)
     op = tplogp.get_op("linear_logp", source)
     for budget, widest, dtype, way in ((need - 1, K, torch.bfloat16, ["pairs"]),
-                                       (need - 1, K, torch.float32, []),
-                                       (need - 1, K - 1, torch.bfloat16, []),
-                                       (need + 4096, K, torch.float32, ["chunks"])):
+                                       (need - 1, K, torch.float32, ["pairs"]),
+                                       (need - 1, K - 1, torch.float32, []),
+                                       (need + 4096, K - 1, torch.float32, ["chunks"])):
         backwards.clear()
-        monkeypatch.setattr(support_pairs, "MAX_IDS", widest)  # (K - 1: too wide, masked)
+        monkeypatch.setattr(support_pairs, "MAX_IDS", widest)  # (K - 1: too wide)
         call = tuple(t.to(dtype) if t.is_floating_point() else t for t in problem)
         ours, leaves = _call(op, call, support, workspace_bytes=budget)
         found = _compare(ours, leaves, call, support, _upstream((B, L), 22), dtype=dtype)
         assert not found, f"{dtype} {widest}: " + "; ".join(found)
         assert backwards == way, (budget, widest, dtype, backwards)
-    backwards.clear()  # the fused loss's token chunks (of 6): its own accumulators
     hidden, weight, bias, target, _ = problem
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = tplogp.linear_logp_loss(h, w, target, bias, loss=losses.cross_entropy(), support=support,
-                                   workspace_bytes=_chunks_of(6, source), source=source)
-    loss.backward()
-    assert set(backwards) == {"chunks"} and torch.isfinite(w.grad).all()
+    for widest, way in ((K - 1, "chunks"), (K, "pairs")):  # the fused loss's token chunks (of 6)
+        backwards.clear()
+        monkeypatch.setattr(support_pairs, "MAX_IDS", widest)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = tplogp.linear_logp_loss(h, w, target, bias, loss=losses.cross_entropy(),
+                                       support=support, workspace_bytes=_chunks_of(6, source),
+                                       source=source)
+        loss.backward()
+        assert set(backwards) == {way} and torch.isfinite(w.grad).all(), (way, backwards)
 
 
 def test_chunk_unions_are_each_chunks_own():
@@ -646,6 +653,7 @@ def test_token_chunks_find_their_unions_once(source, monkeypatch):
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["chunks"])
     for name, value in CHUNKS.items():
         monkeypatch.setattr(native_support, name, value)
+    monkeypatch.setattr(support_pairs, "MAX_IDS", 0)  # (the chunk way, not the pairs')
     problem = _problem(seed=24)
     support = problem[4]
     searches, unions = [], []

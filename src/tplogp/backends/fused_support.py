@@ -7,12 +7,12 @@ Three ways, as on the native source (:mod:`tplogp.backends.native_support`):
   argmax and ``d_W`` / ``d_b`` rows are put back at the shard's ids
   (:func:`~.native_support.scattered_argmax`, :func:`~.native_support.scattered_grads`); its kept
   terms are those of the gathered rows, which its backward (gathering the same union) reads;
-* when that union is large but each token's support narrow
-  (:func:`~.native_support.chunk_rows`), the call runs token chunk by token chunk, each chunk the
-  first way on its own small union, keeping nothing (the backward recomputes, chunk by chunk, its
-  ``d_W`` / ``d_b`` rows added to fp32 accumulators: :func:`~.native_support.chunked_backward`;
-  without accumulators in the budget, from the supports' (token, id) pairs:
-  :mod:`tplogp.backends.support_pairs`);
+* when that union is large but each token's support narrow: from the supports' (token, id) pairs
+  alone, forward and backward (:func:`~.native_support.by_pairs`,
+  :mod:`tplogp.backends.support_pairs`), or, for wider supports
+  (:func:`~.native_support.chunk_rows`), token chunk by token chunk, each chunk the first way on
+  its own small union, keeping nothing (the backward recomputes, chunk by chunk, its ``d_W`` /
+  ``d_b`` rows added to fp32 accumulators: :func:`~.native_support.chunked_backward`);
 * otherwise the fused kernels mask the logits outside each row's support to ``-inf`` in their logit
   transform (forward, and the backward's recompute), reading per row a bitmask of the shard's
   columns (:mod:`tplogp.kernels.support_bits`): the masked-vocabulary rule then gives the
@@ -34,7 +34,8 @@ import torch
 
 from ..op.support_ids import KEEP_ALL
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
-from .native_support import chunk_rows, chunked_forward, gathered, scattered_argmax
+from . import support_pairs
+from .native_support import by_pairs, chunk_rows, chunked_forward, gathered, scattered_argmax
 
 
 def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
@@ -46,6 +47,8 @@ def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
         st = backend.forward_stats(hidden, narrow.weight, narrow.bias, targets, narrow.call)
         return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
                            target_logit=st.target_logit.masked_fill(lost, float("-inf")))
+    if kept_out is None and by_pairs(call, weight):
+        return support_pairs.forward_stats(backend.name, hidden, weight, bias, local_target, call)
     rows = None if kept_out is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
     if rows is not None:
         return chunked_forward(lambda h, t, c: backend.forward_stats(h, weight, bias, t, c), rows,
@@ -65,6 +68,9 @@ def forward_single(backend, hidden, weight, bias, target, call: ShardCall,
                                      target_flag)
         return out._replace(argmax=scattered_argmax(out.argmax, narrow.rows),
                             logp=out.logp.masked_fill(lost, float("-inf")))
+    if kept_out is None and by_pairs(call, weight):
+        return support_pairs.forward_single(backend.name, hidden, weight, bias, target, call,
+                                            target_flag)
     rows = None if kept_out is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
     if rows is not None:
         return chunked_forward(

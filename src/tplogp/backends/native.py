@@ -45,8 +45,9 @@ from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_one_tile import backward_one_tile, forward_one_tile
-from .native_support import (chunk_rows, chunked_forward, gathered, gathered_backward,
-                             kept_columns, scattered_argmax, support_rows)
+from . import support_pairs
+from .native_support import (by_pairs, chunk_rows, chunked_forward, gathered,
+                             gathered_backward, kept_columns, scattered_argmax, support_rows)
 from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
                            _recomputed_dz, _token_chunk, _TokenChunk)
 
@@ -287,7 +288,10 @@ class NativeBackend(BudgetParts):
             lost = (narrow.local_target < 0) & (local_target >= 0)
             return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
                                target_logit=st.target_logit.masked_fill(lost, float("-inf")))
-        # narrow supports with a large union: token chunks with small unions
+        # narrow supports with a large union: from the (token, id) pairs, else token chunks with
+        # small unions
+        if kept_out is None and by_pairs(call, weight):
+            return support_pairs.forward_stats(self.name, hidden, weight, bias, local_target, call)
         rows = None if kept_out is not None else chunk_rows(n, v, call)
         if rows is not None:
             return chunked_forward(lambda h, t, c: self.forward_stats(h, weight, bias, t, c), rows,

@@ -11,9 +11,11 @@ When the union of the call's supports is small (:func:`gathered`), the call runs
 weight rows of that union alone (the ids become positions among them), and its argmax and its
 ``d_W`` / ``d_b`` rows are put back at the shard's ids (:func:`scattered_argmax`,
 :func:`scattered_grads`). When the whole union is large but each token's support is narrow, the call
-runs token chunk by token chunk, each chunk on the gathered rows of its own small union
-(:func:`chunk_rows`, :func:`chunked_forward`, :func:`chunked_backward`). Both ways are
-source-agnostic: the triton and sm90 sources take them too (:mod:`tplogp.backends.fused_support`).
+runs from its (token, id) pairs alone (:func:`by_pairs`, :mod:`tplogp.backends.support_pairs`:
+supports of at most ``support_pairs.MAX_IDS`` ids), or token chunk by token chunk, each chunk on
+the gathered rows of its own small union (:func:`chunk_rows`, :func:`chunked_forward`,
+:func:`chunked_backward`). These ways are source-agnostic: the triton and sm90 sources take them
+too (:mod:`tplogp.backends.fused_support`).
 """
 
 from __future__ import annotations
@@ -151,9 +153,9 @@ def gathered_accumulators(accumulate: Optional[tuple], rows: int) -> Optional[tu
 # the whole shard. Not under ``deterministic`` (as :func:`gathered`). The backward adds each
 # chunk's ``d_W`` / ``d_b`` rows to fp32 accumulators: the fused loss's own, else ``4 V (D + 1)``
 # bytes made for it where the call's memory budget holds them (:func:`accumulators_fit`; else the
-# backward runs from the supports' (token, id) pairs, :mod:`tplogp.backends.support_pairs`, for
-# 16-bit calls with supports of at most ``support_pairs.MAX_IDS`` ids, and masks the whole shard
-# for the others).
+# backward masks the whole shard). Supports of at most ``support_pairs.MAX_IDS`` ids do not take
+# this way: they run from their (token, id) pairs (:func:`by_pairs`,
+# :mod:`tplogp.backends.support_pairs`).
 CHUNK_IDS = 16384
 CHUNK_FRACTION = 0.25  # a chunk's ids at most, over the shard's
 MIN_CHUNK_ROWS = 128
@@ -178,6 +180,16 @@ def chunk_rows(n: int, v: int, call: ShardCall) -> Optional[int]:
     if bool((support[:, 0] == KEEP_ALL).any()):
         return None
     return rows
+
+
+def by_pairs(call: ShardCall, weight: torch.Tensor) -> bool:
+    """Whether the call runs from its (token, id) pairs (:mod:`tplogp.backends.support_pairs`):
+    supports of at most ``support_pairs.MAX_IDS`` ids that the token-chunk way would take
+    (:func:`chunk_rows`), and no sum of the logits asked for (it reaches every column). A function
+    of the call alone: its forward and its backward decide alike."""
+    return (call.support is not None and 0 < call.support.shape[1] <= support_pairs.MAX_IDS
+            and not call.with_sum_z
+            and chunk_rows(call.support.shape[0], weight.shape[0], call) is not None)
 
 
 def chunk_unions(support: torch.Tensor, rows: int, v: int) -> list[torch.Tensor]:
@@ -271,11 +283,10 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
                       grad_sum_z=None) -> Optional[ShardGrads]:
     """``backend.backward`` of a call with a support on gathered rows, where its forward ran there
     (the same decisions, made again from the call): on the union of the supports' ids
-    (:func:`gathered`), its ``d_W`` / ``d_b`` rows put back at the shard's ids; else token chunk
-    by token chunk (:func:`chunk_rows`, where the fp32 accumulators are the caller's or fit the
-    budget: :func:`accumulators_fit`; where they do not, from the supports' (token, id) pairs,
-    :mod:`tplogp.backends.support_pairs`, for supports it takes); else None (the caller masks
-    the whole shard). Every source's backward asks it first."""
+    (:func:`gathered`), its ``d_W`` / ``d_b`` rows put back at the shard's ids; else from the
+    (token, id) pairs (:func:`by_pairs`); else token chunk by token chunk (:func:`chunk_rows`,
+    where the fp32 accumulators are the caller's or fit the budget: :func:`accumulators_fit`);
+    else None (the caller masks the whole shard). Every source's backward asks it first."""
     narrow = gathered(weight, bias, local_target, call)
     if narrow is not None:
         grads = backend.backward(hidden, narrow.weight, narrow.bias, narrow.local_target, row_max,
@@ -284,15 +295,13 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
                                  gathered_accumulators(accumulate, narrow.rows.numel()),
                                  grad_sum_z)
         return scattered_grads(grads, narrow.rows, weight, bias, accumulate)
-    rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
-    if rows is None:
-        return None
-    if accumulate is None and not accumulators_fit(backend.name, weight, call):
-        if not support_pairs.applies(call, weight, grad_sum_z):
-            return None
+    if kept is None and by_pairs(call, weight):
         return support_pairs.backward(backend.name, hidden, weight, bias, local_target, row_max,
                                       log_sum, grad_logp, grad_entropy, grad_lse, mean_rel, call,
-                                      needs, d_hidden_ready)
+                                      needs, d_hidden_ready, accumulate)
+    rows = None if kept is not None else chunk_rows(hidden.shape[0], weight.shape[0], call)
+    if rows is None or (accumulate is None and not accumulators_fit(backend.name, weight, call)):
+        return None
     return chunked_backward(
         lambda h, t, per_token, c, acc, gz: backend.backward(h, weight, bias, t, *per_token, c,
                                                              needs, None, None, acc, gz),
@@ -303,5 +312,6 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
 
 __all__ = ["kept_columns", "support_rows", "GATHER_FRACTION", "Gathered", "gathered",
            "scattered_argmax", "scattered_grads", "gathered_accumulators", "CHUNK_IDS",
-           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_ids", "chunk_rows", "chunk_unions",
-           "accumulators_fit", "chunked_forward", "chunked_backward", "gathered_backward"]
+           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_ids", "chunk_rows", "by_pairs",
+           "chunk_unions", "accumulators_fit", "chunked_forward", "chunked_backward",
+           "gathered_backward"]

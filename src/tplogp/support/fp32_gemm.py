@@ -40,22 +40,34 @@ def _operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return a.float(), b.float(), {}
 
 
+def _bmm_out_dtype(a: torch.Tensor) -> bool:
+    """Whether batched products of low-precision CUDA operands like ``a`` have an fp32 output in
+    torch (probed once per device type, on one element)."""
+    ok = _BMM_OUT_DTYPE_OK.get(a.device.type)
+    if ok is None:
+        one = a.new_zeros(1, 1, 1)
+        try:
+            torch.bmm(one, one, out_dtype=torch.float32)
+            ok = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _BMM_OUT_DTYPE_OK[a.device.type] = ok
+    return ok
+
+
+def bmm_keeps_dtype(a: torch.Tensor) -> bool:
+    """Whether :func:`bmm` takes operands like ``a`` as they are (fp32, or low-precision CUDA
+    operands with an fp32 output), rather than upcast copies."""
+    return a.dtype == torch.float32 or (a.device.type == "cuda" and _bmm_out_dtype(a))
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` batched (``[B, n, k] @ [B, k, m]``) as a new fp32 tensor: low-precision CUDA
     operands in one cuBLAS call with an fp32 output where torch has it, else upcast."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.bmm(a, b)
-    if a.device.type == "cuda":
-        ok = _BMM_OUT_DTYPE_OK.get(a.device.type)
-        if ok is None:  # (probed once per device type, on one element)
-            try:
-                torch.bmm(a[:1, :1], b[:1, :, :1], out_dtype=torch.float32)
-                ok = True
-            except (TypeError, RuntimeError, NotImplementedError):
-                ok = False
-            _BMM_OUT_DTYPE_OK[a.device.type] = ok
-        if ok:
-            return torch.bmm(a, b, out_dtype=torch.float32)
+    if a.device.type == "cuda" and _bmm_out_dtype(a):
+        return torch.bmm(a, b, out_dtype=torch.float32)
     return torch.bmm(a.float(), b.float())
 
 
