@@ -2,8 +2,10 @@
 token chunk's per-token vectors.
 
 * :func:`_logits_tile` is one GEMM with fp32 output (:mod:`tplogp.support.fp32_gemm`), the bias, the
-  softcap ``cap(y) = softcap * tanh(y / softcap)`` and the temperature, in that order: the target
-  logit is read from the fp32 accumulator, never from a rounded logit.
+  softcap ``cap(y) = softcap * tanh(y / softcap)`` and the temperature, in that order
+  (:func:`logit_transform`, also on the (token, id) pairs' products of
+  :mod:`tplogp.backends.support_pairs`): the target logit is read from the fp32 accumulator,
+  never from a rounded logit.
 * ``deterministic`` pads a token chunk to :data:`DETERMINISTIC_TOKEN_CHUNK` rows
   (:func:`_pad_rows`), so every GEMM has one shape whatever the batch; padded rows get ``p = 0``
   (``log S = inf``) and no target (-1).
@@ -45,10 +47,10 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
     else:
         z = out
         fp32_gemm.mm_into(z, h, w.t())
-    return _transformed(z, b, inv_t, softcap, slope, tanh_max)
+    return logit_transform(z, b, inv_t, softcap, slope, tanh_max)
 
 
-def _transformed(z: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
+def logit_transform(z: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
                  softcap: Optional[float], slope: Optional[list] = None,
                  tanh_max: Optional[list] = None) -> torch.Tensor:
     """The logit transform of :func:`_logits_tile` on the fp32 products ``z``, in place: the bias

@@ -46,7 +46,7 @@ from ..support import fp32_gemm
 from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import memory_budget
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
-from .native_tiles import _transformed
+from .native_tiles import logit_transform
 
 MAX_IDS = 64  # the widest support (ids per token) this way takes
 
@@ -68,8 +68,8 @@ def _pair_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     safe = ids.clamp(min=0)
     w_rows = weight.index_select(0, safe.view(-1)).view(t, k, weight.shape[1])
     y = fp32_gemm.bmm(w_rows, h.unsqueeze(2)).squeeze(2)
-    z = _transformed(y, None if bias is None else bias[safe], call.inv_temperature, call.softcap,
-                     slopes)
+    z = logit_transform(y, None if bias is None else bias[safe], call.inv_temperature,
+                        call.softcap, slopes)
     return z.masked_fill_(ids < 0, float("-inf")), w_rows
 
 
