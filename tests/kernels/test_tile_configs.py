@@ -158,12 +158,13 @@ def test_explicit_config_that_does_not_fit_is_refused(fake_cuda):
 # pointer kernels by size
 
 
-def _uses_tma(backend, n, d, v, deterministic=False):
+def _uses_tma(backend, n, d, v, deterministic=False, dtype=torch.bfloat16):
     """Whether the backend launches the TMA kernels for an ``[n, d] x [v, d]`` call (meta tensors:
-    only the shapes are read; False: the pointer kernels)."""
+    only the shapes and the dtype are read; False: the pointer kernels)."""
     from tplogp.backends.base import ShardCall
 
-    hidden, weight = torch.empty(n, d, device="meta"), torch.empty(v, d, device="meta")
+    hidden = torch.empty(n, d, device="meta", dtype=dtype)
+    weight = torch.empty(v, d, device="meta", dtype=dtype)
     return backend._uses_tma(hidden, weight, ShardCall(deterministic=deterministic))
 
 
@@ -185,3 +186,26 @@ def test_sm90_launches_pointer_kernels_at_or_below_the_size_and_tma_above():
     # the portable source never takes them
     assert not _uses_tma(TritonBackend(), 8192, 4096, 128256)
     assert not _uses_tma(TritonBackend(), 16, 32, 64, deterministic=True)
+
+
+def test_sm90_runs_fp32_fma_dots_on_the_pointer_kernels(monkeypatch):
+    """fp32 at "highest" precision (CUDA-core FMA dots) takes the pointer kernels at every size and
+    when deterministic (ptxas spills the TMA kernels' FMA loop: sm90_backend.uses_tma); at "high"
+    (tf32 on the tensor cores) the size rule holds; the interpreter, which compiles nothing, keeps
+    the TMA kernels for its tests."""
+    monkeypatch.setattr(tiles, "interpreting", lambda: False)
+    be, fp32 = SM90Backend(), torch.float32
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert not _uses_tma(be, 8192, 4096, 128256, dtype=fp32)
+        assert not _uses_tma(be, 16, 32, 64, deterministic=True, dtype=fp32)
+        assert _uses_tma(be, 16, 32, 64, deterministic=True, dtype=torch.float16)
+        torch.set_float32_matmul_precision("high")
+        assert _uses_tma(be, 8192, 4096, 128256, dtype=fp32)
+        assert _uses_tma(be, 16, 32, 64, deterministic=True, dtype=fp32)
+        torch.set_float32_matmul_precision("highest")
+        monkeypatch.setattr(tiles, "interpreting", lambda: True)
+        assert _uses_tma(be, 16, 32, 64, deterministic=True, dtype=fp32)
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -27,11 +27,19 @@ REQUIRED_CAPABILITY = (9, 0)
 TMA_MIN_MACS = 1 << 36
 
 
-def uses_tma(n: int, d: int, v: int, deterministic: bool, min_macs: int = TMA_MIN_MACS) -> bool:
+def uses_tma(n: int, d: int, v: int, deterministic: bool, min_macs: int = TMA_MIN_MACS,
+             tensor_cores: bool = True) -> bool:
     """Whether an ``[n, d] x [v, d]`` call launches the TMA kernels (else the pointer kernels, same
     tiles): above ``min_macs``. Deterministic calls always do: a row's bits must not depend on the
-    batch it came in, and the two kernels are not promised to round alike."""
-    return deterministic or n * d * v > min_macs
+    batch it came in, and the two kernels are not promised to round alike.
+
+    Calls whose dots run on the CUDA cores (fp32 at ``"highest"`` matmul precision:
+    :func:`tplogp.kernels.tiles.uses_tensor_cores`) never do, at any size: TMA feeds wgmma and buys
+    an FMA loop nothing, and ptxas (Triton 3.6) compiles the 128x128x32 FMA loop of the TMA kernels
+    to 32 registers and a 5.9 KB stack per thread, so a process that launches it once keeps
+    ~1.4 GiB of local memory reserved on an H100 (the pointer kernel: 255 registers, 72 bytes).
+    Triton's CPU interpreter compiles nothing: there the backend passes ``tensor_cores=True``."""
+    return tensor_cores and (deterministic or n * d * v > min_macs)
 
 
 class SM90Backend(TritonBackend):
@@ -71,4 +79,5 @@ class SM90Backend(TritonBackend):
     def _uses_tma(self, hidden, weight, call) -> bool:
         """Whether a call launches the Hopper TMA kernels (:func:`uses_tma`)."""
         return uses_tma(hidden.shape[0], hidden.shape[1], weight.shape[0], call.deterministic,
-                        self.tma_min_macs)
+                        self.tma_min_macs, tiles.interpreting() or tiles.uses_tensor_cores(
+                            hidden.element_size(), tiles.dot_precision(hidden.dtype)))
