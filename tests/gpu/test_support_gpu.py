@@ -21,6 +21,7 @@ import torch
 import tplogp
 from tplogp import losses
 from tplogp.backends import native_support
+from tplogp.backends.base import ShardCall
 from tplogp.backends.kernel_registry import backend_for_call, unavailable_reason
 from tplogp.testing.reference import reference_support_outputs
 from tplogp.tolerances import assert_no_worse
@@ -217,8 +218,8 @@ def test_sampler_parameters_on_each_source(source, dtype, case):
     hidden, weight, bias, target = (t.to(device) for t in (hidden.to(dt), weight.to(dt),
                                                           bias.to(dt), target))
     ids = sampler_support(hidden, weight, bias, per_token(LogpOptions(**params), n, device, v),
-                          inv_temperature=1.0, softcap=None, vocab_start=0, vocab=v, group=None,
-                          comm_device=device, workspace_bytes=None, deterministic=False)
+                          call=ShardCall(), vocab_start=0, vocab=v, group=None,
+                          comm_device=device)
     ours = torch.zeros(n, v + 1, dtype=torch.bool, device=device)
     ours.scatter_(1, torch.where(ids >= 0, ids, v), True)
     bad = (ours[:, :v].cpu() != keep).any(1).nonzero().squeeze(1).tolist()

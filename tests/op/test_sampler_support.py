@@ -20,6 +20,7 @@ import torch
 import tplogp
 from tplogp import losses
 from tplogp.backends import native_support
+from tplogp.backends.base import ShardCall
 from tplogp.op import sampler_support as sampler_module
 from tplogp.op.sampler_params import per_token
 from tplogp.op.options import LogpOptions
@@ -99,9 +100,10 @@ def _our_mask(problem, params: dict, *, temperature: float = 1.0, softcap=None,
     if sp is None:
         return torch.ones(B, L, V, dtype=torch.bool)
     ids = sampler_module.sampler_support(
-        hidden.reshape(N, -1), w, b, sp, inv_temperature=1.0 / temperature, softcap=softcap,
-        vocab_start=vocab_start, vocab=V, group=group, comm_device=torch.device("cpu"),
-        workspace_bytes=workspace_bytes, deterministic=deterministic)
+        hidden.reshape(N, -1), w, b, sp,
+        call=ShardCall(inv_temperature=1.0 / temperature, softcap=softcap,
+                       workspace_bytes=workspace_bytes, deterministic=deterministic),
+        vocab_start=vocab_start, vocab=V, group=group, comm_device=torch.device("cpu"))
     mask = torch.zeros(N, V + 1, dtype=torch.bool)
     mask.scatter_(1, torch.where(ids >= 0, ids, V), True)
     if ids.shape[1]:

@@ -196,12 +196,9 @@ def _sampler_support(plan, args, options, h2, w, b, keep_idx,
     if keep_idx is not None:
         params = params.rows(keep_idx)
     group = args.group if plan.world_size > 1 else None
-    return sampler_support(h2, w, b, params, inv_temperature=plan.call.inv_temperature,
-                           softcap=plan.call.softcap,
+    return sampler_support(h2, w, b, params, call=plan.call,
                            vocab_start=0 if plan.single else args.vocab_start_index, vocab=vocab,
-                           group=group, comm_device=plan.comm_device,
-                           workspace_bytes=options.workspace_bytes,
-                           deterministic=bool(options.deterministic))
+                           group=group, comm_device=plan.comm_device)
 
 
 def _regrid(plan, args, v_local: int, vocab: int, ranges) -> invariant.Regrid:

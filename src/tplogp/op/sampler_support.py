@@ -78,7 +78,8 @@ from typing import Optional
 import torch
 
 from ..backends import memory_budget
-from ..support import fp32_gemm
+from ..backends.base import ShardCall
+from ..backends.native_tiles import call_logits_tile
 from ..support.comm import all_gather_flat
 from .sampler_params import SamplerParams
 from .support_ids import KEEP_ALL
@@ -95,19 +96,6 @@ SPREAD = 64
 # top-p alone collects down to the bin where the counted mass passes top_p by this much (the
 # counting pass sums fp32 terms; the round decides in float64)
 MASS_MARGIN = 1e-4
-
-
-def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], inv_temperature: float,
-            softcap: Optional[float]) -> torch.Tensor:
-    """``cap(h w^T + b) * inv_temperature`` as fp32 ``[rows, cols]``."""
-    y = fp32_gemm.mm(h, w.t())
-    if b is not None:
-        y += b.float()
-    if softcap is not None:
-        y = torch.tanh(y / softcap).mul_(softcap)
-    if inv_temperature != 1.0:
-        y.mul_(inv_temperature)
-    return y
 
 
 def _ceil32(x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +160,7 @@ def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
 
 
 def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
-                      inv_temperature: float, softcap: Optional[float], tile_elements: int,
+                      call: ShardCall, tile_elements: int,
                       deterministic: bool, with_lse: bool = True,
                       edge: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
@@ -193,9 +181,9 @@ def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
     c = 0 if edge is None else edge.shape[0]
     if c:
         _collect(out[:c], h[:c], w, b, _bin_scale(edge[:, 0], edge[:, 1]), edge[:, 2], m,
-                 inv_temperature, softcap, tile_elements, deterministic)
+                 call, tile_elements, deterministic)
     if c < n:
-        _largest(out[c:], h[c:], w, b, m, inv_temperature, softcap, tile_elements,
+        _largest(out[c:], h[c:], w, b, m, call, tile_elements,
                  deterministic, with_lse)
     return out
 
@@ -214,7 +202,7 @@ def _row_chunks(h: torch.Tensor, deterministic: bool):
 
 
 def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-             m: int, inv_temperature: float, softcap: Optional[float], tile_elements: int,
+             m: int, call: ShardCall, tile_elements: int,
              deterministic: bool, with_lse: bool) -> None:
     """:func:`_shard_candidates`' rows that take the ``m`` largest logits, written into ``out``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
@@ -232,7 +220,7 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
-            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
             # the chunk's largest (the first is its max, NaN first as in max), then merged with
             # the running ones
             z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
@@ -259,8 +247,8 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
 
 
 def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-             scale: torch.Tensor, last: torch.Tensor, m: int, inv_temperature: float,
-             softcap: Optional[float], tile_elements: int, deterministic: bool) -> None:
+             scale: torch.Tensor, last: torch.Tensor, m: int, call: ShardCall,
+             tile_elements: int, deterministic: bool) -> None:
     """:func:`_shard_candidates`' collecting rows (``scale``: :func:`_bin_scale`'s, ``last``: the
     last bin each takes), written into ``out``: per vocab chunk, the ids of those bins (those at
     least the row's :func:`_threshold`) get their slots from a running count and a cumulative sum
@@ -282,7 +270,7 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         row_max = torch.full_like(below, float("-inf"))
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
-            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
             row_max = torch.maximum(row_max, z.max(1).values)
             mask = z >= at_least[:, None]
             below = torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values)
@@ -300,7 +288,7 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
 
 
 def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
-                lse: Optional[torch.Tensor], inv_temperature: float, softcap: Optional[float],
+                lse: Optional[torch.Tensor], call: ShardCall,
                 tile_elements: int, deterministic: bool) -> torch.Tensor:
     """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins of
     :func:`_bins_of` (``scale``: :func:`_bin_scale`'s rows; bin 0 at the top) and (given ``lse``;
@@ -322,7 +310,7 @@ def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], sca
         masses = torch.zeros_like(counts)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
-            z = _logits(hc, w[v0:v1], None if b is None else b[v0:v1], inv_temperature, softcap)
+            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
             at = _bins_of(z, rows_scale)
             if _drop_columns(dev) > 1:  # (below lo: dropped)
                 at = torch.where(at < BINS, at, BINS + _spread(v0, v1, dev))
@@ -446,15 +434,17 @@ def _active(params: SamplerParams, n: int, device: torch.device) -> torch.Tensor
 
 @torch.no_grad()  # (a set of ids: nothing of it is differentiated)
 def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                    params: SamplerParams, *, inv_temperature: float, softcap: Optional[float],
-                    vocab_start: int, vocab: int, group, comm_device: torch.device,
-                    workspace_bytes: Optional[int], deterministic: bool) -> torch.Tensor:
+                    params: SamplerParams, *, call: ShardCall, vocab_start: int, vocab: int,
+                    group, comm_device: torch.device) -> torch.Tensor:
     """The support of every row of ``hidden`` (``[n, D]``, this shard's ``weight`` rows
     ``[vocab_start, vocab_start + V_local)``, ``vocab`` the global vocabulary; ``group``: the TP
     group, or None for one shard) as padded GLOBAL ids ``[n, K]`` (``-1`` pads; a row of
-    ``KEEP_ALL`` keeps every id), the module docstring's algorithm. Every rank of ``group`` calls
-    it with the same rows and parameters and gets the same result."""
+    ``KEEP_ALL`` keeps every id), the module docstring's algorithm, on the logits of ``call``'s
+    transform (the op's own: :func:`tplogp.backends.native_tiles.call_logits_tile`) within its
+    transient budget. Every rank of ``group`` calls it with the same rows and parameters and gets
+    the same result."""
     n, dev = hidden.shape[0], hidden.device
+    workspace_bytes, deterministic = call.workspace_bytes, call.deterministic
     world = 1 if group is None else torch.distributed.get_world_size(group)
     transient = memory_budget.split("native", workspace_bytes, dev).transient
     tile_elements = max(transient // 16, 1 << 12)
@@ -485,8 +475,8 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         edge = None
         if collecting:
             edge = torch.stack([lo[:collecting], top[:collecting], last[:collecting]], 1)
-        part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, inv_temperature,
-                                 softcap, tile_elements, deterministic,
+        part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, call,
+                                 tile_elements, deterministic,
                                  first and bool(top_p_alone), edge)
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
@@ -537,8 +527,8 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         if first and collecting:  # once: the edges the bounded rows collect from, counted
             bins = _shard_bins(hidden.index_select(0, todo[:collecting]), weight, bias,
                                _bin_scale(lo[:collecting], top[:collecting]),
-                               lse[:collecting] if top_p_alone else None, inv_temperature,
-                               softcap, tile_elements, deterministic)
+                               lse[:collecting] if top_p_alone else None, call,
+                               tile_elements, deterministic)
             if world > 1:
                 bins = all_gather_flat(bins.to(comm_device), group).to(dev)
             step[:collecting], size[:collecting], whole[:collecting] = _binned_sizes(
