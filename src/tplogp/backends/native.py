@@ -346,7 +346,7 @@ class NativeBackend(BudgetParts):
                 if am is not None:
                     am = torch.where(tile_max > m, z.argmax(1).to(torch.float32) + v0, am)
                 m_new = torch.maximum(m, tile_max)
-                m_sub = rescale_max(m_new)  # (0 while every column so far is masked)
+                m_sub = rescale_max(m_new)  # (finite while every column so far is masked)
                 alpha = torch.exp(m - m_sub)  # 0 on the first tile (m = -inf)
                 z -= m_sub.unsqueeze(1)  # z - m'
                 if q is not None:

@@ -6,7 +6,7 @@ kernels do the same in their own code).
   gradient but its own target's one-hot (a masked target: ``logp = -inf``, ``dz = g`` at that
   column, finite, as eager).
 * Where a row's running max is still ``-inf`` (every column so far masked: a tile, a split, a
-  shard), the online rescale subtracts :func:`rescale_max` (0 there) instead, so
+  shard), the online rescale subtracts :func:`rescale_max` (a finite value there) instead, so
   ``exp(-inf - -inf)`` never forms a NaN.
 * The entropy's terms ``p (z - M)`` read ``z - M`` floored at :data:`RELATIVE_FLOOR`
   (:func:`floored`): below it ``p`` is 0 in fp32 anyway, so no value changes, but ``0 * -inf`` is
@@ -27,10 +27,16 @@ import torch
 RELATIVE_FLOOR = -1024.0
 
 
+# the most negative finite fp32: what an empty row's max becomes where it is subtracted
+_LOWEST = torch.finfo(torch.float32).min
+
+
 def rescale_max(row_max: torch.Tensor) -> torch.Tensor:
-    """The max an online softmax subtracts: ``row_max``, 0 where it is ``-inf`` (every column so far
-    masked)."""
-    return torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
+    """The max an online softmax subtracts: ``row_max``, the most negative finite fp32 where it is
+    ``-inf`` (every column so far masked; NaN stays NaN), one operation. Such a row's logits are all
+    ``-inf``, so ``z - rescale_max(M)`` is ``-inf`` and ``exp(M_old - rescale_max(M))`` is 0 there,
+    as with any finite value subtracted; never ``-inf - -inf``."""
+    return row_max.clamp_min(_LOWEST)
 
 
 def floored(relative: torch.Tensor) -> torch.Tensor:
