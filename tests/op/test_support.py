@@ -667,3 +667,28 @@ def test_token_chunks_find_their_unions_once(source, monkeypatch):
     assert not found, "; ".join(found)
     assert unions == [2, 2], unions  # (CHUNKS: 2 rows a chunk, forward and backward)
     assert len(searches) == 2, len(searches)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_keeps_every_id_read_only_for_computed_supports(source, monkeypatch):
+    """Whether a row keeps every id (``KEEP_ALL``) is known for a given support (its ids are checked:
+    never) and is not read from it again (a host read per way asked); a computed support's is read
+    from it (its tokens whose filters are off keep every id), and the answer is the support's own."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["gather"])
+    told, real = [], native_support.keeps_all
+    monkeypatch.setattr(native_support, "keeps_all",
+                        lambda call: told.append((call.support_keeps_all, real(call))) or told[-1][1])
+    problem = _problem(seed=26)
+    ours, leaves = _call(tplogp.get_op("linear_logp", source), problem, problem[4])
+    found = _compare(ours, leaves, problem, problem[4], _upstream((B, L), 27))
+    assert not found, "; ".join(found)
+    assert told and all(t == (False, False) for t in told), told
+    told.clear()
+    hidden, weight, bias, target, _ = problem
+    tplogp.get_op("linear_logp", source)(hidden, weight, target, bias, top_p=0.5)
+    assert told and all(given is None for given, _ in told), told
+    with_off = torch.full(target.shape, 0.5)
+    with_off.view(-1)[0] = 1.0  # (a token whose filters are off: it keeps every id)
+    told.clear()
+    tplogp.get_op("linear_logp", source)(hidden, weight, target, bias, top_p=with_off)
+    assert told and all(read for _, read in told), told

@@ -243,6 +243,10 @@ class ShardCall:
     # the support's ids are positions among gathered weight rows that are the union itself
     # (native_support.gathered): the source masks them, with no smaller union to look for
     support_narrowed: bool = False
+    # whether some row of the support keeps every id (a first entry ``KEEP_ALL``: a computed
+    # support's tokens whose filters are all off) where the caller knows it (a given support: never,
+    # tplogp.op.local_call); None: unknown, the sources read it from the support (a host read)
+    support_keeps_all: Optional[bool] = field(default=None, compare=False, hash=False)
 
     def for_rows(self, t0: int, t1: int) -> "ShardCall":
         """This call for its rows ``[t0, t1)`` (a chunk): the support sliced with them (its union
@@ -254,7 +258,7 @@ class ShardCall:
     @functools.cached_property
     def key(self) -> tuple:
         """Every setting of this call but its support's (``support``, ``support_union``,
-        ``support_narrowed``: support calls run no launch program), as one hashable tuple (made
+        ``support_narrowed``, ``support_keeps_all``: support calls run no launch program), as one hashable tuple (made
         once per ShardCall): what a source's per-layout state is keyed by with the shard's
         shapes (the triton / sm90 sources' launch programs, ``TritonBackend._program``). Equal
         calls (the calls of one layout, eager or compiled, share one ShardCall: tplogp.op.plan)

@@ -87,7 +87,7 @@ def gathered(weight: torch.Tensor, bias: Optional[torch.Tensor], local_target: t
         return None
     rows = call.support_union
     if rows is None:
-        if support.shape[1] and bool((support[:, 0] == KEEP_ALL).any()):  # (a row keeps all)
+        if keeps_all(call):
             return None
         rows = torch.unique(support[support >= 0])  # sorted
         if rows.numel() == v or rows.numel() > GATHER_FRACTION * v:  # (every id: no gather)
@@ -177,9 +177,18 @@ def chunk_rows(n: int, v: int, call: ShardCall) -> Optional[int]:
     rows = chunk_ids(v) // support.shape[1]
     if rows < MIN_CHUNK_ROWS or rows >= n:
         return None
-    if bool((support[:, 0] == KEEP_ALL).any()):
+    if keeps_all(call):
         return None
     return rows
+
+
+def keeps_all(call: ShardCall) -> bool:
+    """Whether some row of the call's support keeps every id (``KEEP_ALL``): as the call says
+    (``ShardCall.support_keeps_all``), else read from the support (one host read)."""
+    if call.support_keeps_all is not None:
+        return call.support_keeps_all
+    support = call.support
+    return bool(support.shape[1]) and bool((support[:, 0] == KEEP_ALL).any())
 
 
 def by_pairs(call: ShardCall, weight: torch.Tensor) -> bool:
@@ -312,6 +321,6 @@ def gathered_backward(backend, hidden, weight, bias, local_target, row_max, log_
 
 __all__ = ["kept_columns", "support_rows", "GATHER_FRACTION", "Gathered", "gathered",
            "scattered_argmax", "scattered_grads", "gathered_accumulators", "CHUNK_IDS",
-           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_ids", "chunk_rows", "by_pairs",
+           "CHUNK_FRACTION", "MIN_CHUNK_ROWS", "chunk_ids", "chunk_rows", "keeps_all", "by_pairs",
            "chunk_unions", "accumulators_fit", "chunked_forward", "chunked_backward",
            "gathered_backward"]

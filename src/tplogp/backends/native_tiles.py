@@ -51,8 +51,8 @@ def _logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], in
 
 
 def logit_transform(z: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
-                 softcap: Optional[float], slope: Optional[list] = None,
-                 tanh_max: Optional[list] = None) -> torch.Tensor:
+                    softcap: Optional[float], slope: Optional[list] = None,
+                    tanh_max: Optional[list] = None) -> torch.Tensor:
     """The logit transform of :func:`_logits_tile` on the fp32 products ``z``, in place: the bias
     (broadcast over ``z``'s last dimension, or of ``z``'s shape), the softcap, the temperature."""
     if b is not None:

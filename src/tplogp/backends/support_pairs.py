@@ -208,11 +208,11 @@ def _rows_summed(ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor, hidde
     ``acc_b`` where given (and returned). No atomics where written: the same bits at every run."""
     pairs, dev = ids.shape[0], ids.device
 
-    def target(acc, dtype, shape):
+    def output(acc, dtype, shape):  # the caller's accumulator, else rows made for the result
         return acc if acc is not None else torch.zeros(shape, dtype=dtype, device=dev)
 
-    d_w = None if w_dtype is None else target(acc_w, w_dtype, (v + 1, hidden.shape[1]))
-    d_b = None if b_dtype is None else target(acc_b, b_dtype, (v + 1,))
+    d_w = None if w_dtype is None else output(acc_w, w_dtype, (v + 1, hidden.shape[1]))
+    d_b = None if b_dtype is None else output(acc_b, b_dtype, (v + 1,))
     starts = torch.arange(0, pairs, block, device=dev)
     cuts = torch.searchsorted(ids, ids[starts]).tolist() + [pairs]
     for s, e in zip(cuts[:-1], cuts[1:]):

@@ -153,10 +153,13 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             ignored = ~keep
             tgt = torch.where(keep, tgt, -1)
 
+    # (a given support's ids are checked ids or -1: no row keeps every id; a computed one's may)
+    keeps_all: Optional[bool] = False
     # the support from the sampler's parameters (sampler_params.given, inline: the plain path
     # enters no room for it): GLOBAL ids
     if options.top_k is not None or options.top_p is not None or options.min_p is not None:
         support = _sampler_support(plan, args, options, h2, w, b, keep_idx, call.vocab_size)
+        keeps_all = None
 
     # the invariant level: the rows of the grid blocks this rank computes
     regrid = None
@@ -177,8 +180,9 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             support = local_ids(support, regrid.lo, regrid.hi - regrid.lo)
         else:
             support = local_ids(support, 0 if plan.single else args.vocab_start_index, w.shape[0])
-        shard_call = replace(shard_call, support=support)
-        call_for_backward = replace(call_for_backward, support=support)
+        shard_call = replace(shard_call, support=support, support_keeps_all=keeps_all)
+        call_for_backward = replace(call_for_backward, support=support,
+                                    support_keeps_all=keeps_all)
     tpc = TPContext(plan.backend, shard_call, call_for_backward, args.group, plan.world_size,
                     plan.comm_device, plan.single, call.verdict, call.target_check, hidden_reduce,
                     0 if plan.single else args.vocab_start_index, regrid)
