@@ -266,6 +266,30 @@ class NativeBackend(BudgetParts):
                 offset += words + scale_words
         return views
 
+    def _support_ways(self, hidden, weight, bias, local_target, call: ShardCall,
+                      kept_out: Optional[torch.Tensor]) -> Optional[ShardStats]:
+        """The forward statistics of a call with a support that runs on gathered rows: a small
+        union of the supports' ids, else narrow supports from their (token, id) pairs, else token
+        chunks with small unions; None where the tiles mask the whole shard."""
+        narrow = gathered(weight, bias, local_target, call)
+        if narrow is not None:
+            st = self.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
+                                    narrow.call)
+            # a target this shard owns outside every support (a computed support need not hold
+            # it): its logit is masked, -inf, as on the masked tiles
+            lost = (narrow.local_target < 0) & (local_target >= 0)
+            return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
+                               target_logit=st.target_logit.masked_fill(lost, float("-inf")))
+        if kept_out is not None:
+            return None
+        if by_pairs(call, weight):
+            return support_pairs.forward_stats(self.name, hidden, weight, bias, local_target, call)
+        rows = chunk_rows(hidden.shape[0], weight.shape[0], call)
+        if rows is None:
+            return None
+        return chunked_forward(lambda h, t, c: self.forward_stats(h, weight, bias, t, c), rows,
+                               hidden, local_target, weight.shape[0], call)
+
     def forward_stats(self, hidden, weight, bias, local_target, call: ShardCall,
                       kept_out: Optional[torch.Tensor] = None) -> ShardStats:
         n, v = hidden.shape[0], weight.shape[0]
@@ -278,24 +302,10 @@ class NativeBackend(BudgetParts):
         argmax = torch.zeros(n, device=dev, dtype=torch.float32) if call.with_argmax else None
         if n == 0 or v == 0:
             return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, sum_z, argmax)
-        # a small union of the supports' ids
-        narrow = None if call.support is None else gathered(weight, bias, local_target, call)
-        if narrow is not None:
-            st = self.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,
-                                    narrow.call)
-            # a target this shard owns outside every support (a computed support need not hold
-            # it): its logit is masked, -inf, as on the masked tiles
-            lost = (narrow.local_target < 0) & (local_target >= 0)
-            return st._replace(argmax=scattered_argmax(st.argmax, narrow.rows),
-                               target_logit=st.target_logit.masked_fill(lost, float("-inf")))
-        # narrow supports with a large union: from the (token, id) pairs, else token chunks with
-        # small unions
-        if kept_out is None and by_pairs(call, weight):
-            return support_pairs.forward_stats(self.name, hidden, weight, bias, local_target, call)
-        rows = None if kept_out is not None else chunk_rows(n, v, call)
-        if rows is not None:
-            return chunked_forward(lambda h, t, c: self.forward_stats(h, weight, bias, t, c), rows,
-                                   hidden, local_target, v, call)
+        if call.support is not None:  # (a plain call asks none of the support's questions)
+            found = self._support_ways(hidden, weight, bias, local_target, call, kept_out)
+            if found is not None:
+                return found
         tc, vc, (n_kept, kept_words), terms_dtype = _planned(n, hidden.shape[1], v, weight.dtype,
                                                              dev, call)
         kept = None
