@@ -101,7 +101,7 @@ def test_products_next_to_the_row_max_are_rounded(sass):
 @pytest.mark.slow
 def test_softcap_d_logits_epilogue_fits_the_registers(sass):
     """The softcapped d_logits recompute runs its epilogue on the tile's two column halves one after
-    the other (:func:`tplogp.kernels.tile_ops.dlogits_epilogue`): over the whole 128 x 256 tile the
+    the other (:func:`tplogp.kernels.backward_epilogue.dlogits_epilogue`): over the whole 128 x 256 tile the
     tanh and its slope beside the accumulator did not fit the registers: this compilation held 719
     local-memory load and store instructions (spills; the plain kernel 16), by halves none (Triton
     3.9)."""
@@ -134,7 +134,7 @@ def test_kept_terms_variants_machine_code(sass):
     exponentials (the terms are the epilogue's own exponentials: no second one) and stores each bf16
     tile with one TMA store per epilogue copy (interior, edge): a plain-store variant's per-element
     pointers take registers that the 128x256 accumulator tile does not leave, and it spilled twice
-    as much (:func:`tplogp.kernels.tile_ops.keep_tile`); the plain stores left are the row stats and
+    as much (:func:`tplogp.kernels.forward_epilogue.keep_tile`); the plain stores left are the row stats and
     scales. The d_logits kernel on kept terms runs no GEMM and no per-element exponential (one ex2
     per row), stores with vectors and spills nothing."""
     counts = sass

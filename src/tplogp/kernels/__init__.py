@@ -21,8 +21,11 @@ ones above it in this list):
 * :mod:`.fp32_ops`          fp32 elementwise primitives (exp2, tanh, an unfused multiply, 16-bit
                             rounding) and their PTX forms on a GPU.
 * :mod:`.tile_ops`          the ``@triton.jit`` tile operations every kernel shares: launch order,
-                            dot, the logit transform, the pointer K loop, the forward's
-                            online-softmax epilogue, the backward's d_logits epilogue.
+                            dot, the pointer K loop, the softcap, the target's column, a support's
+                            bitmask, the kept terms' pointers.
+* :mod:`.forward_epilogue`  the forward's online-softmax epilogue on a logits tile, its stats'
+                            storage and the kept terms' stores.
+* :mod:`.backward_epilogue` the backward's d_logits epilogue (recomputed or from kept terms).
 * :mod:`.forward_kernels`   forward statistics per vocab split (pointer loads), the split merge, the
   one-shard finalize.
 * :mod:`.backward_kernels`  the d_logits recompute (pointer loads), d_logits from kept terms,

@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from .fp32_ops import LOG2E
-from .tile_ops import dlogits_epilogue, dlogits_finish, grouped_ids, kept_probabilities, logits_tile, mma
+from .backward_epilogue import dlogits_epilogue, dlogits_finish, kept_probabilities
+from .tile_ops import grouped_ids, logits_tile, mma
 
 
 @triton.jit
@@ -65,7 +66,8 @@ def bwd_dlogits_kernel(
     HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, WITH_ENTROPY: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr,
-    SUPPORT: tl.constexpr,  # the logits outside a row's support are -inf (tile_ops.dlogits_tile)
+    # the logits outside a row's support are -inf (backward_epilogue.dlogits_tile)
+    SUPPORT: tl.constexpr,
 ):
     i_n, i_v = grouped_ids(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_hi - v_lo, BLOCK_V),
                            GROUP_N)
@@ -96,8 +98,8 @@ def bwd_dlogits_kept_kernel(
 ):
     """:func:`bwd_dlogits_kernel` for columns whose softmax terms the forward kept: ``p`` (and with
     entropy ``z - M``) from the kept terms and their row scale
-    (:func:`.tile_ops.kept_probabilities`; no GEMM; bias and temperature are in the terms already),
-    then the same finish. ``BLOCK_V`` is the forward's tile width (one scale per row and tile);
+    (:func:`.backward_epilogue.kept_probabilities`; no GEMM; bias and temperature are in the terms
+    already), then the same finish. ``BLOCK_V`` is the forward's tile width (one scale per row and tile);
     ``BLOCK_N`` the backward's (the d_bias partial rows)."""
     num_v = tl.cdiv(v_hi - v_lo, BLOCK_V)
     i_n = tl.program_id(0) // num_v

@@ -7,7 +7,7 @@ function of V and the config only, never of N). One program owns a ``BLOCK_N`` t
 split; for each ``[BLOCK_N, BLOCK_V]`` tile it runs the K loop over the hidden dim (fp32
 accumulator), then folds the tile into running per-row statistics (online softmax; in natural units
 here, computed in raw log2 units by
-:func:`.tile_ops.online_softmax_update`)::
+:func:`.forward_epilogue.online_softmax_update`)::
 
     z      = (acc + b) * inv_temperature                 # masked columns -> -inf
     m'     = max(m, max_v z)
@@ -31,7 +31,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .fp32_ops import LOG2E
-from .tile_ops import logits_tile, natural_units, split_bounds, stats_program, stats_tile, store_stats
+from .forward_epilogue import natural_units, split_bounds, stats_program, stats_tile, store_stats
+from .tile_ops import logits_tile
 
 
 @triton.jit
@@ -60,7 +61,8 @@ def fwd_stats_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
-    SUPPORT: tl.constexpr,  # the logits outside a row's support are -inf (tile_ops.stats_tile)
+    # the logits outside a row's support are -inf (forward_epilogue.stats_tile)
+    SUPPORT: tl.constexpr,
 ):
     i_n, i_s, o_n, m_n, b_max, b_sum, b_tl, b_sez, b_sz, b_am = stats_program(N, num_splits,
                                                                               BLOCK_N, GROUP_N)

@@ -1,8 +1,8 @@
 """Hopper (sm_90) variants of the fused kernels: tensor-memory-accelerator (TMA) tile loads.
 
-Same algorithm and the same epilogues (:mod:`.tile_ops`) as :mod:`.forward_kernels` and
-:mod:`.backward_kernels` (read their docstrings); the difference is how operand tiles reach shared
-memory. ``hidden`` and ``weight`` are read through host-built tensor descriptors, so each
+Same algorithm and the same epilogues (:mod:`.forward_epilogue`, :mod:`.backward_epilogue`) as
+:mod:`.forward_kernels` and :mod:`.backward_kernels` (read their docstrings); the difference is how
+operand tiles reach shared memory. ``hidden`` and ``weight`` are read through host-built tensor descriptors, so each
 ``[BLOCK_N, BLOCK_D]`` / ``[BLOCK_V, BLOCK_D]`` tile is one bulk tensor copy (out-of-range rows and
 columns come back as zeros, no mask arithmetic), feeding wgmma from shared memory. Optionally the K
 loop is warp-specialized (producer warps issue the copies, consumer warpgroups run the MMAs and the
@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from .fp32_ops import LOG2E
-from .tile_ops import (dlogits_epilogue, grouped_ids, mma, natural_units, split_bounds,
-                       stats_program, stats_tile, store_stats)
+from .backward_epilogue import dlogits_epilogue
+from .forward_epilogue import natural_units, split_bounds, stats_program, stats_tile, store_stats
+from .tile_ops import grouped_ids, mma
 
 
 @triton.jit
@@ -59,7 +60,7 @@ def fwd_stats_tma_kernel(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
-    KEEP_TMA: tl.constexpr,  # the kept terms leave through TMA stores (tile_ops.keep_tile)
+    KEEP_TMA: tl.constexpr,  # the kept terms leave through TMA stores (forward_epilogue.keep_tile)
     SOFTCAP: tl.constexpr, WITH_SUM_Z: tl.constexpr, WITH_ARGMAX: tl.constexpr,
     SUPPORT: tl.constexpr,
 ):
