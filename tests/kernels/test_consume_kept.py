@@ -19,7 +19,7 @@ from tests.support.problems import make_problem, run_reference
 from tests.support.fullgraph import compile_fullgraph
 from tests.support.interpreter import interpreter_only as triton_interpreter
 from tplogp.backends import memory_budget
-from tplogp.kernels import kept as kept_layout, programs
+from tplogp.kernels import kept as kept_layout, backward_programs
 from tplogp.tolerances import assert_no_worse
 
 TRITON = tplogp.get_op("linear_logp", source="triton")
@@ -49,13 +49,13 @@ def in_place(monkeypatch):
     """One entry per kept d_logits launch: whether it wrote d_logits over the kept terms it read."""
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     seen = []
-    real = programs.launch_dlogits_kept
+    real = backward_programs.launch_dlogits_kept
 
     def launch(kept, *args, **options):
         seen.append(args[7].data_ptr() == kept.values.data_ptr())  # args[7]: dz
         return real(kept, *args, **options)
 
-    monkeypatch.setattr(programs, "launch_dlogits_kept", launch)
+    monkeypatch.setattr(backward_programs, "launch_dlogits_kept", launch)
     return seen
 
 

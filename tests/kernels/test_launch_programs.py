@@ -1,4 +1,4 @@
-"""The triton source's per-layout launch programs (``tplogp.kernels.programs.ForwardProgram`` and
+"""The triton source's per-layout launch programs (``tplogp.kernels.forward_programs.ForwardProgram`` and
 ``KeptBackward``): the op's calls (``ShardCall.inputs_checked``) of a layout reuse one program, made
 at the layout's first call, whose launches are made once (``tplogp.kernels.launch.Launch``), held by
 the source under the call's settings (``ShardCall.key``) and the tensors' layout, for eager and
@@ -282,7 +282,7 @@ def test_the_per_call_path_takes_one_program_per_layout_from_the_cache(monkeypat
     """Calls that plan each call (a plain ShardCall) build the same program as the source's, once
     per layout key, in the one per-call cache; another layout (here another vocab size) builds
     another, with its own launches."""
-    from tplogp.kernels import launch, programs
+    from tplogp.kernels import forward_programs, launch
 
     monkeypatch.setattr(launch, "_CACHE", {})
     backend = _backend()
@@ -290,7 +290,7 @@ def test_the_per_call_path_takes_one_program_per_layout_from_the_cache(monkeypat
     for _ in range(2):
         backend.forward_single(hidden, weight, None, target, ShardCall())
     (found,) = launch._CACHE.values()
-    assert isinstance(found, programs.ForwardProgram) and found.single
+    assert isinstance(found, forward_programs.ForwardProgram) and found.single
     wider = torch.randn(V + 40, D)
     backend.forward_single(hidden, wider, None, target, ShardCall())
     assert len(launch._CACHE) == 2

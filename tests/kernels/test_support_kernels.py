@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from tplogp.api import linear_logp_on  # noqa: E402
 from tplogp.backends import fused_support  # noqa: E402
-from tplogp.kernels import programs  # noqa: E402
+from tplogp.kernels import backward_programs  # noqa: E402
 from tplogp.op.plan import LogpOptions  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -98,8 +98,8 @@ def _seen(monkeypatch) -> dict:
     """Records the forward's token chunks (rows of each chunk's bitmask) and the backward's
     recomputed column chunks (the width of each one's bitmask, None without one)."""
     seen = {"forward rows": [], "backward chunks": [], "kept chunks": 0}
-    real_bits, real_dlogits = support_bits.column_bits, programs.launch_dlogits
-    real_kept = programs.launch_dlogits_kept
+    real_bits, real_dlogits = support_bits.column_bits, backward_programs.launch_dlogits
+    real_kept = backward_programs.launch_dlogits_kept
 
     def column_bits(ids, v_lo, v_hi):
         if v_lo == 0 and v_hi == V:  # (the forward's: the whole shard)
@@ -116,8 +116,8 @@ def _seen(monkeypatch) -> dict:
         return real_kept(*args, **kw)
 
     monkeypatch.setattr(support_bits, "column_bits", column_bits)
-    monkeypatch.setattr(programs, "launch_dlogits", launch_dlogits)
-    monkeypatch.setattr(programs, "launch_dlogits_kept", launch_dlogits_kept)
+    monkeypatch.setattr(backward_programs, "launch_dlogits", launch_dlogits)
+    monkeypatch.setattr(backward_programs, "launch_dlogits_kept", launch_dlogits_kept)
     return seen
 
 

@@ -281,11 +281,12 @@ def test_op_calls_skip_the_launchers_repeat_checks_and_direct_calls_keep_them(mo
     tensors: its forward and backward launch without the launchers' own checks (host time). A direct
     call of a source, with a plain ShardCall, still gets them."""
     import tplogp
-    from tplogp.kernels import programs
+    from tplogp.kernels import backward_programs, forward_programs
 
     seen = []
-    real = programs.check_inputs
-    monkeypatch.setattr(programs, "check_inputs", lambda *a: (seen.append(1), real(*a))[1])
+    for module in (forward_programs, backward_programs):
+        monkeypatch.setattr(module, "check_inputs",
+                            lambda *a, real=module.check_inputs: (seen.append(1), real(*a))[1])
     p = make_problem((3, 5), 16, 40, torch.float32, True, seed=5)  # 3-D hidden: the op flattens it
     ours = run_op(tplogp.get_op("linear_logp", source="triton"), p)
     assert seen == []

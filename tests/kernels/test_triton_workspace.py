@@ -28,7 +28,7 @@ pytestmark = interpreter_only
 pytest.importorskip("triton")
 
 from tplogp.backends.triton_backend import TritonBackend  # noqa: E402
-from tplogp.kernels import programs  # noqa: E402
+from tplogp.kernels import backward_programs  # noqa: E402
 from tplogp.api import linear_logp_on  # noqa: E402
 from tplogp.op.plan import LogpOptions  # noqa: E402
 
@@ -53,7 +53,7 @@ def _count_columns(monkeypatch):
     """Record the vocab columns whose d_logits were read from kept logits and those recomputed."""
     seen = {"kept": 0, "recomputed": 0}
     # (TMA or pointer kernels)
-    real_kept, real_recompute = programs.launch_dlogits_kept, programs.launch_dlogits
+    real_kept, real_recompute = backward_programs.launch_dlogits_kept, backward_programs.launch_dlogits
 
     def kept(*args, **options):
         seen["kept"] += args[11] - args[10]  # v_hi - v_lo
@@ -63,8 +63,8 @@ def _count_columns(monkeypatch):
         seen["recomputed"] += args[13] - args[12]  # v_hi - v_lo
         return real_recompute(*args, **options)
 
-    monkeypatch.setattr(programs, "launch_dlogits_kept", kept)
-    monkeypatch.setattr(programs, "launch_dlogits", recompute)
+    monkeypatch.setattr(backward_programs, "launch_dlogits_kept", kept)
+    monkeypatch.setattr(backward_programs, "launch_dlogits", recompute)
     return seen
 
 
@@ -179,7 +179,7 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
     kw = dict(tp_group=tp.group, vocab_start_index=vs.start, global_vocab_size=v,
               deterministic=True)
     events = []
-    real_all_reduce, real_dw, real_dh = dist.all_reduce, programs.mm_into, programs.dh_gemm
+    real_all_reduce, real_dw, real_dh = dist.all_reduce, backward_programs.mm_into, backward_programs.dh_gemm
 
     def all_reduce(t, *args, **kwargs):
         events.append("all_reduce" if kwargs.get("async_op") else "blocking all_reduce")
@@ -193,11 +193,11 @@ def test_overlapped_all_reduce_issue_order_and_kept_budget_on_uneven_ranks(tp):
         events.append("d_hidden")
         return real_dh(*args)
 
-    dist.all_reduce, programs.mm_into, programs.dh_gemm = all_reduce, dw, dh
+    dist.all_reduce, backward_programs.mm_into, backward_programs.dh_gemm = all_reduce, dw, dh
     try:
         ours = run_op(op, p, workspace_bytes=1, **kw)  # 256-column chunks
     finally:
-        dist.all_reduce, programs.mm_into, programs.dh_gemm = real_all_reduce, real_dw, real_dh
+        dist.all_reduce, backward_programs.mm_into, backward_programs.dh_gemm = real_all_reduce, real_dw, real_dh
     chunks = -(-v_local // workspace.CHUNK_ALIGN)
     expected = ["d_hidden", "d_W"] * (chunks - 1) + ["d_hidden", "all_reduce", "d_W"]
     tp.assert_all(events == expected, f"issue order {events}, expected {expected}")

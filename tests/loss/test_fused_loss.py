@@ -76,10 +76,10 @@ def _compare(ours, eager, what=""):
 
 def _count_recompute(monkeypatch):
     """Count the triton backward's recompute launches (its kept-logits launches do no GEMM)."""
-    from tplogp.kernels import programs
+    from tplogp.kernels import backward_programs
 
     seen = {"recompute": 0, "kept": 0}
-    real_recompute, real_kept = programs.launch_dlogits, programs.launch_dlogits_kept
+    real_recompute, real_kept = backward_programs.launch_dlogits, backward_programs.launch_dlogits_kept
 
     def recompute(*args, **options):
         seen["recompute"] += 1
@@ -89,8 +89,8 @@ def _count_recompute(monkeypatch):
         seen["kept"] += 1
         return real_kept(*args, **options)
 
-    monkeypatch.setattr(programs, "launch_dlogits", recompute)
-    monkeypatch.setattr(programs, "launch_dlogits_kept", kept)
+    monkeypatch.setattr(backward_programs, "launch_dlogits", recompute)
+    monkeypatch.setattr(backward_programs, "launch_dlogits_kept", kept)
     return seen
 
 

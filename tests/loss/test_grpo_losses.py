@@ -176,11 +176,11 @@ def test_gspo_on_each_source(monkeypatch, source):
     kept terms and the 3 others recomputing their logits (the launches counted on triton)."""
     seen = {"recompute": 0, "kept": 0}
     if source == "triton":
-        from tplogp.kernels import programs
+        from tplogp.kernels import backward_programs
 
         for name, key in (("launch_dlogits", "recompute"), ("launch_dlogits_kept", "kept")):
-            real = getattr(programs, name)
-            monkeypatch.setattr(programs, name, lambda *a, real=real, key=key, **o: (
+            real = getattr(backward_programs, name)
+            monkeypatch.setattr(backward_programs, name, lambda *a, real=real, key=key, **o: (
                 seen.__setitem__(key, seen[key] + 1), real(*a, **o))[1])
     loss = losses.grpo("dapo", importance_sampling_level="sequence", beta=0.04,
                        rollout_correction="token_truncate")

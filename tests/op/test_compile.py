@@ -358,15 +358,15 @@ def _count_recomputes(monkeypatch, source):
     recompute launches, beside the launches that read kept logits)."""
     seen = {"recompute": 0}
     if source == "triton":
-        from tplogp.kernels import programs
+        from tplogp.kernels import backward_programs
 
-        real = programs.launch_dlogits
+        real = backward_programs.launch_dlogits
 
         def recompute(*args, **options):
             seen["recompute"] += 1
             return real(*args, **options)
 
-        monkeypatch.setattr(programs, "launch_dlogits", recompute)
+        monkeypatch.setattr(backward_programs, "launch_dlogits", recompute)
     else:
         from tplogp.backends import native, native_tiles
 

@@ -181,20 +181,20 @@ def test_consumed_kept_terms_become_d_logits_in_place(monkeypatch, source, dtype
     (one chunk either way here). Without it the kept buffer is left as the forward wrote it."""
     from tplogp.backends.base import ShardCall
     from tplogp.backends.triton_backend import TritonBackend
-    from tplogp.kernels import programs
+    from tplogp.kernels import backward_programs
 
     monkeypatch.delenv("TPLOGP_WORKSPACE_MB", raising=False)
     p = trained_spread_problem(dtype, seed=5)
     be = TritonBackend()
     budget = _keep_all("triton", dtype)
     stores = []
-    real = programs.launch_dlogits_kept
+    real = backward_programs.launch_dlogits_kept
 
     def kept_launch(kept, *args, **options):
         stores.append(args[7].data_ptr() == kept.values.data_ptr())  # dz written over the terms
         return real(kept, *args, **options)
 
-    monkeypatch.setattr(programs, "launch_dlogits_kept", kept_launch)
+    monkeypatch.setattr(backward_programs, "launch_dlogits_kept", kept_launch)
 
     class Workspaces(TorchDispatchMode):
         """Tensors of the d_logits workspace's dtype and at least [N, 256] made during the

@@ -20,10 +20,11 @@ Three ways, as on the native source (:mod:`tplogp.backends.native_support`):
   so a backward from them needs no mask. The forward's bitmask covers the whole shard for its token
   rows; where the rows' bitmask would exceed the budget's transient part, the forward runs in token
   chunks whose bitmask fits it (:func:`tplogp.kernels.support_bits.forward_rows`). The backward
-  builds the bitmask of each d_logits chunk's columns (:func:`tplogp.kernels.programs.backward`).
+  builds the bitmask of each d_logits chunk's columns
+  (:func:`tplogp.kernels.backward_programs.backward`).
 
-Support calls run no launch program (:mod:`tplogp.kernels.programs`'s per-layout ones): they go
-through the per-call entry points, planned afresh at every call as the call path plans them.
+Support calls run no launch program (the per-layout ones of :mod:`tplogp.kernels.forward_programs`):
+they go through the per-call entry points, planned afresh at every call as the call path plans them.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _masked_forward(backend, hidden, weight, bias, target, call: ShardCall,
     """``(the per-call entry point's outputs, what the forward kept)``: the stats kernel with the
     support's bitmask, in token chunks whose bitmask fits the budget's transient part (the chunks'
     outputs concatenated)."""
-    from ..kernels import programs, support_bits
+    from ..kernels import forward_programs, support_bits
     from ..kernels.kept import KeptTerms
 
     n, v = hidden.shape[0], weight.shape[0]
@@ -116,11 +117,12 @@ def _masked_forward(backend, hidden, weight, bias, target, call: ShardCall,
         args = (hidden if whole else hidden[t0:t1], weight, bias,
                 target if whole else target[t0:t1], call.kernel_options, lay.cfg)
         if single:
-            outs.append(programs.forward_single(*args, tma=tma, kept=part, target_flag=target_flag,
-                                                checked=call.inputs_checked, support=bits))
+            outs.append(forward_programs.forward_single(*args, tma=tma, kept=part,
+                                                        target_flag=target_flag,
+                                                        checked=call.inputs_checked, support=bits))
         else:
-            outs.append(programs.forward_stats(*args, tma=tma, kept=part,
-                                               checked=call.inputs_checked, support=bits))
+            outs.append(forward_programs.forward_stats(*args, tma=tma, kept=part,
+                                                       checked=call.inputs_checked, support=bits))
         del bits
     if len(outs) == 1:
         return outs[0], kept

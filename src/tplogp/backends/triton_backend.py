@@ -303,11 +303,11 @@ class TritonBackend(BudgetParts):
         if ran is not None:
             out = ran[0]
             return ShardStats(*out[:4], kept=ran[1], sum_z=out[4], argmax=out[5])
-        from ..kernels import programs
+        from ..kernels import forward_programs
 
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call, kept_out)
-        out = programs.forward_stats(
+        out = forward_programs.forward_stats(
             hidden, weight, bias, local_target, call.kernel_options, lay.cfg,
             tma=self._uses_tma(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay), checked=call.inputs_checked)
@@ -349,11 +349,11 @@ class TritonBackend(BudgetParts):
         if ran is not None:
             out = ran[0]
             return SingleShardOutputs(*out[:6], kept=ran[1], sum_z=out[6], argmax=out[7])
-        from ..kernels import programs
+        from ..kernels import forward_programs
 
         lay = self._launch_layout(hidden, weight, call)
         kept = self._kept_buffer(hidden, lay, call, kept_out)
-        out = programs.forward_single(
+        out = forward_programs.forward_single(
             hidden, weight, bias, target, call.kernel_options, lay.cfg,
             tma=self._uses_tma(hidden, weight, call),
             kept=self._kept_terms(kept, hidden.shape[0], lay), target_flag=target_flag,
@@ -378,9 +378,9 @@ class TritonBackend(BudgetParts):
         return program(hidden, weight, bias, target, target_flag, terms.values, terms.scales), kept
 
     def _program(self, hidden, weight, bias, call: ShardCall, kind: str, check_targets: bool):
-        """``(the layout's ForwardProgram, its ShardLayout)`` (:mod:`tplogp.kernels.programs`) for a
-        forward of ``kind`` (``"stats"``, or ``"single"`` with ``check_targets``: whether the
-        targets are checked), held by this source for eager and compiled calls alike, keyed by the
+        """``(the layout's ForwardProgram, its ShardLayout)``
+        (:mod:`tplogp.kernels.forward_programs`) for a forward of ``kind`` (``"stats"``, or
+        ``"single"`` with ``check_targets``: whether the targets are checked), held by this source for eager and compiled calls alike, keyed by the
         call's settings (``ShardCall.key``), the tensors' shapes, dtypes and device and the kernels'
         dot precision (``torch.get_float32_matmul_precision()`` for fp32 operands): a steady
         call finds it with one lookup (:func:`_remember` bounds the cache). ``False`` where the
@@ -398,7 +398,7 @@ class TritonBackend(BudgetParts):
             return found
         found = False
         if n and weight.shape[0]:
-            from ..kernels import programs
+            from ..kernels import forward_programs
 
             lay = self._launch_layout(hidden, weight, call)
             keep = None
@@ -407,13 +407,14 @@ class TritonBackend(BudgetParts):
                 keep = (lay.keep_cols, kept_layout.kept_scales_shape(n, lay.kept_scales)[1],
                         lay.keep_cols, lay.kept_dtype)
             single = kind == "single"
-            found = (programs.ForwardProgram(n, weight.shape[0], hidden.shape[1], hidden.stride(0),
-                                             weight.stride(0), hidden.dtype,
-                                             None if bias is None else bias.dtype,
-                                             call.kernel_options, lay.cfg,
-                                             tiles.dot_precision(hidden.dtype), keep, single,
-                                             single and check_targets,
-                                             self._uses_tma(hidden, weight, call)), lay)
+            found = (forward_programs.ForwardProgram(n, weight.shape[0], hidden.shape[1],
+                                                     hidden.stride(0), weight.stride(0),
+                                                     hidden.dtype,
+                                                     None if bias is None else bias.dtype,
+                                                     call.kernel_options, lay.cfg,
+                                                     tiles.dot_precision(hidden.dtype), keep,
+                                                     single, single and check_targets,
+                                                     self._uses_tma(hidden, weight, call)), lay)
         return _remember(self._programs, key, found)
 
     def backward(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
@@ -434,7 +435,7 @@ class TritonBackend(BudgetParts):
                                                 accumulate, grad_sum_z)
             if grads is not None:
                 return grads
-        from ..kernels import programs
+        from ..kernels import backward_programs
 
         lay = self._launch_layout(hidden, weight, call)
         if call.grid_columns:
@@ -447,7 +448,7 @@ class TritonBackend(BudgetParts):
                 workspace_bytes=lay.transient_bytes, needs=tuple(needs), cfg=lay.cfg,
                 tma=self._uses_tma(hidden, weight, call), d_hidden_ready=d_hidden_ready,
                 accumulate=accumulate, grad_sum_z=grad_sum_z))
-        d_hidden, d_weight, d_bias = programs.backward(
+        d_hidden, d_weight, d_bias = backward_programs.backward(
             hidden, weight, bias, local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
             mean_rel, transform=call.kernel_options.transform, deterministic=call.deterministic,
             workspace_bytes=lay.transient_bytes, needs=tuple(needs),
@@ -462,9 +463,10 @@ class TritonBackend(BudgetParts):
                                grad_logp, grad_entropy, grad_lse, mean_rel, call: ShardCall, needs,
                                d_hidden_ready, kept: KeptBuffers, accumulate,
                                grad_sum_z=None) -> Optional[ShardGrads]:
-        """The backward through the layout's :class:`~tplogp.kernels.programs.KeptBackward` (made at
-        its first call, held by this source with the forwards' programs, :meth:`_program`), or None
-        where one does not run it (its ``covers``)."""
+        """The backward through the layout's
+        :class:`~tplogp.kernels.backward_programs.KeptBackward` (made at its first call, held by
+        this source with the forwards' programs, :meth:`_program`), or None where one does not run
+        it (its ``covers``)."""
         n = hidden.shape[0]
         if call.rows is not None and n != call.rows:  # (as :meth:`_program`)
             return None
@@ -475,7 +477,7 @@ class TritonBackend(BudgetParts):
                tiles.dot_precision(hidden.dtype))
         program = self._programs.get(key)
         if program is None:
-            from ..kernels.programs import KeptBackward
+            from ..kernels.backward_programs import KeptBackward
         else:
             KeptBackward = type(program)
         if not KeptBackward.covers(kept, weight, call.consume_kept):

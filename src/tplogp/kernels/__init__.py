@@ -39,9 +39,10 @@ ones above it in this list):
   kernels may run.
 * :mod:`.entry_checks`      what the entry points accept (shapes, dtypes, devices, strides), checked
   before a launch.
-* :mod:`.programs`          per-layout programs (the forward, the consuming backward) and the entry
-                            points that run them: buffers, the chunked backward and its cuBLAS
-                                steps.
+* :mod:`.forward_programs`  the forward's per-layout programs and the entry points that run them:
+                            outputs, per-split stats, the stats and merge / finalize launches.
+* :mod:`.backward_programs` the backward's entry point (the d_logits chunks, their launches and the
+                            cuBLAS steps) and the per-layout program of a consuming kept backward.
 * :mod:`.grid_programs`     the tensor-parallel-invariant level's entry points: per-block forward
                             stats, the grid-block backward (fixed-shape d_W GEMMs).
 * :mod:`.scale_launch`      the fused loss's scaling launch and its checks.

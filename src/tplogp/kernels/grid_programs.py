@@ -18,7 +18,7 @@ the forward):
   not depend on the shard it came in.
 
 The launches, the d_logits and d_hidden steps are the per-call paths'
-(:mod:`tplogp.kernels.programs`).
+(:mod:`tplogp.kernels.forward_programs`, :mod:`tplogp.kernels.backward_programs`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from ..support import fp32_gemm
 from ..support.tensors import f32_contiguous
 from .launch import cached
 from .launches import KernelOptions, LogitTransform, ensure_context, stats_launch, tma_ok
-from .programs import dh_gemm, empty_call_grads, mm_into, stats_outputs, stats_rows, launch_dlogits, per_token_grads
+from .backward_programs import dh_gemm, empty_call_grads, launch_dlogits, mm_into, per_token_grads
+from .forward_programs import stats_outputs, stats_rows
 from .tiles import TileConfig, cdiv, dot_precision
 
 
@@ -86,10 +87,10 @@ def backward_on_grid(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
                      accumulate: Optional[tuple[Optional[torch.Tensor],
                                                 Optional[torch.Tensor]]] = None,
                      grad_sum_z: Optional[torch.Tensor] = None):
-    """:func:`~.programs.backward` of the tensor-parallel-invariant level
+    """:func:`~.backward_programs.backward` of the tensor-parallel-invariant level
     (:mod:`tplogp.support.invariant`) for a grid-aligned shard: a column's ``d_W`` and ``d_b`` rows
     do not depend on the shard's size (``transform``, ``grad_sum_z``: as in
-    :func:`~.programs.backward`).
+    :func:`~.backward_programs.backward`).
 
     d_logits chunks are multiples of the grid width ``columns`` (recomputed: nothing is kept) in a
     workspace of :func:`grid_chunk` columns per row, whatever the shard; ``d_W`` is one

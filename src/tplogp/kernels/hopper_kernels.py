@@ -9,7 +9,7 @@ loop is warp-specialized (producer warps issue the copies, consumer warpgroups r
 softmax epilogue).
 
 Usable only when the descriptors are legal: 16-byte aligned base pointers and row strides
-(``D * itemsize % 16``). The programs (:mod:`.programs`) launch the pointer kernels otherwise.
+(``D * itemsize % 16``). The programs (:mod:`.forward_programs`, :mod:`.backward_programs`) launch the pointer kernels otherwise.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A layout (the shard's sizes, strides and dtypes, the tile config, the call's opt
 everything about a launch but its tensors: the grid, the scalar arguments,
 ``num_warps`` / ``num_stages`` and the constexprs. A :class:`Launch` holds those;
 ``launch(*tensors)`` launches the kernel with the call's tensors (pointers first in the kernel's
-signature, then the scalars, then the constexprs). Per-layout programs (:mod:`.programs`) hold their
+signature, then the scalars, then the constexprs). Per-layout programs (:mod:`.forward_programs`, :mod:`.backward_programs`) hold their
 launches; the source holds the programs of the op's calls, and per-call paths take theirs from
 :func:`cached`, the bounded cache of launches and programs below the sources.
 
