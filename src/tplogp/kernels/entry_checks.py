@@ -1,6 +1,6 @@
 """What the kernels' entry points accept: the shapes, dtypes, devices and strides of a shard call's
-tensors and of the kept softmax terms, checked before any launch (:mod:`.forward_programs` and :mod:`.backward_programs` run these unless
-its caller passes ``checked=True``), with :class:`KernelInputError` naming what was expected."""
+tensors and of the kept softmax terms, checked before any launch (:mod:`.forward_programs` and
+:mod:`.backward_programs` run these unless its caller passes ``checked=True``), with :class:`KernelInputError` naming what was expected."""
 
 from __future__ import annotations
 
