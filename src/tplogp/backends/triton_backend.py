@@ -384,9 +384,10 @@ class TritonBackend(BudgetParts):
         for eager and compiled calls alike, keyed by the call's settings (``ShardCall.key``), the
         tensors' shapes, dtypes and device and the kernels' dot precision
         (``torch.get_float32_matmul_precision()`` for fp32 operands): a steady call finds it with
-        one lookup (:func:`_remember` bounds the cache). ``False`` where the call's row count is
-        not its layout's (``ShardCall.rows``; None: any) or its shard is empty: those take the per-call path (counts that vary from call to call, rows compacted away by
-        ignore_index or a loss chunk, would make a program per count)."""
+        one lookup (:func:`_remember` bounds the cache). ``False`` where the call's row count is not
+        its layout's (``ShardCall.rows``; None: any) or its shard is empty: those take the per-call
+        path (counts that vary from call to call, rows compacted away by ignore_index or a loss
+        chunk, would make a program per count)."""
         n = hidden.shape[0]
         if call.rows is not None and n != call.rows:
             return False
