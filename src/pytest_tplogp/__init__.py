@@ -32,9 +32,14 @@ Layout (one role per module; each imports only the modules listed below it):
 - ``report.py``          merging per-rank outcomes (grouped failures, agreed skips) into one report.
 - ``pool.py``            the controller: persistent rank pools, bounded waits, stack dumps, kill +
                          respawn.
+- ``rank_files.py``      the ranks' output and stack files as the controller reads them (a
+                         command's slice, live lines).
 - ``rank.py``            the rank-side worker loop (imports only ``collectives``, ``cuda_memory``,
-                         ``debug``, ``forkserver_guard``, ``protocol``, ``context``, ``values``,
-                         ``rank_coverage``).
+                         ``debug``, ``outcomes``, ``rank_state``, ``forkserver_guard``,
+                         ``protocol``, ``context``, ``values``, ``rank_coverage``).
+- ``rank_state.py``      a rank process's state around a test: seeded before, put back and named
+                         after, the process groups alive.
+- ``outcomes.py``        a test body's exception as a rank's outcome (skip, xfail, failure).
 - ``cuda_memory.py``     a CUDA rank's memory after each test: a leak (live tensors) or a cache.
 - ``collectives.py``     collectives a body left unmatched: counted on the ranks, compared here.
 - ``rank_coverage.py``   the ranks measure coverage when the pytest process does; their data joins

@@ -213,7 +213,8 @@ class ExternalMode:
 
         from . import debug
         from .pool import PoolRun
-        from .rank import classify, seed_test
+        from .outcomes import classify
+        from .rank_state import seed_test
         from .values import bind, undo_per_rank
 
         seed_test(seed)

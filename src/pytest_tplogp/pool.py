@@ -28,12 +28,12 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Iterator, NamedTuple
 
 from . import collectives, rank_coverage
+from .rank_files import LIVE_POLL_S, LiveOutput, Tail, file_size, read_from
 from .protocol import (
     COVERAGE_STOP_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -128,59 +128,6 @@ def describe_exit(exitcode: int | None) -> str:
 #: Bounded wait for a dead rank's exit status (under forkserver it comes through the fork server,
 #: after the rank's pipe already broke): long enough that a loaded machine still names the signal.
 EXIT_STATUS_WAIT_S = 5.0
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _read_from(path: str, offset: int, limit: int = 256 * 1024) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read(limit + 1)
-    except OSError:
-        return ""
-    text = data[:limit].decode("utf-8", "replace")
-    return text + ("\n[... output truncated ...]" if len(data) > limit else "")
-
-
-#: Called with (rank, "stdout" | "stderr", one line) for live output (pytest ``-s``).
-LiveOutput = Callable[[int, str, str], None]
-#: How often (seconds) the controller looks for new rank output while a command runs with live
-#: output.
-LIVE_POLL_S = 0.05
-
-
-class _Tail:
-    """Follows the ranks' output files from given offsets and hands on complete lines (all that is
-    left at the end)."""
-
-    def __init__(self, sink: LiveOutput, files: dict[tuple[int, str], tuple[str, int]]) -> None:
-        self.sink = sink
-        self.files = files
-        self.partial: dict[tuple[int, str], str] = {}
-
-    def pump(self, final: bool = False) -> None:
-        for key, (path, offset) in self.files.items():
-            size = _size(path)
-            if size > offset:
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    data = f.read(size - offset)
-                self.files[key] = (path, offset + len(data))
-                self.partial[key] = self.partial.get(key, "") + data.decode("utf-8", "replace")
-            text = self.partial.pop(key, "")
-            *lines, rest = text.split("\n")
-            if final and rest:
-                lines, rest = lines + [rest], ""
-            for line in lines:
-                self.sink(key[0], key[1], line)
-            if rest:
-                self.partial[key] = rest
 
 
 class RankPool:
@@ -299,7 +246,7 @@ class RankPool:
             problem = f"ranks did not join within {timeout_s:.0f} s"
         if problem is not None:
             errs = "\n".join(f"--- rank {r} stderr "
-                             f"---\n{_read_from(rank_file(self.pool_dir, r, 'err'), 0)}"
+                             f"---\n{read_from(rank_file(self.pool_dir, r, 'err'), 0)}"
                              for r in range(self.key.world_size))
             self.kill()
             raise PoolStartError(f"tplogp pool ({self.key.describe()}) could not start: "
@@ -392,7 +339,7 @@ class RankPool:
     def dump_stacks(self, ranks: list[int], wait_s: float = 3.0) -> dict[int, str]:
         """SIGUSR1 to ``ranks`` (faulthandler) and collect the dumps, waiting (bounded) for them to
         settle."""
-        offsets = {r: _size(self._paths(r)[2]) for r in ranks}
+        offsets = {r: file_size(self._paths(r)[2]) for r in ranks}
         for r in ranks:
             try:
                 os.kill(self.procs[r].pid, signal.SIGUSR1)
@@ -401,12 +348,12 @@ class RankPool:
         deadline = time.monotonic() + wait_s
         last: dict[int, int] = {}
         while time.monotonic() < deadline:
-            sizes = {r: _size(self._paths(r)[2]) for r in ranks}
+            sizes = {r: file_size(self._paths(r)[2]) for r in ranks}
             if all(sizes[r] > offsets[r] for r in ranks) and sizes == last:
                 break
             last = sizes
             time.sleep(0.05)
-        return {r: _read_from(self._paths(r)[2], offsets[r]) for r in ranks}
+        return {r: read_from(self._paths(r)[2], offsets[r]) for r in ranks}
 
     def run(self, command: Any, timeout_s: float, live: LiveOutput | None = None) -> PoolRun:
         """Send ``command`` to every rank and collect the outcomes within ``timeout_s`` (see the
@@ -425,8 +372,8 @@ class RankPool:
         t0 = time.perf_counter()
         n = self.key.world_size
         res = PoolRun()
-        offsets = {r: tuple(_size(p) for p in self._paths(r)) for r in range(n)}
-        tail = _Tail(live, {(r, s): (self._paths(r)[i], offsets[r][i]) for r in range(n)
+        offsets = {r: tuple(file_size(p) for p in self._paths(r)) for r in range(n)}
+        tail = Tail(live, {(r, s): (self._paths(r)[i], offsets[r][i]) for r in range(n)
                             for i, s in enumerate(
                                 ("stdout", "stderr"))}) if live is not None else None
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
@@ -492,10 +439,10 @@ class RankPool:
             for r in sorted(pending):
                 res.stuck[r] = StuckRank(r, self.procs[r].pid, stacks.get(r, ""))
         for r in res.deaths:
-            res.death_stacks[r] = _read_from(self._paths(r)[2], offsets[r][2])
+            res.death_stacks[r] = read_from(self._paths(r)[2], offsets[r][2])
         for r in range(n):
             out_p, err_p, _ = self._paths(r)
-            res.outputs[r] = (_read_from(out_p, offsets[r][0]), _read_from(err_p, offsets[r][1]))
+            res.outputs[r] = (read_from(out_p, offsets[r][0]), read_from(err_p, offsets[r][1]))
         problems = sorted({p for o in res.outcomes.values() for p in o.state_problems})
         if not (res.stuck or res.deaths):
             counts = {r: o.collectives for r, o in res.outcomes.items() if o.collectives}

@@ -36,17 +36,17 @@ import importlib.util
 import marshal
 import os
 import pickle
-import random
 import signal
 import sys
 import threading
 import time
 import traceback
 import types
-from collections.abc import Callable
 from typing import Any
 
 from . import collectives, cuda_memory, debug
+from .outcomes import classify
+from .rank_state import ProcessState, groups_kept_for_the_process, live_groups, seed_test
 from .forkserver_guard import set_pdeathsig
 from .protocol import CallFn, RankConfig, RankCoverage, RankOutcome, Ready, RunTest, StartFailed
 
@@ -111,132 +111,6 @@ def _redirect_output(cfg: RankConfig) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True, chain=False)
 
 
-def _live_groups() -> set[int] | None:
-    """Identities of the live process groups, or None when this torch does not expose them (check
-    skipped)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
-    return None if pg_map is None else {id(pg) for pg in pg_map}
-
-
-def _groups_kept_for_the_process() -> set[int]:
-    """Groups a library keeps on purpose for the whole process, not leaks: tplogp's CPU companion of
-    each device-backend TP group (``tplogp.support.comm.host_group``), when tplogp is loaded."""
-    comm = sys.modules.get("tplogp.support.comm")
-    return set() if comm is None else {id(g) for g in comm.host_groups()}
-
-
-def classify(exc: BaseException, rank: int, tb_skip: int = 1,
-             test_file: str | None = None) -> RankOutcome:
-    """A rank's :class:`RankOutcome` for an exception from a test body (skip, xfail or failure with
-    traceback)."""
-    pytest = sys.modules.get("pytest")
-    if pytest is not None and isinstance(exc, pytest.skip.Exception):
-        return RankOutcome(rank, "skipped", summary=str(getattr(exc, "msg", "") or ""))
-    if pytest is not None and isinstance(exc, pytest.xfail.Exception):
-        return RankOutcome(rank, "xfailed", summary=str(getattr(exc, "msg", "") or ""))
-    tb = exc.__traceback__
-    for _ in range(tb_skip):
-        if tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-    if pytest is not None and isinstance(exc, pytest.fail.Exception):
-        summary = f"Failed: {getattr(exc, 'msg', '')}"
-    else:
-        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    lines = [line.strip() for line in summary.splitlines() if line.strip()]
-    # one line for headlines; the traceback has the rest
-    summary = lines[0] if lines else type(exc).__name__
-    if summary.endswith(":") and len(lines) > 1:
-        summary += " " + lines[1]
-    longrepr = "".join(traceback.format_exception(type(exc), exc, tb))
-    exc_type = f"{type(exc).__module__}:{type(exc).__qualname__}"
-    return RankOutcome(rank, "failed", summary=summary, longrepr=longrepr, exc_type=exc_type,
-                       crash=_crash_location(tb, test_file))
-
-
-def _crash_location(tb: Any, test_file: str | None) -> tuple[str, int] | None:
-    """Where a failure happened, for one-line reports: the innermost frame in the test's file, else
-    the innermost."""
-    frames = traceback.extract_tb(tb) if tb is not None else []
-    if not frames:
-        return None
-    in_test = [f for f in frames if test_file
-               and os.path.realpath(f.filename) == os.path.realpath(test_file)]
-    frame = (in_test or frames)[-1]
-    return (frame.filename, frame.lineno or 0)
-
-
-def seed_test(seed: int) -> None:
-    """Seed ``random``, torch and (when imported) numpy with a test's seed: every rank draws the
-    same numbers."""
-    import torch
-
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(seed % 2**32)
-
-
-def _torch_settings(torch: Any) -> tuple[
-    tuple[Callable[[], Any], Callable[[Any], Any], Callable[[Any], str]], ...]:
-    """The torch process settings a body can change by hand: (get, set, how a changed value is
-    named)."""
-    return (
-        (torch.get_default_dtype, torch.set_default_dtype, lambda v: f"default dtype set to {v}"),
-        (torch.is_grad_enabled, torch.set_grad_enabled,
-         lambda v: f"grad mode left {'on' if v else 'off'}"),
-        (torch.get_num_threads, torch.set_num_threads, lambda v: f"torch threads set to {v}"),
-        (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms,
-         lambda v: f"deterministic algorithms switched {'on' if v else 'off'}"),
-    )
-
-
-class _ProcessState:
-    """What a test body can change in a rank process and the pool can put back (see
-    ``_restore_and_check``)."""
-
-    #: Set by libraries on first use, not by tests: neither reported nor undone. torch sets
-    #: CUDA_MODULE_LOADING on CUDA initialisation, inductor TORCHINDUCTOR_CACHE_DIR on first use of
-    #: its cache (torch.compile, or torch.use_deterministic_algorithms) and
-    #: _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR as it loads its first compiled C++ wrapper
-    #: (torch.compile on CPU).
-    LIBRARY_ENV = ("CUDA_MODULE_LOADING", "TORCHINDUCTOR_CACHE_DIR",
-                   "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
-
-    def __init__(self, torch: Any) -> None:
-        self.settings = _torch_settings(torch)
-        self.environ = dict(os.environ)
-        self.cwd = os.getcwd()
-        self.values = [get() for get, _, _ in self.settings]
-
-    def restore(self) -> list[str]:
-        changed: list[str] = []
-        env = os.environ
-        for name in self.LIBRARY_ENV:
-            if name in env:
-                self.environ[name] = env[name]
-        added = sorted(set(env) - set(self.environ))
-        removed = sorted(set(self.environ) - set(env))
-        modified = sorted(k for k in set(env) & set(self.environ) if env[k] != self.environ[k])
-        for what, names in (("set", added), ("removed", removed), ("changed", modified)):
-            if names:
-                changed.append(f"environment variable(s) {', '.join(names)} {what}")
-        if added or removed or modified:
-            env.clear()
-            env.update(self.environ)
-        if os.getcwd() != self.cwd:
-            changed.append(f"working directory changed to {os.getcwd()}")
-            os.chdir(self.cwd)
-        for (get, put, named), baseline in zip(self.settings, self.values):
-            now = get()
-            if now != baseline:
-                changed.append(named(now))
-                put(baseline)
-        return changed
-
-
 class _Rank:
     def __init__(self, cfg: RankConfig) -> None:
         import torch
@@ -271,9 +145,9 @@ class _Rank:
         ctrl = dist.new_group(backend="gloo") if cfg.backend != "gloo" else None
         self.ctx = RankContext(cfg.rank, cfg.world_size, cfg.backend, device, ctrl_group=ctrl)
         set_current(self.ctx)
-        self.base_groups = _live_groups()
+        self.base_groups = live_groups()
         self.memory = cuda_memory.for_device(torch) if cfg.device_type == "cuda" else None
-        self.baseline = _ProcessState(torch)
+        self.baseline = ProcessState(torch)
         self.functions: dict[tuple[str, str, bytes], Any] = {}
 
     # ------------------------------------------------------------ state
@@ -292,10 +166,10 @@ class _Rank:
         if not self.dist.is_initialized():
             problems.append("the default process group was destroyed")
             return restored, problems
-        live = _live_groups()
+        live = live_groups()
         if live is not None and self.base_groups is not None:
             extra = (live - self.base_groups - self.ctx.owned_group_ids()
-                     - _groups_kept_for_the_process())
+                     - groups_kept_for_the_process())
             if extra:
                 problems.append(f"{len(extra)} process group(s) left behind (use tp.new_group or "
                                 f"the mesh fixture, which the pool caches)")
