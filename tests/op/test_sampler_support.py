@@ -21,7 +21,7 @@ import tplogp
 from tplogp import losses
 from tplogp.backends import native_support
 from tplogp.backends.base import ShardCall
-from tplogp.op import sampler_support as sampler_module
+from tplogp.op import sampler_passes, sampler_support as sampler_module
 from tplogp.op.sampler_params import per_token
 from tplogp.op.options import LogpOptions
 from tplogp.op.support_ids import KEEP_ALL
@@ -123,13 +123,13 @@ def _mismatch(ours: torch.Tensor, truth: torch.Tensor) -> str:
 
 def _rounds(monkeypatch) -> list[int]:
     """The candidates per rank of each round (``M``), recorded."""
-    real, seen = sampler_module._shard_candidates, []
+    real, seen = sampler_module.shard_candidates, []
 
     def counted(h, w, b, m, *args):
         seen.append(m)
         return real(h, w, b, m, *args)
 
-    monkeypatch.setattr(sampler_module, "_shard_candidates", counted)
+    monkeypatch.setattr(sampler_module, "shard_candidates", counted)
     return seen
 
 
@@ -154,7 +154,7 @@ def drop_columns(request, monkeypatch) -> None:
     """The passes' dropped logits in one column per row (a CPU's way) or spread over ``SPREAD``
     columns (a GPU's)."""
     if request.param == "spread":
-        monkeypatch.setattr(sampler_module, "_drop_columns", lambda device: sampler_module.SPREAD)
+        monkeypatch.setattr(sampler_passes, "drop_columns", lambda device: sampler_passes.SPREAD)
 
 
 @pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "per-token"])

@@ -79,247 +79,17 @@ import torch
 
 from ..backends import memory_budget
 from ..backends.base import ShardCall
-from ..backends.native_tiles import call_logits_tile
 from ..support.comm import all_gather_flat
 from .sampler_params import SamplerParams
+from .sampler_passes import BINS, bin_scale, from_key, ordered, shard_bins, shard_candidates
 from .support_ids import KEEP_ALL
 
 SLACK = 16  # candidates beyond the largest top_k (ties at the k-th logit, the excluded one)
 MIN_CANDIDATES = 256  # with top-p or min-p: the first round's candidates at least
 GROWTH = 4  # a round's candidates over the previous round's
-DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
-BINS = 64  # the bins of the counting pass
-# the columns of a row's scatter buffers that take the logits a pass drops, on a GPU (spread over
-# them by column: one per row would take every dropped logit's atomic add or store one after
-# another; a CPU's scatter has no such contention and keeps one)
-SPREAD = 64
 # top-p alone collects down to the bin where the counted mass passes top_p by this much (the
 # counting pass sums fp32 terms; the round decides in float64)
 MASS_MARGIN = 1e-4
-
-
-def _ceil32(x: torch.Tensor) -> torch.Tensor:
-    """The least fp32 value at least ``x`` (float64): an fp32 logit ``z`` is at least ``x`` exactly
-    when it is at least this value."""
-    y = x.float()
-    return torch.where(y.double() < x, torch.nextafter(y, y.new_full((), float("inf"))), y)
-
-
-def _bin_scale(lo: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """Per row ``[rows, 3]`` fp32: the bins' bottom (the least fp32 value at least ``lo``), top and
-    ``BINS`` over their span (finite)."""
-    scale = (BINS / (top - lo)).clamp(max=torch.finfo(torch.float32).max)
-    return torch.stack([_ceil32(lo), top.float(), scale.float()], 1)
-
-
-def _bins_of(z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The bin of each fp32 logit ``z`` ``[rows, cols]`` (``scale``: :func:`_bin_scale`'s rows):
-    ``floor((top - z) BINS / (top - lo))`` within ``[0, BINS)`` (0 at the top) for ``z`` at least
-    ``lo``, else ``BINS``. Non-increasing in ``z`` (each step of it is), so the ids of bins
-    ``0 .. b`` are a top set of the logits; the counting pass and the collecting round compute it
-    alike."""
-    at = (scale[:, 1:2] - z).mul_(scale[:, 2:3]).floor_().clamp_(0, BINS - 1)
-    return at.masked_fill_(~(z >= scale[:, 0:1]), BINS).to(torch.int64)
-
-
-def _ordered(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` as int64 keys in the order of the values (``-0`` just below ``+0``)."""
-    bits = x.contiguous().view(torch.int32).long()
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def _from_key(key: torch.Tensor) -> torch.Tensor:
-    """The fp32 values of :func:`_ordered`'s keys."""
-    return torch.where(key < 0, key ^ 0x7FFFFFFF, key).to(torch.int32).view(torch.float32)
-
-
-def _drop_columns(device: torch.device) -> int:
-    """How many columns of a row's scatter buffers take the dropped logits (``SPREAD``)."""
-    return SPREAD if device.type == "cuda" else 1
-
-
-def _spread(v0: int, v1: int, device: torch.device):
-    """Which of the drop columns each column ``v0 .. v1`` of a chunk's dropped logits takes: int64
-    ``[v1 - v0]`` on a GPU, else 0 (the one column)."""
-    if _drop_columns(device) == 1:
-        return 0
-    return torch.arange(v0, v1, device=device) % SPREAD
-
-
-def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Per row, the least fp32 value ``t`` whose bin (:func:`_bins_of`) is at most ``last``: the
-    logits of the bins ``0 .. last`` are exactly those at least ``t`` (the bin is non-increasing
-    in the logit, and the bisection over the fp32 values between the bins' bottom and top
-    evaluates it as the passes do); ``inf`` for ``last < 0``."""
-    lo_key, hi_key = _ordered(scale[:, 0]), _ordered(scale[:, 1])
-    for _ in range(33):  # (the keys of two fp32 values differ by less than 2^32)
-        mid = (lo_key + hi_key) // 2
-        fits = _bins_of(_from_key(mid)[:, None], scale).squeeze(1) <= last
-        hi_key, lo_key = torch.where(fits, mid, hi_key), torch.where(fits, lo_key, mid + 1)
-    return _from_key(hi_key).masked_fill(last < 0, float("inf"))
-
-
-def _shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
-                      call: ShardCall, tile_elements: int,
-                      deterministic: bool, with_lse: bool = True,
-                      edge: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
-    shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
-    candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 ``[rows, 3]``:
-    the bound ``lo``, the max and the last bin ``b``) *collect*: their candidates are this
-    shard's ids of the bins ``0 .. b`` between ``lo`` and the max (:func:`_bins_of`; the first
-    ``m`` of them in id order when more are), the floor the largest logit of the others, the
-    statistics the largest logit and how many ids those bins hold. The other rows take the
-    ``m`` largest logits, the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m``
-    ids), the statistics the row max and (``with_lse``; else 0) ``sum exp(z - max)``."""
-    n, v, dev = h.shape[0], w.shape[0], h.device
-    out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
-    out[:, m:2 * m] = -1
-    out[:, 2 * m + 2] = 0
-    if n == 0 or v == 0:
-        return out
-    c = 0 if edge is None else edge.shape[0]
-    if c:
-        _collect(out[:c], h[:c], w, b, _bin_scale(edge[:, 0], edge[:, 1]), edge[:, 2], m,
-                 call, tile_elements, deterministic)
-    if c < n:
-        _largest(out[c:], h[c:], w, b, m, call, tile_elements,
-                 deterministic, with_lse)
-    return out
-
-
-def _row_chunks(h: torch.Tensor, deterministic: bool):
-    """``(t0, t1, rows)``: the token chunks of ``h`` (a deterministic call's padded with zero rows
-    to the fixed chunk: a row's bits, whatever the batch)."""
-    n = h.shape[0]
-    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    for t0 in range(0, n, tc):
-        t1 = min(t0 + tc, n)
-        hc = h[t0:t1]
-        if deterministic and hc.shape[0] < tc:
-            hc = torch.cat([hc, hc.new_zeros(tc - hc.shape[0], hc.shape[1])])
-        yield t0, t1, hc
-
-
-def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-             m: int, call: ShardCall, tile_elements: int,
-             deterministic: bool, with_lse: bool) -> None:
-    """:func:`_shard_candidates`' rows that take the ``m`` largest logits, written into ``out``."""
-    n, v, dev = h.shape[0], w.shape[0], h.device
-    # the m largest and one more: its value is the floor (every id above it is among the m)
-    take = min(m + 1, v)
-    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    # (a chunk at least as wide as the candidates: their topk costs at most the logits' size)
-    vc = max(64, take, tile_elements // tc - take)
-    for t0, t1, hc in _row_chunks(h, deterministic):
-        rows = hc.shape[0]
-        vals = torch.full((rows, take), float("-inf"), dtype=torch.float32, device=dev)
-        ids = torch.full((rows, take), -1, dtype=torch.int64, device=dev)
-        row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        # (the normalizer of top-p alone: fp32 terms, each within an ulp, summed in float64)
-        sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
-        for v0 in range(0, v, vc):
-            v1 = min(v0 + vc, v)
-            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            # the chunk's largest (the first is its max, NaN first as in max), then merged with
-            # the running ones
-            z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
-            new_max = torch.maximum(row_max, z_vals[:, 0])
-            if with_lse:
-                base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
-                sum_exp = (sum_exp * torch.exp((row_max - base).double())
-                           + torch.sub(z, base[:, None]).exp_().sum(1, dtype=torch.float64))
-            row_max = new_max
-            if v0 == 0 and z_vals.shape[1] == take:  # (the first chunk's are the running ones)
-                vals, ids = z_vals, z_at
-                continue
-            top_vals, at = torch.cat([vals, z_vals], 1).topk(take, dim=1)
-            from_chunk = z_at.gather(1, (at - take).clamp(min=0)) + v0
-            ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), from_chunk)
-            vals = top_vals
-        keep, sent = slice(0, t1 - t0), min(m, v)
-        out[t0:t1, :sent] = vals[keep, :sent].double()
-        out[t0:t1, m:m + sent] = ids[keep, :sent].double()
-        if v > m:
-            out[t0:t1, 2 * m] = vals[keep, m].double()
-        out[t0:t1, 2 * m + 1] = row_max[keep].double()
-        out[t0:t1, 2 * m + 2] = sum_exp[keep].double()
-
-
-def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-             scale: torch.Tensor, last: torch.Tensor, m: int, call: ShardCall,
-             tile_elements: int, deterministic: bool) -> None:
-    """:func:`_shard_candidates`' collecting rows (``scale``: :func:`_bin_scale`'s, ``last``: the
-    last bin each takes), written into ``out``: per vocab chunk, the ids of those bins (those at
-    least the row's :func:`_threshold`) get their slots from a running count and a cumulative sum
-    along the row, and are scattered into ``[rows, m]`` buffers (slots past ``m`` into a column
-    that is dropped): no host read, whatever the count."""
-    n, v, dev = h.shape[0], w.shape[0], h.device
-    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    vc = max(64, tile_elements // (2 * tc))
-    threshold = _threshold(scale, last.to(torch.int64))
-    for t0, t1, hc in _row_chunks(h, deterministic):
-        rows = hc.shape[0]
-        pad = rows - (t1 - t0)  # (padding rows: nothing collected)
-        at_least = torch.cat([threshold[t0:t1], threshold.new_full((pad,), float("inf"))])
-        drop = _drop_columns(dev)
-        vals = torch.full((rows, m + drop), float("-inf"), dtype=torch.float32, device=dev)
-        ids = torch.full((rows, m + drop), -1, dtype=torch.int64, device=dev)
-        held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
-        below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        row_max = torch.full_like(below, float("-inf"))
-        for v0 in range(0, v, vc):
-            v1 = min(v0 + vc, v)
-            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            row_max = torch.maximum(row_max, z.max(1).values)
-            mask = z >= at_least[:, None]
-            below = torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values)
-            slot = mask.to(torch.int32).cumsum(1, dtype=torch.int32).add_(held - 1)
-            held = slot[:, -1:] + 1
-            slot = torch.where(mask & (slot < m), slot, m + _spread(v0, v1, dev))
-            vals.scatter_(1, slot, z)
-            ids.scatter_(1, slot, torch.arange(v0, v1, device=dev).expand(rows, -1))
-        keep = slice(0, t1 - t0)
-        out[t0:t1, :m] = vals[keep, :m].double()
-        out[t0:t1, m:2 * m] = torch.where(vals[keep, :m] > float("-inf"), ids[keep, :m], -1)
-        out[t0:t1, 2 * m] = below[keep].double()
-        out[t0:t1, 2 * m + 1] = row_max[keep].double()
-        out[t0:t1, 2 * m + 2] = held[keep, 0].double()
-
-
-def _shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
-                lse: Optional[torch.Tensor], call: ShardCall,
-                tile_elements: int, deterministic: bool) -> torch.Tensor:
-    """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins of
-    :func:`_bins_of` (``scale``: :func:`_bin_scale`'s rows; bin 0 at the top) and (given ``lse``;
-    else 0) their mass ``exp(z - lse)`` (fp32 terms), packed as float64 ``[rows, 2 BINS]``
-    (counts, then masses). The bins hold what :func:`_collect` takes exactly (the same logits: the
-    same chunks)."""
-    n, v, dev = h.shape[0], w.shape[0], h.device
-    out = torch.zeros(n, 2 * BINS, dtype=torch.float64, device=dev)
-    if n == 0 or v == 0:
-        return out
-    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    vc = max(64, tile_elements // (2 * tc))
-    for t0, t1, hc in _row_chunks(h, deterministic):
-        rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
-        rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
-        if lse is not None:
-            shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
-        counts = torch.zeros(rows, BINS + _drop_columns(dev), dtype=torch.float32, device=dev)
-        masses = torch.zeros_like(counts)
-        for v0 in range(0, v, vc):
-            v1 = min(v0 + vc, v)
-            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            at = _bins_of(z, rows_scale)
-            if _drop_columns(dev) > 1:  # (below lo: dropped)
-                at = torch.where(at < BINS, at, BINS + _spread(v0, v1, dev))
-            counts.scatter_add_(1, at, torch.ones_like(z))
-            if lse is not None:
-                masses.scatter_add_(1, at, torch.exp(z.sub_(shift)).nan_to_num_(nan=0.0))
-        out[t0:t1, :BINS] = counts[: t1 - t0, :BINS].double()
-        out[t0:t1, BINS:] = masses[: t1 - t0, :BINS].double()
-    return out
 
 
 def _lower_bounds(params: SamplerParams, top: torch.Tensor, lse: torch.Tensor,
@@ -367,10 +137,10 @@ def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torc
     ``-0`` as ``+0``) as its order-preserving key in the high 32 bits, the id's complement in the
     low 32."""
     low = (1 << 32) - 1
-    keys = _ordered(values.float() + 0.0) * (1 << 32) + (low - torch.where(ids < 0, low, ids))
+    keys = ordered(values.float() + 0.0) * (1 << 32) + (low - torch.where(ids < 0, low, ids))
     keys = keys.sort(dim=1, descending=True).values
     ranked_ids = low - (keys & low)
-    return (_from_key(keys >> 32).double(),
+    return (from_key(keys >> 32).double(),
             ranked_ids.masked_fill_(ranked_ids == low, -1))
 
 
@@ -475,7 +245,7 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         edge = None
         if collecting:
             edge = torch.stack([lo[:collecting], top[:collecting], last[:collecting]], 1)
-        part = _shard_candidates(hidden.index_select(0, todo), weight, bias, m, call,
+        part = shard_candidates(hidden.index_select(0, todo), weight, bias, m, call,
                                  tile_elements, deterministic,
                                  first and bool(top_p_alone), edge)
         shifted = part[:, m:2 * m]
@@ -525,8 +295,8 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             size.max() if size.numel() else size.new_zeros(())]).tolist()
         count, collecting = int(count), int(collecting)
         if first and collecting:  # once: the edges the bounded rows collect from, counted
-            bins = _shard_bins(hidden.index_select(0, todo[:collecting]), weight, bias,
-                               _bin_scale(lo[:collecting], top[:collecting]),
+            bins = shard_bins(hidden.index_select(0, todo[:collecting]), weight, bias,
+                               bin_scale(lo[:collecting], top[:collecting]),
                                lse[:collecting] if top_p_alone else None, call,
                                tile_elements, deterministic)
             if world > 1:
