@@ -1,11 +1,11 @@
-"""The passes of :mod:`tplogp.op.sampler_support` over one rank's shard of the logits (token chunks x
-vocab chunks, fp32 GEMMs with the op's logit transform, within the call's transient budget): the
+"""The passes of :mod:`tplogp.op.sampler_support` over one rank's shard of the logits (token chunks
+x vocab chunks, fp32 GEMMs with the op's logit transform, within the call's transient budget): the
 candidates of a round (:func:`shard_candidates`: a token's ``M`` largest logits and their ids, the
 floor, the max and the softmax sum; or, for a collecting token, the ids of its top bins, gathered
 into slots by a running count), and the counting pass (:func:`shard_bins`: per token, how many
 logits and how much mass fall in each of ``BINS`` bins between a bound and the max). The rounds,
-their collectives and the decisions in float64 are :mod:`tplogp.op.sampler_support`'s (its
-docstring states the algorithm). No host read: every size is a Python int from shapes.
+their collectives and the decisions in float64 are :mod:`tplogp.op.sampler_support`'s (its docstring
+states the algorithm). No host read: every size is a Python int from shapes.
 """
 
 from __future__ import annotations
