@@ -28,8 +28,8 @@ def forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSha
     z = call_logits_tile(hidden, weight, bias, call)
     sum_z = z.sum(1) if call.with_sum_z else None
     argmax = z.argmax(1).to(torch.float32) if call.with_argmax else None
-    m = z.amax(1)
-    z -= rescale_max(m).unsqueeze(1)  # z - M (an empty row's -inf stays -inf)
+    m = rescale_max(z.amax(1))
+    z -= m.unsqueeze(1)  # z - M (an empty row's -inf stays -inf)
     column = target.clamp(0, v - 1)
     nobodys = column != target  # ids outside [0, V): owned by nobody (NaN logp)
     target_rel = z.gather(1, column.unsqueeze(1)).squeeze(1)
@@ -38,7 +38,7 @@ def forward_one_tile(hidden, weight, bias, target, call: ShardCall) -> SingleSha
         sum_exp, q = e.sum(1), floored(z).mul_(e).sum(1)
     else:
         sum_exp, q = z.exp_().sum(1), None
-    m, log_sum, lse, mean_rel = settle_rows(m, sum_exp, q)
+    m, log_sum, lse, mean_rel = settle_rows(m, sum_exp, q, subtracted=m)
     logp = (target_rel - log_sum).masked_fill_(nobodys, float("nan"))
     entropy = None if q is None else log_sum - mean_rel
     return SingleShardOutputs(logp, lse, m, log_sum, mean_rel, entropy, None, sum_z, argmax)

@@ -124,8 +124,13 @@ def target_range_tensor(target_ids: torch.Tensor, ignore_index: Optional[int]) -
 
 def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int],
                       with_checksum: bool) -> TargetSummary:
-    """:func:`target_summary_tensor` read on the host (one host sync)."""
-    return TargetSummary(*target_summary_tensor(target_ids, ignore_index, with_checksum).tolist())
+    """:func:`target_summary_tensor` read on the host (one host sync; without the checksum, the
+    range's fewer ops)."""
+    if with_checksum:
+        return TargetSummary(*target_summary_tensor(target_ids, ignore_index, True).tolist())
+    if target_ids.numel() == 0:
+        return TargetSummary(0, 0, -1)
+    return TargetSummary(0, *target_range_tensor(target_ids, ignore_index).tolist())
 
 
 def target_range_problem(summary: TargetSummary, vocab_size: int,

@@ -12,9 +12,9 @@ kernels do the same in their own code).
   (:func:`floored`): below it ``p`` is 0 in fp32 anyway, so no value changes, but ``0 * -inf`` is
   never formed (one max per element, only where entropy is asked for). NaN stays NaN.
 * A row whose every column is masked (``S = 0``) is empty (:func:`settle_rows`): ``lse = -inf``,
-  ``logp = -inf``, entropy 0, argmax the lowest id, and the backward sees ``M = 0``, ``log S = 0``,
-  ``E_p[z] - M = 0``, so every ``p`` is 0 and its gradient is the target's one-hot alone. (Eager
-  PyTorch gives NaN logp and entropy there.)
+  ``logp = -inf``, entropy 0, argmax the lowest id, and the backward sees a finite ``M`` (the most
+  negative fp32), ``log S = 0``, ``E_p[z] - M = 0``, so every ``p`` is 0 and its gradient is the
+  target's one-hot alone. (Eager PyTorch gives NaN logp and entropy there.)
 """
 
 from __future__ import annotations
@@ -48,21 +48,25 @@ def floored(relative: torch.Tensor) -> torch.Tensor:
 class RowNormalizer(NamedTuple):
     """A row's softmax normalizer as the outputs and the backward read it (all fp32 ``[N]``)."""
 
-    row_max: torch.Tensor  # M (0 on empty rows)
+    row_max: torch.Tensor  # M (the most negative fp32 on empty rows)
     log_sum: torch.Tensor  # log S (0 on empty rows)
     lse: torch.Tensor  # M + log S (-inf on empty rows)
     mean_rel: Optional[torch.Tensor]  # E_p[z] - M (0 on empty rows), with entropy
 
 
-def settle_rows(row_max: torch.Tensor, total: torch.Tensor,
-                sez: Optional[torch.Tensor]) -> RowNormalizer:
+def settle_rows(row_max: torch.Tensor, total: torch.Tensor, sez: Optional[torch.Tensor], *,
+                subtracted: Optional[torch.Tensor] = None) -> RowNormalizer:
     """The normalizer of rows with max ``row_max``, ``total = S = sum exp(z - M)`` and ``sez = sum
-    exp(z - M)(z - M)`` (or None), empty rows (``S = 0``) settled by the module's rule. ``logp =
-    (z_t - M) - log S`` with the settled ``M`` and ``log S`` is then ``-inf`` on empty rows, and
-    ``entropy = log S - mean_rel`` is 0 there."""
-    empty = total == 0
+    exp(z - M)(z - M)`` (or None), empty rows (``S = 0``) settled by the module's rule; pass
+    ``subtracted`` (``rescale_max(row_max)``) when the caller has it. ``logp = (z_t - M) - log S``
+    with the settled ``M`` and ``log S`` is then ``-inf`` on empty rows, and ``entropy = log S -
+    mean_rel`` is 0 there.
+
+    In three ops: a non-empty row has ``S >= 1`` (its max's own term is ``exp(0) = 1`` and a sum of
+    non-negative terms never rounds below one of them), so ``log S`` floored at 0 changes only the
+    empty rows (``log 0 = -inf``); ``lse = M + log 0 = -inf`` there with ``M`` finite or not."""
+    m = rescale_max(row_max) if subtracted is None else subtracted
     log_sum = torch.log(total)
-    lse = row_max + log_sum  # -inf + -inf on empty rows
-    mean_rel = None if sez is None else (sez / total).masked_fill_(empty, 0.0)
-    return RowNormalizer(row_max.masked_fill(empty, 0.0), log_sum.masked_fill_(empty, 0.0), lse,
-                         mean_rel)
+    lse = m + log_sum  # -inf on empty rows
+    mean_rel = None if sez is None else sez / total.clamp_min(1.0)
+    return RowNormalizer(m, log_sum.clamp_min_(0.0), lse, mean_rel)
