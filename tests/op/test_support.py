@@ -587,11 +587,13 @@ def _assert_path_taken(tp, path: str, seen: list) -> None:
                   f"{path}: (gathered, in chunks, from pairs) on ranks {everyone}")
 
 
+@pytest.mark.parametrize("rows_way", ["_rows_by_columns", "_rows_summed"])
 @pytest.mark.parametrize("source", SOURCES)
-def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
+def test_chunked_backward_accumulators_within_the_budget(source, rows_way, monkeypatch):
     """Narrow supports of at most ``support_pairs.MAX_IDS`` ids run from their (token, id) pairs,
     forward and backward, in fp32 and bf16, with the op's own d_W rows or the fused loss's
-    accumulators. Wider ones run in token chunks whose backward adds each chunk's d_W / d_b rows
+    accumulators, d_W from the union's columns (GEMMs) or from the id's runs (sums), as
+    ``support_pairs.COLUMNS_PER_ID`` decides. Wider ones run in token chunks whose backward adds each chunk's d_W / d_b rows
     to fp32 accumulators: made for the op's backward only where the call's budget holds their
     ``4 V (D + 1)`` bytes, else it masks the whole shard; the fused loss's token chunks pass their
     own. Every way gives the definition's gradients (bf16: within the bf16 reference's error)."""
@@ -604,6 +606,10 @@ def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
                         lambda *args: backwards.append("chunks") or real(*args))
     monkeypatch.setattr(support_pairs, "backward",
                         lambda *args: backwards.append("pairs") or real_pairs(*args))
+    monkeypatch.setattr(support_pairs, "COLUMNS_PER_ID", 1 << 20 if rows_way == "_rows_by_columns"
+                        else 0)
+    ways, real_way = [], getattr(support_pairs, rows_way)
+    monkeypatch.setattr(support_pairs, rows_way, lambda *a: ways.append(1) or real_way(*a))
     problem = _problem(seed=21)
     support = problem[4]
     need = 4 * V * (D + 1)
@@ -620,6 +626,7 @@ def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
         assert not found, f"{dtype} {widest}: " + "; ".join(found)
         assert backwards == way, (budget, widest, dtype, backwards)
     hidden, weight, bias, target, _ = problem
+    pairs_calls = 0
     for widest, way in ((K - 1, "chunks"), (K, "pairs")):  # the fused loss's token chunks (of 6)
         backwards.clear()
         monkeypatch.setattr(support_pairs, "MAX_IDS", widest)
@@ -629,6 +636,8 @@ def test_chunked_backward_accumulators_within_the_budget(source, monkeypatch):
                                        source=source)
         loss.backward()
         assert set(backwards) == {way} and torch.isfinite(w.grad).all(), (way, backwards)
+        pairs_calls += backwards.count("pairs")
+    assert len(ways) == pairs_calls + 2, (ways, pairs_calls)  # (+ the op's two pairs calls)
 
 
 def test_chunk_unions_are_each_chunks_own():

@@ -23,17 +23,28 @@ Backward (:func:`backward`): per token chunk, the pairs' logits again, then
 and the softcap's slope, 0 on padding (the tiles' formula, :mod:`tplogp.backends.native_tiles`),
 ``d_hidden[t] = sum_k dz[t, k] W[S_t[k]]`` (one batched product, ``dz`` in the weight's dtype as
 the fused kernels' d_logits, fp32 accumulation). The pairs' ``(id, token, dz)`` are kept
-(``20 N K`` bytes). Then ``d_W`` row by row: the pairs sorted by id, cut into blocks of whole runs
-of one id (``P D`` fp32 contributions within the transient part; one host read: the cuts), each
-block's ``dz h[token]`` summed per run (``segment_reduce``: no atomics, fp32) and written once,
-rounded once to the weight's dtype, at its id (or added to the caller's fp32 accumulators: the
-fused loss); ``d_b`` likewise. Rows no support keeps get 0.
+(``20 N K`` bytes) and sorted by id; their ids' union has ``U`` ids. ``d_W`` then comes one of
+two ways, the same values within the GEMMs' rounding:
 
-Cost: about ``22 N K D`` bytes of memory traffic for the backward with 16-bit weights where torch
-has fp32-output batched GEMMs (the weight rows gathered, read twice; the hidden rows gathered; the
-fp32 contributions written and summed) and ``6 N K D`` for the forward, against the masked way's
-``[N, V] x D`` GEMMs (three in the backward): at ``N K = 524288`` (8192 tokens, 64 ids) and
-``D = 4096``, 47 GB and 13 GB.
+* from the union's columns (:func:`_rows_by_columns`, where ``U <= COLUMNS_PER_ID K``): per block
+  of union columns, the pairs' ``dz`` (in the weight's dtype) placed in a zeroed ``[N, C]``
+  matrix, and the block's rows one GEMM ``dz^T h`` (``2 N C D`` flops, fp32 accumulation),
+  written once at their ids;
+* from the ids' runs (:func:`_rows_summed`, wider unions): the pairs cut into blocks of whole
+  runs of one id (``P D`` fp32 contributions within the transient part; one host read: the
+  cuts), each block's ``dz h[token]`` summed per run (``segment_reduce``: no atomics, fp32) and
+  written once, rounded once to the weight's dtype, at its id.
+
+Either adds to the caller's fp32 accumulators instead (the fused loss); ``d_b`` is the runs' fp32
+sums. Rows no support keeps get 0. The rule's constant: on an H100 (bf16, ``N = 8192``, ``D =
+4096``), the runs' ``d_W`` of ``N K = 524288`` pairs took about 30 ms and a GEMM over the full
+128256 columns about 14 ms: the columns cost less while ``U`` is under about ``4000 K``.
+
+Cost: about ``22 N K D`` bytes of memory traffic for the backward by runs with 16-bit weights
+where torch has fp32-output batched GEMMs (the weight rows gathered, read twice; the hidden rows
+gathered; the fp32 contributions written and summed), ``6 N K D + 2 N U D`` bytes and flops by
+columns, and ``6 N K D`` for the forward, against the masked way's ``[N, V] x D`` GEMMs (three in
+the backward).
 """
 
 from __future__ import annotations
@@ -49,6 +60,8 @@ from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_tiles import logit_transform
 
 MAX_IDS = 64  # the widest support (ids per token) this way takes
+# d_W from the union's columns (GEMMs) while the union has at most this many ids per support id
+COLUMNS_PER_ID = 4096
 
 
 def _chunk_rows(source: str, weight: torch.Tensor, call: ShardCall) -> int:
@@ -161,11 +174,19 @@ def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
         ids = torch.where(call.support >= 0, call.support, v).view(-1)  # (padding: row v, dz 0)
         order = ids.argsort(stable=True)
         acc_w, acc_b = accumulate if accumulate is not None else (None, None)
-        d_w, d_b = _rows_summed(ids[order], dz_all.view(-1)[order], order // k, hidden, v,
-                                weight.dtype if need_w else None,
-                                bias.dtype if need_b else None,
-                                max(1, _transient(source, weight, call) // (8 * d)),
-                                acc_w if need_w else None, acc_b if need_b else None)
+        sorted_ids, transient = ids[order], _transient(source, weight, call)
+        first = torch.ones_like(sorted_ids, dtype=torch.bool)  # the first pair of each id's run
+        first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+        run_starts = first.nonzero().squeeze(1)  # (one host read: the union's size)
+        dz_sorted, tokens = dz_all.view(-1)[order], order // k
+        w_dtype, b_dtype = weight.dtype if need_w else None, bias.dtype if need_b else None
+        acc_w, acc_b = (acc_w if need_w else None), (acc_b if need_b else None)
+        if run_starts.numel() <= COLUMNS_PER_ID * k:  # (module docstring)
+            d_w, d_b = _rows_by_columns(sorted_ids, dz_sorted, tokens, hidden, v, w_dtype, b_dtype,
+                                        transient, acc_w, acc_b, first, run_starts)
+        else:
+            d_w, d_b = _rows_summed(sorted_ids, dz_sorted, tokens, hidden, v, w_dtype, b_dtype,
+                                    max(1, transient // (8 * d)), acc_w, acc_b)
     return ShardGrads(d_hidden, d_w, d_b)
 
 
@@ -194,6 +215,53 @@ def _pair_dz(z, ids, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse
     if slope is not None:
         dz *= slope
     return dz.masked_fill_(ids < 0, 0.0)
+
+
+def _rows_by_columns(ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor,
+                     hidden: torch.Tensor, v: int, w_dtype: Optional[torch.dtype],
+                     b_dtype: Optional[torch.dtype], transient: int,
+                     acc_w: Optional[torch.Tensor], acc_b: Optional[torch.Tensor],
+                     first: torch.Tensor, run_starts: torch.Tensor
+                     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(d_W, d_b)`` as :func:`_rows_summed` gives them, from the union of the ids (``U``
+    columns; ``first`` marks each id's first pair in the sorted ``ids``, at ``run_starts``): per
+    block of union columns, the pairs' ``dz`` (in the GEMM's dtype, as the fused kernels' d_logits)
+    placed in a zeroed ``[N, C]`` matrix at (token, column), and the block's ``d_W`` rows one GEMM
+    ``dz^T h`` with fp32 accumulation, written once at their ids (each id once: no atomics);
+    ``d_b`` the runs' fp32 sums of ``dz``. Padding is id ``v``: a row past the result, or adding
+    0 to the caller's last row."""
+    n, d, dev = hidden.shape[0], hidden.shape[1], ids.device
+    union = ids.index_select(0, run_starts)
+    u = union.numel()
+    d_w = d_b = None
+    if b_dtype is not None:
+        lengths = torch.diff(run_starts, append=run_starts.new_full((1,), ids.numel()))
+        sums = torch.segment_reduce(dz, "sum", lengths=lengths, unsafe=True)
+        if acc_b is not None:
+            d_b = acc_b.index_add_(0, union.clamp(max=v - 1), sums)
+        else:
+            d_b = torch.zeros(v + 1, dtype=b_dtype, device=dev)
+            d_b = d_b.index_copy_(0, union, sums.to(b_dtype))[:v]
+    if w_dtype is None:
+        return d_w, d_b
+    column = first.cumsum(0) - 1  # each pair's column in the union
+    gemm_dtype = hidden.dtype if dev.type == "cuda" else torch.float32
+    h = hidden if hidden.dtype == gemm_dtype else hidden.to(gemm_dtype)
+    cols = max(1, transient // (n * torch.finfo(gemm_dtype).bits // 8 + 4 * d))
+    starts = torch.arange(0, u + cols, cols, device=dev).clamp(max=u)
+    bounds = torch.searchsorted(column, starts).tolist()  # the blocks' pairs (one host read)
+    d_w = acc_w if acc_w is not None else torch.zeros(v + 1, d, dtype=w_dtype, device=dev)
+    rows = union if acc_w is None else union.clamp(max=v - 1)
+    for b, c0 in enumerate(range(0, u, cols)):
+        c1, lo, hi = min(c0 + cols, u), bounds[b], bounds[b + 1]
+        dense = torch.zeros(n, c1 - c0, dtype=gemm_dtype, device=dev)
+        dense[token[lo:hi], column[lo:hi] - c0] = dz[lo:hi].to(gemm_dtype)
+        block = fp32_gemm.mm(dense.t(), h)  # [C, D] fp32
+        if acc_w is not None:
+            d_w.index_add_(0, rows[c0:c1], block)
+        else:
+            d_w.index_copy_(0, rows[c0:c1], block.to(w_dtype))
+    return (d_w if acc_w is not None else d_w[:v]), d_b
 
 
 def _rows_summed(ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor,
