@@ -17,6 +17,7 @@ import torch
 import tplogp
 from tests.support import grpo_reference
 from tests.support import support_checks
+from tests.support.host_reads import count_host_reads
 from tests.support.problems import cpu_sources
 from tplogp import losses
 from tplogp.backends import fused_support, native, native_support, support_pairs
@@ -682,7 +683,8 @@ def test_token_chunks_find_their_unions_once(source, monkeypatch):
 def test_keeps_every_id_read_only_for_computed_supports(source, monkeypatch):
     """Whether a row keeps every id (``KEEP_ALL``) is known for a given support (its ids are checked:
     never) and is not read from it again (a host read per way asked); a computed support's is read
-    from it (its tokens whose filters are off keep every id), and the answer is the support's own."""
+    from it once per call (its tokens whose filters are off keep every id), where the local call
+    is made, and the ways ask the call; the answer is the support's own."""
     monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["gather"])
     told, real = [], native_support.keeps_all
     monkeypatch.setattr(native_support, "keeps_all",
@@ -694,10 +696,12 @@ def test_keeps_every_id_read_only_for_computed_supports(source, monkeypatch):
     assert told and all(t == (False, False) for t in told), told
     told.clear()
     hidden, weight, bias, target, _ = problem
-    tplogp.get_op("linear_logp", source)(hidden, weight, target, bias, top_p=0.5)
-    assert told and all(given is None for given, _ in told), told
+    with count_host_reads() as reads:
+        tplogp.get_op("linear_logp", source)(hidden, weight, target, bias, top_p=0.5)
+    assert told and all(t == (False, False) for t in told), told
+    assert sum("in localize" in r for r in reads) == 1, reads
     with_off = torch.full(target.shape, 0.5)
     with_off.view(-1)[0] = 1.0  # (a token whose filters are off: it keeps every id)
     told.clear()
     tplogp.get_op("linear_logp", source)(hidden, weight, target, bias, top_p=with_off)
-    assert told and all(read for _, read in told), told
+    assert told and all(t == (True, True) for t in told), told

@@ -24,7 +24,7 @@ from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import all_gather_flat
 from . import sampler_params
 from .sampler_support import sampler_support
-from .support_ids import local_ids
+from .support_ids import KEEP_ALL, local_ids
 from .verdicts import BackwardVerdict, KernelTargetCheck
 
 
@@ -180,6 +180,8 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             support = local_ids(support, regrid.lo, regrid.hi - regrid.lo)
         else:
             support = local_ids(support, 0 if plan.single else args.vocab_start_index, w.shape[0])
+        if keeps_all is None:  # a computed support's: read once here (one host read)
+            keeps_all = bool(support.shape[1]) and bool((support[:, 0] == KEEP_ALL).any())
         shard_call = replace(shard_call, support=support, support_keeps_all=keeps_all)
         call_for_backward = replace(call_for_backward, support=support,
                                     support_keeps_all=keeps_all)
