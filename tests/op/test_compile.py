@@ -370,7 +370,7 @@ def _count_recomputes(monkeypatch, source):
     else:
         from tplogp.backends import native, native_tiles
 
-        real_tile = native._logits_tile
+        real_tile = native_tiles._logits_tile
         real_backward = native.NativeBackend._backward_tiles
         inside = {"backward": False}
 
@@ -388,9 +388,8 @@ def _count_recomputes(monkeypatch, source):
 
             return run
 
-        # the tiled forward's; the one-tile and tiled backward's (through native_tiles)
-        for module in (native, native_tiles):
-            monkeypatch.setattr(module, "_logits_tile", tile)
+        # every logits tile, forward and backward, is made in native_tiles
+        monkeypatch.setattr(native_tiles, "_logits_tile", tile)
         monkeypatch.setattr(native.NativeBackend, "_backward_tiles", in_backward(real_backward))
         # a call whose logits fit one tile and keep nothing: the one-tile backward recomputes it
         monkeypatch.setattr(native, "backward_one_tile", in_backward(native.backward_one_tile))

@@ -48,8 +48,9 @@ from .native_one_tile import backward_one_tile, forward_one_tile
 from . import support_pairs
 from .native_support import (by_pairs, chunk_rows, chunked_forward, gathered,
                              gathered_backward, kept_columns, scattered_argmax, support_rows)
-from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _capped, _finish_dz, _logits_tile, _pad_rows,
-                           _recomputed_dz, _token_chunk, _TokenChunk)
+from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _pad_rows, _token_chunk,
+                           _TokenChunk, call_logits_tile, call_recomputed_dz, has_slope,
+                           kept_slope)
 
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for
 # temporaries.
@@ -105,22 +106,9 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
 
 def _log_terms(terms: torch.Tensor) -> torch.Tensor:
     """``log(e)`` in fp32 of a kept tile's terms ``e = exp(z - m)``, ``e`` clamped to 2^-126 first
-    (a flushed term's log stays finite; its p is 0): what the softcap's slope and the entropy's
+    (a flushed term's log stays finite; its p is 0): what the transform's slope and the entropy's
     ``z - M`` are read from."""
     return terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_()
-
-
-def _softcap_slope(log_terms: torch.Tensor, tanh_max: torch.Tensor,
-                   call: ShardCall) -> torch.Tensor:
-    """``d cap / d y = (1 - t)(1 + t)`` of a kept tile,
-    ``t = tanh(y / softcap) = t_m + log(e) / (softcap inv_t)`` from its terms' logs
-    (:func:`_log_terms`, not modified) and the running max ``t_m`` of the tanh kept as their scale.
-    Where the cap saturates, ``1 - t`` is a few ulp of 1: the max's own tanh (``e = 1``, ``t = t_m``
-    exactly) keeps them all, where ``z / (softcap inv_t)`` (two roundings after the tanh) is an ulp
-    or two off, often past 1. ``t`` is clamped to ``[-1, 1]``: a term far below the max may step
-    past -1."""
-    t = log_terms.mul(1.0 / (call.softcap * call.inv_temperature)).add_(tanh_max.unsqueeze(1)).clamp_(-1.0, 1.0)
-    return torch.sub(1.0, t).mul_(t.add_(1.0))
 
 
 # 2^-126: a flushed kept term's log stays finite (its p is 0)
@@ -317,9 +305,9 @@ class NativeBackend(BudgetParts):
                 assert kept_out.shape == (kept_words,), (kept_out.shape, kept_words)
                 kept = kept_out.zero_()
         kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, terms_dtype)
-        # with a softcap the kept scale is the running max of the tanh (see _softcap_slope), not of
-        # z
-        tanh_scale = call.softcap is not None and bool(kept_views)
+        # with a slope the kept scale is the running max of the tanh (native_tiles.kept_slope),
+        # not of z
+        tanh_scale = has_slope(call) and bool(kept_views)
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             h = hidden[t0:t1]
@@ -328,7 +316,7 @@ class NativeBackend(BudgetParts):
             lt = local_target[t0:t1]
             ids = None if support is None else support_rows(support, t0, t1, h.shape[0])
             m = torch.full((h.shape[0],), float("-inf"), device=dev, dtype=torch.float32)
-            # running max of tanh(y / softcap): m = _capped(mt) bit for bit
+            # running max of the tanh: m = the tanh max as a logit, bit for bit
             mt = m.clone() if tanh_scale else None
             s = torch.zeros_like(m)
             q = torch.zeros_like(m) if call.with_entropy else None
@@ -339,8 +327,8 @@ class NativeBackend(BudgetParts):
                 v1 = min(v0 + vc, v)
                 keep = kept_views.get((t0, v0))  # its terms exp(z - m') and scales m' are kept
                 tile_tanh_max = [] if mt is not None else None
-                z = _logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1],
-                                 call.inv_temperature, softcap=call.softcap, tanh_max=tile_tanh_max)
+                z = call_logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1],
+                                     call, tanh_max=tile_tanh_max)
                 if ids is not None:  # outside the row's support: -inf (masked columns)
                     z.masked_fill_(~kept_columns(ids, v0, v1), float("-inf"))
                 if mt is not None:
@@ -507,17 +495,17 @@ class NativeBackend(BudgetParts):
             for ch in chunks:
                 t0, t1 = ch.t0, ch.t1
                 keep = kept_views.get((t0, v0))
-                slope = None  # the softcap's d cap / d y
+                slope = None  # the transform's d cap / d y
                 if keep is not None:  # the forward kept the tile's terms: no GEMM
                     terms, scales = keep
-                    log_terms = None if call.softcap is None and ch.ge is None else _log_terms(terms)
-                    if call.softcap is not None:  # the scales are the running max of the tanh
-                        slope = _softcap_slope(log_terms, scales, call)
-                        scales = _capped(scales.clone(), call.softcap, call.inv_temperature)
+                    sloped = has_slope(call)
+                    log_terms = None if not sloped and ch.ge is None else _log_terms(terms)
+                    if sloped:  # the scales are the running max of the tanh
+                        slope, scales = kept_slope(log_terms, scales, call)
                     dz = _dz_from_kept(terms, log_terms, scales, ch)
                 else:  # recompute the tile
-                    dz, slope = _recomputed_dz(ch, w, None if bias is None else bias[v0:v1],
-                                               call.inv_temperature, call.softcap)
+                    dz, slope = call_recomputed_dz(ch, w, None if bias is None else bias[v0:v1],
+                                                   call)
                 dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
                 if call.support is not None:  # 0 outside the row's support (p = 0 there; the
                     # target's one-hot too, when a computed support does not hold the target)

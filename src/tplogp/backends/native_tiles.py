@@ -70,9 +70,38 @@ def logit_transform(z: torch.Tensor, b: Optional[torch.Tensor], inv_t: float,
 
 
 def call_logits_tile(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], call,
-                     slope: Optional[list] = None) -> torch.Tensor:
+                     slope: Optional[list] = None,
+                     tanh_max: Optional[list] = None) -> torch.Tensor:
     """:func:`_logits_tile` under the logit transform of ``call`` (a ShardCall)."""
-    return _logits_tile(h, w, b, call.inv_temperature, softcap=call.softcap, slope=slope)
+    return _logits_tile(h, w, b, call.inv_temperature, softcap=call.softcap, slope=slope,
+                        tanh_max=tanh_max)
+
+
+def call_logit_transform(y: torch.Tensor, b: Optional[torch.Tensor], call,
+                         slope: Optional[list] = None) -> torch.Tensor:
+    """:func:`logit_transform` of ``call`` (a ShardCall) on the fp32 products ``y``."""
+    return logit_transform(y, b, call.inv_temperature, call.softcap, slope)
+
+
+def has_slope(call) -> bool:
+    """Whether ``call``'s transform has a slope other than ``1 / T`` (a softcap): then kept terms
+    are scaled by the running max of the tanh (:func:`kept_slope`), not of ``z``."""
+    return call.softcap is not None
+
+
+def kept_slope(log_terms: torch.Tensor, tanh_max: torch.Tensor,
+               call) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d cap / d y, the kept scales as logits)`` of a kept tile of ``call`` (:func:`has_slope`).
+    The slope ``(1 - t)(1 + t)`` with ``t = tanh(y / softcap) = t_m + log(e) / (softcap inv_t)``
+    from the terms' logs (not modified) and the running max ``t_m`` of the tanh kept as their
+    scale. Where the cap saturates, ``1 - t`` is a few ulp of 1: the max's own tanh (``e = 1``,
+    ``t = t_m`` exactly) keeps them all, where ``z / (softcap inv_t)`` (two roundings after the
+    tanh) is an ulp or two off, often past 1. ``t`` is clamped to ``[-1, 1]``: a term far below
+    the max may step past -1. The scales as logits: ``_capped(t_m)``, bit for bit the forward's."""
+    t = log_terms.mul(1.0 / (call.softcap * call.inv_temperature)).add_(tanh_max.unsqueeze(1))
+    t.clamp_(-1.0, 1.0)
+    slope = torch.sub(1.0, t).mul_(t.add_(1.0))
+    return slope, _capped(tanh_max.clone(), call.softcap, call.inv_temperature)
 
 
 def _capped(t: torch.Tensor, softcap: float, inv_t: float) -> torch.Tensor:

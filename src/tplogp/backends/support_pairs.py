@@ -20,7 +20,7 @@ argmax as the lowest id at the max. Nothing is kept.
 
 Backward (:func:`backward`): per token chunk, the pairs' logits again, then
 ``dz = -p (c0 + grad_entropy (z - M)) + grad_logp [id = target]``, times the temperature's ``1/T``
-and the softcap's slope, 0 on padding (the tiles' formula, :mod:`tplogp.backends.native_tiles`),
+and the transform's slope, 0 on padding (the tiles' formula, :mod:`tplogp.backends.native_tiles`),
 ``d_hidden[t] = sum_k dz[t, k] W[S_t[k]]`` (one batched product, ``dz`` in the weight's dtype as
 the fused kernels' d_logits, fp32 accumulation). The pairs' ``(id, token, dz)`` are kept
 (``20 N K`` bytes) and sorted by id; their ids' union has ``U`` ids. ``d_W`` then comes one of
@@ -57,7 +57,7 @@ from ..support import fp32_gemm
 from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import memory_budget
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
-from .native_tiles import logit_transform
+from .native_tiles import call_logit_transform
 
 MAX_IDS = 64  # the widest support (ids per token) this way takes
 # d_W from the union's columns (GEMMs) while the union has at most this many ids per support id
@@ -76,13 +76,13 @@ def _chunk_rows(source: str, weight: torch.Tensor, call: ShardCall) -> int:
 def _pair_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  ids: torch.Tensor, call: ShardCall, slopes: Optional[list] = None):
     """``(z [T, K] fp32 with -inf on padding, the gathered rows [T, K, D])`` of token rows ``h``
-    and their ids (module docstring); with a softcap, ``slopes`` gets the slope appended."""
+    and their ids (module docstring); ``slopes`` gets the transform's slope appended, where it has
+    one."""
     t, k = ids.shape
     safe = ids.clamp(min=0)
     w_rows = weight.index_select(0, safe.view(-1)).view(t, k, weight.shape[1])
     y = fp32_gemm.bmm(w_rows, h.unsqueeze(2)).squeeze(2)
-    z = logit_transform(y, None if bias is None else bias[safe], call.inv_temperature,
-                        call.softcap, slopes)
+    z = call_logit_transform(y, None if bias is None else bias[safe], call, slopes)
     return z.masked_fill_(ids < 0, float("-inf")), w_rows
 
 
@@ -157,7 +157,7 @@ def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
     for t0 in range(0, n, rows):
         t1 = min(t0 + rows, n)
         ids = call.support[t0:t1]
-        slopes: Optional[list] = [] if call.softcap is not None else None
+        slopes: list = []  # (the transform's slope, where it has one)
         z, w_rows = _pair_logits(hidden[t0:t1], weight, bias, ids, call, slopes)
         dz = _pair_dz(z, ids, local_target[t0:t1], row_max[t0:t1], log_sum[t0:t1],
                       grad_logp[t0:t1], None if grad_entropy is None else grad_entropy[t0:t1],
