@@ -306,8 +306,8 @@ class NativeBackend(BudgetParts):
                 kept = kept_out.zero_()
         kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, terms_dtype)
         # with a slope the kept scale is the running max of the tanh (native_tiles.kept_slope),
-        # not of z
-        tanh_scale = has_slope(call) and bool(kept_views)
+        # not of z: the tiles give their tanh max where the transform has one
+        tanh_scale = bool(kept_views)
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             h = hidden[t0:t1]
@@ -316,8 +316,9 @@ class NativeBackend(BudgetParts):
             lt = local_target[t0:t1]
             ids = None if support is None else support_rows(support, t0, t1, h.shape[0])
             m = torch.full((h.shape[0],), float("-inf"), device=dev, dtype=torch.float32)
-            # running max of the tanh: m = the tanh max as a logit, bit for bit
-            mt = m.clone() if tanh_scale else None
+            # running max of the tanh (a transform with a slope, kept terms): m = the tanh max as
+            # a logit, bit for bit
+            mt = None
             s = torch.zeros_like(m)
             q = torch.zeros_like(m) if call.with_entropy else None
             tl = torch.zeros(t1 - t0, device=dev, dtype=torch.float32)
@@ -326,13 +327,13 @@ class NativeBackend(BudgetParts):
             for v0 in range(0, v, vc):
                 v1 = min(v0 + vc, v)
                 keep = kept_views.get((t0, v0))  # its terms exp(z - m') and scales m' are kept
-                tile_tanh_max = [] if mt is not None else None
+                tile_tanh_max = [] if tanh_scale else None
                 z = call_logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1],
                                      call, tanh_max=tile_tanh_max)
                 if ids is not None:  # outside the row's support: -inf (masked columns)
                     z.masked_fill_(~kept_columns(ids, v0, v1), float("-inf"))
-                if mt is not None:
-                    mt = torch.maximum(mt, tile_tanh_max[0])
+                if tile_tanh_max:
+                    mt = tile_tanh_max[0] if mt is None else torch.maximum(mt, tile_tanh_max[0])
                 rel = lt - v0
                 own = (rel >= 0) & (rel < v1 - v0)
                 picked = z[: t1 - t0].gather(1, rel.clamp(0, v1 - v0 - 1).unsqueeze(1)).squeeze(1)
