@@ -128,6 +128,13 @@ def _row_chunks(h: torch.Tensor, deterministic: bool):
         yield t0, t1, hc
 
 
+def _merged(vals: list, ids: list, take: int) -> tuple[list, list]:
+    """The ``take`` largest of candidate chunks ``vals`` (fp32 ``[rows, *]`` each) with their
+    ``ids``, as one chunk: one ``topk`` of them all."""
+    top, at = torch.cat(vals, 1).topk(take, dim=1)
+    return [top], [torch.cat(ids, 1).gather(1, at)]
+
+
 def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
              m: int, call: ShardCall, tile_elements: int,
              deterministic: bool, with_lse: bool) -> None:
@@ -140,16 +147,14 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
     vc = max(64, take, tile_elements // tc - take)
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
-        vals = torch.full((rows, take), float("-inf"), dtype=torch.float32, device=dev)
-        ids = torch.full((rows, take), -1, dtype=torch.int64, device=dev)
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
         # (the normalizer of top-p alone: fp32 terms, each within an ulp, summed in float64)
         sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
+        chunk_vals, chunk_ids, held = [], [], 0
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            # the chunk's largest (the first is its max, NaN first as in max), then merged with
-            # the running ones
+            # the chunk's largest (the first is its max, NaN first as in max)
             z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
             new_max = torch.maximum(row_max, z_vals[:, 0])
             if with_lse:
@@ -157,13 +162,16 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
                 sum_exp = (sum_exp * torch.exp((row_max - base).double())
                            + torch.sub(z, base[:, None]).exp_().sum(1, dtype=torch.float64))
             row_max = new_max
-            if v0 == 0 and z_vals.shape[1] == take:  # (the first chunk's are the running ones)
-                vals, ids = z_vals, z_at
-                continue
-            top_vals, at = torch.cat([vals, z_vals], 1).topk(take, dim=1)
-            from_chunk = z_at.gather(1, (at - take).clamp(min=0)) + v0
-            ids = torch.where(at < take, ids.gather(1, at.clamp(max=take - 1)), from_chunk)
-            vals = top_vals
+            chunk_vals.append(z_vals)
+            chunk_ids.append(z_at + v0 if v0 else z_at)
+            held += z_vals.shape[1]
+            if held > vc and len(chunk_vals) > 1:  # (at most a chunk's width held: merged)
+                chunk_vals, chunk_ids = _merged(chunk_vals, chunk_ids, take)
+                held = take
+        # the row's largest among the chunks' (every chunk's ``take`` largest hold the row's)
+        if len(chunk_vals) > 1:
+            chunk_vals, chunk_ids = _merged(chunk_vals, chunk_ids, take)
+        vals, ids = chunk_vals[0], chunk_ids[0]
         keep, sent = slice(0, t1 - t0), min(m, v)
         out[t0:t1, :sent] = vals[keep, :sent].double()
         out[t0:t1, m:m + sent] = ids[keep, :sent].double()
