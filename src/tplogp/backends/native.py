@@ -307,7 +307,7 @@ class NativeBackend(BudgetParts):
         kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic, terms_dtype)
         # with a slope the kept scale is the running max of the tanh (native_tiles.kept_slope),
         # not of z: the tiles give their tanh max where the transform has one
-        tanh_scale = bool(kept_views)
+        ask_tanh_max = bool(kept_views)
         for t0 in range(0, n, tc):
             t1 = min(t0 + tc, n)
             h = hidden[t0:t1]
@@ -327,7 +327,7 @@ class NativeBackend(BudgetParts):
             for v0 in range(0, v, vc):
                 v1 = min(v0 + vc, v)
                 keep = kept_views.get((t0, v0))  # its terms exp(z - m') and scales m' are kept
-                tile_tanh_max = [] if tanh_scale else None
+                tile_tanh_max = [] if ask_tanh_max else None
                 z = call_logits_tile(h, weight[v0:v1], None if bias is None else bias[v0:v1],
                                      call, tanh_max=tile_tanh_max)
                 if ids is not None:  # outside the row's support: -inf (masked columns)

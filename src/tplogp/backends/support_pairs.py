@@ -36,9 +36,10 @@ two ways, the same values within the GEMMs' rounding:
   written once, rounded once to the weight's dtype, at its id.
 
 Either adds to the caller's fp32 accumulators instead (the fused loss); ``d_b`` is the runs' fp32
-sums. Rows no support keeps get 0. The rule's constant: on an H100 (bf16, ``N = 8192``, ``D =
-4096``), the runs' ``d_W`` of ``N K = 524288`` pairs took about 30 ms and a GEMM over the full
-128256 columns about 14 ms: the columns cost less while ``U`` is under about ``4000 K``.
+sums. Rows no support keeps get 0. The rule's constant, from one profile on an H100 (bf16, ``N =
+8192``, ``D = 4096``): the runs' ``d_W`` kernels of ``N K = 524288`` pairs took about 30 ms and the
+logits GEMMs over the full 128256 columns about 14 ms, so the columns should cost less while ``U``
+is under about ``4000 K`` (the columns' way itself is not yet timed on a GPU).
 
 Cost: about ``22 N K D`` bytes of memory traffic for the backward by runs with 16-bit weights
 where torch has fp32-output batched GEMMs (the weight rows gathered, read twice; the hidden rows
@@ -174,13 +175,13 @@ def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
         ids = torch.where(call.support >= 0, call.support, v).view(-1)  # (padding: row v, dz 0)
         order = ids.argsort(stable=True)
         acc_w, acc_b = accumulate if accumulate is not None else (None, None)
+        acc_w, acc_b = (acc_w if need_w else None), (acc_b if need_b else None)
         sorted_ids, transient = ids[order], _transient(source, weight, call)
         first = torch.ones_like(sorted_ids, dtype=torch.bool)  # the first pair of each id's run
         first[1:] = sorted_ids[1:] != sorted_ids[:-1]
         run_starts = first.nonzero().squeeze(1)  # (one host read: the union's size)
         dz_sorted, tokens = dz_all.view(-1)[order], order // k
         w_dtype, b_dtype = weight.dtype if need_w else None, bias.dtype if need_b else None
-        acc_w, acc_b = (acc_w if need_w else None), (acc_b if need_b else None)
         if run_starts.numel() <= COLUMNS_PER_ID * k:  # (module docstring)
             d_w, d_b = _rows_by_columns(sorted_ids, dz_sorted, tokens, hidden, v, w_dtype, b_dtype,
                                         transient, acc_w, acc_b, first, run_starts)

@@ -29,51 +29,6 @@ from .tiles import TileConfig, cdiv, dot_precision
 from .workspace import plan_chunk
 
 
-def layout_of(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
-    """What a program is made for: the shapes and dtype of a call's (checked: 2-D, contiguous, one
-    device) tensors and its bias's dtype."""
-    return hidden.shape, weight.shape, hidden.dtype, None if bias is None else bias.dtype
-
-
-# The forwards' fp32 buffers: the per-split stats ``[rows, S, N]`` (row max, sum of exp, target
-# logit and, with entropy, the sum of exp * z), the merged stats of a shard ``[rows, N]`` (the same
-# rows), the one-shard outputs ``[6 or 4, N]`` (logp, lse, row max, log-sum and, with entropy,
-# mean_rel and entropy).
-
-def stats_rows(with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> int:
-    return (4 if with_entropy else 3) + with_sum_z + with_argmax
-
-
-def _single_rows(with_entropy: bool, with_sum_z: bool = False, with_argmax: bool = False) -> int:
-    return (6 if with_entropy else 4) + with_sum_z + with_argmax
-
-
-def _extras(outs: tuple, first: int, with_sum_z: bool, with_argmax: bool) -> tuple:
-    """``(sum_z | None, argmax | None)``: the optional rows from row ``first`` on."""
-    sum_z = outs[first] if with_sum_z else None
-    argmax = outs[first + with_sum_z] if with_argmax else None
-    return sum_z, argmax
-
-
-def stats_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
-                  with_argmax: bool = False) -> tuple:
-    """``(row_max, sum_exp, target_logit, sum_exp_z | None, sum_z | None, argmax | None)``: views of
-    the merged stats ``out``."""
-    outs = out.unbind(0)
-    return (outs[0], outs[1], outs[2], outs[3] if with_entropy else None,
-            *_extras(outs, 4 if with_entropy else 3, with_sum_z, with_argmax))
-
-
-def _single_outputs(out: torch.Tensor, with_entropy: bool, with_sum_z: bool = False,
-                    with_argmax: bool = False) -> tuple:
-    """``(logp, lse, row_max, log_sum, mean_rel | None, entropy | None, sum_z | None,
-    argmax | None)``: views of the one-shard outputs ``out``."""
-    outs = out.unbind(0)
-    return (outs[0], outs[1], outs[2], outs[3], outs[4] if with_entropy else None,
-            outs[5] if with_entropy else None,
-            *_extras(outs, 6 if with_entropy else 4, with_sum_z, with_argmax))
-
-
 # ---------------------------------------------------------------------------------------------- backward
 
 

@@ -122,12 +122,9 @@ def target_range_tensor(target_ids: torch.Tensor, ignore_index: Optional[int]) -
                         torch.where(keep, t, -1).amax()))
 
 
-def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int],
-                      with_checksum: bool) -> TargetSummary:
-    """:func:`target_summary_tensor` read on the host (one host sync; without the checksum, the
-    range's fewer ops)."""
-    if with_checksum:
-        return TargetSummary(*target_summary_tensor(target_ids, ignore_index, True).tolist())
+def summarize_targets(target_ids: torch.Tensor, ignore_index: Optional[int]) -> TargetSummary:
+    """The range of the non-ignored targets read on the host (one host sync; no checksum:
+    :func:`target_range_tensor`'s fewer ops)."""
     if target_ids.numel() == 0:
         return TargetSummary(0, 0, -1)
     return TargetSummary(0, *target_range_tensor(target_ids, ignore_index).tolist())
@@ -621,7 +618,7 @@ def open_call(plan, args, problem: Optional[str],
     # a call that records no graph has no backward to carry its verdict: decided now (no capture)
     at_call = mode == "full" and not args.builds_graph and not capturing and target_ids.numel()
     if mode == "sync" or at_call:
-        msg = target_range_problem(summarize_targets(target_ids, ignore_index, with_checksum=False),
+        msg = target_range_problem(summarize_targets(target_ids, ignore_index),
                                    total, ignore_index)
         if msg is not None:
             raise LinearLogpInputError(msg + ("" if mode == "sync" else NO_GRAPH_NOTE))
