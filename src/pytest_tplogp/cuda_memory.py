@@ -25,10 +25,16 @@ test:
    GPUs with other pools and xdist workers, and each rank's cache would otherwise stay at the size
    of its largest test (on one H100, 24 ranks holding 2-3 GiB each ran the GPU suite's largest
    tests out of memory).
+5. The per-thread stack goes back to the rank's starting size (:func:`stack_reset`): a kernel whose
+   frame outgrows it (registers spilled to local memory) makes the driver grow the stack and
+   reserve ``stack x resident threads`` for it, and keep it; a 5760-byte stack kept 1.2 GiB per
+   process on an H100. Setting the limit back gives that memory back; a later such launch grows
+   it again for its own time.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -110,4 +116,40 @@ def for_device(torch: Any) -> MemoryCheck:
                 continue
         return sum(seen.values())
 
-    return MemoryCheck(allocated, tensor_bytes, release=torch.cuda.empty_cache)
+    reset = stack_reset()
+
+    def release() -> None:
+        torch.cuda.empty_cache()
+        reset()
+
+    return MemoryCheck(allocated, tensor_bytes, release=release)
+
+
+#: ``CU_LIMIT_STACK_SIZE`` of the CUDA driver API.
+_STACK_SIZE = 0
+
+
+def stack_reset() -> Callable[[], None]:
+    """A callable that sets this thread's CUDA context's per-thread stack back to its size now,
+    where a launch grew it (step 5 of the module docstring); a no-op without the driver library
+    (``libcuda.so.1``) or a current context."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return lambda: None
+    driver.cuCtxGetLimit.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]
+    driver.cuCtxSetLimit.argtypes = [ctypes.c_int, ctypes.c_size_t]
+
+    def size() -> int:
+        value = ctypes.c_size_t()
+        return value.value if driver.cuCtxGetLimit(ctypes.byref(value), _STACK_SIZE) == 0 else -1
+
+    start = size()
+    if start <= 0:
+        return lambda: None
+
+    def reset() -> None:
+        if size() > start:
+            driver.cuCtxSetLimit(_STACK_SIZE, start)
+
+    return reset

@@ -311,3 +311,51 @@ def test_recycle_summary_groups_reasons_without_their_numbers() -> None:
     assert recycle_summary(reasons) == ("tplogp: 3 pool recycle(s): 2 x fresh-state check failed: "
                                         "CUDA memory N MiB above the pool's baseline; 1 x ranks "
                                         "died")
+
+
+def test_stack_reset_sets_a_grown_stack_back(monkeypatch) -> None:
+    """The driver's per-thread stack, grown by a launch (a kernel that spills), goes back to its
+    starting size; an unchanged or smaller one is left alone; no driver library: a no-op."""
+    import ctypes
+
+    from pytest_tplogp import cuda_memory
+
+    class Driver:  # the two driver entry points, on a fake context
+        def __init__(self):
+            self.stack, self.sets = 1024, []
+
+        def get(self, out, which):
+            assert which == 0  # CU_LIMIT_STACK_SIZE
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_size_t))[0] = self.stack
+            return 0
+
+        def set(self, which, size):
+            self.sets.append((which, size))
+            self.stack = size
+            return 0
+
+    class Entry:  # a ctypes function: argtypes settable, calls through
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, *args):
+            return self.fn(*args)
+
+    driver = Driver()
+    driver.cuCtxGetLimit, driver.cuCtxSetLimit = Entry(driver.get), Entry(driver.set)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver)
+    reset = cuda_memory.stack_reset()
+    reset()
+    assert driver.sets == []                         # not grown: nothing set
+    driver.stack = 6144                              # a spilling kernel's frame
+    reset()
+    assert driver.sets == [(0, 1024)] and driver.stack == 1024
+    driver.stack = 512
+    reset()
+    assert driver.sets == [(0, 1024)]                # smaller than at the start: left alone
+
+    def missing(name):
+        raise OSError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    cuda_memory.stack_reset()()                      # no driver: nothing to do, no error
