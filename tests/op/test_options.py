@@ -74,3 +74,24 @@ def test_op_values_round_trip_and_type_tests():
     assert not options.keyable(LogpOptions(temperature=True))
     assert options.keyable(LogpOptions(deterministic="tp_invariant"))
     assert not options.crosses_schema(LogpOptions(deterministic="tp_invariant"), LOGP_OP)
+
+
+def test_the_sources_get_the_declared_shard_fields_as_plain_values():
+    """Every option with a ``shard`` field fills that field of ShardCall, as its schema type's plain
+    Python value (an int softcap a float, ``"tp_invariant"`` a True); the others leave theirs at
+    the defaults."""
+    from tplogp.backends.base import ShardCall
+    from tplogp.op import plan
+
+    shard_names = {f.name for f in dataclasses.fields(ShardCall)}
+    assert {field for field, _ in options.SHARD_FIELDS.values()} <= shard_names
+    call = plan.shard_call(LogpOptions(temperature=2, softcap=30, return_entropy=True,
+                                       deterministic="tp_invariant", workspace_bytes=1 << 20,
+                                       return_argmax=True, with_sum_z=True))
+    assert (call.inv_temperature, call.softcap, call.with_entropy, call.deterministic,
+            call.workspace_bytes, call.with_argmax, call.with_sum_z) == (
+        0.5, 30.0, True, True, 1 << 20, True, True)
+    assert type(call.softcap) is float and type(call.deterministic) is bool
+    bare = plan.shard_call(LogpOptions())
+    assert (bare.softcap, bare.with_entropy, bare.deterministic, bare.workspace_bytes) == (
+        None, False, False, None)

@@ -15,6 +15,8 @@ check that names the problem. Everything else derives from these declarations:
   argument);
 * the checks' messages for a bad option (:func:`option_problems`, run by
   :mod:`tplogp.op.validation`);
+* what the sources get to know of them (:data:`SHARD_FIELDS`: the fields of
+  :class:`tplogp.backends.base.ShardCall` each option fills);
 * the option table of docs/operator.md (:func:`markdown_table`; tests/op/test_options.py compares
   them).
 
@@ -52,6 +54,9 @@ class OptionSpec:
     # the plain values the plan caches, as a Python expression of the value ``{v}`` (default: the
     # schema type's)
     keyable: Optional[str] = None
+    # the field of tplogp.backends.base.ShardCall that takes its value as the schema type's plain
+    # Python value (SHARD_FIELDS; None: the sources do not read it)
+    shard: Optional[str] = None
 
 
 def option(default, schema: str, doc: str, **spec) -> Any:
@@ -145,7 +150,7 @@ class LogpOptions:
         check=_temperature)
     return_entropy: bool = option(
         False, "bool", "also the entropy of the full-vocabulary distribution per token",
-        ops=(LOGP_OP,))
+        ops=(LOGP_OP,), shard="with_entropy")
     return_lse: bool = option(False, "bool", "also the merged log-sum-exp per token", ops=())
     ignore_index: Optional[int] = option(
         None, "int?", "positions with this target get 0 and no gradient", check=_ignore_index)
@@ -153,10 +158,11 @@ class LogpOptions:
     deterministic: Union[bool, str] = option(
         False, "bool",
         'bitwise reproducible (`"tp_invariant"`: also across TP degrees; eager only)',
-        check=_deterministic, keyable="(type({v}) is bool or {v} == _LEVEL)")
+        check=_deterministic, keyable="(type({v}) is bool or {v} == _LEVEL)",
+        shard="deterministic")
     workspace_bytes: Optional[int] = option(
         None, "int?", "the memory budget beyond inputs, outputs and gradients",
-        check=_workspace_bytes)
+        check=_workspace_bytes, shard="workspace_bytes")
     # hidden holds this rank's contiguous 1/world of the tokens; gathered before the GEMMs, its
     # gradient reduce-scattered (docs/operator.md, "Sequence parallelism")
     sequence_parallel: bool = option(
@@ -169,14 +175,15 @@ class LogpOptions:
     # final-logit softcapping: z = softcap * tanh((h W^T + b) / softcap), then the temperature
     # divides z
     softcap: Optional[float] = option(
-        None, "float?", "final-logit softcapping `softcap * tanh(y / softcap)`", check=_softcap)
+        None, "float?", "final-logit softcapping `softcap * tanh(y / softcap)`", check=_softcap,
+        shard="softcap")
     return_argmax: bool = option(
         False, "bool", "also the full-vocabulary argmax id per token", ops=(LOGP_OP,),
-        check=_bool("return_argmax"))
+        check=_bool("return_argmax"), shard="with_argmax")
     # the per-token sum of the logits over the whole vocabulary (the fused loss's label smoothing
     # reads it)
     with_sum_z: bool = option(False, "bool", "the per-token sum of the logits (the fused loss's)",
-                              ops=())
+                              ops=(), shard="with_sum_z")
     # the sampler's kept ids per token (tplogp.op.support_ids: its forms and checks); such calls run
     # eagerly (the schemas take no support) and are planned afresh at every call
     support: Optional[Any] = option(
@@ -197,7 +204,12 @@ class LogpOptions:
         check=_min_p, keyable="({v} is None)")
 
 
+
 SPECS: dict[str, OptionSpec] = {f.name: f.metadata["spec"] for f in fields(LogpOptions)}
+# option -> (ShardCall field, the schema type's plain Python value: float, bool, or as given)
+SHARD_FIELDS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    name: (spec.shard, {"float": float, "bool": bool}.get(spec.schema.rstrip("?"), lambda v: v))
+    for name, spec in SPECS.items() if spec.shard is not None}
 DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(LogpOptions) if f.default is not MISSING}
 
 

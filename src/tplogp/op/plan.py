@@ -33,7 +33,7 @@ from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import collective_device
 from ..backends.kernel_registry import SourceUnavailableError, backend_for_call
 from . import sampler_params, support_ids
-from .options import LogpOptions, keyable
+from .options import SHARD_FIELDS, LogpOptions, keyable
 from .validation import LinearLogpInputError, LossCheck, check_layout
 from .verdicts import BackwardVerdict, KernelTargetCheck, latest_verdict, open_call
 
@@ -51,13 +51,11 @@ def shard_call(options: LogpOptions, for_backward: bool = False, one_shard: bool
     (``ShardCall.rows``). ``grid_columns``: the source's invariant grid (``ShardCall.grid_columns``;
     0: off). ``env``: the call's :func:`tplogp.support.settings.layout_settings`
     (``ShardCall.env``)."""
-    return ShardCall(inv_temperature=1.0 / float(options.temperature),
-                     with_entropy=options.return_entropy,
-                     softcap=None if options.softcap is None else float(options.softcap),
-                     with_sum_z=options.with_sum_z, with_argmax=options.return_argmax,
-                     deterministic=bool(options.deterministic),
-                     workspace_bytes=options.workspace_bytes, for_backward=for_backward
-                     and not grid_columns, d_hidden_in_input_dtype=one_shard and not grid_columns,
+    values = {field: None if value is None else plain(value) for name, (field, plain)
+              in SHARD_FIELDS.items() for value in (getattr(options, name),)}
+    return ShardCall(inv_temperature=1.0 / float(options.temperature), **values,
+                     for_backward=for_backward and not grid_columns,
+                     d_hidden_in_input_dtype=one_shard and not grid_columns,
                      inputs_checked=True, scales_apart=scales_apart, rows=rows,
                      grid_columns=grid_columns, env=env)
 
