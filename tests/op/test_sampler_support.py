@@ -29,6 +29,7 @@ from tplogp.op.validation import LinearLogpInputError
 from tplogp.testing.reference import (padded_support, reference_logits, reference_support_outputs,
                                       sampler_mask)
 from tests.support import support_checks
+from tests.support.interpreter import INTERPRETING
 from tests.support.problems import cpu_sources
 
 IGNORE = -100
@@ -149,12 +150,18 @@ def test_kept_ids_are_vllms(case, options):
         assert (truth.sum(-1) > 5).any()
 
 
-@pytest.fixture(params=["one-drop-column", "spread"])
+@pytest.fixture(params=["one-drop-column", "spread", "kernels"])
 def drop_columns(request, monkeypatch) -> None:
-    """The passes' dropped logits in one column per row (a CPU's way) or spread over ``SPREAD``
-    columns (a GPU's)."""
+    """The passes' tiles as torch operations with the dropped logits in one column per row (a
+    CPU's way) or spread over ``SPREAD`` columns (a GPU's), or as the GPU's tile kernels (Triton's
+    interpreter)."""
     if request.param == "spread":
         monkeypatch.setattr(sampler_passes, "drop_columns", lambda device: sampler_passes.SPREAD)
+    if request.param == "kernels":
+        if not INTERPRETING:
+            pytest.skip("the tile kernels run here in Triton's CPU interpreter (TRITON_INTERPRET=1)")
+        from tplogp.kernels import sampler_launch
+        monkeypatch.setattr(sampler_passes, "tile_kernels", lambda device: sampler_launch)
 
 
 @pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "per-token"])

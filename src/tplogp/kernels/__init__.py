@@ -1,4 +1,4 @@
-"""Triton kernels behind the ``triton`` and ``sm90`` sources.
+"""Triton kernels behind the ``triton`` and ``sm90`` sources (and the sampler's tile steps on a GPU).
 
 Importing this package does nothing; importing a kernel module imports Triton and defines its
 kernels (no CUDA work). Set ``TRITON_INTERPRET=1`` before the first import to run them on the CPU
@@ -34,6 +34,8 @@ ones above it in this list):
   loads (sm_90).
 * :mod:`.scale_kernels`     the fused loss's backward: a gradient times the upstream scalar, rounded
   once.
+* :mod:`.sampler_kernels`   the sampler's counting pass and collecting round on one logits tile
+                            (bins of a row's logits with their mass; the ids at least a threshold).
 * :mod:`.launches`          a call's options as the kernels take them (one bundle); each shard
                             kernel's launch for a layout, from sizes; when the TMA
   kernels may run.
@@ -46,4 +48,5 @@ ones above it in this list):
 * :mod:`.grid_programs`     the tensor-parallel-invariant level's entry points: per-block forward
                             stats, the grid-block backward (fixed-shape d_W GEMMs).
 * :mod:`.scale_launch`      the fused loss's scaling launch and its checks.
+* :mod:`.sampler_launch`    the sampler's tile launches and their checks.
 """

@@ -6,6 +6,11 @@ into slots by a running count), and the counting pass (:func:`shard_bins`: per t
 logits and how much mass fall in each of ``BINS`` bins between a bound and the max). The rounds,
 their collectives and the decisions in float64 are :mod:`tplogp.op.sampler_support`'s (its docstring
 states the algorithm). No host read: every size is a Python int from shapes.
+
+The counting pass's and the collecting round's work on a tile runs as torch operations, or, on a
+CUDA device where the ``triton`` source runs, as one kernel each (:func:`tile_kernels`:
+:mod:`tplogp.kernels.sampler_kernels`, which states how), reading the tile once; both count the
+same bins and collect the same ids.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from ..backends import kernel_registry
 from ..backends.base import ShardCall
 from ..backends.native_tiles import call_logits_tile
 
@@ -73,6 +79,24 @@ def _spread(v0: int, v1: int, device: torch.device):
     return torch.arange(v0, v1, device=device) % SPREAD
 
 
+_TILE_KERNELS: dict = {}
+
+
+def tile_kernels(device: torch.device):
+    """:mod:`tplogp.kernels.sampler_launch` on a CUDA ``device`` where the ``triton`` source runs,
+    else None (the tiles' torch operations)."""
+    if device.type != "cuda":
+        return None
+    found = _TILE_KERNELS.get(device)
+    if found is None:
+        found = False
+        if kernel_registry.unavailable_reason("triton", device) is None:
+            from ..kernels import sampler_launch
+            found = sampler_launch
+        _TILE_KERNELS[device] = found
+    return found or None
+
+
 def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """Per row, the least fp32 value ``t`` whose bin (:func:`_bins_of`) is at most ``last``: the
     logits of the bins ``0 .. last`` are exactly those at least ``t`` (the bin is non-increasing
@@ -94,9 +118,9 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
     candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 ``[rows, 3]``:
     the bound ``lo``, the max and the last bin ``b``) *collect*: their candidates are this
-    shard's ids of the bins ``0 .. b`` between ``lo`` and the max (:func:`_bins_of`; the first
-    ``m`` of them in id order when more are), the floor the largest logit of the others, the
-    statistics the largest logit and how many ids those bins hold. The other rows take the
+    shard's ids of the bins ``0 .. b`` between ``lo`` and the max (:func:`_bins_of`; ``m`` of
+    them when more are, a row the round takes again), the floor the largest logit of the others,
+    the statistics ``-inf`` (not read) and how many ids those bins hold. The other rows take the
     ``m`` largest logits, the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m``
     ids), the statistics the row max and (``with_lse``; else 0) ``sum exp(z - max)``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
@@ -186,40 +210,60 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
              tile_elements: int, deterministic: bool) -> None:
     """:func:`shard_candidates`' collecting rows (``scale``: :func:`bin_scale`'s, ``last``: the
     last bin each takes), written into ``out``: per vocab chunk, the ids of those bins (those at
-    least the row's :func:`_threshold`) get their slots from a running count and a cumulative sum
-    along the row, and are scattered into ``[rows, m]`` buffers (slots past ``m`` into a column
-    that is dropped): no host read, whatever the count."""
+    least the row's :func:`_threshold`) get their slots from a running count (and, on the torch
+    path, a cumulative sum along the row) and go into ``[rows, m]`` buffers (slots past ``m``
+    dropped): no host read, whatever the count."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     vc = max(64, tile_elements // (2 * tc))
     threshold = _threshold(scale, last.to(torch.int64))
+    kernels = tile_kernels(dev)
+    drop = 0 if kernels is not None else drop_columns(dev)
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
         pad = rows - (t1 - t0)  # (padding rows: nothing collected)
         at_least = torch.cat([threshold[t0:t1], threshold.new_full((pad,), float("inf"))])
-        drop = drop_columns(dev)
         vals = torch.full((rows, m + drop), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, m + drop), -1, dtype=torch.int64, device=dev)
-        held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
-        below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        row_max = torch.full_like(below, float("-inf"))
-        for v0 in range(0, v, vc):
-            v1 = min(v0 + vc, v)
-            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            row_max = torch.maximum(row_max, z.max(1).values)
-            mask = z >= at_least[:, None]
-            below = torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values)
-            slot = mask.to(torch.int32).cumsum(1, dtype=torch.int32).add_(held - 1)
-            held = slot[:, -1:] + 1
-            slot = torch.where(mask & (slot < m), slot, m + _spread(v0, v1, dev))
-            vals.scatter_(1, slot, z)
-            ids.scatter_(1, slot, torch.arange(v0, v1, device=dev).expand(rows, -1))
+        if kernels is not None:
+            held = torch.zeros(rows, dtype=torch.int32, device=dev)
+            blocks = [kernels.collect_blocks(min(v0 + vc, v) - v0) for v0 in range(0, v, vc)]
+            below = torch.full((rows, sum(blocks)), float("-inf"), dtype=torch.float32, device=dev)
+            b0 = 0
+            for v0, nb in zip(range(0, v, vc), blocks):
+                z = call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
+                kernels.collect_at_least(z, at_least, v0, vals, ids, held, below[:, b0:b0 + nb])
+                b0 += nb
+            below, held = below.amax(1), held[:, None]
+        else:
+            held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
+            below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+            for v0 in range(0, v, vc):
+                v1 = min(v0 + vc, v)
+                z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
+                held = _collect_tile(z, at_least, v0, m, vals, ids, held, below)
         keep = slice(0, t1 - t0)
         out[t0:t1, :m] = vals[keep, :m].double()
         out[t0:t1, m:2 * m] = torch.where(vals[keep, :m] > float("-inf"), ids[keep, :m], -1)
         out[t0:t1, 2 * m] = below[keep].double()
-        out[t0:t1, 2 * m + 1] = row_max[keep].double()
         out[t0:t1, 2 * m + 2] = held[keep, 0].double()
+
+
+def _collect_tile(z: torch.Tensor, at_least: torch.Tensor, v0: int, m: int, vals: torch.Tensor,
+                  ids: torch.Tensor, held: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
+    """The torch path of one tile of :func:`_collect` (columns from ``v0``): its ids at least
+    ``at_least`` scattered into ``vals`` / ``ids`` at the slots after ``held`` (``[rows, 1]``;
+    past ``m``: the drop columns), ``below`` raised in place to the largest logit not taken; the
+    new running count."""
+    rows, cols, dev = z.shape[0], z.shape[1], z.device
+    mask = z >= at_least[:, None]
+    torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values, out=below)
+    slot = mask.to(torch.int32).cumsum(1, dtype=torch.int32).add_(held - 1)
+    held = slot[:, -1:] + 1
+    slot = torch.where(mask & (slot < m), slot, m + _spread(v0, v0 + cols, dev))
+    vals.scatter_(1, slot, z)
+    ids.scatter_(1, slot, torch.arange(v0, v0 + cols, device=dev).expand(rows, -1))
+    return held
 
 
 def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
@@ -236,18 +280,24 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
         return out
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     vc = max(64, tile_elements // (2 * tc))
+    kernels = tile_kernels(dev)
+    drop = 0 if kernels is not None else drop_columns(dev)
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
         rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
         if lse is not None:
             shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
-        counts = torch.zeros(rows, BINS + drop_columns(dev), dtype=torch.float32, device=dev)
+        counts = torch.zeros(rows, BINS + drop, dtype=torch.float32, device=dev)
         masses = torch.zeros_like(counts)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
+            if kernels is not None:
+                kernels.count_bins(z, rows_scale, None if lse is None else shift[:, 0], counts,
+                                   masses)
+                continue
             at = _bins_of(z, rows_scale)
-            if drop_columns(dev) > 1:  # (below lo: dropped)
+            if drop > 1:  # (below lo: dropped)
                 at = torch.where(at < BINS, at, BINS + _spread(v0, v1, dev))
             counts.scatter_add_(1, at, torch.ones_like(z))
             if lse is not None:
@@ -258,4 +308,4 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
 
 
 __all__ = ["DETERMINISTIC_ROWS", "BINS", "SPREAD", "bin_scale", "ordered", "from_key",
-           "drop_columns", "shard_candidates", "shard_bins"]
+           "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]

@@ -46,9 +46,11 @@ mass from the top passes ``top_p`` by ``MASS_MARGIN`` (top-p alone), else down t
 chunk, the ids of those bins (those at least a threshold found once per token by bisection over the
 fp32 values with the same bin function) get their slots from a running count and a cumulative sum
 along the row and are scattered into a ``[tokens, M]`` buffer (``M``: the most ids any rank counted
-there, known on the host after the counting pass's read; on a GPU the ids not collected, and
-the counting pass's logits below ``lo``, go to ``SPREAD`` columns per row that are dropped, by
-column, so that no one address takes them all); the floor is the largest logit not collected.
+there, known on the host after the counting pass's read; where the tiles run as torch
+operations on a GPU, the ids not collected, and the counting pass's logits below ``lo``, go to
+``SPREAD`` columns per row that are dropped, by column, so that no one address takes them all;
+where they run as kernels, :mod:`tplogp.kernels.sampler_kernels`); the floor is the largest logit
+not collected.
 No host read per chunk and no ``topk``: the candidates are sorted once, after the gather.
 The two passes compute the same logits in the same chunks and the same bins, so a rank's ids fit; a
 token whose ids do not (a GEMM that gave other bits) or that its bins did not settle collects again

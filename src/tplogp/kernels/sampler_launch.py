@@ -1,0 +1,74 @@
+"""The sampler's tile launches (:mod:`.sampler_kernels`): :func:`count_bins` and
+:func:`collect_at_least` on one fp32 logits tile ``[rows, cols]`` (unit column stride). Their
+:class:`~.launch.Launch` is made once per tile layout (:func:`~.launch.cached`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .entry_checks import KernelInputError
+from .launch import Launch, cached
+from .sampler_kernels import bin_counts_kernel, collect_kernel
+from .tiles import cdiv
+
+# counting: a program's columns, the columns of its one-hot step ([SUB, BINS] fp32 accumulators:
+# 2 x 32 registers a thread at 4 warps and 64 bins)
+BIN_BLOCK, BIN_SUB, BIN_WARPS = 4096, 64, 4
+COLLECT_BLOCK, COLLECT_WARPS = 1024, 4
+
+
+def _check_tile(z: torch.Tensor) -> None:
+    if z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1:
+        raise KernelInputError(f"the sampler's tile kernels take a 2-D fp32 tile with unit column "
+                               f"stride, got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
+
+
+def _bins_launch(rows: int, cols: int, stride_z: int, bins: int, with_mass: bool) -> Launch:
+    return Launch(bin_counts_kernel, (rows, cdiv(cols, BIN_BLOCK)), (cols, stride_z), BIN_WARPS,
+                  None, dict(BINS=bins, BLOCK=BIN_BLOCK, SUB=BIN_SUB, WITH_MASS=with_mass))
+
+
+def count_bins(z: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor],
+               counts: torch.Tensor, masses: torch.Tensor) -> None:
+    """Add to ``counts`` (fp32 ``[rows, BINS]``, contiguous) how many logits of ``z`` fall in each
+    bin of ``scale``'s rows (fp32 ``[rows, 3]``: bottom, top, ``BINS`` over their span) and, given
+    ``shift`` (fp32 ``[rows]``), to ``masses`` their ``exp(z - shift)``."""
+    _check_tile(z)
+    rows, cols = z.shape
+    if rows == 0 or cols == 0:
+        return
+    launch = cached(_bins_launch, rows, cols, z.stride(0), counts.shape[1], shift is not None)
+    launch(z, scale, scale if shift is None else shift, counts, masses)
+
+
+def _collect_launch(rows: int, cols: int, stride_z: int, v0: int, m: int,
+                    stride_b: int) -> Launch:
+    return Launch(collect_kernel, (rows, cdiv(cols, COLLECT_BLOCK)),
+                  (cols, stride_z, v0, m, stride_b), COLLECT_WARPS, None,
+                  dict(BLOCK=COLLECT_BLOCK))
+
+
+def collect_blocks(cols: int) -> int:
+    """The programs per row of :func:`collect_at_least` on ``cols`` columns: the columns of its
+    ``below`` partials."""
+    return cdiv(cols, COLLECT_BLOCK)
+
+
+def collect_at_least(z: torch.Tensor, at_least: torch.Tensor, v0: int, vals: torch.Tensor,
+                     ids: torch.Tensor, held: torch.Tensor, below: torch.Tensor) -> None:
+    """Per row of ``z``, its logits at least ``at_least`` (fp32 ``[rows]``) stored with their ids
+    (the column plus ``v0``) into free slots of ``vals`` (fp32 ``[rows, m]``) and ``ids`` (int64)
+    taken from ``held`` (int32 ``[rows]``, the running count: it grows by every hit, also those
+    past ``m``, which are not stored); ``below`` (fp32 ``[rows, collect_blocks(cols)]``, unit
+    column stride) gets each program's largest logit under the threshold."""
+    _check_tile(z)
+    rows, cols = z.shape
+    if rows == 0 or cols == 0:
+        return
+    launch = cached(_collect_launch, rows, cols, z.stride(0), v0, vals.shape[1], below.stride(0))
+    launch(z, at_least, vals, ids, held, below)
+
+
+__all__ = ["count_bins", "collect_at_least", "collect_blocks", "BIN_BLOCK", "COLLECT_BLOCK"]
