@@ -195,7 +195,7 @@ SAMPLER_CASES = {"top_k": dict(top_k=5), "top_p": dict(top_p=0.8), "min_p": dict
 @pytest.mark.parametrize("source", ["sm90", "triton", "native"])
 def test_sampler_parameters_on_each_source(source, dtype, case):
     """``top_k`` / ``top_p`` / ``min_p`` computed on the GPU (its fp32-output GEMMs, the passes'
-    spread drop columns): on logits exact in every dtype (small dyadic values: exact ties) the kept
+    tile kernels): on logits exact in every dtype (small dyadic values: exact ties) the kept
     ids are the float64 definition's (``tplogp.testing.reference.sampler_mask``, exact ties at the
     k-th logit), and the op's outputs and gradients equal those of that explicit support (the
     targets drawn from it, as a sampler draws them)."""
