@@ -11,11 +11,11 @@ import torch
 from .entry_checks import KernelInputError
 from .launch import Launch, cached
 from .sampler_kernels import bin_counts_kernel, collect_kernel
-from .tiles import cdiv
+from .tiles import cdiv, dot_precision
 
-# counting: a program's columns, the columns of its one-hot step ([SUB, BINS] fp32 accumulators:
-# 2 x 32 registers a thread at 4 warps and 64 bins)
-BIN_BLOCK, BIN_SUB, BIN_WARPS = 4096, 64, 4
+# counting: a program's columns, the columns of its one-hot product (K of a [BINS, SUB] x [SUB, 16]
+# bf16 tensor-core product)
+BIN_BLOCK, BIN_SUB, BIN_WARPS = 4096, 128, 4
 COLLECT_BLOCK, COLLECT_WARPS = 1024, 4
 
 
@@ -27,7 +27,8 @@ def _check_tile(z: torch.Tensor) -> None:
 
 def _bins_launch(rows: int, cols: int, stride_z: int, bins: int, with_mass: bool) -> Launch:
     return Launch(bin_counts_kernel, (rows, cdiv(cols, BIN_BLOCK)), (cols, stride_z), BIN_WARPS,
-                  None, dict(BINS=bins, BLOCK=BIN_BLOCK, SUB=BIN_SUB, WITH_MASS=with_mass))
+                  None, dict(BINS=bins, BLOCK=BIN_BLOCK, SUB=BIN_SUB, WITH_MASS=with_mass,
+                       DOT_PRECISION=dot_precision(torch.bfloat16)))
 
 
 def count_bins(z: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor],
