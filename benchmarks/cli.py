@@ -92,10 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                     help="default bf16; smoke fp32")
     tp.add_argument("--steps", type=int, default=None)
-    tp.add_argument("--support", default=None, metavar="K<k>-<kind>",
-                    help="also pass a sampler's support of k ids per token (kind shared or "
-                         "disjoint, benchmarks/supports.py; its union size in the row), e.g. "
-                         "K64-shared")
+    tp.add_argument("--variants", default=None, metavar="KEY=VALUE[+...][,...]",
+                    help="rows whose calls are given a sampler's support (support=K<k>-shared / "
+                         "support=K<k>-disjoint, benchmarks/supports.py; its union size in the row) "
+                         "or its parameters (top_k= / top_p= / min_p=, logit_std=S the logits' "
+                         "spread), in op --variants' grammar, e.g. support=K64-shared,top_p=0.9+logit_std=4")
     tp.add_argument("--layouts", default="replicated,gather-allreduce,sequence-parallel",
                     help="hidden layouts, comma-separated: replicated, gather-allreduce (a "
                          "sequence-parallel caller gathering by hand), sequence-parallel (the op's "
@@ -227,9 +228,9 @@ def _tp(args) -> int:
     if unknown:
         raise SystemExit(f"--layouts: unknown {sorted(unknown)}; choose from "
                          f"{', '.join(tp.LAYOUTS)}")
-    support = None if args.support is None else tp.parse_support(args.support)
+    variant_list = tp.parse_variants(args.variants) if args.variants else ()
     rows = tp.bench(shape, degrees, args.impls, dtype, args.steps or (2 if smoke else 10),
-                    1 if smoke else 3, layouts, support)
+                    1 if smoke else 3, layouts, variant_list)
     _finish(args.out, rows, info, smoke, tp.format_row)
     return 0
 

@@ -21,6 +21,12 @@ gradient: what a sequence-parallel caller pays without the option); ``sequence-p
 ``sequence_parallel=True``: the gather inside, ``d_hidden`` reduce-scattered). Each row also reports
 the backward's median time and its ``d_hidden`` bytes sent per rank by the ring algorithm
 (``bwd_bytes_per_rank``, below), and the forward's gather bytes (``fwd_bytes_per_rank``).
+
+Variants (``--variants``, ``python -m benchmarks op``'s grammar): rows whose calls are given a
+sampler's support (``support=K<k>-shared`` / ``-disjoint``, replicated on every rank; the row's
+``support_union``) or its parameters (``top_k=`` / ``top_p=`` / ``min_p=``; ``logit_std=S`` scales
+the replicated hidden states so the logits over the shards have standard deviation ``S``), each
+one row per variant, layout and degree (one launch per degree runs every variant and layout).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from . import runner, supports
+from . import runner, supports, variants
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,23 +67,36 @@ def collective_bytes(layout: str, n: int, d: int, p: int, itemsize: int) -> tupl
     return gather, reduce_scatter
 
 
-def parse_support(text: str) -> tuple[int, str]:
-    """``K<k>-<kind>`` (``--support``) as ``(k, kind)``."""
-    head, _, kind = text.partition("-")
-    if not head.startswith("K") or not head[1:].isdigit() or int(head[1:]) < 1 or \
-            kind not in supports.KINDS:
-        raise SystemExit(f"--support: expected K<k>-<kind> with k >= 1 and kind one of "
-                         f"{', '.join(supports.KINDS)}, got {text!r}")
-    return int(head[1:]), kind
+# what a TP row's variant may set: the sampler's support, given or computed, and its logits' spread
+TP_VARIANT_KEYS = ("support", "top_k", "top_p", "min_p", "logit_std")
+
+
+def parse_variants(text: str) -> tuple[variants.Variant, ...]:
+    """``--variants``: comma-separated variants of ``python -m benchmarks op``'s grammar
+    (benchmarks/variants.py) that set only :data:`TP_VARIANT_KEYS`, e.g.
+    ``support=K64-shared,top_p=0.9+logit_std=4``."""
+    try:
+        found = variants.parse_variants(text)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    for variant in found:
+        other = [item.partition("=")[0] for item in variant.label.split("+")
+                 if item.partition("=")[0] not in TP_VARIANT_KEYS]
+        if other:
+            raise SystemExit(f"--variants: a TP row takes {', '.join(TP_VARIANT_KEYS)}, got "
+                             f"{other} in {variant.label!r}")
+    return tuple(found)
 
 
 def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: str, steps: int,
           warmup: int, layouts: tuple[str, ...] = ("replicated",),
-          support: Optional[tuple[int, str]] = None) -> list[dict]:
-    """One ``torchrun`` per degree, which measures every layout in turn (rows layout-major, degrees
-    ascending); ``support``: ``(k, kind)``, every call given that sampler's support."""
-    extra = [] if support is None else ["--support", f"K{support[0]}-{support[1]}"]
-    by_layout: dict[str, list[dict]] = {layout: [] for layout in layouts}
+          variant_list: tuple[variants.Variant, ...] = ()) -> list[dict]:
+    """One ``torchrun`` per degree, which measures every case in turn: the plain call, or each of
+    ``variant_list`` (:func:`parse_variants`': a sampler's support or parameters given to every
+    call), in every layout (rows case-major, then layout, degrees ascending)."""
+    labels = [v.label for v in variant_list] or [None]
+    extra = ["--variants", ",".join(v.label for v in variant_list)] if variant_list else []
+    by_case: dict = {(label, layout): [] for label in labels for layout in layouts}
     for p in degrees:
         with tempfile.TemporaryDirectory(prefix="tplogp-tp-") as tmp:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -87,19 +106,21 @@ def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: s
                    tmp,
                    "--layouts", ",".join(layouts), *extra]
             out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
-            for layout in layouts:
-                row_file = os.path.join(tmp, f"{layout}.json")
-                row = _row(shape, p, source, dtype, layout, out, row_file)
-                if support is not None:
-                    row["impl"] += f" support=K{support[0]}-{support[1]}"
-                by_layout[layout].append(row)
+            for i, label in enumerate(labels):
+                for layout in layouts:
+                    row_file = os.path.join(tmp, f"{i}-{layout}.json")
+                    row = _row(shape, p, source, dtype, layout, out, row_file)
+                    if label is not None:
+                        row["impl"] += f" {label}"
+                        row["variant"] = label
+                    by_case[label, layout].append(row)
     rows = []
-    for layout_rows in by_layout.values():
-        base = next((r["step_ms"] for r in layout_rows if r["tp"] == 1 and "step_ms" in r), None)
-        for r in layout_rows:
+    for case_rows in by_case.values():
+        base = next((r["step_ms"] for r in case_rows if r["tp"] == 1 and "step_ms" in r), None)
+        for r in case_rows:
             if base and "step_ms" in r:
                 r["efficiency"] = round(base / (r["tp"] * r["step_ms"]), 3)
-        rows += layout_rows
+        rows += case_rows
     return rows
 
 
@@ -130,12 +151,27 @@ def format_row(r: dict) -> str:
     host = (f" | host {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} us (thread / all)"
             if "host_step_us" in r else "")
     layout = f" {r['layout']}" if r.get("layout", "replicated") != "replicated" else ""
+    if "variant" in r:
+        layout += f" {r['variant']}"
     if "support_union" in r:
-        layout += f" {r['impl'].rsplit(' ', 1)[-1]} (union {r['support_union']} ids)"
+        layout += f" (union {r['support_union']} ids)"
     bwd = (f" | bwd {r['bwd_ms']:.3f} ms, {r['bwd_bytes_per_rank'] / 2**20:.2f} MiB/rank"
            if "bwd_ms" in r else "")
     return (f"{r['shape']:>18} TP={r['tp']}{layout} {r['backend']} | step {r['step_ms']:.3f} ms "
             f"(slowest rank) | {r['tflops_per_gpu']:.1f} TFLOP/s/GPU{peak}{eff}{host}{bwd}")
+
+
+def _scaled(hidden: torch.Tensor, shard: torch.Tensor, std: float, group,
+            comm_device: torch.device, tokens: int = 256) -> torch.Tensor:
+    """``hidden`` (replicated) scaled so the logits over every rank's shard have standard deviation
+    ``std``: the shards' variances of the first ``tokens`` rows' fp32 logits averaged over the ranks
+    (every rank the same factor)."""
+    from tplogp.support.comm import all_gather_flat
+
+    var = (hidden[:tokens].float() @ shard.detach().float().T).var().reshape(1)
+    if group is not None:
+        var = all_gather_flat(var.to(comm_device), group).mean()
+    return (hidden.float() * (std / float(var.sqrt()))).to(hidden.dtype)
 
 
 def _worker(argv: list[str]) -> None:
@@ -156,7 +192,7 @@ def _worker(argv: list[str]) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--row-dir", required=True)
     ap.add_argument("--layouts", default="replicated")
-    ap.add_argument("--support", default=None)
+    ap.add_argument("--variants", default="")
     args = ap.parse_args(argv)
     env = launch_env()
     rank, world = env.rank, env.world_size
@@ -170,22 +206,26 @@ def _worker(argv: list[str]) -> None:
     full = (torch.randn(n, d, generator=g) * 0.5).to(dt).to(device)
     target = torch.randint(0, v, (n,), generator=g).to(device)
     upstream = torch.randn(n, generator=g).to(device)
-    support_ids = None
-    if args.support is not None:  # replicated: made on the host from the same seed on every rank
-        k, kind = parse_support(args.support)
-        support_ids = supports.make_support(target.cpu(), v, k, kind).to(device)
     wg = torch.Generator(device="cpu").manual_seed(100 + rank)
     weight = (torch.randn(end - start, d, generator=wg) / d**0.5).to(dt).to(device).requires_grad_()
     op = get_op("linear_logp", source=None if args.source == "registry" else args.source)
     group = dist.group.WORLD if world > 1 else None  # TP=1: the op without a group (its plain path)
     comm_device = device if backend == "nccl" else torch.device("cpu")
-    kw = dict(tp_group=group, vocab_start_index=start, global_vocab_size=v, support=support_ids)
+    base_kw = dict(tp_group=group, vocab_start_index=start, global_vocab_size=v)
     # this rank's tokens under sequence parallelism
     mine = slice(rank * n // world, (rank + 1) * n // world)
 
-    def measure(layout: str) -> dict:
+    def measure(layout: str, variant: Optional[variants.Variant]) -> dict:
+        support_ids, rows_in = None, full
+        if variant is not None and variant.support is not None:  # replicated: one seed everywhere
+            support_ids = supports.make_support(target.cpu(), v, variant.support_k,
+                                                variant.support_kind).to(device)
+        if variant is not None and variant.logit_std is not None:
+            rows_in = _scaled(full, weight, variant.logit_std, group, comm_device)
+        kw = dict(base_kw, support=support_ids,
+                  **({} if variant is None else variant.call_options()))
         # this rank's tokens
-        hidden = (full if layout == "replicated" else full[mine]).clone().requires_grad_()
+        hidden = (rows_in if layout == "replicated" else rows_in[mine]).clone().requires_grad_()
 
         def forward():
             hidden.grad = weight.grad = None
@@ -244,11 +284,12 @@ def _worker(argv: list[str]) -> None:
                 **({} if support_ids is None else
                    {"support_union": supports.union_size(support_ids)})}
 
-    for layout in args.layouts.split(","):
-        row = measure(layout)
-        if rank == 0:
-            with open(os.path.join(args.row_dir, f"{layout}.json"), "w") as f:
-                json.dump(row, f)
+    for i, variant in enumerate(parse_variants(args.variants) or (None,)):
+        for layout in args.layouts.split(","):
+            row = measure(layout, variant)
+            if rank == 0:
+                with open(os.path.join(args.row_dir, f"{i}-{layout}.json"), "w") as f:
+                    json.dump(row, f)
     dist.destroy_process_group()
 
 

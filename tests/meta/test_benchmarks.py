@@ -731,23 +731,30 @@ def test_tp_smoke_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp_smoke_rows_with_a_support(tmp_path):
-    """``tp --smoke --support K8-shared``: every call given the sampler's support (replicated on every rank), its
-    union size in the row; a malformed ``--support`` is refused before any launch."""
-    proc = _bench("tp", "--smoke", "--degrees", "2", "--layouts", "replicated", "--support", "K8-shared", "--out",
-                  str(tmp_path))
+def test_tp_smoke_rows_with_variants(tmp_path):
+    """``tp --smoke --variants support=K8-shared,top_p=0.9+logit_std=2``: one launch per degree
+    measures each variant, every call given the sampler's support (replicated on every rank, its
+    union size in the row) or its parameters (the logits scaled to their spread); a variant that
+    sets anything else, or a malformed one, is refused before any launch."""
+    proc = _bench("tp", "--smoke", "--degrees", "2", "--layouts", "replicated", "--variants",
+                  "support=K8-shared,top_p=0.9+logit_std=2", "--out", str(tmp_path))
     every = _rows(tmp_path)
-    assert [r["tp"] for r in every] == [2], every
+    assert [(r["tp"], r["variant"]) for r in every] == [
+        (2, "support=K8-shared"), (2, "top_p=0.9+logit_std=2")], every
     for r in every:
-        assert "error" not in r and r["impl"].endswith(" support=K8-shared"), r
-        assert 8 <= r["support_union"] < 320, r
+        assert "error" not in r and r["impl"].endswith(" " + r["variant"]) and r["step_ms"] > 0, r
+    assert 8 <= every[0]["support_union"] < 320 and "support_union" not in every[1], every
     assert proc.stdout.count("support=K8-shared (union") == 1, proc.stdout
+    assert proc.stdout.count("top_p=0.9+logit_std=2 gloo") == 1, proc.stdout
     from benchmarks import tp
 
-    assert tp.parse_support("K64-disjoint") == (64, "disjoint")
-    for text in ("K0-shared", "64-shared", "K8-overlapping"):
-        with pytest.raises(SystemExit, match="--support: expected K<k>-<kind>"):
-            tp.parse_support(text)
+    assert [v.label for v in tp.parse_variants("support=K64-disjoint,min_p=0.05")] == [
+        "support=K64-disjoint", "min_p=0.05"]
+    for text, message in (("softcap=30", "a TP row takes support, top_k"),
+                          ("support=K0-shared", "support takes K<ids per token>"),
+                          ("top_k=50+support=K8-shared", "do not run with support=")):
+        with pytest.raises(SystemExit, match=message):
+            tp.parse_variants(text)
 
 
 @pytest.mark.slow
