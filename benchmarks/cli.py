@@ -93,10 +93,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="default bf16; smoke fp32")
     tp.add_argument("--steps", type=int, default=None)
     tp.add_argument("--variants", default=None, metavar="KEY=VALUE[+...][,...]",
-                    help="rows whose calls are given a sampler's support (support=K<k>-shared / "
-                         "support=K<k>-disjoint, benchmarks/supports.py; its union size in the row) "
-                         "or its parameters (top_k= / top_p= / min_p=, logit_std=S the logits' "
-                         "spread), in op --variants' grammar, e.g. support=K64-shared,top_p=0.9+logit_std=4")
+                    help="rows whose calls are given a sampler's support (support=K<k>-shared "
+                         "/ support=K<k>-disjoint, benchmarks/supports.py; its union size in the "
+                         "row) or its parameters (top_k= / top_p= / min_p=, logit_std=S the "
+                         "logits' spread), in op --variants' grammar, e.g. "
+                         "support=K64-shared,top_p=0.9+logit_std=4")
     tp.add_argument("--layouts", default="replicated,gather-allreduce,sequence-parallel",
                     help="hidden layouts, comma-separated: replicated, gather-allreduce (a "
                          "sequence-parallel caller gathering by hand), sequence-parallel (the op's "
