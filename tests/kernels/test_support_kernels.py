@@ -15,6 +15,7 @@ import torch
 from tests.support.interpreter import KERNELS, interpreter_only
 from tplogp.backends import memory_budget, native_support
 from tplogp.kernels import support_bits
+from tplogp.support.tensors import KEEP_ALL
 from tplogp.testing.reference import reference_support_outputs
 from tplogp.tolerances import assert_no_worse
 
@@ -229,6 +230,20 @@ def test_column_bits_are_the_definition(v_lo, v_hi):
     tail = support_bits.bit_words(cols) * 32 - cols
     if tail:
         assert torch.all((bits[:, -1].long() & 0xFFFFFFFF) >> (32 - tail) == 0)
+
+
+@pytest.mark.parametrize("edges", [[0, V], [0, 31, 256, 300, V], [64, 65, 512, V], [256, 512]])
+def test_column_chunks_are_column_bits(edges):
+    """Each range's bitmask from the ids sorted by column once equals :func:`column_bits` of the
+    range: ids below the first edge or past the last left out, padding, a row keeping nothing, a
+    row keeping every id (``KEEP_ALL``), bit 31, a one-column range."""
+    _, _, _, _, support = _problem(torch.float32, seed=5)
+    support[5] = -1
+    support[6, 0] = KEEP_ALL
+    chunks = support_bits.ColumnChunks(support, edges)
+    for i, (v_lo, v_hi) in enumerate(zip(edges[:-1], edges[1:])):
+        assert torch.equal(chunks.bits(i), support_bits.column_bits(support, v_lo, v_hi)), i
+        assert torch.all(chunks.bits(i)[6] == -1) and not chunks.bits(i)[5].any()
 
 
 def test_forward_rows_follow_the_budget():

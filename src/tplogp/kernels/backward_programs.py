@@ -57,8 +57,9 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
     ``support``: the rows' sampler's support, shard-local ids int64 ``[N, K]`` (``-1``: none): each
     recomputed chunk masks the columns outside it (``dz = 0`` there), through the bitmask of the
-    chunk's columns (:func:`.support_bits.column_bits`), which the chunk's width leaves room for
-    in ``workspace_bytes``. The kept terms need none: the forward kept 0 for those columns.
+    chunk's columns (:class:`.support_bits.ColumnChunks`: the ids sorted by column once, each
+    chunk's bits from its own ids), which the chunk's width leaves room for in
+    ``workspace_bytes``. The kept terms need none: the forward kept 0 for those columns.
 
     ``d_hidden_in_input_dtype`` (d_hidden is the call's whole gradient): when the shard's d_hidden
     is one GEMM (one chunk, not ``deterministic``, on CUDA), it is returned in the input dtype,
@@ -124,6 +125,10 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     args = (hidden, weight, bias, local_target, row_max, log_sum, g, gmg, ge, mean_rel)
     # one chunk (small shapes): no slicing; otherwise one workspace reused chunk after chunk
     ws = None if len(bounds) == 1 else torch.empty(n * chunk, device=dev, dtype=weight.dtype)
+    # the recomputed chunks' bitmasks, from the support's ids sorted by column once
+    recomputed = [lo for lo, _, from_kept in bounds if not from_kept]
+    chunk_bits = (None if support is None or not recomputed
+                  else support_bits.ColumnChunks(support, recomputed + [v]))
     d_hidden = d_weight = None
     for i_chunk, (v_lo, v_hi, from_kept) in enumerate(bounds):
         if ws is None:
@@ -137,7 +142,7 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             if v_hi == v_keep:
                 kept.release_scales()
         else:
-            bits = None if support is None else support_bits.column_bits(support, v_lo, v_hi)
+            bits = None if chunk_bits is None else chunk_bits.bits(recomputed.index(v_lo))
             launch_dlogits(*args, dz, dbp, v_lo, v_hi, transform, with_entropy, need_db, cfg,
                            precision, tma, gsz=gsz, bits=bits)
             del bits

@@ -14,6 +14,12 @@ distinct and their sum is their OR, without a carry and without overflow (bits 0
 ``2^31 - 1``; adding ``-2^31`` stays in range). Ids outside the range and ``-1`` add 0 to a word of
 their own row (spread over the row's words: not one shared word). No host sync.
 
+The backward's column chunks (:class:`ColumnChunks`): their bitmasks come from the support's ids
+sorted by column once (one sort of the ``N K`` ids, one host read: where each chunk's ids start),
+each chunk then one ``scatter_add`` of its own ids alone, where :func:`column_bits` at every chunk
+would read all ``N K`` ids again (a wide support, over a few dozen chunks, spent more time there
+than in the chunks' GEMMs' worth of columns it masked).
+
 Memory (:func:`forward_rows`): the forward masks the whole shard, so its bitmask is
 ``rows * cdiv(V, 32) * 4`` bytes; a call whose rows' bitmask exceeds the budget's transient part
 runs its forward in token chunks whose bitmask fits (each chunk reads the weight again). The
@@ -62,6 +68,47 @@ def column_bits(ids: torch.Tensor, v_lo: int, v_hi: int) -> torch.Tensor:
     return out.masked_fill_(every.unsqueeze(1), -1)
 
 
+def _words_of(rows: torch.Tensor, rel: torch.Tensor, n: int, cols: int) -> torch.Tensor:
+    """int32 ``[n, bit_words(cols)]``: the bits of columns ``rel`` (in ``[0, cols)``) of rows
+    ``rows`` (integer tensors), distinct per row, summed into their words (module docstring)."""
+    words = bit_words(cols)
+    out = torch.zeros((n, words), dtype=torch.int32, device=rel.device)
+    if rel.numel() == 0 or words == 0:
+        return out
+    rel = rel.long()
+    shift = rel & (WORD_BITS - 1)
+    one = torch.where(shift == WORD_BITS - 1, -(1 << (WORD_BITS - 1)),
+                      torch.ones_like(rel) << shift).to(torch.int32)  # bit 31 as -2^31
+    out.view(-1).scatter_add_(0, rows.long() * words + (rel >> 5), one)
+    return out
+
+
+class ColumnChunks:
+    """The bitmasks of the column ranges ``[edges[i], edges[i + 1])`` of one support (int64
+    ``[rows, K]``, shard-local ids, ``-1`` for none, a ``KEEP_ALL`` row keeping every column), each
+    :func:`column_bits`' of its range, from the ids sorted by column once (module docstring).
+    ``edges``: increasing column boundaries; one host read here."""
+
+    def __init__(self, ids: torch.Tensor, edges: list[int]) -> None:
+        self.ids, self.edges = ids, list(edges)
+        self.n, k = ids.shape
+        self.every = ids[:, 0] == KEEP_ALL if k else None
+        flat = ids.reshape(-1)
+        # (padding and KEEP_ALL sort past every range; int32: half the bytes of the held ids)
+        key = torch.where(flat >= 0, flat, self.edges[-1]).to(torch.int32)
+        self.cols, order = key.sort()
+        self.rows = (order // k if k else order).to(torch.int32)
+        at = torch.tensor(self.edges, dtype=self.cols.dtype, device=self.cols.device)
+        self.starts = torch.searchsorted(self.cols, at).tolist()
+
+    def bits(self, i: int) -> torch.Tensor:
+        """Range ``i``'s bitmask: int32 ``[rows, bit_words(edges[i + 1] - edges[i])]``."""
+        v_lo, v_hi = self.edges[i], self.edges[i + 1]
+        s, e = self.starts[i], self.starts[i + 1]
+        out = _words_of(self.rows[s:e], self.cols[s:e] - v_lo, self.n, v_hi - v_lo)
+        return out if self.every is None else out.masked_fill_(self.every.unsqueeze(1), -1)
+
+
 def forward_rows(n: int, v: int, budget_bytes: int, align: int) -> int:
     """Token rows per forward chunk: all ``n`` when their bitmask of the ``v`` shard columns fits
     ``budget_bytes`` (the transient part of the call's budget), else the most that fit, a multiple
@@ -81,4 +128,5 @@ def chunk_itemsize_budget(workspace_bytes: int, itemsize: int) -> int:
     return workspace_bytes * 8 * itemsize // (8 * itemsize + 1)
 
 
-__all__ = ["WORD_BITS", "bit_words", "column_bits", "forward_rows", "chunk_itemsize_budget"]
+__all__ = ["WORD_BITS", "bit_words", "column_bits", "ColumnChunks", "forward_rows",
+           "chunk_itemsize_budget"]
