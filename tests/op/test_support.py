@@ -65,6 +65,8 @@ def _take(path: str, monkeypatch) -> list[bool]:
             monkeypatch.setattr(native_support, name, value)
     if path == "chunks":
         monkeypatch.setattr(support_pairs, "MAX_IDS", 0)  # (never from the pairs)
+    if path == "pairs":  # (rows grouped by size in several widths: 2, 4, 6)
+        monkeypatch.setattr(support_pairs, "BUCKET", 2)
     for name in ("forward_stats", "forward_single", "backward"):
         real_pairs = getattr(support_pairs, name)
         monkeypatch.setattr(support_pairs, name,
@@ -639,6 +641,41 @@ def test_chunked_backward_accumulators_within_the_budget(source, rows_way, monke
         assert set(backwards) == {way} and torch.isfinite(w.grad).all(), (way, backwards)
         pairs_calls += backwards.count("pairs")
     assert len(ways) == pairs_calls + 2, (ways, pairs_calls)  # (+ the op's two pairs calls)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_wide_ragged_supports_run_from_their_pairs(source, monkeypatch):
+    """A support wider than ``support_pairs.MAX_IDS`` whose rows mostly keep one id runs from its
+    (token, id) pairs, its rows grouped by size (``BUCKET`` 2: widths 2 and 6; the ignored tokens'
+    rows, without ids, run nothing), forward and backward, with the definition's values and
+    gradients; where its grouped pairs pass ``MAX_IDS / 2`` a token, it does not."""
+    monkeypatch.setattr(native_support, "GATHER_FRACTION", PATHS["pairs"])
+    for name, value in CHUNKS.items():
+        monkeypatch.setattr(native_support, name, value)
+    monkeypatch.setattr(support_pairs, "BUCKET", 2)
+    ran = []
+    for name in ("forward_stats", "forward_single", "backward"):
+        real = getattr(support_pairs, name)
+        monkeypatch.setattr(support_pairs, name,
+                            lambda *args, real=real, name=name: ran.append(name) or real(*args))
+    hidden, weight, bias, target, support = _problem(seed=31, ignore=True)
+    rows = support.reshape(B * L, K).clone()
+    for t, y in enumerate(target.reshape(-1).tolist()):
+        if t not in (0, 3) and y != IGNORE:  # (row 3 keeps K ids; the others their target)
+            rows[t] = -1
+            rows[t, 0] = y
+    support = rows.reshape(B, L, K)
+    problem = (hidden, weight, bias, target, support)
+    assert support_pairs.pair_rows(rows).pairs() <= B * L * (K - 1) // 2
+    op = tplogp.get_op("linear_logp", source)
+    for widest, runs in ((K - 1, True), (1, False)):
+        ran.clear()
+        monkeypatch.setattr(support_pairs, "MAX_IDS", widest)
+        ours, leaves = _call(op, problem, support, ignore_index=IGNORE)
+        found = _compare(ours, leaves, problem, support, _upstream((B, L), 32),
+                         ignore_index=IGNORE)
+        assert not found, f"MAX_IDS {widest}: " + "; ".join(found)
+        assert ("backward" in ran) == runs and bool(ran) == runs, (widest, ran)
 
 
 def test_chunk_unions_are_each_chunks_own():

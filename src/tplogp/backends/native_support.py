@@ -192,13 +192,23 @@ def keeps_all(call: ShardCall) -> bool:
 
 
 def by_pairs(call: ShardCall, weight: torch.Tensor) -> bool:
-    """Whether the call runs from its (token, id) pairs (:mod:`tplogp.backends.support_pairs`):
-    supports of at most ``support_pairs.MAX_IDS`` ids that the token-chunk way would take
-    (:func:`chunk_rows`), and no sum of the logits asked for (it reaches every column). A function
-    of the call alone: its forward and its backward decide alike."""
-    return (call.support is not None and 0 < call.support.shape[1] <= support_pairs.MAX_IDS
-            and not call.with_sum_z
-            and chunk_rows(call.support.shape[0], weight.shape[0], call) is not None)
+    """Whether the call runs from its (token, id) pairs (:mod:`tplogp.backends.support_pairs`),
+    where no sum of the logits is asked for (it reaches every column): supports of at most
+    ``support_pairs.MAX_IDS`` ids that the token-chunk way would take (:func:`chunk_rows`), and
+    wider ragged ones whose rows, grouped by size, run at most ``MAX_IDS / 2`` pairs a token on
+    average (:func:`tplogp.backends.support_pairs.pair_rows`: one host read, the call's sizes,
+    kept for its backward) where the token-chunk way's conditions but the width hold. A function of
+    the call alone: its forward and its backward decide alike."""
+    support = call.support
+    if support is None or support.shape[1] == 0 or call.with_sum_z:
+        return False
+    n = support.shape[0]
+    if support.shape[1] <= support_pairs.MAX_IDS:
+        return chunk_rows(n, weight.shape[0], call) is not None
+    if (call.deterministic or n < MIN_CHUNK_ROWS or weight.shape[0] == 0 or call.support_narrowed
+            or call.support_union is not None or keeps_all(call)):
+        return False
+    return support_pairs.pair_rows(support).pairs() <= n * support_pairs.MAX_IDS // 2
 
 
 def chunk_unions(support: torch.Tensor, rows: int, v: int) -> list[torch.Tensor]:

@@ -8,6 +8,11 @@ asked by the sources' forwards and by :func:`tplogp.backends.native_support.gath
 Forward and backward compute the pairs' logits the same way, in the same token chunks: the same
 bits, so ``z - M`` is exact at a row's max and ``1 - p`` does not cancel there.
 
+Rows by size (:func:`pair_rows`): each row's ids packed first, the rows grouped by their count
+rounded up to ``BUCKET`` ids (one host read: the groups' sizes), each group run at its own width,
+so a ragged support (a sampler's top-p sets) costs its ids, not ``N`` times its widest row; rows
+without ids run nothing.
+
 The pairs' logits (:func:`_pair_logits`), per token chunk of ``T`` rows (the gathered weight rows
 within the budget's transient part): the weight rows of each row's ids ``W[S_t]`` (``[T, K, D]``),
 ``z[t, k] = cap(h_t . W[S_t[k]] + b) / T`` in fp32 (one batched product with fp32 accumulation, the
@@ -50,7 +55,8 @@ the backward).
 
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -60,18 +66,66 @@ from . import memory_budget
 from .base import ShardCall, ShardGrads, ShardStats, SingleShardOutputs
 from .native_tiles import call_logit_transform
 
-MAX_IDS = 64  # the widest support (ids per token) this way takes
+MAX_IDS = 64  # the widest support (ids per token) this way takes whatever its rows' sizes
+BUCKET = 16  # a group's width: its rows' id counts rounded up to this
 # d_W from the union's columns (GEMMs) while the union has at most this many ids per support id
 COLUMNS_PER_ID = 4096
 
 
-def _chunk_rows(source: str, weight: torch.Tensor, call: ShardCall) -> int:
-    """Token rows per chunk: their gathered weight rows (and, where the batched products upcast
-    them, their fp32 copies) within the call's transient budget."""
+def _chunk_rows(source: str, weight: torch.Tensor, call: ShardCall, width: int) -> int:
+    """Token rows per chunk of ``width`` ids: their gathered weight rows (and, where the batched
+    products upcast them, their fp32 copies) within the call's transient budget."""
     transient = _transient(source, weight, call)
-    per_row = call.support.shape[1] * weight.shape[1] * (
+    per_row = width * weight.shape[1] * (
         weight.element_size() + (0 if fp32_gemm.bmm_keeps_dtype(weight) else 4))
     return max(1, transient // max(per_row, 1))
+
+
+class PairRows(NamedTuple):
+    """A support's rows grouped by size (:func:`pair_rows`)."""
+
+    packed: torch.Tensor  # int64 [n, K]: each row's ids first (descending), -1 after
+    order: torch.Tensor  # int64 [n]: the rows, by group
+    groups: list  # (r0, r1, width): order[r0:r1] hold at most width ids each (width >= 1)
+
+    def pairs(self) -> int:
+        """The pairs the groups run (padding included)."""
+        return sum((r1 - r0) * width for r0, r1, width in self.groups)
+
+
+_LAST: list = [None, None]  # (a weak reference to the last support, its PairRows)
+
+
+def pair_rows(support: torch.Tensor) -> PairRows:
+    """The rows of ``support`` (int64 ``[n, K]``, ``-1`` for none) grouped by their id count
+    rounded up to ``BUCKET`` (module docstring); the last support's kept, so the forward, the
+    backward and the way's choice read its sizes once."""
+    ref, rows = _LAST
+    if ref is not None and ref() is support:
+        return rows
+    n, k = support.shape
+    packed = support.sort(dim=1, descending=True).values
+    buckets = ((support >= 0).sum(1) + BUCKET - 1) // BUCKET
+    order = buckets.argsort(stable=True)
+    counts = torch.bincount(buckets, minlength=-(-k // BUCKET) + 1).tolist()  # (one host read)
+    groups, r0 = [], counts[0]  # (rows without ids: nothing to run)
+    for g, count in enumerate(counts[1:], start=1):
+        if count:
+            groups.append((r0, r0 + count, min(g * BUCKET, k)))
+            r0 += count
+    rows = PairRows(packed, order, groups)
+    _LAST[:] = [weakref.ref(support), rows]
+    return rows
+
+
+def _chunks(source: str, weight: torch.Tensor, call: ShardCall):
+    """``(row indices, their packed ids [T, width])`` of each token chunk of each group."""
+    plan = pair_rows(call.support)
+    for r0, r1, width in plan.groups:
+        step = _chunk_rows(source, weight, call, width)
+        for c0 in range(r0, r1, step):
+            idx = plan.order[c0:min(c0 + step, r1)]
+            yield idx, plan.packed.index_select(0, idx)[:, :width]
 
 
 def _pair_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -92,30 +146,29 @@ def forward_stats(source: str, hidden: torch.Tensor, weight: torch.Tensor,
                   call: ShardCall) -> ShardStats:
     """The shard's statistics of a call run from its pairs (module docstring)."""
     n, dev = hidden.shape[0], hidden.device
-    row_max = torch.empty(n, dtype=torch.float32, device=dev)
-    sum_exp = torch.empty_like(row_max)
-    target_logit = torch.empty_like(row_max)
-    sum_exp_z = torch.empty_like(row_max) if call.with_entropy else None
-    argmax = torch.empty_like(row_max) if call.with_argmax else None
-    rows = _chunk_rows(source, weight, call)
-    for t0 in range(0, n, rows):
-        t1 = min(t0 + rows, n)
-        ids, lt = call.support[t0:t1], local_target[t0:t1]
-        z, _ = _pair_logits(hidden[t0:t1], weight, bias, ids, call)
+    # (a row without ids: no logit, S = 0; its target, where the shard owns it, not kept)
+    row_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    sum_exp = torch.zeros_like(row_max)
+    target_logit = torch.where(local_target >= 0, float("-inf"), 0.0).float()
+    sum_exp_z = torch.zeros_like(row_max) if call.with_entropy else None
+    argmax = torch.zeros_like(row_max) if call.with_argmax else None
+    for idx, ids in _chunks(source, weight, call):
+        lt = local_target.index_select(0, idx)
+        z, _ = _pair_logits(hidden.index_select(0, idx), weight, bias, ids, call)
         m = z.amax(1)
         rel = z - rescale_max(m).unsqueeze(1)
         e = torch.exp(rel)
-        row_max[t0:t1] = m
-        sum_exp[t0:t1] = e.sum(1)
+        row_max.index_copy_(0, idx, m)
+        sum_exp.index_copy_(0, idx, e.sum(1))
         if sum_exp_z is not None:
-            sum_exp_z[t0:t1] = floored(rel).mul_(e).sum(1)
+            sum_exp_z.index_copy_(0, idx, floored(rel).mul_(e).sum(1))
         hit = ids == lt.unsqueeze(1)
         picked = torch.where(hit, z, float("-inf")).amax(1)  # (-inf: owned, not kept)
-        target_logit[t0:t1] = torch.where(lt >= 0, picked, 0.0)
+        target_logit.index_copy_(0, idx, torch.where(lt >= 0, picked, 0.0))
         if argmax is not None:
             top = (z == m.unsqueeze(1)) & (ids >= 0) & (m > float("-inf")).unsqueeze(1)
             lowest = torch.where(top, ids, weight.shape[0]).amin(1)
-            argmax[t0:t1] = torch.where(lowest < weight.shape[0], lowest, 0).float()
+            argmax.index_copy_(0, idx, torch.where(lowest < weight.shape[0], lowest, 0).float())
     return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, None, argmax)
 
 
@@ -151,28 +204,30 @@ def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     n, d = hidden.shape
-    v, k = weight.shape[0], call.support.shape[1]
-    rows = _chunk_rows(source, weight, call)
-    d_hidden = torch.empty(n, d, dtype=torch.float32, device=hidden.device) if need_h else None
-    dz_all = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
-    for t0 in range(0, n, rows):
-        t1 = min(t0 + rows, n)
-        ids = call.support[t0:t1]
+    v = weight.shape[0]
+    # (rows without ids get no gradient)
+    d_hidden = torch.zeros(n, d, dtype=torch.float32, device=hidden.device) if need_h else None
+    pair_ids, pair_tokens, pair_dz = [], [], []
+    for idx, ids in _chunks(source, weight, call):
         slopes: list = []  # (the transform's slope, where it has one)
-        z, w_rows = _pair_logits(hidden[t0:t1], weight, bias, ids, call, slopes)
-        dz = _pair_dz(z, ids, local_target[t0:t1], row_max[t0:t1], log_sum[t0:t1],
-                      grad_logp[t0:t1], None if grad_entropy is None else grad_entropy[t0:t1],
-                      None if grad_lse is None else grad_lse[t0:t1],
-                      None if mean_rel is None else mean_rel[t0:t1], call,
-                      slopes[0] if slopes else None)
-        dz_all[t0:t1] = dz
+        z, w_rows = _pair_logits(hidden.index_select(0, idx), weight, bias, ids, call, slopes)
+        per_row = [None if t is None else t.index_select(0, idx)
+                   for t in (local_target, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
+                             mean_rel)]
+        dz = _pair_dz(z, ids, *per_row, call, slopes[0] if slopes else None)
+        if need_w or need_b:
+            pair_ids.append(ids.reshape(-1))
+            pair_tokens.append(idx.repeat_interleave(ids.shape[1]))
+            pair_dz.append(dz.reshape(-1))
         if need_h:  # (dz in the weight's dtype, as the fused kernels' d_logits)
-            d_hidden[t0:t1] = fp32_gemm.bmm(dz.to(w_rows.dtype).unsqueeze(1), w_rows).squeeze(1)
+            d_hidden.index_copy_(0, idx, fp32_gemm.bmm(dz.to(w_rows.dtype).unsqueeze(1),
+                                                       w_rows).squeeze(1))
     if d_hidden_ready is not None and d_hidden is not None:
         d_hidden_ready(d_hidden)
     d_w = d_b = None
     if need_w or need_b:
-        ids = torch.where(call.support >= 0, call.support, v).view(-1)  # (padding: row v, dz 0)
+        ids = torch.cat(pair_ids) if pair_ids else hidden.new_zeros(0, dtype=torch.int64)
+        ids = torch.where(ids >= 0, ids, v)  # (padding: row v, dz 0)
         order = ids.argsort(stable=True)
         acc_w, acc_b = accumulate if accumulate is not None else (None, None)
         acc_w, acc_b = (acc_w if need_w else None), (acc_b if need_b else None)
@@ -180,8 +235,11 @@ def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
         first = torch.ones_like(sorted_ids, dtype=torch.bool)  # the first pair of each id's run
         first[1:] = sorted_ids[1:] != sorted_ids[:-1]
         run_starts = first.nonzero().squeeze(1)  # (one host read: the union's size)
-        dz_sorted, tokens = dz_all.view(-1)[order], order // k
+        dz_all = torch.cat(pair_dz) if pair_dz else hidden.new_zeros(0, dtype=torch.float32)
+        tokens_all = torch.cat(pair_tokens) if pair_tokens else ids
+        dz_sorted, tokens = dz_all[order], tokens_all[order]
         w_dtype, b_dtype = weight.dtype if need_w else None, bias.dtype if need_b else None
+        k = max(1, -(-ids.numel() // max(n, 1)))  # (the pairs per token, on average)
         if run_starts.numel() <= COLUMNS_PER_ID * k:  # (module docstring)
             d_w, d_b = _rows_by_columns(sorted_ids, dz_sorted, tokens, hidden, v, w_dtype, b_dtype,
                                         transient, acc_w, acc_b, first, run_starts)
@@ -312,4 +370,5 @@ def _rows_summed(ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor, hidde
     return d_w, d_b
 
 
-__all__ = ["MAX_IDS", "forward_stats", "forward_single", "backward"]
+__all__ = ["MAX_IDS", "BUCKET", "PairRows", "pair_rows", "forward_stats", "forward_single",
+           "backward"]
