@@ -742,3 +742,24 @@ def test_keeps_every_id_read_only_for_computed_supports(source, monkeypatch):
     told.clear()
     tplogp.get_op("linear_logp", source)(hidden, weight, target, bias, top_p=with_off)
     assert told and all(t == (True, True) for t in told), told
+
+
+def test_pair_rows_group_rows_by_size_and_follow_writes():
+    """Rows grouped by their id count rounded up to ``BUCKET`` (each row's ids first), rows
+    without ids in no group; the groups of a support written in place are found again."""
+    support = torch.tensor([[-1, -1, -1, -1], [5, -1, 7, -1], [1, 2, 3, 4], [-1, 9, -1, -1],
+                            [-1, -1, -1, -1]])
+    rows = support_pairs.pair_rows(support)
+    assert rows.groups[0][2] == min(support_pairs.BUCKET, 4)
+    assert sum(r1 - r0 for r0, r1, _ in rows.groups) == 3
+    kept = rows.order[rows.groups[0][0]:rows.groups[-1][1]].tolist()
+    assert sorted(kept) == [1, 2, 3]
+    for r in kept:
+        width = int((support[r] >= 0).sum())
+        own = support[r][support[r] >= 0]
+        assert sorted(rows.packed[r, :width].tolist()) == sorted(own.tolist())
+        assert (rows.packed[r, width:] == -1).all()
+    assert support_pairs.pair_rows(support) is rows  # (the same call: read once)
+    support[0, 1] = 11
+    again = support_pairs.pair_rows(support)
+    assert again is not rows and sum(r1 - r0 for r0, r1, _ in again.groups) == 4

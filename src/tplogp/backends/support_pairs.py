@@ -93,15 +93,17 @@ class PairRows(NamedTuple):
         return sum((r1 - r0) * width for r0, r1, width in self.groups)
 
 
-_LAST: list = [None, None]  # (a weak reference to the last support, its PairRows)
+# a weak reference to the last support, its version counter (in-place writes change it) and its
+# PairRows
+_LAST: list = [None, -1, None]
 
 
 def pair_rows(support: torch.Tensor) -> PairRows:
     """The rows of ``support`` (int64 ``[n, K]``, ``-1`` for none) grouped by their id count
     rounded up to ``BUCKET`` (module docstring); the last support's kept, so the forward, the
     backward and the way's choice read its sizes once."""
-    ref, rows = _LAST
-    if ref is not None and ref() is support:
+    ref, version, rows = _LAST
+    if ref is not None and ref() is support and version == support._version:
         return rows
     n, k = support.shape
     packed = support.sort(dim=1, descending=True).values
@@ -114,7 +116,7 @@ def pair_rows(support: torch.Tensor) -> PairRows:
             groups.append((r0, r0 + count, min(g * BUCKET, k)))
             r0 += count
     rows = PairRows(packed, order, groups)
-    _LAST[:] = [weakref.ref(support), rows]
+    _LAST[:] = [weakref.ref(support), support._version, rows]
     return rows
 
 
