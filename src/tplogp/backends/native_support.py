@@ -12,7 +12,8 @@ weight rows of that union alone (the ids become positions among them), and its a
 ``d_W`` / ``d_b`` rows are put back at the shard's ids (:func:`scattered_argmax`,
 :func:`scattered_grads`). When the whole union is large but each token's support is narrow, the call
 runs from its (token, id) pairs alone (:func:`by_pairs`, :mod:`tplogp.backends.support_pairs`:
-supports of at most ``support_pairs.MAX_IDS`` ids), or token chunk by token chunk, each chunk on
+supports of at most ``support_pairs.MAX_IDS`` ids, and wider ragged ones whose rows, grouped by
+size, hold few pairs), or token chunk by token chunk, each chunk on
 the gathered rows of its own small union (:func:`chunk_rows`, :func:`chunked_forward`,
 :func:`chunked_backward`). These ways are source-agnostic: the triton and sm90 sources take them
 too (:mod:`tplogp.backends.fused_support`).
@@ -153,9 +154,9 @@ def gathered_accumulators(accumulate: Optional[tuple], rows: int) -> Optional[tu
 # the whole shard. Not under ``deterministic`` (as :func:`gathered`). The backward adds each
 # chunk's ``d_W`` / ``d_b`` rows to fp32 accumulators: the fused loss's own, else ``4 V (D + 1)``
 # bytes made for it where the call's memory budget holds them (:func:`accumulators_fit`; else the
-# backward masks the whole shard). Supports of at most ``support_pairs.MAX_IDS`` ids do not take
-# this way: they run from their (token, id) pairs (:func:`by_pairs`,
-# :mod:`tplogp.backends.support_pairs`).
+# backward masks the whole shard). Supports that :func:`by_pairs` takes (at most
+# ``support_pairs.MAX_IDS`` ids, or ragged with few pairs) do not take this way: they run from
+# their (token, id) pairs (:mod:`tplogp.backends.support_pairs`).
 CHUNK_IDS = 16384
 CHUNK_FRACTION = 0.25  # a chunk's ids at most, over the shard's
 MIN_CHUNK_ROWS = 128
