@@ -625,3 +625,33 @@ def test_tp_bad_parameters_raise_on_every_rank(tp, vocab_shards):
     everyone = tp.all_gather_object(outcome)
     tp.assert_all(all(o == everyone[0] for o in everyone), str(everyone))
     tp.assert_all(all(o.endswith(": ok") for o in outcome), str(outcome))
+
+
+@pytest.mark.parametrize("case", ["min_p", "top_p-min_p", "per-token"])
+def test_min_p_rows_collect_above_their_max_in_the_first_round(case, monkeypatch):
+    """Rows with min-p and no top-k take no ``topk`` in the first round: they collect the ids at
+    least their running max plus ``log(min_p)`` (the other rows take their largest logits); the
+    kept ids are the definition's."""
+    calls = []
+    real_largest, real_collect = sampler_passes._largest, sampler_passes._collect
+
+    def largest(out, h, *args):
+        calls.append(("largest", h.shape[0]))
+        return real_largest(out, h, *args)
+
+    def collect(out, h, *args, offset=None, **kw):
+        calls.append(("above" if offset is not None else "edge", h.shape[0]))
+        return real_collect(out, h, *args, offset=offset, **kw)
+
+    monkeypatch.setattr(sampler_passes, "_largest", largest)
+    monkeypatch.setattr(sampler_passes, "_collect", collect)
+    problem, params = _problem(seed=5), _params(case)
+    ours, truth = _our_mask(problem, params), _truth_mask(problem, params)
+    assert not _mismatch(ours, truth), _mismatch(ours, truth)
+    first = [c for c in calls if c[0] != "edge"][:2]
+    if case == "per-token":  # (rows with a top-k, or min-p off, take their largest)
+        k, min_p = params["top_k"].reshape(-1), params["min_p"].reshape(-1)
+        by_min_p = int((((k <= 0) | (k >= V)) & (min_p > 0)).sum())  # (k >= V: off)
+        assert first[0] == ("above", by_min_p) and first[1][0] == "largest", calls
+    else:
+        assert first[0] == ("above", N) and all(c[0] != "largest" for c in calls), calls

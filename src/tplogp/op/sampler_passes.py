@@ -113,16 +113,22 @@ def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
 def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
                       call: ShardCall, tile_elements: int,
                       deterministic: bool, with_lse: bool = True,
-                      edge: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      edge: Optional[torch.Tensor] = None,
+                      above: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
     shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
     candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 ``[rows, 3]``:
     the bound ``lo``, the max and the last bin ``b``) *collect*: their candidates are this
     shard's ids of the bins ``0 .. b`` between ``lo`` and the max (:func:`_bins_of`; ``m`` of
     them when more are, a row the round takes again), the floor the largest logit of the others,
-    the statistics ``-inf`` (not read) and how many ids those bins hold. The other rows take the
-    ``m`` largest logits, the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m``
-    ids), the statistics the row max and (``with_lse``; else 0) ``sum exp(z - max)``."""
+    the statistics ``-inf`` (not read) and how many ids those bins hold. Or the first
+    ``len(above)`` rows (``above``: float64 ``[rows]``, a min-p's ``log(min_p)``) collect the ids
+    at least their running max plus ``above`` (rounded down to fp32: at least the ids of every
+    logit at or above the row's max plus ``above``, whatever the later chunks' max), the floor
+    the largest logit of the others, the statistics the row max and how many ids they hold (a row
+    with more than ``m`` the round takes again). The other rows take the ``m`` largest logits,
+    the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m`` ids), the statistics the
+    row max and (``with_lse``; else 0) ``sum exp(z - max)``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
     out[:, m:2 * m] = -1
@@ -131,8 +137,11 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
         return out
     c = 0 if edge is None else edge.shape[0]
     if c:
-        _collect(out[:c], h[:c], w, b, bin_scale(edge[:, 0], edge[:, 1]), edge[:, 2], m,
-                 call, tile_elements, deterministic)
+        threshold = _threshold(bin_scale(edge[:, 0], edge[:, 1]), edge[:, 2].to(torch.int64))
+        _collect(out[:c], h[:c], w, b, m, call, tile_elements, deterministic, threshold=threshold)
+    elif above is not None and above.shape[0]:
+        c = above.shape[0]
+        _collect(out[:c], h[:c], w, b, m, call, tile_elements, deterministic, offset=above)
     if c < n:
         _largest(out[c:], h[c:], w, b, m, call, tile_elements,
                  deterministic, with_lse)
@@ -205,47 +214,68 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         out[t0:t1, 2 * m + 2] = sum_exp[keep].double()
 
 
+def _below32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values at most ``x`` (float64), each within two ulp of it; ``+inf`` stays."""
+    y = x.float()
+    return torch.where(y == float("inf"), y, torch.nextafter(y, y.new_full((), float("-inf"))))
+
+
 def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-             scale: torch.Tensor, last: torch.Tensor, m: int, call: ShardCall,
-             tile_elements: int, deterministic: bool) -> None:
-    """:func:`shard_candidates`' collecting rows (``scale``: :func:`bin_scale`'s, ``last``: the
-    last bin each takes), written into ``out``: per vocab chunk, the ids of those bins (those at
-    least the row's :func:`_threshold`) get their slots from a running count (and, on the torch
-    path, a cumulative sum along the row) and go into ``[rows, m]`` buffers (slots past ``m``
-    dropped): no host read, whatever the count."""
+             m: int, call: ShardCall, tile_elements: int, deterministic: bool,
+             threshold: Optional[torch.Tensor] = None,
+             offset: Optional[torch.Tensor] = None) -> None:
+    """:func:`shard_candidates`' collecting rows, written into ``out``: per vocab chunk, the ids at
+    least the row's ``threshold`` (fp32; the edge's, :func:`_threshold`), or at least its running
+    max plus ``offset`` (float64, rounded down to fp32; the row max then goes to the statistics),
+    get their slots from a running count (and, on the torch path, a cumulative sum along the row)
+    and go into ``[rows, m]`` buffers (slots past ``m`` dropped): no host read, whatever the
+    count."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     vc = max(64, tile_elements // (2 * tc))
-    threshold = _threshold(scale, last.to(torch.int64))
     kernels = tile_kernels(dev)
     drop = 0 if kernels is not None else drop_columns(dev)
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
         pad = rows - (t1 - t0)  # (padding rows: nothing collected)
-        at_least = torch.cat([threshold[t0:t1], threshold.new_full((pad,), float("inf"))])
+        if offset is None:
+            at_least = torch.cat([threshold[t0:t1], threshold.new_full((pad,), float("inf"))])
+        else:
+            shift = torch.cat([offset[t0:t1], offset.new_full((pad,), float("inf"))])
+        row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
         vals = torch.full((rows, m + drop), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, m + drop), -1, dtype=torch.int64, device=dev)
+        blocks = [] if kernels is None else [kernels.collect_blocks(min(v0 + vc, v) - v0)
+                                             for v0 in range(0, v, vc)]
         if kernels is not None:
             held = torch.zeros(rows, dtype=torch.int32, device=dev)
-            blocks = [kernels.collect_blocks(min(v0 + vc, v) - v0) for v0 in range(0, v, vc)]
-            below = torch.full((rows, sum(blocks)), float("-inf"), dtype=torch.float32, device=dev)
-            b0 = 0
-            for v0, nb in zip(range(0, v, vc), blocks):
-                z = call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
-                kernels.collect_at_least(z, at_least, v0, vals, ids, held, below[:, b0:b0 + nb])
-                b0 += nb
-            below, held = below.amax(1), held[:, None]
+            below = torch.full((rows, sum(blocks)), float("-inf"), dtype=torch.float32,
+                               device=dev)
         else:
             held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
             below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-            for v0 in range(0, v, vc):
-                v1 = min(v0 + vc, v)
-                z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
+        b0 = 0
+        for i, v0 in enumerate(range(0, v, vc)):
+            v1 = min(v0 + vc, v)
+            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
+            if offset is not None:  # (the running max: the threshold only falls behind it)
+                row_max = torch.maximum(row_max, z.amax(1))
+                # (a row of -inf logits so far: nothing to collect yet)
+                at_least = _below32(torch.where(row_max == float("-inf"), float("inf"),
+                                                row_max.double() + shift))
+            if kernels is not None:
+                kernels.collect_at_least(z, at_least, v0, vals, ids, held,
+                                         below[:, b0:b0 + blocks[i]])
+                b0 += blocks[i]
+            else:
                 held = _collect_tile(z, at_least, v0, m, vals, ids, held, below)
+        if kernels is not None:
+            below, held = below.amax(1), held[:, None]
         keep = slice(0, t1 - t0)
         out[t0:t1, :m] = vals[keep, :m].double()
         out[t0:t1, m:2 * m] = torch.where(vals[keep, :m] > float("-inf"), ids[keep, :m], -1)
         out[t0:t1, 2 * m] = below[keep].double()
+        out[t0:t1, 2 * m + 1] = row_max[keep].double()
         out[t0:t1, 2 * m + 2] = held[keep, 0].double()
 
 

@@ -38,6 +38,12 @@ support's logits (min-p's ``max z + log(min_p)``; for top-p alone ``lse + log((1
 Tokens whose answer is not yet exact run again (only they, every rank alike: the decision comes
 from the gathered data).
 
+Tokens with min-p and no top-k take no ``topk`` in the first round: each rank collects its ids at
+least its running max plus ``log(min_p)`` (rounded down to fp32; the max only rises, so this holds
+every id of the support: a rank's max is at most the merged one), as a collecting round does (below),
+and the floor is the largest logit not collected; the answer is then exact unless a rank held more
+than ``M`` such ids (those rows count and collect from their bound, below).
+
 Tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts its logits
 in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z) 64 / (max - lo))`` in
 fp32, non-increasing in ``z``, so the ids of the top bins are a top set of the logits; below ``lo``:
@@ -224,14 +230,17 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     todo = on.nonzero().squeeze(1)  # (a host read)
     count = todo.numel()
     # rows with a top-k need k + SLACK candidates at most; top-p alone normalizes with the lse
-    k_max, unbounded, top_p_alone = 0, count, 0
+    k_max, unbounded, top_p_alone, above = 0, count, 0, 0
     if count:
         p = params.rows(todo)
         k = p.top_k if p.top_k is not None else torch.zeros_like(todo)
         alone = (k <= 0) & (p.min_p <= 0 if p.min_p is not None else True)
         alone &= p.top_p < 1 if p.top_p is not None else False
-        k_max, unbounded, top_p_alone = torch.stack([k.max(), (k <= 0).sum(),
-                                                     alone.sum()]).tolist()
+        # min-p without top-k: the first round collects above the running max (no topk); first
+        by_min_p = (k <= 0) & (p.min_p > 0) if p.min_p is not None else torch.zeros_like(alone)
+        todo = todo[(~by_min_p).to(torch.int8).argsort(stable=True)]
+        k_max, unbounded, top_p_alone, above = torch.stack([
+            k.max(), (k <= 0).sum(), alone.sum(), by_min_p.sum()]).tolist()
     m = k_max + SLACK
     if unbounded:
         m = max(m, MIN_CANDIDATES)
@@ -249,7 +258,9 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             edge = torch.stack([lo[:collecting], top[:collecting], last[:collecting]], 1)
         part = shard_candidates(hidden.index_select(0, todo), weight, bias, m, call,
                                  tile_elements, deterministic,
-                                 first and bool(top_p_alone), edge)
+                                 first and bool(top_p_alone), edge,
+                                 torch.log(rows_params.min_p[:above].double())
+                                 if first and above else None)
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
         if world > 1:
@@ -269,9 +280,10 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         kept, exact, need = _decide(x, lse, floor, rows_params)
         # exact too: every id at or above a bound of the support's logits is a candidate
         exact |= floor < lo
-        # a collecting row whose edge holds more ids than the round's candidates on some rank
+        # a collecting row (the first round's: a min-p's above its max) whose ids pass the
+        # round's candidates on some rank
         held = ranks[:, :, 2 * m + 2].max(0).values
-        was = torch.arange(count, device=dev) < collecting
+        was = torch.arange(count, device=dev) < (above if first else collecting)
         exact &= ~(was & (held > m))
         lengths = kept.sum(1)
         done.append((todo[exact], ranked_ids[exact], lengths[exact]))
