@@ -159,7 +159,8 @@ def drop_columns(request, monkeypatch) -> None:
         monkeypatch.setattr(sampler_passes, "drop_columns", lambda device: sampler_passes.SPREAD)
     if request.param == "kernels":
         if not INTERPRETING:
-            pytest.skip("the tile kernels run here in Triton's CPU interpreter (TRITON_INTERPRET=1)")
+            pytest.skip("the tile kernels run here in Triton's CPU interpreter "
+                        "(TRITON_INTERPRET=1)")
         from tplogp.kernels import sampler_launch
         monkeypatch.setattr(sampler_passes, "tile_kernels", lambda device: sampler_launch)
 

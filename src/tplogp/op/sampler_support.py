@@ -40,9 +40,9 @@ from the gathered data).
 
 Tokens with min-p and no top-k take no ``topk`` in the first round: each rank collects its ids at
 least its running max plus ``log(min_p)`` (rounded down to fp32; the max only rises, so this holds
-every id of the support: a rank's max is at most the merged one), as a collecting round does (below),
-and the floor is the largest logit not collected; the answer is then exact unless a rank held more
-than ``M`` such ids (those rows count and collect from their bound, below).
+every id of the support: a rank's max is at most the merged one), as a collecting round does
+(below), and the floor is the largest logit not collected; the answer is then exact unless a rank
+held more than ``M`` such ids (those rows count and collect from their bound, below).
 
 Tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts its logits
 in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z) 64 / (max - lo))`` in
