@@ -13,8 +13,9 @@ KERNELS = Path(tplogp.kernels.__file__).parent
 # lowest first; a module may import only modules before it
 ORDER = ["tiles", "kept", "workspace", "support_bits", "launch", "fp32_ops", "tile_ops",
          "forward_epilogue", "backward_epilogue", "forward_kernels", "backward_kernels",
-         "hopper_kernels", "scale_kernels", "sampler_kernels", "launches", "entry_checks", "forward_programs",
-         "backward_programs", "grid_programs", "scale_launch", "sampler_launch"]
+         "hopper_kernels", "scale_kernels", "sampler_kernels", "pairs_kernels", "launches",
+         "entry_checks", "forward_programs", "backward_programs", "grid_programs", "scale_launch",
+         "sampler_launch", "pairs_launch"]
 # what kernels may import from the rest of tplogp (all torch-only leaves)
 ALLOWED_OUTSIDE = {"tplogp.support.settings", "tplogp.support.tensors", "tplogp.support.fp32_gemm"}
 

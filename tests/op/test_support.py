@@ -17,6 +17,7 @@ import torch
 import tplogp
 from tests.support import grpo_reference
 from tests.support import support_checks
+from tests.support.interpreter import INTERPRETING
 from tests.support.host_reads import count_host_reads
 from tests.support.problems import cpu_sources
 from tplogp import losses
@@ -590,7 +591,7 @@ def _assert_path_taken(tp, path: str, seen: list) -> None:
                   f"{path}: (gathered, in chunks, from pairs) on ranks {everyone}")
 
 
-@pytest.mark.parametrize("rows_way", ["_rows_by_columns", "_rows_summed"])
+@pytest.mark.parametrize("rows_way", ["_rows_by_columns", "_rows_summed", "_rows_by_kernel"])
 @pytest.mark.parametrize("source", SOURCES)
 def test_chunked_backward_accumulators_within_the_budget(source, rows_way, monkeypatch):
     """Narrow supports of at most ``support_pairs.MAX_IDS`` ids run from their (token, id) pairs,
@@ -611,6 +612,11 @@ def test_chunked_backward_accumulators_within_the_budget(source, rows_way, monke
                         lambda *args: backwards.append("pairs") or real_pairs(*args))
     monkeypatch.setattr(support_pairs, "COLUMNS_PER_ID", 1 << 20 if rows_way == "_rows_by_columns"
                         else 0)
+    if rows_way == "_rows_by_kernel":  # (a GPU's way: the kernel in Triton's interpreter here)
+        if not INTERPRETING:
+            pytest.skip("the pairs' row kernel runs here in Triton's CPU interpreter")
+        from tplogp.kernels import pairs_launch
+        monkeypatch.setattr(support_pairs, "row_kernels", lambda device: pairs_launch)
     ways, real_way = [], getattr(support_pairs, rows_way)
     monkeypatch.setattr(support_pairs, rows_way, lambda *a: ways.append(1) or real_way(*a))
     problem = _problem(seed=21)

@@ -29,7 +29,11 @@ and the transform's slope, 0 on padding (the tiles' formula, :mod:`tplogp.backen
 ``d_hidden[t] = sum_k dz[t, k] W[S_t[k]]`` (one batched product, ``dz`` in the weight's dtype as
 the fused kernels' d_logits, fp32 accumulation). The pairs' ``(id, token, dz)`` are kept
 (``20 N K`` bytes) and sorted by id; their ids' union has ``U`` ids. ``d_W`` then comes one of
-two ways, the same values within the GEMMs' rounding:
+three ways, the same values within the GEMMs' rounding:
+
+* on a CUDA device where the ``triton`` source runs, one kernel over the ids' runs
+  (:func:`_rows_by_kernel`, :mod:`tplogp.kernels.pairs_kernels`): each run's ``dz h[token]``
+  summed in fp32 registers, each hidden row read once per pair, each row written once;
 
 * from the union's columns (:func:`_rows_by_columns`, where ``U <= COLUMNS_PER_ID K``): per block
   of union columns, the pairs' ``dz`` (in the weight's dtype) placed in a zeroed ``[N, C]``
@@ -242,7 +246,11 @@ def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
         dz_sorted, tokens = dz_all[order], tokens_all[order]
         w_dtype, b_dtype = weight.dtype if need_w else None, bias.dtype if need_b else None
         k = max(1, -(-ids.numel() // max(n, 1)))  # (the pairs per token, on average)
-        if run_starts.numel() <= COLUMNS_PER_ID * k:  # (module docstring)
+        kernels = row_kernels(hidden.device)
+        if kernels is not None:
+            d_w, d_b = _rows_by_kernel(kernels, sorted_ids, dz_sorted, tokens, hidden, v,
+                                       w_dtype, b_dtype, acc_w, acc_b, run_starts)
+        elif run_starts.numel() <= COLUMNS_PER_ID * k:  # (module docstring)
             d_w, d_b = _rows_by_columns(sorted_ids, dz_sorted, tokens, hidden, v, w_dtype, b_dtype,
                                         transient, acc_w, acc_b, first, run_starts)
         else:
@@ -276,6 +284,59 @@ def _pair_dz(z, ids, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse
     if slope is not None:
         dz *= slope
     return dz.masked_fill_(ids < 0, 0.0)
+
+
+_ROW_KERNELS: dict = {}
+
+
+def row_kernels(device: torch.device):
+    """:mod:`tplogp.kernels.pairs_launch` on a CUDA ``device`` where the ``triton`` source runs,
+    else None (``d_W`` by the union's columns or the ids' runs)."""
+    if device.type != "cuda":
+        return None
+    found = _ROW_KERNELS.get(device)
+    if found is None:
+        from . import kernel_registry  # (here: the registry imports the sources, which import this)
+
+        found = False
+        if kernel_registry.unavailable_reason("triton", device) is None:
+            from ..kernels import pairs_launch
+            found = pairs_launch
+        _ROW_KERNELS[device] = found
+    return found or None
+
+
+def _run_sums(ids: torch.Tensor, dz: torch.Tensor, run_starts: torch.Tensor) -> torch.Tensor:
+    """Each run's fp32 sum of ``dz`` (the pairs sorted by id, runs at ``run_starts``)."""
+    lengths = torch.diff(run_starts, append=run_starts.new_full((1,), ids.numel()))
+    return torch.segment_reduce(dz, "sum", lengths=lengths, unsafe=True)
+
+
+def _rows_by_kernel(kernels, ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor,
+                    hidden: torch.Tensor, v: int, w_dtype: Optional[torch.dtype],
+                    b_dtype: Optional[torch.dtype], acc_w: Optional[torch.Tensor],
+                    acc_b: Optional[torch.Tensor], run_starts: torch.Tensor
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(d_W, d_b)`` as :func:`_rows_summed` gives them, ``d_W``'s rows by one kernel over the
+    runs (:mod:`tplogp.kernels.pairs_kernels`: each run's hidden rows read once, each row written
+    once); ``d_b`` the runs' fp32 sums. Padding is id ``v``: past the rows (``d_b``: a row past
+    the result, or adding 0 to the caller's last row)."""
+    union = ids.index_select(0, run_starts)
+    d_w = d_b = None
+    if b_dtype is not None:
+        sums = _run_sums(ids, dz, run_starts)
+        if acc_b is not None:
+            d_b = acc_b.index_add_(0, union.clamp(max=v - 1), sums)
+        else:
+            d_b = torch.zeros(v + 1, dtype=b_dtype, device=ids.device)
+            d_b = d_b.index_copy_(0, union, sums.to(b_dtype))[:v]
+    if w_dtype is not None:  # (the padding's run, id v, lies past the rows: not written)
+        d_w = acc_w if acc_w is not None else torch.zeros(v, hidden.shape[1], dtype=w_dtype,
+                                                          device=ids.device)
+        starts = torch.cat([run_starts, run_starts.new_full((1,), ids.numel())])
+        kernels.pair_rows(starts, union, token, dz.float().contiguous(), hidden, d_w,
+                          acc_w is not None)
+    return d_w, d_b
 
 
 def _rows_by_columns(ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Triton kernels behind the ``triton`` and ``sm90`` sources (and the sampler's tile steps on a GPU).
+"""Triton kernels behind the ``triton`` and ``sm90`` sources (and, on a GPU, the sampler's tile
+steps and the support pairs' ``d_W``).
 
 Importing this package does nothing; importing a kernel module imports Triton and defines its
 kernels (no CUDA work). Set ``TRITON_INTERPRET=1`` before the first import to run them on the CPU
@@ -36,6 +37,8 @@ ones above it in this list):
   once.
 * :mod:`.sampler_kernels`   the sampler's counting pass and collecting round on one logits tile
                             (bins of a row's logits with their mass; the ids at least a threshold).
+* :mod:`.pairs_kernels`     a sampler's support's (token, id) pairs: each id's ``d_W`` row from its
+                            run of pairs.
 * :mod:`.launches`          a call's options as the kernels take them (one bundle); each shard
                             kernel's launch for a layout, from sizes; when the TMA
   kernels may run.
@@ -49,4 +52,5 @@ ones above it in this list):
                             stats, the grid-block backward (fixed-shape d_W GEMMs).
 * :mod:`.scale_launch`      the fused loss's scaling launch and its checks.
 * :mod:`.sampler_launch`    the sampler's tile launches and their checks.
+* :mod:`.pairs_launch`      the pairs' ``d_W`` launch and its checks.
 """
