@@ -616,7 +616,7 @@ def test_chunked_backward_accumulators_within_the_budget(source, rows_way, monke
         if not INTERPRETING:
             pytest.skip("the pairs' row kernel runs here in Triton's CPU interpreter")
         from tplogp.kernels import pairs_launch
-        monkeypatch.setattr(support_pairs, "row_kernels", lambda device: pairs_launch)
+        monkeypatch.setattr(support_pairs, "row_kernels", lambda source, device: pairs_launch)
     ways, real_way = [], getattr(support_pairs, rows_way)
     monkeypatch.setattr(support_pairs, rows_way, lambda *a: ways.append(1) or real_way(*a))
     problem = _problem(seed=21)

@@ -107,6 +107,24 @@ def unavailable_reason(source: str, device: Optional[torch.device] = None,
     return why
 
 
+_GPU_KERNELS: dict = {}
+
+
+def gpu_kernels(device: torch.device, module: str):
+    """``tplogp.kernels.<module>`` on a CUDA ``device`` where the ``triton`` source runs, else None:
+    the Triton kernels that torch paths of the call (the sampler's passes, the support pairs'
+    ``d_W``) take on a GPU. Decided once per device and module."""
+    if device.type != "cuda":
+        return None
+    found = _GPU_KERNELS.get((device, module))
+    if found is None:
+        found = False
+        if unavailable_reason("triton", device) is None:
+            found = importlib.import_module(f"tplogp.kernels.{module}")
+        _GPU_KERNELS[device, module] = found
+    return found or None
+
+
 def source_status(op: str = "linear_logp", device: Optional[torch.device] = None,
                   dtype: Optional[torch.dtype] = None) -> dict[str, Optional[str]]:
     """``{source: None or reason}`` for every source of ``op`` (on ``device``, for inputs of

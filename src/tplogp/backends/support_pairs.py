@@ -31,7 +31,7 @@ the fused kernels' d_logits, fp32 accumulation). The pairs' ``(id, token, dz)`` 
 (``20 N K`` bytes) and sorted by id; their ids' union has ``U`` ids. ``d_W`` then comes one of
 three ways, the same values within the GEMMs' rounding:
 
-* on a CUDA device where the ``triton`` source runs, one kernel over the ids' runs
+* on a CUDA device, for the ``triton`` and ``sm90`` sources, one kernel over the ids' runs
   (:func:`_rows_by_kernel`, :mod:`tplogp.kernels.pairs_kernels`): each run's ``dz h[token]``
   summed in fp32 registers, each hidden row read once per pair, each row written once;
 
@@ -246,7 +246,7 @@ def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
         dz_sorted, tokens = dz_all[order], tokens_all[order]
         w_dtype, b_dtype = weight.dtype if need_w else None, bias.dtype if need_b else None
         k = max(1, -(-ids.numel() // max(n, 1)))  # (the pairs per token, on average)
-        kernels = row_kernels(hidden.device)
+        kernels = row_kernels(source, hidden.device)
         if kernels is not None:
             d_w, d_b = _rows_by_kernel(kernels, sorted_ids, dz_sorted, tokens, hidden, v,
                                        w_dtype, b_dtype, acc_w, acc_b, run_starts)
@@ -286,30 +286,34 @@ def _pair_dz(z, ids, target, row_max, log_sum, grad_logp, grad_entropy, grad_lse
     return dz.masked_fill_(ids < 0, 0.0)
 
 
-_ROW_KERNELS: dict = {}
+FUSED_SOURCES = ("triton", "sm90")  # the sources whose calls run Triton kernels anyway
 
 
-def row_kernels(device: torch.device):
-    """:mod:`tplogp.kernels.pairs_launch` on a CUDA ``device`` where the ``triton`` source runs,
-    else None (``d_W`` by the union's columns or the ids' runs)."""
-    if device.type != "cuda":
+def row_kernels(source: str, device: torch.device):
+    """:mod:`tplogp.kernels.pairs_launch` where the call runs on a CUDA device on one of the
+    Triton sources (:data:`FUSED_SOURCES`), else None (``d_W`` by the union's columns or the ids'
+    runs: ``native`` stays torch alone)."""
+    if source not in FUSED_SOURCES or device.type != "cuda":
         return None
-    found = _ROW_KERNELS.get(device)
-    if found is None:
-        from . import kernel_registry  # (here: the registry imports the sources, which import this)
+    from ..kernels import pairs_launch
 
-        found = False
-        if kernel_registry.unavailable_reason("triton", device) is None:
-            from ..kernels import pairs_launch
-            found = pairs_launch
-        _ROW_KERNELS[device] = found
-    return found or None
+    return pairs_launch
 
 
-def _run_sums(ids: torch.Tensor, dz: torch.Tensor, run_starts: torch.Tensor) -> torch.Tensor:
-    """Each run's fp32 sum of ``dz`` (the pairs sorted by id, runs at ``run_starts``)."""
+def _bias_rows(ids: torch.Tensor, dz: torch.Tensor, run_starts: torch.Tensor,
+               union: torch.Tensor, v: int, b_dtype: Optional[torch.dtype],
+               acc_b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``d_b`` (None without ``b_dtype``): each run's fp32 sum of ``dz`` (the pairs sorted by id,
+    runs at ``run_starts``, their ids ``union``), written once at its id, or added to the fp32
+    accumulator ``acc_b`` (the padding, id ``v``: 0 added to its last row)."""
+    if b_dtype is None:
+        return None
     lengths = torch.diff(run_starts, append=run_starts.new_full((1,), ids.numel()))
-    return torch.segment_reduce(dz, "sum", lengths=lengths, unsafe=True)
+    sums = torch.segment_reduce(dz, "sum", lengths=lengths, unsafe=True)
+    if acc_b is not None:
+        return acc_b.index_add_(0, union.clamp(max=v - 1), sums)
+    d_b = torch.zeros(v + 1, dtype=b_dtype, device=ids.device)
+    return d_b.index_copy_(0, union, sums.to(b_dtype))[:v]
 
 
 def _rows_by_kernel(kernels, ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor,
@@ -322,14 +326,7 @@ def _rows_by_kernel(kernels, ids: torch.Tensor, dz: torch.Tensor, token: torch.T
     once); ``d_b`` the runs' fp32 sums. Padding is id ``v``: past the rows (``d_b``: a row past
     the result, or adding 0 to the caller's last row)."""
     union = ids.index_select(0, run_starts)
-    d_w = d_b = None
-    if b_dtype is not None:
-        sums = _run_sums(ids, dz, run_starts)
-        if acc_b is not None:
-            d_b = acc_b.index_add_(0, union.clamp(max=v - 1), sums)
-        else:
-            d_b = torch.zeros(v + 1, dtype=b_dtype, device=ids.device)
-            d_b = d_b.index_copy_(0, union, sums.to(b_dtype))[:v]
+    d_w, d_b = None, _bias_rows(ids, dz, run_starts, union, v, b_dtype, acc_b)
     if w_dtype is not None:  # (the padding's run, id v, lies past the rows: not written)
         d_w = acc_w if acc_w is not None else torch.zeros(v, hidden.shape[1], dtype=w_dtype,
                                                           device=ids.device)
@@ -355,15 +352,7 @@ def _rows_by_columns(ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor,
     n, d, dev = hidden.shape[0], hidden.shape[1], ids.device
     union = ids.index_select(0, run_starts)
     u = union.numel()
-    d_w = d_b = None
-    if b_dtype is not None:
-        lengths = torch.diff(run_starts, append=run_starts.new_full((1,), ids.numel()))
-        sums = torch.segment_reduce(dz, "sum", lengths=lengths, unsafe=True)
-        if acc_b is not None:
-            d_b = acc_b.index_add_(0, union.clamp(max=v - 1), sums)
-        else:
-            d_b = torch.zeros(v + 1, dtype=b_dtype, device=dev)
-            d_b = d_b.index_copy_(0, union, sums.to(b_dtype))[:v]
+    d_w, d_b = None, _bias_rows(ids, dz, run_starts, union, v, b_dtype, acc_b)
     if w_dtype is None:
         return d_w, d_b
     column = first.cumsum(0) - 1  # each pair's column in the union

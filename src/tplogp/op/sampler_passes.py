@@ -79,22 +79,10 @@ def _spread(v0: int, v1: int, device: torch.device):
     return torch.arange(v0, v1, device=device) % SPREAD
 
 
-_TILE_KERNELS: dict = {}
-
-
 def tile_kernels(device: torch.device):
     """:mod:`tplogp.kernels.sampler_launch` on a CUDA ``device`` where the ``triton`` source runs,
     else None (the tiles' torch operations)."""
-    if device.type != "cuda":
-        return None
-    found = _TILE_KERNELS.get(device)
-    if found is None:
-        found = False
-        if kernel_registry.unavailable_reason("triton", device) is None:
-            from ..kernels import sampler_launch
-            found = sampler_launch
-        _TILE_KERNELS[device] = found
-    return found or None
+    return kernel_registry.gpu_kernels(device, "sampler_launch")
 
 
 def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
