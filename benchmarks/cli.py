@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="default bf16; smoke fp32")
     tp.add_argument("--steps", type=int, default=None)
     tp.add_argument("--variants", default=None, metavar="KEY=VALUE[+...][,...]",
-                    help="rows whose calls are given a sampler's support (support=K<k>-shared "
+                    help="rows besides the plain call's whose calls are given a sampler's "
+                         "support (support=K<k>-shared "
                          "/ support=K<k>-disjoint, benchmarks/supports.py; its union size in the "
                          "row) or its parameters (top_k= / top_p= / min_p=, logit_std=S the "
                          "logits' spread), in op --variants' grammar, e.g. "

@@ -22,9 +22,9 @@ gradient: what a sequence-parallel caller pays without the option); ``sequence-p
 the backward's median time and its ``d_hidden`` bytes sent per rank by the ring algorithm
 (``bwd_bytes_per_rank``, below), and the forward's gather bytes (``fwd_bytes_per_rank``).
 
-Variants (``--variants``, ``python -m benchmarks op``'s grammar): rows whose calls are given a
-sampler's support (``support=K<k>-shared`` / ``-disjoint``, replicated on every rank; the row's
-``support_union``) or its parameters (``top_k=`` / ``top_p=`` / ``min_p=``; ``logit_std=S`` scales
+Variants (``--variants``, ``python -m benchmarks op``'s grammar): besides the plain call's rows,
+rows whose calls are given a sampler's support (``support=K<k>-shared`` / ``-disjoint``,
+replicated on every rank; the row's ``support_union``) or its parameters (``top_k=`` / ``top_p=`` / ``min_p=``; ``logit_std=S`` scales
 the replicated hidden states so the logits over the shards have standard deviation ``S``), each
 one row per variant, layout and degree (one launch per degree runs every variant and layout).
 """
@@ -91,10 +91,10 @@ def parse_variants(text: str) -> tuple[variants.Variant, ...]:
 def bench(shape: tuple[int, int, int], degrees: list[int], source: str, dtype: str, steps: int,
           warmup: int, layouts: tuple[str, ...] = ("replicated",),
           variant_list: tuple[variants.Variant, ...] = ()) -> list[dict]:
-    """One ``torchrun`` per degree, which measures every case in turn: the plain call, or each of
-    ``variant_list`` (:func:`parse_variants`': a sampler's support or parameters given to every
+    """One ``torchrun`` per degree, which measures every case in turn: the plain call, then each
+    of ``variant_list`` (:func:`parse_variants`': a sampler's support or parameters given to every
     call), in every layout (rows case-major, then layout, degrees ascending)."""
-    labels = [v.label for v in variant_list] or [None]
+    labels = [None] + [v.label for v in variant_list]  # (the plain call first)
     extra = ["--variants", ",".join(v.label for v in variant_list)] if variant_list else []
     by_case: dict = {(label, layout): [] for label in labels for layout in layouts}
     for p in degrees:
@@ -284,7 +284,7 @@ def _worker(argv: list[str]) -> None:
                 **({} if support_ids is None else
                    {"support_union": supports.union_size(support_ids)})}
 
-    for i, variant in enumerate(parse_variants(args.variants) or (None,)):
+    for i, variant in enumerate((None, *parse_variants(args.variants))):  # (the plain call first)
         for layout in args.layouts.split(","):
             row = measure(layout, variant)
             if rank == 0:

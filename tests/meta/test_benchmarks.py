@@ -704,50 +704,43 @@ def test_budget_and_shape_parsing():
 
 @pytest.mark.slow
 def test_tp_smoke_rows(tmp_path):
-    """``tp --smoke``: one torchrun launch per degree (1 and 2 gloo ranks) and hidden layout, one row each with the
-    slowest rank's step, its backward and host CPU time (the calling thread's, within the process's: same calls),
-    and the hidden states' collective bytes per rank (the reduce-scatter half the all-reduce)."""
-    proc = _bench("tp", "--smoke", "--out", str(tmp_path))
+    """``tp --smoke --variants support=K8-shared,top_p=0.9+logit_std=2``: one torchrun launch per
+    degree (1 and 2 gloo ranks) measures the plain call and each variant in every hidden layout,
+    one row each with the slowest rank's step, its backward and host CPU time (the calling
+    thread's, within the process's: same calls), and the hidden states' collective bytes per rank
+    (the reduce-scatter half the all-reduce); a variant's calls are given the sampler's support
+    (replicated on every rank, its union size in the row) or its parameters (the logits scaled to
+    their spread); a variant that sets anything else, or a malformed one, is refused before any
+    launch."""
+    proc = _bench("tp", "--smoke", "--variants", "support=K8-shared,top_p=0.9+logit_std=2",
+                  "--out", str(tmp_path))
     every = _rows(tmp_path)
-    layouts = {(r["layout"], r["tp"]): r for r in every}
-    assert sorted(layouts) == sorted((layout, p) for layout in ("replicated", "gather-allreduce", "sequence-parallel")
-                                     for p in (1, 2)), every
+    cases = {(r.get("variant"), r["layout"], r["tp"]): r for r in every}
+    assert sorted(cases, key=str) == sorted(
+        ((case, layout, p) for case in (None, "support=K8-shared", "top_p=0.9+logit_std=2")
+         for layout in ("replicated", "gather-allreduce", "sequence-parallel") for p in (1, 2)),
+        key=str), every
     for r in every:
         assert r["suite"] == "tp" and r["smoke"] and r["backend"] == "gloo" and "error" not in r, r
         assert r["step_ms"] > 0 and r["bwd_ms"] > 0 and r["shape"] == "64x32x320" and r["steps"] == 2, r
         assert 0 < r["host_step_us"] <= r["host_step_all_us"], r
+        assert ("support_union" in r) == (r.get("variant") == "support=K8-shared"), r
+        assert "variant" not in r or r["impl"].endswith(" " + r["variant"]), r
+    assert all(8 <= r["support_union"] < 320 for r in every if "support_union" in r), every
+    layouts = {(r["layout"], r["tp"]): r for r in every if "variant" not in r}
     # the d_hidden bytes per rank at TP=2 (64 x 32 fp32): all-reduce 2 (P - 1) / P * 4 N D, reduce-scatter half
     assert layouts["gather-allreduce", 2]["bwd_bytes_per_rank"] == 2 * 64 * 32 * 4 // 2
     assert layouts["sequence-parallel", 2]["bwd_bytes_per_rank"] == 64 * 32 * 4 // 2
     assert layouts["sequence-parallel", 2]["fwd_bytes_per_rank"] == layouts["gather-allreduce", 2]["fwd_bytes_per_rank"]
-    rows = [r for r in every if r["layout"] == "replicated"]
-    assert proc.stdout.count("(thread / all)") == 6, proc.stdout
-    from benchmarks import report  # the report's TP table carries the host column (as a full run's rows)
+    rows = [r for r in every if r["layout"] == "replicated" and "variant" not in r]
+    assert proc.stdout.count("(thread / all)") == 18, proc.stdout
+    assert proc.stdout.count("support=K8-shared (union") == 6, proc.stdout
+    from benchmarks import report, tp  # the report's TP table carries the host column (as a full run's rows)
 
     table = "\n".join(report.tp_section([dict(r, smoke=False) for r in rows]))
     assert "host µs (thread / all)" in table, table
     for r in rows:
         assert f"| {r['host_step_us']:.0f} / {r['host_step_all_us']:.0f} |" in table, table
-
-
-@pytest.mark.slow
-def test_tp_smoke_rows_with_variants(tmp_path):
-    """``tp --smoke --variants support=K8-shared,top_p=0.9+logit_std=2``: one launch per degree
-    measures each variant, every call given the sampler's support (replicated on every rank, its
-    union size in the row) or its parameters (the logits scaled to their spread); a variant that
-    sets anything else, or a malformed one, is refused before any launch."""
-    proc = _bench("tp", "--smoke", "--degrees", "2", "--layouts", "replicated", "--variants",
-                  "support=K8-shared,top_p=0.9+logit_std=2", "--out", str(tmp_path))
-    every = _rows(tmp_path)
-    assert [(r["tp"], r["variant"]) for r in every] == [
-        (2, "support=K8-shared"), (2, "top_p=0.9+logit_std=2")], every
-    for r in every:
-        assert "error" not in r and r["impl"].endswith(" " + r["variant"]) and r["step_ms"] > 0, r
-    assert 8 <= every[0]["support_union"] < 320 and "support_union" not in every[1], every
-    assert proc.stdout.count("support=K8-shared (union") == 1, proc.stdout
-    assert proc.stdout.count("top_p=0.9+logit_std=2 gloo") == 1, proc.stdout
-    from benchmarks import tp
-
     assert [v.label for v in tp.parse_variants("support=K64-disjoint,min_p=0.05")] == [
         "support=K64-disjoint", "min_p=0.05"]
     for text, message in (("softcap=30", "a TP row takes support, top_k"),
