@@ -24,9 +24,10 @@ the backward's median time and its ``d_hidden`` bytes sent per rank by the ring 
 
 Variants (``--variants``, ``python -m benchmarks op``'s grammar): besides the plain call's rows,
 rows whose calls are given a sampler's support (``support=K<k>-shared`` / ``-disjoint``,
-replicated on every rank; the row's ``support_union``) or its parameters (``top_k=`` / ``top_p=`` / ``min_p=``; ``logit_std=S`` scales
-the replicated hidden states so the logits over the shards have standard deviation ``S``), each
-one row per variant, layout and degree (one launch per degree runs every variant and layout).
+replicated on every rank; the row's ``support_union``) or its parameters (``top_k=`` /
+``top_p=`` / ``min_p=``; ``logit_std=S`` scales the replicated hidden states so the logits over
+the shards have standard deviation ``S``): one row per case, layout and degree (one launch per
+degree runs every case and layout).
 """
 
 from __future__ import annotations
