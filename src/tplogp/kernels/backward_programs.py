@@ -142,7 +142,9 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
             if v_hi == v_keep:
                 kept.release_scales()
         else:
-            bits = None if chunk_bits is None else chunk_bits.bits(recomputed.index(v_lo))
+            # (the recomputed chunks come last, in order)
+            bits = None if chunk_bits is None else chunk_bits.bits(
+                i_chunk - len(bounds) + len(recomputed))
             launch_dlogits(*args, dz, dbp, v_lo, v_hi, transform, with_entropy, need_db, cfg,
                            precision, tma, gsz=gsz, bits=bits)
             del bits
