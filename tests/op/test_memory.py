@@ -25,11 +25,11 @@ def probe(n: int, d: int, v: int, workspace_mb: int | None = None) -> dict:
 
 @pytest.mark.slow
 def test_growth_is_far_below_the_logits():
-    # logits would be 256 MiB; gradients are 34 MiB; with a 16 MiB tile budget the growth stays near
-    # the gradients.
-    r = probe(2048, 256, 32768, workspace_mb=16)
+    # logits would be 128 MiB; gradients are 8.25 MiB; with a 16 MiB tile budget the growth stays
+    # near the gradients plus the tiles.
+    r = probe(1024, 64, 32768, workspace_mb=16)
     assert r["finite"]
-    # 16 MiB of tiles + allocator slack (measured: +19)
+    # 16 MiB of tiles + allocator slack (measured: +17 and +21)
     assert r["growth_mib"] < r["grads_mib"] + 48, r
     assert r["growth_mib"] < 0.5 * r["logits_mib"], r
 

@@ -1,5 +1,5 @@
-"""What a body leaves in the process groups, and who is blamed: one pytester session (pools of
-world size 2 and 4).
+"""What a body leaves in the process groups, and who is blamed; tp_pool's explicit dispatch: one
+pytester session (pools of world size 2, 3 and 4).
 
 - ``tp.new_group(ranks, use_local_synchronization=True)``: only the members call it; the group is
   cached, so the pool is not recycled.
@@ -10,11 +10,14 @@ world size 2 and 4).
 - A rank killed by a signal while its peers wait in a collective: the headline names it and the
   signal first, the peers' gloo errors after; the next test runs on a fresh pool.
 - The terminal summary counts the pool recycles, with their reasons.
+- ``tp_pool.run`` (explicit dispatch, test_pool.py) returns every rank's result, on a pool of the
+  marker's world size or the default one, and raises a one-rank failure naming the rank.
 """
 
 from __future__ import annotations
 
 import pytest
+from tests.support.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 
@@ -72,8 +75,38 @@ def test_f_after_the_death(tp):
 '''
 
 
-def test_groups_and_blame(pytester: pytest.Pytester, tag: str) -> None:
-    pytester.makepyfile(test_body=BODY)
+POOL_BODY = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+def gather_rank(tp, scale):
+    t = torch.tensor([float(tp.rank)])
+    dist.all_reduce(t)
+    return (tp.rank, t.item() * scale)
+
+def boom(tp):
+    if tp.rank == 1:
+        raise RuntimeError("boom on one rank")
+    return tp.rank
+
+@pytest.mark.tp(world_size=3)
+def test_run_returns_every_rank(tp_pool):
+    results = tp_pool.run(gather_rank, 2.0)
+    n = tp_pool.world_size
+    assert results == [(r, 2.0 * sum(range(n))) for r in range(n)]
+
+def test_default_world_size(tp_pool):
+    assert tp_pool.run(gather_rank, 1.0) == [(0, 1.0), (1, 1.0)]
+
+def test_failure_is_raised(tp_pool):
+    tp_pool.run(boom)
+'''
+
+
+def test_groups_blame_and_explicit_dispatch(pytester: pytest.Pytester, tag: str) -> None:
+    """Every item of the module docstring, from one session."""
+    pytester.makepyfile(test_body=BODY, test_pool=POOL_BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-vv", "-rA", "-W", "always",
                                            "--tp-timeout=60")
     out = result.stdout.str()
@@ -97,3 +130,9 @@ def test_groups_and_blame(pytester: pytest.Pytester, tag: str) -> None:
     # the terminal summary counts the pool recycles with their reasons
     result.stdout.fnmatch_lines(["tplogp: 2 pool recycle(s): 1 x fresh-state check failed: "
                                  "collective(s) left unmatched; 1 x ranks died"])
+    # tp_pool.run
+    result.stdout.fnmatch_lines(["*test_run_returns_every_rank[[]tp3[]] PASSED*",
+                                 "*FAILED test_pool.py::test_failure_is_raised[[]tp2[]] - rank 1: "
+                                 "RuntimeError: boom on one rank*"])
+    result.assert_outcomes(passed=6, failed=3)
+    assert leftover_processes(tag) == []

@@ -1,7 +1,7 @@
 """Coverage of the ranks: a package whose functions run only inside TP bodies is reported 100%
 covered by pytest-cov (pool mode, under -n 2, and under torchrun, where each rank runs its own
-branch) and by ``coverage run -m pytest``, no ``.coverage.*`` file is left behind, and the ranks do
-not import coverage when nothing measures."""
+branch) and by ``coverage run -m pytest``, and no ``.coverage.*`` file is left behind (that the
+ranks do not import coverage when nothing measures: test_plugin_only.py)."""
 
 from __future__ import annotations
 
@@ -103,17 +103,3 @@ def test_coverage_run_reports_rank_lines(pytester: pytest.Pytester, tag: str) ->
     report = pytester.run(sys.executable, "-m", "coverage", "report", "-m")
     report.stdout.fnmatch_lines(["tinypkg/__init__.py * 9 * 0 * 4 * 0 * 100%"])
     _no_leftover_data_files(pytester)
-
-
-def test_ranks_do_not_import_coverage_when_nothing_measures(pytester: pytest.Pytester,
-                                                            tag: str) -> None:
-    pytester.makepyfile(test_plain='''
-        import sys
-        import pytest
-
-        @pytest.mark.tp(world_size=2)
-        def test_no_coverage_on_ranks(tp):
-            assert "coverage" not in sys.modules
-    ''')
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp")
-    result.assert_outcomes(passed=1)

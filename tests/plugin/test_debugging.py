@@ -54,21 +54,6 @@ def test_collectives_wait_as_long_as_pdb(tp):
 '''
 
 
-@pytest.mark.slow
-def test_breakpoint_without_tp_pdb_says_how(pytester: pytest.Pytester, tag: str) -> None:
-    pytester.makepyfile(test_body=BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rf", "-vv",
-                                           "test_body.py::test_stops")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([
-        "FAILED test_body.py::test_stops[[]tp2[]] - ranks 0-1: "
-        "pytest_tplogp.debug.DebuggerUnavailable: breakpoint() at test_body.py:7: a TP body runs "
-        "in rank processes, which have no terminal. To stop there in pdb on rank R, run with -s "
-        "--tp-pdb=R*",
-    ])
-    assert "BdbQuit" not in result.stdout.str()
-
-
 def test_tp_pdb_needs_s(pytester: pytest.Pytester, tag: str) -> None:
     pytester.makepyfile(test_body=BODY)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-pdb=1")
@@ -197,14 +182,24 @@ def test_tp_pdb_breakpoint_and_post_mortem(pytester: pytest.Pytester, tag: str) 
 
 
 @pytest.mark.slow
-def test_pytest_pdb_names_the_ranks_failure(pytester: pytest.Pytester, tag: str) -> None:
-    """pytest's --pdb opens in this process: it first says where the ranks' failure is and how to
-    debug it there; the pdb session has the merged verdict at hand."""
+def test_breakpoint_says_how_and_pytest_pdb_names_the_ranks_failure(pytester: pytest.Pytester,
+                                                                   tag: str) -> None:
+    """breakpoint() in a body without --tp-pdb fails the test on every rank, saying how to stop
+    there (no BdbQuit). pytest's --pdb opens in this process: it first says where the ranks' failure
+    is and how to debug it there; the pdb session has the merged verdict at hand."""
     pytester.makepyfile(test_body=BODY)
     result = pytester.run(sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-p",
-                          "no:cacheprovider", "--pdb",
-                          "test_body.py::test_fails_on_rank_1", stdin=b"p verdict.headline\nc\n",
-                          timeout=180)
+                          "no:cacheprovider", "--pdb", "-rf", "-vv", "test_body.py::test_stops",
+                          "test_body.py::test_fails_on_rank_1",
+                          stdin=b"p verdict.headline\nc\np verdict.headline\nc\n", timeout=180)
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "FAILED test_body.py::test_stops[[]tp2[]] - ranks 0-1: "
+        "pytest_tplogp.debug.DebuggerUnavailable: breakpoint() at test_body.py:7: a TP body runs "
+        "in rank processes, which have no terminal. To stop there in pdb on rank R, run with -s "
+        "--tp-pdb=R*",
+    ])
+    assert "BdbQuit" not in result.stdout.str()
     result.stdout.fnmatch_lines([
         "tplogp: test_body.py::test_fails_on_rank_1[[]tp2[]] failed on the ranks at "
         "*test_body.py:14 (rank 1: AssertionError: assert 1 == 0). The body ran in the rank "

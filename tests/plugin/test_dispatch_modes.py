@@ -1,5 +1,5 @@
-"""tp_pool explicit dispatch, pytest-xdist (own pool per worker, no ports), and the operator
-fixtures end to end."""
+"""pytest-xdist (own pool per worker, no ports), and the operator fixtures end to end. (tp_pool's
+explicit dispatch: test_collective_state.py.)"""
 
 from __future__ import annotations
 
@@ -7,45 +7,6 @@ import pytest
 from tests.support.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
-
-POOL_BODY = '''
-import pytest
-import torch
-import torch.distributed as dist
-
-def gather_rank(tp, scale):
-    t = torch.tensor([float(tp.rank)])
-    dist.all_reduce(t)
-    return (tp.rank, t.item() * scale)
-
-def boom(tp):
-    if tp.rank == 1:
-        raise RuntimeError("boom on one rank")
-    return tp.rank
-
-@pytest.mark.tp(world_size=3)
-def test_run_returns_every_rank(tp_pool):
-    results = tp_pool.run(gather_rank, 2.0)
-    n = tp_pool.world_size
-    assert results == [(r, 2.0 * sum(range(n))) for r in range(n)]
-
-def test_default_world_size(tp_pool):
-    assert tp_pool.run(gather_rank, 1.0) == [(0, 1.0), (1, 1.0)]
-
-def test_failure_is_raised(tp_pool):
-    tp_pool.run(boom)
-'''
-
-
-def test_tp_pool_run(pytester: pytest.Pytester, tag: str) -> None:
-    pytester.makepyfile(test_body=POOL_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA", "-vv")
-    result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines(["*test_run_returns_every_rank[[]tp3[]] PASSED*",
-                                 "*FAILED test_body.py::test_failure_is_raised[[]tp2[]] - rank 1: "
-                                 "RuntimeError: boom on one rank*"])
-    assert leftover_processes(tag) == []
-
 
 XDIST_BODY = '''
 import os

@@ -51,25 +51,6 @@ if os.environ.get("RANK") == "1":
 
 
 @pytest.mark.slow
-def test_torchrun_mode(pytester: pytest.Pytester, tag: str, torchrun) -> None:
-    pytester.makepyfile(test_body=BODY)
-    result = torchrun("test_body.py", "-rA", "-vv")
-    out = result.stdout.str()
-    assert out.count("test session starts") == 1, out  # only rank 0 reports
-    result.stdout.fnmatch_lines([
-        "tplogp: external mode (torchrun): world size 2, backend gloo, device cpu; this report is "
-        "rank 0's*",
-        "*FAILED test_body.py::test_fails_on_rank_1[[]tp2[]] - rank 1: AssertionError: rank 1 "
-        "disagrees*",
-    ])
-    result.stdout.fnmatch_lines(["*Captured stdout rank 0 call*", "hello from rank 0",
-                                 "*Captured stdout rank 1 call*", "hello from rank 1"])
-    result.stdout.fnmatch_lines(["*SKIPPED*needs world size 4; torchrun started 2 ranks*"])
-    result.stdout.fnmatch_lines(["*1 failed, 3 passed, 1 skipped*"])
-    assert result.ret != 0
-
-
-@pytest.mark.slow
 def test_torchrun_collection_mismatch(pytester: pytest.Pytester, tag: str, torchrun) -> None:
     pytester.makepyfile(test_body=MISMATCH)
     result = torchrun("test_body.py")
@@ -79,14 +60,11 @@ def test_torchrun_collection_mismatch(pytester: pytest.Pytester, tag: str, torch
 
 
 HANG = '''
-import pytest
-import torch.distributed as dist
-
 @pytest.mark.tp
 def test_fails_first(tp):
     assert tp.rank == 0, "rank 1 disagrees"
 
-@pytest.mark.tp(timeout=3)
+@pytest.mark.tp(timeout=2)
 def test_hangs(tp):
     print(f"rank {tp.rank} before the barrier")
     if tp.rank == 1:
@@ -99,32 +77,48 @@ def test_never_runs(tp):
 
 
 @pytest.mark.slow
-def test_torchrun_hang_keeps_the_report(pytester: pytest.Pytester, tag: str, torchrun) -> None:
-    """A hang under torchrun: rank 0 reports the outcomes so far, which rank hung where, and writes
-    JUnit."""
+def test_torchrun_mode_and_a_hang_that_keeps_the_report(pytester: pytest.Pytester, tag: str,
+                                                        torchrun) -> None:
+    """Under torchrun only rank 0 reports: its header, a one-rank failure with each rank's
+    captured output, a world size torchrun did not start skipped, plain tests run. Then a hang:
+    rank 0 reports the outcomes so far, which rank hung where, the tests not run as errors, and
+    writes JUnit."""
     import xml.etree.ElementTree as ET
 
-    pytester.makepyfile(test_body=HANG)
-    result = torchrun("test_body.py", "-rA", "--junitxml=junit.xml", "-o", "junit_logging=all")
+    pytester.makepyfile(test_body=BODY + HANG)
+    result = torchrun("test_body.py", "-rA", "-vv", "--junitxml=junit.xml", "-o",
+                      "junit_logging=all")
     assert result.ret != 0
+    out = result.stdout.str()
+    assert out.count("test session starts") == 1, out  # only rank 0 reports
     result.stdout.fnmatch_lines([
-        "*test_hangs[[]tp2[]] passed its deadline of 3 s*(1 test(s) not run, reported as errors)*",
+        "tplogp: external mode (torchrun): world size 2, backend gloo, device cpu; this report is "
+        "rank 0's*",
+        "*FAILED test_body.py::test_fails_on_rank_1[[]tp2[]] - rank 1: AssertionError: rank 1 "
+        "disagrees*",
+    ])
+    result.stdout.fnmatch_lines(["*Captured stdout rank 0 call*", "hello from rank 0",
+                                 "*Captured stdout rank 1 call*", "hello from rank 1"])
+    result.stdout.fnmatch_lines(["*SKIPPED*needs world size 4; torchrun started 2 ranks*"])
+    # the hang, after the tests above (their outcomes are in the one report)
+    result.stdout.fnmatch_lines([
+        "*test_hangs[[]tp2[]] passed its deadline of 2 s*(1 test(s) not run, reported as errors)*",
         "*FAILED test_body.py::test_fails_first[[]tp2[]] - rank 1: AssertionError*",
-        "*FAILED test_body.py::test_hangs[[]tp2[]] - deadline of 3 s exceeded*",
+        "*FAILED test_body.py::test_hangs[[]tp2[]] - deadline of 2 s exceeded*",
     ], consecutive=False)
     result.stdout.fnmatch_lines(["*rank 1 (pid *) waiting in barrier (torch/distributed/*) called "
                                  "from test_hangs (*test_body.py:*)*"])
     result.stdout.fnmatch_lines(["*ERROR at setup of test_never_runs[[]tp2[]]*",
                                  "E   not run: test_body.py::test_hangs[[]tp2[]] passed its "
-                                 "deadline of 3 s and a process group cannot be respawned under "
+                                 "deadline of 2 s and a process group cannot be respawned under "
                                  "torchrun, so the job ended"])
     result.stdout.fnmatch_lines(["ERROR test_body.py::test_never_runs[[]tp2[]] - not run: *",
-                                 "*2 failed, 1 error*"])
+                                 "*3 failed, 3 passed, 1 skipped, 1 error*"])
     cases = {c.get("name"): c for c in ET.parse(pytester.path / "junit.xml").getroot().iter(
         "testcase")}
     hang = cases["test_hangs[tp2]"]
     assert hang.find("failure").get("message").startswith(
-        "deadline of 3 s exceeded: rank 1 still running")
+        "deadline of 2 s exceeded: rank 1 still running")
     assert "[rank 0] rank 0 before the barrier" in hang.find("system-out").text
     assert cases["test_fails_first[tp2]"].find("failure") is not None
     assert "not run: " in cases["test_never_runs[tp2]"].find("error").get("message")

@@ -1,8 +1,9 @@
-"""Standard fixtures in a TP test, the pool's fresh-state check, seeding and rank-dependent draws,
-the fork server's warm imports, one-line and JUnit reports, temp-dir hygiene.
+"""Standard fixtures in a TP test, the pool's fresh-state check (the mesh fixture's cache across a
+session included), seeding and rank-dependent draws, the fork server's warm imports, one-line and
+JUnit reports, temp-dir hygiene.
 
-One pytester run (one pool) covers the fixtures and the state check; the report checks reuse its
-output.
+One pytester run (pools of world size 2 and 4) covers the fixtures, the meshes and the state check;
+the report checks reuse its output.
 """
 
 from __future__ import annotations
@@ -94,14 +95,58 @@ def pytest_runtest_call(item):
 '''
 
 
+# The mesh fixture across a session: the cache per pool and shape, and the fresh-state check (mesh
+# groups are the pool's; a test's own groups and an entered mesh are not). World size 4: a pool of
+# its own, after the tests above.
+MESH_SESSION = '''
+import pytest
+import torch.distributed as dist
+
+SEEN = []
+
+def _mesh_stack():
+    from torch.distributed.device_mesh import _mesh_resources
+    return list(_mesh_resources.mesh_stack)
+
+@pytest.mark.tp(mesh={"dp": 2, "tp": 2})
+def test_a_mesh_and_a_flattened_dim(tp, mesh):
+    SEEN.append(mesh)
+    flat = mesh["dp", "tp"]._flatten("dp_tp")      # new groups, kept with the cached mesh
+    assert dist.get_process_group_ranks(flat.get_group()) == [0, 1, 2, 3]
+
+@pytest.mark.tp(mesh={"dp": 2, "tp": 2})
+def test_b_same_shape_same_mesh(tp, mesh):
+    assert mesh is SEEN[0]
+
+@pytest.mark.tp(world_size=4)
+def test_c_no_mesh_asked_builds_its_own(tp):
+    from torch.distributed.device_mesh import init_device_mesh
+    assert _mesh_stack() == []
+    init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))  # its groups: left behind
+
+@pytest.mark.tp(mesh={"dp": 2, "tp": 2})
+def test_d_enters_the_mesh_and_leaves_it_entered(tp, mesh):
+    assert not SEEN or mesh is not SEEN[0]  # the pool was recycled after test_c: a fresh mesh
+    mesh.__enter__()
+
+@pytest.mark.tp(world_size=4)
+def test_e_no_mesh_left_entered(tp):
+    assert _mesh_stack() == []
+'''
+
+
 @pytest.mark.slow
 def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None:
-    pytester.makepyfile(test_body=BODY)
+    """test_body.py: standard fixtures, the fresh-state check, seeding, the pool started at the
+    first TP test's setup, one-line and JUnit reports, no session directory left in TMPDIR.
+    test_mesh.py: a mesh is cached per pool and shape, its groups (a flattened dim's too) never
+    count as leaked; a test's own groups recycle the pool, and a mesh left entered is restored."""
+    pytester.makepyfile(test_body=BODY, test_mesh=MESH_SESSION)
     pytester.makeconftest(CALL_RECORDER)
     result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-threads=1", "-rA", "-W",
                                            "always", "--tb=line",
                                            "--junitxml=junit.xml", "-o", "junit_logging=all")
-    result.assert_outcomes(passed=6, failed=1, errors=1)
+    result.assert_outcomes(passed=11, failed=1, errors=1)
     out = result.stdout.str()
     # monkeypatch works per rank and is undone; changes made by hand are restored and named in a
     # warning
@@ -113,6 +158,16 @@ def test_fixtures_state_and_reports(pytester: pytest.Pytester, tag: str) -> None
                                  "threads set to 3; working directory changed to /*"])
     warnings = out.split("warnings summary")[-1].split("-- Docs")[0]
     assert "test_c_leaks_by_hand" in warnings and "test_a_monkeypatch" not in warnings
+    # the mesh's groups and the cached mesh are never named as leaked
+    assert ("test_a_mesh" not in warnings and "test_b_same_shape" not in warnings
+            and "test_e_no_mesh" not in warnings), warnings
+    result.stdout.fnmatch_lines(["*test_c_no_mesh_asked_builds_its_own*",
+                                 "*pool recycled after this test: fresh-state check failed: 2 "
+                                 "process group(s) left behind (use tp.new_group or the mesh "
+                                 "fixture, which the pool caches)*"])
+    result.stdout.fnmatch_lines(["*test_d_enters_the_mesh_and_leaves_it_entered*",
+                                 "*restored before the next test: 1 device mesh(es) left entered "
+                                 "(with mesh:)*"])
     # capsys: refused at setup with one message naming it, no pickling error about another fixture
     result.stdout.fnmatch_lines(["*ERROR at setup of test_e_capsys[[]tp2[]]*",
                                  "test_body.py::test_e_capsys[[]tp2[]]: a TP test body cannot take "

@@ -1,5 +1,5 @@
 """Hangs, dead ranks and dirty state: reported with stacks, the pool respawned, the session goes on,
-no orphans."""
+no orphans; with -s the ranks' output is live, also while a peer hangs."""
 
 from __future__ import annotations
 
@@ -11,15 +11,25 @@ from tests.support.plugin_helpers import leftover_processes, tagged_pids
 pytest_plugins = ["pytester"]
 
 BODY = '''
-import os, signal
+import os, signal, time
 import pytest
 import torch
 import torch.distributed as dist
 
+@pytest.mark.tp
+def test_prints_waits_prints(tp):
+    print(f"first line of rank {tp.rank}")
+    for _ in range(600):  # the pytest process creates the file once it has seen the first line
+        if os.path.exists("go"):
+            break
+        time.sleep(0.1)
+    print(f"rank {tp.rank} saw the file: {os.path.exists('go')}")
+
 @pytest.mark.tp(timeout=2)
 def test_hang(tp):
+    print(f"rank {tp.rank} before the barrier")
     if tp.rank == 0:
-        dist.barrier()          # rank 1 never joins
+        dist.barrier()          # rank 1 never joins: the deadline passes
 
 @pytest.mark.tp
 def test_after_hang(tp):
@@ -61,12 +71,42 @@ def test_last(tp):
 
 
 @pytest.mark.slow
-def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
+def test_hang_death_recycle_and_live_output(pytester: pytest.Pytester, tag: str) -> None:
+    """A hang (which rank waited where, its stack, the pool killed), a one-rank failure while the
+    peer waits in a collective (stuck after the grace), ranks that exit or are killed, and a
+    leftover process group (the pool recycled): each reported, the session goes on, no orphans.
+    With -s every rank's output is printed as it comes (``[rank N] ...``), once, also while a peer
+    hangs: before the report, which does not repeat it."""
+    import subprocess
+    import sys
+
     pytester.makepyfile(test_body=BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-vv", "-rA", "-W", "always")
-    result.assert_outcomes(passed=4, failed=4)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-p",
+                             "no:cacheprovider", "-s", "-vv", "-rA", "-W", "always",
+                             "test_body.py"], cwd=pytester.path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "[rank 1] first line of rank 1" in line:
+                # the body is still running: its first line came live
+                (pytester.path / "go").touch()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    result = pytest.RunResult(proc.returncode, lines, [], 0.0)
+    out = "\n".join(lines)
+    result.assert_outcomes(passed=5, failed=4)
+    # (-s -vv: the verdict of a test that printed follows the ranks' lines)
     result.stdout.fnmatch_lines([
-        "*test_hang*FAILED*",
+        "test_body.py::test_prints_waits_prints[[]tp2[]] *",
+        "PASSED",
+        "test_body.py::test_hang[[]tp2[]] *",
+        "FAILED",
         "*test_after_hang*PASSED*",
         "*test_fails_while_peer_waits*FAILED*",
         "*test_exit*FAILED*",
@@ -79,9 +119,9 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
     result.stdout.fnmatch_lines([
         "E   deadline of 2 s exceeded: rank 0 still running*",
         "*rank 0 (pid *) waiting in barrier (torch/distributed/*) called from test_hang "
-        "(*test_body.py:9)*",
+        "(*test_body.py:19)*",
         "--- rank 0 stack (faulthandler, SIGUSR1) ---",
-        "*File*test_body.py*line 9 in test_hang*",
+        "*File*test_body.py*line 19 in test_hang*",
         "  (* frame(s) of pytest_tplogp, pytest and pluggy below the test and 1 thread(s) of "
         "pytest_tplogp not shown)",
         "pool (world size 2, gloo, cpu) killed (ranks timed out)*",
@@ -93,7 +133,6 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
         "within 3 s after a peer failed or skipped (stuck in a collective?)",
         "*rank 0 (pid *) waiting in barrier*called from test_fails_while_peer_waits*",
     ])
-    out = result.stdout.str()
     # hidden
     for harness in ("_watch_parent", "pytest_tplogp/rank.py", "/multiprocessing/", "Thread 0x"):
         assert harness not in out, harness
@@ -104,6 +143,16 @@ def test_hang_death_and_recycle(pytester: pytest.Pytester, tag: str) -> None:
     result.stdout.fnmatch_lines(["*pool recycled after this test: fresh-state check failed: 1 "
                                  "process group(s) left*"])
     assert leftover_processes(tag) == []
+    # -s: live output
+    assert ("[rank 0] rank 0 saw the file: True" in out
+            and "[rank 1] rank 1 saw the file: True" in out), out
+    # the hang's output shows as it comes, before the failure report
+    before = next(i for i, line in enumerate(lines) if "[rank 0] rank 0 before the barrier" in line)
+    assert before < next(i for i, line in enumerate(lines) if "FAILURES" in line), out
+    # printed once, as it came: the report does not repeat the ranks' output
+    assert (out.count("rank 0 before the barrier") == 1
+            and out.count("rank 1 saw the file") == 1), out
+    assert "Captured stdout rank" not in out, out
 
 
 SLEEPY = '''

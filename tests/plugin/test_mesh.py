@@ -4,8 +4,8 @@ pools; one NCCL test on GPUs).
 Meshes: names, order and row-major layout, sub-mesh groups, the default 1-D mesh, parametrized
 meshes, the cache. DTensors: tp.assert_close with a DTensor on either side and its failure message
 naming mesh coordinates; tp.distribute_randn with Shard, Replicate and uneven shards; vocab_shards /
-reference over mesh["tp"]. The collection error, the ids and the fresh-state check across tests are
-pytester runs (test_mesh_session.py).
+reference over mesh["tp"]. The collection error and the ids (test_mesh_session.py), and the
+fresh-state check across tests (test_fixtures_and_state.py) are pytester runs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The mesh fixture across a session (pytester): parametrization ids, the collection error,
-vocab_shards over a mesh without its dim, the cache per pool and shape, and the fresh-state check
-(mesh groups are the pool's; a test's own groups and an entered mesh are not)."""
+"""The mesh fixture in a session (pytester): parametrization ids, the collection error, vocab_shards
+over a mesh without its dim. (The cache per pool and shape, and the fresh-state check of mesh
+groups and an entered mesh: test_fixtures_and_state.py.)"""
 
 from __future__ import annotations
 
@@ -68,58 +68,3 @@ def test_mesh_ids_and_the_collection_error(pytester: pytest.Pytester, tag: str) 
                                  "shards the vocabulary over mesh dim 'tp', which mesh {'dp': 2, "
                                  "'cp': 2} (2 x 2 = 4 ranks) does not have; name one of dp, cp by "
                                  "overriding the vocab_shards_mesh_dim fixture"])
-
-
-SESSION = '''
-import pytest
-import torch.distributed as dist
-
-SEEN = []
-
-def _mesh_stack():
-    from torch.distributed.device_mesh import _mesh_resources
-    return list(_mesh_resources.mesh_stack)
-
-@pytest.mark.tp(mesh={"dp": 2, "tp": 2})
-def test_a_mesh_and_a_flattened_dim(tp, mesh):
-    SEEN.append(mesh)
-    flat = mesh["dp", "tp"]._flatten("dp_tp")      # new groups, kept with the cached mesh
-    assert dist.get_process_group_ranks(flat.get_group()) == [0, 1, 2, 3]
-
-@pytest.mark.tp(mesh={"dp": 2, "tp": 2})
-def test_b_same_shape_same_mesh(tp, mesh):
-    assert mesh is SEEN[0]
-
-@pytest.mark.tp(world_size=4)
-def test_c_no_mesh_asked_builds_its_own(tp):
-    from torch.distributed.device_mesh import init_device_mesh
-    assert _mesh_stack() == []
-    init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))  # its groups: left behind
-
-@pytest.mark.tp(mesh={"dp": 2, "tp": 2})
-def test_d_enters_the_mesh_and_leaves_it_entered(tp, mesh):
-    assert not SEEN or mesh is not SEEN[0]  # the pool was recycled after test_c: a fresh mesh
-    mesh.__enter__()
-
-@pytest.mark.tp(world_size=4)
-def test_e_no_mesh_left_entered(tp):
-    assert _mesh_stack() == []
-'''
-
-
-@pytest.mark.slow
-def test_meshes_are_cached_and_never_counted_as_leaked(pytester: pytest.Pytester, tag: str) -> None:
-    pytester.makepyfile(test_session=SESSION)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "--tp-threads=1", "-W", "always",
-                                           "-rA")
-    result.assert_outcomes(passed=5)
-    warnings = result.stdout.str().split("warnings summary")[-1].split("-- Docs")[0]
-    assert ("test_a_" not in warnings and "test_b_" not in warnings
-            and "test_e_" not in warnings), warnings
-    result.stdout.fnmatch_lines(["*test_c_no_mesh_asked_builds_its_own*",
-                                 "*pool recycled after this test: fresh-state check failed: 2 "
-                                 "process group(s) left behind (use tp.new_group or the mesh "
-                                 "fixture, which the pool caches)*"])
-    result.stdout.fnmatch_lines(["*test_d_enters_the_mesh_and_leaves_it_entered*",
-                                 "*restored before the next test: 1 device mesh(es) left entered "
-                                 "(with mesh:)*"])

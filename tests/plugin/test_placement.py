@@ -53,14 +53,8 @@ def test_placement_under_xdist_on_faked_gpus(pytester: pytest.Pytester, tag: str
     result.stdout.fnmatch_lines(["tplogp: 2 GPU test(s) skipped for placement: their xdist worker "
                                  "owns fewer GPUs than they need (run with -n <= GPUs // world "
                                  "size*"])
-    # no GPU at all: the multi-GPU tests skip for want of GPUs, which is not placement (no summary
-    # line)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "two")
-    result.assert_outcomes(skipped=2)
-    result.stdout.fnmatch_lines(["SKIPPED [[]2[]] *needs 2 distinct GPU(s) for NCCL (one per "
-                                 "rank); this process has none*"])
-    result.stdout.no_fnmatch_line("*skipped for placement*")
+    # (no GPU at all: the multi-GPU tests skip for want of GPUs, which is not placement:
+    # test_selection.py::test_parent_side_skips_spawn_nothing)
     assert leftover_processes(tag) == []
 
 

@@ -1,10 +1,13 @@
 """The generic plugin's footprint. Without the op's dependencies (``triton`` and ``tplogp``
 unimportable in the fork server and the ranks, and ``triton`` in pytest, which never imports
-``tplogp``) a TP test runs and passes; and pytest's own process never imports torch."""
+``tplogp``) a TP test runs and passes; pytest's own process never imports torch; the ranks do not
+import coverage when nothing measures; and a rank that leaves its pool cleanly releases what
+multiprocessing registered for it (named semaphores). One pytest session checks all four."""
 
 from __future__ import annotations
 
 import pytest
+from tests.support.plugin_helpers import leftover_processes
 
 pytest_plugins = ["pytester"]
 
@@ -22,9 +25,10 @@ sys.meta_path.insert(0, Blocker())
 '''
 
 BODY = '''
+import multiprocessing
+import sys
+
 import pytest
-import torch
-import torch.distributed as dist
 
 def _importable(name):
     try:
@@ -35,58 +39,61 @@ def _importable(name):
 
 @pytest.mark.tp(world_size=2)
 def test_on_ranks(tp):
+    import torch
+    import torch.distributed as dist
+
     assert not _importable("triton") and not _importable("tplogp")
     t = torch.ones(1) * (tp.rank + 1)
     dist.all_reduce(t)
     tp.assert_close(t, torch.tensor([3.0]))
 
-def test_in_pytest_after_a_tp_test():
+@pytest.mark.tp(world_size=2)
+def test_ranks_do_not_import_coverage(tp):
+    assert "coverage" not in sys.modules
+
+# A process-wide multiprocessing lock that lives until the process ends, as tqdm's class lock does
+# (torch.fx makes one on a rank when torch.compile runs there); a non-fork context gives it a named
+# POSIX semaphore that the pytest process's resource tracker watches.
+LOCKS = []
+
+@pytest.mark.tp(world_size=2)
+def test_holds_a_lock(tp):
+    LOCKS.append(multiprocessing.get_context("spawn").Lock())
+
+def test_in_pytest_after_tp_tests():
     # pytest's assertion rewriting imports the modules of an installed plugin's distribution
     # itself, past the blocker: here what counts is that nothing imported them
-    import sys
-
+    assert "torch" not in sys.modules
     assert "triton" not in sys.modules and "tplogp" not in sys.modules
     assert not _importable("triton")
 '''
 
 
 @pytest.mark.slow
-def test_generic_plugin_runs_without_triton_and_tplogp(pytester: pytest.Pytester, tag: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_footprint(pytester: pytest.Pytester, tag: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``triton`` and ``tplogp`` blocked in every process, TP tests run and pass, and nothing
+    imported them in pytest's own process. Only the fork server and the ranks import torch: TP tests
+    run through a pool, from a test module that does not import torch, leave pytest's own process
+    without it (--tp-backend=gloo: so also on a machine with GPUs, where backend auto asks torch
+    about NCCL). Nothing measures coverage here, so the ranks do not import coverage. A rank that
+    holds a multiprocessing lock till its end leaves its pool cleanly, releasing the lock's named
+    semaphore: no leak reported, no process left."""
+    import subprocess
+    import sys
+
     blocker = pytester.mkdir("blocker")
     blocker.joinpath("sitecustomize.py").write_text(BLOCKER)
     monkeypatch.setenv("PYTHONPATH", f"{blocker}:{__import__('os').environ['PYTHONPATH']}")
     pytester.makepyfile(test_body=BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rA")
-    result.assert_outcomes(passed=2)
+    # a file: the resource tracker writes after pytest exits
+    with open(pytester.path / "pytest.log", "wb") as log:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "pytest_tplogp", "-p",
+                               "no:cacheprovider", "-rA", "--tp-backend=gloo", "test_body.py"],
+                              cwd=pytester.path, stdout=log, stderr=subprocess.STDOUT, timeout=300)
+    assert leftover_processes(tag) == []  # the resource tracker too: it has written its last word
+    output = (pytester.path / "pytest.log").read_text(errors="replace")
+    assert proc.returncode == 0, output[-3000:]
+    result = pytest.RunResult(proc.returncode, output.splitlines(), [], 0.0)
+    result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["tplogp: world size 2, backend gloo*"])
-
-
-TORCH_FREE_BODY = '''
-import sys
-
-import pytest
-
-@pytest.mark.tp(world_size=2)
-def test_on_ranks(tp):
-    import torch
-    import torch.distributed as dist
-
-    t = torch.ones(1) * (tp.rank + 1)
-    dist.all_reduce(t)
-    tp.assert_close(t, torch.tensor([3.0]))
-
-def test_pytest_never_imported_torch():
-    assert "torch" not in sys.modules
-'''
-
-
-@pytest.mark.slow
-def test_pytest_itself_never_imports_torch(pytester: pytest.Pytester, tag: str) -> None:
-    """Only the fork server and the ranks import torch: a TP test run through a pool, from a test
-    module that does not import torch, leaves pytest's own process without it (on a machine without
-    GPUs, as CI is)."""
-    pytester.makepyfile(test_body=TORCH_FREE_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-p", "no:cacheprovider", "-rA",
-                                           "--tp-backend=gloo")
-    result.assert_outcomes(passed=2)
+    assert "leaked semaphore" not in output, output[-3000:]

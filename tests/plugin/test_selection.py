@@ -154,30 +154,33 @@ def pytest_sessionfinish(session):
 @pytest.mark.slow
 def test_parent_side_skips_spawn_nothing(pytester: pytest.Pytester, tag: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    """Without a GPU (CUDA_VISIBLE_DEVICES=-1), gpu and nccl TP tests and a plain gpu test are
+    skipped in the parent at setup, each for far less than a pool start, and a fixture's skip
+    (op_source) comes before the pool start too: no pool manager is ever made. None of the skips is
+    a placement skip (no summary line)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     pytester.makepyfile(test_body=GPU_BODY)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp", "-rs", "-k", "gpu or nccl",
-                                           "--durations=0",
+    pytester.makeconftest(POOL_REPORTER)
+    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rs", "-s",
+                                           "-k", "gpu or nccl or test_source",
+                                           "--tp-op-source=sm90", "--durations=0",
                                            "--durations-min=0")
-    result.assert_outcomes(skipped=3)
+    result.assert_outcomes(skipped=4)
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:3: needs 2 distinct GPU(s) for NCCL "
                                  "(one per rank); this process has none*"])
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:8: needs 4 distinct GPU(s) for "
                                  "NCCL*"])
     result.stdout.fnmatch_lines(["SKIPPED [[]1[]] test_body.py:12: needs a CUDA device; this "
                                  "process has none*"])
+    result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu: *"])
+    result.stdout.no_fnmatch_line("*skipped for placement*")
     # decided in the parent at setup: nothing spawned, each skip costs (far) less than a pool start
+    # (the op_source fixture's own setup imports the op's sources: not timed here)
     times = [float(line.split("s ", 1)[0]) for line in result.outlines
-             if line.endswith(("]", "gpu"))
+             if line.endswith(("]", "gpu")) and "test_source" not in line
              and line[:1].isdigit()]
     assert times and max(times) < 0.5, result.outlines
     # a fixture's skip (op_source) comes before the pool start too: no pool manager was ever made
-    pytester.makeconftest(POOL_REPORTER)
-    result = pytester.runpytest_subprocess("-p", "pytest_tplogp.lmhead", "-rs", "-k", "test_source",
-                                           "-vv", "-s",
-                                           "--tp-op-source=sm90")
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*op source sm90 unavailable on cpu: *"])
     result.stdout.fnmatch_lines(["pool manager made: False"])
 
 
