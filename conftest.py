@@ -9,10 +9,19 @@ any kernel is defined, so it is set here, before test modules import tplogp's Tr
 """
 
 import os
+import sys
 
 import torch
 
 pytest_plugins = ["pytest_tplogp", "pytest_tplogp.lmhead"]
+
+# The suite starts hundreds of Python processes (rank pools, torchrun launches of the runbook and the benchmarks, the
+# plugin tests' pytest sessions), most of them importing tplogp. Where PYTHONDONTWRITEBYTECODE is set (container images
+# often set it) each would compile the sources again and each xdist worker would rewrite every test module's asserts:
+# the suite writes its bytecode caches (git-ignored __pycache__ folders) for itself and the processes it starts.
+if sys.dont_write_bytecode:
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
