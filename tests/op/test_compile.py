@@ -431,12 +431,14 @@ def test_compiled_call_keeps_logits_within_the_budget(monkeypatch, source, opts)
 
 # 3 uneven ranks (16, 34 and 51 ids): each rank traces its graph with another shard size.
 @pytest.mark.tp(world_size=3, timeout=300)
-@pytest.mark.parametrize("mode", ["full", pytest.param("fast", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("opts", [pytest.param("plain", marks=pytest.mark.slow),
-                                  pytest.param("keep", marks=pytest.mark.slow), "all"])
+@pytest.mark.parametrize("opts, mode", [
+    ("all", "full"), pytest.param("all", "fast", marks=pytest.mark.slow),
+    pytest.param("plain", "full", marks=pytest.mark.slow),
+    pytest.param("keep", "full", marks=pytest.mark.slow)], ids=["all-full", "all-fast",
+                                                              "plain-full", "keep-full"])
 def test_compile_with_tp_group(tp, opts, mode, monkeypatch):
     """Uneven vocab shards over the group: no graph break, compiled loss and gradients equal
-    eager's."""
+    eager's; the fast checks with every option on."""
     from pytest_tplogp import VocabShards
 
     monkeypatch.setenv("TPLOGP_CHECKS", mode)  # per rank, undone after the test
