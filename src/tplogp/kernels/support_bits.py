@@ -17,7 +17,7 @@ their own row (spread over the row's words: not one shared word). No host sync.
 The backward's column chunks (:class:`ColumnChunks`): their bitmasks come from the support's ids
 sorted by column once (one sort of the ``N K`` ids, one host read: where each chunk's ids start),
 each chunk then one ``scatter_add`` of its own ids alone, where :func:`column_bits` at every chunk
-would read all ``N K`` ids again (about 16 chunks at 8192 tokens of a 128256-column shard).
+would read all ``N K`` ids again.
 
 Memory (:func:`forward_rows`): the forward masks the whole shard, so its bitmask is
 ``rows * cdiv(V, 32) * 4`` bytes; a call whose rows' bitmask exceeds the budget's transient part

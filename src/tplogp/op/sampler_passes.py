@@ -233,9 +233,8 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
         vals = torch.full((rows, m + drop), float("-inf"), dtype=torch.float32, device=dev)
         ids = torch.full((rows, m + drop), -1, dtype=torch.int64, device=dev)
-        blocks = [] if kernels is None else [kernels.collect_blocks(min(v0 + vc, v) - v0)
-                                             for v0 in range(0, v, vc)]
         if kernels is not None:
+            blocks = [kernels.collect_blocks(min(v0 + vc, v) - v0) for v0 in range(0, v, vc)]
             held = torch.zeros(rows, dtype=torch.int32, device=dev)
             below = torch.full((rows, sum(blocks)), float("-inf"), dtype=torch.float32,
                                device=dev)
