@@ -47,6 +47,10 @@ CHUNKS = dict(CHUNK_IDS=12, CHUNK_FRACTION=1.0, MIN_CHUNK_ROWS=1)  # chunks of 2
 SOURCES = cpu_sources()
 
 
+# the padded form on every way; CSR, converted to the padded form before any way is taken, on one
+PATH_FORMS = [*((path, "padded") for path in PATHS), ("mask", "csr")]
+
+
 @pytest.fixture(params=list(PATHS))
 def path(request) -> str:
     """Runs the test on each of the sources' two ways (set by :func:`_take`, in the body: on a TP
@@ -155,7 +159,7 @@ def _call(op, problem, support, leaves=None, **kw):
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("form", ["padded", "csr"])
+@pytest.mark.parametrize("path, form", PATH_FORMS)
 @pytest.mark.parametrize("options", list(OPTIONS))
 def test_support_matches_the_definition(form, options, path, source, monkeypatch):
     """logp, entropy, lse and the gradients of hidden, weight and bias as the float64 definition's
@@ -388,7 +392,7 @@ def vocab_shards_size() -> int:
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("form", ["padded", "csr"])
+@pytest.mark.parametrize("path, form", PATH_FORMS)
 def test_tp_support_matches_the_definition(tp, vocab_shards, form, path, source, monkeypatch):
     """Over the ranks (even and uneven shards; ids global, each rank masking the ids it owns):
     outputs and gradients as the float64 definition's (d_W / d_b: this rank's rows), with
