@@ -168,12 +168,18 @@ def drop_columns(request, monkeypatch) -> None:
 @pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "per-token"])
 def test_candidate_rounds(case, monkeypatch, drop_columns):
     """With one candidate per rank to start, the rows whose answer is not exact run again until it
-    is: the same ids, after several rounds; top-p or min-p alone take two (the counting pass sizes
-    the second)."""
+    is: the same ids, after several rounds; top-p or min-p alone take two (the bins size the
+    second: top-p alone's come with its first round, on its grid, min-p's from a counting pass)."""
+    counted = []
+    real_bins = sampler_module.shard_bins
+    monkeypatch.setattr(sampler_module, "shard_bins",
+                        lambda h, *args: counted.append(h.shape[0]) or real_bins(h, *args))
     seen = _rounds_from_one_candidate(case, monkeypatch)
     assert len(seen) >= 2 and seen == sorted(seen), seen
     if case in ("top_p", "min_p"):
         assert len(seen) == 2, seen
+    if case in ("top_p", "min_p"):
+        assert bool(counted) == (case == "min_p"), counted
 
 
 @pytest.mark.parametrize("case", ["top_p", "min_p", "per-token"])

@@ -98,11 +98,17 @@ def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return from_key(hi_key).masked_fill(last < 0, float("inf"))
 
 
+def grid_columns(m: int) -> int:
+    """The columns of :func:`shard_candidates`' rows when some take grid bins: ``2 m + 3``, then
+    the grid top's index and the ``BINS`` counts and masses."""
+    return 2 * m + 4 + 2 * BINS
+
+
 def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
                       call: ShardCall, tile_elements: int,
-                      deterministic: bool, with_lse: bool = True,
-                      edge: Optional[torch.Tensor] = None,
-                      above: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      deterministic: bool, edge: Optional[torch.Tensor] = None,
+                      above: Optional[torch.Tensor] = None,
+                      grid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
     shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
     candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 ``[rows, 3]``:
@@ -116,13 +122,23 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     the largest logit of the others, the statistics the row max and how many ids they hold (a row
     with more than ``m`` the round takes again). The other rows take the ``m`` largest logits,
     the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m`` ids), the statistics the
-    row max and (``with_lse``; else 0) ``sum exp(z - max)``."""
+    row max and 0. The last ``len(grid)`` rows
+    (``grid``: float64 ``[rows]``, a bin width) take no candidates (the floor their row max) but
+    the row max, ``sum exp(z - max)`` and bins on a grid (:func:`_grid_bins`), in the
+    :func:`grid_columns` after the others' (0 for the other rows)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
-    out = torch.full((n, 2 * m + 3), float("-inf"), dtype=torch.float64, device=dev)
+    g = 0 if grid is None else grid.shape[0]
+    width = grid_columns(m) if g else 2 * m + 3
+    out = torch.full((n, width), float("-inf"), dtype=torch.float64, device=dev)
     out[:, m:2 * m] = -1
-    out[:, 2 * m + 2] = 0
+    out[:, 2 * m + 2:] = 0
     if n == 0 or v == 0:
         return out
+    if g:
+        _grid_bins(out[n - g:], h[n - g:], w, b, m, grid, call, tile_elements, deterministic)
+        n, h = n - g, h[:n - g]
+        if n == 0:
+            return out
     c = 0 if edge is None else edge.shape[0]
     if c:
         threshold = _threshold(bin_scale(edge[:, 0], edge[:, 1]), edge[:, 2].to(torch.int64))
@@ -131,8 +147,7 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
         c = above.shape[0]
         _collect(out[:c], h[:c], w, b, m, call, tile_elements, deterministic, offset=above)
     if c < n:
-        _largest(out[c:], h[c:], w, b, m, call, tile_elements,
-                 deterministic, with_lse)
+        _largest(out[c:], h[c:], w, b, m, call, tile_elements, deterministic)
     return out
 
 
@@ -157,8 +172,7 @@ def _merged(vals: list, ids: list, take: int) -> tuple[list, list]:
 
 
 def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-             m: int, call: ShardCall, tile_elements: int,
-             deterministic: bool, with_lse: bool) -> None:
+             m: int, call: ShardCall, tile_elements: int, deterministic: bool) -> None:
     """:func:`shard_candidates`' rows that take the ``m`` largest logits, written into ``out``."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     # the m largest and one more: its value is the floor (every id above it is among the m)
@@ -169,20 +183,13 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        # (the normalizer of top-p alone: fp32 terms, each within an ulp, summed in float64)
-        sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
         chunk_vals, chunk_ids, held = [], [], 0
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
             # the chunk's largest (the first is its max, NaN first as in max)
             z_vals, z_at = z.topk(min(take, v1 - v0), dim=1)
-            new_max = torch.maximum(row_max, z_vals[:, 0])
-            if with_lse:
-                base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
-                sum_exp = (sum_exp * torch.exp((row_max - base).double())
-                           + torch.sub(z, base[:, None]).exp_().sum(1, dtype=torch.float64))
-            row_max = new_max
+            row_max = torch.maximum(row_max, z_vals[:, 0])
             chunk_vals.append(z_vals)
             chunk_ids.append(z_at + v0 if v0 else z_at)
             held += z_vals.shape[1]
@@ -199,7 +206,6 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         if v > m:
             out[t0:t1, 2 * m] = vals[keep, m].double()
         out[t0:t1, 2 * m + 1] = row_max[keep].double()
-        out[t0:t1, 2 * m + 2] = sum_exp[keep].double()
 
 
 def _below32(x: torch.Tensor) -> torch.Tensor:
@@ -283,6 +289,76 @@ def _collect_tile(z: torch.Tensor, at_least: torch.Tensor, v0: int, m: int, vals
     return held
 
 
+def grid_scale(top_index: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """:func:`bin_scale`'s rows for the window of ``BINS`` grid bins of ``width`` (float64) whose
+    top is ``top_index * width``: bin ``j`` is the grid step ``top_index - j - 1``; a row without a
+    finite top (no logit above ``-inf``) drops every logit."""
+    top = top_index * width
+    scale = bin_scale(top - BINS * width, top)
+    return scale.masked_fill_(~torch.isfinite(top)[:, None], float("inf"))
+
+
+def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+               m: int, width: torch.Tensor, call: ShardCall, tile_elements: int,
+               deterministic: bool) -> None:
+    """:func:`shard_candidates`' grid rows, written into ``out``: in one pass over the logits, the
+    row max, ``sum exp(z - max)`` (fp32 terms, float64 sums) and the counts and masses
+    (``exp(z - max)``, fp32 terms) of the ``BINS`` bins of ``width`` on a grid fixed before the
+    pass (its steps ``i * width``) below the running max: the window's top is the least grid step
+    at least the max (its index ``ceil(max / width)``). When a chunk raises the max past a step the
+    window moves up, the bins held move down as many bins (those past the bottom dropped) and
+    their masses are rescaled to the new max, as the sum is; the chunk's logits are then counted
+    in the new window (:func:`_bins_of`). Every rank's window lies on the same grid, so the
+    ranks' bins merge by their tops' indices."""
+    n, v, dev = h.shape[0], w.shape[0], h.device
+    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
+    vc = max(64, tile_elements // (2 * tc))
+    kernels = tile_kernels(dev)
+    drop = 0 if kernels is not None else drop_columns(dev)
+    steps = torch.arange(BINS, device=dev)
+    for t0, t1, hc in _row_chunks(h, deterministic):
+        rows = hc.shape[0]
+        rows_width = torch.cat([width[t0:t1], width.new_ones(rows - (t1 - t0))])
+        row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+        top_index = torch.full((rows,), float("-inf"), dtype=torch.float64, device=dev)
+        sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
+        counts = torch.zeros(rows, BINS + drop, dtype=torch.float32, device=dev)
+        masses = torch.zeros_like(counts)
+        for v0 in range(0, v, vc):
+            v1 = min(v0 + vc, v)
+            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
+            new_max = torch.maximum(row_max, z.amax(1))
+            base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
+            rescale = torch.exp((row_max - base).double())
+            sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp().sum(
+                1, dtype=torch.float64)
+            new_index = torch.ceil(new_max.double() / rows_width)
+            moved = torch.nan_to_num(new_index - top_index, nan=BINS, posinf=BINS)
+            source = steps[None, :] - moved.clamp(max=BINS).long()[:, None]
+            inside = source >= 0
+            source = source.clamp_(min=0)
+            counts[:, :BINS] = counts[:, :BINS].gather(1, source) * inside
+            masses[:, :BINS] = (masses[:, :BINS].gather(1, source) * inside
+                                * rescale.float()[:, None])
+            row_max, top_index = new_max, new_index
+            scale = grid_scale(top_index, rows_width)
+            if kernels is not None:
+                kernels.count_bins(z, scale, base, counts, masses)
+                continue
+            at = _bins_of(z, scale)
+            if drop > 1:  # (below the window: dropped)
+                at = torch.where(at < BINS, at, BINS + _spread(v0, v1, dev))
+            counts.scatter_add_(1, at, torch.ones_like(z))
+            masses.scatter_add_(1, at, torch.exp(z.sub_(base[:, None])).nan_to_num_(nan=0.0))
+        keep = slice(0, t1 - t0)
+        out[t0:t1, 2 * m] = row_max[keep].double()
+        out[t0:t1, 2 * m + 1] = row_max[keep].double()
+        out[t0:t1, 2 * m + 2] = sum_exp[keep]
+        out[t0:t1, 2 * m + 3] = top_index[keep]
+        out[t0:t1, 2 * m + 4:2 * m + 4 + BINS] = counts[keep, :BINS].double()
+        out[t0:t1, 2 * m + 4 + BINS:] = masses[keep, :BINS].double()
+
+
 def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
                 lse: Optional[torch.Tensor], call: ShardCall,
                 tile_elements: int, deterministic: bool) -> torch.Tensor:
@@ -324,5 +400,5 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
     return out
 
 
-__all__ = ["DETERMINISTIC_ROWS", "BINS", "SPREAD", "bin_scale", "ordered", "from_key",
-           "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]
+__all__ = ["DETERMINISTIC_ROWS", "BINS", "SPREAD", "bin_scale", "grid_scale", "grid_columns",
+           "ordered", "from_key", "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]

@@ -24,9 +24,8 @@ Algorithm (:func:`sampler_support`). Every token's support is a top prefix of it
 order above. The first round streams each rank's shard of the logits once (token chunks x vocab
 chunks, fp32 GEMMs, within the call's transient budget) and keeps per token its ``M`` largest
 logits and their ids, the ``M + 1``-th value (its *floor*: every id of the shard above it is among
-the candidates), the shard's max and, for a token with top-p but neither top-k nor min-p, its
-softmax sum (fp32 terms, float64 sums). One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]``
-per rank) gives every rank the same candidates, max and log-sum-exp; each rank then applies the
+the candidates) and the shard's max. One ``all_gather`` of these (float64, ``[tokens, 2 M + 3]``
+per rank) gives every rank the same candidates and max; each rank then applies the
 definition in float64 to the merged candidates, ranked as above (one sort of int64 keys: the fp32
 value's order-preserving bits, then the id's complement). A token's answer is exact when some
 candidate strictly above the merged floor (the largest rank floor) is left out of the support (of
@@ -38,13 +37,23 @@ support's logits (min-p's ``max z + log(min_p)``; for top-p alone ``lse + log((1
 Tokens whose answer is not yet exact run again (only they, every rank alike: the decision comes
 from the gathered data).
 
+Tokens with top-p alone (no top-k, no min-p) take no ``topk`` in the first round either: each rank
+keeps their max, softmax sum (fp32 terms, float64 sums) and 64 bins below the running max on a
+grid fixed before the pass (width ``(log V + 1 - log(1 - top_p)) / 62``: the window reaches below
+the bound ``lo`` below), each bin's count and mass, the bins moved down and rescaled as the max
+rises (:func:`tplogp.op.sampler_passes.shard_candidates`); the gather merges the ranks' windows by
+their tops' grid indices and gives the log-sum-exp, and the tokens collect next from their
+windows as the counted tokens below do, with no counting pass (16 more slots per rank: a logit
+within rounding of a bin's edge may fall on its other side in the collecting round).
+
 Tokens with min-p and no top-k take no ``topk`` in the first round: each rank collects its ids at
 least its running max plus ``log(min_p)`` (rounded down to fp32; the max only rises, so this holds
 every id of the support: a rank's max is at most the merged one), as a collecting round does
 (below), and the floor is the largest logit not collected; the answer is then exact unless a rank
 held more than ``M`` such ids (those rows count and collect from their bound, below).
 
-Tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts its logits
+The other tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts
+its logits
 in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z) 64 / (max - lo))`` in
 fp32, non-increasing in ``z``, so the ids of the top bins are a top set of the logits; below ``lo``:
 none) and sums their mass (fp32 terms). The next round *collects*: down to the first bin where the
@@ -62,20 +71,18 @@ The two passes compute the same logits in the same chunks and the same bins, so 
 token whose ids do not (a GEMM that gave other bits) or that its bins did not settle collects again
 down to ``lo``, then takes the largest logits. Tokens without a bound (ties at top-k's ``k``-th
 logit) take ``4 M`` per round up to the vocabulary, where every rank sends every id. ``M`` starts at
-the largest ``top_k`` plus 16 (at least 256 when some token has top-p or min-p without top-k) and
-never shrinks. Tokens whose filters are all off keep every id (the ``KEEP_ALL`` row of
+the largest ``top_k`` plus 16 (at least 256 when some token has min-p without top-k) and never
+shrinks. Tokens whose filters are all off keep every id (the ``KEEP_ALL`` row of
 :mod:`tplogp.op.support_ids`).
 
 Cost: one forward pass over the vocabulary per round and one collective and one host read per round.
-A token whose support fits the first ``M`` (a top-k; top-p or min-p over a peaked distribution)
-settles in the first round, whose ``topk`` of ``M + 1`` per chunk costs about its GEMM on a CPU.
-Top-p or min-p alone over a flat distribution takes three passes (the first round, the counting
-pass, the collecting round), the last two with a few elementwise operations per logit instead of a
-``topk`` of thousands, and one sort of ``[tokens, world M]`` candidates. Why not fold the counting
-pass into the first round: bins merged over the ranks need a range every rank knows before the pass
-(the max and the log-sum-exp come from the first round's gather), and the tokens the first round
-settles would count for nothing. Why 256 to start: a smaller first ``M`` saves part of the first
-round's ``topk``, but a token whose support is past it takes the two further passes.
+A token whose support fits the first ``M`` (a top-k; min-p over a peaked distribution) settles in
+the first round, whose ``topk`` of ``M + 1`` per chunk costs about its GEMM on a CPU. Top-p alone
+takes two passes, whatever its distribution (the first round with its bins, the collecting round),
+both with a few elementwise operations per logit and no ``topk``, and one sort of
+``[tokens, world M]`` candidates. Min-p alone whose ids pass the first round's ``M`` on a rank
+takes three (the first round, the counting pass, the collecting round). Why 256 to start: a smaller first ``M`` saves part of the first round's
+``topk``, but a token whose support is past it takes the two further passes.
 """
 
 from __future__ import annotations
@@ -89,7 +96,8 @@ from ..backends import memory_budget
 from ..backends.base import ShardCall
 from ..support.comm import all_gather_flat
 from .sampler_params import SamplerParams
-from .sampler_passes import BINS, bin_scale, from_key, ordered, shard_bins, shard_candidates
+from .sampler_passes import (BINS, bin_scale, from_key, grid_columns, ordered, shard_bins,
+                             shard_candidates)
 from .support_ids import KEEP_ALL
 
 SLACK = 16  # candidates beyond the largest top_k (ties at the k-th logit, the excluded one)
@@ -120,12 +128,12 @@ def _lower_bounds(params: SamplerParams, top: torch.Tensor, lse: torch.Tensor,
     return torch.where(torch.isfinite(lo) & (lo < top), lo, float("-inf"))
 
 
-def _binned_sizes(bins: torch.Tensor, params: SamplerParams
+def _binned_sizes(bins: torch.Tensor, params: SamplerParams, slack: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From every rank's bins (``[world, rows, 2 BINS]``): per row, the last bin the next round
     collects (top-p alone: the first where the mass from the top passes ``top_p`` by
     ``MASS_MARGIN``; else the last, down to the bound), and the most ids any rank holds in the
-    bins up to it, and in all (float64)."""
+    bins up to it plus ``slack`` (float64 ``[rows]``), and in all (float64)."""
     counts, masses = bins[..., :BINS], bins[..., BINS:].sum(0)
     last = torch.full((counts.shape[1],), BINS - 1, dtype=torch.int64, device=bins.device)
     if params.top_p is not None:
@@ -135,8 +143,36 @@ def _binned_sizes(bins: torch.Tensor, params: SamplerParams
         only_p = only_p & (params.min_p <= 0 if params.min_p is not None else True)
         last = torch.where(only_p & (params.top_p < 1), first, last)
     inside = torch.arange(BINS, device=bins.device)[None, :] <= last[:, None]
-    size = (counts * inside).sum(2).max(0).values
+    size = (counts * inside).sum(2).max(0).values + slack
     return last.double(), size, counts.sum(2).max(0).values
+
+
+def _grid_width(top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per row with top-p alone (``top_p``), the width of its grid bins (float64): ``BINS - 2`` of
+    them span ``log V + 1 - log(1 - top_p)``, the most the bound ``lo`` of :func:`_lower_bounds`
+    lies below the max (``lse >= max``), so a window of ``BINS`` whose top is within a bin above
+    the max reaches below ``lo``."""
+    span = math.log(vocab) + 1 - torch.log1p(-top_p.double().clamp(max=1 - 1e-12))
+    return span / (BINS - 2)
+
+
+def _grid_edges(ranks: torch.Tensor, m: int, width: torch.Tensor, lse: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """From every rank's grid rows of a first round (``[world, rows, grid_columns(m)]``): the
+    merged window's top (the largest rank top: float64 ``[rows]``) and every rank's bins moved
+    into it, as the counting pass gives them (``[world, rows, 2 BINS]``: counts; masses
+    ``exp(z - lse)``)."""
+    index = ranks[:, :, 2 * m + 3]
+    top_index = index.max(0).values
+    moved = torch.nan_to_num(top_index[None, :] - index, nan=BINS, posinf=BINS).clamp(max=BINS)
+    source = torch.arange(BINS, device=ranks.device) - moved.long()[:, :, None]
+    inside = source >= 0
+    source = source.clamp_(min=0)
+    counts = ranks[:, :, 2 * m + 4:2 * m + 4 + BINS].gather(2, source) * inside
+    masses = ranks[:, :, 2 * m + 4 + BINS:].gather(2, source) * inside
+    row_max = ranks[:, :, 2 * m + 1]
+    masses = masses * torch.exp(row_max - lse[None, :]).nan_to_num_(nan=0.0)[:, :, None]
+    return top_index * width, torch.cat([counts, masses], 2)
 
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,18 +265,19 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     on = _active(params, n, dev)
     todo = on.nonzero().squeeze(1)  # (a host read)
     count = todo.numel()
-    # rows with a top-k need k + SLACK candidates at most; top-p alone normalizes with the lse
-    k_max, unbounded, top_p_alone, above = 0, count, 0, 0
+    # rows with a top-k need k + SLACK candidates at most
+    k_max, unbounded, gridded, above = 0, count, 0, 0
     if count:
         p = params.rows(todo)
         k = p.top_k if p.top_k is not None else torch.zeros_like(todo)
         alone = (k <= 0) & (p.min_p <= 0 if p.min_p is not None else True)
         alone &= p.top_p < 1 if p.top_p is not None else False
-        # min-p without top-k: the first round collects above the running max (no topk); first
+        # min-p without top-k: the first round collects above the running max (no topk); first.
+        # top-p alone: the first round bins on a grid (no topk); last
         by_min_p = (k <= 0) & (p.min_p > 0) if p.min_p is not None else torch.zeros_like(alone)
-        todo = todo[(~by_min_p).to(torch.int8).argsort(stable=True)]
-        k_max, unbounded, top_p_alone, above = torch.stack([
-            k.max(), (k <= 0).sum(), alone.sum(), by_min_p.sum()]).tolist()
+        todo = todo[(alone.to(torch.int8) * 2 + ~by_min_p).argsort(stable=True)]
+        k_max, unbounded, gridded, above = torch.stack([
+            k.max(), ((k <= 0) & ~alone).sum(), alone.sum(), by_min_p.sum()]).tolist()
     m = k_max + SLACK
     if unbounded:
         m = max(m, MIN_CANDIDATES)
@@ -251,21 +288,25 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     # most ids any rank holds at or above the bound (the counting pass's)
     top = lse = lo = whole = torch.empty(0, dtype=torch.float64, device=dev)
     last, collecting, first = None, 0, True
+    # per row of todo: whether its bins came with the first round (its grid), and those bins
+    on_grid = torch.arange(count, device=dev) >= count - gridded
+    binned = torch.zeros(world, count, 2 * BINS, dtype=torch.float64, device=dev)
     while count:
         rows_params = params.rows(todo)
         edge = None
         if collecting:
             edge = torch.stack([lo[:collecting], top[:collecting], last[:collecting]], 1)
+        width = _grid_width(rows_params.top_p[count - gridded:], vocab) \
+            if first and gridded else None
         part = shard_candidates(hidden.index_select(0, todo), weight, bias, m, call,
-                                 tile_elements, deterministic,
-                                 first and bool(top_p_alone), edge,
+                                 tile_elements, deterministic, edge,
                                  torch.log(rows_params.min_p[:above].double())
-                                 if first and above else None)
+                                 if first and above else None, width)
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
         if world > 1:
             part = all_gather_flat(part.to(comm_device), group).to(dev)
-        ranks = part.view(world, count, 2 * m + 3)
+        ranks = part.view(world, count, part.shape[1])
         values = ranks[:, :, :m].permute(1, 0, 2).reshape(count, world * m)
         ids = ranks[:, :, m:2 * m].permute(1, 0, 2).reshape(count, world * m).long()
         floor = ranks[:, :, 2 * m].max(0).values
@@ -276,6 +317,10 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
             lo = _lower_bounds(rows_params, top, lse, vocab)
             whole = torch.zeros_like(top)
+            if gridded:  # (collected next from their windows on the grid: the same bins)
+                g0 = count - gridded
+                window_top, binned[:, g0:] = _grid_edges(ranks[:, g0:], m, width, lse[g0:])
+                top[g0:], lo[g0:] = window_top, window_top - BINS * width
         x, ranked_ids = _ranked(values, ids)
         kept, exact, need = _decide(x, lse, floor, rows_params)
         # exact too: every id at or above a bound of the support's logits is a candidate
@@ -301,7 +346,8 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         step, size = step[left], size[left]
         order = torch.isnan(step).to(torch.int8).argsort(stable=True)
         todo, step, size = todo[left][order], step[order], size[order]
-        top, lse, lo, whole = (t[left][order] for t in (top, lse, lo, whole))
+        top, lse, lo, whole, on_grid = (t[left][order] for t in (top, lse, lo, whole, on_grid))
+        binned = binned[:, left][:, order]
         need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
         # (one host read per round: every rank the same)
         count, need, collecting, size_max = torch.stack([
@@ -309,14 +355,20 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             size.max() if size.numel() else size.new_zeros(())]).tolist()
         count, collecting = int(count), int(collecting)
         if first and collecting:  # once: the edges the bounded rows collect from, counted
-            bins = shard_bins(hidden.index_select(0, todo[:collecting]), weight, bias,
-                               bin_scale(lo[:collecting], top[:collecting]),
-                               lse[:collecting] if top_p_alone else None, call,
-                               tile_elements, deterministic)
-            if world > 1:
-                bins = all_gather_flat(bins.to(comm_device), group).to(dev)
+            # (the grid rows' bins came with the first round; a counted row's mass is not read)
+            bins, counted = binned[:, :collecting], ~on_grid[:collecting]
+            if bool(counted.any()):
+                rows = counted.nonzero().squeeze(1)
+                more = shard_bins(hidden.index_select(0, todo[rows]), weight, bias,
+                                  bin_scale(lo[rows], top[rows]), None, call, tile_elements,
+                                  deterministic)
+                if world > 1:
+                    more = all_gather_flat(more.to(comm_device), group).to(dev)
+                bins[:, rows] = more.view(world, rows.numel(), 2 * BINS)
+            # (a grid row's bins were counted in another window than its collecting round's: a
+            # logit within rounding of an edge may fall on the other side)
             step[:collecting], size[:collecting], whole[:collecting] = _binned_sizes(
-                bins.view(world, collecting, 2 * BINS), params.rows(todo[:collecting]))
+                bins, params.rows(todo[:collecting]), SLACK * on_grid[:collecting].double())
             size_max = size[:collecting].max().item()
         last, first = step, False
         grown = m
