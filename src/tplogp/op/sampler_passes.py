@@ -164,6 +164,14 @@ def _row_chunks(h: torch.Tensor, deterministic: bool):
         yield t0, t1, hc
 
 
+def _tile_columns(tile_elements: int, rows: int, kernels) -> int:
+    """The vocab chunk of a counting, grid or collecting pass over ``rows`` token rows:
+    ``tile_elements`` logits a tile where the tile kernels read it (beside it at most one fp32
+    temporary of its size: the grid pass's softmax terms), half that where torch operations hold
+    their int64 bins or slots beside it."""
+    return max(64, tile_elements // (rows if kernels is not None else 2 * rows))
+
+
 def _merged(vals: list, ids: list, take: int) -> tuple[list, list]:
     """The ``take`` largest of candidate chunks ``vals`` (fp32 ``[rows, *]`` each) with their
     ``ids``, as one chunk: one ``topk`` of them all."""
@@ -226,8 +234,8 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
     count."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    vc = max(64, tile_elements // (2 * tc))
     kernels = tile_kernels(dev)
+    vc = _tile_columns(tile_elements, tc, kernels)
     drop = 0 if kernels is not None else drop_columns(dev)
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
@@ -312,8 +320,8 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
     ranks' bins merge by their tops' indices."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    vc = max(64, tile_elements // (2 * tc))
     kernels = tile_kernels(dev)
+    vc = _tile_columns(tile_elements, tc, kernels)
     drop = 0 if kernels is not None else drop_columns(dev)
     steps = torch.arange(BINS, device=dev)
     for t0, t1, hc in _row_chunks(h, deterministic):
@@ -330,7 +338,7 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
             new_max = torch.maximum(row_max, z.amax(1))
             base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
             rescale = torch.exp((row_max - base).double())
-            sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp().sum(
+            sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp_().sum(
                 1, dtype=torch.float64)
             new_index = torch.ceil(new_max.double() / rows_width)
             moved = torch.nan_to_num(new_index - top_index, nan=BINS, posinf=BINS)
@@ -372,8 +380,8 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
     if n == 0 or v == 0:
         return out
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    vc = max(64, tile_elements // (2 * tc))
     kernels = tile_kernels(dev)
+    vc = _tile_columns(tile_elements, tc, kernels)
     drop = 0 if kernels is not None else drop_columns(dev)
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
