@@ -198,6 +198,19 @@ def test_collecting_rounds_past_their_capacity_run_again(case, monkeypatch, drop
     assert len(seen) >= 3 and seen == sorted(seen), seen
 
 
+@pytest.mark.parametrize("case", ["top_k", "top_p", "min_p", "per-token"])
+def test_candidates_ranked_and_decided_in_blocks_of_rows(case, monkeypatch):
+    """A round's candidates ranked and decided a block of rows at a time (here one row: the block
+    holds at most ``DECIDE_ELEMENTS`` candidates), over several rounds: the definition's ids."""
+    monkeypatch.setattr(sampler_module, "DECIDE_ELEMENTS", 1)
+    blocks = []
+    real = sampler_module._ranked
+    monkeypatch.setattr(sampler_module, "_ranked",
+                        lambda values, ids: blocks.append(values.shape[0]) or real(values, ids))
+    seen = _rounds_from_one_candidate(case, monkeypatch)
+    assert len(seen) >= 2 and set(blocks) == {1} and len(blocks) > N, (seen, blocks)
+
+
 def _rounds_from_one_candidate(case: str, monkeypatch) -> list:
     """The kept ids of ``case`` with one candidate per rank to start and a budget of one byte
     (every chunk the smallest), checked against the float64 definition; returns the rounds seen

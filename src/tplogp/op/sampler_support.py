@@ -234,6 +234,36 @@ def _decide(x: torch.Tensor, lse: torch.Tensor, floor: torch.Tensor,
     return kept, exact, need
 
 
+# the candidates a block of rows ranks and decides at once: its float64 and int64 temporaries
+# (a dozen of them) stay within a few GiB however many ids a round collects
+DECIDE_ELEMENTS = 1 << 25
+
+
+def _ranked_and_decided(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
+                        floor: torch.Tensor, params: SamplerParams, bounded: torch.Tensor,
+                        unfit: torch.Tensor, todo: torch.Tensor, done: list
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_ranked` and :func:`_decide` on a round's candidates (``[rows, C]``), in blocks of
+    rows of at most ``DECIDE_ELEMENTS`` candidates; a row is exact as :func:`_decide` says or where
+    ``bounded`` (every id at or above a bound of its support is a candidate), unless ``unfit``.
+    The exact rows' ``(rows of todo, ranked ids, kept lengths)`` are appended to ``done``; returns
+    ``(exact, need)`` of every row."""
+    count = values.shape[0]
+    block = max(1, DECIDE_ELEMENTS // max(values.shape[1], 1))
+    exact, need = [], []
+    for r0 in range(0, count, block):
+        rows = slice(r0, min(r0 + block, count))
+        x, ranked_ids = _ranked(values[rows], ids[rows])
+        index = torch.arange(rows.start, rows.stop, device=values.device)
+        kept, block_exact, block_need = _decide(x, lse[rows], floor[rows], params.rows(index))
+        block_exact = (block_exact | bounded[rows]) & ~unfit[rows]
+        lengths = kept.sum(1)
+        done.append((todo[rows][block_exact], ranked_ids[block_exact], lengths[block_exact]))
+        exact.append(block_exact)
+        need.append(block_need)
+    return torch.cat(exact), torch.cat(need)
+
+
 def _active(params: SamplerParams, n: int, device: torch.device) -> torch.Tensor:
     """``[n]`` bool: the tokens with some filter on."""
     on = torch.zeros(n, dtype=torch.bool, device=device)
@@ -321,17 +351,13 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
                 g0 = count - gridded
                 window_top, binned[:, g0:] = _grid_edges(ranks[:, g0:], m, width, lse[g0:])
                 top[g0:], lo[g0:] = window_top, window_top - BINS * width
-        x, ranked_ids = _ranked(values, ids)
-        kept, exact, need = _decide(x, lse, floor, rows_params)
-        # exact too: every id at or above a bound of the support's logits is a candidate
-        exact |= floor < lo
-        # a collecting row (the first round's: a min-p's above its max) whose ids pass the
-        # round's candidates on some rank
+        # exact too: every id at or above a bound of the support's logits is a candidate; not: a
+        # collecting row (the first round's: a min-p's above its max) whose ids pass the round's
+        # candidates on some rank
         held = ranks[:, :, 2 * m + 2].max(0).values
         was = torch.arange(count, device=dev) < (above if first else collecting)
-        exact &= ~(was & (held > m))
-        lengths = kept.sum(1)
-        done.append((todo[exact], ranked_ids[exact], lengths[exact]))
+        exact, need = _ranked_and_decided(values, ids, lse, floor, rows_params, floor < lo,
+                                          was & (held > m), todo, done)
         # the next round: the rows after the first collect from their bound, at an edge counted
         # first; a collecting row left (its ids past the candidates, or an edge that did not
         # settle it) collects from its bound, then takes the largest, as the rows without a bound
