@@ -1,14 +1,16 @@
 """The passes of :mod:`tplogp.op.sampler_support` over one rank's shard of the logits (token chunks
 x vocab chunks, fp32 GEMMs with the op's logit transform, within the call's transient budget): the
 candidates of a round (:func:`shard_candidates`: a token's ``M`` largest logits and their ids, the
-floor, the max and the softmax sum; or, for a collecting token, the ids of its top bins, gathered
-into slots by a running count), and the counting pass (:func:`shard_bins`: per token, how many
-logits and how much mass fall in each of ``BINS`` bins between a bound and the max). The rounds,
+floor and the max; for a collecting token, the ids of its top bins, gathered into slots by a
+running count; for a top-p-alone token of the first round, its max, softmax sum and the counts and
+masses of ``BINS`` bins on a grid below its running max), and the counting pass
+(:func:`shard_bins`: per token, how many logits fall in each of ``BINS`` bins between a bound and
+the max). The rounds,
 their collectives and the decisions in float64 are :mod:`tplogp.op.sampler_support`'s (its docstring
 states the algorithm). No host read: every size is a Python int from shapes.
 
-The counting pass's and the collecting round's work on a tile runs as torch operations, or, on a
-CUDA device where the ``triton`` source runs, as one kernel each (:func:`tile_kernels`:
+The bins' and the collecting round's work on a tile runs as torch operations, or, on a CUDA
+device where the ``triton`` source runs, as one kernel each (:func:`tile_kernels`:
 :mod:`tplogp.kernels.sampler_kernels`, which states how), reading the tile once; both count the
 same bins and collect the same ids.
 """
@@ -98,7 +100,7 @@ def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return from_key(hi_key).masked_fill(last < 0, float("inf"))
 
 
-def grid_columns(m: int) -> int:
+def _grid_columns(m: int) -> int:
     """The columns of :func:`shard_candidates`' rows when some take grid bins: ``2 m + 3``, then
     the grid top's index and the ``BINS`` counts and masses."""
     return 2 * m + 4 + 2 * BINS
@@ -125,10 +127,10 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     row max and 0. The last ``len(grid)`` rows
     (``grid``: float64 ``[rows]``, a bin width) take no candidates (the floor their row max) but
     the row max, ``sum exp(z - max)`` and bins on a grid (:func:`_grid_bins`), in the
-    :func:`grid_columns` after the others' (0 for the other rows)."""
+    :func:`_grid_columns` after the others' (0 for the other rows)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     g = 0 if grid is None else grid.shape[0]
-    width = grid_columns(m) if g else 2 * m + 3
+    width = _grid_columns(m) if g else 2 * m + 3
     out = torch.full((n, width), float("-inf"), dtype=torch.float64, device=dev)
     out[:, m:2 * m] = -1
     out[:, 2 * m + 2:] = 0
@@ -297,7 +299,35 @@ def _collect_tile(z: torch.Tensor, at_least: torch.Tensor, v0: int, m: int, vals
     return held
 
 
-def grid_scale(top_index: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+def moved_bins(bins: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """``bins`` (``[..., BINS]``, bin 0 at the top) of a window whose top rose by ``moved`` grid
+    steps (float64, broadcast over the leading dimensions; NaN or ``inf``: every bin out): bin
+    ``j`` takes the old bin ``j - moved``, the bins past the bottom are dropped, the new top ones
+    are empty."""
+    moved = torch.nan_to_num(moved, nan=BINS, posinf=BINS).clamp(max=BINS).long()
+    source = torch.arange(BINS, device=bins.device) - moved[..., None]
+    inside = source >= 0
+    return bins.gather(-1, source.clamp_(min=0)) * inside
+
+
+def _count_tile(z: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor],
+                counts: torch.Tensor, masses: torch.Tensor, kernels, v0: int) -> None:
+    """Add a tile's logits ``z`` (columns from ``v0``) to the bins of ``scale``'s rows
+    (:func:`_bins_of`): ``counts`` and, given ``shift`` (fp32 ``[rows]``), ``masses``
+    ``exp(z - shift)`` (``[rows, BINS + drop columns]``; the logits below a row's bottom go to the
+    drop columns). One kernel where ``kernels`` run, else torch operations (``z`` overwritten)."""
+    if kernels is not None:
+        kernels.count_bins(z, scale, shift, counts, masses)
+        return
+    at = _bins_of(z, scale)
+    if counts.shape[1] > BINS + 1:  # (dropped: spread over the drop columns)
+        at = torch.where(at < BINS, at, BINS + _spread(v0, v0 + z.shape[1], z.device))
+    counts.scatter_add_(1, at, torch.ones_like(z))
+    if shift is not None:
+        masses.scatter_add_(1, at, torch.exp(z.sub_(shift[:, None])).nan_to_num_(nan=0.0))
+
+
+def _grid_scale(top_index: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
     """:func:`bin_scale`'s rows for the window of ``BINS`` grid bins of ``width`` (float64) whose
     top is ``top_index * width``: bin ``j`` is the grid step ``top_index - j - 1``; a row without a
     finite top (no logit above ``-inf``) drops every logit."""
@@ -323,7 +353,6 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
     kernels = tile_kernels(dev)
     vc = _tile_columns(tile_elements, tc, kernels)
     drop = 0 if kernels is not None else drop_columns(dev)
-    steps = torch.arange(BINS, device=dev)
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows = hc.shape[0]
         rows_width = torch.cat([width[t0:t1], width.new_ones(rows - (t1 - t0))])
@@ -341,23 +370,12 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
             sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp_().sum(
                 1, dtype=torch.float64)
             new_index = torch.ceil(new_max.double() / rows_width)
-            moved = torch.nan_to_num(new_index - top_index, nan=BINS, posinf=BINS)
-            source = steps[None, :] - moved.clamp(max=BINS).long()[:, None]
-            inside = source >= 0
-            source = source.clamp_(min=0)
-            counts[:, :BINS] = counts[:, :BINS].gather(1, source) * inside
-            masses[:, :BINS] = (masses[:, :BINS].gather(1, source) * inside
-                                * rescale.float()[:, None])
+            counts[:, :BINS] = moved_bins(counts[:, :BINS], new_index - top_index)
+            masses[:, :BINS] = moved_bins(masses[:, :BINS], new_index - top_index) * \
+                rescale.float()[:, None]
             row_max, top_index = new_max, new_index
-            scale = grid_scale(top_index, rows_width)
-            if kernels is not None:
-                kernels.count_bins(z, scale, base, counts, masses)
-                continue
-            at = _bins_of(z, scale)
-            if drop > 1:  # (below the window: dropped)
-                at = torch.where(at < BINS, at, BINS + _spread(v0, v1, dev))
-            counts.scatter_add_(1, at, torch.ones_like(z))
-            masses.scatter_add_(1, at, torch.exp(z.sub_(base[:, None])).nan_to_num_(nan=0.0))
+            _count_tile(z, _grid_scale(top_index, rows_width), base, counts, masses, kernels,
+                        v0)
         keep = slice(0, t1 - t0)
         out[t0:t1, 2 * m] = row_max[keep].double()
         out[t0:t1, 2 * m + 1] = row_max[keep].double()
@@ -368,15 +386,13 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
 
 
 def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
-                lse: Optional[torch.Tensor], call: ShardCall,
-                tile_elements: int, deterministic: bool) -> torch.Tensor:
+               call: ShardCall, tile_elements: int, deterministic: bool) -> torch.Tensor:
     """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins of
-    :func:`_bins_of` (``scale``: :func:`bin_scale`'s rows; bin 0 at the top) and (given ``lse``;
-    else 0) their mass ``exp(z - lse)`` (fp32 terms), packed as float64 ``[rows, 2 BINS]``
-    (counts, then masses). The bins hold what :func:`_collect` takes exactly (the same logits: the
+    :func:`_bins_of` (``scale``: :func:`bin_scale`'s rows; bin 0 at the top), float64
+    ``[rows, BINS]``. The bins hold what :func:`_collect` takes exactly (the same logits: the
     same chunks)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
-    out = torch.zeros(n, 2 * BINS, dtype=torch.float64, device=dev)
+    out = torch.zeros(n, BINS, dtype=torch.float64, device=dev)
     if n == 0 or v == 0:
         return out
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
@@ -386,27 +402,14 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
     for t0, t1, hc in _row_chunks(h, deterministic):
         rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
         rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
-        if lse is not None:
-            shift = torch.cat([lse[t0:t1], lse.new_zeros(pad)]).float()[:, None]
         counts = torch.zeros(rows, BINS + drop, dtype=torch.float32, device=dev)
-        masses = torch.zeros_like(counts)
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            if kernels is not None:
-                kernels.count_bins(z, rows_scale, None if lse is None else shift[:, 0], counts,
-                                   masses)
-                continue
-            at = _bins_of(z, rows_scale)
-            if drop > 1:  # (below lo: dropped)
-                at = torch.where(at < BINS, at, BINS + _spread(v0, v1, dev))
-            counts.scatter_add_(1, at, torch.ones_like(z))
-            if lse is not None:
-                masses.scatter_add_(1, at, torch.exp(z.sub_(shift)).nan_to_num_(nan=0.0))
-        out[t0:t1, :BINS] = counts[: t1 - t0, :BINS].double()
-        out[t0:t1, BINS:] = masses[: t1 - t0, :BINS].double()
+            _count_tile(z, rows_scale, None, counts, counts, kernels, v0)
+        out[t0:t1] = counts[: t1 - t0, :BINS].double()
     return out
 
 
-__all__ = ["DETERMINISTIC_ROWS", "BINS", "SPREAD", "bin_scale", "grid_scale", "grid_columns",
-           "ordered", "from_key", "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]
+__all__ = ["DETERMINISTIC_ROWS", "BINS", "SPREAD", "bin_scale", "moved_bins", "ordered", "from_key",
+           "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]

@@ -32,8 +32,9 @@ candidate strictly above the merged floor (the largest rank floor) is left out o
 ``R`` when top-k or min-p is on, whose normalizer is then among the candidates), when for top-p
 alone (normalized with the merged log-sum-exp) the candidates above the floor hold ``top_p`` (every
 id below has at least that much ranked before it), when the floor lies below a bound ``lo`` of the
-support's logits (min-p's ``max z + log(min_p)``; for top-p alone ``lse + log((1 - top_p) / V) -
-1``, below which all ids together hold less than ``1 - top_p``), or when no rank left an id out.
+support's logits (min-p's ``max z + log(min_p)``; for top-p alone the bottom of its grid window,
+below ``lse + log((1 - top_p) / V) - 1``, below which all ids together hold less than
+``1 - top_p``), or when no rank left an id out.
 Tokens whose answer is not yet exact run again (only they, every rank alike: the decision comes
 from the gathered data).
 
@@ -52,11 +53,11 @@ every id of the support: a rank's max is at most the merged one), as a collectin
 (below), and the floor is the largest logit not collected; the answer is then exact unless a rank
 held more than ``M`` such ids (those rows count and collect from their bound, below).
 
-The other tokens with a bound then take one counting pass (one more ``all_gather``): each rank puts
-its logits
-in ``BINS`` = 64 equal bins between ``lo`` and the max (``floor((max - z) 64 / (max - lo))`` in
-fp32, non-increasing in ``z``, so the ids of the top bins are a top set of the logits; below ``lo``:
-none) and sums their mass (fp32 terms). The next round *collects*: down to the first bin where the
+The other tokens with a bound then take one counting pass (one more ``all_gather``): each rank
+counts its logits in ``BINS`` = 64 equal bins between ``lo`` and the max
+(``floor((max - z) 64 / (max - lo))`` in fp32, non-increasing in ``z``, so the ids of the top bins
+are a top set of the logits; below ``lo``: none). A top-p-alone token's window is such a range
+too, its bins those of the first round. The next round *collects*: down to the first bin where the
 mass from the top passes ``top_p`` by ``MASS_MARGIN`` (top-p alone), else down to ``lo``. Per vocab
 chunk, the ids of those bins (those at least a threshold found once per token by bisection over the
 fp32 values with the same bin function) get their slots from a running count and a cumulative sum
@@ -81,8 +82,9 @@ the first round, whose ``topk`` of ``M + 1`` per chunk costs about its GEMM on a
 takes two passes, whatever its distribution (the first round with its bins, the collecting round),
 both with a few elementwise operations per logit and no ``topk``, and one sort of
 ``[tokens, world M]`` candidates. Min-p alone whose ids pass the first round's ``M`` on a rank
-takes three (the first round, the counting pass, the collecting round). Why 256 to start: a smaller first ``M`` saves part of the first round's
-``topk``, but a token whose support is past it takes the two further passes.
+takes three (the first round, the counting pass, the collecting round). Why 256 to start: a
+smaller first ``M`` saves part of the first round's ``topk``, but a token whose support is past it
+takes the two further passes.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ from ..backends import memory_budget
 from ..backends.base import ShardCall
 from ..support.comm import all_gather_flat
 from .sampler_params import SamplerParams
-from .sampler_passes import (BINS, bin_scale, from_key, grid_columns, ordered, shard_bins,
+from .sampler_passes import (BINS, bin_scale, from_key, moved_bins, ordered, shard_bins,
                              shard_candidates)
 from .support_ids import KEEP_ALL
 
@@ -108,21 +110,11 @@ GROWTH = 4  # a round's candidates over the previous round's
 MASS_MARGIN = 1e-4
 
 
-def _lower_bounds(params: SamplerParams, top: torch.Tensor, lse: torch.Tensor,
-                  vocab: int) -> torch.Tensor:
+def _lower_bounds(params: SamplerParams, top: torch.Tensor) -> torch.Tensor:
     """Per row, a logit below which no id of the support lies, or ``-inf`` when none is known:
-    ``max z + log(min_p)`` with min-p (the support lies within min-p's ids); with top-p alone,
-    ``lse + log((1 - top_p) / V) - 1`` (the ids below it hold less than ``1 - top_p`` of the mass
-    together, so the support reaches no lower)."""
+    ``max z + log(min_p)`` with min-p (the support lies within min-p's ids). (Top-p alone's is the
+    bottom of its grid window: :func:`_grid_width`.)"""
     lo = torch.full_like(top, float("-inf"))
-    if params.top_p is not None:
-        alone = params.top_p < 1
-        if params.top_k is not None:
-            alone &= params.top_k <= 0
-        if params.min_p is not None:
-            alone &= params.min_p <= 0
-        tail = torch.log((1 - params.top_p).clamp(min=1e-300) / vocab) - 1
-        lo = torch.where(alone, lse + tail, lo)
     if params.min_p is not None:
         lo = torch.where(params.min_p > 0, top + torch.log(params.min_p), lo)
     return torch.where(torch.isfinite(lo) & (lo < top), lo, float("-inf"))
@@ -149,27 +141,25 @@ def _binned_sizes(bins: torch.Tensor, params: SamplerParams, slack: torch.Tensor
 
 def _grid_width(top_p: torch.Tensor, vocab: int) -> torch.Tensor:
     """Per row with top-p alone (``top_p``), the width of its grid bins (float64): ``BINS - 2`` of
-    them span ``log V + 1 - log(1 - top_p)``, the most the bound ``lo`` of :func:`_lower_bounds`
-    lies below the max (``lse >= max``), so a window of ``BINS`` whose top is within a bin above
-    the max reaches below ``lo``."""
+    them span ``log V + 1 - log(1 - top_p)``. The ids below ``lse + log((1 - top_p) / V) - 1``
+    hold less than ``1 - top_p`` of the mass together, so the support reaches no lower, and that
+    bound lies at most the span below the max (``lse >= max``): a window of ``BINS`` whose top is
+    within a bin above the max reaches below it, and its bottom is the row's bound ``lo``."""
     span = math.log(vocab) + 1 - torch.log1p(-top_p.double().clamp(max=1 - 1e-12))
     return span / (BINS - 2)
 
 
 def _grid_edges(ranks: torch.Tensor, m: int, width: torch.Tensor, lse: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """From every rank's grid rows of a first round (``[world, rows, grid_columns(m)]``): the
+    """From every rank's grid rows of a first round (``[world, rows, 2 m + 4 + 2 BINS]``): the
     merged window's top (the largest rank top: float64 ``[rows]``) and every rank's bins moved
     into it, as the counting pass gives them (``[world, rows, 2 BINS]``: counts; masses
     ``exp(z - lse)``)."""
     index = ranks[:, :, 2 * m + 3]
     top_index = index.max(0).values
-    moved = torch.nan_to_num(top_index[None, :] - index, nan=BINS, posinf=BINS).clamp(max=BINS)
-    source = torch.arange(BINS, device=ranks.device) - moved.long()[:, :, None]
-    inside = source >= 0
-    source = source.clamp_(min=0)
-    counts = ranks[:, :, 2 * m + 4:2 * m + 4 + BINS].gather(2, source) * inside
-    masses = ranks[:, :, 2 * m + 4 + BINS:].gather(2, source) * inside
+    moved = top_index[None, :] - index
+    counts = moved_bins(ranks[:, :, 2 * m + 4:2 * m + 4 + BINS], moved)
+    masses = moved_bins(ranks[:, :, 2 * m + 4 + BINS:], moved)
     row_max = ranks[:, :, 2 * m + 1]
     masses = masses * torch.exp(row_max - lse[None, :]).nan_to_num_(nan=0.0)[:, :, None]
     return top_index * width, torch.cat([counts, masses], 2)
@@ -345,7 +335,7 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             top = row_max.max(0).values
             base = torch.where(top == float("-inf"), 0.0, top)
             lse = base + torch.log((sums * torch.exp(row_max - base)).sum(0))
-            lo = _lower_bounds(rows_params, top, lse, vocab)
+            lo = _lower_bounds(rows_params, top)
             whole = torch.zeros_like(top)
             if gridded:  # (collected next from their windows on the grid: the same bins)
                 g0 = count - gridded
@@ -386,11 +376,11 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             if bool(counted.any()):
                 rows = counted.nonzero().squeeze(1)
                 more = shard_bins(hidden.index_select(0, todo[rows]), weight, bias,
-                                  bin_scale(lo[rows], top[rows]), None, call, tile_elements,
+                                  bin_scale(lo[rows], top[rows]), call, tile_elements,
                                   deterministic)
                 if world > 1:
                     more = all_gather_flat(more.to(comm_device), group).to(dev)
-                bins[:, rows] = more.view(world, rows.numel(), 2 * BINS)
+                bins[:, rows, :BINS] = more.view(world, rows.numel(), BINS)
             # (a grid row's bins were counted in another window than its collecting round's: a
             # logit within rounding of an edge may fall on the other side)
             step[:collecting], size[:collecting], whole[:collecting] = _binned_sizes(
