@@ -86,3 +86,35 @@ def test_collect_matches_the_torch_path(m):
         if len(every) <= m:
             want = {(int(i), float(v)) for i, v in zip(t_ids[r, :m], t_vals[r, :m]) if i >= 0}
             assert got == want == every, r
+
+
+def test_grid_rows_match_the_torch_path():
+    """The grid pass's state over tiles whose max rises past grid steps (the bins move down, the
+    masses and the sum are rescaled): the same max, window top and counts bit for bit as the torch
+    path's, the masses and ``sum exp(z - max)`` within fp32 summation error of it; a row of
+    ``-inf`` keeps nothing, a row with a NaN has a NaN max and sum, as the torch path's."""
+    rows, cols = 5, sampler_launch.BIN_BLOCK + 300  # two programs per row, then a narrower tile
+    g = torch.Generator().manual_seed(3)
+    rising = torch.arange(3, dtype=torch.float32)[:, None, None] * 0.75  # the max rises per tile
+    tiles = [(torch.randint(-40, 41, (rows, cols), generator=g).float() / 8 + rising[i])
+             for i in range(3)]
+    tiles[2] = tiles[2][:, :700]
+    for z in tiles:
+        z[2] = float("-inf")
+    tiles[1][1, 9] = float("nan")
+    width = torch.tensor([0.3, 0.3, 0.3, 0.05, 1.7], dtype=torch.float64)
+    state = sampler_launch.GridRows(width, cols, BINS)
+    for z in tiles:
+        state.add_tile(z)
+    got = state.result()
+    want = sampler_passes._grid_tiles((z.clone() for z in tiles), width)
+    for name, a, b in zip(("max", "sum", "top", "counts", "masses"), got, want):
+        b = b[:, :BINS] if b.dim() == 2 else b
+        if name in ("max", "top", "counts"):
+            assert torch.equal(a[[0, 2, 3, 4]], b[[0, 2, 3, 4]]), name
+        else:
+            torch.testing.assert_close(a[[0, 2, 3, 4]], b[[0, 2, 3, 4]], rtol=1e-5, atol=1e-12)
+    assert got[0][1].isnan() and got[1][1].isnan() and want[1][1].isnan()
+    assert got[3][2].sum() == 0 and got[1][2] == 0 and got[3][0].sum() > 100
+    # the bins moved: the first tile's logits sit in lower bins than where they were counted
+    assert got[2][0] == torch.ceil(torch.tensor(tiles[2][0].max().item() / 0.3, dtype=torch.float64))

@@ -12,6 +12,17 @@
   fp32 roundings as the torch path's ``_bins_of`` (a subtraction, then a multiplication: no fused
   multiply-add), so counts agree bit for bit; masses are fp32 terms summed in another order (they
   only choose the edge to collect from, with a margin; the round decides in float64).
+* :func:`grid_move_kernel`: a top-p-alone row's window on its grid (the first round's grid pass)
+  after a tile raised its max: one program per row. It folds the previous tile's partial softmax
+  sums into the row's float64 sum, rescales it to the new max (``exp(old max - new max)``, float64,
+  as the torch path's), moves the ``BINS`` counts and masses down by as many grid steps as the
+  window's top rose (``ceil(max / width)``; the bins past the bottom dropped, masses rescaled) into
+  the other of two buffers (no program reads what another writes), and writes the window's bin
+  rows (bottom rounded up to fp32, top, ``BINS`` over the span) and the masses' shift (the new
+  max, 0 while the row has no logit above ``-inf``) for :func:`bin_counts_kernel`, which then
+  counts the tile in the new window and, with ``WITH_SUM``, writes each program's sum of
+  ``exp(z - shift)`` over all of its columns (fp32 terms, summed in float64: NaN and ``+inf``
+  kept, as the torch path's sum keeps them) to its own column of the partials.
 * :func:`collect_kernel`: per row, the logits at least a threshold and their ids. One program owns
   a row's ``BLOCK`` columns: it counts its hits, reserves that many slots of the row's buffer by
   one atomic add on the row's running count (the value before the add is its first slot), and
@@ -37,8 +48,10 @@ def bin_counts_kernel(
     shift_ptr,  # [rows] fp32: the masses' log-sum-exp, read (WITH_MASS)
     counts_ptr,  # [rows, BINS] fp32, added to
     masses_ptr,  # [rows, BINS] fp32, added to (WITH_MASS)
-    cols, stride_z,
+    sums_ptr,  # [rows, *] float64, row stride stride_s: each program's sum of exp(z - shift)
+    cols, stride_z, stride_s,
     BINS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, WITH_MASS: tl.constexpr,
+    WITH_SUM: tl.constexpr,  # (with WITH_MASS)
     DOT_PRECISION: tl.constexpr,  # tiles.dot_precision of bf16 ("upcast" in the interpreter)
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -52,6 +65,7 @@ def bin_counts_kernel(
     bins = tl.arange(0, BINS)
     channel = tl.arange(0, 16)  # the weights' columns: 1, then the mass in three bf16 parts
     acc = tl.zeros([BINS, 16], tl.float32)
+    total = tl.zeros([SUB], tl.float64)
     for start in range(0, BLOCK, SUB):
         o_c = i_b * BLOCK + start + tl.arange(0, SUB)
         m_c = o_c < cols
@@ -64,6 +78,8 @@ def bin_counts_kernel(
         if WITH_MASS:
             # (as the torch path's nan_to_num: NaN terms 0, +inf the largest fp32)
             b_e = tl.exp(b_z - shift)
+            if WITH_SUM:  # (the masked columns' -inf gives 0)
+                total += b_e.to(tl.float64)
             b_e = tl.where(b_e != b_e, 0.0, tl.minimum(b_e, 3.4028234663852886e38))
             e_hi = b_e.to(tl.bfloat16).to(tl.float32)
             rest = b_e - e_hi
@@ -79,6 +95,67 @@ def bin_counts_kernel(
     if WITH_MASS:
         in_mass = (channel[None, :] >= 1) & (channel[None, :] <= 3)
         tl.atomic_add(masses_ptr + row * BINS + bins, tl.sum(tl.where(in_mass, acc, 0.0), 1))
+    if WITH_SUM:
+        tl.store(sums_ptr + row * stride_s + i_b, tl.sum(total, 0))
+
+
+@triton.jit
+def grid_move_kernel(
+    tile_max_ptr,  # [rows] fp32: the tile's max per row (NaN where it has a NaN), read
+    width_ptr,  # [rows] float64: the grid's step, read
+    row_max_ptr,  # [rows] fp32: the running max, updated
+    top_index_ptr,  # [rows] float64: the window top's grid index (-inf: none yet), updated
+    sum_ptr,  # [rows] float64: sum exp(z - running max) of the tiles before, updated
+    partial_ptr,  # [rows, P] float64: the previous tile's programs' sums (zeroed once read)
+    counts_ptr,  # [rows, BINS] fp32: the bins held, read
+    masses_ptr,  # [rows, BINS] fp32, read
+    counts_out_ptr,  # [rows, BINS] fp32: moved, written
+    masses_out_ptr,  # [rows, BINS] fp32: moved and rescaled, written
+    shift_ptr,  # [rows] fp32: the masses' shift for the tile, written
+    scale_ptr,  # [rows, 3] fp32: the window's bin rows, written
+    P: tl.constexpr, BINS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    old = tl.load(row_max_ptr + row)
+    t_max = tl.load(tile_max_ptr + row)
+    new = tl.where((t_max != t_max) | (old != old), float("nan"), tl.maximum(old, t_max))
+    base = tl.where(new == float("-inf"), 0.0, new)
+    o_p = tl.arange(0, P)
+    partial = tl.load(partial_ptr + row * P + o_p)
+    tl.store(partial_ptr + row * P + o_p, tl.zeros([P], tl.float64))
+    rescale = tl.exp((old - base).to(tl.float64))
+    total = (tl.load(sum_ptr + row) + tl.sum(partial, 0)) * rescale
+    width = tl.load(width_ptr + row)
+    index = tl.math.ceil(new.to(tl.float64) / width)
+    held_index = tl.load(top_index_ptr + row)
+    finite = (index == index) & (index != float("inf")) & (index != float("-inf"))
+    # (no window before, or none now: every bin out)
+    moved = tl.where(finite, index, 0.0) - tl.where(held_index > float("-inf"), held_index,
+                                                       -2.0 * BINS)
+    moved = tl.where(finite & (moved <= BINS), moved, BINS).to(tl.int32)
+    bins = tl.arange(0, BINS)
+    source = bins - moved
+    inside = source >= 0
+    counts = tl.load(counts_ptr + row * BINS + source, mask=inside, other=0.0)
+    masses = tl.load(masses_ptr + row * BINS + source, mask=inside, other=0.0)
+    tl.store(counts_out_ptr + row * BINS + bins, counts)
+    tl.store(masses_out_ptr + row * BINS + bins, masses * rescale.to(tl.float32))
+    tl.store(row_max_ptr + row, new)
+    tl.store(top_index_ptr + row, index)
+    tl.store(sum_ptr + row, total)
+    tl.store(shift_ptr + row, base)
+    # the window: BINS grid steps below its top (sampler_passes._grid_scale's rows)
+    top = tl.where(finite, index, 0.0) * width
+    lo = top - BINS * width
+    lo32 = lo.to(tl.float32)
+    bits = lo32.to(tl.int32, bitcast=True)
+    up = tl.where(lo32 > 0, bits + 1, tl.where(lo32 < 0, bits - 1, 1)).to(tl.float32,
+                                                                           bitcast=True)
+    lo32 = tl.where(lo32.to(tl.float64) < lo, up, lo32)
+    s = tl.minimum(BINS / (top - lo), 3.4028234663852886e38).to(tl.float32)
+    tl.store(scale_ptr + row * 3, tl.where(finite, lo32, float("inf")))
+    tl.store(scale_ptr + row * 3 + 1, tl.where(finite, top.to(tl.float32), float("inf")))
+    tl.store(scale_ptr + row * 3 + 2, tl.where(finite, s, float("inf")))
 
 
 @triton.jit

@@ -1,5 +1,7 @@
 """The sampler's tile launches (:mod:`.sampler_kernels`): :func:`count_bins` and
-:func:`collect_at_least` on one fp32 logits tile ``[rows, cols]`` (unit column stride). Their
+:func:`collect_at_least` on one fp32 logits tile ``[rows, cols]`` (unit column stride), and
+:class:`GridRows`, the grid pass's per-row state that takes a tile in three launches (the tile's
+max, :func:`~.sampler_kernels.grid_move_kernel`, the counting kernel). Their
 :class:`~.launch.Launch` is made once per tile layout (:func:`~.launch.cached`)."""
 
 from __future__ import annotations
@@ -7,10 +9,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton
 
 from .entry_checks import KernelInputError
 from .launch import Launch, cached
-from .sampler_kernels import bin_counts_kernel, collect_kernel
+from .sampler_kernels import bin_counts_kernel, collect_kernel, grid_move_kernel
 from .tiles import cdiv, dot_precision
 
 # counting: a program's columns, the columns of its one-hot product (K of a [BINS, SUB] x [SUB, 16]
@@ -25,10 +28,12 @@ def _check_tile(z: torch.Tensor) -> None:
                                f"stride, got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
 
 
-def _bins_launch(rows: int, cols: int, stride_z: int, bins: int, with_mass: bool) -> Launch:
-    return Launch(bin_counts_kernel, (rows, cdiv(cols, BIN_BLOCK)), (cols, stride_z), BIN_WARPS,
-                  None, dict(BINS=bins, BLOCK=BIN_BLOCK, SUB=BIN_SUB, WITH_MASS=with_mass,
-                       DOT_PRECISION=dot_precision(torch.bfloat16)))
+def _bins_launch(rows: int, cols: int, stride_z: int, bins: int, with_mass: bool,
+                 stride_s: int = 0) -> Launch:
+    return Launch(bin_counts_kernel, (rows, cdiv(cols, BIN_BLOCK)), (cols, stride_z, stride_s),
+                  BIN_WARPS, None,
+                  dict(BINS=bins, BLOCK=BIN_BLOCK, SUB=BIN_SUB, WITH_MASS=with_mass,
+                       WITH_SUM=stride_s > 0, DOT_PRECISION=dot_precision(torch.bfloat16)))
 
 
 def count_bins(z: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor],
@@ -41,7 +46,58 @@ def count_bins(z: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tenso
     if rows == 0 or cols == 0:
         return
     launch = cached(_bins_launch, rows, cols, z.stride(0), counts.shape[1], shift is not None)
-    launch(z, scale, scale if shift is None else shift, counts, masses)
+    launch(z, scale, scale if shift is None else shift, counts, masses, counts)
+
+
+def _move_launch(rows: int, partials: int, bins: int) -> Launch:
+    return Launch(grid_move_kernel, (rows,), (), 1, None, dict(P=partials, BINS=bins))
+
+
+class GridRows:
+    """The grid pass's state of ``rows`` token rows (``tplogp.op.sampler_passes``' grid rows, on
+    the GPU): the running max (fp32), the window top's grid index and ``sum exp(z - max)``
+    (float64), the ``bins`` counts and masses (fp32, two buffers each: a move writes the other),
+    and the partial sums of the tile last counted. :meth:`add_tile` takes a tile of ``cols`` or
+    fewer columns; :meth:`result` folds the last partials."""
+
+    def __init__(self, width: torch.Tensor, cols: int, bins: int) -> None:
+        rows, dev = width.shape[0], width.device
+        self.width = width.contiguous()
+        self.row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+        self.top_index = torch.full((rows,), float("-inf"), dtype=torch.float64, device=dev)
+        self.sums = torch.zeros(rows, dtype=torch.float64, device=dev)
+        self.partials = torch.zeros(rows, triton.next_power_of_2(cdiv(cols, BIN_BLOCK)),
+                                    dtype=torch.float64, device=dev)
+        self.bins = torch.zeros(2, 2, rows, bins, dtype=torch.float32, device=dev)
+        self.shift = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.scale = torch.zeros(rows, 3, dtype=torch.float32, device=dev)
+        self.held = 0  # which of the two bins buffers holds the bins
+
+    def _move(self, tile_max: torch.Tensor) -> None:
+        rows, bins = self.row_max.shape[0], self.bins.shape[3]
+        held, moved = self.bins[self.held], self.bins[1 - self.held]
+        cached(_move_launch, rows, self.partials.shape[1], bins)(
+            tile_max, self.width, self.row_max, self.top_index, self.sums, self.partials,
+            held[0], held[1], moved[0], moved[1], self.shift, self.scale)
+        self.held = 1 - self.held
+
+    def add_tile(self, z: torch.Tensor) -> None:
+        """Move the window to ``z``'s max, then count ``z`` in it (module docstring)."""
+        _check_tile(z)
+        rows, cols = z.shape
+        if cols == 0:
+            return
+        self._move(z.amax(1))
+        counts, masses = self.bins[self.held]
+        launch = cached(_bins_launch, rows, cols, z.stride(0), counts.shape[1], True,
+                        self.partials.stride(0))
+        launch(z, self.scale, self.shift, counts, masses, self.partials)
+
+    def result(self) -> tuple[torch.Tensor, ...]:
+        """``(row max, sum exp(z - max), top index, counts, masses)`` after the last tile."""
+        self._move(self.row_max)  # (the max unchanged: the partials folded, nothing moved)
+        counts, masses = self.bins[self.held]
+        return self.row_max, self.sums, self.top_index, counts, masses
 
 
 def _collect_launch(rows: int, cols: int, stride_z: int, v0: int, m: int,
@@ -72,4 +128,5 @@ def collect_at_least(z: torch.Tensor, at_least: torch.Tensor, v0: int, vals: tor
     launch(z, at_least, vals, ids, held, below)
 
 
-__all__ = ["count_bins", "collect_at_least", "collect_blocks", "BIN_BLOCK", "COLLECT_BLOCK"]
+__all__ = ["count_bins", "collect_at_least", "collect_blocks", "GridRows", "BIN_BLOCK",
+           "COLLECT_BLOCK"]

@@ -352,37 +352,58 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     kernels = tile_kernels(dev)
     vc = _tile_columns(tile_elements, tc, kernels)
-    drop = 0 if kernels is not None else drop_columns(dev)
     for t0, t1, hc in _row_chunks(h, deterministic):
-        rows = hc.shape[0]
-        rows_width = torch.cat([width[t0:t1], width.new_ones(rows - (t1 - t0))])
-        row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        top_index = torch.full((rows,), float("-inf"), dtype=torch.float64, device=dev)
-        sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
-        counts = torch.zeros(rows, BINS + drop, dtype=torch.float32, device=dev)
-        masses = torch.zeros_like(counts)
-        for v0 in range(0, v, vc):
-            v1 = min(v0 + vc, v)
-            z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            new_max = torch.maximum(row_max, z.amax(1))
-            base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
-            rescale = torch.exp((row_max - base).double())
-            sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp_().sum(
-                1, dtype=torch.float64)
-            new_index = torch.ceil(new_max.double() / rows_width)
-            counts[:, :BINS] = moved_bins(counts[:, :BINS], new_index - top_index)
-            masses[:, :BINS] = moved_bins(masses[:, :BINS], new_index - top_index) * \
-                rescale.float()[:, None]
-            row_max, top_index = new_max, new_index
-            _count_tile(z, _grid_scale(top_index, rows_width), base, counts, masses, kernels,
-                        v0)
-        keep = slice(0, t1 - t0)
-        out[t0:t1, 2 * m] = row_max[keep].double()
-        out[t0:t1, 2 * m + 1] = row_max[keep].double()
-        out[t0:t1, 2 * m + 2] = sum_exp[keep]
-        out[t0:t1, 2 * m + 3] = top_index[keep]
-        out[t0:t1, 2 * m + 4:2 * m + 4 + BINS] = counts[keep, :BINS].double()
-        out[t0:t1, 2 * m + 4 + BINS:] = masses[keep, :BINS].double()
+        rows_width = torch.cat([width[t0:t1], width.new_ones(hc.shape[0] - (t1 - t0))])
+        tiles = (call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
+                 for v0 in range(0, v, vc))
+        if kernels is not None:  # (three launches a tile: kernels.GridRows)
+            state = kernels.GridRows(rows_width, vc, BINS)
+            for z in tiles:
+                state.add_tile(z)
+            stats = state.result()
+        else:
+            stats = _grid_tiles(tiles, rows_width)
+        _grid_out(out[t0:t1], m, *stats)
+
+
+def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The torch path of :func:`_grid_bins` over a row chunk's ``tiles`` (their columns in order):
+    ``(row max, sum exp(z - max), top index, counts, masses)``."""
+    rows, dev = width.shape[0], width.device
+    drop = drop_columns(dev)
+    row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+    top_index = torch.full((rows,), float("-inf"), dtype=torch.float64, device=dev)
+    sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
+    counts = torch.zeros(rows, BINS + drop, dtype=torch.float32, device=dev)
+    masses = torch.zeros_like(counts)
+    v0 = 0
+    for z in tiles:
+        new_max = torch.maximum(row_max, z.amax(1))
+        base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
+        rescale = torch.exp((row_max - base).double())
+        sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp_().sum(
+            1, dtype=torch.float64)
+        new_index = torch.ceil(new_max.double() / width)
+        counts[:, :BINS] = moved_bins(counts[:, :BINS], new_index - top_index)
+        masses[:, :BINS] = moved_bins(masses[:, :BINS], new_index - top_index) * \
+            rescale.float()[:, None]
+        row_max, top_index = new_max, new_index
+        _count_tile(z, _grid_scale(top_index, width), base, counts, masses, None, v0)
+        v0 += z.shape[1]
+    return row_max, sum_exp, top_index, counts, masses
+
+
+def _grid_out(out: torch.Tensor, m: int, row_max: torch.Tensor, sum_exp: torch.Tensor,
+              top_index: torch.Tensor, counts: torch.Tensor, masses: torch.Tensor) -> None:
+    """A row chunk's grid statistics written into its rows of :func:`shard_candidates`' ``out``
+    (the chunk's padding rows left out)."""
+    keep = slice(0, out.shape[0])
+    out[:, 2 * m] = row_max[keep].double()
+    out[:, 2 * m + 1] = row_max[keep].double()
+    out[:, 2 * m + 2] = sum_exp[keep]
+    out[:, 2 * m + 3] = top_index[keep]
+    out[:, 2 * m + 4:2 * m + 4 + BINS] = counts[keep, :BINS].double()
+    out[:, 2 * m + 4 + BINS:] = masses[keep, :BINS].double()
 
 
 def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
