@@ -30,29 +30,20 @@ def _tile(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 def test_bins_match_the_torch_path():
-    """Counts equal the torch path's bit for bit (the same bin function); masses within fp32
-    summation error of float64."""
+    """Counts equal the torch path's bit for bit (the same bin function), ties at the bins' edges,
+    ``-inf``, ``+inf`` and NaN logits, a row of ``-inf`` and a row whose bins lie above every
+    logit included."""
     rows, cols = 5, sampler_launch.BIN_BLOCK + 300  # two programs per row
     z = _tile(rows, cols, seed=0)
     top = torch.tensor([5.0, 5.0, 0.0, 4.0, float("inf")], dtype=torch.float64)
     lo = torch.tensor([-1.0, -5.0, -1.0, 3.875, float("inf")], dtype=torch.float64)
     scale = bin_scale(lo, top)
-    lse = torch.tensor([6.0, 7.0, 0.0, 6.5, 0.0])
     counts = torch.zeros(rows, BINS)
-    masses = torch.zeros(rows, BINS)
-    sampler_launch.count_bins(z, scale, lse, counts, masses)
+    sampler_launch.count_bins(z, scale, counts)
     at = sampler_passes._bins_of(z, scale)
     want_counts = torch.zeros(rows, BINS + 1).scatter_add_(1, at, torch.ones_like(z))[:, :BINS]
-    terms = torch.exp(z.double() - lse.double()[:, None]).nan_to_num(
-        nan=0.0, posinf=torch.finfo(torch.float32).max)
-    want_masses = torch.zeros(rows, BINS + 1, dtype=torch.float64).scatter_add_(1, at, terms)
     assert torch.equal(counts, want_counts)
     assert counts[4].sum() == 0 and counts[2].sum() == 0 and counts[0].sum() > 0
-    torch.testing.assert_close(masses.double(), want_masses[:, :BINS], rtol=1e-5, atol=1e-12)
-    # without the masses: the counts alone, the masses' buffer untouched
-    counts2, untouched = torch.zeros(rows, BINS), torch.zeros(rows, BINS)
-    sampler_launch.count_bins(z, scale, None, counts2, untouched)
-    assert torch.equal(counts2, want_counts) and not untouched.any()
 
 
 @pytest.mark.parametrize("m", [4, 700])
@@ -91,30 +82,45 @@ def test_collect_matches_the_torch_path(m):
 def test_grid_rows_match_the_torch_path():
     """The grid pass's state over tiles whose max rises past grid steps (the bins move down, the
     masses and the sum are rescaled): the same max, window top and counts bit for bit as the torch
-    path's, the masses and ``sum exp(z - max)`` within fp32 summation error of it; a row of
-    ``-inf`` keeps nothing, a row with a NaN has a NaN max and sum, as the torch path's."""
+    path's, the groups' masses and ``sum exp(z - max)`` within fp32 summation error of it, and the
+    masses within fp32 error of float64 sums over the bins' logits; a row of ``-inf`` keeps
+    nothing, a row with a NaN has a NaN max and sum, as the torch path's."""
     rows, cols = 5, sampler_launch.BIN_BLOCK + 300  # two programs per row, then a narrower tile
     g = torch.Generator().manual_seed(3)
     rising = torch.arange(3, dtype=torch.float32)[:, None, None] * 0.75  # the max rises per tile
-    tiles = [(torch.randint(-40, 41, (rows, cols), generator=g).float() / 8 + rising[i])
-             for i in range(3)]
+    # (off the 1/8 grid: no logit within rounding of a bin's edge, where fp32 and float64 bins
+    # may differ)
+    tiles = [(torch.randint(-40, 41, (rows, cols), generator=g).float() / 8 + rising[i]
+              + torch.rand(rows, cols, generator=g) / 64) for i in range(3)]
     tiles[2] = tiles[2][:, :700]
     for z in tiles:
         z[2] = float("-inf")
     tiles[1][1, 9] = float("nan")
     width = torch.tensor([0.3, 0.3, 0.3, 0.05, 1.7], dtype=torch.float64)
-    state = sampler_launch.GridRows(width, cols, BINS)
+    state = sampler_launch.GridRows(width, cols, BINS, sampler_passes.COARSE)
     for z in tiles:
         state.add_tile(z)
     got = state.result()
     want = sampler_passes._grid_tiles((z.clone() for z in tiles), width)
     for name, a, b in zip(("max", "sum", "top", "counts", "masses"), got, want):
-        b = b[:, :BINS] if b.dim() == 2 else b
+        b = b[:, :a.shape[1]] if b.dim() == 2 else b  # (less the drop column)
         if name in ("max", "top", "counts"):
             assert torch.equal(a[[0, 2, 3, 4]], b[[0, 2, 3, 4]]), name
         else:
             torch.testing.assert_close(a[[0, 2, 3, 4]], b[[0, 2, 3, 4]], rtol=1e-5, atol=1e-12)
     assert got[0][1].isnan() and got[1][1].isnan() and want[1][1].isnan()
     assert got[3][2].sum() == 0 and got[1][2] == 0 and got[3][0].sum() > 100
-    # the bins moved: the first tile's logits sit in lower bins than where they were counted
-    assert got[2][0] == torch.ceil(torch.tensor(tiles[2][0].max().item() / 0.3, dtype=torch.float64))
+    # the window's top: the least multiple of COARSE grid steps at least the max
+    coarse = sampler_passes.COARSE
+    row_max = torch.cat(tiles, 1)[0].max().double()
+    assert got[2][0] == torch.ceil(row_max / (coarse * 0.3)) * coarse
+    # the masses against float64: every logit of the window, moved with it, in its group
+    whole = torch.cat(tiles, 1)[[0, 3, 4]].double()
+    top = got[2][[0, 3, 4]] * width[[0, 3, 4]]
+    at = ((top[:, None] - whole) / width[[0, 3, 4], None]).floor()
+    inside = (at >= 0) & (at < BINS)
+    terms = torch.exp(whole - whole.amax(1, keepdim=True)) * inside
+    group = (at.clamp(0, BINS - 1) // coarse).long()
+    truth = torch.zeros(3, BINS // coarse, dtype=torch.float64).scatter_add_(1, group, terms)
+    torch.testing.assert_close(got[4][[0, 3, 4]].double(), truth, rtol=1e-4, atol=1e-9)
+    assert (got[4][0] > 0).sum() >= 3  # (several groups hold mass)

@@ -3,21 +3,24 @@
 
 * :func:`bin_counts_kernel`: per row, how many logits fall in each of ``BINS`` equal bins between a
   bound ``lo`` and the row's max ``top`` (bin ``floor((top - z) s)``, ``s = BINS / (top - lo)``,
-  clamped to ``[0, BINS)``; none below ``lo``), and their mass ``exp(z - lse)`` (NaN terms 0,
-  ``+inf`` the largest fp32, as the torch path's). One program owns a row's ``BLOCK`` columns: per
-  ``SUB`` columns a ``[BINS, SUB]`` one-hot of the logits' bins (0 / 1, exact in bf16) times a
-  ``[SUB, 16]`` matrix of weights, 1 and the mass split into three bf16 parts (``e = hi + mid +
-  lo`` to 24 bits), one tensor-core product accumulated in fp32 (the counts exact), summed into the
-  row's bins at the end (one atomic add per bin and program). The bin is computed with the same two
-  fp32 roundings as the torch path's ``_bins_of`` (a subtraction, then a multiplication: no fused
-  multiply-add), so counts agree bit for bit; masses are fp32 terms summed in another order (they
-  only choose the edge to collect from, with a margin; the round decides in float64).
+  clamped to ``[0, BINS)``; none below ``lo``) and, with ``WITH_MASS``, the mass ``exp(z - shift)``
+  (NaN terms 0, ``+inf`` the largest fp32, as the torch path's) of each group of ``COARSE`` bins.
+  One program owns a row's ``BLOCK`` columns, ``SUB`` at a time: the counts by Triton's histogram
+  (a warp's ballots over the bits of the bin), the masses by a ``[MASS_BINS, SUB]`` compare and
+  select added into a register accumulator (one add per logit and group: a quarter of what all
+  ``BINS`` would cost; no tensor-core product, whose one-hot went through shared memory), each
+  reduced once and added into the row's bins at the end (one atomic add per bin and program). The
+  bin is computed with the same two fp32 roundings as the torch path's ``_bins_of`` (a
+  subtraction, then a multiplication: no fused multiply-add), so counts agree bit for bit; masses
+  are fp32 terms summed in another order (they only choose the edge to collect from, with a
+  margin; the round decides in float64).
 * :func:`grid_move_kernel`: a top-p-alone row's window on its grid (the first round's grid pass)
   after a tile raised its max: one program per row. It folds the previous tile's partial softmax
   sums into the row's float64 sum, rescales it to the new max (``exp(old max - new max)``, float64,
   as the torch path's), moves the ``BINS`` counts and masses down by as many grid steps as the
-  window's top rose (``ceil(max / width)``; the bins past the bottom dropped, masses rescaled) into
-  the other of two buffers (no program reads what another writes), and writes the window's bin
+  window's top rose (``COARSE ceil(max / (COARSE width))``; the bins past the bottom dropped, masses rescaled) into
+  the other of two buffers (no program reads what another writes; the window's top is a multiple
+  of ``COARSE`` steps, so the masses' groups move whole), and writes the window's bin
   rows (bottom rounded up to fp32, top, ``BINS`` over the span) and the masses' shift (the new
   max, 0 while the row has no logit above ``-inf``) for :func:`bin_counts_kernel`, which then
   counts the tile in the new window and, with ``WITH_SUM``, writes each program's sum of
@@ -38,21 +41,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tile_ops import mma
-
 
 @triton.jit
 def bin_counts_kernel(
     z_ptr,  # [rows, cols] fp32 logits, row stride stride_z, read
     scale_ptr,  # [rows, 3] fp32: lo (the bins' bottom), top, BINS / (top - lo), read
-    shift_ptr,  # [rows] fp32: the masses' log-sum-exp, read (WITH_MASS)
+    shift_ptr,  # [rows] fp32: the masses' shift, read (WITH_MASS)
     counts_ptr,  # [rows, BINS] fp32, added to
-    masses_ptr,  # [rows, BINS] fp32, added to (WITH_MASS)
+    masses_ptr,  # [rows, BINS // COARSE] fp32, added to (WITH_MASS)
     sums_ptr,  # [rows, *] float64, row stride stride_s: each program's sum of exp(z - shift)
     cols, stride_z, stride_s,
-    BINS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, WITH_MASS: tl.constexpr,
-    WITH_SUM: tl.constexpr,  # (with WITH_MASS)
-    DOT_PRECISION: tl.constexpr,  # tiles.dot_precision of bf16 ("upcast" in the interpreter)
+    BINS: tl.constexpr, COARSE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    WITH_MASS: tl.constexpr, WITH_SUM: tl.constexpr,  # (WITH_SUM: with WITH_MASS)
 ):
     row = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1)
@@ -62,9 +62,10 @@ def bin_counts_kernel(
     shift = 0.0
     if WITH_MASS:
         shift = tl.load(shift_ptr + row)
-    bins = tl.arange(0, BINS)
-    channel = tl.arange(0, 16)  # the weights' columns: 1, then the mass in three bf16 parts
-    acc = tl.zeros([BINS, 16], tl.float32)
+    # (a dropped logit takes bin BINS: counted past the row's bins, in no group)
+    counts = tl.zeros([2 * BINS], tl.int32)
+    groups = tl.arange(0, BINS // COARSE)
+    masses = tl.zeros([BINS // COARSE, SUB], tl.float32)
     total = tl.zeros([SUB], tl.float64)
     for start in range(0, BLOCK, SUB):
         o_c = i_b * BLOCK + start + tl.arange(0, SUB)
@@ -72,29 +73,19 @@ def bin_counts_kernel(
         b_z = tl.load(z_ptr + row * stride_z + o_c, mask=m_c, other=float("-inf"))
         at = tl.floor((top - b_z) * s)
         at = tl.minimum(tl.maximum(at, 0.0), BINS - 1.0).to(tl.int32)
-        # [BINS, SUB] one-hot of the bins (0 or 1: exact in bf16)
-        hit = (bins[:, None] == at[None, :]) & ((b_z >= lo) & m_c)[None, :]
-        weights = tl.where(channel[None, :] == 0, 1.0, 0.0) + tl.zeros([SUB, 16], tl.float32)
+        at = tl.where((b_z >= lo) & m_c, at, BINS)
+        counts += tl.histogram(at, 2 * BINS)
         if WITH_MASS:
-            # (as the torch path's nan_to_num: NaN terms 0, +inf the largest fp32)
             b_e = tl.exp(b_z - shift)
             if WITH_SUM:  # (the masked columns' -inf gives 0)
                 total += b_e.to(tl.float64)
+            # (as the torch path's nan_to_num: NaN terms 0, +inf the largest fp32)
             b_e = tl.where(b_e != b_e, 0.0, tl.minimum(b_e, 3.4028234663852886e38))
-            e_hi = b_e.to(tl.bfloat16).to(tl.float32)
-            rest = b_e - e_hi
-            e_mid = rest.to(tl.bfloat16).to(tl.float32)
-            e_lo = rest - e_mid
-            weights = tl.where(channel[None, :] == 1, e_hi[:, None], weights)
-            weights = tl.where(channel[None, :] == 2, e_mid[:, None], weights)
-            weights = tl.where(channel[None, :] == 3, e_lo[:, None], weights)
-        acc = mma(tl.where(hit, 1.0, 0.0).to(tl.bfloat16), weights.to(tl.bfloat16), acc,
-                  DOT_PRECISION)
-    counts = tl.sum(tl.where(channel[None, :] == 0, acc, 0.0), 1)
-    tl.atomic_add(counts_ptr + row * BINS + bins, counts)
+            masses += tl.where(groups[:, None] == at[None, :] // COARSE, b_e[None, :], 0.0)
+    bins = tl.arange(0, 2 * BINS)
+    tl.atomic_add(counts_ptr + row * BINS + bins, counts.to(tl.float32), mask=bins < BINS)
     if WITH_MASS:
-        in_mass = (channel[None, :] >= 1) & (channel[None, :] <= 3)
-        tl.atomic_add(masses_ptr + row * BINS + bins, tl.sum(tl.where(in_mass, acc, 0.0), 1))
+        tl.atomic_add(masses_ptr + row * (BINS // COARSE) + groups, tl.sum(masses, 1))
     if WITH_SUM:
         tl.store(sums_ptr + row * stride_s + i_b, tl.sum(total, 0))
 
@@ -108,12 +99,12 @@ def grid_move_kernel(
     sum_ptr,  # [rows] float64: sum exp(z - running max) of the tiles before, updated
     partial_ptr,  # [rows, P] float64: the previous tile's programs' sums (zeroed once read)
     counts_ptr,  # [rows, BINS] fp32: the bins held, read
-    masses_ptr,  # [rows, BINS] fp32, read
+    masses_ptr,  # [rows, BINS // COARSE] fp32: their groups' masses, read
     counts_out_ptr,  # [rows, BINS] fp32: moved, written
-    masses_out_ptr,  # [rows, BINS] fp32: moved and rescaled, written
+    masses_out_ptr,  # [rows, BINS // COARSE] fp32: moved and rescaled, written
     shift_ptr,  # [rows] fp32: the masses' shift for the tile, written
     scale_ptr,  # [rows, 3] fp32: the window's bin rows, written
-    P: tl.constexpr, BINS: tl.constexpr,
+    P: tl.constexpr, BINS: tl.constexpr, COARSE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     old = tl.load(row_max_ptr + row)
@@ -126,7 +117,7 @@ def grid_move_kernel(
     rescale = tl.exp((old - base).to(tl.float64))
     total = (tl.load(sum_ptr + row) + tl.sum(partial, 0)) * rescale
     width = tl.load(width_ptr + row)
-    index = tl.math.ceil(new.to(tl.float64) / width)
+    index = tl.math.ceil(new.to(tl.float64) / (COARSE * width)) * COARSE
     held_index = tl.load(top_index_ptr + row)
     finite = (index == index) & (index != float("inf")) & (index != float("-inf"))
     # (no window before, or none now: every bin out)
@@ -135,11 +126,12 @@ def grid_move_kernel(
     moved = tl.where(finite & (moved <= BINS), moved, BINS).to(tl.int32)
     bins = tl.arange(0, BINS)
     source = bins - moved
-    inside = source >= 0
-    counts = tl.load(counts_ptr + row * BINS + source, mask=inside, other=0.0)
-    masses = tl.load(masses_ptr + row * BINS + source, mask=inside, other=0.0)
+    counts = tl.load(counts_ptr + row * BINS + source, mask=source >= 0, other=0.0)
     tl.store(counts_out_ptr + row * BINS + bins, counts)
-    tl.store(masses_out_ptr + row * BINS + bins, masses * rescale.to(tl.float32))
+    groups = tl.arange(0, BINS // COARSE)
+    source = groups - moved // COARSE
+    masses = tl.load(masses_ptr + row * (BINS // COARSE) + source, mask=source >= 0, other=0.0)
+    tl.store(masses_out_ptr + row * (BINS // COARSE) + groups, masses * rescale.to(tl.float32))
     tl.store(row_max_ptr + row, new)
     tl.store(top_index_ptr + row, index)
     tl.store(sum_ptr + row, total)

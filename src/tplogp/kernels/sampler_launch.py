@@ -6,7 +6,6 @@ max, :func:`~.sampler_kernels.grid_move_kernel`, the counting kernel). Their
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import triton
@@ -14,10 +13,10 @@ import triton
 from .entry_checks import KernelInputError
 from .launch import Launch, cached
 from .sampler_kernels import bin_counts_kernel, collect_kernel, grid_move_kernel
-from .tiles import cdiv, dot_precision
+from .tiles import cdiv
 
-# counting: a program's columns, the columns of its one-hot product (K of a [BINS, SUB] x [SUB, 16]
-# bf16 tensor-core product)
+# counting: a program's columns, the columns it takes at a time (measured on an H100 at 256 x 128256:
+# 4096 / 128 / 4 warps beat 64 or 8192 columns and 8 warps)
 BIN_BLOCK, BIN_SUB, BIN_WARPS = 4096, 128, 4
 COLLECT_BLOCK, COLLECT_WARPS = 1024, 4
 
@@ -28,39 +27,40 @@ def _check_tile(z: torch.Tensor) -> None:
                                f"stride, got {z.dtype} {tuple(z.shape)} strides {z.stride()}")
 
 
-def _bins_launch(rows: int, cols: int, stride_z: int, bins: int, with_mass: bool,
-                 stride_s: int = 0) -> Launch:
+def _bins_launch(rows: int, cols: int, stride_z: int, bins: int, coarse: int,
+                 stride_s: int) -> Launch:
+    """The counting kernel's launch: with ``stride_s`` (the partial sums' row stride) the masses
+    of groups of ``coarse`` bins and the partial sums too, else the counts alone."""
     return Launch(bin_counts_kernel, (rows, cdiv(cols, BIN_BLOCK)), (cols, stride_z, stride_s),
                   BIN_WARPS, None,
-                  dict(BINS=bins, BLOCK=BIN_BLOCK, SUB=BIN_SUB, WITH_MASS=with_mass,
-                       WITH_SUM=stride_s > 0, DOT_PRECISION=dot_precision(torch.bfloat16)))
+                  dict(BINS=bins, COARSE=coarse, BLOCK=BIN_BLOCK, SUB=BIN_SUB,
+                       WITH_MASS=stride_s > 0, WITH_SUM=stride_s > 0))
 
 
-def count_bins(z: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor],
-               counts: torch.Tensor, masses: torch.Tensor) -> None:
+def count_bins(z: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor) -> None:
     """Add to ``counts`` (fp32 ``[rows, BINS]``, contiguous) how many logits of ``z`` fall in each
-    bin of ``scale``'s rows (fp32 ``[rows, 3]``: bottom, top, ``BINS`` over their span) and, given
-    ``shift`` (fp32 ``[rows]``), to ``masses`` their ``exp(z - shift)``."""
+    bin of ``scale``'s rows (fp32 ``[rows, 3]``: bottom, top, ``BINS`` over their span)."""
     _check_tile(z)
     rows, cols = z.shape
     if rows == 0 or cols == 0:
         return
-    launch = cached(_bins_launch, rows, cols, z.stride(0), counts.shape[1], shift is not None)
-    launch(z, scale, scale if shift is None else shift, counts, masses, counts)
+    launch = cached(_bins_launch, rows, cols, z.stride(0), counts.shape[1], 1, 0)
+    launch(z, scale, scale, counts, counts, counts)
 
 
-def _move_launch(rows: int, partials: int, bins: int) -> Launch:
-    return Launch(grid_move_kernel, (rows,), (), 1, None, dict(P=partials, BINS=bins))
+def _move_launch(rows: int, partials: int, bins: int, coarse: int) -> Launch:
+    return Launch(grid_move_kernel, (rows,), (), 1, None,
+                  dict(P=partials, BINS=bins, COARSE=coarse))
 
 
 class GridRows:
     """The grid pass's state of ``rows`` token rows (``tplogp.op.sampler_passes``' grid rows, on
     the GPU): the running max (fp32), the window top's grid index and ``sum exp(z - max)``
-    (float64), the ``bins`` counts and masses (fp32, two buffers each: a move writes the other),
-    and the partial sums of the tile last counted. :meth:`add_tile` takes a tile of ``cols`` or
+    (float64), the ``bins`` counts and the masses of their groups of ``coarse`` (fp32, two
+    buffers each: a move writes the other), and the partial sums of the tile last counted. :meth:`add_tile` takes a tile of ``cols`` or
     fewer columns; :meth:`result` folds the last partials."""
 
-    def __init__(self, width: torch.Tensor, cols: int, bins: int) -> None:
+    def __init__(self, width: torch.Tensor, cols: int, bins: int, coarse: int) -> None:
         rows, dev = width.shape[0], width.device
         self.width = width.contiguous()
         self.row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
@@ -68,18 +68,20 @@ class GridRows:
         self.sums = torch.zeros(rows, dtype=torch.float64, device=dev)
         self.partials = torch.zeros(rows, triton.next_power_of_2(cdiv(cols, BIN_BLOCK)),
                                     dtype=torch.float64, device=dev)
-        self.bins = torch.zeros(2, 2, rows, bins, dtype=torch.float32, device=dev)
+        self.counts = torch.zeros(2, rows, bins, dtype=torch.float32, device=dev)
+        self.masses = torch.zeros(2, rows, bins // coarse, dtype=torch.float32, device=dev)
+        self.coarse = coarse
         self.shift = torch.zeros(rows, dtype=torch.float32, device=dev)
         self.scale = torch.zeros(rows, 3, dtype=torch.float32, device=dev)
-        self.held = 0  # which of the two bins buffers holds the bins
+        self.held = 0  # which of the two buffers holds the bins
 
     def _move(self, tile_max: torch.Tensor) -> None:
-        rows, bins = self.row_max.shape[0], self.bins.shape[3]
-        held, moved = self.bins[self.held], self.bins[1 - self.held]
-        cached(_move_launch, rows, self.partials.shape[1], bins)(
+        rows, bins, held = self.row_max.shape[0], self.counts.shape[2], self.held
+        cached(_move_launch, rows, self.partials.shape[1], bins, self.coarse)(
             tile_max, self.width, self.row_max, self.top_index, self.sums, self.partials,
-            held[0], held[1], moved[0], moved[1], self.shift, self.scale)
-        self.held = 1 - self.held
+            self.counts[held], self.masses[held], self.counts[1 - held], self.masses[1 - held],
+            self.shift, self.scale)
+        self.held = 1 - held
 
     def add_tile(self, z: torch.Tensor) -> None:
         """Move the window to ``z``'s max, then count ``z`` in it (module docstring)."""
@@ -88,16 +90,16 @@ class GridRows:
         if cols == 0:
             return
         self._move(z.amax(1))
-        counts, masses = self.bins[self.held]
-        launch = cached(_bins_launch, rows, cols, z.stride(0), counts.shape[1], True,
+        launch = cached(_bins_launch, rows, cols, z.stride(0), self.counts.shape[2], self.coarse,
                         self.partials.stride(0))
-        launch(z, self.scale, self.shift, counts, masses, self.partials)
+        launch(z, self.scale, self.shift, self.counts[self.held], self.masses[self.held],
+               self.partials)
 
     def result(self) -> tuple[torch.Tensor, ...]:
         """``(row max, sum exp(z - max), top index, counts, masses)`` after the last tile."""
         self._move(self.row_max)  # (the max unchanged: the partials folded, nothing moved)
-        counts, masses = self.bins[self.held]
-        return self.row_max, self.sums, self.top_index, counts, masses
+        return self.row_max, self.sums, self.top_index, self.counts[self.held], \
+            self.masses[self.held]
 
 
 def _collect_launch(rows: int, cols: int, stride_z: int, v0: int, m: int,

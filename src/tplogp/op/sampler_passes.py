@@ -27,6 +27,10 @@ from ..backends.native_tiles import call_logits_tile
 
 DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
 BINS = 64  # the bins of the counting pass
+# the grid pass sums masses over groups of COARSE bins (MASS_BINS of them): a logit's mass goes to
+# one of 16 sums, not 64 (a quarter of the work a logit; the fine bins' counts bound the rest)
+COARSE = 4
+MASS_BINS = BINS // COARSE
 # the columns of a row's scatter buffers that take the logits a pass drops, on a GPU (spread over
 # them by column: one per row would take every dropped logit's atomic add or store one after
 # another; a CPU's scatter has no such contention and keeps one)
@@ -102,8 +106,8 @@ def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
 
 def _grid_columns(m: int) -> int:
     """The columns of :func:`shard_candidates`' rows when some take grid bins: ``2 m + 3``, then
-    the grid top's index and the ``BINS`` counts and masses."""
-    return 2 * m + 4 + 2 * BINS
+    the grid top's index, the ``BINS`` counts and the ``MASS_BINS`` masses."""
+    return 2 * m + 4 + BINS + MASS_BINS
 
 
 def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
@@ -299,32 +303,36 @@ def _collect_tile(z: torch.Tensor, at_least: torch.Tensor, v0: int, m: int, vals
     return held
 
 
-def moved_bins(bins: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
-    """``bins`` (``[..., BINS]``, bin 0 at the top) of a window whose top rose by ``moved`` grid
-    steps (float64, broadcast over the leading dimensions; NaN or ``inf``: every bin out): bin
-    ``j`` takes the old bin ``j - moved``, the bins past the bottom are dropped, the new top ones
-    are empty."""
-    moved = torch.nan_to_num(moved, nan=BINS, posinf=BINS).clamp(max=BINS).long()
-    source = torch.arange(BINS, device=bins.device) - moved[..., None]
+def moved_bins(bins: torch.Tensor, moved: torch.Tensor, step: int = 1) -> torch.Tensor:
+    """``bins`` (``[..., n]``, bin 0 at the top, each ``step`` grid steps wide) of a window whose
+    top rose by ``moved`` grid steps (float64, a multiple of ``step``, broadcast over the leading
+    dimensions; NaN or ``inf``: every bin out): bin ``j`` takes the old bin ``j - moved / step``,
+    the bins past the bottom are dropped, the new top ones are empty."""
+    n = bins.shape[-1]
+    moved = torch.nan_to_num(moved / step, nan=n, posinf=n).clamp(max=n).long()
+    source = torch.arange(n, device=bins.device) - moved[..., None]
     inside = source >= 0
     return bins.gather(-1, source.clamp_(min=0)) * inside
 
 
-def _count_tile(z: torch.Tensor, scale: torch.Tensor, shift: Optional[torch.Tensor],
-                counts: torch.Tensor, masses: torch.Tensor, kernels, v0: int) -> None:
+def _count_tile(z: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor, kernels,
+                v0: int) -> None:
     """Add a tile's logits ``z`` (columns from ``v0``) to the bins of ``scale``'s rows
-    (:func:`_bins_of`): ``counts`` and, given ``shift`` (fp32 ``[rows]``), ``masses``
-    ``exp(z - shift)`` (``[rows, BINS + drop columns]``; the logits below a row's bottom go to the
-    drop columns). One kernel where ``kernels`` run, else torch operations (``z`` overwritten)."""
+    (:func:`_bins_of`): ``counts`` ``[rows, BINS + drop columns]`` (the logits below a row's
+    bottom go to the drop columns). One kernel where ``kernels`` run, else torch operations."""
     if kernels is not None:
-        kernels.count_bins(z, scale, shift, counts, masses)
+        kernels.count_bins(z, scale, counts)
         return
-    at = _bins_of(z, scale)
-    if counts.shape[1] > BINS + 1:  # (dropped: spread over the drop columns)
-        at = torch.where(at < BINS, at, BINS + _spread(v0, v0 + z.shape[1], z.device))
-    counts.scatter_add_(1, at, torch.ones_like(z))
-    if shift is not None:
-        masses.scatter_add_(1, at, torch.exp(z.sub_(shift[:, None])).nan_to_num_(nan=0.0))
+    counts.scatter_add_(1, _dropped_spread(_bins_of(z, scale), counts.shape[1] - BINS, v0),
+                        torch.ones_like(z))
+
+
+def _dropped_spread(at: torch.Tensor, drop: int, v0: int) -> torch.Tensor:
+    """Bins ``at`` (``[rows, cols]`` of a tile's columns from ``v0``; ``BINS``: dropped) with the
+    dropped ones spread over ``drop`` columns after the bins (by column)."""
+    if drop == 1:
+        return at
+    return torch.where(at < BINS, at, BINS + _spread(v0, v0 + at.shape[1], at.device))
 
 
 def _grid_scale(top_index: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
@@ -336,18 +344,25 @@ def _grid_scale(top_index: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
     return scale.masked_fill_(~torch.isfinite(top)[:, None], float("inf"))
 
 
+def grid_index(row_max: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """The index of a window's top on the grid of ``width`` (float64) for a row max (fp32): the
+    least multiple of ``COARSE`` steps at least the max (the masses' groups of bins then move as
+    whole groups)."""
+    return torch.ceil(row_max.double() / (COARSE * width)) * COARSE
+
+
 def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
                m: int, width: torch.Tensor, call: ShardCall, tile_elements: int,
                deterministic: bool) -> None:
     """:func:`shard_candidates`' grid rows, written into ``out``: in one pass over the logits, the
-    row max, ``sum exp(z - max)`` (fp32 terms, float64 sums) and the counts and masses
-    (``exp(z - max)``, fp32 terms) of the ``BINS`` bins of ``width`` on a grid fixed before the
-    pass (its steps ``i * width``) below the running max: the window's top is the least grid step
-    at least the max (its index ``ceil(max / width)``). When a chunk raises the max past a step the
-    window moves up, the bins held move down as many bins (those past the bottom dropped) and
-    their masses are rescaled to the new max, as the sum is; the chunk's logits are then counted
-    in the new window (:func:`_bins_of`). Every rank's window lies on the same grid, so the
-    ranks' bins merge by their tops' indices."""
+    row max, ``sum exp(z - max)`` (fp32 terms, float64 sums), the counts of the ``BINS`` bins of
+    ``width`` on a grid fixed before the pass (its steps ``i * width``) below the running max and
+    the masses (``exp(z - max)``, fp32 terms) of their ``MASS_BINS`` groups of ``COARSE``: the
+    window's top is the least multiple of ``COARSE`` steps at least the max (:func:`grid_index`).
+    When a chunk raises the max past it the window moves up, the bins held move down as many
+    bins (those past the bottom dropped) and the masses are rescaled to the new max, as the sum
+    is; the chunk's logits are then counted in the new window (:func:`_bins_of`). Every rank's
+    window lies on the same grid, so the ranks' bins merge by their tops' indices."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     kernels = tile_kernels(dev)
@@ -357,7 +372,7 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
         tiles = (call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
                  for v0 in range(0, v, vc))
         if kernels is not None:  # (three launches a tile: kernels.GridRows)
-            state = kernels.GridRows(rows_width, vc, BINS)
+            state = kernels.GridRows(rows_width, vc, BINS, COARSE)
             for z in tiles:
                 state.add_tile(z)
             stats = state.result()
@@ -375,7 +390,7 @@ def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
     top_index = torch.full((rows,), float("-inf"), dtype=torch.float64, device=dev)
     sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
     counts = torch.zeros(rows, BINS + drop, dtype=torch.float32, device=dev)
-    masses = torch.zeros_like(counts)
+    masses = torch.zeros(rows, MASS_BINS + drop, dtype=torch.float32, device=dev)
     v0 = 0
     for z in tiles:
         new_max = torch.maximum(row_max, z.amax(1))
@@ -383,12 +398,15 @@ def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
         rescale = torch.exp((row_max - base).double())
         sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp_().sum(
             1, dtype=torch.float64)
-        new_index = torch.ceil(new_max.double() / width)
+        new_index = grid_index(new_max, width)
         counts[:, :BINS] = moved_bins(counts[:, :BINS], new_index - top_index)
-        masses[:, :BINS] = moved_bins(masses[:, :BINS], new_index - top_index) * \
-            rescale.float()[:, None]
+        masses[:, :MASS_BINS] = moved_bins(masses[:, :MASS_BINS], new_index - top_index,
+                                           COARSE) * rescale.float()[:, None]
         row_max, top_index = new_max, new_index
-        _count_tile(z, _grid_scale(top_index, width), base, counts, masses, None, v0)
+        at = _dropped_spread(_bins_of(z, _grid_scale(top_index, width)), drop, v0)
+        counts.scatter_add_(1, at, torch.ones_like(z))
+        groups = torch.where(at < BINS, at // COARSE, at - BINS + MASS_BINS)
+        masses.scatter_add_(1, groups, torch.exp(z.sub_(base[:, None])).nan_to_num_(nan=0.0))
         v0 += z.shape[1]
     return row_max, sum_exp, top_index, counts, masses
 
@@ -403,7 +421,7 @@ def _grid_out(out: torch.Tensor, m: int, row_max: torch.Tensor, sum_exp: torch.T
     out[:, 2 * m + 2] = sum_exp[keep]
     out[:, 2 * m + 3] = top_index[keep]
     out[:, 2 * m + 4:2 * m + 4 + BINS] = counts[keep, :BINS].double()
-    out[:, 2 * m + 4 + BINS:] = masses[keep, :BINS].double()
+    out[:, 2 * m + 4 + BINS:] = masses[keep, :MASS_BINS].double()
 
 
 def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
@@ -427,10 +445,10 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            _count_tile(z, rows_scale, None, counts, counts, kernels, v0)
+            _count_tile(z, rows_scale, counts, kernels, v0)
         out[t0:t1] = counts[: t1 - t0, :BINS].double()
     return out
 
 
-__all__ = ["DETERMINISTIC_ROWS", "BINS", "SPREAD", "bin_scale", "moved_bins", "ordered", "from_key",
+__all__ = ["DETERMINISTIC_ROWS", "BINS", "COARSE", "MASS_BINS", "SPREAD", "grid_index", "bin_scale", "moved_bins", "ordered", "from_key",
            "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]

@@ -40,10 +40,12 @@ from the gathered data).
 
 Tokens with top-p alone (no top-k, no min-p) take no ``topk`` in the first round either: each rank
 keeps their max, softmax sum (fp32 terms, float64 sums) and 64 bins below the running max on a
-grid fixed before the pass (width ``(log V + 1 - log(1 - top_p)) / 62``: the window reaches below
-the bound ``lo`` below), each bin's count and mass, the bins moved down and rescaled as the max
-rises (:func:`tplogp.op.sampler_passes.shard_candidates`); the gather merges the ranks' windows by
-their tops' grid indices and gives the log-sum-exp, and the tokens collect next from their
+grid fixed before the pass (width ``(log V + 1 - log(1 - top_p)) / 59``: the window reaches below
+the bound ``lo`` below), each bin's count and each group of 4 bins' mass, the bins moved down and
+rescaled as the max rises (:func:`tplogp.op.sampler_passes.shard_candidates`); the gather merges
+the ranks' windows by their tops' grid indices and gives the log-sum-exp and, per bin, a mass
+whose sum from the top is at most the true one (the groups' masses, refined within a group by the
+counts times the bins' bottoms: :func:`_grid_edges`), and the tokens collect next from their
 windows as the counted tokens below do, with no counting pass (16 more slots per rank: a logit
 within rounding of a bin's edge may fall on its other side in the collecting round).
 
@@ -98,8 +100,8 @@ from ..backends import memory_budget
 from ..backends.base import ShardCall
 from ..support.comm import all_gather_flat
 from .sampler_params import SamplerParams
-from .sampler_passes import (BINS, bin_scale, from_key, moved_bins, ordered, shard_bins,
-                             shard_candidates)
+from .sampler_passes import (BINS, COARSE, MASS_BINS, bin_scale, from_key, moved_bins, ordered,
+                             shard_bins, shard_candidates)
 from .support_ids import KEEP_ALL
 
 SLACK = 16  # candidates beyond the largest top_k (ties at the k-th logit, the excluded one)
@@ -140,29 +142,44 @@ def _binned_sizes(bins: torch.Tensor, params: SamplerParams, slack: torch.Tensor
 
 
 def _grid_width(top_p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Per row with top-p alone (``top_p``), the width of its grid bins (float64): ``BINS - 2`` of
-    them span ``log V + 1 - log(1 - top_p)``. The ids below ``lse + log((1 - top_p) / V) - 1``
-    hold less than ``1 - top_p`` of the mass together, so the support reaches no lower, and that
-    bound lies at most the span below the max (``lse >= max``): a window of ``BINS`` whose top is
-    within a bin above the max reaches below it, and its bottom is the row's bound ``lo``."""
+    """Per row with top-p alone (``top_p``), the width of its grid bins (float64): ``BINS - COARSE
+    - 1`` of them span ``log V + 1 - log(1 - top_p)``. The ids below ``lse + log((1 - top_p) / V)
+    - 1`` hold less than ``1 - top_p`` of the mass together, so the support reaches no lower, and
+    that bound lies at most the span below the max (``lse >= max``): a window of ``BINS`` whose
+    top is less than ``COARSE`` bins above the max (:func:`~.sampler_passes.grid_index`) reaches
+    below it, and its bottom is the row's bound ``lo``."""
     span = math.log(vocab) + 1 - torch.log1p(-top_p.double().clamp(max=1 - 1e-12))
-    return span / (BINS - 2)
+    return span / (BINS - COARSE - 1)
 
 
 def _grid_edges(ranks: torch.Tensor, m: int, width: torch.Tensor, lse: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """From every rank's grid rows of a first round (``[world, rows, 2 m + 4 + 2 BINS]``): the
-    merged window's top (the largest rank top: float64 ``[rows]``) and every rank's bins moved
-    into it, as the counting pass gives them (``[world, rows, 2 BINS]``: counts; masses
-    ``exp(z - lse)``)."""
+    """From every rank's grid rows of a first round (``[world, rows, 2 m + 4 + BINS +
+    MASS_BINS]``): the merged window's top (the largest rank top: float64 ``[rows]``) and every
+    rank's bins moved into it (``[world, rows, 2 BINS]``: the counts, then per bin a mass
+    ``exp(z - lse)`` whose sum from the top through any bin is at most the logits' there).
+
+    The ranks give the masses of groups of ``COARSE`` bins; a bin's is its group's cumulative mass
+    above it plus its count times ``exp(bottom - lse)`` (each of its logits at least its bottom)
+    for the bins of its group from the top through it: the first bin of a group takes the whole
+    mass of the group above less the bounds already given for its bins. So the sum through a bin
+    is at most the true mass there, and equals it at the end of every group but the bounds of
+    one group's bins."""
     index = ranks[:, :, 2 * m + 3]
     top_index = index.max(0).values
     moved = top_index[None, :] - index
     counts = moved_bins(ranks[:, :, 2 * m + 4:2 * m + 4 + BINS], moved)
-    masses = moved_bins(ranks[:, :, 2 * m + 4 + BINS:], moved)
+    groups = moved_bins(ranks[:, :, 2 * m + 4 + BINS:], moved, COARSE)
     row_max = ranks[:, :, 2 * m + 1]
-    masses = masses * torch.exp(row_max - lse[None, :]).nan_to_num_(nan=0.0)[:, :, None]
-    return top_index * width, torch.cat([counts, masses], 2)
+    groups = groups * torch.exp(row_max - lse[None, :]).nan_to_num_(nan=0.0)[:, :, None]
+    top = top_index * width
+    bottoms = top[:, None] - width[:, None] * torch.arange(1, BINS + 1, device=top.device)
+    bounds = (counts * torch.exp(bottoms - lse[:, None])[None]).nan_to_num_(nan=0.0)
+    by_group = bounds.view(*bounds.shape[:2], MASS_BINS, COARSE)
+    rest = groups - by_group.sum(3)  # (a group's mass past its bins' bounds)
+    masses = by_group.clone()
+    masses[:, :, 1:, 0] += rest[:, :, :-1]
+    return top, torch.cat([counts, masses.view_as(bounds)], 2)
 
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
