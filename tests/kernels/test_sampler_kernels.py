@@ -63,7 +63,7 @@ def test_collect_matches_the_torch_path(m):
     t_vals = torch.full((rows, m + 1), float("-inf"))
     t_ids = torch.full((rows, m + 1), -1, dtype=torch.int64)
     t_below = torch.full((rows,), float("-inf"))
-    t_held = sampler_passes._collect_tile(z, at_least, v0, m, t_vals, t_ids,
+    t_held = sampler_passes._collect_tile(z, z >= at_least[:, None], v0, m, t_vals, t_ids,
                                           torch.zeros(rows, 1, dtype=torch.int32), t_below)
     assert held.tolist() == t_held[:, 0].tolist()
     assert held[3] == 0 and held[4] == cols  # none; all
@@ -124,3 +124,31 @@ def test_grid_rows_match_the_torch_path():
     truth = torch.zeros(3, BINS // coarse, dtype=torch.float64).scatter_add_(1, group, terms)
     torch.testing.assert_close(got[4][[0, 3, 4]].double(), truth, rtol=1e-4, atol=1e-9)
     assert (got[4][0] > 0).sum() >= 3  # (several groups hold mass)
+
+
+def test_collect_in_bins_takes_what_the_bins_counted():
+    """Collecting by bin takes exactly the logits the counting kernel counted in the bins ``0 ..
+    last`` (the same bin arithmetic: ties at the bins' edges on the 1/8 grid), none for a row whose
+    bins lie above every logit, all of them down to the bottom for ``last = BINS - 1``; the largest
+    logit left out."""
+    rows, cols, m = 5, 2 * sampler_launch.COLLECT_BLOCK + 77, 3000
+    z = _tile(rows, cols, seed=2)
+    top = torch.tensor([5.0, 5.0, 0.0, 4.0, 9.0], dtype=torch.float64)
+    lo = torch.tensor([-1.0, -5.0, -1.0, 3.875, 8.0], dtype=torch.float64)
+    scale = bin_scale(lo, top)
+    last = torch.tensor([10, 63, 5, 0, 63], dtype=torch.int32)
+    vals = torch.full((rows, m), float("-inf"))
+    ids = torch.full((rows, m), -1, dtype=torch.int64)
+    held = torch.zeros(rows, dtype=torch.int32)
+    below = torch.full((rows, sampler_launch.collect_blocks(cols)), float("-inf"))
+    sampler_launch.collect_in_bins(z, scale, last, BINS, vals, ids, held, below)
+    counts = torch.zeros(rows, BINS)
+    sampler_launch.count_bins(z, scale, counts)
+    taken = sampler_passes._bins_of(z, scale) <= last[:, None].long()
+    assert held.tolist() == [int(counts[r, :int(last[r]) + 1].sum()) for r in range(rows)]
+    assert held.tolist() == taken.sum(1).tolist() and held[4] == 0 and held[1] > held[0] > 0
+    for r in range(rows):
+        got = {int(i) for i in ids[r] if i >= 0}
+        assert got == set(taken[r].nonzero().squeeze(1).tolist()), r
+    left = z.masked_fill(taken, float("-inf")).amax(1)
+    torch.testing.assert_close(below.amax(1), left, equal_nan=True)

@@ -182,6 +182,24 @@ def test_candidate_rounds(case, monkeypatch, drop_columns):
         assert bool(counted) == (case == "min_p"), counted
 
 
+@pytest.mark.parametrize("tiles", ["one", "several"])
+def test_top_p_alone_on_one_shard_settles_in_its_first_round(tiles, monkeypatch, drop_columns):
+    """Top-p alone in one process, where one tile holds a row chunk's logits, collects from that
+    tile what its bins reach and settles in the first round: one pass over the logits, the
+    definition's ids; where it does not (a row chunk's logits in several tiles of 16 columns), it
+    collects in a second round."""
+    if tiles == "several":
+        monkeypatch.setattr(sampler_passes, "_tile_columns", lambda *args: 16)
+    seen = _rounds(monkeypatch)
+    problem = _problem(seed=4)
+    params = _params("top_p")
+    truth = _truth_mask(problem, params)
+    ours = _our_mask(problem, params)
+    assert not _mismatch(ours, truth), _mismatch(ours, truth)
+    assert len(seen) == (1 if tiles == "one" else 2), seen
+    assert (truth.sum(-1) > 1).any()  # (supports of several ids)
+
+
 @pytest.mark.parametrize("case", ["top_p", "min_p", "per-token"])
 def test_collecting_rounds_past_their_capacity_run_again(case, monkeypatch, drop_columns):
     """A collecting round whose edge holds more ids on a rank than the counting pass gave it (here
@@ -217,6 +235,7 @@ def _rounds_from_one_candidate(case: str, monkeypatch) -> list:
     (:func:`_rounds`)."""
     monkeypatch.setattr(sampler_module, "SLACK", 1)
     monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    monkeypatch.setattr(sampler_module, "GRID_CANDIDATES", 1)  # (top-p alone: not in one round)
     seen = _rounds(monkeypatch)
     problem = _problem(seed=3)
     params = _params(case)
@@ -524,6 +543,7 @@ def test_tp_kept_ids_values_and_gradients(tp, vocab_shards, case, monkeypatch):
     softcap and ignore_index."""
     monkeypatch.setattr(sampler_module, "SLACK", 1)
     monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    monkeypatch.setattr(sampler_module, "GRID_CANDIDATES", 1)  # (top-p alone: not in one round)
     seen = _rounds(monkeypatch)
     problem = _problem(seed=20)
     hidden, weight, bias = problem
@@ -557,6 +577,7 @@ def test_tp_support_on_one_rank(tp, vocab_shards, case, monkeypatch):
     definition's ids."""
     monkeypatch.setattr(sampler_module, "SLACK", 1)
     monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
+    monkeypatch.setattr(sampler_module, "GRID_CANDIDATES", 1)  # (top-p alone: not in one round)
     seen = _rounds(monkeypatch)
     hidden, weight, bias = _problem(seed=26)
     bias = bias.clone()

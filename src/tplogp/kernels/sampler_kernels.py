@@ -26,7 +26,9 @@
   counts the tile in the new window and, with ``WITH_SUM``, writes each program's sum of
   ``exp(z - shift)`` over all of its columns (fp32 terms, summed in float64: NaN and ``+inf``
   kept, as the torch path's sum keeps them) to its own column of the partials.
-* :func:`collect_kernel`: per row, the logits at least a threshold and their ids. One program owns
+* :func:`collect_kernel`: per row, the logits at least a threshold (or, ``BY_BIN``, those of the
+  bins up to a last one, the bin computed as :func:`bin_counts_kernel` does: the ids it counted
+  there) and their ids. One program owns
   a row's ``BLOCK`` columns: it counts its hits, reserves that many slots of the row's buffer by
   one atomic add on the row's running count (the value before the add is its first slot), and
   stores each hit at its slot from a cumulative sum over the block (slots past the buffer are not
@@ -153,20 +155,27 @@ def grid_move_kernel(
 @triton.jit
 def collect_kernel(
     z_ptr,  # [rows, cols] fp32 logits, row stride stride_z, read
-    at_least_ptr,  # [rows] fp32: the threshold, read
+    at_least_ptr,  # [rows] fp32: the threshold, read (not BY_BIN)
+    scale_ptr,  # [rows, 3] fp32: the bins' rows, read (BY_BIN)
+    last_ptr,  # [rows] int32: the last bin taken, read (BY_BIN)
     vals_ptr,  # [rows, m] fp32: the collected logits, written at their slots
     ids_ptr,  # [rows, m] int64: their shard-local ids (the column plus v0)
     held_ptr,  # [rows] int32: the row's running count, added to
     below_ptr,  # [rows, *] fp32, row stride stride_b: the largest logit under the threshold
     cols, stride_z, v0, m, stride_b,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, BY_BIN: tl.constexpr, BINS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1)
     o_c = i_b * BLOCK + tl.arange(0, BLOCK)
     m_c = o_c < cols
     b_z = tl.load(z_ptr + row * stride_z + o_c, mask=m_c, other=float("-inf"))
-    take = (b_z >= tl.load(at_least_ptr + row)) & m_c
+    if BY_BIN:  # the logits of bins 0 .. last, each bin as bin_counts_kernel computes it
+        at = tl.floor((tl.load(scale_ptr + row * 3 + 1) - b_z) * tl.load(scale_ptr + row * 3 + 2))
+        at = tl.minimum(tl.maximum(at, 0.0), BINS - 1.0)
+        take = (b_z >= tl.load(scale_ptr + row * 3)) & (at <= tl.load(last_ptr + row)) & m_c
+    else:
+        take = (b_z >= tl.load(at_least_ptr + row)) & m_c
     below = tl.max(tl.where(take, float("-inf"), b_z), 0)
     below = tl.where(tl.sum((b_z != b_z).to(tl.int32), 0) > 0, float("nan"), below)
     tl.store(below_ptr + row * stride_b + i_b, below)

@@ -103,10 +103,13 @@ class GridRows:
 
 
 def _collect_launch(rows: int, cols: int, stride_z: int, v0: int, m: int,
-                    stride_b: int) -> Launch:
+                    stride_b: int, bins: int) -> Launch:
+    """The collecting kernel's launch: ``bins`` 0 takes the logits at least a threshold, else
+    those in the bins ``0 .. last`` of ``bins`` bins."""
+    by_bin = bins > 0
     return Launch(collect_kernel, (rows, cdiv(cols, COLLECT_BLOCK)),
                   (cols, stride_z, v0, m, stride_b), COLLECT_WARPS, None,
-                  dict(BLOCK=COLLECT_BLOCK))
+                  dict(BLOCK=COLLECT_BLOCK, BY_BIN=by_bin, BINS=max(bins, 1)))
 
 
 def collect_blocks(cols: int) -> int:
@@ -126,9 +129,24 @@ def collect_at_least(z: torch.Tensor, at_least: torch.Tensor, v0: int, vals: tor
     rows, cols = z.shape
     if rows == 0 or cols == 0:
         return
-    launch = cached(_collect_launch, rows, cols, z.stride(0), v0, vals.shape[1], below.stride(0))
-    launch(z, at_least, vals, ids, held, below)
+    launch = cached(_collect_launch, rows, cols, z.stride(0), v0, vals.shape[1], below.stride(0),
+                    0)
+    launch(z, at_least, at_least, at_least, vals, ids, held, below)
 
 
-__all__ = ["count_bins", "collect_at_least", "collect_blocks", "GridRows", "BIN_BLOCK",
+def collect_in_bins(z: torch.Tensor, scale: torch.Tensor, last: torch.Tensor, bins: int,
+                    vals: torch.Tensor, ids: torch.Tensor, held: torch.Tensor,
+                    below: torch.Tensor) -> None:
+    """:func:`collect_at_least` of the logits in the bins ``0 .. last`` (int32 ``[rows]``) of
+    ``scale``'s rows (:func:`count_bins`' ``bins`` bins: the ids counted there), from column 0."""
+    _check_tile(z)
+    rows, cols = z.shape
+    if rows == 0 or cols == 0:
+        return
+    launch = cached(_collect_launch, rows, cols, z.stride(0), 0, vals.shape[1], below.stride(0),
+                    bins)
+    launch(z, scale, scale, last, vals, ids, held, below)
+
+
+__all__ = ["count_bins", "collect_at_least", "collect_in_bins", "collect_blocks", "GridRows", "BIN_BLOCK",
            "COLLECT_BLOCK"]

@@ -27,6 +27,9 @@ from ..backends.native_tiles import call_logits_tile
 
 DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
 BINS = 64  # the bins of the counting pass
+# top-p alone collects down to the bin where the counted mass passes top_p by this much (the
+# masses are sums of fp32 terms; the round decides in float64)
+MASS_MARGIN = 1e-4
 # the grid pass sums masses over groups of COARSE bins (MASS_BINS of them): a logit's mass goes to
 # one of 16 sums, not 64 (a quarter of the work a logit; the fine bins' counts bound the rest)
 COARSE = 4
@@ -114,7 +117,8 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
                       call: ShardCall, tile_elements: int,
                       deterministic: bool, edge: Optional[torch.Tensor] = None,
                       above: Optional[torch.Tensor] = None,
-                      grid: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      grid: Optional[torch.Tensor] = None,
+                      grid_p: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
     shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
     candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 ``[rows, 3]``:
@@ -131,7 +135,10 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     row max and 0. The last ``len(grid)`` rows
     (``grid``: float64 ``[rows]``, a bin width) take no candidates (the floor their row max) but
     the row max, ``sum exp(z - max)`` and bins on a grid (:func:`_grid_bins`), in the
-    :func:`_grid_columns` after the others' (0 for the other rows)."""
+    :func:`_grid_columns` after the others' (0 for the other rows); given their ``top_p``
+    (``grid_p``: one shard, the whole vocabulary) and where one tile holds a row chunk's logits,
+    they also collect the ids their bins say the support can reach, from that tile (the floor the
+    largest logit left, ``inf`` where more than ``m`` were: :func:`_collect_in_window`)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     g = 0 if grid is None else grid.shape[0]
     width = _grid_columns(m) if g else 2 * m + 3
@@ -141,7 +148,8 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     if n == 0 or v == 0:
         return out
     if g:
-        _grid_bins(out[n - g:], h[n - g:], w, b, m, grid, call, tile_elements, deterministic)
+        _grid_bins(out[n - g:], h[n - g:], w, b, m, grid, call, tile_elements, deterministic,
+                   grid_p)
         n, h = n - g, h[:n - g]
         if n == 0:
             return out
@@ -275,7 +283,7 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
                                          below[:, b0:b0 + blocks[i]])
                 b0 += blocks[i]
             else:
-                held = _collect_tile(z, at_least, v0, m, vals, ids, held, below)
+                held = _collect_tile(z, z >= at_least[:, None], v0, m, vals, ids, held, below)
         if kernels is not None:
             below, held = below.amax(1), held[:, None]
         keep = slice(0, t1 - t0)
@@ -286,14 +294,13 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         out[t0:t1, 2 * m + 2] = held[keep, 0].double()
 
 
-def _collect_tile(z: torch.Tensor, at_least: torch.Tensor, v0: int, m: int, vals: torch.Tensor,
+def _collect_tile(z: torch.Tensor, mask: torch.Tensor, v0: int, m: int, vals: torch.Tensor,
                   ids: torch.Tensor, held: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
-    """The torch path of one tile of :func:`_collect` (columns from ``v0``): its ids at least
-    ``at_least`` scattered into ``vals`` / ``ids`` at the slots after ``held`` (``[rows, 1]``;
-    past ``m``: the drop columns), ``below`` raised in place to the largest logit not taken; the
-    new running count."""
+    """The torch path of one tile of :func:`_collect` (columns from ``v0``): its ids where
+    ``mask`` scattered into ``vals`` / ``ids`` at the slots after ``held`` (``[rows, 1]``; past
+    ``m``: the drop columns), ``below`` raised in place to the largest logit not taken; the new
+    running count."""
     rows, cols, dev = z.shape[0], z.shape[1], z.device
-    mask = z >= at_least[:, None]
     torch.maximum(below, z.masked_fill(mask, float("-inf")).max(1).values, out=below)
     slot = mask.to(torch.int32).cumsum(1, dtype=torch.int32).add_(held - 1)
     held = slot[:, -1:] + 1
@@ -353,7 +360,7 @@ def grid_index(row_max: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
 
 def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
                m: int, width: torch.Tensor, call: ShardCall, tile_elements: int,
-               deterministic: bool) -> None:
+               deterministic: bool, top_p: Optional[torch.Tensor] = None) -> None:
     """:func:`shard_candidates`' grid rows, written into ``out``: in one pass over the logits, the
     row max, ``sum exp(z - max)`` (fp32 terms, float64 sums), the counts of the ``BINS`` bins of
     ``width`` on a grid fixed before the pass (its steps ``i * width``) below the running max and
@@ -362,15 +369,20 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
     When a chunk raises the max past it the window moves up, the bins held move down as many
     bins (those past the bottom dropped) and the masses are rescaled to the new max, as the sum
     is; the chunk's logits are then counted in the new window (:func:`_bins_of`). Every rank's
-    window lies on the same grid, so the ranks' bins merge by their tops' indices."""
+    window lies on the same grid, so the ranks' bins merge by their tops' indices. With ``top_p``
+    and one tile per row chunk, the rows then collect from that tile (:func:`_collect_in_window`)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     kernels = tile_kernels(dev)
     vc = _tile_columns(tile_elements, tc, kernels)
+    whole = top_p is not None and vc >= v  # (the tile in hand holds all of a row chunk's logits)
     for t0, t1, hc in _row_chunks(h, deterministic):
-        rows_width = torch.cat([width[t0:t1], width.new_ones(hc.shape[0] - (t1 - t0))])
-        tiles = (call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
-                 for v0 in range(0, v, vc))
+        pad = hc.shape[0] - (t1 - t0)
+        rows_width = torch.cat([width[t0:t1], width.new_ones(pad)])
+        tiles = [call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
+                 for v0 in range(0, v, vc)] if whole else \
+            (call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
+             for v0 in range(0, v, vc))
         if kernels is not None:  # (three launches a tile: kernels.GridRows)
             state = kernels.GridRows(rows_width, vc, BINS, COARSE)
             for z in tiles:
@@ -379,6 +391,9 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
         else:
             stats = _grid_tiles(tiles, rows_width)
         _grid_out(out[t0:t1], m, *stats)
+        if whole:
+            rows_p = torch.cat([top_p[t0:t1], top_p.new_ones(pad)])
+            _collect_in_window(out[t0:t1], tiles[0], m, stats, rows_width, rows_p, kernels)
 
 
 def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -406,7 +421,7 @@ def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
         at = _dropped_spread(_bins_of(z, _grid_scale(top_index, width)), drop, v0)
         counts.scatter_add_(1, at, torch.ones_like(z))
         groups = torch.where(at < BINS, at // COARSE, at - BINS + MASS_BINS)
-        masses.scatter_add_(1, groups, torch.exp(z.sub_(base[:, None])).nan_to_num_(nan=0.0))
+        masses.scatter_add_(1, groups, torch.exp(z - base[:, None]).nan_to_num_(nan=0.0))
         v0 += z.shape[1]
     return row_max, sum_exp, top_index, counts, masses
 
@@ -422,6 +437,69 @@ def _grid_out(out: torch.Tensor, m: int, row_max: torch.Tensor, sum_exp: torch.T
     out[:, 2 * m + 3] = top_index[keep]
     out[:, 2 * m + 4:2 * m + 4 + BINS] = counts[keep, :BINS].double()
     out[:, 2 * m + 4 + BINS:] = masses[keep, :MASS_BINS].double()
+
+
+def bin_masses(counts: torch.Tensor, groups: torch.Tensor, top: torch.Tensor,
+               width: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Per bin of a grid window (``counts`` ``[..., rows, BINS]``; ``groups``: the masses
+    ``exp(z - lse)`` of its ``MASS_BINS`` groups of ``COARSE`` bins; the window's ``top``, its bins'
+    ``width`` and ``lse``: float64 ``[rows]``), a mass whose sum from the top through any bin is at
+    most the logits' there: a bin's is its count times ``exp(bottom - lse)`` (each of its logits at
+    least its bottom), and the first bin of a group adds the group above's mass less those bounds
+    of its bins. So the sum through a bin is its group's cumulative mass above it plus the bounds
+    of its group's bins through it; exact at the end of every group but its own bins' bounds."""
+    bottoms = top[:, None] - width[:, None] * torch.arange(1, BINS + 1, device=top.device)
+    bounds = (counts * torch.exp(bottoms - lse[:, None])).nan_to_num_(nan=0.0)
+    by_group = bounds.view(*bounds.shape[:-1], MASS_BINS, COARSE)
+    rest = groups - by_group.sum(-1)  # (a group's mass past its bins' bounds)
+    masses = by_group.clone()
+    masses[..., 1:, 0] += rest[..., :-1]
+    return masses.view_as(bounds)
+
+
+def last_bin(masses: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the first bin where the masses (``[rows, BINS]``, :func:`bin_masses`) summed from
+    the top pass ``top_p`` by ``MASS_MARGIN`` (the masses are sums of fp32 terms; the rounds
+    decide in float64), else the last (int64 ``[rows]``)."""
+    reached = masses.cumsum(1) >= top_p[:, None] + MASS_MARGIN
+    return torch.where(reached.any(1), reached.long().argmax(1), BINS - 1)
+
+
+def _collect_in_window(out: torch.Tensor, z: torch.Tensor, m: int, stats: tuple,
+                       width: torch.Tensor, top_p: torch.Tensor, kernels) -> None:
+    """The grid rows of one shard (the whole vocabulary) whose logits ``z`` one tile holds
+    (``[rows, V]``, a row chunk with its padding rows; ``stats``: :func:`_grid_tiles`' of that
+    tile): the ids of the bins down to the first where the masses from the top pass ``top_p``
+    (:func:`bin_masses`, :func:`last_bin`) collected into ``out``'s candidates (its rows: those
+    of the chunk, not its padding), the floor the largest logit left, ``inf`` where the bins held
+    more than ``m`` ids (the row is then not decided: it collects in the next round)."""
+    row_max, sum_exp, top_index, counts, groups = stats
+    rows, dev = z.shape[0], z.device
+    base = torch.where(row_max == float("-inf"), 0.0, row_max).double()
+    lse = base + torch.log(sum_exp)
+    shifted = groups[:, :MASS_BINS].double() * torch.exp(row_max.double() - lse)[:, None]
+    masses = bin_masses(counts[:, :BINS].double(), shifted.nan_to_num_(nan=0.0),
+                        top_index * width, width, lse)
+    last = last_bin(masses, top_p)
+    scale = _grid_scale(top_index, width)
+    drop = 0 if kernels is not None else drop_columns(dev)
+    vals = torch.full((rows, m + drop), float("-inf"), dtype=torch.float32, device=dev)
+    ids = torch.full((rows, m + drop), -1, dtype=torch.int64, device=dev)
+    if kernels is not None:
+        held = torch.zeros(rows, dtype=torch.int32, device=dev)
+        below = torch.full((rows, kernels.collect_blocks(z.shape[1])), float("-inf"),
+                           dtype=torch.float32, device=dev)
+        kernels.collect_in_bins(z, scale, last.to(torch.int32), BINS, vals, ids, held, below)
+        below, held = below.amax(1), held[:, None]
+    else:
+        held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
+        below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+        held = _collect_tile(z, _bins_of(z, scale) <= last[:, None], 0, m, vals, ids, held,
+                             below)
+    keep = slice(0, out.shape[0])
+    out[:, :m] = vals[keep, :m].double()
+    out[:, m:2 * m] = torch.where(vals[keep, :m] > float("-inf"), ids[keep, :m], -1)
+    out[:, 2 * m] = torch.where(held[keep, 0] > m, float("inf"), below[keep].double())
 
 
 def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
@@ -450,5 +528,5 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
     return out
 
 
-__all__ = ["DETERMINISTIC_ROWS", "BINS", "COARSE", "MASS_BINS", "SPREAD", "grid_index", "bin_scale", "moved_bins", "ordered", "from_key",
+__all__ = ["DETERMINISTIC_ROWS", "BINS", "COARSE", "MASS_BINS", "SPREAD", "grid_index", "MASS_MARGIN", "bin_scale", "bin_masses", "last_bin", "moved_bins", "ordered", "from_key",
            "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]

@@ -100,16 +100,16 @@ from ..backends import memory_budget
 from ..backends.base import ShardCall
 from ..support.comm import all_gather_flat
 from .sampler_params import SamplerParams
-from .sampler_passes import (BINS, COARSE, MASS_BINS, bin_scale, from_key, moved_bins, ordered,
-                             shard_bins, shard_candidates)
+from .sampler_passes import (BINS, COARSE, bin_masses, bin_scale, from_key, last_bin, moved_bins,
+                             ordered, shard_bins, shard_candidates)
 from .support_ids import KEEP_ALL
 
 SLACK = 16  # candidates beyond the largest top_k (ties at the k-th logit, the excluded one)
 MIN_CANDIDATES = 256  # with top-p or min-p: the first round's candidates at least
+# top-p alone on one shard: the candidates its first round collects from its tile at most (a row
+# whose bins hold more collects in the next round)
+GRID_CANDIDATES = 2048
 GROWTH = 4  # a round's candidates over the previous round's
-# top-p alone collects down to the bin where the counted mass passes top_p by this much (the
-# counting pass sums fp32 terms; the round decides in float64)
-MASS_MARGIN = 1e-4
 
 
 def _lower_bounds(params: SamplerParams, top: torch.Tensor) -> torch.Tensor:
@@ -131,8 +131,7 @@ def _binned_sizes(bins: torch.Tensor, params: SamplerParams, slack: torch.Tensor
     counts, masses = bins[..., :BINS], bins[..., BINS:].sum(0)
     last = torch.full((counts.shape[1],), BINS - 1, dtype=torch.int64, device=bins.device)
     if params.top_p is not None:
-        reached = masses.cumsum(1) >= params.top_p[:, None] + MASS_MARGIN
-        first = torch.where(reached.any(1), reached.long().argmax(1), BINS - 1)
+        first = last_bin(masses, params.top_p)
         only_p = (params.top_k <= 0 if params.top_k is not None else True)
         only_p = only_p & (params.min_p <= 0 if params.min_p is not None else True)
         last = torch.where(only_p & (params.top_p < 1), first, last)
@@ -157,14 +156,8 @@ def _grid_edges(ranks: torch.Tensor, m: int, width: torch.Tensor, lse: torch.Ten
     """From every rank's grid rows of a first round (``[world, rows, 2 m + 4 + BINS +
     MASS_BINS]``): the merged window's top (the largest rank top: float64 ``[rows]``) and every
     rank's bins moved into it (``[world, rows, 2 BINS]``: the counts, then per bin a mass
-    ``exp(z - lse)`` whose sum from the top through any bin is at most the logits' there).
-
-    The ranks give the masses of groups of ``COARSE`` bins; a bin's is its group's cumulative mass
-    above it plus its count times ``exp(bottom - lse)`` (each of its logits at least its bottom)
-    for the bins of its group from the top through it: the first bin of a group takes the whole
-    mass of the group above less the bounds already given for its bins. So the sum through a bin
-    is at most the true mass there, and equals it at the end of every group but the bounds of
-    one group's bins."""
+    ``exp(z - lse)`` whose sum from the top through any bin is at most the logits' there:
+    :func:`~.sampler_passes.bin_masses`, linear in the ranks' counts and groups' masses)."""
     index = ranks[:, :, 2 * m + 3]
     top_index = index.max(0).values
     moved = top_index[None, :] - index
@@ -173,13 +166,7 @@ def _grid_edges(ranks: torch.Tensor, m: int, width: torch.Tensor, lse: torch.Ten
     row_max = ranks[:, :, 2 * m + 1]
     groups = groups * torch.exp(row_max - lse[None, :]).nan_to_num_(nan=0.0)[:, :, None]
     top = top_index * width
-    bottoms = top[:, None] - width[:, None] * torch.arange(1, BINS + 1, device=top.device)
-    bounds = (counts * torch.exp(bottoms - lse[:, None])[None]).nan_to_num_(nan=0.0)
-    by_group = bounds.view(*bounds.shape[:2], MASS_BINS, COARSE)
-    rest = groups - by_group.sum(3)  # (a group's mass past its bins' bounds)
-    masses = by_group.clone()
-    masses[:, :, 1:, 0] += rest[:, :, :-1]
-    return top, torch.cat([counts, masses.view_as(bounds)], 2)
+    return top, torch.cat([counts, bin_masses(counts, groups, top, width, lse)], 2)
 
 
 def _ranked(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,6 +305,8 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     m = k_max + SLACK
     if unbounded:
         m = max(m, MIN_CANDIDATES)
+    if gridded and world == 1:  # (collected in the first round where a tile holds a row chunk)
+        m = max(m, GRID_CANDIDATES)
     m = min(m, vocab)
     done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, ranked ids, lengths
     # per row of todo, from the first round: the max, the log-sum-exp and the bound of the
@@ -333,12 +322,15 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         edge = None
         if collecting:
             edge = torch.stack([lo[:collecting], top[:collecting], last[:collecting]], 1)
-        width = _grid_width(rows_params.top_p[count - gridded:], vocab) \
-            if first and gridded else None
+        width = grid_p = None
+        if first and gridded:
+            grid_p = rows_params.top_p[count - gridded:]
+            width = _grid_width(grid_p, vocab)
         part = shard_candidates(hidden.index_select(0, todo), weight, bias, m, call,
                                  tile_elements, deterministic, edge,
                                  torch.log(rows_params.min_p[:above].double())
-                                 if first and above else None, width)
+                                 if first and above else None, width,
+                                 grid_p if world == 1 else None)
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
         if world > 1:
