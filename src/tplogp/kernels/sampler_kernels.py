@@ -18,7 +18,8 @@
   after a tile raised its max: one program per row. It folds the previous tile's partial softmax
   sums into the row's float64 sum, rescales it to the new max (``exp(old max - new max)``, float64,
   as the torch path's), moves the ``BINS`` counts and masses down by as many grid steps as the
-  window's top rose (``COARSE ceil(max / (COARSE width))``; the bins past the bottom dropped, masses rescaled) into
+  window's top rose (``COARSE ceil(max / (COARSE width))``; the bins past the bottom dropped,
+  masses rescaled) into
   the other of two buffers (no program reads what another writes; the window's top is a multiple
   of ``COARSE`` steps, so the masses' groups move whole), and writes the window's bin
   rows (bottom rounded up to fp32, top, ``BINS`` over the span) and the masses' shift (the new

@@ -15,8 +15,8 @@ from .launch import Launch, cached
 from .sampler_kernels import bin_counts_kernel, collect_kernel, grid_move_kernel
 from .tiles import cdiv
 
-# counting: a program's columns, the columns it takes at a time (measured on an H100 at 256 x 128256:
-# 4096 / 128 / 4 warps beat 64 or 8192 columns and 8 warps)
+# counting: a program's columns, the columns it takes at a time (measured on an H100 at 256 x
+# 128256: 4096 / 128 / 4 warps beat 64 or 8192 columns and 8 warps)
 BIN_BLOCK, BIN_SUB, BIN_WARPS = 4096, 128, 4
 COLLECT_BLOCK, COLLECT_WARPS = 1024, 4
 
@@ -57,8 +57,9 @@ class GridRows:
     """The grid pass's state of ``rows`` token rows (``tplogp.op.sampler_passes``' grid rows, on
     the GPU): the running max (fp32), the window top's grid index and ``sum exp(z - max)``
     (float64), the ``bins`` counts and the masses of their groups of ``coarse`` (fp32, two
-    buffers each: a move writes the other), and the partial sums of the tile last counted. :meth:`add_tile` takes a tile of ``cols`` or
-    fewer columns; :meth:`result` folds the last partials."""
+    buffers each: a move writes the other), and the partial sums of the tile last counted.
+    :meth:`add_tile` takes a tile of ``cols`` or fewer columns; :meth:`result` folds the last
+    partials."""
 
     def __init__(self, width: torch.Tensor, cols: int, bins: int, coarse: int) -> None:
         rows, dev = width.shape[0], width.device
@@ -148,5 +149,6 @@ def collect_in_bins(z: torch.Tensor, scale: torch.Tensor, last: torch.Tensor, bi
     launch(z, scale, scale, last, vals, ids, held, below)
 
 
-__all__ = ["count_bins", "collect_at_least", "collect_in_bins", "collect_blocks", "GridRows", "BIN_BLOCK",
+__all__ = ["count_bins", "collect_at_least", "collect_in_bins", "collect_blocks", "GridRows",
+           "BIN_BLOCK",
            "COLLECT_BLOCK"]

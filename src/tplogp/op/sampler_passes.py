@@ -370,7 +370,8 @@ def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[
     bins (those past the bottom dropped) and the masses are rescaled to the new max, as the sum
     is; the chunk's logits are then counted in the new window (:func:`_bins_of`). Every rank's
     window lies on the same grid, so the ranks' bins merge by their tops' indices. With ``top_p``
-    and one tile per row chunk, the rows then collect from that tile (:func:`_collect_in_window`)."""
+    and one tile per row chunk, the rows then collect from that tile
+    (:func:`_collect_in_window`)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     kernels = tile_kernels(dev)
@@ -528,5 +529,7 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
     return out
 
 
-__all__ = ["DETERMINISTIC_ROWS", "BINS", "COARSE", "MASS_BINS", "SPREAD", "grid_index", "MASS_MARGIN", "bin_scale", "bin_masses", "last_bin", "moved_bins", "ordered", "from_key",
+__all__ = ["DETERMINISTIC_ROWS", "BINS", "COARSE", "MASS_BINS", "SPREAD", "grid_index",
+           "MASS_MARGIN", "bin_scale", "bin_masses", "last_bin", "moved_bins", "ordered",
+           "from_key",
            "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]
