@@ -47,7 +47,11 @@ the ranks' windows by their tops' grid indices and gives the log-sum-exp and, pe
 whose sum from the top is at most the true one (the groups' masses, refined within a group by the
 counts times the bins' bottoms: :func:`_grid_edges`), and the tokens collect next from their
 windows as the counted tokens below do, with no counting pass (16 more slots per rank: a logit
-within rounding of a bin's edge may fall on its other side in the collecting round).
+within rounding of a bin's edge may fall on its other side in the collecting round). On one shard
+(no group), where one tile holds a token chunk's logits, the first round does that collecting
+itself, from the tile in hand, as soon as its bins are counted (up to ``GRID_CANDIDATES`` ids a
+token; a token whose bins hold more collects in the next round): the decision then needs no
+second pass.
 
 Tokens with min-p and no top-k take no ``topk`` in the first round: each rank collects its ids at
 least its running max plus ``log(min_p)`` (rounded down to fp32; the max only rises, so this holds
@@ -83,7 +87,8 @@ A token whose support fits the first ``M`` (a top-k; min-p over a peaked distrib
 the first round, whose ``topk`` of ``M + 1`` per chunk costs about its GEMM on a CPU. Top-p alone
 takes two passes, whatever its distribution (the first round with its bins, the collecting round),
 both with a few elementwise operations per logit and no ``topk``, and one sort of
-``[tokens, world M]`` candidates. Min-p alone whose ids pass the first round's ``M`` on a rank
+``[tokens, world M]`` candidates; one pass on one shard whose token chunks fit a tile and whose
+supports fit ``GRID_CANDIDATES``. Min-p alone whose ids pass the first round's ``M`` on a rank
 takes three (the first round, the counting pass, the collecting round). Why 256 to start: a
 smaller first ``M`` saves part of the first round's ``topk``, but a token whose support is past it
 takes the two further passes.
