@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.interpreter import interpreter_only
-from tplogp.op import sampler_passes
+from tplogp.op import sampler_grid, sampler_passes
 from tplogp.op.sampler_passes import BINS, bin_scale
 
 pytestmark = interpreter_only
@@ -40,7 +40,7 @@ def test_bins_match_the_torch_path():
     scale = bin_scale(lo, top)
     counts = torch.zeros(rows, BINS)
     sampler_launch.count_bins(z, scale, counts)
-    at = sampler_passes._bins_of(z, scale)
+    at = sampler_passes.bins_of(z, scale)
     want_counts = torch.zeros(rows, BINS + 1).scatter_add_(1, at, torch.ones_like(z))[:, :BINS]
     assert torch.equal(counts, want_counts)
     assert counts[4].sum() == 0 and counts[2].sum() == 0 and counts[0].sum() > 0
@@ -63,7 +63,7 @@ def test_collect_matches_the_torch_path(m):
     t_vals = torch.full((rows, m + 1), float("-inf"))
     t_ids = torch.full((rows, m + 1), -1, dtype=torch.int64)
     t_below = torch.full((rows,), float("-inf"))
-    t_held = sampler_passes._collect_tile(z, z >= at_least[:, None], v0, m, t_vals, t_ids,
+    t_held = sampler_passes.collect_tile(z, z >= at_least[:, None], v0, m, t_vals, t_ids,
                                           torch.zeros(rows, 1, dtype=torch.int32), t_below)
     assert held.tolist() == t_held[:, 0].tolist()
     assert held[3] == 0 and held[4] == cols  # none; all
@@ -97,11 +97,11 @@ def test_grid_rows_match_the_torch_path():
         z[2] = float("-inf")
     tiles[1][1, 9] = float("nan")
     width = torch.tensor([0.3, 0.3, 0.3, 0.05, 1.7], dtype=torch.float64)
-    state = sampler_launch.GridRows(width, cols, BINS, sampler_passes.COARSE)
+    state = sampler_launch.GridRows(width, cols, BINS, sampler_grid.COARSE)
     for z in tiles:
         state.add_tile(z)
     got = state.result()
-    want = sampler_passes._grid_tiles((z.clone() for z in tiles), width)
+    want = sampler_grid._grid_tiles((z.clone() for z in tiles), width)
     for name, a, b in zip(("max", "sum", "top", "counts", "masses"), got, want):
         b = b[:, :a.shape[1]] if b.dim() == 2 else b  # (less the drop column)
         if name in ("max", "top", "counts"):
@@ -111,7 +111,7 @@ def test_grid_rows_match_the_torch_path():
     assert got[0][1].isnan() and got[1][1].isnan() and want[1][1].isnan()
     assert got[3][2].sum() == 0 and got[1][2] == 0 and got[3][0].sum() > 100
     # the window's top: the least multiple of COARSE grid steps at least the max
-    coarse = sampler_passes.COARSE
+    coarse = sampler_grid.COARSE
     row_max = torch.cat(tiles, 1)[0].max().double()
     assert got[2][0] == torch.ceil(row_max / (coarse * 0.3)) * coarse
     # the masses against float64: every logit of the window, moved with it, in its group
@@ -144,7 +144,7 @@ def test_collect_in_bins_takes_what_the_bins_counted():
     sampler_launch.collect_in_bins(z, scale, last, BINS, vals, ids, held, below)
     counts = torch.zeros(rows, BINS)
     sampler_launch.count_bins(z, scale, counts)
-    taken = sampler_passes._bins_of(z, scale) <= last[:, None].long()
+    taken = sampler_passes.bins_of(z, scale) <= last[:, None].long()
     assert held.tolist() == [int(counts[r, :int(last[r]) + 1].sum()) for r in range(rows)]
     assert held.tolist() == taken.sum(1).tolist() and held[4] == 0 and held[1] > held[0] > 0
     for r in range(rows):

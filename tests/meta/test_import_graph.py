@@ -55,6 +55,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the sampler's support computed from its parameters (a pass over the vocabulary, one
     # collective per round)
     ("tplogp.op.sampler_passes",),
+    ("tplogp.op.sampler_grid",),
     ("tplogp.op.sampler_support",),
     # a checked call brought to this shard: flattened, gathered, compacted, targets made local
     ("tplogp.op.local_call",),

@@ -189,7 +189,7 @@ def test_top_p_alone_on_one_shard_settles_in_its_first_round(tiles, monkeypatch,
     definition's ids; where it does not (a row chunk's logits in several tiles of 16 columns), it
     collects in a second round."""
     if tiles == "several":
-        monkeypatch.setattr(sampler_passes, "_tile_columns", lambda *args: 16)
+        monkeypatch.setattr(sampler_passes, "tile_columns", lambda *args: 16)
     seen = _rounds(monkeypatch)
     problem = _problem(seed=4)
     params = _params("top_p")

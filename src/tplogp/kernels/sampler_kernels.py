@@ -10,7 +10,7 @@
   select added into a register accumulator (one add per logit and group: a quarter of what all
   ``BINS`` would cost; no tensor-core product, whose one-hot went through shared memory), each
   reduced once and added into the row's bins at the end (one atomic add per bin and program). The
-  bin is computed with the same two fp32 roundings as the torch path's ``_bins_of`` (a
+  bin is computed with the same two fp32 roundings as the torch path's ``bins_of`` (a
   subtraction, then a multiplication: no fused multiply-add), so counts agree bit for bit; masses
   are fp32 terms summed in another order (they only choose the edge to collect from, with a
   margin; the round decides in float64).

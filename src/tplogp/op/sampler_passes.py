@@ -2,12 +2,11 @@
 x vocab chunks, fp32 GEMMs with the op's logit transform, within the call's transient budget): the
 candidates of a round (:func:`shard_candidates`: a token's ``M`` largest logits and their ids, the
 floor and the max; for a collecting token, the ids of its top bins, gathered into slots by a
-running count; for a top-p-alone token of the first round, its max, softmax sum and the counts and
-masses of ``BINS`` bins on a grid below its running max), and the counting pass
-(:func:`shard_bins`: per token, how many logits fall in each of ``BINS`` bins between a bound and
-the max). The rounds,
-their collectives and the decisions in float64 are :mod:`tplogp.op.sampler_support`'s (its docstring
-states the algorithm). No host read: every size is a Python int from shapes.
+running count), the counting pass (:func:`shard_bins`: per token, how many logits fall in each of
+``BINS`` bins between a bound and the max), and the tiles' arithmetic both share with top-p alone's
+grid pass (:mod:`tplogp.op.sampler_grid`). The rounds, their collectives and the decisions in
+float64 are :mod:`tplogp.op.sampler_support`'s (its docstring states the algorithm). No host read:
+every size is a Python int from shapes.
 
 The bins' and the collecting round's work on a tile runs as torch operations, or, on a CUDA
 device where the ``triton`` source runs, as one kernel each (:func:`tile_kernels`:
@@ -27,13 +26,6 @@ from ..backends.native_tiles import call_logits_tile
 
 DETERMINISTIC_ROWS = 256  # the fixed token chunk of a deterministic call (padded)
 BINS = 64  # the bins of the counting pass
-# top-p alone collects down to the bin where the counted mass passes top_p by this much (the
-# masses are sums of fp32 terms; the round decides in float64)
-MASS_MARGIN = 1e-4
-# the grid pass sums masses over groups of COARSE bins (MASS_BINS of them): a logit's mass goes to
-# one of 16 sums, not 64 (a quarter of the work a logit; the fine bins' counts bound the rest)
-COARSE = 4
-MASS_BINS = BINS // COARSE
 # the columns of a row's scatter buffers that take the logits a pass drops, on a GPU (spread over
 # them by column: one per row would take every dropped logit's atomic add or store one after
 # another; a CPU's scatter has no such contention and keeps one)
@@ -54,7 +46,7 @@ def bin_scale(lo: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return torch.stack([_ceil32(lo), top.float(), scale.float()], 1)
 
 
-def _bins_of(z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def bins_of(z: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The bin of each fp32 logit ``z`` ``[rows, cols]`` (``scale``: :func:`bin_scale`'s rows):
     ``floor((top - z) BINS / (top - lo))`` within ``[0, BINS)`` (0 at the top) for ``z`` at least
     ``lo``, else ``BINS``. Non-increasing in ``z`` (each step of it is), so the ids of bins
@@ -95,35 +87,36 @@ def tile_kernels(device: torch.device):
 
 
 def _threshold(scale: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Per row, the least fp32 value ``t`` whose bin (:func:`_bins_of`) is at most ``last``: the
+    """Per row, the least fp32 value ``t`` whose bin (:func:`bins_of`) is at most ``last``: the
     logits of the bins ``0 .. last`` are exactly those at least ``t`` (the bin is non-increasing
     in the logit, and the bisection over the fp32 values between the bins' bottom and top
     evaluates it as the passes do); ``inf`` for ``last < 0``."""
     lo_key, hi_key = ordered(scale[:, 0]), ordered(scale[:, 1])
     for _ in range(33):  # (the keys of two fp32 values differ by less than 2^32)
         mid = (lo_key + hi_key) // 2
-        fits = _bins_of(from_key(mid)[:, None], scale).squeeze(1) <= last
+        fits = bins_of(from_key(mid)[:, None], scale).squeeze(1) <= last
         hi_key, lo_key = torch.where(fits, mid, hi_key), torch.where(fits, lo_key, mid + 1)
     return from_key(hi_key).masked_fill(last < 0, float("inf"))
 
 
-def _grid_columns(m: int) -> int:
-    """The columns of :func:`shard_candidates`' rows when some take grid bins: ``2 m + 3``, then
-    the grid top's index, the ``BINS`` counts and the ``MASS_BINS`` masses."""
-    return 2 * m + 4 + BINS + MASS_BINS
+def candidate_rows(n: int, m: int, columns: int, device: torch.device) -> torch.Tensor:
+    """``n`` rows of :func:`shard_candidates`' packing with nothing found yet (``-inf`` values,
+    ``-1`` ids, an ``-inf`` floor and max, 0 after them), ``columns`` more columns of 0."""
+    out = torch.full((n, 2 * m + 3 + columns), float("-inf"), dtype=torch.float64, device=device)
+    out[:, m:2 * m] = -1
+    out[:, 2 * m + 2:] = 0
+    return out
 
 
 def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], m: int,
                       call: ShardCall, tile_elements: int,
                       deterministic: bool, edge: Optional[torch.Tensor] = None,
-                      above: Optional[torch.Tensor] = None,
-                      grid: Optional[torch.Tensor] = None,
-                      grid_p: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      above: Optional[torch.Tensor] = None, columns: int = 0) -> torch.Tensor:
     """Per row of ``h``, packed as float64 ``[rows, 2 m + 3]``: ``m`` candidate logits and their
     shard-local ids (``-inf`` / ``-1`` pads), the floor (every id of the shard above it is a
     candidate), and two statistics. The first ``len(edge)`` rows (``edge``: float64 ``[rows, 3]``:
     the bound ``lo``, the max and the last bin ``b``) *collect*: their candidates are this
-    shard's ids of the bins ``0 .. b`` between ``lo`` and the max (:func:`_bins_of`; ``m`` of
+    shard's ids of the bins ``0 .. b`` between ``lo`` and the max (:func:`bins_of`; ``m`` of
     them when more are, a row the round takes again), the floor the largest logit of the others,
     the statistics ``-inf`` (not read) and how many ids those bins hold. Or the first
     ``len(above)`` rows (``above``: float64 ``[rows]``, a min-p's ``log(min_p)``) collect the ids
@@ -132,27 +125,12 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     the largest logit of the others, the statistics the row max and how many ids they hold (a row
     with more than ``m`` the round takes again). The other rows take the ``m`` largest logits,
     the floor the ``m + 1``-th (``-inf`` when the shard has at most ``m`` ids), the statistics the
-    row max and 0. The last ``len(grid)`` rows
-    (``grid``: float64 ``[rows]``, a bin width) take no candidates (the floor their row max) but
-    the row max, ``sum exp(z - max)`` and bins on a grid (:func:`_grid_bins`), in the
-    :func:`_grid_columns` after the others' (0 for the other rows); given their ``top_p``
-    (``grid_p``: one shard, the whole vocabulary) and where one tile holds a row chunk's logits,
-    they also collect the ids their bins say the support can reach, from that tile (the floor the
-    largest logit left, ``inf`` where more than ``m`` were: :func:`_collect_in_window`)."""
-    n, v, dev = h.shape[0], w.shape[0], h.device
-    g = 0 if grid is None else grid.shape[0]
-    width = _grid_columns(m) if g else 2 * m + 3
-    out = torch.full((n, width), float("-inf"), dtype=torch.float64, device=dev)
-    out[:, m:2 * m] = -1
-    out[:, 2 * m + 2:] = 0
+    row max and 0. ``columns`` more columns of 0 follow (the width of the grid rows a round
+    gathers with these: :func:`tplogp.op.sampler_grid.grid_columns`)."""
+    n, v = h.shape[0], w.shape[0]
+    out = candidate_rows(n, m, columns, h.device)
     if n == 0 or v == 0:
         return out
-    if g:
-        _grid_bins(out[n - g:], h[n - g:], w, b, m, grid, call, tile_elements, deterministic,
-                   grid_p)
-        n, h = n - g, h[:n - g]
-        if n == 0:
-            return out
     c = 0 if edge is None else edge.shape[0]
     if c:
         threshold = _threshold(bin_scale(edge[:, 0], edge[:, 1]), edge[:, 2].to(torch.int64))
@@ -165,7 +143,7 @@ def shard_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]
     return out
 
 
-def _row_chunks(h: torch.Tensor, deterministic: bool):
+def row_chunks(h: torch.Tensor, deterministic: bool):
     """``(t0, t1, rows)``: the token chunks of ``h`` (a deterministic call's padded with zero rows
     to the fixed chunk: a row's bits, whatever the batch)."""
     n = h.shape[0]
@@ -178,7 +156,7 @@ def _row_chunks(h: torch.Tensor, deterministic: bool):
         yield t0, t1, hc
 
 
-def _tile_columns(tile_elements: int, rows: int, kernels) -> int:
+def tile_columns(tile_elements: int, rows: int, kernels) -> int:
     """The vocab chunk of a counting, grid or collecting pass over ``rows`` token rows:
     ``tile_elements`` logits a tile where the tile kernels read it (beside it at most one fp32
     temporary of its size: the grid pass's softmax terms), half that where torch operations hold
@@ -202,7 +180,7 @@ def _largest(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     # (a chunk at least as wide as the candidates: their topk costs at most the logits' size)
     vc = max(64, take, tile_elements // tc - take)
-    for t0, t1, hc in _row_chunks(h, deterministic):
+    for t0, t1, hc in row_chunks(h, deterministic):
         rows = hc.shape[0]
         row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
         chunk_vals, chunk_ids, held = [], [], 0
@@ -249,9 +227,9 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
     n, v, dev = h.shape[0], w.shape[0], h.device
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     kernels = tile_kernels(dev)
-    vc = _tile_columns(tile_elements, tc, kernels)
+    vc = tile_columns(tile_elements, tc, kernels)
     drop = 0 if kernels is not None else drop_columns(dev)
-    for t0, t1, hc in _row_chunks(h, deterministic):
+    for t0, t1, hc in row_chunks(h, deterministic):
         rows = hc.shape[0]
         pad = rows - (t1 - t0)  # (padding rows: nothing collected)
         if offset is None:
@@ -283,7 +261,7 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
                                          below[:, b0:b0 + blocks[i]])
                 b0 += blocks[i]
             else:
-                held = _collect_tile(z, z >= at_least[:, None], v0, m, vals, ids, held, below)
+                held = collect_tile(z, z >= at_least[:, None], v0, m, vals, ids, held, below)
         if kernels is not None:
             below, held = below.amax(1), held[:, None]
         keep = slice(0, t1 - t0)
@@ -294,7 +272,7 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
         out[t0:t1, 2 * m + 2] = held[keep, 0].double()
 
 
-def _collect_tile(z: torch.Tensor, mask: torch.Tensor, v0: int, m: int, vals: torch.Tensor,
+def collect_tile(z: torch.Tensor, mask: torch.Tensor, v0: int, m: int, vals: torch.Tensor,
                   ids: torch.Tensor, held: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
     """The torch path of one tile of :func:`_collect` (columns from ``v0``): its ids where
     ``mask`` scattered into ``vals`` / ``ids`` at the slots after ``held`` (``[rows, 1]``; past
@@ -325,16 +303,16 @@ def moved_bins(bins: torch.Tensor, moved: torch.Tensor, step: int = 1) -> torch.
 def _count_tile(z: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor, kernels,
                 v0: int) -> None:
     """Add a tile's logits ``z`` (columns from ``v0``) to the bins of ``scale``'s rows
-    (:func:`_bins_of`): ``counts`` ``[rows, BINS + drop columns]`` (the logits below a row's
+    (:func:`bins_of`): ``counts`` ``[rows, BINS + drop columns]`` (the logits below a row's
     bottom go to the drop columns). One kernel where ``kernels`` run, else torch operations."""
     if kernels is not None:
         kernels.count_bins(z, scale, counts)
         return
-    counts.scatter_add_(1, _dropped_spread(_bins_of(z, scale), counts.shape[1] - BINS, v0),
+    counts.scatter_add_(1, dropped_spread(bins_of(z, scale), counts.shape[1] - BINS, v0),
                         torch.ones_like(z))
 
 
-def _dropped_spread(at: torch.Tensor, drop: int, v0: int) -> torch.Tensor:
+def dropped_spread(at: torch.Tensor, drop: int, v0: int) -> torch.Tensor:
     """Bins ``at`` (``[rows, cols]`` of a tile's columns from ``v0``; ``BINS``: dropped) with the
     dropped ones spread over ``drop`` columns after the bins (by column)."""
     if drop == 1:
@@ -342,171 +320,10 @@ def _dropped_spread(at: torch.Tensor, drop: int, v0: int) -> torch.Tensor:
     return torch.where(at < BINS, at, BINS + _spread(v0, v0 + at.shape[1], at.device))
 
 
-def _grid_scale(top_index: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
-    """:func:`bin_scale`'s rows for the window of ``BINS`` grid bins of ``width`` (float64) whose
-    top is ``top_index * width``: bin ``j`` is the grid step ``top_index - j - 1``; a row without a
-    finite top (no logit above ``-inf``) drops every logit."""
-    top = top_index * width
-    scale = bin_scale(top - BINS * width, top)
-    return scale.masked_fill_(~torch.isfinite(top)[:, None], float("inf"))
-
-
-def grid_index(row_max: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
-    """The index of a window's top on the grid of ``width`` (float64) for a row max (fp32): the
-    least multiple of ``COARSE`` steps at least the max (the masses' groups of bins then move as
-    whole groups)."""
-    return torch.ceil(row_max.double() / (COARSE * width)) * COARSE
-
-
-def _grid_bins(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-               m: int, width: torch.Tensor, call: ShardCall, tile_elements: int,
-               deterministic: bool, top_p: Optional[torch.Tensor] = None) -> None:
-    """:func:`shard_candidates`' grid rows, written into ``out``: in one pass over the logits, the
-    row max, ``sum exp(z - max)`` (fp32 terms, float64 sums), the counts of the ``BINS`` bins of
-    ``width`` on a grid fixed before the pass (its steps ``i * width``) below the running max and
-    the masses (``exp(z - max)``, fp32 terms) of their ``MASS_BINS`` groups of ``COARSE``: the
-    window's top is the least multiple of ``COARSE`` steps at least the max (:func:`grid_index`).
-    When a chunk raises the max past it the window moves up, the bins held move down as many
-    bins (those past the bottom dropped) and the masses are rescaled to the new max, as the sum
-    is; the chunk's logits are then counted in the new window (:func:`_bins_of`). Every rank's
-    window lies on the same grid, so the ranks' bins merge by their tops' indices. With ``top_p``
-    and one tile per row chunk, the rows then collect from that tile
-    (:func:`_collect_in_window`)."""
-    n, v, dev = h.shape[0], w.shape[0], h.device
-    tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
-    kernels = tile_kernels(dev)
-    vc = _tile_columns(tile_elements, tc, kernels)
-    whole = top_p is not None and vc >= v  # (the tile in hand holds all of a row chunk's logits)
-    for t0, t1, hc in _row_chunks(h, deterministic):
-        pad = hc.shape[0] - (t1 - t0)
-        rows_width = torch.cat([width[t0:t1], width.new_ones(pad)])
-        tiles = [call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
-                 for v0 in range(0, v, vc)] if whole else \
-            (call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
-             for v0 in range(0, v, vc))
-        if kernels is not None:  # (three launches a tile: kernels.GridRows)
-            state = kernels.GridRows(rows_width, vc, BINS, COARSE)
-            for z in tiles:
-                state.add_tile(z)
-            stats = state.result()
-        else:
-            stats = _grid_tiles(tiles, rows_width)
-        _grid_out(out[t0:t1], m, *stats)
-        if whole:
-            rows_p = torch.cat([top_p[t0:t1], top_p.new_ones(pad)])
-            _collect_in_window(out[t0:t1], tiles[0], m, stats, rows_width, rows_p, kernels)
-
-
-def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The torch path of :func:`_grid_bins` over a row chunk's ``tiles`` (their columns in order):
-    ``(row max, sum exp(z - max), top index, counts, masses)``."""
-    rows, dev = width.shape[0], width.device
-    drop = drop_columns(dev)
-    row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-    top_index = torch.full((rows,), float("-inf"), dtype=torch.float64, device=dev)
-    sum_exp = torch.zeros(rows, dtype=torch.float64, device=dev)
-    counts = torch.zeros(rows, BINS + drop, dtype=torch.float32, device=dev)
-    masses = torch.zeros(rows, MASS_BINS + drop, dtype=torch.float32, device=dev)
-    v0 = 0
-    for z in tiles:
-        new_max = torch.maximum(row_max, z.amax(1))
-        base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
-        rescale = torch.exp((row_max - base).double())
-        sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp_().sum(
-            1, dtype=torch.float64)
-        new_index = grid_index(new_max, width)
-        counts[:, :BINS] = moved_bins(counts[:, :BINS], new_index - top_index)
-        masses[:, :MASS_BINS] = moved_bins(masses[:, :MASS_BINS], new_index - top_index,
-                                           COARSE) * rescale.float()[:, None]
-        row_max, top_index = new_max, new_index
-        at = _dropped_spread(_bins_of(z, _grid_scale(top_index, width)), drop, v0)
-        counts.scatter_add_(1, at, torch.ones_like(z))
-        groups = torch.where(at < BINS, at // COARSE, at - BINS + MASS_BINS)
-        masses.scatter_add_(1, groups, torch.exp(z - base[:, None]).nan_to_num_(nan=0.0))
-        v0 += z.shape[1]
-    return row_max, sum_exp, top_index, counts, masses
-
-
-def _grid_out(out: torch.Tensor, m: int, row_max: torch.Tensor, sum_exp: torch.Tensor,
-              top_index: torch.Tensor, counts: torch.Tensor, masses: torch.Tensor) -> None:
-    """A row chunk's grid statistics written into its rows of :func:`shard_candidates`' ``out``
-    (the chunk's padding rows left out)."""
-    keep = slice(0, out.shape[0])
-    out[:, 2 * m] = row_max[keep].double()
-    out[:, 2 * m + 1] = row_max[keep].double()
-    out[:, 2 * m + 2] = sum_exp[keep]
-    out[:, 2 * m + 3] = top_index[keep]
-    out[:, 2 * m + 4:2 * m + 4 + BINS] = counts[keep, :BINS].double()
-    out[:, 2 * m + 4 + BINS:] = masses[keep, :MASS_BINS].double()
-
-
-def bin_masses(counts: torch.Tensor, groups: torch.Tensor, top: torch.Tensor,
-               width: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Per bin of a grid window (``counts`` ``[..., rows, BINS]``; ``groups``: the masses
-    ``exp(z - lse)`` of its ``MASS_BINS`` groups of ``COARSE`` bins; the window's ``top``, its bins'
-    ``width`` and ``lse``: float64 ``[rows]``), a mass whose sum from the top through any bin is at
-    most the logits' there: a bin's is its count times ``exp(bottom - lse)`` (each of its logits at
-    least its bottom), and the first bin of a group adds the group above's mass less those bounds
-    of its bins. So the sum through a bin is its group's cumulative mass above it plus the bounds
-    of its group's bins through it; exact at the end of every group but its own bins' bounds."""
-    bottoms = top[:, None] - width[:, None] * torch.arange(1, BINS + 1, device=top.device)
-    bounds = (counts * torch.exp(bottoms - lse[:, None])).nan_to_num_(nan=0.0)
-    by_group = bounds.view(*bounds.shape[:-1], MASS_BINS, COARSE)
-    rest = groups - by_group.sum(-1)  # (a group's mass past its bins' bounds)
-    masses = by_group.clone()
-    masses[..., 1:, 0] += rest[..., :-1]
-    return masses.view_as(bounds)
-
-
-def last_bin(masses: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row, the first bin where the masses (``[rows, BINS]``, :func:`bin_masses`) summed from
-    the top pass ``top_p`` by ``MASS_MARGIN`` (the masses are sums of fp32 terms; the rounds
-    decide in float64), else the last (int64 ``[rows]``)."""
-    reached = masses.cumsum(1) >= top_p[:, None] + MASS_MARGIN
-    return torch.where(reached.any(1), reached.long().argmax(1), BINS - 1)
-
-
-def _collect_in_window(out: torch.Tensor, z: torch.Tensor, m: int, stats: tuple,
-                       width: torch.Tensor, top_p: torch.Tensor, kernels) -> None:
-    """The grid rows of one shard (the whole vocabulary) whose logits ``z`` one tile holds
-    (``[rows, V]``, a row chunk with its padding rows; ``stats``: :func:`_grid_tiles`' of that
-    tile): the ids of the bins down to the first where the masses from the top pass ``top_p``
-    (:func:`bin_masses`, :func:`last_bin`) collected into ``out``'s candidates (its rows: those
-    of the chunk, not its padding), the floor the largest logit left, ``inf`` where the bins held
-    more than ``m`` ids (the row is then not decided: it collects in the next round)."""
-    row_max, sum_exp, top_index, counts, groups = stats
-    rows, dev = z.shape[0], z.device
-    base = torch.where(row_max == float("-inf"), 0.0, row_max).double()
-    lse = base + torch.log(sum_exp)
-    shifted = groups[:, :MASS_BINS].double() * torch.exp(row_max.double() - lse)[:, None]
-    masses = bin_masses(counts[:, :BINS].double(), shifted.nan_to_num_(nan=0.0),
-                        top_index * width, width, lse)
-    last = last_bin(masses, top_p)
-    scale = _grid_scale(top_index, width)
-    drop = 0 if kernels is not None else drop_columns(dev)
-    vals = torch.full((rows, m + drop), float("-inf"), dtype=torch.float32, device=dev)
-    ids = torch.full((rows, m + drop), -1, dtype=torch.int64, device=dev)
-    if kernels is not None:
-        held = torch.zeros(rows, dtype=torch.int32, device=dev)
-        below = torch.full((rows, kernels.collect_blocks(z.shape[1])), float("-inf"),
-                           dtype=torch.float32, device=dev)
-        kernels.collect_in_bins(z, scale, last.to(torch.int32), BINS, vals, ids, held, below)
-        below, held = below.amax(1), held[:, None]
-    else:
-        held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
-        below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        held = _collect_tile(z, _bins_of(z, scale) <= last[:, None], 0, m, vals, ids, held,
-                             below)
-    keep = slice(0, out.shape[0])
-    out[:, :m] = vals[keep, :m].double()
-    out[:, m:2 * m] = torch.where(vals[keep, :m] > float("-inf"), ids[keep, :m], -1)
-    out[:, 2 * m] = torch.where(held[keep, 0] > m, float("inf"), below[keep].double())
-
-
 def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
                call: ShardCall, tile_elements: int, deterministic: bool) -> torch.Tensor:
     """Per row of ``h``: how many of this shard's logits fall in each of the ``BINS`` bins of
-    :func:`_bins_of` (``scale``: :func:`bin_scale`'s rows; bin 0 at the top), float64
+    :func:`bins_of` (``scale``: :func:`bin_scale`'s rows; bin 0 at the top), float64
     ``[rows, BINS]``. The bins hold what :func:`_collect` takes exactly (the same logits: the
     same chunks)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
@@ -515,9 +332,9 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
         return out
     tc = DETERMINISTIC_ROWS if deterministic else min(n, DETERMINISTIC_ROWS)
     kernels = tile_kernels(dev)
-    vc = _tile_columns(tile_elements, tc, kernels)
+    vc = tile_columns(tile_elements, tc, kernels)
     drop = 0 if kernels is not None else drop_columns(dev)
-    for t0, t1, hc in _row_chunks(h, deterministic):
+    for t0, t1, hc in row_chunks(h, deterministic):
         rows, pad = hc.shape[0], hc.shape[0] - (t1 - t0)
         rows_scale = torch.cat([scale[t0:t1], scale.new_full((pad, 3), float("inf"))])
         counts = torch.zeros(rows, BINS + drop, dtype=torch.float32, device=dev)
@@ -529,7 +346,5 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
     return out
 
 
-__all__ = ["DETERMINISTIC_ROWS", "BINS", "COARSE", "MASS_BINS", "SPREAD", "grid_index",
-           "MASS_MARGIN", "bin_scale", "bin_masses", "last_bin", "moved_bins", "ordered",
-           "from_key",
-           "drop_columns", "tile_kernels", "shard_candidates", "shard_bins"]
+__all__ = ["DETERMINISTIC_ROWS", "BINS", "SPREAD", "bin_scale", "moved_bins", "ordered", "from_key",
+           "drop_columns", "tile_kernels", "candidate_rows", "shard_candidates", "shard_bins"]

@@ -105,8 +105,9 @@ from ..backends import memory_budget
 from ..backends.base import ShardCall
 from ..support.comm import all_gather_flat
 from .sampler_params import SamplerParams
-from .sampler_passes import (BINS, COARSE, bin_masses, bin_scale, from_key, last_bin, moved_bins,
-                             ordered, shard_bins, shard_candidates)
+from .sampler_grid import (COARSE, bin_masses, grid_candidates, grid_columns, last_bin)
+from .sampler_passes import (BINS, bin_scale, from_key, moved_bins, ordered, shard_bins,
+                             shard_candidates)
 from .support_ids import KEEP_ALL
 
 SLACK = 16  # candidates beyond the largest top_k (ties at the k-th logit, the excluded one)
@@ -150,7 +151,7 @@ def _grid_width(top_p: torch.Tensor, vocab: int) -> torch.Tensor:
     - 1`` of them span ``log V + 1 - log(1 - top_p)``. The ids below ``lse + log((1 - top_p) / V)
     - 1`` hold less than ``1 - top_p`` of the mass together, so the support reaches no lower, and
     that bound lies at most the span below the max (``lse >= max``): a window of ``BINS`` whose
-    top is less than ``COARSE`` bins above the max (:func:`~.sampler_passes.grid_index`) reaches
+    top is less than ``COARSE`` bins above the max (:func:`~.sampler_grid.grid_index`) reaches
     below it, and its bottom is the row's bound ``lo``."""
     span = math.log(vocab) + 1 - torch.log1p(-top_p.double().clamp(max=1 - 1e-12))
     return span / (BINS - COARSE - 1)
@@ -162,7 +163,7 @@ def _grid_edges(ranks: torch.Tensor, m: int, width: torch.Tensor, lse: torch.Ten
     MASS_BINS]``): the merged window's top (the largest rank top: float64 ``[rows]``) and every
     rank's bins moved into it (``[world, rows, 2 BINS]``: the counts, then per bin a mass
     ``exp(z - lse)`` whose sum from the top through any bin is at most the logits' there:
-    :func:`~.sampler_passes.bin_masses`, linear in the ranks' counts and groups' masses)."""
+    :func:`~.sampler_grid.bin_masses`, linear in the ranks' counts and groups' masses)."""
     index = ranks[:, :, 2 * m + 3]
     top_index = index.max(0).values
     moved = top_index[None, :] - index
@@ -327,15 +328,20 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         edge = None
         if collecting:
             edge = torch.stack([lo[:collecting], top[:collecting], last[:collecting]], 1)
-        width = grid_p = None
-        if first and gridded:
-            grid_p = rows_params.top_p[count - gridded:]
+        rows = hidden.index_select(0, todo)
+        g = gridded if first else 0  # (the last rows: on their grid)
+        part = shard_candidates(rows[:count - g], weight, bias, m, call, tile_elements,
+                                deterministic, edge,
+                                torch.log(rows_params.min_p[:above].double())
+                                if first and above else None,
+                                grid_columns(m) - (2 * m + 3) if g else 0)
+        if g:
+            grid_p = rows_params.top_p[count - g:]
             width = _grid_width(grid_p, vocab)
-        part = shard_candidates(hidden.index_select(0, todo), weight, bias, m, call,
-                                 tile_elements, deterministic, edge,
-                                 torch.log(rows_params.min_p[:above].double())
-                                 if first and above else None, width,
-                                 grid_p if world == 1 else None)
+            grid_rows = grid_candidates(rows[count - g:], weight, bias, m, width, call,
+                                        tile_elements, deterministic,
+                                        grid_p if world == 1 else None)
+            part = torch.cat([part, grid_rows]) if count > g else grid_rows
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
         if world > 1:
