@@ -64,9 +64,8 @@ def grid_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
     When a chunk raises the max past it the window moves up, the bins held move down as many
     bins (those past the bottom dropped) and the masses are rescaled to the new max, as the sum
     is; the chunk's logits are then counted in the new window (:func:`~.sampler_passes.bins_of`).
-    Every rank's
-    window lies on the same grid, so the ranks' bins merge by their tops' indices. With ``top_p``
-    and one tile per row chunk, the rows then collect from that tile
+    Every rank's window lies on the same grid, so the ranks' bins merge by their tops' indices.
+    With ``top_p`` and one tile per row chunk, the rows then collect from that tile
     (:func:`_collect_in_window`)."""
     n, v, dev = h.shape[0], w.shape[0], h.device
     out = passes.candidate_rows(n, m, grid_columns(m) - (2 * m + 3), dev)
@@ -79,10 +78,10 @@ def grid_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
     for t0, t1, hc in passes.row_chunks(h, deterministic):
         pad = hc.shape[0] - (t1 - t0)
         rows_width = torch.cat([width[t0:t1], width.new_ones(pad)])
-        tiles = [call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
-                 for v0 in range(0, v, vc)] if whole else \
-            (call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
-             for v0 in range(0, v, vc))
+        tiles = (call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
+                 for v0 in range(0, v, vc))
+        if whole:  # (the one tile, kept for the collecting after its bins)
+            tiles = list(tiles)
         if kernels is not None:  # (three launches a tile: kernels.GridRows)
             state = kernels.GridRows(rows_width, vc, BINS, COARSE)
             for z in tiles:
@@ -99,8 +98,7 @@ def grid_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
 
 def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The torch path of :func:`grid_candidates` over a row chunk's ``tiles`` (their columns in
-    order):
-    ``(row max, sum exp(z - max), top index, counts, masses)``."""
+    order): ``(row max, sum exp(z - max), top index, counts, masses)``."""
     rows, dev = width.shape[0], width.device
     drop = passes.drop_columns(dev)
     row_max = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
