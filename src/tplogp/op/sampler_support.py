@@ -50,8 +50,9 @@ windows as the counted tokens below do, with no counting pass (16 more slots per
 within rounding of a bin's edge may fall on its other side in the collecting round). On one shard
 (no group), where one tile holds a token chunk's logits, the first round does that collecting
 itself, from the tile in hand, as soon as its bins are counted (up to ``GRID_CANDIDATES`` ids a
-token; a token whose bins hold more collects in the next round): the decision then needs no
-second pass.
+token; a token whose bins hold more collects in the next round), when every token of the call with
+a filter on has top-p alone (the first round's candidates are every token's): the decision then
+needs no second pass.
 
 Tokens with min-p and no top-k take no ``topk`` in the first round: each rank collects its ids at
 least its running max plus ``log(min_p)`` (rounded down to fp32; the max only rises, so this holds
@@ -311,7 +312,11 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     m = k_max + SLACK
     if unbounded:
         m = max(m, MIN_CANDIDATES)
-    if gridded and world == 1:  # (collected in the first round where a tile holds a row chunk)
+    # top-p alone on one shard collects in its first round where a tile holds a row chunk; only
+    # when every row is top-p alone: the first round's candidates are every row's (a top-k row
+    # would take a topk of as many)
+    collect_first = world == 1 and count > 0 and gridded == count
+    if collect_first:
         m = max(m, GRID_CANDIDATES)
     m = min(m, vocab)
     done: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, ranked ids, lengths
@@ -340,7 +345,7 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             width = _grid_width(grid_p, vocab)
             grid_rows = grid_candidates(rows[count - g:], weight, bias, m, width, call,
                                         tile_elements, deterministic,
-                                        grid_p if world == 1 else None)
+                                        grid_p if collect_first else None)
             part = torch.cat([part, grid_rows]) if count > g else grid_rows
         shifted = part[:, m:2 * m]
         part[:, m:2 * m] = torch.where(shifted >= 0, shifted + vocab_start, -1)
