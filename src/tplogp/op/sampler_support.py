@@ -42,7 +42,7 @@ Tokens with top-p alone (no top-k, no min-p) take no ``topk`` in the first round
 keeps their max, softmax sum (fp32 terms, float64 sums) and 64 bins below the running max on a
 grid fixed before the pass (width ``(log V + 1 - log(1 - top_p)) / 59``: the window reaches below
 the bound ``lo`` below), each bin's count and each group of 4 bins' mass, the bins moved down and
-rescaled as the max rises (:func:`tplogp.op.sampler_passes.shard_candidates`); the gather merges
+rescaled as the max rises (:func:`tplogp.op.sampler_grid.grid_candidates`); the gather merges
 the ranks' windows by their tops' grid indices and gives the log-sum-exp and, per bin, a mass
 whose sum from the top is at most the true one (the groups' masses, refined within a group by the
 counts times the bins' bottoms: :func:`_grid_edges`), and the tokens collect next from their
@@ -106,7 +106,7 @@ from ..backends import memory_budget
 from ..backends.base import ShardCall
 from ..support.comm import all_gather_flat
 from .sampler_params import SamplerParams
-from .sampler_grid import (COARSE, bin_masses, grid_candidates, grid_columns, last_bin)
+from .sampler_grid import COARSE, bin_masses, grid_candidates, grid_columns, last_bin
 from .sampler_passes import (BINS, bin_scale, from_key, moved_bins, ordered, shard_bins,
                              shard_candidates)
 from .support_ids import KEEP_ALL
