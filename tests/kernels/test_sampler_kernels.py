@@ -12,6 +12,7 @@ import torch
 from tests.support.interpreter import interpreter_only
 from tplogp.op import sampler_grid, sampler_passes
 from tplogp.op.sampler_passes import BINS, bin_scale
+from tplogp.testing.tolerances import assert_no_worse
 
 pytestmark = interpreter_only
 pytest.importorskip("triton")
@@ -102,12 +103,10 @@ def test_grid_rows_match_the_torch_path():
         state.add_tile(z)
     got = state.result()
     want = sampler_grid._grid_tiles((z.clone() for z in tiles), width)
-    for name, a, b in zip(("max", "sum", "top", "counts", "masses"), got, want):
+    for name, a, b in zip(("max", "top", "counts"), got[0:1] + got[2:4], want[0:1] + want[2:4]):
         b = b[:, :a.shape[1]] if b.dim() == 2 else b  # (less the drop column)
-        if name in ("max", "top", "counts"):
-            assert torch.equal(a[[0, 2, 3, 4]], b[[0, 2, 3, 4]]), name
-        else:
-            torch.testing.assert_close(a[[0, 2, 3, 4]], b[[0, 2, 3, 4]], rtol=1e-5, atol=1e-12)
+        assert torch.equal(a[[0, 2, 3, 4]], b[[0, 2, 3, 4]]), name
+    assert got[1][2] == 0 and not got[4][2].any()  # (the row of -inf: nothing)
     assert got[0][1].isnan() and got[1][1].isnan() and want[1][1].isnan()
     assert got[3][2].sum() == 0 and got[1][2] == 0 and got[3][0].sum() > 100
     # the window's top: the least multiple of COARSE grid steps at least the max
@@ -122,7 +121,12 @@ def test_grid_rows_match_the_torch_path():
     terms = torch.exp(whole - whole.amax(1, keepdim=True)) * inside
     group = (at.clamp(0, BINS - 1) // coarse).long()
     truth = torch.zeros(3, BINS // coarse, dtype=torch.float64).scatter_add_(1, group, terms)
-    torch.testing.assert_close(got[4][[0, 3, 4]].double(), truth, rtol=1e-4, atol=1e-9)
+    # the masses and sums against float64, no worse than the torch path's (fp32 terms, other
+    # orders)
+    keep = [0, 3, 4]
+    assert_no_worse("masses", got[4][keep], want[4][keep, :BINS // coarse], truth, torch.float32)
+    sums = torch.exp(whole - whole.amax(1, keepdim=True)).sum(1)
+    assert_no_worse("sums", got[1][keep], want[1][keep], sums, torch.float32)
     assert (got[4][0] > 0).sum() >= 3  # (several groups hold mass)
 
 

@@ -111,8 +111,8 @@ def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
         new_max = torch.maximum(row_max, z.amax(1))
         base = torch.where(new_max == float("-inf"), 0.0, new_max)  # (masked rows: S = 0)
         rescale = torch.exp((row_max - base).double())
-        sum_exp = sum_exp * rescale + torch.sub(z, base[:, None]).exp_().sum(
-            1, dtype=torch.float64)
+        terms = torch.exp(z - base[:, None])  # (the sum keeps NaN and inf; the masses do not)
+        sum_exp = sum_exp * rescale + terms.sum(1, dtype=torch.float64)
         new_index = grid_index(new_max, width)
         counts[:, :BINS] = moved_bins(counts[:, :BINS], new_index - top_index)
         masses[:, :MASS_BINS] = moved_bins(masses[:, :MASS_BINS], new_index - top_index,
@@ -121,7 +121,7 @@ def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
         at = passes.dropped_spread(passes.bins_of(z, _grid_scale(top_index, width)), drop, v0)
         counts.scatter_add_(1, at, torch.ones_like(z))
         groups = torch.where(at < BINS, at // COARSE, at - BINS + MASS_BINS)
-        masses.scatter_add_(1, groups, torch.exp(z - base[:, None]).nan_to_num_(nan=0.0))
+        masses.scatter_add_(1, groups, terms.nan_to_num_(nan=0.0))
         v0 += z.shape[1]
     return row_max, sum_exp, top_index, counts, masses
 

@@ -158,9 +158,9 @@ def row_chunks(h: torch.Tensor, deterministic: bool):
 
 def tile_columns(tile_elements: int, rows: int, kernels) -> int:
     """The vocab chunk of a counting, grid or collecting pass over ``rows`` token rows:
-    ``tile_elements`` logits a tile where the tile kernels read it (beside it at most one fp32
-    temporary of its size: the grid pass's softmax terms), half that where torch operations hold
-    their int64 bins or slots beside it."""
+    ``tile_elements`` logits a tile where the tile kernels read it (they make no temporary of its
+    size), half that where torch operations hold their int64 bins or slots and fp32 terms beside
+    it."""
     return max(64, tile_elements // (rows if kernels is not None else 2 * rows))
 
 
@@ -273,7 +273,7 @@ def _collect(out: torch.Tensor, h: torch.Tensor, w: torch.Tensor, b: Optional[to
 
 
 def collect_tile(z: torch.Tensor, mask: torch.Tensor, v0: int, m: int, vals: torch.Tensor,
-                  ids: torch.Tensor, held: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
+                 ids: torch.Tensor, held: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
     """The torch path of one tile of :func:`_collect` (columns from ``v0``): its ids where
     ``mask`` scattered into ``vals`` / ``ids`` at the slots after ``held`` (``[rows, 1]``; past
     ``m``: the drop columns), ``below`` raised in place to the largest logit not taken; the new
@@ -298,18 +298,6 @@ def moved_bins(bins: torch.Tensor, moved: torch.Tensor, step: int = 1) -> torch.
     source = torch.arange(n, device=bins.device) - moved[..., None]
     inside = source >= 0
     return bins.gather(-1, source.clamp_(min=0)) * inside
-
-
-def _count_tile(z: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor, kernels,
-                v0: int) -> None:
-    """Add a tile's logits ``z`` (columns from ``v0``) to the bins of ``scale``'s rows
-    (:func:`bins_of`): ``counts`` ``[rows, BINS + drop columns]`` (the logits below a row's
-    bottom go to the drop columns). One kernel where ``kernels`` run, else torch operations."""
-    if kernels is not None:
-        kernels.count_bins(z, scale, counts)
-        return
-    counts.scatter_add_(1, dropped_spread(bins_of(z, scale), counts.shape[1] - BINS, v0),
-                        torch.ones_like(z))
 
 
 def dropped_spread(at: torch.Tensor, drop: int, v0: int) -> torch.Tensor:
@@ -341,7 +329,11 @@ def shard_bins(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], scal
         for v0 in range(0, v, vc):
             v1 = min(v0 + vc, v)
             z = call_logits_tile(hc, w[v0:v1], None if b is None else b[v0:v1], call)
-            _count_tile(z, rows_scale, counts, kernels, v0)
+            if kernels is not None:
+                kernels.count_bins(z, rows_scale, counts)
+            else:
+                counts.scatter_add_(1, dropped_spread(bins_of(z, rows_scale), drop, v0),
+                                    torch.ones_like(z))
         out[t0:t1] = counts[: t1 - t0, :BINS].double()
     return out
 

@@ -391,21 +391,23 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         binned = binned[:, left][:, order]
         need = torch.where(exact, 0.0, need).nan_to_num_(nan=vocab, posinf=vocab)
         # (one host read per round: every rank the same)
-        count, need, collecting, size_max = torch.stack([
+        # (the collecting rows come first, and among them the grid rows last: todo's order, kept
+        # by the stable sorts; so the rows to count are the first `counted`)
+        count, need, collecting, counted, size_max = torch.stack([
             left.sum().double(), need.max(), (~torch.isnan(step)).sum().double(),
+            (~torch.isnan(step) & ~on_grid).sum().double(),
             size.max() if size.numel() else size.new_zeros(())]).tolist()
-        count, collecting = int(count), int(collecting)
+        count, collecting, counted = int(count), int(collecting), int(counted)
         if first and collecting:  # once: the edges the bounded rows collect from, counted
             # (the grid rows' bins came with the first round; a counted row's mass is not read)
-            bins, counted = binned[:, :collecting], ~on_grid[:collecting]
-            if bool(counted.any()):
-                rows = counted.nonzero().squeeze(1)
-                more = shard_bins(hidden.index_select(0, todo[rows]), weight, bias,
-                                  bin_scale(lo[rows], top[rows]), call, tile_elements,
+            bins = binned[:, :collecting]
+            if counted:
+                more = shard_bins(hidden.index_select(0, todo[:counted]), weight, bias,
+                                  bin_scale(lo[:counted], top[:counted]), call, tile_elements,
                                   deterministic)
                 if world > 1:
                     more = all_gather_flat(more.to(comm_device), group).to(dev)
-                bins[:, rows, :BINS] = more.view(world, rows.numel(), BINS)
+                bins[:, :counted, :BINS] = more.view(world, counted, BINS)
             # (a grid row's bins were counted in another window than its collecting round's: a
             # logit within rounding of an edge may fall on the other side)
             step[:collecting], size[:collecting], whole[:collecting] = _binned_sizes(
