@@ -302,16 +302,17 @@ def test_the_per_call_path_takes_one_program_per_layout_from_the_cache(monkeypat
 def test_the_layout_and_program_caches_stay_bounded():
     """The source's programs and its layout cache are emptied when a new key would pass their
     limit; a key they already hold is replaced without emptying them."""
-    from tplogp.backends import triton_backend
+    from tplogp.backends import triton_backend, triton_layouts
 
     programs: dict = {}
-    for i in range(triton_backend.MAX_PROGRAMS):
-        triton_backend._remember(programs, ("single", i), i)
-    triton_backend._remember(programs, ("single", 0), "again")  # held already: nothing dropped
-    assert len(programs) == triton_backend.MAX_PROGRAMS and programs[("single", 0)] == "again"
-    assert triton_backend._remember(programs, ("single", -1), "new") == "new"
+    limit = triton_backend.MAX_PROGRAMS
+    for i in range(limit):
+        triton_layouts.remember(programs, ("single", i), i, limit)
+    triton_layouts.remember(programs, ("single", 0), "again", limit)  # held: nothing dropped
+    assert len(programs) == limit and programs[("single", 0)] == "again"
+    assert triton_layouts.remember(programs, ("single", -1), "new", limit) == "new"
     assert programs == {("single", -1): "new"}
     backend = _backend()
-    for n in range(1, triton_backend.MAX_LAYOUTS + 2):
+    for n in range(1, triton_layouts.MAX_LAYOUTS + 2):
         backend._launch_layout(torch.empty(n, D), torch.empty(V, D), ShardCall())
     assert len(backend._layout_cache) == 1  # the 257th layout found the cache full
