@@ -101,6 +101,7 @@ def test_grid_rows_match_the_torch_path():
     state = sampler_launch.GridRows(width, cols, BINS, sampler_grid.COARSE)
     for z in tiles:
         state.add_tile(z)
+    state.finish()
     got = state.result()
     want = sampler_grid._grid_tiles((z.clone() for z in tiles), width)
     for name, a, b in zip(("max", "top", "counts"), got[0:1] + got[2:4], want[0:1] + want[2:4]):
@@ -128,6 +129,34 @@ def test_grid_rows_match_the_torch_path():
     sums = torch.exp(whole - whole.amax(1, keepdim=True)).sum(1)
     assert_no_worse("sums", got[1][keep], want[1][keep], sums, torch.float32)
     assert (got[4][0] > 0).sum() >= 3  # (several groups hold mass)
+
+
+def test_grid_rows_last_bin_matches_the_torch_path():
+    """The last move of a token chunk's rows writes the bin each row collects down to: the torch
+    path's (``sampler_grid.window_last_bin``) for every row, over two chunks of rows started one
+    after the other (each chunk's statistics its own), for top_p from 0.05 to 0.999 (edges in
+    several groups of bins); a row of ``-inf`` takes the last bin."""
+    rows, cols = 8, sampler_launch.BIN_BLOCK + 300
+    g = torch.Generator().manual_seed(5)
+    spread = torch.tensor([0.5, 1, 2, 4, 1, 2, 3, 8])[:, None]
+    tiles = [torch.randn(rows, cols, generator=g) * spread + 3 * i for i in range(2)]
+    for z in tiles:
+        z[5] = float("-inf")
+    width = torch.tensor([0.3, 0.2, 0.25, 0.4, 0.3, 0.3, 0.5, 0.7], dtype=torch.float64)
+    top_p = torch.tensor([0.05, 0.5, 0.9, 0.999, 0.99, 0.9, 0.7, 0.95], dtype=torch.float64)
+    state = sampler_launch.GridRows(width, cols, BINS, sampler_grid.COARSE)
+    last = torch.full((rows,), -1, dtype=torch.int32)
+    for r0, r1 in ((0, 3), (3, rows)):
+        state.start(r0, r1)
+        for z in tiles:
+            state.add_tile(z[r0:r1])
+        state.finish(top_p[r0:r1], last[r0:r1], sampler_grid.MASS_MARGIN)
+    want = sampler_grid.window_last_bin(state.result(), width, top_p)
+    assert last.long().tolist() == want.tolist()
+    assert last[5] == BINS - 1 and len(set(last.tolist())) >= 5
+    torch_stats = sampler_grid._grid_tiles([z[:3].clone() for z in tiles], width[:3])
+    assert want[:3].tolist() == sampler_grid.window_last_bin(torch_stats, width[:3],
+                                                             top_p[:3]).tolist()
 
 
 def test_collect_in_bins_takes_what_the_bins_counted():

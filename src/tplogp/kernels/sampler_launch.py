@@ -6,6 +6,7 @@ max, :func:`~.sampler_kernels.grid_move_kernel`, the counting kernel). Their
 
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 import triton
@@ -48,18 +49,21 @@ def count_bins(z: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor) -> No
     launch(z, scale, scale, counts, counts, counts)
 
 
-def _move_launch(rows: int, partials: int, bins: int, coarse: int) -> Launch:
-    return Launch(grid_move_kernel, (rows,), (), 1, None,
-                  dict(P=partials, BINS=bins, COARSE=coarse))
+def _move_launch(rows: int, partials: int, bins: int, coarse: int, margin: Optional[float]
+                 ) -> Launch:
+    """The window's move; with a ``margin`` also each row's last bin (:meth:`GridRows.finish`)."""
+    return Launch(grid_move_kernel, (rows,), (margin or 0.0,), 1, None,
+                  dict(P=partials, BINS=bins, COARSE=coarse, LAST=margin is not None))
 
 
 class GridRows:
     """The grid pass's state of ``rows`` token rows (``tplogp.op.sampler_passes``' grid rows, on
     the GPU): the running max (fp32), the window top's grid index and ``sum exp(z - max)``
     (float64), the ``bins`` counts and the masses of their groups of ``coarse`` (fp32, two
-    buffers each: a move writes the other), and the partial sums of the tile last counted.
-    :meth:`add_tile` takes a tile of ``cols`` or fewer columns; :meth:`result` folds the last
-    partials."""
+    buffers each: a move writes the other), the partial sums of the tile last counted and the
+    window's bin rows (``scale``, :func:`count_bins`'). A token chunk's rows take their tiles
+    between :meth:`start` and :meth:`finish` (every chunk as many tiles); :meth:`result` gives
+    every row's statistics once every chunk is finished."""
 
     def __init__(self, width: torch.Tensor, cols: int, bins: int, coarse: int) -> None:
         rows, dev = width.shape[0], width.device
@@ -75,30 +79,50 @@ class GridRows:
         self.shift = torch.zeros(rows, dtype=torch.float32, device=dev)
         self.scale = torch.zeros(rows, 3, dtype=torch.float32, device=dev)
         self.held = 0  # which of the two buffers holds the bins
+        self._rows: tuple = ()
+        self.start(0, rows)
 
-    def _move(self, tile_max: torch.Tensor) -> None:
-        rows, bins, held = self.row_max.shape[0], self.counts.shape[2], self.held
-        cached(_move_launch, rows, self.partials.shape[1], bins, self.coarse)(
-            tile_max, self.width, self.row_max, self.top_index, self.sums, self.partials,
-            self.counts[held], self.masses[held], self.counts[1 - held], self.masses[1 - held],
-            self.shift, self.scale)
+    def start(self, r0: int, r1: int) -> None:
+        """Take the rows ``r0 .. r1`` (a token chunk: no tile counted yet) for the next tiles."""
+        rows = slice(r0, r1)
+        self.held = 0  # (both buffers hold nothing of these rows yet)
+        self._rows = (self.width[rows], self.row_max[rows], self.top_index[rows],
+                      self.sums[rows], self.partials[rows], self.counts[:, rows],
+                      self.masses[:, rows], self.shift[rows], self.scale[rows])
+
+    def _move(self, tile_max: torch.Tensor, top_p: Optional[torch.Tensor] = None,
+              last: Optional[torch.Tensor] = None, margin: float = 0.0) -> None:
+        width, row_max, top_index, sums, partials, counts, masses, shift, scale = self._rows
+        held, with_last = self.held, top_p is not None
+        cached(_move_launch, row_max.shape[0], partials.shape[1], counts.shape[2], self.coarse,
+               margin if with_last else None)(
+            tile_max, width, row_max, top_index, sums, partials, counts[held], masses[held],
+            counts[1 - held], masses[1 - held], shift, scale,
+            top_p if with_last else width, last if with_last else counts[held])
         self.held = 1 - held
 
     def add_tile(self, z: torch.Tensor) -> None:
-        """Move the window to ``z``'s max, then count ``z`` in it (module docstring)."""
+        """Move the started rows' window to ``z``'s max (``z``: their logits, ``[rows, cols]`` or
+        fewer columns), then count ``z`` in it (module docstring)."""
         _check_tile(z)
         rows, cols = z.shape
         if cols == 0:
             return
         self._move(z.amax(1))
-        launch = cached(_bins_launch, rows, cols, z.stride(0), self.counts.shape[2], self.coarse,
-                        self.partials.stride(0))
-        launch(z, self.scale, self.shift, self.counts[self.held], self.masses[self.held],
-               self.partials)
+        _, _, _, _, partials, counts, masses, shift, scale = self._rows
+        launch = cached(_bins_launch, rows, cols, z.stride(0), counts.shape[2], self.coarse,
+                        partials.stride(0))
+        launch(z, scale, shift, counts[self.held], masses[self.held], partials)
+
+    def finish(self, top_p: Optional[torch.Tensor] = None, last: Optional[torch.Tensor] = None,
+               margin: float = 0.0) -> None:
+        """Fold the started rows' last partial sums; with ``top_p`` (float64 ``[rows]``) also write
+        ``last`` (int32 ``[rows]``): the first bin where their masses from the top pass ``top_p``
+        by ``margin``, else the last (``tplogp.op.sampler_grid.last_bin``)."""
+        self._move(self._rows[1], top_p, last, margin)  # (the max unchanged: nothing moves)
 
     def result(self) -> tuple[torch.Tensor, ...]:
-        """``(row max, sum exp(z - max), top index, counts, masses)`` after the last tile."""
-        self._move(self.row_max)  # (the max unchanged: the partials folded, nothing moved)
+        """``(row max, sum exp(z - max), top index, counts, masses)`` of every row."""
         return self.row_max, self.sums, self.top_index, self.counts[self.held], \
             self.masses[self.held]
 

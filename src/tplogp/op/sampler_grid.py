@@ -75,25 +75,55 @@ def grid_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
     kernels = passes.tile_kernels(dev)
     vc = passes.tile_columns(tile_elements, tc, kernels)
     whole = top_p is not None and vc >= v  # (the tile in hand holds all of a row chunk's logits)
+    tiles_of = (lambda hc: (call_logits_tile(hc, w[v0:v0 + vc],
+                                             None if b is None else b[v0:v0 + vc], call)
+                            for v0 in range(0, v, vc)))
+    if kernels is not None:
+        _grid_kernels(out, h, m, width, min(vc, v), tiles_of, deterministic,
+                      top_p if whole else None, kernels)
+        return out
     for t0, t1, hc in passes.row_chunks(h, deterministic):
         pad = hc.shape[0] - (t1 - t0)
         rows_width = torch.cat([width[t0:t1], width.new_ones(pad)])
-        tiles = (call_logits_tile(hc, w[v0:v0 + vc], None if b is None else b[v0:v0 + vc], call)
-                 for v0 in range(0, v, vc))
-        if whole:  # (the one tile, kept for the collecting after its bins)
-            tiles = list(tiles)
-        if kernels is not None:  # (three launches a tile: kernels.GridRows)
-            state = kernels.GridRows(rows_width, vc, BINS, COARSE)
-            for z in tiles:
-                state.add_tile(z)
-            stats = state.result()
-        else:
-            stats = _grid_tiles(tiles, rows_width)
+        tiles = list(tiles_of(hc)) if whole else tiles_of(hc)  # (whole: the one tile, kept)
+        stats = _grid_tiles(tiles, rows_width)
         _grid_out(out[t0:t1], m, *stats)
         if whole:
             rows_p = torch.cat([top_p[t0:t1], top_p.new_ones(pad)])
-            _collect_in_window(out[t0:t1], tiles[0], m, stats, rows_width, rows_p, kernels)
+            _collect_in_window(out[t0:t1], tiles[0], m, stats, rows_width, rows_p)
     return out
+
+
+def _grid_kernels(out: torch.Tensor, h: torch.Tensor, m: int, width: torch.Tensor, cols: int,
+                  tiles_of, deterministic: bool, top_p: Optional[torch.Tensor], kernels) -> None:
+    """:func:`grid_candidates` by the tile kernels (a GPU's): one
+    :class:`~tplogp.kernels.sampler_launch.GridRows` over every row, four launches a token chunk's
+    tile (its max, the window's move, the counting; with ``top_p``, the last bin of each row and
+    the collecting from the tile in hand) and no other operation per chunk: the statistics and
+    candidates are written into ``out`` once, for every row (``cols``: a tile's columns)."""
+    n = h.shape[0]
+    state = kernels.GridRows(width, cols, BINS, COARSE)
+    if top_p is not None:
+        vals = torch.full((n, m), float("-inf"), dtype=torch.float32, device=h.device)
+        ids = torch.full((n, m), -1, dtype=torch.int64, device=h.device)
+        held = torch.zeros(n, dtype=torch.int32, device=h.device)
+        last = torch.empty(n, dtype=torch.int32, device=h.device)
+        below = torch.full((n, kernels.collect_blocks(cols)), float("-inf"), dtype=torch.float32,
+                           device=h.device)
+        p = top_p.double().contiguous()
+    for t0, t1, hc in passes.row_chunks(h, deterministic):
+        state.start(t0, t1)
+        for z in tiles_of(hc):
+            state.add_tile(z[:t1 - t0])  # (a deterministic chunk's padding rows: not counted)
+        if top_p is None:
+            state.finish()
+            continue
+        state.finish(p[t0:t1], last[t0:t1], MASS_MARGIN)
+        kernels.collect_in_bins(z[:t1 - t0], state.scale[t0:t1], last[t0:t1], BINS, vals[t0:t1],
+                                ids[t0:t1], held[t0:t1], below[t0:t1])
+    _grid_out(out, m, *state.result())
+    if top_p is not None:
+        _collected_out(out, m, vals, ids, held, below.amax(1))
 
 
 def _grid_tiles(tiles, width: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -165,42 +195,49 @@ def last_bin(masses: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(reached.any(1), reached.long().argmax(1), BINS - 1)
 
 
-def _collect_in_window(out: torch.Tensor, z: torch.Tensor, m: int, stats: tuple,
-                       width: torch.Tensor, top_p: torch.Tensor, kernels) -> None:
-    """The grid rows of one shard (the whole vocabulary) whose logits ``z`` one tile holds
-    (``[rows, V]``, a row chunk with its padding rows; ``stats``: :func:`_grid_tiles`' of that
-    tile): the ids of the bins down to the first where the masses from the top pass ``top_p``
-    (:func:`bin_masses`, :func:`last_bin`) collected into ``out``'s candidates (its rows: those
-    of the chunk, not its padding), the floor the largest logit left, ``inf`` where the bins held
-    more than ``m`` ids (the row is then not decided: it collects in the next round)."""
+def window_last_bin(stats: tuple, width: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row of one shard's grid statistics ``stats`` (:func:`_grid_tiles`' over all of its
+    logits), the last bin its collecting takes (:func:`last_bin` of :func:`bin_masses` with the
+    shard's own log-sum-exp; int64 ``[rows]``)."""
     row_max, sum_exp, top_index, counts, groups = stats
-    rows, dev = z.shape[0], z.device
     base = torch.where(row_max == float("-inf"), 0.0, row_max).double()
     lse = base + torch.log(sum_exp)
     shifted = groups[:, :MASS_BINS].double() * torch.exp(row_max.double() - lse)[:, None]
     masses = bin_masses(counts[:, :BINS].double(), shifted.nan_to_num_(nan=0.0),
                         top_index * width, width, lse)
-    last = last_bin(masses, top_p)
-    scale = _grid_scale(top_index, width)
-    drop = 0 if kernels is not None else passes.drop_columns(dev)
+    return last_bin(masses, top_p)
+
+
+def _collect_in_window(out: torch.Tensor, z: torch.Tensor, m: int, stats: tuple,
+                       width: torch.Tensor, top_p: torch.Tensor) -> None:
+    """The torch path's collecting of the grid rows of one shard (the whole vocabulary) whose
+    logits ``z`` one tile holds (``[rows, V]``, a row chunk with its padding rows; ``stats``:
+    :func:`_grid_tiles`' of that tile): the ids of the bins down to the first where the masses
+    from the top pass ``top_p`` (:func:`bin_masses`, :func:`last_bin`) collected into ``out``'s
+    candidates (:func:`_collected_out`; its rows: those of the chunk, not its padding)."""
+    rows, dev = z.shape[0], z.device
+    last = window_last_bin(stats, width, top_p)
+    drop = passes.drop_columns(dev)
     vals = torch.full((rows, m + drop), float("-inf"), dtype=torch.float32, device=dev)
     ids = torch.full((rows, m + drop), -1, dtype=torch.int64, device=dev)
-    if kernels is not None:
-        held = torch.zeros(rows, dtype=torch.int32, device=dev)
-        below = torch.full((rows, kernels.collect_blocks(z.shape[1])), float("-inf"),
-                           dtype=torch.float32, device=dev)
-        kernels.collect_in_bins(z, scale, last.to(torch.int32), BINS, vals, ids, held, below)
-        below, held = below.amax(1), held[:, None]
-    else:
-        held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
-        below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
-        held = passes.collect_tile(z, passes.bins_of(z, scale) <= last[:, None], 0, m, vals,
-                                    ids, held, below)
+    held = torch.zeros(rows, 1, dtype=torch.int32, device=dev)
+    below = torch.full((rows,), float("-inf"), dtype=torch.float32, device=dev)
+    taken = passes.bins_of(z, _grid_scale(stats[2], width)) <= last[:, None]
+    held = passes.collect_tile(z, taken, 0, m, vals, ids, held, below)
     keep = slice(0, out.shape[0])
-    out[:, :m] = vals[keep, :m].double()
-    out[:, m:2 * m] = torch.where(vals[keep, :m] > float("-inf"), ids[keep, :m], -1)
-    out[:, 2 * m] = torch.where(held[keep, 0] > m, float("inf"), below[keep].double())
+    _collected_out(out, m, vals[keep, :m], ids[keep, :m], held[keep, 0], below[keep])
+
+
+def _collected_out(out: torch.Tensor, m: int, vals: torch.Tensor, ids: torch.Tensor,
+                   held: torch.Tensor, below: torch.Tensor) -> None:
+    """Collected candidates (``vals`` fp32 and ``ids`` ``[rows, m]``; ``held``: how many the bins
+    held, ``below``: the largest logit not collected, ``[rows]``) written into ``out``'s candidate
+    columns and floor: ``inf`` where the bins held more than ``m`` ids (the row is then not
+    decided: it collects in the next round)."""
+    out[:, :m] = vals.double()
+    out[:, m:2 * m] = torch.where(vals > float("-inf"), ids, -1)
+    out[:, 2 * m] = torch.where(held > m, float("inf"), below.double())
 
 
 __all__ = ["COARSE", "MASS_BINS", "MASS_MARGIN", "grid_columns", "grid_index", "grid_candidates",
-           "bin_masses", "last_bin"]
+           "bin_masses", "last_bin", "window_last_bin"]
