@@ -1,7 +1,8 @@
 """The sampler's tile launches (:mod:`.sampler_kernels`): :func:`count_bins` and
 :func:`collect_at_least` on one fp32 logits tile ``[rows, cols]`` (unit column stride), and
-:class:`GridRows`, the grid pass's per-row state that takes a tile in three launches (the tile's
-max, :func:`~.sampler_kernels.grid_move_kernel`, the counting kernel). Their
+:class:`GridRows`, the grid pass's per-row state of every row that takes a token chunk's tile in
+three launches (the tile's max, :func:`~.sampler_kernels.grid_move_kernel`, the counting kernel)
+and ends the chunk with one more move, which can also write each row's last bin. Their
 :class:`~.launch.Launch` is made once per tile layout (:func:`~.launch.cached`)."""
 
 from __future__ import annotations
