@@ -276,10 +276,12 @@ def test_top_p_boundary_inside_tied_logits_across_rounds(monkeypatch):
         assert torch.equal(ours, _truth_mask(problem, dict(top_p=top_p)))
 
 
-def test_deterministic_rows_do_not_depend_on_the_batch():
-    """``deterministic=True``: a token's kept ids are the same alone as in its batch."""
+@pytest.mark.parametrize("case", ["top_k+top_p", "top_p"])
+def test_deterministic_rows_do_not_depend_on_the_batch(case, drop_columns):
+    """``deterministic=True``: a token's kept ids are the same alone (its chunk padded with zero
+    rows) as in its batch; top-p alone settles in its first round from the padded chunk's tile."""
     problem = _problem(seed=4)
-    params = dict(top_k=7, top_p=0.85)
+    params = dict(top_k=7, top_p=0.85) if case == "top_k+top_p" else dict(top_p=0.85)
     batch = _our_mask(problem, params, deterministic=True)
     hidden, weight, bias = problem
     one = (hidden[:1, :1].expand(B, L, D).contiguous(), weight, bias)
