@@ -213,3 +213,17 @@ def test_support_mask_costs_a_few_instructions_per_logit(sass):
         extra = (sum(n for op, n in masked.items() if op.isupper())
                  - sum(n for op, n in plain.items() if op.isupper()))
         assert extra <= 3 * logits, (name, extra)
+
+
+def test_sampler_kernels_compile_for_sm90():
+    """The sampler's tile kernels, which the CPU tests run in the interpreter only, compile for
+    sm_90 in each variant their launches use; the counting kernel's bins take no tensor-core
+    product (a one-hot of the bins through shared memory was 5x slower); the chunk's last move
+    computes the last bin in float64 (more float64 adds than the move alone)."""
+    found = json.loads(_compiled_kernels("sampler").strip().splitlines()[-1])
+    assert set(found) == {"bin_counts", "bin_counts_mass", "grid_move", "grid_move_last",
+                          "collect", "collect_by_bin"}, found
+    for name, ops in found.items():
+        assert ops.get("EXIT", 0) > 0, (name, ops)
+        assert not any(op.startswith("HMMA") or op.startswith("HGMMA") for op in ops), (name, ops)
+    assert found["grid_move_last"].get("DADD", 0) > found["grid_move"].get("DADD", 0) + 8

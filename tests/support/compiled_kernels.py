@@ -10,6 +10,9 @@ Run with ``TRITON_INTERPRET`` unset (``tests/kernels/test_sm90_compile.py`` star
   from kept logits, also with ``SOFTCAP``), with the sm90 config, bf16, no bias / entropy; ``ptx_mul_rn``: the PTX's
   ``mul.rn.f32`` count (the products that must not fuse into an FMA, :func:`tplogp.kernels.fp32_ops.mul_rounded`);
   ``shared``: the bytes Triton allots, ``model``: :func:`tplogp.kernels.tiles.gemm_shared_bytes` for the GEMM kernels;
+* ``python -m tests.support.compiled_kernels sampler``: one JSON object, SASS instructions per
+  opcode of the sampler's tile kernels (:mod:`tplogp.kernels.sampler_kernels`, each variant its
+  launches use), compiled for sm_90;
 * ``python -m tests.support.compiled_kernels sass-counts KIND ...``: the same, and the shared-memory rows of those
   kinds under ``"shared_memory"`` (one torch and Triton import, the compilations forked over the CPUs, for the slow
   tests).
@@ -180,13 +183,54 @@ def machine_code(shared_memory_kinds: list[str]) -> None:
     print(json.dumps(found, sort_keys=True))
 
 
+def _sampler_cases() -> list[tuple]:
+    """``(name, kernel, signature, constexprs, warps)`` of the sampler's tile kernels as
+    :mod:`tplogp.kernels.sampler_launch` launches them."""
+    from tplogp.kernels import sampler_kernels as sk
+    from tplogp.kernels import sampler_launch as sl
+
+    tile = dict(z_ptr="*fp32", scale_ptr="*fp32", cols="i32", stride_z="i32")
+    counts = dict(**tile, shift_ptr="*fp32", counts_ptr="*fp32", masses_ptr="*fp32",
+                  sums_ptr="*fp64", stride_s="i32")
+    move = dict(tile_max_ptr="*fp32", width_ptr="*fp64", row_max_ptr="*fp32",
+                top_index_ptr="*fp64", sum_ptr="*fp64", partial_ptr="*fp64", counts_ptr="*fp32",
+                masses_ptr="*fp32", counts_out_ptr="*fp32", masses_out_ptr="*fp32",
+                shift_ptr="*fp32", scale_ptr="*fp32", top_p_ptr="*fp64", last_ptr="*i32",
+                margin="fp32")
+    collect = dict(**tile, at_least_ptr="*fp32", last_ptr="*i32", vals_ptr="*fp32",
+                   ids_ptr="*i64", held_ptr="*i32", below_ptr="*fp32", v0="i32", m="i32",
+                   stride_b="i32")
+    bins = dict(BINS=64, COARSE=4, BLOCK=sl.BIN_BLOCK, SUB=sl.BIN_SUB)
+    cases = [(f"bin_counts{'_mass' if mass else ''}", sk.bin_counts_kernel, counts,
+              dict(**bins, WITH_MASS=mass, WITH_SUM=mass), sl.BIN_WARPS) for mass in (False, True)]
+    cases += [(f"grid_move{'_last' if last else ''}", sk.grid_move_kernel, move,
+               dict(P=32, BINS=64, COARSE=4, LAST=last), 1) for last in (False, True)]
+    cases += [(f"collect{'_by_bin' if by_bin else ''}", sk.collect_kernel, collect,
+               dict(BLOCK=sl.COLLECT_BLOCK, BY_BIN=by_bin, BINS=64), sl.COLLECT_WARPS)
+              for by_bin in (False, True)]
+    return cases
+
+
+def sampler_machine_code(_kinds: list[str]) -> None:
+    """One JSON object: per sampler kernel variant compiled for sm_90, its SASS instructions per
+    opcode."""
+    found = {}
+    for name, fn, sig, const, warps in _sampler_cases():
+        full = {arg: ("constexpr" if arg in const else sig[arg]) for arg in fn.arg_names}
+        src = ASTSource(fn=fn, signature=full, constexprs=const)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=warps))
+        found[name] = dict(sass_counts(kernel.asm["cubin"]))
+    print(json.dumps(found, sort_keys=True))
+
+
 def main() -> int:
     command, kinds = sys.argv[1], sys.argv[2:]
     if command == "shared-memory":
         for row in shared_memory_rows(kinds):
             print(json.dumps(row), flush=True)
     else:
-        {"sass-counts": machine_code}[command](kinds)
+        {"sass-counts": machine_code, "sampler": sampler_machine_code}[command](kinds)
     return 0
 
 
