@@ -97,10 +97,11 @@ def grid_candidates(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
 def _grid_kernels(out: torch.Tensor, h: torch.Tensor, m: int, width: torch.Tensor, cols: int,
                   tiles_of, deterministic: bool, top_p: Optional[torch.Tensor], kernels) -> None:
     """:func:`grid_candidates` by the tile kernels (a GPU's): one
-    :class:`~tplogp.kernels.sampler_launch.GridRows` over every row, four launches a token chunk's
-    tile (its max, the window's move, the counting; with ``top_p``, the last bin of each row and
-    the collecting from the tile in hand) and no other operation per chunk: the statistics and
-    candidates are written into ``out`` once, for every row (``cols``: a tile's columns)."""
+    :class:`~tplogp.kernels.sampler_launch.GridRows` over every row: three launches a tile (its
+    max, the window's move, the counting), one more move a token chunk (with ``top_p`` it also
+    finds each row's last bin) and, with ``top_p``, the collecting from the tile in hand; no other
+    operation per chunk: the statistics and candidates (buffers of every row, ``[rows, m]``) go
+    into ``out`` once (``cols``: a tile's columns)."""
     n = h.shape[0]
     state = kernels.GridRows(width, cols, BINS, COARSE)
     if top_p is not None:
