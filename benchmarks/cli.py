@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                          "softcap=30,deterministic=tp_invariant,label_smoothing=0.1+z_loss=1e-4,"
                          "support=K64-shared (benchmarks/variants.py)")
     op.add_argument("--no-check", action="store_true", help="skip the float64 error columns")
+    op.add_argument("--device-profile", action="store_true",
+                    help="CUDA: each row also profiles one forward+backward: the device's busy "
+                         "ms beside the wall time (the rest: the device waiting on the host) and "
+                         "its top kernels")
     op.add_argument("--no-plot", action="store_true", help="do not redraw the plots")
 
     mem = sub.add_parser("memory", parents=[common],
@@ -176,7 +180,7 @@ def _op(args) -> int:
     for shape in shapes:
         rows = op.bench_shape(shape, chosen, budgets, args.dtype, device, reps=reps, rounds=rounds,
                               warm_ms=warm_ms, check=not args.no_check, checks=checks,
-                              variants=variants)
+                              variants=variants, device_profile=args.device_profile)
         _finish(args.out, rows, info, smoke, op.format_row)
     if not args.no_plot and not smoke:
         for path in plots.write_all(runner.read_rows(args.out), args.out):

@@ -257,11 +257,13 @@ def checks_mode(mode: str):
 def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[runner.BudgetSpec],
                 dtype: str,
                 device: torch.device, *, reps: int, rounds: int, warm_ms: float, check: bool,
-                checks: tuple[str, ...] = ("full",), variants: tuple[Variant, ...] = ()) -> list[
-                    dict]:
+                checks: tuple[str, ...] = ("full",), variants: tuple[Variant, ...] = (),
+                device_profile: bool = False) -> list[dict]:
     """The rows of one shape (module docstring). ``checks``: the ``TPLOGP_CHECKS`` modes of tplogp's
     (budgeted) rows; every other implementation runs once, under ``full``. ``variants``: each adds a
-    row beside every tplogp row it applies to (:mod:`benchmarks.variants`)."""
+    row beside every tplogp row it applies to (:mod:`benchmarks.variants`). ``device_profile``:
+    each timed row also gets one profiled forward+backward's device time and top kernels
+    (:func:`benchmarks.runner.device_profile`; CUDA only)."""
     T, D, V = shape
     h, w, y, gy = make_problem(T, D, V, DTYPES[dtype], device)
     hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -410,6 +412,12 @@ def bench_shape(shape: tuple[int, int, int], impls: list[Impl], budgets: list[ru
         row["host_fwd_bwd_all_us"] = round(samples["host_fwd_bwd_all"][least], 1)
         row["gemm_samples_ms"] = [round(x, 4) for x in samples["gemm"]]
         row["extra_peak_gib"] = None if peak is None else round(peak, 4)
+        profiled = None
+        if device_profile:
+            with checks_mode(row["checks"]):
+                profiled = runner.device_profile(fwd_bwd, device)
+        if profiled is not None:
+            row["device_fwd_bwd_ms"], row["device_top"] = round(profiled[0], 3), profiled[1]
         if device.type == "cuda":
             torch.cuda.empty_cache()
     _ratios(rows)
@@ -452,7 +460,11 @@ def format_row(r: dict) -> str:
     vs = "".join(f" | x {what} {r[name]:.3f} (b2b {r[name + '_b2b']:.3f})"
                  for name, what in (("vs_cross_entropy", "CE"), ("vs_plain", "plain"))
                  if r.get(name) is not None)
+    busy = ""
+    if r.get("device_fwd_bwd_ms") is not None:  # (--device-profile)
+        busy = (f" | device {r['device_fwd_bwd_ms']:.1f} ms: "
+                + ", ".join(f"{name[:28]} {ms:.1f}" for name, ms, _ in r["device_top"][:4]))
     return (f"{r['shape']:>18} {label:>26}{union} | fwd {r['fwd_ms']:9.3f} ms "
             f"{r['fwd_gemms']:5.2f} G | "
             f"fwd+bwd {r['fwd_bwd_ms']:9.3f} ms {r['fwd_bwd_gemms']:5.2f} G (b2b "
-            f"{r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem}{vs} | {errs}")
+            f"{r['fwd_bwd_gemms_b2b']:5.2f} G){host}{mem}{vs}{busy} | {errs}")

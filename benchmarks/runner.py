@@ -148,6 +148,31 @@ def extra_peak_gib(fn: Callable[[], object], device: torch.device) -> Optional[f
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30
 
 
+def device_profile(fn: Callable[[], object], device: torch.device,
+                   top: int = 6) -> Optional[tuple[float, list]]:
+    """One call of ``fn`` under ``torch.profiler``: the device's busy time in ms
+    (its kernels' and copies' device time, summed) and its ``top`` kernels by device time,
+    ``[name, ms, calls]``; None off CUDA. Beside the call's wall time it tells how long the device
+    waits on the host."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        synchronize(device)
+    on_device = [e for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    def ms(e) -> float:
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e3
+
+    on_device.sort(key=ms, reverse=True)
+    return (sum(ms(e) for e in on_device),
+            [[e.key, round(ms(e), 3), e.count] for e in on_device[:top]])
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -816,3 +816,20 @@ def test_host_stages_budget(capsys):
         for table in tables:
             stages = [line.split(None, 3)[3] for line in table.splitlines()[2:]]
             assert launch in stages and absent not in stages, (budget, stages)
+
+
+def test_device_profile_column(tmp_path, capsys):
+    """``op --device-profile``: off CUDA the rows carry no device column (the kernels' times are
+    the CUDA profiler's) and the run is otherwise the same; a row that has one prints the device's
+    busy ms and its top kernels beside the wall time."""
+    from benchmarks import op
+
+    _bench_here(capsys, "op", "--smoke", "--impls", "tplogp-native", "--budgets", "default",
+                "--reps", "1", "--no-check", "--device-profile", "--out", str(tmp_path))
+    rows = _rows(tmp_path)
+    assert rows and all("device_fwd_bwd_ms" not in r and "fwd_ms" in r for r in rows), rows
+    gemm = "nvjet_sm90_tss_256x128_64x4_1x2_h_bz_coopA_TNT"
+    r = dict(rows[0], device_fwd_bwd_ms=87.94,
+             device_top=[[gemm, 14.1, 32], ["bwd_dlogits_tma_kernel", 12.04, 17]])
+    assert f"| device 87.9 ms: {gemm[:28]} 14.1, bwd_dlogits_tma_kernel 12.0 |" in op.format_row(r)
+    assert runner.device_profile(lambda: 1 / 0, torch.device("cpu")) is None  # (not called)
