@@ -21,7 +21,7 @@ import tplogp
 from tplogp import losses
 from tplogp.backends import native_support
 from tplogp.backends.base import ShardCall
-from tplogp.op import sampler_passes, sampler_support as sampler_module
+from tplogp.op import sampler_grid, sampler_passes, sampler_support as sampler_module
 from tplogp.op.sampler_params import per_token
 from tplogp.op.options import LogpOptions
 from tplogp.op.support_ids import KEEP_ALL
@@ -182,21 +182,25 @@ def test_candidate_rounds(case, monkeypatch, drop_columns):
         assert bool(counted) == (case == "min_p"), counted
 
 
-@pytest.mark.parametrize("tiles", ["one", "several"])
+@pytest.mark.parametrize("tiles", ["one", "one-per-chunk", "several"])
 def test_top_p_alone_on_one_shard_settles_in_its_first_round(tiles, monkeypatch, drop_columns):
     """Top-p alone in one process, where one tile holds a row chunk's logits, collects from that
     tile what its bins reach and settles in the first round: one pass over the logits, the
-    definition's ids; where it does not (a row chunk's logits in several tiles of 16 columns), it
-    collects in a second round."""
+    definition's ids (also over several row chunks of 5 tokens, the last one shorter); where it
+    does not (a row chunk's logits in several tiles of 16 columns), it collects in a second
+    round."""
     if tiles == "several":
         monkeypatch.setattr(sampler_passes, "tile_columns", lambda *args: 16)
+    if tiles == "one-per-chunk":
+        monkeypatch.setattr(sampler_passes, "DETERMINISTIC_ROWS", 5)
+        monkeypatch.setattr(sampler_grid, "DETERMINISTIC_ROWS", 5)
     seen = _rounds(monkeypatch)
     problem = _problem(seed=4)
     params = _params("top_p")
     truth = _truth_mask(problem, params)
     ours = _our_mask(problem, params)
     assert not _mismatch(ours, truth), _mismatch(ours, truth)
-    assert len(seen) == (1 if tiles == "one" else 2), seen
+    assert len(seen) == (2 if tiles == "several" else 1), seen
     assert (truth.sum(-1) > 1).any()  # (supports of several ids)
 
 
