@@ -216,11 +216,12 @@ def test_the_flat_kept_buffer_runs_the_layouts_program_and_empty_shards_plan_eac
 
 def test_the_call_key_holds_every_setting_but_the_support():
     """``ShardCall.key``, what the programs are keyed by: one entry per field but the support's
-    (the support, its union, whether it is narrowed, whether a row keeps every id: support calls
-    run no program), so calls that differ in a setting never share a program."""
+    (the support, its union, whether it is narrowed, whether a row keeps every id, its logits:
+    support calls run no program), so calls that differ in a setting never share a program."""
     import dataclasses
 
-    of_support = ("support", "support_union", "support_narrowed", "support_keeps_all")
+    of_support = ("support", "support_union", "support_narrowed", "support_keeps_all",
+                  "support_logits")
     names = [f.name for f in dataclasses.fields(ShardCall) if f.name not in of_support]
     call = ShardCall(inv_temperature=2.0, with_entropy=True, softcap=30.0, with_sum_z=True,
                      with_argmax=True, deterministic=True, workspace_bytes=7, for_backward=True,
@@ -231,8 +232,8 @@ def test_the_call_key_holds_every_setting_but_the_support():
         assert dataclasses.replace(call, **{name: ShardCall.__dataclass_fields__[name].default}
                                    ).key != call.key, name
     assert dataclasses.replace(call, support=torch.zeros(5, 2, dtype=torch.int64),
-                               support_union=torch.arange(3), support_narrowed=True
-                               ).key == call.key
+                               support_union=torch.arange(3), support_narrowed=True,
+                               support_logits=torch.zeros(5, 2)).key == call.key
 
 
 @pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])

@@ -19,7 +19,7 @@ import torch
 
 import tplogp
 from tplogp import losses
-from tplogp.backends import native_support
+from tplogp.backends import native_support, support_pairs
 from tplogp.backends.base import ShardCall
 from tplogp.op import sampler_grid, sampler_passes, sampler_support as sampler_module
 from tplogp.op.sampler_params import per_token
@@ -380,6 +380,73 @@ def test_values_and_gradients_match_the_definition(case, options, source):
 
 
 @pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("case", ["top_k", "top_p", "all"])
+@pytest.mark.parametrize("values", ["dyadic", "random"])
+def test_16_bit_calls_take_the_forward_from_the_sampler_logits(values, case, source,
+                                                              monkeypatch):
+    """A bf16 call's support comes with its ids' logits as the sampler's passes computed them,
+    and the forward takes its statistics from them (``support_pairs.given_stats``, counted: no
+    pass of its own): logp, entropy, lse and the hidden, weight and bias gradients as the float64
+    definition's renormalized over vLLM's kept ids by a bf16 call's three-way rule, as those of
+    the same support given explicitly (whose forward computes its own), on dyadic values (exact
+    logits, many ties) and random ones. (Here a round keeps its candidates' logits however
+    many: this vocabulary is smaller than ``LOGITS_FRACTION`` times them.)"""
+    monkeypatch.setattr(sampler_module, "LOGITS_FRACTION", 1)
+    taken = []
+    real = support_pairs.given_stats
+    monkeypatch.setattr(support_pairs, "given_stats",
+                        lambda *args: taken.append(1) or real(*args))
+    if values == "dyadic":
+        problem = tuple(t.to(torch.bfloat16) for t in _problem(seed=12))
+    else:
+        g = torch.Generator().manual_seed(12)
+        problem = (torch.randn(B, L, D, generator=g).bfloat16(),
+                   (torch.randn(V, D, generator=g) * 0.7).bfloat16(),
+                   (torch.randn(V, generator=g) * 0.3).bfloat16())
+    params = _params(case)
+    mask = _truth_mask(tuple(t.double() for t in problem), params)
+    target = _targets_in(mask, seed=13)
+    op = tplogp.get_op("linear_logp", source)
+    for kw in (params, dict(support=padded_support(mask))):
+        leaves = tuple(t.clone().requires_grad_() for t in problem)
+        ours = op(*leaves[:2], target, leaves[2], return_entropy=True, return_lse=True, **kw)
+        found = _compare(ours, leaves, problem, target, padded_support(mask),
+                         dtype=torch.bfloat16)
+        assert not found, f"{kw}: " + "; ".join(found)
+        # the parameters' call took the sampler's logits; the explicit support's, none
+        assert bool(taken) == ("support" not in kw), (kw, taken)
+        taken.clear()
+
+
+def test_sampler_logits_only_for_narrow_candidates_and_no_row_keeping_every_id():
+    """The support's logits come with it while a round's candidates per token are at most
+    ``vocab / LOGITS_FRACTION`` (their memory a fraction of the ids'), not where some token keeps
+    every id; where they come, each kept id's logit is the float64 one's fp32 rounding and the
+    padding ``-inf``."""
+    problem = tuple(t.to(torch.bfloat16) for t in _problem(seed=12))
+    hidden, weight, bias = problem
+
+    def ours(fraction, params):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sampler_module, "LOGITS_FRACTION", fraction)
+            return sampler_module.sampler_support_with_logits(
+                hidden.reshape(N, D), weight, bias, per_token(LogpOptions(**params), N,
+                                                              hidden.device, V),
+                call=ShardCall(), vocab_start=0, vocab=V, group=None,
+                comm_device=torch.device("cpu"))
+
+    ids, logits = ours(1, dict(top_k=5))
+    z = reference_logits(*(t.double() for t in problem), mode="float64").reshape(N, V)
+    want = torch.where(ids >= 0, z.gather(1, ids.clamp(min=0)).float(), float("-inf"))
+    assert logits is not None and torch.equal(logits, want)
+    assert ours(sampler_module.LOGITS_FRACTION, dict(top_k=5))[1] is None  # (21 of 61 ids)
+    top_k = torch.full((B, L), 5)
+    top_k[0, 0] = 0  # (a token whose filters are all off: it keeps every id)
+    ids, logits = ours(1, dict(top_k=top_k))
+    assert ids[0, 0] == KEEP_ALL and logits is None
+
+
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("gather", [-1.0, 1.0])  # the sources' masked tiles, gathered rows
 def test_a_target_outside_its_support_has_logp_minus_inf(gather, source, monkeypatch):
     """The sampler's distribution gives such a target probability 0: logp ``-inf``; entropy and
@@ -541,17 +608,26 @@ def vocab_shards_size() -> int:
 
 
 @pytest.mark.tp(world_size=[2, 4], timeout=300)
-@pytest.mark.parametrize("case", ["all", "per-token", "top_p"])
-def test_tp_kept_ids_values_and_gradients(tp, vocab_shards, case, monkeypatch):
+@pytest.mark.parametrize("case, dtype", [("all", "fp32"), ("per-token", "fp32"),
+                                         ("top_p", "fp32"), ("top_p", "bf16")])
+def test_tp_kept_ids_values_and_gradients(tp, vocab_shards, case, dtype, monkeypatch):
     """Over the ranks (uneven shards, one all_gather of candidates per round; a first round of
     one candidate per rank, so several): every rank keeps vLLM's ids, and the op's values and
     gradients are the float64 definition's (d_W / d_b: this rank's rows), with temperature,
-    softcap and ignore_index."""
+    softcap and ignore_index; in bf16 each rank's forward takes its statistics from its ids'
+    logits of the gathered candidates (``support_pairs.given_stats``)."""
     monkeypatch.setattr(sampler_module, "SLACK", 1)
     monkeypatch.setattr(sampler_module, "MIN_CANDIDATES", 1)
     monkeypatch.setattr(sampler_module, "GRID_CANDIDATES", 1)  # (top-p alone: not in one round)
+    monkeypatch.setattr(sampler_module, "LOGITS_FRACTION", 1)
+    taken = []
+    real = support_pairs.given_stats
+    monkeypatch.setattr(support_pairs, "given_stats",
+                        lambda *args: taken.append(1) or real(*args))
     seen = _rounds(monkeypatch)
     problem = _problem(seed=20)
+    if dtype == "bf16":
+        problem = tuple(t.to(torch.bfloat16) for t in problem)
     hidden, weight, bias = problem
     vs = vocab_shards
     params = _params(case)
@@ -571,7 +647,10 @@ def test_tp_kept_ids_values_and_gradients(tp, vocab_shards, case, monkeypatch):
                              return_entropy=True, return_lse=True, ignore_index=IGNORE, **params,
                              **kw)
     found += _compare(out, leaves, problem, target, padded_support(truth),
-                      rows=slice(vs.start, vs.end), ignore_index=IGNORE, **kw)
+                      rows=slice(vs.start, vs.end), ignore_index=IGNORE,
+                      dtype=problem[0].dtype, **kw)
+    if bool(taken) != (dtype == "bf16"):
+        found.append(f"the sampler's logits taken {len(taken)} times")
     tp.assert_all(not found, "; ".join(found))
 
 

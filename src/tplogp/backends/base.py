@@ -247,22 +247,31 @@ class ShardCall:
     # support's tokens whose filters are all off) where the caller knows it (a given support: never,
     # tplogp.op.local_call); None: unknown, the sources read it from the support (a host read)
     support_keeps_all: Optional[bool] = field(default=None, compare=False, hash=False)
+    # a support computed from the sampler's parameters, in 16-bit calls: its ids' logits as the
+    # sampler's passes computed them (fp32 [rows, K], -inf where ``support`` is -1), from which
+    # the forward takes its statistics with no pass over the vocabulary
+    # (tplogp.backends.support_pairs.given_stats); None: the forward computes them
+    support_logits: Optional[torch.Tensor] = field(default=None, compare=False, hash=False,
+                                                   repr=False)
 
     def for_rows(self, t0: int, t1: int) -> "ShardCall":
         """This call for its rows ``[t0, t1)`` (a chunk): the support sliced with them (its union
         is no longer known)."""
         if self.support is None or (t0 == 0 and t1 == self.support.shape[0]):
             return self
-        return replace(self, support=self.support[t0:t1], support_union=None)
+        logits = self.support_logits
+        return replace(self, support=self.support[t0:t1], support_union=None,
+                       support_logits=None if logits is None else logits[t0:t1])
 
     @functools.cached_property
     def key(self) -> tuple:
         """Every setting of this call but its support's (``support``, ``support_union``,
-        ``support_narrowed``, ``support_keeps_all``: support calls run no launch program), as one hashable tuple (made
-        once per ShardCall): what a source's per-layout state is keyed by with the shard's
-        shapes (the triton / sm90 sources' launch programs, ``TritonBackend._program``). Equal
-        calls (the calls of one layout, eager or compiled, share one ShardCall: tplogp.op.plan)
-        find the same programs; a call that differs in any setting finds its own."""
+        ``support_narrowed``, ``support_keeps_all``, ``support_logits``: support calls run no
+        launch program), as one hashable tuple (made once per ShardCall): what a source's
+        per-layout state is keyed by with the shard's shapes (the triton / sm90 sources' launch
+        programs, ``TritonBackend._program``). Equal calls (the calls of one layout, eager or
+        compiled, share one ShardCall: tplogp.op.plan) find the same programs; a call that
+        differs in any setting finds its own."""
         return (self.inv_temperature, self.with_entropy, self.softcap, self.with_sum_z,
                 self.with_argmax, self.deterministic, self.workspace_bytes, self.for_backward,
                 self.consume_kept, self.d_hidden_in_input_dtype, self.inputs_checked,

@@ -103,7 +103,7 @@ def gathered(weight: torch.Tensor, bias: Optional[torch.Tensor], local_target: t
                     None if bias is None else bias.index_select(0, rows),
                     positions(local_target),
                     replace(call, support=positions(support), support_union=None,
-                            support_narrowed=True))
+                            support_narrowed=True, support_logits=None))
 
 
 def scattered_argmax(argmax: Optional[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
@@ -252,7 +252,7 @@ def chunked_forward(forward, rows: int, hidden: torch.Tensor, target: torch.Tens
         t1 = t0 + rows
         outs.append(forward(hidden[t0:t1], target[t0:t1],
                             replace(call, support=call.support[t0:t1], support_union=union,
-                                    for_backward=False)))
+                                    for_backward=False, support_logits=None)))
     return type(outs[0])(*(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs)))
 
 
@@ -284,7 +284,8 @@ def chunked_backward(backward, rows: int, hidden: torch.Tensor, weight: torch.Te
         t1 = t0 + rows
         grads = backward(hidden[t0:t1], local_target[t0:t1],
                          tuple(part(x, t0, t1) for x in per_token),
-                         replace(call, support=call.support[t0:t1], support_union=union),
+                         replace(call, support=call.support[t0:t1], support_union=union,
+                                 support_logits=None),
                          accumulate, part(grad_sum_z, t0, t1))
         d_hidden.append(grads.d_hidden)
     dh = None if d_hidden[0] is None else torch.cat(d_hidden)

@@ -147,6 +147,25 @@ def _pair_logits(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return z.masked_fill_(ids < 0, float("-inf")), w_rows
 
 
+def _row_stats(z: torch.Tensor, ids: torch.Tensor, local_target: torch.Tensor, v: int,
+               with_entropy: bool, with_argmax: bool) -> tuple:
+    """The tiles' statistics of rows' pairs (``z`` fp32 ``[T, K]``, ``-inf`` on padding, their
+    shard-local ``ids``, ``-1`` on padding; ``v``: the shard's vocabulary): ``(M, S, target logit,
+    sum exp(z - M)(z - M) or None, argmax or None)`` (module docstring)."""
+    m = z.amax(1)
+    rel = z - rescale_max(m).unsqueeze(1)
+    e = torch.exp(rel)
+    sum_exp_z = floored(rel).mul_(e).sum(1) if with_entropy else None
+    hit = ids == local_target.unsqueeze(1)
+    picked = torch.where(hit, z, float("-inf")).amax(1)  # (-inf: owned, not kept)
+    argmax = None
+    if with_argmax:
+        top = (z == m.unsqueeze(1)) & (ids >= 0) & (m > float("-inf")).unsqueeze(1)
+        lowest = torch.where(top, ids, v).amin(1)
+        argmax = torch.where(lowest < v, lowest, 0).float()
+    return m, e.sum(1), torch.where(local_target >= 0, picked, 0.0), sum_exp_z, argmax
+
+
 def forward_stats(source: str, hidden: torch.Tensor, weight: torch.Tensor,
                   bias: Optional[torch.Tensor], local_target: torch.Tensor,
                   call: ShardCall) -> ShardStats:
@@ -161,41 +180,57 @@ def forward_stats(source: str, hidden: torch.Tensor, weight: torch.Tensor,
     for idx, ids in _chunks(source, weight, call):
         lt = local_target.index_select(0, idx)
         z, _ = _pair_logits(hidden.index_select(0, idx), weight, bias, ids, call)
-        m = z.amax(1)
-        rel = z - rescale_max(m).unsqueeze(1)
-        e = torch.exp(rel)
-        row_max.index_copy_(0, idx, m)
-        sum_exp.index_copy_(0, idx, e.sum(1))
-        if sum_exp_z is not None:
-            sum_exp_z.index_copy_(0, idx, floored(rel).mul_(e).sum(1))
-        hit = ids == lt.unsqueeze(1)
-        picked = torch.where(hit, z, float("-inf")).amax(1)  # (-inf: owned, not kept)
-        target_logit.index_copy_(0, idx, torch.where(lt >= 0, picked, 0.0))
-        if argmax is not None:
-            top = (z == m.unsqueeze(1)) & (ids >= 0) & (m > float("-inf")).unsqueeze(1)
-            lowest = torch.where(top, ids, weight.shape[0]).amin(1)
-            argmax.index_copy_(0, idx, torch.where(lowest < weight.shape[0], lowest, 0).float())
+        found = _row_stats(z, ids, lt, weight.shape[0], call.with_entropy, call.with_argmax)
+        for out, part in zip((row_max, sum_exp, target_logit, sum_exp_z, argmax), found):
+            if out is not None:
+                out.index_copy_(0, idx, part)
     return ShardStats(row_max, sum_exp, target_logit, sum_exp_z, None, None, argmax)
 
 
-def forward_single(source: str, hidden: torch.Tensor, weight: torch.Tensor,
-                   bias: Optional[torch.Tensor], target: torch.Tensor, call: ShardCall,
-                   target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
-    """One shard's outputs of a call run from its pairs: :func:`forward_stats` settled as the
-    native source settles its tiles' (``target`` outside ``[0, V)``: nobody's, NaN logp); a
-    ``target_flag`` (the fused sources' in-kernel target check: ``tplogp.backends.base``) gets one
-    such target, as their kernels write it, by a copy on the stream."""
-    owned = (target >= 0) & (target < weight.shape[0])
+def given_stats(local_target: torch.Tensor, v: int, call: ShardCall) -> ShardStats:
+    """The shard's statistics of a call whose support came with its logits
+    (``ShardCall.support_logits``: the sampler's, :mod:`tplogp.op.sampler_support`): the pairs'
+    statistics on those logits, no product computed. Nothing is kept."""
+    m, s, target_logit, sum_exp_z, argmax = _row_stats(
+        call.support_logits, call.support, local_target, v, call.with_entropy, call.with_argmax)
+    return ShardStats(m, s, target_logit, sum_exp_z, None, None, argmax)
+
+
+def _settled(st: ShardStats, target: torch.Tensor, v: int,
+             target_flag: Optional[torch.Tensor]) -> SingleShardOutputs:
+    """One shard's outputs from its statistics, settled as the native source settles its tiles'
+    (``target`` outside ``[0, v)``: nobody's, NaN logp); a ``target_flag`` (the fused sources'
+    in-kernel target check: ``tplogp.backends.base``) gets one such target, as their kernels
+    write it, by a copy on the stream."""
+    owned = (target >= 0) & (target < v)
     if target_flag is not None and target.numel():
         first_bad = (~owned).to(torch.int32).argmax().view(1)
         target_flag.copy_(torch.where(owned.all(), 0, target.index_select(0, first_bad)),
                           non_blocking=True)
-    st = forward_stats(source, hidden, weight, bias, torch.where(owned, target, -1), call)
     row_max, log_sum, lse, mean_rel = settle_rows(st.row_max, st.sum_exp, st.sum_exp_z)
     logp = torch.where(owned, (st.target_logit - row_max) - log_sum, float("nan"))
     return SingleShardOutputs(logp, lse, row_max, log_sum, mean_rel,
                               None if mean_rel is None else log_sum - mean_rel, None, None,
                               st.argmax)
+
+
+def forward_single(source: str, hidden: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor], target: torch.Tensor, call: ShardCall,
+                   target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
+    """One shard's outputs of a call run from its pairs: :func:`forward_stats`, settled
+    (:func:`_settled`)."""
+    v = weight.shape[0]
+    owned = (target >= 0) & (target < v)
+    st = forward_stats(source, hidden, weight, bias, torch.where(owned, target, -1), call)
+    return _settled(st, target, v, target_flag)
+
+
+def given_single(target: torch.Tensor, v: int, call: ShardCall,
+                 target_flag: Optional[torch.Tensor] = None) -> SingleShardOutputs:
+    """One shard's outputs of a call whose support came with its logits: :func:`given_stats`,
+    settled (:func:`_settled`)."""
+    owned = (target >= 0) & (target < v)
+    return _settled(given_stats(torch.where(owned, target, -1), v, call), target, v, target_flag)
 
 
 def backward(source: str, hidden: torch.Tensor, weight: torch.Tensor,
@@ -423,4 +458,4 @@ def _rows_summed(ids: torch.Tensor, dz: torch.Tensor, token: torch.Tensor, hidde
 
 
 __all__ = ["MAX_IDS", "BUCKET", "PairRows", "pair_rows", "forward_stats", "forward_single",
-           "backward"]
+           "given_stats", "given_single", "backward"]

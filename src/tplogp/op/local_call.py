@@ -23,7 +23,7 @@ from ..support import invariant, tensors
 from ..backends.base import ShardBackend, ShardCall
 from ..support.comm import all_gather_flat
 from . import sampler_params
-from .sampler_support import sampler_support
+from .sampler_support import sampler_support, sampler_support_with_logits
 from .support_ids import KEEP_ALL, local_ids
 from .verdicts import BackwardVerdict, KernelTargetCheck
 
@@ -157,8 +157,10 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
     keeps_all: Optional[bool] = False
     # the support from the sampler's parameters (sampler_params.given, inline: the plain path
     # enters no room for it): GLOBAL ids
+    support_logits = None  # (a computed support's logits, where the forward takes them)
     if options.top_k is not None or options.top_p is not None or options.min_p is not None:
-        support = _sampler_support(plan, args, options, h2, w, b, keep_idx, call.vocab_size)
+        support, support_logits = _sampler_support(plan, args, options, h2, w, b, keep_idx,
+                                                   call.vocab_size)
         keeps_all = None
 
     # the invariant level: the rows of the grid blocks this rank computes
@@ -182,29 +184,40 @@ def localize(call, gathered: Optional[torch.Tensor] = None) -> LocalCall:
             support = local_ids(support, 0 if plan.single else args.vocab_start_index, w.shape[0])
         if keeps_all is None:  # a computed support's: read once here (one host read)
             keeps_all = bool(support.shape[1]) and bool((support[:, 0] == KEEP_ALL).any())
-        shard_call = replace(shard_call, support=support, support_keeps_all=keeps_all)
+        if support_logits is not None:  # (this shard's ids' logits)
+            support_logits = torch.where(support >= 0, support_logits, float("-inf"))
+        shard_call = replace(shard_call, support=support, support_keeps_all=keeps_all,
+                             support_logits=support_logits)
+        # (a call that records a graph runs its forward on this one: the logits too)
         call_for_backward = replace(call_for_backward, support=support,
-                                    support_keeps_all=keeps_all)
+                                    support_keeps_all=keeps_all, support_logits=support_logits)
     tpc = TPContext(plan.backend, shard_call, call_for_backward, args.group, plan.world_size,
                     plan.comm_device, plan.single, call.verdict, call.target_check, hidden_reduce,
                     0 if plan.single else args.vocab_start_index, regrid)
     return LocalCall(h2, w, b, local_target, keep_idx, tpc, call.vocab_size, ignored, own_rows)
 
 
-def _sampler_support(plan, args, options, h2, w, b, keep_idx,
-                     vocab: int) -> Optional[torch.Tensor]:
+def _sampler_support(plan, args, options, h2, w, b, keep_idx, vocab: int
+                     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The padded GLOBAL support of the rows ``h2`` computed from the sampler's parameters
     (:mod:`tplogp.op.sampler_support`; ``keep_idx``: the rows ignore_index compaction kept), or
-    None when every filter is off."""
+    None when every filter is off; and, in a 16-bit call that neither runs on the invariant
+    level's grid nor sums the logits, its ids' logits as the passes computed them (the forward's
+    statistics then need no pass of their own), else None. The passes' fp32 logits and the
+    backward's recomputed ones may differ by the GEMMs' rounding: far below a 16-bit call's
+    error, not an fp32 call's at a peaked token's ``1 - p``."""
     params = sampler_params.per_token(options, args.target_ids.numel(), h2.device, vocab)
     if params is None:
-        return None
+        return None, None
     if keep_idx is not None:
         params = params.rows(keep_idx)
     group = args.group if plan.world_size > 1 else None
-    return sampler_support(h2, w, b, params, call=plan.call,
-                           vocab_start=0 if plan.single else args.vocab_start_index, vocab=vocab,
-                           group=group, comm_device=plan.comm_device)
+    layout = dict(call=plan.call, vocab_start=0 if plan.single else args.vocab_start_index,
+                  vocab=vocab, group=group, comm_device=plan.comm_device)
+    if (h2.dtype in (torch.bfloat16, torch.float16) and not plan.call.grid_columns
+            and not plan.call.with_sum_z):
+        return sampler_support_with_logits(h2, w, b, params, **layout)
+    return sampler_support(h2, w, b, params, **layout), None
 
 
 def _regrid(plan, args, v_local: int, vocab: int, ranges) -> invariant.Regrid:

@@ -242,13 +242,13 @@ DECIDE_ELEMENTS = 1 << 25
 
 def _ranked_and_decided(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor,
                         floor: torch.Tensor, params: SamplerParams, bounded: torch.Tensor,
-                        unfit: torch.Tensor, todo: torch.Tensor, done: list
+                        unfit: torch.Tensor, todo: torch.Tensor, done: list, with_logits: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_ranked` and :func:`_decide` on a round's candidates (``[rows, C]``), in blocks of
     rows of at most ``DECIDE_ELEMENTS`` candidates; a row is exact as :func:`_decide` says or where
     ``bounded`` (every id at or above a bound of its support is a candidate), unless ``unfit``.
-    The exact rows' ``(rows of todo, ranked ids, kept lengths)`` are appended to ``done``; returns
-    ``(exact, need)`` of every row."""
+    The exact rows' ``(rows of todo, ranked ids, kept lengths, their logits (fp32) or None)`` are
+    appended to ``done`` (the logits ``with_logits``); returns ``(exact, need)`` of every row."""
     count = values.shape[0]
     block = max(1, DECIDE_ELEMENTS // max(values.shape[1], 1))
     exact, need = [], []
@@ -259,7 +259,8 @@ def _ranked_and_decided(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tens
         kept, block_exact, block_need = _decide(x, lse[rows], floor[rows], params.rows(index))
         block_exact = (block_exact | bounded[rows]) & ~unfit[rows]
         lengths = kept.sum(1)
-        done.append((todo[rows][block_exact], ranked_ids[block_exact], lengths[block_exact]))
+        done.append((todo[rows][block_exact], ranked_ids[block_exact], lengths[block_exact],
+                     x[block_exact].float() if with_logits else None))
         exact.append(block_exact)
         need.append(block_need)
     return torch.cat(exact), torch.cat(need)
@@ -277,7 +278,6 @@ def _active(params: SamplerParams, n: int, device: torch.device) -> torch.Tensor
     return on
 
 
-@torch.no_grad()  # (a set of ids: nothing of it is differentiated)
 def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                     params: SamplerParams, *, call: ShardCall, vocab_start: int, vocab: int,
                     group, comm_device: torch.device) -> torch.Tensor:
@@ -288,6 +288,34 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     transform (the op's own: :func:`tplogp.backends.native_tiles.call_logits_tile`) within its
     transient budget. Every rank of ``group`` calls it with the same rows and parameters and gets
     the same result."""
+    return _support(hidden, weight, bias, params, call, vocab_start, vocab, group, comm_device,
+                    False)[0]
+
+
+def sampler_support_with_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                                bias: Optional[torch.Tensor], params: SamplerParams, *,
+                                call: ShardCall, vocab_start: int, vocab: int, group,
+                                comm_device: torch.device
+                                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`sampler_support` and the logits of its ids as the passes computed them (fp32
+    ``[n, K]``, ``-inf`` on padding; every rank's the same), or None where some row keeps every id
+    or a round's candidates were too many to keep theirs (more than ``vocab / LOGITS_FRACTION`` a
+    row)."""
+    return _support(hidden, weight, bias, params, call, vocab_start, vocab, group, comm_device,
+                    True)
+
+
+# a round keeps its candidates' logits (sampler_support_with_logits) while a row has at most
+# vocab / LOGITS_FRACTION of them: a narrow support's logits cost a fraction of its ids' memory
+LOGITS_FRACTION = 8
+
+
+@torch.no_grad()  # (a set of ids: nothing of it is differentiated)
+def _support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             params: SamplerParams, call: ShardCall, vocab_start: int, vocab: int, group,
+             comm_device: torch.device, with_logits: bool
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`sampler_support` (and :func:`sampler_support_with_logits`' logits)."""
     n, dev = hidden.shape[0], hidden.device
     workspace_bytes, deterministic = call.workspace_bytes, call.deterministic
     world = 1 if group is None else torch.distributed.get_world_size(group)
@@ -372,7 +400,9 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         held = ranks[:, :, 2 * m + 2].max(0).values
         was = torch.arange(count, device=dev) < (above if first else collecting)
         exact, need = _ranked_and_decided(values, ids, lse, floor, rows_params, floor < lo,
-                                          was & (held > m), todo, done)
+                                          was & (held > m), todo, done,
+                                          with_logits and values.shape[1] * LOGITS_FRACTION
+                                          <= vocab)
         # the next round: the rows after the first collect from their bound, at an edge counted
         # first; a collecting row left (its ids past the candidates, or an edge that did not
         # settle it) collects from its bound, then takes the largest, as the rows without a bound
@@ -419,19 +449,24 @@ def sampler_support(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             grown = int(min(vocab, max(m * GROWTH, math.ceil(min(2 * need / world, vocab)))))
         # (the most ids a rank counted in a collecting row's bins: a row with more runs again)
         m = int(min(vocab, max(grown, size_max if collecting else 0, 1)))
-    widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths
+    widths = [torch.zeros((), dtype=torch.int64, device=dev)] + [lengths.max() for _, _, lengths, _
                                                                  in done if lengths.numel()]
     every = bool((~on).any()) if n else False
     width = max(int(torch.stack(widths).max()), 1 if every else 0)
     out = torch.full((n, width), -1, dtype=torch.int64, device=dev)
     if every:
         out[~on, 0] = KEEP_ALL
-    for rows, ranked_ids, lengths in done:
+    logits = None
+    if with_logits and not every and all(values is not None for *_, values in done):
+        logits = torch.full((n, width), float("-inf"), dtype=torch.float32, device=dev)
+    for rows, ranked_ids, lengths, values in done:
         w = min(width, ranked_ids.shape[1])
-        part = ranked_ids[:, :w]
-        positions = torch.arange(w, device=dev)
-        out[rows, :w] = torch.where(positions[None, :] < lengths[:, None], part, -1)
-    return out
+        inside = torch.arange(w, device=dev)[None, :] < lengths[:, None]
+        out[rows, :w] = torch.where(inside, ranked_ids[:, :w], -1)
+        if logits is not None:
+            logits[rows, :w] = torch.where(inside, values[:, :w], float("-inf"))
+    return out, logits
 
 
-__all__ = ["sampler_support", "SLACK", "MIN_CANDIDATES", "GROWTH"]
+__all__ = ["sampler_support", "sampler_support_with_logits", "SLACK", "MIN_CANDIDATES", "GROWTH",
+           "LOGITS_FRACTION"]
