@@ -93,6 +93,10 @@ supports fit ``GRID_CANDIDATES``. Min-p alone whose ids pass the first round's `
 takes three (the first round, the counting pass, the collecting round). Why 256 to start: a
 smaller first ``M`` saves part of the first round's ``topk``, but a token whose support is past it
 takes the two further passes.
+
+The kept ids' logits are the ranked candidates' values: :func:`sampler_support_with_logits` returns
+them beside the ids (while the candidates are few enough to keep), and a 16-bit call's forward takes
+its statistics from them with no pass of its own (:mod:`tplogp.op.local_call`).
 """
 
 from __future__ import annotations
