@@ -150,7 +150,7 @@ def test_grid_rows_last_bin_matches_the_torch_path():
         state.start(r0, r1)
         for z in tiles:
             state.add_tile(z[r0:r1])
-        state.finish(top_p[r0:r1], last[r0:r1], sampler_grid.MASS_MARGIN)
+        state.finish(top_p[r0:r1] + sampler_grid.MASS_MARGIN, last[r0:r1])
     want = sampler_grid.window_last_bin(state.result(), width, top_p)
     assert last.long().tolist() == want.tolist()
     assert last[5] == BINS - 1 and len(set(last.tolist())) >= 5

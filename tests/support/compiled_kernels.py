@@ -195,8 +195,7 @@ def _sampler_cases() -> list[tuple]:
     move = dict(tile_max_ptr="*fp32", width_ptr="*fp64", row_max_ptr="*fp32",
                 top_index_ptr="*fp64", sum_ptr="*fp64", partial_ptr="*fp64", counts_ptr="*fp32",
                 masses_ptr="*fp32", counts_out_ptr="*fp32", masses_out_ptr="*fp32",
-                shift_ptr="*fp32", scale_ptr="*fp32", top_p_ptr="*fp64", last_ptr="*i32",
-                margin="fp32")
+                shift_ptr="*fp32", scale_ptr="*fp32", reach_ptr="*fp64", last_ptr="*i32")
     collect = dict(**tile, at_least_ptr="*fp32", last_ptr="*i32", vals_ptr="*fp32",
                    ids_ptr="*i64", held_ptr="*i32", below_ptr="*fp32", v0="i32", m="i32",
                    stride_b="i32")

@@ -27,10 +27,10 @@
   counts the tile in the new window and, with ``WITH_SUM``, writes each program's sum of
   ``exp(z - shift)`` over all of its columns (fp32 terms, summed in float64: NaN and ``+inf``
   kept, as the torch path's sum keeps them) to its own column of the partials. With ``LAST``
-  (after a row's last tile) it also writes the first bin where the masses from the top pass
-  ``top_p`` by a margin (``tplogp.op.sampler_grid.last_bin`` of ``bin_masses``, in float64: the
-  groups above the bin, then its group's counts times their bottoms' ``exp(bottom - lse)``),
-  else the last bin.
+  (after a row's last tile) it also writes the first bin where the masses from the top reach a
+  row's ``reach`` (``top_p`` plus a margin: ``tplogp.op.sampler_grid.last_bin`` of
+  ``bin_masses``, in float64: the groups above the bin, then its group's counts times their
+  bottoms' ``exp(bottom - lse)``), else the last bin.
 * :func:`collect_kernel`: per row, the logits at least a threshold (or, ``BY_BIN``, those of the
   bins up to a last one, the bin computed as :func:`bin_counts_kernel` does: the ids it counted
   there) and their ids. One program owns
@@ -111,9 +111,8 @@ def grid_move_kernel(
     masses_out_ptr,  # [rows, BINS // COARSE] fp32: moved and rescaled, written
     shift_ptr,  # [rows] fp32: the masses' shift for the tile, written
     scale_ptr,  # [rows, 3] fp32: the window's bin rows, written
-    top_p_ptr,  # [rows] float64: top_p, read (LAST)
+    reach_ptr,  # [rows] float64: the mass the bins through the last reach (top_p + a margin)
     last_ptr,  # [rows] int32: the last bin the row collects, written (LAST)
-    margin,  # the mass past top_p the bins through the last hold (LAST)
     P: tl.constexpr, BINS: tl.constexpr, COARSE: tl.constexpr, LAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -168,7 +167,7 @@ def grid_move_kernel(
         bounds = tl.where(bounds == bounds, bounds, 0.0)
         # through bin j of group G: the groups above G, then G's bins' bounds through j
         through = (tl.cumsum(groups_lse, 0) - groups_lse)[:, None] + tl.cumsum(bounds, 1)
-        reached = through >= tl.load(top_p_ptr + row) + margin
+        reached = through >= tl.load(reach_ptr + row)
         first = tl.min(tl.min(tl.where(reached, j, BINS), 1), 0)
         tl.store(last_ptr + row, tl.minimum(first, BINS - 1))
 

@@ -50,11 +50,10 @@ def count_bins(z: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor) -> No
     launch(z, scale, scale, counts, counts, counts)
 
 
-def _move_launch(rows: int, partials: int, bins: int, coarse: int, margin: Optional[float]
-                 ) -> Launch:
-    """The window's move; with a ``margin`` also each row's last bin (:meth:`GridRows.finish`)."""
-    return Launch(grid_move_kernel, (rows,), (margin or 0.0,), 1, None,
-                  dict(P=partials, BINS=bins, COARSE=coarse, LAST=margin is not None))
+def _move_launch(rows: int, partials: int, bins: int, coarse: int, last: bool) -> Launch:
+    """The window's move; with ``last`` also each row's last bin (:meth:`GridRows.finish`)."""
+    return Launch(grid_move_kernel, (rows,), (), 1, None,
+                  dict(P=partials, BINS=bins, COARSE=coarse, LAST=last))
 
 
 class GridRows:
@@ -91,15 +90,15 @@ class GridRows:
                       self.sums[rows], self.partials[rows], self.counts[:, rows],
                       self.masses[:, rows], self.shift[rows], self.scale[rows])
 
-    def _move(self, tile_max: torch.Tensor, top_p: Optional[torch.Tensor] = None,
-              last: Optional[torch.Tensor] = None, margin: float = 0.0) -> None:
+    def _move(self, tile_max: torch.Tensor, reach: Optional[torch.Tensor] = None,
+              last: Optional[torch.Tensor] = None) -> None:
         width, row_max, top_index, sums, partials, counts, masses, shift, scale = self._rows
-        held, with_last = self.held, top_p is not None
+        held, with_last = self.held, reach is not None
         cached(_move_launch, row_max.shape[0], partials.shape[1], counts.shape[2], self.coarse,
-               margin if with_last else None)(
+               with_last)(
             tile_max, width, row_max, top_index, sums, partials, counts[held], masses[held],
             counts[1 - held], masses[1 - held], shift, scale,
-            top_p if with_last else width, last if with_last else counts[held])
+            reach if with_last else width, last if with_last else counts[held])
         self.held = 1 - held
 
     def add_tile(self, z: torch.Tensor) -> None:
@@ -115,12 +114,12 @@ class GridRows:
                         partials.stride(0))
         launch(z, scale, shift, counts[self.held], masses[self.held], partials)
 
-    def finish(self, top_p: Optional[torch.Tensor] = None, last: Optional[torch.Tensor] = None,
-               margin: float = 0.0) -> None:
-        """Fold the started rows' last partial sums; with ``top_p`` (float64 ``[rows]``) also write
-        ``last`` (int32 ``[rows]``): the first bin where their masses from the top pass ``top_p``
-        by ``margin``, else the last (``tplogp.op.sampler_grid.last_bin``)."""
-        self._move(self._rows[1], top_p, last, margin)  # (the max unchanged: nothing moves)
+    def finish(self, reach: Optional[torch.Tensor] = None,
+               last: Optional[torch.Tensor] = None) -> None:
+        """Fold the started rows' last partial sums; with ``reach`` (float64 ``[rows]``: ``top_p``
+        plus a margin) also write ``last`` (int32 ``[rows]``): the first bin where their masses
+        from the top reach it, else the last (``tplogp.op.sampler_grid.last_bin``)."""
+        self._move(self._rows[1], reach, last)  # (the max unchanged: nothing moves)
 
     def result(self) -> tuple[torch.Tensor, ...]:
         """``(row max, sum exp(z - max), top index, counts, masses)`` of every row."""

@@ -111,7 +111,7 @@ def _grid_kernels(out: torch.Tensor, h: torch.Tensor, m: int, width: torch.Tenso
         last = torch.empty(n, dtype=torch.int32, device=h.device)
         below = torch.full((n, kernels.collect_blocks(cols)), float("-inf"), dtype=torch.float32,
                            device=h.device)
-        p = top_p.double().contiguous()
+        reach = top_p.double() + MASS_MARGIN  # (as last_bin compares, in float64)
     for t0, t1, hc in passes.row_chunks(h, deterministic):
         state.start(t0, t1)
         for z in tiles_of(hc):
@@ -119,7 +119,7 @@ def _grid_kernels(out: torch.Tensor, h: torch.Tensor, m: int, width: torch.Tenso
         if top_p is None:
             state.finish()
             continue
-        state.finish(p[t0:t1], last[t0:t1], MASS_MARGIN)
+        state.finish(reach[t0:t1], last[t0:t1])
         kernels.collect_in_bins(z[:t1 - t0], state.scale[t0:t1], last[t0:t1], BINS, vals[t0:t1],
                                 ids[t0:t1], held[t0:t1], below[t0:t1])
     _grid_out(out, m, *state.result())
