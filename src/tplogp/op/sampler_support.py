@@ -264,7 +264,7 @@ def _ranked_and_decided(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tens
         block_exact = (block_exact | bounded[rows]) & ~unfit[rows]
         lengths = kept.sum(1)
         done.append((todo[rows][block_exact], ranked_ids[block_exact], lengths[block_exact],
-                     x[block_exact].float() if with_logits else None))
+                     x.float()[block_exact] if with_logits else None))
         exact.append(block_exact)
         need.append(block_need)
     return torch.cat(exact), torch.cat(need)
