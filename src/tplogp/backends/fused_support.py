@@ -23,10 +23,6 @@ Three ways, as on the native source (:mod:`tplogp.backends.native_support`):
   builds the bitmask of each d_logits chunk's columns
   (:func:`tplogp.kernels.backward_programs.backward`).
 
-A support computed from the sampler's parameters in a 16-bit call comes with its ids' logits, from
-which the forward takes its statistics (:func:`tplogp.backends.support_pairs.given_stats`) where
-it keeps nothing; the backward runs one of the ways above.
-
 Support calls run no launch program (the per-layout ones of :mod:`tplogp.kernels.forward_programs`):
 they go through the per-call entry points, planned afresh at every call as the call path plans them.
 """
@@ -46,8 +42,6 @@ from .native_support import by_pairs, chunk_rows, chunked_forward, gathered, sca
 def forward_stats(backend, hidden, weight, bias, local_target, call: ShardCall,
                   kept_out: Optional[torch.Tensor] = None) -> ShardStats:
     """``backend.forward_stats`` of a call with a support (module docstring)."""
-    if kept_out is None and call.support_logits is not None:
-        return support_pairs.given_stats(local_target, weight.shape[0], call)
     narrow = None if kept_out is not None else gathered(weight, bias, local_target, call)
     if narrow is not None:
         lost, targets = _lost_targets(narrow.local_target, local_target)
@@ -68,8 +62,6 @@ def forward_single(backend, hidden, weight, bias, target, call: ShardCall,
                    target_flag: Optional[torch.Tensor] = None,
                    kept_out: Optional[torch.Tensor] = None) -> SingleShardOutputs:
     """``backend.forward_single`` of a call with a support (module docstring)."""
-    if kept_out is None and call.support_logits is not None:
-        return support_pairs.given_single(target, weight.shape[0], call, target_flag)
     narrow = None if kept_out is not None else gathered(weight, bias, target, call)
     if narrow is not None:
         lost, targets = _lost_targets(narrow.local_target, target)

@@ -258,11 +258,7 @@ class NativeBackend(BudgetParts):
                       kept_out: Optional[torch.Tensor]) -> Optional[ShardStats]:
         """The forward statistics of a call with a support that runs on gathered rows: a small
         union of the supports' ids, else narrow supports from their (token, id) pairs, else token
-        chunks with small unions; None where the tiles mask the whole shard. A support that
-        came with its logits (the sampler's) takes its statistics from them, where nothing is
-        kept."""
-        if kept_out is None and call.support_logits is not None:
-            return support_pairs.given_stats(local_target, weight.shape[0], call)
+        chunks with small unions; None where the tiles mask the whole shard."""
         narrow = gathered(weight, bias, local_target, call)
         if narrow is not None:
             st = self.forward_stats(hidden, narrow.weight, narrow.bias, narrow.local_target,

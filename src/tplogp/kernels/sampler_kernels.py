@@ -145,7 +145,7 @@ def grid_move_kernel(
     tl.store(top_index_ptr + row, index)
     tl.store(sum_ptr + row, total)
     tl.store(shift_ptr + row, base)
-    # the window: BINS grid steps below its top (sampler_passes._grid_scale's rows)
+    # the window: BINS grid steps below its top (sampler_grid._grid_scale's rows)
     top = tl.where(finite, index, 0.0) * width
     lo = top - BINS * width
     lo32 = lo.to(tl.float32)
@@ -157,7 +157,7 @@ def grid_move_kernel(
     tl.store(scale_ptr + row * 3, tl.where(finite, lo32, float("inf")))
     tl.store(scale_ptr + row * 3 + 1, tl.where(finite, top.to(tl.float32), float("inf")))
     tl.store(scale_ptr + row * 3 + 2, tl.where(finite, s, float("inf")))
-    if LAST:  # the first bin where the masses from the top pass top_p (sampler_grid.last_bin)
+    if LAST:  # the first bin where the masses from the top reach `reach` (sampler_grid.last_bin)
         lse = base.to(tl.float64) + tl.log(total)
         groups_lse = masses.to(tl.float64) * tl.exp(new.to(tl.float64) - lse)
         groups_lse = tl.where(groups_lse == groups_lse, groups_lse, 0.0)

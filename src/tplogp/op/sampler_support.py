@@ -96,7 +96,7 @@ takes the two further passes.
 
 The kept ids' logits are the ranked candidates' values: :func:`sampler_support_with_logits` returns
 them beside the ids (while the candidates are few enough to keep), and a 16-bit call's forward takes
-its statistics from them with no pass of its own (:mod:`tplogp.op.local_call`).
+its statistics from them with no pass of its own (:func:`tplogp.op.tp.shard_forward`).
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ import torch
 
 from ..support import invariant
 from . import local_call
+from ..backends import support_pairs
 from ..backends.base import KeptBuffers, ShardCall
 from ..support.comm import all_gather_flat, overlapped_reduce
 from .local_call import LocalCall, TPContext
@@ -136,20 +137,27 @@ def shard_forward(hidden, weight, bias, local_target, tpc: TPContext, call: Shar
         logp = torch.where(count == 1, target_rel - log_sum, float("nan"))
         entropy = None if mean_rel is None else log_sum - mean_rel
         return (logp, entropy, lse, argmax, sum_z), (row_max, log_sum, mean_rel, None)
+    # a support that came with its logits (the sampler's, in a 16-bit call): the statistics from
+    # them, whatever the source, where the forward keeps nothing (no pass over the vocabulary)
+    given = call.support_logits is not None and kept_out is None
     if tpc.single:  # no merge: the backend's kernels finish logp / lse / entropy (fewest host ops)
         check = tpc.target_check
-        if check is None:
+        flag = None if check is None else check.flag
+        if given:
+            out = support_pairs.given_single(local_target, weight.shape[0], call, flag)
+        elif check is None:
             out = be.forward_single(hidden, weight, bias, local_target, call, kept_out=kept_out)
         else:  # and check the targets: no launch or copy of the checks' own
-            out = be.forward_single(hidden, weight, bias, local_target, call,
-                                    target_flag=check.flag, kept_out=kept_out)
-            # the point the host waits for before reading the flag's slot
-            if check.ready is not None:
-                check.ready.record(current_stream(hidden.device))
+            out = be.forward_single(hidden, weight, bias, local_target, call, target_flag=flag,
+                                    kept_out=kept_out)
+        # the point the host waits for before reading the flag's slot
+        if check is not None and check.ready is not None:
+            check.ready.record(current_stream(hidden.device))
         return (out.logp, out.entropy, out.lse, out.argmax, out.sum_z), (out.row_max, out.log_sum,
                                                                          out.mean_rel,
                                                                           out.kept)
-    st = be.forward_stats(hidden, weight, bias, local_target, call, kept_out=kept_out)
+    st = (support_pairs.given_stats(local_target, weight.shape[0], call) if given else
+          be.forward_stats(hidden, weight, bias, local_target, call, kept_out=kept_out))
     owned = local_target >= 0
     if tpc.world_size > 1:
         cols = [st.row_max, st.sum_exp, st.target_logit, owned.to(torch.float32)]
