@@ -199,8 +199,9 @@ def test_sampler_parameters_on_each_source(source, dtype, case):
     ids are the float64 definition's (``tplogp.testing.reference.sampler_mask``, exact ties at the
     k-th logit), and the op's outputs and gradients, with the parameters and with that explicit
     support (the targets drawn from it, as a sampler draws them), are the float64 definition's
-    by the three-way rule (a 16-bit call's forward takes its statistics from the sampler's
-    logits: sums in another order than the explicit support's forward)."""
+    by the three-way rule and equal each other (a 16-bit call's forward takes its statistics from
+    the sampler's logits, its sums in another order than the explicit support's forward: there
+    its logp and entropy equal, its gradients by the three-way rule)."""
     from tplogp.op.options import LogpOptions
     from tplogp.op.sampler_params import per_token
     from tplogp.op.sampler_support import sampler_support
@@ -228,12 +229,20 @@ def test_sampler_parameters_on_each_source(source, dtype, case):
     assert not bad, f"{source} {dtype} {case}: tokens {bad[:8]} keep other ids"
     support = padded_support(keep).to(device)
     op = tplogp.get_op("linear_logp", source)
+    results = []
     for kw in (params, dict(support=support)):
         leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
         out = op(leaves[0], leaves[1], target, leaves[2], return_entropy=True, return_lse=True,
                  **kw)
         found = _check(tuple(out), leaves, (hidden, weight, bias, target, support), dt)
         assert not found, f"{source} {dtype} {case} {list(kw)}: " + "; ".join(found)
+        results.append((out.logp.detach(), out.entropy.detach(), *(t.grad for t in leaves)))
+    # the same values (fp32: the same way; 16-bit: the statistics' sums in another order, so the
+    # gradients, rounded to the input dtype, by the three-way rule above)
+    names = ("logp", "entropy", "d_hidden", "d_weight", "d_bias")
+    for name, a, b in list(zip(names, *results))[:5 if dt == torch.float32 else 2]:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True,
+                                   msg=lambda m, name=name: f"{source} {case} {name}: {m}")
 
 
 @pytest.mark.parametrize("source", ["sm90", "triton", "native"])
