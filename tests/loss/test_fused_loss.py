@@ -222,22 +222,22 @@ def test_deterministic_reaches_the_source(monkeypatch, deterministic):
     """``deterministic`` reaches the source's backward: the native source then pads every token
     chunk to its fixed height (rows' results independent of the batch), and a row's d_hidden is the
     same bits in a sub-batch."""
-    from tplogp.backends import native
+    from tplogp.backends import native_backward, native_tiles
 
     p = make_problem((33,), 16, 97, torch.bfloat16, False, seed=3)
     extra = _per_token(p, 2)
     pads = []
-    real = native._token_chunk
+    real = native_backward._token_chunk
 
     def token_chunk(*args, **options):
         pads.append(args[-1])  # pad_to
         return real(*args, **options)
 
-    monkeypatch.setattr(native, "_token_chunk", token_chunk)
+    monkeypatch.setattr(native_backward, "_token_chunk", token_chunk)
     full = _run(True, p, extra, "sum", deterministic=deterministic)
     # not deterministic: token chunks of the batch's own height, or none (one tile: the one-tile
     # backward)
-    assert (pads and set(pads) == {native.DETERMINISTIC_TOKEN_CHUNK}) if deterministic else set(pads) <= {None}, pads
+    assert (pads and set(pads) == {native_tiles.DETERMINISTIC_TOKEN_CHUNK}) if deterministic else set(pads) <= {None}, pads
     rows = slice(5, 29)
     sub = make_problem((33,), 16, 97, torch.bfloat16, False, seed=3)
     sub.hidden, sub.target = sub.hidden[rows], sub.target[rows]

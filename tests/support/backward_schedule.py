@@ -1,5 +1,5 @@
 """Record the TP backward's schedule on the native source: when the d_hidden all-reduce (or a sequence-parallel
-call's reduce-scatter) is issued, relative to the d_W updates (``native._accumulate_dw``), for the overlap tests."""
+call's reduce-scatter) is issued, relative to the d_W updates (``native_backward._accumulate_dw``), for the overlap tests."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ def record_schedule() -> Iterator[list]:
     """Yields the list of events, in order: ``("all_reduce", async_op)``, ``("reduce_scatter", async_op)`` and
     ``("d_W", None)``."""
     from tplogp.support import comm
-    from tplogp.backends import native
+    from tplogp.backends import native_backward
 
     events: list = []
-    real_all_reduce, real_dw, real_scatter = dist.all_reduce, native._accumulate_dw, comm.reduce_scatter_rows
+    real_all_reduce, real_dw, real_scatter = dist.all_reduce, native_backward._accumulate_dw, comm.reduce_scatter_rows
 
     def all_reduce(t, *args, **kwargs):
         events.append(("all_reduce", kwargs.get("async_op", False)))
@@ -31,11 +31,11 @@ def record_schedule() -> Iterator[list]:
         events.append(("reduce_scatter", async_op))
         return real_scatter(out, inp, group, async_op)
 
-    dist.all_reduce, native._accumulate_dw, comm.reduce_scatter_rows = all_reduce, accumulate_dw, reduce_scatter
+    dist.all_reduce, native_backward._accumulate_dw, comm.reduce_scatter_rows = all_reduce, accumulate_dw, reduce_scatter
     try:
         yield events
     finally:
-        dist.all_reduce, native._accumulate_dw, comm.reduce_scatter_rows = real_all_reduce, real_dw, real_scatter
+        dist.all_reduce, native_backward._accumulate_dw, comm.reduce_scatter_rows = real_all_reduce, real_dw, real_scatter
 
 
 def overlap_problem(events: list, collective: str = "all_reduce") -> Optional[str]:

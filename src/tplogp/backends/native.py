@@ -15,10 +15,10 @@ Algorithm (one vocab shard, see :mod:`tplogp.backends.base` for the contract):
 * Forward keeps an online softmax per token across vocab tiles: running max ``m``,
   ``s = sum exp(z - m)`` and, for entropy, ``q = sum exp(z - m) (z - m)``; when ``m`` grows to
   ``m'``, ``s <- s e^{m-m'}`` and ``q <- e^{m-m'} (q + s (m - m'))``.
-* Backward (vocab tiles outer, token chunks inner) recomputes each tile (or reads a kept one), forms
-  ``dz`` in fp32, then accumulates ``d_hidden`` (fp32) and ``d_weight`` with fp32-accumulating
-  GEMMs; a low-precision ``d_weight`` is summed per vocab tile in an fp32 tile buffer within the
-  tile budget and rounded once. Saved state is O(N).
+* Backward (vocab tiles outer, token chunks inner: :mod:`tplogp.backends.native_backward`)
+  recomputes each tile (or reads a kept one), forms ``dz`` in fp32, then accumulates ``d_hidden``
+  (fp32) and ``d_weight`` with fp32-accumulating GEMMs; a low-precision ``d_weight`` is summed per
+  vocab tile in an fp32 tile buffer within the tile budget and rounded once. Saved state is O(N).
 * ``deterministic=True`` uses a token chunk that does not depend on N and pads the last chunk to it,
   so every GEMM has the same shape whatever the batch: a row's results do not change when other rows
       are added or removed.
@@ -38,19 +38,18 @@ from typing import Optional
 
 import torch
 
-from ..support import fp32_gemm, settings
+from ..support import settings
 from . import memory_budget
 from ..kernels.kept import kept_dtype  # (torch only: no Triton import)
 from ..support.masked_rows import floored, rescale_max, settle_rows
 from . import native_grid
 from .base import BlockStats, BudgetParts, ShardCall, ShardGrads, ShardStats, SingleShardOutputs
+from .native_backward import backward_tiles
 from .native_one_tile import backward_one_tile, forward_one_tile
 from . import support_pairs
 from .native_support import (by_pairs, chunk_rows, chunked_forward, gathered,
                              gathered_backward, kept_columns, scattered_argmax, support_rows)
-from .native_tiles import (DETERMINISTIC_TOKEN_CHUNK, _finish_dz, _pad_rows, _token_chunk,
-                           _TokenChunk, call_logits_tile, call_recomputed_dz, has_slope,
-                           kept_slope)
+from .native_tiles import DETERMINISTIC_TOKEN_CHUNK, _pad_rows, call_logits_tile
 
 # fp32 [tokens, vocab] tiles alive at once in the worst case (z, exp/p, dz) plus slack for
 # temporaries.
@@ -102,49 +101,6 @@ def plan_chunks(n_tokens: int, vocab: int, dim: int, workspace_bytes: int, deter
         tc = min_tokens
         vc = max(1, min(vocab, budget_elems // (tc + extra_per_vocab)))
     return tc, vc
-
-
-def _log_terms(terms: torch.Tensor) -> torch.Tensor:
-    """``log(e)`` in fp32 of a kept tile's terms ``e = exp(z - m)``, ``e`` clamped to 2^-126 first
-    (a flushed term's log stays finite; its p is 0): what the transform's slope and the entropy's
-    ``z - M`` are read from."""
-    return terms.to(torch.float32, copy=True).clamp_min_(_TINY).log_()
-
-
-# 2^-126: a flushed kept term's log stays finite (its p is 0)
-_TINY = torch.finfo(torch.float32).tiny
-
-
-def _dz_from_kept(terms: torch.Tensor, log_terms: Optional[torch.Tensor], scales: torch.Tensor,
-                  ch: "_TokenChunk") -> torch.Tensor:
-    """``dz`` (without the one-hot term) of a kept tile: ``p = e * exp(m - M - log S)`` from the
-    kept terms ``e = exp(z
-    - m)`` and their row scale ``m`` (out of place: a repeated backward reads them again), and with
-    entropy ``zr = z - M = log(e) + (m - M)`` from ``log_terms`` (:func:`_log_terms`; overwritten).
-    At the row max ``e = 1`` and ``m = M`` exactly, so ``1 - p`` does not cancel at a peaked
-    target."""
-    shift = scales - ch.m  # m - M <= 0
-    p = terms.to(torch.float32, copy=True).mul_((shift - ch.ls).exp_().unsqueeze(1))
-    if ch.ge is None:
-        return p.mul_(ch.c0.unsqueeze(1)).neg_()
-    # (floored: a tile kept before the row's first unmasked column has m = -inf)
-    zr = floored(log_terms.add_(shift.unsqueeze(1)))
-    return zr.mul_(ch.ge.unsqueeze(1)).add_(ch.c0.unsqueeze(1)).mul_(p).neg_()
-
-
-def _accumulate_dw(acc: torch.Tensor, dz: torch.Tensor, h: torch.Tensor,
-                   rows_per_block: int) -> None:
-    """``acc += dz.T @ h`` into the fp32 accumulator without a full-size temporary.
-
-    fp32 operands: one in-place ``addmm_``. Low-precision operands (CUDA): fp32-output GEMMs over
-    blocks of ``rows_per_block`` vocab rows, so the temporary stays within the workspace budget.
-    """
-    if dz.dtype == torch.float32 and h.dtype == torch.float32:
-        acc.addmm_(dz.t(), h)
-        return
-    for r0 in range(0, acc.shape[0], rows_per_block):
-        r1 = min(r0 + rows_per_block, acc.shape[0])
-        acc[r0:r1] += fp32_gemm.mm(dz[:, r0:r1].t(), h)
 
 
 # the forward's plans, by (sizes, dtype, device, call, TPLOGP_WORKSPACE_MB): planned once per layout
@@ -446,9 +402,16 @@ class NativeBackend(BudgetParts):
             d_bias32 = db_acc if db_acc is not None else torch.zeros(v, device=dev,
                                                                      dtype=torch.float32)
         if n > 0 and v > 0 and (need_h or need_w or d_bias32 is not None):
-            self._backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                                 grad_entropy, grad_lse, mean_rel, call, d_hidden, d_weight,
-                                 d_bias32, d_hidden_ready, kept, grad_sum_z=grad_sum_z)
+            tc, vc, (n_kept, _) = self._plan(hidden, weight, call)
+            kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic,
+                                          kept_dtype(weight.dtype))
+            tile_bytes = memory_budget.split(self.name, call.workspace_bytes, dev).transient
+            # d_W rows updated per GEMM when the update needs a temporary (low-precision operands
+            # on CUDA)
+            rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(d, 1)))
+            backward_tiles(hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
+                           grad_entropy, grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32,
+                           tc, vc, kept_views, rows_per_block, d_hidden_ready, grad_sum_z)
         else:
             if d_weight is not None and d_weight.dtype != torch.float32:
                 d_weight.zero_()
@@ -458,76 +421,6 @@ class NativeBackend(BudgetParts):
         if d_bias32 is not None:
             d_bias = d_bias32 if (bias.dtype == torch.float32 or db_acc is not None) else d_bias32.to(bias.dtype)
         return ShardGrads(d_hidden, d_weight, d_bias)
-
-    def _backward_tiles(self, hidden, weight, bias, local_target, row_max, log_sum, grad_logp,
-                        grad_entropy, grad_lse, mean_rel, call, d_hidden, d_weight, d_bias32,
-                        d_hidden_ready=None, kept=None, grad_sum_z=None) -> None:
-        """Vocab tiles outer, token chunks inner: each vocab tile's ``d_W`` rows are complete after
-        its token chunks, so a low-precision ``d_W`` is summed in an fp32 ``[vocab_chunk, D]`` tile
-        buffer (counted in the tile budget by :func:`plan_chunks`) and rounded once into the output.
-        ``d_hidden`` sums the vocab tiles in order into its fp32 rows, and ``d_W`` each tile's token
-        chunks in order: the sums of the token-outer order, bit for bit."""
-        n, v = hidden.shape[0], weight.shape[0]
-        # GEMM operand dtype for dz: the weight's dtype on CUDA (like an eager LM head, fp32
-        # accumulation), fp32 on CPU where low-precision GEMMs have no fp32-output path.
-        gemm_dtype = weight.dtype if hidden.device.type == "cuda" else torch.float32
-        tc, vc, (n_kept, _) = self._plan(hidden, weight, call)
-        kept_views = self._kept_views(kept, n, v, tc, vc, n_kept, call.deterministic,
-                                      kept_dtype(weight.dtype))
-        tile_bytes = memory_budget.split(self.name, call.workspace_bytes, hidden.device).transient
-        # d_W rows updated per GEMM when the update needs a temporary (low-precision operands on
-        # CUDA)
-        rows_per_block = max(1, tile_bytes // (4 * _TILE_COPIES * max(hidden.shape[1], 1)))
-        chunks = [_token_chunk(hidden, row_max, log_sum, grad_logp, grad_entropy, grad_lse,
-                               mean_rel, local_target, t0, min(t0 + tc, n),
-                               tc if call.deterministic else None, grad_sum_z=grad_sum_z)
-                  for t0 in range(0, n, tc)]
-        dw_tile = None
-        if d_weight is not None and d_weight.dtype != torch.float32:
-            dw_tile = torch.empty(min(vc, v), hidden.shape[1], device=hidden.device,
-                                  dtype=torch.float32)
-        for v0 in range(0, v, vc):
-            v1 = min(v0 + vc, v)
-            w = weight[v0:v1]
-            w_g = w if w.dtype == gemm_dtype else w.to(gemm_dtype)
-            acc = None
-            if d_weight is not None:
-                acc = d_weight[v0:v1] if dw_tile is None else dw_tile[: v1 - v0].zero_()
-            for ch in chunks:
-                t0, t1 = ch.t0, ch.t1
-                keep = kept_views.get((t0, v0))
-                slope = None  # the transform's d cap / d y
-                if keep is not None:  # the forward kept the tile's terms: no GEMM
-                    terms, scales = keep
-                    sloped = has_slope(call)
-                    log_terms = None if not sloped and ch.ge is None else _log_terms(terms)
-                    if sloped:  # the scales are the running max of the tanh
-                        slope, scales = kept_slope(log_terms, scales, call)
-                    dz = _dz_from_kept(terms, log_terms, scales, ch)
-                else:  # recompute the tile
-                    dz, slope = call_recomputed_dz(ch, w, None if bias is None else bias[v0:v1],
-                                                   call)
-                dz = _finish_dz(dz, ch, v0, v1, call.inv_temperature, slope)
-                if call.support is not None:  # 0 outside the row's support (p = 0 there; the
-                    # target's one-hot too, when a computed support does not hold the target)
-                    ids = support_rows(call.support, t0, t1, ch.h.shape[0])
-                    dz[:, : v1 - v0].masked_fill_(~kept_columns(ids, v0, v1), 0.0)
-                del slope
-                if d_bias32 is not None:
-                    d_bias32[v0:v1] += dz.sum(0)
-                dz_g = dz if dz.dtype == gemm_dtype else dz.to(gemm_dtype)
-                del dz
-                if d_hidden is not None:
-                    d_hidden[t0:t1] += fp32_gemm.mm(dz_g, w_g)[: t1 - t0]
-                    if t1 == n and v1 == v and d_hidden_ready is not None:
-                        # complete: hand it over before this tile's d_W update
-                        d_hidden_ready(d_hidden)
-                if acc is not None:
-                    h_gemm = ch.h if ch.h.dtype == gemm_dtype else ch.h.to(gemm_dtype)
-                    _accumulate_dw(acc, dz_g, h_gemm, rows_per_block)
-            if dw_tile is not None:
-                d_weight[v0:v1] = acc  # rounded once to the weight dtype
-
 
 # ---- one tile: a call whose logits fit one [N, V] tile in the tile budget and keep nothing (small
 # (its arithmetic: tplogp.backends.native_one_tile)
