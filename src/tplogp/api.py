@@ -4,8 +4,9 @@ callables.
 One front serves both ops, then the call goes down once: :func:`tplogp.op.plan.prepare` (source,
 every check, the layout's plan, the call's verdict) and :mod:`tplogp.op.tp` (the autograd Function,
 the collectives, the source). Under ``torch.compile`` the same two steps run inside the
-``torch.library`` ops of :mod:`tplogp.op.ops` (one opaque node each for forward and backward); eager
-calls skip the op's dispatch, whose host time matters at small shapes.
+``torch.library`` ops of :mod:`tplogp.op.ops` (one opaque node each for forward and backward;
+:mod:`tplogp.op.compiled_calls` says which calls cross their schemas and calls them); eager calls
+skip the op's dispatch, whose host time matters at small shapes.
 
 The front:
 
@@ -30,15 +31,12 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from .op import ops, plan, tp
-from .support.comm import group_name
+from .op import compiled_calls, plan, tp
 from .op.dtensor import unwrap_dtensors
 from .backends.kernel_registry import check_op, check_source, require_source
-from .losses.terms import TokenLoss
-from .outputs import LinearLogpResult, pack_outputs
-from .op.options import DEFAULTS, LOGP_OP, LOSS_OP, LogpOptions, crosses_schema, names_of, op_values
-from .op.packed_op import PACKED_ENTROPY, PACKED_LOGP, PACKED_LSE, packed_rows
-from .op.validation import EntryCheck, LinearLogpInputError, is_int
+from .outputs import LinearLogpResult
+from .op.options import DEFAULTS, LOSS_OP, LogpOptions, names_of
+from .op.validation import EntryCheck, LinearLogpInputError
 
 # (with_sum_z is the fused loss's: linear_logp returns no sum of the logits)
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LogpOptions)) - {"with_sum_z"}
@@ -85,20 +83,6 @@ def _front(body: Callable, hidden, weight, target_ids, bias, *rest):
         return body(hidden, weight, target_ids, bias, *rest)
 
 
-def _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                    options: LogpOptions, op: str = LOGP_OP) -> bool:
-    """Whether the arguments' Python types cross ``op``'s schema (the options': as declared in
-    :mod:`tplogp.op.options`); when not, :func:`tplogp.op.validation.local_problem` names the
-    argument (checked in tests/op/test_linear_logp.py). ``deterministic="tp_invariant"`` runs
-    eagerly (:mod:`tplogp.support.invariant`)."""
-    return (all(isinstance(t, torch.Tensor) for t in (hidden, weight, target_ids))
-            and (bias is None or isinstance(bias, torch.Tensor))
-            and is_int(vocab_start_index)
-            and (global_vocab_size is None or is_int(global_vocab_size))
-            and crosses_schema(options, op) and options.support is None
-            and options.top_k is None and options.top_p is None and options.min_p is None)
-
-
 def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
            global_vocab_size: Optional[int], options: LogpOptions,
            entry: Optional[EntryCheck] = None) -> LinearLogpResult:
@@ -108,25 +92,6 @@ def _eager(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index
     return tp.linear_logp(plan.prepare(source, hidden, weight, target_ids, bias, tp_group,
                                        vocab_start_index, global_vocab_size, options, builds_graph,
                                        entry))
-
-
-def _compiled(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-              global_vocab_size: Optional[int], options: LogpOptions) -> LinearLogpResult:
-    """The call as the op pair of :mod:`tplogp.op.ops` (traced by ``torch.compile``)."""
-    builds_graph = torch.is_grad_enabled() and hidden.requires_grad
-    name = source if source is None or isinstance(source, str) else source.name
-    packed, _, _ = ops.linear_logp_fwd(
-        hidden, weight, target_ids, bias, group_name(tp_group), vocab_start_index,
-        global_vocab_size, name or "", builds_graph,
-        ops.layout_key(name or "", hidden.device, hidden.dtype), *op_values(options, LOGP_OP))
-    shape = target_ids.shape
-    logp = packed[PACKED_LOGP].view(shape)
-    lse = packed[PACKED_LSE].view(shape)
-    entropy = packed[PACKED_ENTROPY].view(shape) if options.return_entropy else None
-    argmax = None
-    if options.return_argmax:  # the last row: exact ids in fp32
-        argmax = packed[packed_rows(options.return_entropy)].view(shape).to(torch.int64)
-    return pack_outputs(logp, entropy, lse, options.return_entropy, options.return_lse, argmax)
 
 
 def any_dtensor(*xs) -> bool:
@@ -144,10 +109,10 @@ def _run(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: 
                                tp_group, vocab_start_index, global_vocab_size, options)
     body = _eager
     if torch.compiler.is_compiling():
-        if _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
-                           global_vocab_size, options):
+        if compiled_calls.fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
+                                         global_vocab_size, options):
             # (other calls run eagerly: their checks raise the error, on every rank)
-            body = _compiled
+            body = compiled_calls.linear_logp
         elif options.support is not None:  # (untraced: the sources' kernels launch as in eager)
             body = _eager_support
     return _front(functools.partial(body, source), hidden, weight, target_ids, bias, tp_group,
@@ -483,53 +448,15 @@ def _loss_call(source, hidden, weight, target_ids, bias, tp_group, vocab_start_i
                global_vocab_size, options: dict):
     """:func:`linear_logp_loss` after its options: the compiled op when they cross its schema, else
     eagerly."""
-    if torch.compiler.is_compiling() and _loss_fits_op_schema(hidden, weight, target_ids, bias,
-                                                              vocab_start_index, global_vocab_size,
-                                                              source, options):
-        return _front(functools.partial(_compiled_loss, source, **options), hidden, weight,
-                      target_ids, bias, tp_group, vocab_start_index, global_vocab_size)
+    if (torch.compiler.is_compiling() and not any_dtensor(weight, hidden)
+            and compiled_calls.loss_fits_op_schema(hidden, weight, target_ids, bias,
+                                                   vocab_start_index, global_vocab_size, source,
+                                                   options)):
+        return _front(functools.partial(compiled_calls.linear_logp_loss, source, **options),
+                      hidden, weight, target_ids, bias, tp_group, vocab_start_index,
+                      global_vocab_size)
     return _eager_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index,
                        global_vocab_size, options)
-
-
-def _loss_fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index, global_vocab_size,
-                         source, options: dict) -> bool:
-    """Whether a fused-loss call crosses ``tplogp::linear_logp_loss``'s schema: a
-    :class:`~tplogp.losses.TokenLoss` (named by its key), plain tensors, plain option values. Other
-    calls run eagerly (:func:`_eager_loss`): a callable loss, a GRPO-family loss (its sequences and
-    metrics), DTensors."""
-    return (isinstance(options["loss"], TokenLoss) and not any_dtensor(weight, hidden)
-            and options["cu_seqlens"] is None and options["support"] is None
-            and options["top_k"] is None and options["top_p"] is None and options["min_p"] is None
-            and options["return_metrics"] is False
-            and isinstance(options["per_token"], tuple)
-            and all(isinstance(t, torch.Tensor) for t in options["per_token"])
-            and isinstance(options["reduction"], str)
-            and (source is None or isinstance(source, str))
-            and isinstance(options["with_entropy"], bool)
-            and _fits_op_schema(hidden, weight, target_ids, bias, vocab_start_index,
-                                global_vocab_size, _loss_options(options), LOSS_OP))
-
-
-def _loss_options(options: dict) -> LogpOptions:
-    """The :class:`LogpOptions` of a fused-loss call's keyword options (those its op's schema
-    takes)."""
-    return LogpOptions(**{name: options[name] for name in names_of(LOSS_OP)})
-
-
-def _compiled_loss(source, hidden, weight, target_ids, bias, tp_group, vocab_start_index: int,
-                   global_vocab_size: Optional[int], *, loss: TokenLoss, per_token, reduction,
-                   with_entropy, cu_seqlens: None = None, return_metrics: bool = False, **options):
-    """The fused loss as the op of :mod:`tplogp.op.ops` (traced by ``torch.compile``): its value;
-    the gradients it computed travel in the op's autograd formula (a
-    :class:`~tplogp.losses.TokenLoss`: no sequences, no metrics)."""
-    grad_on = torch.is_grad_enabled()
-    needs = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    value, _, _, _ = ops.linear_logp_loss_fwd(
-        hidden, weight, target_ids, bias, list(per_token), loss.key, reduction,
-        group_name(tp_group), vocab_start_index, global_vocab_size, source or "", with_entropy,
-        *needs, *op_values(_loss_options(options), LOSS_OP))
-    return value
 
 
 @_eager_under_compile  # the chunk loop and its autograd.Function run eagerly inside compiled code

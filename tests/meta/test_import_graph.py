@@ -72,6 +72,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tplogp.fused_loss.policy_loss",),
     # what runs the plan and the shared path: the torch.library ops (torch.compile), the fused loss
     ("tplogp.op.ops", "tplogp.fused_loss.loop"),
+    # the two ops' calls under torch.compile: whether they cross the ops' schemas, the ops called
+    ("tplogp.op.compiled_calls",),
     # the public operator
     ("tplogp.api",),
     # the runbook script's logic (python -m tplogp.runbook)

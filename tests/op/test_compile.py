@@ -371,7 +371,6 @@ def _count_recomputes(monkeypatch, source):
         from tplogp.backends import native, native_tiles
 
         real_tile = native_tiles._logits_tile
-        real_backward = native.NativeBackend._backward_tiles
         inside = {"backward": False}
 
         def tile(*args, **kwargs):
@@ -390,7 +389,7 @@ def _count_recomputes(monkeypatch, source):
 
         # every logits tile, forward and backward, is made in native_tiles
         monkeypatch.setattr(native_tiles, "_logits_tile", tile)
-        monkeypatch.setattr(native.NativeBackend, "_backward_tiles", in_backward(real_backward))
+        monkeypatch.setattr(native, "backward_tiles", in_backward(native.backward_tiles))
         # a call whose logits fit one tile and keep nothing: the one-tile backward recomputes it
         monkeypatch.setattr(native, "backward_one_tile", in_backward(native.backward_one_tile))
     return seen
