@@ -250,7 +250,9 @@ class ShardCall:
     # a support computed from the sampler's parameters, in 16-bit calls: its ids' logits as the
     # sampler's passes computed them (fp32 [rows, K], -inf where ``support`` is -1), from which
     # the forward takes its statistics with no pass over the vocabulary
-    # (tplogp.backends.support_pairs.given_stats); None: the forward computes them
+    # (tplogp.backends.support_pairs.given_stats, from tplogp.op.tp.shard_forward); None: the
+    # forward computes them. The backward's call holds them too (its forward ran on it): half
+    # the bytes of the support's int64 ids, until the backward
     support_logits: Optional[torch.Tensor] = field(default=None, compare=False, hash=False,
                                                    repr=False)
 
